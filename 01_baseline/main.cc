@@ -1,0 +1,16 @@
+// 01_baseline: the block on one device, forward and backward by hand, checked against the plain
+// double-precision reference in common/reference.cc.
+#include "01_baseline/layers.h"
+#include "common/stage.h"
+
+int main(int argc, char** argv) {
+  using namespace tpx;
+  const StageDefinition stage{
+      .info = {.name = "01_baseline",
+               .summary = "single device, the reference block",
+               .single_device = true},
+      .make = [](const RunContext&) { return std::make_unique<baseline::SerialLinears>(); },
+      .reference = reference_run,
+  };
+  return run_stage(stage, argc, argv);
+}

@@ -1,0 +1,50 @@
+// One transformer block, forward and backward by hand, written once for every stage.
+//
+//   h   = RMSNorm(x; g1)
+//   q,k,v = h·Wq, h·Wk, h·Wv                 (column-parallel group)
+//   a   = causal softmax(q kᵀ / sqrt(D)) v
+//   x2  = x + a·Wo                           (row-parallel)
+//   h2  = RMSNorm(x2; g2)
+//   out = x2 + (silu(h2·Wg) ⊙ (h2·Wu))·Wd    (column-parallel group, then row-parallel)
+//
+// The linear layers go through the stage's Parallelism, so the same code is the single-device
+// block, the Megatron block and the sequence-parallel block.
+//
+// defines: tpx::BlockActivations, tpx::block_forward(), tpx::block_backward()
+#pragma once
+
+#include <cstddef>
+
+#include "config.h"
+#include "model.h"
+#include "parallel.h"
+#include "tensor.h"
+
+namespace tpx {
+
+/// What backward needs from forward, per layer. bytes() is the stage's saved-activation size.
+struct BlockActivations {
+  Tensor x;         ///< block input (RMSNorm 1 backward)
+  Tensor rstd1;     ///< RMSNorm 1 statistics
+  Tensor h_saved;   ///< input of the Wq/Wk/Wv group, as the stage keeps it
+  Tensor q, k, v;   ///< attention inputs
+  Tensor probs;     ///< softmax probabilities [B, heads, S, S]
+  Tensor a;         ///< attention output, input of Wo
+  Tensor x2;        ///< residual stream after attention (RMSNorm 2 backward)
+  Tensor rstd2;     ///< RMSNorm 2 statistics
+  Tensor h2_saved;  ///< input of the Wg/Wu group, as the stage keeps it
+  Tensor gate, up;  ///< SwiGLU inputs
+  Tensor s;         ///< SwiGLU output, input of Wd
+
+  std::size_t bytes() const;  ///< sum of the saved tensors' sizes
+};
+
+/// Runs one block forward on this rank's part of x; fills `saved`, returns the block output.
+Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x,
+                     Parallelism& par, BlockActivations& saved);
+
+/// Runs one block backward: writes every parameter gradient into `grads`, returns dL/dx.
+Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockActivations& saved,
+                      const Tensor& dout, Parallelism& par, LayerParams& grads);
+
+}  // namespace tpx

@@ -1,0 +1,40 @@
+// The command line of every stage executable (DESIGN.md, "Contract of every stage executable"),
+// on CLI11.
+//
+// defines: tpx::StageInfo, tpx::StageOptions, tpx::CliOutcome, tpx::parse_stage_cli()
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "config.h"
+
+namespace tpx {
+
+/// What a stage says about itself in --help and in its header.
+struct StageInfo {
+  std::string name;     ///< executable name, e.g. "01_baseline"
+  std::string summary;  ///< one line: the stage's idea
+  bool single_device = false;
+};
+
+/// A parsed command line.
+struct StageOptions {
+  BlockConfig config;
+  bool check = false;
+  std::string dump_dir;    ///< empty: no dump
+  std::string json_path;   ///< empty: no summary file
+  std::string trace_path;  ///< empty: no trace
+};
+
+/// Either options to run with, or a message to print and an exit code (help: 0, error: 2).
+struct CliOutcome {
+  std::optional<StageOptions> options;
+  std::string message;
+  int exit_code = 0;
+};
+
+/// Parses and validates argv. Never throws and never exits: the caller prints and returns.
+CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv);
+
+}  // namespace tpx

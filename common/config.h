@@ -1,0 +1,38 @@
+// The block's hyper-parameters and the run's settings, with validation.
+//
+// defines: tpx::BlockConfig, tpx::validate()
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tensor.h"
+
+namespace tpx {
+
+/// RMSNorm epsilon, fixed by the design (DESIGN.md, "The block").
+inline constexpr double kNormEps = 1e-5;
+
+/// Everything that defines a run of a stage. Defaults are the tutorial's default config.
+struct BlockConfig {
+  std::int64_t hidden = 256;  ///< H
+  std::int64_t heads = 8;     ///< NH; head dim D = H / NH
+  std::int64_t ffn = 1024;    ///< F, the SwiGLU inner size
+  std::int64_t seq = 128;     ///< S
+  std::int64_t batch = 2;     ///< B
+  std::int64_t layers = 2;    ///< L stacked blocks
+  std::int64_t steps = 5;     ///< T SGD steps
+  double lr = 1.0;            ///< SGD learning rate (the loss is a mean, so grads are small)
+  std::uint64_t seed = 1234;
+  Device device = Device::cpu;
+  DType dtype = DType::f32;
+
+  std::int64_t head_dim() const { return hidden / heads; }
+  std::int64_t tokens() const { return seq * batch; }
+};
+
+/// Every problem with the config, one clear sentence each; empty when it is valid.
+std::vector<std::string> validate(const BlockConfig& c);
+
+}  // namespace tpx

@@ -1,0 +1,32 @@
+// The CPU backend: fp32 on host memory, GEMMs through CBLAS (OpenBLAS).
+// Signatures mirror tpx::ops (common/ops.h), which dispatches here for cpu tensors.
+#pragma once
+
+#include <cstdint>
+
+#include "../tensor.h"
+
+namespace tpx::cpu {
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
+          float alpha, float beta);
+void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd);
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dg);
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                       const Tensor& out, const Tensor& probs);
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& probs, std::int64_t heads, const Tensor& dq,
+                        const Tensor& dk, const Tensor& dv);
+void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
+void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
+                     const Tensor& dup);
+void add(const Tensor& a, const Tensor& b, const Tensor& out);
+void accumulate(const Tensor& x, const Tensor& into);
+double mse_loss_sum(const Tensor& y, const Tensor& t);
+void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
+void sgd_update(const Tensor& w, const Tensor& grad, float lr);
+double sum_squares(const Tensor& x);
+void fill(const Tensor& t, float value);
+
+}  // namespace tpx::cpu

@@ -1,0 +1,85 @@
+#include "model.h"
+
+#include "check.h"
+#include "init.h"
+#include "ops.h"
+
+namespace tpx {
+
+std::string_view param_name(Param p) {
+  static constexpr std::array<std::string_view, kNumParams> names = {
+      "norm1", "wq", "wk", "wv", "wo", "norm2", "w_gate", "w_up", "w_down"};
+  return names[static_cast<std::size_t>(p)];
+}
+
+Split param_split(Param p) {
+  switch (p) {
+    case Param::norm1:
+    case Param::norm2: return Split::replicated;
+    case Param::wo:
+    case Param::w_down: return Split::rows;
+    default: return Split::columns;
+  }
+}
+
+std::vector<std::int64_t> param_shape(Param p, const BlockConfig& c) {
+  switch (p) {
+    case Param::norm1:
+    case Param::norm2: return {c.hidden};
+    case Param::w_gate:
+    case Param::w_up: return {c.hidden, c.ffn};
+    case Param::w_down: return {c.ffn, c.hidden};
+    default: return {c.hidden, c.hidden};
+  }
+}
+
+std::vector<std::int64_t> param_local_shape(Param p, const BlockConfig& c, const Sharding& s) {
+  auto shape = param_shape(p, c);
+  if (!s.weights) return shape;
+  switch (param_split(p)) {
+    case Split::columns: shape[1] /= s.world; break;
+    case Split::rows: shape[0] /= s.world; break;
+    case Split::replicated: break;
+  }
+  return shape;
+}
+
+namespace {
+
+// Generates on the host (the initialiser is a host function) and moves to the run's device.
+Tensor generate(std::vector<std::int64_t> shape, const BlockConfig& c, std::uint64_t id,
+                const Window& w, double mean, double std) {
+  Tensor host = Tensor::empty(std::move(shape));
+  fill_normal(host, c.seed, id, w, mean, std);
+  return c.device == Device::cpu ? host : ops::to_device(host, c.device);
+}
+
+}  // namespace
+
+Model make_model(const BlockConfig& c, const Sharding& s) {
+  TPX_CHECK(s.world >= 1 && s.rank >= 0 && s.rank < s.world, "bad sharding {}/{}", s.rank, s.world);
+  Model m;
+  const std::int64_t seq_local = s.sequence ? c.seq / s.world : c.seq;
+  const Window act{c.hidden, (s.sequence ? s.rank * seq_local : 0) * c.batch, 0};
+  m.input = generate({seq_local, c.batch, c.hidden}, c, TensorId::input, act, 0.0, 1.0);
+  m.target = generate({seq_local, c.batch, c.hidden}, c, TensorId::target, act, 0.0, 1.0);
+  for (std::int64_t l = 0; l < c.layers; ++l) {
+    LayerParams p, g;
+    for (Param q : kAllParams) {
+      const auto full = param_shape(q, c);
+      const auto local = param_local_shape(q, c, s);
+      Window w{full.back(), 0, 0};
+      if (s.weights && param_split(q) == Split::columns) w.col0 = s.rank * local[1];
+      if (s.weights && param_split(q) == Split::rows) w.row0 = s.rank * local[0];
+      const bool gain = param_split(q) == Split::replicated;
+      p[q] = generate(local, c, TensorId::layer(l, static_cast<int>(q)), w, gain ? 1.0 : 0.0,
+                      gain ? 0.0 : 0.02);
+      g[q] = Tensor::empty(local, DType::f32, c.device);
+    }
+    m.params.push_back(std::move(p));
+    m.grads.push_back(std::move(g));
+  }
+  return m;
+}
+
+}  // namespace tpx

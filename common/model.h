@@ -1,0 +1,63 @@
+// The parameters of L stacked blocks, their gradients, and how tensor parallelism shards them.
+//
+// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::Sharding, tpx::Model, tpx::make_model()
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "config.h"
+#include "tensor.h"
+
+namespace tpx {
+
+/// The nine parameters of one block, in the order of DESIGN.md's --dump file list.
+enum class Param : int { norm1, wq, wk, wv, wo, norm2, w_gate, w_up, w_down };
+inline constexpr int kNumParams = 9;
+inline constexpr std::array<Param, kNumParams> kAllParams = {
+    Param::norm1, Param::wq,     Param::wk,   Param::wv,    Param::wo,
+    Param::norm2, Param::w_gate, Param::w_up, Param::w_down};
+
+std::string_view param_name(Param p);  ///< "norm1", "wq", ..., "w_down"
+
+/// How tensor parallelism splits a parameter: norm gains are replicated, column-parallel weights
+/// (Wq, Wk, Wv, Wg, Wu) split their `out` dim, row-parallel weights (Wo, Wd) their `in` dim.
+enum class Split { replicated, columns, rows };
+Split param_split(Param p);
+
+/// Full (unsharded) shape of a parameter: [H] for gains, [in, out] for weights.
+std::vector<std::int64_t> param_shape(Param p, const BlockConfig& c);
+
+/// One block's parameters (or gradients), indexable by Param.
+struct LayerParams {
+  std::array<Tensor, kNumParams> t;
+  Tensor& operator[](Param p) { return t[static_cast<std::size_t>(p)]; }
+  const Tensor& operator[](Param p) const { return t[static_cast<std::size_t>(p)]; }
+};
+
+/// Which part of the model this rank holds. Stage 01: the default (everything).
+struct Sharding {
+  int rank = 0;
+  int world = 1;
+  bool weights = false;   ///< tensor parallel: weights split by param_split()
+  bool sequence = false;  ///< sequence parallel: input/target/activations split along S
+};
+
+/// Shape of this rank's shard of parameter p.
+std::vector<std::int64_t> param_local_shape(Param p, const BlockConfig& c, const Sharding& s);
+
+/// This rank's parameters, gradient buffers, input and target, on c.device.
+struct Model {
+  std::vector<LayerParams> params;
+  std::vector<LayerParams> grads;
+  Tensor input;   ///< x, [S, B, H] or its sequence shard
+  Tensor target;  ///< T, same layout as input
+};
+
+/// Builds this rank's shard with the counter-based initialiser: weights ~ N(0, 0.02²), gains = 1,
+/// x and T ~ N(0, 1). Every shard equals the same slice of the unsharded model.
+Model make_model(const BlockConfig& c, const Sharding& s);
+
+}  // namespace tpx

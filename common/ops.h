@@ -1,0 +1,68 @@
+// The ops every stage is written in. Each dispatches on its tensors' device to the CPU backend
+// (common/cpu/) or, when built, the CUDA backend (common/cuda/); stage code never knows which.
+//
+// Conventions: activations are [S, B, X] and are seen as matrices [S*B, X]; weights are [in, out].
+// Output tensors are passed as (const) handles and overwritten unless the name says "accumulate".
+//
+// defines: tpx::ops::gemm, rmsnorm_*, attention_*, swiglu_*, add, accumulate, mse_loss_*,
+//          sgd_update, sum_squares, fill, copy, to_device
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "tensor.h"
+
+namespace tpx::ops {
+
+/// Empty when `device` can run here; otherwise one sentence saying why not (no CUDA backend in
+/// this build, no GPU visible, ...).
+std::string device_problem(Device device);
+
+/// C = alpha * op(A) · op(B) + beta * C, with op(X) = X or Xᵀ and A, B, C seen as matrices.
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
+          float alpha = 1.0f, float beta = 0.0f);
+
+/// y = x / sqrt(mean(x², over the last dim) + eps) * g; rstd [rows] keeps 1/sqrt(...) for backward.
+void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd);
+/// dx and dg (overwritten) from dy, the saved input x and rstd.
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dg);
+
+/// Causal multi-head attention on q, k, v [S, B, heads*D]: out = softmax(q kᵀ / sqrt(D)) v per
+/// (batch, head), position i attending j <= i. probs [B, heads, S, S] keeps the softmax (zeros
+/// above the diagonal) for backward.
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                       const Tensor& out, const Tensor& probs);
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& probs, std::int64_t heads, const Tensor& dq,
+                        const Tensor& dk, const Tensor& dv);
+
+/// out = silu(gate) ⊙ up, silu(z) = z·σ(z).
+void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
+void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
+                     const Tensor& dup);
+
+/// out = a + b (out may alias a or b).
+void add(const Tensor& a, const Tensor& b, const Tensor& out);
+/// into += x.
+void accumulate(const Tensor& x, const Tensor& into);
+
+/// Σ (y − t)² in double; the loss 0.5·mean((Y − T)²) is built from it by the caller, which knows
+/// the global element count.
+double mse_loss_sum(const Tensor& y, const Tensor& t);
+/// dy = scale · (y − t); with scale = 1 / (S·B·H) this is the gradient of 0.5·mean((Y − T)²).
+void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
+
+/// w −= lr · grad.
+void sgd_update(const Tensor& w, const Tensor& grad, float lr);
+/// Σ x², in double.
+double sum_squares(const Tensor& x);
+
+void fill(const Tensor& t, float value);
+/// Copies between any devices; shapes must have the same element count and dtypes must match.
+void copy(const Tensor& src, const Tensor& dst);
+/// A new tensor on `device` holding the same values (f32 on the host for `Device::cpu`).
+Tensor to_device(const Tensor& t, Device device);
+
+}  // namespace tpx::ops

@@ -1,0 +1,73 @@
+// The seam between the shared block and a stage: how a stage splits the block's linear layers
+// and what it must do to reduce, gather and account for data across its ranks.
+//
+// Stage 01 implements it with plain GEMMs and no communication; stage 02 with Megatron's f/g
+// all-reduces; stage 03 with sequence-parallel all-gather / reduce-scatter; later stages overlap
+// those transfers with the GEMMs. The block (block.h) is written once against this interface.
+//
+// defines: tpx::ColumnResult, tpx::CommStats, tpx::Parallelism
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "model.h"
+#include "tensor.h"
+
+namespace tpx {
+
+/// Outputs of a column-parallel group, plus the input copy backward needs (the stage decides:
+/// the local input, or the gathered one).
+struct ColumnResult {
+  std::vector<Tensor> y;
+  Tensor saved;
+};
+
+/// Communication of one step on this rank (nccl-tests convention for bus bytes).
+struct CommStats {
+  std::uint64_t payload_bytes = 0;
+  std::uint64_t bus_bytes = 0;
+  std::uint64_t calls = 0;
+};
+
+class Parallelism {
+ public:
+  virtual ~Parallelism() = default;
+
+  /// Which part of the model and data this rank holds.
+  virtual Sharding sharding() const = 0;
+  /// Words for the header, e.g. "none" or "mpi (host memory)".
+  virtual std::string comm_name() const { return "none"; }
+
+  // --- the linear layers -----------------------------------------------------------------------
+  /// y[i] = f(h) · w[i] for a group of column-parallel weights sharing the input h.
+  virtual ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w) = 0;
+  /// dw[i] = f(h)ᵀ · dy[i] (written), returns dh = f_backward(Σ dy[i] · w[i]ᵀ) in h's layout.
+  virtual Tensor column_backward(const Tensor& saved, std::span<const Tensor> w,
+                                 std::span<const Tensor> dy, std::span<const Tensor> dw) = 0;
+  /// Returns y = g(a · w) in the layout of the residual stream.
+  virtual Tensor row_forward(const Tensor& a, const Tensor& w) = 0;
+  /// dw = aᵀ · g_backward(dy) (written), returns da = g_backward(dy) · wᵀ.
+  virtual Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
+                              const Tensor& dw) = 0;
+
+  // --- what the step loop needs across ranks ---------------------------------------------------
+  /// Sums a per-rank scalar over the ranks that hold distinct data.
+  virtual double sum_over_ranks(double local) { return local; }
+  /// Called after backward on every gradient of a replicated parameter (sequence parallelism
+  /// all-reduces the norm gains' gradients here).
+  virtual void reduce_replicated_grad(const Tensor& /*grad*/) {}
+  /// On rank 0: the full [S, B, H] tensor from this rank's part of an activation (collective).
+  virtual Tensor gather_activation(const Tensor& local) { return local; }
+  /// On rank 0: the full parameter (or gradient) from this rank's shard (collective).
+  virtual Tensor gather_param(Param /*p*/, const Tensor& local) { return local; }
+  /// Communication since the last call, and resets the counters.
+  virtual CommStats take_comm_stats() { return {}; }
+  /// Waits until all queued work on this rank is done (device sync; a no-op on the cpu).
+  virtual void synchronize() {}
+};
+
+}  // namespace tpx

@@ -1,0 +1,52 @@
+// The stage executable's main(): MPI start-up, the command line, the header, the step table,
+// --check, --dump, --json and --trace. A stage's main.cc names itself, says how it splits the
+// block (a Parallelism) and what it checks against, and calls run_stage().
+//
+// defines: tpx::RunContext, tpx::StageDefinition, tpx::run_stage()
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "check.h"
+#include "cli.h"
+#include "parallel.h"
+#include "reference.h"
+#include "trace.h"
+
+namespace tpx {
+
+/// What a stage's factory gets to build its Parallelism.
+struct RunContext {
+  const StageOptions& options;
+  int rank = 0;
+  int world = 1;
+  Trace& trace;
+};
+
+struct StageDefinition {
+  StageInfo info;
+  /// Builds this rank's Parallelism. Throws tpx::ConfigError (same on every rank) for a config
+  /// the stage cannot split; that becomes a one-line error and exit code 2.
+  std::function<std::unique_ptr<Parallelism>(const RunContext&)> make;
+  /// The reference --check compares against, run in-process on rank 0 for `steps` steps.
+  std::function<ReferenceRun(const BlockConfig&, int steps)> reference;
+  /// fp32 tolerance of --check (relative to each tensor's largest magnitude).
+  double rtol = 1e-5;
+};
+
+/// A config error every rank sees identically: printed by each, no abort needed.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Steps the --check compares losses for: losses after 0..3 SGD updates (fewer if --steps is
+/// smaller).
+inline constexpr int kCheckSteps = 4;
+
+/// The whole executable. Returns the process exit code.
+int run_stage(const StageDefinition& stage, int argc, char** argv);
+
+}  // namespace tpx

@@ -1,0 +1,165 @@
+#include "tensor.h"
+
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "check.h"
+
+namespace tpx {
+
+std::size_t dtype_size(DType d) {
+  switch (d) {
+    case DType::f32: return 4;
+    case DType::bf16: return 2;
+    case DType::e4m3:
+    case DType::e5m2: return 1;
+  }
+  fail("unknown dtype");
+}
+
+std::string_view to_string(DType d) {
+  switch (d) {
+    case DType::f32: return "fp32";
+    case DType::bf16: return "bf16";
+    case DType::e4m3: return "e4m3";
+    case DType::e5m2: return "e5m2";
+  }
+  return "?";
+}
+
+std::string_view to_string(Device d) { return d == Device::cpu ? "cpu" : "cuda"; }
+
+DType parse_dtype(std::string_view s) {
+  if (s == "fp32" || s == "f32") return DType::f32;
+  if (s == "bf16") return DType::bf16;
+  fail(fmt::format("unknown dtype '{}' (expected fp32 or bf16)", s));
+}
+
+Device parse_device(std::string_view s) {
+  if (s == "cpu") return Device::cpu;
+  if (s == "cuda") return Device::cuda;
+  fail(fmt::format("unknown device '{}' (expected cpu or cuda)", s));
+}
+
+namespace {
+
+/// Host memory, 64-byte aligned (a cache line; also what AVX-512 loads like).
+class CpuAllocator final : public Allocator {
+ public:
+  void* allocate(std::size_t bytes) override {
+    const std::size_t rounded = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+    if (p == nullptr) fail(fmt::format("out of host memory allocating {} bytes", bytes));
+    stats_.current += bytes;
+    stats_.peak = std::max(stats_.peak, stats_.current);
+    return p;
+  }
+  void deallocate(void* ptr, std::size_t bytes) override {
+    std::free(ptr);
+    stats_.current -= bytes;
+  }
+  MemoryStats stats() const override { return stats_; }
+  void reset_peak() override { stats_.peak = stats_.current; }
+
+ private:
+  MemoryStats stats_;
+};
+
+std::array<Allocator*, 2>& registry() {
+  static CpuAllocator cpu;
+  static std::array<Allocator*, 2> r{&cpu, nullptr};
+  return r;
+}
+
+}  // namespace
+
+Allocator& allocator_for(Device d) {
+  Allocator* a = registry()[static_cast<std::size_t>(d)];
+  if (a == nullptr) fail(fmt::format("no allocator for device {} (backend not built or not initialised)", to_string(d)));
+  return *a;
+}
+
+void register_allocator(Device d, Allocator* a) { registry()[static_cast<std::size_t>(d)] = a; }
+
+struct Tensor::Storage {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  Device device = Device::cpu;
+  Storage(std::size_t n, Device d) : ptr(allocator_for(d).allocate(n)), bytes(n), device(d) {}
+  ~Storage() { allocator_for(device).deallocate(ptr, bytes); }
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+};
+
+Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
+  for (auto d : shape) TPX_CHECK(d >= 0, "negative dimension in shape [{}]", fmt::join(shape, ", "));
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  t.storage_ = std::make_shared<Storage>(t.nbytes(), device);
+  return t;
+}
+
+Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
+  Tensor t = empty(std::move(shape), dtype, device);
+  TPX_CHECK(device == Device::cpu, "Tensor::zeros on {} must go through ops::fill", to_string(device));
+  std::memset(t.raw(), 0, t.nbytes());
+  return t;
+}
+
+std::int64_t Tensor::dim(int i) const {
+  TPX_CHECK(i >= 0 && i < ndim(), "dim {} of a {}-d tensor", i, ndim());
+  return shape_[static_cast<std::size_t>(i)];
+}
+
+std::int64_t Tensor::numel() const {
+  return std::accumulate(shape_.begin(), shape_.end(), std::int64_t{1}, std::multiplies<>());
+}
+
+std::int64_t Tensor::cols() const { return shape_.empty() ? 1 : shape_.back(); }
+std::int64_t Tensor::rows() const { return cols() == 0 ? 0 : numel() / cols(); }
+
+void* Tensor::raw() const {
+  TPX_CHECK(defined(), "use of an undefined tensor");
+  return static_cast<char*>(storage_->ptr) + offset_;
+}
+
+void Tensor::check_element_size(std::size_t bytes) const {
+  TPX_CHECK(bytes == dtype_size(dtype_), "element size {} does not match dtype {}", bytes,
+            to_string(dtype_));
+}
+
+std::span<float> Tensor::f32() const {
+  TPX_CHECK(dtype_ == DType::f32 && device_ == Device::cpu, "f32() needs an f32 cpu tensor, got {}",
+            describe());
+  return {data<float>(), static_cast<std::size_t>(numel())};
+}
+
+Tensor Tensor::slice0(std::int64_t begin, std::int64_t end) const {
+  TPX_CHECK(ndim() >= 1 && 0 <= begin && begin <= end && end <= shape_[0],
+            "slice0({}, {}) of {}", begin, end, describe());
+  Tensor t = *this;
+  const std::int64_t row = numel() / std::max<std::int64_t>(shape_[0], 1);
+  t.offset_ += static_cast<std::size_t>(begin * row) * dtype_size(dtype_);
+  t.shape_[0] = end - begin;
+  return t;
+}
+
+Tensor Tensor::reshape(Shape shape) const {
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  TPX_CHECK(t.numel() == numel(), "reshape of {} to {} elements", describe(), t.numel());
+  return t;
+}
+
+std::string Tensor::describe() const {
+  return fmt::format("{}[{}] on {}", to_string(dtype_), fmt::join(shape_, ", "), to_string(device_));
+}
+
+}  // namespace tpx

@@ -1,0 +1,107 @@
+// Tensor: a shaped, typed view of device memory owned through the library's allocator.
+//
+// defines: tpx::DType, tpx::Device, tpx::MemoryStats, tpx::Allocator, tpx::Tensor
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tpx {
+
+/// Element types. Only f32 is computed on the CPU; the others are storage formats for the GPU
+/// backend (bf16) and the FP8 stage (OCP E4M3 / E5M2).
+enum class DType : std::uint8_t { f32, bf16, e4m3, e5m2 };
+
+/// Where a tensor's bytes live.
+enum class Device : std::uint8_t { cpu, cuda };
+
+std::size_t dtype_size(DType d);
+std::string_view to_string(DType d);
+std::string_view to_string(Device d);
+DType parse_dtype(std::string_view s);    ///< "fp32" | "f32" | "bf16"; throws on anything else
+Device parse_device(std::string_view s);  ///< "cpu" | "cuda"; throws on anything else
+
+/// Bytes currently held and the high-water mark, per device.
+struct MemoryStats {
+  std::size_t current = 0;
+  std::size_t peak = 0;
+};
+
+/// The allocator interface every backend implements. It counts what it hands out.
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void deallocate(void* ptr, std::size_t bytes) = 0;
+  virtual MemoryStats stats() const = 0;
+  virtual void reset_peak() = 0;
+};
+
+/// The process-wide allocator for a device (the CUDA one exists only when CUDA is built).
+Allocator& allocator_for(Device d);
+
+/// Installs the allocator for a device; used by the CUDA backend at start-up.
+void register_allocator(Device d, Allocator* a);
+
+/// A tensor is a handle: copying it shares storage. Shapes are row-major (C order).
+class Tensor {
+ public:
+  using Shape = std::vector<std::int64_t>;
+
+  Tensor() = default;
+  /// Uninitialised storage of the given shape from allocator_for(device).
+  static Tensor empty(Shape shape, DType dtype = DType::f32, Device device = Device::cpu);
+  /// Zero-filled storage.
+  static Tensor zeros(Shape shape, DType dtype = DType::f32, Device device = Device::cpu);
+
+  bool defined() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  std::int64_t dim(int i) const;
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  std::int64_t numel() const;
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+
+  /// Rows and columns of the tensor seen as a matrix: [numel / last dim, last dim].
+  std::int64_t rows() const;
+  std::int64_t cols() const;
+
+  /// Raw pointer to the first element (device pointer for cuda tensors).
+  void* raw() const;
+  /// Typed pointer; checks that T matches the dtype's size and the tensor is f32 when T = float.
+  template <class T>
+  T* data() const;
+  /// Host-side span over f32 data (cpu tensors only).
+  std::span<float> f32() const;
+
+  /// A view of rows [begin, end) of dim 0 sharing this tensor's storage: a sequence shard.
+  Tensor slice0(std::int64_t begin, std::int64_t end) const;
+  /// The same storage with another shape of equal element count.
+  Tensor reshape(Shape shape) const;
+
+  std::string describe() const;  ///< e.g. "f32[128, 2, 256] on cpu"
+
+ private:
+  void check_element_size(std::size_t bytes) const;
+
+  struct Storage;
+  std::shared_ptr<Storage> storage_;
+  std::size_t offset_ = 0;  // in bytes
+  Shape shape_;
+  DType dtype_ = DType::f32;
+  Device device_ = Device::cpu;
+};
+
+template <class T>
+T* Tensor::data() const {
+  check_element_size(sizeof(T));
+  return static_cast<T*>(raw());
+}
+
+}  // namespace tpx

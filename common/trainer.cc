@@ -1,0 +1,168 @@
+#include "trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "block.h"
+#include "check.h"
+#include "ops.h"
+
+namespace tpx {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+std::vector<float> host_copy(const Tensor& t) {
+  const Tensor h = ops::to_device(t, Device::cpu);
+  return {h.f32().begin(), h.f32().end()};
+}
+
+void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const Tensor& y,
+                   const Tensor& dx, double loss, Snapshot& s) {
+  s.loss = loss;
+  s.input = host_copy(par.gather_activation(m.input));
+  s.target = host_copy(par.gather_activation(m.target));
+  s.output = host_copy(par.gather_activation(y));
+  s.input_grad = host_copy(par.gather_activation(dx));
+  s.params.resize(static_cast<std::size_t>(c.layers));
+  s.grads.resize(static_cast<std::size_t>(c.layers));
+  for (std::size_t l = 0; l < s.params.size(); ++l)
+    for (Param p : kAllParams) {
+      const auto i = static_cast<std::size_t>(p);
+      s.params[l][i] = host_copy(par.gather_param(p, m.params[l][p]));
+      s.grads[l][i] = host_copy(par.gather_param(p, m.grads[l][p]));
+    }
+}
+
+}  // namespace
+
+TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& trace,
+                  const std::function<void(const StepRow&)>& on_row) {
+  const Sharding sh = par.sharding();
+  Model m = make_model(c, sh);
+  const double count = double(c.seq) * double(c.batch) * double(c.hidden);
+  std::vector<BlockActivations> acts(static_cast<std::size_t>(c.layers));
+  TrainResult result;
+  par.synchronize();
+  par.take_comm_stats();  // set-up traffic is not a step's
+
+  for (int step = 0; step < c.steps; ++step) {
+    const auto t0 = Clock::now();
+    StepRow row;
+    row.step = step;
+    Tensor y = m.input;
+    {
+      TraceScope scope(trace, "forward");
+      for (std::size_t l = 0; l < acts.size(); ++l)
+        y = block_forward(c, m.params[l], y, par, acts[l]);
+    }
+    if (step == 0)
+      for (const auto& a : acts) result.saved_activation_bytes += a.bytes();
+    Tensor dy = Tensor::empty(y.shape(), y.dtype(), y.device());
+    {
+      TraceScope scope(trace, "loss");
+      row.loss = 0.5 * par.sum_over_ranks(ops::mse_loss_sum(y, m.target)) / count;
+      ops::mse_loss_backward(y, m.target, 1.0 / count, dy);
+    }
+    {
+      TraceScope scope(trace, "backward");
+      for (std::size_t l = acts.size(); l-- > 0;)
+        dy = block_backward(c, m.params[l], acts[l], dy, par, m.grads[l]);
+    }
+    // Gradient norm: sharded gradients are summed over ranks; replicated ones (identical on every
+    // rank) are counted once, on rank 0.
+    double sq = 0.0;
+    for (const auto& g : m.grads)
+      for (Param p : kAllParams)
+        if ((sh.weights && param_split(p) != Split::replicated) || sh.rank == 0)
+          sq += ops::sum_squares(g[p]);
+    row.grad_norm = std::sqrt(par.sum_over_ranks(sq));
+    par.synchronize();
+    double ms = ms_since(t0);
+    row.comm = par.take_comm_stats();
+
+    if (step == 0 && snapshot) {  // outside the timed region; its gathers are not counted
+      take_snapshot(c, par, m, y, dy, row.loss, result.first);
+      par.take_comm_stats();
+    }
+
+    const auto t1 = Clock::now();
+    {
+      TraceScope scope(trace, "sgd");
+      for (std::size_t l = 0; l < acts.size(); ++l)
+        for (Param p : kAllParams)
+          ops::sgd_update(m.params[l][p], m.grads[l][p], static_cast<float>(c.lr));
+      par.synchronize();
+    }
+    row.ms = ms + ms_since(t1);
+    row.peak_bytes = allocator_for(c.device).stats().peak;
+    result.rows.push_back(row);
+    if (on_row) on_row(row);
+  }
+  return result;
+}
+
+ReferenceRun to_reference(const TrainResult& r) {
+  auto widen = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  ReferenceRun ref;
+  ref.output = widen(r.first.output);
+  ref.input_grad = widen(r.first.input_grad);
+  for (const auto& layer : r.first.grads) {
+    auto& out = ref.grads.emplace_back();
+    for (std::size_t p = 0; p < kNumParams; ++p) out[p] = widen(layer[p]);
+  }
+  for (const auto& row : r.rows) ref.losses.push_back(row.loss);
+  return ref;
+}
+
+namespace {
+
+template <class T>
+CheckRow compare_one(std::string name, const std::vector<T>& got, const std::vector<double>& want,
+                     double rtol) {
+  CheckRow row{std::move(name)};
+  if (got.size() != want.size()) {
+    row.max_abs = row.max_rel = INFINITY;
+    return row;
+  }
+  double scale = 0.0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    row.max_abs = std::max(row.max_abs, std::abs(double(got[i]) - want[i]));
+    scale = std::max(scale, std::abs(want[i]));
+  }
+  row.max_rel = scale > 0 ? row.max_abs / scale : row.max_abs;
+  row.ok = row.max_rel <= rtol;  // false for NaN too
+  return row;
+}
+
+}  // namespace
+
+std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& rows,
+                              const ReferenceRun& want, double rtol) {
+  std::vector<CheckRow> out;
+  out.push_back(compare_one("output", got.output, want.output, rtol));
+  out.push_back(compare_one("input.grad", got.input_grad, want.input_grad, rtol));
+  for (std::size_t l = 0; l < want.grads.size() && l < got.grads.size(); ++l)
+    for (Param p : kAllParams) {
+      const auto i = static_cast<std::size_t>(p);
+      out.push_back(compare_one(fmt::format("layers.{}.{}.grad", l, param_name(p)), got.grads[l][i],
+                                want.grads[l][i], rtol));
+    }
+  if (want.grads.size() != got.grads.size())
+    out.push_back({"layer count", INFINITY, INFINITY, false});
+  for (std::size_t s = 0; s < want.losses.size(); ++s) {
+    const double g = s < rows.size() ? rows[s].loss : NAN;
+    out.push_back(compare_one(fmt::format("loss after {} SGD step{}", s, s == 1 ? "" : "s"),
+                              std::vector<double>{g}, {want.losses[s]}, rtol));
+  }
+  return out;
+}
+
+}  // namespace tpx

@@ -1,0 +1,65 @@
+// The training loop every stage shares: forward through L blocks, the loss, backward, SGD; plus
+// the first-step snapshot that --check and --dump read, and the comparison against a reference.
+//
+// defines: tpx::StepRow, tpx::Snapshot, tpx::TrainResult, tpx::train(), tpx::CheckRow,
+//          tpx::compare(), tpx::to_reference()
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "model.h"
+#include "parallel.h"
+#include "reference.h"
+#include "trace.h"
+
+namespace tpx {
+
+/// One row of the step table.
+struct StepRow {
+  int step = 0;
+  double loss = 0;       ///< loss before this step's update
+  double grad_norm = 0;  ///< global L2 norm of all gradients
+  double ms = 0;         ///< forward + backward + update, wall clock
+  CommStats comm;        ///< this rank's communication in the step
+  std::size_t peak_bytes = 0;
+};
+
+/// Full, unsharded host copies from the first forward + backward (valid on rank 0 only).
+struct Snapshot {
+  std::vector<float> input, target, output, input_grad;
+  std::vector<std::array<std::vector<float>, kNumParams>> params, grads;  ///< [layer][param]
+  double loss = 0;
+};
+
+struct TrainResult {
+  std::vector<StepRow> rows;
+  Snapshot first;  ///< filled when requested
+  std::size_t saved_activation_bytes = 0;  ///< this rank, all layers, first step
+};
+
+/// Runs c.steps steps of the model on this rank. `on_row` sees each row as it completes.
+TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& trace,
+                  const std::function<void(const StepRow&)>& on_row = {});
+
+/// A run of the plain training loop, seen as a reference (for later stages' --check).
+ReferenceRun to_reference(const TrainResult& r);
+
+/// One line of the --check table.
+struct CheckRow {
+  std::string name;
+  double max_abs = 0;
+  double max_rel = 0;  ///< max |got − want| / max |want|, the error relative to the tensor's scale
+  bool ok = false;
+};
+
+/// Compares the snapshot and the per-step losses against a reference that ran
+/// `ref.losses.size()` steps, with relative tolerance `rtol`.
+std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& rows,
+                              const ReferenceRun& want, double rtol);
+
+}  // namespace tpx
