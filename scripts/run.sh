@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The main job: set up, build, run every stage on the default config with --check under mpirun
+# (cpu backend unless TPX_DEVICE=cuda), and print one comparison table.
+#
+#   scripts/run.sh              # ranks for the parallel stages: TPX_RANKS (default 2)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+scripts/build.sh release
+source scripts/env.sh
+
+ranks=${TPX_RANKS:-2}
+device=${TPX_DEVICE:-cpu}
+out=out/run
+mkdir -p "$out"
+jsons=()
+for exe in build/bin/0[1-6]_*; do
+  stage=$(basename "$exe")
+  np=$ranks
+  [ "$stage" = 01_baseline ] && np=1
+  echo "=== $stage, $np rank(s), --device $device --check"
+  "${TPX_MPIRUN[@]}" -np "$np" "$exe" --device "$device" --check --json "$out/$stage.json"
+  jsons+=("$out/$stage.json")
+  echo
+done
+echo "=== comparison"
+build/bin/tpx_report "${jsons[@]}" --csv "$out/comparison.csv"
