@@ -8,7 +8,9 @@
 namespace tpx {
 namespace {
 
-Tensor like(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype(), t.device()); }
+Tensor like(const Tensor& t) {
+  return Tensor::empty(t.shape(), t.dtype(), t.device());
+}
 
 Tensor rows_of(const Tensor& x) {
   return Tensor::empty({x.rows()}, DType::f32, x.device());
@@ -18,15 +20,15 @@ Tensor rows_of(const Tensor& x) {
 
 std::size_t BlockActivations::bytes() const {
   std::size_t n = 0;
-  for (const Tensor* t : {&x, &rstd1, &h_saved, &q, &k, &v, &probs, &a, &x2, &rstd2, &h2_saved,
-                          &gate, &up, &s}) {
+  for (const Tensor* t :
+       {&x, &rstd1, &h_saved, &q, &k, &v, &probs, &a, &x2, &rstd2, &h2_saved, &gate, &up, &s}) {
     if (t->defined()) n += t->nbytes();
   }
   return n;
 }
 
-Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x,
-                     Parallelism& par, BlockActivations& sv) {
+Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x, Parallelism& par,
+                     BlockActivations& sv) {
   sv.x = x;
 
   // Attention sub-block.
@@ -41,8 +43,7 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
   sv.v = qkv.y[2];
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();  // this rank's heads
   sv.a = like(sv.q);
-  sv.probs = Tensor::empty({sv.q.dim(1), heads, sv.q.dim(0), sv.q.dim(0)}, DType::f32,
-                           x.device());
+  sv.probs = Tensor::empty({sv.q.dim(1), heads, sv.q.dim(0), sv.q.dim(0)}, DType::f32, x.device());
   ops::attention_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.probs);
   Tensor attn_out = par.row_forward(sv.a, p[Param::wo]);
   sv.x2 = like(x);

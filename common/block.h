@@ -40,8 +40,8 @@ struct BlockActivations {
 };
 
 /// Runs one block forward on this rank's part of x; fills `saved`, returns the block output.
-Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x,
-                     Parallelism& par, BlockActivations& saved);
+Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x, Parallelism& par,
+                     BlockActivations& saved);
 
 /// Runs one block backward: writes every parameter gradient into `grads`, returns dL/dx.
 Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockActivations& saved,

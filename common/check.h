@@ -32,15 +32,15 @@ std::string where_am_i();
 }  // namespace tpx
 
 /// Checks a condition; on failure throws tpx::Error with a formatted message.
-#define TPX_CHECK(cond, ...)                                                    \
-  do {                                                                          \
-    if (!(cond)) ::tpx::fail(fmt::format("check '{}' failed: {}", #cond,        \
-                                         fmt::format(__VA_ARGS__)));            \
+#define TPX_CHECK(cond, ...)                                                              \
+  do {                                                                                    \
+    if (!(cond))                                                                          \
+      ::tpx::fail(fmt::format("check '{}' failed: {}", #cond, fmt::format(__VA_ARGS__))); \
   } while (0)
 
 /// Wraps an MPI call; on an error code throws tpx::Error naming the call.
-#define TPX_MPI_CHECK(call)                                   \
-  do {                                                        \
-    int tpx_mpi_rc_ = (call);                                 \
+#define TPX_MPI_CHECK(call)                                    \
+  do {                                                         \
+    int tpx_mpi_rc_ = (call);                                  \
     if (tpx_mpi_rc_ != 0) ::tpx::fail_mpi(tpx_mpi_rc_, #call); \
   } while (0)

@@ -17,7 +17,8 @@ std::vector<std::string> validate(const BlockConfig& c) {
   positive("layers", c.layers);
   if (c.steps < 1) errors.push_back(fmt::format("--steps must be at least 1 (got {})", c.steps));
   if (c.hidden > 0 && c.heads > 0 && c.hidden % c.heads != 0)
-    errors.push_back(fmt::format("--hidden ({}) must be divisible by --heads ({})", c.hidden, c.heads));
+    errors.push_back(
+        fmt::format("--hidden ({}) must be divisible by --heads ({})", c.hidden, c.heads));
   if (!(c.lr >= 0.0)) errors.push_back(fmt::format("--lr must be non-negative (got {})", c.lr));
   if (c.device == Device::cpu && c.dtype != DType::f32)
     errors.push_back(fmt::format("--dtype {} needs --device cuda; the cpu backend computes in fp32",

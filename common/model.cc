@@ -15,21 +15,28 @@ std::string_view param_name(Param p) {
 Split param_split(Param p) {
   switch (p) {
     case Param::norm1:
-    case Param::norm2: return Split::replicated;
+    case Param::norm2:
+      return Split::replicated;
     case Param::wo:
-    case Param::w_down: return Split::rows;
-    default: return Split::columns;
+    case Param::w_down:
+      return Split::rows;
+    default:
+      return Split::columns;
   }
 }
 
 std::vector<std::int64_t> param_shape(Param p, const BlockConfig& c) {
   switch (p) {
     case Param::norm1:
-    case Param::norm2: return {c.hidden};
+    case Param::norm2:
+      return {c.hidden};
     case Param::w_gate:
-    case Param::w_up: return {c.hidden, c.ffn};
-    case Param::w_down: return {c.ffn, c.hidden};
-    default: return {c.hidden, c.hidden};
+    case Param::w_up:
+      return {c.hidden, c.ffn};
+    case Param::w_down:
+      return {c.ffn, c.hidden};
+    default:
+      return {c.hidden, c.hidden};
   }
 }
 
@@ -37,9 +44,14 @@ std::vector<std::int64_t> param_local_shape(Param p, const BlockConfig& c, const
   auto shape = param_shape(p, c);
   if (!s.weights) return shape;
   switch (param_split(p)) {
-    case Split::columns: shape[1] /= s.world; break;
-    case Split::rows: shape[0] /= s.world; break;
-    case Split::replicated: break;
+    case Split::columns:
+      shape[1] /= s.world;
+      break;
+    case Split::rows:
+      shape[0] /= s.world;
+      break;
+    case Split::replicated:
+      break;
   }
   return shape;
 }

@@ -30,8 +30,8 @@ void write_npy(const std::filesystem::path& path, std::span<const float> data,
                const std::vector<std::int64_t>& shape) {
   TPX_CHECK(static_cast<std::int64_t>(data.size()) == count(shape),
             "{} values do not fill shape {}", data.size(), shape_tuple(shape));
-  std::string header = fmt::format("{{'descr': '<f4', 'fortran_order': False, 'shape': {}, }}",
-                                   shape_tuple(shape));
+  std::string header =
+      fmt::format("{{'descr': '<f4', 'fortran_order': False, 'shape': {}, }}", shape_tuple(shape));
   // magic (6) + version (2) + header length (2) + header, padded with spaces to a multiple of 64
   // and ended by '\n'.
   const std::size_t unpadded = 10 + header.size() + 1;
@@ -40,8 +40,16 @@ void write_npy(const std::filesystem::path& path, std::span<const float> data,
   std::ofstream out(path, std::ios::binary);
   if (!out) fail(fmt::format("cannot write '{}': {}", path.string(), std::strerror(errno)));
   const auto len = static_cast<std::uint16_t>(header.size());
-  const char prefix[10] = {kMagic[0], kMagic[1], kMagic[2], kMagic[3], kMagic[4], kMagic[5],
-                           1, 0, static_cast<char>(len & 0xff), static_cast<char>(len >> 8)};
+  const char prefix[10] = {kMagic[0],
+                           kMagic[1],
+                           kMagic[2],
+                           kMagic[3],
+                           kMagic[4],
+                           kMagic[5],
+                           1,
+                           0,
+                           static_cast<char>(len & 0xff),
+                           static_cast<char>(len >> 8)};
   out.write(prefix, sizeof prefix);
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
   out.write(reinterpret_cast<const char*>(data.data()),

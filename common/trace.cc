@@ -19,13 +19,22 @@ void Trace::write(const std::filesystem::path& path, int rank, int world) const 
   static constexpr const char* kLaneNames[] = {"compute", "comm", "copy"};
   nlohmann::json mine = nlohmann::json::array();
   for (int lane = 0; lane < 3; ++lane)
-    mine.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", rank}, {"tid", lane},
+    mine.push_back({{"name", "thread_name"},
+                    {"ph", "M"},
+                    {"pid", rank},
+                    {"tid", lane},
                     {"args", {{"name", kLaneNames[lane]}}}});
-  mine.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", rank},
+  mine.push_back({{"name", "process_name"},
+                  {"ph", "M"},
+                  {"pid", rank},
                   {"args", {{"name", fmt::format("rank {}", rank)}}}});
   for (const Event& e : events_)
-    mine.push_back({{"name", e.name}, {"ph", "X"}, {"pid", rank}, {"tid", static_cast<int>(e.lane)},
-                    {"ts", e.ts_us}, {"dur", e.dur_us}});
+    mine.push_back({{"name", e.name},
+                    {"ph", "X"},
+                    {"pid", rank},
+                    {"tid", static_cast<int>(e.lane)},
+                    {"ts", e.ts_us},
+                    {"dur", e.dur_us}});
 
   // Gather every rank's serialised events on rank 0.
   const std::string text = mine.dump();
@@ -46,8 +55,9 @@ void Trace::write(const std::filesystem::path& path, int rank, int world) const 
   if (rank != 0) return;
   nlohmann::json events = nlohmann::json::array();
   for (int r = 0; r < world; ++r) {
-    const auto part = nlohmann::json::parse(all.substr(static_cast<std::size_t>(offs[static_cast<std::size_t>(r)]),
-                                                       static_cast<std::size_t>(lens[static_cast<std::size_t>(r)])));
+    const auto part = nlohmann::json::parse(
+        all.substr(static_cast<std::size_t>(offs[static_cast<std::size_t>(r)]),
+                   static_cast<std::size_t>(lens[static_cast<std::size_t>(r)])));
     for (const auto& e : part) events.push_back(e);
   }
   std::ofstream out(path);

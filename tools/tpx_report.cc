@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 namespace {
@@ -60,10 +60,9 @@ int main(int argc, char** argv) {
   app.add_option("--csv", csv, "also write the table as CSV")->type_name("FILE");
   CLI11_PARSE(app, argc, argv);
 
-  const std::vector<std::string> head = {"stage",         "ranks",      "comm",    "device",
-                                         "loss step 0",   "loss last",  "step ms", "comm B/rank",
-                                         "bus B/rank",    "peak MiB",   "saved act MiB/rank",
-                                         "check"};
+  const std::vector<std::string> head = {
+      "stage",   "ranks",       "comm",       "device",   "loss step 0",        "loss last",
+      "step ms", "comm B/rank", "bus B/rank", "peak MiB", "saved act MiB/rank", "check"};
   std::vector<Row> rows;
   try {
     for (const auto& f : files) rows.push_back(summarise(f));
@@ -72,8 +71,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto cells = [](const Row& r) {
-    return std::vector<std::string>{r.stage, r.ranks,   r.comm, r.device,   r.loss_first, r.loss_last,
-                                    r.step_ms, r.payload, r.bus, r.peak_mib, r.saved_mib, r.check};
+    return std::vector<std::string>{r.stage,      r.ranks,     r.comm,      r.device,
+                                    r.loss_first, r.loss_last, r.step_ms,   r.payload,
+                                    r.bus,        r.peak_mib,  r.saved_mib, r.check};
   };
   fmt::print("| {} |\n|{}\n", fmt::join(head, " | "), [&] {
     std::string s;
@@ -82,8 +82,9 @@ int main(int argc, char** argv) {
   }());
   for (const auto& r : rows) fmt::print("| {} |\n", fmt::join(cells(r), " | "));
   if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.device == "cpu"; }))
-    fmt::print("\nstep ms are CPU-backend timings: they show the mechanics, not GPU speed; "
-               "step ms and bytes are means over steps after the first.\n");
+    fmt::print(
+        "\nstep ms are CPU-backend timings: they show the mechanics, not GPU speed; "
+        "step ms and bytes are means over steps after the first.\n");
   if (!csv.empty()) {
     std::ofstream out(csv);
     out << fmt::format("{}\n", fmt::join(head, ","));

@@ -30,7 +30,9 @@ int to_int(I v) {
   return static_cast<int>(v);
 }
 
-float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+float sigmoid(float z) {
+  return 1.0f / (1.0f + std::exp(-z));
+}
 
 }  // namespace
 
@@ -163,8 +165,8 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
       const I off = bi * nh * d + h * d;
       const float* p = probs.data<float>() + (bi * nh + h) * s * s;
       const float* pdo = dout.data<float>() + off;
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, to_int(s), to_int(d), to_int(s), 1.0f,
-                  p, to_int(s), pdo, to_int(ld), 0.0f, dv.data<float>() + off, to_int(ld));
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, to_int(s), to_int(d), to_int(s), 1.0f, p,
+                  to_int(s), pdo, to_int(ld), 0.0f, dv.data<float>() + off, to_int(ld));
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(s), to_int(s), to_int(d), 1.0f,
                   pdo, to_int(ld), v.data<float>() + off, to_int(ld), 0.0f, ds.data(), to_int(s));
       for (I i = 0; i < s; ++i) {
@@ -214,7 +216,9 @@ void add(const Tensor& a, const Tensor& b, const Tensor& out) {
   for (std::size_t i = 0; i < pa.size(); ++i) po[i] = pa[i] + pb[i];
 }
 
-void accumulate(const Tensor& x, const Tensor& into) { add(into, x, into); }
+void accumulate(const Tensor& x, const Tensor& into) {
+  add(into, x, into);
+}
 
 double mse_loss_sum(const Tensor& y, const Tensor& t) {
   expect_same_numel(y, t);

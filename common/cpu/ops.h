@@ -16,8 +16,8 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                        const Tensor& out, const Tensor& probs);
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& probs, std::int64_t heads, const Tensor& dq,
-                        const Tensor& dk, const Tensor& dv);
+                        const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
+                        const Tensor& dv);
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
                      const Tensor& dup);
