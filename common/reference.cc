@@ -15,7 +15,8 @@ using I = std::int64_t;
 Vec normal(const BlockConfig& c, std::uint64_t id, I n, double mean, double std) {
   Vec v(static_cast<std::size_t>(n));
   for (I i = 0; i < n; ++i)
-    v[static_cast<std::size_t>(i)] = double(float(mean + std * normal_at(c.seed, id, std::uint64_t(i))));
+    v[static_cast<std::size_t>(i)] =
+        double(float(mean + std * normal_at(c.seed, id, std::uint64_t(i))));
   return v;
 }
 
@@ -25,7 +26,8 @@ Vec matmul(const Vec& x, const Vec& w, I rows, I in, I out) {
   for (I t = 0; t < rows; ++t)
     for (I i = 0; i < in; ++i) {
       const double xv = x[static_cast<std::size_t>(t * in + i)];
-      for (I o = 0; o < out; ++o) y[static_cast<std::size_t>(t * out + o)] += xv * w[static_cast<std::size_t>(i * out + o)];
+      for (I o = 0; o < out; ++o)
+        y[static_cast<std::size_t>(t * out + o)] += xv * w[static_cast<std::size_t>(i * out + o)];
     }
   return y;
 }
@@ -36,7 +38,8 @@ Vec matmul_dx(const Vec& dy, const Vec& w, I rows, I in, I out) {
   for (I t = 0; t < rows; ++t)
     for (I i = 0; i < in; ++i) {
       double acc = 0.0;
-      for (I o = 0; o < out; ++o) acc += dy[static_cast<std::size_t>(t * out + o)] * w[static_cast<std::size_t>(i * out + o)];
+      for (I o = 0; o < out; ++o)
+        acc += dy[static_cast<std::size_t>(t * out + o)] * w[static_cast<std::size_t>(i * out + o)];
       dx[static_cast<std::size_t>(t * in + i)] = acc;
     }
   return dx;
@@ -48,7 +51,8 @@ Vec matmul_dw(const Vec& x, const Vec& dy, I rows, I in, I out) {
   for (I t = 0; t < rows; ++t)
     for (I i = 0; i < in; ++i) {
       const double xv = x[static_cast<std::size_t>(t * in + i)];
-      for (I o = 0; o < out; ++o) dw[static_cast<std::size_t>(i * out + o)] += xv * dy[static_cast<std::size_t>(t * out + o)];
+      for (I o = 0; o < out; ++o)
+        dw[static_cast<std::size_t>(i * out + o)] += xv * dy[static_cast<std::size_t>(t * out + o)];
     }
   return dw;
 }
@@ -61,10 +65,13 @@ Norm rmsnorm(const Vec& x, const Vec& g, I rows, I h) {
   Norm n{Vec(x.size()), Vec(static_cast<std::size_t>(rows))};
   for (I t = 0; t < rows; ++t) {
     double ss = 0.0;
-    for (I i = 0; i < h; ++i) ss += x[static_cast<std::size_t>(t * h + i)] * x[static_cast<std::size_t>(t * h + i)];
+    for (I i = 0; i < h; ++i)
+      ss += x[static_cast<std::size_t>(t * h + i)] * x[static_cast<std::size_t>(t * h + i)];
     const double r = 1.0 / std::sqrt(ss / double(h) + kNormEps);
     n.rstd[static_cast<std::size_t>(t)] = r;
-    for (I i = 0; i < h; ++i) n.y[static_cast<std::size_t>(t * h + i)] = x[static_cast<std::size_t>(t * h + i)] * r * g[static_cast<std::size_t>(i)];
+    for (I i = 0; i < h; ++i)
+      n.y[static_cast<std::size_t>(t * h + i)] =
+          x[static_cast<std::size_t>(t * h + i)] * r * g[static_cast<std::size_t>(i)];
   }
   return n;
 }
@@ -93,7 +100,9 @@ struct Layer {
   Vec x, rstd1, h, q, k, v, p, a, x2, rstd2, h2, gt, up, s;
 };
 
-double silu(double z) { return z / (1.0 + std::exp(-z)); }
+double silu(double z) {
+  return z / (1.0 + std::exp(-z));
+}
 
 class RefBlock {
  public:
@@ -208,27 +217,41 @@ class RefBlock {
 
  private:
   // Index of element (position s, batch b, head h, dim d) in a [S, B, H] tensor.
-  std::size_t at(I s, I b, I h, I d) const { return static_cast<std::size_t>((s * B + b) * H + h * D + d); }
+  std::size_t at(I s, I b, I h, I d) const {
+    return static_cast<std::size_t>((s * B + b) * H + h * D + d);
+  }
 
   I S, B, H, NH, D, F, T;
 };
 
 }  // namespace
 
-ReferenceRun reference_run(const BlockConfig& c, int steps) {
+ReferenceState reference_init(const BlockConfig& c) {
   const I n = c.seq * c.batch * c.hidden;
-  const Vec x = normal(c, TensorId::input, n, 0.0, 1.0);
-  const Vec target = normal(c, TensorId::target, n, 0.0, 1.0);
-  std::vector<std::array<Vec, kNumParams>> w(static_cast<std::size_t>(c.layers));
+  ReferenceState s;
+  s.input = normal(c, TensorId::input, n, 0.0, 1.0);
+  s.target = normal(c, TensorId::target, n, 0.0, 1.0);
+  s.params.resize(static_cast<std::size_t>(c.layers));
   for (I l = 0; l < c.layers; ++l)
     for (Param p : kAllParams) {
       const auto shape = param_shape(p, c);
       const I count = shape.size() == 1 ? shape[0] : shape[0] * shape[1];
       const bool gain = param_split(p) == Split::replicated;
-      w[static_cast<std::size_t>(l)][static_cast<std::size_t>(p)] =
-          normal(c, TensorId::layer(l, static_cast<int>(p)), count, gain ? 1.0 : 0.0, gain ? 0.0 : 0.02);
+      s.params[static_cast<std::size_t>(l)][static_cast<std::size_t>(p)] = normal(
+          c, TensorId::layer(l, static_cast<int>(p)), count, gain ? 1.0 : 0.0, gain ? 0.0 : 0.02);
     }
+  return s;
+}
 
+ReferenceRun reference_run(const BlockConfig& c, int steps) {
+  return reference_run_from(c, reference_init(c), steps);
+}
+
+ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int steps) {
+  const I n = c.seq * c.batch * c.hidden;
+  const Vec& x = state.input;
+  const Vec& target = state.target;
+  auto& w = state.params;
   RefBlock block(c);
   ReferenceRun run;
   std::vector<Layer> saved(static_cast<std::size_t>(c.layers));
