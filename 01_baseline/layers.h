@@ -13,6 +13,8 @@ namespace tpx::baseline {
 
 class SerialLinears final : public Parallelism {
  public:
+  /// `compute` is the GEMM operand type (--dtype): fp32, or bf16 with fp32 accumulation.
+  explicit SerialLinears(DType compute = DType::f32) : compute_(compute) {}
   Sharding sharding() const override { return {}; }
   ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w) override;
   Tensor column_backward(const Tensor& h, std::span<const Tensor> w, std::span<const Tensor> dy,
@@ -20,6 +22,9 @@ class SerialLinears final : public Parallelism {
   Tensor row_forward(const Tensor& a, const Tensor& w) override;
   Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
                       const Tensor& dw) override;
+
+ private:
+  DType compute_;
 };
 
 /// Stage 01 run in-process for `steps` steps, as a reference for the distributed stages.

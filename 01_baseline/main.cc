@@ -9,7 +9,10 @@ int main(int argc, char** argv) {
       .info = {.name = "01_baseline",
                .summary = "single device, the reference block",
                .single_device = true},
-      .make = [](const RunContext&) { return std::make_unique<baseline::SerialLinears>(); },
+      .make =
+          [](const RunContext& ctx) {
+            return std::make_unique<baseline::SerialLinears>(ctx.options.config.dtype);
+          },
       .reference = reference_run,
   };
   return run_stage(stage, argc, argv);

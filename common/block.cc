@@ -44,7 +44,7 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();  // this rank's heads
   sv.a = like(sv.q);
   sv.probs = Tensor::empty({sv.q.dim(1), heads, sv.q.dim(0), sv.q.dim(0)}, DType::f32, x.device());
-  ops::attention_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.probs);
+  ops::attention_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.probs, c.dtype);
   Tensor attn_out = par.row_forward(sv.a, p[Param::wo]);
   sv.x2 = like(x);
   ops::add(x, attn_out, sv.x2);
@@ -84,7 +84,7 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
   Tensor da = par.row_backward(sv.a, p[Param::wo], dx2, g[Param::wo]);
   Tensor dq = like(sv.q), dk = like(sv.k), dv = like(sv.v);
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();
-  ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv);
+  ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv, c.dtype);
   const std::array qkv_w{p[Param::wq], p[Param::wk], p[Param::wv]};
   const std::array qkv_dy{dq, dk, dv};
   const std::array qkv_dw{g[Param::wq], g[Param::wk], g[Param::wv]};

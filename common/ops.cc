@@ -2,6 +2,7 @@
 #include "ops.h"
 
 #include <cstring>
+#include <mutex>
 
 #include "check.h"
 #include "cpu/ops.h"
@@ -27,20 +28,38 @@ std::string device_problem(Device device) {
 #endif
 }
 
+std::string device_name(Device device) {
+#if TPX_WITH_CUDA
+  if (device == Device::cuda) return cuda::device_name();
+#endif
+  return std::string(to_string(device));
+}
+
 // Routes fn to the backend of `device`. Without CUDA, a cuda tensor fails with a clear message
 // (the comma expression keeps the cpu call's return type for the compiler; it never runs).
 #if TPX_WITH_CUDA
-#define TPX_DISPATCH(device, fn, ...)                                     \
+#define TPX_DISPATCH(device, fn, ...)                                \
   if ((device) == Device::cuda) return ::tpx::cuda::fn(__VA_ARGS__); \
   return ::tpx::cpu::fn(__VA_ARGS__)
 #else
-#define TPX_DISPATCH(device, fn, ...)                                          \
+#define TPX_DISPATCH(device, fn, ...)                                            \
   if ((device) == Device::cuda) return (no_cuda(), ::tpx::cpu::fn(__VA_ARGS__)); \
   return ::tpx::cpu::fn(__VA_ARGS__)
 #endif
 
+// gemm and attention take the GEMM compute dtype, which only the cuda backend has.
+[[maybe_unused]] void expect_f32_compute(DType compute) {
+  TPX_CHECK(compute == DType::f32, "the cpu backend computes in fp32 (asked for {})",
+            to_string(compute));
+}
+
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
-          float alpha, float beta) {
+          float alpha, float beta, DType compute) {
+#if TPX_WITH_CUDA
+  if (c.device() == Device::cuda)
+    return cuda::gemm(a, trans_a, b, trans_b, c, alpha, beta, compute);
+#endif
+  expect_f32_compute(compute);
   TPX_DISPATCH(c.device(), gemm, a, trans_a, b, trans_b, c, alpha, beta);
 }
 void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd) {
@@ -51,12 +70,22 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const 
   TPX_DISPATCH(x.device(), rmsnorm_backward, dy, x, g, rstd, dx, dg);
 }
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
-                       const Tensor& out, const Tensor& probs) {
+                       const Tensor& out, const Tensor& probs, DType compute) {
+#if TPX_WITH_CUDA
+  if (q.device() == Device::cuda)
+    return cuda::attention_forward(q, k, v, heads, out, probs, compute);
+#endif
+  expect_f32_compute(compute);
   TPX_DISPATCH(q.device(), attention_forward, q, k, v, heads, out, probs);
 }
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& probs, std::int64_t heads, const Tensor& dq,
-                        const Tensor& dk, const Tensor& dv) {
+                        const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
+                        const Tensor& dv, DType compute) {
+#if TPX_WITH_CUDA
+  if (q.device() == Device::cuda)
+    return cuda::attention_backward(dout, q, k, v, probs, heads, dq, dk, dv, compute);
+#endif
+  expect_f32_compute(compute);
   TPX_DISPATCH(q.device(), attention_backward, dout, q, k, v, probs, heads, dq, dk, dv);
 }
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
@@ -81,8 +110,12 @@ void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Ten
 void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
   TPX_DISPATCH(w.device(), sgd_update, w, grad, lr);
 }
-double sum_squares(const Tensor& x) { TPX_DISPATCH(x.device(), sum_squares, x); }
-void fill(const Tensor& t, float value) { TPX_DISPATCH(t.device(), fill, t, value); }
+double sum_squares(const Tensor& x) {
+  TPX_DISPATCH(x.device(), sum_squares, x);
+}
+void fill(const Tensor& t, float value) {
+  TPX_DISPATCH(t.device(), fill, t, value);
+}
 
 void copy(const Tensor& src, const Tensor& dst) {
   TPX_CHECK(src.numel() == dst.numel() && src.dtype() == dst.dtype(), "copy {} -> {}",
@@ -96,6 +129,47 @@ void copy(const Tensor& src, const Tensor& dst) {
 #else
   no_cuda();
 #endif
+}
+
+void cast(const Tensor& src, const Tensor& dst) {
+  TPX_CHECK(src.numel() == dst.numel() && src.device() == dst.device(), "cast {} -> {}",
+            src.describe(), dst.describe());
+#if TPX_WITH_CUDA
+  if (src.device() == Device::cuda) return cuda::cast(src, dst);
+#endif
+  if (src.device() == Device::cuda) no_cuda();
+  const auto n = static_cast<std::size_t>(src.numel());
+  if (src.dtype() == dst.dtype()) {
+    std::memcpy(dst.raw(), src.raw(), src.nbytes());
+  } else if (src.dtype() == DType::f32 && dst.dtype() == DType::bf16) {
+    const float* in = src.data<float>();
+    auto* out = dst.data<std::uint16_t>();
+    for (std::size_t i = 0; i < n; ++i) out[i] = bf16_bits(in[i]);
+  } else if (src.dtype() == DType::bf16 && dst.dtype() == DType::f32) {
+    const auto* in = src.data<std::uint16_t>();
+    float* out = dst.data<float>();
+    for (std::size_t i = 0; i < n; ++i) out[i] = bf16_value(in[i]);
+  } else {
+    fail(fmt::format("no cast from {} to {}", src.describe(), dst.describe()));
+  }
+}
+
+void synchronize([[maybe_unused]] Device device) {
+#if TPX_WITH_CUDA
+  if (device == Device::cuda) cuda::synchronize();
+#endif
+}
+
+double bf16_gemm_peak_tflops([[maybe_unused]] Device device) {
+#if TPX_WITH_CUDA
+  if (device == Device::cuda) {
+    static std::once_flag once;
+    static double peak = 0.0;
+    std::call_once(once, [] { peak = cuda::measure_bf16_gemm_peak_tflops(); });
+    return peak;
+  }
+#endif
+  return 0.0;
 }
 
 Tensor to_device(const Tensor& t, Device device) {

@@ -4,8 +4,12 @@
 // Conventions: activations are [S, B, X] and are seen as matrices [S*B, X]; weights are [in, out].
 // Output tensors are passed as (const) handles and overwritten unless the name says "accumulate".
 //
+// Precision: tensors hold fp32. `compute` on gemm and attention picks the GEMM operand type:
+// fp32, or bf16 (cuda only) with fp32 accumulation; the rest of every op is fp32.
+//
 // defines: tpx::ops::gemm, rmsnorm_*, attention_*, swiglu_*, add, accumulate, mse_loss_*,
-//          sgd_update, sum_squares, fill, copy, to_device
+//          sgd_update, sum_squares, fill, cast, copy, to_device, synchronize,
+//          bf16_gemm_peak_tflops
 #pragma once
 
 #include <cstdint>
@@ -18,10 +22,13 @@ namespace tpx::ops {
 /// Empty when `device` can run here; otherwise one sentence saying why not (no CUDA backend in
 /// this build, no GPU visible, ...).
 std::string device_problem(Device device);
+/// Words for headers and tables: "cpu", or the GPU's name, compute capability and SM count.
+std::string device_name(Device device);
 
 /// C = alpha * op(A) · op(B) + beta * C, with op(X) = X or Xᵀ and A, B, C seen as matrices.
+/// compute = bf16 rounds A and B to bf16 and accumulates in fp32 (cuda only).
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
-          float alpha = 1.0f, float beta = 0.0f);
+          float alpha = 1.0f, float beta = 0.0f, DType compute = DType::f32);
 
 /// y = x / sqrt(mean(x², over the last dim) + eps) * g; rstd [rows] keeps 1/sqrt(...) for backward.
 void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd);
@@ -31,12 +38,12 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const 
 
 /// Causal multi-head attention on q, k, v [S, B, heads*D]: out = softmax(q kᵀ / sqrt(D)) v per
 /// (batch, head), position i attending j <= i. probs [B, heads, S, S] keeps the softmax (zeros
-/// above the diagonal) for backward.
+/// above the diagonal) for backward. `compute` is the operand type of its GEMMs (see gemm).
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
-                       const Tensor& out, const Tensor& probs);
+                       const Tensor& out, const Tensor& probs, DType compute = DType::f32);
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& probs, std::int64_t heads, const Tensor& dq,
-                        const Tensor& dk, const Tensor& dv);
+                        const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
+                        const Tensor& dv, DType compute = DType::f32);
 
 /// out = silu(gate) ⊙ up, silu(z) = z·σ(z).
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
@@ -60,9 +67,18 @@ void sgd_update(const Tensor& w, const Tensor& grad, float lr);
 double sum_squares(const Tensor& x);
 
 void fill(const Tensor& t, float value);
+/// dst = src converted between f32 and bf16 (round to nearest even); same device, same numel.
+void cast(const Tensor& src, const Tensor& dst);
 /// Copies between any devices; shapes must have the same element count and dtypes must match.
 void copy(const Tensor& src, const Tensor& dst);
 /// A new tensor on `device` holding the same values (f32 on the host for `Device::cpu`).
 Tensor to_device(const Tensor& t, Device device);
+
+/// Blocks the host until all work issued on `device` by this thread is done (no-op on cpu).
+void synchronize(Device device);
+
+/// The device's dense bf16 GEMM throughput in TFLOP/s, measured once per process by timing a
+/// large cuBLAS GEMM: the denominator of MFU. 0 for the cpu.
+double bf16_gemm_peak_tflops(Device device);
 
 }  // namespace tpx::ops

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "check.h"
+#include "flops.h"
 #include "npy.h"
 #include "ops.h"
 #include "trainer.h"
@@ -58,10 +59,25 @@ std::string dump_dir_problem(const std::string& dir) {
   return {};
 }
 
-double mib(std::size_t bytes) { return double(bytes) / (1024.0 * 1024.0); }
+double mib(std::size_t bytes) {
+  return double(bytes) / (1024.0 * 1024.0);
+}
+
+/// What the speed columns need: this rank's GEMM FLOPs per step and the device's bf16 peak.
+struct Speed {
+  double flops_per_rank = 0;
+  double peak_tflops = 0;  ///< measured; 0 on the cpu (no TFLOP/s / MFU columns there)
+  bool gpu() const { return peak_tflops > 0; }
+  double tflops(double ms) const { return ms > 0 ? flops_per_rank / (ms * 1e-3) / 1e12 : 0.0; }
+};
+
+/// --check tolerance: bf16 GEMM operands carry 8 significant bits (unit roundoff 2^-9 ≈ 2e-3);
+/// the errors of a few chained GEMMs, relative to each tensor's largest value, stay well below
+/// 3e-2, while a wrong result is off by O(1).
+constexpr double kBf16CheckRtol = 3e-2;
 
 void print_header(const StageDefinition& st, const BlockConfig& c, int world,
-                  const Parallelism& par) {
+                  const Parallelism& par, const Speed& speed) {
   fmt::print("tpx {} | {}\n", st.info.name, st.info.summary);
   fmt::print("ranks {} | device {} | dtype {} | comm {}\n", world, to_string(c.device),
              to_string(c.dtype), par.comm_name());
@@ -69,13 +85,25 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
              c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps, c.lr, c.seed);
   if (c.device == Device::cpu)
     fmt::print("(cpu backend: timings show the mechanics, not GPU speed)\n");
-  fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>14} {:>14} {:>10}\n", "step", "loss", "grad norm",
+  if (speed.gpu())
+    fmt::print(
+        "gpu {} | bf16 GEMM peak {:.1f} TFLOP/s (measured) | {:.4g} TFLOP per step per "
+        "rank (GEMMs, flops.h)\n",
+        ops::device_name(c.device), speed.peak_tflops, speed.flops_per_rank / 1e12);
+  fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>14} {:>14} {:>10}", "step", "loss", "grad norm",
              "step ms", "comm B/rank", "bus B/rank", "peak MB");
+  if (speed.gpu()) fmt::print(" {:>8} {:>6}", "TFLOP/s", "MFU %");
+  fmt::print("\n");
 }
 
-void print_row(const StepRow& r) {
-  fmt::print("{:>5} {:>13.8f} {:>12.6e} {:>10.2f} {:>14} {:>14} {:>10.2f}\n", r.step, r.loss,
+void print_row(const StepRow& r, const Speed& speed) {
+  fmt::print("{:>5} {:>13.8f} {:>12.6e} {:>10.2f} {:>14} {:>14} {:>10.2f}", r.step, r.loss,
              r.grad_norm, r.ms, r.comm.payload_bytes, r.comm.bus_bytes, mib(r.peak_bytes));
+  if (speed.gpu()) {
+    const double tf = speed.tflops(r.ms);
+    fmt::print(" {:>8.1f} {:>6.1f}", tf, 100.0 * tf / speed.peak_tflops);
+  }
+  fmt::print("\n");
   std::fflush(stdout);
 }
 
@@ -95,18 +123,35 @@ void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& st
       write_npy(dir / (base + ".npy"), s.params[l][i], param_shape(p, c));
       write_npy(dir / (base + ".grad.npy"), s.grads[l][i], param_shape(p, c));
     }
-  const json cfg = {{"hidden", c.hidden}, {"heads", c.heads},   {"ffn", c.ffn},
-                    {"seq", c.seq},       {"batch", c.batch},   {"layers", c.layers},
-                    {"eps", kNormEps},    {"seed", c.seed},     {"dtype", to_string(c.dtype)},
-                    {"device", to_string(c.device)}, {"stage", stage}, {"world_size", world},
-                    {"lr", c.lr},         {"steps", c.steps}};
+  const json cfg = {{"hidden", c.hidden},
+                    {"heads", c.heads},
+                    {"ffn", c.ffn},
+                    {"seq", c.seq},
+                    {"batch", c.batch},
+                    {"layers", c.layers},
+                    {"eps", kNormEps},
+                    {"seed", c.seed},
+                    {"dtype", to_string(c.dtype)},
+                    {"device", to_string(c.device)},
+                    {"stage", stage},
+                    {"world_size", world},
+                    {"lr", c.lr},
+                    {"steps", c.steps}};
   std::ofstream(dir / "config.json") << cfg.dump(2) << '\n';
 }
 
 json config_json(const BlockConfig& c) {
-  return {{"hidden", c.hidden}, {"heads", c.heads}, {"ffn", c.ffn},       {"seq", c.seq},
-          {"batch", c.batch},   {"layers", c.layers}, {"steps", c.steps}, {"lr", c.lr},
-          {"seed", c.seed},     {"eps", kNormEps},  {"device", to_string(c.device)},
+  return {{"hidden", c.hidden},
+          {"heads", c.heads},
+          {"ffn", c.ffn},
+          {"seq", c.seq},
+          {"batch", c.batch},
+          {"layers", c.layers},
+          {"steps", c.steps},
+          {"lr", c.lr},
+          {"seed", c.seed},
+          {"eps", kNormEps},
+          {"device", to_string(c.device)},
           {"dtype", to_string(c.dtype)}};
 }
 
@@ -114,8 +159,8 @@ json config_json(const BlockConfig& c) {
 int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   const BlockConfig& c = o.config;
   if (st.info.single_device && world > 1)
-    throw ConfigError(fmt::format("{} is single-device; run it with one rank (got {})",
-                                  st.info.name, world));
+    throw ConfigError(
+        fmt::format("{} is single-device; run it with one rank (got {})", st.info.name, world));
   if (const auto why = ops::device_problem(c.device); !why.empty()) throw ConfigError(why);
   const std::string dump_problem =
       (rank == 0 && !o.dump_dir.empty()) ? dump_dir_problem(o.dump_dir) : "";
@@ -124,9 +169,15 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
 
   Trace trace(!o.trace_path.empty());
   auto par = st.make(RunContext{o, rank, world, trace});
-  if (rank == 0) print_header(st, c, world, *par);
-  const TrainResult r = train(c, *par, o.check || !o.dump_dir.empty(), trace,
-                              [&](const StepRow& row) { if (rank == 0) print_row(row); });
+  Speed speed{step_flops(c).total() / double(world), 0.0};
+  if (rank == 0) {
+    speed.peak_tflops = ops::bf16_gemm_peak_tflops(c.device);  // 0 on the cpu
+    print_header(st, c, world, *par, speed);
+  }
+  const TrainResult r =
+      train(c, *par, o.check || !o.dump_dir.empty(), trace, [&](const StepRow& row) {
+        if (rank == 0) print_row(row, speed);
+      });
   if (rank == 0) {
     double total = 0;
     for (const auto& row : r.rows) total += row.ms;
@@ -137,6 +188,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
 
   bool pass = true;
   json check_json;
+  const double rtol = c.dtype == DType::bf16 ? std::max(st.rtol, kBf16CheckRtol) : st.rtol;
   if (rank == 0 && !o.dump_dir.empty()) {
     write_dump(o.dump_dir, c, st.info.name, world, r.first);
     fmt::print("dumped first-step tensors to {}\n", o.dump_dir);
@@ -145,17 +197,20 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
     if (rank == 0) {
       const int steps = static_cast<int>(std::min<std::int64_t>(c.steps, kCheckSteps));
       const ReferenceRun want = st.reference(c, steps);
-      const auto rows = compare(r.first, r.rows, want, st.rtol);
-      fmt::print("\ncheck against the reference (relative error = max|got - want| / max|want|, "
-                 "tolerance {:.0e})\n",
-                 st.rtol);
+      const auto rows = compare(r.first, r.rows, want, rtol);
+      fmt::print(
+          "\ncheck against the reference (relative error = max|got - want| / max|want|, "
+          "tolerance {:.0e})\n",
+          rtol);
       fmt::print("{:<34} {:>12} {:>12}\n", "tensor", "max abs", "max rel");
       for (const auto& row : rows) {
         fmt::print("{:<34} {:>12.3e} {:>12.3e}  {}\n", row.name, row.max_abs, row.max_rel,
                    row.ok ? "ok" : "FAIL");
         pass = pass && row.ok;
-        check_json.push_back({{"tensor", row.name}, {"max_abs", row.max_abs},
-                              {"max_rel", row.max_rel}, {"ok", row.ok}});
+        check_json.push_back({{"tensor", row.name},
+                              {"max_abs", row.max_abs},
+                              {"max_rel", row.max_rel},
+                              {"ok", row.ok}});
       }
       fmt::print("{}\n", pass ? "PASS" : "FAIL");
     }
@@ -165,9 +220,13 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   if (rank == 0 && !o.json_path.empty()) {
     json rows = json::array();
     for (const auto& row : r.rows)
-      rows.push_back({{"step", row.step}, {"loss", row.loss}, {"grad_norm", row.grad_norm},
-                      {"ms", row.ms}, {"comm_payload_bytes", row.comm.payload_bytes},
-                      {"comm_bus_bytes", row.comm.bus_bytes}, {"comm_calls", row.comm.calls},
+      rows.push_back({{"step", row.step},
+                      {"loss", row.loss},
+                      {"grad_norm", row.grad_norm},
+                      {"ms", row.ms},
+                      {"comm_payload_bytes", row.comm.payload_bytes},
+                      {"comm_bus_bytes", row.comm.bus_bytes},
+                      {"comm_calls", row.comm.calls},
                       {"peak_bytes", row.peak_bytes}});
     json summary = {{"stage", st.info.name},
                     {"world_size", world},
@@ -175,7 +234,17 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
                     {"config", config_json(c)},
                     {"steps", rows},
                     {"saved_activation_bytes", r.saved_activation_bytes}};
-    if (o.check) summary["check"] = {{"pass", pass}, {"rtol", st.rtol}, {"tensors", check_json}};
+    summary["flops_per_step_per_rank"] = speed.flops_per_rank;
+    if (speed.gpu()) {
+      summary["device_name"] = ops::device_name(c.device);
+      summary["bf16_gemm_peak_tflops"] = speed.peak_tflops;
+      for (auto& row : summary["steps"]) {
+        const double tf = speed.tflops(row["ms"].get<double>());
+        row["tflops"] = tf;
+        row["mfu"] = tf / speed.peak_tflops;
+      }
+    }
+    if (o.check) summary["check"] = {{"pass", pass}, {"rtol", rtol}, {"tensors", check_json}};
     std::ofstream out(o.json_path);
     if (!(out << summary.dump(2) << '\n')) fail(fmt::format("cannot write '{}'", o.json_path));
   }

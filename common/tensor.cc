@@ -1,6 +1,7 @@
 #include "tensor.h"
 
 #include <array>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -9,30 +10,42 @@
 #include <fmt/ranges.h>
 
 #include "check.h"
+#if TPX_WITH_CUDA
+#include "cuda/device.h"
+#endif
 
 namespace tpx {
 
 std::size_t dtype_size(DType d) {
   switch (d) {
-    case DType::f32: return 4;
-    case DType::bf16: return 2;
+    case DType::f32:
+      return 4;
+    case DType::bf16:
+      return 2;
     case DType::e4m3:
-    case DType::e5m2: return 1;
+    case DType::e5m2:
+      return 1;
   }
   fail("unknown dtype");
 }
 
 std::string_view to_string(DType d) {
   switch (d) {
-    case DType::f32: return "fp32";
-    case DType::bf16: return "bf16";
-    case DType::e4m3: return "e4m3";
-    case DType::e5m2: return "e5m2";
+    case DType::f32:
+      return "fp32";
+    case DType::bf16:
+      return "bf16";
+    case DType::e4m3:
+      return "e4m3";
+    case DType::e5m2:
+      return "e5m2";
   }
   return "?";
 }
 
-std::string_view to_string(Device d) { return d == Device::cpu ? "cpu" : "cuda"; }
+std::string_view to_string(Device d) {
+  return d == Device::cpu ? "cpu" : "cuda";
+}
 
 DType parse_dtype(std::string_view s) {
   if (s == "fp32" || s == "f32") return DType::f32;
@@ -44,6 +57,19 @@ Device parse_device(std::string_view s) {
   if (s == "cpu") return Device::cpu;
   if (s == "cuda") return Device::cuda;
   fail(fmt::format("unknown device '{}' (expected cpu or cuda)", s));
+}
+
+std::uint16_t bf16_bits(float f) {
+  const auto u = std::bit_cast<std::uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep sign and payload, make it quiet
+    return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
+  }
+  const std::uint32_t round = 0x7fffu + ((u >> 16) & 1u);  // ties go to the even neighbour
+  return static_cast<std::uint16_t>((u + round) >> 16);
+}
+
+float bf16_value(std::uint16_t bits) {
+  return std::bit_cast<float>(std::uint32_t{bits} << 16);
 }
 
 namespace {
@@ -80,11 +106,21 @@ std::array<Allocator*, 2>& registry() {
 
 Allocator& allocator_for(Device d) {
   Allocator* a = registry()[static_cast<std::size_t>(d)];
-  if (a == nullptr) fail(fmt::format("no allocator for device {} (backend not built or not initialised)", to_string(d)));
+#if TPX_WITH_CUDA
+  if (a == nullptr && d == Device::cuda) {  // first cuda use: the backend registers its allocator
+    cuda::ensure_initialized();
+    a = registry()[static_cast<std::size_t>(d)];
+  }
+#endif
+  if (a == nullptr)
+    fail(fmt::format("no allocator for device {} (backend not built or not initialised)",
+                     to_string(d)));
   return *a;
 }
 
-void register_allocator(Device d, Allocator* a) { registry()[static_cast<std::size_t>(d)] = a; }
+void register_allocator(Device d, Allocator* a) {
+  registry()[static_cast<std::size_t>(d)] = a;
+}
 
 struct Tensor::Storage {
   void* ptr = nullptr;
@@ -97,7 +133,8 @@ struct Tensor::Storage {
 };
 
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
-  for (auto d : shape) TPX_CHECK(d >= 0, "negative dimension in shape [{}]", fmt::join(shape, ", "));
+  for (auto d : shape)
+    TPX_CHECK(d >= 0, "negative dimension in shape [{}]", fmt::join(shape, ", "));
   Tensor t;
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
@@ -108,7 +145,8 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
 
 Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
   Tensor t = empty(std::move(shape), dtype, device);
-  TPX_CHECK(device == Device::cpu, "Tensor::zeros on {} must go through ops::fill", to_string(device));
+  TPX_CHECK(device == Device::cpu, "Tensor::zeros on {} must go through ops::fill",
+            to_string(device));
   std::memset(t.raw(), 0, t.nbytes());
   return t;
 }
@@ -122,8 +160,12 @@ std::int64_t Tensor::numel() const {
   return std::accumulate(shape_.begin(), shape_.end(), std::int64_t{1}, std::multiplies<>());
 }
 
-std::int64_t Tensor::cols() const { return shape_.empty() ? 1 : shape_.back(); }
-std::int64_t Tensor::rows() const { return cols() == 0 ? 0 : numel() / cols(); }
+std::int64_t Tensor::cols() const {
+  return shape_.empty() ? 1 : shape_.back();
+}
+std::int64_t Tensor::rows() const {
+  return cols() == 0 ? 0 : numel() / cols();
+}
 
 void* Tensor::raw() const {
   TPX_CHECK(defined(), "use of an undefined tensor");
@@ -142,8 +184,8 @@ std::span<float> Tensor::f32() const {
 }
 
 Tensor Tensor::slice0(std::int64_t begin, std::int64_t end) const {
-  TPX_CHECK(ndim() >= 1 && 0 <= begin && begin <= end && end <= shape_[0],
-            "slice0({}, {}) of {}", begin, end, describe());
+  TPX_CHECK(ndim() >= 1 && 0 <= begin && begin <= end && end <= shape_[0], "slice0({}, {}) of {}",
+            begin, end, describe());
   Tensor t = *this;
   const std::int64_t row = numel() / std::max<std::int64_t>(shape_[0], 1);
   t.offset_ += static_cast<std::size_t>(begin * row) * dtype_size(dtype_);
@@ -159,7 +201,8 @@ Tensor Tensor::reshape(Shape shape) const {
 }
 
 std::string Tensor::describe() const {
-  return fmt::format("{}[{}] on {}", to_string(dtype_), fmt::join(shape_, ", "), to_string(device_));
+  return fmt::format("{}[{}] on {}", to_string(dtype_), fmt::join(shape_, ", "),
+                     to_string(device_));
 }
 
 }  // namespace tpx

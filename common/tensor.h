@@ -1,6 +1,7 @@
 // Tensor: a shaped, typed view of device memory owned through the library's allocator.
 //
-// defines: tpx::DType, tpx::Device, tpx::MemoryStats, tpx::Allocator, tpx::Tensor
+// defines: tpx::DType, tpx::Device, tpx::MemoryStats, tpx::Allocator, tpx::Tensor,
+//          tpx::bf16_bits, tpx::bf16_value
 #pragma once
 
 #include <cstddef>
@@ -25,6 +26,12 @@ std::string_view to_string(DType d);
 std::string_view to_string(Device d);
 DType parse_dtype(std::string_view s);    ///< "fp32" | "f32" | "bf16"; throws on anything else
 Device parse_device(std::string_view s);  ///< "cpu" | "cuda"; throws on anything else
+
+/// bf16 (the top 16 bits of an IEEE float) from a float, rounding to nearest even; NaN stays NaN.
+/// The same rounding as CUDA's __float2bfloat16_rn, so host code can predict device casts.
+std::uint16_t bf16_bits(float f);
+/// The float a bf16 bit pattern stands for (exact).
+float bf16_value(std::uint16_t bits);
 
 /// Bytes currently held and the high-water mark, per device.
 struct MemoryStats {

@@ -7,8 +7,23 @@
 #include <nlohmann/json.hpp>
 
 #include "check.h"
+#if TPX_WITH_CUDA
+#include "cuda/nvtx.h"
+#endif
 
 namespace tpx {
+
+void profiler_range_push([[maybe_unused]] const std::string& name) {
+#if TPX_WITH_CUDA
+  cuda::nvtx_push(name.c_str());
+#endif
+}
+
+void profiler_range_pop() {
+#if TPX_WITH_CUDA
+  cuda::nvtx_pop();
+#endif
+}
 
 void Trace::record(std::string name, Lane lane, Clock::time_point begin, Clock::time_point end) {
   using us = std::chrono::duration<double, std::micro>;

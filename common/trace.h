@@ -2,7 +2,7 @@
 // per stream, complete events ("ph": "X") with microsecond timestamps. Open the file in
 // https://ui.perfetto.dev or chrome://tracing to see what overlapped.
 //
-// defines: tpx::Lane, tpx::Trace, tpx::TraceScope
+// defines: tpx::Lane, tpx::Trace, tpx::TraceScope, tpx::profiler_range_push/pop
 #pragma once
 
 #include <chrono>
@@ -40,12 +40,20 @@ class Trace {
   std::vector<Event> events_;
 };
 
-/// Records the enclosing scope on a lane when the trace is enabled.
+/// Opens / closes a profiler range (NVTX when the CUDA backend is built, else nothing), so an
+/// Nsight Systems timeline shows the same phases as the Chrome trace.
+void profiler_range_push(const std::string& name);
+void profiler_range_pop();
+
+/// Records the enclosing scope on a lane when the trace is enabled, and as a profiler range.
 class TraceScope {
  public:
   TraceScope(Trace& trace, std::string name, Lane lane = Lane::compute)
-      : trace_(trace), name_(std::move(name)), lane_(lane), begin_(Trace::Clock::now()) {}
+      : trace_(trace), name_(std::move(name)), lane_(lane), begin_(Trace::Clock::now()) {
+    profiler_range_push(name_);
+  }
   ~TraceScope() {
+    profiler_range_pop();
     if (trace_.enabled()) trace_.record(std::move(name_), lane_, begin_, Trace::Clock::now());
   }
   TraceScope(const TraceScope&) = delete;

@@ -51,7 +51,8 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
   std::vector<BlockActivations> acts(static_cast<std::size_t>(c.layers));
   TrainResult result;
   par.synchronize();
-  par.take_comm_stats();  // set-up traffic is not a step's
+  ops::synchronize(c.device);  // initialisation's device work is not a step's
+  par.take_comm_stats();       // set-up traffic is not a step's
 
   for (int step = 0; step < c.steps; ++step) {
     const auto t0 = Clock::now();
@@ -68,7 +69,10 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     Tensor dy = Tensor::empty(y.shape(), y.dtype(), y.device());
     {
       TraceScope scope(trace, "loss");
-      row.loss = 0.5 * par.sum_over_ranks(ops::mse_loss_sum(y, m.target)) / count;
+      // Every token's error counted once: each rank's sequence shard, or a replicated output on
+      // rank 0 only (the same rule as the gradient norm below).
+      const double mine = (sh.sequence || sh.rank == 0) ? ops::mse_loss_sum(y, m.target) : 0.0;
+      row.loss = 0.5 * par.sum_over_ranks(mine) / count;
       ops::mse_loss_backward(y, m.target, 1.0 / count, dy);
     }
     {
@@ -85,6 +89,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
           sq += ops::sum_squares(g[p]);
     row.grad_norm = std::sqrt(par.sum_over_ranks(sq));
     par.synchronize();
+    ops::synchronize(c.device);  // device work is asynchronous: stop the clock when it is done
     double ms = ms_since(t0);
     row.comm = par.take_comm_stats();
 
@@ -100,6 +105,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         for (Param p : kAllParams)
           ops::sgd_update(m.params[l][p], m.grads[l][p], static_cast<float>(c.lr));
       par.synchronize();
+      ops::synchronize(c.device);
     }
     row.ms = ms + ms_since(t1);
     row.peak_bytes = allocator_for(c.device).stats().peak;

@@ -38,7 +38,7 @@ struct Snapshot {
 
 struct TrainResult {
   std::vector<StepRow> rows;
-  Snapshot first;  ///< filled when requested
+  Snapshot first;                          ///< filled when requested
   std::size_t saved_activation_bytes = 0;  ///< this rank, all layers, first step
 };
 

@@ -1,0 +1,60 @@
+// Shared pieces of the benchmark programs: which devices can run here, the block sizes each device
+// is benchmarked at, and device tensors filled with random values.
+//
+// Sizes: the cpu runs the tutorial's default config (small, so CI can run it; cpu timings show
+// the mechanics, not GPU speed); the gpu runs H=4096, NH=32, F=11008, S=2048, B=1, a Llama-7B-
+// sized block, where GEMMs dominate.
+//
+// defines: tpx::bench::devices(), bench_config(), random_on(), device_label()
+#pragma once
+
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/ops.h"
+#include "common/tensor.h"
+
+namespace tpx::bench {
+
+/// cpu, plus cuda when a GPU is usable (a note on stderr says why not otherwise).
+inline std::vector<Device> devices() {
+  std::vector<Device> d{Device::cpu};
+  if (const auto why = ops::device_problem(Device::cuda); why.empty())
+    d.push_back(Device::cuda);
+  else
+    std::fprintf(stderr, "note: no cuda benchmarks: %s\n", why.c_str());
+  return d;
+}
+
+inline BlockConfig bench_config(Device d) {
+  BlockConfig c;  // the default config on the cpu
+  c.device = d;
+  if (d == Device::cuda) {
+    c.hidden = 4096;
+    c.heads = 32;
+    c.ffn = 11008;
+    c.seq = 2048;
+    c.batch = 1;
+  }
+  c.layers = 1;
+  return c;
+}
+
+/// A tensor on `d` with N(0, std²) values (fixed seed).
+inline Tensor random_on(Device d, Tensor::Shape shape, unsigned seed, double std = 1.0) {
+  Tensor host = Tensor::empty(std::move(shape));
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, static_cast<float>(std));
+  for (float& v : host.f32()) v = dist(gen);
+  return d == Device::cpu ? host : ops::to_device(host, d);
+}
+
+/// "cpu" or the GPU's name, for benchmark labels and the JSON context.
+inline std::string device_label(Device d) {
+  return ops::device_name(d);
+}
+
+}  // namespace tpx::bench

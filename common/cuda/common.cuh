@@ -1,0 +1,68 @@
+// Device-side helpers shared by the backend's kernels: 16-byte vector access, warp and block
+// reductions, launch sizing. Included by .cu files only.
+//
+// defines: tpx::cuda::dev::aligned16, ld4, st4, warp_sum, warp_max, block_sum, launch grid helpers
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "device.h"
+
+namespace tpx::cuda::dev {
+
+using I = std::int64_t;
+
+inline constexpr int kWarp = 32;
+inline constexpr unsigned kFullMask = 0xffffffffu;
+
+/// True when every pointer is 16-byte aligned: float4 / 8 x bf16 loads are legal.
+template <class... P>
+inline bool aligned16(const P*... p) {
+  return ((reinterpret_cast<std::uintptr_t>(p) % 16 == 0) && ...);
+}
+
+__device__ __forceinline__ float4 ld4(const float* p, I i) {
+  return reinterpret_cast<const float4*>(p)[i];
+}
+__device__ __forceinline__ void st4(float* p, I i, float4 v) {
+  reinterpret_cast<float4*>(p)[i] = v;
+}
+
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+/// Sum over the block, returned to every thread. `shared` holds one T per warp (<= 32 warps).
+/// Contains __syncthreads(): every thread of the block must call it.
+template <class T>
+__device__ T block_sum(T v, T* shared) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int warps = (blockDim.x + kWarp - 1) / kWarp;
+  v = warp_sum(v);
+  __syncthreads();  // `shared` may still be read from a previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  T total = lane < warps ? shared[lane] : T(0);
+  return warp_sum(total);
+}
+
+inline cudaStream_t as_stream(void* s) {
+  return static_cast<cudaStream_t>(s);
+}
+
+/// Grid-stride launch size (device.h's grid_for) as a CUDA grid dimension.
+inline unsigned blocks_for(I work, int threads) {
+  return static_cast<unsigned>(grid_for(work, threads));
+}
+
+}  // namespace tpx::cuda::dev

@@ -1,0 +1,232 @@
+// cuBLAS / cuBLASLt calls (see blas.h) and the bf16 GEMM peak measurement.
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "blas.h"
+#include "check.h"
+#include "device.h"
+#include "nvtx.h"
+#include "ops.h"
+
+namespace tpx::cuda {
+namespace {
+
+using I = std::int64_t;
+
+constexpr std::size_t kLtWorkspace = std::size_t{32} << 20;
+
+cudaDataType_t cuda_type(DType d) {
+  switch (d) {
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    default:
+      fail(fmt::format("no cuBLAS GEMM for dtype {}", to_string(d)));
+  }
+}
+
+int to_int(I v, const char* what) {
+  TPX_CHECK(v >= 0 && v <= std::numeric_limits<int>::max(), "{} = {} does not fit cuBLAS's int",
+            what, v);
+  return static_cast<int>(v);
+}
+
+/// Largest power of two (up to 256) dividing the address: what cuBLASLt's heuristic may assume.
+std::uint32_t alignment(const void* p) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  return a == 0 ? 256u : static_cast<std::uint32_t>(std::min<std::uintptr_t>(256, a & (~a + 1)));
+}
+
+/// One cuBLASLt problem: descriptors and the chosen algorithm, reused for every call of the
+/// same shape, types and alignment.
+struct LtPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t x = nullptr, y = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool usable = false;
+};
+
+using LtKey =
+    std::tuple<bool, bool, I, I, I, I, I, I, int, int, std::uint32_t, std::uint32_t, std::uint32_t>;
+
+/// Per-thread library handles (cuBLAS handles must not be shared by concurrent host threads).
+struct Handles {
+  cublasHandle_t blas = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  void* workspace = nullptr;
+  std::map<LtKey, LtPlan> plans;
+
+  Handles() {
+    ensure_initialized();
+    TPX_CUBLAS_CHECK(cublasCreate(&blas));
+    TPX_CUBLAS_CHECK(cublasLtCreate(&lt));
+    TPX_CUDA_CHECK(cudaMalloc(&workspace, kLtWorkspace));
+  }
+  ~Handles() {  // at thread exit; errors are ignored (the runtime may be shutting down)
+    for (auto& [key, p] : plans) {
+      cublasLtMatrixLayoutDestroy(p.x);
+      cublasLtMatrixLayoutDestroy(p.y);
+      cublasLtMatrixLayoutDestroy(p.c);
+      cublasLtMatmulDescDestroy(p.desc);
+    }
+    cudaFree(workspace);
+    cublasLtDestroy(lt);
+    cublasDestroy(blas);
+  }
+  Handles(const Handles&) = delete;
+  Handles& operator=(const Handles&) = delete;
+};
+
+Handles& handles() {
+  thread_local Handles h;
+  return h;
+}
+
+cublasLtMatrixLayout_t lt_layout(cudaDataType_t type, I rows, I cols, I ld) {
+  cublasLtMatrixLayout_t l = nullptr;
+  TPX_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, static_cast<std::uint64_t>(rows),
+                                              static_cast<std::uint64_t>(cols), ld));
+  return l;
+}
+
+const LtPlan& lt_plan(Handles& h, const LtKey& key, bool ta, bool tb, I m, I n, I k, I lda, I ldb,
+                      I ldc, DType ab, DType ct, const void* a, const void* b, const void* c) {
+  if (auto it = h.plans.find(key); it != h.plans.end()) return it->second;
+  LtPlan p;
+  const cudaDataType_t abt = cuda_type(ab), cct = cuda_type(ct);
+  TPX_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // Column-major view: X = B (first operand), Y = A (second), C is n x m.
+  const cublasOperation_t opx = tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                          opy = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  TPX_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opx, sizeof opx));
+  TPX_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opy, sizeof opy));
+  p.x = lt_layout(abt, tb ? k : n, tb ? n : k, ldb);
+  p.y = lt_layout(abt, ta ? m : k, ta ? k : m, lda);
+  p.c = lt_layout(cct, n, m, ldc);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const std::uint64_t ws = kLtWorkspace;
+  const std::uint32_t ax = alignment(b), ay = alignment(a), ac = alignment(c);
+  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &ax, sizeof ax));
+  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ay, sizeof ay));
+  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac));
+  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(h.lt, p.desc, p.x, p.y, p.c, p.c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+    p.algo = result.algo;
+    p.usable = true;
+  }
+  return h.plans.emplace(key, p).first->second;
+}
+
+}  // namespace
+
+namespace blas {
+
+void gemm(bool ta, bool tb, I m, I n, I k, float alpha, Operand a, Operand b, float beta, void* c,
+          I ldc, I stride_c, I batch, DType ab, DType ct) {
+  if (m == 0 || n == 0 || batch == 0) return;
+  Handles& h = handles();
+  auto stream = static_cast<cudaStream_t>(current_stream());
+  if (batch == 1) {
+    const LtKey key{ta,
+                    tb,
+                    m,
+                    n,
+                    k,
+                    a.ld,
+                    b.ld,
+                    ldc,
+                    static_cast<int>(ab),
+                    static_cast<int>(ct),
+                    alignment(a.ptr),
+                    alignment(b.ptr),
+                    alignment(c)};
+    const LtPlan& p = lt_plan(h, key, ta, tb, m, n, k, a.ld, b.ld, ldc, ab, ct, a.ptr, b.ptr, c);
+    if (p.usable) {
+      TPX_CUBLAS_CHECK(cublasLtMatmul(h.lt, p.desc, &alpha, b.ptr, p.x, a.ptr, p.y, &beta, c, p.c,
+                                      c, p.c, &p.algo, h.workspace, kLtWorkspace, stream));
+      return;
+    }
+  }
+  TPX_CUBLAS_CHECK(cublasSetStream(h.blas, stream));
+  TPX_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      h.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, to_int(n, "n"),
+      to_int(m, "m"), to_int(k, "k"), &alpha, b.ptr, cuda_type(ab), to_int(b.ld, "ldb"), b.stride,
+      a.ptr, cuda_type(ab), to_int(a.ld, "lda"), a.stride, &beta, c, cuda_type(ct),
+      to_int(ldc, "ldc"), stride_c, to_int(batch, "batch"), CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace blas
+
+double measure_bf16_gemm_peak_tflops() {
+  NvtxRange range("measure_bf16_gemm_peak");
+  ensure_initialized();
+  constexpr I n = 8192;  // large enough for cuBLAS to reach its steady-state throughput
+  constexpr int warmup = 3, iters = 10;
+  // Operands hold varied values (an all-zero GEMM draws less power and runs unrealistically fast).
+  std::vector<std::uint16_t> host(static_cast<std::size_t>(n * n));
+  std::uint32_t state = 12345;
+  for (auto& v : host) {
+    state = state * 1664525u + 1013904223u;
+    const float f = static_cast<float>(state >> 8) / float(1 << 24) - 0.5f;
+    v = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(f) >> 16);
+  }
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  const std::size_t bytes = host.size() * sizeof(std::uint16_t);
+  TPX_CUDA_CHECK(cudaMalloc(&a, bytes));
+  TPX_CUDA_CHECK(cudaMalloc(&b, bytes));
+  TPX_CUDA_CHECK(cudaMalloc(&c, host.size() * sizeof(float)));
+  TPX_CUDA_CHECK(cudaMemcpy(a, host.data(), bytes, cudaMemcpyHostToDevice));
+  TPX_CUDA_CHECK(cudaMemcpy(b, host.data(), bytes, cudaMemcpyHostToDevice));
+  TPX_CUDA_CHECK(cudaEventCreate(&start));
+  TPX_CUDA_CHECK(cudaEventCreate(&stop));
+  auto run = [&] {
+    blas::gemm(false, false, n, n, n, 1.0f, {a, n}, {b, n}, 0.0f, c, n, 0, 1, DType::bf16,
+               DType::f32);
+  };
+  for (int i = 0; i < warmup; ++i) run();
+  auto stream = static_cast<cudaStream_t>(current_stream());
+  TPX_CUDA_CHECK(cudaEventRecord(start, stream));
+  for (int i = 0; i < iters; ++i) run();
+  TPX_CUDA_CHECK(cudaEventRecord(stop, stream));
+  TPX_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0.0f;
+  TPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(c);
+  const double flops = 2.0 * double(n) * double(n) * double(n) * iters;
+  return flops / (double(ms) * 1e-3) / 1e12;
+}
+
+}  // namespace tpx::cuda

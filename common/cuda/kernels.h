@@ -1,0 +1,52 @@
+// Launchers of the backend's own CUDA kernels, on raw device pointers. ops.cc checks shapes and
+// dtypes, allocates scratch and calls these; the .cu files that define them include nothing but
+// CUDA and this header. Every launcher enqueues on `stream` (a cudaStream_t) and returns at once.
+//
+// bf16 values travel as std::uint16_t bit patterns (the storage of __nv_bfloat16).
+//
+// defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu)
+#pragma once
+
+#include <cstdint>
+
+namespace tpx::cuda::kernels {
+
+using I = std::int64_t;
+
+// elementwise.cu ---------------------------------------------------------------------------------
+void fill(float* p, float value, I n, void* stream);
+void add(const float* a, const float* b, float* out, I n, void* stream);  // out may alias a or b
+void sgd(float* w, const float* grad, float lr, I n, void* stream);
+void swiglu_forward(const float* gate, const float* up, float* out, I n, void* stream);
+void swiglu_backward(const float* dout, const float* gate, const float* up, float* dgate,
+                     float* dup, I n, void* stream);
+void mse_backward(const float* y, const float* t, double scale, float* dy, I n, void* stream);
+void f32_to_bf16(const float* in, std::uint16_t* out, I n, void* stream);
+void bf16_to_f32(const std::uint16_t* in, float* out, I n, void* stream);
+
+/// Number of double partials sum_squares needs as scratch.
+int reduction_blocks(I n);
+/// *result (device) = Σ (x − y)² (y may be null: Σ x²), accumulated in double. `partials` holds
+/// reduction_blocks(n) doubles. The two-pass reduction is deterministic (no atomics).
+void sum_squares(const float* x, const float* y, I n, double* partials, double* result,
+                 void* stream);
+
+// rmsnorm.cu -------------------------------------------------------------------------------------
+void rmsnorm_forward(const float* x, const float* g, float* y, float* rstd, I rows, I h, float eps,
+                     void* stream);
+void rmsnorm_backward_dx(const float* dy, const float* x, const float* g, const float* rstd,
+                         float* dx, I rows, I h, void* stream);
+/// Row chunks rmsnorm_backward_dg splits the rows into; it needs chunks * h floats of scratch.
+int rmsnorm_dg_chunks(I rows, I h);
+void rmsnorm_backward_dg(const float* dy, const float* x, const float* rstd, float* partial,
+                         float* dg, I rows, I h, void* stream);
+
+// attention.cu -----------------------------------------------------------------------------------
+/// In place on `rows` score rows of length s (rows = batches·s; row r is query position r % s):
+/// p = softmax over j <= i, zero for j > i. Also writes a bf16 copy when p_bf16 is not null.
+void causal_softmax_forward(float* p, std::uint16_t* p_bf16, I rows, I s, void* stream);
+/// In place: dp becomes dS = P ⊙ (dP − Σ_j dP·P) on j <= i and zero above; bf16 copy optional.
+void causal_softmax_backward(const float* p, float* dp, std::uint16_t* ds_bf16, I rows, I s,
+                             void* stream);
+
+}  // namespace tpx::cuda::kernels

@@ -1,0 +1,340 @@
+// The CUDA backend's ops: shape and dtype checks, scratch buffers from the caching allocator,
+// then kernels (kernels.h) and cuBLAS (blas.h) on the current stream. Every op opens an NVTX
+// range named after it.
+#include "ops.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "blas.h"
+#include "check.h"
+#include "common/config.h"
+#include "kernels.h"
+#include "nvtx.h"
+
+namespace tpx::cuda {
+namespace {
+
+using I = std::int64_t;
+
+/// Checks a kernel launch (configuration errors surface here; faults surface at the next sync).
+#define TPX_CUDA_LAUNCH_CHECK() TPX_CUDA_CHECK(cudaGetLastError())
+
+void* stream() {
+  return current_stream();
+}
+
+void expect(const Tensor& t, DType dtype, const char* what) {
+  TPX_CHECK(t.device() == Device::cuda && t.dtype() == dtype, "{} must be {} on cuda, got {}", what,
+            to_string(dtype), t.describe());
+}
+void expect_f32(const Tensor& t, const char* what) {
+  expect(t, DType::f32, what);
+}
+
+void expect_same_numel(const Tensor& a, const Tensor& b) {
+  TPX_CHECK(a.numel() == b.numel(), "element counts differ: {} vs {}", a.describe(), b.describe());
+}
+
+const float* cf(const Tensor& t) {
+  return t.data<float>();
+}
+float* f(const Tensor& t) {
+  return t.data<float>();
+}
+std::uint16_t* h16(const Tensor& t) {
+  return t.data<std::uint16_t>();
+}
+
+Tensor scratch(Tensor::Shape shape, DType dtype) {
+  return Tensor::empty(std::move(shape), dtype, Device::cuda);
+}
+
+/// `t` as a bf16 tensor: itself if it is one, else a bf16 copy in scratch.
+Tensor as_bf16(const Tensor& t) {
+  if (t.dtype() == DType::bf16) return t;
+  Tensor out = scratch(t.shape(), DType::bf16);
+  cast(t, out);
+  return out;
+}
+
+/// A reduction to one double on the host (deterministic, two passes; see elementwise.cu).
+double reduce_sum_squares(const float* x, const float* y, I n) {
+  // Scratch for the result and one partial per block, as doubles (two f32 slots each).
+  const Tensor partials = scratch({2 * (I{kernels::reduction_blocks(n)} + 1)}, DType::f32);
+  auto* p = static_cast<double*>(partials.raw());
+  kernels::sum_squares(x, y, n, p + 1, p, stream());
+  TPX_CUDA_LAUNCH_CHECK();
+  double result = 0.0;
+  TPX_CUDA_CHECK(cudaMemcpyAsync(&result, p, sizeof(double), cudaMemcpyDeviceToHost,
+                                 static_cast<cudaStream_t>(stream())));
+  synchronize();
+  return result;
+}
+
+struct AttnDims {
+  I s, b, heads, d, ld;  // ld = B·heads·D, the row stride of one sequence position
+  I batches() const { return b * heads; }
+};
+
+AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
+                        const Tensor& probs) {
+  TPX_CHECK(q.ndim() == 3 && q.shape() == k.shape() && q.shape() == v.shape(),
+            "attention q, k, v must be equal [S, B, X]: {} {} {}", q.describe(), k.describe(),
+            v.describe());
+  expect_f32(q, "attention q");
+  expect_f32(k, "attention k");
+  expect_f32(v, "attention v");
+  expect_f32(probs, "attention probs");
+  const I s = q.dim(0), b = q.dim(1), x = q.dim(2);
+  TPX_CHECK(heads > 0 && x % heads == 0, "{} columns do not split into {} heads", x, heads);
+  TPX_CHECK(probs.numel() == b * heads * s * s, "probs {} must hold [B, heads, S, S]",
+            probs.describe());
+  return {s, b, heads, x / heads, b * x};
+}
+
+void expect_compute(DType compute) {
+  TPX_CHECK(compute == DType::f32 || compute == DType::bf16,
+            "GEMM compute dtype must be fp32 or bf16, got {}", to_string(compute));
+}
+
+}  // namespace
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
+          float alpha, float beta, DType compute) {
+  NvtxRange range("gemm");
+  expect_compute(compute);
+  const I m = trans_a ? a.cols() : a.rows();
+  const I k = trans_a ? a.rows() : a.cols();
+  const I kb = trans_b ? b.cols() : b.rows();
+  const I n = trans_b ? b.rows() : b.cols();
+  TPX_CHECK(k == kb && c.rows() == m && c.cols() == n,
+            "gemm shapes: op(A) [{}, {}] · op(B) [{}, {}] into C {}", m, k, kb, n, c.describe());
+  TPX_CHECK(a.device() == Device::cuda && b.device() == Device::cuda && c.device() == Device::cuda,
+            "gemm operands must be on cuda: {} {} {}", a.describe(), b.describe(), c.describe());
+  TPX_CHECK(c.dtype() == DType::f32 || (c.dtype() == DType::bf16 && compute == DType::bf16),
+            "gemm C must be f32 (or bf16 with bf16 compute), got {}", c.describe());
+  if (compute == DType::f32) {
+    expect_f32(a, "gemm A (fp32 compute)");
+    expect_f32(b, "gemm B (fp32 compute)");
+  }
+  const Tensor a_op = compute == DType::bf16 ? as_bf16(a) : a;
+  const Tensor b_op = compute == DType::bf16 ? as_bf16(b) : b;
+  blas::gemm(trans_a, trans_b, m, n, k, alpha, {a_op.raw(), a.cols()}, {b_op.raw(), b.cols()}, beta,
+             c.raw(), n, 0, 1, compute, c.dtype());
+}
+
+void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd) {
+  NvtxRange range("rmsnorm_forward");
+  const I rows = x.rows(), h = x.cols();
+  expect_f32(x, "rmsnorm x");
+  expect_f32(g, "rmsnorm g");
+  expect_f32(y, "rmsnorm y");
+  expect_f32(rstd, "rmsnorm rstd");
+  TPX_CHECK(g.numel() == h && y.numel() == x.numel() && rstd.numel() == rows,
+            "rmsnorm shapes: x {}, g {}, y {}, rstd {}", x.describe(), g.describe(), y.describe(),
+            rstd.describe());
+  kernels::rmsnorm_forward(cf(x), cf(g), f(y), f(rstd), rows, h, static_cast<float>(kNormEps),
+                           stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dg) {
+  NvtxRange range("rmsnorm_backward");
+  const I rows = x.rows(), h = x.cols();
+  for (const Tensor* t : {&dy, &x, &g, &rstd, &dx, &dg}) expect_f32(*t, "rmsnorm_backward tensor");
+  TPX_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && g.numel() == h &&
+                dg.numel() == h && rstd.numel() == rows,
+            "rmsnorm_backward shapes");
+  kernels::rmsnorm_backward_dx(cf(dy), cf(x), cf(g), cf(rstd), f(dx), rows, h, stream());
+  TPX_CUDA_LAUNCH_CHECK();
+  Tensor partial = scratch({I{kernels::rmsnorm_dg_chunks(rows, h)}, h}, DType::f32);
+  kernels::rmsnorm_backward_dg(cf(dy), cf(x), cf(rstd), f(partial), f(dg), rows, h, stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+// Per (batch, head) — one strided-batched GEMM over all B·heads of them:
+//   P = causal_softmax(Q Kᵀ · scale),  O = P V.
+// Q, K, V, O of batch b, head h are the [S, D] matrices at column offset (b·heads + h)·D of the
+// [S, B, heads·D] tensors, row stride ld = B·heads·D: consecutive (b, h) pairs are D elements
+// apart, so cuBLAS reads (and writes O) in place with batch stride D, no transposes or copies.
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
+                       const Tensor& out, const Tensor& probs, DType compute) {
+  NvtxRange range("attention_forward");
+  expect_compute(compute);
+  const auto [s, b, nh, d, ld] = attention_dims(q, k, v, heads, probs);
+  expect_f32(out, "attention out");
+  expect_same_numel(q, out);
+  const I bh = b * nh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const bool low = compute == DType::bf16;
+  const Tensor qo = low ? as_bf16(q) : q, ko = low ? as_bf16(k) : k, vo = low ? as_bf16(v) : v;
+  const Tensor p16 = low ? scratch(probs.shape(), DType::bf16) : Tensor();
+  blas::gemm(false, true, s, s, d, scale, {qo.raw(), ld, d}, {ko.raw(), ld, d}, 0.0f, probs.raw(),
+             s, s * s, bh, compute, DType::f32);
+  kernels::causal_softmax_forward(f(probs), low ? h16(p16) : nullptr, bh * s, s, stream());
+  TPX_CUDA_LAUNCH_CHECK();
+  const void* p_op = low ? p16.raw() : probs.raw();
+  blas::gemm(false, false, s, d, s, 1.0f, {p_op, s, s * s}, {vo.raw(), ld, d}, 0.0f, out.raw(), ld,
+             d, bh, compute, DType::f32);
+}
+
+// dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − rowsum(dP ⊙ P));  dQ = scale·dS K;  dK = scale·dSᵀ Q.
+// dP and dS share one [B·heads, S, S] scratch (the softmax backward runs in place).
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& probs, I heads, const Tensor& dq, const Tensor& dk,
+                        const Tensor& dv, DType compute) {
+  NvtxRange range("attention_backward");
+  expect_compute(compute);
+  const auto [s, b, nh, d, ld] = attention_dims(q, k, v, heads, probs);
+  for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
+    expect_f32(*t, "attention_backward tensor");
+    expect_same_numel(q, *t);
+  }
+  const I bh = b * nh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const bool low = compute == DType::bf16;
+  const Tensor doo = low ? as_bf16(dout) : dout, qo = low ? as_bf16(q) : q;
+  const Tensor ko = low ? as_bf16(k) : k, vo = low ? as_bf16(v) : v;
+  const Tensor p_op = low ? as_bf16(probs) : probs;
+  const Tensor dp = scratch(probs.shape(), DType::f32);
+  const Tensor ds16 = low ? scratch(probs.shape(), DType::bf16) : Tensor();
+
+  blas::gemm(true, false, s, d, s, 1.0f, {p_op.raw(), s, s * s}, {doo.raw(), ld, d}, 0.0f, dv.raw(),
+             ld, d, bh, compute, DType::f32);
+  blas::gemm(false, true, s, s, d, 1.0f, {doo.raw(), ld, d}, {vo.raw(), ld, d}, 0.0f, dp.raw(), s,
+             s * s, bh, compute, DType::f32);
+  kernels::causal_softmax_backward(cf(probs), f(dp), low ? h16(ds16) : nullptr, bh * s, s,
+                                   stream());
+  TPX_CUDA_LAUNCH_CHECK();
+  const void* ds_op = low ? ds16.raw() : dp.raw();
+  blas::gemm(false, false, s, d, s, scale, {ds_op, s, s * s}, {ko.raw(), ld, d}, 0.0f, dq.raw(), ld,
+             d, bh, compute, DType::f32);
+  blas::gemm(true, false, s, d, s, scale, {ds_op, s, s * s}, {qo.raw(), ld, d}, 0.0f, dk.raw(), ld,
+             d, bh, compute, DType::f32);
+}
+
+void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  NvtxRange range("swiglu_forward");
+  for (const Tensor* t : {&gate, &up, &out}) expect_f32(*t, "swiglu tensor");
+  expect_same_numel(gate, up);
+  expect_same_numel(gate, out);
+  kernels::swiglu_forward(cf(gate), cf(up), f(out), gate.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
+                     const Tensor& dup) {
+  NvtxRange range("swiglu_backward");
+  for (const Tensor* t : {&dout, &gate, &up, &dgate, &dup}) {
+    expect_f32(*t, "swiglu_backward tensor");
+    expect_same_numel(gate, *t);
+  }
+  kernels::swiglu_backward(cf(dout), cf(gate), cf(up), f(dgate), f(dup), gate.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  NvtxRange range("add");
+  for (const Tensor* t : {&a, &b, &out}) expect_f32(*t, "add tensor");
+  expect_same_numel(a, b);
+  expect_same_numel(a, out);
+  kernels::add(cf(a), cf(b), f(out), a.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void accumulate(const Tensor& x, const Tensor& into) {
+  NvtxRange range("accumulate");
+  expect_f32(x, "accumulate x");
+  expect_f32(into, "accumulate into");
+  expect_same_numel(x, into);
+  kernels::add(cf(into), cf(x), f(into), x.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+double mse_loss_sum(const Tensor& y, const Tensor& t) {
+  NvtxRange range("mse_loss_sum");
+  expect_f32(y, "mse y");
+  expect_f32(t, "mse target");
+  expect_same_numel(y, t);
+  return reduce_sum_squares(cf(y), cf(t), y.numel());
+}
+
+void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy) {
+  NvtxRange range("mse_loss_backward");
+  for (const Tensor* p : {&y, &t, &dy}) expect_f32(*p, "mse_loss_backward tensor");
+  expect_same_numel(y, t);
+  expect_same_numel(y, dy);
+  kernels::mse_backward(cf(y), cf(t), scale, f(dy), y.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
+  NvtxRange range("sgd_update");
+  expect_f32(w, "sgd w");
+  expect_f32(grad, "sgd grad");
+  expect_same_numel(w, grad);
+  kernels::sgd(f(w), cf(grad), lr, w.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+double sum_squares(const Tensor& x) {
+  NvtxRange range("sum_squares");
+  expect_f32(x, "sum_squares x");
+  return reduce_sum_squares(cf(x), nullptr, x.numel());
+}
+
+void fill(const Tensor& t, float value) {
+  NvtxRange range("fill");
+  expect_f32(t, "fill");
+  kernels::fill(f(t), value, t.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void cast(const Tensor& src, const Tensor& dst) {
+  NvtxRange range("cast");
+  TPX_CHECK(src.device() == Device::cuda && dst.device() == Device::cuda,
+            "cast between cuda tensors: {} -> {}", src.describe(), dst.describe());
+  expect_same_numel(src, dst);
+  if (src.dtype() == dst.dtype()) {
+    copy(src, dst);
+  } else if (src.dtype() == DType::f32 && dst.dtype() == DType::bf16) {
+    kernels::f32_to_bf16(cf(src), h16(dst), src.numel(), stream());
+  } else if (src.dtype() == DType::bf16 && dst.dtype() == DType::f32) {
+    kernels::bf16_to_f32(src.data<std::uint16_t>(), f(dst), src.numel(), stream());
+  } else {
+    fail(fmt::format("no cast from {} to {}", src.describe(), dst.describe()));
+  }
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void copy(const Tensor& src, const Tensor& dst) {
+  NvtxRange range("copy");
+  TPX_CHECK(src.numel() == dst.numel() && src.dtype() == dst.dtype(), "copy {} -> {}",
+            src.describe(), dst.describe());
+  if (src.device() == Device::cuda || dst.device() == Device::cuda) ensure_initialized();
+  auto s = static_cast<cudaStream_t>(stream());
+  TPX_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), cudaMemcpyDefault, s));
+  // Host memory is pageable: make the copy complete before the caller touches (or frees) it.
+  if (src.device() == Device::cpu || dst.device() == Device::cpu) synchronize();
+}
+
+Tensor to_host_f32(const Tensor& t) {
+  Tensor f32 = t;
+  if (t.dtype() != DType::f32) {
+    TPX_CHECK(t.device() == Device::cuda, "to_host_f32 of {}: only cuda tensors are converted",
+              t.describe());
+    f32 = scratch(t.shape(), DType::f32);
+    cast(t, f32);
+  }
+  Tensor host = Tensor::empty(t.shape(), DType::f32, Device::cpu);
+  copy(f32, host);
+  return host;
+}
+
+}  // namespace tpx::cuda

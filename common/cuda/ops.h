@@ -1,0 +1,57 @@
+// The CUDA backend of tpx::ops (common/ops.h dispatches here for cuda tensors). Signatures mirror
+// tpx::cpu (common/cpu/ops.h); gemm and attention also take the compute dtype.
+//
+// Precision (see README.md): tensors are stored in fp32 (weights, gradients, activations). With
+// compute = bf16 the GEMMs, attention's included, read bf16 copies of their operands and
+// accumulate in fp32; everything else (norms, softmax, SwiGLU, loss, SGD) is fp32 arithmetic.
+// Reductions that return a scalar to the host (loss, sum of squares) accumulate in double.
+//
+// All work is issued on cuda::current_stream() (device.h) and is asynchronous unless the op
+// returns a host value (mse_loss_sum, sum_squares, to_host_f32) or copies to host memory.
+//
+// defines: tpx::cuda::gemm, rmsnorm_*, attention_*, swiglu_*, add, accumulate, mse_loss_*,
+//          sgd_update, sum_squares, fill, cast, copy, to_host_f32, synchronize,
+//          device_problem, measure_bf16_gemm_peak_tflops
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/tensor.h"
+#include "device.h"
+
+namespace tpx::cuda {
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
+          float alpha, float beta, DType compute = DType::f32);
+void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd);
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dg);
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                       const Tensor& out, const Tensor& probs, DType compute = DType::f32);
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
+                        const Tensor& dv, DType compute = DType::f32);
+void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
+void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
+                     const Tensor& dup);
+void add(const Tensor& a, const Tensor& b, const Tensor& out);
+void accumulate(const Tensor& x, const Tensor& into);
+double mse_loss_sum(const Tensor& y, const Tensor& t);
+void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
+void sgd_update(const Tensor& w, const Tensor& grad, float lr);
+double sum_squares(const Tensor& x);
+void fill(const Tensor& t, float value);
+
+/// dst = src converted between f32 and bf16 (round to nearest even); equal dtypes copy.
+void cast(const Tensor& src, const Tensor& dst);
+/// Copies bytes between host and device or device and device (same dtype, same element count).
+void copy(const Tensor& src, const Tensor& dst);
+/// A host f32 tensor with the values of t (any dtype, any device).
+Tensor to_host_f32(const Tensor& t);
+
+/// Times a large cuBLAS bf16 GEMM (fp32 accumulation) and returns its throughput in TFLOP/s:
+/// the device's practical dense bf16 peak, the denominator of MFU.
+double measure_bf16_gemm_peak_tflops();
+
+}  // namespace tpx::cuda

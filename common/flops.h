@@ -1,0 +1,37 @@
+// Floating-point operations of one training step of the block, counted from its GEMMs: what
+// TFLOP/s and MFU are computed from, and what the tutorial's tables cite.
+//
+// Per layer, with T = S·B tokens (multiply-add = 2 FLOPs):
+//   linear forward     2·T·(4H² + 3HF)     Wq, Wk, Wv, Wo: [H, H]; Wg, Wu: [H, F]; Wd: [F, H]
+//   attention forward  2·(2·B·S²·H)        QKᵀ and PV over all heads, the full S×S square (the
+//                                          GEMMs compute it; the causal mask zeroes half later)
+//   backward           2 × forward         each GEMM becomes two (dX and dW; dQ, dK and dV, dP)
+// Element-wise work (norms, softmax, SwiGLU, residuals, loss, SGD) is O(T·H) and not counted.
+// A tensor-parallel rank does 1/N of the GEMM work.
+//
+// defines: tpx::StepFlops, tpx::step_flops()
+#pragma once
+
+#include "config.h"
+
+namespace tpx {
+
+struct StepFlops {
+  double linear_forward = 0;     ///< all layers
+  double attention_forward = 0;  ///< all layers
+  double forward() const { return linear_forward + attention_forward; }
+  double backward() const { return 2.0 * forward(); }
+  double total() const { return forward() + backward(); }  ///< forward + backward = 3 × forward
+};
+
+/// FLOPs of one forward + backward of the whole model (all L layers, all ranks together).
+inline StepFlops step_flops(const BlockConfig& c) {
+  const double h = double(c.hidden), f = double(c.ffn), s = double(c.seq), b = double(c.batch);
+  const double t = s * b, layers = double(c.layers);
+  StepFlops r;
+  r.linear_forward = layers * 2.0 * t * (4.0 * h * h + 3.0 * h * f);
+  r.attention_forward = layers * 2.0 * (2.0 * b * s * s * h);
+  return r;
+}
+
+}  // namespace tpx

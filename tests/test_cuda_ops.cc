@@ -1,0 +1,421 @@
+// The CUDA backend against the CPU backend: every op on the same inputs, both vectorised
+// (16-byte aligned, sizes multiple of 4/8) and scalar (odd sizes, offset views) kernel paths;
+// bf16 casts bit-exact against the host rounding; the error-check macros, the allocator's size
+// classes and device_problem() (these three also run without a GPU). Tests that need a GPU skip
+// with the reason when none is visible. ctest names them cuda.<Suite>.<Test>.
+#include <cublas_api.h>
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/cpu/ops.h"
+#include "common/cuda/allocator.h"
+#include "common/cuda/check.h"
+#include "common/cuda/device.h"
+#include "common/ops.h"
+#include "common/stream.h"
+#include "test_util.h"
+#if TPX_WITH_NCCL
+#include "common/cuda/nccl_check.h"
+#endif
+
+namespace tpx {
+namespace {
+
+using test::random_tensor;
+using I = std::int64_t;
+
+#define TPX_REQUIRE_GPU()                                                 \
+  do {                                                                    \
+    if (const auto why = ops::device_problem(Device::cuda); !why.empty()) \
+      GTEST_SKIP() << "no usable GPU: " << why;                           \
+  } while (0)
+
+Tensor on_gpu(const Tensor& host) {
+  return ops::to_device(host, Device::cuda);
+}
+Tensor on_cpu(const Tensor& t) {
+  return ops::to_device(t, Device::cpu);
+}
+Tensor gpu_empty(Tensor::Shape shape, DType d = DType::f32) {
+  return Tensor::empty(std::move(shape), d, Device::cuda);
+}
+Tensor cpu_empty(Tensor::Shape shape) {
+  return Tensor::empty(std::move(shape));
+}
+
+/// max |got − want| / max |want| (the --check metric), got from any device.
+double rel_err(const Tensor& got, const Tensor& want) {
+  const Tensor g = on_cpu(got);
+  EXPECT_EQ(g.numel(), want.numel());
+  double err = 0.0, scale = 0.0;
+  auto gs = g.f32(), ws = want.f32();
+  for (std::size_t i = 0; i < ws.size() && i < gs.size(); ++i) {
+    err = std::max(err, std::abs(double(gs[i]) - double(ws[i])));
+    if (std::isnan(gs[i])) err = INFINITY;
+    scale = std::max(scale, std::abs(double(ws[i])));
+  }
+  return scale > 0 ? err / scale : err;
+}
+
+/// A copy of a cpu tensor with every value rounded to bf16 (what a bf16 GEMM multiplies).
+Tensor rounded_to_bf16(const Tensor& t) {
+  Tensor r = cpu_empty(t.shape());
+  auto in = t.f32(), out = r.f32();
+  for (std::size_t i = 0; i < in.size(); ++i) out[i] = bf16_value(bf16_bits(in[i]));
+  return r;
+}
+
+constexpr double kF32Tol = 1e-5;
+
+// ---------------------------------------------------------------------------------------------
+// Without a GPU.
+
+TEST(Check, MacrosNameTheCallAndTheLibrarysError) {
+  // cudaSetDevice(-1) fails everywhere: an invalid ordinal with a GPU, no driver without one.
+  try {
+    TPX_CUDA_CHECK(cudaSetDevice(-1));
+    FAIL() << "TPX_CUDA_CHECK did not throw";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("cudaSetDevice(-1) failed"), std::string::npos) << what;
+    EXPECT_NE(what.find("test_cuda_ops.cc:"), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+  // With a GPU the error is not sticky and the macro clears it (without a driver, every call
+  // keeps failing).
+  if (ops::device_problem(Device::cuda).empty()) {
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+  try {
+    TPX_CUBLAS_CHECK(CUBLAS_STATUS_INVALID_VALUE);
+    FAIL() << "TPX_CUBLAS_CHECK did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CUBLAS_STATUS_INVALID_VALUE"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(TPX_CUBLAS_CHECK(CUBLAS_STATUS_SUCCESS));
+#if TPX_WITH_NCCL
+  try {
+    TPX_NCCL_CHECK(ncclInvalidArgument);
+    FAIL() << "TPX_NCCL_CHECK did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ncclInvalidArgument failed"), std::string::npos)
+        << e.what();
+  }
+#endif
+}
+
+TEST(Device, ProblemIsEmptyOrOneClearLine) {
+  int count = 0;
+  const bool visible = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  (void)cudaGetLastError();
+  const std::string why = ops::device_problem(Device::cuda);
+  if (visible) {
+    EXPECT_EQ(why, "");
+  } else {
+    EXPECT_EQ(why.rfind("--device cuda: no CUDA device is visible", 0), 0u) << why;
+    EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+  }
+}
+
+TEST(Allocator, SizeClassesCoverRequestsWithLittleWaste) {
+  using A = cuda::CachingAllocator;
+  EXPECT_EQ(A::size_class(0), 512u);
+  EXPECT_EQ(A::size_class(1), 512u);
+  EXPECT_EQ(A::size_class(513), 1024u);
+  EXPECT_EQ(A::size_class(std::size_t{1} << 20), std::size_t{1} << 20);
+  EXPECT_EQ(A::size_class((std::size_t{1} << 20) + 1),
+            (std::size_t{1} << 20) + (std::size_t{1} << 17));
+  std::size_t previous = 0;
+  for (std::size_t bytes = 1; bytes < (std::size_t{1} << 34); bytes = bytes * 5 / 4 + 7) {
+    const std::size_t c = A::size_class(bytes);
+    EXPECT_GE(c, bytes);
+    EXPECT_GE(c, previous);  // monotone: a larger request never gets a smaller block
+    EXPECT_EQ(c % 512, 0u);
+    if (bytes > 4096) {
+      EXPECT_LE(double(c), 1.125 * double(bytes)) << bytes;
+    }
+    previous = c;
+  }
+}
+
+TEST(Bf16, HostRoundingIsNearestEven) {
+  EXPECT_EQ(bf16_bits(1.0f), 0x3f80);
+  EXPECT_EQ(bf16_bits(1.0f + 0x1p-8f), 0x3f80);             // tie, rounds to the even 0x3f80
+  EXPECT_EQ(bf16_bits(1.0f + 3 * 0x1p-8f), 0x3f82);         // tie, rounds up to the even 0x3f82
+  EXPECT_EQ(bf16_bits(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81);  // above the tie
+  EXPECT_EQ(bf16_bits(-2.0f), 0xc000);
+  EXPECT_EQ(bf16_bits(std::numeric_limits<float>::infinity()), 0x7f80);
+  EXPECT_EQ(bf16_bits(std::numeric_limits<float>::max()), 0x7f80);  // overflows to inf
+  EXPECT_TRUE(std::isnan(bf16_value(bf16_bits(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_EQ(bf16_value(0x3f81), 1.0f + 0x1p-7f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// With a GPU.
+
+TEST(Allocator, CountsBytesAndReusesFreedBlocks) {
+  TPX_REQUIRE_GPU();
+  Allocator& a = allocator_for(Device::cuda);
+  const MemoryStats before = a.stats();
+  void* p = a.allocate(1000);
+  EXPECT_EQ(a.stats().current, before.current + 1000);
+  EXPECT_GE(a.stats().peak, before.current + 1000);
+  a.deallocate(p, 1000);
+  EXPECT_EQ(a.stats().current, before.current);
+  void* q = a.allocate(900);  // same size class: the cached block comes back
+  EXPECT_EQ(q, p);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(q) % 256, 0u);
+  a.deallocate(q, 900);
+}
+
+TEST(Stream, EventsOrderWorkAcrossStreams) {
+  TPX_REQUIRE_GPU();
+  const Tensor host = random_tensor({4096}, 1);
+  const Tensor x = on_gpu(host);
+  const Tensor y = gpu_empty({4096});
+  Stream side = Stream::create(Device::cuda);
+  Event done(Device::cuda);
+  {
+    cuda::StreamGuard on_side(side.native());
+    ops::fill(y, 0.0f);
+    ops::accumulate(x, y);  // y = x, on the side stream
+    done.record(side);
+  }
+  done.wait(Stream(Device::cuda));  // the default stream waits on the device
+  ops::accumulate(x, y);            // y = 2x, ordered after the side stream's work
+  ops::synchronize(Device::cuda);
+  EXPECT_TRUE(done.ready());
+  done.synchronize();
+  side.synchronize();
+  Tensor want = cpu_empty({4096});
+  cpu::add(host, host, want);
+  EXPECT_EQ(rel_err(y, want), 0.0);
+}
+
+TEST(Ops, ElementwiseMatchCpu) {
+  TPX_REQUIRE_GPU();
+  // 4096: float4 path; 1001: scalar path; a view at a 4-byte offset: scalar path on misalignment.
+  for (const I n : {I{4096}, I{1001}}) {
+    for (const bool offset : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "n " << n << " offset " << offset);
+      auto view = [&](const Tensor& t) { return offset ? t.slice0(1, n + 1) : t.slice0(0, n); };
+      const Tensor a = random_tensor({n + 1}, 2), b = random_tensor({n + 1}, 3);
+      const Tensor da = on_gpu(a), db = on_gpu(b);
+      const Tensor ha = view(a), hb = view(b), ga = view(da), gb = view(db);
+      Tensor want = cpu_empty({n}), got = gpu_empty({n});
+
+      cpu::add(ha, hb, want);
+      ops::add(ga, gb, got);
+      EXPECT_LE(rel_err(got, want), 0.0) << "add";
+
+      ops::copy(ga, got);
+      ops::accumulate(gb, got);
+      EXPECT_LE(rel_err(got, want), 0.0) << "accumulate";
+
+      cpu::swiglu_forward(ha, hb, want);
+      ops::swiglu_forward(ga, gb, got);
+      EXPECT_LE(rel_err(got, want), kF32Tol) << "swiglu_forward";
+
+      const Tensor dout = random_tensor({n}, 4);
+      Tensor wdg = cpu_empty({n}), wdu = cpu_empty({n});
+      Tensor gdg = gpu_empty({n}), gdu = gpu_empty({n});
+      cpu::swiglu_backward(dout, ha, hb, wdg, wdu);
+      ops::swiglu_backward(on_gpu(dout), ga, gb, gdg, gdu);
+      EXPECT_LE(rel_err(gdg, wdg), kF32Tol) << "swiglu_backward dgate";
+      EXPECT_LE(rel_err(gdu, wdu), kF32Tol) << "swiglu_backward dup";
+
+      cpu::mse_loss_backward(ha, hb, 1.0 / double(n), want);
+      ops::mse_loss_backward(ga, gb, 1.0 / double(n), got);
+      EXPECT_LE(rel_err(got, want), kF32Tol) << "mse_loss_backward";
+
+      // Sums of squares in double on both sides: only the summation order differs.
+      EXPECT_NEAR(ops::mse_loss_sum(ga, gb), cpu::mse_loss_sum(ha, hb),
+                  1e-12 * cpu::mse_loss_sum(ha, hb));
+      EXPECT_NEAR(ops::sum_squares(ga), cpu::sum_squares(ha), 1e-12 * cpu::sum_squares(ha));
+
+      Tensor w = cpu_empty({n});
+      ops::copy(ha, w);
+      const Tensor gw = on_gpu(w);
+      cpu::sgd_update(w, hb, 0.3f);
+      ops::sgd_update(gw, gb, 0.3f);
+      EXPECT_LE(rel_err(gw, w), kF32Tol) << "sgd_update";  // nvcc may fuse w - lr·g into an FMA
+
+      ops::fill(got, 2.5f);
+      cpu::fill(want, 2.5f);
+      EXPECT_EQ(rel_err(got, want), 0.0) << "fill";
+    }
+  }
+}
+
+TEST(Ops, CastsAreBitExactRoundToNearestEven) {
+  TPX_REQUIRE_GPU();
+  for (const I n : {I{64}, I{13}}) {  // 8-wide vector path, scalar path
+    Tensor src = random_tensor({n}, 5, 0.0, 100.0);
+    auto s = src.f32();
+    s[0] = 1.0f + 0x1p-8f;  // ties
+    s[1] = 1.0f + 3 * 0x1p-8f;
+    s[2] = -0.0f;
+    s[3] = std::numeric_limits<float>::infinity();
+    s[4] = std::numeric_limits<float>::max();
+    s[5] = std::numeric_limits<float>::denorm_min() * 3;
+    s[6] = std::numeric_limits<float>::quiet_NaN();
+    const Tensor g16 = gpu_empty({n}, DType::bf16);
+    ops::cast(on_gpu(src), g16);
+    const Tensor h16 = Tensor::empty({n}, DType::bf16);
+    ops::copy(g16, h16);
+    const auto* bits = h16.data<std::uint16_t>();
+    for (I i = 0; i < n; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      if (std::isnan(s[k])) {
+        EXPECT_TRUE(std::isnan(bf16_value(bits[i])));
+      } else {
+        EXPECT_EQ(bits[i], bf16_bits(s[k])) << "element " << i << " = " << s[k];
+      }
+    }
+    // Back to f32: exact (bf16 is a prefix of f32).
+    const Tensor back = ops::to_device(g16, Device::cpu);  // bf16 on cuda -> f32 on the host
+    ASSERT_EQ(back.dtype(), DType::f32);
+    for (I i = 7; i < n; ++i)
+      EXPECT_EQ(std::bit_cast<std::uint32_t>(back.f32()[static_cast<std::size_t>(i)]),
+                std::uint32_t{bits[i]} << 16);
+  }
+}
+
+TEST(Ops, RmsNormMatchesCpu) {
+  TPX_REQUIRE_GPU();
+  struct Case {
+    I rows, h;
+  };
+  // vectorised rows; odd width (scalar path); many rows (several dg chunks).
+  for (const Case c : {Case{37, 64}, Case{5, 67}, Case{1000, 256}}) {
+    SCOPED_TRACE(testing::Message() << "rows " << c.rows << " h " << c.h);
+    const Tensor x = random_tensor({c.rows, c.h}, 6), g = random_tensor({c.h}, 7, 1.0, 0.1);
+    const Tensor dy = random_tensor({c.rows, c.h}, 8);
+    Tensor y = cpu_empty({c.rows, c.h}), rstd = cpu_empty({c.rows});
+    Tensor dx = cpu_empty({c.rows, c.h}), dg = cpu_empty({c.h});
+    cpu::rmsnorm_forward(x, g, y, rstd);
+    cpu::rmsnorm_backward(dy, x, g, rstd, dx, dg);
+    const Tensor gx = on_gpu(x), gg = on_gpu(g);
+    Tensor gy = gpu_empty({c.rows, c.h}), grstd = gpu_empty({c.rows});
+    Tensor gdx = gpu_empty({c.rows, c.h}), gdg = gpu_empty({c.h});
+    ops::rmsnorm_forward(gx, gg, gy, grstd);
+    ops::rmsnorm_backward(on_gpu(dy), gx, gg, grstd, gdx, gdg);
+    EXPECT_LE(rel_err(gy, y), kF32Tol) << "y";
+    EXPECT_LE(rel_err(grstd, rstd), kF32Tol) << "rstd";
+    EXPECT_LE(rel_err(gdx, dx), kF32Tol) << "dx";
+    EXPECT_LE(rel_err(gdg, dg), kF32Tol) << "dg";
+  }
+}
+
+TEST(Ops, GemmFp32AllTransposesMatchCpu) {
+  TPX_REQUIRE_GPU();
+  struct Case {
+    I m, n, k;
+  };
+  for (const Case c : {Case{33, 17, 45}, Case{128, 64, 96}}) {
+    for (const bool ta : {false, true}) {
+      for (const bool tb : {false, true}) {
+        SCOPED_TRACE(testing::Message()
+                     << c.m << "x" << c.n << "x" << c.k << " ta " << ta << " tb " << tb);
+        const Tensor a = random_tensor(ta ? Tensor::Shape{c.k, c.m} : Tensor::Shape{c.m, c.k}, 9);
+        const Tensor b = random_tensor(tb ? Tensor::Shape{c.n, c.k} : Tensor::Shape{c.k, c.n}, 10);
+        const Tensor c0 = random_tensor({c.m, c.n}, 11);
+        Tensor want = cpu_empty({c.m, c.n});
+        ops::copy(c0, want);
+        cpu::gemm(a, ta, b, tb, want, 0.5f, 0.25f);
+        const Tensor got = on_gpu(c0);
+        ops::gemm(on_gpu(a), ta, on_gpu(b), tb, got, 0.5f, 0.25f);
+        EXPECT_LE(rel_err(got, want), kF32Tol);
+      }
+    }
+  }
+}
+
+// bf16 GEMM = exact products of bf16-rounded operands (8-bit significands multiply exactly into
+// fp32) summed in fp32. So it must equal an fp32 GEMM of the host-rounded operands up to fp32
+// summation order; 1e-4 leaves room for the tensor cores' internal adder rounding, while a
+// missing rounding or a wrong operand shows up as O(1e-3) to O(1).
+TEST(Ops, GemmBf16IsFp32GemmOfRoundedOperands) {
+  TPX_REQUIRE_GPU();
+  const I m = 64, n = 48, k = 200;
+  for (const bool ta : {false, true}) {
+    for (const bool tb : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "ta " << ta << " tb " << tb);
+      const Tensor a = random_tensor(ta ? Tensor::Shape{k, m} : Tensor::Shape{m, k}, 12);
+      const Tensor b = random_tensor(tb ? Tensor::Shape{n, k} : Tensor::Shape{k, n}, 13);
+      Tensor want = cpu_empty({m, n});
+      cpu::gemm(rounded_to_bf16(a), ta, rounded_to_bf16(b), tb, want, 1.0f, 0.0f);
+      const Tensor got = gpu_empty({m, n});
+      ops::gemm(on_gpu(a), ta, on_gpu(b), tb, got, 1.0f, 0.0f, DType::bf16);
+      EXPECT_LE(rel_err(got, want), 1e-4);
+      Tensor unrounded = cpu_empty({m, n});  // and it really did round: fp32 differs
+      cpu::gemm(a, ta, b, tb, unrounded, 1.0f, 0.0f);
+      EXPECT_GT(rel_err(got, unrounded), 1e-5);
+    }
+  }
+}
+
+struct AttnCase {
+  I s, b, heads, d;
+};
+
+void check_attention(const AttnCase& c, DType compute, double tol) {
+  SCOPED_TRACE(testing::Message() << "S " << c.s << " B " << c.b << " heads " << c.heads << " D "
+                                  << c.d << " " << to_string(compute));
+  const Tensor::Shape act{c.s, c.b, c.heads * c.d};
+  const Tensor::Shape pr{c.b, c.heads, c.s, c.s};
+  const Tensor q = random_tensor(act, 14), k = random_tensor(act, 15), v = random_tensor(act, 16);
+  const Tensor dout = random_tensor(act, 17);
+  Tensor out = cpu_empty(act), probs = cpu_empty(pr);
+  Tensor dq = cpu_empty(act), dk = cpu_empty(act), dv = cpu_empty(act);
+  cpu::attention_forward(q, k, v, c.heads, out, probs);
+  cpu::attention_backward(dout, q, k, v, probs, c.heads, dq, dk, dv);
+
+  const Tensor gq = on_gpu(q), gk = on_gpu(k), gv = on_gpu(v);
+  Tensor gout = gpu_empty(act), gprobs = gpu_empty(pr);
+  Tensor gdq = gpu_empty(act), gdk = gpu_empty(act), gdv = gpu_empty(act);
+  ops::fill(gprobs, 7.0f);  // the zeros above the diagonal must be written, not assumed
+  ops::attention_forward(gq, gk, gv, c.heads, gout, gprobs, compute);
+  ops::attention_backward(on_gpu(dout), gq, gk, gv, gprobs, c.heads, gdq, gdk, gdv, compute);
+  EXPECT_LE(rel_err(gout, out), tol) << "out";
+  EXPECT_LE(rel_err(gprobs, probs), tol) << "probs";
+  EXPECT_LE(rel_err(gdq, dq), tol) << "dq";
+  EXPECT_LE(rel_err(gdk, dk), tol) << "dk";
+  EXPECT_LE(rel_err(gdv, dv), tol) << "dv";
+}
+
+TEST(Ops, AttentionFp32MatchesCpu) {
+  TPX_REQUIRE_GPU();
+  check_attention({32, 2, 4, 8}, DType::f32, kF32Tol);   // float4 softmax rows
+  check_attention({33, 2, 3, 16}, DType::f32, kF32Tol);  // odd S: scalar softmax rows
+  check_attention({128, 1, 2, 64}, DType::f32, kF32Tol);
+}
+
+// bf16 operands carry 8 significant bits (unit roundoff u = 2^-9 ≈ 2e-3). Each attention output
+// passes through two or three rounded GEMM operands (q, k; then P and v; backward adds dO and dS),
+// so errors of a few u relative to the tensor's largest value are expected; 3e-2 is ~15u and a
+// broken kernel is off by O(1).
+TEST(Ops, AttentionBf16CloseToCpu) {
+  TPX_REQUIRE_GPU();
+  check_attention({32, 2, 4, 8}, DType::bf16, 3e-2);
+  check_attention({33, 2, 3, 16}, DType::bf16, 3e-2);
+}
+
+TEST(Ops, PeakMeasurementIsPlausible) {
+  TPX_REQUIRE_GPU();
+  const double peak = ops::bf16_gemm_peak_tflops(Device::cuda);
+  EXPECT_GT(peak, 1.0);      // any tensor-core GPU this code targets does far more
+  EXPECT_LT(peak, 20000.0);  // and no GPU does this much
+  EXPECT_EQ(ops::bf16_gemm_peak_tflops(Device::cuda), peak);  // measured once per process
+}
+
+}  // namespace
+}  // namespace tpx
