@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "comm/communicator.h"
 #include "config.h"
 
 namespace tpx {
@@ -25,6 +26,7 @@ struct StageOptions {
   std::string dump_dir;    ///< empty: no dump
   std::string json_path;   ///< empty: no summary file
   std::string trace_path;  ///< empty: no trace
+  CommOptions comm;        ///< --comm, --comm-timeout, --fault-skip-collective
 };
 
 /// Either options to run with, or a message to print and an exit code (help: 0, error: 2).

@@ -1,0 +1,283 @@
+// The backend-independent half of the Communicator: argument checks, accounting, the flight
+// recorder and fault injection around every op, and the choice of backend.
+#include "communicator.h"
+
+#include <mpi.h>
+
+#include <array>
+#include <exception>
+
+#include <fmt/format.h>
+
+#include "backends.h"
+#include "common/check.h"
+#include "common/stage.h"  // ConfigError: a one-line error every rank prints alike
+#include "watchdog.h"
+
+namespace tpx {
+
+CommKind parse_comm_kind(const std::string& s) {
+  if (s == "auto") return CommKind::automatic;
+  if (s == "mpi") return CommKind::mpi;
+  if (s == "nccl") return CommKind::nccl;
+  fail(fmt::format("unknown communicator '{}' (expected auto, mpi or nccl)", s));
+}
+
+const char* to_string(CommKind k) {
+  switch (k) {
+    case CommKind::automatic:
+      return "auto";
+    case CommKind::mpi:
+      return "mpi";
+    case CommKind::nccl:
+      return "nccl";
+  }
+  return "?";
+}
+
+Communicator::Communicator(int rank, int size, const CommOptions& o)
+    : rank_(rank), size_(size), options_(o) {
+  TPX_CHECK(o.timeout_s > 0, "the comm timeout must be positive (got {} s)", o.timeout_s);
+}
+
+Communicator::~Communicator() = default;
+
+double Communicator::timeout() const {
+  return watchdog_ ? options_.timeout_s : 0.0;
+}
+
+void Communicator::start_watchdog(std::function<std::string()> poll) {
+  if (Watchdog::supported())
+    watchdog_ = std::make_unique<Watchdog>(recorder_, options_.timeout_s, std::move(poll));
+}
+
+void Communicator::shutdown() {
+  if (!watchdog_) return;
+  if (std::uncaught_exceptions() == 0 && size_ > 1) {
+    const std::uint64_t seq = recorder_.begin(CommOp::barrier, DType::f32, 0, 0);
+    recorder_.started(seq);
+    watchdog_->barrier();
+    recorder_.finish(seq, OpState::done);
+  }
+  watchdog_.reset();
+}
+
+void Communicator::issued(std::uint64_t seq) {
+  recorder_.finish(seq, OpState::done);
+}
+
+void Communicator::op_failed(const std::string& why) {
+  recorder_.finish(current_seq_, OpState::failed);
+  if (watchdog_) watchdog_->fail_op(current_seq_, why);
+  fail(fmt::format("comm op #{} failed: {}", current_seq_, why));
+}
+
+std::optional<std::uint64_t> Communicator::begin_op(CommOp op, DType dtype, std::int64_t count,
+                                                    std::uint64_t payload, std::uint64_t bus,
+                                                    int peer, int src) {
+  const std::uint64_t seq = recorder_.begin(op, dtype, count, payload, peer, src);
+  if (options_.fault_rank == rank_ && options_.fault_seq == static_cast<std::int64_t>(seq)) {
+    recorder_.finish(seq, OpState::skipped);  // fault injection: this rank silently skips it
+    return std::nullopt;
+  }
+  stats_.payload_bytes += payload;
+  stats_.bus_bytes += bus;
+  stats_.calls += 1;
+  current_seq_ = seq;
+  recorder_.started(seq);
+  return seq;
+}
+
+void Communicator::end_op(std::uint64_t seq) {
+  issued(seq);
+}
+
+void Communicator::check_device(const Tensor& t, const char* op, const char* what) const {
+  if (!t.defined()) fail(fmt::format("{}: the {} tensor is undefined", op, what));
+  if (!accepts(t.device()))
+    fail(fmt::format("{}: {} cannot move {} tensors ({} is {})", op, name(), to_string(t.device()),
+                     what, t.describe()));
+}
+
+namespace {
+
+/// Sums are computed in f32 only (bf16 and fp8 sums would need a wider accumulator).
+void check_summable(const Tensor& t, const char* op) {
+  if (t.dtype() != DType::f32)
+    fail(
+        fmt::format("{} sums f32 tensors only; got {} (cast to f32 first, or use all_gather "
+                    "to move bf16/fp8 bytes)",
+                    op, t.describe()));
+}
+
+/// full = N·part along dim 0 (or at least in element count when the ranks differ).
+void check_split(const Tensor& part, const Tensor& full, int n, const char* op) {
+  const bool ok =
+      part.dtype() == full.dtype() && part.device() == full.device() &&
+      full.numel() == n * part.numel() &&
+      (part.ndim() != full.ndim() || part.ndim() == 0 || full.dim(0) == n * part.dim(0));
+  if (!ok)
+    fail(
+        fmt::format("{} over {} ranks needs the full tensor to be {} x the part along dim 0 with "
+                    "the same dtype and device; got part {} and full {}",
+                    op, n, n, part.describe(), full.describe()));
+}
+
+void check_rank(int r, int n, const char* op, const char* what) {
+  if (r < 0 || r >= n) fail(fmt::format("{}: {} rank {} is not in [0, {})", op, what, r, n));
+}
+
+std::uint64_t ring_share(std::uint64_t bytes, int n, int factor) {
+  return bytes * static_cast<std::uint64_t>(factor) * static_cast<std::uint64_t>(n - 1) /
+         static_cast<std::uint64_t>(n);
+}
+
+}  // namespace
+
+void Communicator::all_gather(const Tensor& in, const Tensor& out, const Stream& s) {
+  check_device(in, "all_gather", "input");
+  check_device(out, "all_gather", "output");
+  check_split(in, out, size_, "all_gather");
+  const std::uint64_t payload = out.nbytes();
+  const auto seq =
+      begin_op(CommOp::all_gather, in.dtype(), out.numel(), payload, ring_share(payload, size_, 1));
+  if (!seq) return;
+  do_all_gather(in, out, s);
+  end_op(*seq);
+}
+
+void Communicator::reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) {
+  check_device(in, "reduce_scatter", "input");
+  check_device(out, "reduce_scatter", "output");
+  check_summable(in, "reduce_scatter");
+  check_split(out, in, size_, "reduce_scatter");
+  const std::uint64_t payload = in.nbytes();
+  const auto seq = begin_op(CommOp::reduce_scatter, in.dtype(), in.numel(), payload,
+                            ring_share(payload, size_, 1));
+  if (!seq) return;
+  do_reduce_scatter(in, out, s);
+  end_op(*seq);
+}
+
+void Communicator::all_reduce(const Tensor& t, const Stream& s) {
+  check_device(t, "all_reduce", "input");
+  check_summable(t, "all_reduce");
+  const std::uint64_t payload = t.nbytes();
+  const auto seq =
+      begin_op(CommOp::all_reduce, t.dtype(), t.numel(), payload, ring_share(payload, size_, 2));
+  if (!seq) return;
+  do_all_reduce(t, s);
+  end_op(*seq);
+}
+
+void Communicator::broadcast(const Tensor& t, int root, const Stream& s) {
+  check_device(t, "broadcast", "input");
+  check_rank(root, size_, "broadcast", "root");
+  const std::uint64_t payload = t.nbytes();
+  const auto seq =
+      begin_op(CommOp::broadcast, t.dtype(), t.numel(), payload, size_ > 1 ? payload : 0, root);
+  if (!seq) return;
+  do_broadcast(t, root, s);
+  end_op(*seq);
+}
+
+void Communicator::sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
+                            const Stream& s) {
+  if (send.defined()) {
+    check_device(send, "sendrecv", "send");
+    check_rank(dst, size_, "sendrecv", "destination");
+  }
+  if (recv.defined()) {
+    check_device(recv, "sendrecv", "receive");
+    check_rank(src, size_, "sendrecv", "source");
+  }
+  if (send.defined() && recv.defined() && send.device() != recv.device())
+    fail(fmt::format("sendrecv: send {} and receive {} must be on the same device", send.describe(),
+                     recv.describe()));
+  const std::uint64_t payload = send.defined() ? send.nbytes() : 0;
+  const Tensor& any = send.defined() ? send : recv;
+  const auto seq = begin_op(CommOp::sendrecv, any.defined() ? any.dtype() : DType::f32,
+                            send.defined() ? send.numel() : 0, payload,
+                            send.defined() && dst != rank_ ? payload : 0, send.defined() ? dst : -1,
+                            recv.defined() ? src : -1);
+  if (!seq) return;
+  do_sendrecv(send, dst, recv, src, s);
+  end_op(*seq);
+}
+
+void Communicator::barrier() {
+  const auto seq = begin_op(CommOp::barrier, DType::f32, 0, 0, 0);
+  if (!seq) return;
+  do_barrier();
+  end_op(*seq);
+}
+
+CommStats Communicator::take_stats() {
+  const CommStats s = stats_;
+  stats_ = {};
+  return s;
+}
+
+std::optional<std::pair<int, int>> find_shared_device(const std::vector<std::string>& ids) {
+  for (std::size_t j = 0; j < ids.size(); ++j)
+    for (std::size_t i = 0; i < j; ++i)
+      if (ids[i] == ids[j]) return std::pair{static_cast<int>(i), static_cast<int>(j)};
+  return std::nullopt;
+}
+
+namespace {
+
+#if TPX_WITH_NCCL
+/// Every rank's local_gpu_identity(), gathered over MPI_COMM_WORLD (collective).
+std::vector<std::string> gather_gpu_identities() {
+  constexpr int kLen = 512;
+  std::array<char, kLen> mine{};
+  const std::string id = local_gpu_identity();
+  id.copy(mine.data(), kLen - 1);
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  std::vector<char> all(static_cast<std::size_t>(n) * kLen);
+  TPX_MPI_CHECK(
+      MPI_Allgather(mine.data(), kLen, MPI_CHAR, all.data(), kLen, MPI_CHAR, MPI_COMM_WORLD));
+  std::vector<std::string> ids;
+  for (int r = 0; r < n; ++r) ids.emplace_back(all.data() + std::size_t(r) * kLen);
+  return ids;
+}
+#endif
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_communicator(const CommOptions& o, Device device) {
+  if (device == Device::cpu) {
+    if (o.kind == CommKind::nccl)
+      throw ConfigError(
+          "--comm nccl moves device memory and needs --device cuda; use --comm mpi "
+          "or auto for the cpu backend");
+    return make_mpi_communicator(o, "mpi (host memory)");
+  }
+#if !TPX_WITH_NCCL
+  if (o.kind == CommKind::nccl)
+    throw ConfigError(
+        "--comm nccl: this build has no NCCL (configure with NCCL available, or use "
+        "--comm mpi or auto)");
+  return make_mpi_communicator(o, "mpi (host-staged; this build has no NCCL)");
+#else
+  if (o.kind == CommKind::mpi) return make_mpi_communicator(o, "mpi (host-staged)");
+  // NCCL refuses two ranks on one GPU; find out before it is ever initialised.
+  const std::vector<std::string> ids = gather_gpu_identities();
+  if (const auto shared = find_shared_device(ids)) {
+    const auto [a, b] = *shared;
+    if (o.kind == CommKind::nccl)
+      throw ConfigError(fmt::format(
+          "--comm nccl needs one GPU per rank, but ranks {} and {} share GPU {}; use --comm "
+          "auto or mpi (host-staged collectives)",
+          a, b, ids[static_cast<std::size_t>(a)]));
+    return make_mpi_communicator(
+        o, fmt::format("mpi (host-staged: ranks {} and {} share a GPU, NCCL needs one per rank)", a,
+                       b));
+  }
+  return make_nccl_communicator(o);
+#endif
+}
+
+}  // namespace tpx

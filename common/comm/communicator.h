@@ -1,0 +1,156 @@
+// Communicator: the collectives and point-to-point transfers the stages use, on a stream, with
+// accounting (payload and bus bytes, nccl-tests convention), a flight recorder of recent ops and
+// a watchdog that turns a hang into a diagnosis.
+//
+// Implementations: MPI on host memory (the cpu backend, and the host-staged path for cuda tensors
+// when ranks share a GPU), NCCL on device memory (one GPU per rank).
+//
+// Dim-0 convention: all_gather concatenates the ranks' inputs along dim 0 in rank order;
+// reduce_scatter sums the inputs and gives rank r the r-th dim-0 slice. With activations
+// [S, B, H] that is exactly the sequence split of sequence parallelism.
+//
+// Accounting (CommStats, per rank, summed over the calls since the last take_stats()):
+//   N = size(), E = element size of the call's dtype.
+//   all_gather     payload = out.nbytes()  = N·in.numel()·E (the gathered buffer)
+//                  bus     = payload·(N−1)/N
+//   reduce_scatter payload = in.nbytes()   = N·out.numel()·E (the buffer before reduction)
+//                  bus     = payload·(N−1)/N
+//   all_reduce     payload = t.nbytes()
+//                  bus     = payload·2(N−1)/N, rounded down to whole bytes per call
+//   broadcast      payload = t.nbytes(); bus = payload (0 when N = 1)
+//   sendrecv       payload = send.nbytes() (0 without a send); bus = payload, except 0 when the
+//                  destination is this rank itself (a local copy)
+//   barrier        payload = bus = 0
+//   calls          one per public call (barrier included)
+// The (N−1)/N factors are nccl-tests' "bus bandwidth" convention: the bytes each rank sends over
+// its links in a ring algorithm. An op skipped by fault injection is not counted.
+//
+// Every op is checked before it is issued (shapes, dtypes, devices, ranks) with a tpx::Error on
+// every rank alike; sums (all_reduce, reduce_scatter) accept f32 only.
+//
+// defines: tpx::CommKind, tpx::parse_comm_kind(), tpx::CommOptions, tpx::Communicator,
+//          tpx::make_communicator(), tpx::find_shared_device()
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/comm/flight_recorder.h"
+#include "common/parallel.h"
+#include "common/stream.h"
+#include "common/tensor.h"
+
+namespace tpx {
+
+class Watchdog;
+
+enum class CommKind { automatic, mpi, nccl };
+CommKind parse_comm_kind(const std::string& s);  ///< "auto" | "mpi" | "nccl"
+const char* to_string(CommKind k);
+
+/// Options every multi-rank stage takes (--comm, --comm-timeout, and the hidden
+/// --fault-skip-collective RANK:SEQ).
+struct CommOptions {
+  CommKind kind = CommKind::automatic;
+  /// Seconds an op may take before the watchdog dumps every rank's recent ops and aborts.
+  double timeout_s = 60.0;
+  /// Fault injection for tests: rank `fault_rank` silently skips its op number `fault_seq`
+  /// (recording it as skipped). -1: no fault.
+  int fault_rank = -1;
+  std::int64_t fault_seq = -1;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  /// Words for the stage header, e.g. "mpi (host memory)" or "nccl (device memory)".
+  virtual std::string name() const = 0;
+
+  /// out [N·n, ...] = concatenation over ranks of in [n, ...].
+  void all_gather(const Tensor& in, const Tensor& out, const Stream& s);
+  /// out [n, ...] = this rank's slice of Σ_ranks in [N·n, ...] (f32).
+  void reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s);
+  /// t = Σ_ranks t, in place (f32).
+  void all_reduce(const Tensor& t, const Stream& s);
+  void broadcast(const Tensor& t, int root, const Stream& s);
+  /// Sends `send` to rank dst while receiving `recv` from rank src (either may be undefined).
+  void sendrecv(const Tensor& send, int dst, const Tensor& recv, int src, const Stream& s);
+  /// Returns once every rank has called it (and, on NCCL, everything issued before it is done).
+  void barrier();
+
+  /// Communication since the last call (definition above); resets the counters.
+  CommStats take_stats();
+
+  /// This rank's recent ops (the watchdog prints them when an op hangs).
+  const FlightRecorder& recorder() const { return recorder_; }
+  /// Seconds an op may take before the watchdog aborts the job (0: no watchdog).
+  double timeout() const;
+
+ protected:
+  Communicator(int rank, int size, const CommOptions& o);
+
+  virtual void do_all_gather(const Tensor& in, const Tensor& out, const Stream& s) = 0;
+  virtual void do_reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) = 0;
+  virtual void do_all_reduce(const Tensor& t, const Stream& s) = 0;
+  virtual void do_broadcast(const Tensor& t, int root, const Stream& s) = 0;
+  virtual void do_sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
+                           const Stream& s) = 0;
+  virtual void do_barrier() = 0;
+
+  /// Whether this backend moves tensors on `d` (MPI: both, staging cuda tensors through the host;
+  /// NCCL: cuda only).
+  virtual bool accepts(Device d) const = 0;
+  /// Called after do_*() returned for op `seq`. Synchronous backends (the default) mark it done;
+  /// asynchronous ones track completion themselves and call recorder_.finish() later.
+  virtual void issued(std::uint64_t seq);
+
+  /// Starts the watchdog (collective); call at the end of the derived constructor. `poll` runs on
+  /// the watchdog thread (see Watchdog::Poll).
+  void start_watchdog(std::function<std::string()> poll = {});
+  /// Waits until every rank has reached it (watched by the watchdog, so that no rank leaves while
+  /// another may still need its records), then stops the watchdog. Call first thing in the
+  /// derived destructor; skipped while an exception unwinds.
+  void shutdown();
+  /// Reports the op being issued as failed: with a watchdog the job is diagnosed and aborted;
+  /// without one this throws tpx::Error.
+  [[noreturn]] void op_failed(const std::string& why);
+
+  FlightRecorder recorder_;
+
+ private:
+  /// Records a new op and counts it; nullopt if fault injection skips it.
+  std::optional<std::uint64_t> begin_op(CommOp op, DType dtype, std::int64_t count,
+                                        std::uint64_t payload, std::uint64_t bus, int peer = -1,
+                                        int src = -1);
+  void end_op(std::uint64_t seq);
+  void check_device(const Tensor& t, const char* op, const char* what) const;
+
+  int rank_, size_;
+  CommOptions options_;
+  CommStats stats_;
+  std::uint64_t current_seq_ = 0;
+  std::unique_ptr<Watchdog> watchdog_;
+};
+
+/// The communicator over MPI_COMM_WORLD for tensors on `device` (collective: every rank calls
+/// it). `automatic` picks NCCL for cuda when every rank has its own GPU and MPI (host-staged)
+/// otherwise, and name() says which and why. An impossible request (--comm nccl for cpu tensors,
+/// in a build without NCCL, or with ranks sharing a GPU) throws tpx::ConfigError with the same
+/// one-line message on every rank; NCCL is never initialised then.
+std::unique_ptr<Communicator> make_communicator(const CommOptions& o, Device device);
+
+/// Given one identity string per rank (host name and GPU PCI bus id), the first pair of ranks
+/// (i < j) with the same identity, if any.
+std::optional<std::pair<int, int>> find_shared_device(const std::vector<std::string>& ids);
+
+}  // namespace tpx

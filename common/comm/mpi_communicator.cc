@@ -1,0 +1,154 @@
+// The MPI backend: collectives and point-to-point transfers on host memory over a duplicate of
+// MPI_COMM_WORLD. Tensors on a cuda device are staged: the caller's stream is drained, the data
+// is copied into a host buffer, moved by MPI and copied back (the path for several ranks sharing
+// one GPU, where NCCL cannot run).
+//
+// The calls block the calling thread; the watchdog thread (watchdog.h) watches each one against
+// the timeout and aborts the job with a diagnosis if it hangs. MPI errors come back as codes
+// (MPI_ERRORS_RETURN on the duplicate) and are reported through the same path.
+#include <mpi.h>
+
+#include <array>
+#include <climits>
+#include <map>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "backends.h"
+#include "common/check.h"
+#include "common/ops.h"
+
+namespace tpx {
+namespace {
+
+MPI_Datatype mpi_type(DType d) {
+  switch (d) {
+    case DType::f32:
+      return MPI_FLOAT;
+    case DType::bf16:
+      return MPI_UINT16_T;  // moved as bits, never summed
+    case DType::e4m3:
+    case DType::e5m2:
+      return MPI_UINT8_T;
+  }
+  return MPI_BYTE;
+}
+
+std::string mpi_error_string(int code) {
+  std::array<char, MPI_MAX_ERROR_STRING> text{};
+  int len = 0;
+  MPI_Error_string(code, text.data(), &len);
+  return {text.data(), static_cast<std::size_t>(len)};
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(int rank, int size, MPI_Comm comm, const CommOptions& o, std::string name)
+      : Communicator(rank, size, o), comm_(comm), name_(std::move(name)) {
+    start_watchdog();
+  }
+  ~MpiCommunicator() override {
+    shutdown();
+    MPI_Comm_free(&comm_);
+  }
+
+  std::string name() const override { return name_; }
+
+ protected:
+  bool accepts(Device) const override { return true; }
+
+  void do_all_gather(const Tensor& in, const Tensor& out, const Stream& s) override {
+    const Tensor hin = to_host(in, 0, s), hout = host_buffer(out, 1);
+    check(MPI_Allgather(hin.raw(), count(in), mpi_type(in.dtype()), hout.raw(), count(in),
+                        mpi_type(out.dtype()), comm_),
+          "MPI_Allgather");
+    from_host(hout, out);
+  }
+
+  void do_reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) override {
+    const Tensor hin = to_host(in, 0, s), hout = host_buffer(out, 1);
+    check(MPI_Reduce_scatter_block(hin.raw(), hout.raw(), count(out), MPI_FLOAT, MPI_SUM, comm_),
+          "MPI_Reduce_scatter_block");
+    from_host(hout, out);
+  }
+
+  void do_all_reduce(const Tensor& t, const Stream& s) override {
+    const Tensor h = to_host(t, 0, s);
+    check(MPI_Allreduce(MPI_IN_PLACE, h.raw(), count(t), MPI_FLOAT, MPI_SUM, comm_),
+          "MPI_Allreduce");
+    from_host(h, t);
+  }
+
+  void do_broadcast(const Tensor& t, int root, const Stream& s) override {
+    const Tensor h = to_host(t, 0, s);
+    check(MPI_Bcast(h.raw(), count(t), mpi_type(t.dtype()), root, comm_), "MPI_Bcast");
+    from_host(h, t);
+  }
+
+  void do_sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
+                   const Stream& s) override {
+    const Tensor hs = send.defined() ? to_host(send, 0, s) : Tensor();
+    const Tensor hr = recv.defined() ? host_buffer(recv, 1) : Tensor();
+    check(MPI_Sendrecv(hs.defined() ? hs.raw() : nullptr, hs.defined() ? count(send) : 0,
+                       hs.defined() ? mpi_type(send.dtype()) : MPI_BYTE,
+                       hs.defined() ? dst : MPI_PROC_NULL, kTag, hr.defined() ? hr.raw() : nullptr,
+                       hr.defined() ? count(recv) : 0,
+                       hr.defined() ? mpi_type(recv.dtype()) : MPI_BYTE,
+                       hr.defined() ? src : MPI_PROC_NULL, kTag, comm_, MPI_STATUS_IGNORE),
+          "MPI_Sendrecv");
+    if (hr.defined()) from_host(hr, recv);
+  }
+
+  void do_barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
+
+ private:
+  static constexpr int kTag = 77;
+
+  void check(int rc, const char* call) {
+    if (rc != MPI_SUCCESS) op_failed(fmt::format("{} failed: {}", call, mpi_error_string(rc)));
+  }
+
+  static int count(const Tensor& t) {
+    TPX_CHECK(t.numel() <= INT_MAX, "MPI counts are int; {} has too many elements", t.describe());
+    return static_cast<int>(t.numel());
+  }
+
+  /// A host view of `t`: t itself on the cpu, else a staging buffer of the same shape.
+  Tensor host_buffer(const Tensor& t, int slot) {
+    if (t.device() == Device::cpu) return t;
+    Tensor& buf = staging_[{slot, t.dtype()}];
+    if (!buf.defined() || buf.numel() < t.numel())
+      buf = Tensor::empty({t.numel()}, t.dtype(), Device::cpu);
+    return buf.slice0(0, t.numel()).reshape(t.shape());
+  }
+  /// host_buffer(t) holding t's values once the work queued on `s` is done.
+  Tensor to_host(const Tensor& t, int slot, const Stream& s) {
+    if (t.device() == Device::cpu) return t;
+    s.synchronize();
+    Tensor h = host_buffer(t, slot);
+    ops::copy(t, h);
+    return h;
+  }
+  static void from_host(const Tensor& h, const Tensor& t) {
+    if (t.device() != Device::cpu) ops::copy(h, t);
+  }
+
+  MPI_Comm comm_;
+  std::string name_;
+  std::map<std::pair<int, DType>, Tensor> staging_;  // host buffers for cuda tensors
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_mpi_communicator(const CommOptions& o, std::string name) {
+  MPI_Comm comm = MPI_COMM_NULL;
+  TPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
+  TPX_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  return std::make_unique<MpiCommunicator>(rank, size, comm, o, std::move(name));
+}
+
+}  // namespace tpx

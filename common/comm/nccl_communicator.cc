@@ -1,0 +1,204 @@
+// The NCCL backend: collectives and point-to-point transfers on device memory, one GPU per rank.
+//
+// The unique id travels over MPI (rank 0 creates it). NCCL runs on the communicator's own
+// stream, ordered against the caller's stream with events: the comm stream waits for what the
+// caller issued before the op, and the caller's stream waits for the op before its later work.
+// The host does not block (barrier() excepts). Completion is observed by the watchdog thread,
+// which polls each op's end event and NCCL's asynchronous error state.
+//
+// make_communicator() reaches this file only when every rank has its own GPU: NCCL refuses two
+// ranks on one device, and ranks that share one use the host-staged MPI backend instead.
+#include <cuda_runtime_api.h>
+#include <mpi.h>
+#include <nccl.h>
+
+#include <array>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string_view>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "backends.h"
+#include "common/check.h"
+#include "common/cuda/check.h"
+#include "common/cuda/device.h"
+#include "common/cuda/nccl_check.h"
+
+namespace tpx {
+namespace {
+
+ncclDataType_t nccl_type(DType d) {
+  switch (d) {
+    case DType::f32:
+      return ncclFloat32;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::e4m3:
+    case DType::e5m2:
+      return ncclUint8;  // moved as bytes, never summed
+  }
+  return ncclUint8;
+}
+
+std::size_t count(const Tensor& t) {
+  return static_cast<std::size_t>(t.numel());
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(int rank, int size, const CommOptions& o)
+      : Communicator(rank, size, o), stream_(Stream::create(Device::cuda)) {
+    ncclUniqueId id{};
+    if (rank == 0) TPX_NCCL_CHECK(ncclGetUniqueId(&id));
+    TPX_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
+    TPX_NCCL_CHECK(ncclCommInitRank(&comm_, size, id, rank));
+    scratch_ = Tensor::zeros({1}, DType::f32, Device::cuda);
+    start_watchdog([this] { return poll(); });
+  }
+
+  ~NcclCommunicator() override {
+    try {
+      if (std::uncaught_exceptions() == 0) stream_.synchronize();
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "tpx: nccl communicator: {}\n", e.what());
+    }
+    shutdown();
+    ncclCommDestroy(comm_);
+  }
+
+  std::string name() const override { return "nccl (device memory)"; }
+
+ protected:
+  bool accepts(Device d) const override { return d == Device::cuda; }
+
+  void do_all_gather(const Tensor& in, const Tensor& out, const Stream& s) override {
+    enter(s);
+    nccl(ncclAllGather(in.raw(), out.raw(), count(in), nccl_type(in.dtype()), comm_, cs()),
+         "ncclAllGather");
+    leave(s);
+  }
+
+  void do_reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) override {
+    enter(s);
+    nccl(ncclReduceScatter(in.raw(), out.raw(), count(out), ncclFloat32, ncclSum, comm_, cs()),
+         "ncclReduceScatter");
+    leave(s);
+  }
+
+  void do_all_reduce(const Tensor& t, const Stream& s) override {
+    enter(s);
+    nccl(ncclAllReduce(t.raw(), t.raw(), count(t), ncclFloat32, ncclSum, comm_, cs()),
+         "ncclAllReduce");
+    leave(s);
+  }
+
+  void do_broadcast(const Tensor& t, int root, const Stream& s) override {
+    enter(s);
+    nccl(ncclBroadcast(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), root, comm_, cs()),
+         "ncclBroadcast");
+    leave(s);
+  }
+
+  void do_sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
+                   const Stream& s) override {
+    enter(s);
+    nccl(ncclGroupStart(), "ncclGroupStart");
+    if (send.defined())
+      nccl(ncclSend(send.raw(), count(send), nccl_type(send.dtype()), dst, comm_, cs()),
+           "ncclSend");
+    if (recv.defined())
+      nccl(ncclRecv(recv.raw(), count(recv), nccl_type(recv.dtype()), src, comm_, cs()),
+           "ncclRecv");
+    nccl(ncclGroupEnd(), "ncclGroupEnd");
+    leave(s);
+  }
+
+  void do_barrier() override {
+    // A one-element all-reduce on the comm stream, then the host waits for it (and so for every
+    // op issued before it); the watchdog watches the wait like any op.
+    nccl(ncclAllReduce(scratch_.raw(), scratch_.raw(), 1, ncclFloat32, ncclSum, comm_, cs()),
+         "ncclAllReduce (barrier)");
+    leave(stream_);
+    stream_.synchronize();
+  }
+
+  void issued(std::uint64_t seq) override {
+    std::lock_guard lock(mu_);
+    pending_.emplace_back(seq, last_);
+  }
+
+ private:
+  cudaStream_t cs() const { return static_cast<cudaStream_t>(stream_.native()); }
+
+  /// The comm stream waits for the work the caller queued on `s` so far.
+  void enter(const Stream& s) {
+    Event ready(Device::cuda);
+    ready.record(s);
+    ready.wait(stream_);
+  }
+  /// The caller's stream waits for the op just queued on the comm stream.
+  void leave(const Stream& s) {
+    Event done(Device::cuda);
+    done.record(stream_);
+    done.wait(s);
+    last_ = done;
+  }
+
+  void nccl(ncclResult_t rc, const char* call) {
+    if (rc == ncclSuccess || rc == ncclInProgress) return;
+    const char* last = ncclGetLastError(comm_);
+    op_failed(fmt::format("{} failed: {}{}{}", call, ncclGetErrorString(rc),
+                          (last && *last) ? ": " : "", last ? last : ""));
+  }
+
+  /// On the watchdog thread: marks finished ops done; reports NCCL's asynchronous errors.
+  std::string poll() {
+    {
+      std::lock_guard lock(mu_);
+      while (!pending_.empty() && pending_.front().second.ready()) {
+        recorder_.finish(pending_.front().first, OpState::done);
+        pending_.pop_front();
+      }
+    }
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+        async != ncclInProgress)
+      return fmt::format("NCCL asynchronous error: {}", ncclGetErrorString(async));
+    return {};
+  }
+
+  Stream stream_;
+  ncclComm_t comm_ = nullptr;
+  Tensor scratch_;
+  Event last_{Device::cuda};
+  std::mutex mu_;
+  std::deque<std::pair<std::uint64_t, Event>> pending_;  // ops issued, end event not yet seen
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_nccl_communicator(const CommOptions& o) {
+  cuda::ensure_initialized();
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return std::make_unique<NcclCommunicator>(rank, size, o);
+}
+
+std::string local_gpu_identity() {
+  cuda::ensure_initialized();
+  int device = 0;
+  TPX_CUDA_CHECK(cudaGetDevice(&device));
+  std::array<char, 64> bus{};
+  TPX_CUDA_CHECK(cudaDeviceGetPCIBusId(bus.data(), static_cast<int>(bus.size()), device));
+  std::array<char, MPI_MAX_PROCESSOR_NAME> host{};
+  int len = 0;
+  MPI_Get_processor_name(host.data(), &len);
+  return fmt::format("{} {}", std::string_view(host.data(), static_cast<std::size_t>(len)),
+                     bus.data());
+}
+
+}  // namespace tpx

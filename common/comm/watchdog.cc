@@ -1,0 +1,275 @@
+#include "watchdog.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+#include <fmt/format.h>
+
+#include "common/check.h"
+
+namespace tpx {
+namespace {
+
+constexpr int kTagRequest = 4401;  // "send me your records"; payload: the requester's rank
+constexpr int kTagReply = 4402;    // ReplyHeader followed by the records
+
+/// Header of a reply; the records follow it as raw OpRecord bytes.
+struct ReplyHeader {
+  std::int32_t rank;
+  std::int32_t role;
+  std::uint64_t next_seq;
+  std::uint64_t count;
+};
+
+double now() {
+  return FlightRecorder::now();
+}
+
+void sleep_ms(int ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+
+[[noreturn]] void abort_job(const std::string& line) {
+  std::fflush(stdout);
+  fmt::print(stderr, "{}\n", line);
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);  // MPI_Abort does not return; this keeps [[noreturn]] honest
+}
+
+}  // namespace
+
+bool Watchdog::supported() {
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&provided);
+  return provided == MPI_THREAD_MULTIPLE;
+}
+
+Watchdog::Watchdog(const FlightRecorder& recorder, double timeout_s, Poll poll)
+    : recorder_(recorder),
+      timeout_s_(timeout_s),
+      grace_s_(std::clamp(timeout_s, 1.0, 5.0)),
+      poll_(std::move(poll)) {
+  TPX_CHECK(timeout_s > 0, "the comm timeout must be positive (got {})", timeout_s);
+  TPX_CHECK(supported(), "the comm watchdog needs MPI_THREAD_MULTIPLE");
+  TPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  TPX_MPI_CHECK(
+      MPI_Irecv(&request_buf_, 1, MPI_INT, MPI_ANY_SOURCE, kTagRequest, comm_, &request_));
+  thread_ = std::thread([this] { run(); });
+}
+
+Watchdog::~Watchdog() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (request_ != MPI_REQUEST_NULL) {
+    MPI_Cancel(&request_);
+    MPI_Wait(&request_, MPI_STATUS_IGNORE);
+  }
+  for (auto& [req, buf] : outgoing_) MPI_Wait(&req, MPI_STATUS_IGNORE);
+  MPI_Comm_free(&comm_);
+}
+
+void Watchdog::barrier() {
+  TPX_MPI_CHECK(MPI_Barrier(comm_));
+}
+
+void Watchdog::fail_op(std::uint64_t seq, const std::string& why) {
+  {
+    std::lock_guard lock(mu_);
+    if (!failure_) failure_ = Failure{seq, why};
+  }
+  cv_.notify_all();
+  // The watchdog thread diagnoses and ends the job; should that not happen, end it from here.
+  std::this_thread::sleep_for(std::chrono::duration<double>(2 * grace_s_ + 10.0));
+  abort_job(fmt::format("tpx: comm watchdog: rank {}: op #{} failed: {}", rank_, seq, why));
+}
+
+void Watchdog::pause() {
+  std::unique_lock lock(mu_);
+  cv_.wait_for(lock, std::chrono::milliseconds(5), [this] { return stop_ || failure_; });
+}
+
+void Watchdog::run() {
+  try {
+    while (!stop_) {
+      const std::string backend_error = poll_ ? poll_() : std::string();
+      service_requests();
+      std::optional<Failure> failure;
+      {
+        std::lock_guard lock(mu_);
+        failure = failure_;
+      }
+      if (failure || !backend_error.empty()) {
+        const std::string why = failure ? failure->why : backend_error;
+        OpRecord op;
+        const auto ops = recorder_.snapshot();
+        if (failure) {
+          op.seq = failure->seq;
+          for (const OpRecord& r : ops)
+            if (r.seq == failure->seq) op = r;
+        } else if (auto oldest = recorder_.oldest_in_flight()) {
+          op = *oldest;
+        } else if (!ops.empty()) {
+          op = ops.back();
+        }
+        report(op, "failed: " + why);
+      }
+      if (auto op = recorder_.oldest_in_flight(); op && now() - op->enqueue_s > timeout_s_)
+        report(*op, fmt::format("did not complete in {:.1f} s", timeout_s_));
+      pause();
+    }
+  } catch (const std::exception& e) {
+    abort_job(fmt::format("tpx: comm watchdog: rank {}: internal error: {}", rank_, e.what()));
+  }
+}
+
+void Watchdog::service_requests() {
+  for (;;) {
+    int done = 0;
+    MPI_Status status;
+    TPX_MPI_CHECK(MPI_Test(&request_, &done, &status));
+    if (!done) break;
+    reply_to(status.MPI_SOURCE);
+    TPX_MPI_CHECK(
+        MPI_Irecv(&request_buf_, 1, MPI_INT, MPI_ANY_SOURCE, kTagRequest, comm_, &request_));
+  }
+  std::erase_if(outgoing_, [](auto& o) {
+    int done = 0;
+    MPI_Test(&o.first, &done, MPI_STATUS_IGNORE);
+    return done != 0;
+  });
+}
+
+void Watchdog::print_own_ops(const std::string& headline) {
+  printed_ = true;
+  const auto ops = recorder_.snapshot();
+  std::string text = headline + "\n";
+  text += format_ops(ops, now(), fmt::format("[rank {}] ", rank_));
+  fmt::print(stderr, "{}", text);
+  std::fflush(stderr);
+}
+
+void Watchdog::reply_to(int requester) {
+  // A rank asked for our records: another rank is diagnosing, so this one stays passive (it
+  // will not print the verdict line) unless it is already diagnosing itself.
+  int expected = static_cast<int>(Role::watching);
+  role_.compare_exchange_strong(expected, static_cast<int>(Role::passive));
+  if (!printed_.exchange(true))
+    print_own_ops(
+        fmt::format("tpx: comm watchdog: rank {} last ops (asked by rank {}, which "
+                    "reports a stuck op):",
+                    rank_, requester));
+  const auto ops = recorder_.snapshot();
+  const ReplyHeader h{rank_, role_.load(), recorder_.next_seq(), ops.size()};
+  std::vector<char> buf(sizeof h + ops.size() * sizeof(OpRecord));
+  std::memcpy(buf.data(), &h, sizeof h);
+  if (!ops.empty()) std::memcpy(buf.data() + sizeof h, ops.data(), ops.size() * sizeof(OpRecord));
+  outgoing_.emplace_back(MPI_REQUEST_NULL, std::move(buf));
+  auto& [req, data] = outgoing_.back();
+  TPX_MPI_CHECK(MPI_Isend(data.data(), static_cast<int>(data.size()), MPI_BYTE, requester,
+                          kTagReply, comm_, &req));
+}
+
+void Watchdog::wait_to_be_killed(double seconds, const std::string& line) {
+  // Keep answering the reporter; it ends the job. If it cannot, end it from here.
+  const double deadline = now() + seconds;
+  while (now() < deadline) {
+    service_requests();
+    sleep_ms(5);
+  }
+  abort_job(line + " (the reporting rank did not end the job)");
+}
+
+void Watchdog::report(const OpRecord& op, const std::string& what) {
+  const std::string op_words =
+      fmt::format("op #{} ({}) on rank {} {}", op.seq, describe_op(op), rank_, what);
+  int expected = static_cast<int>(Role::watching);
+  if (!role_.compare_exchange_strong(expected, static_cast<int>(Role::reporting))) {
+    // Another rank already asked for our records and is diagnosing; it ends the job.
+    wait_to_be_killed(grace_s_ + 10.0, "tpx: comm watchdog: " + op_words);
+  }
+  print_own_ops(fmt::format("tpx: comm watchdog: {}; rank {} last ops:", op_words, rank_));
+
+  // Ask every other rank for its records; wait for the answers until the grace deadline.
+  const std::size_t max_bytes = sizeof(ReplyHeader) + recorder_.capacity() * sizeof(OpRecord);
+  std::vector<std::vector<char>> replies(static_cast<std::size_t>(size_));
+  std::vector<MPI_Request> recvs(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
+  std::vector<MPI_Request> asks(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
+  std::vector<bool> answered(static_cast<std::size_t>(size_), false);
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const auto i = static_cast<std::size_t>(r);
+    replies[i].resize(max_bytes);
+    TPX_MPI_CHECK(MPI_Irecv(replies[i].data(), static_cast<int>(max_bytes), MPI_BYTE, r, kTagReply,
+                            comm_, &recvs[i]));
+    TPX_MPI_CHECK(MPI_Isend(&rank_, 1, MPI_INT, r, kTagRequest, comm_, &asks[i]));
+  }
+  const double deadline = now() + grace_s_;
+  for (;;) {
+    int pending = 0;
+    for (int r = 0; r < size_; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      if (r == rank_ || answered[i]) continue;
+      int done = 0;
+      TPX_MPI_CHECK(MPI_Test(&recvs[i], &done, MPI_STATUS_IGNORE));
+      if (done)
+        answered[i] = true;
+      else
+        ++pending;
+    }
+    service_requests();
+    if (pending == 0 || now() > deadline) break;
+    sleep_ms(2);
+  }
+
+  std::vector<RankOps> ranks(static_cast<std::size_t>(size_));
+  std::vector<int> silent;
+  int printer = rank_;
+  for (int r = 0; r < size_; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    RankOps& ro = ranks[i];
+    ro.rank = r;
+    if (r == rank_) {
+      ro.responded = true;
+      ro.ops = recorder_.snapshot();
+      ro.next_seq = recorder_.next_seq();
+      continue;
+    }
+    if (!answered[i]) {
+      silent.push_back(r);
+      continue;
+    }
+    ReplyHeader h;
+    std::memcpy(&h, replies[i].data(), sizeof h);
+    ro.responded = true;
+    ro.next_seq = h.next_seq;
+    ro.ops.resize(h.count);
+    if (h.count > 0)
+      std::memcpy(ro.ops.data(), replies[i].data() + sizeof h, h.count * sizeof(OpRecord));
+    if (h.role == static_cast<int>(Role::reporting)) printer = std::min(printer, r);
+  }
+
+  const Disagreement d = find_disagreement(ranks);
+  std::string line = "tpx: comm watchdog: " + op_words + "; ";
+  if (d.seq)
+    line += fmt::format("ranks disagree first at seq {}: {}", *d.seq, d.detail);
+  else
+    line += fmt::format("the responding ranks' recorded ops agree (through #{})", d.agreed_through);
+  if (!silent.empty())
+    line += fmt::format("; no answer from rank{} {} within {:.1f} s", silent.size() > 1 ? "s" : "",
+                        fmt::join(silent, ", "), grace_s_);
+  if (printer == rank_) abort_job(line);
+  // A lower rank is diagnosing the same hang and prints the line; give it time to end the job.
+  wait_to_be_killed(grace_s_ + 10.0, line);
+}
+
+}  // namespace tpx

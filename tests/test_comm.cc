@@ -1,0 +1,374 @@
+// The Communicator under mpirun -np 1, 2 and 4: every collective against hand-computed results
+// (rank r contributes r·1000 + i, so sums and concatenations are exact in f32), a sendrecv ring,
+// the rejection of sums on non-f32 tensors, the accounting after each op against the nccl-tests
+// formulas, and the flight recorder's contents.
+//
+// Every rank runs every test in the same order; the tests avoid early returns between collectives
+// so that a failed expectation cannot leave the ranks out of step.
+#include <mpi.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/comm/communicator.h"
+#include "common/ops.h"
+#include "common/stage.h"
+
+namespace tpx {
+namespace {
+
+class Comm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CommOptions o;
+    o.kind = CommKind::mpi;
+    o.timeout_s = 60;  // a bug that hangs becomes an abort with a diagnosis
+    comm_ = make_communicator(o, Device::cpu);
+    n_ = comm_->size();
+    r_ = comm_->rank();
+  }
+
+  /// What rank `rank` contributes at element i: exact in f32 for the sizes here.
+  static float val(int rank, int i) { return 1000.0f * float(rank) + float(i); }
+
+  /// A cpu f32 tensor holding base + i at element i.
+  static Tensor iota(Tensor::Shape shape, float base) {
+    Tensor t = Tensor::empty(std::move(shape));
+    auto v = t.f32();
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = base + float(i);
+    return t;
+  }
+
+  void expect_stats(std::uint64_t payload, std::uint64_t bus, std::uint64_t calls) {
+    const CommStats s = comm_->take_stats();
+    EXPECT_EQ(s.payload_bytes, payload);
+    EXPECT_EQ(s.bus_bytes, bus);
+    EXPECT_EQ(s.calls, calls);
+  }
+
+  std::unique_ptr<Communicator> comm_;
+  Stream stream_;
+  int n_ = 1, r_ = 0;
+};
+
+TEST_F(Comm, NameSaysHostMemory) {
+  EXPECT_EQ(comm_->name(), "mpi (host memory)");
+  int world = 0, rank = -1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  EXPECT_EQ(n_, world);
+  EXPECT_EQ(r_, rank);
+  EXPECT_EQ(comm_->timeout(), 60.0);
+}
+
+TEST_F(Comm, AllGatherConcatenatesInRankOrder) {
+  const Tensor in = iota({2, 3}, 1000.0f * float(r_));
+  const Tensor out = Tensor::zeros({2 * n_, 3});
+  comm_->all_gather(in, out, stream_);
+  const auto v = out.f32();
+  ASSERT_EQ(v.size(), std::size_t(6 * n_));
+  for (int q = 0; q < n_; ++q)
+    for (int i = 0; i < 6; ++i) EXPECT_EQ(v[std::size_t(q * 6 + i)], val(q, i));
+  // payload = the gathered buffer, 6N floats; bus = payload·(N−1)/N = 24·(N−1) bytes.
+  expect_stats(24u * n_, 24u * (n_ - 1), 1);
+}
+
+TEST_F(Comm, AllGatherMovesBf16Bits) {
+  const Tensor in = Tensor::empty({4}, DType::bf16);
+  auto* p = in.data<std::uint16_t>();
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::uint16_t>(0x3f80 + 16 * r_ + i);
+  const Tensor out = Tensor::empty({4 * n_}, DType::bf16);
+  comm_->all_gather(in, out, stream_);
+  const auto* q = out.data<std::uint16_t>();
+  for (int rank = 0; rank < n_; ++rank)
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(q[rank * 4 + i], 0x3f80 + 16 * rank + i);
+  expect_stats(8u * n_, 8u * (n_ - 1), 1);
+}
+
+TEST_F(Comm, ReduceScatterSumsAndKeepsThisRanksSlice) {
+  // in[j] = r·1000 + j on rank r, j < 6N; this rank keeps j in [6r, 6r + 6) of the sum.
+  const Tensor in = iota({2 * n_, 3}, 1000.0f * float(r_));
+  const Tensor out = Tensor::zeros({2, 3});
+  comm_->reduce_scatter(in, out, stream_);
+  const auto v = out.f32();
+  const float rank_sum = 1000.0f * float(n_ * (n_ - 1) / 2);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(v[std::size_t(i)], rank_sum + float(n_ * (6 * r_ + i)));
+  // payload = the full pre-reduce buffer, 6N floats.
+  expect_stats(24u * n_, 24u * (n_ - 1), 1);
+}
+
+TEST_F(Comm, AllReduceSumsInPlace) {
+  const Tensor t = iota({5}, 1000.0f * float(r_));
+  comm_->all_reduce(t, stream_);
+  const auto v = t.f32();
+  for (int i = 0; i < 5; ++i)
+    EXPECT_EQ(v[std::size_t(i)], 1000.0f * float(n_ * (n_ - 1) / 2) + float(n_ * i));
+  // 20 B payload; bus = 20·2(N−1)/N rounded down: N=1 → 0, N=2 → 20, N=3 → 26, N=4 → 30.
+  const std::uint64_t bus[] = {0, 0, 20, 26, 30};
+  ASSERT_LE(n_, 4);
+  expect_stats(20, bus[n_], 1);
+}
+
+TEST_F(Comm, BroadcastFromEveryRoot) {
+  for (int root = 0; root < n_; ++root) {
+    const Tensor t = r_ == root ? iota({4}, 1000.0f * float(root)) : iota({4}, -100.0f);
+    comm_->broadcast(t, root, stream_);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(t.f32()[std::size_t(i)], val(root, i));
+    expect_stats(16, n_ > 1 ? 16 : 0, 1);
+  }
+}
+
+TEST_F(Comm, SendRecvRing) {
+  const int dst = (r_ + 1) % n_, src = (r_ + n_ - 1) % n_;
+  const Tensor send = iota({3}, 1000.0f * float(r_));
+  const Tensor recv = Tensor::zeros({3});
+  comm_->sendrecv(send, dst, recv, src, stream_);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(recv.f32()[std::size_t(i)], val(src, i));
+  // P2P: payload = bytes sent; bus counts them unless the destination is this rank (N = 1).
+  expect_stats(12, n_ > 1 ? 12 : 0, 1);
+}
+
+TEST_F(Comm, SendOnlyAndReceiveOnly) {
+  // Ranks pair up (0→1, 2→3); a rank without a partner calls with neither tensor.
+  const bool sender = r_ % 2 == 0 && r_ + 1 < n_, receiver = r_ % 2 == 1;
+  const Tensor send = sender ? iota({8}, 7.0f + float(r_)) : Tensor();
+  const Tensor recv = receiver ? Tensor::zeros({8}) : Tensor();
+  comm_->sendrecv(send, r_ + 1, recv, r_ - 1, stream_);
+  if (receiver) {
+    for (int i = 0; i < 8; ++i)
+      EXPECT_EQ(recv.f32()[std::size_t(i)], 7.0f + float(r_ - 1) + float(i));
+  }
+  expect_stats(sender ? 32 : 0, sender ? 32 : 0, 1);
+}
+
+TEST_F(Comm, BarrierCountsACallAndNoBytes) {
+  comm_->barrier();
+  comm_->barrier();
+  expect_stats(0, 0, 2);
+}
+
+TEST_F(Comm, StatsAccumulateUntilTaken) {
+  const Tensor t = iota({8}, 0.0f);          // 32 B
+  const Tensor g = Tensor::empty({8 * n_});  // gathered: 32N B
+  comm_->all_reduce(t, stream_);             // bus 32·2(N−1)/N
+  comm_->all_gather(t, g, stream_);          // bus 32(N−1)
+  const std::uint64_t ar_bus = 64u * (n_ - 1) / n_;
+  expect_stats(32 + 32u * n_, ar_bus + 32u * (n_ - 1), 2);
+  expect_stats(0, 0, 0);  // taken: reset
+}
+
+TEST_F(Comm, RejectsSumsOnNonF32) {
+  const Tensor b = Tensor::empty({4 * n_}, DType::bf16);
+  const Tensor part = Tensor::empty({4}, DType::bf16);
+  try {
+    comm_->all_reduce(b, stream_);
+    ADD_FAILURE() << "all_reduce of bf16 did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("all_reduce sums f32 tensors only"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(comm_->reduce_scatter(b, part, stream_), Error);
+  // Rejected before anything was issued: nothing recorded, nothing counted.
+  EXPECT_EQ(comm_->recorder().next_seq(), 0u);
+  expect_stats(0, 0, 0);
+}
+
+TEST_F(Comm, RejectsMismatchedShapesAndRanks) {
+  const Tensor in = Tensor::empty({2, 3});
+  EXPECT_THROW(comm_->all_gather(in, Tensor::empty({2 * n_ + 1, 3}), stream_), Error);
+  EXPECT_THROW(comm_->all_gather(in, Tensor::empty({2 * n_, 3}, DType::bf16), stream_), Error);
+  EXPECT_THROW(comm_->reduce_scatter(Tensor::empty({2 * n_, 3}), Tensor::empty({3, 3}), stream_),
+               Error);
+  EXPECT_THROW(comm_->broadcast(in, n_, stream_), Error);
+  EXPECT_THROW(comm_->broadcast(in, -1, stream_), Error);
+  EXPECT_THROW(comm_->sendrecv(in, n_, Tensor(), 0, stream_), Error);
+  EXPECT_THROW(comm_->sendrecv(Tensor(), 0, in, -1, stream_), Error);
+  EXPECT_THROW(comm_->all_reduce(Tensor(), stream_), Error);
+  EXPECT_EQ(comm_->recorder().next_seq(), 0u);
+}
+
+TEST_F(Comm, FlightRecorderHoldsEveryOp) {
+  const Tensor t = iota({4}, 1.0f);  // 16 B
+  const Tensor g = Tensor::empty({4 * n_});
+  const Tensor part = Tensor::empty({1});
+  const Tensor full = Tensor::empty({n_});
+  comm_->all_gather(t, g, stream_);
+  comm_->reduce_scatter(full, part, stream_);
+  comm_->all_reduce(t, stream_);
+  comm_->broadcast(t, n_ - 1, stream_);
+  comm_->sendrecv(t, (r_ + 1) % n_, g.slice0(0, 4), (r_ + n_ - 1) % n_, stream_);
+  comm_->barrier();
+
+  const auto ops = comm_->recorder().snapshot();
+  ASSERT_EQ(ops.size(), 6u);
+  const CommOp want_op[] = {CommOp::all_gather, CommOp::reduce_scatter, CommOp::all_reduce,
+                            CommOp::broadcast,  CommOp::sendrecv,       CommOp::barrier};
+  const std::uint64_t want_bytes[] = {16u * n_, 4u * n_, 16, 16, 16, 0};
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(ops[i].seq, i);
+    EXPECT_EQ(ops[i].op, want_op[i]);
+    EXPECT_EQ(ops[i].bytes, want_bytes[i]);
+    EXPECT_EQ(ops[i].state, OpState::done);
+    EXPECT_LE(ops[i].enqueue_s, ops[i].start_s);
+    EXPECT_LE(ops[i].start_s, ops[i].end_s);
+    if (i > 0) {
+      EXPECT_LE(ops[i - 1].end_s, ops[i].enqueue_s);
+    }
+  }
+  EXPECT_EQ(ops[0].count, 4 * n_);
+  EXPECT_EQ(ops[3].peer, n_ - 1);  // broadcast root
+  EXPECT_EQ(ops[4].peer, (r_ + 1) % n_);
+  EXPECT_EQ(ops[4].src, (r_ + n_ - 1) % n_);
+  EXPECT_FALSE(comm_->recorder().oldest_in_flight().has_value());
+}
+
+TEST(CommFault, SkippedOpIsRecordedAndNotCounted) {
+  // Every rank skips its op #1, so the ranks stay in step and nothing hangs.
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  CommOptions o;
+  o.fault_rank = rank;
+  o.fault_seq = 1;
+  auto comm = make_communicator(o, Device::cpu);
+  const Stream s;
+  const Tensor t = Tensor::empty({4});
+  for (int i = 0; i < 3; ++i) {
+    ops::fill(t, 1.0f);
+    comm->all_reduce(t, s);
+    EXPECT_EQ(t.f32()[0], i == 1 ? 1.0f : float(comm->size())) << "op " << i;
+  }
+  const auto ops = comm->recorder().snapshot();
+  ASSERT_EQ(ops.size(), 3u);
+  EXPECT_EQ(ops[0].state, OpState::done);
+  EXPECT_EQ(ops[1].state, OpState::skipped);
+  EXPECT_EQ(ops[2].state, OpState::done);
+  EXPECT_EQ(comm->take_stats().calls, 2u);
+}
+
+TEST(CommFactory, NcclOnCpuIsAConfigError) {
+  CommOptions o;
+  o.kind = CommKind::nccl;
+  try {
+    make_communicator(o, Device::cpu);
+    ADD_FAILURE() << "--comm nccl on cpu did not throw";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("--device cuda"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CommFactory, AutoOnCpuIsMpi) {
+  auto comm = make_communicator(CommOptions{}, Device::cpu);
+  EXPECT_EQ(comm->name(), "mpi (host memory)");
+}
+
+/// Every collective on cuda tensors through `comm`, checked on the host.
+void check_cuda_collectives(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  auto val = [](int rank, int i) { return 1000.0f * float(rank) + float(i); };
+  auto on_gpu = [&](Tensor::Shape shape, int rank) {
+    Tensor host = Tensor::empty(std::move(shape));
+    for (std::size_t i = 0; i < host.f32().size(); ++i) host.f32()[i] = val(rank, int(i));
+    return ops::to_device(host, Device::cuda);
+  };
+  auto host = [](const Tensor& t) { return ops::to_device(t, Device::cpu); };
+  const Stream s = Stream::create(Device::cuda);  // not the default stream: ordering matters
+
+  const Tensor sum = on_gpu({6}, r);
+  comm.all_reduce(sum, s);
+  const Tensor cat = Tensor::empty({6 * n}, DType::f32, Device::cuda);
+  comm.all_gather(on_gpu({6}, r), cat, s);
+  const Tensor part = Tensor::empty({2}, DType::f32, Device::cuda);
+  comm.reduce_scatter(on_gpu({2 * n}, r), part, s);
+  const Tensor bc = on_gpu({3}, r);
+  comm.broadcast(bc, n - 1, s);
+  const Tensor ring = Tensor::empty({4}, DType::f32, Device::cuda);
+  comm.sendrecv(on_gpu({4}, r), (r + 1) % n, ring, (r + n - 1) % n, s);
+  s.synchronize();
+
+  const float ranks = 1000.0f * float(n * (n - 1) / 2);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(host(sum).f32()[std::size_t(i)], ranks + float(n * i));
+  for (int q = 0; q < n; ++q)
+    for (int i = 0; i < 6; ++i) EXPECT_EQ(host(cat).f32()[std::size_t(q * 6 + i)], val(q, i));
+  for (int i = 0; i < 2; ++i)
+    EXPECT_EQ(host(part).f32()[std::size_t(i)], ranks + float(n * (2 * r + i)));
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(host(bc).f32()[std::size_t(i)], val(n - 1, i));
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(host(ring).f32()[std::size_t(i)], val((r + n - 1) % n, i));
+  comm.barrier();
+  EXPECT_EQ(comm.take_stats().calls, 6u);
+}
+
+TEST(CommCuda, HostStagedMpi) {
+  if (const auto why = ops::device_problem(Device::cuda); !why.empty())
+    GTEST_SKIP() << "no usable GPU: " << why;
+  // The path for ranks sharing one GPU.
+  CommOptions o;
+  o.kind = CommKind::mpi;
+  auto comm = make_communicator(o, Device::cuda);
+  EXPECT_EQ(comm->name().rfind("mpi (host-staged", 0), 0u) << comm->name();
+  check_cuda_collectives(*comm);
+}
+
+TEST(CommCuda, AutoPicksNcclOnlyWithOneGpuPerRank) {
+  if (const auto why = ops::device_problem(Device::cuda); !why.empty())
+    GTEST_SKIP() << "no usable GPU: " << why;
+  auto comm = make_communicator(CommOptions{}, Device::cuda);
+  const bool staged = comm->name().rfind("mpi (host-staged", 0) == 0;
+  if (!TPX_WITH_NCCL) {
+    EXPECT_TRUE(staged) << comm->name();
+  } else if (staged) {
+    // Ranks share a GPU: auto fell back to host staging, and NCCL is refused outright.
+    EXPECT_NE(comm->name().find("share a GPU"), std::string::npos) << comm->name();
+    CommOptions nccl;
+    nccl.kind = CommKind::nccl;
+    try {
+      make_communicator(nccl, Device::cuda);
+      ADD_FAILURE() << "--comm nccl with a shared GPU did not throw";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("one GPU per rank"), std::string::npos) << e.what();
+    }
+  } else {
+    EXPECT_EQ(comm->name(), "nccl (device memory)");
+  }
+  check_cuda_collectives(*comm);
+}
+
+}  // namespace
+}  // namespace tpx
+
+/// Prints failed assertions with the rank that saw them.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "[rank %d] %s:%d: failure\n%s\n", rank_,
+                   r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  ::testing::InitGoogleTest(&argc, argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) {
+    // One rank's progress report is enough; the others print only their failures.
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(rank));
+  }
+  const int mine = RUN_ALL_TESTS();
+  int worst = 0;
+  MPI_Allreduce(&mine, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return worst;
+}

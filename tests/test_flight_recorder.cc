@@ -1,0 +1,317 @@
+// The flight recorder's ring, the cross-rank disagreement analysis, shared-GPU detection and the
+// communicator's command-line flags, without MPI; and the watchdog end to end: an MPI job with an
+// injected fault (one rank skips a collective) must abort quickly with every rank's recent ops
+// and one line naming the sequence number at which the ranks disagree.
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "common/cli.h"
+#include "common/comm/communicator.h"
+#include "common/comm/flight_recorder.h"
+#include "test_util.h"
+
+namespace tpx {
+namespace {
+
+// --- the ring ------------------------------------------------------------------------------------
+
+TEST(FlightRecorder, NumbersOpsAndKeepsTheirFields) {
+  FlightRecorder rec;
+  const auto a = rec.begin(CommOp::all_reduce, DType::f32, 256, 1024);
+  const auto b = rec.begin(CommOp::broadcast, DType::bf16, 8, 16, /*peer=*/3);
+  const auto c = rec.begin(CommOp::sendrecv, DType::f32, 4, 16, /*peer=*/1, /*src=*/2);
+  EXPECT_EQ(a, 0u);
+  EXPECT_EQ(b, 1u);
+  EXPECT_EQ(c, 2u);
+  rec.started(a);
+  rec.finish(a, OpState::done);
+  rec.finish(b, OpState::skipped);
+
+  const auto ops = rec.snapshot();
+  ASSERT_EQ(ops.size(), 3u);
+  EXPECT_EQ(rec.next_seq(), 3u);
+  EXPECT_EQ(ops[0].op, CommOp::all_reduce);
+  EXPECT_EQ(ops[0].count, 256);
+  EXPECT_EQ(ops[0].bytes, 1024u);
+  EXPECT_EQ(ops[0].state, OpState::done);
+  EXPECT_LE(ops[0].enqueue_s, ops[0].start_s);
+  EXPECT_LE(ops[0].start_s, ops[0].end_s);
+  EXPECT_EQ(ops[1].dtype, DType::bf16);
+  EXPECT_EQ(ops[1].peer, 3);
+  EXPECT_EQ(ops[1].state, OpState::skipped);
+  EXPECT_EQ(ops[2].peer, 1);
+  EXPECT_EQ(ops[2].src, 2);
+  EXPECT_EQ(ops[2].state, OpState::in_flight);
+  EXPECT_LT(ops[2].end_s, 0.0);
+
+  const auto oldest = rec.oldest_in_flight();
+  ASSERT_TRUE(oldest.has_value());
+  EXPECT_EQ(oldest->seq, 2u);
+  rec.finish(c, OpState::done);
+  EXPECT_FALSE(rec.oldest_in_flight().has_value());
+}
+
+TEST(FlightRecorder, KeepsTheLast64Ops) {
+  FlightRecorder rec;
+  ASSERT_EQ(rec.capacity(), 64u);
+  for (int i = 0; i < 100; ++i) rec.begin(CommOp::barrier, DType::f32, 0, 0);
+  rec.finish(10, OpState::failed);  // long gone from the ring: ignored
+  rec.finish(99, OpState::done);
+  const auto ops = rec.snapshot();
+  ASSERT_EQ(ops.size(), 64u);
+  for (std::size_t i = 0; i < ops.size(); ++i) EXPECT_EQ(ops[i].seq, 36 + i);
+  EXPECT_EQ(ops.back().state, OpState::done);
+  for (std::size_t i = 0; i + 1 < ops.size(); ++i) EXPECT_EQ(ops[i].state, OpState::in_flight);
+  EXPECT_EQ(rec.next_seq(), 100u);
+  EXPECT_EQ(rec.oldest_in_flight()->seq, 36u);
+}
+
+TEST(FlightRecorder, DumpNamesEveryOp) {
+  FlightRecorder rec;
+  rec.begin(CommOp::all_gather, DType::f32, 64, 256);
+  rec.finish(0, OpState::done);
+  rec.begin(CommOp::all_reduce, DType::f32, 16, 64);
+  const auto ops = rec.snapshot();
+  const auto lines = test::lines_of(format_ops(ops, FlightRecorder::now(), "[rank 3] "));
+  ASSERT_EQ(lines.size(), 3u);  // header + 2 ops
+  for (const auto& l : lines) EXPECT_EQ(l.rfind("[rank 3] ", 0), 0u) << l;
+  EXPECT_NE(lines[1].find("#0"), std::string::npos);
+  EXPECT_NE(lines[1].find("all_gather fp32[64] 256 B"), std::string::npos);
+  EXPECT_NE(lines[1].find("done"), std::string::npos);
+  EXPECT_NE(lines[2].find("#1"), std::string::npos);
+  EXPECT_NE(lines[2].find("in flight"), std::string::npos);
+}
+
+// --- the disagreement analysis -------------------------------------------------------------------
+
+OpRecord op(std::uint64_t seq, CommOp kind = CommOp::all_reduce, std::uint64_t bytes = 1024,
+            OpState state = OpState::done, int peer = -1) {
+  OpRecord r;
+  r.seq = seq;
+  r.op = kind;
+  r.bytes = bytes;
+  r.count = static_cast<std::int64_t>(bytes / 4);
+  r.state = state;
+  r.peer = peer;
+  return r;
+}
+
+/// A rank that issued ops [first, next) all-reduces of 1024 B, all done.
+RankOps ranks_ops(int rank, std::uint64_t first, std::uint64_t next) {
+  RankOps r{rank, true, next, {}};
+  for (std::uint64_t s = first; s < next; ++s) r.ops.push_back(op(s));
+  return r;
+}
+
+TEST(Disagreement, NoneWhenEveryRankRecordedTheSameOps) {
+  const std::vector<RankOps> ranks{ranks_ops(0, 0, 8), ranks_ops(1, 0, 8), ranks_ops(2, 0, 8)};
+  const Disagreement d = find_disagreement(ranks);
+  EXPECT_FALSE(d.seq.has_value()) << d.detail;
+  EXPECT_EQ(d.agreed_through, 7u);
+}
+
+TEST(Disagreement, FindsTheSkippedOp) {
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 10), ranks_ops(1, 0, 11)};
+  ranks[1].ops[5].state = OpState::skipped;
+  const Disagreement d = find_disagreement(ranks);
+  ASSERT_TRUE(d.seq.has_value());
+  EXPECT_EQ(*d.seq, 5u);
+  EXPECT_NE(d.detail.find("rank 1 skipped it"), std::string::npos) << d.detail;
+  EXPECT_EQ(d.detail.find("rank 0"), std::string::npos) << d.detail;
+}
+
+TEST(Disagreement, FindsTheOpARankHasNotIssued) {
+  const std::vector<RankOps> ranks{ranks_ops(0, 0, 9), ranks_ops(1, 0, 9), ranks_ops(2, 0, 7)};
+  const Disagreement d = find_disagreement(ranks);
+  ASSERT_TRUE(d.seq.has_value());
+  EXPECT_EQ(*d.seq, 7u);
+  EXPECT_NE(d.detail.find("rank 2 has not issued it (its last op is #6)"), std::string::npos)
+      << d.detail;
+}
+
+TEST(Disagreement, FindsADifferentOpSizeOrRoot) {
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 6), ranks_ops(1, 0, 6), ranks_ops(2, 0, 6)};
+  ranks[1].ops[3] = op(3, CommOp::all_gather, 512);
+  Disagreement d = find_disagreement(ranks);
+  ASSERT_TRUE(d.seq.has_value());
+  EXPECT_EQ(*d.seq, 3u);
+  EXPECT_NE(d.detail.find("rank 1 issued all_gather fp32[128] 512 B instead"), std::string::npos)
+      << d.detail;
+  EXPECT_NE(d.detail.find("the others: all_reduce fp32[256] 1024 B"), std::string::npos)
+      << d.detail;
+
+  ranks[1].ops[3] = op(3);
+  ranks[2].ops[4] = op(4, CommOp::all_reduce, 2048);
+  d = find_disagreement(ranks);
+  ASSERT_TRUE(d.seq.has_value());
+  EXPECT_EQ(*d.seq, 4u);
+  EXPECT_NE(d.detail.find("rank 2 issued"), std::string::npos) << d.detail;
+
+  ranks[2].ops[4] = op(4);
+  for (auto& r : ranks) r.ops[2] = op(2, CommOp::broadcast, 64, OpState::done, /*root=*/0);
+  ranks[0].ops[2].peer = 1;
+  d = find_disagreement(ranks);
+  ASSERT_TRUE(d.seq.has_value());
+  EXPECT_EQ(*d.seq, 2u);
+  EXPECT_NE(d.detail.find("rank 0 issued broadcast"), std::string::npos) << d.detail;
+}
+
+TEST(Disagreement, PointToPointPeersAndSizesMayDiffer) {
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 4), ranks_ops(1, 0, 4)};
+  ranks[0].ops[1] = op(1, CommOp::sendrecv, 64, OpState::done, /*peer=*/1);
+  ranks[1].ops[1] = op(1, CommOp::sendrecv, 128, OpState::done, /*peer=*/0);
+  const Disagreement d = find_disagreement(ranks);
+  EXPECT_FALSE(d.seq.has_value()) << d.detail;
+}
+
+TEST(Disagreement, IgnoresRanksThatDidNotAnswer) {
+  const std::vector<RankOps> ranks{ranks_ops(0, 0, 5), RankOps{1, false, 0, {}},
+                                   ranks_ops(2, 0, 5)};
+  const Disagreement d = find_disagreement(ranks);
+  EXPECT_FALSE(d.seq.has_value()) << d.detail;
+  EXPECT_EQ(d.agreed_through, 4u);
+}
+
+TEST(Disagreement, OpsEvictedFromARingCountAsIssued) {
+  // Rank 0 has issued 100 ops and keeps 36..99; rank 1 has issued 50 and keeps 0..49.
+  const std::vector<RankOps> ranks{ranks_ops(0, 36, 100), ranks_ops(1, 0, 50)};
+  const Disagreement d = find_disagreement(ranks);
+  ASSERT_TRUE(d.seq.has_value());
+  EXPECT_EQ(*d.seq, 50u);
+  EXPECT_NE(d.detail.find("rank 1 has not issued it (its last op is #49)"), std::string::npos)
+      << d.detail;
+}
+
+// --- shared GPUs and the command line ------------------------------------------------------------
+
+TEST(SharedDevice, FindsTheFirstPairOfRanksOnOneGpu) {
+  EXPECT_FALSE(find_shared_device({}).has_value());
+  EXPECT_FALSE(find_shared_device({"a 0000:01:00.0", "a 0000:02:00.0", "b 0000:01:00.0"}));
+  const auto p = find_shared_device({"a 0000:01:00.0", "a 0000:02:00.0", "a 0000:02:00.0"});
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->first, 1);
+  EXPECT_EQ(p->second, 2);
+}
+
+TEST(CommKind, ParsesTheThreeNames) {
+  EXPECT_EQ(parse_comm_kind("auto"), CommKind::automatic);
+  EXPECT_EQ(parse_comm_kind("mpi"), CommKind::mpi);
+  EXPECT_EQ(parse_comm_kind("nccl"), CommKind::nccl);
+  EXPECT_THROW(parse_comm_kind("gloo"), Error);
+}
+
+CliOutcome parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "stage");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  const StageInfo info{"stage", "test", false};
+  return parse_stage_cli(info, static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(CommCli, DefaultsAndFlags) {
+  const CliOutcome d = parse({});
+  ASSERT_TRUE(d.options) << d.message;
+  EXPECT_EQ(d.options->comm.kind, CommKind::automatic);
+  EXPECT_EQ(d.options->comm.timeout_s, 60.0);
+  EXPECT_EQ(d.options->comm.fault_rank, -1);
+  EXPECT_EQ(d.options->comm.fault_seq, -1);
+
+  const CliOutcome o =
+      parse({"--comm", "mpi", "--comm-timeout", "2.5", "--fault-skip-collective", "1:5"});
+  ASSERT_TRUE(o.options) << o.message;
+  EXPECT_EQ(o.options->comm.kind, CommKind::mpi);
+  EXPECT_EQ(o.options->comm.timeout_s, 2.5);
+  EXPECT_EQ(o.options->comm.fault_rank, 1);
+  EXPECT_EQ(o.options->comm.fault_seq, 5);
+  EXPECT_EQ(parse({"--comm", "nccl"}).options->comm.kind, CommKind::nccl);
+}
+
+TEST(CommCli, RejectsBadValues) {
+  for (const auto& args :
+       std::vector<std::vector<std::string>>{{"--comm", "gloo"},
+                                             {"--comm-timeout", "0"},
+                                             {"--comm-timeout", "-1"},
+                                             {"--fault-skip-collective", "1"},
+                                             {"--fault-skip-collective", "x:3"},
+                                             {"--fault-skip-collective", "-1:3"}}) {
+    const CliOutcome o = parse(args);
+    EXPECT_FALSE(o.options) << fmt::format("{}", fmt::join(args, " "));
+    EXPECT_EQ(o.exit_code, 2);
+    EXPECT_FALSE(o.message.empty());
+  }
+}
+
+TEST(CommCli, HelpShowsCommFlagsButHidesFaultInjection) {
+  const CliOutcome h = parse({"--help"});
+  EXPECT_EQ(h.exit_code, 0);
+  EXPECT_NE(h.message.find("--comm "), std::string::npos) << h.message;
+  EXPECT_NE(h.message.find("--comm-timeout"), std::string::npos) << h.message;
+  EXPECT_EQ(h.message.find("fault"), std::string::npos) << h.message;
+}
+
+// --- the watchdog, end to end --------------------------------------------------------------------
+
+struct ProbeRun {
+  test::CommandResult result;
+  double seconds = 0;
+};
+
+ProbeRun run_probe(int ranks, const std::string& args) {
+  const std::string probe = (std::filesystem::path(TPX_BIN_DIR) / "comm_fault_probe").string();
+  const std::string command =
+      fmt::format("timeout 120 env {} {} --oversubscribe --bind-to none -np {} {} {}",
+                  test::kRootMpiEnv, TPX_MPIEXEC, ranks, probe, args);
+  test::TempDir scratch;
+  const auto t0 = std::chrono::steady_clock::now();
+  ProbeRun run{test::run_command(command, scratch), 0};
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return run;
+}
+
+TEST(Watchdog, HealthyJobFinishes) {
+  const ProbeRun run = run_probe(2, "--comm-timeout 10");
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.out << run.result.err;
+  EXPECT_NE(run.result.out.find("rank 0: 10 all-reduces, 0 wrong values"), std::string::npos)
+      << run.result.out;
+  EXPECT_NE(run.result.out.find("rank 1: 10 all-reduces, 0 wrong values"), std::string::npos)
+      << run.result.out;
+  EXPECT_EQ(run.result.err.find("comm watchdog"), std::string::npos) << run.result.err;
+}
+
+TEST(Watchdog, SkippedCollectiveAbortsWithTheFirstDisagreement) {
+  const ProbeRun run = run_probe(2, "--comm-timeout 2 --fault-skip-collective 1:5");
+  const std::string& err = run.result.err;
+  EXPECT_NE(run.result.exit_code, 0) << err;
+  EXPECT_NE(run.result.exit_code, 124) << "the job hung until `timeout` killed it\n" << err;
+  EXPECT_LT(run.seconds, 20.0) << err;
+
+  // Every rank dumped its recent ops; rank 1's dump shows op #5 skipped.
+  bool rank0_dump = false, rank1_skip = false;
+  int verdicts = 0;
+  std::string verdict;
+  for (const auto& line : test::lines_of(err)) {
+    if (line.rfind("[rank 0] ", 0) == 0 && line.find("#4 ") != std::string::npos) rank0_dump = true;
+    if (line.rfind("[rank 1] ", 0) == 0 && line.find("#5 ") != std::string::npos &&
+        line.find("skipped") != std::string::npos)
+      rank1_skip = true;
+    if (line.find("ranks disagree first") != std::string::npos) {
+      ++verdicts;
+      verdict = line;
+    }
+  }
+  EXPECT_TRUE(rank0_dump) << err;
+  EXPECT_TRUE(rank1_skip) << err;
+  // Exactly one verdict line, naming seq 5 and the rank that skipped it.
+  EXPECT_EQ(verdicts, 1) << err;
+  EXPECT_EQ(verdict.rfind("tpx: comm watchdog: op #", 0), 0u) << verdict;
+  EXPECT_NE(verdict.find("did not complete in 2.0 s"), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("ranks disagree first at seq 5: rank 1 skipped it"), std::string::npos)
+      << verdict;
+}
+
+}  // namespace
+}  // namespace tpx
