@@ -55,7 +55,8 @@ class Parallelism {
                               const Tensor& dw) = 0;
 
   // --- what the step loop needs across ranks ---------------------------------------------------
-  /// Sums a per-rank scalar over the ranks that hold distinct data.
+  /// Sums a per-rank scalar over all ranks. The caller makes each rank contribute only what it
+  /// alone holds (a replicated value on rank 0 only), so every piece is counted once.
   virtual double sum_over_ranks(double local) { return local; }
   /// Called after backward on every gradient of a replicated parameter (sequence parallelism
   /// all-reduces the norm gains' gradients here).

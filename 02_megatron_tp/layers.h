@@ -1,0 +1,122 @@
+// Stage 02, Megatron tensor parallelism: the block's linear layers split across N ranks.
+//
+//   ColumnParallelLinear (Wq, Wk, Wv, Wg, Wu): rank r holds columns [r·out/N, (r+1)·out/N) of W,
+//     whole heads for Wq/Wk/Wv, so attention and SwiGLU run on local columns with no traffic.
+//   RowParallelLinear (Wo, Wd): rank r holds the matching rows of W and produces a partial sum.
+//
+// Two conjugate operators join them to the replicated residual stream:
+//   f (entering the region):  forward identity,    backward all-reduce
+//   g (leaving the region):   forward all-reduce,  backward identity
+// Conjugates is an interface so that a later stage can keep these linears and change only f and g.
+//
+// defines: tpx::megatron::Conjugates, tpx::megatron::AllReduceConjugates,
+//          tpx::megatron::ColumnParallelLinear, tpx::megatron::RowParallelLinear,
+//          tpx::megatron::MegatronParallel, tpx::megatron::make_megatron()
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+
+#include "common/parallel.h"
+#include "common/stage.h"
+#include "common/tp.h"
+
+namespace tpx::megatron {
+
+/// The pair of operators around a tensor-parallel region: f before a column-parallel group,
+/// g after a row-parallel layer. Each one's backward is the other one's forward.
+class Conjugates {
+ public:
+  virtual ~Conjugates() = default;
+  /// The column group's input as its GEMMs see it, from the residual-stream layout.
+  virtual Tensor f_forward(const Tensor& h) = 0;
+  /// The residual-stream gradient from this rank's partial input gradient [S, B, H].
+  virtual Tensor f_backward(const Tensor& dh_partial) = 0;
+  /// The residual-stream output from this rank's partial sum [S, B, H].
+  virtual Tensor g_forward(const Tensor& y_partial) = 0;
+  /// The row layer's output gradient as its GEMMs need it, from the residual-stream gradient.
+  virtual Tensor g_backward(const Tensor& dy) = 0;
+};
+
+/// Megatron's f and g: every rank holds the whole [S, B, H] residual stream.
+class AllReduceConjugates final : public Conjugates {
+ public:
+  explicit AllReduceConjugates(TpGroup& group) : group_(group) {}
+  Tensor f_forward(const Tensor& h) override { return h; }
+  Tensor f_backward(const Tensor& dh_partial) override;
+  Tensor g_forward(const Tensor& y_partial) override;
+  Tensor g_backward(const Tensor& dy) override { return dy; }
+
+ private:
+  TpGroup& group_;
+};
+
+/// y[i] = f(h) · W[i] for a group sharing its input h, each W[i] this rank's [in, out/N] columns.
+/// `compute` is the GEMM operand type (--dtype): fp32, or bf16 with fp32 accumulation.
+class ColumnParallelLinear {
+ public:
+  ColumnParallelLinear(Conjugates& fg, DType compute) : fg_(fg), compute_(compute) {}
+  /// Keeps h as given (before f) for backward.
+  ColumnResult forward(const Tensor& h, std::span<const Tensor> w);
+  /// Applies f to the kept h again (free here; a communicating f repeats its traffic instead of
+  /// keeping its larger output), writes dW[i] = f(h)ᵀ·dy[i], returns f_backward(Σ dy[i]·W[i]ᵀ).
+  Tensor backward(const Tensor& h, std::span<const Tensor> w, std::span<const Tensor> dy,
+                  std::span<const Tensor> dw);
+
+ private:
+  Conjugates& fg_;
+  DType compute_;
+};
+
+/// y = g(a · W) with W this rank's [in/N, out] rows and a the matching [.., in/N] columns.
+class RowParallelLinear {
+ public:
+  RowParallelLinear(Conjugates& fg, DType compute) : fg_(fg), compute_(compute) {}
+  Tensor forward(const Tensor& a, const Tensor& w);
+  /// Writes dW = aᵀ·g_backward(dy), returns da = g_backward(dy)·Wᵀ.
+  Tensor backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw);
+
+ private:
+  Conjugates& fg_;
+  DType compute_;
+};
+
+/// Stage 02's Parallelism: weights split by param_split(), activations and norm gains replicated.
+class MegatronParallel final : public Parallelism {
+ public:
+  explicit MegatronParallel(const RunContext& ctx);
+
+  Sharding sharding() const override;
+  std::string comm_name() const override { return group_.name(); }
+  ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w) override {
+    return column_.forward(h, w);
+  }
+  Tensor column_backward(const Tensor& saved, std::span<const Tensor> w, std::span<const Tensor> dy,
+                         std::span<const Tensor> dw) override {
+    return column_.backward(saved, w, dy, dw);
+  }
+  Tensor row_forward(const Tensor& a, const Tensor& w) override { return row_.forward(a, w); }
+  Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
+                      const Tensor& dw) override {
+    return row_.backward(a, w, dy, dw);
+  }
+  double sum_over_ranks(double local) override { return group_.sum_for_report(local); }
+  // gather_activation keeps the default: activations are replicated, rank 0 holds them whole.
+  Tensor gather_param(Param p, const Tensor& local) override {
+    return group_.gather_param(p, local);
+  }
+  CommStats take_comm_stats() override { return group_.take_stats(); }
+  void synchronize() override { group_.synchronize(); }
+
+ private:
+  TpGroup group_;
+  AllReduceConjugates fg_;
+  ColumnParallelLinear column_;
+  RowParallelLinear row_;
+};
+
+/// The stage's factory: checks that N divides NH and F (ConfigError otherwise), then builds.
+std::unique_ptr<Parallelism> make_megatron(const RunContext& ctx);
+
+}  // namespace tpx::megatron

@@ -1,0 +1,189 @@
+// The tensor-parallel stage executables from the outside, as a user runs them under mpirun:
+//   - the comm bytes per step in --json equal the formulas of the stage chapters
+//     (02_megatron_tp/README.md, 03_sequence_parallel/README.md), computed here from the config;
+//   - the saved-activation bytes per rank equal the chapters' formula, 1/N of stage 01's under
+//     sequence parallelism;
+//   - a rank count that divides NH, F and S but is not a power of two (3) passes --check;
+//   - a rank count that does not divide them fails fast on every rank with one clear line.
+#include <chrono>
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace tpx {
+namespace {
+
+using nlohmann::json;
+
+/// Sizes of a run, named as in the chapters.
+struct Sizes {
+  std::int64_t H = 32, NH = 4, F = 64, S = 16, B = 2, L = 2;
+  std::string args() const {
+    return fmt::format("--hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {}", H, NH, F,
+                       S, B, L);
+  }
+};
+
+constexpr std::int64_t kFloat = 4;  // bytes per fp32 element
+
+/// `mpirun -np N <stage> <args>` with a wall-clock limit, so a hang fails instead of blocking.
+test::CommandResult run_stage(const std::string& stage, int ranks, const std::string& args,
+                              const test::TempDir& dir) {
+  const std::string cmd =
+      fmt::format("{} timeout 120 {} {} -np {} {} {}", test::kRootMpiEnv, TPX_MPIEXEC,
+                  TPX_MPIEXEC_FLAGS, ranks, test::stage_binary(stage), args);
+  return test::run_command(cmd, dir);
+}
+
+json run_json(const std::string& stage, int ranks, const Sizes& z, int steps) {
+  test::TempDir dir;
+  const auto path = dir / "summary.json";
+  const auto r = run_stage(
+      stage, ranks, fmt::format("{} --steps {} --json {}", z.args(), steps, path.string()), dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  return json::parse(test::read_file(path));
+}
+
+// --- the chapters' formulas, per rank and step (fp32; nccl-tests bus convention) ----------------
+
+struct Comm {
+  std::uint64_t payload, bus, calls;
+};
+
+/// Stage 02, per block: forward g after Wo and Wd, backward f before Wq/Wk/Wv and Wg/Wu: four
+/// all-reduces of the [S, B, H] stream. Bus bytes of an all-reduce: 2(N−1)/N of its payload.
+Comm megatron_comm(const Sizes& z, std::int64_t n) {
+  const std::int64_t stream = z.S * z.B * z.H * kFloat;
+  const std::int64_t payload = z.L * 4 * stream;
+  return {std::uint64_t(payload), std::uint64_t(payload * 2 * (n - 1) / n), std::uint64_t(4 * z.L)};
+}
+
+/// Stage 03, per block: forward 2 all-gathers (f) + 2 reduce-scatters (g); backward 2
+/// all-gathers (g) + 2 re-gathers of the kept [S/N, B, H] inputs (f, for dW) + 2
+/// reduce-scatters (f); all of the full [S, B, H] (bus = (N−1)/N of that). Plus the all-reduce
+/// of the two norm-gain gradients [H].
+Comm sequence_parallel_comm(const Sizes& z, std::int64_t n) {
+  const std::int64_t stream = z.S * z.B * z.H * kFloat;
+  const std::int64_t gains = 2 * z.H * kFloat;
+  const std::int64_t payload = z.L * (10 * stream + gains);
+  const std::int64_t bus = z.L * (10 * stream * (n - 1) / n + gains * 2 * (n - 1) / n);
+  return {std::uint64_t(payload), std::uint64_t(bus), std::uint64_t(12 * z.L)};
+}
+
+/// Saved-activation elements per layer on one device: x, h, x2, h2 [S,B,H]; q, k, v, a
+/// [S,B,H]; rstd1, rstd2 [S·B]; gate, up, s [S,B,F]; probs [B,NH,S,S].
+std::int64_t baseline_saved(const Sizes& z) {
+  return 8 * z.S * z.B * z.H + 2 * z.S * z.B + 3 * z.S * z.B * z.F + z.B * z.NH * z.S * z.S;
+}
+
+/// Stage 02: the tensor-parallel part (q, k, v, a, gate, up, s, probs) is 1/N, the norm /
+/// residual part (x, h, x2, h2, rstd1, rstd2) is replicated.
+std::int64_t megatron_saved_bytes(const Sizes& z, std::int64_t n) {
+  const std::int64_t replicated = 4 * z.S * z.B * z.H + 2 * z.S * z.B;
+  return z.L * kFloat * (replicated + (baseline_saved(z) - replicated) / n);
+}
+
+/// Stage 03: everything is 1/N (h and h2 are kept as their [S/N, B, H] shards).
+std::int64_t sequence_parallel_saved_bytes(const Sizes& z, std::int64_t n) {
+  return z.L * kFloat * baseline_saved(z) / n;
+}
+
+struct Case {
+  std::string stage;
+  int ranks;
+};
+
+/// How gtest names a Case in its output (and ctest in the discovered test names).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.stage << " -np " << c.ranks;
+}
+
+class StageFormulas : public testing::TestWithParam<Case> {};
+
+TEST_P(StageFormulas, CommAndSavedBytesMatchTheChapter) {
+  const auto [stage, n] = GetParam();
+  const Sizes z;
+  const json j = run_json(stage, n, z, /*steps=*/2);
+  const bool sp = stage == "03_sequence_parallel";
+  const Comm want = sp ? sequence_parallel_comm(z, n) : megatron_comm(z, n);
+  ASSERT_EQ(j.at("steps").size(), 2u);
+  for (const json& row : j.at("steps")) {
+    EXPECT_EQ(row.at("comm_payload_bytes").get<std::uint64_t>(), want.payload);
+    EXPECT_EQ(row.at("comm_bus_bytes").get<std::uint64_t>(), want.bus);
+    EXPECT_EQ(row.at("comm_calls").get<std::uint64_t>(), want.calls);
+  }
+  const std::int64_t saved = sp ? sequence_parallel_saved_bytes(z, n) : megatron_saved_bytes(z, n);
+  EXPECT_EQ(j.at("saved_activation_bytes").get<std::int64_t>(), saved);
+}
+
+INSTANTIATE_TEST_SUITE_P(stages, StageFormulas,
+                         testing::Values(Case{"02_megatron_tp", 1}, Case{"02_megatron_tp", 2},
+                                         Case{"02_megatron_tp", 4}, Case{"03_sequence_parallel", 1},
+                                         Case{"03_sequence_parallel", 2},
+                                         Case{"03_sequence_parallel", 4}),
+                         [](const auto& p) {
+                           return fmt::format("{}_np{}", p.param.stage.substr(0, 2), p.param.ranks);
+                         });
+
+class SavedBytes : public testing::TestWithParam<int> {};
+
+TEST_P(SavedBytes, SequenceParallelKeepsOneNthOfTheBaseline) {
+  const int n = GetParam();
+  const Sizes z;
+  const json base = run_json("01_baseline", 1, z, 1);
+  const json sp = run_json("03_sequence_parallel", n, z, 1);
+  const auto base_bytes = base.at("saved_activation_bytes").get<std::int64_t>();
+  EXPECT_EQ(base_bytes, z.L * kFloat * baseline_saved(z));
+  EXPECT_EQ(n * sp.at("saved_activation_bytes").get<std::int64_t>(), base_bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(stages, SavedBytes, testing::Values(4));
+
+class ThreeRanks : public testing::TestWithParam<std::string> {};
+
+TEST_P(ThreeRanks, SplitsSizesDivisibleByThree) {
+  test::TempDir dir;
+  const Sizes z{.H = 48, .NH = 6, .F = 96, .S = 12, .B = 2, .L = 2};
+  const auto r = run_stage(GetParam(), 3, z.args() + " --steps 4 --check", dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("ranks 3"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+}
+
+TEST_P(ThreeRanks, RejectsSizesNotDivisibleByThreeOnEveryRank) {
+  test::TempDir dir;
+  const Sizes z{.H = 64, .NH = 4, .F = 128, .S = 16, .B = 2, .L = 1};
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = run_stage(GetParam(), 3, z.args(), dir);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.exit_code, 124) << "timed out instead of failing";
+  EXPECT_LT(seconds, 30.0);
+  int lines = 0;
+  const std::string want = GetParam() + ": error: cannot split the block over 3 ranks:";
+  for (const auto& line : test::lines_of(r.err))
+    if (line.starts_with(want)) {
+      ++lines;
+      EXPECT_NE(line.find("--heads (4)"), std::string::npos) << line;
+    }
+  EXPECT_EQ(lines, 3) << "one line per rank expected:\n" << r.err;
+  EXPECT_EQ(r.out.find("step"), std::string::npos) << "no step may run:\n" << r.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(stages, ThreeRanks,
+                         testing::Values("02_megatron_tp", "03_sequence_parallel"),
+                         [](const auto& p) {
+                           return p.param.starts_with("02") ? std::string("megatron")
+                                                            : std::string("sequence_parallel");
+                         });
+
+}  // namespace
+}  // namespace tpx
