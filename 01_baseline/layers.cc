@@ -4,17 +4,6 @@
 #include "common/trainer.h"
 
 namespace tpx::baseline {
-namespace {
-
-/// [S, B, out] for an input [S, B, in] and a weight [in, out].
-Tensor linear_output(const Tensor& x, const Tensor& w) {
-  auto shape = x.shape();
-  shape.back() = w.dim(1);
-  return Tensor::empty(shape, x.dtype(), x.device());
-}
-
-}  // namespace
-
 ColumnResult SerialLinears::column_forward(const Tensor& h, std::span<const Tensor> w) {
   ColumnResult r;
   r.saved = h;

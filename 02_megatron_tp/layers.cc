@@ -3,17 +3,6 @@
 #include "common/ops.h"
 
 namespace tpx::megatron {
-namespace {
-
-/// [rows..., out] for an input [rows..., in] and a weight [in, out].
-Tensor linear_output(const Tensor& x, const Tensor& w) {
-  auto shape = x.shape();
-  shape.back() = w.dim(1);
-  return Tensor::empty(shape, x.dtype(), x.device());
-}
-
-}  // namespace
-
 // --- f and g -------------------------------------------------------------------------------------
 
 Tensor AllReduceConjugates::f_backward(const Tensor& dh_partial) {
@@ -70,12 +59,6 @@ Tensor RowParallelLinear::backward(const Tensor& a, const Tensor& w, const Tenso
 }
 
 // --- the stage -----------------------------------------------------------------------------------
-
-MegatronParallel::MegatronParallel(const RunContext& ctx)
-    : group_(ctx),
-      fg_(group_),
-      column_(fg_, ctx.options.config.dtype),
-      row_(fg_, ctx.options.config.dtype) {}
 
 Sharding MegatronParallel::sharding() const {
   return {.rank = group_.rank(), .world = group_.world(), .weights = true, .sequence = false};

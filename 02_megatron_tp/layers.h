@@ -11,7 +11,8 @@
 //
 // defines: tpx::megatron::Conjugates, tpx::megatron::AllReduceConjugates,
 //          tpx::megatron::ColumnParallelLinear, tpx::megatron::RowParallelLinear,
-//          tpx::megatron::MegatronParallel, tpx::megatron::make_megatron()
+//          tpx::megatron::TensorParallel, tpx::megatron::MegatronParallel,
+//          tpx::megatron::make_megatron()
 #pragma once
 
 #include <memory>
@@ -82,12 +83,17 @@ class RowParallelLinear {
   DType compute_;
 };
 
-/// Stage 02's Parallelism: weights split by param_split(), activations and norm gains replicated.
-class MegatronParallel final : public Parallelism {
+/// A tensor-parallel Parallelism: column- and row-parallel linears joined by the conjugates FG.
+/// Stage 02 instantiates it with AllReduceConjugates; stage 03 with its sequence-parallel pair.
+template <class FG>
+class TensorParallel : public Parallelism {
  public:
-  explicit MegatronParallel(const RunContext& ctx);
+  explicit TensorParallel(const RunContext& ctx)
+      : group_(ctx),
+        fg_(group_),
+        column_(fg_, ctx.options.config.dtype),
+        row_(fg_, ctx.options.config.dtype) {}
 
-  Sharding sharding() const override;
   std::string comm_name() const override { return group_.name(); }
   ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w) override {
     return column_.forward(h, w);
@@ -102,18 +108,25 @@ class MegatronParallel final : public Parallelism {
     return row_.backward(a, w, dy, dw);
   }
   double sum_over_ranks(double local) override { return group_.sum_for_report(local); }
-  // gather_activation keeps the default: activations are replicated, rank 0 holds them whole.
   Tensor gather_param(Param p, const Tensor& local) override {
     return group_.gather_param(p, local);
   }
   CommStats take_comm_stats() override { return group_.take_stats(); }
   void synchronize() override { group_.synchronize(); }
 
- private:
+ protected:
   TpGroup group_;
-  AllReduceConjugates fg_;
+  FG fg_;
   ColumnParallelLinear column_;
   RowParallelLinear row_;
+};
+
+/// Stage 02's Parallelism: weights split by param_split(), activations and norm gains replicated
+/// (so gather_activation keeps the default: rank 0 holds them whole).
+class MegatronParallel final : public TensorParallel<AllReduceConjugates> {
+ public:
+  using TensorParallel::TensorParallel;
+  Sharding sharding() const override;
 };
 
 /// The stage's factory: checks that N divides NH and F (ConfigError otherwise), then builds.

@@ -22,12 +22,6 @@ Tensor SequenceConjugates::g_backward(const Tensor& dy) {
 
 // --- the stage -----------------------------------------------------------------------------------
 
-SequenceParallel::SequenceParallel(const RunContext& ctx)
-    : group_(ctx),
-      fg_(group_),
-      column_(fg_, ctx.options.config.dtype),
-      row_(fg_, ctx.options.config.dtype) {}
-
 Sharding SequenceParallel::sharding() const {
   return {.rank = group_.rank(), .world = group_.world(), .weights = true, .sequence = true};
 }

@@ -39,40 +39,14 @@ class SequenceConjugates final : public megatron::Conjugates {
 };
 
 /// Stage 03's Parallelism: weights split as in stage 02, activations outside the regions split
-/// along S, norm gains replicated with all-reduced gradients.
-class SequenceParallel final : public Parallelism {
+/// along S, norm gains replicated with all-reduced gradients. The column-parallel linears keep
+/// their local [S/N, B, H] input; backward all-gathers it again (see the chapter).
+class SequenceParallel final : public megatron::TensorParallel<SequenceConjugates> {
  public:
-  explicit SequenceParallel(const RunContext& ctx);
-
+  using TensorParallel::TensorParallel;
   Sharding sharding() const override;
-  std::string comm_name() const override { return group_.name(); }
-  /// Keeps the local [S/N, B, H] input; backward all-gathers it again (see the chapter).
-  ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w) override {
-    return column_.forward(h, w);
-  }
-  Tensor column_backward(const Tensor& saved, std::span<const Tensor> w, std::span<const Tensor> dy,
-                         std::span<const Tensor> dw) override {
-    return column_.backward(saved, w, dy, dw);
-  }
-  Tensor row_forward(const Tensor& a, const Tensor& w) override { return row_.forward(a, w); }
-  Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
-                      const Tensor& dw) override {
-    return row_.backward(a, w, dy, dw);
-  }
-  double sum_over_ranks(double local) override { return group_.sum_for_report(local); }
   void reduce_replicated_grad(const Tensor& grad) override;
   Tensor gather_activation(const Tensor& local) override { return group_.gather_sequence(local); }
-  Tensor gather_param(Param p, const Tensor& local) override {
-    return group_.gather_param(p, local);
-  }
-  CommStats take_comm_stats() override { return group_.take_stats(); }
-  void synchronize() override { group_.synchronize(); }
-
- private:
-  TpGroup group_;
-  SequenceConjugates fg_;
-  megatron::ColumnParallelLinear column_;
-  megatron::RowParallelLinear row_;
 };
 
 /// The stage's factory: checks that N divides NH, F and S (ConfigError otherwise), then builds.

@@ -5,7 +5,7 @@
 // all-reduces; stage 03 with sequence-parallel all-gather / reduce-scatter; later stages overlap
 // those transfers with the GEMMs. The block (block.h) is written once against this interface.
 //
-// defines: tpx::ColumnResult, tpx::CommStats, tpx::Parallelism
+// defines: tpx::ColumnResult, tpx::CommStats, tpx::linear_output(), tpx::Parallelism
 #pragma once
 
 #include <cstdint>
@@ -32,6 +32,13 @@ struct CommStats {
   std::uint64_t bus_bytes = 0;
   std::uint64_t calls = 0;
 };
+
+/// A new [rows..., out] tensor for the output of x [rows..., in] times a weight [in, out].
+inline Tensor linear_output(const Tensor& x, const Tensor& w) {
+  auto shape = x.shape();
+  shape.back() = w.dim(1);
+  return Tensor::empty(shape, x.dtype(), x.device());
+}
 
 class Parallelism {
  public:
