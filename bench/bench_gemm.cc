@@ -73,10 +73,5 @@ void register_all() {
 }  // namespace tpx::bench
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  tpx::bench::register_all();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return tpx::bench::run_benchmarks(argc, argv, tpx::bench::register_all);
 }

@@ -5,8 +5,10 @@
 // the mechanics, not GPU speed); the gpu runs H=4096, NH=32, F=11008, S=2048, B=1, a Llama-7B-
 // sized block, where GEMMs dominate.
 //
-// defines: tpx::bench::devices(), bench_config(), random_on(), device_label()
+// defines: tpx::bench::devices(), bench_config(), random_on(), device_label(), run_benchmarks()
 #pragma once
+
+#include <benchmark/benchmark.h>
 
 #include <cstdio>
 #include <random>
@@ -55,6 +57,18 @@ inline Tensor random_on(Device d, Tensor::Shape shape, unsigned seed, double std
 /// "cpu" or the GPU's name, for benchmark labels and the JSON context.
 inline std::string device_label(Device d) {
   return ops::device_name(d);
+}
+
+/// The programs' main(): Google Benchmark's flags, then `register_all` adds the benchmarks for the
+/// devices usable here (they are registered at run time because that depends on the machine).
+template <class Register>
+int run_benchmarks(int argc, char** argv, Register register_all) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
 }
 
 }  // namespace tpx::bench
