@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-release}
 scripts/setup.sh
-scripts/build.sh "$preset"
+scripts/build.sh "$preset" -DTPX_WERROR=ON  # warnings (g++ and nvcc) fail the build
 source scripts/env.sh
 ctest --preset "$preset"
