@@ -107,6 +107,22 @@ void print_row(const StepRow& r, const Speed& speed) {
   std::fflush(stdout);
 }
 
+/// The run's configuration, as --json and --dump's config.json record it.
+json config_json(const BlockConfig& c) {
+  return {{"hidden", c.hidden},
+          {"heads", c.heads},
+          {"ffn", c.ffn},
+          {"seq", c.seq},
+          {"batch", c.batch},
+          {"layers", c.layers},
+          {"steps", c.steps},
+          {"lr", c.lr},
+          {"seed", c.seed},
+          {"eps", kNormEps},
+          {"device", to_string(c.device)},
+          {"dtype", to_string(c.dtype)}};
+}
+
 void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& stage, int world,
                 const Snapshot& s) {
   const std::vector<std::int64_t> act{c.seq, c.batch, c.hidden};
@@ -123,36 +139,10 @@ void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& st
       write_npy(dir / (base + ".npy"), s.params[l][i], param_shape(p, c));
       write_npy(dir / (base + ".grad.npy"), s.grads[l][i], param_shape(p, c));
     }
-  const json cfg = {{"hidden", c.hidden},
-                    {"heads", c.heads},
-                    {"ffn", c.ffn},
-                    {"seq", c.seq},
-                    {"batch", c.batch},
-                    {"layers", c.layers},
-                    {"eps", kNormEps},
-                    {"seed", c.seed},
-                    {"dtype", to_string(c.dtype)},
-                    {"device", to_string(c.device)},
-                    {"stage", stage},
-                    {"world_size", world},
-                    {"lr", c.lr},
-                    {"steps", c.steps}};
+  json cfg = config_json(c);
+  cfg["stage"] = stage;
+  cfg["world_size"] = world;
   std::ofstream(dir / "config.json") << cfg.dump(2) << '\n';
-}
-
-json config_json(const BlockConfig& c) {
-  return {{"hidden", c.hidden},
-          {"heads", c.heads},
-          {"ffn", c.ffn},
-          {"seq", c.seq},
-          {"batch", c.batch},
-          {"layers", c.layers},
-          {"steps", c.steps},
-          {"lr", c.lr},
-          {"seed", c.seed},
-          {"eps", kNormEps},
-          {"device", to_string(c.device)},
-          {"dtype", to_string(c.dtype)}};
 }
 
 /// Runs after MPI is up and the command line is valid. Returns the exit code.
