@@ -81,6 +81,14 @@ std::string device_problem() {
 
 void ensure_initialized() {
   std::call_once(init_flag(), initialize);
+  // cudaSetDevice binds only the calling host thread. Any other thread (the comm watchdog polling
+  // events, a thread's own cuBLAS handles) would run on device 0 and create a context there, so
+  // each thread binds the chosen device on its first call.
+  thread_local const bool bound = [] {
+    TPX_CUDA_CHECK(cudaSetDevice(info_storage().device));
+    return true;
+  }();
+  (void)bound;
 }
 
 const DeviceInfo& device_info() {

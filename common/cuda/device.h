@@ -20,8 +20,9 @@ namespace tpx::cuda {
 /// Empty when a CUDA device is usable; otherwise one line saying why not.
 std::string device_problem();
 
-/// Picks and binds the device, registers the caching allocator for Device::cuda. Idempotent and
-/// cheap after the first call; throws tpx::Error (naming the reason) when no device is usable.
+/// Picks the device and registers the caching allocator for Device::cuda (once per process), and
+/// binds the device to the calling thread (once per thread). Idempotent and cheap after the first
+/// call; throws tpx::Error (naming the reason) when no device is usable.
 void ensure_initialized();
 
 /// What launch configurations are computed from.

@@ -17,6 +17,7 @@ std::shared_ptr<void> create_stream() {
 }
 
 void synchronize_stream(void* stream) {
+  ensure_initialized();  // binds this thread to the device (device.h)
   TPX_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
 }
 
@@ -28,20 +29,24 @@ std::shared_ptr<void> create_event() {
 }
 
 void record_event(void* event, void* stream) {
+  ensure_initialized();  // binds this thread to the device (device.h)
   TPX_CUDA_CHECK(
       cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
 }
 
 void wait_event(void* event, void* stream) {
+  ensure_initialized();  // binds this thread to the device (device.h)
   TPX_CUDA_CHECK(
       cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
 }
 
 void synchronize_event(void* event) {
+  ensure_initialized();  // binds this thread to the device (device.h)
   TPX_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
 }
 
 bool event_ready(void* event) {
+  ensure_initialized();  // binds this thread to the device (device.h)
   const cudaError_t rc = cudaEventQuery(static_cast<cudaEvent_t>(event));
   if (rc == cudaErrorNotReady) {
     (void)cudaGetLastError();  // NotReady is a status, not a sticky error; clear it
