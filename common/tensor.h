@@ -63,7 +63,7 @@ class Tensor {
   Tensor() = default;
   /// Uninitialised storage of the given shape from allocator_for(device).
   static Tensor empty(Shape shape, DType dtype = DType::f32, Device device = Device::cpu);
-  /// Zero-filled storage.
+  /// Zero-filled host storage (cpu only; fill device tensors with ops::fill).
   static Tensor zeros(Shape shape, DType dtype = DType::f32, Device device = Device::cpu);
 
   bool defined() const { return storage_ != nullptr; }

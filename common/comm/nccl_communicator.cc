@@ -26,6 +26,7 @@
 #include "common/cuda/check.h"
 #include "common/cuda/device.h"
 #include "common/cuda/nccl_check.h"
+#include "common/ops.h"
 
 namespace tpx {
 namespace {
@@ -55,7 +56,8 @@ class NcclCommunicator final : public Communicator {
     if (rank == 0) TPX_NCCL_CHECK(ncclGetUniqueId(&id));
     TPX_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
     TPX_NCCL_CHECK(ncclCommInitRank(&comm_, size, id, rank));
-    scratch_ = Tensor::zeros({1}, DType::f32, Device::cuda);
+    scratch_ = Tensor::empty({1}, DType::f32, Device::cuda);
+    ops::fill(scratch_, 0.0f);  // Tensor::zeros is host-only
     start_watchdog([this] { return poll(); });
   }
 
