@@ -53,6 +53,16 @@ std::string device_name(Device device) {
             to_string(compute));
 }
 
+GemmDims gemm_dims(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c) {
+  const std::int64_t m = trans_a ? a.cols() : a.rows();
+  const std::int64_t k = trans_a ? a.rows() : a.cols();
+  const std::int64_t kb = trans_b ? b.cols() : b.rows();
+  const std::int64_t n = trans_b ? b.rows() : b.cols();
+  TPX_CHECK(k == kb && c.rows() == m && c.cols() == n,
+            "gemm shapes: op(A) [{}, {}] · op(B) [{}, {}] into C {}", m, k, kb, n, c.describe());
+  return {m, n, k};
+}
+
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha, float beta, DType compute) {
 #if TPX_WITH_CUDA

@@ -25,6 +25,13 @@ std::string device_problem(Device device);
 /// Words for headers and tables: "cpu", or the GPU's name, compute capability and SM count.
 std::string device_name(Device device);
 
+/// The sizes of C = op(A)·op(B): op(A) is [m, k], op(B) [k, n], C [m, n]. Checks that the
+/// shapes agree (tpx::Error otherwise); both backends' gemm start from it.
+struct GemmDims {
+  std::int64_t m, n, k;
+};
+GemmDims gemm_dims(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c);
+
 /// C = alpha * op(A) · op(B) + beta * C, with op(X) = X or Xᵀ and A, B, C seen as matrices.
 /// compute = bf16 rounds A and B to bf16 and accumulates in fp32 (cuda only).
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,

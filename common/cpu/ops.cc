@@ -10,6 +10,7 @@
 
 #include "../check.h"
 #include "../config.h"
+#include "../ops.h"
 
 namespace tpx::cpu {
 namespace {
@@ -41,12 +42,7 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
   expect_f32_cpu(a, "gemm A");
   expect_f32_cpu(b, "gemm B");
   expect_f32_cpu(c, "gemm C");
-  const I m = trans_a ? a.cols() : a.rows();
-  const I k = trans_a ? a.rows() : a.cols();
-  const I kb = trans_b ? b.cols() : b.rows();
-  const I n = trans_b ? b.rows() : b.cols();
-  TPX_CHECK(k == kb && c.rows() == m && c.cols() == n,
-            "gemm shapes: op(A) [{}, {}] · op(B) [{}, {}] into C {}", m, k, kb, n, c.describe());
+  const auto [m, n, k] = ::tpx::ops::gemm_dims(a, trans_a, b, trans_b, c);
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
               trans_b ? CblasTrans : CblasNoTrans, to_int(m), to_int(n), to_int(k), alpha,
               a.data<float>(), to_int(a.cols()), b.data<float>(), to_int(b.cols()), beta,

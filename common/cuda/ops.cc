@@ -13,6 +13,7 @@
 #include "blas.h"
 #include "check.h"
 #include "common/config.h"
+#include "common/ops.h"
 #include "kernels.h"
 #include "nvtx.h"
 
@@ -108,12 +109,7 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
           float alpha, float beta, DType compute) {
   NvtxRange range("gemm");
   expect_compute(compute);
-  const I m = trans_a ? a.cols() : a.rows();
-  const I k = trans_a ? a.rows() : a.cols();
-  const I kb = trans_b ? b.cols() : b.rows();
-  const I n = trans_b ? b.rows() : b.cols();
-  TPX_CHECK(k == kb && c.rows() == m && c.cols() == n,
-            "gemm shapes: op(A) [{}, {}] · op(B) [{}, {}] into C {}", m, k, kb, n, c.describe());
+  const auto [m, n, k] = ::tpx::ops::gemm_dims(a, trans_a, b, trans_b, c);
   TPX_CHECK(a.device() == Device::cuda && b.device() == Device::cuda && c.device() == Device::cuda,
             "gemm operands must be on cuda: {} {} {}", a.describe(), b.describe(), c.describe());
   TPX_CHECK(c.dtype() == DType::f32 || (c.dtype() == DType::bf16 && compute == DType::bf16),
