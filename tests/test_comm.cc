@@ -17,6 +17,9 @@
 #include "common/comm/communicator.h"
 #include "common/ops.h"
 #include "common/stage.h"
+#if TPX_WITH_CUDA
+#include "common/cuda/device.h"
+#endif
 
 namespace tpx {
 namespace {
@@ -336,6 +339,41 @@ TEST(CommCuda, AutoPicksNcclOnlyWithOneGpuPerRank) {
   }
   check_cuda_collectives(*comm);
 }
+
+#if TPX_WITH_CUDA
+TEST(CommCuda, InputDroppedRightAfterTheCallIsNotReused) {
+  if (const auto why = ops::device_problem(Device::cuda); !why.empty())
+    GTEST_SKIP() << "no usable GPU: " << why;
+  // The caching allocator is not stream-aware. The op below waits on the device for a long queue
+  // of work on `s`; its input is dropped as soon as the call returns, and the next allocation of
+  // that size is written at once on the default stream, which waits neither for `s` nor for the
+  // communicator's stream. Unless the communicator keeps its tensors until the op is done, the
+  // gather reads that block after it was overwritten with -1.
+  auto comm = make_communicator(CommOptions{}, Device::cuda);
+  const int n = comm->size(), r = comm->rank();
+  constexpr std::int64_t kLen = 1024;
+  const Stream s = Stream::create(Device::cuda);
+  const Tensor busy = Tensor::empty({std::int64_t{1} << 26}, DType::f32, Device::cuda);  // 256 MiB
+  const Tensor out = Tensor::empty({kLen * n}, DType::f32, Device::cuda);
+  {
+    cuda::StreamGuard on_s(s.native());
+    for (int i = 0; i < 50; ++i) ops::fill(busy, float(i));
+    const Tensor in = Tensor::empty({kLen}, DType::f32, Device::cuda);
+    ops::fill(in, float(r + 1));
+    comm->all_gather(in, out, s);
+  }
+  const Tensor other = Tensor::empty({kLen}, DType::f32, Device::cuda);
+  ops::fill(other, -1.0f);
+  s.synchronize();
+  const Tensor host = ops::to_device(out, Device::cpu);
+  int wrong = 0;
+  for (int q = 0; q < n; ++q)
+    for (std::int64_t i = 0; i < kLen; ++i)
+      wrong += host.f32()[std::size_t(q * kLen + i)] != float(q + 1) ? 1 : 0;
+  EXPECT_EQ(wrong, 0) << "of " << kLen * n << " gathered values (" << comm->name() << ")";
+  ops::synchronize(Device::cuda);
+}
+#endif
 
 }  // namespace
 }  // namespace tpx

@@ -63,27 +63,27 @@ class MpiCommunicator final : public Communicator {
     check(MPI_Allgather(hin.raw(), count(in), mpi_type(in.dtype()), hout.raw(), count(in),
                         mpi_type(out.dtype()), comm_),
           "MPI_Allgather");
-    from_host(hout, out);
+    from_host(hout, out, s);
   }
 
   void do_reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) override {
     const Tensor hin = to_host(in, 0, s), hout = host_buffer(out, 1);
     check(MPI_Reduce_scatter_block(hin.raw(), hout.raw(), count(out), MPI_FLOAT, MPI_SUM, comm_),
           "MPI_Reduce_scatter_block");
-    from_host(hout, out);
+    from_host(hout, out, s);
   }
 
   void do_all_reduce(const Tensor& t, const Stream& s) override {
     const Tensor h = to_host(t, 0, s);
     check(MPI_Allreduce(MPI_IN_PLACE, h.raw(), count(t), MPI_FLOAT, MPI_SUM, comm_),
           "MPI_Allreduce");
-    from_host(h, t);
+    from_host(h, t, s);
   }
 
   void do_broadcast(const Tensor& t, int root, const Stream& s) override {
     const Tensor h = to_host(t, 0, s);
     check(MPI_Bcast(h.raw(), count(t), mpi_type(t.dtype()), root, comm_), "MPI_Bcast");
-    from_host(h, t);
+    from_host(h, t, s);
   }
 
   void do_sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
@@ -97,7 +97,7 @@ class MpiCommunicator final : public Communicator {
                        hr.defined() ? mpi_type(recv.dtype()) : MPI_BYTE,
                        hr.defined() ? src : MPI_PROC_NULL, kTag, comm_, MPI_STATUS_IGNORE),
           "MPI_Sendrecv");
-    if (hr.defined()) from_host(hr, recv);
+    if (hr.defined()) from_host(hr, recv, s);
   }
 
   void do_barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
@@ -130,8 +130,13 @@ class MpiCommunicator final : public Communicator {
     ops::copy(t, h);
     return h;
   }
-  static void from_host(const Tensor& h, const Tensor& t) {
-    if (t.device() != Device::cpu) ops::copy(h, t);
+  /// Copies the result back into t once the work queued on `s` is done: that work may still read
+  /// or write t (a receive-only sendrecv never went through to_host(), so nothing drained `s`).
+  /// ops::copy returns once the copy is complete, so t is ready for any stream afterwards.
+  static void from_host(const Tensor& h, const Tensor& t, const Stream& s) {
+    if (t.device() == Device::cpu) return;
+    s.synchronize();
+    ops::copy(h, t);
   }
 
   MPI_Comm comm_;

@@ -6,6 +6,11 @@
 // The host does not block (barrier() excepts). Completion is observed by the watchdog thread,
 // which polls each op's end event and NCCL's asynchronous error state.
 //
+// Lifetime: the caching allocator is not stream-aware, so every op holds references to its
+// tensors until its end event has completed. Otherwise a tensor the caller drops right after the
+// call could be handed to the next allocation and written by a stream that is not ordered after
+// the comm stream while NCCL still reads or writes it.
+//
 // make_communicator() reaches this file only when every rank has its own GPU: NCCL refuses two
 // ranks on one device, and ranks that share one use the host-staged MPI backend instead.
 #include <cuda_runtime_api.h>
@@ -58,17 +63,26 @@ class NcclCommunicator final : public Communicator {
     TPX_NCCL_CHECK(ncclCommInitRank(&comm_, size, id, rank));
     scratch_ = Tensor::empty({1}, DType::f32, Device::cuda);
     ops::fill(scratch_, 0.0f);  // Tensor::zeros is host-only
+    cuda::synchronize();        // the fill ran on the current stream, not on the comm stream
     start_watchdog([this] { return poll(); });
   }
 
   ~NcclCommunicator() override {
+    // While an exception unwinds, the other ranks may be inside (or about to issue) collectives
+    // that this rank will never join: ncclCommDestroy would wait for those ops forever (and the
+    // watchdog is gone by then), so the communicator is aborted instead.
+    bool clean = std::uncaught_exceptions() == 0;
     try {
-      if (std::uncaught_exceptions() == 0) stream_.synchronize();
+      if (clean) stream_.synchronize();
     } catch (const std::exception& e) {
       fmt::print(stderr, "tpx: nccl communicator: {}\n", e.what());
+      clean = false;
     }
     shutdown();
-    ncclCommDestroy(comm_);
+    if (clean)
+      ncclCommDestroy(comm_);
+    else
+      ncclCommAbort(comm_);
   }
 
   std::string name() const override { return "nccl (device memory)"; }
@@ -80,28 +94,28 @@ class NcclCommunicator final : public Communicator {
     enter(s);
     nccl(ncclAllGather(in.raw(), out.raw(), count(in), nccl_type(in.dtype()), comm_, cs()),
          "ncclAllGather");
-    leave(s);
+    leave(s, {in, out});
   }
 
   void do_reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) override {
     enter(s);
     nccl(ncclReduceScatter(in.raw(), out.raw(), count(out), ncclFloat32, ncclSum, comm_, cs()),
          "ncclReduceScatter");
-    leave(s);
+    leave(s, {in, out});
   }
 
   void do_all_reduce(const Tensor& t, const Stream& s) override {
     enter(s);
     nccl(ncclAllReduce(t.raw(), t.raw(), count(t), ncclFloat32, ncclSum, comm_, cs()),
          "ncclAllReduce");
-    leave(s);
+    leave(s, {t});
   }
 
   void do_broadcast(const Tensor& t, int root, const Stream& s) override {
     enter(s);
     nccl(ncclBroadcast(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), root, comm_, cs()),
          "ncclBroadcast");
-    leave(s);
+    leave(s, {t});
   }
 
   void do_sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
@@ -115,7 +129,7 @@ class NcclCommunicator final : public Communicator {
       nccl(ncclRecv(recv.raw(), count(recv), nccl_type(recv.dtype()), src, comm_, cs()),
            "ncclRecv");
     nccl(ncclGroupEnd(), "ncclGroupEnd");
-    leave(s);
+    leave(s, {send, recv});
   }
 
   void do_barrier() override {
@@ -129,7 +143,10 @@ class NcclCommunicator final : public Communicator {
 
   void issued(std::uint64_t seq) override {
     std::lock_guard lock(mu_);
-    pending_.emplace_back(seq, last_);
+    // Also reaped here: without a watchdog thread (no MPI_THREAD_MULTIPLE) nothing else would,
+    // and the queue would hold every op's event and tensors until the communicator is destroyed.
+    reap();
+    pending_.push_back({seq, last_, std::exchange(keep_, {})});
   }
 
  private:
@@ -141,12 +158,23 @@ class NcclCommunicator final : public Communicator {
     ready.record(s);
     ready.wait(stream_);
   }
-  /// The caller's stream waits for the op just queued on the comm stream.
-  void leave(const Stream& s) {
+  /// The caller's stream waits for the op just queued on the comm stream; `keep` (the op's
+  /// tensors) stay referenced until the op is seen complete (see Lifetime above).
+  void leave(const Stream& s, std::array<Tensor, 2> keep = {}) {
     Event done(Device::cuda);
     done.record(stream_);
     done.wait(s);
     last_ = done;
+    keep_ = std::move(keep);
+  }
+
+  /// Marks the ops whose end event has completed done and drops their tensors, oldest first.
+  /// Caller holds mu_; runs on the issuing thread and on the watchdog thread.
+  void reap() {
+    while (!pending_.empty() && pending_.front().done.ready()) {
+      recorder_.finish(pending_.front().seq, OpState::done);
+      pending_.pop_front();
+    }
   }
 
   void nccl(ncclResult_t rc, const char* call) {
@@ -160,10 +188,7 @@ class NcclCommunicator final : public Communicator {
   std::string poll() {
     {
       std::lock_guard lock(mu_);
-      while (!pending_.empty() && pending_.front().second.ready()) {
-        recorder_.finish(pending_.front().first, OpState::done);
-        pending_.pop_front();
-      }
+      reap();
     }
     ncclResult_t async = ncclSuccess;
     if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
@@ -172,12 +197,20 @@ class NcclCommunicator final : public Communicator {
     return {};
   }
 
+  /// An op issued whose end event has not been seen complete, with the tensors it uses.
+  struct Pending {
+    std::uint64_t seq;
+    Event done;
+    std::array<Tensor, 2> keep;
+  };
+
   Stream stream_;
   ncclComm_t comm_ = nullptr;
   Tensor scratch_;
-  Event last_{Device::cuda};
+  Event last_{Device::cuda};    // the end event of the op being issued (set by leave())
+  std::array<Tensor, 2> keep_;  // its tensors (set by leave())
   std::mutex mu_;
-  std::deque<std::pair<std::uint64_t, Event>> pending_;  // ops issued, end event not yet seen
+  std::deque<Pending> pending_;  // guarded by mu_
 };
 
 }  // namespace
