@@ -151,7 +151,13 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   if (st.info.single_device && world > 1)
     throw ConfigError(
         fmt::format("{} is single-device; run it with one rank (got {})", st.info.name, world));
-  if (const auto why = ops::device_problem(c.device); !why.empty()) throw ConfigError(why);
+  // Every rank must be able to use the device, or none starts (a rank that stopped alone would
+  // leave the others waiting in their first collective).
+  const std::string device_problem = ops::device_problem(c.device);
+  if (!all_ranks(device_problem.empty()))
+    throw ConfigError(device_problem.empty()
+                          ? fmt::format("another rank cannot use --device {}", to_string(c.device))
+                          : device_problem);
   const std::string dump_problem =
       (rank == 0 && !o.dump_dir.empty()) ? dump_dir_problem(o.dump_dir) : "";
   if (!all_ranks(dump_problem.empty()))
