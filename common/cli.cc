@@ -1,11 +1,59 @@
 #include "cli.h"
 
+#include <charconv>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include "check.h"
 
 namespace tpx {
+namespace {
+
+/// `text` as a T, all of it: decimal digits (a leading '-' only for signed types; a float may
+/// also have a fraction and an exponent), in T's range, finite. Anything else is an error naming
+/// the flag: an empty value, "12abc", "-1" for an unsigned seed, 2^64 for an int64 size, "nan".
+template <class T>
+T parse_number(std::string_view flag, const std::string& text) {
+  T value{};
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  auto error = [&](std::string_view why) {
+    return CLI::ValidationError(fmt::format("{} '{}': {}", flag, text, why));
+  };
+  if (text.empty()) throw error("empty value");
+  if (ec == std::errc::result_out_of_range) {
+    if constexpr (std::is_integral_v<T>)
+      throw error(fmt::format("out of range ({} to {})", std::numeric_limits<T>::min(),
+                              std::numeric_limits<T>::max()));
+    else
+      throw error("out of range");
+  }
+  if (ec != std::errc() || ptr != end)
+    throw error(std::is_integral_v<T>
+                    ? (std::is_signed_v<T> ? "not an integer" : "not a non-negative integer")
+                    : "not a number");
+  if constexpr (std::is_floating_point_v<T>)
+    if (!std::isfinite(value)) throw error("not a finite number");
+  return value;
+}
+
+/// Registers a numeric flag parsed by parse_number (CLI11's own conversion caps out-of-range
+/// values and wraps negative unsigned ones); --help shows the default.
+template <class T>
+CLI::Option* add_number(CLI::App& app, const std::string& flag, T& target,
+                        const std::string& help) {
+  return app
+      .add_option_function<std::string>(
+          flag, [&target, flag](const std::string& s) { target = parse_number<T>(flag, s); }, help)
+      ->default_str(fmt::format("{}", target))
+      ->type_name(std::is_integral_v<T> ? "INT" : "FLOAT");
+}
+
+}  // namespace
 
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   StageOptions o;
@@ -13,24 +61,27 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   std::string device = "cpu", dtype = "fp32";
 
   CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
-  app.footer(info.single_device
-                 ? "Single-device stage: run it directly or under `mpirun -np 1`; with more ranks "
-                   "it exits with an error."
-                 : "Run under `mpirun -np N`; N must divide the sizes the stage splits.");
+  app.footer(fmt::format(
+      "{}\n\nEvery rank must be given the same flags. Exit status: 0 done (and --check "
+      "passed); 1 --check failed or an output could not be written; 2 bad input, or a config "
+      "that cannot run here (too large for memory, ranks that disagree); 3 training diverged (a "
+      "loss or gradient norm became NaN or infinite).",
+      info.single_device
+          ? "Single-device stage: run it directly or under `mpirun -np 1`; with more ranks it "
+            "exits with an error."
+          : "Run under `mpirun -np N`; N must divide the sizes the stage splits."));
   app.get_formatter()->column_width(26);
   auto sizes = "Model sizes";
-  app.add_option("--hidden", c.hidden, "H, the model width")->capture_default_str()->group(sizes);
-  app.add_option("--heads", c.heads, "NH, attention heads (H % NH == 0)")
-      ->capture_default_str()
-      ->group(sizes);
-  app.add_option("--ffn", c.ffn, "F, the SwiGLU inner size")->capture_default_str()->group(sizes);
-  app.add_option("--seq", c.seq, "S, sequence length")->capture_default_str()->group(sizes);
-  app.add_option("--batch", c.batch, "B, batch size")->capture_default_str()->group(sizes);
-  app.add_option("--layers", c.layers, "L, stacked blocks")->capture_default_str()->group(sizes);
+  add_number(app, "--hidden", c.hidden, "H, the model width")->group(sizes);
+  add_number(app, "--heads", c.heads, "NH, attention heads (H % NH == 0)")->group(sizes);
+  add_number(app, "--ffn", c.ffn, "F, the SwiGLU inner size")->group(sizes);
+  add_number(app, "--seq", c.seq, "S, sequence length")->group(sizes);
+  add_number(app, "--batch", c.batch, "B, batch size")->group(sizes);
+  add_number(app, "--layers", c.layers, "L, stacked blocks")->group(sizes);
   auto run = "Run";
-  app.add_option("--steps", c.steps, "T, SGD steps")->capture_default_str()->group(run);
-  app.add_option("--lr", c.lr, "SGD learning rate")->capture_default_str()->group(run);
-  app.add_option("--seed", c.seed, "initialisation seed")->capture_default_str()->group(run);
+  add_number(app, "--steps", c.steps, "T, SGD steps")->group(run);
+  add_number(app, "--lr", c.lr, "SGD learning rate")->group(run);
+  add_number(app, "--seed", c.seed, "initialisation seed")->group(run);
   app.add_option("--device", device, "backend: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str()
@@ -58,7 +109,9 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->type_name("FILE")
       ->group(out);
 
-  auto comm = "Communication";
+  // A single-device stage does not communicate: its communication flags are hidden from --help
+  // and rejected with a sentence that says why (instead of being silently ignored).
+  const auto comm = info.single_device ? "" : "Communication";
   std::string comm_kind = "auto";
   app.add_option("--comm", comm_kind,
                  "collectives: nccl (cuda, one GPU per rank), mpi (host memory; cuda tensors are "
@@ -66,16 +119,27 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "mpi", "nccl"}))
       ->capture_default_str()
       ->group(comm);
-  app.add_option("--comm-timeout", o.comm.timeout_s,
-                 "seconds a collective may take before every rank prints its last ops and the "
-                 "job aborts naming the first op the ranks disagree on")
+  add_number(app, "--comm-timeout", o.comm.timeout_s,
+             "seconds a collective may take before every rank prints its last ops and the job "
+             "aborts naming the first op the ranks disagree on")
       ->type_name("SECONDS")
-      ->capture_default_str()
       ->group(comm);
   // Fault injection for the watchdog's tests; hidden from --help (empty group).
-  std::pair<int, std::int64_t> fault{-1, -1};
-  app.add_option("--fault-skip-collective", fault, "RANK:SEQ: that rank silently skips its op SEQ")
-      ->delimiter(':')
+  const std::string fault_flag = "--fault-skip-collective";
+  app.add_option_function<std::string>(
+         fault_flag,
+         [&o, &fault_flag](const std::string& s) {
+           const auto colon = s.find(':');
+           if (colon == std::string::npos)
+             throw CLI::ValidationError(
+                 fmt::format("{} '{}': expected RANK:SEQ, e.g. 1:7", fault_flag, s));
+           o.comm.fault_rank = parse_number<int>(fault_flag + " RANK", s.substr(0, colon));
+           o.comm.fault_seq = parse_number<std::int64_t>(fault_flag + " SEQ", s.substr(colon + 1));
+           if (o.comm.fault_rank < 0 || o.comm.fault_seq < 0)
+             throw CLI::ValidationError(
+                 fmt::format("{} '{}': RANK and SEQ must be >= 0", fault_flag, s));
+         },
+         "RANK:SEQ: that rank silently skips its op SEQ")
       ->type_name("RANK:SEQ")
       ->group("");
 
@@ -86,23 +150,48 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return {std::nullopt, fmt::format("{} (see --help)", e.what()), 2};
   }
+  if (info.single_device)
+    for (const char* flag : {"--comm", "--comm-timeout", "--fault-skip-collective"})
+      if (app.count(flag) > 0)
+        return {std::nullopt,
+                fmt::format("{} has no meaning for {}: it runs on one device and does not "
+                            "communicate",
+                            flag, info.name),
+                2};
   if (!(o.comm.timeout_s > 0))
     return {std::nullopt,
             fmt::format("--comm-timeout must be a positive number of seconds (got {})",
                         o.comm.timeout_s),
             2};
-  if (app.count("--fault-skip-collective") > 0) {
-    if (fault.first < 0 || fault.second < 0)
-      return {std::nullopt, "--fault-skip-collective needs RANK:SEQ with RANK, SEQ >= 0", 2};
-    o.comm.fault_rank = fault.first;
-    o.comm.fault_seq = fault.second;
-  }
   o.comm.kind = parse_comm_kind(comm_kind);
   c.device = parse_device(device);
   c.dtype = parse_dtype(dtype);
   if (const auto errors = validate(c); !errors.empty())
     return {std::nullopt, fmt::format("{}", fmt::join(errors, "; ")), 2};
   return {std::move(o), "", 0};
+}
+
+ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
+  const BlockConfig& c = o.config;
+  auto given = [](const std::string& path) { return path.empty() ? "not given" : "given"; };
+  return {{"the stage", info.name},
+          {"--hidden", fmt::format("{}", c.hidden)},
+          {"--heads", fmt::format("{}", c.heads)},
+          {"--ffn", fmt::format("{}", c.ffn)},
+          {"--seq", fmt::format("{}", c.seq)},
+          {"--batch", fmt::format("{}", c.batch)},
+          {"--layers", fmt::format("{}", c.layers)},
+          {"--steps", fmt::format("{}", c.steps)},
+          {"--lr", fmt::format("{}", c.lr)},
+          {"--seed", fmt::format("{}", c.seed)},
+          {"--device", std::string(to_string(c.device))},
+          {"--dtype", std::string(to_string(c.dtype))},
+          {"--comm", to_string(o.comm.kind)},
+          {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
+          {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},
+          {"--check", o.check ? "given" : "not given"},
+          {"--dump", given(o.dump_dir)},
+          {"--trace", given(o.trace_path)}};
 }
 
 }  // namespace tpx

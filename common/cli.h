@@ -1,12 +1,14 @@
 // The command line of every stage executable (DESIGN.md, "Contract of every stage executable"),
 // on CLI11.
 //
-// defines: tpx::StageInfo, tpx::StageOptions, tpx::CliOutcome, tpx::parse_stage_cli()
+// defines: tpx::StageInfo, tpx::StageOptions, tpx::CliOutcome, tpx::parse_stage_cli(),
+//          tpx::config_fields()
 #pragma once
 
 #include <optional>
 #include <string>
 
+#include "agree.h"
 #include "comm/communicator.h"
 #include "config.h"
 
@@ -38,5 +40,10 @@ struct CliOutcome {
 
 /// Parses and validates argv. Never throws and never exits: the caller prints and returns.
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv);
+
+/// The flags every rank must agree on: those that shape the computation or decide which
+/// collectives run (sizes, steps, lr, seed, device, dtype, communicator, --check, whether
+/// --dump / --trace are given), plus the stage's name. Not --json's path (only rank 0 writes it).
+ConfigFields config_fields(const StageInfo& info, const StageOptions& o);
 
 }  // namespace tpx

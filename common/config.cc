@@ -1,6 +1,10 @@
 #include "config.h"
 
+#include <limits>
+
 #include <fmt/format.h>
+
+#include "checked.h"
 
 namespace tpx {
 
@@ -16,6 +20,9 @@ std::vector<std::string> validate(const BlockConfig& c) {
   positive("batch", c.batch);
   positive("layers", c.layers);
   if (c.steps < 1) errors.push_back(fmt::format("--steps must be at least 1 (got {})", c.steps));
+  if (c.steps > std::numeric_limits<int>::max())
+    errors.push_back(fmt::format("--steps must be at most {} (got {})",
+                                 std::numeric_limits<int>::max(), c.steps));
   if (c.hidden > 0 && c.heads > 0 && c.hidden % c.heads != 0)
     errors.push_back(
         fmt::format("--hidden ({}) must be divisible by --heads ({})", c.hidden, c.heads));
@@ -23,6 +30,24 @@ std::vector<std::string> validate(const BlockConfig& c) {
   if (c.device == Device::cpu && c.dtype != DType::f32)
     errors.push_back(fmt::format("--dtype {} needs --device cuda; the cpu backend computes in fp32",
                                  to_string(c.dtype)));
+  if (!errors.empty()) return errors;
+
+  // The largest tensors' byte counts must fit in 64 bits, or element counts, offsets and
+  // allocations would wrap. (Whether they fit in memory is the memory check's question.)
+  auto fits = [&](std::initializer_list<std::int64_t> factors, const char* what) {
+    try {
+      checked_product(factors, what);
+    } catch (const SizeOverflow&) {
+      errors.push_back(fmt::format("the sizes are too large: {} does not fit in 64 bits", what));
+    }
+  };
+  constexpr std::int64_t kMaxElementBytes = 4;  // fp32
+  fits({c.seq, c.batch, c.hidden, kMaxElementBytes}, "an activation's bytes (S·B·H·4)");
+  fits({c.seq, c.batch, c.ffn, kMaxElementBytes}, "an MLP activation's bytes (S·B·F·4)");
+  fits({c.batch, c.heads, c.seq, c.seq, kMaxElementBytes},
+       "the attention probabilities' bytes (B·NH·S·S·4)");
+  fits({c.hidden, c.ffn, kMaxElementBytes}, "an MLP weight's bytes (H·F·4)");
+  fits({c.hidden, c.hidden, kMaxElementBytes}, "an attention weight's bytes (H·H·4)");
   return errors;
 }
 

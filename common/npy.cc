@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "check.h"
+#include "output.h"
 
 namespace tpx {
 namespace {
@@ -37,8 +38,6 @@ void write_npy(const std::filesystem::path& path, std::span<const float> data,
   const std::size_t unpadded = 10 + header.size() + 1;
   header.append((64 - unpadded % 64) % 64, ' ');
   header.push_back('\n');
-  std::ofstream out(path, std::ios::binary);
-  if (!out) fail(fmt::format("cannot write '{}': {}", path.string(), std::strerror(errno)));
   const auto len = static_cast<std::uint16_t>(header.size());
   const char prefix[10] = {kMagic[0],
                            kMagic[1],
@@ -50,11 +49,11 @@ void write_npy(const std::filesystem::path& path, std::span<const float> data,
                            0,
                            static_cast<char>(len & 0xff),
                            static_cast<char>(len >> 8)};
-  out.write(prefix, sizeof prefix);
-  out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  out.write(reinterpret_cast<const char*>(data.data()),
-            static_cast<std::streamsize>(data.size_bytes()));
-  if (!out) fail(fmt::format("short write to '{}'", path.string()));
+  write_file_atomically(path, [&](OutputFile& out) {
+    out.write(prefix, sizeof prefix);
+    out.write(header);
+    out.write(data.data(), data.size_bytes());
+  });
 }
 
 NpyArray read_npy(const std::filesystem::path& path) {

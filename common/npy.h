@@ -16,7 +16,8 @@ struct NpyArray {
   std::vector<float> data;
 };
 
-/// Writes `<f4` data of the given shape; throws tpx::Error if the file cannot be written.
+/// Writes `<f4` data of the given shape, whole or not at all (write_file_atomically, output.h);
+/// throws tpx::Error if the file cannot be written.
 void write_npy(const std::filesystem::path& path, std::span<const float> data,
                const std::vector<std::int64_t>& shape);
 

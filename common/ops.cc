@@ -1,10 +1,16 @@
 // Device dispatch: the only place that routes an op to a backend.
 #include "ops.h"
 
+#include <charconv>
 #include <cstring>
+#include <fstream>
+#include <limits>
 #include <mutex>
+#include <optional>
+#include <string_view>
 
 #include "check.h"
+#include "checked.h"
 #include "cpu/ops.h"
 #if TPX_WITH_CUDA
 #include "cuda/ops.h"
@@ -33,6 +39,45 @@ std::string device_name(Device device) {
   if (device == Device::cuda) return cuda::device_name();
 #endif
   return std::string(to_string(device));
+}
+
+namespace {
+
+/// MemAvailable of /proc/meminfo in bytes, or nothing when it cannot be read.
+std::optional<std::uint64_t> host_memory_available() {
+  std::ifstream in("/proc/meminfo");
+  for (std::string line; std::getline(in, line);) {
+    constexpr std::string_view key = "MemAvailable:";
+    if (!line.starts_with(key)) continue;
+    std::size_t i = key.size();
+    while (i < line.size() && line[i] == ' ') ++i;
+    std::uint64_t kib = 0;
+    const char* end = line.data() + line.size();
+    if (std::from_chars(line.data() + i, end, kib).ec != std::errc{}) return std::nullopt;
+    return checked_mul(kib, std::uint64_t{1024});  // the file's "kB" are KiB
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::uint64_t memory_available(Device device) {
+  if (device == Device::cpu)
+    return host_memory_available().value_or(std::numeric_limits<std::uint64_t>::max());
+#if TPX_WITH_CUDA
+  return cuda::memory_free_bytes();
+#else
+  no_cuda();
+#endif
+}
+
+int device_ordinal(Device device) {
+  if (device == Device::cpu) return 0;
+#if TPX_WITH_CUDA
+  return cuda::device_info().device;
+#else
+  no_cuda();
+#endif
 }
 
 // Routes fn to the backend of `device`. Without CUDA, a cuda tensor fails with a clear message

@@ -9,7 +9,7 @@
 //
 // defines: tpx::ops::gemm, rmsnorm_*, attention_*, swiglu_*, add, accumulate, mse_loss_*,
 //          sgd_update, sum_squares, fill, cast, copy, to_device, synchronize,
-//          bf16_gemm_peak_tflops
+//          bf16_gemm_peak_tflops, memory_available, device_ordinal
 #pragma once
 
 #include <cstdint>
@@ -24,6 +24,16 @@ namespace tpx::ops {
 std::string device_problem(Device device);
 /// Words for headers and tables: "cpu", or the GPU's name, compute capability and SM count.
 std::string device_name(Device device);
+/// Bytes this process could still allocate on `device`, for refusing a run that cannot fit
+/// before it allocates. cpu: MemAvailable of /proc/meminfo (the kernel's estimate of what can be
+/// allocated without swapping, shared by every process on the host); when /proc/meminfo cannot
+/// be read or has no MemAvailable, the maximum of std::uint64_t: unknown, so nothing is refused.
+/// cuda: the free bytes of this process's GPU (cudaMemGetInfo), shared with every process using
+/// it. Throws tpx::Error for cuda in a build without the CUDA backend or with no usable GPU.
+std::uint64_t memory_available(Device device);
+/// The ordinal of the device this process uses (which GPU; 0 for the cpu): ranks with equal
+/// ordinals on one host share that device's memory. Throws like memory_available for cuda.
+int device_ordinal(Device device);
 
 /// The sizes of C = op(A)·op(B): op(A) is [m, k], op(B) [k, n], C [m, n]. Checks that the
 /// shapes agree (tpx::Error otherwise); both backends' gemm start from it.

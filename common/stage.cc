@@ -5,15 +5,20 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
+#include <functional>
+#include <limits>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "agree.h"
 #include "check.h"
+#include "checked.h"
 #include "flops.h"
+#include "memory.h"
 #include "npy.h"
 #include "ops.h"
+#include "output.h"
 #include "trainer.h"
 
 namespace tpx {
@@ -41,22 +46,12 @@ class MpiSession {
   int rank_ = 0, world_ = 1;
 };
 
-/// True on every rank iff `ok` is true on every rank.
-bool all_ranks(bool ok) {
-  int mine = ok ? 1 : 0, all = 0;
-  TPX_MPI_CHECK(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
-  return all == 1;
-}
-
-/// Empty if DIR can be created and written; otherwise why not.
-std::string dump_dir_problem(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return fmt::format("cannot create --dump directory '{}': {}", dir, ec.message());
-  const fs::path probe = fs::path(dir) / ".tpx-write-test";
-  if (!std::ofstream(probe)) return fmt::format("cannot write into --dump directory '{}'", dir);
-  fs::remove(probe, ec);
-  return {};
+/// Ends the start-up of every rank together: if `problem` is non-empty on any rank, every rank
+/// throws ConfigError with the first such rank's problem (named by rank when there are several).
+void stop_if_any_rank(const std::string& problem, int world) {
+  const StartVerdict v = agree_to_start(!problem.empty(), 2, problem);
+  if (!v.stop) return;
+  throw ConfigError(world > 1 ? fmt::format("rank {}: {}", v.rank, v.message) : v.message);
 }
 
 double mib(std::size_t bytes) {
@@ -76,12 +71,15 @@ struct Speed {
 /// 3e-2, while a wrong result is off by O(1).
 constexpr double kBf16CheckRtol = 3e-2;
 
+std::string bytes_text(std::uint64_t bytes);
+
 void print_header(const StageDefinition& st, const BlockConfig& c, int world,
-                  const Parallelism& par, const Speed& speed) {
+                  const Parallelism& par, const Speed& speed, const MemoryEstimate& memory,
+                  std::uint64_t reference, std::uint64_t available) {
   fmt::print("tpx {} | {}\n", st.info.name, st.info.summary);
   fmt::print("ranks {} | device {} | dtype {} | comm {}\n", world, to_string(c.device),
              to_string(c.dtype), par.comm_name());
-  fmt::print("H {} NH {} (D {}) F {} S {} B {} L {} | T {} lr {} seed {}\n", c.hidden, c.heads,
+  fmt::print("H {} NH {} (D {}) F {} S {} B {} L {} | T {} lr {:g} seed {}\n", c.hidden, c.heads,
              c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps, c.lr, c.seed);
   if (c.device == Device::cpu)
     fmt::print("(cpu backend: timings show the mechanics, not GPU speed)\n");
@@ -90,6 +88,10 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
         "gpu {} | bf16 GEMM peak {:.1f} TFLOP/s (measured) | {:.4g} TFLOP per step per "
         "rank (GEMMs, flops.h)\n",
         ops::device_name(c.device), speed.peak_tflops, speed.flops_per_rank / 1e12);
+  fmt::print("memory estimate per rank: {}{} | {} available\n", memory.describe(),
+             reference > 0 ? fmt::format(" | --check reference {}", bytes_text(reference)) : "",
+             available == std::numeric_limits<std::uint64_t>::max() ? std::string("unknown")
+                                                                    : bytes_text(available));
   fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>14} {:>14} {:>10}", "step", "loss", "grad norm",
              "step ms", "comm B/rank", "bus B/rank", "peak MB");
   if (speed.gpu()) fmt::print(" {:>8} {:>6}", "TFLOP/s", "MFU %");
@@ -142,33 +144,166 @@ void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& st
   json cfg = config_json(c);
   cfg["stage"] = stage;
   cfg["world_size"] = world;
-  std::ofstream(dir / "config.json") << cfg.dump(2) << '\n';
+  write_text_file(dir / "config.json", cfg.dump(2) + '\n');
 }
 
-/// Runs after MPI is up and the command line is valid. Returns the exit code.
-int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
+/// Exit codes of a stage executable (also in --help's footer).
+constexpr int kExitFail = 1;      ///< --check FAIL, or an output that could not be written
+constexpr int kExitConfig = 2;    ///< bad input or a config that cannot run here
+constexpr int kExitDiverged = 3;  ///< a loss or gradient norm became NaN or infinite
+
+/// Prints "<stage>: error: <message>" on this rank's stderr and returns `code`.
+int print_error(const StageDefinition& st, const std::string& message, int code) {
+  fmt::print(stderr, "{}: error: {}\n", st.info.name, message);
+  std::fflush(stderr);
+  return code;
+}
+
+std::string bytes_text(std::uint64_t bytes) {
+  const double b = double(bytes);
+  if (b >= 1024.0 * 1024.0 * 1024.0) return fmt::format("{:.1f} GiB", b / (1024.0 * 1024 * 1024));
+  return fmt::format("{:.1f} MiB", b / (1024.0 * 1024.0));
+}
+
+/// Each rank's own start-up problems before anything is allocated: a single-device stage on
+/// several ranks, a fault injected into a rank that does not exist, a device this rank cannot
+/// use, an output path rank 0 cannot write (rank 0 also empties a reused --dump directory of the
+/// stage's files here). Empty when there are none.
+std::string startup_problem(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   const BlockConfig& c = o.config;
   if (st.info.single_device && world > 1)
-    throw ConfigError(
-        fmt::format("{} is single-device; run it with one rank (got {})", st.info.name, world));
-  // Every rank must be able to use the device, or none starts (a rank that stopped alone would
-  // leave the others waiting in their first collective).
-  const std::string device_problem = ops::device_problem(c.device);
-  if (!all_ranks(device_problem.empty()))
-    throw ConfigError(device_problem.empty()
-                          ? fmt::format("another rank cannot use --device {}", to_string(c.device))
-                          : device_problem);
-  const std::string dump_problem =
-      (rank == 0 && !o.dump_dir.empty()) ? dump_dir_problem(o.dump_dir) : "";
-  if (!all_ranks(dump_problem.empty()))
-    throw ConfigError(rank == 0 ? dump_problem : "rank 0 cannot write the --dump directory");
+    return fmt::format("{} is single-device; run it with one rank (got {})", st.info.name, world);
+  if (o.comm.fault_rank >= world)
+    return fmt::format("--fault-skip-collective names rank {}, but the job has ranks 0..{}",
+                       o.comm.fault_rank, world - 1);
+  if (std::string p = ops::device_problem(c.device); !p.empty()) return p;
+  if (rank != 0) return {};
+  if (!o.json_path.empty())
+    if (std::string p = output_file_problem("--json", o.json_path); !p.empty()) return p;
+  if (!o.trace_path.empty())
+    if (std::string p = output_file_problem("--trace", o.trace_path); !p.empty()) return p;
+  if (!o.dump_dir.empty())
+    if (std::string p = prepare_dump_dir(o.dump_dir); !p.empty()) return p;
+  return {};
+}
+
+/// This rank's memory estimate, and a problem when the ranks of this host together need more
+/// than the device has available (host: MemAvailable, shared by the host's ranks; cuda: the
+/// free memory of the GPU, shared by the ranks that use it).
+struct MemoryCheck {
+  MemoryEstimate estimate;      ///< training
+  std::uint64_t reference = 0;  ///< --check's reference run on rank 0 (0: none)
+  std::uint64_t available = 0;
+  std::string problem;
+};
+
+MemoryCheck check_memory(const StageOptions& o, const Sharding& sharding, int rank) {
+  const BlockConfig& c = o.config;
+  MemoryCheck m;
+  m.estimate = estimate_training_memory(c, sharding);
+  // Rank 0 also keeps full copies of the first step's tensors for --check / --dump (host memory).
+  const bool snapshot = rank == 0 && (o.check || !o.dump_dir.empty());
+  if (snapshot && c.device == Device::cpu)
+    m.estimate.terms.push_back({"first-step snapshot (--check/--dump)", snapshot_bytes(c)});
+  std::uint64_t mine = m.estimate.total();
+  // --check then runs the reference on rank 0, after training has freed its model: the whole
+  // unsharded model next to the snapshot; stage 01's reference is in double precision, about
+  // twice the fp32 model's bytes (cpu figures: on cuda only the device's part is counted).
+  if (rank == 0 && o.check) {
+    const bool sharded = sharding.weights || sharding.sequence;
+    const std::uint64_t model = estimate_training_memory(c, Sharding{}).total();
+    const auto times = checked_mul<std::uint64_t>(sharded ? 1 : 2, model);
+    const auto with_snapshot =
+        times ? checked_add(*times, snapshot ? snapshot_bytes(c) : 0) : std::nullopt;
+    if (!with_snapshot) throw SizeOverflow("the --check reference's bytes do not fit in 64 bits");
+    if (sharded || c.device == Device::cpu) m.reference = *with_snapshot;
+    mine = std::max(mine, m.reference);
+  }
+  // The ranks that draw from the same memory: those on this host (and, on cuda, this GPU).
+  MPI_Comm local = MPI_COMM_NULL;
+  TPX_MPI_CHECK(
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local));
+  MPI_Comm sharing = local;
+  if (c.device == Device::cuda)
+    TPX_MPI_CHECK(MPI_Comm_split(local, ops::device_ordinal(c.device), rank, &sharing));
+  std::uint64_t together = 0;
+  int ranks = 1;
+  TPX_MPI_CHECK(MPI_Allreduce(&mine, &together, 1, MPI_UINT64_T, MPI_SUM, sharing));
+  TPX_MPI_CHECK(MPI_Comm_size(sharing, &ranks));
+  if (sharing != local) MPI_Comm_free(&sharing);
+  MPI_Comm_free(&local);
+  m.available = ops::memory_available(c.device);
+  if (together > m.available) {
+    const MemoryTerm big =
+        m.reference > m.estimate.total()
+            ? MemoryTerm{"the --check reference (whole model on rank 0)", m.reference}
+            : m.estimate.biggest();
+    const bool cpu = c.device == Device::cpu;
+    const std::string need =
+        ranks > 1 ? fmt::format("the {} ranks sharing this {} need {} ({} on this rank", ranks,
+                                cpu ? "host" : "GPU", bytes_text(together), bytes_text(mine))
+                  : fmt::format("this run needs {} (", bytes_text(mine));
+    m.problem =
+        fmt::format("not enough memory: {}{}biggest term: {} {}), {} of {} available", need,
+                    ranks > 1 ? "; " : "", big.name, bytes_text(big.bytes), bytes_text(m.available),
+                    cpu ? "host memory (MemAvailable)" : "GPU memory");
+  }
+  return m;
+}
+
+/// The --json summary: the config, every completed step, and what ended the run.
+json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
+                  const Parallelism& par, const TrainResult& r, const Speed& speed,
+                  const MemoryEstimate& estimate) {
+  json rows = json::array();
+  for (const auto& row : r.rows)
+    rows.push_back({{"step", row.step},
+                    {"loss", row.loss},
+                    {"grad_norm", row.grad_norm},
+                    {"ms", row.ms},
+                    {"comm_payload_bytes", row.comm.payload_bytes},
+                    {"comm_bus_bytes", row.comm.bus_bytes},
+                    {"comm_calls", row.comm.calls},
+                    {"peak_bytes", row.peak_bytes}});
+  json summary = {{"stage", st.info.name},
+                  {"world_size", world},
+                  {"comm", par.comm_name()},
+                  {"config", config_json(c)},
+                  {"steps", rows},
+                  {"saved_activation_bytes", r.saved_activation_bytes},
+                  {"memory_estimate_bytes", estimate.total()}};
+  if (!r.diverged.empty()) summary["diverged"] = r.diverged;
+  summary["flops_per_step_per_rank"] = speed.flops_per_rank;
+  if (speed.gpu()) {
+    summary["device_name"] = ops::device_name(c.device);
+    summary["bf16_gemm_peak_tflops"] = speed.peak_tflops;
+    for (auto& row : summary["steps"]) {
+      const double tf = speed.tflops(row["ms"].get<double>());
+      row["tflops"] = tf;
+      row["mfu"] = tf / speed.peak_tflops;
+    }
+  }
+  return summary;
+}
+
+/// Runs after MPI is up and every rank's command line parsed. Returns the exit code.
+int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
+  const BlockConfig& c = o.config;
+  // Start-up, in the order that keeps every rank together: the same flags everywhere, then each
+  // rank's own checks (agreed), then the memory the model will take (agreed), then the model.
+  if (std::string d = config_disagreement(config_fields(st.info, o)); !d.empty())
+    throw ConfigError(d);
+  stop_if_any_rank(startup_problem(st, o, rank, world), world);
 
   Trace trace(!o.trace_path.empty());
   auto par = st.make(RunContext{o, rank, world, trace});
+  const MemoryCheck memory = check_memory(o, par->sharding(), rank);
+  stop_if_any_rank(memory.problem, world);
+
   Speed speed{step_flops(c).total() / double(world), 0.0};
   if (rank == 0) {
     speed.peak_tflops = ops::bf16_gemm_peak_tflops(c.device);  // 0 on the cpu
-    print_header(st, c, world, *par, speed);
+    print_header(st, c, world, *par, speed, memory.estimate, memory.reference, memory.available);
   }
   const TrainResult r =
       train(c, *par, o.check || !o.dump_dir.empty(), trace, [&](const StepRow& row) {
@@ -177,19 +312,32 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   if (rank == 0) {
     double total = 0;
     for (const auto& row : r.rows) total += row.ms;
-    fmt::print("\nmean step {:.2f} ms | saved activations {:.2f} MiB per rank ({} bytes)\n",
-               total / double(r.rows.size()), mib(r.saved_activation_bytes),
-               r.saved_activation_bytes);
+    if (!r.rows.empty())
+      fmt::print("\nmean step {:.2f} ms | saved activations {:.2f} MiB per rank ({} bytes)\n",
+                 total / double(r.rows.size()), mib(r.saved_activation_bytes),
+                 r.saved_activation_bytes);
   }
 
+  // Outputs are written by rank 0 (the trace's gather is collective); a failure to write one is
+  // agreed like a start-up problem, so that every rank exits with rank 0's message.
   bool pass = true;
   json check_json;
   const double rtol = c.dtype == DType::bf16 ? std::max(st.rtol, kBf16CheckRtol) : st.rtol;
-  if (rank == 0 && !o.dump_dir.empty()) {
-    write_dump(o.dump_dir, c, st.info.name, world, r.first);
-    fmt::print("dumped first-step tensors to {}\n", o.dump_dir);
-  }
-  if (o.check) {
+  std::string write_problem;
+  auto on_rank0 = [&](const std::function<void()>& write) {
+    if (rank != 0 || !write_problem.empty()) return;
+    try {
+      write();
+    } catch (const Error& e) {
+      write_problem = e.what();
+    }
+  };
+  if (!o.dump_dir.empty() && !r.rows.empty())
+    on_rank0([&] {
+      write_dump(o.dump_dir, c, st.info.name, world, r.first);
+      fmt::print("dumped first-step tensors to {}\n", o.dump_dir);
+    });
+  if (o.check && r.diverged.empty()) {
     if (rank == 0) {
       const int steps = static_cast<int>(std::min<std::int64_t>(c.steps, kCheckSteps));
       const ReferenceRun want = st.reference(c, steps);
@@ -200,52 +348,41 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
           rtol);
       fmt::print("{:<34} {:>12} {:>12}\n", "tensor", "max abs", "max rel");
       for (const auto& row : rows) {
-        fmt::print("{:<34} {:>12.3e} {:>12.3e}  {}\n", row.name, row.max_abs, row.max_rel,
-                   row.ok ? "ok" : "FAIL");
+        const std::string verdict =
+            row.ok ? "ok"
+                   : (row.nonfinite > 0 ? fmt::format("FAIL ({} NaN/Inf values)", row.nonfinite)
+                                        : "FAIL");
+        fmt::print("{:<34} {:>12.3e} {:>12.3e}  {}\n", row.name, row.max_abs, row.max_rel, verdict);
         pass = pass && row.ok;
         check_json.push_back({{"tensor", row.name},
                               {"max_abs", row.max_abs},
                               {"max_rel", row.max_rel},
+                              {"nonfinite", row.nonfinite},
                               {"ok", row.ok}});
       }
       fmt::print("{}\n", pass ? "PASS" : "FAIL");
     }
-    pass = all_ranks(rank != 0 || pass);
+    pass = !agree_to_start(rank == 0 && !pass, kExitFail, "").stop;
   }
-
-  if (rank == 0 && !o.json_path.empty()) {
-    json rows = json::array();
-    for (const auto& row : r.rows)
-      rows.push_back({{"step", row.step},
-                      {"loss", row.loss},
-                      {"grad_norm", row.grad_norm},
-                      {"ms", row.ms},
-                      {"comm_payload_bytes", row.comm.payload_bytes},
-                      {"comm_bus_bytes", row.comm.bus_bytes},
-                      {"comm_calls", row.comm.calls},
-                      {"peak_bytes", row.peak_bytes}});
-    json summary = {{"stage", st.info.name},
-                    {"world_size", world},
-                    {"comm", par->comm_name()},
-                    {"config", config_json(c)},
-                    {"steps", rows},
-                    {"saved_activation_bytes", r.saved_activation_bytes}};
-    summary["flops_per_step_per_rank"] = speed.flops_per_rank;
-    if (speed.gpu()) {
-      summary["device_name"] = ops::device_name(c.device);
-      summary["bf16_gemm_peak_tflops"] = speed.peak_tflops;
-      for (auto& row : summary["steps"]) {
-        const double tf = speed.tflops(row["ms"].get<double>());
-        row["tflops"] = tf;
-        row["mfu"] = tf / speed.peak_tflops;
-      }
+  if (!o.json_path.empty())
+    on_rank0([&] {
+      json summary = summary_json(st, c, world, *par, r, speed, memory.estimate);
+      if (o.check && r.diverged.empty())
+        summary["check"] = {{"pass", pass}, {"rtol", rtol}, {"tensors", check_json}};
+      write_text_file(o.json_path, summary.dump(2) + '\n');
+    });
+  if (trace.enabled()) {
+    try {
+      trace.write(o.trace_path, rank, world);  // collective; only rank 0 writes, and may throw
+    } catch (const Error& e) {
+      if (write_problem.empty()) write_problem = e.what();
     }
-    if (o.check) summary["check"] = {{"pass", pass}, {"rtol", rtol}, {"tensors", check_json}};
-    std::ofstream out(o.json_path);
-    if (!(out << summary.dump(2) << '\n')) fail(fmt::format("cannot write '{}'", o.json_path));
   }
-  if (trace.enabled()) trace.write(o.trace_path, rank, world);
-  return pass ? 0 : 1;
+  if (const StartVerdict v = agree_to_start(!write_problem.empty(), kExitFail, write_problem);
+      v.stop)
+    return print_error(st, v.message, kExitFail);
+  if (!r.diverged.empty()) return print_error(st, r.diverged, kExitDiverged);
+  return pass ? 0 : kExitFail;
 }
 
 }  // namespace
@@ -253,24 +390,28 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
 int run_stage(const StageDefinition& st, int argc, char** argv) {
   MpiSession mpi(argc, argv);
   const CliOutcome cli = parse_stage_cli(st.info, argc, argv);
-  if (!cli.options) {
-    if (cli.exit_code == 0) {
-      if (mpi.rank() == 0) fmt::print("{}", cli.message);
-    } else {
-      fmt::print(stderr, "{}: error: {}\n", st.info.name, cli.message);
+  // The job's first collective: if any rank's command line did not parse (or asked for --help),
+  // every rank stops here with that rank's message instead of waiting for it in a collective.
+  const StartVerdict v = agree_to_start(!cli.options, cli.exit_code, cli.message);
+  if (v.stop) {
+    if (v.exit_code == 0) {
+      if (mpi.rank() == 0) fmt::print("{}", v.message);
+      return 0;
     }
-    return cli.exit_code;
+    return print_error(st,
+                       mpi.world() > 1 ? fmt::format("rank {}: {}", v.rank, v.message) : v.message,
+                       v.exit_code);
   }
   try {
     return run(st, *cli.options, mpi.rank(), mpi.world());
   } catch (const ConfigError& e) {
-    fmt::print(stderr, "{}: error: {}\n", st.info.name, e.what());
-    return 2;
+    return print_error(st, e.what(), kExitConfig);
+  } catch (const SizeOverflow& e) {  // identical on every rank: sizes are agreed
+    return print_error(st, e.what(), kExitConfig);
   } catch (const std::exception& e) {
-    fmt::print(stderr, "{}: error: {}\n", st.info.name, e.what());
-    std::fflush(stderr);
-    if (mpi.world() > 1) MPI_Abort(MPI_COMM_WORLD, 1);
-    return 1;
+    print_error(st, e.what(), kExitFail);
+    if (mpi.world() > 1) MPI_Abort(MPI_COMM_WORLD, kExitFail);
+    return kExitFail;
   }
 }
 

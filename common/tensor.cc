@@ -4,12 +4,12 @@
 #include <bit>
 #include <cstdlib>
 #include <cstring>
-#include <numeric>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "check.h"
+#include "checked.h"
 #if TPX_WITH_CUDA
 #include "cuda/device.h"
 #endif
@@ -157,7 +157,21 @@ std::int64_t Tensor::dim(int i) const {
 }
 
 std::int64_t Tensor::numel() const {
-  return std::accumulate(shape_.begin(), shape_.end(), std::int64_t{1}, std::multiplies<>());
+  std::int64_t n = 1;
+  for (const std::int64_t d : shape_) {
+    const auto next = checked_mul(n, d);
+    if (!next)
+      throw SizeOverflow(fmt::format("a tensor of shape [{}] has more elements than fit in 64 bits",
+                                     fmt::join(shape_, ", ")));
+    n = *next;
+  }
+  return n;
+}
+
+std::size_t Tensor::nbytes() const {
+  const auto bytes = checked_mul(static_cast<std::int64_t>(dtype_size(dtype_)), numel());
+  if (!bytes) throw SizeOverflow(fmt::format("{} has more bytes than fit in 64 bits", describe()));
+  return static_cast<std::size_t>(*bytes);
 }
 
 std::int64_t Tensor::cols() const {

@@ -71,7 +71,8 @@ class Tensor {
   std::int64_t dim(int i) const;
   int ndim() const { return static_cast<int>(shape_.size()); }
   std::int64_t numel() const;
-  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
+  /// Element and byte counts; a shape whose count does not fit in 64 bits throws SizeOverflow.
+  std::size_t nbytes() const;
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
 

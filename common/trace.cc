@@ -2,11 +2,10 @@
 
 #include <mpi.h>
 
-#include <fstream>
-
 #include <nlohmann/json.hpp>
 
 #include "check.h"
+#include "output.h"
 #if TPX_WITH_CUDA
 #include "cuda/nvtx.h"
 #endif
@@ -75,9 +74,8 @@ void Trace::write(const std::filesystem::path& path, int rank, int world) const 
                    static_cast<std::size_t>(lens[static_cast<std::size_t>(r)])));
     for (const auto& e : part) events.push_back(e);
   }
-  std::ofstream out(path);
-  if (!out) fail(fmt::format("cannot write trace '{}'", path.string()));
-  out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump(1) << '\n';
+  write_text_file(
+      path, nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump(1) + '\n');
 }
 
 }  // namespace tpx

@@ -26,7 +26,8 @@ class Trace {
   /// Records [begin, end) on a lane.
   void record(std::string name, Lane lane, Clock::time_point begin, Clock::time_point end);
 
-  /// Collective over MPI_COMM_WORLD: gathers every rank's events and rank 0 writes the file.
+  /// Collective over MPI_COMM_WORLD: gathers every rank's events and rank 0 writes the file (whole
+  /// or not at all, see output.h).
   void write(const std::filesystem::path& path, int rank, int world) const;
 
  private:

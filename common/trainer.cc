@@ -88,6 +88,14 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         if ((sh.weights && param_split(p) != Split::replicated) || sh.rank == 0)
           sq += ops::sum_squares(g[p]);
     row.grad_norm = std::sqrt(par.sum_over_ranks(sq));
+    if (!std::isfinite(row.loss) || !std::isfinite(row.grad_norm)) {
+      result.diverged =
+          fmt::format("{} is not finite at step {} (lr {:g} too large?)",
+                      std::isfinite(row.loss) ? "the gradient norm" : "loss", step, c.lr);
+      par.synchronize();
+      ops::synchronize(c.device);
+      break;  // no update from a non-finite gradient; the rows so far stay
+    }
     par.synchronize();
     ops::synchronize(c.device);  // device work is asynchronous: stop the clock when it is done
     double ms = ms_since(t0);
@@ -138,13 +146,20 @@ CheckRow compare_one(std::string name, const std::vector<T>& got, const std::vec
     row.max_abs = row.max_rel = INFINITY;
     return row;
   }
+  // A NaN would vanish from max() (every comparison with NaN is false), so non-finite values are
+  // counted apart and fail the row; the errors are taken over the finite pairs.
   double scale = 0.0;
   for (std::size_t i = 0; i < got.size(); ++i) {
-    row.max_abs = std::max(row.max_abs, std::abs(double(got[i]) - want[i]));
-    scale = std::max(scale, std::abs(want[i]));
+    const double g = double(got[i]), w = want[i];
+    if (!std::isfinite(g) || !std::isfinite(w)) {
+      ++row.nonfinite;
+      continue;
+    }
+    row.max_abs = std::max(row.max_abs, std::abs(g - w));
+    scale = std::max(scale, std::abs(w));
   }
   row.max_rel = scale > 0 ? row.max_abs / scale : row.max_abs;
-  row.ok = row.max_rel <= rtol;  // false for NaN too
+  row.ok = row.nonfinite == 0 && row.max_rel <= rtol;
   return row;
 }
 
@@ -162,7 +177,7 @@ std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& r
                                 want.grads[l][i], rtol));
     }
   if (want.grads.size() != got.grads.size())
-    out.push_back({"layer count", INFINITY, INFINITY, false});
+    out.push_back({.name = "layer count", .max_abs = INFINITY, .max_rel = INFINITY});
   for (std::size_t s = 0; s < want.losses.size(); ++s) {
     const double g = s < rows.size() ? rows[s].loss : NAN;
     out.push_back(compare_one(fmt::format("loss after {} SGD step{}", s, s == 1 ? "" : "s"),

@@ -37,12 +37,16 @@ struct Snapshot {
 };
 
 struct TrainResult {
-  std::vector<StepRow> rows;
+  std::vector<StepRow> rows;  ///< the steps completed (all of them unless `diverged`)
+  /// Set when a step's loss or gradient norm was NaN or infinite: one line naming the step. The
+  /// values are sums over ranks, identical everywhere, so every rank stops at the same step.
+  std::string diverged;
   Snapshot first;                          ///< filled when requested
   std::size_t saved_activation_bytes = 0;  ///< this rank, all layers, first step
 };
 
-/// Runs c.steps steps of the model on this rank. `on_row` sees each row as it completes.
+/// Runs c.steps steps of the model on this rank, or fewer if training diverges (see
+/// TrainResult::diverged). `on_row` sees each row as it completes.
 TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& trace,
                   const std::function<void(const StepRow&)>& on_row = {});
 
@@ -54,6 +58,7 @@ struct CheckRow {
   std::string name;
   double max_abs = 0;
   double max_rel = 0;  ///< max |got − want| / max |want|, the error relative to the tensor's scale
+  std::int64_t nonfinite = 0;  ///< NaN or ±Inf values in got or want (any makes the row FAIL)
   bool ok = false;
 };
 

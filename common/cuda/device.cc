@@ -120,4 +120,11 @@ void synchronize() {
   TPX_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(current_stream())));
 }
 
+std::size_t memory_free_bytes() {
+  ensure_initialized();
+  std::size_t free = 0, total = 0;
+  TPX_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return free;
+}
+
 }  // namespace tpx::cuda

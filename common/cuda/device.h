@@ -8,7 +8,8 @@
 // the GPU count.
 //
 // defines: tpx::cuda::device_problem, ensure_initialized, DeviceInfo, device_info, device_name,
-//          current_stream, set_current_stream, StreamGuard, grid_for, synchronize
+//          current_stream, set_current_stream, StreamGuard, grid_for, synchronize,
+//          memory_free_bytes
 #pragma once
 
 #include <cstddef>
@@ -65,5 +66,10 @@ int grid_for(std::int64_t work, int threads);
 
 /// Blocks the host until the current stream has drained.
 void synchronize();
+
+/// Free bytes of the chosen device (cudaMemGetInfo): what this process could still take from the
+/// driver, shared with every other process on the GPU. Blocks cached by the caching allocator
+/// count as taken.
+std::size_t memory_free_bytes();
 
 }  // namespace tpx::cuda

@@ -1,0 +1,245 @@
+#include "memory.h"
+
+#include <algorithm>
+#include <array>
+#include <initializer_list>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "check.h"
+#include "checked.h"
+
+namespace tpx {
+namespace {
+
+using I = std::int64_t;
+
+constexpr I kF32 = 4;   // every tensor the block allocates holds fp32
+constexpr I kBf16 = 2;  // the CUDA backend's bf16 copies of GEMM and attention operands
+
+[[noreturn]] void overflow(std::string_view what) {
+  throw SizeOverflow(
+      fmt::format("{} does not fit in a 64-bit count (the sizes are too large)", what));
+}
+
+/// The sum of non-negative counts; SizeOverflow naming `what` if it does not fit in int64.
+I sum(std::initializer_list<I> parts, std::string_view what) {
+  I r = 0;
+  for (const I p : parts) {
+    const auto next = checked_add(r, p);
+    if (!next) overflow(what);
+    r = *next;
+  }
+  return r;
+}
+
+I numel(const std::vector<I>& shape, std::string_view what) {
+  I r = 1;
+  for (const I d : shape) r = checked_product({r, d}, what);
+  return r;
+}
+
+/// Bytes of this rank's tensors, named as in the chapters (N ranks; /N only where `s` splits).
+struct Bytes {
+  I stream;  ///< R: the residual stream [S, B, H], or [S/N, B, H] with sequence parallelism
+  I rows;    ///< an RMSNorm's rstd, one float per row of the stream
+  I full;    ///< G: [S, B, H], every token: a region's gathered input or partial output
+  I gather;  ///< G with sequence parallelism (f and g all-gather into a new tensor), else 0
+  I cols_h;  ///< [S, B, H/N]: q, k, v, a and their gradients
+  I cols_f;  ///< [S, B, F/N]: gate, up, s and their gradients
+  I probs;   ///< [B, NH/N, S, S]
+  I w_h;     ///< a local Wq / Wk / Wv / Wo: H·H/N elements (bytes at fp32)
+  I w_f;     ///< a local Wg / Wu / Wd: H·F/N elements (bytes at fp32)
+};
+
+Bytes local_bytes(const BlockConfig& c, const Sharding& s) {
+  const I seq_local = s.sequence ? c.seq / s.world : c.seq;
+  const I cols_h = param_local_shape(Param::wq, c, s)[1];      // H/N: whole heads
+  const I cols_f = param_local_shape(Param::w_gate, c, s)[1];  // F/N
+  const I heads = cols_h / c.head_dim();                       // as block_forward counts them
+  Bytes b{};
+  b.stream = checked_product({seq_local, c.batch, c.hidden, kF32}, "the residual stream's bytes");
+  b.rows = checked_product({seq_local, c.batch, kF32}, "an RMSNorm statistic's bytes");
+  b.full = checked_product({c.seq, c.batch, c.hidden, kF32}, "an activation's bytes (S·B·H·4)");
+  b.gather = s.sequence ? b.full : 0;
+  b.cols_h = checked_product({c.seq, c.batch, cols_h, kF32}, "q's bytes (S·B·H/N·4)");
+  b.cols_f = checked_product({c.seq, c.batch, cols_f, kF32}, "gate's bytes (S·B·F/N·4)");
+  b.probs = checked_product({c.batch, heads, c.seq, c.seq, kF32},
+                            "the attention probabilities' bytes (B·NH/N·S·S·4)");
+  b.w_h = checked_product({c.hidden, cols_h, kF32}, "a local attention weight's bytes");
+  b.w_f = checked_product({c.hidden, cols_f, kF32}, "a local MLP weight's bytes");
+  return b;
+}
+
+/// The largest of the moments' live bytes.
+I largest(std::initializer_list<I> moments) {
+  return std::max(moments);
+}
+
+/// What the run allocates besides parameters, gradients, saved activations and the target, at
+/// the moment it is largest. Each line below is one moment of train() / block_backward() /
+/// block_forward(), counting the tensors alive then (the stages' layers.cc say what f and g
+/// allocate: nothing in stage 01, in-place all-reduces in stage 02, a new tensor for every
+/// all-gather and reduce-scatter in stage 03).
+I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
+  const bool cuda = c.device == Device::cuda;
+  const bool bf16 = cuda && c.dtype == DType::bf16;
+  const char* what = "the temporaries' bytes";
+  // The CUDA gemm converts both operands to bf16 copies (half the bytes of their fp32) for the
+  // duration of the call.
+  auto gemm_copies = [&](I a, I w) { return bf16 ? sum({a, w}, what) / (kF32 / kBf16) : I{0}; };
+  // The CUDA RMSNorm backward's partial sums of dg: at most one [H] row per 16 rows.
+  const I rms_partial = cuda ? checked_product({b.rows / kF32 / 16 + 1, c.hidden, kF32}, what) : 0;
+  // The CUDA attention backward's dP (fp32) and, for bf16, copies of dO, q, k, v, P and dS.
+  const I attn_scratch =
+      cuda ? sum({b.probs,
+                  bf16 ? sum({b.cols_h, b.cols_h, b.cols_h, b.cols_h, b.probs, b.probs}, what) / 2
+                       : 0},
+                 what)
+           : 0;
+  // A reduce-scatter's output (stage 03's f backward and g forward); in place otherwise.
+  const I scattered = s.sequence ? b.stream : 0;
+  const I R = b.stream, G = b.full;
+
+  // Backward of a layer: the last block's output y and the incoming gradient stay alive, and
+  // block_backward keeps each of its tensors until it returns.
+  const I base = sum({R, R}, what);                                    // y, dout
+  const I held_mlp = sum({base, b.cols_f, b.cols_f, b.cols_f}, what);  // + ds, dgate, dup
+  const I held_norm2 = sum({held_mlp, R, R}, what);                    // + dh2, dx2
+  const I held_attn =
+      sum({held_norm2, b.cols_h, b.cols_h, b.cols_h, b.cols_h}, what);  // + da, dq, dk, dv
+  I peak = largest({
+      // row backward of Wd: g's backward gathers dout, allocates ds, runs two GEMMs
+      sum({base, b.gather, b.cols_f, largest({gemm_copies(b.cols_f, G), gemm_copies(G, b.w_f)})},
+          what),
+      // column backward of Wg, Wu: f's forward again (gathered h2), the full dh2, then f backward
+      sum({held_mlp, b.gather, G,
+           largest({gemm_copies(G, b.cols_f), gemm_copies(b.cols_f, b.w_f), scattered})},
+          what),
+      sum({held_norm2, rms_partial}, what),
+      // row backward of Wo
+      sum({held_norm2, b.gather, b.cols_h,
+           largest({gemm_copies(b.cols_h, G), gemm_copies(G, b.w_h)})},
+          what),
+      sum({held_attn, attn_scratch}, what),
+      // column backward of Wq, Wk, Wv
+      sum({held_attn, b.gather, G,
+           largest({gemm_copies(G, b.cols_h), gemm_copies(b.cols_h, b.w_h), scattered})},
+          what),
+      // the end: dh and dx (and the RMSNorm's partial sums on cuda)
+      sum({held_attn, R, R, rms_partial}, what),
+  });
+
+  // From the second step on, forward replaces each saved tensor of the previous step: the new
+  // one exists before the old one is released. With long sequences the new probabilities
+  // alone outweigh everything backward allocates.
+  if (c.steps >= 2) {
+    const I qkv_col = sum({R, b.gather, b.cols_h, b.cols_h, b.cols_h, gemm_copies(G, b.w_h)}, what);
+    const I attn_fwd = bf16 ? sum({b.cols_h, b.cols_h, b.cols_h, b.probs}, what) / 2 : 0;
+    const I wo_row = sum({G, largest({gemm_copies(b.cols_h, b.w_h), scattered})}, what);
+    const I mlp_col =
+        sum({R, R, b.gather, b.cols_f, b.cols_f, gemm_copies(G, b.w_f)}, what);  // attn out, h2
+    const I wd_row = sum({R, G, largest({gemm_copies(b.cols_f, b.w_f), scattered})}, what);
+    peak = largest({peak, qkv_col, b.probs, attn_fwd, wo_row, sum({R, R}, what), mlp_col,
+                    sum({R, b.cols_f}, what), wd_row, sum({R, R, R}, what)});
+  }
+  return peak;
+}
+
+}  // namespace
+
+std::uint64_t MemoryEstimate::total() const {
+  std::uint64_t t = 0;
+  for (const MemoryTerm& m : terms) {
+    const auto next = checked_add(t, m.bytes);
+    if (!next) overflow("the memory estimate's total");
+    t = *next;
+  }
+  return t;
+}
+
+const MemoryTerm& MemoryEstimate::biggest() const {
+  TPX_CHECK(!terms.empty(), "a memory estimate without terms");
+  return *std::max_element(
+      terms.begin(), terms.end(),
+      [](const MemoryTerm& a, const MemoryTerm& b) { return a.bytes < b.bytes; });
+}
+
+const MemoryTerm& MemoryEstimate::term(const std::string& name) const {
+  for (const MemoryTerm& m : terms)
+    if (m.name == name) return m;
+  fail(fmt::format("the memory estimate has no term '{}'", name));
+}
+
+std::string MemoryEstimate::describe() const {
+  static constexpr std::array<std::string_view, 7> kUnits = {"B",   "KiB", "MiB", "GiB",
+                                                             "TiB", "PiB", "EiB"};
+  const std::uint64_t all = total();
+  std::size_t unit = 0;
+  double scale = 1.0;
+  while (unit + 1 < kUnits.size() && double(all) >= 1024.0 * scale) {
+    scale *= 1024.0;
+    ++unit;
+  }
+  const int digits = unit == 0 ? 0 : 1;
+  std::string line = fmt::format("{:.{}f} {} =", double(all) / scale, digits, kUnits[unit]);
+  for (std::size_t i = 0; i < terms.size(); ++i)
+    line += fmt::format("{} {} {:.{}f}", i == 0 ? "" : " +", terms[i].name,
+                        double(terms[i].bytes) / scale, digits);
+  return line;
+}
+
+MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s) {
+  TPX_CHECK(c.hidden > 0 && c.heads > 0 && c.ffn > 0 && c.seq > 0 && c.batch > 0 && c.layers > 0 &&
+                c.hidden % c.heads == 0,
+            "memory estimate of an invalid config (validate() it first)");
+  TPX_CHECK(s.world >= 1 && (!s.weights || (c.heads % s.world == 0 && c.ffn % s.world == 0)) &&
+                (!s.sequence || c.seq % s.world == 0),
+            "memory estimate for {} ranks that cannot split the block (check_tp_split() first)",
+            s.world);
+  const Bytes b = local_bytes(c, s);
+
+  // One layer's parameters: the nine tensors, this rank's shards. Gradients are the same shapes.
+  I layer = 0;
+  for (const Param p : kAllParams)
+    layer = sum({layer, numel(param_local_shape(p, c, s), "a parameter's elements")},
+                "a layer's parameter count");
+  const I params = checked_product({layer, kF32, c.layers}, "the parameters' bytes");
+
+  // Per layer, as BlockActivations: x, h, x2, h2 (the stream; h and h2 as the stage keeps them:
+  // this rank's part of the stream, never the gathered copy), rstd1, rstd2, q, k, v, a, gate, up,
+  // s, probs.
+  const I saved_layer = sum({b.stream, b.stream, b.stream, b.stream, b.rows, b.rows, b.cols_h,
+                             b.cols_h, b.cols_h, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.probs},
+                            "a layer's saved activations");
+  const I saved = checked_product({saved_layer, c.layers}, "the saved activations' bytes");
+
+  MemoryEstimate e;
+  e.terms = {
+      {"parameters", std::uint64_t(params)},
+      {"gradients", std::uint64_t(params)},
+      {"saved activations", std::uint64_t(saved)},
+      // The input x is layer 0's saved x (the same tensor), counted there.
+      {"target", std::uint64_t(b.stream)},
+      {"largest temporaries", std::uint64_t(largest_temporaries(c, s, b))},
+  };
+  (void)e.total();  // throws SizeOverflow now rather than when it is printed
+  return e;
+}
+
+std::uint64_t snapshot_bytes(const BlockConfig& c) {
+  const I activation = checked_product({c.seq, c.batch, c.hidden}, "an activation's elements");
+  I layer = 0;
+  for (const Param p : kAllParams)
+    layer = sum({layer, numel(param_shape(p, c), "a parameter's elements")},
+                "a layer's parameter count");
+  const I params = checked_product({layer, c.layers}, "the model's parameter count");
+  // input, target, output, input gradient; every parameter and its gradient
+  const I elements = sum({checked_product({activation, 4}, "the snapshot's activations"),
+                          checked_product({params, 2}, "the snapshot's parameters")},
+                         "the snapshot's elements");
+  return std::uint64_t(checked_product({elements, kF32}, "the snapshot's bytes"));
+}
+
+}  // namespace tpx

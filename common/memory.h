@@ -1,0 +1,69 @@
+// How much memory one rank needs, computed from the config before any of it is taken, so that a
+// run that cannot fit is refused at start-up instead of failing (or swapping) half-way.
+//
+// The estimate is the high-water mark of the bytes the run takes through allocator_for(device)
+// (what the step table's "peak MB" column measures), as a sum of named terms:
+//   parameters, gradients   every layer's nine tensors, this rank's shards (param_local_shape)
+//   saved activations       what forward keeps for backward, all L layers, exactly as
+//                           BlockActivations::bytes() counts it (the chapters' formula)
+//   target                  the loss's T, this rank's part (the input x is layer 0's saved x)
+//   largest temporaries     what else is alive at the peak: the output and its gradient, and
+//                           the block backward's own tensors at their fullest (or, with long
+//                           sequences, a forward re-allocating a layer's probabilities)
+// Every size is computed with checked arithmetic (checked.h): sizes too large for 64 bits throw
+// SizeOverflow, never a wrapped, small-looking number. It is pure arithmetic, so absurd configs
+// are refused at once.
+//
+// Not counted: the CUDA context, cuBLAS / NCCL workspaces, the caching allocator's rounding to
+// size classes, and the CPU attention backward's S×S scratch row (host memory outside the
+// allocator); these are small or outside the allocator's view.
+//
+// defines: tpx::MemoryTerm, tpx::MemoryEstimate, tpx::estimate_training_memory(),
+//          tpx::snapshot_bytes()
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "config.h"
+#include "model.h"
+
+namespace tpx {
+
+/// One named part of an estimate.
+struct MemoryTerm {
+  std::string name;  ///< e.g. "parameters", "saved activations"
+  std::uint64_t bytes = 0;
+};
+
+/// A rank's peak memory as a sum of named terms.
+struct MemoryEstimate {
+  std::vector<MemoryTerm> terms;
+
+  /// The sum of the terms; throws SizeOverflow if it does not fit in 64 bits.
+  std::uint64_t total() const;
+  /// The largest term (the first of equals); throws tpx::Error when there are no terms.
+  const MemoryTerm& biggest() const;
+  /// The term named `name`; throws tpx::Error when there is none.
+  const MemoryTerm& term(const std::string& name) const;
+  /// One line, the total and each term in the total's unit, e.g.
+  /// "33.6 MiB = parameters 8.0 + gradients 8.0 + saved activations 12.0 + ...".
+  std::string describe() const;
+};
+
+/// This rank's peak bytes through allocator_for(c.device) while train() runs (without the
+/// first-step snapshot), for a rank holding the part of the model `s` describes: stage 01
+/// Sharding{}, stage 02 weights split over s.world ranks, stage 03 weights and sequence split.
+/// Expects a config that validate() accepts and that s.world divides where `s` splits (heads,
+/// ffn, and seq with sequence parallelism; tpx::Error otherwise). Throws SizeOverflow when a
+/// count does not fit in 64 bits.
+MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s);
+
+/// Host bytes of the first-step snapshot rank 0 keeps for --check and --dump: full, unsharded
+/// fp32 copies of the input, target, output and input gradient, and of every layer's parameters
+/// and gradients. Host memory whatever the device (add it to a cpu estimate; on cuda it is
+/// taken from the host). Throws SizeOverflow when it does not fit in 64 bits.
+std::uint64_t snapshot_bytes(const BlockConfig& c);
+
+}  // namespace tpx

@@ -1,0 +1,232 @@
+#include "output.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <regex>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "check.h"
+#include "model.h"
+
+namespace tpx {
+namespace {
+
+namespace fs = std::filesystem;
+
+[[noreturn]] void fail_write(const fs::path& path, int err) {
+  fail(fmt::format("cannot write '{}': {}", path.string(), std::strerror(err)));
+}
+
+fs::path directory_of(const fs::path& path) {
+  fs::path dir = path.parent_path();
+  return dir.empty() ? fs::path(".") : dir;
+}
+
+/// A new, empty file next to `path`, named ".<name>.tmp-XXXXXX".
+struct Temporary {
+  int fd = -1;  ///< -1 on failure, with errno set
+  fs::path path;
+};
+
+/// Creates the temporary with O_EXCL (never an existing file) and mode 0666, so that the umask
+/// applies as to any new file (mkstemp's 0600 would make every output private).
+Temporary create_temporary(const fs::path& path) {
+  static constexpr std::string_view kChars =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  thread_local std::mt19937_64 random(std::random_device{}());
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    std::string suffix(6, ' ');
+    for (char& c : suffix) c = kChars[random() % kChars.size()];
+    const std::string name = fmt::format(".{}.tmp-{}", path.filename().string(), suffix);
+    fs::path temp = directory_of(path) / name;
+    const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0 || errno != EEXIST) return {fd, std::move(temp)};
+  }
+  return {};  // errno is EEXIST
+}
+
+/// Creates and removes a temporary next to `path`: 0, or the errno that stopped it.
+int probe_directory_of(const fs::path& path) {
+  const Temporary probe = create_temporary(path);
+  if (probe.fd < 0) return errno;
+  ::close(probe.fd);
+  ::unlink(probe.path.c_str());
+  return 0;
+}
+
+bool under_dev_or_proc(const fs::path& path) {
+  std::error_code ec;
+  const fs::path abs = fs::absolute(path, ec).lexically_normal();
+  auto it = abs.begin();
+  if (ec || it == abs.end() || ++it == abs.end()) return false;
+  return *it == "dev" || *it == "proc";
+}
+
+/// Where and how a path is written.
+struct Target {
+  fs::path path;  ///< the file a temporary replaces (a symlink's target), or the one written into
+  bool in_place;  ///< true: written directly, it cannot be replaced by a rename
+};
+
+Target target_of(const fs::path& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return {path, false};  // a new file
+  if (!S_ISREG(st.st_mode) || under_dev_or_proc(path)) return {path, true};
+  std::error_code ec;
+  if (fs::is_symlink(path, ec)) {
+    fs::path real = fs::canonical(path, ec);
+    if (!ec) return {std::move(real), false};
+  }
+  return {path, false};
+}
+
+/// Whether a file named `name` matches `own`, or is a temporary of one that does.
+bool is_ours(const std::string& name, const std::regex& own) {
+  static const std::regex temporary(R"(\.(.+)\.tmp-[A-Za-z0-9]{6})");
+  std::smatch m;
+  if (std::regex_match(name, m, temporary)) return std::regex_match(m[1].str(), own);
+  return std::regex_match(name, own);
+}
+
+/// The files a stage writes into --dump DIR (DESIGN.md's list).
+const std::regex& stage_dump_files() {
+  static const std::regex files = [] {
+    std::vector<std::string_view> params;
+    for (Param p : kAllParams) params.push_back(param_name(p));
+    return std::regex(fmt::format(R"((input|target|output|input\.grad|loss)\.npy|config\.json|)"
+                                  R"(layers\.\d+\.({})(\.grad)?\.npy)",
+                                  fmt::join(params, "|")));
+  }();
+  return files;
+}
+
+/// The files stage 06 writes into --dump DIR/fp8.
+const std::regex& fp8_dump_files() {
+  static const std::regex files(R"(layers\.\d+\..+\.npy)");
+  return files;
+}
+
+/// Removes the files (not directories) of `dir` that are ours; empty, or why one could not be.
+std::string remove_stale(const fs::path& dir, const std::regex& own) {
+  std::error_code ec, type_ec;
+  std::vector<fs::path> stale;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (!it->is_directory(type_ec) && is_ours(it->path().filename().string(), own))
+      stale.push_back(it->path());
+  if (ec) return fmt::format("cannot list '{}': {}", dir.string(), ec.message());
+  for (const fs::path& file : stale)
+    if (!fs::remove(file, ec) && ec)
+      return fmt::format("cannot remove '{}' of an earlier run: {}", file.string(), ec.message());
+  return {};
+}
+
+}  // namespace
+
+OutputFile::~OutputFile() {
+  if (fd_ >= 0) ::close(fd_);  // only after a failure, which is already being reported
+}
+
+void OutputFile::write(const void* data, std::size_t bytes) {
+  const auto* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::write(fd_, p, bytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail_write(path_, n < 0 ? errno : EIO);
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
+  }
+}
+
+void OutputFile::sync() {
+  if (::fsync(fd_) != 0) fail_write(path_, errno);
+}
+
+void OutputFile::close() {
+  if (::close(std::exchange(fd_, -1)) != 0) fail_write(path_, errno);
+}
+
+void write_file_atomically(const fs::path& path, const std::function<void(OutputFile&)>& fill) {
+  const Target target = target_of(path);
+  if (target.in_place) {
+    int fd = -1;
+    do fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+    while (fd < 0 && errno == EINTR);
+    if (fd < 0) fail_write(path, errno);
+    OutputFile file(fd, path);
+    fill(file);
+    file.close();
+    return;
+  }
+  const Temporary temp = create_temporary(target.path);
+  if (temp.fd < 0) fail_write(path, errno);
+  OutputFile file(temp.fd, path);
+  try {
+    fill(file);
+    file.sync();
+    file.close();
+    if (::rename(temp.path.c_str(), target.path.c_str()) != 0) fail_write(path, errno);
+  } catch (...) {
+    ::unlink(temp.path.c_str());
+    throw;
+  }
+}
+
+void write_text_file(const fs::path& path, std::string_view text) {
+  write_file_atomically(path, [text](OutputFile& file) { file.write(text); });
+}
+
+std::string output_file_problem(std::string_view flag, const fs::path& path) {
+  const auto problem = [&](std::string_view why) {
+    return fmt::format("{} '{}': {}", flag, path.string(), why);
+  };
+  if (path.empty()) return fmt::format("{}: the path is empty", flag);
+  const Target target = target_of(path);
+  std::error_code ec;
+  if (target.in_place) {
+    if (fs::is_directory(path, ec)) return problem("is a directory");
+    if (::access(path.c_str(), W_OK) != 0) return problem(std::strerror(errno));
+    return {};
+  }
+  const fs::path dir = directory_of(target.path);
+  const fs::file_status st = fs::status(dir, ec);
+  if (st.type() == fs::file_type::none)
+    return problem(fmt::format("cannot reach directory '{}': {}", dir.string(), ec.message()));
+  if (!fs::exists(st)) return problem(fmt::format("directory '{}' does not exist", dir.string()));
+  if (!fs::is_directory(st)) return problem(fmt::format("'{}' is not a directory", dir.string()));
+  if (const int err = probe_directory_of(target.path); err != 0)
+    return problem(fmt::format("cannot create a file in directory '{}': {}", dir.string(),
+                               std::strerror(err)));
+  return {};
+}
+
+std::string prepare_dump_dir(const fs::path& dir) {
+  const auto problem = [&](std::string_view why) {
+    return fmt::format("--dump '{}': {}", dir.string(), why);
+  };
+  if (dir.empty()) return "--dump: the path is empty";
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) return problem("is not a directory");
+  fs::create_directories(dir, ec);
+  if (ec) return problem(fmt::format("cannot create the directory: {}", ec.message()));
+  if (const int err = probe_directory_of(dir / "config.json"); err != 0)
+    return problem(fmt::format("cannot create files in it: {}", std::strerror(err)));
+  if (std::string why = remove_stale(dir, stage_dump_files()); !why.empty()) return problem(why);
+  const fs::path fp8 = dir / "fp8";
+  if (fs::is_directory(fp8, ec)) {
+    if (std::string why = remove_stale(fp8, fp8_dump_files()); !why.empty()) return problem(why);
+    if (fs::is_empty(fp8, ec)) fs::remove(fp8, ec);  // a user's file in it keeps it
+  }
+  return {};
+}
+
+}  // namespace tpx

@@ -1,0 +1,80 @@
+// Output files that are whole or absent. --json, --trace and --dump files are written into a
+// temporary file next to the final name (".<name>.tmp-XXXXXX") and renamed over it only once every
+// byte is written, fsync'ed and the file closed, so a reader (or a later run) never sees half a
+// file: on a full disk the final name keeps its old content, or stays absent. Every write, fsync,
+// close and rename is checked (POSIX calls; writes loop over EINTR and short writes) and a failure
+// throws tpx::Error "cannot write '<path>': <strerror>".
+//
+// The paths are also checked before training starts (output_file_problem, prepare_dump_dir), so a
+// typo in a directory costs a one-line error, not a run.
+//
+// defines: tpx::OutputFile, tpx::write_file_atomically(), tpx::write_text_file(),
+//          tpx::output_file_problem(), tpx::prepare_dump_dir()
+#pragma once
+
+#include <cstddef>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <string_view>
+
+namespace tpx {
+
+/// A file being written by write_file_atomically(): every write is checked.
+class OutputFile {
+ public:
+  OutputFile(const OutputFile&) = delete;
+  OutputFile& operator=(const OutputFile&) = delete;
+  ~OutputFile();
+
+  /// Writes all `bytes`; throws tpx::Error naming the file and the reason.
+  void write(const void* data, std::size_t bytes);
+  void write(std::string_view text) { write(text.data(), text.size()); }
+
+  /// The name the file is written under (the final one, not the temporary).
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  friend void write_file_atomically(const std::filesystem::path& path,
+                                    const std::function<void(OutputFile&)>& fill);
+  OutputFile(int fd, std::filesystem::path path) : fd_(fd), path_(std::move(path)) {}
+  void sync();   ///< fsync, checked
+  void close();  ///< close, checked
+
+  int fd_;
+  std::filesystem::path path_;
+};
+
+/// Writes `path` whole or not at all: `fill` writes into a new temporary file in the same
+/// directory (mode 0666 less the umask, like any new file), which is fsync'ed, closed and renamed
+/// over `path`. On any failure, including an exception thrown by `fill`, the temporary is removed
+/// and `path` is untouched (an existing file keeps its old content); a failure of ours throws
+/// tpx::Error "cannot write '<path>': <reason>", one of `fill` propagates as it is.
+///
+/// Special cases: a symlink to a regular file stays a link (its target is replaced); a path that
+/// exists and is not a regular file (/dev/null, /dev/full, a FIFO, a directory), or lies under
+/// /dev or /proc (/dev/stdout), cannot be replaced by a rename and is written directly, with the
+/// same checks, so `--json /dev/full` fails with "No space left on device".
+void write_file_atomically(const std::filesystem::path& path,
+                           const std::function<void(OutputFile&)>& fill);
+
+/// write_file_atomically() with `text` as the whole content.
+void write_text_file(const std::filesystem::path& path, std::string_view text);
+
+/// Empty if write_file_atomically(path) can create its file: the directory exists and a file can
+/// be created in it, and `path` is not a directory (an existing device must be writable).
+/// Otherwise one sentence naming the flag, the path and why, e.g. "--json '/nonexistent/x.json':
+/// directory '/nonexistent' does not exist". Creates and removes a probe file in the directory;
+/// creates no directories.
+std::string output_file_problem(std::string_view flag, const std::filesystem::path& path);
+
+/// Gets a --dump directory ready: creates it (and its parents) if needed, checks that files can be
+/// created in it, and removes the files an earlier run of a stage wrote there, so that a smaller
+/// run leaves no stale tensors behind: input.npy, target.npy, output.npy, input.grad.npy,
+/// loss.npy, config.json, layers.<l>.<p>.npy and layers.<l>.<p>.grad.npy for any l and the nine
+/// parameter names, fp8/layers.<l>.*.npy (and fp8/ itself when that empties it), and temporaries
+/// left by an interrupted write of any of these. Nothing else: a user's own files stay.
+/// Returns empty on success, else one sentence naming --dump, the directory and why.
+std::string prepare_dump_dir(const std::filesystem::path& dir);
+
+}  // namespace tpx

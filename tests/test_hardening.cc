@@ -1,0 +1,206 @@
+// The common machinery's defences against bad numbers, in-process:
+//   - --check's comparison fails on a NaN or an infinity planted in any tensor or loss;
+//   - numeric flags are parsed strictly (no capping, no wrapping, no empty values) and every
+//     error names its flag;
+//   - size arithmetic is checked: a config whose counts overflow 64 bits is a config error, and a
+//     tensor of such a shape throws instead of wrapping;
+//   - a single-device stage rejects the communication flags.
+// The executables' behaviour (exit codes, every rank agreeing) is in test_startup.cc.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/checked.h"
+#include "common/cli.h"
+#include "common/config.h"
+#include "common/tensor.h"
+#include "common/trainer.h"
+
+namespace tpx {
+namespace {
+
+// --- --check on non-finite values -------------------------------------------------------------
+
+/// A snapshot and a reference that agree exactly (one layer, every gradient present).
+struct Agreeing {
+  Snapshot got;
+  std::vector<StepRow> rows;
+  ReferenceRun want;
+
+  Agreeing() {
+    const std::vector<float> v{0.5f, -1.25f, 2.0f, 0.125f};
+    const std::vector<double> w(v.begin(), v.end());
+    got.output = got.input_grad = v;
+    want.output = want.input_grad = w;
+    got.grads.resize(1);
+    want.grads.resize(1);
+    for (std::size_t p = 0; p < kNumParams; ++p) {
+      got.grads[0][p] = v;
+      want.grads[0][p] = w;
+    }
+    for (double loss : {1.5, 1.25}) {
+      StepRow row;
+      row.step = int(rows.size());
+      row.loss = loss;
+      rows.push_back(row);
+      want.losses.push_back(loss);
+    }
+  }
+
+  /// The rows of compare() that failed, by name.
+  std::vector<std::string> failures() const {
+    std::vector<std::string> names;
+    for (const CheckRow& r : compare(got, rows, want, 1e-5))
+      if (!r.ok) names.push_back(r.name);
+    return names;
+  }
+};
+
+TEST(CheckNonFinite, AgreeingTensorsPass) {
+  EXPECT_TRUE(Agreeing().failures().empty());
+}
+
+TEST(CheckNonFinite, NanInTheOutputFailsNamingIt) {
+  Agreeing a;
+  a.got.output[2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(a.failures(), std::vector<std::string>{"output"});
+  for (const CheckRow& r : compare(a.got, a.rows, a.want, 1e-5)) {
+    if (r.name == "output") {
+      EXPECT_EQ(r.nonfinite, 1);
+    }
+  }
+}
+
+TEST(CheckNonFinite, InfinityInAGradientFailsNamingIt) {
+  Agreeing a;
+  a.got.grads[0][static_cast<std::size_t>(Param::w_up)][0] = -INFINITY;
+  EXPECT_EQ(a.failures(), std::vector<std::string>{"layers.0.w_up.grad"});
+}
+
+TEST(CheckNonFinite, NanLossFailsNamingTheStep) {
+  Agreeing a;
+  a.rows[1].loss = NAN;
+  EXPECT_EQ(a.failures(), std::vector<std::string>{"loss after 1 SGD step"});
+}
+
+TEST(CheckNonFinite, NanInTheReferenceFailsToo) {
+  Agreeing a;
+  a.want.input_grad[0] = NAN;
+  EXPECT_EQ(a.failures(), std::vector<std::string>{"input.grad"});
+}
+
+TEST(CheckNonFinite, AMissingLossFails) {
+  Agreeing a;
+  a.rows.pop_back();  // the run stopped before the reference's last step
+  EXPECT_EQ(a.failures(), std::vector<std::string>{"loss after 1 SGD step"});
+}
+
+// --- strict flags ------------------------------------------------------------------------------
+
+/// parse_stage_cli on "prog <args...>".
+CliOutcome parse(std::vector<std::string> args, bool single_device = false) {
+  args.insert(args.begin(), "prog");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const StageInfo info{.name = "prog", .summary = "test", .single_device = single_device};
+  return parse_stage_cli(info, static_cast<int>(args.size()), argv.data());
+}
+
+void expect_error(const std::vector<std::string>& args, const std::vector<std::string>& must_name,
+                  bool single_device = false) {
+  const CliOutcome r = parse(args, single_device);
+  EXPECT_FALSE(r.options.has_value()) << "accepted: " << testing::PrintToString(args);
+  EXPECT_EQ(r.exit_code, 2);
+  for (const auto& s : must_name)
+    EXPECT_NE(r.message.find(s), std::string::npos) << "'" << r.message << "' lacks " << s;
+}
+
+TEST(StrictFlags, ValuesAboveTheTypesRangeAreErrorsNotCapped) {
+  expect_error({"--ffn", "99999999999999999999"}, {"--ffn", "99999999999999999999", "range"});
+  expect_error({"--seed", "18446744073709551616"}, {"--seed", "range"});
+  expect_error({"--lr", "1e999"}, {"--lr", "range"});
+}
+
+TEST(StrictFlags, NegativeSeedIsAnErrorNotWrapped) {
+  expect_error({"--seed", "-1"}, {"--seed", "-1"});
+}
+
+TEST(StrictFlags, EmptyValuesAreErrors) {
+  for (const char* flag : {"--hidden", "--seq", "--steps", "--lr", "--seed", "--comm-timeout"})
+    expect_error({flag, ""}, {flag, "empty"});
+}
+
+TEST(StrictFlags, TrailingGarbageAndNonFiniteAreErrors) {
+  expect_error({"--hidden", "64k"}, {"--hidden", "64k"});
+  expect_error({"--heads", "4.0"}, {"--heads"});
+  expect_error({"--lr", "nan"}, {"--lr", "nan"});
+  expect_error({"--lr", "inf"}, {"--lr"});
+  expect_error({"--comm-timeout", "0.5s"}, {"--comm-timeout"});
+}
+
+TEST(StrictFlags, TheWholeRangeIsAccepted) {
+  const CliOutcome r = parse({"--seed", "18446744073709551615", "--lr", "2.5e-3", "--steps", "7"});
+  ASSERT_TRUE(r.options.has_value()) << r.message;
+  EXPECT_EQ(r.options->config.seed, std::numeric_limits<std::uint64_t>::max());
+  EXPECT_EQ(r.options->config.lr, 2.5e-3);
+  EXPECT_EQ(r.options->config.steps, 7);
+}
+
+TEST(StrictFlags, FaultInjectionErrorsNameTheFlag) {
+  expect_error({"--fault-skip-collective", "x"}, {"--fault-skip-collective", "RANK:SEQ"});
+  expect_error({"--fault-skip-collective", "1:"}, {"--fault-skip-collective"});
+  expect_error({"--fault-skip-collective", "a:3"}, {"--fault-skip-collective"});
+  expect_error({"--fault-skip-collective", "-1:3"}, {"--fault-skip-collective"});
+  const CliOutcome ok = parse({"--fault-skip-collective", "1:7"});
+  ASSERT_TRUE(ok.options.has_value()) << ok.message;
+  EXPECT_EQ(ok.options->comm.fault_rank, 1);
+  EXPECT_EQ(ok.options->comm.fault_seq, 7);
+}
+
+TEST(StrictFlags, ASingleDeviceStageRejectsCommunicationFlags) {
+  for (const char* flag : {"--comm", "--comm-timeout"}) {
+    const std::string value = std::string(flag) == "--comm" ? "nccl" : "5";
+    expect_error({flag, value}, {flag, "prog", "one device"}, /*single_device=*/true);
+    EXPECT_TRUE(parse({flag, value}).options.has_value()) << "multi-rank stages take " << flag;
+  }
+  expect_error({"--fault-skip-collective", "0:1"}, {"--fault-skip-collective"}, true);
+  EXPECT_EQ(parse({"--help"}, true).message.find("--comm"), std::string::npos)
+      << "--help of a single-device stage lists --comm";
+}
+
+// --- checked sizes -----------------------------------------------------------------------------
+
+TEST(CheckedSizes, ProductsThatOverflowAreCaught) {
+  constexpr auto big = std::numeric_limits<std::int64_t>::max();
+  EXPECT_EQ(checked_mul<std::int64_t>(big / 2, 2), big - 1);
+  EXPECT_FALSE(checked_mul<std::int64_t>(big / 2 + 1, 2).has_value());
+  EXPECT_FALSE(checked_add<std::uint64_t>(~0ull, 1).has_value());
+  EXPECT_EQ(checked_product({3, 5, 7}, "x"), 105);
+  EXPECT_THROW(checked_product({1ll << 32, 1ll << 31}, "x"), SizeOverflow);
+}
+
+TEST(CheckedSizes, AConfigWhoseCountsOverflowIsAConfigError) {
+  BlockConfig c;
+  c.seq = 4611686018427387903;  // 2^62 − 1: S·B·H·4 bytes and B·NH·S² overflow
+  c.batch = c.hidden = c.heads = c.ffn = 1;
+  const auto errors = validate(c);
+  ASSERT_FALSE(errors.empty());
+  EXPECT_NE(errors[0].find("too large"), std::string::npos) << errors[0];
+
+  BlockConfig ok;  // the default config's counts are far from the limit
+  EXPECT_TRUE(validate(ok).empty());
+}
+
+TEST(CheckedSizes, ATensorWhoseCountOverflowsThrowsInsteadOfWrapping) {
+  EXPECT_THROW((void)Tensor::empty({1ll << 40, 1ll << 40}), SizeOverflow);
+  // 2^61 elements fit in int64, their 2^63 bytes do not.
+  EXPECT_THROW((void)Tensor::empty({1ll << 31, 1ll << 30}, DType::f32).nbytes(), Error);
+}
+
+}  // namespace
+}  // namespace tpx

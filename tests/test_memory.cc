@@ -1,0 +1,278 @@
+// The per-rank memory estimate (common/memory.h) against what training really takes: for stages
+// 01, 02 and 03 under mpirun -np 1 and 2, train() runs in-process and the cpu allocator's
+// measured high-water mark must be within 10 % of the estimate, at the default config and at
+// configs whose peak comes from elsewhere (long sequences: the attention probabilities). The
+// saved-activation term must equal what training reports, byte for byte. Sizes too large for 64
+// bits must throw, never wrap; huge-but-representable configs must be estimated at once. And the
+// host's available memory must be a plausible number.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "01_baseline/layers.h"
+#include "02_megatron_tp/layers.h"
+#include "03_sequence_parallel/layers.h"
+#include "common/checked.h"
+#include "common/memory.h"
+#include "common/ops.h"
+#include "common/trainer.h"
+
+namespace tpx {
+namespace {
+
+/// MPI for the whole test program (gtest_main does not know about it).
+class MpiEnvironment : public testing::Environment {
+ public:
+  void SetUp() override {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+  }
+  void TearDown() override { MPI_Finalize(); }
+};
+[[maybe_unused]] testing::Environment* const kMpi =
+    testing::AddGlobalTestEnvironment(new MpiEnvironment);
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+using Factory = std::function<std::unique_ptr<Parallelism>(const RunContext&)>;
+
+struct Stage {
+  std::string name;
+  Factory make;
+};
+
+struct Sizes {
+  std::string name;
+  BlockConfig config;
+};
+
+/// The tutorial's default config (H 256, NH 8, F 1024, S 128, B 2, L 2), two steps.
+Sizes default_sizes() {
+  BlockConfig c;
+  c.steps = 2;
+  return {"default", c};
+}
+
+/// Long sequence, narrow model: B·NH·S² probabilities outweigh every [S, B, H] and [S, B, F].
+Sizes long_sequence(int steps) {
+  BlockConfig c;
+  c.hidden = 64;
+  c.heads = 4;
+  c.ffn = 128;
+  c.seq = 512;
+  c.batch = 1;
+  c.layers = 2;
+  c.steps = steps;
+  return {fmt::format("long_sequence_{}_steps", steps), c};
+}
+
+/// Wide MLP, many tokens, one layer: the [S, B, F] tensors of the MLP backward dominate.
+Sizes wide_mlp() {
+  BlockConfig c;
+  c.hidden = 64;
+  c.heads = 4;
+  c.ffn = 1024;
+  c.seq = 64;
+  c.batch = 8;
+  c.layers = 1;
+  c.steps = 2;
+  return {"wide_mlp", c};
+}
+
+struct Case {
+  Stage stage;
+  Sizes sizes;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.stage.name << " " << c.sizes.name;
+}
+
+class MeasuredPeak : public testing::TestWithParam<Case> {};
+
+TEST_P(MeasuredPeak, EstimateIsWithinTenPercentOfTheAllocatorsPeak) {
+  const auto& [stage, sizes] = GetParam();
+  StageOptions options;
+  options.config = sizes.config;
+  const BlockConfig& c = options.config;
+  Trace trace;
+  const std::unique_ptr<Parallelism> par =
+      stage.make(RunContext{options, world_rank(), world_size(), trace});
+  const Sharding sh = par->sharding();
+
+  const MemoryEstimate estimate = estimate_training_memory(c, sh);
+  Allocator& alloc = allocator_for(Device::cpu);
+  alloc.reset_peak();
+  const std::size_t before = alloc.stats().current;
+  const TrainResult r = train(c, *par, /*snapshot=*/false, trace);
+  const std::size_t measured = alloc.stats().peak - before;
+  ASSERT_EQ(r.rows.size(), static_cast<std::size_t>(c.steps)) << r.diverged;
+
+  const double ratio = double(estimate.total()) / double(measured);
+  fmt::print("[ memory   ] {} {} rank {}/{}: estimate {} B, measured peak {} B (ratio {:.4f})\n",
+             stage.name, sizes.name, sh.rank, sh.world, estimate.total(), measured, ratio);
+  fmt::print("[ memory   ]   {}\n", estimate.describe());
+  EXPECT_GE(ratio, 0.9) << estimate.describe();
+  EXPECT_LE(ratio, 1.1) << estimate.describe();
+  EXPECT_EQ(estimate.term("saved activations").bytes, r.saved_activation_bytes);
+}
+
+const Stage kBaseline{"baseline", [](const RunContext& ctx) -> std::unique_ptr<Parallelism> {
+                        return std::make_unique<baseline::SerialLinears>(ctx.options.config.dtype);
+                      }};
+const Stage kMegatron{"megatron", megatron::make_megatron};
+const Stage kSequenceParallel{"sequence_parallel", sp::make_sequence_parallel};
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (const Stage& st : {kBaseline, kMegatron, kSequenceParallel})
+    for (const Sizes& z : {default_sizes(), long_sequence(1), long_sequence(2), wide_mlp()})
+      cases.push_back({st, z});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, MeasuredPeak, testing::ValuesIn(all_cases()), [](const auto& p) {
+  return p.param.stage.name + "_" + p.param.sizes.name;
+});
+
+// --- the terms against the chapters' formulas, computed here
+// --------------------------------------
+
+constexpr std::uint64_t kFloat = 4;
+
+TEST(MemoryTerms, ParametersTargetAndSavedFollowTheShardings) {
+  const BlockConfig c;  // H 256, NH 8, F 1024, S 128, B 2, L 2
+  const std::uint64_t H = 256, NH = 8, F = 1024, S = 128, B = 2, L = 2;
+  for (const std::uint64_t n : {1, 2, 4}) {
+    const Sharding tp{.rank = 0, .world = int(n), .weights = true, .sequence = false};
+    const Sharding sp{.rank = 0, .world = int(n), .weights = true, .sequence = true};
+    // Norm gains replicated; the seven weights split N ways.
+    const std::uint64_t params = L * kFloat * (2 * H + (4 * H * H + 3 * H * F) / n);
+    // 01: x, h, x2, h2, q, k, v, a [S,B,H]; rstd1, rstd2 [S·B]; gate, up, s [S,B,F]; probs.
+    const std::uint64_t base = 8 * S * B * H + 2 * S * B + 3 * S * B * F + B * NH * S * S;
+    const std::uint64_t replicated = 4 * S * B * H + 2 * S * B;
+    for (const Sharding& sh : {tp, sp}) {
+      const MemoryEstimate e = estimate_training_memory(c, sh);
+      EXPECT_EQ(e.term("parameters").bytes, params);
+      EXPECT_EQ(e.term("gradients").bytes, params);
+      EXPECT_EQ(e.term("target").bytes, kFloat * S * B * H / (sh.sequence ? n : 1));
+      const std::uint64_t saved =
+          sh.sequence ? L * kFloat * base / n : L * kFloat * (replicated + (base - replicated) / n);
+      EXPECT_EQ(e.term("saved activations").bytes, saved) << "N " << n << " sp " << sh.sequence;
+    }
+  }
+  const MemoryEstimate one = estimate_training_memory(c, Sharding{});
+  EXPECT_EQ(one.term("parameters").bytes, L * kFloat * (2 * H + 4 * H * H + 3 * H * F));
+}
+
+TEST(MemoryTerms, TotalBiggestAndDescribe) {
+  const MemoryEstimate e = estimate_training_memory(BlockConfig{}, Sharding{});
+  std::uint64_t sum = 0, big = 0;
+  for (const MemoryTerm& t : e.terms) {
+    sum += t.bytes;
+    big = std::max(big, t.bytes);
+  }
+  EXPECT_EQ(e.total(), sum);
+  EXPECT_EQ(e.biggest().bytes, big);
+  const std::string line = e.describe();
+  fmt::print("[ memory   ] default config, one device: {}\n", line);
+  EXPECT_EQ(line.find('\n'), std::string::npos);
+  EXPECT_TRUE(line.starts_with(fmt::format("{:.1f} MiB = parameters ", double(sum) / (1 << 20))))
+      << line;
+  for (const MemoryTerm& t : e.terms) EXPECT_NE(line.find(t.name), std::string::npos) << line;
+  EXPECT_THROW((void)e.term("no such term"), Error);
+}
+
+TEST(MemoryTerms, SnapshotHoldsFullCopies) {
+  BlockConfig c;
+  c.hidden = 64;
+  c.heads = 4;
+  c.ffn = 96;
+  c.seq = 10;
+  c.batch = 3;
+  c.layers = 5;
+  const std::uint64_t act = 10 * 3 * 64, layer = 2 * 64 + 4 * 64 * 64 + 3 * 64 * 96;
+  EXPECT_EQ(snapshot_bytes(c), kFloat * (4 * act + 2 * 5 * layer));
+}
+
+// --- sizes too large ---------------------------------------------------------------------------
+
+TEST(MemoryOverflow, SequenceTooLongThrowsInsteadOfWrapping) {
+  BlockConfig c;
+  c.seq = 4611686018427387903;  // 2^62 − 1: S·S, S·B·H and their bytes overflow 64 bits
+  for (const Sharding& sh :
+       {Sharding{}, Sharding{.rank = 0, .world = 1, .weights = true, .sequence = true}})
+    EXPECT_THROW(estimate_training_memory(c, sh), SizeOverflow);
+  EXPECT_THROW(snapshot_bytes(c), SizeOverflow);
+}
+
+TEST(MemoryOverflow, HugeModelIsEstimatedAtOnceAndNotWrapped) {
+  BlockConfig c;
+  c.layers = 100000;
+  c.hidden = 65536;
+  c.ffn = 262144;
+  c.seq = 8192;
+  const auto t0 = std::chrono::steady_clock::now();
+  const MemoryEstimate e = estimate_training_memory(c, Sharding{});
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 0.1);
+  fmt::print("[ memory   ] huge: {} ({:.3f} ms)\n", e.describe(), seconds * 1e3);
+  // In long double (64-bit mantissa on x86, exact here), independently of the 64-bit arithmetic.
+  const long double H = 65536, F = 262144, L = 100000;
+  const long double params = L * 4 * (2 * H + 4 * H * H + 3 * H * F);
+  EXPECT_EQ(static_cast<long double>(e.term("parameters").bytes), params);
+  EXPECT_GT(e.total(), std::uint64_t{1} << 40);  // > 1 TiB
+  EXPECT_GE(static_cast<long double>(e.total()), 2 * params);
+  EXPECT_GT(snapshot_bytes(c), std::uint64_t{1} << 40);
+}
+
+TEST(MemoryOverflow, TotalOfTermsThatDoNotFitThrows) {
+  MemoryEstimate e;
+  e.terms = {{"a", std::uint64_t{1} << 63}, {"b", std::uint64_t{1} << 63}};
+  EXPECT_THROW((void)e.total(), SizeOverflow);
+}
+
+// --- what the host has ---------------------------------------------------------------------------
+
+/// MemTotal of /proc/meminfo in bytes, read here independently of the library.
+std::uint64_t mem_total() {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  std::uint64_t kib = 0;
+  while (in >> key >> kib >> unit)
+    if (key == "MemTotal:") return kib * 1024;
+  return 0;
+}
+
+TEST(MemoryAvailable, HostMemoryIsPositiveAndBelowTheTotal) {
+  const std::uint64_t total = mem_total();
+  if (total == 0) GTEST_SKIP() << "no /proc/meminfo";
+  const std::uint64_t available = ops::memory_available(Device::cpu);
+  fmt::print("[ memory   ] host: {} B available of {} B\n", available, total);
+  EXPECT_GT(available, 0u);
+  EXPECT_LT(available, total);
+}
+
+}  // namespace
+}  // namespace tpx
