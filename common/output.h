@@ -71,8 +71,8 @@ std::string output_file_problem(std::string_view flag, const std::filesystem::pa
 /// Gets a --dump directory ready: creates it (and its parents) if needed, checks that files can be
 /// created in it, and removes the files an earlier run of a stage wrote there, so that a smaller
 /// run leaves no stale tensors behind: input.npy, target.npy, output.npy, input.grad.npy,
-/// loss.npy, config.json, layers.<l>.<p>.npy and layers.<l>.<p>.grad.npy for any l and the nine
-/// parameter names, fp8/layers.<l>.*.npy (and fp8/ itself when that empties it), and temporaries
+/// loss.npy, config.json, layers.L.P.npy and layers.L.P.grad.npy for any layer L and the nine
+/// parameter names, fp8/layers.L.*.npy (and fp8/ itself when that empties it), and temporaries
 /// left by an interrupted write of any of these. Nothing else: a user's own files stay.
 /// Returns empty on success, else one sentence naming --dump, the directory and why.
 std::string prepare_dump_dir(const std::filesystem::path& dir);
