@@ -19,7 +19,7 @@
 // allocator); these are small or outside the allocator's view.
 //
 // defines: tpx::MemoryTerm, tpx::MemoryEstimate, tpx::estimate_training_memory(),
-//          tpx::snapshot_bytes()
+//          tpx::snapshot_bytes(), tpx::bytes_text()
 #pragma once
 
 #include <cstdint>
@@ -65,5 +65,8 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
 /// and gradients. Host memory whatever the device (add it to a cpu estimate; on cuda it is
 /// taken from the host). Throws SizeOverflow when it does not fit in 64 bits.
 std::uint64_t snapshot_bytes(const BlockConfig& c);
+
+/// A byte count in the binary unit that reads best, e.g. "512 B", "33.8 MiB", "1.3 TiB".
+std::string bytes_text(std::uint64_t bytes);
 
 }  // namespace tpx

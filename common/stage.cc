@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <functional>
 #include <limits>
 
 #include <fmt/format.h>
@@ -46,10 +45,15 @@ class MpiSession {
   int rank_ = 0, world_ = 1;
 };
 
+/// Exit codes of a stage executable (also in --help's footer).
+constexpr int kExitFail = 1;      ///< --check FAIL, or an output that could not be written
+constexpr int kExitConfig = 2;    ///< bad input or a config that cannot run here
+constexpr int kExitDiverged = 3;  ///< a loss or gradient norm became NaN or infinite
+
 /// Ends the start-up of every rank together: if `problem` is non-empty on any rank, every rank
 /// throws ConfigError with the first such rank's problem (named by rank when there are several).
 void stop_if_any_rank(const std::string& problem, int world) {
-  const StartVerdict v = agree_to_start(!problem.empty(), 2, problem);
+  const StartVerdict v = agree_to_start(!problem.empty(), kExitConfig, problem);
   if (!v.stop) return;
   throw ConfigError(world > 1 ? fmt::format("rank {}: {}", v.rank, v.message) : v.message);
 }
@@ -70,8 +74,6 @@ struct Speed {
 /// the errors of a few chained GEMMs, relative to each tensor's largest value, stay well below
 /// 3e-2, while a wrong result is off by O(1).
 constexpr double kBf16CheckRtol = 3e-2;
-
-std::string bytes_text(std::uint64_t bytes);
 
 void print_header(const StageDefinition& st, const BlockConfig& c, int world,
                   const Parallelism& par, const Speed& speed, const MemoryEstimate& memory,
@@ -147,22 +149,11 @@ void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& st
   write_text_file(dir / "config.json", cfg.dump(2) + '\n');
 }
 
-/// Exit codes of a stage executable (also in --help's footer).
-constexpr int kExitFail = 1;      ///< --check FAIL, or an output that could not be written
-constexpr int kExitConfig = 2;    ///< bad input or a config that cannot run here
-constexpr int kExitDiverged = 3;  ///< a loss or gradient norm became NaN or infinite
-
 /// Prints "<stage>: error: <message>" on this rank's stderr and returns `code`.
 int print_error(const StageDefinition& st, const std::string& message, int code) {
   fmt::print(stderr, "{}: error: {}\n", st.info.name, message);
   std::fflush(stderr);
   return code;
-}
-
-std::string bytes_text(std::uint64_t bytes) {
-  const double b = double(bytes);
-  if (b >= 1024.0 * 1024.0 * 1024.0) return fmt::format("{:.1f} GiB", b / (1024.0 * 1024 * 1024));
-  return fmt::format("{:.1f} MiB", b / (1024.0 * 1024.0));
 }
 
 /// Each rank's own start-up problems before anything is allocated: a single-device stage on
@@ -324,7 +315,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   json check_json;
   const double rtol = c.dtype == DType::bf16 ? std::max(st.rtol, kBf16CheckRtol) : st.rtol;
   std::string write_problem;
-  auto on_rank0 = [&](const std::function<void()>& write) {
+  auto on_rank0 = [&](auto&& write) {
     if (rank != 0 || !write_problem.empty()) return;
     try {
       write();

@@ -27,32 +27,13 @@
 #include "common/memory.h"
 #include "common/ops.h"
 #include "common/trainer.h"
+#include "test_mpi.h"
 
 namespace tpx {
 namespace {
 
-/// MPI for the whole test program (gtest_main does not know about it).
-class MpiEnvironment : public testing::Environment {
- public:
-  void SetUp() override {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-  }
-  void TearDown() override { MPI_Finalize(); }
-};
-[[maybe_unused]] testing::Environment* const kMpi =
-    testing::AddGlobalTestEnvironment(new MpiEnvironment);
-
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using test::world_rank;
+using test::world_size;
 
 using Factory = std::function<std::unique_ptr<Parallelism>(const RunContext&)>;
 
