@@ -1,63 +1,290 @@
-// The cpu side of Stream/Event; cuda streams and events are created and driven by the functions
-// in common/cuda/stream.h (the CUDA backend).
+// The cpu side of Stream/Event (a thread per created stream, counters for events) and the
+// dispatch to the cuda side (common/cuda/stream.h).
 #include "stream.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <utility>
 
 #include "check.h"
 #if TPX_WITH_CUDA
+#include "cuda/device.h"
 #include "cuda/stream.h"
 #endif
 
 namespace tpx {
+namespace {
+
+/// A created cpu stream: an in-order queue drained by its own thread. The thread shares the
+/// queue's state, so the last handle may even be dropped by a task running on that thread.
+class CpuQueue {
+ public:
+  CpuQueue() : state_(std::make_shared<State>()) {
+    worker_ = std::thread([state = state_] { state->drain(); });
+  }
+  ~CpuQueue() {
+    {
+      std::lock_guard lock(state_->mutex);
+      state_->stopping = true;
+    }
+    state_->wake.notify_all();
+    if (worker_.get_id() == std::this_thread::get_id())
+      worker_.detach();  // it finishes the queue and exits on its own
+    else
+      worker_.join();
+  }
+  CpuQueue(const CpuQueue&) = delete;
+  CpuQueue& operator=(const CpuQueue&) = delete;
+
+  /// Queues `work`. A `mark` (an event's record) runs even after the stream failed, with the
+  /// failure as its argument, so that nobody waits forever on a failed stream's events.
+  void push(std::function<void(std::exception_ptr)> work, bool mark) {
+    {
+      std::lock_guard lock(state_->mutex);
+      state_->tasks.push_back({std::move(work), mark});
+      ++state_->issued;
+    }
+    state_->wake.notify_all();
+  }
+
+  void synchronize() {
+    State& st = *state_;
+    std::unique_lock lock(st.mutex);
+    const std::uint64_t target = st.issued;
+    st.idle.wait(lock, [&] { return st.done >= target; });
+    if (st.error) std::rethrow_exception(st.error);
+  }
+
+ private:
+  struct Task {
+    std::function<void(std::exception_ptr)> work;
+    bool mark = false;
+  };
+
+  struct State {
+    std::mutex mutex;
+    std::condition_variable wake, idle;
+    std::deque<Task> tasks;
+    std::uint64_t issued = 0, done = 0;
+    std::exception_ptr error;  // the first failure; sticky
+    bool stopping = false;
+
+    void drain() {
+      for (;;) {
+        Task task;
+        std::exception_ptr failed;
+        {
+          std::unique_lock lock(mutex);
+          wake.wait(lock, [&] { return stopping || !tasks.empty(); });
+          if (tasks.empty()) return;  // stopping, and everything issued has run
+          task = std::move(tasks.front());
+          tasks.pop_front();
+          failed = error;
+        }
+        std::exception_ptr thrown;
+        if (!failed || task.mark) {
+          try {
+            task.work(failed);
+          } catch (...) {
+            thrown = std::current_exception();
+          }
+        }
+        task.work = nullptr;  // release the task's captures before it counts as done
+        {
+          std::lock_guard lock(mutex);
+          if (thrown && !error) error = thrown;
+          ++done;
+        }
+        idle.notify_all();
+      }
+    }
+  };
+
+  std::shared_ptr<State> state_;
+  std::thread worker_;
+};
+
+/// A cpu event: generation counters. record() takes the next generation; the mark completes it.
+struct CpuEvent {
+  std::mutex mutex;
+  std::condition_variable reached;
+  std::uint64_t recorded = 0, completed = 0;
+  std::exception_ptr error;  // the failure of the stream that should have reached the mark
+
+  void complete(std::uint64_t generation, std::exception_ptr failed) {
+    {
+      std::lock_guard lock(mutex);
+      completed = std::max(completed, generation);
+      if (failed) error = std::move(failed);
+    }
+    reached.notify_all();
+  }
+  void wait_for(std::uint64_t generation) {
+    // The waiter has nothing else to do, and a mark is usually near (a ring step's transfer), so
+    // poll for a short while before sleeping: waking from a condition variable costs tens of
+    // microseconds, a ring step on small chunks not much more. yield() lends the core to any
+    // other runnable thread meanwhile (on a machine with fewer cores than lanes, the comm lane).
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+    std::unique_lock lock(mutex);
+    while (completed < generation && std::chrono::steady_clock::now() < until) {
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    }
+    reached.wait(lock, [&] { return completed >= generation; });
+    if (error) std::rethrow_exception(error);
+  }
+};
+
+CpuQueue& queue(const std::shared_ptr<void>& h) {
+  return *static_cast<CpuQueue*>(h.get());
+}
+CpuEvent& cpu_event(const std::shared_ptr<void>& h) {
+  return *static_cast<CpuEvent*>(h.get());
+}
+
+}  // namespace
 
 Stream::Stream(Device device) : device_(device) {}
 
 Stream Stream::create(Device device) {
   Stream s(device);
+  if (device == Device::cpu) {
+    s.handle_ = std::make_shared<CpuQueue>();
+    return s;
+  }
 #if TPX_WITH_CUDA
-  if (device == Device::cuda) s.handle_ = cuda::create_stream();
+  s.handle_ = cuda::create_stream();
 #else
-  TPX_CHECK(device == Device::cpu, "this build has no CUDA backend");
+  TPX_CHECK(false, "this build has no CUDA backend");
 #endif
   return s;
 }
 
+void Stream::run(std::function<void()> work) const {
+  if (device_ == Device::cuda) {
+#if TPX_WITH_CUDA
+    cuda::StreamGuard guard(native());
+    work();
+    return;
+#endif
+  }
+  if (is_default()) {
+    work();
+    return;
+  }
+  queue(handle_).push([w = std::move(work)](const std::exception_ptr&) { w(); }, false);
+}
+
 void Stream::synchronize() const {
 #if TPX_WITH_CUDA
-  if (device_ == Device::cuda) cuda::synchronize_stream(native());
+  if (device_ == Device::cuda) {
+    cuda::synchronize_stream(native());
+    return;
+  }
 #endif
+  if (!is_default()) queue(handle_).synchronize();
 }
 
 Event::Event(Device device) : device_(device) {
+  if (device == Device::cpu) {
+    handle_ = std::make_shared<CpuEvent>();
+    return;
+  }
 #if TPX_WITH_CUDA
-  if (device == Device::cuda) handle_ = cuda::create_event();
+  handle_ = cuda::create_event();
 #else
-  TPX_CHECK(device == Device::cpu, "this build has no CUDA backend");
+  TPX_CHECK(false, "this build has no CUDA backend");
 #endif
 }
 
-void Event::record([[maybe_unused]] const Stream& s) {
+void Event::record(const Stream& s) {
+  TPX_CHECK(s.device() == device_, "an event on {} recorded on a stream on {}", to_string(device_),
+            to_string(s.device()));
 #if TPX_WITH_CUDA
-  if (device_ == Device::cuda) cuda::record_event(handle_.get(), s.native());
+  if (device_ == Device::cuda) {
+    cuda::record_event(handle_.get(), s.native());
+    return;
+  }
 #endif
+  CpuEvent& e = cpu_event(handle_);
+  std::uint64_t generation = 0;
+  {
+    std::lock_guard lock(e.mutex);
+    generation = ++e.recorded;
+  }
+  if (s.is_default()) {
+    e.complete(generation, nullptr);  // the default stream has done everything issued on it
+    return;
+  }
+  queue(s.handle_).push(
+      [state = handle_, generation](std::exception_ptr failed) {
+        static_cast<CpuEvent*>(state.get())->complete(generation, std::move(failed));
+      },
+      true);
 }
 
-void Event::wait([[maybe_unused]] const Stream& s) const {
+void Event::wait(const Stream& s) const {
+  TPX_CHECK(s.device() == device_, "an event on {} waited on by a stream on {}", to_string(device_),
+            to_string(s.device()));
 #if TPX_WITH_CUDA
-  if (device_ == Device::cuda) cuda::wait_event(handle_.get(), s.native());
+  if (device_ == Device::cuda) {
+    cuda::wait_event(handle_.get(), s.native());
+    return;
+  }
 #endif
+  CpuEvent& e = cpu_event(handle_);
+  std::uint64_t target = 0;
+  {
+    std::lock_guard lock(e.mutex);
+    target = e.recorded;
+  }
+  if (target == 0) return;
+  if (s.is_default()) {
+    e.wait_for(target);
+    return;
+  }
+  queue(s.handle_).push(
+      [state = handle_, target](const std::exception_ptr&) {
+        static_cast<CpuEvent*>(state.get())->wait_for(target);
+      },
+      false);
 }
 
 void Event::synchronize() const {
 #if TPX_WITH_CUDA
-  if (device_ == Device::cuda) cuda::synchronize_event(handle_.get());
+  if (device_ == Device::cuda) {
+    cuda::synchronize_event(handle_.get());
+    return;
+  }
 #endif
+  CpuEvent& e = cpu_event(handle_);
+  std::uint64_t target = 0;
+  {
+    std::lock_guard lock(e.mutex);
+    target = e.recorded;
+  }
+  e.wait_for(target);
 }
 
 bool Event::ready() const {
 #if TPX_WITH_CUDA
   if (device_ == Device::cuda) return cuda::event_ready(handle_.get());
 #endif
-  return true;
+  CpuEvent& e = cpu_event(handle_);
+  std::lock_guard lock(e.mutex);
+  return e.completed >= e.recorded;
+}
+
+void record_stream(const Tensor& t, const Stream& s) {
+  if (t.device() != Device::cuda || s.device() != Device::cuda) return;
+  allocator_for(Device::cuda).record_stream(t.storage_ptr(), s.native());
 }
 
 }  // namespace tpx

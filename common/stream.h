@@ -1,10 +1,26 @@
-// Streams and events, backend-neutral. On the cpu backend work runs synchronously when it is
-// issued, so a Stream is only a name for a lane and Events are already complete; on cuda they wrap
-// cudaStream_t / cudaEvent_t (common/cuda/).
+// Streams and events, backend-neutral: the lanes on which a rank's work runs, and the marks by
+// which one lane waits for another.
 //
-// defines: tpx::Stream, tpx::Event
+// A Stream is an in-order queue of work. Work issued on two different streams may run at the
+// same time; an Event recorded on one stream and waited on by another orders them.
+//
+//   cpu   The default stream is the calling thread: work runs at once, inline. A created stream
+//         owns a thread that runs its queue in order, so a GEMM issued on the default stream and
+//         a transfer issued on a created stream really run at the same time. Events are counters
+//         guarded by a mutex: record() enqueues a mark, wait() enqueues (or, on the default
+//         stream, performs) a blocking wait for it.
+//   cuda  cudaStream_t / cudaEvent_t (common/cuda/stream.h). run() issues the work's kernels on
+//         the stream from the calling thread; the GPU runs them asynchronously.
+//
+// Memory: a cpu task keeps the tensors it captured alive until it has run (captures are shared
+// handles), so their memory cannot be reused early. A cuda tensor used on a stream other than the
+// one that allocated it must be announced with record_stream(), so that the caching allocator
+// holds its block back until that stream has passed the point where the tensor was freed.
+//
+// defines: tpx::Stream, tpx::Event, tpx::record_stream
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include "tensor.h"
@@ -13,37 +29,58 @@ namespace tpx {
 
 class Stream {
  public:
-  /// The device's default stream (cpu: the calling thread).
+  /// The device's default stream (cpu: the calling thread, inline).
   explicit Stream(Device device = Device::cpu);
-  /// A new non-blocking stream on `device`.
+  /// A new stream on `device` that runs concurrently with the others (cpu: with its own thread).
   static Stream create(Device device);
 
   Device device() const { return device_; }
+  /// True for the default stream.
+  bool is_default() const { return !handle_; }
   /// The native handle (cudaStream_t on cuda, nullptr on cpu).
-  void* native() const { return handle_ ? handle_.get() : nullptr; }
-  /// Blocks the host until everything issued on the stream is done.
+  void* native() const { return device_ == Device::cuda && handle_ ? handle_.get() : nullptr; }
+
+  /// Runs `work` in order after the work issued on this stream before it. cpu: a created stream
+  /// runs it later on its own thread and run() returns at once; the default stream runs it now.
+  /// cuda: runs it now on the calling thread, with every op it issues going to this stream.
+  /// An exception thrown by work on a cpu stream's thread fails the stream: later work on it is
+  /// skipped, and synchronize() (and every event recorded after the failure) rethrows it.
+  void run(std::function<void()> work) const;
+  /// Blocks the host until everything issued on the stream is done; rethrows a failure.
   void synchronize() const;
 
+  /// Two handles to the same stream compare equal.
+  friend bool operator==(const Stream& a, const Stream& b) {
+    return a.device_ == b.device_ && a.handle_ == b.handle_;
+  }
+
  private:
+  friend class Event;
   Device device_;
-  std::shared_ptr<void> handle_;  // owns the native stream; null for default streams
+  std::shared_ptr<void> handle_;  // owns the native stream / the cpu queue; null for default
 };
 
 class Event {
  public:
   explicit Event(Device device = Device::cpu);
-  /// Marks the point in `s` reached by the work issued so far.
+  /// Marks the point in `s` reached by the work issued on it so far (re-recording moves the mark).
   void record(const Stream& s);
-  /// Makes `s` wait (on the device, not the host) until the recorded point is reached.
+  /// Makes `s` wait until the point last recorded (before this call) is reached; the host does
+  /// not block unless `s` is the cpu default stream. An event never recorded is complete.
   void wait(const Stream& s) const;
-  /// Blocks the host until the recorded point is reached.
+  /// Blocks the host until the recorded point is reached; rethrows a failure of the stream.
   void synchronize() const;
   /// True once the recorded point is reached.
   bool ready() const;
 
  private:
   Device device_;
-  std::shared_ptr<void> handle_;  // cudaEvent_t on cuda
+  std::shared_ptr<void> handle_;  // cudaEvent_t on cuda; the counters on cpu
 };
+
+/// Declares that work issued on `s` uses `t`: when t's memory is freed, the allocator does not
+/// hand it out again before `s` has passed that point. No-op on the cpu (tasks hold their
+/// tensors) and for the stream that allocated the tensor.
+void record_stream(const Tensor& t, const Stream& s);
 
 }  // namespace tpx

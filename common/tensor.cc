@@ -186,6 +186,11 @@ void* Tensor::raw() const {
   return static_cast<char*>(storage_->ptr) + offset_;
 }
 
+void* Tensor::storage_ptr() const {
+  TPX_CHECK(defined(), "use of an undefined tensor");
+  return storage_->ptr;
+}
+
 void Tensor::check_element_size(std::size_t bytes) const {
   TPX_CHECK(bytes == dtype_size(dtype_), "element size {} does not match dtype {}", bytes,
             to_string(dtype_));

@@ -47,6 +47,10 @@ class Allocator {
   virtual void deallocate(void* ptr, std::size_t bytes) = 0;
   virtual MemoryStats stats() const = 0;
   virtual void reset_peak() = 0;
+  /// Work on `stream` (a native stream handle) uses the block at `ptr` (as returned by
+  /// allocate()): once the block is freed, it must not be handed out again before that stream has
+  /// passed the free. Allocators whose memory cannot be reused early ignore it.
+  virtual void record_stream(void* /*ptr*/, void* /*stream*/) {}
 };
 
 /// The process-wide allocator for a device (the CUDA one exists only when CUDA is built).
@@ -82,6 +86,8 @@ class Tensor {
 
   /// Raw pointer to the first element (device pointer for cuda tensors).
   void* raw() const;
+  /// The start of the allocation this tensor views (what the allocator handed out).
+  void* storage_ptr() const;
   /// Typed pointer; checks that T matches the dtype's size and the tensor is f32 when T = float.
   template <class T>
   T* data() const;

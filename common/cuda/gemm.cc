@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "allocator.h"
 #include "blas.h"
 #include "check.h"
 #include "device.h"
@@ -62,17 +63,21 @@ using LtKey =
     std::tuple<bool, bool, I, I, I, I, I, I, int, int, std::uint32_t, std::uint32_t, std::uint32_t>;
 
 /// Per-thread library handles (cuBLAS handles must not be shared by concurrent host threads).
+/// GEMMs on different streams may run at the same time, so each stream gets its own workspace:
+/// one shared buffer would be written by two GEMMs at once. cuBLASLt takes it per call; cuBLAS
+/// is given the same buffer (cublasSetWorkspace) after every cublasSetStream, which resets it.
+/// The two never overlap: both run in the order of the one stream. A workspace lives as long as
+/// the thread, keyed by the stream's handle (streams are created once and kept).
 struct Handles {
   cublasHandle_t blas = nullptr;
   cublasLtHandle_t lt = nullptr;
-  void* workspace = nullptr;
+  std::map<void*, void*> workspaces;  // stream (nullptr = legacy default) -> kLtWorkspace bytes
   std::map<LtKey, LtPlan> plans;
 
   Handles() {
     ensure_initialized();
     TPX_CUBLAS_CHECK(cublasCreate(&blas));
     TPX_CUBLAS_CHECK(cublasLtCreate(&lt));
-    TPX_CUDA_CHECK(cudaMalloc(&workspace, kLtWorkspace));
   }
   ~Handles() {  // at thread exit; errors are ignored (the runtime may be shutting down)
     for (auto& [key, p] : plans) {
@@ -81,12 +86,31 @@ struct Handles {
       cublasLtMatrixLayoutDestroy(p.c);
       cublasLtMatmulDescDestroy(p.desc);
     }
-    cudaFree(workspace);
+    for (auto& [stream, w] : workspaces) cudaFree(w);
     cublasLtDestroy(lt);
     cublasDestroy(blas);
   }
   Handles(const Handles&) = delete;
   Handles& operator=(const Handles&) = delete;
+
+  /// The workspace of `stream`, allocated on its first GEMM.
+  void* workspace(void* stream) {
+    auto [it, added] = workspaces.try_emplace(stream, nullptr);
+    if (added) {
+      cudaError_t rc = cudaMalloc(&it->second, kLtWorkspace);
+      if (rc == cudaErrorMemoryAllocation) {  // the caching allocator may hold the memory
+        (void)cudaGetLastError();
+        if (auto* cache = dynamic_cast<CachingAllocator*>(&allocator_for(Device::cuda)))
+          cache->release_cached();
+        rc = cudaMalloc(&it->second, kLtWorkspace);
+      }
+      if (rc != cudaSuccess) {
+        workspaces.erase(it);
+        TPX_CUDA_CHECK(rc);
+      }
+    }
+    return it->second;
+  }
 };
 
 Handles& handles() {
@@ -153,6 +177,7 @@ void gemm(bool ta, bool tb, I m, I n, I k, float alpha, Operand a, Operand b, fl
   if (m == 0 || n == 0 || batch == 0) return;
   Handles& h = handles();
   auto stream = static_cast<cudaStream_t>(current_stream());
+  void* const workspace = h.workspace(stream);
   if (batch == 1) {
     const LtKey key{ta,
                     tb,
@@ -170,11 +195,12 @@ void gemm(bool ta, bool tb, I m, I n, I k, float alpha, Operand a, Operand b, fl
     const LtPlan& p = lt_plan(h, key, ta, tb, m, n, k, a.ld, b.ld, ldc, ab, ct, a.ptr, b.ptr, c);
     if (p.usable) {
       TPX_CUBLAS_CHECK(cublasLtMatmul(h.lt, p.desc, &alpha, b.ptr, p.x, a.ptr, p.y, &beta, c, p.c,
-                                      c, p.c, &p.algo, h.workspace, kLtWorkspace, stream));
+                                      c, p.c, &p.algo, workspace, kLtWorkspace, stream));
       return;
     }
   }
   TPX_CUBLAS_CHECK(cublasSetStream(h.blas, stream));
+  TPX_CUBLAS_CHECK(cublasSetWorkspace(h.blas, workspace, kLtWorkspace));
   TPX_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
       h.blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, to_int(n, "n"),
       to_int(m, "m"), to_int(k, "k"), &alpha, b.ptr, cuda_type(ab), to_int(b.ld, "ldb"), b.stride,
