@@ -4,7 +4,8 @@
 #include "common/trainer.h"
 
 namespace tpx::baseline {
-ColumnResult SerialLinears::column_forward(const Tensor& h, std::span<const Tensor> w) {
+ColumnResult SerialLinears::column_forward(const Tensor& h, std::span<const Tensor> w,
+                                           std::string_view /*role*/) {
   ColumnResult r;
   r.saved = h;
   for (const Tensor& wi : w) {
@@ -15,7 +16,8 @@ ColumnResult SerialLinears::column_forward(const Tensor& h, std::span<const Tens
 }
 
 Tensor SerialLinears::column_backward(const Tensor& h, std::span<const Tensor> w,
-                                      std::span<const Tensor> dy, std::span<const Tensor> dw) {
+                                      std::span<const Tensor> dy, std::span<const Tensor> dw,
+                                      std::string_view /*role*/) {
   Tensor dh = Tensor::empty(h.shape(), h.dtype(), h.device());
   for (std::size_t i = 0; i < w.size(); ++i) {
     ops::gemm(h, true, dy[i], false, dw[i], 1.0f, 0.0f, compute_);                  // dW = hᵀ·dy
@@ -24,14 +26,14 @@ Tensor SerialLinears::column_backward(const Tensor& h, std::span<const Tensor> w
   return dh;
 }
 
-Tensor SerialLinears::row_forward(const Tensor& a, const Tensor& w) {
+Tensor SerialLinears::row_forward(const Tensor& a, const Tensor& w, std::string_view /*role*/) {
   Tensor y = linear_output(a, w);
   ops::gemm(a, false, w, false, y, 1.0f, 0.0f, compute_);
   return y;
 }
 
 Tensor SerialLinears::row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
-                                   const Tensor& dw) {
+                                   const Tensor& dw, std::string_view /*role*/) {
   Tensor da = Tensor::empty(a.shape(), a.dtype(), a.device());
   ops::gemm(a, true, dy, false, dw, 1.0f, 0.0f, compute_);
   ops::gemm(dy, false, w, true, da, 1.0f, 0.0f, compute_);

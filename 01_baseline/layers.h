@@ -16,12 +16,13 @@ class SerialLinears final : public Parallelism {
   /// `compute` is the GEMM operand type (--dtype): fp32, or bf16 with fp32 accumulation.
   explicit SerialLinears(DType compute = DType::f32) : compute_(compute) {}
   Sharding sharding() const override { return {}; }
-  ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w) override;
+  ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,
+                              std::string_view role) override;
   Tensor column_backward(const Tensor& h, std::span<const Tensor> w, std::span<const Tensor> dy,
-                         std::span<const Tensor> dw) override;
-  Tensor row_forward(const Tensor& a, const Tensor& w) override;
-  Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
-                      const Tensor& dw) override;
+                         std::span<const Tensor> dw, std::string_view role) override;
+  Tensor row_forward(const Tensor& a, const Tensor& w, std::string_view role) override;
+  Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
+                      std::string_view role) override;
 
  private:
   DType compute_;

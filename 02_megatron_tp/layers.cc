@@ -1,5 +1,7 @@
 #include "02_megatron_tp/layers.h"
 
+#include <fmt/format.h>
+
 #include "common/ops.h"
 
 namespace tpx::megatron {
@@ -17,23 +19,27 @@ Tensor AllReduceConjugates::g_forward(const Tensor& y_partial) {
 
 // --- the linear layers ---------------------------------------------------------------------------
 
-ColumnResult ColumnParallelLinear::forward(const Tensor& h, std::span<const Tensor> w) {
+ColumnResult ColumnParallelLinear::forward(const Tensor& h, std::span<const Tensor> w,
+                                           std::string_view role) {
   ColumnResult r;
   r.saved = h;
   const Tensor x = fg_.f_forward(h);
   for (const Tensor& wi : w) {
     r.y.push_back(linear_output(x, wi));
     // y = f(h)·W: this rank's columns of the output, complete.
+    TraceScope span(trace_, fmt::format("{} GEMM", role));
     ops::gemm(x, false, wi, false, r.y.back(), 1.0f, 0.0f, compute_);
   }
   return r;
 }
 
 Tensor ColumnParallelLinear::backward(const Tensor& h, std::span<const Tensor> w,
-                                      std::span<const Tensor> dy, std::span<const Tensor> dw) {
+                                      std::span<const Tensor> dy, std::span<const Tensor> dw,
+                                      std::string_view role) {
   const Tensor x = fg_.f_forward(h);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   for (std::size_t i = 0; i < w.size(); ++i) {
+    TraceScope span(trace_, fmt::format("{} dW, dX GEMMs", role));
     // dW = f(h)ᵀ·dy: this rank's columns of the gradient, complete.
     ops::gemm(x, true, dy[i], false, dw[i], 1.0f, 0.0f, compute_);
     // dx += dy·Wᵀ: this rank's heads' (or F-columns') share of the input gradient, a partial sum.
@@ -42,17 +48,21 @@ Tensor ColumnParallelLinear::backward(const Tensor& h, std::span<const Tensor> w
   return fg_.f_backward(dx);
 }
 
-Tensor RowParallelLinear::forward(const Tensor& a, const Tensor& w) {
+Tensor RowParallelLinear::forward(const Tensor& a, const Tensor& w, std::string_view role) {
   Tensor y = linear_output(a, w);
-  // This rank's rows of W times its columns of a: a partial sum of the whole output.
-  ops::gemm(a, false, w, false, y, 1.0f, 0.0f, compute_);
+  {
+    TraceScope span(trace_, fmt::format("{} GEMM", role));
+    // This rank's rows of W times its columns of a: a partial sum of the whole output.
+    ops::gemm(a, false, w, false, y, 1.0f, 0.0f, compute_);
+  }
   return fg_.g_forward(y);
 }
 
 Tensor RowParallelLinear::backward(const Tensor& a, const Tensor& w, const Tensor& dy,
-                                   const Tensor& dw) {
+                                   const Tensor& dw, std::string_view role) {
   const Tensor d = fg_.g_backward(dy);
   Tensor da = Tensor::empty(a.shape(), a.dtype(), a.device());
+  TraceScope span(trace_, fmt::format("{} dW, dA GEMMs", role));
   ops::gemm(a, true, d, false, dw, 1.0f, 0.0f, compute_);  // dW = aᵀ·dy: this rank's rows
   ops::gemm(d, false, w, true, da, 1.0f, 0.0f, compute_);  // da = dy·Wᵀ: this rank's columns of a
   return da;

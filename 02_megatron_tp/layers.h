@@ -57,30 +57,35 @@ class AllReduceConjugates final : public Conjugates {
 /// `compute` is the GEMM operand type (--dtype): fp32, or bf16 with fp32 accumulation.
 class ColumnParallelLinear {
  public:
-  ColumnParallelLinear(Conjugates& fg, DType compute) : fg_(fg), compute_(compute) {}
+  ColumnParallelLinear(Conjugates& fg, DType compute, Trace& trace)
+      : fg_(fg), compute_(compute), trace_(trace) {}
   /// Keeps h as given (before f) for backward.
-  ColumnResult forward(const Tensor& h, std::span<const Tensor> w);
+  ColumnResult forward(const Tensor& h, std::span<const Tensor> w, std::string_view role);
   /// Applies f to the kept h again (free here; a communicating f repeats its traffic instead of
   /// keeping its larger output), writes dW[i] = f(h)ᵀ·dy[i], returns f_backward(Σ dy[i]·W[i]ᵀ).
   Tensor backward(const Tensor& h, std::span<const Tensor> w, std::span<const Tensor> dy,
-                  std::span<const Tensor> dw);
+                  std::span<const Tensor> dw, std::string_view role);
 
  private:
   Conjugates& fg_;
   DType compute_;
+  Trace& trace_;  // each GEMM is a span on the compute lane
 };
 
 /// y = g(a · W) with W this rank's [in/N, out] rows and a the matching [.., in/N] columns.
 class RowParallelLinear {
  public:
-  RowParallelLinear(Conjugates& fg, DType compute) : fg_(fg), compute_(compute) {}
-  Tensor forward(const Tensor& a, const Tensor& w);
+  RowParallelLinear(Conjugates& fg, DType compute, Trace& trace)
+      : fg_(fg), compute_(compute), trace_(trace) {}
+  Tensor forward(const Tensor& a, const Tensor& w, std::string_view role);
   /// Writes dW = aᵀ·g_backward(dy), returns da = g_backward(dy)·Wᵀ.
-  Tensor backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw);
+  Tensor backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
+                  std::string_view role);
 
  private:
   Conjugates& fg_;
   DType compute_;
+  Trace& trace_;  // each GEMM is a span on the compute lane
 };
 
 /// A tensor-parallel Parallelism: column- and row-parallel linears joined by the conjugates FG.
@@ -91,21 +96,24 @@ class TensorParallel : public Parallelism {
   explicit TensorParallel(const RunContext& ctx)
       : group_(ctx),
         fg_(group_),
-        column_(fg_, ctx.options.config.dtype),
-        row_(fg_, ctx.options.config.dtype) {}
+        column_(fg_, ctx.options.config.dtype, ctx.trace),
+        row_(fg_, ctx.options.config.dtype, ctx.trace) {}
 
   std::string comm_name() const override { return group_.name(); }
-  ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w) override {
-    return column_.forward(h, w);
+  ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,
+                              std::string_view role) override {
+    return column_.forward(h, w, role);
   }
   Tensor column_backward(const Tensor& saved, std::span<const Tensor> w, std::span<const Tensor> dy,
-                         std::span<const Tensor> dw) override {
-    return column_.backward(saved, w, dy, dw);
+                         std::span<const Tensor> dw, std::string_view role) override {
+    return column_.backward(saved, w, dy, dw, role);
   }
-  Tensor row_forward(const Tensor& a, const Tensor& w) override { return row_.forward(a, w); }
-  Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
-                      const Tensor& dw) override {
-    return row_.backward(a, w, dy, dw);
+  Tensor row_forward(const Tensor& a, const Tensor& w, std::string_view role) override {
+    return row_.forward(a, w, role);
+  }
+  Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
+                      std::string_view role) override {
+    return row_.backward(a, w, dy, dw, role);
   }
   double sum_over_ranks(double local) override { return group_.sum_for_report(local); }
   Tensor gather_param(Param p, const Tensor& local) override {

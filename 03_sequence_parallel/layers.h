@@ -41,7 +41,7 @@ class SequenceConjugates final : public megatron::Conjugates {
 /// Stage 03's Parallelism: weights split as in stage 02, activations outside the regions split
 /// along S, norm gains replicated with all-reduced gradients. The column-parallel linears keep
 /// their local [S/N, B, H] input; backward all-gathers it again (see the chapter).
-class SequenceParallel final : public megatron::TensorParallel<SequenceConjugates> {
+class SequenceParallel : public megatron::TensorParallel<SequenceConjugates> {
  public:
   using TensorParallel::TensorParallel;
   Sharding sharding() const override;

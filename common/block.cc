@@ -28,15 +28,18 @@ std::size_t BlockActivations::bytes() const {
 }
 
 Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x, Parallelism& par,
-                     BlockActivations& sv) {
+                     BlockActivations& sv, Trace& trace) {
   sv.x = x;
 
   // Attention sub-block.
   Tensor h = like(x);
   sv.rstd1 = rows_of(x);
-  ops::rmsnorm_forward(x, p[Param::norm1], h, sv.rstd1);
+  {
+    TraceScope op(trace, "rmsnorm 1 fwd");
+    ops::rmsnorm_forward(x, p[Param::norm1], h, sv.rstd1);
+  }
   const std::array qkv_w{p[Param::wq], p[Param::wk], p[Param::wv]};
-  ColumnResult qkv = par.column_forward(h, qkv_w);
+  ColumnResult qkv = par.column_forward(h, qkv_w, "qkv");
   sv.h_saved = qkv.saved;
   sv.q = qkv.y[0];
   sv.k = qkv.y[1];
@@ -44,54 +47,81 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();  // this rank's heads
   sv.a = like(sv.q);
   sv.probs = Tensor::empty({sv.q.dim(1), heads, sv.q.dim(0), sv.q.dim(0)}, DType::f32, x.device());
-  ops::attention_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.probs, c.dtype);
-  Tensor attn_out = par.row_forward(sv.a, p[Param::wo]);
+  {
+    TraceScope op(trace, "attention fwd");
+    ops::attention_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.probs, c.dtype);
+  }
+  Tensor attn_out = par.row_forward(sv.a, p[Param::wo], "o");
   sv.x2 = like(x);
-  ops::add(x, attn_out, sv.x2);
+  {
+    TraceScope op(trace, "residual add 1 fwd");
+    ops::add(x, attn_out, sv.x2);
+  }
 
   // MLP sub-block.
   Tensor h2 = like(x);
   sv.rstd2 = rows_of(x);
-  ops::rmsnorm_forward(sv.x2, p[Param::norm2], h2, sv.rstd2);
+  {
+    TraceScope op(trace, "rmsnorm 2 fwd");
+    ops::rmsnorm_forward(sv.x2, p[Param::norm2], h2, sv.rstd2);
+  }
   const std::array gu_w{p[Param::w_gate], p[Param::w_up]};
-  ColumnResult gu = par.column_forward(h2, gu_w);
+  ColumnResult gu = par.column_forward(h2, gu_w, "gate/up");
   sv.h2_saved = gu.saved;
   sv.gate = gu.y[0];
   sv.up = gu.y[1];
   sv.s = like(sv.gate);
-  ops::swiglu_forward(sv.gate, sv.up, sv.s);
-  Tensor mlp_out = par.row_forward(sv.s, p[Param::w_down]);
+  {
+    TraceScope op(trace, "swiglu fwd");
+    ops::swiglu_forward(sv.gate, sv.up, sv.s);
+  }
+  Tensor mlp_out = par.row_forward(sv.s, p[Param::w_down], "down");
   Tensor out = like(x);
-  ops::add(sv.x2, mlp_out, out);
+  {
+    TraceScope op(trace, "residual add 2 fwd");
+    ops::add(sv.x2, mlp_out, out);
+  }
   return out;
 }
 
 Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockActivations& sv,
-                      const Tensor& dout, Parallelism& par, LayerParams& g) {
+                      const Tensor& dout, Parallelism& par, LayerParams& g, Trace& trace) {
   // out = x2 + s·Wd: dout flows to x2 unchanged and through the MLP branch.
-  Tensor ds = par.row_backward(sv.s, p[Param::w_down], dout, g[Param::w_down]);
+  Tensor ds = par.row_backward(sv.s, p[Param::w_down], dout, g[Param::w_down], "down");
   Tensor dgate = like(sv.gate), dup = like(sv.up);
-  ops::swiglu_backward(ds, sv.gate, sv.up, dgate, dup);
+  {
+    TraceScope op(trace, "swiglu bwd");
+    ops::swiglu_backward(ds, sv.gate, sv.up, dgate, dup);
+  }
   const std::array gu_w{p[Param::w_gate], p[Param::w_up]};
   const std::array gu_dy{dgate, dup};
   const std::array gu_dw{g[Param::w_gate], g[Param::w_up]};
-  Tensor dh2 = par.column_backward(sv.h2_saved, gu_w, gu_dy, gu_dw);
+  Tensor dh2 = par.column_backward(sv.h2_saved, gu_w, gu_dy, gu_dw, "gate/up");
   Tensor dx2 = like(dout);
-  ops::rmsnorm_backward(dh2, sv.x2, p[Param::norm2], sv.rstd2, dx2, g[Param::norm2]);
-  ops::accumulate(dout, dx2);
+  {
+    TraceScope op(trace, "rmsnorm 2 bwd");
+    ops::rmsnorm_backward(dh2, sv.x2, p[Param::norm2], sv.rstd2, dx2, g[Param::norm2]);
+    ops::accumulate(dout, dx2);
+  }
 
   // x2 = x + a·Wo: dx2 flows to x unchanged and through the attention branch.
-  Tensor da = par.row_backward(sv.a, p[Param::wo], dx2, g[Param::wo]);
+  Tensor da = par.row_backward(sv.a, p[Param::wo], dx2, g[Param::wo], "o");
   Tensor dq = like(sv.q), dk = like(sv.k), dv = like(sv.v);
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();
-  ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv, c.dtype);
+  {
+    TraceScope op(trace, "attention bwd");
+    ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv, c.dtype);
+  }
   const std::array qkv_w{p[Param::wq], p[Param::wk], p[Param::wv]};
   const std::array qkv_dy{dq, dk, dv};
   const std::array qkv_dw{g[Param::wq], g[Param::wk], g[Param::wv]};
-  Tensor dh = par.column_backward(sv.h_saved, qkv_w, qkv_dy, qkv_dw);
+  Tensor dh = par.column_backward(sv.h_saved, qkv_w, qkv_dy, qkv_dw, "qkv");
   Tensor dx = like(dout);
-  ops::rmsnorm_backward(dh, sv.x, p[Param::norm1], sv.rstd1, dx, g[Param::norm1]);
-  ops::accumulate(dx2, dx);
+  {
+    TraceScope op(trace, "rmsnorm 1 bwd");
+    ops::rmsnorm_backward(dh, sv.x, p[Param::norm1], sv.rstd1, dx, g[Param::norm1]);
+    ops::accumulate(dx2, dx);
+  }
 
   par.reduce_replicated_grad(g[Param::norm1]);
   par.reduce_replicated_grad(g[Param::norm2]);

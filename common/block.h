@@ -19,6 +19,7 @@
 #include "model.h"
 #include "parallel.h"
 #include "tensor.h"
+#include "trace.h"
 
 namespace tpx {
 
@@ -40,11 +41,13 @@ struct BlockActivations {
 };
 
 /// Runs one block forward on this rank's part of x; fills `saved`, returns the block output.
+/// Each op outside the linear layers is a span on `trace`'s compute lane.
 Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x, Parallelism& par,
-                     BlockActivations& saved);
+                     BlockActivations& saved, Trace& trace = Trace::off());
 
 /// Runs one block backward: writes every parameter gradient into `grads`, returns dL/dx.
 Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockActivations& saved,
-                      const Tensor& dout, Parallelism& par, LayerParams& grads);
+                      const Tensor& dout, Parallelism& par, LayerParams& grads,
+                      Trace& trace = Trace::off());
 
 }  // namespace tpx

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "config.h"
@@ -50,16 +51,20 @@ class Parallelism {
   virtual std::string comm_name() const { return "none"; }
 
   // --- the linear layers -----------------------------------------------------------------------
+  // `role` names the layer in traces and the flight recorder: "qkv", "o", "gate/up", "down".
+
   /// y[i] = f(h) · w[i] for a group of column-parallel weights sharing the input h.
-  virtual ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w) = 0;
+  virtual ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,
+                                      std::string_view role) = 0;
   /// dw[i] = f(h)ᵀ · dy[i] (written), returns dh = f_backward(Σ dy[i] · w[i]ᵀ) in h's layout.
   virtual Tensor column_backward(const Tensor& saved, std::span<const Tensor> w,
-                                 std::span<const Tensor> dy, std::span<const Tensor> dw) = 0;
+                                 std::span<const Tensor> dy, std::span<const Tensor> dw,
+                                 std::string_view role) = 0;
   /// Returns y = g(a · w) in the layout of the residual stream.
-  virtual Tensor row_forward(const Tensor& a, const Tensor& w) = 0;
+  virtual Tensor row_forward(const Tensor& a, const Tensor& w, std::string_view role) = 0;
   /// dw = aᵀ · g_backward(dy) (written), returns da = g_backward(dy) · wᵀ.
-  virtual Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
-                              const Tensor& dw) = 0;
+  virtual Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
+                              std::string_view role) = 0;
 
   // --- what the step loop needs across ranks ---------------------------------------------------
   /// Sums a per-rank scalar over all ranks. The caller makes each rank contribute only what it

@@ -61,6 +61,11 @@ Tensor TpGroup::reduce_scatter(const Tensor& full, std::string_view what) {
   return local;
 }
 
+RingTransport& TpGroup::p2p_ring() {
+  if (!p2p_) p2p_ = std::make_unique<P2PTransport>(*comm_, device_, trace_);
+  return *p2p_;
+}
+
 void TpGroup::bank_step_stats() {
   const CommStats s = comm_->take_stats();
   step_.payload_bytes += s.payload_bytes;
@@ -87,7 +92,7 @@ double TpGroup::sum_for_report(double local) {
   mine.f32()[1] = lo;
   Tensor all = Tensor::empty({world_, 2}, DType::f32, device_);
   {
-    TraceScope scope(trace_, "all-gather (report scalar)", Lane::comm);
+    TraceScope scope(trace_, "all-gather (report scalar)", Lane::comm, /*counted=*/false);
     comm_->all_gather(ops::to_device(mine, device_), all, stream_);
   }
   drop_report_stats();

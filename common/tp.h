@@ -18,6 +18,7 @@
 #include "config.h"
 #include "model.h"
 #include "parallel.h"
+#include "ring.h"
 #include "stage.h"
 #include "stream.h"
 #include "tensor.h"
@@ -57,10 +58,18 @@ class TpGroup {
   /// The full [S, B, H] tensor from this rank's sequence shard (collective; not counted).
   Tensor gather_sequence(const Tensor& local);
 
+  /// The point-to-point ring over this group (stage 04's transport), with its own comm stream;
+  /// made on first use.
+  RingTransport& p2p_ring();
+  Trace& trace() const { return trace_; }
+
   /// The step's traffic since the last call; resets the counters.
   CommStats take_stats();
   /// Waits for everything issued on the group's stream.
-  void synchronize() { stream_.synchronize(); }
+  void synchronize() {
+    stream_.synchronize();
+    if (p2p_) p2p_->synchronize();
+  }
 
  private:
   /// Moves the communicator's counters into the step's (call before reporting-only traffic).
@@ -73,6 +82,7 @@ class TpGroup {
   Trace& trace_;
   Stream stream_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<P2PTransport> p2p_;  // after comm_: destroyed (its stream drained) first
   CommStats step_;
 };
 

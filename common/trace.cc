@@ -2,6 +2,9 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <utility>
+
 #include <nlohmann/json.hpp>
 
 #include "check.h"
@@ -24,15 +27,69 @@ void profiler_range_pop() {
 #endif
 }
 
-void Trace::record(std::string name, Lane lane, Clock::time_point begin, Clock::time_point end) {
-  using us = std::chrono::duration<double, std::micro>;
-  events_.push_back({std::move(name), lane, us(begin - origin_).count(), us(end - begin).count()});
+Trace& Trace::off() {
+  static Trace none(Mode::off);  // records nothing, so sharing it is safe
+  return none;
+}
+
+void Trace::record(std::string name, Lane lane, Clock::time_point begin, Clock::time_point end,
+                   bool counted) {
+  if (!recording()) return;
+  std::lock_guard lock(mutex_);
+  events_.push_back({std::move(name), lane, begin, end, counted});
+}
+
+namespace {
+
+using Interval = std::pair<Trace::Clock::time_point, Trace::Clock::time_point>;
+
+/// Sorted, disjoint intervals covering the same time as `v`.
+std::vector<Interval> merged(std::vector<Interval> v) {
+  std::sort(v.begin(), v.end());
+  std::vector<Interval> out;
+  for (const Interval& i : v) {
+    if (!out.empty() && i.first <= out.back().second)
+      out.back().second = std::max(out.back().second, i.second);
+    else
+      out.push_back(i);
+  }
+  return out;
+}
+
+}  // namespace
+
+double Trace::exposed_comm_ms(Clock::time_point t0, Clock::time_point t1) {
+  std::vector<Interval> comm, compute;
+  {
+    std::lock_guard lock(mutex_);
+    for (const Event& e : events_) {
+      const Clock::time_point b = std::max(e.begin, t0), en = std::min(e.end, t1);
+      if (b >= en) continue;
+      if (e.lane == Lane::compute) compute.emplace_back(b, en);
+      if ((e.lane == Lane::comm || e.lane == Lane::copy) && e.counted) comm.emplace_back(b, en);
+    }
+    if (mode_ != Mode::keep) std::erase_if(events_, [&](const Event& e) { return e.end <= t1; });
+  }
+  // Walk the comm intervals and subtract the compute intervals that overlap each one.
+  const std::vector<Interval> busy = merged(std::move(compute));
+  Clock::duration exposed{};
+  auto k = busy.begin();
+  for (const auto& [b, e] : merged(std::move(comm))) {
+    while (k != busy.end() && k->second <= b) ++k;
+    Clock::time_point at = b;
+    for (auto j = k; j != busy.end() && j->first < e; ++j) {
+      if (j->first > at) exposed += j->first - at;
+      at = std::max(at, j->second);
+    }
+    if (at < e) exposed += e - at;
+  }
+  return std::chrono::duration<double, std::milli>(exposed).count();
 }
 
 void Trace::write(const std::filesystem::path& path, int rank, int world) const {
-  static constexpr const char* kLaneNames[] = {"compute", "comm", "copy"};
+  static constexpr const char* kLaneNames[] = {"compute", "comm", "copy", "phases"};
   nlohmann::json mine = nlohmann::json::array();
-  for (int lane = 0; lane < 3; ++lane)
+  for (int lane = 0; lane < 4; ++lane)
     mine.push_back({{"name", "thread_name"},
                     {"ph", "M"},
                     {"pid", rank},
@@ -42,13 +99,20 @@ void Trace::write(const std::filesystem::path& path, int rank, int world) const 
                   {"ph", "M"},
                   {"pid", rank},
                   {"args", {{"name", fmt::format("rank {}", rank)}}}});
-  for (const Event& e : events_)
-    mine.push_back({{"name", e.name},
-                    {"ph", "X"},
-                    {"pid", rank},
-                    {"tid", static_cast<int>(e.lane)},
-                    {"ts", e.ts_us},
-                    {"dur", e.dur_us}});
+  using us = std::chrono::duration<double, std::micro>;
+  {
+    std::lock_guard lock(mutex_);
+    for (const Event& e : events_) {
+      nlohmann::json ev{{"name", e.name},
+                        {"ph", "X"},
+                        {"pid", rank},
+                        {"tid", static_cast<int>(e.lane)},
+                        {"ts", us(e.begin - origin_).count()},
+                        {"dur", us(e.end - e.begin).count()}};
+      if (!e.counted) ev["args"] = {{"counted", false}};
+      mine.push_back(std::move(ev));
+    }
+  }
 
   // Gather every rank's serialised events on rank 0.
   const std::string text = mine.dump();

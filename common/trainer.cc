@@ -60,33 +60,40 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     row.step = step;
     Tensor y = m.input;
     {
-      TraceScope scope(trace, "forward");
+      TraceScope scope(trace, "forward", Lane::phase);
       for (std::size_t l = 0; l < acts.size(); ++l)
-        y = block_forward(c, m.params[l], y, par, acts[l]);
+        y = block_forward(c, m.params[l], y, par, acts[l], trace);
     }
     if (step == 0)
       for (const auto& a : acts) result.saved_activation_bytes += a.bytes();
     Tensor dy = Tensor::empty(y.shape(), y.dtype(), y.device());
     {
-      TraceScope scope(trace, "loss");
+      TraceScope scope(trace, "loss", Lane::phase);
       // Every token's error counted once: each rank's sequence shard, or a replicated output on
       // rank 0 only (the same rule as the gradient norm below).
-      const double mine = (sh.sequence || sh.rank == 0) ? ops::mse_loss_sum(y, m.target) : 0.0;
+      double mine = 0.0;
+      {
+        TraceScope op(trace, "mse loss");
+        if (sh.sequence || sh.rank == 0) mine = ops::mse_loss_sum(y, m.target);
+        ops::mse_loss_backward(y, m.target, 1.0 / count, dy);
+      }
       row.loss = 0.5 * par.sum_over_ranks(mine) / count;
-      ops::mse_loss_backward(y, m.target, 1.0 / count, dy);
     }
     {
-      TraceScope scope(trace, "backward");
+      TraceScope scope(trace, "backward", Lane::phase);
       for (std::size_t l = acts.size(); l-- > 0;)
-        dy = block_backward(c, m.params[l], acts[l], dy, par, m.grads[l]);
+        dy = block_backward(c, m.params[l], acts[l], dy, par, m.grads[l], trace);
     }
     // Gradient norm: sharded gradients are summed over ranks; replicated ones (identical on every
     // rank) are counted once, on rank 0.
     double sq = 0.0;
-    for (const auto& g : m.grads)
-      for (Param p : kAllParams)
-        if ((sh.weights && param_split(p) != Split::replicated) || sh.rank == 0)
-          sq += ops::sum_squares(g[p]);
+    {
+      TraceScope op(trace, "grad norm");
+      for (const auto& g : m.grads)
+        for (Param p : kAllParams)
+          if ((sh.weights && param_split(p) != Split::replicated) || sh.rank == 0)
+            sq += ops::sum_squares(g[p]);
+    }
     row.grad_norm = std::sqrt(par.sum_over_ranks(sq));
     if (!std::isfinite(row.loss) || !std::isfinite(row.grad_norm)) {
       result.diverged =
@@ -100,6 +107,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     ops::synchronize(c.device);  // device work is asynchronous: stop the clock when it is done
     double ms = ms_since(t0);
     row.comm = par.take_comm_stats();
+    row.exposed_comm_ms = trace.exposed_comm_ms(t0, Clock::now());
 
     if (step == 0 && snapshot) {  // outside the timed region; its gathers are not counted
       take_snapshot(c, par, m, y, dy, row.loss, result.first);
@@ -108,6 +116,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
 
     const auto t1 = Clock::now();
     {
+      TraceScope phase(trace, "update", Lane::phase);
       TraceScope scope(trace, "sgd");
       for (std::size_t l = 0; l < acts.size(); ++l)
         for (Param p : kAllParams)
@@ -116,6 +125,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       ops::synchronize(c.device);
     }
     row.ms = ms + ms_since(t1);
+    row.exposed_comm_ms += trace.exposed_comm_ms(t1, Clock::now());
     row.peak_bytes = allocator_for(c.device).stats().peak;
     result.rows.push_back(row);
     if (on_row) on_row(row);

@@ -26,6 +26,8 @@ struct StepRow {
   double grad_norm = 0;  ///< global L2 norm of all gradients
   double ms = 0;         ///< forward + backward + update, wall clock
   CommStats comm;        ///< this rank's communication in the step
+  /// Time in the step during which communication ran and compute did not (common/trace.h).
+  double exposed_comm_ms = 0;
   std::size_t peak_bytes = 0;
 };
 

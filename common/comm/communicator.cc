@@ -67,23 +67,31 @@ void Communicator::issued(std::uint64_t seq) {
 }
 
 void Communicator::op_failed(const std::string& why) {
-  recorder_.finish(current_seq_, OpState::failed);
-  if (watchdog_) watchdog_->fail_op(current_seq_, why);
-  fail(fmt::format("comm op #{} failed: {}", current_seq_, why));
+  std::uint64_t seq = 0;
+  {
+    std::lock_guard lock(stats_mutex_);
+    seq = current_seq_;
+  }
+  recorder_.finish(seq, OpState::failed);
+  if (watchdog_) watchdog_->fail_op(seq, why);
+  fail(fmt::format("comm op #{} failed: {}", seq, why));
 }
 
 std::optional<std::uint64_t> Communicator::begin_op(CommOp op, DType dtype, std::int64_t count,
                                                     std::uint64_t payload, std::uint64_t bus,
-                                                    int peer, int src) {
-  const std::uint64_t seq = recorder_.begin(op, dtype, count, payload, peer, src);
+                                                    int peer, int src, std::string_view what) {
+  const std::uint64_t seq = recorder_.begin(op, dtype, count, payload, peer, src, what);
   if (options_.fault_rank == rank_ && options_.fault_seq == static_cast<std::int64_t>(seq)) {
     recorder_.finish(seq, OpState::skipped);  // fault injection: this rank silently skips it
     return std::nullopt;
   }
-  stats_.payload_bytes += payload;
-  stats_.bus_bytes += bus;
-  stats_.calls += 1;
-  current_seq_ = seq;
+  {
+    std::lock_guard lock(stats_mutex_);
+    stats_.payload_bytes += payload;
+    stats_.bus_bytes += bus;
+    stats_.calls += 1;
+    current_seq_ = seq;
+  }
   recorder_.started(seq);
   return seq;
 }
@@ -182,7 +190,7 @@ void Communicator::broadcast(const Tensor& t, int root, const Stream& s) {
 }
 
 void Communicator::sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
-                            const Stream& s) {
+                            const Stream& s, std::string_view what) {
   if (send.defined()) {
     check_device(send, "sendrecv", "send");
     check_rank(dst, size_, "sendrecv", "destination");
@@ -199,7 +207,7 @@ void Communicator::sendrecv(const Tensor& send, int dst, const Tensor& recv, int
   const auto seq = begin_op(CommOp::sendrecv, any.defined() ? any.dtype() : DType::f32,
                             send.defined() ? send.numel() : 0, payload,
                             send.defined() && dst != rank_ ? payload : 0, send.defined() ? dst : -1,
-                            recv.defined() ? src : -1);
+                            recv.defined() ? src : -1, what);
   if (!seq) return;
   do_sendrecv(send, dst, recv, src, s);
   end_op(*seq);
@@ -213,6 +221,7 @@ void Communicator::barrier() {
 }
 
 CommStats Communicator::take_stats() {
+  std::lock_guard lock(stats_mutex_);
   const CommStats s = stats_;
   stats_ = {};
   return s;

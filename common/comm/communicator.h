@@ -35,8 +35,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -84,7 +86,10 @@ class Communicator {
   void all_reduce(const Tensor& t, const Stream& s);
   void broadcast(const Tensor& t, int root, const Stream& s);
   /// Sends `send` to rank dst while receiving `recv` from rank src (either may be undefined).
-  void sendrecv(const Tensor& send, int dst, const Tensor& recv, int src, const Stream& s);
+  /// `what` names the transfer in the flight recorder (and so in a watchdog report), e.g.
+  /// "qkv AG step 2/4".
+  void sendrecv(const Tensor& send, int dst, const Tensor& recv, int src, const Stream& s,
+                std::string_view what = {});
   /// Returns once every rank has called it (and, on NCCL, everything issued before it is done).
   void barrier();
 
@@ -131,12 +136,15 @@ class Communicator {
   /// Records a new op and counts it; nullopt if fault injection skips it.
   std::optional<std::uint64_t> begin_op(CommOp op, DType dtype, std::int64_t count,
                                         std::uint64_t payload, std::uint64_t bus, int peer = -1,
-                                        int src = -1);
+                                        int src = -1, std::string_view what = {});
   void end_op(std::uint64_t seq);
   void check_device(const Tensor& t, const char* op, const char* what) const;
 
   int rank_, size_;
   CommOptions options_;
+  // Ops may be issued from more than one thread (a cpu comm stream's thread and the caller's),
+  // one at a time; the counters are shared with take_stats() on the caller's thread.
+  mutable std::mutex stats_mutex_;
   CommStats stats_;
   std::uint64_t current_seq_ = 0;
   std::unique_ptr<Watchdog> watchdog_;

@@ -57,7 +57,7 @@ double FlightRecorder::now() {
 }
 
 std::uint64_t FlightRecorder::begin(CommOp op, DType dtype, std::int64_t count, std::uint64_t bytes,
-                                    int peer, int src) {
+                                    int peer, int src, std::string_view what) {
   const double t = now();
   std::lock_guard lock(mu_);
   const std::uint64_t seq = next_++;
@@ -71,6 +71,7 @@ std::uint64_t FlightRecorder::begin(CommOp op, DType dtype, std::int64_t count, 
   r.src = src;
   r.op = op;
   r.dtype = dtype;
+  what.copy(r.what, std::min(what.size(), sizeof r.what - 1));
   return seq;
 }
 
@@ -127,6 +128,7 @@ std::string describe_op(const OpRecord& r) {
     if (r.peer >= 0) s += fmt::format(" to {}", r.peer);
     if (r.src >= 0) s += fmt::format(" from {}", r.src);
   }
+  if (r.what[0] != '\0') s += fmt::format(" ({})", std::string_view(r.what));
   return s;
 }
 

@@ -13,6 +13,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/tensor.h"
@@ -51,6 +52,9 @@ struct OpRecord {
   CommOp op = CommOp::barrier;
   DType dtype = DType::f32;
   OpState state = OpState::in_flight;
+  /// What the op is for in the caller's words (e.g. "qkv AG step 2/4"), NUL-terminated and cut
+  /// to fit; empty when the caller gave none.
+  char what[48] = {};
 };
 
 /// The last `capacity` ops of one communicator. Thread-safe: the op's thread appends and updates,
@@ -63,7 +67,7 @@ class FlightRecorder {
 
   /// Appends an in-flight op enqueued now; returns its sequence number.
   std::uint64_t begin(CommOp op, DType dtype, std::int64_t count, std::uint64_t bytes,
-                      int peer = -1, int src = -1);
+                      int peer = -1, int src = -1, std::string_view what = {});
   /// Stamps the start time of op `seq` (ignored once it has left the ring).
   void started(std::uint64_t seq);
   /// Sets the final state of op `seq` and stamps its end time (ignored once it has left the ring).
@@ -113,7 +117,7 @@ struct Disagreement {
 Disagreement find_disagreement(std::span<const RankOps> ranks);
 
 /// One op in a few words, e.g. "all_reduce fp32[1024] 4096 B" or "sendrecv fp32[64] 256 B to 1 from
-/// 3".
+/// 3 (qkv AG step 2/4)".
 std::string describe_op(const OpRecord& r);
 /// A multi-line dump of a rank's ops, times relative to `now`, each line prefixed by `prefix`.
 std::string format_ops(std::span<const OpRecord> ops, double now, const std::string& prefix);

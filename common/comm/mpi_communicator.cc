@@ -9,8 +9,10 @@
 #include <mpi.h>
 
 #include <array>
+#include <chrono>
 #include <climits>
 #include <map>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -88,15 +90,20 @@ class MpiCommunicator final : public Communicator {
 
   void do_sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
                    const Stream& s) override {
+    // A non-blocking pair completed together: the receive is posted first so that a peer's
+    // message finds it, and neither side can block the other (MPI_PROC_NULL for a missing side).
     const Tensor hs = send.defined() ? to_host(send, 0, s) : Tensor();
     const Tensor hr = recv.defined() ? host_buffer(recv, 1) : Tensor();
-    check(MPI_Sendrecv(hs.defined() ? hs.raw() : nullptr, hs.defined() ? count(send) : 0,
-                       hs.defined() ? mpi_type(send.dtype()) : MPI_BYTE,
-                       hs.defined() ? dst : MPI_PROC_NULL, kTag, hr.defined() ? hr.raw() : nullptr,
-                       hr.defined() ? count(recv) : 0,
-                       hr.defined() ? mpi_type(recv.dtype()) : MPI_BYTE,
-                       hr.defined() ? src : MPI_PROC_NULL, kTag, comm_, MPI_STATUS_IGNORE),
-          "MPI_Sendrecv");
+    std::array<MPI_Request, 2> req{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    check(MPI_Irecv(hr.defined() ? hr.raw() : nullptr, hr.defined() ? count(recv) : 0,
+                    hr.defined() ? mpi_type(recv.dtype()) : MPI_BYTE,
+                    hr.defined() ? src : MPI_PROC_NULL, kTag, comm_, &req[0]),
+          "MPI_Irecv");
+    check(MPI_Isend(hs.defined() ? hs.raw() : nullptr, hs.defined() ? count(send) : 0,
+                    hs.defined() ? mpi_type(send.dtype()) : MPI_BYTE,
+                    hs.defined() ? dst : MPI_PROC_NULL, kTag, comm_, &req[1]),
+          "MPI_Isend");
+    wait_all(req);
     if (hr.defined()) from_host(hr, recv, s);
   }
 
@@ -107,6 +114,20 @@ class MpiCommunicator final : public Communicator {
 
   void check(int rc, const char* call) {
     if (rc != MPI_SUCCESS) op_failed(fmt::format("{} failed: {}", call, mpi_error_string(rc)));
+  }
+
+  /// Waits for both requests by polling, sleeping between polls. MPI_Waitall would spin on a core
+  /// for the whole transfer; on a comm stream's thread that core is the compute lane's (the cpu
+  /// backend runs a rank's two lanes on two threads, often on fewer cores than threads), so a
+  /// spinning wait would slow the very GEMMs the transfer is meant to hide behind. The polls also
+  /// drive MPI's progress engine, which moves the bytes.
+  void wait_all(std::array<MPI_Request, 2>& req) {
+    for (int polls = 0;; ++polls) {
+      int done = 0;
+      check(MPI_Testall(2, req.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+      if (done) return;
+      std::this_thread::yield();
+    }
   }
 
   static int count(const Tensor& t) {
