@@ -1,0 +1,77 @@
+#include "04_overlap_ring/layers.h"
+
+#include <array>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "common/ops.h"
+
+namespace tpx::ring {
+
+OverlapRing::OverlapRing(const RunContext& ctx)
+    : SequenceParallel(ctx),
+      ring_{.transport = group_.p2p_ring(),
+            .trace = group_.trace(),
+            .compute = ctx.options.config.dtype} {}
+
+std::string OverlapRing::comm_name() const {
+  return group_.name() + ", ring of send/recv on a comm stream";
+}
+
+// --- column-parallel: the input is gathered chunk by chunk ---------------------------------------
+
+ColumnResult OverlapRing::column_forward(const Tensor& h, std::span<const Tensor> w,
+                                         std::string_view role) {
+  // h is this rank's [S/N, B, H]; each output [S, B, out/N] fills a chunk of rows per ring step.
+  ColumnResult r;
+  r.saved = h;  // as in stage 03: backward gathers h again instead of keeping [S, B, H]
+  for (const Tensor& wi : w) {
+    auto shape = h.shape();
+    shape[0] *= group_.world();
+    shape.back() = wi.dim(1);
+    r.y.push_back(Tensor::empty(shape, h.dtype(), h.device()));
+  }
+  all_gather_gemm(ring_, h, w, /*trans_w=*/false, r.y, role);
+  return r;
+}
+
+Tensor OverlapRing::column_backward(const Tensor& saved, std::span<const Tensor> w,
+                                    std::span<const Tensor> dy, std::span<const Tensor> dw,
+                                    std::string_view role) {
+  // The re-gather of h is queued on the comm lane first; the dX ring's GEMMs need no gathered
+  // input, so they start at once and cover it. The dW GEMMs need all of h: they run after the dX
+  // ring's last GEMM, while its last transfer is in flight.
+  const RingGather h = start_all_gather(ring_, saved, fmt::format("{} re-gather", role));
+  return gemm_reduce_scatter(ring_, dy, w, /*trans_w=*/true, fmt::format("{} dX", role), [&] {
+    h.wait_all();
+    TraceScope span(ring_.trace, fmt::format("{} dW GEMMs", role));
+    for (std::size_t j = 0; j < w.size(); ++j)
+      ops::gemm(h.full, true, dy[j], false, dw[j], 1.0f, 0.0f, ring_.compute);  // dW = AG(h)ᵀ·dy
+  });
+}
+
+// --- row-parallel: the partial sums are reduced around the ring ----------------------------------
+
+Tensor OverlapRing::row_forward(const Tensor& a, const Tensor& w, std::string_view role) {
+  const std::array a1{a}, w1{w};
+  return gemm_reduce_scatter(ring_, a1, w1, /*trans_w=*/false, role);  // [S/N, B, H]
+}
+
+Tensor OverlapRing::row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
+                                 const Tensor& dw, std::string_view role) {
+  Tensor da = Tensor::empty(a.shape(), a.dtype(), a.device());
+  const std::array w1{w}, da1{da};
+  const Tensor d = all_gather_gemm(ring_, dy, w1, /*trans_w=*/true, da1,
+                                   fmt::format("{} bwd", role));  // da = AG(dy)·Wᵀ
+  TraceScope span(ring_.trace, fmt::format("{} dW GEMM", role));
+  ops::gemm(a, true, d, false, dw, 1.0f, 0.0f, ring_.compute);  // dW = aᵀ·AG(dy)
+  return da;
+}
+
+std::unique_ptr<Parallelism> make_overlap_ring(const RunContext& ctx) {
+  check_tp_split(ctx.options.config, ctx.world, /*sequence=*/true);
+  return std::make_unique<OverlapRing>(ctx);
+}
+
+}  // namespace tpx::ring

@@ -1,0 +1,49 @@
+// Stage 04, ring-overlapped tensor + sequence parallelism: stage 03's block, sharding and bytes,
+// with each all-gather + GEMM and each GEMM + reduce-scatter decomposed into N ring steps whose
+// transfers run on the comm lane while the compute lane multiplies a chunk that is already here
+// (common/ring.h: all_gather_gemm, gemm_reduce_scatter).
+//
+//   column forward   y[j] = AG(h) · W[j]           all_gather_gemm   (qkv, gate/up)
+//   row forward      y = RS(a · W)                 gemm_reduce_scatter (o, down)
+//   row backward     da = AG(dy) · Wᵀ              all_gather_gemm on Wᵀ; dW = aᵀ · AG(dy) after
+//   column backward  dh = RS(Σ dy[j] · W[j]ᵀ)      gemm_reduce_scatter, while the re-gather of h
+//                    dW[j] = AG(h)ᵀ · dy[j]        runs on the comm lane; the dW GEMMs hide the
+//                                                  dX ring's last transfer
+//
+// defines: tpx::ring::OverlapRing, tpx::ring::make_overlap_ring()
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "03_sequence_parallel/layers.h"
+#include "common/ring.h"
+
+namespace tpx::ring {
+
+/// Stage 03's Parallelism with its four linear-layer methods replaced by ring primitives over
+/// point-to-point transfers. Everything else (sharding, norm-gain all-reduce, gathers for --check)
+/// is stage 03's.
+class OverlapRing final : public sp::SequenceParallel {
+ public:
+  explicit OverlapRing(const RunContext& ctx);
+  std::string comm_name() const override;
+
+  ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,
+                              std::string_view role) override;
+  Tensor column_backward(const Tensor& saved, std::span<const Tensor> w, std::span<const Tensor> dy,
+                         std::span<const Tensor> dw, std::string_view role) override;
+  Tensor row_forward(const Tensor& a, const Tensor& w, std::string_view role) override;
+  Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
+                      std::string_view role) override;
+
+ private:
+  RingContext ring_;
+};
+
+/// The stage's factory: checks that N divides NH, F and S (ConfigError otherwise), then builds.
+std::unique_ptr<Parallelism> make_overlap_ring(const RunContext& ctx);
+
+}  // namespace tpx::ring
