@@ -4,8 +4,13 @@
 //   - the saved-activation bytes per rank equal the chapters' formula, 1/N of stage 01's under
 //     sequence parallelism;
 //   - a rank count that divides NH, F and S but is not a power of two (3) passes --check;
-//   - a rank count that does not divide them fails fast on every rank with one clear line.
+//   - a rank count that does not divide them fails fast on every rank with one clear line;
+//   - stage 04 moves exactly stage 03's bus bytes at N = 1 … 4 in N − 1 transfers per ring
+//     primitive, its --dump equals stage 03's to fp32 summation-order tolerance, and a transfer
+//     that never arrives is reported by the watchdog with its ring step named.
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <ostream>
 #include <string>
@@ -15,6 +20,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/npy.h"
 #include "test_util.h"
 
 namespace tpx {
@@ -77,6 +83,18 @@ Comm sequence_parallel_comm(const Sizes& z, std::int64_t n) {
   return {std::uint64_t(payload), std::uint64_t(bus), std::uint64_t(12 * z.L)};
 }
 
+/// Stage 04: stage 03's bytes, each bulk all-gather / reduce-scatter of the [S, B, H] stream now
+/// N − 1 ring transfers of one [S/N, B, H] chunk (a sendrecv's payload is what it sends, so
+/// payload = bus for them); the norm-gain all-reduces are unchanged.
+Comm overlap_ring_comm(const Sizes& z, std::int64_t n) {
+  const std::int64_t stream = z.S * z.B * z.H * kFloat;
+  const std::int64_t gains = 2 * z.H * kFloat;
+  const std::int64_t ring = 10 * (n - 1) * (stream / n);  // 10 primitives per layer
+  return {std::uint64_t(z.L * (ring + gains)),
+          std::uint64_t(z.L * (ring + gains * 2 * (n - 1) / n)),
+          std::uint64_t(z.L * (10 * (n - 1) + 2))};
+}
+
 /// Saved-activation elements per layer on one device: x, h, x2, h2 [S,B,H]; q, k, v, a
 /// [S,B,H]; rstd1, rstd2 [S·B]; gate, up, s [S,B,F]; probs [B,NH,S,S].
 std::int64_t baseline_saved(const Sizes& z) {
@@ -111,8 +129,10 @@ TEST_P(StageFormulas, CommAndSavedBytesMatchTheChapter) {
   const auto [stage, n] = GetParam();
   const Sizes z;
   const json j = run_json(stage, n, z, /*steps=*/2);
-  const bool sp = stage == "03_sequence_parallel";
-  const Comm want = sp ? sequence_parallel_comm(z, n) : megatron_comm(z, n);
+  const bool sp = stage != "02_megatron_tp";  // 03 and 04 keep 03's sharding
+  const Comm want = stage == "04_overlap_ring" ? overlap_ring_comm(z, n)
+                    : sp                       ? sequence_parallel_comm(z, n)
+                                               : megatron_comm(z, n);
   ASSERT_EQ(j.at("steps").size(), 2u);
   for (const json& row : j.at("steps")) {
     EXPECT_EQ(row.at("comm_payload_bytes").get<std::uint64_t>(), want.payload);
@@ -127,7 +147,9 @@ INSTANTIATE_TEST_SUITE_P(stages, StageFormulas,
                          testing::Values(Case{"02_megatron_tp", 1}, Case{"02_megatron_tp", 2},
                                          Case{"02_megatron_tp", 4}, Case{"03_sequence_parallel", 1},
                                          Case{"03_sequence_parallel", 2},
-                                         Case{"03_sequence_parallel", 4}),
+                                         Case{"03_sequence_parallel", 4},
+                                         Case{"04_overlap_ring", 1}, Case{"04_overlap_ring", 2},
+                                         Case{"04_overlap_ring", 4}),
                          [](const auto& p) {
                            return fmt::format("{}_np{}", p.param.stage.substr(0, 2), p.param.ranks);
                          });
@@ -179,11 +201,78 @@ TEST_P(ThreeRanks, RejectsSizesNotDivisibleByThreeOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(stages, ThreeRanks,
-                         testing::Values("02_megatron_tp", "03_sequence_parallel"),
-                         [](const auto& p) {
-                           return p.param.starts_with("02") ? std::string("megatron")
-                                                            : std::string("sequence_parallel");
-                         });
+                         testing::Values("02_megatron_tp", "03_sequence_parallel",
+                                         "04_overlap_ring"),
+                         [](const auto& p) { return p.param.substr(3); });
+
+// --- stage 04 against stage 03 -------------------------------------------------------------------
+
+/// Sizes every N in 1 … 4 divides (NH, F, S multiples of 12).
+constexpr Sizes kRingSizes{.H = 48, .NH = 12, .F = 96, .S = 24, .B = 2, .L = 2};
+
+class OverlapRingVsSequenceParallel : public testing::TestWithParam<int> {};
+
+TEST_P(OverlapRingVsSequenceParallel, SameBusBytesEveryStep) {
+  const int n = GetParam();
+  const json sp = run_json("03_sequence_parallel", n, kRingSizes, 2);
+  const json ring = run_json("04_overlap_ring", n, kRingSizes, 2);
+  ASSERT_EQ(sp.at("steps").size(), ring.at("steps").size());
+  for (std::size_t i = 0; i < sp.at("steps").size(); ++i) {
+    const json &a = sp["steps"][i], &b = ring["steps"][i];
+    EXPECT_EQ(b.at("comm_bus_bytes").get<std::uint64_t>(),
+              a.at("comm_bus_bytes").get<std::uint64_t>())
+        << "step " << i;
+    // 10 primitives per layer, N − 1 transfers each, plus the two norm-gain all-reduces.
+    EXPECT_EQ(b.at("comm_calls").get<std::uint64_t>(),
+              std::uint64_t(kRingSizes.L * (10 * (n - 1) + 2)));
+    EXPECT_GE(b.at("exposed_comm_ms").get<double>(), 0.0);
+  }
+}
+
+TEST_P(OverlapRingVsSequenceParallel, DumpEqualsStage03) {
+  const int n = GetParam();
+  test::TempDir dir;
+  for (const char* stage : {"03_sequence_parallel", "04_overlap_ring"}) {
+    const auto r = run_stage(
+        stage, n,
+        fmt::format("{} --steps 1 --dump {}", kRingSizes.args(), (dir / stage).string()), dir);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  }
+  std::vector<std::string> names = {"output", "input.grad", "loss"};
+  for (int l = 0; l < kRingSizes.L; ++l)
+    for (const char* p : {"norm1", "wq", "wk", "wv", "wo", "norm2", "w_gate", "w_up", "w_down"})
+      names.push_back(fmt::format("layers.{}.{}.grad", l, p));
+  for (const auto& name : names) {
+    const NpyArray want = read_npy(dir / "03_sequence_parallel" / (name + ".npy"));
+    const NpyArray got = read_npy(dir / "04_overlap_ring" / (name + ".npy"));
+    ASSERT_EQ(got.shape, want.shape) << name;
+    double scale = 0.0, err = 0.0;
+    for (std::size_t i = 0; i < want.data.size(); ++i) {
+      scale = std::max(scale, std::abs(double(want.data[i])));
+      err = std::max(err, std::abs(double(got.data[i]) - double(want.data[i])));
+    }
+    // The ring sums a row-parallel output's partials in ring order, the bulk reduce-scatter in
+    // its own: fp32 summation order, nothing more.
+    EXPECT_LE(err, 1e-5 * scale) << name << " at N = " << n;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(stages, OverlapRingVsSequenceParallel, testing::Values(1, 2, 3, 4));
+
+TEST(OverlapRing, WatchdogNamesTheRingStepThatNeverArrived) {
+  // Rank 1 silently skips its first comm op, the first ring transfer of layer 0's Q/K/V
+  // all-gather; rank 0 then waits on a transfer that never comes.
+  test::TempDir dir;
+  const Sizes z{.H = 48, .NH = 12, .F = 96, .S = 12, .B = 2, .L = 1};
+  const auto r = run_stage("04_overlap_ring", 2,
+                           z.args() + " --comm mpi --comm-timeout 3 --fault-skip-collective 1:0",
+                           dir);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.exit_code, 124) << "timed out instead of being caught by the watchdog";
+  EXPECT_NE(r.err.find("comm watchdog"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 1 skipped it"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("(qkv AG step 1/2)"), std::string::npos) << r.err;
+}
 
 }  // namespace
 }  // namespace tpx
