@@ -234,8 +234,8 @@ TEST_P(OverlapRingVsSequenceParallel, DumpEqualsStage03) {
   test::TempDir dir;
   for (const char* stage : {"03_sequence_parallel", "04_overlap_ring"}) {
     const auto r = run_stage(
-        stage, n,
-        fmt::format("{} --steps 1 --dump {}", kRingSizes.args(), (dir / stage).string()), dir);
+        stage, n, fmt::format("{} --steps 1 --dump {}", kRingSizes.args(), (dir / stage).string()),
+        dir);
     ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   }
   std::vector<std::string> names = {"output", "input.grad", "loss"};
@@ -264,9 +264,9 @@ TEST(OverlapRing, WatchdogNamesTheRingStepThatNeverArrived) {
   // all-gather; rank 0 then waits on a transfer that never comes.
   test::TempDir dir;
   const Sizes z{.H = 48, .NH = 12, .F = 96, .S = 12, .B = 2, .L = 1};
-  const auto r = run_stage("04_overlap_ring", 2,
-                           z.args() + " --comm mpi --comm-timeout 3 --fault-skip-collective 1:0",
-                           dir);
+  const auto r =
+      run_stage("04_overlap_ring", 2,
+                z.args() + " --comm mpi --comm-timeout 3 --fault-skip-collective 1:0", dir);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.exit_code, 124) << "timed out instead of being caught by the watchdog";
   EXPECT_NE(r.err.find("comm watchdog"), std::string::npos) << r.err;

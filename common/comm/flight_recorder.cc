@@ -136,10 +136,10 @@ std::string format_ops(std::span<const OpRecord> ops, double now, const std::str
   if (ops.empty()) return prefix + "(no ops recorded)\n";
   std::string out;
   auto ago = [now](double t) { return t < 0 ? std::string("-") : fmt::format("{:.3f}", now - t); };
-  out += fmt::format("{}{:>6}  {:<44} {:>10} {:>10} {:>10}  {}\n", prefix, "seq", "op", "enqueued",
+  out += fmt::format("{}{:>6}  {:<64} {:>10} {:>10} {:>10}  {}\n", prefix, "seq", "op", "enqueued",
                      "started", "ended", "state (times: seconds ago)");
   for (const OpRecord& r : ops)
-    out += fmt::format("{}{:>6}  {:<44} {:>10} {:>10} {:>10}  {}\n", prefix,
+    out += fmt::format("{}{:>6}  {:<64} {:>10} {:>10} {:>10}  {}\n", prefix,
                        fmt::format("#{}", r.seq), describe_op(r), ago(r.enqueue_s), ago(r.start_s),
                        ago(r.end_s), to_string(r.state));
   return out;
