@@ -2,7 +2,7 @@
 // order on its own thread, concurrently with the caller; events order one lane after another; a
 // task keeps the tensors it captured, so memory freed by the caller is not reused under it; a
 // failing task fails its stream and the events recorded after it. (The cuda side is tested in
-// test_cuda_streams.cc.)
+// test_cuda_streams.cc.) And the one measure of overlap built on the lanes' spans: exposed comm.
 #include <atomic>
 #include <chrono>
 #include <stdexcept>
@@ -13,6 +13,7 @@
 
 #include "common/ops.h"
 #include "common/stream.h"
+#include "common/trace.h"
 #include "test_util.h"
 
 namespace tpx {
@@ -146,6 +147,38 @@ TEST(CpuStream, DroppingTheLastHandleFinishesTheQueue) {
     for (int i = 0; i < 10; ++i) s.run([&] { ++count; });
   }
   EXPECT_EQ(count.load(), 10);
+}
+
+TEST(ExposedComm, IsCommTimeNoComputeSpanCovers) {
+  // Hand-placed spans (ms after t0):  comm [0, 10) [20, 30) [40, 50) (the last not counted),
+  // compute [5, 25) [28, 29). Exposed: [0, 5) + [25, 28) + [29, 30) = 9 ms.
+  Trace trace(Trace::Mode::keep);
+  const auto t0 = Trace::Clock::now();
+  auto at = [t0](int ms) { return t0 + std::chrono::milliseconds(ms); };
+  trace.record("a", Lane::comm, at(0), at(10));
+  trace.record("b", Lane::comm, at(20), at(30));
+  trace.record("report", Lane::comm, at(40), at(50), /*counted=*/false);
+  trace.record("gemm", Lane::compute, at(5), at(25));
+  trace.record("add", Lane::compute, at(28), at(29));
+  trace.record("forward", Lane::phase, at(0), at(50));  // a phase is not compute
+  EXPECT_NEAR(trace.exposed_comm_ms(at(0), at(50)), 9.0, 1e-9);
+  // Clipped to the window: [25, 28) + [29, 30) of [22, 30).
+  EXPECT_NEAR(trace.exposed_comm_ms(at(22), at(30)), 4.0, 1e-9);
+  // Copy lanes (the copy engine of later stages) count as communication too.
+  trace.record("pull", Lane::copy, at(60), at(70));
+  EXPECT_NEAR(trace.exposed_comm_ms(at(55), at(75)), 10.0, 1e-9);
+}
+
+TEST(ExposedComm, AMeasuringTraceForgetsPastSteps) {
+  Trace trace(Trace::Mode::measure);
+  const auto t0 = Trace::Clock::now();
+  auto at = [t0](int ms) { return t0 + std::chrono::milliseconds(ms); };
+  trace.record("a", Lane::comm, at(0), at(10));
+  EXPECT_NEAR(trace.exposed_comm_ms(at(0), at(10)), 10.0, 1e-9);
+  EXPECT_EQ(trace.exposed_comm_ms(at(0), at(10)), 0.0) << "the step's spans were kept";
+  Trace off(Trace::Mode::off);
+  off.record("a", Lane::comm, at(0), at(10));
+  EXPECT_EQ(off.exposed_comm_ms(at(0), at(10)), 0.0);
 }
 
 }  // namespace
