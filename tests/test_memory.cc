@@ -1,5 +1,5 @@
 // The per-rank memory estimate (common/memory.h) against what training really takes: for stages
-// 01, 02 and 03 under mpirun -np 1 and 2, train() runs in-process and the cpu allocator's
+// 01 to 04 under mpirun -np 1 and 2, train() runs in-process and the cpu allocator's
 // measured high-water mark must be within 10 % of the estimate, at the default config and at
 // configs whose peak comes from elsewhere (long sequences: the attention probabilities). The
 // saved-activation term must equal what training reports, byte for byte. Sizes too large for 64
@@ -23,6 +23,7 @@
 #include "01_baseline/layers.h"
 #include "02_megatron_tp/layers.h"
 #include "03_sequence_parallel/layers.h"
+#include "04_overlap_ring/layers.h"
 #include "common/checked.h"
 #include "common/memory.h"
 #include "common/ops.h"
@@ -123,10 +124,11 @@ const Stage kBaseline{"baseline", [](const RunContext& ctx) -> std::unique_ptr<P
                       }};
 const Stage kMegatron{"megatron", megatron::make_megatron};
 const Stage kSequenceParallel{"sequence_parallel", sp::make_sequence_parallel};
+const Stage kOverlapRing{"overlap_ring", ring::make_overlap_ring};
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
-  for (const Stage& st : {kBaseline, kMegatron, kSequenceParallel})
+  for (const Stage& st : {kBaseline, kMegatron, kSequenceParallel, kOverlapRing})
     for (const Sizes& z : {default_sizes(), long_sequence(1), long_sequence(2), wide_mlp()})
       cases.push_back({st, z});
   return cases;
