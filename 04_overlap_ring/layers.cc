@@ -39,16 +39,19 @@ ColumnResult OverlapRing::column_forward(const Tensor& h, std::span<const Tensor
 Tensor OverlapRing::column_backward(const Tensor& saved, std::span<const Tensor> w,
                                     std::span<const Tensor> dy, std::span<const Tensor> dw,
                                     std::string_view role) {
-  // The re-gather of h is queued on the comm lane first; the dX ring's GEMMs need no gathered
-  // input, so they start at once and cover it. The dW GEMMs need all of h: they run after the dX
-  // ring's last GEMM, while its last transfer is in flight.
-  const RingGather h = start_all_gather(ring_, saved, fmt::format("{} re-gather", role));
-  return gemm_reduce_scatter(ring_, dy, w, /*trans_w=*/true, fmt::format("{} dX", role), [&] {
-    h.wait_all();
-    TraceScope span(ring_.trace, fmt::format("{} dW GEMMs", role));
-    for (std::size_t j = 0; j < w.size(); ++j)
-      ops::gemm(h.full, true, dy[j], false, dw[j], 1.0f, 0.0f, ring_.compute);  // dW = AG(h)ᵀ·dy
-  });
+  // The re-gather of h and the dX ring share the comm lane step by step: one re-gather transfer
+  // is queued now, and one more after each dX transfer. The dX GEMMs need no gathered input, so
+  // they start at once and cover both rings' transfers. The dW GEMMs need all of h: they run
+  // after the dX ring's last GEMM, while its last transfer is in flight.
+  RingGather h(ring_, saved, fmt::format("{} re-gather", role), /*queued=*/1);
+  const AlongTheRing along{.gather = &h, .before_last_wait = [&] {
+                             h.wait_all();
+                             TraceScope span(ring_.trace, fmt::format("{} dW GEMMs", role));
+                             for (std::size_t j = 0; j < w.size(); ++j)  // dW = AG(h)ᵀ·dy
+                               ops::gemm(h.full(), true, dy[j], false, dw[j], 1.0f, 0.0f,
+                                         ring_.compute);
+                           }};
+  return gemm_reduce_scatter(ring_, dy, w, /*trans_w=*/true, fmt::format("{} dX", role), along);
 }
 
 // --- row-parallel: the partial sums are reduced around the ring ----------------------------------

@@ -6,9 +6,9 @@
 //   column forward   y[j] = AG(h) · W[j]           all_gather_gemm   (qkv, gate/up)
 //   row forward      y = RS(a · W)                 gemm_reduce_scatter (o, down)
 //   row backward     da = AG(dy) · Wᵀ              all_gather_gemm on Wᵀ; dW = aᵀ · AG(dy) after
-//   column backward  dh = RS(Σ dy[j] · W[j]ᵀ)      gemm_reduce_scatter, while the re-gather of h
-//                    dW[j] = AG(h)ᵀ · dy[j]        runs on the comm lane; the dW GEMMs hide the
-//                                                  dX ring's last transfer
+//   column backward  dh = RS(Σ dy[j] · W[j]ᵀ)      gemm_reduce_scatter, with the re-gather of h
+//                    dW[j] = AG(h)ᵀ · dy[j]        interleaved on the comm lane; the dW GEMMs
+//                                                  hide the dX ring's last transfer
 //
 // defines: tpx::ring::OverlapRing, tpx::ring::make_overlap_ring()
 #pragma once

@@ -12,7 +12,7 @@ int mod(int a, int n) {
   return ((a % n) + n) % n;
 }
 
-/// The step label both lanes use: the transfer "role AG step 2/4" runs beside "role GEMM step 2/4".
+/// The step label both lanes use, e.g. "qkv AG step 2/4" (see ring.h for what runs beside what).
 std::string step_name(std::string_view role, std::string_view what, int step, int world) {
   return fmt::format("{} {} step {}/{}", role, what, step + 1, world);
 }
@@ -50,43 +50,52 @@ Event P2PTransport::shift(const Tensor& send, const Tensor& recv, const Event& a
 
 // --- the all-gather ------------------------------------------------------------------------------
 
-Tensor RingGather::chunk(int c) const {
-  const std::int64_t n = full.dim(0) / world;
-  return full.slice0(c * n, (c + 1) * n);
-}
-
-void RingGather::wait_chunk(int c) const {
-  if (c == rank) return;
-  const Stream compute(full.device());
-  arrived[static_cast<std::size_t>(mod(rank - c - 1, world))].wait(compute);
-}
-
-void RingGather::wait_all() const {
-  const Stream compute(full.device());
-  for (const Event& e : arrived) e.wait(compute);
-}
-
-RingGather start_all_gather(const RingContext& ctx, const Tensor& x_local, std::string_view role) {
-  const int n = ctx.transport.world(), r = ctx.transport.rank();
+RingGather::RingGather(const RingContext& ctx, const Tensor& x_local, std::string_view role,
+                       int queued)
+    : transport_(&ctx.transport),
+      rank_(ctx.transport.rank()),
+      world_(ctx.transport.world()),
+      role_(role),
+      own_(x_local.device()) {
   auto shape = x_local.shape();
-  shape[0] *= n;
-  RingGather g{.full = Tensor::empty(shape, x_local.dtype(), x_local.device()),
-               .rank = r,
-               .world = n,
-               .arrived = {}};
-  const Stream compute(x_local.device());
+  shape[0] *= world_;
+  full_ = Tensor::empty(shape, x_local.dtype(), x_local.device());
   {
     TraceScope span(ctx.trace, fmt::format("{} copy own chunk", role));
-    ops::copy(x_local, g.chunk(r));
+    ops::copy(x_local, chunk(rank_));
   }
-  Event own(x_local.device());
-  own.record(compute);
-  // Step i passes on the chunk that arrived in step i − 1 (own chunk at i = 0); the comm lane runs
-  // its steps in order, so only the first needs to wait for the compute lane.
-  for (int i = 0; i + 1 < n; ++i)
-    g.arrived.push_back(ctx.transport.shift(g.chunk(mod(r - i, n)), g.chunk(mod(r - i - 1, n)), own,
-                                            step_name(role, "AG", i, n)));
-  return g;
+  own_.record(Stream(x_local.device()));
+  for (int i = 0; (queued < 0 || i < queued) && advance(); ++i) {
+  }
+}
+
+Tensor RingGather::chunk(int c) const {
+  const std::int64_t n = full_.dim(0) / world_;
+  return full_.slice0(c * n, (c + 1) * n);
+}
+
+bool RingGather::advance() {
+  const int i = static_cast<int>(arrived_.size());
+  if (i + 1 >= world_) return false;
+  // Step i passes on the chunk that arrived in step i − 1 (the own chunk at i = 0); the comm lane
+  // runs its steps in order, so only the own chunk needs the compute lane's event.
+  arrived_.push_back(transport_->shift(chunk(mod(rank_ - i, world_)),
+                                       chunk(mod(rank_ - i - 1, world_)), own_,
+                                       step_name(role_, "AG", i, world_)));
+  return true;
+}
+
+void RingGather::wait_chunk(int c) {
+  if (c == rank_) return;
+  const auto step = static_cast<std::size_t>(mod(rank_ - c - 1, world_));
+  while (arrived_.size() <= step) advance();
+  arrived_[step].wait(Stream(full_.device()));
+}
+
+void RingGather::wait_all() {
+  while (advance()) {
+  }
+  for (const Event& e : arrived_) e.wait(Stream(full_.device()));
 }
 
 Tensor all_gather_gemm(const RingContext& ctx, const Tensor& x_local, std::span<const Tensor> w,
@@ -94,7 +103,7 @@ Tensor all_gather_gemm(const RingContext& ctx, const Tensor& x_local, std::span<
   TPX_CHECK(w.size() == out.size() && !w.empty(), "all_gather_gemm: {} weights, {} outputs",
             w.size(), out.size());
   const int n = ctx.transport.world(), r = ctx.transport.rank();
-  const RingGather g = start_all_gather(ctx, x_local, role);
+  RingGather g(ctx, x_local, role);
   const std::int64_t rows = x_local.dim(0);
   for (int i = 0; i < n; ++i) {
     const int c = mod(r - i, n);  // own chunk first, then the one that arrived in step i − 1
@@ -105,14 +114,14 @@ Tensor all_gather_gemm(const RingContext& ctx, const Tensor& x_local, std::span<
       ops::gemm(x, false, w[j], trans_w, out[j].slice0(c * rows, (c + 1) * rows), 1.0f, 0.0f,
                 ctx.compute);
   }
-  return g.full;
+  return g.full();
 }
 
 // --- the reduce-scatter --------------------------------------------------------------------------
 
 Tensor gemm_reduce_scatter(const RingContext& ctx, std::span<const Tensor> a,
                            std::span<const Tensor> w, bool trans_w, std::string_view role,
-                           const std::function<void()>& before_last_wait) {
+                           const AlongTheRing& along) {
   TPX_CHECK(a.size() == w.size() && !a.empty(), "gemm_reduce_scatter: {} inputs, {} weights",
             a.size(), w.size());
   const int n = ctx.transport.world(), r = ctx.transport.rank();
@@ -143,7 +152,7 @@ Tensor gemm_reduce_scatter(const RingContext& ctx, std::span<const Tensor> a,
         ops::gemm(a[j].slice0(c * rows, (c + 1) * rows), false, w[j], trans_w, p, 1.0f,
                   j == 0 ? 0.0f : 1.0f, ctx.compute);
     }
-    if (i == n - 1 && before_last_wait) before_last_wait();
+    if (i == n - 1 && along.before_last_wait) along.before_last_wait();
     if (i > 0) {
       arrived[static_cast<std::size_t>(i - 1)].wait(compute);
       TraceScope span(ctx.trace, step_name(role, "add", i, n));
@@ -154,6 +163,7 @@ Tensor gemm_reduce_scatter(const RingContext& ctx, std::span<const Tensor> a,
       ready.record(compute);
       arrived.push_back(ctx.transport.shift(p, recv[static_cast<std::size_t>(i % 2)], ready,
                                             step_name(role, "RS", i, n)));
+      if (along.gather) along.gather->advance();
     }
   }
   return part[static_cast<std::size_t>((n - 1) % nbuf)];

@@ -15,11 +15,12 @@
 //            the chunk is r's own and the sum is complete. N GEMMs, N−1 transfers of one chunk.
 //
 // Both move exactly the bus bytes of the bulk collective ((N−1)/N of the full tensor per rank).
-// GEMMs and adds are spans on the compute lane ("<role> GEMM step i/N"); transfers on the comm
-// lane ("<role> AG step i/N", "<role> RS step i/N": the transfer that runs beside GEMM step i).
+// GEMMs and adds are spans on the compute lane ("<role> GEMM step k/N", k = i + 1); transfers on
+// the comm lane: "<role> AG step k/N" brings the chunk GEMM step k + 1 needs and runs beside GEMM
+// step k; "<role> RS step k/N" carries GEMM step k's running sum and runs beside GEMM step k + 1.
 //
 // defines: tpx::RingTransport, tpx::P2PTransport, tpx::RingContext, tpx::RingGather,
-//          tpx::start_all_gather(), tpx::all_gather_gemm(), tpx::gemm_reduce_scatter()
+//          tpx::AlongTheRing, tpx::all_gather_gemm(), tpx::gemm_reduce_scatter()
 #pragma once
 
 #include <functional>
@@ -76,22 +77,33 @@ struct RingContext {
   DType compute = DType::f32;
 };
 
-/// A ring all-gather in flight: `full` [N·n, ...] fills chunk by chunk.
-struct RingGather {
-  Tensor full;
-  int rank = 0, world = 1;
-  std::vector<Event> arrived;  ///< arrived[i]: the chunk received in step i, (rank − i − 1) mod N
-  /// Rows [c·n, (c+1)·n) of `full`: chunk c.
-  Tensor chunk(int c) const;
-  /// Makes the compute lane wait until chunk c is here (own chunk: at once).
-  void wait_chunk(int c) const;
-  /// Makes the compute lane wait until every chunk is here.
-  void wait_all() const;
-};
+/// A ring all-gather in flight: full() [N·n, ...] fills chunk by chunk. The constructor puts the
+/// own chunk in place (a compute-lane span "<role> copy own chunk") and queues `queued` of the
+/// N − 1 transfers on the comm lane (all by default); advance() queues the others one at a time,
+/// so another ring can interleave its transfers with these.
+class RingGather {
+ public:
+  RingGather(const RingContext& ctx, const Tensor& x_local, std::string_view role, int queued = -1);
 
-/// Starts the all-gather of x_local [n, ...] on the comm lane and returns at once; the own chunk
-/// is copied into place first (a compute-lane span "<role> copy own chunk").
-RingGather start_all_gather(const RingContext& ctx, const Tensor& x_local, std::string_view role);
+  const Tensor& full() const { return full_; }
+  /// Rows [c·n, (c+1)·n) of full(): chunk c.
+  Tensor chunk(int c) const;
+  /// Queues the next transfer; false once all N − 1 are queued.
+  bool advance();
+  /// Makes the compute lane wait until chunk c is here (own chunk: at once), queueing first
+  /// whatever transfers it needs.
+  void wait_chunk(int c);
+  /// Queues the remaining transfers and makes the compute lane wait until every chunk is here.
+  void wait_all();
+
+ private:
+  RingTransport* transport_;
+  Tensor full_;
+  int rank_, world_;
+  std::string role_;
+  Event own_;                   // the own chunk is in place
+  std::vector<Event> arrived_;  // arrived_[i]: step i's chunk, (rank − i − 1) mod N, is here
+};
 
 /// AG+GEMM: out[j] = gather(x_local) · op(w[j]) for every j, with op(w) = wᵀ when trans_w, each
 /// out[j] [N·n, ..., cols_j] written chunk by chunk as the chunks arrive. The weights share each
@@ -99,11 +111,20 @@ RingGather start_all_gather(const RingContext& ctx, const Tensor& x_local, std::
 Tensor all_gather_gemm(const RingContext& ctx, const Tensor& x_local, std::span<const Tensor> w,
                        bool trans_w, std::span<const Tensor> out, std::string_view role);
 
+/// What a GEMM+RS ring can carry along (the column-parallel backward uses both).
+struct AlongTheRing {
+  /// Another all-gather, advanced by one transfer after each of this ring's transfers, so the
+  /// two rings share the comm lane step by step instead of one waiting for the whole other.
+  RingGather* gather = nullptr;
+  /// Compute-lane work run after the last GEMM and before the wait for the last transfer, so
+  /// that independent work hides that transfer.
+  std::function<void()> before_last_wait;
+};
+
 /// GEMM+RS: this rank's rows [n, ..., cols] of Σ_ranks Σ_j a[j] · op(w[j]), with a[j]
-/// [N·n, ..., in_j]. `before_last_wait`, if given, runs on the compute lane after the last GEMM
-/// and before the wait for the last transfer, so independent work can hide that transfer.
+/// [N·n, ..., in_j].
 Tensor gemm_reduce_scatter(const RingContext& ctx, std::span<const Tensor> a,
                            std::span<const Tensor> w, bool trans_w, std::string_view role,
-                           const std::function<void()>& before_last_wait = {});
+                           const AlongTheRing& along = {});
 
 }  // namespace tpx

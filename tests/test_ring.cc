@@ -140,7 +140,8 @@ TEST_F(Ring, GemmReduceScatterEqualsGemmThenReduceScatter) {
                        trans ? test::random_tensor({h, 12}, 12) : test::random_tensor({12, h}, 12)};
     comm_->take_stats();
     int tail_calls = 0;
-    const Tensor got = gemm_reduce_scatter(ctx(), a, w, trans, "down", [&] { ++tail_calls; });
+    const Tensor got = gemm_reduce_scatter(
+        ctx(), a, w, trans, "down", {.gather = nullptr, .before_last_wait = [&] { ++tail_calls; }});
     const CommStats ring = comm_->take_stats();
 
     const Tensor partial = Tensor::empty({n_ * kTokens, kBatch, h});
@@ -160,14 +161,54 @@ TEST_F(Ring, GemmReduceScatterEqualsGemmThenReduceScatter) {
   EXPECT_EQ(comm_spans("down RS step"), 2 * (n_ - 1));
 }
 
-TEST_F(Ring, StartedAllGatherFillsEveryChunk) {
+TEST_F(Ring, AllGatherQueuedStepByStepFillsEveryChunk) {
   const Tensor x = test::random_tensor({kTokens, kBatch, 8}, 500 + std::uint32_t(r_));
-  const RingGather g = start_all_gather(ctx(), x, "re-gather");
+  RingGather g(ctx(), x, "re-gather", /*queued=*/0);
+  EXPECT_EQ(comm_spans("re-gather AG step"), 0) << "nothing may be queued yet";
+  int queued = 0;
+  while (g.advance()) ++queued;
+  EXPECT_EQ(queued, n_ - 1);
   g.wait_all();
   const Tensor full = Tensor::empty({n_ * kTokens, kBatch, 8});
   comm_->all_gather(x, full, Stream());
-  EXPECT_TRUE(bitwise_equal(g.full, full));
-  EXPECT_EQ(int(g.arrived.size()), n_ - 1);
+  EXPECT_TRUE(bitwise_equal(g.full(), full));
+}
+
+TEST_F(Ring, ReduceScatterCarriesAGatherAndTailWorkAlong) {
+  // The column-parallel backward's schedule: dX by GEMM+RS, the re-gather of its input
+  // interleaved, dW in the tail, against the bulk collectives.
+  const std::int64_t in = 16, out = 10;
+  const Tensor h = test::random_tensor({kTokens, kBatch, in}, 700 + std::uint32_t(r_));
+  const std::array dy{test::random_tensor({n_ * kTokens, kBatch, out}, 800 + std::uint32_t(r_))};
+  const std::array w{test::random_tensor({in, out}, 17)};
+  const Tensor dw = Tensor::empty({in, out});
+  RingGather g(ctx(), h, "qkv re-gather", /*queued=*/1);
+  const AlongTheRing along{.gather = &g, .before_last_wait = [&] {
+                             g.wait_all();
+                             ops::gemm(g.full(), true, dy[0], false, dw);
+                           }};
+  const Tensor dx = gemm_reduce_scatter(ctx(), dy, w, /*trans_w=*/true, "qkv dX", along);
+
+  const Tensor full_h = Tensor::empty({n_ * kTokens, kBatch, in});
+  comm_->all_gather(h, full_h, Stream());
+  const Tensor want_dw = Tensor::empty({in, out});
+  ops::gemm(full_h, true, dy[0], false, want_dw);
+  EXPECT_LE(rel_error(dw, want_dw), 1e-6);
+  const Tensor partial = Tensor::empty({n_ * kTokens, kBatch, in});
+  ops::gemm(dy[0], false, w[0], true, partial);
+  const Tensor want_dx = Tensor::empty({kTokens, kBatch, in});
+  comm_->reduce_scatter(partial, want_dx, Stream());
+  EXPECT_LE(rel_error(dx, want_dx), 1e-5);
+  // The comm lane took the two rings in turn: re-gather 1, dX 1, re-gather 2, dX 2, ...
+  std::vector<std::string> order;
+  for (const OpRecord& rec : comm_->recorder().snapshot())
+    if (rec.what[0] != '\0') order.emplace_back(rec.what);
+  std::vector<std::string> want;
+  for (int k = 1; k < n_; ++k) {
+    want.push_back(fmt::format("qkv re-gather AG step {}/{}", k, n_));
+    want.push_back(fmt::format("qkv dX RS step {}/{}", k, n_));
+  }
+  EXPECT_EQ(order, want);
 }
 
 TEST_F(Ring, ExposedCommIsTheCommNotCoveredByCompute) {

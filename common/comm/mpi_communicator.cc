@@ -9,7 +9,6 @@
 #include <mpi.h>
 
 #include <array>
-#include <chrono>
 #include <climits>
 #include <map>
 #include <thread>
@@ -116,13 +115,13 @@ class MpiCommunicator final : public Communicator {
     if (rc != MPI_SUCCESS) op_failed(fmt::format("{} failed: {}", call, mpi_error_string(rc)));
   }
 
-  /// Waits for both requests by polling, sleeping between polls. MPI_Waitall would spin on a core
-  /// for the whole transfer; on a comm stream's thread that core is the compute lane's (the cpu
-  /// backend runs a rank's two lanes on two threads, often on fewer cores than threads), so a
-  /// spinning wait would slow the very GEMMs the transfer is meant to hide behind. The polls also
-  /// drive MPI's progress engine, which moves the bytes.
+  /// Waits for both requests by polling, yielding the core between polls. MPI_Waitall would spin
+  /// for the whole transfer; on a comm stream's thread that core is often the compute lane's too
+  /// (the cpu backend runs a rank's two lanes on two threads, and mpirun binds a rank to a core),
+  /// so a spinning wait would slow the very GEMMs the transfer is meant to hide behind. The polls
+  /// also drive MPI's progress engine, which moves the bytes.
   void wait_all(std::array<MPI_Request, 2>& req) {
-    for (int polls = 0;; ++polls) {
+    for (;;) {
       int done = 0;
       check(MPI_Testall(2, req.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
       if (done) return;
