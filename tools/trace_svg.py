@@ -1,0 +1,422 @@
+#!/usr/bin/env python3
+"""Draws a window of a tpx --trace file as an SVG timeline (and, with --ascii, as text).
+
+The input is what every stage writes with --trace FILE: Chrome trace JSON, {"traceEvents": [...]},
+complete events (ph "X") with pid = rank, tid = lane (0 compute, 1 comm, 2 copy, 3 phases), ts and
+dur in microseconds; metadata events (ph "M") name the ranks and lanes. The output has one row per
+(rank, lane) for the compute, comm and (when it has spans) copy lanes, one rectangle per span,
+coloured by kind, with its name written inside when it fits (a shorter form of the name when only
+that fits) and always as a tooltip.
+
+The window is either raw trace time (--from-ms / --to-ms from the trace's origin) or a training
+step: --step K (0-based, as in the step table) runs from the K-th "forward" span on the phases lane
+through the end of the "update" span that follows it, over the ranks drawn. --phase NAME narrows a
+step to one of its phases (forward, loss, backward, update); with --step, --from-ms / --to-ms are
+taken from the step's start. --from-span NAME starts the window where the first span of that name
+(on any lane of the ranks drawn) starts; --until-span NAME ends it where the first span of that
+name ends on the last rank to finish one, e.g. "residual add 2 fwd" for the first layer's forward.
+
+All ranks share one time axis: each rank's trace clock starts right after the ranks' start-up
+agreement, so their times are comparable to within that start-up skew.
+
+Each row's label also gives the rank's exposed communication inside the window, by the definition
+of common/trace.h: the time during which a counted comm or copy span runs and no compute span does.
+
+    python3 tools/trace_svg.py out/04.trace.json --step 2 --phase forward -o docs/figures/x.svg
+    python3 tools/trace_svg.py out/04.trace.json --from-ms 150 --to-ms 160 --rank 0 --ascii 100
+
+Python 3 standard library only.
+"""
+
+import argparse
+import json
+import math
+import sys
+from xml.sax.saxutils import escape
+
+LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_PHASES = 0, 1, 2, 3
+DEFAULT_LANE_NAMES = {LANE_COMPUTE: "compute", LANE_COMM: "comm", LANE_COPY: "copy",
+                      LANE_PHASES: "phases"}
+
+# kind -> (fill colour, ASCII character, legend text)
+KINDS = {
+    "gemm": ("#4878cf", "G", "GEMM"),
+    "compute": ("#a6a6a6", "c", "other compute"),
+    "ag": ("#3a9e5a", "A", "all-gather transfer"),
+    "rs": ("#e08a2c", "R", "reduce-scatter transfer"),
+    "comm": ("#9b6bbf", "o", "other comm (all-reduce, ...)"),
+    "uncounted": ("#e4d7ee", "-", "reporting only (not counted)"),
+}
+
+
+def kind_of(event):
+    """The colour class of a span, from its lane and name."""
+    name = event["name"]
+    if event["tid"] == LANE_COMPUTE:
+        return "gemm" if "GEMM" in name else "compute"
+    if not counted(event):
+        return "uncounted"
+    low = name.lower()
+    if " ag step" in low or "all-gather" in low or "all_gather" in low:
+        return "ag"
+    if " rs step" in low or "reduce-scatter" in low or "reduce_scatter" in low:
+        return "rs"
+    return "comm"
+
+
+def load(path):
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    spans, lane_names, rank_names = [], dict(DEFAULT_LANE_NAMES), {}
+    for e in events:
+        if e.get("ph") == "M":
+            if e.get("name") == "thread_name":
+                lane_names[e["tid"]] = e["args"]["name"]
+            elif e.get("name") == "process_name":
+                rank_names[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "X":
+            e = dict(e)
+            e["t0"] = e["ts"] / 1000.0  # ms
+            e["t1"] = (e["ts"] + e.get("dur", 0.0)) / 1000.0
+            spans.append(e)
+    return spans, lane_names, rank_names
+
+
+def counted(event):
+    """False for reporting-only traffic (the trace marks it "args": {"counted": false})."""
+    return (event.get("args") or {}).get("counted") is not False
+
+
+def phase_spans(spans, rank, name):
+    mine = (e for e in spans if e["pid"] == rank and e["tid"] == LANE_PHASES and e["name"] == name)
+    return sorted(mine, key=lambda e: e["t0"])
+
+
+def step_window(spans, ranks, step, phase):
+    """[t0, t1) in ms of step `step` (or of one of its phases) over `ranks`."""
+    t0, t1 = math.inf, -math.inf
+    for r in ranks:
+        forwards = phase_spans(spans, r, "forward")
+        if step >= len(forwards):
+            sys.exit(f"trace_svg: rank {r} has {len(forwards)} forward spans; no step {step}")
+        start = forwards[step]["t0"]
+        nxt = forwards[step + 1]["t0"] if step + 1 < len(forwards) else math.inf
+        if phase:
+            hits = [e for e in phase_spans(spans, r, phase) if start <= e["t0"] < nxt]
+            if not hits:
+                sys.exit(f"trace_svg: rank {r}, step {step} has no '{phase}' span on the phases lane")
+            t0, t1 = min(t0, hits[0]["t0"]), max(t1, hits[0]["t1"])
+        else:
+            updates = [e for e in phase_spans(spans, r, "update") if e["t0"] >= start]
+            if not updates:
+                sys.exit(f"trace_svg: rank {r}, step {step} has no 'update' span after its forward")
+            t0, t1 = min(t0, start), max(t1, updates[0]["t1"])
+    return t0, t1
+
+
+def merged(intervals):
+    out = []
+    for b, e in sorted(intervals):
+        if out and b <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([b, e])
+    return out
+
+
+def exposed_ms(spans, rank, t0, t1):
+    """common/trace.h's exposed communication of `rank` within [t0, t1): ∪ comm \\ ∪ compute."""
+    comm, busy = [], []
+    for e in spans:
+        if e["pid"] != rank:
+            continue
+        b, en = max(e["t0"], t0), min(e["t1"], t1)
+        if b >= en:
+            continue
+        if e["tid"] == LANE_COMPUTE:
+            busy.append((b, en))
+        elif e["tid"] in (LANE_COMM, LANE_COPY) and counted(e):
+            comm.append((b, en))
+    busy = merged(busy)
+    total = 0.0
+    for b, e in merged(comm):
+        covered = sum(max(0.0, min(e, y) - max(b, x)) for x, y in busy)
+        total += (e - b) - covered
+    return total
+
+
+def nice_step(span_ms, target_ticks):
+    raw = span_ms / max(1, target_ticks)
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    for m in (1, 2, 5, 10):
+        if m * mag >= raw:
+            return m * mag
+    return 10 * mag
+
+
+def label_candidates(name):
+    """The name, then shorter forms of it, longest first."""
+    words = name.replace(" step ", " ").split()
+    out = [name, " ".join(words)]
+    if len(words) >= 3:
+        out.append(f"{words[0]} {words[-1]}")  # "qkv GEMM step 1/2" -> "qkv 1/2": the colour says GEMM
+    for k in range(1, len(words)):
+        out.append(" ".join(words[k:]))
+    seen, uniq = set(), []
+    for c in out:
+        if c and c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
+def fmt_ms(v):
+    return f"{v:.3f}".rstrip("0").rstrip(".") if v != int(v) else f"{int(v)}"
+
+
+def render_svg(spans, rows, lane_names, rank_names, t0, t1, width, title, exposed):
+    font, char_w = 11, 6.4  # px; char_w: a generous average advance for an 11 px sans-serif
+    left, right, top, row_h, gap = 170, 20, 46 if title else 22, 26, 6
+    plot_w = width - left - right
+    n_rows = len(rows)
+    axis_y = top + n_rows * (row_h + gap) + 4
+    legend_y = axis_y + 56
+    height = legend_y + 24
+    scale = plot_w / (t1 - t0)
+
+    def x_of(t):
+        return left + (t - t0) * scale
+
+    out = [
+        '<?xml version="1.0" encoding="UTF-8"?>',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif" font-size="{font}">',
+        f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
+    ]
+    if title:
+        out.append(f'<text x="{left}" y="20" font-size="13" font-weight="bold">{escape(title)}</text>')
+
+    # Gridlines and axis.
+    step = nice_step(t1 - t0, max(2, plot_w // 90))
+    for k in range(int((t1 - t0) / step + 1e-9) + 1):
+        tick = k * step
+        x = x_of(t0 + tick)
+        out.append(f'<line x1="{x:.2f}" y1="{top - 4}" x2="{x:.2f}" y2="{axis_y}" stroke="#e6e6e6"/>')
+        out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 5}" stroke="#333"/>')
+        out.append(f'<text x="{x:.2f}" y="{axis_y + 17}" text-anchor="middle">'
+                   f'{fmt_ms(round(tick, 6))}</text>')
+    out.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + plot_w}" y2="{axis_y}" stroke="#333"/>')
+    out.append(f'<text x="{left + plot_w}" y="{axis_y + 32}" text-anchor="end">'
+               f'ms from the window start ({fmt_ms(round(t0, 3))} ms into the trace)</text>')
+
+    for i, (rank, lane) in enumerate(rows):
+        y = top + i * (row_h + gap)
+        if i > 0 and rows[i - 1][0] != rank:  # a rule between ranks
+            out.append(f'<line x1="8" y1="{y - gap / 2:.1f}" x2="{width - 8}" y2="{y - gap / 2:.1f}" '
+                       f'stroke="#bbbbbb" stroke-dasharray="4 3"/>')
+        rname = rank_names.get(rank, f"rank {rank}")
+        label = f"{rname} {lane_names.get(lane, str(lane))}"
+        out.append(f'<rect x="{left}" y="{y}" width="{plot_w}" height="{row_h}" fill="#f7f7f7"/>')
+        out.append(f'<text x="{left - 8}" y="{y + row_h / 2 - 2:.1f}" text-anchor="end" '
+                   f'font-weight="bold">{escape(label)}</text>')
+        if lane == LANE_COMM:
+            out.append(f'<text x="{left - 8}" y="{y + row_h / 2 + 10:.1f}" text-anchor="end" '
+                       f'fill="#555" font-size="10">exposed {exposed[rank]:.3f} ms</text>')
+        mine = sorted((e for e in spans if e["pid"] == rank and e["tid"] == lane), key=lambda e: e["t0"])
+        for e in mine:
+            b, en = max(e["t0"], t0), min(e["t1"], t1)
+            if b >= en:
+                continue
+            x0, x1 = x_of(b), x_of(en)
+            w = max(x1 - x0, 0.5)
+            fill = KINDS[kind_of(e)][0]
+            tip = f'{e["name"]}: {e["t1"] - e["t0"]:.3f} ms, at {e["t0"] - t0:.3f} ms'
+            out.append(f'<g><title>{escape(tip)}</title>'
+                       f'<rect x="{x0:.2f}" y="{y + 1}" width="{w:.2f}" height="{row_h - 2}" '
+                       f'fill="{fill}" stroke="#ffffff" stroke-width="0.5"/>')
+            for text in label_candidates(e["name"]):
+                if len(text) * char_w + 6 <= w:
+                    dark = kind_of(e) in ("compute", "uncounted")
+                    out.append(f'<text x="{(x0 + x1) / 2:.2f}" y="{y + row_h / 2 + 4:.1f}" '
+                               f'text-anchor="middle" fill="{"#222" if dark else "#fff"}">'
+                               f'{escape(text)}</text>')
+                    break
+            out.append("</g>")
+
+    # Legend: the kinds drawn.
+    drawn = {kind_of(e) for e in in_window(spans, rows, t0, t1)}
+    x = left
+    for key in (k for k in KINDS if k in drawn):
+        colour, _, text = KINDS[key]
+        out.append(f'<rect x="{x}" y="{legend_y - 10}" width="12" height="12" fill="{colour}"/>')
+        out.append(f'<text x="{x + 16}" y="{legend_y}">{escape(text)}</text>')
+        x += 16 + len(text) * 6 + 16
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def in_window(spans, rows, t0, t1):
+    shown = set(rows)
+    return [e for e in spans if (e["pid"], e["tid"]) in shown and e["t1"] > t0 and e["t0"] < t1]
+
+
+def ascii_char(event, marks):
+    for sub, ch in marks:
+        if sub in event["name"]:
+            return ch
+    return KINDS[kind_of(event)][1]
+
+
+def render_ascii(spans, rows, lane_names, rank_names, t0, t1, cols, exposed, marks):
+    """One line per row: each column is the kind of span covering most of its time ('.' idle)."""
+    dt = (t1 - t0) / cols
+    lines = []
+    for rank, lane in rows:
+        cover = [dict() for _ in range(cols)]
+        for e in spans:
+            if e["pid"] != rank or e["tid"] != lane:
+                continue
+            b, en = max(e["t0"], t0), min(e["t1"], t1)
+            if b >= en:
+                continue
+            ch = ascii_char(e, marks)
+            for c in range(int((b - t0) / dt), min(cols, int(math.ceil((en - t0) / dt)))):
+                lo, hi = t0 + c * dt, t0 + (c + 1) * dt
+                part = min(hi, en) - max(lo, b)
+                if part > 0:
+                    cover[c][ch] = cover[c].get(ch, 0.0) + part
+        cells = "".join(max(d, key=d.get) if d and max(d.values()) >= dt / 2 else "." for d in cover)
+        name = f"{rank_names.get(rank, f'rank {rank}')} {lane_names.get(lane, str(lane))}"
+        lines.append(f"{name:>15} |{cells}|")
+    ruler = [" "] * (cols + 1)
+    step = nice_step(t1 - t0, max(2, cols // 12))
+    ticks = []
+    for k in range(int((t1 - t0) / step + 1e-9) + 1):
+        c = int(round(k * step / dt))
+        if c <= cols:
+            ruler[c] = "|"
+            ticks.append((c, fmt_ms(round(k * step, 6))))
+    lines.append(" " * 16 + "".join(ruler))
+    text = [" "] * (cols + 12)
+    for c, m in ticks:
+        if all(ch == " " for ch in text[c:c + len(m) + 1]):
+            text[c:c + len(m)] = m
+    lines.append(" " * 16 + "".join(text).rstrip() + "  ms")
+    shown = in_window(spans, rows, t0, t1)
+    present = {kind_of(e) for e in shown if ascii_char(e, marks) == KINDS[kind_of(e)][1]}
+    keys = [f"{KINDS[k][1]} {KINDS[k][2]}" for k in KINDS if k in present]
+    keys += [f"{ch} {sub}" for sub, ch in marks if any(sub in e["name"] for e in shown)]
+    keys.append(". idle")
+    line = ""
+    for k in keys:  # wrap the key to the width of the rows
+        if line and len(line) + 2 + len(k) > cols:
+            lines.append(f"{'':16}{line}")
+            line = ""
+        line = f"{line}  {k}" if line else k
+    lines.append(f"{'':16}{line}")
+    for rank in sorted({r for r, _ in rows}):
+        lines.append(f"{'':16}rank {rank}: exposed comm {exposed[rank]:.3f} ms of {t1 - t0:.3f} ms")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", help="a --trace file (Chrome trace JSON)")
+    ap.add_argument("-o", "--output", help="the SVG to write (none: no SVG)")
+    ap.add_argument("--rank", type=int, action="append",
+                    help="a rank to draw (repeatable; default: all)")
+    ap.add_argument("--step", type=int,
+                    help="the step to draw (0-based): its forward through its update")
+    ap.add_argument("--phase", help="with --step: only this phase (forward, loss, backward, update)")
+    ap.add_argument("--from-ms", type=float,
+                    help="window start, ms (from the step's start with --step)")
+    ap.add_argument("--to-ms", type=float,
+                    help="window end, ms (from the step's start with --step)")
+    ap.add_argument("--from-span",
+                    help="start the window where the first span of this name starts")
+    ap.add_argument("--until-span",
+                    help="end the window where the first span of this name ends")
+    ap.add_argument("--width", type=int, default=1400, help="SVG width in px (default 1400)")
+    ap.add_argument("--title", help="a title line for the SVG")
+    ap.add_argument("--ascii", type=int, metavar="COLS",
+                    help="also print the window as text, COLS wide")
+    ap.add_argument("--char", action="append", default=[], metavar="SUBSTR=C",
+                    help="--ascii: draw spans whose name contains SUBSTR with character C (repeatable)")
+    a = ap.parse_args()
+    if not a.output and not a.ascii:
+        ap.error("nothing to do: give -o FILE.svg and/or --ascii COLS")
+    marks = []
+    for m in a.char:
+        sub, sep, ch = m.rpartition("=")
+        if not sep or not sub or len(ch) != 1:
+            ap.error(f"--char wants SUBSTR=C, got '{m}'")
+        marks.append((sub, ch))
+
+    spans, lane_names, rank_names = load(a.trace)
+    all_ranks = sorted({e["pid"] for e in spans})
+    ranks = sorted(set(a.rank)) if a.rank else all_ranks
+    for r in ranks:
+        if r not in all_ranks:
+            sys.exit(f"trace_svg: no rank {r} in {a.trace} (ranks: {all_ranks})")
+    if a.phase and a.step is None:
+        sys.exit("trace_svg: --phase needs --step")
+
+    if a.step is not None:
+        t0, t1 = step_window(spans, ranks, a.step, a.phase)
+        base = t0
+        if a.from_ms is not None:
+            t0 = base + a.from_ms
+        if a.to_ms is not None:
+            t1 = min(t1, base + a.to_ms)
+    else:
+        mine = [e for e in spans if e["pid"] in ranks]
+        t0 = a.from_ms if a.from_ms is not None else min(e["t0"] for e in mine)
+        t1 = a.to_ms if a.to_ms is not None else max(e["t1"] for e in mine)
+    if a.from_span:
+        starts = [e["t0"] for e in spans
+                  if e["pid"] in ranks and e["name"] == a.from_span and e["t0"] >= t0]
+        if not starts:
+            sys.exit(f"trace_svg: no span '{a.from_span}' after {t0:.3f} ms")
+        t0 = min(starts)
+    if a.until_span:
+        first_end = {}  # rank -> end of its first such span in the window
+        for e in spans:
+            if e["pid"] in ranks and e["name"] == a.until_span and e["t0"] >= t0:
+                first_end[e["pid"]] = min(first_end.get(e["pid"], math.inf), e["t1"])
+        if not first_end:
+            sys.exit(f"trace_svg: no span '{a.until_span}' after {t0:.3f} ms")
+        t1 = max(first_end.values())
+    if not t1 > t0:
+        sys.exit(f"trace_svg: empty window [{t0:.3f}, {t1:.3f}) ms")
+
+    rows = []
+    for r in ranks:
+        for lane in (LANE_COMPUTE, LANE_COMM, LANE_COPY):
+            has = any(e["pid"] == r and e["tid"] == lane for e in spans)
+            if lane != LANE_COPY or has:
+                rows.append((r, lane))
+    exposed = {r: exposed_ms(spans, r, t0, t1) for r in ranks}
+
+    if a.output:
+        svg = render_svg(spans, rows, lane_names, rank_names, t0, t1, a.width, a.title, exposed)
+        with open(a.output, "w", encoding="utf-8") as f:
+            f.write(svg)
+    if a.ascii:
+        sys.stdout.write(render_ascii(spans, rows, lane_names, rank_names, t0, t1, a.ascii,
+                                      exposed, marks))
+    print(f"window {t0:.3f} .. {t1:.3f} ms into the trace ({t1 - t0:.3f} ms)", file=sys.stderr)
+    for r in ranks:
+        sums = {}
+        for e in spans:
+            if e["pid"] == r and e["tid"] in (LANE_COMPUTE, LANE_COMM, LANE_COPY):
+                part = min(e["t1"], t1) - max(e["t0"], t0)
+                if part > 0:
+                    sums[kind_of(e)] = sums.get(kind_of(e), 0.0) + part
+        text = ", ".join(f"{KINDS[k][2]} {sums[k]:.3f}" for k in KINDS if k in sums) or "none"
+        print(f"  rank {r}: span time by kind (ms): {text}; exposed comm {exposed[r]:.3f}",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
