@@ -20,6 +20,7 @@
 #include "common/cuda/device.h"
 #include "common/ops.h"
 #include "common/stream.h"
+#include "test_cuda.h"
 #include "test_util.h"
 #if TPX_WITH_NCCL
 #include "common/cuda/nccl_check.h"
@@ -31,21 +32,9 @@ namespace {
 using test::random_tensor;
 using I = std::int64_t;
 
-#define TPX_REQUIRE_GPU()                                                 \
-  do {                                                                    \
-    if (const auto why = ops::device_problem(Device::cuda); !why.empty()) \
-      GTEST_SKIP() << "no usable GPU: " << why;                           \
-  } while (0)
-
-Tensor on_gpu(const Tensor& host) {
-  return ops::to_device(host, Device::cuda);
-}
-Tensor on_cpu(const Tensor& t) {
-  return ops::to_device(t, Device::cpu);
-}
-Tensor gpu_empty(Tensor::Shape shape, DType d = DType::f32) {
-  return Tensor::empty(std::move(shape), d, Device::cuda);
-}
+using test::gpu_empty;
+using test::on_cpu;
+using test::on_gpu;
 Tensor cpu_empty(Tensor::Shape shape) {
   return Tensor::empty(std::move(shape));
 }

@@ -13,6 +13,7 @@
 #include "01_baseline/layers.h"
 #include "common/model.h"
 #include "common/ops.h"
+#include "test_cuda.h"
 
 namespace tpx {
 namespace {
@@ -58,12 +59,6 @@ BlockConfig small_config() {
 }
 
 constexpr int kSteps = 5;
-
-#define TPX_REQUIRE_GPU()                                                 \
-  do {                                                                    \
-    if (const auto why = ops::device_problem(Device::cuda); !why.empty()) \
-      GTEST_SKIP() << "no usable GPU: " << why;                           \
-  } while (0)
 
 TEST(Stage01, Fp32MatchesCpu) {
   TPX_REQUIRE_GPU();
