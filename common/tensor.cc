@@ -126,8 +126,13 @@ struct Tensor::Storage {
   void* ptr = nullptr;
   std::size_t bytes = 0;
   Device device = Device::cpu;
+  std::shared_ptr<const void> owner;  // set for borrowed memory, which the allocator never saw
   Storage(std::size_t n, Device d) : ptr(allocator_for(d).allocate(n)), bytes(n), device(d) {}
-  ~Storage() { allocator_for(device).deallocate(ptr, bytes); }
+  Storage(void* p, std::size_t n, Device d, std::shared_ptr<const void> o)
+      : ptr(p), bytes(n), device(d), owner(std::move(o)) {}
+  ~Storage() {
+    if (!owner) allocator_for(device).deallocate(ptr, bytes);
+  }
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 };
@@ -140,6 +145,17 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   t.dtype_ = dtype;
   t.device_ = device;
   t.storage_ = std::make_shared<Storage>(t.nbytes(), device);
+  return t;
+}
+
+Tensor Tensor::borrow(void* ptr, Shape shape, DType dtype, Device device,
+                      std::shared_ptr<const void> owner) {
+  TPX_CHECK(owner != nullptr, "Tensor::borrow needs an owner to keep the memory alive");
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  t.storage_ = std::make_shared<Storage>(ptr, t.nbytes(), device, std::move(owner));
   return t;
 }
 

@@ -69,6 +69,10 @@ class Tensor {
   static Tensor empty(Shape shape, DType dtype = DType::f32, Device device = Device::cpu);
   /// Zero-filled host storage (cpu only; fill device tensors with ops::fill).
   static Tensor zeros(Shape shape, DType dtype = DType::f32, Device device = Device::cpu);
+  /// A view of memory the allocator does not own (a symmetric-memory buffer): `owner` is kept
+  /// alive as long as any view of it, and nothing is freed or counted by the allocator.
+  static Tensor borrow(void* ptr, Shape shape, DType dtype, Device device,
+                       std::shared_ptr<const void> owner);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }

@@ -86,6 +86,14 @@ double Trace::exposed_comm_ms(Clock::time_point t0, Clock::time_point t1) {
   return std::chrono::duration<double, std::milli>(exposed).count();
 }
 
+std::vector<std::string> Trace::span_names(Lane lane) const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::string> names;
+  for (const Event& e : events_)
+    if (e.lane == lane) names.push_back(e.name);
+  return names;
+}
+
 void Trace::write(const std::filesystem::path& path, int rank, int world) const {
   static constexpr const char* kLaneNames[] = {"compute", "comm", "copy", "phases"};
   nlohmann::json mine = nlohmann::json::array();

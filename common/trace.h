@@ -57,6 +57,9 @@ class Trace {
   /// recorded so far. Unless the trace is kept, spans ending before t1 are then forgotten.
   double exposed_comm_ms(Clock::time_point t0, Clock::time_point t1);
 
+  /// The names of the spans kept so far on `lane`, in the order they were recorded (tests).
+  std::vector<std::string> span_names(Lane lane) const;
+
   /// Collective over MPI_COMM_WORLD: gathers every rank's events and rank 0 writes the file (whole
   /// or not at all, see output.h).
   void write(const std::filesystem::path& path, int rank, int world) const;

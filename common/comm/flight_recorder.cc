@@ -29,6 +29,10 @@ const char* to_string(CommOp op) {
       return "sendrecv";
     case CommOp::barrier:
       return "barrier";
+    case CommOp::signal:
+      return "signal";
+    case CommOp::signal_wait:
+      return "signal_wait";
   }
   return "?";
 }
@@ -121,6 +125,13 @@ std::optional<OpRecord> FlightRecorder::oldest_in_flight() const {
 
 std::string describe_op(const OpRecord& r) {
   if (r.op == CommOp::barrier) return "barrier";
+  if (r.op == CommOp::signal || r.op == CommOp::signal_wait) {
+    std::string s = r.op == CommOp::signal
+                        ? fmt::format("signal to {} gen {}", r.peer, r.count)
+                        : fmt::format("signal_wait from {} gen {}", r.src, r.count);
+    if (r.what[0] != '\0') s += fmt::format(" ({})", std::string_view(r.what));
+    return s;
+  }
   std::string s =
       fmt::format("{} {}[{}] {} B", to_string(r.op), to_string(r.dtype), r.count, r.bytes);
   if (r.op == CommOp::broadcast) s += fmt::format(" root {}", r.peer);

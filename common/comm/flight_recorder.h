@@ -28,7 +28,9 @@ enum class CommOp : std::uint8_t {
   send,
   recv,
   sendrecv,
-  barrier
+  barrier,
+  signal,      ///< a symmetric-memory signal to `peer`; `count` is its generation
+  signal_wait  ///< a wait for `src`'s signal of generation `count` (common/symmetric_memory.h)
 };
 const char* to_string(CommOp op);
 
@@ -47,8 +49,8 @@ struct OpRecord {
   /// When it was seen complete; < 0: not yet. MPI: when the call returned; NCCL: when the
   /// watchdog thread saw the op's end event (polled every few milliseconds).
   double end_s = -1;
-  std::int32_t peer = -1;  ///< sendrecv: destination rank; broadcast: root; otherwise -1
-  std::int32_t src = -1;   ///< sendrecv: source rank; otherwise -1
+  std::int32_t peer = -1;  ///< sendrecv, signal: destination rank; broadcast: root; otherwise -1
+  std::int32_t src = -1;   ///< sendrecv, signal_wait: source rank; otherwise -1
   CommOp op = CommOp::barrier;
   DType dtype = DType::f32;
   OpState state = OpState::in_flight;
@@ -116,8 +118,8 @@ struct Disagreement {
 /// issued with unknown contents.
 Disagreement find_disagreement(std::span<const RankOps> ranks);
 
-/// One op in a few words, e.g. "all_reduce fp32[1024] 4096 B" or "sendrecv fp32[64] 256 B to 1 from
-/// 3 (qkv AG step 2/4)".
+/// One op in a few words, e.g. "all_reduce fp32[1024] 4096 B", "sendrecv fp32[64] 256 B to 1 from
+/// 3 (qkv AG step 2/4)" or "signal_wait from 1 gen 7 (qkv ready)".
 std::string describe_op(const OpRecord& r);
 /// A multi-line dump of a rank's ops, times relative to `now`, each line prefixed by `prefix`.
 std::string format_ops(std::span<const OpRecord> ops, double now, const std::string& prefix);
