@@ -9,14 +9,14 @@
 
 namespace tpx::ring {
 
-OverlapRing::OverlapRing(const RunContext& ctx)
+OverlapRing::OverlapRing(const RunContext& ctx, ChunkMover mover)
     : SequenceParallel(ctx),
-      ring_{.transport = group_.p2p_ring(),
+      ring_{.transport = group_.transport(mover),
             .trace = group_.trace(),
             .compute = ctx.options.config.dtype} {}
 
 std::string OverlapRing::comm_name() const {
-  return group_.name() + ", ring of send/recv on a comm stream";
+  return group_.name() + ", " + ring_.transport.name();
 }
 
 // --- column-parallel: the input is gathered chunk by chunk ---------------------------------------
@@ -43,12 +43,13 @@ Tensor OverlapRing::column_backward(const Tensor& saved, std::span<const Tensor>
   // is queued now, and one more after each dX transfer. The dX GEMMs need no gathered input, so
   // they start at once and cover both rings' transfers. The dW GEMMs need all of h: they run
   // after the dX ring's last GEMM, while its last transfer is in flight.
-  RingGather h(ring_, saved, fmt::format("{} re-gather", role), /*queued=*/1);
-  const AlongTheRing along{.gather = &h, .before_last_wait = [&] {
-                             h.wait_all();
+  const auto h = ring_.transport.gather(ring_, saved, fmt::format("{} re-gather", role),
+                                        /*queued=*/1);
+  const AlongTheRing along{.gather = h.get(), .before_last_wait = [&] {
+                             h->wait_all();
                              TraceScope span(ring_.trace, fmt::format("{} dW GEMMs", role));
                              for (std::size_t j = 0; j < w.size(); ++j)  // dW = AG(h)ᵀ·dy
-                               ops::gemm(h.full(), true, dy[j], false, dw[j], 1.0f, 0.0f,
+                               ops::gemm(h->full(), true, dy[j], false, dw[j], 1.0f, 0.0f,
                                          ring_.compute);
                            }};
   return gemm_reduce_scatter(ring_, dy, w, /*trans_w=*/true, fmt::format("{} dX", role), along);

@@ -24,11 +24,13 @@
 namespace tpx::ring {
 
 /// Stage 03's Parallelism with its four linear-layer methods replaced by ring primitives over
-/// point-to-point transfers. Everything else (sharding, norm-gain all-reduce, gathers for --check)
-/// is stage 03's.
-class OverlapRing final : public sp::SequenceParallel {
+/// point-to-point transfers (or another ChunkTransport). Everything else (sharding, norm-gain
+/// all-reduce, gathers for --check) is stage 03's.
+class OverlapRing : public sp::SequenceParallel {
  public:
-  explicit OverlapRing(const RunContext& ctx);
+  /// `mover` says how the chunks travel: stage 04's ring of send/recv, or (stage 05) pulls from
+  /// symmetric memory by the copy engine. The schedule of GEMMs is the same.
+  explicit OverlapRing(const RunContext& ctx, ChunkMover mover = ChunkMover::send_recv);
   std::string comm_name() const override;
 
   ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,
@@ -39,7 +41,7 @@ class OverlapRing final : public sp::SequenceParallel {
   Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                       std::string_view role) override;
 
- private:
+ protected:
   RingContext ring_;
 };
 

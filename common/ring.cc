@@ -48,12 +48,10 @@ Event P2PTransport::shift(const Tensor& send, const Tensor& recv, const Event& a
   return done;
 }
 
-// --- the all-gather ------------------------------------------------------------------------------
+// --- what every transport's gather shares --------------------------------------------------------
 
-RingGather::RingGather(const RingContext& ctx, const Tensor& x_local, std::string_view role,
-                       int queued)
-    : transport_(&ctx.transport),
-      rank_(ctx.transport.rank()),
+ChunkGather::ChunkGather(const RingContext& ctx, const Tensor& x_local, std::string_view role)
+    : rank_(ctx.transport.rank()),
       world_(ctx.transport.world()),
       role_(role),
       own_(x_local.device()) {
@@ -65,108 +63,182 @@ RingGather::RingGather(const RingContext& ctx, const Tensor& x_local, std::strin
     ops::copy(x_local, chunk(rank_));
   }
   own_.record(Stream(x_local.device()));
-  for (int i = 0; (queued < 0 || i < queued) && advance(); ++i) {
-  }
 }
 
-Tensor RingGather::chunk(int c) const {
+Tensor ChunkGather::chunk(int c) const {
   const std::int64_t n = full_.dim(0) / world_;
   return full_.slice0(c * n, (c + 1) * n);
 }
 
-bool RingGather::advance() {
-  const int i = static_cast<int>(arrived_.size());
-  if (i + 1 >= world_) return false;
-  // Step i passes on the chunk that arrived in step i − 1 (the own chunk at i = 0); the comm lane
-  // runs its steps in order, so only the own chunk needs the compute lane's event.
-  arrived_.push_back(transport_->shift(chunk(mod(rank_ - i, world_)),
-                                       chunk(mod(rank_ - i - 1, world_)), own_,
-                                       step_name(role_, "AG", i, world_)));
-  return true;
-}
-
-void RingGather::wait_chunk(int c) {
-  if (c == rank_) return;
-  const auto step = static_cast<std::size_t>(mod(rank_ - c - 1, world_));
-  while (arrived_.size() <= step) advance();
-  arrived_[step].wait(Stream(full_.device()));
-}
-
-void RingGather::wait_all() {
+void ChunkGather::wait_all() {
   while (advance()) {
   }
-  for (const Event& e : arrived_) e.wait(Stream(full_.device()));
+  for (int i = 0; i < world_; ++i) wait_chunk(chunk_at(i));
 }
+
+// --- the ring all-gather -------------------------------------------------------------------------
+
+namespace {
+
+class RingGather final : public ChunkGather {
+ public:
+  RingGather(const RingContext& ctx, P2PTransport& transport, const Tensor& x_local,
+             std::string_view role, int queued)
+      : ChunkGather(ctx, x_local, role), transport_(transport) {
+    for (int i = 0; (queued < 0 || i < queued) && advance(); ++i) {
+    }
+  }
+
+  int chunk_at(int i) const override { return mod(rank_ - i, world_); }
+
+  bool advance() override {
+    const int i = static_cast<int>(arrived_.size());
+    if (i + 1 >= world_) return false;
+    // Step i passes on the chunk that arrived in step i − 1 (the own chunk at i = 0); the comm
+    // lane runs its steps in order, so only the own chunk needs the compute lane's event.
+    arrived_.push_back(transport_.shift(chunk(mod(rank_ - i, world_)),
+                                        chunk(mod(rank_ - i - 1, world_)), own_,
+                                        step_name(role_, "AG", i, world_)));
+    return true;
+  }
+
+  void wait_chunk(int c) override {
+    if (c == rank_) return;
+    const auto step = static_cast<std::size_t>(mod(rank_ - c - 1, world_));
+    while (arrived_.size() <= step) advance();
+    arrived_[step].wait(Stream(full_.device()));
+  }
+
+ private:
+  P2PTransport& transport_;
+  std::vector<Event> arrived_;  // arrived_[i]: step i's chunk, (rank − i − 1) mod N, is here
+};
+
+// --- the ring reduce-scatter ---------------------------------------------------------------------
+
+/// Step i computes the partial rows of chunk (r − i − 1) mod N, adds the running sum received from
+/// r − 1 and sends the sum on to r + 1; at i = N − 1 the chunk is r's own and the sum complete.
+/// Double buffers: the partial sum of step i is sent while step i + 1's GEMM writes the other
+/// one; the running sum from r − 1 arrives in recv[i % 2] while step i + 1 reads recv[(i−1) % 2].
+class RingReduceScatter final : public ChunkReduceScatter {
+ public:
+  RingReduceScatter(const RingContext& ctx, P2PTransport& transport, const Tensor::Shape& shape,
+                    Device dev, std::string_view role)
+      : transport_(transport),
+        trace_(ctx.trace),
+        compute_(dev),
+        rank_(transport.rank()),
+        world_(transport.world()),
+        role_(role) {
+    const int nbuf = world_ > 1 ? 2 : 1;
+    for (int b = 0; b < nbuf; ++b) {
+      part_.push_back(Tensor::empty(shape, DType::f32, dev));
+      if (world_ > 1) recv_.push_back(Tensor::empty(shape, DType::f32, dev));
+    }
+  }
+
+  int chunk_at(int i) const override { return mod(rank_ - i - 1, world_); }
+
+  Tensor target(int i) override {
+    if (i >= 2) arrived_[static_cast<std::size_t>(i - 2)].wait(compute_);  // it has been sent
+    return part(i);
+  }
+
+  void computed(int i) override {
+    add_received(i);
+    Event ready(compute_.device());
+    ready.record(compute_);
+    arrived_.push_back(transport_.shift(part(i), recv_[static_cast<std::size_t>(i % 2)], ready,
+                                        step_name(role_, "RS", i, world_)));
+  }
+
+  Tensor finish() override {
+    add_received(world_ - 1);
+    return part(world_ - 1);
+  }
+
+ private:
+  const Tensor& part(int i) const { return part_[static_cast<std::size_t>(i) % part_.size()]; }
+
+  /// The running sum of step i − 1, received from r − 1, joins step i's partial sums.
+  void add_received(int i) {
+    if (i == 0) return;
+    arrived_[static_cast<std::size_t>(i - 1)].wait(compute_);
+    TraceScope span(trace_, step_name(role_, "add", i, world_));
+    ops::accumulate(recv_[static_cast<std::size_t>((i - 1) % 2)], part(i));
+  }
+
+  P2PTransport& transport_;
+  Trace& trace_;
+  Stream compute_;
+  int rank_, world_;
+  std::string role_;
+  std::vector<Tensor> part_, recv_;
+  std::vector<Event> arrived_;  // arrived_[i]: step i's transfer is done (sent and received)
+};
+
+}  // namespace
+
+std::unique_ptr<ChunkGather> P2PTransport::gather(const RingContext& ctx, const Tensor& x_local,
+                                                  std::string_view role, int queued) {
+  return std::make_unique<RingGather>(ctx, *this, x_local, role, queued);
+}
+
+std::unique_ptr<ChunkReduceScatter> P2PTransport::reduce_scatter(const RingContext& ctx,
+                                                                 const Tensor::Shape& shape,
+                                                                 std::string_view role) {
+  return std::make_unique<RingReduceScatter>(ctx, *this, shape, stream_.device(), role);
+}
+
+// --- the primitives, over any transport ----------------------------------------------------------
 
 Tensor all_gather_gemm(const RingContext& ctx, const Tensor& x_local, std::span<const Tensor> w,
                        bool trans_w, std::span<const Tensor> out, std::string_view role) {
   TPX_CHECK(w.size() == out.size() && !w.empty(), "all_gather_gemm: {} weights, {} outputs",
             w.size(), out.size());
-  const int n = ctx.transport.world(), r = ctx.transport.rank();
-  RingGather g(ctx, x_local, role);
+  const int n = ctx.transport.world();
+  const auto g = ctx.transport.gather(ctx, x_local, role);
   const std::int64_t rows = x_local.dim(0);
   for (int i = 0; i < n; ++i) {
-    const int c = mod(r - i, n);  // own chunk first, then the one that arrived in step i − 1
-    g.wait_chunk(c);
+    const int c = g->chunk_at(i);  // own chunk first, then the others as they arrive
+    g->wait_chunk(c);
     TraceScope span(ctx.trace, step_name(role, "GEMM", i, n));
-    const Tensor x = g.chunk(c);
+    const Tensor x = g->chunk(c);
     for (std::size_t j = 0; j < w.size(); ++j)
       ops::gemm(x, false, w[j], trans_w, out[j].slice0(c * rows, (c + 1) * rows), 1.0f, 0.0f,
                 ctx.compute);
   }
-  return g.full();
+  return g->full();
 }
-
-// --- the reduce-scatter --------------------------------------------------------------------------
 
 Tensor gemm_reduce_scatter(const RingContext& ctx, std::span<const Tensor> a,
                            std::span<const Tensor> w, bool trans_w, std::string_view role,
                            const AlongTheRing& along) {
   TPX_CHECK(a.size() == w.size() && !a.empty(), "gemm_reduce_scatter: {} inputs, {} weights",
             a.size(), w.size());
-  const int n = ctx.transport.world(), r = ctx.transport.rank();
+  const int n = ctx.transport.world();
   TPX_CHECK(a[0].dim(0) % n == 0, "gemm_reduce_scatter: {} rows over {} ranks", a[0].dim(0), n);
   const std::int64_t rows = a[0].dim(0) / n;
   auto shape = a[0].shape();
   shape[0] = rows;
   shape.back() = trans_w ? w[0].dim(0) : w[0].dim(1);
-  const Device dev = a[0].device();
-  const Stream compute(dev);
-
-  // Double buffers: the partial sum of step i is sent while step i + 1's GEMM writes the other
-  // one; the running sum from r − 1 arrives in recv[i % 2] while step i + 1 reads recv[(i−1) % 2].
-  const int nbuf = n > 1 ? 2 : 1;
-  std::vector<Tensor> part, recv;
-  for (int b = 0; b < nbuf; ++b) {
-    part.push_back(Tensor::empty(shape, DType::f32, dev));
-    if (n > 1) recv.push_back(Tensor::empty(shape, DType::f32, dev));
-  }
-  std::vector<Event> arrived;  // arrived[i]: step i's transfer is done (sent and received)
+  const auto rs = ctx.transport.reduce_scatter(ctx, shape, role);
   for (int i = 0; i < n; ++i) {
-    const int c = mod(r - i - 1, n);  // at i = N − 1 this is r: the sum completes at its owner
-    const Tensor& p = part[static_cast<std::size_t>(i % nbuf)];
-    if (i >= 2) arrived[static_cast<std::size_t>(i - 2)].wait(compute);  // p has been sent
+    const int c = rs->chunk_at(i);  // at i = N − 1 this is r: the sum completes at its owner
+    const Tensor p = rs->target(i);
     {
       TraceScope span(ctx.trace, step_name(role, "GEMM", i, n));
       for (std::size_t j = 0; j < a.size(); ++j)
         ops::gemm(a[j].slice0(c * rows, (c + 1) * rows), false, w[j], trans_w, p, 1.0f,
                   j == 0 ? 0.0f : 1.0f, ctx.compute);
     }
-    if (i == n - 1 && along.before_last_wait) along.before_last_wait();
-    if (i > 0) {
-      arrived[static_cast<std::size_t>(i - 1)].wait(compute);
-      TraceScope span(ctx.trace, step_name(role, "add", i, n));
-      ops::accumulate(recv[static_cast<std::size_t>((i - 1) % 2)], p);
-    }
     if (i + 1 < n) {
-      Event ready(dev);
-      ready.record(compute);
-      arrived.push_back(ctx.transport.shift(p, recv[static_cast<std::size_t>(i % 2)], ready,
-                                            step_name(role, "RS", i, n)));
+      rs->computed(i);
       if (along.gather) along.gather->advance();
     }
   }
-  return part[static_cast<std::size_t>((n - 1) % nbuf)];
+  if (along.before_last_wait) along.before_last_wait();
+  return rs->finish();
 }
 
 }  // namespace tpx

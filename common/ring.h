@@ -2,8 +2,9 @@
 // each step's transfer running on the comm lane while the compute lane multiplies a chunk that is
 // already here (Wang et al. 2023, "Overlap Communication with Dependent Computation via
 // Decomposition in Large Deep Learning Models"). Stages 04-06 are written with these primitives;
-// what moves the bytes is a RingTransport (point-to-point send/recv in stage 04, copy-engine
-// pulls later).
+// what moves the bytes is a ChunkTransport, which also fixes the order of the chunks: below is
+// the ring of point-to-point send/recv of stage 04 (P2PTransport); stage 05's copy-engine pulls
+// are described in common/copy_engine.h.
 //
 // Rank r of N holds chunk r = rows [r·n, (r+1)·n) of a tensor split along dim 0 (the sequence).
 //
@@ -19,49 +20,77 @@
 // the comm lane: "<role> AG step k/N" brings the chunk GEMM step k + 1 needs and runs beside GEMM
 // step k; "<role> RS step k/N" carries GEMM step k's running sum and runs beside GEMM step k + 1.
 //
-// defines: tpx::RingTransport, tpx::P2PTransport, tpx::RingContext, tpx::RingGather,
-//          tpx::AlongTheRing, tpx::all_gather_gemm(), tpx::gemm_reduce_scatter()
+// defines: tpx::ChunkTransport, tpx::P2PTransport, tpx::RingContext, tpx::ChunkGather,
+//          tpx::ChunkReduceScatter, tpx::AlongTheRing, tpx::all_gather_gemm(),
+//          tpx::gemm_reduce_scatter()
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "comm/communicator.h"
+#include "parallel.h"
 #include "stream.h"
 #include "tensor.h"
 #include "trace.h"
 
 namespace tpx {
 
-/// How a ring step's chunk travels from rank r to rank r+1.
-class RingTransport {
+class ChunkGather;
+class ChunkReduceScatter;
+struct RingContext;
+
+/// How the chunks of the primitives below travel between ranks: a transport starts an all-gather
+/// or a reduce-scatter whose chunks the primitive then consumes or produces one per step. Stage 04
+/// passes chunks around a ring with send/recv (P2PTransport); stage 05 pulls them out of peers'
+/// symmetric memory with the copy engine (CopyEngineTransport, common/copy_engine.h).
+class ChunkTransport {
  public:
-  virtual ~RingTransport() = default;
+  virtual ~ChunkTransport() = default;
   virtual int rank() const = 0;
   virtual int world() const = 0;
-  /// Queues one ring step: `send` goes to rank+1 while `recv` is filled from rank−1, once `after`
-  /// (recorded by the caller) is reached. Returns an event that completes when both are done.
-  /// `what` names the step on the comm lane and in the flight recorder.
-  virtual Event shift(const Tensor& send, const Tensor& recv, const Event& after,
-                      const std::string& what) = 0;
+  /// Starts gathering x_local [n, ...] of every rank into [N·n, ...]; `queued` of the transfers
+  /// are issued now (all by default), the others by advance() or a wait.
+  virtual std::unique_ptr<ChunkGather> gather(const RingContext& ctx, const Tensor& x_local,
+                                              std::string_view role, int queued = -1) = 0;
+  /// Starts a reduce-scatter whose result on this rank has `shape` [n, ..., cols] (f32).
+  virtual std::unique_ptr<ChunkReduceScatter> reduce_scatter(const RingContext& ctx,
+                                                             const Tensor::Shape& shape,
+                                                             std::string_view role) = 0;
+  /// Blocks the host until every transfer issued so far is done.
+  virtual void synchronize() = 0;
+  /// Traffic the transport moved itself, not through a Communicator (which counts its own),
+  /// since the last call; resets the counters.
+  virtual CommStats take_stats() { return {}; }
+  /// Words for the stage header.
+  virtual std::string name() const = 0;
 };
 
-/// Stage 04's transport: a Communicator::sendrecv per step, issued on a comm stream of its own
-/// (cpu: a thread running MPI_Irecv/MPI_Isend; cuda: ncclSend/ncclRecv in a group).
-class P2PTransport final : public RingTransport {
+/// Stage 04's transport: a Communicator::sendrecv per ring step, issued on a comm stream of its
+/// own (cpu: a thread running MPI_Irecv/MPI_Isend; cuda: ncclSend/ncclRecv in a group).
+class P2PTransport final : public ChunkTransport {
  public:
   /// `comm` and `trace` must outlive the transport.
   P2PTransport(Communicator& comm, Device device, Trace& trace);
   ~P2PTransport() override;
   int rank() const override { return comm_.rank(); }
   int world() const override { return comm_.size(); }
-  Event shift(const Tensor& send, const Tensor& recv, const Event& after,
-              const std::string& what) override;
-  /// Blocks the host until every transfer queued so far is done.
-  void synchronize() const { stream_.synchronize(); }
+  std::unique_ptr<ChunkGather> gather(const RingContext& ctx, const Tensor& x_local,
+                                      std::string_view role, int queued = -1) override;
+  std::unique_ptr<ChunkReduceScatter> reduce_scatter(const RingContext& ctx,
+                                                     const Tensor::Shape& shape,
+                                                     std::string_view role) override;
+  void synchronize() override { stream_.synchronize(); }
+  std::string name() const override { return "ring of send/recv on a comm stream"; }
+
+  /// Queues one ring step: `send` goes to rank+1 while `recv` is filled from rank−1, once `after`
+  /// (recorded by the caller) is reached. Returns an event that completes when both are done.
+  /// `what` names the step on the comm lane and in the flight recorder.
+  Event shift(const Tensor& send, const Tensor& recv, const Event& after, const std::string& what);
 
  private:
   Communicator& comm_;
@@ -72,37 +101,54 @@ class P2PTransport final : public RingTransport {
 /// What a ring primitive runs on: the transport, the trace, the GEMMs' operand type. The compute
 /// lane is the device's default stream (the caller's thread on the cpu).
 struct RingContext {
-  RingTransport& transport;
+  ChunkTransport& transport;
   Trace& trace;
   DType compute = DType::f32;
 };
 
-/// A ring all-gather in flight: full() [N·n, ...] fills chunk by chunk. The constructor puts the
-/// own chunk in place (a compute-lane span "<role> copy own chunk") and queues `queued` of the
-/// N − 1 transfers on the comm lane (all by default); advance() queues the others one at a time,
-/// so another ring can interleave its transfers with these.
-class RingGather {
+/// An all-gather in flight: full() [N·n, ...] fills chunk by chunk. Made by a transport, which
+/// has put the own chunk in place (a compute-lane span "<role> copy own chunk") and issued some or
+/// all of the transfers.
+class ChunkGather {
  public:
-  RingGather(const RingContext& ctx, const Tensor& x_local, std::string_view role, int queued = -1);
-
+  virtual ~ChunkGather() = default;
   const Tensor& full() const { return full_; }
   /// Rows [c·n, (c+1)·n) of full(): chunk c.
   Tensor chunk(int c) const;
-  /// Queues the next transfer; false once all N − 1 are queued.
-  bool advance();
-  /// Makes the compute lane wait until chunk c is here (own chunk: at once), queueing first
-  /// whatever transfers it needs.
-  void wait_chunk(int c);
-  /// Queues the remaining transfers and makes the compute lane wait until every chunk is here.
+  /// The chunk a consumer takes at step i = 0 … N−1, in the order they arrive (step 0: the own
+  /// chunk, which is here at once).
+  virtual int chunk_at(int i) const = 0;
+  /// Issues the next transfer; false once all are issued.
+  virtual bool advance() = 0;
+  /// Makes the compute lane wait until chunk c is here, issuing first whatever transfers it needs.
+  virtual void wait_chunk(int c) = 0;
+  /// Issues the remaining transfers and makes the compute lane wait until every chunk is here.
   void wait_all();
 
- private:
-  RingTransport* transport_;
+ protected:
+  /// Allocates full() and copies x_local into its own chunk on the compute lane; own_ marks it.
+  ChunkGather(const RingContext& ctx, const Tensor& x_local, std::string_view role);
   Tensor full_;
   int rank_, world_;
   std::string role_;
-  Event own_;                   // the own chunk is in place
-  std::vector<Event> arrived_;  // arrived_[i]: step i's chunk, (rank − i − 1) mod N, is here
+  Event own_;  // the own chunk is in place (and x_local read)
+};
+
+/// A reduce-scatter in flight, fed one chunk of partial sums per step: for i = 0 … N−1 the
+/// primitive writes the partial sums of chunk chunk_at(i) into target(i) and calls computed(i);
+/// after the last step (the own chunk) finish() combines what the peers sent.
+class ChunkReduceScatter {
+ public:
+  virtual ~ChunkReduceScatter() = default;
+  virtual int chunk_at(int i) const = 0;
+  /// Where step i's partial sums go [n, ..., cols]; the compute lane may first wait until the
+  /// buffer is free again.
+  virtual Tensor target(int i) = 0;
+  /// Step i < N − 1 has written target(i): send it on its way.
+  virtual void computed(int i) = 0;
+  /// After the last step: the compute lane waits for the peers' partial sums of this rank's
+  /// chunk and adds them; returns the complete [n, ..., cols].
+  virtual Tensor finish() = 0;
 };
 
 /// AG+GEMM: out[j] = gather(x_local) · op(w[j]) for every j, with op(w) = wᵀ when trans_w, each
@@ -115,7 +161,7 @@ Tensor all_gather_gemm(const RingContext& ctx, const Tensor& x_local, std::span<
 struct AlongTheRing {
   /// Another all-gather, advanced by one transfer after each of this ring's transfers, so the
   /// two rings share the comm lane step by step instead of one waiting for the whole other.
-  RingGather* gather = nullptr;
+  ChunkGather* gather = nullptr;
   /// Compute-lane work run after the last GEMM and before the wait for the last transfer, so
   /// that independent work hides that transfer.
   std::function<void()> before_last_wait;
