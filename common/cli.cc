@@ -142,6 +142,28 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
          "RANK:SEQ: that rank silently skips its op SEQ")
       ->type_name("RANK:SEQ")
       ->group("");
+  const std::string signal_flag = "--fault-skip-signal";
+  app.add_option_function<std::string>(
+         signal_flag,
+         [&o, &signal_flag](const std::string& s) {
+           const auto colon = s.find(':');
+           if (colon == std::string::npos)
+             throw CLI::ValidationError(
+                 fmt::format("{} '{}': expected RANK:N, e.g. 1:7", signal_flag, s));
+           o.comm.signal_fault_rank = parse_number<int>(signal_flag + " RANK", s.substr(0, colon));
+           o.comm.signal_fault =
+               parse_number<std::int64_t>(signal_flag + " N", s.substr(colon + 1));
+           if (o.comm.signal_fault_rank < 0 || o.comm.signal_fault < 0)
+             throw CLI::ValidationError(
+                 fmt::format("{} '{}': RANK and N must be >= 0", signal_flag, s));
+         },
+         "RANK:N: that rank never sends its symmetric-memory signal N (0-based)")
+      ->type_name("RANK:N")
+      ->group("");
+  add_number(app, "--fault-copy-delay-us", o.comm.copy_delay_us,
+             "each copy-lane pull and signal first waits a random 0..US microseconds")
+      ->type_name("US")
+      ->group("");
 
   try {
     app.parse(argc, argv);
@@ -151,7 +173,8 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
     return {std::nullopt, fmt::format("{} (see --help)", e.what()), 2};
   }
   if (info.single_device)
-    for (const char* flag : {"--comm", "--comm-timeout", "--fault-skip-collective"})
+    for (const char* flag : {"--comm", "--comm-timeout", "--fault-skip-collective",
+                             "--fault-skip-signal", "--fault-copy-delay-us"})
       if (app.count(flag) > 0)
         return {std::nullopt,
                 fmt::format("{} has no meaning for {}: it runs on one device and does not "
@@ -174,24 +197,27 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
 ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
   const BlockConfig& c = o.config;
   auto given = [](const std::string& path) { return path.empty() ? "not given" : "given"; };
-  return {{"the stage", info.name},
-          {"--hidden", fmt::format("{}", c.hidden)},
-          {"--heads", fmt::format("{}", c.heads)},
-          {"--ffn", fmt::format("{}", c.ffn)},
-          {"--seq", fmt::format("{}", c.seq)},
-          {"--batch", fmt::format("{}", c.batch)},
-          {"--layers", fmt::format("{}", c.layers)},
-          {"--steps", fmt::format("{}", c.steps)},
-          {"--lr", fmt::format("{}", c.lr)},
-          {"--seed", fmt::format("{}", c.seed)},
-          {"--device", std::string(to_string(c.device))},
-          {"--dtype", std::string(to_string(c.dtype))},
-          {"--comm", to_string(o.comm.kind)},
-          {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
-          {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},
-          {"--check", o.check ? "given" : "not given"},
-          {"--dump", given(o.dump_dir)},
-          {"--trace", given(o.trace_path)}};
+  return {
+      {"the stage", info.name},
+      {"--hidden", fmt::format("{}", c.hidden)},
+      {"--heads", fmt::format("{}", c.heads)},
+      {"--ffn", fmt::format("{}", c.ffn)},
+      {"--seq", fmt::format("{}", c.seq)},
+      {"--batch", fmt::format("{}", c.batch)},
+      {"--layers", fmt::format("{}", c.layers)},
+      {"--steps", fmt::format("{}", c.steps)},
+      {"--lr", fmt::format("{}", c.lr)},
+      {"--seed", fmt::format("{}", c.seed)},
+      {"--device", std::string(to_string(c.device))},
+      {"--dtype", std::string(to_string(c.dtype))},
+      {"--comm", to_string(o.comm.kind)},
+      {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
+      {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},
+      {"--fault-skip-signal", fmt::format("{}:{}", o.comm.signal_fault_rank, o.comm.signal_fault)},
+      {"--fault-copy-delay-us", fmt::format("{}", o.comm.copy_delay_us)},
+      {"--check", o.check ? "given" : "not given"},
+      {"--dump", given(o.dump_dir)},
+      {"--trace", given(o.trace_path)}};
 }
 
 }  // namespace tpx

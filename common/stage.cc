@@ -168,6 +168,11 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
   if (o.comm.fault_rank >= world)
     return fmt::format("--fault-skip-collective names rank {}, but the job has ranks 0..{}",
                        o.comm.fault_rank, world - 1);
+  if (o.comm.signal_fault_rank >= world)
+    return fmt::format("--fault-skip-signal names rank {}, but the job has ranks 0..{}",
+                       o.comm.signal_fault_rank, world - 1);
+  if (o.comm.copy_delay_us < 0 || o.comm.copy_delay_us > 1'000'000)
+    return fmt::format("--fault-copy-delay-us must be 0 … 1000000 (got {})", o.comm.copy_delay_us);
   if (std::string p = ops::device_problem(c.device); !p.empty()) return p;
   if (rank != 0) return {};
   if (!o.json_path.empty())

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "check.h"
+#include "copy_engine.h"
 #include "ops.h"
 
 namespace tpx {
@@ -31,7 +32,12 @@ TpGroup::TpGroup(const RunContext& ctx)
       device_(ctx.options.config.device),
       trace_(ctx.trace),
       stream_(device_),
-      comm_(make_communicator(ctx.options.comm, device_)) {
+      comm_(make_communicator(ctx.options.comm, device_)),
+      symmetric_{.timeout_s = ctx.options.comm.timeout_s,
+                 .fault_rank = ctx.options.comm.signal_fault_rank,
+                 .fault_signal = ctx.options.comm.signal_fault,
+                 .delay_us = ctx.options.comm.copy_delay_us,
+                 .delay_seed = ctx.options.config.seed} {
   TPX_CHECK(comm_->rank() == rank_ && comm_->size() == world_,
             "communicator is rank {} of {}, the job says {} of {}", comm_->rank(), comm_->size(),
             rank_, world_);
@@ -61,16 +67,24 @@ Tensor TpGroup::reduce_scatter(const Tensor& full, std::string_view what) {
   return local;
 }
 
-RingTransport& TpGroup::p2p_ring() {
-  if (!p2p_) p2p_ = std::make_unique<P2PTransport>(*comm_, device_, trace_);
-  return *p2p_;
+ChunkTransport& TpGroup::transport(ChunkMover mover) {
+  if (mover == ChunkMover::send_recv) {
+    if (!p2p_) p2p_ = std::make_unique<P2PTransport>(*comm_, device_, trace_);
+    return *p2p_;
+  }
+  if (!copy_engine_)
+    copy_engine_ =
+        std::make_unique<CopyEngineTransport>(rank_, world_, device_, symmetric_, trace_);
+  return *copy_engine_;
 }
 
 void TpGroup::bank_step_stats() {
-  const CommStats s = comm_->take_stats();
-  step_.payload_bytes += s.payload_bytes;
-  step_.bus_bytes += s.bus_bytes;
-  step_.calls += s.calls;
+  for (const CommStats& s :
+       {comm_->take_stats(), copy_engine_ ? copy_engine_->take_stats() : CommStats{}}) {
+    step_.payload_bytes += s.payload_bytes;
+    step_.bus_bytes += s.bus_bytes;
+    step_.calls += s.calls;
+  }
 }
 
 CommStats TpGroup::take_stats() {

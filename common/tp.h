@@ -21,6 +21,7 @@
 #include "ring.h"
 #include "stage.h"
 #include "stream.h"
+#include "symmetric_memory.h"
 #include "tensor.h"
 #include "trace.h"
 
@@ -30,6 +31,12 @@ namespace tpx {
 /// tensor-parallel stage splits: NH (whole heads per rank, hence also H), F, and with sequence
 /// parallelism S.
 void check_tp_split(const BlockConfig& c, int world, bool sequence);
+
+/// What moves the chunks of the overlap primitives.
+enum class ChunkMover {
+  send_recv,    ///< a ring of point-to-point transfers (stage 04)
+  copy_engine,  ///< pulls from peers' symmetric memory by the copy engine (stage 05)
+};
 
 /// The tensor-parallel group: every rank of the job, in rank order.
 class TpGroup {
@@ -58,9 +65,10 @@ class TpGroup {
   /// The full [S, B, H] tensor from this rank's sequence shard (collective; not counted).
   Tensor gather_sequence(const Tensor& local);
 
-  /// The point-to-point ring over this group (stage 04's transport), with its own comm stream;
-  /// made on first use.
-  RingTransport& p2p_ring();
+  /// The transport of the overlap primitives (common/ring.h) over this group, made on first use:
+  /// stage 04's ring of send/recv on a comm stream of its own, or stage 05's copy-engine pulls
+  /// from symmetric memory. Its traffic is part of take_stats().
+  ChunkTransport& transport(ChunkMover mover);
   Trace& trace() const { return trace_; }
 
   /// The step's traffic since the last call; resets the counters.
@@ -69,6 +77,7 @@ class TpGroup {
   void synchronize() {
     stream_.synchronize();
     if (p2p_) p2p_->synchronize();
+    if (copy_engine_) copy_engine_->synchronize();
   }
 
  private:
@@ -82,7 +91,9 @@ class TpGroup {
   Trace& trace_;
   Stream stream_;
   std::unique_ptr<Communicator> comm_;
+  SymmetricOptions symmetric_;
   std::unique_ptr<P2PTransport> p2p_;  // after comm_: destroyed (its stream drained) first
+  std::unique_ptr<ChunkTransport> copy_engine_;
   CommStats step_;
 };
 

@@ -5,7 +5,9 @@
 //     bitwise equal, which depends on the BLAS's blocking);
 //   - gemm_reduce_scatter: equal to GEMM + reduce-scatter within fp32 summation-order tolerance;
 //   - accounting: N − 1 transfers per primitive, the bulk collective's bus bytes, every step in
-//     the flight recorder and on the trace's comm lane under its ring-step name.
+//     the flight recorder and on the trace's comm lane under its ring-step name (send/recv) or
+//     every pull on the copy lane (copy engine).
+// Every test runs over both transports, stage 04's and stage 05's.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -20,8 +22,10 @@
 #include <gtest/gtest.h>
 
 #include "common/comm/communicator.h"
+#include "common/copy_engine.h"
 #include "common/ops.h"
 #include "common/ring.h"
+#include "common/tp.h"
 #include "test_mpi.h"
 #include "test_util.h"
 
@@ -43,16 +47,46 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
 
-class Ring : public ::testing::Test {
+/// Every test runs over both transports: stage 04's ring of send/recv and stage 05's copy-engine
+/// pulls from symmetric memory.
+class Ring : public ::testing::TestWithParam<ChunkMover> {
  protected:
   void SetUp() override {
     CommOptions o;
     o.kind = CommKind::mpi;
     o.timeout_s = 60;  // a hang becomes an abort with a diagnosis
     comm_ = make_communicator(o, Device::cpu);
-    transport_ = std::make_unique<P2PTransport>(*comm_, Device::cpu, trace_);
     n_ = comm_->size();
     r_ = comm_->rank();
+    if (p2p())
+      transport_ = std::make_unique<P2PTransport>(*comm_, Device::cpu, trace_);
+    else
+      transport_ = std::make_unique<CopyEngineTransport>(r_, n_, Device::cpu,
+                                                         SymmetricOptions{.timeout_s = 60,
+                                                                          .fault_rank = -1,
+                                                                          .fault_signal = -1,
+                                                                          .delay_us = 0,
+                                                                          .delay_seed = 1},
+                                                         trace_);
+  }
+  bool p2p() const { return GetParam() == ChunkMover::send_recv; }
+
+  /// The traffic of the primitives since the last call: the communicator's (send/recv) and the
+  /// transport's own (pulls).
+  CommStats take_traffic() {
+    CommStats s = comm_->take_stats();
+    const CommStats t = transport_->take_stats();
+    s.payload_bytes += t.payload_bytes;
+    s.bus_bytes += t.bus_bytes;
+    s.calls += t.calls;
+    return s;
+  }
+
+  /// The name of transfer k (1-based) of a primitive for `role`: a ring step on the comm lane
+  /// ("qkv AG step 1/4") or a pull on the copy lane ("qkv pull 1/3").
+  std::string transfer(const std::string& role, const char* kind, int k) const {
+    return p2p() ? fmt::format("{} {} step {}/{}", role, kind, k, n_)
+                 : fmt::format("{} pull {}/{}", role, k, n_ - 1);
   }
   void TearDown() override {
     transport_.reset();  // drains the comm stream before the communicator goes
@@ -61,25 +95,30 @@ class Ring : public ::testing::Test {
 
   RingContext ctx() { return {.transport = *transport_, .trace = trace_, .compute = DType::f32}; }
 
-  /// The transfers in the flight recorder whose ring-step names contain `what` (each transfer's
-  /// comm-lane span carries the same name, ring.cc).
-  int comm_spans(const std::string& what) const {
+  /// The transfers whose names contain `what`: ring steps in the flight recorder (each one's
+  /// comm-lane span carries the same name, ring.cc), or pulls on the trace's copy lane.
+  int transfers(const std::string& what) const {
     int n = 0;
-    for (const OpRecord& r : comm_->recorder().snapshot())
-      if (std::string(r.what).find(what) != std::string::npos) ++n;
+    if (p2p()) {
+      for (const OpRecord& r : comm_->recorder().snapshot())
+        if (std::string(r.what).find(what) != std::string::npos) ++n;
+    } else {
+      for (const std::string& name : trace_.span_names(Lane::copy))
+        if (name.find(what) != std::string::npos) ++n;
+    }
     return n;
   }
 
   Trace trace_{Trace::Mode::keep};
   std::unique_ptr<Communicator> comm_;
-  std::unique_ptr<P2PTransport> transport_;
+  std::unique_ptr<ChunkTransport> transport_;
   int n_ = 1, r_ = 0;
 };
 
 // Sizes: chunk rows n = 3 tokens × B = 2, so the GEMMs see 6-row chunks of an [N·3, 2, in] input.
 constexpr std::int64_t kTokens = 3, kBatch = 2;
 
-TEST_F(Ring, AllGatherGemmEqualsAllGatherThenGemm) {
+TEST_P(Ring, AllGatherGemmEqualsAllGatherThenGemm) {
   const std::int64_t in = 40;
   const Tensor x = test::random_tensor({kTokens, kBatch, in}, 100 + std::uint32_t(r_));
   // Q, K, V-like: three weights sharing each gathered chunk; the same on every rank.
@@ -87,10 +126,10 @@ TEST_F(Ring, AllGatherGemmEqualsAllGatherThenGemm) {
                      test::random_tensor({in, 8}, 3)};
   std::vector<Tensor> out;
   for (const Tensor& wi : w) out.push_back(Tensor::empty({n_ * kTokens, kBatch, wi.dim(1)}));
-  comm_->take_stats();
+  take_traffic();
 
   const Tensor gathered = all_gather_gemm(ctx(), x, w, /*trans_w=*/false, out, "qkv");
-  const CommStats ring = comm_->take_stats();
+  const CommStats ring = take_traffic();
 
   const Tensor full = Tensor::empty({n_ * kTokens, kBatch, in});
   comm_->all_gather(x, full, Stream());
@@ -110,12 +149,11 @@ TEST_F(Ring, AllGatherGemmEqualsAllGatherThenGemm) {
 
   EXPECT_EQ(ring.calls, std::uint64_t(n_ - 1));
   EXPECT_EQ(ring.bus_bytes, bulk.bus_bytes);
-  EXPECT_EQ(comm_spans("qkv AG step"), n_ - 1);
-  for (int i = 1; i < n_; ++i)
-    EXPECT_EQ(comm_spans(fmt::format("qkv AG step {}/{}", i, n_)), 1) << "step " << i;
+  EXPECT_EQ(transfers(p2p() ? "qkv AG step" : "qkv pull"), n_ - 1);
+  for (int i = 1; i < n_; ++i) EXPECT_EQ(transfers(transfer("qkv", "AG", i)), 1) << "step " << i;
 }
 
-TEST_F(Ring, AllGatherGemmOnTransposedWeights) {
+TEST_P(Ring, AllGatherGemmOnTransposedWeights) {
   // The row-parallel backward: da = AG(dy) · Wᵀ with W [in/N, out].
   const std::int64_t out_cols = 32, in_rows = 12;
   const Tensor dy = test::random_tensor({kTokens, kBatch, out_cols}, 200 + std::uint32_t(r_));
@@ -129,7 +167,7 @@ TEST_F(Ring, AllGatherGemmOnTransposedWeights) {
   EXPECT_TRUE(bitwise_equal(gathered.slice0(r_ * kTokens, (r_ + 1) * kTokens), dy));
 }
 
-TEST_F(Ring, GemmReduceScatterEqualsGemmThenReduceScatter) {
+TEST_P(Ring, GemmReduceScatterEqualsGemmThenReduceScatter) {
   // Two terms summed (the column-parallel backward: Σ dy[j] · W[j]ᵀ), with transposed weights,
   // and the plain row-parallel forward with one term.
   const std::int64_t h = 20;
@@ -138,11 +176,11 @@ TEST_F(Ring, GemmReduceScatterEqualsGemmThenReduceScatter) {
                        test::random_tensor({n_ * kTokens, kBatch, 12}, 400 + std::uint32_t(r_))};
     const std::array w{trans ? test::random_tensor({h, 36}, 11) : test::random_tensor({36, h}, 11),
                        trans ? test::random_tensor({h, 12}, 12) : test::random_tensor({12, h}, 12)};
-    comm_->take_stats();
+    take_traffic();
     int tail_calls = 0;
     const Tensor got = gemm_reduce_scatter(
         ctx(), a, w, trans, "down", {.gather = nullptr, .before_last_wait = [&] { ++tail_calls; }});
-    const CommStats ring = comm_->take_stats();
+    const CommStats ring = take_traffic();
 
     const Tensor partial = Tensor::empty({n_ * kTokens, kBatch, h});
     ops::gemm(a[0], false, w[0], trans, partial);
@@ -158,23 +196,25 @@ TEST_F(Ring, GemmReduceScatterEqualsGemmThenReduceScatter) {
     EXPECT_EQ(ring.calls, std::uint64_t(n_ - 1));
     EXPECT_EQ(ring.bus_bytes, bulk.bus_bytes);
   }
-  EXPECT_EQ(comm_spans("down RS step"), 2 * (n_ - 1));
+  EXPECT_EQ(transfers(p2p() ? "down RS step" : "down pull"), 2 * (n_ - 1));
 }
 
-TEST_F(Ring, AllGatherQueuedStepByStepFillsEveryChunk) {
+TEST_P(Ring, AllGatherQueuedStepByStepFillsEveryChunk) {
   const Tensor x = test::random_tensor({kTokens, kBatch, 8}, 500 + std::uint32_t(r_));
-  RingGather g(ctx(), x, "re-gather", /*queued=*/0);
-  EXPECT_EQ(comm_spans("re-gather AG step"), 0) << "nothing may be queued yet";
+  const auto g = transport_->gather(ctx(), x, "re-gather", /*queued=*/0);
+  transport_->synchronize();
+  EXPECT_EQ(transfers(p2p() ? "re-gather AG step" : "re-gather pull"), 0)
+      << "nothing may be queued yet";
   int queued = 0;
-  while (g.advance()) ++queued;
+  while (g->advance()) ++queued;
   EXPECT_EQ(queued, n_ - 1);
-  g.wait_all();
+  g->wait_all();
   const Tensor full = Tensor::empty({n_ * kTokens, kBatch, 8});
   comm_->all_gather(x, full, Stream());
-  EXPECT_TRUE(bitwise_equal(g.full(), full));
+  EXPECT_TRUE(bitwise_equal(g->full(), full));
 }
 
-TEST_F(Ring, ReduceScatterCarriesAGatherAndTailWorkAlong) {
+TEST_P(Ring, ReduceScatterCarriesAGatherAndTailWorkAlong) {
   // The column-parallel backward's schedule: dX by GEMM+RS, the re-gather of its input
   // interleaved, dW in the tail, against the bulk collectives.
   const std::int64_t in = 16, out = 10;
@@ -182,10 +222,10 @@ TEST_F(Ring, ReduceScatterCarriesAGatherAndTailWorkAlong) {
   const std::array dy{test::random_tensor({n_ * kTokens, kBatch, out}, 800 + std::uint32_t(r_))};
   const std::array w{test::random_tensor({in, out}, 17)};
   const Tensor dw = Tensor::empty({in, out});
-  RingGather g(ctx(), h, "qkv re-gather", /*queued=*/1);
-  const AlongTheRing along{.gather = &g, .before_last_wait = [&] {
-                             g.wait_all();
-                             ops::gemm(g.full(), true, dy[0], false, dw);
+  const auto g = transport_->gather(ctx(), h, "qkv re-gather", /*queued=*/1);
+  const AlongTheRing along{.gather = g.get(), .before_last_wait = [&] {
+                             g->wait_all();
+                             ops::gemm(g->full(), true, dy[0], false, dw);
                            }};
   const Tensor dx = gemm_reduce_scatter(ctx(), dy, w, /*trans_w=*/true, "qkv dX", along);
 
@@ -199,6 +239,7 @@ TEST_F(Ring, ReduceScatterCarriesAGatherAndTailWorkAlong) {
   const Tensor want_dx = Tensor::empty({kTokens, kBatch, in});
   comm_->reduce_scatter(partial, want_dx, Stream());
   EXPECT_LE(rel_error(dx, want_dx), 1e-5);
+  if (!p2p()) return;  // the copy engine pulls whichever chunk is ready: no fixed interleave
   // The comm lane took the two rings in turn: re-gather 1, dX 1, re-gather 2, dX 2, ...
   std::vector<std::string> order;
   for (const OpRecord& rec : comm_->recorder().snapshot())
@@ -211,7 +252,7 @@ TEST_F(Ring, ReduceScatterCarriesAGatherAndTailWorkAlong) {
   EXPECT_EQ(order, want);
 }
 
-TEST_F(Ring, ExposedCommIsTheCommNotCoveredByCompute) {
+TEST_P(Ring, ExposedCommIsTheCommNotCoveredByCompute) {
   // The trace saw this rank's spans: whatever the overlap, exposed comm lies between 0 and the
   // comm lane's busy time, and the window before any span exposes nothing.
   const Tensor x = test::random_tensor({kTokens, kBatch, 64}, 600 + std::uint32_t(r_));
@@ -229,6 +270,12 @@ TEST_F(Ring, ExposedCommIsTheCommNotCoveredByCompute) {
     EXPECT_EQ(exposed, 0.0);  // no transfers at all
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, Ring,
+                         ::testing::Values(ChunkMover::send_recv, ChunkMover::copy_engine),
+                         [](const ::testing::TestParamInfo<ChunkMover>& i) {
+                           return i.param == ChunkMover::send_recv ? "SendRecv" : "CopyEngine";
+                         });
 
 }  // namespace
 }  // namespace tpx

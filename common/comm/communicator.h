@@ -65,6 +65,12 @@ struct CommOptions {
   /// (recording it as skipped). -1: no fault.
   int fault_rank = -1;
   std::int64_t fault_seq = -1;
+  /// Fault injection for symmetric memory (stage 05; hidden --fault-skip-signal RANK:N and
+  /// --fault-copy-delay-us US): rank `signal_fault_rank` never sends its signal number
+  /// `signal_fault` (0-based), and every pull and signal waits a random 0 … `copy_delay_us` µs.
+  int signal_fault_rank = -1;
+  std::int64_t signal_fault = -1;
+  int copy_delay_us = 0;
 };
 
 class Communicator {
