@@ -7,7 +7,11 @@
 //   - a rank count that does not divide them fails fast on every rank with one clear line;
 //   - stage 04 moves exactly stage 03's bus bytes at N = 1 … 4 in N − 1 transfers per ring
 //     primitive, its --dump equals stage 03's to fp32 summation-order tolerance, and a transfer
-//     that never arrives is reported by the watchdog with its ring step named.
+//     that never arrives is reported by the watchdog with its ring step named;
+//   - stage 05 moves stage 04's bytes in as many pulls as 04 has transfers, its --dump equals
+//     stage 04's, it passes --check at N = 3 on the chapter's sizes, 200 steps with random delays
+//     on the copy lanes give bitwise the losses of a run without, and a signal that is never sent
+//     is reported by the watchdog naming the peer and the generation.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -202,7 +206,7 @@ TEST_P(ThreeRanks, RejectsSizesNotDivisibleByThreeOnEveryRank) {
 
 INSTANTIATE_TEST_SUITE_P(stages, ThreeRanks,
                          testing::Values("02_megatron_tp", "03_sequence_parallel",
-                                         "04_overlap_ring"),
+                                         "04_overlap_ring", "05_copy_engine_async_tp"),
                          [](const auto& p) { return p.param.substr(3); });
 
 // --- stage 04 against stage 03 -------------------------------------------------------------------
@@ -229,10 +233,11 @@ TEST_P(OverlapRingVsSequenceParallel, SameBusBytesEveryStep) {
   }
 }
 
-TEST_P(OverlapRingVsSequenceParallel, DumpEqualsStage03) {
-  const int n = GetParam();
+/// Runs `a` and `b` at N ranks with --dump and expects every dumped tensor of b within
+/// `rtol` · max|a| of a's.
+void expect_dumps_close(const std::string& a, const std::string& b, int n, double rtol) {
   test::TempDir dir;
-  for (const char* stage : {"03_sequence_parallel", "04_overlap_ring"}) {
+  for (const std::string& stage : {a, b}) {
     const auto r = run_stage(
         stage, n, fmt::format("{} --steps 1 --dump {}", kRingSizes.args(), (dir / stage).string()),
         dir);
@@ -243,18 +248,22 @@ TEST_P(OverlapRingVsSequenceParallel, DumpEqualsStage03) {
     for (const char* p : {"norm1", "wq", "wk", "wv", "wo", "norm2", "w_gate", "w_up", "w_down"})
       names.push_back(fmt::format("layers.{}.{}.grad", l, p));
   for (const auto& name : names) {
-    const NpyArray want = read_npy(dir / "03_sequence_parallel" / (name + ".npy"));
-    const NpyArray got = read_npy(dir / "04_overlap_ring" / (name + ".npy"));
+    const NpyArray want = read_npy(dir / a / (name + ".npy"));
+    const NpyArray got = read_npy(dir / b / (name + ".npy"));
     ASSERT_EQ(got.shape, want.shape) << name;
     double scale = 0.0, err = 0.0;
     for (std::size_t i = 0; i < want.data.size(); ++i) {
       scale = std::max(scale, std::abs(double(want.data[i])));
       err = std::max(err, std::abs(double(got.data[i]) - double(want.data[i])));
     }
-    // The ring sums a row-parallel output's partials in ring order, the bulk reduce-scatter in
-    // its own: fp32 summation order, nothing more.
-    EXPECT_LE(err, 1e-5 * scale) << name << " at N = " << n;
+    EXPECT_LE(err, rtol * scale) << name << " at N = " << n;
   }
+}
+
+TEST_P(OverlapRingVsSequenceParallel, DumpEqualsStage03) {
+  // The ring sums a row-parallel output's partials in ring order, the bulk reduce-scatter in its
+  // own: fp32 summation order, nothing more.
+  expect_dumps_close("03_sequence_parallel", "04_overlap_ring", GetParam(), 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(stages, OverlapRingVsSequenceParallel, testing::Values(1, 2, 3, 4));
@@ -272,6 +281,86 @@ TEST(OverlapRing, WatchdogNamesTheRingStepThatNeverArrived) {
   EXPECT_NE(r.err.find("comm watchdog"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("rank 1 skipped it"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("(qkv AG step 1/2)"), std::string::npos) << r.err;
+}
+
+// --- stage 05 against stage 04 -------------------------------------------------------------------
+
+class CopyEngineVsOverlapRing : public testing::TestWithParam<int> {};
+
+TEST_P(CopyEngineVsOverlapRing, SameBytesInAsManyTransfers) {
+  // Each of the 10 primitives per layer pulls N − 1 chunks where stage 04 sent N − 1: payload,
+  // bus bytes and calls are stage 04's, step by step.
+  const int n = GetParam();
+  const json ring = run_json("04_overlap_ring", n, kRingSizes, 2);
+  const json ce = run_json("05_copy_engine_async_tp", n, kRingSizes, 2);
+  ASSERT_EQ(ring.at("steps").size(), ce.at("steps").size());
+  for (std::size_t i = 0; i < ring.at("steps").size(); ++i) {
+    const json &a = ring["steps"][i], &b = ce["steps"][i];
+    for (const char* key : {"comm_payload_bytes", "comm_bus_bytes", "comm_calls"})
+      EXPECT_EQ(b.at(key).get<std::uint64_t>(), a.at(key).get<std::uint64_t>())
+          << key << " at step " << i;
+  }
+}
+
+TEST_P(CopyEngineVsOverlapRing, DumpEqualsStage04) {
+  // The one-shot reduce-scatter adds the peers' partial sums in another order than the ring.
+  expect_dumps_close("04_overlap_ring", "05_copy_engine_async_tp", GetParam(), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(stages, CopyEngineVsOverlapRing, testing::Values(1, 2, 3, 4));
+
+TEST(CopyEngine, ChecksAtThreeRanksOnTheChaptersSizes) {
+  test::TempDir dir;
+  const Sizes z{.H = 384, .NH = 6, .F = 768, .S = 96, .B = 2, .L = 2};
+  const auto r = run_stage("05_copy_engine_async_tp", 3, z.args() + " --steps 4 --check", dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+}
+
+TEST(CopyEngine, RandomDelaysOnTheCopyLanesChangeNoBit) {
+  // 200 steps with every pull and signal delayed by a random 0 … 300 µs: the schedule of the
+  // transfers changes, the arithmetic must not. A torn read (a pull before its chunk was
+  // published) or a stale signal (a wait satisfied by an earlier step's) would change some loss.
+  const Sizes z{.H = 16, .NH = 4, .F = 32, .S = 8, .B = 1, .L = 1};
+  auto losses = [&](const std::string& extra) {
+    test::TempDir dir;
+    const auto path = dir / "summary.json";
+    const auto r = run_stage(
+        "05_copy_engine_async_tp", 4,
+        fmt::format("{} --steps 200 --check --json {} {}", z.args(), path.string(), extra), dir);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+    std::vector<double> out;
+    const json summary = json::parse(test::read_file(path));
+    for (const json& step : summary.at("steps")) {
+      out.push_back(step.at("loss").get<double>());
+      out.push_back(step.at("grad_norm").get<double>());
+    }
+    return out;
+  };
+  const std::vector<double> quiet = losses("");
+  const std::vector<double> jittered = losses("--fault-copy-delay-us 300");
+  ASSERT_EQ(quiet.size(), 400u);
+  EXPECT_EQ(jittered, quiet);
+}
+
+TEST(CopyEngine, WatchdogNamesThePeerAndGenerationOfAMissingSignal) {
+  // Rank 1 never sends its first signal: "ready" for generation 1 of layer 0's Q/K/V gather.
+  // Rank 0's pull waits on it until the symmetric memory's watchdog reports it.
+  test::TempDir dir;
+  const Sizes z{.H = 48, .NH = 12, .F = 96, .S = 12, .B = 2, .L = 1};
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = run_stage("05_copy_engine_async_tp", 2,
+                           z.args() + " --comm-timeout 3 --fault-skip-signal 1:0", dir);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.exit_code, 124) << "timed out instead of being caught by the watchdog";
+  EXPECT_LT(seconds, 60.0);
+  EXPECT_NE(r.err.find("comm watchdog"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("signal_wait from 1 gen 1 (qkv pull 1/1 ready)"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("rank 1 skipped it"), std::string::npos) << r.err;
 }
 
 }  // namespace
