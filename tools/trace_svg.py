@@ -44,6 +44,8 @@ KINDS = {
     "compute": ("#a6a6a6", "c", "other compute"),
     "ag": ("#3a9e5a", "A", "all-gather transfer"),
     "rs": ("#e08a2c", "R", "reduce-scatter transfer"),
+    "pull": ("#2f8f8f", "P", "copy-engine pull"),
+    "publish": ("#9fd4d4", "p", "publish into symmetric memory"),
     "comm": ("#9b6bbf", "o", "other comm (all-reduce, ...)"),
     "uncounted": ("#e4d7ee", "-", "reporting only (not counted)"),
 }
@@ -61,6 +63,10 @@ def kind_of(event):
         return "ag"
     if " rs step" in low or "reduce-scatter" in low or "reduce_scatter" in low:
         return "rs"
+    if " pull " in low:
+        return "pull"
+    if low.endswith(" publish"):
+        return "publish"
     return "comm"
 
 
