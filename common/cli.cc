@@ -53,6 +53,27 @@ CLI::Option* add_number(CLI::App& app, const std::string& flag, T& target,
       ->type_name(std::is_integral_v<T> ? "INT" : "FLOAT");
 }
 
+/// Registers a hidden RANK:<what> flag (fault injection) that sets `rank` and `value`, both >= 0.
+void add_rank_pair(CLI::App& app, const std::string& flag, const std::string& what, int& rank,
+                   std::int64_t& value, const std::string& help) {
+  app.add_option_function<std::string>(
+         flag,
+         [&rank, &value, flag, what](const std::string& s) {
+           const auto colon = s.find(':');
+           if (colon == std::string::npos)
+             throw CLI::ValidationError(
+                 fmt::format("{} '{}': expected RANK:{}, e.g. 1:7", flag, s, what));
+           rank = parse_number<int>(flag + " RANK", s.substr(0, colon));
+           value = parse_number<std::int64_t>(flag + " " + what, s.substr(colon + 1));
+           if (rank < 0 || value < 0)
+             throw CLI::ValidationError(
+                 fmt::format("{} '{}': RANK and {} must be >= 0", flag, s, what));
+         },
+         help)
+      ->type_name("RANK:" + what)
+      ->group("");
+}
+
 }  // namespace
 
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
@@ -125,41 +146,10 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->type_name("SECONDS")
       ->group(comm);
   // Fault injection for the watchdog's tests; hidden from --help (empty group).
-  const std::string fault_flag = "--fault-skip-collective";
-  app.add_option_function<std::string>(
-         fault_flag,
-         [&o, &fault_flag](const std::string& s) {
-           const auto colon = s.find(':');
-           if (colon == std::string::npos)
-             throw CLI::ValidationError(
-                 fmt::format("{} '{}': expected RANK:SEQ, e.g. 1:7", fault_flag, s));
-           o.comm.fault_rank = parse_number<int>(fault_flag + " RANK", s.substr(0, colon));
-           o.comm.fault_seq = parse_number<std::int64_t>(fault_flag + " SEQ", s.substr(colon + 1));
-           if (o.comm.fault_rank < 0 || o.comm.fault_seq < 0)
-             throw CLI::ValidationError(
-                 fmt::format("{} '{}': RANK and SEQ must be >= 0", fault_flag, s));
-         },
-         "RANK:SEQ: that rank silently skips its op SEQ")
-      ->type_name("RANK:SEQ")
-      ->group("");
-  const std::string signal_flag = "--fault-skip-signal";
-  app.add_option_function<std::string>(
-         signal_flag,
-         [&o, &signal_flag](const std::string& s) {
-           const auto colon = s.find(':');
-           if (colon == std::string::npos)
-             throw CLI::ValidationError(
-                 fmt::format("{} '{}': expected RANK:N, e.g. 1:7", signal_flag, s));
-           o.comm.signal_fault_rank = parse_number<int>(signal_flag + " RANK", s.substr(0, colon));
-           o.comm.signal_fault =
-               parse_number<std::int64_t>(signal_flag + " N", s.substr(colon + 1));
-           if (o.comm.signal_fault_rank < 0 || o.comm.signal_fault < 0)
-             throw CLI::ValidationError(
-                 fmt::format("{} '{}': RANK and N must be >= 0", signal_flag, s));
-         },
-         "RANK:N: that rank never sends its symmetric-memory signal N (0-based)")
-      ->type_name("RANK:N")
-      ->group("");
+  add_rank_pair(app, "--fault-skip-collective", "SEQ", o.comm.fault_rank, o.comm.fault_seq,
+                "RANK:SEQ: that rank silently skips its op SEQ");
+  add_rank_pair(app, "--fault-skip-signal", "N", o.comm.signal_fault_rank, o.comm.signal_fault,
+                "RANK:N: that rank never sends its symmetric-memory signal N (0-based)");
   add_number(app, "--fault-copy-delay-us", o.comm.copy_delay_us,
              "each copy-lane pull and signal first waits a random 0..US microseconds")
       ->type_name("US")
