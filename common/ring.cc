@@ -17,6 +17,13 @@ std::string step_name(std::string_view role, std::string_view what, int step, in
   return fmt::format("{} {} step {}/{}", role, what, step + 1, world);
 }
 
+/// [N·n, ...] for a chunk [n, ...].
+Tensor::Shape gathered_shape(const Tensor& x_local, int world) {
+  auto shape = x_local.shape();
+  shape[0] *= world;
+  return shape;
+}
+
 }  // namespace
 
 // --- the point-to-point transport ----------------------------------------------------------------
@@ -51,13 +58,19 @@ Event P2PTransport::shift(const Tensor& send, const Tensor& recv, const Event& a
 // --- what every transport's gather shares --------------------------------------------------------
 
 ChunkGather::ChunkGather(const RingContext& ctx, const Tensor& x_local, std::string_view role)
-    : rank_(ctx.transport.rank()),
+    : ChunkGather(ctx, x_local, role,
+                  Tensor::empty(gathered_shape(x_local, ctx.transport.world()), x_local.dtype(),
+                                x_local.device())) {}
+
+ChunkGather::ChunkGather(const RingContext& ctx, const Tensor& x_local, std::string_view role,
+                         Tensor full)
+    : full_(std::move(full)),
+      rank_(ctx.transport.rank()),
       world_(ctx.transport.world()),
       role_(role),
       own_(x_local.device()) {
-  auto shape = x_local.shape();
-  shape[0] *= world_;
-  full_ = Tensor::empty(shape, x_local.dtype(), x_local.device());
+  TPX_CHECK(full_.shape() == gathered_shape(x_local, world_) && full_.dtype() == x_local.dtype(),
+            "{}: gathering {} into {}", role_, x_local.describe(), full_.describe());
   {
     TraceScope span(ctx.trace, fmt::format("{} copy own chunk", role));
     ops::copy(x_local, chunk(rank_));

@@ -128,6 +128,8 @@ class ChunkGather {
  protected:
   /// Allocates full() and copies x_local into its own chunk on the compute lane; own_ marks it.
   ChunkGather(const RingContext& ctx, const Tensor& x_local, std::string_view role);
+  /// The same with `full` [N·n, ...] given (memory a library gathers into).
+  ChunkGather(const RingContext& ctx, const Tensor& x_local, std::string_view role, Tensor full);
   Tensor full_;
   int rank_, world_;
   std::string role_;

@@ -10,6 +10,7 @@ packages=(
   libcli11-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   doxygen clang-format
+  python3                           # tools/trace_svg.py, scripts/check-quotes.py
 )
 
 missing=()
