@@ -10,7 +10,8 @@ int main(int argc, char** argv) {
   const StageDefinition stage{
       .info = {.name = "05_copy_engine_async_tp",
                .summary = "tensor + sequence parallelism with all-gather + GEMM and GEMM + "
-                          "reduce-scatter overlapped by copy-engine pulls from symmetric memory"},
+                          "reduce-scatter overlapped by copy-engine pulls from symmetric memory",
+               .copy_engine = true},
       .make = async_tp::make_copy_engine_async_tp,
       .reference = baseline::run_reference,
   };

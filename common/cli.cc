@@ -76,6 +76,10 @@ void add_rank_pair(CLI::App& app, const std::string& flag, const std::string& wh
 
 }  // namespace
 
+const char* to_string(AllGatherPath p) {
+  return p == AllGatherPath::pulls ? "pulls" : "nccl-zero-cta";
+}
+
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   StageOptions o;
   BlockConfig& c = o.config;
@@ -154,6 +158,16 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
              "each copy-lane pull and signal first waits a random 0..US microseconds")
       ->type_name("US")
       ->group("");
+  // Only a copy-engine stage has a choice of all-gather; elsewhere the flag does not exist.
+  std::string all_gather = to_string(o.all_gather);
+  if (info.copy_engine)
+    app.add_option("--all-gather", all_gather,
+                   "pulls (the hand-built copy-engine pulls from symmetric memory) or "
+                   "nccl-zero-cta (NCCL >= 2.28's copy-engine all-gather on a registered "
+                   "window; cuda, one GPU per rank)")
+        ->check(CLI::IsMember({"pulls", "nccl-zero-cta"}))
+        ->capture_default_str()
+        ->group("Copy engine");
 
   try {
     app.parse(argc, argv);
@@ -177,6 +191,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                         o.comm.timeout_s),
             2};
   o.comm.kind = parse_comm_kind(comm_kind);
+  o.all_gather = all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
   c.device = parse_device(device);
   c.dtype = parse_dtype(dtype);
   if (const auto errors = validate(c); !errors.empty())
@@ -205,6 +220,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},
       {"--fault-skip-signal", fmt::format("{}:{}", o.comm.signal_fault_rank, o.comm.signal_fault)},
       {"--fault-copy-delay-us", fmt::format("{}", o.comm.copy_delay_us)},
+      {"--all-gather", to_string(o.all_gather)},
       {"--check", o.check ? "given" : "not given"},
       {"--dump", given(o.dump_dir)},
       {"--trace", given(o.trace_path)}};

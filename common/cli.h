@@ -1,8 +1,8 @@
 // The command line of every stage executable (DESIGN.md, "Contract of every stage executable"),
 // on CLI11.
 //
-// defines: tpx::StageInfo, tpx::StageOptions, tpx::CliOutcome, tpx::parse_stage_cli(),
-//          tpx::config_fields()
+// defines: tpx::StageInfo, tpx::AllGatherPath, tpx::StageOptions, tpx::CliOutcome,
+//          tpx::parse_stage_cli(), tpx::config_fields()
 #pragma once
 
 #include <optional>
@@ -19,7 +19,16 @@ struct StageInfo {
   std::string name;     ///< executable name, e.g. "01_baseline"
   std::string summary;  ///< one line: the stage's idea
   bool single_device = false;
+  /// Moves chunks with the copy engine (stage 05): offers --all-gather.
+  bool copy_engine = false;
 };
+
+/// What runs a copy-engine stage's all-gathers (--all-gather).
+enum class AllGatherPath {
+  pulls,          ///< the hand-built pulls from symmetric memory (common/copy_engine.h)
+  nccl_zero_cta,  ///< NCCL's copy-engine all-gather on a registered window (common/comm/zero_cta.h)
+};
+const char* to_string(AllGatherPath p);
 
 /// A parsed command line.
 struct StageOptions {
@@ -29,6 +38,7 @@ struct StageOptions {
   std::string json_path;   ///< empty: no summary file
   std::string trace_path;  ///< empty: no trace
   CommOptions comm;        ///< --comm, --comm-timeout, --fault-skip-collective
+  AllGatherPath all_gather = AllGatherPath::pulls;  ///< --all-gather (copy-engine stages)
 };
 
 /// Either options to run with, or a message to print and an exit code (help: 0, error: 2).

@@ -78,6 +78,31 @@ class PullGather final : public ChunkGather {
   std::vector<Event> arrived_;  // arrived_[j − 1]: the chunk of rank r + j has landed
 };
 
+// --- the library all-gather: NCCL's zero-CTA all-gather in a registered window -------------------
+
+class ZeroCtaGather final : public ChunkGather {
+ public:
+  /// `full` is the window (ZeroCtaComm::window); `lane` the stream the collective is issued from.
+  ZeroCtaGather(const RingContext& ctx, Communicator& comm, Tensor full, const Stream& lane,
+                const Tensor& x_local, std::string_view role)
+      : ChunkGather(ctx, x_local, role, std::move(full)), done_(x_local.device()) {
+    TraceScope span(ctx.trace, fmt::format("{} all-gather (NCCL zero-CTA)", role_), Lane::copy);
+    own_.wait(lane);  // the own chunk is in its rows
+    comm.all_gather(chunk(rank_), full_, lane);
+    done_.record(lane);
+  }
+
+  int chunk_at(int i) const override { return (rank_ + i) % world_; }
+  bool advance() override { return false; }  // one collective, issued at once
+  void wait_chunk(int c) override {
+    if (c != rank_) done_.wait(Stream(full_.device()));
+  }
+  const Event& done() const { return done_; }
+
+ private:
+  Event done_;  // every chunk is here
+};
+
 // --- the reduce-scatter: GEMMs write peers' slots, each owner pulls and adds ---------------------
 
 class PullReduceScatter final : public ChunkReduceScatter {
@@ -166,6 +191,14 @@ CopyEngineTransport::CopyEngineTransport(int rank, int world, Device device,
   symmetric::require_one_node();  // the one-line error comes before any training work
 }
 
+CopyEngineTransport::CopyEngineTransport(int rank, int world, Device device,
+                                         const SymmetricOptions& options, Trace& trace,
+                                         std::unique_ptr<ZeroCtaComm> library)
+    : CopyEngineTransport(rank, world, device, options, trace) {
+  library_ = std::move(library);
+  if (library_) library_lane_ = Stream::create(device);
+}
+
 CopyEngineTransport::~CopyEngineTransport() = default;
 
 CopyEngineTransport::Buffer& CopyEngineTransport::use(Buffer& b, std::size_t bytes) {
@@ -189,7 +222,18 @@ CopyEngineTransport::Buffer& CopyEngineTransport::use(Buffer& b, std::size_t byt
 std::unique_ptr<ChunkGather> CopyEngineTransport::gather(const RingContext& ctx,
                                                          const Tensor& x_local,
                                                          std::string_view role, int queued) {
-  return std::make_unique<PullGather>(ctx, use(ag_, x_local.nbytes()), x_local, role, queued);
+  if (!library_)
+    return std::make_unique<PullGather>(ctx, use(ag_, x_local.nbytes()), x_local, role, queued);
+  // The window is reused: the compute lane first waits until the last gather into it is done
+  // (its consumers were queued after that wait, so stream order covers the rest).
+  if (library_done_) library_done_->wait(Stream(device_));
+  auto shape = x_local.shape();
+  shape[0] *= world_;
+  auto g = std::make_unique<ZeroCtaGather>(ctx, library_->comm(),
+                                           library_->window(shape, x_local.dtype()), library_lane_,
+                                           x_local, role);
+  library_done_ = g->done();
+  return g;
 }
 
 std::unique_ptr<ChunkReduceScatter> CopyEngineTransport::reduce_scatter(const RingContext& ctx,
@@ -203,21 +247,27 @@ std::unique_ptr<ChunkReduceScatter> CopyEngineTransport::reduce_scatter(const Ri
 void CopyEngineTransport::synchronize() {
   for (Buffer* b : {&ag_, &rs_})
     if (b->memory) b->memory->copy_stream().synchronize();
+  if (library_) library_lane_.synchronize();
 }
 
 CommStats CopyEngineTransport::take_stats() {
   CommStats s = std::exchange(retired_, {});
+  auto add = [&s](const CommStats& m) {
+    s.payload_bytes += m.payload_bytes;
+    s.bus_bytes += m.bus_bytes;
+    s.calls += m.calls;
+  };
   for (Buffer* b : {&ag_, &rs_})
-    if (b->memory) {
-      const CommStats m = b->memory->take_stats();
-      s.payload_bytes += m.payload_bytes;
-      s.bus_bytes += m.bus_bytes;
-      s.calls += m.calls;
-    }
+    if (b->memory) add(b->memory->take_stats());
+  if (library_) add(library_->comm().take_stats());
   return s;
 }
 
 std::string CopyEngineTransport::name() const {
+  if (library_)
+    return "all-gathers: NCCL's zero-CTA (copy-engine) all-gather on a registered window; "
+           "reduce-scatters: copy-engine pulls from symmetric memory (cuda IPC, stream-ordered "
+           "signals)";
   return device_ == Device::cpu
              ? "copy-engine pulls from symmetric memory (cpu: shared MPI window, copy thread)"
              : "copy-engine pulls from symmetric memory (cuda IPC, cudaMemcpyAsync, stream-ordered "

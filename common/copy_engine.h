@@ -31,12 +31,22 @@
 //
 // Pulls are copy-lane spans "<role> pull j/N-1"; the publish is "<role> publish".
 //
+// The library path (--all-gather nccl-zero-cta; cuda, one GPU per rank, NCCL >= 2.28): the
+// all-gathers are NCCL's copy-engine all-gather instead (common/comm/zero_cta.h), in place in a
+// registered window: the own chunk is copied into its rows on the compute lane, then one
+// ncclAllGather fills the others on NCCL's stream (copy-lane span "<role> all-gather (NCCL
+// zero-CTA)"). The GEMM on the own chunk runs beside it; the other chunks all arrive at its end,
+// so GEMM step 2 waits for the whole collective instead of one pull. The reduce-scatters stay the
+// hand-built one-shot above (NCCL's zero-CTA path has no reduction).
+//
 // defines: tpx::CopyEngineTransport
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "comm/zero_cta.h"
 #include "ring.h"
 #include "symmetric_memory.h"
 
@@ -48,6 +58,9 @@ class CopyEngineTransport final : public ChunkTransport {
   /// sized for what is asked (collectively again, if a later use needs more).
   CopyEngineTransport(int rank, int world, Device device, const SymmetricOptions& options,
                       Trace& trace);
+  /// The same with the all-gathers run by NCCL's zero-CTA all-gather on `library`.
+  CopyEngineTransport(int rank, int world, Device device, const SymmetricOptions& options,
+                      Trace& trace, std::unique_ptr<ZeroCtaComm> library);
   ~CopyEngineTransport() override;
 
   int rank() const override { return rank_; }
@@ -76,7 +89,10 @@ class CopyEngineTransport final : public ChunkTransport {
   SymmetricOptions options_;
   Trace& trace_;
   Buffer ag_, rs_;
-  CommStats retired_;  // traffic of buffers replaced by larger ones
+  CommStats retired_;                     // traffic of buffers replaced by larger ones
+  std::unique_ptr<ZeroCtaComm> library_;  // set: the all-gathers are NCCL's
+  Stream library_lane_;                   // the stream library all-gathers are issued from
+  std::optional<Event> library_done_;     // the last library all-gather is done
 };
 
 }  // namespace tpx

@@ -174,6 +174,10 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
   if (o.comm.copy_delay_us < 0 || o.comm.copy_delay_us > 1'000'000)
     return fmt::format("--fault-copy-delay-us must be 0 … 1000000 (got {})", o.comm.copy_delay_us);
   if (std::string p = ops::device_problem(c.device); !p.empty()) return p;
+  if (o.all_gather == AllGatherPath::nccl_zero_cta && c.device == Device::cpu)
+    return "--all-gather nccl-zero-cta cannot run on the cpu: NCCL's copy-engine all-gather moves "
+           "GPU memory and needs --device cuda with one GPU per rank (on the cpu, the copy-engine "
+           "path is the hand-built pulls: --all-gather pulls)";
   if (rank != 0) return {};
   if (!o.json_path.empty())
     if (std::string p = output_file_problem("--json", o.json_path); !p.empty()) return p;

@@ -33,6 +33,8 @@ TpGroup::TpGroup(const RunContext& ctx)
       trace_(ctx.trace),
       stream_(device_),
       comm_(make_communicator(ctx.options.comm, device_)),
+      comm_options_(ctx.options.comm),
+      all_gather_(ctx.options.all_gather),
       symmetric_{.timeout_s = ctx.options.comm.timeout_s,
                  .fault_rank = ctx.options.comm.signal_fault_rank,
                  .fault_signal = ctx.options.comm.signal_fault,
@@ -73,8 +75,10 @@ ChunkTransport& TpGroup::transport(ChunkMover mover) {
     return *p2p_;
   }
   if (!copy_engine_)
-    copy_engine_ =
-        std::make_unique<CopyEngineTransport>(rank_, world_, device_, symmetric_, trace_);
+    copy_engine_ = std::make_unique<CopyEngineTransport>(
+        rank_, world_, device_, symmetric_, trace_,
+        all_gather_ == AllGatherPath::nccl_zero_cta ? make_zero_cta_comm(comm_options_, device_)
+                                                    : nullptr);
   return *copy_engine_;
 }
 

@@ -67,7 +67,8 @@ class TpGroup {
 
   /// The transport of the overlap primitives (common/ring.h) over this group, made on first use:
   /// stage 04's ring of send/recv on a comm stream of its own, or stage 05's copy-engine pulls
-  /// from symmetric memory. Its traffic is part of take_stats().
+  /// from symmetric memory (whose all-gathers may be NCCL's zero-CTA ones, --all-gather). Its
+  /// traffic is part of take_stats().
   ChunkTransport& transport(ChunkMover mover);
   Trace& trace() const { return trace_; }
 
@@ -91,6 +92,8 @@ class TpGroup {
   Trace& trace_;
   Stream stream_;
   std::unique_ptr<Communicator> comm_;
+  CommOptions comm_options_;
+  AllGatherPath all_gather_;  // of the copy-engine transport
   SymmetricOptions symmetric_;
   std::unique_ptr<P2PTransport> p2p_;  // after comm_: destroyed (its stream drained) first
   std::unique_ptr<ChunkTransport> copy_engine_;

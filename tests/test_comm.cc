@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "common/comm/communicator.h"
+#include "common/comm/zero_cta.h"
 #include "common/ops.h"
 #include "common/stage.h"
 #if TPX_WITH_CUDA
@@ -338,6 +340,56 @@ TEST(CommCuda, AutoPicksNcclOnlyWithOneGpuPerRank) {
     EXPECT_EQ(comm->name(), "nccl (device memory)");
   }
   check_cuda_collectives(*comm);
+}
+
+TEST(CommZeroCta, RefusesTheCpuInOneLine) {
+  try {
+    make_zero_cta_comm(CommOptions{}, Device::cpu);
+    ADD_FAILURE() << "a zero-CTA communicator for cpu tensors";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("--device cuda"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CommCuda, ZeroCtaAllGatherInPlaceInItsWindow) {
+  if (const auto why = ops::device_problem(Device::cuda); !why.empty())
+    GTEST_SKIP() << "no usable GPU: " << why;
+  std::unique_ptr<ZeroCtaComm> z;
+  try {
+    z = make_zero_cta_comm(CommOptions{}, Device::cuda);
+  } catch (const ConfigError& e) {
+    // Every rank refuses alike: ranks sharing a GPU, or an NCCL without the zero-CTA policy.
+    const std::string why = e.what();
+    EXPECT_TRUE(why.find("one GPU per rank") != std::string::npos ||
+                why.find("NCCL >= 2.28") != std::string::npos ||
+                why.find("no NCCL") != std::string::npos)
+        << why;
+    GTEST_SKIP() << "zero-CTA all-gather cannot run here: " << why;
+  }
+  Communicator& comm = z->comm();
+  const int n = comm.size(), r = comm.rank();
+  EXPECT_NE(comm.name().find("zero-CTA"), std::string::npos) << comm.name();
+  const Stream s = Stream::create(Device::cuda);
+  // Twice, the second larger: the window is replaced (collectively) and gathered into again.
+  for (const std::int64_t len : {std::int64_t{1000}, std::int64_t{5000}}) {
+    const Tensor full = z->window({len * n}, DType::f32);
+    Tensor mine = Tensor::empty({len});
+    for (std::int64_t i = 0; i < len; ++i) mine.f32()[std::size_t(i)] = float(r * 100000 + i);
+    const Tensor own = full.slice0(r * len, (r + 1) * len);
+    ops::copy(ops::to_device(mine, Device::cuda), own);
+    ops::synchronize(Device::cuda);
+    comm.all_gather(own, full, s);  // in place: the own chunk is already in its rows
+    s.synchronize();
+    const Tensor host = ops::to_device(full, Device::cpu);
+    int wrong = 0;
+    for (int q = 0; q < n; ++q)
+      for (std::int64_t i = 0; i < len; ++i)
+        wrong += host.f32()[std::size_t(q * len + i)] != float(q * 100000 + i) ? 1 : 0;
+    EXPECT_EQ(wrong, 0) << "of " << len * n << " gathered values";
+    const CommStats st = comm.take_stats();
+    EXPECT_EQ(st.calls, 1u);
+    EXPECT_EQ(st.payload_bytes, std::uint64_t(len * n * 4));
+  }
 }
 
 #if TPX_WITH_CUDA

@@ -8,6 +8,7 @@
 // The executables' behaviour (exit codes, every rank agreeing) is in test_startup.cc.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -160,6 +161,30 @@ TEST(StrictFlags, FaultInjectionErrorsNameTheFlag) {
   ASSERT_TRUE(ok.options.has_value()) << ok.message;
   EXPECT_EQ(ok.options->comm.fault_rank, 1);
   EXPECT_EQ(ok.options->comm.fault_seq, 7);
+}
+
+TEST(StrictFlags, OnlyACopyEngineStageTakesAllGather) {
+  std::vector<std::string> args{"prog", "--all-gather", "nccl-zero-cta"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  const StageInfo copy_engine{.name = "prog", .summary = "test", .copy_engine = true};
+  const CliOutcome ok = parse_stage_cli(copy_engine, 3, argv.data());
+  ASSERT_TRUE(ok.options.has_value()) << ok.message;
+  EXPECT_EQ(ok.options->all_gather, AllGatherPath::nccl_zero_cta);
+  // Ranks must agree on it like on any flag that decides which collectives run.
+  const ConfigFields fields = config_fields(copy_engine, *ok.options);
+  EXPECT_TRUE(std::ranges::any_of(fields, [](const auto& f) {
+    return f.first == "--all-gather" && f.second == "nccl-zero-cta";
+  }));
+  args[2] = "nccl";
+  argv.clear();
+  for (auto& a : args) argv.push_back(a.data());
+  const CliOutcome bad = parse_stage_cli(copy_engine, 3, argv.data());
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.message.find("--all-gather"), std::string::npos) << bad.message;
+  // Other stages have no all-gather to choose: the flag is unknown there, and not in --help.
+  expect_error({"--all-gather", "pulls"}, {"--all-gather"});
+  EXPECT_EQ(parse({"--help"}).message.find("--all-gather"), std::string::npos);
 }
 
 TEST(StrictFlags, ASingleDeviceStageRejectsCommunicationFlags) {

@@ -11,7 +11,8 @@
 //   - stage 05 moves stage 04's bytes in as many pulls as 04 has transfers, its --dump equals
 //     stage 04's, it passes --check at N = 3 on the chapter's sizes, 200 steps with random delays
 //     on the copy lanes give bitwise the losses of a run without, and a signal that is never sent
-//     is reported by the watchdog naming the peer and the generation.
+//     is reported by the watchdog naming the peer and the generation; its NCCL zero-CTA
+//     all-gather option refuses the cpu with one line on every rank.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -361,6 +362,23 @@ TEST(CopyEngine, WatchdogNamesThePeerAndGenerationOfAMissingSignal) {
   EXPECT_NE(r.err.find("signal_wait from 1 gen 1 (qkv pull 1/1 ready)"), std::string::npos)
       << r.err;
   EXPECT_NE(r.err.find("rank 1 skipped it"), std::string::npos) << r.err;
+}
+
+TEST(CopyEngine, NcclZeroCtaAllGatherOnTheCpuIsOneLineOnEveryRank) {
+  // The library comparison needs GPUs; on the cpu the option says so and nothing runs.
+  test::TempDir dir;
+  const auto r =
+      run_stage("05_copy_engine_async_tp", 2, Sizes{}.args() + " --all-gather nccl-zero-cta", dir);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  int lines = 0;
+  for (const auto& line : test::lines_of(r.err))
+    if (line.starts_with("05_copy_engine_async_tp: error:")) {
+      ++lines;
+      EXPECT_NE(line.find("--all-gather nccl-zero-cta cannot run on the cpu"), std::string::npos)
+          << line;
+    }
+  EXPECT_EQ(lines, 2) << "one line per rank expected:\n" << r.err;
+  EXPECT_EQ(r.out.find("step"), std::string::npos) << "no step may run:\n" << r.out;
 }
 
 }  // namespace

@@ -289,4 +289,35 @@ std::unique_ptr<Communicator> make_communicator(const CommOptions& o, Device dev
 #endif
 }
 
+std::unique_ptr<ZeroCtaComm> make_zero_cta_comm(const CommOptions& o, Device device) {
+  constexpr const char* flag = "--all-gather nccl-zero-cta";
+  if (device == Device::cpu)
+    throw ConfigError(fmt::format("{} moves GPU memory and needs --device cuda", flag));
+#if !TPX_WITH_NCCL
+  (void)o;
+  throw ConfigError(fmt::format(
+      "{}: this build has no NCCL (the hand-built pulls, --all-gather pulls, need none)", flag));
+#else
+  constexpr int kZeroCta = 22800;  // NCCL 2.28.0: the first with NCCL_CTA_POLICY_ZERO
+  auto version = [](int v) { return fmt::format("{}.{}.{}", v / 10000, v / 100 % 100, v % 100); };
+  if (nccl_version(/*built=*/true) < kZeroCta)
+    throw ConfigError(fmt::format("{} needs NCCL >= 2.28; this build's is {}", flag,
+                                  version(nccl_version(/*built=*/true))));
+  int oldest = nccl_version();  // the ranks may load different libraries: the oldest decides
+  TPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &oldest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  if (oldest < kZeroCta)
+    throw ConfigError(
+        fmt::format("{} needs NCCL >= 2.28 on every rank; found {}", flag, version(oldest)));
+  const std::vector<std::string> ids = gather_gpu_identities();
+  if (const auto shared = find_shared_device(ids)) {
+    const auto [a, b] = *shared;
+    throw ConfigError(fmt::format(
+        "{} needs one GPU per rank (NCCL refuses two ranks on one device), but ranks {} and {} "
+        "share GPU {}; the hand-built pulls (--all-gather pulls) run there",
+        flag, a, b, ids[static_cast<std::size_t>(a)]));
+  }
+  return make_nccl_zero_cta_comm(o);
+#endif
+}
+
 }  // namespace tpx

@@ -13,10 +13,14 @@
 //
 // make_communicator() reaches this file only when every rank has its own GPU: NCCL refuses two
 // ranks on one device, and ranks that share one use the host-staged MPI backend instead.
+//
+// The zero-CTA variant (common/comm/zero_cta.h) is the same communicator created with
+// NCCL_CTA_POLICY_ZERO, plus a window of ncclMemAlloc'd memory registered symmetrically in it.
 #include <cuda_runtime_api.h>
 #include <mpi.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <array>
 #include <deque>
 #include <exception>
@@ -55,12 +59,22 @@ std::size_t count(const Tensor& t) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(int rank, int size, const CommOptions& o)
-      : Communicator(rank, size, o), stream_(Stream::create(Device::cuda)) {
+  /// `zero_cta`: created with NCCL_CTA_POLICY_ZERO (NCCL >= 2.28; the caller has checked).
+  NcclCommunicator(int rank, int size, const CommOptions& o, bool zero_cta = false)
+      : Communicator(rank, size, o), stream_(Stream::create(Device::cuda)), zero_cta_(zero_cta) {
     ncclUniqueId id{};
     if (rank == 0) TPX_NCCL_CHECK(ncclGetUniqueId(&id));
     TPX_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
-    TPX_NCCL_CHECK(ncclCommInitRank(&comm_, size, id, rank));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    if (zero_cta) {
+      config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+      config.commName = "tpx zero-CTA all-gather";
+    }
+#else
+    TPX_CHECK(!zero_cta, "NCCL {} has no zero-CTA policy", NCCL_VERSION_CODE);
+#endif
+    TPX_NCCL_CHECK(ncclCommInitRankConfig(&comm_, size, id, rank, &config));
     scratch_ = Tensor::empty({1}, DType::f32, Device::cuda);
     ops::fill(scratch_, 0.0f);  // Tensor::zeros is host-only
     cuda::synchronize();        // the fill ran on the current stream, not on the comm stream
@@ -85,10 +99,21 @@ class NcclCommunicator final : public Communicator {
       ncclCommAbort(comm_);
   }
 
-  std::string name() const override { return "nccl (device memory)"; }
+  std::string name() const override {
+    return zero_cta_ ? "nccl, zero-CTA policy (device memory)" : "nccl (device memory)";
+  }
+  ncclComm_t native() const {
+    return comm_;
+  }
+  /// Host waits for every op issued so far.
+  void drain() {
+    stream_.synchronize();
+  }
 
  protected:
-  bool accepts(Device d) const override { return d == Device::cuda; }
+  bool accepts(Device d) const override {
+    return d == Device::cuda;
+  }
 
   void do_all_gather(const Tensor& in, const Tensor& out, const Stream& s) override {
     enter(s);
@@ -150,7 +175,9 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  cudaStream_t cs() const { return static_cast<cudaStream_t>(stream_.native()); }
+  cudaStream_t cs() const {
+    return static_cast<cudaStream_t>(stream_.native());
+  }
 
   /// The comm stream waits for the work the caller queued on `s` so far.
   void enter(const Stream& s) {
@@ -205,6 +232,7 @@ class NcclCommunicator final : public Communicator {
   };
 
   Stream stream_;
+  bool zero_cta_;
   ncclComm_t comm_ = nullptr;
   Tensor scratch_;
   Event last_{Device::cuda};    // the end event of the op being issued (set by leave())
@@ -213,7 +241,92 @@ class NcclCommunicator final : public Communicator {
   std::deque<Pending> pending_;  // guarded by mu_
 };
 
+/// ncclMemAlloc'd memory registered as a symmetric window of a communicator. Registering and
+/// deregistering are collective; the memory itself is freed when the last view of it goes (views
+/// are tensors borrowing it), which may be after the window is deregistered.
+class Window {
+ public:
+  Window(ncclComm_t comm, std::size_t bytes) : comm_(comm) {
+    void* p = nullptr;
+    TPX_NCCL_CHECK(ncclMemAlloc(&p, bytes));
+    memory_ = std::shared_ptr<void>(p, [](void* q) { ncclMemFree(q); });
+    TPX_NCCL_CHECK(ncclCommWindowRegister(comm_, p, bytes, &window_, NCCL_WIN_COLL_SYMMETRIC));
+    bytes_ = bytes;
+  }
+  /// Collective, like the registration; skipped while an exception unwinds (the communicator is
+  /// aborted then, which releases its windows).
+  ~Window() {
+    if (std::uncaught_exceptions() == 0) ncclCommWindowDeregister(comm_, window_);
+  }
+  Window(const Window&) = delete;
+  Window& operator=(const Window&) = delete;
+
+  std::size_t bytes() const { return bytes_; }
+  Tensor view(const Tensor::Shape& shape, DType dtype) const {
+    return Tensor::borrow(memory_.get(), shape, dtype, Device::cuda, memory_);
+  }
+
+ private:
+  ncclComm_t comm_;
+  std::shared_ptr<void> memory_;
+  ncclWindow_t window_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+class NcclZeroCtaComm final : public ZeroCtaComm {
+ public:
+  NcclZeroCtaComm(int rank, int size, const CommOptions& o)
+      : comm_(std::make_unique<NcclCommunicator>(rank, size, o, /*zero_cta=*/true)) {}
+  ~NcclZeroCtaComm() override {
+    // The window goes before the communicator; nothing may still be gathering into it.
+    if (window_ && std::uncaught_exceptions() == 0) comm_->drain();
+    window_.reset();
+  }
+
+  Communicator& comm() override { return *comm_; }
+
+  Tensor window(const Tensor::Shape& shape, DType dtype) override {
+    std::size_t bytes = dtype_size(dtype);
+    for (const std::int64_t d : shape) bytes *= static_cast<std::size_t>(d);
+    if (!window_ || window_->bytes() < bytes) {
+      // Every rank grows it at the same call. Work already queued may still read the old window
+      // (the GEMMs on the compute stream) or write it (the last all-gather): wait for both.
+      if (window_) {
+        comm_->drain();
+        cuda::synchronize();
+      }
+      window_.reset();
+      window_ = std::make_unique<Window>(comm_->native(), round_up(bytes));
+    }
+    return window_->view(shape, dtype);
+  }
+
+ private:
+  static std::size_t round_up(std::size_t bytes) {
+    constexpr std::size_t a = NCCL_WIN_REQUIRED_ALIGNMENT;
+    return (std::max<std::size_t>(bytes, 1) + a - 1) / a * a;
+  }
+
+  std::unique_ptr<NcclCommunicator> comm_;
+  std::unique_ptr<Window> window_;  // destroyed (deregistered) before comm_
+};
+
 }  // namespace
+
+int nccl_version(bool built) {
+  if (built) return NCCL_VERSION_CODE;
+  int v = 0;
+  TPX_NCCL_CHECK(ncclGetVersion(&v));
+  return v;
+}
+
+std::unique_ptr<ZeroCtaComm> make_nccl_zero_cta_comm(const CommOptions& o) {
+  cuda::ensure_initialized();
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return std::make_unique<NcclZeroCtaComm>(rank, size, o);
+}
 
 std::unique_ptr<Communicator> make_nccl_communicator(const CommOptions& o) {
   cuda::ensure_initialized();
