@@ -50,6 +50,11 @@ void TpGroup::all_reduce(const Tensor& t, std::string_view what) {
   comm_->all_reduce(t, stream_);
 }
 
+void TpGroup::all_reduce_max(const Tensor& t, std::string_view what) {
+  TraceScope scope(trace_, std::string(what), Lane::comm);
+  comm_->all_reduce_max(t, stream_);
+}
+
 Tensor TpGroup::all_gather(const Tensor& local, std::string_view what) {
   auto shape = local.shape();
   shape[0] *= world_;

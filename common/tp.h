@@ -51,6 +51,8 @@ class TpGroup {
   // Collectives of the training step, each recorded on the trace's comm lane as `what`.
   /// t = Σ_ranks t, in place.
   void all_reduce(const Tensor& t, std::string_view what);
+  /// t = max over ranks of t, element-wise, in place.
+  void all_reduce_max(const Tensor& t, std::string_view what);
   /// [N·n, ...] = the ranks' [n, ...] concatenated along dim 0 in rank order.
   Tensor all_gather(const Tensor& local, std::string_view what);
   /// [n, ...] = this rank's dim-0 slice of Σ_ranks full [N·n, ...].

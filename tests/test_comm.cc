@@ -118,6 +118,19 @@ TEST_F(Comm, AllReduceSumsInPlace) {
   expect_stats(20, bus[n_], 1);
 }
 
+TEST_F(Comm, AllReduceMaxTakesEachElementsLargestInPlace) {
+  // Element i is largest on rank i mod N (and negative elsewhere), so no rank's vector wins whole.
+  const Tensor t = Tensor::empty({5});
+  for (int i = 0; i < 5; ++i)
+    t.f32()[std::size_t(i)] = i % n_ == r_ ? float(10 * i + 1) : -float(r_ + 1) * 100.0f;
+  comm_->all_reduce_max(t, stream_);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(t.f32()[std::size_t(i)], float(10 * i + 1)) << i;
+  const std::uint64_t bus[] = {0, 0, 20, 26, 30};
+  ASSERT_LE(n_, 4);
+  expect_stats(20, bus[n_], 1);
+  EXPECT_EQ(comm_->recorder().snapshot().back().op, CommOp::all_reduce_max);
+}
+
 TEST_F(Comm, BroadcastFromEveryRoot) {
   for (int root = 0; root < n_; ++root) {
     const Tensor t = r_ == root ? iota({4}, 1000.0f * float(root)) : iota({4}, -100.0f);
@@ -173,10 +186,11 @@ TEST_F(Comm, RejectsSumsOnNonF32) {
     comm_->all_reduce(b, stream_);
     ADD_FAILURE() << "all_reduce of bf16 did not throw";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("all_reduce sums f32 tensors only"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("all_reduce reduces f32 tensors only"), std::string::npos)
         << e.what();
   }
   EXPECT_THROW(comm_->reduce_scatter(b, part, stream_), Error);
+  EXPECT_THROW(comm_->all_reduce_max(b, stream_), Error);
   // Rejected before anything was issued: nothing recorded, nothing counted.
   EXPECT_EQ(comm_->recorder().next_seq(), 0u);
   expect_stats(0, 0, 0);

@@ -113,7 +113,7 @@ namespace {
 void check_summable(const Tensor& t, const char* op) {
   if (t.dtype() != DType::f32)
     fail(
-        fmt::format("{} sums f32 tensors only; got {} (cast to f32 first, or use all_gather "
+        fmt::format("{} reduces f32 tensors only; got {} (cast to f32 first, or use all_gather "
                     "to move bf16/fp8 bytes)",
                     op, t.describe()));
 }
@@ -174,7 +174,18 @@ void Communicator::all_reduce(const Tensor& t, const Stream& s) {
   const auto seq =
       begin_op(CommOp::all_reduce, t.dtype(), t.numel(), payload, ring_share(payload, size_, 2));
   if (!seq) return;
-  do_all_reduce(t, s);
+  do_all_reduce(t, s, /*max=*/false);
+  end_op(*seq);
+}
+
+void Communicator::all_reduce_max(const Tensor& t, const Stream& s) {
+  check_device(t, "all_reduce_max", "input");
+  check_summable(t, "all_reduce_max");
+  const std::uint64_t payload = t.nbytes();
+  const auto seq = begin_op(CommOp::all_reduce_max, t.dtype(), t.numel(), payload,
+                            ring_share(payload, size_, 2));
+  if (!seq) return;
+  do_all_reduce(t, s, /*max=*/true);
   end_op(*seq);
 }
 

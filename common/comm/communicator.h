@@ -15,7 +15,7 @@
 //                  bus     = payload·(N−1)/N
 //   reduce_scatter payload = in.nbytes()   = N·out.numel()·E (the buffer before reduction)
 //                  bus     = payload·(N−1)/N
-//   all_reduce     payload = t.nbytes()
+//   all_reduce     payload = t.nbytes() (all_reduce_max alike)
 //                  bus     = payload·2(N−1)/N, rounded down to whole bytes per call
 //   broadcast      payload = t.nbytes(); bus = payload (0 when N = 1)
 //   sendrecv       payload = send.nbytes() (0 without a send); bus = payload, except 0 when the
@@ -90,6 +90,8 @@ class Communicator {
   void reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s);
   /// t = Σ_ranks t, in place (f32).
   void all_reduce(const Tensor& t, const Stream& s);
+  /// t = max over ranks of t, element-wise, in place (f32): how FP8 shards agree on an amax.
+  void all_reduce_max(const Tensor& t, const Stream& s);
   void broadcast(const Tensor& t, int root, const Stream& s);
   /// Sends `send` to rank dst while receiving `recv` from rank src (either may be undefined).
   /// `what` names the transfer in the flight recorder (and so in a watchdog report), e.g.
@@ -112,7 +114,8 @@ class Communicator {
 
   virtual void do_all_gather(const Tensor& in, const Tensor& out, const Stream& s) = 0;
   virtual void do_reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) = 0;
-  virtual void do_all_reduce(const Tensor& t, const Stream& s) = 0;
+  /// `max`: the element-wise maximum instead of the sum.
+  virtual void do_all_reduce(const Tensor& t, const Stream& s, bool max) = 0;
   virtual void do_broadcast(const Tensor& t, int root, const Stream& s) = 0;
   virtual void do_sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
                            const Stream& s) = 0;

@@ -19,6 +19,8 @@ const char* to_string(CommOp op) {
       return "reduce_scatter";
     case CommOp::all_reduce:
       return "all_reduce";
+    case CommOp::all_reduce_max:
+      return "all_reduce_max";
     case CommOp::broadcast:
       return "broadcast";
     case CommOp::send:
@@ -167,6 +169,7 @@ Signature signature_of(const OpRecord& r) {
     case CommOp::all_gather:
     case CommOp::reduce_scatter:
     case CommOp::all_reduce:
+    case CommOp::all_reduce_max:
       return {r.op, r.dtype, r.bytes, -1};
     case CommOp::broadcast:
       return {r.op, r.dtype, r.bytes, r.peer};

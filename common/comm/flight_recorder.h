@@ -24,6 +24,7 @@ enum class CommOp : std::uint8_t {
   all_gather,
   reduce_scatter,
   all_reduce,
+  all_reduce_max,  ///< element-wise maximum (the FP8 stage's amax agreement)
   broadcast,
   send,
   recv,

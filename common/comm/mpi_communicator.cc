@@ -74,9 +74,9 @@ class MpiCommunicator final : public Communicator {
     from_host(hout, out, s);
   }
 
-  void do_all_reduce(const Tensor& t, const Stream& s) override {
+  void do_all_reduce(const Tensor& t, const Stream& s, bool max) override {
     const Tensor h = to_host(t, 0, s);
-    check(MPI_Allreduce(MPI_IN_PLACE, h.raw(), count(t), MPI_FLOAT, MPI_SUM, comm_),
+    check(MPI_Allreduce(MPI_IN_PLACE, h.raw(), count(t), MPI_FLOAT, max ? MPI_MAX : MPI_SUM, comm_),
           "MPI_Allreduce");
     from_host(h, t, s);
   }

@@ -129,9 +129,10 @@ class NcclCommunicator final : public Communicator {
     leave(s, {in, out});
   }
 
-  void do_all_reduce(const Tensor& t, const Stream& s) override {
+  void do_all_reduce(const Tensor& t, const Stream& s, bool max) override {
     enter(s);
-    nccl(ncclAllReduce(t.raw(), t.raw(), count(t), ncclFloat32, ncclSum, comm_, cs()),
+    nccl(ncclAllReduce(t.raw(), t.raw(), count(t), ncclFloat32, max ? ncclMax : ncclSum, comm_,
+                       cs()),
          "ncclAllReduce");
     leave(s, {t});
   }
