@@ -110,6 +110,19 @@ GemmDims gemm_dims(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha, float beta, DType compute) {
+  if (is_fp8(a.dtype()) || is_fp8(b.dtype())) {
+    // Stage 06's GEMMs. The product of the dequantized operands: with the scales factored out,
+    // alpha / (scale_a · scale_b) · (q_a · q_b), it would round differently.
+    auto dequantized = [](const Tensor& q, const char* which) {
+      TPX_CHECK(is_fp8(q.dtype()) && q.scale().defined(),
+                "gemm: {} operand {} must be FP8 with its scale when the other one is", which,
+                q.describe());
+      const Tensor x = Tensor::empty(q.shape(), DType::f32, q.device());
+      dequantize_fp8(q, q.scale(), x);
+      return x;
+    };
+    return gemm(dequantized(a, "A"), trans_a, dequantized(b, "B"), trans_b, c, alpha, beta);
+  }
 #if TPX_WITH_CUDA
   if (c.device() == Device::cuda)
     return cuda::gemm(a, trans_a, b, trans_b, c, alpha, beta, compute);
@@ -207,6 +220,44 @@ void cast(const Tensor& src, const Tensor& dst) {
   } else {
     fail(fmt::format("no cast from {} to {}", src.describe(), dst.describe()));
   }
+}
+
+namespace {
+
+/// The FP8 ops' argument checks, made here once for both backends.
+void expect_scalar_f32(const Tensor& t, Device device, const char* what) {
+  TPX_CHECK(t.dtype() == DType::f32 && t.numel() == 1 && t.device() == device,
+            "{} must be f32 [1] on {}, got {}", what, to_string(device), t.describe());
+}
+void expect_fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& q) {
+  TPX_CHECK(x.dtype() == DType::f32 && (q.dtype() == DType::e4m3 || q.dtype() == DType::e5m2) &&
+                x.numel() == q.numel() && x.device() == q.device(),
+            "fp8 cast between {} and {}: f32 and e4m3/e5m2 with equal element counts, one device",
+            x.describe(), q.describe());
+  expect_scalar_f32(scale, x.device(), "the fp8 scale");
+}
+
+}  // namespace
+
+void quantize_fp8(const Tensor& x, const Tensor& scale, const Tensor& q) {
+  expect_fp8_cast(x, scale, q);
+  TPX_DISPATCH(q.device(), quantize_fp8, x, scale, q);
+}
+void dequantize_fp8(const Tensor& q, const Tensor& scale, const Tensor& x) {
+  expect_fp8_cast(x, scale, q);
+  TPX_DISPATCH(q.device(), dequantize_fp8, q, scale, x);
+}
+void amax(const Tensor& x, const Tensor& out) {
+  TPX_CHECK(x.dtype() == DType::f32, "amax of {}: f32 only", x.describe());
+  expect_scalar_f32(out, x.device(), "amax out");
+  TPX_DISPATCH(x.device(), amax, x, out);
+}
+void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale) {
+  TPX_CHECK(fmt == DType::e4m3 || fmt == DType::e5m2, "fp8_scale for {}: e4m3 or e5m2 only",
+            to_string(fmt));
+  expect_scalar_f32(amax, scale.device(), "fp8_scale amax");
+  expect_scalar_f32(scale, scale.device(), "fp8_scale scale");
+  TPX_DISPATCH(scale.device(), fp8_scale, amax, fmt, scale);
 }
 
 void synchronize([[maybe_unused]] Device device) {

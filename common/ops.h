@@ -9,7 +9,8 @@
 //
 // defines: tpx::ops::gemm, rmsnorm_*, attention_*, swiglu_*, add, accumulate, mse_loss_*,
 //          sgd_update, sum_squares, fill, cast, copy, to_device, synchronize,
-//          bf16_gemm_peak_tflops, memory_available, device_ordinal
+//          bf16_gemm_peak_tflops, memory_available, device_ordinal,
+//          quantize_fp8, dequantize_fp8, amax, fp8_scale
 #pragma once
 
 #include <cstdint>
@@ -44,6 +45,10 @@ GemmDims gemm_dims(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
 
 /// C = alpha * op(A) · op(B) + beta * C, with op(X) = X or Xᵀ and A, B, C seen as matrices.
 /// compute = bf16 rounds A and B to bf16 and accumulates in fp32 (cuda only).
+/// FP8: A and B may both be E4M3/E5M2 tensors carrying their scales (Tensor::with_scale); the
+/// product is then that of the dequantized operands, q / scale, in fp32 (C is f32, `compute` is
+/// not used): each operand is dequantized into an fp32 scratch tensor and multiplied by the fp32
+/// GEMM, on either backend.
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha = 1.0f, float beta = 0.0f, DType compute = DType::f32);
 
@@ -90,6 +95,25 @@ void cast(const Tensor& src, const Tensor& dst);
 void copy(const Tensor& src, const Tensor& dst);
 /// A new tensor on `device` holding the same values (f32 on the host for `Device::cpu`).
 Tensor to_device(const Tensor& t, Device device);
+
+// FP8 (stage 06; formats and recipe in common/fp8.h). The scale is an f32 tensor of one element
+// on the device of the data, so a cuda cast never waits for the host. The casts are bit-identical
+// on both backends.
+
+/// q = encode(x · scale): x f32 of any shape, q e4m3 or e5m2 with as many elements, scale f32 [1];
+/// the product in fp32, then round to nearest even, saturating to ±fmax (±inf too), NaN stays NaN
+/// (0x7F/0xFF in e4m3, 0x7E/0xFE in e5m2, with x's sign), −0 stays −0.
+void quantize_fp8(const Tensor& x, const Tensor& scale, const Tensor& q);
+/// x = decode(q) / scale: one fp32 division per element (decode is exact; a multiplication by
+/// 1 / scale would round twice). NaN codes give NaN, e5m2's inf codes ±inf.
+void dequantize_fp8(const Tensor& q, const Tensor& scale, const Tensor& x);
+/// out (f32 [1]) = max |x| over all elements of x (f32); 0 for an empty x. A NaN anywhere makes
+/// it NaN (fp32's canonical quiet NaN, 0x7FC00000).
+void amax(const Tensor& x, const Tensor& out);
+/// scale (f32 [1]) = fmax / amax in fp32, fmax = 448 (e4m3) or 57344 (e5m2), from amax (f32 [1]).
+/// amax = 0, +inf or NaN gives 1 (the NaN or inf elements then quantize to NaN or ±fmax); an
+/// amax so small that the quotient overflows gives FLT_MAX rather than inf.
+void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
 
 /// Blocks the host until all work issued on `device` by this thread is done (no-op on cpu).
 void synchronize(Device device);

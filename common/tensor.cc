@@ -50,7 +50,8 @@ std::string_view to_string(Device d) {
 DType parse_dtype(std::string_view s) {
   if (s == "fp32" || s == "f32") return DType::f32;
   if (s == "bf16") return DType::bf16;
-  fail(fmt::format("unknown dtype '{}' (expected fp32 or bf16)", s));
+  if (s == "fp8") return DType::e4m3;  // the FP8 recipe: E4M3 forward, E5M2 gradients
+  fail(fmt::format("unknown dtype '{}' (expected fp32, bf16 or fp8)", s));
 }
 
 Device parse_device(std::string_view s) {
@@ -232,6 +233,16 @@ Tensor Tensor::reshape(Shape shape) const {
   Tensor t = *this;
   t.shape_ = std::move(shape);
   TPX_CHECK(t.numel() == numel(), "reshape of {} to {} elements", describe(), t.numel());
+  return t;
+}
+
+Tensor Tensor::with_scale(const Tensor& scale) const {
+  TPX_CHECK(is_fp8(dtype_), "with_scale on {}: only FP8 tensors carry a scale", describe());
+  TPX_CHECK(scale.dtype() == DType::f32 && scale.numel() == 1 && scale.device() == device_,
+            "the scale of {} must be f32[1] on {}, got {}", describe(), to_string(device_),
+            scale.describe());
+  Tensor t = *this;
+  t.scale_ = std::make_shared<const Tensor>(scale);
   return t;
 }
 

@@ -22,9 +22,13 @@ enum class DType : std::uint8_t { f32, bf16, e4m3, e5m2 };
 enum class Device : std::uint8_t { cpu, cuda };
 
 std::size_t dtype_size(DType d);
+/// E4M3 or E5M2.
+constexpr bool is_fp8(DType d) {
+  return d == DType::e4m3 || d == DType::e5m2;
+}
 std::string_view to_string(DType d);
 std::string_view to_string(Device d);
-DType parse_dtype(std::string_view s);    ///< "fp32" | "f32" | "bf16"; throws on anything else
+DType parse_dtype(std::string_view s);    ///< "fp32" | "f32" | "bf16" | "fp8" (e4m3); else throws
 Device parse_device(std::string_view s);  ///< "cpu" | "cuda"; throws on anything else
 
 /// bf16 (the top 16 bits of an IEEE float) from a float, rounding to nearest even; NaN stays NaN.
@@ -103,6 +107,13 @@ class Tensor {
   /// The same storage with another shape of equal element count.
   Tensor reshape(Shape shape) const;
 
+  /// This FP8 tensor with its per-tensor scale attached: `scale` is f32 [1] on the same device,
+  /// and element q stands for the value q / scale (DESIGN.md, "06 — FP8"). Views made from the
+  /// result (slice0, reshape) keep the scale: every chunk of a gathered tensor shares it.
+  Tensor with_scale(const Tensor& scale) const;
+  /// The attached scale; an undefined tensor when there is none.
+  Tensor scale() const { return scale_ ? *scale_ : Tensor(); }
+
   std::string describe() const;  ///< e.g. "f32[128, 2, 256] on cpu"
 
  private:
@@ -110,7 +121,8 @@ class Tensor {
 
   struct Storage;
   std::shared_ptr<Storage> storage_;
-  std::size_t offset_ = 0;  // in bytes
+  std::shared_ptr<const Tensor> scale_;  // FP8 only (with_scale)
+  std::size_t offset_ = 0;               // in bytes
   Shape shape_;
   DType dtype_ = DType::f32;
   Device device_ = Device::cpu;

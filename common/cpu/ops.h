@@ -29,4 +29,10 @@ void sgd_update(const Tensor& w, const Tensor& grad, float lr);
 double sum_squares(const Tensor& x);
 void fill(const Tensor& t, float value);
 
+// FP8 casts (fp8_ops.cc); arguments checked by tpx::ops.
+void quantize_fp8(const Tensor& x, const Tensor& scale, const Tensor& q);
+void dequantize_fp8(const Tensor& q, const Tensor& scale, const Tensor& x);
+void amax(const Tensor& x, const Tensor& out);
+void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
+
 }  // namespace tpx::cpu

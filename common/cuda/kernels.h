@@ -1,13 +1,17 @@
 // Launchers of the backend's own CUDA kernels, on raw device pointers. ops.cc checks shapes and
 // dtypes, allocates scratch and calls these; the .cu files that define them include nothing but
-// CUDA and this header. Every launcher enqueues on `stream` (a cudaStream_t) and returns at once.
+// CUDA and this header (and fp8.cu the host/device casts of common/fp8_bits.h). Every launcher
+// enqueues on `stream` (a cudaStream_t) and returns at once.
 //
-// bf16 values travel as std::uint16_t bit patterns (the storage of __nv_bfloat16).
+// bf16 values travel as std::uint16_t bit patterns (the storage of __nv_bfloat16), FP8 values
+// as std::uint8_t codes.
 //
-// defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu)
+// defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu, fp8.cu)
 #pragma once
 
 #include <cstdint>
+
+#include "common/fp8_bits.h"
 
 namespace tpx::cuda::kernels {
 
@@ -48,5 +52,18 @@ void causal_softmax_forward(float* p, std::uint16_t* p_bf16, I rows, I s, void* 
 /// In place: dp becomes dS = P ⊙ (dP − Σ_j dP·P) on j <= i and zero above; bf16 copy optional.
 void causal_softmax_backward(const float* p, float* dp, std::uint16_t* ds_bf16, I rows, I s,
                              void* stream);
+
+// fp8.cu -----------------------------------------------------------------------------------------
+// Scales and amax are one float in device memory: nothing crosses to the host.
+/// q[i] = fp8::quantize(x[i], *scale, format).
+void quantize_fp8(const float* x, const float* scale, std::uint8_t* q, I n, fp8::Format format,
+                  void* stream);
+/// x[i] = fp8::dequantize(q[i], *scale, format).
+void dequantize_fp8(const std::uint8_t* q, const float* scale, float* x, I n, fp8::Format format,
+                    void* stream);
+/// *out = max |x[i]| (0 for n = 0; fp32's canonical NaN if any x[i] is NaN).
+void amax(const float* x, I n, float* out, void* stream);
+/// *scale = fp8::scale_from_amax(*amax, fmax).
+void fp8_scale(const float* amax, float fmax, float* scale, void* stream);
 
 }  // namespace tpx::cuda::kernels

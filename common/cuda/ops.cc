@@ -13,6 +13,7 @@
 #include "blas.h"
 #include "check.h"
 #include "common/config.h"
+#include "common/fp8.h"
 #include "common/ops.h"
 #include "kernels.h"
 #include "nvtx.h"
@@ -318,6 +319,32 @@ void copy(const Tensor& src, const Tensor& dst) {
   TPX_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), cudaMemcpyDefault, s));
   // Host memory is pageable: make the copy complete before the caller touches (or frees) it.
   if (src.device() == Device::cpu || dst.device() == Device::cpu) synchronize();
+}
+
+void quantize_fp8(const Tensor& x, const Tensor& scale, const Tensor& q) {
+  NvtxRange range("quantize_fp8");
+  kernels::quantize_fp8(cf(x), cf(scale), q.data<std::uint8_t>(), x.numel(), fp8::format(q.dtype()),
+                        stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void dequantize_fp8(const Tensor& q, const Tensor& scale, const Tensor& x) {
+  NvtxRange range("dequantize_fp8");
+  kernels::dequantize_fp8(q.data<std::uint8_t>(), cf(scale), f(x), q.numel(),
+                          fp8::format(q.dtype()), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void amax(const Tensor& x, const Tensor& out) {
+  NvtxRange range("amax");
+  kernels::amax(cf(x), x.numel(), f(out), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale) {
+  NvtxRange range("fp8_scale");
+  kernels::fp8_scale(cf(amax), fp8::max_normal(fmt), f(scale), stream());
+  TPX_CUDA_LAUNCH_CHECK();
 }
 
 Tensor to_host_f32(const Tensor& t) {

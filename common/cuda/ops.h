@@ -11,7 +11,8 @@
 //
 // defines: tpx::cuda::gemm, rmsnorm_*, attention_*, swiglu_*, add, accumulate, mse_loss_*,
 //          sgd_update, sum_squares, fill, cast, copy, to_host_f32, synchronize,
-//          device_problem, measure_bf16_gemm_peak_tflops
+//          device_problem, measure_bf16_gemm_peak_tflops, quantize_fp8, dequantize_fp8, amax,
+//          fp8_scale
 #pragma once
 
 #include <cstdint>
@@ -49,6 +50,13 @@ void cast(const Tensor& src, const Tensor& dst);
 void copy(const Tensor& src, const Tensor& dst);
 /// A host f32 tensor with the values of t (any dtype, any device).
 Tensor to_host_f32(const Tensor& t);
+
+/// FP8 casts (kernels in fp8.cu), bit-identical to the cpu backend's; arguments checked by
+/// tpx::ops. The scale and amax stay on the device.
+void quantize_fp8(const Tensor& x, const Tensor& scale, const Tensor& q);
+void dequantize_fp8(const Tensor& q, const Tensor& scale, const Tensor& x);
+void amax(const Tensor& x, const Tensor& out);
+void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
 
 /// Times a large cuBLAS bf16 GEMM (fp32 accumulation) and returns its throughput in TFLOP/s:
 /// the device's practical dense bf16 peak, the denominator of MFU.
