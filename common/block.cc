@@ -49,7 +49,7 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
   sv.probs = Tensor::empty({sv.q.dim(1), heads, sv.q.dim(0), sv.q.dim(0)}, DType::f32, x.device());
   {
     TraceScope op(trace, "attention fwd");
-    ops::attention_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.probs, c.dtype);
+    ops::attention_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.probs, high_precision(c.dtype));
   }
   Tensor attn_out = par.row_forward(sv.a, p[Param::wo], "o");
   sv.x2 = like(x);
@@ -110,7 +110,8 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();
   {
     TraceScope op(trace, "attention bwd");
-    ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv, c.dtype);
+    ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv,
+                            high_precision(c.dtype));
   }
   const std::array qkv_w{p[Param::wq], p[Param::wk], p[Param::wv]};
   const std::array qkv_dy{dq, dk, dv};

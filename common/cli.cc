@@ -83,7 +83,7 @@ const char* to_string(AllGatherPath p) {
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   StageOptions o;
   BlockConfig& c = o.config;
-  std::string device = "cpu", dtype = "fp32";
+  std::string device = "cpu", dtype = info.fp8 ? "fp8" : "fp32";
 
   CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
   app.footer(fmt::format(
@@ -111,8 +111,11 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str()
       ->group(run);
-  app.add_option("--dtype", dtype, "compute type: fp32 or bf16 (bf16 needs cuda)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+  app.add_option("--dtype", dtype,
+                 info.fp8 ? "linear layers' GEMMs: fp8 (E4M3 forward, E5M2 gradients), fp32 or "
+                            "bf16 (bf16 needs cuda)"
+                          : "compute type: fp32 or bf16 (bf16 needs cuda)")
+      ->check(info.fp8 ? CLI::IsMember({"fp8", "fp32", "bf16"}) : CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str()
       ->group(run);
   auto out = "Output";
@@ -214,7 +217,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--lr", fmt::format("{}", c.lr)},
       {"--seed", fmt::format("{}", c.seed)},
       {"--device", std::string(to_string(c.device))},
-      {"--dtype", std::string(to_string(c.dtype))},
+      {"--dtype", std::string(dtype_flag(c.dtype))},
       {"--comm", to_string(o.comm.kind)},
       {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
       {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},

@@ -19,8 +19,10 @@ struct StageInfo {
   std::string name;     ///< executable name, e.g. "01_baseline"
   std::string summary;  ///< one line: the stage's idea
   bool single_device = false;
-  /// Moves chunks with the copy engine (stage 05): offers --all-gather.
+  /// Moves chunks with the copy engine (stages 05, 06): offers --all-gather.
   bool copy_engine = false;
+  /// Runs the linear layers in FP8 (stage 06): offers --dtype fp8, its default.
+  bool fp8 = false;
 };
 
 /// What runs a copy-engine stage's all-gathers (--all-gather).

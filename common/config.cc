@@ -8,6 +8,10 @@
 
 namespace tpx {
 
+std::string_view dtype_flag(DType d) {
+  return is_fp8(d) ? "fp8" : to_string(d);
+}
+
 std::vector<std::string> validate(const BlockConfig& c) {
   std::vector<std::string> errors;
   auto positive = [&](const char* flag, std::int64_t v) {
@@ -27,9 +31,12 @@ std::vector<std::string> validate(const BlockConfig& c) {
     errors.push_back(
         fmt::format("--hidden ({}) must be divisible by --heads ({})", c.hidden, c.heads));
   if (!(c.lr >= 0.0)) errors.push_back(fmt::format("--lr must be non-negative (got {})", c.lr));
-  if (c.device == Device::cpu && c.dtype != DType::f32)
-    errors.push_back(fmt::format("--dtype {} needs --device cuda; the cpu backend computes in fp32",
-                                 to_string(c.dtype)));
+  if (c.device == Device::cpu && c.dtype == DType::bf16)
+    errors.push_back(
+        "--dtype bf16 needs --device cuda; the cpu backend computes in fp32 (fp8 it emulates "
+        "bit-exactly)");
+  if (c.dtype == DType::e5m2)
+    errors.push_back("--dtype names the forward format; fp8 means E4M3 forward, E5M2 backward");
   if (!errors.empty()) return errors;
 
   // The largest tensors' byte counts must fit in 64 bits, or element counts, offsets and

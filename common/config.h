@@ -1,6 +1,6 @@
 // The block's hyper-parameters and the run's settings, with validation.
 //
-// defines: tpx::BlockConfig, tpx::validate()
+// defines: tpx::BlockConfig, tpx::validate(), tpx::dtype_flag(), tpx::high_precision()
 #pragma once
 
 #include <cstdint>
@@ -26,11 +26,20 @@ struct BlockConfig {
   double lr = 1.0;            ///< SGD learning rate (the loss is a mean, so grads are small)
   std::uint64_t seed = 1234;
   Device device = Device::cpu;
+  /// The linear layers' GEMM operands: f32, bf16, or e4m3 for stage 06's FP8 recipe (--dtype fp8:
+  /// E4M3 activations and weights, E5M2 gradients).
   DType dtype = DType::f32;
 
   std::int64_t head_dim() const { return hidden / heads; }
   std::int64_t tokens() const { return seq * batch; }
 };
+
+/// The --dtype word for a config's dtype: "fp32", "bf16" or "fp8".
+std::string_view dtype_flag(DType d);
+/// The operand type of the GEMMs that never run in FP8 (attention's): d, or fp32 under fp8.
+constexpr DType high_precision(DType d) {
+  return is_fp8(d) ? DType::f32 : d;
+}
 
 /// Every problem with the config, one clear sentence each; empty when it is valid.
 std::vector<std::string> validate(const BlockConfig& c);

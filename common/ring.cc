@@ -71,6 +71,8 @@ ChunkGather::ChunkGather(const RingContext& ctx, const Tensor& x_local, std::str
       own_(x_local.device()) {
   TPX_CHECK(full_.shape() == gathered_shape(x_local, world_) && full_.dtype() == x_local.dtype(),
             "{}: gathering {} into {}", role_, x_local.describe(), full_.describe());
+  // An FP8 chunk's scale was agreed by every rank (stage 06): the gathered tensor shares it.
+  if (x_local.scale().defined()) full_ = full_.with_scale(x_local.scale());
   {
     TraceScope span(ctx.trace, fmt::format("{} copy own chunk", role));
     ops::copy(x_local, chunk(rank_));

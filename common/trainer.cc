@@ -158,7 +158,7 @@ CheckRow compare_one(std::string name, const std::vector<T>& got, const std::vec
   }
   // A NaN would vanish from max() (every comparison with NaN is false), so non-finite values are
   // counted apart and fail the row; the errors are taken over the finite pairs.
-  double scale = 0.0;
+  double scale = 0.0, dot = 0.0, gg = 0.0, ww = 0.0;
   for (std::size_t i = 0; i < got.size(); ++i) {
     const double g = double(got[i]), w = want[i];
     if (!std::isfinite(g) || !std::isfinite(w)) {
@@ -167,31 +167,45 @@ CheckRow compare_one(std::string name, const std::vector<T>& got, const std::vec
     }
     row.max_abs = std::max(row.max_abs, std::abs(g - w));
     scale = std::max(scale, std::abs(w));
+    dot += g * w;
+    gg += g * g;
+    ww += w * w;
   }
   row.max_rel = scale > 0 ? row.max_abs / scale : row.max_abs;
+  row.cosine = gg > 0 && ww > 0 ? dot / std::sqrt(gg * ww) : (gg == ww ? 1.0 : 0.0);
   row.ok = row.nonfinite == 0 && row.max_rel <= rtol;
+  return row;
+}
+
+/// A gradient's row: on cosine similarity where the tolerance says so.
+CheckRow compare_grad(std::string name, const std::vector<float>& got,
+                      const std::vector<double>& want, const CheckTolerance& tol) {
+  CheckRow row = compare_one(std::move(name), got, want, tol.rtol);
+  if (tol.cosine > 0) row.ok = row.nonfinite == 0 && row.cosine >= tol.cosine;
   return row;
 }
 
 }  // namespace
 
 std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& rows,
-                              const ReferenceRun& want, double rtol) {
+                              const ReferenceRun& want, const CheckTolerance& tol) {
+  const double rtol = tol.rtol;
   std::vector<CheckRow> out;
   out.push_back(compare_one("output", got.output, want.output, rtol));
-  out.push_back(compare_one("input.grad", got.input_grad, want.input_grad, rtol));
+  out.push_back(compare_grad("input.grad", got.input_grad, want.input_grad, tol));
   for (std::size_t l = 0; l < want.grads.size() && l < got.grads.size(); ++l)
     for (Param p : kAllParams) {
       const auto i = static_cast<std::size_t>(p);
-      out.push_back(compare_one(fmt::format("layers.{}.{}.grad", l, param_name(p)), got.grads[l][i],
-                                want.grads[l][i], rtol));
+      out.push_back(compare_grad(fmt::format("layers.{}.{}.grad", l, param_name(p)),
+                                 got.grads[l][i], want.grads[l][i], tol));
     }
   if (want.grads.size() != got.grads.size())
     out.push_back({.name = "layer count", .max_abs = INFINITY, .max_rel = INFINITY});
   for (std::size_t s = 0; s < want.losses.size(); ++s) {
     const double g = s < rows.size() ? rows[s].loss : NAN;
     out.push_back(compare_one(fmt::format("loss after {} SGD step{}", s, s == 1 ? "" : "s"),
-                              std::vector<double>{g}, {want.losses[s]}, rtol));
+                              std::vector<double>{g}, {want.losses[s]},
+                              tol.loss_rtol > 0 ? tol.loss_rtol : rtol));
   }
   return out;
 }

@@ -61,12 +61,20 @@ struct CheckRow {
   double max_abs = 0;
   double max_rel = 0;  ///< max |got − want| / max |want|, the error relative to the tensor's scale
   std::int64_t nonfinite = 0;  ///< NaN or ±Inf values in got or want (any makes the row FAIL)
+  double cosine = 1;           ///< got·want / (|got|·|want|) over the finite pairs
   bool ok = false;
 };
 
+/// What --check accepts.
+struct CheckTolerance {
+  double rtol = 1e-5;    ///< max_rel of every tensor and loss
+  double cosine = 0;     ///< > 0: gradients pass on cosine ≥ this instead of on rtol (FP8)
+  double loss_rtol = 0;  ///< > 0: the losses' own relative tolerance
+};
+
 /// Compares the snapshot and the per-step losses against a reference that ran
-/// `ref.losses.size()` steps, with relative tolerance `rtol`.
+/// `ref.losses.size()` steps.
 std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& rows,
-                              const ReferenceRun& want, double rtol);
+                              const ReferenceRun& want, const CheckTolerance& tol);
 
 }  // namespace tpx

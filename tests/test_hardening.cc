@@ -55,7 +55,7 @@ struct Agreeing {
   /// The rows of compare() that failed, by name.
   std::vector<std::string> failures() const {
     std::vector<std::string> names;
-    for (const CheckRow& r : compare(got, rows, want, 1e-5))
+    for (const CheckRow& r : compare(got, rows, want, {.rtol = 1e-5}))
       if (!r.ok) names.push_back(r.name);
     return names;
   }
@@ -69,7 +69,7 @@ TEST(CheckNonFinite, NanInTheOutputFailsNamingIt) {
   Agreeing a;
   a.got.output[2] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_EQ(a.failures(), std::vector<std::string>{"output"});
-  for (const CheckRow& r : compare(a.got, a.rows, a.want, 1e-5)) {
+  for (const CheckRow& r : compare(a.got, a.rows, a.want, {.rtol = 1e-5})) {
     if (r.name == "output") {
       EXPECT_EQ(r.nonfinite, 1);
     }

@@ -1,0 +1,90 @@
+#include "06_fp8/layers.h"
+
+#include <array>
+
+#include <fmt/format.h>
+
+#include "common/check.h"
+#include "common/ops.h"
+
+namespace tpx::async_fp8 {
+
+Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx) : OverlapRing(ctx, ChunkMover::copy_engine) {}
+
+std::vector<Tensor> Fp8AsyncTp::quantize(std::span<const Tensor> x, std::span<const DType> format,
+                                         std::string_view what) {
+  const auto k = static_cast<std::int64_t>(x.size());
+  const Device dev = x[0].device();
+  // Every operand here is sharded over the group (a sequence shard, a column block, a weight
+  // shard), so its amax is the maximum of the shards' amaxes: one MAX all-reduce for all of them.
+  const Tensor amax = Tensor::empty({k}, DType::f32, dev);
+  for (std::int64_t i = 0; i < k; ++i) ops::amax(x[std::size_t(i)], amax.slice0(i, i + 1));
+  group_.all_reduce_max(amax, fmt::format("{} amax", what));
+  std::vector<Tensor> q;
+  for (std::int64_t i = 0; i < k; ++i) {
+    const Tensor& xi = x[std::size_t(i)];
+    const Tensor scale = Tensor::empty({1}, DType::f32, dev);
+    ops::fp8_scale(amax.slice0(i, i + 1), format[std::size_t(i)], scale);
+    const Tensor qi = Tensor::empty(xi.shape(), format[std::size_t(i)], dev);
+    ops::quantize_fp8(xi, scale, qi);
+    q.push_back(qi.with_scale(scale));
+  }
+  return q;
+}
+
+const Tensor& Fp8AsyncTp::fp8_weight(const Tensor& w) const {
+  const auto it = weights_.find(w.raw());
+  TPX_CHECK(it != weights_.end(), "the FP8 copy of {} is made by its forward, which has not run",
+            w.describe());
+  return it->second;
+}
+
+ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor> w,
+                                        std::string_view role) {
+  // The input's shard and the weights (E4M3 all): the shard is what the all-gather moves.
+  std::vector<Tensor> x{h};
+  x.insert(x.end(), w.begin(), w.end());
+  const std::vector<DType> format(x.size(), DType::e4m3);
+  std::vector<Tensor> q = quantize(x, format, role);
+  for (std::size_t j = 0; j < w.size(); ++j) weights_[w[j].raw()] = q[j + 1];
+  return OverlapRing::column_forward(q[0], std::span(q).subspan(1), role);  // saves the FP8 shard
+}
+
+Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> w,
+                                   std::span<const Tensor> dy, std::span<const Tensor> dw,
+                                   std::string_view role) {
+  // dX = RS(Σ dy·Wᵀ): E5M2 × E4M3; dW = AG(h)ᵀ·dy: E4M3 (the saved shard) × E5M2.
+  const std::vector<DType> format(dy.size(), DType::e5m2);
+  const std::vector<Tensor> dyq = quantize(dy, format, fmt::format("{} bwd", role));
+  std::vector<Tensor> wq;
+  for (const Tensor& wj : w) wq.push_back(fp8_weight(wj));
+  return OverlapRing::column_backward(saved, wq, dyq, dw, role);
+}
+
+Tensor Fp8AsyncTp::row_forward(const Tensor& a, const Tensor& w, std::string_view role) {
+  const std::array x{a, w};
+  const std::array format{DType::e4m3, DType::e4m3};
+  const std::vector<Tensor> q = quantize(x, format, role);
+  weights_[w.raw()] = q[1];
+  return OverlapRing::row_forward(q[0], q[1], role);
+}
+
+Tensor Fp8AsyncTp::row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
+                                const Tensor& dw, std::string_view role) {
+  // da = AG(dy)·Wᵀ: E5M2 × E4M3, the gradient's shard gathered as FP8; dW = aᵀ·AG(dy): E4M3 ×
+  // E5M2. `a` is quantized again with the gradient in one all-reduce: its bits are forward's
+  // (the same tensor, the same agreed amax).
+  const std::array x{a, dy};
+  const std::array format{DType::e4m3, DType::e5m2};
+  const std::vector<Tensor> q = quantize(x, format, fmt::format("{} bwd", role));
+  return OverlapRing::row_backward(q[0], fp8_weight(w), q[1], dw, role);
+}
+
+std::unique_ptr<Parallelism> make_fp8_async_tp(const RunContext& ctx) {
+  check_tp_split(ctx.options.config, ctx.world, /*sequence=*/true);
+  // Under --dtype fp32 or bf16 this is stage 05 itself: the baseline FP8 is compared with.
+  if (!is_fp8(ctx.options.config.dtype)) return std::make_unique<async_tp::CopyEngineAsyncTp>(ctx);
+  return std::make_unique<Fp8AsyncTp>(ctx);
+}
+
+}  // namespace tpx::async_fp8

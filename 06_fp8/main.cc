@@ -1,0 +1,25 @@
+// 06_fp8: stage 05 with every GEMM of the seven linear layers in FP8 (E4M3 forward, E5M2
+// gradients, per-tensor current scaling agreed over the group) and the all-gathers moving FP8
+// bytes; checked against stage 01 (fp32) run in-process.
+#include "01_baseline/layers.h"
+#include "06_fp8/layers.h"
+#include "common/stage.h"
+
+int main(int argc, char** argv) {
+  using namespace tpx;
+  const StageDefinition stage{
+      .info = {.name = "06_fp8",
+               .summary = "stage 05 with FP8 GEMMs (E4M3 forward, E5M2 gradients, per-tensor "
+                          "scales agreed over the group) and all-gathers of FP8 bytes",
+               .copy_engine = true,
+               .fp8 = true},
+      .make = async_fp8::make_fp8_async_tp,
+      // The reference is stage 01 in fp32: what FP8 is measured against.
+      .reference =
+          [](BlockConfig c, int steps) {
+            c.dtype = high_precision(c.dtype);
+            return baseline::run_reference(c, steps);
+          },
+  };
+  return run_stage(stage, argc, argv);
+}
