@@ -1,6 +1,7 @@
 #include "06_fp8/layers.h"
 
 #include <array>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -39,6 +40,28 @@ const Tensor& Fp8AsyncTp::fp8_weight(const Tensor& w) const {
   return it->second;
 }
 
+void Fp8AsyncTp::keep_for_dump(const std::string& name, const Tensor& q) {
+  // The block runs layer 0 first, so the first operand of each name is layer 0's.
+  if (keeping_) layer0_.try_emplace(name, q);
+}
+
+std::vector<std::pair<std::string, Tensor>> Fp8AsyncTp::dump_extra() {
+  keeping_ = false;
+  const std::map<std::string, Param> weights{
+      {"wq", Param::wq},         {"wk", Param::wk},     {"wv", Param::wv},        {"wo", Param::wo},
+      {"w_gate", Param::w_gate}, {"w_up", Param::w_up}, {"w_down", Param::w_down}};
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& [name, q] : std::exchange(layer0_, {})) {  // the same order on every rank
+    const auto p = weights.find(name);
+    const Tensor full = p != weights.end() ? group_.gather_param(p->second, q)
+                                           : group_.gather_sequence(q).with_scale(q.scale());
+    const std::string base = "fp8/layers.0." + name;
+    out.emplace_back(base, ops::to_device(full, Device::cpu));
+    out.emplace_back(base + ".scale", ops::to_device(q.scale(), Device::cpu));
+  }
+  return out;
+}
+
 ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor> w,
                                         std::string_view role) {
   // The input's shard and the weights (E4M3 all): the shard is what the all-gather moves.
@@ -47,6 +70,11 @@ ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor>
   const std::vector<DType> format(x.size(), DType::e4m3);
   std::vector<Tensor> q = quantize(x, format, role);
   for (std::size_t j = 0; j < w.size(); ++j) weights_[w[j].raw()] = q[j + 1];
+  // The dump's names of these operands: the gathered input, then the weights.
+  const std::vector<std::string> names = role == "qkv"
+                                             ? std::vector<std::string>{"qkv_in", "wq", "wk", "wv"}
+                                             : std::vector<std::string>{"mlp_in", "w_gate", "w_up"};
+  for (std::size_t i = 0; i < q.size() && i < names.size(); ++i) keep_for_dump(names[i], q[i]);
   return OverlapRing::column_forward(q[0], std::span(q).subspan(1), role);  // saves the FP8 shard
 }
 
@@ -66,6 +94,7 @@ Tensor Fp8AsyncTp::row_forward(const Tensor& a, const Tensor& w, std::string_vie
   const std::array format{DType::e4m3, DType::e4m3};
   const std::vector<Tensor> q = quantize(x, format, role);
   weights_[w.raw()] = q[1];
+  keep_for_dump(role == "o" ? "wo" : "w_down", q[1]);
   return OverlapRing::row_forward(q[0], q[1], role);
 }
 

@@ -38,6 +38,8 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   Tensor row_forward(const Tensor& a, const Tensor& w, std::string_view role) override;
   Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                       std::string_view role) override;
+  /// fp8/layers.0.<name>(.scale): the layer-0 FP8 operands of the first forward, full size.
+  std::vector<std::pair<std::string, Tensor>> dump_extra() override;
 
  private:
   /// x[i] in format[i], each with its own per-tensor scale, agreed over the group with one MAX
@@ -47,7 +49,12 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   /// The FP8 weight quantized by this step's forward (reused by its backward).
   const Tensor& fp8_weight(const Tensor& w) const;
 
+  /// Keeps `q` as layer 0's `name` for dump_extra() if it is the first of that name.
+  void keep_for_dump(const std::string& name, const Tensor& q);
+
   std::map<const void*, Tensor> weights_;  // by the address of the fp32 master weight
+  std::map<std::string, Tensor> layer0_;   // the first forward's FP8 operands, by dump name
+  bool keeping_ = true;                    // until dump_extra()
 };
 
 /// Stage 06 under --dtype fp8 (its default); stage 05 under fp32 or bf16.

@@ -1,7 +1,8 @@
-// NumPy .npy files (format version 1.0, little-endian float32, C order), for --dump and tests.
+// NumPy .npy files (format version 1.0, C order: little-endian float32, or uint8 for the FP8
+// codes of stage 06), for --dump and tests.
 // Format: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 //
-// defines: tpx::NpyArray, tpx::write_npy(), tpx::read_npy()
+// defines: tpx::NpyArray, tpx::NpyBytes, tpx::write_npy(), tpx::read_npy(), tpx::read_npy_bytes()
 #pragma once
 
 #include <cstdint>
@@ -21,7 +22,18 @@ struct NpyArray {
 void write_npy(const std::filesystem::path& path, std::span<const float> data,
                const std::vector<std::int64_t>& shape);
 
+/// Writes `|u1` (uint8) data, likewise.
+void write_npy(const std::filesystem::path& path, std::span<const std::uint8_t> data,
+               const std::vector<std::int64_t>& shape);
+
 /// Reads a `<f4`, C-order .npy file; throws tpx::Error on anything else.
 NpyArray read_npy(const std::filesystem::path& path);
+
+struct NpyBytes {
+  std::vector<std::int64_t> shape;
+  std::vector<std::uint8_t> data;
+};
+/// Reads a `|u1`, C-order .npy file; throws tpx::Error on anything else.
+NpyBytes read_npy_bytes(const std::filesystem::path& path);
 
 }  // namespace tpx

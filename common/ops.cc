@@ -280,7 +280,8 @@ double bf16_gemm_peak_tflops([[maybe_unused]] Device device) {
 
 Tensor to_device(const Tensor& t, Device device) {
 #if TPX_WITH_CUDA
-  if (device == Device::cpu && t.dtype() != DType::f32) return cuda::to_host_f32(t);
+  if (device == Device::cpu && t.device() == Device::cuda && t.dtype() == DType::bf16)
+    return cuda::to_host_f32(t);
 #endif
   Tensor out = Tensor::empty(t.shape(), t.dtype(), device);
   copy(t, out);

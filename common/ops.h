@@ -93,7 +93,8 @@ void fill(const Tensor& t, float value);
 void cast(const Tensor& src, const Tensor& dst);
 /// Copies between any devices; shapes must have the same element count and dtypes must match.
 void copy(const Tensor& src, const Tensor& dst);
-/// A new tensor on `device` holding the same values (f32 on the host for `Device::cpu`).
+/// A new tensor on `device` holding the same values: a bf16 cuda tensor arrives on the host as
+/// f32 (the cpu computes in f32); every other dtype, FP8 codes included, is copied as it is.
 Tensor to_device(const Tensor& t, Device device);
 
 // FP8 (stage 06; formats and recipe in common/fp8.h). The scale is an f32 tensor of one element

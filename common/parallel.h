@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "config.h"
@@ -77,6 +78,9 @@ class Parallelism {
   virtual Tensor gather_activation(const Tensor& local) { return local; }
   /// On rank 0: the full parameter (or gradient) from this rank's shard (collective).
   virtual Tensor gather_param(Param /*p*/, const Tensor& local) { return local; }
+  /// On rank 0: what else --dump writes, as (file name without .npy, host tensor), e.g. stage
+  /// 06's FP8 operands (collective; called once, after the first forward and backward).
+  virtual std::vector<std::pair<std::string, Tensor>> dump_extra() { return {}; }
   /// Communication since the last call, and resets the counters.
   virtual CommStats take_comm_stats() { return {}; }
   /// Waits until all queued work on this rank is done (device sync; a no-op on the cpu).

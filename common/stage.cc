@@ -149,6 +149,14 @@ void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& st
       write_npy(dir / (base + ".npy"), s.params[l][i], param_shape(p, c));
       write_npy(dir / (base + ".grad.npy"), s.grads[l][i], param_shape(p, c));
     }
+  for (const auto& [name, t] : s.extra) {
+    fs::create_directories((dir / name).parent_path());
+    const fs::path path = dir / (name + ".npy");
+    if (t.dtype() == DType::f32)
+      write_npy(path, t.f32(), t.shape());
+    else  // FP8 codes, as bytes
+      write_npy(path, std::span(t.data<std::uint8_t>(), t.nbytes()), t.shape());
+  }
   json cfg = config_json(c);
   cfg["stage"] = stage;
   cfg["world_size"] = world;

@@ -134,15 +134,18 @@ Tensor TpGroup::gather_param(Param p, const Tensor& local) {
   if (split == Split::rows) return stacked;
   // Rank r's block [in, out/N] is rows [r·in, (r+1)·in) of `stacked`; it belongs in columns
   // [r·out/N, (r+1)·out/N) of the full [in, out].
+  // (Byte-wise, so FP8 shards interleave too; the result is on the host.)
   const Tensor host = ops::to_device(stacked, Device::cpu);
   const std::int64_t in = local.dim(0), cols = local.dim(1);
-  Tensor full = Tensor::empty({in, cols * world_});
-  const float* src = host.data<float>();
-  float* dst = full.data<float>();
+  const auto e = static_cast<std::int64_t>(dtype_size(local.dtype()));
+  Tensor full = Tensor::empty({in, cols * world_}, local.dtype());
+  const auto* src = static_cast<const std::byte*>(host.raw());
+  auto* dst = static_cast<std::byte*>(full.raw());
   for (std::int64_t r = 0; r < world_; ++r)
     for (std::int64_t i = 0; i < in; ++i)
-      std::memcpy(dst + i * cols * world_ + r * cols, src + (r * in + i) * cols,
-                  static_cast<std::size_t>(cols) * sizeof(float));
+      std::memcpy(dst + (i * cols * world_ + r * cols) * e, src + (r * in + i) * cols * e,
+                  static_cast<std::size_t>(cols * e));
+  if (local.scale().defined()) full = full.with_scale(ops::to_device(local.scale(), Device::cpu));
   return full;
 }
 

@@ -39,6 +39,7 @@ void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const
       s.params[l][i] = host_copy(par.gather_param(p, m.params[l][p]));
       s.grads[l][i] = host_copy(par.gather_param(p, m.grads[l][p]));
     }
+  s.extra = par.dump_extra();
 }
 
 }  // namespace

@@ -36,6 +36,7 @@ struct Snapshot {
   std::vector<float> input, target, output, input_grad;
   std::vector<std::array<std::vector<float>, kNumParams>> params, grads;  ///< [layer][param]
   double loss = 0;
+  std::vector<std::pair<std::string, Tensor>> extra;  ///< Parallelism::dump_extra()
 };
 
 struct TrainResult {

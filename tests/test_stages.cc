@@ -12,7 +12,10 @@
 //     stage 04's, it passes --check at N = 3 on the chapter's sizes, 200 steps with random delays
 //     on the copy lanes give bitwise the losses of a run without, and a signal that is never sent
 //     is reported by the watchdog naming the peer and the generation; its NCCL zero-CTA
-//     all-gather option refuses the cpu with one line on every rank.
+//     all-gather option refuses the cpu with one line on every rank;
+//   - stage 06's all-gathers move ¼ of stage 05's bytes (plus the amax all-reduces), its losses
+//     track stage 01's within 2 % over 10 steps, and its dump holds every weight's FP8 codes under
+//     the scale of the whole weight.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -25,6 +28,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/fp8.h"
 #include "common/npy.h"
 #include "test_util.h"
 
@@ -379,6 +383,88 @@ TEST(CopyEngine, NcclZeroCtaAllGatherOnTheCpuIsOneLineOnEveryRank) {
     }
   EXPECT_EQ(lines, 2) << "one line per rank expected:\n" << r.err;
   EXPECT_EQ(r.out.find("step"), std::string::npos) << "no step may run:\n" << r.out;
+}
+
+// --- stage 06 against stages 05 and 01 ----------------------------------------------------------
+
+class Fp8VsCopyEngine : public testing::TestWithParam<int> {};
+
+TEST_P(Fp8VsCopyEngine, AllGathersMoveAQuarterOfTheBytes) {
+  // Per layer and step, stage 05 gathers 6 [S/N, B, H] fp32 shards (qkv and gate/up inputs in
+  // forward, their re-gathers and the two dY gathers in backward), pulling N − 1 of them each;
+  // stage 06 pulls the same shards as 1-byte FP8 codes. Its reduce-scatters and norm all-reduces
+  // are stage 05's; on top come 8 MAX all-reduces of the amaxes per layer, one per GEMM group,
+  // of k fp32 values: forward qkv 4 (h, Wq, Wk, Wv), o 2, gate/up 3, down 2; backward qkv 3
+  // (dQ, dK, dV), o 2 (a, dY), gate/up 2, down 2.
+  const int n = GetParam();
+  const Sizes z = kRingSizes;
+  const json f32 = run_json("05_copy_engine_async_tp", n, z, 2);
+  const json f8 = run_json("06_fp8", n, z, 2);
+  const std::int64_t pulled = 6 * z.L * (n - 1) * (z.S / n) * z.B * z.H;  // elements per step
+  std::uint64_t amax_payload = 0, amax_bus = 0;
+  for (const std::int64_t k : {4, 2, 3, 2, 3, 2, 2, 2}) {
+    amax_payload += std::uint64_t(z.L * k * kFloat);
+    amax_bus += std::uint64_t(z.L * ((k * kFloat * 2 * (n - 1)) / n));
+  }
+  ASSERT_EQ(f32.at("steps").size(), f8.at("steps").size());
+  for (std::size_t i = 0; i < f32.at("steps").size(); ++i) {
+    const json &a = f32["steps"][i], &b = f8["steps"][i];
+    const auto saved = std::uint64_t(pulled * (kFloat - 1));  // 4 bytes become 1
+    EXPECT_EQ(b.at("comm_bus_bytes").get<std::uint64_t>(),
+              a.at("comm_bus_bytes").get<std::uint64_t>() - saved + amax_bus)
+        << "step " << i;
+    EXPECT_EQ(b.at("comm_payload_bytes").get<std::uint64_t>(),
+              a.at("comm_payload_bytes").get<std::uint64_t>() - saved + amax_payload)
+        << "step " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ranks, Fp8VsCopyEngine, testing::Values(2, 4),
+                         [](const auto& p) { return fmt::format("np{}", p.param); });
+
+TEST(Fp8, LossTracksStage01OverTenSteps) {
+  // FP8 rounding must not change how training goes: every loss of 10 SGD steps at N = 2 within
+  // 2 % of stage 01's (fp32, one device).
+  const json ref = run_json("01_baseline", 1, kRingSizes, 10);
+  const json f8 = run_json("06_fp8", 2, kRingSizes, 10);
+  ASSERT_EQ(ref.at("steps").size(), 10u);
+  ASSERT_EQ(f8.at("steps").size(), 10u);
+  for (std::size_t i = 0; i < 10; ++i) {
+    const double want = ref["steps"][i].at("loss").get<double>();
+    const double got = f8["steps"][i].at("loss").get<double>();
+    EXPECT_LE(std::abs(got - want), 0.02 * std::abs(want)) << "step " << i;
+  }
+}
+
+TEST(Fp8, DumpHoldsEachWeightsCodesUnderOneAgreedScale) {
+  // At N = 2 every weight is split between two ranks. The dump's scale must be the full weight's
+  // (448 / max |W| in fp32, so the shards agreed on the amax), and every code, from either rank's
+  // shard, must be that scale's encoding of the weight.
+  test::TempDir dir;
+  const Sizes z = kRingSizes;
+  const auto r =
+      run_stage("06_fp8", 2, z.args() + " --steps 1 --dump " + (dir / "dump").string(), dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  for (const char* name : {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}) {
+    SCOPED_TRACE(name);
+    const NpyArray w = read_npy(dir / "dump" / fmt::format("layers.0.{}.npy", name));
+    const NpyBytes q = read_npy_bytes(dir / "dump" / "fp8" / fmt::format("layers.0.{}.npy", name));
+    const NpyArray scale =
+        read_npy(dir / "dump" / "fp8" / fmt::format("layers.0.{}.scale.npy", name));
+    ASSERT_EQ(q.shape, w.shape);
+    ASSERT_EQ(scale.data.size(), 1u);
+    float amax = 0;
+    for (const float v : w.data) amax = std::max(amax, std::abs(v));
+    EXPECT_EQ(scale.data[0], 448.0f / amax);
+    int wrong = 0;
+    for (std::size_t i = 0; i < w.data.size(); ++i)
+      wrong += q.data[i] != fp8::encode(w.data[i] * scale.data[0], DType::e4m3) ? 1 : 0;
+    EXPECT_EQ(wrong, 0) << "of " << w.data.size() << " codes";
+  }
+  for (const char* name : {"qkv_in", "mlp_in"}) {
+    const NpyBytes q = read_npy_bytes(dir / "dump" / "fp8" / fmt::format("layers.0.{}.npy", name));
+    EXPECT_EQ(q.shape, (std::vector<std::int64_t>{z.S, z.B, z.H})) << name;
+  }
 }
 
 }  // namespace
