@@ -565,6 +565,60 @@ std::vector<std::uint8_t> host_bytes(const Tensor& t) {
   return {p, p + host.nbytes()};
 }
 
+// --- GEMMs of FP8 operands -----------------------------------------------------------------------
+
+/// A [rows, cols] FP8 tensor of `fmt` with its scale, from values spread over a few binades.
+Tensor scaled_fp8(std::int64_t rows, std::int64_t cols, DType fmt, float scale, float salt) {
+  Tensor x = Tensor::empty({rows, cols});
+  for (std::size_t i = 0; i < x.f32().size(); ++i)
+    x.f32()[i] = std::sin(float(i) * 1.7f + salt) * std::exp2(float(i % 7) - 3.0f);
+  const Tensor s = Tensor::empty({1});
+  s.f32()[0] = scale;
+  Tensor q = Tensor::empty({rows, cols}, fmt);
+  ops::quantize_fp8(x, s, q);
+  return q.with_scale(s);
+}
+
+TEST(Fp8Gemm, IsTheFp32GemmOfTheDequantizedOperands) {
+  // The recipe's three products, every transpose, beta 0 and 1: C must equal, bit for bit, the
+  // fp32 GEMM of q / scale computed here element by element from the codes (decode, divide).
+  const std::int64_t m = 5, n = 6, k = 7;
+  struct Combo {
+    DType a, b;
+  };
+  for (const Combo combo : {Combo{DType::e4m3, DType::e4m3}, Combo{DType::e5m2, DType::e4m3},
+                            Combo{DType::e4m3, DType::e5m2}})
+    for (const bool ta : {false, true})
+      for (const bool tb : {false, true})
+        for (const float beta : {0.0f, 1.0f}) {
+          SCOPED_TRACE(fmt::format("{} x {}, trans {} {}, beta {}", to_string(combo.a),
+                                   to_string(combo.b), ta, tb, beta));
+          const Tensor a = scaled_fp8(ta ? k : m, ta ? m : k, combo.a, 37.5f, 0.3f);
+          const Tensor b = scaled_fp8(tb ? n : k, tb ? k : n, combo.b, 0.75f, 1.1f);
+          auto dequantized = [](const Tensor& q) {
+            Tensor x = Tensor::empty(q.shape());
+            const float s = q.scale().f32()[0];
+            for (std::size_t i = 0; i < x.f32().size(); ++i)
+              x.f32()[i] = fp8::decode(q.data<std::uint8_t>()[i], q.dtype()) / s;
+            return x;
+          };
+          Tensor want = Tensor::empty({m, n}), got = Tensor::empty({m, n});
+          for (std::size_t i = 0; i < want.f32().size(); ++i) want.f32()[i] = got.f32()[i] = 0.5f;
+          ops::gemm(dequantized(a), ta, dequantized(b), tb, want, 1.0f, beta);
+          ops::gemm(a, ta, b, tb, got, 1.0f, beta);
+          for (std::size_t i = 0; i < want.f32().size(); ++i)
+            ASSERT_EQ(got.f32()[i], want.f32()[i]) << "element " << i;
+        }
+}
+
+TEST(Fp8Gemm, NeedsBothOperandsInFp8WithTheirScales) {
+  const Tensor a = scaled_fp8(2, 3, DType::e4m3, 1.0f, 0.0f);
+  const Tensor c = Tensor::empty({2, 2});
+  EXPECT_THROW(ops::gemm(a, false, Tensor::zeros({3, 2}), false, c), Error);  // fp32 B
+  const Tensor unscaled = Tensor::empty({3, 2}, DType::e4m3);
+  EXPECT_THROW(ops::gemm(a, false, unscaled, false, c), Error);  // no scale
+}
+
 TEST(Fp8Cuda, CastsEqualTheCpuCastsBitForBit) {
   TPX_REQUIRE_GPU();
   const std::vector<float> values = device_inputs();
