@@ -14,8 +14,8 @@
 namespace {
 
 struct Row {
-  std::string stage, ranks, comm, device, loss_first, loss_last, step_ms, exposed_ms, payload, bus,
-      peak_mib, saved_mib, check;
+  std::string stage, ranks, comm, device, dtype, loss_first, loss_last, step_ms, exposed_ms,
+      payload, bus, peak_mib, saved_mib, check;
 };
 
 // Mean over steps after the first (the first step pays for warm-up), or the only step.
@@ -39,6 +39,7 @@ Row summarise(const std::string& path) {
   r.ranks = std::to_string(j.at("world_size").get<int>());
   r.comm = j.at("comm").get<std::string>();
   r.device = j.at("config").at("device").get<std::string>();
+  r.dtype = j.at("config").at("dtype").get<std::string>();
   r.loss_first = fmt::format("{:.6f}", steps.front().at("loss").get<double>());
   r.loss_last = fmt::format("{:.6f}", steps.back().at("loss").get<double>());
   r.step_ms = fmt::format("{:.2f}", steady_mean(steps, "ms"));
@@ -61,10 +62,19 @@ int main(int argc, char** argv) {
   app.add_option("--csv", csv, "also write the table as CSV")->type_name("FILE");
   CLI11_PARSE(app, argc, argv);
 
-  const std::vector<std::string> head = {"stage",      "ranks",           "comm",
-                                         "device",     "loss step 0",     "loss last",
-                                         "step ms",    "exposed comm ms", "comm B/rank",
-                                         "bus B/rank", "peak MiB",        "saved act MiB/rank",
+  const std::vector<std::string> head = {"stage",
+                                         "ranks",
+                                         "comm",
+                                         "device",
+                                         "dtype",
+                                         "loss step 0",
+                                         "loss last",
+                                         "step ms",
+                                         "exposed comm ms",
+                                         "comm B/rank",
+                                         "bus B/rank",
+                                         "peak MiB",
+                                         "saved act MiB/rank",
                                          "check"};
   std::vector<Row> rows;
   try {
@@ -74,9 +84,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   auto cells = [](const Row& r) {
-    return std::vector<std::string>{r.stage,     r.ranks,     r.comm,       r.device,  r.loss_first,
-                                    r.loss_last, r.step_ms,   r.exposed_ms, r.payload, r.bus,
-                                    r.peak_mib,  r.saved_mib, r.check};
+    return std::vector<std::string>{r.stage,      r.ranks,     r.comm,      r.device,     r.dtype,
+                                    r.loss_first, r.loss_last, r.step_ms,   r.exposed_ms, r.payload,
+                                    r.bus,        r.peak_mib,  r.saved_mib, r.check};
   };
   fmt::print("| {} |\n|{}\n", fmt::join(head, " | "), [&] {
     std::string s;
