@@ -19,6 +19,7 @@
 #include "common/comm/zero_cta.h"
 #include "common/ops.h"
 #include "common/stage.h"
+#include "test_cuda.h"
 #if TPX_WITH_CUDA
 #include "common/cuda/device.h"
 #endif
@@ -322,8 +323,7 @@ void check_cuda_collectives(Communicator& comm) {
 }
 
 TEST(CommCuda, HostStagedMpi) {
-  if (const auto why = ops::device_problem(Device::cuda); !why.empty())
-    GTEST_SKIP() << "no usable GPU: " << why;
+  TPX_REQUIRE_GPU();
   // The path for ranks sharing one GPU.
   CommOptions o;
   o.kind = CommKind::mpi;
@@ -333,8 +333,7 @@ TEST(CommCuda, HostStagedMpi) {
 }
 
 TEST(CommCuda, AutoPicksNcclOnlyWithOneGpuPerRank) {
-  if (const auto why = ops::device_problem(Device::cuda); !why.empty())
-    GTEST_SKIP() << "no usable GPU: " << why;
+  TPX_REQUIRE_GPU();
   auto comm = make_communicator(CommOptions{}, Device::cuda);
   const bool staged = comm->name().rfind("mpi (host-staged", 0) == 0;
   if (!TPX_WITH_NCCL) {
@@ -366,8 +365,7 @@ TEST(CommZeroCta, RefusesTheCpuInOneLine) {
 }
 
 TEST(CommCuda, ZeroCtaAllGatherInPlaceInItsWindow) {
-  if (const auto why = ops::device_problem(Device::cuda); !why.empty())
-    GTEST_SKIP() << "no usable GPU: " << why;
+  TPX_REQUIRE_GPU();
   std::unique_ptr<ZeroCtaComm> z;
   try {
     z = make_zero_cta_comm(CommOptions{}, Device::cuda);
@@ -408,8 +406,7 @@ TEST(CommCuda, ZeroCtaAllGatherInPlaceInItsWindow) {
 
 #if TPX_WITH_CUDA
 TEST(CommCuda, InputDroppedRightAfterTheCallIsNotReused) {
-  if (const auto why = ops::device_problem(Device::cuda); !why.empty())
-    GTEST_SKIP() << "no usable GPU: " << why;
+  TPX_REQUIRE_GPU();
   // The caching allocator is not stream-aware. The op below waits on the device for a long queue
   // of work on `s`; its input is dropped as soon as the call returns, and the next allocation of
   // that size is written at once on the default stream, which waits neither for `s` nor for the
