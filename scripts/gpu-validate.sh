@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# Validates every CUDA path of the project on a GPU machine and writes one report.
+#
+#   scripts/gpu-validate.sh OUTDIR [PART ...]
+#
+# OUTDIR gets report.md (the device, the date, a table of every step with its result, time and
+# command, and the numbers the chapters quote) and logs/ (each step's full output). The last line
+# printed, and of the report, is "N passed, N failed"; the exit status is 0 only if none failed.
+# PARTs (default: all, in this order; each fits in a 10-minute command on an H100):
+#   facts    the GPU, driver, compute mode; libraries the binaries cannot find
+#   unit     the cuda unit tests, run directly with TPX_EXPECT_GPU=1 (a skip is a failure)
+#   sanitize compute-sanitizer: memcheck on the cuda op tests, racecheck on RMSNorm and attention,
+#            memcheck on stage 05 at -np 2
+#   stages   01 on cuda in fp32 and bf16; 02-06 at -np 1 (NCCL) and -np 2 (ranks sharing the GPU)
+#   big      stage 01 at H=4096 NH=32 F=11008 S=2048 B=1 in bf16: step time, TFLOP/s, MFU
+#   bench    the GPU micro-benchmarks that exist (bench_copy_overlap)
+#
+# The build: TPX_BUILD (default: build) must hold a build made for this GPU, e.g.
+#   cmake --preset release -DCMAKE_CUDA_ARCHITECTURES=90 -DTPX_STATIC_BLAS=ON
+#   cmake --build --preset release
+# made here or on another machine and carried (with TPX_STATIC_BLAS the binaries need no
+# OpenBLAS package). A machine without Open MPI gets it from a carried bundle: run
+# ../shared/gpu/bundle.sh beside the checkout first, carry .gpubundle/, and this script sources
+# .gpubundle/env.sh when mpirun is missing. See common/cuda/README.md, "Validating on a GPU
+# machine".
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+if [ $# -lt 1 ] || [[ "$1" == -* ]]; then
+  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+out=$1
+shift
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(facts unit sanitize stages big bench)
+for p in "${parts[@]}"; do
+  case $p in facts | unit | sanitize | stages | big | bench) ;;
+  *)
+    echo "gpu-validate: unknown part '$p' (facts, unit, sanitize, stages, big, bench)"
+    exit 2
+    ;;
+  esac
+done
+
+# Seconds, not minutes, where there is nothing to validate.
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  echo "gpu-validate: no GPU is visible (nvidia-smi -L lists none); nothing to validate here"
+  exit 2
+fi
+
+build=${TPX_BUILD:-build}
+bin=$build/bin
+if [ ! -x "$bin/01_baseline" ]; then
+  echo "gpu-validate: no build in $build (set TPX_BUILD, or build with: cmake --preset release" \
+    "-DCMAKE_CUDA_ARCHITECTURES=90 -DTPX_STATIC_BLAS=ON && cmake --build --preset release)"
+  exit 2
+fi
+if ! command -v mpirun >/dev/null 2>&1 && [ -f .gpubundle/env.sh ]; then
+  # shellcheck disable=SC1091
+  source .gpubundle/env.sh
+fi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none TPX_EXPECT_GPU=1
+mpi=(mpirun --oversubscribe --bind-to none)
+
+mkdir -p "$out/logs"
+report=$out/report.md
+rows=()
+passed=0
+failed=0
+n=0
+
+# step NAME SECONDS COMMAND...: runs COMMAND with a time limit, its output into logs/NN-NAME.log.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  n=$((n + 1))
+  local log
+  log=$(printf '%s/logs/%02d-%s.log' "$out" "$n" "$name")
+  local t0=$SECONDS
+  echo "=== [$n] $name: $*"
+  timeout "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  local dt=$((SECONDS - t0)) verdict=pass
+  if [ $rc -ne 0 ]; then
+    verdict="FAIL (exit $rc$([ $rc -eq 124 ] && echo ", over ${limit} s"))"
+    failed=$((failed + 1))
+    tail -5 "$log" | sed 's/^/    /'
+  else
+    passed=$((passed + 1))
+  fi
+  echo "    $verdict in ${dt} s"
+  rows+=("| $n | $name | $verdict | $dt | \`$*\` | $(basename "$log") |")
+}
+
+# A step that needs its log to contain a line (e.g. PASS): runs COMMAND, then greps.
+check_step() {
+  local name=$1 limit=$2 want=$3
+  shift 3
+  step "$name" "$limit" "$@"
+  local log
+  log=$(printf '%s/logs/%02d-%s.log' "$out" "$n" "$name")
+  if [[ ${rows[-1]} == *"| pass |"* ]] && ! grep -q -- "$want" "$log"; then
+    rows[-1]=${rows[-1]/| pass |/| FAIL (no \"$want\" in the output) |}
+    passed=$((passed - 1))
+    failed=$((failed + 1))
+  fi
+}
+
+has() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+small=(--hidden 256 --heads 8 --ffn 1024 --seq 128 --batch 2 --layers 2 --steps 5)
+
+if has facts; then
+  step nvidia-smi 60 nvidia-smi
+  step gpu-query 60 nvidia-smi --query-gpu=name,driver_version,compute_mode,memory.total,clocks.max.sm \
+    --format=csv
+  step ldd 60 bash -c "for f in $bin/*; do ldd \"\$f\" 2>/dev/null | grep 'not found' | sed \"s|^|\$f: |\"; done; \
+    ! (for f in $bin/*; do ldd \"\$f\" 2>/dev/null; done | grep -q 'not found')"
+fi
+
+if has unit; then
+  for t in test_cuda_ops test_cuda_stage01 test_cuda_streams; do
+    step "$t" 480 "$bin/$t"
+  done
+  step test_fp8.cuda 120 "$bin/test_fp8" --gtest_filter='Fp8Cuda.*:Fp8Gemm.*'
+  step test_comm.cuda.np1 180 "${mpi[@]}" -np 1 "$bin/test_comm" --gtest_filter='CommCuda.*'
+  step test_comm.cuda.np2 180 "${mpi[@]}" -np 2 "$bin/test_comm" --gtest_filter='CommCuda.*'
+fi
+
+if has sanitize; then
+  step memcheck.cuda_ops 540 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$bin/test_cuda_ops"
+  step racecheck.norm_attention 540 compute-sanitizer --tool racecheck --error-exitcode 1 \
+    "$bin/test_cuda_ops" --gtest_filter='Ops.RmsNorm*:Ops.Attention*'
+  step memcheck.05.np2 540 "${mpi[@]}" -np 2 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    "$bin/05_copy_engine_async_tp" --device cuda --check --steps 2 --hidden 96 --heads 12 \
+    --ffn 192 --seq 24
+fi
+
+if has stages; then
+  for dtype in fp32 bf16; do
+    check_step "01.$dtype" 300 PASS "$bin/01_baseline" --device cuda --dtype "$dtype" --check
+  done
+  for s in 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp 06_fp8; do
+    [ -x "$bin/$s" ] || continue
+    for np in 1 2; do
+      check_step "$s.np$np" 300 PASS "${mpi[@]}" -np "$np" "$bin/$s" --device cuda --check "${small[@]}"
+    done
+  done
+  check_step 05.bf16.np2 300 PASS "${mpi[@]}" -np 2 "$bin/05_copy_engine_async_tp" --device cuda \
+    --dtype bf16 --check
+  check_step 05.np4 300 PASS "${mpi[@]}" -np 4 "$bin/05_copy_engine_async_tp" --device cuda --check
+  check_step 05.bf16.np4 300 PASS "${mpi[@]}" -np 4 "$bin/05_copy_engine_async_tp" --device cuda \
+    --dtype bf16 --check
+  check_step 05.nccl-zero-cta.np1 300 PASS "${mpi[@]}" -np 1 "$bin/05_copy_engine_async_tp" \
+    --device cuda --all-gather nccl-zero-cta --check
+  # Ranks sharing the GPU: the option must refuse in one line on every rank, with exit status 2.
+  step 05.nccl-zero-cta.np2-refuses 120 bash -c "${mpi[*]} -np 2 $bin/05_copy_engine_async_tp \
+    --device cuda --all-gather nccl-zero-cta --steps 1; test \$? -eq 2"
+fi
+
+if has big; then
+  check_step 01.big.bf16 540 "TFLOP" "$bin/01_baseline" --device cuda --dtype bf16 --hidden 4096 \
+    --heads 32 --ffn 11008 --seq 2048 --batch 1 --layers 1 --steps 5
+fi
+
+if has bench; then
+  if [ -x "$bin/bench_copy_overlap" ]; then
+    step bench_copy_overlap 540 "$bin/bench_copy_overlap" --benchmark_filter=cuda
+  fi
+fi
+
+# The report.
+gpu=$(nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader 2>/dev/null |
+  head -1)
+{
+  echo "# GPU validation"
+  echo
+  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "- device: ${gpu:-unknown} (name, driver, compute mode)"
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "- build: $build; parts: ${parts[*]}"
+  echo
+  echo "| # | step | result | seconds | command | log |"
+  echo "|---|---|---|---|---|---|"
+  printf '%s\n' "${rows[@]}"
+  echo
+  echo "## Numbers"
+  echo
+  for f in "$out"/logs/*; do
+    grep -H -E "bf16 GEMM peak|^mean step|MFU|^PASS|^FAIL|ERROR SUMMARY|slowdown=" "$f" 2>/dev/null |
+      sed "s|^$out/logs/||" | head -8
+  done | sed 's/^/    /'
+  echo
+  echo "$passed passed, $failed failed"
+} >"$report"
+echo "report: $report"
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
