@@ -69,10 +69,11 @@ TEST(Stage01, Fp32MatchesCpu) {
   compare_runs(gpu, cpu, 1e-5);
 }
 
-// With --dtype bf16 every GEMM (attention's included) multiplies bf16-rounded operands (unit
-// roundoff 2^-9 ≈ 2e-3) with fp32 sums; forward and backward through two layers chain about ten
-// such GEMMs per value, so errors of a few 1e-3 relative to each tensor's largest value are
-// expected. 3e-2 (the stage's bf16 --check tolerance) still fails any real bug by far.
+// With --dtype bf16 every GEMM (attention's included) multiplies bf16-rounded operands (8
+// significant bits: unit roundoff u = 2^-8 ≈ 3.9e-3) with fp32 sums; forward and backward through
+// two layers chain about ten such GEMMs per value, so errors of a few u (around 1e-2) relative to
+// each tensor's largest value are expected. 3e-2 ≈ 8u (the stage's bf16 --check tolerance) still
+// fails any real bug by far.
 TEST(Stage01, Bf16CloseToCpu) {
   TPX_REQUIRE_GPU();
   BlockConfig c = small_config();
