@@ -10,7 +10,7 @@
 #   facts    the GPU, driver, compute mode; libraries the binaries cannot find
 #   unit     the cuda unit tests, run directly with TPX_EXPECT_GPU=1 (a skip is a failure)
 #   sanitize compute-sanitizer: memcheck on the cuda op tests, racecheck on RMSNorm and attention,
-#            memcheck on stage 05 at -np 2
+#            memcheck on stage 05 at -np 2 (memcheck with TPX_EXACT_ALLOC=1: no cached blocks)
 #   stages   01 on cuda in fp32 and bf16; 02-06 at -np 1 (NCCL) and -np 2 (ranks sharing the GPU)
 #   big      stage 01 at H=4096 NH=32 F=11008 S=2048 B=1 in bf16: step time, TFLOP/s, MFU
 #   bench    the GPU micro-benchmarks that exist (bench_copy_overlap)
@@ -129,11 +129,13 @@ if has unit; then
 fi
 
 if has sanitize; then
-  step memcheck.cuda_ops 540 compute-sanitizer --tool memcheck --error-exitcode 1 \
-    "$bin/test_cuda_ops"
+  # TPX_EXACT_ALLOC=1: exact-size, uncached blocks, so memcheck sees an overrun of a tensor.
+  step memcheck.cuda_ops 540 env TPX_EXACT_ALLOC=1 compute-sanitizer --tool memcheck \
+    --error-exitcode 1 "$bin/test_cuda_ops" --gtest_filter='-Allocator.*' # (no cache to test)
   step racecheck.norm_attention 540 compute-sanitizer --tool racecheck --error-exitcode 1 \
     "$bin/test_cuda_ops" --gtest_filter='Ops.RmsNorm*:Ops.Attention*'
-  step memcheck.05.np2 540 "${mpi[@]}" -np 2 compute-sanitizer --tool memcheck --error-exitcode 1 \
+  step memcheck.05.np2 540 "${mpi[@]}" -np 2 -x TPX_EXACT_ALLOC=1 compute-sanitizer --tool memcheck \
+    --error-exitcode 1 \
     "$bin/05_copy_engine_async_tp" --device cuda --check --steps 2 --hidden 96 --heads 12 \
     --ffn 192 --seq 24
 fi

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -191,6 +192,23 @@ TEST(Allocator, FreeListsArePerStream) {
   EXPECT_EQ(r, p);  // s does
   s.run([&] { a.deallocate(r, 3000); });
   a.deallocate(q, 3000);
+}
+
+TEST(Allocator, ExactModeAllocatesWhatIsAskedAndCachesNothing) {
+  TPX_REQUIRE_GPU();
+  // TPX_EXACT_ALLOC=1 is read when an allocator is made: a private one, so the process's
+  // allocator keeps its cache.
+  ::setenv("TPX_EXACT_ALLOC", "1", 1);
+  cuda::CachingAllocator exact;
+  ::unsetenv("TPX_EXACT_ALLOC");
+  void* p = exact.allocate(1000);
+  EXPECT_EQ(exact.reserved_bytes(), 1000u);  // not rounded up to a 512-byte class
+  exact.deallocate(p, 1000);
+  EXPECT_EQ(exact.reserved_bytes(), 0u);  // given back at once, not cached
+  cuda::CachingAllocator cached;
+  void* q = cached.allocate(1000);
+  cached.deallocate(q, 1000);
+  EXPECT_EQ(cached.reserved_bytes(), 1024u);  // the default: a 1024-byte class, kept
 }
 
 TEST(Allocator, RecordedBlockIsHeldUntilTheStreamHasPassedTheFree) {

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstdlib>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -29,6 +31,11 @@ std::size_t CachingAllocator::size_class(std::size_t bytes) {
   return (bytes + step - 1) / step * step;
 }
 
+CachingAllocator::CachingAllocator() {
+  const char* exact = std::getenv("TPX_EXACT_ALLOC");
+  exact_ = exact != nullptr && std::string_view(exact) == "1";
+}
+
 CachingAllocator::~CachingAllocator() {
   // Runs at exit, possibly after the CUDA runtime has shut down: errors are ignored.
   for (auto& [key, blocks] : free_)
@@ -41,7 +48,7 @@ CachingAllocator::~CachingAllocator() {
 }
 
 void* CachingAllocator::allocate(std::size_t bytes) {
-  const std::size_t cls = size_class(bytes);
+  const std::size_t cls = exact_ ? std::max<std::size_t>(bytes, 1) : size_class(bytes);
   void* const stream = current_stream();
   std::lock_guard lock(mutex_);
   if (!pending_.empty()) process_pending_locked(/*wait=*/false);
@@ -81,11 +88,17 @@ void* CachingAllocator::malloc_locked(std::size_t size, std::size_t bytes) {
 }
 
 void CachingAllocator::deallocate(void* ptr, std::size_t bytes) {
-  const std::size_t cls = size_class(bytes);
+  const std::size_t cls = exact_ ? std::max<std::size_t>(bytes, 1) : size_class(bytes);
   std::lock_guard lock(mutex_);
   stats_.current -= bytes;
   const auto it = live_.find(ptr);
   if (it == live_.end()) return;  // not from this allocator: not ours to cache
+  if (exact_) {                   // no cache: back to the driver (cudaFree waits for the device)
+    live_.erase(it);
+    reserved_ -= cls;
+    if (cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
+    return;
+  }
   const Live block = std::move(it->second);
   live_.erase(it);
   if (block.uses.empty()) {  // only its own stream used it: reusable there at once

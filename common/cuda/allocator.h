@@ -26,6 +26,11 @@
 // completed, go back to the driver and cudaMalloc is retried; if it fails again, the allocator
 // waits for the pending blocks' events, frees those blocks too and tries once more.
 //
+// TPX_EXACT_ALLOC=1 in the environment turns the cache off for debugging: every block is a
+// cudaMalloc of exactly the bytes asked for and is cudaFree'd when it is freed (which waits for
+// the device, so no stream can still use it). compute-sanitizer's memcheck then sees an access
+// one element past a tensor, which a rounded-up, reused block would hide. Slow; not for timing.
+//
 // defines: tpx::cuda::CachingAllocator
 #pragma once
 
@@ -42,7 +47,7 @@ namespace tpx::cuda {
 
 class CachingAllocator final : public Allocator {
  public:
-  CachingAllocator() = default;
+  CachingAllocator();
   ~CachingAllocator() override;
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
@@ -91,6 +96,7 @@ class CachingAllocator final : public Allocator {
   void release_cached_locked(bool wait);
   void* malloc_locked(std::size_t size, std::size_t bytes);
 
+  bool exact_ = false;  // TPX_EXACT_ALLOC=1: no rounding, no cache
   mutable std::mutex mutex_;
   std::map<FreeKey, std::vector<void*>> free_;  // cached blocks, per (stream, size class)
   std::unordered_map<void*, Live> live_;        // blocks handed out
