@@ -104,7 +104,7 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
                                                                     : bytes_text(available));
   fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>10} {:>14} {:>14} {:>10}", "step", "loss",
              "grad norm", "step ms", "exposed ms", "comm B/rank", "bus B/rank", "peak MB");
-  if (speed.gpu()) fmt::print(" {:>8} {:>6}", "TFLOP/s", "MFU %");
+  if (speed.gpu()) fmt::print(" {:>8} {:>6} {:>8}", "TFLOP/s", "MFU %", "resv MB");
   fmt::print("\n");
 }
 
@@ -114,7 +114,8 @@ void print_row(const StepRow& r, const Speed& speed) {
              mib(r.peak_bytes));
   if (speed.gpu()) {
     const double tf = speed.tflops(r.ms);
-    fmt::print(" {:>8.1f} {:>6.1f}", tf, 100.0 * tf / speed.peak_tflops);
+    fmt::print(" {:>8.1f} {:>6.1f} {:>8.2f}", tf, 100.0 * tf / speed.peak_tflops,
+               mib(r.reserved_bytes));
   }
   fmt::print("\n");
   std::fflush(stdout);
@@ -282,7 +283,8 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                     {"comm_payload_bytes", row.comm.payload_bytes},
                     {"comm_bus_bytes", row.comm.bus_bytes},
                     {"comm_calls", row.comm.calls},
-                    {"peak_bytes", row.peak_bytes}});
+                    {"peak_bytes", row.peak_bytes},
+                    {"reserved_bytes", row.reserved_bytes}});
   json summary = {{"stage", st.info.name},
                   {"world_size", world},
                   {"comm", par.comm_name()},

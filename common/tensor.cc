@@ -90,7 +90,11 @@ class CpuAllocator final : public Allocator {
     std::free(ptr);
     stats_.current -= bytes;
   }
-  MemoryStats stats() const override { return stats_; }
+  MemoryStats stats() const override {
+    MemoryStats s = stats_;
+    s.reserved = s.current;  // no cache: every byte held is in use
+    return s;
+  }
   void reset_peak() override { stats_.peak = stats_.current; }
 
  private:

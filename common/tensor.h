@@ -39,8 +39,9 @@ float bf16_value(std::uint16_t bits);
 
 /// Bytes currently held and the high-water mark, per device.
 struct MemoryStats {
-  std::size_t current = 0;
-  std::size_t peak = 0;
+  std::size_t current = 0;   ///< bytes handed out and not returned
+  std::size_t peak = 0;      ///< the high-water mark of current
+  std::size_t reserved = 0;  ///< bytes held from the system, cached blocks included
 };
 
 /// The allocator interface every backend implements. It counts what it hands out.

@@ -127,7 +127,9 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     }
     row.ms = ms + ms_since(t1);
     row.exposed_comm_ms += trace.exposed_comm_ms(t1, Clock::now());
-    row.peak_bytes = allocator_for(c.device).stats().peak;
+    const MemoryStats mem = allocator_for(c.device).stats();
+    row.peak_bytes = mem.peak;
+    row.reserved_bytes = mem.reserved;
     result.rows.push_back(row);
     if (on_row) on_row(row);
   }

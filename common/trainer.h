@@ -29,6 +29,7 @@ struct StepRow {
   /// Time in the step during which communication ran and compute did not (common/trace.h).
   double exposed_comm_ms = 0;
   std::size_t peak_bytes = 0;
+  std::size_t reserved_bytes = 0;  ///< held by the allocator at the step's end (cache included)
 };
 
 /// Full, unsharded host copies from the first forward + backward (valid on rank 0 only).

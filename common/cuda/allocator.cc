@@ -181,7 +181,9 @@ void CachingAllocator::process_pending_locked(bool wait) {
 
 MemoryStats CachingAllocator::stats() const {
   std::lock_guard lock(mutex_);
-  return stats_;
+  MemoryStats s = stats_;
+  s.reserved = reserved_;
+  return s;
 }
 
 void CachingAllocator::reset_peak() {
