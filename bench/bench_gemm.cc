@@ -1,6 +1,9 @@
 // GEMM throughput at the block's shapes: for each weight kind the forward product y = x·W and
-// the two backward products dx = dy·Wᵀ and dW = xᵀ·dy, in fp32 and (cuda) bf16 with fp32
-// accumulation. Reports TFLOP/s (2·m·n·k per GEMM); --benchmark_out=FILE
+// the two backward products dx = dy·Wᵀ and dW = xᵀ·dy, in fp32, (cuda) bf16 with fp32
+// accumulation, and fp8 as stage 06 multiplies them (forward E4M3 × E4M3, dx E5M2 × E4M3, dW
+// E4M3 × E5M2, operands quantized with their per-tensor scales before the timing starts). On the
+// cpu an FP8 GEMM dequantizes its operands and runs the fp32 GEMM: its numbers show what the
+// emulation costs, not FP8 speed. Reports TFLOP/s (2·m·n·k per GEMM); --benchmark_out=FILE
 // --benchmark_out_format=json writes Google Benchmark's JSON.
 //
 //   build/bin/bench_gemm [--benchmark_filter=cuda/bf16] [--benchmark_min_time=0.5]
@@ -23,18 +26,37 @@ struct GemmShape {
   std::string name;
   I m, n, k;
   bool ta, tb;
+  DType fp8_a, fp8_b;  // the operands' formats under stage 06's recipe
 };
 
 /// The products of one linear layer with weight [in, out] over T tokens.
 std::vector<GemmShape> linear_gemms(const std::string& layer, I t, I in, I out) {
-  return {{layer + "/fwd", t, out, in, false, false},  // y[T,out] = x[T,in]·W[in,out]
-          {layer + "/dx", t, in, out, false, true},    // dx[T,in] = dy[T,out]·Wᵀ
-          {layer + "/dw", in, out, t, true, false}};   // dW[in,out] = xᵀ·dy
+  constexpr DType e4m3 = DType::e4m3, e5m2 = DType::e5m2;
+  return {{layer + "/fwd", t, out, in, false, false, e4m3, e4m3},  // y[T,out] = x[T,in]·W[in,out]
+          {layer + "/dx", t, in, out, false, true, e5m2, e4m3},    // dx[T,in] = dy[T,out]·Wᵀ
+          {layer + "/dw", in, out, t, true, false, e4m3, e5m2}};   // dW[in,out] = xᵀ·dy
 }
 
+/// x in `format` with its per-tensor scale (fmax / amax), as stage 06 quantizes an operand.
+Tensor quantized(const Tensor& x, DType format) {
+  const Tensor amax = Tensor::empty({1}, DType::f32, x.device());
+  const Tensor scale = Tensor::empty({1}, DType::f32, x.device());
+  const Tensor q = Tensor::empty(x.shape(), format, x.device());
+  ops::amax(x, amax);
+  ops::fp8_scale(amax, format, scale);
+  ops::quantize_fp8(x, scale, q);
+  return q.with_scale(scale);
+}
+
+/// compute: f32, bf16, or e4m3 for stage 06's FP8 operands.
 void bm_gemm(benchmark::State& state, Device d, DType compute, GemmShape g) {
-  const Tensor a = random_on(d, g.ta ? Tensor::Shape{g.k, g.m} : Tensor::Shape{g.m, g.k}, 1);
-  const Tensor b = random_on(d, g.tb ? Tensor::Shape{g.n, g.k} : Tensor::Shape{g.k, g.n}, 2);
+  Tensor a = random_on(d, g.ta ? Tensor::Shape{g.k, g.m} : Tensor::Shape{g.m, g.k}, 1);
+  Tensor b = random_on(d, g.tb ? Tensor::Shape{g.n, g.k} : Tensor::Shape{g.k, g.n}, 2);
+  if (is_fp8(compute)) {
+    a = quantized(a, g.fp8_a);
+    b = quantized(b, g.fp8_b);
+    compute = DType::f32;  // not used for FP8 operands
+  }
   const Tensor c = Tensor::empty({g.m, g.n}, DType::f32, d);
   double seconds = 0.0;
   for (auto _ : state) {
@@ -58,11 +80,12 @@ void register_all() {
       for (auto& g : linear_gemms(layer, c.tokens(), in, out)) shapes.push_back(g);
     std::vector<DType> types{DType::f32};
     if (d == Device::cuda) types.push_back(DType::bf16);
+    types.push_back(DType::e4m3);  // "fp8": the recipe's formats per product
     benchmark::AddCustomContext(fmt::format("tpx_device_{}", to_string(d)), device_label(d));
     for (DType t : types)
       for (const GemmShape& g : shapes)
         benchmark::RegisterBenchmark(
-            fmt::format("gemm/{}/{}/{}", to_string(d), to_string(t), g.name).c_str(),
+            fmt::format("gemm/{}/{}/{}", to_string(d), dtype_flag(t), g.name).c_str(),
             [d, t, g](benchmark::State& s) { bm_gemm(s, d, t, g); })
             ->UseRealTime()
             ->Unit(benchmark::kMicrosecond);

@@ -13,7 +13,7 @@
 #            memcheck on stage 05 at -np 2 (memcheck with TPX_EXACT_ALLOC=1: no cached blocks)
 #   stages   01 on cuda in fp32 and bf16; 02-06 at -np 1 (NCCL) and -np 2 (ranks sharing the GPU)
 #   big      stage 01 at H=4096 NH=32 F=11008 S=2048 B=1 in bf16: step time, TFLOP/s, MFU
-#   bench    the GPU micro-benchmarks that exist (bench_copy_overlap)
+#   bench    the GPU micro-benchmarks: bench_copy_overlap (chapter 5), bench_gemm bf16 vs fp8 (6)
 #
 # The build: TPX_BUILD (default: build) must hold a build made for this GPU, e.g.
 #   cmake --preset release -DCMAKE_CUDA_ARCHITECTURES=90 -DTPX_STATIC_BLAS=ON
@@ -169,7 +169,10 @@ fi
 
 if has bench; then
   if [ -x "$bin/bench_copy_overlap" ]; then
-    step bench_copy_overlap 540 "$bin/bench_copy_overlap" --benchmark_filter=cuda
+    step bench_copy_overlap 300 "$bin/bench_copy_overlap" --benchmark_filter=cuda
+  fi
+  if [ -x "$bin/bench_gemm" ]; then  # bf16 against fp8 at the block's shapes (chapter 6)
+    step bench_gemm 240 "$bin/bench_gemm" --benchmark_filter='cuda/(bf16|fp8)/'
   fi
 fi
 
@@ -191,7 +194,7 @@ gpu=$(nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,nohea
   echo "## Numbers"
   echo
   for f in "$out"/logs/*; do
-    grep -H -E "bf16 GEMM peak|^mean step|MFU|^PASS|^FAIL|ERROR SUMMARY|slowdown=" "$f" 2>/dev/null |
+    grep -H -E "bf16 GEMM peak|^mean step|MFU|^PASS|^FAIL|ERROR SUMMARY|slowdown=|TFLOP/s=" "$f" 2>/dev/null |
       sed "s|^$out/logs/||" | head -8
   done | sed 's/^/    /'
   echo
