@@ -34,6 +34,20 @@ std::string device_problem(Device device) {
 #endif
 }
 
+std::string fp8_problem(Device device) {
+  if (device == Device::cpu) return {};  // bit-exact software casts, GEMMs on dequantized values
+  if (std::string p = device_problem(device); !p.empty()) return p;
+#if TPX_WITH_CUDA
+  const cuda::DeviceInfo& d = cuda::device_info();
+  if (d.cc_major * 10 + d.cc_minor < 89)
+    return fmt::format(
+        "--dtype fp8 multiplies on FP8 tensor cores, which need compute capability 8.9 or newer "
+        "(Ada, Hopper, Blackwell); this GPU, {}, is {}.{}",
+        d.name, d.cc_major, d.cc_minor);
+#endif
+  return {};
+}
+
 std::string device_name(Device device) {
 #if TPX_WITH_CUDA
   if (device == Device::cuda) return cuda::device_name();

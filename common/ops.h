@@ -23,6 +23,10 @@ namespace tpx::ops {
 /// Empty when `device` can run here; otherwise one sentence saying why not (no CUDA backend in
 /// this build, no GPU visible, ...).
 std::string device_problem(Device device);
+/// Empty when `device` can run stage 06's FP8 GEMMs; otherwise one sentence saying why not (the
+/// device's own problem, or a GPU older than compute capability 8.9, which has no FP8 tensor
+/// cores). The cpu always can: its casts are software and its GEMMs multiply dequantized values.
+std::string fp8_problem(Device device);
 /// Words for headers and tables: "cpu", or the GPU's name, compute capability and SM count.
 std::string device_name(Device device);
 /// Bytes this process could still allocate on `device`, for refusing a run that cannot fit

@@ -191,6 +191,8 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
   if (o.comm.copy_delay_us < 0 || o.comm.copy_delay_us > 1'000'000)
     return fmt::format("--fault-copy-delay-us must be 0 … 1000000 (got {})", o.comm.copy_delay_us);
   if (std::string p = ops::device_problem(c.device); !p.empty()) return p;
+  if (is_fp8(c.dtype))
+    if (std::string p = ops::fp8_problem(c.device); !p.empty()) return p;
   if (o.all_gather == AllGatherPath::nccl_zero_cta && c.device == Device::cpu)
     return "--all-gather nccl-zero-cta cannot run on the cpu: NCCL's copy-engine all-gather moves "
            "GPU memory and needs --device cuda with one GPU per rank (on the cpu, the copy-engine "

@@ -619,6 +619,17 @@ TEST(Fp8Gemm, NeedsBothOperandsInFp8WithTheirScales) {
   EXPECT_THROW(ops::gemm(a, false, unscaled, false, c), Error);  // no scale
 }
 
+TEST(Fp8Device, TheCpuAlwaysRunsFp8AndAGpuSaysWhyNot) {
+  EXPECT_EQ(ops::fp8_problem(Device::cpu), "");
+  const std::string why = ops::fp8_problem(Device::cuda);
+  if (const std::string gpu = ops::device_problem(Device::cuda); !gpu.empty()) {
+    EXPECT_EQ(why, gpu);  // no usable GPU: that is the reason
+  } else if (!why.empty()) {
+    EXPECT_NE(why.find("compute capability 8.9"), std::string::npos) << why;
+    EXPECT_EQ(why.find('\n'), std::string::npos) << "one line: " << why;
+  }
+}
+
 TEST(Fp8Cuda, CastsEqualTheCpuCastsBitForBit) {
   TPX_REQUIRE_GPU();
   const std::vector<float> values = device_inputs();
