@@ -164,6 +164,21 @@ const LtPlan& lt_plan(Handles& h, const LtKey& key, bool ta, bool tb, I m, I n, 
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
     p.algo = result.algo;
     p.usable = true;
+  } else if (st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED) {
+    // No cuBLASLt algorithm for this shape and alignment: cuBLAS runs it. Said once per shape
+    // (plans are cached), since it may cost speed.
+    fmt::print(stderr,
+               "tpx: cuBLASLt has no algorithm for a {} GEMM m={} n={} k={} (trans {} {}, "
+               "alignment {} {} {} B); using cublasGemmStridedBatchedEx\n",
+               to_string(ab), m, n, k, ta, tb, ay, ax, ac);
+  } else {
+    // Anything else (an invalid value, a bad handle, no memory) is a bug or a broken device, not
+    // a shape cuBLASLt lacks: it must not be hidden behind the fallback.
+    cublasLtMatrixLayoutDestroy(p.x);
+    cublasLtMatrixLayoutDestroy(p.y);
+    cublasLtMatrixLayoutDestroy(p.c);
+    cublasLtMatmulDescDestroy(p.desc);
+    TPX_CUBLAS_CHECK(st);
   }
   return h.plans.emplace(key, p).first->second;
 }
