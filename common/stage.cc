@@ -95,7 +95,7 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
   if (speed.gpu())
     fmt::print(
         "gpu {} | bf16 GEMM peak {:.1f} TFLOP/s (measured by rank 0 alone before the steps: "
-        "cuBLASLt, 8192^3, the mean of 10 after 3 warm-up) | {:.4g} TFLOP per step per "
+        "cuBLASLt bf16 in and out, 8192^3, mean of 10 after 3 warm-up) | {:.4g} TFLOP per step per "
         "rank (GEMMs, flops.h)\n",
         ops::device_name(c.device), speed.peak_tflops, speed.flops_per_rank / 1e12);
   fmt::print("memory estimate per rank: {}{} | {} available\n", memory.describe(),

@@ -244,14 +244,14 @@ double measure_bf16_gemm_peak_tflops() {
   const std::size_t bytes = host.size() * sizeof(std::uint16_t);
   TPX_CUDA_CHECK(cudaMalloc(&a, bytes));
   TPX_CUDA_CHECK(cudaMalloc(&b, bytes));
-  TPX_CUDA_CHECK(cudaMalloc(&c, host.size() * sizeof(float)));
+  TPX_CUDA_CHECK(cudaMalloc(&c, bytes));  // a bf16 result, as a bf16 peak is usually quoted
   TPX_CUDA_CHECK(cudaMemcpy(a, host.data(), bytes, cudaMemcpyHostToDevice));
   TPX_CUDA_CHECK(cudaMemcpy(b, host.data(), bytes, cudaMemcpyHostToDevice));
   TPX_CUDA_CHECK(cudaEventCreate(&start));
   TPX_CUDA_CHECK(cudaEventCreate(&stop));
   auto run = [&] {
     blas::gemm(false, false, n, n, n, 1.0f, {a, n}, {b, n}, 0.0f, c, n, 0, 1, DType::bf16,
-               DType::f32);
+               DType::bf16);
   };
   for (int i = 0; i < warmup; ++i) run();
   auto stream = static_cast<cudaStream_t>(current_stream());

@@ -58,7 +58,8 @@ void dequantize_fp8(const Tensor& q, const Tensor& scale, const Tensor& x);
 void amax(const Tensor& x, const Tensor& out);
 void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
 
-/// Times a large cuBLAS bf16 GEMM (fp32 accumulation) and returns its throughput in TFLOP/s:
+/// Times a large cuBLASLt bf16 GEMM (8192³, fp32 accumulation, bf16 result) and returns its
+/// throughput in TFLOP/s:
 /// the device's practical dense bf16 peak, the denominator of MFU.
 double measure_bf16_gemm_peak_tflops();
 
