@@ -399,9 +399,9 @@ TEST(Ops, AttentionFp32MatchesCpu) {
   check_attention({128, 1, 2, 64}, DType::f32, kF32Tol);
 }
 
-// bf16 operands carry 8 significant bits (unit roundoff u = 2^-9 ≈ 2e-3). Each attention output
+// bf16 operands carry 8 significant bits (unit roundoff u = 2^-8 ≈ 3.9e-3). Each attention output
 // passes through two or three rounded GEMM operands (q, k; then P and v; backward adds dO and dS),
-// so errors of a few u relative to the tensor's largest value are expected; 3e-2 is ~15u and a
+// so errors of a few u relative to the tensor's largest value are expected; 3e-2 is ~8u and a
 // broken kernel is off by O(1).
 TEST(Ops, AttentionBf16CloseToCpu) {
   TPX_REQUIRE_GPU();
