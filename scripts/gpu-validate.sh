@@ -4,7 +4,8 @@
 #   scripts/gpu-validate.sh OUTDIR [PART ...]
 #
 # OUTDIR gets report.md (the device, the date, a table of every step with its result, time and
-# command, and the numbers the chapters quote) and logs/ (each step's full output). The last line
+# command, and the numbers the chapters quote) and logs/ (each step's full output; logs.tar.gz
+# holds the same in one file). The last line
 # printed, and of the report, is "N passed, N failed"; the exit status is 0 only if none failed.
 # PARTs (default: all, in this order; each fits in a 10-minute command on an H100):
 #   facts    the GPU, driver, compute mode; libraries the binaries cannot find
@@ -18,8 +19,9 @@
 # The build: TPX_BUILD (default: build) must hold a build made for this GPU, e.g.
 #   cmake --preset release -DCMAKE_CUDA_ARCHITECTURES=90 -DTPX_STATIC_BLAS=ON
 #   cmake --build --preset release
-# made here or on another machine and carried (with TPX_STATIC_BLAS the binaries need no
-# OpenBLAS package). A machine without Open MPI gets it from a carried bundle: run
+# made here or on another machine and carried: scripts/gpu-pack.sh packs one with the libraries a
+# bare GPU machine lacks (TPX_BUILD=.gpucarry after unpacking). A machine without Open MPI gets it
+# from a carried bundle: run
 # ../shared/gpu/bundle.sh beside the checkout first, carry .gpubundle/, and this script sources
 # .gpubundle/env.sh when mpirun is missing. See common/cuda/README.md, "Validating on a GPU
 # machine".
@@ -56,6 +58,8 @@ if [ ! -x "$bin/01_baseline" ]; then
     "-DCMAKE_CUDA_ARCHITECTURES=90 -DTPX_STATIC_BLAS=ON && cmake --build --preset release)"
   exit 2
 fi
+# shellcheck disable=SC1091
+[ -f "$build/env.sh" ] && source "$build/env.sh" # a build packed by scripts/gpu-pack.sh
 if ! command -v mpirun >/dev/null 2>&1 && [ -f .gpubundle/env.sh ]; then
   # shellcheck disable=SC1091
   source .gpubundle/env.sh
@@ -200,6 +204,8 @@ gpu=$(nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,nohea
   echo
   echo "$passed passed, $failed failed"
 } >"$report"
-echo "report: $report"
+# The logs in one file too, for a machine that hands back only a few files.
+tar -C "$out" -czf "$out/logs.tar.gz" logs
+echo "report: $report (logs: $out/logs/, also $out/logs.tar.gz)"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -34,7 +34,8 @@ report=$tmp/out1/report.md
 grep -q "^| # | step | result | seconds | command | log |" "$report" || fail "no step table"
 [ "$(grep -c '^| [0-9]' "$report")" -eq 3 ] || fail "expected 3 steps in: $(cat "$report")"
 tail -1 "$report" | grep -Eq '^[0-9]+ passed, [0-9]+ failed$' || fail "last line: $(tail -1 "$report")"
-[ "$(ls "$tmp/out1/logs" | wc -l)" -eq 3 ] || fail "expected 3 logs"
+[ "$(find "$tmp/out1/logs" -type f | wc -l)" -eq 3 ] || fail "expected 3 logs"
+[ "$(tar -tzf "$tmp/out1/logs.tar.gz" | grep -c '\.log$')" -eq 3 ] || fail "expected 3 logs in the tar"
 PATH="$tmp/one:$PATH" "$root/scripts/gpu-validate.sh" "$tmp/out2" nonsense >/dev/null 2>&1
 [ $? -eq 2 ] || fail "an unknown part must be an error"
 echo "gpu-validate: refuses without a GPU in one line; writes its report with a GPU"
