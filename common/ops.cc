@@ -125,17 +125,25 @@ GemmDims gemm_dims(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha, float beta, DType compute) {
   if (is_fp8(a.dtype()) || is_fp8(b.dtype())) {
-    // Stage 06's GEMMs. The product of the dequantized operands: with the scales factored out,
-    // alpha / (scale_a · scale_b) · (q_a · q_b), it would round differently.
-    auto dequantized = [](const Tensor& q, const char* which) {
-      TPX_CHECK(is_fp8(q.dtype()) && q.scale().defined(),
+    // Stage 06's GEMMs.
+    for (const auto& [q, which] : {std::pair{&a, "A"}, std::pair{&b, "B"}})
+      TPX_CHECK(is_fp8(q->dtype()) && q->scale().defined(),
                 "gemm: {} operand {} must be FP8 with its scale when the other one is", which,
-                q.describe());
+                q->describe());
+#if TPX_WITH_CUDA
+    // On FP8 tensor cores (compute capability 8.9+): the codes are multiplied as they are and
+    // alpha / (scale_a · scale_b) is applied to each output, rounding slightly differently from
+    // the dequantized product below (cuda/gemm_fp8.cc).
+    if (c.device() == Device::cuda && cuda::fp8_gemm_supported())
+      return cuda::gemm_fp8(a, trans_a, b, trans_b, c, alpha, beta);
+#endif
+    // Elsewhere, the fp32 product of the dequantized operands, q / scale element by element.
+    auto dequantized = [](const Tensor& q) {
       const Tensor x = Tensor::empty(q.shape(), DType::f32, q.device());
       dequantize_fp8(q, q.scale(), x);
       return x;
     };
-    return gemm(dequantized(a, "A"), trans_a, dequantized(b, "B"), trans_b, c, alpha, beta);
+    return gemm(dequantized(a), trans_a, dequantized(b), trans_b, c, alpha, beta);
   }
 #if TPX_WITH_CUDA
   if (c.device() == Device::cuda)

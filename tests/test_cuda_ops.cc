@@ -417,5 +417,173 @@ TEST(Ops, PeakMeasurementIsPlausible) {
   EXPECT_EQ(ops::bf16_gemm_peak_tflops(Device::cuda), peak);  // measured once per process
 }
 
+// ---------------------------------------------------------------------------------------------
+// FP8 GEMMs (stage 06): on FP8 tensor cores through cuBLASLt where the GPU has them (compute
+// capability 8.9+), else the fallback that multiplies the dequantized operands in fp32. Both
+// against the cpu: ops::gemm in fp32 of the operands dequantized on the cpu (q / scale).
+//
+// Error measure: |got − want| per element over bound = |alpha|·(|A|·|B|) + |beta|·|C₀| (of the
+// dequantized values), the magnitude the sums pass through, so cancellation in a sum cannot
+// shrink the yardstick. fp32 with unit roundoff u = 2⁻²⁴ ≈ 6e-8 then bounds the error rigorously:
+//  - the cpu reference: dequantization, product, k−1 additions, alpha and beta, ≤ (k + 4)·u;
+//  - the fallback: the same values (the casts are bit-identical), another summation order,
+//    ≤ (k + 3)·u; so the two differ by at most (2k + 7)·u, 9e-6 at the largest k here (72);
+//  - the tensor cores on integer codes (|q| ≤ 7): every product and partial sum is an integer below
+//    2¹² (k·49 ≤ 3528), exact even in an adder that keeps only 13 bits, so the sum is exact and
+//    only the scaling rounds: 1/scale_a, 1/scale_b, their product, alpha, beta·C, ≤ 7·u; with the
+//    reference, (k + 11)·u, 5e-6.
+// Hence 1e-5 for all of these. On data quantized from random values (codes over many binades)
+// Hopper's tensor cores add FP8 products with fewer bits than fp32 inside an MMA (about 14, as
+// reported for H800 in the DeepSeek-V3 technical report, §3.3.2) before cuBLASLt promotes the
+// partial sums to fp32: 2⁻¹³ of the bound per addition at worst, a random walk of them in
+// practice, so 2e-3 there; a transposed operand, a lost scale or beta, or garbage in the padding
+// is off by O(1).
+
+constexpr double kFp8TensorCoreTol = 2e-3;
+
+/// A host FP8 tensor whose codes are the integers −7..7 (exact in e4m3 and e5m2), carrying the
+/// given scale: element j stands for j / scale.
+Tensor fp8_integers(Tensor::Shape shape, DType fmt, float scale, std::uint32_t seed) {
+  Tensor x = random_tensor(shape, seed, 0.0, 4.0);
+  for (float& v : x.f32()) v = std::min(std::max(std::nearbyint(v), -7.0f), 7.0f);
+  Tensor one = cpu_empty({1}), s = cpu_empty({1});
+  one.f32()[0] = 1.0f;
+  s.f32()[0] = scale;
+  Tensor q = Tensor::empty(std::move(shape), fmt);
+  ops::quantize_fp8(x, one, q);  // x · 1 is an integer of the format: its code, exactly
+  return q.with_scale(s);
+}
+
+/// Random normal values quantized by the recipe: scale = fmax / amax (not a power of two).
+Tensor fp8_quantized(Tensor::Shape shape, DType fmt, std::uint32_t seed) {
+  const Tensor x = random_tensor(shape, seed);
+  Tensor amax = cpu_empty({1}), s = cpu_empty({1});
+  ops::amax(x, amax);
+  ops::fp8_scale(amax, fmt, s);
+  Tensor q = Tensor::empty(std::move(shape), fmt);
+  ops::quantize_fp8(x, s, q);
+  return q.with_scale(s);
+}
+
+/// `t` copied to the GPU (an FP8 tensor with its scale); with `offset`, one element into a larger
+/// buffer, so the data is only 1-byte (FP8) or 4-byte (f32) aligned.
+Tensor to_gpu_at(const Tensor& t, bool offset) {
+  const Tensor big = gpu_empty({t.numel() + 1}, t.dtype());
+  const Tensor view = big.slice0(offset ? 1 : 0, t.numel() + (offset ? 1 : 0)).reshape(t.shape());
+  ops::copy(t, view);
+  return t.scale().defined() ? view.with_scale(on_gpu(t.scale())) : view;
+}
+
+Tensor dequantized_on_cpu(const Tensor& q) {
+  Tensor x = cpu_empty(q.shape());
+  ops::dequantize_fp8(q, q.scale(), x);
+  return x;
+}
+
+Tensor abs_of(const Tensor& t) {
+  Tensor r = cpu_empty(t.shape());
+  auto in = t.f32(), out = r.f32();
+  for (std::size_t i = 0; i < in.size(); ++i) out[i] = std::abs(in[i]);
+  return r;
+}
+
+/// C = alpha·op(A)·op(B) + beta·C₀ for host FP8 operands, on the GPU through ops::gemm against
+/// the cpu reference: returns max |got − want| / bound (see above).
+double fp8_gemm_error(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c0,
+                      float alpha, float beta, bool offset) {
+  const Tensor da = dequantized_on_cpu(a), db = dequantized_on_cpu(b);
+  Tensor want = cpu_empty(c0.shape()), bound = cpu_empty(c0.shape());
+  ops::copy(c0, want);
+  ops::gemm(da, ta, db, tb, want, alpha, beta);
+  ops::copy(abs_of(c0), bound);
+  ops::gemm(abs_of(da), ta, abs_of(db), tb, bound, std::abs(alpha), std::abs(beta));
+
+  const Tensor got_gpu = to_gpu_at(c0, offset);
+  ops::gemm(to_gpu_at(a, offset), ta, to_gpu_at(b, offset), tb, got_gpu, alpha, beta);
+  const Tensor got = on_cpu(got_gpu);
+  double worst = 0.0;
+  auto g = got.f32(), w = want.f32(), bd = bound.f32();
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    const double err = std::abs(double(g[i]) - double(w[i]));
+    if (std::isnan(g[i])) return INFINITY;
+    worst = std::max(worst, bd[i] > 0 ? err / double(bd[i]) : (err > 0 ? INFINITY : 0.0));
+  }
+  return worst;
+}
+
+struct Fp8Combo {
+  DType a, b;
+};
+// The three products of the recipe (forward, dgrad, wgrad); cuBLASLt has no E5M2 × E5M2.
+constexpr Fp8Combo kFp8Combos[] = {
+    {DType::e4m3, DType::e4m3}, {DType::e5m2, DType::e4m3}, {DType::e4m3, DType::e5m2}};
+
+struct Fp8Case {
+  I m, n, k;
+};
+// k not a multiple of 16 (both operands packed, k padded with zeros); n not a multiple of 4 (C
+// through a padded scratch); all aligned (C = A·Bᵀ runs in place). k·49 stays below 2¹².
+constexpr Fp8Case kFp8Cases[] = {{37, 24, 40}, {33, 18, 64}, {48, 32, 72}};
+
+/// Where this GPU's FP8 GEMMs run, for the traces.
+const char* fp8_gemm_path() {
+  return cuda::fp8_gemm_supported() ? "FP8 tensor cores (cuBLASLt)"
+                                    : "dequantize + fp32 GEMM (GPU older than sm_89)";
+}
+
+TEST(Fp8CudaGemm, IntegerCodesEqualTheFp32GemmOfTheDequantizedOperands) {
+  TPX_REQUIRE_GPU();
+  SCOPED_TRACE(fp8_gemm_path());
+  for (const Fp8Combo combo : kFp8Combos)
+    for (const Fp8Case c : kFp8Cases)
+      for (const bool ta : {false, true})
+        for (const bool tb : {false, true})
+          for (const bool offset : {false, true}) {
+            SCOPED_TRACE(testing::Message() << to_string(combo.a) << " x " << to_string(combo.b)
+                                            << " " << c.m << "x" << c.n << "x" << c.k << " ta "
+                                            << ta << " tb " << tb << " offset " << offset);
+            // Scales that are not powers of two, so 1/scale rounds.
+            const Tensor a = fp8_integers(ta ? Tensor::Shape{c.k, c.m} : Tensor::Shape{c.m, c.k},
+                                          combo.a, 0.37f, 20);
+            const Tensor b = fp8_integers(tb ? Tensor::Shape{c.n, c.k} : Tensor::Shape{c.k, c.n},
+                                          combo.b, 3.3f, 21);
+            const Tensor c0 = random_tensor({c.m, c.n}, 22, 0.0, 10.0);
+            EXPECT_LE(fp8_gemm_error(a, ta, b, tb, c0, 1.5f, 0.5f, offset), kF32Tol);
+          }
+}
+
+TEST(Fp8CudaGemm, QuantizedDataIsCloseToTheFp32GemmOfTheDequantizedOperands) {
+  TPX_REQUIRE_GPU();
+  SCOPED_TRACE(fp8_gemm_path());
+  const double tol = cuda::fp8_gemm_supported() ? kFp8TensorCoreTol : kF32Tol;
+  for (const Fp8Combo combo : kFp8Combos)
+    for (const Fp8Case c : kFp8Cases)
+      for (const bool ta : {false, true})
+        for (const bool tb : {false, true}) {
+          SCOPED_TRACE(testing::Message()
+                       << to_string(combo.a) << " x " << to_string(combo.b) << " " << c.m << "x"
+                       << c.n << "x" << c.k << " ta " << ta << " tb " << tb);
+          const Tensor a =
+              fp8_quantized(ta ? Tensor::Shape{c.k, c.m} : Tensor::Shape{c.m, c.k}, combo.a, 23);
+          const Tensor b =
+              fp8_quantized(tb ? Tensor::Shape{c.n, c.k} : Tensor::Shape{c.k, c.n}, combo.b, 24);
+          const Tensor c0 = random_tensor({c.m, c.n}, 25);
+          EXPECT_LE(fp8_gemm_error(a, ta, b, tb, c0, 1.0f, -0.75f, false), tol);
+        }
+}
+
+TEST(Fp8CudaGemm, E5M2TimesE5M2MultipliesTheDequantizedOperands) {
+  TPX_REQUIRE_GPU();
+  // Not in cuBLASLt's FP8 table: the dequantizing path on every GPU, so fp32 accuracy.
+  for (const bool ta : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "ta " << ta);
+    const Tensor a =
+        fp8_quantized(ta ? Tensor::Shape{40, 21} : Tensor::Shape{21, 40}, DType::e5m2, 26);
+    const Tensor b = fp8_quantized({40, 12}, DType::e5m2, 27);
+    const Tensor c0 = random_tensor({21, 12}, 28);
+    EXPECT_LE(fp8_gemm_error(a, ta, b, false, c0, 0.5f, 1.0f, false), kF32Tol);
+  }
+}
+
 }  // namespace
 }  // namespace tpx

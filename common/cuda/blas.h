@@ -10,9 +10,14 @@
 // (CUBLAS_COMPUTE_32F): exact fp32 for fp32 operands (no TF32), bf16 products with fp32 sums for
 // bf16 operands.
 //
-// defines: tpx::cuda::blas::Operand, tpx::cuda::blas::gemm
+// FP8 GEMMs (gemm_fp8.cc) take cuBLASLt's FP8 path, which has a layout of its own; they share the
+// calling thread's cuBLASLt handle and the per-stream workspaces of gemm.cc (lt_context).
+//
+// defines: tpx::cuda::blas::Operand, tpx::cuda::blas::gemm, tpx::cuda::blas::LtContext,
+//          tpx::cuda::blas::lt_context, tpx::cuda::blas::gemm_fp8
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/tensor.h"
@@ -32,5 +37,27 @@ struct Operand {
 void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
           Operand a, Operand b, float beta, void* c, std::int64_t ldc, std::int64_t stride_c,
           std::int64_t batch, DType ab, DType c_type);
+
+/// What gemm issues a cuBLASLt call with: the calling thread's handle (a cublasLtHandle_t), the
+/// current stream (a cudaStream_t) and that stream's workspace of `workspace_bytes`, owned by
+/// gemm.cc (allocated on the stream's first GEMM, kept for the thread's lifetime).
+struct LtContext {
+  void* handle;
+  void* stream;
+  void* workspace;
+  std::size_t workspace_bytes;
+};
+LtContext lt_context();
+
+/// C = alpha·(a_factor·b_factor)·(A·Bᵀ) + beta·C on FP8 tensor cores (sm_89+): A [m, k] and B
+/// [n, k] are row-major FP8 codes (e4m3 or e5m2, not both e5m2), both K-major, which is the only
+/// layout cuBLASLt's FP8 kernels take (see gemm_fp8.cc); a_factor and b_factor point to one
+/// float each in device memory, multiplying the codes; C [m, n] is f32. The caller guarantees
+/// cuBLASLt's FP8 alignment: k, a.ld and b.ld multiples of 16, n and ldc multiples of 4, all
+/// pointers 16-byte aligned. Issued on the current stream with fp32 accumulation. Returns false,
+/// having issued nothing, when cuBLASLt offers no algorithm for the problem.
+bool gemm_fp8(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, Operand a, DType a_type,
+              const float* a_factor, Operand b, DType b_type, const float* b_factor, float beta,
+              float* c, std::int64_t ldc);
 
 }  // namespace tpx::cuda::blas

@@ -102,6 +102,11 @@ std::string device_name() {
                      double(d.total_bytes) / double(1 << 30));
 }
 
+bool fp8_gemm_supported() {
+  const DeviceInfo& d = device_info();
+  return d.cc_major * 10 + d.cc_minor >= 89;
+}
+
 void* current_stream() {
   return tls_stream;
 }

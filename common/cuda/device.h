@@ -9,7 +9,7 @@
 //
 // defines: tpx::cuda::device_problem, ensure_initialized, DeviceInfo, device_info, device_name,
 //          current_stream, set_current_stream, StreamGuard, grid_for, synchronize,
-//          memory_free_bytes
+//          memory_free_bytes, fp8_gemm_supported
 #pragma once
 
 #include <cstddef>
@@ -42,6 +42,10 @@ struct DeviceInfo {
 const DeviceInfo& device_info();
 /// e.g. "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.1 GiB)".
 std::string device_name();
+/// True when the device has FP8 tensor cores, which cuBLASLt's FP8 GEMMs (gemm_fp8.cc) need:
+/// compute capability 8.9 (Ada) or newer (Hopper 9.0, Blackwell 10.x and 12.x). Initialises the
+/// device like device_info(), so it throws tpx::Error where no GPU is usable.
+bool fp8_gemm_supported();
 
 /// The stream (a cudaStream_t) ops are issued on by the calling thread; nullptr, the legacy
 /// default stream, unless a StreamGuard says otherwise.

@@ -224,6 +224,12 @@ void gemm(bool ta, bool tb, I m, I n, I k, float alpha, Operand a, Operand b, fl
       CUBLAS_GEMM_DEFAULT));
 }
 
+LtContext lt_context() {
+  Handles& h = handles();
+  void* const stream = current_stream();
+  return {h.lt, stream, h.workspace(stream), kLtWorkspace};
+}
+
 }  // namespace blas
 
 double measure_bf16_gemm_peak_tflops() {

@@ -6,7 +6,8 @@
 // bf16 values travel as std::uint16_t bit patterns (the storage of __nv_bfloat16), FP8 values
 // as std::uint8_t codes.
 //
-// defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu, fp8.cu)
+// defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu, fp8.cu,
+//          fp8_pack.cu)
 #pragma once
 
 #include <cstdint>
@@ -65,5 +66,15 @@ void dequantize_fp8(const std::uint8_t* q, const float* scale, float* x, I n, fp
 void amax(const float* x, I n, float* out, void* stream);
 /// *scale = fp8::scale_from_amax(*amax, fmax).
 void fp8_scale(const float* amax, float fmax, float* scale, void* stream);
+
+// fp8_pack.cu ------------------------------------------------------------------------------------
+// The operands of the FP8 GEMM (gemm_fp8.cc) in the layout cuBLASLt's FP8 kernels read.
+/// out (row-major [out_rows, out_cols], row stride out_cols) = the rows x cols matrix M padded
+/// with zero codes (+0 in both formats) to out_rows >= rows, out_cols >= cols, where
+/// M[r][c] = src[r·ld + c], or src[c·ld + r] when `transposed` (src then holds Mᵀ, cols x rows).
+void pack_fp8(const std::uint8_t* src, I ld, bool transposed, I rows, I cols, std::uint8_t* out,
+              I out_rows, I out_cols, void* stream);
+/// out[0] = 1 / *scale_a, out[1] = 1 / *scale_b (fp32 division, correctly rounded).
+void fp8_scale_inverses(const float* scale_a, const float* scale_b, float* out, void* stream);
 
 }  // namespace tpx::cuda::kernels

@@ -12,7 +12,7 @@
 // defines: tpx::cuda::gemm, rmsnorm_*, attention_*, swiglu_*, add, accumulate, mse_loss_*,
 //          sgd_update, sum_squares, fill, cast, copy, to_host_f32, synchronize,
 //          device_problem, measure_bf16_gemm_peak_tflops, quantize_fp8, dequantize_fp8, amax,
-//          fp8_scale
+//          fp8_scale, gemm_fp8
 #pragma once
 
 #include <cstdint>
@@ -25,6 +25,15 @@ namespace tpx::cuda {
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha, float beta, DType compute = DType::f32);
+/// C = alpha·op(A / scale_a)·op(B / scale_b) + beta·C on FP8 tensor cores through cuBLASLt
+/// (gemm_fp8.cc), for A and B e4m3 or e5m2 carrying their scales (Tensor::with_scale) and C f32,
+/// all on cuda: the codes are multiplied exactly, summed with fp32 accumulation, and scaled once
+/// per output by 1/scale_a · 1/scale_b, which rounds slightly differently from dividing each
+/// element first. Any shape, transposes and alignment (operands are repacked where cuBLASLt
+/// needs it); E5M2 × E5M2, which cuBLASLt lacks, multiplies the dequantized operands in fp32.
+/// Throws tpx::Error unless fp8_gemm_supported() (compute capability 8.9 or newer).
+void gemm_fp8(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
+              float alpha, float beta);
 void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
                       const Tensor& dx, const Tensor& dg);

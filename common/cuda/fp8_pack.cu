@@ -1,0 +1,81 @@
+// The FP8 GEMM's operand preparation (gemm_fp8.cc): copying FP8 codes into the K-major, padded
+// layout cuBLASLt's FP8 kernels read, transposing on the way where the caller's layout is the
+// other one; and the inverted scales cuBLASLt multiplies by.
+//
+// Shape of the pack: a classic tiled transpose. A block of 32 x 8 threads moves a 32 x 32 tile of
+// codes through shared memory: it reads rows of the source (32 consecutive bytes per warp) and
+// writes rows of the output, so both global accesses are coalesced whichever way the tile turns.
+// Each thread handles 4 of the tile's 32 rows. The shared tile's rows are 36 bytes apart: reading
+// a column touches the words 9·x (mod 32) for lanes x = 0..31, all different banks. Padding
+// positions (beyond the matrix, up to the output's size) are written as code 0x00, +0.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace tpx::cuda::kernels {
+namespace {
+
+using dev::I;
+
+constexpr int kTile = 32, kRows = 8;  // a tile is kTile x kTile codes; a block kTile x kRows
+constexpr int kThreads = kTile * kRows;
+constexpr int kPitch = kTile + 4;  // shared row pitch in bytes, see the header
+
+template <bool Transposed>
+__global__ void __launch_bounds__(kThreads)
+    pack_kernel(const std::uint8_t* src, I ld, I rows, I cols, std::uint8_t* out, I out_rows,
+                I out_cols, I tiles_across, I tiles) {
+  __shared__ std::uint8_t tile[kTile][kPitch];
+  const int x = threadIdx.x;
+  for (I t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const I r0 = t / tiles_across * kTile, c0 = t % tiles_across * kTile;
+    for (int y = threadIdx.y; y < kTile; y += kRows) {
+      if constexpr (Transposed) {
+        // M[r0 + x][c0 + y] = src[(c0 + y)·ld + r0 + x]: a row of the source, kept untransposed.
+        const I r = r0 + x, c = c0 + y;
+        tile[y][x] = r < rows && c < cols ? src[c * ld + r] : std::uint8_t{0};
+      } else {
+        const I r = r0 + y, c = c0 + x;
+        tile[y][x] = r < rows && c < cols ? src[r * ld + c] : std::uint8_t{0};
+      }
+    }
+    __syncthreads();
+    for (int y = threadIdx.y; y < kTile; y += kRows) {
+      const I r = r0 + y, c = c0 + x;
+      if (r < out_rows && c < out_cols)
+        out[r * out_cols + c] = Transposed ? tile[x][y] : tile[y][x];
+    }
+    __syncthreads();  // the tile is refilled by the next iteration
+  }
+}
+
+__global__ void scale_inverses_kernel(const float* scale_a, const float* scale_b, float* out) {
+  out[0] = 1.0f / *scale_a;
+  out[1] = 1.0f / *scale_b;
+}
+
+}  // namespace
+
+void pack_fp8(const std::uint8_t* src, I ld, bool transposed, I rows, I cols, std::uint8_t* out,
+              I out_rows, I out_cols, void* stream) {
+  if (out_rows == 0 || out_cols == 0) return;
+  const I across = (out_cols + kTile - 1) / kTile;
+  const I tiles = (out_rows + kTile - 1) / kTile * across;
+  const dim3 block(kTile, kRows);
+  const unsigned grid = dev::blocks_for(tiles * kThreads, kThreads);
+  if (transposed)
+    pack_kernel<true><<<grid, block, 0, dev::as_stream(stream)>>>(
+        src, ld, rows, cols, out, out_rows, out_cols, across, tiles);
+  else
+    pack_kernel<false><<<grid, block, 0, dev::as_stream(stream)>>>(
+        src, ld, rows, cols, out, out_rows, out_cols, across, tiles);
+}
+
+void fp8_scale_inverses(const float* scale_a, const float* scale_b, float* out, void* stream) {
+  scale_inverses_kernel<<<1, 1, 0, dev::as_stream(stream)>>>(scale_a, scale_b, out);
+}
+
+}  // namespace tpx::cuda::kernels
