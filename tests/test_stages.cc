@@ -422,11 +422,13 @@ TEST_P(Fp8VsCopyEngine, AllGathersMoveAQuarterOfTheBytes) {
 INSTANTIATE_TEST_SUITE_P(ranks, Fp8VsCopyEngine, testing::Values(2, 4),
                          [](const auto& p) { return fmt::format("np{}", p.param); });
 
-TEST(Fp8, LossTracksStage01OverTenSteps) {
-  // FP8 rounding must not change how training goes: every loss of 10 SGD steps at N = 2 within
-  // 2 % of stage 01's (fp32, one device).
+class Fp8Loss : public testing::TestWithParam<int> {};
+
+TEST_P(Fp8Loss, TracksStage01OverTenSteps) {
+  // FP8 rounding must not change how training goes: every loss of 10 SGD steps within 2 % of
+  // stage 01's (fp32, one device).
   const json ref = run_json("01_baseline", 1, kRingSizes, 10);
-  const json f8 = run_json("06_fp8", 2, kRingSizes, 10);
+  const json f8 = run_json("06_fp8", GetParam(), kRingSizes, 10);
   ASSERT_EQ(ref.at("steps").size(), 10u);
   ASSERT_EQ(f8.at("steps").size(), 10u);
   for (std::size_t i = 0; i < 10; ++i) {
@@ -435,6 +437,9 @@ TEST(Fp8, LossTracksStage01OverTenSteps) {
     EXPECT_LE(std::abs(got - want), 0.02 * std::abs(want)) << "step " << i;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(ranks, Fp8Loss, testing::Values(1, 2, 4),
+                         [](const auto& p) { return fmt::format("np{}", p.param); });
 
 TEST(Fp8, DumpHoldsEachWeightsCodesUnderOneAgreedScale) {
   // At N = 2 every weight is split between two ranks. The dump's scale must be the full weight's
