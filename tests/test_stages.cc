@@ -419,6 +419,27 @@ TEST_P(Fp8VsCopyEngine, AllGathersMoveAQuarterOfTheBytes) {
   }
 }
 
+TEST(Fp8, UnderFp32ItIsStage05) {
+  // --dtype fp32 runs stage 05 itself, the baseline FP8 is measured against: the same losses,
+  // gradient norms and bytes, bit for bit.
+  auto summary = [](const std::string& stage, const std::string& extra) {
+    test::TempDir dir;
+    const auto path = dir / "summary.json";
+    const auto r = run_stage(
+        stage, 2, fmt::format("{} --steps 3 --json {} {}", kRingSizes.args(), path.string(), extra),
+        dir);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return json::parse(test::read_file(path));
+  };
+  const json f32 = summary("05_copy_engine_async_tp", "");
+  const json f8 = summary("06_fp8", "--dtype fp32");
+  EXPECT_EQ(f8.at("config").at("dtype"), "fp32");
+  ASSERT_EQ(f32.at("steps").size(), f8.at("steps").size());
+  for (std::size_t i = 0; i < f32.at("steps").size(); ++i)
+    for (const char* key : {"loss", "grad_norm", "comm_bus_bytes", "comm_calls"})
+      EXPECT_EQ(f8["steps"][i].at(key), f32["steps"][i].at(key)) << key << " at step " << i;
+}
+
 INSTANTIATE_TEST_SUITE_P(ranks, Fp8VsCopyEngine, testing::Values(2, 4),
                          [](const auto& p) { return fmt::format("np{}", p.param); });
 
