@@ -230,8 +230,10 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   // Per layer, as BlockActivations: x, h, x2, h2 (the stream; h and h2 as the stage keeps them:
   // this rank's part of the stream, never the gathered copy), rstd1, rstd2, q, k, v, a, gate, up,
   // s, probs.
-  const I saved_layer = sum({b.stream, b.stream, b.stream, b.stream, b.rows, b.rows, b.cols_h,
-                             b.cols_h, b.cols_h, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.probs},
+  // Stage 06 (FP8) keeps h and h2 as the FP8 shards it quantized: a byte per element.
+  const I kept_h = is_fp8(c.dtype) ? b.stream / kF32 : b.stream;
+  const I saved_layer = sum({b.stream, kept_h, b.stream, kept_h, b.rows, b.rows, b.cols_h, b.cols_h,
+                             b.cols_h, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.probs},
                             "a layer's saved activations");
   const I saved = checked_product({saved_layer, c.layers}, "the saved activations' bytes");
 
@@ -244,6 +246,24 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
       {"target", std::uint64_t(b.stream)},
       {"largest temporaries", std::uint64_t(largest_temporaries(c, s, b))},
   };
+  if (is_fp8(c.dtype)) {
+    // The FP8 copies of every weight, made in forward and kept for backward (a byte each).
+    const I copies = checked_product(
+        {sum({b.w_h, b.w_h, b.w_h, b.w_h, b.w_f, b.w_f, b.w_f}, "a layer's weights' bytes") / kF32,
+         c.layers},
+        "the FP8 weights' bytes");
+    // Without FP8 tensor cores (the cpu) a GEMM dequantizes both operands into fp32 scratch: the
+    // largest pair is two of a gathered [S, B, H] input, an [S, B, F/N] activation or gradient,
+    // and an MLP weight (the wgrads and the down projection). Beside it live the FP8 codes of
+    // the gate/up gradients being multiplied (a byte per element).
+    const char* what = "the FP8 GEMM scratch";
+    const I pair = largest(
+        {sum({b.full, b.w_f}, what), sum({b.cols_f, b.w_f}, what), sum({b.cols_f, b.full}, what)});
+    const I scratch =
+        c.device == Device::cpu ? sum({pair, b.cols_f / kF32, b.cols_f / kF32}, what) : 0;
+    e.terms.push_back({"FP8 weights", std::uint64_t(copies)});
+    e.terms.push_back({"FP8 GEMM scratch", std::uint64_t(scratch)});
+  }
   (void)e.total();  // throws SizeOverflow now rather than when it is printed
   return e;
 }

@@ -24,6 +24,7 @@
 #include "02_megatron_tp/layers.h"
 #include "03_sequence_parallel/layers.h"
 #include "04_overlap_ring/layers.h"
+#include "06_fp8/layers.h"
 #include "common/checked.h"
 #include "common/memory.h"
 #include "common/ops.h"
@@ -125,12 +126,21 @@ const Stage kBaseline{"baseline", [](const RunContext& ctx) -> std::unique_ptr<P
 const Stage kMegatron{"megatron", megatron::make_megatron};
 const Stage kSequenceParallel{"sequence_parallel", sp::make_sequence_parallel};
 const Stage kOverlapRing{"overlap_ring", ring::make_overlap_ring};
+const Stage kFp8{"fp8", async_fp8::make_fp8_async_tp};
+
+/// `z` with stage 06's --dtype fp8.
+Sizes in_fp8(Sizes z) {
+  z.config.dtype = DType::e4m3;
+  return z;
+}
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (const Stage& st : {kBaseline, kMegatron, kSequenceParallel, kOverlapRing})
     for (const Sizes& z : {default_sizes(), long_sequence(1), long_sequence(2), wide_mlp()})
       cases.push_back({st, z});
+  for (const Sizes& z : {default_sizes(), long_sequence(1), wide_mlp()})
+    cases.push_back({kFp8, in_fp8(z)});
   return cases;
 }
 
