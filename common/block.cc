@@ -85,9 +85,9 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
 }
 
 Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockActivations& sv,
-                      const Tensor& dout, Parallelism& par, LayerParams& g, Trace& trace) {
+                      const Tensor& dout, Parallelism& par, LayerParams& grads, Trace& trace) {
   // out = x2 + s·Wd: dout flows to x2 unchanged and through the MLP branch.
-  Tensor ds = par.row_backward(sv.s, p[Param::w_down], dout, g[Param::w_down], "down");
+  Tensor ds = par.row_backward(sv.s, p[Param::w_down], dout, grads[Param::w_down], "down");
   Tensor dgate = like(sv.gate), dup = like(sv.up);
   {
     TraceScope op(trace, "swiglu bwd");
@@ -95,17 +95,17 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
   }
   const std::array gu_w{p[Param::w_gate], p[Param::w_up]};
   const std::array gu_dy{dgate, dup};
-  const std::array gu_dw{g[Param::w_gate], g[Param::w_up]};
+  const std::array gu_dw{grads[Param::w_gate], grads[Param::w_up]};
   Tensor dh2 = par.column_backward(sv.h2_saved, gu_w, gu_dy, gu_dw, "gate/up");
   Tensor dx2 = like(dout);
   {
     TraceScope op(trace, "rmsnorm 2 bwd");
-    ops::rmsnorm_backward(dh2, sv.x2, p[Param::norm2], sv.rstd2, dx2, g[Param::norm2]);
+    ops::rmsnorm_backward(dh2, sv.x2, p[Param::norm2], sv.rstd2, dx2, grads[Param::norm2]);
     ops::accumulate(dout, dx2);
   }
 
   // x2 = x + a·Wo: dx2 flows to x unchanged and through the attention branch.
-  Tensor da = par.row_backward(sv.a, p[Param::wo], dx2, g[Param::wo], "o");
+  Tensor da = par.row_backward(sv.a, p[Param::wo], dx2, grads[Param::wo], "o");
   Tensor dq = like(sv.q), dk = like(sv.k), dv = like(sv.v);
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();
   {
@@ -115,17 +115,17 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
   }
   const std::array qkv_w{p[Param::wq], p[Param::wk], p[Param::wv]};
   const std::array qkv_dy{dq, dk, dv};
-  const std::array qkv_dw{g[Param::wq], g[Param::wk], g[Param::wv]};
+  const std::array qkv_dw{grads[Param::wq], grads[Param::wk], grads[Param::wv]};
   Tensor dh = par.column_backward(sv.h_saved, qkv_w, qkv_dy, qkv_dw, "qkv");
   Tensor dx = like(dout);
   {
     TraceScope op(trace, "rmsnorm 1 bwd");
-    ops::rmsnorm_backward(dh, sv.x, p[Param::norm1], sv.rstd1, dx, g[Param::norm1]);
+    ops::rmsnorm_backward(dh, sv.x, p[Param::norm1], sv.rstd1, dx, grads[Param::norm1]);
     ops::accumulate(dx2, dx);
   }
 
-  par.reduce_replicated_grad(g[Param::norm1]);
-  par.reduce_replicated_grad(g[Param::norm2]);
+  par.reduce_replicated_grad(grads[Param::norm1]);
+  par.reduce_replicated_grad(grads[Param::norm2]);
   return dx;
 }
 
