@@ -20,8 +20,8 @@ Tensor rows_of(const Tensor& x) {
 
 std::size_t BlockActivations::bytes() const {
   std::size_t n = 0;
-  for (const Tensor* t :
-       {&x, &rstd1, &h_saved, &q, &k, &v, &probs, &a, &x2, &rstd2, &h2_saved, &gate, &up, &s}) {
+  for (const Tensor* t : {&x, &rstd1, &h_saved, &q, &k, &v, &probs, &lse, &a, &x2, &rstd2,
+                          &h2_saved, &gate, &up, &s}) {
     if (t->defined()) n += t->nbytes();
   }
   return n;
@@ -46,8 +46,15 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
   sv.v = qkv.y[2];
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();  // this rank's heads
   sv.a = like(sv.q);
-  sv.probs = Tensor::empty({sv.q.dim(1), heads, sv.q.dim(0), sv.q.dim(0)}, DType::f32, x.device());
-  {
+  const std::int64_t batch = sv.q.dim(1), seq = sv.q.dim(0);
+  if (c.attention == Attention::fused) {
+    sv.probs = Tensor();
+    sv.lse = Tensor::empty({batch, heads, seq}, DType::f32, x.device());
+    TraceScope op(trace, "attention fwd");
+    ops::attention_fused_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.lse, high_precision(c.dtype));
+  } else {
+    sv.lse = Tensor();
+    sv.probs = Tensor::empty({batch, heads, seq, seq}, DType::f32, x.device());
     TraceScope op(trace, "attention fwd");
     ops::attention_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.probs, high_precision(c.dtype));
   }
@@ -110,8 +117,12 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();
   {
     TraceScope op(trace, "attention bwd");
-    ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv,
-                            high_precision(c.dtype));
+    if (c.attention == Attention::fused)
+      ops::attention_fused_backward(da, sv.q, sv.k, sv.v, sv.a, sv.lse, heads, dq, dk, dv,
+                                    high_precision(c.dtype));
+    else
+      ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv,
+                              high_precision(c.dtype));
   }
   const std::array qkv_w{p[Param::wq], p[Param::wk], p[Param::wv]};
   const std::array qkv_dy{dq, dk, dv};

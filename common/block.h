@@ -2,7 +2,7 @@
 //
 //   h   = RMSNorm(x; g1)
 //   q,k,v = h·Wq, h·Wk, h·Wv                 (column-parallel group)
-//   a   = causal softmax(q kᵀ / sqrt(D)) v
+//   a   = causal softmax(q kᵀ / sqrt(D)) v     (c.attention: fused or naive, common/ops.h)
 //   x2  = x + a·Wo                           (row-parallel)
 //   h2  = RMSNorm(x2; g2)
 //   out = x2 + (silu(h2·Wg) ⊙ (h2·Wu))·Wd    (column-parallel group, then row-parallel)
@@ -29,7 +29,8 @@ struct BlockActivations {
   Tensor rstd1;     ///< RMSNorm 1 statistics
   Tensor h_saved;   ///< input of the Wq/Wk/Wv group, as the stage keeps it
   Tensor q, k, v;   ///< attention inputs
-  Tensor probs;     ///< softmax probabilities [B, heads, S, S]
+  Tensor probs;     ///< softmax probabilities [B, heads, S, S] (naive attention only)
+  Tensor lse;       ///< log-sum-exp of each query row's scores [B, heads, S] (fused only)
   Tensor a;         ///< attention output, input of Wo
   Tensor x2;        ///< residual stream after attention (RMSNorm 2 backward)
   Tensor rstd2;     ///< RMSNorm 2 statistics

@@ -84,6 +84,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   StageOptions o;
   BlockConfig& c = o.config;
   std::string device = "cpu", dtype = info.fp8 ? "fp8" : "fp32";
+  std::string attention(attention_flag(c.attention));
 
   CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
   app.footer(fmt::format(
@@ -104,7 +105,8 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_number(app, "--batch", c.batch, "B, batch size")->group(sizes);
   add_number(app, "--layers", c.layers, "L, stacked blocks")->group(sizes);
   auto run = "Run";
-  add_number(app, "--steps", c.steps, "T, SGD steps")->group(run);
+  add_number(app, "--steps", c.steps, "SGD steps (each: forward, loss, backward, update)")
+      ->group(run);
   add_number(app, "--lr", c.lr, "SGD learning rate")->group(run);
   add_number(app, "--seed", c.seed, "initialisation seed")->group(run);
   app.add_option("--device", device, "backend: cpu or cuda")
@@ -116,6 +118,12 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                             "bf16 (bf16 needs cuda)"
                           : "compute type: fp32 or bf16 (bf16 needs cuda)")
       ->check(info.fp8 ? CLI::IsMember({"fp8", "fp32", "bf16"}) : CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str()
+      ->group(run);
+  app.add_option("--attention", attention,
+                 "fused (FlashAttention-2: blockwise, online softmax, keeps only the log-sum-exp) "
+                 "or naive (materialises and keeps the S×S probabilities)")
+      ->check(CLI::IsMember({"fused", "naive"}))
       ->capture_default_str()
       ->group(run);
   auto out = "Output";
@@ -197,6 +205,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   o.all_gather = all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
   c.device = parse_device(device);
   c.dtype = parse_dtype(dtype);
+  c.attention = attention == "naive" ? Attention::naive : Attention::fused;
   if (const auto errors = validate(c); !errors.empty())
     return {std::nullopt, fmt::format("{}", fmt::join(errors, "; ")), 2};
   return {std::move(o), "", 0};
@@ -218,6 +227,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--seed", fmt::format("{}", c.seed)},
       {"--device", std::string(to_string(c.device))},
       {"--dtype", std::string(dtype_flag(c.dtype))},
+      {"--attention", std::string(attention_flag(c.attention))},
       {"--comm", to_string(o.comm.kind)},
       {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
       {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},

@@ -48,7 +48,9 @@ struct Bytes {
   I gather;  ///< G with sequence parallelism (f and g all-gather into a new tensor), else 0
   I cols_h;  ///< [S, B, H/N]: q, k, v, a and their gradients
   I cols_f;  ///< [S, B, F/N]: gate, up, s and their gradients
-  I probs;   ///< [B, NH/N, S, S]
+  I probs;   ///< [B, NH/N, S, S]: naive attention's probabilities
+  I lse;     ///< [B, NH/N, S]: fused attention's log-sum-exp per query row
+  I attn;    ///< what attention keeps for backward: lse (fused) or probs (naive)
   I w_h;     ///< a local Wq / Wk / Wv / Wo: H·H/N elements (bytes at fp32)
   I w_f;     ///< a local Wg / Wu / Wd: H·F/N elements (bytes at fp32)
 };
@@ -67,6 +69,8 @@ Bytes local_bytes(const BlockConfig& c, const Sharding& s) {
   b.cols_f = checked_product({c.seq, c.batch, cols_f, kF32}, "gate's bytes (S·B·F/N·4)");
   b.probs = checked_product({c.batch, heads, c.seq, c.seq, kF32},
                             "the attention probabilities' bytes (B·NH/N·S·S·4)");
+  b.lse = checked_product({c.batch, heads, c.seq, kF32}, "the attention lse's bytes (B·NH/N·S·4)");
+  b.attn = c.attention == Attention::fused ? b.lse : b.probs;
   b.w_h = checked_product({c.hidden, cols_h, kF32}, "a local attention weight's bytes");
   b.w_f = checked_product({c.hidden, cols_f, kF32}, "a local MLP weight's bytes");
   return b;
@@ -91,13 +95,19 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
   auto gemm_copies = [&](I a, I w) { return bf16 ? sum({a, w}, what) / (kF32 / kBf16) : I{0}; };
   // The CUDA RMSNorm backward's partial sums of dg: at most one [H] row per 16 rows.
   const I rms_partial = cuda ? checked_product({b.rows / kF32 / 16 + 1, c.hidden, kF32}, what) : 0;
-  // The CUDA attention backward's dP (fp32) and, for bf16, copies of dO, q, k, v, P and dS.
+  // The CUDA attention backward's scratch. Naive: dP (fp32) and, for bf16, copies of dO, q, k,
+  // v, P and dS. Fused: Δ = rowsum(dO ∘ O), one float per query row and head (the kernels round
+  // their operands to bf16 as they load them; the cpu's block buffers are host memory outside
+  // the allocator).
+  const bool fused = c.attention == Attention::fused;
   const I attn_scratch =
-      cuda ? sum({b.probs,
-                  bf16 ? sum({b.cols_h, b.cols_h, b.cols_h, b.cols_h, b.probs, b.probs}, what) / 2
-                       : 0},
-                 what)
-           : 0;
+      !cuda ? 0
+      : fused
+          ? b.lse
+          : sum({b.probs,
+                 bf16 ? sum({b.cols_h, b.cols_h, b.cols_h, b.cols_h, b.probs, b.probs}, what) / 2
+                      : 0},
+                what);
   // A reduce-scatter's output (stage 03's f backward and g forward); in place otherwise.
   const I scattered = s.sequence ? b.stream : 0;
   const I R = b.stream, G = b.full;
@@ -136,12 +146,12 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
   // alone outweigh everything backward allocates.
   if (c.steps >= 2) {
     const I qkv_col = sum({R, b.gather, b.cols_h, b.cols_h, b.cols_h, gemm_copies(G, b.w_h)}, what);
-    const I attn_fwd = bf16 ? sum({b.cols_h, b.cols_h, b.cols_h, b.probs}, what) / 2 : 0;
+    const I attn_fwd = bf16 && !fused ? sum({b.cols_h, b.cols_h, b.cols_h, b.probs}, what) / 2 : 0;
     const I wo_row = sum({G, largest({gemm_copies(b.cols_h, b.w_h), scattered})}, what);
     const I mlp_col =
         sum({R, R, b.gather, b.cols_f, b.cols_f, gemm_copies(G, b.w_f)}, what);  // attn out, h2
     const I wd_row = sum({R, G, largest({gemm_copies(b.cols_f, b.w_f), scattered})}, what);
-    peak = largest({peak, qkv_col, b.probs, attn_fwd, wo_row, sum({R, R}, what), mlp_col,
+    peak = largest({peak, qkv_col, b.attn, attn_fwd, wo_row, sum({R, R}, what), mlp_col,
                     sum({R, b.cols_f}, what), wd_row, sum({R, R, R}, what)});
   }
   return peak;
@@ -229,11 +239,11 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
 
   // Per layer, as BlockActivations: x, h, x2, h2 (the stream; h and h2 as the stage keeps them:
   // this rank's part of the stream, never the gathered copy), rstd1, rstd2, q, k, v, a, gate, up,
-  // s, probs.
+  // s, and probs (naive attention) or lse (fused).
   // Stage 06 (FP8) keeps h and h2 as the FP8 shards it quantized: a byte per element.
   const I kept_h = is_fp8(c.dtype) ? b.stream / kF32 : b.stream;
   const I saved_layer = sum({b.stream, kept_h, b.stream, kept_h, b.rows, b.rows, b.cols_h, b.cols_h,
-                             b.cols_h, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.probs},
+                             b.cols_h, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.attn},
                             "a layer's saved activations");
   const I saved = checked_product({saved_layer, c.layers}, "the saved activations' bytes");
 

@@ -9,14 +9,15 @@
 //   target                  the loss's T, this rank's part (the input x is layer 0's saved x)
 //   largest temporaries     what else is alive at the peak: the output and its gradient, and
 //                           the block backward's own tensors at their fullest (or, with long
-//                           sequences, a forward re-allocating a layer's probabilities)
+//                           sequences and naive attention, a forward re-allocating a layer's
+//                           probabilities; fused attention keeps only [B, NH/N, S])
 // Every size is computed with checked arithmetic (checked.h): sizes too large for 64 bits throw
 // SizeOverflow, never a wrapped, small-looking number. It is pure arithmetic, so absurd configs
 // are refused at once.
 //
 // Not counted: the CUDA context, cuBLAS / NCCL workspaces, the caching allocator's rounding to
-// size classes, and the CPU attention backward's S×S scratch row (host memory outside the
-// allocator); these are small or outside the allocator's view.
+// size classes, and the CPU attention's scratch (naive backward: an S×S matrix; fused: blocks of
+// 128×128 scores), host memory outside the allocator; these are small or outside its view.
 //
 // defines: tpx::MemoryTerm, tpx::MemoryEstimate, tpx::estimate_training_memory(),
 //          tpx::snapshot_bytes(), tpx::bytes_text()

@@ -178,6 +178,25 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   expect_f32_compute(compute);
   TPX_DISPATCH(q.device(), attention_backward, dout, q, k, v, probs, heads, dq, dk, dv);
 }
+void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const Tensor& out, const Tensor& lse, DType compute) {
+#if TPX_WITH_CUDA
+  if (q.device() == Device::cuda)
+    return cuda::attention_fused_forward(q, k, v, heads, out, lse, compute);
+#endif
+  expect_f32_compute(compute);
+  TPX_DISPATCH(q.device(), attention_fused_forward, q, k, v, heads, out, lse);
+}
+void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, std::int64_t heads,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv, DType compute) {
+#if TPX_WITH_CUDA
+  if (q.device() == Device::cuda)
+    return cuda::attention_fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, compute);
+#endif
+  expect_f32_compute(compute);
+  TPX_DISPATCH(q.device(), attention_fused_backward, dout, q, k, v, out, lse, heads, dq, dk, dv);
+}
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
   TPX_DISPATCH(gate.device(), swiglu_forward, gate, up, out);
 }

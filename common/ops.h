@@ -7,9 +7,9 @@
 // Precision: tensors hold fp32. `compute` on gemm and attention picks the GEMM operand type:
 // fp32, or bf16 (cuda only) with fp32 accumulation; the rest of every op is fp32.
 //
-// defines: tpx::ops::gemm, rmsnorm_*, attention_*, swiglu_*, add, accumulate, mse_loss_*,
-//          sgd_update, sum_squares, fill, cast, copy, to_device, synchronize,
-//          bf16_gemm_peak_tflops, memory_available, device_ordinal,
+// defines: tpx::ops::gemm, rmsnorm_*, attention_*, attention_fused_*, swiglu_*, add,
+//          accumulate, mse_loss_*, sgd_update, sum_squares, fill, cast, copy, to_device,
+//          synchronize, bf16_gemm_peak_tflops, memory_available, device_ordinal,
 //          quantize_fp8, dequantize_fp8, amax, fp8_scale
 #pragma once
 
@@ -74,6 +74,20 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
                         const Tensor& dv, DType compute = DType::f32);
 
+/// The same causal attention computed blockwise with an online softmax (FlashAttention-2: Dao
+/// 2023, arXiv:2307.08691): the [S, S] scores never exist in memory. Forward writes out and
+/// lse [B, heads, S] (fp32), the log-sum-exp of each query row's scaled scores, which is all
+/// backward keeps: it recomputes each block's probabilities as exp(q kᵀ/sqrt(D) − lse).
+/// `compute` as for attention_forward (bf16: tensor-core products with fp32 accumulation, cuda
+/// only). Any head dim on the cpu; on cuda D <= 256 (tensor cores for D = 32, 64, 128).
+void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const Tensor& out, const Tensor& lse, DType compute = DType::f32);
+/// dq, dk, dv (overwritten) from dout, the forward's inputs, its output `out` and lse.
+void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, std::int64_t heads,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                              DType compute = DType::f32);
+
 /// out = silu(gate) ⊙ up, silu(z) = z·σ(z).
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
@@ -84,10 +98,10 @@ void add(const Tensor& a, const Tensor& b, const Tensor& out);
 /// into += x.
 void accumulate(const Tensor& x, const Tensor& into);
 
-/// Σ (y − t)² in double; the loss 0.5·mean((Y − T)²) is built from it by the caller, which knows
-/// the global element count.
+/// Σ (y − t)² in double, t the target (y* in the chapters); the loss 0.5·mean((y − y*)²) is built
+/// from it by the caller, which knows the global element count.
 double mse_loss_sum(const Tensor& y, const Tensor& t);
-/// dy = scale · (y − t); with scale = 1 / (S·B·H) this is the gradient of 0.5·mean((Y − T)²).
+/// dy = scale · (y − t); with scale = 1 / (S·B·H) this is the gradient of 0.5·mean((y − y*)²).
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
 
 /// w −= lr · grad.

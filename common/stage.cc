@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -82,14 +83,18 @@ constexpr double kBf16CheckRtol = 3e-2;
 /// 0.98 with the reference's, and each loss within 2 %; a wrong schedule or scale is far outside.
 constexpr CheckTolerance kFp8Check{.rtol = 0.1, .cosine = 0.98, .loss_rtol = 0.02};
 
+/// The estimate's term for rank 0's host copies of the first step (--check / --dump).
+constexpr std::string_view kSnapshotTerm = "first-step snapshot (--check/--dump)";
+
 void print_header(const StageDefinition& st, const BlockConfig& c, int world,
                   const Parallelism& par, const Speed& speed, const MemoryEstimate& memory,
                   std::uint64_t reference, std::uint64_t available) {
   fmt::print("tpx {} | {}\n", st.info.name, st.info.summary);
-  fmt::print("ranks {} | device {} | dtype {} | comm {}\n", world, to_string(c.device),
-             dtype_flag(c.dtype), par.comm_name());
-  fmt::print("H {} NH {} (D {}) F {} S {} B {} L {} | T {} lr {:g} seed {}\n", c.hidden, c.heads,
-             c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps, c.lr, c.seed);
+  fmt::print("ranks {} | device {} | dtype {} | attention {} | comm {}\n", world,
+             to_string(c.device), dtype_flag(c.dtype), attention_flag(c.attention),
+             par.comm_name());
+  fmt::print("H {} NH {} (D {}) F {} S {} B {} L {} | steps {} lr {:g} seed {}\n", c.hidden,
+             c.heads, c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps, c.lr, c.seed);
   if (c.device == Device::cpu)
     fmt::print("(cpu backend: timings show the mechanics, not GPU speed)\n");
   if (speed.gpu())
@@ -102,6 +107,9 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
              reference > 0 ? fmt::format(" | --check reference {}", bytes_text(reference)) : "",
              available == std::numeric_limits<std::uint64_t>::max() ? std::string("unknown")
                                                                     : bytes_text(available));
+  if (std::ranges::any_of(memory.terms,
+                          [](const MemoryTerm& t) { return t.name == kSnapshotTerm; }))
+    fmt::print("(the snapshot is host memory beside the step's tensors: peak MB leaves it out)\n");
   fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>10} {:>14} {:>14} {:>10}", "step", "loss",
              "grad norm", "step ms", "exposed ms", "comm B/rank", "bus B/rank", "peak MB");
   if (speed.gpu()) fmt::print(" {:>8} {:>6} {:>8}", "TFLOP/s", "MFU %", "resv MB");
@@ -134,7 +142,8 @@ json config_json(const BlockConfig& c) {
           {"seed", c.seed},
           {"eps", kNormEps},
           {"device", to_string(c.device)},
-          {"dtype", dtype_flag(c.dtype)}};
+          {"dtype", dtype_flag(c.dtype)},
+          {"attention", attention_flag(c.attention)}};
 }
 
 void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& stage, int world,
@@ -224,7 +233,7 @@ MemoryCheck check_memory(const StageOptions& o, const Sharding& sharding, int ra
   // Rank 0 also keeps full copies of the first step's tensors for --check / --dump (host memory).
   const bool snapshot = rank == 0 && (o.check || !o.dump_dir.empty());
   if (snapshot && c.device == Device::cpu)
-    m.estimate.terms.push_back({"first-step snapshot (--check/--dump)", snapshot_bytes(c)});
+    m.estimate.terms.push_back({std::string(kSnapshotTerm), snapshot_bytes(c)});
   std::uint64_t mine = m.estimate.total();
   // --check then runs the reference on rank 0, after training has freed its model: the whole
   // unsharded model next to the snapshot; stage 01's reference is in double precision, about

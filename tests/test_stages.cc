@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -105,12 +106,13 @@ Comm overlap_ring_comm(const Sizes& z, std::int64_t n) {
 }
 
 /// Saved-activation elements per layer on one device: x, h, x2, h2 [S,B,H]; q, k, v, a
-/// [S,B,H]; rstd1, rstd2 [S·B]; gate, up, s [S,B,F]; probs [B,NH,S,S].
+/// [S,B,H]; rstd1, rstd2 [S·B]; gate, up, s [S,B,F]; and attention's: the fused default's
+/// lse [B,NH,S] (--attention naive: probs [B,NH,S,S]).
 std::int64_t baseline_saved(const Sizes& z) {
-  return 8 * z.S * z.B * z.H + 2 * z.S * z.B + 3 * z.S * z.B * z.F + z.B * z.NH * z.S * z.S;
+  return 8 * z.S * z.B * z.H + 2 * z.S * z.B + 3 * z.S * z.B * z.F + z.B * z.NH * z.S;
 }
 
-/// Stage 02: the tensor-parallel part (q, k, v, a, gate, up, s, probs) is 1/N, the norm /
+/// Stage 02: the tensor-parallel part (q, k, v, a, gate, up, s, lse) is 1/N, the norm /
 /// residual part (x, h, x2, h2, rstd1, rstd2) is replicated.
 std::int64_t megatron_saved_bytes(const Sizes& z, std::int64_t n) {
   const std::int64_t replicated = 4 * z.S * z.B * z.H + 2 * z.S * z.B;
@@ -176,6 +178,31 @@ TEST_P(SavedBytes, SequenceParallelKeepsOneNthOfTheBaseline) {
 }
 
 INSTANTIATE_TEST_SUITE_P(stages, SavedBytes, testing::Values(4));
+
+// --attention naive keeps the probabilities [B, NH/N, S, S] where fused keeps the log-sum-exp
+// [B, NH/N, S]: per rank, the saved bytes differ by exactly L·4·B·NH/N·(S² − S).
+TEST(AttentionSavedBytes, NaiveKeepsTheProbabilitiesFusedOnlyTheLse) {
+  const Sizes z;
+  for (const auto& [stage, n] : {std::pair{"01_baseline", 1}, std::pair{"02_megatron_tp", 2}}) {
+    test::TempDir dir;
+    std::int64_t bytes[2] = {0, 0};
+    for (int naive = 0; naive < 2; ++naive) {
+      const auto path = dir / fmt::format("{}.json", naive);
+      const auto r = run_stage(stage, n,
+                               fmt::format("{} --steps 1 --attention {} --json {}", z.args(),
+                                           naive ? "naive" : "fused", path.string()),
+                               dir);
+      ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+      const json j = json::parse(test::read_file(path));
+      EXPECT_EQ(j.at("config").at("attention"), naive ? "naive" : "fused");
+      bytes[naive] = j.at("saved_activation_bytes").get<std::int64_t>();
+    }
+    const std::int64_t heads = z.NH / n;
+    EXPECT_EQ(bytes[1] - bytes[0],
+              z.L * (z.B * heads * z.S * z.S * kFloat - z.B * heads * z.S * kFloat))
+        << stage << " -np " << n;
+  }
+}
 
 class ThreeRanks : public testing::TestWithParam<std::string> {};
 

@@ -18,6 +18,12 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::i
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
                         const Tensor& dv);
+// Fused (FlashAttention-2) attention, attention.cc: no probabilities, only lse [B, heads, S].
+void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const Tensor& out, const Tensor& lse);
+void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, std::int64_t heads,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv);
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
                      const Tensor& dup);

@@ -6,8 +6,8 @@
 // bf16 values travel as std::uint16_t bit patterns (the storage of __nv_bfloat16), FP8 values
 // as std::uint8_t codes.
 //
-// defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu, fp8.cu,
-//          fp8_pack.cu)
+// defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu,
+//          flash_attention.cu, fp8.cu, fp8_pack.cu)
 #pragma once
 
 #include <cstdint>
@@ -52,6 +52,22 @@ void rmsnorm_backward_dg(const float* dy, const float* x, const float* rstd, flo
 void causal_softmax_forward(float* p, std::uint16_t* p_bf16, I rows, I s, void* stream);
 /// In place: dp becomes dS = P ⊙ (dP − Σ_j dP·P) on j <= i and zero above; bf16 copy optional.
 void causal_softmax_backward(const float* p, float* dp, std::uint16_t* ds_bf16, I rows, I s,
+                             void* stream);
+
+// flash_attention.cu -----------------------------------------------------------------------------
+// Fused causal attention on one [S, B, heads·D] layout: head bh (of heads_total = B·heads) of
+// row i starts at i·ld + bh·d. bf16_compute: tensor cores for d = 32, 64, 128 (where the device's
+// shared memory allows), else CUDA cores with operands rounded to bf16; otherwise fp32 on CUDA
+// cores. Both return a cudaError_t value (0: success) for what fails before a launch.
+/// The largest head dim the fused kernels take.
+inline constexpr I kFlashMaxHeadDim = 256;
+/// out, lse [heads_total, S].
+int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
+                            I s, I heads_total, I d, I ld, bool bf16_compute, void* stream);
+/// dq, dk, dv (overwritten); delta is scratch of heads_total·S floats.
+int flash_attention_backward(const float* dout, const float* q, const float* k, const float* v,
+                             const float* out, const float* lse, float* delta, float* dq, float* dk,
+                             float* dv, I s, I heads_total, I d, I ld, bool bf16_compute,
                              void* stream);
 
 // fp8.cu -----------------------------------------------------------------------------------------

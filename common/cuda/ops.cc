@@ -216,6 +216,62 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
              d, bh, compute, DType::f32);
 }
 
+namespace {
+
+/// The fused ops' checks: q, k, v, out equal [S, B, X] f32 on cuda, lse [B, heads, S], a head
+/// dim the kernels take and a head count a grid dimension can hold.
+AttnDims fused_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
+                    const Tensor& lse) {
+  TPX_CHECK(
+      q.ndim() == 3 && q.shape() == k.shape() && q.shape() == v.shape() && q.shape() == out.shape(),
+      "fused attention q, k, v, out must be equal [S, B, X]: {} {} {} {}", q.describe(),
+      k.describe(), v.describe(), out.describe());
+  for (const Tensor* t : {&q, &k, &v, &out, &lse}) expect_f32(*t, "fused attention tensor");
+  const I s = q.dim(0), b = q.dim(1), x = q.dim(2);
+  TPX_CHECK(heads > 0 && x % heads == 0, "{} columns do not split into {} heads", x, heads);
+  const I d = x / heads;
+  TPX_CHECK(d <= kernels::kFlashMaxHeadDim,
+            "fused attention on cuda takes head dims up to {} (got {}); use --attention naive",
+            kernels::kFlashMaxHeadDim, d);
+  TPX_CHECK(b * heads <= 65535, "fused attention: B·heads = {} exceeds a grid's 65535", b * heads);
+  TPX_CHECK(lse.numel() == b * heads * s, "lse {} must hold [B, heads, S] = [{}, {}, {}]",
+            lse.describe(), b, heads, s);
+  return {s, b, heads, d, b * x};
+}
+
+}  // namespace
+
+// FlashAttention-2 kernels (flash_attention.cu) on the tensors in place; bf16 compute rounds the
+// operands as the kernels load them, so there are no bf16 copies. Backward's only scratch is
+// Δ = rowsum(dO ∘ O), one float per query row and head.
+void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
+                             const Tensor& out, const Tensor& lse, DType compute) {
+  NvtxRange range("attention_fused_forward");
+  expect_compute(compute);
+  const auto [s, b, nh, d, ld] = fused_dims(q, k, v, heads, out, lse);
+  TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_forward(
+      cf(q), cf(k), cf(v), f(out), f(lse), s, b * nh, d, ld, compute == DType::bf16, stream())));
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
+                              const Tensor& dk, const Tensor& dv, DType compute) {
+  NvtxRange range("attention_fused_backward");
+  expect_compute(compute);
+  const auto [s, b, nh, d, ld] = fused_dims(q, k, v, heads, out, lse);
+  for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
+    expect_f32(*t, "attention_fused_backward tensor");
+    TPX_CHECK(t->shape() == q.shape(), "attention_fused_backward: {} must be shaped like q {}",
+              t->describe(), q.describe());
+  }
+  const Tensor delta = scratch({b * nh * s}, DType::f32);
+  TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_backward(
+      cf(dout), cf(q), cf(k), cf(v), cf(out), cf(lse), f(delta), f(dq), f(dk), f(dv), s, b * nh, d,
+      ld, compute == DType::bf16, stream())));
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
   NvtxRange range("swiglu_forward");
   for (const Tensor* t : {&gate, &up, &out}) expect_f32(*t, "swiglu tensor");

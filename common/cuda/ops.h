@@ -9,10 +9,10 @@
 // All work is issued on cuda::current_stream() (device.h) and is asynchronous unless the op
 // returns a host value (mse_loss_sum, sum_squares, to_host_f32) or copies to host memory.
 //
-// defines: tpx::cuda::gemm, rmsnorm_*, attention_*, swiglu_*, add, accumulate, mse_loss_*,
-//          sgd_update, sum_squares, fill, cast, copy, to_host_f32, synchronize,
-//          device_problem, measure_bf16_gemm_peak_tflops, quantize_fp8, dequantize_fp8, amax,
-//          fp8_scale, gemm_fp8
+// defines: tpx::cuda::gemm, rmsnorm_*, attention_*, attention_fused_*, swiglu_*, add,
+//          accumulate, mse_loss_*, sgd_update, sum_squares, fill, cast, copy, to_host_f32,
+//          synchronize, device_problem, measure_bf16_gemm_peak_tflops, quantize_fp8,
+//          dequantize_fp8, amax, fp8_scale, gemm_fp8
 #pragma once
 
 #include <cstdint>
@@ -42,6 +42,14 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::i
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
                         const Tensor& dv, DType compute = DType::f32);
+/// Fused (FlashAttention-2) attention, kernels in flash_attention.cu: fp32 operands in place;
+/// bf16 compute rounds them to bf16 as they are loaded (no bf16 copies in memory).
+void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const Tensor& out, const Tensor& lse, DType compute = DType::f32);
+void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, std::int64_t heads,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                              DType compute = DType::f32);
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
                      const Tensor& dup);

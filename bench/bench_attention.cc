@@ -1,0 +1,111 @@
+// Causal attention, forward + backward, fused (FlashAttention-2) against naive (probabilities
+// materialised): on the cpu at S = 1024 (B 2, NH 8, D 32: the default config's heads), and on
+// cuda when a GPU is usable at S = 2048 and 8192 with D = 128 (NH 32, B 1) in bf16.
+//
+// Counters: TFLOP/s, and peak_MiB, the allocator's high-water mark above the inputs during one
+// forward + backward (outputs, what forward keeps, the backward's scratch). The cpu's block
+// buffers live outside the allocator: the naive backward's dS matrix (S² floats, 4 MiB at
+// S = 1024) and the fused kernels' two 128×128 score blocks and one float per row (about
+// 0.13 MiB); the label states them.
+//
+// FLOP convention (FlashAttention-2's, arXiv:2307.08691 §4.1): the forward is two GEMMs of
+// 2·S²·D per (batch, head), halved by the causal mask: 4·B·NH·S²·D / 2; the backward counts
+// 2.5× the forward (five GEMM-sized products instead of two); a step is 3.5× the forward. The
+// recomputation of the probabilities in backward is not counted as useful work, and the naive
+// path, which multiplies the full S×S matrices, is credited with the same causal count.
+//
+//   build/bin/bench_attention [--benchmark_filter=cpu] [--benchmark_out=F
+//   --benchmark_out_format=json]
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "bench_util.h"
+
+namespace tpx::bench {
+namespace {
+
+using I = std::int64_t;
+
+struct AttnShape {
+  I s, b, heads, d;
+};
+
+/// Causal forward + backward FLOPs under the convention above.
+double step_flops(const AttnShape& a) {
+  const double forward =
+      4.0 * double(a.b) * double(a.heads) * double(a.s) * double(a.s) * double(a.d) / 2.0;
+  return forward * (1.0 + 2.5);
+}
+
+void bm_attention(benchmark::State& state, Device d, DType compute, bool fused, AttnShape a) {
+  const Tensor::Shape act{a.s, a.b, a.heads * a.d};
+  const Tensor q = random_on(d, act, 1), k = random_on(d, act, 2), v = random_on(d, act, 3);
+  const Tensor dout = random_on(d, act, 4);
+  Allocator& alloc = allocator_for(d);
+  ops::synchronize(d);
+  const std::size_t before = alloc.stats().current;
+  alloc.reset_peak();
+  double seconds = 0.0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    {
+      const Tensor out = Tensor::empty(act, DType::f32, d);
+      const Tensor dq = Tensor::empty(act, DType::f32, d), dk = Tensor::empty(act, DType::f32, d),
+                   dv = Tensor::empty(act, DType::f32, d);
+      if (fused) {
+        const Tensor lse = Tensor::empty({a.b, a.heads, a.s}, DType::f32, d);
+        ops::attention_fused_forward(q, k, v, a.heads, out, lse, compute);
+        ops::attention_fused_backward(dout, q, k, v, out, lse, a.heads, dq, dk, dv, compute);
+      } else {
+        const Tensor probs = Tensor::empty({a.b, a.heads, a.s, a.s}, DType::f32, d);
+        ops::attention_forward(q, k, v, a.heads, out, probs, compute);
+        ops::attention_backward(dout, q, k, v, probs, a.heads, dq, dk, dv, compute);
+      }
+      ops::synchronize(d);  // device kernels are asynchronous: time them to completion
+    }
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const double iters = double(state.iterations());
+  state.counters["TFLOP/s"] = seconds > 0 ? step_flops(a) * iters / seconds / 1e12 : 0;
+  state.counters["peak_MiB"] = double(alloc.stats().peak - before) / (1024.0 * 1024.0);
+  const double host_mib =
+      d == Device::cpu
+          ? (fused ? double(2 * 128 * 128 + a.s) * 4 : double(a.s * a.s) * 4) / (1024.0 * 1024.0)
+          : 0.0;
+  state.SetLabel(fmt::format(
+      "S={} B={} NH={} D={}{}", a.s, a.b, a.heads, a.d,
+      d == Device::cpu ? fmt::format(" host scratch {:.2f} MiB", host_mib) : std::string()));
+}
+
+void register_all() {
+  for (Device d : devices()) {
+    benchmark::AddCustomContext(fmt::format("tpx_device_{}", to_string(d)), device_label(d));
+    const DType compute = d == Device::cuda ? DType::bf16 : DType::f32;
+    std::vector<AttnShape> shapes;
+    if (d == Device::cpu)
+      shapes = {{1024, 2, 8, 32}};
+    else
+      shapes = {{2048, 1, 32, 128}, {8192, 1, 32, 128}};
+    for (const AttnShape& a : shapes)
+      for (const bool fused : {true, false})
+        benchmark::RegisterBenchmark(
+            fmt::format("attention/{}/{}/{}/S:{}", to_string(d), dtype_flag(compute),
+                        fused ? "fused" : "naive", a.s)
+                .c_str(),
+            [d, compute, fused, a](benchmark::State& s) { bm_attention(s, d, compute, fused, a); })
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+}  // namespace tpx::bench
+
+int main(int argc, char** argv) {
+  return tpx::bench::run_benchmarks(argc, argv, tpx::bench::register_all);
+}

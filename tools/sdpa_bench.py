@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""PyTorch's fused attention at bench_attention's GPU shapes, for comparison.
+
+Times torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), forward +
+backward, in bf16 on cuda at B 1, NH 32, D 128 and S = 2048, 8192 (the shapes of
+build/bin/bench_attention's cuda rows), and prints one line per shape with its TFLOP/s under
+the same FLOP convention (FlashAttention-2's, arXiv:2307.08691 section 4.1): the causal forward
+counts 4·B·NH·S²·D / 2, the backward 2.5 times that, a step 3.5 times.
+
+    python3 tools/sdpa_bench.py [--seq 2048 8192] [--iters 20]
+
+Without PyTorch or without a GPU it prints one line saying so and exits 2.
+"""
+import argparse
+import sys
+
+
+def causal_step_flops(b, nh, s, d):
+    forward = 4.0 * b * nh * s * s * d / 2.0
+    return forward * 3.5
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        print("sdpa_bench: PyTorch is not installed here; nothing to time")
+        return 2
+    if not torch.cuda.is_available():
+        print("sdpa_bench: PyTorch sees no GPU (torch.cuda.is_available() is False); nothing to time")
+        return 2
+
+    device = torch.device("cuda")
+    print(f"sdpa_bench: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16, "
+          f"fwd+bwd, causal FLOPs = 3.5 * 4*B*NH*S^2*D/2")
+    b, nh, d = args.batch, args.heads, args.head_dim
+    for s in args.seq:
+        gen = torch.Generator(device=device).manual_seed(1)
+        shape = (b, nh, s, d)  # SDPA's layout: [B, NH, S, D]
+        q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+                   .requires_grad_() for _ in range(3))
+        dout = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+
+        def step():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(dout)
+            q.grad = k.grad = v.grad = None
+
+        for _ in range(3):  # warm-up: kernel selection, allocator
+            step()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.iters):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / args.iters
+        tflops = causal_step_flops(b, nh, s, d) / (ms * 1e-3) / 1e12
+        print(f"attention/cuda/bf16/sdpa/S:{s}  B={b} NH={nh} D={d}  {ms:.3f} ms  "
+              f"TFLOP/s={tflops:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
