@@ -6,6 +6,13 @@
 // emulation costs, not FP8 speed. Reports TFLOP/s (2·m·n·k per GEMM); --benchmark_out=FILE
 // --benchmark_out_format=json writes Google Benchmark's JSON.
 //
+// Chunked GEMMs (gemm_chunked/<device>/<dtype>/<gemm>/N:<n>, n = 2 … 8): the forward GEMMs of
+// wq, w_gate and w_down as one GEMM of M = T rows, and as n GEMMs of M/n rows each (the first
+// M mod n chunks one row taller), each timed to completion: what the ring of stage 04 and the
+// pulls of stage 05 do to a GEMM. Counters: efficiency = time of the one GEMM / sum of the n chunk
+// times (≤ about 1: the loss of splitting), TFLOP/s of the chunked run; the reported time is the
+// chunked run's.
+//
 //   build/bin/bench_gemm [--benchmark_filter=cuda/bf16] [--benchmark_min_time=0.5]
 #include <benchmark/benchmark.h>
 
@@ -70,6 +77,36 @@ void bm_gemm(benchmark::State& state, Device d, DType compute, GemmShape g) {
   state.SetLabel(fmt::format("m={} n={} k={}", g.m, g.n, g.k));
 }
 
+/// The forward GEMM `g` whole and in `chunks` row chunks; see the top of the file.
+void bm_gemm_chunked(benchmark::State& state, Device d, DType compute, GemmShape g, I chunks) {
+  const Tensor a = random_on(d, {g.m, g.k}, 1);
+  const Tensor b = random_on(d, {g.k, g.n}, 2);
+  const Tensor c = Tensor::empty({g.m, g.n}, DType::f32, d);
+  auto timed = [d](auto&& work) {
+    const auto t0 = std::chrono::steady_clock::now();
+    work();
+    ops::synchronize(d);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  double whole = 0.0, chunked = 0.0;
+  for (auto _ : state) {
+    whole += timed([&] { ops::gemm(a, false, b, false, c, 1.0f, 0.0f, compute); });
+    double sum = 0.0;
+    for (I i = 0, row = 0; i < chunks; ++i) {
+      const I rows = g.m / chunks + (i < g.m % chunks ? 1 : 0);
+      const Tensor ai = a.slice0(row, row + rows), ci = c.slice0(row, row + rows);
+      sum += timed([&] { ops::gemm(ai, false, b, false, ci, 1.0f, 0.0f, compute); });
+      row += rows;
+    }
+    state.SetIterationTime(sum);
+    chunked += sum;
+  }
+  const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k);
+  state.counters["efficiency"] = chunked > 0 ? whole / chunked : 0;
+  state.counters["TFLOP/s"] = chunked > 0 ? flops * double(state.iterations()) / chunked / 1e12 : 0;
+  state.SetLabel(fmt::format("m={} n={} k={} chunks={}", g.m, g.n, g.k, chunks));
+}
+
 void register_all() {
   for (Device d : devices()) {
     const BlockConfig c = bench_config(d);
@@ -89,6 +126,20 @@ void register_all() {
             [d, t, g](benchmark::State& s) { bm_gemm(s, d, t, g); })
             ->UseRealTime()
             ->Unit(benchmark::kMicrosecond);
+    std::vector<DType> chunked_types{DType::f32};
+    if (d == Device::cuda) chunked_types = {DType::bf16};
+    for (DType t : chunked_types)
+      for (const GemmShape& g : shapes) {
+        if (!g.name.ends_with("/fwd")) continue;
+        const std::string gemm = g.name.substr(0, g.name.size() - 4);
+        for (I n = 2; n <= 8; ++n)
+          benchmark::RegisterBenchmark(
+              fmt::format("gemm_chunked/{}/{}/{}/N:{}", to_string(d), dtype_flag(t), gemm, n)
+                  .c_str(),
+              [d, t, g, n](benchmark::State& s) { bm_gemm_chunked(s, d, t, g, n); })
+              ->UseManualTime()
+              ->Unit(benchmark::kMicrosecond);
+      }
   }
 }
 
