@@ -11,6 +11,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   doxygen clang-format
   python3                           # tools/trace_svg.py, scripts/check-quotes.py
+  python3-matplotlib                # tools/bench.py's plots (scripts/bench.sh)
 )
 
 missing=()

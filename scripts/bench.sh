@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The benchmarks: set up, build what they need, run tools/bench.py (every stage over N = 1, 2, 4
+# and two or more configs, the micro-benchmarks, the projection), and write docs/benchmarks.md
+# (its device's section and the projection; the other device's section stays), the CSV
+# docs/benchmarks/<device>.csv and the plots docs/figures/bench_<device>_*.svg.
+#
+#   scripts/bench.sh [--quick] [--device cpu|cuda] [--repeats R] [--out DIR]
+#
+#   --quick      1 repeat, N = 1, 2, 3 steps, collectives up to 64K, the default config only
+#   --device     cpu (default) or cuda (on a GPU machine)
+#   --repeats R  runs per point (default 3): the tables give the median and the min–max spread
+#   --out DIR    write benchmarks.md, benchmarks/ and figures/ under DIR instead of docs/
+#
+# The build: TPX_BENCH_BUILD (default: build-bench-cpu for --device cpu, configured cpu-only
+# without tests and docs so that it builds in a few minutes; build/ for --device cuda). An existing
+# build is used as it is configured, e.g. TPX_BENCH_BUILD=build scripts/bench.sh. Raw --json files
+# and logs go to out/bench/<device>/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+args=("$@")
+device=cpu
+while [ $# -gt 0 ]; do
+  case $1 in
+    --device)
+      device=${2:-}
+      shift 2 || shift
+      ;;
+    --device=*)
+      device=${1#*=}
+      shift
+      ;;
+    -h | --help)
+      sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+      exit 0
+      ;;
+    *) shift ;;
+  esac
+done
+case $device in
+  cpu | cuda) ;;
+  *)
+    echo "bench: --device must be cpu or cuda, not '$device'" >&2
+    exit 2
+    ;;
+esac
+
+scripts/setup.sh
+
+# A python3 that can draw (matplotlib comes from Debian's python3-matplotlib, whose python is
+# /usr/bin/python3: another python3 earlier on PATH may lack it).
+py=
+for candidate in python3 /usr/bin/python3; do
+  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import matplotlib' 2>/dev/null; then
+    py=$candidate
+    break
+  fi
+done
+if [ -z "$py" ]; then
+  echo "bench: no python3 with matplotlib (install Debian's python3-matplotlib: scripts/setup.sh)" >&2
+  exit 1
+fi
+
+build=${TPX_BENCH_BUILD:-}
+if [ -z "$build" ]; then
+  if [ "$device" = cpu ]; then build="build-bench-cpu"; else build="build"; fi
+fi
+if [ ! -f "$build/CMakeCache.txt" ]; then
+  flags=(-DCMAKE_BUILD_TYPE=Release -DTPX_BUILD_TESTS=OFF -DTPX_BUILD_DOCS=OFF)
+  [ "$device" = cpu ] && flags+=(-DTPX_CUDA=OFF)
+  cmake -S . -B "$build" -G Ninja "${flags[@]}" >/dev/null
+fi
+# Build only the programs the benchmarks run, those this source tree has.
+wanted=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
+  06_fp8 bench_gemm bench_collectives tpx_project)
+known=$(cmake --build "$build" --target help 2>/dev/null)
+targets=()
+for t in "${wanted[@]}"; do
+  grep -qE "^($t: |\.\.\. $t\$)" <<<"$known" && targets+=("$t")
+done
+if [ ${#targets[@]} -eq 0 ]; then
+  echo "bench: $build has none of the stage targets (is it a tpx build?)" >&2
+  exit 1
+fi
+echo "bench: building ${targets[*]} in $build"
+cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
+
+# shellcheck disable=SC1091
+source scripts/env.sh
+command="scripts/bench.sh${args[*]:+ ${args[*]}}"
+[ -n "${TPX_BENCH_BUILD:-}" ] && command="TPX_BENCH_BUILD=$TPX_BENCH_BUILD $command"
+exec "$py" tools/bench.py --build "$build" --work out/bench --mpirun "${TPX_MPIRUN[*]}" \
+  --command "$command" "${args[@]}"

@@ -1,0 +1,960 @@
+#!/usr/bin/env python3
+"""The benchmark driver: runs every stage over a sweep of rank counts and configs with --json,
+the micro-benchmarks and the projection, and writes docs/benchmarks.md (one section per device),
+a CSV per device and SVG plots. Normally started by scripts/bench.sh, which builds first.
+
+    tools/bench.py --build DIR [--device cpu|cuda] [--repeats R] [--quick] [--out DIR]
+                   [--work DIR] [--mpirun "mpirun --oversubscribe --bind-to none"]
+                   [--command "what to print as the command that made the tables"]
+
+The sweep: N = 1, 2, 4 (stage 01 only at N = 1; an N that does not divide H, NH, F and S is left
+out), the default config and a GEMM-dominated one, each point run R times. A point's step time is
+the mean over the steps after step 0 (step 0 warms up) of one run; the tables give the median over
+the R runs and their spread as min–max. From it, per rank:
+    TFLOP/s        = flops_per_step_per_rank / step time            (GEMM FLOPs, common/flops.h)
+    MFU            = TFLOP/s / peak, the peak MEASURED by bench_gemm (its largest bf16 GEMM on
+                     cuda, fp32 on the cpu), never assumed
+    comm bus GB/s  = comm_bus_bytes per step / step time             (10⁹ bytes per second)
+    speed-up vs 03 = step time of stage 03 / step time of the stage  (same config and N)
+
+Outputs under --out (default: the repository's docs/): benchmarks.md, whose sections between
+`<!-- tpx-bench:begin NAME -->` and `<!-- tpx-bench:end NAME -->` are replaced one at a time
+(a cpu run leaves the cuda section alone and vice versa), benchmarks/<device>.csv and
+figures/bench_<device>_{step_ms,exposed_comm,breakdown}.svg. The raw --json files and logs go
+under --work. A stage run that fails stops the driver (exit 1); a micro-benchmark program that is
+missing or fails leaves a one-line note in its section instead (collectives with wrong results are
+flagged in bold in the section and on stderr). Before it exits the driver reads
+its outputs back and exits 1 if any expected file, row or cell is missing.
+
+The environment is the caller's: under scripts/env.sh (OPENBLAS_NUM_THREADS=1, Open MPI's consent
+to run as root and to oversubscribe). Plots need matplotlib (Debian: python3-matplotlib).
+"""
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import pathlib
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+STAGES = ["01_baseline", "02_megatron_tp", "03_sequence_parallel", "04_overlap_ring",
+          "05_copy_engine_async_tp", "06_fp8"]
+REFERENCE_STAGE = "03_sequence_parallel"  # the speed-up column's denominator
+MIB = 1024.0 * 1024.0
+SECTIONS = ["cpu", "cuda", "projection"]  # the order of the sections in benchmarks.md
+
+
+class BenchError(Exception):
+    """A failure that stops the driver: a stage run, bad input, an incomplete output."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The arithmetic (tools/test_bench.py checks every function here on numbers worked by hand).
+
+
+def steady_mean(steps, key):
+    """Mean of steps[i][key] over the steps after step 0 (it warms up), or step 0 if alone."""
+    if not steps:
+        raise BenchError("a run recorded no steps")
+    rows = steps[1:] if len(steps) > 1 else steps
+    return sum(float(s[key]) for s in rows) / len(rows)
+
+
+def median_spread(values):
+    """(median, min, max) of the repeats' values."""
+    if not values:
+        raise BenchError("no values")
+    return statistics.median(values), min(values), max(values)
+
+
+def tflops_per_rank(flops_per_step_per_rank, step_ms):
+    """TFLOP/s of one rank: its GEMM FLOPs per step over the step time."""
+    return flops_per_step_per_rank / (step_ms * 1e-3) / 1e12
+
+
+def mfu(tflops, peak_tflops):
+    """Model FLOPs utilisation against a measured peak; None when no peak was measured."""
+    if not peak_tflops:
+        return None
+    return tflops / peak_tflops
+
+
+def bus_gbps(comm_bus_bytes, step_ms):
+    """Bus bandwidth of one rank in GB/s (10⁹ B/s): its bus bytes per step over the step time."""
+    return comm_bus_bytes / (step_ms * 1e-3) / 1e9
+
+
+def speedup(reference_ms, step_ms):
+    """How many times faster than the reference stage (stage 03) a stage's step is."""
+    if reference_ms is None:
+        return None
+    return reference_ms / step_ms
+
+
+def divides(config, n):
+    """Whether N ranks can split the config: H, NH, F and S (sequence parallelism) by N."""
+    return all(config[k] % n == 0 for k in ("hidden", "heads", "ffn", "seq"))
+
+
+def summarise_point(summaries):
+    """One sweep point (the --json summaries of its R runs) as the table's numbers."""
+    first = summaries[0]
+    step_ms = [steady_mean(s["steps"], "ms") for s in summaries]
+    med, lo, hi = median_spread(step_ms)
+    exposed = statistics.median(steady_mean(s["steps"], "exposed_comm_ms") for s in summaries)
+    bus = statistics.median(steady_mean(s["steps"], "comm_bus_bytes") for s in summaries)
+    peak = statistics.median(max(float(r["peak_bytes"]) for r in s["steps"]) for s in summaries)
+    tf = tflops_per_rank(float(first["flops_per_step_per_rank"]), med)
+    return {"stage": first["stage"], "n": int(first["world_size"]),
+            "device": first["config"]["device"], "dtype": first["config"]["dtype"],
+            "step_ms": med, "step_ms_min": lo, "step_ms_max": hi, "repeats": len(summaries),
+            "tflops": tf, "exposed_ms": exposed, "bus_bytes": bus, "bus_gbps": bus_gbps(bus, med),
+            "peak_mib": peak / MIB, "saved_mib": float(first["saved_activation_bytes"]) / MIB}
+
+
+def add_derived(rows, peak_tflops):
+    """Fills in MFU and the speed-up against stage 03 at the same config and N."""
+    ref = {(r["config"], r["n"]): r["step_ms"] for r in rows if r["stage"] == REFERENCE_STAGE}
+    for r in rows:
+        r["peak_tflops"] = peak_tflops
+        r["mfu"] = mfu(r["tflops"], peak_tflops)
+        r["speedup"] = speedup(ref.get((r["config"], r["n"])), r["step_ms"])
+
+
+def replace_section(text, name, body):
+    """text with the section NAME's body replaced (or added, in SECTIONS' order)."""
+    begin, end = f"<!-- tpx-bench:begin {name} -->", f"<!-- tpx-bench:end {name} -->"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    if begin in text:
+        if end not in text:
+            raise BenchError(f"section '{name}' has a begin marker and no end marker")
+        head, rest = text.split(begin, 1)
+        return head + block + rest.split(end, 1)[1]
+    # Before the first section that comes after it in SECTIONS' order, or at the end.
+    for later in SECTIONS[SECTIONS.index(name) + 1:] if name in SECTIONS else []:
+        marker = f"<!-- tpx-bench:begin {later} -->"
+        if marker in text:
+            head, rest = text.split(marker, 1)
+            return head + block + "\n\n" + marker + rest
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def replace_intro(text, intro):
+    """text with everything before its first section replaced by intro."""
+    cut = text.find("<!-- tpx-bench:begin ")
+    return intro.rstrip("\n") + "\n\n" + (text[cut:] if cut >= 0 else "")
+
+
+# Columns of the stage table: (CSV name, markdown heading, formatter). Empty cells are errors
+# unless the column says why it may be empty (see missing_cells).
+def _f(digits):
+    return lambda v: "—" if v is None else f"{v:.{digits}f}"
+
+
+COLUMNS = [
+    ("config", None, str),
+    ("stage", "stage", str),
+    ("n", "N", str),
+    ("device", "device", str),
+    ("dtype", "dtype", str),
+    ("step_ms", "step ms (median)", _f(2)),
+    ("spread", "spread (min–max)", str),
+    ("tflops", "TFLOP/s per rank", _f(4)),
+    ("mfu", "MFU per rank", lambda v: "—" if v is None else f"{100 * v:.1f} %"),
+    ("exposed_ms", "exposed comm ms", _f(2)),
+    ("bus_gbps", "comm bus GB/s", _f(3)),
+    ("peak_mib", "peak MiB", _f(1)),
+    ("saved_mib", "saved act MiB", _f(2)),
+    ("speedup", "speed-up vs 03", lambda v: "—" if v is None else f"{v:.2f}×"),
+]
+CSV_FIELDS = ["config", "hidden", "heads", "ffn", "seq", "batch", "layers", "steps", "stage", "n",
+              "device", "dtype", "repeats", "step_ms", "step_ms_min", "step_ms_max", "tflops",
+              "peak_tflops", "mfu", "exposed_ms", "bus_bytes", "bus_gbps", "peak_mib", "saved_mib", "speedup"]
+
+
+def missing_cells(rows, expected, peak_measured, reference_ran):
+    """Every problem with the table: expected (config, stage, N) points without a row, and empty
+    or non-finite cells. MFU may be empty only without a measured peak, the speed-up only when
+    stage 03 did not run."""
+    problems = []
+    have = {(r.get("config"), r.get("stage"), str(r.get("n"))): r for r in rows}
+    for point in expected:
+        if (point[0], point[1], str(point[2])) not in have:
+            problems.append(f"no row for config {point[0]}, stage {point[1]}, N {point[2]}")
+    for r in rows:
+        where = f"{r.get('config')}/{r.get('stage')}/N={r.get('n')}"
+        for field in CSV_FIELDS:
+            v = r.get(field)
+            if v in (None, "") or (isinstance(v, float) and not math.isfinite(v)):
+                if field in ("mfu", "peak_tflops") and not peak_measured:
+                    continue
+                if field == "speedup" and not reference_ran:
+                    continue
+                problems.append(f"{where}: no {field}")
+            elif isinstance(v, str) and v.lower() in ("nan", "inf", "-inf"):
+                problems.append(f"{where}: {field} is {v}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Running programs.
+
+
+def rel(path):
+    """A path as the repository root sees it, for the commands the tables print."""
+    try:
+        return str(pathlib.Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def run(cmd, log, timeout):
+    """Runs cmd with its output into log; returns (exit status, last line of output)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=timeout)
+        out, rc = p.stdout, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (
+            e.stdout or "")
+        out += f"\n(killed after {timeout} s)"
+        rc = 124
+    except OSError as e:
+        out, rc = str(e), 127
+    log.write_text(out)
+    # The program's own last error line, not mpirun's boilerplate about it.
+    lines = [ln.strip() for ln in out.splitlines()
+             if ln.strip() and not re.fullmatch(r"-+", ln.strip())]
+    lines = [ln for ln in lines if not re.search(r"mpirun|Primary job|non-zero|Process name|"
+                                                 r"Exit code|Per user-direction", ln)]
+    errors = [ln for ln in lines if re.search(r"error|wrong|fail|killed", ln, re.I)]
+    return rc, (errors[-1] if errors else lines[-1] if lines else f"exit status {rc}")
+
+
+def config_flags(config):
+    flags = []
+    for key in ("hidden", "heads", "ffn", "seq", "batch", "layers"):
+        if key in config.get("set", {}):
+            flags += [f"--{key}", str(config["set"][key])]
+    return flags
+
+
+def configs_for(device, quick):
+    """The sweep's configs: the default and a GEMM-dominated one (H and F large against S)."""
+    default = {"name": "default", "set": {}, "optional": False,
+               "why": "the tutorial's default config"}
+    if device == "cpu":
+        big = [{"name": "gemm-heavy", "optional": False,
+                "set": {"hidden": 512, "heads": 8, "ffn": 2048, "seq": 64, "batch": 2,
+                        "layers": 1},
+                "why": "H and F large against S: the GEMMs dominate the step"}]
+    else:
+        big = [{"name": "llama-7b", "optional": False,
+                "set": {"hidden": 4096, "heads": 32, "ffn": 11008, "seq": 2048, "batch": 1,
+                        "layers": 1},
+                "why": "a Llama-7B-sized layer: the GEMMs dominate the step"},
+               {"name": "llama-70b", "optional": True,
+                "set": {"hidden": 8192, "heads": 64, "ffn": 28672, "seq": 2048, "batch": 1,
+                        "layers": 1},
+                "why": "a Llama-3-70B-sized layer (run where its memory fits)"}]
+    return [default] if quick else [default] + big
+
+
+DEFAULTS = {"hidden": 256, "heads": 8, "ffn": 1024, "seq": 128, "batch": 2, "layers": 2}
+
+
+def sizes(config):
+    return {**DEFAULTS, **config["set"]}
+
+
+def size_text(s):
+    return (f"H={s['hidden']} NH={s['heads']} F={s['ffn']} S={s['seq']} B={s['batch']} "
+            f"L={s['layers']}")
+
+
+class Driver:
+    def __init__(self, a):
+        self.a = a
+        self.build = pathlib.Path(a.build)
+        self.bin = self.build / "bin"
+        self.out = pathlib.Path(a.out)
+        self.work = pathlib.Path(a.work) / a.device
+        self.mpirun = shlex.split(a.mpirun)
+        self.date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        self.steps = 3 if a.quick else 8
+        self.ranks = [1, 2] if a.quick else [1, 2, 4]
+        self.repeats = 1 if a.quick else a.repeats
+        self.notes = []  # lines for the section's notes
+
+    def exe(self, name):
+        p = self.bin / name
+        return p if p.is_file() and os.access(p, os.X_OK) else None
+
+    def stage_cmd(self, stage, n, config, json_path):
+        cmd = self.mpirun + ["-np", str(n), str(self.bin / stage), "--device", self.a.device,
+                             "--steps", str(self.steps)] + config_flags(config)
+        if self.a.device == "cuda" and stage != "06_fp8":
+            cmd += ["--dtype", "bf16"]  # 06 keeps its default, fp8
+        return cmd + ["--json", str(json_path)]
+
+    # -- the stage sweep ----------------------------------------------------------------------
+    def sweep(self):
+        stages = [s for s in STAGES if self.exe(s)]
+        if not stages:
+            raise BenchError(f"no stage executables in {self.bin} (build first: scripts/bench.sh)")
+        points, skipped = [], []
+        for config in configs_for(self.a.device, self.a.quick):
+            for stage in stages:
+                for n in self.ranks:
+                    if stage == "01_baseline" and n > 1:
+                        continue
+                    if not divides(sizes(config), n):
+                        skipped.append(f"{config['name']} at N={n}: {size_text(sizes(config))} "
+                                       f"does not split by {n}")
+                        continue
+                    points.append((config, stage, n))
+        results = {}  # (config name, stage, n) -> [summaries]
+        refused = {}  # optional config name -> the stage's one-line refusal
+        total = len(points) * self.repeats
+        done = 0
+        for rep in range(self.repeats):  # repeats outermost: drift spreads over every point
+            for config, stage, n in points:
+                done += 1
+                if config["name"] in refused:
+                    continue
+                path = self.work / "runs" / f"{config['name']}.{stage}.np{n}.r{rep}.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                cmd = self.stage_cmd(stage, n, config, path)
+                print(f"[{done}/{total}] {config['name']} {stage} N={n} (repeat {rep + 1})",
+                      flush=True)
+                rc, last = run(cmd, path.with_suffix(".log"), self.a.timeout)
+                if rc == 2 and config["optional"]:  # e.g. the memory estimate does not fit
+                    refused[config["name"]] = f"{stage} at N={n}: {last}"
+                    continue
+                if rc != 0:
+                    raise BenchError(f"stage run failed (exit {rc}): {shlex.join(cmd)}\n  {last}\n"
+                                     f"  full output: {path.with_suffix('.log')}")
+                results.setdefault((config["name"], stage, n), []).append(
+                    json.loads(path.read_text()))
+        rows = []
+        for config in configs_for(self.a.device, self.a.quick):
+            if config["name"] in refused:
+                continue
+            for stage in stages:
+                for n in self.ranks:
+                    runs = results.get((config["name"], stage, n))
+                    if not runs:
+                        continue
+                    r = summarise_point(runs)
+                    r.update(config=config["name"], steps=self.steps, **sizes(config))
+                    r["spread"] = f"{r['step_ms_min']:.2f}–{r['step_ms_max']:.2f}"
+                    rows.append(r)
+        expected = [(c["name"], s, n) for c, s, n in points if c["name"] not in refused]
+        return stages, rows, expected, skipped, refused
+
+    # -- micro-benchmarks ---------------------------------------------------------------------
+    def bench_gemm(self):
+        """Runs bench_gemm; returns (rows, chunked rows, the command, a note if it could not)."""
+        exe = self.exe("bench_gemm")
+        if not exe:
+            return None, None, None, f"`bench_gemm` is not in {rel(self.bin)} (not built)."
+        path = self.work / "bench_gemm.json"
+        cmd = [str(exe), f"--benchmark_filter=^gemm(_chunked)?/{self.a.device}/",
+               f"--benchmark_out={path}", "--benchmark_out_format=json"]
+        if self.a.device == "cpu":  # Google Benchmark's default of 0.5 s per row is not needed
+            cmd.append(f"--benchmark_min_time={0.01 if self.a.quick else 0.2}")
+        print("bench_gemm ...", flush=True)
+        rc, last = run(cmd, path.with_suffix(".log"), self.a.timeout)
+        if rc != 0 or not path.is_file():
+            return None, None, cmd, f"`bench_gemm` failed (exit {rc}): {last}"
+        gemm, chunked = parse_gemm(json.loads(path.read_text()), self.a.device)
+        return gemm, chunked, cmd, None
+
+    def bench_collectives(self):
+        """Runs bench_collectives at N = 2 (and 4); returns [(n, rows, cmd, note)]."""
+        exe = self.exe("bench_collectives")
+        if not exe:
+            return [(None, None, None, f"`bench_collectives` is not in {rel(self.bin)} "
+                     "(not built).")]
+        max_bytes = "64K" if self.a.quick else ("16M" if self.a.device == "cpu" else "1G")
+        out = []
+        for n in [2] if self.a.quick else [2, 4]:
+            path = self.work / f"bench_collectives.np{n}.json"
+            path.unlink(missing_ok=True)
+            cmd = self.mpirun + ["-np", str(n), str(exe), "--max-bytes", max_bytes,
+                                 f"--benchmark_filter=^collective/[^/]+/{self.a.device}/",
+                                 f"--benchmark_out={path}", "--benchmark_out_format=json"]
+            print(f"bench_collectives N={n} ...", flush=True)
+            rc, last = run(cmd, path.with_suffix(".log"), self.a.timeout)
+            rows = None
+            if path.is_file():
+                try:
+                    rows = parse_collectives(json.loads(path.read_text()))
+                except (ValueError, KeyError) as e:
+                    last = f"unreadable output: {e}"
+            note = None if rc == 0 else f"`bench_collectives` at N={n} failed (exit {rc}): {last}"
+            out.append((n, rows, cmd, note))
+        return out
+
+    def projection(self):
+        """Runs tpx_project; returns (its markdown, the command, a note if it could not)."""
+        exe = self.exe("tpx_project")
+        if not exe:
+            return None, None, f"`tpx_project` is not in {rel(self.bin)} (not built)."
+        md, js = self.work / "projection.md", self.work / "projection.json"
+        md.unlink(missing_ok=True)
+        cmd = [str(exe), "--device", str(ROOT / "tools/devices/h100_sxm.json"), "--markdown",
+               str(md), "--json", str(js)]
+        print("tpx_project ...", flush=True)
+        rc, last = run(cmd, self.work / "projection.log", self.a.timeout)
+        if rc != 0 or not md.is_file():
+            return None, cmd, f"`tpx_project` failed (exit {rc}): {last}"
+        return md.read_text(), cmd, None
+
+
+def bench_name(b):
+    """A Google Benchmark row's name without the suffixes the library appends."""
+    parts = b["name"].split("/")
+    while parts and re.fullmatch(r"(real|manual|process)_time|threads:\d+|repeats:\d+|"
+                                 r"min_time:.*|iterations:\d+", parts[-1]):
+        parts.pop()
+    return parts
+
+
+def to_us(b):
+    scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[b.get("time_unit", "ns")]
+    return float(b["real_time"]) * scale
+
+
+def parse_gemm(j, device):
+    """bench_gemm's JSON: the gemm/<device>/<dtype>/<layer>/<product> rows and the
+    gemm_chunked/<device>/<dtype>/<gemm>/N:<n> rows."""
+    gemm, chunked = [], []
+    for b in j.get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        parts = bench_name(b)
+        if len(parts) >= 5 and parts[0] == "gemm" and parts[1] == device:
+            dims = dict(re.findall(r"([mnk])=(\d+)", b.get("label", "")))
+            for k in "mnk":
+                if k not in dims and k in b:
+                    dims[k] = int(b[k])
+            gemm.append({"dtype": parts[2], "gemm": "/".join(parts[3:]),
+                         "m": int(dims.get("m", 0)), "n": int(dims.get("n", 0)),
+                         "k": int(dims.get("k", 0)), "us": to_us(b),
+                         "tflops": float(b.get("TFLOP/s", "nan"))})
+        elif len(parts) >= 5 and parts[0] == "gemm_chunked" and parts[1] == device:
+            n = parts[-1].split(":", 1)[-1]
+            chunked.append({"dtype": parts[2], "gemm": "/".join(parts[3:-1]), "n": int(n),
+                            "efficiency": float(b.get("efficiency", "nan")),
+                            "tflops": float(b.get("TFLOP/s", "nan"))})
+    return gemm, chunked
+
+
+def measured_peak(gemm, device):
+    """The peak MFU is measured against: the TFLOP/s of bench_gemm's largest GEMM in bf16 (cuda)
+    or fp32 (cpu), the fastest of the largest if several share the size. None without one."""
+    dtype = "bf16" if device == "cuda" else "fp32"
+    rows = [g for g in gemm or [] if g["dtype"] == dtype and g["m"] * g["n"] * g["k"] > 0
+            and math.isfinite(g["tflops"]) and g["tflops"] > 0]
+    if not rows:
+        return None
+    size = max(g["m"] * g["n"] * g["k"] for g in rows)
+    return max((g for g in rows if g["m"] * g["n"] * g["k"] == size), key=lambda g: g["tflops"])
+
+
+def parse_collectives(j):
+    """bench_collectives' JSON: {op: [rows sorted by size]}."""
+    ops = {}
+    for b in j.get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        parts = bench_name(b)
+        if len(parts) < 4 or parts[0] != "collective":
+            continue
+        us = float(b["time_us"]) if "time_us" in b else to_us(b)
+        ops.setdefault(parts[1], []).append({
+            "bytes": int(float(b["bytes"])), "count": int(float(b["count"])), "us": us,
+            "algbw": float(b["algbw_GBps"]), "busbw": float(b["busbw_GBps"]),
+            "wrong": int(float(b["wrong"])), "ranks": int(float(b.get("ranks", 0)))})
+    for rows in ops.values():
+        rows.sort(key=lambda r: r["bytes"])
+    return ops
+
+
+def size_label(n):
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering.
+
+
+def load_average():
+    """The 1-minute load average (other work on the machine widens the spread), or None."""
+    try:
+        return float(pathlib.Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def md_table(head, rows):
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def device_description(device, rows):
+    if device == "cuda":
+        names = {r.get("device_name") for r in rows if r.get("device_name")}
+        name = sorted(names)[0] if names else "GPU (unnamed)"
+        return f"cuda: {name}"
+    model = "unknown cpu"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu: {model}, {os.cpu_count()} cores"
+
+
+INTRO = """# Benchmarks
+
+What each section is:
+
+- **CPU** and **CUDA**: every stage (`01_baseline` … `06_fp8`) run under `mpirun` with `--json`
+  over N = 1, 2, 4 ranks and at least two configs (the default one and a GEMM-dominated one),
+  each point repeated; then the micro-benchmarks on the same device: GEMM throughput at the
+  block's shapes, the chunked GEMMs of the ring stages (efficiency against N), and the
+  collectives in nccl-tests' convention. A CPU section shows the mechanics (bytes, the structure
+  of the overlap, relative cost), not GPU speed.
+- **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
+  (`tools/projection.h`); projected, not measured.
+
+Regenerate with `scripts/bench.sh` (CPU section and projection) or `scripts/bench.sh --device
+cuda` on a GPU machine (CUDA section and projection); each run replaces only its own sections.
+No number in this file is typed by hand: all of it is written by `tools/bench.py`."""
+
+PLACEHOLDER = {
+    "cpu": "## CPU\n\nNot generated yet: `scripts/bench.sh` writes this section.",
+    "cuda": "## CUDA\n\nNot generated yet: `scripts/bench.sh --device cuda` on a GPU machine "
+            "writes this section.",
+    "projection": "## Projection (H100 SXM, projected)\n\nNot generated yet: `scripts/bench.sh` "
+                  "writes this section.",
+}
+
+
+class Render:
+    def __init__(self, d, device_text):
+        self.d, self.a = d, d.a
+        self.device_text = device_text
+
+    def caption(self, command):
+        """The line under every table: its device, date and command (markdown, with backticks)."""
+        return f"*Device: {self.device_text}. Date: {self.d.date}. Command: {command}.*"
+
+    def stage_section(self, stages, rows, skipped, refused, peak, gemm_cmd, loads):
+        a, d = self.a, self.d
+        out = [f"## {a.device.upper()}", ""]
+        out.append(f"Device: {self.device_text}. Date: {d.date}. Command: `{a.command}` "
+                   f"(build: `{rel(d.build)}`).")
+        out.append("")
+        if a.device == "cpu":
+            out.append("**These are CPU-backend timings: they show the mechanics (the bytes each "
+                       "rank moves, the structure of the overlap, the relative cost of the stages), "
+                       "not GPU speed.** Ranks share the machine's cores (one BLAS thread each, "
+                       f"{os.cpu_count()} cores; N = 4 oversubscribes them).")
+            out.append("")
+        if None not in loads:
+            out.append(f"The machine's 1-minute load average was {loads[0]:.2f} when the sweep "
+                       f"started and {loads[1]:.2f} when it ended: other work on it widens the "
+                       "spread, and a rank that is not scheduled shows up as exposed comm on its "
+                       "peers.")
+            out.append("")
+        if a.quick:
+            out.append("Quick mode: one repeat, N = 1, 2, the default config only.")
+            out.append("")
+        out.append(f"Each point: {d.repeats} run(s) of `--steps {d.steps}`; a run's step time is "
+                   "the mean over steps 1 … (step 0 warms up); the table gives the median over "
+                   "the runs and the spread as min–max. TFLOP/s per rank = the rank's GEMM FLOPs "
+                   "per step (`flops_per_step_per_rank`, `common/flops.h`) / step time; comm bus "
+                   "GB/s = bus bytes per step per rank / step time (10⁹ B/s); peak MiB is the "
+                   "allocator's peak of the run; saved act MiB the activations each rank keeps "
+                   "for backward; speed-up vs 03 = step time of stage 03 / step time (same config "
+                   "and N, > 1 is faster).")
+        out.append("")
+        if peak:
+            kind = "bf16" if a.device == "cuda" else "fp32 SGEMM, one BLAS thread"
+            out.append(f"MFU per rank is against a measured peak of **{peak['tflops']:.4f} "
+                       f"TFLOP/s** ({kind}): `bench_gemm`'s largest {peak['dtype']} GEMM, "
+                       f"`gemm/{a.device}/{peak['dtype']}/{peak['gemm']}` (m={peak['m']} "
+                       f"n={peak['n']} k={peak['k']}), run before the stages "
+                       f"(`{show(gemm_cmd)}`).")
+        else:
+            out.append("MFU per rank: — (no peak was measured: `bench_gemm` did not run, see "
+                       "below; no peak is assumed).")
+        out.append("")
+        if REFERENCE_STAGE not in stages:
+            out.append(f"Speed-up vs 03: — (`{REFERENCE_STAGE}` is not built).")
+            out.append("")
+        for config in configs_for(a.device, a.quick):
+            s = sizes(config)
+            out.append(f"### {config['name']}: {size_text(s)}")
+            out.append("")
+            if config["name"] in refused:
+                out.append(f"Not run: {refused[config['name']]}")
+                out.append("")
+                continue
+            out.append(f"{config['why'][0].upper()}{config['why'][1:]}.")
+            out.append("")
+            table = [r for r in rows if r["config"] == config["name"]]
+            head = [h for _, h, _ in COLUMNS if h]
+            out.append(md_table(head, [[f(r.get(k)) for k, h, f in COLUMNS if h] for r in table]))
+            out.append("")
+            example = d.stage_cmd("<stage>", "<N>", config, "<file>")
+            out.append(self.caption(f"`{a.command}`, each point run as `{show(example)}`"))
+            out.append("")
+        for line in skipped:
+            out.append(f"- left out: {line}")
+        if skipped:
+            out.append("")
+        dev = a.device
+        out.append("Step time per stage against N (error bars: min–max over the runs), exposed "
+                   "communication (the time a counted comm or copy span runs with no compute span "
+                   "beside it) against N, and each stage's step split into compute and exposed "
+                   "communication at the largest N it ran at:")
+        out.append("")
+        for kind in ("step_ms", "exposed_comm", "breakdown"):
+            out.append(f"![{dev} {kind}](figures/bench_{dev}_{kind}.svg)")
+        out.append("")
+        out.append(f"The table as CSV: [benchmarks/{dev}.csv](benchmarks/{dev}.csv).")
+        return out
+
+    def gemm_section(self, gemm, chunked, cmd, note):
+        a = self.a
+        out = [f"#### GEMM throughput ({a.device})", ""]
+        if note:
+            return out + [note, ""]
+        if a.device == "cpu":
+            out.append("fp8 rows on the cpu dequantize their operands and run the fp32 GEMM: they "
+                       "show what the emulation costs, not FP8 speed.")
+            out.append("")
+        out.append(md_table(["dtype", "GEMM", "m", "n", "k", "time us", "TFLOP/s"],
+                            [[g["dtype"], g["gemm"], g["m"], g["n"], g["k"], f"{g['us']:.1f}",
+                              f"{g['tflops']:.4f}"] for g in gemm]))
+        out.append("")
+        out.append(self.caption(f"`{show(cmd)}` (run by `{a.command}`)"))
+        out.append("")
+        out.append(f"#### Chunked GEMM efficiency ({a.device})")
+        out.append("")
+        if not chunked:
+            out.append("`bench_gemm` has no `gemm_chunked` rows in this build.")
+            out.append("")
+            return out
+        out.append("A GEMM split into N chunks, as the ring stages run it: efficiency = the "
+                   "unsplit GEMM's time / the N chunks' total time (`bench_gemm`'s `efficiency` "
+                   "counter; 1 = no loss).")
+        out.append("")
+        ns = sorted({c["n"] for c in chunked})
+        keys = []
+        for c in chunked:
+            if (c["dtype"], c["gemm"]) not in keys:
+                keys.append((c["dtype"], c["gemm"]))
+        cell = {(c["dtype"], c["gemm"], c["n"]): c["efficiency"] for c in chunked}
+        out.append(md_table(["dtype", "GEMM"] + [f"N={n}" for n in ns],
+                            [[dt, g] + [f"{cell[(dt, g, n)]:.3f}" if (dt, g, n) in cell else "—"
+                                        for n in ns] for dt, g in keys]))
+        out.append("")
+        out.append(self.caption(f"`{show(cmd)}` (run by `{a.command}`)"))
+        out.append("")
+        return out
+
+    def collectives_section(self, results):
+        a = self.a
+        out = [f"#### Collectives ({a.device})", ""]
+        intro = False
+        for n, ops, cmd, note in results:
+            if note and not ops:
+                out += [note, ""]
+                continue
+            if not intro:
+                out.append("nccl-tests' convention: algbw = size / time; busbw = algbw × 2(N−1)/N "
+                           "(all_reduce), × (N−1)/N (all_gather, reduce_scatter, symm_pull), × 1 "
+                           "(broadcast, sendrecv); time is the slowest rank's; `#wrong` counts "
+                           "elements that differ from the known result.")
+                out.append("")
+                intro = True
+            if note:
+                out += [f"**{note}**", ""]
+            for op, rows in ops.items():
+                wrong = sum(r["wrong"] for r in rows)
+                out.append(f"**{op}, N={n}**")
+                out.append("")
+                if wrong:
+                    out.append(f"**WRONG RESULTS: {wrong} element(s) of {op} at N={n} differ from "
+                               "the known result (`#wrong` below).**")
+                    out.append("")
+                out.append(md_table(["size", "count", "time us", "algbw GB/s", "busbw GB/s",
+                                     "`#wrong`"],
+                                    [[size_label(r["bytes"]), r["count"], f"{r['us']:.1f}",
+                                      f"{r['algbw']:.3f}", f"{r['busbw']:.3f}",
+                                      f"**{r['wrong']}**" if r["wrong"] else "0"] for r in rows]))
+                out.append("")
+                out.append(self.caption(f"`{show(cmd)}` (run by `{a.command}`)"))
+                out.append("")
+        return out
+
+
+def show(cmd):
+    """A command as the tables print it: paths inside the repository relative to it, quoted for
+    the shell where needed (placeholders such as <N> as they are)."""
+    out = []
+    for c in cmd:
+        m = re.match(r"^(--[\w-]+=)?(/.*)$", c)
+        c = (m.group(1) or "") + rel(m.group(2)) if m else c
+        out.append(shlex.quote(c) if re.search(r"[^\w@%+=:,./<>-]", c) else c)
+    return " ".join(out)
+
+
+def plot(rows, device, stages, figures):
+    """The three SVGs; deterministic (fixed hash salt, no date) so re-running does not churn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.rcParams["svg.hashsalt"] = "tpx-bench"
+    plt.rcParams["font.size"] = 9
+    figures.mkdir(parents=True, exist_ok=True)
+    configs = []
+    for r in rows:
+        if r["config"] not in configs:
+            configs.append(r["config"])
+    colors = plt.get_cmap("tab10")
+    note = "\ncpu backend: the mechanics, not GPU speed" if device == "cpu" else ""
+    paths = []
+
+    def panels(title):
+        fig, axes = plt.subplots(1, len(configs), figsize=(max(5.2 * len(configs), 6.4), 5.0),
+                                 squeeze=False)
+        fig.suptitle(title + note)
+        return fig, axes[0]
+
+    def save(fig, name, axes):
+        # One legend for the panels, below them.
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8,
+                   frameon=False)
+        fig.tight_layout(rect=(0, 0.06 * ((len(labels) + 2) // 3), 1, 1))
+        path = figures / f"bench_{device}_{name}.svg"
+        fig.savefig(path, format="svg", metadata={"Date": None})
+        plt.close(fig)
+        paths.append(path)
+
+    def lines(key, ylabel, name, title, bars):
+        fig, axes = panels(title)
+        for ax, config in zip(axes, configs):
+            ns_all = sorted({r["n"] for r in rows if r["config"] == config})
+            for k, stage in enumerate(stages):
+                pts = sorted((r for r in rows if r["config"] == config and r["stage"] == stage),
+                             key=lambda r: r["n"])
+                if not pts:
+                    continue
+                x = [r["n"] for r in pts]
+                y = [r[key] for r in pts]
+                if bars:
+                    err = [[r[key] - r["step_ms_min"] for r in pts],
+                           [r["step_ms_max"] - r[key] for r in pts]]
+                    ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=colors(k),
+                                label=stage)
+                else:
+                    ax.plot(x, y, marker="o", color=colors(k), label=stage)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ns_all, [str(n) for n in ns_all])
+            ax.minorticks_off()
+            ax.set_xlabel("N (ranks)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(config)
+            ax.grid(True, alpha=0.3)
+        save(fig, name, axes)
+
+    lines("step_ms", "step ms (median)", "step_ms", f"{device}: step time per stage", True)
+    lines("exposed_ms", "exposed comm ms (median)", "exposed_comm",
+          f"{device}: exposed communication per stage", False)
+
+    fig, axes = panels(f"{device}: compute and exposed comm at the largest N")
+    for ax, config in zip(axes, configs):
+        picked = []
+        for stage in stages:
+            pts = [r for r in rows if r["config"] == config and r["stage"] == stage]
+            if pts:
+                picked.append(max(pts, key=lambda r: r["n"]))
+        labels = [f"{r['stage'][:2]}\nN={r['n']}" for r in picked]
+        exposed = [r["exposed_ms"] for r in picked]
+        compute = [max(r["step_ms"] - r["exposed_ms"], 0.0) for r in picked]
+        ax.bar(labels, compute, color="#4878cf", label="compute (step − exposed comm)")
+        ax.bar(labels, exposed, bottom=compute, color="#e08a2c", label="exposed comm")
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title(config)
+        ax.grid(True, axis="y", alpha=0.3)
+    save(fig, "breakdown", axes)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def write_csv(rows, path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else
+                            f"{r[k]:.6g}" if isinstance(r[k], float) else r[k])
+                        for k in CSV_FIELDS})
+
+
+def verify(out, device, expected, peak_measured, reference_ran, sections):
+    """Reads the outputs back: the files exist, the CSV has every expected row and cell, the
+    markdown has the sections and one table row per CSV row. Returns the problems."""
+    problems = []
+    csv_path = out / "benchmarks" / f"{device}.csv"
+    md_path = out / "benchmarks.md"
+    figs = [out / "figures" / f"bench_{device}_{k}.svg"
+            for k in ("step_ms", "exposed_comm", "breakdown")]
+    for p in [csv_path, md_path] + figs:
+        if not p.is_file() or p.stat().st_size == 0:
+            problems.append(f"missing output: {p}")
+    if problems:
+        return problems
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    problems += missing_cells(rows, expected, peak_measured, reference_ran)
+    text = md_path.read_text()
+    for name in sections:
+        if f"<!-- tpx-bench:begin {name} -->" not in text:
+            problems.append(f"{md_path}: no section '{name}'")
+    body = text.split(f"<!-- tpx-bench:begin {device} -->", 1)[-1].split(
+        f"<!-- tpx-bench:end {device} -->", 1)[0]
+    for r in rows:
+        if not re.search(rf"^\| {re.escape(r['stage'])} \| {r['n']} \| {device} \|", body, re.M):
+            problems.append(f"{md_path}: no table row for {r['config']}/{r['stage']}/N={r['n']}")
+    table_rows = [ln for ln in body.splitlines()
+                  if re.match(r"^\| 0[1-6]_\w+ \| \d+ \|", ln)]
+    width = len([h for _, h, _ in COLUMNS if h])
+    for ln in table_rows:
+        cells = [c.strip() for c in ln.strip().strip("|").split("|")]
+        if len(cells) != width or any(c == "" for c in cells):
+            problems.append(f"{md_path}: incomplete row: {ln}")
+    if len(table_rows) != len(rows):
+        problems.append(f"{md_path}: {len(table_rows)} table rows for {len(rows)} CSV rows")
+    return problems
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default=str(ROOT / "build"), help="build directory (has bin/)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per point (default 3)")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 repeat, N = 1, 2, 3 steps, --max-bytes 64K, the default config only")
+    ap.add_argument("--out", default=str(ROOT / "docs"), help="where benchmarks.md goes")
+    ap.add_argument("--work", default=str(ROOT / "out" / "bench"),
+                    help="raw --json files and logs (a folder per device)")
+    ap.add_argument("--mpirun", default="mpirun --oversubscribe --bind-to none")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per program run")
+    ap.add_argument("--command", help="the command to print as the one that made the tables")
+    a = ap.parse_args(argv)
+    if a.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    if a.command is None:
+        a.command = shlex.join(["tools/bench.py"] + (sys.argv[1:] if argv is None else argv))
+    try:
+        return drive(a)
+    except BenchError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 1
+
+
+def drive(a):
+    try:
+        import matplotlib  # noqa: F401  (checked before the runs, not after them)
+    except ImportError:
+        raise BenchError("matplotlib is missing (Debian: apt-get install python3-matplotlib; "
+                         "scripts/setup.sh installs it)")
+    d = Driver(a)
+    d.work.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(a.out)
+
+    # The peak first: bench_gemm's largest GEMM, before the stages load the machine.
+    gemm, chunked, gemm_cmd, gemm_note = d.bench_gemm()
+    peak = measured_peak(gemm, a.device)
+    load_before = load_average()
+    stages, rows, expected, skipped, refused = d.sweep()
+    loads = (load_before, load_average())
+    # Summaries on cuda carry the GPU's name.
+    for r in rows:
+        p = d.work / "runs" / f"{r['config']}.{r['stage']}.np{r['n']}.r0.json"
+        if p.is_file():
+            r["device_name"] = json.loads(p.read_text()).get("device_name")
+    add_derived(rows, peak["tflops"] if peak else None)
+    collectives = d.bench_collectives()
+    projection, proj_cmd, proj_note = d.projection()
+
+    device_text = device_description(a.device, rows)
+    R = Render(d, device_text)
+    body = R.stage_section(stages, rows, skipped, refused, peak, gemm_cmd, loads)
+    body += ["", f"### Micro-benchmarks ({a.device})", ""]
+    body += R.gemm_section(gemm, chunked, gemm_cmd, gemm_note)
+    body += R.collectives_section(collectives)
+
+    proj = ["## Projection (H100 SXM, projected)", ""]
+    if projection is None:
+        proj += [proj_note]
+    else:
+        proj += ["Projected by the model, not measured. Date: " + d.date + ". Command: `"
+                 + show(proj_cmd) + "` (run by `" + a.command + "`); its "
+                 "markdown, verbatim:", "", projection.strip()]
+
+    write_csv(rows, out / "benchmarks" / f"{a.device}.csv")
+    plot(rows, a.device, stages, out / "figures")
+    md = out / "benchmarks.md"
+    text = md.read_text() if md.is_file() else ""
+    text = replace_intro(text, INTRO)
+    for name in SECTIONS:
+        if f"<!-- tpx-bench:begin {name} -->" not in text:
+            text = replace_section(text, name, PLACEHOLDER[name])
+    text = replace_section(text, a.device, "\n".join(body))
+    text = replace_section(text, "projection", "\n".join(proj))
+    md.write_text(text.rstrip("\n") + "\n")
+
+    problems = verify(out, a.device, expected, peak is not None, REFERENCE_STAGE in stages,
+                      SECTIONS)
+    wrong = [(n, op) for n, ops, _, _ in collectives if ops for op, rs in ops.items()
+             if any(r["wrong"] for r in rs)]
+    for n, op in wrong:  # a benchmark program's failure: flagged in its section, not fatal
+        print(f"bench: WARNING: bench_collectives: WRONG RESULTS for {op} at N={n}",
+              file=sys.stderr)
+    print(f"wrote {md}, {out / 'benchmarks' / (a.device + '.csv')}, "
+          f"{out / 'figures'}/bench_{a.device}_*.svg ({len(rows)} rows)")
+    for note in [gemm_note, proj_note] + [c[3] for c in collectives]:
+        if note:
+            print(f"note: {note}")
+    if problems:
+        raise BenchError("the outputs are incomplete:\n  " + "\n  ".join(problems))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

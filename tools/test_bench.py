@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Unit tests of the benchmark driver's arithmetic (tools/bench.py) on made-up inputs whose
+expected values are worked out by hand in the comments. Run by ctest (bench.driver.arithmetic).
+
+    python3 tools/test_bench.py
+"""
+import pathlib
+import sys
+import unittest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
+
+def summary(stage, n, ms, exposed, bus, peaks, flops=4e9, saved=3 * 1024 * 1024):
+    """A --json summary with the fields the driver reads."""
+    steps = [{"ms": m, "exposed_comm_ms": e, "comm_bus_bytes": b, "peak_bytes": p}
+             for m, e, b, p in zip(ms, exposed, bus, peaks)]
+    return {"stage": stage, "world_size": n, "config": {"device": "cpu", "dtype": "fp32"},
+            "flops_per_step_per_rank": flops, "saved_activation_bytes": saved, "steps": steps}
+
+
+class Arithmetic(unittest.TestCase):
+    def test_steady_mean_leaves_out_the_warm_up_step(self):
+        # (10 + 20 + 30) / 3 = 20; step 0's 100 is not counted.
+        self.assertEqual(bench.steady_mean([{"ms": 100}, {"ms": 10}, {"ms": 20}, {"ms": 30}], "ms"),
+                         20.0)
+        self.assertEqual(bench.steady_mean([{"ms": 7}], "ms"), 7.0)  # only step 0: itself
+        with self.assertRaises(bench.BenchError):
+            bench.steady_mean([], "ms")
+
+    def test_median_and_spread(self):
+        self.assertEqual(bench.median_spread([3.0, 1.0, 2.0]), (2.0, 1.0, 3.0))
+        # Even count: the mean of the middle two, (2 + 3) / 2 = 2.5; spread 1 … 10.
+        self.assertEqual(bench.median_spread([10.0, 1.0, 3.0, 2.0]), (2.5, 1.0, 10.0))
+        self.assertEqual(bench.median_spread([5.0]), (5.0, 5.0, 5.0))
+
+    def test_tflops_and_mfu(self):
+        # 2e9 FLOPs in 10 ms: 2e11 FLOP/s = 0.2 TFLOP/s; against a 0.5 TFLOP/s peak: 40 %.
+        tf = bench.tflops_per_rank(2e9, 10.0)
+        self.assertAlmostEqual(tf, 0.2, places=12)
+        self.assertAlmostEqual(bench.mfu(tf, 0.5), 0.4, places=12)
+        self.assertIsNone(bench.mfu(tf, None))  # no measured peak: no MFU, never an assumed one
+
+    def test_bus_bandwidth(self):
+        # 3e6 bus bytes per step in 2 ms: 1.5e9 B/s = 1.5 GB/s.
+        self.assertAlmostEqual(bench.bus_gbps(3e6, 2.0), 1.5, places=12)
+        self.assertEqual(bench.bus_gbps(0, 2.0), 0.0)
+
+    def test_speedup_against_stage_03(self):
+        self.assertAlmostEqual(bench.speedup(30.0, 20.0), 1.5)  # 03 takes 30 ms, the stage 20
+        self.assertAlmostEqual(bench.speedup(30.0, 60.0), 0.5)
+        self.assertIsNone(bench.speedup(None, 20.0))
+
+    def test_divides(self):
+        c = {"hidden": 256, "heads": 8, "ffn": 1024, "seq": 128}
+        self.assertTrue(bench.divides(c, 4))
+        self.assertFalse(bench.divides(c, 3))
+        self.assertFalse(bench.divides({**c, "heads": 6}, 4))  # 6 heads do not split 4 ways
+
+    def test_summarise_point(self):
+        # Three runs; their steady means (steps 1, 2) of ms: (10+14)/2 = 12, (20+22)/2 = 21,
+        # (15+17)/2 = 16 -> median 16, spread 12–21. exposed: 1, 2, 3 -> median 2.
+        # bus bytes: 4e6 each -> 4e6 B / 16 ms = 0.25 GB/s. TFLOP/s: 4e9 / 16 ms = 0.25.
+        # peak bytes: max over steps 2 MiB, 3 MiB, 4 MiB -> median 3 MiB.
+        mib = 1024 * 1024
+        runs = [summary("04_overlap_ring", 2, [99, 10, 14], [9, 1, 1], [4e6] * 3,
+                        [mib, 2 * mib, mib]),
+                summary("04_overlap_ring", 2, [99, 20, 22], [9, 2, 2], [4e6] * 3,
+                        [3 * mib, mib, mib]),
+                summary("04_overlap_ring", 2, [99, 15, 17], [9, 3, 3], [4e6] * 3,
+                        [mib, mib, 4 * mib])]
+        r = bench.summarise_point(runs)
+        self.assertEqual((r["stage"], r["n"], r["device"], r["dtype"]),
+                         ("04_overlap_ring", 2, "cpu", "fp32"))
+        self.assertEqual((r["step_ms"], r["step_ms_min"], r["step_ms_max"]), (16.0, 12.0, 21.0))
+        self.assertEqual(r["repeats"], 3)
+        self.assertEqual(r["exposed_ms"], 2.0)
+        self.assertAlmostEqual(r["bus_gbps"], 0.25, places=12)
+        self.assertAlmostEqual(r["tflops"], 0.25, places=12)
+        self.assertEqual(r["peak_mib"], 3.0)
+        self.assertEqual(r["saved_mib"], 3.0)
+
+    def test_derived_columns_pair_each_stage_with_03_at_its_config_and_n(self):
+        rows = [{"config": "a", "stage": "03_sequence_parallel", "n": 2, "step_ms": 40.0,
+                 "tflops": 0.1},
+                {"config": "a", "stage": "04_overlap_ring", "n": 2, "step_ms": 32.0,
+                 "tflops": 0.125},
+                {"config": "a", "stage": "03_sequence_parallel", "n": 1, "step_ms": 10.0,
+                 "tflops": 0.4},
+                {"config": "a", "stage": "01_baseline", "n": 1, "step_ms": 20.0, "tflops": 0.2},
+                {"config": "b", "stage": "04_overlap_ring", "n": 2, "step_ms": 5.0,
+                 "tflops": 0.8}]
+        bench.add_derived(rows, 0.5)
+        self.assertEqual([r["speedup"] for r in rows], [1.0, 1.25, 1.0, 0.5, None])  # 40/32, 10/20
+        self.assertEqual([r["mfu"] for r in rows], [0.2, 0.25, 0.8, 0.4, 1.6])  # tflops / 0.5
+        self.assertEqual({r["peak_tflops"] for r in rows}, {0.5})
+
+
+class Sections(unittest.TestCase):
+    DOC = ("# intro\n\n<!-- tpx-bench:begin cpu -->\nold cpu\n<!-- tpx-bench:end cpu -->\n\n"
+           "<!-- tpx-bench:begin cuda -->\nthe cuda numbers\n<!-- tpx-bench:end cuda -->\n")
+
+    def test_a_run_replaces_its_own_section_only(self):
+        text = bench.replace_section(self.DOC, "cpu", "new cpu")
+        self.assertIn("<!-- tpx-bench:begin cpu -->\nnew cpu\n<!-- tpx-bench:end cpu -->", text)
+        self.assertNotIn("old cpu", text)
+        self.assertIn("<!-- tpx-bench:begin cuda -->\nthe cuda numbers\n", text)
+        self.assertEqual(bench.replace_section(text, "cpu", "new cpu"), text)  # idempotent
+
+    def test_a_new_section_goes_in_its_place(self):
+        doc = "# intro\n\n<!-- tpx-bench:begin projection -->\np\n<!-- tpx-bench:end projection -->\n"
+        text = bench.replace_section(doc, "cuda", "g")
+        self.assertLess(text.index("begin cuda"), text.index("begin projection"))
+        self.assertIn("# intro", text)
+
+    def test_intro_is_replaced_and_sections_kept(self):
+        text = bench.replace_intro(self.DOC, "# Benchmarks\n\nnew intro")
+        self.assertTrue(text.startswith("# Benchmarks\n\nnew intro\n\n<!-- tpx-bench:begin cpu"))
+        self.assertIn("the cuda numbers", text)
+
+    def test_a_broken_section_is_an_error(self):
+        with self.assertRaises(bench.BenchError):
+            bench.replace_section("<!-- tpx-bench:begin cpu -->\nx\n", "cpu", "y")
+
+
+class Completeness(unittest.TestCase):
+    def row(self, **changes):
+        r = {f: "1" for f in bench.CSV_FIELDS}
+        r.update(config="default", stage="03_sequence_parallel", n="2")
+        r.update(changes)
+        return r
+
+    def test_a_complete_table_passes(self):
+        self.assertEqual(bench.missing_cells([self.row()], [("default", "03_sequence_parallel", 2)],
+                                             True, True), [])
+
+    def test_missing_points_and_cells_are_reported(self):
+        problems = bench.missing_cells([self.row(mfu="", step_ms="nan")],
+                                       [("default", "03_sequence_parallel", 2),
+                                        ("default", "04_overlap_ring", 2)], True, True)
+        self.assertEqual(len(problems), 3, problems)
+        self.assertTrue(any("04_overlap_ring" in p for p in problems))
+        self.assertTrue(any("no mfu" in p for p in problems))
+        self.assertTrue(any("step_ms is nan" in p for p in problems))
+
+    def test_mfu_may_be_empty_only_without_a_measured_peak(self):
+        self.assertEqual(bench.missing_cells([self.row(mfu="")], [], False, True), [])
+        self.assertEqual(bench.missing_cells([self.row(speedup="")], [], True, False), [])
+        self.assertEqual(len(bench.missing_cells([self.row(speedup="")], [], True, True)), 1)
+
+
+class Parsing(unittest.TestCase):
+    def test_peak_is_the_largest_gemm_of_the_peak_dtype(self):
+        gemm = [{"dtype": "bf16", "gemm": "wq/fwd", "m": 8, "n": 8, "k": 8, "tflops": 900.0},
+                {"dtype": "bf16", "gemm": "w_gate/fwd", "m": 8, "n": 32, "k": 8, "tflops": 700.0},
+                {"dtype": "bf16", "gemm": "w_down/dx", "m": 8, "n": 8, "k": 32, "tflops": 750.0},
+                {"dtype": "fp8", "gemm": "w_gate/fwd", "m": 64, "n": 64, "k": 64,
+                 "tflops": 1500.0}]
+        # cuda: bf16 only; the two largest (2048 MACs) tie on size, the faster one is the peak.
+        self.assertEqual(bench.measured_peak(gemm, "cuda")["tflops"], 750.0)
+        self.assertIsNone(bench.measured_peak(gemm, "cpu"))  # no fp32 rows: no peak
+        self.assertIsNone(bench.measured_peak(None, "cpu"))
+
+    def test_benchmark_rows(self):
+        j = {"benchmarks": [
+            {"name": "gemm/cpu/fp32/wq/fwd/real_time", "run_type": "iteration", "real_time": 2.0,
+             "time_unit": "ms", "TFLOP/s": 0.1, "label": "m=256 n=128 k=64"},
+            {"name": "gemm_chunked/cpu/fp32/w_gate/N:4/manual_time", "real_time": 900.0,
+             "time_unit": "us", "efficiency": 0.9, "TFLOP/s": 0.09},
+            {"name": "gemm/cpu/fp32/wq/fwd/real_time_mean", "run_type": "aggregate",
+             "real_time": 1.0, "time_unit": "ms"}]}
+        gemm, chunked = bench.parse_gemm(j, "cpu")
+        self.assertEqual(gemm, [{"dtype": "fp32", "gemm": "wq/fwd", "m": 256, "n": 128, "k": 64,
+                                 "us": 2000.0, "tflops": 0.1}])
+        self.assertEqual(chunked, [{"dtype": "fp32", "gemm": "w_gate", "n": 4, "efficiency": 0.9,
+                                    "tflops": 0.09}])
+
+    def test_collective_rows_sorted_by_size(self):
+        def row(size, wrong=0):
+            return {"name": f"collective/all_gather/cpu/{size}/manual_time", "real_time": 1.0,
+                    "time_unit": "us", "time_us": 3.0, "bytes": size, "count": size // 4,
+                    "algbw_GBps": 1.0, "busbw_GBps": 0.5, "wrong": wrong, "ranks": 2}
+        ops = bench.parse_collectives({"benchmarks": [row(4096, 3), row(1024)]})
+        self.assertEqual([r["bytes"] for r in ops["all_gather"]], [1024, 4096])
+        self.assertEqual(ops["all_gather"][1]["wrong"], 3)
+        self.assertEqual(ops["all_gather"][0]["us"], 3.0)
+        self.assertEqual(bench.size_label(65536), "64K")
+        self.assertEqual(bench.size_label(3 << 20), "3M")
+        self.assertEqual(bench.size_label(1000), "1000")
+
+
+if __name__ == "__main__":
+    unittest.main()
