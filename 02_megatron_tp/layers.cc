@@ -36,7 +36,7 @@ ColumnResult ColumnParallelLinear::forward(const Tensor& h, std::span<const Tens
 Tensor ColumnParallelLinear::backward(const Tensor& h, std::span<const Tensor> w,
                                       std::span<const Tensor> dy, std::span<const Tensor> dw,
                                       std::string_view role) {
-  const Tensor x = fg_.f_forward(h);
+  const Tensor x = fg_.f_regather(h);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
   for (std::size_t i = 0; i < w.size(); ++i) {
     TraceScope span(trace_, fmt::format("{} dW, dX GEMMs", role));

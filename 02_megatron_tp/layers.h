@@ -32,6 +32,8 @@ class Conjugates {
   virtual ~Conjugates() = default;
   /// The column group's input as its GEMMs see it, from the residual-stream layout.
   virtual Tensor f_forward(const Tensor& h) = 0;
+  /// f(h) again in backward, from the input the column group kept: the weight gradient needs it.
+  virtual Tensor f_regather(const Tensor& h) { return f_forward(h); }
   /// The residual-stream gradient from this rank's partial input gradient [S, B, H].
   virtual Tensor f_backward(const Tensor& dh_partial) = 0;
   /// The residual-stream output from this rank's partial sum [S, B, H].

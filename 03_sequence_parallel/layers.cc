@@ -8,6 +8,10 @@ Tensor SequenceConjugates::f_forward(const Tensor& h) {
   return group_.all_gather(h, "f fwd: all-gather");  // [S/N, B, H] -> [S, B, H]
 }
 
+Tensor SequenceConjugates::f_regather(const Tensor& h) {
+  return group_.all_gather(h, "f bwd: re-gather");  // the kept [S/N, B, H] shard, for dW
+}
+
 Tensor SequenceConjugates::f_backward(const Tensor& dh_partial) {
   return group_.reduce_scatter(dh_partial, "f bwd: reduce-scatter");  // [S, B, H] -> [S/N, B, H]
 }

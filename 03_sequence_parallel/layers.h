@@ -30,6 +30,7 @@ class SequenceConjugates final : public megatron::Conjugates {
  public:
   explicit SequenceConjugates(TpGroup& group) : group_(group) {}
   Tensor f_forward(const Tensor& h) override;
+  Tensor f_regather(const Tensor& h) override;
   Tensor f_backward(const Tensor& dh_partial) override;
   Tensor g_forward(const Tensor& y_partial) override;
   Tensor g_backward(const Tensor& dy) override;

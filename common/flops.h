@@ -1,12 +1,13 @@
 // Floating-point operations of one training step of the block, counted from its GEMMs: what
 // TFLOP/s and MFU are computed from, and what the tutorial's tables cite.
 //
-// Per layer, with T = S·B tokens (multiply-add = 2 FLOPs):
-//   linear forward     2·T·(4H² + 3HF)     Wq, Wk, Wv, Wo: [H, H]; Wg, Wu: [H, F]; Wd: [F, H]
-//   attention forward  2·(2·B·S²·H)        QKᵀ and PV over all heads, the full S×S square (the
-//                                          GEMMs compute it; the causal mask zeroes half later)
+// Per layer (multiply-add = 2 FLOPs; S·B tokens):
+//   linear forward     2·S·B·(4H² + 3HF)   Wq, Wk, Wv, Wo: [H, H]; Wg, Wu: [H, F]; Wd: [F, H]
+//   attention forward  2·(2·B·S²·H)        QKᵀ and PV over all heads, the full S×S square (a
+//                                          convention: the causal kernels skip about half of it,
+//                                          and fused attention's backward recomputes QKᵀ)
 //   backward           2 × forward         each GEMM becomes two (dX and dW; dQ, dK and dV, dP)
-// Element-wise work (norms, softmax, SwiGLU, residuals, loss, SGD) is O(T·H) and not counted.
+// Element-wise work (norms, softmax, SwiGLU, residuals, loss, SGD) is O(S·B·H) and not counted.
 // A tensor-parallel rank does 1/N of the GEMM work.
 //
 // defines: tpx::StepFlops, tpx::step_flops()
