@@ -59,14 +59,6 @@ void PrintTo(const Case& c, std::ostream* os) {
   *os << "stage " << c.stage << " -np " << c.ranks;
 }
 
-const char* kStages[] = {"",
-                         "01_baseline",
-                         "02_megatron_tp",
-                         "03_sequence_parallel",
-                         "04_overlap_ring",
-                         "05_copy_engine_async_tp",
-                         "06_fp8"};
-
 class ModelBytes : public testing::TestWithParam<Case> {};
 
 TEST_P(ModelBytes, EqualTheStagesJson) {
@@ -83,8 +75,9 @@ TEST_P(ModelBytes, EqualTheStagesJson) {
   const std::string cmd = fmt::format(
       "{} timeout 120 {} {} -np {} {} --hidden {} --heads {} --ffn {} --seq {} --batch {} "
       "--layers {} --steps 1 --json {}",
-      test::kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS, n, test::stage_binary(kStages[stage]),
-      c.hidden, c.heads, c.ffn, c.seq, c.batch, c.layers, path.string());
+      test::kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS, n,
+      test::stage_binary(projection::stage_name(stage)), c.hidden, c.heads, c.ffn, c.seq, c.batch,
+      c.layers, path.string());
   const auto r = test::run_command(cmd, dir);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const json j = json::parse(test::read_file(path));

@@ -51,6 +51,8 @@ std::string text(const json& j, const char* key, const std::filesystem::path& fi
   return j.at(key).get<std::string>();
 }
 
+}  // namespace
+
 std::string stage_name(int stage) {
   static const char* names[] = {"",
                                 "01_baseline",
@@ -61,8 +63,6 @@ std::string stage_name(int stage) {
                                 "06_fp8"};
   return stage >= 1 && stage <= 6 ? names[stage] : "?";
 }
-
-}  // namespace
 
 // --- the GEMM efficiency curve -------------------------------------------------------------------
 

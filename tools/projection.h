@@ -22,7 +22,8 @@
 //             peak, gathers of 1-byte codes, and the amax MAX all-reduces (latency) exposed.
 //   exposed comm = step − compute (the compute of the stage's own, possibly chunked, GEMMs).
 //
-// defines: tpx::projection::EfficiencyCurve, DeviceSpec, load_device(), calibrate(), Comm,
+// defines: tpx::projection::stage_name(), EfficiencyCurve, DeviceSpec, load_device(), calibrate(),
+// Comm,
 //          comm_bytes(), Schedule, ModelOptions, Phase, Projection, project(), project_stage(),
 //          ag_gemm_ms(), Published, load_published(), Validation, validate(), error_pct(),
 //          Report, make_report(), report_json(), report_markdown(), big_config(), small_config()
@@ -74,6 +75,9 @@ bool calibrate(DeviceSpec& device, const std::filesystem::path& bench_gemm_json)
 struct Comm {
   std::uint64_t payload = 0, bus = 0, calls = 0;
 };
+
+/// The stage's directory and executable name, e.g. "03_sequence_parallel" for 3 ("?" outside 1…6).
+std::string stage_name(int stage);
 
 /// The bytes per rank and step of `stage` (1 … 6) at N ranks. `act_bytes`: bytes per element of
 /// the communicated activations (the stages keep fp32 activations, so 4 for what they count; a

@@ -17,6 +17,7 @@
 #include "blas.h"
 #include "check.h"
 #include "device.h"
+#include "lt_plan.h"
 #include "nvtx.h"
 #include "ops.h"
 
@@ -44,21 +45,6 @@ int to_int(I v, const char* what) {
   return static_cast<int>(v);
 }
 
-/// Largest power of two (up to 256) dividing the address: what cuBLASLt's heuristic may assume.
-std::uint32_t alignment(const void* p) {
-  const auto a = reinterpret_cast<std::uintptr_t>(p);
-  return a == 0 ? 256u : static_cast<std::uint32_t>(std::min<std::uintptr_t>(256, a & (~a + 1)));
-}
-
-/// One cuBLASLt problem: descriptors and the chosen algorithm, reused for every call of the
-/// same shape, types and alignment.
-struct LtPlan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t x = nullptr, y = nullptr, c = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  bool usable = false;
-};
-
 using LtKey =
     std::tuple<bool, bool, I, I, I, I, I, I, int, int, std::uint32_t, std::uint32_t, std::uint32_t>;
 
@@ -72,7 +58,7 @@ struct Handles {
   cublasHandle_t blas = nullptr;
   cublasLtHandle_t lt = nullptr;
   std::map<void*, void*> workspaces;  // stream (nullptr = legacy default) -> kLtWorkspace bytes
-  std::map<LtKey, LtPlan> plans;
+  std::map<LtKey, lt::Plan> plans;
 
   Handles() {
     ensure_initialized();
@@ -80,12 +66,7 @@ struct Handles {
     TPX_CUBLAS_CHECK(cublasLtCreate(&lt));
   }
   ~Handles() {  // at thread exit; errors are ignored (the runtime may be shutting down)
-    for (auto& [key, p] : plans) {
-      cublasLtMatrixLayoutDestroy(p.x);
-      cublasLtMatrixLayoutDestroy(p.y);
-      cublasLtMatrixLayoutDestroy(p.c);
-      cublasLtMatmulDescDestroy(p.desc);
-    }
+    for (auto& [key, p] : plans) lt::destroy(p);
     for (auto& [stream, w] : workspaces) cudaFree(w);
     cublasLtDestroy(lt);
     cublasDestroy(blas);
@@ -118,17 +99,10 @@ Handles& handles() {
   return h;
 }
 
-cublasLtMatrixLayout_t lt_layout(cudaDataType_t type, I rows, I cols, I ld) {
-  cublasLtMatrixLayout_t l = nullptr;
-  TPX_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, static_cast<std::uint64_t>(rows),
-                                              static_cast<std::uint64_t>(cols), ld));
-  return l;
-}
-
-const LtPlan& lt_plan(Handles& h, const LtKey& key, bool ta, bool tb, I m, I n, I k, I lda, I ldb,
-                      I ldc, DType ab, DType ct, const void* a, const void* b, const void* c) {
+const lt::Plan& lt_plan(Handles& h, const LtKey& key, bool ta, bool tb, I m, I n, I k, I lda, I ldb,
+                        I ldc, DType ab, DType ct, const void* a, const void* b, const void* c) {
   if (auto it = h.plans.find(key); it != h.plans.end()) return it->second;
-  LtPlan p;
+  lt::Plan p;
   const cudaDataType_t abt = cuda_type(ab), cct = cuda_type(ct);
   TPX_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   // Column-major view: X = B (first operand), Y = A (second), C is n x m.
@@ -138,14 +112,14 @@ const LtPlan& lt_plan(Handles& h, const LtKey& key, bool ta, bool tb, I m, I n, 
       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opx, sizeof opx));
   TPX_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opy, sizeof opy));
-  p.x = lt_layout(abt, tb ? k : n, tb ? n : k, ldb);
-  p.y = lt_layout(abt, ta ? m : k, ta ? k : m, lda);
-  p.c = lt_layout(cct, n, m, ldc);
+  p.x = lt::layout(abt, tb ? k : n, tb ? n : k, ldb);
+  p.y = lt::layout(abt, ta ? m : k, ta ? k : m, lda);
+  p.out = lt::layout(cct, n, m, ldc);
 
   cublasLtMatmulPreference_t pref = nullptr;
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const std::uint64_t ws = kLtWorkspace;
-  const std::uint32_t ax = alignment(b), ay = alignment(a), ac = alignment(c);
+  const std::uint32_t ax = lt::alignment(b), ay = lt::alignment(a), ac = lt::alignment(c);
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -158,8 +132,8 @@ const LtPlan& lt_plan(Handles& h, const LtKey& key, bool ta, bool tb, I m, I n, 
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(h.lt, p.desc, p.x, p.y, p.c, p.c, pref, 1, &result, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h.lt, p.desc, p.x, p.y, p.out, p.out,
+                                                           pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
     p.algo = result.algo;
@@ -174,10 +148,7 @@ const LtPlan& lt_plan(Handles& h, const LtKey& key, bool ta, bool tb, I m, I n, 
   } else {
     // Anything else (an invalid value, a bad handle, no memory) is a bug or a broken device, not
     // a shape cuBLASLt lacks: it must not be hidden behind the fallback.
-    cublasLtMatrixLayoutDestroy(p.x);
-    cublasLtMatrixLayoutDestroy(p.y);
-    cublasLtMatrixLayoutDestroy(p.c);
-    cublasLtMatmulDescDestroy(p.desc);
+    lt::destroy(p);
     TPX_CUBLAS_CHECK(st);
   }
   return h.plans.emplace(key, p).first->second;
@@ -204,13 +175,13 @@ void gemm(bool ta, bool tb, I m, I n, I k, float alpha, Operand a, Operand b, fl
                     ldc,
                     static_cast<int>(ab),
                     static_cast<int>(ct),
-                    alignment(a.ptr),
-                    alignment(b.ptr),
-                    alignment(c)};
-    const LtPlan& p = lt_plan(h, key, ta, tb, m, n, k, a.ld, b.ld, ldc, ab, ct, a.ptr, b.ptr, c);
+                    lt::alignment(a.ptr),
+                    lt::alignment(b.ptr),
+                    lt::alignment(c)};
+    const lt::Plan& p = lt_plan(h, key, ta, tb, m, n, k, a.ld, b.ld, ldc, ab, ct, a.ptr, b.ptr, c);
     if (p.usable) {
-      TPX_CUBLAS_CHECK(cublasLtMatmul(h.lt, p.desc, &alpha, b.ptr, p.x, a.ptr, p.y, &beta, c, p.c,
-                                      c, p.c, &p.algo, workspace, kLtWorkspace, stream));
+      TPX_CUBLAS_CHECK(cublasLtMatmul(h.lt, p.desc, &alpha, b.ptr, p.x, a.ptr, p.y, &beta, c, p.out,
+                                      c, p.out, &p.algo, workspace, kLtWorkspace, stream));
       return;
     }
   }

@@ -80,6 +80,7 @@
 #include "common/ops.h"
 #include "device.h"
 #include "kernels.h"
+#include "lt_plan.h"
 #include "nvtx.h"
 #include "ops.h"
 
@@ -99,12 +100,6 @@ bool aligned16(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
 }
 
-/// Largest power of two (up to 256) dividing the address: what cuBLASLt's heuristic may assume.
-std::uint32_t alignment(const void* p) {
-  const auto a = reinterpret_cast<std::uintptr_t>(p);
-  return a == 0 ? 256u : static_cast<std::uint32_t>(std::min<std::uintptr_t>(256, a & (~a + 1)));
-}
-
 cudaDataType_t fp8_type(DType d) {
   switch (d) {
     case DType::e4m3:
@@ -116,32 +111,17 @@ cudaDataType_t fp8_type(DType d) {
   }
 }
 
-/// One cuBLASLt FP8 problem: descriptors and the chosen algorithm, reused for every call of the
-/// same shape, types and alignment. The scale pointers change with every call and are set on the
-/// descriptor just before each cublasLtMatmul.
-struct Fp8Plan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t x = nullptr, y = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  bool usable = false;
-};
-
 // m, n, k, lda, ldb, ldc, A type, B type, alignment of A, B, C.
 using Fp8Key = std::tuple<I, I, I, I, I, I, int, int, std::uint32_t, std::uint32_t, std::uint32_t>;
 
-void destroy(Fp8Plan& p) {  // errors are ignored (at thread exit the runtime may be going away)
-  cublasLtMatrixLayoutDestroy(p.x);
-  cublasLtMatrixLayoutDestroy(p.y);
-  cublasLtMatrixLayoutDestroy(p.d);
-  cublasLtMatmulDescDestroy(p.desc);
-}
-
-/// The calling thread's FP8 plans, next to gemm.cc's per-thread handles and plans.
+/// The calling thread's FP8 plans (lt_plan.h), next to gemm.cc's per-thread handles and plans.
+/// The scale pointers change with every call and are set on a plan's descriptor just before each
+/// cublasLtMatmul (set_factors).
 struct Fp8Plans {
-  std::map<Fp8Key, Fp8Plan> plans;
+  std::map<Fp8Key, lt::Plan> plans;
   Fp8Plans() = default;
   ~Fp8Plans() {
-    for (auto& [key, p] : plans) destroy(p);
+    for (auto& [key, p] : plans) lt::destroy(p);
   }
   Fp8Plans(const Fp8Plans&) = delete;
   Fp8Plans& operator=(const Fp8Plans&) = delete;
@@ -152,13 +132,6 @@ Fp8Plans& fp8_plans() {
   return p;
 }
 
-cublasLtMatrixLayout_t lt_layout(cudaDataType_t type, I rows, I cols, I ld) {
-  cublasLtMatrixLayout_t l = nullptr;
-  TPX_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, static_cast<std::uint64_t>(rows),
-                                              static_cast<std::uint64_t>(cols), ld));
-  return l;
-}
-
 void set_factors(cublasLtMatmulDesc_t desc, const float* a_factor, const float* b_factor) {
   // Column-major view: cuBLASLt's A is our B_k, its B our A_k; each factor follows its operand.
   TPX_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
@@ -167,12 +140,12 @@ void set_factors(cublasLtMatmulDesc_t desc, const float* a_factor, const float* 
                                                   &a_factor, sizeof a_factor));
 }
 
-const Fp8Plan& fp8_plan(cublasLtHandle_t lt, std::size_t workspace_bytes, const Fp8Key& key, I m,
-                        I n, I k, blas::Operand a, DType at, const float* a_factor, blas::Operand b,
-                        DType bt, const float* b_factor, const void* c, I ldc) {
+const lt::Plan& fp8_plan(cublasLtHandle_t lt, std::size_t workspace_bytes, const Fp8Key& key, I m,
+                         I n, I k, blas::Operand a, DType at, const float* a_factor,
+                         blas::Operand b, DType bt, const float* b_factor, const void* c, I ldc) {
   auto& plans = fp8_plans().plans;
   if (auto it = plans.find(key); it != plans.end()) return it->second;
-  Fp8Plan p;
+  lt::Plan p;
   TPX_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t opx = CUBLAS_OP_T, opy = CUBLAS_OP_N;  // "TN"
   const std::int8_t fast_accum = 0;
@@ -182,15 +155,15 @@ const Fp8Plan& fp8_plan(cublasLtHandle_t lt, std::size_t workspace_bytes, const 
       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opy, sizeof opy));
   TPX_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                                   &fast_accum, sizeof fast_accum));
-  set_factors(p.desc, a_factor, b_factor);    // the heuristic sees the problem as it will run
-  p.x = lt_layout(fp8_type(bt), k, n, b.ld);  // B_k: K x M column-major, M = n
-  p.y = lt_layout(fp8_type(at), k, m, a.ld);  // A_k: K x N column-major, N = m
-  p.d = lt_layout(CUDA_R_32F, n, m, ldc);     // Cᵀ: M x N column-major = C [m, n] row-major
+  set_factors(p.desc, a_factor, b_factor);     // the heuristic sees the problem as it will run
+  p.x = lt::layout(fp8_type(bt), k, n, b.ld);  // B_k: K x M column-major, M = n
+  p.y = lt::layout(fp8_type(at), k, m, a.ld);  // A_k: K x N column-major, N = m
+  p.out = lt::layout(CUDA_R_32F, n, m, ldc);   // Cᵀ: M x N column-major = C [m, n] row-major
 
   cublasLtMatmulPreference_t pref = nullptr;
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const std::uint64_t ws = workspace_bytes;
-  const std::uint32_t ax = alignment(b.ptr), ay = alignment(a.ptr), ad = alignment(c);
+  const std::uint32_t ax = lt::alignment(b.ptr), ay = lt::alignment(a.ptr), ad = lt::alignment(c);
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -204,7 +177,7 @@ const Fp8Plan& fp8_plan(cublasLtHandle_t lt, std::size_t workspace_bytes, const 
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.x, p.y, p.d, p.d, pref, 1, &result, &found);
+      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.x, p.y, p.out, p.out, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
     p.algo = result.algo;
@@ -217,7 +190,7 @@ const Fp8Plan& fp8_plan(cublasLtHandle_t lt, std::size_t workspace_bytes, const 
                to_string(at), to_string(bt), m, n, k, ay, ax, ad);
   } else {
     // An invalid value, a bad handle, no memory: a bug or a broken device, not a missing kernel.
-    destroy(p);
+    lt::destroy(p);
     TPX_CUBLAS_CHECK(st);
   }
   return plans.emplace(key, p).first->second;
@@ -260,15 +233,15 @@ bool gemm_fp8(I m, I n, I k, float alpha, Operand a, DType a_type, const float* 
                    ldc,
                    static_cast<int>(a_type),
                    static_cast<int>(b_type),
-                   alignment(a.ptr),
-                   alignment(b.ptr),
-                   alignment(c)};
-  const Fp8Plan& p = fp8_plan(lt, ctx.workspace_bytes, key, m, n, k, a, a_type, a_factor, b, b_type,
-                              b_factor, c, ldc);
+                   lt::alignment(a.ptr),
+                   lt::alignment(b.ptr),
+                   lt::alignment(c)};
+  const lt::Plan& p = fp8_plan(lt, ctx.workspace_bytes, key, m, n, k, a, a_type, a_factor, b,
+                               b_type, b_factor, c, ldc);
   if (!p.usable) return false;
   set_factors(p.desc, a_factor, b_factor);
-  TPX_CUBLAS_CHECK(cublasLtMatmul(lt, p.desc, &alpha, b.ptr, p.x, a.ptr, p.y, &beta, c, p.d, c, p.d,
-                                  &p.algo, ctx.workspace, ctx.workspace_bytes,
+  TPX_CUBLAS_CHECK(cublasLtMatmul(lt, p.desc, &alpha, b.ptr, p.x, a.ptr, p.y, &beta, c, p.out, c,
+                                  p.out, &p.algo, ctx.workspace, ctx.workspace_bytes,
                                   static_cast<cudaStream_t>(ctx.stream)));
   return true;
 }
