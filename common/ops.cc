@@ -197,6 +197,12 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
   expect_f32_compute(compute);
   TPX_DISPATCH(q.device(), attention_fused_backward, dout, q, k, v, out, lse, heads, dq, dk, dv);
 }
+void rope_forward(const Tensor& x, std::int64_t heads, double theta) {
+  TPX_DISPATCH(x.device(), rope_forward, x, heads, theta);
+}
+void rope_backward(const Tensor& dx, std::int64_t heads, double theta) {
+  TPX_DISPATCH(dx.device(), rope_backward, dx, heads, theta);
+}
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
   TPX_DISPATCH(gate.device(), swiglu_forward, gate, up, out);
 }

@@ -8,9 +8,9 @@
 // fp32, or bf16 (cuda only) with fp32 accumulation; the rest of every op is fp32.
 //
 // defines: tpx::ops::gemm, rmsnorm_*, attention_*, attention_fused_*, swiglu_*, add,
-//          accumulate, mse_loss_*, sgd_update, sum_squares, fill, cast, copy, to_device,
-//          synchronize, bf16_gemm_peak_tflops, memory_available, device_ordinal,
-//          quantize_fp8, dequantize_fp8, amax, fp8_scale
+//          rope_forward, rope_backward, accumulate, mse_loss_*, sgd_update, sum_squares, fill,
+//          cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, memory_available,
+//          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale
 #pragma once
 
 #include <cstdint>
@@ -65,9 +65,13 @@ void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Te
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
                       const Tensor& dx, const Tensor& dg);
 
-/// Causal multi-head attention on q, k, v [S, B, heads*D]: out = softmax(q kᵀ / sqrt(D)) v per
-/// (batch, head), position i attending j <= i. probs [B, heads, S, S] keeps the softmax (zeros
-/// above the diagonal) for backward. `compute` is the operand type of its GEMMs (see gemm).
+/// Causal multi-head attention on q [S, B, heads*D] and k, v [S, B, kv_heads*D]: out =
+/// softmax(q kᵀ / sqrt(D)) v per (batch, query head), position i attending j <= i. Grouped-query
+/// attention: kv_heads = k.dim(2) / D divides `heads`, and query head h reads KV head
+/// h / (heads / kv_heads) (kv_heads = heads is multi-head attention). out is q's shape; dk, dv
+/// are k's shape, each KV head's gradient summed over its group of query heads. probs
+/// [B, heads, S, S] keeps the softmax (zeros above the diagonal) for backward. `compute` is the
+/// operand type of its GEMMs (see gemm).
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                        const Tensor& out, const Tensor& probs, DType compute = DType::f32);
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -87,6 +91,17 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv,
                               DType compute = DType::f32);
+
+/// Rotary position embedding (Su et al. 2021, arXiv:2104.09864), Llama's rotate-half form, in
+/// place on x [S, B, heads*D] (D even): in each head, the pair (x_i, x_{i+D/2}), i < D/2, of the
+/// row at sequence position p (x's dim-0 index) is rotated by the angle p·θ^(−2i/D):
+///   x_i ← x_i·cos − x_{i+D/2}·sin,   x_{i+D/2} ← x_{i+D/2}·cos + x_i·sin.
+/// cos and sin are computed in double and rounded to fp32 once, identically on both backends.
+/// theta must be > 0 (the block skips the call for --rope-theta 0).
+void rope_forward(const Tensor& x, std::int64_t heads, double theta);
+/// The backward of rope_forward, in place on the gradient dx: the transposed (inverse) rotation,
+/// angle −p·θ^(−2i/D). A rotation is orthogonal, so this is also rope_forward's inverse.
+void rope_backward(const Tensor& dx, std::int64_t heads, double theta);
 
 /// out = silu(gate) ⊙ up, silu(z) = z·σ(z).
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);

@@ -1,8 +1,12 @@
 // Fused (FlashAttention-2) attention against a plain double-precision attention written here,
 // forward (out and lse) and backward (dq, dk, dv), and against the naive ops, on sizes that do
-// not fall on the kernels' blocks (S = 1, 37, 130, 300; D = 8 … 128; B and heads > 1): on the
-// cpu, and on cuda in fp32 and bf16 where a GPU is usable (skipped, with the reason, elsewhere).
-// The cpu backward is also checked against central finite differences of a scalar loss.
+// not fall on the kernels' blocks (S = 1, 37, 130, 300; D = 8 … 128; B and heads > 1), with
+// multi-head attention (kv_heads = heads) and grouped-query attention (kv_heads = heads / 2, 1,
+// and groups of 2 over 3 KV heads): on the cpu, and on cuda in fp32 and bf16 where a GPU is
+// usable (skipped, with the reason, elsewhere). The cpu backward of both implementations is also
+// checked against central finite differences of a scalar loss, and grouped-query attention
+// against multi-head attention on K and V repeated over each group (dK, dV then the sums over
+// the group of the repeated heads' gradients).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +15,7 @@
 #include <ostream>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/check.h"
@@ -28,33 +33,41 @@ using test::to_doubles;
 
 struct Sizes {
   I s, b, heads, d;
-  Tensor::Shape act() const { return {s, b, heads * d}; }
+  I kv = 0;  ///< KV heads; 0: as many as query heads
+  I kv_heads() const { return kv == 0 ? heads : kv; }
+  Tensor::Shape act() const { return {s, b, heads * d}; }          ///< q, out, dq, dout
+  Tensor::Shape kv_act() const { return {s, b, kv_heads() * d}; }  ///< k, v, dk, dv
 };
 
 void PrintTo(const Sizes& z, std::ostream* os) {
   *os << "S" << z.s << "_B" << z.b << "_NH" << z.heads << "_D" << z.d;
+  if (z.kv != 0) *os << "_KV" << z.kv;
 }
 
-/// Causal attention in double on [S, B, heads·D] values, forward and backward, the way the
-/// formulas read (no blocks, no online softmax): P = softmax(q kᵀ / sqrt(D)) over j <= i,
-/// O = P V; dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − Σ_j P ∘ dP), dQ = dS K / sqrt(D),
-/// dK = dSᵀ Q / sqrt(D).
+/// Causal attention in double on q [S, B, heads·D] and k, v [S, B, kv_heads·D], forward and
+/// backward, the way the formulas read (no blocks, no online softmax): query head h uses KV head
+/// h / (heads / kv_heads); P = softmax(q kᵀ / sqrt(D)) over j <= i, O = P V; dV = Pᵀ dO,
+/// dP = dO Vᵀ, dS = P ∘ (dP − Σ_j P ∘ dP), dQ = dS K / sqrt(D), dK = dSᵀ Q / sqrt(D), dK and dV
+/// added up over every query head that reads the KV head.
 struct Reference {
   std::vector<double> out, lse, dq, dk, dv;
 };
 
 Reference reference(const Sizes& z, const std::vector<double>& q, const std::vector<double>& k,
                     const std::vector<double>& v, const std::vector<double>& dout) {
-  const I S = z.s, B = z.b, NH = z.heads, D = z.d;
+  const I S = z.s, B = z.b, NH = z.heads, D = z.d, NKV = z.kv_heads();
   const double scale = 1.0 / std::sqrt(double(D));
-  auto at = [&](I s, I b, I h, I d) {
+  auto at = [&](I s, I b, I h, I d) {  // q, out, dout, dq
     return static_cast<std::size_t>(((s * B + b) * NH + h) * D + d);
+  };
+  auto kat = [&](I s, I b, I h, I d) {  // k, v, dk, dv; h is the query head
+    return static_cast<std::size_t>(((s * B + b) * NKV + h / (NH / NKV)) * D + d);
   };
   Reference r;
   r.out.assign(q.size(), 0.0);
   r.dq.assign(q.size(), 0.0);
-  r.dk.assign(q.size(), 0.0);
-  r.dv.assign(q.size(), 0.0);
+  r.dk.assign(k.size(), 0.0);
+  r.dv.assign(v.size(), 0.0);
   r.lse.assign(static_cast<std::size_t>(B * NH * S), 0.0);
   for (I b = 0; b < B; ++b)
     for (I h = 0; h < NH; ++h)
@@ -63,7 +76,7 @@ Reference reference(const Sizes& z, const std::vector<double>& q, const std::vec
         double mx = -INFINITY;
         for (I j = 0; j <= i; ++j) {
           double dot = 0.0;
-          for (I d = 0; d < D; ++d) dot += q[at(i, b, h, d)] * k[at(j, b, h, d)];
+          for (I d = 0; d < D; ++d) dot += q[at(i, b, h, d)] * k[kat(j, b, h, d)];
           p[std::size_t(j)] = dot * scale;
           mx = std::max(mx, p[std::size_t(j)]);
         }
@@ -75,9 +88,9 @@ Reference reference(const Sizes& z, const std::vector<double>& q, const std::vec
         for (I j = 0; j <= i; ++j) {
           double acc = 0.0;
           for (I d = 0; d < D; ++d) {
-            r.out[at(i, b, h, d)] += p[std::size_t(j)] * v[at(j, b, h, d)];
-            r.dv[at(j, b, h, d)] += p[std::size_t(j)] * dout[at(i, b, h, d)];
-            acc += dout[at(i, b, h, d)] * v[at(j, b, h, d)];
+            r.out[at(i, b, h, d)] += p[std::size_t(j)] * v[kat(j, b, h, d)];
+            r.dv[kat(j, b, h, d)] += p[std::size_t(j)] * dout[at(i, b, h, d)];
+            acc += dout[at(i, b, h, d)] * v[kat(j, b, h, d)];
           }
           dp[std::size_t(j)] = acc;
           rowdot += p[std::size_t(j)] * acc;
@@ -85,8 +98,8 @@ Reference reference(const Sizes& z, const std::vector<double>& q, const std::vec
         for (I j = 0; j <= i; ++j) {
           const double ds = p[std::size_t(j)] * (dp[std::size_t(j)] - rowdot) * scale;
           for (I d = 0; d < D; ++d) {
-            r.dq[at(i, b, h, d)] += ds * k[at(j, b, h, d)];
-            r.dk[at(j, b, h, d)] += ds * q[at(i, b, h, d)];
+            r.dq[at(i, b, h, d)] += ds * k[kat(j, b, h, d)];
+            r.dk[kat(j, b, h, d)] += ds * q[at(i, b, h, d)];
           }
         }
       }
@@ -117,8 +130,8 @@ struct Inputs {
 
 Inputs inputs(const Sizes& z) {
   Inputs in{random_tensor(z.act(), 21),
-            random_tensor(z.act(), 22),
-            random_tensor(z.act(), 23),
+            random_tensor(z.kv_act(), 22),
+            random_tensor(z.kv_act(), 23),
             random_tensor(z.act(), 24),
             {}};
   in.want = reference(z, to_doubles(in.q), to_doubles(in.k), to_doubles(in.v), to_doubles(in.dout));
@@ -135,7 +148,7 @@ Got run_fused(const Sizes& z, const Inputs& in, Device device, DType compute) {
   };
   const Tensor q = put(in.q), k = put(in.k), v = put(in.v), dout = put(in.dout);
   const Tensor out = nans(z.act()), lse = nans({z.b, z.heads, z.s});
-  const Tensor dq = nans(z.act()), dk = nans(z.act()), dv = nans(z.act());
+  const Tensor dq = nans(z.act()), dk = nans(z.kv_act()), dv = nans(z.kv_act());
   ops::attention_fused_forward(q, k, v, z.heads, out, lse, compute);
   ops::attention_fused_backward(dout, q, k, v, out, lse, z.heads, dq, dk, dv, compute);
   auto host = [](const Tensor& t) { return to_doubles(ops::to_device(t, Device::cpu)); };
@@ -148,9 +161,13 @@ Got run_naive(const Sizes& z, const Inputs& in, Device device, DType compute) {
   const Tensor q = put(in.q), k = put(in.k), v = put(in.v), dout = put(in.dout);
   const Tensor out = Tensor::empty(z.act(), DType::f32, device);
   const Tensor probs = Tensor::empty({z.b, z.heads, z.s, z.s}, DType::f32, device);
-  const Tensor dq = Tensor::empty(z.act(), DType::f32, device),
-               dk = Tensor::empty(z.act(), DType::f32, device),
-               dv = Tensor::empty(z.act(), DType::f32, device);
+  // Pre-filled with NaN: dK, dV accumulate over a group, so they must be overwritten first.
+  auto nans = [&](Tensor::Shape shape) {
+    const Tensor t = Tensor::empty(std::move(shape), DType::f32, device);
+    ops::fill(t, std::numeric_limits<float>::quiet_NaN());
+    return t;
+  };
+  const Tensor dq = nans(z.act()), dk = nans(z.kv_act()), dv = nans(z.kv_act());
   ops::attention_forward(q, k, v, z.heads, out, probs, compute);
   ops::attention_backward(dout, q, k, v, probs, z.heads, dq, dk, dv, compute);
   auto host = [](const Tensor& t) { return to_doubles(ops::to_device(t, Device::cpu)); };
@@ -179,8 +196,19 @@ const std::vector<Sizes> kSizes = {
     {1, 1, 1, 32},    // one row: the softmax of a single score is 1
     {37, 2, 3, 32},   // less than one block
     {130, 1, 2, 64},  // just over one 128-row cpu block (and two 64-row gpu blocks)
-    {130, 2, 1, 128}, {37, 1, 2, 128}, {300, 1, 2, 16},  // three cpu blocks, a small head
-    {65, 1, 1, 8},                                       // a head dim below a warp
+    {130, 2, 1, 128},
+    {37, 1, 2, 128},
+    {300, 1, 2, 16},  // three cpu blocks, a small head
+    {65, 1, 1, 8},    // a head dim below a warp
+    // Grouped-query attention: kv_heads = heads / 2 and 1, and groups of 2 over 3 KV heads; head
+    // dims of both cuda families (32, 64, 128: tensor cores in bf16; 16, 8: CUDA cores).
+    {37, 2, 4, 32, 2},
+    {37, 2, 4, 32, 1},
+    {130, 1, 4, 64, 2},
+    {130, 2, 4, 16, 1},
+    {300, 1, 4, 16, 2},  // three cpu blocks, every group member crossing them
+    {65, 1, 6, 8, 3},
+    {70, 1, 4, 128, 1},
 };
 
 class FusedAttention : public testing::TestWithParam<Sizes> {};
@@ -195,6 +223,31 @@ TEST_P(FusedAttention, CpuNaiveMatchesTheSameReference) {
   const Sizes z = GetParam();
   const Inputs in = inputs(z);
   expect_close(run_naive(z, in, Device::cpu, DType::f32), in.want, kFp32Tol, /*with_lse=*/false);
+}
+
+// The two cpu implementations agree more closely than either with double: the same fp32
+// products, summed in a different order.
+TEST_P(FusedAttention, CpuFusedMatchesCpuNaive) {
+  const Sizes z = GetParam();
+  const Inputs in = inputs(z);
+  const Got fused = run_fused(z, in, Device::cpu, DType::f32);
+  const Got naive = run_naive(z, in, Device::cpu, DType::f32);
+  EXPECT_LE(rel_err(fused.out, naive.out), 1e-5) << "out";
+  EXPECT_LE(rel_err(fused.dq, naive.dq), 1e-5) << "dq";
+  EXPECT_LE(rel_err(fused.dk, naive.dk), 1e-5) << "dk";
+  EXPECT_LE(rel_err(fused.dv, naive.dv), 1e-5) << "dv";
+}
+
+// The fused ops are deterministic: a second run gives the same bits.
+TEST_P(FusedAttention, CpuFusedIsReproducible) {
+  const Sizes z = GetParam();
+  const Inputs in = inputs(z);
+  const Got a = run_fused(z, in, Device::cpu, DType::f32);
+  const Got b = run_fused(z, in, Device::cpu, DType::f32);
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.dq, b.dq);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
 }
 
 TEST_P(FusedAttention, CudaFp32MatchesDoubleReference) {
@@ -215,6 +268,32 @@ TEST_P(FusedAttention, CudaBf16MatchesDoubleReference) {
   const Got naive = run_naive(z, in, Device::cuda, DType::bf16);
   EXPECT_LE(rel_err(fused.out, naive.out), 2 * kBf16Tol) << "out, fused vs naive";
   EXPECT_LE(rel_err(fused.dq, naive.dq), 2 * kBf16Tol) << "dq, fused vs naive";
+  EXPECT_LE(rel_err(fused.dk, naive.dk), 2 * kBf16Tol) << "dk, fused vs naive";
+  EXPECT_LE(rel_err(fused.dv, naive.dv), 2 * kBf16Tol) << "dv, fused vs naive";
+  expect_close(naive, in.want, kBf16Tol, /*with_lse=*/false);
+}
+
+TEST_P(FusedAttention, CudaNaiveFp32MatchesDoubleReference) {
+  TPX_REQUIRE_GPU();
+  const Sizes z = GetParam();
+  const Inputs in = inputs(z);
+  expect_close(run_naive(z, in, Device::cuda, DType::f32), in.want, kFp32Tol, /*with_lse=*/false);
+}
+
+// The cuda fused ops are deterministic too (no atomics): a second run gives the same bits.
+TEST_P(FusedAttention, CudaFusedIsReproducible) {
+  TPX_REQUIRE_GPU();
+  const Sizes z = GetParam();
+  const Inputs in = inputs(z);
+  for (DType compute : {DType::f32, DType::bf16}) {
+    const Got a = run_fused(z, in, Device::cuda, compute);
+    const Got b = run_fused(z, in, Device::cuda, compute);
+    EXPECT_EQ(a.out, b.out) << to_string(compute);
+    EXPECT_EQ(a.lse, b.lse) << to_string(compute);
+    EXPECT_EQ(a.dq, b.dq) << to_string(compute);
+    EXPECT_EQ(a.dk, b.dk) << to_string(compute);
+    EXPECT_EQ(a.dv, b.dv) << to_string(compute);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, FusedAttention, testing::ValuesIn(kSizes),
@@ -228,24 +307,42 @@ TEST(FusedAttentionCuda, Bf16TensorCoresAtHeadDim128) {
   expect_close(run_fused(z, in, Device::cuda, DType::bf16), in.want, kBf16Tol);
 }
 
-// Central differences of J = Σ r ∘ O(q, k, v), O the fused fp32 forward, accumulated in double,
-// against the fused backward with dO = r. A tiny case: every element of q, k and v is moved.
-TEST(FusedAttentionGrad, CpuBackwardMatchesFiniteDifferences) {
-  const Sizes z{7, 2, 2, 4};
-  const Tensor q = random_tensor(z.act(), 31), k = random_tensor(z.act(), 32),
-               v = random_tensor(z.act(), 33), r = random_tensor(z.act(), 34);
-  const Tensor out = Tensor::empty(z.act()), lse = Tensor::empty({z.b, z.heads, z.s});
+// The same with Llama's grouping (4 query heads per KV head), several 64-row blocks per head.
+TEST(FusedAttentionCuda, Bf16TensorCoresGroupedQueryAtHeadDim128) {
+  TPX_REQUIRE_GPU();
+  const Sizes z{256, 2, 8, 128, 2};
+  const Inputs in = inputs(z);
+  expect_close(run_fused(z, in, Device::cuda, DType::bf16), in.want, kBf16Tol);
+  expect_close(run_fused(z, in, Device::cuda, DType::f32), in.want, kFp32Tol);
+}
+
+// Central differences of J = Σ r ∘ O(q, k, v), O the fp32 forward (fused or naive), accumulated
+// in double, against the backward with dO = r. Tiny cases: every element of q, k and v is moved;
+// with grouped-query attention a KV element moves every query head of its group, so dK and dV
+// pass only if they sum over the group.
+void check_finite_differences(const Sizes& z, bool fused) {
+  SCOPED_TRACE(testing::PrintToString(z) + (fused ? " fused" : " naive"));
+  const Tensor q = random_tensor(z.act(), 31), k = random_tensor(z.kv_act(), 32),
+               v = random_tensor(z.kv_act(), 33), r = random_tensor(z.act(), 34);
+  const Tensor out = Tensor::empty(z.act()), lse = Tensor::empty({z.b, z.heads, z.s}),
+               probs = Tensor::empty({z.b, z.heads, z.s, z.s});
   auto loss = [&] {
-    ops::attention_fused_forward(q, k, v, z.heads, out, lse);
+    if (fused)
+      ops::attention_fused_forward(q, k, v, z.heads, out, lse);
+    else
+      ops::attention_forward(q, k, v, z.heads, out, probs);
     double j = 0.0;
     auto po = out.f32(), pr = r.f32();
     for (std::size_t i = 0; i < po.size(); ++i) j += double(pr[i]) * double(po[i]);
     return j;
   };
-  loss();  // out and lse of the unperturbed inputs
-  const Tensor dq = Tensor::empty(z.act()), dk = Tensor::empty(z.act()),
-               dv = Tensor::empty(z.act());
-  ops::attention_fused_backward(r, q, k, v, out, lse, z.heads, dq, dk, dv);
+  loss();  // out, lse, probs of the unperturbed inputs
+  const Tensor dq = Tensor::empty(z.act()), dk = Tensor::empty(z.kv_act()),
+               dv = Tensor::empty(z.kv_act());
+  if (fused)
+    ops::attention_fused_backward(r, q, k, v, out, lse, z.heads, dq, dk, dv);
+  else
+    ops::attention_backward(r, q, k, v, probs, z.heads, dq, dk, dv);
   constexpr float kStep = 1e-2f;
   for (const auto& [x, dx, name] :
        {std::tuple{&q, &dq, "dq"}, std::tuple{&k, &dk, "dk"}, std::tuple{&v, &dv, "dv"}}) {
@@ -267,6 +364,92 @@ TEST(FusedAttentionGrad, CpuBackwardMatchesFiniteDifferences) {
       EXPECT_NEAR(analytic[i], numeric[i], 1e-3 * big + 1e-3 * std::abs(numeric[i]))
           << name << "[" << i << "]";
   }
+}
+
+TEST(FusedAttentionGrad, CpuBackwardMatchesFiniteDifferences) {
+  check_finite_differences({7, 2, 2, 4}, /*fused=*/true);
+}
+
+TEST(GroupedQueryAttentionGrad, CpuBackwardMatchesFiniteDifferences) {
+  for (const Sizes& z : {Sizes{7, 2, 4, 4, 2}, Sizes{6, 1, 3, 4, 1}})
+    for (bool fused : {true, false}) check_finite_differences(z, fused);
+}
+
+// Grouped-query attention is multi-head attention on K and V with each KV head repeated for the
+// query heads of its group: out (and lse) and dQ are those of the repeated problem, and dK, dV of
+// a KV head are the sums over its group of the repeated heads' dK, dV (added here in double).
+void check_against_repeated_heads(const Sizes& z, bool fused) {
+  SCOPED_TRACE(testing::PrintToString(z) + (fused ? " fused" : " naive"));
+  const I g = z.heads / z.kv_heads();
+  const Sizes mha{z.s, z.b, z.heads, z.d};
+  Inputs gqa{random_tensor(z.act(), 41),
+             random_tensor(z.kv_act(), 42),
+             random_tensor(z.kv_act(), 43),
+             random_tensor(z.act(), 44),
+             {}};
+  Inputs rep{gqa.q, Tensor::empty(z.act()), Tensor::empty(z.act()), gqa.dout, {}};
+  for (const auto& [from, to] : {std::pair{&gqa.k, &rep.k}, std::pair{&gqa.v, &rep.v}}) {
+    auto src = from->f32(), dst = to->f32();
+    for (I row = 0; row < z.s * z.b; ++row)
+      for (I h = 0; h < z.heads; ++h)
+        for (I d = 0; d < z.d; ++d)
+          dst[std::size_t((row * z.heads + h) * z.d + d)] =
+              src[std::size_t((row * z.kv_heads() + h / g) * z.d + d)];
+  }
+  const Got got = fused ? run_fused(z, gqa, Device::cpu, DType::f32)
+                        : run_naive(z, gqa, Device::cpu, DType::f32);
+  const Got want = fused ? run_fused(mha, rep, Device::cpu, DType::f32)
+                         : run_naive(mha, rep, Device::cpu, DType::f32);
+  std::vector<double> dk(got.dk.size(), 0.0), dv(got.dv.size(), 0.0);
+  for (I row = 0; row < z.s * z.b; ++row)
+    for (I h = 0; h < z.heads; ++h)
+      for (I d = 0; d < z.d; ++d) {
+        const auto to = std::size_t((row * z.kv_heads() + h / g) * z.d + d);
+        const auto from = std::size_t((row * z.heads + h) * z.d + d);
+        dk[to] += want.dk[from];
+        dv[to] += want.dv[from];
+      }
+  // The same fp32 operations on the same values, but for dK, dV summed in fp32 in a different
+  // order than the double sum here: a few roundings of the largest value.
+  EXPECT_LE(rel_err(got.out, want.out), 1e-6) << "out";
+  EXPECT_LE(rel_err(got.lse, want.lse), 1e-6) << "lse";
+  EXPECT_LE(rel_err(got.dq, want.dq), 1e-6) << "dq";
+  EXPECT_LE(rel_err(got.dk, dk), 1e-6) << "dk";
+  EXPECT_LE(rel_err(got.dv, dv), 1e-6) << "dv";
+}
+
+TEST(GroupedQueryAttention, CpuEqualsMultiHeadOnRepeatedKvHeads) {
+  for (const Sizes& z : {Sizes{37, 2, 6, 16, 2}, Sizes{140, 1, 4, 8, 1}, Sizes{20, 2, 4, 8, 4}})
+    for (bool fused : {true, false}) check_against_repeated_heads(z, fused);
+}
+
+TEST(GroupedQueryAttention, KvHeadsMustDivideQueryHeads) {
+  const Sizes z{8, 1, 4, 4};  // q: 16 columns, 4 heads of 4
+  const Tensor q = random_tensor(z.act(), 1), out = Tensor::empty(z.act());
+  const Tensor lse = Tensor::empty({z.b, z.heads, z.s}),
+               probs = Tensor::empty({z.b, z.heads, z.s, z.s});
+  const Tensor kv3 = random_tensor({z.s, z.b, 12}, 2);          // 3 KV heads: not a divisor of 4
+  const Tensor kv_odd = random_tensor({z.s, z.b, 6}, 3);        // 1.5 KV heads
+  const Tensor kv_short = random_tensor({z.s - 1, z.b, 8}, 4);  // 2 KV heads, one position short
+  for (const Tensor* kv : {&kv3, &kv_odd, &kv_short}) {
+    EXPECT_THROW(ops::attention_fused_forward(q, *kv, *kv, z.heads, out, lse), Error);
+    EXPECT_THROW(ops::attention_forward(q, *kv, *kv, z.heads, out, probs), Error);
+  }
+  try {
+    ops::attention_forward(q, kv3, kv3, z.heads, out, probs);
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("divides"), std::string::npos) << e.what();
+  }
+  // k and v of different widths.
+  const Tensor kv2 = random_tensor({z.s, z.b, 8}, 5);
+  EXPECT_THROW(ops::attention_fused_forward(q, kv2, q, z.heads, out, lse), Error);
+  EXPECT_THROW(ops::attention_forward(q, kv2, q, z.heads, out, probs), Error);
+  // Backward: dK, dV shaped like k (2 KV heads), not like q.
+  ops::attention_fused_forward(q, kv2, kv2, z.heads, out, lse);
+  const Tensor dq = Tensor::empty(z.act()), wrong = Tensor::empty(z.act());
+  EXPECT_THROW(ops::attention_fused_backward(q, q, kv2, kv2, out, lse, z.heads, dq, wrong, wrong),
+               Error);
+  EXPECT_THROW(ops::attention_backward(q, q, kv2, kv2, probs, z.heads, dq, wrong, wrong), Error);
 }
 
 TEST(FusedAttentionInput, WrongLseShapeIsAnError) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/cpu/ops.h"
@@ -365,24 +366,29 @@ TEST(Ops, GemmBf16IsFp32GemmOfRoundedOperands) {
 
 struct AttnCase {
   I s, b, heads, d;
+  I kv = 0;  ///< KV heads (grouped-query attention); 0: as many as query heads
 };
 
 void check_attention(const AttnCase& c, DType compute, double tol) {
-  SCOPED_TRACE(testing::Message() << "S " << c.s << " B " << c.b << " heads " << c.heads << " D "
-                                  << c.d << " " << to_string(compute));
-  const Tensor::Shape act{c.s, c.b, c.heads * c.d};
+  const I kv = c.kv == 0 ? c.heads : c.kv;
+  SCOPED_TRACE(testing::Message() << "S " << c.s << " B " << c.b << " heads " << c.heads << " kv "
+                                  << kv << " D " << c.d << " " << to_string(compute));
+  const Tensor::Shape act{c.s, c.b, c.heads * c.d}, kv_act{c.s, c.b, kv * c.d};
   const Tensor::Shape pr{c.b, c.heads, c.s, c.s};
-  const Tensor q = random_tensor(act, 14), k = random_tensor(act, 15), v = random_tensor(act, 16);
+  const Tensor q = random_tensor(act, 14), k = random_tensor(kv_act, 15),
+               v = random_tensor(kv_act, 16);
   const Tensor dout = random_tensor(act, 17);
   Tensor out = cpu_empty(act), probs = cpu_empty(pr);
-  Tensor dq = cpu_empty(act), dk = cpu_empty(act), dv = cpu_empty(act);
+  Tensor dq = cpu_empty(act), dk = cpu_empty(kv_act), dv = cpu_empty(kv_act);
   cpu::attention_forward(q, k, v, c.heads, out, probs);
   cpu::attention_backward(dout, q, k, v, probs, c.heads, dq, dk, dv);
 
   const Tensor gq = on_gpu(q), gk = on_gpu(k), gv = on_gpu(v);
   Tensor gout = gpu_empty(act), gprobs = gpu_empty(pr);
-  Tensor gdq = gpu_empty(act), gdk = gpu_empty(act), gdv = gpu_empty(act);
+  Tensor gdq = gpu_empty(act), gdk = gpu_empty(kv_act), gdv = gpu_empty(kv_act);
   ops::fill(gprobs, 7.0f);  // the zeros above the diagonal must be written, not assumed
+  ops::fill(gdk, 7.0f);     // dK, dV accumulate over a group: they must be overwritten first
+  ops::fill(gdv, 7.0f);
   ops::attention_forward(gq, gk, gv, c.heads, gout, gprobs, compute);
   ops::attention_backward(on_gpu(dout), gq, gk, gv, gprobs, c.heads, gdq, gdk, gdv, compute);
   EXPECT_LE(rel_err(gout, out), tol) << "out";
@@ -399,6 +405,60 @@ TEST(Ops, AttentionFp32MatchesCpu) {
   check_attention({128, 1, 2, 64}, DType::f32, kF32Tol);
 }
 
+// Grouped-query attention: one batched GEMM per member of the groups, dK and dV summed over them.
+TEST(Ops, GroupedQueryAttentionFp32MatchesCpu) {
+  TPX_REQUIRE_GPU();
+  check_attention({32, 2, 4, 8, 2}, DType::f32, kF32Tol);
+  check_attention({33, 2, 6, 16, 3}, DType::f32, kF32Tol);
+  check_attention({64, 1, 4, 32, 1}, DType::f32, kF32Tol);  // one KV head: batch of one
+}
+
+TEST(Ops, GroupedQueryAttentionBf16CloseToCpu) {
+  TPX_REQUIRE_GPU();
+  check_attention({32, 2, 4, 8, 2}, DType::bf16, 3e-2);
+  check_attention({33, 1, 4, 16, 1}, DType::bf16, 3e-2);
+}
+
+// The fused (FlashAttention-2) kernels against the cpu's fused attention, with and without
+// grouping: fp32 on CUDA cores, bf16 on tensor cores (D = 32, 64) and CUDA cores (D = 16).
+void check_fused_attention(const AttnCase& c, DType compute, double tol) {
+  const I kv = c.kv == 0 ? c.heads : c.kv;
+  SCOPED_TRACE(testing::Message() << "fused S " << c.s << " B " << c.b << " heads " << c.heads
+                                  << " kv " << kv << " D " << c.d << " " << to_string(compute));
+  const Tensor::Shape act{c.s, c.b, c.heads * c.d}, kv_act{c.s, c.b, kv * c.d};
+  const Tensor q = random_tensor(act, 24), k = random_tensor(kv_act, 25),
+               v = random_tensor(kv_act, 26), dout = random_tensor(act, 27);
+  Tensor out = cpu_empty(act), lse = cpu_empty({c.b, c.heads, c.s});
+  Tensor dq = cpu_empty(act), dk = cpu_empty(kv_act), dv = cpu_empty(kv_act);
+  cpu::attention_fused_forward(q, k, v, c.heads, out, lse);
+  cpu::attention_fused_backward(dout, q, k, v, out, lse, c.heads, dq, dk, dv);
+
+  const Tensor gq = on_gpu(q), gk = on_gpu(k), gv = on_gpu(v);
+  Tensor gout = gpu_empty(act), glse = gpu_empty({c.b, c.heads, c.s});
+  Tensor gdq = gpu_empty(act), gdk = gpu_empty(kv_act), gdv = gpu_empty(kv_act);
+  for (const Tensor* t : {&gout, &glse, &gdq, &gdk, &gdv})
+    ops::fill(*t, std::numeric_limits<float>::quiet_NaN());  // every element must be written
+  ops::attention_fused_forward(gq, gk, gv, c.heads, gout, glse, compute);
+  ops::attention_fused_backward(on_gpu(dout), gq, gk, gv, gout, glse, c.heads, gdq, gdk, gdv,
+                                compute);
+  EXPECT_LE(rel_err(gout, out), tol) << "out";
+  EXPECT_LE(rel_err(glse, lse), tol) << "lse";
+  EXPECT_LE(rel_err(gdq, dq), tol) << "dq";
+  EXPECT_LE(rel_err(gdk, dk), tol) << "dk";
+  EXPECT_LE(rel_err(gdv, dv), tol) << "dv";
+}
+
+TEST(Ops, FusedGroupedQueryAttentionMatchesCpu) {
+  TPX_REQUIRE_GPU();
+  for (const AttnCase& c : {AttnCase{77, 2, 4, 64, 2}, AttnCase{77, 2, 4, 16, 1},
+                            AttnCase{40, 1, 6, 32, 3}, AttnCase{40, 1, 2, 64}}) {
+    // fp32: the online softmax rescales each output once per key, more roundings than the naive
+    // path's; 1e-4 (test_attention's bound against double) leaves room, a bug is off by O(1).
+    check_fused_attention(c, DType::f32, 1e-4);
+    check_fused_attention(c, DType::bf16, 3e-2);
+  }
+}
+
 // bf16 operands carry 8 significant bits (unit roundoff u = 2^-8 ≈ 3.9e-3). Each attention output
 // passes through two or three rounded GEMM operands (q, k; then P and v; backward adds dO and dS),
 // so errors of a few u relative to the tensor's largest value are expected; 3e-2 is ~8u and a
@@ -407,6 +467,87 @@ TEST(Ops, AttentionBf16CloseToCpu) {
   TPX_REQUIRE_GPU();
   check_attention({32, 2, 4, 8}, DType::bf16, 3e-2);
   check_attention({33, 2, 3, 16}, DType::bf16, 3e-2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary embedding: the same fp32 table and the same rounded products and sums as the cpu, so
+// the results are the same bits.
+
+bool same_bits(const Tensor& got, const Tensor& want) {
+  const Tensor g = on_cpu(got);
+  auto gs = g.f32(), ws = want.f32();
+  if (gs.size() != ws.size()) return false;
+  for (std::size_t i = 0; i < gs.size(); ++i)
+    if (std::bit_cast<std::uint32_t>(gs[i]) != std::bit_cast<std::uint32_t>(ws[i])) {
+      ADD_FAILURE() << "element " << i << ": " << gs[i] << " vs " << ws[i];
+      return false;
+    }
+  return true;
+}
+
+TEST(Ops, RopeIsBitIdenticalToCpu) {
+  TPX_REQUIRE_GPU();
+  struct Case {
+    I s, b, heads, d;
+    double theta;
+  };
+  for (const Case& c : {Case{77, 2, 3, 8, 10000.0}, Case{77, 2, 4, 64, 500000.0},
+                        Case{300, 1, 2, 128, 500000.0}, Case{5, 3, 1, 2, 10000.0}}) {
+    SCOPED_TRACE(testing::Message() << "S " << c.s << " B " << c.b << " heads " << c.heads << " D "
+                                    << c.d << " theta " << c.theta);
+    const Tensor x = random_tensor({c.s, c.b, c.heads * c.d}, 91, 0.0, 3.0);
+    const Tensor g = on_gpu(x);
+    // Twice each way: the second call reads the cached table.
+    for (int round = 0; round < 2; ++round) {
+      ops::rope_forward(x, c.heads, c.theta);
+      ops::rope_forward(g, c.heads, c.theta);
+      EXPECT_TRUE(same_bits(g, x)) << "forward, round " << round;
+      ops::rope_backward(x, c.heads, c.theta);
+      ops::rope_backward(g, c.heads, c.theta);
+      EXPECT_TRUE(same_bits(g, x)) << "backward, round " << round;
+    }
+  }
+}
+
+// Several host threads, each on its own stream, asking at once for a table nobody has built:
+// every one must see a complete table.
+TEST(Ops, RopeFromSeveralThreadsAndStreams) {
+  TPX_REQUIRE_GPU();
+  constexpr int kThreads = 4;
+  const I s = 129, b = 2, heads = 2, d = 32;
+  const double theta = 31337.0;  // a table of its own
+  const Tensor x = random_tensor({s, b, heads * d}, 92);
+  const Tensor want = cpu_empty(x.shape());
+  ops::copy(x, want);
+  ops::rope_forward(want, heads, theta);
+  std::vector<Tensor> got(kThreads);
+  std::vector<std::string> errors(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      try {
+        Stream side = Stream::create(Device::cuda);
+        cuda::StreamGuard on_side(side.native());
+        const Tensor g = on_gpu(x);
+        ops::rope_forward(g, heads, theta);
+        got[std::size_t(t)] = on_cpu(g);
+      } catch (const std::exception& e) {
+        errors[std::size_t(t)] = e.what();
+      }
+    });
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    ASSERT_EQ(errors[std::size_t(t)], "") << "thread " << t;
+    EXPECT_TRUE(same_bits(got[std::size_t(t)], want)) << "thread " << t;
+  }
+}
+
+TEST(Ops, RopeRefusesOddHeadDims) {
+  TPX_REQUIRE_GPU();
+  const Tensor g = on_gpu(random_tensor({4, 1, 6}, 93));
+  EXPECT_THROW(ops::rope_forward(g, 2, 10000.0), Error);   // D = 3
+  EXPECT_THROW(ops::rope_backward(g, 4, 10000.0), Error);  // 6 columns, 4 heads
+  EXPECT_THROW(ops::rope_forward(g, 3, 0.0), Error);
 }
 
 TEST(Ops, PeakMeasurementIsPlausible) {

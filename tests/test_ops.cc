@@ -1,6 +1,7 @@
 // The CPU ops (through the tpx::ops dispatch): every forward against a plain double-precision loop
 // written here, every backward against central finite differences of J = Σ r_i·y_i (fixed random
-// r, accumulated in double).
+// r, accumulated in double); the rotary embedding, linear, against a double rotation, its
+// backward as its inverse and its adjoint.
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -11,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/check.h"
 #include "common/ops.h"
 #include "common/tensor.h"
 #include "test_util.h"
@@ -350,6 +352,117 @@ TEST(AttentionBackward, MatchesFiniteDifferences) {
   expect_grad_close(to_doubles(dq), numeric_grad(q, objective), "dq");
   expect_grad_close(to_doubles(dk), numeric_grad(k, objective), "dk");
   expect_grad_close(to_doubles(dv), numeric_grad(v, objective), "dv");
+}
+
+// Rotary embedding in double, written from the definition: in every head of x [S, B, NH·D], the
+// pair (i, i + D/2) at position p turns by the angle p·θ^(−2i/D) (times `sign`: −1 for the
+// inverse).
+std::vector<double> rope_reference(const std::vector<double>& x, I S, I B, I NH, I D, double theta,
+                                   double sign) {
+  std::vector<double> y(x.size());
+  const I half = D / 2;
+  for (I p = 0; p < S; ++p)
+    for (I h = 0; h < B * NH; ++h)
+      for (I i = 0; i < half; ++i) {
+        const double angle =
+            sign * double(p) * std::exp(-(2.0 * double(i) / double(D)) * std::log(theta));
+        const auto a = static_cast<std::size_t>((p * B * NH + h) * D + i),
+                   b = a + std::size_t(half);
+        y[a] = x[a] * std::cos(angle) - x[b] * std::sin(angle);
+        y[b] = x[b] * std::cos(angle) + x[a] * std::sin(angle);
+      }
+  return y;
+}
+
+struct RopeCase {
+  I s, b, heads, d;
+  double theta;
+};
+
+const RopeCase kRopeCases[] = {{77, 2, 3, 8, 10000.0},
+                               {77, 2, 2, 64, 500000.0},
+                               {9, 1, 4, 64, 10000.0},
+                               {5, 3, 1, 2, 500000.0}};
+
+// Each output is two fp32 products and a sum, with cos and sin rounded to fp32 once: at most a
+// few roundings of |x1| + |x2| (2^-24 ≈ 6e-8 each), well inside 1e-6·(|x1| + |x2|). A wrong
+// angle, pairing or sign is off by O(1) on most pairs.
+TEST(Rope, ForwardMatchesDoubleRotation) {
+  for (const RopeCase& c : kRopeCases) {
+    SCOPED_TRACE(testing::Message() << "S " << c.s << " B " << c.b << " heads " << c.heads << " D "
+                                    << c.d << " theta " << c.theta);
+    const Tensor x = random_tensor({c.s, c.b, c.heads * c.d}, 61);
+    const auto X = to_doubles(x);
+    ops::rope_forward(x, c.heads, c.theta);
+    const auto Y = to_doubles(x);
+    const auto want = rope_reference(X, c.s, c.b, c.heads, c.d, c.theta, 1.0);
+    const I half = c.d / 2;
+    for (std::size_t e = 0; e < X.size(); ++e) {
+      const std::size_t in_head = e % std::size_t(c.d);
+      const std::size_t a = in_head < std::size_t(half) ? e : e - std::size_t(half);
+      const double mag = std::abs(X[a]) + std::abs(X[a + std::size_t(half)]);
+      ASSERT_NEAR(Y[e], want[e], 1e-6 * mag + 1e-30) << "element " << e;
+    }
+    // Position 0 turns by angle 0: cos 1, sin 0 exactly, so the first row is unchanged.
+    for (std::size_t e = 0; e < std::size_t(c.b * c.heads * c.d); ++e) EXPECT_EQ(Y[e], X[e]) << e;
+  }
+}
+
+TEST(Rope, BackwardUndoesForward) {
+  for (const RopeCase& c : kRopeCases) {
+    SCOPED_TRACE(testing::Message() << "S " << c.s << " D " << c.d << " theta " << c.theta);
+    const Tensor x = random_tensor({c.s, c.b, c.heads * c.d}, 62);
+    const auto X = to_doubles(x);
+    ops::rope_forward(x, c.heads, c.theta);
+    const auto Y = to_doubles(x);
+    ops::rope_backward(x, c.heads, c.theta);
+    const auto Z = to_doubles(x);
+    // The backward alone is the rotation by −angle.
+    const auto back = rope_reference(Y, c.s, c.b, c.heads, c.d, c.theta, -1.0);
+    double moved = 0.0;  // forward must not be the identity for the round trip to mean anything
+    for (std::size_t e = 0; e < X.size(); ++e) {
+      moved = std::max(moved, std::abs(Y[e] - X[e]));
+      EXPECT_NEAR(Z[e], X[e], 2e-6 * (1.0 + std::abs(X[e]))) << "element " << e;
+      EXPECT_NEAR(Z[e], back[e], 2e-6 * (1.0 + std::abs(X[e]))) << "element " << e;
+    }
+    EXPECT_GT(moved, 0.1);
+  }
+}
+
+// rope_backward is the adjoint of rope_forward: <R x, y> = <x, Rᵀ y> (sums in double).
+TEST(Rope, BackwardIsTheAdjoint) {
+  for (const RopeCase& c : kRopeCases) {
+    SCOPED_TRACE(testing::Message() << "S " << c.s << " D " << c.d << " theta " << c.theta);
+    const Tensor::Shape shape{c.s, c.b, c.heads * c.d};
+    const Tensor x = random_tensor(shape, 63), y = random_tensor(shape, 64);
+    const Tensor rx = Tensor::empty(shape), rty = Tensor::empty(shape);
+    ops::copy(x, rx);
+    ops::copy(y, rty);
+    ops::rope_forward(rx, c.heads, c.theta);
+    ops::rope_backward(rty, c.heads, c.theta);
+    const double lhs = dot(rx, y), rhs = dot(x, rty);
+    double mag = 0.0;  // Σ |x|·|y| bounds what roundings of a few 2^-24 can move either side
+    for (std::size_t e = 0; e < x.f32().size(); ++e)
+      mag += std::abs(double(x.f32()[e])) * std::abs(double(y.f32()[e]));
+    EXPECT_NEAR(lhs, rhs, 2e-6 * mag);
+    // And it is not the forward rotation again (which would not be the adjoint).
+    const Tensor ry = Tensor::empty(shape);
+    ops::copy(y, ry);
+    ops::rope_forward(ry, c.heads, c.theta);
+    if (c.s > 1) {
+      EXPECT_GT(std::abs(dot(x, ry) - lhs), 1e-3 * mag);
+    }
+  }
+}
+
+TEST(Rope, RefusesOddHeadDimsAndBadArguments) {
+  const Tensor x = random_tensor({4, 1, 6}, 65);
+  EXPECT_THROW(ops::rope_forward(x, 2, 10000.0), Error);   // D = 3
+  EXPECT_THROW(ops::rope_backward(x, 2, 10000.0), Error);  // D = 3
+  EXPECT_THROW(ops::rope_forward(x, 4, 10000.0), Error);   // 6 columns, 4 heads
+  EXPECT_THROW(ops::rope_forward(x, 0, 10000.0), Error);
+  EXPECT_THROW(ops::rope_forward(x, 3, 0.0), Error);  // theta 0 is "no rotation": not a call
+  EXPECT_THROW(ops::rope_forward(random_tensor({4, 6}, 66), 3, 10000.0), Error);  // not [S, B, X]
 }
 
 TEST(SwiGluBackward, MatchesFiniteDifferences) {

@@ -1,7 +1,14 @@
 // Fused causal attention on the CPU (FlashAttention-2: Dao 2023, arXiv:2307.08691, Algorithms 1
-// and 2). Per (batch, head), the S×S score matrix is never formed: query rows and keys go in
-// blocks of kBlock, each block product is one CBLAS GEMM on the [S, D] matrices read in place
-// (row stride B·heads·D), and the softmax is computed online.
+// and 2). Per (batch, query head), the S×S score matrix is never formed: query rows and keys go
+// in blocks of kBlock, each block product is one CBLAS GEMM on the [S, D] matrices read in place
+// (row stride ldq = B·heads·D for q, out, dout, dq; ldkv = B·kv_heads·D for k, v, dk, dv), and
+// the softmax is computed online.
+//
+// Grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245): query head h reads KV head
+// h / (heads / kv_heads). Forward only indexes K and V that way. Backward visits the query heads
+// of a group one after another (they are consecutive): the group's first head zeroes the KV
+// head's dK and dV, and every head of the group accumulates into them, in head order, so the
+// result is the same from run to run. With kv_heads = heads every KV head has a group of one.
 //
 // Forward, for a block of query rows i and each key block j at or left of the diagonal:
 //   S_ij = Q_i K_jᵀ / sqrt(D)               (masked to -inf where key > query)
@@ -37,25 +44,35 @@ using I = std::int64_t;
 constexpr I kBlock = 128;
 
 struct FusedDims {
-  I s, b, heads, d, ld;  // ld = B·heads·D, the row stride of one sequence position
+  I s, b, heads, kv_heads, d;
+  I ldq, ldkv;  // row strides of one sequence position: B·heads·D (q, out), B·kv_heads·D (k, v)
+  I group() const { return heads / kv_heads; }  // query heads per KV head
 };
 
 FusedDims fused_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
                      const Tensor& lse) {
-  TPX_CHECK(
-      q.ndim() == 3 && q.shape() == k.shape() && q.shape() == v.shape() && q.shape() == out.shape(),
-      "fused attention q, k, v, out must be equal [S, B, X]: {} {} {} {}", q.describe(),
-      k.describe(), v.describe(), out.describe());
+  TPX_CHECK(q.ndim() == 3 && q.shape() == out.shape() && k.ndim() == 3 && k.shape() == v.shape() &&
+                k.dim(0) == q.dim(0) && k.dim(1) == q.dim(1),
+            "fused attention q, out [S, B, heads·D] and k, v [S, B, kv_heads·D] must agree: {} {} "
+            "{} {}",
+            q.describe(), k.describe(), v.describe(), out.describe());
   for (const Tensor* t : {&q, &k, &v, &out, &lse})
     TPX_CHECK(t->dtype() == DType::f32 && t->device() == Device::cpu,
               "fused attention tensors must be f32 on cpu, got {}", t->describe());
   const I s = q.dim(0), b = q.dim(1), x = q.dim(2);
-  TPX_CHECK(heads > 0 && x % heads == 0, "{} columns do not split into {} heads", x, heads);
+  TPX_CHECK(heads > 0 && x > 0 && x % heads == 0, "{} columns do not split into {} heads", x,
+            heads);
+  const I d = x / heads;
+  TPX_CHECK(k.dim(2) > 0 && k.dim(2) % d == 0 && heads % (k.dim(2) / d) == 0,
+            "fused attention: k, v of {} columns must hold whole KV heads of D = {} whose count "
+            "divides the {} query heads (grouped-query attention)",
+            k.dim(2), d, heads);
   TPX_CHECK(lse.numel() == b * heads * s, "lse {} must hold [B, heads, S] = [{}, {}, {}]",
             lse.describe(), b, heads, s);
   TPX_CHECK(b * x <= std::numeric_limits<int>::max() && s <= std::numeric_limits<int>::max(),
             "fused attention sizes too large for CBLAS: {}", q.describe());
-  return {s, b, heads, x / heads, b * x};
+  const I kv_heads = k.dim(2) / d;
+  return {s, b, heads, kv_heads, d, b * x, b * kv_heads * d};
 }
 
 int to_int(I v) {
@@ -71,19 +88,21 @@ void zero_head(float* p, I s, I d, I ld) {
 
 void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
                              const Tensor& out, const Tensor& lse) {
-  const auto [s, b, nh, d, ld] = fused_dims(q, k, v, heads, out, lse);
+  const FusedDims z = fused_dims(q, k, v, heads, out, lse);
+  const I s = z.s, nh = z.heads, d = z.d, ldq = z.ldq, ldkv = z.ldkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float inf = std::numeric_limits<float>::infinity();
   std::vector<float> sc(static_cast<std::size_t>(kBlock * kBlock));  // scores, then P
   std::vector<float> m(static_cast<std::size_t>(kBlock)), l(m.size());
-  for (I bi = 0; bi < b; ++bi) {
+  for (I bi = 0; bi < z.b; ++bi) {
     for (I h = 0; h < nh; ++h) {
-      const I off = (bi * nh + h) * d;
-      const float *qh = q.data<float>() + off, *kh = k.data<float>() + off,
-                  *vh = v.data<float>() + off;
+      const I off = (bi * nh + h) * d;                         // q, out
+      const I kv_off = (bi * z.kv_heads + h / z.group()) * d;  // k, v: the group's KV head
+      const float *qh = q.data<float>() + off, *kh = k.data<float>() + kv_off,
+                  *vh = v.data<float>() + kv_off;
       float* oh = out.data<float>() + off;
       float* lh = lse.data<float>() + (bi * nh + h) * s;
-      zero_head(oh, s, d, ld);
+      zero_head(oh, s, d, ldq);
       for (I i0 = 0; i0 < s; i0 += kBlock) {
         const I nr = std::min(kBlock, s - i0);
         std::fill(m.begin(), m.end(), -inf);
@@ -92,8 +111,8 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
         for (I j0 = 0; j0 <= i0; j0 += kBlock) {
           const I nc = std::min(kBlock, s - j0);
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(nr), to_int(nc), to_int(d),
-                      scale, qh + i0 * ld, to_int(ld), kh + j0 * ld, to_int(ld), 0.0f, sc.data(),
-                      to_int(nc));
+                      scale, qh + i0 * ldq, to_int(ldq), kh + j0 * ldkv, to_int(ldkv), 0.0f,
+                      sc.data(), to_int(nc));
           for (I r = 0; r < nr; ++r) {
             float* row = sc.data() + r * nc;
             const I n = std::min(nc, i0 + r - j0 + 1);  // keys j <= i; at least key j0
@@ -104,16 +123,16 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
             std::fill(row + n, row + nc, 0.0f);  // masked: probability 0
             l[r] = l[r] * alpha + sum;
             m[r] = m_new;
-            float* orow = oh + (i0 + r) * ld;
+            float* orow = oh + (i0 + r) * ldq;
             for (I c = 0; c < d; ++c) orow[c] *= alpha;
           }
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, to_int(nr), to_int(d), to_int(nc),
-                      1.0f, sc.data(), to_int(nc), vh + j0 * ld, to_int(ld), 1.0f, oh + i0 * ld,
-                      to_int(ld));
+                      1.0f, sc.data(), to_int(nc), vh + j0 * ldkv, to_int(ldkv), 1.0f,
+                      oh + i0 * ldq, to_int(ldq));
         }
         for (I r = 0; r < nr; ++r) {
           const float inv = 1.0f / l[r];
-          float* orow = oh + (i0 + r) * ld;
+          float* orow = oh + (i0 + r) * ldq;
           for (I c = 0; c < d; ++c) orow[c] *= inv;
           lh[i0 + r] = m[r] + std::log(l[r]);
         }
@@ -125,39 +144,47 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
 void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
                               const Tensor& dk, const Tensor& dv) {
-  const auto [s, b, nh, d, ld] = fused_dims(q, k, v, heads, out, lse);
-  for (const Tensor* t : {&dout, &dq, &dk, &dv})
-    TPX_CHECK(t->shape() == q.shape() && t->dtype() == DType::f32 && t->device() == Device::cpu,
-              "fused attention backward: {} must be f32 on cpu like q {}", t->describe(),
-              q.describe());
+  const FusedDims z = fused_dims(q, k, v, heads, out, lse);
+  const I s = z.s, nh = z.heads, d = z.d, ldq = z.ldq, ldkv = z.ldkv;
+  for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
+    const Tensor& like = t == &dk || t == &dv ? k : q;
+    TPX_CHECK(t->shape() == like.shape() && t->dtype() == DType::f32 && t->device() == Device::cpu,
+              "fused attention backward: {} must be f32 on cpu shaped like {}", t->describe(),
+              like.describe());
+  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   std::vector<float> p(static_cast<std::size_t>(kBlock * kBlock)), dp(p.size());
   std::vector<float> delta(static_cast<std::size_t>(s));
-  for (I bi = 0; bi < b; ++bi) {
+  for (I bi = 0; bi < z.b; ++bi) {
+    // Query head h of the group of KV head h / group: the group's heads are consecutive, so
+    // its KV head's dK and dV are zeroed at its first head and accumulate the whole group.
     for (I h = 0; h < nh; ++h) {
       const I off = (bi * nh + h) * d;
-      const float *qh = q.data<float>() + off, *kh = k.data<float>() + off,
-                  *vh = v.data<float>() + off, *oh = out.data<float>() + off,
+      const I kv_off = (bi * z.kv_heads + h / z.group()) * d;
+      const float *qh = q.data<float>() + off, *kh = k.data<float>() + kv_off,
+                  *vh = v.data<float>() + kv_off, *oh = out.data<float>() + off,
                   *doh = dout.data<float>() + off;
       const float* lh = lse.data<float>() + (bi * nh + h) * s;
-      float *dqh = dq.data<float>() + off, *dkh = dk.data<float>() + off,
-            *dvh = dv.data<float>() + off;
+      float *dqh = dq.data<float>() + off, *dkh = dk.data<float>() + kv_off,
+            *dvh = dv.data<float>() + kv_off;
       for (I i = 0; i < s; ++i) {  // Δ_i = rowsum(dO_i ∘ O_i)
         float acc = 0.0f;
-        for (I c = 0; c < d; ++c) acc += doh[i * ld + c] * oh[i * ld + c];
+        for (I c = 0; c < d; ++c) acc += doh[i * ldq + c] * oh[i * ldq + c];
         delta[static_cast<std::size_t>(i)] = acc;
       }
-      zero_head(dqh, s, d, ld);
-      zero_head(dkh, s, d, ld);
-      zero_head(dvh, s, d, ld);
+      zero_head(dqh, s, d, ldq);
+      if (h % z.group() == 0) {
+        zero_head(dkh, s, d, ldkv);
+        zero_head(dvh, s, d, ldkv);
+      }
       for (I j0 = 0; j0 < s; j0 += kBlock) {
         const I nc = std::min(kBlock, s - j0);
         // Query blocks i0 >= j0: the first one is the diagonal block.
         for (I i0 = j0; i0 < s; i0 += kBlock) {
           const I nr = std::min(kBlock, s - i0);
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(nr), to_int(nc), to_int(d),
-                      scale, qh + i0 * ld, to_int(ld), kh + j0 * ld, to_int(ld), 0.0f, p.data(),
-                      to_int(nc));
+                      scale, qh + i0 * ldq, to_int(ldq), kh + j0 * ldkv, to_int(ldkv), 0.0f,
+                      p.data(), to_int(nc));
           for (I r = 0; r < nr; ++r) {
             float* row = p.data() + r * nc;
             const I n = std::min(nc, i0 + r - j0 + 1);
@@ -166,11 +193,11 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
             std::fill(row + n, row + nc, 0.0f);
           }
           cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, to_int(nc), to_int(d), to_int(nr),
-                      1.0f, p.data(), to_int(nc), doh + i0 * ld, to_int(ld), 1.0f, dvh + j0 * ld,
-                      to_int(ld));
+                      1.0f, p.data(), to_int(nc), doh + i0 * ldq, to_int(ldq), 1.0f,
+                      dvh + j0 * ldkv, to_int(ldkv));
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(nr), to_int(nc), to_int(d),
-                      1.0f, doh + i0 * ld, to_int(ld), vh + j0 * ld, to_int(ld), 0.0f, dp.data(),
-                      to_int(nc));
+                      1.0f, doh + i0 * ldq, to_int(ldq), vh + j0 * ldkv, to_int(ldkv), 0.0f,
+                      dp.data(), to_int(nc));
           for (I r = 0; r < nr; ++r) {
             const float dl = delta[static_cast<std::size_t>(i0 + r)];
             const float* prow = p.data() + r * nc;
@@ -178,11 +205,11 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
             for (I c = 0; c < nc; ++c) row[c] = prow[c] * (row[c] - dl);  // masked: P = 0
           }
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, to_int(nr), to_int(d), to_int(nc),
-                      scale, dp.data(), to_int(nc), kh + j0 * ld, to_int(ld), 1.0f, dqh + i0 * ld,
-                      to_int(ld));
+                      scale, dp.data(), to_int(nc), kh + j0 * ldkv, to_int(ldkv), 1.0f,
+                      dqh + i0 * ldq, to_int(ldq));
           cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, to_int(nc), to_int(d), to_int(nr),
-                      scale, dp.data(), to_int(nc), qh + i0 * ld, to_int(ld), 1.0f, dkh + j0 * ld,
-                      to_int(ld));
+                      scale, dp.data(), to_int(nc), qh + i0 * ldq, to_int(ldq), 1.0f,
+                      dkh + j0 * ldkv, to_int(ldkv));
         }
       }
     }

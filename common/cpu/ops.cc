@@ -11,6 +11,7 @@
 #include "../check.h"
 #include "../config.h"
 #include "../ops.h"
+#include "../rope.h"
 
 namespace tpx::cpu {
 namespace {
@@ -102,37 +103,52 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const 
 namespace {
 
 struct AttnDims {
-  I s, b, heads, d, ld;  // ld = B·heads·D, the row stride of one sequence position
+  I s, b, heads, kv_heads, d;
+  I ldq, ldkv;  // row strides of one sequence position: B·heads·D (q, out), B·kv_heads·D (k, v)
+  I group() const { return heads / kv_heads; }  // query heads per KV head
 };
 
+// q [S, B, heads·D]; k, v [S, B, kv_heads·D] with kv_heads dividing heads (grouped-query
+// attention; kv_heads = heads is multi-head attention).
 AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
                         const Tensor& probs) {
-  TPX_CHECK(q.ndim() == 3 && q.shape() == k.shape() && q.shape() == v.shape(),
-            "attention q, k, v must be equal [S, B, X]: {} {} {}", q.describe(), k.describe(),
-            v.describe());
+  TPX_CHECK(q.ndim() == 3 && k.ndim() == 3 && k.shape() == v.shape() && k.dim(0) == q.dim(0) &&
+                k.dim(1) == q.dim(1),
+            "attention q [S, B, heads·D] and k, v [S, B, kv_heads·D] must agree: {} {} {}",
+            q.describe(), k.describe(), v.describe());
   const I s = q.dim(0), b = q.dim(1), x = q.dim(2);
-  TPX_CHECK(heads > 0 && x % heads == 0, "{} columns do not split into {} heads", x, heads);
+  TPX_CHECK(heads > 0 && x > 0 && x % heads == 0, "{} columns do not split into {} heads", x,
+            heads);
+  const I d = x / heads;
+  TPX_CHECK(k.dim(2) > 0 && k.dim(2) % d == 0 && heads % (k.dim(2) / d) == 0,
+            "attention: k, v of {} columns must hold whole KV heads of D = {} whose count divides "
+            "the {} query heads (grouped-query attention)",
+            k.dim(2), d, heads);
   TPX_CHECK(probs.numel() == b * heads * s * s, "probs {} must hold [B, heads, S, S]",
             probs.describe());
-  return {s, b, heads, x / heads, b * x};
+  const I kv_heads = k.dim(2) / d;
+  return {s, b, heads, kv_heads, d, b * x, b * kv_heads * d};
 }
 
 }  // namespace
 
-// Per (batch, head): P = causal_softmax(Q Kᵀ · scale), O = P V. Q, K, V, O of one head are [S, D]
-// matrices with row stride B·X inside the [S, B, X] tensors, so CBLAS reads them in place.
+// Per (batch, query head h): P = causal_softmax(Q Kᵀ · scale), O = P V, with K, V those of KV
+// head h / (heads / kv_heads). Q, K, V, O of one head are [S, D] matrices with row stride ldq
+// (Q, O) or ldkv (K, V) inside the [S, B, X] tensors, so CBLAS reads them in place.
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
                        const Tensor& out, const Tensor& probs) {
-  const auto [s, b, nh, d, ld] = attention_dims(q, k, v, heads, probs);
+  const AttnDims z = attention_dims(q, k, v, heads, probs);
+  const I s = z.s, d = z.d, nh = z.heads;
   expect_same_numel(q, out);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  for (I bi = 0; bi < b; ++bi) {
+  for (I bi = 0; bi < z.b; ++bi) {
     for (I h = 0; h < nh; ++h) {
-      const I off = bi * nh * d + h * d;
+      const I off = bi * nh * d + h * d;                       // q, out
+      const I kv_off = (bi * z.kv_heads + h / z.group()) * d;  // k, v
       float* p = probs.data<float>() + (bi * nh + h) * s * s;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(s), to_int(s), to_int(d), scale,
-                  q.data<float>() + off, to_int(ld), k.data<float>() + off, to_int(ld), 0.0f, p,
-                  to_int(s));
+                  q.data<float>() + off, to_int(z.ldq), k.data<float>() + kv_off, to_int(z.ldkv),
+                  0.0f, p, to_int(s));
       for (I i = 0; i < s; ++i) {  // causal softmax of row i over j <= i, in fp32
         float* row = p + i * s;
         const float mx = *std::max_element(row, row + i + 1);
@@ -143,28 +159,36 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, I head
         std::fill(row + i + 1, row + s, 0.0f);
       }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, to_int(s), to_int(d), to_int(s), 1.0f,
-                  p, to_int(s), v.data<float>() + off, to_int(ld), 0.0f, out.data<float>() + off,
-                  to_int(ld));
+                  p, to_int(s), v.data<float>() + kv_off, to_int(z.ldkv), 0.0f,
+                  out.data<float>() + off, to_int(z.ldq));
     }
   }
 }
 
 // dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − rowsum(dP ⊙ P));  dQ = scale·dS K;  dK = scale·dSᵀ Q.
+// A KV head's dK and dV sum those of its group of query heads, which are consecutive: the
+// group's first head writes them (beta 0), the others add to them (beta 1), in head order.
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& probs, I heads, const Tensor& dq, const Tensor& dk,
                         const Tensor& dv) {
-  const auto [s, b, nh, d, ld] = attention_dims(q, k, v, heads, probs);
+  const AttnDims z = attention_dims(q, k, v, heads, probs);
+  const I s = z.s, d = z.d, nh = z.heads;
+  for (const Tensor* t : {&dout, &dq}) expect_same_numel(q, *t);
+  for (const Tensor* t : {&dk, &dv}) expect_same_numel(k, *t);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int ldq = to_int(z.ldq), ldkv = to_int(z.ldkv);
   std::vector<float> ds(static_cast<std::size_t>(s * s));
-  for (I bi = 0; bi < b; ++bi) {
+  for (I bi = 0; bi < z.b; ++bi) {
     for (I h = 0; h < nh; ++h) {
       const I off = bi * nh * d + h * d;
+      const I kv_off = (bi * z.kv_heads + h / z.group()) * d;
+      const float beta = h % z.group() == 0 ? 0.0f : 1.0f;  // first of its group: overwrite
       const float* p = probs.data<float>() + (bi * nh + h) * s * s;
       const float* pdo = dout.data<float>() + off;
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, to_int(s), to_int(d), to_int(s), 1.0f, p,
-                  to_int(s), pdo, to_int(ld), 0.0f, dv.data<float>() + off, to_int(ld));
+                  to_int(s), pdo, ldq, beta, dv.data<float>() + kv_off, ldkv);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(s), to_int(s), to_int(d), 1.0f,
-                  pdo, to_int(ld), v.data<float>() + off, to_int(ld), 0.0f, ds.data(), to_int(s));
+                  pdo, ldq, v.data<float>() + kv_off, ldkv, 0.0f, ds.data(), to_int(s));
       for (I i = 0; i < s; ++i) {
         float* row = ds.data() + i * s;
         const float* prow = p + i * s;
@@ -174,13 +198,48 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
         std::fill(row + i + 1, row + s, 0.0f);
       }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, to_int(s), to_int(d), to_int(s), scale,
-                  ds.data(), to_int(s), k.data<float>() + off, to_int(ld), 0.0f,
-                  dq.data<float>() + off, to_int(ld));
+                  ds.data(), to_int(s), k.data<float>() + kv_off, ldkv, 0.0f,
+                  dq.data<float>() + off, ldq);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, to_int(s), to_int(d), to_int(s), scale,
-                  ds.data(), to_int(s), q.data<float>() + off, to_int(ld), 0.0f,
-                  dk.data<float>() + off, to_int(ld));
+                  ds.data(), to_int(s), q.data<float>() + off, ldq, beta, dk.data<float>() + kv_off,
+                  ldkv);
     }
   }
+}
+
+namespace {
+
+// Rotates every head's pairs (i, i + D/2) of x [S, B, heads*D] by +angle (sign 1) or −angle.
+void rope_rotate(const Tensor& x, I heads, double theta, float sign) {
+  expect_f32_cpu(x, "rope x");
+  TPX_CHECK(x.ndim() == 3 && heads > 0 && x.dim(2) % heads == 0 && (x.dim(2) / heads) % 2 == 0,
+            "rope: {} must be [S, B, heads*D] with {} heads of even D", x.describe(), heads);
+  const I s = x.dim(0), b = x.dim(1), d = x.dim(2) / heads, half = d / 2;
+  const RopeTable t = rope_table(s, d, theta);
+  float* px = x.data<float>();
+  for (I p = 0; p < s; ++p) {
+    const float* cs = t.cos.data() + p * half;
+    const float* sn = t.sin.data() + p * half;
+    for (I r = 0; r < b * heads; ++r) {
+      float* head = px + (p * b * heads + r) * d;
+      for (I i = 0; i < half; ++i) {
+        const float x1 = head[i], x2 = head[i + half], c = cs[i], si = sign * sn[i];
+        head[i] = x1 * c - x2 * si;
+        head[i + half] = x2 * c + x1 * si;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rope_forward(const Tensor& x, I heads, double theta) {
+  rope_rotate(x, heads, theta, 1.0f);
+}
+
+// y = R x with R orthogonal, so dx = Rᵀ dy: the same rotation by the opposite angle.
+void rope_backward(const Tensor& dx, I heads, double theta) {
+  rope_rotate(dx, heads, theta, -1.0f);
 }
 
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {

@@ -24,6 +24,9 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
 void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv);
+// Rotary embedding, in place (cos/sin tables in double, rounded to fp32).
+void rope_forward(const Tensor& x, std::int64_t heads, double theta);
+void rope_backward(const Tensor& dx, std::int64_t heads, double theta);
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
                      const Tensor& dup);

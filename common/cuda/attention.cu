@@ -1,6 +1,8 @@
 // The fused causal masked softmax of attention, forward and backward. The QKᵀ and PV products
 // around it are strided-batched cuBLAS GEMMs (gemm.cc); these kernels see only the score matrices
 // [B·heads, S, S], as rows = B·heads·S rows of length S, row r being query position i = r % S.
+// Grouped-query attention changes nothing here: the scores are per query head (heads counts query
+// heads), and ops.cc points the GEMMs of each query head at its group's K and V.
 //
 // Shape: one warp per row (rows are long and many: S up to thousands, B·heads·S rows), 8 rows per
 // 256-thread block, grid-stride over rows. Lanes stride along the row with float4 loads when S is

@@ -1,8 +1,18 @@
 // Fused causal attention (FlashAttention-2: Dao 2023, arXiv:2307.08691, Algorithms 1 and 2) on
-// the [S, B, heads·D] fp32 tensors, read in place: head bh = b·heads + h of row i starts at
-// i·ld + bh·D (ld = B·heads·D). Nothing of size S×S is ever stored; forward keeps
-// lse [B·heads, S] = log Σ_j exp(q_i·k_j / sqrt(D)) per query row, and backward recomputes each
-// block of probabilities as exp(q_i·k_j / sqrt(D) − lse_i).
+// the [S, B, heads·D] fp32 tensors, read in place: query head bh = b·heads + h of row i starts at
+// i·ldq + bh·D in q, out, dout, dq (ldq = B·heads·D). Nothing of size S×S is ever stored; forward
+// keeps lse [B·heads, S] = log Σ_j exp(q_i·k_j / sqrt(D)) per query row, and backward recomputes
+// each block of probabilities as exp(q_i·k_j / sqrt(D) − lse_i).
+//
+// Grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245): k, v, dk, dv are
+// [S, B, kv_heads·D] (row stride ldkv = B·kv_heads·D), and query head bh reads KV head
+// bh / group, group = heads / kv_heads (b·heads + h over group is b·kv_heads + h / group, since
+// group divides heads). The forward and dQ kernels, one block per (query block, query head), only
+// read K and V there. The dK/dV kernels run one block per (key block, KV head) and loop over the
+// group's query heads inside the block, accumulating the sum over the group in registers (the
+// CUDA-core kernel) or WMMA fragments (the tensor-core kernel) before writing each key row once:
+// no atomics and no scratch, so dK and dV stay deterministic, at the price of a grid `group`
+// times smaller with `group` times the work per block. kv_heads = heads is a group of one.
 //
 // Two families of kernels, the same algorithm:
 //  - tensor cores (bf16 compute, D = 32, 64, 128): 4 warps per block, each owning 16 rows of a
@@ -18,9 +28,9 @@
 // Backward, with Δ_i = Σ_d dO_i ∘ O_i (flash_delta_kernel), P = exp(s − lse_i):
 //   dV_j = Σ_i P_ij dO_i;  dP_ij = dO_i·v_j;  dS = P ∘ (dP − Δ_i);
 //   dQ_i = Σ_j dS_ij k_j / sqrt(D);  dK_j = Σ_i dS_ij q_i / sqrt(D)
-// split into a dQ kernel (parallel over query blocks) and a dK/dV kernel (parallel over key
-// blocks), each recomputing P: no atomics, so results are deterministic. Causal blocks above
-// the diagonal are never visited.
+// (dK_j and dV_j also summed over the query heads of the group) split into a dQ kernel (parallel
+// over query blocks) and a dK/dV kernel (parallel over key blocks), each recomputing P: no
+// atomics, so results are deterministic. Causal blocks above the diagonal are never visited.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
@@ -89,19 +99,20 @@ __device__ __forceinline__ float warp_dot(const float (&a)[kPerLane], const floa
 template <int kPerLane, bool kBf16>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_simple(const float* q, const float* k, const float* v, float* out, float* lse,
-                         I s, I d, I ld, float scale) {
+                         I s, I d, I ldq, I ldkv, I group, float scale) {
   extern __shared__ float smem[];
   float* ks = smem;              // [kTile][d]
   float* vs = smem + kTile * d;  // [kTile][d]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const I bh = blockIdx.y, row0 = I(blockIdx.x) * kRowsPerBlock;
-  q += bh * d, k += bh * d, v += bh * d, out += bh * d;
+  const I kvh = bh / group;  // the KV head this query head reads
+  q += bh * d, k += kvh * d, v += kvh * d, out += bh * d;
   float qr[kRowsPerWarp][kPerLane], o[kRowsPerWarp][kPerLane];
   float m[kRowsPerWarp], l[kRowsPerWarp];
   I rows[kRowsPerWarp];
   for (int r = 0; r < kRowsPerWarp; ++r) {
     rows[r] = row0 + warp * kRowsPerWarp + r;
-    load_row<kPerLane, kBf16>(qr[r], q, rows[r], s, d, ld, lane);
+    load_row<kPerLane, kBf16>(qr[r], q, rows[r], s, d, ldq, lane);
     for (int t = 0; t < kPerLane; ++t) o[r][t] = 0.0f;
     m[r] = -INFINITY;
     l[r] = 0.0f;
@@ -109,8 +120,8 @@ __global__ void __launch_bounds__(kThreads)
   const I last = min(s, row0 + kRowsPerBlock) - 1;  // the block's last query row
   for (I j0 = 0; j0 <= last; j0 += kTile) {
     __syncthreads();  // the previous tiles are no longer read
-    load_tile_f32<kBf16>(ks, k, j0, s, d, ld);
-    load_tile_f32<kBf16>(vs, v, j0, s, d, ld);
+    load_tile_f32<kBf16>(ks, k, j0, s, d, ldkv);
+    load_tile_f32<kBf16>(vs, v, j0, s, d, ldkv);
     __syncthreads();
     const I n = min(I(kTile), last - j0 + 1);
     for (I jj = 0; jj < n; ++jj) {
@@ -133,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
     if (rows[r] >= s) continue;
     for (int t = 0; t < kPerLane; ++t) {
       const I c = lane + kWarp * t;
-      if (c < d) out[rows[r] * ld + c] = o[r][t] / l[r];
+      if (c < d) out[rows[r] * ldq + c] = o[r][t] / l[r];
     }
     if (lane == 0) lse[bh * s + rows[r]] = m[r] + logf(l[r]);
   }
@@ -142,20 +153,22 @@ __global__ void __launch_bounds__(kThreads)
 template <int kPerLane, bool kBf16>
 __global__ void __launch_bounds__(kThreads)
     flash_dq_simple(const float* dout, const float* q, const float* k, const float* v,
-                    const float* lse, const float* delta, float* dq, I s, I d, I ld, float scale) {
+                    const float* lse, const float* delta, float* dq, I s, I d, I ldq, I ldkv,
+                    I group, float scale) {
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + kTile * d;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const I bh = blockIdx.y, row0 = I(blockIdx.x) * kRowsPerBlock;
-  dout += bh * d, q += bh * d, k += bh * d, v += bh * d, dq += bh * d;
+  const I kvh = bh / group;
+  dout += bh * d, q += bh * d, k += kvh * d, v += kvh * d, dq += bh * d;
   float qr[kRowsPerWarp][kPerLane], dor[kRowsPerWarp][kPerLane], acc[kRowsPerWarp][kPerLane];
   float lse_r[kRowsPerWarp], delta_r[kRowsPerWarp];
   I rows[kRowsPerWarp];
   for (int r = 0; r < kRowsPerWarp; ++r) {
     rows[r] = row0 + warp * kRowsPerWarp + r;
-    load_row<kPerLane, kBf16>(qr[r], q, rows[r], s, d, ld, lane);
-    load_row<kPerLane, kBf16>(dor[r], dout, rows[r], s, d, ld, lane);
+    load_row<kPerLane, kBf16>(qr[r], q, rows[r], s, d, ldq, lane);
+    load_row<kPerLane, kBf16>(dor[r], dout, rows[r], s, d, ldq, lane);
     for (int t = 0; t < kPerLane; ++t) acc[r][t] = 0.0f;
     lse_r[r] = rows[r] < s ? lse[bh * s + rows[r]] : 0.0f;
     delta_r[r] = rows[r] < s ? delta[bh * s + rows[r]] : 0.0f;
@@ -163,8 +176,8 @@ __global__ void __launch_bounds__(kThreads)
   const I last = min(s, row0 + kRowsPerBlock) - 1;
   for (I j0 = 0; j0 <= last; j0 += kTile) {
     __syncthreads();
-    load_tile_f32<kBf16>(ks, k, j0, s, d, ld);
-    load_tile_f32<kBf16>(vs, v, j0, s, d, ld);
+    load_tile_f32<kBf16>(ks, k, j0, s, d, ldkv);
+    load_tile_f32<kBf16>(vs, v, j0, s, d, ldkv);
     __syncthreads();
     const I n = min(I(kTile), last - j0 + 1);
     for (I jj = 0; jj < n; ++jj) {
@@ -184,55 +197,65 @@ __global__ void __launch_bounds__(kThreads)
     if (rows[r] >= s) continue;
     for (int t = 0; t < kPerLane; ++t) {
       const I c = lane + kWarp * t;
-      if (c < d) dq[rows[r] * ld + c] = acc[r][t] * scale;
+      if (c < d) dq[rows[r] * ldq + c] = acc[r][t] * scale;
     }
   }
 }
 
+// One block per (16 keys, KV head): it loops over the query heads of the KV head's group, one
+// after another, accumulating their contributions to dK and dV in registers, and writes each of
+// its key rows once: no atomics, no scratch, a fixed order of summation.
 template <int kPerLane, bool kBf16>
 __global__ void __launch_bounds__(kThreads)
     flash_dkdv_simple(const float* dout, const float* q, const float* k, const float* v,
-                      const float* lse, const float* delta, float* dk, float* dv, I s, I d, I ld,
-                      float scale) {
+                      const float* lse, const float* delta, float* dk, float* dv, I s, I d, I ldq,
+                      I ldkv, I group, float scale) {
   extern __shared__ float smem[];
   float* qs = smem;                     // [kTile][d]
   float* dos = smem + kTile * d;        // [kTile][d]
   float* lse_s = smem + 2 * kTile * d;  // [kTile]
   float* delta_s = lse_s + kTile;       // [kTile]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const I bh = blockIdx.y, row0 = I(blockIdx.x) * kRowsPerBlock;  // first key row
-  dout += bh * d, q += bh * d, k += bh * d, v += bh * d, dk += bh * d, dv += bh * d;
+  const I kvh = blockIdx.y, row0 = I(blockIdx.x) * kRowsPerBlock;  // KV head, first key row
+  k += kvh * d, v += kvh * d, dk += kvh * d, dv += kvh * d;
   float kr[kRowsPerWarp][kPerLane], vr[kRowsPerWarp][kPerLane];
   float dka[kRowsPerWarp][kPerLane], dva[kRowsPerWarp][kPerLane];
   I rows[kRowsPerWarp];
   for (int r = 0; r < kRowsPerWarp; ++r) {
     rows[r] = row0 + warp * kRowsPerWarp + r;
-    load_row<kPerLane, kBf16>(kr[r], k, rows[r], s, d, ld, lane);
-    load_row<kPerLane, kBf16>(vr[r], v, rows[r], s, d, ld, lane);
+    load_row<kPerLane, kBf16>(kr[r], k, rows[r], s, d, ldkv, lane);
+    load_row<kPerLane, kBf16>(vr[r], v, rows[r], s, d, ldkv, lane);
     for (int t = 0; t < kPerLane; ++t) dka[r][t] = dva[r][t] = 0.0f;
   }
-  // Queries i >= the block's first key: every earlier query sees none of its keys.
-  for (I i0 = row0; i0 < s; i0 += kTile) {
-    __syncthreads();
-    load_tile_f32<kBf16>(qs, q, i0, s, d, ld);
-    load_tile_f32<kBf16>(dos, dout, i0, s, d, ld);
-    for (I t = threadIdx.x; t < kTile; t += blockDim.x) {
-      lse_s[t] = i0 + t < s ? lse[bh * s + i0 + t] : 0.0f;
-      delta_s[t] = i0 + t < s ? delta[bh * s + i0 + t] : 0.0f;
-    }
-    __syncthreads();
-    const I n = min(I(kTile), s - i0);
-    for (I ii = 0; ii < n; ++ii) {
-      const I i = i0 + ii;
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        if (rows[r] >= s || rows[r] > i) continue;
-        const float p = expf(warp_dot<kPerLane>(kr[r], qs + ii * d, d, lane) * scale - lse_s[ii]);
-        const float ds = p * (warp_dot<kPerLane>(vr[r], dos + ii * d, d, lane) - delta_s[ii]);
-        for (int t = 0; t < kPerLane; ++t) {
-          const I c = lane + kWarp * t;
-          if (c < d) {
-            dva[r][t] += p * dos[ii * d + c];
-            dka[r][t] += ds * qs[ii * d + c];
+  for (I g = 0; g < group; ++g) {
+    const I bh = kvh * group + g;  // a query head of this KV head's group
+    const float* qh = q + bh * d;
+    const float* doh = dout + bh * d;
+    const float* lh = lse + bh * s;
+    const float* dh = delta + bh * s;
+    // Queries i >= the block's first key: every earlier query sees none of its keys.
+    for (I i0 = row0; i0 < s; i0 += kTile) {
+      __syncthreads();  // the previous tiles (of this head or the last) are no longer read
+      load_tile_f32<kBf16>(qs, qh, i0, s, d, ldq);
+      load_tile_f32<kBf16>(dos, doh, i0, s, d, ldq);
+      for (I t = threadIdx.x; t < kTile; t += blockDim.x) {
+        lse_s[t] = i0 + t < s ? lh[i0 + t] : 0.0f;
+        delta_s[t] = i0 + t < s ? dh[i0 + t] : 0.0f;
+      }
+      __syncthreads();
+      const I n = min(I(kTile), s - i0);
+      for (I ii = 0; ii < n; ++ii) {
+        const I i = i0 + ii;
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          if (rows[r] >= s || rows[r] > i) continue;
+          const float p = expf(warp_dot<kPerLane>(kr[r], qs + ii * d, d, lane) * scale - lse_s[ii]);
+          const float ds = p * (warp_dot<kPerLane>(vr[r], dos + ii * d, d, lane) - delta_s[ii]);
+          for (int t = 0; t < kPerLane; ++t) {
+            const I c = lane + kWarp * t;
+            if (c < d) {
+              dva[r][t] += p * dos[ii * d + c];
+              dka[r][t] += ds * qs[ii * d + c];
+            }
           }
         }
       }
@@ -243,8 +266,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int t = 0; t < kPerLane; ++t) {
       const I c = lane + kWarp * t;
       if (c < d) {
-        dk[rows[r] * ld + c] = dka[r][t] * scale;
-        dv[rows[r] * ld + c] = dva[r][t];
+        dk[rows[r] * ldkv + c] = dka[r][t] * scale;
+        dv[rows[r] * ldkv + c] = dva[r][t];
       }
     }
   }
@@ -369,7 +392,7 @@ __device__ __forceinline__ void store_rows_tc(FragC (&acc)[D / 16], float scale,
 template <int D>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_tc(const float* q, const float* k, const float* v, float* out, float* lse, I s,
-                     I ld, float scale) {
+                     I ldq, I ldkv, I group, float scale) {
   extern __shared__ __align__(128) unsigned char tc_smem[];
   bf16* qs = reinterpret_cast<bf16*>(tc_smem);
   bf16* ks = qs + kTcRows * kLdT<D>;
@@ -380,11 +403,12 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const I qb = I(gridDim.x) - 1 - blockIdx.x;  // the longest rows first
   const I bh = blockIdx.y, q0 = qb * kTcRows;
-  q += bh * D, k += bh * D, v += bh * D, out += bh * D;
+  const I kvh = bh / group;  // the KV head this query head reads
+  q += bh * D, k += kvh * D, v += kvh * D, out += bh * D;
   float* sw = ss + warp * kWarpRows * kLdS;
   bf16* pw = ps + warp * kWarpRows * kLdP;
   float* ow = os + warp * kWarpRows * kLdO<D>;
-  load_tile_bf16<D>(qs, q, q0, s, ld);
+  load_tile_bf16<D>(qs, q, q0, s, ldq);
   for (int e = lane; e < kWarpRows * kLdO<D>; e += kWarp) ow[e] = 0.0f;
   // Two lanes per row: row r of the warp's 16, columns half·32 .. half·32 + 31 of each tile.
   const int r = lane / 2, half = lane % 2;
@@ -392,8 +416,8 @@ __global__ void __launch_bounds__(kThreads)
   float m = -INFINITY, l = 0.0f;
   for (I kb = 0; kb <= qb; ++kb) {
     __syncthreads();  // Q is loaded; nobody reads the previous K, V any more
-    load_tile_bf16<D>(ks, k, kb * kTcRows, s, ld);
-    load_tile_bf16<D>(vs, v, kb * kTcRows, s, ld);
+    load_tile_bf16<D>(ks, k, kb * kTcRows, s, ldkv);
+    load_tile_bf16<D>(vs, v, kb * kTcRows, s, ldkv);
     __syncthreads();
     scores_tc<D>(sw, qs + warp * kWarpRows * kLdT<D>, ks);
     __syncwarp();
@@ -435,7 +459,7 @@ __global__ void __launch_bounds__(kThreads)
     const int rr = e / D, c = e % D;
     const float lr = __shfl_sync(kFullMask, l, 2 * rr);
     const I ii = q0 + warp * kWarpRows + rr;
-    if (ii < s) out[ii * ld + c] = ow[rr * kLdO<D> + c] / lr;
+    if (ii < s) out[ii * ldq + c] = ow[rr * kLdO<D> + c] / lr;
   }
   if (half == 0 && i < s) lse[bh * s + i] = m + logf(l);
 }
@@ -443,7 +467,7 @@ __global__ void __launch_bounds__(kThreads)
 template <int D>
 __global__ void __launch_bounds__(kThreads)
     flash_dq_tc(const float* dout, const float* q, const float* k, const float* v, const float* lse,
-                const float* delta, float* dq, I s, I ld, float scale) {
+                const float* delta, float* dq, I s, I ldq, I ldkv, I group, float scale) {
   extern __shared__ __align__(128) unsigned char tc_smem[];
   bf16* qs = reinterpret_cast<bf16*>(tc_smem);
   bf16* dos = qs + kTcRows * kLdT<D>;
@@ -454,12 +478,13 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const I qb = I(gridDim.x) - 1 - blockIdx.x;
   const I bh = blockIdx.y, q0 = qb * kTcRows;
-  dout += bh * D, q += bh * D, k += bh * D, v += bh * D, dq += bh * D;
+  const I kvh = bh / group;
+  dout += bh * D, q += bh * D, k += kvh * D, v += kvh * D, dq += bh * D;
   float* sw = scratch + 2 * warp * kWarpRows * kLdS;  // scores
   float* dpw = sw + kWarpRows * kLdS;                 // dP = dO Vᵀ
   bf16* dsw = dss + warp * kWarpRows * kLdP;
-  load_tile_bf16<D>(qs, q, q0, s, ld);
-  load_tile_bf16<D>(dos, dout, q0, s, ld);
+  load_tile_bf16<D>(qs, q, q0, s, ldq);
+  load_tile_bf16<D>(dos, dout, q0, s, ldq);
   const int r = lane / 2, half = lane % 2;
   const I i = q0 + warp * kWarpRows + r;
   const float lse_i = i < s ? lse[bh * s + i] : 0.0f;
@@ -468,8 +493,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int n = 0; n < D / 16; ++n) wmma::fill_fragment(acc[n], 0.0f);
   for (I kb = 0; kb <= qb; ++kb) {
     __syncthreads();
-    load_tile_bf16<D>(ks, k, kb * kTcRows, s, ld);
-    load_tile_bf16<D>(vs, v, kb * kTcRows, s, ld);
+    load_tile_bf16<D>(ks, k, kb * kTcRows, s, ldkv);
+    load_tile_bf16<D>(vs, v, kb * kTcRows, s, ldkv);
     __syncthreads();
     scores_tc<D>(sw, qs + warp * kWarpRows * kLdT<D>, ks);
     scores_tc<D>(dpw, dos + warp * kWarpRows * kLdT<D>, vs);
@@ -483,14 +508,16 @@ __global__ void __launch_bounds__(kThreads)
     accumulate_tc<D>(acc, dsw, ks);
   }
   __syncwarp();
-  store_rows_tc<D>(acc, scale, sw, dq, q0 + warp * kWarpRows, s, ld, lane);
+  store_rows_tc<D>(acc, scale, sw, dq, q0 + warp * kWarpRows, s, ldq, lane);
 }
 
+// One block per (64 keys, KV head), looping over the query heads of the group one after another
+// with dK and dV accumulating in the same fragments; each key row is written once.
 template <int D>
 __global__ void __launch_bounds__(kThreads)
     flash_dkdv_tc(const float* dout, const float* q, const float* k, const float* v,
-                  const float* lse, const float* delta, float* dk, float* dv, I s, I ld,
-                  float scale) {
+                  const float* lse, const float* delta, float* dk, float* dv, I s, I ldq, I ldkv,
+                  I group, float scale) {
   extern __shared__ __align__(128) unsigned char tc_smem[];
   bf16* ks = reinterpret_cast<bf16*>(tc_smem);
   bf16* vs = ks + kTcRows * kLdT<D>;
@@ -502,14 +529,14 @@ __global__ void __launch_bounds__(kThreads)
   bf16* pts = reinterpret_cast<bf16*>(scratch + 2 * kWarps * kWarpRows * kLdS);
   bf16* dsts = pts + kWarps * kWarpRows * kLdP;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const I kb = blockIdx.x, bh = blockIdx.y, k0 = kb * kTcRows;
-  dout += bh * D, q += bh * D, k += bh * D, v += bh * D, dk += bh * D, dv += bh * D;
+  const I kb = blockIdx.x, kvh = blockIdx.y, k0 = kb * kTcRows;  // key block, KV head
+  k += kvh * D, v += kvh * D, dk += kvh * D, dv += kvh * D;
   float* stw = scratch + 2 * warp * kWarpRows * kLdS;  // Sᵀ: 16 keys x 64 queries
   float* dptw = stw + kWarpRows * kLdS;                // dPᵀ = V dOᵀ
   bf16* ptw = pts + warp * kWarpRows * kLdP;
   bf16* dstw = dsts + warp * kWarpRows * kLdP;
-  load_tile_bf16<D>(ks, k, k0, s, ld);
-  load_tile_bf16<D>(vs, v, k0, s, ld);
+  load_tile_bf16<D>(ks, k, k0, s, ldkv);
+  load_tile_bf16<D>(vs, v, k0, s, ldkv);
   const int r = lane / 2, half = lane % 2;
   const I j = k0 + warp * kWarpRows + r;  // this lane's key
   FragC dk_acc[D / 16], dv_acc[D / 16];
@@ -518,32 +545,39 @@ __global__ void __launch_bounds__(kThreads)
     wmma::fill_fragment(dv_acc[n], 0.0f);
   }
   const I blocks = (s + kTcRows - 1) / kTcRows;
-  for (I qb = kb; qb < blocks; ++qb) {  // query blocks from the diagonal down
-    const I q0 = qb * kTcRows;
-    __syncthreads();
-    load_tile_bf16<D>(qs, q, q0, s, ld);
-    load_tile_bf16<D>(dos, dout, q0, s, ld);
-    for (int t = threadIdx.x; t < kTcRows; t += blockDim.x) {
-      lse_s[t] = q0 + t < s ? lse[bh * s + q0 + t] : 0.0f;
-      delta_s[t] = q0 + t < s ? delta[bh * s + q0 + t] : 0.0f;
+  for (I g = 0; g < group; ++g) {
+    const I bh = kvh * group + g;  // a query head of this KV head's group
+    const float* qh = q + bh * D;
+    const float* doh = dout + bh * D;
+    const float* lh = lse + bh * s;
+    const float* dh = delta + bh * s;
+    for (I qb = kb; qb < blocks; ++qb) {  // query blocks from the diagonal down
+      const I q0 = qb * kTcRows;
+      __syncthreads();  // K, V are loaded; nobody reads the previous Q, dO, lse, Δ any more
+      load_tile_bf16<D>(qs, qh, q0, s, ldq);
+      load_tile_bf16<D>(dos, doh, q0, s, ldq);
+      for (int t = threadIdx.x; t < kTcRows; t += blockDim.x) {
+        lse_s[t] = q0 + t < s ? lh[q0 + t] : 0.0f;
+        delta_s[t] = q0 + t < s ? dh[q0 + t] : 0.0f;
+      }
+      __syncthreads();
+      scores_tc<D>(stw, ks + warp * kWarpRows * kLdT<D>, qs);
+      scores_tc<D>(dptw, vs + warp * kWarpRows * kLdT<D>, dos);
+      __syncwarp();
+      for (int c = half * 32; c < half * 32 + 32; ++c) {
+        const I i = q0 + c;
+        const float p = i < s && j <= i ? expf(stw[r * kLdS + c] * scale - lse_s[c]) : 0.0f;
+        ptw[r * kLdP + c] = __float2bfloat16_rn(p);
+        dstw[r * kLdP + c] = __float2bfloat16_rn(p * (dptw[r * kLdS + c] - delta_s[c]));
+      }
+      __syncwarp();
+      accumulate_tc<D>(dv_acc, ptw, dos);
+      accumulate_tc<D>(dk_acc, dstw, qs);
     }
-    __syncthreads();
-    scores_tc<D>(stw, ks + warp * kWarpRows * kLdT<D>, qs);
-    scores_tc<D>(dptw, vs + warp * kWarpRows * kLdT<D>, dos);
-    __syncwarp();
-    for (int c = half * 32; c < half * 32 + 32; ++c) {
-      const I i = q0 + c;
-      const float p = i < s && j <= i ? expf(stw[r * kLdS + c] * scale - lse_s[c]) : 0.0f;
-      ptw[r * kLdP + c] = __float2bfloat16_rn(p);
-      dstw[r * kLdP + c] = __float2bfloat16_rn(p * (dptw[r * kLdS + c] - delta_s[c]));
-    }
-    __syncwarp();
-    accumulate_tc<D>(dv_acc, ptw, dos);
-    accumulate_tc<D>(dk_acc, dstw, qs);
   }
   __syncwarp();
-  store_rows_tc<D>(dk_acc, scale, stw, dk, k0 + warp * kWarpRows, s, ld, lane);
-  store_rows_tc<D>(dv_acc, 1.0f, stw, dv, k0 + warp * kWarpRows, s, ld, lane);
+  store_rows_tc<D>(dk_acc, scale, stw, dk, k0 + warp * kWarpRows, s, ldkv, lane);
+  store_rows_tc<D>(dv_acc, 1.0f, stw, dv, k0 + warp * kWarpRows, s, ldkv, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -610,7 +644,9 @@ unsigned blocks_of(I rows, int per_block) {
 }  // namespace
 
 int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
-                            I s, I heads_total, I d, I ld, bool bf16_compute, void* stream) {
+                            I s, I heads_total, I group, I d, I ldq, I ldkv, bool bf16_compute,
+                            void* stream) {
+  if (group < 1 || heads_total % group != 0) return cudaErrorInvalidValue;
   if (s == 0 || heads_total == 0) return cudaSuccess;
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const cudaStream_t st = dev::as_stream(stream);
@@ -623,8 +659,8 @@ int flash_attention_forward(const float* q, const float* k, const float* v, floa
       err = allow_smem(flash_forward_tc<D>, kForwardTcSmem<D>);
       if (err != cudaSuccess) return;
       const dim3 grid(blocks_of(s, kTcRows), static_cast<unsigned>(heads_total));
-      flash_forward_tc<D>
-          <<<grid, kThreads, kForwardTcSmem<D>, st>>>(q, k, v, out, lse, s, ld, scale);
+      flash_forward_tc<D><<<grid, kThreads, kForwardTcSmem<D>, st>>>(q, k, v, out, lse, s, ldq,
+                                                                     ldkv, group, scale);
     });
     return err;
   }
@@ -635,39 +671,42 @@ int flash_attention_forward(const float* q, const float* k, const float* v, floa
     auto* kernel = bf16_compute ? flash_forward_simple<P, true> : flash_forward_simple<P, false>;
     err = allow_smem(kernel, smem);
     if (err != cudaSuccess) return;
-    kernel<<<grid, kThreads, smem, st>>>(q, k, v, out, lse, s, d, ld, scale);
+    kernel<<<grid, kThreads, smem, st>>>(q, k, v, out, lse, s, d, ldq, ldkv, group, scale);
   });
   return err;
 }
 
 int flash_attention_backward(const float* dout, const float* q, const float* k, const float* v,
                              const float* out, const float* lse, float* delta, float* dq, float* dk,
-                             float* dv, I s, I heads_total, I d, I ld, bool bf16_compute,
-                             void* stream) {
+                             float* dv, I s, I heads_total, I group, I d, I ldq, I ldkv,
+                             bool bf16_compute, void* stream) {
+  if (group < 1 || heads_total % group != 0) return cudaErrorInvalidValue;
   if (s == 0 || heads_total == 0) return cudaSuccess;
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const cudaStream_t st = dev::as_stream(stream);
+  const auto kv_total = static_cast<unsigned>(heads_total / group);  // B·kv_heads
   flash_delta_kernel<<<dev::blocks_for(heads_total * s * kWarp, 256), 256, 0, st>>>(
-      dout, out, delta, s, heads_total, d, ld);
+      dout, out, delta, s, heads_total, d, ldq);
   bool tc = false;
   cudaError_t err = use_tensor_cores(d, bf16_compute, tc);
   if (err != cudaSuccess) return err;
   if (tc) {
     with_head_dim(d, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
-      const dim3 grid(blocks_of(s, kTcRows), static_cast<unsigned>(heads_total));
+      const unsigned blocks = blocks_of(s, kTcRows);
       err = allow_smem(flash_dq_tc<D>, kDqTcSmem<D>);
       if (err != cudaSuccess) return;
       flash_dq_tc<D>
-          <<<grid, kThreads, kDqTcSmem<D>, st>>>(dout, q, k, v, lse, delta, dq, s, ld, scale);
+          <<<dim3(blocks, static_cast<unsigned>(heads_total)), kThreads, kDqTcSmem<D>, st>>>(
+              dout, q, k, v, lse, delta, dq, s, ldq, ldkv, group, scale);
       err = allow_smem(flash_dkdv_tc<D>, kDkdvTcSmem<D>);
       if (err != cudaSuccess) return;
-      flash_dkdv_tc<D>
-          <<<grid, kThreads, kDkdvTcSmem<D>, st>>>(dout, q, k, v, lse, delta, dk, dv, s, ld, scale);
+      flash_dkdv_tc<D><<<dim3(blocks, kv_total), kThreads, kDkdvTcSmem<D>, st>>>(
+          dout, q, k, v, lse, delta, dk, dv, s, ldq, ldkv, group, scale);
     });
     return err;
   }
-  const dim3 grid(blocks_of(s, kRowsPerBlock), static_cast<unsigned>(heads_total));
+  const unsigned blocks = blocks_of(s, kRowsPerBlock);
   const int smem_dq = static_cast<int>(2 * kTile * d * sizeof(float));
   const int smem_dkdv = static_cast<int>((2 * kTile * d + 2 * kTile) * sizeof(float));
   with_per_lane(d, [&](auto per_lane) {
@@ -676,11 +715,12 @@ int flash_attention_backward(const float* dout, const float* q, const float* k, 
     auto* dkdv_kernel = bf16_compute ? flash_dkdv_simple<P, true> : flash_dkdv_simple<P, false>;
     err = allow_smem(dq_kernel, smem_dq);
     if (err != cudaSuccess) return;
-    dq_kernel<<<grid, kThreads, smem_dq, st>>>(dout, q, k, v, lse, delta, dq, s, d, ld, scale);
+    dq_kernel<<<dim3(blocks, static_cast<unsigned>(heads_total)), kThreads, smem_dq, st>>>(
+        dout, q, k, v, lse, delta, dq, s, d, ldq, ldkv, group, scale);
     err = allow_smem(dkdv_kernel, smem_dkdv);
     if (err != cudaSuccess) return;
-    dkdv_kernel<<<grid, kThreads, smem_dkdv, st>>>(dout, q, k, v, lse, delta, dk, dv, s, d, ld,
-                                                   scale);
+    dkdv_kernel<<<dim3(blocks, kv_total), kThreads, smem_dkdv, st>>>(
+        dout, q, k, v, lse, delta, dk, dv, s, d, ldq, ldkv, group, scale);
   });
   return err;
 }

@@ -7,7 +7,7 @@
 // as std::uint8_t codes.
 //
 // defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu,
-//          flash_attention.cu, fp8.cu, fp8_pack.cu)
+//          flash_attention.cu, rope.cu, fp8.cu, fp8_pack.cu)
 #pragma once
 
 #include <cstdint>
@@ -55,20 +55,33 @@ void causal_softmax_backward(const float* p, float* dp, std::uint16_t* ds_bf16, 
                              void* stream);
 
 // flash_attention.cu -----------------------------------------------------------------------------
-// Fused causal attention on one [S, B, heads·D] layout: head bh (of heads_total = B·heads) of
-// row i starts at i·ld + bh·d. bf16_compute: tensor cores for d = 32, 64, 128 (where the device's
-// shared memory allows), else CUDA cores with operands rounded to bf16; otherwise fp32 on CUDA
-// cores. Both return a cudaError_t value (0: success) for what fails before a launch.
+// Fused causal attention on the [S, B, heads·D] layout, with grouped-query attention: query head
+// bh (of heads_total = B·heads) of row i starts at i·ldq + bh·d in q, out, dout, dq; it reads KV
+// head bh / group (group = heads / kv_heads, which divides heads), whose row i starts at
+// i·ldkv + (bh / group)·d in k, v, dk, dv. bf16_compute: tensor cores for d = 32, 64, 128 (where
+// the device's shared memory allows), else CUDA cores with operands rounded to bf16; otherwise
+// fp32 on CUDA cores. Both return a cudaError_t value (0: success) for what fails before a
+// launch (cudaErrorInvalidValue for a group that does not divide heads_total).
 /// The largest head dim the fused kernels take.
 inline constexpr I kFlashMaxHeadDim = 256;
 /// out, lse [heads_total, S].
 int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
-                            I s, I heads_total, I d, I ld, bool bf16_compute, void* stream);
-/// dq, dk, dv (overwritten); delta is scratch of heads_total·S floats.
+                            I s, I heads_total, I group, I d, I ldq, I ldkv, bool bf16_compute,
+                            void* stream);
+/// dq, dk, dv (overwritten; dk, dv summed over each KV head's group); delta is scratch of
+/// heads_total·S floats.
 int flash_attention_backward(const float* dout, const float* q, const float* k, const float* v,
                              const float* out, const float* lse, float* delta, float* dq, float* dk,
-                             float* dv, I s, I heads_total, I d, I ld, bool bf16_compute,
-                             void* stream);
+                             float* dv, I s, I heads_total, I group, I d, I ldq, I ldkv,
+                             bool bf16_compute, void* stream);
+
+// rope.cu ----------------------------------------------------------------------------------------
+/// Rotary embedding in place on x, rows of 2·half floats, `rows_per_pos` rows (B·heads) per
+/// sequence position, s positions: the pair (i, i + half) of a row at position p is rotated by
+/// the angle whose cos and sin are cos[p·half + i], sin[p·half + i] (device arrays), or by its
+/// opposite when `inverse`; the same fp32 products and sums as the cpu, without FMA contraction.
+void rope(float* x, const float* cos, const float* sin, I s, I rows_per_pos, I half, bool inverse,
+          void* stream);
 
 // fp8.cu -----------------------------------------------------------------------------------------
 // Scales and amax are one float in device memory: nothing crosses to the host.

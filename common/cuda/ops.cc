@@ -7,6 +7,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -15,6 +18,7 @@
 #include "common/config.h"
 #include "common/fp8.h"
 #include "common/ops.h"
+#include "common/rope.h"
 #include "kernels.h"
 #include "nvtx.h"
 
@@ -79,24 +83,45 @@ double reduce_sum_squares(const float* x, const float* y, I n) {
 }
 
 struct AttnDims {
-  I s, b, heads, d, ld;  // ld = B·heads·D, the row stride of one sequence position
-  I batches() const { return b * heads; }
+  I s, b, heads, kv_heads, d;
+  I ldq, ldkv;  // row strides of one sequence position: B·heads·D (q, out), B·kv_heads·D (k, v)
+  I group() const { return heads / kv_heads; }  // query heads per KV head
 };
 
-AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
-                        const Tensor& probs) {
-  TPX_CHECK(q.ndim() == 3 && q.shape() == k.shape() && q.shape() == v.shape(),
-            "attention q, k, v must be equal [S, B, X]: {} {} {}", q.describe(), k.describe(),
-            v.describe());
+/// q [S, B, heads·D] and k, v [S, B, kv_heads·D] f32 on cuda, kv_heads dividing heads
+/// (grouped-query attention; kv_heads = heads is multi-head attention).
+AttnDims qkv_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const char* what) {
+  TPX_CHECK(q.ndim() == 3 && k.ndim() == 3 && k.shape() == v.shape() && k.dim(0) == q.dim(0) &&
+                k.dim(1) == q.dim(1),
+            "{}: q [S, B, heads·D] and k, v [S, B, kv_heads·D] must agree: {} {} {}", what,
+            q.describe(), k.describe(), v.describe());
   expect_f32(q, "attention q");
   expect_f32(k, "attention k");
   expect_f32(v, "attention v");
-  expect_f32(probs, "attention probs");
   const I s = q.dim(0), b = q.dim(1), x = q.dim(2);
-  TPX_CHECK(heads > 0 && x % heads == 0, "{} columns do not split into {} heads", x, heads);
-  TPX_CHECK(probs.numel() == b * heads * s * s, "probs {} must hold [B, heads, S, S]",
+  TPX_CHECK(heads > 0 && x > 0 && x % heads == 0, "{} columns do not split into {} heads", x,
+            heads);
+  const I d = x / heads;
+  TPX_CHECK(k.dim(2) > 0 && k.dim(2) % d == 0 && heads % (k.dim(2) / d) == 0,
+            "{}: k, v of {} columns must hold whole KV heads of D = {} whose count divides the {} "
+            "query heads (grouped-query attention)",
+            what, k.dim(2), d, heads);
+  const I kv_heads = k.dim(2) / d;
+  return {s, b, heads, kv_heads, d, b * x, b * kv_heads * d};
+}
+
+AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
+                        const Tensor& probs) {
+  const AttnDims z = qkv_dims(q, k, v, heads, "attention");
+  expect_f32(probs, "attention probs");
+  TPX_CHECK(probs.numel() == z.b * heads * z.s * z.s, "probs {} must hold [B, heads, S, S]",
             probs.describe());
-  return {s, b, heads, x / heads, b * x};
+  return z;
+}
+
+/// `t` (f32 or bf16) from element `elems` on: a GEMM operand that starts inside a tensor.
+const void* at(const Tensor& t, I elems) {
+  return static_cast<const char*>(t.raw()) + elems * static_cast<I>(dtype_size(t.dtype()));
 }
 
 void expect_compute(DType compute) {
@@ -155,45 +180,54 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const 
   TPX_CUDA_LAUNCH_CHECK();
 }
 
-// Per (batch, head) — one strided-batched GEMM over all B·heads of them:
-//   P = causal_softmax(Q Kᵀ · scale),  O = P V.
-// Q, K, V, O of batch b, head h are the [S, D] matrices at column offset (b·heads + h)·D of the
-// [S, B, heads·D] tensors, row stride ld = B·heads·D: consecutive (b, h) pairs are D elements
-// apart, so cuBLAS reads (and writes O) in place with batch stride D, no transposes or copies.
+// Per (batch, query head): P = causal_softmax(Q Kᵀ · scale),  O = P V, as strided-batched GEMMs.
+// Q, O of batch b, query head h are the [S, D] matrices at column offset (b·heads + h)·D of the
+// [S, B, heads·D] tensors (row stride ldq), and K, V those of KV head h / g (g = heads / kv_heads)
+// at column offset (b·kv_heads + h / g)·D of [S, B, kv_heads·D] (row stride ldkv): cuBLAS reads
+// (and writes O) in place, no transposes or copies.
+// Grouped-query attention: with n = b·kv_heads + kv, query head h = kv·g + r is the (n·g + r)-th
+// (b, h) pair, so for each member r < g of the groups one GEMM batched over the B·kv_heads
+// values of n takes Q, O at offset r·D with batch stride g·D, P at offset r·S² with batch stride
+// g·S², and K, V with batch stride D. g = 1 (kv_heads = heads) is one GEMM over all B·heads.
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
                        const Tensor& out, const Tensor& probs, DType compute) {
   NvtxRange range("attention_forward");
   expect_compute(compute);
-  const auto [s, b, nh, d, ld] = attention_dims(q, k, v, heads, probs);
+  const AttnDims z = attention_dims(q, k, v, heads, probs);
   expect_f32(out, "attention out");
   expect_same_numel(q, out);
-  const I bh = b * nh;
+  const I s = z.s, d = z.d, g = z.group(), n = z.b * z.kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const bool low = compute == DType::bf16;
   const Tensor qo = low ? as_bf16(q) : q, ko = low ? as_bf16(k) : k, vo = low ? as_bf16(v) : v;
   const Tensor p16 = low ? scratch(probs.shape(), DType::bf16) : Tensor();
-  blas::gemm(false, true, s, s, d, scale, {qo.raw(), ld, d}, {ko.raw(), ld, d}, 0.0f, probs.raw(),
-             s, s * s, bh, compute, DType::f32);
-  kernels::causal_softmax_forward(f(probs), low ? h16(p16) : nullptr, bh * s, s, stream());
+  for (I r = 0; r < g; ++r)
+    blas::gemm(false, true, s, s, d, scale, {at(qo, r * d), z.ldq, g * d}, {ko.raw(), z.ldkv, d},
+               0.0f, f(probs) + r * s * s, s, g * s * s, n, compute, DType::f32);
+  kernels::causal_softmax_forward(f(probs), low ? h16(p16) : nullptr, z.b * heads * s, s, stream());
   TPX_CUDA_LAUNCH_CHECK();
-  const void* p_op = low ? p16.raw() : probs.raw();
-  blas::gemm(false, false, s, d, s, 1.0f, {p_op, s, s * s}, {vo.raw(), ld, d}, 0.0f, out.raw(), ld,
-             d, bh, compute, DType::f32);
+  const Tensor& p_op = low ? p16 : probs;
+  for (I r = 0; r < g; ++r)
+    blas::gemm(false, false, s, d, s, 1.0f, {at(p_op, r * s * s), s, g * s * s},
+               {vo.raw(), z.ldkv, d}, 0.0f, f(out) + r * d, z.ldq, g * d, n, compute, DType::f32);
 }
 
 // dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − rowsum(dP ⊙ P));  dQ = scale·dS K;  dK = scale·dSᵀ Q.
-// dP and dS share one [B·heads, S, S] scratch (the softmax backward runs in place).
+// dP and dS share one [B·heads, S, S] scratch (the softmax backward runs in place). Batched as
+// in forward, one GEMM per group member r; a KV head's dK and dV sum its group's query heads:
+// member 0 writes them (beta 0), members 1 .. g − 1 add to them (beta 1), in that order.
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& probs, I heads, const Tensor& dq, const Tensor& dk,
                         const Tensor& dv, DType compute) {
   NvtxRange range("attention_backward");
   expect_compute(compute);
-  const auto [s, b, nh, d, ld] = attention_dims(q, k, v, heads, probs);
+  const AttnDims z = attention_dims(q, k, v, heads, probs);
   for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
     expect_f32(*t, "attention_backward tensor");
-    expect_same_numel(q, *t);
+    expect_same_numel(t == &dk || t == &dv ? k : q, *t);
   }
-  const I bh = b * nh;
+  const I s = z.s, d = z.d, g = z.group(), n = z.b * z.kv_heads;
+  const I ldq = z.ldq, ldkv = z.ldkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const bool low = compute == DType::bf16;
   const Tensor doo = low ? as_bf16(dout) : dout, qo = low ? as_bf16(q) : q;
@@ -202,41 +236,44 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   const Tensor dp = scratch(probs.shape(), DType::f32);
   const Tensor ds16 = low ? scratch(probs.shape(), DType::bf16) : Tensor();
 
-  blas::gemm(true, false, s, d, s, 1.0f, {p_op.raw(), s, s * s}, {doo.raw(), ld, d}, 0.0f, dv.raw(),
-             ld, d, bh, compute, DType::f32);
-  blas::gemm(false, true, s, s, d, 1.0f, {doo.raw(), ld, d}, {vo.raw(), ld, d}, 0.0f, dp.raw(), s,
-             s * s, bh, compute, DType::f32);
-  kernels::causal_softmax_backward(cf(probs), f(dp), low ? h16(ds16) : nullptr, bh * s, s,
+  for (I r = 0; r < g; ++r)
+    blas::gemm(true, false, s, d, s, 1.0f, {at(p_op, r * s * s), s, g * s * s},
+               {at(doo, r * d), ldq, g * d}, r == 0 ? 0.0f : 1.0f, dv.raw(), ldkv, d, n, compute,
+               DType::f32);
+  for (I r = 0; r < g; ++r)
+    blas::gemm(false, true, s, s, d, 1.0f, {at(doo, r * d), ldq, g * d}, {vo.raw(), ldkv, d}, 0.0f,
+               f(dp) + r * s * s, s, g * s * s, n, compute, DType::f32);
+  kernels::causal_softmax_backward(cf(probs), f(dp), low ? h16(ds16) : nullptr, z.b * heads * s, s,
                                    stream());
   TPX_CUDA_LAUNCH_CHECK();
-  const void* ds_op = low ? ds16.raw() : dp.raw();
-  blas::gemm(false, false, s, d, s, scale, {ds_op, s, s * s}, {ko.raw(), ld, d}, 0.0f, dq.raw(), ld,
-             d, bh, compute, DType::f32);
-  blas::gemm(true, false, s, d, s, scale, {ds_op, s, s * s}, {qo.raw(), ld, d}, 0.0f, dk.raw(), ld,
-             d, bh, compute, DType::f32);
+  const Tensor& ds_op = low ? ds16 : dp;
+  for (I r = 0; r < g; ++r)
+    blas::gemm(false, false, s, d, s, scale, {at(ds_op, r * s * s), s, g * s * s},
+               {ko.raw(), ldkv, d}, 0.0f, f(dq) + r * d, ldq, g * d, n, compute, DType::f32);
+  for (I r = 0; r < g; ++r)
+    blas::gemm(true, false, s, d, s, scale, {at(ds_op, r * s * s), s, g * s * s},
+               {at(qo, r * d), ldq, g * d}, r == 0 ? 0.0f : 1.0f, dk.raw(), ldkv, d, n, compute,
+               DType::f32);
 }
 
 namespace {
 
-/// The fused ops' checks: q, k, v, out equal [S, B, X] f32 on cuda, lse [B, heads, S], a head
-/// dim the kernels take and a head count a grid dimension can hold.
+/// The fused ops' checks: q, out [S, B, heads·D] and k, v [S, B, kv_heads·D] f32 on cuda, lse
+/// [B, heads, S], a head dim the kernels take and a head count a grid dimension can hold.
 AttnDims fused_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
                     const Tensor& lse) {
-  TPX_CHECK(
-      q.ndim() == 3 && q.shape() == k.shape() && q.shape() == v.shape() && q.shape() == out.shape(),
-      "fused attention q, k, v, out must be equal [S, B, X]: {} {} {} {}", q.describe(),
-      k.describe(), v.describe(), out.describe());
-  for (const Tensor* t : {&q, &k, &v, &out, &lse}) expect_f32(*t, "fused attention tensor");
-  const I s = q.dim(0), b = q.dim(1), x = q.dim(2);
-  TPX_CHECK(heads > 0 && x % heads == 0, "{} columns do not split into {} heads", x, heads);
-  const I d = x / heads;
-  TPX_CHECK(d <= kernels::kFlashMaxHeadDim,
+  const AttnDims z = qkv_dims(q, k, v, heads, "fused attention");
+  TPX_CHECK(out.shape() == q.shape(), "fused attention: out {} must be shaped like q {}",
+            out.describe(), q.describe());
+  for (const Tensor* t : {&out, &lse}) expect_f32(*t, "fused attention tensor");
+  TPX_CHECK(z.d <= kernels::kFlashMaxHeadDim,
             "fused attention on cuda takes head dims up to {} (got {}); use --attention naive",
-            kernels::kFlashMaxHeadDim, d);
-  TPX_CHECK(b * heads <= 65535, "fused attention: B·heads = {} exceeds a grid's 65535", b * heads);
-  TPX_CHECK(lse.numel() == b * heads * s, "lse {} must hold [B, heads, S] = [{}, {}, {}]",
-            lse.describe(), b, heads, s);
-  return {s, b, heads, d, b * x};
+            kernels::kFlashMaxHeadDim, z.d);
+  TPX_CHECK(z.b * heads <= 65535, "fused attention: B·heads = {} exceeds a grid's 65535",
+            z.b * heads);
+  TPX_CHECK(lse.numel() == z.b * heads * z.s, "lse {} must hold [B, heads, S] = [{}, {}, {}]",
+            lse.describe(), z.b, heads, z.s);
+  return z;
 }
 
 }  // namespace
@@ -248,9 +285,10 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
                              const Tensor& out, const Tensor& lse, DType compute) {
   NvtxRange range("attention_fused_forward");
   expect_compute(compute);
-  const auto [s, b, nh, d, ld] = fused_dims(q, k, v, heads, out, lse);
+  const AttnDims z = fused_dims(q, k, v, heads, out, lse);
   TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_forward(
-      cf(q), cf(k), cf(v), f(out), f(lse), s, b * nh, d, ld, compute == DType::bf16, stream())));
+      cf(q), cf(k), cf(v), f(out), f(lse), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv,
+      compute == DType::bf16, stream())));
   TPX_CUDA_LAUNCH_CHECK();
 }
 
@@ -259,17 +297,79 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               const Tensor& dk, const Tensor& dv, DType compute) {
   NvtxRange range("attention_fused_backward");
   expect_compute(compute);
-  const auto [s, b, nh, d, ld] = fused_dims(q, k, v, heads, out, lse);
+  const AttnDims z = fused_dims(q, k, v, heads, out, lse);
   for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
     expect_f32(*t, "attention_fused_backward tensor");
-    TPX_CHECK(t->shape() == q.shape(), "attention_fused_backward: {} must be shaped like q {}",
-              t->describe(), q.describe());
+    const Tensor& like = t == &dk || t == &dv ? k : q;
+    TPX_CHECK(t->shape() == like.shape(), "attention_fused_backward: {} must be shaped like {}",
+              t->describe(), like.describe());
   }
-  const Tensor delta = scratch({b * nh * s}, DType::f32);
+  const Tensor delta = scratch({z.b * heads * z.s}, DType::f32);
   TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_backward(
-      cf(dout), cf(q), cf(k), cf(v), cf(out), cf(lse), f(delta), f(dq), f(dk), f(dv), s, b * nh, d,
-      ld, compute == DType::bf16, stream())));
+      cf(dout), cf(q), cf(k), cf(v), cf(out), cf(lse), f(delta), f(dq), f(dk), f(dv), z.s,
+      z.b * heads, z.group(), z.d, z.ldq, z.ldkv, compute == DType::bf16, stream())));
   TPX_CUDA_LAUNCH_CHECK();
+}
+
+namespace {
+
+/// The rotary tables of rope_table() on the device: cos [seq, D/2] then sin [seq, D/2], one
+/// cudaMalloc per (device, seq, head dim, theta), uploaded on the first call that needs it and
+/// kept for the life of the process (a run uses one or two), so a step never uploads them again.
+/// Stages issue ops from several host threads, hence the mutex; the upload runs on the calling
+/// thread's current stream and is waited for before the table is published, so a kernel on any
+/// stream, issued by any thread afterwards, reads complete values.
+const float* rope_device_table(I seq, I head_dim, double theta) {
+  using Key = std::tuple<int, I, I, double>;
+  static std::mutex mutex;
+  static auto* tables = new std::map<Key, float*>();  // never freed: lives until exit
+  ensure_initialized();
+  int device = 0;
+  TPX_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard lock(mutex);
+  const Key key{device, seq, head_dim, theta};
+  if (const auto it = tables->find(key); it != tables->end()) return it->second;
+  const RopeTable t = rope_table(seq, head_dim, theta);
+  const std::size_t n = t.cos.size(), bytes = n * sizeof(float);
+  void* raw = nullptr;
+  TPX_CUDA_CHECK(cudaMalloc(&raw, 2 * bytes));
+  auto* p = static_cast<float*>(raw);
+  auto st = static_cast<cudaStream_t>(stream());
+  cudaError_t rc = cudaMemcpyAsync(p, t.cos.data(), bytes, cudaMemcpyHostToDevice, st);
+  if (rc == cudaSuccess)
+    rc = cudaMemcpyAsync(p + n, t.sin.data(), bytes, cudaMemcpyHostToDevice, st);
+  if (rc == cudaSuccess) rc = cudaStreamSynchronize(st);  // `t` is pageable and about to go
+  if (rc != cudaSuccess) {
+    cudaFree(p);
+    TPX_CUDA_CHECK(rc);
+  }
+  tables->emplace(key, p);
+  return p;
+}
+
+/// x [S, B, heads·D] rotated in place by the angles of rope_table(), or by their opposites.
+void rope_rotate(const Tensor& x, I heads, double theta, bool inverse) {
+  expect_f32(x, "rope x");
+  TPX_CHECK(x.ndim() == 3 && heads > 0 && x.dim(2) % heads == 0 && (x.dim(2) / heads) % 2 == 0,
+            "rope: {} must be [S, B, heads*D] with {} heads of even D", x.describe(), heads);
+  const I s = x.dim(0), d = x.dim(2) / heads;
+  const float* table = rope_device_table(s, d, theta);  // checks theta, and S > 0 like the cpu
+  const I half = d / 2;
+  kernels::rope(f(x), table, table + s * half, s, x.dim(1) * heads, half, inverse, stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void rope_forward(const Tensor& x, I heads, double theta) {
+  NvtxRange range("rope_forward");
+  rope_rotate(x, heads, theta, false);
+}
+
+// y = R x with R orthogonal, so dx = Rᵀ dy: the same rotation by the opposite angle.
+void rope_backward(const Tensor& dx, I heads, double theta) {
+  NvtxRange range("rope_backward");
+  rope_rotate(dx, heads, theta, true);
 }
 
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {

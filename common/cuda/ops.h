@@ -9,8 +9,8 @@
 // All work is issued on cuda::current_stream() (device.h) and is asynchronous unless the op
 // returns a host value (mse_loss_sum, sum_squares, to_host_f32) or copies to host memory.
 //
-// defines: tpx::cuda::gemm, rmsnorm_*, attention_*, attention_fused_*, swiglu_*, add,
-//          accumulate, mse_loss_*, sgd_update, sum_squares, fill, cast, copy, to_host_f32,
+// defines: tpx::cuda::gemm, rmsnorm_*, attention_*, attention_fused_*, rope_*, swiglu_*,
+//          add, accumulate, mse_loss_*, sgd_update, sum_squares, fill, cast, copy, to_host_f32,
 //          synchronize, device_problem, measure_bf16_gemm_peak_tflops, quantize_fp8,
 //          dequantize_fp8, amax, fp8_scale, gemm_fp8
 #pragma once
@@ -50,6 +50,9 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv,
                               DType compute = DType::f32);
+// Rotary embedding, in place (cos/sin tables in double, rounded to fp32).
+void rope_forward(const Tensor& x, std::int64_t heads, double theta);
+void rope_backward(const Tensor& dx, std::int64_t heads, double theta);
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
                      const Tensor& dup);
