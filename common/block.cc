@@ -18,6 +18,12 @@ Tensor rows_of(const Tensor& x) {
 
 }  // namespace
 
+void BlockActivations::keep_only_input() {
+  Tensor input = std::move(x);
+  *this = BlockActivations{};
+  x = std::move(input);
+}
+
 std::size_t BlockActivations::bytes() const {
   std::size_t n = 0;
   for (const Tensor* t : {&x, &rstd1, &h_saved, &q, &k, &v, &probs, &lse, &a, &x2, &rstd2,
@@ -44,7 +50,15 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
   sv.q = qkv.y[0];
   sv.k = qkv.y[1];
   sv.v = qkv.y[2];
-  const std::int64_t heads = sv.q.dim(2) / c.head_dim();  // this rank's heads
+  const std::int64_t heads = sv.q.dim(2) / c.head_dim();     // this rank's query heads
+  const std::int64_t kv_heads = sv.k.dim(2) / c.head_dim();  // and KV heads (GQA: fewer)
+  if (c.rope()) {
+    // q and k hold every position here (column_forward gathers the sequence under SP), and
+    // dim 0 is the global position, so no rank needs an offset.
+    TraceScope op(trace, "rope fwd");
+    ops::rope_forward(sv.q, heads, c.rope_theta);
+    ops::rope_forward(sv.k, kv_heads, c.rope_theta);
+  }
   sv.a = like(sv.q);
   const std::int64_t batch = sv.q.dim(1), seq = sv.q.dim(0);
   if (c.attention == Attention::fused) {
@@ -115,6 +129,7 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
   Tensor da = par.row_backward(sv.a, p[Param::wo], dx2, grads[Param::wo], "o");
   Tensor dq = like(sv.q), dk = like(sv.k), dv = like(sv.v);
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();
+  const std::int64_t kv_heads = sv.k.dim(2) / c.head_dim();
   {
     TraceScope op(trace, "attention bwd");
     if (c.attention == Attention::fused)
@@ -123,6 +138,12 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
     else
       ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv,
                               high_precision(c.dtype));
+  }
+  if (c.rope()) {
+    // q = R·(h·Wq) with R a rotation per position and pair: the gradient rotates back by Rᵀ.
+    TraceScope op(trace, "rope bwd");
+    ops::rope_backward(dq, heads, c.rope_theta);
+    ops::rope_backward(dk, kv_heads, c.rope_theta);
   }
   const std::array qkv_w{p[Param::wq], p[Param::wk], p[Param::wv]};
   const std::array qkv_dy{dq, dk, dv};

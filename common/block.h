@@ -1,7 +1,8 @@
 // One transformer block, forward and backward by hand, written once for every stage.
 //
 //   h   = RMSNorm(x; g1)
-//   q,k,v = h·Wq, h·Wk, h·Wv                 (column-parallel group)
+//   q,k,v = h·Wq, h·Wk, h·Wv                 (column-parallel group; Wk, Wv: NKV heads, GQA)
+//   q,k = RoPE(q), RoPE(k)                   (rotary embedding, unless --rope-theta 0)
 //   a   = causal softmax(q kᵀ / sqrt(D)) v     (c.attention: fused or naive, common/ops.h)
 //   x2  = x + a·Wo                           (row-parallel)
 //   h2  = RMSNorm(x2; g2)
@@ -28,7 +29,7 @@ struct BlockActivations {
   Tensor x;         ///< block input (RMSNorm 1 backward)
   Tensor rstd1;     ///< RMSNorm 1 statistics
   Tensor h_saved;   ///< input of the Wq/Wk/Wv group, as the stage keeps it
-  Tensor q, k, v;   ///< attention inputs
+  Tensor q, k, v;   ///< attention inputs (q and k after the rotary embedding)
   Tensor probs;     ///< softmax probabilities [B, heads, S, S] (naive attention only)
   Tensor lse;       ///< log-sum-exp of each query row's scores [B, heads, S] (fused only)
   Tensor a;         ///< attention output, input of Wo
@@ -39,6 +40,9 @@ struct BlockActivations {
   Tensor s;         ///< SwiGLU output, input of Wd
 
   std::size_t bytes() const;  ///< sum of the saved tensors' sizes
+  /// Releases everything but the block input x (full recompute keeps only that between the
+  /// forward and the block's backward, where block_forward fills the rest again).
+  void keep_only_input();
 };
 
 /// Runs one block forward on this rank's part of x; fills `saved`, returns the block output.

@@ -100,6 +100,11 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   auto sizes = "Model sizes";
   add_number(app, "--hidden", c.hidden, "H, the model width")->group(sizes);
   add_number(app, "--heads", c.heads, "NH, attention heads (H % NH == 0)")->group(sizes);
+  add_number(app, "--kv-heads", c.kv_heads,
+             "NKV, key/value heads of grouped-query attention (NH % NKV == 0; query head h reads "
+             "KV head h/(NH/NKV)); NH when not given")
+      ->default_str("NH")
+      ->group(sizes);
   add_number(app, "--ffn", c.ffn, "F, the SwiGLU inner size")->group(sizes);
   add_number(app, "--seq", c.seq, "S, sequence length")->group(sizes);
   add_number(app, "--batch", c.batch, "B, batch size")->group(sizes);
@@ -124,6 +129,18 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                  "fused (FlashAttention-2: blockwise, online softmax, keeps only the log-sum-exp) "
                  "or naive (materialises and keeps the S×S probabilities)")
       ->check(CLI::IsMember({"fused", "naive"}))
+      ->capture_default_str()
+      ->group(run);
+  add_number(app, "--rope-theta", c.rope_theta,
+             "θ of the rotary position embedding on q and k (Llama 3: 500000); 0 turns it off")
+      ->type_name("THETA")
+      ->group(run);
+  std::string recompute(recompute_flag(c.recompute));
+  app.add_option("--recompute", recompute,
+                 "none (keep every activation backward reads) or full (keep only each block's "
+                 "input and run the block's forward again, collectives included, before its "
+                 "backward)")
+      ->check(CLI::IsMember({"none", "full"}))
       ->capture_default_str()
       ->group(run);
   auto out = "Output";
@@ -206,6 +223,12 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   c.device = parse_device(device);
   c.dtype = parse_dtype(dtype);
   c.attention = attention == "naive" ? Attention::naive : Attention::fused;
+  c.recompute = recompute == "full" ? Recompute::full : Recompute::none;
+  if (app.count("--kv-heads") == 0) {
+    c.kv_heads = c.heads;  // multi-head attention
+  } else if (c.kv_heads == 0) {
+    return {std::nullopt, "--kv-heads must be positive (got 0; leave it out for NKV = NH)", 2};
+  }
   if (const auto errors = validate(c); !errors.empty())
     return {std::nullopt, fmt::format("{}", fmt::join(errors, "; ")), 2};
   return {std::move(o), "", 0};
@@ -228,6 +251,9 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--device", std::string(to_string(c.device))},
       {"--dtype", std::string(dtype_flag(c.dtype))},
       {"--attention", std::string(attention_flag(c.attention))},
+      {"--kv-heads", fmt::format("{}", c.kv_heads_or_heads())},
+      {"--rope-theta", fmt::format("{}", c.rope_theta)},
+      {"--recompute", std::string(recompute_flag(c.recompute))},
       {"--comm", to_string(o.comm.kind)},
       {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
       {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},

@@ -30,6 +30,22 @@ std::vector<std::string> validate(const BlockConfig& c) {
   if (c.hidden > 0 && c.heads > 0 && c.hidden % c.heads != 0)
     errors.push_back(
         fmt::format("--hidden ({}) must be divisible by --heads ({})", c.hidden, c.heads));
+  if (c.kv_heads < 0)
+    errors.push_back(fmt::format("--kv-heads must be positive (got {})", c.kv_heads));
+  else if (c.heads > 0 && c.kv_heads > 0 && c.heads % c.kv_heads != 0)
+    errors.push_back(
+        fmt::format("--kv-heads ({}) must divide --heads ({}): each KV head serves a whole group "
+                    "of query heads",
+                    c.kv_heads, c.heads));
+  if (!(c.rope_theta >= 0.0))
+    errors.push_back(
+        fmt::format("--rope-theta must be non-negative (got {}; 0 turns RoPE off)", c.rope_theta));
+  else if (c.rope_theta > 0 && c.hidden > 0 && c.heads > 0 && c.hidden % c.heads == 0 &&
+           c.head_dim() % 2 != 0)
+    errors.push_back(fmt::format(
+        "the rotary embedding rotates pairs of a head's elements, so the head dim H/NH must be "
+        "even (got {}); use --rope-theta 0 to run without it",
+        c.head_dim()));
   if (!(c.lr >= 0.0)) errors.push_back(fmt::format("--lr must be non-negative (got {})", c.lr));
   if (c.device == Device::cpu && c.dtype == DType::bf16)
     errors.push_back(

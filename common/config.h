@@ -1,7 +1,7 @@
 // The block's hyper-parameters and the run's settings, with validation.
 //
-// defines: tpx::Attention, tpx::BlockConfig, tpx::validate(), tpx::dtype_flag(),
-//          tpx::attention_flag(), tpx::high_precision()
+// defines: tpx::Attention, tpx::Recompute, tpx::BlockConfig, tpx::validate(), tpx::dtype_flag(),
+//          tpx::attention_flag(), tpx::recompute_flag(), tpx::high_precision()
 #pragma once
 
 #include <cstdint>
@@ -21,24 +21,42 @@ inline constexpr double kNormEps = 1e-5;
 /// the readable version, materialising and keeping the probabilities [B, NH, S, S].
 enum class Attention { fused, naive };
 
+/// What backward keeps from forward (--recompute). none: every activation backward reads is
+/// saved; full: only each block's input (its sequence shard under SP) is saved, and the block's
+/// forward, collectives included, runs again just before its backward (Megatron-LM's
+/// --recompute-granularity full, TorchTitan's full activation checkpointing).
+enum class Recompute { none, full };
+
+/// Llama 3's rotary base θ (--rope-theta's default).
+inline constexpr double kLlama3RopeTheta = 500000.0;
+
 /// Everything that defines a run of a stage. Defaults are the tutorial's default config.
 struct BlockConfig {
   std::int64_t hidden = 256;  ///< H
   std::int64_t heads = 8;     ///< NH; head dim D = H / NH
-  std::int64_t ffn = 1024;    ///< F, the SwiGLU inner size
-  std::int64_t seq = 128;     ///< S
-  std::int64_t batch = 2;     ///< B
-  std::int64_t layers = 2;    ///< L stacked blocks
-  std::int64_t steps = 5;     ///< SGD steps (--steps)
-  double lr = 1.0;            ///< SGD learning rate (the loss is a mean, so grads are small)
+  /// NKV, key/value heads (grouped-query attention): Wk, Wv are [H, NKV·D] and query head h
+  /// reads KV head h / (NH/NKV). 0 (the default) means NKV = NH, multi-head attention.
+  std::int64_t kv_heads = 0;
+  std::int64_t ffn = 1024;  ///< F, the SwiGLU inner size
+  std::int64_t seq = 128;   ///< S
+  std::int64_t batch = 2;   ///< B
+  std::int64_t layers = 2;  ///< L stacked blocks
+  std::int64_t steps = 5;   ///< SGD steps (--steps)
+  double lr = 1.0;          ///< SGD learning rate (the loss is a mean, so grads are small)
   std::uint64_t seed = 1234;
   Device device = Device::cpu;
   /// The linear layers' GEMM operands: f32, bf16, or e4m3 for stage 06's FP8 recipe (--dtype fp8:
   /// E4M3 activations and weights, E5M2 gradients).
   DType dtype = DType::f32;
   Attention attention = Attention::fused;
+  /// θ of the rotary embedding on q and k (0: none).
+  double rope_theta = kLlama3RopeTheta;
+  Recompute recompute = Recompute::none;
 
   std::int64_t head_dim() const { return hidden / heads; }
+  std::int64_t kv_heads_or_heads() const { return kv_heads > 0 ? kv_heads : heads; }
+  std::int64_t kv_dim() const { return kv_heads_or_heads() * head_dim(); }  ///< NKV·D
+  bool rope() const { return rope_theta > 0; }
   std::int64_t tokens() const { return seq * batch; }
 };
 
@@ -47,6 +65,10 @@ std::string_view dtype_flag(DType d);
 /// The --attention word: "fused" or "naive".
 constexpr std::string_view attention_flag(Attention a) {
   return a == Attention::fused ? "fused" : "naive";
+}
+/// The --recompute word: "none" or "full".
+constexpr std::string_view recompute_flag(Recompute r) {
+  return r == Recompute::full ? "full" : "none";
 }
 /// The operand type of the GEMMs that never run in FP8 (attention's): d, or fp32 under fp8.
 constexpr DType high_precision(DType d) {

@@ -1,14 +1,19 @@
 // Floating-point operations of one training step of the block, counted from its GEMMs: what
 // TFLOP/s and MFU are computed from, and what the tutorial's tables cite.
 //
-// Per layer (multiply-add = 2 FLOPs; S·B tokens):
-//   linear forward     2·S·B·(4H² + 3HF)   Wq, Wk, Wv, Wo: [H, H]; Wg, Wu: [H, F]; Wd: [F, H]
+// Per layer (multiply-add = 2 FLOPs; S·B tokens; KV = NKV·D, which is H without GQA):
+//   linear forward     2·S·B·(2H² + 2H·KV + 3HF)
+//                                          Wq, Wo: [H, H]; Wk, Wv: [H, KV]; Wg, Wu: [H, F];
+//                                          Wd: [F, H]
 //   attention forward  2·(2·B·S²·H)        QKᵀ and PV over all heads, the full S×S square (a
 //                                          convention: the causal kernels skip about half of it,
 //                                          and fused attention's backward recomputes QKᵀ)
 //   backward           2 × forward         each GEMM becomes two (dX and dW; dQ, dK and dV, dP)
-// Element-wise work (norms, softmax, SwiGLU, residuals, loss, SGD) is O(S·B·H) and not counted.
-// A tensor-parallel rank does 1/N of the GEMM work.
+//   recompute          1 × forward         --recompute full runs every block's forward again
+// Element-wise work (norms, RoPE, softmax, SwiGLU, residuals, loss, SGD) is O(S·B·H) and not
+// counted. GQA does not change attention's FLOPs: every query head still scores every key.
+// A tensor-parallel rank does 1/N of the GEMM work. total() is the model's FLOPs (what MFU
+// divides by, recompute excluded, as in the PaLM paper's MFU); executed() adds the recompute.
 //
 // defines: tpx::StepFlops, tpx::step_flops()
 #pragma once
@@ -21,8 +26,10 @@ struct StepFlops {
   double linear_forward = 0;     ///< all layers
   double attention_forward = 0;  ///< all layers
   double forward() const { return linear_forward + attention_forward; }
+  double recompute = 0;  ///< all layers: forward again under --recompute full, else 0
   double backward() const { return 2.0 * forward(); }
   double total() const { return forward() + backward(); }  ///< forward + backward = 3 × forward
+  double executed() const { return total() + recompute; }  ///< what the GPU runs
 };
 
 /// FLOPs of one forward + backward of the whole model (all L layers, all ranks together).
@@ -30,8 +37,10 @@ inline StepFlops step_flops(const BlockConfig& c) {
   const double h = double(c.hidden), f = double(c.ffn), s = double(c.seq), b = double(c.batch);
   const double t = s * b, layers = double(c.layers);
   StepFlops r;
-  r.linear_forward = layers * 2.0 * t * (4.0 * h * h + 3.0 * h * f);
+  const double kv = double(c.kv_dim());
+  r.linear_forward = layers * 2.0 * t * (2.0 * h * h + 2.0 * h * kv + 3.0 * h * f);
   r.attention_forward = layers * 2.0 * (2.0 * b * s * s * h);
+  r.recompute = c.recompute == Recompute::full ? r.forward() : 0.0;
   return r;
 }
 

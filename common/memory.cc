@@ -42,22 +42,25 @@ I numel(const std::vector<I>& shape, std::string_view what) {
 
 /// Bytes of this rank's tensors, named as in the chapters (N ranks; /N only where `s` splits).
 struct Bytes {
-  I stream;  ///< R: the residual stream [S, B, H], or [S/N, B, H] with sequence parallelism
-  I rows;    ///< an RMSNorm's rstd, one float per row of the stream
-  I full;    ///< G: [S, B, H], every token: a region's gathered input or partial output
-  I gather;  ///< G with sequence parallelism (f and g all-gather into a new tensor), else 0
-  I cols_h;  ///< [S, B, H/N]: q, k, v, a and their gradients
-  I cols_f;  ///< [S, B, F/N]: gate, up, s and their gradients
-  I probs;   ///< [B, NH/N, S, S]: naive attention's probabilities
-  I lse;     ///< [B, NH/N, S]: fused attention's log-sum-exp per query row
-  I attn;    ///< what attention keeps for backward: lse (fused) or probs (naive)
-  I w_h;     ///< a local Wq / Wk / Wv / Wo: H·H/N elements (bytes at fp32)
-  I w_f;     ///< a local Wg / Wu / Wd: H·F/N elements (bytes at fp32)
+  I stream;   ///< R: the residual stream [S, B, H], or [S/N, B, H] with sequence parallelism
+  I rows;     ///< an RMSNorm's rstd, one float per row of the stream
+  I full;     ///< G: [S, B, H], every token: a region's gathered input or partial output
+  I gather;   ///< G with sequence parallelism (f and g all-gather into a new tensor), else 0
+  I cols_h;   ///< [S, B, H/N]: q, a and their gradients
+  I cols_kv;  ///< [S, B, NKV·D/N]: k, v and their gradients (cols_h without GQA)
+  I cols_f;   ///< [S, B, F/N]: gate, up, s and their gradients
+  I probs;    ///< [B, NH/N, S, S]: naive attention's probabilities
+  I lse;      ///< [B, NH/N, S]: fused attention's log-sum-exp per query row
+  I attn;     ///< what attention keeps for backward: lse (fused) or probs (naive)
+  I w_h;      ///< a local Wq / Wo: H·H/N elements (bytes at fp32)
+  I w_kv;     ///< a local Wk / Wv: H·NKV·D/N elements
+  I w_f;      ///< a local Wg / Wu / Wd: H·F/N elements (bytes at fp32)
 };
 
 Bytes local_bytes(const BlockConfig& c, const Sharding& s) {
   const I seq_local = s.sequence ? c.seq / s.world : c.seq;
   const I cols_h = param_local_shape(Param::wq, c, s)[1];      // H/N: whole heads
+  const I cols_kv = param_local_shape(Param::wk, c, s)[1];     // NKV·D/N: whole KV heads
   const I cols_f = param_local_shape(Param::w_gate, c, s)[1];  // F/N
   const I heads = cols_h / c.head_dim();                       // as block_forward counts them
   Bytes b{};
@@ -66,12 +69,14 @@ Bytes local_bytes(const BlockConfig& c, const Sharding& s) {
   b.full = checked_product({c.seq, c.batch, c.hidden, kF32}, "an activation's bytes (S·B·H·4)");
   b.gather = s.sequence ? b.full : 0;
   b.cols_h = checked_product({c.seq, c.batch, cols_h, kF32}, "q's bytes (S·B·H/N·4)");
+  b.cols_kv = checked_product({c.seq, c.batch, cols_kv, kF32}, "k's bytes (S·B·NKV·D/N·4)");
   b.cols_f = checked_product({c.seq, c.batch, cols_f, kF32}, "gate's bytes (S·B·F/N·4)");
   b.probs = checked_product({c.batch, heads, c.seq, c.seq, kF32},
                             "the attention probabilities' bytes (B·NH/N·S·S·4)");
   b.lse = checked_product({c.batch, heads, c.seq, kF32}, "the attention lse's bytes (B·NH/N·S·4)");
   b.attn = c.attention == Attention::fused ? b.lse : b.probs;
   b.w_h = checked_product({c.hidden, cols_h, kF32}, "a local attention weight's bytes");
+  b.w_kv = checked_product({c.hidden, cols_kv, kF32}, "a local Wk's bytes");
   b.w_f = checked_product({c.hidden, cols_f, kF32}, "a local MLP weight's bytes");
   return b;
 }
@@ -105,7 +110,7 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
       : fused
           ? b.lse
           : sum({b.probs,
-                 bf16 ? sum({b.cols_h, b.cols_h, b.cols_h, b.cols_h, b.probs, b.probs}, what) / 2
+                 bf16 ? sum({b.cols_h, b.cols_h, b.cols_kv, b.cols_kv, b.probs, b.probs}, what) / 2
                       : 0},
                 what);
   // A reduce-scatter's output (stage 03's f backward and g forward); in place otherwise.
@@ -118,7 +123,7 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
   const I held_mlp = sum({base, b.cols_f, b.cols_f, b.cols_f}, what);  // + ds, dgate, dup
   const I held_norm2 = sum({held_mlp, R, R}, what);                    // + dh2, dx2
   const I held_attn =
-      sum({held_norm2, b.cols_h, b.cols_h, b.cols_h, b.cols_h}, what);  // + da, dq, dk, dv
+      sum({held_norm2, b.cols_h, b.cols_h, b.cols_kv, b.cols_kv}, what);  // + da, dq, dk, dv
   I peak = largest({
       // row backward of Wd: g's backward gathers dout, allocates ds, runs two GEMMs
       sum({base, b.gather, b.cols_f, largest({gemm_copies(b.cols_f, G), gemm_copies(G, b.w_f)})},
@@ -143,10 +148,20 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
 
   // From the second step on, forward replaces each saved tensor of the previous step: the new
   // one exists before the old one is released. With long sequences the new probabilities
-  // alone outweigh everything backward allocates.
-  if (c.steps >= 2) {
-    const I qkv_col = sum({R, b.gather, b.cols_h, b.cols_h, b.cols_h, gemm_copies(G, b.w_h)}, what);
-    const I attn_fwd = bf16 && !fused ? sum({b.cols_h, b.cols_h, b.cols_h, b.probs}, what) / 2 : 0;
+  // alone outweigh everything backward allocates. Under full recompute nothing is replaced (a
+  // block's activations are released after its backward); its forward runs again inside
+  // backward, beside the last block's output y and the incoming gradient, and what it saves is
+  // the saved-activations term's one block: only its transient outputs come on top.
+  const bool recompute = c.recompute == Recompute::full;
+  if (recompute) {
+    const I wo_row = sum({G, largest({gemm_copies(b.cols_h, b.w_h), scattered})}, what);
+    const I wd_row = sum({R, G, largest({gemm_copies(b.cols_f, b.w_f), scattered})}, what);
+    peak = largest({peak, sum({base, largest({wo_row, wd_row, sum({R, R, R}, what)})}, what)});
+  } else if (c.steps >= 2) {
+    const I qkv_col =
+        sum({R, b.gather, b.cols_h, b.cols_kv, b.cols_kv, gemm_copies(G, b.w_h)}, what);
+    const I attn_fwd =
+        bf16 && !fused ? sum({b.cols_h, b.cols_kv, b.cols_kv, b.probs}, what) / 2 : 0;
     const I wo_row = sum({G, largest({gemm_copies(b.cols_h, b.w_h), scattered})}, what);
     const I mlp_col =
         sum({R, R, b.gather, b.cols_f, b.cols_f, gemm_copies(G, b.w_f)}, what);  // attn out, h2
@@ -224,7 +239,9 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   TPX_CHECK(c.hidden > 0 && c.heads > 0 && c.ffn > 0 && c.seq > 0 && c.batch > 0 && c.layers > 0 &&
                 c.hidden % c.heads == 0,
             "memory estimate of an invalid config (validate() it first)");
-  TPX_CHECK(s.world >= 1 && (!s.weights || (c.heads % s.world == 0 && c.ffn % s.world == 0)) &&
+  TPX_CHECK(s.world >= 1 &&
+                (!s.weights || (c.heads % s.world == 0 && c.kv_heads_or_heads() % s.world == 0 &&
+                                c.ffn % s.world == 0)) &&
                 (!s.sequence || c.seq % s.world == 0),
             "memory estimate for {} ranks that cannot split the block (check_tp_split() first)",
             s.world);
@@ -242,10 +259,16 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   // s, and probs (naive attention) or lse (fused).
   // Stage 06 (FP8) keeps h and h2 as the FP8 shards it quantized: a byte per element.
   const I kept_h = is_fp8(c.dtype) ? b.stream / kF32 : b.stream;
-  const I saved_layer = sum({b.stream, kept_h, b.stream, kept_h, b.rows, b.rows, b.cols_h, b.cols_h,
-                             b.cols_h, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.attn},
+  const I saved_layer = sum({b.stream, kept_h, b.stream, kept_h, b.rows, b.rows, b.cols_h,
+                             b.cols_kv, b.cols_kv, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.attn},
                             "a layer's saved activations");
-  const I saved = checked_product({saved_layer, c.layers}, "the saved activations' bytes");
+  // Full recompute keeps every layer's input x between forward and backward, and the rest of one
+  // block's activations while that block's backward runs: L·x + (saved_layer − x).
+  const I saved = c.recompute == Recompute::full
+                      ? sum({checked_product({b.stream, c.layers}, "the saved inputs' bytes"),
+                             saved_layer - b.stream},
+                            "the saved activations' bytes")
+                      : checked_product({saved_layer, c.layers}, "the saved activations' bytes");
 
   MemoryEstimate e;
   e.terms = {

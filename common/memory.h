@@ -5,12 +5,14 @@
 // (what the step table's "peak MB" column measures), as a sum of named terms:
 //   parameters, gradients   every layer's nine tensors, this rank's shards (param_local_shape)
 //   saved activations       what forward keeps for backward, all L layers, exactly as
-//                           BlockActivations::bytes() counts it (the chapters' formula)
+//                           BlockActivations::bytes() counts it (the chapters' formula);
+//                           under --recompute full every layer's input plus one block's rest
 //   target                  the loss's T, this rank's part (the input x is layer 0's saved x)
 //   largest temporaries     what else is alive at the peak: the output and its gradient, and
 //                           the block backward's own tensors at their fullest (or, with long
 //                           sequences and naive attention, a forward re-allocating a layer's
-//                           probabilities; fused attention keeps only [B, NH/N, S])
+//                           probabilities; fused attention keeps only [B, NH/N, S]; under
+//                           full recompute, a block's forward run again inside backward)
 // Every size is computed with checked arithmetic (checked.h): sizes too large for 64 bits throw
 // SizeOverflow, never a wrapped, small-looking number. It is pure arithmetic, so absurd configs
 // are refused at once.

@@ -35,6 +35,9 @@ std::vector<std::int64_t> param_shape(Param p, const BlockConfig& c) {
       return {c.hidden, c.ffn};
     case Param::w_down:
       return {c.ffn, c.hidden};
+    case Param::wk:
+    case Param::wv:
+      return {c.hidden, c.kv_dim()};  // NKV·D: grouped-query attention's fewer KV heads
     default:
       return {c.hidden, c.hidden};
   }

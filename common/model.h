@@ -27,7 +27,8 @@ std::string_view param_name(Param p);  ///< "norm1", "wq", ..., "w_down"
 enum class Split { replicated, columns, rows };
 Split param_split(Param p);
 
-/// Full (unsharded) shape of a parameter: [H] for gains, [in, out] for weights.
+/// Full (unsharded) shape of a parameter: [H] for gains, [in, out] for weights ([H, NKV·D] for
+/// Wk and Wv).
 std::vector<std::int64_t> param_shape(Param p, const BlockConfig& c);
 
 /// One block's parameters (or gradients), indexable by Param.

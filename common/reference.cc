@@ -107,7 +107,16 @@ double silu(double z) {
 class RefBlock {
  public:
   explicit RefBlock(const BlockConfig& c)
-      : S(c.seq), B(c.batch), H(c.hidden), NH(c.heads), D(c.hidden / c.heads), F(c.ffn), T(S * B) {}
+      : S(c.seq),
+        B(c.batch),
+        H(c.hidden),
+        NH(c.heads),
+        NKV(c.kv_heads_or_heads()),
+        D(c.hidden / c.heads),
+        KV(NKV * D),
+        F(c.ffn),
+        T(S * B),
+        theta(c.rope_theta) {}
 
   // Returns out; fills the saved layer state.
   Vec forward(const std::array<Vec, kNumParams>& w, const Vec& x, Layer& L) const {
@@ -116,8 +125,10 @@ class RefBlock {
     L.h = n1.y;
     L.rstd1 = n1.rstd;
     L.q = matmul(L.h, w[1], T, H, H);
-    L.k = matmul(L.h, w[2], T, H, H);
-    L.v = matmul(L.h, w[3], T, H, H);
+    L.k = matmul(L.h, w[2], T, H, KV);
+    L.v = matmul(L.h, w[3], T, H, KV);
+    rope(L.q, NH, +1.0);
+    rope(L.k, NKV, +1.0);
     L.p.assign(static_cast<std::size_t>(B * NH * S * S), 0.0);
     L.a.assign(static_cast<std::size_t>(T * H), 0.0);
     const double scale = 1.0 / std::sqrt(double(D));
@@ -128,7 +139,7 @@ class RefBlock {
           double mx = -INFINITY;
           for (I j = 0; j <= i; ++j) {
             double dot = 0.0;
-            for (I d = 0; d < D; ++d) dot += L.q[at(i, b, hd, d)] * L.k[at(j, b, hd, d)];
+            for (I d = 0; d < D; ++d) dot += L.q[at(i, b, hd, d)] * L.k[kv_at(j, b, hd, d)];
             prow[j] = dot * scale;
             mx = std::max(mx, prow[j]);
           }
@@ -136,7 +147,7 @@ class RefBlock {
           for (I j = 0; j <= i; ++j) sum += (prow[j] = std::exp(prow[j] - mx));
           for (I j = 0; j <= i; ++j) prow[j] /= sum;
           for (I j = 0; j <= i; ++j)
-            for (I d = 0; d < D; ++d) L.a[at(i, b, hd, d)] += prow[j] * L.v[at(j, b, hd, d)];
+            for (I d = 0; d < D; ++d) L.a[at(i, b, hd, d)] += prow[j] * L.v[kv_at(j, b, hd, d)];
         }
     Vec o = matmul(L.a, w[4], T, H, H);
     L.x2 = x;
@@ -176,7 +187,7 @@ class RefBlock {
 
     dw[4] = matmul_dw(L.a, dx2, T, H, H);
     const Vec da = matmul_dx(dx2, w[4], T, H, H);
-    Vec dq(da.size(), 0.0), dk(da.size(), 0.0), dv(da.size(), 0.0);
+    Vec dq(da.size(), 0.0), dk(L.k.size(), 0.0), dv(L.v.size(), 0.0);
     const double scale = 1.0 / std::sqrt(double(D));
     std::vector<double> dp(static_cast<std::size_t>(S));
     for (I b = 0; b < B; ++b)
@@ -187,8 +198,8 @@ class RefBlock {
           for (I j = 0; j <= i; ++j) {
             double acc = 0.0;
             for (I d = 0; d < D; ++d) {
-              acc += da[at(i, b, hd, d)] * L.v[at(j, b, hd, d)];
-              dv[at(j, b, hd, d)] += prow[j] * da[at(i, b, hd, d)];
+              acc += da[at(i, b, hd, d)] * L.v[kv_at(j, b, hd, d)];
+              dv[kv_at(j, b, hd, d)] += prow[j] * da[at(i, b, hd, d)];  // Σ over the group
             }
             dp[static_cast<std::size_t>(j)] = acc;
             dot += acc * prow[j];
@@ -196,17 +207,19 @@ class RefBlock {
           for (I j = 0; j <= i; ++j) {
             const double dsc = prow[j] * (dp[static_cast<std::size_t>(j)] - dot) * scale;
             for (I d = 0; d < D; ++d) {
-              dq[at(i, b, hd, d)] += dsc * L.k[at(j, b, hd, d)];
-              dk[at(j, b, hd, d)] += dsc * L.q[at(i, b, hd, d)];
+              dq[at(i, b, hd, d)] += dsc * L.k[kv_at(j, b, hd, d)];
+              dk[kv_at(j, b, hd, d)] += dsc * L.q[at(i, b, hd, d)];
             }
           }
         }
+    rope(dq, NH, -1.0);  // the rotation's transpose
+    rope(dk, NKV, -1.0);
     dw[1] = matmul_dw(L.h, dq, T, H, H);
-    dw[2] = matmul_dw(L.h, dk, T, H, H);
-    dw[3] = matmul_dw(L.h, dv, T, H, H);
+    dw[2] = matmul_dw(L.h, dk, T, H, KV);
+    dw[3] = matmul_dw(L.h, dv, T, H, KV);
     Vec dh = matmul_dx(dq, w[1], T, H, H);
     for (const auto& [dy, wi] : {std::pair{&dk, &w[2]}, std::pair{&dv, &w[3]}}) {
-      const Vec part = matmul_dx(*dy, *wi, T, H, H);
+      const Vec part = matmul_dx(*dy, *wi, T, H, KV);
       for (std::size_t i = 0; i < dh.size(); ++i) dh[i] += part[i];
     }
     dw[0].assign(static_cast<std::size_t>(H), 0.0);
@@ -220,8 +233,31 @@ class RefBlock {
   std::size_t at(I s, I b, I h, I d) const {
     return static_cast<std::size_t>((s * B + b) * H + h * D + d);
   }
+  // The element of k or v [S, B, NKV·D] that query head h reads: its group's KV head.
+  std::size_t kv_at(I s, I b, I h, I d) const {
+    return static_cast<std::size_t>((s * B + b) * KV + (h / (NH / NKV)) * D + d);
+  }
 
-  I S, B, H, NH, D, F, T;
+  // Rotary embedding of x [S, B, heads·D] in place, by +angle (sign 1) or −angle (−1): pair
+  // (i, i + D/2) of every head at position s turns by s·θ^(−2i/D), all in double.
+  void rope(Vec& x, I heads, double sign) const {
+    if (!(theta > 0)) return;
+    for (I s = 0; s < S; ++s)
+      for (I i = 0; i < D / 2; ++i) {
+        const double angle = double(s) * std::pow(theta, -2.0 * double(i) / double(D));
+        const double cs = std::cos(angle), sn = sign * std::sin(angle);
+        for (I r = 0; r < B * heads; ++r) {
+          double& x1 = x[static_cast<std::size_t>((s * B * heads + r) * D + i)];
+          double& x2 = x[static_cast<std::size_t>((s * B * heads + r) * D + i + D / 2)];
+          const double a = x1, b = x2;
+          x1 = a * cs - b * sn;
+          x2 = b * cs + a * sn;
+        }
+      }
+  }
+
+  I S, B, H, NH, NKV, D, KV, F, T;
+  double theta;
 };
 
 }  // namespace

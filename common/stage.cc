@@ -93,8 +93,14 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
   fmt::print("ranks {} | device {} | dtype {} | attention {} | comm {}\n", world,
              to_string(c.device), dtype_flag(c.dtype), attention_flag(c.attention),
              par.comm_name());
-  fmt::print("H {} NH {} (D {}) F {} S {} B {} L {} | steps {} lr {:g} seed {}\n", c.hidden,
-             c.heads, c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps, c.lr, c.seed);
+  fmt::print("H {} NH {} NKV {} (D {}) F {} S {} B {} L {} | steps {} lr {:g} seed {}\n", c.hidden,
+             c.heads, c.kv_heads_or_heads(), c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps,
+             c.lr, c.seed);
+  fmt::print("rope {} | recompute {}\n",
+             c.rope() ? fmt::format("theta {:g}", c.rope_theta) : std::string("off"),
+             c.recompute == Recompute::full
+                 ? "full (each block's forward runs again before its backward, collectives too)"
+                 : "none");
   if (c.device == Device::cpu)
     fmt::print("(cpu backend: timings show the mechanics, not GPU speed)\n");
   if (speed.gpu())
@@ -143,7 +149,10 @@ json config_json(const BlockConfig& c) {
           {"eps", kNormEps},
           {"device", to_string(c.device)},
           {"dtype", dtype_flag(c.dtype)},
-          {"attention", attention_flag(c.attention)}};
+          {"attention", attention_flag(c.attention)},
+          {"kv_heads", c.kv_heads_or_heads()},
+          {"rope_theta", c.rope_theta},
+          {"recompute", recompute_flag(c.recompute)}};
 }
 
 void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& stage, int world,
@@ -305,6 +314,8 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                   {"memory_estimate_bytes", estimate.total()}};
   if (!r.diverged.empty()) summary["diverged"] = r.diverged;
   summary["flops_per_step_per_rank"] = speed.flops_per_rank;
+  // What the device executes: the model's FLOPs plus --recompute full's second forward.
+  summary["executed_flops_per_step_per_rank"] = step_flops(c).executed() / double(world);
   if (speed.gpu()) {
     summary["device_name"] = ops::device_name(c.device);
     summary["bf16_gemm_peak_tflops"] = speed.peak_tflops;

@@ -18,7 +18,17 @@ void check_tp_split(const BlockConfig& c, int world, bool sequence) {
       problems.push_back(
           fmt::format("--{} ({}) is not a multiple of {} ({})", flag, value, world, why));
   };
-  need("heads", c.heads, "whole heads per rank");
+  const std::int64_t nkv = c.kv_heads_or_heads();
+  if (nkv != c.heads) {
+    // Grouped-query attention: a rank holds whole KV heads, each with its group of query heads.
+    if (nkv % world != 0)
+      problems.push_back(fmt::format(
+          "--kv-heads ({}) is not a multiple of {} (whole KV heads per rank, each with its "
+          "{} query heads; --heads is {})",
+          nkv, world, c.heads / nkv, c.heads));
+  } else {
+    need("heads", c.heads, "whole heads per rank");
+  }
   need("ffn", c.ffn, "F/N columns of Wg and Wu per rank");
   if (sequence) need("seq", c.seq, "S/N tokens per rank");
   if (!problems.empty())

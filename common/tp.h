@@ -28,8 +28,8 @@
 namespace tpx {
 
 /// Throws ConfigError (one line, identical on every rank) unless `world` divides what a
-/// tensor-parallel stage splits: NH (whole heads per rank, hence also H), F, and with sequence
-/// parallelism S.
+/// tensor-parallel stage splits: NKV (whole KV heads per rank, each with its query group, hence
+/// also NH and H), F, and with sequence parallelism S.
 void check_tp_split(const BlockConfig& c, int world, bool sequence);
 
 /// What moves the chunks of the overlap primitives.

@@ -50,6 +50,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
   Model m = make_model(c, sh);
   const double count = double(c.seq) * double(c.batch) * double(c.hidden);
   std::vector<BlockActivations> acts(static_cast<std::size_t>(c.layers));
+  const bool recompute = c.recompute == Recompute::full;
   TrainResult result;
   par.synchronize();
   ops::synchronize(c.device);  // initialisation's device work is not a step's
@@ -62,11 +63,15 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     Tensor y = m.input;
     {
       TraceScope scope(trace, "forward", Lane::phase);
-      for (std::size_t l = 0; l < acts.size(); ++l)
+      for (std::size_t l = 0; l < acts.size(); ++l) {
         y = block_forward(c, m.params[l], y, par, acts[l], trace);
+        if (recompute) acts[l].keep_only_input();
+      }
     }
-    if (step == 0)
-      for (const auto& a : acts) result.saved_activation_bytes += a.bytes();
+    // What backward keeps from forward: every layer's activations, or under full recompute every
+    // layer's input plus, during a block's backward, the rest of that one block's activations.
+    std::size_t saved = 0, one_block = 0;
+    for (const auto& a : acts) saved += a.bytes();
     Tensor dy = Tensor::empty(y.shape(), y.dtype(), y.device());
     {
       TraceScope scope(trace, "loss", Lane::phase);
@@ -82,9 +87,20 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     }
     {
       TraceScope scope(trace, "backward", Lane::phase);
-      for (std::size_t l = acts.size(); l-- > 0;)
+      for (std::size_t l = acts.size(); l-- > 0;) {
+        if (recompute) {
+          // The block's forward again from its saved input, collectives included; its output is
+          // the next block's input, which is already saved.
+          TraceScope again(trace, "recompute", Lane::phase);
+          const std::size_t input = acts[l].bytes();
+          block_forward(c, m.params[l], acts[l].x, par, acts[l], trace);
+          one_block = std::max(one_block, acts[l].bytes() - input);
+        }
         dy = block_backward(c, m.params[l], acts[l], dy, par, m.grads[l], trace);
+        if (recompute) acts[l].keep_only_input();
+      }
     }
+    if (step == 0) result.saved_activation_bytes = saved + one_block;
     // Gradient norm: sharded gradients are summed over ranks; replicated ones (identical on every
     // rank) are counted once, on rank 0.
     double sq = 0.0;

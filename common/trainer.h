@@ -45,8 +45,11 @@ struct TrainResult {
   /// Set when a step's loss or gradient norm was NaN or infinite: one line naming the step. The
   /// values are sums over ranks, identical everywhere, so every rank stops at the same step.
   std::string diverged;
-  Snapshot first;                          ///< filled when requested
-  std::size_t saved_activation_bytes = 0;  ///< this rank, all layers, first step
+  Snapshot first;  ///< filled when requested
+  /// This rank, all layers, first step: the activations saved between forward and backward.
+  /// Under --recompute full, every layer's input plus the rest of the largest block's
+  /// activations, which exist again while that block's backward runs.
+  std::size_t saved_activation_bytes = 0;
 };
 
 /// Runs c.steps steps of the model on this rank, or fewer if training diverges (see

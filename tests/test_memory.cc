@@ -2,7 +2,8 @@
 // 01 to 04 under mpirun -np 1 and 2, train() runs in-process and the cpu allocator's
 // measured high-water mark must be within 10 % of the estimate, at the default config and at
 // configs whose peak comes from elsewhere (long sequences: the attention probabilities), with
-// fused attention (the default) and --attention naive. The saved-activation term must equal what
+// fused attention (the default) and --attention naive, and with GQA under full recompute. The
+// saved-activation term must equal what
 // training reports, byte for byte. At a long-sequence GPU config the fused estimate must fit
 // an 80 GiB GPU where the naive one cannot. Sizes too large for 64
 // bits must throw, never wrap; huge-but-representable configs must be estimated at once. And the
@@ -143,14 +144,25 @@ Sizes naive(Sizes z) {
   return z;
 }
 
+/// `z` with grouped-query attention (NKV = 2: k and v a quarter of q at NH = 8, half at NH = 4)
+/// and --recompute full (each layer's input kept, one block's activations again in backward).
+Sizes gqa_recomputed(Sizes z) {
+  z.config.kv_heads = 2;
+  z.config.recompute = Recompute::full;
+  z.name += "_gqa_recompute";
+  return z;
+}
+
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (const Stage& st : {kBaseline, kMegatron, kSequenceParallel, kOverlapRing})
     for (const Sizes& z :
          {default_sizes(), long_sequence(1), long_sequence(2), wide_mlp(), naive(default_sizes()),
-          naive(long_sequence(1)), naive(long_sequence(2))})
+          naive(long_sequence(1)), naive(long_sequence(2)), gqa_recomputed(default_sizes()),
+          gqa_recomputed(naive(long_sequence(2))), gqa_recomputed(wide_mlp())})
       cases.push_back({st, z});
-  for (const Sizes& z : {default_sizes(), long_sequence(1), wide_mlp()})
+  for (const Sizes& z :
+       {default_sizes(), long_sequence(1), wide_mlp(), gqa_recomputed(default_sizes())})
     cases.push_back({kFp8, in_fp8(z)});
   return cases;
 }

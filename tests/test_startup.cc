@@ -106,7 +106,7 @@ TEST(Sizes, CountsThatOverflowAreAConfigError) {
   const TempDir dir;
   expect_every_rank_refuses(
       mpirun(group(1, "01_baseline",
-                   "--seq 4611686018427387903 --batch 1 --hidden 1 --heads 1 --ffn 1"),
+                   "--seq 4611686018427387903 --batch 1 --hidden 2 --heads 1 --ffn 1"),
              dir),
       1, 2, {"too large", "64 bits"});
   expect_every_rank_refuses(mpirun(group(1, "01_baseline", "--ffn 99999999999999999999"), dir), 1,

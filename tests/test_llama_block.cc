@@ -1,0 +1,369 @@
+// The block as Llama 3 trains it, on every stage, from the outside as a user runs it:
+//   - grouped-query attention (--kv-heads), the rotary embedding (--rope-theta) and full
+//     activation recompute (--recompute) pass --check at N = 1 … 4 with NKV = NH, NH/2 and N,
+//     RoPE on and off, recompute none and full; each run's --dump equals stage 01's with the
+//     same flags to 1e-5 of each tensor's scale;
+//   - on the cpu, --recompute full gives bit for bit the gradients and losses of none;
+//   - saved-activation bytes, bus bytes (the forward's traffic counted twice under recompute) and
+//     GEMM FLOPs equal the chapters' formulas, with NKV = NH and NKV < NH;
+//   - bad combinations end with one line on every rank and exit 2 before a step runs.
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/npy.h"
+#include "test_util.h"
+
+namespace tpx {
+namespace {
+
+using nlohmann::json;
+
+/// Sizes that every rank count 1 … 4 divides with every NKV below: NH = 24 query heads of D = 4
+/// (even, for RoPE's pairs), NH/2 = 12 KV heads, F = 48, S = 24.
+struct Sizes {
+  std::int64_t H = 96, NH = 24, F = 48, S = 24, B = 2, L = 2;
+  std::string args() const {
+    return fmt::format("--hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {}", H, NH, F,
+                       S, B, L);
+  }
+  std::int64_t D() const { return H / NH; }
+};
+
+/// The Llama-block flags of one run.
+struct Block {
+  std::int64_t kv_heads;
+  double rope_theta;  ///< 0: off
+  bool recompute;
+  std::string args() const {
+    return fmt::format("--kv-heads {} --rope-theta {} --recompute {}", kv_heads, rope_theta,
+                       recompute ? "full" : "none");
+  }
+};
+
+void PrintTo(const Block& b, std::ostream* os) {
+  *os << b.args();
+}
+
+constexpr std::int64_t kFloat = 4;
+
+test::CommandResult run_stage(const std::string& stage, int ranks, const std::string& args,
+                              const test::TempDir& dir) {
+  const std::string cmd =
+      fmt::format("{} timeout 120 {} {} -np {} {} {}", test::kRootMpiEnv, TPX_MPIEXEC,
+                  TPX_MPIEXEC_FLAGS, ranks, test::stage_binary(stage), args);
+  return test::run_command(cmd, dir);
+}
+
+/// The tensors every stage dumps (the first step's, before any update).
+std::vector<std::string> dump_names(const Sizes& z) {
+  std::vector<std::string> names = {"output", "input.grad", "loss"};
+  for (int l = 0; l < z.L; ++l)
+    for (const char* p : {"norm1", "wq", "wk", "wv", "wo", "norm2", "w_gate", "w_up", "w_down"})
+      names.push_back(fmt::format("layers.{}.{}.grad", l, p));
+  return names;
+}
+
+/// Expects every dumped tensor in `got` within rtol · max|want| of `want`'s (rtol 0: bit for bit).
+void expect_dumps_close(const std::filesystem::path& want_dir, const std::filesystem::path& got_dir,
+                        const Sizes& z, double rtol, const std::string& what) {
+  for (const auto& name : dump_names(z)) {
+    const NpyArray want = read_npy(want_dir / (name + ".npy"));
+    const NpyArray got = read_npy(got_dir / (name + ".npy"));
+    ASSERT_EQ(got.shape, want.shape) << name << " " << what;
+    double scale = 0.0, err = 0.0;
+    for (std::size_t i = 0; i < want.data.size(); ++i) {
+      scale = std::max(scale, std::abs(double(want.data[i])));
+      err = std::max(err, std::abs(double(got.data[i]) - double(want.data[i])));
+    }
+    if (rtol == 0)
+      EXPECT_EQ(got.data, want.data) << name << " differs: " << what;
+    else
+      EXPECT_LE(err, rtol * scale) << name << ": " << what;
+  }
+}
+
+// --- --check and dumps against stage 01 on every stage and rank count --------------------------
+
+struct Case {
+  std::string stage;
+  int ranks;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.stage << " -np " << c.ranks;
+}
+
+/// Three runs per stage and rank count that together take every value of every flag: NKV = NH
+/// with RoPE under full recompute, NKV = NH/2 without RoPE under full recompute, NKV = N (one KV
+/// head per rank) with RoPE at another θ and no recompute.
+std::vector<Block> blocks_for(const Sizes& z, int n) {
+  return {{z.NH, 500000, true}, {z.NH / 2, 0, true}, {n, 10000, false}};
+}
+
+class LlamaBlock : public testing::TestWithParam<Case> {};
+
+TEST_P(LlamaBlock, ChecksAndDumpsEqualStage01WithTheSameFlags) {
+  const auto [stage, n] = GetParam();
+  const Sizes z;
+  // Stage 06 in fp32 is stage 05 with its FP8 machinery off: the dump comparison needs fp32;
+  // its FP8 recipe is checked by FP8's own tolerances below.
+  const std::string dtype = stage == "06_fp8" ? " --dtype fp32" : "";
+  for (const Block& b : blocks_for(z, n)) {
+    test::TempDir dir;
+    const std::string flags = z.args() + " " + b.args() + " --steps 3";
+    const auto ref = run_stage("01_baseline", 1, flags + " --dump " + (dir / "01").string(), dir);
+    ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+    const auto r =
+        run_stage(stage, n, flags + dtype + " --check --dump " + (dir / "got").string(), dir);
+    ASSERT_EQ(r.exit_code, 0) << b.args() << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(fmt::format("NKV {}", b.kv_heads)), std::string::npos) << r.out;
+    expect_dumps_close(dir / "01", dir / "got", z, 1e-5, b.args());
+    const json cfg = json::parse(test::read_file(dir / "got" / "config.json"));
+    EXPECT_EQ(cfg.at("kv_heads").get<std::int64_t>(), b.kv_heads);
+    EXPECT_EQ(cfg.at("rope_theta").get<double>(), b.rope_theta);
+    EXPECT_EQ(cfg.at("recompute").get<std::string>(), b.recompute ? "full" : "none");
+  }
+  if (stage == "06_fp8") {  // and its default, FP8, with GQA, RoPE and recompute
+    test::TempDir dir;
+    const Block b{n, 500000, true};
+    const auto r = run_stage(stage, n, z.args() + " " + b.args() + " --steps 3 --check", dir);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+  }
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases = {{"01_baseline", 1}};
+  for (const char* stage : {"02_megatron_tp", "03_sequence_parallel", "04_overlap_ring",
+                            "05_copy_engine_async_tp", "06_fp8"})
+    for (int n : {1, 2, 3, 4}) cases.push_back({stage, n});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(stages, LlamaBlock, testing::ValuesIn(all_cases()), [](const auto& p) {
+  return fmt::format("{}_np{}", p.param.stage.substr(0, 2), p.param.ranks);
+});
+
+// Every combination of the three flags on the sequence-parallel stage, where recompute repeats
+// the most collectives and RoPE runs after the gather.
+class LlamaFactorial : public testing::TestWithParam<Block> {};
+
+TEST_P(LlamaFactorial, SequenceParallelChecksAtTwoRanks) {
+  const Sizes z;
+  test::TempDir dir;
+  const auto r = run_stage("03_sequence_parallel", 2,
+                           z.args() + " " + GetParam().args() + " --steps 3 --check", dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+}
+
+std::vector<Block> factorial() {
+  std::vector<Block> blocks;
+  const Sizes z;
+  for (std::int64_t kv : {z.NH, z.NH / 2, std::int64_t{2}})
+    for (double theta : {0.0, 500000.0})
+      for (bool recompute : {false, true}) blocks.push_back({kv, theta, recompute});
+  return blocks;
+}
+
+INSTANTIATE_TEST_SUITE_P(flags, LlamaFactorial, testing::ValuesIn(factorial()), [](const auto& p) {
+  return fmt::format("kv{}_rope{}_{}", p.param.kv_heads, p.param.rope_theta > 0 ? "on" : "off",
+                     p.param.recompute ? "full" : "none");
+});
+
+// --- recompute: the same numbers, the chapters' bytes ------------------------------------------
+
+/// Bytes of one layer's saved activations on one rank (the chapters' formula; fused attention):
+/// x, h, x2, h2 [S/N or S, B, H] and rstd1, rstd2 [S·B (/N)] — split by N only under sequence
+/// parallelism —; q, a [S, B, H/N]; k, v [S, B, NKV·D/N]; gate, up, s [S, B, F/N]; the
+/// log-sum-exp [B, NH/N, S]. All fp32, except that stage 06 keeps h and h2 as FP8 (a byte each).
+std::int64_t layer_saved_bytes(const Sizes& z, std::int64_t kv, std::int64_t n, bool sp, bool fp8) {
+  const std::int64_t tokens = z.S * z.B, seq_div = sp ? n : 1;
+  const std::int64_t stream = 2 * tokens * z.H / seq_div + 2 * tokens / seq_div;
+  const std::int64_t split =
+      (2 * tokens * z.H + 2 * tokens * kv * z.D() + 3 * tokens * z.F + z.B * z.NH * z.S) / n;
+  const std::int64_t h_h2 = 2 * tokens * z.H / seq_div * (fp8 ? 1 : kFloat);
+  return kFloat * (stream + split) + h_h2;
+}
+
+/// Full recompute keeps each layer's input x and, while a block's backward runs, the rest of
+/// that block's activations: L·x + (layer − x).
+std::int64_t saved_bytes(const Sizes& z, std::int64_t kv, std::int64_t n, bool sp, bool recompute,
+                         bool fp8 = false) {
+  const std::int64_t layer = layer_saved_bytes(z, kv, n, sp, fp8);
+  const std::int64_t x = kFloat * z.S * z.B * z.H / (sp ? n : 1);
+  return recompute ? z.L * x + (layer - x) : z.L * layer;
+}
+
+/// Bus bytes per rank and step (nccl-tests convention) of stages 02 and 03: per layer, stage 02
+/// all-reduces the [S, B, H] stream twice in forward and twice in backward; stage 03 all-gathers
+/// twice and reduce-scatters twice in forward, and in backward all-gathers twice, re-gathers twice
+/// and reduce-scatters twice, plus the norm gains' all-reduce. Under full recompute the forward's
+/// collectives run a second time. GQA changes none of it: the collectives move the stream.
+std::uint64_t bus_bytes(const Sizes& z, std::int64_t n, bool sp, bool recompute) {
+  const std::int64_t stream = kFloat * z.S * z.B * z.H, gains = kFloat * 2 * z.H;
+  const std::int64_t forward = sp ? 4 : 2, backward = sp ? 6 : 2;
+  const std::int64_t ops = forward * (recompute ? 2 : 1) + backward;
+  if (!sp) return std::uint64_t(z.L * ops * stream * 2 * (n - 1) / n);
+  return std::uint64_t(z.L * (ops * stream * (n - 1) / n + gains * 2 * (n - 1) / n));
+}
+
+/// GEMM FLOPs of a step on one rank: per layer forward 2·S·B·(2H² + 2H·NKV·D + 3HF) for the seven
+/// linears plus 2·2·B·S²·H for QKᵀ and PV; backward twice the forward; 1/N per rank.
+double model_flops(const Sizes& z, std::int64_t kv, std::int64_t n) {
+  const double t = double(z.S * z.B), h = double(z.H), f = double(z.F), s = double(z.S);
+  const double fwd =
+      2 * t * (2 * h * h + 2 * h * double(kv * z.D()) + 3 * h * f) + 4 * double(z.B) * s * s * h;
+  return 3 * fwd * double(z.L) / double(n);
+}
+
+class Recompute : public testing::TestWithParam<Case> {};
+
+TEST_P(Recompute, SameBitsAsNoneAndTheChaptersBytes) {
+  const auto [stage, n] = GetParam();
+  const Sizes z;
+  const std::int64_t kv = z.NH / 2;
+  const bool sp = stage != "01_baseline" && stage != "02_megatron_tp";
+  test::TempDir dir;
+  std::map<bool, json> runs;
+  for (bool full : {false, true}) {
+    const std::string name = full ? "full" : "none";
+    const auto r = run_stage(
+        stage, n,
+        fmt::format("{} {} --steps 3 --json {} --dump {}", z.args(), Block{kv, 500000, full}.args(),
+                    (dir / (name + ".json")).string(), (dir / name).string()),
+        dir);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    runs[full] = json::parse(test::read_file(dir / (name + ".json")));
+    EXPECT_NE(r.out.find(full ? "recompute full" : "recompute none"), std::string::npos) << r.out;
+  }
+  expect_dumps_close(dir / "none", dir / "full", z, 0.0, "recompute full against none");
+  const json &none = runs[false], &full = runs[true];
+  ASSERT_EQ(none.at("steps").size(), full.at("steps").size());
+  for (std::size_t i = 0; i < none.at("steps").size(); ++i)
+    EXPECT_EQ(none["steps"][i].at("loss").get<double>(), full["steps"][i].at("loss").get<double>())
+        << "step " << i;
+  const std::string s = stage.substr(0, 2);
+  for (bool recompute : {false, true}) {
+    const json& j = runs[recompute];
+    EXPECT_EQ(j.at("saved_activation_bytes").get<std::int64_t>(),
+              saved_bytes(z, kv, n, sp, recompute, s == "06"))
+        << "recompute " << recompute;
+    if (s == "01" || s == "02" || s == "03") {
+      for (const json& row : j.at("steps")) {
+        EXPECT_EQ(row.at("comm_bus_bytes").get<std::uint64_t>(),
+                  s == "01" ? 0 : bus_bytes(z, n, sp, recompute))
+            << "recompute " << recompute;
+      }
+    }
+    EXPECT_DOUBLE_EQ(j.at("flops_per_step_per_rank").get<double>(), model_flops(z, kv, n));
+    EXPECT_DOUBLE_EQ(j.at("executed_flops_per_step_per_rank").get<double>(),
+                     model_flops(z, kv, n) * (recompute ? 4.0 / 3.0 : 1.0));
+  }
+  // Later stages move stage 03's bytes in other ways; recompute adds exactly the forward's share.
+  if (s != "01" && s != "02" && s != "03") {
+    const auto b0 = none["steps"][1].at("comm_bus_bytes").get<std::uint64_t>();
+    const auto b1 = full["steps"][1].at("comm_bus_bytes").get<std::uint64_t>();
+    EXPECT_GT(b1, b0);
+    if (s == "04" || s == "05") {  // four ring primitives of N − 1 chunk transfers per layer
+      EXPECT_EQ(b1 - b0, std::uint64_t(z.L * 4 * (n - 1) * (kFloat * z.S * z.B * z.H / n)));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(stages, Recompute,
+                         testing::Values(Case{"01_baseline", 1}, Case{"02_megatron_tp", 2},
+                                         Case{"03_sequence_parallel", 2},
+                                         Case{"03_sequence_parallel", 4},
+                                         Case{"04_overlap_ring", 2},
+                                         Case{"05_copy_engine_async_tp", 2}, Case{"06_fp8", 2}),
+                         [](const auto& p) {
+                           return fmt::format("{}_np{}", p.param.stage.substr(0, 2), p.param.ranks);
+                         });
+
+// GQA shrinks Wk, Wv, k and v, and nothing that moves between TP ranks: the bus bytes at NKV < NH
+// equal those at NKV = NH; FLOPs and saved bytes follow the formulas at both.
+TEST(GroupedQueryAttention, BytesAndFlopsAtNkvEqualAndBelowNh) {
+  const Sizes z;
+  const int n = 2;
+  for (const char* stage : {"02_megatron_tp", "03_sequence_parallel"}) {
+    const bool sp = std::string(stage) == "03_sequence_parallel";
+    std::map<std::int64_t, std::uint64_t> bus;
+    for (std::int64_t kv : {z.NH, z.NH / 4}) {
+      test::TempDir dir;
+      const auto r =
+          run_stage(stage, n,
+                    fmt::format("{} {} --steps 2 --json {}", z.args(),
+                                Block{kv, 500000, false}.args(), (dir / "s.json").string()),
+                    dir);
+      ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+      const json j = json::parse(test::read_file(dir / "s.json"));
+      EXPECT_EQ(j.at("config").at("kv_heads").get<std::int64_t>(), kv);
+      EXPECT_EQ(j.at("saved_activation_bytes").get<std::int64_t>(),
+                saved_bytes(z, kv, n, sp, false))
+          << stage << " NKV " << kv;
+      EXPECT_DOUBLE_EQ(j.at("flops_per_step_per_rank").get<double>(), model_flops(z, kv, n));
+      bus[kv] = j.at("steps")[1].at("comm_bus_bytes").get<std::uint64_t>();
+      EXPECT_EQ(bus[kv], bus_bytes(z, n, sp, false));
+    }
+    EXPECT_EQ(bus[z.NH], bus[z.NH / 4]) << stage;
+  }
+}
+
+// --- bad combinations ---------------------------------------------------------------------------
+
+struct Bad {
+  std::string stage;
+  int ranks;
+  std::string args;
+  std::string says;  ///< a piece of the one line every rank prints
+};
+
+void PrintTo(const Bad& b, std::ostream* os) {
+  *os << b.stage << " -np " << b.ranks << " " << b.args;
+}
+
+class BadFlags : public testing::TestWithParam<Bad> {};
+
+TEST_P(BadFlags, OneLineOnEveryRankAndExit2) {
+  const Bad& b = GetParam();
+  test::TempDir dir;
+  const std::string sizes =
+      b.args.find("--hidden") == std::string::npos ? "--hidden 64 --heads 8 " : "";
+  const auto r = run_stage(b.stage, b.ranks, sizes + "--ffn 64 --seq 8 " + b.args, dir);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  int lines = 0;
+  for (const auto& line : test::lines_of(r.err))
+    if (line.starts_with(b.stage + ": error:")) {
+      ++lines;
+      EXPECT_NE(line.find(b.says), std::string::npos) << line;
+    }
+  EXPECT_EQ(lines, b.ranks) << "one line per rank expected:\n" << r.err;
+  EXPECT_EQ(r.out.find("step"), std::string::npos) << "no step may run:\n" << r.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    flags, BadFlags,
+    testing::Values(
+        Bad{"01_baseline", 1, "--kv-heads 3", "--kv-heads (3) must divide --heads (8)"},
+        Bad{"02_megatron_tp", 2, "--kv-heads 3", "--kv-heads (3) must divide --heads (8)"},
+        Bad{"02_megatron_tp", 4, "--kv-heads 2", "--kv-heads (2) is not a multiple of 4"},
+        Bad{"03_sequence_parallel", 4, "--kv-heads 2", "--kv-heads (2) is not a multiple of 4"},
+        Bad{"05_copy_engine_async_tp", 4, "--kv-heads 1", "--kv-heads (1) is not a multiple of 4"},
+        Bad{"02_megatron_tp", 2, "--rope-theta -1", "--rope-theta must be non-negative"},
+        Bad{"01_baseline", 1, "--kv-heads 0", "--kv-heads must be positive"},
+        Bad{"02_megatron_tp", 2, "--hidden 24 --heads 8", "head dim H/NH must be even"},
+        Bad{"03_sequence_parallel", 2, "--recompute some", "--recompute"}),
+    [](const auto& p) { return fmt::format("case{}", p.index); });
+
+}  // namespace
+}  // namespace tpx
