@@ -157,6 +157,11 @@ bool calibrate(DeviceSpec& device, const std::filesystem::path& bench_gemm_json)
 //   06  05's, the six gathers per layer moving 1-byte FP8 codes (the four reduce-scatters stay
 //       E), plus eight MAX all-reduces of k fp32 amaxes per layer, k ∈ {4,2,3,2,3,2,2,2}:
 //       payload 4k, bus ⌊4k·2(N−1)/N⌋ each.                  (06_fp8/README.md)
+// Under --recompute full each layer's forward runs again before its backward, collectives
+// included: its share (02: the two g all-reduces; 03: two all-gathers and two reduce-scatters;
+// 04, 05: those four as ring transfers; 06: two FP8 gathers, two reduce-scatters and the four
+// forward amax all-reduces, k ∈ {4,2,3,2}) is counted twice. GQA changes none of it: the
+// collectives move the [S, B, H] stream, whatever the width of k and v.
 Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes) {
   check(n >= 1, "ranks must be >= 1");
   const auto N = static_cast<std::uint64_t>(n);
@@ -165,37 +170,49 @@ Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes) {
   const auto P = elems * static_cast<std::uint64_t>(act_bytes);
   const auto H = static_cast<std::uint64_t>(c.hidden);
   const std::uint64_t gain_bus = 2 * ((4 * H * 2 * (N - 1)) / N);  // two all-reduces of [H]
-  Comm r;
+  Comm r, fwd;  // per layer: the step's traffic, and the forward's share of it
   switch (stage) {
     case 1:
       return r;
     case 2:
       r = {4 * P, 4 * ((P * 2 * (N - 1)) / N), 4};
+      fwd = {2 * P, 2 * ((P * 2 * (N - 1)) / N), 2};
       break;
     case 3:
       r = {10 * P + 8 * H, 10 * (P * (N - 1) / N) + gain_bus, 12};
+      fwd = {4 * P, 4 * (P * (N - 1) / N), 4};
       break;
     case 4:
     case 5: {
       const std::uint64_t ring = 10 * (N - 1) * (P / N);
       r = {ring + 8 * H, ring + gain_bus, 10 * (N - 1) + 2};
+      fwd = {4 * (N - 1) * (P / N), 4 * (N - 1) * (P / N), 4 * (N - 1)};
       break;
     }
     case 6: {
       const std::uint64_t chunk = elems / N;  // elements of one [S/N, B, H] shard
-      const std::uint64_t moved =
-          6 * (N - 1) * chunk * 1 + 4 * (N - 1) * chunk * static_cast<std::uint64_t>(act_bytes);
-      std::uint64_t amax_payload = 0, amax_bus = 0;
+      const auto E = static_cast<std::uint64_t>(act_bytes);
+      const std::uint64_t moved = 6 * (N - 1) * chunk * 1 + 4 * (N - 1) * chunk * E;
+      const std::uint64_t moved_fwd = 2 * (N - 1) * chunk * 1 + 2 * (N - 1) * chunk * E;
+      std::uint64_t amax_payload = 0, amax_bus = 0, fwd_payload = 0, fwd_bus = 0;
+      int i = 0;
       for (const std::uint64_t k : {4, 2, 3, 2, 3, 2, 2, 2}) {
         amax_payload += 4 * k;
         amax_bus += (4 * k * 2 * (N - 1)) / N;
+        if (i++ < 4) {  // the forward's four
+          fwd_payload += 4 * k;
+          fwd_bus += (4 * k * 2 * (N - 1)) / N;
+        }
       }
       r = {moved + 8 * H + amax_payload, moved + gain_bus + amax_bus, 10 * (N - 1) + 2 + 8};
+      fwd = {moved_fwd + fwd_payload, moved_fwd + fwd_bus, 4 * (N - 1) + 4};
       break;
     }
     default:
       fail(fmt::format("no stage {} (1 … 6)", stage));
   }
+  if (c.recompute == Recompute::full)
+    r = {r.payload + fwd.payload, r.bus + fwd.bus, r.calls + fwd.calls};
   return {r.payload * L, r.bus * L, r.calls * L};
 }
 
@@ -297,7 +314,8 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
   const bool sp = o.schedule != Schedule::none && o.schedule != Schedule::all_reduce;
 
   // The linear GEMMs of one layer on one rank (FLOPs; each backward GEMM as its forward).
-  const double qkv = 2 * T * H * 3 * H / N, out = 2 * T * (H / N) * H;
+  const double KV = double(c.kv_dim());  // NKV·D: Wk and Wv are [H, KV] (GQA)
+  const double qkv = 2 * T * H * (H + 2 * KV) / N, out = 2 * T * (H / N) * H;
   const double gu = 2 * T * H * 2 * F / N, down = 2 * T * (F / N) * H;
   // Attention (common/flops.h): forward 2·(2·B·S²·H) over the heads, 1/N per rank; backward 2×.
   const double attn_f = 2 * (2 * B * S * S * H) / N;
@@ -308,7 +326,8 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
   const double ew_f = m.hbm_ms(4 * (12 * stream + 6 * T * F / N));
   // FP8 casts (amax, scale, quantize: read 4 + 4, write 1 byte per element) of the operands.
   const double q_f =
-      f8 ? m.hbm_ms(9 * (3 * T * H / N + T * F / N + (4 * H * H + 3 * H * F) / N)) : 0.0;
+      f8 ? m.hbm_ms(9 * (3 * T * H / N + T * F / N + (2 * H * H + 2 * H * KV + 3 * H * F) / N))
+         : 0.0;
   const double q_b = f8 ? m.hbm_ms(9 * (5 * T * H / N + 2 * T * F / N)) : 0.0;
   // The N − 1 chunk adds of a pipelined reduce-scatter (read 2, write 1 fp32 chunk each).
   const bool pipelined = o.schedule == Schedule::ring || o.schedule == Schedule::copy_engine;
@@ -366,7 +385,7 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
   p.flops_per_rank = L * 3 * (qkv + out + gu + down + attn_f);  // backward = 2 × forward
   p.forward = {fwd.step_ms * L, fwd.compute_ms * L};
   p.backward = {bwd.step_ms * L, bwd.compute_ms * L};
-  const double forwards = o.recompute ? 2.0 : 1.0;
+  const double forwards = o.recompute || c.recompute == Recompute::full ? 2.0 : 1.0;
   p.step_ms = forwards * p.forward.step_ms + p.backward.step_ms;
   p.compute_ms = forwards * p.forward.compute_ms + p.backward.compute_ms;
   p.exposed_comm_ms = p.step_ms - p.compute_ms;
@@ -411,6 +430,8 @@ std::vector<Published> load_published(const std::filesystem::path& file) {
       const json& c = r["config"];
       p.config.hidden = static_cast<I>(number(c, "hidden", file));
       p.config.heads = static_cast<I>(number(c, "heads", file));
+      p.config.kv_heads = static_cast<I>(number(c, "kv_heads", file));
+      if (c.value("recompute", "none") == "full") p.config.recompute = Recompute::full;
       p.config.ffn = static_cast<I>(number(c, "ffn", file));
       p.config.seq = static_cast<I>(number(c, "seq", file));
       p.config.batch = static_cast<I>(number(c, "batch", file));
@@ -444,7 +465,7 @@ double projected_value(const Published& p, const DeviceSpec& d) {
     return project(d, p.config, p.ranks, base).forward.step_ms /
            project(d, p.config, p.ranks, async).forward.step_ms;
   if (p.kind == "step_speedup" || p.kind == "step_speedup_fp8") {
-    base.recompute = async.recompute = true;  // full activation checkpointing
+    // Full activation checkpointing comes with the case's config ("recompute": "full").
     base.fp8 = async.fp8 = p.kind == "step_speedup_fp8";
     return project(d, p.config, p.ranks, base).step_ms /
            project(d, p.config, p.ranks, async).step_ms;
@@ -482,6 +503,7 @@ BlockConfig big_config() {
   BlockConfig c;
   c.hidden = 8192;
   c.heads = 64;
+  c.kv_heads = 8;  // Llama 3 70B: grouped-query attention, 8 KV heads
   c.ffn = 28672;
   c.seq = 8192;
   c.batch = 1;
@@ -494,6 +516,7 @@ BlockConfig small_config() {
   BlockConfig c;
   c.hidden = 4096;
   c.heads = 32;
+  c.kv_heads = 32;  // Llama 2 7B: multi-head attention
   c.ffn = 11008;
   c.seq = 2048;
   c.batch = 1;
@@ -547,6 +570,8 @@ json report_json(const Report& r) {
                             {"config",
                              {{"hidden", c.hidden},
                               {"heads", c.heads},
+                              {"kv_heads", c.kv_heads_or_heads()},
+                              {"recompute", recompute_flag(c.recompute)},
                               {"ffn", c.ffn},
                               {"seq", c.seq},
                               {"batch", c.batch},
@@ -590,10 +615,11 @@ std::string report_markdown(const Report& r) {
   for (const auto& t : r.tables) {
     const BlockConfig& c = t.config;
     s << fmt::format(
-        "**{}**: H={} NH={} F={} S={} B={} L={} {}, per rank and training step "
-        "(forward + backward); bus bytes as the stages count them (fp32 activations, "
+        "**{}**: H={} NH={} NKV={} F={} S={} B={} L={} {}, recompute {}, per rank and training "
+        "step (forward + backward); bus bytes as the stages count them (fp32 activations, "
         "1-byte gathers in 06).\n\n",
-        t.name, c.hidden, c.heads, c.ffn, c.seq, c.batch, c.layers, dtype_word(c.dtype));
+        t.name, c.hidden, c.heads, c.kv_heads_or_heads(), c.ffn, c.seq, c.batch, c.layers,
+        dtype_word(c.dtype), recompute_flag(c.recompute));
     s << "| stage | N | projected step ms | compute ms | exposed comm ms | bus bytes/rank | "
          "speed-up vs 03 |\n|---|---|---|---|---|---|---|\n";
     for (const auto& row : t.rows)

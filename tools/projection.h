@@ -147,8 +147,8 @@ std::vector<Validation> validate(const std::vector<Published>& cases,
                                  const DeviceSpec& calibrated);
 
 /// The two configs the tables are made for.
-BlockConfig big_config();    ///< H=8192 NH=64 F=28672 S=8192 B=1 L=1, bf16: a Llama-3-70B layer
-BlockConfig small_config();  ///< H=4096 NH=32 F=11008 S=2048 B=1 L=1, bf16
+BlockConfig big_config();  ///< H=8192 NH=64 NKV=8 F=28672 S=8192 B=1 L=1, bf16: a Llama-3-70B layer
+BlockConfig small_config();  ///< H=4096 NH=32 NKV=32 F=11008 S=2048 B=1 L=1, bf16 (Llama-2-7B)
 
 /// Everything tpx_project writes.
 struct Report {
