@@ -78,6 +78,13 @@ ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor>
   return OverlapRing::column_forward(q[0], std::span(q).subspan(1), role);  // saves the FP8 shard
 }
 
+Tensor Fp8AsyncTp::column_saved(const Tensor& h, const Tensor& scale) {
+  if (!scale.defined()) return h;
+  const Tensor q = Tensor::empty(h.shape(), DType::e4m3, h.device());
+  ops::quantize_fp8(h, scale, q);
+  return q.with_scale(scale);
+}
+
 Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> w,
                                    std::span<const Tensor> dy, std::span<const Tensor> dw,
                                    std::string_view role) {

@@ -35,6 +35,8 @@ class Fp8AsyncTp final : public ring::OverlapRing {
                               std::string_view role) override;
   Tensor column_backward(const Tensor& saved, std::span<const Tensor> w, std::span<const Tensor> dy,
                          std::span<const Tensor> dw, std::string_view role) override;
+  /// The FP8 shard of h under the forward's scale (selective recompute): the same codes.
+  Tensor column_saved(const Tensor& h, const Tensor& scale) override;
   Tensor row_forward(const Tensor& a, const Tensor& w, std::string_view role) override;
   Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                       std::string_view role) override;

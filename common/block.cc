@@ -161,4 +161,24 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
   return dx;
 }
 
+void BlockActivations::drop_cheap() {
+  h_scale = h_saved.scale();  // undefined unless the stage keeps h as FP8
+  h2_scale = h2_saved.scale();
+  for (Tensor* t : {&h_saved, &h2_saved, &rstd1, &rstd2, &s}) *t = Tensor();
+}
+
+void block_refill(const LayerParams& p, Parallelism& par, BlockActivations& sv, Trace& trace) {
+  // The same calls on the same inputs as block_forward: the same bits.
+  TraceScope op(trace, "refill (selective recompute)");
+  Tensor h = like(sv.x), h2 = like(sv.x2);
+  sv.rstd1 = rows_of(sv.x);
+  sv.rstd2 = rows_of(sv.x2);
+  ops::rmsnorm_forward(sv.x, p[Param::norm1], h, sv.rstd1);
+  ops::rmsnorm_forward(sv.x2, p[Param::norm2], h2, sv.rstd2);
+  sv.h_saved = par.column_saved(h, sv.h_scale);
+  sv.h2_saved = par.column_saved(h2, sv.h2_scale);
+  sv.s = like(sv.gate);
+  ops::swiglu_forward(sv.gate, sv.up, sv.s);
+}
+
 }  // namespace tpx

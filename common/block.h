@@ -11,7 +11,8 @@
 // The linear layers go through the stage's Parallelism, so the same code is the single-device
 // block, the Megatron block and the sequence-parallel block.
 //
-// defines: tpx::BlockActivations, tpx::block_forward(), tpx::block_backward()
+// defines: tpx::BlockActivations, tpx::block_forward(), tpx::block_refill(),
+//          tpx::block_backward()
 #pragma once
 
 #include <cstddef>
@@ -38,17 +39,29 @@ struct BlockActivations {
   Tensor h2_saved;  ///< input of the Wg/Wu group, as the stage keeps it
   Tensor gate, up;  ///< SwiGLU inputs
   Tensor s;         ///< SwiGLU output, input of Wd
+  /// Selective recompute: the scales of h_saved and h2_saved when the stage keeps them as FP8
+  /// (stage 06), so that they are made again exactly (4 bytes each, not counted in bytes()).
+  Tensor h_scale, h2_scale;
 
   std::size_t bytes() const;  ///< sum of the saved tensors' sizes
   /// Releases everything but the block input x (full recompute keeps only that between the
   /// forward and the block's backward, where block_forward fills the rest again).
   void keep_only_input();
+  /// Releases what the cheap ops made (h and h2 as the stage keeps them, the RMSNorm statistics,
+  /// SwiGLU's product s) and keeps the outputs of the GEMMs and of attention: selective
+  /// recompute, which block_refill() undoes before the block's backward.
+  void drop_cheap();
 };
 
 /// Runs one block forward on this rank's part of x; fills `saved`, returns the block output.
 /// Each op outside the linear layers is a span on `trace`'s compute lane.
 Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x, Parallelism& par,
                      BlockActivations& saved, Trace& trace = Trace::off());
+
+/// Selective recompute: makes again what drop_cheap() released, from the kept x, x2, gate and
+/// up, with no communication (the stage remakes its kept GEMM inputs: Parallelism::column_saved).
+void block_refill(const LayerParams& p, Parallelism& par, BlockActivations& saved,
+                  Trace& trace = Trace::off());
 
 /// Runs one block backward: writes every parameter gradient into `grads`, returns dL/dx.
 Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockActivations& saved,

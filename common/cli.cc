@@ -137,11 +137,16 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->group(run);
   std::string recompute(recompute_flag(c.recompute));
   app.add_option("--recompute", recompute,
-                 "none (keep every activation backward reads) or full (keep only each block's "
+                 "none (keep every activation backward reads), full (keep only each block's "
                  "input and run the block's forward again, collectives included, before its "
-                 "backward)")
-      ->check(CLI::IsMember({"none", "full"}))
+                 "backward) or selective (keep the GEMMs' and attention's outputs, run RMSNorm "
+                 "and SwiGLU's product again; no collective repeated)")
+      ->check(CLI::IsMember({"none", "full", "selective"}))
       ->capture_default_str()
+      ->group(run);
+  add_number(app, "--recompute-every", c.recompute_every,
+             "with --recompute full: recompute only layers l with l % K == 0")
+      ->type_name("K")
       ->group(run);
   auto out = "Output";
   app.add_flag("--check", o.check,
@@ -223,7 +228,15 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   c.device = parse_device(device);
   c.dtype = parse_dtype(dtype);
   c.attention = attention == "naive" ? Attention::naive : Attention::fused;
-  c.recompute = recompute == "full" ? Recompute::full : Recompute::none;
+  c.recompute = recompute == "full"        ? Recompute::full
+                : recompute == "selective" ? Recompute::selective
+                                           : Recompute::none;
+  if (app.count("--recompute-every") > 0 && c.recompute != Recompute::full)
+    return {std::nullopt,
+            fmt::format("--recompute-every chooses the layers of --recompute full (got "
+                        "--recompute {})",
+                        recompute),
+            2};
   if (app.count("--kv-heads") == 0) {
     c.kv_heads = c.heads;  // multi-head attention
   } else if (c.kv_heads == 0) {
@@ -254,6 +267,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--kv-heads", fmt::format("{}", c.kv_heads_or_heads())},
       {"--rope-theta", fmt::format("{}", c.rope_theta)},
       {"--recompute", std::string(recompute_flag(c.recompute))},
+      {"--recompute-every", fmt::format("{}", c.recompute_every)},
       {"--comm", to_string(o.comm.kind)},
       {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
       {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},

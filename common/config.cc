@@ -46,6 +46,11 @@ std::vector<std::string> validate(const BlockConfig& c) {
         "the rotary embedding rotates pairs of a head's elements, so the head dim H/NH must be "
         "even (got {}); use --rope-theta 0 to run without it",
         c.head_dim()));
+  if (c.recompute_every < 1 || (c.layers > 0 && c.recompute_every > c.layers))
+    errors.push_back(fmt::format(
+        "--recompute-every must be 1 … --layers ({}) (got {}): layer l is recomputed when "
+        "l % K == 0",
+        c.layers, c.recompute_every));
   if (!(c.lr >= 0.0)) errors.push_back(fmt::format("--lr must be non-negative (got {})", c.lr));
   if (c.device == Device::cpu && c.dtype == DType::bf16)
     errors.push_back(

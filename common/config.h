@@ -24,8 +24,11 @@ enum class Attention { fused, naive };
 /// What backward keeps from forward (--recompute). none: every activation backward reads is
 /// saved; full: only each block's input (its sequence shard under SP) is saved, and the block's
 /// forward, collectives included, runs again just before its backward (Megatron-LM's
-/// --recompute-granularity full, TorchTitan's full activation checkpointing).
-enum class Recompute { none, full };
+/// --recompute-granularity full, TorchTitan's full activation checkpointing), on every
+/// --recompute-every K-th layer; selective: op-level, the outputs of the GEMMs and of attention
+/// are kept and the cheap ops (RMSNorm, SwiGLU's product) run again before the block's backward,
+/// with no collective repeated (TorchTitan's selective_ac_option = "op").
+enum class Recompute { none, full, selective };
 
 /// Llama 3's rotary base θ (--rope-theta's default).
 inline constexpr double kLlama3RopeTheta = 500000.0;
@@ -52,11 +55,21 @@ struct BlockConfig {
   /// θ of the rotary embedding on q and k (0: none).
   double rope_theta = kLlama3RopeTheta;
   Recompute recompute = Recompute::none;
+  /// Under full recompute, layers l with l % K == 0 are recomputed (1: every layer).
+  std::int64_t recompute_every = 1;
 
   std::int64_t head_dim() const { return hidden / heads; }
   std::int64_t kv_heads_or_heads() const { return kv_heads > 0 ? kv_heads : heads; }
   std::int64_t kv_dim() const { return kv_heads_or_heads() * head_dim(); }  ///< NKV·D
   bool rope() const { return rope_theta > 0; }
+  /// Whether layer l runs its forward again before its backward (full recompute).
+  bool recomputes_layer(std::int64_t l) const {
+    return recompute == Recompute::full && l % recompute_every == 0;
+  }
+  /// How many layers do: ceil(L / K) under full recompute, else 0.
+  std::int64_t recomputed_layers() const {
+    return recompute == Recompute::full ? (layers + recompute_every - 1) / recompute_every : 0;
+  }
   std::int64_t tokens() const { return seq * batch; }
 };
 
@@ -66,9 +79,9 @@ std::string_view dtype_flag(DType d);
 constexpr std::string_view attention_flag(Attention a) {
   return a == Attention::fused ? "fused" : "naive";
 }
-/// The --recompute word: "none" or "full".
+/// The --recompute word: "none", "full" or "selective".
 constexpr std::string_view recompute_flag(Recompute r) {
-  return r == Recompute::full ? "full" : "none";
+  return r == Recompute::full ? "full" : r == Recompute::selective ? "selective" : "none";
 }
 /// The operand type of the GEMMs that never run in FP8 (attention's): d, or fp32 under fp8.
 constexpr DType high_precision(DType d) {

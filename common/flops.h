@@ -9,7 +9,9 @@
 //                                          convention: the causal kernels skip about half of it,
 //                                          and fused attention's backward recomputes QKᵀ)
 //   backward           2 × forward         each GEMM becomes two (dX and dW; dQ, dK and dV, dP)
-//   recompute          1 × forward         --recompute full runs every block's forward again
+//   recompute          R/L × forward       --recompute full runs the forward of R = ceil(L/K)
+//                                          blocks again (--recompute-every K); selective only
+//                                          element-wise ops, 0 GEMM FLOPs
 // Element-wise work (norms, RoPE, softmax, SwiGLU, residuals, loss, SGD) is O(S·B·H) and not
 // counted. GQA does not change attention's FLOPs: every query head still scores every key.
 // A tensor-parallel rank does 1/N of the GEMM work. total() is the model's FLOPs (what MFU
@@ -26,7 +28,7 @@ struct StepFlops {
   double linear_forward = 0;     ///< all layers
   double attention_forward = 0;  ///< all layers
   double forward() const { return linear_forward + attention_forward; }
-  double recompute = 0;  ///< all layers: forward again under --recompute full, else 0
+  double recompute = 0;  ///< the recomputed layers' forward GEMMs (full), else 0
   double backward() const { return 2.0 * forward(); }
   double total() const { return forward() + backward(); }  ///< forward + backward = 3 × forward
   double executed() const { return total() + recompute; }  ///< what the GPU runs
@@ -40,7 +42,7 @@ inline StepFlops step_flops(const BlockConfig& c) {
   const double kv = double(c.kv_dim());
   r.linear_forward = layers * 2.0 * t * (2.0 * h * h + 2.0 * h * kv + 3.0 * h * f);
   r.attention_forward = layers * 2.0 * (2.0 * b * s * s * h);
-  r.recompute = c.recompute == Recompute::full ? r.forward() : 0.0;
+  r.recompute = r.forward() * double(c.recomputed_layers()) / layers;
   return r;
 }
 

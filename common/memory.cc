@@ -148,16 +148,16 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
 
   // From the second step on, forward replaces each saved tensor of the previous step: the new
   // one exists before the old one is released. With long sequences the new probabilities
-  // alone outweigh everything backward allocates. Under full recompute nothing is replaced (a
-  // block's activations are released after its backward); its forward runs again inside
+  // alone outweigh everything backward allocates. A layer under full recompute has nothing to
+  // replace (its activations are released after its backward); its forward runs again inside
   // backward, beside the last block's output y and the incoming gradient, and what it saves is
   // the saved-activations term's one block: only its transient outputs come on top.
-  const bool recompute = c.recompute == Recompute::full;
-  if (recompute) {
+  if (c.recomputed_layers() > 0) {
     const I wo_row = sum({G, largest({gemm_copies(b.cols_h, b.w_h), scattered})}, what);
     const I wd_row = sum({R, G, largest({gemm_copies(b.cols_f, b.w_f), scattered})}, what);
     peak = largest({peak, sum({base, largest({wo_row, wd_row, sum({R, R, R}, what)})}, what)});
-  } else if (c.steps >= 2) {
+  }
+  if (c.steps >= 2 && c.recomputed_layers() < c.layers) {
     const I qkv_col =
         sum({R, b.gather, b.cols_h, b.cols_kv, b.cols_kv, gemm_copies(G, b.w_h)}, what);
     const I attn_fwd =
@@ -262,13 +262,24 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   const I saved_layer = sum({b.stream, kept_h, b.stream, kept_h, b.rows, b.rows, b.cols_h,
                              b.cols_kv, b.cols_kv, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.attn},
                             "a layer's saved activations");
-  // Full recompute keeps every layer's input x between forward and backward, and the rest of one
-  // block's activations while that block's backward runs: L·x + (saved_layer − x).
-  const I saved = c.recompute == Recompute::full
-                      ? sum({checked_product({b.stream, c.layers}, "the saved inputs' bytes"),
-                             saved_layer - b.stream},
-                            "the saved activations' bytes")
-                      : checked_product({saved_layer, c.layers}, "the saved activations' bytes");
+  // --recompute: what a layer keeps between its forward and its backward, and what its
+  // recompute makes again while that block's backward runs (the largest such, once):
+  //   none       saved_layer                        —
+  //   full       x (R = ceil(L/K) layers; the rest  saved_layer − x
+  //              keep saved_layer)
+  //   selective  saved_layer − cheap                cheap = h, h2 (as kept), rstd1, rstd2, s
+  const char* saved_what = "the saved activations' bytes";
+  const I cheap = sum({kept_h, kept_h, b.rows, b.rows, b.cols_f}, saved_what);
+  const I recomputed = c.recomputed_layers();
+  I saved = 0;
+  if (c.recompute == Recompute::selective)
+    saved = sum({checked_product({saved_layer - cheap, c.layers}, saved_what), cheap}, saved_what);
+  else if (recomputed > 0)
+    saved = sum({checked_product({saved_layer, c.layers - recomputed}, saved_what),
+                 checked_product({b.stream, recomputed}, saved_what), saved_layer - b.stream},
+                saved_what);
+  else
+    saved = checked_product({saved_layer, c.layers}, saved_what);
 
   MemoryEstimate e;
   e.terms = {

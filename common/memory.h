@@ -6,7 +6,8 @@
 //   parameters, gradients   every layer's nine tensors, this rank's shards (param_local_shape)
 //   saved activations       what forward keeps for backward, all L layers, exactly as
 //                           BlockActivations::bytes() counts it (the chapters' formula);
-//                           under --recompute full every layer's input plus one block's rest
+//                           under --recompute what each layer keeps plus the largest
+//                           recompute's remade tensors (common/memory.cc's table)
 //   target                  the loss's T, this rank's part (the input x is layer 0's saved x)
 //   largest temporaries     what else is alive at the peak: the output and its gradient, and
 //                           the block backward's own tensors at their fullest (or, with long

@@ -61,6 +61,10 @@ class Parallelism {
   virtual Tensor column_backward(const Tensor& saved, std::span<const Tensor> w,
                                  std::span<const Tensor> dy, std::span<const Tensor> dw,
                                  std::string_view role) = 0;
+  /// Selective recompute: what column_forward saved for backward, made again from the same
+  /// input h without communicating. `scale` is the saved tensor's FP8 scale (undefined unless
+  /// the stage keeps FP8 shards). Stages 01-05 keep h itself.
+  virtual Tensor column_saved(const Tensor& h, const Tensor& /*scale*/) { return h; }
   /// Returns y = g(a · w) in the layout of the residual stream.
   virtual Tensor row_forward(const Tensor& a, const Tensor& w, std::string_view role) = 0;
   /// dw = aᵀ · g_backward(dy) (written), returns da = g_backward(dy) · wᵀ.

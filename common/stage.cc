@@ -86,6 +86,23 @@ constexpr CheckTolerance kFp8Check{.rtol = 0.1, .cosine = 0.98, .loss_rtol = 0.0
 /// The estimate's term for rank 0's host copies of the first step (--check / --dump).
 constexpr std::string_view kSnapshotTerm = "first-step snapshot (--check/--dump)";
 
+/// The header's words for --recompute.
+std::string recompute_text(const BlockConfig& c) {
+  switch (c.recompute) {
+    case Recompute::full:
+      return fmt::format(
+          "full on {} of {} layers (every {}; each such block's forward runs again before its "
+          "backward, collectives too)",
+          c.recomputed_layers(), c.layers, c.recompute_every);
+    case Recompute::selective:
+      return "selective (RMSNorm and SwiGLU's product run again before each block's backward; "
+             "no collective repeated)";
+    case Recompute::none:
+      break;
+  }
+  return "none";
+}
+
 void print_header(const StageDefinition& st, const BlockConfig& c, int world,
                   const Parallelism& par, const Speed& speed, const MemoryEstimate& memory,
                   std::uint64_t reference, std::uint64_t available) {
@@ -98,9 +115,7 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
              c.lr, c.seed);
   fmt::print("rope {} | recompute {}\n",
              c.rope() ? fmt::format("theta {:g}", c.rope_theta) : std::string("off"),
-             c.recompute == Recompute::full
-                 ? "full (each block's forward runs again before its backward, collectives too)"
-                 : "none");
+             recompute_text(c));
   if (c.device == Device::cpu)
     fmt::print("(cpu backend: timings show the mechanics, not GPU speed)\n");
   if (speed.gpu())
@@ -119,10 +134,11 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
   fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>10} {:>14} {:>14} {:>10}", "step", "loss",
              "grad norm", "step ms", "exposed ms", "comm B/rank", "bus B/rank", "peak MB");
   if (speed.gpu()) fmt::print(" {:>8} {:>6} {:>8}", "TFLOP/s", "MFU %", "resv MB");
+  if (c.recompute == Recompute::full) fmt::print(" {:>16}", "recompute bus B");
   fmt::print("\n");
 }
 
-void print_row(const StepRow& r, const Speed& speed) {
+void print_row(const StepRow& r, const Speed& speed, const BlockConfig& c) {
   fmt::print("{:>5} {:>13.8f} {:>12.6e} {:>10.2f} {:>10.2f} {:>14} {:>14} {:>10.2f}", r.step,
              r.loss, r.grad_norm, r.ms, r.exposed_comm_ms, r.comm.payload_bytes, r.comm.bus_bytes,
              mib(r.peak_bytes));
@@ -131,6 +147,7 @@ void print_row(const StepRow& r, const Speed& speed) {
     fmt::print(" {:>8.1f} {:>6.1f} {:>8.2f}", tf, 100.0 * tf / speed.peak_tflops,
                mib(r.reserved_bytes));
   }
+  if (c.recompute == Recompute::full) fmt::print(" {:>16}", r.recompute_comm.bus_bytes);
   fmt::print("\n");
   std::fflush(stdout);
 }
@@ -152,7 +169,8 @@ json config_json(const BlockConfig& c) {
           {"attention", attention_flag(c.attention)},
           {"kv_heads", c.kv_heads_or_heads()},
           {"rope_theta", c.rope_theta},
-          {"recompute", recompute_flag(c.recompute)}};
+          {"recompute", recompute_flag(c.recompute)},
+          {"recompute_every", c.recompute_every}};
 }
 
 void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& stage, int world,
@@ -303,6 +321,8 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                     {"comm_payload_bytes", row.comm.payload_bytes},
                     {"comm_bus_bytes", row.comm.bus_bytes},
                     {"comm_calls", row.comm.calls},
+                    {"recompute_bus_bytes", row.recompute_comm.bus_bytes},
+                    {"recompute_payload_bytes", row.recompute_comm.payload_bytes},
                     {"peak_bytes", row.peak_bytes},
                     {"reserved_bytes", row.reserved_bytes}});
   json summary = {{"stage", st.info.name},
@@ -316,6 +336,8 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
   summary["flops_per_step_per_rank"] = speed.flops_per_rank;
   // What the device executes: the model's FLOPs plus --recompute full's second forward.
   summary["executed_flops_per_step_per_rank"] = step_flops(c).executed() / double(world);
+  summary["recompute_flops_per_step_per_rank"] = step_flops(c).recompute / double(world);
+  summary["recomputed_layers"] = c.recomputed_layers();
   if (speed.gpu()) {
     summary["device_name"] = ops::device_name(c.device);
     summary["bf16_gemm_peak_tflops"] = speed.peak_tflops;
@@ -351,7 +373,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   if (c.device == Device::cuda) TPX_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
   const TrainResult r =
       train(c, *par, o.check || !o.dump_dir.empty(), trace, [&](const StepRow& row) {
-        if (rank == 0) print_row(row, speed);
+        if (rank == 0) print_row(row, speed, c);
       });
   if (rank == 0) {
     // Step 0 warms up (first allocations, GEMM heuristics, lazily made transports): the mean is

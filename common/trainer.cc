@@ -15,6 +15,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+/// into += more.
+void add(CommStats& into, const CommStats& more) {
+  into.payload_bytes += more.payload_bytes;
+  into.bus_bytes += more.bus_bytes;
+  into.calls += more.calls;
+}
+
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
@@ -50,7 +57,24 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
   Model m = make_model(c, sh);
   const double count = double(c.seq) * double(c.batch) * double(c.hidden);
   std::vector<BlockActivations> acts(static_cast<std::size_t>(c.layers));
-  const bool recompute = c.recompute == Recompute::full;
+  // What layer l keeps between its forward and its backward (--recompute), and what it makes
+  // again before its backward: the block's forward (full) or its cheap ops (selective).
+  auto release = [&](std::size_t l) {
+    if (c.recomputes_layer(std::int64_t(l)))
+      acts[l].keep_only_input();
+    else if (c.recompute == Recompute::selective)
+      acts[l].drop_cheap();
+  };
+  auto recompute = [&](std::size_t l) {
+    if (c.recomputes_layer(std::int64_t(l))) {
+      // The block's forward again from its saved input, collectives included; its output is
+      // the next block's input, which is already saved.
+      TraceScope again(trace, "recompute", Lane::phase);
+      block_forward(c, m.params[l], acts[l].x, par, acts[l], trace);
+    } else if (c.recompute == Recompute::selective) {
+      block_refill(m.params[l], par, acts[l], trace);
+    }
+  };
   TrainResult result;
   par.synchronize();
   ops::synchronize(c.device);  // initialisation's device work is not a step's
@@ -65,11 +89,11 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       TraceScope scope(trace, "forward", Lane::phase);
       for (std::size_t l = 0; l < acts.size(); ++l) {
         y = block_forward(c, m.params[l], y, par, acts[l], trace);
-        if (recompute) acts[l].keep_only_input();
+        release(l);
       }
     }
-    // What backward keeps from forward: every layer's activations, or under full recompute every
-    // layer's input plus, during a block's backward, the rest of that one block's activations.
+    // What backward keeps from forward: what every layer kept, plus what the largest recompute
+    // makes again while that one block's backward runs.
     std::size_t saved = 0, one_block = 0;
     for (const auto& a : acts) saved += a.bytes();
     Tensor dy = Tensor::empty(y.shape(), y.dtype(), y.device());
@@ -88,16 +112,13 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     {
       TraceScope scope(trace, "backward", Lane::phase);
       for (std::size_t l = acts.size(); l-- > 0;) {
-        if (recompute) {
-          // The block's forward again from its saved input, collectives included; its output is
-          // the next block's input, which is already saved.
-          TraceScope again(trace, "recompute", Lane::phase);
-          const std::size_t input = acts[l].bytes();
-          block_forward(c, m.params[l], acts[l].x, par, acts[l], trace);
-          one_block = std::max(one_block, acts[l].bytes() - input);
-        }
+        const std::size_t kept = acts[l].bytes();
+        add(row.comm, par.take_comm_stats());  // the recompute's own traffic, counted apart
+        recompute(l);
+        add(row.recompute_comm, par.take_comm_stats());
+        one_block = std::max(one_block, acts[l].bytes() - kept);
         dy = block_backward(c, m.params[l], acts[l], dy, par, m.grads[l], trace);
-        if (recompute) acts[l].keep_only_input();
+        release(l);
       }
     }
     if (step == 0) result.saved_activation_bytes = saved + one_block;
@@ -123,7 +144,8 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     par.synchronize();
     ops::synchronize(c.device);  // device work is asynchronous: stop the clock when it is done
     double ms = ms_since(t0);
-    row.comm = par.take_comm_stats();
+    add(row.comm, par.take_comm_stats());
+    add(row.comm, row.recompute_comm);
     row.exposed_comm_ms = trace.exposed_comm_ms(t0, Clock::now());
 
     if (step == 0 && snapshot) {  // outside the timed region; its gathers are not counted

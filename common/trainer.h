@@ -26,6 +26,8 @@ struct StepRow {
   double grad_norm = 0;  ///< global L2 norm of all gradients
   double ms = 0;         ///< forward + backward + update, wall clock
   CommStats comm;        ///< this rank's communication in the step
+  /// The part of `comm` that full recompute's second forwards moved (0 under none/selective).
+  CommStats recompute_comm;
   /// Time in the step during which communication ran and compute did not (common/trace.h).
   double exposed_comm_ms = 0;
   std::size_t peak_bytes = 0;
@@ -47,8 +49,9 @@ struct TrainResult {
   std::string diverged;
   Snapshot first;  ///< filled when requested
   /// This rank, all layers, first step: the activations saved between forward and backward.
-  /// Under --recompute full, every layer's input plus the rest of the largest block's
-  /// activations, which exist again while that block's backward runs.
+  /// Under --recompute, what every layer kept (its input, for a recomputed layer; all but the
+  /// cheap ops' outputs, under selective) plus what the largest recompute makes again while
+  /// that one block's backward runs.
   std::size_t saved_activation_bytes = 0;
 };
 

@@ -3,7 +3,10 @@
 //     activation recompute (--recompute) pass --check at N = 1 … 4 with NKV = NH, NH/2 and N,
 //     RoPE on and off, recompute none and full; each run's --dump equals stage 01's with the
 //     same flags to 1e-5 of each tensor's scale;
-//   - on the cpu, --recompute full gives bit for bit the gradients and losses of none;
+//   - on the cpu, every --recompute policy (selective, full on every 2nd layer, full) gives bit for
+//     bit the gradients and losses of none, at N = 1, 2, 3, and saves what the chapter's table
+//     says, in that order, with the allocator's peak following; the repeated bus bytes and
+//     recomputed FLOPs equal their formulas;
 //   - saved-activation bytes, bus bytes (the forward's traffic counted twice under recompute) and
 //     GEMM FLOPs equal the chapters' formulas, with NKV = NH and NKV < NH;
 //   - bad combinations end with one line on every rank and exit 2 before a step runs.
@@ -226,66 +229,128 @@ double model_flops(const Sizes& z, std::int64_t kv, std::int64_t n) {
   return 3 * fwd * double(z.L) / double(n);
 }
 
-class Recompute : public testing::TestWithParam<Case> {};
+/// A --recompute policy: its flags, and the layers it recomputes in full (of L).
+struct Policy {
+  std::string name, flags;
+  std::int64_t every = 0;  ///< full recompute of layers l % every == 0; 0: none / selective
+  bool selective = false;
+  std::int64_t recomputed(std::int64_t layers) const {
+    return every > 0 ? (layers + every - 1) / every : 0;
+  }
+};
 
-TEST_P(Recompute, SameBitsAsNoneAndTheChaptersBytes) {
-  const auto [stage, n] = GetParam();
-  const Sizes z;
-  const std::int64_t kv = z.NH / 2;
-  const bool sp = stage != "01_baseline" && stage != "02_megatron_tp";
-  test::TempDir dir;
-  std::map<bool, json> runs;
-  for (bool full : {false, true}) {
-    const std::string name = full ? "full" : "none";
-    const auto r = run_stage(
-        stage, n,
-        fmt::format("{} {} --steps 3 --json {} --dump {}", z.args(), Block{kv, 500000, full}.args(),
-                    (dir / (name + ".json")).string(), (dir / name).string()),
-        dir);
-    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-    runs[full] = json::parse(test::read_file(dir / (name + ".json")));
-    EXPECT_NE(r.out.find(full ? "recompute full" : "recompute none"), std::string::npos) << r.out;
-  }
-  expect_dumps_close(dir / "none", dir / "full", z, 0.0, "recompute full against none");
-  const json &none = runs[false], &full = runs[true];
-  ASSERT_EQ(none.at("steps").size(), full.at("steps").size());
-  for (std::size_t i = 0; i < none.at("steps").size(); ++i)
-    EXPECT_EQ(none["steps"][i].at("loss").get<double>(), full["steps"][i].at("loss").get<double>())
-        << "step " << i;
-  const std::string s = stage.substr(0, 2);
-  for (bool recompute : {false, true}) {
-    const json& j = runs[recompute];
-    EXPECT_EQ(j.at("saved_activation_bytes").get<std::int64_t>(),
-              saved_bytes(z, kv, n, sp, recompute, s == "06"))
-        << "recompute " << recompute;
-    if (s == "01" || s == "02" || s == "03") {
-      for (const json& row : j.at("steps")) {
-        EXPECT_EQ(row.at("comm_bus_bytes").get<std::uint64_t>(),
-                  s == "01" ? 0 : bus_bytes(z, n, sp, recompute))
-            << "recompute " << recompute;
-      }
-    }
-    EXPECT_DOUBLE_EQ(j.at("flops_per_step_per_rank").get<double>(), model_flops(z, kv, n));
-    EXPECT_DOUBLE_EQ(j.at("executed_flops_per_step_per_rank").get<double>(),
-                     model_flops(z, kv, n) * (recompute ? 4.0 / 3.0 : 1.0));
-  }
-  // Later stages move stage 03's bytes in other ways; recompute adds exactly the forward's share.
-  if (s != "01" && s != "02" && s != "03") {
-    const auto b0 = none["steps"][1].at("comm_bus_bytes").get<std::uint64_t>();
-    const auto b1 = full["steps"][1].at("comm_bus_bytes").get<std::uint64_t>();
-    EXPECT_GT(b1, b0);
-    if (s == "04" || s == "05") {  // four ring primitives of N − 1 chunk transfers per layer
-      EXPECT_EQ(b1 - b0, std::uint64_t(z.L * 4 * (n - 1) * (kFloat * z.S * z.B * z.H / n)));
-    }
-  }
+const std::vector<Policy> kPolicies = {{"none", "--recompute none"},
+                                       {"selective", "--recompute selective", 0, true},
+                                       {"full2", "--recompute full --recompute-every 2", 2},
+                                       {"full", "--recompute full", 1}};
+
+/// Saved bytes per rank under a policy (the chapter's table): a recomputed layer keeps its input
+/// x, the others all of `layer`; selective keeps `layer − cheap` everywhere (cheap: h and h2 as
+/// the stage keeps them, rstd1, rstd2, s); and while one block's backward runs, what its
+/// recompute made again: layer − x (full) or cheap (selective).
+std::int64_t policy_saved_bytes(const Sizes& z, std::int64_t kv, std::int64_t n, bool sp, bool fp8,
+                                const Policy& p) {
+  const std::int64_t layer = layer_saved_bytes(z, kv, n, sp, fp8);
+  const std::int64_t tokens = z.S * z.B / (sp ? n : 1);
+  const std::int64_t x = kFloat * tokens * z.H;
+  const std::int64_t cheap =
+      2 * tokens * z.H * (fp8 ? 1 : kFloat) + 2 * kFloat * tokens + kFloat * z.S * z.B * z.F / n;
+  if (p.selective) return z.L * (layer - cheap) + cheap;
+  const std::int64_t r = p.recomputed(z.L);
+  return r == 0 ? z.L * layer : (z.L - r) * layer + r * x + (layer - x);
 }
 
-INSTANTIATE_TEST_SUITE_P(stages, Recompute,
-                         testing::Values(Case{"01_baseline", 1}, Case{"02_megatron_tp", 2},
-                                         Case{"03_sequence_parallel", 2},
-                                         Case{"03_sequence_parallel", 4},
-                                         Case{"04_overlap_ring", 2},
-                                         Case{"05_copy_engine_async_tp", 2}, Case{"06_fp8", 2}),
+/// Bus bytes of one layer's forward collectives on one rank: what a recomputed layer moves again.
+/// 02: two all-reduces of the stream; 03: two all-gathers and two reduce-scatters; 04, 05: those
+/// four as N − 1 ring transfers of one [S/N, B, H] chunk; 06: the two gathers of FP8 codes (a
+/// byte each), the two reduce-scatters and the forward's four MAX all-reduces of k amaxes,
+/// k ∈ {4, 2, 3, 2}.
+std::uint64_t forward_bus_bytes(const std::string& s, const Sizes& z, std::int64_t n) {
+  const std::int64_t elems = z.S * z.B * z.H, stream = kFloat * elems;
+  if (s == "01") return 0;
+  if (s == "02") return std::uint64_t(2 * (stream * 2 * (n - 1) / n));
+  if (s == "03") return std::uint64_t(4 * (stream * (n - 1) / n));
+  if (s == "04" || s == "05") return std::uint64_t(4 * (n - 1) * (stream / n));
+  std::int64_t amax = 0;
+  for (std::int64_t k : {4, 2, 3, 2}) amax += kFloat * k * 2 * (n - 1) / n;
+  return std::uint64_t(2 * (n - 1) * (elems / n) + 2 * (n - 1) * (stream / n) + amax);
+}
+
+class RecomputePolicies : public testing::TestWithParam<Case> {};
+
+TEST_P(RecomputePolicies, SameBitsAsNoneAndTheChaptersBytes) {
+  const auto [stage, n] = GetParam();
+  const Sizes z{.L = 4};  // four layers: "every 2" recomputes two of them
+  const std::int64_t kv = z.NH / 2;
+  const std::string s = stage.substr(0, 2);
+  const bool sp = s != "01" && s != "02", fp8 = s == "06";
+  test::TempDir dir;
+  std::map<std::string, json> runs;
+  for (const Policy& p : kPolicies) {
+    const auto r = run_stage(
+        stage, n,
+        fmt::format("{} --kv-heads {} {} --steps 3 --json {} --dump {}", z.args(), kv, p.flags,
+                    (dir / (p.name + ".json")).string(), (dir / p.name).string()),
+        dir);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    runs[p.name] = json::parse(test::read_file(dir / (p.name + ".json")));
+    if (p.name != "none")
+      expect_dumps_close(dir / "none", dir / p.name, z, 0.0, p.name + " against none");
+  }
+  const json& none = runs["none"];
+  for (const Policy& p : kPolicies) {
+    const json& j = runs[p.name];
+    ASSERT_EQ(j.at("steps").size(), none.at("steps").size());
+    for (std::size_t i = 0; i < none.at("steps").size(); ++i)
+      EXPECT_EQ(j["steps"][i].at("loss").get<double>(), none["steps"][i].at("loss").get<double>())
+          << p.name << " step " << i;
+    EXPECT_EQ(j.at("saved_activation_bytes").get<std::int64_t>(),
+              policy_saved_bytes(z, kv, n, sp, fp8, p))
+        << p.name;
+    const std::int64_t r = p.recomputed(z.L);
+    EXPECT_EQ(j.at("recomputed_layers").get<std::int64_t>(), r) << p.name;
+    EXPECT_DOUBLE_EQ(j.at("flops_per_step_per_rank").get<double>(), model_flops(z, kv, n));
+    EXPECT_DOUBLE_EQ(j.at("recompute_flops_per_step_per_rank").get<double>(),
+                     model_flops(z, kv, n) / 3 * double(r) / double(z.L))
+        << p.name;
+    const auto repeated = std::uint64_t(r) * forward_bus_bytes(s, z, n);
+    for (std::size_t i = 0; i < j.at("steps").size(); ++i) {
+      const json& row = j["steps"][i];
+      EXPECT_EQ(row.at("recompute_bus_bytes").get<std::uint64_t>(), repeated) << p.name;
+      EXPECT_EQ(row.at("comm_bus_bytes").get<std::uint64_t>(),
+                none["steps"][i].at("comm_bus_bytes").get<std::uint64_t>() + repeated)
+          << p.name;
+    }
+    if (s == "02" || s == "03") {  // and the whole step's bytes, from the chapters' formula
+      EXPECT_EQ(j["steps"][0].at("comm_bus_bytes").get<std::uint64_t>(),
+                bus_bytes(z, n, sp, false) + repeated);
+    }
+  }
+  // The policies order by what they keep, and the allocator's peak follows.
+  auto saved = [&](const char* p) { return runs[p].at("saved_activation_bytes").get<double>(); };
+  auto peak = [&](const char* p) {
+    std::uint64_t m = 0;
+    for (const json& row : runs[p].at("steps"))
+      m = std::max(m, row.at("peak_bytes").get<std::uint64_t>());
+    return m;
+  };
+  EXPECT_GT(saved("none"), saved("selective"));
+  EXPECT_GT(saved("none"), saved("full2"));
+  EXPECT_GT(saved("full2"), saved("full"));
+  EXPECT_GT(peak("none"), peak("selective"));
+  EXPECT_GT(peak("none"), peak("full2"));
+  EXPECT_GT(peak("full2"), peak("full"));
+}
+
+std::vector<Case> policy_cases() {
+  std::vector<Case> cases = {{"01_baseline", 1}};
+  for (const char* stage : {"02_megatron_tp", "03_sequence_parallel", "04_overlap_ring",
+                            "05_copy_engine_async_tp", "06_fp8"})
+    for (int n : {1, 2, 3}) cases.push_back({stage, n});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(stages, RecomputePolicies, testing::ValuesIn(policy_cases()),
                          [](const auto& p) {
                            return fmt::format("{}_np{}", p.param.stage.substr(0, 2), p.param.ranks);
                          });
@@ -362,7 +427,14 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{"02_megatron_tp", 2, "--rope-theta -1", "--rope-theta must be non-negative"},
         Bad{"01_baseline", 1, "--kv-heads 0", "--kv-heads must be positive"},
         Bad{"02_megatron_tp", 2, "--hidden 24 --heads 8", "head dim H/NH must be even"},
-        Bad{"03_sequence_parallel", 2, "--recompute some", "--recompute"}),
+        Bad{"03_sequence_parallel", 2, "--recompute some", "--recompute"},
+        Bad{"02_megatron_tp", 2, "--recompute-every 2", "--recompute-every chooses the layers"},
+        Bad{"02_megatron_tp", 2, "--recompute selective --recompute-every 1",
+            "--recompute-every chooses the layers"},
+        Bad{"03_sequence_parallel", 2, "--layers 2 --recompute full --recompute-every 3",
+            "--recompute-every must be 1"},
+        Bad{"01_baseline", 1, "--recompute full --recompute-every 0",
+            "--recompute-every must be 1"}),
     [](const auto& p) { return fmt::format("case{}", p.index); });
 
 }  // namespace

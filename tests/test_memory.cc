@@ -2,7 +2,8 @@
 // 01 to 04 under mpirun -np 1 and 2, train() runs in-process and the cpu allocator's
 // measured high-water mark must be within 10 % of the estimate, at the default config and at
 // configs whose peak comes from elsewhere (long sequences: the attention probabilities), with
-// fused attention (the default) and --attention naive, and with GQA under full recompute. The
+// fused attention (the default) and --attention naive, with GQA under full recompute, and under
+// selective recompute and full recompute of every second layer. The
 // saved-activation term must equal what
 // training reports, byte for byte. At a long-sequence GPU config the fused estimate must fit
 // an 80 GiB GPU where the naive one cannot. Sizes too large for 64
@@ -153,16 +154,35 @@ Sizes gqa_recomputed(Sizes z) {
   return z;
 }
 
+/// `z` under --recompute selective (the cheap ops' outputs dropped and made again).
+Sizes selective(Sizes z) {
+  z.config.recompute = Recompute::selective;
+  z.name += "_selective";
+  return z;
+}
+
+/// `z` with three layers under --recompute full --recompute-every 2 (layers 0 and 2 recomputed,
+/// layer 1 keeping everything).
+Sizes every_second(Sizes z) {
+  z.config.layers = 3;
+  z.config.recompute = Recompute::full;
+  z.config.recompute_every = 2;
+  z.name += "_full_every_2";
+  return z;
+}
+
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (const Stage& st : {kBaseline, kMegatron, kSequenceParallel, kOverlapRing})
     for (const Sizes& z :
          {default_sizes(), long_sequence(1), long_sequence(2), wide_mlp(), naive(default_sizes()),
           naive(long_sequence(1)), naive(long_sequence(2)), gqa_recomputed(default_sizes()),
-          gqa_recomputed(naive(long_sequence(2))), gqa_recomputed(wide_mlp())})
+          gqa_recomputed(naive(long_sequence(2))), gqa_recomputed(wide_mlp()),
+          selective(default_sizes()), selective(naive(long_sequence(2))),
+          every_second(default_sizes()), every_second(long_sequence(2))})
       cases.push_back({st, z});
-  for (const Sizes& z :
-       {default_sizes(), long_sequence(1), wide_mlp(), gqa_recomputed(default_sizes())})
+  for (const Sizes& z : {default_sizes(), long_sequence(1), wide_mlp(),
+                         gqa_recomputed(default_sizes()), selective(default_sizes())})
     cases.push_back({kFp8, in_fp8(z)});
   return cases;
 }
