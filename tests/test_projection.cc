@@ -6,6 +6,7 @@
 //   - the efficiency curve, calibration from a bench_gemm file, and one AG+GEMM worked by hand;
 //   - tpx_project's output: its validation errors are (projected − published) / published of the
 //     numbers it prints, its projections are the library's, and its markdown says it is projected.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -70,23 +71,29 @@ TEST_P(ModelBytes, EqualTheStagesJson) {
   c.seq = 16;
   c.batch = 2;
   c.layers = 2;
-  test::TempDir dir;
-  const auto path = dir / "summary.json";
-  const std::string cmd = fmt::format(
-      "{} timeout 120 {} {} -np {} {} --hidden {} --heads {} --ffn {} --seq {} --batch {} "
-      "--layers {} --steps 1 --json {}",
-      test::kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS, n,
-      test::stage_binary(projection::stage_name(stage)), c.hidden, c.heads, c.ffn, c.seq, c.batch,
-      c.layers, path.string());
-  const auto r = test::run_command(cmd, dir);
-  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-  const json j = json::parse(test::read_file(path));
-  ASSERT_EQ(j.at("steps").size(), 1u);
-  const json& row = j["steps"][0];
-  const pj::Comm want = pj::comm_bytes(stage, c, n);
-  EXPECT_EQ(row.at("comm_bus_bytes").get<std::uint64_t>(), want.bus);
-  EXPECT_EQ(row.at("comm_payload_bytes").get<std::uint64_t>(), want.payload);
-  EXPECT_EQ(row.at("comm_calls").get<std::uint64_t>(), want.calls);
+  // Multi-head attention without recompute, and GQA under full recompute (the forward's
+  // collectives twice; GQA moves nothing more).
+  for (const bool llama : {false, true}) {
+    c.kv_heads = llama ? std::max(2, n) : c.heads;
+    c.recompute = llama ? Recompute::full : Recompute::none;
+    test::TempDir dir;
+    const auto path = dir / "summary.json";
+    const std::string cmd = fmt::format(
+        "{} timeout 120 {} {} -np {} {} --hidden {} --heads {} --ffn {} --seq {} --batch {} "
+        "--layers {} --kv-heads {} --recompute {} --steps 1 --json {}",
+        test::kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS, n,
+        test::stage_binary(projection::stage_name(stage)), c.hidden, c.heads, c.ffn, c.seq, c.batch,
+        c.layers, c.kv_heads, recompute_flag(c.recompute), path.string());
+    const auto r = test::run_command(cmd, dir);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    const json j = json::parse(test::read_file(path));
+    ASSERT_EQ(j.at("steps").size(), 1u);
+    const json& row = j["steps"][0];
+    const pj::Comm want = pj::comm_bytes(stage, c, n);
+    EXPECT_EQ(row.at("comm_bus_bytes").get<std::uint64_t>(), want.bus) << cmd;
+    EXPECT_EQ(row.at("comm_payload_bytes").get<std::uint64_t>(), want.payload) << cmd;
+    EXPECT_EQ(row.at("comm_calls").get<std::uint64_t>(), want.calls) << cmd;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(stages, ModelBytes,
