@@ -122,6 +122,24 @@ GemmDims gemm_dims(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
   return {m, n, k};
 }
 
+AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const char* what) {
+  TPX_CHECK(q.ndim() == 3 && k.ndim() == 3 && k.shape() == v.shape() && k.dim(0) == q.dim(0) &&
+                k.dim(1) == q.dim(1),
+            "{}: q [S, B, heads·D] and k, v [S, B, kv_heads·D] must agree: {} {} {}", what,
+            q.describe(), k.describe(), v.describe());
+  const std::int64_t s = q.dim(0), b = q.dim(1), x = q.dim(2);
+  TPX_CHECK(heads > 0 && x > 0 && x % heads == 0, "{}: {} columns do not split into {} heads", what,
+            x, heads);
+  const std::int64_t d = x / heads;
+  TPX_CHECK(k.dim(2) > 0 && k.dim(2) % d == 0 && heads % (k.dim(2) / d) == 0,
+            "{}: k, v of {} columns must hold whole KV heads of D = {} whose count divides the {} "
+            "query heads (grouped-query attention)",
+            what, k.dim(2), d, heads);
+  const std::int64_t kv_heads = k.dim(2) / d;
+  return {s, b, heads, kv_heads, d, b * x, b * kv_heads * d};
+}
+
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha, float beta, DType compute) {
   if (is_fp8(a.dtype()) || is_fp8(b.dtype())) {

@@ -7,7 +7,8 @@
 // Precision: tensors hold fp32. `compute` on gemm and attention picks the GEMM operand type:
 // fp32, or bf16 (cuda only) with fp32 accumulation; the rest of every op is fp32.
 //
-// defines: tpx::ops::gemm, rmsnorm_*, attention_*, attention_fused_*, swiglu_*, add,
+// defines: tpx::ops::gemm, attention_dims, rmsnorm_*, attention_*, attention_fused_*, swiglu_*,
+// add,
 //          rope_forward, rope_backward, accumulate, mse_loss_*, sgd_update, sum_squares, fill,
 //          cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, memory_available,
 //          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale
@@ -46,6 +47,18 @@ struct GemmDims {
   std::int64_t m, n, k;
 };
 GemmDims gemm_dims(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c);
+
+/// The sizes of an attention call: q (and out) [S, B, heads·D], k and v [S, B, kv_heads·D] with
+/// kv_heads dividing heads (grouped-query attention; kv_heads = heads is multi-head attention).
+/// Checks that they agree (tpx::Error naming `what` otherwise); every backend's attention starts
+/// from it.
+struct AttentionDims {
+  std::int64_t s, b, heads, kv_heads, d;
+  std::int64_t ldq, ldkv;  ///< row strides of one position: B·heads·D (q, out), B·kv_heads·D (k, v)
+  std::int64_t group() const { return heads / kv_heads; }  ///< query heads per KV head
+};
+AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const char* what);
 
 /// C = alpha * op(A) · op(B) + beta * C, with op(X) = X or Xᵀ and A, B, C seen as matrices.
 /// compute = bf16 rounds A and B to bf16 and accumulates in fp32 (cuda only).

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "../check.h"
+#include "../ops.h"
 #include "ops.h"
 
 namespace tpx::cpu {
@@ -43,36 +44,21 @@ using I = std::int64_t;
 /// OpenBLAS, small enough that the block's scores (kBlock² floats, 64 KiB) stay in L2.
 constexpr I kBlock = 128;
 
-struct FusedDims {
-  I s, b, heads, kv_heads, d;
-  I ldq, ldkv;  // row strides of one sequence position: B·heads·D (q, out), B·kv_heads·D (k, v)
-  I group() const { return heads / kv_heads; }  // query heads per KV head
-};
+using FusedDims = ops::AttentionDims;
 
 FusedDims fused_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
                      const Tensor& lse) {
-  TPX_CHECK(q.ndim() == 3 && q.shape() == out.shape() && k.ndim() == 3 && k.shape() == v.shape() &&
-                k.dim(0) == q.dim(0) && k.dim(1) == q.dim(1),
-            "fused attention q, out [S, B, heads·D] and k, v [S, B, kv_heads·D] must agree: {} {} "
-            "{} {}",
-            q.describe(), k.describe(), v.describe(), out.describe());
+  const FusedDims z = ops::attention_dims(q, k, v, heads, "fused attention");
+  TPX_CHECK(q.shape() == out.shape(), "fused attention out {} must be q's shape {}", out.describe(),
+            q.describe());
   for (const Tensor* t : {&q, &k, &v, &out, &lse})
     TPX_CHECK(t->dtype() == DType::f32 && t->device() == Device::cpu,
               "fused attention tensors must be f32 on cpu, got {}", t->describe());
-  const I s = q.dim(0), b = q.dim(1), x = q.dim(2);
-  TPX_CHECK(heads > 0 && x > 0 && x % heads == 0, "{} columns do not split into {} heads", x,
-            heads);
-  const I d = x / heads;
-  TPX_CHECK(k.dim(2) > 0 && k.dim(2) % d == 0 && heads % (k.dim(2) / d) == 0,
-            "fused attention: k, v of {} columns must hold whole KV heads of D = {} whose count "
-            "divides the {} query heads (grouped-query attention)",
-            k.dim(2), d, heads);
-  TPX_CHECK(lse.numel() == b * heads * s, "lse {} must hold [B, heads, S] = [{}, {}, {}]",
-            lse.describe(), b, heads, s);
-  TPX_CHECK(b * x <= std::numeric_limits<int>::max() && s <= std::numeric_limits<int>::max(),
+  TPX_CHECK(lse.numel() == z.b * heads * z.s, "lse {} must hold [B, heads, S] = [{}, {}, {}]",
+            lse.describe(), z.b, heads, z.s);
+  TPX_CHECK(z.ldq <= std::numeric_limits<int>::max() && z.s <= std::numeric_limits<int>::max(),
             "fused attention sizes too large for CBLAS: {}", q.describe());
-  const I kv_heads = k.dim(2) / d;
-  return {s, b, heads, kv_heads, d, b * x, b * kv_heads * d};
+  return z;
 }
 
 int to_int(I v) {

@@ -102,32 +102,15 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const 
 
 namespace {
 
-struct AttnDims {
-  I s, b, heads, kv_heads, d;
-  I ldq, ldkv;  // row strides of one sequence position: B·heads·D (q, out), B·kv_heads·D (k, v)
-  I group() const { return heads / kv_heads; }  // query heads per KV head
-};
+using AttnDims = ::tpx::ops::AttentionDims;
 
-// q [S, B, heads·D]; k, v [S, B, kv_heads·D] with kv_heads dividing heads (grouped-query
-// attention; kv_heads = heads is multi-head attention).
+// q [S, B, heads·D]; k, v [S, B, kv_heads·D] (ops::attention_dims), and the probabilities.
 AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
                         const Tensor& probs) {
-  TPX_CHECK(q.ndim() == 3 && k.ndim() == 3 && k.shape() == v.shape() && k.dim(0) == q.dim(0) &&
-                k.dim(1) == q.dim(1),
-            "attention q [S, B, heads·D] and k, v [S, B, kv_heads·D] must agree: {} {} {}",
-            q.describe(), k.describe(), v.describe());
-  const I s = q.dim(0), b = q.dim(1), x = q.dim(2);
-  TPX_CHECK(heads > 0 && x > 0 && x % heads == 0, "{} columns do not split into {} heads", x,
-            heads);
-  const I d = x / heads;
-  TPX_CHECK(k.dim(2) > 0 && k.dim(2) % d == 0 && heads % (k.dim(2) / d) == 0,
-            "attention: k, v of {} columns must hold whole KV heads of D = {} whose count divides "
-            "the {} query heads (grouped-query attention)",
-            k.dim(2), d, heads);
-  TPX_CHECK(probs.numel() == b * heads * s * s, "probs {} must hold [B, heads, S, S]",
+  const AttnDims z = ::tpx::ops::attention_dims(q, k, v, heads, "attention");
+  TPX_CHECK(probs.numel() == z.b * heads * z.s * z.s, "probs {} must hold [B, heads, S, S]",
             probs.describe());
-  const I kv_heads = k.dim(2) / d;
-  return {s, b, heads, kv_heads, d, b * x, b * kv_heads * d};
+  return z;
 }
 
 }  // namespace

@@ -82,32 +82,15 @@ double reduce_sum_squares(const float* x, const float* y, I n) {
   return result;
 }
 
-struct AttnDims {
-  I s, b, heads, kv_heads, d;
-  I ldq, ldkv;  // row strides of one sequence position: B·heads·D (q, out), B·kv_heads·D (k, v)
-  I group() const { return heads / kv_heads; }  // query heads per KV head
-};
+using AttnDims = ::tpx::ops::AttentionDims;
 
-/// q [S, B, heads·D] and k, v [S, B, kv_heads·D] f32 on cuda, kv_heads dividing heads
-/// (grouped-query attention; kv_heads = heads is multi-head attention).
+/// q [S, B, heads·D] and k, v [S, B, kv_heads·D] (ops::attention_dims), f32 on cuda.
 AttnDims qkv_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const char* what) {
-  TPX_CHECK(q.ndim() == 3 && k.ndim() == 3 && k.shape() == v.shape() && k.dim(0) == q.dim(0) &&
-                k.dim(1) == q.dim(1),
-            "{}: q [S, B, heads·D] and k, v [S, B, kv_heads·D] must agree: {} {} {}", what,
-            q.describe(), k.describe(), v.describe());
+  const AttnDims z = ::tpx::ops::attention_dims(q, k, v, heads, what);
   expect_f32(q, "attention q");
   expect_f32(k, "attention k");
   expect_f32(v, "attention v");
-  const I s = q.dim(0), b = q.dim(1), x = q.dim(2);
-  TPX_CHECK(heads > 0 && x > 0 && x % heads == 0, "{} columns do not split into {} heads", x,
-            heads);
-  const I d = x / heads;
-  TPX_CHECK(k.dim(2) > 0 && k.dim(2) % d == 0 && heads % (k.dim(2) / d) == 0,
-            "{}: k, v of {} columns must hold whole KV heads of D = {} whose count divides the {} "
-            "query heads (grouped-query attention)",
-            what, k.dim(2), d, heads);
-  const I kv_heads = k.dim(2) / d;
-  return {s, b, heads, kv_heads, d, b * x, b * kv_heads * d};
+  return z;
 }
 
 AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
