@@ -57,13 +57,7 @@ void PrintTo(const Block& b, std::ostream* os) {
 
 constexpr std::int64_t kFloat = 4;
 
-test::CommandResult run_stage(const std::string& stage, int ranks, const std::string& args,
-                              const test::TempDir& dir) {
-  const std::string cmd =
-      fmt::format("{} timeout 120 {} {} -np {} {} {}", test::kRootMpiEnv, TPX_MPIEXEC,
-                  TPX_MPIEXEC_FLAGS, ranks, test::stage_binary(stage), args);
-  return test::run_command(cmd, dir);
-}
+using test::run_stage;
 
 /// The tensors every stage dumps (the first step's, before any update).
 std::vector<std::string> dump_names(const Sizes& z) {

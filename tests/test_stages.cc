@@ -49,14 +49,7 @@ struct Sizes {
 
 constexpr std::int64_t kFloat = 4;  // bytes per fp32 element
 
-/// `mpirun -np N <stage> <args>` with a wall-clock limit, so a hang fails instead of blocking.
-test::CommandResult run_stage(const std::string& stage, int ranks, const std::string& args,
-                              const test::TempDir& dir) {
-  const std::string cmd =
-      fmt::format("{} timeout 120 {} {} -np {} {} {}", test::kRootMpiEnv, TPX_MPIEXEC,
-                  TPX_MPIEXEC_FLAGS, ranks, test::stage_binary(stage), args);
-  return test::run_command(cmd, dir);
-}
+using test::run_stage;
 
 json run_json(const std::string& stage, int ranks, const Sizes& z, int steps) {
   test::TempDir dir;

@@ -119,4 +119,16 @@ inline constexpr const char* kRootMpiEnv =
     "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1 "
     "OMPI_MCA_rmaps_base_oversubscribe=1";
 
+#ifdef TPX_MPIEXEC_FLAGS
+/// `mpirun -np N build/bin/<stage> <args>` in `dir`, with a wall-clock limit so that a hang fails
+/// instead of blocking (for test targets compiled with TPX_MPIEXEC_FLAGS).
+inline CommandResult run_stage(const std::string& stage, int ranks, const std::string& args,
+                               const TempDir& dir) {
+  const std::string cmd = std::string(kRootMpiEnv) + " timeout 120 " + TPX_MPIEXEC + " " +
+                          TPX_MPIEXEC_FLAGS + " -np " + std::to_string(ranks) + " " +
+                          stage_binary(stage) + " " + args;
+  return run_command(cmd, dir);
+}
+#endif
+
 }  // namespace tpx::test
