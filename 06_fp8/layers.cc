@@ -78,13 +78,6 @@ ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor>
   return OverlapRing::column_forward(q[0], std::span(q).subspan(1), role);  // saves the FP8 shard
 }
 
-Tensor Fp8AsyncTp::column_saved(const Tensor& h, const Tensor& scale) {
-  if (!scale.defined()) return h;
-  const Tensor q = Tensor::empty(h.shape(), DType::e4m3, h.device());
-  ops::quantize_fp8(h, scale, q);
-  return q.with_scale(scale);
-}
-
 Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> w,
                                    std::span<const Tensor> dy, std::span<const Tensor> dw,
                                    std::string_view role) {
@@ -121,6 +114,13 @@ std::unique_ptr<Parallelism> make_fp8_async_tp(const RunContext& ctx) {
   // Under --dtype fp32 or bf16 this is stage 05 itself: the baseline FP8 is compared with.
   if (!is_fp8(ctx.options.config.dtype)) return std::make_unique<async_tp::CopyEngineAsyncTp>(ctx);
   return std::make_unique<Fp8AsyncTp>(ctx);
+}
+
+Tensor Fp8AsyncTp::column_saved(const Tensor& h, const Tensor& scale) {
+  if (!scale.defined()) return h;
+  const Tensor q = Tensor::empty(h.shape(), DType::e4m3, h.device());
+  ops::quantize_fp8(h, scale, q);
+  return q.with_scale(scale);
 }
 
 }  // namespace tpx::async_fp8

@@ -31,7 +31,7 @@ POLICIES = [
 ]
 # A Llama-shaped block, small enough for a CPU: GQA with 4 query heads per KV head, F = 3.5 H.
 DEFAULT_FLAGS = ["--hidden", "512", "--heads", "8", "--kv-heads", "2", "--ffn", "1792", "--seq",
-                 "512", "--batch", "1", "--layers", "4", "--steps", "4"]
+                 "512", "--batch", "1", "--layers", "4", "--steps", "8"]
 MIB = 1024.0 * 1024.0
 
 

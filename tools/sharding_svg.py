@@ -9,8 +9,8 @@ A hatched fill marks a partial sum (every rank holds the whole shape, each a dif
 Usage: tools/sharding_svg.py STAGE [--ranks N] -o OUT.svg
        tools/sharding_svg.py --all [--check]      # every chapter's figure into docs/figures/
 
-STAGE is 01, 02 or 03. --all writes 01_sharding.svg, 02_sharding_np2.svg and
-03_sharding_np2.svg; with --check it writes nothing and exits 1 if a committed figure differs
+STAGE is 01, 02 or 03. --all writes 01_sharding.svg, 02_sharding_np2.svg,
+03_sharding_np2.svg and 02_gqa_np2.svg (grouped-query attention: NH = 8, NKV = 4, N = 2); with --check it writes nothing and exits 1 if a committed figure differs
 from what it would write. Only the standard library.
 """
 import argparse
@@ -119,6 +119,64 @@ def figure(stage, n):
     return "\n".join(out) + "\n"
 
 
+def gqa_figure(nh, nkv, n):
+    """Grouped-query attention under tensor parallelism: which query heads, KV heads and weight
+    columns each of n ranks holds (NH = nh query heads, NKV = nkv KV heads, nkv % n == 0)."""
+    group, head_w, gap, left, top = nh // nkv, 44, 6, 150, 64
+    width = max(left + nh * (head_w + gap) + 20, 760)
+    height = 330
+    title = f"grouped-query attention over {n} ranks: NH = {nh}, NKV = {nkv} (groups of {group})"
+    subtitle = (f"each rank holds whole KV heads with their query groups: {nh // n} query heads "
+                f"and {nkv // n} KV heads per rank")
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="10" y="20" font-size="14" font-weight="bold">{escape(title)}</text>',
+           f'<text x="10" y="38" fill="#555">{escape(subtitle)}</text>']
+
+    def qx(h):  # left edge of query head h's cell
+        return left + h * (head_w + gap)
+
+    def kvx(m):  # KV head m sits under the middle of its group
+        return (qx(m * group) + qx((m + 1) * group - 1) + head_w) / 2 - head_w / 2
+
+    rows = [("q heads (Wq columns)", top), ("k, v heads (Wk, Wv columns)", top + 120)]
+    for label, y in rows:
+        out.append(f'<text x="10" y="{y + 22}" font-weight="bold">{escape(label)}</text>')
+    for h in range(nh):  # query heads and the line to the KV head each one reads
+        r = h // (nh // n)
+        m = h // group
+        out.append(f'<line x1="{qx(h) + head_w / 2:.1f}" y1="{top + 36}" '
+                   f'x2="{kvx(m) + head_w / 2:.1f}" y2="{top + 120}" stroke="{COLORS[r]}" '
+                   'stroke-width="1.5"/>')
+        out.append(f'<rect x="{qx(h):.1f}" y="{top}" width="{head_w}" height="36" '
+                   f'fill="{COLORS[r]}" fill-opacity="0.8" stroke="{COLORS[r]}"/>')
+        out.append(f'<text x="{qx(h) + head_w / 2:.1f}" y="{top + 22}" text-anchor="middle" '
+                   f'fill="white">q{h}</text>')
+    for m in range(nkv):
+        r = m // (nkv // n)
+        out.append(f'<rect x="{kvx(m):.1f}" y="{top + 120}" width="{head_w}" height="36" '
+                   f'fill="{COLORS[r]}" fill-opacity="0.8" stroke="{COLORS[r]}"/>')
+        out.append(f'<text x="{kvx(m) + head_w / 2:.1f}" y="{top + 142}" text-anchor="middle" '
+                   f'fill="white">kv{m}</text>')
+    y = top + 190
+    for r in range(n):
+        q0, q1 = r * nh // n, (r + 1) * nh // n - 1
+        k0, k1 = r * nkv // n, (r + 1) * nkv // n - 1
+        kv_text = f"KV head {k0}" if k0 == k1 else f"KV heads {k0}-{k1}"
+        holds = (f"rank {r}: q heads {q0}-{q1}, {kv_text}; Wq [H, NH·D/{n}], "
+                 f"Wk and Wv [H, NKV·D/{n}], Wo rows [NH·D/{n}, H]")
+        out.append(f'<text x="10" y="{y + r * 18}" fill="{COLORS[r]}" font-weight="bold">'
+                   f'{escape(holds)}</text>')
+    notes = ["a line joins each query head to the KV head it reads: no line crosses from one "
+             "rank to another, so attention needs no communication",
+             "NKV % N == 0 is what keeps every group on one rank (--kv-heads; else exit 2)"]
+    for i, note in enumerate(notes):
+        out.append(f'<text x="10" y="{height - 28 + 16 * i}" fill="#555">{escape(note)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", nargs="?", choices=["01", "02", "03"])
@@ -129,9 +187,11 @@ def main():
     a = ap.parse_args()
     if a.all:
         stale = []
-        for stage, n, name in [("01", 1, "01_sharding.svg"), ("02", 2, "02_sharding_np2.svg"),
-                               ("03", 2, "03_sharding_np2.svg")]:
-            path, svg = FIGURES / name, figure(stage, n)
+        for name, svg in [("01_sharding.svg", figure("01", 1)),
+                          ("02_sharding_np2.svg", figure("02", 2)),
+                          ("03_sharding_np2.svg", figure("03", 2)),
+                          ("02_gqa_np2.svg", gqa_figure(8, 4, 2))]:
+            path = FIGURES / name
             if a.check:
                 if not path.exists() or path.read_text() != svg:
                     stale.append(str(path.relative_to(ROOT)))
