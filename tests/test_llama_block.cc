@@ -1,8 +1,9 @@
 // The block as Llama 3 trains it, on every stage, from the outside as a user runs it:
 //   - grouped-query attention (--kv-heads), the rotary embedding (--rope-theta) and full
 //     activation recompute (--recompute) pass --check at N = 1 … 4 with NKV = NH, NH/2 and N,
-//     RoPE on and off, recompute none and full; each run's --dump equals stage 01's with the
-//     same flags to 1e-5 of each tensor's scale;
+//     RoPE on and off, recompute none and full (every pair of values on every stage and N, every
+//     combination on stage 03 at N = 2); each run's --dump equals stage 01's with the same flags
+//     to 1e-5 of each tensor's scale;
 //   - on the cpu, every --recompute policy (selective, full on every 2nd layer, full) gives bit for
 //     bit the gradients and losses of none, at N = 1, 2, 3, and saves what the chapter's table
 //     says, in that order, with the allocator's peak following; the repeated bus bytes and
@@ -98,11 +99,12 @@ void PrintTo(const Case& c, std::ostream* os) {
   *os << c.stage << " -np " << c.ranks;
 }
 
-/// Three runs per stage and rank count that together take every value of every flag: NKV = NH
-/// with RoPE under full recompute, NKV = NH/2 without RoPE under full recompute, NKV = N (one KV
-/// head per rank) with RoPE at another θ and no recompute.
+/// Six runs per stage and rank count that together take every pair of values of any two flags
+/// (a pairwise covering of NKV ∈ {NH, NH/2, N} × RoPE on/off × recompute none/full): NKV = N is
+/// one KV head per rank; RoPE runs at Llama 3's θ and at another.
 std::vector<Block> blocks_for(const Sizes& z, int n) {
-  return {{z.NH, 500000, true}, {z.NH / 2, 0, true}, {n, 10000, false}};
+  return {{z.NH, 500000, false}, {z.NH, 0, true},   {z.NH / 2, 10000, true},
+          {z.NH / 2, 0, false},  {n, 500000, true}, {n, 0, false}};
 }
 
 class LlamaBlock : public testing::TestWithParam<Case> {};
