@@ -110,9 +110,25 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_number(app, "--batch", c.batch, "B, batch size")->group(sizes);
   add_number(app, "--layers", c.layers, "L, stacked blocks")->group(sizes);
   auto run = "Run";
-  add_number(app, "--steps", c.steps, "SGD steps (each: forward, loss, backward, update)")
+  add_number(app, "--steps", c.steps,
+             "training steps (each: forward, loss, backward, optimizer update)")
       ->group(run);
-  add_number(app, "--lr", c.lr, "SGD learning rate")->group(run);
+  add_number(app, "--lr", c.lr, "learning rate (SGD runs at 1; AdamW wants ~1e-3)")->group(run);
+  auto opt = "Optimizer";
+  std::string optimizer(optimizer_flag(c.optimizer));
+  app.add_option("--optimizer", optimizer,
+                 "sgd (w -= lr·grad) or adamw (torch.optim.AdamW: bias-corrected moments, "
+                 "decoupled weight decay on the seven matrices, none on the norm gains)")
+      ->check(CLI::IsMember({"sgd", "adamw"}))
+      ->capture_default_str()
+      ->group(opt);
+  add_number(app, "--beta1", c.beta1, "AdamW's first-moment decay")->group(opt);
+  add_number(app, "--beta2", c.beta2, "AdamW's second-moment decay")->group(opt);
+  add_number(app, "--eps", c.eps, "AdamW's epsilon, added to the root of the second moment")
+      ->group(opt);
+  add_number(app, "--weight-decay", c.weight_decay,
+             "AdamW's decoupled weight decay (the seven matrices only)")
+      ->group(opt);
   add_number(app, "--seed", c.seed, "initialisation seed")->group(run);
   app.add_option("--device", device, "backend: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
@@ -150,7 +166,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->group(run);
   auto out = "Output";
   app.add_flag("--check", o.check,
-               "compare output, input grad, every weight grad and the loss after 3 SGD steps "
+               "compare output, input grad, every weight grad and the loss after 3 updates "
                "with the reference; exit non-zero on FAIL")
       ->group(out);
   app.add_option("--dump", o.dump_dir,
@@ -228,6 +244,12 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   c.device = parse_device(device);
   c.dtype = parse_dtype(dtype);
   c.attention = attention == "naive" ? Attention::naive : Attention::fused;
+  c.optimizer = optimizer == "adamw" ? Optimizer::adamw : Optimizer::sgd;
+  if (c.optimizer == Optimizer::sgd)
+    for (const char* flag : {"--beta1", "--beta2", "--eps", "--weight-decay"})
+      if (app.count(flag) > 0)
+        return {std::nullopt,
+                fmt::format("{} is a setting of --optimizer adamw (this run uses sgd)", flag), 2};
   c.recompute = recompute == "full"        ? Recompute::full
                 : recompute == "selective" ? Recompute::selective
                                            : Recompute::none;
@@ -260,6 +282,11 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--layers", fmt::format("{}", c.layers)},
       {"--steps", fmt::format("{}", c.steps)},
       {"--lr", fmt::format("{}", c.lr)},
+      {"--optimizer", std::string(optimizer_flag(c.optimizer))},
+      {"--beta1", fmt::format("{}", c.beta1)},
+      {"--beta2", fmt::format("{}", c.beta2)},
+      {"--eps", fmt::format("{}", c.eps)},
+      {"--weight-decay", fmt::format("{}", c.weight_decay)},
       {"--seed", fmt::format("{}", c.seed)},
       {"--device", std::string(to_string(c.device))},
       {"--dtype", std::string(dtype_flag(c.dtype))},

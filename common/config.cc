@@ -51,6 +51,13 @@ std::vector<std::string> validate(const BlockConfig& c) {
         "--recompute-every must be 1 … --layers ({}) (got {}): layer l is recomputed when "
         "l % K == 0",
         c.layers, c.recompute_every));
+  if (!(c.beta1 >= 0.0 && c.beta1 < 1.0))
+    errors.push_back(fmt::format("--beta1 must be in [0, 1) (got {})", c.beta1));
+  if (!(c.beta2 >= 0.0 && c.beta2 < 1.0))
+    errors.push_back(fmt::format("--beta2 must be in [0, 1) (got {})", c.beta2));
+  if (!(c.eps > 0.0)) errors.push_back(fmt::format("--eps must be positive (got {})", c.eps));
+  if (!(c.weight_decay >= 0.0))
+    errors.push_back(fmt::format("--weight-decay must be non-negative (got {})", c.weight_decay));
   if (!(c.lr >= 0.0)) errors.push_back(fmt::format("--lr must be non-negative (got {})", c.lr));
   if (c.device == Device::cpu && c.dtype == DType::bf16)
     errors.push_back(

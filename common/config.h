@@ -1,7 +1,8 @@
 // The block's hyper-parameters and the run's settings, with validation.
 //
 // defines: tpx::Attention, tpx::Recompute, tpx::BlockConfig, tpx::validate(), tpx::dtype_flag(),
-//          tpx::attention_flag(), tpx::recompute_flag(), tpx::high_precision()
+//          tpx::attention_flag(), tpx::recompute_flag(), tpx::optimizer_flag(),
+//          tpx::high_precision()
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,9 @@ enum class Attention { fused, naive };
 /// with no collective repeated (TorchTitan's selective_ac_option = "op").
 enum class Recompute { none, full, selective };
 
+/// The optimizer (--optimizer): plain SGD, or AdamW as torch.optim.AdamW runs it.
+enum class Optimizer { sgd, adamw };
+
 /// Llama 3's rotary base θ (--rope-theta's default).
 inline constexpr double kLlama3RopeTheta = 500000.0;
 
@@ -44,8 +48,13 @@ struct BlockConfig {
   std::int64_t seq = 128;   ///< S
   std::int64_t batch = 2;   ///< B
   std::int64_t layers = 2;  ///< L stacked blocks
-  std::int64_t steps = 5;   ///< SGD steps (--steps)
-  double lr = 1.0;          ///< SGD learning rate (the loss is a mean, so grads are small)
+  std::int64_t steps = 5;   ///< training steps (--steps)
+  double lr = 1.0;          ///< learning rate (the loss is a mean, so SGD's grads are small)
+  Optimizer optimizer = Optimizer::sgd;
+  double beta1 = 0.9;         ///< AdamW: first-moment decay
+  double beta2 = 0.95;        ///< AdamW: second-moment decay
+  double eps = 1e-8;          ///< AdamW: added to the second moment's root
+  double weight_decay = 0.1;  ///< AdamW: decoupled decay of the seven weight matrices
   std::uint64_t seed = 1234;
   Device device = Device::cpu;
   /// The linear layers' GEMM operands: f32, bf16, or e4m3 for stage 06's FP8 recipe (--dtype fp8:
@@ -78,6 +87,10 @@ std::string_view dtype_flag(DType d);
 /// The --attention word: "fused" or "naive".
 constexpr std::string_view attention_flag(Attention a) {
   return a == Attention::fused ? "fused" : "naive";
+}
+/// The --optimizer word: "sgd" or "adamw".
+constexpr std::string_view optimizer_flag(Optimizer o) {
+  return o == Optimizer::adamw ? "adamw" : "sgd";
 }
 /// The --recompute word: "none", "full" or "selective".
 constexpr std::string_view recompute_flag(Recompute r) {

@@ -290,6 +290,10 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
       {"target", std::uint64_t(b.stream)},
       {"largest temporaries", std::uint64_t(largest_temporaries(c, s, b))},
   };
+  // AdamW's two fp32 moments per parameter element, this rank's shards.
+  if (c.optimizer == Optimizer::adamw)
+    e.terms.push_back(
+        {"optimizer state", std::uint64_t(checked_product({params, 2}, "AdamW's state bytes"))});
   if (is_fp8(c.dtype)) {
     // The FP8 copies of every weight, made in forward and kept for backward (a byte each).
     const I copies = checked_product(

@@ -243,6 +243,13 @@ void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Ten
 void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
   TPX_DISPATCH(w.device(), sgd_update, w, grad, lr);
 }
+void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
+                  const AdamWStep& s) {
+  for (const Tensor* t : {&grad, &m, &v})
+    TPX_CHECK(t->numel() == w.numel() && t->dtype() == DType::f32 && t->device() == w.device(),
+              "adamw: {} must be f32 like w {}", t->describe(), w.describe());
+  TPX_DISPATCH(w.device(), adamw_update, w, grad, m, v, s);
+}
 double sum_squares(const Tensor& x) {
   TPX_DISPATCH(x.device(), sum_squares, x);
 }

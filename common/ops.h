@@ -7,11 +7,11 @@
 // Precision: tensors hold fp32. `compute` on gemm and attention picks the GEMM operand type:
 // fp32, or bf16 (cuda only) with fp32 accumulation; the rest of every op is fp32.
 //
-// defines: tpx::ops::gemm, attention_dims, rmsnorm_*, attention_*, attention_fused_*, swiglu_*,
-// add,
-//          rope_forward, rope_backward, accumulate, mse_loss_*, sgd_update, sum_squares, fill,
-//          cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, memory_available,
-//          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale
+// defines: tpx::ops::gemm, attention_dims, rmsnorm_*, attention_*, attention_fused_*,
+//          swiglu_*, add, rope_forward, rope_backward, accumulate, mse_loss_*, sgd_update,
+//          AdamWStep, adamw_update, sum_squares, fill, cast, copy, to_device, synchronize,
+//          bf16_gemm_peak_tflops, memory_available, device_ordinal, quantize_fp8,
+//          dequantize_fp8, amax, fp8_scale
 #pragma once
 
 #include <cstdint>
@@ -134,6 +134,21 @@ void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Ten
 
 /// w −= lr · grad.
 void sgd_update(const Tensor& w, const Tensor& grad, float lr);
+
+/// One AdamW step's scalars, computed by the caller in double and rounded to fp32 once, so that
+/// both backends run the same fp32 arithmetic per element.
+struct AdamWStep {
+  float beta1, beta2, eps;
+  float decay;       ///< 1 − lr·weight_decay (1 for the norm gains: no decay)
+  float step_size;   ///< lr / (1 − β1ᵗ)
+  float sqrt_bias2;  ///< sqrt(1 − β2ᵗ)
+};
+/// torch.optim.AdamW's step t on w with gradient g and moments m, v (updated in place):
+///   m = β1·m + (1−β1)·g,  v = β2·v + (1−β2)·g²,  w = w·decay,
+///   w −= step_size · m / (sqrt(v) / sqrt_bias2 + eps)
+/// i.e. w −= lr·wd·w, then w −= lr · m̂ / (sqrt(v̂) + eps) with m̂ = m/(1−β1ᵗ), v̂ = v/(1−β2ᵗ).
+void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
+                  const AdamWStep& s);
 /// Σ x², in double.
 double sum_squares(const Tensor& x);
 

@@ -291,6 +291,7 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
   RefBlock block(c);
   ReferenceRun run;
   std::vector<Layer> saved(static_cast<std::size_t>(c.layers));
+  std::vector<std::array<Vec, kNumParams>> moment1, moment2;  // AdamW's state
   for (int step = 0; step < steps; ++step) {
     Vec y = x;
     for (std::size_t l = 0; l < saved.size(); ++l) y = block.forward(w[l], y, saved[l]);
@@ -308,9 +309,36 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
       run.input_grad = dy;
       run.grads = grads;
     }
+    if (c.optimizer == Optimizer::sgd) {
+      for (std::size_t l = 0; l < w.size(); ++l)
+        for (std::size_t p = 0; p < kNumParams; ++p)
+          for (std::size_t i = 0; i < w[l][p].size(); ++i) w[l][p][i] -= c.lr * grads[l][p][i];
+      continue;
+    }
+    // AdamW (torch.optim.AdamW) at step t = step + 1: the moments, the decoupled decay (not on
+    // the norm gains), the bias-corrected update.
+    if (moment1.empty()) {
+      moment1 = w;
+      moment2 = w;
+      for (auto* mom : {&moment1, &moment2})
+        for (auto& layer : *mom)
+          for (auto& v : layer) std::fill(v.begin(), v.end(), 0.0);
+    }
+    const double t = double(step + 1);
+    const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
     for (std::size_t l = 0; l < w.size(); ++l)
-      for (std::size_t p = 0; p < kNumParams; ++p)
-        for (std::size_t i = 0; i < w[l][p].size(); ++i) w[l][p][i] -= c.lr * grads[l][p][i];
+      for (std::size_t p = 0; p < kNumParams; ++p) {
+        const bool gain = param_split(kAllParams[p]) == Split::replicated;
+        for (std::size_t i = 0; i < w[l][p].size(); ++i) {
+          const double g = grads[l][p][i];
+          double& m1 = moment1[l][p][i];
+          double& m2 = moment2[l][p][i];
+          m1 = c.beta1 * m1 + (1.0 - c.beta1) * g;
+          m2 = c.beta2 * m2 + (1.0 - c.beta2) * g * g;
+          if (!gain) w[l][p][i] -= c.lr * c.weight_decay * w[l][p][i];
+          w[l][p][i] -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
+        }
+      }
   }
   return run;
 }

@@ -113,7 +113,11 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
   fmt::print("H {} NH {} NKV {} (D {}) F {} S {} B {} L {} | steps {} lr {:g} seed {}\n", c.hidden,
              c.heads, c.kv_heads_or_heads(), c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps,
              c.lr, c.seed);
-  fmt::print("rope {} | recompute {}\n",
+  fmt::print("optimizer {} | rope {} | recompute {}\n",
+             c.optimizer == Optimizer::adamw
+                 ? fmt::format("adamw (beta1 {:g}, beta2 {:g}, eps {:g}, weight decay {:g})",
+                               c.beta1, c.beta2, c.eps, c.weight_decay)
+                 : std::string("sgd"),
              c.rope() ? fmt::format("theta {:g}", c.rope_theta) : std::string("off"),
              recompute_text(c));
   if (c.device == Device::cpu)
@@ -170,7 +174,12 @@ json config_json(const BlockConfig& c) {
           {"kv_heads", c.kv_heads_or_heads()},
           {"rope_theta", c.rope_theta},
           {"recompute", recompute_flag(c.recompute)},
-          {"recompute_every", c.recompute_every}};
+          {"recompute_every", c.recompute_every},
+          {"optimizer", optimizer_flag(c.optimizer)},
+          {"beta1", c.beta1},
+          {"beta2", c.beta2},
+          {"optimizer_eps", c.eps},
+          {"weight_decay", c.weight_decay}};
 }
 
 void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& stage, int world,
@@ -332,6 +341,8 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                   {"steps", rows},
                   {"saved_activation_bytes", r.saved_activation_bytes},
                   {"memory_estimate_bytes", estimate.total()}};
+  summary["optimizer_state_bytes"] =
+      c.optimizer == Optimizer::adamw ? estimate.term("optimizer state").bytes : std::uint64_t{0};
   if (!r.diverged.empty()) summary["diverged"] = r.diverged;
   summary["flops_per_step_per_rank"] = speed.flops_per_rank;
   // What the device executes: the model's FLOPs plus --recompute full's second forward.

@@ -1,8 +1,10 @@
 #include "trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -49,6 +51,30 @@ void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const
   s.extra = par.dump_extra();
 }
 
+/// The optimizer step t (from 1) on every parameter this rank holds.
+void update(const BlockConfig& c, Model& m, std::vector<std::array<LayerParams, 2>>& moments,
+            int t) {
+  if (c.optimizer == Optimizer::sgd) {
+    for (std::size_t l = 0; l < m.params.size(); ++l)
+      for (Param p : kAllParams)
+        ops::sgd_update(m.params[l][p], m.grads[l][p], static_cast<float>(c.lr));
+    return;
+  }
+  // AdamW's scalars in double, rounded once: the bias corrections of step t, and the decoupled
+  // decay, which the norm gains do not get (Megatron-LM's rule).
+  const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
+  ops::AdamWStep s{static_cast<float>(c.beta1),      static_cast<float>(c.beta2),
+                   static_cast<float>(c.eps),        1.0f,
+                   static_cast<float>(c.lr / bias1), static_cast<float>(std::sqrt(bias2))};
+  for (std::size_t l = 0; l < m.params.size(); ++l)
+    for (Param p : kAllParams) {
+      s.decay = param_split(p) == Split::replicated
+                    ? 1.0f
+                    : static_cast<float>(1.0 - c.lr * c.weight_decay);
+      ops::adamw_update(m.params[l][p], m.grads[l][p], moments[l][0][p], moments[l][1][p], s);
+    }
+}
+
 }  // namespace
 
 TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& trace,
@@ -75,6 +101,17 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       block_refill(m.params[l], par, acts[l], trace);
     }
   };
+  // AdamW's two moments per parameter, zero before the first step (none under SGD).
+  std::vector<std::array<LayerParams, 2>> moments;
+  if (c.optimizer == Optimizer::adamw)
+    for (const LayerParams& layer : m.params) {
+      auto& mv = moments.emplace_back();
+      for (LayerParams& state : mv)
+        for (Param p : kAllParams) {
+          state[p] = Tensor::empty(layer[p].shape(), DType::f32, layer[p].device());
+          ops::fill(state[p], 0.0f);
+        }
+    }
   TrainResult result;
   par.synchronize();
   ops::synchronize(c.device);  // initialisation's device work is not a step's
@@ -156,10 +193,8 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     const auto t1 = Clock::now();
     {
       TraceScope phase(trace, "update", Lane::phase);
-      TraceScope scope(trace, "sgd");
-      for (std::size_t l = 0; l < acts.size(); ++l)
-        for (Param p : kAllParams)
-          ops::sgd_update(m.params[l][p], m.grads[l][p], static_cast<float>(c.lr));
+      TraceScope scope(trace, std::string(optimizer_flag(c.optimizer)));
+      update(c, m, moments, step + 1);
       par.synchronize();
       ops::synchronize(c.device);
     }
@@ -244,7 +279,7 @@ std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& r
     out.push_back({.name = "layer count", .max_abs = INFINITY, .max_rel = INFINITY});
   for (std::size_t s = 0; s < want.losses.size(); ++s) {
     const double g = s < rows.size() ? rows[s].loss : NAN;
-    out.push_back(compare_one(fmt::format("loss after {} SGD step{}", s, s == 1 ? "" : "s"),
+    out.push_back(compare_one(fmt::format("loss after {} update{}", s, s == 1 ? "" : "s"),
                               std::vector<double>{g}, {want.losses[s]},
                               tol.loss_rtol > 0 ? tol.loss_rtol : rtol));
   }

@@ -1,4 +1,5 @@
-// The training loop every stage shares: forward through L blocks, the loss, backward, SGD; plus
+// The training loop every stage shares: forward through L blocks, the loss, backward (a block's
+// forward or cheap ops made again first under --recompute), SGD or AdamW; plus
 // the first-step snapshot that --check and --dump read, and the comparison against a reference.
 //
 // defines: tpx::StepRow, tpx::Snapshot, tpx::TrainResult, tpx::train(), tpx::CheckRow,

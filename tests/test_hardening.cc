@@ -85,7 +85,7 @@ TEST(CheckNonFinite, InfinityInAGradientFailsNamingIt) {
 TEST(CheckNonFinite, NanLossFailsNamingTheStep) {
   Agreeing a;
   a.rows[1].loss = NAN;
-  EXPECT_EQ(a.failures(), std::vector<std::string>{"loss after 1 SGD step"});
+  EXPECT_EQ(a.failures(), std::vector<std::string>{"loss after 1 update"});
 }
 
 TEST(CheckNonFinite, NanInTheReferenceFailsToo) {
@@ -97,7 +97,7 @@ TEST(CheckNonFinite, NanInTheReferenceFailsToo) {
 TEST(CheckNonFinite, AMissingLossFails) {
   Agreeing a;
   a.rows.pop_back();  // the run stopped before the reference's last step
-  EXPECT_EQ(a.failures(), std::vector<std::string>{"loss after 1 SGD step"});
+  EXPECT_EQ(a.failures(), std::vector<std::string>{"loss after 1 update"});
 }
 
 // --- strict flags ------------------------------------------------------------------------------

@@ -154,6 +154,14 @@ Sizes gqa_recomputed(Sizes z) {
   return z;
 }
 
+/// `z` under --optimizer adamw (two fp32 moments per parameter).
+Sizes adamw(Sizes z) {
+  z.config.optimizer = Optimizer::adamw;
+  z.config.lr = 1e-3;
+  z.name += "_adamw";
+  return z;
+}
+
 /// `z` under --recompute selective (the cheap ops' outputs dropped and made again).
 Sizes selective(Sizes z) {
   z.config.recompute = Recompute::selective;
@@ -179,7 +187,8 @@ std::vector<Case> all_cases() {
           naive(long_sequence(1)), naive(long_sequence(2)), gqa_recomputed(default_sizes()),
           gqa_recomputed(naive(long_sequence(2))), gqa_recomputed(wide_mlp()),
           selective(default_sizes()), selective(naive(long_sequence(2))),
-          every_second(default_sizes()), every_second(long_sequence(2))})
+          every_second(default_sizes()), every_second(long_sequence(2)), adamw(default_sizes()),
+          adamw(wide_mlp())})
       cases.push_back({st, z});
   for (const Sizes& z : {default_sizes(), long_sequence(1), wide_mlp(),
                          gqa_recomputed(default_sizes()), selective(default_sizes())})

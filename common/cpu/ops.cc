@@ -282,6 +282,18 @@ void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
   for (std::size_t i = 0; i < pw.size(); ++i) pw[i] -= lr * pg[i];
 }
 
+void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
+                  const ops::AdamWStep& s) {
+  auto pw = w.f32(), pg = grad.f32(), pm = m.f32(), pv = v.f32();
+  for (std::size_t i = 0; i < pw.size(); ++i) {
+    const float g = pg[i];
+    pm[i] = s.beta1 * pm[i] + (1.0f - s.beta1) * g;
+    pv[i] = s.beta2 * pv[i] + (1.0f - s.beta2) * (g * g);
+    pw[i] *= s.decay;
+    pw[i] -= s.step_size * (pm[i] / (std::sqrt(pv[i]) / s.sqrt_bias2 + s.eps));
+  }
+}
+
 double sum_squares(const Tensor& x) {
   double sum = 0.0;
   for (float v : x.f32()) sum += double(v) * v;

@@ -22,6 +22,9 @@ using I = std::int64_t;
 void fill(float* p, float value, I n, void* stream);
 void add(const float* a, const float* b, float* out, I n, void* stream);  // out may alias a or b
 void sgd(float* w, const float* grad, float lr, I n, void* stream);
+/// AdamW (tpx::ops::adamw_update): the same fp32 operations, in the same order, as the cpu.
+void adamw(float* w, const float* grad, float* m, float* v, float beta1, float beta2, float eps,
+           float decay, float step_size, float sqrt_bias2, I n, void* stream);
 void swiglu_forward(const float* gate, const float* up, float* out, I n, void* stream);
 void swiglu_backward(const float* dout, const float* gate, const float* up, float* dgate,
                      float* dup, I n, void* stream);

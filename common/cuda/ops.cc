@@ -419,6 +419,14 @@ void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
   TPX_CUDA_LAUNCH_CHECK();
 }
 
+void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
+                  const ops::AdamWStep& s) {
+  NvtxRange range("adamw_update");
+  kernels::adamw(f(w), cf(grad), f(m), f(v), s.beta1, s.beta2, s.eps, s.decay, s.step_size,
+                 s.sqrt_bias2, w.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
 double sum_squares(const Tensor& x) {
   NvtxRange range("sum_squares");
   expect_f32(x, "sum_squares x");

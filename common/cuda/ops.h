@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/ops.h"
 #include "common/tensor.h"
 #include "device.h"
 
@@ -61,6 +62,8 @@ void accumulate(const Tensor& x, const Tensor& into);
 double mse_loss_sum(const Tensor& y, const Tensor& t);
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
 void sgd_update(const Tensor& w, const Tensor& grad, float lr);
+void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
+                  const ops::AdamWStep& s);
 double sum_squares(const Tensor& x);
 void fill(const Tensor& t, float value);
 
