@@ -105,7 +105,7 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               const Tensor& dq, const Tensor& dk, const Tensor& dv,
                               DType compute = DType::f32);
 
-/// Rotary position embedding (Su et al. 2021, arXiv:2104.09864), Llama's rotate-half form, in
+/// Rotary position embedding (Su et al. 2021, arXiv:2104.09864), the rotate-half form, in
 /// place on x [S, B, heads*D] (D even): in each head, the pair (x_i, x_{i+D/2}), i < D/2, of the
 /// row at sequence position p (x's dim-0 index) is rotated by the angle p·θ^(−2i/D):
 ///   x_i ← x_i·cos − x_{i+D/2}·sin,   x_{i+D/2} ← x_{i+D/2}·cos + x_i·sin.

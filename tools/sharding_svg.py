@@ -10,8 +10,10 @@ Usage: tools/sharding_svg.py STAGE [--ranks N] -o OUT.svg
        tools/sharding_svg.py --all [--check]      # every chapter's figure into docs/figures/
 
 STAGE is 01, 02 or 03. --all writes 01_sharding.svg, 02_sharding_np2.svg,
-03_sharding_np2.svg and 02_gqa_np2.svg (grouped-query attention: NH = 8, NKV = 4, N = 2); with --check it writes nothing and exits 1 if a committed figure differs
-from what it would write. Only the standard library.
+03_sharding_np2.svg, 02_gqa_np2.svg (grouped-query attention: NH = 8, NKV = 4, N = 2) and
+02_gqa_replicated_np4.svg (NH = 8, NKV = 2, N = 4: the KV-head replication tpx refuses); with
+--check it writes nothing and exits 1 if a committed figure differs from what it would write.
+Only the standard library.
 """
 import argparse
 import pathlib
@@ -177,6 +179,74 @@ def gqa_figure(nh, nkv, n):
     return "\n".join(out) + "\n"
 
 
+def gqa_replicated_figure(nh, nkv, n):
+    """What tpx refuses and inference engines do when n > nkv: every rank holds NH/n query heads
+    and one copy of their KV head, so each KV head has n/nkv copies, whose weight gradients
+    training would have to sum over the ranks sharing them."""
+    copies, per_rank = n // nkv, nh // n
+    head_w, gap, left, top = 44, 6, 150, 64
+    width = max(left + nh * (head_w + gap) + 20, 760)
+    height = 380
+    title = (f"when N > NKV: KV heads replicated, NH = {nh}, NKV = {nkv}, N = {n} "
+             "(not implemented in tpx)")
+    subtitle = (f"each rank holds {per_rank} query heads and a copy of the one KV head they read: "
+                f"{copies} copies of every KV head")
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="10" y="20" font-size="14" font-weight="bold">{escape(title)}</text>',
+           f'<text x="10" y="38" fill="#555">{escape(subtitle)}</text>']
+
+    def qx(h):  # left edge of query head h's cell
+        return left + h * (head_w + gap)
+
+    def copyx(r):  # rank r's KV copy sits under the middle of its query heads
+        return (qx(r * per_rank) + qx((r + 1) * per_rank - 1)) / 2
+
+    kv_y = top + 110
+    for label, y in [("q heads (Wq columns)", top), ("k, v copies (Wk, Wv)", kv_y)]:
+        out.append(f'<text x="10" y="{y + 22}" font-weight="bold">{escape(label)}</text>')
+    for h in range(nh):
+        r = h // per_rank
+        out.append(f'<line x1="{qx(h) + head_w / 2:.1f}" y1="{top + 36}" '
+                   f'x2="{copyx(r) + head_w / 2:.1f}" y2="{kv_y}" stroke="{COLORS[r]}" '
+                   'stroke-width="1.5"/>')
+        out.append(f'<rect x="{qx(h):.1f}" y="{top}" width="{head_w}" height="36" '
+                   f'fill="{COLORS[r]}" fill-opacity="0.8" stroke="{COLORS[r]}"/>')
+        out.append(f'<text x="{qx(h) + head_w / 2:.1f}" y="{top + 22}" text-anchor="middle" '
+                   f'fill="white">q{h}</text>')
+    for r in range(n):
+        m = r // copies
+        out.append(f'<rect x="{copyx(r):.1f}" y="{kv_y}" width="{head_w}" height="36" '
+                   f'fill="{COLORS[r]}" fill-opacity="0.8" stroke="{COLORS[r]}"/>')
+        out.append(f'<text x="{copyx(r) + head_w / 2:.1f}" y="{kv_y + 22}" text-anchor="middle" '
+                   f'fill="white">kv{m}</text>')
+    bracket_y = kv_y + 50
+    for m in range(nkv):  # a bracket under the copies of one KV head: the sum training needs
+        r0, r1 = m * copies, (m + 1) * copies - 1
+        x0, x1 = copyx(r0) + head_w / 2, copyx(r1) + head_w / 2
+        out.append(f'<path d="M {x0:.1f} {bracket_y} v 8 H {x1:.1f} v -8" fill="none" '
+                   'stroke="#555" stroke-width="1.5"/>')
+        ranks = ", ".join(str(r) for r in range(r0, r1 + 1))
+        out.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{bracket_y + 22}" text-anchor="middle" '
+                   f'fill="#555">dWk, dWv of kv{m}: sum over ranks {ranks}</text>')
+    y = bracket_y + 52
+    for r in range(n):
+        q0, q1 = r * per_rank, (r + 1) * per_rank - 1
+        holds = (f"rank {r}: q heads {q0}-{q1}, a copy of KV head {r // copies}; "
+                 f"Wq [H, NH·D/{n}], Wk and Wv [H, D] (the copy), Wo rows [NH·D/{n}, H]")
+        out.append(f'<text x="10" y="{y + r * 18}" fill="{COLORS[r]}" font-weight="bold">'
+                   f'{escape(holds)}</text>')
+    notes = ["each copy's gradient holds only its own rank's query heads: without the sum the "
+             "copies drift apart after one update",
+             "tpx refuses NKV % N != 0 instead (--kv-heads; exit 2), so every rank holds whole "
+             "KV heads and their groups"]
+    for i, note in enumerate(notes):
+        out.append(f'<text x="10" y="{height - 28 + 16 * i}" fill="#555">{escape(note)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", nargs="?", choices=["01", "02", "03"])
@@ -190,7 +260,8 @@ def main():
         for name, svg in [("01_sharding.svg", figure("01", 1)),
                           ("02_sharding_np2.svg", figure("02", 2)),
                           ("03_sharding_np2.svg", figure("03", 2)),
-                          ("02_gqa_np2.svg", gqa_figure(8, 4, 2))]:
+                          ("02_gqa_np2.svg", gqa_figure(8, 4, 2)),
+                          ("02_gqa_replicated_np4.svg", gqa_replicated_figure(8, 2, 4))]:
             path = FIGURES / name
             if a.check:
                 if not path.exists() or path.read_text() != svg:

@@ -1,4 +1,4 @@
-// Rotary position embedding (RoFormer: Su et al. 2021, arXiv:2104.09864), Llama's rotate-half
+// Rotary position embedding (RoFormer: Su et al. 2021, arXiv:2104.09864), the rotate-half
 // form, in place on [S, B, heads·D]: the pair (x_i, x_{i+D/2}) of every head at sequence position
 // p is rotated by the angle p·θ^(−2i/D), whose cos and sin come from rope_table() (common/rope.h:
 // double, rounded to fp32 once), uploaded by ops.cc.
