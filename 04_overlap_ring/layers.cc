@@ -13,7 +13,8 @@ OverlapRing::OverlapRing(const RunContext& ctx, ChunkMover mover)
     : SequenceParallel(ctx),
       ring_{.transport = group_.transport(mover),
             .trace = group_.trace(),
-            .compute = high_precision(ctx.options.config.dtype)} {}
+            .compute = high_precision(ctx.options.config.dtype),
+            .activations = ctx.options.config.activations()} {}
 
 std::string OverlapRing::comm_name() const {
   return group_.name() + ", " + ring_.transport.name();
@@ -30,7 +31,8 @@ ColumnResult OverlapRing::column_forward(const Tensor& h, std::span<const Tensor
     auto shape = h.shape();
     shape[0] *= group_.world();
     shape.back() = wi.dim(1);
-    r.y.push_back(Tensor::empty(shape, DType::f32, h.device()));  // h may be FP8 (stage 06)
+    // h may be FP8 (stage 06): the outputs are activations, in the activations' dtype
+    r.y.push_back(Tensor::empty(shape, ring_.activations, h.device()));
   }
   all_gather_gemm(ring_, h, w, /*trans_w=*/false, r.y, role);
   return r;
@@ -64,7 +66,7 @@ Tensor OverlapRing::row_forward(const Tensor& a, const Tensor& w, std::string_vi
 
 Tensor OverlapRing::row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
                                  const Tensor& dw, std::string_view role) {
-  Tensor da = Tensor::empty(a.shape(), DType::f32, a.device());
+  Tensor da = Tensor::empty(a.shape(), ring_.activations, a.device());  // a may be FP8
   const std::array w1{w}, da1{da};
   const Tensor d = all_gather_gemm(ring_, dy, w1, /*trans_w=*/true, da1,
                                    fmt::format("{} bwd", role));  // da = AG(dy)·Wᵀ

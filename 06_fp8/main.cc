@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
       // The reference is stage 01 in fp32: what FP8 is measured against.
       .reference =
           [](BlockConfig c, int steps) {
-            c.dtype = high_precision(c.dtype);
+            c.dtype = DType::f32;
             return baseline::run_reference(c, steps);
           },
   };

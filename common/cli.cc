@@ -135,9 +135,11 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->capture_default_str()
       ->group(run);
   app.add_option("--dtype", dtype,
-                 info.fp8 ? "linear layers' GEMMs: fp8 (E4M3 forward, E5M2 gradients), fp32 or "
-                            "bf16 (bf16 needs cuda)"
-                          : "compute type: fp32 or bf16 (bf16 needs cuda)")
+                 info.fp8 ? "precision: fp8 (the bf16 recipe with the linear layers' GEMMs in "
+                            "E4M3 forward, E5M2 gradients), fp32, or bf16 (bf16 activations and "
+                            "communication, fp32 master weights, gradients and op math)"
+                          : "precision: fp32, or bf16 (bf16 activations and communication, fp32 "
+                            "master weights, gradients and op math)")
       ->check(info.fp8 ? CLI::IsMember({"fp8", "fp32", "bf16"}) : CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str()
       ->group(run);

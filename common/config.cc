@@ -59,10 +59,6 @@ std::vector<std::string> validate(const BlockConfig& c) {
   if (!(c.weight_decay >= 0.0))
     errors.push_back(fmt::format("--weight-decay must be non-negative (got {})", c.weight_decay));
   if (!(c.lr >= 0.0)) errors.push_back(fmt::format("--lr must be non-negative (got {})", c.lr));
-  if (c.device == Device::cpu && c.dtype == DType::bf16)
-    errors.push_back(
-        "--dtype bf16 needs --device cuda; the cpu backend computes in fp32 (fp8 it emulates "
-        "bit-exactly)");
   if (c.dtype == DType::e5m2)
     errors.push_back("--dtype names the forward format; fp8 means E4M3 forward, E5M2 backward");
   if (!errors.empty()) return errors;

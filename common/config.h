@@ -57,8 +57,10 @@ struct BlockConfig {
   double weight_decay = 0.1;  ///< AdamW: decoupled decay of the seven weight matrices
   std::uint64_t seed = 1234;
   Device device = Device::cpu;
-  /// The linear layers' GEMM operands: f32, bf16, or e4m3 for stage 06's FP8 recipe (--dtype fp8:
-  /// E4M3 activations and weights, E5M2 gradients).
+  /// The precision recipe (--dtype): f32 throughout; bf16, the mixed-precision recipe (bf16
+  /// activations and communication, fp32 master weights, gradients and math inside every op;
+  /// DESIGN.md, "Mixed precision"); or e4m3 for stage 06's FP8 recipe (--dtype fp8: that recipe
+  /// with the seven linear layers' GEMMs in E4M3 forward and E5M2 backward).
   DType dtype = DType::f32;
   Attention attention = Attention::fused;
   /// θ of the rotary embedding on q and k (0: none).
@@ -80,6 +82,12 @@ struct BlockConfig {
     return recompute == Recompute::full ? (layers + recompute_every - 1) / recompute_every : 0;
   }
   std::int64_t tokens() const { return seq * batch; }
+  /// The dtype activations, their gradients and the saved tensors are stored and communicated
+  /// in: bf16 under --dtype bf16 and fp8, f32 otherwise.
+  DType activations() const { return dtype == DType::f32 ? DType::f32 : DType::bf16; }
+  /// Whether each step makes a bf16 compute copy of the seven weight matrices from the fp32
+  /// master weights (--dtype bf16; the FP8 stage quantizes the master weights itself).
+  bool bf16_weight_copies() const { return dtype == DType::bf16; }
 };
 
 /// The --dtype word for a config's dtype: "fp32", "bf16" or "fp8".
@@ -96,9 +104,10 @@ constexpr std::string_view optimizer_flag(Optimizer o) {
 constexpr std::string_view recompute_flag(Recompute r) {
   return r == Recompute::full ? "full" : r == Recompute::selective ? "selective" : "none";
 }
-/// The operand type of the GEMMs that never run in FP8 (attention's): d, or fp32 under fp8.
+/// The operand type of the GEMMs that never run in FP8 (attention's): d, or bf16 under fp8 (the
+/// FP8 recipe runs inside the bf16 one).
 constexpr DType high_precision(DType d) {
-  return is_fp8(d) ? DType::f32 : d;
+  return is_fp8(d) ? DType::bf16 : d;
 }
 
 /// Every problem with the config, one clear sentence each; empty when it is valid.

@@ -118,8 +118,9 @@ class PullReduceScatter final : public ChunkReduceScatter {
         world_(mem_.world()),
         role_(role),
         shape_(shape),
-        slot_bytes_(bytes_of(shape, DType::f32)),
-        own_(Tensor::empty(shape, DType::f32, dev)) {}
+        dtype_(ctx.activations),
+        slot_bytes_(bytes_of(shape, dtype_)),
+        own_(Tensor::empty(shape, dtype_, dev)) {}
 
   int chunk_at(int i) const override { return mod(rank_ + i + 1, world_); }
 
@@ -128,7 +129,7 @@ class PullReduceScatter final : public ChunkReduceScatter {
     if (c == rank_) return own_;
     // Slot c of this rank's buffer is free once its owner has pulled the last use.
     mem_.wait(c, Signal::done, gen_ - 1, compute_, fmt::format("{} slot {}", role_, c));
-    return mem_.local(shape_, DType::f32, slot(c, rank_) * slot_bytes_);
+    return mem_.local(shape_, dtype_, slot(c, rank_) * slot_bytes_);
   }
 
   void computed(int i) override {
@@ -157,7 +158,7 @@ class PullReduceScatter final : public ChunkReduceScatter {
     if (j >= world_ || static_cast<int>(landed_.size()) >= j) return;
     const int p = mod(rank_ - j, world_);
     const std::string what = fmt::format("{} pull {}/{}", role_, j, world_ - 1);
-    Tensor dst = Tensor::empty(shape_, DType::f32, compute_.device());
+    Tensor dst = Tensor::empty(shape_, dtype_, compute_.device());
     record_stream(dst, copy_);
     mem_.wait(p, Signal::ready, gen_, copy_, what);
     mem_.pull(p, slot(rank_, p) * slot_bytes_, dst, copy_, what);
@@ -175,6 +176,7 @@ class PullReduceScatter final : public ChunkReduceScatter {
   int rank_, world_;
   std::string role_;
   Tensor::Shape shape_;
+  DType dtype_;  // of the partial sums: the activations'
   std::size_t slot_bytes_;
   Tensor own_;
   std::vector<Tensor> landing_;  // landing_[j − 1]: the partial sums pulled from rank r − j
@@ -240,7 +242,7 @@ std::unique_ptr<ChunkReduceScatter> CopyEngineTransport::reduce_scatter(const Ri
                                                                         const Tensor::Shape& shape,
                                                                         std::string_view role) {
   const std::size_t slots = static_cast<std::size_t>(world_ > 1 ? world_ - 1 : 1);
-  return std::make_unique<PullReduceScatter>(ctx, use(rs_, slots * bytes_of(shape, DType::f32)),
+  return std::make_unique<PullReduceScatter>(ctx, use(rs_, slots * bytes_of(shape, ctx.activations)),
                                              shape, device_, role);
 }
 

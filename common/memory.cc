@@ -15,8 +15,8 @@ namespace {
 
 using I = std::int64_t;
 
-constexpr I kF32 = 4;   // every tensor the block allocates holds fp32
-constexpr I kBf16 = 2;  // the CUDA backend's bf16 copies of GEMM and attention operands
+constexpr I kF32 = 4;   // master weights, gradients, optimizer state, statistics; fp32 activations
+constexpr I kBf16 = 2;  // activations under the mixed-precision recipe, and weights' compute copies
 
 [[noreturn]] void overflow(std::string_view what) {
   throw SizeOverflow(
@@ -41,7 +41,10 @@ I numel(const std::vector<I>& shape, std::string_view what) {
 }
 
 /// Bytes of this rank's tensors, named as in the chapters (N ranks; /N only where `s` splits).
+/// Activations take e = c.activations()'s bytes per element (4, or 2 under --dtype bf16 / fp8);
+/// statistics and weights are fp32.
 struct Bytes {
+  I e;        ///< an activation element's bytes
   I stream;   ///< R: the residual stream [S, B, H], or [S/N, B, H] with sequence parallelism
   I rows;     ///< an RMSNorm's rstd, one float per row of the stream
   I full;     ///< G: [S, B, H], every token: a region's gathered input or partial output
@@ -64,13 +67,15 @@ Bytes local_bytes(const BlockConfig& c, const Sharding& s) {
   const I cols_f = param_local_shape(Param::w_gate, c, s)[1];  // F/N
   const I heads = cols_h / c.head_dim();                       // as block_forward counts them
   Bytes b{};
-  b.stream = checked_product({seq_local, c.batch, c.hidden, kF32}, "the residual stream's bytes");
+  b.e = c.activations() == DType::bf16 ? kBf16 : kF32;
+  const I e = b.e;
+  b.stream = checked_product({seq_local, c.batch, c.hidden, e}, "the residual stream's bytes");
   b.rows = checked_product({seq_local, c.batch, kF32}, "an RMSNorm statistic's bytes");
-  b.full = checked_product({c.seq, c.batch, c.hidden, kF32}, "an activation's bytes (S·B·H·4)");
+  b.full = checked_product({c.seq, c.batch, c.hidden, e}, "an activation's bytes (S·B·H·e)");
   b.gather = s.sequence ? b.full : 0;
-  b.cols_h = checked_product({c.seq, c.batch, cols_h, kF32}, "q's bytes (S·B·H/N·4)");
-  b.cols_kv = checked_product({c.seq, c.batch, cols_kv, kF32}, "k's bytes (S·B·NKV·D/N·4)");
-  b.cols_f = checked_product({c.seq, c.batch, cols_f, kF32}, "gate's bytes (S·B·F/N·4)");
+  b.cols_h = checked_product({c.seq, c.batch, cols_h, e}, "q's bytes (S·B·H/N·e)");
+  b.cols_kv = checked_product({c.seq, c.batch, cols_kv, e}, "k's bytes (S·B·NKV·D/N·e)");
+  b.cols_f = checked_product({c.seq, c.batch, cols_f, e}, "gate's bytes (S·B·F/N·e)");
   b.probs = checked_product({c.batch, heads, c.seq, c.seq, kF32},
                             "the attention probabilities' bytes (B·NH/N·S·S·4)");
   b.lse = checked_product({c.batch, heads, c.seq, kF32}, "the attention lse's bytes (B·NH/N·S·4)");
@@ -93,57 +98,77 @@ I largest(std::initializer_list<I> moments) {
 /// all-gather and reduce-scatter in stage 03).
 I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
   const bool cuda = c.device == Device::cuda;
-  const bool bf16 = cuda && c.dtype == DType::bf16;
+  const bool mixed = b.e == kBf16;  // the mixed-precision recipe (--dtype bf16 or fp8)
   const char* what = "the temporaries' bytes";
-  // The CUDA gemm converts both operands to bf16 copies (half the bytes of their fp32) for the
-  // duration of the call.
-  auto gemm_copies = [&](I a, I w) { return bf16 ? sum({a, w}, what) / (kF32 / kBf16) : I{0}; };
+  // Under the recipe an op reads each bf16 tensor through an fp32 copy and writes each bf16
+  // output through an fp32 stand-in, alive while it runs (ops.cc, Fp32Boundary): twice the
+  // tensors' bf16 bytes.
+  auto widened = [&](std::initializer_list<I> tensors) {
+    return mixed ? 2 * sum(tensors, what) : I{0};
+  };
+  // A GEMM's: on the cpu the same for its activations `acts` and its bf16 output `out`, and the
+  // weight's bf16 compute copy, whose fp32 copy has the master weight's bytes `w`; on cuda
+  // nothing (bf16 operands go to the tensor cores as they are). Stage 06's FP8 GEMMs on the cpu
+  // dequantize both operands into fp32 scratch of the same sizes (FP8 tensor cores need none).
+  auto gemm_copies = [&](std::initializer_list<I> acts, I w, I out) {
+    if (!mixed || cuda) return I{0};
+    return sum({2 * sum(acts, what), w, 2 * out}, what);
+  };
   // The CUDA RMSNorm backward's partial sums of dg: at most one [H] row per 16 rows.
   const I rms_partial = cuda ? checked_product({b.rows / kF32 / 16 + 1, c.hidden, kF32}, what) : 0;
-  // The CUDA attention backward's scratch. Naive: dP (fp32) and, for bf16, copies of dO, q, k,
-  // v, P and dS. Fused: Δ = rowsum(dO ∘ O), one float per query row and head (the kernels round
-  // their operands to bf16 as they load them; the cpu's block buffers are host memory outside
-  // the allocator).
+  // The CUDA attention backward's scratch. Naive: dP (fp32) and, under the recipe, bf16 copies
+  // of dO, q, k, v, P and dS. Fused: Δ = rowsum(dO ∘ O), one float per query row and head (the
+  // kernels round their operands to bf16 as they load them; the cpu's block buffers are host
+  // memory outside the allocator).
   const bool fused = c.attention == Attention::fused;
   const I attn_scratch =
       !cuda ? 0
       : fused
           ? b.lse
-          : sum({b.probs,
-                 bf16 ? sum({b.cols_h, b.cols_h, b.cols_kv, b.cols_kv, b.probs, b.probs}, what) / 2
-                      : 0},
+          : sum({b.probs, mixed ? sum({b.cols_h, b.cols_h, b.cols_kv, b.cols_kv, b.probs / 2,
+                                       b.probs / 2},
+                                      what)
+                                : 0},
                 what);
   // A reduce-scatter's output (stage 03's f backward and g forward); in place otherwise.
   const I scattered = s.sequence ? b.stream : 0;
   const I R = b.stream, G = b.full;
+  const I cols_qkv = sum({b.cols_h, b.cols_kv, b.cols_kv}, what);  // q, k, v (or their grads)
 
   // Backward of a layer: the last block's output y and the incoming gradient stay alive, and
   // block_backward keeps each of its tensors until it returns.
   const I base = sum({R, R}, what);                                    // y, dout
   const I held_mlp = sum({base, b.cols_f, b.cols_f, b.cols_f}, what);  // + ds, dgate, dup
   const I held_norm2 = sum({held_mlp, R, R}, what);                    // + dh2, dx2
-  const I held_attn =
-      sum({held_norm2, b.cols_h, b.cols_h, b.cols_kv, b.cols_kv}, what);  // + da, dq, dk, dv
+  const I held_attn = sum({held_norm2, b.cols_h, cols_qkv}, what);     // + da, dq, dk, dv
   I peak = largest({
       // row backward of Wd: g's backward gathers dout, allocates ds, runs two GEMMs
-      sum({base, b.gather, b.cols_f, largest({gemm_copies(b.cols_f, G), gemm_copies(G, b.w_f)})},
+      sum({base, b.gather, b.cols_f,
+           largest({gemm_copies({b.cols_f, G}, 0, 0), gemm_copies({G}, b.w_f, b.cols_f)})},
           what),
+      // SwiGLU backward: dout, gate and up in, dgate and dup out
+      sum({held_mlp, widened({b.cols_f, b.cols_f, b.cols_f, b.cols_f, b.cols_f})}, what),
       // column backward of Wg, Wu: f's forward again (gathered h2), the full dh2, then f backward
       sum({held_mlp, b.gather, G,
-           largest({gemm_copies(G, b.cols_f), gemm_copies(b.cols_f, b.w_f), scattered})},
+           largest({gemm_copies({G, b.cols_f}, 0, 0), gemm_copies({b.cols_f}, b.w_f, G),
+                    scattered})},
           what),
-      sum({held_norm2, rms_partial}, what),
+      sum({held_norm2, rms_partial, widened({R, R, R})}, what),
       // row backward of Wo
       sum({held_norm2, b.gather, b.cols_h,
-           largest({gemm_copies(b.cols_h, G), gemm_copies(G, b.w_h)})},
+           largest({gemm_copies({b.cols_h, G}, 0, 0), gemm_copies({G}, b.w_h, b.cols_h)})},
           what),
-      sum({held_attn, attn_scratch}, what),
+      // attention backward: dO, q, k, v (and O, fused) in, dq, dk, dv out
+      sum({held_attn, attn_scratch,
+           widened({b.cols_h, cols_qkv, fused ? b.cols_h : I{0}, cols_qkv})},
+          what),
       // column backward of Wq, Wk, Wv
       sum({held_attn, b.gather, G,
-           largest({gemm_copies(G, b.cols_h), gemm_copies(b.cols_h, b.w_h), scattered})},
+           largest({gemm_copies({G, b.cols_h}, 0, 0), gemm_copies({b.cols_h}, b.w_h, G),
+                    scattered})},
           what),
       // the end: dh and dx (and the RMSNorm's partial sums on cuda)
-      sum({held_attn, R, R, rms_partial}, what),
+      sum({held_attn, R, R, rms_partial, widened({R, R, R})}, what),
   });
 
   // From the second step on, forward replaces each saved tensor of the previous step: the new
@@ -152,22 +177,27 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
   // replace (its activations are released after its backward); its forward runs again inside
   // backward, beside the last block's output y and the incoming gradient, and what it saves is
   // the saved-activations term's one block: only its transient outputs come on top.
+  const I attn_in = widened({cols_qkv, b.cols_h});  // attention forward: q, k, v in, out out
   if (c.recomputed_layers() > 0) {
-    const I wo_row = sum({G, largest({gemm_copies(b.cols_h, b.w_h), scattered})}, what);
-    const I wd_row = sum({R, G, largest({gemm_copies(b.cols_f, b.w_f), scattered})}, what);
-    peak = largest({peak, sum({base, largest({wo_row, wd_row, sum({R, R, R}, what)})}, what)});
+    const I wo_row = sum({G, largest({gemm_copies({b.cols_h}, b.w_h, G), scattered})}, what);
+    const I wd_row = sum({R, G, largest({gemm_copies({b.cols_f}, b.w_f, G), scattered})}, what);
+    peak = largest({peak, sum({base, largest({wo_row, wd_row, attn_in, sum({R, R, R}, what),
+                                              widened({R, R, R})})},
+                              what)});
   }
   if (c.steps >= 2 && c.recomputed_layers() < c.layers) {
-    const I qkv_col =
-        sum({R, b.gather, b.cols_h, b.cols_kv, b.cols_kv, gemm_copies(G, b.w_h)}, what);
-    const I attn_fwd =
-        bf16 && !fused ? sum({b.cols_h, b.cols_kv, b.cols_kv, b.probs}, what) / 2 : 0;
-    const I wo_row = sum({G, largest({gemm_copies(b.cols_h, b.w_h), scattered})}, what);
-    const I mlp_col =
-        sum({R, R, b.gather, b.cols_f, b.cols_f, gemm_copies(G, b.w_f)}, what);  // attn out, h2
-    const I wd_row = sum({R, G, largest({gemm_copies(b.cols_f, b.w_f), scattered})}, what);
-    peak = largest({peak, qkv_col, b.attn, attn_fwd, wo_row, sum({R, R}, what), mlp_col,
-                    sum({R, b.cols_f}, what), wd_row, sum({R, R, R}, what)});
+    const I qkv_col = sum({R, b.gather, cols_qkv, gemm_copies({G}, b.w_h, b.cols_h)}, what);
+    const I attn_fwd = sum({b.attn, attn_in, cuda && mixed && !fused
+                                                 ? sum({cols_qkv, b.probs / 2}, what)
+                                                 : I{0}},
+                           what);
+    const I wo_row = sum({G, largest({gemm_copies({b.cols_h}, b.w_h, G), scattered})}, what);
+    const I mlp_col = sum({R, R, b.gather, b.cols_f, b.cols_f, gemm_copies({G}, b.w_f, b.cols_f)},
+                          what);  // attn out, h2
+    const I swiglu = sum({R, b.cols_f, widened({b.cols_f, b.cols_f, b.cols_f})}, what);
+    const I wd_row = sum({R, G, largest({gemm_copies({b.cols_f}, b.w_f, G), scattered})}, what);
+    peak = largest({peak, qkv_col, attn_fwd, wo_row, sum({R, R, widened({R, R, R})}, what),
+                    mlp_col, swiglu, wd_row, sum({R, R, R, widened({R, R, R})}, what)});
   }
   return peak;
 }
@@ -258,7 +288,7 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   // this rank's part of the stream, never the gathered copy), rstd1, rstd2, q, k, v, a, gate, up,
   // s, and probs (naive attention) or lse (fused).
   // Stage 06 (FP8) keeps h and h2 as the FP8 shards it quantized: a byte per element.
-  const I kept_h = is_fp8(c.dtype) ? b.stream / kF32 : b.stream;
+  const I kept_h = is_fp8(c.dtype) ? b.stream / b.e : b.stream;
   const I saved_layer = sum({b.stream, kept_h, b.stream, kept_h, b.rows, b.rows, b.cols_h,
                              b.cols_kv, b.cols_kv, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.attn},
                             "a layer's saved activations");
@@ -281,15 +311,27 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   else
     saved = checked_product({saved_layer, c.layers}, saved_what);
 
+  // The target (and, under the recipe, the fp32 input, which the block reads as a bf16 copy:
+  // layer 0's saved x) stay fp32: one residual stream's rows at 4 bytes.
+  const I stream_f32 = checked_product({b.rows, c.hidden}, "the target's bytes");
   MemoryEstimate e;
   e.terms = {
       {"parameters", std::uint64_t(params)},
       {"gradients", std::uint64_t(params)},
       {"saved activations", std::uint64_t(saved)},
-      // The input x is layer 0's saved x (the same tensor), counted there.
-      {"target", std::uint64_t(b.stream)},
+      // The input x is layer 0's saved x (the same tensor), counted there, unless it is a copy.
+      {"target", std::uint64_t(stream_f32)},
       {"largest temporaries", std::uint64_t(largest_temporaries(c, s, b))},
   };
+  if (c.activations() != DType::f32) e.terms.push_back({"fp32 input", std::uint64_t(stream_f32)});
+  if (c.bf16_weight_copies()) {
+    // This step's bf16 compute copies of the seven matrices: half their fp32 bytes.
+    const I matrices = checked_product(
+        {sum({b.w_h, b.w_kv, b.w_kv, b.w_h, b.w_f, b.w_f, b.w_f}, "a layer's weights' bytes"),
+         c.layers},
+        "the weights' bytes");
+    e.terms.push_back({"bf16 weight copies", std::uint64_t(matrices / (kF32 / kBf16))});
+  }
   // AdamW's two fp32 moments per parameter element, this rank's shards.
   if (c.optimizer == Optimizer::adamw)
     e.terms.push_back(
@@ -297,20 +339,10 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   if (is_fp8(c.dtype)) {
     // The FP8 copies of every weight, made in forward and kept for backward (a byte each).
     const I copies = checked_product(
-        {sum({b.w_h, b.w_h, b.w_h, b.w_h, b.w_f, b.w_f, b.w_f}, "a layer's weights' bytes") / kF32,
+        {sum({b.w_h, b.w_kv, b.w_kv, b.w_h, b.w_f, b.w_f, b.w_f}, "a layer's weights' bytes") / kF32,
          c.layers},
         "the FP8 weights' bytes");
-    // Without FP8 tensor cores (the cpu) a GEMM dequantizes both operands into fp32 scratch: the
-    // largest pair is two of a gathered [S, B, H] input, an [S, B, F/N] activation or gradient,
-    // and an MLP weight (the wgrads and the down projection). Beside it live the FP8 codes of
-    // the gate/up gradients being multiplied (a byte per element).
-    const char* what = "the FP8 GEMM scratch";
-    const I pair = largest(
-        {sum({b.full, b.w_f}, what), sum({b.cols_f, b.w_f}, what), sum({b.cols_f, b.full}, what)});
-    const I scratch =
-        c.device == Device::cpu ? sum({pair, b.cols_f / kF32, b.cols_f / kF32}, what) : 0;
     e.terms.push_back({"FP8 weights", std::uint64_t(copies)});
-    e.terms.push_back({"FP8 GEMM scratch", std::uint64_t(scratch)});
   }
   (void)e.total();  // throws SizeOverflow now rather than when it is printed
   return e;

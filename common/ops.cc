@@ -3,11 +3,15 @@
 
 #include <charconv>
 #include <cstring>
+#include <exception>
 #include <fstream>
+#include <initializer_list>
 #include <limits>
 #include <mutex>
 #include <optional>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "check.h"
 #include "checked.h"
@@ -106,11 +110,67 @@ int device_ordinal(Device device) {
   return ::tpx::cpu::fn(__VA_ARGS__)
 #endif
 
-// gemm and attention take the GEMM compute dtype, which only the cuda backend has.
-[[maybe_unused]] void expect_f32_compute(DType compute) {
-  TPX_CHECK(compute == DType::f32, "the cpu backend computes in fp32 (asked for {})",
-            to_string(compute));
+namespace {
+
+/// A cast's kernel: dst = src converted between f32 and bf16 (defined below).
+void cast_values(const Tensor& src, const Tensor& dst);
+
+bool is_bf16(const Tensor& t) {
+  return t.defined() && t.dtype() == DType::bf16;
 }
+bool any_bf16(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (is_bf16(*t)) return true;
+  return false;
+}
+
+/// The mixed-precision recipe at an op's boundary (DESIGN.md, "Mixed precision"): a tensor
+/// stored in bf16 is read as fp32 (exactly: a bf16 value is an fp32 value whose 16 low bits are
+/// zero), the op computes in fp32 as it always does, and each bf16 output is rounded once, to
+/// nearest even, when the op is done. The rounding points are therefore the ops' outputs and
+/// nothing else, identically on both backends (the casts are bit-identical). An op with no bf16
+/// tensor never comes here and allocates nothing.
+class Fp32Boundary {
+ public:
+  Fp32Boundary() = default;
+  Fp32Boundary(const Fp32Boundary&) = delete;
+  Fp32Boundary& operator=(const Fp32Boundary&) = delete;
+  ~Fp32Boundary() noexcept(false) { finish(); }
+
+  /// An operand the op reads: an fp32 copy of a bf16 tensor, anything else as it is.
+  static Tensor in(const Tensor& t) {
+    if (!is_bf16(t)) return t;
+    Tensor w = Tensor::empty(t.shape(), DType::f32, t.device());
+    cast_values(t, w);
+    return w;
+  }
+  /// An f32 operand a bf16 GEMM reads (`compute` = bf16 on f32 tensors): rounded to bf16 values.
+  static Tensor in_rounded(const Tensor& t) {
+    if (t.dtype() != DType::f32) return in(t);
+    Tensor b = Tensor::empty(t.shape(), DType::bf16, t.device());
+    cast_values(t, b);
+    return in(b);
+  }
+  /// An operand the op writes (and reads first when `read`): for a bf16 tensor an fp32 stand-in,
+  /// rounded into the tensor by finish().
+  Tensor out(const Tensor& t, bool read = false) {
+    if (!is_bf16(t)) return t;
+    Tensor w = read ? in(t) : Tensor::empty(t.shape(), DType::f32, t.device());
+    pending_.emplace_back(w, t);
+    return w;
+  }
+  /// Rounds every output once (also at destruction, unless an exception is in flight).
+  void finish() {
+    if (std::uncaught_exceptions() > 0) return;
+    for (const auto& [wide, stored] : pending_) cast_values(wide, stored);
+    pending_.clear();
+  }
+
+ private:
+  std::vector<std::pair<Tensor, Tensor>> pending_;  // (fp32 stand-in, the bf16 output)
+};
+
+}  // namespace
 
 GemmDims gemm_dims(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c) {
   const std::int64_t m = trans_a ? a.cols() : a.rows();
@@ -152,8 +212,10 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
     // On FP8 tensor cores (compute capability 8.9+): the codes are multiplied as they are and
     // alpha / (scale_a · scale_b) is applied to each output, rounding slightly differently from
     // the dequantized product below (cuda/gemm_fp8.cc).
-    if (c.device() == Device::cuda && cuda::fp8_gemm_supported())
-      return cuda::gemm_fp8(a, trans_a, b, trans_b, c, alpha, beta);
+    if (c.device() == Device::cuda && cuda::fp8_gemm_supported()) {
+      Fp32Boundary f;  // a bf16 C (an activation under the recipe) is rounded once at the end
+      return cuda::gemm_fp8(a, trans_a, b, trans_b, f.out(c, beta != 0.0f), alpha, beta);
+    }
 #endif
     // Elsewhere, the fp32 product of the dequantized operands, q / scale element by element.
     auto dequantized = [](const Tensor& q) {
@@ -163,22 +225,69 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
     };
     return gemm(dequantized(a), trans_a, dequantized(b), trans_b, c, alpha, beta);
   }
+  // A bf16 operand makes the GEMM a bf16 one: bf16 operands, fp32 accumulation, the result
+  // rounded once if C is bf16 (weight gradients are written to f32 C as they are).
+  if (any_bf16({&a, &b})) compute = DType::bf16;
 #if TPX_WITH_CUDA
   if (c.device() == Device::cuda)
     return cuda::gemm(a, trans_a, b, trans_b, c, alpha, beta, compute);
 #endif
-  expect_f32_compute(compute);
+  if (compute == DType::bf16 || is_bf16(c)) {
+    // The cpu multiplies the bf16 values in fp32 (OpenBLAS), which is what a tensor core's
+    // bf16 products with fp32 accumulation compute, up to the order of the sum.
+    Fp32Boundary f;
+    const Tensor a32 = compute == DType::bf16 ? f.in_rounded(a) : f.in(a);
+    const Tensor b32 = compute == DType::bf16 ? f.in_rounded(b) : f.in(b);
+    return cpu::gemm(a32, trans_a, b32, trans_b, f.out(c, beta != 0.0f), alpha, beta);
+  }
   TPX_DISPATCH(c.device(), gemm, a, trans_a, b, trans_b, c, alpha, beta);
 }
 void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd) {
+  if (any_bf16({&x, &y})) {
+    Fp32Boundary f;
+    return rmsnorm_forward(f.in(x), g, f.out(y), rstd);
+  }
   TPX_DISPATCH(x.device(), rmsnorm_forward, x, g, y, rstd);
 }
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
                       const Tensor& dx, const Tensor& dg) {
+  if (any_bf16({&dy, &x, &dx})) {
+    Fp32Boundary f;
+    return rmsnorm_backward(f.in(dy), f.in(x), g, rstd, f.out(dx), dg);
+  }
   TPX_DISPATCH(x.device(), rmsnorm_backward, dy, x, g, rstd, dx, dg);
 }
+
+namespace {
+
+/// Attention under the recipe: bf16 tensors are read as fp32 and the outputs rounded once
+/// (Fp32Boundary). The cuda kernels then run their products on bf16 tensor cores (`compute` bf16:
+/// they round q, k, v, dO and the probabilities as they load them); the cpu computes everything
+/// inside in fp32, and `compute` bf16 on f32 tensors rounds its inputs to bf16 values first.
+bool attention_at_boundary(const Tensor& q, DType compute, std::initializer_list<const Tensor*> ts) {
+  return any_bf16(ts) || (q.device() == Device::cpu && compute == DType::bf16);
+}
+Tensor attention_input(Fp32Boundary& f, const Tensor& t, DType compute) {
+  return t.device() == Device::cpu && compute == DType::bf16 ? f.in_rounded(t) : f.in(t);
+}
+DType attention_compute(const Tensor& q, DType compute) {
+  return q.device() == Device::cpu ? DType::f32 : compute;
+}
+void expect_f32_compute(DType compute) {
+  TPX_CHECK(compute == DType::f32, "the cpu backend computes in fp32 (asked for {})",
+            to_string(compute));
+}
+
+}  // namespace
+
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                        const Tensor& out, const Tensor& probs, DType compute) {
+  if (attention_at_boundary(q, compute, {&q, &k, &v, &out})) {
+    Fp32Boundary f;
+    auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
+    return attention_forward(in(q), in(k), in(v), heads, f.out(out), probs,
+                             attention_compute(q, compute));
+  }
 #if TPX_WITH_CUDA
   if (q.device() == Device::cuda)
     return cuda::attention_forward(q, k, v, heads, out, probs, compute);
@@ -189,6 +298,12 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::i
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
                         const Tensor& dv, DType compute) {
+  if (attention_at_boundary(q, compute, {&dout, &q, &k, &v, &dq, &dk, &dv})) {
+    Fp32Boundary f;
+    auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
+    return attention_backward(in(dout), in(q), in(k), in(v), probs, heads, f.out(dq), f.out(dk),
+                              f.out(dv), attention_compute(q, compute));
+  }
 #if TPX_WITH_CUDA
   if (q.device() == Device::cuda)
     return cuda::attention_backward(dout, q, k, v, probs, heads, dq, dk, dv, compute);
@@ -198,6 +313,12 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 }
 void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const Tensor& out, const Tensor& lse, DType compute) {
+  if (attention_at_boundary(q, compute, {&q, &k, &v, &out})) {
+    Fp32Boundary f;
+    auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
+    return attention_fused_forward(in(q), in(k), in(v), heads, f.out(out), lse,
+                                   attention_compute(q, compute));
+  }
 #if TPX_WITH_CUDA
   if (q.device() == Device::cuda)
     return cuda::attention_fused_forward(q, k, v, heads, out, lse, compute);
@@ -208,6 +329,13 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
 void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv, DType compute) {
+  if (attention_at_boundary(q, compute, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
+    Fp32Boundary f;
+    auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
+    return attention_fused_backward(in(dout), in(q), in(k), in(v), f.in(out), lse, heads,
+                                    f.out(dq), f.out(dk), f.out(dv),
+                                    attention_compute(q, compute));
+  }
 #if TPX_WITH_CUDA
   if (q.device() == Device::cuda)
     return cuda::attention_fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, compute);
@@ -216,31 +344,63 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
   TPX_DISPATCH(q.device(), attention_fused_backward, dout, q, k, v, out, lse, heads, dq, dk, dv);
 }
 void rope_forward(const Tensor& x, std::int64_t heads, double theta) {
+  if (is_bf16(x)) {
+    Fp32Boundary f;
+    return rope_forward(f.out(x, /*read=*/true), heads, theta);
+  }
   TPX_DISPATCH(x.device(), rope_forward, x, heads, theta);
 }
 void rope_backward(const Tensor& dx, std::int64_t heads, double theta) {
+  if (is_bf16(dx)) {
+    Fp32Boundary f;
+    return rope_backward(f.out(dx, /*read=*/true), heads, theta);
+  }
   TPX_DISPATCH(dx.device(), rope_backward, dx, heads, theta);
 }
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
+  if (any_bf16({&gate, &up, &out})) {
+    Fp32Boundary f;
+    return swiglu_forward(f.in(gate), f.in(up), f.out(out));
+  }
   TPX_DISPATCH(gate.device(), swiglu_forward, gate, up, out);
 }
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
                      const Tensor& dup) {
+  if (any_bf16({&dout, &gate, &up, &dgate, &dup})) {
+    Fp32Boundary f;
+    return swiglu_backward(f.in(dout), f.in(gate), f.in(up), f.out(dgate), f.out(dup));
+  }
   TPX_DISPATCH(gate.device(), swiglu_backward, dout, gate, up, dgate, dup);
 }
 void add(const Tensor& a, const Tensor& b, const Tensor& out) {
+  if (any_bf16({&a, &b, &out})) {
+    Fp32Boundary f;  // out may alias a or b: they are read into copies before anything is written
+    return add(f.in(a), f.in(b), f.out(out));
+  }
   TPX_DISPATCH(out.device(), add, a, b, out);
 }
 void accumulate(const Tensor& x, const Tensor& into) {
+  if (any_bf16({&x, &into})) {
+    Fp32Boundary f;
+    return accumulate(f.in(x), f.out(into, /*read=*/true));
+  }
   TPX_DISPATCH(into.device(), accumulate, x, into);
 }
 double mse_loss_sum(const Tensor& y, const Tensor& t) {
+  if (any_bf16({&y, &t})) return mse_loss_sum(Fp32Boundary::in(y), Fp32Boundary::in(t));
   TPX_DISPATCH(y.device(), mse_loss_sum, y, t);
 }
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy) {
+  if (any_bf16({&y, &t, &dy})) {
+    Fp32Boundary f;
+    return mse_loss_backward(f.in(y), f.in(t), scale, f.out(dy));
+  }
   TPX_DISPATCH(y.device(), mse_loss_backward, y, t, scale, dy);
 }
 void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
+  for (const Tensor* t : {&w, &grad})
+    TPX_CHECK(t->dtype() == DType::f32, "sgd: {} must be f32 (master weights and gradients)",
+              t->describe());
   TPX_DISPATCH(w.device(), sgd_update, w, grad, lr);
 }
 void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
@@ -251,9 +411,14 @@ void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Te
   TPX_DISPATCH(w.device(), adamw_update, w, grad, m, v, s);
 }
 double sum_squares(const Tensor& x) {
+  if (is_bf16(x)) return sum_squares(Fp32Boundary::in(x));
   TPX_DISPATCH(x.device(), sum_squares, x);
 }
 void fill(const Tensor& t, float value) {
+  if (is_bf16(t)) {
+    Fp32Boundary f;
+    return fill(f.out(t), value);
+  }
   TPX_DISPATCH(t.device(), fill, t, value);
 }
 
@@ -272,6 +437,12 @@ void copy(const Tensor& src, const Tensor& dst) {
 }
 
 void cast(const Tensor& src, const Tensor& dst) {
+  cast_values(src, dst);
+}
+
+namespace {
+
+void cast_values(const Tensor& src, const Tensor& dst) {
   TPX_CHECK(src.numel() == dst.numel() && src.device() == dst.device(), "cast {} -> {}",
             src.describe(), dst.describe());
 #if TPX_WITH_CUDA
@@ -294,6 +465,8 @@ void cast(const Tensor& src, const Tensor& dst) {
   }
 }
 
+}  // namespace
+
 namespace {
 
 /// The FP8 ops' argument checks, made here once for both backends.
@@ -302,9 +475,11 @@ void expect_scalar_f32(const Tensor& t, Device device, const char* what) {
             "{} must be f32 [1] on {}, got {}", what, to_string(device), t.describe());
 }
 void expect_fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& q) {
-  TPX_CHECK(x.dtype() == DType::f32 && (q.dtype() == DType::e4m3 || q.dtype() == DType::e5m2) &&
+  TPX_CHECK((x.dtype() == DType::f32 || x.dtype() == DType::bf16) &&
+                (q.dtype() == DType::e4m3 || q.dtype() == DType::e5m2) &&
                 x.numel() == q.numel() && x.device() == q.device(),
-            "fp8 cast between {} and {}: f32 and e4m3/e5m2 with equal element counts, one device",
+            "fp8 cast between {} and {}: f32 or bf16 and e4m3/e5m2 with equal element counts, "
+            "one device",
             x.describe(), q.describe());
   expect_scalar_f32(scale, x.device(), "the fp8 scale");
 }
@@ -313,15 +488,22 @@ void expect_fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& q) {
 
 void quantize_fp8(const Tensor& x, const Tensor& scale, const Tensor& q) {
   expect_fp8_cast(x, scale, q);
+  if (is_bf16(x)) return quantize_fp8(Fp32Boundary::in(x), scale, q);  // x·scale in fp32
   TPX_DISPATCH(q.device(), quantize_fp8, x, scale, q);
 }
 void dequantize_fp8(const Tensor& q, const Tensor& scale, const Tensor& x) {
   expect_fp8_cast(x, scale, q);
+  if (is_bf16(x)) {
+    Fp32Boundary f;
+    return dequantize_fp8(q, scale, f.out(x));
+  }
   TPX_DISPATCH(q.device(), dequantize_fp8, q, scale, x);
 }
 void amax(const Tensor& x, const Tensor& out) {
-  TPX_CHECK(x.dtype() == DType::f32, "amax of {}: f32 only", x.describe());
+  TPX_CHECK(x.dtype() == DType::f32 || x.dtype() == DType::bf16, "amax of {}: f32 or bf16 only",
+            x.describe());
   expect_scalar_f32(out, x.device(), "amax out");
+  if (is_bf16(x)) return amax(Fp32Boundary::in(x), out);
   TPX_DISPATCH(x.device(), amax, x, out);
 }
 void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale) {

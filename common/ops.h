@@ -4,8 +4,12 @@
 // Conventions: activations are [S, B, X] and are seen as matrices [S*B, X]; weights are [in, out].
 // Output tensors are passed as (const) handles and overwritten unless the name says "accumulate".
 //
-// Precision: tensors hold fp32. `compute` on gemm and attention picks the GEMM operand type:
-// fp32, or bf16 (cuda only) with fp32 accumulation; the rest of every op is fp32.
+// Precision (DESIGN.md, "Mixed precision"): an activation may be stored in fp32 or bf16; norm
+// gains, statistics (rstd, lse, probs), weight gradients and optimizer state are fp32. Every op
+// computes in fp32 inside: it reads bf16 tensors exactly as fp32 and rounds each bf16 output
+// once, to nearest even, when it writes it (the same points on both backends). A GEMM with a bf16
+// operand has bf16 operands and fp32 accumulation; `compute` = bf16 on gemm and attention rounds
+// f32 operands to bf16 too (cuda: tensor cores; cpu: the rounded values multiplied in fp32).
 //
 // defines: tpx::ops::gemm, attention_dims, rmsnorm_*, attention_*, attention_fused_*,
 //          swiglu_*, add, rope_forward, rope_backward, accumulate, mse_loss_*, sgd_update,
@@ -61,10 +65,11 @@ AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, 
                              const char* what);
 
 /// C = alpha * op(A) · op(B) + beta * C, with op(X) = X or Xᵀ and A, B, C seen as matrices.
-/// compute = bf16 rounds A and B to bf16 and accumulates in fp32 (cuda only).
+/// compute = bf16, or a bf16 A or B, multiplies bf16 operands with fp32 accumulation; C may be
+/// bf16 (the result rounded once, beta applied in fp32 first) or f32 (weight gradients).
 /// FP8: A and B may both be E4M3/E5M2 tensors carrying their scales (Tensor::with_scale); the
-/// product is then that of the dequantized operands, q / scale, in fp32 (C is f32, `compute` is
-/// not used). On a GPU with FP8 tensor cores (compute capability 8.9+) it runs there through
+/// product is then that of the dequantized operands, q / scale, in fp32 (C is f32, or bf16
+/// rounded once; `compute` is not used). On a GPU with FP8 tensor cores (compute capability 8.9+) it runs there through
 /// cuBLASLt (cuda::gemm_fp8): codes multiplied exactly, fp32 accumulation, 1/scale_a · 1/scale_b
 /// applied to each output, which rounds slightly differently from dividing each element first.
 /// Elsewhere (cpu, older GPUs) each operand is dequantized into an fp32 scratch tensor and
@@ -153,7 +158,8 @@ void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Te
 double sum_squares(const Tensor& x);
 
 void fill(const Tensor& t, float value);
-/// dst = src converted between f32 and bf16 (round to nearest even); same device, same numel.
+/// dst = src converted between f32 and bf16 (round to nearest even, NaN stays NaN; bf16 to f32 is
+/// exact); same device, same numel.
 void cast(const Tensor& src, const Tensor& dst);
 /// Copies between any devices; shapes must have the same element count and dtypes must match.
 void copy(const Tensor& src, const Tensor& dst);

@@ -147,8 +147,8 @@ class RingReduceScatter final : public ChunkReduceScatter {
         role_(role) {
     const int nbuf = world_ > 1 ? 2 : 1;
     for (int b = 0; b < nbuf; ++b) {
-      part_.push_back(Tensor::empty(shape, DType::f32, dev));
-      if (world_ > 1) recv_.push_back(Tensor::empty(shape, DType::f32, dev));
+      part_.push_back(Tensor::empty(shape, ctx.activations, dev));
+      if (world_ > 1) recv_.push_back(Tensor::empty(shape, ctx.activations, dev));
     }
   }
 

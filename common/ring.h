@@ -57,7 +57,8 @@ class ChunkTransport {
   /// are issued now (all by default), the others by advance() or a wait.
   virtual std::unique_ptr<ChunkGather> gather(const RingContext& ctx, const Tensor& x_local,
                                               std::string_view role, int queued = -1) = 0;
-  /// Starts a reduce-scatter whose result on this rank has `shape` [n, ..., cols] (f32).
+  /// Starts a reduce-scatter whose result on this rank has `shape` [n, ..., cols], in
+  /// ctx.activations.
   virtual std::unique_ptr<ChunkReduceScatter> reduce_scatter(const RingContext& ctx,
                                                              const Tensor::Shape& shape,
                                                              std::string_view role) = 0;
@@ -98,12 +99,15 @@ class P2PTransport final : public ChunkTransport {
   Stream stream_;  // the comm lane
 };
 
-/// What a ring primitive runs on: the transport, the trace, the GEMMs' operand type. The compute
-/// lane is the device's default stream (the caller's thread on the cpu).
+/// What a ring primitive runs on: the transport, the trace, the GEMMs' operand type, and the dtype
+/// activations are stored in (the outputs and the partial sums that travel: bf16 under the
+/// mixed-precision recipe, each hop adding in fp32 and rounding once). The compute lane is the
+/// device's default stream (the caller's thread on the cpu).
 struct RingContext {
   ChunkTransport& transport;
   Trace& trace;
   DType compute = DType::f32;
+  DType activations = DType::f32;
 };
 
 /// An all-gather in flight: full() [N·n, ...] fills chunk by chunk. Made by a transport, which

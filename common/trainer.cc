@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
@@ -28,9 +29,28 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+/// t in dtype d: t itself, or a new tensor holding t's values cast (rounded once) to d.
+Tensor as_dtype(const Tensor& t, DType d) {
+  if (t.dtype() == d) return t;
+  Tensor out = Tensor::empty(t.shape(), d, t.device());
+  ops::cast(t, out);
+  return out;
+}
+
 std::vector<float> host_copy(const Tensor& t) {
-  const Tensor h = ops::to_device(t, Device::cpu);
+  const Tensor h = as_dtype(ops::to_device(t, Device::cpu), DType::f32);
   return {h.f32().begin(), h.f32().end()};
+}
+
+/// The parameters the block computes with this step: under --dtype bf16, a bf16 copy of each
+/// weight matrix rounded from its fp32 master weight (the norm gains stay fp32); else the master
+/// weights themselves. Made once per step, after the previous update.
+void make_compute_copies(const BlockConfig& c, const Model& m, std::vector<LayerParams>& out) {
+  out = m.params;
+  if (!c.bf16_weight_copies()) return;
+  for (LayerParams& layer : out)
+    for (Param p : kAllParams)
+      if (param_split(p) != Split::replicated) layer[p] = as_dtype(layer[p], DType::bf16);
 }
 
 void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const Tensor& y,
@@ -81,6 +101,10 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
                   const std::function<void(const StepRow&)>& on_row) {
   const Sharding sh = par.sharding();
   Model m = make_model(c, sh);
+  // The block's input in the activations' dtype (rounded to bf16 once under the recipe), and the
+  // parameters it computes with (the compute copies, remade every step).
+  const Tensor input = as_dtype(m.input, c.activations());
+  std::vector<LayerParams> params;
   const double count = double(c.seq) * double(c.batch) * double(c.hidden);
   std::vector<BlockActivations> acts(static_cast<std::size_t>(c.layers));
   // What layer l keeps between its forward and its backward (--recompute), and what it makes
@@ -96,9 +120,9 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       // The block's forward again from its saved input, collectives included; its output is
       // the next block's input, which is already saved.
       TraceScope again(trace, "recompute", Lane::phase);
-      block_forward(c, m.params[l], acts[l].x, par, acts[l], trace);
+      block_forward(c, params[l], acts[l].x, par, acts[l], trace);
     } else if (c.recompute == Recompute::selective) {
-      block_refill(m.params[l], par, acts[l], trace);
+      block_refill(params[l], par, acts[l], trace);
     }
   };
   // AdamW's two moments per parameter, zero before the first step (none under SGD).
@@ -121,11 +145,16 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     const auto t0 = Clock::now();
     StepRow row;
     row.step = step;
-    Tensor y = m.input;
+    Tensor y = input;
     {
       TraceScope scope(trace, "forward", Lane::phase);
+      {
+        std::optional<TraceScope> op;  // a span only where there is work to show
+        if (c.bf16_weight_copies()) op.emplace(trace, "bf16 weight copies");
+        make_compute_copies(c, m, params);
+      }
       for (std::size_t l = 0; l < acts.size(); ++l) {
-        y = block_forward(c, m.params[l], y, par, acts[l], trace);
+        y = block_forward(c, params[l], y, par, acts[l], trace);
         release(l);
       }
     }
@@ -154,7 +183,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         recompute(l);
         add(row.recompute_comm, par.take_comm_stats());
         one_block = std::max(one_block, acts[l].bytes() - kept);
-        dy = block_backward(c, m.params[l], acts[l], dy, par, m.grads[l], trace);
+        dy = block_backward(c, params[l], acts[l], dy, par, m.grads[l], trace);
         release(l);
       }
     }

@@ -180,21 +180,51 @@ TEST_F(Comm, StatsAccumulateUntilTaken) {
   expect_stats(0, 0, 0);  // taken: reset
 }
 
-TEST_F(Comm, RejectsSumsOnNonF32) {
-  const Tensor b = Tensor::empty({4 * n_}, DType::bf16);
-  const Tensor part = Tensor::empty({4}, DType::bf16);
+TEST_F(Comm, RejectsSumsOfFp8AndMaximaOfBf16) {
+  const Tensor q = Tensor::empty({4 * n_}, DType::e4m3);
+  const Tensor part = Tensor::empty({4}, DType::e4m3);
   try {
-    comm_->all_reduce(b, stream_);
-    ADD_FAILURE() << "all_reduce of bf16 did not throw";
+    comm_->all_reduce(q, stream_);
+    ADD_FAILURE() << "all_reduce of fp8 did not throw";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("all_reduce reduces f32 tensors only"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("all_reduce reduces f32 and bf16 tensors only"),
+              std::string::npos)
         << e.what();
   }
-  EXPECT_THROW(comm_->reduce_scatter(b, part, stream_), Error);
-  EXPECT_THROW(comm_->all_reduce_max(b, stream_), Error);
+  EXPECT_THROW(comm_->reduce_scatter(q, part, stream_), Error);
+  EXPECT_THROW(comm_->all_reduce_max(Tensor::empty({4}, DType::bf16), stream_), Error);
   // Rejected before anything was issued: nothing recorded, nothing counted.
   EXPECT_EQ(comm_->recorder().next_seq(), 0u);
   expect_stats(0, 0, 0);
+}
+
+// bf16 sums (the mixed-precision recipe's activation reductions): 2 bytes an element on the wire,
+// each hop adding in fp32 and rounding once. The values are small integers, exact in bf16 whatever
+// the order of the hops, so the sums are known exactly.
+TEST_F(Comm, SumsBf16InTwoBytesAnElement) {
+  const std::int64_t len = 4 * n_;
+  auto bf16_of = [](const std::vector<float>& v) {
+    Tensor t = Tensor::empty({std::int64_t(v.size())}, DType::bf16);
+    for (std::size_t i = 0; i < v.size(); ++i) t.data<std::uint16_t>()[i] = bf16_bits(v[i]);
+    return t;
+  };
+  std::vector<float> mine(static_cast<std::size_t>(len));
+  for (std::int64_t i = 0; i < len; ++i) mine[std::size_t(i)] = float(r_ + 1) + float(i % 4);
+  const Tensor t = bf16_of(mine);
+  comm_->all_reduce(t, stream_);
+  for (std::int64_t i = 0; i < len; ++i) {
+    const float want = float(n_ * (n_ + 1) / 2) + float(n_) * float(i % 4);
+    EXPECT_EQ(bf16_value(t.data<std::uint16_t>()[i]), want) << "element " << i;
+  }
+  expect_stats(std::uint64_t(len) * 2, std::uint64_t(len) * 2 * 2 * (n_ - 1) / n_, 1);
+
+  const Tensor part = Tensor::empty({4}, DType::bf16);
+  comm_->reduce_scatter(bf16_of(mine), part, stream_);
+  for (std::int64_t i = 0; i < 4; ++i) {
+    const std::int64_t g = r_ * 4 + i;  // this rank's chunk of the full tensor
+    const float want = float(n_ * (n_ + 1) / 2) + float(n_) * float(g % 4);
+    EXPECT_EQ(bf16_value(part.data<std::uint16_t>()[i]), want) << "element " << g;
+  }
 }
 
 TEST_F(Comm, RejectsMismatchedShapesAndRanks) {

@@ -534,7 +534,7 @@ TEST(Fp8Ops, RejectsTensorsThatDoNotFit) {
   EXPECT_THROW(ops::quantize_fp8(x, host_scalar(1.0f), Tensor::empty({2})), Error);  // f32 q
   EXPECT_THROW(ops::quantize_fp8(x, host_f32({1.0f, 1.0f}), q), Error);  // scale of 2 elements
   EXPECT_THROW(ops::quantize_fp8(x, host_scalar(1.0f), Tensor::empty({3}, DType::e5m2)), Error);
-  EXPECT_THROW(ops::dequantize_fp8(q, host_scalar(1.0f), Tensor::empty({2}, DType::bf16)), Error);
+  EXPECT_THROW(ops::dequantize_fp8(q, host_scalar(1.0f), Tensor::empty({2}, DType::e5m2)), Error);
   EXPECT_THROW(ops::amax(x, Tensor::empty({2})), Error);
 }
 

@@ -138,6 +138,13 @@ Sizes in_fp8(Sizes z) {
   return z;
 }
 
+/// `z` under --dtype bf16 (bf16 activations, the weights' bf16 compute copies).
+Sizes in_bf16(Sizes z) {
+  z.config.dtype = DType::bf16;
+  z.name += "_bf16";
+  return z;
+}
+
 /// `z` with --attention naive (the probabilities [B, NH/N, S, S] kept for backward).
 Sizes naive(Sizes z) {
   z.config.attention = Attention::naive;
@@ -190,6 +197,11 @@ std::vector<Case> all_cases() {
           every_second(default_sizes()), every_second(long_sequence(2)), adamw(default_sizes()),
           adamw(wide_mlp())})
       cases.push_back({st, z});
+  for (const Stage& st : {kBaseline, kMegatron, kSequenceParallel, kOverlapRing})
+    for (const Sizes& z : {default_sizes(), long_sequence(2), wide_mlp(), naive(default_sizes()),
+                           naive(long_sequence(2)), gqa_recomputed(default_sizes()),
+                           selective(default_sizes()), adamw(wide_mlp())})
+      cases.push_back({st, in_bf16(z)});
   for (const Sizes& z : {default_sizes(), long_sequence(1), wide_mlp(),
                          gqa_recomputed(default_sizes()), selective(default_sizes())})
     cases.push_back({kFp8, in_fp8(z)});

@@ -109,13 +109,13 @@ void Communicator::check_device(const Tensor& t, const char* op, const char* wha
 
 namespace {
 
-/// Sums are computed in f32 only (bf16 and fp8 sums would need a wider accumulator).
-void check_summable(const Tensor& t, const char* op) {
-  if (t.dtype() != DType::f32)
-    fail(
-        fmt::format("{} reduces f32 tensors only; got {} (cast to f32 first, or use all_gather "
-                    "to move bf16/fp8 bytes)",
-                    op, t.describe()));
+/// Sums are of f32 or bf16 tensors (a bf16 sum adds in fp32 at each hop and rounds once, as
+/// NCCL does); maxima of f32 ones. FP8 codes are moved, never reduced.
+void check_summable(const Tensor& t, const char* op, bool sum = true) {
+  if (t.dtype() != DType::f32 && !(sum && t.dtype() == DType::bf16))
+    fail(fmt::format("{} reduces {} tensors only; got {} (cast first, or use all_gather to move "
+                     "fp8 bytes)",
+                     op, sum ? "f32 and bf16" : "f32", t.describe()));
 }
 
 /// full = N·part along dim 0 (or at least in element count when the ranks differ).
@@ -180,7 +180,7 @@ void Communicator::all_reduce(const Tensor& t, const Stream& s) {
 
 void Communicator::all_reduce_max(const Tensor& t, const Stream& s) {
   check_device(t, "all_reduce_max", "input");
-  check_summable(t, "all_reduce_max");
+  check_summable(t, "all_reduce_max", /*sum=*/false);
   const std::uint64_t payload = t.nbytes();
   const auto seq = begin_op(CommOp::all_reduce_max, t.dtype(), t.numel(), payload,
                             ring_share(payload, size_, 2));

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <climits>
+#include <cstdint>
 #include <map>
 #include <thread>
 #include <utility>
@@ -28,12 +29,21 @@ MPI_Datatype mpi_type(DType d) {
     case DType::f32:
       return MPI_FLOAT;
     case DType::bf16:
-      return MPI_UINT16_T;  // moved as bits, never summed
+      return MPI_UINT16_T;  // the bits; sums go through bf16_sum
     case DType::e4m3:
     case DType::e5m2:
       return MPI_UINT8_T;
   }
   return MPI_BYTE;
+}
+
+/// MPI has no bf16 type: bf16 values travel as 16-bit patterns and are summed by this user
+/// operation, which adds each pair in fp32 and rounds the sum once to nearest even (what NCCL
+/// does for a bf16 reduction at each hop).
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  const auto* a = static_cast<const std::uint16_t*>(in);
+  auto* b = static_cast<std::uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = bf16_bits(bf16_value(a[i]) + bf16_value(b[i]));
 }
 
 std::string mpi_error_string(int code) {
@@ -47,10 +57,12 @@ class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(int rank, int size, MPI_Comm comm, const CommOptions& o, std::string name)
       : Communicator(rank, size, o), comm_(comm), name_(std::move(name)) {
+    MPI_Op_create(&bf16_sum, /*commute=*/1, &bf16_sum_);
     start_watchdog();
   }
   ~MpiCommunicator() override {
     shutdown();
+    MPI_Op_free(&bf16_sum_);
     MPI_Comm_free(&comm_);
   }
 
@@ -69,14 +81,16 @@ class MpiCommunicator final : public Communicator {
 
   void do_reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) override {
     const Tensor hin = to_host(in, 0, s), hout = host_buffer(out, 1);
-    check(MPI_Reduce_scatter_block(hin.raw(), hout.raw(), count(out), MPI_FLOAT, MPI_SUM, comm_),
+    check(MPI_Reduce_scatter_block(hin.raw(), hout.raw(), count(out), mpi_type(in.dtype()),
+                                   sum_op(in.dtype()), comm_),
           "MPI_Reduce_scatter_block");
     from_host(hout, out, s);
   }
 
   void do_all_reduce(const Tensor& t, const Stream& s, bool max) override {
     const Tensor h = to_host(t, 0, s);
-    check(MPI_Allreduce(MPI_IN_PLACE, h.raw(), count(t), MPI_FLOAT, max ? MPI_MAX : MPI_SUM, comm_),
+    check(MPI_Allreduce(MPI_IN_PLACE, h.raw(), count(t), mpi_type(t.dtype()),
+                        max ? MPI_MAX : sum_op(t.dtype()), comm_),
           "MPI_Allreduce");
     from_host(h, t, s);
   }
@@ -110,6 +124,8 @@ class MpiCommunicator final : public Communicator {
 
  private:
   static constexpr int kTag = 77;
+
+  MPI_Op sum_op(DType d) const { return d == DType::bf16 ? bf16_sum_ : MPI_SUM; }
 
   void check(int rc, const char* call) {
     if (rc != MPI_SUCCESS) op_failed(fmt::format("{} failed: {}", call, mpi_error_string(rc)));
@@ -160,6 +176,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   MPI_Comm comm_;
+  MPI_Op bf16_sum_ = MPI_OP_NULL;
   std::string name_;
   std::map<std::pair<int, DType>, Tensor> staging_;  // host buffers for cuda tensors
 };

@@ -45,7 +45,7 @@ ncclDataType_t nccl_type(DType d) {
     case DType::f32:
       return ncclFloat32;
     case DType::bf16:
-      return ncclBfloat16;
+      return ncclBfloat16;  // summed in fp32 per hop, rounded once
     case DType::e4m3:
     case DType::e5m2:
       return ncclUint8;  // moved as bytes, never summed
@@ -124,14 +124,15 @@ class NcclCommunicator final : public Communicator {
 
   void do_reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) override {
     enter(s);
-    nccl(ncclReduceScatter(in.raw(), out.raw(), count(out), ncclFloat32, ncclSum, comm_, cs()),
+    nccl(ncclReduceScatter(in.raw(), out.raw(), count(out), nccl_type(in.dtype()), ncclSum, comm_,
+                           cs()),
          "ncclReduceScatter");
     leave(s, {in, out});
   }
 
   void do_all_reduce(const Tensor& t, const Stream& s, bool max) override {
     enter(s);
-    nccl(ncclAllReduce(t.raw(), t.raw(), count(t), ncclFloat32, max ? ncclMax : ncclSum, comm_,
+    nccl(ncclAllReduce(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), max ? ncclMax : ncclSum, comm_,
                        cs()),
          "ncclAllReduce");
     leave(s, {t});
