@@ -242,8 +242,8 @@ std::unique_ptr<ChunkReduceScatter> CopyEngineTransport::reduce_scatter(const Ri
                                                                         const Tensor::Shape& shape,
                                                                         std::string_view role) {
   const std::size_t slots = static_cast<std::size_t>(world_ > 1 ? world_ - 1 : 1);
-  return std::make_unique<PullReduceScatter>(ctx, use(rs_, slots * bytes_of(shape, ctx.activations)),
-                                             shape, device_, role);
+  return std::make_unique<PullReduceScatter>(
+      ctx, use(rs_, slots * bytes_of(shape, ctx.activations)), shape, device_, role);
 }
 
 void CopyEngineTransport::synchronize() {

@@ -121,15 +121,13 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
   // kernels round their operands to bf16 as they load them; the cpu's block buffers are host
   // memory outside the allocator).
   const bool fused = c.attention == Attention::fused;
-  const I attn_scratch =
-      !cuda ? 0
-      : fused
-          ? b.lse
-          : sum({b.probs, mixed ? sum({b.cols_h, b.cols_h, b.cols_kv, b.cols_kv, b.probs / 2,
-                                       b.probs / 2},
-                                      what)
-                                : 0},
-                what);
+  const I attn_scratch = !cuda   ? 0
+                         : fused ? b.lse
+                                 : sum({b.probs, mixed ? sum({b.cols_h, b.cols_h, b.cols_kv,
+                                                              b.cols_kv, b.probs / 2, b.probs / 2},
+                                                             what)
+                                                       : 0},
+                                       what);
   // A reduce-scatter's output (stage 03's f backward and g forward); in place otherwise.
   const I scattered = s.sequence ? b.stream : 0;
   const I R = b.stream, G = b.full;
@@ -150,8 +148,8 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
       sum({held_mlp, widened({b.cols_f, b.cols_f, b.cols_f, b.cols_f, b.cols_f})}, what),
       // column backward of Wg, Wu: f's forward again (gathered h2), the full dh2, then f backward
       sum({held_mlp, b.gather, G,
-           largest({gemm_copies({G, b.cols_f}, 0, 0), gemm_copies({b.cols_f}, b.w_f, G),
-                    scattered})},
+           largest(
+               {gemm_copies({G, b.cols_f}, 0, 0), gemm_copies({b.cols_f}, b.w_f, G), scattered})},
           what),
       sum({held_norm2, rms_partial, widened({R, R, R})}, what),
       // row backward of Wo
@@ -164,8 +162,8 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
           what),
       // column backward of Wq, Wk, Wv
       sum({held_attn, b.gather, G,
-           largest({gemm_copies({G, b.cols_h}, 0, 0), gemm_copies({b.cols_h}, b.w_h, G),
-                    scattered})},
+           largest(
+               {gemm_copies({G, b.cols_h}, 0, 0), gemm_copies({b.cols_h}, b.w_h, G), scattered})},
           what),
       // the end: dh and dx (and the RMSNorm's partial sums on cuda)
       sum({held_attn, R, R, rms_partial, widened({R, R, R})}, what),
@@ -181,23 +179,23 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
   if (c.recomputed_layers() > 0) {
     const I wo_row = sum({G, largest({gemm_copies({b.cols_h}, b.w_h, G), scattered})}, what);
     const I wd_row = sum({R, G, largest({gemm_copies({b.cols_f}, b.w_f, G), scattered})}, what);
-    peak = largest({peak, sum({base, largest({wo_row, wd_row, attn_in, sum({R, R, R}, what),
-                                              widened({R, R, R})})},
-                              what)});
+    peak = largest(
+        {peak,
+         sum({base, largest({wo_row, wd_row, attn_in, sum({R, R, R}, what), widened({R, R, R})})},
+             what)});
   }
   if (c.steps >= 2 && c.recomputed_layers() < c.layers) {
     const I qkv_col = sum({R, b.gather, cols_qkv, gemm_copies({G}, b.w_h, b.cols_h)}, what);
-    const I attn_fwd = sum({b.attn, attn_in, cuda && mixed && !fused
-                                                 ? sum({cols_qkv, b.probs / 2}, what)
-                                                 : I{0}},
-                           what);
+    const I attn_fwd =
+        sum({b.attn, attn_in, cuda && mixed && !fused ? sum({cols_qkv, b.probs / 2}, what) : I{0}},
+            what);
     const I wo_row = sum({G, largest({gemm_copies({b.cols_h}, b.w_h, G), scattered})}, what);
     const I mlp_col = sum({R, R, b.gather, b.cols_f, b.cols_f, gemm_copies({G}, b.w_f, b.cols_f)},
                           what);  // attn out, h2
     const I swiglu = sum({R, b.cols_f, widened({b.cols_f, b.cols_f, b.cols_f})}, what);
     const I wd_row = sum({R, G, largest({gemm_copies({b.cols_f}, b.w_f, G), scattered})}, what);
-    peak = largest({peak, qkv_col, attn_fwd, wo_row, sum({R, R, widened({R, R, R})}, what),
-                    mlp_col, swiglu, wd_row, sum({R, R, R, widened({R, R, R})}, what)});
+    peak = largest({peak, qkv_col, attn_fwd, wo_row, sum({R, R, widened({R, R, R})}, what), mlp_col,
+                    swiglu, wd_row, sum({R, R, R, widened({R, R, R})}, what)});
   }
   return peak;
 }
@@ -339,7 +337,8 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   if (is_fp8(c.dtype)) {
     // The FP8 copies of every weight, made in forward and kept for backward (a byte each).
     const I copies = checked_product(
-        {sum({b.w_h, b.w_kv, b.w_kv, b.w_h, b.w_f, b.w_f, b.w_f}, "a layer's weights' bytes") / kF32,
+        {sum({b.w_h, b.w_kv, b.w_kv, b.w_h, b.w_f, b.w_f, b.w_f}, "a layer's weights' bytes") /
+             kF32,
          c.layers},
         "the FP8 weights' bytes");
     e.terms.push_back({"FP8 weights", std::uint64_t(copies)});

@@ -264,7 +264,8 @@ namespace {
 /// (Fp32Boundary). The cuda kernels then run their products on bf16 tensor cores (`compute` bf16:
 /// they round q, k, v, dO and the probabilities as they load them); the cpu computes everything
 /// inside in fp32, and `compute` bf16 on f32 tensors rounds its inputs to bf16 values first.
-bool attention_at_boundary(const Tensor& q, DType compute, std::initializer_list<const Tensor*> ts) {
+bool attention_at_boundary(const Tensor& q, DType compute,
+                           std::initializer_list<const Tensor*> ts) {
   return any_bf16(ts) || (q.device() == Device::cpu && compute == DType::bf16);
 }
 Tensor attention_input(Fp32Boundary& f, const Tensor& t, DType compute) {
@@ -332,9 +333,8 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
   if (attention_at_boundary(q, compute, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
     Fp32Boundary f;
     auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
-    return attention_fused_backward(in(dout), in(q), in(k), in(v), f.in(out), lse, heads,
-                                    f.out(dq), f.out(dk), f.out(dv),
-                                    attention_compute(q, compute));
+    return attention_fused_backward(in(dout), in(q), in(k), in(v), f.in(out), lse, heads, f.out(dq),
+                                    f.out(dk), f.out(dv), attention_compute(q, compute));
   }
 #if TPX_WITH_CUDA
   if (q.device() == Device::cuda)
@@ -476,8 +476,8 @@ void expect_scalar_f32(const Tensor& t, Device device, const char* what) {
 }
 void expect_fp8_cast(const Tensor& x, const Tensor& scale, const Tensor& q) {
   TPX_CHECK((x.dtype() == DType::f32 || x.dtype() == DType::bf16) &&
-                (q.dtype() == DType::e4m3 || q.dtype() == DType::e5m2) &&
-                x.numel() == q.numel() && x.device() == q.device(),
+                (q.dtype() == DType::e4m3 || q.dtype() == DType::e5m2) && x.numel() == q.numel() &&
+                x.device() == q.device(),
             "fp8 cast between {} and {}: f32 or bf16 and e4m3/e5m2 with equal element counts, "
             "one device",
             x.describe(), q.describe());

@@ -69,11 +69,11 @@ AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, 
 /// bf16 (the result rounded once, beta applied in fp32 first) or f32 (weight gradients).
 /// FP8: A and B may both be E4M3/E5M2 tensors carrying their scales (Tensor::with_scale); the
 /// product is then that of the dequantized operands, q / scale, in fp32 (C is f32, or bf16
-/// rounded once; `compute` is not used). On a GPU with FP8 tensor cores (compute capability 8.9+) it runs there through
-/// cuBLASLt (cuda::gemm_fp8): codes multiplied exactly, fp32 accumulation, 1/scale_a · 1/scale_b
-/// applied to each output, which rounds slightly differently from dividing each element first.
-/// Elsewhere (cpu, older GPUs) each operand is dequantized into an fp32 scratch tensor and
-/// multiplied by the fp32 GEMM.
+/// rounded once; `compute` is not used). On a GPU with FP8 tensor cores (compute capability 8.9+)
+/// it runs there through cuBLASLt (cuda::gemm_fp8): codes multiplied exactly, fp32 accumulation,
+/// 1/scale_a · 1/scale_b applied to each output, which rounds slightly differently from dividing
+/// each element first. Elsewhere (cpu, older GPUs) each operand is dequantized into an fp32 scratch
+/// tensor and multiplied by the fp32 GEMM.
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha = 1.0f, float beta = 0.0f, DType compute = DType::f32);
 

@@ -113,9 +113,10 @@ namespace {
 /// NCCL does); maxima of f32 ones. FP8 codes are moved, never reduced.
 void check_summable(const Tensor& t, const char* op, bool sum = true) {
   if (t.dtype() != DType::f32 && !(sum && t.dtype() == DType::bf16))
-    fail(fmt::format("{} reduces {} tensors only; got {} (cast first, or use all_gather to move "
-                     "fp8 bytes)",
-                     op, sum ? "f32 and bf16" : "f32", t.describe()));
+    fail(
+        fmt::format("{} reduces {} tensors only; got {} (cast first, or use all_gather to move "
+                    "fp8 bytes)",
+                    op, sum ? "f32 and bf16" : "f32", t.describe()));
 }
 
 /// full = N·part along dim 0 (or at least in element count when the ranks differ).

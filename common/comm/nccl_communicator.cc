@@ -132,8 +132,8 @@ class NcclCommunicator final : public Communicator {
 
   void do_all_reduce(const Tensor& t, const Stream& s, bool max) override {
     enter(s);
-    nccl(ncclAllReduce(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), max ? ncclMax : ncclSum, comm_,
-                       cs()),
+    nccl(ncclAllReduce(t.raw(), t.raw(), count(t), nccl_type(t.dtype()), max ? ncclMax : ncclSum,
+                       comm_, cs()),
          "ncclAllReduce");
     leave(s, {t});
   }
