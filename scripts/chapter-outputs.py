@@ -9,6 +9,9 @@ before the fence (run from the repository root, after scripts/env.sh, so `mpirun
     ...
     ```
 
+A command that prints markdown (a table) is marked `<!-- output (markdown): ... -->` instead, and
+its output stands unfenced, as markdown, up to a line `<!-- end of output -->`.
+
 --fix runs every marked command and writes its output (stdout and stderr) into the block. Without
 --fix it runs them and checks that each block still has the output's shape: the same lines with
 every number masked and runs of blanks made one (timings and bytes change from machine to machine; the layout, the words and
@@ -25,7 +28,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MARKER = re.compile(r"^<!-- output: (.+) -->$")
+MARKER = re.compile(r"^<!-- output( \(markdown\))?: (.+) -->$")
+END = "<!-- end of output -->"
 NUMBER = re.compile(r"[-+]?\d[\d,.]*(e[-+]?\d+)?")
 
 
@@ -44,16 +48,20 @@ def skeleton(lines):
 
 
 def blocks(lines):
-    """(marker line index, command, first content line, closing fence line) per marked block."""
+    """(marker line index, command, first content line, closing line) per marked block."""
     for i, line in enumerate(lines):
         m = MARKER.match(line.strip())
         if not m:
             continue
+        if m.group(1):  # markdown: up to the end marker
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == END), None)
+            yield i, m.group(2), i + 1, end
+            continue
         if i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
-            yield i, m.group(1), None, None
+            yield i, m.group(2), None, None
             continue
         end = next((j for j in range(i + 2, len(lines)) if lines[j].startswith("```")), None)
-        yield i, m.group(1), i + 2, end
+        yield i, m.group(2), i + 2, end
 
 
 def main():
@@ -71,7 +79,8 @@ def main():
         for marker, command, first, end in reversed(list(blocks(lines))):
             where = f"{rel}:{marker + 1}"
             if first is None or end is None:
-                print(f"{where}: an output marker must be followed by a fenced block")
+                print(f"{where}: an output marker must be followed by a fenced block (or, for "
+                      f"markdown, end at a line {END})")
                 problems += 1
                 continue
             try:

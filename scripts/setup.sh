@@ -10,6 +10,8 @@ packages=(
   libcli11-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   doxygen clang-format
+  doxygen-awesome-css libjs-mathjax # the tutorial site's theme and its formulas (docs target)
+  chromium chromium-driver python3-selenium cmark-gfm  # its tests: in a browser, and as GitHub renders it
   python3                           # tools/trace_svg.py, scripts/check-quotes.py
   python3-matplotlib                # tools/bench.py's plots (scripts/bench.sh)
 )

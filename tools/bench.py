@@ -561,9 +561,10 @@ class Render:
         self.d, self.a = d, d.a
         self.device_text = device_text
 
-    def caption(self, command):
-        """The line under every table: its device, date and command (markdown, with backticks)."""
-        return f"*Device: {self.device_text}. Date: {self.d.date}. Command: {command}.*"
+    def caption(self, how, cmd):
+        """The lines under every table: its device, date and command. The command stands in a
+        fenced block, where its quotes stay straight and it can be copied as it is."""
+        return [f"Device: {self.device_text}. Date: {self.d.date}. {how}:", "", *fenced(cmd)]
 
     def stage_section(self, stages, rows, skipped, refused, peak, gemm_cmd, loads):
         a, d = self.a, self.d
@@ -600,8 +601,9 @@ class Render:
             out.append(f"MFU per rank is against a measured peak of **{peak['tflops']:.4f} "
                        f"TFLOP/s** ({kind}): `bench_gemm`'s largest {peak['dtype']} GEMM, "
                        f"`gemm/{a.device}/{peak['dtype']}/{peak['gemm']}` (m={peak['m']} "
-                       f"n={peak['n']} k={peak['k']}), run before the stages "
-                       f"(`{show(gemm_cmd)}`).")
+                       f"n={peak['n']} k={peak['k']}), run before the stages as:")
+            out.append("")
+            out += fenced(gemm_cmd)
         else:
             out.append("MFU per rank: — (no peak was measured: `bench_gemm` did not run, see "
                        "below; no peak is assumed).")
@@ -624,7 +626,7 @@ class Render:
             out.append(md_table(head, [[f(r.get(k)) for k, h, f in COLUMNS if h] for r in table]))
             out.append("")
             example = d.stage_cmd("<stage>", "<N>", config, "<file>")
-            out.append(self.caption(f"`{a.command}`, each point run as `{show(example)}`"))
+            out += self.caption(f"Each point run by `{a.command}` as", example)
             out.append("")
         for line in skipped:
             out.append(f"- left out: {line}")
@@ -655,7 +657,7 @@ class Render:
                             [[g["dtype"], g["gemm"], g["m"], g["n"], g["k"], f"{g['us']:.1f}",
                               f"{g['tflops']:.4f}"] for g in gemm]))
         out.append("")
-        out.append(self.caption(f"`{show(cmd)}` (run by `{a.command}`)"))
+        out += self.caption(f"Run by `{a.command}` as", cmd)
         out.append("")
         out.append(f"#### Chunked GEMM efficiency ({a.device})")
         out.append("")
@@ -677,7 +679,7 @@ class Render:
                             [[dt, g] + [f"{cell[(dt, g, n)]:.3f}" if (dt, g, n) in cell else "—"
                                         for n in ns] for dt, g in keys]))
         out.append("")
-        out.append(self.caption(f"`{show(cmd)}` (run by `{a.command}`)"))
+        out += self.caption(f"Run by `{a.command}` as", cmd)
         out.append("")
         return out
 
@@ -712,9 +714,14 @@ class Render:
                                       f"{r['algbw']:.3f}", f"{r['busbw']:.3f}",
                                       f"**{r['wrong']}**" if r["wrong"] else "0"] for r in rows]))
                 out.append("")
-                out.append(self.caption(f"`{show(cmd)}` (run by `{a.command}`)"))
+                out += self.caption(f"Run by `{a.command}` as", cmd)
                 out.append("")
         return out
+
+
+def fenced(cmd):
+    """A command as a fenced shell block (markdown lines)."""
+    return ["```sh", show(cmd), "```"]
 
 
 def show(cmd):

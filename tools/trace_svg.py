@@ -19,6 +19,10 @@ name ends on the last rank to finish one, e.g. "residual add 2 fwd" for the firs
 All ranks share one time axis: each rank's trace clock starts right after the ranks' start-up
 agreement, so their times are comparable to within that start-up skew.
 
+The SVG's <title> (the name a browser shows for it, and what a screen reader reads) is --title, or
+without one the trace file, the ranks and the step or window drawn; --title also writes it above
+the rows.
+
 Each row's label also gives the rank's exposed communication inside the window, by the definition
 of common/trace.h: the time during which a counted comm or copy span runs and no compute span does.
 
@@ -31,6 +35,7 @@ Python 3 standard library only.
 import argparse
 import json
 import math
+import os
 import sys
 from xml.sax.saxutils import escape
 
@@ -181,7 +186,7 @@ def fmt_ms(v):
     return f"{v:.3f}".rstrip("0").rstrip(".") if v != int(v) else f"{int(v)}"
 
 
-def render_svg(spans, rows, lane_names, rank_names, t0, t1, width, title, exposed):
+def render_svg(spans, rows, lane_names, rank_names, t0, t1, width, title, exposed, name):
     font, char_w = 11, 6.4  # px; char_w: a generous average advance for an 11 px sans-serif
     left, right, top, row_h, gap = 170, 20, 46 if title else 22, 26, 6
     plot_w = width - left - right
@@ -198,6 +203,7 @@ def render_svg(spans, rows, lane_names, rank_names, t0, t1, width, title, expose
         '<?xml version="1.0" encoding="UTF-8"?>',
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif" font-size="{font}">',
+        f'<title>{escape(title or name)}</title>',
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
     ]
     if title:
@@ -405,7 +411,12 @@ def main():
     exposed = {r: exposed_ms(spans, r, t0, t1) for r in ranks}
 
     if a.output:
-        svg = render_svg(spans, rows, lane_names, rank_names, t0, t1, a.width, a.title, exposed)
+        name = (f"{os.path.basename(a.trace)}, rank{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks))}: "
+                + (f"{a.phase or 'all'} of step {a.step}" if a.step is not None
+                   else f"{t0:.3f} .. {t1:.3f} ms"))
+        svg = render_svg(spans, rows, lane_names, rank_names, t0, t1, a.width, a.title, exposed,
+                         name)
         with open(a.output, "w", encoding="utf-8") as f:
             f.write(svg)
     if a.ascii:
