@@ -158,6 +158,9 @@ if has stages; then
     for np in 1 2; do
       check_step "$s.np$np" 300 PASS "${mpi[@]}" -np "$np" "$bin/$s" --device cuda --check "${small[@]}"
     done
+    # The mixed-precision recipe (stage 06's fp8 default already runs inside it).
+    [ "$s" = 06_fp8 ] || check_step "$s.bf16.np2" 300 PASS "${mpi[@]}" -np 2 "$bin/$s" \
+      --device cuda --dtype bf16 --check "${small[@]}"
   done
   check_step 05.bf16.np2 300 PASS "${mpi[@]}" -np 2 "$bin/05_copy_engine_async_tp" --device cuda \
     --dtype bf16 --check

@@ -248,7 +248,7 @@ INSTANTIATE_TEST_SUITE_P(
                       BadInput{"UnknownFlag", "--bogus", {"--bogus"}},
                       BadInput{"NotANumber", "--hidden abc", {"--hidden", "abc"}},
                       BadInput{"UnknownDevice", "--device tpu", {"--device", "tpu"}},
-                      BadInput{"Bf16OnCpu", "--dtype bf16", {"--dtype", "bf16"}}),
+                      BadInput{"UnknownDtype", "--dtype fp16", {"--dtype", "fp16"}}),
     [](const auto& p) { return p.param.name; });
 
 TEST(Stage01Cli, UnwritableDumpDirectory) {
