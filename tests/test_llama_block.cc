@@ -186,12 +186,16 @@ INSTANTIATE_TEST_SUITE_P(flags, LlamaFactorial, testing::ValuesIn(factorial()), 
 /// parallelism —; q, a [S, B, H/N]; k, v [S, B, NKV·D/N]; gate, up, s [S, B, F/N]; the
 /// log-sum-exp [B, NH/N, S]. All fp32, except that stage 06 keeps h and h2 as FP8 (a byte each).
 std::int64_t layer_saved_bytes(const Sizes& z, std::int64_t kv, std::int64_t n, bool sp, bool fp8) {
+  // Stage 06 runs inside the bf16 recipe: its activations take e = 2 bytes (h and h2 are kept as
+  // FP8 codes, 1 byte); the statistics (rstd, lse) stay fp32 everywhere.
+  const std::int64_t e = fp8 ? 2 : kFloat;
   const std::int64_t tokens = z.S * z.B, seq_div = sp ? n : 1;
-  const std::int64_t stream = 2 * tokens * z.H / seq_div + 2 * tokens / seq_div;
+  const std::int64_t stream = e * 2 * tokens * z.H / seq_div + kFloat * 2 * tokens / seq_div;
   const std::int64_t split =
-      (2 * tokens * z.H + 2 * tokens * kv * z.D() + 3 * tokens * z.F + z.B * z.NH * z.S) / n;
+      e * (2 * tokens * z.H + 2 * tokens * kv * z.D() + 3 * tokens * z.F) / n +
+      kFloat * z.B * z.NH * z.S / n;
   const std::int64_t h_h2 = 2 * tokens * z.H / seq_div * (fp8 ? 1 : kFloat);
-  return kFloat * (stream + split) + h_h2;
+  return stream + split + h_h2;
 }
 
 /// Full recompute keeps each layer's input x and, while a block's backward runs, the rest of
@@ -199,7 +203,7 @@ std::int64_t layer_saved_bytes(const Sizes& z, std::int64_t kv, std::int64_t n, 
 std::int64_t saved_bytes(const Sizes& z, std::int64_t kv, std::int64_t n, bool sp, bool recompute,
                          bool fp8 = false) {
   const std::int64_t layer = layer_saved_bytes(z, kv, n, sp, fp8);
-  const std::int64_t x = kFloat * z.S * z.B * z.H / (sp ? n : 1);
+  const std::int64_t x = (fp8 ? 2 : kFloat) * z.S * z.B * z.H / (sp ? n : 1);
   return recompute ? z.L * x + (layer - x) : z.L * layer;
 }
 
@@ -247,10 +251,10 @@ const std::vector<Policy> kPolicies = {{"none", "--recompute none"},
 std::int64_t policy_saved_bytes(const Sizes& z, std::int64_t kv, std::int64_t n, bool sp, bool fp8,
                                 const Policy& p) {
   const std::int64_t layer = layer_saved_bytes(z, kv, n, sp, fp8);
-  const std::int64_t tokens = z.S * z.B / (sp ? n : 1);
-  const std::int64_t x = kFloat * tokens * z.H;
+  const std::int64_t tokens = z.S * z.B / (sp ? n : 1), e = fp8 ? 2 : kFloat;
+  const std::int64_t x = e * tokens * z.H;
   const std::int64_t cheap =
-      2 * tokens * z.H * (fp8 ? 1 : kFloat) + 2 * kFloat * tokens + kFloat * z.S * z.B * z.F / n;
+      2 * tokens * z.H * (fp8 ? 1 : kFloat) + 2 * kFloat * tokens + e * z.S * z.B * z.F / n;
   if (p.selective) return z.L * (layer - cheap) + cheap;
   const std::int64_t r = p.recomputed(z.L);
   return r == 0 ? z.L * layer : (z.L - r) * layer + r * x + (layer - x);
@@ -259,8 +263,8 @@ std::int64_t policy_saved_bytes(const Sizes& z, std::int64_t kv, std::int64_t n,
 /// Bus bytes of one layer's forward collectives on one rank: what a recomputed layer moves again.
 /// 02: two all-reduces of the stream; 03: two all-gathers and two reduce-scatters; 04, 05: those
 /// four as N − 1 ring transfers of one [S/N, B, H] chunk; 06: the two gathers of FP8 codes (a
-/// byte each), the two reduce-scatters and the forward's four MAX all-reduces of k amaxes,
-/// k ∈ {4, 2, 3, 2}.
+/// byte each), the two reduce-scatters (bf16: stage 06 runs inside the bf16 recipe) and the
+/// forward's four MAX all-reduces of k amaxes, k ∈ {4, 2, 3, 2}.
 std::uint64_t forward_bus_bytes(const std::string& s, const Sizes& z, std::int64_t n) {
   const std::int64_t elems = z.S * z.B * z.H, stream = kFloat * elems;
   if (s == "01") return 0;
@@ -269,7 +273,7 @@ std::uint64_t forward_bus_bytes(const std::string& s, const Sizes& z, std::int64
   if (s == "04" || s == "05") return std::uint64_t(4 * (n - 1) * (stream / n));
   std::int64_t amax = 0;
   for (std::int64_t k : {4, 2, 3, 2}) amax += kFloat * k * 2 * (n - 1) / n;
-  return std::uint64_t(2 * (n - 1) * (elems / n) + 2 * (n - 1) * (stream / n) + amax);
+  return std::uint64_t(2 * (n - 1) * (elems / n) + 2 * (n - 1) * (2 * elems / n) + amax);
 }
 
 class RecomputePolicies : public testing::TestWithParam<Case> {};

@@ -113,7 +113,14 @@ TEST(ModelBytesChapters, DefaultConfigNumbers) {
   EXPECT_EQ(pj::comm_bytes(3, c, 4).bus, 3938304u);
   EXPECT_EQ(pj::comm_bytes(4, c, 1).payload, 4096u);  // 04_overlap_ring/README.md
   EXPECT_EQ(pj::comm_bytes(4, c, 2).bus, 2625536u);
-  EXPECT_EQ(pj::comm_bytes(6, c, 2).bus, 1446048u);  // 06_fp8/README.md
+  EXPECT_EQ(pj::comm_bytes(6, c, 2).bus, 921760u);  // 06_fp8/README.md (bf16 reduce-scatters)
+  // The mixed-precision recipe: activations move 2 bytes an element, the norm gains' gradient
+  // all-reduce (2·H·4·2(N−1)/N per layer and gain under sequence parallelism) stays fp32.
+  BlockConfig b = c;
+  b.dtype = DType::bf16;
+  EXPECT_EQ(pj::comm_bytes(2, b, 2).bus, 2097152u / 2);
+  EXPECT_EQ(pj::comm_bytes(3, b, 2).bus, (2625536u - 4096u) / 2 + 4096u);
+  EXPECT_EQ(pj::comm_bytes(5, b, 2).bus, 1314816u);  // what stage 05 --dtype bf16 -np 2 counts
   EXPECT_EQ(pj::comm_bytes(1, c, 1).bus, 0u);
 }
 
@@ -259,6 +266,7 @@ TEST(TpxProject, ValidationErrorsAreWhatItPrints) {
     c.seq = t["config"]["seq"];
     c.batch = t["config"]["batch"];
     c.layers = t["config"]["layers"];
+    c.dtype = parse_dtype(t["config"]["dtype"].get<std::string>());  // bf16: 2-byte activations
     for (const json& row : t["rows"]) {
       const int stage = std::stoi(row.at("stage").get<std::string>().substr(0, 2));
       EXPECT_EQ(row.at("bus_bytes_per_rank").get<std::uint64_t>(),

@@ -162,8 +162,13 @@ bool calibrate(DeviceSpec& device, const std::filesystem::path& bench_gemm_json)
 // 04, 05: those four as ring transfers; 06: two FP8 gathers, two reduce-scatters and the four
 // forward amax all-reduces, k ∈ {4,2,3,2}) is counted twice. GQA changes none of it: the
 // collectives move the [S, B, H] stream, whatever the width of k and v.
+int activation_bytes(int stage, const BlockConfig& c) {
+  return stage == 6 || c.activations() == DType::bf16 ? 2 : 4;
+}
+
 Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes) {
   check(n >= 1, "ranks must be >= 1");
+  if (act_bytes == 0) act_bytes = activation_bytes(stage, c);
   const auto N = static_cast<std::uint64_t>(n);
   const auto L = static_cast<std::uint64_t>(c.layers);
   const auto elems = static_cast<std::uint64_t>(c.seq * c.batch * c.hidden);
@@ -393,7 +398,9 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
 }
 
 Projection project_stage(const DeviceSpec& d, const BlockConfig& c, int n, int stage) {
-  Projection p = project(d, c, n, stage_options(stage));
+  ModelOptions o = stage_options(stage);
+  o.act_bytes = activation_bytes(stage, c);
+  Projection p = project(d, c, n, o);
   p.comm = comm_bytes(stage, c, n);
   return p;
 }

@@ -79,11 +79,16 @@ struct Comm {
 /// The stage's directory and executable name, e.g. "03_sequence_parallel" for 3 ("?" outside 1…6).
 std::string stage_name(int stage);
 
+/// Bytes per element of the activations `stage` stores and communicates under `c`: 2 under the
+/// mixed-precision recipe (--dtype bf16, and stage 06's FP8, which runs inside it), else 4.
+int activation_bytes(int stage, const BlockConfig& c);
+
 /// The bytes per rank and step of `stage` (1 … 6) at N ranks. `act_bytes`: bytes per element of
-/// the communicated activations (the stages keep fp32 activations, so 4 for what they count; a
-/// stack with bf16 activations moves 2). Stage 06 gathers 1-byte codes and all-reduces fp32
-/// amaxes. The formulas of the chapters (0*/README.md); see the comments in projection.cc.
-Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes = 4);
+/// the communicated activations (0: activation_bytes(stage, c), what the stage counts). Stage 06
+/// gathers 1-byte codes and all-reduces fp32 amaxes; weight-gradient reductions (the norm gains'
+/// all-reduce) are fp32 in every recipe. The formulas of the chapters (0*/README.md); see the
+/// comments in projection.cc.
+Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes = 0);
 
 /// How the communication is scheduled against the GEMMs.
 enum class Schedule { none, all_reduce, bulk, ring, copy_engine };
