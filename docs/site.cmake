@@ -1,5 +1,6 @@
 # Builds the tutorial site into OUT/html (run by the docs target and the ctest entry `docs`):
-#   cmake -DDOXYGEN=... -DPYTHON=... -DSOURCE=<repo> -DOUT=<build>/docs -DMATHJAX=<dir> -P site.cmake
+#   cmake -DDOXYGEN=... -DPYTHON=... -DSOURCE=<repo> -DOUT=<build>/docs -DMATHJAX=<dir>
+#         [-DBUILD=<build>] -P site.cmake
 # The sidebar tree comes from docs/toc.txt (docs/site.py layout); Doxygen then writes html/, and
 # what the pages load besides Doxygen's own files is copied in, so html/ is the whole site.
 function(run)
@@ -17,6 +18,11 @@ run(${DOXYGEN} ${OUT}/Doxyfile)
 # The chapters' figures and the benchmark CSVs, where docs/site.py points the pages at them.
 file(COPY ${SOURCE}/docs/figures/ DESTINATION ${OUT}/html/figures)
 file(COPY ${SOURCE}/docs/benchmarks/ DESTINATION ${OUT}/html/benchmarks)
+# The figures drawn from runs (timelines, the signal protocol, the loss plot) are made again from
+# this build's programs, replacing the committed copies in html/ (scripts/chapter-figures.py).
+if(BUILD AND EXISTS ${BUILD}/bin/06_fp8)
+  run(${PYTHON} ${SOURCE}/scripts/chapter-figures.py --build ${BUILD} --out ${OUT}/html/figures)
+endif()
 
 # The part of MathJax 2 that TeX input and HTML-CSS output with the TeX fonts load (~2 MB of 54).
 set(mj ${OUT}/html/mathjax)
@@ -30,3 +36,7 @@ file(COPY ${MATHJAX}/jax/output/HTML-CSS/fonts/TeX DESTINATION ${mj}/jax/output/
 file(COPY ${MATHJAX}/fonts/HTML-CSS/TeX/woff ${MATHJAX}/fonts/HTML-CSS/TeX/otf
      DESTINATION ${mj}/fonts/HTML-CSS/TeX)
 file(COPY ${MATHJAX}/localization/en DESTINATION ${mj}/localization)
+
+# Last, the site's own check: no relative link or image leads nowhere, and the front page's diffs
+# table renders as a table.
+run(${PYTHON} ${SOURCE}/docs/site.py check ${OUT}/html)

@@ -5,6 +5,10 @@
                            order of docs/toc.txt, then the API reference.
   site.py filter FILE.md   Doxygen's input filter for markdown (FILTER_PATTERNS): prints FILE as
                            the site reads it.
+  site.py check HTML_DIR   the built site's own check (the docs target runs it last): every
+                           relative href and src of every page leads to a file of the site, and
+                           the front page's table of per-stage diffs is a table with one row of
+                           three cells per stage 02 to 06. Exits 1, naming each problem.
 
 The filter changes only what must differ between the repository, as GitHub shows it, and the
 site, whose pages all lie in one flat html/ directory served on its own:
@@ -25,6 +29,7 @@ import html
 import pathlib
 import re
 import sys
+import urllib.parse
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOC = ROOT / "docs" / "toc.txt"
@@ -161,11 +166,45 @@ def filtered(md):
     return out + pager(md)
 
 
+def check(html_dir):
+    """Dead relative links in the built site, and the front page's diffs table (see the usage)."""
+    html_dir = pathlib.Path(html_dir)
+    problems = []
+    ref = re.compile(r'\b(?:href|src)="([^"]*)"')
+    for page in sorted(html_dir.glob("*.html")):
+        for target in ref.findall(page.read_text(encoding="utf-8", errors="replace")):
+            target = html.unescape(target)
+            if not target or target.startswith("#") or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) \
+                    or target.startswith("//"):
+                continue  # an anchor on the page, or another scheme (https:, mailto:, data:, ...)
+            path = urllib.parse.unquote(target.split("#", 1)[0].split("?", 1)[0])
+            if path and not (page.parent / path).exists():
+                problems.append(f"{page.name}: link to {target}, which is not in the site")
+    front = (html_dir / "index.html").read_text(encoding="utf-8", errors="replace")
+    start = front.find("diffs that show each idea")
+    table = re.search(r"<table[^>]*>(.*?)</table>", front[start:], re.S) if start >= 0 else None
+    if not table:
+        problems.append("index.html: no table after 'diffs that show each idea'")
+    else:
+        rows = re.findall(r"<tr[^>]*>(.*?)</tr>", table.group(1), re.S)[1:]
+        cells = [re.findall(r"<td[^>]*>(.*?)</td>", r, re.S) for r in rows]
+        stages = [re.sub(r"<[^>]+>", "", c[0]).strip() for c in cells if c]
+        if stages != ["02", "03", "04", "05", "06"] or any(len(c) != 3 for c in cells):
+            problems.append(f"index.html: the diffs table renders as {len(rows)} rows with "
+                            f"{[len(c) for c in cells]} cells, stages {stages}: a cell's markup "
+                            "broke it")
+    for p in problems:
+        print(f"site check: {p}")
+    return 1 if problems else 0
+
+
 def main(argv):
     if len(argv) == 2 and argv[0] == "layout":
         layout(argv[1])
     elif len(argv) == 2 and argv[0] == "filter":
         sys.stdout.write("\n".join(filtered(pathlib.Path(argv[1]).resolve())) + "\n")
+    elif len(argv) == 2 and argv[0] == "check":
+        sys.exit(check(argv[1]))
     else:
         sys.exit(__doc__)
 

@@ -27,7 +27,7 @@ def ticks(lo, hi, n=5):
     return [lo + (hi - lo) * i / (n - 1) for i in range(n)]
 
 
-def panel(out, top, height, series, lo, hi, steps, fmt, ylabel):
+def panel(out, top, height, series, lo, hi, steps, fmt, ylabel, caption=""):
     x = lambda i: LEFT + (W - LEFT - RIGHT) * i / max(steps - 1, 1)
     y = lambda v: top + height - height * (v - lo) / ((hi - lo) or 1)
     out.append(f'<rect x="{LEFT}" y="{top}" width="{W - LEFT - RIGHT}" height="{height}" '
@@ -35,8 +35,11 @@ def panel(out, top, height, series, lo, hi, steps, fmt, ylabel):
     for v in ticks(lo, hi):
         out.append(f'<line x1="{LEFT - 4}" x2="{LEFT}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#999"/>')
         out.append(f'<text x="{LEFT - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{fmt(v)}</text>')
+    # A short vertical label fits beside any panel; a longer one goes above it, horizontally.
     out.append(f'<text x="16" y="{top + height / 2}" transform="rotate(-90 16 {top + height / 2})" '
                f'text-anchor="middle">{escape(ylabel)}</text>')
+    if caption:
+        out.append(f'<text x="{LEFT}" y="{top - 8}">{escape(caption)}</text>')
     for k, (label, values) in enumerate(series):
         points = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(values))
         dash = ' stroke-dasharray="6 3"' if k > 0 else ""
@@ -60,6 +63,7 @@ def main():
 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
            'font-family="sans-serif" font-size="12">',
+           f'<title>{escape(a.title)}</title>',
            f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="14">{escape(a.title)}</text>']
     lo = min(min(v) for _, v in runs)
@@ -67,7 +71,7 @@ def main():
     panel(out, TOP1, H1, runs, lo, hi, steps, lambda v: f"{v:.4f}", "loss")
     worst = max((abs(d) for _, v in diffs for d in v), default=0) or 1e-9
     panel(out, TOP2, H2, [("", [0] * steps)] + diffs, -worst, worst, steps, lambda v: f"{v:+.1e}",
-          "relative to " + runs[0][0])
+          "rel. diff.", "relative difference from " + runs[0][0] + ", step by step")
     out.append(f'<text x="{W / 2}" y="{H - 8}" text-anchor="middle">SGD step</text>')
     for k, (label, _) in enumerate(runs):
         out.append(f'<line x1="{W - 250}" x2="{W - 220}" y1="{TOP1 + 18 + 18 * k}" '
