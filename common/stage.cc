@@ -141,7 +141,7 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
                           [](const MemoryTerm& t) { return t.name == kSnapshotTerm; }))
     fmt::print("(the snapshot is host memory beside the step's tensors: peak MB leaves it out)\n");
   fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>10} {:>14} {:>14} {:>10}", "step", "loss",
-             "grad norm", "step ms", "exposed ms", "comm B/rank", "bus B/rank", "peak MB");
+             "grad norm", "step ms", "exposed ms", "payload B/rank", "bus B/rank", "peak MB");
   if (speed.gpu()) fmt::print(" {:>8} {:>6} {:>8}", "TFLOP/s", "MFU %", "resv MB");
   if (c.recompute == Recompute::full) fmt::print(" {:>16}", "recompute bus B");
   fmt::print("\n");

@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
                                          "loss last",
                                          "step ms",
                                          "exposed comm ms",
-                                         "comm B/rank",
+                                         "payload B/rank",
                                          "bus B/rank",
                                          "peak MiB",
                                          "saved act MiB/rank",
