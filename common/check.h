@@ -1,6 +1,6 @@
 // Error reporting for tpx: every failure names the file, line, host and rank that raised it.
 //
-// defines: tpx::Error, tpx::fail(), TPX_CHECK, TPX_MPI_CHECK
+// defines: tpx::Error, tpx::ConfigError, tpx::fail(), TPX_CHECK, TPX_MPI_CHECK
 #pragma once
 
 #include <source_location>
@@ -16,6 +16,13 @@ namespace tpx {
 class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+/// A config error every rank sees identically: printed by each, no abort needed. Below the
+/// stages and the communicators alike: either may find one.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
 };
 
 /// "host:rank" of the calling process ("host" before MPI is initialised).

@@ -190,7 +190,7 @@ class PullReduceScatter final : public ChunkReduceScatter {
 CopyEngineTransport::CopyEngineTransport(int rank, int world, Device device,
                                          const SymmetricOptions& options, Trace& trace)
     : rank_(rank), world_(world), device_(device), options_(options), trace_(trace) {
-  symmetric::require_one_node();  // the one-line error comes before any training work
+  symmetric::require_one_node(options.group);  // the one-line error comes before any training work
 }
 
 CopyEngineTransport::CopyEngineTransport(int rank, int world, Device device,

@@ -36,12 +36,6 @@ struct StageDefinition {
   double rtol = 1e-5;
 };
 
-/// A config error every rank sees identically: printed by each, no abort needed.
-class ConfigError : public Error {
- public:
-  using Error::Error;
-};
-
 /// Steps the --check compares losses for: losses after 0..3 SGD updates (fewer if --steps is
 /// smaller).
 inline constexpr int kCheckSteps = 4;

@@ -11,7 +11,6 @@
 
 #include "check.h"
 #include "comm/watchdog.h"
-#include "stage.h"
 
 #if TPX_WITH_CUDA
 #include "cuda/symmetric_memory.h"
@@ -158,27 +157,27 @@ void SymmetricMemory::wait_failed(std::uint64_t seq, const std::string& why) {
 
 namespace symmetric {
 
-void require_one_node() {
-  int world = 1, node = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
+void require_one_node(const RankGroup& group) {
+  const int world = group.size();
+  int node = 1;
   MPI_Comm shared = MPI_COMM_NULL;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shared);
+  MPI_Comm_split_type(group.comm(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shared);
   MPI_Comm_size(shared, &node);
   MPI_Comm_free(&shared);
   // Every rank decides on the same facts: a rank alone on its node still learns that others are
   // elsewhere, because all take the minimum.
   int smallest = node;
-  MPI_Allreduce(&node, &smallest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(&node, &smallest, 1, MPI_INT, MPI_MIN, group.comm());
   if (smallest != world)
     throw ConfigError(fmt::format(
-        "symmetric memory needs every rank on one node: the {} ranks span several nodes (the "
+        "symmetric memory needs every rank{} on one node: the {} ranks span several nodes (the "
         "smallest node group has {}); use stage 04 across nodes",
-        world, smallest));
+        group.is_world() ? "" : " of " + group.name(), world, smallest));
 }
 
-bool all_ok(bool ok) {
+bool all_ok(bool ok, const RankGroup& group) {
   int mine = ok ? 1 : 0, all = 0;
-  MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, group.comm());
   return all == 1;
 }
 
@@ -194,13 +193,13 @@ class CpuSymmetricMemory final : public SymmetricMemory {
                      Trace& trace)
       : SymmetricMemory(rank, world, Device::cpu, bytes, o, trace),
         stride_((bytes + kPadLine - 1) / kPadLine * kPadLine) {
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node_);
+    MPI_Comm_split_type(o.group.comm(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node_);
     // Every rank's segment is contiguous with the others' by default; each is buffer + pad. The
     // window's memory starts zeroed here, so every counter starts at generation 0.
     const auto mine = static_cast<MPI_Aint>(stride_ + pad_bytes(world));
     void* base = nullptr;
     const int rc = MPI_Win_allocate_shared(mine, 1, MPI_INFO_NULL, node_, &base, &win_);
-    if (!symmetric::all_ok(rc == MPI_SUCCESS)) {
+    if (!symmetric::all_ok(rc == MPI_SUCCESS, o.group)) {
       if (rc == MPI_SUCCESS) MPI_Win_free(&win_);
       MPI_Comm_free(&node_);
       throw ConfigError(fmt::format(
@@ -302,10 +301,8 @@ class CpuSymmetricMemory final : public SymmetricMemory {
 
 std::unique_ptr<SymmetricMemory> make_symmetric_memory(Device device, std::size_t bytes,
                                                        const SymmetricOptions& o, Trace& trace) {
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  symmetric::require_one_node();
+  const int rank = o.group.rank(), world = o.group.size();
+  symmetric::require_one_node(o.group);
   if (device == Device::cpu)
     return std::make_unique<CpuSymmetricMemory>(rank, world, bytes, o, trace);
 #if TPX_WITH_CUDA

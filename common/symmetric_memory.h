@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "comm/flight_recorder.h"
+#include "comm/group.h"
 #include "parallel.h"
 #include "stream.h"
 #include "tensor.h"
@@ -75,6 +76,8 @@ struct SymmetricOptions {
   /// stream (cpu), so that the protocol, not lucky timing, keeps reads consistent.
   int delay_us = 0;
   std::uint64_t delay_seed = 1;
+  /// The ranks that share the memory (the whole job, or a mesh's TP group); all on one node.
+  RankGroup group;
 };
 
 /// Byte layout of the pad that follows each rank's buffer: one counter per (signal, peer), each
@@ -183,12 +186,12 @@ class SymmetricMemory {
 std::unique_ptr<SymmetricMemory> make_symmetric_memory(Device device, std::size_t bytes,
                                                        const SymmetricOptions& o, Trace& trace);
 
-// Helpers the backends share (collective over MPI_COMM_WORLD).
+// Helpers the backends share (collective over `group`).
 namespace symmetric {
-/// Throws ConfigError (same line on every rank) unless every rank runs on this node.
-void require_one_node();
-/// True on every rank iff `ok` is true on every rank.
-bool all_ok(bool ok);
+/// Throws ConfigError (same line on every rank) unless every rank of `group` runs on this node.
+void require_one_node(const RankGroup& group = RankGroup());
+/// True on every rank of `group` iff `ok` is true on every one of them.
+bool all_ok(bool ok, const RankGroup& group = RankGroup());
 }  // namespace symmetric
 
 }  // namespace tpx

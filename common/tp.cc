@@ -49,7 +49,8 @@ TpGroup::TpGroup(const RunContext& ctx)
                  .fault_rank = ctx.options.comm.signal_fault_rank,
                  .fault_signal = ctx.options.comm.signal_fault,
                  .delay_us = ctx.options.comm.copy_delay_us,
-                 .delay_seed = ctx.options.config.seed} {
+                 .delay_seed = ctx.options.config.seed,
+                 .group = ctx.options.comm.group} {
   TPX_CHECK(comm_->rank() == rank_ && comm_->size() == world_,
             "communicator is rank {} of {}, the job says {} of {}", comm_->rank(), comm_->size(),
             rank_, world_);

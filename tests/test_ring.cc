@@ -66,7 +66,8 @@ class Ring : public ::testing::TestWithParam<ChunkMover> {
                                                                           .fault_rank = -1,
                                                                           .fault_signal = -1,
                                                                           .delay_us = 0,
-                                                                          .delay_seed = 1},
+                                                                          .delay_seed = 1,
+                                                                          .group = {}},
                                                          trace_);
   }
   bool p2p() const { return GetParam() == ChunkMover::send_recv; }

@@ -31,7 +31,8 @@ class Symmetric : public ::testing::Test {
                              .fault_rank = -1,
                              .fault_signal = -1,
                              .delay_us = delay_us,
-                             .delay_seed = 7};
+                             .delay_seed = 7,
+                             .group = {}};
     return make_symmetric_memory(Device::cpu, bytes, o, Trace::off());
   }
   int r_ = 0, n_ = 1;

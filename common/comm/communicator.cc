@@ -11,7 +11,6 @@
 
 #include "backends.h"
 #include "common/check.h"
-#include "common/stage.h"  // ConfigError: a one-line error every rank prints alike
 #include "watchdog.h"
 
 namespace tpx {
@@ -48,7 +47,8 @@ double Communicator::timeout() const {
 
 void Communicator::start_watchdog(std::function<std::string()> poll) {
   if (Watchdog::supported())
-    watchdog_ = std::make_unique<Watchdog>(recorder_, options_.timeout_s, std::move(poll));
+    watchdog_ =
+        std::make_unique<Watchdog>(recorder_, options_.timeout_s, std::move(poll), options_.group);
 }
 
 void Communicator::shutdown() {
@@ -249,17 +249,16 @@ std::optional<std::pair<int, int>> find_shared_device(const std::vector<std::str
 namespace {
 
 #if TPX_WITH_NCCL
-/// Every rank's local_gpu_identity(), gathered over MPI_COMM_WORLD (collective).
-std::vector<std::string> gather_gpu_identities() {
+/// Every rank's local_gpu_identity(), gathered over `group` (collective over it).
+std::vector<std::string> gather_gpu_identities(const RankGroup& group) {
   constexpr int kLen = 512;
   std::array<char, kLen> mine{};
   const std::string id = local_gpu_identity();
   id.copy(mine.data(), kLen - 1);
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  const int n = group.size();
   std::vector<char> all(static_cast<std::size_t>(n) * kLen);
   TPX_MPI_CHECK(
-      MPI_Allgather(mine.data(), kLen, MPI_CHAR, all.data(), kLen, MPI_CHAR, MPI_COMM_WORLD));
+      MPI_Allgather(mine.data(), kLen, MPI_CHAR, all.data(), kLen, MPI_CHAR, group.comm()));
   std::vector<std::string> ids;
   for (int r = 0; r < n; ++r) ids.emplace_back(all.data() + std::size_t(r) * kLen);
   return ids;
@@ -285,7 +284,7 @@ std::unique_ptr<Communicator> make_communicator(const CommOptions& o, Device dev
 #else
   if (o.kind == CommKind::mpi) return make_mpi_communicator(o, "mpi (host-staged)");
   // NCCL refuses two ranks on one GPU; find out before it is ever initialised.
-  const std::vector<std::string> ids = gather_gpu_identities();
+  const std::vector<std::string> ids = gather_gpu_identities(o.group);
   if (const auto shared = find_shared_device(ids)) {
     const auto [a, b] = *shared;
     if (o.kind == CommKind::nccl)
@@ -316,11 +315,11 @@ std::unique_ptr<ZeroCtaComm> make_zero_cta_comm(const CommOptions& o, Device dev
     throw ConfigError(fmt::format("{} needs NCCL >= 2.28; this build's is {}", flag,
                                   version(nccl_version(/*built=*/true))));
   int oldest = nccl_version();  // the ranks may load different libraries: the oldest decides
-  TPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &oldest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  TPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &oldest, 1, MPI_INT, MPI_MIN, o.group.comm()));
   if (oldest < kZeroCta)
     throw ConfigError(
         fmt::format("{} needs NCCL >= 2.28 on every rank; found {}", flag, version(oldest)));
-  const std::vector<std::string> ids = gather_gpu_identities();
+  const std::vector<std::string> ids = gather_gpu_identities(o.group);
   if (const auto shared = find_shared_device(ids)) {
     const auto [a, b] = *shared;
     throw ConfigError(fmt::format(

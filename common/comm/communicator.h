@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "common/comm/flight_recorder.h"
+#include "common/comm/group.h"
 #include "common/parallel.h"
 #include "common/stream.h"
 #include "common/tensor.h"
@@ -59,6 +60,9 @@ const char* to_string(CommKind k);
 /// --fault-skip-collective RANK:SEQ).
 struct CommOptions {
   CommKind kind = CommKind::automatic;
+  /// The ranks the communicator spans (the whole job unless a mesh splits it); every message
+  /// about a peer names it in the group's terms (RankGroup::describe_rank).
+  RankGroup group;
   /// Seconds an op may take before the watchdog dumps every rank's recent ops and aborts.
   double timeout_s = 60.0;
   /// Fault injection for tests: rank `fault_rank` silently skips its op number `fault_seq`

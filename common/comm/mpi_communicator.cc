@@ -1,7 +1,7 @@
 // The MPI backend: collectives and point-to-point transfers on host memory over a duplicate of
-// MPI_COMM_WORLD. Tensors on a cuda device are staged: the caller's stream is drained, the data
-// is copied into a host buffer, moved by MPI and copied back (the path for several ranks sharing
-// one GPU, where NCCL cannot run).
+// the group's communicator (MPI_COMM_WORLD unless a mesh splits the job). Tensors on a cuda device
+// are staged: the caller's stream is drained, the data is copied into a host buffer, moved by MPI
+// and copied back (the path for several ranks sharing one GPU, where NCCL cannot run).
 //
 // The calls block the calling thread; the watchdog thread (watchdog.h) watches each one against
 // the timeout and aborts the job with a diagnosis if it hangs. MPI errors come back as codes
@@ -185,7 +185,7 @@ class MpiCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_mpi_communicator(const CommOptions& o, std::string name) {
   MPI_Comm comm = MPI_COMM_NULL;
-  TPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
+  TPX_MPI_CHECK(MPI_Comm_dup(o.group.comm(), &comm));
   TPX_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
   int rank = 0, size = 1;
   MPI_Comm_rank(comm, &rank);

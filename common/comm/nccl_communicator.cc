@@ -64,7 +64,7 @@ class NcclCommunicator final : public Communicator {
       : Communicator(rank, size, o), stream_(Stream::create(Device::cuda)), zero_cta_(zero_cta) {
     ncclUniqueId id{};
     if (rank == 0) TPX_NCCL_CHECK(ncclGetUniqueId(&id));
-    TPX_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
+    TPX_MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, o.group.comm()));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
     if (zero_cta) {
@@ -324,18 +324,12 @@ int nccl_version(bool built) {
 
 std::unique_ptr<ZeroCtaComm> make_nccl_zero_cta_comm(const CommOptions& o) {
   cuda::ensure_initialized();
-  int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return std::make_unique<NcclZeroCtaComm>(rank, size, o);
+  return std::make_unique<NcclZeroCtaComm>(o.group.rank(), o.group.size(), o);
 }
 
 std::unique_ptr<Communicator> make_nccl_communicator(const CommOptions& o) {
   cuda::ensure_initialized();
-  int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return std::make_unique<NcclCommunicator>(rank, size, o);
+  return std::make_unique<NcclCommunicator>(o.group.rank(), o.group.size(), o);
 }
 
 std::string local_gpu_identity() {

@@ -48,14 +48,30 @@ bool Watchdog::supported() {
   return provided == MPI_THREAD_MULTIPLE;
 }
 
-Watchdog::Watchdog(const FlightRecorder& recorder, double timeout_s, Poll poll)
-    : recorder_(recorder),
+namespace {
+
+/// How every line of a group's watchdog starts: the whole job's ranks need no words; a group's
+/// are its own numbers, so the line names the group and the job ranks they stand for.
+std::string watchdog_prefix(const RankGroup& g) {
+  if (g.is_world()) return "tpx: comm watchdog";
+  std::string ranks;
+  for (int r = 0; r < g.size(); ++r) ranks += fmt::format("{}{}", r ? "," : "", g.world_rank_of(r));
+  return fmt::format("tpx: comm watchdog ({}: its ranks 0..{} are job ranks {})", g.name(),
+                     g.size() - 1, ranks);
+}
+
+}  // namespace
+
+Watchdog::Watchdog(const FlightRecorder& recorder, double timeout_s, Poll poll,
+                   const RankGroup& group)
+    : prefix_(watchdog_prefix(group)),
+      recorder_(recorder),
       timeout_s_(timeout_s),
       grace_s_(std::clamp(timeout_s, 1.0, 5.0)),
       poll_(std::move(poll)) {
   TPX_CHECK(timeout_s > 0, "the comm timeout must be positive (got {})", timeout_s);
   TPX_CHECK(supported(), "the comm watchdog needs MPI_THREAD_MULTIPLE");
-  TPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+  TPX_MPI_CHECK(MPI_Comm_dup(group.comm(), &comm_));
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   TPX_MPI_CHECK(
@@ -90,7 +106,7 @@ void Watchdog::fail_op(std::uint64_t seq, const std::string& why) {
   cv_.notify_all();
   // The watchdog thread diagnoses and ends the job; should that not happen, end it from here.
   std::this_thread::sleep_for(std::chrono::duration<double>(2 * grace_s_ + 10.0));
-  abort_job(fmt::format("tpx: comm watchdog: rank {}: op #{} failed: {}", rank_, seq, why));
+  abort_job(fmt::format("{}: rank {}: op #{} failed: {}", prefix_, rank_, seq, why));
 }
 
 void Watchdog::pause() {
@@ -128,7 +144,7 @@ void Watchdog::run() {
       pause();
     }
   } catch (const std::exception& e) {
-    abort_job(fmt::format("tpx: comm watchdog: rank {}: internal error: {}", rank_, e.what()));
+    abort_job(fmt::format("{}: rank {}: internal error: {}", prefix_, rank_, e.what()));
   }
 }
 
@@ -165,9 +181,9 @@ void Watchdog::reply_to(int requester) {
   role_.compare_exchange_strong(expected, static_cast<int>(Role::passive));
   if (!printed_.exchange(true))
     print_own_ops(
-        fmt::format("tpx: comm watchdog: rank {} last ops (asked by rank {}, which "
+        fmt::format("{}: rank {} last ops (asked by rank {}, which "
                     "reports a stuck op):",
-                    rank_, requester));
+                    prefix_, rank_, requester));
   const auto ops = recorder_.snapshot();
   const ReplyHeader h{rank_, role_.load(), recorder_.next_seq(), ops.size()};
   std::vector<char> buf(sizeof h + ops.size() * sizeof(OpRecord));
@@ -195,9 +211,9 @@ void Watchdog::report(const OpRecord& op, const std::string& what) {
   int expected = static_cast<int>(Role::watching);
   if (!role_.compare_exchange_strong(expected, static_cast<int>(Role::reporting))) {
     // Another rank already asked for our records and is diagnosing; it ends the job.
-    wait_to_be_killed(grace_s_ + 10.0, "tpx: comm watchdog: " + op_words);
+    wait_to_be_killed(grace_s_ + 10.0, prefix_ + ": " + op_words);
   }
-  print_own_ops(fmt::format("tpx: comm watchdog: {}; rank {} last ops:", op_words, rank_));
+  print_own_ops(fmt::format("{}: {}; rank {} last ops:", prefix_, op_words, rank_));
 
   // Ask every other rank for its records; wait for the answers until the grace deadline.
   const std::size_t max_bytes = sizeof(ReplyHeader) + recorder_.capacity() * sizeof(OpRecord);
@@ -259,7 +275,7 @@ void Watchdog::report(const OpRecord& op, const std::string& what) {
   }
 
   const Disagreement d = find_disagreement(ranks);
-  std::string line = "tpx: comm watchdog: " + op_words + "; ";
+  std::string line = prefix_ + ": " + op_words + "; ";
   if (d.seq)
     line += fmt::format("ranks disagree first at seq {}: {}", *d.seq, d.detail);
   else

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "flight_recorder.h"
+#include "group.h"
 
 namespace tpx {
 
@@ -40,8 +41,10 @@ class Watchdog {
   /// few milliseconds. Returns a non-empty description if the backend has failed.
   using Poll = std::function<std::string()>;
 
-  /// Starts watching. Collective over MPI_COMM_WORLD (it duplicates it for its own messages).
-  Watchdog(const FlightRecorder& recorder, double timeout_s, Poll poll = {});
+  /// Starts watching. Collective over `group` (it duplicates the group's communicator for its
+  /// own messages); a group's messages name it and its ranks' job ranks.
+  Watchdog(const FlightRecorder& recorder, double timeout_s, Poll poll = {},
+           const RankGroup& group = RankGroup());
   /// Stops the thread (no collective).
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
@@ -78,6 +81,7 @@ class Watchdog {
   void print_own_ops(const std::string& headline);
   void pause();
 
+  const std::string prefix_;  // "tpx: comm watchdog", and the group's name when it is one
   const FlightRecorder& recorder_;
   const double timeout_s_;
   const double grace_s_;  // how long a reporter waits for the other ranks' records

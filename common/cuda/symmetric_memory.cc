@@ -56,7 +56,6 @@
 #include <fmt/format.h>
 
 #include "check.h"
-#include "common/stage.h"
 #include "device.h"
 
 namespace tpx::cuda {
@@ -188,10 +187,10 @@ class CudaSymmetricMemory final : public SymmetricMemory {
     // 2. Every rank's GPU and handle; open every peer's block.
     std::vector<char> buses(static_cast<std::size_t>(world) * kBusIdBytes);
     TPX_MPI_CHECK(MPI_Allgather(bus, static_cast<int>(kBusIdBytes), MPI_CHAR, buses.data(),
-                                static_cast<int>(kBusIdBytes), MPI_CHAR, MPI_COMM_WORLD));
+                                static_cast<int>(kBusIdBytes), MPI_CHAR, options_.group.comm()));
     std::vector<cudaIpcMemHandle_t> handles(static_cast<std::size_t>(world));
     TPX_MPI_CHECK(MPI_Allgather(&handle, static_cast<int>(sizeof handle), MPI_BYTE, handles.data(),
-                                static_cast<int>(sizeof handle), MPI_BYTE, MPI_COMM_WORLD));
+                                static_cast<int>(sizeof handle), MPI_BYTE, options_.group.comm()));
     for (int p = 0; p < world && why.empty(); ++p) {
       if (p == rank) continue;
       const char* peer_bus = buses.data() + static_cast<std::size_t>(p) * kBusIdBytes;
@@ -212,7 +211,7 @@ class CudaSymmetricMemory final : public SymmetricMemory {
     if (std::uncaught_exceptions() == 0) {
       if (const cudaError_t rc = cudaDeviceSynchronize(); rc != cudaSuccess)
         warn("cudaDeviceSynchronize", rc);
-      MPI_Barrier(MPI_COMM_WORLD);
+      MPI_Barrier(options_.group.comm());
     }
     release();
   }
@@ -260,7 +259,7 @@ class CudaSymmetricMemory final : public SymmetricMemory {
 
   void do_barrier() override {
     TPX_CUDA_CHECK(cudaDeviceSynchronize());
-    TPX_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+    TPX_MPI_CHECK(MPI_Barrier(options_.group.comm()));
   }
 
  private:
@@ -366,13 +365,13 @@ class CudaSymmetricMemory final : public SymmetricMemory {
   /// Collective: returns when every rank's `why` is empty. Otherwise every rank releases what it
   /// holds and throws ConfigError with the first reason in rank order (the same line everywhere).
   void agree(const std::string& why) {
-    if (symmetric::all_ok(why.empty())) return;
+    if (symmetric::all_ok(why.empty(), options_.group)) return;
     release();
     std::array<char, kReasonBytes> mine{};
     std::copy_n(why.data(), std::min(why.size(), kReasonBytes - 1), mine.data());
     std::vector<char> all(static_cast<std::size_t>(world()) * kReasonBytes);
     TPX_MPI_CHECK(MPI_Allgather(mine.data(), static_cast<int>(kReasonBytes), MPI_CHAR, all.data(),
-                                static_cast<int>(kReasonBytes), MPI_CHAR, MPI_COMM_WORLD));
+                                static_cast<int>(kReasonBytes), MPI_CHAR, options_.group.comm()));
     for (int r = 0; r < world(); ++r) {
       const char* reason = all.data() + static_cast<std::size_t>(r) * kReasonBytes;
       if (reason[0] != '\0') throw ConfigError(c_string(reason, kReasonBytes));
