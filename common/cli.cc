@@ -209,6 +209,14 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
              "each copy-lane pull and signal first waits a random 0..US microseconds")
       ->type_name("US")
       ->group("");
+  // Only a mesh stage has a data-parallel dimension; elsewhere --dp is an unknown flag.
+  if (info.mesh)
+    add_number(app, "--dp", o.dp,
+               "data-parallel degree D: the ranks form a D × TP mesh (TP = ranks / D, TP "
+               "innermost); weights, gradients and optimizer state are sharded over D; "
+               "when not given, 2 if the ranks are even and at least 4, else 1")
+        ->type_name("D")
+        ->group("Mesh");
   // Only a copy-engine stage has a choice of all-gather; elsewhere the flag does not exist.
   std::string all_gather = to_string(o.all_gather);
   if (info.copy_engine)
@@ -303,9 +311,15 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--fault-skip-signal", fmt::format("{}:{}", o.comm.signal_fault_rank, o.comm.signal_fault)},
       {"--fault-copy-delay-us", fmt::format("{}", o.comm.copy_delay_us)},
       {"--all-gather", to_string(o.all_gather)},
+      {"--dp", fmt::format("{}", o.dp)},
       {"--check", o.check ? "given" : "not given"},
       {"--dump", given(o.dump_dir)},
       {"--trace", given(o.trace_path)}};
+}
+
+int default_dp(int dp, int world) {
+  if (dp != 0) return dp;
+  return world >= 4 && world % 2 == 0 ? 2 : 1;
 }
 
 }  // namespace tpx

@@ -23,6 +23,8 @@ struct StageInfo {
   bool copy_engine = false;
   /// Runs the linear layers in FP8 (stage 06): offers --dtype fp8, its default.
   bool fp8 = false;
+  /// Lays the ranks out as a DP × TP mesh (stage 07): offers --dp.
+  bool mesh = false;
 };
 
 /// What runs a copy-engine stage's all-gathers (--all-gather).
@@ -41,7 +43,14 @@ struct StageOptions {
   std::string trace_path;  ///< empty: no trace
   CommOptions comm;        ///< --comm, --comm-timeout, --fault-skip-collective
   AllGatherPath all_gather = AllGatherPath::pulls;  ///< --all-gather (copy-engine stages)
+  /// --dp D (mesh stages): the data-parallel degree; 0 = the default, 2 when the job has an even
+  /// number of ranks, at least 4, else 1 (default_dp()).
+  int dp = 0;
 };
+
+/// The data-parallel degree a mesh stage runs with on `world` ranks when --dp is `dp` (0: not
+/// given).
+int default_dp(int dp, int world);
 
 /// Either options to run with, or a message to print and an exit code (help: 0, error: 2).
 struct CliOutcome {

@@ -33,6 +33,10 @@ struct CommStats {
   std::uint64_t payload_bytes = 0;
   std::uint64_t bus_bytes = 0;
   std::uint64_t calls = 0;
+  /// The part of the above that crossed the data-parallel group (stage 07's weight gathers and
+  /// gradient reduce-scatters); 0 elsewhere.
+  std::uint64_t dp_payload_bytes = 0;
+  std::uint64_t dp_bus_bytes = 0;
 };
 
 /// A new [rows..., out] tensor for the output of x [rows..., in] times a weight [in, out].
@@ -70,6 +74,33 @@ class Parallelism {
   /// dw = aᵀ · g_backward(dy) (written), returns da = g_backward(dy) · wᵀ.
   virtual Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                               std::string_view role) = 0;
+
+  // --- parameters sharded over a data-parallel group (stage 07's FSDP; identity elsewhere) ------
+  // The trainer keeps what these hooks are given (Model: the parameters, gradients and optimizer
+  // state this rank owns) and asks, layer by layer, for what the block computes with.
+
+  /// After the model is built (TP shards of every parameter, this rank's part of the input and
+  /// target): keep only this rank's share (FSDP: a dim-0 shard of every parameter and gradient,
+  /// this replica's part of the batch).
+  virtual void shard_model(Model& /*m*/) {}
+  /// The parameters layer `l` computes with, from what the trainer holds (`stored[l]`: the
+  /// compute copies of this rank's shards of layer l). FSDP: the layer's TP-local weights,
+  /// all-gathered over the DP group; the gather of layer `next` (≥ 0) is issued too, so that it
+  /// runs while `l` computes.
+  virtual LayerParams layer_params(const std::vector<LayerParams>& stored, std::size_t l,
+                                   int /*next*/) {
+    return stored[l];
+  }
+  /// Layer `l` is done with what layer_params() returned: free it (FSDP: reshard).
+  virtual void release_layer(std::size_t /*l*/) {}
+  /// The gradient buffers layer `l`'s backward writes, given the trainer's (`stored`).
+  virtual LayerParams layer_grads(std::size_t /*l*/, const LayerParams& stored) { return stored; }
+  /// Layer `l`'s gradients are complete in `full` (from layer_grads): reduce them into `stored`
+  /// (FSDP: a reduce-scatter over the DP group, on its own stream, while backward goes on).
+  virtual void grads_done(std::size_t /*l*/, const LayerParams& /*full*/,
+                          const LayerParams& /*stored*/) {}
+  /// Before the optimizer step: every reduction grads_done() issued has landed.
+  virtual void finish_grads() {}
 
   // --- what the step loop needs across ranks ---------------------------------------------------
   /// Sums a per-rank scalar over all ranks. The caller makes each rank contribute only what it

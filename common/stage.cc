@@ -337,6 +337,8 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                     {"comm_calls", row.comm.calls},
                     {"recompute_bus_bytes", row.recompute_comm.bus_bytes},
                     {"recompute_payload_bytes", row.recompute_comm.payload_bytes},
+                    {"dp_bus_bytes", row.comm.dp_bus_bytes},
+                    {"dp_payload_bytes", row.comm.dp_payload_bytes},
                     {"peak_bytes", row.peak_bytes},
                     {"reserved_bytes", row.reserved_bytes}});
   json summary = {{"stage", st.info.name},

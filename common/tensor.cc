@@ -24,6 +24,7 @@ std::size_t dtype_size(DType d) {
       return 2;
     case DType::e4m3:
     case DType::e5m2:
+    case DType::u8:
       return 1;
   }
   fail("unknown dtype");
@@ -39,6 +40,8 @@ std::string_view to_string(DType d) {
       return "e4m3";
     case DType::e5m2:
       return "e5m2";
+    case DType::u8:
+      return "u8";
   }
   return "?";
 }

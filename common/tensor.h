@@ -14,9 +14,10 @@
 
 namespace tpx {
 
-/// Element types. Only f32 is computed on the CPU; the others are storage formats for the GPU
-/// backend (bf16) and the FP8 stage (OCP E4M3 / E5M2).
-enum class DType : std::uint8_t { f32, bf16, e4m3, e5m2 };
+/// Element types. Ops compute in f32; bf16 is the mixed-precision recipe's storage, E4M3 / E5M2
+/// the FP8 stage's (OCP), and u8 plain bytes (a buffer that packs tensors of several dtypes, as
+/// stage 07's weight gathers do).
+enum class DType : std::uint8_t { f32, bf16, e4m3, e5m2, u8 };
 
 /// Where a tensor's bytes live.
 enum class Device : std::uint8_t { cpu, cuda };

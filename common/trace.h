@@ -29,8 +29,9 @@
 
 namespace tpx {
 
-/// The lanes of a rank: where work ran. `phase` holds the trainer's forward / backward / update.
-enum class Lane : int { compute = 0, comm = 1, copy = 2, phase = 3 };
+/// The lanes of a rank: where work ran. `phase` holds the trainer's forward / backward / update;
+/// `dp_comm` the data-parallel group's transfers (stage 07), beside the TP group's `comm`.
+enum class Lane : int { compute = 0, comm = 1, copy = 2, phase = 3, dp_comm = 4 };
 
 class Trace {
  public:

@@ -23,6 +23,8 @@ void add(CommStats& into, const CommStats& more) {
   into.payload_bytes += more.payload_bytes;
   into.bus_bytes += more.bus_bytes;
   into.calls += more.calls;
+  into.dp_payload_bytes += more.dp_payload_bytes;
+  into.dp_bus_bytes += more.dp_bus_bytes;
 }
 
 double ms_since(Clock::time_point t0) {
@@ -101,6 +103,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
                   const std::function<void(const StepRow&)>& on_row) {
   const Sharding sh = par.sharding();
   Model m = make_model(c, sh);
+  par.shard_model(m);
   // The block's input in the activations' dtype (rounded to bf16 once under the recipe), and the
   // parameters it computes with (the compute copies, remade every step).
   const Tensor input = as_dtype(m.input, c.activations());
@@ -115,14 +118,14 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     else if (c.recompute == Recompute::selective)
       acts[l].drop_cheap();
   };
-  auto recompute = [&](std::size_t l) {
+  auto recompute = [&](std::size_t l, const LayerParams& w) {
     if (c.recomputes_layer(std::int64_t(l))) {
       // The block's forward again from its saved input, collectives included; its output is
       // the next block's input, which is already saved.
       TraceScope again(trace, "recompute", Lane::phase);
-      block_forward(c, params[l], acts[l].x, par, acts[l], trace);
+      block_forward(c, w, acts[l].x, par, acts[l], trace);
     } else if (c.recompute == Recompute::selective) {
-      block_refill(params[l], par, acts[l], trace);
+      block_refill(w, par, acts[l], trace);
     }
   };
   // AdamW's two moments per parameter, zero before the first step (none under SGD).
@@ -154,8 +157,11 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         make_compute_copies(c, m, params);
       }
       for (std::size_t l = 0; l < acts.size(); ++l) {
-        y = block_forward(c, params[l], y, par, acts[l], trace);
+        const int next = l + 1 < acts.size() ? int(l + 1) : -1;
+        const LayerParams w = par.layer_params(params, l, next);
+        y = block_forward(c, w, y, par, acts[l], trace);
         release(l);
+        par.release_layer(l);
       }
     }
     // What backward keeps from forward: what every layer kept, plus what the largest recompute
@@ -179,13 +185,18 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       TraceScope scope(trace, "backward", Lane::phase);
       for (std::size_t l = acts.size(); l-- > 0;) {
         const std::size_t kept = acts[l].bytes();
+        const LayerParams w = par.layer_params(params, l, int(l) - 1);
         add(row.comm, par.take_comm_stats());  // the recompute's own traffic, counted apart
-        recompute(l);
+        recompute(l, w);
         add(row.recompute_comm, par.take_comm_stats());
         one_block = std::max(one_block, acts[l].bytes() - kept);
-        dy = block_backward(c, params[l], acts[l], dy, par, m.grads[l], trace);
+        LayerParams g = par.layer_grads(l, m.grads[l]);
+        dy = block_backward(c, w, acts[l], dy, par, g, trace);
+        par.grads_done(l, g, m.grads[l]);
         release(l);
+        par.release_layer(l);
       }
+      par.finish_grads();
     }
     if (step == 0) result.saved_activation_bytes = saved + one_block;
     // Gradient norm: sharded gradients are summed over ranks; replicated ones (identical on every

@@ -2,9 +2,9 @@
 """Draws a window of a tpx --trace file as an SVG timeline (and, with --ascii, as text).
 
 The input is what every stage writes with --trace FILE: Chrome trace JSON, {"traceEvents": [...]},
-complete events (ph "X") with pid = rank, tid = lane (0 compute, 1 comm, 2 copy, 3 phases), ts and
-dur in microseconds; metadata events (ph "M") name the ranks and lanes. The output has one row per
-(rank, lane) for the compute, comm and (when it has spans) copy lanes, one rectangle per span,
+complete events (ph "X") with pid = rank, tid = lane (0 compute, 1 comm, 2 copy, 3 phases, 4 dp
+comm), ts and dur in microseconds; metadata events (ph "M") name the ranks and lanes. The output has
+one row per (rank, lane) for the compute, comm and (when they have spans) copy and dp comm lanes, one rectangle per span,
 coloured by kind, with its name written inside when it fits (a shorter form of the name when only
 that fits) and always as a tooltip.
 
@@ -39,9 +39,9 @@ import os
 import sys
 from xml.sax.saxutils import escape
 
-LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_PHASES = 0, 1, 2, 3
+LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_PHASES, LANE_DP_COMM = 0, 1, 2, 3, 4
 DEFAULT_LANE_NAMES = {LANE_COMPUTE: "compute", LANE_COMM: "comm", LANE_COPY: "copy",
-                      LANE_PHASES: "phases"}
+                      LANE_PHASES: "phases", LANE_DP_COMM: "dp comm"}
 
 # kind -> (fill colour, ASCII character, legend text)
 KINDS = {
@@ -147,7 +147,7 @@ def exposed_ms(spans, rank, t0, t1):
             continue
         if e["tid"] == LANE_COMPUTE:
             busy.append((b, en))
-        elif e["tid"] in (LANE_COMM, LANE_COPY) and counted(e):
+        elif e["tid"] in (LANE_COMM, LANE_COPY, LANE_DP_COMM) and counted(e):
             comm.append((b, en))
     busy = merged(busy)
     total = 0.0
@@ -404,9 +404,9 @@ def main():
 
     rows = []
     for r in ranks:
-        for lane in (LANE_COMPUTE, LANE_COMM, LANE_COPY):
+        for lane in (LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_DP_COMM):
             has = any(e["pid"] == r and e["tid"] == lane for e in spans)
-            if lane != LANE_COPY or has:
+            if lane in (LANE_COMPUTE, LANE_COMM) or has:
                 rows.append((r, lane))
     exposed = {r: exposed_ms(spans, r, t0, t1) for r in ranks}
 

@@ -32,6 +32,7 @@ MPI_Datatype mpi_type(DType d) {
       return MPI_UINT16_T;  // the bits; sums go through bf16_sum
     case DType::e4m3:
     case DType::e5m2:
+    case DType::u8:
       return MPI_UINT8_T;
   }
   return MPI_BYTE;

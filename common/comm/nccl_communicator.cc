@@ -48,6 +48,7 @@ ncclDataType_t nccl_type(DType d) {
       return ncclBfloat16;  // summed in fp32 per hop, rounded once
     case DType::e4m3:
     case DType::e5m2:
+    case DType::u8:
       return ncclUint8;  // moved as bytes, never summed
   }
   return ncclUint8;

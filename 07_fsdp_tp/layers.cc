@@ -1,0 +1,351 @@
+#include "07_fsdp_tp/layers.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "05_copy_engine_async_tp/layers.h"
+#include "common/check.h"
+#include "common/ops.h"
+#include "common/tp.h"
+#include "common/trace.h"
+
+namespace tpx::fsdp {
+namespace {
+
+/// The options stage 05 runs with inside one TP group: its communicator spans the group.
+StageOptions tp_options(const StageOptions& o, const Mesh& m) {
+  StageOptions t = o;
+  t.comm.group = m.tp_group;
+  return t;
+}
+
+/// Rows [begin, end) of `t` seen as [rows, cols]: a view.
+Tensor rows_of(const Tensor& t, std::int64_t cols, std::int64_t begin, std::int64_t end) {
+  return t.reshape({t.numel() / cols, cols}).slice0(begin, end);
+}
+
+/// Elements [begin, end) of a flat tensor, seen as [n / cols, cols].
+Tensor flat_rows(const Tensor& flat, std::int64_t begin, std::int64_t end, std::int64_t cols) {
+  return flat.slice0(begin, end).reshape({(end - begin) / cols, cols});
+}
+
+}  // namespace
+
+Tensor::Shape FlatLayout::Entry::shard_shape() const {
+  Tensor::Shape s = shape;
+  s[0] = shard_rows;
+  return s;
+}
+
+FlatLayout flat_layout(const LayerParams& tp_local, int d) {
+  TPX_CHECK(d >= 1, "FSDP over {} ranks", d);
+  FlatLayout f;
+  for (Param p : kAllParams) {
+    FlatLayout::Entry& e = f.entries[static_cast<std::size_t>(p)];
+    e.shape = tp_local[p].shape();
+    e.rows = e.shape[0];
+    e.cols = tp_local[p].numel() / e.rows;
+    e.shard_rows = (e.rows + d - 1) / d;
+    e.offset = f.numel;
+    f.numel += e.shard_numel();
+  }
+  return f;
+}
+
+FsdpTp::FsdpTp(const RunContext& ctx, Mesh mesh)
+    : tp_options_(tp_options(ctx.options, mesh)),
+      mesh_(std::move(mesh)),
+      tp_ctx_{tp_options_, mesh_.tp_index, mesh_.tp, ctx.trace},
+      tp_(async_tp::make_copy_engine_async_tp(tp_ctx_)),
+      trace_(ctx.trace),
+      device_(ctx.options.config.device),
+      gather_lane_(Stream::create(device_)),
+      reduce_lane_(Stream::create(device_)) {
+  CommOptions o = ctx.options.comm;
+  o.group = mesh_.dp_group;
+  dp_comm_ = make_communicator(o, device_);
+}
+
+FsdpTp::~FsdpTp() = default;
+
+std::string FsdpTp::comm_name() const {
+  return fmt::format("mesh D {} × TP {}; tp: {}; dp: {}", mesh_.dp, mesh_.tp, tp_->comm_name(),
+                     dp_comm_->name());
+}
+
+// --- the model: this rank's shards ---------------------------------------------------------------
+
+void FsdpTp::shard_model(Model& m) {
+  const int d = mesh_.dp, me = mesh_.dp_index;
+  // The data: this replica's B / D columns of the batch dim of [S/T, B, H].
+  auto batch_part = [&](const Tensor& t) {
+    const Tensor host = ops::to_device(t, Device::cpu);
+    const std::int64_t s = t.dim(0), b = t.dim(1) / d, h = t.dim(2);
+    const Tensor part = Tensor::empty({s, b, h});
+    for (std::int64_t i = 0; i < s; ++i)
+      std::memcpy(part.f32().data() + i * b * h, host.f32().data() + (i * t.dim(1) + me * b) * h,
+                  static_cast<std::size_t>(b * h) * sizeof(float));
+    return ops::to_device(part, t.device());
+  };
+  m.input = batch_part(m.input);
+  m.target = batch_part(m.target);
+
+  // The parameters and gradients: one flat fp32 shard per layer each; the Model's tensors are
+  // views into them, so a gradient reduce-scatter writes straight into what the optimizer reads.
+  layout_.clear();
+  grad_shards_.clear();
+  for (std::size_t l = 0; l < m.params.size(); ++l) {
+    const FlatLayout f = flat_layout(m.params[l], d);
+    const Tensor host_shard = Tensor::zeros({f.numel});
+    for (Param p : kAllParams) {
+      const FlatLayout::Entry& e = f[p];
+      const std::int64_t begin = std::min(e.rows, me * e.shard_rows);
+      const std::int64_t end = std::min(e.rows, (me + 1) * e.shard_rows);
+      if (end > begin)
+        ops::copy(rows_of(ops::to_device(m.params[l][p], Device::cpu), e.cols, begin, end),
+                  flat_rows(host_shard, e.offset, e.offset + (end - begin) * e.cols, e.cols));
+    }
+    const Tensor params = ops::to_device(host_shard, device_);
+    const Tensor grads = Tensor::empty({f.numel}, DType::f32, device_);
+    ops::fill(grads, 0.0f);
+    for (Param p : kAllParams) {
+      const FlatLayout::Entry& e = f[p];
+      m.params[l][p] = params.slice0(e.offset, e.offset + e.shard_numel()).reshape(e.shard_shape());
+      m.grads[l][p] = grads.slice0(e.offset, e.offset + e.shard_numel()).reshape(e.shard_shape());
+    }
+    layout_.push_back(f);
+    grad_shards_.push_back(grads);
+  }
+}
+
+// --- forward and backward: gather just in time, reduce-scatter as soon as complete --------------
+
+namespace {
+
+/// What one rank contributes to a layer's weight gather, as bytes: each parameter's shard in the
+/// dtype the block computes with (bf16 compute copies of the matrices and fp32 norm gains under
+/// --dtype bf16; all fp32 otherwise), 16-byte aligned, one after the other.
+struct ByteLayout {
+  std::array<std::int64_t, kNumParams> offset{};  // bytes into one rank's part
+  std::int64_t bytes = 0;                         // of one rank's part
+};
+
+ByteLayout byte_layout(const FlatLayout& f, const LayerParams& stored) {
+  ByteLayout b;
+  for (Param p : kAllParams) {
+    b.offset[static_cast<std::size_t>(p)] = b.bytes;
+    const auto size = static_cast<std::int64_t>(dtype_size(stored[p].dtype()));
+    b.bytes += (f[p].shard_numel() * size + 15) / 16 * 16;
+  }
+  return b;
+}
+
+/// The bytes [at, at + n·size) of the byte tensor `buf` seen as a [n / cols, cols] tensor of
+/// `dtype`: a view that keeps `buf` alive.
+Tensor typed_view(const Tensor& buf, std::int64_t at, std::int64_t n, std::int64_t cols,
+                  DType dtype) {
+  TPX_CHECK(buf.dtype() == DType::u8 &&
+                at + n * static_cast<std::int64_t>(dtype_size(dtype)) <= buf.numel(),
+            "typed view of {} bytes at {} of {}", n * dtype_size(dtype), at, buf.describe());
+  return Tensor::borrow(static_cast<std::byte*>(buf.raw()) + at, {n / cols, cols}, dtype,
+                        buf.device(), std::make_shared<const Tensor>(buf));
+}
+
+}  // namespace
+
+void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l) {
+  const FlatLayout& f = layout_[l];
+  const ByteLayout b = byte_layout(f, stored[l]);
+  // Pack this rank's shards (the compute copies are per parameter) into one buffer of bytes.
+  const Tensor send = Tensor::empty({b.bytes}, DType::u8, device_);
+  for (Param p : kAllParams) {
+    const FlatLayout::Entry& e = f[p];
+    const Tensor& shard = stored[l][p];
+    ops::copy(shard.reshape({e.shard_rows, e.cols}),
+              typed_view(send, b.offset[std::size_t(p)], e.shard_numel(), e.cols, shard.dtype()));
+  }
+  Gather g{Tensor::empty({std::int64_t(mesh_.dp) * b.bytes}, DType::u8, device_), Event(device_)};
+  const Stream compute(device_);
+  Event packed(device_);
+  packed.record(compute);
+  packed.wait(gather_lane_);
+  record_stream(send, gather_lane_);
+  record_stream(g.full, gather_lane_);
+  const std::string what = fmt::format("layer {} weights all-gather", l);
+  gather_lane_.run([this, send, full = g.full, what] {
+    TraceScope span(trace_, what, Lane::dp_comm);
+    dp_comm_->all_gather(send, full, gather_lane_);
+  });
+  g.done.record(gather_lane_);
+  gathers_.insert_or_assign(l, std::move(g));
+}
+
+LayerParams FsdpTp::layer_params(const std::vector<LayerParams>& stored, std::size_t l, int next) {
+  if (mesh_.dp == 1) return stored[l];  // nothing is sharded
+  if (!gathers_.contains(l)) issue_gather(stored, l);
+  // Prefetch: the next layer's gather is queued now, behind this one on the DP-comm lane, and
+  // runs while this layer computes.
+  if (next >= 0 && !gathers_.contains(std::size_t(next))) issue_gather(stored, std::size_t(next));
+  const Gather& g = gathers_.at(l);
+  const Stream compute(device_);
+  g.done.wait(compute);
+  // Copy out: parameter p's rows from rank d sit at byte d·bytes + offset(p) of the gather.
+  TraceScope span(trace_, fmt::format("layer {} weights copy-out", l));
+  const FlatLayout& f = layout_[l];
+  const ByteLayout b = byte_layout(f, stored[l]);
+  LayerParams w;
+  for (Param p : kAllParams) {
+    const FlatLayout::Entry& e = f[p];
+    const DType dtype = stored[l][p].dtype();
+    const Tensor full = Tensor::empty(e.shape, dtype, device_);
+    for (int d = 0; d < mesh_.dp; ++d) {
+      const std::int64_t begin = std::min(e.rows, d * e.shard_rows);
+      const std::int64_t end = std::min(e.rows, (d + 1) * e.shard_rows);
+      if (end <= begin) continue;
+      const Tensor part = typed_view(g.full, d * b.bytes + b.offset[std::size_t(p)],
+                                     e.shard_numel(), e.cols, dtype);
+      ops::copy(part.slice0(0, end - begin), rows_of(full, e.cols, begin, end));
+    }
+    w[p] = full;
+  }
+  return w;
+}
+
+void FsdpTp::release_layer(std::size_t l) {
+  gathers_.erase(l);  // reshard: the unsharded copy is freed (its views die with the block's use)
+}
+
+LayerParams FsdpTp::layer_grads(std::size_t l, const LayerParams& stored) {
+  if (mesh_.dp == 1) return stored;
+  LayerParams g;
+  for (Param p : kAllParams) g[p] = Tensor::empty(layout_[l][p].shape, DType::f32, device_);
+  return g;
+}
+
+void FsdpTp::grads_done(std::size_t l, const LayerParams& full, const LayerParams& /*stored*/) {
+  if (mesh_.dp == 1) return;
+  const FlatLayout& f = layout_[l];
+  // Pack in the gather's layout, [D, numel] with rank d's rows of every parameter at
+  // d·numel + offset, padding zero, so that the reduce-scatter leaves each rank its own shard.
+  Reduction r{Tensor::empty({std::int64_t(mesh_.dp) * f.numel}, DType::f32, device_),
+              Event(device_)};
+  ops::fill(r.flat, 0.0f);
+  for (Param p : kAllParams) {
+    const FlatLayout::Entry& e = f[p];
+    for (int d = 0; d < mesh_.dp; ++d) {
+      const std::int64_t begin = std::min(e.rows, d * e.shard_rows);
+      const std::int64_t end = std::min(e.rows, (d + 1) * e.shard_rows);
+      if (end <= begin) continue;
+      const std::int64_t at = d * f.numel + e.offset;
+      ops::copy(rows_of(full[p], e.cols, begin, end),
+                flat_rows(r.flat, at, at + (end - begin) * e.cols, e.cols));
+    }
+  }
+  const Stream compute(device_);
+  Event packed(device_);
+  packed.record(compute);
+  packed.wait(reduce_lane_);
+  const Tensor shard = grad_shards_[l];
+  record_stream(r.flat, reduce_lane_);
+  record_stream(shard, reduce_lane_);
+  const std::string what = fmt::format("layer {} grads reduce-scatter", l);
+  reduce_lane_.run([this, flat = r.flat, shard, what] {
+    TraceScope span(trace_, what, Lane::dp_comm);
+    dp_comm_->reduce_scatter(flat, shard, reduce_lane_);
+  });
+  r.done.record(reduce_lane_);
+  reductions_.push_back(std::move(r));
+}
+
+void FsdpTp::finish_grads() {
+  const Stream compute(device_);
+  for (const Reduction& r : reductions_) r.done.wait(compute);
+  reductions_.clear();
+  gathers_.clear();  // a prefetch past the last layer (none is issued) would end here
+}
+
+// --- across the mesh
+// ------------------------------------------------------------------------------
+
+double FsdpTp::sum_over_ranks(double local) {
+  double tp_sum = tp_->sum_over_ranks(local), all = tp_sum;
+  TPX_MPI_CHECK(MPI_Allreduce(&tp_sum, &all, 1, MPI_DOUBLE, MPI_SUM, mesh_.dp_group.comm()));
+  return all;
+}
+
+void FsdpTp::dp_gather_for_report(const Tensor& src, const Tensor& dst) const {
+  TPX_CHECK(dst.nbytes() == src.nbytes() * std::size_t(mesh_.dp), "dp gather {} into {}",
+            src.describe(), dst.describe());
+  TPX_MPI_CHECK(MPI_Allgather(src.raw(), int(src.nbytes()), MPI_BYTE, dst.raw(), int(src.nbytes()),
+                              MPI_BYTE, mesh_.dp_group.comm()));
+}
+
+Tensor FsdpTp::gather_activation(const Tensor& local) {
+  const Tensor seq = ops::to_device(tp_->gather_activation(local), Device::cpu);  // [S, B/D, H]
+  if (mesh_.dp == 1) return seq;
+  const std::int64_t s = seq.dim(0), b = seq.dim(1), h = seq.dim(2);
+  const auto e = static_cast<std::int64_t>(dtype_size(seq.dtype()));
+  const Tensor all = Tensor::empty({mesh_.dp * s, b, h}, seq.dtype());
+  dp_gather_for_report(seq, all);
+  // Replica d's [S, B/D, H] goes to batch columns [d·B/D, (d+1)·B/D) of [S, B, H].
+  const Tensor full = Tensor::empty({s, b * mesh_.dp, h}, seq.dtype());
+  for (int d = 0; d < mesh_.dp; ++d)
+    for (std::int64_t i = 0; i < s; ++i)
+      std::memcpy(static_cast<std::byte*>(full.raw()) + ((i * mesh_.dp + d) * b * h) * e,
+                  static_cast<const std::byte*>(all.raw()) + ((d * s + i) * b * h) * e,
+                  static_cast<std::size_t>(b * h * e));
+  return full;
+}
+
+Tensor FsdpTp::gather_param(Param p, const Tensor& local) {
+  if (mesh_.dp == 1) return tp_->gather_param(p, local);
+  // The DP shards back into the TP-local tensor (padding dropped), then stage 05's TP gather.
+  const Tensor host = ops::to_device(local, Device::cpu);
+  Tensor::Shape shape = local.shape();
+  shape[0] *= mesh_.dp;
+  const Tensor all = Tensor::empty(shape, local.dtype());
+  dp_gather_for_report(host, all);
+  const FlatLayout::Entry& e = layout_.front()[p];  // every layer has the same layout
+  const Tensor tp_local = all.slice0(0, e.rows);
+  return tp_->gather_param(p, ops::to_device(tp_local, device_));
+}
+
+CommStats FsdpTp::take_comm_stats() {
+  CommStats s = tp_->take_comm_stats();
+  const CommStats dp = dp_comm_->take_stats();
+  s.payload_bytes += dp.payload_bytes;
+  s.bus_bytes += dp.bus_bytes;
+  s.calls += dp.calls;
+  s.dp_payload_bytes += dp.payload_bytes;
+  s.dp_bus_bytes += dp.bus_bytes;
+  return s;
+}
+
+void FsdpTp::synchronize() {
+  tp_->synchronize();
+  gather_lane_.synchronize();
+  reduce_lane_.synchronize();
+}
+
+std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx) {
+  const BlockConfig& c = ctx.options.config;
+  const int dp = default_dp(ctx.options.dp, ctx.world);
+  if (dp < 1 || ctx.world % dp != 0)
+    throw ConfigError(fmt::format(
+        "--dp {} must divide the {} ranks of the job (the mesh is D × TP, TP = ranks / D)", dp,
+        ctx.world));
+  if (c.batch % dp != 0)
+    throw ConfigError(fmt::format(
+        "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", dp,
+        c.batch));
+  check_tp_split(c, ctx.world / dp, /*sequence=*/true);
+  return std::make_unique<FsdpTp>(ctx, Mesh::make(dp));
+}
+
+}  // namespace tpx::fsdp
