@@ -130,7 +130,8 @@ namespace {
 
 /// What one rank contributes to a layer's weight gather, as bytes: each parameter's shard in the
 /// dtype the block computes with (bf16 compute copies of the matrices and fp32 norm gains under
-/// --dtype bf16; all fp32 otherwise), 16-byte aligned, one after the other.
+/// --dtype bf16; all fp32 otherwise), one after the other, each at a multiple of its element size
+/// (the views below need no more: the copy-out gives every parameter memory of its own).
 struct ByteLayout {
   std::array<std::int64_t, kNumParams> offset{};  // bytes into one rank's part
   std::int64_t bytes = 0;                         // of one rank's part
@@ -139,9 +140,10 @@ struct ByteLayout {
 ByteLayout byte_layout(const FlatLayout& f, const LayerParams& stored) {
   ByteLayout b;
   for (Param p : kAllParams) {
-    b.offset[static_cast<std::size_t>(p)] = b.bytes;
     const auto size = static_cast<std::int64_t>(dtype_size(stored[p].dtype()));
-    b.bytes += (f[p].shard_numel() * size + 15) / 16 * 16;
+    b.bytes = (b.bytes + size - 1) / size * size;
+    b.offset[static_cast<std::size_t>(p)] = b.bytes;
+    b.bytes += f[p].shard_numel() * size;
   }
   return b;
 }
@@ -248,6 +250,12 @@ void FsdpTp::grads_done(std::size_t l, const LayerParams& full, const LayerParam
     }
   }
   const Stream compute(device_);
+  // At most two reductions in flight (this one and the one before): older ones have landed
+  // before their buffers are let go, so memory does not grow with the number of layers.
+  while (reductions_.size() > 1) {
+    reductions_.front().done.wait(compute);
+    reductions_.erase(reductions_.begin());
+  }
   Event packed(device_);
   packed.record(compute);
   packed.wait(reduce_lane_);
@@ -336,7 +344,10 @@ void FsdpTp::synchronize() {
 std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx) {
   const BlockConfig& c = ctx.options.config;
   const int dp = default_dp(ctx.options.dp, ctx.world);
-  if (dp < 1 || ctx.world % dp != 0)
+  if (dp < 1)
+    throw ConfigError(
+        fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));
+  if (ctx.world % dp != 0)
     throw ConfigError(fmt::format(
         "--dp {} must divide the {} ranks of the job (the mesh is D × TP, TP = ranks / D)", dp,
         ctx.world));

@@ -1,0 +1,244 @@
+// Stage 07 (FSDP × TP) as a user runs it, under mpirun:
+//  - --check passes and the dumps equal stage 01's (whole model, whole batch) to 1e-5 on every
+//    mesh the chapter names — 1, D 2 × TP 1, D 1 × TP 2, 2 × 2, 2 × 3, 3 × 2 — under SGD and
+//    AdamW, and with a dim 0 that D does not divide (FSDP2's padding);
+//  - the DP bytes of a step equal chapter 7's formula and the TP bytes equal stage 05's at the
+//    same TP on the replica's B / D;
+//  - the trace shows layer l+1's weight gather beside layer l's compute, and a gradient
+//    reduce-scatter beside an earlier layer's backward;
+//  - per-rank parameters, gradients and optimizer state fall as 1 / (T·D);
+//  - bad input is one line and exit 2 on every rank.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/npy.h"
+#include "test_util.h"
+
+namespace tpx {
+namespace {
+
+using json = nlohmann::json;
+using test::run_stage;
+
+/// Sizes every mesh below divides: H = 96 (NH = 6, NKV = 6: whole heads at T = 1, 2, 3),
+/// F = 192, S = 24, B = 6 (B / D whole at D = 1, 2, 3), two layers.
+struct Sizes {
+  std::int64_t H = 96, NH = 6, F = 192, S = 24, B = 6, L = 2;
+  std::string args() const {
+    return fmt::format("--hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {}", H, NH, F,
+                       S, B, L);
+  }
+};
+
+/// Every tensor of `want_dir`'s dump within rtol · max|want| of `got_dir`'s.
+void expect_dumps_close(const std::filesystem::path& want_dir, const std::filesystem::path& got_dir,
+                        double rtol, const std::string& what) {
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(want_dir)) {
+    if (entry.path().extension() != ".npy") continue;
+    ++files;
+    const std::string name = entry.path().filename().string();
+    const NpyArray want = read_npy(entry.path());
+    const NpyArray got = read_npy(got_dir / name);
+    ASSERT_EQ(got.shape, want.shape) << name << " " << what;
+    double scale = 0.0, err = 0.0;
+    for (std::size_t i = 0; i < want.data.size(); ++i) {
+      scale = std::max(scale, std::abs(double(want.data[i])));
+      err = std::max(err, std::abs(double(got.data[i]) - double(want.data[i])));
+    }
+    EXPECT_LE(err, rtol * scale) << name << ": " << what;
+  }
+  EXPECT_GT(files, 20) << "the dump of " << want_dir << " is missing tensors";
+}
+
+struct Mesh {
+  int ranks, dp;
+  std::string optimizer;
+};
+void PrintTo(const Mesh& m, std::ostream* os) {
+  *os << "np " << m.ranks << " dp " << m.dp << " " << m.optimizer;
+}
+
+class FsdpMesh : public testing::TestWithParam<Mesh> {};
+
+TEST_P(FsdpMesh, ChecksAndDumpsEqualStage01) {
+  const auto& [n, dp, optimizer] = GetParam();
+  const Sizes z;
+  const std::string opt =
+      optimizer == "adamw" ? " --optimizer adamw --lr 1e-3" : " --optimizer sgd";
+  test::TempDir dir;
+  const auto ref = run_stage("01_baseline", 1,
+                             z.args() + opt + " --steps 2 --dump " + (dir / "01").string(), dir);
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  const auto r = run_stage("07_fsdp_tp", n,
+                           fmt::format("{}{} --dp {} --steps 2 --check --dump {}", z.args(), opt,
+                                       dp, (dir / "07").string()),
+                           dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(fmt::format("mesh D {} × TP {}", dp, n / dp)), std::string::npos) << r.out;
+  expect_dumps_close(dir / "01", dir / "07", 1e-5, fmt::format("np {} dp {}", n, dp));
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, FsdpMesh,
+                         testing::Values(Mesh{1, 1, "sgd"}, Mesh{2, 2, "sgd"}, Mesh{2, 1, "sgd"},
+                                         Mesh{4, 2, "sgd"}, Mesh{6, 2, "sgd"}, Mesh{6, 3, "sgd"},
+                                         Mesh{2, 2, "adamw"}, Mesh{4, 2, "adamw"},
+                                         Mesh{6, 3, "adamw"}),
+                         [](const auto& p) {
+                           return fmt::format("np{}_dp{}_{}", p.param.ranks, p.param.dp,
+                                              p.param.optimizer);
+                         });
+
+TEST(Fsdp, PadsADim0ThatDDoesNotDivide) {
+  // H = 64, F = 128 at D = 3: every weight's 64 or 128 rows split 22 + 22 + 20 (or 43 + 43 + 42),
+  // the gains' 64 likewise; the padding rows must neither move nor disturb anything.
+  test::TempDir dir;
+  const auto r =
+      run_stage("07_fsdp_tp", 3,
+                "--hidden 64 --heads 4 --ffn 128 --seq 16 --batch 3 --dp 3 --steps 3 --check "
+                "--optimizer adamw --lr 1e-3",
+                dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+}
+
+json run_json(const std::string& stage, int n, const std::string& args) {
+  test::TempDir dir;
+  const auto r = run_stage(stage, n, args + " --json " + (dir / "s.json").string(), dir);
+  EXPECT_EQ(r.exit_code, 0) << stage << " " << args << "\n" << r.out << r.err;
+  if (r.exit_code != 0) return json::object();
+  return json::parse(test::read_file(dir / "s.json"));
+}
+
+/// One rank's DP bus bytes of a step (chapter 7): per layer two gathers of the layer's padded
+/// flat shard (at e bytes an element: the compute copies; the norm gains stay fp32) and one fp32
+/// reduce-scatter of its gradients, each (D−1)/D of D shards on the bus.
+std::uint64_t dp_bus(const Sizes& z, int t, int d, bool bf16) {
+  auto shard = [&](std::int64_t rows, std::int64_t cols) {  // ⌈rows/D⌉ · cols elements
+    return (rows + d - 1) / d * cols;
+  };
+  const std::int64_t kv = z.H;  // NKV = NH
+  const std::int64_t matrices = shard(z.H, z.H / t) + 2 * shard(z.H, kv / t) + shard(z.H / t, z.H) +
+                                2 * shard(z.H, z.F / t) + shard(z.F / t, z.H);
+  const std::int64_t gains = 2 * shard(z.H, 1);
+  const std::int64_t e = bf16 ? 2 : 4;
+  const std::int64_t gather = e * matrices + 4 * gains;  // one rank's part
+  const std::int64_t reduce = 4 * (matrices + gains);
+  return std::uint64_t(z.L * (2 * gather + reduce) * (d - 1));
+}
+
+TEST(Fsdp, DpBytesAreTheChaptersAndTpBytesAreStage05s) {
+  const Sizes z;
+  struct Split {
+    int n, d;
+    bool bf16;
+  };
+  for (const Split& s : {Split{2, 2, false}, Split{4, 2, false}, Split{4, 2, true},
+                         Split{6, 3, false}, Split{6, 2, true}}) {
+    const int t = s.n / s.d;
+    const std::string dtype = s.bf16 ? " --dtype bf16" : "";
+    const json j =
+        run_json("07_fsdp_tp", s.n, fmt::format("{} --dp {} --steps 2{}", z.args(), s.d, dtype));
+    ASSERT_TRUE(j.contains("steps"));
+    Sizes replica = z;
+    replica.B = z.B / s.d;
+    const json tp = run_json("05_copy_engine_async_tp", t, replica.args() + " --steps 2" + dtype);
+    ASSERT_TRUE(tp.contains("steps"));
+    for (std::size_t i = 0; i < 2; ++i) {
+      const json& row = j["steps"][i];
+      const auto dp = row.at("dp_bus_bytes").get<std::uint64_t>();
+      EXPECT_EQ(dp, dp_bus(z, t, s.d, s.bf16)) << "np " << s.n << " dp " << s.d << dtype;
+      EXPECT_EQ(row.at("comm_bus_bytes").get<std::uint64_t>() - dp,
+                tp["steps"][i].at("comm_bus_bytes").get<std::uint64_t>())
+          << "np " << s.n << " dp " << s.d << dtype << ": the TP bytes";
+    }
+  }
+}
+
+TEST(Fsdp, TraceShowsThePrefetchAndTheReduceScatterInFlight) {
+  const Sizes z{.L = 3};
+  test::TempDir dir;
+  const auto path = dir / "t.json";
+  const auto r = run_stage(
+      "07_fsdp_tp", 2, fmt::format("{} --dp 2 --steps 2 --trace {}", z.args(), path.string()), dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const json t = json::parse(test::read_file(path));
+  struct Span {
+    std::string name;
+    double t0, t1;
+  };
+  std::vector<Span> compute, dp, phases;
+  for (const json& e : t.at("traceEvents")) {
+    if (e.value("ph", "") != "X" || e.at("pid").get<int>() != 0) continue;
+    const Span s{e.at("name").get<std::string>(), e.at("ts").get<double>(),
+                 e.at("ts").get<double>() + e.at("dur").get<double>()};
+    const int lane = e.at("tid").get<int>();
+    if (lane == 0) compute.push_back(s);
+    if (lane == 4) dp.push_back(s);
+    if (lane == 3) phases.push_back(s);
+  }
+  ASSERT_FALSE(dp.empty()) << "no span on the dp comm lane";
+  auto find = [](const std::vector<Span>& v, const std::string& name) {
+    return std::find_if(v.begin(), v.end(), [&](const Span& s) { return s.name == name; });
+  };
+  // The schedule, read from the trace: layer 1's gather is on the DP-comm lane while layer 0's
+  // forward is still computing (prefetched when layer 0 asked for its weights), and the last
+  // layer's gradient reduce-scatter is on it while the next layer down is still in backward.
+  // (How much of it physically overlaps depends on the cores: on a 2-core machine the ranks'
+  // lane threads and compute threads take turns.)
+  const auto g1 = find(dp, "layer 1 weights all-gather");
+  const auto out1 = find(compute, "layer 1 weights copy-out");
+  const auto fwd = find(phases, "forward");
+  ASSERT_TRUE(g1 != dp.end() && out1 != compute.end() && fwd != phases.end());
+  double layer0_end = 0;  // the last compute span of layer 0's forward
+  for (const Span& c : compute)
+    if (c.t0 >= fwd->t0 && c.t1 <= out1->t0) layer0_end = std::max(layer0_end, c.t1);
+  EXPECT_LT(g1->t0, layer0_end) << "layer 1's weights were not gathered during layer 0's forward";
+  const auto rs2 = find(dp, "layer 2 grads reduce-scatter");
+  const auto bwd = find(phases, "backward");
+  ASSERT_TRUE(rs2 != dp.end() && bwd != phases.end());
+  EXPECT_LT(rs2->t0, bwd->t1 - 1.0) << "layer 2's gradients were reduced after backward ended";
+  const bool later_compute = std::any_of(compute.begin(), compute.end(), [&](const Span& c) {
+    return c.t0 >= rs2->t0 && c.t1 <= bwd->t1 && c.name.find("bwd") != std::string::npos;
+  });
+  EXPECT_TRUE(later_compute) << "no backward op of an earlier layer after layer 2's reduce-scatter "
+                                "was issued";
+}
+
+TEST(Fsdp, BadMeshesAreOneLineOnEveryRank) {
+  const Sizes z;
+  struct Bad {
+    int n;
+    std::string args, words;
+  };
+  for (const Bad& b :
+       {Bad{3, "--dp 2", "must divide the 3 ranks"}, Bad{4, "--dp 4", "must divide --batch 6"},
+        Bad{2, "--dp -1", "must be a positive number"}}) {
+    test::TempDir dir;
+    const auto r = run_stage("07_fsdp_tp", b.n, z.args() + " --steps 1 " + b.args, dir);
+    EXPECT_EQ(r.exit_code, 2) << b.args << "\n" << r.out << r.err;
+    int lines = 0;
+    for (const auto& line : test::lines_of(r.err))
+      if (line.starts_with("07_fsdp_tp: error:")) {
+        ++lines;
+        EXPECT_NE(line.find(b.words), std::string::npos) << line;
+      }
+    EXPECT_EQ(lines, b.n) << "one line per rank:\n" << r.err;
+  }
+  test::TempDir dir;
+  const auto r = run_stage("05_copy_engine_async_tp", 2, z.args() + " --steps 1 --dp 2", dir);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("--dp"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace tpx
