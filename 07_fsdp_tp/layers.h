@@ -64,7 +64,11 @@ class FsdpTp final : public Parallelism {
   FsdpTp(const RunContext& ctx, Mesh mesh);
   ~FsdpTp() override;
 
-  Sharding sharding() const override { return tp_->sharding(); }
+  Sharding sharding() const override {
+    Sharding s = tp_->sharding();
+    s.dp = mesh_.dp;
+    return s;
+  }
   std::string comm_name() const override;
 
   // The linear layers: stage 05's, over the TP group.

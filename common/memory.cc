@@ -69,16 +69,17 @@ Bytes local_bytes(const BlockConfig& c, const Sharding& s) {
   Bytes b{};
   b.e = c.activations() == DType::bf16 ? kBf16 : kF32;
   const I e = b.e;
-  b.stream = checked_product({seq_local, c.batch, c.hidden, e}, "the residual stream's bytes");
-  b.rows = checked_product({seq_local, c.batch, kF32}, "an RMSNorm statistic's bytes");
-  b.full = checked_product({c.seq, c.batch, c.hidden, e}, "an activation's bytes (S·B·H·e)");
+  const I batch = c.batch / s.dp;  // a data-parallel replica's part of the batch
+  b.stream = checked_product({seq_local, batch, c.hidden, e}, "the residual stream's bytes");
+  b.rows = checked_product({seq_local, batch, kF32}, "an RMSNorm statistic's bytes");
+  b.full = checked_product({c.seq, batch, c.hidden, e}, "an activation's bytes (S·B·H·e)");
   b.gather = s.sequence ? b.full : 0;
-  b.cols_h = checked_product({c.seq, c.batch, cols_h, e}, "q's bytes (S·B·H/N·e)");
-  b.cols_kv = checked_product({c.seq, c.batch, cols_kv, e}, "k's bytes (S·B·NKV·D/N·e)");
-  b.cols_f = checked_product({c.seq, c.batch, cols_f, e}, "gate's bytes (S·B·F/N·e)");
-  b.probs = checked_product({c.batch, heads, c.seq, c.seq, kF32},
+  b.cols_h = checked_product({c.seq, batch, cols_h, e}, "q's bytes (S·B·H/N·e)");
+  b.cols_kv = checked_product({c.seq, batch, cols_kv, e}, "k's bytes (S·B·NKV·D/N·e)");
+  b.cols_f = checked_product({c.seq, batch, cols_f, e}, "gate's bytes (S·B·F/N·e)");
+  b.probs = checked_product({batch, heads, c.seq, c.seq, kF32},
                             "the attention probabilities' bytes (B·NH/N·S·S·4)");
-  b.lse = checked_product({c.batch, heads, c.seq, kF32}, "the attention lse's bytes (B·NH/N·S·4)");
+  b.lse = checked_product({batch, heads, c.seq, kF32}, "the attention lse's bytes (B·NH/N·S·4)");
   b.attn = c.attention == Attention::fused ? b.lse : b.probs;
   b.w_h = checked_product({c.hidden, cols_h, kF32}, "a local attention weight's bytes");
   b.w_kv = checked_product({c.hidden, cols_kv, kF32}, "a local Wk's bytes");
@@ -276,10 +277,17 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   const Bytes b = local_bytes(c, s);
 
   // One layer's parameters: the nine tensors, this rank's shards. Gradients are the same shapes.
-  I layer = 0;
-  for (const Param p : kAllParams)
-    layer = sum({layer, numel(param_local_shape(p, c, s), "a parameter's elements")},
+  // Under FSDP (s.dp = D > 1) each TP shard [rows, ...] is split on dim 0 into D shards of
+  // ⌈rows / D⌉ rows (padded): the rank keeps one, and `tp_layer` counts the unsharded TP shard.
+  I layer = 0, tp_layer = 0;
+  for (const Param p : kAllParams) {
+    const auto shape = param_local_shape(p, c, s);
+    const I n = numel(shape, "a parameter's elements");
+    tp_layer = sum({tp_layer, n}, "a layer's parameter count");
+    const I rows = shape[0], cols = n / rows;
+    layer = sum({layer, checked_product({(rows + s.dp - 1) / s.dp, cols}, "a shard's elements")},
                 "a layer's parameter count");
+  }
   const I params = checked_product({layer, kF32, c.layers}, "the parameters' bytes");
 
   // Per layer, as BlockActivations: x, h, x2, h2 (the stream; h and h2 as the stage keeps them:
@@ -323,12 +331,37 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   };
   if (c.activations() != DType::f32) e.terms.push_back({"fp32 input", std::uint64_t(stream_f32)});
   if (c.bf16_weight_copies()) {
-    // This step's bf16 compute copies of the seven matrices: half their fp32 bytes.
+    // This step's bf16 compute copies of the seven matrices (this rank's shards): half their
+    // fp32 bytes.
     const I matrices = checked_product(
         {sum({b.w_h, b.w_kv, b.w_kv, b.w_h, b.w_f, b.w_f, b.w_f}, "a layer's weights' bytes"),
          c.layers},
         "the weights' bytes");
-    e.terms.push_back({"bf16 weight copies", std::uint64_t(matrices / (kF32 / kBf16))});
+    e.terms.push_back({"bf16 weight copies", std::uint64_t(matrices / (kF32 / kBf16) / s.dp)});
+  }
+  if (s.dp > 1) {
+    // FSDP's unsharded layers. While layer l's backward runs: the gathered buffers of l and of
+    // l − 1 below it, prefetched (D shards each, at the compute copies' bytes), the unsharded
+    // copy of l's weights and its fp32 gradients, and the fp32 buffer of l + 1's gradient
+    // reduce-scatter still in flight (D shards); a layer has one below only if l > 0 and one
+    // above only if l < L − 1. When l's gradients go out, l's own reduce-scatter buffer joins
+    // them, but backward's temporaries are gone: the term is the larger of the two moments,
+    // the second less the temporaries the estimate already counts.
+    const char* what = "FSDP's unsharded layers";
+    const I ew = c.bf16_weight_copies() ? kBf16 : kF32;
+    const I g = checked_product({s.dp, layer, ew}, what);
+    const I r = checked_product({s.dp, layer, kF32}, what);
+    const I unsharded = checked_product({tp_layer, sum({ew, kF32}, what)}, what);
+    const I during =
+        sum({unsharded, c.layers >= 3   ? sum({g, g, r}, what)
+                        : c.layers == 2 ? largest({sum({g, g}, what), sum({g, r}, what)})
+                                        : g},
+            what);
+    const I temporaries = largest_temporaries(c, s, b);
+    const I going_out = sum({during, r}, what);
+    e.terms.push_back({"unsharded layers (FSDP)",
+                       std::uint64_t(largest(
+                           {during, going_out > temporaries ? going_out - temporaries : I{0}}))});
   }
   // AdamW's two fp32 moments per parameter element, this rank's shards.
   if (c.optimizer == Optimizer::adamw)

@@ -44,6 +44,10 @@ struct Sharding {
   int world = 1;
   bool weights = false;   ///< tensor parallel: weights split by param_split()
   bool sequence = false;  ///< sequence parallel: input/target/activations split along S
+  /// Data parallel with sharded parameters (stage 07's FSDP): D replicas, each training B / D,
+  /// each parameter's TP shard split on dim 0 over them (padded). rank and world above are the
+  /// rank's place in its TP group.
+  int dp = 1;
 };
 
 /// Shape of this rank's shard of parameter p.

@@ -348,6 +348,9 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                   {"steps", rows},
                   {"saved_activation_bytes", r.saved_activation_bytes},
                   {"memory_estimate_bytes", estimate.total()}};
+  json terms = json::object();  // the estimate's terms, by name (stage 07: sharded and unsharded)
+  for (const MemoryTerm& t : estimate.terms) terms[t.name] = t.bytes;
+  summary["memory_terms"] = terms;
   summary["optimizer_state_bytes"] =
       c.optimizer == Optimizer::adamw ? estimate.term("optimizer state").bytes : std::uint64_t{0};
   if (!r.diverged.empty()) summary["diverged"] = r.diverged;

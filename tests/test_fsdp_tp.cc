@@ -214,6 +214,28 @@ TEST(Fsdp, TraceShowsThePrefetchAndTheReduceScatterInFlight) {
                                 "was issued";
 }
 
+TEST(Fsdp, MemoryEstimateHoldsAndShardsFallWithD) {
+  // The header's estimate against the allocator's measured peak at D = 1, 2, 4 (TP = 1 and 2),
+  // and the sharded terms of --json falling as 1/D.
+  Sizes z;
+  z.B = 4;
+  std::uint64_t params_d1 = 0;
+  for (const auto& [n, d] : std::vector<std::pair<int, int>>{{1, 1}, {2, 2}, {4, 4}, {4, 2}}) {
+    const json j = run_json("07_fsdp_tp", n, fmt::format("{} --dp {} --steps 2", z.args(), d));
+    ASSERT_TRUE(j.contains("steps"));
+    const double est = j.at("memory_estimate_bytes").get<double>();
+    const double peak = j["steps"][1].at("peak_bytes").get<double>();
+    EXPECT_GE(est / peak, 0.9) << "np " << n << " dp " << d;
+    EXPECT_LE(est / peak, 1.1) << "np " << n << " dp " << d;
+    const auto params = j.at("memory_terms").at("parameters").get<std::uint64_t>();
+    if (n == 1) params_d1 = params;
+    if (n == d) {  // TP = 1: every parameter's 96 or 192 rows split evenly, no padding
+      EXPECT_EQ(params * std::uint64_t(d), params_d1) << "D " << d;
+    }
+    EXPECT_EQ(j.at("memory_terms").contains("unsharded layers (FSDP)"), d > 1);
+  }
+}
+
 TEST(Fsdp, BadMeshesAreOneLineOnEveryRank) {
   const Sizes z;
   struct Bad {

@@ -29,6 +29,7 @@
 #include "03_sequence_parallel/layers.h"
 #include "04_overlap_ring/layers.h"
 #include "06_fp8/layers.h"
+#include "07_fsdp_tp/layers.h"
 #include "common/checked.h"
 #include "common/memory.h"
 #include "common/ops.h"
@@ -131,6 +132,12 @@ const Stage kMegatron{"megatron", megatron::make_megatron};
 const Stage kSequenceParallel{"sequence_parallel", sp::make_sequence_parallel};
 const Stage kOverlapRing{"overlap_ring", ring::make_overlap_ring};
 const Stage kFp8{"fp8", async_fp8::make_fp8_async_tp};
+/// Stage 07 with every rank its own DP replica (D = the ranks, TP = 1): FSDP at its fullest.
+const Stage kFsdp{"fsdp", [](const RunContext& ctx) {
+                    StageOptions o = ctx.options;
+                    o.dp = ctx.world;
+                    return fsdp::make_fsdp_tp(RunContext{o, ctx.rank, ctx.world, ctx.trace});
+                  }};
 
 /// `z` with stage 06's --dtype fp8.
 Sizes in_fp8(Sizes z) {
@@ -202,6 +209,13 @@ std::vector<Case> all_cases() {
                            naive(long_sequence(2)), gqa_recomputed(default_sizes()),
                            selective(default_sizes()), adamw(wide_mlp())})
       cases.push_back({st, in_bf16(z)});
+  for (const Sizes& z :
+       {default_sizes(), wide_mlp(), adamw(default_sizes()), in_bf16(default_sizes()),
+        selective(default_sizes()), gqa_recomputed(default_sizes()), naive(long_sequence(2))}) {
+    Sizes two = z;  // B = 2: one sequence per replica at D = 2
+    two.config.batch = std::max<std::int64_t>(two.config.batch, 2);
+    cases.push_back({kFsdp, two});
+  }
   for (const Sizes& z : {default_sizes(), long_sequence(1), wide_mlp(),
                          gqa_recomputed(default_sizes()), selective(default_sizes())})
     cases.push_back({kFp8, in_fp8(z)});
@@ -249,6 +263,35 @@ TEST(MemoryTerms, ParametersTargetAndSavedFollowTheShardings) {
 }
 
 // A Llama-7B-sized block at a long sequence on one GPU: H 4096, NH 32, F 11008, S 8192, B 1,
+// FSDP × TP: of the parameters, gradients and optimizer state a rank keeps 1/(T·D) of the seven
+// matrices and 1/D of the norm gains (replicated over TP, sharded over DP; here every dim 0
+// divides, so no padding); the activations are 1/(T·D) of the model's under sequence
+// parallelism; and D = 1 adds no FSDP term.
+TEST(MemoryTerms, FsdpShardsFallAsOneOverTD) {
+  BlockConfig c;  // H 256, NH 8, F 1024, S 128, B 2 → B 4 so that D = 4 divides it
+  c.batch = 4;
+  c.optimizer = Optimizer::adamw;
+  const MemoryEstimate one = estimate_training_memory(c, Sharding{});
+  for (const int t : {1, 2, 4})
+    for (const int d : {1, 2, 4}) {
+      const Sharding s{.rank = 0, .world = t, .weights = true, .sequence = true, .dp = d};
+      const MemoryEstimate e = estimate_training_memory(c, s);
+      for (const char* term : {"parameters", "gradients", "optimizer state"}) {
+        const std::uint64_t copies = std::string(term) == "optimizer state" ? 2 : 1;
+        const std::uint64_t gains = copies * 2 * 2 * 256 * kFloat;  // L · 2 gains · H · 4 B
+        EXPECT_EQ(e.term(term).bytes,
+                  (one.term(term).bytes - gains) / std::uint64_t(t * d) + gains / std::uint64_t(d))
+            << term << " at T " << t << " D " << d;
+      }
+      EXPECT_EQ(e.term("saved activations").bytes * std::uint64_t(t * d),
+                one.term("saved activations").bytes)
+          << "T " << t << " D " << d;
+      const bool fsdp_term = std::ranges::any_of(
+          e.terms, [](const MemoryTerm& m) { return m.name == "unsharded layers (FSDP)"; });
+      EXPECT_EQ(fsdp_term, d > 1) << "T " << t << " D " << d;
+    }
+}
+
 // bf16 on cuda. At L = 1 the estimate is 5.9 GiB with fused attention and 29.9 GiB with naive:
 // naive keeps the probabilities, B·NH·S²·4 = 8 GiB per layer, and its backward's dP, bf16 P and
 // dS add 16 GiB of scratch; fused keeps B·NH·S·4 = 1 MiB of lse and its backward's only scratch
