@@ -34,7 +34,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- figure: (.+) -->$")
 IMAGE = re.compile(r"!\[[^\]]*\]\(\.\./docs/figures/([^)]+\.svg)\)")
-RUN_FIGURE = re.compile(r"(timeline|signals|column_backward|loss)")  # figures made from runs
+RUN_FIGURE = re.compile(r"(timeline|signals|column_backward|loss|memory)")  # figures made from runs
 TITLE = re.compile(r"<title>(.*?)</title>", re.S)
 
 

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 build=${1:-build}
 out=${2:-.gpucarry.tar.xz}
 programs=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
-  06_fp8 test_cuda_ops test_cuda_stage01 test_cuda_streams test_fp8 test_comm test_attention
+  06_fp8 07_fsdp_tp test_cuda_ops test_cuda_stage01 test_cuda_streams test_fp8 test_comm test_attention
   bench_gemm bench_copy_overlap bench_attention)
 # What a bare GPU machine has: the C and C++ runtimes, CUDA's libraries; and what the bundle has.
 have='/libc\.so|/libm\.so|/libdl\.so|/libpthread\.so|/librt\.so|/ld-linux|/libstdc\+\+\.so|/libgcc_s\.so|/usr/local/cuda|/libcud|/libcublas|/libnccl|/libmpi|/libopen-|/libhwloc|/libevent|/libudev|/libz\.so'
