@@ -167,6 +167,12 @@ if has stages; then
   check_step 05.np4 300 PASS "${mpi[@]}" -np 4 "$bin/05_copy_engine_async_tp" --device cuda --check
   check_step 05.bf16.np4 300 PASS "${mpi[@]}" -np 4 "$bin/05_copy_engine_async_tp" --device cuda \
     --dtype bf16 --check
+  if [ -x "$bin/07_fsdp_tp" ]; then  # the mesh: host-staged DP, IPC TP (common/cuda/README.md)
+    check_step 07.dp2.np2 300 PASS "${mpi[@]}" -np 2 "$bin/07_fsdp_tp" --device cuda --dp 2 --check
+    check_step 07.dp2tp2.np4 300 PASS "${mpi[@]}" -np 4 "$bin/07_fsdp_tp" --device cuda --dp 2 --check
+    check_step 07.dp2tp2.bf16.np4 300 PASS "${mpi[@]}" -np 4 "$bin/07_fsdp_tp" --device cuda \
+      --dp 2 --dtype bf16 --check
+  fi
   check_step 05.nccl-zero-cta.np1 300 PASS "${mpi[@]}" -np 1 "$bin/05_copy_engine_async_tp" \
     --device cuda --all-gather nccl-zero-cta --check
   # Ranks sharing the GPU: the option must refuse in one line on every rank, with exit status 2.
