@@ -348,6 +348,7 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                   {"steps", rows},
                   {"saved_activation_bytes", r.saved_activation_bytes},
                   {"memory_estimate_bytes", estimate.total()}};
+  summary["dp"] = par.sharding().dp;  // the mesh's data-parallel degree (1 but in stage 07)
   json terms = json::object();  // the estimate's terms, by name (stage 07: sharded and unsharded)
   for (const MemoryTerm& t : estimate.terms) terms[t.name] = t.bytes;
   summary["memory_terms"] = terms;

@@ -44,7 +44,16 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STAGES = ["01_baseline", "02_megatron_tp", "03_sequence_parallel", "04_overlap_ring",
-          "05_copy_engine_async_tp", "06_fp8"]
+          "05_copy_engine_async_tp", "06_fp8", "07_fsdp_tp"]
+# Stage 07 runs on a D × TP mesh: its points are (N, D) with N = D · TP, and its rows are named
+# "07_fsdp_tp D<D>" (D × TP = 1 × 2, 2 × 1, 2 × 2).
+MESH_STAGE = "07_fsdp_tp"
+MESH_POINTS = [(2, 1), (2, 2), (4, 2)]  # (N, D)
+
+
+def stage_label(stage, dp=None):
+    """A sweep row's stage: the executable, and for the mesh stage its D."""
+    return f"{stage} D{dp}" if stage == MESH_STAGE else stage
 REFERENCE_STAGE = "03_sequence_parallel"  # the speed-up column's denominator
 MIB = 1024.0 * 1024.0
 SECTIONS = ["cpu", "cuda", "projection"]  # the order of the sections in benchmarks.md
@@ -111,7 +120,7 @@ def summarise_point(summaries):
     bus = statistics.median(steady_mean(s["steps"], "comm_bus_bytes") for s in summaries)
     peak = statistics.median(max(float(r["peak_bytes"]) for r in s["steps"]) for s in summaries)
     tf = tflops_per_rank(float(first["flops_per_step_per_rank"]), med)
-    return {"stage": first["stage"], "n": int(first["world_size"]),
+    return {"stage": stage_label(first["stage"], first.get("dp")), "n": int(first["world_size"]),
             "device": first["config"]["device"], "dtype": first["config"]["dtype"],
             "step_ms": med, "step_ms_min": lo, "step_ms_max": hi, "repeats": len(summaries),
             "tflops": tf, "exposed_ms": exposed, "bus_bytes": bus, "bus_gbps": bus_gbps(bus, med),
@@ -298,8 +307,11 @@ class Driver:
         return p if p.is_file() and os.access(p, os.X_OK) else None
 
     def stage_cmd(self, stage, n, config, json_path):
-        cmd = self.mpirun + ["-np", str(n), str(self.bin / stage), "--device", self.a.device,
+        exe, _, dp = stage.partition(" D")  # "07_fsdp_tp D2": the mesh stage at D = 2
+        cmd = self.mpirun + ["-np", str(n), str(self.bin / exe), "--device", self.a.device,
                              "--steps", str(self.steps)] + config_flags(config)
+        if dp:
+            cmd += ["--dp", dp]
         if self.a.device == "cuda" and stage != "06_fp8":
             cmd += ["--dtype", "bf16"]  # 06 keeps its default, fp8
         return cmd + ["--json", str(json_path)]
@@ -312,6 +324,16 @@ class Driver:
         points, skipped = [], []
         for config in configs_for(self.a.device, self.a.quick):
             for stage in stages:
+                if stage == MESH_STAGE:
+                    for n, dp in MESH_POINTS:
+                        if n not in self.ranks:
+                            continue
+                        if not divides(sizes(config), n // dp) or sizes(config)["batch"] % dp:
+                            skipped.append(f"{config['name']} at D {dp} × TP {n // dp}: "
+                                           f"{size_text(sizes(config))} does not split")
+                            continue
+                        points.append((config, stage_label(stage, dp), n))
+                    continue
                 for n in self.ranks:
                     if stage == "01_baseline" and n > 1:
                         continue
@@ -329,7 +351,8 @@ class Driver:
                 done += 1
                 if config["name"] in refused:
                     continue
-                path = self.work / "runs" / f"{config['name']}.{stage}.np{n}.r{rep}.json"
+                name = stage.replace(" ", "-")  # "07_fsdp_tp-D2"
+                path = self.work / "runs" / f"{config['name']}.{name}.np{n}.r{rep}.json"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 cmd = self.stage_cmd(stage, n, config, path)
                 print(f"[{done}/{total}] {config['name']} {stage} N={n} (repeat {rep + 1})",
@@ -344,10 +367,13 @@ class Driver:
                 results.setdefault((config["name"], stage, n), []).append(
                     json.loads(path.read_text()))
         rows = []
+        labels = [lab for s in stages
+                  for lab in ([stage_label(s, dp) for dp in sorted({d for _, d in MESH_POINTS})]
+                              if s == MESH_STAGE else [s])]
         for config in configs_for(self.a.device, self.a.quick):
             if config["name"] in refused:
                 continue
-            for stage in stages:
+            for stage in labels:
                 for n in self.ranks:
                     runs = results.get((config["name"], stage, n))
                     if not runs:
@@ -858,7 +884,7 @@ def verify(out, device, expected, peak_measured, reference_ran, sections):
         if not re.search(rf"^\| {re.escape(r['stage'])} \| {r['n']} \| {device} \|", body, re.M):
             problems.append(f"{md_path}: no table row for {r['config']}/{r['stage']}/N={r['n']}")
     table_rows = [ln for ln in body.splitlines()
-                  if re.match(r"^\| 0[1-6]_\w+ \| \d+ \|", ln)]
+                  if re.match(r"^\| 0[1-9]_\w+(?: D\d+)? \| \d+ \|", ln)]
     width = len([h for _, h, _ in COLUMNS if h])
     for ln in table_rows:
         cells = [c.strip() for c in ln.strip().strip("|").split("|")]
@@ -912,7 +938,7 @@ def drive(a):
     loads = (load_before, load_average())
     # Summaries on cuda carry the GPU's name.
     for r in rows:
-        p = d.work / "runs" / f"{r['config']}.{r['stage']}.np{r['n']}.r0.json"
+        p = d.work / "runs" / f"{r['config']}.{r['stage'].replace(' ', '-')}.np{r['n']}.r0.json"
         if p.is_file():
             r["device_name"] = json.loads(p.read_text()).get("device_name")
     add_derived(rows, peak["tflops"] if peak else None)
