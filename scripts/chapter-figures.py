@@ -59,9 +59,10 @@ def figures(lines):
 
 
 def run(command, build, out_dir, scratch):
+    # The command's own paths first: the build tree may itself lie under /tmp/.
+    command = command.replace("/tmp/", f"{scratch}/").replace("docs/figures/", f"{out_dir}/")
     if build:
         command = command.replace("build/bin/", f"{build}/bin/")
-    command = command.replace("/tmp/", f"{scratch}/").replace("docs/figures/", f"{out_dir}/")
     p = subprocess.run(["bash", "-c", f"source scripts/env.sh && set -o pipefail && {command}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
