@@ -4,14 +4,19 @@
 //     (stages 01 … 06, N = 1, 2, 4; stage 01 runs on one rank only), and the chapters' worked
 //     numbers at the default config;
 //   - the efficiency curve, calibration from a bench_gemm file, and one AG+GEMM worked by hand;
+//   - the fused (Flux) and GEMM + reduce-scatter times, FSDP's bytes and a training step by hand;
 //   - tpx_project's output: its validation errors are (projected − published) / published of the
-//     numbers it prints, its projections are the library's, and its markdown says it is projected.
+//     numbers it prints, its projections are the library's, and its markdown says it is projected;
+//   - the published cases: the held-out set keeps every case and each value is the one its quoted
+//     source line gives; the validation and sensitivity tables in docs/benchmarks.md are what a
+//     fresh run of tpx_project prints (a constant changed without regenerating them fails here).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -211,6 +216,92 @@ TEST(Projection, CalibrationTakesTheCudaBf16Rows) {
   EXPECT_FALSE(e.calibrated);
 }
 
+TEST(Projection, CalibrationTakesChunkedRowsAndContention) {
+  pj::DeviceSpec d = round_device();
+  d.assumed = {"gemm_efficiency", "copy_engine_gemm_slowdown", "collective_sms", "link_latency_us"};
+  test::TempDir dir;
+  const auto path = dir / "bench.json";
+  // A chunked row of 4 chunks: each chunk is 2·250·1000·1000 = 5e8 FLOPs, at 100 TFLOP/s = 0.1
+  // of the peak. bench_copy_overlap: the largest n of each mover counts (8192, not 4096).
+  std::ofstream(path) << R"({"benchmarks": [
+    {"name": "gemm/cuda/bf16/wq/fwd", "run_type": "iteration", "label": "m=1000 n=1000 k=1000",
+     "TFLOP/s": 250},
+    {"name": "gemm_chunked/cuda/bf16/wq/N:4", "run_type": "iteration",
+     "label": "m=1000 n=1000 k=1000 chunks=4", "TFLOP/s": 100, "efficiency": 0.4},
+    {"name": "copy_overlap/cuda/bf16/copy_engine/4096", "run_type": "iteration", "slowdown": 1.5},
+    {"name": "copy_overlap/cuda/bf16/copy_engine/8192", "run_type": "iteration", "slowdown": 1.04},
+    {"name": "copy_overlap/cuda/bf16/sm_copy/8192", "run_type": "iteration", "slowdown": 1.3}]})";
+  ASSERT_TRUE(pj::calibrate(d, path));
+  ASSERT_EQ(d.gemm.points.size(), 2u);
+  EXPECT_DOUBLE_EQ(d.gemm.points[0].first, 5e8);
+  EXPECT_DOUBLE_EQ(d.gemm.at(5e8), 0.1);
+  EXPECT_DOUBLE_EQ(d.gemm.at(2e9), 0.25);
+  EXPECT_DOUBLE_EQ(d.copy_engine_gemm_slowdown, 1.04);
+  EXPECT_DOUBLE_EQ(d.ring_gemm_slowdown, 1.3);
+  // Measured now: no longer assumptions; the latency still is.
+  EXPECT_EQ(d.assumed, std::vector<std::string>{"link_latency_us"});
+}
+
+TEST(Projection, FusedAndGemmReduceScatterByHand) {
+  pj::DeviceSpec d = round_device();  // flat 0.5 efficiency: 1e12 FLOPs = 2 ms
+  // Transfers: 4e7 bytes / 4 ranks = 1e7 per step at 50 GB/s = 0.2 ms + 10 µs latency.
+  // All-gather fused: the GEMM (2 ms) outlasts 3 transfers + one chunk (0.63 + 0.5 ms).
+  EXPECT_NEAR(pj::fused_ms(d, 1e12, 4e7, 4, false), 2.0, 1e-12);
+  // Reduce-scatter fused: the last transfer stays exposed after the GEMM.
+  EXPECT_NEAR(pj::fused_ms(d, 1e12, 4e7, 4, true), 2.0 + 0.21, 1e-12);
+  // Transfer-bound (4e8 bytes: 2.01 ms a step): an all-gather waits for 3 steps, then computes
+  // the last chunk; a reduce-scatter computes one chunk, then 3 transfers and the last one.
+  EXPECT_NEAR(pj::fused_ms(d, 1e12, 4e8, 4, false), 3 * 2.01 + 0.5, 1e-9);
+  EXPECT_NEAR(pj::fused_ms(d, 1e12, 4e8, 4, true), 0.5 + 3 * 2.01 + 2.01, 1e-9);
+  // Beside a copy engine that slows the GEMM by 10 %, the compute-bound case takes 10 % longer.
+  d.copy_engine_gemm_slowdown = 1.1;
+  EXPECT_NEAR(pj::fused_ms(d, 1e12, 4e7, 4, false), 2.2, 1e-12);
+  d.copy_engine_gemm_slowdown = 1.0;
+  // Bulk GEMM + reduce-scatter: x [1000, 250] times [250, 2000] = 1e9 FLOPs, 0.002 ms; the
+  // [1000, 2000] partial sums in 2 bytes (4e6) reduce-scattered: bus 3e6 at 100 GB/s = 0.03 ms,
+  // + 3 messages · 10 µs.
+  EXPECT_NEAR(pj::gemm_rs_ms(d, 1000, 2000, 250, 4, 2, false), 0.002 + 0.03 + 0.03, 1e-12);
+}
+
+TEST(Projection, FsdpBytesByHand) {
+  BlockConfig c;  // H=256 NH=8 F=1024 L=2, multi-head: Wq Wk Wv Wo 4·H², FFN 3·H·F
+  const double per_tp_rank = (4.0 * 256 * 256 + 3.0 * 256 * 1024) / 2 + 2 * 256;
+  EXPECT_DOUBLE_EQ(pj::layer_params_per_tp_rank(c, 2), per_tp_rank);
+  // D = 4, bf16 gathers: per layer (2·2 + 4)·P·3/4, two layers.
+  EXPECT_DOUBLE_EQ(pj::fsdp_bytes(c, 2, 4, 2), 2 * 8 * per_tp_rank * 3 / 4);
+  EXPECT_DOUBLE_EQ(pj::fsdp_bytes(c, 2, 1, 2), 0.0);
+}
+
+TEST(Projection, TrainingStepHasEveryPart) {
+  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_hbm2e_500w.json");
+  pj::Workload w;
+  w.layer = pj::big_config();
+  w.layer.batch = 2;
+  w.layers = 4;
+  w.vocab = 128256;
+  w.tp = 8;
+  w.dp = 4;
+  const pj::TrainStep plain = pj::train_step(d, w, false);
+  EXPECT_NEAR(plain.step_ms,
+              plain.layers_ms + plain.head_ms + plain.optimizer_ms + plain.fsdp_exposed_ms, 1e-9);
+  EXPECT_GT(plain.head_ms, 0.0);
+  EXPECT_GT(plain.optimizer_ms, 0.0);
+  EXPECT_GT(plain.fsdp_exposed_ms, 0.0);  // at least the first gather
+  // The layers are the block's projection, L times.
+  pj::ModelOptions o;
+  o.schedule = pj::Schedule::bulk;
+  o.act_bytes = 2;  // bf16 activations
+  BlockConfig one = w.layer;
+  one.layers = 1;
+  EXPECT_NEAR(plain.layers_ms, 4 * pj::project(d, one, 8, o).step_ms, 1e-9 * plain.layers_ms);
+  // Full recompute runs each layer's forward again.
+  w.recompute_fraction = 1;
+  EXPECT_NEAR(pj::train_step(d, w, false).layers_ms - plain.layers_ms,
+              4 * pj::project(d, one, 8, o).forward.step_ms, 1e-9 * plain.layers_ms);
+  // Tokens per GPU: S·B tokens per TP group of 8 per step.
+  EXPECT_NEAR(plain.tokens_per_gpu_s, 8192.0 * 2 / 8 / (plain.step_ms * 1e-3), 1e-9);
+}
+
 TEST(Projection, BadDeviceFileIsOneClearError) {
   test::TempDir dir;
   const auto path = dir / "bad.json";
@@ -235,7 +326,7 @@ TEST(TpxProject, ValidationErrorsAreWhatItPrints) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const json j = json::parse(test::read_file(js));
   const json published = json::parse(test::read_file(kDevices / "published.json"))["results"];
-  const auto cases = pj::load_published(kDevices / "published.json");
+  const auto cases = pj::load_published(kDevices / "published.json").results;
   const auto mine = pj::validate(cases, kDevices, pj::load_device(kDevices / "h100_sxm.json"));
   ASSERT_EQ(j.at("validation").size(), published.size());
   ASSERT_EQ(mine.size(), published.size());
@@ -273,6 +364,100 @@ TEST(TpxProject, ValidationErrorsAreWhatItPrints) {
                 pj::comm_bytes(stage, c, row.at("n").get<int>()).bus);
     }
   }
+}
+
+// The held-out set, by name: removing a case from it (or moving it to calibration) fails here.
+const std::vector<std::string> kHeldOut = {
+    "flux_ag_gemm_torch_a800",         "flux_ag_gemm_fused_a800",
+    "flux_gemm_rs_torch_a800",         "flux_gemm_rs_fused_a800",
+    "flux_gemm_rs_torch_h800",         "flux_gemm_rs_fused_h800",
+    "torchtitan_async_tp_fp8_rowwise", "torchtitan_8b_async_tp_bf16",
+    "torchtitan_8b_async_tp_fp8",      "torchtitan_8b_async_tp_fp8_rowwise",
+    "torchtitan_perf_2d_async_tp_fp8", "torchtitan_70b_bf16_tokens",
+    "torchtitan_8b_bf16_tokens",       "pytorch_async_tp_e2e_70b"};
+
+TEST(Published, HeldOutSetKeepsEveryCase) {
+  const auto set = pj::load_published(kDevices / "published.json");
+  std::size_t held = 0, cal = 0;
+  for (const auto& p : set.results) ++(p.set == "held_out" ? held : cal);
+  EXPECT_GE(held, cal) << "the held-out set must have at least as many cases as calibration";
+  for (const std::string& name : kHeldOut) {
+    const auto it = std::find_if(set.results.begin(), set.results.end(),
+                                 [&](const pj::Published& p) { return p.name == name; });
+    ASSERT_NE(it, set.results.end()) << name << " was removed from the held-out set";
+    EXPECT_EQ(it->set, "held_out") << name;
+  }
+  for (const auto& p : set.results) {
+    // The value is what the quoted source line gives (load_published checks it too).
+    EXPECT_NEAR(p.value, pj::derived_value(p), 5e-4 * p.value) << p.name;
+    for (const std::string& f : p.from) EXPECT_NE(p.quote.find(f), std::string::npos) << p.name;
+    EXPECT_FALSE(p.source.empty() || p.where.empty() || p.measured.empty()) << p.name;
+    EXPECT_EQ(p.source.rfind("https://", 0), 0u) << p.name;
+  }
+}
+
+TEST(Published, ValueChangedWithoutItsSourceLineIsRefused) {
+  json j = json::parse(test::read_file(kDevices / "published.json"));
+  test::TempDir dir;
+  const auto path = dir / "published.json";
+  json changed = j;
+  changed["results"][0]["published"] = changed["results"][0]["published"].get<double>() * 1.05;
+  std::ofstream(path) << changed.dump();
+  EXPECT_THROW(pj::load_published(path), std::runtime_error);
+  // A number that is not in the quoted line is refused too.
+  changed = j;
+  changed["results"][0]["from"][0] = "123456.7";
+  std::ofstream(path, std::ios::trunc) << changed.dump();
+  EXPECT_THROW(pj::load_published(path), std::runtime_error);
+  changed = j;
+  changed["results"][0]["set"] = "tuned";
+  std::ofstream(path, std::ios::trunc) << changed.dump();
+  EXPECT_THROW(pj::load_published(path), std::runtime_error);
+  std::ofstream(path, std::ios::trunc) << j.dump();
+  EXPECT_NO_THROW(pj::load_published(path));
+}
+
+TEST(Published, SensitivityIsTheErrorOfAPerturbedModel) {
+  const auto cases = pj::load_published(kDevices / "published.json").results;
+  const pj::DeviceSpec h100 = pj::load_device(kDevices / "h100_sxm.json");
+  const auto base = pj::validate(cases, kDevices, h100);
+  const auto sens = pj::sensitivity(cases, kDevices, h100);
+  ASSERT_FALSE(sens.empty());
+  bool gemm = false;
+  for (const auto& s : sens) {
+    ASSERT_EQ(s.minus.size(), cases.size());
+    if (s.param != "gemm_efficiency") continue;
+    gemm = true;
+    const auto up = pj::validate(cases, kDevices, h100,
+                                 [](pj::DeviceSpec& d) { pj::perturb(d, "gemm_efficiency", 1.2); });
+    for (std::size_t i = 0; i < cases.size(); ++i)
+      EXPECT_NEAR(s.plus[i], up[i].error_pct - base[i].error_pct, 1e-9) << cases[i].name;
+  }
+  EXPECT_TRUE(gemm) << "the GEMM efficiency curve is an assumption of every device file";
+  // A figure no device file marks as assumed is not perturbed; efficiencies stay at most 1.
+  pj::DeviceSpec d = h100;
+  EXPECT_FALSE(pj::perturb(d, "sms", 1.2));
+  EXPECT_TRUE(pj::perturb(d, "gemm_efficiency", 10.0));
+  for (const auto& pt : d.gemm.points) EXPECT_LE(pt.second, 1.0);
+}
+
+TEST(Published, CommittedTablesAreAFreshRun) {
+  // docs/benchmarks.md carries tpx_project's markdown verbatim: its validation and sensitivity
+  // tables must be what the model and the device files give now.
+  test::TempDir dir;
+  const auto r =
+      test::run_command(fmt::format("{} --device {} --validate --sensitivity", TPX_PROJECT_BIN,
+                                    (kDevices / "h100_sxm.json").string()),
+                        dir);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_GT(r.out.size(), 1000u);
+  const std::string doc =
+      test::read_file(std::filesystem::path(TPX_SOURCE_DIR) / "docs/benchmarks.md");
+  std::string want = r.out;
+  while (!want.empty() && want.back() == '\n') want.pop_back();
+  EXPECT_NE(doc.find(want), std::string::npos)
+      << "docs/benchmarks.md's validation tables are not what tpx_project prints now: "
+         "regenerate them (tools/bench.py --only projection --build DIR)";
 }
 
 TEST(TpxProject, MissingDeviceFileFailsWithOneLine) {

@@ -545,14 +545,21 @@ def device_description(device, rows):
         names = {r.get("device_name") for r in rows if r.get("device_name")}
         name = sorted(names)[0] if names else "GPU (unnamed)"
         return f"cuda: {name}"
-    model = "unknown cpu"
+    model, ident = "unknown cpu", {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model == "unknown cpu":
+                model = value.strip()
+            elif key in ("cpu family", "model", "stepping") and key not in ident:
+                ident[key] = value.strip()
+            elif not line.strip() and ident:
                 break
     except OSError:
         pass
+    if ident:  # a virtual machine may name only the vendor: the family / model say which CPU
+        model += " (" + ", ".join(f"{k} {v}" for k, v in ident.items()) + ")"
     return f"cpu: {model}, {os.cpu_count()} cores"
 
 
@@ -567,10 +574,12 @@ What each section is:
   collectives in nccl-tests' convention. A CPU section shows the mechanics (bytes, the structure
   of the overlap, relative cost), not GPU speed.
 - **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
-  (`tools/projection.h`); projected, not measured.
+  (`tools/projection.h`); projected, not measured; then the model against published results,
+  held-out cases first, and how far each error moves with each assumption.
 
 Regenerate with `scripts/bench.sh` (CPU section and projection) or `scripts/bench.sh --device
 cuda` on a GPU machine (CUDA section and projection); each run replaces only its own sections.
+`tools/bench.py --only projection --build DIR` replaces the projection alone (no stage runs).
 No number in this file is typed by hand: all of it is written by `tools/bench.py`."""
 
 PLACEHOLDER = {
@@ -580,6 +589,19 @@ PLACEHOLDER = {
     "projection": "## Projection (H100 SXM, projected)\n\nNot generated yet: `scripts/bench.sh` "
                   "writes this section.",
 }
+
+
+def oversubscribed(row):
+    """A cpu point with more ranks than cores: its ranks take turns on the cores, so its time
+    says nothing about the stage's speed."""
+    return row.get("device") == "cpu" and int(row.get("n") or 0) > (os.cpu_count() or 1)
+
+
+def cell(row, key, fmt):
+    """One table cell; the speed-up of an oversubscribed cpu point is not shown."""
+    if key == "speedup" and oversubscribed(row):
+        return "— (N > cores)"
+    return fmt(row.get(key))
 
 
 class Render:
@@ -602,7 +624,9 @@ class Render:
             out.append("**These are CPU-backend timings: they show the mechanics (the bytes each "
                        "rank moves, the structure of the overlap, the relative cost of the stages), "
                        "not GPU speed.** Ranks share the machine's cores (one BLAS thread each, "
-                       f"{os.cpu_count()} cores; N = 4 oversubscribes them).")
+                       f"{os.cpu_count()} cores; N = 4 oversubscribes them, and its speed-up "
+                       "is not shown: ranks that take turns on a core time the scheduler, not "
+                       "the stage).")
             out.append("")
         if None not in loads:
             out.append(f"The machine's 1-minute load average was {loads[0]:.2f} when the sweep "
@@ -649,7 +673,7 @@ class Render:
             out.append("")
             table = [r for r in rows if r["config"] == config["name"]]
             head = [h for _, h, _ in COLUMNS if h]
-            out.append(md_table(head, [[f(r.get(k)) for k, h, f in COLUMNS if h] for r in table]))
+            out.append(md_table(head, [[cell(r, k, f) for k, h, f in COLUMNS if h] for r in table]))
             out.append("")
             example = d.stage_cmd("<stage>", "<N>", config, "<file>")
             out += self.caption(f"Each point run by `{a.command}` as", example)
@@ -908,6 +932,9 @@ def main(argv=None):
     ap.add_argument("--mpirun", default="mpirun --oversubscribe --bind-to none")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per program run")
     ap.add_argument("--command", help="the command to print as the one that made the tables")
+    ap.add_argument("--only", choices=["projection"],
+                    help="regenerate only this section of benchmarks.md (projection: runs "
+                         "tpx_project alone, no stage runs)")
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -920,15 +947,44 @@ def main(argv=None):
         return 1
 
 
+def projection_section(a, d, projection, proj_cmd, proj_note):
+    proj = ["## Projection (H100 SXM, projected)", ""]
+    if projection is None:
+        return proj + [proj_note]
+    return proj + ["Projected by the model, not measured. Date: " + d.date + ". Command: `"
+                   + show(proj_cmd) + "` (run by `" + a.command + "`); its "
+                   "markdown, verbatim:", "", projection.strip()]
+
+
+def drive_projection(a, d, out):
+    """--only projection: tpx_project alone, its section of benchmarks.md replaced."""
+    projection, proj_cmd, proj_note = d.projection()
+    if projection is None:
+        raise BenchError(proj_note)
+    md = out / "benchmarks.md"
+    text = md.read_text() if md.is_file() else ""
+    text = replace_intro(text, INTRO)
+    for name in SECTIONS:
+        if f"<!-- tpx-bench:begin {name} -->" not in text:
+            text = replace_section(text, name, PLACEHOLDER[name])
+    text = replace_section(text, "projection",
+                           "\n".join(projection_section(a, d, projection, proj_cmd, proj_note)))
+    md.write_text(text.rstrip("\n") + "\n")
+    print(f"wrote the projection section of {md}")
+    return 0
+
+
 def drive(a):
+    d = Driver(a)
+    d.work.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(a.out)
+    if a.only == "projection":  # no plots: matplotlib is not needed
+        return drive_projection(a, d, out)
     try:
         import matplotlib  # noqa: F401  (checked before the runs, not after them)
     except ImportError:
         raise BenchError("matplotlib is missing (Debian: apt-get install python3-matplotlib; "
                          "scripts/setup.sh installs it)")
-    d = Driver(a)
-    d.work.mkdir(parents=True, exist_ok=True)
-    out = pathlib.Path(a.out)
 
     # The peak first: bench_gemm's largest GEMM, before the stages load the machine.
     gemm, chunked, gemm_cmd, gemm_note = d.bench_gemm()
@@ -952,13 +1008,7 @@ def drive(a):
     body += R.gemm_section(gemm, chunked, gemm_cmd, gemm_note)
     body += R.collectives_section(collectives)
 
-    proj = ["## Projection (H100 SXM, projected)", ""]
-    if projection is None:
-        proj += [proj_note]
-    else:
-        proj += ["Projected by the model, not measured. Date: " + d.date + ". Command: `"
-                 + show(proj_cmd) + "` (run by `" + a.command + "`); its "
-                 "markdown, verbatim:", "", projection.strip()]
+    proj = projection_section(a, d, projection, proj_cmd, proj_note)
 
     write_csv(rows, out / "benchmarks" / f"{a.device}.csv")
     plot(rows, a.device, stages, out / "figures")

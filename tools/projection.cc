@@ -97,6 +97,13 @@ DeviceSpec load_device(const std::filesystem::path& file) {
   d.copy_engine_GBps = number(j, "copy_engine_GBps", file);
   d.collective_efficiency = number(j, "collective_efficiency", file);
   d.attention_efficiency = number(j, "attention_efficiency", file);
+  d.copy_engine_gemm_slowdown = j.value("copy_engine_gemm_slowdown", 1.0);
+  d.ring_gemm_slowdown = j.value("ring_gemm_slowdown", 0.0);
+  d.dp_GBps_per_direction = j.value("dp_GBps_per_direction", 0.0);
+  d.dp_efficiency = j.value("dp_efficiency", 1.0);
+  d.elementwise_scale = j.value("elementwise_scale", 1.0);
+  if (j.contains("assumptions") && j["assumptions"].is_object())
+    for (const auto& [key, why] : j["assumptions"].items()) d.assumed.push_back(key);
   if (d.sms <= d.collective_sms || d.collective_sms < 0)
     fail(fmt::format("{}: collective_sms must be in [0, sms)", file.string()));
   if (!j.contains("gemm_efficiency") || !j["gemm_efficiency"].contains("points"))
@@ -110,34 +117,84 @@ DeviceSpec load_device(const std::filesystem::path& file) {
   if (d.gemm.points.empty()) fail(fmt::format("{}: no gemm_efficiency points", file.string()));
   std::sort(d.gemm.points.begin(), d.gemm.points.end());
   d.gemm.origin = "assumed (" + d.file + ")";
+  if (j["gemm_efficiency"].contains("assumption")) d.assumed.push_back("gemm_efficiency");
   if (!j.contains("sources") || !j["sources"].is_array() || j["sources"].empty())
     fail(fmt::format("{}: \"sources\" must list where the figures come from", file.string()));
   return d;
 }
 
-bool calibrate(DeviceSpec& device, const std::filesystem::path& bench_gemm_json) {
-  const json j = read_json(bench_gemm_json);
+bool calibrate(DeviceSpec& device, const std::filesystem::path& bench_json) {
+  const json j = read_json(bench_json);
   if (!j.contains("benchmarks") || !j["benchmarks"].is_array())
     fail(fmt::format("{}: not a Google Benchmark JSON file (no \"benchmarks\")",
-                     bench_gemm_json.string()));
+                     bench_json.string()));
+  const std::string file = bench_json.filename().string();
   std::vector<std::pair<double, double>> points;
+  int whole = 0, chunked = 0;
+  // The largest GEMM of each mover in bench_copy_overlap: {n, slowdown}.
+  std::pair<I, double> ce{0, 0.0}, sm{0, 0.0};
   for (const json& b : j["benchmarks"]) {
     const std::string name = b.value("name", "");
-    if (name.rfind("gemm/cuda/bf16/", 0) != 0) continue;  // the bf16 GEMMs of the block
     if (b.value("run_type", "iteration") != "iteration") continue;
-    I m = 0, n = 0, k = 0;
     const std::string label = b.value("label", "");
-    if (std::sscanf(label.c_str(), "m=%ld n=%ld k=%ld", &m, &n, &k) != 3 || !b.contains("TFLOP/s"))
+    I m = 0, n = 0, k = 0, chunks = 0;
+    const bool is_whole = name.rfind("gemm/cuda/bf16/", 0) == 0;
+    const bool is_chunked = name.rfind("gemm_chunked/cuda/bf16/", 0) == 0;
+    if (is_whole || is_chunked) {
+      const bool ok = is_whole ? std::sscanf(label.c_str(), "m=%ld n=%ld k=%ld", &m, &n, &k) == 3
+                               : std::sscanf(label.c_str(), "m=%ld n=%ld k=%ld chunks=%ld", &m, &n,
+                                             &k, &chunks) == 4 &&
+                                     chunks > 0;
+      if (!ok || !b.contains("TFLOP/s")) continue;
+      // A chunked row's TFLOP/s is its n chunks' FLOPs over their summed time: the efficiency of
+      // one chunk of m/n rows.
+      const double flops = 2.0 * double(m) * double(n) * double(k) / double(is_whole ? 1 : chunks);
+      const double eff = b["TFLOP/s"].get<double>() * 1e12 / device.peak_bf16_flops;
+      points.emplace_back(flops, std::clamp(eff, 1e-3, 1.0));
+      ++(is_whole ? whole : chunked);
       continue;
-    const double flops = 2.0 * double(m) * double(n) * double(k);
-    const double eff = b["TFLOP/s"].get<double>() * 1e12 / device.peak_bf16_flops;
-    points.emplace_back(flops, std::clamp(eff, 1e-3, 1.0));
+    }
+    for (auto [prefix, slot] : {std::pair{"copy_overlap/cuda/bf16/copy_engine/", &ce},
+                                std::pair{"copy_overlap/cuda/bf16/sm_copy/", &sm}}) {
+      const std::string pre = prefix;
+      if (name.rfind(pre, 0) != 0 || !b.contains("slowdown")) continue;
+      const I size = std::atol(name.c_str() + pre.size());
+      if (size >= slot->first) *slot = {size, std::max(1.0, b["slowdown"].get<double>())};
+    }
   }
-  if (points.empty()) return false;
-  std::sort(points.begin(), points.end());
-  device.gemm.points = std::move(points);
-  device.gemm.origin = "calibrated from " + bench_gemm_json.filename().string();
+  bool any = false;
+  if (!points.empty()) {
+    std::sort(points.begin(), points.end());
+    device.gemm.points = std::move(points);
+    device.gemm.origin = fmt::format(
+        "calibrated from {} ({} whole and {} chunked cuda bf16 GEMMs, {:.2g} … {:.2g} FLOPs; "
+        "held constant outside)",
+        file, whole, chunked, device.gemm.points.front().first, device.gemm.points.back().first);
+    device.calibration_notes.push_back(device.gemm.origin);
+    any = true;
+  }
+  if (ce.first > 0) {
+    device.copy_engine_gemm_slowdown = ce.second;
+    device.calibration_notes.push_back(fmt::format(
+        "copy_engine_gemm_slowdown {:.3f} from {} (copy_overlap/cuda/bf16/copy_engine/{})",
+        ce.second, file, ce.first));
+    any = true;
+  }
+  if (sm.first > 0) {
+    device.ring_gemm_slowdown = sm.second;
+    device.calibration_notes.push_back(
+        fmt::format("ring_gemm_slowdown {:.3f} from {} (copy_overlap/cuda/bf16/sm_copy/{})",
+                    sm.second, file, sm.first));
+    any = true;
+  }
+  if (!any) return false;
   device.calibrated = true;
+  // What was measured is no longer an assumption.
+  std::erase_if(device.assumed, [&](const std::string& key) {
+    return (key == "gemm_efficiency" && whole + chunked > 0) ||
+           (key == "copy_engine_gemm_slowdown" && ce.first > 0) ||
+           ((key == "ring_gemm_slowdown" || key == "collective_sms") && sm.first > 0);
+  });
   return true;
 }
 
@@ -221,6 +278,18 @@ Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes) {
   return {r.payload * L, r.bus * L, r.calls * L};
 }
 
+double layer_params_per_tp_rank(const BlockConfig& c, int tp) {
+  check(tp >= 1, "TP ranks must be >= 1");
+  const double H = double(c.hidden), KV = double(c.kv_dim()), F = double(c.ffn);
+  return (H * (H + 2 * KV) + H * H + 3 * H * F) / tp + 2 * H;
+}
+
+double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes) {
+  check(dp >= 1, "DP ranks must be >= 1");
+  const double P = layer_params_per_tp_rank(c, tp), D = dp;
+  return double(c.layers) * (2.0 * gather_bytes + 4.0) * P * (D - 1) / D;
+}
+
 // --- time ----------------------------------------------------------------------------------------
 
 namespace {
@@ -237,6 +306,12 @@ struct Model {
     return flops / (peak * d.gemm.at(flops)) * 1e3;
   }
   double hbm_ms(double bytes) const { return bytes / (d.hbm_GBps * 1e9) * 1e3; }
+  /// GEMM time × this while the transfer of a pipeline step runs beside it.
+  double overlap_slowdown() const {
+    if (o.schedule == Schedule::copy_engine) return d.copy_engine_gemm_slowdown;
+    return d.ring_gemm_slowdown > 0 ? d.ring_gemm_slowdown
+                                    : double(d.sms) / double(d.sms - d.collective_sms);
+  }
   double latency_ms(double messages) const { return messages * d.link_latency_us * 1e-3; }
   /// Messages in the latency term of an all-reduce: 2·⌈log₂ N⌉, a tree or recursive doubling
   /// (what a library picks for the small all-reduces that are latency-bound; for the large ones
@@ -263,8 +338,7 @@ struct Model {
       case Schedule::copy_engine: {
         if (n == 1) return {gemm_ms(flops, fp8), gemm_ms(flops, fp8)};
         const double g = gemm_ms(flops / n, fp8);
-        const double slow =
-            o.schedule == Schedule::ring ? double(d.sms) / double(d.sms - d.collective_sms) : 1.0;
+        const double slow = overlap_slowdown();
         const double x = transfer_ms(full_bytes / n);
         return {g + (n - 1) * std::max(g * slow, x), n * g};
       }
@@ -328,7 +402,7 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
   // Element-wise work (assumed: 12 passes over the residual stream and 6 over the FFN activations
   // of fp32 per forward, twice that backward; the stream is sharded under sequence parallelism).
   const double stream = sp ? T * H / N : T * H;
-  const double ew_f = m.hbm_ms(4 * (12 * stream + 6 * T * F / N));
+  const double ew_f = d.elementwise_scale * m.hbm_ms(4 * (12 * stream + 6 * T * F / N));
   // FP8 casts (amax, scale, quantize: read 4 + 4, write 1 byte per element) of the operands.
   const double q_f =
       f8 ? m.hbm_ms(9 * (3 * T * H / N + T * F / N + (2 * H * H + 2 * H * KV + 3 * H * F) / N))
@@ -413,24 +487,147 @@ double ag_gemm_ms(const DeviceSpec& d, I m, I n_local, I k, int ranks, int bytes
   return model.primitive(flops, double(m) * double(k) * bytes, false).first;
 }
 
+double fused_ms(const DeviceSpec& d, double gemm_flops, double bytes_moved, int ranks,
+                bool reduce_scatter) {
+  ModelOptions o;
+  o.schedule = Schedule::copy_engine;
+  const Model model{d, ranks, o};
+  const double g = model.gemm_ms(gemm_flops, false) * (ranks > 1 ? d.copy_engine_gemm_slowdown : 1);
+  if (ranks == 1) return g;
+  const double x = model.transfer_ms(bytes_moved / ranks), N = ranks;
+  // All-gather: the local chunk first, chunk i once it has arrived; reduce-scatter: chunk i's
+  // partial sums leave once computed, the last one's transfer after the GEMM.
+  return reduce_scatter ? std::max(g, g / N + (N - 1) * x) + x : std::max(g, (N - 1) * x + g / N);
+}
+
+double gemm_rs_ms(const DeviceSpec& d, I m, I n, I k_local, int ranks, int bytes, bool fused) {
+  const double flops = 2.0 * double(m) * double(n) * double(k_local);
+  const double full = double(m) * double(n) * bytes;  // the partial sums, [m, n]
+  if (fused) return fused_ms(d, flops, full, ranks, true);
+  ModelOptions o;
+  o.schedule = Schedule::bulk;
+  const Model model{d, ranks, o};
+  return model.primitive(flops, full, false).first;
+}
+
+TrainStep train_step(const DeviceSpec& d, const Workload& w, bool async) {
+  check(w.tp >= 1 && w.dp >= 1 && w.layers >= 1, "a workload needs tp, dp, layers >= 1");
+  ModelOptions o;
+  o.schedule = async ? Schedule::copy_engine : Schedule::bulk;
+  o.fp8 = w.fp8;
+  o.act_bytes = 2;
+  BlockConfig c = w.layer;
+  c.layers = 1;
+  c.recompute = Recompute::none;
+  const Projection layer = project(d, c, w.tp, o);
+  TrainStep t;
+  const double L = w.layers, rf = w.recompute_fraction;
+  const double layer_ms = (1 + rf) * layer.forward.step_ms + layer.backward.step_ms;
+  const double layer_compute = (1 + rf) * layer.forward.compute_ms + layer.backward.compute_ms;
+  t.layers_ms = L * layer_ms;
+
+  // Embedding (vocab-parallel lookup, its output reduce-scattered in forward and gathered in
+  // backward) and the output layer (final norm's output gathered, a vocab-parallel GEMM of
+  // 2·T·H·V/TP FLOPs, its backward twice that, the input gradient reduce-scattered), bf16 GEMMs
+  // (float8 recipes leave the output layer in bf16), bulk collectives.
+  ModelOptions bulk;
+  bulk.schedule = Schedule::bulk;
+  const Model m{d, w.tp, bulk};
+  const double T = double(c.seq * c.batch), H = double(c.hidden), V = double(w.vocab);
+  const double stream = T * H * 2;  // one bf16 [S, B, H]
+  const double coll = m.collective_ms(stream * (w.tp - 1) / w.tp, w.tp - 1);
+  const double out_fwd = 2 * T * H * V / w.tp;
+  t.head_ms = 4 * coll + m.gemm_ms(out_fwd, false) * 3 + m.hbm_ms(3 * 4 * T * V / w.tp);
+
+  // AdamW on this rank's parameters: read weight, gradient, m, v (fp32); write weight, m, v.
+  const double params_rank = (L * layer_params_per_tp_rank(c, w.tp) + 2 * V * H / w.tp + H) / w.dp;
+  t.optimizer_ms = m.hbm_ms(28 * params_rank);
+
+  // FSDP over DP: per layer two bf16 all-gathers and an fp32 reduce-scatter across nodes,
+  // prefetched behind the previous layer; the first gather has nothing to hide behind.
+  if (w.dp > 1) {
+    check(d.dp_GBps_per_direction > 0,
+          fmt::format("{}: dp_GBps_per_direction is needed for DP", d.file).c_str());
+    const double bw = d.dp_GBps_per_direction * 1e9 * d.dp_efficiency;
+    BlockConfig one = c;
+    one.layers = 1;
+    const double per_layer =
+        fsdp_bytes(one, w.tp, w.dp, 2) / bw * 1e3 + 3 * (w.dp - 1) * d.link_latency_us * 1e-3;
+    const double first_gather = per_layer * 2.0 / 8.0;  // one bf16 gather of the (2e + 4) = 8
+    t.fsdp_exposed_ms = L * std::max(0.0, per_layer - layer_compute) + first_gather;
+  }
+  t.step_ms = t.layers_ms + t.head_ms + t.optimizer_ms + t.fsdp_exposed_ms;
+  t.tokens_per_gpu_s = T / w.tp / (t.step_ms * 1e-3);
+  return t;
+}
+
 // --- published results ---------------------------------------------------------------------------
 
-std::vector<Published> load_published(const std::filesystem::path& file) {
+double derived_value(const Published& p) {
+  std::vector<double> x;
+  for (const std::string& f : p.from) {
+    try {
+      std::size_t used = 0;
+      x.push_back(std::stod(f, &used));
+      if (used != f.size()) throw std::invalid_argument(f);
+    } catch (const std::exception&) {
+      fail(fmt::format("published result {}: \"{}\" in \"from\" is not a number", p.name, f));
+    }
+  }
+  if (p.derive == "value" && x.size() == 1) return x[0];
+  if (p.derive == "ratio" && x.size() == 2 && x[1] != 0) return x[0] / x[1];
+  if (p.derive == "gain_pct" && x.size() == 1) return 1 + x[0] / 100;
+  if (p.derive == "sum" && !x.empty()) {
+    double sum = 0;
+    for (double v : x) sum += v;
+    return sum;
+  }
+  fail(fmt::format(
+      "published result {}: \"derive\" must be value or gain_pct (one number), ratio (two) or "
+      "sum (any), "
+      "not \"{}\" of {}",
+      p.name, p.derive, x.size()));
+}
+
+PublishedSet load_published(const std::filesystem::path& file) {
   const json j = read_json(file);
   if (!j.contains("results") || !j["results"].is_array())
     fail(fmt::format("{}: \"results\" must be a list", file.string()));
-  std::vector<Published> out;
+  PublishedSet out;
   for (const json& r : j["results"]) {
     Published p;
     p.name = text(r, "name", file);
+    p.set = text(r, "set", file);
+    if (p.set != "calibration" && p.set != "held_out")
+      fail(fmt::format("{}: {}: \"set\" must be calibration or held_out", file.string(), p.name));
     p.what = text(r, "what", file);
     p.metric = text(r, "metric", file);
     p.unit = text(r, "unit", file);
-    p.source = text(r, "source", file);
+    const json& src = r.at("source");
+    p.source = text(src, "url", file);
+    p.where = text(src, "where", file);
+    p.quote = text(src, "quote", file);
+    p.measured = text(r, "measured", file);
     p.device_file = text(r, "device", file);
     p.kind = text(r, "kind", file);
     p.notes = r.value("notes", "");
     p.value = number(r, "published", file);
+    p.derive = text(r, "derive", file);
+    if (!r.contains("from") || !r["from"].is_array())
+      fail(fmt::format("{}: {}: \"from\" must list the quoted numbers", file.string(), p.name));
+    for (const json& f : r["from"]) {
+      if (!f.is_string())
+        fail(fmt::format("{}: {}: \"from\" holds numbers as written, in strings", file.string(),
+                         p.name));
+      p.from.push_back(f.get<std::string>());
+      if (p.quote.find(p.from.back()) == std::string::npos)
+        fail(fmt::format("{}: {}: {} is not in the quoted source line", file.string(), p.name,
+                         p.from.back()));
+    }
+    const double derived = derived_value(p);
+    if (std::abs(derived - p.value) > 5e-4 * std::abs(derived))
+      fail(fmt::format("{}: {}: published {} is not {} of the quoted {} ({})", file.string(),
+                       p.name, p.value, p.derive, fmt::join(p.from, ", "), derived));
     p.ranks = static_cast<int>(number(r, "ranks", file));
     p.act_bytes = static_cast<int>(number(r, "act_bytes", file));
     if (r.contains("config")) {
@@ -450,8 +647,32 @@ std::vector<Published> load_published(const std::filesystem::path& file) {
       p.n = static_cast<I>(number(r["gemm"], "n", file));
       p.k = static_cast<I>(number(r["gemm"], "k", file));
     }
-    out.push_back(std::move(p));
+    if (r.contains("workload")) {
+      const json& w = r["workload"];
+      BlockConfig& c = p.workload.layer;
+      c.hidden = static_cast<I>(number(w, "hidden", file));
+      c.heads = static_cast<I>(number(w, "heads", file));
+      c.kv_heads = static_cast<I>(number(w, "kv_heads", file));
+      c.ffn = static_cast<I>(number(w, "ffn", file));
+      c.seq = static_cast<I>(number(w, "seq", file));
+      c.batch = static_cast<I>(number(w, "local_batch", file));
+      c.dtype = DType::bf16;
+      p.workload.layers = static_cast<int>(number(w, "layers", file));
+      p.workload.vocab = static_cast<I>(number(w, "vocab", file));
+      p.workload.tp = static_cast<int>(number(w, "tp", file));
+      p.workload.dp = static_cast<int>(number(w, "dp", file));
+      p.workload.recompute_fraction = number(w, "recompute_fraction", file);
+      const std::string prec = text(w, "precision", file);
+      if (prec != "bf16" && prec != "fp8")
+        fail(fmt::format("{}: {}: precision must be bf16 or fp8", file.string(), p.name));
+      p.workload.fp8 = prec == "fp8";
+    }
+    out.results.push_back(std::move(p));
   }
+  if (j.contains("left_out"))
+    for (const json& r : j["left_out"])
+      out.left_out.push_back(
+          {text(r, "what", file), text(r, "source", file), text(r, "reason", file)});
   return out;
 }
 
@@ -471,20 +692,22 @@ double projected_value(const Published& p, const DeviceSpec& d) {
   if (p.kind == "forward_speedup")
     return project(d, p.config, p.ranks, base).forward.step_ms /
            project(d, p.config, p.ranks, async).forward.step_ms;
-  if (p.kind == "step_speedup" || p.kind == "step_speedup_fp8") {
-    // Full activation checkpointing comes with the case's config ("recompute": "full").
-    base.fp8 = async.fp8 = p.kind == "step_speedup_fp8";
-    return project(d, p.config, p.ranks, base).step_ms /
-           project(d, p.config, p.ranks, async).step_ms;
-  }
-  const I n_local = p.n / p.ranks;
-  if (p.kind == "ag_gemm_bulk_ms")
-    return ag_gemm_ms(d, p.m, n_local, p.k, p.ranks, p.act_bytes, false);
-  if (p.kind == "ag_gemm_overlap_ms")
-    return ag_gemm_ms(d, p.m, n_local, p.k, p.ranks, p.act_bytes, true);
-  if (p.kind == "ag_gemm_speedup")
-    return ag_gemm_ms(d, p.m, n_local, p.k, p.ranks, p.act_bytes, false) /
-           ag_gemm_ms(d, p.m, n_local, p.k, p.ranks, p.act_bytes, true);
+  if (p.kind == "train_speedup")
+    return train_step(d, p.workload, false).step_ms / train_step(d, p.workload, true).step_ms;
+  if (p.kind == "train_tokens_per_gpu_s") return train_step(d, p.workload, false).tokens_per_gpu_s;
+  if (p.kind == "train_async_tokens_per_gpu_s")
+    return train_step(d, p.workload, true).tokens_per_gpu_s;
+  const I n_local = p.n / p.ranks, k_local = p.k / p.ranks;
+  const double bulk_ag = ag_gemm_ms(d, p.m, n_local, p.k, p.ranks, p.act_bytes, false);
+  const double fused_ag = fused_ms(d, 2.0 * double(p.m) * double(n_local) * double(p.k),
+                                   double(p.m) * double(p.k) * p.act_bytes, p.ranks, false);
+  if (p.kind == "ag_gemm_bulk_ms") return bulk_ag;
+  if (p.kind == "ag_gemm_fused_ms") return fused_ag;
+  if (p.kind == "ag_gemm_fused_speedup") return bulk_ag / fused_ag;
+  const double bulk_rs = gemm_rs_ms(d, p.m, p.n, k_local, p.ranks, p.act_bytes, false);
+  const double fused_rs = gemm_rs_ms(d, p.m, p.n, k_local, p.ranks, p.act_bytes, true);
+  if (p.kind == "gemm_rs_bulk_ms") return bulk_rs;
+  if (p.kind == "gemm_rs_fused_ms") return fused_rs;
   fail(fmt::format("published result {}: unknown kind \"{}\"", p.name, p.kind));
 }
 
@@ -492,14 +715,82 @@ double projected_value(const Published& p, const DeviceSpec& d) {
 
 std::vector<Validation> validate(const std::vector<Published>& cases,
                                  const std::filesystem::path& devices_dir,
-                                 const DeviceSpec& calibrated) {
+                                 const DeviceSpec& calibrated, const DeviceTweak& tweak) {
   std::vector<Validation> out;
   for (const Published& p : cases) {
-    const DeviceSpec d =
+    DeviceSpec d =
         p.device_file == calibrated.file ? calibrated : load_device(devices_dir / p.device_file);
+    if (tweak) tweak(d);
     Validation v{p, projected_value(p, d), 0.0};
     v.error_pct = error_pct(v.projected, p.value);
     out.push_back(std::move(v));
+  }
+  return out;
+}
+
+bool perturb(DeviceSpec& d, const std::string& key, double f) {
+  if (std::find(d.assumed.begin(), d.assumed.end(), key) == d.assumed.end()) return false;
+  auto excess = [f](double& slowdown) { slowdown = 1 + (slowdown - 1) * f; };
+  if (key == "gemm_efficiency")
+    for (auto& pt : d.gemm.points) pt.second = std::min(1.0, pt.second * f);
+  else if (key == "peak_bf16_flops")
+    d.peak_bf16_flops *= f;
+  else if (key == "peak_fp8_flops")
+    d.peak_fp8_flops *= f;
+  else if (key == "hbm_GBps")
+    d.hbm_GBps *= f;
+  else if (key == "nvlink_GBps_per_direction")
+    d.nvlink_GBps_per_direction *= f;
+  else if (key == "link_latency_us")
+    d.link_latency_us *= f;
+  else if (key == "collective_sms")
+    d.collective_sms =
+        std::clamp(static_cast<int>(std::lround(d.collective_sms * f)), 0, d.sms - 1);
+  else if (key == "copy_engine_GBps")
+    d.copy_engine_GBps *= f;
+  else if (key == "collective_efficiency")
+    d.collective_efficiency = std::min(1.0, d.collective_efficiency * f);
+  else if (key == "attention_efficiency")
+    d.attention_efficiency = std::min(1.0, d.attention_efficiency * f);
+  else if (key == "copy_engine_gemm_slowdown")
+    excess(d.copy_engine_gemm_slowdown);
+  else if (key == "ring_gemm_slowdown")
+    excess(d.ring_gemm_slowdown);
+  else if (key == "dp_GBps_per_direction")
+    d.dp_GBps_per_direction *= f;
+  else if (key == "dp_efficiency")
+    d.dp_efficiency = std::min(1.0, d.dp_efficiency * f);
+  else if (key == "elementwise_scale")
+    d.elementwise_scale *= f;
+  else
+    fail(fmt::format("{}: the assumption \"{}\" is no parameter of the model", d.file, key));
+  return true;
+}
+
+std::vector<Sensitivity> sensitivity(const std::vector<Published>& cases,
+                                     const std::filesystem::path& devices_dir,
+                                     const DeviceSpec& calibrated, double fraction) {
+  const std::vector<Validation> base = validate(cases, devices_dir, calibrated);
+  // Every key any case's device file marks as assumed, in a fixed order.
+  std::vector<std::string> keys;
+  for (const Published& p : cases) {
+    const DeviceSpec d =
+        p.device_file == calibrated.file ? calibrated : load_device(devices_dir / p.device_file);
+    for (const std::string& k : d.assumed)
+      if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
+  }
+  std::sort(keys.begin(), keys.end());
+  std::vector<Sensitivity> out;
+  for (const std::string& key : keys) {
+    Sensitivity s{key, {}, {}};
+    for (const double f : {1 - fraction, 1 + fraction}) {
+      const auto moved =
+          validate(cases, devices_dir, calibrated, [&](DeviceSpec& d) { perturb(d, key, f); });
+      auto& into = f < 1 ? s.minus : s.plus;
+      for (std::size_t i = 0; i < moved.size(); ++i)
+        into.push_back(moved[i].error_pct - base[i].error_pct);
+    }
+    out.push_back(std::move(s));
   }
   return out;
 }
@@ -532,10 +823,14 @@ BlockConfig small_config() {
   return c;
 }
 
-Report make_report(const DeviceSpec& d, const std::vector<Validation>& validation) {
+Report make_report(const DeviceSpec& d, const std::vector<Validation>& validation,
+                   const std::vector<LeftOut>& left_out,
+                   const std::vector<Sensitivity>& sensitivity) {
   Report r;
   r.device = d;
   r.validation = validation;
+  r.left_out = left_out;
+  r.sensitivity = sensitivity;
   for (const auto& [name, c] : {std::pair{std::string("Llama-3-70B layer"), big_config()},
                                 std::pair{std::string("Llama-7B-sized layer"), small_config()}}) {
     Report::Table t{name, c, {}};
@@ -549,8 +844,57 @@ Report make_report(const DeviceSpec& d, const std::vector<Validation>& validatio
     }
     r.tables.push_back(std::move(t));
   }
+  // Stage 07: one DP replica's batch of one sequence per layer; a layer in the middle of the
+  // model, its DP traffic prefetched behind the previous layer's compute.
+  r.mesh_config = big_config();
+  if (d.dp_GBps_per_direction > 0)
+    for (const int dp : {4, 32}) {
+      Report::MeshRow row;
+      row.tp = 8;
+      row.dp = dp;
+      const Projection p = project_stage(d, r.mesh_config, row.tp, 5);
+      row.tp_step_ms = p.step_ms;
+      row.compute_ms = p.compute_ms;
+      row.dp_bus_bytes = fsdp_bytes(r.mesh_config, row.tp, dp, 2);
+      row.dp_ms = row.dp_bus_bytes / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
+                  3 * (dp - 1) * d.link_latency_us * 1e-3;
+      row.step_ms = p.step_ms + std::max(0.0, row.dp_ms - p.compute_ms);
+      r.mesh.push_back(row);
+    }
   return r;
 }
+
+namespace {
+
+json validation_json(const Validation& v) {
+  const Published& p = v.published;
+  return {{"name", p.name},           {"set", p.set},
+          {"what", p.what},           {"measured", p.measured},
+          {"metric", p.metric},       {"unit", p.unit},
+          {"published", p.value},     {"projected", v.projected},
+          {"error_pct", v.error_pct}, {"device", p.device_file},
+          {"source", p.source},       {"where", p.where},
+          {"quote", p.quote},         {"notes", p.notes}};
+}
+
+/// Mean and largest |error| of one set.
+std::pair<double, double> abs_errors(const std::vector<const Validation*>& v) {
+  double sum = 0, worst = 0;
+  for (const Validation* x : v) {
+    sum += std::abs(x->error_pct);
+    worst = std::max(worst, std::abs(x->error_pct));
+  }
+  return {v.empty() ? 0.0 : sum / double(v.size()), worst};
+}
+
+std::vector<const Validation*> of_set(const std::vector<Validation>& v, const std::string& set) {
+  std::vector<const Validation*> out;
+  for (const Validation& x : v)
+    if (x.published.set == set) out.push_back(&x);
+  return out;
+}
+
+}  // namespace
 
 json report_json(const Report& r) {
   json j;
@@ -558,6 +902,7 @@ json report_json(const Report& r) {
   j["device"] = {{"name", r.device.name},
                  {"file", r.device.file},
                  {"calibrated", r.device.calibrated},
+                 {"calibration", r.device.calibration_notes},
                  {"gemm_efficiency", r.device.gemm.origin}};
   j["configs"] = json::array();
   for (const auto& t : r.tables) {
@@ -586,29 +931,97 @@ json report_json(const Report& r) {
                               {"dtype", dtype_word(c.dtype)}}},
                             {"rows", rows}});
   }
+  j["mesh"] = json::array();
+  for (const auto& m : r.mesh)
+    j["mesh"].push_back({{"stage", "07"},
+                         {"tp", m.tp},
+                         {"dp", m.dp},
+                         {"tp_step_ms", m.tp_step_ms},
+                         {"compute_ms", m.compute_ms},
+                         {"dp_bus_bytes_per_rank", m.dp_bus_bytes},
+                         {"dp_comm_ms", m.dp_ms},
+                         {"step_ms", m.step_ms}});
   j["validation"] = json::array();
-  for (const auto& v : r.validation)
-    j["validation"].push_back({{"name", v.published.name},
-                               {"what", v.published.what},
-                               {"metric", v.published.metric},
-                               {"unit", v.published.unit},
-                               {"published", v.published.value},
-                               {"projected", v.projected},
-                               {"error_pct", v.error_pct},
-                               {"device", v.published.device_file},
-                               {"source", v.published.source},
-                               {"notes", v.published.notes}});
+  for (const auto& v : r.validation) j["validation"].push_back(validation_json(v));
+  j["left_out"] = json::array();
+  for (const auto& l : r.left_out)
+    j["left_out"].push_back({{"what", l.what}, {"source", l.source}, {"reason", l.reason}});
+  j["sensitivity"] = json::array();
+  for (const auto& s : r.sensitivity)
+    j["sensitivity"].push_back({{"param", s.param}, {"minus_20", s.minus}, {"plus_20", s.plus}});
   return j;
 }
 
-std::string validation_markdown(const std::vector<Validation>& v) {
+std::string validation_markdown(const std::vector<Validation>& v,
+                                const std::vector<LeftOut>& left_out) {
   std::ostringstream s;
-  s << "| published result | metric | published | projected | error % | device file | source |\n"
-    << "|---|---|---|---|---|---|---|\n";
-  for (const auto& x : v)
-    s << fmt::format("| {} | {} | {:.3f} {} | {:.3f} {} | {:+.1f} | {} | {} |\n", x.published.what,
-                     x.published.metric, x.published.value, x.published.unit, x.projected,
-                     x.published.unit, x.error_pct, x.published.device_file, x.published.source);
+  const auto held = of_set(v, "held_out"), cal = of_set(v, "calibration");
+  const auto [held_mean, held_max] = abs_errors(held);
+  const auto [cal_mean, cal_max] = abs_errors(cal);
+  s << fmt::format(
+      "**Held-out error: mean |error| {:.1f} %, largest {:.1f} % over {} cases** that no "
+      "constant of the model or the device files was chosen against; calibration cases (the "
+      "ones they were written against): mean |error| {:.1f} %, largest {:.1f} % over {}. "
+      "Error = (projected − published) / published.\n\n",
+      held_mean, held_max, held.size(), cal_mean, cal_max, cal.size());
+  for (const auto& [title, rows] : {std::pair{std::string("Held-out cases"), held},
+                                    std::pair{std::string("Calibration cases"), cal}}) {
+    s << "*" << title << "*:\n\n"
+      << "| # | published result | what was measured | metric | published | projected | error % "
+         "| device file | source |\n|---|---|---|---|---|---|---|---|---|\n";
+    const char tag = title[0] == 'H' ? 'H' : 'C';
+    int i = 0;
+    for (const Validation* x : rows)
+      s << fmt::format("| {}{} | {} | {} | {} | {:.3f} {} | {:.3f} {} | {:+.1f} | {} | {} ({}) |\n",
+                       tag, ++i, x->published.what, x->published.measured, x->published.metric,
+                       x->published.value, x->published.unit, x->projected, x->published.unit,
+                       x->error_pct, x->published.device_file, x->published.source,
+                       x->published.where);
+    s << "\n";
+  }
+  if (!left_out.empty()) {
+    s << "*Left out of the tables*, and why:\n\n";
+    for (const LeftOut& l : left_out)
+      s << fmt::format("- {} ({}): {}\n", l.what, l.source, l.reason);
+    s << "\n";
+  }
+  return s.str();
+}
+
+std::string sensitivity_markdown(const std::vector<Validation>& v,
+                                 const std::vector<Sensitivity>& sens) {
+  std::ostringstream s;
+  s << "**Sensitivity**: how many percentage points each validation error moves when one assumed "
+       "parameter (each device file lists its assumptions) is scaled by 0.8 / 1.2 in every device "
+       "file that assumes it (gemm_efficiency: every point of the curve, capped at 1; the "
+       "slow-downs: their excess over 1). Columns follow the validation tables (H = held-out, "
+       "C = calibration).\n\n";
+  std::vector<std::size_t> order;
+  for (const std::string set : {"held_out", "calibration"})
+    for (std::size_t i = 0; i < v.size(); ++i)
+      if (v[i].published.set == set) order.push_back(i);
+  s << "| parameter |";
+  int h = 0, c = 0;
+  for (std::size_t i : order)
+    s << (v[i].published.set == "held_out" ? fmt::format(" H{} |", ++h)
+                                           : fmt::format(" C{} |", ++c));
+  s << " largest |\n|---|";
+  for (std::size_t k = 0; k <= order.size(); ++k) s << "---|";
+  s << "\n";
+  for (const Sensitivity& x : sens) {
+    s << "| " << x.param << " |";
+    double worst = 0;
+    for (std::size_t i : order) {
+      const double lo = x.minus.at(i), hi = x.plus.at(i);
+      worst = std::max({worst, std::abs(lo), std::abs(hi)});
+      if (std::abs(lo) < 0.05 && std::abs(hi) < 0.05)
+        s << " 0 |";
+      else
+        s << fmt::format(" {:+.1f} / {:+.1f} |", lo, hi);
+    }
+    s << fmt::format(" {:.1f} |\n", worst);
+  }
+  s << "\n";
   return s.str();
 }
 
@@ -619,14 +1032,17 @@ std::string report_markdown(const Report& r) {
       "tools/devices/{} ({}), GEMM efficiency {}{}.\n\n",
       r.device.file, r.device.name,
       r.device.calibrated ? "calibrated: " : "not calibrated: ", r.device.gemm.origin);
+  for (const std::string& note : r.device.calibration_notes)
+    if (note != r.device.gemm.origin) s << "Calibrated: " << note << ".\n\n";
   for (const auto& t : r.tables) {
     const BlockConfig& c = t.config;
+    const int e = activation_bytes(2, c);
     s << fmt::format(
         "**{}**: H={} NH={} NKV={} F={} S={} B={} L={} {}, recompute {}, per rank and training "
-        "step (forward + backward); bus bytes as the stages count them (fp32 activations, "
-        "1-byte gathers in 06).\n\n",
+        "step (forward + backward); bus bytes as the stages count them: {}-byte activations "
+        "({}), 1-byte FP8 gathers in 06, fp32 norm-gain gradients.\n\n",
         t.name, c.hidden, c.heads, c.kv_heads_or_heads(), c.ffn, c.seq, c.batch, c.layers,
-        dtype_word(c.dtype), recompute_flag(c.recompute));
+        dtype_word(c.dtype), recompute_flag(c.recompute), e, e == 2 ? "bf16" : "fp32");
     s << "| stage | N | projected step ms | compute ms | exposed comm ms | bus bytes/rank | "
          "speed-up vs 03 |\n|---|---|---|---|---|---|---|\n";
     for (const auto& row : t.rows)
@@ -636,9 +1052,30 @@ std::string report_markdown(const Report& r) {
                        row.speedup_vs_03 > 0 ? fmt::format("{:.3f}", row.speedup_vs_03) : "—");
     s << "\n";
   }
-  s << "**The model against published results** (error = (projected − published) / published; "
-       "each device file says which of its figures are assumptions):\n\n";
-  s << validation_markdown(r.validation);
+  if (!r.mesh.empty()) {
+    const BlockConfig& c = r.mesh_config;
+    s << fmt::format(
+        "**Stage 07 at TP × DP meshes** ({}, H={} NKV={} F={} S={}, one sequence per DP "
+        "replica, bf16): stage 05's TP inside a node; FSDP over DP across nodes at {:g} GB/s "
+        "per GPU and direction × {:g}: per layer two bf16 all-gathers and one fp32 "
+        "reduce-scatter of the layer's {:.0f} parameters per TP rank, (2·2 + 4)·P·(D−1)/D bus "
+        "bytes; a layer in the middle of the model, whose DP traffic is prefetched behind the "
+        "previous layer's compute (exposed: what it takes beyond that compute).\n\n",
+        r.tables.empty() ? std::string("Llama-3-70B") : r.tables[0].name, c.hidden,
+        c.kv_heads_or_heads(), c.ffn, c.seq, r.device.dp_GBps_per_direction, r.device.dp_efficiency,
+        layer_params_per_tp_rank(c, 8));
+    s << "| stage | TP × DP | GPUs | TP step ms | compute ms | DP bus bytes/rank | DP comm ms | "
+         "projected step ms |\n|---|---|---|---|---|---|---|---|\n";
+    for (const auto& m : r.mesh)
+      s << fmt::format("| 07 | {} × {} | {} | {:.2f} | {:.2f} | {:.0f} | {:.2f} | {:.2f} |\n", m.tp,
+                       m.dp, m.tp * m.dp, m.tp_step_ms, m.compute_ms, m.dp_bus_bytes, m.dp_ms,
+                       m.step_ms);
+    s << "\n";
+  }
+  s << "**The model against published results**, each case quoted with its source and what it "
+       "measured; each device file says which of its figures are assumptions.\n\n";
+  s << validation_markdown(r.validation, r.left_out);
+  if (!r.sensitivity.empty()) s << sensitivity_markdown(r.validation, r.sensitivity);
   return s.str();
 }
 

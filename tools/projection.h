@@ -17,20 +17,34 @@
 //             04: each ring primitive runs N steps; in step i the GEMM of chunk i runs beside the
 //             transfer of the next chunk: (N−1)·max(GEMM chunk, transfer) + one GEMM chunk, the
 //             GEMM slowed by sms / (sms − collective_sms) while a transfer kernel runs beside it.
-//             05: the same pipeline with copy-engine pulls (copy_engine_GBps, no SM taken); the
-//             loss left is the chunked GEMMs' efficiency. 06: 05 with the linear GEMMs at the FP8
-//             peak, gathers of 1-byte codes, and the amax MAX all-reduces (latency) exposed.
+//             05: the same pipeline with copy-engine pulls (copy_engine_GBps, no SM taken; the
+//             GEMM slowed by copy_engine_gemm_slowdown, HBM shared); the loss left is the chunked
+//             GEMMs' efficiency. 06: 05 with the linear GEMMs at the FP8 peak, gathers of 1-byte
+//             codes, and the amax MAX all-reduces (latency) exposed.
+//   fused     (Flux's one kernel, fused_ms()): the whole GEMM at its own efficiency beside the
+//             transfers; exposed is the tail: for an all-gather the last chunk's GEMM when the
+//             transfers are the slower, for a reduce-scatter the last chunk's transfer.
 //   exposed comm = step − compute (the compute of the stage's own, possibly chunked, GEMMs).
+//
+// A training step as published (train_step()): L layers of the block with TP (stage 03's or
+// 05's schedule), full or selective activation recompute, GQA; the embedding and the output
+// layer (vocab-parallel GEMM and its gathers); FSDP's per-layer all-gathers (bf16) and
+// reduce-scatters (fp32) over DP at the inter-node bandwidth, prefetched behind the previous
+// layer's compute (exposed: what a layer's DP traffic takes beyond its compute, and the first
+// gather); AdamW on the rank's 1/(TP·DP) of the parameters at HBM speed.
 //
 // defines: tpx::projection::stage_name(), EfficiencyCurve, DeviceSpec, load_device(), calibrate(),
 // Comm,
-//          comm_bytes(), Schedule, ModelOptions, Phase, Projection, project(), project_stage(),
-//          ag_gemm_ms(), Published, load_published(), Validation, validate(), error_pct(),
-//          Report, make_report(), report_json(), report_markdown(), big_config(), small_config()
+//          comm_bytes(), fsdp_bytes(), Schedule, ModelOptions, Phase, Projection, project(),
+//          project_stage(), ag_gemm_ms(), gemm_rs_ms(), Workload, train_step(), Published,
+//          load_published(), Validation, validate(), error_pct(), perturb(), Sensitivity,
+//          sensitivity(), Report, make_report(), report_json(), report_markdown(),
+//          validation_markdown(), sensitivity_markdown(), big_config(), small_config()
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,15 +75,29 @@ struct DeviceSpec {
   double copy_engine_GBps = 0;
   double collective_efficiency = 1;  // achieved / link bandwidth of a large collective
   double attention_efficiency = 1;   // achieved / bf16 peak of attention's GEMMs
+  /// GEMM time × this while a copy-engine pull runs beside it (the two share HBM only).
+  double copy_engine_gemm_slowdown = 1;
+  /// GEMM time × this while a ring-transfer kernel runs beside it; 0: sms / (sms − collective_sms).
+  double ring_gemm_slowdown = 0;
+  /// Inter-node bandwidth per GPU and direction (FSDP over DP), and the share a collective reaches.
+  double dp_GBps_per_direction = 0, dp_efficiency = 1;
+  /// Scales the element-wise HBM traffic the model charges (12 + 6 passes per forward).
+  double elementwise_scale = 1;
   EfficiencyCurve gemm;
   bool calibrated = false;
+  std::vector<std::string> calibration_notes;  // what --calibrate replaced, from which file
+  std::vector<std::string> assumed;            // the keys the device file marks as assumptions
 };
 
 /// Reads a device file; throws std::runtime_error with one line naming the file and the problem.
 DeviceSpec load_device(const std::filesystem::path& file);
-/// Replaces the device's GEMM curve with the cuda bf16 rows (gemm/cuda/bf16/…) of a
-/// bench_gemm JSON file. Returns false, leaving the device as it was, when the file has none.
-bool calibrate(DeviceSpec& device, const std::filesystem::path& bench_gemm_json);
+/// Replaces assumptions with measurements from a Google Benchmark JSON file: the GEMM curve from
+/// bench_gemm's cuda bf16 rows, whole (gemm/cuda/bf16/…, at 2·m·n·k) and chunked
+/// (gemm_chunked/cuda/bf16/…, each point at one chunk's FLOPs), so the curve spans what the
+/// chunked stages run; the GEMM slow-downs beside a copy-engine copy and beside an SM copy kernel
+/// from bench_copy_overlap's bf16 rows (copy_overlap/cuda/bf16/{copy_engine,sm_copy}/n, the
+/// largest n). Returns false, leaving the device as it was, when the file has none of them.
+bool calibrate(DeviceSpec& device, const std::filesystem::path& bench_json);
 
 /// Communication of one step on one rank, counted as the stages count it (common/stage.h).
 struct Comm {
@@ -89,6 +117,14 @@ int activation_bytes(int stage, const BlockConfig& c);
 /// all-reduce) are fp32 in every recipe. The formulas of the chapters (0*/README.md); see the
 /// comments in projection.cc.
 Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes = 0);
+
+/// Parameters of one layer on one TP rank: its TP shard of the seven matrices plus the two norm
+/// gains (replicated over TP).
+double layer_params_per_tp_rank(const BlockConfig& c, int tp);
+/// FSDP's bus bytes per rank and step over DP (stage 07): per layer two all-gathers of the
+/// layer's `gather_bytes`-per-element copy and one fp32 reduce-scatter of its gradients,
+/// `L · (2·e + 4) · P_l · (D−1)/D` (padding to a multiple of D left out).
+double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes);
 
 /// How the communication is scheduled against the GEMMs.
 enum class Schedule { none, all_reduce, bulk, ring, copy_engine };
@@ -124,19 +160,59 @@ Projection project_stage(const DeviceSpec& d, const BlockConfig& c, int n, int s
 /// pipeline: copy-engine pulls beside chunked GEMMs). Milliseconds.
 double ag_gemm_ms(const DeviceSpec& d, std::int64_t m, std::int64_t n_local, std::int64_t k,
                   int ranks, int bytes, bool overlapped);
+/// All-gather + GEMM or GEMM + reduce-scatter fused into one kernel (Flux): the whole GEMM
+/// (2·m·n·k FLOPs, this rank's share) beside copy-engine-speed transfers of `bytes_moved / ranks`
+/// per step; see the top of the file for the exposed tail. Milliseconds.
+double fused_ms(const DeviceSpec& d, double gemm_flops, double bytes_moved, int ranks,
+                bool reduce_scatter);
+/// One GEMM + reduce-scatter: this rank's x [m, k_local] times [k_local, n], partial sums
+/// [m, n] reduce-scattered, bulk (the GEMM, then a ring reduce-scatter) or fused. Milliseconds.
+double gemm_rs_ms(const DeviceSpec& d, std::int64_t m, std::int64_t n, std::int64_t k_local,
+                  int ranks, int bytes, bool fused);
+
+/// A published training run: the whole model, TP inside a node, FSDP over DP across nodes.
+struct Workload {
+  BlockConfig layer;  // seq, batch = the local batch of one DP replica, the layer's sizes
+  int layers = 1, tp = 8, dp = 1;
+  std::int64_t vocab = 0;
+  double recompute_fraction = 0;  // 1: full activation checkpointing; the forward share rerun
+  bool fp8 = false;               // the linear GEMMs at the FP8 peak, 1-byte TP gathers
+};
+struct TrainStep {
+  double step_ms = 0, layers_ms = 0, head_ms = 0, optimizer_ms = 0, fsdp_exposed_ms = 0;
+  double tokens_per_gpu_s = 0;
+};
+/// One training step of `w`, TP by stage 03's schedule (async = false) or stage 05's (true).
+TrainStep train_step(const DeviceSpec& d, const Workload& w, bool async);
 
 /// A published result the model is checked against (tools/devices/published.json).
 struct Published {
-  std::string name, what, metric, unit, source, device_file, kind, notes;
+  std::string name, set, what, metric, unit, source, where, quote, measured, device_file, kind,
+      notes;
   double value = 0;
+  std::vector<std::string> from;  // the numbers of `quote` the value is derived from, as written
+  std::string derive;             // "value" (from[0]), "ratio" (from[0] / from[1]) or "sum"
   int ranks = 8;
   int act_bytes = 2;
   BlockConfig config;                // for the layer cases
-  std::int64_t m = 0, n = 0, k = 0;  // for the AG+GEMM cases (n: the whole N, split by ranks)
+  std::int64_t m = 0, n = 0, k = 0;  // for the GEMM cases (n and k whole, split by ranks)
+  Workload workload;                 // for the training cases
 };
+/// A published result the table leaves out, and why.
+struct LeftOut {
+  std::string what, source, reason;
+};
+struct PublishedSet {
+  std::vector<Published> results;
+  std::vector<LeftOut> left_out;
+};
+/// The value `p.from` and `p.derive` give (what `published` must equal).
+double derived_value(const Published& p);
 
-/// Reads published.json; throws std::runtime_error with one line on a bad file.
-std::vector<Published> load_published(const std::filesystem::path& file);
+/// Reads published.json; throws std::runtime_error with one line on a bad file: a case whose set
+/// is not "calibration" or "held_out", whose `from` numbers are not written in its quote, or
+/// whose published value is not what they give.
+PublishedSet load_published(const std::filesystem::path& file);
 
 struct Validation {
   Published published;
@@ -145,11 +221,27 @@ struct Validation {
 
 /// (projected − published) / published · 100.
 double error_pct(double projected, double published);
+/// Changes every device on the way into the model (the sensitivity's perturbations).
+using DeviceTweak = std::function<void(DeviceSpec&)>;
 /// Projects every published case with its device file (resolved next to published.json); a case
-/// on `calibrated.file` uses the calibrated curve.
+/// on `calibrated.file` uses the calibrated device.
 std::vector<Validation> validate(const std::vector<Published>& cases,
                                  const std::filesystem::path& devices_dir,
-                                 const DeviceSpec& calibrated);
+                                 const DeviceSpec& calibrated, const DeviceTweak& tweak = {});
+
+/// Multiplies the assumed parameter `key` of `d` by `factor` (gemm_efficiency: every point,
+/// capped at 1; copy_engine_gemm_slowdown and ring_gemm_slowdown: their excess over 1). Returns
+/// false, leaving `d` as it was, where `d` does not mark `key` as assumed.
+bool perturb(DeviceSpec& d, const std::string& key, double factor);
+/// How far every validation error moves when one assumed parameter moves by ±`fraction`
+/// (in every device file that assumes it), in percentage points.
+struct Sensitivity {
+  std::string param;
+  std::vector<double> minus, plus;  // per case, error(perturbed) − error, in validation order
+};
+std::vector<Sensitivity> sensitivity(const std::vector<Published>& cases,
+                                     const std::filesystem::path& devices_dir,
+                                     const DeviceSpec& calibrated, double fraction = 0.2);
 
 /// The two configs the tables are made for.
 BlockConfig big_config();  ///< H=8192 NH=64 NKV=8 F=28672 S=8192 B=1 L=1, bf16: a Llama-3-70B layer
@@ -169,13 +261,29 @@ struct Report {
     std::vector<Row> rows;
   };
   std::vector<Table> tables;
+  /// Stage 07 (stage 05's TP inside a node, FSDP over DP across nodes) at TP × DP meshes.
+  struct MeshRow {
+    int tp = 0, dp = 0;
+    double tp_step_ms = 0, compute_ms = 0, dp_bus_bytes = 0, dp_ms = 0, step_ms = 0;
+  };
+  BlockConfig mesh_config;
+  std::vector<MeshRow> mesh;
   std::vector<Validation> validation;
+  std::vector<LeftOut> left_out;
+  std::vector<Sensitivity> sensitivity;
 };
 
-Report make_report(const DeviceSpec& d, const std::vector<Validation>& validation);
+Report make_report(const DeviceSpec& d, const std::vector<Validation>& validation,
+                   const std::vector<LeftOut>& left_out = {},
+                   const std::vector<Sensitivity>& sensitivity = {});
 nlohmann::json report_json(const Report& r);
 std::string report_markdown(const Report& r);
-/// The validation table alone (markdown), as --validate prints it.
-std::string validation_markdown(const std::vector<Validation>& v);
+/// The validation tables (held-out first, then calibration, then what is left out), as --validate
+/// prints them.
+std::string validation_markdown(const std::vector<Validation>& v,
+                                const std::vector<LeftOut>& left_out = {});
+/// The sensitivity table, as --sensitivity prints it.
+std::string sensitivity_markdown(const std::vector<Validation>& v,
+                                 const std::vector<Sensitivity>& s);
 
 }  // namespace tpx::projection

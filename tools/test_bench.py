@@ -190,5 +190,18 @@ class Parsing(unittest.TestCase):
         self.assertEqual(bench.size_label(1000), "1000")
 
 
+
+class Oversubscribed(unittest.TestCase):
+    def test_speedup_hidden_where_ranks_outnumber_cores(self):
+        cores = bench.os.cpu_count() or 1
+        fmt = dict((k, f) for k, _, f in bench.COLUMNS)["speedup"]
+        over = {"device": "cpu", "n": cores + 1, "speedup": 1.5}
+        fits = {"device": "cpu", "n": 1, "speedup": 1.5}
+        gpu = {"device": "cuda", "n": cores + 1, "speedup": 1.5}
+        self.assertEqual(bench.cell(over, "speedup", fmt), "— (N > cores)")
+        self.assertEqual(bench.cell(fits, "speedup", fmt), "1.50×")
+        self.assertEqual(bench.cell(gpu, "speedup", fmt), "1.50×")  # GPUs are not shared
+        self.assertEqual(bench.cell(over, "step_ms", bench._f(2)), "—")  # other cells as before
+
 if __name__ == "__main__":
     unittest.main()
