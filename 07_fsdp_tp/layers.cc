@@ -172,7 +172,8 @@ void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l)
     ops::copy(shard.reshape({e.shard_rows, e.cols}),
               typed_view(send, b.offset[std::size_t(p)], e.shard_numel(), e.cols, shard.dtype()));
   }
-  Gather g{Tensor::empty({std::int64_t(mesh_.dp) * b.bytes}, DType::u8, device_), Event(device_)};
+  Gather g{Tensor::empty({std::int64_t(mesh_.dp) * b.bytes}, DType::u8, device_), Event(device_),
+           b.offset, b.bytes};
   const Stream compute(device_);
   Event packed(device_);
   packed.record(compute);
@@ -200,7 +201,6 @@ LayerParams FsdpTp::layer_params(const std::vector<LayerParams>& stored, std::si
   // Copy out: parameter p's rows from rank d sit at byte d·bytes + offset(p) of the gather.
   TraceScope span(trace_, fmt::format("layer {} weights copy-out", l));
   const FlatLayout& f = layout_[l];
-  const ByteLayout b = byte_layout(f, stored[l]);
   LayerParams w;
   for (Param p : kAllParams) {
     const FlatLayout::Entry& e = f[p];
@@ -210,7 +210,7 @@ LayerParams FsdpTp::layer_params(const std::vector<LayerParams>& stored, std::si
       const std::int64_t begin = std::min(e.rows, d * e.shard_rows);
       const std::int64_t end = std::min(e.rows, (d + 1) * e.shard_rows);
       if (end <= begin) continue;
-      const Tensor part = typed_view(g.full, d * b.bytes + b.offset[std::size_t(p)],
+      const Tensor part = typed_view(g.full, d * g.bytes + g.offset[std::size_t(p)],
                                      e.shard_numel(), e.cols, dtype);
       ops::copy(part.slice0(0, end - begin), rows_of(full, e.cols, begin, end));
     }
@@ -347,16 +347,13 @@ std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx) {
   if (dp < 1)
     throw ConfigError(
         fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));
-  if (ctx.world % dp != 0)
-    throw ConfigError(fmt::format(
-        "--dp {} must divide the {} ranks of the job (the mesh is D × TP, TP = ranks / D)", dp,
-        ctx.world));
+  Mesh mesh = Mesh::make(dp);  // refuses a D that does not divide the ranks
   if (c.batch % dp != 0)
     throw ConfigError(fmt::format(
         "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", dp,
         c.batch));
-  check_tp_split(c, ctx.world / dp, /*sequence=*/true);
-  return std::make_unique<FsdpTp>(ctx, Mesh::make(dp));
+  check_tp_split(c, mesh.tp, /*sequence=*/true);
+  return std::make_unique<FsdpTp>(ctx, std::move(mesh));
 }
 
 }  // namespace tpx::fsdp

@@ -118,8 +118,10 @@ class FsdpTp final : public Parallelism {
   void dp_gather_for_report(const Tensor& src, const Tensor& dst) const;
 
   struct Gather {
-    Tensor full;  ///< [D, numel]: every rank's flat shard
+    Tensor full;  ///< every rank's part, [D · bytes] (see ByteLayout in layers.cc)
     Event done;   ///< the gather has landed
+    std::array<std::int64_t, kNumParams> offset{};  ///< each parameter's byte offset in a part
+    std::int64_t bytes = 0;                         ///< one rank's part
   };
   struct Reduction {
     Tensor flat;  ///< [D, numel] fp32 gradients being reduce-scattered

@@ -320,6 +320,7 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
   // The target (and, under the recipe, the fp32 input, which the block reads as a bf16 copy:
   // layer 0's saved x) stay fp32: one residual stream's rows at 4 bytes.
   const I stream_f32 = checked_product({b.rows, c.hidden}, "the target's bytes");
+  const I temporaries = largest_temporaries(c, s, b);
   MemoryEstimate e;
   e.terms = {
       {"parameters", std::uint64_t(params)},
@@ -327,7 +328,7 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
       {"saved activations", std::uint64_t(saved)},
       // The input x is layer 0's saved x (the same tensor), counted there, unless it is a copy.
       {"target", std::uint64_t(stream_f32)},
-      {"largest temporaries", std::uint64_t(largest_temporaries(c, s, b))},
+      {"largest temporaries", std::uint64_t(temporaries)},
   };
   if (c.activations() != DType::f32) e.terms.push_back({"fp32 input", std::uint64_t(stream_f32)});
   if (c.bf16_weight_copies()) {
@@ -357,7 +358,6 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
                         : c.layers == 2 ? largest({sum({g, g}, what), sum({g, r}, what)})
                                         : g},
             what);
-    const I temporaries = largest_temporaries(c, s, b);
     const I going_out = sum({during, r}, what);
     e.terms.push_back({"unsharded layers (FSDP)",
                        std::uint64_t(largest(

@@ -136,6 +136,16 @@ def add_derived(rows, peak_tflops):
         r["speedup"] = speedup(ref.get((r["config"], r["n"])), r["step_ms"])
 
 
+def benchmarks_md(md):
+    """benchmarks.md as it stands (empty if new), with the current intro and a placeholder for
+    every section it does not have yet."""
+    text = replace_intro(md.read_text() if md.is_file() else "", INTRO)
+    for name in SECTIONS:
+        if f"<!-- tpx-bench:begin {name} -->" not in text:
+            text = replace_section(text, name, PLACEHOLDER[name])
+    return text
+
+
 def replace_section(text, name, body):
     """text with the section NAME's body replaced (or added, in SECTIONS' order)."""
     begin, end = f"<!-- tpx-bench:begin {name} -->", f"<!-- tpx-bench:end {name} -->"
@@ -962,11 +972,7 @@ def drive_projection(a, d, out):
     if projection is None:
         raise BenchError(proj_note)
     md = out / "benchmarks.md"
-    text = md.read_text() if md.is_file() else ""
-    text = replace_intro(text, INTRO)
-    for name in SECTIONS:
-        if f"<!-- tpx-bench:begin {name} -->" not in text:
-            text = replace_section(text, name, PLACEHOLDER[name])
+    text = benchmarks_md(md)
     text = replace_section(text, "projection",
                            "\n".join(projection_section(a, d, projection, proj_cmd, proj_note)))
     md.write_text(text.rstrip("\n") + "\n")
@@ -1013,11 +1019,7 @@ def drive(a):
     write_csv(rows, out / "benchmarks" / f"{a.device}.csv")
     plot(rows, a.device, stages, out / "figures")
     md = out / "benchmarks.md"
-    text = md.read_text() if md.is_file() else ""
-    text = replace_intro(text, INTRO)
-    for name in SECTIONS:
-        if f"<!-- tpx-bench:begin {name} -->" not in text:
-            text = replace_section(text, name, PLACEHOLDER[name])
+    text = benchmarks_md(md)
     text = replace_section(text, a.device, "\n".join(body))
     text = replace_section(text, "projection", "\n".join(proj))
     md.write_text(text.rstrip("\n") + "\n")
