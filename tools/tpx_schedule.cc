@@ -1,0 +1,97 @@
+// tpx_schedule: a pipeline schedule (common/pipeline/schedule.h) printed and simulated, without
+// a model.
+//
+//   tpx_schedule --pp P --microbatches M --schedule NAME [--stages-per-rank V]
+//                [--simulate [--timeline] [--forward F] [--backward B] [--weight W] [--latency L]]
+//
+// Prints every rank's actions in order; with --simulate also each rank's busy and idle time,
+// idle fraction and peak count of live micro-batch activations, the makespan and the bubble
+// next to the schedule's formula; --timeline adds the simulated timeline, one column per unit of
+// the smallest cost (every cost and the latency must be whole multiples of it). Bad sizes or names:
+// one line on stderr and exit 2.
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "common/check.h"
+#include "common/pipeline/schedule.h"
+
+namespace {
+
+// The timeline's column: the smallest nonzero cost (latency included).
+double unit_of(const tpx::pipeline::Costs& c) {
+  double unit = 0.0;
+  for (double v : {c.forward, c.backward, c.weight, c.latency})
+    if (v > 0.0 && (unit == 0.0 || v < unit)) unit = v;
+  return unit > 0.0 ? unit : 1.0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  namespace pl = tpx::pipeline;
+  CLI::App app{"tpx_schedule: print and simulate a pipeline-parallel schedule"};
+  pl::PipelineShape shape;
+  std::string name = "1f1b";
+  bool simulate = false, timeline = false;
+  pl::Costs costs;
+  app.add_option("--pp", shape.ranks, "P, the pipeline ranks")->capture_default_str();
+  app.add_option("--microbatches", shape.microbatches, "M, the micro-batches of a step")
+      ->capture_default_str();
+  app.add_option("--schedule", name, "gpipe, 1f1b, interleaved-1f1b or zb-h1")
+      ->capture_default_str();
+  app.add_option("--stages-per-rank", shape.stages_per_rank,
+                 "V, virtual stages per rank (interleaved-1f1b)")
+      ->capture_default_str();
+  app.add_flag("--simulate", simulate, "run the lists with the costs below and report the bubble");
+  app.add_flag("--timeline", timeline,
+               "with --simulate: draw the simulated timeline, one column per unit of time");
+  app.add_option("--forward", costs.forward, "cost of one F")->capture_default_str();
+  app.add_option("--backward", costs.backward, "cost of one B (the input gradient)")
+      ->capture_default_str();
+  app.add_option("--weight", costs.weight, "cost of one W (the weight gradients)")
+      ->capture_default_str();
+  app.add_option("--latency", costs.latency, "time a message takes between ranks")
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "%s (see --help)\n", e.what());
+    return 2;
+  }
+  try {
+    const double unit = unit_of(costs);
+    for (double c : {costs.forward, costs.backward, costs.weight, costs.latency}) {
+      if (!(c >= 0.0))
+        throw tpx::ConfigError("--forward, --backward, --weight and --latency must be >= 0");
+      if (timeline && std::abs(c / unit - std::round(c / unit)) > 1e-9)
+        throw tpx::ConfigError(
+            fmt::format("--timeline needs every cost and the latency to be a whole multiple of the "
+                        "smallest, {:g} (got {:g})",
+                        unit, c));
+    }
+    if (timeline && !simulate) throw tpx::ConfigError("--timeline needs --simulate");
+    const auto schedule = pl::make_schedule(name, shape);
+    std::string out = pl::format_schedule(*schedule);
+    if (simulate) {
+      const pl::SimResult result = pl::simulate(*schedule, costs);
+      out += pl::format_simulation(*schedule, costs, result);
+      if (timeline) out += pl::format_timeline(*schedule, result, unit);
+    }
+    std::fputs(out.c_str(), stdout);
+  } catch (const tpx::ConfigError& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
