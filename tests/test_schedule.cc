@@ -191,16 +191,21 @@ TEST(Schedule, LiveActivationCountsPerRank) {
       ASSERT_EQ(counts.size(), s->actions(p).size());
       EXPECT_EQ(counts.back(), 0) << "rank " << p << " ends with live activations";
       EXPECT_EQ(peak[p], *std::max_element(counts.begin(), counts.end()));
-      if (c.name == "gpipe") EXPECT_EQ(peak[p], M) << "rank " << p;
+      if (c.name == "gpipe") {
+        EXPECT_EQ(peak[p], M) << "rank " << p;
+      }
       if (c.name == "1f1b") {
         EXPECT_LE(peak[p], P - p) << "rank " << p;
         EXPECT_EQ(peak[p], std::min(P - p, M)) << "rank " << p;
       }
       // ZB-H1 holds the owed W's activations: P on every rank, 1F1B's peak (rank 0's).
-      if (c.name == "zb-h1") EXPECT_EQ(peak[p], std::min(P, M)) << "rank " << p;
+      if (c.name == "zb-h1") {
+        EXPECT_EQ(peak[p], std::min(P, M)) << "rank " << p;
+      }
       // Interleaved: the warm-up's forwards plus one, in virtual-stage units (1/V each).
-      if (c.name == "interleaved-1f1b")
+      if (c.name == "interleaved-1f1b") {
         EXPECT_EQ(peak[p], std::min(2 * (P - p - 1) + (V - 1) * P + 1, M * V)) << "rank " << p;
+      }
     }
     if (c.name == "zb-h1") {
       const auto one = pl::peak_live(*pl::make_schedule("1f1b", c.shape));
@@ -261,8 +266,9 @@ TEST(Simulator, ZeroBubbleBelowOneFOneBAndInterleavedBelowOneFOneB) {
       const double one = pl::simulate(*pl::make_schedule("1f1b", {P, M, 1})).bubble();
       EXPECT_LT(pl::simulate(*pl::make_schedule("zb-h1", {P, M, 1})).bubble(), one);
       EXPECT_NEAR(pl::simulate(*pl::make_schedule("gpipe", {P, M, 1})).bubble(), one, 1e-12);
-      if (M % P == 0)
+      if (M % P == 0) {
         EXPECT_LT(pl::simulate(*pl::make_schedule("interleaved-1f1b", {P, M, 2})).bubble(), one);
+      }
     }
   // P = 1 has no bubble at all.
   EXPECT_EQ(pl::simulate(*pl::make_schedule("zb-h1", {1, 3, 1})).bubble(), 0.0);
@@ -336,12 +342,12 @@ TEST(Simulator, ReportsDeadlocksAndIncompleteLists) {
 }
 
 TEST(LayerSplit, ContiguousFirstStagesTakeTheRemainder) {
-  using L = std::vector<pl::LayerRange>;
-  EXPECT_EQ(pl::split_layers(4, 3, "--pp 3"), (L{{0, 2}, {2, 1}, {3, 1}}));
-  EXPECT_EQ(pl::split_layers(7, 4, "--pp 4"), (L{{0, 2}, {2, 2}, {4, 2}, {6, 1}}));
+  using Split = std::vector<pl::LayerRange>;
+  EXPECT_EQ(pl::split_layers(4, 3, "--pp 3"), (Split{{0, 2}, {2, 1}, {3, 1}}));
+  EXPECT_EQ(pl::split_layers(7, 4, "--pp 4"), (Split{{0, 2}, {2, 2}, {4, 2}, {6, 1}}));
   EXPECT_EQ(pl::split_layers(4, 4, "--pp 2 × --stages-per-rank 2"),
-            (L{{0, 1}, {1, 1}, {2, 1}, {3, 1}}));
-  EXPECT_EQ(pl::split_layers(3, 1, "--pp 1"), (L{{0, 3}}));
+            (Split{{0, 1}, {1, 1}, {2, 1}, {3, 1}}));
+  EXPECT_EQ(pl::split_layers(3, 1, "--pp 1"), (Split{{0, 3}}));
   for (int L = 1; L <= 12; ++L)
     for (int S = 1; S <= L; ++S) {
       const auto split = pl::split_layers(L, S, "--pp");

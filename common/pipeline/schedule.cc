@@ -494,17 +494,22 @@ std::string format_timeline(const Schedule& schedule, const SimResult& result, d
     return static_cast<std::size_t>(u);
   };
   const std::size_t columns = units(result.makespan);
-  std::vector<std::vector<std::string>> grid(result.timeline.size(),
-                                             std::vector<std::string>(columns, "."));
+  // Per rank and column: the name of the action that starts there, "-" where one goes on, "."
+  // where the rank is idle.
+  std::vector<std::vector<std::string>> grid(result.timeline.size());
   std::size_t width = 1;
-  for (std::size_t p = 0; p < result.timeline.size(); ++p)
+  for (std::size_t p = 0; p < result.timeline.size(); ++p) {
+    std::vector<std::string>& row = grid[p];
     for (const TimedAction& t : result.timeline[p]) {
       const std::size_t begin = units(t.start), end = units(t.end);
-      for (std::size_t c = begin; c < end; ++c) grid[p][c] = "-";
       if (end == begin) continue;  // costs nothing: not drawn
-      grid[p][begin] = to_string(t.action, with_stage);
-      width = std::max(width, grid[p][begin].size());
+      row.resize(begin, std::string(1, '.'));
+      row.push_back(to_string(t.action, with_stage));
+      row.resize(end, std::string(1, '-'));
+      width = std::max(width, row[begin].size());
     }
+    row.resize(columns, std::string(1, '.'));
+  }
   std::string out;
   const int rank_width = static_cast<int>(fmt::format("{}", grid.size() - 1).size());
   for (std::size_t p = 0; p < grid.size(); ++p) {
