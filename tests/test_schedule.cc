@@ -234,8 +234,10 @@ double paper_bubble(const Case& c, const pl::Costs& k) {
 }
 
 TEST(Simulator, BubbleEqualsEachPapersFormula) {
-  // Unit costs, a backward twice a forward, and W half of B: the formulas hold for each.
-  const std::vector<pl::Costs> costs = {{1, 1, 1, 0}, {1, 2, 1, 0}, {2, 2, 1, 0}, {1, 1, 0.5, 0}};
+  // Unit costs, a backward twice a forward, W half of B, F or B three times W: the formulas
+  // hold for each (ZB-H1's needs W ≤ F, B).
+  const std::vector<pl::Costs> costs = {{1, 1, 1, 0},   {1, 2, 1, 0}, {2, 2, 1, 0},
+                                        {1, 1, 0.5, 0}, {3, 1, 1, 0}, {1, 3, 1, 0}};
   int zb_checked = 0;
   for (const Case& c : sweep())
     for (const pl::Costs& k : costs) {
@@ -249,6 +251,7 @@ TEST(Simulator, BubbleEqualsEachPapersFormula) {
                          per_microbatch * c.shape.microbatches * c.shape.stages_per_rank);
       if (c.name == "zb-h1" && c.shape.microbatches < c.shape.ranks) {
         // Outside the formula's range (no W to owe on every rank): still below 1F1B's.
+        EXPECT_TRUE(std::isnan(s->formula_bubble(k)));
         EXPECT_LT(r.bubble(), (c.shape.ranks - 1.0) / (c.shape.microbatches + c.shape.ranks - 1.0));
         continue;
       }
@@ -257,6 +260,9 @@ TEST(Simulator, BubbleEqualsEachPapersFormula) {
       EXPECT_NEAR(s->formula_bubble(k), paper_bubble(c, k), 1e-12);
     }
   EXPECT_GT(zb_checked, 40);
+  // A W longer than F: the owed W's no longer fit the waits, and ZB-H1 claims no formula.
+  EXPECT_TRUE(std::isnan(pl::make_schedule("zb-h1", {2, 4, 1})->formula_bubble({1, 1, 2, 0})));
+  EXPECT_FALSE(std::isnan(pl::make_schedule("zb-h1", {2, 4, 1})->formula_bubble({1, 1, 1, 0})));
 }
 
 TEST(Simulator, ZeroBubbleBelowOneFOneBAndInterleavedBelowOneFOneB) {

@@ -153,15 +153,19 @@ Lists build_one_f_one_b(const PipelineShape& sh, bool split) {
 // of P micro-batches keeps all P ranks busy on one pass through a chunk, so the next chunk's
 // first forward arrives at rank 0 just as it finishes the group: hence M mod P = 0.
 //
-// The bubble with equal costs f, b per virtual stage and no latency: each rank works
-// M·V·(f+b). As in 1F1B, rank p waits p·f for the first forward to come through the ranks
-// before it and (P−1−p)·b for the first backward to come back, and at the end, mirrored,
-// (P−1−p)·f and p·b: (P−1)(f+b) in all, as in 1F1B but with a virtual stage's f and b, 1/V of a
-// rank's whole forward and backward (the steady state has no gap because every group of P
-// fills the ranks). So
+// The bubble, with equal costs f (forward) and b (the fused backward) per virtual stage and no
+// latency. Each rank works M·V·(f+b). In 1F1B a rank waits (P−1)(f+b) in all: the pipeline fills
+// through P−1 ranks before the last one starts, and drains back through them, at f and b per
+// hop. Interleaving keeps that fill and drain across the P ranks but makes each hop one virtual
+// stage, 1/V of a rank's layers, so the wait is (P−1)(f+b) in virtual-stage costs: Megatron-LM's
+// bubble time (P−1)(t_f+t_b)/V with t_f = V·f, t_b = V·b a rank's whole forward and backward.
+// Between fill and drain no rank waits, because the forwards go in groups of P micro-batches:
+// micro-batch 0 leaves rank P−1's stage of chunk c at the time rank 0 finishes the group's P-th
+// forward on chunk c, and arrives for chunk c+1 just then (hence M mod P = 0). So
 //   bubble = (P−1)(f+b) / (M·V·(f+b) + (P−1)(f+b)) = (P−1) / (V·M + P−1),
-// Megatron-LM's "(1/v)·(p−1)/m" of the ideal time written as a share of the whole step.
-// simulate() reproduces it exactly (tests/test_schedule.cc).
+// Megatron-LM's "(1/v)·(p−1)/m" of the ideal time written as a share of the whole step. The
+// waits come at other moments than in 1F1B, each rank's as long in all. simulate() reproduces the
+// formula exactly for every P, M, V and cost tested (tests/test_schedule.cc).
 Lists build_interleaved(const PipelineShape& sh) {
   const int P = sh.ranks, M = sh.microbatches, V = sh.stages_per_rank;
   const int total = M * V;
@@ -217,10 +221,12 @@ ZeroBubbleH1::ZeroBubbleH1(PipelineShape shape)
     : Schedule("zb-h1", shape, true, build_one_f_one_b(shape, true)) {}
 // Qi et al. 2023, section 3: 1F1B's bubble is (P−1)(F+B+W); ZB-H1's is (P−1)(F+B−W), each W
 // that a rank owes filling a W-sized piece of its wait. As a share of the step:
-// (P−1)(F+B−W) / (M(F+B+W) + (P−1)(F+B−W)). It assumes M ≥ P (each rank has a W to owe) and
-// W no larger than F and B.
+// (P−1)(F+B−W) / (M(F+B+W) + (P−1)(F+B−W)). It assumes M ≥ P (each rank has its W's to owe)
+// and W no larger than F and B (an owed W must fit the wait it fills); outside that: NaN.
 double ZeroBubbleH1::formula_bubble(const Costs& c) const {
   const double P = shape().ranks, M = shape().microbatches;
+  if (M < P || c.weight > std::min(c.forward, c.backward))
+    return std::numeric_limits<double>::quiet_NaN();
   const double wait = (P - 1) * (c.forward + c.backward - c.weight);
   return wait / (M * (c.forward + c.backward + c.weight) + wait);
 }

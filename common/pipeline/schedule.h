@@ -1,6 +1,6 @@
 // Pipeline-parallel schedules (stage 09), on their own: no model, no MPI. A schedule says, for
 // every pipeline rank, in which order it runs the forward and backward passes of the M
-// micro-batches through the virtual stages it holds; the stage's executor runs these lists, and
+// micro-batches through the virtual stages it holds. Stage 09's executor is to run these lists;
 // the tests and tools/tpx_schedule check, print and simulate them without running a model.
 //
 // The design:
@@ -17,6 +17,7 @@
 //     receives just before the action that consumes them and its sends just after the action
 //     that produces them, each with a tag unique in the step, so the executor can post them all
 //     non-blocking (a receive early, ahead of the action) and compute while they are in flight.
+//     Between two ranks, every schedule here receives in the order it sends (tested).
 //   * Virtual stages: S = P·V stages for P ranks and V stages per rank; rank p holds the
 //     virtual stages p, p+P, p+2P, … (Megatron-LM's interleaving; V = 1 is the plain pipeline).
 //     The layers are split contiguously over the S virtual stages (split_layers()).
@@ -33,11 +34,11 @@
 // Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"); ZB-H1 (Qi et al.
 // 2023, "Zero Bubble Pipeline Parallelism").
 //
-// defines: tpx::pipeline::Phase, Action, PipelineShape, LayerRange, split_layers(),
-//          microbatch_size(), Costs, Schedule, GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1,
-//          schedule_names(), make_schedule(), Payload, Transfer, message_tag(), transfers(),
-//          live_counts(), peak_live(), format_schedule(), TimedAction, SimResult, simulate(),
-//          format_timeline(), format_simulation()
+// defines: tpx::pipeline::Phase, letter(), Action, to_string(), PipelineShape, LayerRange,
+//          split_layers(), microbatch_size(), Costs, Schedule, GPipe, OneFOneB,
+//          Interleaved1F1B, ZeroBubbleH1, schedule_names(), make_schedule(), Payload, Transfer,
+//          message_tag(), transfers(), live_counts(), peak_live(), format_schedule(),
+//          TimedAction, SimResult, simulate(), format_timeline(), format_simulation()
 #pragma once
 
 #include <cstddef>
@@ -163,7 +164,8 @@ class Interleaved1F1B final : public Schedule {
 /// ZB-H1 (Qi et al. 2023): 1F1B's order of F and B with the backward split; rank p runs its
 /// first p steady B's without their W and catches those W's up in the cool-down, where they
 /// fill the time 1F1B spends waiting. At most P micro-batches alive on any rank, 1F1B's
-/// peak (rank 0's). Bubble `(P−1)(F+B−W) / (M(F+B+W) + (P−1)(F+B−W))` for M ≥ P and W ≤ F, B.
+/// peak (rank 0's). Bubble `(P−1)(F+B−W) / (M(F+B+W) + (P−1)(F+B−W))` for M ≥ P and W ≤ F, B
+/// (formula_bubble() is NaN outside that range).
 class ZeroBubbleH1 final : public Schedule {
  public:
   explicit ZeroBubbleH1(PipelineShape shape);
