@@ -118,10 +118,10 @@ Lists build_gpipe(const PipelineShape& sh) {
   return lists;
 }
 
-// 1F1B and ZB-H1 share the order of F and B: warm-up forwards, steady (F, B) pairs, cool-down
-// backwards. `deferred(p)` is how many of rank p's first steady B's leave their W for later
-// (split schedules only; < 0: fused). A deferred W runs after a later B (the cool-down's
-// first), one per B, and the rest at the end: at most `deferred` W's are owed at any time.
+// 1F1B and ZB-H1 share the order of F and B: min(P−p−1, M) warm-up forwards, steady (F, B)
+// pairs, cool-down backwards. Split (ZB-H1), each B is followed by a W, except that rank p's
+// first p steady B's are not: the W's run in micro-batch order, so rank p owes p of them until
+// the cool-down, and runs those it still owes after its last B.
 Lists build_one_f_one_b(const PipelineShape& sh, bool split) {
   const int P = sh.ranks, M = sh.microbatches;
   Lists lists(P);
