@@ -116,6 +116,23 @@ TEST(Schedule, GPipeAndOneFOneBOrdersAsTheirPapersDescribe) {
   EXPECT_EQ(text(*z, 1), "F0 B0 F1 B1 W0 F2 B2 W1 W2");
 }
 
+TEST(Schedule, ZeroBubbleIsOneFOneBWithTheWeightGradientsMoved) {
+  // Without its W's, ZB-H1 runs exactly 1F1B's F's and B's, and the W's come in micro-batch
+  // order.
+  for (int P = 1; P <= 5; ++P)
+    for (int M = 1; M <= 9; ++M) {
+      SCOPED_TRACE(fmt::format("P={} M={}", P, M));
+      const auto z = pl::make_schedule("zb-h1", {P, M, 1});
+      const auto o = pl::make_schedule("1f1b", {P, M, 1});
+      for (int p = 0; p < P; ++p) {
+        std::vector<Action> fb, w;
+        for (const Action& a : z->actions(p)) (a.phase == Phase::weight ? w : fb).push_back(a);
+        EXPECT_EQ(fb, o->actions(p)) << "rank " << p;
+        for (int m = 0; m < M; ++m) EXPECT_EQ(w.at(m).microbatch, m);
+      }
+    }
+}
+
 TEST(Schedule, InterleavedHoldsStagesRoundRobinAndGoesInGroupsOfP) {
   const PipelineShape sh{2, 4, 2};
   EXPECT_EQ(sh.stages_of(0), (std::vector<int>{0, 2}));
