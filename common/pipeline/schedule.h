@@ -97,7 +97,9 @@ std::vector<LayerRange> split_layers(int layers, int stages, std::string_view wh
 int microbatch_size(int local_batch, int microbatches);
 
 /// What each action costs (any unit) and what a message between ranks takes, for simulate() and
-/// formula_bubble(). A fused backward costs backward + weight.
+/// formula_bubble(). A fused backward costs backward + weight. An action is one pass through one
+/// virtual stage: with V stages per rank it covers 1/V of a rank's layers, so to compare an
+/// interleaved schedule with a plain one at the same model, divide its costs by V.
 struct Costs {
   double forward = 1.0;
   double backward = 1.0;  ///< the input gradient (B)
