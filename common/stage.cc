@@ -3,10 +3,12 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <string_view>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -227,9 +229,18 @@ int print_error(const StageDefinition& st, const std::string& message, int code)
 }
 
 /// An error every rank agreed on (the same message and code everywhere): rank 0 says it once,
-/// and every rank returns `code`.
+/// and every rank returns `code`. mpirun aborts the job when the first rank exits non-zero, so
+/// the others first wait (a few seconds at most) until rank 0 has printed.
 int print_agreed_error(const StageDefinition& st, const std::string& message, int code, int rank) {
-  return rank == 0 ? print_error(st, message, code) : code;
+  if (rank == 0) print_error(st, message, code);
+  MPI_Request said = MPI_REQUEST_NULL;
+  TPX_MPI_CHECK(MPI_Ibarrier(MPI_COMM_WORLD, &said));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (int done = 0; !done && std::chrono::steady_clock::now() < deadline;) {
+    TPX_MPI_CHECK(MPI_Test(&said, &done, MPI_STATUS_IGNORE));
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return code;
 }
 
 /// Each rank's own start-up problems before anything is allocated: a single-device stage on

@@ -643,17 +643,25 @@ PLACEHOLDER = {
 }
 
 
-def ran_text(stages, ranks, configs, repeats, steps, quick):
-    """The sentence that says what the section's sweep ran, from the sweep itself."""
+def mesh_points_of(rows):
+    """The (N, D) points the mesh stage has rows for."""
+    return sorted({(int(r["n"]), int(r["stage"].split(" D")[1])) for r in rows
+                   if r["stage"].startswith(MESH_STAGE + " D")})
+
+
+def ran_text(stages, ranks, configs, repeats, steps, quick, mesh_points=None):
+    """The sentence that says what the section's sweep ran, from the sweep itself (the mesh
+    stage's points: `mesh_points`, else every point of MESH_POINTS within `ranks`)."""
     names = [f"`{s}`" for s in stages]
     listed = (names[0] if len(names) == 1 else
               f"{', '.join(names[:-1])} and {names[-1]}")
     mesh = ""
     if MESH_STAGE in stages:
-        points = [f"D {dp} × TP {n // dp}" for n, dp in MESH_POINTS if n in ranks]
+        points = [f"D {dp} × TP {n // dp}" for n, dp in
+                  (mesh_points if mesh_points is not None else MESH_POINTS) if n in ranks]
         mesh = f" (`{MESH_STAGE}` on the meshes {', '.join(points)})" if points else ""
     cfgs = ", ".join(f"`{c['name']}`" for c in configs)
-    return (f"{'Quick mode: ' if quick else ''}Ran {listed} over N = "
+    return (f"{'Quick mode. ' if quick else ''}Ran {listed} over N = "
             f"{', '.join(map(str, ranks))}{mesh}; config{'s' if len(configs) > 1 else ''} {cfgs}; "
             f"{repeats} repeat{'s' if repeats > 1 else ''} of {steps} steps per point.")
 
@@ -688,12 +696,15 @@ class Render:
                    f"(build: `{rel(d.build)}`).")
         out.append("")
         if a.device == "cpu":
+            cores = os.cpu_count() or 1
+            over = [n for n in d.ranks if n > cores]
+            crowd = (f"; N = {', '.join(map(str, over))} oversubscribes them, and its speed-up "
+                     "is not shown: ranks that take turns on a core time the scheduler, not the "
+                     "stage" if over else "")
             out.append("**These are CPU-backend timings: they show the mechanics (the bytes each "
                        "rank moves, the structure of the overlap, the relative cost of the stages), "
                        "not GPU speed.** Ranks share the machine's cores (one BLAS thread each, "
-                       f"{os.cpu_count()} cores; N = 4 oversubscribes them, and its speed-up "
-                       "is not shown: ranks that take turns on a core time the scheduler, not "
-                       "the stage).")
+                       f"{cores} cores{crowd}).")
             out.append("")
         if None not in loads:
             out.append(f"The machine's 1-minute load average was {loads[0]:.2f} when the sweep "
@@ -701,7 +712,8 @@ class Render:
                        "spread, and a rank that is not scheduled shows up as exposed comm on its "
                        "peers.")
             out.append("")
-        out.append(ran_text(stages, d.ranks, d.configs, d.repeats, d.steps, a.quick))
+        out.append(ran_text(stages, d.ranks, d.configs, d.repeats, d.steps, a.quick,
+                            mesh_points_of(rows)))
         out.append("")
         out.append(f"Each point: {d.repeats} run(s) of `--steps {d.steps}`; a run's step time is "
                    "the mean over steps 1 … (step 0 warms up); the table gives the median over "
@@ -1088,7 +1100,8 @@ def ran_text_from_csv(path):
     stages = [s for s in STAGES if any(r["stage"].split(" D")[0] == s for r in rows)]
     ranks = sorted({int(r["n"]) for r in rows})
     configs = [{"name": c} for c in dict.fromkeys(r["config"] for r in rows)]
-    return ran_text(stages, ranks, configs, int(rows[0]["repeats"]), int(rows[0]["steps"]), False)
+    return ran_text(stages, ranks, configs, int(rows[0]["repeats"]), int(rows[0]["steps"]), False,
+                    mesh_points_of(rows))
 
 
 def drive_text(out):
@@ -1103,7 +1116,9 @@ def drive_text(out):
             continue
         head, rest = text.split(begin, 1)
         body, tail = rest.split(end, 1)
-        lines = [ln for ln in body.split("\n") if not re.match(r"^(Quick mode: )?Ran `", ln)]
+        lines = body.split("\n")
+        for i in [i for i, ln in enumerate(lines) if re.match(r"^(Quick mode\. )?Ran `", ln)][::-1]:
+            del lines[i:i + 2 if i + 1 < len(lines) and not lines[i + 1] else i + 1]
         at = next((i for i, ln in enumerate(lines) if ln.startswith("Each point:")), None)
         if at is None:
             raise BenchError(f"{md}: the {device} section has no 'Each point:' paragraph")

@@ -236,6 +236,29 @@ class Selection(unittest.TestCase):
         self.assertIn("config `tiny`; 1 repeat of 3 steps", text)
         self.assertNotIn("06_fp8", text)
 
+    def test_only_text_writes_the_line_of_what_ran_once(self):
+        import csv, tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            out = pathlib.Path(tmp)
+            (out / "benchmarks").mkdir()
+            with open(out / "benchmarks" / "cpu.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=["config", "stage", "n", "repeats", "steps"])
+                w.writeheader()
+                for stage, n in [("02_megatron_tp", 1), ("02_megatron_tp", 2), ("07_fsdp_tp D2", 4)]:
+                    w.writerow({"config": "default", "stage": stage, "n": n, "repeats": 3,
+                                "steps": 8})
+            (out / "benchmarks.md").write_text(
+                "# old intro\n\n<!-- tpx-bench:begin cpu -->\n## CPU\n\nLoad.\n\n"
+                "Each point: ...\n<!-- tpx-bench:end cpu -->\n")
+            bench.drive_text(out)
+            once = (out / "benchmarks.md").read_text()
+            bench.drive_text(out)
+            self.assertEqual((out / "benchmarks.md").read_text(), once)  # idempotent
+            self.assertNotIn("old intro", once)
+            self.assertIn("Load.\n\nRan `02_megatron_tp` and `07_fsdp_tp` over N = 1, 2, 4 "
+                          "(`07_fsdp_tp` on the meshes D 2 × TP 2); config `default`; 3 repeats "
+                          "of 8 steps per point.\n\nEach point: ...", once)
+
 
 if __name__ == "__main__":
     unittest.main()
