@@ -1030,8 +1030,14 @@ def main(argv=None):
         ap.error("--repeats must be at least 1")
     if a.command is None:
         a.command = shlex.join(["tools/bench.py"] + (sys.argv[1:] if argv is None else argv))
-    if a.config and not pathlib.Path(a.config).is_file():
-        ap.error(f"--config {a.config}: no such file")
+    bad_path = (f"--config {a.config}: no such file" if a.config and
+                not pathlib.Path(a.config).is_file() else
+                f"--build {a.build}: no such directory"
+                if a.only != "text" and not pathlib.Path(a.build).is_dir()
+                else None)
+    if bad_path:  # one line and exit 2, as every tool in tools/ answers a bad path
+        print(f"bench: error: {bad_path}", file=sys.stderr)
+        return 2
     if a.out is None:
         selection = a.stages or a.ranks or a.model or a.config
         a.out = str(pathlib.Path(a.work) / a.device / "page") if selection else str(ROOT / "docs")

@@ -10,7 +10,8 @@ the expected value). Run by ctest (tools.reports_and_errors):
   - trace_svg titles the drawing with the stage, ranks and step, and shades exactly the interval
     in which a rank communicates and computes nothing;
   - a path that cannot be read or written is one line and exit status 2, never a traceback, for
-    tpx_report and for the Python tools.
+    tpx_report and for the Python tools (trace_svg, signal_svg, plot_losses, plot_memory, bench,
+    recompute_sweep).
 """
 import csv
 import json
@@ -170,6 +171,8 @@ class TraceSvg(unittest.TestCase):
              "nope.json"),
             ([TOOLS / "plot_memory.py", f"{self.tmp / 'nope.json'}:a", "-o", self.tmp / "x.svg"],
              "nope.json"),
+            ([TOOLS / "bench.py", "--build", self.tmp / "nobuild"], "nobuild: no such directory"),
+            ([TOOLS / "recompute_sweep.py", "--build", self.tmp / "nobuild"], "nobuild/bin"),
         ]
         for cmd, says in cases:
             r = run([sys.executable] + cmd)
