@@ -7,7 +7,7 @@
 //  - the trace shows layer l+1's weight gather beside layer l's compute, and a gradient
 //    reduce-scatter beside an earlier layer's backward;
 //  - per-rank parameters, gradients and optimizer state fall as 1 / (T·D);
-//  - bad input is one line and exit 2 on every rank.
+//  - bad input is exit 2 on every rank and one line, printed once.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
