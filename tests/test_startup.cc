@@ -234,6 +234,15 @@ TEST(Agreement, ABadFlagOnOneRankEndsEveryRank) {
                             2, 2, {"rank 1", "--bogus"});
 }
 
+TEST(Agreement, AnUnknownFlagIsSaidOnceWithTheClosestFlag) {
+  // Every rank has the same typo: one line, naming no rank, with the flag it meant.
+  const TempDir dir;
+  const auto r = mpirun(group(2, "02_megatron_tp", std::string(kSmall) + " --layer 3"), dir);
+  expect_every_rank_refuses(r, 2, 2, {"--layer: did you mean --layers?"});
+  for (const auto& line : error_lines(r))
+    EXPECT_EQ(line.find("rank "), std::string::npos) << "all ranks agree: no rank named\n" << line;
+}
+
 // --- 8: fault injection ------------------------------------------------------------------------
 
 TEST(FaultFlag, ARankOutsideTheJobIsRejected) {
