@@ -1155,6 +1155,9 @@ def drive(a):
     load_before = load_average()
     stages, rows, expected, skipped, refused = d.sweep()
     loads = (load_before, load_average())
+    if not rows:  # e.g. every stage refused the --model / --config given
+        why = skipped + [f"{name}: {line}" for name, line in refused.items()]
+        raise BenchError("no point ran" + (": " + "; ".join(why) if why else ""))
     add_derived(rows, peak["tflops"] if peak else None)
     collectives = d.bench_collectives()
     projection, proj_cmd, proj_note = d.projection()
