@@ -11,13 +11,15 @@ function(tpx_add_stage name)
   if(NOT ARG_RANKS)
     set(ARG_RANKS 1)
   endif()
+  string(SUBSTRING "${name}" 0 2 stage_number)
+  set(stage_label "stage${stage_number}")  # ctest -L stage04: this stage's tests
   if(TPX_BUILD_TESTS)
     foreach(np IN LISTS ARG_RANKS)
       add_test(NAME ${name}.check.np${np}
         COMMAND ${MPIEXEC_EXECUTABLE} ${TPX_MPIEXEC_FLAGS} ${MPIEXEC_NUMPROC_FLAG} ${np}
                 $<TARGET_FILE:${name}> --check ${ARG_TEST_ARGS})
       set_tests_properties(${name}.check.np${np} PROPERTIES
-        ENVIRONMENT "${TPX_TEST_ENV}" PROCESSORS ${np} TIMEOUT 300 LABELS "stage;mpi")
+        ENVIRONMENT "${TPX_TEST_ENV}" PROCESSORS ${np} TIMEOUT 300 LABELS "stage;mpi;${stage_label}")
     endforeach()
   endif()
 endfunction()

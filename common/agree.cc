@@ -85,12 +85,19 @@ ConfigFields parse(const std::string& text) {
 
 StartVerdict agree_to_start(bool stop, int exit_code, const std::string& message) {
   const int rank = world_rank(), world = world_size();
-  int mine = stop ? rank : world, first = world;
-  TPX_MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  // One all-reduce: the first stopping rank, and (-1 on a rank that runs) whether all stop.
+  int mine[2] = {stop ? rank : world, stop ? 0 : -1}, lowest[2] = {world, 0};
+  TPX_MPI_CHECK(MPI_Allreduce(mine, lowest, 2, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  const int first = lowest[0];
   if (first == world) return {};
   StartVerdict v{.stop = true, .exit_code = exit_code, .rank = first, .message = {}};
   TPX_MPI_CHECK(MPI_Bcast(&v.exit_code, 1, MPI_INT, first, MPI_COMM_WORLD));
   v.message = broadcast(rank == first ? message : std::string(), first);
+  if (lowest[1] == 0) {  // every rank stops: the same words everywhere?
+    int same = v.message == message ? 1 : 0, all_same = 0;
+    TPX_MPI_CHECK(MPI_Allreduce(&same, &all_same, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+    v.unanimous = all_same == 1;
+  }
   return v;
 }
 

@@ -29,10 +29,12 @@ struct StartVerdict {
   int exit_code = 0;
   int rank = -1;  ///< the first (lowest) rank that asked to stop
   std::string message;
+  /// Every rank asked to stop, with the same message: it is said once, without naming a rank.
+  bool unanimous = false;
 };
 
 /// Collective over MPI_COMM_WORLD; every rank must call it, stopping or not. Returns the same
-/// verdict on every rank.
+/// verdict on every rank, so that one rank (rank 0) can print it for all.
 StartVerdict agree_to_start(bool stop, int exit_code, const std::string& message);
 
 /// Flags that shape the computation, as (name, value) pairs in a fixed order.

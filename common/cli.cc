@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "check.h"
+#include "cli_hint.h"
 
 namespace tpx {
 namespace {
@@ -233,7 +234,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   } catch (const CLI::CallForHelp&) {
     return {std::nullopt, app.help(), 0};
   } catch (const CLI::ParseError& e) {
-    return {std::nullopt, fmt::format("{} (see --help)", e.what()), 2};
+    return {std::nullopt, parse_error_text(app, e), 2};
   }
   if (info.single_device)
     for (const char* flag : {"--comm", "--comm-timeout", "--fault-skip-collective",

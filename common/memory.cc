@@ -226,37 +226,9 @@ const MemoryTerm& MemoryEstimate::term(const std::string& name) const {
   fail(fmt::format("the memory estimate has no term '{}'", name));
 }
 
-namespace {
-
-/// The binary unit a byte count is best read in (B, KiB, ..., EiB), and its decimals.
-struct Unit {
-  std::string_view name;
-  double scale;
-  int digits;
-};
-
-Unit unit_for(std::uint64_t bytes) {
-  static constexpr std::array<std::string_view, 7> kUnits = {"B",   "KiB", "MiB", "GiB",
-                                                             "TiB", "PiB", "EiB"};
-  std::size_t unit = 0;
-  double scale = 1.0;
-  while (unit + 1 < kUnits.size() && double(bytes) >= 1024.0 * scale) {
-    scale *= 1024.0;
-    ++unit;
-  }
-  return {kUnits[unit], scale, unit == 0 ? 0 : 1};
-}
-
-}  // namespace
-
-std::string bytes_text(std::uint64_t bytes) {
-  const Unit u = unit_for(bytes);
-  return fmt::format("{:.{}f} {}", double(bytes) / u.scale, u.digits, u.name);
-}
-
 std::string MemoryEstimate::describe() const {
   const std::uint64_t all = total();
-  const Unit u = unit_for(all);
+  const ByteUnit u = byte_unit(all);
   std::string line = fmt::format("{} =", bytes_text(all));
   for (std::size_t i = 0; i < terms.size(); ++i)
     line += fmt::format("{} {} {:.{}f}", i == 0 ? "" : " +", terms[i].name,

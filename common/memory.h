@@ -2,7 +2,7 @@
 // run that cannot fit is refused at start-up instead of failing (or swapping) half-way.
 //
 // The estimate is the high-water mark of the bytes the run takes through allocator_for(device)
-// (what the step table's "peak MB" column measures), as a sum of named terms:
+// (what the step table's "peak" column measures), as a sum of named terms:
 //   parameters, gradients   every layer's nine tensors, this rank's shards (param_local_shape)
 //   saved activations       what forward keeps for backward, all L layers, exactly as
 //                           BlockActivations::bytes() counts it (the chapters' formula);
@@ -23,7 +23,7 @@
 // 128×128 scores), host memory outside the allocator; these are small or outside its view.
 //
 // defines: tpx::MemoryTerm, tpx::MemoryEstimate, tpx::estimate_training_memory(),
-//          tpx::snapshot_bytes(), tpx::bytes_text()
+//          tpx::snapshot_bytes() (and, through units.h, tpx::bytes_text())
 #pragma once
 
 #include <cstdint>
@@ -32,6 +32,7 @@
 
 #include "config.h"
 #include "model.h"
+#include "units.h"
 
 namespace tpx {
 
@@ -69,8 +70,5 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
 /// and gradients. Host memory whatever the device (add it to a cpu estimate; on cuda it is
 /// taken from the host). Throws SizeOverflow when it does not fit in 64 bits.
 std::uint64_t snapshot_bytes(const BlockConfig& c);
-
-/// A byte count in the binary unit that reads best, e.g. "512 B", "33.8 MiB", "1.3 TiB".
-std::string bytes_text(std::uint64_t bytes);
 
 }  // namespace tpx

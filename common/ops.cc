@@ -56,7 +56,7 @@ std::string device_name(Device device) {
 #if TPX_WITH_CUDA
   if (device == Device::cuda) return cuda::device_name();
 #endif
-  return std::string(to_string(device));
+  return device == Device::cpu ? cpu::host_cpu_name() : std::string(to_string(device));
 }
 
 namespace {
@@ -543,5 +543,9 @@ Tensor to_device(const Tensor& t, Device device) {
 }
 
 #undef TPX_DISPATCH
+
+std::string device_description(Device device) {
+  return fmt::format("{}: {}", to_string(device), device_name(device));
+}
 
 }  // namespace tpx::ops

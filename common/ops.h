@@ -32,8 +32,13 @@ std::string device_problem(Device device);
 /// device's own problem, or a GPU older than compute capability 8.9, which has no FP8 tensor
 /// cores). The cpu always can: its casts are software and its GEMMs multiply dequantized values.
 std::string fp8_problem(Device device);
-/// Words for headers and tables: "cpu", or the GPU's name, compute capability and SM count.
+/// Words for headers and tables: the host CPU's model (with its family, model and stepping, as a
+/// virtual machine may name only the vendor) and core count, or the GPU's name, compute
+/// capability and SM count.
 std::string device_name(Device device);
+/// "<backend>: <device_name>", e.g. "cpu: AMD EPYC 7B13 (cpu family 25, model 1, stepping 0),
+/// 2 cores": the device string of --json's summary, tpx_report's tables and the benchmark page.
+std::string device_description(Device device);
 /// Bytes this process could still allocate on `device`, for refusing a run that cannot fit
 /// before it allocates. cpu: MemAvailable of /proc/meminfo (the kernel's estimate of what can be
 /// allocated without swapping, shared by every process on the host); when /proc/meminfo cannot

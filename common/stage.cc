@@ -3,10 +3,12 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <string_view>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -51,16 +53,18 @@ constexpr int kExitFail = 1;      ///< --check FAIL, or an output that could not
 constexpr int kExitConfig = 2;    ///< bad input or a config that cannot run here
 constexpr int kExitDiverged = 3;  ///< a loss or gradient norm became NaN or infinite
 
+/// The words of an agreed stop: the first stopping rank's message, naming that rank unless every
+/// rank stopped for the same reason.
+std::string verdict_text(const StartVerdict& v, int world) {
+  return world > 1 && !v.unanimous ? fmt::format("rank {}: {}", v.rank, v.message) : v.message;
+}
+
 /// Ends the start-up of every rank together: if `problem` is non-empty on any rank, every rank
-/// throws ConfigError with the first such rank's problem (named by rank when there are several).
+/// throws ConfigError with the first such rank's problem (named by rank when not all agree).
 void stop_if_any_rank(const std::string& problem, int world) {
   const StartVerdict v = agree_to_start(!problem.empty(), kExitConfig, problem);
   if (!v.stop) return;
-  throw ConfigError(world > 1 ? fmt::format("rank {}: {}", v.rank, v.message) : v.message);
-}
-
-double mib(std::size_t bytes) {
-  return double(bytes) / (1024.0 * 1024.0);
+  throw ConfigError(verdict_text(v, world));
 }
 
 /// What the speed columns need: this rank's GEMM FLOPs per step and the device's bf16 peak.
@@ -139,24 +143,24 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
                                                                     : bytes_text(available));
   if (std::ranges::any_of(memory.terms,
                           [](const MemoryTerm& t) { return t.name == kSnapshotTerm; }))
-    fmt::print("(the snapshot is host memory beside the step's tensors: peak MB leaves it out)\n");
-  fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>10} {:>14} {:>14} {:>10}", "step", "loss",
-             "grad norm", "step ms", "exposed ms", "payload B/rank", "bus B/rank", "peak MB");
-  if (speed.gpu()) fmt::print(" {:>8} {:>6} {:>8}", "TFLOP/s", "MFU %", "resv MB");
-  if (c.recompute == Recompute::full) fmt::print(" {:>16}", "recompute bus B");
+    fmt::print("(the snapshot is host memory beside the step's tensors: peak leaves it out)\n");
+  fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>10} {:>13} {:>11} {:>11}", "step", "loss",
+             "grad norm", "step ms", "exposed ms", "payload/rank", "bus/rank", "peak");
+  if (speed.gpu()) fmt::print(" {:>8} {:>6} {:>11}", "TFLOP/s", "MFU %", "reserved");
+  if (c.recompute == Recompute::full) fmt::print(" {:>14}", "recompute bus");
   fmt::print("\n");
 }
 
 void print_row(const StepRow& r, const Speed& speed, const BlockConfig& c) {
-  fmt::print("{:>5} {:>13.8f} {:>12.6e} {:>10.2f} {:>10.2f} {:>14} {:>14} {:>10.2f}", r.step,
-             r.loss, r.grad_norm, r.ms, r.exposed_comm_ms, r.comm.payload_bytes, r.comm.bus_bytes,
-             mib(r.peak_bytes));
+  fmt::print("{:>5} {:>13.8f} {:>12.6e} {:>10.2f} {:>10.2f} {:>13} {:>11} {:>11}", r.step, r.loss,
+             r.grad_norm, r.ms, r.exposed_comm_ms, bytes_text(r.comm.payload_bytes),
+             bytes_text(r.comm.bus_bytes), bytes_text(r.peak_bytes));
   if (speed.gpu()) {
     const double tf = speed.tflops(r.ms);
-    fmt::print(" {:>8.1f} {:>6.1f} {:>8.2f}", tf, 100.0 * tf / speed.peak_tflops,
-               mib(r.reserved_bytes));
+    fmt::print(" {:>8.1f} {:>6.1f} {:>11}", tf, 100.0 * tf / speed.peak_tflops,
+               bytes_text(r.reserved_bytes));
   }
-  if (c.recompute == Recompute::full) fmt::print(" {:>16}", r.recompute_comm.bus_bytes);
+  if (c.recompute == Recompute::full) fmt::print(" {:>14}", bytes_text(r.recompute_comm.bus_bytes));
   fmt::print("\n");
   std::fflush(stdout);
 }
@@ -221,6 +225,21 @@ void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& st
 int print_error(const StageDefinition& st, const std::string& message, int code) {
   fmt::print(stderr, "{}: error: {}\n", st.info.name, message);
   std::fflush(stderr);
+  return code;
+}
+
+/// An error every rank agreed on (the same message and code everywhere): rank 0 says it once,
+/// and every rank returns `code`. mpirun aborts the job when the first rank exits non-zero, so
+/// the others first wait (a few seconds at most) until rank 0 has printed.
+int print_agreed_error(const StageDefinition& st, const std::string& message, int code, int rank) {
+  if (rank == 0) print_error(st, message, code);
+  MPI_Request said = MPI_REQUEST_NULL;
+  TPX_MPI_CHECK(MPI_Ibarrier(MPI_COMM_WORLD, &said));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (int done = 0; !done && std::chrono::steady_clock::now() < deadline;) {
+    TPX_MPI_CHECK(MPI_Test(&said, &done, MPI_STATUS_IGNORE));
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   return code;
 }
 
@@ -348,6 +367,7 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                   {"steps", rows},
                   {"saved_activation_bytes", r.saved_activation_bytes},
                   {"memory_estimate_bytes", estimate.total()}};
+  summary["device_description"] = ops::device_description(c.device);  // tpx_report's, bench.py's
   summary["dp"] = par.sharding().dp;  // the mesh's data-parallel degree (1 but in stage 07)
   json terms = json::object();  // the estimate's terms, by name (stage 07: sharded and unsharded)
   for (const MemoryTerm& t : estimate.terms) terms[t.name] = t.bytes;
@@ -409,11 +429,10 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
     const auto steps = double(r.rows.size() - first);
     if (!r.rows.empty())
       fmt::print(
-          "\nmean step {:.2f} ms (exposed comm {:.2f} ms; {}) | saved activations {:.2f} MiB per "
-          "rank ({} bytes)\n",
+          "\nmean step {:.2f} ms (exposed comm {:.2f} ms; {}) | saved activations {} per rank\n",
           total / steps, exposed / steps,
           first == 1 ? fmt::format("steps 1-{}, step 0 warms up", r.rows.size() - 1) : "step 0",
-          mib(r.saved_activation_bytes), r.saved_activation_bytes);
+          bytes_text(r.saved_activation_bytes));
   }
 
   // Outputs are written by rank 0 (the trace's gather is collective); a failure to write one is
@@ -482,15 +501,16 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
     });
   if (trace.enabled()) {
     try {
-      trace.write(o.trace_path, rank, world);  // collective; only rank 0 writes, and may throw
+      trace.write(o.trace_path, rank, world, st.info.name);  // collective; rank 0 writes; may throw
     } catch (const Error& e) {
       if (write_problem.empty()) write_problem = e.what();
     }
   }
   if (const StartVerdict v = agree_to_start(!write_problem.empty(), kExitFail, write_problem);
       v.stop)
-    return print_error(st, v.message, kExitFail);
-  if (!r.diverged.empty()) return print_error(st, r.diverged, kExitDiverged);
+    return print_agreed_error(st, v.message, kExitFail, rank);  // only rank 0 writes
+  // The loss and gradient norm are global, so every rank sees the same divergence.
+  if (!r.diverged.empty()) return print_agreed_error(st, r.diverged, kExitDiverged, rank);
   return pass ? 0 : kExitFail;
 }
 
@@ -507,16 +527,16 @@ int run_stage(const StageDefinition& st, int argc, char** argv) {
       if (mpi.rank() == 0) fmt::print("{}", v.message);
       return 0;
     }
-    return print_error(st,
-                       mpi.world() > 1 ? fmt::format("rank {}: {}", v.rank, v.message) : v.message,
-                       v.exit_code);
+    return print_agreed_error(st, verdict_text(v, mpi.world()), v.exit_code, mpi.rank());
   }
+  // A ConfigError is agreed (stop_if_any_rank, config_disagreement, the checks every rank makes
+  // on the same facts), and SizeOverflow identical on every rank (sizes are agreed): said once.
   try {
     return run(st, *cli.options, mpi.rank(), mpi.world());
   } catch (const ConfigError& e) {
-    return print_error(st, e.what(), kExitConfig);
-  } catch (const SizeOverflow& e) {  // identical on every rank: sizes are agreed
-    return print_error(st, e.what(), kExitConfig);
+    return print_agreed_error(st, e.what(), kExitConfig, mpi.rank());
+  } catch (const SizeOverflow& e) {
+    return print_agreed_error(st, e.what(), kExitConfig, mpi.rank());
   } catch (const std::exception& e) {
     print_error(st, e.what(), kExitFail);
     if (mpi.world() > 1) MPI_Abort(MPI_COMM_WORLD, kExitFail);

@@ -95,7 +95,8 @@ std::vector<std::string> Trace::span_names(Lane lane) const {
   return names;
 }
 
-void Trace::write(const std::filesystem::path& path, int rank, int world) const {
+void Trace::write(const std::filesystem::path& path, int rank, int world,
+                  const std::string& stage) const {
   static constexpr const char* kLaneNames[] = {"compute", "comm", "copy", "phases", "dp comm"};
   nlohmann::json mine = nlohmann::json::array();
   for (int lane = 0; lane < 5; ++lane)
@@ -147,8 +148,9 @@ void Trace::write(const std::filesystem::path& path, int rank, int world) const 
                    static_cast<std::size_t>(lens[static_cast<std::size_t>(r)])));
     for (const auto& e : part) events.push_back(e);
   }
-  write_text_file(
-      path, nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump(1) + '\n');
+  nlohmann::json file{{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+  if (!stage.empty()) file["otherData"] = {{"stage", stage}, {"world_size", world}};
+  write_text_file(path, file.dump(1) + '\n');
 }
 
 }  // namespace tpx

@@ -62,8 +62,10 @@ class Trace {
   std::vector<std::string> span_names(Lane lane) const;
 
   /// Collective over MPI_COMM_WORLD: gathers every rank's events and rank 0 writes the file (whole
-  /// or not at all, see output.h).
-  void write(const std::filesystem::path& path, int rank, int world) const;
+  /// or not at all, see output.h). `stage` names the run in the file's "otherData" (with the
+  /// world size), where timeline drawings take their title from.
+  void write(const std::filesystem::path& path, int rank, int world,
+             const std::string& stage = {}) const;
 
  private:
   struct Event {

@@ -6,11 +6,18 @@
 # docs/benchmarks/<device>.csv and the plots docs/figures/bench_<device>_*.svg.
 #
 #   scripts/bench.sh [--quick] [--device cpu|cuda] [--repeats R] [--out DIR]
+#                    [--stages 04,05] [--ranks 2,4] [--model NAME | --config FILE]
 #
-#   --quick      1 repeat, N = 1, 2, 3 steps, collectives up to 64K, the default config only
-#   --device     cpu (default) or cuda (on a GPU machine)
-#   --repeats R  runs per point (default 3): the tables give the median and the min–max spread
-#   --out DIR    write benchmarks.md, benchmarks/ and figures/ under DIR instead of docs/
+#   --quick        1 repeat, N = 1, 2, 3 steps, collectives up to 64K, the default config only
+#   --device       cpu (default) or cuda (on a GPU machine)
+#   --repeats R    runs per point (default 3): the tables give the median and the min–max spread
+#   --out DIR      write benchmarks.md, benchmarks/ and figures/ under DIR instead of docs/
+#   --stages LIST  only these stages, by number or name (04,05 or 04_overlap_ring)
+#   --ranks LIST   only these rank counts N (2,4)
+#   --model NAME   one config, the preset NAME, given to every stage and to tpx_project
+#   --config FILE  one config, the file FILE, likewise
+#   (with --stages, --ranks, --model or --config the page goes to out/bench/<device>/page/
+#   unless --out is given; its text says what ran)
 #
 # The build: TPX_BENCH_BUILD (default: build-bench-cpu for --device cpu, configured cpu-only
 # without tests and docs so that it builds in a few minutes; build/ for --device cuda). An existing
@@ -21,6 +28,7 @@ cd "$(dirname "$0")/.."
 
 args=("$@")
 device=cpu
+stages=
 while [ $# -gt 0 ]; do
   case $1 in
     --device)
@@ -32,8 +40,16 @@ while [ $# -gt 0 ]; do
       shift
       ;;
     -h | --help)
-      sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
       exit 0
+      ;;
+    --stages)
+      stages=${2:-}
+      shift 2 || shift
+      ;;
+    --stages=*)
+      stages=${1#*=}
+      shift
       ;;
     *) shift ;;
   esac
@@ -71,9 +87,28 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
   [ "$device" = cpu ] && flags+=(-DTPX_CUDA=OFF)
   cmake -S . -B "$build" -G Ninja "${flags[@]}" >/dev/null
 fi
-# Build only the programs the benchmarks run, those this source tree has.
-wanted=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
-  06_fp8 07_fsdp_tp bench_gemm bench_collectives tpx_project)
+# Build only the programs the benchmarks run (with --stages, only those stages), those this source
+# tree has; tools/bench.py checks the list itself and names a stage that does not exist.
+all_stages=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
+  06_fp8 07_fsdp_tp)
+chosen=()
+for s in "${all_stages[@]}"; do
+  if [ -z "$stages" ]; then
+    chosen+=("$s")
+    continue
+  fi
+  IFS=, read -ra picks <<<"$stages"
+  for p in "${picks[@]}"; do
+    if [ "$p" = "$s" ] || { [[ $p =~ ^[0-9]+$ ]] && [ "$((10#$p))" = "$((10#${s:0:2}))" ]; }; then
+      chosen+=("$s")
+    fi
+  done
+done
+if [ -n "$stages" ] && [ ${#chosen[@]} -eq 0 ]; then
+  echo "bench: --stages $stages names no stage (stages: 01 … 07, or their names)" >&2
+  exit 2
+fi
+wanted=("${chosen[@]}" bench_gemm bench_collectives tpx_project)
 known=$(cmake --build "$build" --target help 2>/dev/null)
 targets=()
 for t in "${wanted[@]}"; do

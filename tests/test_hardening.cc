@@ -4,7 +4,8 @@
 //     error names its flag;
 //   - size arithmetic is checked: a config whose counts overflow 64 bits is a config error, and a
 //     tensor of such a shape throws instead of wrapping;
-//   - a single-device stage rejects the communication flags.
+//   - a single-device stage rejects the communication flags;
+//   - an unknown flag is answered with the closest known one ("did you mean --layers?").
 // The executables' behaviour (exit codes, every rank agreeing) is in test_startup.cc.
 #include <gtest/gtest.h>
 
@@ -17,6 +18,7 @@
 
 #include "common/checked.h"
 #include "common/cli.h"
+#include "common/cli_hint.h"
 #include "common/config.h"
 #include "common/tensor.h"
 #include "common/trainer.h"
@@ -226,6 +228,34 @@ TEST(CheckedSizes, ATensorWhoseCountOverflowsThrowsInsteadOfWrapping) {
   EXPECT_THROW((void)Tensor::empty({1ll << 40, 1ll << 40}), SizeOverflow);
   // 2^61 elements fit in int64, their 2^63 bytes do not.
   EXPECT_THROW((void)Tensor::empty({1ll << 31, 1ll << 30}, DType::f32).nbytes(), Error);
+}
+
+// --- did you mean ------------------------------------------------------------------------------
+
+TEST(UnknownFlags, TheClosestFlagIsSuggested) {
+  const std::vector<std::string> known = {"--hidden", "--heads", "--kv-heads", "--layers",
+                                          "--seq",    "--steps", "--dump",     "--dtype"};
+  EXPECT_EQ(closest_flag("--layer", known), "--layers");        // a letter left out
+  EXPECT_EQ(closest_flag("--haeds", known), "--heads");         // two letters swapped
+  EXPECT_EQ(closest_flag("-layers", known), "--layers");        // one dash
+  EXPECT_EQ(closest_flag("--kv-head=2", known), "--kv-heads");  // with a value
+  EXPECT_EQ(closest_flag("--hid", known), "--hidden");          // an unambiguous prefix
+  EXPECT_EQ(closest_flag("--s", known), "");                    // too short to guess
+  EXPECT_EQ(closest_flag("--bogus", known), "");                // nothing near
+  EXPECT_EQ(closest_flag("--layers", known), "");               // known: not a slip
+}
+
+TEST(UnknownFlags, TheParseErrorNamesTheFlagAndTheSuggestion) {
+  const CliOutcome out = parse({"--layer", "3"});
+  ASSERT_FALSE(out.options);
+  EXPECT_EQ(out.exit_code, 2);
+  EXPECT_NE(out.message.find("--layer: did you mean --layers?"), std::string::npos) << out.message;
+  EXPECT_EQ(out.message.find('\n'), std::string::npos) << out.message;  // one line
+  // Hidden flags (fault injection) are not suggested, and far-off flags get no guess.
+  const CliOutcome far = parse({"--zzzzzz"});
+  EXPECT_EQ(far.message.find("did you mean"), std::string::npos) << far.message;
+  const CliOutcome hidden = parse({"--fault-skip-collectiv", "1:2"});
+  EXPECT_EQ(hidden.message.find("did you mean"), std::string::npos) << hidden.message;
 }
 
 }  // namespace

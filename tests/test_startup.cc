@@ -53,14 +53,14 @@ std::vector<std::string> error_lines(const CommandResult& r) {
   return out;
 }
 
-/// Every one of `ranks` ranks printed one error line containing every string of `must_name`,
-/// the job exited with `code`, and no step ran.
+/// Every one of `ranks` ranks stopped (the job exited with `code`, no step ran) and the error
+/// every rank agreed on was printed once, in one line containing every string of `must_name`.
 void expect_every_rank_refuses(const CommandResult& r, int ranks, int code,
                                const std::vector<std::string>& must_name) {
   EXPECT_NE(r.exit_code, 124) << "timed out (a rank waited for another forever)\n" << r.err;
   EXPECT_EQ(r.exit_code, code) << r.out << r.err;
   const auto lines = error_lines(r);
-  EXPECT_EQ(lines.size(), static_cast<std::size_t>(ranks)) << r.err;
+  EXPECT_EQ(lines.size(), 1u) << "the " << ranks << " ranks' one error, printed once:\n" << r.err;
   for (const auto& line : lines)
     for (const auto& s : must_name) EXPECT_NE(line.find(s), std::string::npos) << line;
   EXPECT_EQ(r.out.find("grad norm"), std::string::npos) << "it started training:\n" << r.out;
@@ -88,7 +88,7 @@ TEST(Divergence, StopsEveryRankNamingTheStepAndKeepsTheStepsDone) {
         dir);
     EXPECT_EQ(r.exit_code, 3) << stage << "\n" << r.out << r.err;
     const auto lines = error_lines(r);
-    EXPECT_EQ(lines.size(), static_cast<std::size_t>(ranks)) << r.err;
+    EXPECT_EQ(lines.size(), 1u) << "printed once, not once per rank:\n" << r.err;
     for (const auto& line : lines)
       EXPECT_NE(line.find("loss is not finite at step 1 (lr 1e+15 too large?)"), std::string::npos)
           << line;
@@ -176,7 +176,7 @@ TEST(Outputs, AFullDiskIsAnErrorNamingThePathOnEveryRank) {
         dir);
     EXPECT_EQ(r.exit_code, 1) << flag << "\n" << r.err;
     const auto lines = error_lines(r);
-    EXPECT_EQ(lines.size(), 2u) << r.err;
+    EXPECT_EQ(lines.size(), 1u) << "printed once, not once per rank:\n" << r.err;
     for (const auto& line : lines) {
       EXPECT_NE(line.find("/dev/full"), std::string::npos) << line;
       EXPECT_NE(line.find("No space left on device"), std::string::npos) << line;
@@ -232,6 +232,15 @@ TEST(Agreement, ABadFlagOnOneRankEndsEveryRank) {
                                        group(1, "02_megatron_tp", std::string(kSmall) + " --bogus"),
                                    dir, /*timeout_s=*/30),
                             2, 2, {"rank 1", "--bogus"});
+}
+
+TEST(Agreement, AnUnknownFlagIsSaidOnceWithTheClosestFlag) {
+  // Every rank has the same typo: one line, naming no rank, with the flag it meant.
+  const TempDir dir;
+  const auto r = mpirun(group(2, "02_megatron_tp", std::string(kSmall) + " --layer 3"), dir);
+  expect_every_rank_refuses(r, 2, 2, {"--layer: did you mean --layers?"});
+  for (const auto& line : error_lines(r))
+    EXPECT_EQ(line.find("rank "), std::string::npos) << "all ranks agree: no rank named\n" << line;
 }
 
 // --- 8: fault injection ------------------------------------------------------------------------

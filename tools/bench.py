@@ -4,11 +4,17 @@ the micro-benchmarks and the projection, and writes docs/benchmarks.md (one sect
 a CSV per device and SVG plots. Normally started by scripts/bench.sh, which builds first.
 
     tools/bench.py --build DIR [--device cpu|cuda] [--repeats R] [--quick] [--out DIR]
+                   [--stages 04,05] [--ranks 2,4] [--model NAME | --config FILE]
                    [--work DIR] [--mpirun "mpirun --oversubscribe --bind-to none"]
                    [--command "what to print as the command that made the tables"]
 
 The sweep: N = 1, 2, 4 (stage 01 only at N = 1; an N that does not divide H, NH, F and S is left
-out), the default config and a GEMM-dominated one, each point run R times. A point's step time is
+out), the default config and a GEMM-dominated one, each point run R times. A selection narrows
+it: --stages (numbers or names, comma-separated), --ranks (comma-separated N), and --model NAME
+or --config FILE, which replace the two configs by that one, forwarded as they are to every
+stage and to tpx_project (a stage that refuses the config at some N, exit 2, leaves that point
+out with its one line). With a selection the page goes under --work unless --out is given, so the
+committed docs/benchmarks.md keeps the full sweep; its text says what ran either way. A point's step time is
 the mean over the steps after step 0 (step 0 warms up) of one run; the tables give the median over
 the R runs and their spread as min–max. From it, per rank:
     TFLOP/s        = flops_per_step_per_rank / step time            (GEMM FLOPs, common/flops.h)
@@ -112,7 +118,8 @@ def divides(config, n):
 
 
 def summarise_point(summaries):
-    """One sweep point (the --json summaries of its R runs) as the table's numbers."""
+    """One sweep point (the --json summaries of its R runs) as the table's numbers, with the
+    config's sizes and the device as the runs recorded them."""
     first = summaries[0]
     step_ms = [steady_mean(s["steps"], "ms") for s in summaries]
     med, lo, hi = median_spread(step_ms)
@@ -124,7 +131,10 @@ def summarise_point(summaries):
             "device": first["config"]["device"], "dtype": first["config"]["dtype"],
             "step_ms": med, "step_ms_min": lo, "step_ms_max": hi, "repeats": len(summaries),
             "tflops": tf, "exposed_ms": exposed, "bus_bytes": bus, "bus_gbps": bus_gbps(bus, med),
-            "peak_mib": peak / MIB, "saved_mib": float(first["saved_activation_bytes"]) / MIB}
+            "peak_mib": peak / MIB, "saved_mib": float(first["saved_activation_bytes"]) / MIB,
+            "device_description": first.get("device_description"),
+            "device_name": first.get("device_name"),
+            **{k: int(first["config"][k]) for k in SIZE_KEYS if k in first["config"]}}
 
 
 def add_derived(rows, peak_tflops):
@@ -258,15 +268,24 @@ def run(cmd, log, timeout):
 
 
 def config_flags(config):
-    flags = []
+    """The flags that give a stage the config: its sizes, or --model / --config as given."""
+    flags = list(config.get("flags", []))
     for key in ("hidden", "heads", "ffn", "seq", "batch", "layers"):
         if key in config.get("set", {}):
             flags += [f"--{key}", str(config["set"][key])]
     return flags
 
 
-def configs_for(device, quick):
-    """The sweep's configs: the default and a GEMM-dominated one (H and F large against S)."""
+def configs_for(device, quick, model=None, config_file=None):
+    """The sweep's configs: the default and a GEMM-dominated one (H and F large against S), or
+    the one --model / --config names (its sizes are the stage's to resolve: "flags")."""
+    if model:
+        return [{"name": model, "set": {}, "flags": ["--model", model], "optional": False,
+                 "why": f"the `--model {model}` preset"}]
+    if config_file:
+        return [{"name": pathlib.Path(config_file).stem, "set": {},
+                 "flags": ["--config", str(config_file)], "optional": False,
+                 "why": f"the config file `{config_file}`"}]
     default = {"name": "default", "set": {}, "optional": False,
                "why": "the tutorial's default config"}
     if device == "cpu":
@@ -287,6 +306,7 @@ def configs_for(device, quick):
 
 
 DEFAULTS = {"hidden": 256, "heads": 8, "ffn": 1024, "seq": 128, "batch": 2, "layers": 2}
+SIZE_KEYS = list(DEFAULTS)
 
 
 def sizes(config):
@@ -308,8 +328,9 @@ class Driver:
         self.mpirun = shlex.split(a.mpirun)
         self.date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         self.steps = 3 if a.quick else 8
-        self.ranks = [1, 2] if a.quick else [1, 2, 4]
+        self.ranks = a.ranks or ([1, 2] if a.quick else [1, 2, 4])
         self.repeats = 1 if a.quick else a.repeats
+        self.configs = configs_for(a.device, a.quick, a.model, a.config)
         self.notes = []  # lines for the section's notes
 
     def exe(self, name):
@@ -328,17 +349,22 @@ class Driver:
 
     # -- the stage sweep ----------------------------------------------------------------------
     def sweep(self):
-        stages = [s for s in STAGES if self.exe(s)]
+        stages = [s for s in (self.a.stages or STAGES) if self.exe(s)]
         if not stages:
             raise BenchError(f"no stage executables in {self.bin} (build first: scripts/bench.sh)")
+        if self.a.stages and len(stages) < len(self.a.stages):
+            missing = [s for s in self.a.stages if s not in stages]
+            raise BenchError(f"not built in {self.bin}: {', '.join(missing)}")
         points, skipped = [], []
-        for config in configs_for(self.a.device, self.a.quick):
+        for config in self.configs:
+            known = "flags" not in config  # a preset's sizes are the stage's to check
             for stage in stages:
                 if stage == MESH_STAGE:
                     for n, dp in MESH_POINTS:
                         if n not in self.ranks:
                             continue
-                        if not divides(sizes(config), n // dp) or sizes(config)["batch"] % dp:
+                        if known and (not divides(sizes(config), n // dp)
+                                      or sizes(config)["batch"] % dp):
                             skipped.append(f"{config['name']} at D {dp} × TP {n // dp}: "
                                            f"{size_text(sizes(config))} does not split")
                             continue
@@ -347,13 +373,14 @@ class Driver:
                 for n in self.ranks:
                     if stage == "01_baseline" and n > 1:
                         continue
-                    if not divides(sizes(config), n):
+                    if known and not divides(sizes(config), n):
                         skipped.append(f"{config['name']} at N={n}: {size_text(sizes(config))} "
                                        f"does not split by {n}")
                         continue
                     points.append((config, stage, n))
         results = {}  # (config name, stage, n) -> [summaries]
         refused = {}  # optional config name -> the stage's one-line refusal
+        declined = set()  # (config, stage, n) a stage refused under --model / --config
         total = len(points) * self.repeats
         done = 0
         for rep in range(self.repeats):  # repeats outermost: drift spreads over every point
@@ -371,6 +398,11 @@ class Driver:
                 if rc == 2 and config["optional"]:  # e.g. the memory estimate does not fit
                     refused[config["name"]] = f"{stage} at N={n}: {last}"
                     continue
+                if rc == 2 and "flags" in config:  # the stage refuses the preset at this N
+                    if (config["name"], stage, n) not in declined:
+                        declined.add((config["name"], stage, n))
+                        skipped.append(f"{config['name']} {stage} at N={n}: {last}")
+                    continue
                 if rc != 0:
                     raise BenchError(f"stage run failed (exit {rc}): {shlex.join(cmd)}\n  {last}\n"
                                      f"  full output: {path.with_suffix('.log')}")
@@ -380,7 +412,7 @@ class Driver:
         labels = [lab for s in stages
                   for lab in ([stage_label(s, dp) for dp in sorted({d for _, d in MESH_POINTS})]
                               if s == MESH_STAGE else [s])]
-        for config in configs_for(self.a.device, self.a.quick):
+        for config in self.configs:
             if config["name"] in refused:
                 continue
             for stage in labels:
@@ -389,10 +421,11 @@ class Driver:
                     if not runs:
                         continue
                     r = summarise_point(runs)
-                    r.update(config=config["name"], steps=self.steps, **sizes(config))
+                    r.update(config=config["name"], steps=self.steps)
                     r["spread"] = f"{r['step_ms_min']:.2f}–{r['step_ms_max']:.2f}"
                     rows.append(r)
-        expected = [(c["name"], s, n) for c, s, n in points if c["name"] not in refused]
+        expected = [(c["name"], s, n) for c, s, n in points
+                    if c["name"] not in refused and (c["name"], s, n) not in declined]
         return stages, rows, expected, skipped, refused
 
     # -- micro-benchmarks ---------------------------------------------------------------------
@@ -447,7 +480,7 @@ class Driver:
         md, js = self.work / "projection.md", self.work / "projection.json"
         md.unlink(missing_ok=True)
         cmd = [str(exe), "--device", str(ROOT / "tools/devices/h100_sxm.json"), "--markdown",
-               str(md), "--json", str(js)]
+               str(md), "--json", str(js)] + self.configs[0].get("flags", [])
         print("tpx_project ...", flush=True)
         rc, last = run(cmd, self.work / "projection.log", self.a.timeout)
         if rc != 0 or not md.is_file():
@@ -551,6 +584,11 @@ def md_table(head, rows):
 
 
 def device_description(device, rows):
+    """The device as the stages' --json name it (device_description, the string tpx_report's CSV
+    carries too); read from this machine when no summary has it."""
+    named = sorted({r.get("device_description") for r in rows if r.get("device_description")})
+    if named:
+        return "; ".join(named)
     if device == "cuda":
         names = {r.get("device_name") for r in rows if r.get("device_name")}
         name = sorted(names)[0] if names else "GPU (unnamed)"
@@ -577,19 +615,23 @@ INTRO = """# Benchmarks
 
 What each section is:
 
-- **CPU** and **CUDA**: every stage (`01_baseline` … `06_fp8`) run under `mpirun` with `--json`
-  over N = 1, 2, 4 ranks and at least two configs (the default one and a GEMM-dominated one),
-  each point repeated; then the micro-benchmarks on the same device: GEMM throughput at the
-  block's shapes, the chunked GEMMs of the ring stages (efficiency against N), and the
-  collectives in nccl-tests' convention. A CPU section shows the mechanics (bytes, the structure
-  of the overlap, relative cost), not GPU speed.
+- **CPU** and **CUDA**: the stages run under `mpirun` with `--json` over several rank counts and
+  configs, each point repeated (each section says which, written from what ran); then the
+  micro-benchmarks on the same device: GEMM throughput at the block's shapes, the chunked GEMMs
+  of the ring stages (efficiency against N), and the collectives in nccl-tests' convention. A
+  CPU section shows the mechanics (bytes, the structure of the overlap, relative cost), not GPU
+  speed.
 - **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
   (`tools/projection.h`); projected, not measured; then the model against published results,
   held-out cases first, and how far each error moves with each assumption.
 
 Regenerate with `scripts/bench.sh` (CPU section and projection) or `scripts/bench.sh --device
 cuda` on a GPU machine (CUDA section and projection); each run replaces only its own sections.
+`scripts/bench.sh --stages 04,05 --ranks 2,4 [--model NAME | --config FILE]` runs a selection
+(into `out/bench/` unless `--out` is given).
 `tools/bench.py --only projection --build DIR` replaces the projection alone (no stage runs).
+`tools/bench.py --only text` rewrites this text and each section's line of what ran, from the
+section's CSV (runs nothing).
 No number in this file is typed by hand: all of it is written by `tools/bench.py`."""
 
 PLACEHOLDER = {
@@ -599,6 +641,29 @@ PLACEHOLDER = {
     "projection": "## Projection (H100 SXM, projected)\n\nNot generated yet: `scripts/bench.sh` "
                   "writes this section.",
 }
+
+
+def mesh_points_of(rows):
+    """The (N, D) points the mesh stage has rows for."""
+    return sorted({(int(r["n"]), int(r["stage"].split(" D")[1])) for r in rows
+                   if r["stage"].startswith(MESH_STAGE + " D")})
+
+
+def ran_text(stages, ranks, configs, repeats, steps, quick, mesh_points=None):
+    """The sentence that says what the section's sweep ran, from the sweep itself (the mesh
+    stage's points: `mesh_points`, else every point of MESH_POINTS within `ranks`)."""
+    names = [f"`{s}`" for s in stages]
+    listed = (names[0] if len(names) == 1 else
+              f"{', '.join(names[:-1])} and {names[-1]}")
+    mesh = ""
+    if MESH_STAGE in stages:
+        points = [f"D {dp} × TP {n // dp}" for n, dp in
+                  (mesh_points if mesh_points is not None else MESH_POINTS) if n in ranks]
+        mesh = f" (`{MESH_STAGE}` on the meshes {', '.join(points)})" if points else ""
+    cfgs = ", ".join(f"`{c['name']}`" for c in configs)
+    return (f"{'Quick mode. ' if quick else ''}Ran {listed} over N = "
+            f"{', '.join(map(str, ranks))}{mesh}; config{'s' if len(configs) > 1 else ''} {cfgs}; "
+            f"{repeats} repeat{'s' if repeats > 1 else ''} of {steps} steps per point.")
 
 
 def oversubscribed(row):
@@ -631,12 +696,15 @@ class Render:
                    f"(build: `{rel(d.build)}`).")
         out.append("")
         if a.device == "cpu":
+            cores = os.cpu_count() or 1
+            over = [n for n in d.ranks if n > cores]
+            crowd = (f"; N = {', '.join(map(str, over))} oversubscribes them, and its speed-up "
+                     "is not shown: ranks that take turns on a core time the scheduler, not the "
+                     "stage" if over else "")
             out.append("**These are CPU-backend timings: they show the mechanics (the bytes each "
                        "rank moves, the structure of the overlap, the relative cost of the stages), "
                        "not GPU speed.** Ranks share the machine's cores (one BLAS thread each, "
-                       f"{os.cpu_count()} cores; N = 4 oversubscribes them, and its speed-up "
-                       "is not shown: ranks that take turns on a core time the scheduler, not "
-                       "the stage).")
+                       f"{cores} cores{crowd}).")
             out.append("")
         if None not in loads:
             out.append(f"The machine's 1-minute load average was {loads[0]:.2f} when the sweep "
@@ -644,9 +712,9 @@ class Render:
                        "spread, and a rank that is not scheduled shows up as exposed comm on its "
                        "peers.")
             out.append("")
-        if a.quick:
-            out.append("Quick mode: one repeat, N = 1, 2, the default config only.")
-            out.append("")
+        out.append(ran_text(stages, d.ranks, d.configs, d.repeats, d.steps, a.quick,
+                            mesh_points_of(rows)))
+        out.append("")
         out.append(f"Each point: {d.repeats} run(s) of `--steps {d.steps}`; a run's step time is "
                    "the mean over steps 1 … (step 0 warms up); the table gives the median over "
                    "the runs and the spread as min–max. TFLOP/s per rank = the rank's GEMM FLOPs "
@@ -671,9 +739,10 @@ class Render:
         if REFERENCE_STAGE not in stages:
             out.append(f"Speed-up vs 03: — (`{REFERENCE_STAGE}` is not built).")
             out.append("")
-        for config in configs_for(a.device, a.quick):
-            s = sizes(config)
-            out.append(f"### {config['name']}: {size_text(s)}")
+        for config in d.configs:
+            table = [r for r in rows if r["config"] == config["name"]]
+            s = table[0] if table else sizes(config) if "flags" not in config else None
+            out.append(f"### {config['name']}: {size_text(s) if s else 'sizes as the preset sets them'}")
             out.append("")
             if config["name"] in refused:
                 out.append(f"Not run: {refused[config['name']]}")
@@ -930,31 +999,78 @@ def verify(out, device, expected, peak_measured, reference_ran, sections):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--build", default=str(ROOT / "build"), help="build directory (has bin/)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--repeats", type=int, default=3, help="runs per point (default 3)")
     ap.add_argument("--quick", action="store_true",
                     help="1 repeat, N = 1, 2, 3 steps, --max-bytes 64K, the default config only")
-    ap.add_argument("--out", default=str(ROOT / "docs"), help="where benchmarks.md goes")
+    ap.add_argument("--out", help="where benchmarks.md goes (default: docs/; with a selection, "
+                                  "WORK/<device>/page)")
+    ap.add_argument("--stages", type=stage_list, metavar="04,05",
+                    help="only these stages (numbers or names, comma-separated)")
+    ap.add_argument("--ranks", type=rank_list, metavar="2,4",
+                    help="only these rank counts N (comma-separated)")
+    model = ap.add_mutually_exclusive_group()
+    model.add_argument("--model", metavar="NAME",
+                       help="one config: this preset, forwarded to every stage and tpx_project")
+    model.add_argument("--config", metavar="FILE",
+                       help="one config: this file, forwarded to every stage and tpx_project")
     ap.add_argument("--work", default=str(ROOT / "out" / "bench"),
                     help="raw --json files and logs (a folder per device)")
     ap.add_argument("--mpirun", default="mpirun --oversubscribe --bind-to none")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per program run")
     ap.add_argument("--command", help="the command to print as the one that made the tables")
-    ap.add_argument("--only", choices=["projection"],
-                    help="regenerate only this section of benchmarks.md (projection: runs "
-                         "tpx_project alone, no stage runs)")
+    ap.add_argument("--only", choices=["projection", "text"],
+                    help="regenerate only part of benchmarks.md: projection (runs tpx_project "
+                         "alone, no stage runs) or text (the intro, and each device section's "
+                         "line of what ran, from its CSV; runs nothing)")
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error("--repeats must be at least 1")
     if a.command is None:
         a.command = shlex.join(["tools/bench.py"] + (sys.argv[1:] if argv is None else argv))
+    bad_path = (f"--config {a.config}: no such file" if a.config and
+                not pathlib.Path(a.config).is_file() else
+                f"--build {a.build}: no such directory"
+                if a.only != "text" and not pathlib.Path(a.build).is_dir()
+                else None)
+    if bad_path:  # one line and exit 2, as every tool in tools/ answers a bad path
+        print(f"bench: error: {bad_path}", file=sys.stderr)
+        return 2
+    if a.out is None:
+        selection = a.stages or a.ranks or a.model or a.config
+        a.out = str(pathlib.Path(a.work) / a.device / "page") if selection else str(ROOT / "docs")
     try:
         return drive(a)
     except BenchError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 1
+
+
+def stage_list(text):
+    """--stages: "04,05" or "04_overlap_ring,5" as STAGES' names, in STAGES' order."""
+    chosen = []
+    for token in filter(None, (t.strip() for t in text.split(","))):
+        hits = [s for s in STAGES if s == token or (token.isdigit() and int(s[:2]) == int(token))]
+        if not hits:
+            raise argparse.ArgumentTypeError(
+                f"no stage '{token}' (stages: {', '.join(s[:2] for s in STAGES)}, or their names)")
+        chosen += hits
+    if not chosen:
+        raise argparse.ArgumentTypeError("no stage given")
+    return [s for s in STAGES if s in chosen]
+
+
+def rank_list(text):
+    """--ranks: "2,4" as sorted distinct positive integers."""
+    try:
+        ranks = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers")
+    if not ranks or ranks[0] < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': rank counts are positive integers")
+    return ranks
 
 
 def projection_section(a, d, projection, proj_cmd, proj_note):
@@ -980,12 +1096,53 @@ def drive_projection(a, d, out):
     return 0
 
 
+def ran_text_from_csv(path):
+    """ran_text() for a section already written, from its CSV: the stages, N and configs that
+    have rows, and the repeats and steps the rows record."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise BenchError(f"{path} has no rows")
+    stages = [s for s in STAGES if any(r["stage"].split(" D")[0] == s for r in rows)]
+    ranks = sorted({int(r["n"]) for r in rows})
+    configs = [{"name": c} for c in dict.fromkeys(r["config"] for r in rows)]
+    return ran_text(stages, ranks, configs, int(rows[0]["repeats"]), int(rows[0]["steps"]), False,
+                    mesh_points_of(rows))
+
+
+def drive_text(out):
+    """--only text: the intro, and the "Ran ..." line of each device section that has a CSV,
+    written before the section's "Each point:" paragraph (replacing the one there)."""
+    md = out / "benchmarks.md"
+    text = benchmarks_md(md)
+    for device in ("cpu", "cuda"):
+        path = out / "benchmarks" / f"{device}.csv"
+        begin, end = f"<!-- tpx-bench:begin {device} -->", f"<!-- tpx-bench:end {device} -->"
+        if not path.is_file() or begin not in text:
+            continue
+        head, rest = text.split(begin, 1)
+        body, tail = rest.split(end, 1)
+        lines = body.split("\n")
+        for i in [i for i, ln in enumerate(lines) if re.match(r"^(Quick mode\. )?Ran `", ln)][::-1]:
+            del lines[i:i + 2 if i + 1 < len(lines) and not lines[i + 1] else i + 1]
+        at = next((i for i, ln in enumerate(lines) if ln.startswith("Each point:")), None)
+        if at is None:
+            raise BenchError(f"{md}: the {device} section has no 'Each point:' paragraph")
+        lines[at:at] = [ran_text_from_csv(path), ""]
+        text = head + begin + "\n".join(lines) + end + tail
+    md.write_text(text.rstrip("\n") + "\n")
+    print(f"wrote the text of {md}")
+    return 0
+
+
 def drive(a):
     d = Driver(a)
     d.work.mkdir(parents=True, exist_ok=True)
     out = pathlib.Path(a.out)
     if a.only == "projection":  # no plots: matplotlib is not needed
         return drive_projection(a, d, out)
+    if a.only == "text":
+        return drive_text(out)
     try:
         import matplotlib  # noqa: F401  (checked before the runs, not after them)
     except ImportError:
@@ -998,11 +1155,9 @@ def drive(a):
     load_before = load_average()
     stages, rows, expected, skipped, refused = d.sweep()
     loads = (load_before, load_average())
-    # Summaries on cuda carry the GPU's name.
-    for r in rows:
-        p = d.work / "runs" / f"{r['config']}.{r['stage'].replace(' ', '-')}.np{r['n']}.r0.json"
-        if p.is_file():
-            r["device_name"] = json.loads(p.read_text()).get("device_name")
+    if not rows:  # e.g. every stage refused the --model / --config given
+        why = skipped + [f"{name}: {line}" for name, line in refused.items()]
+        raise BenchError("no point ran" + (": " + "; ".join(why) if why else ""))
     add_derived(rows, peak["tflops"] if peak else None)
     collectives = d.bench_collectives()
     projection, proj_cmd, proj_note = d.projection()

@@ -10,6 +10,8 @@ import argparse
 import json
 from xml.sax.saxutils import escape
 
+import tool_errors
+
 W, H = 720, 520           # the picture
 LEFT, RIGHT = 90, 20      # plot margins
 TOP1, H1 = 50, 250        # loss panel
@@ -85,4 +87,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    tool_errors.run(main, "plot_losses")

@@ -11,6 +11,8 @@ import argparse
 import json
 from xml.sax.saxutils import escape
 
+import tool_errors
+
 W, H = 760, 460
 LEFT, RIGHT, TOP, BOTTOM = 80, 230, 50, 70
 # The terms in stacking order, with their colours; others (if a run has them) are grey.
@@ -86,4 +88,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    tool_errors.run(main, "plot_memory")

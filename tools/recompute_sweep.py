@@ -23,6 +23,8 @@ import sys
 import tempfile
 from xml.sax.saxutils import escape
 
+import tool_errors
+
 POLICIES = [
     ("none", ["--recompute", "none"]),
     ("selective", ["--recompute", "selective"]),
@@ -141,6 +143,9 @@ def main():
     ap.add_argument("flags", nargs="*", help="the stage's flags (default: a Llama-shaped block)")
     args = ap.parse_args()
     args.flags = args.flags or DEFAULT_FLAGS
+    exe = pathlib.Path(args.build) / "bin" / args.stage
+    if not exe.is_file():
+        tool_errors.fail(f"no {args.stage} in {exe.parent} (--build names the build directory)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in POLICIES:
@@ -154,4 +159,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    tool_errors.run(main, "recompute_sweep")

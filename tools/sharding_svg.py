@@ -20,6 +20,8 @@ import pathlib
 import sys
 from xml.sax.saxutils import escape
 
+import tool_errors
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIGURES = ROOT / "docs" / "figures"
 COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2"]
@@ -281,4 +283,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    tool_errors.run(main, "sharding_svg")

@@ -37,6 +37,7 @@ import sys
 from xml.sax.saxutils import escape
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tool_errors  # noqa: E402  (one line and exit 2 on bad input)
 import trace_svg  # noqa: E402  (the trace loader and the step windows)
 
 COMPUTE, COPY = trace_svg.LANE_COMPUTE, trace_svg.LANE_COPY
@@ -60,7 +61,7 @@ def uses_before(spans, rank, t, pattern):
 def first(spans, rank, name, t0, t1):
     hits = [e for e in spans if e["pid"] == rank and e["name"] == name and t0 <= e["t0"] < t1]
     if not hits:
-        sys.exit(f"signal_svg: rank {rank} has no span '{name}' in the step's forward")
+        tool_errors.fail(f"rank {rank} has no span '{name}' in the step's forward")
     return min(hits, key=lambda e: e["t0"])
 
 
@@ -237,10 +238,10 @@ def main():
     a = ap.parse_args()
     if not a.output and not a.text:
         ap.error("nothing to do: give -o FILE.svg and/or --text")
-    spans, _, _ = trace_svg.load(a.trace)
+    spans, _, _, _ = trace_svg.load(a.trace)
     ranks = sorted({e["pid"] for e in spans})
     if len(ranks) < 2:
-        sys.exit("signal_svg: the trace has one rank: no signals")
+        tool_errors.fail("the trace has one rank: no signals")
     t0, t1 = trace_svg.step_window(spans, ranks, a.step, "forward")
     parts = [("all-gather of " + a.ag, *gather(spans, ranks, a.ag, t0, t1)),
              ("reduce-scatter of " + a.rs, *reduce_scatter(spans, ranks, a.rs, t0, t1))]
@@ -304,4 +305,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    tool_errors.run(main, "signal_svg")

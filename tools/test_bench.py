@@ -203,5 +203,62 @@ class Oversubscribed(unittest.TestCase):
         self.assertEqual(bench.cell(gpu, "speedup", fmt), "1.50×")  # GPUs are not shared
         self.assertEqual(bench.cell(over, "step_ms", bench._f(2)), "—")  # other cells as before
 
+
+class Selection(unittest.TestCase):
+    """scripts/bench.sh --stages / --ranks / --model / --config, as the driver reads them."""
+
+    def test_stages_by_number_or_name_in_the_sweeps_order(self):
+        self.assertEqual(bench.stage_list("05,4"), ["04_overlap_ring", "05_copy_engine_async_tp"])
+        self.assertEqual(bench.stage_list("07_fsdp_tp"), ["07_fsdp_tp"])
+        for bad in ("9", "overlap", ","):
+            with self.assertRaises(Exception, msg=bad):
+                bench.stage_list(bad)
+
+    def test_ranks_are_distinct_positive_and_sorted(self):
+        self.assertEqual(bench.rank_list("4,2,2"), [2, 4])
+        for bad in ("0", "2,x", ""):
+            with self.assertRaises(Exception, msg=bad):
+                bench.rank_list(bad)
+
+    def test_a_preset_or_a_file_is_the_one_config_and_is_forwarded(self):
+        (model,) = bench.configs_for("cpu", False, model="llama3-8b")
+        self.assertEqual(bench.config_flags(model), ["--model", "llama3-8b"])
+        (cfg,) = bench.configs_for("cpu", False, config_file="/x/my-model.toml")
+        self.assertEqual(cfg["name"], "my-model")
+        self.assertEqual(bench.config_flags(cfg), ["--config", "/x/my-model.toml"])
+        self.assertEqual(len(bench.configs_for("cpu", False)), 2)  # no selection: both configs
+
+    def test_the_page_says_what_ran(self):
+        text = bench.ran_text(["04_overlap_ring", "07_fsdp_tp"], [2, 4],
+                              bench.configs_for("cpu", False, model="tiny"), 1, 3, False)
+        self.assertIn("`04_overlap_ring` and `07_fsdp_tp` over N = 2, 4", text)
+        self.assertIn("D 1 × TP 2, D 2 × TP 1, D 2 × TP 2", text)  # the meshes at N = 2 and 4
+        self.assertIn("config `tiny`; 1 repeat of 3 steps", text)
+        self.assertNotIn("06_fp8", text)
+
+    def test_only_text_writes_the_line_of_what_ran_once(self):
+        import csv, tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            out = pathlib.Path(tmp)
+            (out / "benchmarks").mkdir()
+            with open(out / "benchmarks" / "cpu.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=["config", "stage", "n", "repeats", "steps"])
+                w.writeheader()
+                for stage, n in [("02_megatron_tp", 1), ("02_megatron_tp", 2), ("07_fsdp_tp D2", 4)]:
+                    w.writerow({"config": "default", "stage": stage, "n": n, "repeats": 3,
+                                "steps": 8})
+            (out / "benchmarks.md").write_text(
+                "# old intro\n\n<!-- tpx-bench:begin cpu -->\n## CPU\n\nLoad.\n\n"
+                "Each point: ...\n<!-- tpx-bench:end cpu -->\n")
+            bench.drive_text(out)
+            once = (out / "benchmarks.md").read_text()
+            bench.drive_text(out)
+            self.assertEqual((out / "benchmarks.md").read_text(), once)  # idempotent
+            self.assertNotIn("old intro", once)
+            self.assertIn("Load.\n\nRan `02_megatron_tp` and `07_fsdp_tp` over N = 1, 2, 4 "
+                          "(`07_fsdp_tp` on the meshes D 2 × TP 2); config `default`; 3 repeats "
+                          "of 8 steps per point.\n\nEach point: ...", once)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -19,12 +19,16 @@ name ends on the last rank to finish one, e.g. "residual add 2 fwd" for the firs
 All ranks share one time axis: each rank's trace clock starts right after the ranks' start-up
 agreement, so their times are comparable to within that start-up skew.
 
-The SVG's <title> (the name a browser shows for it, and what a screen reader reads) is --title, or
-without one the trace file, the ranks and the step or window drawn; --title also writes it above
-the rows.
+The SVG's title, written above the rows and as its <title> (the name a browser shows for it, and
+what a screen reader reads), is --title, or without one the stage and ranks (from the trace's
+"otherData", else the trace file's name) and the step or window drawn.
 
 Each row's label also gives the rank's exposed communication inside the window, by the definition
-of common/trace.h: the time during which a counted comm or copy span runs and no compute span does.
+of common/trace.h: the time during which a counted comm or copy span runs and no compute span does;
+the drawing shades those intervals in red across the rank's rows.
+
+A trace that cannot be read, or an output that cannot be written, is one line and exit status 2
+(tools/tool_errors.py).
 
     python3 tools/trace_svg.py out/04.trace.json --step 2 --phase forward -o docs/figures/x.svg
     python3 tools/trace_svg.py out/04.trace.json --from-ms 150 --to-ms 160 --rank 0 --ascii 100
@@ -38,6 +42,8 @@ import math
 import os
 import sys
 from xml.sax.saxutils import escape
+
+import tool_errors
 
 LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_PHASES, LANE_DP_COMM = 0, 1, 2, 3, 4
 DEFAULT_LANE_NAMES = {LANE_COMPUTE: "compute", LANE_COMM: "comm", LANE_COPY: "copy",
@@ -76,9 +82,16 @@ def kind_of(event):
 
 
 def load(path):
+    """(spans, lane names, rank names, the run's "otherData": stage and world size, or {})."""
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            tool_errors.fail(f"{path} is not a trace (not JSON: {e})")
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        tool_errors.fail(f"{path} is not a trace (no traceEvents)")
+    about = data.get("otherData", {}) if isinstance(data, dict) else {}
     spans, lane_names, rank_names = [], dict(DEFAULT_LANE_NAMES), {}
     for e in events:
         if e.get("ph") == "M":
@@ -91,7 +104,7 @@ def load(path):
             e["t0"] = e["ts"] / 1000.0  # ms
             e["t1"] = (e["ts"] + e.get("dur", 0.0)) / 1000.0
             spans.append(e)
-    return spans, lane_names, rank_names
+    return spans, lane_names, rank_names, about
 
 
 def counted(event):
@@ -110,18 +123,18 @@ def step_window(spans, ranks, step, phase):
     for r in ranks:
         forwards = phase_spans(spans, r, "forward")
         if step >= len(forwards):
-            sys.exit(f"trace_svg: rank {r} has {len(forwards)} forward spans; no step {step}")
+            tool_errors.fail(f"rank {r} has {len(forwards)} forward spans; no step {step}")
         start = forwards[step]["t0"]
         nxt = forwards[step + 1]["t0"] if step + 1 < len(forwards) else math.inf
         if phase:
             hits = [e for e in phase_spans(spans, r, phase) if start <= e["t0"] < nxt]
             if not hits:
-                sys.exit(f"trace_svg: rank {r}, step {step} has no '{phase}' span on the phases lane")
+                tool_errors.fail(f"rank {r}, step {step} has no '{phase}' span on the phases lane")
             t0, t1 = min(t0, hits[0]["t0"]), max(t1, hits[0]["t1"])
         else:
             updates = [e for e in phase_spans(spans, r, "update") if e["t0"] >= start]
             if not updates:
-                sys.exit(f"trace_svg: rank {r}, step {step} has no 'update' span after its forward")
+                tool_errors.fail(f"rank {r}, step {step} has no 'update' span after its forward")
             t0, t1 = min(t0, start), max(t1, updates[0]["t1"])
     return t0, t1
 
@@ -138,6 +151,12 @@ def merged(intervals):
 
 def exposed_ms(spans, rank, t0, t1):
     """common/trace.h's exposed communication of `rank` within [t0, t1): ∪ comm \\ ∪ compute."""
+    return sum(e - b for b, e in exposed_intervals(spans, rank, t0, t1))
+
+
+def exposed_intervals(spans, rank, t0, t1):
+    """The intervals [b, e) within [t0, t1) in which a counted comm or copy span of `rank` runs
+    and none of its compute spans does."""
     comm, busy = [], []
     for e in spans:
         if e["pid"] != rank:
@@ -150,11 +169,17 @@ def exposed_ms(spans, rank, t0, t1):
         elif e["tid"] in (LANE_COMM, LANE_COPY, LANE_DP_COMM) and counted(e):
             comm.append((b, en))
     busy = merged(busy)
-    total = 0.0
+    out = []
     for b, e in merged(comm):
-        covered = sum(max(0.0, min(e, y) - max(b, x)) for x, y in busy)
-        total += (e - b) - covered
-    return total
+        for x, y in busy:  # cut every busy interval out of [b, e)
+            if y <= b or x >= e:
+                continue
+            if x > b:
+                out.append((b, x))
+            b = max(b, y)
+        if b < e:
+            out.append((b, e))
+    return out
 
 
 def nice_step(span_ms, target_ticks):
@@ -186,9 +211,12 @@ def fmt_ms(v):
     return f"{v:.3f}".rstrip("0").rstrip(".") if v != int(v) else f"{int(v)}"
 
 
-def render_svg(spans, rows, lane_names, rank_names, t0, t1, width, title, exposed, name):
+EXPOSED_FILL = "#d62728"  # the shading of exposed communication
+
+
+def render_svg(spans, rows, lane_names, rank_names, t0, t1, width, title, exposed):
     font, char_w = 11, 6.4  # px; char_w: a generous average advance for an 11 px sans-serif
-    left, right, top, row_h, gap = 170, 20, 46 if title else 22, 26, 6
+    left, right, top, row_h, gap = 170, 20, 46, 26, 6
     plot_w = width - left - right
     n_rows = len(rows)
     axis_y = top + n_rows * (row_h + gap) + 4
@@ -203,11 +231,10 @@ def render_svg(spans, rows, lane_names, rank_names, t0, t1, width, title, expose
         '<?xml version="1.0" encoding="UTF-8"?>',
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif" font-size="{font}">',
-        f'<title>{escape(title or name)}</title>',
+        f'<title>{escape(title)}</title>',
         f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text x="{left}" y="20" font-size="13" font-weight="bold">{escape(title)}</text>',
     ]
-    if title:
-        out.append(f'<text x="{left}" y="20" font-size="13" font-weight="bold">{escape(title)}</text>')
 
     # Gridlines and axis.
     step = nice_step(t1 - t0, max(2, plot_w // 90))
@@ -256,12 +283,31 @@ def render_svg(spans, rows, lane_names, rank_names, t0, t1, width, title, expose
                     break
             out.append("</g>")
 
-    # Legend: the kinds drawn.
+    # Exposed communication: a translucent band over each of the rank's rows, and a solid bar
+    # under its comm row, for every interval in which it communicates and computes nothing.
+    any_exposed = False
+    for rank in sorted({r for r, _ in rows}):
+        ys = [top + i * (row_h + gap) for i, (r, _) in enumerate(rows) if r == rank]
+        comm_y = next(top + i * (row_h + gap) for i, (r, lane) in enumerate(rows)
+                      if r == rank and lane == LANE_COMM)
+        for b, e in exposed_intervals(spans, rank, t0, t1):
+            any_exposed = True
+            x0, w = x_of(b), max((e - b) * scale, 0.5)
+            out.append(f'<g><title>{escape(f"rank {rank}: exposed comm {e - b:.3f} ms, at {b - t0:.3f} ms")}</title>'
+                       f'<rect x="{x0:.2f}" y="{ys[0]}" width="{w:.2f}" '
+                       f'height="{ys[-1] + row_h - ys[0]}" fill="{EXPOSED_FILL}" fill-opacity="0.16"/>'
+                       f'<rect x="{x0:.2f}" y="{comm_y + row_h - 4}" width="{w:.2f}" height="4" '
+                       f'fill="{EXPOSED_FILL}"/></g>')
+
+    # Legend: the kinds drawn, and the shading when there is any.
     drawn = {kind_of(e) for e in in_window(spans, rows, t0, t1)}
+    keys = [(KINDS[k][0], KINDS[k][2], 1.0) for k in KINDS if k in drawn]
+    if any_exposed:
+        keys.append((EXPOSED_FILL, "exposed comm (no compute beside it)", 0.6))
     x = left
-    for key in (k for k in KINDS if k in drawn):
-        colour, _, text = KINDS[key]
-        out.append(f'<rect x="{x}" y="{legend_y - 10}" width="12" height="12" fill="{colour}"/>')
+    for colour, text, opacity in keys:
+        out.append(f'<rect x="{x}" y="{legend_y - 10}" width="12" height="12" fill="{colour}" '
+                   f'fill-opacity="{opacity}"/>')
         out.append(f'<text x="{x + 16}" y="{legend_y}">{escape(text)}</text>')
         x += 16 + len(text) * 6 + 16
     out.append("</svg>")
@@ -332,6 +378,17 @@ def render_ascii(spans, rows, lane_names, rank_names, t0, t1, cols, exposed, mar
     return "\n".join(lines) + "\n"
 
 
+def default_title(a, about, ranks, all_ranks, t0, t1):
+    """"04_overlap_ring, 2 ranks (drawn: 0, 1): forward of step 2": the stage and its ranks (from
+    the trace's otherData, else the file's name), the ranks drawn, and the step or window."""
+    stage = about.get("stage") or os.path.basename(a.trace)
+    world = about.get("world_size") or len(all_ranks)
+    drawn = "" if ranks == all_ranks else f" (drawn: {', '.join(map(str, ranks))})"
+    what = (f"{a.phase or 'forward to update'} of step {a.step}" if a.step is not None
+            else f"{t0:.3f} .. {t1:.3f} ms")
+    return f"{stage}, {world} rank{'s' if world != 1 else ''}{drawn}: {what}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="a --trace file (Chrome trace JSON)")
@@ -350,7 +407,7 @@ def main():
     ap.add_argument("--until-span",
                     help="end the window where the first span of this name ends")
     ap.add_argument("--width", type=int, default=1400, help="SVG width in px (default 1400)")
-    ap.add_argument("--title", help="a title line for the SVG")
+    ap.add_argument("--title", help="the SVG's title (default: the stage, ranks and window)")
     ap.add_argument("--ascii", type=int, metavar="COLS",
                     help="also print the window as text, COLS wide")
     ap.add_argument("--char", action="append", default=[], metavar="SUBSTR=C",
@@ -365,14 +422,14 @@ def main():
             ap.error(f"--char wants SUBSTR=C, got '{m}'")
         marks.append((sub, ch))
 
-    spans, lane_names, rank_names = load(a.trace)
+    spans, lane_names, rank_names, about = load(a.trace)
     all_ranks = sorted({e["pid"] for e in spans})
     ranks = sorted(set(a.rank)) if a.rank else all_ranks
     for r in ranks:
         if r not in all_ranks:
-            sys.exit(f"trace_svg: no rank {r} in {a.trace} (ranks: {all_ranks})")
+            tool_errors.fail(f"no rank {r} in {a.trace} (ranks: {all_ranks})")
     if a.phase and a.step is None:
-        sys.exit("trace_svg: --phase needs --step")
+        tool_errors.fail("--phase needs --step")
 
     if a.step is not None:
         t0, t1 = step_window(spans, ranks, a.step, a.phase)
@@ -389,7 +446,7 @@ def main():
         starts = [e["t0"] for e in spans
                   if e["pid"] in ranks and e["name"] == a.from_span and e["t0"] >= t0]
         if not starts:
-            sys.exit(f"trace_svg: no span '{a.from_span}' after {t0:.3f} ms")
+            tool_errors.fail(f"no span '{a.from_span}' after {t0:.3f} ms")
         t0 = min(starts)
     if a.until_span:
         first_end = {}  # rank -> end of its first such span in the window
@@ -397,10 +454,10 @@ def main():
             if e["pid"] in ranks and e["name"] == a.until_span and e["t0"] >= t0:
                 first_end[e["pid"]] = min(first_end.get(e["pid"], math.inf), e["t1"])
         if not first_end:
-            sys.exit(f"trace_svg: no span '{a.until_span}' after {t0:.3f} ms")
+            tool_errors.fail(f"no span '{a.until_span}' after {t0:.3f} ms")
         t1 = max(first_end.values())
     if not t1 > t0:
-        sys.exit(f"trace_svg: empty window [{t0:.3f}, {t1:.3f}) ms")
+        tool_errors.fail(f"empty window [{t0:.3f}, {t1:.3f}) ms")
 
     rows = []
     for r in ranks:
@@ -411,12 +468,8 @@ def main():
     exposed = {r: exposed_ms(spans, r, t0, t1) for r in ranks}
 
     if a.output:
-        name = (f"{os.path.basename(a.trace)}, rank{'s' if len(ranks) > 1 else ''} "
-                f"{', '.join(map(str, ranks))}: "
-                + (f"{a.phase or 'all'} of step {a.step}" if a.step is not None
-                   else f"{t0:.3f} .. {t1:.3f} ms"))
-        svg = render_svg(spans, rows, lane_names, rank_names, t0, t1, a.width, a.title, exposed,
-                         name)
+        title = a.title or default_title(a, about, ranks, all_ranks, t0, t1)
+        svg = render_svg(spans, rows, lane_names, rank_names, t0, t1, a.width, title, exposed)
         with open(a.output, "w", encoding="utf-8") as f:
             f.write(svg)
     if a.ascii:
@@ -436,4 +489,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    tool_errors.run(main, "trace_svg")

@@ -6,6 +6,7 @@
 
 #include "../ops.h"
 #include "../tensor.h"
+#include "host.h"
 
 namespace tpx::cpu {
 

@@ -1,0 +1,79 @@
+#include "cli_hint.h"
+
+#include <algorithm>
+#include <cctype>
+#include <string_view>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+namespace tpx {
+namespace {
+
+/// Optimal string alignment distance: Levenshtein plus the swap of two neighbours ("--haeds").
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
+  for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i)
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t change = a[i - 1] == b[j - 1] ? 0 : 1;
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + change});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+/// The flags --help shows (hidden options, in the empty group, are left out), as "--name".
+std::vector<std::string> visible_flags(const CLI::App& app) {
+  std::vector<std::string> flags;
+  for (const CLI::Option* opt : app.get_options())
+    if (!opt->get_group().empty())
+      for (const std::string& name : opt->get_lnames()) flags.push_back("--" + name);
+  return flags;
+}
+
+}  // namespace
+
+std::string closest_flag(const std::string& given, const std::vector<std::string>& known) {
+  const std::string_view name = std::string_view(given).substr(0, given.find('='));
+  // Strip the dashes on both sides: "-layers" and "--layer" are both slips for "--layers".
+  auto bare = [](std::string_view s) {
+    return s.substr(std::min(s.find_first_not_of('-'), s.size()));
+  };
+  const std::string_view want = bare(name);
+  if (want.empty()) return {};
+  const std::size_t limit = want.size() <= 5 ? 1 : want.size() <= 10 ? 2 : 3;
+  std::string best;
+  std::size_t best_distance = limit + 1;
+  std::vector<std::string> prefixed;
+  for (const std::string& flag : known) {
+    const std::string_view f = bare(flag);
+    if (flag == name) continue;  // a flag given where it does not belong is not a slip
+    if (f.starts_with(want) && want.size() >= 3) prefixed.push_back(flag);
+    if (const std::size_t dist = edit_distance(want, f); dist < best_distance) {
+      best_distance = dist;
+      best = flag;
+    }
+  }
+  if (!best.empty()) return best;
+  return prefixed.size() == 1 ? prefixed.front() : std::string();
+}
+
+std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e) {
+  std::string text = e.what();
+  if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+    const std::vector<std::string> known = visible_flags(app);
+    std::vector<std::string> hints;
+    for (const std::string& arg : app.remaining())
+      if (arg.size() > 1 && arg[0] == '-' && arg.find_first_not_of('-') != std::string::npos &&
+          std::isalpha(static_cast<unsigned char>(arg[arg.find_first_not_of('-')])) != 0)
+        if (const std::string flag = closest_flag(arg, known); !flag.empty())
+          hints.push_back(fmt::format("{}: did you mean {}?", arg.substr(0, arg.find('=')), flag));
+    if (!hints.empty()) text += fmt::format(" ({})", fmt::join(hints, "; "));
+  }
+  return text + " (see --help)";
+}
+
+}  // namespace tpx

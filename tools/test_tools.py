@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Tests of the reporting tools on inputs written here by hand (never a program's own output as
+the expected value). Run by ctest (tools.reports_and_errors):
+
+    python3 tools/test_tools.py BUILD_DIR
+
+  - tpx_report's CSV parses with Python's csv reader into rows as long as the header (RFC 4180:
+    a field holding commas or quotes stays one field), carries each run's config, mesh and device
+    string, and its markdown table shows the config and bytes in binary units;
+  - trace_svg titles the drawing with the stage, ranks and step, and shades exactly the interval
+    in which a rank communicates and computes nothing;
+  - a path that cannot be read or written is one line and exit status 2, never a traceback, for
+    tpx_report and for the Python tools (trace_svg, signal_svg, plot_losses, plot_memory, bench,
+    recompute_sweep).
+"""
+import csv
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+TOOLS = pathlib.Path(__file__).resolve().parent
+BUILD = pathlib.Path(sys.argv.pop(1) if len(sys.argv) > 1 else "build")
+DEVICE = "cpu: Test CPU (cpu family 1, model 2, stepping 3), 2 cores"
+
+
+def summary(hidden, comm, world=2, dp=1, peak=16 * 1024 * 1024, check=None):
+    """A --json summary with the fields tpx_report reads; two steps, the first warms up."""
+    steps = [{"loss": 1.5, "ms": 100.0, "exposed_comm_ms": 9.0, "comm_payload_bytes": 0,
+              "comm_bus_bytes": 0, "peak_bytes": peak},
+             {"loss": 1.25, "ms": 20.0, "exposed_comm_ms": 2.0, "comm_payload_bytes": 3 * 1024,
+              "comm_bus_bytes": 3 * 1024 * 1024, "peak_bytes": peak}]
+    j = {"stage": "07_fsdp_tp" if dp > 1 else "02_megatron_tp", "world_size": world, "dp": dp,
+         "comm": comm, "device_description": DEVICE, "saved_activation_bytes": 512,
+         "config": {"hidden": hidden, "heads": 8, "kv_heads": 2, "ffn": 4 * hidden, "seq": 64,
+                    "batch": 2, "layers": 3, "device": "cpu", "dtype": "bf16"},
+         "steps": steps}
+    if check is not None:
+        j["check"] = {"pass": check}
+    return j
+
+
+def run(cmd):
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=60)
+
+
+class Report(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.tmp = pathlib.Path(self.dir.name)
+        self.exe = BUILD / "bin" / "tpx_report"
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def write(self, name, j):
+        p = self.tmp / name
+        p.write_text(json.dumps(j))
+        return p
+
+    def test_csv_rows_are_as_long_as_the_header_and_keep_each_config(self):
+        a = self.write("a.json", summary(256, 'mpi (host-staged: ranks 0 and 1 share a GPU, "x")'))
+        b = self.write("b.json", summary(512, "mpi (host memory)", world=4, dp=2, check=True))
+        out = self.tmp / "t.csv"
+        r = run([self.exe, a, b, "--csv", out])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(out, newline="") as f:  # as the csv module asks: it reads the CRLFs itself
+            rows = list(csv.reader(f))
+        head, body = rows[0], rows[1:]
+        self.assertEqual(len(body), 2)
+        for row in body:
+            self.assertEqual(len(row), len(head), row)
+        first, second = (dict(zip(head, row)) for row in body)
+        self.assertEqual(first["comm"], 'mpi (host-staged: ranks 0 and 1 share a GPU, "x")')
+        self.assertEqual((first["hidden"], second["hidden"]), ("256", "512"))
+        self.assertEqual((first["ffn"], first["kv_heads"], first["layers"]), ("1024", "2", "3"))
+        self.assertEqual(first["device"], DEVICE)
+        self.assertEqual((first["mesh"], second["mesh"]), ("tp2", "dp2 × tp2"))
+        self.assertEqual((second["dp"], second["tp"]), ("2", "2"))
+        # Raw numbers in the CSV: the steady step's bytes, not a unit.
+        self.assertEqual(first["bus_bytes_per_rank"], str(3 * 1024 * 1024))
+        self.assertEqual(first["peak_bytes"], str(16 * 1024 * 1024))
+        self.assertEqual(float(first["step_ms"]), 20.0)  # step 0 warms up
+        self.assertEqual((first["check"], second["check"]), ("-", "PASS"))
+
+        # The markdown: the config in each row, bytes in binary units, one device line.
+        self.assertIn("H 256 NH 8 NKV 2 F 1024 S 64 B 2 L 3", r.stdout)
+        self.assertIn("H 512 NH 8 NKV 2 F 2048 S 64 B 2 L 3", r.stdout)
+        self.assertIn(f"Device: {DEVICE}.", r.stdout)
+        row = next(ln for ln in r.stdout.splitlines() if ln.startswith("| 02_megatron_tp"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        self.assertIn("3.0 MiB", cells)     # bus bytes per rank
+        self.assertIn("3.0 KiB", cells)     # payload
+        self.assertIn("16.0 MiB", cells)    # peak
+        self.assertIn("512 B", cells)       # saved activations
+        self.assertNotIn(str(3 * 1024 * 1024), row)
+
+    def test_bad_input_is_one_line_and_exit_2(self):
+        good = self.write("a.json", summary(256, "mpi"))
+        notjson = self.tmp / "x.json"
+        notjson.write_text("{")
+        nosteps = self.write("n.json", {"stage": "x"})
+        for args, says in [([self.tmp / "missing.json"], "cannot read"),
+                           ([notjson], "is not JSON"),
+                           ([nosteps], "is not a stage's --json summary"),
+                           ([good, "--csv", self.tmp / "no" / "dir" / "t.csv"], "cannot write"),
+                           ([good, "--cvs", "t.csv"], "did you mean --csv?")]:
+            r = run([self.exe] + args)
+            self.assertEqual(r.returncode, 2, (args, r.stderr))
+            lines = r.stderr.strip().splitlines()
+            self.assertEqual(len(lines), 1, r.stderr)
+            self.assertTrue(lines[0].startswith("tpx_report: error: "), lines[0])
+            self.assertIn(says, lines[0])
+
+
+def trace(events, stage="04_overlap_ring", world=2):
+    """A --trace file: complete events (ts, dur in µs) on lanes 0 compute, 1 comm, 3 phases."""
+    evs = [{"name": n, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+           for n, pid, tid, ts, dur in events]
+    return {"traceEvents": evs, "otherData": {"stage": stage, "world_size": world}}
+
+
+class TraceSvg(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.tmp = pathlib.Path(self.dir.name)
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def test_title_and_the_exposed_interval(self):
+        # Rank 0 computes 0–1 ms and 2–3 ms and communicates 0.5–2.5 ms: exposed 1–2 ms. Rank 1
+        # computes 0–3 ms while it communicates 0.5–2.5 ms: nothing exposed.
+        t = trace([("forward", 0, 3, 0, 3000), ("update", 0, 3, 3000, 100),
+                   ("forward", 1, 3, 0, 3000), ("update", 1, 3, 3000, 100),
+                   ("qkv GEMM", 0, 0, 0, 1000), ("o GEMM", 0, 0, 2000, 1000),
+                   ("qkv ag step 1/2", 0, 1, 500, 2000),
+                   ("qkv GEMM", 1, 0, 0, 3000), ("qkv ag step 1/2", 1, 1, 500, 2000)])
+        src, svg = self.tmp / "t.json", self.tmp / "t.svg"
+        src.write_text(json.dumps(t))
+        r = run([sys.executable, TOOLS / "trace_svg.py", src, "--step", "0", "--phase", "forward",
+                 "-o", svg])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        text = svg.read_text()
+        title = re.search(r"<title>(.*?)</title>", text).group(1)
+        self.assertEqual(title, "04_overlap_ring, 2 ranks: forward of step 0")
+        self.assertIn(">04_overlap_ring, 2 ranks: forward of step 0</text>", text)  # drawn too
+        shaded = re.findall(r"<title>rank (\d): exposed comm ([\d.]+) ms, at ([\d.]+) ms</title>",
+                            text)
+        self.assertEqual(shaded, [("0", "1.000", "1.000")])
+        self.assertIn("exposed comm (no compute beside it)", text)  # in the legend
+
+    def test_bad_paths_are_one_line_and_exit_2(self):
+        src = self.tmp / "t.json"
+        src.write_text(json.dumps(trace([("forward", 0, 3, 0, 10), ("update", 0, 3, 10, 5),
+                                         ("x GEMM", 0, 0, 0, 10)])))
+        notjson = self.tmp / "bad.json"
+        notjson.write_text("[1,")
+        cases = [
+            ([TOOLS / "trace_svg.py", src, "-o", self.tmp / "missing" / "dir" / "x.svg"],
+             "missing/dir/x.svg"),
+            ([TOOLS / "trace_svg.py", self.tmp / "nope.json", "-o", self.tmp / "x.svg"],
+             "nope.json"),
+            ([TOOLS / "trace_svg.py", notjson, "-o", self.tmp / "x.svg"], "not JSON"),
+            ([TOOLS / "signal_svg.py", self.tmp / "nope.json", "-o", self.tmp / "x.svg"],
+             "nope.json"),
+            ([TOOLS / "plot_losses.py", f"{self.tmp / 'nope.json'}:a", "-o", self.tmp / "x.svg"],
+             "nope.json"),
+            ([TOOLS / "plot_memory.py", f"{self.tmp / 'nope.json'}:a", "-o", self.tmp / "x.svg"],
+             "nope.json"),
+            ([TOOLS / "bench.py", "--build", self.tmp / "nobuild"], "nobuild: no such directory"),
+            ([TOOLS / "recompute_sweep.py", "--build", self.tmp / "nobuild"], "nobuild/bin"),
+        ]
+        for cmd, says in cases:
+            r = run([sys.executable] + cmd)
+            tool = pathlib.Path(cmd[0]).stem
+            self.assertEqual(r.returncode, 2, (cmd, r.stderr))
+            self.assertNotIn("Traceback", r.stderr)
+            lines = r.stderr.strip().splitlines()
+            self.assertEqual(len(lines), 1, r.stderr)
+            self.assertTrue(lines[0].startswith(f"{tool}: error: "), lines[0])
+            self.assertIn(says, lines[0])
+
+
+if __name__ == "__main__":
+    unittest.main()
