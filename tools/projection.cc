@@ -756,20 +756,27 @@ Report make_report(const DeviceSpec& d, const std::vector<Validation>& validatio
   // model, its DP traffic prefetched behind the previous layer's compute.
   r.mesh_config = big_config();
   if (d.dp_GBps_per_direction > 0)
-    for (const int dp : {4, 32}) {
-      Report::MeshRow row;
-      row.tp = 8;
-      row.dp = dp;
-      const Projection p = project_stage(d, r.mesh_config, row.tp, 5);
-      row.tp_step_ms = p.step_ms;
-      row.compute_ms = p.compute_ms;
-      row.dp_bus_bytes = fsdp_bytes(r.mesh_config, row.tp, dp, 2);
-      row.dp_ms = row.dp_bus_bytes / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
-                  3 * (dp - 1) * d.link_latency_us * 1e-3;
-      row.step_ms = p.step_ms + std::max(0.0, row.dp_ms - p.compute_ms);
-      r.mesh.push_back(row);
-    }
+    for (const int dp : {4, 32})
+      r.mesh.push_back(
+          project_mesh(d, r.mesh_config, 8, dp, fsdp_bytes(r.mesh_config, 8, dp, 2)));
   return r;
+}
+
+Report::MeshRow project_mesh(const DeviceSpec& d, const BlockConfig& replica, int tp, int dp,
+                             double dp_bus_bytes) {
+  Report::MeshRow row;
+  row.tp = tp;
+  row.dp = dp;
+  const Projection p = project_stage(d, replica, tp, 5);
+  row.tp_step_ms = p.step_ms;
+  row.compute_ms = p.compute_ms;
+  row.dp_bus_bytes = dp_bus_bytes;
+  row.dp_ms = d.dp_GBps_per_direction > 0
+                  ? dp_bus_bytes / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
+                        3 * (dp - 1) * d.link_latency_us * 1e-3
+                  : 0.0;
+  row.step_ms = p.step_ms + std::max(0.0, row.dp_ms - p.compute_ms);
+  return row;
 }
 
 namespace {

@@ -35,11 +35,12 @@
 //
 // defines: tpx::projection::stage_name(), EfficiencyCurve, DeviceSpec, load_device(), calibrate(),
 // Comm,
-//          comm_bytes(), fsdp_bytes(), Schedule, ModelOptions, Phase, Projection, project(),
+//          Schedule, ModelOptions, Phase, Projection, project(),
 //          project_stage(), ag_gemm_ms(), gemm_rs_ms(), Workload, train_step(), Published,
 //          load_published(), Validation, validate(), error_pct(), perturb(), Sensitivity,
 //          sensitivity(), Report, make_report(), report_json(), report_markdown(),
-//          validation_markdown(), sensitivity_markdown(), big_config(), small_config()
+//          validation_markdown(), sensitivity_markdown(), big_config(), small_config(),
+//          project_mesh() (comm_bytes(), fsdp_bytes(): common/traffic.h)
 #pragma once
 
 #include <cstdint>
@@ -257,6 +258,13 @@ struct Report {
   std::vector<LeftOut> left_out;
   std::vector<Sensitivity> sensitivity;
 };
+
+/// Stage 07 at a TP × DP mesh: stage 05's TP step on one DP replica's config `replica` (its
+/// B / D), plus `dp_bus_bytes` of FSDP traffic per rank over DP at the inter-node bandwidth
+/// (latency: 3·(D−1) messages per layer), prefetched behind the compute (exposed: what it takes
+/// beyond it; none without a dp_GBps_per_direction in the device file).
+Report::MeshRow project_mesh(const DeviceSpec& d, const BlockConfig& replica, int tp, int dp,
+                             double dp_bus_bytes);
 
 Report make_report(const DeviceSpec& d, const std::vector<Validation>& validation,
                    const std::vector<LeftOut>& left_out = {},
