@@ -14,7 +14,10 @@ int main(int argc, char** argv) {
             return std::make_unique<baseline::SerialLinears>(ctx.options.config.dtype);
           },
       // One device: the whole model, nothing moved.
-      .plan = [](const RunContext&) { return StagePlan{{}, {}, {}, "none (one device)"}; },
+      .plan =
+          [](const RunContext&) {
+            return StagePlan{{}, {}, {}, "none (one device)"};
+          },
       .reference = reference_run,
   };
   return run_stage(stage, argc, argv);

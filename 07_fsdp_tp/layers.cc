@@ -371,11 +371,8 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
   BlockConfig replica = ctx.options.config;  // stage 05 inside the TP group, on B / D
   replica.batch /= mesh.dp;
   StagePlan p;
-  p.sharding = {.rank = mesh.tp_index,
-                .world = mesh.tp,
-                .weights = true,
-                .sequence = true,
-                .dp = mesh.dp};
+  p.sharding = {
+      .rank = mesh.tp_index, .world = mesh.tp, .weights = true, .sequence = true, .dp = mesh.dp};
   const Traffic tp = comm_bytes(5, replica, mesh.tp);
   p.dp_traffic = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
   p.traffic = {tp.payload + p.dp_traffic.payload, tp.bus + p.dp_traffic.bus,

@@ -372,8 +372,7 @@ json summary_json(const StageDefinition& st, const StageOptions& o, int world,
                     {"dp_payload_bytes", row.comm.dp_payload_bytes},
                     {"peak_bytes", row.peak_bytes},
                     {"reserved_bytes", row.reserved_bytes}});
-  json summary =
-      plan_json(st, o, world, par.comm_name(), par.sharding().dp, speed, estimate);
+  json summary = plan_json(st, o, world, par.comm_name(), par.sharding().dp, speed, estimate);
   summary["steps"] = rows;
   summary["saved_activation_bytes"] = r.saved_activation_bytes;
   if (!r.diverged.empty()) summary["diverged"] = r.diverged;
@@ -430,8 +429,10 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
     json summary = plan_json(st, o, world, plan.comm, plan.sharding.dp, speed, memory.estimate);
     summary["dry_run"] = true;
     summary["saved_activation_bytes"] = saved;
-    summary["step"] = {{"comm_payload_bytes", all.payload}, {"comm_bus_bytes", all.bus},
-                       {"comm_calls", all.calls},           {"dp_payload_bytes", dp.payload},
+    summary["step"] = {{"comm_payload_bytes", all.payload},
+                       {"comm_bus_bytes", all.bus},
+                       {"comm_calls", all.calls},
+                       {"dp_payload_bytes", dp.payload},
                        {"dp_bus_bytes", dp.bus}};
     summary["memory_available_bytes"] = memory.available;
     if (!memory.problem.empty()) summary["memory_problem"] = memory.problem;

@@ -13,8 +13,8 @@
 #include "cli.h"
 #include "parallel.h"
 #include "reference.h"
-#include "traffic.h"
 #include "trace.h"
+#include "traffic.h"
 
 namespace tpx {
 

@@ -115,11 +115,10 @@ Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp) {
   };
   // The TP-local parameters in the order of common/model.h's Param: norm1, wq, wk, wv, wo, norm2,
   // w_gate, w_up, w_down (columns split the out dim, rows the in dim).
-  const std::array<Part, 9> parts = {Part{H, 1, 4},          Part{H, H / T, matrix},
-                                     Part{H, KV / T, matrix}, Part{H, KV / T, matrix},
-                                     Part{H / T, H, matrix},  Part{H, 1, 4},
-                                     Part{H, F / T, matrix},  Part{H, F / T, matrix},
-                                     Part{F / T, H, matrix}};
+  const std::array<Part, 9> parts = {
+      Part{H, 1, 4},           Part{H, H / T, matrix}, Part{H, KV / T, matrix},
+      Part{H, KV / T, matrix}, Part{H / T, H, matrix}, Part{H, 1, 4},
+      Part{H, F / T, matrix},  Part{H, F / T, matrix}, Part{F / T, H, matrix}};
   U gather = 0, numel = 0;  // one rank's packed part (bytes) and flat shard (elements)
   for (const Part& p : parts) {
     const U shard = (p.rows + D - 1) / D * p.cols;

@@ -4,7 +4,8 @@
 // tests/test_dry_run.cc) and are what --dry-run and the projection (tools/projection.h) report.
 // Pure arithmetic: no MPI, no device, nothing allocated.
 //
-// defines: tpx::Traffic, tpx::activation_bytes(), tpx::comm_bytes(), tpx::layer_params_per_tp_rank(),
+// defines: tpx::Traffic, tpx::activation_bytes(), tpx::comm_bytes(),
+// tpx::layer_params_per_tp_rank(),
 //          tpx::fsdp_bytes(), tpx::fsdp_traffic()
 #pragma once
 

@@ -26,14 +26,14 @@ void PrintTo(const Case& c, std::ostream* os) {
   *os << c.stage << " -np " << c.ranks << " " << c.args;
 }
 
-constexpr const char* kShape = "--hidden 32 --heads 4 --ffn 64 --seq 16 --batch 2 --layers 2";
+constexpr const char* kShape = "--hidden 32 --heads 4 --ffn 64 --seq 16 --layers 2";
 
 json run_json(const Case& c, const std::string& extra) {
   test::TempDir dir;
   const auto path = dir / "s.json";
-  const auto r = test::run_stage(
-      c.stage, c.ranks, fmt::format("{} {} {} --json {}", kShape, c.args, extra, path.string()),
-      dir);
+  const auto r =
+      test::run_stage(c.stage, c.ranks,
+                      fmt::format("{} {} {} --json {}", kShape, c.args, extra, path.string()), dir);
   EXPECT_EQ(r.exit_code, 0) << c.stage << " " << c.args << " " << extra << "\n" << r.out << r.err;
   if (r.exit_code != 0) return json::object();
   return json::parse(test::read_file(path));
@@ -49,9 +49,9 @@ TEST_P(DryRun, EqualsTheRealRunsJson) {
   ASSERT_EQ(real["steps"].size(), 2u);
   EXPECT_TRUE(dry.at("dry_run").get<bool>());
   EXPECT_FALSE(real.contains("dry_run"));
-  for (const char* key : {"flops_per_step_per_rank", "executed_flops_per_step_per_rank",
-                          "saved_activation_bytes", "memory_estimate_bytes", "memory_terms",
-                          "optimizer_state_bytes", "dp", "world_size"})
+  for (const char* key :
+       {"flops_per_step_per_rank", "executed_flops_per_step_per_rank", "saved_activation_bytes",
+        "memory_estimate_bytes", "memory_terms", "optimizer_state_bytes", "dp", "world_size"})
     EXPECT_EQ(dry.at(key), real.at(key)) << key;
   // The config, but for what only a real run has (the step count is the same here: 5 default).
   json want = real.at("config"), got = dry.at("config");
@@ -60,11 +60,13 @@ TEST_P(DryRun, EqualsTheRealRunsJson) {
   EXPECT_EQ(got, want);
   // Every step of the real run moves what the dry run says a step moves.
   for (const json& row : real["steps"])
-    for (const char* key : {"comm_payload_bytes", "comm_bus_bytes", "comm_calls",
-                            "dp_payload_bytes", "dp_bus_bytes"})
+    for (const char* key :
+         {"comm_payload_bytes", "comm_bus_bytes", "comm_calls", "dp_payload_bytes", "dp_bus_bytes"})
       EXPECT_EQ(dry["step"].at(key), row.at(key)) << key << " at step " << row.at("step");
   // And it is not all zeros where the stage communicates.
-  if (c.ranks > 1) EXPECT_GT(dry["step"].at("comm_bus_bytes").get<std::uint64_t>(), 0u);
+  if (c.ranks > 1) {
+    EXPECT_GT(dry["step"].at("comm_bus_bytes").get<std::uint64_t>(), 0u);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -78,8 +80,8 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{"07_fsdp_tp", 4, "--dp 2 --dtype bf16"},
                     Case{"07_fsdp_tp", 3, "--dp 3 --batch 3"}),
     [](const auto& p) {
-      std::string name = fmt::format("{}_np{}_{}", p.param.stage.substr(0, 2), p.param.ranks,
-                                     p.index);
+      std::string name =
+          fmt::format("{}_np{}_{}", p.param.stage.substr(0, 2), p.param.ranks, p.index);
       return name;
     });
 
@@ -107,7 +109,7 @@ TEST(Model, PresetsSetTheLlama3ShapesAndFlagsWin) {
   EXPECT_EQ(c.at("rope_theta"), 500000.0);
   EXPECT_EQ(c.at("layers"), 2);  // the flags win
   EXPECT_EQ(c.at("seq"), 512);
-  EXPECT_EQ(c.at("batch"), 1);
+  EXPECT_EQ(c.at("batch"), 2);
 }
 
 TEST(Model, TutorialPresetIsTheDefault) {
@@ -161,14 +163,14 @@ TEST(Model, The405bDryRunReportsWithoutRefusing) {
   // once, the memory check's verdict reported.
   test::TempDir dir;
   const auto start = std::chrono::steady_clock::now();
-  const json j = dry_json("07_fsdp_tp", 4, "--model llama3-405b --dp 2", dir);
+  const json j = dry_json("07_fsdp_tp", 4, "--model llama3-405b", dir);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_TRUE(j.contains("memory_problem")) << j.dump(1);
   EXPECT_NE(j["memory_problem"].get<std::string>().find("not enough memory"), std::string::npos);
   EXPECT_GT(j.at("memory_estimate_bytes").get<double>(), 1e12);
   EXPECT_GT(j["step"].at("dp_bus_bytes").get<std::uint64_t>(), 0u);
   EXPECT_LT(s, 60.0);  // mpirun's start-up on a shared 2-core machine included
-  const auto r = test::run_stage("07_fsdp_tp", 4, "--model llama3-405b --dp 2", dir);
+  const auto r = test::run_stage("07_fsdp_tp", 4, "--model llama3-405b", dir);
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
 }
 

@@ -469,13 +469,13 @@ TEST(TpxProject, MissingDeviceFileFailsWithOneLine) {
   EXPECT_EQ(test::lines_of(r.err).size(), 1u) << r.err;
 }
 
-
-// --- tpx_project by flags: a model by name, file or sizes -----------------------------------------
+// --- tpx_project by flags: a model by name, file or sizes
+// -----------------------------------------
 
 json project_json(const std::string& args, test::TempDir& dir) {
   const auto path = dir / "p.json";
-  const auto r = test::run_command(
-      fmt::format("{} {} --json {}", TPX_PROJECT_BIN, args, path.string()), dir);
+  const auto r =
+      test::run_command(fmt::format("{} {} --json {}", TPX_PROJECT_BIN, args, path.string()), dir);
   EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.err;
   if (r.exit_code != 0) return json::object();
   return json::parse(test::read_file(path));
@@ -492,13 +492,13 @@ TEST(TpxProject, Llama3At8GpusGivesEveryStage) {
   for (const char* stage : {"01_baseline", "02_megatron_tp", "03_sequence_parallel",
                             "04_overlap_ring", "05_copy_engine_async_tp", "06_fp8", "07_fsdp_tp"})
     EXPECT_NE(r.out.find("| " + std::string(stage) + " |"), std::string::npos) << stage;
-  EXPECT_NE(r.out.find("H 4096 NH 32 NKV 8 F 14336 S 8192 B 1 L 32"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("H 4096 NH 32 NKV 8 F 14336 S 8192 B 2 L 32"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find(" GiB |"), std::string::npos) << r.out;  // human units
   const json j = project_json("--model llama3-8b --tp 8 --device h100_sxm", dir);
   ASSERT_EQ(j.at("stages").size(), 7u);
   // Each row's bytes are the stages' own formulas (those are checked against the stages' --json).
   BlockConfig c;
-  c.hidden = 4096, c.heads = 32, c.kv_heads = 8, c.ffn = 14336, c.seq = 8192, c.batch = 1;
+  c.hidden = 4096, c.heads = 32, c.kv_heads = 8, c.ffn = 14336, c.seq = 8192, c.batch = 2;
   c.layers = 32, c.dtype = DType::bf16;
   EXPECT_EQ(j["stages"][2].at("tp_bus_bytes").get<std::uint64_t>(), pj::comm_bytes(3, c, 8).bus);
   EXPECT_EQ(j["stages"][0].at("tp_bus_bytes").get<std::uint64_t>(), 0u);
@@ -523,9 +523,10 @@ TEST(TpxProject, Bf16HalvesTheActivationBytes) {
 
 TEST(TpxProject, FlagsOverTheModelAndBadInputExits2) {
   test::TempDir dir;
-  const json j = project_json("--model llama3-70b --layers 1 --tp 4 --dp 2 --batch 2 --device "
-                              "h100_sxm",
-                              dir);
+  const json j = project_json(
+      "--model llama3-70b --layers 1 --tp 4 --dp 2 --batch 2 --device "
+      "h100_sxm",
+      dir);
   ASSERT_TRUE(j.contains("config"));
   EXPECT_EQ(j["config"].at("hidden"), 8192);
   EXPECT_EQ(j["config"].at("layers"), 1);

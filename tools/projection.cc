@@ -757,8 +757,7 @@ Report make_report(const DeviceSpec& d, const std::vector<Validation>& validatio
   r.mesh_config = big_config();
   if (d.dp_GBps_per_direction > 0)
     for (const int dp : {4, 32})
-      r.mesh.push_back(
-          project_mesh(d, r.mesh_config, 8, dp, fsdp_bytes(r.mesh_config, 8, dp, 2)));
+      r.mesh.push_back(project_mesh(d, r.mesh_config, 8, dp, fsdp_bytes(r.mesh_config, 8, dp, 2)));
   return r;
 }
 

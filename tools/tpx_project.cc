@@ -40,8 +40,8 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "common/check.h"
 #include "common/config.h"
@@ -77,9 +77,10 @@ fs::path device_file(const std::string& arg) {
     if (e.path().extension() == ".json" && e.path().stem() != "published")
       known.push_back(e.path().stem().string());
   std::sort(known.begin(), known.end());
-  throw std::invalid_argument(fmt::format("--device {}: no such file or device; known devices: {} "
-                                          "(the files in {}), or a path to a device file",
-                                          arg, fmt::join(known, ", "), dir.string()));
+  throw std::invalid_argument(
+      fmt::format("--device {}: no such file or device; known devices: {} "
+                  "(the files in {}), or a path to a device file",
+                  arg, fmt::join(known, ", "), dir.string()));
 }
 
 /// One stage's row of the by-flags table.
@@ -103,7 +104,7 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
     r.stage = stage == 7 ? "07_fsdp_tp" : pj::stage_name(stage);
     r.tp = stage == 1 ? 1 : tp;
     r.dp = stage == 7 ? dp : 1;
-    tpx::BlockConfig s = c;  // what the stage runs
+    tpx::BlockConfig s = c;                      // what the stage runs
     if (stage == 6) s.dtype = tpx::DType::e4m3;  // its default recipe: FP8 GEMMs inside bf16
     Sharding sh{.rank = 0, .world = r.tp, .weights = stage > 1, .sequence = stage > 2, .dp = r.dp};
     if (stage > 1) tpx::check_tp_split(s, r.tp, /*sequence=*/stage > 2);
@@ -264,9 +265,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool by_flags = [&] {
-    for (const char* flag : {"--model", "--config", "--hidden", "--heads", "--kv-heads", "--ffn",
-                             "--seq", "--batch", "--layers", "--dtype", "--recompute", "--tp",
-                             "--dp"})
+    for (const char* flag :
+         {"--model", "--config", "--hidden", "--heads", "--kv-heads", "--ffn", "--seq", "--batch",
+          "--layers", "--dtype", "--recompute", "--tp", "--dp"})
       if (app.count(flag) > 0) return true;
     return false;
   }();
@@ -311,8 +312,8 @@ int main(int argc, char** argv) {
         throw std::invalid_argument(fmt::format("{}", fmt::join(errors, "; ")));
       if (c.batch % dp != 0)
         throw std::invalid_argument(fmt::format(
-            "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences",
-            dp, c.batch));
+            "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", dp,
+            c.batch));
       const auto rows = stage_costs(device, c, tp, dp);
       const std::string md = costs_markdown(device, c, model, tp, dp, rows);
       if (!markdown.empty()) write_file(markdown, md);
