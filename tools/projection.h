@@ -9,9 +9,8 @@
 //             at peak · efficiency(GEMM FLOPs): the efficiency curve is the device file's
 //             assumed one, or measured cuda bf16 rows of bench_gemm (--calibrate); attention's
 //             GEMMs at peak · attention_efficiency; element-wise work as bytes / HBM bandwidth.
-//   comm      the bytes the stages count (comm_bytes(), common/traffic.h, tested against the
-//   stages'
-//             --json), at link bandwidth · collective efficiency, plus the link latency per
+//   comm      the bytes the stages count (common/traffic.h's comm_bytes(), tested against
+//             the stages' --json), at link bandwidth · collective efficiency, plus the latency per
 //             message (a ring all-gather or reduce-scatter sends N−1 messages per rank; an
 //             all-reduce is charged 2·⌈log₂ N⌉, a tree's latency).
 //   overlap   01: none to do. 02, 03: every collective is exposed (bulk, in the critical path).
