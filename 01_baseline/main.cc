@@ -13,6 +13,11 @@ int main(int argc, char** argv) {
           [](const RunContext& ctx) {
             return std::make_unique<baseline::SerialLinears>(ctx.options.config.dtype);
           },
+      // One device: the whole model, nothing moved.
+      .plan =
+          [](const RunContext&) {
+            return StagePlan{{}, {}, {}, "none (one device)"};
+          },
       .reference = reference_run,
   };
   return run_stage(stage, argc, argv);

@@ -3,6 +3,7 @@
 #include "01_baseline/layers.h"
 #include "02_megatron_tp/layers.h"
 #include "common/stage.h"
+#include "common/tp.h"
 
 int main(int argc, char** argv) {
   using namespace tpx;
@@ -11,6 +12,7 @@ int main(int argc, char** argv) {
                .summary =
                    "Megatron tensor parallelism: column/row-parallel linears, f/g all-reduce"},
       .make = megatron::make_megatron,
+      .plan = [](const RunContext& ctx) { return tp_plan(2, ctx); },
       .reference = baseline::run_reference,
   };
   return run_stage(stage, argc, argv);

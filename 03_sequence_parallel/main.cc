@@ -4,6 +4,7 @@
 #include "01_baseline/layers.h"
 #include "03_sequence_parallel/layers.h"
 #include "common/stage.h"
+#include "common/tp.h"
 
 int main(int argc, char** argv) {
   using namespace tpx;
@@ -12,6 +13,7 @@ int main(int argc, char** argv) {
                .summary =
                    "tensor + sequence parallelism: f/g all-gather and reduce-scatter along S"},
       .make = sp::make_sequence_parallel,
+      .plan = [](const RunContext& ctx) { return tp_plan(3, ctx); },
       .reference = baseline::run_reference,
   };
   return run_stage(stage, argc, argv);

@@ -4,6 +4,7 @@
 #include "01_baseline/layers.h"
 #include "04_overlap_ring/layers.h"
 #include "common/stage.h"
+#include "common/tp.h"
 
 int main(int argc, char** argv) {
   using namespace tpx;
@@ -12,6 +13,7 @@ int main(int argc, char** argv) {
                .summary = "tensor + sequence parallelism with ring-decomposed all-gather + GEMM "
                           "and GEMM + reduce-scatter overlapping the transfers"},
       .make = ring::make_overlap_ring,
+      .plan = [](const RunContext& ctx) { return tp_plan(4, ctx); },
       .reference = baseline::run_reference,
   };
   return run_stage(stage, argc, argv);

@@ -4,6 +4,7 @@
 #include "01_baseline/layers.h"
 #include "05_copy_engine_async_tp/layers.h"
 #include "common/stage.h"
+#include "common/tp.h"
 
 int main(int argc, char** argv) {
   using namespace tpx;
@@ -13,6 +14,7 @@ int main(int argc, char** argv) {
                           "reduce-scatter overlapped by copy-engine pulls from symmetric memory",
                .copy_engine = true},
       .make = async_tp::make_copy_engine_async_tp,
+      .plan = [](const RunContext& ctx) { return tp_plan(5, ctx); },
       .reference = baseline::run_reference,
   };
   return run_stage(stage, argc, argv);

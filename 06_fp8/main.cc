@@ -4,6 +4,7 @@
 #include "01_baseline/layers.h"
 #include "06_fp8/layers.h"
 #include "common/stage.h"
+#include "common/tp.h"
 
 int main(int argc, char** argv) {
   using namespace tpx;
@@ -14,6 +15,7 @@ int main(int argc, char** argv) {
                .copy_engine = true,
                .fp8 = true},
       .make = async_fp8::make_fp8_async_tp,
+      .plan = [](const RunContext& ctx) { return tp_plan(6, ctx); },
       // The reference is stage 01 in fp32: what FP8 is measured against.
       .reference =
           [](BlockConfig c, int steps) {

@@ -341,7 +341,11 @@ void FsdpTp::synchronize() {
   reduce_lane_.synchronize();
 }
 
-std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx) {
+namespace {
+
+/// The mesh of ctx's job (--dp, default_dp()), once D divides B and T divides what tensor
+/// parallelism splits (ConfigError, one line on every rank). Collective.
+Mesh make_mesh(const RunContext& ctx) {
   const BlockConfig& c = ctx.options.config;
   const int dp = default_dp(ctx.options.dp, ctx.world);
   if (dp < 1)
@@ -353,7 +357,28 @@ std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx) {
         "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", dp,
         c.batch));
   check_tp_split(c, mesh.tp, /*sequence=*/true);
-  return std::make_unique<FsdpTp>(ctx, std::move(mesh));
+  return mesh;
+}
+
+}  // namespace
+
+std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx) {
+  return std::make_unique<FsdpTp>(ctx, make_mesh(ctx));
+}
+
+StagePlan plan_fsdp_tp(const RunContext& ctx) {
+  const Mesh mesh = make_mesh(ctx);
+  BlockConfig replica = ctx.options.config;  // stage 05 inside the TP group, on B / D
+  replica.batch /= mesh.dp;
+  StagePlan p;
+  p.sharding = {
+      .rank = mesh.tp_index, .world = mesh.tp, .weights = true, .sequence = true, .dp = mesh.dp};
+  const Traffic tp = comm_bytes(5, replica, mesh.tp);
+  p.dp_traffic = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
+  p.traffic = {tp.payload + p.dp_traffic.payload, tp.bus + p.dp_traffic.bus,
+               tp.calls + p.dp_traffic.calls};
+  p.comm = fmt::format("mesh D {} × TP {} (dry run)", mesh.dp, mesh.tp);
+  return p;
 }
 
 }  // namespace tpx::fsdp

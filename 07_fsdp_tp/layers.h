@@ -16,7 +16,7 @@
 //   update      the optimizer steps the local shards only
 //
 // defines: tpx::fsdp::FlatLayout, tpx::fsdp::flat_layout(), tpx::fsdp::FsdpTp,
-//          tpx::fsdp::make_fsdp_tp()
+//          tpx::fsdp::make_fsdp_tp(), tpx::fsdp::plan_fsdp_tp()
 #pragma once
 
 #include <array>
@@ -145,5 +145,9 @@ class FsdpTp final : public Parallelism {
 /// The stage's factory: lays out the mesh (--dp, default_dp()), checks that D divides B and T
 /// divides what tensor parallelism splits (ConfigError, one line on every rank), then builds.
 std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx);
+
+/// --dry-run's plan: the same mesh and checks as make_fsdp_tp, stage 05's bytes on B / D over
+/// the TP group plus the FSDP gathers and reduce-scatters over DP (fsdp_traffic()).
+StagePlan plan_fsdp_tp(const RunContext& ctx);
 
 }  // namespace tpx::fsdp

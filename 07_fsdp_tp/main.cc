@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
                .copy_engine = true,
                .mesh = true},
       .make = fsdp::make_fsdp_tp,
+      .plan = fsdp::plan_fsdp_tp,
       .reference = baseline::run_reference,
   };
   return run_stage(stage, argc, argv);

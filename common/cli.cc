@@ -10,6 +10,7 @@
 
 #include "check.h"
 #include "cli_hint.h"
+#include "presets.h"
 
 namespace tpx {
 namespace {
@@ -110,6 +111,18 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_number(app, "--seq", c.seq, "S, sequence length")->group(sizes);
   add_number(app, "--batch", c.batch, "B, batch size")->group(sizes);
   add_number(app, "--layers", c.layers, "L, stacked blocks")->group(sizes);
+  app.add_option("--model", o.model,
+                 fmt::format("a model by name, setting the sizes above and --rope-theta (flags "
+                             "and --config win): {}",
+                             preset_names()))
+      ->type_name("NAME")
+      ->group(sizes);
+  app.set_config("--config", "",
+                 "read flags from a TOML/INI file (`hidden = 4096`, `kv-heads = 8`, `model = "
+                 "\"llama3-8b\"`); the command line wins over the file, the file over --model")
+      ->type_name("FILE")
+      ->group(sizes);
+  app.allow_config_extras(CLI::config_extras_mode::error);
   auto run = "Run";
   add_number(app, "--steps", c.steps,
              "training steps (each: forward, loss, backward, optimizer update)")
@@ -168,6 +181,11 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->type_name("K")
       ->group(run);
   auto out = "Output";
+  app.add_flag("--dry-run", o.dry_run,
+               "compute and allocate nothing: print a step's FLOPs, bytes per group, saved "
+               "activations and peak-memory estimate per rank from the formulas, at any size "
+               "(with --json: the same as a file)")
+      ->group(out);
   app.add_flag("--check", o.check,
                "compare output, input grad, every weight grad and the loss after 3 updates "
                "with the reference; exit non-zero on FAIL")
@@ -270,8 +288,35 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                         "--recompute {})",
                         recompute),
             2};
+  if (o.dry_run)
+    for (const char* flag : {"--check", "--dump", "--trace"})
+      if (app.count(flag) > 0)
+        return {std::nullopt,
+                fmt::format("{} needs a real run; --dry-run computes nothing (leave out one of "
+                            "the two)",
+                            flag),
+                2};
+  if (!o.model.empty()) {
+    const ModelPreset* preset = find_preset(o.model);
+    if (preset == nullptr)
+      return {std::nullopt,
+              fmt::format("--model {}: no such model (known: {})", o.model, preset_names()), 2};
+    auto given = [&](const char* flag) { return app.count(flag) > 0; };
+    apply_preset(*preset,
+                 {.hidden = given("--hidden"),
+                  .heads = given("--heads"),
+                  .kv_heads = given("--kv-heads"),
+                  .ffn = given("--ffn"),
+                  .layers = given("--layers"),
+                  .seq = given("--seq"),
+                  .batch = given("--batch"),
+                  .rope_theta = given("--rope-theta")},
+                 c);
+  }
+  if (app.get_config_ptr() != nullptr && app.count("--config") > 0)
+    o.config_file = app.get_config_ptr()->as<std::string>();
   if (app.count("--kv-heads") == 0) {
-    c.kv_heads = c.heads;  // multi-head attention
+    if (o.model.empty()) c.kv_heads = c.heads;  // multi-head attention (a preset sets its NKV)
   } else if (c.kv_heads == 0) {
     return {std::nullopt, "--kv-heads must be positive (got 0; leave it out for NKV = NH)", 2};
   }
@@ -313,6 +358,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--fault-copy-delay-us", fmt::format("{}", o.comm.copy_delay_us)},
       {"--all-gather", to_string(o.all_gather)},
       {"--dp", fmt::format("{}", o.dp)},
+      {"--dry-run", o.dry_run ? "given" : "not given"},
       {"--check", o.check ? "given" : "not given"},
       {"--dump", given(o.dump_dir)},
       {"--trace", given(o.trace_path)}};

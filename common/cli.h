@@ -46,6 +46,10 @@ struct StageOptions {
   /// --dp D (mesh stages): the data-parallel degree; 0 = the default, 2 when the job has an even
   /// number of ranks, at least 4, else 1 (default_dp()).
   int dp = 0;
+  std::string model;        ///< --model NAME (common/presets.h); empty: none
+  std::string config_file;  ///< --config FILE; empty: none
+  /// --dry-run: report a step's FLOPs, bytes and memory from the formulas, compute nothing.
+  bool dry_run = false;
 };
 
 /// The data-parallel degree a mesh stage runs with on `world` ranks when --dp is `dp` (0: not

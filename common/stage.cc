@@ -112,13 +112,13 @@ std::string recompute_text(const BlockConfig& c) {
   return "none";
 }
 
+/// The run's header; with `dry_run` it stops before the step table's column names.
 void print_header(const StageDefinition& st, const BlockConfig& c, int world,
-                  const Parallelism& par, const Speed& speed, const MemoryEstimate& memory,
-                  std::uint64_t reference, std::uint64_t available) {
+                  const std::string& comm, const Speed& speed, const MemoryEstimate& memory,
+                  std::uint64_t reference, std::uint64_t available, bool dry_run = false) {
   fmt::print("tpx {} | {}\n", st.info.name, st.info.summary);
   fmt::print("ranks {} | device {} | dtype {} | attention {} | comm {}\n", world,
-             to_string(c.device), dtype_flag(c.dtype), attention_flag(c.attention),
-             par.comm_name());
+             to_string(c.device), dtype_flag(c.dtype), attention_flag(c.attention), comm);
   fmt::print("H {} NH {} NKV {} (D {}) F {} S {} B {} L {} | steps {} lr {:g} seed {}\n", c.hidden,
              c.heads, c.kv_heads_or_heads(), c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps,
              c.lr, c.seed);
@@ -144,6 +144,7 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
   if (std::ranges::any_of(memory.terms,
                           [](const MemoryTerm& t) { return t.name == kSnapshotTerm; }))
     fmt::print("(the snapshot is host memory beside the step's tensors: peak leaves it out)\n");
+  if (dry_run) return;
   fmt::print("\n{:>5} {:>13} {:>12} {:>10} {:>10} {:>13} {:>11} {:>11}", "step", "loss",
              "grad norm", "step ms", "exposed ms", "payload/rank", "bus/rank", "peak");
   if (speed.gpu()) fmt::print(" {:>8} {:>6} {:>11}", "TFLOP/s", "MFU %", "reserved");
@@ -165,9 +166,13 @@ void print_row(const StepRow& r, const Speed& speed, const BlockConfig& c) {
   std::fflush(stdout);
 }
 
-/// The run's configuration, as --json and --dump's config.json record it.
-json config_json(const BlockConfig& c) {
-  return {{"hidden", c.hidden},
+/// The run's configuration, as --json and --dump's config.json record it: every size resolved
+/// (from --model, --config and the flags), and the preset and file they came from ("" if none).
+json config_json(const StageOptions& o) {
+  const BlockConfig& c = o.config;
+  return {{"model", o.model},
+          {"config_file", o.config_file},
+          {"hidden", c.hidden},
           {"heads", c.heads},
           {"ffn", c.ffn},
           {"seq", c.seq},
@@ -191,8 +196,9 @@ json config_json(const BlockConfig& c) {
           {"weight_decay", c.weight_decay}};
 }
 
-void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& stage, int world,
+void write_dump(const fs::path& dir, const StageOptions& o, const std::string& stage, int world,
                 const Snapshot& s) {
+  const BlockConfig& c = o.config;
   const std::vector<std::int64_t> act{c.seq, c.batch, c.hidden};
   write_npy(dir / "input.npy", s.input, act);
   write_npy(dir / "target.npy", s.target, act);
@@ -215,7 +221,7 @@ void write_dump(const fs::path& dir, const BlockConfig& c, const std::string& st
     else  // FP8 codes, as bytes
       write_npy(path, std::span(t.data<std::uint8_t>(), t.nbytes()), t.shape());
   }
-  json cfg = config_json(c);
+  json cfg = config_json(o);
   cfg["stage"] = stage;
   cfg["world_size"] = world;
   write_text_file(dir / "config.json", cfg.dump(2) + '\n');
@@ -340,10 +346,36 @@ MemoryCheck check_memory(const StageOptions& o, const Sharding& sharding, int ra
   return m;
 }
 
+/// What --json records before any step runs (a dry run's too): the config, the mesh, the
+/// memory estimate and its terms, and a step's FLOPs per rank.
+json plan_json(const StageDefinition& st, const StageOptions& o, int world, const std::string& comm,
+               int dp, const Speed& speed, const MemoryEstimate& estimate) {
+  const BlockConfig& c = o.config;
+  json summary = {{"stage", st.info.name},
+                  {"world_size", world},
+                  {"comm", comm},
+                  {"config", config_json(o)},
+                  {"memory_estimate_bytes", estimate.total()}};
+  summary["device_description"] = ops::device_description(c.device);  // tpx_report's, bench.py's
+  summary["dp"] = dp;           // the mesh's data-parallel degree (1 but in stage 07)
+  json terms = json::object();  // the estimate's terms, by name (stage 07: sharded and unsharded)
+  for (const MemoryTerm& t : estimate.terms) terms[t.name] = t.bytes;
+  summary["memory_terms"] = terms;
+  summary["optimizer_state_bytes"] =
+      c.optimizer == Optimizer::adamw ? estimate.term("optimizer state").bytes : std::uint64_t{0};
+  summary["flops_per_step_per_rank"] = speed.flops_per_rank;
+  // What the device executes: the model's FLOPs plus --recompute full's second forward.
+  summary["executed_flops_per_step_per_rank"] = step_flops(c).executed() / double(world);
+  summary["recompute_flops_per_step_per_rank"] = step_flops(c).recompute / double(world);
+  summary["recomputed_layers"] = c.recomputed_layers();
+  return summary;
+}
+
 /// The --json summary: the config, every completed step, and what ended the run.
-json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
+json summary_json(const StageDefinition& st, const StageOptions& o, int world,
                   const Parallelism& par, const TrainResult& r, const Speed& speed,
                   const MemoryEstimate& estimate) {
+  const BlockConfig& c = o.config;
   json rows = json::array();
   for (const auto& row : r.rows)
     rows.push_back({{"step", row.step},
@@ -360,26 +392,10 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                     {"dp_payload_bytes", row.comm.dp_payload_bytes},
                     {"peak_bytes", row.peak_bytes},
                     {"reserved_bytes", row.reserved_bytes}});
-  json summary = {{"stage", st.info.name},
-                  {"world_size", world},
-                  {"comm", par.comm_name()},
-                  {"config", config_json(c)},
-                  {"steps", rows},
-                  {"saved_activation_bytes", r.saved_activation_bytes},
-                  {"memory_estimate_bytes", estimate.total()}};
-  summary["device_description"] = ops::device_description(c.device);  // tpx_report's, bench.py's
-  summary["dp"] = par.sharding().dp;  // the mesh's data-parallel degree (1 but in stage 07)
-  json terms = json::object();  // the estimate's terms, by name (stage 07: sharded and unsharded)
-  for (const MemoryTerm& t : estimate.terms) terms[t.name] = t.bytes;
-  summary["memory_terms"] = terms;
-  summary["optimizer_state_bytes"] =
-      c.optimizer == Optimizer::adamw ? estimate.term("optimizer state").bytes : std::uint64_t{0};
+  json summary = plan_json(st, o, world, par.comm_name(), par.sharding().dp, speed, estimate);
+  summary["steps"] = rows;
+  summary["saved_activation_bytes"] = r.saved_activation_bytes;
   if (!r.diverged.empty()) summary["diverged"] = r.diverged;
-  summary["flops_per_step_per_rank"] = speed.flops_per_rank;
-  // What the device executes: the model's FLOPs plus --recompute full's second forward.
-  summary["executed_flops_per_step_per_rank"] = step_flops(c).executed() / double(world);
-  summary["recompute_flops_per_step_per_rank"] = step_flops(c).recompute / double(world);
-  summary["recomputed_layers"] = c.recomputed_layers();
   if (speed.gpu()) {
     summary["device_name"] = ops::device_name(c.device);
     summary["bf16_gemm_peak_tflops"] = speed.peak_tflops;
@@ -392,6 +408,59 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
   return summary;
 }
 
+/// --dry-run: the stage's plan (its split checks, sharding and a step's bytes), the memory
+/// estimate (reported, not refused) and a step's FLOPs, printed by rank 0 and written to --json;
+/// nothing is computed and no tensor allocated, so any size answers at once.
+int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
+  const BlockConfig& c = o.config;
+  Trace trace(Trace::Mode::measure);
+  const StagePlan plan = st.plan(RunContext{o, rank, world, trace});
+  const MemoryCheck memory = check_memory(o, plan.sharding, rank);
+  const Speed speed{step_flops(c).total() / double(world), 0.0};
+  const Traffic& all = plan.traffic;
+  const Traffic& dp = plan.dp_traffic;
+  const std::uint64_t saved = memory.estimate.term("saved activations").bytes;
+  if (rank == 0) {
+    print_header(st, c, world, plan.comm, speed, memory.estimate, memory.reference,
+                 memory.available, /*dry_run=*/true);
+    const StepFlops f = step_flops(c);
+    fmt::print(
+        "\ndry run: nothing computed or allocated; one training step per rank, from the formulas "
+        "(common/flops.h, common/traffic.h, common/memory.h)\n");
+    fmt::print("  {:<22} {:.4g} TFLOP (the GEMMs of forward + backward{})\n", "FLOPs",
+               speed.flops_per_rank / 1e12,
+               f.recompute > 0 ? fmt::format("; {:.4g} TFLOP executed with the recompute",
+                                             f.executed() / double(world) / 1e12)
+                               : "");
+    auto group = [](std::string_view name, const Traffic& t) {
+      fmt::print("  {:<22} {} bus, {} payload, {} calls\n", name, bytes_text(t.bus),
+                 bytes_text(t.payload), t.calls);
+    };
+    if (all.calls == 0) fmt::print("  {:<22} none\n", "communication");
+    if (all.calls > dp.calls)
+      group(dp.calls > 0 ? "tp group" : "tp group (all ranks)",
+            {all.payload - dp.payload, all.bus - dp.bus, all.calls - dp.calls});
+    if (dp.calls > 0) group("dp group", dp);
+    fmt::print("  {:<22} {}\n", "saved activations", bytes_text(saved));
+    fmt::print("  {:<22} {} ({})\n", "peak memory estimate", bytes_text(memory.estimate.total()),
+               memory.problem.empty() ? "fits" : "would be refused: " + memory.problem);
+  }
+  if (!o.json_path.empty() && rank == 0) {
+    json summary = plan_json(st, o, world, plan.comm, plan.sharding.dp, speed, memory.estimate);
+    summary["dry_run"] = true;
+    summary["saved_activation_bytes"] = saved;
+    summary["step"] = {{"comm_payload_bytes", all.payload},
+                       {"comm_bus_bytes", all.bus},
+                       {"comm_calls", all.calls},
+                       {"dp_payload_bytes", dp.payload},
+                       {"dp_bus_bytes", dp.bus}};
+    summary["memory_available_bytes"] = memory.available;
+    if (!memory.problem.empty()) summary["memory_problem"] = memory.problem;
+    write_text_file(o.json_path, summary.dump(2) + '\n');  // checked writable at start-up
+  }
+  return 0;
+}
+
 /// Runs after MPI is up and every rank's command line parsed. Returns the exit code.
 int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   const BlockConfig& c = o.config;
@@ -400,6 +469,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   if (std::string d = config_disagreement(config_fields(st.info, o)); !d.empty())
     throw ConfigError(d);
   stop_if_any_rank(startup_problem(st, o, rank, world), world);
+  if (o.dry_run) return dry_run(st, o, rank, world);
 
   Trace trace(o.trace_path.empty() ? Trace::Mode::measure : Trace::Mode::keep);
   auto par = st.make(RunContext{o, rank, world, trace});
@@ -409,7 +479,8 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   Speed speed{step_flops(c).total() / double(world), 0.0};
   if (rank == 0) {
     speed.peak_tflops = ops::bf16_gemm_peak_tflops(c.device);  // 0 on the cpu
-    print_header(st, c, world, *par, speed, memory.estimate, memory.reference, memory.available);
+    print_header(st, c, world, par->comm_name(), speed, memory.estimate, memory.reference,
+                 memory.available);
   }
   // Ranks that share rank 0's GPU must not start their steps while it measures the peak.
   if (c.device == Device::cuda) TPX_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
@@ -452,7 +523,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   };
   if (!o.dump_dir.empty() && !r.rows.empty())
     on_rank0([&] {
-      write_dump(o.dump_dir, c, st.info.name, world, r.first);
+      write_dump(o.dump_dir, o, st.info.name, world, r.first);
       fmt::print("dumped first-step tensors to {}\n", o.dump_dir);
     });
   if (o.check && r.diverged.empty()) {
@@ -490,7 +561,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   }
   if (!o.json_path.empty())
     on_rank0([&] {
-      json summary = summary_json(st, c, world, *par, r, speed, memory.estimate);
+      json summary = summary_json(st, o, world, *par, r, speed, memory.estimate);
       if (o.check && r.diverged.empty())
         summary["check"] = {{"pass", pass},
                             {"rtol", tol.rtol},

@@ -2,7 +2,7 @@
 // --check, --dump, --json and --trace. A stage's main.cc names itself, says how it splits the
 // block (a Parallelism) and what it checks against, and calls run_stage().
 //
-// defines: tpx::RunContext, tpx::StageDefinition, tpx::run_stage()
+// defines: tpx::RunContext, tpx::StagePlan, tpx::StageDefinition, tpx::run_stage()
 #pragma once
 
 #include <functional>
@@ -14,6 +14,7 @@
 #include "parallel.h"
 #include "reference.h"
 #include "trace.h"
+#include "traffic.h"
 
 namespace tpx {
 
@@ -25,11 +26,23 @@ struct RunContext {
   Trace& trace;
 };
 
+/// What one training step holds and moves on this rank, from the config alone (--dry-run):
+/// nothing is computed and no tensor allocated.
+struct StagePlan {
+  Sharding sharding;   ///< the part of the model this rank holds (as the Parallelism's)
+  Traffic traffic;     ///< a step's communication, every group together (as the step row's)
+  Traffic dp_traffic;  ///< the part over the data-parallel group (stage 07), else zero
+  std::string comm;    ///< the header's words for the groups
+};
+
 struct StageDefinition {
   StageInfo info;
   /// Builds this rank's Parallelism. Throws tpx::ConfigError (same on every rank) for a config
   /// the stage cannot split; that becomes a one-line error and exit code 2.
   std::function<std::unique_ptr<Parallelism>(const RunContext&)> make;
+  /// --dry-run's plan of this rank (common/traffic.h's formulas). Throws tpx::ConfigError for a
+  /// config the stage cannot split, as `make` does.
+  std::function<StagePlan(const RunContext&)> plan;
   /// The reference --check compares against, run in-process on rank 0 for `steps` steps.
   std::function<ReferenceRun(const BlockConfig&, int steps)> reference;
   /// fp32 tolerance of --check (relative to each tensor's largest magnitude).

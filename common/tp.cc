@@ -36,6 +36,17 @@ void check_tp_split(const BlockConfig& c, int world, bool sequence) {
         fmt::format("cannot split the block over {} ranks: {}", world, fmt::join(problems, "; ")));
 }
 
+StagePlan tp_plan(int stage, const RunContext& ctx) {
+  const BlockConfig& c = ctx.options.config;
+  const bool sequence = stage >= 3;
+  check_tp_split(c, ctx.world, sequence);
+  StagePlan p;
+  p.sharding = {.rank = ctx.rank, .world = ctx.world, .weights = true, .sequence = sequence};
+  p.traffic = comm_bytes(stage == 6 && !is_fp8(c.dtype) ? 5 : stage, c, ctx.world);
+  p.comm = fmt::format("tp over {} ranks (dry run)", ctx.world);
+  return p;
+}
+
 TpGroup::TpGroup(const RunContext& ctx)
     : rank_(ctx.rank),
       world_(ctx.world),

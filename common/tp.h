@@ -7,7 +7,7 @@
 // snapshot gathers) goes through the same communicator but is left out of the step's numbers, so
 // the step table equals the formulas in the stage chapters.
 //
-// defines: tpx::check_tp_split(), tpx::TpGroup
+// defines: tpx::check_tp_split(), tpx::tp_plan(), tpx::TpGroup
 #pragma once
 
 #include <memory>
@@ -31,6 +31,11 @@ namespace tpx {
 /// tensor-parallel stage splits: NKV (whole KV heads per rank, each with its query group, hence
 /// also NH and H), F, and with sequence parallelism S.
 void check_tp_split(const BlockConfig& c, int world, bool sequence);
+
+/// --dry-run's plan of tensor-parallel stage `stage` (2 … 6) over all of ctx's ranks: the
+/// split check of its factory, its sharding (weights; from stage 03 on the sequence too) and a
+/// step's bytes (comm_bytes(); stage 06 under --dtype fp32 or bf16 runs as stage 05).
+StagePlan tp_plan(int stage, const RunContext& ctx);
 
 /// What moves the chunks of the overlap primitives.
 enum class ChunkMover {

@@ -11,6 +11,7 @@
 //     source line gives; the validation and sensitivity tables in docs/benchmarks.md are what a
 //     fresh run of tpx_project prints (a constant changed without regenerating them fails here).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -466,6 +467,81 @@ TEST(TpxProject, MissingDeviceFileFailsWithOneLine) {
       fmt::format("{} --device {}", TPX_PROJECT_BIN, (dir / "nope.json").string()), dir);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_EQ(test::lines_of(r.err).size(), 1u) << r.err;
+}
+
+// --- tpx_project by flags: a model by name, file or sizes
+// -----------------------------------------
+
+json project_json(const std::string& args, test::TempDir& dir) {
+  const auto path = dir / "p.json";
+  const auto r =
+      test::run_command(fmt::format("{} {} --json {}", TPX_PROJECT_BIN, args, path.string()), dir);
+  EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.err;
+  if (r.exit_code != 0) return json::object();
+  return json::parse(test::read_file(path));
+}
+
+TEST(TpxProject, Llama3At8GpusGivesEveryStage) {
+  test::TempDir dir;
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = test::run_command(
+      fmt::format("{} --model llama3-8b --tp 8 --device h100_sxm", TPX_PROJECT_BIN), dir);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_LT(s, 5.0);  // well under a second when the machine is not shared
+  for (const char* stage : {"01_baseline", "02_megatron_tp", "03_sequence_parallel",
+                            "04_overlap_ring", "05_copy_engine_async_tp", "06_fp8", "07_fsdp_tp"})
+    EXPECT_NE(r.out.find("| " + std::string(stage) + " |"), std::string::npos) << stage;
+  EXPECT_NE(r.out.find("H 4096 NH 32 NKV 8 F 14336 S 8192 B 2 L 32"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" GiB |"), std::string::npos) << r.out;  // human units
+  const json j = project_json("--model llama3-8b --tp 8 --device h100_sxm", dir);
+  ASSERT_EQ(j.at("stages").size(), 7u);
+  // Each row's bytes are the stages' own formulas (those are checked against the stages' --json).
+  BlockConfig c;
+  c.hidden = 4096, c.heads = 32, c.kv_heads = 8, c.ffn = 14336, c.seq = 8192, c.batch = 2;
+  c.layers = 32, c.dtype = DType::bf16;
+  EXPECT_EQ(j["stages"][2].at("tp_bus_bytes").get<std::uint64_t>(), pj::comm_bytes(3, c, 8).bus);
+  EXPECT_EQ(j["stages"][0].at("tp_bus_bytes").get<std::uint64_t>(), 0u);
+}
+
+TEST(TpxProject, Bf16HalvesTheActivationBytes) {
+  test::TempDir dir;
+  const std::string base = "--model llama3-8b --tp 8 --device h100_sxm --dtype ";
+  const json f = project_json(base + "fp32", dir), b = project_json(base + "bf16", dir);
+  ASSERT_TRUE(f.contains("stages") && b.contains("stages"));
+  // Stage 02 moves only activations: exactly half. The saved activations: half but for
+  // attention's fp32 log-sum-exp ([B, NH, S] per layer, a sliver).
+  EXPECT_EQ(2 * b["stages"][1].at("tp_bus_bytes").get<std::uint64_t>(),
+            f["stages"][1].at("tp_bus_bytes").get<std::uint64_t>());
+  for (std::size_t i : {0u, 1u, 2u, 4u}) {
+    const double ratio = b["stages"][i].at("saved_activation_bytes").get<double>() /
+                         f["stages"][i].at("saved_activation_bytes").get<double>();
+    EXPECT_GT(ratio, 0.5) << i;
+    EXPECT_LT(ratio, 0.51) << i;
+  }
+}
+
+TEST(TpxProject, FlagsOverTheModelAndBadInputExits2) {
+  test::TempDir dir;
+  const json j = project_json(
+      "--model llama3-70b --layers 1 --tp 4 --dp 2 --batch 2 --device "
+      "h100_sxm",
+      dir);
+  ASSERT_TRUE(j.contains("config"));
+  EXPECT_EQ(j["config"].at("hidden"), 8192);
+  EXPECT_EQ(j["config"].at("layers"), 1);
+  EXPECT_EQ(j["stages"][6].at("gpus"), 8);
+  EXPECT_GT(j["stages"][6].at("dp_bus_bytes").get<std::uint64_t>(), 0u);
+  for (const std::string& args :
+       {std::string("--device h100"), std::string("--device h100_sxm --model llama3-9b"),
+        std::string("--device h100_sxm --hidden 4096 --tp 3"),
+        std::string("--device h100_sxm --hidden x"), std::string("--device h100_sxm --layer 3")}) {
+    const auto r = test::run_command(fmt::format("{} {}", TPX_PROJECT_BIN, args), dir);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
+    EXPECT_EQ(test::lines_of(r.err).size(), 1u) << args << "\n" << r.err;
+  }
+  const auto r = test::run_command(fmt::format("{} --device h100", TPX_PROJECT_BIN), dir);
+  EXPECT_NE(r.err.find("h100_sxm"), std::string::npos) << r.err;  // the known devices listed
 }
 
 }  // namespace

@@ -9,8 +9,8 @@
 //             at peak · efficiency(GEMM FLOPs): the efficiency curve is the device file's
 //             assumed one, or measured cuda bf16 rows of bench_gemm (--calibrate); attention's
 //             GEMMs at peak · attention_efficiency; element-wise work as bytes / HBM bandwidth.
-//   comm      the bytes the stages count (comm_bytes() below, tested against the stages'
-//             --json), at link bandwidth · collective efficiency, plus the link latency per
+//   comm      the bytes the stages count (common/traffic.h's comm_bytes(), tested against
+//             the stages' --json), at link bandwidth · collective efficiency, plus the latency per
 //             message (a ring all-gather or reduce-scatter sends N−1 messages per rank; an
 //             all-reduce is charged 2·⌈log₂ N⌉, a tree's latency).
 //   overlap   01: none to do. 02, 03: every collective is exposed (bulk, in the critical path).
@@ -35,11 +35,12 @@
 //
 // defines: tpx::projection::stage_name(), EfficiencyCurve, DeviceSpec, load_device(), calibrate(),
 // Comm,
-//          comm_bytes(), fsdp_bytes(), Schedule, ModelOptions, Phase, Projection, project(),
+//          Schedule, ModelOptions, Phase, Projection, project(),
 //          project_stage(), ag_gemm_ms(), gemm_rs_ms(), Workload, train_step(), Published,
 //          load_published(), Validation, validate(), error_pct(), perturb(), Sensitivity,
 //          sensitivity(), Report, make_report(), report_json(), report_markdown(),
-//          validation_markdown(), sensitivity_markdown(), big_config(), small_config()
+//          validation_markdown(), sensitivity_markdown(), big_config(), small_config(),
+//          project_mesh() (comm_bytes(), fsdp_bytes(): common/traffic.h)
 #pragma once
 
 #include <cstdint>
@@ -52,6 +53,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/config.h"
+#include "common/traffic.h"
 
 namespace tpx::projection {
 
@@ -99,32 +101,16 @@ DeviceSpec load_device(const std::filesystem::path& file);
 /// largest n). Returns false, leaving the device as it was, when the file has none of them.
 bool calibrate(DeviceSpec& device, const std::filesystem::path& bench_json);
 
-/// Communication of one step on one rank, counted as the stages count it (common/stage.h).
-struct Comm {
-  std::uint64_t payload = 0, bus = 0, calls = 0;
-};
+/// Communication of one step on one rank, counted as the stages count it (common/traffic.h).
+using Comm = tpx::Traffic;
+// The bytes formulas live in common/traffic.h, shared with the stages' --dry-run.
+using tpx::activation_bytes;
+using tpx::comm_bytes;
+using tpx::fsdp_bytes;
+using tpx::layer_params_per_tp_rank;
 
 /// The stage's directory and executable name, e.g. "03_sequence_parallel" for 3 ("?" outside 1…6).
 std::string stage_name(int stage);
-
-/// Bytes per element of the activations `stage` stores and communicates under `c`: 2 under the
-/// mixed-precision recipe (--dtype bf16, and stage 06's FP8, which runs inside it), else 4.
-int activation_bytes(int stage, const BlockConfig& c);
-
-/// The bytes per rank and step of `stage` (1 … 6) at N ranks. `act_bytes`: bytes per element of
-/// the communicated activations (0: activation_bytes(stage, c), what the stage counts). Stage 06
-/// gathers 1-byte codes and all-reduces fp32 amaxes; weight-gradient reductions (the norm gains'
-/// all-reduce) are fp32 in every recipe. The formulas of the chapters (0*/README.md); see the
-/// comments in projection.cc.
-Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes = 0);
-
-/// Parameters of one layer on one TP rank: its TP shard of the seven matrices plus the two norm
-/// gains (replicated over TP).
-double layer_params_per_tp_rank(const BlockConfig& c, int tp);
-/// FSDP's bus bytes per rank and step over DP (stage 07): per layer two all-gathers of the
-/// layer's `gather_bytes`-per-element copy and one fp32 reduce-scatter of its gradients,
-/// `L · (2·e + 4) · P_l · (D−1)/D` (padding to a multiple of D left out).
-double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes);
 
 /// How the communication is scheduled against the GEMMs.
 enum class Schedule { none, all_reduce, bulk, ring, copy_engine };
@@ -272,6 +258,13 @@ struct Report {
   std::vector<LeftOut> left_out;
   std::vector<Sensitivity> sensitivity;
 };
+
+/// Stage 07 at a TP × DP mesh: stage 05's TP step on one DP replica's config `replica` (its
+/// B / D), plus `dp_bus_bytes` of FSDP traffic per rank over DP at the inter-node bandwidth
+/// (latency: 3·(D−1) messages per layer), prefetched behind the compute (exposed: what it takes
+/// beyond it; none without a dp_GBps_per_direction in the device file).
+Report::MeshRow project_mesh(const DeviceSpec& d, const BlockConfig& replica, int tp, int dp,
+                             double dp_bus_bytes);
 
 Report make_report(const DeviceSpec& d, const std::vector<Validation>& validation,
                    const std::vector<LeftOut>& left_out = {},

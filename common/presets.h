@@ -1,0 +1,40 @@
+// Models by name (--model NAME): the Llama 3 family as Meta published it, and the tutorial's own
+// small model. A preset sets the model's shape and a training shape (S, B); every flag given on
+// the command line or in a --config file wins over it.
+//
+// defines: tpx::ModelPreset, tpx::model_presets(), tpx::find_preset(), tpx::preset_names(),
+//          tpx::apply_preset()
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "config.h"
+
+namespace tpx {
+
+struct ModelPreset {
+  std::string_view name;     ///< the --model word, e.g. "llama3-8b"
+  std::string_view summary;  ///< one line for --help and the listings
+  std::int64_t hidden, heads, kv_heads, ffn, layers, seq, batch;
+  double rope_theta;
+};
+
+/// Every preset, the tutorial's first (the default config: choosing it changes nothing).
+std::span<const ModelPreset> model_presets();
+/// The preset called `name`, or nullptr.
+const ModelPreset* find_preset(std::string_view name);
+/// "tutorial, llama3-8b, llama3-70b, llama3-405b".
+std::string preset_names();
+
+/// Which of the preset's fields a caller has set itself (and keeps).
+struct GivenSizes {
+  bool hidden = false, heads = false, kv_heads = false, ffn = false, layers = false, seq = false,
+       batch = false, rope_theta = false;
+};
+/// Sets the fields of `c` that `given` does not mark to the preset's values.
+void apply_preset(const ModelPreset& p, const GivenSizes& given, BlockConfig& c);
+
+}  // namespace tpx

@@ -1,0 +1,48 @@
+// The bytes each stage moves per rank and training step, from the config alone: the formulas of
+// the chapters (0*/README.md), written once. The stages count their traffic as it happens
+// (common/parallel.h's CommStats); these formulas equal those counts (tests/test_projection.cc,
+// tests/test_dry_run.cc) and are what --dry-run and the projection (tools/projection.h) report.
+// Pure arithmetic: no MPI, no device, nothing allocated.
+//
+// defines: tpx::Traffic, tpx::activation_bytes(), tpx::comm_bytes(),
+// tpx::layer_params_per_tp_rank(),
+//          tpx::fsdp_bytes(), tpx::fsdp_traffic()
+#pragma once
+
+#include <cstdint>
+
+#include "config.h"
+
+namespace tpx {
+
+/// Communication of one step on one rank, counted as the stages count it (nccl-tests' bus bytes).
+struct Traffic {
+  std::uint64_t payload = 0, bus = 0, calls = 0;
+};
+
+/// Bytes per element of the activations `stage` stores and communicates under `c`: 2 under the
+/// mixed-precision recipe (--dtype bf16, and stage 06's FP8, which runs inside it), else 4.
+int activation_bytes(int stage, const BlockConfig& c);
+
+/// The bytes per rank and step of `stage` (1 … 6) at N ranks. `act_bytes`: bytes per element of
+/// the communicated activations (0: activation_bytes(stage, c), what the stage counts). Stage 06
+/// gathers 1-byte codes and all-reduces fp32 amaxes; weight-gradient reductions (the norm gains'
+/// all-reduce) are fp32 in every recipe. Throws std::runtime_error for a stage outside 1 … 6.
+Traffic comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes = 0);
+
+/// Parameters of one layer on one TP rank: its TP shard of the seven matrices plus the two norm
+/// gains (replicated over TP).
+double layer_params_per_tp_rank(const BlockConfig& c, int tp);
+
+/// FSDP's bus bytes per rank and step over DP (stage 07), the chapter's approximation: per layer
+/// two all-gathers of the layer's `gather_bytes`-per-element copy and one fp32 reduce-scatter of
+/// its gradients, `L · (2·e + 4) · P_l · (D−1)/D` (padding to a multiple of D left out).
+double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes);
+
+/// Stage 07's DP traffic per rank and step exactly as it counts it: per layer two all-gathers of
+/// one rank's packed part (each TP-local parameter's dim-0 shard of ⌈rows/D⌉ rows, the matrices
+/// as bf16 compute copies under --dtype bf16, the norm gains fp32, each at a multiple of its
+/// element size) and one fp32 reduce-scatter of the layer's padded flat gradient [D · numel].
+Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp);
+
+}  // namespace tpx

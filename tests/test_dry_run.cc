@@ -1,0 +1,178 @@
+// --dry-run against real runs: at a small shape, every stage's dry run (nothing computed, only the
+// formulas of common/flops.h, common/traffic.h and common/memory.h) reports exactly what the real
+// run's --json measured and counted; and models by name (--model) and by file (--config).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <fstream>
+#include <string>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace tpx {
+namespace {
+
+using nlohmann::json;
+
+struct Case {
+  std::string stage;
+  int ranks;
+  std::string args;  ///< besides the small shape
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.stage << " -np " << c.ranks << " " << c.args;
+}
+
+constexpr const char* kShape = "--hidden 32 --heads 4 --ffn 64 --seq 16 --layers 2";
+
+json run_json(const Case& c, const std::string& extra) {
+  test::TempDir dir;
+  const auto path = dir / "s.json";
+  const auto r =
+      test::run_stage(c.stage, c.ranks,
+                      fmt::format("{} {} {} --json {}", kShape, c.args, extra, path.string()), dir);
+  EXPECT_EQ(r.exit_code, 0) << c.stage << " " << c.args << " " << extra << "\n" << r.out << r.err;
+  if (r.exit_code != 0) return json::object();
+  return json::parse(test::read_file(path));
+}
+
+class DryRun : public testing::TestWithParam<Case> {};
+
+TEST_P(DryRun, EqualsTheRealRunsJson) {
+  const Case& c = GetParam();
+  const json real = run_json(c, "--steps 2");
+  const json dry = run_json(c, "--dry-run");
+  ASSERT_TRUE(real.contains("steps") && dry.contains("step"));
+  ASSERT_EQ(real["steps"].size(), 2u);
+  EXPECT_TRUE(dry.at("dry_run").get<bool>());
+  EXPECT_FALSE(real.contains("dry_run"));
+  for (const char* key :
+       {"flops_per_step_per_rank", "executed_flops_per_step_per_rank", "saved_activation_bytes",
+        "memory_estimate_bytes", "memory_terms", "optimizer_state_bytes", "dp", "world_size"})
+    EXPECT_EQ(dry.at(key), real.at(key)) << key;
+  // The config, but for what only a real run has (the step count is the same here: 5 default).
+  json want = real.at("config"), got = dry.at("config");
+  want.erase("steps");
+  got.erase("steps");
+  EXPECT_EQ(got, want);
+  // Every step of the real run moves what the dry run says a step moves.
+  for (const json& row : real["steps"])
+    for (const char* key :
+         {"comm_payload_bytes", "comm_bus_bytes", "comm_calls", "dp_payload_bytes", "dp_bus_bytes"})
+      EXPECT_EQ(dry["step"].at(key), row.at(key)) << key << " at step " << row.at("step");
+  // And it is not all zeros where the stage communicates.
+  if (c.ranks > 1) {
+    EXPECT_GT(dry["step"].at("comm_bus_bytes").get<std::uint64_t>(), 0u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    stages, DryRun,
+    testing::Values(Case{"01_baseline", 1, "--recompute full"},
+                    Case{"02_megatron_tp", 2, "--kv-heads 2"},
+                    Case{"03_sequence_parallel", 2, "--dtype bf16 --optimizer adamw --lr 1e-3"},
+                    Case{"04_overlap_ring", 2, "--kv-heads 2 --recompute full"},
+                    Case{"05_copy_engine_async_tp", 2, "--recompute selective"},
+                    Case{"06_fp8", 2, ""}, Case{"06_fp8", 2, "--dtype bf16"},
+                    Case{"07_fsdp_tp", 4, "--dp 2 --dtype bf16"},
+                    Case{"07_fsdp_tp", 3, "--dp 3 --batch 3"}),
+    [](const auto& p) {
+      std::string name =
+          fmt::format("{}_np{}_{}", p.param.stage.substr(0, 2), p.param.ranks, p.index);
+      return name;
+    });
+
+// --- models by name and by file ------------------------------------------------------------------
+
+json dry_json(const std::string& stage, int ranks, const std::string& args, test::TempDir& dir,
+              int want_exit = 0) {
+  const auto path = dir / "d.json";
+  const auto r = test::run_stage(stage, ranks, args + " --dry-run --json " + path.string(), dir);
+  EXPECT_EQ(r.exit_code, want_exit) << args << "\n" << r.out << r.err;
+  if (r.exit_code != 0) return json::object();
+  return json::parse(test::read_file(path));
+}
+
+TEST(Model, PresetsSetTheLlama3ShapesAndFlagsWin) {
+  test::TempDir dir;
+  const json j = dry_json("02_megatron_tp", 2, "--model llama3-70b --layers 2 --seq 512", dir);
+  ASSERT_TRUE(j.contains("config"));
+  const json& c = j["config"];
+  EXPECT_EQ(c.at("model"), "llama3-70b");
+  EXPECT_EQ(c.at("hidden"), 8192);
+  EXPECT_EQ(c.at("heads"), 64);
+  EXPECT_EQ(c.at("kv_heads"), 8);
+  EXPECT_EQ(c.at("ffn"), 28672);
+  EXPECT_EQ(c.at("rope_theta"), 500000.0);
+  EXPECT_EQ(c.at("layers"), 2);  // the flags win
+  EXPECT_EQ(c.at("seq"), 512);
+  EXPECT_EQ(c.at("batch"), 2);
+}
+
+TEST(Model, TutorialPresetIsTheDefault) {
+  test::TempDir dir;
+  json a = dry_json("01_baseline", 1, "", dir);
+  json b = dry_json("01_baseline", 1, "--model tutorial", dir);
+  ASSERT_TRUE(a.contains("config") && b.contains("config"));
+  EXPECT_EQ(b["config"].at("model"), "tutorial");
+  a["config"].erase("model");
+  b["config"].erase("model");
+  EXPECT_EQ(a["config"], b["config"]);
+}
+
+TEST(Model, ConfigFileUnderTheCommandLine) {
+  test::TempDir dir;
+  const auto file = dir / "model.toml";
+  std::ofstream(file) << "# a Llama-3-8B-like model, smaller\nmodel = \"llama3-8b\"\n"
+                         "layers = 3\nseq = 1024\nkv-heads = 4\ndtype = \"bf16\"\n";
+  const json j = dry_json("03_sequence_parallel", 2,
+                          fmt::format("--config {} --seq 2048", file.string()), dir);
+  ASSERT_TRUE(j.contains("config"));
+  const json& c = j["config"];
+  EXPECT_EQ(c.at("config_file"), file.string());
+  EXPECT_EQ(c.at("model"), "llama3-8b");
+  EXPECT_EQ(c.at("hidden"), 4096);  // the preset
+  EXPECT_EQ(c.at("layers"), 3);     // the file over the preset
+  EXPECT_EQ(c.at("kv_heads"), 4);
+  EXPECT_EQ(c.at("dtype"), "bf16");
+  EXPECT_EQ(c.at("seq"), 2048);  // the command line over the file
+}
+
+TEST(Model, BadModelsAndFilesAreOneLineAndExit2) {
+  test::TempDir dir;
+  const auto typo = dir / "typo.toml";
+  std::ofstream(typo) << "hiden = 64\n";
+  for (const std::string& args :
+       {std::string("--model llama3-9b"), fmt::format("--config {}", (dir / "none.toml").string()),
+        fmt::format("--config {}", typo.string()), std::string("--check"),
+        std::string("--dump ") + (dir / "d").string()}) {
+    const auto r = test::run_stage("02_megatron_tp", 2, args + " --dry-run", dir);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out << r.err;
+    EXPECT_NE(r.err.find("error: "), std::string::npos) << args << "\n" << r.err;
+    EXPECT_NE(r.err.find('\n'), std::string::npos);
+  }
+  const auto r = test::run_stage("01_baseline", 1, "--model llama3-9b", dir);
+  EXPECT_NE(r.err.find("llama3-405b"), std::string::npos) << r.err;  // the known models listed
+}
+
+TEST(Model, The405bDryRunReportsWithoutRefusing) {
+  // Terabytes on one rank: the real run is refused at start-up (exit 2); the dry run answers at
+  // once, the memory check's verdict reported.
+  test::TempDir dir;
+  const auto start = std::chrono::steady_clock::now();
+  const json j = dry_json("07_fsdp_tp", 4, "--model llama3-405b", dir);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(j.contains("memory_problem")) << j.dump(1);
+  EXPECT_NE(j["memory_problem"].get<std::string>().find("not enough memory"), std::string::npos);
+  EXPECT_GT(j.at("memory_estimate_bytes").get<double>(), 1e12);
+  EXPECT_GT(j["step"].at("dp_bus_bytes").get<std::uint64_t>(), 0u);
+  EXPECT_LT(s, 60.0);  // mpirun's start-up on a shared 2-core machine included
+  const auto r = test::run_stage("07_fsdp_tp", 4, "--model llama3-405b", dir);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+}
+
+}  // namespace
+}  // namespace tpx
