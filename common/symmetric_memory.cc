@@ -164,7 +164,8 @@ void require_one_node(const RankGroup& group) {
   if (nodes.nodes() > 1)
     throw ConfigError(fmt::format(
         "symmetric memory needs every rank{} on one node, but its {} ranks span {} nodes ({}); "
-        "use stage 04 across nodes, or a mesh whose TP groups each fit in a node",
+        "across nodes use stage 04, or stage 07 with --dp <number of nodes> so that each TP group "
+        "is one node's ranks",
         group.is_world() ? "" : " of " + group.name(), group.size(), nodes.nodes(), nodes.where()));
 }
 

@@ -149,7 +149,7 @@ TEST(OnTwoNodes, TensorParallelismAcrossNodesWarnsOnceWithItsBytesAndPasses) {
   const json j = json::parse(test::read_file(json_path));
   const auto tp = j.at("steps").at(0).at("comm_bus_bytes").get<std::uint64_t>();
   ASSERT_GT(tp, 0u);
-  for (const std::string want :
+  for (const std::string& want :
        {std::string("04_overlap_ring: warning: the tp group (the whole job) spans 2 nodes"),
         std::string("(node 0: job ranks 0-1; node 1: job ranks 2-3)"),
         fmt::format("TP moves {} per rank every step", bytes_text(tp)),
