@@ -30,7 +30,7 @@ if ! dpkg -s slurm-wlm munge >/dev/null 2>&1; then
     { apt-get update >/dev/null && apt-get install -y --no-install-recommends slurm-wlm munge >/dev/null; }
 fi
 
-# --- the daemons, each under a directory of its own, stopped on exit -------------------------------
+# --- the daemons, every file of theirs in one temporary directory, stopped on exit -------------
 work=$(mktemp -d /tmp/tpx-slurm-XXXXXX)
 chmod 755 "$work"
 pids=()
@@ -39,6 +39,10 @@ stop_all() {
   # Jobs first (their steps belong to slurmd), then the daemons, newest first.
   if [[ -n ${SLURM_CONF:-} ]] && ((${#pids[@]} > 1)); then
     scancel --quiet --full "--partition=tpx" 2>/dev/null || true
+    for _ in $(seq 50); do [[ -z $(squeue -h 2>/dev/null) ]] && break; sleep 0.2; done
+    # A finished job's slurmstepd ends after squeue forgets it: it removes its socket
+    # (<node>_<job>.<step>) from the spool directory when it exits.
+    for _ in $(seq 50); do compgen -G "$work/spool/*_*.*" >/dev/null || break; sleep 0.2; done
   fi
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
     kill "${pids[i]}" 2>/dev/null || true
