@@ -70,6 +70,7 @@ class FsdpTp final : public Parallelism {
     return s;
   }
   std::string comm_name() const override;
+  std::vector<MeshGroup> mesh_groups() const override { return mesh_.groups(); }
 
   // The linear layers: stage 05's, over the TP group.
   ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,

@@ -29,4 +29,8 @@ std::string Mesh::describe() const {
   return fmt::format("D {} × TP {} (this rank: dp {}, tp {})", dp, tp, dp_index, tp_index);
 }
 
+std::vector<MeshGroup> Mesh::groups() const {
+  return {{"tp", tp_group}, {"dp", dp_group}};
+}
+
 }  // namespace tpx

@@ -9,14 +9,21 @@
 // and only the DP group's once-per-layer traffic crosses nodes. At D = 1 the TP group is the
 // whole job and the DP group is each rank alone: stages 02-06.
 //
-// defines: tpx::Mesh
+// defines: tpx::MeshGroup, tpx::Mesh
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "comm/group.h"
 
 namespace tpx {
+
+/// This rank's group along one dimension of a mesh, for the placement check (common/placement.h).
+struct MeshGroup {
+  std::string dim;  ///< "tp", "dp"
+  RankGroup group;
+};
 
 struct Mesh {
   int dp = 1, tp = 1;              ///< D and T, D·T = the job's ranks
@@ -29,6 +36,8 @@ struct Mesh {
   static Mesh make(int dp);
   /// "D 2 × TP 2 (this rank: dp 1, tp 0)" for headers and messages.
   std::string describe() const;
+  /// This rank's group of every dimension, TP first.
+  std::vector<MeshGroup> groups() const;
 };
 
 }  // namespace tpx

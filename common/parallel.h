@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "config.h"
+#include "mesh.h"
 #include "model.h"
 #include "tensor.h"
 
@@ -54,6 +55,9 @@ class Parallelism {
   virtual Sharding sharding() const = 0;
   /// Words for the header, e.g. "none" or "mpi (host memory)".
   virtual std::string comm_name() const { return "none"; }
+  /// This rank's group of each dimension the stage communicates over, for the placement check
+  /// (common/placement.h): the whole job as the TP group, unless the stage lays out a mesh.
+  virtual std::vector<MeshGroup> mesh_groups() const { return {{"tp", RankGroup()}}; }
 
   // --- the linear layers -----------------------------------------------------------------------
   // `role` names the layer in traces and the flight recorder: "qkv", "o", "gate/up", "down".

@@ -21,6 +21,7 @@
 #include "npy.h"
 #include "ops.h"
 #include "output.h"
+#include "placement.h"
 #include "trainer.h"
 
 namespace tpx {
@@ -114,11 +115,13 @@ std::string recompute_text(const BlockConfig& c) {
 
 /// The run's header; with `dry_run` it stops before the step table's column names.
 void print_header(const StageDefinition& st, const BlockConfig& c, int world,
-                  const std::string& comm, const Speed& speed, const MemoryEstimate& memory,
-                  std::uint64_t reference, std::uint64_t available, bool dry_run = false) {
+                  const std::string& comm, const std::string& placement, const Speed& speed,
+                  const MemoryEstimate& memory, std::uint64_t reference, std::uint64_t available,
+                  bool dry_run = false) {
   fmt::print("tpx {} | {}\n", st.info.name, st.info.summary);
   fmt::print("ranks {} | device {} | dtype {} | attention {} | comm {}\n", world,
              to_string(c.device), dtype_flag(c.dtype), attention_flag(c.attention), comm);
+  fmt::print("{}\n", placement);
   fmt::print("H {} NH {} NKV {} (D {}) F {} S {} B {} L {} | steps {} lr {:g} seed {}\n", c.hidden,
              c.heads, c.kv_heads_or_heads(), c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps,
              c.lr, c.seed);
@@ -411,7 +414,8 @@ json summary_json(const StageDefinition& st, const StageOptions& o, int world,
 /// --dry-run: the stage's plan (its split checks, sharding and a step's bytes), the memory
 /// estimate (reported, not refused) and a step's FLOPs, printed by rank 0 and written to --json;
 /// nothing is computed and no tensor allocated, so any size answers at once.
-int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
+int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int world,
+            const NodeMap& nodes) {
   const BlockConfig& c = o.config;
   Trace trace(Trace::Mode::measure);
   const StagePlan plan = st.plan(RunContext{o, rank, world, trace});
@@ -421,8 +425,8 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
   const Traffic& dp = plan.dp_traffic;
   const std::uint64_t saved = memory.estimate.term("saved activations").bytes;
   if (rank == 0) {
-    print_header(st, c, world, plan.comm, speed, memory.estimate, memory.reference,
-                 memory.available, /*dry_run=*/true);
+    print_header(st, c, world, plan.comm, nodes.layout(), speed, memory.estimate,
+                 memory.reference, memory.available, /*dry_run=*/true);
     const StepFlops f = step_flops(c);
     fmt::print(
         "\ndry run: nothing computed or allocated; one training step per rank, from the formulas "
@@ -469,24 +473,34 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   if (std::string d = config_disagreement(config_fields(st.info, o)); !d.empty())
     throw ConfigError(d);
   stop_if_any_rank(startup_problem(st, o, rank, world), world);
-  if (o.dry_run) return dry_run(st, o, rank, world);
+  const NodeMap nodes = NodeMap::discover();  // which node every rank runs on
+  if (o.dry_run) return dry_run(st, o, rank, world, nodes);
 
   Trace trace(o.trace_path.empty() ? Trace::Mode::measure : Trace::Mode::keep);
   auto par = st.make(RunContext{o, rank, world, trace});
+  const Placement placement = place(nodes, par->mesh_groups());
   const MemoryCheck memory = check_memory(o, par->sharding(), rank);
   stop_if_any_rank(memory.problem, world);
 
   Speed speed{step_flops(c).total() / double(world), 0.0};
   if (rank == 0) {
     speed.peak_tflops = ops::bf16_gemm_peak_tflops(c.device);  // 0 on the cpu
-    print_header(st, c, world, par->comm_name(), speed, memory.estimate, memory.reference,
+    print_header(st, c, world, par->comm_name(), placement.header, speed, memory.estimate,
+                 memory.reference,
                  memory.available);
   }
   // Ranks that share rank 0's GPU must not start their steps while it measures the peak.
   if (c.device == Device::cuda) TPX_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
   const TrainResult r =
       train(c, *par, o.check || !o.dump_dir.empty(), trace, [&](const StepRow& row) {
-        if (rank == 0) print_row(row, speed, c);
+        if (rank != 0) return;
+        // A TP group across nodes: once, with the TP bytes step 0 moved (the DP bytes apart).
+        if (row.step == 0)
+          if (const std::string w =
+                  placement.tp_warning(row.comm.bus_bytes - row.comm.dp_bus_bytes);
+              !w.empty())
+            fmt::print(stderr, "{}: warning: {}\n", st.info.name, w);
+        print_row(row, speed, c);
       });
   if (rank == 0) {
     // Step 0 warms up (first allocations, GEMM heuristics, lazily made transports): the mean is

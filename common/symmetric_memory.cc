@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "check.h"
+#include "comm/nodes.h"
 #include "comm/watchdog.h"
 
 #if TPX_WITH_CUDA
@@ -158,21 +159,14 @@ void SymmetricMemory::wait_failed(std::uint64_t seq, const std::string& why) {
 namespace symmetric {
 
 void require_one_node(const RankGroup& group) {
-  const int world = group.size();
-  int node = 1;
-  MPI_Comm shared = MPI_COMM_NULL;
-  MPI_Comm_split_type(group.comm(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shared);
-  MPI_Comm_size(shared, &node);
-  MPI_Comm_free(&shared);
-  // Every rank decides on the same facts: a rank alone on its node still learns that others are
-  // elsewhere, because all take the minimum.
-  int smallest = node;
-  MPI_Allreduce(&node, &smallest, 1, MPI_INT, MPI_MIN, group.comm());
-  if (smallest != world)
+  // Every rank decides on the same facts: each learns the node of every rank of the group.
+  const NodeMap nodes = NodeMap::discover(group);
+  if (nodes.nodes() > 1)
     throw ConfigError(fmt::format(
-        "symmetric memory needs every rank{} on one node: the {} ranks span several nodes (the "
-        "smallest node group has {}); use stage 04 across nodes",
-        group.is_world() ? "" : " of " + group.name(), world, smallest));
+        "symmetric memory needs every rank{} on one node, but its {} ranks span {} nodes ({}); "
+        "across nodes use stage 04, or stage 07 with --dp <number of nodes> so that each TP group "
+        "is one node's ranks",
+        group.is_world() ? "" : " of " + group.name(), group.size(), nodes.nodes(), nodes.where()));
 }
 
 bool all_ok(bool ok, const RankGroup& group) {

@@ -30,8 +30,8 @@
 // a wait that does not complete within the timeout exactly as it reports a hung collective.
 // All ranks issue the same sequence of signals and waits, so the records line up across ranks.
 //
-// Ranks on several nodes, or GPUs that cannot map each other, get a ConfigError (the same line on
-// every rank) and nothing is left allocated.
+// Ranks on several nodes (common/comm/nodes.h), or GPUs that cannot map each other, get a
+// ConfigError (the same line on every rank) and nothing is left allocated.
 //
 // defines: tpx::Signal, tpx::SymmetricOptions, tpx::SymmetricMemory, tpx::make_symmetric_memory()
 #pragma once
@@ -188,7 +188,8 @@ std::unique_ptr<SymmetricMemory> make_symmetric_memory(Device device, std::size_
 
 // Helpers the backends share (collective over `group`).
 namespace symmetric {
-/// Throws ConfigError (same line on every rank) unless every rank of `group` runs on this node.
+/// Throws ConfigError (same line on every rank, naming each node's ranks) unless every rank of
+/// `group` runs on one node (common/comm/nodes.h: MPI's shared-memory split, or TPX_NODE_ID).
 void require_one_node(const RankGroup& group = RankGroup());
 /// True on every rank of `group` iff `ok` is true on every one of them.
 bool all_ok(bool ok, const RankGroup& group = RankGroup());

@@ -19,7 +19,7 @@ the number of rows must not). Exits 1 on a stale block, a failing command or a m
 block. --build DIR runs the programs of another build tree (build/bin/ becomes DIR/bin/).
 
 Usage: scripts/chapter-outputs.py [--fix] [--build DIR] [CHAPTER.md ...]
-       (default: every stage's README.md)
+       (default: every stage's README.md and docs/cluster.md)
 """
 import argparse
 import pathlib
@@ -70,7 +70,7 @@ def main():
     ap.add_argument("--fix", action="store_true", help="write the outputs into the chapters")
     ap.add_argument("--build", help="the build tree whose bin/ runs (default: build)")
     a = ap.parse_args()
-    chapters = a.chapters or sorted(ROOT.glob("0[1-9]_*/README.md"))
+    chapters = a.chapters or sorted(ROOT.glob("0[1-9]_*/README.md")) + [ROOT / "docs/cluster.md"]
     problems = 0
     for chapter in chapters:
         lines = chapter.read_text().splitlines()
