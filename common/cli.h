@@ -25,7 +25,16 @@ struct StageInfo {
   bool fp8 = false;
   /// Lays the ranks out as a DP × TP mesh (stage 07): offers --dp.
   bool mesh = false;
+  /// Splits the sequence over a CP dimension of the mesh (stage 08): offers --cp, --cp-method.
+  bool context_parallel = false;
 };
+
+/// How stage 08's attention reaches the keys of the other CP ranks (--cp-method).
+enum class CpMethod {
+  ring,       ///< K/V blocks passed around the CP ring, merged by log-sum-exp
+  allgather,  ///< K and V all-gathered over CP; dK, dV reduce-scattered
+};
+const char* to_string(CpMethod m);
 
 /// What runs a copy-engine stage's all-gathers (--all-gather).
 enum class AllGatherPath {
@@ -46,6 +55,10 @@ struct StageOptions {
   /// --dp D (mesh stages): the data-parallel degree; 0 = the default, 2 when the job has an even
   /// number of ranks, at least 4, else 1 (default_dp()).
   int dp = 0;
+  /// --cp C (stage 08): the context-parallel degree; 0 = the default, 2 when the job's ranks
+  /// are even, else 1.
+  int cp = 0;
+  CpMethod cp_method = CpMethod::ring;  ///< --cp-method
 };
 
 /// The data-parallel degree a mesh stage runs with on `world` ranks when --dp is `dp` (0: not

@@ -1,6 +1,6 @@
 // The parameters of L stacked blocks, their gradients, and how tensor parallelism shards them.
 //
-// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::Sharding, tpx::Model, tpx::make_model()
+// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::Sharding, tpx::Model, tpx::make_data(), tpx::make_model()
 #pragma once
 
 #include <array>
@@ -48,6 +48,9 @@ struct Sharding {
   /// each parameter's TP shard split on dim 0 over them (padded). rank and world above are the
   /// rank's place in its TP group.
   int dp = 1;
+  /// Context parallelism (stage 08): the sequence split over C ranks as well (S / (C·T) tokens
+  /// per rank under SP); the parameters are sharded over D·C ranks.
+  int cp = 1;
 };
 
 /// Shape of this rank's shard of parameter p.
@@ -60,6 +63,10 @@ struct Model {
   Tensor input;   ///< x, [S, B, H] or its sequence shard
   Tensor target;  ///< T, same layout as input
 };
+
+/// Rows [begin, end) of the sequence of the input x (or, with `target`, of the target T):
+/// [end − begin, B, H] on c.device, equal to those rows of the whole tensor.
+Tensor make_data(const BlockConfig& c, bool target, std::int64_t begin, std::int64_t end);
 
 /// Builds this rank's shard with the counter-based initialiser: weights ~ N(0, 0.02²), gains = 1,
 /// x and T ~ N(0, 1). Every shard equals the same slice of the unsharded model.

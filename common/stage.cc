@@ -339,6 +339,8 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                     {"recompute_payload_bytes", row.recompute_comm.payload_bytes},
                     {"dp_bus_bytes", row.comm.dp_bus_bytes},
                     {"dp_payload_bytes", row.comm.dp_payload_bytes},
+                    {"cp_bus_bytes", row.comm.cp_bus_bytes},
+                    {"cp_payload_bytes", row.comm.cp_payload_bytes},
                     {"peak_bytes", row.peak_bytes},
                     {"reserved_bytes", row.reserved_bytes}});
   json summary = {{"stage", st.info.name},
@@ -349,6 +351,7 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                   {"saved_activation_bytes", r.saved_activation_bytes},
                   {"memory_estimate_bytes", estimate.total()}};
   summary["dp"] = par.sharding().dp;  // the mesh's data-parallel degree (1 but in stage 07)
+  summary["cp"] = par.sharding().cp;  // and its context-parallel degree (1 but in stage 08)
   json terms = json::object();  // the estimate's terms, by name (stage 07: sharded and unsharded)
   for (const MemoryTerm& t : estimate.terms) terms[t.name] = t.bytes;
   summary["memory_terms"] = terms;

@@ -25,6 +25,8 @@ void add(CommStats& into, const CommStats& more) {
   into.calls += more.calls;
   into.dp_payload_bytes += more.dp_payload_bytes;
   into.dp_bus_bytes += more.dp_bus_bytes;
+  into.cp_payload_bytes += more.cp_payload_bytes;
+  into.cp_bus_bytes += more.cp_bus_bytes;
 }
 
 double ms_since(Clock::time_point t0) {
