@@ -154,11 +154,96 @@ Event ContextParallel::ring_hop(const Tensor& send, const Tensor& recv, const st
   return done;
 }
 
+void ContextParallel::all_to_all(const Tensor& send, const Tensor& recv, const std::string& what) {
+  const int n = mesh_.cp, me = mesh_.cp_index;
+  const std::int64_t part = send.numel() / n;
+  auto block = [&](const Tensor& t, int r) { return t.slice0(r * part, (r + 1) * part); };
+  ops::copy(block(send, me), block(recv, me));
+  const Stream compute(device_);
+  Event ready(device_);
+  ready.record(compute);
+  ready.wait(cp_lane_);
+  record_stream(send, cp_lane_);
+  record_stream(recv, cp_lane_);
+  cp_lane_.run([this, send, recv, n, me, what, block] {
+    TraceScope span(trace_, what, Lane::cp_comm);
+    for (int s = 1; s < n; ++s) {  // step s: to me + s, from me − s
+      const int to = (me + s) % n, from = (me - s + n) % n;
+      cp_comm_->sendrecv(block(send, to), to, block(recv, from), from, cp_lane_,
+                         fmt::format("{} step {}/{}", what, s, n - 1));
+    }
+  });
+  Event done(device_);
+  done.record(cp_lane_);
+  done.wait(compute);
+}
+
+Tensor ContextParallel::seq_to_heads(const Tensor& x, const std::string& what) {
+  const int n = mesh_.cp;
+  const std::int64_t rows = x.dim(0), b = x.dim(1), cols = x.dim(2) / n, chunk = rows / 2;
+  // Pack: block r = the columns of head part r, [S/C, B, X/C].
+  const Tensor host = ops::to_device(x, Device::cpu);
+  const Tensor send = Tensor::empty({n * rows * b * cols});
+  for (int r = 0; r < n; ++r)
+    for (std::int64_t i = 0; i < rows * b; ++i)
+      std::memcpy(send.f32().data() + (r * rows * b + i) * cols,
+                  host.f32().data() + i * x.dim(2) + r * cols, std::size_t(cols) * sizeof(float));
+  const Tensor recv = Tensor::empty(send.shape());
+  all_to_all(send, recv, what);
+  // Block r holds CP rank r's two chunks: each goes to its place in the sequence.
+  const Tensor full = Tensor::empty({n * rows, b, cols});
+  const std::int64_t per_chunk = chunk * b * cols;
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < 2; ++j)
+      std::memcpy(full.f32().data() + chunk_of(r, j) * per_chunk,
+                  recv.f32().data() + (2 * r + j) * per_chunk,
+                  std::size_t(per_chunk) * sizeof(float));
+  return ops::to_device(full, device_);
+}
+
+Tensor ContextParallel::heads_to_seq(const Tensor& x, const std::string& what) {
+  const int n = mesh_.cp;
+  const std::int64_t rows = x.dim(0) / n, b = x.dim(1), cols = x.dim(2), chunk = rows / 2;
+  const std::int64_t per_chunk = chunk * b * cols;
+  // Block r = CP rank r's two chunks of this rank's head part.
+  const Tensor host = ops::to_device(x, Device::cpu);
+  const Tensor send = Tensor::empty({n * rows * b * cols});
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < 2; ++j)
+      std::memcpy(send.f32().data() + (2 * r + j) * per_chunk,
+                  host.f32().data() + chunk_of(r, j) * per_chunk,
+                  std::size_t(per_chunk) * sizeof(float));
+  const Tensor recv = Tensor::empty(send.shape());
+  all_to_all(send, recv, what);
+  // Block r holds head part r of this rank's rows: its columns.
+  const Tensor local = Tensor::empty({rows, b, n * cols});
+  for (int r = 0; r < n; ++r)
+    for (std::int64_t i = 0; i < rows * b; ++i)
+      std::memcpy(local.f32().data() + i * n * cols + r * cols,
+                  recv.f32().data() + (r * rows * b + i) * cols, std::size_t(cols) * sizeof(float));
+  return ops::to_device(local, device_);
+}
+
 void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                         std::int64_t heads, const Tensor& out, const Tensor& lse,
-                                        DType /*compute*/) {
+                                        DType compute_type) {
   const int n = mesh_.cp, me = mesh_.cp_index, call = forward_calls_++;
   const Stream compute(device_);
+  if (method_ == CpMethod::ulysses) {
+    // Whole sequence, heads / C of this rank's heads: the rank's own lse buffer holds
+    // [B, heads / C, S], as many floats as [B, heads, S / C].
+    const Tensor qh = seq_to_heads(q, fmt::format("cp q all-to-all (fwd {})", call));
+    const Tensor kh = seq_to_heads(k, fmt::format("cp k all-to-all (fwd {})", call));
+    const Tensor vh = seq_to_heads(v, fmt::format("cp v all-to-all (fwd {})", call));
+    const Tensor oh = Tensor::empty(qh.shape(), DType::f32, device_);
+    {
+      TraceScope span(trace_, "attention fwd (whole sequence, heads / C)");
+      ops::attention_fused_forward(qh, kh, vh, heads / n, oh,
+                                   lse.reshape({q.dim(1), heads / n, seq_}), compute_type);
+    }
+    ops::copy(heads_to_seq(oh, fmt::format("cp out all-to-all (fwd {})", call)), out);
+    return;
+  }
   ops::fill(out, 0.0f);
   ops::fill(lse, -std::numeric_limits<float>::infinity());
   // This rank's K/V block, packed into one buffer [k | v] so that each hop is one transfer.
@@ -202,9 +287,30 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
 void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                          const Tensor& v, const Tensor& out, const Tensor& lse,
                                          std::int64_t heads, const Tensor& dq, const Tensor& dk,
-                                         const Tensor& dv, DType /*compute*/) {
+                                         const Tensor& dv, DType compute_type) {
   const int n = mesh_.cp, me = mesh_.cp_index, call = backward_calls_++;
   const Stream compute(device_);
+  if (method_ == CpMethod::ulysses) {
+    // The forward kept the sequence-sharded tensors only: q, k, v and the output go to the
+    // head-sharded layout again, with dO; the gradients come back.
+    auto to_heads = [&](const Tensor& t, const char* name) {
+      return seq_to_heads(t, fmt::format("cp {} all-to-all (bwd {})", name, call));
+    };
+    const Tensor qh = to_heads(q, "q"), kh = to_heads(k, "k"), vh = to_heads(v, "v");
+    const Tensor oh = to_heads(out, "out"), doh = to_heads(dout, "dout");
+    const Tensor dqh = Tensor::empty(qh.shape(), DType::f32, device_);
+    const Tensor dkh = Tensor::empty(kh.shape(), DType::f32, device_);
+    const Tensor dvh = Tensor::empty(vh.shape(), DType::f32, device_);
+    {
+      TraceScope span(trace_, "attention bwd (whole sequence, heads / C)");
+      ops::attention_fused_backward(doh, qh, kh, vh, oh, lse.reshape({q.dim(1), heads / n, seq_}),
+                                    heads / n, dqh, dkh, dvh, compute_type);
+    }
+    ops::copy(heads_to_seq(dqh, fmt::format("cp dq all-to-all (bwd {})", call)), dq);
+    ops::copy(heads_to_seq(dkh, fmt::format("cp dk all-to-all (bwd {})", call)), dk);
+    ops::copy(heads_to_seq(dvh, fmt::format("cp dv all-to-all (bwd {})", call)), dv);
+    return;
+  }
   ops::fill(dq, 0.0f);
   const std::int64_t kv = k.numel();
   const Tensor mine = Tensor::empty({2 * kv}, DType::f32, device_);
@@ -362,6 +468,11 @@ std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
     throw ConfigError(fmt::format(
         "--cp > 1 runs with --dtype fp32 (got {}): the ring's partial outputs are merged in fp32",
         dtype_flag(c.dtype)));
+  if (ctx.options.cp_method == CpMethod::ulysses && c.kv_heads_or_heads() % (cp * mesh.tp) != 0)
+    throw ConfigError(fmt::format(
+        "--cp-method ulysses needs the {} KV heads to split over C·T = {} ranks: the all-to-all "
+        "gives every rank whole KV heads of the whole sequence (use ring or allgather)",
+        c.kv_heads_or_heads(), cp * mesh.tp));
   BlockConfig local = c;
   local.seq = c.seq / cp;
   check_tp_split(local, mesh.tp, /*sequence=*/true);

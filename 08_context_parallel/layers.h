@@ -18,6 +18,10 @@
 //              and coming home after C hops.
 //   allgather  (--cp-method allgather) K and V all-gathered over CP, local queries against all
 //              chunks; backward gathers them again and reduce-scatters dK/dV.
+//   ulysses    (--cp-method ulysses, DeepSpeed Ulysses) an all-to-all turns the sequence-sharded
+//              q, k, v into head-sharded whole-sequence ones (1/C of the rank's heads each), the
+//              plain fused attention runs on them, a second all-to-all brings the output back;
+//              backward does the same with dO and the gradients. Needs NKV % (C·T) == 0.
 //
 // defines: tpx::cp::ContextParallel, tpx::cp::make_context_parallel()
 #pragma once
@@ -112,6 +116,14 @@ class ContextParallel final : public Parallelism {
   void attend_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                              int src, const Tensor& out, const Tensor& lse, std::int64_t heads,
                              const Tensor& dq, const Tensor& dk, const Tensor& dv);
+  /// Ulysses' all-to-all: x [S/C, B, X] (this rank's chunks, all of its X/hd heads of hd
+  /// columns) → [S, B, X/C] (the whole sequence in natural order, head part cp_index).
+  Tensor seq_to_heads(const Tensor& x, const std::string& what);
+  /// The inverse: x [S, B, X/C] → [S/C, B, X].
+  Tensor heads_to_seq(const Tensor& x, const std::string& what);
+  /// Block r of `send` to CP rank r and block r of `recv` from it, for every r (pairwise
+  /// exchange, C − 1 sendrecv steps on the CP lane; block me copied locally). Waits for it.
+  void all_to_all(const Tensor& send, const Tensor& recv, const std::string& what);
   /// Sends `send` to the next CP rank while receiving `recv` from the previous one, on the CP
   /// lane; returns the event of its arrival.
   Event ring_hop(const Tensor& send, const Tensor& recv, const std::string& what);

@@ -81,7 +81,15 @@ const char* to_string(AllGatherPath p) {
 }
 
 const char* to_string(CpMethod m) {
-  return m == CpMethod::ring ? "ring" : "allgather";
+  switch (m) {
+    case CpMethod::allgather:
+      return "allgather";
+    case CpMethod::ulysses:
+      return "ulysses";
+    case CpMethod::ring:
+      break;
+  }
+  return "ring";
 }
 
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
@@ -231,9 +239,10 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
         ->type_name("C")
         ->group("Mesh");
     app.add_option("--cp-method", cp_method,
-                   "ring (K/V blocks around the CP ring, merged by log-sum-exp) or allgather "
-                   "(K and V all-gathered over CP)")
-        ->check(CLI::IsMember({"ring", "allgather"}))
+                   "ring (K/V blocks around the CP ring, merged by log-sum-exp), allgather (K and "
+                   "V all-gathered over CP) or ulysses (all-to-all to whole-sequence, "
+                   "head-sharded q, k, v; needs NKV % (C·T) == 0)")
+        ->check(CLI::IsMember({"ring", "allgather", "ulysses"}))
         ->capture_default_str()
         ->group("Mesh");
   }
@@ -271,7 +280,9 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
             2};
   o.comm.kind = parse_comm_kind(comm_kind);
   o.all_gather = all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
-  o.cp_method = cp_method == "allgather" ? CpMethod::allgather : CpMethod::ring;
+  o.cp_method = cp_method == "allgather" ? CpMethod::allgather
+                : cp_method == "ulysses"   ? CpMethod::ulysses
+                                           : CpMethod::ring;
   c.device = parse_device(device);
   c.dtype = parse_dtype(dtype);
   c.attention = attention == "naive" ? Attention::naive : Attention::fused;

@@ -33,6 +33,7 @@ struct StageInfo {
 enum class CpMethod {
   ring,       ///< K/V blocks passed around the CP ring, merged by log-sum-exp
   allgather,  ///< K and V all-gathered over CP; dK, dV reduce-scattered
+  ulysses,    ///< all-to-all to head-sharded full-sequence q, k, v and back (DeepSpeed Ulysses)
 };
 const char* to_string(CpMethod m);
 
