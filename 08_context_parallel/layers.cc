@@ -57,6 +57,7 @@ ContextParallel::~ContextParallel() = default;
 Sharding ContextParallel::sharding() const {
   Sharding s = inner_->sharding();
   s.cp = mesh_.cp;
+  s.cp_method = method_;
   return s;
 }
 

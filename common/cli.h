@@ -11,6 +11,7 @@
 #include "agree.h"
 #include "comm/communicator.h"
 #include "config.h"
+#include "model.h"
 
 namespace tpx {
 
@@ -29,12 +30,6 @@ struct StageInfo {
   bool context_parallel = false;
 };
 
-/// How stage 08's attention reaches the keys of the other CP ranks (--cp-method).
-enum class CpMethod {
-  ring,       ///< K/V blocks passed around the CP ring, merged by log-sum-exp
-  allgather,  ///< K and V all-gathered over CP; dK, dV reduce-scattered
-  ulysses,    ///< all-to-all to head-sharded full-sequence q, k, v and back (DeepSpeed Ulysses)
-};
 const char* to_string(CpMethod m);
 
 /// What runs a copy-engine stage's all-gathers (--all-gather).

@@ -1,6 +1,6 @@
 // The parameters of L stacked blocks, their gradients, and how tensor parallelism shards them.
 //
-// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::Sharding, tpx::Model, tpx::make_data(), tpx::make_model()
+// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::CpMethod, tpx::Sharding, tpx::Model, tpx::make_data(), tpx::make_model()
 #pragma once
 
 #include <array>
@@ -38,6 +38,13 @@ struct LayerParams {
   const Tensor& operator[](Param p) const { return t[static_cast<std::size_t>(p)]; }
 };
 
+/// How stage 08's attention reaches the keys of the other CP ranks (--cp-method).
+enum class CpMethod {
+  ring,       ///< K/V blocks passed around the CP ring, merged by log-sum-exp
+  allgather,  ///< K and V all-gathered over CP; dK, dV reduce-scattered
+  ulysses,    ///< all-to-all to head-sharded full-sequence q, k, v and back (DeepSpeed Ulysses)
+};
+
 /// Which part of the model this rank holds. Stage 01: the default (everything).
 struct Sharding {
   int rank = 0;
@@ -51,6 +58,7 @@ struct Sharding {
   /// Context parallelism (stage 08): the sequence split over C ranks as well (S / (C·T) tokens
   /// per rank under SP); the parameters are sharded over D·C ranks.
   int cp = 1;
+  CpMethod cp_method = CpMethod::ring;
 };
 
 /// Shape of this rank's shard of parameter p.
