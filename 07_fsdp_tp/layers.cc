@@ -90,7 +90,8 @@ void FsdpTp::shard_model(Model& m) {
     const std::int64_t s = t.dim(0), b = t.dim(1) / mesh_.dp, h = t.dim(2);
     const Tensor part = Tensor::empty({s, b, h});
     for (std::int64_t i = 0; i < s; ++i)
-      std::memcpy(part.f32().data() + i * b * h, host.f32().data() + (i * t.dim(1) + mesh_.dp_index * b) * h,
+      std::memcpy(part.f32().data() + i * b * h,
+                  host.f32().data() + (i * t.dim(1) + mesh_.dp_index * b) * h,
                   static_cast<std::size_t>(b * h) * sizeof(float));
     return ops::to_device(part, t.device());
   };
@@ -173,8 +174,8 @@ void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l)
     ops::copy(shard.reshape({e.shard_rows, e.cols}),
               typed_view(send, b.offset[std::size_t(p)], e.shard_numel(), e.cols, shard.dtype()));
   }
-  Gather g{Tensor::empty({std::int64_t(mesh_.dp_cp()) * b.bytes}, DType::u8, device_), Event(device_),
-           b.offset, b.bytes};
+  Gather g{Tensor::empty({std::int64_t(mesh_.dp_cp()) * b.bytes}, DType::u8, device_),
+           Event(device_), b.offset, b.bytes};
   const Stream compute(device_);
   Event packed(device_);
   packed.record(compute);

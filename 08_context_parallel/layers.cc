@@ -98,7 +98,8 @@ std::vector<SequenceRun> ContextParallel::sequence_runs(std::int64_t rows) const
           {chunk, chunk_of(mesh_.cp_index, 1) * chunk}};
 }
 
-// --- attention ------------------------------------------------------------------------------------
+// --- attention
+// ------------------------------------------------------------------------------------
 
 void ContextParallel::attend_block(const Tensor& q, const Tensor& k, const Tensor& v, int src,
                                    std::int64_t heads, const Tensor& out, const Tensor& lse) {
@@ -124,22 +125,23 @@ void ContextParallel::attend_block(const Tensor& q, const Tensor& k, const Tenso
 
 void ContextParallel::attend_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                             const Tensor& v, int src, const Tensor& out,
-                                            const Tensor& lse, std::int64_t heads,
-                                            const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+                                            const Tensor& lse, std::int64_t heads, const Tensor& dq,
+                                            const Tensor& dk, const Tensor& dv) {
   const std::int64_t chunk = q.dim(0) / 2;
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 2; ++j) {
       const std::int64_t qc = chunk_of(mesh_.cp_index, i), kc = chunk_of(src, j);
       if (kc > qc) continue;
       auto rows = [&](const Tensor& t, int c) { return t.slice0(c * chunk, (c + 1) * chunk); };
-      ops::attention_block_backward(rows(dout, i), rows(q, i), rows(k, j), rows(v, j),
-                                    rows(out, i), lse_chunk(lse, i), heads, rows(dq, i),
-                                    rows(dk, j), rows(dv, j), (qc - kc) * chunk);
+      ops::attention_block_backward(rows(dout, i), rows(q, i), rows(k, j), rows(v, j), rows(out, i),
+                                    lse_chunk(lse, i), heads, rows(dq, i), rows(dk, j), rows(dv, j),
+                                    (qc - kc) * chunk);
     }
 }
 
 Event ContextParallel::ring_hop(const Tensor& send, const Tensor& recv, const std::string& what) {
-  const int next = (mesh_.cp_index + 1) % mesh_.cp, prev = (mesh_.cp_index + mesh_.cp - 1) % mesh_.cp;
+  const int next = (mesh_.cp_index + 1) % mesh_.cp,
+            prev = (mesh_.cp_index + mesh_.cp - 1) % mesh_.cp;
   const Stream compute(device_);
   Event ready(device_);
   ready.record(compute);  // what is sent has been written, what is received no longer read
@@ -279,8 +281,8 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
       arrived = ring_hop(held, buf[std::size_t((s + 1) % 2)],
                          fmt::format("cp K/V ring fwd {} hop {}/{}", call, s + 1, n - 1));
     const int src = (me - s + n) % n;
-    TraceScope span(trace_, fmt::format("attention fwd ring step {}/{} (K/V of cp rank {})", s + 1,
-                                        n, src));
+    TraceScope span(
+        trace_, fmt::format("attention fwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
     attend_block(q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src, heads, out, lse);
   }
 }
@@ -342,8 +344,7 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     computed.record(compute);
     computed.wait(cp_lane_);
     cp_lane_.run([this, dall, dmine, call] {
-      TraceScope span(trace_, fmt::format("cp dK/dV reduce-scatter (bwd {})", call),
-                      Lane::cp_comm);
+      TraceScope span(trace_, fmt::format("cp dK/dV reduce-scatter (bwd {})", call), Lane::cp_comm);
       cp_comm_->reduce_scatter(dall, dmine, cp_lane_);
     });
     Event done(device_);
@@ -371,8 +372,8 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     const int src = (me - s + n) % n;
     const Tensor& dheld = dbuf[std::size_t(s % 2)];
     {
-      TraceScope span(trace_, fmt::format("attention bwd ring step {}/{} (K/V of cp rank {})",
-                                          s + 1, n, src));
+      TraceScope span(
+          trace_, fmt::format("attention bwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
       ops::fill(dheld, 0.0f);
       attend_block_backward(dout, q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src,
                             out, lse, heads, dq, packed(dheld, 0, k.shape()),
@@ -385,8 +386,8 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     // The dK/dV of block src go on to me + 1 (at the last step: home), and the partial for the
     // next block (at the last step: this rank's own, complete) arrives from me − 1.
     const Tensor next_in = Tensor::empty({2 * kv}, DType::f32, device_);
-    d_arrived = ring_hop(dheld, next_in,
-                         fmt::format("cp dK/dV ring bwd {} hop {}/{}", call, s + 1, n));
+    d_arrived =
+        ring_hop(dheld, next_in, fmt::format("cp dK/dV ring bwd {} hop {}/{}", call, s + 1, n));
     incoming = next_in;
   }
   d_arrived.wait(compute);

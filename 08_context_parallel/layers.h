@@ -110,8 +110,8 @@ class ContextParallel final : public Parallelism {
   std::int64_t chunk_of(int r, int j) const { return j == 0 ? r : 2 * mesh_.cp - 1 - r; }
   /// Forward of this rank's two query chunks against the two K/V chunks of CP rank `src`
   /// (k, v: that rank's [S/C, B, kv] block), merged into out and lse.
-  void attend_block(const Tensor& q, const Tensor& k, const Tensor& v, int src,
-                    std::int64_t heads, const Tensor& out, const Tensor& lse);
+  void attend_block(const Tensor& q, const Tensor& k, const Tensor& v, int src, std::int64_t heads,
+                    const Tensor& out, const Tensor& lse);
   /// Backward of the same pairs: adds into dq (this rank's) and dk, dv (src's block).
   void attend_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                              int src, const Tensor& out, const Tensor& lse, std::int64_t heads,

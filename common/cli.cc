@@ -281,8 +281,8 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   o.comm.kind = parse_comm_kind(comm_kind);
   o.all_gather = all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
   o.cp_method = cp_method == "allgather" ? CpMethod::allgather
-                : cp_method == "ulysses"   ? CpMethod::ulysses
-                                           : CpMethod::ring;
+                : cp_method == "ulysses" ? CpMethod::ulysses
+                                         : CpMethod::ring;
   c.device = parse_device(device);
   c.dtype = parse_dtype(dtype);
   c.attention = attention == "naive" ? Attention::naive : Attention::fused;

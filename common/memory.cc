@@ -292,8 +292,9 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
     const I n = numel(shape, "a parameter's elements");
     tp_layer = sum({tp_layer, n}, "a layer's parameter count");
     const I rows = shape[0], cols = n / rows;
-    layer = sum({layer, checked_product({(rows + shards - 1) / shards, cols}, "a shard's elements")},
-                "a layer's parameter count");
+    layer =
+        sum({layer, checked_product({(rows + shards - 1) / shards, cols}, "a shard's elements")},
+            "a layer's parameter count");
   }
   const I params = checked_product({layer, kF32, c.layers}, "the parameters' bytes");
 
@@ -390,8 +391,8 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
         cp_bytes = checked_product({kv2, 2 * I(s.cp) + 2}, what);
         break;
       case CpMethod::ulysses:
-        cp_bytes = sum({checked_product({b.cols_h, 7}, what), checked_product({b.cols_kv, 4}, what)},
-                       what);
+        cp_bytes = sum(
+            {checked_product({b.cols_h, 7}, what), checked_product({b.cols_kv, 4}, what)}, what);
         break;
     }
     e.terms.push_back({"CP attention buffers", std::uint64_t(cp_bytes)});

@@ -30,12 +30,11 @@ Mesh Mesh::make(int dp, int cp) {
   m.dp_index = rank / (m.tp * cp);
   const int dp_cp = m.dp_cp_index();
   // Every split is collective over the job: every rank makes all of them, in the same order.
-  m.tp_group = m.tp == n
-                   ? RankGroup()
-                   : RankGroup::split(dp_cp, m.tp_index,
-                                      cp == 1 ? fmt::format("tp group {}", m.dp_index)
-                                              : fmt::format("tp group {}.{}", m.dp_index,
-                                                            m.cp_index));
+  m.tp_group =
+      m.tp == n ? RankGroup()
+                : RankGroup::split(dp_cp, m.tp_index,
+                                   cp == 1 ? fmt::format("tp group {}", m.dp_index)
+                                           : fmt::format("tp group {}.{}", m.dp_index, m.cp_index));
   m.dp_group = RankGroup::split(m.cp_index * m.tp + m.tp_index, m.dp_index,
                                 cp == 1 ? fmt::format("dp group {}", m.tp_index)
                                         : fmt::format("dp group {}.{}", m.cp_index, m.tp_index));

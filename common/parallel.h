@@ -89,9 +89,7 @@ class Parallelism {
 
   /// Where the rows of q and k (dim 0, as column_forward returned them) sit in the sequence, in
   /// order: RoPE rotates each row for its global position. Default: `rows` from position 0.
-  virtual std::vector<SequenceRun> sequence_runs(std::int64_t rows) const {
-    return {{rows, 0}};
-  }
+  virtual std::vector<SequenceRun> sequence_runs(std::int64_t rows) const { return {{rows, 0}}; }
   /// Causal attention of this rank's queries (fused: out and lse, [B, heads, S] f32 floats whose
   /// layout only attention_backward reads). Default: ops::attention_fused_forward on the rank's
   /// own q, k, v (defined in block.cc). Stage 08 brings the other CP ranks' keys.

@@ -97,8 +97,8 @@ std::vector<std::string> Trace::span_names(Lane lane) const {
 }
 
 void Trace::write(const std::filesystem::path& path, int rank, int world) const {
-  static constexpr const char* kLaneNames[] = {"compute", "comm", "copy", "phases", "dp comm",
-                                               "cp comm"};
+  static constexpr const char* kLaneNames[] = {"compute", "comm",    "copy",
+                                               "phases",  "dp comm", "cp comm"};
   nlohmann::json mine = nlohmann::json::array();
   for (int lane = 0; lane < 6; ++lane)
     mine.push_back({{"name", "thread_name"},
