@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks: set up, build what they need, run tools/bench.py (every stage over N = 1, 2, 4,
-# stage 07 on the meshes D × TP = 1 × 2, 2 × 1, 2 × 2,
+# stage 07 on the meshes D × TP = 1 × 2, 2 × 1, 2 × 2, stage 08 on C × TP = 2 × 1, 1 × 2, 2 × 2,
 # and two or more configs, the micro-benchmarks, the projection), and write docs/benchmarks.md
 # (its device's section and the projection; the other device's section stays), the CSV
 # docs/benchmarks/<device>.csv and the plots docs/figures/bench_<device>_*.svg.
@@ -73,7 +73,7 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
 fi
 # Build only the programs the benchmarks run, those this source tree has.
 wanted=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
-  06_fp8 07_fsdp_tp bench_gemm bench_collectives tpx_project)
+  06_fp8 07_fsdp_tp 08_context_parallel bench_gemm bench_collectives tpx_project)
 known=$(cmake --build "$build" --target help 2>/dev/null)
 targets=()
 for t in "${wanted[@]}"; do
