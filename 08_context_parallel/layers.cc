@@ -2,6 +2,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -34,6 +35,26 @@ Tensor packed(const Tensor& buf, int part, const Tensor::Shape& shape) {
   const std::int64_t n = buf.numel() / 2;
   return buf.slice0(part * n, (part + 1) * n).reshape(shape);
 }
+
+/// Adds the time from its making to its end to `ms`, and one to `blocks`: the attention time of
+/// one ring step (or one all-gather block, or Ulysses' whole attention), for --json.
+class BlockTimer {
+ public:
+  BlockTimer(double& ms, std::uint64_t& blocks)
+      : ms_(ms), blocks_(blocks), t0_(std::chrono::steady_clock::now()) {}
+  ~BlockTimer() {
+    ms_ +=
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
+    ++blocks_;
+  }
+  BlockTimer(const BlockTimer&) = delete;
+  BlockTimer& operator=(const BlockTimer&) = delete;
+
+ private:
+  double& ms_;
+  std::uint64_t& blocks_;
+  std::chrono::steady_clock::time_point t0_;
+};
 
 }  // namespace
 
@@ -241,6 +262,7 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
     const Tensor oh = Tensor::empty(qh.shape(), DType::f32, device_);
     {
       TraceScope span(trace_, "attention fwd (whole sequence, heads / C)");
+      const BlockTimer timer(attention_ms_, attention_blocks_);
       ops::attention_fused_forward(qh, kh, vh, heads / n, oh,
                                    lse.reshape({q.dim(1), heads / n, seq_}), compute_type);
     }
@@ -266,6 +288,7 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
     for (int r = 0; r < n; ++r) {
       const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
       TraceScope span(trace_, fmt::format("attention fwd: K/V of cp rank {}", r));
+      const BlockTimer timer(attention_ms_, attention_blocks_);
       attend_block(q, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r, heads, out, lse);
     }
     return;
@@ -283,6 +306,7 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
     const int src = (me - s + n) % n;
     TraceScope span(
         trace_, fmt::format("attention fwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
+    const BlockTimer timer(attention_ms_, attention_blocks_);
     attend_block(q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src, heads, out, lse);
   }
 }
@@ -306,6 +330,7 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     const Tensor dvh = Tensor::empty(vh.shape(), DType::f32, device_);
     {
       TraceScope span(trace_, "attention bwd (whole sequence, heads / C)");
+      const BlockTimer timer(attention_ms_, attention_blocks_);
       ops::attention_fused_backward(doh, qh, kh, vh, oh, lse.reshape({q.dim(1), heads / n, seq_}),
                                     heads / n, dqh, dkh, dvh, compute_type);
     }
@@ -336,6 +361,7 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
       const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
       const Tensor dblock = dall.slice0(r * 2 * kv, (r + 1) * 2 * kv);
       TraceScope span(trace_, fmt::format("attention bwd: K/V of cp rank {}", r));
+      const BlockTimer timer(attention_ms_, attention_blocks_);
       attend_block_backward(dout, q, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r,
                             out, lse, heads, dq, packed(dblock, 0, k.shape()),
                             packed(dblock, 1, k.shape()));
@@ -374,14 +400,15 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     {
       TraceScope span(
           trace_, fmt::format("attention bwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
+      const BlockTimer timer(attention_ms_, attention_blocks_);
       ops::fill(dheld, 0.0f);
       attend_block_backward(dout, q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src,
                             out, lse, heads, dq, packed(dheld, 0, k.shape()),
                             packed(dheld, 1, k.shape()));
-      if (s > 0) {
-        d_arrived.wait(compute);
-        ops::accumulate(incoming, dheld);
-      }
+    }
+    if (s > 0) {  // the partial of the same block that the previous ranks accumulated
+      d_arrived.wait(compute);
+      ops::accumulate(incoming, dheld);
     }
     // The dK/dV of block src go on to me + 1 (at the last step: home), and the partial for the
     // next block (at the last step: this rank's own, complete) arrives from me − 1.
@@ -423,6 +450,8 @@ CommStats ContextParallel::take_comm_stats() {
   s.calls += cp.calls;
   s.cp_payload_bytes += cp.payload_bytes;
   s.cp_bus_bytes += cp.bus_bytes;
+  s.cp_attention_ms = std::exchange(attention_ms_, 0.0);
+  s.cp_attention_blocks = std::exchange(attention_blocks_, 0);
   return s;
 }
 

@@ -139,6 +139,8 @@ class ContextParallel final : public Parallelism {
   std::unique_ptr<Communicator> cp_comm_;
   Stream cp_lane_;
   int forward_calls_ = 0, backward_calls_ = 0;  // names the ring transfers in traces
+  double attention_ms_ = 0;                     // this step's attention blocks (--json)
+  std::uint64_t attention_blocks_ = 0;
 };
 
 /// The stage's factory: lays out the mesh (--dp default 1, --cp default 2 when the ranks are

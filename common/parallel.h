@@ -41,6 +41,10 @@ struct CommStats {
   /// The part that crossed the context-parallel group (stage 08's K/V and dK/dV); 0 elsewhere.
   std::uint64_t cp_payload_bytes = 0;
   std::uint64_t cp_bus_bytes = 0;
+  /// Stage 08's attention time on the host clock, summed over its blocks (ring steps, gathered
+  /// blocks, or Ulysses' whole-sequence attention, forward and backward), and their count.
+  double cp_attention_ms = 0;
+  std::uint64_t cp_attention_blocks = 0;
 };
 
 /// Rows of the sequence this rank's attention sees, contiguous in global position: `rows` rows

@@ -341,6 +341,11 @@ json summary_json(const StageDefinition& st, const BlockConfig& c, int world,
                     {"dp_payload_bytes", row.comm.dp_payload_bytes},
                     {"cp_bus_bytes", row.comm.cp_bus_bytes},
                     {"cp_payload_bytes", row.comm.cp_payload_bytes},
+                    {"cp_attention_ms", row.comm.cp_attention_ms},
+                    {"cp_attention_ms_per_block",
+                     row.comm.cp_attention_blocks > 0
+                         ? row.comm.cp_attention_ms / double(row.comm.cp_attention_blocks)
+                         : 0.0},
                     {"peak_bytes", row.peak_bytes},
                     {"reserved_bytes", row.reserved_bytes}});
   json summary = {{"stage", st.info.name},

@@ -136,6 +136,15 @@ TEST(ContextParallel, CpBytesEqualTheFormulas) {
         EXPECT_EQ(row.at("cp_bus_bytes").get<std::uint64_t>(),
                   cp_bytes(z, run.nkv, run.d, run.c, t, method))
             << method << " np " << run.n << " D " << run.d << " C " << run.c << " NKV " << run.nkv;
+      // The attention time per ring step (gathered block, whole-sequence attention): the step's
+      // attention time is that times the blocks, 2 per layer for ulysses (forward and backward),
+      // 2C for the others.
+      const json& last = j.at("steps").back();
+      const double per_block = last.at("cp_attention_ms_per_block").get<double>();
+      const double total = last.at("cp_attention_ms").get<double>();
+      const std::int64_t blocks = method == "ulysses" ? 2 * z.L : 2 * run.c * z.L;
+      EXPECT_GT(per_block, 0.0) << method;
+      EXPECT_NEAR(total, per_block * double(blocks), 1e-6 * total + 1e-9) << method;
     }
 }
 
