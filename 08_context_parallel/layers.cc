@@ -83,8 +83,13 @@ Sharding ContextParallel::sharding() const {
 }
 
 std::string ContextParallel::comm_name() const {
+  // Stage 07's words without its own "mesh D × TP; " prefix: the groups' communicators.
+  const std::string inner = inner_->comm_name();
+  const std::size_t groups = inner.find("; ");
   return fmt::format("mesh D {} × CP {} × TP {} (cp-method {}); {}; cp: {}", mesh_.dp, mesh_.cp,
-                     mesh_.tp, to_string(method_), inner_->comm_name(), cp_comm_->name());
+                     mesh_.tp, to_string(method_),
+                     groups == std::string::npos ? inner : inner.substr(groups + 2),
+                     cp_comm_->name());
 }
 
 // --- the data: this rank's chunks ----------------------------------------------------------------

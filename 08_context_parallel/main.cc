@@ -13,7 +13,8 @@ int main(int argc, char** argv) {
       .info = {.name = "08_context_parallel",
                .summary = "a D × C × TP mesh: the sequence in 2C load-balanced chunks over CP, "
                           "attention by a ring of K/V blocks merged by log-sum-exp (or an "
-                          "all-gather of K/V), stage 07's FSDP × TP on each rank's tokens",
+                          "all-gather of K/V, or Ulysses' all-to-all), stage 07's FSDP × TP on "
+                          "each rank's tokens",
                .copy_engine = true,
                .mesh = true,
                .context_parallel = true},
