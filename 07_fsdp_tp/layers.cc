@@ -68,7 +68,7 @@ FsdpTp::FsdpTp(const RunContext& ctx, Mesh mesh)
       gather_lane_(Stream::create(device_)),
       reduce_lane_(Stream::create(device_)) {
   CommOptions o = ctx.options.comm;
-  o.group = mesh_.dp_group;
+  o.group = mesh_.dp_cp_group;
   dp_comm_ = make_communicator(o, device_);
 }
 
@@ -82,14 +82,16 @@ std::string FsdpTp::comm_name() const {
 // --- the model: this rank's shards ---------------------------------------------------------------
 
 void FsdpTp::shard_model(Model& m) {
-  const int d = mesh_.dp, me = mesh_.dp_index;
-  // The data: this replica's B / D columns of the batch dim of [S/T, B, H].
+  const int d = mesh_.dp_cp(), me = mesh_.dp_cp_index();
+  // The data: this replica's B / D columns of the batch dim of [S/T, B, H]. The parameters are
+  // sharded over the DP×CP group (the DP group when there is no CP dimension).
   auto batch_part = [&](const Tensor& t) {
     const Tensor host = ops::to_device(t, Device::cpu);
-    const std::int64_t s = t.dim(0), b = t.dim(1) / d, h = t.dim(2);
+    const std::int64_t s = t.dim(0), b = t.dim(1) / mesh_.dp, h = t.dim(2);
     const Tensor part = Tensor::empty({s, b, h});
     for (std::int64_t i = 0; i < s; ++i)
-      std::memcpy(part.f32().data() + i * b * h, host.f32().data() + (i * t.dim(1) + me * b) * h,
+      std::memcpy(part.f32().data() + i * b * h,
+                  host.f32().data() + (i * t.dim(1) + mesh_.dp_index * b) * h,
                   static_cast<std::size_t>(b * h) * sizeof(float));
     return ops::to_device(part, t.device());
   };
@@ -172,8 +174,8 @@ void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l)
     ops::copy(shard.reshape({e.shard_rows, e.cols}),
               typed_view(send, b.offset[std::size_t(p)], e.shard_numel(), e.cols, shard.dtype()));
   }
-  Gather g{Tensor::empty({std::int64_t(mesh_.dp) * b.bytes}, DType::u8, device_), Event(device_),
-           b.offset, b.bytes};
+  Gather g{Tensor::empty({std::int64_t(mesh_.dp_cp()) * b.bytes}, DType::u8, device_),
+           Event(device_), b.offset, b.bytes};
   const Stream compute(device_);
   Event packed(device_);
   packed.record(compute);
@@ -190,7 +192,7 @@ void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l)
 }
 
 LayerParams FsdpTp::layer_params(const std::vector<LayerParams>& stored, std::size_t l, int next) {
-  if (mesh_.dp == 1) return stored[l];  // nothing is sharded
+  if (mesh_.dp_cp() == 1) return stored[l];  // nothing is sharded
   if (!gathers_.contains(l)) issue_gather(stored, l);
   // Prefetch: the next layer's gather is queued now, behind this one on the DP-comm lane, and
   // runs while this layer computes.
@@ -206,7 +208,7 @@ LayerParams FsdpTp::layer_params(const std::vector<LayerParams>& stored, std::si
     const FlatLayout::Entry& e = f[p];
     const DType dtype = stored[l][p].dtype();
     const Tensor full = Tensor::empty(e.shape, dtype, device_);
-    for (int d = 0; d < mesh_.dp; ++d) {
+    for (int d = 0; d < mesh_.dp_cp(); ++d) {
       const std::int64_t begin = std::min(e.rows, d * e.shard_rows);
       const std::int64_t end = std::min(e.rows, (d + 1) * e.shard_rows);
       if (end <= begin) continue;
@@ -224,23 +226,23 @@ void FsdpTp::release_layer(std::size_t l) {
 }
 
 LayerParams FsdpTp::layer_grads(std::size_t l, const LayerParams& stored) {
-  if (mesh_.dp == 1) return stored;
+  if (mesh_.dp_cp() == 1) return stored;
   LayerParams g;
   for (Param p : kAllParams) g[p] = Tensor::empty(layout_[l][p].shape, DType::f32, device_);
   return g;
 }
 
 void FsdpTp::grads_done(std::size_t l, const LayerParams& full, const LayerParams& /*stored*/) {
-  if (mesh_.dp == 1) return;
+  if (mesh_.dp_cp() == 1) return;
   const FlatLayout& f = layout_[l];
   // Pack in the gather's layout, [D, numel] with rank d's rows of every parameter at
   // d·numel + offset, padding zero, so that the reduce-scatter leaves each rank its own shard.
-  Reduction r{Tensor::empty({std::int64_t(mesh_.dp) * f.numel}, DType::f32, device_),
+  Reduction r{Tensor::empty({std::int64_t(mesh_.dp_cp()) * f.numel}, DType::f32, device_),
               Event(device_)};
   ops::fill(r.flat, 0.0f);
   for (Param p : kAllParams) {
     const FlatLayout::Entry& e = f[p];
-    for (int d = 0; d < mesh_.dp; ++d) {
+    for (int d = 0; d < mesh_.dp_cp(); ++d) {
       const std::int64_t begin = std::min(e.rows, d * e.shard_rows);
       const std::int64_t end = std::min(e.rows, (d + 1) * e.shard_rows);
       if (end <= begin) continue;
@@ -283,15 +285,16 @@ void FsdpTp::finish_grads() {
 
 double FsdpTp::sum_over_ranks(double local) {
   double tp_sum = tp_->sum_over_ranks(local), all = tp_sum;
-  TPX_MPI_CHECK(MPI_Allreduce(&tp_sum, &all, 1, MPI_DOUBLE, MPI_SUM, mesh_.dp_group.comm()));
+  TPX_MPI_CHECK(MPI_Allreduce(&tp_sum, &all, 1, MPI_DOUBLE, MPI_SUM, mesh_.dp_cp_group.comm()));
   return all;
 }
 
-void FsdpTp::dp_gather_for_report(const Tensor& src, const Tensor& dst) const {
-  TPX_CHECK(dst.nbytes() == src.nbytes() * std::size_t(mesh_.dp), "dp gather {} into {}",
+void FsdpTp::dp_gather_for_report(const RankGroup& group, const Tensor& src,
+                                  const Tensor& dst) const {
+  TPX_CHECK(dst.nbytes() == src.nbytes() * std::size_t(group.size()), "dp gather {} into {}",
             src.describe(), dst.describe());
   TPX_MPI_CHECK(MPI_Allgather(src.raw(), int(src.nbytes()), MPI_BYTE, dst.raw(), int(src.nbytes()),
-                              MPI_BYTE, mesh_.dp_group.comm()));
+                              MPI_BYTE, group.comm()));
 }
 
 Tensor FsdpTp::gather_activation(const Tensor& local) {
@@ -300,7 +303,7 @@ Tensor FsdpTp::gather_activation(const Tensor& local) {
   const std::int64_t s = seq.dim(0), b = seq.dim(1), h = seq.dim(2);
   const auto e = static_cast<std::int64_t>(dtype_size(seq.dtype()));
   const Tensor all = Tensor::empty({mesh_.dp * s, b, h}, seq.dtype());
-  dp_gather_for_report(seq, all);
+  dp_gather_for_report(mesh_.dp_group, seq, all);
   // Replica d's [S, B/D, H] goes to batch columns [d·B/D, (d+1)·B/D) of [S, B, H].
   const Tensor full = Tensor::empty({s, b * mesh_.dp, h}, seq.dtype());
   for (int d = 0; d < mesh_.dp; ++d)
@@ -312,13 +315,13 @@ Tensor FsdpTp::gather_activation(const Tensor& local) {
 }
 
 Tensor FsdpTp::gather_param(Param p, const Tensor& local) {
-  if (mesh_.dp == 1) return tp_->gather_param(p, local);
+  if (mesh_.dp_cp() == 1) return tp_->gather_param(p, local);
   // The DP shards back into the TP-local tensor (padding dropped), then stage 05's TP gather.
   const Tensor host = ops::to_device(local, Device::cpu);
   Tensor::Shape shape = local.shape();
-  shape[0] *= mesh_.dp;
+  shape[0] *= mesh_.dp_cp();
   const Tensor all = Tensor::empty(shape, local.dtype());
-  dp_gather_for_report(host, all);
+  dp_gather_for_report(mesh_.dp_cp_group, host, all);
   const FlatLayout::Entry& e = layout_.front()[p];  // every layer has the same layout
   const Tensor tp_local = all.slice0(0, e.rows);
   return tp_->gather_param(p, ops::to_device(tp_local, device_));

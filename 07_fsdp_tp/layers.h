@@ -114,9 +114,10 @@ class FsdpTp final : public Parallelism {
  private:
   /// Issues layer l's weight all-gather on the DP-comm lane (once per forward or backward use).
   void issue_gather(const std::vector<LayerParams>& stored, std::size_t l);
-  /// dst (host, [n·D]) ← every DP rank's src (host, [n]), in DP order: reporting only, not
-  /// counted in the step's traffic.
-  void dp_gather_for_report(const Tensor& src, const Tensor& dst) const;
+  /// dst (host, [n·G]) ← every rank's src (host, [n]) of `group` (G ranks: the DP group, or the
+  /// DP×CP group the parameters are sharded over), in group order: reporting only, not counted
+  /// in the step's traffic.
+  void dp_gather_for_report(const RankGroup& group, const Tensor& src, const Tensor& dst) const;
 
   struct Gather {
     Tensor full;  ///< every rank's part, [D · bytes] (see ByteLayout in layers.cc)

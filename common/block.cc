@@ -16,7 +16,35 @@ Tensor rows_of(const Tensor& x) {
   return Tensor::empty({x.rows()}, DType::f32, x.device());
 }
 
+/// RoPE (forward or its inverse) on each run of rows at its global positions.
+void rope(const BlockConfig& c, const Parallelism& par, const Tensor& x, std::int64_t heads,
+          bool inverse) {
+  std::int64_t row = 0;
+  for (const SequenceRun& run : par.sequence_runs(x.dim(0))) {
+    const Tensor part = x.slice0(row, row + run.rows);
+    if (inverse)
+      ops::rope_backward(part, heads, c.rope_theta, run.first);
+    else
+      ops::rope_forward(part, heads, c.rope_theta, run.first);
+    row += run.rows;
+  }
+  TPX_CHECK(row == x.dim(0), "the sequence runs cover {} of {} rows", row, x.dim(0));
+}
+
 }  // namespace
+
+void Parallelism::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    std::int64_t heads, const Tensor& out, const Tensor& lse,
+                                    DType compute) {
+  ops::attention_fused_forward(q, k, v, heads, out, lse, compute);
+}
+
+void Parallelism::attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, const Tensor& out, const Tensor& lse,
+                                     std::int64_t heads, const Tensor& dq, const Tensor& dk,
+                                     const Tensor& dv, DType compute) {
+  ops::attention_fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, compute);
+}
 
 void BlockActivations::keep_only_input() {
   Tensor input = std::move(x);
@@ -53,11 +81,11 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
   const std::int64_t heads = sv.q.dim(2) / c.head_dim();     // this rank's query heads
   const std::int64_t kv_heads = sv.k.dim(2) / c.head_dim();  // and KV heads (GQA: fewer)
   if (c.rope()) {
-    // q and k hold every position here (column_forward gathers the sequence under SP), and
-    // dim 0 is the global position, so no rank needs an offset.
+    // q and k hold every position of the rank's part of the sequence here (column_forward
+    // gathers the sequence under SP): the whole sequence, or stage 08's chunks (sequence_runs).
     TraceScope op(trace, "rope fwd");
-    ops::rope_forward(sv.q, heads, c.rope_theta);
-    ops::rope_forward(sv.k, kv_heads, c.rope_theta);
+    rope(c, par, sv.q, heads, false);
+    rope(c, par, sv.k, kv_heads, false);
   }
   sv.a = like(sv.q);
   const std::int64_t batch = sv.q.dim(1), seq = sv.q.dim(0);
@@ -65,7 +93,7 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
     sv.probs = Tensor();
     sv.lse = Tensor::empty({batch, heads, seq}, DType::f32, x.device());
     TraceScope op(trace, "attention fwd");
-    ops::attention_fused_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.lse, high_precision(c.dtype));
+    par.attention_forward(sv.q, sv.k, sv.v, heads, sv.a, sv.lse, high_precision(c.dtype));
   } else {
     sv.lse = Tensor();
     sv.probs = Tensor::empty({batch, heads, seq, seq}, DType::f32, x.device());
@@ -133,8 +161,8 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
   {
     TraceScope op(trace, "attention bwd");
     if (c.attention == Attention::fused)
-      ops::attention_fused_backward(da, sv.q, sv.k, sv.v, sv.a, sv.lse, heads, dq, dk, dv,
-                                    high_precision(c.dtype));
+      par.attention_backward(da, sv.q, sv.k, sv.v, sv.a, sv.lse, heads, dq, dk, dv,
+                             high_precision(c.dtype));
     else
       ops::attention_backward(da, sv.q, sv.k, sv.v, sv.probs, heads, dq, dk, dv,
                               high_precision(c.dtype));
@@ -142,8 +170,8 @@ Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockAct
   if (c.rope()) {
     // q = R·(h·Wq) with R a rotation per position and pair: the gradient rotates back by Rᵀ.
     TraceScope op(trace, "rope bwd");
-    ops::rope_backward(dq, heads, c.rope_theta);
-    ops::rope_backward(dk, kv_heads, c.rope_theta);
+    rope(c, par, dq, heads, true);
+    rope(c, par, dk, kv_heads, true);
   }
   const std::array qkv_w{p[Param::wq], p[Param::wk], p[Param::wv]};
   const std::array qkv_dy{dq, dk, dv};

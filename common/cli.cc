@@ -82,6 +82,18 @@ const char* to_string(AllGatherPath p) {
   return p == AllGatherPath::pulls ? "pulls" : "nccl-zero-cta";
 }
 
+const char* to_string(CpMethod m) {
+  switch (m) {
+    case CpMethod::allgather:
+      return "allgather";
+    case CpMethod::ulysses:
+      return "ulysses";
+    case CpMethod::ring:
+      break;
+  }
+  return "ring";
+}
+
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   StageOptions o;
   BlockConfig& c = o.config;
@@ -236,6 +248,23 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                "when not given, 2 if the ranks are even and at least 4, else 1")
         ->type_name("D")
         ->group("Mesh");
+  // Only a context-parallel stage splits the sequence over a mesh dimension.
+  std::string cp_method = to_string(o.cp_method);
+  if (info.context_parallel) {
+    add_number(app, "--cp", o.cp,
+               "context-parallel degree C: the sequence is cut into 2C chunks, CP rank i holding "
+               "chunks i and 2C-1-i (mesh D × C × TP, TP innermost); when not given, 2 if the "
+               "ranks are even, else 1")
+        ->type_name("C")
+        ->group("Mesh");
+    app.add_option("--cp-method", cp_method,
+                   "ring (K/V blocks around the CP ring, merged by log-sum-exp), allgather (K and "
+                   "V all-gathered over CP) or ulysses (all-to-all to whole-sequence, "
+                   "head-sharded q, k, v; needs NKV % (C·T) == 0)")
+        ->check(CLI::IsMember({"ring", "allgather", "ulysses"}))
+        ->capture_default_str()
+        ->group("Mesh");
+  }
   // Only a copy-engine stage has a choice of all-gather; elsewhere the flag does not exist.
   std::string all_gather = to_string(o.all_gather);
   if (info.copy_engine)
@@ -270,6 +299,9 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
             2};
   o.comm.kind = parse_comm_kind(comm_kind);
   o.all_gather = all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
+  o.cp_method = cp_method == "allgather" ? CpMethod::allgather
+                : cp_method == "ulysses" ? CpMethod::ulysses
+                                         : CpMethod::ring;
   c.device = parse_device(device);
   c.dtype = parse_dtype(dtype);
   c.attention = attention == "naive" ? Attention::naive : Attention::fused;
@@ -359,6 +391,8 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--all-gather", to_string(o.all_gather)},
       {"--dp", fmt::format("{}", o.dp)},
       {"--dry-run", o.dry_run ? "given" : "not given"},
+      {"--cp", fmt::format("{}", o.cp)},
+      {"--cp-method", to_string(o.cp_method)},
       {"--check", o.check ? "given" : "not given"},
       {"--dump", given(o.dump_dir)},
       {"--trace", given(o.trace_path)}};

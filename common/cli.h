@@ -11,6 +11,7 @@
 #include "agree.h"
 #include "comm/communicator.h"
 #include "config.h"
+#include "model.h"
 
 namespace tpx {
 
@@ -25,7 +26,11 @@ struct StageInfo {
   bool fp8 = false;
   /// Lays the ranks out as a DP × TP mesh (stage 07): offers --dp.
   bool mesh = false;
+  /// Splits the sequence over a CP dimension of the mesh (stage 08): offers --cp, --cp-method.
+  bool context_parallel = false;
 };
+
+const char* to_string(CpMethod m);
 
 /// What runs a copy-engine stage's all-gathers (--all-gather).
 enum class AllGatherPath {
@@ -50,6 +55,10 @@ struct StageOptions {
   std::string config_file;  ///< --config FILE; empty: none
   /// --dry-run: report a step's FLOPs, bytes and memory from the formulas, compute nothing.
   bool dry_run = false;
+  /// --cp C (stage 08): the context-parallel degree; 0 = the default, 2 when the job's ranks
+  /// are even, else 1.
+  int cp = 0;
+  CpMethod cp_method = CpMethod::ring;  ///< --cp-method
 };
 
 /// The data-parallel degree a mesh stage runs with on `world` ranks when --dp is `dp` (0: not

@@ -236,7 +236,14 @@ std::string MemoryEstimate::describe() const {
   return line;
 }
 
-MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s) {
+MemoryEstimate estimate_training_memory(const BlockConfig& global, const Sharding& s) {
+  // Context parallelism (stage 08): every sequence-long activation is the rank's S / C tokens,
+  // and the parameters are sharded over the D·C ranks of the DP×CP group.
+  TPX_CHECK(s.cp >= 1 && global.seq % s.cp == 0, "memory estimate: --seq {} over {} CP ranks",
+            global.seq, s.cp);
+  BlockConfig c = global;
+  c.seq = global.seq / s.cp;
+  const int shards = s.dp * s.cp;
   TPX_CHECK(c.hidden > 0 && c.heads > 0 && c.ffn > 0 && c.seq > 0 && c.batch > 0 && c.layers > 0 &&
                 c.hidden % c.heads == 0,
             "memory estimate of an invalid config (validate() it first)");
@@ -257,8 +264,9 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
     const I n = numel(shape, "a parameter's elements");
     tp_layer = sum({tp_layer, n}, "a layer's parameter count");
     const I rows = shape[0], cols = n / rows;
-    layer = sum({layer, checked_product({(rows + s.dp - 1) / s.dp, cols}, "a shard's elements")},
-                "a layer's parameter count");
+    layer =
+        sum({layer, checked_product({(rows + shards - 1) / shards, cols}, "a shard's elements")},
+            "a layer's parameter count");
   }
   const I params = checked_product({layer, kF32, c.layers}, "the parameters' bytes");
 
@@ -310,9 +318,9 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
         {sum({b.w_h, b.w_kv, b.w_kv, b.w_h, b.w_f, b.w_f, b.w_f}, "a layer's weights' bytes"),
          c.layers},
         "the weights' bytes");
-    e.terms.push_back({"bf16 weight copies", std::uint64_t(matrices / (kF32 / kBf16) / s.dp)});
+    e.terms.push_back({"bf16 weight copies", std::uint64_t(matrices / (kF32 / kBf16) / shards)});
   }
-  if (s.dp > 1) {
+  if (shards > 1) {
     // FSDP's unsharded layers. While layer l's backward runs: the gathered buffers of l and of
     // l − 1 below it, prefetched (D shards each, at the compute copies' bytes), the unsharded
     // copy of l's weights and its fp32 gradients, and the fp32 buffer of l + 1's gradient
@@ -322,8 +330,8 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
     // the second less the temporaries the estimate already counts.
     const char* what = "FSDP's unsharded layers";
     const I ew = c.bf16_weight_copies() ? kBf16 : kF32;
-    const I g = checked_product({s.dp, layer, ew}, what);
-    const I r = checked_product({s.dp, layer, kF32}, what);
+    const I g = checked_product({shards, layer, ew}, what);
+    const I r = checked_product({shards, layer, kF32}, what);
     const I unsharded = checked_product({tp_layer, sum({ew, kF32}, what)}, what);
     const I during =
         sum({unsharded, c.layers >= 3   ? sum({g, g, r}, what)
@@ -334,6 +342,32 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
     e.terms.push_back({"unsharded layers (FSDP)",
                        std::uint64_t(largest(
                            {during, going_out > temporaries ? going_out - temporaries : I{0}}))});
+  }
+  if (s.cp > 1) {
+    // Context parallelism's attention buffers at their largest, in backward (kv = this rank's
+    // K/V block [S/C, B/D, NKV/T·Dh], fp32; q likewise with NH/T heads):
+    //   ring       its own block packed [k | v], the block in flight, two dK/dV partials and
+    //              the one arriving: 2·kv each, 6 in all, plus the last hop's arrival
+    //   allgather  every rank's block gathered, their dK/dV, this rank's own and its share of
+    //              the reduce-scatter: (2C + 2)·2·kv
+    //   ulysses    the head-sharded copies of q, k, v, out, dO and of dq, dk, dv (each as big as
+    //              the rank's own), plus one all-to-all's host send, receive and reorder buffers
+    const char* what = "CP attention buffers";
+    const I kv2 = checked_product({b.cols_kv, 2}, what);
+    I cp_bytes = 0;
+    switch (s.cp_method) {
+      case CpMethod::ring:
+        cp_bytes = checked_product({kv2, 7}, what);
+        break;
+      case CpMethod::allgather:
+        cp_bytes = checked_product({kv2, 2 * I(s.cp) + 2}, what);
+        break;
+      case CpMethod::ulysses:
+        cp_bytes = sum(
+            {checked_product({b.cols_h, 7}, what), checked_product({b.cols_kv, 4}, what)}, what);
+        break;
+    }
+    e.terms.push_back({"CP attention buffers", std::uint64_t(cp_bytes)});
   }
   // AdamW's two fp32 moments per parameter element, this rank's shards.
   if (c.optimizer == Optimizer::adamw)

@@ -71,13 +71,21 @@ Tensor generate(std::vector<std::int64_t> shape, const BlockConfig& c, std::uint
 
 }  // namespace
 
+Tensor make_data(const BlockConfig& c, bool target, std::int64_t begin, std::int64_t end) {
+  TPX_CHECK(0 <= begin && begin <= end && end <= c.seq, "sequence rows [{}, {}) of {}", begin, end,
+            c.seq);
+  const Window w{c.hidden, begin * c.batch, 0};
+  return generate({end - begin, c.batch, c.hidden}, c, target ? TensorId::target : TensorId::input,
+                  w, 0.0, 1.0);
+}
+
 Model make_model(const BlockConfig& c, const Sharding& s) {
   TPX_CHECK(s.world >= 1 && s.rank >= 0 && s.rank < s.world, "bad sharding {}/{}", s.rank, s.world);
   Model m;
   const std::int64_t seq_local = s.sequence ? c.seq / s.world : c.seq;
-  const Window act{c.hidden, (s.sequence ? s.rank * seq_local : 0) * c.batch, 0};
-  m.input = generate({seq_local, c.batch, c.hidden}, c, TensorId::input, act, 0.0, 1.0);
-  m.target = generate({seq_local, c.batch, c.hidden}, c, TensorId::target, act, 0.0, 1.0);
+  const std::int64_t first = s.sequence ? s.rank * seq_local : 0;
+  m.input = make_data(c, false, first, first + seq_local);
+  m.target = make_data(c, true, first, first + seq_local);
   for (std::int64_t l = 0; l < c.layers; ++l) {
     LayerParams p, g;
     for (Param q : kAllParams) {

@@ -1,6 +1,7 @@
 // The parameters of L stacked blocks, their gradients, and how tensor parallelism shards them.
 //
-// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::Sharding, tpx::Model, tpx::make_model()
+// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::CpMethod, tpx::Sharding, tpx::Model,
+// tpx::make_data(), tpx::make_model()
 #pragma once
 
 #include <array>
@@ -38,6 +39,13 @@ struct LayerParams {
   const Tensor& operator[](Param p) const { return t[static_cast<std::size_t>(p)]; }
 };
 
+/// How stage 08's attention reaches the keys of the other CP ranks (--cp-method).
+enum class CpMethod {
+  ring,       ///< K/V blocks passed around the CP ring, merged by log-sum-exp
+  allgather,  ///< K and V all-gathered over CP; dK, dV reduce-scattered
+  ulysses,    ///< all-to-all to head-sharded full-sequence q, k, v and back (DeepSpeed Ulysses)
+};
+
 /// Which part of the model this rank holds. Stage 01: the default (everything).
 struct Sharding {
   int rank = 0;
@@ -48,6 +56,10 @@ struct Sharding {
   /// each parameter's TP shard split on dim 0 over them (padded). rank and world above are the
   /// rank's place in its TP group.
   int dp = 1;
+  /// Context parallelism (stage 08): the sequence split over C ranks as well (S / (C·T) tokens
+  /// per rank under SP); the parameters are sharded over D·C ranks.
+  int cp = 1;
+  CpMethod cp_method = CpMethod::ring;
 };
 
 /// Shape of this rank's shard of parameter p.
@@ -60,6 +72,10 @@ struct Model {
   Tensor input;   ///< x, [S, B, H] or its sequence shard
   Tensor target;  ///< T, same layout as input
 };
+
+/// Rows [begin, end) of the sequence of the input x (or, with `target`, of the target T):
+/// [end − begin, B, H] on c.device, equal to those rows of the whole tensor.
+Tensor make_data(const BlockConfig& c, bool target, std::int64_t begin, std::int64_t end);
 
 /// Builds this rank's shard with the counter-based initialiser: weights ~ N(0, 0.02²), gains = 1,
 /// x and T ~ N(0, 1). Every shard equals the same slice of the unsharded model.

@@ -343,19 +343,39 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
   expect_f32_compute(compute);
   TPX_DISPATCH(q.device(), attention_fused_backward, dout, q, k, v, out, lse, heads, dq, dk, dv);
 }
-void rope_forward(const Tensor& x, std::int64_t heads, double theta) {
+void rope_forward(const Tensor& x, std::int64_t heads, double theta, std::int64_t first) {
   if (is_bf16(x)) {
     Fp32Boundary f;
-    return rope_forward(f.out(x, /*read=*/true), heads, theta);
+    return rope_forward(f.out(x, /*read=*/true), heads, theta, first);
   }
-  TPX_DISPATCH(x.device(), rope_forward, x, heads, theta);
+  TPX_DISPATCH(x.device(), rope_forward, x, heads, theta, first);
 }
-void rope_backward(const Tensor& dx, std::int64_t heads, double theta) {
+void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int64_t first) {
   if (is_bf16(dx)) {
     Fp32Boundary f;
-    return rope_backward(f.out(dx, /*read=*/true), heads, theta);
+    return rope_backward(f.out(dx, /*read=*/true), heads, theta, first);
   }
-  TPX_DISPATCH(dx.device(), rope_backward, dx, heads, theta);
+  TPX_DISPATCH(dx.device(), rope_backward, dx, heads, theta, first);
+}
+void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const Tensor& out, const Tensor& lse, std::int64_t shift) {
+  TPX_CHECK(q.device() == Device::cpu,
+            "attention_block_forward (context parallelism) runs on the cpu backend only");
+  cpu::attention_block_forward(q, k, v, heads, out, lse, shift);
+}
+void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, std::int64_t heads,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                              std::int64_t shift) {
+  TPX_CHECK(q.device() == Device::cpu,
+            "attention_block_backward (context parallelism) runs on the cpu backend only");
+  cpu::attention_block_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, shift);
+}
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out,
+                     const Tensor& part_lse, std::int64_t heads) {
+  TPX_CHECK(out.device() == Device::cpu,
+            "attention_merge (context parallelism) runs on the cpu backend only");
+  cpu::attention_merge(out, lse, part_out, part_lse, heads);
 }
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
   if (any_bf16({&gate, &up, &out})) {

@@ -121,10 +121,33 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
 ///   x_i ← x_i·cos − x_{i+D/2}·sin,   x_{i+D/2} ← x_{i+D/2}·cos + x_i·sin.
 /// cos and sin are computed in double and rounded to fp32 once, identically on both backends.
 /// theta must be > 0 (the block skips the call for --rope-theta 0).
-void rope_forward(const Tensor& x, std::int64_t heads, double theta);
+/// `first` is the global position of x's row 0 (context parallelism hands each rank chunks from
+/// the middle of the sequence): row p is rotated for position first + p.
+void rope_forward(const Tensor& x, std::int64_t heads, double theta, std::int64_t first = 0);
 /// The backward of rope_forward, in place on the gradient dx: the transposed (inverse) rotation,
 /// angle −p·θ^(−2i/D). A rotation is orthogonal, so this is also rope_forward's inverse.
-void rope_backward(const Tensor& dx, std::int64_t heads, double theta);
+void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int64_t first = 0);
+
+/// Context parallelism (stage 08): one pair of sequence chunks of a causal attention. q [Sc, B,
+/// heads·D] against k, v [Sc, B, kv_heads·D] whose positions lie `shift` rows before q's: key j
+/// is visible to query i when j <= i + shift (0: the diagonal pair, masked as
+/// attention_fused_forward; >= Sc: a K/V chunk wholly in the past, unmasked). Writes the pair's
+/// own softmax-normalised out and its lse [B, heads, Sc]; a query that sees no key gets out 0
+/// and lse −inf. The fused kernel's own loops with its online softmax. f32, cpu backend only.
+void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const Tensor& out, const Tensor& lse, std::int64_t shift);
+/// The pair's backward from the merged forward's out and lse (the full softmax over every key
+/// chunk): *adds* this pair's terms into dq, dk, dv.
+void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, std::int64_t heads,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                              std::int64_t shift);
+/// (out, lse) ← the log-sum-exp merge of (out, lse) with (part_out, part_lse), two attentions
+/// of the same queries over disjoint keys: m = max(lse, lse'), w = e^(lse−m), w' = e^(lse'−m),
+/// out = (w·out + w'·part_out) / (w + w'), lse = m + log(w + w'). Rows with part_lse = −inf are
+/// left as they are. f32, cpu backend only.
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out,
+                     const Tensor& part_lse, std::int64_t heads);
 
 /// out = silu(gate) ⊙ up, silu(z) = z·σ(z).
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);

@@ -5,7 +5,8 @@
 // all-reduces; stage 03 with sequence-parallel all-gather / reduce-scatter; later stages overlap
 // those transfers with the GEMMs. The block (block.h) is written once against this interface.
 //
-// defines: tpx::ColumnResult, tpx::CommStats, tpx::linear_output(), tpx::Parallelism
+// defines: tpx::ColumnResult, tpx::CommStats, tpx::SequenceRun, tpx::linear_output(),
+//          tpx::Parallelism
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,19 @@ struct CommStats {
   /// gradient reduce-scatters); 0 elsewhere.
   std::uint64_t dp_payload_bytes = 0;
   std::uint64_t dp_bus_bytes = 0;
+  /// The part that crossed the context-parallel group (stage 08's K/V and dK/dV); 0 elsewhere.
+  std::uint64_t cp_payload_bytes = 0;
+  std::uint64_t cp_bus_bytes = 0;
+  /// Stage 08's attention time on the host clock, summed over its blocks (ring steps, gathered
+  /// blocks, or Ulysses' whole-sequence attention, forward and backward), and their count.
+  double cp_attention_ms = 0;
+  std::uint64_t cp_attention_blocks = 0;
+};
+
+/// Rows of the sequence this rank's attention sees, contiguous in global position: `rows` rows
+/// from position `first`. Context parallelism gives a rank two of them (stage 08's 2C chunks).
+struct SequenceRun {
+  std::int64_t rows = 0, first = 0;
 };
 
 /// A new [rows..., out] tensor for the output of x [rows..., in] times a weight [in, out].
@@ -78,6 +92,23 @@ class Parallelism {
   /// dw = aᵀ · g_backward(dy) (written), returns da = g_backward(dy) · wᵀ.
   virtual Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                               std::string_view role) = 0;
+
+  // --- attention (context parallelism, stage 08; the rank's own fused attention elsewhere) ----
+
+  /// Where the rows of q and k (dim 0, as column_forward returned them) sit in the sequence, in
+  /// order: RoPE rotates each row for its global position. Default: `rows` from position 0.
+  virtual std::vector<SequenceRun> sequence_runs(std::int64_t rows) const { return {{rows, 0}}; }
+  /// Causal attention of this rank's queries (fused: out and lse, [B, heads, S] f32 floats whose
+  /// layout only attention_backward reads). Default: ops::attention_fused_forward on the rank's
+  /// own q, k, v (defined in block.cc). Stage 08 brings the other CP ranks' keys.
+  virtual void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 std::int64_t heads, const Tensor& out, const Tensor& lse,
+                                 DType compute);
+  /// dq, dk, dv (overwritten) from what attention_forward made. Default: the fused backward.
+  virtual void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse,
+                                  std::int64_t heads, const Tensor& dq, const Tensor& dk,
+                                  const Tensor& dv, DType compute);
 
   // --- parameters sharded over a data-parallel group (stage 07's FSDP; identity elsewhere) ------
   // The trainer keeps what these hooks are given (Model: the parameters, gradients and optimizer

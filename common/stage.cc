@@ -352,7 +352,7 @@ MemoryCheck check_memory(const StageOptions& o, const Sharding& sharding, int ra
 /// What --json records before any step runs (a dry run's too): the config, the mesh, the
 /// memory estimate and its terms, and a step's FLOPs per rank.
 json plan_json(const StageDefinition& st, const StageOptions& o, int world, const std::string& comm,
-               int dp, const Speed& speed, const MemoryEstimate& estimate) {
+               const Sharding& sharding, const Speed& speed, const MemoryEstimate& estimate) {
   const BlockConfig& c = o.config;
   json summary = {{"stage", st.info.name},
                   {"world_size", world},
@@ -360,7 +360,8 @@ json plan_json(const StageDefinition& st, const StageOptions& o, int world, cons
                   {"config", config_json(o)},
                   {"memory_estimate_bytes", estimate.total()}};
   summary["device_description"] = ops::device_description(c.device);  // tpx_report's, bench.py's
-  summary["dp"] = dp;           // the mesh's data-parallel degree (1 but in stage 07)
+  summary["dp"] = sharding.dp;  // the mesh's data-parallel degree (1 but in stages 07 and 08)
+  summary["cp"] = sharding.cp;  // and its context-parallel degree (1 but in stage 08)
   json terms = json::object();  // the estimate's terms, by name (stage 07: sharded and unsharded)
   for (const MemoryTerm& t : estimate.terms) terms[t.name] = t.bytes;
   summary["memory_terms"] = terms;
@@ -393,9 +394,16 @@ json summary_json(const StageDefinition& st, const StageOptions& o, int world,
                     {"recompute_payload_bytes", row.recompute_comm.payload_bytes},
                     {"dp_bus_bytes", row.comm.dp_bus_bytes},
                     {"dp_payload_bytes", row.comm.dp_payload_bytes},
+                    {"cp_bus_bytes", row.comm.cp_bus_bytes},
+                    {"cp_payload_bytes", row.comm.cp_payload_bytes},
+                    {"cp_attention_ms", row.comm.cp_attention_ms},
+                    {"cp_attention_ms_per_block",
+                     row.comm.cp_attention_blocks > 0
+                         ? row.comm.cp_attention_ms / double(row.comm.cp_attention_blocks)
+                         : 0.0},
                     {"peak_bytes", row.peak_bytes},
                     {"reserved_bytes", row.reserved_bytes}});
-  json summary = plan_json(st, o, world, par.comm_name(), par.sharding().dp, speed, estimate);
+  json summary = plan_json(st, o, world, par.comm_name(), par.sharding(), speed, estimate);
   summary["steps"] = rows;
   summary["saved_activation_bytes"] = r.saved_activation_bytes;
   if (!r.diverged.empty()) summary["diverged"] = r.diverged;
@@ -450,7 +458,7 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
                memory.problem.empty() ? "fits" : "would be refused: " + memory.problem);
   }
   if (!o.json_path.empty() && rank == 0) {
-    json summary = plan_json(st, o, world, plan.comm, plan.sharding.dp, speed, memory.estimate);
+    json summary = plan_json(st, o, world, plan.comm, plan.sharding, speed, memory.estimate);
     summary["dry_run"] = true;
     summary["saved_activation_bytes"] = saved;
     summary["step"] = {{"comm_payload_bytes", all.payload},
@@ -474,6 +482,9 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
     throw ConfigError(d);
   stop_if_any_rank(startup_problem(st, o, rank, world), world);
   const NodeMap nodes = NodeMap::discover();  // which node every rank runs on
+  if (o.dry_run && !st.plan)  // every stage's plan is its formulas; a stage without them says so
+    throw ConfigError(fmt::format("{} has no --dry-run: its formulas are not in common/traffic.h yet",
+                                  st.info.name));
   if (o.dry_run) return dry_run(st, o, rank, world, nodes);
 
   Trace trace(o.trace_path.empty() ? Trace::Mode::measure : Trace::Mode::keep);

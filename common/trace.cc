@@ -66,7 +66,8 @@ double Trace::exposed_comm_ms(Clock::time_point t0, Clock::time_point t1) {
       const Clock::time_point b = std::max(e.begin, t0), en = std::min(e.end, t1);
       if (b >= en) continue;
       if (e.lane == Lane::compute) compute.emplace_back(b, en);
-      const bool moves = e.lane == Lane::comm || e.lane == Lane::copy || e.lane == Lane::dp_comm;
+      const bool moves = e.lane == Lane::comm || e.lane == Lane::copy || e.lane == Lane::dp_comm ||
+                         e.lane == Lane::cp_comm;
       if (moves && e.counted) comm.emplace_back(b, en);
     }
     if (mode_ != Mode::keep) std::erase_if(events_, [&](const Event& e) { return e.end <= t1; });
@@ -97,9 +98,10 @@ std::vector<std::string> Trace::span_names(Lane lane) const {
 
 void Trace::write(const std::filesystem::path& path, int rank, int world,
                   const std::string& stage) const {
-  static constexpr const char* kLaneNames[] = {"compute", "comm", "copy", "phases", "dp comm"};
+  static constexpr const char* kLaneNames[] = {"compute", "comm",    "copy",
+                                               "phases",  "dp comm", "cp comm"};
   nlohmann::json mine = nlohmann::json::array();
-  for (int lane = 0; lane < 5; ++lane)
+  for (int lane = 0; lane < 6; ++lane)
     mine.push_back({{"name", "thread_name"},
                     {"ph", "M"},
                     {"pid", rank},

@@ -25,6 +25,10 @@ void add(CommStats& into, const CommStats& more) {
   into.calls += more.calls;
   into.dp_payload_bytes += more.dp_payload_bytes;
   into.dp_bus_bytes += more.dp_bus_bytes;
+  into.cp_payload_bytes += more.cp_payload_bytes;
+  into.cp_bus_bytes += more.cp_bus_bytes;
+  into.cp_attention_ms += more.cp_attention_ms;
+  into.cp_attention_blocks += more.cp_attention_blocks;
 }
 
 double ms_since(Clock::time_point t0) {

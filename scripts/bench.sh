@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks: set up, build what they need, run tools/bench.py (every stage over N = 1, 2, 4,
-# stage 07 on the meshes D × TP = 1 × 2, 2 × 1, 2 × 2,
+# stage 07 on the meshes D × TP = 1 × 2, 2 × 1, 2 × 2, stage 08 on C × TP = 2 × 1, 1 × 2, 2 × 2,
 # and two or more configs, the micro-benchmarks, the projection), and write docs/benchmarks.md
 # (its device's section and the projection; the other device's section stays), the CSV
 # docs/benchmarks/<device>.csv and the plots docs/figures/bench_<device>_*.svg.
@@ -90,7 +90,7 @@ fi
 # Build only the programs the benchmarks run (with --stages, only those stages), those this source
 # tree has; tools/bench.py checks the list itself and names a stage that does not exist.
 all_stages=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
-  06_fp8 07_fsdp_tp)
+  06_fp8 07_fsdp_tp 08_context_parallel)
 chosen=()
 for s in "${all_stages[@]}"; do
   if [ -z "$stages" ]; then
@@ -105,7 +105,7 @@ for s in "${all_stages[@]}"; do
   done
 done
 if [ -n "$stages" ] && [ ${#chosen[@]} -eq 0 ]; then
-  echo "bench: --stages $stages names no stage (stages: 01 … 07, or their names)" >&2
+  echo "bench: --stages $stages names no stage (stages: 01 … 08, or their names)" >&2
   exit 2
 fi
 wanted=("${chosen[@]}" bench_gemm bench_collectives tpx_project)

@@ -3,8 +3,8 @@
 # (cpu backend unless TPX_DEVICE=cuda), and print one comparison table.
 #
 #   scripts/run.sh              # ranks for the parallel stages: TPX_RANKS (default 2); stage 07
-#                               # runs its mesh, D 2 × TP 2, on 4 (oversubscribed on a small
-#                               # machine)
+#                               # runs its mesh, D 2 × TP 2, and stage 08 its mesh, CP 2 × TP 2,
+#                               # on 4 (oversubscribed on a small machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -16,11 +16,12 @@ device=${TPX_DEVICE:-cpu}
 out=out/run
 mkdir -p "$out"
 jsons=()
-for exe in build/bin/0[1-7]_*; do
+for exe in build/bin/0[1-8]_*; do
   stage=$(basename "$exe")
   np=$ranks
   [ "$stage" = 01_baseline ] && np=1
   [ "$stage" = 07_fsdp_tp ] && np=4
+  [ "$stage" = 08_context_parallel ] && np=4 # --cp 2 by default: C 2 × TP 2
   echo "=== $stage, $np rank(s), --device $device --check"
   "${TPX_MPIRUN[@]}" -np "$np" "$exe" --device "$device" --check --json "$out/$stage.json"
   jsons+=("$out/$stage.json")

@@ -20,12 +20,15 @@
 #include <nlohmann/json.hpp>
 
 #include "common/npy.h"
+#include "test_stage_runs.h"
 #include "test_util.h"
 
 namespace tpx {
 namespace {
 
 using json = nlohmann::json;
+using test::expect_dumps_close;
+using test::run_json;
 using test::run_stage;
 
 /// Sizes every mesh below divides: H = 96 (NH = 6, NKV = 6: whole heads at T = 1, 2, 3),
@@ -37,27 +40,6 @@ struct Sizes {
                        S, B, L);
   }
 };
-
-/// Every tensor of `want_dir`'s dump within rtol · max|want| of `got_dir`'s.
-void expect_dumps_close(const std::filesystem::path& want_dir, const std::filesystem::path& got_dir,
-                        double rtol, const std::string& what) {
-  int files = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(want_dir)) {
-    if (entry.path().extension() != ".npy") continue;
-    ++files;
-    const std::string name = entry.path().filename().string();
-    const NpyArray want = read_npy(entry.path());
-    const NpyArray got = read_npy(got_dir / name);
-    ASSERT_EQ(got.shape, want.shape) << name << " " << what;
-    double scale = 0.0, err = 0.0;
-    for (std::size_t i = 0; i < want.data.size(); ++i) {
-      scale = std::max(scale, std::abs(double(want.data[i])));
-      err = std::max(err, std::abs(double(got.data[i]) - double(want.data[i])));
-    }
-    EXPECT_LE(err, rtol * scale) << name << ": " << what;
-  }
-  EXPECT_GT(files, 20) << "the dump of " << want_dir << " is missing tensors";
-}
 
 struct Mesh {
   int ranks, dp;
@@ -109,14 +91,6 @@ TEST(Fsdp, PadsADim0ThatDDoesNotDivide) {
                 dir);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
-}
-
-json run_json(const std::string& stage, int n, const std::string& args) {
-  test::TempDir dir;
-  const auto r = run_stage(stage, n, args + " --json " + (dir / "s.json").string(), dir);
-  EXPECT_EQ(r.exit_code, 0) << stage << " " << args << "\n" << r.out << r.err;
-  if (r.exit_code != 0) return json::object();
-  return json::parse(test::read_file(dir / "s.json"));
 }
 
 /// One rank's DP bus bytes of a step (chapter 7): per layer two gathers of the layer's padded

@@ -50,16 +50,25 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STAGES = ["01_baseline", "02_megatron_tp", "03_sequence_parallel", "04_overlap_ring",
-          "05_copy_engine_async_tp", "06_fp8", "07_fsdp_tp"]
-# Stage 07 runs on a D × TP mesh: its points are (N, D) with N = D · TP, and its rows are named
-# "07_fsdp_tp D<D>" (D × TP = 1 × 2, 2 × 1, 2 × 2).
-MESH_STAGE = "07_fsdp_tp"
-MESH_POINTS = [(2, 1), (2, 2), (4, 2)]  # (N, D)
+          "05_copy_engine_async_tp", "06_fp8", "07_fsdp_tp", "08_context_parallel"]
+# The mesh stages run at points (N, X) of their own dimension X, N = X · TP: stage 07 on D × TP
+# (rows "07_fsdp_tp D<D>": 1 × 2, 2 × 1, 2 × 2), stage 08 on C × TP (rows
+# "08_context_parallel C<C>": C × T = 2 × 1, 1 × 2, 2 × 2), each with its flag and json key.
+MESH_STAGES = {"07_fsdp_tp": ("D", "--dp", "dp", [(2, 1), (2, 2), (4, 2)]),
+               "08_context_parallel": ("C", "--cp", "cp", [(2, 2), (2, 1), (4, 2)])}
 
 
-def stage_label(stage, dp=None):
-    """A sweep row's stage: the executable, and for the mesh stage its D."""
-    return f"{stage} D{dp}" if stage == MESH_STAGE else stage
+def stage_label(stage, degree=None):
+    """A sweep row's stage: the executable, and for a mesh stage its own dimension's degree."""
+    return f"{stage} {MESH_STAGES[stage][0]}{degree}" if stage in MESH_STAGES else stage
+
+
+def split_label(label):
+    """(executable, flag, degree) of a sweep row's stage; flag and degree None but on a mesh."""
+    exe, _, rest = label.partition(" ")
+    if exe in MESH_STAGES and rest:
+        return exe, MESH_STAGES[exe][1], rest[1:]
+    return exe, None, None
 REFERENCE_STAGE = "03_sequence_parallel"  # the speed-up column's denominator
 MIB = 1024.0 * 1024.0
 SECTIONS = ["cpu", "cuda", "projection"]  # the order of the sections in benchmarks.md
@@ -127,7 +136,8 @@ def summarise_point(summaries):
     bus = statistics.median(steady_mean(s["steps"], "comm_bus_bytes") for s in summaries)
     peak = statistics.median(max(float(r["peak_bytes"]) for r in s["steps"]) for s in summaries)
     tf = tflops_per_rank(float(first["flops_per_step_per_rank"]), med)
-    return {"stage": stage_label(first["stage"], first.get("dp")), "n": int(first["world_size"]),
+    key = MESH_STAGES[first["stage"]][2] if first["stage"] in MESH_STAGES else None
+    return {"stage": stage_label(first["stage"], first.get(key)), "n": int(first["world_size"]),
             "device": first["config"]["device"], "dtype": first["config"]["dtype"],
             "step_ms": med, "step_ms_min": lo, "step_ms_max": hi, "repeats": len(summaries),
             "tflops": tf, "exposed_ms": exposed, "bus_bytes": bus, "bus_gbps": bus_gbps(bus, med),
@@ -338,11 +348,11 @@ class Driver:
         return p if p.is_file() and os.access(p, os.X_OK) else None
 
     def stage_cmd(self, stage, n, config, json_path):
-        exe, _, dp = stage.partition(" D")  # "07_fsdp_tp D2": the mesh stage at D = 2
+        exe, flag, degree = split_label(stage)  # "07_fsdp_tp D2": the mesh stage at D = 2
         cmd = self.mpirun + ["-np", str(n), str(self.bin / exe), "--device", self.a.device,
                              "--steps", str(self.steps)] + config_flags(config)
-        if dp:
-            cmd += ["--dp", dp]
+        if flag:
+            cmd += [flag, degree]
         if self.a.device == "cuda" and stage != "06_fp8":
             cmd += ["--dtype", "bf16"]  # 06 keeps its default, fp8
         return cmd + ["--json", str(json_path)]
@@ -359,16 +369,20 @@ class Driver:
         for config in self.configs:
             known = "flags" not in config  # a preset's sizes are the stage's to check
             for stage in stages:
-                if stage == MESH_STAGE:
-                    for n, dp in MESH_POINTS:
+                if stage in MESH_STAGES:
+                    letter, _, _, mesh_points = MESH_STAGES[stage]
+                    for n, x in mesh_points:
                         if n not in self.ranks:
                             continue
-                        if known and (not divides(sizes(config), n // dp)
-                                      or sizes(config)["batch"] % dp):
-                            skipped.append(f"{config['name']} at D {dp} × TP {n // dp}: "
-                                           f"{size_text(sizes(config))} does not split")
+                        z = sizes(config)
+                        # D splits the batch; C cuts the sequence into 2C chunks split over TP.
+                        bad = (z["batch"] % x if letter == "D"
+                               else z["seq"] % (2 * n) or z["heads"] % (n // x))
+                        if known and (not divides(z, n // x) or bad):
+                            skipped.append(f"{config['name']} at {letter} {x} × TP {n // x}: "
+                                           f"{size_text(z)} does not split")
                             continue
-                        points.append((config, stage_label(stage, dp), n))
+                        points.append((config, stage_label(stage, x), n))
                     continue
                 for n in self.ranks:
                     if stage == "01_baseline" and n > 1:
@@ -410,8 +424,8 @@ class Driver:
                     json.loads(path.read_text()))
         rows = []
         labels = [lab for s in stages
-                  for lab in ([stage_label(s, dp) for dp in sorted({d for _, d in MESH_POINTS})]
-                              if s == MESH_STAGE else [s])]
+                  for lab in ([stage_label(s, x) for x in sorted({x for _, x in MESH_STAGES[s][3]})]
+                              if s in MESH_STAGES else [s])]
         for config in self.configs:
             if config["name"] in refused:
                 continue

@@ -52,6 +52,15 @@ class Arithmetic(unittest.TestCase):
         self.assertAlmostEqual(bench.speedup(30.0, 60.0), 0.5)
         self.assertIsNone(bench.speedup(None, 20.0))
 
+    def test_mesh_stage_labels_name_their_own_dimension(self):
+        self.assertEqual(bench.stage_label("07_fsdp_tp", 2), "07_fsdp_tp D2")
+        self.assertEqual(bench.stage_label("08_context_parallel", 4), "08_context_parallel C4")
+        self.assertEqual(bench.stage_label("03_sequence_parallel", 2), "03_sequence_parallel")
+        self.assertEqual(bench.split_label("08_context_parallel C2"),
+                         ("08_context_parallel", "--cp", "2"))
+        self.assertEqual(bench.split_label("07_fsdp_tp D1"), ("07_fsdp_tp", "--dp", "1"))
+        self.assertEqual(bench.split_label("06_fp8"), ("06_fp8", None, None))
+
     def test_divides(self):
         c = {"hidden": 256, "heads": 8, "ffn": 1024, "seq": 128}
         self.assertTrue(bench.divides(c, 4))

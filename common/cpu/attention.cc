@@ -24,6 +24,13 @@
 //   dV_j += Pᵀ dO_i;  dP = dO_i V_jᵀ;  dS = P ∘ (dP − Δ_i)
 //   dQ_i += dS K_j / sqrt(D);  dK_j += dSᵀ Q_i / sqrt(D)
 // Blocks strictly above the diagonal (every key after every query of the block) are skipped.
+//
+// Context parallelism (stage 08) runs the same two loops on one pair of sequence chunks at a
+// time: queries against a K/V chunk whose global positions are `shift` rows earlier (key j is
+// visible to query i when j <= i + shift: shift 0 is a diagonal chunk, shift >= S a chunk wholly
+// in the past). A query row that sees no key of the pair gets output 0 and lse = -inf, so that
+// attention_merge() ignores it; backward accumulates into dq, dk, dv instead of overwriting, as
+// the chunk pairs of one query chunk (or one K/V chunk) add up.
 #include <cblas.h>
 
 #include <algorithm>
@@ -72,8 +79,15 @@ void zero_head(float* p, I s, I d, I ld) {
 
 }  // namespace
 
-void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
-                             const Tensor& out, const Tensor& lse) {
+namespace {
+
+/// Keys of a block visible to query row i: j0 .. j0 + n − 1, n clamped to [0, nc].
+I visible(I i, I shift, I j0, I nc) {
+  return std::clamp<I>(i + shift - j0 + 1, 0, nc);
+}
+
+void fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
+                   const Tensor& lse, I shift) {
   const FusedDims z = fused_dims(q, k, v, heads, out, lse);
   const I s = z.s, nh = z.heads, d = z.d, ldq = z.ldq, ldkv = z.ldkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -93,15 +107,20 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
         const I nr = std::min(kBlock, s - i0);
         std::fill(m.begin(), m.end(), -inf);
         std::fill(l.begin(), l.end(), 0.0f);
-        // Key blocks j0 <= i0: the last one is the diagonal block; none lies above it.
-        for (I j0 = 0; j0 <= i0; j0 += kBlock) {
+        // Key blocks with a key visible to the block's last query: for shift 0, j0 <= i0, the
+        // last one being the diagonal block; none lies above it.
+        for (I j0 = 0; j0 < s && j0 <= i0 + nr - 1 + shift; j0 += kBlock) {
           const I nc = std::min(kBlock, s - j0);
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(nr), to_int(nc), to_int(d),
                       scale, qh + i0 * ldq, to_int(ldq), kh + j0 * ldkv, to_int(ldkv), 0.0f,
                       sc.data(), to_int(nc));
           for (I r = 0; r < nr; ++r) {
             float* row = sc.data() + r * nc;
-            const I n = std::min(nc, i0 + r - j0 + 1);  // keys j <= i; at least key j0
+            const I n = visible(i0 + r, shift, j0, nc);  // keys j <= i + shift
+            if (n == 0) {  // nothing visible in this block: the row's state stays as it is
+              std::fill(row, row + nc, 0.0f);
+              continue;
+            }
             const float m_new = std::max(m[r], *std::max_element(row, row + n));
             const float alpha = std::exp(m[r] - m_new);  // 0 on the first block (m = -inf)
             float sum = 0.0f;
@@ -117,19 +136,19 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
                       oh + i0 * ldq, to_int(ldq));
         }
         for (I r = 0; r < nr; ++r) {
-          const float inv = 1.0f / l[r];
+          const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // 0: the row saw no key
           float* orow = oh + (i0 + r) * ldq;
           for (I c = 0; c < d; ++c) orow[c] *= inv;
-          lh[i0 + r] = m[r] + std::log(l[r]);
+          lh[i0 + r] = l[r] > 0.0f ? m[r] + std::log(l[r]) : -inf;
         }
       }
     }
   }
 }
 
-void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
-                              const Tensor& dk, const Tensor& dv) {
+void fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
+                    const Tensor& dk, const Tensor& dv, I shift, bool accumulate) {
   const FusedDims z = fused_dims(q, k, v, heads, out, lse);
   const I s = z.s, nh = z.heads, d = z.d, ldq = z.ldq, ldkv = z.ldkv;
   for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
@@ -158,22 +177,24 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
         for (I c = 0; c < d; ++c) acc += doh[i * ldq + c] * oh[i * ldq + c];
         delta[static_cast<std::size_t>(i)] = acc;
       }
-      zero_head(dqh, s, d, ldq);
-      if (h % z.group() == 0) {
+      if (!accumulate) zero_head(dqh, s, d, ldq);
+      if (!accumulate && h % z.group() == 0) {
         zero_head(dkh, s, d, ldkv);
         zero_head(dvh, s, d, ldkv);
       }
       for (I j0 = 0; j0 < s; j0 += kBlock) {
         const I nc = std::min(kBlock, s - j0);
-        // Query blocks i0 >= j0: the first one is the diagonal block.
-        for (I i0 = j0; i0 < s; i0 += kBlock) {
+        // Query blocks that see a key of the block: for shift 0, i0 >= j0, the first one being
+        // the diagonal block.
+        for (I i0 = 0; i0 < s; i0 += kBlock) {
           const I nr = std::min(kBlock, s - i0);
+          if (i0 + nr - 1 + shift < j0) continue;
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, to_int(nr), to_int(nc), to_int(d),
                       scale, qh + i0 * ldq, to_int(ldq), kh + j0 * ldkv, to_int(ldkv), 0.0f,
                       p.data(), to_int(nc));
           for (I r = 0; r < nr; ++r) {
             float* row = p.data() + r * nc;
-            const I n = std::min(nc, i0 + r - j0 + 1);
+            const I n = visible(i0 + r, shift, j0, nc);
             const float lse_i = lh[i0 + r];
             for (I c = 0; c < n; ++c) row[c] = std::exp(row[c] - lse_i);
             std::fill(row + n, row + nc, 0.0f);
@@ -200,6 +221,62 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
       }
     }
   }
+}
+
+}  // namespace
+
+void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
+                             const Tensor& out, const Tensor& lse) {
+  fused_forward(q, k, v, heads, out, lse, 0);
+}
+
+void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
+                              const Tensor& dk, const Tensor& dv) {
+  fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, 0, false);
+}
+
+void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
+                             const Tensor& out, const Tensor& lse, I shift) {
+  fused_forward(q, k, v, heads, out, lse, shift);
+}
+
+void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
+                              const Tensor& dk, const Tensor& dv, I shift) {
+  fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, shift, true);
+}
+
+// The log-sum-exp merge of two attentions of the same queries over disjoint key sets: with
+// m = max(lse, lse'), the weights e^(lse − m) and e^(lse' − m) are each part's share of the
+// softmax denominator, so out = (w·out + w'·out') / (w + w') and lse = m + log(w + w').
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out,
+                     const Tensor& part_lse, I heads) {
+  for (const Tensor* t : {&out, &lse, &part_out, &part_lse})
+    TPX_CHECK(t->dtype() == DType::f32 && t->device() == Device::cpu,
+              "attention merge tensors must be f32 on cpu, got {}", t->describe());
+  TPX_CHECK(out.shape() == part_out.shape() && lse.shape() == part_lse.shape() && out.ndim() == 3 &&
+                out.dim(2) % heads == 0 && lse.numel() == out.dim(0) * out.dim(1) * heads,
+            "attention merge: out {} and lse {} must match their parts {} {}", out.describe(),
+            lse.describe(), part_out.describe(), part_lse.describe());
+  const I s = out.dim(0), b = out.dim(1), d = out.dim(2) / heads;
+  const float inf = std::numeric_limits<float>::infinity();
+  float *o = out.data<float>(), *l = lse.data<float>();
+  const float *po = part_out.data<float>(), *pl = part_lse.data<float>();
+  for (I bi = 0; bi < b; ++bi)
+    for (I h = 0; h < heads; ++h)
+      for (I i = 0; i < s; ++i) {
+        const I li = (bi * heads + h) * s + i;  // lse [B, heads, S]
+        const float l1 = l[li], l2 = pl[li];
+        if (l2 == -inf) continue;  // the part saw no key: nothing to add
+        const float m = std::max(l1, l2);
+        const float w1 = std::exp(l1 - m), w2 = std::exp(l2 - m);  // w1 = 0 when l1 = -inf
+        const float inv = 1.0f / (w1 + w2);
+        float* orow = o + (i * b + bi) * heads * d + h * d;
+        const float* prow = po + (i * b + bi) * heads * d + h * d;
+        for (I c = 0; c < d; ++c) orow[c] = (w1 * orow[c] + w2 * prow[c]) * inv;
+        l[li] = m + std::log(w1 + w2);
+      }
 }
 
 }  // namespace tpx::cpu

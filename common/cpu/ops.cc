@@ -192,17 +192,19 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 
 namespace {
 
-// Rotates every head's pairs (i, i + D/2) of x [S, B, heads*D] by +angle (sign 1) or −angle.
-void rope_rotate(const Tensor& x, I heads, double theta, float sign) {
+// Rotates every head's pairs (i, i + D/2) of x [S, B, heads*D] by +angle (sign 1) or −angle;
+// row p of x is at position first + p.
+void rope_rotate(const Tensor& x, I heads, double theta, I first, float sign) {
   expect_f32_cpu(x, "rope x");
   TPX_CHECK(x.ndim() == 3 && heads > 0 && x.dim(2) % heads == 0 && (x.dim(2) / heads) % 2 == 0,
             "rope: {} must be [S, B, heads*D] with {} heads of even D", x.describe(), heads);
   const I s = x.dim(0), b = x.dim(1), d = x.dim(2) / heads, half = d / 2;
-  const RopeTable t = rope_table(s, d, theta);
+  TPX_CHECK(first >= 0, "rope: first position {} must not be negative", first);
+  const RopeTable t = rope_table(first + s, d, theta);
   float* px = x.data<float>();
   for (I p = 0; p < s; ++p) {
-    const float* cs = t.cos.data() + p * half;
-    const float* sn = t.sin.data() + p * half;
+    const float* cs = t.cos.data() + (first + p) * half;
+    const float* sn = t.sin.data() + (first + p) * half;
     for (I r = 0; r < b * heads; ++r) {
       float* head = px + (p * b * heads + r) * d;
       for (I i = 0; i < half; ++i) {
@@ -216,13 +218,13 @@ void rope_rotate(const Tensor& x, I heads, double theta, float sign) {
 
 }  // namespace
 
-void rope_forward(const Tensor& x, I heads, double theta) {
-  rope_rotate(x, heads, theta, 1.0f);
+void rope_forward(const Tensor& x, I heads, double theta, I first) {
+  rope_rotate(x, heads, theta, first, 1.0f);
 }
 
 // y = R x with R orthogonal, so dx = Rᵀ dy: the same rotation by the opposite angle.
-void rope_backward(const Tensor& dx, I heads, double theta) {
-  rope_rotate(dx, heads, theta, -1.0f);
+void rope_backward(const Tensor& dx, I heads, double theta, I first) {
+  rope_rotate(dx, heads, theta, first, -1.0f);
 }
 
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {

@@ -26,9 +26,18 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
 void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv);
+// Context parallelism's chunk pairs and their log-sum-exp merge (attention.cc).
+void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const Tensor& out, const Tensor& lse, std::int64_t shift);
+void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, std::int64_t heads,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                              std::int64_t shift);
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out,
+                     const Tensor& part_lse, std::int64_t heads);
 // Rotary embedding, in place (cos/sin tables in double, rounded to fp32).
-void rope_forward(const Tensor& x, std::int64_t heads, double theta);
-void rope_backward(const Tensor& dx, std::int64_t heads, double theta);
+void rope_forward(const Tensor& x, std::int64_t heads, double theta, std::int64_t first);
+void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int64_t first);
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
                      const Tensor& dup);

@@ -330,29 +330,32 @@ const float* rope_device_table(I seq, I head_dim, double theta) {
   return p;
 }
 
-/// x [S, B, heads·D] rotated in place by the angles of rope_table(), or by their opposites.
-void rope_rotate(const Tensor& x, I heads, double theta, bool inverse) {
+/// x [S, B, heads·D] rotated in place by the angles of rope_table(), or by their opposites; row
+/// p of x is at position first + p.
+void rope_rotate(const Tensor& x, I heads, double theta, I first, bool inverse) {
   expect_f32(x, "rope x");
   TPX_CHECK(x.ndim() == 3 && heads > 0 && x.dim(2) % heads == 0 && (x.dim(2) / heads) % 2 == 0,
             "rope: {} must be [S, B, heads*D] with {} heads of even D", x.describe(), heads);
-  const I s = x.dim(0), d = x.dim(2) / heads;
-  const float* table = rope_device_table(s, d, theta);  // checks theta, and S > 0 like the cpu
+  TPX_CHECK(first >= 0, "rope: first position {} must not be negative", first);
+  const I s = x.dim(0), d = x.dim(2) / heads, n = first + s;
+  const float* table = rope_device_table(n, d, theta);  // checks theta, and S > 0 like the cpu
   const I half = d / 2;
-  kernels::rope(f(x), table, table + s * half, s, x.dim(1) * heads, half, inverse, stream());
+  kernels::rope(f(x), table + first * half, table + (n + first) * half, s, x.dim(1) * heads, half,
+                inverse, stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-void rope_forward(const Tensor& x, I heads, double theta) {
+void rope_forward(const Tensor& x, I heads, double theta, I first) {
   NvtxRange range("rope_forward");
-  rope_rotate(x, heads, theta, false);
+  rope_rotate(x, heads, theta, first, false);
 }
 
 // y = R x with R orthogonal, so dx = Rᵀ dy: the same rotation by the opposite angle.
-void rope_backward(const Tensor& dx, I heads, double theta) {
+void rope_backward(const Tensor& dx, I heads, double theta, I first) {
   NvtxRange range("rope_backward");
-  rope_rotate(dx, heads, theta, true);
+  rope_rotate(dx, heads, theta, first, true);
 }
 
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {

@@ -52,8 +52,8 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               const Tensor& dq, const Tensor& dk, const Tensor& dv,
                               DType compute = DType::f32);
 // Rotary embedding, in place (cos/sin tables in double, rounded to fp32).
-void rope_forward(const Tensor& x, std::int64_t heads, double theta);
-void rope_backward(const Tensor& dx, std::int64_t heads, double theta);
+void rope_forward(const Tensor& x, std::int64_t heads, double theta, std::int64_t first);
+void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int64_t first);
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out);
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
                      const Tensor& dup);

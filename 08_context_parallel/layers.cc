@@ -1,0 +1,518 @@
+#include "08_context_parallel/layers.h"
+
+#include <mpi.h>
+
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "common/check.h"
+#include "common/ops.h"
+#include "common/tp.h"
+#include "common/trace.h"
+
+namespace tpx::cp {
+namespace {
+
+/// The options stage 07 runs with on one CP rank: its part of the sequence, S / C tokens.
+StageOptions local_options(const StageOptions& o, const Mesh& m) {
+  StageOptions t = o;
+  t.config.seq = o.config.seq / m.cp;
+  return t;
+}
+
+/// lse [B, heads, S/C] of this rank, seen chunk-major: the B·heads·S/(2C) floats of chunk j.
+/// The layout is this stage's own (only attention_backward reads lse).
+Tensor lse_chunk(const Tensor& lse, int j) {
+  const std::int64_t n = lse.numel() / 2;
+  return lse.reshape({2, n}).slice0(j, j + 1).reshape({n});
+}
+
+/// [rows, B, X] ← the 2·n floats of a packed K/V buffer: part 0 is k, part 1 is v.
+Tensor packed(const Tensor& buf, int part, const Tensor::Shape& shape) {
+  const std::int64_t n = buf.numel() / 2;
+  return buf.slice0(part * n, (part + 1) * n).reshape(shape);
+}
+
+/// Adds the time from its making to its end to `ms`, and one to `blocks`: the attention time of
+/// one ring step (or one all-gather block, or Ulysses' whole attention), for --json.
+class BlockTimer {
+ public:
+  BlockTimer(double& ms, std::uint64_t& blocks)
+      : ms_(ms), blocks_(blocks), t0_(std::chrono::steady_clock::now()) {}
+  ~BlockTimer() {
+    ms_ +=
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
+    ++blocks_;
+  }
+  BlockTimer(const BlockTimer&) = delete;
+  BlockTimer& operator=(const BlockTimer&) = delete;
+
+ private:
+  double& ms_;
+  std::uint64_t& blocks_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+}  // namespace
+
+ContextParallel::ContextParallel(const RunContext& ctx, const Mesh& mesh, CpMethod method)
+    : local_options_(local_options(ctx.options, mesh)),
+      mesh_(mesh),
+      method_(method),
+      local_ctx_{local_options_, ctx.rank, ctx.world, ctx.trace},
+      inner_(std::make_unique<fsdp::FsdpTp>(local_ctx_, mesh)),
+      trace_(ctx.trace),
+      device_(ctx.options.config.device),
+      seq_(ctx.options.config.seq),
+      cp_lane_(Stream::create(device_)) {
+  CommOptions o = ctx.options.comm;
+  o.group = mesh_.cp_group;
+  cp_comm_ = make_communicator(o, device_);
+}
+
+ContextParallel::~ContextParallel() = default;
+
+Sharding ContextParallel::sharding() const {
+  Sharding s = inner_->sharding();
+  s.cp = mesh_.cp;
+  s.cp_method = method_;
+  return s;
+}
+
+std::string ContextParallel::comm_name() const {
+  // Stage 07's words without its own "mesh D × TP; " prefix: the groups' communicators.
+  const std::string inner = inner_->comm_name();
+  const std::size_t groups = inner.find("; ");
+  return fmt::format("mesh D {} × CP {} × TP {} (cp-method {}); {}; cp: {}", mesh_.dp, mesh_.cp,
+                     mesh_.tp, to_string(method_),
+                     groups == std::string::npos ? inner : inner.substr(groups + 2),
+                     cp_comm_->name());
+}
+
+// --- the data: this rank's chunks ----------------------------------------------------------------
+
+void ContextParallel::shard_model(Model& m) {
+  const BlockConfig& c = local_ctx_.options.config;  // S / C
+  BlockConfig whole = c;
+  whole.seq = seq_;
+  whole.device = Device::cpu;
+  const std::int64_t chunk = seq_ / (2 * mesh_.cp), rows = seq_ / mesh_.cp / mesh_.tp;
+  auto mine = [&](bool target) {
+    // The rank's S/C tokens, chunk i then chunk 2C−1−i, and of them its TP rank's S/(C·T) rows.
+    const Tensor local = Tensor::empty({2 * chunk, c.batch, c.hidden});
+    for (int j = 0; j < 2; ++j) {
+      const std::int64_t first = chunk_of(mesh_.cp_index, j) * chunk;
+      ops::copy(make_data(whole, target, first, first + chunk),
+                local.slice0(j * chunk, (j + 1) * chunk));
+    }
+    const Tensor part = local.slice0(mesh_.tp_index * rows, (mesh_.tp_index + 1) * rows);
+    return ops::to_device(part, c.device);
+  };
+  m.input = mine(false);
+  m.target = mine(true);
+  inner_->shard_model(m);  // the batch over DP, the parameters over DP×CP
+}
+
+std::vector<SequenceRun> ContextParallel::sequence_runs(std::int64_t rows) const {
+  const std::int64_t chunk = seq_ / (2 * mesh_.cp);
+  TPX_CHECK(rows == 2 * chunk, "CP attention sees {} rows, not the rank's two chunks of {}", rows,
+            chunk);
+  return {{chunk, chunk_of(mesh_.cp_index, 0) * chunk},
+          {chunk, chunk_of(mesh_.cp_index, 1) * chunk}};
+}
+
+// --- attention
+// ------------------------------------------------------------------------------------
+
+void ContextParallel::attend_block(const Tensor& q, const Tensor& k, const Tensor& v, int src,
+                                   std::int64_t heads, const Tensor& out, const Tensor& lse) {
+  const std::int64_t chunk = q.dim(0) / 2;
+  for (int i = 0; i < 2; ++i) {
+    const Tensor qi = q.slice0(i * chunk, (i + 1) * chunk);
+    const Tensor oi = out.slice0(i * chunk, (i + 1) * chunk), li = lse_chunk(lse, i);
+    const Tensor part_out = Tensor::empty(qi.shape(), DType::f32, device_);
+    const Tensor part_lse = Tensor::empty(li.shape(), DType::f32, device_);
+    for (int j = 0; j < 2; ++j) {
+      // Whole chunks: key chunk kc is visible to query chunk qc in full when kc < qc, masked
+      // on the diagonal, and not at all when kc > qc (skipped).
+      const std::int64_t qc = chunk_of(mesh_.cp_index, i), kc = chunk_of(src, j);
+      if (kc > qc) continue;
+      const Tensor kj = k.slice0(j * chunk, (j + 1) * chunk);
+      const Tensor vj = v.slice0(j * chunk, (j + 1) * chunk);
+      ops::attention_block_forward(qi, kj, vj, heads, part_out, part_lse, (qc - kc) * chunk);
+      ops::attention_merge(oi, li.reshape({q.dim(1), heads, chunk}), part_out,
+                           part_lse.reshape({q.dim(1), heads, chunk}), heads);
+    }
+  }
+}
+
+void ContextParallel::attend_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                            const Tensor& v, int src, const Tensor& out,
+                                            const Tensor& lse, std::int64_t heads, const Tensor& dq,
+                                            const Tensor& dk, const Tensor& dv) {
+  const std::int64_t chunk = q.dim(0) / 2;
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const std::int64_t qc = chunk_of(mesh_.cp_index, i), kc = chunk_of(src, j);
+      if (kc > qc) continue;
+      auto rows = [&](const Tensor& t, int c) { return t.slice0(c * chunk, (c + 1) * chunk); };
+      ops::attention_block_backward(rows(dout, i), rows(q, i), rows(k, j), rows(v, j), rows(out, i),
+                                    lse_chunk(lse, i), heads, rows(dq, i), rows(dk, j), rows(dv, j),
+                                    (qc - kc) * chunk);
+    }
+}
+
+Event ContextParallel::ring_hop(const Tensor& send, const Tensor& recv, const std::string& what) {
+  const int next = (mesh_.cp_index + 1) % mesh_.cp,
+            prev = (mesh_.cp_index + mesh_.cp - 1) % mesh_.cp;
+  const Stream compute(device_);
+  Event ready(device_);
+  ready.record(compute);  // what is sent has been written, what is received no longer read
+  ready.wait(cp_lane_);
+  record_stream(send, cp_lane_);
+  record_stream(recv, cp_lane_);
+  cp_lane_.run([this, send, recv, next, prev, what] {
+    TraceScope span(trace_, what, Lane::cp_comm);
+    cp_comm_->sendrecv(send, next, recv, prev, cp_lane_, what);
+  });
+  Event done(device_);
+  done.record(cp_lane_);
+  return done;
+}
+
+void ContextParallel::all_to_all(const Tensor& send, const Tensor& recv, const std::string& what) {
+  const int n = mesh_.cp, me = mesh_.cp_index;
+  const std::int64_t part = send.numel() / n;
+  auto block = [&](const Tensor& t, int r) { return t.slice0(r * part, (r + 1) * part); };
+  ops::copy(block(send, me), block(recv, me));
+  const Stream compute(device_);
+  Event ready(device_);
+  ready.record(compute);
+  ready.wait(cp_lane_);
+  record_stream(send, cp_lane_);
+  record_stream(recv, cp_lane_);
+  cp_lane_.run([this, send, recv, n, me, what, block] {
+    TraceScope span(trace_, what, Lane::cp_comm);
+    for (int s = 1; s < n; ++s) {  // step s: to me + s, from me − s
+      const int to = (me + s) % n, from = (me - s + n) % n;
+      cp_comm_->sendrecv(block(send, to), to, block(recv, from), from, cp_lane_,
+                         fmt::format("{} step {}/{}", what, s, n - 1));
+    }
+  });
+  Event done(device_);
+  done.record(cp_lane_);
+  done.wait(compute);
+}
+
+Tensor ContextParallel::seq_to_heads(const Tensor& x, const std::string& what) {
+  const int n = mesh_.cp;
+  const std::int64_t rows = x.dim(0), b = x.dim(1), cols = x.dim(2) / n, chunk = rows / 2;
+  // Pack: block r = the columns of head part r, [S/C, B, X/C].
+  const Tensor host = ops::to_device(x, Device::cpu);
+  const Tensor send = Tensor::empty({n * rows * b * cols});
+  for (int r = 0; r < n; ++r)
+    for (std::int64_t i = 0; i < rows * b; ++i)
+      std::memcpy(send.f32().data() + (r * rows * b + i) * cols,
+                  host.f32().data() + i * x.dim(2) + r * cols, std::size_t(cols) * sizeof(float));
+  const Tensor recv = Tensor::empty(send.shape());
+  all_to_all(send, recv, what);
+  // Block r holds CP rank r's two chunks: each goes to its place in the sequence.
+  const Tensor full = Tensor::empty({n * rows, b, cols});
+  const std::int64_t per_chunk = chunk * b * cols;
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < 2; ++j)
+      std::memcpy(full.f32().data() + chunk_of(r, j) * per_chunk,
+                  recv.f32().data() + (2 * r + j) * per_chunk,
+                  std::size_t(per_chunk) * sizeof(float));
+  return ops::to_device(full, device_);
+}
+
+Tensor ContextParallel::heads_to_seq(const Tensor& x, const std::string& what) {
+  const int n = mesh_.cp;
+  const std::int64_t rows = x.dim(0) / n, b = x.dim(1), cols = x.dim(2), chunk = rows / 2;
+  const std::int64_t per_chunk = chunk * b * cols;
+  // Block r = CP rank r's two chunks of this rank's head part.
+  const Tensor host = ops::to_device(x, Device::cpu);
+  const Tensor send = Tensor::empty({n * rows * b * cols});
+  for (int r = 0; r < n; ++r)
+    for (int j = 0; j < 2; ++j)
+      std::memcpy(send.f32().data() + (2 * r + j) * per_chunk,
+                  host.f32().data() + chunk_of(r, j) * per_chunk,
+                  std::size_t(per_chunk) * sizeof(float));
+  const Tensor recv = Tensor::empty(send.shape());
+  all_to_all(send, recv, what);
+  // Block r holds head part r of this rank's rows: its columns.
+  const Tensor local = Tensor::empty({rows, b, n * cols});
+  for (int r = 0; r < n; ++r)
+    for (std::int64_t i = 0; i < rows * b; ++i)
+      std::memcpy(local.f32().data() + i * n * cols + r * cols,
+                  recv.f32().data() + (r * rows * b + i) * cols, std::size_t(cols) * sizeof(float));
+  return ops::to_device(local, device_);
+}
+
+void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        std::int64_t heads, const Tensor& out, const Tensor& lse,
+                                        DType compute_type) {
+  const int n = mesh_.cp, me = mesh_.cp_index, call = forward_calls_++;
+  const Stream compute(device_);
+  if (method_ == CpMethod::ulysses) {
+    // Whole sequence, heads / C of this rank's heads: the rank's own lse buffer holds
+    // [B, heads / C, S], as many floats as [B, heads, S / C].
+    const Tensor qh = seq_to_heads(q, fmt::format("cp q all-to-all (fwd {})", call));
+    const Tensor kh = seq_to_heads(k, fmt::format("cp k all-to-all (fwd {})", call));
+    const Tensor vh = seq_to_heads(v, fmt::format("cp v all-to-all (fwd {})", call));
+    const Tensor oh = Tensor::empty(qh.shape(), DType::f32, device_);
+    {
+      TraceScope span(trace_, "attention fwd (whole sequence, heads / C)");
+      const BlockTimer timer(attention_ms_, attention_blocks_);
+      ops::attention_fused_forward(qh, kh, vh, heads / n, oh,
+                                   lse.reshape({q.dim(1), heads / n, seq_}), compute_type);
+    }
+    ops::copy(heads_to_seq(oh, fmt::format("cp out all-to-all (fwd {})", call)), out);
+    return;
+  }
+  ops::fill(out, 0.0f);
+  ops::fill(lse, -std::numeric_limits<float>::infinity());
+  // This rank's K/V block, packed into one buffer [k | v] so that each hop is one transfer.
+  const std::int64_t kv = k.numel();
+  const Tensor mine = Tensor::empty({2 * kv}, DType::f32, device_);
+  ops::copy(k, packed(mine, 0, k.shape()));
+  ops::copy(v, packed(mine, 1, k.shape()));
+  if (method_ == CpMethod::allgather) {
+    const Tensor all = Tensor::empty({n * 2 * kv}, DType::f32, device_);
+    cp_lane_.run([this, mine, all, call] {
+      TraceScope span(trace_, fmt::format("cp K/V all-gather (fwd {})", call), Lane::cp_comm);
+      cp_comm_->all_gather(mine, all, cp_lane_);
+    });
+    Event done(device_);
+    done.record(cp_lane_);
+    done.wait(compute);
+    for (int r = 0; r < n; ++r) {
+      const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
+      TraceScope span(trace_, fmt::format("attention fwd: K/V of cp rank {}", r));
+      const BlockTimer timer(attention_ms_, attention_blocks_);
+      attend_block(q, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r, heads, out, lse);
+    }
+    return;
+  }
+  // Ring: at step s the rank holds the block of cp rank (me − s) mod C, attends to it while the
+  // block travels on to me + 1 and the next one arrives from me − 1.
+  std::array<Tensor, 2> buf{mine, Tensor::empty({2 * kv}, DType::f32, device_)};
+  Event arrived;
+  for (int s = 0; s < n; ++s) {
+    const Tensor& held = buf[std::size_t(s % 2)];
+    if (s > 0) arrived.wait(compute);
+    if (s + 1 < n)
+      arrived = ring_hop(held, buf[std::size_t((s + 1) % 2)],
+                         fmt::format("cp K/V ring fwd {} hop {}/{}", call, s + 1, n - 1));
+    const int src = (me - s + n) % n;
+    TraceScope span(
+        trace_, fmt::format("attention fwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
+    const BlockTimer timer(attention_ms_, attention_blocks_);
+    attend_block(q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src, heads, out, lse);
+  }
+}
+
+void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                         const Tensor& v, const Tensor& out, const Tensor& lse,
+                                         std::int64_t heads, const Tensor& dq, const Tensor& dk,
+                                         const Tensor& dv, DType compute_type) {
+  const int n = mesh_.cp, me = mesh_.cp_index, call = backward_calls_++;
+  const Stream compute(device_);
+  if (method_ == CpMethod::ulysses) {
+    // The forward kept the sequence-sharded tensors only: q, k, v and the output go to the
+    // head-sharded layout again, with dO; the gradients come back.
+    auto to_heads = [&](const Tensor& t, const char* name) {
+      return seq_to_heads(t, fmt::format("cp {} all-to-all (bwd {})", name, call));
+    };
+    const Tensor qh = to_heads(q, "q"), kh = to_heads(k, "k"), vh = to_heads(v, "v");
+    const Tensor oh = to_heads(out, "out"), doh = to_heads(dout, "dout");
+    const Tensor dqh = Tensor::empty(qh.shape(), DType::f32, device_);
+    const Tensor dkh = Tensor::empty(kh.shape(), DType::f32, device_);
+    const Tensor dvh = Tensor::empty(vh.shape(), DType::f32, device_);
+    {
+      TraceScope span(trace_, "attention bwd (whole sequence, heads / C)");
+      const BlockTimer timer(attention_ms_, attention_blocks_);
+      ops::attention_fused_backward(doh, qh, kh, vh, oh, lse.reshape({q.dim(1), heads / n, seq_}),
+                                    heads / n, dqh, dkh, dvh, compute_type);
+    }
+    ops::copy(heads_to_seq(dqh, fmt::format("cp dq all-to-all (bwd {})", call)), dq);
+    ops::copy(heads_to_seq(dkh, fmt::format("cp dk all-to-all (bwd {})", call)), dk);
+    ops::copy(heads_to_seq(dvh, fmt::format("cp dv all-to-all (bwd {})", call)), dv);
+    return;
+  }
+  ops::fill(dq, 0.0f);
+  const std::int64_t kv = k.numel();
+  const Tensor mine = Tensor::empty({2 * kv}, DType::f32, device_);
+  ops::copy(k, packed(mine, 0, k.shape()));
+  ops::copy(v, packed(mine, 1, k.shape()));
+  if (method_ == CpMethod::allgather) {
+    // K and V gathered again (the forward kept only this rank's), every block's dK/dV computed
+    // here, then reduce-scattered: each rank receives the sum over CP of its own block's.
+    const Tensor all = Tensor::empty({n * 2 * kv}, DType::f32, device_);
+    const Tensor dall = Tensor::zeros({n * 2 * kv}, DType::f32, device_);
+    const Tensor dmine = Tensor::empty({2 * kv}, DType::f32, device_);
+    cp_lane_.run([this, mine, all, call] {
+      TraceScope span(trace_, fmt::format("cp K/V all-gather (bwd {})", call), Lane::cp_comm);
+      cp_comm_->all_gather(mine, all, cp_lane_);
+    });
+    Event gathered(device_);
+    gathered.record(cp_lane_);
+    gathered.wait(compute);
+    for (int r = 0; r < n; ++r) {
+      const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
+      const Tensor dblock = dall.slice0(r * 2 * kv, (r + 1) * 2 * kv);
+      TraceScope span(trace_, fmt::format("attention bwd: K/V of cp rank {}", r));
+      const BlockTimer timer(attention_ms_, attention_blocks_);
+      attend_block_backward(dout, q, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r,
+                            out, lse, heads, dq, packed(dblock, 0, k.shape()),
+                            packed(dblock, 1, k.shape()));
+    }
+    Event computed(device_);
+    computed.record(compute);
+    computed.wait(cp_lane_);
+    cp_lane_.run([this, dall, dmine, call] {
+      TraceScope span(trace_, fmt::format("cp dK/dV reduce-scatter (bwd {})", call), Lane::cp_comm);
+      cp_comm_->reduce_scatter(dall, dmine, cp_lane_);
+    });
+    Event done(device_);
+    done.record(cp_lane_);
+    done.wait(compute);
+    ops::copy(packed(dmine, 0, k.shape()), dk);
+    ops::copy(packed(dmine, 1, k.shape()), dv);
+    return;
+  }
+  // Ring: the K/V blocks go round again. The dK/dV partial of the block held at step s is
+  // computed here into a fresh buffer, the partial that the previous ranks accumulated for the
+  // same block (arriving from me − 1) is added, and the sum travels on with the block; after the
+  // last step one more hop brings each block's complete dK/dV to its owner.
+  std::array<Tensor, 2> buf{mine, Tensor::empty({2 * kv}, DType::f32, device_)};
+  std::array<Tensor, 2> dbuf{Tensor::empty({2 * kv}, DType::f32, device_),
+                             Tensor::empty({2 * kv}, DType::f32, device_)};
+  Tensor incoming = Tensor::empty({2 * kv}, DType::f32, device_);
+  Event kv_arrived, d_arrived;
+  for (int s = 0; s < n; ++s) {
+    const Tensor& held = buf[std::size_t(s % 2)];
+    if (s > 0) kv_arrived.wait(compute);
+    if (s + 1 < n)
+      kv_arrived = ring_hop(held, buf[std::size_t((s + 1) % 2)],
+                            fmt::format("cp K/V ring bwd {} hop {}/{}", call, s + 1, n - 1));
+    const int src = (me - s + n) % n;
+    const Tensor& dheld = dbuf[std::size_t(s % 2)];
+    {
+      TraceScope span(
+          trace_, fmt::format("attention bwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
+      const BlockTimer timer(attention_ms_, attention_blocks_);
+      ops::fill(dheld, 0.0f);
+      attend_block_backward(dout, q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src,
+                            out, lse, heads, dq, packed(dheld, 0, k.shape()),
+                            packed(dheld, 1, k.shape()));
+    }
+    if (s > 0) {  // the partial of the same block that the previous ranks accumulated
+      d_arrived.wait(compute);
+      ops::accumulate(incoming, dheld);
+    }
+    // The dK/dV of block src go on to me + 1 (at the last step: home), and the partial for the
+    // next block (at the last step: this rank's own, complete) arrives from me − 1.
+    const Tensor next_in = Tensor::empty({2 * kv}, DType::f32, device_);
+    d_arrived =
+        ring_hop(dheld, next_in, fmt::format("cp dK/dV ring bwd {} hop {}/{}", call, s + 1, n));
+    incoming = next_in;
+  }
+  d_arrived.wait(compute);
+  ops::copy(packed(incoming, 0, k.shape()), dk);
+  ops::copy(packed(incoming, 1, k.shape()), dv);
+}
+
+// --- reporting -----------------------------------------------------------------------------------
+
+Tensor ContextParallel::gather_activation(const Tensor& local) {
+  // Stage 07 puts this CP rank's [S/C, B, H] together (TP and DP); then the CP ranks' chunks go
+  // back to their places in the sequence.
+  const Tensor mine = ops::to_device(inner_->gather_activation(local), Device::cpu);
+  const std::int64_t s = mine.dim(0), chunk = s / 2;
+  const std::size_t bytes = mine.nbytes(), row = bytes / std::size_t(s);
+  const Tensor all = Tensor::empty({mesh_.cp * s, mine.dim(1), mine.dim(2)}, mine.dtype());
+  TPX_MPI_CHECK(MPI_Allgather(mine.raw(), int(bytes), MPI_BYTE, all.raw(), int(bytes), MPI_BYTE,
+                              mesh_.cp_group.comm()));
+  const Tensor full = Tensor::empty({mesh_.cp * s, mine.dim(1), mine.dim(2)}, mine.dtype());
+  for (int r = 0; r < mesh_.cp; ++r)
+    for (int j = 0; j < 2; ++j)
+      std::memcpy(static_cast<std::byte*>(full.raw()) + std::size_t(chunk_of(r, j) * chunk) * row,
+                  static_cast<const std::byte*>(all.raw()) + std::size_t(r * s + j * chunk) * row,
+                  std::size_t(chunk) * row);
+  return full;
+}
+
+CommStats ContextParallel::take_comm_stats() {
+  CommStats s = inner_->take_comm_stats();
+  const CommStats cp = cp_comm_->take_stats();
+  s.payload_bytes += cp.payload_bytes;
+  s.bus_bytes += cp.bus_bytes;
+  s.calls += cp.calls;
+  s.cp_payload_bytes += cp.payload_bytes;
+  s.cp_bus_bytes += cp.bus_bytes;
+  s.cp_attention_ms = std::exchange(attention_ms_, 0.0);
+  s.cp_attention_blocks = std::exchange(attention_blocks_, 0);
+  return s;
+}
+
+void ContextParallel::synchronize() {
+  inner_->synchronize();
+  cp_lane_.synchronize();
+}
+
+std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
+  const BlockConfig& c = ctx.options.config;
+  const int dp = ctx.options.dp == 0 ? 1 : ctx.options.dp;
+  const int cp = ctx.options.cp != 0 ? ctx.options.cp : (ctx.world % 2 == 0 ? 2 : 1);
+  if (dp < 1)
+    throw ConfigError(
+        fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));
+  if (cp < 1)
+    throw ConfigError(fmt::format("--cp must be a positive number of sequence parts (got {})", cp));
+  Mesh mesh = Mesh::make(dp, cp);  // refuses a D·C that does not divide the ranks
+  if (c.batch % dp != 0)
+    throw ConfigError(fmt::format(
+        "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", dp,
+        c.batch));
+  if (cp == 1) {
+    check_tp_split(c, mesh.tp, /*sequence=*/true);
+    return std::make_unique<fsdp::FsdpTp>(ctx, std::move(mesh));
+  }
+  if (c.seq % (2 * cp * mesh.tp) != 0)
+    throw ConfigError(
+        mesh.tp == 1
+            ? fmt::format("--seq {} must be divisible by 2·C = {}: the sequence is cut into 2C "
+                          "chunks, CP rank i holding chunks i and 2C-1-i",
+                          c.seq, 2 * cp)
+            : fmt::format("--seq {} must be divisible by 2·C·T = {}: the sequence is cut into 2C "
+                          "chunks, and each CP rank's two chunks split over its {} TP ranks",
+                          c.seq, 2 * cp * mesh.tp, mesh.tp));
+  if (c.attention != Attention::fused)
+    throw ConfigError(
+        "--cp > 1 needs --attention fused: context parallelism merges the fused kernel's partial "
+        "outputs by their log-sum-exp (the naive kernel keeps no lse)");
+  if (c.device != Device::cpu)
+    throw ConfigError(
+        "--cp > 1 runs on --device cpu in this build: the chunk-pair attention and its "
+        "log-sum-exp merge have no CUDA kernels yet");
+  if (c.dtype != DType::f32)
+    throw ConfigError(fmt::format(
+        "--cp > 1 runs with --dtype fp32 (got {}): the ring's partial outputs are merged in fp32",
+        dtype_flag(c.dtype)));
+  if (ctx.options.cp_method == CpMethod::ulysses && c.kv_heads_or_heads() % (cp * mesh.tp) != 0)
+    throw ConfigError(fmt::format(
+        "--cp-method ulysses needs the {} KV heads to split over C·T = {} ranks: the all-to-all "
+        "gives every rank whole KV heads of the whole sequence (use ring or allgather)",
+        c.kv_heads_or_heads(), cp * mesh.tp));
+  BlockConfig local = c;
+  local.seq = c.seq / cp;
+  check_tp_split(local, mesh.tp, /*sequence=*/true);
+  return std::make_unique<ContextParallel>(ctx, mesh, ctx.options.cp_method);
+}
+
+}  // namespace tpx::cp

@@ -1,0 +1,54 @@
+// Helpers for tests that run stage executables and compare what they write: the --json summary
+// of a run, and two --dump directories tensor by tensor.
+//
+// defines: tpx::test::run_json(), tpx::test::expect_dumps_close()
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/npy.h"
+#include "test_util.h"
+
+namespace tpx::test {
+
+#ifdef TPX_MPIEXEC_FLAGS
+/// The --json summary of `mpirun -np n <stage> <args>` (an empty object, and a failure, when the
+/// run fails).
+inline nlohmann::json run_json(const std::string& stage, int n, const std::string& args) {
+  TempDir dir;
+  const auto r = run_stage(stage, n, args + " --json " + (dir / "s.json").string(), dir);
+  EXPECT_EQ(r.exit_code, 0) << stage << " " << args << "\n" << r.out << r.err;
+  if (r.exit_code != 0) return nlohmann::json::object();
+  return nlohmann::json::parse(read_file(dir / "s.json"));
+}
+#endif
+
+/// Every tensor of `want_dir`'s dump within rtol · max|want| of `got_dir`'s.
+inline void expect_dumps_close(const std::filesystem::path& want_dir,
+                               const std::filesystem::path& got_dir, double rtol,
+                               const std::string& what) {
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(want_dir)) {
+    if (entry.path().extension() != ".npy") continue;
+    ++files;
+    const std::string name = entry.path().filename().string();
+    const NpyArray want = read_npy(entry.path());
+    const NpyArray got = read_npy(got_dir / name);
+    ASSERT_EQ(got.shape, want.shape) << name << " " << what;
+    double scale = 0.0, err = 0.0;
+    for (std::size_t i = 0; i < want.data.size(); ++i) {
+      scale = std::max(scale, std::abs(double(want.data[i])));
+      err = std::max(err, std::abs(double(got.data[i]) - double(want.data[i])));
+    }
+    EXPECT_LE(err, rtol * scale) << name << ": " << what;
+  }
+  EXPECT_GT(files, 20) << "the dump of " << want_dir << " is missing tensors";
+}
+
+}  // namespace tpx::test
