@@ -14,6 +14,7 @@
 #include "agree.h"
 #include "check.h"
 #include "checked.h"
+#include "comm/watchdog.h"
 #include "flops.h"
 #include "memory.h"
 #include "npy.h"
@@ -381,8 +382,13 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
     throw ConfigError(d);
   stop_if_any_rank(startup_problem(st, o, rank, world), world);
 
+  // One flight recorder and watchdog per rank, shared by every communicator and symmetric memory
+  // the stage makes, so that a stall gets one verdict (common/comm/watchdog.h).
+  StageOptions with_monitor = o;
+  if (!st.info.single_device)
+    with_monitor.comm.monitor = std::make_shared<CommMonitor>(o.comm.timeout_s);
   Trace trace(o.trace_path.empty() ? Trace::Mode::measure : Trace::Mode::keep);
-  auto par = st.make(RunContext{o, rank, world, trace});
+  auto par = st.make(RunContext{with_monitor, rank, world, trace});
   const MemoryCheck memory = check_memory(o, par->sharding(), rank);
   stop_if_any_rank(memory.problem, world);
 
@@ -487,6 +493,8 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
       if (write_problem.empty()) write_problem = e.what();
     }
   }
+  // No rank leaves while another may still ask for its records.
+  if (with_monitor.comm.monitor) with_monitor.comm.monitor->barrier();
   if (const StartVerdict v = agree_to_start(!write_problem.empty(), kExitFail, write_problem);
       v.stop)
     return print_error(st, v.message, kExitFail);
