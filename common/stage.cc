@@ -239,6 +239,9 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
   if (o.comm.signal_fault_rank >= world)
     return fmt::format("--fault-skip-signal names rank {}, but the job has ranks 0..{}",
                        o.comm.signal_fault_rank, world - 1);
+  if (o.comm.copy_fault_rank >= world)
+    return fmt::format("--fault-delay-copy names rank {}, but the job has ranks 0..{}",
+                       o.comm.copy_fault_rank, world - 1);
   if (o.comm.copy_delay_us < 0 || o.comm.copy_delay_us > 1'000'000)
     return fmt::format("--fault-copy-delay-us must be 0 … 1000000 (got {})", o.comm.copy_delay_us);
   if (std::string p = ops::device_problem(c.device); !p.empty()) return p;
@@ -439,7 +442,10 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   };
   if (!o.dump_dir.empty() && !r.rows.empty())
     on_rank0([&] {
-      write_dump(o.dump_dir, c, st.info.name, world, r.first);
+      // Into a fresh directory that replaces --dump's in one rename: whole, one run's, or absent.
+      write_dump_dir(o.dump_dir, [&](const fs::path& staging) {
+        write_dump(staging, c, st.info.name, world, r.first);
+      });
       fmt::print("dumped first-step tensors to {}\n", o.dump_dir);
     });
   if (o.check && r.diverged.empty()) {
