@@ -100,8 +100,8 @@ void SymmetricMemory::pull(int peer, std::size_t offset, const Tensor& dst, cons
     stats_.bus_bytes += b;
     stats_.calls += 1;
   }
-  const std::uint64_t seq = recorder_.begin(CommOp::pull, dst.dtype(), dst.numel(), dst.nbytes(),
-                                            -1, peer, what, group_);
+  const std::uint64_t seq =
+      recorder_.begin(CommOp::pull, dst.dtype(), dst.numel(), dst.nbytes(), -1, peer, what, group_);
   int delay_us = random_delay();
   if (monitor_->next(CommMonitor::Kind::pull) == options_.copy_fault &&
       job_rank_ == options_.copy_fault_rank)  // fault injection: this copy takes three timeouts

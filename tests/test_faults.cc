@@ -89,17 +89,15 @@ struct FaultRun {
 /// Runs the case. A stop runs many steps, waits for step 3's row, stops the culprit's process
 /// (found through a wrapper that records its pid) and measures from there.
 FaultRun run_case(const Case& c, const test::TempDir& dir) {
-  const std::string mpirun =
-      fmt::format("{} timeout 90 {} --oversubscribe --bind-to none -np {}", test::kRootMpiEnv,
-                  TPX_MPIEXEC, ranks_of(c));
+  const std::string mpirun = fmt::format("{} timeout 90 {} --oversubscribe --bind-to none -np {}",
+                                         test::kRootMpiEnv, TPX_MPIEXEC, ranks_of(c));
   const std::string stage = test::stage_binary(c.stage);
   FaultRun run;
   const auto t0 = std::chrono::steady_clock::now();
   if (c.failure != Failure::stop) {
-    run.result = test::run_command(
-        fmt::format("cd '{}' && {} {} {} {}", dir.path().string(), mpirun, stage,
-                    stage_args(c, 20), fault_flag(c)),
-        dir);
+    run.result = test::run_command(fmt::format("cd '{}' && {} {} {} {}", dir.path().string(),
+                                               mpirun, stage, stage_args(c, 20), fault_flag(c)),
+                                   dir);
   } else {
     const std::string wrapped = fmt::format(
         "sh -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = {} ]; then echo $$ > pid; fi; exec {} {}'",
@@ -166,10 +164,9 @@ TEST_P(Faults, OneVerdictNamesTheRankAndTheOperation) {
   const std::string& v = verdicts[0];
   EXPECT_EQ(v.find("fault"), std::string::npos) << v;
   EXPECT_EQ(v.find("has not issued"), std::string::npos) << v;
-  EXPECT_EQ(v.rfind(fmt::format("tpx: comm watchdog: an op did not complete in {:.1f} s; ",
-                                kTimeout),
-                    0),
-            0u)
+  EXPECT_EQ(
+      v.rfind(fmt::format("tpx: comm watchdog: an op did not complete in {:.1f} s; ", kTimeout), 0),
+      0u)
       << v;
   // How the verdict names the rank: on the mesh with its group and its number in it.
   const std::string who = mesh(c) ? fmt::format(R"(rank {} \(rank \d of (tp|dp) group \d\))", r)
@@ -178,9 +175,10 @@ TEST_P(Faults, OneVerdictNamesTheRankAndTheOperation) {
   switch (c.failure) {
     case Failure::skip_collective:
     case Failure::skip_signal: {
-      ASSERT_TRUE(std::regex_search(
-          v, m, std::regex(fmt::format(R"(first difference at op #(\d+) \((.+?)\): {} skipped it)",
-                                       who))))
+      ASSERT_TRUE(
+          std::regex_search(v, m,
+                            std::regex(fmt::format(
+                                R"(first difference at op #(\d+) \((.+?)\): {} skipped it)", who))))
           << v;
       const std::string op = m[2];
       const bool signal = op.rfind("signal to ", 0) == 0;
@@ -196,7 +194,8 @@ TEST_P(Faults, OneVerdictNamesTheRankAndTheOperation) {
     }
     case Failure::delay_copy: {
       ASSERT_TRUE(std::regex_search(
-          v, m, std::regex(fmt::format(R"(op #(\d+) \((pull .+?)\) did not complete on {};)", who))))
+          v, m,
+          std::regex(fmt::format(R"(op #(\d+) \((pull .+?)\) did not complete on {};)", who))))
           << v;
       const std::string line = dump_line(err, r, m[1]);
       EXPECT_NE(line.find("in flight"), std::string::npos) << line << "\n" << err;

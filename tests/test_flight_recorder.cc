@@ -130,8 +130,9 @@ TEST(Diagnose, NamesTheRankThatSkippedAnOpAndNoOther) {
   ASSERT_TRUE(v.seq.has_value()) << v.text;
   EXPECT_EQ(*v.seq, 5u);
   EXPECT_EQ(v.ranks, std::vector<int>{1});
-  EXPECT_TRUE(has(v.text, "first difference at op #5 (all_reduce fp32[256] 1024 B): rank 1 "
-                          "skipped it"))
+  EXPECT_TRUE(has(v.text,
+                  "first difference at op #5 (all_reduce fp32[256] 1024 B): rank 1 "
+                  "skipped it"))
       << v.text;
   EXPECT_FALSE(has(v.text, "rank 0")) << v.text;
   EXPECT_FALSE(has(v.text, "rank 2")) << v.text;
@@ -145,8 +146,9 @@ TEST(Diagnose, ARankWaitingInAnOpIsNotBlamedForTheOpsAfterIt) {
   ASSERT_TRUE(v.seq.has_value());
   EXPECT_EQ(*v.seq, 6u);
   EXPECT_EQ(v.ranks, std::vector<int>{2});
-  EXPECT_TRUE(has(v.text, "op #6 (all_reduce fp32[256] 1024 B) did not complete on rank 2; "
-                          "ranks 0, 1 completed it"))
+  EXPECT_TRUE(has(v.text,
+                  "op #6 (all_reduce fp32[256] 1024 B) did not complete on rank 2; "
+                  "ranks 0, 1 completed it"))
       << v.text;
   EXPECT_FALSE(has(v.text, "has not issued")) << v.text;
 }

@@ -180,8 +180,9 @@ TEST(Outputs, AFullDiskIsAnErrorNamingThePathOnEveryRank) {
     EXPECT_EQ(lines.size(), 2u) << r.err;
     // The same one-line form as every other error: no source location in it.
     for (const auto& line : lines)
-      EXPECT_EQ(line, "03_sequence_parallel: error: cannot write '/dev/full': No space left on "
-                      "device")
+      EXPECT_EQ(line,
+                "03_sequence_parallel: error: cannot write '/dev/full': No space left on "
+                "device")
           << line;
   }
 }
@@ -207,10 +208,10 @@ TEST(Outputs, AReusedDumpDirectoryLosesOnlyTheStagesStaleFiles) {
 TEST(Outputs, TwoJobsWritingOneDumpLeaveOneRunsWholeDump) {
   const TempDir dir;
   auto job = [&](int seed, const fs::path& dump) {
-    return fmt::format("{} timeout 60 {} {} {}", test::kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS,
-                       group(1, "06_fp8",
-                             fmt::format("{} --steps 1 --seed {} --dump {}", kSmall, seed,
-                                         dump.string())));
+    return fmt::format(
+        "{} timeout 60 {} {} {}", test::kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS,
+        group(1, "06_fp8",
+              fmt::format("{} --steps 1 --seed {} --dump {}", kSmall, seed, dump.string())));
   };
   // Each seed's dump on its own, then both at once into one directory.
   for (int seed : {1, 2})

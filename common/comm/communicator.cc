@@ -181,9 +181,8 @@ void Communicator::all_gather(const Tensor& in, const Tensor& out, const Stream&
   check_device(out, "all_gather", "output");
   check_split(in, out, size_, "all_gather");
   const std::uint64_t payload = out.nbytes();
-  const auto seq =
-      begin_op(CommOp::all_gather, in.dtype(), out.numel(), payload, ring_share(payload, size_, 1),
-               -1, -1, {}, booked);
+  const auto seq = begin_op(CommOp::all_gather, in.dtype(), out.numel(), payload,
+                            ring_share(payload, size_, 1), -1, -1, {}, booked);
   if (!seq) return;
   do_all_gather(in, out, s);
   end_op(*seq);

@@ -188,7 +188,7 @@ class Communicator {
   CommStats stats_;
   std::uint64_t current_seq_ = 0;
   std::map<std::uint64_t, std::int64_t> booked_;  // book()ed ops: seq → collective number
-  OpGroup group_;  // how the records name this communicator's group
+  OpGroup group_;                                 // how the records name this communicator's group
   int job_rank_;   // this rank in the whole job (what the fault flags name)
   int poll_ = -1;  // the backend's poll, registered with the monitor
 };

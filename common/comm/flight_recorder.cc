@@ -262,9 +262,11 @@ std::optional<Verdict> first_difference(const std::vector<const RankOps*>& live)
     int best = 0;
     for (const auto& [sig, n] : votes)
       if (n > best) best = n, expected = sig;
-    const OpRecord* example = nullptr;
+    const OpRecord* example = nullptr;  // the op as a rank that ran it has it
     for (const Entry& e : entries)
-      if (e.kind == Entry::record && expected && signature_of(*e.rec) == *expected) example = e.rec;
+      if (!example && e.kind == Entry::record && e.rec->state != OpState::skipped && expected &&
+          signature_of(*e.rec) == *expected)
+        example = e.rec;
 
     Verdict v;
     std::vector<std::string> problems;
@@ -374,8 +376,8 @@ Verdict diagnose(std::span<const RankOps> ranks) {
     for (int r : behind)
       words.push_back(fmt::format("{} has not issued it ({})", rank_words(r, nullptr),
                                   last_op_words(*find_rank(r))));
-    v.text = fmt::format("op #{} ({}) waits: {}", seq, describe_op(*holding_op),
-                         fmt::join(words, "; "));
+    v.text =
+        fmt::format("op #{} ({}) waits: {}", seq, describe_op(*holding_op), fmt::join(words, "; "));
   } else if (!done.empty() || holding.size() == 1) {
     // The op is stuck on the ranks still holding it, and only there.
     v.ranks = {oldest_rank->rank};
@@ -383,8 +385,8 @@ Verdict diagnose(std::span<const RankOps> ranks) {
                          rank_words(oldest_rank->rank, holding_op),
                          done.empty() ? "" : fmt::format("; {} completed it", ranks_words(done)));
   } else {
-    v.text = fmt::format("every rank waits in op #{} ({}): none skipped it or issued another",
-                         seq, describe_op(*holding_op));
+    v.text = fmt::format("every rank waits in op #{} ({}): none skipped it or issued another", seq,
+                         describe_op(*holding_op));
   }
   return v;
 }

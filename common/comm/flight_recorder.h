@@ -36,7 +36,7 @@ enum class CommOp : std::uint8_t {
   recv,
   sendrecv,
   barrier,
-  signal,      ///< a symmetric-memory signal to `peer`; `count` is its generation
+  signal,       ///< a symmetric-memory signal to `peer`; `count` is its generation
   signal_wait,  ///< a wait for `src`'s signal of generation `count` (common/symmetric_memory.h)
   pull          ///< a copy-engine pull of `bytes` from `src`'s symmetric buffer
 };
@@ -78,9 +78,7 @@ struct OpGroup {
   std::string_view name;
   int rank = -1;          ///< this rank's number in the group
   std::vector<int> jobs;  ///< jobs[r]: the job rank of the group's rank r (empty: the whole job)
-  int job_of(int r) const {
-    return r < 0 || jobs.empty() ? r : jobs[static_cast<std::size_t>(r)];
-  }
+  int job_of(int r) const { return r < 0 || jobs.empty() ? r : jobs[static_cast<std::size_t>(r)]; }
 };
 
 /// The last `capacity` ops of one rank. Thread-safe: the op's thread appends and updates, the

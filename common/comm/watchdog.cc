@@ -206,8 +206,8 @@ void Watchdog::wait_to_be_killed(double seconds, const std::string& line) {
 }
 
 void Watchdog::report(const OpRecord& op, const std::string& trigger) {
-  const std::string op_words = fmt::format("op #{} ({}) on rank {} is the oldest in flight", op.seq,
-                                           describe_op(op), rank_);
+  const std::string op_words =
+      fmt::format("op #{} ({}) on rank {} is the oldest in flight", op.seq, describe_op(op), rank_);
   int expected = static_cast<int>(Role::watching);
   if (!role_.compare_exchange_strong(expected, static_cast<int>(Role::reporting))) {
     // Another rank already asked for our records and is diagnosing; it ends the job.
@@ -277,8 +277,7 @@ void Watchdog::report(const OpRecord& op, const std::string& trigger) {
   // The verdict depends on the records alone, so whichever rank prints it, it reads the same.
   const Verdict v = diagnose(ranks);
   std::string line = fmt::format("{}: {}; {}", prefix_, trigger, v.text);
-  if (!silent.empty())
-    line += fmt::format(" (no answer within {:.1f} s)", grace_s_);
+  if (!silent.empty()) line += fmt::format(" (no answer within {:.1f} s)", grace_s_);
   if (printer == rank_) abort_job(line);
   // A lower rank is diagnosing the same hang and prints the line; give it time to end the job.
   wait_to_be_killed(grace_s_ + 10.0, line);
@@ -288,8 +287,8 @@ void Watchdog::report(const OpRecord& op, const std::string& trigger) {
 
 CommMonitor::CommMonitor(double timeout_s, const RankGroup& group) : timeout_s_(timeout_s) {
   if (timeout_s > 0 && Watchdog::supported())
-    watchdog_ = std::make_unique<Watchdog>(recorder_, timeout_s, [this] { return poll_all(); },
-                                           group);
+    watchdog_ = std::make_unique<Watchdog>(
+        recorder_, timeout_s, [this] { return poll_all(); }, group);
 }
 
 CommMonitor::~CommMonitor() = default;
