@@ -167,9 +167,18 @@ void Watchdog::service_requests() {
 
 void Watchdog::print_own_ops(const std::string& headline) {
   printed_ = true;
+  // The last 64 ops, and further back to a few before the oldest that is not done (skipped, in
+  // flight, failed); the analysis reads the whole ring.
+  constexpr std::ptrdiff_t kShown = 64, kContext = 8;
   const auto ops = recorder_.snapshot();
+  const auto n = static_cast<std::ptrdiff_t>(ops.size());
+  const auto open =
+      std::ranges::find_if(ops, [](const OpRecord& r) { return r.state != OpState::done; });
+  const std::ptrdiff_t first =
+      std::max<std::ptrdiff_t>(0, std::min(open - ops.begin() - kContext, n - kShown));
   std::string text = headline + "\n";
-  text += format_ops(ops, now(), fmt::format("[rank {}] ", rank_));
+  text += format_ops(std::span(ops).subspan(static_cast<std::size_t>(first)), now(),
+                     fmt::format("[rank {}] ", rank_));
   fmt::print(stderr, "{}", text);
   std::fflush(stderr);
 }
