@@ -183,9 +183,11 @@ void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l)
   record_stream(send, gather_lane_);
   record_stream(g.full, gather_lane_);
   const std::string what = fmt::format("layer {} weights all-gather", l);
-  gather_lane_.run([this, send, full = g.full, what] {
+  // Booked now, so that the flight recorder has it in the program's order on every rank.
+  const std::uint64_t booked = dp_comm_->book(CommOp::all_gather, what);
+  gather_lane_.run([this, send, full = g.full, what, booked] {
     TraceScope span(trace_, what, Lane::dp_comm);
-    dp_comm_->all_gather(send, full, gather_lane_);
+    dp_comm_->all_gather(send, full, gather_lane_, booked);
   });
   g.done.record(gather_lane_);
   gathers_.insert_or_assign(l, std::move(g));
@@ -265,9 +267,10 @@ void FsdpTp::grads_done(std::size_t l, const LayerParams& full, const LayerParam
   record_stream(r.flat, reduce_lane_);
   record_stream(shard, reduce_lane_);
   const std::string what = fmt::format("layer {} grads reduce-scatter", l);
-  reduce_lane_.run([this, flat = r.flat, shard, what] {
+  const std::uint64_t booked = dp_comm_->book(CommOp::reduce_scatter, what);
+  reduce_lane_.run([this, flat = r.flat, shard, what, booked] {
     TraceScope span(trace_, what, Lane::dp_comm);
-    dp_comm_->reduce_scatter(flat, shard, reduce_lane_);
+    dp_comm_->reduce_scatter(flat, shard, reduce_lane_, booked);
   });
   r.done.record(reduce_lane_);
   reductions_.push_back(std::move(r));

@@ -227,15 +227,17 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->capture_default_str()
       ->group(comm);
   add_number(app, "--comm-timeout", o.comm.timeout_s,
-             "seconds a collective may take before every rank prints its last ops and the job "
-             "aborts naming the first op the ranks disagree on")
+             "seconds a communication op may take before every rank prints its last ops and the "
+             "job aborts with one line naming the op and the rank that stopped it (at least 0.1)")
       ->type_name("SECONDS")
       ->group(comm);
   // Fault injection for the watchdog's tests; hidden from --help (empty group).
   add_rank_pair(app, "--fault-skip-collective", "SEQ", o.comm.fault_rank, o.comm.fault_seq,
-                "RANK:SEQ: that rank silently skips its op SEQ");
+                "RANK:SEQ: that rank silently skips its collective (or ring step) SEQ (0-based)");
   add_rank_pair(app, "--fault-skip-signal", "N", o.comm.signal_fault_rank, o.comm.signal_fault,
                 "RANK:N: that rank never sends its symmetric-memory signal N (0-based)");
+  add_rank_pair(app, "--fault-delay-copy", "N", o.comm.copy_fault_rank, o.comm.copy_fault,
+                "RANK:N: that rank's copy-engine pull N (0-based) takes three comm timeouts");
   add_number(app, "--fault-copy-delay-us", o.comm.copy_delay_us,
              "each copy-lane pull and signal first waits a random 0..US microseconds")
       ->type_name("US")
@@ -285,17 +287,18 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   }
   if (info.single_device)
     for (const char* flag : {"--comm", "--comm-timeout", "--fault-skip-collective",
-                             "--fault-skip-signal", "--fault-copy-delay-us"})
+                             "--fault-skip-signal", "--fault-delay-copy", "--fault-copy-delay-us"})
       if (app.count(flag) > 0)
         return {std::nullopt,
                 fmt::format("{} has no meaning for {}: it runs on one device and does not "
                             "communicate",
                             flag, info.name),
                 2};
-  if (!(o.comm.timeout_s > 0))
+  if (!(o.comm.timeout_s >= kMinCommTimeout))
     return {std::nullopt,
-            fmt::format("--comm-timeout must be a positive number of seconds (got {})",
-                        o.comm.timeout_s),
+            fmt::format("--comm-timeout must be at least {} s (got {}): a shorter one would "
+                        "report a healthy job's ordinary waits as a stall",
+                        kMinCommTimeout, o.comm.timeout_s),
             2};
   o.comm.kind = parse_comm_kind(comm_kind);
   o.all_gather = all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
@@ -359,7 +362,11 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
 
 ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
   const BlockConfig& c = o.config;
-  auto given = [](const std::string& path) { return path.empty() ? "not given" : "given"; };
+  // Output paths are agreed by value: rank 0 writes them, so a path given to another rank alone
+  // (or a different one) would be dropped silently.
+  auto given = [](const std::string& path) {
+    return path.empty() ? std::string("not given") : fmt::format("'{}'", path);
+  };
   return {
       {"the stage", info.name},
       {"--hidden", fmt::format("{}", c.hidden)},
@@ -387,6 +394,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
       {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},
       {"--fault-skip-signal", fmt::format("{}:{}", o.comm.signal_fault_rank, o.comm.signal_fault)},
+      {"--fault-delay-copy", fmt::format("{}:{}", o.comm.copy_fault_rank, o.comm.copy_fault)},
       {"--fault-copy-delay-us", fmt::format("{}", o.comm.copy_delay_us)},
       {"--all-gather", to_string(o.all_gather)},
       {"--dp", fmt::format("{}", o.dp)},
@@ -395,6 +403,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--cp-method", to_string(o.cp_method)},
       {"--check", o.check ? "given" : "not given"},
       {"--dump", given(o.dump_dir)},
+      {"--json", given(o.json_path)},
       {"--trace", given(o.trace_path)}};
 }
 

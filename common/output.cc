@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <regex>
@@ -23,8 +24,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
+/// Thrown as it is: the message is the user's one line, with no source location.
 [[noreturn]] void fail_write(const fs::path& path, int err) {
-  fail(fmt::format("cannot write '{}': {}", path.string(), std::strerror(err)));
+  throw Error(fmt::format("cannot write '{}': {}", path.string(), std::strerror(err)));
 }
 
 fs::path directory_of(const fs::path& path) {
@@ -38,19 +40,34 @@ struct Temporary {
   fs::path path;
 };
 
-/// Creates the temporary with O_EXCL (never an existing file) and mode 0666, so that the umask
-/// applies as to any new file (mkstemp's 0600 would make every output private).
-Temporary create_temporary(const fs::path& path) {
+/// A new name next to `path`: ".<name>.<kind>-XXXXXX" with six random letters and digits.
+fs::path sibling_name(const fs::path& path, std::string_view kind) {
   static constexpr std::string_view kChars =
       "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
   thread_local std::mt19937_64 random(std::random_device{}());
+  std::string suffix(6, ' ');
+  for (char& c : suffix) c = kChars[random() % kChars.size()];
+  return directory_of(path) / fmt::format(".{}.{}-{}", path.filename().string(), kind, suffix);
+}
+
+/// Creates the temporary with O_EXCL (never an existing file) and mode 0666, so that the umask
+/// applies as to any new file (mkstemp's 0600 would make every output private).
+Temporary create_temporary(const fs::path& path) {
   for (int attempt = 0; attempt < 100; ++attempt) {
-    std::string suffix(6, ' ');
-    for (char& c : suffix) c = kChars[random() % kChars.size()];
-    const std::string name = fmt::format(".{}.tmp-{}", path.filename().string(), suffix);
-    fs::path temp = directory_of(path) / name;
+    fs::path temp = sibling_name(path, "tmp");
     const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0 || errno != EEXIST) return {fd, std::move(temp)};
+  }
+  return {};  // errno is EEXIST
+}
+
+/// A new, empty directory next to `path` (mode 0777 less the umask); empty path on failure, with
+/// errno set.
+fs::path create_temporary_dir(const fs::path& path) {
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    fs::path temp = sibling_name(path, "tmp");
+    if (::mkdir(temp.c_str(), 0777) == 0) return temp;
+    if (errno != EEXIST) return {};
   }
   return {};  // errno is EEXIST
 }
@@ -116,18 +133,32 @@ const std::regex& fp8_dump_files() {
   return files;
 }
 
-/// Removes the files (not directories) of `dir` that are ours; empty, or why one could not be.
-std::string remove_stale(const fs::path& dir, const std::regex& own) {
-  std::error_code ec, type_ec;
-  std::vector<fs::path> stale;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-    if (!it->is_directory(type_ec) && is_ours(it->path().filename().string(), own))
-      stale.push_back(it->path());
-  if (ec) return fmt::format("cannot list '{}': {}", dir.string(), ec.message());
-  for (const fs::path& file : stale)
-    if (!fs::remove(file, ec) && ec)
-      return fmt::format("cannot remove '{}' of an earlier run: {}", file.string(), ec.message());
-  return {};
+/// Moves the entries of an old dump directory `from` that are not a stage's into the new one, `to`,
+/// where no entry of that name exists. `top`: the directory itself, whose fp8/ is the stage's and
+/// sorted alike; else its fp8/.
+void carry_over(const fs::path& from, const fs::path& to, bool top) {
+  std::error_code ec;
+  for (fs::directory_iterator it(from, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code entry_ec;
+    const bool directory = it->is_directory(entry_ec);
+    if (top && directory && name == "fp8") {
+      fs::create_directory(to / name, entry_ec);
+      carry_over(it->path(), to / name, false);
+      if (fs::is_empty(to / name, entry_ec)) fs::remove(to / name, entry_ec);
+      continue;
+    }
+    if (!directory && is_ours(name, top ? stage_dump_files() : fp8_dump_files())) continue;
+    if (!fs::exists(to / name, entry_ec)) fs::rename(it->path(), to / name, entry_ec);
+  }
+}
+
+/// `path` as an absolute name with no trailing separator (the name a rename replaces).
+fs::path directory_name(const fs::path& path) {
+  std::error_code ec;
+  fs::path abs = fs::absolute(path, ec).lexically_normal();
+  if (abs.filename().empty()) abs = abs.parent_path();
+  return abs;
 }
 
 }  // namespace
@@ -220,13 +251,46 @@ std::string prepare_dump_dir(const fs::path& dir) {
   if (ec) return problem(fmt::format("cannot create the directory: {}", ec.message()));
   if (const int err = probe_directory_of(dir / "config.json"); err != 0)
     return problem(fmt::format("cannot create files in it: {}", std::strerror(err)));
-  if (std::string why = remove_stale(dir, stage_dump_files()); !why.empty()) return problem(why);
-  const fs::path fp8 = dir / "fp8";
-  if (fs::is_directory(fp8, ec)) {
-    if (std::string why = remove_stale(fp8, fp8_dump_files()); !why.empty()) return problem(why);
-    if (fs::is_empty(fp8, ec)) fs::remove(fp8, ec);  // a user's file in it keeps it
-  }
+  const fs::path name = directory_name(dir);
+  const fs::path probe = create_temporary_dir(name);
+  if (probe.empty())
+    return problem(fmt::format("cannot create a directory beside it in '{}': {}",
+                               name.parent_path().string(), std::strerror(errno)));
+  fs::remove(probe, ec);
   return {};
+}
+
+void write_dump_dir(const fs::path& dir, const std::function<void(const fs::path&)>& fill) {
+  const fs::path target = directory_name(dir);
+  const fs::path staging = create_temporary_dir(target);
+  if (staging.empty()) fail_write(dir, errno);
+  std::error_code ec;
+  try {
+    fill(staging);
+  } catch (...) {
+    fs::remove_all(staging, ec);
+    throw;
+  }
+  // Into place: a rename onto a missing (or empty) directory, else an exchange with the old one.
+  if (::rename(staging.c_str(), target.c_str()) == 0) return;
+  if (errno != ENOTEMPTY && errno != EEXIST) {
+    const int err = errno;
+    fs::remove_all(staging, ec);
+    fail_write(dir, err);
+  }
+  fs::path old = staging;  // after an exchange, the old directory is here
+  if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
+    // A file system without exchange: the old directory steps aside first.
+    old = sibling_name(target, "old");
+    if (::rename(target.c_str(), old.c_str()) != 0 ||
+        ::rename(staging.c_str(), target.c_str()) != 0) {
+      const int err = errno;
+      fs::remove_all(staging, ec);
+      fail_write(dir, err);
+    }
+  }
+  carry_over(old, target, /*top=*/true);
+  fs::remove_all(old, ec);
 }
 
 }  // namespace tpx

@@ -5,11 +5,16 @@
 // close and rename is checked (POSIX calls; writes loop over EINTR and short writes) and a failure
 // throws tpx::Error "cannot write '<path>': <strerror>".
 //
+// A --dump directory is whole or absent in the same way, as a set: its files are written into a
+// fresh temporary directory beside it (".<name>.tmp-XXXXXX") that replaces it in one rename once
+// complete (write_dump_dir), so two jobs writing one directory leave one job's whole dump, and a
+// crash mid-write leaves no partial dump under the directory's name.
+//
 // The paths are also checked before training starts (output_file_problem, prepare_dump_dir), so a
 // typo in a directory costs a one-line error, not a run.
 //
 // defines: tpx::OutputFile, tpx::write_file_atomically(), tpx::write_text_file(),
-//          tpx::output_file_problem(), tpx::prepare_dump_dir()
+//          tpx::output_file_problem(), tpx::prepare_dump_dir(), tpx::write_dump_dir()
 #pragma once
 
 #include <cstddef>
@@ -68,13 +73,23 @@ void write_text_file(const std::filesystem::path& path, std::string_view text);
 /// creates no directories.
 std::string output_file_problem(std::string_view flag, const std::filesystem::path& path);
 
-/// Gets a --dump directory ready: creates it (and its parents) if needed, checks that files can be
-/// created in it, and removes the files an earlier run of a stage wrote there, so that a smaller
-/// run leaves no stale tensors behind: input.npy, target.npy, output.npy, input.grad.npy,
-/// loss.npy, config.json, layers.L.P.npy and layers.L.P.grad.npy for any layer L and the nine
-/// parameter names, fp8/layers.L.*.npy (and fp8/ itself when that empties it), and temporaries
-/// left by an interrupted write of any of these. Nothing else: a user's own files stay.
-/// Returns empty on success, else one sentence naming --dump, the directory and why.
+/// Gets a --dump directory ready: creates it (and its parents) if needed and checks that files can
+/// be created in it and a temporary directory beside it. Changes nothing in it: what an earlier
+/// run left is replaced when the new dump is complete (write_dump_dir). Returns empty on success,
+/// else one sentence naming --dump, the directory and why.
 std::string prepare_dump_dir(const std::filesystem::path& dir);
+
+/// Writes the --dump directory `dir` whole or not at all: `fill` writes every file into the
+/// directory it is given, a new temporary one beside `dir`, which then takes `dir`'s place in one
+/// rename (renameat2's RENAME_EXCHANGE when `dir` exists, so that it is never missing; where the
+/// file system cannot exchange, `dir` is renamed aside first). The old directory's files that
+/// are not a stage's (anything but input.npy, target.npy, output.npy, input.grad.npy, loss.npy,
+/// config.json, layers.L.P[.grad].npy for the nine parameter names P, fp8/layers.L.*.npy, and
+/// temporaries of these) move into the new one, so a user's own files stay and a smaller run
+/// leaves no stale tensors; then the old directory is removed. On a failure, including an
+/// exception from `fill`, the temporary is removed and `dir` is untouched; ours throw tpx::Error
+/// "cannot write '<dir>': <reason>".
+void write_dump_dir(const std::filesystem::path& dir,
+                    const std::function<void(const std::filesystem::path&)>& fill);
 
 }  // namespace tpx

@@ -46,9 +46,11 @@ Event P2PTransport::shift(const Tensor& send, const Tensor& recv, const Event& a
   record_stream(recv, stream_);
   // The task owns copies of the tensor handles: on the cpu they keep the memory alive until the
   // transfer has run on the comm thread.
-  stream_.run([this, send, recv, what, next = mod(r + 1, n), prev = mod(r - 1, n)] {
+  // Booked now, in the program's order; run when the comm lane gets to it.
+  const std::uint64_t booked = comm_.book(CommOp::sendrecv, what);
+  stream_.run([this, send, recv, what, booked, next = mod(r + 1, n), prev = mod(r - 1, n)] {
     TraceScope span(trace_, what, Lane::comm);
-    comm_.sendrecv(send, next, recv, prev, stream_, what);
+    comm_.sendrecv(send, next, recv, prev, stream_, what, booked);
   });
   Event done(send.device());
   done.record(stream_);

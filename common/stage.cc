@@ -16,6 +16,7 @@
 #include "agree.h"
 #include "check.h"
 #include "checked.h"
+#include "comm/watchdog.h"
 #include "flops.h"
 #include "memory.h"
 #include "npy.h"
@@ -266,6 +267,9 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
   if (o.comm.signal_fault_rank >= world)
     return fmt::format("--fault-skip-signal names rank {}, but the job has ranks 0..{}",
                        o.comm.signal_fault_rank, world - 1);
+  if (o.comm.copy_fault_rank >= world)
+    return fmt::format("--fault-delay-copy names rank {}, but the job has ranks 0..{}",
+                       o.comm.copy_fault_rank, world - 1);
   if (o.comm.copy_delay_us < 0 || o.comm.copy_delay_us > 1'000'000)
     return fmt::format("--fault-copy-delay-us must be 0 … 1000000 (got {})", o.comm.copy_delay_us);
   if (std::string p = ops::device_problem(c.device); !p.empty()) return p;
@@ -433,8 +437,8 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
   const Traffic& dp = plan.dp_traffic;
   const std::uint64_t saved = memory.estimate.term("saved activations").bytes;
   if (rank == 0) {
-    print_header(st, c, world, plan.comm, nodes.layout(), speed, memory.estimate,
-                 memory.reference, memory.available, /*dry_run=*/true);
+    print_header(st, c, world, plan.comm, nodes.layout(), speed, memory.estimate, memory.reference,
+                 memory.available, /*dry_run=*/true);
     const StepFlops f = step_flops(c);
     fmt::print(
         "\ndry run: nothing computed or allocated; one training step per rank, from the formulas "
@@ -483,12 +487,17 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   stop_if_any_rank(startup_problem(st, o, rank, world), world);
   const NodeMap nodes = NodeMap::discover();  // which node every rank runs on
   if (o.dry_run && !st.plan)  // every stage's plan is its formulas; a stage without them says so
-    throw ConfigError(fmt::format("{} has no --dry-run: its formulas are not in common/traffic.h yet",
-                                  st.info.name));
+    throw ConfigError(fmt::format(
+        "{} has no --dry-run: its formulas are not in common/traffic.h yet", st.info.name));
   if (o.dry_run) return dry_run(st, o, rank, world, nodes);
 
+  // One flight recorder and watchdog per rank, shared by every communicator and symmetric memory
+  // the stage makes, so that a stall gets one verdict (common/comm/watchdog.h).
+  StageOptions with_monitor = o;
+  if (!st.info.single_device)
+    with_monitor.comm.monitor = std::make_shared<CommMonitor>(o.comm.timeout_s);
   Trace trace(o.trace_path.empty() ? Trace::Mode::measure : Trace::Mode::keep);
-  auto par = st.make(RunContext{o, rank, world, trace});
+  auto par = st.make(RunContext{with_monitor, rank, world, trace});
   const Placement placement = place(nodes, par->mesh_groups());
   const MemoryCheck memory = check_memory(o, par->sharding(), rank);
   stop_if_any_rank(memory.problem, world);
@@ -497,8 +506,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   if (rank == 0) {
     speed.peak_tflops = ops::bf16_gemm_peak_tflops(c.device);  // 0 on the cpu
     print_header(st, c, world, par->comm_name(), placement.header, speed, memory.estimate,
-                 memory.reference,
-                 memory.available);
+                 memory.reference, memory.available);
   }
   // Ranks that share rank 0's GPU must not start their steps while it measures the peak.
   if (c.device == Device::cuda) TPX_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
@@ -548,7 +556,10 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   };
   if (!o.dump_dir.empty() && !r.rows.empty())
     on_rank0([&] {
-      write_dump(o.dump_dir, o, st.info.name, world, r.first);
+      // Into a fresh directory that replaces --dump's in one rename: whole, one run's, or absent.
+      write_dump_dir(o.dump_dir, [&](const fs::path& staging) {
+        write_dump(staging, o, st.info.name, world, r.first);
+      });
       fmt::print("dumped first-step tensors to {}\n", o.dump_dir);
     });
   if (o.check && r.diverged.empty()) {
@@ -602,6 +613,8 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
       if (write_problem.empty()) write_problem = e.what();
     }
   }
+  // No rank leaves while another may still ask for its records.
+  if (with_monitor.comm.monitor) with_monitor.comm.monitor->barrier();
   if (const StartVerdict v = agree_to_start(!write_problem.empty(), kExitFail, write_problem);
       v.stop)
     return print_agreed_error(st, v.message, kExitFail, rank);  // only rank 0 writes

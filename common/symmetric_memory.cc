@@ -2,6 +2,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -25,9 +26,22 @@ const char* to_string(Signal s) {
 
 // --- what every backend shares -------------------------------------------------------------------
 
+namespace {
+
+std::vector<int> job_ranks(const RankGroup& g) {
+  std::vector<int> jobs;
+  if (!g.is_world())
+    for (int r = 0; r < g.size(); ++r) jobs.push_back(g.world_rank_of(r));
+  return jobs;
+}
+
+}  // namespace
+
 SymmetricMemory::SymmetricMemory(int rank, int world, Device device, std::size_t bytes,
                                  const SymmetricOptions& o, Trace& trace)
-    : trace_(trace),
+    : monitor_(o.monitor ? o.monitor : std::make_shared<CommMonitor>(o.timeout_s, o.group)),
+      recorder_(monitor_->recorder()),
+      trace_(trace),
       copy_(Stream::create(device)),
       options_(o),
       rank_(rank),
@@ -35,14 +49,14 @@ SymmetricMemory::SymmetricMemory(int rank, int world, Device device, std::size_t
       device_(device),
       bytes_(bytes),
       sent_(static_cast<std::size_t>(kSignals * world), 0),
+      group_{options_.group.name(), rank, job_ranks(options_.group)},
+      job_rank_(options_.group.world_rank_of(rank)),
       rng_(o.delay_seed + static_cast<std::uint64_t>(rank)) {}
 
 SymmetricMemory::~SymmetricMemory() = default;
 
 void SymmetricMemory::start_watchdog() {
-  if (options_.timeout_s > 0 && Watchdog::supported())
-    watchdog_ = std::make_unique<Watchdog>(recorder_, options_.timeout_s,
-                                           [this] { return poll_pending(); });
+  poll_ = monitor_->add_poll([this] { return poll_pending(); });
 }
 
 void SymmetricMemory::stop() {
@@ -50,7 +64,7 @@ void SymmetricMemory::stop() {
     copy_.synchronize();  // its tasks use the buffers and the recorder
   } catch (...) {         // a failed pull or wait was reported where it was waited on
   }
-  watchdog_.reset();
+  if (poll_ >= 0) monitor_->remove_poll(std::exchange(poll_, -1));
 }
 
 Tensor SymmetricMemory::local(const std::vector<std::int64_t>& shape, DType dtype,
@@ -87,7 +101,16 @@ void SymmetricMemory::pull(int peer, std::size_t offset, const Tensor& dst, cons
     stats_.bus_bytes += b;
     stats_.calls += 1;
   }
-  do_pull(peer, offset, dst, s, std::string(what), random_delay());
+  const std::uint64_t seq =
+      recorder_.begin(CommOp::pull, dst.dtype(), dst.numel(), dst.nbytes(), -1, peer, what, group_);
+  int delay_us = random_delay();
+  if (monitor_->next(CommMonitor::Kind::pull) == options_.copy_fault &&
+      job_rank_ == options_.copy_fault_rank)  // fault injection: this copy takes three timeouts
+    delay_us = static_cast<int>(std::min(3e6 * std::max(options_.timeout_s, 1.0), 2e9));
+  do_pull(peer, offset, dst, s, std::string(what), delay_us);
+  Event landed(device_);
+  landed.record(s);
+  finish_when(seq, std::move(landed));
 }
 
 void SymmetricMemory::signal(int peer, Signal sig, const Stream& s, std::string_view what) {
@@ -96,8 +119,9 @@ void SymmetricMemory::signal(int peer, Signal sig, const Stream& s, std::string_
       ++sent_[static_cast<std::size_t>(static_cast<int>(sig) * world_ + peer)];
   const std::uint64_t seq =
       recorder_.begin(CommOp::signal, DType::f32, static_cast<std::int64_t>(gen), 0, peer, -1,
-                      fmt::format("{} {}", what, to_string(sig)));
-  if (rank_ == options_.fault_rank && signals_++ == options_.fault_signal) {
+                      fmt::format("{} {}", what, to_string(sig)), group_);
+  if (monitor_->next(CommMonitor::Kind::signal) == options_.fault_signal &&
+      job_rank_ == options_.fault_rank) {
     recorder_.finish(seq, OpState::skipped);  // fault injection: the peer never hears of it
     return;
   }
@@ -110,7 +134,7 @@ void SymmetricMemory::wait(int peer, Signal sig, std::uint64_t generation, const
   if (generation == 0) return;
   const std::uint64_t seq =
       recorder_.begin(CommOp::signal_wait, DType::f32, static_cast<std::int64_t>(generation), 0, -1,
-                      peer, fmt::format("{} {}", what, to_string(sig)));
+                      peer, fmt::format("{} {}", what, to_string(sig)), group_);
   do_wait(peer, sig, generation, s, seq);
 }
 
@@ -120,7 +144,7 @@ std::uint64_t SymmetricMemory::sent(int peer, Signal sig) const {
 
 void SymmetricMemory::barrier() {
   copy_.synchronize();
-  const std::uint64_t seq = recorder_.begin(CommOp::barrier, DType::f32, 0, 0);
+  const std::uint64_t seq = recorder_.begin(CommOp::barrier, DType::f32, 0, 0, -1, -1, {}, group_);
   recorder_.started(seq);
   do_barrier();
   recorder_.finish(seq, OpState::done);
@@ -151,9 +175,7 @@ std::string SymmetricMemory::poll_pending() {
 }
 
 void SymmetricMemory::wait_failed(std::uint64_t seq, const std::string& why) {
-  recorder_.finish(seq, OpState::failed);
-  if (watchdog_) watchdog_->fail_op(seq, why);
-  throw Error(why);
+  monitor_->fail_op(seq, why);
 }
 
 namespace symmetric {

@@ -25,10 +25,12 @@
 //         device to device on the copy stream; signal and wait are cuStreamWriteValue32 (which
 //         fences the stream's earlier writes) and cuStreamWaitValue32 (GEQ) on the pad.
 //
-// Every signal and wait is recorded, when it is issued, in the memory's flight recorder (op
-// `signal` / `signal_wait`, naming the peer and the generation), and a watchdog of its own reports
-// a wait that does not complete within the timeout exactly as it reports a hung collective.
-// All ranks issue the same sequence of signals and waits, so the records line up across ranks.
+// Every signal, wait and pull is recorded, when it is issued, in the rank's one flight recorder
+// (SymmetricOptions::monitor, shared with the rank's communicators: op `signal` / `signal_wait` /
+// `pull`, naming the peer and the generation), and the rank's one watchdog reports a wait that
+// does not complete within the timeout exactly as it reports a hung collective. All ranks issue
+// the same sequence of collectives, signals, waits and pulls, so the records line up across
+// ranks.
 //
 // Ranks on several nodes (common/comm/nodes.h), or GPUs that cannot map each other, get a
 // ConfigError (the same line on every rank) and nothing is left allocated.
@@ -54,7 +56,7 @@
 
 namespace tpx {
 
-class Watchdog;
+class CommMonitor;
 
 /// The two counters a rank keeps per peer in its pad.
 enum class Signal : int {
@@ -68,8 +70,9 @@ struct SymmetricOptions {
   /// Seconds a wait may take before the watchdog reports it and aborts the job (0: no watchdog;
   /// the cpu spin still gives up, with an error, after an hour).
   double timeout_s = 60.0;
-  /// Test-only fault: rank `fault_rank` silently skips the signal it would send as its
-  /// `fault_signal`-th (0-based, counting every signal it sends). -1: none.
+  /// Test-only fault: job rank `fault_rank` silently skips the signal it would send as its
+  /// `fault_signal`-th (0-based, counting every signal it sends through the monitor's memories).
+  /// -1: none.
   int fault_rank = -1;
   std::int64_t fault_signal = -1;
   /// Test-only jitter: each pull and signal first sleeps a random 0 … `delay_us` µs on its
@@ -78,6 +81,12 @@ struct SymmetricOptions {
   std::uint64_t delay_seed = 1;
   /// The ranks that share the memory (the whole job, or a mesh's TP group); all on one node.
   RankGroup group;
+  /// Test-only fault: job rank `copy_fault_rank`'s pull number `copy_fault` (0-based, over the
+  /// monitor's memories) takes three timeouts (cpu: the copy thread sleeps first). -1: none.
+  int copy_fault_rank = -1;
+  std::int64_t copy_fault = -1;
+  /// The rank's one flight recorder and watchdog (CommOptions::monitor); null: a private one.
+  std::shared_ptr<CommMonitor> monitor = nullptr;
 };
 
 /// Byte layout of the pad that follows each rank's buffer: one counter per (signal, peer), each
@@ -112,8 +121,8 @@ class SymmetricMemory {
   const Stream& copy_stream() const { return copy_; }
 
   /// On `s`: dst ← bytes [offset, offset + dst.nbytes()) of `peer`'s buffer; counted in
-  /// take_stats() (payload = bus = dst.nbytes(), 0 from this rank itself) and traced on the copy
-  /// lane as `what`.
+  /// take_stats() (payload = bus = dst.nbytes(), 0 from this rank itself), traced on the copy
+  /// lane as `what` and recorded in the flight recorder (done once `s` has passed it).
   void pull(int peer, std::size_t offset, const Tensor& dst, const Stream& s,
             std::string_view what);
   /// On `s`: sends `peer` this rank's next generation of `sig` (see the top of this file).
@@ -151,15 +160,16 @@ class SymmetricMemory {
   /// Marks op `seq` done once `e` has completed (polled on the watchdog thread; for backends
   /// whose streams the host cannot watch directly).
   void finish_when(std::uint64_t seq, Event e);
-  /// Starts the watchdog (collective over MPI_COMM_WORLD); call at the end of the derived
-  /// constructor, once the memory is usable.
+  /// Starts watching the memory's pending ops (the monitor polls them); call at the end of the
+  /// derived constructor, once the memory is usable.
   void start_watchdog();
-  /// Stops the watchdog and drains the copy stream; call first in the derived destructor.
+  /// Stops watching and drains the copy stream; call first in the derived destructor.
   void stop();
   /// Reports a failed wait: through the watchdog when there is one; otherwise throws.
   [[noreturn]] void wait_failed(std::uint64_t seq, const std::string& why);
 
-  FlightRecorder recorder_;
+  std::shared_ptr<CommMonitor> monitor_;
+  FlightRecorder& recorder_;  // the monitor's
   Trace& trace_;
   Stream copy_;
   const SymmetricOptions options_;
@@ -172,12 +182,13 @@ class SymmetricMemory {
   Device device_;
   std::size_t bytes_;
   std::vector<std::uint64_t> sent_;  // [signal][peer]
-  std::int64_t signals_ = 0;         // signals this rank has sent (for fault_signal)
+  OpGroup group_;                    // how the records name the memory's group
+  int job_rank_;                     // this rank in the whole job (what the fault flags name)
   std::mt19937_64 rng_;
   std::mutex mu_;  // guards stats_ and pending_
   CommStats stats_;
   std::vector<std::pair<std::uint64_t, Event>> pending_;
-  std::unique_ptr<Watchdog> watchdog_;
+  int poll_ = -1;  // poll_pending, registered with the monitor
 };
 
 /// The symmetric memory of every rank of MPI_COMM_WORLD on `device`, `bytes` per rank (collective:

@@ -61,7 +61,10 @@ TpGroup::TpGroup(const RunContext& ctx)
                  .fault_signal = ctx.options.comm.signal_fault,
                  .delay_us = ctx.options.comm.copy_delay_us,
                  .delay_seed = ctx.options.config.seed,
-                 .group = ctx.options.comm.group} {
+                 .group = ctx.options.comm.group,
+                 .copy_fault_rank = ctx.options.comm.copy_fault_rank,
+                 .copy_fault = ctx.options.comm.copy_fault,
+                 .monitor = ctx.options.comm.monitor} {
   TPX_CHECK(comm_->rank() == rank_ && comm_->size() == world_,
             "communicator is rank {} of {}, the job says {} of {}", comm_->rank(), comm_->size(),
             rank_, world_);

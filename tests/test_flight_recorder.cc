@@ -56,7 +56,7 @@ TEST(FlightRecorder, NumbersOpsAndKeepsTheirFields) {
 }
 
 TEST(FlightRecorder, KeepsTheLast64Ops) {
-  FlightRecorder rec;
+  FlightRecorder rec(64);
   ASSERT_EQ(rec.capacity(), 64u);
   for (int i = 0; i < 100; ++i) rec.begin(CommOp::barrier, DType::f32, 0, 0);
   rec.finish(10, OpState::failed);  // long gone from the ring: ignored
@@ -107,83 +107,158 @@ RankOps ranks_ops(int rank, std::uint64_t first, std::uint64_t next) {
   return r;
 }
 
-TEST(Disagreement, NoneWhenEveryRankRecordedTheSameOps) {
+bool has(const std::string& text, std::string_view part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(Diagnose, NothingToBlameWhenEveryRankRecordedTheSameOps) {
   const std::vector<RankOps> ranks{ranks_ops(0, 0, 8), ranks_ops(1, 0, 8), ranks_ops(2, 0, 8)};
-  const Disagreement d = find_disagreement(ranks);
-  EXPECT_FALSE(d.seq.has_value()) << d.detail;
-  EXPECT_EQ(d.agreed_through, 7u);
+  const Verdict v = diagnose(ranks);
+  EXPECT_FALSE(v.seq.has_value()) << v.text;
+  EXPECT_TRUE(v.ranks.empty()) << v.text;
+  EXPECT_TRUE(has(v.text, "through #7")) << v.text;
 }
 
-TEST(Disagreement, FindsTheSkippedOp) {
-  std::vector<RankOps> ranks{ranks_ops(0, 0, 10), ranks_ops(1, 0, 11)};
+TEST(Diagnose, NamesTheRankThatSkippedAnOpAndNoOther) {
+  // Rank 1 skipped op 5 and went on to op 10; ranks 0 and 2 wait in op 5.
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 6), ranks_ops(1, 0, 11), ranks_ops(2, 0, 6)};
+  ranks[0].ops[5].state = OpState::in_flight;
+  ranks[2].ops[5].state = OpState::in_flight;
   ranks[1].ops[5].state = OpState::skipped;
-  const Disagreement d = find_disagreement(ranks);
-  ASSERT_TRUE(d.seq.has_value());
-  EXPECT_EQ(*d.seq, 5u);
-  EXPECT_NE(d.detail.find("rank 1 skipped it"), std::string::npos) << d.detail;
-  EXPECT_EQ(d.detail.find("rank 0"), std::string::npos) << d.detail;
+  ranks[1].ops[10].state = OpState::in_flight;
+  const Verdict v = diagnose(ranks);
+  ASSERT_TRUE(v.seq.has_value()) << v.text;
+  EXPECT_EQ(*v.seq, 5u);
+  EXPECT_EQ(v.ranks, std::vector<int>{1});
+  EXPECT_TRUE(has(v.text,
+                  "first difference at op #5 (all_reduce fp32[256] 1024 B): rank 1 "
+                  "skipped it"))
+      << v.text;
+  EXPECT_FALSE(has(v.text, "rank 0")) << v.text;
+  EXPECT_FALSE(has(v.text, "rank 2")) << v.text;
 }
 
-TEST(Disagreement, FindsTheOpARankHasNotIssued) {
-  const std::vector<RankOps> ranks{ranks_ops(0, 0, 9), ranks_ops(1, 0, 9), ranks_ops(2, 0, 7)};
-  const Disagreement d = find_disagreement(ranks);
-  ASSERT_TRUE(d.seq.has_value());
-  EXPECT_EQ(*d.seq, 7u);
-  EXPECT_NE(d.detail.find("rank 2 has not issued it (its last op is #6)"), std::string::npos)
-      << d.detail;
+TEST(Diagnose, ARankWaitingInAnOpIsNotBlamedForTheOpsAfterIt) {
+  // Ranks 0 and 1 issued 9 ops; rank 2 is still in op 6: it waits, it has not lagged.
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 9), ranks_ops(1, 0, 9), ranks_ops(2, 0, 7)};
+  ranks[2].ops[6].state = OpState::in_flight;
+  const Verdict v = diagnose(ranks);
+  ASSERT_TRUE(v.seq.has_value());
+  EXPECT_EQ(*v.seq, 6u);
+  EXPECT_EQ(v.ranks, std::vector<int>{2});
+  EXPECT_TRUE(has(v.text,
+                  "op #6 (all_reduce fp32[256] 1024 B) did not complete on rank 2; "
+                  "ranks 0, 1 completed it"))
+      << v.text;
+  EXPECT_FALSE(has(v.text, "has not issued")) << v.text;
 }
 
-TEST(Disagreement, FindsADifferentOpSizeOrRoot) {
+TEST(Diagnose, ARankWithNothingInFlightThatHasNotIssuedTheOpIsBlamed) {
+  // Ranks 0 and 1 wait in op 7; rank 2 has completed 0..6 and issued nothing since.
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 8), ranks_ops(1, 0, 8), ranks_ops(2, 0, 7)};
+  ranks[0].ops[7].state = OpState::in_flight;
+  ranks[1].ops[7].state = OpState::in_flight;
+  const Verdict v = diagnose(ranks);
+  ASSERT_TRUE(v.seq.has_value());
+  EXPECT_EQ(*v.seq, 7u);
+  EXPECT_EQ(v.ranks, std::vector<int>{2});
+  EXPECT_TRUE(has(v.text, "rank 2 has not issued it (its last op is #6, done)")) << v.text;
+}
+
+TEST(Diagnose, FindsADifferentOpSizeOrRoot) {
   std::vector<RankOps> ranks{ranks_ops(0, 0, 6), ranks_ops(1, 0, 6), ranks_ops(2, 0, 6)};
   ranks[1].ops[3] = op(3, CommOp::all_gather, 512);
-  Disagreement d = find_disagreement(ranks);
-  ASSERT_TRUE(d.seq.has_value());
-  EXPECT_EQ(*d.seq, 3u);
-  EXPECT_NE(d.detail.find("rank 1 issued all_gather fp32[128] 512 B instead"), std::string::npos)
-      << d.detail;
-  EXPECT_NE(d.detail.find("the others: all_reduce fp32[256] 1024 B"), std::string::npos)
-      << d.detail;
+  Verdict v = diagnose(ranks);
+  ASSERT_TRUE(v.seq.has_value());
+  EXPECT_EQ(*v.seq, 3u);
+  EXPECT_EQ(v.ranks, std::vector<int>{1});
+  EXPECT_TRUE(has(v.text, "rank 1 issued all_gather fp32[128] 512 B instead")) << v.text;
+  EXPECT_TRUE(has(v.text, "the others: all_reduce fp32[256] 1024 B")) << v.text;
 
   ranks[1].ops[3] = op(3);
   ranks[2].ops[4] = op(4, CommOp::all_reduce, 2048);
-  d = find_disagreement(ranks);
-  ASSERT_TRUE(d.seq.has_value());
-  EXPECT_EQ(*d.seq, 4u);
-  EXPECT_NE(d.detail.find("rank 2 issued"), std::string::npos) << d.detail;
+  v = diagnose(ranks);
+  ASSERT_TRUE(v.seq.has_value());
+  EXPECT_EQ(*v.seq, 4u);
+  EXPECT_EQ(v.ranks, std::vector<int>{2});
 
   ranks[2].ops[4] = op(4);
   for (auto& r : ranks) r.ops[2] = op(2, CommOp::broadcast, 64, OpState::done, /*root=*/0);
   ranks[0].ops[2].peer = 1;
-  d = find_disagreement(ranks);
-  ASSERT_TRUE(d.seq.has_value());
-  EXPECT_EQ(*d.seq, 2u);
-  EXPECT_NE(d.detail.find("rank 0 issued broadcast"), std::string::npos) << d.detail;
+  v = diagnose(ranks);
+  ASSERT_TRUE(v.seq.has_value());
+  EXPECT_EQ(*v.seq, 2u);
+  EXPECT_TRUE(has(v.text, "rank 0 issued broadcast")) << v.text;
 }
 
-TEST(Disagreement, PointToPointPeersAndSizesMayDiffer) {
+TEST(Diagnose, PointToPointPeersAndSizesMayDiffer) {
   std::vector<RankOps> ranks{ranks_ops(0, 0, 4), ranks_ops(1, 0, 4)};
   ranks[0].ops[1] = op(1, CommOp::sendrecv, 64, OpState::done, /*peer=*/1);
   ranks[1].ops[1] = op(1, CommOp::sendrecv, 128, OpState::done, /*peer=*/0);
-  const Disagreement d = find_disagreement(ranks);
-  EXPECT_FALSE(d.seq.has_value()) << d.detail;
+  const Verdict v = diagnose(ranks);
+  EXPECT_FALSE(v.seq.has_value()) << v.text;
 }
 
-TEST(Disagreement, IgnoresRanksThatDidNotAnswer) {
-  const std::vector<RankOps> ranks{ranks_ops(0, 0, 5), RankOps{1, false, 0, {}},
-                                   ranks_ops(2, 0, 5)};
-  const Disagreement d = find_disagreement(ranks);
-  EXPECT_FALSE(d.seq.has_value()) << d.detail;
-  EXPECT_EQ(d.agreed_through, 4u);
+TEST(Diagnose, ARankThatDoesNotAnswerIsBlamedNotTheOnesWaitingForIt) {
+  // Rank 1 stopped: rank 0 waits in op 4, rank 2 is further on and waits in op 9 (it got there
+  // before rank 1 stopped answering its signals). Neither is to blame.
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 5), RankOps{1, false, 0, {}}, ranks_ops(2, 0, 10)};
+  ranks[0].ops[4].state = OpState::in_flight;
+  ranks[2].ops[9].state = OpState::in_flight;
+  const Verdict v = diagnose(ranks);
+  EXPECT_EQ(v.ranks, std::vector<int>{1});
+  ASSERT_TRUE(v.seq.has_value());
+  EXPECT_EQ(*v.seq, 4u);
+  EXPECT_TRUE(has(v.text, "rank 1 did not answer")) << v.text;
+  EXPECT_TRUE(has(v.text, "the others wait in op #4")) << v.text;
+  EXPECT_FALSE(has(v.text, "has not issued")) << v.text;
 }
 
-TEST(Disagreement, OpsEvictedFromARingCountAsIssued) {
-  // Rank 0 has issued 100 ops and keeps 36..99; rank 1 has issued 50 and keeps 0..49.
-  const std::vector<RankOps> ranks{ranks_ops(0, 36, 100), ranks_ops(1, 0, 50)};
-  const Disagreement d = find_disagreement(ranks);
-  ASSERT_TRUE(d.seq.has_value());
-  EXPECT_EQ(*d.seq, 50u);
-  EXPECT_NE(d.detail.find("rank 1 has not issued it (its last op is #49)"), std::string::npos)
-      << d.detail;
+TEST(Diagnose, FollowsASignalWaitToThePeerThatHoldsTheJobUp) {
+  // Rank 0 waits (op 3) for rank 2's signal; rank 2's pull (op 5) is stuck; rank 1 is done with
+  // both and waits for rank 2 in op 7.
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 4), ranks_ops(1, 0, 8), ranks_ops(2, 0, 6)};
+  for (auto& r : ranks)
+    for (auto& o : r.ops) o.op = CommOp::pull, o.bytes = 64;
+  ranks[0].ops[3].op = CommOp::signal_wait;
+  ranks[1].ops[3].op = CommOp::signal_wait;
+  ranks[2].ops[3].op = CommOp::signal_wait;
+  ranks[0].ops[3].state = OpState::in_flight;
+  ranks[0].ops[3].src = ranks[0].ops[3].src_job = 2;
+  ranks[2].ops[5].state = OpState::in_flight;
+  ranks[2].ops[5].src = 0;
+  ranks[1].ops[7] = op(7, CommOp::signal_wait, 0, OpState::in_flight);
+  ranks[1].ops[7].src_job = 2;
+  const Verdict v = diagnose(ranks);
+  ASSERT_TRUE(v.seq.has_value());
+  EXPECT_EQ(*v.seq, 5u);
+  EXPECT_EQ(v.ranks, std::vector<int>{2});
+  EXPECT_TRUE(has(v.text, "op #5 (pull 64 B from 0) did not complete on rank 2")) << v.text;
+}
+
+TEST(Diagnose, NamesTheGroupAndTheRanksNumberInIt) {
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 4), ranks_ops(1, 0, 4), ranks_ops(2, 0, 4),
+                             ranks_ops(3, 0, 4)};
+  for (int r = 0; r < 4; ++r) {
+    OpRecord& o = ranks[static_cast<std::size_t>(r)].ops[2];
+    const std::string group = fmt::format("dp group {}", r % 2);
+    group.copy(o.group, group.size());
+    o.group_rank = r / 2;
+    o.state = OpState::in_flight;
+  }
+  ranks[3].ops[2].state = OpState::skipped;
+  const Verdict v = diagnose(ranks);
+  EXPECT_EQ(v.ranks, std::vector<int>{3});
+  EXPECT_TRUE(has(v.text, "rank 3 (rank 1 of dp group 1) skipped it")) << v.text;
+}
+
+TEST(Diagnose, OpsEvictedFromARingCountAsIssued) {
+  // Rank 0 has issued 100 ops and keeps 36..99; rank 1 has issued 50, keeps 0..49, and is idle.
+  std::vector<RankOps> ranks{ranks_ops(0, 36, 100), ranks_ops(1, 0, 50)};
+  ranks[0].ops.back().state = OpState::in_flight;
+  const Verdict v = diagnose(ranks);
+  EXPECT_EQ(v.ranks, std::vector<int>{1});
+  EXPECT_TRUE(has(v.text, "rank 1 has not issued it (its last op is #49, done)")) << v.text;
 }
 
 // --- shared GPUs and the command line ------------------------------------------------------------
@@ -298,19 +373,20 @@ TEST(Watchdog, SkippedCollectiveAbortsWithTheFirstDisagreement) {
     if (line.rfind("[rank 1] ", 0) == 0 && line.find("#5 ") != std::string::npos &&
         line.find("skipped") != std::string::npos)
       rank1_skip = true;
-    if (line.find("ranks disagree first") != std::string::npos) {
+    if (line.find("first difference") != std::string::npos) {
       ++verdicts;
       verdict = line;
     }
   }
   EXPECT_TRUE(rank0_dump) << err;
   EXPECT_TRUE(rank1_skip) << err;
-  // Exactly one verdict line, naming seq 5 and the rank that skipped it.
+  // Exactly one verdict line, naming op 5 and the rank that skipped it, and no other rank.
   EXPECT_EQ(verdicts, 1) << err;
-  EXPECT_EQ(verdict.rfind("tpx: comm watchdog: op #", 0), 0u) << verdict;
-  EXPECT_NE(verdict.find("did not complete in 2.0 s"), std::string::npos) << verdict;
-  EXPECT_NE(verdict.find("ranks disagree first at seq 5: rank 1 skipped it"), std::string::npos)
-      << verdict;
+  EXPECT_EQ(verdict,
+            "tpx: comm watchdog: an op did not complete in 2.0 s; first difference at op #5 "
+            "(all_reduce fp32[256] 1024 B): rank 1 skipped it (the others: all_reduce fp32[256] "
+            "1024 B)")
+      << err;
 }
 
 }  // namespace

@@ -219,8 +219,17 @@ TEST(OutputFileProblem, AnUnwritableDirectoryIsReported) {
   EXPECT_TRUE(fs::is_empty(dir / "ro"));
 }
 
-TEST(PrepareDumpDir, RemovesOnlyTheFilesOfAnEarlierRun) {
-  const test::TempDir dir;
+/// Fills a dump directory with what a small run would write: input.npy and fp8/layers.0.wq.npy.
+void small_dump(const fs::path& staging) {
+  put(staging / "input.npy", "new");
+  fs::create_directory(staging / "fp8");
+  put(staging / "fp8" / "layers.0.wq.npy", "new");
+}
+
+TEST(WriteDumpDir, ReplacesAnEarlierRunsFilesAndKeepsTheUsers) {
+  const test::TempDir parent;
+  const fs::path dir = parent / "dump";
+  fs::create_directory(dir);
   const std::vector<std::string> stale = {"input.npy",
                                           "target.npy",
                                           "output.npy",
@@ -239,27 +248,37 @@ TEST(PrepareDumpDir, RemovesOnlyTheFilesOfAnEarlierRun) {
   for (const auto& name : stale) put(dir / name, "stale");
   for (const auto& name : kept) put(dir / name, "mine");
   fs::create_directory(dir / "fp8");
-  put(dir / "fp8" / "layers.0.wq.npy", "stale");
   put(dir / "fp8" / "layers.0.wq.scale.npy", "stale");
   put(dir / "fp8" / "layers.0.qkv_in.npy", "stale");
+  put(dir / "fp8" / "README", "mine");
   fs::create_directory(dir / "plots");
   put(dir / "plots" / "loss.npy", "mine");  // not the stage's: it writes no subdirectory but fp8/
 
-  EXPECT_EQ(prepare_dump_dir(dir.path()), "");
+  EXPECT_EQ(prepare_dump_dir(dir), "");
+  EXPECT_EQ(test::read_file(dir / "layers.1.wq.npy"), "stale");  // nothing changes before the end
+  write_dump_dir(dir, small_dump);
   std::vector<std::string> want = kept;
-  want.push_back("plots");
+  for (const char* name : {"plots", "input.npy", "fp8"}) want.push_back(name);
   std::sort(want.begin(), want.end());
-  EXPECT_EQ(names_in(dir.path()), want);  // fp8/ went with its last file
+  EXPECT_EQ(names_in(dir), want);
+  EXPECT_EQ(test::read_file(dir / "input.npy"), "new");
+  EXPECT_EQ(names_in(dir / "fp8"), (std::vector<std::string>{"README", "layers.0.wq.npy"}));
   EXPECT_EQ(names_in(dir / "plots"), std::vector<std::string>{"loss.npy"});
+  EXPECT_EQ(names_in(parent.path()), std::vector<std::string>{"dump"});  // no temporary left
 }
 
-TEST(PrepareDumpDir, KeepsAnFp8DirectoryWithAUserFileInIt) {
-  const test::TempDir dir;
-  fs::create_directory(dir / "fp8");
-  put(dir / "fp8" / "layers.0.w_up.npy", "stale");
-  put(dir / "fp8" / "README", "mine");
-  EXPECT_EQ(prepare_dump_dir(dir.path()), "");
-  EXPECT_EQ(names_in(dir / "fp8"), std::vector<std::string>{"README"});
+TEST(WriteDumpDir, MakesTheDirectoryAndAFailedWriteLeavesTheOldOneWhole) {
+  const test::TempDir parent;
+  const fs::path dir = parent / "dump";
+  write_dump_dir(dir / "", small_dump);  // a trailing separator names the same directory
+  EXPECT_EQ(names_in(dir), (std::vector<std::string>{"fp8", "input.npy"}));
+  const auto interrupted = [](const fs::path& staging) {
+    put(staging / "input.npy", "partial");
+    throw Error("interrupted");
+  };
+  EXPECT_EQ(error_of([&] { write_dump_dir(dir, interrupted); }), "interrupted");
+  EXPECT_EQ(test::read_file(dir / "input.npy"), "new");
+  EXPECT_EQ(names_in(parent.path()), std::vector<std::string>{"dump"});
 }
 
 TEST(PrepareDumpDir, CreatesAMissingDirectoryAndRejectsAFile) {

@@ -11,6 +11,7 @@
 //   - --fault-skip-collective cannot name a rank outside the job.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -177,10 +178,12 @@ TEST(Outputs, AFullDiskIsAnErrorNamingThePathOnEveryRank) {
     EXPECT_EQ(r.exit_code, 1) << flag << "\n" << r.err;
     const auto lines = error_lines(r);
     EXPECT_EQ(lines.size(), 1u) << "printed once, not once per rank:\n" << r.err;
-    for (const auto& line : lines) {
-      EXPECT_NE(line.find("/dev/full"), std::string::npos) << line;
-      EXPECT_NE(line.find("No space left on device"), std::string::npos) << line;
-    }
+    // The same one-line form as every other error: no source location in it.
+    for (const auto& line : lines)
+      EXPECT_EQ(line,
+                "03_sequence_parallel: error: cannot write '/dev/full': No space left on "
+                "device")
+          << line;
   }
 }
 
@@ -200,6 +203,46 @@ TEST(Outputs, AReusedDumpDirectoryLosesOnlyTheStagesStaleFiles) {
   for (const auto& e : fs::directory_iterator(dump))
     EXPECT_EQ(e.path().filename().string().find("tmp"), std::string::npos)
         << "a temporary was left: " << e.path();
+}
+
+TEST(Outputs, TwoJobsWritingOneDumpLeaveOneRunsWholeDump) {
+  const TempDir dir;
+  auto job = [&](int seed, const fs::path& dump) {
+    return fmt::format(
+        "{} timeout 60 {} {} {}", test::kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS,
+        group(1, "06_fp8",
+              fmt::format("{} --steps 1 --seed {} --dump {}", kSmall, seed, dump.string())));
+  };
+  // Each seed's dump on its own, then both at once into one directory.
+  for (int seed : {1, 2})
+    ASSERT_EQ(test::run_command(job(seed, dir / fmt::format("alone{}", seed)), dir).exit_code, 0);
+  const fs::path shared = dir / "shared";
+  const auto r = test::run_command(
+      fmt::format("{} > /dev/null & a=$!; {} > /dev/null; b=$?; wait $a; echo $? $b",
+                  job(1, shared), job(2, shared)),
+      dir);
+  EXPECT_EQ(r.out, "0 0\n") << r.err;
+  // Every file comes from one run, the same run for all, and the set is that run's whole set.
+  std::vector<std::string> names;
+  for (const auto& e : fs::recursive_directory_iterator(shared))
+    if (e.is_regular_file()) names.push_back(fs::relative(e.path(), shared).string());
+  std::sort(names.begin(), names.end());
+  int from = 0;
+  for (int seed : {1, 2}) {
+    const fs::path alone = dir / fmt::format("alone{}", seed);
+    std::vector<std::string> want;
+    for (const auto& e : fs::recursive_directory_iterator(alone))
+      if (e.is_regular_file()) want.push_back(fs::relative(e.path(), alone).string());
+    std::sort(want.begin(), want.end());
+    bool all = names == want;
+    for (const auto& name : names)
+      all = all && test::read_file(shared / name) == test::read_file(alone / name);
+    if (all) from = seed;
+  }
+  EXPECT_NE(from, 0) << "the dump is neither run's whole dump (" << names.size() << " files)";
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().filename().string().find(".shared."), std::string::npos)
+        << "a temporary was left beside the dump: " << e.path();
 }
 
 // --- 6 and 7: ranks agree before they start ----------------------------------------------------
@@ -241,6 +284,24 @@ TEST(Agreement, AnUnknownFlagIsSaidOnceWithTheClosestFlag) {
   expect_every_rank_refuses(r, 2, 2, {"--layer: did you mean --layers?"});
   for (const auto& line : error_lines(r))
     EXPECT_EQ(line.find("rank "), std::string::npos) << "all ranks agree: no rank named\n" << line;
+}
+
+TEST(Agreement, AnOutputFlagGivenToOneRankStopsEveryRank) {
+  const TempDir dir;
+  const std::string base = std::string(kSmall) + " --steps 1";
+  const std::string out = (dir / "out.json").string();
+  expect_every_rank_refuses(mpirun(group(1, "05_copy_engine_async_tp", base) + " : " +
+                                       group(1, "05_copy_engine_async_tp", base + " --json " + out),
+                                   dir),
+                            2, 2, {"--json", "not given on rank 0", "out.json' on rank 1"});
+  EXPECT_FALSE(fs::exists(out));
+}
+
+TEST(Agreement, ACommTimeoutBelowTheFloorIsRefused) {
+  const TempDir dir;
+  expect_every_rank_refuses(
+      mpirun(group(2, "02_megatron_tp", fmt::format("{} --comm-timeout 0.05", kSmall)), dir), 2, 2,
+      {"--comm-timeout", "at least 0.1 s", "0.05"});
 }
 
 // --- 8: fault injection ------------------------------------------------------------------------

@@ -34,32 +34,54 @@ const char* to_string(CommKind k) {
   return "?";
 }
 
-Communicator::Communicator(int rank, int size, const CommOptions& o)
-    : rank_(rank), size_(size), options_(o) {
+namespace {
+
+double checked_timeout(const CommOptions& o) {
   TPX_CHECK(o.timeout_s > 0, "the comm timeout must be positive (got {} s)", o.timeout_s);
+  return o.timeout_s;
+}
+
+std::vector<int> job_ranks(const RankGroup& g) {
+  std::vector<int> jobs;
+  if (!g.is_world())
+    for (int r = 0; r < g.size(); ++r) jobs.push_back(g.world_rank_of(r));
+  return jobs;
+}
+
+}  // namespace
+
+Communicator::Communicator(int rank, int size, const CommOptions& o)
+    : monitor_(o.monitor ? o.monitor : std::make_shared<CommMonitor>(checked_timeout(o), o.group)),
+      own_monitor_(!o.monitor),
+      recorder_(monitor_->recorder()),
+      rank_(rank),
+      size_(size),
+      options_(o),
+      group_{options_.group.name(), rank, job_ranks(options_.group)},
+      job_rank_(o.group.world_rank_of(rank)) {
+  options_.monitor.reset();  // held once, in monitor_
 }
 
 Communicator::~Communicator() = default;
 
 double Communicator::timeout() const {
-  return watchdog_ ? options_.timeout_s : 0.0;
+  return monitor_->timeout();
 }
 
 void Communicator::start_watchdog(std::function<std::string()> poll) {
-  if (Watchdog::supported())
-    watchdog_ =
-        std::make_unique<Watchdog>(recorder_, options_.timeout_s, std::move(poll), options_.group);
+  if (poll) poll_ = monitor_->add_poll(std::move(poll));
 }
 
 void Communicator::shutdown() {
-  if (!watchdog_) return;
-  if (std::uncaught_exceptions() == 0 && size_ > 1) {
-    const std::uint64_t seq = recorder_.begin(CommOp::barrier, DType::f32, 0, 0);
-    recorder_.started(seq);
-    watchdog_->barrier();
-    recorder_.finish(seq, OpState::done);
-  }
-  watchdog_.reset();
+  if (poll_ >= 0) monitor_->remove_poll(std::exchange(poll_, -1));
+  if (own_monitor_ && std::uncaught_exceptions() == 0 && size_ > 1) monitor_->barrier();
+}
+
+std::uint64_t Communicator::book(CommOp op, std::string_view what) {
+  const std::uint64_t seq = recorder_.reserve(op, what, group_);
+  std::lock_guard lock(stats_mutex_);
+  booked_.emplace(seq, monitor_->next(CommMonitor::Kind::collective));
+  return seq;
 }
 
 void Communicator::issued(std::uint64_t seq) {
@@ -72,16 +94,26 @@ void Communicator::op_failed(const std::string& why) {
     std::lock_guard lock(stats_mutex_);
     seq = current_seq_;
   }
-  recorder_.finish(seq, OpState::failed);
-  if (watchdog_) watchdog_->fail_op(seq, why);
-  fail(fmt::format("comm op #{} failed: {}", seq, why));
+  monitor_->fail_op(seq, why);
 }
 
 std::optional<std::uint64_t> Communicator::begin_op(CommOp op, DType dtype, std::int64_t count,
                                                     std::uint64_t payload, std::uint64_t bus,
-                                                    int peer, int src, std::string_view what) {
-  const std::uint64_t seq = recorder_.begin(op, dtype, count, payload, peer, src, what);
-  if (options_.fault_rank == rank_ && options_.fault_seq == static_cast<std::int64_t>(seq)) {
+                                                    int peer, int src, std::string_view what,
+                                                    std::optional<std::uint64_t> booked) {
+  std::uint64_t seq = 0;
+  std::int64_t nth = 0;  // the rank's how-manyth collective this is
+  if (booked) {
+    seq = *booked;
+    recorder_.fill(seq, dtype, count, payload, peer, src);
+    std::lock_guard lock(stats_mutex_);
+    const auto node = booked_.extract(seq);
+    nth = node ? node.mapped() : -1;
+  } else {
+    seq = recorder_.begin(op, dtype, count, payload, peer, src, what, group_);
+    nth = monitor_->next(CommMonitor::Kind::collective);
+  }
+  if (options_.fault_rank == job_rank_ && options_.fault_seq == nth) {
     recorder_.finish(seq, OpState::skipped);  // fault injection: this rank silently skips it
     return std::nullopt;
   }
@@ -143,26 +175,28 @@ std::uint64_t ring_share(std::uint64_t bytes, int n, int factor) {
 
 }  // namespace
 
-void Communicator::all_gather(const Tensor& in, const Tensor& out, const Stream& s) {
+void Communicator::all_gather(const Tensor& in, const Tensor& out, const Stream& s,
+                              std::optional<std::uint64_t> booked) {
   check_device(in, "all_gather", "input");
   check_device(out, "all_gather", "output");
   check_split(in, out, size_, "all_gather");
   const std::uint64_t payload = out.nbytes();
-  const auto seq =
-      begin_op(CommOp::all_gather, in.dtype(), out.numel(), payload, ring_share(payload, size_, 1));
+  const auto seq = begin_op(CommOp::all_gather, in.dtype(), out.numel(), payload,
+                            ring_share(payload, size_, 1), -1, -1, {}, booked);
   if (!seq) return;
   do_all_gather(in, out, s);
   end_op(*seq);
 }
 
-void Communicator::reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s) {
+void Communicator::reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s,
+                                  std::optional<std::uint64_t> booked) {
   check_device(in, "reduce_scatter", "input");
   check_device(out, "reduce_scatter", "output");
   check_summable(in, "reduce_scatter");
   check_split(out, in, size_, "reduce_scatter");
   const std::uint64_t payload = in.nbytes();
   const auto seq = begin_op(CommOp::reduce_scatter, in.dtype(), in.numel(), payload,
-                            ring_share(payload, size_, 1));
+                            ring_share(payload, size_, 1), -1, -1, {}, booked);
   if (!seq) return;
   do_reduce_scatter(in, out, s);
   end_op(*seq);
@@ -202,7 +236,8 @@ void Communicator::broadcast(const Tensor& t, int root, const Stream& s) {
 }
 
 void Communicator::sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
-                            const Stream& s, std::string_view what) {
+                            const Stream& s, std::string_view what,
+                            std::optional<std::uint64_t> booked) {
   if (send.defined()) {
     check_device(send, "sendrecv", "send");
     check_rank(dst, size_, "sendrecv", "destination");
@@ -219,7 +254,7 @@ void Communicator::sendrecv(const Tensor& send, int dst, const Tensor& recv, int
   const auto seq = begin_op(CommOp::sendrecv, any.defined() ? any.dtype() : DType::f32,
                             send.defined() ? send.numel() : 0, payload,
                             send.defined() && dst != rank_ ? payload : 0, send.defined() ? dst : -1,
-                            recv.defined() ? src : -1, what);
+                            recv.defined() ? src : -1, what, booked);
   if (!seq) return;
   do_sendrecv(send, dst, recv, src, s);
   end_op(*seq);

@@ -34,6 +34,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -50,14 +51,19 @@
 
 namespace tpx {
 
-class Watchdog;
+class CommMonitor;
 
 enum class CommKind { automatic, mpi, nccl };
 CommKind parse_comm_kind(const std::string& s);  ///< "auto" | "mpi" | "nccl"
 const char* to_string(CommKind k);
 
+/// The shortest --comm-timeout a stage accepts, in seconds: below it, a healthy job's ordinary
+/// waits (a peer still in its GEMM, the oversubscribed cpu's scheduling) would read as a stall.
+inline constexpr double kMinCommTimeout = 0.1;
+
 /// Options every multi-rank stage takes (--comm, --comm-timeout, and the hidden
-/// --fault-skip-collective RANK:SEQ).
+/// --fault-skip-collective RANK:N, --fault-skip-signal RANK:N, --fault-delay-copy RANK:N and
+/// --fault-copy-delay-us US).
 struct CommOptions {
   CommKind kind = CommKind::automatic;
   /// The ranks the communicator spans (the whole job unless a mesh splits it); every message
@@ -65,16 +71,24 @@ struct CommOptions {
   RankGroup group;
   /// Seconds an op may take before the watchdog dumps every rank's recent ops and aborts.
   double timeout_s = 60.0;
-  /// Fault injection for tests: rank `fault_rank` silently skips its op number `fault_seq`
-  /// (recording it as skipped). -1: no fault.
+  /// Fault injection for tests: job rank `fault_rank` silently skips its collective (or ring
+  /// step) number `fault_seq`, counting from 0 over every communicator of the rank, and records
+  /// it as skipped. -1: no fault.
   int fault_rank = -1;
   std::int64_t fault_seq = -1;
-  /// Fault injection for symmetric memory (stage 05; hidden --fault-skip-signal RANK:N and
-  /// --fault-copy-delay-us US): rank `signal_fault_rank` never sends its signal number
-  /// `signal_fault` (0-based), and every pull and signal waits a random 0 … `copy_delay_us` µs.
+  /// Fault injection for symmetric memory (stages 05-07; hidden --fault-skip-signal RANK:N,
+  /// --fault-delay-copy RANK:N and --fault-copy-delay-us US): job rank `signal_fault_rank` never
+  /// sends its signal number `signal_fault` (0-based, over all its symmetric memories), job rank
+  /// `copy_fault_rank`'s pull number `copy_fault` takes three comm timeouts, and every pull and
+  /// signal waits a random 0 … `copy_delay_us` µs.
   int signal_fault_rank = -1;
   std::int64_t signal_fault = -1;
+  int copy_fault_rank = -1;
+  std::int64_t copy_fault = -1;
   int copy_delay_us = 0;
+  /// The rank's one flight recorder and watchdog, shared by every communicator and symmetric
+  /// memory made with these options (the stages make one per job). Null: each makes its own.
+  std::shared_ptr<CommMonitor> monitor = nullptr;
 };
 
 class Communicator {
@@ -88,10 +102,18 @@ class Communicator {
   /// Words for the stage header, e.g. "mpi (host memory)" or "nccl (device memory)".
   virtual std::string name() const = 0;
 
+  /// Books the record of an op of kind `op` that a task queued now will issue later on another
+  /// thread (a comm lane's): pass the result as `booked` to that call. So an op takes its place
+  /// in the flight recorder in the order the program queues it, the same on every rank, whichever
+  /// thread runs first.
+  std::uint64_t book(CommOp op, std::string_view what = {});
+
   /// out [N·n, ...] = concatenation over ranks of in [n, ...].
-  void all_gather(const Tensor& in, const Tensor& out, const Stream& s);
+  void all_gather(const Tensor& in, const Tensor& out, const Stream& s,
+                  std::optional<std::uint64_t> booked = {});
   /// out [n, ...] = this rank's slice of Σ_ranks in [N·n, ...] (f32).
-  void reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s);
+  void reduce_scatter(const Tensor& in, const Tensor& out, const Stream& s,
+                      std::optional<std::uint64_t> booked = {});
   /// t = Σ_ranks t, in place (f32).
   void all_reduce(const Tensor& t, const Stream& s);
   /// t = max over ranks of t, element-wise, in place (f32): how FP8 shards agree on an amax.
@@ -101,14 +123,15 @@ class Communicator {
   /// `what` names the transfer in the flight recorder (and so in a watchdog report), e.g.
   /// "qkv AG step 2/4".
   void sendrecv(const Tensor& send, int dst, const Tensor& recv, int src, const Stream& s,
-                std::string_view what = {});
+                std::string_view what = {}, std::optional<std::uint64_t> booked = {});
   /// Returns once every rank has called it (and, on NCCL, everything issued before it is done).
   void barrier();
 
   /// Communication since the last call (definition above); resets the counters.
   CommStats take_stats();
 
-  /// This rank's recent ops (the watchdog prints them when an op hangs).
+  /// This rank's recent ops (the watchdog prints them when an op hangs): the monitor's, shared
+  /// with the rank's other communicators and symmetric memories.
   const FlightRecorder& recorder() const { return recorder_; }
   /// Seconds an op may take before the watchdog aborts the job (0: no watchdog).
   double timeout() const;
@@ -132,24 +155,28 @@ class Communicator {
   /// asynchronous ones track completion themselves and call recorder_.finish() later.
   virtual void issued(std::uint64_t seq);
 
-  /// Starts the watchdog (collective); call at the end of the derived constructor. `poll` runs on
-  /// the watchdog thread (see Watchdog::Poll).
+  /// Starts watching (collective when the communicator makes its own monitor); call at the end
+  /// of the derived constructor. `poll` runs on the watchdog thread (see Watchdog::Poll).
   void start_watchdog(std::function<std::string()> poll = {});
-  /// Waits until every rank has reached it (watched by the watchdog, so that no rank leaves while
-  /// another may still need its records), then stops the watchdog. Call first thing in the
-  /// derived destructor; skipped while an exception unwinds.
+  /// With a monitor of its own: waits until every rank has reached it (watched, so that no rank
+  /// leaves while another may still need its records; skipped while an exception unwinds). Then
+  /// stops watching. Call first thing in the derived destructor.
   void shutdown();
   /// Reports the op being issued as failed: with a watchdog the job is diagnosed and aborted;
   /// without one this throws tpx::Error.
   [[noreturn]] void op_failed(const std::string& why);
 
-  FlightRecorder recorder_;
+  std::shared_ptr<CommMonitor> monitor_;
+  bool own_monitor_;
+  FlightRecorder& recorder_;  // the monitor's
 
  private:
-  /// Records a new op and counts it; nullopt if fault injection skips it.
+  /// Records a new op (or completes the `booked` one) and counts it; nullopt if fault injection
+  /// skips it.
   std::optional<std::uint64_t> begin_op(CommOp op, DType dtype, std::int64_t count,
                                         std::uint64_t payload, std::uint64_t bus, int peer = -1,
-                                        int src = -1, std::string_view what = {});
+                                        int src = -1, std::string_view what = {},
+                                        std::optional<std::uint64_t> booked = {});
   void end_op(std::uint64_t seq);
   void check_device(const Tensor& t, const char* op, const char* what) const;
 
@@ -160,7 +187,10 @@ class Communicator {
   mutable std::mutex stats_mutex_;
   CommStats stats_;
   std::uint64_t current_seq_ = 0;
-  std::unique_ptr<Watchdog> watchdog_;
+  std::map<std::uint64_t, std::int64_t> booked_;  // book()ed ops: seq → collective number
+  OpGroup group_;                                 // how the records name this communicator's group
+  int job_rank_;   // this rank in the whole job (what the fault flags name)
+  int poll_ = -1;  // the backend's poll, registered with the monitor
 };
 
 /// The communicator over MPI_COMM_WORLD for tensors on `device` (collective: every rank calls

@@ -1,10 +1,16 @@
-// Flight recorder: each rank's ring buffer of its most recent communicator ops (sequence number,
-// op, size, peers, enqueue/start/end times, outcome), and the analysis that lines up the rings of
-// all ranks to find the first op they disagree on. The watchdog (watchdog.h) prints both when an
-// op hangs.
+// Flight recorder: each rank's ONE ring buffer of its most recent communication events — every
+// communicator's collectives and point-to-point ring steps, every symmetric memory's signals,
+// signal waits and copy-engine pulls, of every group a rank belongs to — numbered in the order the
+// rank's program issues them (sequence number, op, size, peers, group, enqueue/start/end times,
+// outcome). All ranks run the same program, so op #k is the same event on every rank, and the
+// analysis (diagnose) lines the rings of all ranks up to name the op and the rank that stopped the
+// job. The watchdog (watchdog.h) prints both when an op hangs.
 //
-// defines: tpx::CommOp, tpx::OpState, tpx::OpRecord, tpx::FlightRecorder, tpx::RankOps,
-//          tpx::Disagreement, tpx::find_disagreement(), tpx::describe_op(), tpx::format_ops()
+// An op run later on another thread (a comm lane's task) is booked when it is queued (reserve), so
+// that it takes its place in the order of the program, not of the threads.
+//
+// defines: tpx::CommOp, tpx::OpState, tpx::OpRecord, tpx::OpGroup, tpx::FlightRecorder,
+//          tpx::RankOps, tpx::Verdict, tpx::diagnose(), tpx::describe_op(), tpx::format_ops()
 #pragma once
 
 #include <cstddef>
@@ -30,8 +36,9 @@ enum class CommOp : std::uint8_t {
   recv,
   sendrecv,
   barrier,
-  signal,      ///< a symmetric-memory signal to `peer`; `count` is its generation
-  signal_wait  ///< a wait for `src`'s signal of generation `count` (common/symmetric_memory.h)
+  signal,       ///< a symmetric-memory signal to `peer`; `count` is its generation
+  signal_wait,  ///< a wait for `src`'s signal of generation `count` (common/symmetric_memory.h)
+  pull          ///< a copy-engine pull of `bytes` from `src`'s symmetric buffer
 };
 const char* to_string(CommOp op);
 
@@ -51,26 +58,47 @@ struct OpRecord {
   /// watchdog thread saw the op's end event (polled every few milliseconds).
   double end_s = -1;
   std::int32_t peer = -1;  ///< sendrecv, signal: destination rank; broadcast: root; otherwise -1
-  std::int32_t src = -1;   ///< sendrecv, signal_wait: source rank; otherwise -1
+  std::int32_t src = -1;   ///< sendrecv, signal_wait, pull: source rank; otherwise -1
+  /// The job rank of `src` (peer and src are numbers in the op's group); -1 when there is none.
+  std::int32_t src_job = -1;
+  /// This rank's number in the op's group (-1: the whole job, where it is the job rank).
+  std::int32_t group_rank = -1;
   CommOp op = CommOp::barrier;
   DType dtype = DType::f32;
   OpState state = OpState::in_flight;
   /// What the op is for in the caller's words (e.g. "qkv AG step 2/4"), NUL-terminated and cut
   /// to fit; empty when the caller gave none.
   char what[48] = {};
+  /// The group the op ran in (e.g. "tp group 1"), NUL-terminated; empty for the whole job.
+  char group[24] = {};
 };
 
-/// The last `capacity` ops of one communicator. Thread-safe: the op's thread appends and updates,
-/// the watchdog thread reads (and, for asynchronous backends, marks ops done).
+/// The group an op runs in, as the recorder stores it: empty name for the whole job.
+struct OpGroup {
+  std::string_view name;
+  int rank = -1;          ///< this rank's number in the group
+  std::vector<int> jobs;  ///< jobs[r]: the job rank of the group's rank r (empty: the whole job)
+  int job_of(int r) const { return r < 0 || jobs.empty() ? r : jobs[static_cast<std::size_t>(r)]; }
+};
+
+/// The last `capacity` ops of one rank. Thread-safe: the op's thread appends and updates, the
+/// watchdog thread reads (and, for asynchronous backends, marks ops done).
 class FlightRecorder {
  public:
-  static constexpr std::size_t kCapacity = 64;
+  static constexpr std::size_t kCapacity = 256;
 
   explicit FlightRecorder(std::size_t capacity = kCapacity);
 
   /// Appends an in-flight op enqueued now; returns its sequence number.
   std::uint64_t begin(CommOp op, DType dtype, std::int64_t count, std::uint64_t bytes,
-                      int peer = -1, int src = -1, std::string_view what = {});
+                      int peer = -1, int src = -1, std::string_view what = {},
+                      const OpGroup& group = {});
+  /// Books the next sequence number for an op of kind `op` that will be issued later, from
+  /// another thread: recorded now (in flight, enqueued now); fill() completes it.
+  std::uint64_t reserve(CommOp op, std::string_view what = {}, const OpGroup& group = {});
+  /// Completes a reserve()d op's size and peers (ignored once it has left the ring).
+  void fill(std::uint64_t seq, DType dtype, std::int64_t count, std::uint64_t bytes, int peer = -1,
+            int src = -1);
   /// Stamps the start time of op `seq` (ignored once it has left the ring).
   void started(std::uint64_t seq);
   /// Sets the final state of op `seq` and stamps its end time (ignored once it has left the ring).
@@ -95,32 +123,40 @@ class FlightRecorder {
   std::uint64_t next_ = 0;
 };
 
-/// One rank's recorder as the disagreement analysis sees it.
+/// One rank's recorder as the analysis sees it.
 struct RankOps {
-  int rank = 0;
+  int rank = 0;                ///< the job rank
   bool responded = false;      ///< false: the rank did not answer; `ops` is empty
   std::uint64_t next_seq = 0;  ///< ops the rank had begun
   std::vector<OpRecord> ops;   ///< its retained ops, oldest first
 };
 
-/// Where the ranks' op sequences first differ.
-struct Disagreement {
-  /// The first sequence number at which the responding ranks' records differ: some rank skipped
-  /// the op, has not issued it yet, or issued a different op (for collectives also a different
-  /// dtype, size or root). Empty if the retained records agree.
+/// The job's one diagnosis of a stall, from every rank's record.
+struct Verdict {
+  /// The op the verdict is about (its sequence number; empty when the records hold none).
   std::optional<std::uint64_t> seq;
-  /// What differs, e.g. "rank 1 skipped it" or "rank 2 has not issued it (its last op is #4)".
-  std::string detail;
-  /// The highest sequence number every responding rank has issued (valid when seq is empty).
-  std::uint64_t agreed_through = 0;
+  /// The job ranks it blames: that skipped the op, issued another, never answered, or hold it
+  /// in flight while the others are done with it. Empty when no rank can be blamed.
+  std::vector<int> ranks;
+  /// One sentence, e.g. "first difference at op #50 (all_reduce fp32[96] 384 B): rank 1 skipped
+  /// it (the others: all_reduce fp32[96] 384 B)".
+  std::string text;
 };
 
-/// Compares the records of the ranks that responded. Ops evicted from a rank's ring count as
-/// issued with unknown contents.
-Disagreement find_disagreement(std::span<const RankOps> ranks);
+/// The job's diagnosis from the records of every rank, in this order of evidence:
+///   1. the first op some responding rank skipped or issued differently from the others (for
+///      collectives also a different dtype, size or root): those ranks;
+///   2. else ranks that did not answer: they, and the op the others wait in;
+///   3. else the oldest op still in flight anywhere: if it waits for a peer's signal, the peer
+///      it waits for (followed while that peer waits too); the rank(s) holding it, when the others
+///      are done with it, or a rank with nothing in flight that has not issued it yet.
+/// A rank waiting in an op (in flight) is never blamed for not having issued a later one. Ops
+/// evicted from a rank's ring count as issued with unknown contents.
+Verdict diagnose(std::span<const RankOps> ranks);
 
 /// One op in a few words, e.g. "all_reduce fp32[1024] 4096 B", "sendrecv fp32[64] 256 B to 1 from
-/// 3 (qkv AG step 2/4)" or "signal_wait from 1 gen 7 (qkv ready)".
+/// 3 (qkv AG step 2/4)", "signal_wait from 1 gen 7 (qkv ready)" or "pull 4096 B from 2 (qkv pull
+/// 1/2) in tp group 0".
 std::string describe_op(const OpRecord& r);
 /// A multi-line dump of a rank's ops, times relative to `now`, each line prefixed by `prefix`.
 std::string format_ops(std::span<const OpRecord> ops, double now, const std::string& prefix);

@@ -137,10 +137,10 @@ void Watchdog::run() {
         } else if (!ops.empty()) {
           op = ops.back();
         }
-        report(op, "failed: " + why);
+        report(op, fmt::format("op #{} failed on rank {}: {}", op.seq, rank_, why));
       }
       if (auto op = recorder_.oldest_in_flight(); op && now() - op->enqueue_s > timeout_s_)
-        report(*op, fmt::format("did not complete in {:.1f} s", timeout_s_));
+        report(*op, fmt::format("an op did not complete in {:.1f} s", timeout_s_));
       pause();
     }
   } catch (const std::exception& e) {
@@ -167,9 +167,18 @@ void Watchdog::service_requests() {
 
 void Watchdog::print_own_ops(const std::string& headline) {
   printed_ = true;
+  // The last 64 ops, and further back to a few before the oldest that is not done (skipped, in
+  // flight, failed); the analysis reads the whole ring.
+  constexpr std::ptrdiff_t kShown = 64, kContext = 8;
   const auto ops = recorder_.snapshot();
+  const auto n = static_cast<std::ptrdiff_t>(ops.size());
+  const auto open =
+      std::ranges::find_if(ops, [](const OpRecord& r) { return r.state != OpState::done; });
+  const std::ptrdiff_t first =
+      std::max<std::ptrdiff_t>(0, std::min(open - ops.begin() - kContext, n - kShown));
   std::string text = headline + "\n";
-  text += format_ops(ops, now(), fmt::format("[rank {}] ", rank_));
+  text += format_ops(std::span(ops).subspan(static_cast<std::size_t>(first)), now(),
+                     fmt::format("[rank {}] ", rank_));
   fmt::print(stderr, "{}", text);
   std::fflush(stderr);
 }
@@ -205,15 +214,15 @@ void Watchdog::wait_to_be_killed(double seconds, const std::string& line) {
   abort_job(line + " (the reporting rank did not end the job)");
 }
 
-void Watchdog::report(const OpRecord& op, const std::string& what) {
+void Watchdog::report(const OpRecord& op, const std::string& trigger) {
   const std::string op_words =
-      fmt::format("op #{} ({}) on rank {} {}", op.seq, describe_op(op), rank_, what);
+      fmt::format("op #{} ({}) on rank {} is the oldest in flight", op.seq, describe_op(op), rank_);
   int expected = static_cast<int>(Role::watching);
   if (!role_.compare_exchange_strong(expected, static_cast<int>(Role::reporting))) {
     // Another rank already asked for our records and is diagnosing; it ends the job.
-    wait_to_be_killed(grace_s_ + 10.0, prefix_ + ": " + op_words);
+    wait_to_be_killed(grace_s_ + 10.0, fmt::format("{}: {}; {}", prefix_, trigger, op_words));
   }
-  print_own_ops(fmt::format("{}: {}; rank {} last ops:", prefix_, op_words, rank_));
+  print_own_ops(fmt::format("{}: {}; {}; rank {} last ops:", prefix_, trigger, op_words, rank_));
 
   // Ask every other rank for its records; wait for the answers until the grace deadline.
   const std::size_t max_bytes = sizeof(ReplyHeader) + recorder_.capacity() * sizeof(OpRecord);
@@ -274,18 +283,55 @@ void Watchdog::report(const OpRecord& op, const std::string& what) {
     if (h.role == static_cast<int>(Role::reporting)) printer = std::min(printer, r);
   }
 
-  const Disagreement d = find_disagreement(ranks);
-  std::string line = prefix_ + ": " + op_words + "; ";
-  if (d.seq)
-    line += fmt::format("ranks disagree first at seq {}: {}", *d.seq, d.detail);
-  else
-    line += fmt::format("the responding ranks' recorded ops agree (through #{})", d.agreed_through);
-  if (!silent.empty())
-    line += fmt::format("; no answer from rank{} {} within {:.1f} s", silent.size() > 1 ? "s" : "",
-                        fmt::join(silent, ", "), grace_s_);
+  // The verdict depends on the records alone, so whichever rank prints it, it reads the same.
+  const Verdict v = diagnose(ranks);
+  std::string line = fmt::format("{}: {}; {}", prefix_, trigger, v.text);
+  if (!silent.empty()) line += fmt::format(" (no answer within {:.1f} s)", grace_s_);
   if (printer == rank_) abort_job(line);
   // A lower rank is diagnosing the same hang and prints the line; give it time to end the job.
   wait_to_be_killed(grace_s_ + 10.0, line);
+}
+
+// --- the monitor ---------------------------------------------------------------------------------
+
+CommMonitor::CommMonitor(double timeout_s, const RankGroup& group) : timeout_s_(timeout_s) {
+  if (timeout_s > 0 && Watchdog::supported())
+    watchdog_ = std::make_unique<Watchdog>(
+        recorder_, timeout_s, [this] { return poll_all(); }, group);
+}
+
+CommMonitor::~CommMonitor() = default;
+
+int CommMonitor::add_poll(Watchdog::Poll poll) {
+  std::lock_guard lock(polls_mu_);
+  polls_.emplace(next_poll_, std::move(poll));
+  return next_poll_++;
+}
+
+void CommMonitor::remove_poll(int id) {
+  std::lock_guard lock(polls_mu_);
+  polls_.erase(id);
+}
+
+std::string CommMonitor::poll_all() {
+  std::lock_guard lock(polls_mu_);
+  for (auto& [id, poll] : polls_)
+    if (std::string why = poll(); !why.empty()) return why;
+  return {};
+}
+
+void CommMonitor::fail_op(std::uint64_t seq, const std::string& why) {
+  recorder_.finish(seq, OpState::failed);
+  if (watchdog_) watchdog_->fail_op(seq, why);
+  fail(fmt::format("comm op #{} failed: {}", seq, why));
+}
+
+void CommMonitor::barrier() {
+  if (!watchdog_) return;
+  const std::uint64_t seq = recorder_.begin(CommOp::barrier, DType::f32, 0, 0);
+  recorder_.started(seq);
+  watchdog_->barrier();
+  recorder_.finish(seq, OpState::done);
 }
 
 }  // namespace tpx

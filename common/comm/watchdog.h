@@ -1,29 +1,33 @@
-// Watchdog: turns a hung or failed communicator op into a diagnosis and an abort instead of a
+// Watchdog: turns a hung or failed communication op into a diagnosis and an abort instead of a
 // silent hang.
 //
-// A thread per rank watches the rank's flight recorder. When an op stays in flight longer than
-// the timeout (or the backend reports it failed), the rank
+// One per rank (CommMonitor): a thread watches the rank's one flight recorder, into which every
+// communicator and symmetric memory of the rank records. When an op stays in flight longer than
+// the timeout (or a backend reports it failed), the rank
 //   1. prints its last ops to stderr,
 //   2. asks every other rank for its recorder over a private communicator (non-blocking, with its
 //      own deadline; ranks that do not answer are reported as unresponsive), and every rank that
 //      is asked prints its own last ops,
-//   3. lines the records up (find_disagreement) and the lowest-numbered reporting rank prints ONE
-//      line, e.g.
-//        tpx: comm watchdog: op #7 (all_reduce fp32[1024] 4096 B) on rank 0 did not complete in
-//        2.0 s; ranks disagree first at seq 5: rank 1 skipped it (the others: all_reduce ...)
+//   3. lines the records up (diagnose) and the lowest-numbered reporting rank prints the job's ONE
+//      verdict line, which depends only on the records, not on the rank that prints it, e.g.
+//        tpx: comm watchdog: an op did not complete in 2.0 s; first difference at op #5
+//        (all_reduce fp32[256] 1024 B): rank 1 skipped it (the others: all_reduce ...)
 //   4. MPI_Abort ends the job.
 // The thread also answers other ranks' requests at any time, so a rank blocked elsewhere (in
 // compute, in another MPI call) still contributes its records. Needs MPI_THREAD_MULTIPLE.
 //
-// defines: tpx::Watchdog
+// defines: tpx::Watchdog, tpx::CommMonitor
 #pragma once
 
 #include <mpi.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -42,7 +46,8 @@ class Watchdog {
   using Poll = std::function<std::string()>;
 
   /// Starts watching. Collective over `group` (it duplicates the group's communicator for its
-  /// own messages); a group's messages name it and its ranks' job ranks.
+  /// own messages); a group's messages name it and its ranks' job ranks. The records' ranks are
+  /// the group's; a monitor over the whole job (the stages') sees job ranks.
   Watchdog(const FlightRecorder& recorder, double timeout_s, Poll poll = {},
            const RankGroup& group = RankGroup());
   /// Stops the thread (no collective).
@@ -76,7 +81,7 @@ class Watchdog {
   void run();
   void service_requests();
   void reply_to(int requester);
-  [[noreturn]] void report(const OpRecord& op, const std::string& what);
+  [[noreturn]] void report(const OpRecord& op, const std::string& trigger);
   [[noreturn]] void wait_to_be_killed(double seconds, const std::string& line);
   void print_own_ops(const std::string& headline);
   void pause();
@@ -101,6 +106,54 @@ class Watchdog {
   int request_buf_ = 0;
   std::vector<std::pair<MPI_Request, std::vector<char>>> outgoing_;
   std::thread thread_;
+};
+
+/// A rank's one record of its communication and the one watchdog over it. Every communicator and
+/// symmetric memory of a stage records into the monitor they are given (CommOptions::monitor), so
+/// the rank's collectives, ring steps, pulls and signals, in every group, form one sequence that
+/// lines up across ranks, and a stall gets one verdict. One made without a shared monitor makes a
+/// private one.
+class CommMonitor {
+ public:
+  /// Collective over `group` (the whole job for the stages): starts the watchdog when
+  /// `timeout_s` > 0 and MPI allows a watchdog thread.
+  explicit CommMonitor(double timeout_s, const RankGroup& group = RankGroup());
+  ~CommMonitor();
+  CommMonitor(const CommMonitor&) = delete;
+  CommMonitor& operator=(const CommMonitor&) = delete;
+
+  FlightRecorder& recorder() { return recorder_; }
+  const FlightRecorder& recorder() const { return recorder_; }
+  /// Seconds an op may stay in flight (0: no watchdog).
+  double timeout() const { return watchdog_ ? timeout_s_ : 0.0; }
+
+  /// Adds a check of asynchronous progress run on the watchdog thread (Watchdog::Poll); returns
+  /// its id for remove_poll(), which returns once the poll is not running.
+  int add_poll(Watchdog::Poll poll);
+  void remove_poll(int id);
+
+  /// Reports op `seq` as failed: with a watchdog the job is diagnosed and aborted (never
+  /// returns); without one this throws tpx::Error.
+  [[noreturn]] void fail_op(std::uint64_t seq, const std::string& why);
+  /// A barrier over the monitor's group, recorded and watched like any op: call it before a rank
+  /// may leave, so that no rank leaves while another may still need its records.
+  void barrier();
+
+  /// Numbers of the rank's collectives, signals and pulls, 0, 1, 2, ... in issue order: what the
+  /// test-only fault flags count.
+  enum class Kind { collective, signal, pull };
+  std::int64_t next(Kind k) { return counters_[static_cast<std::size_t>(k)]++; }
+
+ private:
+  std::string poll_all();
+
+  FlightRecorder recorder_;
+  double timeout_s_;
+  std::array<std::atomic<std::int64_t>, 3> counters_{};
+  std::mutex polls_mu_;
+  std::map<int, Watchdog::Poll> polls_;
+  int next_poll_ = 0;
+  std::unique_ptr<Watchdog> watchdog_;  // last: its thread stops before the polls go
 };
 
 }  // namespace tpx

@@ -1,0 +1,230 @@
+// The flight recorder's one verdict, end to end: every multi-rank stage under mpirun with one
+// failure on one chosen rank — a collective (or ring step) it skips, a signal it never sends, a
+// copy that takes three timeouts, or the whole rank stopped by SIGSTOP — must end on its own, well
+// within the comm timeout plus a few seconds, with a non-zero exit and exactly ONE verdict line
+// that names that rank and the operation (checked against the rank's own dump of its last ops),
+// never a healthy rank, and never the word "fault" (an injected failure reads like a real one).
+// Stage 07 runs on a 2 × 2 mesh, and its verdicts also name the group and the rank's number in it.
+#include <chrono>
+#include <cstdlib>
+#include <ostream>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace tpx {
+namespace {
+
+enum class Failure { skip_collective, skip_signal, delay_copy, stop };
+
+const char* name_of(Failure f) {
+  switch (f) {
+    case Failure::skip_collective:
+      return "SkipCollective";
+    case Failure::skip_signal:
+      return "SkipSignal";
+    case Failure::delay_copy:
+      return "DelayCopy";
+    case Failure::stop:
+      return "Stop";
+  }
+  return "?";
+}
+
+struct Case {
+  std::string stage;
+  Failure failure;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.stage << " " << name_of(c.failure);
+}
+
+constexpr double kTimeout = 2.0;  // --comm-timeout of every run
+constexpr double kGrace = 2.0;    // how long the reporter waits for answers (clamp(timeout, 1, 5))
+
+bool mesh(const Case& c) {
+  return c.stage == "07_fsdp_tp";
+}
+int ranks_of(const Case& c) {
+  return mesh(c) ? 4 : 3;
+}
+/// The rank that fails: not rank 0, which prints the steps; on the mesh, one in the second TP
+/// group and the second DP group.
+int culprit_of(const Case& c) {
+  return mesh(c) ? 3 : 1;
+}
+
+std::string stage_args(const Case& c, int steps) {
+  const std::string shape = mesh(c) ? "--hidden 96 --heads 2 --ffn 384 --seq 96 --batch 2"
+                                    : "--hidden 96 --heads 3 --ffn 384 --seq 96";
+  return fmt::format("{} --steps {} --comm-timeout {}", shape, steps, kTimeout);
+}
+
+std::string fault_flag(const Case& c) {
+  const int r = culprit_of(c);
+  switch (c.failure) {
+    case Failure::skip_collective:
+      return fmt::format("--fault-skip-collective {}:30", r);
+    case Failure::skip_signal:
+      return fmt::format("--fault-skip-signal {}:10", r);
+    case Failure::delay_copy:
+      return fmt::format("--fault-delay-copy {}:7", r);
+    case Failure::stop:
+      return "";
+  }
+  return "";
+}
+
+struct FaultRun {
+  test::CommandResult result;
+  double seconds = 0;  ///< from the failure (the start; for a stop, the SIGSTOP) to the end
+};
+
+/// Runs the case. A stop runs many steps, waits for step 3's row, stops the culprit's process
+/// (found through a wrapper that records its pid) and measures from there.
+FaultRun run_case(const Case& c, const test::TempDir& dir) {
+  const std::string mpirun = fmt::format("{} timeout 90 {} --oversubscribe --bind-to none -np {}",
+                                         test::kRootMpiEnv, TPX_MPIEXEC, ranks_of(c));
+  const std::string stage = test::stage_binary(c.stage);
+  FaultRun run;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (c.failure != Failure::stop) {
+    run.result = test::run_command(fmt::format("cd '{}' && {} {} {} {}", dir.path().string(),
+                                               mpirun, stage, stage_args(c, 20), fault_flag(c)),
+                                   dir);
+  } else {
+    const std::string wrapped = fmt::format(
+        "sh -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = {} ]; then echo $$ > pid; fi; exec {} {}'",
+        culprit_of(c), stage, stage_args(c, 100000));
+    run.result = test::run_command(
+        fmt::format("cd '{}' && {{ {} {} > out.txt & }}; job=$!; "
+                    "i=0; while [ $i -lt 600 ] && ! grep -qE '^ +3 ' out.txt 2>/dev/null; do "
+                    "sleep 0.05; i=$((i+1)); done; "
+                    "kill -STOP $(cat pid); date +%s.%N > stopped; "
+                    "wait $job; rc=$?; date +%s.%N > ended; "
+                    "kill -KILL $(cat pid) 2>/dev/null; cat out.txt; exit $rc",
+                    dir.path().string(), mpirun, wrapped),
+        dir);
+    // The shell's clock, in seconds; a missing file reads as 0 and fails the time check.
+    auto seconds_in = [&dir](const char* name) {
+      const std::string text = test::read_file(dir / name);
+      return text.empty() ? 0.0 : std::strtod(text.c_str(), nullptr);
+    };
+    run.seconds = seconds_in("ended") - seconds_in("stopped");
+    return run;
+  }
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return run;
+}
+
+/// The lines that are the verdict: the watchdog's lines that are not the heading of a rank's
+/// dump of its last ops.
+std::vector<std::string> verdicts_in(const std::string& err) {
+  std::vector<std::string> out;
+  for (const auto& line : test::lines_of(err))
+    if (line.rfind("tpx: comm watchdog:", 0) == 0 && line.find("last ops") == std::string::npos)
+      out.push_back(line);
+  return out;
+}
+
+/// Rank r's dump line of op #seq, if it printed one.
+std::string dump_line(const std::string& err, int r, const std::string& seq) {
+  for (const auto& line : test::lines_of(err))
+    if (line.rfind(fmt::format("[rank {}] ", r), 0) == 0 &&
+        line.find(fmt::format(" #{} ", seq)) != std::string::npos)
+      return line;
+  return {};
+}
+
+class Faults : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Faults, OneVerdictNamesTheRankAndTheOperation) {
+  const Case c = GetParam();
+  const int r = culprit_of(c);
+  test::TempDir dir;
+  const FaultRun run = run_case(c, dir);
+  const std::string& err = run.result.err;
+  if (c.failure == Failure::stop) {
+    // The stop is made by the shell; the job must end without it, long before `timeout`.
+    EXPECT_EQ(run.result.out.find("tpx"), 0u) << "the job did not start\n" << err;
+  }
+  EXPECT_NE(run.result.exit_code, 0) << err;
+  EXPECT_NE(run.result.exit_code, 124) << "the job hung until `timeout` killed it\n" << err;
+  // Start-up (about a second on an oversubscribed machine) plus the timeout and the grace.
+  EXPECT_LT(run.seconds, kTimeout + kGrace + (c.failure == Failure::stop ? 3.0 : 10.0)) << err;
+
+  const auto verdicts = verdicts_in(err);
+  ASSERT_EQ(verdicts.size(), 1u) << err;
+  const std::string& v = verdicts[0];
+  EXPECT_EQ(v.find("fault"), std::string::npos) << v;
+  EXPECT_EQ(v.find("has not issued"), std::string::npos) << v;
+  EXPECT_EQ(
+      v.rfind(fmt::format("tpx: comm watchdog: an op did not complete in {:.1f} s; ", kTimeout), 0),
+      0u)
+      << v;
+  // How the verdict names the rank: on the mesh with its group and its number in it.
+  const std::string who = mesh(c) ? fmt::format(R"(rank {} \(rank \d of (tp|dp) group \d\))", r)
+                                  : fmt::format("rank {}", r);
+  std::smatch m;
+  switch (c.failure) {
+    case Failure::skip_collective:
+    case Failure::skip_signal: {
+      ASSERT_TRUE(
+          std::regex_search(v, m,
+                            std::regex(fmt::format(
+                                R"(first difference at op #(\d+) \((.+?)\): {} skipped it)", who))))
+          << v;
+      const std::string op = m[2];
+      const bool signal = op.rfind("signal to ", 0) == 0;
+      EXPECT_EQ(signal, c.failure == Failure::skip_signal) << v;
+      if (!signal) {
+        EXPECT_NE(op.rfind("pull", 0), 0u) << v;
+      }
+      // The rank's own record has that op, described alike, as skipped.
+      const std::string line = dump_line(err, r, m[1]);
+      EXPECT_NE(line.find(op), std::string::npos) << v << "\n" << err;
+      EXPECT_NE(line.find("skipped"), std::string::npos) << line;
+      break;
+    }
+    case Failure::delay_copy: {
+      ASSERT_TRUE(std::regex_search(
+          v, m,
+          std::regex(fmt::format(R"(op #(\d+) \((pull .+?)\) did not complete on {};)", who))))
+          << v;
+      const std::string line = dump_line(err, r, m[1]);
+      EXPECT_NE(line.find("in flight"), std::string::npos) << line << "\n" << err;
+      break;
+    }
+    case Failure::stop: {
+      EXPECT_NE(v.find(fmt::format("; rank {} did not answer", r)), std::string::npos) << v;
+      EXPECT_TRUE(std::regex_search(v, std::regex(R"(the others wait in op #\d+ \(.+\))"))) << v;
+      break;
+    }
+  }
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (const char* stage : {"02_megatron_tp", "03_sequence_parallel", "04_overlap_ring"})
+    for (Failure f : {Failure::skip_collective, Failure::stop}) cases.push_back({stage, f});
+  for (const char* stage : {"05_copy_engine_async_tp", "06_fp8", "07_fsdp_tp"})
+    for (Failure f :
+         {Failure::skip_collective, Failure::skip_signal, Failure::delay_copy, Failure::stop})
+      cases.push_back({stage, f});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, Faults, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<Case>& p) {
+                           return fmt::format("Stage{}{}", p.param.stage.substr(0, 2),
+                                              name_of(p.param.failure));
+                         });
+
+}  // namespace
+}  // namespace tpx
