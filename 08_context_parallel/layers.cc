@@ -165,6 +165,17 @@ void ContextParallel::attend_block_backward(const Tensor& dout, const Tensor& q,
     }
 }
 
+Event ContextParallel::gather_kv(const Tensor& mine, const Tensor& all, const std::string& what) {
+  const std::uint64_t booked = cp_comm_->book(CommOp::all_gather, what);
+  cp_lane_.run([this, mine, all, what, booked] {
+    TraceScope span(trace_, what, Lane::cp_comm);
+    cp_comm_->all_gather(mine, all, cp_lane_, booked);
+  });
+  Event done(device_);
+  done.record(cp_lane_);
+  return done;
+}
+
 Event ContextParallel::ring_hop(const Tensor& send, const Tensor& recv, const std::string& what) {
   const int next = (mesh_.cp_index + 1) % mesh_.cp,
             prev = (mesh_.cp_index + mesh_.cp - 1) % mesh_.cp;
@@ -174,9 +185,11 @@ Event ContextParallel::ring_hop(const Tensor& send, const Tensor& recv, const st
   ready.wait(cp_lane_);
   record_stream(send, cp_lane_);
   record_stream(recv, cp_lane_);
-  cp_lane_.run([this, send, recv, next, prev, what] {
+  // Booked now, so that the flight recorder has it in the program's order on every rank.
+  const std::uint64_t booked = cp_comm_->book(CommOp::sendrecv, what);
+  cp_lane_.run([this, send, recv, next, prev, what, booked] {
     TraceScope span(trace_, what, Lane::cp_comm);
-    cp_comm_->sendrecv(send, next, recv, prev, cp_lane_, what);
+    cp_comm_->sendrecv(send, next, recv, prev, cp_lane_, what, booked);
   });
   Event done(device_);
   done.record(cp_lane_);
@@ -194,12 +207,18 @@ void ContextParallel::all_to_all(const Tensor& send, const Tensor& recv, const s
   ready.wait(cp_lane_);
   record_stream(send, cp_lane_);
   record_stream(recv, cp_lane_);
-  cp_lane_.run([this, send, recv, n, me, what, block] {
+  std::vector<std::pair<std::string, std::uint64_t>> steps;  // booked now, in program order
+  for (int s = 1; s < n; ++s) {
+    std::string name = fmt::format("{} step {}/{}", what, s, n - 1);
+    const std::uint64_t booked = cp_comm_->book(CommOp::sendrecv, name);
+    steps.emplace_back(std::move(name), booked);
+  }
+  cp_lane_.run([this, send, recv, n, me, what, block, steps] {
     TraceScope span(trace_, what, Lane::cp_comm);
     for (int s = 1; s < n; ++s) {  // step s: to me + s, from me − s
       const int to = (me + s) % n, from = (me - s + n) % n;
-      cp_comm_->sendrecv(block(send, to), to, block(recv, from), from, cp_lane_,
-                         fmt::format("{} step {}/{}", what, s, n - 1));
+      const auto& [name, booked] = steps[static_cast<std::size_t>(s - 1)];
+      cp_comm_->sendrecv(block(send, to), to, block(recv, from), from, cp_lane_, name, booked);
     }
   });
   Event done(device_);
@@ -283,13 +302,7 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
   ops::copy(v, packed(mine, 1, k.shape()));
   if (method_ == CpMethod::allgather) {
     const Tensor all = Tensor::empty({n * 2 * kv}, DType::f32, device_);
-    cp_lane_.run([this, mine, all, call] {
-      TraceScope span(trace_, fmt::format("cp K/V all-gather (fwd {})", call), Lane::cp_comm);
-      cp_comm_->all_gather(mine, all, cp_lane_);
-    });
-    Event done(device_);
-    done.record(cp_lane_);
-    done.wait(compute);
+    gather_kv(mine, all, fmt::format("cp K/V all-gather (fwd {})", call)).wait(compute);
     for (int r = 0; r < n; ++r) {
       const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
       TraceScope span(trace_, fmt::format("attention fwd: K/V of cp rank {}", r));
@@ -355,13 +368,7 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     const Tensor all = Tensor::empty({n * 2 * kv}, DType::f32, device_);
     const Tensor dall = Tensor::zeros({n * 2 * kv}, DType::f32, device_);
     const Tensor dmine = Tensor::empty({2 * kv}, DType::f32, device_);
-    cp_lane_.run([this, mine, all, call] {
-      TraceScope span(trace_, fmt::format("cp K/V all-gather (bwd {})", call), Lane::cp_comm);
-      cp_comm_->all_gather(mine, all, cp_lane_);
-    });
-    Event gathered(device_);
-    gathered.record(cp_lane_);
-    gathered.wait(compute);
+    gather_kv(mine, all, fmt::format("cp K/V all-gather (bwd {})", call)).wait(compute);
     for (int r = 0; r < n; ++r) {
       const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
       const Tensor dblock = dall.slice0(r * 2 * kv, (r + 1) * 2 * kv);
@@ -374,9 +381,11 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     Event computed(device_);
     computed.record(compute);
     computed.wait(cp_lane_);
-    cp_lane_.run([this, dall, dmine, call] {
-      TraceScope span(trace_, fmt::format("cp dK/dV reduce-scatter (bwd {})", call), Lane::cp_comm);
-      cp_comm_->reduce_scatter(dall, dmine, cp_lane_);
+    const std::string what = fmt::format("cp dK/dV reduce-scatter (bwd {})", call);
+    const std::uint64_t booked = cp_comm_->book(CommOp::reduce_scatter, what);
+    cp_lane_.run([this, dall, dmine, what, booked] {
+      TraceScope span(trace_, what, Lane::cp_comm);
+      cp_comm_->reduce_scatter(dall, dmine, cp_lane_, booked);
     });
     Event done(device_);
     done.record(cp_lane_);

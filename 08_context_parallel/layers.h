@@ -127,6 +127,9 @@ class ContextParallel final : public Parallelism {
   /// Sends `send` to the next CP rank while receiving `recv` from the previous one, on the CP
   /// lane; returns the event of its arrival.
   Event ring_hop(const Tensor& send, const Tensor& recv, const std::string& what);
+  /// All-gathers this rank's packed K/V `mine` into `all` over CP on the CP lane, booked in the
+  /// flight recorder now; returns the event of its completion.
+  Event gather_kv(const Tensor& mine, const Tensor& all, const std::string& what);
 
   StageOptions local_options_;  // the options with S / C, what stage 07 sees
   Mesh mesh_;

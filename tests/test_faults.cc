@@ -4,7 +4,8 @@
 // within the comm timeout plus a few seconds, with a non-zero exit and exactly ONE verdict line
 // that names that rank and the operation (checked against the rank's own dump of its last ops),
 // never a healthy rank, and never the word "fault" (an injected failure reads like a real one).
-// Stage 07 runs on a 2 × 2 mesh, and its verdicts also name the group and the rank's number in it.
+// Stage 07 runs on a 2 × 2 mesh and stage 08 on a CP ring of 3, and their verdicts also name the
+// group and the rank's number in it.
 #include <chrono>
 #include <cstdlib>
 #include <ostream>
@@ -51,6 +52,9 @@ constexpr double kGrace = 2.0;    // how long the reporter waits for answers (cl
 bool mesh(const Case& c) {
   return c.stage == "07_fsdp_tp";
 }
+bool context_parallel(const Case& c) {
+  return c.stage == "08_context_parallel";
+}
 int ranks_of(const Case& c) {
   return mesh(c) ? 4 : 3;
 }
@@ -63,7 +67,9 @@ int culprit_of(const Case& c) {
 std::string stage_args(const Case& c, int steps) {
   const std::string shape = mesh(c) ? "--hidden 96 --heads 2 --ffn 384 --seq 96 --batch 2"
                                     : "--hidden 96 --heads 3 --ffn 384 --seq 96";
-  return fmt::format("{} --steps {} --comm-timeout {}", shape, steps, kTimeout);
+  // Stage 08 as C = 3, T = 1: its 30th collective (the skipped one) is a K/V ring hop.
+  return fmt::format("{}{} --steps {} --comm-timeout {}", shape,
+                     context_parallel(c) ? " --cp 3" : "", steps, kTimeout);
 }
 
 std::string fault_flag(const Case& c) {
@@ -170,7 +176,9 @@ TEST_P(Faults, OneVerdictNamesTheRankAndTheOperation) {
       << v;
   // How the verdict names the rank: on the mesh with its group and its number in it.
   const std::string who = mesh(c) ? fmt::format(R"(rank {} \(rank \d of (tp|dp) group \d\))", r)
-                                  : fmt::format("rank {}", r);
+                          : context_parallel(c)
+                              ? fmt::format(R"(rank {} \(rank \d of (cp|dp×cp) group [\d.]+\))", r)
+                              : fmt::format("rank {}", r);
   std::smatch m;
   switch (c.failure) {
     case Failure::skip_collective:
@@ -217,6 +225,8 @@ std::vector<Case> all_cases() {
     for (Failure f :
          {Failure::skip_collective, Failure::skip_signal, Failure::delay_copy, Failure::stop})
       cases.push_back({stage, f});
+  for (Failure f : {Failure::skip_collective, Failure::stop})  // T = 1: no copy-engine pulls
+    cases.push_back({"08_context_parallel", f});
   return cases;
 }
 
