@@ -52,6 +52,7 @@ class ContextParallel final : public Parallelism {
 
   Sharding sharding() const override;
   std::string comm_name() const override;
+  std::vector<MeshGroup> mesh_groups() const override { return mesh_.groups(); }
 
   // The linear layers and the FSDP hooks: stage 07's, on this rank's tokens.
   ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,

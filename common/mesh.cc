@@ -57,7 +57,8 @@ std::string Mesh::describe() const {
 }
 
 std::vector<MeshGroup> Mesh::groups() const {
-  return {{"tp", tp_group}, {"dp", dp_group}};
+  if (cp == 1) return {{"tp", tp_group}, {"dp", dp_group}};
+  return {{"tp", tp_group}, {"cp", cp_group}, {"dp", dp_group}};
 }
 
 }  // namespace tpx
