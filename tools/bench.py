@@ -658,22 +658,31 @@ PLACEHOLDER = {
 
 
 def mesh_points_of(rows):
-    """The (N, D) points the mesh stage has rows for."""
-    return sorted({(int(r["n"]), int(r["stage"].split(" D")[1])) for r in rows
-                   if r["stage"].startswith(MESH_STAGE + " D")})
+    """{mesh stage: its (N, degree) points} for the mesh stages the rows have."""
+    points = {}
+    for r in rows:
+        exe, _, degree = split_label(r["stage"])
+        if degree is not None:
+            points.setdefault(exe, set()).add((int(r["n"]), int(degree)))
+    return {exe: sorted(p) for exe, p in points.items()}
 
 
 def ran_text(stages, ranks, configs, repeats, steps, quick, mesh_points=None):
-    """The sentence that says what the section's sweep ran, from the sweep itself (the mesh
-    stage's points: `mesh_points`, else every point of MESH_POINTS within `ranks`)."""
+    """The sentence that says what the section's sweep ran, from the sweep itself (each mesh
+    stage's points: `mesh_points`, else every point of MESH_STAGES within `ranks`)."""
     names = [f"`{s}`" for s in stages]
     listed = (names[0] if len(names) == 1 else
               f"{', '.join(names[:-1])} and {names[-1]}")
-    mesh = ""
-    if MESH_STAGE in stages:
-        points = [f"D {dp} × TP {n // dp}" for n, dp in
-                  (mesh_points if mesh_points is not None else MESH_POINTS) if n in ranks]
-        mesh = f" (`{MESH_STAGE}` on the meshes {', '.join(points)})" if points else ""
+    meshes = []
+    for stage in stages:
+        if stage not in MESH_STAGES:
+            continue
+        letter, _, _, default = MESH_STAGES[stage]
+        chosen = mesh_points.get(stage, []) if mesh_points is not None else default
+        points = [f"{letter} {x} × TP {n // x}" for n, x in chosen if n in ranks]
+        if points:
+            meshes.append(f"`{stage}` on the meshes {', '.join(points)}")
+    mesh = f" ({'; '.join(meshes)})" if meshes else ""
     cfgs = ", ".join(f"`{c['name']}`" for c in configs)
     return (f"{'Quick mode. ' if quick else ''}Ran {listed} over N = "
             f"{', '.join(map(str, ranks))}{mesh}; config{'s' if len(configs) > 1 else ''} {cfgs}; "
@@ -1001,7 +1010,7 @@ def verify(out, device, expected, peak_measured, reference_ran, sections):
         if not re.search(rf"^\| {re.escape(r['stage'])} \| {r['n']} \| {device} \|", body, re.M):
             problems.append(f"{md_path}: no table row for {r['config']}/{r['stage']}/N={r['n']}")
     table_rows = [ln for ln in body.splitlines()
-                  if re.match(r"^\| 0[1-9]_\w+(?: D\d+)? \| \d+ \|", ln)]
+                  if re.match(r"^\| 0[1-9]_\w+(?: [A-Z]\d+)? \| \d+ \|", ln)]
     width = len([h for _, h, _ in COLUMNS if h])
     for ln in table_rows:
         cells = [c.strip() for c in ln.strip().strip("|").split("|")]
@@ -1117,7 +1126,7 @@ def ran_text_from_csv(path):
         rows = list(csv.DictReader(f))
     if not rows:
         raise BenchError(f"{path} has no rows")
-    stages = [s for s in STAGES if any(r["stage"].split(" D")[0] == s for r in rows)]
+    stages = [s for s in STAGES if any(split_label(r["stage"])[0] == s for r in rows)]
     ranks = sorted({int(r["n"]) for r in rows})
     configs = [{"name": c} for c in dict.fromkeys(r["config"] for r in rows)]
     return ran_text(stages, ranks, configs, int(rows[0]["repeats"]), int(rows[0]["steps"]), False,

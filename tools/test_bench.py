@@ -244,6 +244,9 @@ class Selection(unittest.TestCase):
         self.assertIn("D 1 × TP 2, D 2 × TP 1, D 2 × TP 2", text)  # the meshes at N = 2 and 4
         self.assertIn("config `tiny`; 1 repeat of 3 steps", text)
         self.assertNotIn("06_fp8", text)
+        text = bench.ran_text(["08_context_parallel"], [2], bench.configs_for("cpu", True), 1, 3,
+                              False, {"08_context_parallel": [(2, 1), (2, 2)]})
+        self.assertIn("`08_context_parallel` on the meshes C 1 × TP 2, C 2 × TP 1", text)
 
     def test_only_text_writes_the_line_of_what_ran_once(self):
         import csv, tempfile
