@@ -185,6 +185,12 @@ void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l)
   const std::string what = fmt::format("layer {} weights all-gather", l);
   // Booked now, so that the flight recorder has it in the program's order on every rank.
   const std::uint64_t booked = dp_comm_->book(CommOp::all_gather, what);
+  // And marked on the DP-comm lane as queued (reporting only, no duration): a prefetch shows as
+  // a mark inside the previous layer's forward, however late the lane thread gets to it.
+  if (trace_.recording()) {
+    const auto now = Trace::Clock::now();
+    trace_.record(what + " queued", Lane::dp_comm, now, now, /*counted=*/false);
+  }
   gather_lane_.run([this, send, full = g.full, what, booked] {
     TraceScope span(trace_, what, Lane::dp_comm);
     dp_comm_->all_gather(send, full, gather_lane_, booked);

@@ -97,6 +97,7 @@ OpRecord op(std::uint64_t seq, CommOp kind = CommOp::all_reduce, std::uint64_t b
   r.count = static_cast<std::int64_t>(bytes / 4);
   r.state = state;
   r.peer = peer;
+  r.sized = true;  // run, not only booked
   return r;
 }
 
@@ -189,6 +190,27 @@ TEST(Diagnose, FindsADifferentOpSizeOrRoot) {
   ASSERT_TRUE(v.seq.has_value());
   EXPECT_EQ(*v.seq, 2u);
   EXPECT_TRUE(has(v.text, "rank 0 issued broadcast")) << v.text;
+}
+
+TEST(Diagnose, ABookedOpItsLaneHasNotRunYetDiffersFromNoOne) {
+  // Rank 0's lane has run op 5 (a reduce-scatter, sized); ranks 1 and 2 booked it in program
+  // order but their lanes have not reached it: no sizes yet. That is waiting, not a difference.
+  std::vector<RankOps> ranks{ranks_ops(0, 0, 6), ranks_ops(1, 0, 6), ranks_ops(2, 0, 6)};
+  ranks[0].ops[5] = op(5, CommOp::reduce_scatter, 4096, OpState::in_flight);
+  for (int r : {1, 2}) {
+    OpRecord booked = op(5, CommOp::reduce_scatter, 0, OpState::in_flight);
+    booked.sized = false;
+    ranks[static_cast<std::size_t>(r)].ops[5] = booked;
+  }
+  Verdict v = diagnose(ranks);
+  EXPECT_FALSE(has(v.text, "instead")) << v.text;
+  EXPECT_FALSE(has(v.text, "first difference")) << v.text;
+  // A booked op of another kind is still a difference.
+  ranks[2].ops[5].op = CommOp::all_gather;
+  v = diagnose(ranks);
+  ASSERT_TRUE(v.seq.has_value()) << v.text;
+  EXPECT_EQ(v.ranks, std::vector<int>{2});
+  EXPECT_TRUE(has(v.text, "rank 2 issued all_gather")) << v.text;
 }
 
 TEST(Diagnose, PointToPointPeersAndSizesMayDiffer) {

@@ -96,6 +96,7 @@ void FlightRecorder::fill(std::uint64_t seq, DType dtype, std::int64_t count, st
     r->peer = peer;
     r->src = src;
     r->dtype = dtype;
+    r->sized = true;
   }
 }
 
@@ -254,9 +255,14 @@ std::optional<Verdict> first_difference(const std::vector<const RankOps*>& live)
     std::vector<Entry> entries;
     for (const RankOps* r : live) entries.push_back(entry_at(*r, seq));
     // The expected op: the most common signature among ranks that executed it.
+    // A booked op not yet run (not sized) has no sizes to compare: it neither votes nor differs,
+    // unless it is another kind of op altogether.
+    auto differs = [](const OpRecord& r, const Signature& want) {
+      return r.sized ? signature_of(r) != want : r.op != std::get<0>(want);
+    };
     std::map<Signature, int> votes;
     for (const Entry& e : entries)
-      if (e.kind == Entry::record && e.rec->state != OpState::skipped)
+      if (e.kind == Entry::record && e.rec->state != OpState::skipped && e.rec->sized)
         ++votes[signature_of(*e.rec)];
     std::optional<Signature> expected;
     int best = 0;
@@ -265,7 +271,7 @@ std::optional<Verdict> first_difference(const std::vector<const RankOps*>& live)
     const OpRecord* example = nullptr;  // the op as a rank that ran it has it
     for (const Entry& e : entries)
       if (!example && e.kind == Entry::record && e.rec->state != OpState::skipped && expected &&
-          signature_of(*e.rec) == *expected)
+          e.rec->sized && signature_of(*e.rec) == *expected)
         example = e.rec;
 
     Verdict v;
@@ -277,7 +283,7 @@ std::optional<Verdict> first_difference(const std::vector<const RankOps*>& live)
       const int rank = live[i]->rank;
       if (e.rec->state == OpState::skipped) {
         problems.push_back(fmt::format("{} skipped it", rank_words(rank, e.rec)));
-      } else if (expected && signature_of(*e.rec) != *expected) {
+      } else if (expected && differs(*e.rec, *expected)) {
         problems.push_back(
             fmt::format("{} issued {} instead", rank_words(rank, e.rec), describe_op(*e.rec)));
       } else {

@@ -66,6 +66,9 @@ struct OpRecord {
   CommOp op = CommOp::barrier;
   DType dtype = DType::f32;
   OpState state = OpState::in_flight;
+  /// False while a booked op waits for its lane to run it: its dtype, count, bytes and peers
+  /// are not known yet, so it cannot differ from another rank's in them.
+  bool sized = false;
   /// What the op is for in the caller's words (e.g. "qkv AG step 2/4"), NUL-terminated and cut
   /// to fit; empty when the caller gave none.
   char what[48] = {};
