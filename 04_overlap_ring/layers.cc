@@ -47,13 +47,16 @@ Tensor OverlapRing::column_backward(const Tensor& saved, std::span<const Tensor>
   // after the dX ring's last GEMM, while its last transfer is in flight.
   const auto h = ring_.transport.gather(ring_, saved, fmt::format("{} re-gather", role),
                                         /*queued=*/1);
-  const AlongTheRing along{.gather = h.get(), .before_last_wait = [&] {
-                             h->wait_all();
-                             TraceScope span(ring_.trace, fmt::format("{} dW GEMMs", role));
-                             for (std::size_t j = 0; j < w.size(); ++j)  // dW = AG(h)ᵀ·dy
-                               ops::gemm(h->full(), true, dy[j], false, dw[j], 1.0f, 0.0f,
-                                         ring_.compute);
-                           }};
+  const AlongTheRing along{
+      .gather = h.get(), .before_last_wait = [&] {
+        h->wait_all();
+        weight_grads([this, full = h->full(), dy = std::vector(dy.begin(), dy.end()),
+                      dw = std::vector(dw.begin(), dw.end()), name = fmt::format("{} dW GEMMs", role)] {
+          TraceScope span(ring_.trace, name);
+          for (std::size_t j = 0; j < dy.size(); ++j)  // dW = AG(h)ᵀ·dy
+            ops::gemm(full, true, dy[j], false, dw[j], 1.0f, 0.0f, ring_.compute);
+        });
+      }};
   return gemm_reduce_scatter(ring_, dy, w, /*trans_w=*/true, fmt::format("{} dX", role), along);
 }
 
@@ -70,9 +73,18 @@ Tensor OverlapRing::row_backward(const Tensor& a, const Tensor& w, const Tensor&
   const std::array w1{w}, da1{da};
   const Tensor d = all_gather_gemm(ring_, dy, w1, /*trans_w=*/true, da1,
                                    fmt::format("{} bwd", role));  // da = AG(dy)·Wᵀ
-  TraceScope span(ring_.trace, fmt::format("{} dW GEMM", role));
-  ops::gemm(a, true, d, false, dw, 1.0f, 0.0f, ring_.compute);  // dW = aᵀ·AG(dy)
+  weight_grads([this, a, d, dw, name = fmt::format("{} dW GEMM", role)] {
+    TraceScope span(ring_.trace, name);
+    ops::gemm(a, true, d, false, dw, 1.0f, 0.0f, ring_.compute);  // dW = aᵀ·AG(dy)
+  });
   return da;
+}
+
+void OverlapRing::weight_grads(std::function<void()> gemm) {
+  if (deferred_)
+    deferred_->defer(std::move(gemm));
+  else
+    gemm();
 }
 
 std::unique_ptr<Parallelism> make_overlap_ring(const RunContext& ctx) {

@@ -40,9 +40,18 @@ class OverlapRing : public sp::SequenceParallel {
   Tensor row_forward(const Tensor& a, const Tensor& w, std::string_view role) override;
   Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                       std::string_view role) override;
+  bool defer_weight_grads(WeightGradWork* work) override {
+    deferred_ = work;
+    return true;
+  }
 
  protected:
   RingContext ring_;
+
+ private:
+  /// Runs `gemm`, or leaves it in deferred_ (stage 09's B/W split of the backward).
+  void weight_grads(std::function<void()> gemm);
+  WeightGradWork* deferred_ = nullptr;
 };
 
 /// The stage's factory: checks that N divides NH, F and S (ConfigError otherwise), then builds.

@@ -475,7 +475,6 @@ void ContextParallel::synchronize() {
 }
 
 std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
-  const BlockConfig& c = ctx.options.config;
   const int dp = ctx.options.dp == 0 ? 1 : ctx.options.dp;
   const int cp = ctx.options.cp != 0 ? ctx.options.cp : (ctx.world % 2 == 0 ? 2 : 1);
   if (dp < 1)
@@ -483,7 +482,12 @@ std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
         fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));
   if (cp < 1)
     throw ConfigError(fmt::format("--cp must be a positive number of sequence parts (got {})", cp));
-  Mesh mesh = Mesh::make(dp, cp);  // refuses a D·C that does not divide the ranks
+  return make_context_parallel_on(ctx, Mesh::make(dp, cp));  // refuses a D·C not dividing the ranks
+}
+
+std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mesh mesh) {
+  const BlockConfig& c = ctx.options.config;
+  const int dp = mesh.dp, cp = mesh.cp;
   if (c.batch % dp != 0)
     throw ConfigError(fmt::format(
         "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", dp,
@@ -521,7 +525,7 @@ std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
   BlockConfig local = c;
   local.seq = c.seq / cp;
   check_tp_split(local, mesh.tp, /*sequence=*/true);
-  return std::make_unique<ContextParallel>(ctx, mesh, ctx.options.cp_method);
+  return std::make_unique<ContextParallel>(ctx, std::move(mesh), ctx.options.cp_method);
 }
 
 }  // namespace tpx::cp

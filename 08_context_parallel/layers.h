@@ -23,7 +23,8 @@
 //              plain fused attention runs on them, a second all-to-all brings the output back;
 //              backward does the same with dO and the gradients. Needs NKV % (C·T) == 0.
 //
-// defines: tpx::cp::ContextParallel, tpx::cp::make_context_parallel()
+// defines: tpx::cp::ContextParallel, tpx::cp::make_context_parallel(),
+//          tpx::cp::make_context_parallel_on()
 #pragma once
 
 #include <cstdint>
@@ -72,6 +73,9 @@ class ContextParallel final : public Parallelism {
   Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                       std::string_view role) override {
     return inner_->row_backward(a, w, dy, dw, role);
+  }
+  bool defer_weight_grads(WeightGradWork* work) override {
+    return inner_->defer_weight_grads(work);
   }
   void reduce_replicated_grad(const Tensor& grad) override { inner_->reduce_replicated_grad(grad); }
   LayerParams layer_params(const std::vector<LayerParams>& stored, std::size_t l,
@@ -151,5 +155,8 @@ class ContextParallel final : public Parallelism {
 /// even), checks that S splits into 2C·T chunks and that D divides B (ConfigError, one line on
 /// every rank), then builds stage 07 alone (C = 1) or CP around it.
 std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx);
+/// The same on a mesh made already (stage 09 makes one with a PP dimension and runs this stage
+/// on each pipeline stage's slice of it): every check but the mesh's own.
+std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mesh mesh);
 
 }  // namespace tpx::cp

@@ -267,6 +267,34 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
         ->capture_default_str()
         ->group("Mesh");
   }
+  // Only a pipeline stage splits the layers over a mesh dimension.
+  if (info.pipeline) {
+    add_number(app, "--pp", o.pp,
+               "pipeline-parallel degree P: the layers split contiguously over P stages (mesh P × "
+               "D × C × TP, PP outermost); when not given, 2 if the ranks are even, else 1")
+        ->type_name("P")
+        ->group("Pipeline");
+    add_number(app, "--microbatches", o.microbatches,
+               "M micro-batches of the local batch B/D, each sent through the pipeline; when not "
+               "given, the largest of P·V, P and 1 that divides B/D")
+        ->type_name("M")
+        ->group("Pipeline");
+    app.add_option("--schedule", o.schedule,
+                   "gpipe (all forwards, then all backwards), 1f1b (one forward, one backward), "
+                   "interleaved-1f1b (V virtual stages per rank) or zb-h1 (zero bubble: the "
+                   "backward split into B, the input gradient, and W, the weight gradients)")
+        ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}))
+        ->capture_default_str()
+        ->group("Pipeline");
+    add_number(app, "--stages-per-rank", o.stages_per_rank,
+               "V virtual stages per rank (interleaved-1f1b: rank p holds stages p, p+P, ...)")
+        ->type_name("V")
+        ->group("Pipeline");
+    app.add_flag("--print-schedule", o.print_schedule,
+                 "print every rank's list of F, B (and W) actions and the simulated bubble, "
+                 "then exit without training")
+        ->group("Pipeline");
+  }
   // Only a copy-engine stage has a choice of all-gather; elsewhere the flag does not exist.
   std::string all_gather = to_string(o.all_gather);
   if (info.copy_engine)
@@ -401,6 +429,11 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--dry-run", o.dry_run ? "given" : "not given"},
       {"--cp", fmt::format("{}", o.cp)},
       {"--cp-method", to_string(o.cp_method)},
+      {"--pp", fmt::format("{}", o.pp)},
+      {"--microbatches", fmt::format("{}", o.microbatches)},
+      {"--schedule", o.schedule},
+      {"--stages-per-rank", fmt::format("{}", o.stages_per_rank)},
+      {"--print-schedule", o.print_schedule ? "given" : "not given"},
       {"--check", o.check ? "given" : "not given"},
       {"--dump", given(o.dump_dir)},
       {"--json", given(o.json_path)},

@@ -28,6 +28,9 @@ struct StageInfo {
   bool mesh = false;
   /// Splits the sequence over a CP dimension of the mesh (stage 08): offers --cp, --cp-method.
   bool context_parallel = false;
+  /// Splits the layers over a PP dimension of the mesh (stage 09): offers --pp, --microbatches,
+  /// --schedule, --stages-per-rank and --print-schedule.
+  bool pipeline = false;
 };
 
 const char* to_string(CpMethod m);
@@ -59,6 +62,15 @@ struct StageOptions {
   /// are even, else 1.
   int cp = 0;
   CpMethod cp_method = CpMethod::ring;  ///< --cp-method
+  /// --pp P (stage 09): the pipeline-parallel degree; 0 = the default, 2 when the job's ranks
+  /// are even, else 1.
+  int pp = 0;
+  /// --microbatches M (stage 09): the parts of the local batch B / D; 0 = the default, the
+  /// largest of P·V, P, 1 that divides B / D.
+  int microbatches = 0;
+  std::string schedule = "1f1b";  ///< --schedule (common/pipeline/schedule.h's names)
+  int stages_per_rank = 1;        ///< --stages-per-rank V (interleaved-1f1b)
+  bool print_schedule = false;    ///< --print-schedule: print the schedule and exit
 };
 
 /// The data-parallel degree a mesh stage runs with on `world` ranks when --dp is `dp` (0: not

@@ -80,13 +80,20 @@ Tensor make_data(const BlockConfig& c, bool target, std::int64_t begin, std::int
 }
 
 Model make_model(const BlockConfig& c, const Sharding& s) {
+  std::vector<std::int64_t> all(static_cast<std::size_t>(c.layers));
+  for (std::size_t l = 0; l < all.size(); ++l) all[l] = std::int64_t(l);
+  return make_model(c, s, all);
+}
+
+Model make_model(const BlockConfig& c, const Sharding& s, const std::vector<std::int64_t>& layers) {
   TPX_CHECK(s.world >= 1 && s.rank >= 0 && s.rank < s.world, "bad sharding {}/{}", s.rank, s.world);
   Model m;
   const std::int64_t seq_local = s.sequence ? c.seq / s.world : c.seq;
   const std::int64_t first = s.sequence ? s.rank * seq_local : 0;
   m.input = make_data(c, false, first, first + seq_local);
   m.target = make_data(c, true, first, first + seq_local);
-  for (std::int64_t l = 0; l < c.layers; ++l) {
+  for (const std::int64_t l : layers) {
+    TPX_CHECK(0 <= l && l < c.layers, "layer {} of {}", l, c.layers);
     LayerParams p, g;
     for (Param q : kAllParams) {
       const auto full = param_shape(q, c);

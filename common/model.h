@@ -60,6 +60,16 @@ struct Sharding {
   /// per rank under SP); the parameters are sharded over D·C ranks.
   int cp = 1;
   CpMethod cp_method = CpMethod::ring;
+  /// Pipeline parallelism (stage 09): P stages, this rank holding `pp_layers` of the L layers
+  /// (0: all of them), its batch part trained in `microbatches` parts, and at most
+  /// `pp_live_layers` (micro-batch, layer) activations alive at once (its schedule's peak).
+  /// `pp_split_backward`: the schedule splits the backward (zb-h1), so the dW GEMMs' inputs of
+  /// the micro-batches between their B and W are kept too.
+  int pp = 1;
+  std::int64_t pp_layers = 0;
+  int microbatches = 1;
+  std::int64_t pp_live_layers = 0;
+  bool pp_split_backward = false;
 };
 
 /// Shape of this rank's shard of parameter p.
@@ -80,5 +90,8 @@ Tensor make_data(const BlockConfig& c, bool target, std::int64_t begin, std::int
 /// Builds this rank's shard with the counter-based initialiser: weights ~ N(0, 0.02²), gains = 1,
 /// x and T ~ N(0, 1). Every shard equals the same slice of the unsharded model.
 Model make_model(const BlockConfig& c, const Sharding& s);
+/// The same, holding only the listed layers (indices into the whole model, in the order given):
+/// a pipeline stage's part (stage 09). Each layer's tensors equal make_model's for that index.
+Model make_model(const BlockConfig& c, const Sharding& s, const std::vector<std::int64_t>& layers);
 
 }  // namespace tpx

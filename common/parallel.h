@@ -6,10 +6,11 @@
 // those transfers with the GEMMs. The block (block.h) is written once against this interface.
 //
 // defines: tpx::ColumnResult, tpx::CommStats, tpx::SequenceRun, tpx::linear_output(),
-//          tpx::Parallelism
+//          tpx::WeightGradWork, tpx::Parallelism
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -46,6 +47,10 @@ struct CommStats {
   /// blocks, or Ulysses' whole-sequence attention, forward and backward), and their count.
   double cp_attention_ms = 0;
   std::uint64_t cp_attention_blocks = 0;
+  /// The part that crossed the pipeline-parallel group (stage 09's activations and their
+  /// gradients between stages); 0 elsewhere.
+  std::uint64_t pp_payload_bytes = 0;
+  std::uint64_t pp_bus_bytes = 0;
 };
 
 /// Rows of the sequence this rank's attention sees, contiguous in global position: `rows` rows
@@ -60,6 +65,24 @@ inline Tensor linear_output(const Tensor& x, const Tensor& w) {
   shape.back() = w.dim(1);
   return Tensor::empty(shape, x.dtype(), x.device());
 }
+
+/// Weight-gradient GEMMs a backward set aside to run later: stage 09's zero-bubble schedule
+/// splits a block's backward into B (the input gradient, which the previous pipeline stage waits
+/// for) and W (the weight gradients, which nobody waits for). Each piece holds the tensors it
+/// reads, so they outlive the layer's saved activations.
+class WeightGradWork {
+ public:
+  void defer(std::function<void()> gemm) { work_.push_back(std::move(gemm)); }
+  /// Runs every deferred piece in the order deferred, then forgets them.
+  void run() {
+    for (auto& w : work_) w();
+    work_.clear();
+  }
+  std::size_t size() const { return work_.size(); }
+
+ private:
+  std::vector<std::function<void()>> work_;
+};
 
 class Parallelism {
  public:
@@ -92,6 +115,12 @@ class Parallelism {
   /// dw = aᵀ · g_backward(dy) (written), returns da = g_backward(dy) · wᵀ.
   virtual Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                               std::string_view role) = 0;
+
+  /// While `work` is set, column_backward and row_backward compute the input gradient only and
+  /// leave their dW GEMMs in `*work`, writing the same dw tensors when run; null restores the
+  /// whole backward. Returns false (and changes nothing) when the stage cannot split its
+  /// backward. Stages 04-08 can (stage 09 runs on them).
+  virtual bool defer_weight_grads(WeightGradWork* work) { return work == nullptr; }
 
   // --- attention (context parallelism, stage 08; the rank's own fused attention elsewhere) ----
 

@@ -401,6 +401,8 @@ json summary_json(const StageDefinition& st, const StageOptions& o, int world,
                     {"cp_bus_bytes", row.comm.cp_bus_bytes},
                     {"cp_payload_bytes", row.comm.cp_payload_bytes},
                     {"cp_attention_ms", row.comm.cp_attention_ms},
+                    {"pp_bus_bytes", row.comm.pp_bus_bytes},
+                    {"pp_payload_bytes", row.comm.pp_payload_bytes},
                     {"cp_attention_ms_per_block",
                      row.comm.cp_attention_blocks > 0
                          ? row.comm.cp_attention_ms / double(row.comm.cp_attention_blocks)
@@ -410,6 +412,7 @@ json summary_json(const StageDefinition& st, const StageOptions& o, int world,
   json summary = plan_json(st, o, world, par.comm_name(), par.sharding(), speed, estimate);
   summary["steps"] = rows;
   summary["saved_activation_bytes"] = r.saved_activation_bytes;
+  if (r.extra.is_object()) summary.update(r.extra);
   if (!r.diverged.empty()) summary["diverged"] = r.diverged;
   if (speed.gpu()) {
     summary["device_name"] = ops::device_name(c.device);
@@ -490,6 +493,12 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
     throw ConfigError(fmt::format(
         "{} has no --dry-run: its formulas are not in common/traffic.h yet", st.info.name));
   if (o.dry_run) return dry_run(st, o, rank, world, nodes);
+  if (o.print_schedule) {
+    Trace off;
+    const std::string text = st.print_schedule(RunContext{o, rank, world, off});
+    if (rank == 0) fmt::print("{}", text);
+    return 0;
+  }
 
   // One flight recorder and watchdog per rank, shared by every communicator and symmetric memory
   // the stage makes, so that a stall gets one verdict (common/comm/watchdog.h).
@@ -511,7 +520,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   // Ranks that share rank 0's GPU must not start their steps while it measures the peak.
   if (c.device == Device::cuda) TPX_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
   const TrainResult r =
-      train(c, *par, o.check || !o.dump_dir.empty(), trace, [&](const StepRow& row) {
+      st.train(c, *par, o.check || !o.dump_dir.empty(), trace, [&](const StepRow& row) {
         if (rank != 0) return;
         // A TP group across nodes: once, with the TP bytes step 0 moved (the DP bytes apart).
         if (row.step == 0)

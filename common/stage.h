@@ -15,6 +15,7 @@
 #include "reference.h"
 #include "trace.h"
 #include "traffic.h"
+#include "trainer.h"
 
 namespace tpx {
 
@@ -47,6 +48,13 @@ struct StageDefinition {
   std::function<ReferenceRun(const BlockConfig&, int steps)> reference;
   /// fp32 tolerance of --check (relative to each tensor's largest magnitude).
   double rtol = 1e-5;
+  /// The training loop (common/trainer.h's train(), unless the stage runs its own: stage 09's
+  /// pipeline over micro-batches).
+  std::function<TrainResult(const BlockConfig&, Parallelism&, bool snapshot, Trace&,
+                            const std::function<void(const StepRow&)>&)>
+      train = tpx::train;
+  /// --print-schedule (stage 09): the text printed by rank 0 before the stage exits.
+  std::function<std::string(const RunContext&)> print_schedule;
 };
 
 /// Steps the --check compares losses for: losses after 0..3 SGD updates (fewer if --steps is

@@ -67,7 +67,7 @@ double Trace::exposed_comm_ms(Clock::time_point t0, Clock::time_point t1) {
       if (b >= en) continue;
       if (e.lane == Lane::compute) compute.emplace_back(b, en);
       const bool moves = e.lane == Lane::comm || e.lane == Lane::copy || e.lane == Lane::dp_comm ||
-                         e.lane == Lane::cp_comm;
+                         e.lane == Lane::cp_comm || e.lane == Lane::pp_comm;
       if (moves && e.counted) comm.emplace_back(b, en);
     }
     if (mode_ != Mode::keep) std::erase_if(events_, [&](const Event& e) { return e.end <= t1; });
@@ -98,10 +98,10 @@ std::vector<std::string> Trace::span_names(Lane lane) const {
 
 void Trace::write(const std::filesystem::path& path, int rank, int world,
                   const std::string& stage) const {
-  static constexpr const char* kLaneNames[] = {"compute", "comm",    "copy",
-                                               "phases",  "dp comm", "cp comm"};
+  static constexpr const char* kLaneNames[] = {"compute", "comm",    "copy",   "phases",
+                                               "dp comm", "cp comm", "pp comm"};
   nlohmann::json mine = nlohmann::json::array();
-  for (int lane = 0; lane < 6; ++lane)
+  for (int lane = 0; lane < 7; ++lane)
     mine.push_back({{"name", "thread_name"},
                     {"ph", "M"},
                     {"pid", rank},

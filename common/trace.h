@@ -31,8 +31,17 @@ namespace tpx {
 
 /// The lanes of a rank: where work ran. `phase` holds the trainer's forward / backward / update;
 /// `dp_comm` the data-parallel group's transfers (stage 07), beside the TP group's `comm`;
-/// `cp_comm` the context-parallel group's K/V transfers (stage 08).
-enum class Lane : int { compute = 0, comm = 1, copy = 2, phase = 3, dp_comm = 4, cp_comm = 5 };
+/// `cp_comm` the context-parallel group's K/V transfers (stage 08); `pp_comm` the pipeline's
+/// activations and gradients between stages (stage 09).
+enum class Lane : int {
+  compute = 0,
+  comm = 1,
+  copy = 2,
+  phase = 3,
+  dp_comm = 4,
+  cp_comm = 5,
+  pp_comm = 6
+};
 
 class Trace {
  public:

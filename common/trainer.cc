@@ -14,11 +14,8 @@
 #include "ops.h"
 
 namespace tpx {
-namespace {
+namespace training {
 
-using Clock = std::chrono::steady_clock;
-
-/// into += more.
 void add(CommStats& into, const CommStats& more) {
   into.payload_bytes += more.payload_bytes;
   into.bus_bytes += more.bus_bytes;
@@ -29,13 +26,10 @@ void add(CommStats& into, const CommStats& more) {
   into.cp_bus_bytes += more.cp_bus_bytes;
   into.cp_attention_ms += more.cp_attention_ms;
   into.cp_attention_blocks += more.cp_attention_blocks;
+  into.pp_payload_bytes += more.pp_payload_bytes;
+  into.pp_bus_bytes += more.pp_bus_bytes;
 }
 
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
-/// t in dtype d: t itself, or a new tensor holding t's values cast (rounded once) to d.
 Tensor as_dtype(const Tensor& t, DType d) {
   if (t.dtype() == d) return t;
   Tensor out = Tensor::empty(t.shape(), d, t.device());
@@ -48,9 +42,6 @@ std::vector<float> host_copy(const Tensor& t) {
   return {h.f32().begin(), h.f32().end()};
 }
 
-/// The parameters the block computes with this step: under --dtype bf16, a bf16 copy of each
-/// weight matrix rounded from its fp32 master weight (the norm gains stay fp32); else the master
-/// weights themselves. Made once per step, after the previous update.
 void make_compute_copies(const BlockConfig& c, const Model& m, std::vector<LayerParams>& out) {
   out = m.params;
   if (!c.bf16_weight_copies()) return;
@@ -59,27 +50,21 @@ void make_compute_copies(const BlockConfig& c, const Model& m, std::vector<Layer
       if (param_split(p) != Split::replicated) layer[p] = as_dtype(layer[p], DType::bf16);
 }
 
-void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const Tensor& y,
-                   const Tensor& dx, double loss, Snapshot& s) {
-  s.loss = loss;
-  s.input = host_copy(par.gather_activation(m.input));
-  s.target = host_copy(par.gather_activation(m.target));
-  s.output = host_copy(par.gather_activation(y));
-  s.input_grad = host_copy(par.gather_activation(dx));
-  s.params.resize(static_cast<std::size_t>(c.layers));
-  s.grads.resize(static_cast<std::size_t>(c.layers));
-  for (std::size_t l = 0; l < s.params.size(); ++l)
-    for (Param p : kAllParams) {
-      const auto i = static_cast<std::size_t>(p);
-      s.params[l][i] = host_copy(par.gather_param(p, m.params[l][p]));
-      s.grads[l][i] = host_copy(par.gather_param(p, m.grads[l][p]));
-    }
-  s.extra = par.dump_extra();
+Moments make_moments(const BlockConfig& c, const Model& m) {
+  Moments moments;
+  if (c.optimizer != Optimizer::adamw) return moments;
+  for (const LayerParams& layer : m.params) {
+    auto& mv = moments.emplace_back();
+    for (LayerParams& state : mv)
+      for (Param p : kAllParams) {
+        state[p] = Tensor::empty(layer[p].shape(), DType::f32, layer[p].device());
+        ops::fill(state[p], 0.0f);
+      }
+  }
+  return moments;
 }
 
-/// The optimizer step t (from 1) on every parameter this rank holds.
-void update(const BlockConfig& c, Model& m, std::vector<std::array<LayerParams, 2>>& moments,
-            int t) {
+void update(const BlockConfig& c, Model& m, Moments& moments, int t) {
   if (c.optimizer == Optimizer::sgd) {
     for (std::size_t l = 0; l < m.params.size(); ++l)
       for (Param p : kAllParams)
@@ -99,6 +84,45 @@ void update(const BlockConfig& c, Model& m, std::vector<std::array<LayerParams, 
                     : static_cast<float>(1.0 - c.lr * c.weight_decay);
       ops::adamw_update(m.params[l][p], m.grads[l][p], moments[l][0][p], moments[l][1][p], s);
     }
+}
+
+double grad_square_sum(const Model& m, const Sharding& sh) {
+  double sq = 0.0;
+  for (const auto& g : m.grads)
+    for (Param p : kAllParams)
+      if ((sh.weights && param_split(p) != Split::replicated) || sh.rank == 0)
+        sq += ops::sum_squares(g[p]);
+  return sq;
+}
+
+}  // namespace training
+
+namespace {
+
+using namespace training;
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const Tensor& y,
+                   const Tensor& dx, double loss, Snapshot& s) {
+  s.loss = loss;
+  s.input = host_copy(par.gather_activation(m.input));
+  s.target = host_copy(par.gather_activation(m.target));
+  s.output = host_copy(par.gather_activation(y));
+  s.input_grad = host_copy(par.gather_activation(dx));
+  s.params.resize(static_cast<std::size_t>(c.layers));
+  s.grads.resize(static_cast<std::size_t>(c.layers));
+  for (std::size_t l = 0; l < s.params.size(); ++l)
+    for (Param p : kAllParams) {
+      const auto i = static_cast<std::size_t>(p);
+      s.params[l][i] = host_copy(par.gather_param(p, m.params[l][p]));
+      s.grads[l][i] = host_copy(par.gather_param(p, m.grads[l][p]));
+    }
+  s.extra = par.dump_extra();
 }
 
 }  // namespace
@@ -133,16 +157,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     }
   };
   // AdamW's two moments per parameter, zero before the first step (none under SGD).
-  std::vector<std::array<LayerParams, 2>> moments;
-  if (c.optimizer == Optimizer::adamw)
-    for (const LayerParams& layer : m.params) {
-      auto& mv = moments.emplace_back();
-      for (LayerParams& state : mv)
-        for (Param p : kAllParams) {
-          state[p] = Tensor::empty(layer[p].shape(), DType::f32, layer[p].device());
-          ops::fill(state[p], 0.0f);
-        }
-    }
+  Moments moments = make_moments(c, m);
   TrainResult result;
   par.synchronize();
   ops::synchronize(c.device);  // initialisation's device work is not a step's
@@ -208,10 +223,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     double sq = 0.0;
     {
       TraceScope op(trace, "grad norm");
-      for (const auto& g : m.grads)
-        for (Param p : kAllParams)
-          if ((sh.weights && param_split(p) != Split::replicated) || sh.rank == 0)
-            sq += ops::sum_squares(g[p]);
+      sq = grad_square_sum(m, sh);
     }
     row.grad_norm = std::sqrt(par.sum_over_ranks(sq));
     if (!std::isfinite(row.loss) || !std::isfinite(row.grad_norm)) {

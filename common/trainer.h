@@ -3,7 +3,8 @@
 // the first-step snapshot that --check and --dump read, and the comparison against a reference.
 //
 // defines: tpx::StepRow, tpx::Snapshot, tpx::TrainResult, tpx::train(), tpx::CheckRow,
-//          tpx::compare(), tpx::to_reference()
+//          tpx::compare(), tpx::to_reference(), and the loop's parts in tpx::training (which
+//          stage 09's pipeline executor shares)
 #pragma once
 
 #include <array>
@@ -11,6 +12,8 @@
 #include <functional>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "config.h"
 #include "model.h"
@@ -54,12 +57,39 @@ struct TrainResult {
   /// cheap ops' outputs, under selective) plus what the largest recompute makes again while
   /// that one block's backward runs.
   std::size_t saved_activation_bytes = 0;
+  /// What the stage adds to --json's summary (stage 09: the pipeline's schedule, live counts and
+  /// measured idle time), merged at the top level; null for none.
+  nlohmann::json extra;
 };
 
 /// Runs c.steps steps of the model on this rank, or fewer if training diverges (see
 /// TrainResult::diverged). `on_row` sees each row as it completes.
 TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& trace,
                   const std::function<void(const StepRow&)>& on_row = {});
+
+/// The parts of the loop that another loop over the same model reuses (stage 09's pipeline).
+namespace training {
+
+/// into += more, every counter.
+void add(CommStats& into, const CommStats& more);
+/// t in dtype d: t itself, or a new tensor holding t's values cast (rounded once) to d.
+Tensor as_dtype(const Tensor& t, DType d);
+/// t's values as host fp32.
+std::vector<float> host_copy(const Tensor& t);
+/// The parameters the block computes with this step: under --dtype bf16, a bf16 copy of each
+/// weight matrix rounded from its fp32 master weight (the norm gains stay fp32); else the master
+/// weights themselves. Made once per step, after the previous update.
+void make_compute_copies(const BlockConfig& c, const Model& m, std::vector<LayerParams>& out);
+/// AdamW's two moments per parameter of m (zero); empty under SGD.
+using Moments = std::vector<std::array<LayerParams, 2>>;
+Moments make_moments(const BlockConfig& c, const Model& m);
+/// The optimizer step t (from 1) on every parameter m holds.
+void update(const BlockConfig& c, Model& m, Moments& moments, int t);
+/// This rank's part of Σ g² over m's gradients: sharded gradients count everywhere, replicated
+/// ones (identical on every rank of the TP group) on its rank 0 only.
+double grad_square_sum(const Model& m, const Sharding& sh);
+
+}  // namespace training
 
 /// A run of the plain training loop, seen as a reference (for later stages' --check).
 ReferenceRun to_reference(const TrainResult& r);

@@ -45,9 +45,10 @@ from xml.sax.saxutils import escape
 
 import tool_errors
 
-LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_PHASES, LANE_DP_COMM, LANE_CP_COMM = 0, 1, 2, 3, 4, 5
+LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_PHASES, LANE_DP_COMM, LANE_CP_COMM, LANE_PP_COMM = range(7)
 DEFAULT_LANE_NAMES = {LANE_COMPUTE: "compute", LANE_COMM: "comm", LANE_COPY: "copy",
-                      LANE_PHASES: "phases", LANE_DP_COMM: "dp comm", LANE_CP_COMM: "cp comm"}
+                      LANE_PHASES: "phases", LANE_DP_COMM: "dp comm", LANE_CP_COMM: "cp comm",
+                      LANE_PP_COMM: "pp comm"}
 
 # kind -> (fill colour, ASCII character, legend text)
 KINDS = {
@@ -166,7 +167,7 @@ def exposed_intervals(spans, rank, t0, t1):
             continue
         if e["tid"] == LANE_COMPUTE:
             busy.append((b, en))
-        elif e["tid"] in (LANE_COMM, LANE_COPY, LANE_DP_COMM, LANE_CP_COMM) and counted(e):
+        elif e["tid"] in (LANE_COMM, LANE_COPY, LANE_DP_COMM, LANE_CP_COMM, LANE_PP_COMM) and counted(e):
             comm.append((b, en))
     busy = merged(busy)
     out = []
@@ -461,7 +462,7 @@ def main():
 
     rows = []
     for r in ranks:
-        for lane in (LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_DP_COMM, LANE_CP_COMM):
+        for lane in (LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_DP_COMM, LANE_CP_COMM, LANE_PP_COMM):
             has = any(e["pid"] == r and e["tid"] == lane for e in spans)
             if lane in (LANE_COMPUTE, LANE_COMM) or has:
                 rows.append((r, lane))

@@ -1,0 +1,763 @@
+#include "09_pipeline_parallel/pipeline.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <optional>
+#include <tuple>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "08_context_parallel/layers.h"
+#include "common/block.h"
+#include "common/check.h"
+#include "common/ops.h"
+
+namespace tpx::pp {
+
+using pipeline::Action;
+using pipeline::LayerRange;
+using pipeline::Payload;
+using pipeline::Phase;
+using pipeline::PipelineShape;
+using pipeline::Schedule;
+using pipeline::Transfer;
+
+// --- the pipeline's point-to-point lanes -----------------------------------------------------------
+
+/// One payload's messages (activations forward, or gradients back): a communicator over the
+/// pipeline group and two lanes, one sending and one receiving. A lane runs its transfers in the
+/// order they were queued, and between two ranks every schedule receives in the order it sends
+/// (tested in tests/test_schedule.cc), so each lane pair is a FIFO channel: a send waits only for
+/// its own receive to be posted, never for another message. The compute thread never waits for a
+/// send, only for the receives its next action needs.
+struct PipelineParallel::Channel {
+  std::unique_ptr<Communicator> comm;
+  Stream send_lane, recv_lane;
+};
+
+PipelineParallel::PipelineParallel(const RunContext& ctx, Mesh mesh,
+                                   std::unique_ptr<Parallelism> slice,
+                                   std::unique_ptr<Schedule> schedule,
+                                   std::vector<LayerRange> layers)
+    : mesh_(std::move(mesh)),
+      slice_(std::move(slice)),
+      schedule_(std::move(schedule)),
+      layers_(std::move(layers)),
+      trace_(ctx.trace),
+      device_(ctx.options.config.device) {
+  if (mesh_.pp == 1) return;
+  CommOptions o = ctx.options.comm;
+  o.group = mesh_.pp_group;
+  for (auto* c : {&activations_, &gradients_})
+    *c = std::make_unique<Channel>(Channel{make_communicator(o, device_),
+                                           Stream::create(device_), Stream::create(device_)});
+}
+
+PipelineParallel::~PipelineParallel() {
+  // The lanes' queued transfers read tensors and communicators: drained before either goes.
+  for (auto* c : {activations_.get(), gradients_.get()})
+    if (c) {
+      try {
+        c->send_lane.synchronize();
+        c->recv_lane.synchronize();
+      } catch (...) {  // a failed transfer was reported where it was waited for
+      }
+    }
+}
+
+Sharding PipelineParallel::sharding() const {
+  Sharding s = slice_->sharding();
+  const PipelineShape& shape = schedule_->shape();
+  s.pp = mesh_.pp;
+  s.pp_layers = std::int64_t(held_layers().size());
+  s.microbatches = shape.microbatches;
+  // The schedule's peak of live (micro-batch, layer) activations on this rank.
+  std::int64_t live = 0, peak = 0;
+  const std::vector<Action>& actions = schedule_->actions(mesh_.pp_index);
+  for (const Action& a : actions) {
+    const std::int64_t n = layers_[std::size_t(a.stage)].count;
+    if (a.phase == Phase::forward)
+      live += n;
+    else if (a.phase == Phase::weight || !schedule_->split_backward())
+      live -= n;
+    peak = std::max(peak, live);
+  }
+  s.pp_live_layers = peak;
+  s.pp_split_backward = schedule_->split_backward();
+  return s;
+}
+
+std::string PipelineParallel::comm_name() const {
+  return fmt::format("mesh P {} × D {} × CP {} × TP {}; pp: {}; {}", mesh_.pp, mesh_.dp, mesh_.cp,
+                     mesh_.tp, activations_ ? activations_->comm->name() : "none (P = 1)",
+                     slice_->comm_name());
+}
+
+std::vector<std::int64_t> PipelineParallel::held_layers() const {
+  std::vector<std::int64_t> held;
+  for (const int s : schedule_->shape().stages_of(mesh_.pp_index)) {
+    const LayerRange& r = layers_[std::size_t(s)];
+    for (int l = r.first; l < r.first + r.count; ++l) held.push_back(l);
+  }
+  return held;
+}
+
+PipelineParallel::Channel& PipelineParallel::channel(Payload p) {
+  TPX_CHECK(activations_, "pipeline transfer with a single stage");
+  return p == Payload::activation ? *activations_ : *gradients_;
+}
+
+Event PipelineParallel::send(const Transfer& x, const Tensor& t, const std::string& what) {
+  Channel& ch = channel(x.payload);
+  const Stream compute(device_);
+  Event ready(device_);
+  ready.record(compute);  // t has been written
+  ready.wait(ch.send_lane);
+  record_stream(t, ch.send_lane);
+  const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what);
+  ch.send_lane.run([this, &ch, t, peer = x.peer, what, booked] {
+    TraceScope span(trace_, what, Lane::pp_comm);
+    ch.comm->sendrecv(t, peer, Tensor(), peer, ch.send_lane, what, booked);
+  });
+  Event done(device_);
+  done.record(ch.send_lane);
+  return done;
+}
+
+Event PipelineParallel::receive(const Transfer& x, const Tensor& buf, const std::string& what) {
+  Channel& ch = channel(x.payload);
+  const Stream compute(device_);
+  Event ready(device_);
+  ready.record(compute);  // buf is free to be written
+  ready.wait(ch.recv_lane);
+  record_stream(buf, ch.recv_lane);
+  const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what);
+  ch.recv_lane.run([this, &ch, buf, peer = x.peer, what, booked] {
+    TraceScope span(trace_, what, Lane::pp_comm);
+    ch.comm->sendrecv(Tensor(), peer, buf, peer, ch.recv_lane, what, booked);
+  });
+  Event done(device_);
+  done.record(ch.recv_lane);
+  return done;
+}
+
+std::vector<double> PipelineParallel::gather_over_pipeline(double mine) const {
+  std::vector<double> all(std::size_t(mesh_.pp), mine);
+  if (mesh_.pp > 1)
+    TPX_MPI_CHECK(MPI_Allgather(&mine, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE,
+                                mesh_.pp_group.comm()));
+  return all;
+}
+
+void PipelineParallel::pipeline_barrier() const {
+  if (mesh_.pp > 1) TPX_MPI_CHECK(MPI_Barrier(mesh_.pp_group.comm()));
+}
+
+double PipelineParallel::sum_over_ranks(double local) {
+  // Every rank adds the P stages' sums in the same order: the same double everywhere.
+  double sum = 0.0;
+  for (const double v : gather_over_pipeline(slice_->sum_over_ranks(local))) sum += v;
+  return sum;
+}
+
+CommStats PipelineParallel::take_comm_stats() {
+  CommStats s = slice_->take_comm_stats();
+  for (auto* c : {activations_.get(), gradients_.get()}) {
+    if (!c) continue;
+    const CommStats p = c->comm->take_stats();
+    s.payload_bytes += p.payload_bytes;
+    s.bus_bytes += p.bus_bytes;
+    s.calls += p.calls;
+    s.pp_payload_bytes += p.payload_bytes;
+    s.pp_bus_bytes += p.bus_bytes;
+  }
+  return s;
+}
+
+void PipelineParallel::synchronize() {
+  slice_->synchronize();
+  for (auto* c : {activations_.get(), gradients_.get()})
+    if (c) {
+      c->send_lane.synchronize();
+      c->recv_lane.synchronize();
+    }
+}
+
+// --- the factory -----------------------------------------------------------------------------------
+
+namespace {
+
+/// What the flags ask for, checked: the mesh's sizes, the schedule's shape and the layers.
+struct Layout {
+  int pp = 1, dp = 1, cp = 1;
+  PipelineShape shape;
+  std::vector<LayerRange> layers;
+};
+
+Layout layout(const RunContext& ctx) {
+  const StageOptions& o = ctx.options;
+  const BlockConfig& c = o.config;
+  Layout l;
+  l.pp = o.pp != 0 ? o.pp : (ctx.world % 2 == 0 ? 2 : 1);
+  l.dp = o.dp != 0 ? o.dp : 1;
+  l.cp = o.cp != 0 ? o.cp : 1;
+  if (l.pp < 1)
+    throw ConfigError(fmt::format("--pp must be a positive number of stages (got {})", l.pp));
+  if (l.dp < 1)
+    throw ConfigError(
+        fmt::format("--dp must be a positive number of data-parallel replicas (got {})", l.dp));
+  if (l.cp < 1)
+    throw ConfigError(fmt::format("--cp must be a positive number of sequence parts (got {})", l.cp));
+  if (ctx.world % (l.pp * l.dp * l.cp) != 0)
+    throw ConfigError(fmt::format(
+        "--pp {} × --dp {} × --cp {} must divide the {} ranks of the job (the mesh is P × D × C "
+        "× TP, TP = ranks / (P·D·C))",
+        l.pp, l.dp, l.cp, ctx.world));
+  if (o.stages_per_rank < 1)
+    throw ConfigError(fmt::format("--stages-per-rank must be at least 1 (got {})",
+                                  o.stages_per_rank));
+  if (c.batch % l.dp != 0)
+    throw ConfigError(fmt::format(
+        "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", l.dp,
+        c.batch));
+  const int local_batch = int(c.batch / l.dp);
+  const int v = o.stages_per_rank;
+  int m = o.microbatches;
+  if (m == 0)  // the default: as many as keep every stage busy in the steady state, if they fit
+    for (const int candidate : {l.pp * v, l.pp, 1})
+      if (local_batch % candidate == 0) {
+        m = candidate;
+        break;
+      }
+  (void)pipeline::microbatch_size(local_batch, m);  // throws unless M divides B / D
+  l.shape = {.ranks = l.pp, .microbatches = m, .stages_per_rank = v};
+  l.layers = pipeline::split_layers(
+      int(c.layers), l.shape.stages(),
+      v == 1 ? fmt::format("--pp {}", l.pp)
+             : fmt::format("--pp {} × --stages-per-rank {}", l.pp, v));
+  if (c.recompute != Recompute::none)
+    throw ConfigError(
+        "--recompute is not offered by 09_pipeline_parallel yet: a pipeline keeps the "
+        "activations of several micro-batches, and its memory estimate counts them whole");
+  if (l.pp > 1 && c.device != Device::cpu)
+    throw ConfigError(
+        "--pp > 1 runs on --device cpu in this build: the pipeline's send and receive lanes are "
+        "host threads on the cpu backend, and a cuda stream would block its host thread in each "
+        "host-staged transfer");
+  return l;
+}
+
+}  // namespace
+
+std::unique_ptr<Parallelism> make_pipeline(const RunContext& ctx) {
+  Layout l = layout(ctx);
+  auto schedule = pipeline::make_schedule(ctx.options.schedule, l.shape);  // its own checks
+  Mesh mesh = Mesh::make(l.dp, l.cp, l.pp);
+  auto slice = cp::make_context_parallel_on(ctx, mesh);
+  return std::make_unique<PipelineParallel>(ctx, std::move(mesh), std::move(slice),
+                                            std::move(schedule), std::move(l.layers));
+}
+
+std::string describe_pipeline(const RunContext& ctx) {
+  const Layout l = layout(ctx);
+  const auto schedule = pipeline::make_schedule(ctx.options.schedule, l.shape);
+  std::string out = pipeline::format_schedule(*schedule);
+  out += "layers:";
+  for (std::size_t s = 0; s < l.layers.size(); ++s)
+    out += fmt::format(" stage {} {}-{}{}", s, l.layers[s].first,
+                       l.layers[s].first + l.layers[s].count - 1,
+                       s + 1 < l.layers.size() ? "," : "\n");
+  const pipeline::Costs unit;
+  const pipeline::SimResult sim = pipeline::simulate(*schedule, unit);
+  out += "\nsimulated with unit costs (F = B = W = 1):\n";
+  out += pipeline::format_timeline(*schedule, sim);
+  out += pipeline::format_simulation(*schedule, unit, sim);
+  return out;
+}
+
+// --- the executor ----------------------------------------------------------------------------------
+
+namespace {
+
+using namespace training;
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+/// Copies batch columns between t [rows, B, H] and part [rows, n, H]: part ← t[:, first:first+n]
+/// (to_part) or the reverse.
+void copy_batch_columns(const Tensor& t, const Tensor& part, std::int64_t first, bool to_part) {
+  const std::int64_t rows = t.dim(0), b = t.dim(1), h = t.dim(2), n = part.dim(1);
+  const Tensor flat = t.reshape({rows * b, h}), flat_part = part.reshape({rows * n, h});
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const Tensor whole = flat.slice0(i * b + first, i * b + first + n);
+    const Tensor mine = flat_part.slice0(i * n, (i + 1) * n);
+    if (to_part)
+      ops::copy(whole, mine);
+    else
+      ops::copy(mine, whole);
+  }
+}
+
+/// Micro-batch j of t [rows, B/D, H]: its columns [j·n, (j+1)·n), a new tensor.
+Tensor microbatch(const Tensor& t, int j, std::int64_t n) {
+  Tensor part = Tensor::empty({t.dim(0), n, t.dim(2)}, t.dtype(), t.device());
+  copy_batch_columns(t, part, j * n, /*to_part=*/true);
+  return part;
+}
+
+/// The micro-batches side by side again: [rows, M·n, H].
+Tensor join_microbatches(const std::vector<Tensor>& parts) {
+  const Tensor& p0 = parts.front();
+  const std::int64_t n = p0.dim(1);
+  Tensor t = Tensor::empty({p0.dim(0), n * std::int64_t(parts.size()), p0.dim(2)}, p0.dtype(),
+                           p0.device());
+  for (std::size_t j = 0; j < parts.size(); ++j)
+    copy_batch_columns(t, parts[j], std::int64_t(j) * n, /*to_part=*/false);
+  return t;
+}
+
+/// Moves a host vector held by the first rank of pipeline stage `from` (job rank from · slice)
+/// to job rank 0 (reporting only: the snapshot). Every rank calls it in the same order.
+void to_rank0(std::vector<float>& v, int from, int slice_ranks, int rank) {
+  const int src = from * slice_ranks;
+  if (src == 0) return;
+  if (rank == src) {
+    auto n = static_cast<std::uint64_t>(v.size());
+    TPX_MPI_CHECK(MPI_Send(&n, 1, MPI_UINT64_T, 0, 0, MPI_COMM_WORLD));
+    TPX_MPI_CHECK(MPI_Send(v.data(), int(n), MPI_FLOAT, 0, 1, MPI_COMM_WORLD));
+  } else if (rank == 0) {
+    std::uint64_t n = 0;
+    TPX_MPI_CHECK(MPI_Recv(&n, 1, MPI_UINT64_T, src, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+    v.resize(n);
+    TPX_MPI_CHECK(
+        MPI_Recv(v.data(), int(n), MPI_FLOAT, src, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+  }
+}
+
+/// What one (micro-batch, virtual stage) pair holds between its actions.
+struct Pass {
+  Tensor x;                                 ///< the stage's input
+  std::vector<BlockActivations> acts;       ///< per layer of the stage
+  Tensor y;                                 ///< the stage's output (forward)
+  Tensor dy;                                ///< the gradient of y (backward's input)
+  Tensor dx;                                ///< the gradient of x (backward's output)
+  std::vector<LayerParams> grads;           ///< zb-h1: the gradients W completes, per layer
+  WeightGradWork work;                      ///< zb-h1: the dW GEMMs B set aside
+};
+
+/// One step's actions on this rank, and what they leave behind.
+class Executor {
+ public:
+  Executor(const BlockConfig& c, PipelineParallel& pp, Model& m, Trace& trace)
+      : c_(c),
+        pp_(pp),
+        slice_(pp.slice()),
+        m_(m),
+        trace_(trace),
+        shape_(pp.schedule().shape()),
+        me_(pp.mesh().pp_index),
+        actions_(pp.schedule().actions(me_)),
+        split_(pp.schedule().split_backward()) {
+    const std::vector<std::int64_t> held = pp.held_layers();
+    for (std::size_t i = 0; i < held.size(); ++i) local_[held[i]] = i;
+    for (const Transfer& x : pipeline::transfers(pp.schedule(), me_))
+      (x.send ? sends_ : receives_)[x.action].push_back(x);
+  }
+
+  /// The micro-batches of the block's input (stage 0) and of the target (the last stage).
+  std::vector<Tensor> inputs, targets;
+
+  struct Result {
+    double loss_sum = 0;        ///< this rank's part of Σ (y − T)² (last stage)
+    double busy_ms = 0;         ///< the actions' own time
+    int peak_live = 0;          ///< the most (micro-batch, stage) activations alive at once
+    std::vector<Tensor> y, dx;  ///< per micro-batch: the last stage's output, stage 0's dx
+  };
+
+  Result run(const std::vector<LayerParams>& params, bool keep) {
+    Result r;
+    passes_.clear();
+    buffers_.clear();
+    local_messages_.clear();
+    acc_.clear();
+    done_.clear();
+    std::vector<Event> sent;
+    int live = 0;
+    if (keep) {
+      r.y.resize(std::size_t(shape_.microbatches));
+      r.dx.resize(std::size_t(shape_.microbatches));
+    }
+    for (std::size_t i = 0; i < actions_.size(); ++i) {
+      post_receives(i);
+      if (i + 1 < actions_.size()) post_receives(i + 1);  // one action ahead
+      const Action& a = actions_[i];
+      for (const Transfer& x : receives_[i]) buffers_.at(x.tag).second.synchronize();
+      const auto t0 = Clock::now();
+      {
+        TraceScope phase(trace_, pipeline::to_string(a, shape_.stages_per_rank > 1), Lane::phase);
+        if (a.phase == Phase::forward)
+          forward(i, params, r, keep);
+        else if (a.phase == Phase::backward)
+          backward(i, params, r, keep);
+        else
+          weights(a);
+      }
+      r.busy_ms += ms_between(t0, Clock::now());
+      if (a.phase == Phase::forward) ++live;
+      if (a.phase == Phase::weight || (a.phase == Phase::backward && !split_)) --live;
+      r.peak_live = std::max(r.peak_live, live);
+      // What the action made for the next (forward) or previous (backward) virtual stage: sent,
+      // or left here when this rank holds that stage too.
+      if (a.phase != Phase::weight) {
+        const bool fwd = a.phase == Phase::forward;
+        const int to = fwd ? a.stage + 1 : a.stage - 1;
+        if (to >= 0 && to < shape_.stages()) {
+          const Pass& p = passes_.at({a.microbatch, a.stage});
+          const Tensor& t = fwd ? p.y : p.dx;
+          if (shape_.rank_of(to) == me_)
+            local_messages_[{a.microbatch, to, fwd ? Payload::activation : Payload::gradient}] = t;
+          for (const Transfer& x : sends_[i]) sent.push_back(pp_.send(x, t, name(x)));
+        }
+      }
+      // A pass whose last use is over lets go of what it holds.
+      if (a.phase == Phase::weight || (a.phase == Phase::backward && !split_))
+        passes_.erase({a.microbatch, a.stage});
+    }
+    for (const Event& e : sent) e.synchronize();
+    slice_.finish_grads();
+    return r;
+  }
+
+ private:
+  static std::string name(const Transfer& x) {
+    return fmt::format("{} {} stage {}→{}", x.payload == Payload::activation ? "act" : "grad",
+                       x.microbatch, x.from_stage, x.to_stage);
+  }
+
+  void post_receives(std::size_t i) {
+    for (const Transfer& x : receives_[i])
+      if (!buffers_.contains(x.tag)) {
+        Tensor buf = Tensor::empty(message_shape, c_.activations(), c_.device);
+        buffers_.emplace(x.tag, std::make_pair(buf, pp_.receive(x, buf, name(x))));
+      }
+  }
+
+ public:
+  /// [S/(C·T), B/(D·M), H]: every message between stages.
+  Tensor::Shape message_shape;
+
+ private:
+  /// The input of action i (a forward's activation, a backward's output gradient): received,
+  /// or left on this rank by the neighbouring virtual stage.
+  Tensor incoming(std::size_t i, Payload payload) {
+    const Action& a = actions_[i];
+    for (const Transfer& x : receives_[i])
+      if (x.payload == payload) {
+        Tensor t = buffers_.at(x.tag).first;
+        buffers_.erase(x.tag);
+        return t;
+      }
+    const auto it = local_messages_.find({a.microbatch, a.stage, payload});
+    TPX_CHECK(it != local_messages_.end(), "no {} for {}",
+              payload == Payload::activation ? "activation" : "gradient", to_string(a, true));
+    Tensor t = it->second;
+    local_messages_.erase(it);
+    return t;
+  }
+
+  void forward(std::size_t i, const std::vector<LayerParams>& params, Result& r, bool keep) {
+    const Action& a = actions_[i];
+    Pass& p = passes_[{a.microbatch, a.stage}];
+    p.x = a.stage == 0 ? inputs[std::size_t(a.microbatch)] : incoming(i, Payload::activation);
+    const LayerRange& range = pp_.layers()[std::size_t(a.stage)];
+    p.acts.resize(std::size_t(range.count));
+    Tensor h = p.x;
+    for (int k = 0; k < range.count; ++k) {
+      const std::size_t l = local_.at(range.first + k);
+      const int next = k + 1 < range.count ? int(l + 1) : -1;
+      const LayerParams w = slice_.layer_params(params, l, next);
+      h = block_forward(c_, w, h, slice_, p.acts[std::size_t(k)], trace_);
+      slice_.release_layer(l);
+    }
+    p.y = h;
+    if (a.stage == shape_.stages() - 1) {
+      // The loss of this micro-batch, as part of the mean over the whole batch: its gradient is
+      // scaled by 1 / (S·B·H), which is 1/M of the micro-batch's own mean.
+      TraceScope op(trace_, "mse loss");
+      const Tensor& target = targets[std::size_t(a.microbatch)];
+      r.loss_sum += ops::mse_loss_sum(h, target);
+      p.dy = Tensor::empty(h.shape(), h.dtype(), h.device());
+      const double count = double(c_.seq) * double(c_.batch) * double(c_.hidden);
+      ops::mse_loss_backward(h, target, 1.0 / count, p.dy);
+      if (keep) r.y[std::size_t(a.microbatch)] = h;
+    }
+  }
+
+  void backward(std::size_t i, const std::vector<LayerParams>& params, Result& r, bool keep) {
+    const Action& a = actions_[i];
+    Pass& p = passes_.at({a.microbatch, a.stage});
+    Tensor dy = a.stage == shape_.stages() - 1 ? p.dy : incoming(i, Payload::gradient);
+    const LayerRange& range = pp_.layers()[std::size_t(a.stage)];
+    if (split_) {
+      TPX_CHECK(slice_.defer_weight_grads(&p.work), "the stage cannot split its backward");
+      p.grads.resize(std::size_t(range.count));
+    }
+    for (int k = range.count - 1; k >= 0; --k) {
+      const std::size_t l = local_.at(range.first + k);
+      const int next = k > 0 ? int(l - 1) : -1;
+      const LayerParams w = slice_.layer_params(params, l, next);
+      LayerParams g = fresh_grads(l);
+      dy = block_backward(c_, w, p.acts[std::size_t(k)], dy, slice_, g, trace_);
+      slice_.release_layer(l);
+      p.acts[std::size_t(k)] = {};
+      if (split_)
+        p.grads[std::size_t(k)] = g;
+      else
+        accumulate(l, g);
+    }
+    if (split_) slice_.defer_weight_grads(nullptr);
+    p.dx = dy;
+    if (keep && a.stage == 0) r.dx[std::size_t(a.microbatch)] = dy;
+  }
+
+  void weights(const Action& a) {
+    Pass& p = passes_.at({a.microbatch, a.stage});
+    p.work.run();  // the dW GEMMs, writing p.grads
+    const LayerRange& range = pp_.layers()[std::size_t(a.stage)];
+    for (int k = 0; k < range.count; ++k)
+      accumulate(local_.at(range.first + k), p.grads[std::size_t(k)]);
+  }
+
+  /// Buffers for one micro-batch's gradients of layer l (the slice's full-layer shapes).
+  LayerParams fresh_grads(std::size_t l) {
+    LayerParams& acc = accumulator(l);
+    LayerParams g;
+    for (Param q : kAllParams) g[q] = Tensor::empty(acc[q].shape(), DType::f32, c_.device);
+    return g;
+  }
+
+  /// The gradients layer l accumulates over the step's micro-batches (the slice's buffers:
+  /// the stored ones, or FSDP's unsharded ones), zero at the first.
+  LayerParams& accumulator(std::size_t l) {
+    auto it = acc_.find(l);
+    if (it == acc_.end()) {
+      it = acc_.emplace(l, slice_.layer_grads(l, m_.grads[l])).first;
+      for (Param q : kAllParams) ops::fill(it->second[q], 0.0f);
+    }
+    return it->second;
+  }
+
+  /// Adds one micro-batch's gradients of layer l; after the M-th, the slice reduces them.
+  void accumulate(std::size_t l, const LayerParams& g) {
+    LayerParams& acc = accumulator(l);
+    {
+      TraceScope op(trace_, "grad accumulate");
+      for (Param q : kAllParams) ops::accumulate(g[q], acc[q]);
+    }
+    if (++done_[l] == shape_.microbatches) {
+      slice_.grads_done(l, acc, m_.grads[l]);
+      acc_.erase(l);
+    }
+  }
+
+  const BlockConfig& c_;
+  PipelineParallel& pp_;
+  Parallelism& slice_;
+  Model& m_;
+  Trace& trace_;
+  PipelineShape shape_;
+  int me_;
+  const std::vector<Action>& actions_;
+  bool split_;
+  std::map<std::int64_t, std::size_t> local_;  // global layer → index in m_
+  std::map<std::size_t, std::vector<Transfer>> sends_, receives_;  // by action index
+  std::map<std::pair<int, int>, Pass> passes_;                     // (micro-batch, stage)
+  std::map<int, std::pair<Tensor, Event>> buffers_;                // posted receives, by tag
+  std::map<std::tuple<int, int, Payload>, Tensor> local_messages_;  // (micro-batch, to stage)
+  std::map<std::size_t, LayerParams> acc_;                         // by local layer
+  std::map<std::size_t, int> done_;                                // micro-batches accumulated
+};
+
+}  // namespace
+
+TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& trace,
+                           const std::function<void(const StepRow&)>& on_row) {
+  auto& pp = static_cast<PipelineParallel&>(par);
+  Parallelism& slice = pp.slice();
+  const Mesh& mesh = pp.mesh();
+  const Schedule& schedule = pp.schedule();
+  const PipelineShape shape = schedule.shape();
+  const int me = mesh.pp_index, last = shape.rank_of(shape.stages() - 1);
+  const int slice_ranks = mesh.dp * mesh.cp * mesh.tp;
+  int rank = 0;
+  TPX_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+
+  const Sharding sh = slice.sharding();
+  const std::vector<std::int64_t> held = pp.held_layers();
+  Model m = make_model(c, sh, held);
+  slice.shard_model(m);  // this rank's tokens and batch part; its layers' shards
+  Executor ex(c, pp, m, trace);
+  const std::int64_t n = m.input.dim(1) / shape.microbatches;
+  ex.message_shape = {m.input.dim(0), n, m.input.dim(2)};
+  // Stage 0 keeps the input's micro-batches (in the activations' dtype), the last stage the
+  // target's; the whole tensors stay only where the snapshot reads them.
+  if (me == 0) {
+    const Tensor input = as_dtype(m.input, c.activations());
+    for (int j = 0; j < shape.microbatches; ++j) ex.inputs.push_back(microbatch(input, j, n));
+  }
+  if (me == last)
+    for (int j = 0; j < shape.microbatches; ++j) ex.targets.push_back(microbatch(m.target, j, n));
+  if (!snapshot || me != 0) m.input = Tensor();
+  if (!snapshot || me != last) m.target = Tensor();
+
+  std::vector<LayerParams> params;
+  Moments moments = make_moments(c, m);
+  TrainResult result;
+  par.synchronize();
+  ops::synchronize(c.device);
+  par.take_comm_stats();
+
+  double idle_sum = 0, busy_sum = 0, wall_sum = 0;
+  int measured = 0, peak_live = 0;
+  for (int step = 0; step < c.steps; ++step) {
+    const auto t0 = Clock::now();
+    StepRow row;
+    row.step = step;
+    {
+      std::optional<TraceScope> op;
+      if (c.bf16_weight_copies()) op.emplace(trace, "bf16 weight copies");
+      make_compute_copies(c, m, params);
+    }
+    // The pipeline's part of the step, between two barriers of the pipeline group: its wall
+    // time less the actions' own time is this rank's idle time (the bubble, and waits).
+    pp.pipeline_barrier();
+    const auto p0 = Clock::now();
+    const bool keep = snapshot && step == 0;
+    Executor::Result r = ex.run(params, keep);
+    par.synchronize();
+    pp.pipeline_barrier();
+    const double wall = ms_between(p0, Clock::now());
+    peak_live = std::max(peak_live, r.peak_live);
+    if (step > 0 || c.steps == 1) {
+      idle_sum += wall - r.busy_ms;
+      busy_sum += r.busy_ms;
+      wall_sum += wall;
+      ++measured;
+    }
+    row.loss = 0.5 * par.sum_over_ranks(r.loss_sum) /
+               (double(c.seq) * double(c.batch) * double(c.hidden));
+    double sq = 0.0;
+    {
+      TraceScope op(trace, "grad norm");
+      sq = grad_square_sum(m, sh);
+    }
+    row.grad_norm = std::sqrt(par.sum_over_ranks(sq));
+    if (!std::isfinite(row.loss) || !std::isfinite(row.grad_norm)) {
+      result.diverged =
+          fmt::format("{} is not finite at step {} (lr {:g} too large?)",
+                      std::isfinite(row.loss) ? "the gradient norm" : "loss", step, c.lr);
+      par.synchronize();
+      ops::synchronize(c.device);
+      break;
+    }
+    par.synchronize();
+    ops::synchronize(c.device);
+    double ms = ms_between(t0, Clock::now());
+    add(row.comm, par.take_comm_stats());
+    row.exposed_comm_ms = trace.exposed_comm_ms(t0, Clock::now());
+
+    if (keep) {
+      // The whole model on rank 0: each pipeline stage's slice gathers what it holds to its
+      // first rank, which sends it on (not counted: reporting).
+      Snapshot& s = result.first;
+      s.loss = row.loss;
+      auto gathered = [&](int from, auto&& make) {
+        std::vector<float> v;
+        if (me == from) v = host_copy(make());
+        to_rank0(v, from, slice_ranks, rank);
+        return v;
+      };
+      s.input = gathered(0, [&] { return slice.gather_activation(m.input); });
+      s.target = gathered(last, [&] { return slice.gather_activation(m.target); });
+      s.output = gathered(last, [&] { return slice.gather_activation(join_microbatches(r.y)); });
+      s.input_grad =
+          gathered(0, [&] { return slice.gather_activation(join_microbatches(r.dx)); });
+      s.params.resize(std::size_t(c.layers));
+      s.grads.resize(std::size_t(c.layers));
+      std::map<std::int64_t, std::size_t> local;
+      for (std::size_t i = 0; i < held.size(); ++i) local[held[i]] = i;
+      for (std::size_t s_ = 0; s_ < pp.layers().size(); ++s_) {
+        const LayerRange& range = pp.layers()[s_];
+        const int owner = shape.rank_of(int(s_));
+        for (int l = range.first; l < range.first + range.count; ++l)
+          for (Param p : kAllParams) {
+            const auto i = static_cast<std::size_t>(p);
+            s.params[std::size_t(l)][i] = gathered(
+                owner, [&] { return slice.gather_param(p, m.params[local.at(l)][p]); });
+            s.grads[std::size_t(l)][i] =
+                gathered(owner, [&] { return slice.gather_param(p, m.grads[local.at(l)][p]); });
+          }
+      }
+      par.take_comm_stats();
+      m.input = Tensor();
+      m.target = Tensor();
+    }
+
+    const auto t1 = Clock::now();
+    {
+      TraceScope phase(trace, "update", Lane::phase);
+      TraceScope scope(trace, std::string(optimizer_flag(c.optimizer)));
+      update(c, m, moments, step + 1);
+      par.synchronize();
+      ops::synchronize(c.device);
+    }
+    row.ms = ms + ms_between(t1, Clock::now());
+    row.exposed_comm_ms += trace.exposed_comm_ms(t1, Clock::now());
+    const MemoryStats mem = allocator_for(c.device).stats();
+    row.peak_bytes = mem.peak;
+    row.reserved_bytes = mem.reserved;
+    result.rows.push_back(row);
+    if (on_row) on_row(row);
+  }
+
+  // --json: the schedule, and per pipeline stage its live count and measured idle time (the
+  // pipeline of rank 0: every pipeline runs the same schedule).
+  const double k = measured > 0 ? double(measured) : 1.0;
+  const std::vector<double> idle = pp.gather_over_pipeline(idle_sum / k);
+  const std::vector<double> busy = pp.gather_over_pipeline(busy_sum / k);
+  const std::vector<double> wall = pp.gather_over_pipeline(wall_sum / k);
+  const std::vector<double> live = pp.gather_over_pipeline(double(peak_live));
+  double idle_all = 0, wall_all = 0;
+  for (std::size_t p = 0; p < idle.size(); ++p) {
+    idle_all += idle[p];
+    wall_all += wall[p];
+  }
+  std::vector<int> live_counts(live.begin(), live.end());
+  result.extra["pipeline"] = {
+      {"schedule", schedule.name()},
+      {"pp", shape.ranks},
+      {"microbatches", shape.microbatches},
+      {"stages_per_rank", shape.stages_per_rank},
+      {"microbatch_rows", n},
+      {"split_backward", schedule.split_backward()},
+      {"live_peak", live_counts},
+      {"schedule_live_peak", pipeline::peak_live(schedule)},
+      {"idle_ms", idle},
+      {"busy_ms", busy},
+      {"wall_ms", wall},
+      {"bubble_measured", wall_all > 0 ? idle_all / wall_all : 0.0},
+      {"bubble_formula", schedule.formula_bubble(pipeline::Costs{})},
+      {"measured_steps", measured},
+  };
+  return result;
+}
+
+}  // namespace tpx::pp

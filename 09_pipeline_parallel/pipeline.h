@@ -1,0 +1,129 @@
+// Stage 09, pipeline parallelism (PP): the ranks form a P × D × C × T mesh (common/mesh.h, PP
+// outermost) and the layers are split over the P pipeline stages. Each stage's ranks (a "slice"
+// of D × C × T) run stage 08 on their layers (linked, not copied: FSDP over DP×CP, CP attention,
+// async TP), and the activations flow from stage to stage by point-to-point messages.
+//
+//   layers        contiguous: the first L mod (P·V) virtual stages take one more layer; rank p
+//                 holds the virtual stages p, p+P, … (V = --stages-per-rank, interleaved-1f1b)
+//   micro-batches the local batch B / D cut into M parts of B / (D·M) sequences; each boundary
+//                 sends the SP-sharded activation [S/(C·T), B/(D·M), H] from a TP rank to the
+//                 same TP rank of the next stage, and its gradient back
+//   schedule      common/pipeline/schedule.h: one list of (micro-batch, virtual stage, F|B|W)
+//                 actions per rank, which this executor runs in order; receives are posted one
+//                 action ahead and sends queued behind the action that made them, each on a lane
+//                 thread of its own, so a stage computes while its neighbour's message is in
+//                 flight
+//   gradients     each micro-batch's loss is part of the global mean (the 1/(S·B·H) of the loss
+//                 gradient is the 1/M); each layer's gradients accumulate over the M
+//                 micro-batches and go to stage 07's reduction over DP×CP after the last one;
+//                 the optimizer steps once per step
+//   zb-h1         the backward split: B runs the block backward with the linear layers' dW
+//                 GEMMs set aside (Parallelism::defer_weight_grads), W runs them later
+//
+// defines: tpx::pp::PipelineParallel, tpx::pp::make_pipeline(), tpx::pp::describe_pipeline(),
+//          tpx::pp::train_pipeline()
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/comm/communicator.h"
+#include "common/mesh.h"
+#include "common/parallel.h"
+#include "common/pipeline/schedule.h"
+#include "common/stage.h"
+#include "common/stream.h"
+#include "common/trainer.h"
+
+namespace tpx::pp {
+
+class PipelineParallel final : public Parallelism {
+ public:
+  /// `mesh` has been made (collectively) for ctx's job; `slice` is stage 08 (or 07) on this
+  /// rank's pipeline stage; `layers` the layer range of each virtual stage.
+  PipelineParallel(const RunContext& ctx, Mesh mesh, std::unique_ptr<Parallelism> slice,
+                   std::unique_ptr<pipeline::Schedule> schedule,
+                   std::vector<pipeline::LayerRange> layers);
+  ~PipelineParallel() override;
+
+  Sharding sharding() const override;
+  std::string comm_name() const override;
+  std::vector<MeshGroup> mesh_groups() const override { return mesh_.groups(); }
+
+  // The block's calls go to the slice (train_pipeline calls slice() directly); these forward so
+  // that the object is a whole Parallelism.
+  ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,
+                              std::string_view role) override {
+    return slice_->column_forward(h, w, role);
+  }
+  Tensor column_backward(const Tensor& saved, std::span<const Tensor> w, std::span<const Tensor> dy,
+                         std::span<const Tensor> dw, std::string_view role) override {
+    return slice_->column_backward(saved, w, dy, dw, role);
+  }
+  Tensor row_forward(const Tensor& a, const Tensor& w, std::string_view role) override {
+    return slice_->row_forward(a, w, role);
+  }
+  Tensor row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
+                      std::string_view role) override {
+    return slice_->row_backward(a, w, dy, dw, role);
+  }
+
+  /// Σ over every rank of the job: the slice's sum, then the pipeline's (each stage holds other
+  /// layers; only the last computes the loss).
+  double sum_over_ranks(double local) override;
+  CommStats take_comm_stats() override;
+  void synchronize() override;
+
+  Parallelism& slice() { return *slice_; }
+  const Mesh& mesh() const { return mesh_; }
+  const pipeline::Schedule& schedule() const { return *schedule_; }
+  /// The layers of each virtual stage.
+  const std::vector<pipeline::LayerRange>& layers() const { return layers_; }
+  /// This rank's layers (indices into the whole model), its virtual stages' in order.
+  std::vector<std::int64_t> held_layers() const;
+
+  /// Queues `t` to go to this rank's pipeline neighbour `x.peer` (x: a send of transfers()) on
+  /// the lane of its payload, booked in the flight recorder now; returns the event of its end.
+  Event send(const pipeline::Transfer& x, const Tensor& t, const std::string& what);
+  /// Posts the receive of `x` into `buf` on the lane of its payload; returns its arrival.
+  Event receive(const pipeline::Transfer& x, const Tensor& buf, const std::string& what);
+
+  /// The P values of `mine` from every stage of this rank's pipeline, in pp order (reporting).
+  std::vector<double> gather_over_pipeline(double mine) const;
+  /// Waits for every rank of this rank's pipeline (reporting: the measured step's edges).
+  void pipeline_barrier() const;
+
+ private:
+  struct Channel;  // one payload's communicator and its send and receive lanes
+  Channel& channel(pipeline::Payload p);
+
+  Mesh mesh_;
+  std::unique_ptr<Parallelism> slice_;
+  std::unique_ptr<pipeline::Schedule> schedule_;
+  std::vector<pipeline::LayerRange> layers_;
+  Trace& trace_;
+  Device device_;
+  std::unique_ptr<Channel> activations_, gradients_;  // null when P = 1
+};
+
+/// The stage's factory: lays out the mesh (--pp default 2 when the ranks are even, --dp and
+/// --cp default 1), splits the layers, sizes the micro-batches and makes the schedule
+/// (ConfigError, one line on every rank, for what does not split), then stage 08 on the slice.
+std::unique_ptr<Parallelism> make_pipeline(const RunContext& ctx);
+
+/// --print-schedule: the schedule of ctx's config as text (format_schedule(), the layers of each
+/// stage, the simulated timeline with unit costs and its bubble against the formula). Makes no
+/// mesh and no communicator; the same checks as make_pipeline.
+std::string describe_pipeline(const RunContext& ctx);
+
+/// The training loop of a pipeline: train() with the step's forward and backward replaced by
+/// the schedule's actions over micro-batches. `par` is make_pipeline()'s.
+TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& trace,
+                           const std::function<void(const StepRow&)>& on_row);
+
+}  // namespace tpx::pp
