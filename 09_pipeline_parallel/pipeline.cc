@@ -76,18 +76,26 @@ Sharding PipelineParallel::sharding() const {
   s.pp = mesh_.pp;
   s.pp_layers = std::int64_t(held_layers().size());
   s.microbatches = shape.microbatches;
-  // The schedule's peak of live (micro-batch, layer) activations on this rank.
-  std::int64_t live = 0, peak = 0;
-  const std::vector<Action>& actions = schedule_->actions(mesh_.pp_index);
-  for (const Action& a : actions) {
+  // The schedule's peaks on this rank: live (micro-batch, layer) activations, and loss
+  // gradients waiting for the last stage's backward.
+  const int last = shape.stages() - 1;
+  std::int64_t live = 0, peak = 0, losses = 0, peak_losses = 0;
+  for (const Action& a : schedule_->actions(mesh_.pp_index)) {
     const std::int64_t n = layers_[std::size_t(a.stage)].count;
-    if (a.phase == Phase::forward)
+    if (a.phase == Phase::forward) {
       live += n;
-    else if (a.phase == Phase::weight || !schedule_->split_backward())
+      if (a.stage == last) ++losses;
+    } else if (a.phase == Phase::weight || !schedule_->split_backward()) {
       live -= n;
+    }
+    if (a.phase == Phase::backward && a.stage == last) --losses;
     peak = std::max(peak, live);
+    peak_losses = std::max(peak_losses, losses);
   }
   s.pp_live_layers = peak;
+  s.pp_loss_grads = peak_losses;
+  s.pp_holds_input = mesh_.pp_index == shape.rank_of(0);
+  s.pp_holds_target = mesh_.pp_index == shape.rank_of(last);
   s.pp_split_backward = schedule_->split_backward();
   return s;
 }
@@ -427,6 +435,10 @@ class Executor {
           for (const Transfer& x : sends_[i]) sent.push_back(pp_.send(x, t, name(x)));
         }
       }
+      // The pass keeps only what its later actions read: the send lane holds what it sends
+      // until it is gone, and the stage input is the first layer's saved x.
+      if (const auto it = passes_.find({a.microbatch, a.stage}); it != passes_.end())
+        it->second.x = it->second.y = it->second.dx = Tensor();
       // A pass whose last use is over lets go of what it holds.
       if (a.phase == Phase::weight || (a.phase == Phase::backward && !split_))
         passes_.erase({a.microbatch, a.stage});

@@ -244,6 +244,16 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
   BlockConfig c = global;
   c.seq = global.seq / s.cp;
   const int shards = s.dp * s.cp;
+  // Pipeline parallelism (stage 09): the rank holds pp_layers layers, and its activations are
+  // one micro-batch's, B / (D·M) sequences, for each (micro-batch, layer) pair alive at once.
+  const bool pipeline = s.pp_layers > 0;
+  TPX_CHECK(!pipeline || (s.microbatches >= 1 && c.batch % (s.dp * s.microbatches) == 0 &&
+                          c.recompute == Recompute::none),
+            "memory estimate: a pipeline of {} micro-batches over --batch {}", s.microbatches,
+            c.batch);
+  if (pipeline) c.layers = s.pp_layers;
+  BlockConfig act = c;  // what the activations are made of: one micro-batch under a pipeline
+  if (pipeline) act.batch = c.batch / s.microbatches;
   TPX_CHECK(c.hidden > 0 && c.heads > 0 && c.ffn > 0 && c.seq > 0 && c.batch > 0 && c.layers > 0 &&
                 c.hidden % c.heads == 0,
             "memory estimate of an invalid config (validate() it first)");
@@ -253,7 +263,7 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
                 (!s.sequence || c.seq % s.world == 0),
             "memory estimate for {} ranks that cannot split the block (check_tp_split() first)",
             s.world);
-  const Bytes b = local_bytes(c, s);
+  const Bytes b = local_bytes(c, s), ba = local_bytes(act, s);
 
   // One layer's parameters: the nine tensors, this rank's shards. Gradients are the same shapes.
   // Under FSDP (s.dp = D > 1) each TP shard [rows, ...] is split on dim 0 into D shards of
@@ -274,10 +284,11 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
   // this rank's part of the stream, never the gathered copy), rstd1, rstd2, q, k, v, a, gate, up,
   // s, and probs (naive attention) or lse (fused).
   // Stage 06 (FP8) keeps h and h2 as the FP8 shards it quantized: a byte per element.
-  const I kept_h = is_fp8(c.dtype) ? b.stream / b.e : b.stream;
-  const I saved_layer = sum({b.stream, kept_h, b.stream, kept_h, b.rows, b.rows, b.cols_h,
-                             b.cols_kv, b.cols_kv, b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.attn},
-                            "a layer's saved activations");
+  const I kept_h = is_fp8(c.dtype) ? ba.stream / ba.e : ba.stream;
+  const I saved_layer =
+      sum({ba.stream, kept_h, ba.stream, kept_h, ba.rows, ba.rows, ba.cols_h, ba.cols_kv,
+           ba.cols_kv, ba.cols_h, ba.cols_f, ba.cols_f, ba.cols_f, ba.attn},
+          "a layer's saved activations");
   // --recompute: what a layer keeps between its forward and its backward, and what its
   // recompute makes again while that block's backward runs (the largest such, once):
   //   none       saved_layer                        —
@@ -285,10 +296,12 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
   //              keep saved_layer)
   //   selective  saved_layer − cheap                cheap = h, h2 (as kept), rstd1, rstd2, s
   const char* saved_what = "the saved activations' bytes";
-  const I cheap = sum({kept_h, kept_h, b.rows, b.rows, b.cols_f}, saved_what);
+  const I cheap = sum({kept_h, kept_h, ba.rows, ba.rows, ba.cols_f}, saved_what);
   const I recomputed = c.recomputed_layers();
   I saved = 0;
-  if (c.recompute == Recompute::selective)
+  if (pipeline)
+    saved = checked_product({saved_layer, s.pp_live_layers}, saved_what);
+  else if (c.recompute == Recompute::selective)
     saved = sum({checked_product({saved_layer - cheap, c.layers}, saved_what), cheap}, saved_what);
   else if (recomputed > 0)
     saved = sum({checked_product({saved_layer, c.layers - recomputed}, saved_what),
@@ -300,17 +313,55 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
   // The target (and, under the recipe, the fp32 input, which the block reads as a bf16 copy:
   // layer 0's saved x) stay fp32: one residual stream's rows at 4 bytes.
   const I stream_f32 = checked_product({b.rows, c.hidden}, "the target's bytes");
-  const I temporaries = largest_temporaries(c, s, b);
+  const I temporaries = largest_temporaries(act, s, ba);
   MemoryEstimate e;
   e.terms = {
       {"parameters", std::uint64_t(params)},
       {"gradients", std::uint64_t(params)},
       {"saved activations", std::uint64_t(saved)},
       // The input x is layer 0's saved x (the same tensor), counted there, unless it is a copy.
-      {"target", std::uint64_t(stream_f32)},
+      // A pipeline's last stage keeps the target's micro-batches; the others none.
+      {"target", std::uint64_t(!pipeline || s.pp_holds_target ? stream_f32 : 0)},
       {"largest temporaries", std::uint64_t(temporaries)},
   };
-  if (c.activations() != DType::f32) e.terms.push_back({"fp32 input", std::uint64_t(stream_f32)});
+  if (c.activations() != DType::f32 && !pipeline)
+    e.terms.push_back({"fp32 input", std::uint64_t(stream_f32)});
+  if (pipeline) {
+    // The pipeline's own buffers:
+    //   input       the first stage's micro-batches of the input, all M (the live ones are also
+    //               their first layer's saved x: counted twice, a micro-batch's stream each)
+    //   messages    the receives posted for this action and the next: two micro-batch streams
+    //   loss grads  the last stage's dL/dy of each micro-batch waiting for its backward
+    //   gradients   one micro-batch's gradients of the layer in backward, fp32, before they are
+    //               added to the step's (zb-h1: those of every micro-batch between its B and W)
+    //   deferred    zb-h1: what a layer's set-aside dW GEMMs read, per (micro-batch, layer)
+    //               between B and W, in place of its saved activations: the gathered inputs of
+    //               the four GEMMs (h, h2 and the two output gradients of the row layers,
+    //               [S, b, H] each) and their other operands (dq, dk, dv, a; dgate, dup, s)
+    const char* what = "the pipeline's buffers";
+    const I message = ba.stream;
+    const I grads_layer = checked_product({tp_layer, kF32}, what);
+    const I deferred_layer =
+        sum({checked_product({ba.full, 4}, what), ba.cols_h, ba.cols_kv, ba.cols_kv, ba.cols_h,
+             ba.cols_f, ba.cols_f, ba.cols_f, grads_layer},
+            what);
+    const I pending = s.pp_split_backward ? s.pp_live_layers : I{1};
+    I buffers = sum({checked_product({message, 2}, what),
+                     checked_product({message, s.pp_loss_grads}, what),
+                     s.pp_split_backward
+                         ? checked_product({deferred_layer > saved_layer
+                                                ? deferred_layer - saved_layer
+                                                : I{0},
+                                            pending},
+                                           what)
+                         : grads_layer},
+                    what);
+    if (s.pp_holds_input) buffers = sum({buffers, b.stream}, what);
+    e.terms.push_back({"pipeline buffers", std::uint64_t(buffers)});
+    if (shards > 1)  // FSDP's unsharded gradients, summed over the micro-batches of a step
+      e.terms.push_back({"gradient accumulators (FSDP × PP)",
+                         std::uint64_t(checked_product({grads_layer, c.layers}, what))});
+  }
   if (c.bf16_weight_copies()) {
     // This step's bf16 compute copies of the seven matrices (this rank's shards): half their
     // fp32 bytes.
@@ -353,7 +404,7 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
     //   ulysses    the head-sharded copies of q, k, v, out, dO and of dq, dk, dv (each as big as
     //              the rank's own), plus one all-to-all's host send, receive and reorder buffers
     const char* what = "CP attention buffers";
-    const I kv2 = checked_product({b.cols_kv, 2}, what);
+    const I kv2 = checked_product({ba.cols_kv, 2}, what);
     I cp_bytes = 0;
     switch (s.cp_method) {
       case CpMethod::ring:
@@ -364,7 +415,7 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
         break;
       case CpMethod::ulysses:
         cp_bytes = sum(
-            {checked_product({b.cols_h, 7}, what), checked_product({b.cols_kv, 4}, what)}, what);
+            {checked_product({ba.cols_h, 7}, what), checked_product({ba.cols_kv, 4}, what)}, what);
         break;
     }
     e.terms.push_back({"CP attention buffers", std::uint64_t(cp_bytes)});

@@ -65,11 +65,16 @@ struct Sharding {
   /// `pp_live_layers` (micro-batch, layer) activations alive at once (its schedule's peak).
   /// `pp_split_backward`: the schedule splits the backward (zb-h1), so the dW GEMMs' inputs of
   /// the micro-batches between their B and W are kept too.
+  /// `pp_loss_grads`: the most micro-batches whose loss gradient waits for their backward (the
+  /// last stage's live count; 0 elsewhere). The first stage keeps the input's micro-batches, the
+  /// last the target's.
   int pp = 1;
   std::int64_t pp_layers = 0;
   int microbatches = 1;
   std::int64_t pp_live_layers = 0;
   bool pp_split_backward = false;
+  std::int64_t pp_loss_grads = 0;
+  bool pp_holds_input = false, pp_holds_target = false;
 };
 
 /// Shape of this rank's shard of parameter p.

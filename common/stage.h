@@ -54,7 +54,7 @@ struct StageDefinition {
                             const std::function<void(const StepRow&)>&)>
       train = tpx::train;
   /// --print-schedule (stage 09): the text printed by rank 0 before the stage exits.
-  std::function<std::string(const RunContext&)> print_schedule;
+  std::function<std::string(const RunContext&)> print_schedule = {};
 };
 
 /// Steps the --check compares losses for: losses after 0..3 SGD updates (fewer if --steps is

@@ -27,16 +27,7 @@ using json = nlohmann::json;
 using test::expect_dumps_close;
 using test::run_json;
 using test::run_stage;
-
-/// H = 96 with NH = 12 heads of Dh = 8, F = 192, S = 24 (2C·T divides it at C = 2, T = 2 and at
-/// C = 3), B = 2, two layers.
-struct Sizes {
-  std::int64_t H = 96, NH = 12, F = 192, S = 24, B = 2, L = 2;
-  std::string args() const {
-    return fmt::format("--hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {}", H, NH, F,
-                       S, B, L);
-  }
-};
+using test::Sizes;
 
 struct Case {
   int ranks, dp, cp;

@@ -33,11 +33,10 @@ using test::run_stage;
 
 /// Sizes every mesh below divides: H = 96 (NH = 6, NKV = 6: whole heads at T = 1, 2, 3),
 /// F = 192, S = 24, B = 6 (B / D whole at D = 1, 2, 3), two layers.
-struct Sizes {
-  std::int64_t H = 96, NH = 6, F = 192, S = 24, B = 6, L = 2;
-  std::string args() const {
-    return fmt::format("--hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {}", H, NH, F,
-                       S, B, L);
+struct Sizes : test::Sizes {
+  Sizes() {
+    NH = 6;
+    B = 6;
   }
 };
 
@@ -139,7 +138,8 @@ TEST(Fsdp, DpBytesAreTheChaptersAndTpBytesAreStage05s) {
 }
 
 TEST(Fsdp, TraceShowsThePrefetchAndTheReduceScatterInFlight) {
-  const Sizes z{.L = 3};
+  Sizes z;
+  z.L = 3;
   test::TempDir dir;
   const auto path = dir / "t.json";
   const auto r = run_stage(

@@ -1,13 +1,16 @@
 // Helpers for tests that run stage executables and compare what they write: the --json summary
 // of a run, and two --dump directories tensor by tensor.
 //
-// defines: tpx::test::run_json(), tpx::test::expect_dumps_close()
+// defines: tpx::test::Sizes, tpx::test::run_json(), tpx::test::expect_dumps_close()
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <string>
+
+#include <fmt/format.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -16,6 +19,16 @@
 #include "test_util.h"
 
 namespace tpx::test {
+
+/// The small model the mesh stages' tests run: H = 96 with NH = 12 heads of Dh = 8, F = 192,
+/// S = 24 (2C·T divides it at C = 2, T = 2 and at C = 3), B = 2, two layers.
+struct Sizes {
+  std::int64_t H = 96, NH = 12, F = 192, S = 24, B = 2, L = 2;
+  std::string args() const {
+    return fmt::format("--hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {}", H, NH, F,
+                       S, B, L);
+  }
+};
 
 #ifdef TPX_MPIEXEC_FLAGS
 /// The --json summary of `mpirun -np n <stage> <args>` (an empty object, and a failure, when the

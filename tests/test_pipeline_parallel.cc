@@ -1,0 +1,329 @@
+// Stage 09 (pipeline parallelism) as a user runs it, under mpirun:
+//  - --check passes, the dumps equal stage 01's to 1e-5 and the losses of 3 updates to 1e-6,
+//    with every schedule at P = 2 alone, P = 2 × T = 2, P = 2 × D = 2, P = 3 over L = 4 layers
+//    (uneven) with M = 2 and 3, and interleaved at P = 2 × V = 2, under SGD and AdamW, with GQA;
+//  - zb-h1's gradients equal 1f1b's (the split backward computes the same sums);
+//  - the live counts in --json equal the schedule list's, on every rank;
+//  - the PP bytes of a step equal the formula (each message [S/(C·T), B/(D·M), H]);
+//  - GPipe's peak memory grows with M at a fixed micro-batch size while 1F1B's does not (the
+//    estimate and the measured peak, each within 10 % of the other);
+//  - the trace names each F, B and W by micro-batch and carries the messages on a pp-comm lane;
+//  - --print-schedule prints the lists and trains nothing;
+//  - bad input is one line and exit 2 on every rank.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/pipeline/schedule.h"
+#include "test_stage_runs.h"
+#include "test_util.h"
+
+namespace tpx {
+namespace {
+
+using json = nlohmann::json;
+using test::expect_dumps_close;
+using test::run_json;
+using test::run_stage;
+using test::Sizes;
+
+/// Four layers (so that P = 3 splits them 2, 1, 1 and P·V = 4 one each), B = 4.
+Sizes pipeline_sizes() {
+  Sizes z;
+  z.L = 4;
+  z.B = 4;
+  return z;
+}
+
+struct Case {
+  int ranks;
+  std::string mesh, schedule, extra;  // mesh: --pp/--dp/--cp/--stages-per-rank/--microbatches
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "np " << c.ranks << " " << c.mesh << " " << c.schedule << " " << c.extra;
+}
+
+std::vector<double> losses(const json& j) {
+  std::vector<double> v;
+  for (const json& row : j.at("steps")) v.push_back(row.at("loss").get<double>());
+  return v;
+}
+
+class PpMesh : public testing::TestWithParam<Case> {};
+
+TEST_P(PpMesh, ChecksAndDumpsEqualStage01) {
+  const Case& c = GetParam();
+  Sizes z = pipeline_sizes();
+  if (c.mesh.find("--microbatches 3") != std::string::npos) z.B = 6;
+  test::TempDir dir;
+  const std::string common = fmt::format("{} {} --steps 4", z.args(), c.extra);
+  const auto ref = run_stage("01_baseline", 1,
+                             fmt::format("{} --dump {} --json {}", common, (dir / "01").string(),
+                                         (dir / "01.json").string()),
+                             dir);
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  const auto r = run_stage("09_pipeline_parallel", c.ranks,
+                           fmt::format("{} {} --schedule {} --check --dump {} --json {}", common,
+                                       c.mesh, c.schedule, (dir / "09").string(),
+                                       (dir / "09.json").string()),
+                           dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+  expect_dumps_close(dir / "01", dir / "09", 1e-5, r.out.substr(0, 600));
+  const std::vector<double> want = losses(json::parse(test::read_file(dir / "01.json")));
+  const std::vector<double> got = losses(json::parse(test::read_file(dir / "09.json")));
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t s = 0; s < want.size(); ++s)
+    EXPECT_LE(std::abs(got[s] - want[s]), 1e-6 * std::abs(want[s])) << "loss of step " << s;
+}
+
+const std::string kAdamW = "--optimizer adamw --lr 1e-3";
+const std::string kGqaAdamW = "--kv-heads 4 --rope-theta 10000 --optimizer adamw --lr 1e-3";
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, PpMesh,
+    testing::Values(
+        // P = 2 alone, M = 4
+        Case{2, "--pp 2 --microbatches 4", "gpipe", ""},
+        Case{2, "--pp 2 --microbatches 4", "1f1b", ""},
+        Case{2, "--pp 2 --microbatches 4", "zb-h1", kAdamW},
+        // P = 2 × V = 2: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3
+        Case{2, "--pp 2 --stages-per-rank 2 --microbatches 2", "interleaved-1f1b", ""},
+        Case{2, "--pp 2 --stages-per-rank 2 --microbatches 4", "interleaved-1f1b", kAdamW},
+        // P = 2 × T = 2
+        Case{4, "--pp 2 --microbatches 2", "gpipe", kGqaAdamW},
+        Case{4, "--pp 2 --microbatches 2", "1f1b", kGqaAdamW},
+        Case{4, "--pp 2 --microbatches 4", "zb-h1", ""},
+        // P = 2 × D = 2: each replica's B/D = 2 sequences in M = 2 micro-batches
+        Case{4, "--pp 2 --dp 2 --microbatches 2", "gpipe", ""},
+        Case{4, "--pp 2 --dp 2 --microbatches 2", "1f1b", kAdamW},
+        Case{4, "--pp 2 --dp 2 --microbatches 2", "zb-h1", kAdamW},
+        // P = 3 over L = 4 (layers 2, 1, 1), M = 2 and M = 3 (B = 6)
+        Case{3, "--pp 3 --microbatches 2", "gpipe", ""},
+        Case{3, "--pp 3 --microbatches 2", "1f1b", kAdamW},
+        Case{3, "--pp 3 --microbatches 2", "zb-h1", ""},
+        Case{3, "--pp 3 --microbatches 3", "1f1b", ""},
+        Case{3, "--pp 3 --microbatches 3", "zb-h1", kAdamW}),
+    [](const auto& p) {
+      std::string name = fmt::format("np{}_{}_{}", p.param.ranks, p.param.schedule, p.index);
+      std::replace(name.begin(), name.end(), '-', '_');
+      return name;
+    });
+
+TEST(PipelineParallel, ZeroBubbleGivesOneFOneBsGradients) {
+  const Sizes z = pipeline_sizes();
+  test::TempDir dir;
+  for (const char* schedule : {"1f1b", "zb-h1"}) {
+    const auto r =
+        run_stage("09_pipeline_parallel", 2,
+                  fmt::format("{} --pp 2 --microbatches 4 --steps 1 --schedule {} --dump {}",
+                              z.args(), schedule, (dir / schedule).string()),
+                  dir);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  }
+  expect_dumps_close(dir / "1f1b", dir / "zb-h1", 1e-6, "zb-h1 against 1f1b");
+}
+
+/// The schedule the stage runs, rebuilt from the library for the test's expectations.
+std::unique_ptr<pipeline::Schedule> schedule_of(const json& j) {
+  const json& p = j.at("pipeline");
+  return pipeline::make_schedule(p.at("schedule").get<std::string>(),
+                                 {.ranks = p.at("pp").get<int>(),
+                                  .microbatches = p.at("microbatches").get<int>(),
+                                  .stages_per_rank = p.at("stages_per_rank").get<int>()});
+}
+
+TEST(PipelineParallel, LiveCountsEqualTheSchedulesLists) {
+  const Sizes z = pipeline_sizes();
+  struct Run {
+    int n;
+    std::string args;
+  };
+  for (const Run& run : {Run{2, "--pp 2 --microbatches 4 --schedule gpipe"},
+                         Run{2, "--pp 2 --microbatches 4 --schedule 1f1b"},
+                         Run{2, "--pp 2 --microbatches 4 --schedule zb-h1"},
+                         Run{2, "--pp 2 --stages-per-rank 2 --microbatches 4 --schedule "
+                                "interleaved-1f1b"},
+                         Run{3, "--pp 3 --microbatches 4 --schedule 1f1b"}}) {
+    const json j = run_json("09_pipeline_parallel", run.n, z.args() + " --steps 2 " + run.args);
+    ASSERT_TRUE(j.contains("pipeline")) << run.args;
+    const auto schedule = schedule_of(j);
+    // Counted per virtual stage, as the list counts them: each action covers 1/V of the layers.
+    const std::vector<int> want = pipeline::peak_live(*schedule);
+    const auto got = j.at("pipeline").at("live_peak").get<std::vector<int>>();
+    EXPECT_EQ(got, want) << run.args;
+    if (schedule->name() == "1f1b") {
+      for (int p = 0; p < schedule->shape().ranks; ++p) {
+        EXPECT_LE(got[std::size_t(p)], schedule->shape().ranks - p) << "1F1B above P − p";
+      }
+    }
+    if (schedule->name() == "gpipe") {
+      for (const int live : got) {
+        EXPECT_EQ(live, schedule->shape().microbatches);
+      }
+    }
+  }
+}
+
+TEST(PipelineParallel, PpBytesEqualTheFormula) {
+  // Rank 0 sends one message per micro-batch for each boundary it crosses: its virtual stages'
+  // activations forward to another rank, and their gradients back. A message is the
+  // SP-sharded activation [S/(C·T), B/(D·M), H] in fp32.
+  Sizes z = pipeline_sizes();
+  z.B = 8;
+  struct Run {
+    int n, p, d, c, v, m;
+  };
+  for (const Run& run : {Run{2, 2, 1, 1, 1, 4}, Run{4, 2, 1, 1, 1, 2}, Run{4, 2, 2, 1, 1, 4},
+                         Run{4, 2, 1, 2, 1, 2}, Run{2, 2, 1, 1, 2, 4}, Run{3, 3, 1, 1, 1, 4}}) {
+    const int t = run.n / (run.p * run.d * run.c);
+    const std::string schedule = run.v > 1 ? "interleaved-1f1b" : "1f1b";
+    const json j = run_json(
+        "09_pipeline_parallel", run.n,
+        fmt::format("{} --steps 2 --pp {} --dp {} --cp {} --stages-per-rank {} --microbatches {} "
+                    "--schedule {}",
+                    z.args(), run.p, run.d, run.c, run.v, run.m, schedule));
+    ASSERT_TRUE(j.contains("steps")) << schedule;
+    const std::int64_t message = z.S / (run.c * t) * (z.B / (run.d * run.m)) * z.H * 4;
+    // Rank 0 holds virtual stages 0, P, 2P, …: each but the last sends forward, each but stage
+    // 0 sends back, and every neighbour is on another rank when P > 1.
+    const int stages = run.p * run.v;
+    std::int64_t boundaries = 0;
+    for (int s = 0; s < stages; s += run.p) boundaries += (s + 1 < stages) + (s > 0);
+    for (const json& row : j.at("steps"))
+      EXPECT_EQ(row.at("pp_bus_bytes").get<std::int64_t>(), boundaries * run.m * message)
+          << fmt::format("P {} D {} C {} T {} V {} M {}", run.p, run.d, run.c, t, run.v, run.m);
+  }
+}
+
+TEST(PipelineParallel, GpipeMemoryGrowsWithMicrobatchesOneFOneBsDoesNot) {
+  // One sequence per micro-batch (B = M): GPipe keeps all M micro-batches' activations, 1F1B at
+  // most P − p of them. The estimate and the measured peak agree to 10 % everywhere.
+  Sizes z = pipeline_sizes();
+  z.S = 96;  // activations well above the weights
+  std::map<std::string, std::vector<double>> saved, peak;
+  for (const char* schedule : {"gpipe", "1f1b"})
+    for (const int m : {2, 4, 8}) {
+      z.B = m;
+      const json j = run_json("09_pipeline_parallel", 2,
+                              fmt::format("{} --steps 2 --pp 2 --microbatches {} --schedule {}",
+                                          z.args(), m, schedule));
+      ASSERT_TRUE(j.contains("steps")) << schedule << " M " << m;
+      const double est = j.at("memory_estimate_bytes").get<double>();
+      const double measured = j.at("steps")[1].at("peak_bytes").get<double>();
+      EXPECT_GE(est / measured, 0.9) << schedule << " M " << m << ": " << j.at("memory_terms");
+      EXPECT_LE(est / measured, 1.1) << schedule << " M " << m << ": " << j.at("memory_terms");
+      saved[schedule].push_back(j.at("memory_terms").at("saved activations").get<double>());
+      peak[schedule].push_back(measured);
+    }
+  for (std::size_t i = 1; i < 3; ++i) {
+    EXPECT_GT(saved["gpipe"][i], 1.9 * saved["gpipe"][i - 1]) << "GPipe keeps every micro-batch";
+    EXPECT_GT(peak["gpipe"][i], peak["gpipe"][i - 1]);
+    EXPECT_EQ(saved["1f1b"][i], saved["1f1b"][i - 1]) << "1F1B keeps at most P micro-batches";
+    EXPECT_LT(peak["1f1b"][i], 1.1 * peak["1f1b"][0]);
+  }
+}
+
+TEST(PipelineParallel, TheTraceNamesEveryActionByMicrobatch) {
+  const Sizes z = pipeline_sizes();
+  test::TempDir dir;
+  const auto path = dir / "t.json";
+  const auto r = run_stage("09_pipeline_parallel", 2,
+                           fmt::format("{} --steps 1 --pp 2 --microbatches 4 --schedule zb-h1 "
+                                       "--trace {}",
+                                       z.args(), path.string()),
+                           dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const json t = json::parse(test::read_file(path));
+  std::map<int, std::vector<std::string>> phases, pp;  // by rank
+  std::string lane;
+  for (const json& e : t.at("traceEvents")) {
+    if (e.at("ph") == "M" && e.at("name") == "thread_name" && e.at("tid").get<int>() == 6)
+      lane = e.at("args").at("name").get<std::string>();
+    if (e.at("ph") != "X") continue;
+    const int rank = e.at("pid").get<int>(), tid = e.at("tid").get<int>();
+    if (tid == 3) phases[rank].push_back(e.at("name").get<std::string>());
+    if (tid == 6) pp[rank].push_back(e.at("name").get<std::string>());
+  }
+  EXPECT_EQ(lane, "pp comm");
+  const auto schedule = pipeline::make_schedule("zb-h1", {.ranks = 2, .microbatches = 4});
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<std::string> want;
+    for (const pipeline::Action& a : schedule->actions(rank))
+      want.push_back(pipeline::to_string(a, false));
+    std::vector<std::string> got;
+    for (const std::string& name : phases[rank])
+      if (name.size() >= 2 && std::string("FBW").find(name[0]) != std::string::npos)
+        got.push_back(name);
+    EXPECT_EQ(got, want) << "rank " << rank;
+    // Four activations forward (rank 0 sends them, rank 1 receives) and four gradients back.
+    const auto count = [&](const char* prefix) {
+      return std::count_if(pp[rank].begin(), pp[rank].end(),
+                           [&](const std::string& n) { return n.starts_with(prefix); });
+    };
+    EXPECT_EQ(count("act "), 4) << "rank " << rank;
+    EXPECT_EQ(count("grad "), 4) << "rank " << rank;
+  }
+}
+
+TEST(PipelineParallel, PrintScheduleListsTheActionsAndTrainsNothing) {
+  test::TempDir dir;
+  const auto r = run_stage("09_pipeline_parallel", 2,
+                           "--layers 4 --batch 4 --pp 2 --microbatches 4 --schedule 1f1b "
+                           "--print-schedule",
+                           dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto schedule = pipeline::make_schedule("1f1b", {.ranks = 2, .microbatches = 4});
+  EXPECT_NE(r.out.find(pipeline::format_schedule(*schedule)), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("stage 0 0-1, stage 1 2-3"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("grad norm"), std::string::npos) << "no step ran:\n" << r.out;
+}
+
+TEST(PipelineParallel, BadInputIsOneLineOnEveryRank) {
+  const Sizes z = pipeline_sizes();
+  struct Bad {
+    int n;
+    std::string args, words;
+  };
+  for (const Bad& b :
+       {Bad{3, "--pp 2", "--pp 2 × --dp 1 × --cp 1 must divide the 3 ranks"},
+        Bad{4, "--pp 4 --layers 3", "--pp 4"},
+        Bad{2, "--pp 2 --stages-per-rank 3 --schedule interleaved-1f1b", "--stages-per-rank 3"},
+        Bad{2, "--pp 2 --microbatches 3", "3"},
+        Bad{2, "--pp 2 --schedule zigzag", "--schedule"},
+        Bad{2, "--pp 2 --stages-per-rank 2 --microbatches 3 --batch 3 --schedule "
+               "interleaved-1f1b",
+            "multiple of"}}) {
+    test::TempDir dir;
+    const std::string layers = b.args.find("--layers") == std::string::npos ? "--layers 4" : "";
+    const std::string batch = b.args.find("--batch") == std::string::npos ? "--batch 4" : "";
+    const auto r = run_stage(
+        "09_pipeline_parallel", b.n,
+        fmt::format("--hidden {} --heads {} --ffn {} --seq {} {} {} --steps 1 {}", z.H, z.NH, z.F,
+                    z.S, layers, batch, b.args),
+        dir);
+    EXPECT_EQ(r.exit_code, 2) << b.args << "\n" << r.out << r.err;
+    int lines = 0;
+    for (const auto& line : test::lines_of(r.err))
+      if (line.starts_with("09_pipeline_parallel: error:")) {
+        ++lines;
+        EXPECT_NE(line.find(b.words), std::string::npos) << line;
+      }
+    EXPECT_EQ(lines, 1) << "said once:\n" << r.err;
+  }
+  // --pp exists on stage 09 only.
+  test::TempDir dir;
+  const auto r = run_stage("08_context_parallel", 2, z.args() + " --steps 1 --pp 2", dir);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("--pp"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace tpx
