@@ -36,6 +36,11 @@ Tensor packed(const Tensor& buf, int part, const Tensor::Shape& shape) {
   return buf.slice0(part * n, (part + 1) * n).reshape(shape);
 }
 
+/// `t` on `device`: itself when it is there already, else a copy.
+Tensor on(const Tensor& t, Device device) {
+  return t.device() == device ? t : ops::to_device(t, device);
+}
+
 /// Adds the time from its making to its end to `ms`, and one to `blocks`: the attention time of
 /// one ring step (or one all-gather block, or Ulysses' whole attention), for --json.
 class BlockTimer {
@@ -229,24 +234,25 @@ void ContextParallel::all_to_all(const Tensor& send, const Tensor& recv, const s
 Tensor ContextParallel::seq_to_heads(const Tensor& x, const std::string& what) {
   const int n = mesh_.cp;
   const std::int64_t rows = x.dim(0), b = x.dim(1), cols = x.dim(2) / n, chunk = rows / 2;
-  // Pack: block r = the columns of head part r, [S/C, B, X/C].
-  const Tensor host = ops::to_device(x, Device::cpu);
-  const Tensor send = Tensor::empty({n * rows * b * cols});
+  // Pack: block r = the columns of head part r, [S/C, B, X/C]. The packing runs on the host
+  // (cuda: a copy there and back around it); the all-to-all moves tensors of the run's device.
+  const Tensor host = on(x, Device::cpu);
+  const Tensor packed = Tensor::empty({n * rows * b * cols});
   for (int r = 0; r < n; ++r)
     for (std::int64_t i = 0; i < rows * b; ++i)
-      std::memcpy(send.f32().data() + (r * rows * b + i) * cols,
+      std::memcpy(packed.f32().data() + (r * rows * b + i) * cols,
                   host.f32().data() + i * x.dim(2) + r * cols, std::size_t(cols) * sizeof(float));
-  const Tensor recv = Tensor::empty(send.shape());
+  const Tensor send = on(packed, device_);
+  const Tensor recv = Tensor::empty(send.shape(), DType::f32, device_);
   all_to_all(send, recv, what);
   // Block r holds CP rank r's two chunks: each goes to its place in the sequence.
-  const Tensor full = Tensor::empty({n * rows, b, cols});
+  const Tensor full = Tensor::empty({n * rows, b, cols}, DType::f32, device_);
   const std::int64_t per_chunk = chunk * b * cols;
   for (int r = 0; r < n; ++r)
     for (int j = 0; j < 2; ++j)
-      std::memcpy(full.f32().data() + chunk_of(r, j) * per_chunk,
-                  recv.f32().data() + (2 * r + j) * per_chunk,
-                  std::size_t(per_chunk) * sizeof(float));
-  return ops::to_device(full, device_);
+      ops::copy(recv.slice0((2 * r + j) * per_chunk, (2 * r + j + 1) * per_chunk),
+                full.slice0(chunk_of(r, j) * chunk, (chunk_of(r, j) + 1) * chunk));
+  return full;
 }
 
 Tensor ContextParallel::heads_to_seq(const Tensor& x, const std::string& what) {
@@ -254,22 +260,21 @@ Tensor ContextParallel::heads_to_seq(const Tensor& x, const std::string& what) {
   const std::int64_t rows = x.dim(0) / n, b = x.dim(1), cols = x.dim(2), chunk = rows / 2;
   const std::int64_t per_chunk = chunk * b * cols;
   // Block r = CP rank r's two chunks of this rank's head part.
-  const Tensor host = ops::to_device(x, Device::cpu);
-  const Tensor send = Tensor::empty({n * rows * b * cols});
+  const Tensor send = Tensor::empty({n * rows * b * cols}, DType::f32, device_);
   for (int r = 0; r < n; ++r)
     for (int j = 0; j < 2; ++j)
-      std::memcpy(send.f32().data() + (2 * r + j) * per_chunk,
-                  host.f32().data() + chunk_of(r, j) * per_chunk,
-                  std::size_t(per_chunk) * sizeof(float));
-  const Tensor recv = Tensor::empty(send.shape());
+      ops::copy(x.slice0(chunk_of(r, j) * chunk, (chunk_of(r, j) + 1) * chunk),
+                send.slice0((2 * r + j) * per_chunk, (2 * r + j + 1) * per_chunk));
+  const Tensor recv = Tensor::empty(send.shape(), DType::f32, device_);
   all_to_all(send, recv, what);
-  // Block r holds head part r of this rank's rows: its columns.
+  // Block r holds head part r of this rank's rows: its columns (unpacked on the host).
+  const Tensor got = on(recv, Device::cpu);
   const Tensor local = Tensor::empty({rows, b, n * cols});
   for (int r = 0; r < n; ++r)
     for (std::int64_t i = 0; i < rows * b; ++i)
       std::memcpy(local.f32().data() + i * n * cols + r * cols,
-                  recv.f32().data() + (r * rows * b + i) * cols, std::size_t(cols) * sizeof(float));
-  return ops::to_device(local, device_);
+                  got.f32().data() + (r * rows * b + i) * cols, std::size_t(cols) * sizeof(float));
+  return on(local, device_);
 }
 
 void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -509,10 +514,6 @@ std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mes
     throw ConfigError(
         "--cp > 1 needs --attention fused: context parallelism merges the fused kernel's partial "
         "outputs by their log-sum-exp (the naive kernel keeps no lse)");
-  if (c.device != Device::cpu)
-    throw ConfigError(
-        "--cp > 1 runs on --device cpu in this build: the chunk-pair attention and its "
-        "log-sum-exp merge have no CUDA kernels yet");
   if (c.dtype != DType::f32)
     throw ConfigError(fmt::format(
         "--cp > 1 runs with --dtype fp32 (got {}): the ring's partial outputs are merged in fp32",

@@ -200,6 +200,17 @@ AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, 
   return {s, b, heads, kv_heads, d, b * x, b * kv_heads * d};
 }
 
+AttentionDims attention_merge_dims(const Tensor& out, const Tensor& lse, const Tensor& part_out,
+                                   const Tensor& part_lse, std::int64_t heads) {
+  TPX_CHECK(out.shape() == part_out.shape() && lse.shape() == part_lse.shape() && out.ndim() == 3 &&
+                heads > 0 && out.dim(2) % heads == 0 &&
+                lse.numel() == out.dim(0) * out.dim(1) * heads,
+            "attention merge: out {} and lse {} must match their parts {} {}", out.describe(),
+            lse.describe(), part_out.describe(), part_lse.describe());
+  const std::int64_t s = out.dim(0), b = out.dim(1), x = out.dim(2);
+  return {s, b, heads, heads, x / heads, b * x, b * x};
+}
+
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c,
           float alpha, float beta, DType compute) {
   if (is_fp8(a.dtype()) || is_fp8(b.dtype())) {
@@ -359,23 +370,18 @@ void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int6
 }
 void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const Tensor& out, const Tensor& lse, std::int64_t shift) {
-  TPX_CHECK(q.device() == Device::cpu,
-            "attention_block_forward (context parallelism) runs on the cpu backend only");
-  cpu::attention_block_forward(q, k, v, heads, out, lse, shift);
+  TPX_DISPATCH(q.device(), attention_block_forward, q, k, v, heads, out, lse, shift);
 }
 void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv,
                               std::int64_t shift) {
-  TPX_CHECK(q.device() == Device::cpu,
-            "attention_block_backward (context parallelism) runs on the cpu backend only");
-  cpu::attention_block_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, shift);
+  TPX_DISPATCH(q.device(), attention_block_backward, dout, q, k, v, out, lse, heads, dq, dk, dv,
+               shift);
 }
 void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out,
                      const Tensor& part_lse, std::int64_t heads) {
-  TPX_CHECK(out.device() == Device::cpu,
-            "attention_merge (context parallelism) runs on the cpu backend only");
-  cpu::attention_merge(out, lse, part_out, part_lse, heads);
+  TPX_DISPATCH(out.device(), attention_merge, out, lse, part_out, part_lse, heads);
 }
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
   if (any_bf16({&gate, &up, &out})) {

@@ -11,11 +11,11 @@
 // operand has bf16 operands and fp32 accumulation; `compute` = bf16 on gemm and attention rounds
 // f32 operands to bf16 too (cuda: tensor cores; cpu: the rounded values multiplied in fp32).
 //
-// defines: tpx::ops::gemm, attention_dims, rmsnorm_*, attention_*, attention_fused_*,
-//          swiglu_*, add, rope_forward, rope_backward, accumulate, mse_loss_*, sgd_update,
-//          AdamWStep, adamw_update, sum_squares, fill, cast, copy, to_device, synchronize,
-//          bf16_gemm_peak_tflops, memory_available, device_ordinal, quantize_fp8,
-//          dequantize_fp8, amax, fp8_scale
+// defines: tpx::ops::gemm, attention_dims, attention_merge_dims, rmsnorm_*, attention_*,
+//          attention_fused_*, attention_block_*, attention_merge, swiglu_*, add, rope_forward,
+//          rope_backward, accumulate, mse_loss_*, sgd_update, AdamWStep, adamw_update, sum_squares,
+//          fill, cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, memory_available,
+//          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale
 #pragma once
 
 #include <cstdint>
@@ -68,6 +68,10 @@ struct AttentionDims {
 };
 AttentionDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const char* what);
+/// The sizes of an attention_merge call (kv_heads = heads): out and part_out [S, B, heads·D],
+/// lse and part_lse [B, heads, S]. Checks that they agree (tpx::Error otherwise).
+AttentionDims attention_merge_dims(const Tensor& out, const Tensor& lse, const Tensor& part_out,
+                                   const Tensor& part_lse, std::int64_t heads);
 
 /// C = alpha * op(A) · op(B) + beta * C, with op(X) = X or Xᵀ and A, B, C seen as matrices.
 /// compute = bf16, or a bf16 A or B, multiplies bf16 operands with fp32 accumulation; C may be
@@ -133,7 +137,8 @@ void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int6
 /// is visible to query i when j <= i + shift (0: the diagonal pair, masked as
 /// attention_fused_forward; >= Sc: a K/V chunk wholly in the past, unmasked). Writes the pair's
 /// own softmax-normalised out and its lse [B, heads, Sc]; a query that sees no key gets out 0
-/// and lse −inf. The fused kernel's own loops with its online softmax. f32, cpu backend only.
+/// and lse −inf. The fused kernel's own loops with its online softmax, on both backends (the
+/// fused causal attention is their shift-0 case). f32 only.
 void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const Tensor& out, const Tensor& lse, std::int64_t shift);
 /// The pair's backward from the merged forward's out and lse (the full softmax over every key
@@ -145,7 +150,7 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
 /// (out, lse) ← the log-sum-exp merge of (out, lse) with (part_out, part_lse), two attentions
 /// of the same queries over disjoint keys: m = max(lse, lse'), w = e^(lse−m), w' = e^(lse'−m),
 /// out = (w·out + w'·part_out) / (w + w'), lse = m + log(w + w'). Rows with part_lse = −inf are
-/// left as they are. f32, cpu backend only.
+/// left as they are. f32 only; an element-wise kernel on cuda.
 void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out,
                      const Tensor& part_lse, std::int64_t heads);
 

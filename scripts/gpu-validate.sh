@@ -12,7 +12,8 @@
 #   unit     the cuda unit tests, run directly with TPX_EXPECT_GPU=1 (a skip is a failure)
 #   sanitize compute-sanitizer: memcheck on the cuda op tests, racecheck on RMSNorm and attention,
 #            memcheck on stage 05 at -np 2 (memcheck with TPX_EXACT_ALLOC=1: no cached blocks)
-#   stages   01 on cuda in fp32 and bf16; 02-06 at -np 1 (NCCL) and -np 2 (ranks sharing the GPU)
+#   stages   01 on cuda in fp32 and bf16; 02-06 at -np 1 (NCCL) and -np 2 (ranks sharing the GPU);
+#            07 and 08 (--cp 2, each --cp-method) on ranks sharing the GPU
 #   big      stage 01 at H=4096 NH=32 F=11008 S=2048 B=1 in bf16: step time, TFLOP/s, MFU
 #   bench    the GPU micro-benchmarks: bench_copy_overlap (chapter 5), bench_gemm bf16 vs fp8 (6),
 #            bench_attention fused vs naive beside PyTorch's SDPA (tools/sdpa_bench.py, when
@@ -31,7 +32,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 if [ $# -lt 1 ] || [[ "$1" == -* ]]; then
-  sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$1
@@ -172,6 +173,14 @@ if has stages; then
     check_step 07.dp2tp2.np4 300 PASS "${mpi[@]}" -np 4 "$bin/07_fsdp_tp" --device cuda --dp 2 --check
     check_step 07.dp2tp2.bf16.np4 300 PASS "${mpi[@]}" -np 4 "$bin/07_fsdp_tp" --device cuda \
       --dp 2 --dtype bf16 --check
+  fi
+  if [ -x "$bin/08_context_parallel" ]; then # CP: host-staged CP ring / all-gather / all-to-all
+    for method in ring allgather ulysses; do
+      check_step "08.cp2.$method.np2" 300 PASS "${mpi[@]}" -np 2 "$bin/08_context_parallel" \
+        --device cuda --cp 2 --cp-method "$method" --check
+    done
+    check_step 08.cp2.gqa.np2 300 PASS "${mpi[@]}" -np 2 "$bin/08_context_parallel" --device cuda \
+      --cp 2 --kv-heads 2 --check
   fi
   check_step 05.nccl-zero-cta.np1 300 PASS "${mpi[@]}" -np 1 "$bin/05_copy_engine_async_tp" \
     --device cuda --all-gather nccl-zero-cta --check

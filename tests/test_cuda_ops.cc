@@ -550,6 +550,128 @@ TEST(Ops, RopeRefusesOddHeadDims) {
   EXPECT_THROW(ops::rope_forward(g, 3, 0.0), Error);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Context parallelism's chunk pairs (stage 08): attention_block_forward, attention_merge and
+// attention_block_backward on cuda against the cpu ops on the same inputs, used as the stage
+// uses them: one query chunk meets several K/V chunks, each pair's (out, lse) is merged into the
+// running (out, lse), then every pair's backward adds into the one dq and its own dk, dv.
+
+/// lse [B, heads, S] against the cpu's: −inf (a query that saw no key) exactly where the cpu
+/// has it, the finite values within tol of the largest |finite value|.
+void expect_lse_near(const Tensor& got, const Tensor& want, double tol, const char* what) {
+  const Tensor g = on_cpu(got);
+  auto gs = g.f32(), ws = want.f32();
+  ASSERT_EQ(gs.size(), ws.size()) << what;
+  double err = 0.0, scale = 0.0;
+  std::size_t unseen = 0;
+  for (std::size_t i = 0; i < ws.size(); ++i) {
+    if (std::isinf(ws[i])) {
+      ++unseen;
+      EXPECT_TRUE(std::isinf(gs[i]) && gs[i] < 0) << what << " row " << i << ": " << gs[i];
+      continue;
+    }
+    err = std::isfinite(gs[i]) ? std::max(err, std::abs(double(gs[i]) - double(ws[i]))) : INFINITY;
+    scale = std::max(scale, std::abs(double(ws[i])));
+  }
+  EXPECT_LE(scale > 0 ? err / scale : err, tol) << what << " (" << unseen << " rows see no key)";
+}
+
+struct PairCase {
+  I s, b, heads, d, kv;
+  std::vector<I> shifts;  ///< one K/V chunk per shift, keys `shift` rows before the queries
+};
+
+void check_chunk_pairs(const PairCase& c) {
+  SCOPED_TRACE(testing::Message() << "pairs S " << c.s << " B " << c.b << " heads " << c.heads
+                                  << " kv " << c.kv << " D " << c.d);
+  // fp32 with the online softmax, as the fused kernels' test: 1e-4 of each tensor's largest
+  // value (a wrong mask or a lost rescale is off by O(1)).
+  constexpr double kTol = 1e-4;
+  const Tensor::Shape act{c.s, c.b, c.heads * c.d}, kv_act{c.s, c.b, c.kv * c.d};
+  const Tensor::Shape lse_shape{c.b, c.heads, c.s};
+  const float inf = std::numeric_limits<float>::infinity();
+  const Tensor q = random_tensor(act, 60), dout = random_tensor(act, 61);
+  const Tensor gq = on_gpu(q), gdout = on_gpu(dout);
+  std::vector<Tensor> ks, vs;
+  Tensor out = cpu_empty(act), lse = cpu_empty(lse_shape);
+  cpu::fill(out, 0.0f);
+  cpu::fill(lse, -inf);
+  const Tensor gout = on_gpu(out), glse = on_gpu(lse);
+  for (std::size_t p = 0; p < c.shifts.size(); ++p) {
+    const I shift = c.shifts[p];
+    SCOPED_TRACE(testing::Message() << "shift " << shift);
+    ks.push_back(random_tensor(kv_act, 62 + 2 * std::uint32_t(p)));
+    vs.push_back(random_tensor(kv_act, 63 + 2 * std::uint32_t(p)));
+    Tensor part_out = cpu_empty(act), part_lse = cpu_empty(lse_shape);
+    cpu::attention_block_forward(q, ks[p], vs[p], c.heads, part_out, part_lse, shift);
+    const Tensor gpart_out = gpu_empty(act), gpart_lse = gpu_empty(lse_shape);
+    ops::fill(gpart_out, std::numeric_limits<float>::quiet_NaN());  // every element written
+    ops::fill(gpart_lse, std::numeric_limits<float>::quiet_NaN());
+    ops::attention_block_forward(gq, on_gpu(ks[p]), on_gpu(vs[p]), c.heads, gpart_out, gpart_lse,
+                                 shift);
+    EXPECT_LE(rel_err(gpart_out, part_out), kTol) << "pair out";
+    expect_lse_near(gpart_lse, part_lse, kTol, "pair lse");
+    // Merged with the cpu's own pair result on both sides: the merge alone is compared.
+    cpu::attention_merge(out, lse, part_out, part_lse, c.heads);
+    ops::attention_merge(gout, glse, on_gpu(part_out), on_gpu(part_lse), c.heads);
+    EXPECT_LE(rel_err(gout, out), kTol) << "merged out";
+    expect_lse_near(glse, lse, kTol, "merged lse");
+  }
+  // Backward of every pair from the merged (out, lse), the cpu's on both sides. The gradients
+  // start from small random values (std 0.1, below the pairs' shares): the pairs add to them,
+  // and an overwrite would be off by them.
+  Tensor dq = random_tensor(act, 90, 0.0, 0.1);
+  const Tensor gdq = on_gpu(dq);
+  for (std::size_t p = 0; p < c.shifts.size(); ++p) {
+    SCOPED_TRACE(testing::Message() << "backward, shift " << c.shifts[p]);
+    Tensor dk = random_tensor(kv_act, 91 + std::uint32_t(p), 0.0, 0.1),
+           dv = random_tensor(kv_act, 95 + std::uint32_t(p), 0.0, 0.1);
+    const Tensor gdk = on_gpu(dk), gdv = on_gpu(dv);
+    cpu::attention_block_backward(dout, q, ks[p], vs[p], out, lse, c.heads, dq, dk, dv,
+                                  c.shifts[p]);
+    ops::attention_block_backward(gdout, gq, on_gpu(ks[p]), on_gpu(vs[p]), on_gpu(out), on_gpu(lse),
+                                  c.heads, gdq, gdk, gdv, c.shifts[p]);
+    EXPECT_LE(rel_err(gdk, dk), kTol) << "dk";
+    EXPECT_LE(rel_err(gdv, dv), kTol) << "dv";
+    EXPECT_LE(rel_err(gdq, dq), kTol) << "dq so far";
+  }
+}
+
+TEST(Ops, AttentionChunkPairsMatchCpu) {
+  TPX_REQUIRE_GPU();
+  // Shifts: 0 (the diagonal pair, masked), a partial overlap (13: the first queries see part of
+  // the chunk, the last ones all of it), >= S (a chunk wholly in the past, unmasked), and a
+  // negative one (the first queries see no key: out 0, lse −inf, skipped by the merge).
+  check_chunk_pairs({40, 2, 4, 16, 4, {0, 13, 40, 95, -10}});
+  // Grouped-query attention (3 query heads per KV head), S not a multiple of any tile.
+  check_chunk_pairs({37, 1, 6, 32, 2, {37, 0, 20}});
+  check_chunk_pairs({33, 2, 2, 64, 1, {-5, 33, 0}});
+}
+
+// The causal fused attention is the pair of shift 0, and backward's sum into zeros is the
+// overwrite: one code path, the same bits.
+TEST(Ops, AttentionChunkPairOfShiftZeroIsTheFusedKernel) {
+  TPX_REQUIRE_GPU();
+  const I s = 45, b = 2, heads = 4, d = 32, kv = 2;
+  const Tensor::Shape act{s, b, heads * d}, kv_act{s, b, kv * d}, lse_shape{b, heads, s};
+  const Tensor q = on_gpu(random_tensor(act, 70)), k = on_gpu(random_tensor(kv_act, 71)),
+               v = on_gpu(random_tensor(kv_act, 72)), dout = on_gpu(random_tensor(act, 73));
+  const Tensor out = gpu_empty(act), lse = gpu_empty(lse_shape);
+  const Tensor dq = gpu_empty(act), dk = gpu_empty(kv_act), dv = gpu_empty(kv_act);
+  ops::attention_fused_forward(q, k, v, heads, out, lse);
+  ops::attention_fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv);
+  const Tensor pout = gpu_empty(act), plse = gpu_empty(lse_shape);
+  const Tensor pdq = gpu_empty(act), pdk = gpu_empty(kv_act), pdv = gpu_empty(kv_act);
+  for (const Tensor* t : {&pdq, &pdk, &pdv}) ops::fill(*t, 0.0f);
+  ops::attention_block_forward(q, k, v, heads, pout, plse, 0);
+  ops::attention_block_backward(dout, q, k, v, out, lse, heads, pdq, pdk, pdv, 0);
+  EXPECT_TRUE(same_bits(pout, on_cpu(out))) << "out";
+  EXPECT_TRUE(same_bits(plse, on_cpu(lse))) << "lse";
+  EXPECT_TRUE(same_bits(pdq, on_cpu(dq))) << "dq";
+  EXPECT_TRUE(same_bits(pdk, on_cpu(dk))) << "dk";
+  EXPECT_TRUE(same_bits(pdv, on_cpu(dv))) << "dv";
+}
+
 // AdamW: the same fp32 operations in the same order on both backends (no FMA contraction on
 // either), so three steps leave the weights and both moments bit-identical.
 TEST(Ops, AdamWIsBitIdenticalToCpu) {

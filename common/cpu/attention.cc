@@ -255,11 +255,8 @@ void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_ou
   for (const Tensor* t : {&out, &lse, &part_out, &part_lse})
     TPX_CHECK(t->dtype() == DType::f32 && t->device() == Device::cpu,
               "attention merge tensors must be f32 on cpu, got {}", t->describe());
-  TPX_CHECK(out.shape() == part_out.shape() && lse.shape() == part_lse.shape() && out.ndim() == 3 &&
-                out.dim(2) % heads == 0 && lse.numel() == out.dim(0) * out.dim(1) * heads,
-            "attention merge: out {} and lse {} must match their parts {} {}", out.describe(),
-            lse.describe(), part_out.describe(), part_lse.describe());
-  const I s = out.dim(0), b = out.dim(1), d = out.dim(2) / heads;
+  const FusedDims z = ops::attention_merge_dims(out, lse, part_out, part_lse, heads);
+  const I s = z.s, b = z.b, d = z.d;
   const float inf = std::numeric_limits<float>::infinity();
   float *o = out.data<float>(), *l = lse.data<float>();
   const float *po = part_out.data<float>(), *pl = part_lse.data<float>();

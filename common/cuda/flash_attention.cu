@@ -31,6 +31,15 @@
 // (dK_j and dV_j also summed over the query heads of the group) split into a dQ kernel (parallel
 // over query blocks) and a dK/dV kernel (parallel over key blocks), each recomputing P: no
 // atomics, so results are deterministic. Causal blocks above the diagonal are never visited.
+//
+// Context parallelism (stage 08) runs the CUDA-core kernels on one pair of sequence chunks at a
+// time, as the cpu backend runs its loops (common/cpu/attention.cc): the keys' global positions
+// lie `shift` rows before the queries', key j is visible to query i when j <= i + shift (sees()),
+// and the loops' bounds and masks come from that one rule. Shift 0 is the causal attention
+// above, with the same launch shapes. A query row that sees no key of the pair ends with l = 0:
+// output 0 and lse −inf, which attention_merge() skips. Backward's pairs add into dq, dk, dv
+// (kAccumulate) instead of overwriting them, as each query chunk meets several key chunks. The
+// tensor-core kernels are the causal case only (the pairs are fp32).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
@@ -84,6 +93,31 @@ __device__ __forceinline__ void load_tile_f32(float* dst, const float* p, I row0
   }
 }
 
+/// The one mask of every CUDA-core kernel: key j is visible to query i (keys `shift` rows
+/// earlier than the queries; shift 0 is the causal mask).
+__device__ __forceinline__ bool sees(I i, I j, I shift) {
+  return j <= i + shift;
+}
+
+/// One past the last key a query block whose last row is `last` sees: min(S, last + shift + 1).
+__device__ __forceinline__ I keys_end(I last, I s, I shift) {
+  return max(I(0), min(s, last + shift + 1));
+}
+
+/// The first query that sees key j: max(0, j − shift).
+__device__ __forceinline__ I first_query(I j, I shift) {
+  return max(I(0), j - shift);
+}
+
+/// A gradient's value written (the whole attention) or added (a chunk pair's share).
+template <bool kAccumulate>
+__device__ __forceinline__ void put(float* p, float x) {
+  if constexpr (kAccumulate)
+    *p += x;
+  else
+    *p = x;
+}
+
 /// Σ_d a·b over the warp: each lane's partial products, then a butterfly sum.
 template <int kPerLane>
 __device__ __forceinline__ float warp_dot(const float (&a)[kPerLane], const float* b, I d,
@@ -99,7 +133,7 @@ __device__ __forceinline__ float warp_dot(const float (&a)[kPerLane], const floa
 template <int kPerLane, bool kBf16>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_simple(const float* q, const float* k, const float* v, float* out, float* lse,
-                         I s, I d, I ldq, I ldkv, I group, float scale) {
+                         I s, I d, I ldq, I ldkv, I group, float scale, I shift) {
   extern __shared__ float smem[];
   float* ks = smem;              // [kTile][d]
   float* vs = smem + kTile * d;  // [kTile][d]
@@ -117,17 +151,18 @@ __global__ void __launch_bounds__(kThreads)
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
-  const I last = min(s, row0 + kRowsPerBlock) - 1;  // the block's last query row
-  for (I j0 = 0; j0 <= last; j0 += kTile) {
+  // Keys up to those the block's last query row sees (shift 0: up to the diagonal).
+  const I end = keys_end(min(s, row0 + kRowsPerBlock) - 1, s, shift);
+  for (I j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the previous tiles are no longer read
     load_tile_f32<kBf16>(ks, k, j0, s, d, ldkv);
     load_tile_f32<kBf16>(vs, v, j0, s, d, ldkv);
     __syncthreads();
-    const I n = min(I(kTile), last - j0 + 1);
+    const I n = min(I(kTile), end - j0);
     for (I jj = 0; jj < n; ++jj) {
       const I j = j0 + jj;
       for (int r = 0; r < kRowsPerWarp; ++r) {
-        if (rows[r] >= s || j > rows[r]) continue;  // the same for the whole warp
+        if (rows[r] >= s || !sees(rows[r], j, shift)) continue;  // the same for the whole warp
         const float x = warp_dot<kPerLane>(qr[r], ks + jj * d, d, lane) * scale;
         const float m_new = fmaxf(m[r], x);
         const float alpha = expf(m[r] - m_new), p = expf(x - m_new);
@@ -142,19 +177,20 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int r = 0; r < kRowsPerWarp; ++r) {
     if (rows[r] >= s) continue;
+    const bool seen = l[r] > 0.0f;  // false only for a chunk pair's row that sees no key
     for (int t = 0; t < kPerLane; ++t) {
       const I c = lane + kWarp * t;
-      if (c < d) out[rows[r] * ldq + c] = o[r][t] / l[r];
+      if (c < d) out[rows[r] * ldq + c] = seen ? o[r][t] / l[r] : 0.0f;
     }
-    if (lane == 0) lse[bh * s + rows[r]] = m[r] + logf(l[r]);
+    if (lane == 0) lse[bh * s + rows[r]] = seen ? m[r] + logf(l[r]) : -INFINITY;
   }
 }
 
-template <int kPerLane, bool kBf16>
+template <int kPerLane, bool kBf16, bool kAccumulate>
 __global__ void __launch_bounds__(kThreads)
     flash_dq_simple(const float* dout, const float* q, const float* k, const float* v,
                     const float* lse, const float* delta, float* dq, I s, I d, I ldq, I ldkv,
-                    I group, float scale) {
+                    I group, float scale, I shift) {
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + kTile * d;
@@ -173,17 +209,17 @@ __global__ void __launch_bounds__(kThreads)
     lse_r[r] = rows[r] < s ? lse[bh * s + rows[r]] : 0.0f;
     delta_r[r] = rows[r] < s ? delta[bh * s + rows[r]] : 0.0f;
   }
-  const I last = min(s, row0 + kRowsPerBlock) - 1;
-  for (I j0 = 0; j0 <= last; j0 += kTile) {
+  const I end = keys_end(min(s, row0 + kRowsPerBlock) - 1, s, shift);
+  for (I j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();
     load_tile_f32<kBf16>(ks, k, j0, s, d, ldkv);
     load_tile_f32<kBf16>(vs, v, j0, s, d, ldkv);
     __syncthreads();
-    const I n = min(I(kTile), last - j0 + 1);
+    const I n = min(I(kTile), end - j0);
     for (I jj = 0; jj < n; ++jj) {
       const I j = j0 + jj;
       for (int r = 0; r < kRowsPerWarp; ++r) {
-        if (rows[r] >= s || j > rows[r]) continue;
+        if (rows[r] >= s || !sees(rows[r], j, shift)) continue;  // (lse is finite where it sees)
         const float p = expf(warp_dot<kPerLane>(qr[r], ks + jj * d, d, lane) * scale - lse_r[r]);
         const float ds = p * (warp_dot<kPerLane>(dor[r], vs + jj * d, d, lane) - delta_r[r]);
         for (int t = 0; t < kPerLane; ++t) {
@@ -197,7 +233,7 @@ __global__ void __launch_bounds__(kThreads)
     if (rows[r] >= s) continue;
     for (int t = 0; t < kPerLane; ++t) {
       const I c = lane + kWarp * t;
-      if (c < d) dq[rows[r] * ldq + c] = acc[r][t] * scale;
+      if (c < d) put<kAccumulate>(&dq[rows[r] * ldq + c], acc[r][t] * scale);
     }
   }
 }
@@ -205,11 +241,11 @@ __global__ void __launch_bounds__(kThreads)
 // One block per (16 keys, KV head): it loops over the query heads of the KV head's group, one
 // after another, accumulating their contributions to dK and dV in registers, and writes each of
 // its key rows once: no atomics, no scratch, a fixed order of summation.
-template <int kPerLane, bool kBf16>
+template <int kPerLane, bool kBf16, bool kAccumulate>
 __global__ void __launch_bounds__(kThreads)
     flash_dkdv_simple(const float* dout, const float* q, const float* k, const float* v,
                       const float* lse, const float* delta, float* dk, float* dv, I s, I d, I ldq,
-                      I ldkv, I group, float scale) {
+                      I ldkv, I group, float scale, I shift) {
   extern __shared__ float smem[];
   float* qs = smem;                     // [kTile][d]
   float* dos = smem + kTile * d;        // [kTile][d]
@@ -233,8 +269,9 @@ __global__ void __launch_bounds__(kThreads)
     const float* doh = dout + bh * d;
     const float* lh = lse + bh * s;
     const float* dh = delta + bh * s;
-    // Queries i >= the block's first key: every earlier query sees none of its keys.
-    for (I i0 = row0; i0 < s; i0 += kTile) {
+    // Queries from the first that sees the block's first key (shift 0: that key's own row):
+    // every earlier query sees none of its keys.
+    for (I i0 = first_query(row0, shift); i0 < s; i0 += kTile) {
       __syncthreads();  // the previous tiles (of this head or the last) are no longer read
       load_tile_f32<kBf16>(qs, qh, i0, s, d, ldq);
       load_tile_f32<kBf16>(dos, doh, i0, s, d, ldq);
@@ -247,7 +284,7 @@ __global__ void __launch_bounds__(kThreads)
       for (I ii = 0; ii < n; ++ii) {
         const I i = i0 + ii;
         for (int r = 0; r < kRowsPerWarp; ++r) {
-          if (rows[r] >= s || rows[r] > i) continue;
+          if (rows[r] >= s || !sees(i, rows[r], shift)) continue;
           const float p = expf(warp_dot<kPerLane>(kr[r], qs + ii * d, d, lane) * scale - lse_s[ii]);
           const float ds = p * (warp_dot<kPerLane>(vr[r], dos + ii * d, d, lane) - delta_s[ii]);
           for (int t = 0; t < kPerLane; ++t) {
@@ -266,8 +303,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int t = 0; t < kPerLane; ++t) {
       const I c = lane + kWarp * t;
       if (c < d) {
-        dk[rows[r] * ldkv + c] = dka[r][t] * scale;
-        dv[rows[r] * ldkv + c] = dva[r][t];
+        put<kAccumulate>(&dk[rows[r] * ldkv + c], dka[r][t] * scale);
+        put<kAccumulate>(&dv[rows[r] * ldkv + c], dva[r][t]);
       }
     }
   }
@@ -287,6 +324,30 @@ __global__ void __launch_bounds__(256)
     for (I c = lane; c < d; c += kWarp) part += dout[base + c] * out[base + c];
     part = dev::warp_sum(part);
     if (lane == 0) delta[rr] = part;
+  }
+}
+
+/// The log-sum-exp merge of query row i of head bh (row rr = bh·S + i): with m = max(lse, lse'),
+/// out = (e^(lse−m)·out + e^(lse'−m)·out') / (e^(lse−m) + e^(lse'−m)), lse = m + log(the sum);
+/// a row whose part saw no key (lse' = −inf) is left as it is. One warp per row, grid-stride.
+__global__ void __launch_bounds__(256)
+    flash_merge_kernel(float* out, float* lse, const float* part_out, const float* part_lse, I s,
+                       I heads_total, I d, I ld) {
+  const int lane = threadIdx.x % kWarp;
+  const I warps = I(gridDim.x) * (blockDim.x / kWarp);
+  for (I rr = I(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp; rr < heads_total * s;
+       rr += warps) {
+    const float l1 = lse[rr], l2 = part_lse[rr];
+    if (l2 == -INFINITY) continue;  // the same for the whole warp
+    const float m = fmaxf(l1, l2);
+    const float w1 = expf(l1 - m), w2 = expf(l2 - m);  // w1 = 0 where out saw no key yet
+    const float inv = 1.0f / (w1 + w2);
+    const I bh = rr / s, i = rr % s;
+    const I base = i * ld + bh * d;
+    for (I c = lane; c < d; c += kWarp)
+      out[base + c] = (w1 * out[base + c] + w2 * part_out[base + c]) * inv;
+    __syncwarp();  // every lane has read lse[rr]
+    if (lane == 0) lse[rr] = m + logf(w1 + w2);
   }
 }
 
@@ -624,7 +685,8 @@ cudaError_t smem_optin(int& bytes) {
   return cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
 }
 
-/// True when the tensor-core kernels of head dim d fit this device's shared memory.
+/// True when the tensor-core kernels of head dim d fit this device's shared memory (they run
+/// the causal attention only; chunk pairs are fp32 on CUDA cores).
 cudaError_t use_tensor_cores(I d, bool bf16_compute, bool& use) {
   use = false;
   if (!bf16_compute || (d != 32 && d != 64 && d != 128)) return cudaSuccess;
@@ -641,12 +703,19 @@ unsigned blocks_of(I rows, int per_block) {
   return static_cast<unsigned>((rows + per_block - 1) / per_block);
 }
 
+/// The arguments every launcher refuses before it launches anything: a group that does not
+/// divide the heads, a chunk pair with bf16 compute (the pairs are fp32).
+bool valid(I heads_total, I group, bool bf16_compute, FlashPair pair) {
+  const bool causal = pair.shift == 0 && !pair.accumulate;
+  return group >= 1 && heads_total % group == 0 && (causal || !bf16_compute);
+}
+
 }  // namespace
 
 int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
                             I s, I heads_total, I group, I d, I ldq, I ldkv, bool bf16_compute,
-                            void* stream) {
-  if (group < 1 || heads_total % group != 0) return cudaErrorInvalidValue;
+                            FlashPair pair, void* stream) {
+  if (!valid(heads_total, group, bf16_compute, pair)) return cudaErrorInvalidValue;
   if (s == 0 || heads_total == 0) return cudaSuccess;
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const cudaStream_t st = dev::as_stream(stream);
@@ -671,7 +740,8 @@ int flash_attention_forward(const float* q, const float* k, const float* v, floa
     auto* kernel = bf16_compute ? flash_forward_simple<P, true> : flash_forward_simple<P, false>;
     err = allow_smem(kernel, smem);
     if (err != cudaSuccess) return;
-    kernel<<<grid, kThreads, smem, st>>>(q, k, v, out, lse, s, d, ldq, ldkv, group, scale);
+    kernel<<<grid, kThreads, smem, st>>>(q, k, v, out, lse, s, d, ldq, ldkv, group, scale,
+                                         pair.shift);
   });
   return err;
 }
@@ -679,8 +749,8 @@ int flash_attention_forward(const float* q, const float* k, const float* v, floa
 int flash_attention_backward(const float* dout, const float* q, const float* k, const float* v,
                              const float* out, const float* lse, float* delta, float* dq, float* dk,
                              float* dv, I s, I heads_total, I group, I d, I ldq, I ldkv,
-                             bool bf16_compute, void* stream) {
-  if (group < 1 || heads_total % group != 0) return cudaErrorInvalidValue;
+                             bool bf16_compute, FlashPair pair, void* stream) {
+  if (!valid(heads_total, group, bf16_compute, pair)) return cudaErrorInvalidValue;
   if (s == 0 || heads_total == 0) return cudaSuccess;
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const cudaStream_t st = dev::as_stream(stream);
@@ -711,18 +781,31 @@ int flash_attention_backward(const float* dout, const float* q, const float* k, 
   const int smem_dkdv = static_cast<int>((2 * kTile * d + 2 * kTile) * sizeof(float));
   with_per_lane(d, [&](auto per_lane) {
     constexpr int P = decltype(per_lane)::value;
-    auto* dq_kernel = bf16_compute ? flash_dq_simple<P, true> : flash_dq_simple<P, false>;
-    auto* dkdv_kernel = bf16_compute ? flash_dkdv_simple<P, true> : flash_dkdv_simple<P, false>;
+    // bf16 compute, fp32, or fp32 adding a chunk pair's share (valid() refused bf16 pairs).
+    auto* dq_kernel = bf16_compute      ? flash_dq_simple<P, true, false>
+                      : pair.accumulate ? flash_dq_simple<P, false, true>
+                                        : flash_dq_simple<P, false, false>;
+    auto* dkdv_kernel = bf16_compute      ? flash_dkdv_simple<P, true, false>
+                        : pair.accumulate ? flash_dkdv_simple<P, false, true>
+                                          : flash_dkdv_simple<P, false, false>;
     err = allow_smem(dq_kernel, smem_dq);
     if (err != cudaSuccess) return;
     dq_kernel<<<dim3(blocks, static_cast<unsigned>(heads_total)), kThreads, smem_dq, st>>>(
-        dout, q, k, v, lse, delta, dq, s, d, ldq, ldkv, group, scale);
+        dout, q, k, v, lse, delta, dq, s, d, ldq, ldkv, group, scale, pair.shift);
     err = allow_smem(dkdv_kernel, smem_dkdv);
     if (err != cudaSuccess) return;
     dkdv_kernel<<<dim3(blocks, kv_total), kThreads, smem_dkdv, st>>>(
-        dout, q, k, v, lse, delta, dk, dv, s, d, ldq, ldkv, group, scale);
+        dout, q, k, v, lse, delta, dk, dv, s, d, ldq, ldkv, group, scale, pair.shift);
   });
   return err;
+}
+
+void attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, I s,
+                     I heads_total, I d, I ld, void* stream) {
+  if (s == 0 || heads_total == 0) return;
+  flash_merge_kernel<<<dev::blocks_for(heads_total * s * kWarp, 256), 256, 0,
+                       dev::as_stream(stream)>>>(out, lse, part_out, part_lse, s, heads_total, d,
+                                                 ld);
 }
 
 }  // namespace tpx::cuda::kernels

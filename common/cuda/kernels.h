@@ -67,16 +67,32 @@ void causal_softmax_backward(const float* p, float* dp, std::uint16_t* ds_bf16, 
 // launch (cudaErrorInvalidValue for a group that does not divide heads_total).
 /// The largest head dim the fused kernels take.
 inline constexpr I kFlashMaxHeadDim = 256;
+/// Which keys each query sees, and whether backward overwrites its gradients or adds to them.
+/// kCausal: the causal attention, key j visible to query i when j <= i. Context parallelism's
+/// pair of sequence chunks: the keys' positions lie `shift` rows before the queries' (key j
+/// visible when j <= i + shift; a query that sees no key gets output 0 and lse −inf), and
+/// backward adds the pair's share into dq, dk, dv (`accumulate`). Pairs take fp32 compute only
+/// (cudaErrorInvalidValue with bf16_compute).
+struct FlashPair {
+  I shift = 0;
+  bool accumulate = false;
+};
+inline constexpr FlashPair kCausal{};
 /// out, lse [heads_total, S].
 int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
                             I s, I heads_total, I group, I d, I ldq, I ldkv, bool bf16_compute,
-                            void* stream);
-/// dq, dk, dv (overwritten; dk, dv summed over each KV head's group); delta is scratch of
-/// heads_total·S floats.
+                            FlashPair pair, void* stream);
+/// dq, dk, dv (overwritten, or added to with pair.accumulate; dk, dv summed over each KV head's
+/// group); delta is scratch of heads_total·S floats.
 int flash_attention_backward(const float* dout, const float* q, const float* k, const float* v,
                              const float* out, const float* lse, float* delta, float* dq, float* dk,
                              float* dv, I s, I heads_total, I group, I d, I ldq, I ldkv,
-                             bool bf16_compute, void* stream);
+                             bool bf16_compute, FlashPair pair, void* stream);
+/// (out, lse) ← their log-sum-exp merge with (part_out, part_lse), two attentions of the same
+/// queries over disjoint keys, in the layout above (out, part_out row stride ld; lse, part_lse
+/// [heads_total, S]); rows with part_lse = −inf are left as they are.
+void attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, I s,
+                     I heads_total, I d, I ld, void* stream);
 
 // rope.cu ----------------------------------------------------------------------------------------
 /// Rotary embedding in place on x, rows of 2·half floats, `rows_per_pos` rows (B·heads) per

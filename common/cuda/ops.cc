@@ -261,36 +261,77 @@ AttnDims fused_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, 
 
 }  // namespace
 
+namespace {
+
 // FlashAttention-2 kernels (flash_attention.cu) on the tensors in place; bf16 compute rounds the
 // operands as the kernels load them, so there are no bf16 copies. Backward's only scratch is
-// Δ = rowsum(dO ∘ O), one float per query row and head.
-void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
-                             const Tensor& out, const Tensor& lse, DType compute) {
-  NvtxRange range("attention_fused_forward");
+// Δ = rowsum(dO ∘ O), one float per query row and head. `pair`: the causal attention, or one of
+// context parallelism's chunk pairs (fp32).
+void fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
+                   const Tensor& lse, DType compute, kernels::FlashPair pair) {
   expect_compute(compute);
   const AttnDims z = fused_dims(q, k, v, heads, out, lse);
   TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_forward(
       cf(q), cf(k), cf(v), f(out), f(lse), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv,
-      compute == DType::bf16, stream())));
+      compute == DType::bf16, pair, stream())));
   TPX_CUDA_LAUNCH_CHECK();
+}
+
+void fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
+                    const Tensor& dk, const Tensor& dv, DType compute, kernels::FlashPair pair) {
+  expect_compute(compute);
+  const AttnDims z = fused_dims(q, k, v, heads, out, lse);
+  for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
+    expect_f32(*t, "fused attention backward tensor");
+    const Tensor& like = t == &dk || t == &dv ? k : q;
+    TPX_CHECK(t->shape() == like.shape(), "fused attention backward: {} must be shaped like {}",
+              t->describe(), like.describe());
+  }
+  const Tensor delta = scratch({z.b * heads * z.s}, DType::f32);
+  TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_backward(
+      cf(dout), cf(q), cf(k), cf(v), cf(out), cf(lse), f(delta), f(dq), f(dk), f(dv), z.s,
+      z.b * heads, z.group(), z.d, z.ldq, z.ldkv, compute == DType::bf16, pair, stream())));
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
+                             const Tensor& out, const Tensor& lse, DType compute) {
+  NvtxRange range("attention_fused_forward");
+  fused_forward(q, k, v, heads, out, lse, compute, kernels::kCausal);
 }
 
 void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
                               const Tensor& dk, const Tensor& dv, DType compute) {
   NvtxRange range("attention_fused_backward");
-  expect_compute(compute);
-  const AttnDims z = fused_dims(q, k, v, heads, out, lse);
-  for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
-    expect_f32(*t, "attention_fused_backward tensor");
-    const Tensor& like = t == &dk || t == &dv ? k : q;
-    TPX_CHECK(t->shape() == like.shape(), "attention_fused_backward: {} must be shaped like {}",
-              t->describe(), like.describe());
-  }
-  const Tensor delta = scratch({z.b * heads * z.s}, DType::f32);
-  TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_backward(
-      cf(dout), cf(q), cf(k), cf(v), cf(out), cf(lse), f(delta), f(dq), f(dk), f(dv), z.s,
-      z.b * heads, z.group(), z.d, z.ldq, z.ldkv, compute == DType::bf16, stream())));
+  fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, compute, kernels::kCausal);
+}
+
+// Context parallelism's chunk pairs: the same kernels with the pair's shift, fp32.
+void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
+                             const Tensor& out, const Tensor& lse, I shift) {
+  NvtxRange range("attention_block_forward");
+  fused_forward(q, k, v, heads, out, lse, DType::f32, {shift, false});
+}
+
+void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
+                              const Tensor& dk, const Tensor& dv, I shift) {
+  NvtxRange range("attention_block_backward");
+  fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, DType::f32, {shift, true});
+}
+
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out,
+                     const Tensor& part_lse, I heads) {
+  NvtxRange range("attention_merge");
+  for (const Tensor* t : {&out, &lse, &part_out, &part_lse})
+    expect_f32(*t, "attention merge tensor");
+  const AttnDims z = ::tpx::ops::attention_merge_dims(out, lse, part_out, part_lse, heads);
+  kernels::attention_merge(f(out), f(lse), cf(part_out), cf(part_lse), z.s, z.b * heads, z.d, z.ldq,
+                           stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 

@@ -9,7 +9,8 @@
 // All work is issued on cuda::current_stream() (device.h) and is asynchronous unless the op
 // returns a host value (mse_loss_sum, sum_squares, to_host_f32) or copies to host memory.
 //
-// defines: tpx::cuda::gemm, rmsnorm_*, attention_*, attention_fused_*, rope_*, swiglu_*,
+// defines: tpx::cuda::gemm, rmsnorm_*, attention_*, attention_fused_*, attention_block_*,
+//          attention_merge, rope_*, swiglu_*,
 //          add, accumulate, mse_loss_*, sgd_update, sum_squares, fill, cast, copy, to_host_f32,
 //          synchronize, device_problem, measure_bf16_gemm_peak_tflops, quantize_fp8,
 //          dequantize_fp8, amax, fp8_scale, gemm_fp8
@@ -51,6 +52,16 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv,
                               DType compute = DType::f32);
+/// Context parallelism's chunk pairs and their log-sum-exp merge (tpx::ops): the fused kernels
+/// with the pair's shift, backward adding into dq, dk, dv; fp32.
+void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                             const Tensor& out, const Tensor& lse, std::int64_t shift);
+void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, std::int64_t heads,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                              std::int64_t shift);
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out,
+                     const Tensor& part_lse, std::int64_t heads);
 // Rotary embedding, in place (cos/sin tables in double, rounded to fp32).
 void rope_forward(const Tensor& x, std::int64_t heads, double theta, std::int64_t first);
 void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int64_t first);
