@@ -51,7 +51,8 @@ Tensor OverlapRing::column_backward(const Tensor& saved, std::span<const Tensor>
       .gather = h.get(), .before_last_wait = [&] {
         h->wait_all();
         weight_grads([this, full = h->full(), dy = std::vector(dy.begin(), dy.end()),
-                      dw = std::vector(dw.begin(), dw.end()), name = fmt::format("{} dW GEMMs", role)] {
+                      dw = std::vector(dw.begin(), dw.end()),
+                      name = fmt::format("{} dW GEMMs", role)] {
           TraceScope span(ring_.trace, name);
           for (std::size_t j = 0; j < dy.size(); ++j)  // dW = AG(h)ᵀ·dy
             ops::gemm(full, true, dy[j], false, dw[j], 1.0f, 0.0f, ring_.compute);

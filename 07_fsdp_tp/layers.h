@@ -91,9 +91,7 @@ class FsdpTp final : public Parallelism {
                       std::string_view role) override {
     return tp_->row_backward(a, w, dy, dw, role);
   }
-  bool defer_weight_grads(WeightGradWork* work) override {
-    return tp_->defer_weight_grads(work);
-  }
+  bool defer_weight_grads(WeightGradWork* work) override { return tp_->defer_weight_grads(work); }
   void reduce_replicated_grad(const Tensor& grad) override { tp_->reduce_replicated_grad(grad); }
 
   // Across the whole mesh.

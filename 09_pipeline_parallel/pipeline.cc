@@ -27,7 +27,8 @@ using pipeline::PipelineShape;
 using pipeline::Schedule;
 using pipeline::Transfer;
 
-// --- the pipeline's point-to-point lanes -----------------------------------------------------------
+// --- the pipeline's point-to-point lanes
+// -----------------------------------------------------------
 
 /// One payload's messages (activations forward, or gradients back): a communicator over the
 /// pipeline group and two lanes, one sending and one receiving. A lane runs its transfers in the
@@ -54,8 +55,8 @@ PipelineParallel::PipelineParallel(const RunContext& ctx, Mesh mesh,
   CommOptions o = ctx.options.comm;
   o.group = mesh_.pp_group;
   for (auto* c : {&activations_, &gradients_})
-    *c = std::make_unique<Channel>(Channel{make_communicator(o, device_),
-                                           Stream::create(device_), Stream::create(device_)});
+    *c = std::make_unique<Channel>(
+        Channel{make_communicator(o, device_), Stream::create(device_), Stream::create(device_)});
 }
 
 PipelineParallel::~PipelineParallel() {
@@ -157,8 +158,8 @@ Event PipelineParallel::receive(const Transfer& x, const Tensor& buf, const std:
 std::vector<double> PipelineParallel::gather_over_pipeline(double mine) const {
   std::vector<double> all(std::size_t(mesh_.pp), mine);
   if (mesh_.pp > 1)
-    TPX_MPI_CHECK(MPI_Allgather(&mine, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE,
-                                mesh_.pp_group.comm()));
+    TPX_MPI_CHECK(
+        MPI_Allgather(&mine, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, mesh_.pp_group.comm()));
   return all;
 }
 
@@ -196,7 +197,8 @@ void PipelineParallel::synchronize() {
     }
 }
 
-// --- the factory -----------------------------------------------------------------------------------
+// --- the factory
+// -----------------------------------------------------------------------------------
 
 namespace {
 
@@ -220,15 +222,16 @@ Layout layout(const RunContext& ctx) {
     throw ConfigError(
         fmt::format("--dp must be a positive number of data-parallel replicas (got {})", l.dp));
   if (l.cp < 1)
-    throw ConfigError(fmt::format("--cp must be a positive number of sequence parts (got {})", l.cp));
+    throw ConfigError(
+        fmt::format("--cp must be a positive number of sequence parts (got {})", l.cp));
   if (ctx.world % (l.pp * l.dp * l.cp) != 0)
     throw ConfigError(fmt::format(
         "--pp {} × --dp {} × --cp {} must divide the {} ranks of the job (the mesh is P × D × C "
         "× TP, TP = ranks / (P·D·C))",
         l.pp, l.dp, l.cp, ctx.world));
   if (o.stages_per_rank < 1)
-    throw ConfigError(fmt::format("--stages-per-rank must be at least 1 (got {})",
-                                  o.stages_per_rank));
+    throw ConfigError(
+        fmt::format("--stages-per-rank must be at least 1 (got {})", o.stages_per_rank));
   if (c.batch % l.dp != 0)
     throw ConfigError(fmt::format(
         "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", l.dp,
@@ -244,10 +247,10 @@ Layout layout(const RunContext& ctx) {
       }
   (void)pipeline::microbatch_size(local_batch, m);  // throws unless M divides B / D
   l.shape = {.ranks = l.pp, .microbatches = m, .stages_per_rank = v};
-  l.layers = pipeline::split_layers(
-      int(c.layers), l.shape.stages(),
-      v == 1 ? fmt::format("--pp {}", l.pp)
-             : fmt::format("--pp {} × --stages-per-rank {}", l.pp, v));
+  l.layers =
+      pipeline::split_layers(int(c.layers), l.shape.stages(),
+                             v == 1 ? fmt::format("--pp {}", l.pp)
+                                    : fmt::format("--pp {} × --stages-per-rank {}", l.pp, v));
   if (c.recompute != Recompute::none)
     throw ConfigError(
         "--recompute is not offered by 09_pipeline_parallel yet: a pipeline keeps the "
@@ -288,7 +291,8 @@ std::string describe_pipeline(const RunContext& ctx) {
   return out;
 }
 
-// --- the executor ----------------------------------------------------------------------------------
+// --- the executor
+// ----------------------------------------------------------------------------------
 
 namespace {
 
@@ -345,20 +349,19 @@ void to_rank0(std::vector<float>& v, int from, int slice_ranks, int rank) {
     std::uint64_t n = 0;
     TPX_MPI_CHECK(MPI_Recv(&n, 1, MPI_UINT64_T, src, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
     v.resize(n);
-    TPX_MPI_CHECK(
-        MPI_Recv(v.data(), int(n), MPI_FLOAT, src, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+    TPX_MPI_CHECK(MPI_Recv(v.data(), int(n), MPI_FLOAT, src, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
   }
 }
 
 /// What one (micro-batch, virtual stage) pair holds between its actions.
 struct Pass {
-  Tensor x;                                 ///< the stage's input
-  std::vector<BlockActivations> acts;       ///< per layer of the stage
-  Tensor y;                                 ///< the stage's output (forward)
-  Tensor dy;                                ///< the gradient of y (backward's input)
-  Tensor dx;                                ///< the gradient of x (backward's output)
-  std::vector<LayerParams> grads;           ///< zb-h1: the gradients W completes, per layer
-  WeightGradWork work;                      ///< zb-h1: the dW GEMMs B set aside
+  Tensor x;                            ///< the stage's input
+  std::vector<BlockActivations> acts;  ///< per layer of the stage
+  Tensor y;                            ///< the stage's output (forward)
+  Tensor dy;                           ///< the gradient of y (backward's input)
+  Tensor dx;                           ///< the gradient of x (backward's output)
+  std::vector<LayerParams> grads;      ///< zb-h1: the gradients W completes, per layer
+  WeightGradWork work;                 ///< zb-h1: the dW GEMMs B set aside
 };
 
 /// One step's actions on this rank, and what they leave behind.
@@ -589,13 +592,13 @@ class Executor {
   int me_;
   const std::vector<Action>& actions_;
   bool split_;
-  std::map<std::int64_t, std::size_t> local_;  // global layer → index in m_
-  std::map<std::size_t, std::vector<Transfer>> sends_, receives_;  // by action index
-  std::map<std::pair<int, int>, Pass> passes_;                     // (micro-batch, stage)
-  std::map<int, std::pair<Tensor, Event>> buffers_;                // posted receives, by tag
+  std::map<std::int64_t, std::size_t> local_;                       // global layer → index in m_
+  std::map<std::size_t, std::vector<Transfer>> sends_, receives_;   // by action index
+  std::map<std::pair<int, int>, Pass> passes_;                      // (micro-batch, stage)
+  std::map<int, std::pair<Tensor, Event>> buffers_;                 // posted receives, by tag
   std::map<std::tuple<int, int, Payload>, Tensor> local_messages_;  // (micro-batch, to stage)
-  std::map<std::size_t, LayerParams> acc_;                         // by local layer
-  std::map<std::size_t, int> done_;                                // micro-batches accumulated
+  std::map<std::size_t, LayerParams> acc_;                          // by local layer
+  std::map<std::size_t, int> done_;                                 // micro-batches accumulated
 };
 
 }  // namespace
@@ -664,8 +667,8 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       wall_sum += wall;
       ++measured;
     }
-    row.loss = 0.5 * par.sum_over_ranks(r.loss_sum) /
-               (double(c.seq) * double(c.batch) * double(c.hidden));
+    row.loss =
+        0.5 * par.sum_over_ranks(r.loss_sum) / (double(c.seq) * double(c.batch) * double(c.hidden));
     double sq = 0.0;
     {
       TraceScope op(trace, "grad norm");
@@ -700,8 +703,7 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       s.input = gathered(0, [&] { return slice.gather_activation(m.input); });
       s.target = gathered(last, [&] { return slice.gather_activation(m.target); });
       s.output = gathered(last, [&] { return slice.gather_activation(join_microbatches(r.y)); });
-      s.input_grad =
-          gathered(0, [&] { return slice.gather_activation(join_microbatches(r.dx)); });
+      s.input_grad = gathered(0, [&] { return slice.gather_activation(join_microbatches(r.dx)); });
       s.params.resize(std::size_t(c.layers));
       s.grads.resize(std::size_t(c.layers));
       std::map<std::int64_t, std::size_t> local;
@@ -712,8 +714,8 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
         for (int l = range.first; l < range.first + range.count; ++l)
           for (Param p : kAllParams) {
             const auto i = static_cast<std::size_t>(p);
-            s.params[std::size_t(l)][i] = gathered(
-                owner, [&] { return slice.gather_param(p, m.params[local.at(l)][p]); });
+            s.params[std::size_t(l)][i] =
+                gathered(owner, [&] { return slice.gather_param(p, m.params[local.at(l)][p]); });
             s.grads[std::size_t(l)][i] =
                 gathered(owner, [&] { return slice.gather_param(p, m.grads[local.at(l)][p]); });
           }

@@ -346,16 +346,14 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
              ba.cols_f, ba.cols_f, ba.cols_f, grads_layer},
             what);
     const I pending = s.pp_split_backward ? s.pp_live_layers : I{1};
-    I buffers = sum({checked_product({message, 2}, what),
-                     checked_product({message, s.pp_loss_grads}, what),
-                     s.pp_split_backward
-                         ? checked_product({deferred_layer > saved_layer
-                                                ? deferred_layer - saved_layer
-                                                : I{0},
-                                            pending},
-                                           what)
-                         : grads_layer},
-                    what);
+    I buffers = sum(
+        {checked_product({message, 2}, what), checked_product({message, s.pp_loss_grads}, what),
+         s.pp_split_backward
+             ? checked_product(
+                   {deferred_layer > saved_layer ? deferred_layer - saved_layer : I{0}, pending},
+                   what)
+             : grads_layer},
+        what);
     if (s.pp_holds_input) buffers = sum({buffers, b.stream}, what);
     e.terms.push_back({"pipeline buffers", std::uint64_t(buffers)});
     if (shards > 1)  // FSDP's unsharded gradients, summed over the micro-batches of a step

@@ -10,9 +10,10 @@ Mesh Mesh::make(int dp, int cp, int pp) {
   const RankGroup world;
   const int n = world.size(), rank = world.rank();
   if (pp < 1 || n % pp != 0)
-    throw ConfigError(fmt::format("--pp {} must divide the {} ranks of the job (the mesh is P × D "
-                                  "× C × TP, TP = ranks / (P·D·C))",
-                                  pp, n));
+    throw ConfigError(
+        fmt::format("--pp {} must divide the {} ranks of the job (the mesh is P × D "
+                    "× C × TP, TP = ranks / (P·D·C))",
+                    pp, n));
   const int slice = n / pp;  // the ranks of one pipeline stage
   if (cp < 1 || slice % cp != 0)
     throw ConfigError(
@@ -25,7 +26,7 @@ Mesh Mesh::make(int dp, int cp, int pp) {
   if (dp < 1 || slice % (dp * cp) != 0)
     throw ConfigError(
         pp > 1    ? fmt::format("--pp {} × --dp {} × --cp {} must divide the {} ranks of the job "
-                                "(the mesh is P × D × C × TP, TP = ranks / (P·D·C))",
+                                   "(the mesh is P × D × C × TP, TP = ranks / (P·D·C))",
                                 pp, dp, cp, n)
         : cp == 1 ? fmt::format("--dp {} must divide the {} ranks of the job (the mesh is D × TP, "
                                 "TP = ranks / D)",
@@ -50,16 +51,17 @@ Mesh Mesh::make(int dp, int cp, int pp) {
   };
   const int slice_base = m.pp_index * (dp * cp);  // keeps every slice's colours apart
   // Every split is collective over the job: every rank makes all of them, in the same order.
-  m.tp_group = m.tp == n ? RankGroup()
-                         : RankGroup::split(slice_base + dp_cp, m.tp_index,
-                                            named(cp == 1 ? fmt::format("tp group {}", m.dp_index)
-                                                          : fmt::format("tp group {}.{}",
-                                                                        m.dp_index, m.cp_index)));
+  m.tp_group = m.tp == n
+                   ? RankGroup()
+                   : RankGroup::split(
+                         slice_base + dp_cp, m.tp_index,
+                         named(cp == 1 ? fmt::format("tp group {}", m.dp_index)
+                                       : fmt::format("tp group {}.{}", m.dp_index, m.cp_index)));
   const int pp_tp = m.pp_index * m.tp + m.tp_index;
-  m.dp_group = RankGroup::split(
-      (m.pp_index * cp + m.cp_index) * m.tp + m.tp_index, m.dp_index,
-      named(cp == 1 ? fmt::format("dp group {}", m.tp_index)
-                    : fmt::format("dp group {}.{}", m.cp_index, m.tp_index)));
+  m.dp_group =
+      RankGroup::split((m.pp_index * cp + m.cp_index) * m.tp + m.tp_index, m.dp_index,
+                       named(cp == 1 ? fmt::format("dp group {}", m.tp_index)
+                                     : fmt::format("dp group {}.{}", m.cp_index, m.tp_index)));
   if (cp == 1) {
     m.cp_group = RankGroup::split(rank, 0, fmt::format("cp group {}", rank));
     m.dp_cp_group = m.dp_group;
@@ -70,9 +72,9 @@ Mesh Mesh::make(int dp, int cp, int pp) {
         RankGroup::split(pp_tp, dp_cp, named(fmt::format("dp×cp group {}", m.tp_index)));
   }
   if (pp > 1)
-    m.pp_group = RankGroup::split(rank % slice, m.pp_index,
-                                  fmt::format("pp group {}.{}.{}", m.dp_index, m.cp_index,
-                                              m.tp_index));
+    m.pp_group =
+        RankGroup::split(rank % slice, m.pp_index,
+                         fmt::format("pp group {}.{}.{}", m.dp_index, m.cp_index, m.tp_index));
   else
     m.pp_group = RankGroup::split(rank, 0, fmt::format("pp group {}", rank));
   return m;

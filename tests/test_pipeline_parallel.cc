@@ -69,11 +69,11 @@ TEST_P(PpMesh, ChecksAndDumpsEqualStage01) {
                                          (dir / "01.json").string()),
                              dir);
   ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
-  const auto r = run_stage("09_pipeline_parallel", c.ranks,
-                           fmt::format("{} {} --schedule {} --check --dump {} --json {}", common,
-                                       c.mesh, c.schedule, (dir / "09").string(),
-                                       (dir / "09.json").string()),
-                           dir);
+  const auto r =
+      run_stage("09_pipeline_parallel", c.ranks,
+                fmt::format("{} {} --schedule {} --check --dump {} --json {}", common, c.mesh,
+                            c.schedule, (dir / "09").string(), (dir / "09.json").string()),
+                dir);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
   expect_dumps_close(dir / "01", dir / "09", 1e-5, r.out.substr(0, 600));
@@ -149,8 +149,9 @@ TEST(PipelineParallel, LiveCountsEqualTheSchedulesLists) {
   for (const Run& run : {Run{2, "--pp 2 --microbatches 4 --schedule gpipe"},
                          Run{2, "--pp 2 --microbatches 4 --schedule 1f1b"},
                          Run{2, "--pp 2 --microbatches 4 --schedule zb-h1"},
-                         Run{2, "--pp 2 --stages-per-rank 2 --microbatches 4 --schedule "
-                                "interleaved-1f1b"},
+                         Run{2,
+                             "--pp 2 --stages-per-rank 2 --microbatches 4 --schedule "
+                             "interleaved-1f1b"},
                          Run{3, "--pp 3 --microbatches 4 --schedule 1f1b"}}) {
     const json j = run_json("09_pipeline_parallel", run.n, z.args() + " --steps 2 " + run.args);
     ASSERT_TRUE(j.contains("pipeline")) << run.args;
@@ -296,19 +297,19 @@ TEST(PipelineParallel, BadInputIsOneLineOnEveryRank) {
        {Bad{3, "--pp 2", "--pp 2 × --dp 1 × --cp 1 must divide the 3 ranks"},
         Bad{4, "--pp 4 --layers 3", "--pp 4"},
         Bad{2, "--pp 2 --stages-per-rank 3 --schedule interleaved-1f1b", "--stages-per-rank 3"},
-        Bad{2, "--pp 2 --microbatches 3", "3"},
-        Bad{2, "--pp 2 --schedule zigzag", "--schedule"},
-        Bad{2, "--pp 2 --stages-per-rank 2 --microbatches 3 --batch 3 --schedule "
-               "interleaved-1f1b",
+        Bad{2, "--pp 2 --microbatches 3", "3"}, Bad{2, "--pp 2 --schedule zigzag", "--schedule"},
+        Bad{2,
+            "--pp 2 --stages-per-rank 2 --microbatches 3 --batch 3 --schedule "
+            "interleaved-1f1b",
             "multiple of"}}) {
     test::TempDir dir;
     const std::string layers = b.args.find("--layers") == std::string::npos ? "--layers 4" : "";
     const std::string batch = b.args.find("--batch") == std::string::npos ? "--batch 4" : "";
-    const auto r = run_stage(
-        "09_pipeline_parallel", b.n,
-        fmt::format("--hidden {} --heads {} --ffn {} --seq {} {} {} --steps 1 {}", z.H, z.NH, z.F,
-                    z.S, layers, batch, b.args),
-        dir);
+    const auto r =
+        run_stage("09_pipeline_parallel", b.n,
+                  fmt::format("--hidden {} --heads {} --ffn {} --seq {} {} {} --steps 1 {}", z.H,
+                              z.NH, z.F, z.S, layers, batch, b.args),
+                  dir);
     EXPECT_EQ(r.exit_code, 2) << b.args << "\n" << r.out << r.err;
     int lines = 0;
     for (const auto& line : test::lines_of(r.err))
