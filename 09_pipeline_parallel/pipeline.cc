@@ -102,9 +102,11 @@ Sharding PipelineParallel::sharding() const {
 }
 
 std::string PipelineParallel::comm_name() const {
+  // The slice's words without its own mesh (this one names every dimension).
+  std::string slice = slice_->comm_name();
+  if (slice.starts_with("mesh ")) slice = slice.substr(slice.find("; ") + 2);
   return fmt::format("mesh P {} × D {} × CP {} × TP {}; pp: {}; {}", mesh_.pp, mesh_.dp, mesh_.cp,
-                     mesh_.tp, activations_ ? activations_->comm->name() : "none (P = 1)",
-                     slice_->comm_name());
+                     mesh_.tp, activations_ ? activations_->comm->name() : "none (P = 1)", slice);
 }
 
 std::vector<std::int64_t> PipelineParallel::held_layers() const {
@@ -390,6 +392,7 @@ class Executor {
     double loss_sum = 0;        ///< this rank's part of Σ (y − T)² (last stage)
     double busy_ms = 0;         ///< the actions' own time
     int peak_live = 0;          ///< the most (micro-batch, stage) activations alive at once
+    std::size_t peak_saved = 0;  ///< the most bytes of saved activations alive at once
     std::vector<Tensor> y, dx;  ///< per micro-batch: the last stage's output, stage 0's dx
   };
 
@@ -425,6 +428,7 @@ class Executor {
       if (a.phase == Phase::forward) ++live;
       if (a.phase == Phase::weight || (a.phase == Phase::backward && !split_)) --live;
       r.peak_live = std::max(r.peak_live, live);
+      if (a.phase == Phase::forward) r.peak_saved = std::max(r.peak_saved, saved_bytes());
       // What the action made for the next (forward) or previous (backward) virtual stage: sent,
       // or left here when this rank holds that stage too.
       if (a.phase != Phase::weight) {
@@ -452,6 +456,14 @@ class Executor {
   }
 
  private:
+  /// What every live pass keeps for its backward now.
+  std::size_t saved_bytes() const {
+    std::size_t n = 0;
+    for (const auto& [key, p] : passes_)
+      for (const BlockActivations& a : p.acts) n += a.bytes();
+    return n;
+  }
+
   static std::string name(const Transfer& x) {
     return fmt::format("{} {} stage {}→{}", x.payload == Payload::activation ? "act" : "grad",
                        x.microbatch, x.from_stage, x.to_stage);
@@ -661,6 +673,7 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     pp.pipeline_barrier();
     const double wall = ms_between(p0, Clock::now());
     peak_live = std::max(peak_live, r.peak_live);
+    if (step == 0) result.saved_activation_bytes = r.peak_saved;
     if (step > 0 || c.steps == 1) {
       idle_sum += wall - r.busy_ms;
       busy_sum += r.busy_ms;

@@ -365,7 +365,8 @@ json plan_json(const StageDefinition& st, const StageOptions& o, int world, cons
                   {"memory_estimate_bytes", estimate.total()}};
   summary["device_description"] = ops::device_description(c.device);  // tpx_report's, bench.py's
   summary["dp"] = sharding.dp;  // the mesh's data-parallel degree (1 but in stages 07 and 08)
-  summary["cp"] = sharding.cp;  // and its context-parallel degree (1 but in stage 08)
+  summary["cp"] = sharding.cp;  // and its context-parallel degree (1 but in stages 08 and 09)
+  summary["pp"] = sharding.pp;  // and its pipeline-parallel degree (1 but in stage 09)
   json terms = json::object();  // the estimate's terms, by name (stage 07: sharded and unsharded)
   for (const MemoryTerm& t : estimate.terms) terms[t.name] = t.bytes;
   summary["memory_terms"] = terms;

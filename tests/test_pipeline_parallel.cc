@@ -222,6 +222,8 @@ TEST(PipelineParallel, GpipeMemoryGrowsWithMicrobatchesOneFOneBsDoesNot) {
       EXPECT_GE(est / measured, 0.9) << schedule << " M " << m << ": " << j.at("memory_terms");
       EXPECT_LE(est / measured, 1.1) << schedule << " M " << m << ": " << j.at("memory_terms");
       saved[schedule].push_back(j.at("memory_terms").at("saved activations").get<double>());
+      EXPECT_EQ(j.at("saved_activation_bytes").get<double>(), saved[schedule].back())
+          << "the estimate's saved activations are what the run kept at its peak";
       peak[schedule].push_back(measured);
     }
   for (std::size_t i = 1; i < 3; ++i) {
