@@ -19,8 +19,8 @@ from xml.sax.saxutils import escape
 
 import tool_errors
 
-W, H = 760, 440
-LEFT, RIGHT, TOP, BOTTOM = 70, 200, 50, 80
+W, H = 900, 440
+LEFT, RIGHT, TOP, BOTTOM = 70, 240, 50, 80
 COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
 
 
