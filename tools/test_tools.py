@@ -8,10 +8,14 @@ the expected value). Run by ctest (tools.reports_and_errors):
     a field holding commas or quotes stays one field), carries each run's config, mesh and device
     string, and its markdown table shows the config and bytes in binary units;
   - trace_svg titles the drawing with the stage, ranks and step, and shades exactly the interval
-    in which a rank communicates and computes nothing;
+    in which a rank communicates and computes nothing; a pipeline's step runs between its
+    updates, with its F, B and W actions drawn;
+  - mesh_svg writes each group's bytes of stage 09's summary (TP the step's bytes less the other
+    three's) and plot_pipeline plots a summary's bubble and live counts, refusing a summary of
+    another stage;
   - a path that cannot be read or written is one line and exit status 2, never a traceback, for
-    tpx_report and for the Python tools (trace_svg, signal_svg, plot_losses, plot_memory, bench,
-    recompute_sweep).
+    tpx_report and for the Python tools (trace_svg, signal_svg, plot_losses, plot_memory,
+    plot_pipeline, mesh_svg, bench, recompute_sweep).
 """
 import csv
 import json
@@ -153,6 +157,29 @@ class TraceSvg(unittest.TestCase):
         self.assertEqual(shaded, [("0", "1.000", "1.000")])
         self.assertIn("exposed comm (no compute beside it)", text)  # in the legend
 
+    def test_a_pipelines_step_runs_between_updates_with_its_actions_drawn(self):
+        # Stage 09 has no "forward" span: step 1 is rank 0's F1 at 10 ms (after step 0's update,
+        # 5–6 ms) to the end of the second update, 20 ms; F1 and B1 drawn on the actions row.
+        t = trace([("F0", 0, 3, 0, 2000), ("B0", 0, 3, 2000, 3000), ("update", 0, 3, 5000, 1000),
+                   ("F1", 0, 3, 10000, 2000), ("W1", 0, 3, 12000, 1000),
+                   ("B1", 0, 3, 13000, 3000), ("update", 0, 3, 19000, 1000),
+                   ("qkv GEMM", 0, 0, 10000, 2000)], stage="09_pipeline_parallel", world=1)
+        src, svg = self.tmp / "t.json", self.tmp / "t.svg"
+        src.write_text(json.dumps(t))
+        r = run([sys.executable, TOOLS / "trace_svg.py", src, "--step", "1", "-o", svg])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("window 10.000 .. 20.000 ms", r.stderr)
+        text = svg.read_text()
+        self.assertIn("<title>F1: 2.000 ms, at 0.000 ms</title>", text)
+        self.assertIn("<title>B1: 3.000 ms, at 3.000 ms</title>", text)
+        self.assertNotIn("<title>F0:", text)
+        self.assertIn(">rank 0 phases</text>", text)
+        for key in ("F: forward", "B: backward", "W: weight grads"):
+            self.assertIn(f">{key}</text>", text)
+        r = run([sys.executable, TOOLS / "trace_svg.py", src, "--step", "2", "-o", svg])
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("rank 0 has 2 update spans; no step 2", r.stderr)
+
     def test_bad_paths_are_one_line_and_exit_2(self):
         src = self.tmp / "t.json"
         src.write_text(json.dumps(trace([("forward", 0, 3, 0, 10), ("update", 0, 3, 10, 5),
@@ -171,6 +198,10 @@ class TraceSvg(unittest.TestCase):
              "nope.json"),
             ([TOOLS / "plot_memory.py", f"{self.tmp / 'nope.json'}:a", "-o", self.tmp / "x.svg"],
              "nope.json"),
+            ([TOOLS / "plot_pipeline.py", "bubble", self.tmp / "nope.json", "-o",
+              self.tmp / "x.svg"], "nope.json"),
+            ([TOOLS / "mesh_svg.py", self.tmp / "nope.json", "-o", self.tmp / "x.svg"],
+             "nope.json"),
             ([TOOLS / "bench.py", "--build", self.tmp / "nobuild"], "nobuild: no such directory"),
             ([TOOLS / "recompute_sweep.py", "--build", self.tmp / "nobuild"], "nobuild/bin"),
         ]
@@ -183,6 +214,51 @@ class TraceSvg(unittest.TestCase):
             self.assertEqual(len(lines), 1, r.stderr)
             self.assertTrue(lines[0].startswith(f"{tool}: error: "), lines[0])
             self.assertIn(says, lines[0])
+
+
+class PipelineFigures(unittest.TestCase):
+    """mesh_svg and plot_pipeline on a stage 09 summary written here."""
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.tmp = pathlib.Path(self.dir.name)
+        step = {"comm_bus_bytes": 1000, "cp_bus_bytes": 100, "dp_bus_bytes": 300,
+                "pp_bus_bytes": 50, "peak_bytes": 3 * 1048576}
+        self.run_json = self.tmp / "p.json"
+        self.run_json.write_text(json.dumps({
+            "world_size": 16, "dp": 2, "cp": 2, "steps": [step],
+            "pipeline": {"pp": 2, "schedule": "1f1b", "stages_per_rank": 1, "microbatches": 4,
+                         "bubble_measured": 0.25, "bubble_formula": 0.2, "live_peak": [2, 1]}}))
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def test_mesh_svg_draws_every_rank_and_each_groups_bytes(self):
+        out = self.tmp / "m.svg"
+        r = run([sys.executable, TOOLS / "mesh_svg.py", self.run_json, "--title", "t", "-o", out])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        text = out.read_text()
+        for rank in range(16):  # P 2 × D 2 × C 2 × T 2
+            self.assertIn(f'text-anchor="middle">{rank}</text>', text)
+        self.assertIn("the block's collectives: 550 B", text)  # 1000 − 100 − 300 − 50
+        self.assertIn("K/V blocks: 100 B", text)
+        self.assertIn("reduce-scatters: 300 B", text)
+        self.assertIn("PP neighbour (rank 8): activations and their gradients: 50 B", text)
+
+    def test_plot_pipeline_plots_the_summary_and_refuses_another_stage(self):
+        out = self.tmp / "b.svg"
+        r = run([sys.executable, TOOLS / "plot_pipeline.py", "bubble", self.run_json, "-o", out])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("1f1b M 4: measured 0.250, formula 0.200", out.read_text())
+        r = run([sys.executable, TOOLS / "plot_pipeline.py", "live", f"{self.run_json}:x", "-o",
+                 out])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("peak 3.0 MiB", out.read_text())
+        other = self.tmp / "o.json"
+        other.write_text(json.dumps({"steps": []}))
+        r = run([sys.executable, TOOLS / "plot_pipeline.py", "live", other, "-o", out])
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("not a 09_pipeline_parallel --json", r.stderr)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,17 @@
 The input is what every stage writes with --trace FILE: Chrome trace JSON, {"traceEvents": [...]},
 complete events (ph "X") with pid = rank, tid = lane (0 compute, 1 comm, 2 copy, 3 phases, 4 dp
 comm), ts and dur in microseconds; metadata events (ph "M") name the ranks and lanes. The output has
-one row per (rank, lane) for the compute, comm and (when they have spans) copy and dp comm lanes, one rectangle per span,
+one row per (rank, lane) for the compute, comm and (when they have spans) copy, dp comm, cp comm
+and pp comm lanes, and for a pipeline (stage 09) a row of its actions (the phases lane's F3, B3,
+W3 or F3@5 spans) above each rank's rows, one rectangle per span,
 coloured by kind, with its name written inside when it fits (a shorter form of the name when only
 that fits) and always as a tooltip.
 
 The window is either raw trace time (--from-ms / --to-ms from the trace's origin) or a training
 step: --step K (0-based, as in the step table) runs from the K-th "forward" span on the phases lane
-through the end of the "update" span that follows it, over the ranks drawn. --phase NAME narrows a
+through the end of the "update" span that follows it, over the ranks drawn (a pipeline has no
+"forward" span: its step K runs from its first action after the K-th "update" to the end of the
+next one). --phase NAME narrows a
 step to one of its phases (forward, loss, backward, update); with --step, --from-ms / --to-ms are
 taken from the step's start. --from-span NAME starts the window where the first span of that name
 (on any lane of the ranks drawn) starts; --until-span NAME ends it where the first span of that
@@ -40,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from xml.sax.saxutils import escape
 
@@ -60,12 +65,20 @@ KINDS = {
     "publish": ("#9fd4d4", "p", "publish into symmetric memory"),
     "comm": ("#9b6bbf", "o", "other comm (all-reduce, ...)"),
     "uncounted": ("#e4d7ee", "-", "reporting only (not counted)"),
+    "act_f": ("#2b8cbe", "F", "F: forward"),
+    "act_b": ("#e6550d", "B", "B: backward"),
+    "act_w": ("#fdd0a2", "W", "W: weight grads"),
+    "phase": ("#dddddd", "=", "phase"),
 }
+ACTION = re.compile(r"^([FBW])\d+(@\d+)?$")  # a pipeline's action on the phases lane
 
 
 def kind_of(event):
     """The colour class of a span, from its lane and name."""
     name = event["name"]
+    if event["tid"] == LANE_PHASES:
+        m = ACTION.match(name)
+        return {"F": "act_f", "B": "act_b", "W": "act_w"}[m.group(1)] if m else "phase"
     if event["tid"] == LANE_COMPUTE:
         return "gemm" if "GEMM" in name else "compute"
     if not counted(event):
@@ -123,6 +136,18 @@ def step_window(spans, ranks, step, phase):
     t0, t1 = math.inf, -math.inf
     for r in ranks:
         forwards = phase_spans(spans, r, "forward")
+        if not forwards and not phase:  # a pipeline: its steps are its actions between updates
+            updates = phase_spans(spans, r, "update")
+            if step >= len(updates):
+                tool_errors.fail(f"rank {r} has {len(updates)} update spans; no step {step}")
+            after = updates[step - 1]["t1"] if step > 0 else -math.inf
+            actions = [e for e in spans if e["pid"] == r and e["tid"] == LANE_PHASES
+                       and ACTION.match(e["name"]) and e["t0"] >= after]
+            if not actions:
+                tool_errors.fail(f"rank {r}, step {step} has no pipeline action")
+            t0 = min(t0, min(e["t0"] for e in actions))
+            t1 = max(t1, updates[step]["t1"])
+            continue
         if step >= len(forwards):
             tool_errors.fail(f"rank {r} has {len(forwards)} forward spans; no step {step}")
         start = forwards[step]["t0"]
@@ -277,7 +302,7 @@ def render_svg(spans, rows, lane_names, rank_names, t0, t1, width, title, expose
                        f'fill="{fill}" stroke="#ffffff" stroke-width="0.5"/>')
             for text in label_candidates(e["name"]):
                 if len(text) * char_w + 6 <= w:
-                    dark = kind_of(e) in ("compute", "uncounted")
+                    dark = kind_of(e) in ("compute", "uncounted", "act_w", "phase")
                     out.append(f'<text x="{(x0 + x1) / 2:.2f}" y="{y + row_h / 2 + 4:.1f}" '
                                f'text-anchor="middle" fill="{"#222" if dark else "#fff"}">'
                                f'{escape(text)}</text>')
@@ -462,6 +487,9 @@ def main():
 
     rows = []
     for r in ranks:
+        if any(e["pid"] == r and e["tid"] == LANE_PHASES and ACTION.match(e["name"])
+               for e in spans):
+            rows.append((r, LANE_PHASES))  # a pipeline's actions, above the rank's lanes
         for lane in (LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_DP_COMM, LANE_CP_COMM, LANE_PP_COMM):
             has = any(e["pid"] == r and e["tid"] == lane for e in spans)
             if lane in (LANE_COMPUTE, LANE_COMM) or has:
