@@ -474,7 +474,13 @@ void ContextParallel::synchronize() {
   cp_lane_.synchronize();
 }
 
-std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
+namespace {
+
+/// The mesh of ctx's job (--dp default 1, --cp default 2 when the ranks are even) once it splits
+/// everything the stage splits: D·C divides the ranks, D the batch, 2C·T the sequence, T the
+/// heads and the FFN, and CP's method its KV heads (ConfigError, one line on every rank; the
+/// checks of make_context_parallel and plan_context_parallel alike). Collective.
+Mesh checked_mesh(const RunContext& ctx) {
   const BlockConfig& c = ctx.options.config;
   const int dp = ctx.options.dp == 0 ? 1 : ctx.options.dp;
   const int cp = ctx.options.cp != 0 ? ctx.options.cp : (ctx.world % 2 == 0 ? 2 : 1);
@@ -490,7 +496,7 @@ std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
         c.batch));
   if (cp == 1) {
     check_tp_split(c, mesh.tp, /*sequence=*/true);
-    return std::make_unique<fsdp::FsdpTp>(ctx, std::move(mesh));
+    return mesh;
   }
   if (c.seq % (2 * cp * mesh.tp) != 0)
     throw ConfigError(
@@ -521,7 +527,37 @@ std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
   BlockConfig local = c;
   local.seq = c.seq / cp;
   check_tp_split(local, mesh.tp, /*sequence=*/true);
+  return mesh;
+}
+
+}  // namespace
+
+std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
+  Mesh mesh = checked_mesh(ctx);
+  if (mesh.cp == 1) return std::make_unique<fsdp::FsdpTp>(ctx, std::move(mesh));
   return std::make_unique<ContextParallel>(ctx, mesh, ctx.options.cp_method);
+}
+
+StagePlan plan_context_parallel(const RunContext& ctx) {
+  const Mesh mesh = checked_mesh(ctx);
+  const bool cp = mesh.cp > 1;
+  const CpMethod method = ctx.options.cp_method;
+  const MeshTraffic t = mesh_traffic(ctx.options.config, mesh.dp, mesh.cp, mesh.tp, method);
+  StagePlan p;
+  p.sharding = {.rank = mesh.tp_index,
+                .world = mesh.tp,
+                .weights = true,
+                .sequence = true,
+                .dp = mesh.dp,
+                .cp = mesh.cp,
+                .cp_method = cp ? method : CpMethod::ring};  // as the Parallelism's sharding()
+  p.traffic = t.total();
+  p.dp_traffic = t.dp;
+  p.cp_traffic = t.cp;
+  p.comm = cp ? fmt::format("mesh D {} × CP {} × TP {} (cp-method {}) (dry run)", mesh.dp, mesh.cp,
+                            mesh.tp, to_string(method))
+              : fmt::format("mesh D {} × TP {} (dry run)", mesh.dp, mesh.tp);
+  return p;
 }
 
 }  // namespace tpx::cp

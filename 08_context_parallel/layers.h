@@ -23,7 +23,8 @@
 //              plain fused attention runs on them, a second all-to-all brings the output back;
 //              backward does the same with dO and the gradients. Needs NKV % (C·T) == 0.
 //
-// defines: tpx::cp::ContextParallel, tpx::cp::make_context_parallel()
+// defines: tpx::cp::ContextParallel, tpx::cp::make_context_parallel(),
+//          tpx::cp::plan_context_parallel()
 #pragma once
 
 #include <cstdint>
@@ -151,5 +152,10 @@ class ContextParallel final : public Parallelism {
 /// even), checks that S splits into 2C·T chunks and that D divides B (ConfigError, one line on
 /// every rank), then builds stage 07 alone (C = 1) or CP around it.
 std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx);
+
+/// --dry-run's plan: the same mesh and checks as make_context_parallel, and a step's bytes per
+/// group from common/traffic.h (mesh_traffic(): stage 05's on the rank's tokens over TP, chapter
+/// 8's K/V bytes over CP, FSDP over DP×CP).
+StagePlan plan_context_parallel(const RunContext& ctx);
 
 }  // namespace tpx::cp
