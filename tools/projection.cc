@@ -1250,22 +1250,27 @@ std::string report_markdown(const Report& r) {
         "all {} layers (H={} NH={} NKV={} F={}), S={}, a global batch of {} sequences, bf16, "
         "AdamW; P × D × C × T with TP inside a node of {} GPUs, a group that spans nodes at the "
         "inter-node {:g} GB/s × {:g}; micro-batches of one sequence, 1F1B; CP by the K/V ring; "
-        "FSDP over DP×CP. Per GPU (the busiest pipeline rank) and training step, the step split "
+        "FSDP over DP×CP; each layout named by the stage whose scheme it is (07: D × T, 08: "
+        "+ C, 09: + P). Per GPU (the busiest pipeline rank) and training step, the step split "
         "into compute, exposed TP, CP and DP communication, PP point-to-point, and the bubble "
         "(the schedule's formula); memory: the stages' estimate for the rank's layers and the "
         "micro-batches 1F1B keeps alive, not checked against the GPU. As above, the stack of "
         "blocks only: no embedding, output layer or optimizer step.\n\n",
         t.gpus, c.layers, c.hidden, c.heads, c.kv_heads_or_heads(), c.ffn, c.seq, c.batch,
         r.device.gpus_per_node, r.device.dp_GBps_per_direction, r.device.dp_efficiency);
-    s << "| P × D × C × T | M | layers/rank | projected step ms | compute ms | TP exposed ms | "
-         "CP exposed ms | DP exposed ms | PP P2P ms | bubble ms | bubble % | memory estimate | "
-         "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    s << "| scheme | P × D × C × T | M | layers/rank | projected step ms | compute ms | TP exposed "
+         "ms | CP exposed ms | DP exposed ms | PP P2P ms | bubble ms | bubble % | memory estimate "
+         "| |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (std::size_t i = 0; i < t.rows.size(); ++i) {
       const LayoutStep& x = t.rows[i];
       const Layout& l = x.layout;
       s << fmt::format(
-          "| {} × {} × {} × {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | "
+          "| {} | {} × {} × {} × {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | "
+          "{:.1f} | "
           "{:.1f} | {:.1f} | {} | {} |\n",
+          l.pp > 1   ? "09_pipeline_parallel"
+          : l.cp > 1 ? "08_context_parallel"
+                     : "07_fsdp_tp",
           l.pp, l.dp, l.cp, l.tp, l.microbatches, x.layers, x.step_ms, x.compute_ms, x.tp_ms,
           x.cp_ms, x.dp_ms, x.p2p_ms, x.bubble_ms, 100 * x.bubble, bytes_text(x.memory_bytes),
           i == t.best ? "**best**" : "");
