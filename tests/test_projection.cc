@@ -732,6 +732,17 @@ TEST(TpxProject, PipelineAndCpFlags) {
   EXPECT_LT(
       pp.at("bubble_ms").get<double>() / pp.at("step_ms").get<double>(),
       k["stages"][8].at("bubble_ms").get<double>() / k["stages"][8].at("step_ms").get<double>());
+  // A sequence stage 08's default C = 2 cannot split (2·C·T = 16 ∤ 40): the other stages'
+  // rows, stage 08 left out with the reason; asked for with --cp, it is an error.
+  const std::string odd = "--device h100_sxm --hidden 512 --heads 4 --ffn 1024 --seq 40 --tp 4";
+  const auto left = test::run_command(fmt::format("{} {}", TPX_PROJECT_BIN, odd), dir);
+  ASSERT_EQ(left.exit_code, 0) << left.err;
+  EXPECT_NE(left.out.find("| 07_fsdp_tp |"), std::string::npos) << left.out;
+  EXPECT_EQ(left.out.find("| 08_context_parallel |"), std::string::npos) << left.out;
+  EXPECT_NE(left.out.find("08_context_parallel is left out at its default --cp 2: "),
+            std::string::npos)
+      << left.out;
+  EXPECT_EQ(test::run_command(fmt::format("{} {} --cp 2", TPX_PROJECT_BIN, odd), dir).exit_code, 2);
   for (const std::string& args :
        {std::string("--schedule zigzag"), std::string("--cp 3"), std::string("--pp 0"),
         std::string("--cp-method ring2"), std::string("--pp 4 --microbatches 3"),

@@ -103,6 +103,7 @@ struct StageCost {
   std::uint64_t pp_bytes = 0;
   double flops = 0;  // per GPU and step, the model's GEMMs
   std::uint64_t saved = 0, memory = 0;
+  std::string left_out;  // why the row has no numbers (stage 08 at a C not asked for)
 };
 
 /// Stage 08's row (l.pp = 1) or the 4-D pipeline's (stage 09's scheme), from the layout's
@@ -126,9 +127,10 @@ StageCost layout_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const 
 }
 
 /// Every stage's cost per GPU for model `c` at TP `tp` (stage 07: T × `dp`), stage 08 at `mesh`
-/// without its pipeline, and with mesh.pp > 1 the 4-D pipeline.
+/// without its pipeline, and with mesh.pp > 1 the 4-D pipeline. Stage 08 at a default C that
+/// the model does not split into is left out, with the reason (`cp_given`: an error instead).
 std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp,
-                                   int dp, const pj::Layout& mesh) {
+                                   int dp, const pj::Layout& mesh, bool cp_given) {
   using tpx::Sharding;
   std::vector<StageCost> rows;
   for (int stage = 1; stage <= 7; ++stage) {
@@ -163,7 +165,15 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
   pj::Layout cp = mesh;
   cp.pp = cp.microbatches = cp.stages_per_rank = 1;
   cp.schedule = "1f1b";
-  rows.push_back(layout_cost(d, c, cp));
+  try {
+    rows.push_back(layout_cost(d, c, cp));
+  } catch (const std::runtime_error& e) {
+    if (cp_given) throw;
+    StageCost left;
+    left.stage = "08_context_parallel";
+    left.left_out = e.what();
+    rows.push_back(left);
+  }
   if (mesh.pp > 1) rows.push_back(layout_cost(d, c, mesh));
   return rows;
 }
@@ -203,7 +213,8 @@ std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
   s << "| stage | GPUs | step ms | exposed comm ms | bubble ms | TFLOP per GPU | TP bus per GPU | "
        "CP bus per GPU | DP bus per GPU | PP P2P per GPU | saved activations | peak memory "
        "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
-  for (const StageCost& r : rows)
+  for (const StageCost& r : rows) {
+    if (!r.left_out.empty()) continue;
     s << fmt::format(
         "| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {} | {} | {} | {} | {} | {} "
         "|\n",
@@ -211,6 +222,11 @@ std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
         tpx::bytes_text(r.tp_bytes.bus), tpx::bytes_text(r.cp_bytes.bus),
         tpx::bytes_text(r.dp_bytes.bus), tpx::bytes_text(r.pp_bytes), tpx::bytes_text(r.saved),
         tpx::bytes_text(r.memory));
+  }
+  for (const StageCost& r : rows)
+    if (!r.left_out.empty())
+      s << fmt::format("\n{} is left out at its default --cp {}: {}.\n", r.stage, mesh.cp,
+                       r.left_out);
   return s.str();
 }
 
@@ -238,7 +254,11 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
             {"schedule", mesh.schedule},
             {"stages_per_rank", mesh.stages_per_rank},
             {"stages", json::array()}};
-  for (const StageCost& r : rows)
+  for (const StageCost& r : rows) {
+    if (!r.left_out.empty()) {
+      j["stages"].push_back({{"stage", r.stage}, {"left_out", r.left_out}});
+      continue;
+    }
     j["stages"].push_back({{"stage", r.stage},
                            {"gpus", r.gpus},
                            {"step_ms", r.step_ms},
@@ -253,6 +273,7 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
                            {"dp_bus_bytes", r.dp_bytes.bus},
                            {"saved_activation_bytes", r.saved},
                            {"memory_estimate_bytes", r.memory}});
+  }
   return j;
 }
 
@@ -413,7 +434,7 @@ int main(int argc, char** argv) {
                        : cp_method == "ulysses" ? tpx::CpMethod::ulysses
                                                 : tpx::CpMethod::ring;
       if (mesh.microbatches == 0) mesh.microbatches = int(c.batch / dp);
-      const auto rows = stage_costs(device, c, tp, dp, mesh);
+      const auto rows = stage_costs(device, c, tp, dp, mesh, app.count("--cp") > 0);
       const std::string md = costs_markdown(device, c, model, tp, dp, mesh, rows);
       if (!markdown.empty()) write_file(markdown, md);
       if (!json_file.empty())
