@@ -79,6 +79,7 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{"03_sequence_parallel", 2, "--dtype bf16 --optimizer adamw --lr 1e-3"},
                     Case{"04_overlap_ring", 2, "--kv-heads 2 --recompute full"},
                     Case{"05_copy_engine_async_tp", 2, "--recompute selective"},
+                    Case{"05_copy_engine_async_tp", 2, "--recompute full --recompute-every 2"},
                     Case{"06_fp8", 2, ""}, Case{"06_fp8", 2, "--dtype bf16"},
                     Case{"07_fsdp_tp", 4, "--dp 2 --dtype bf16"},
                     Case{"07_fsdp_tp", 3, "--dp 3 --batch 3"},
