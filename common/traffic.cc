@@ -148,10 +148,10 @@ Traffic cp_traffic(const BlockConfig& c, int dp, int cp, int tp, CpMethod method
   Traffic layer, fwd;
   switch (method) {
     case CpMethod::ring: {
-      const U hop = 2 * kv * E;  // K and V packed, or dK and dV
-      fwd = {(C - 1) * hop, (C - 1) * hop, C - 1};
-      layer = {(C - 1) * hop, (C - 1) * hop, C - 1};
-      layer += {(C - 1) * hop + C * hop, (C - 1) * hop + C * hop, (C - 1) + C};
+      const U hop = 2 * kv * E;                     // K and V packed, or dK and dV
+      fwd = {(C - 1) * hop, (C - 1) * hop, C - 1};  // K/V: C − 1 hops
+      layer = fwd;
+      layer += {(C - 1) * hop + C * hop, (C - 1) * hop + C * hop, (C - 1) + C};  // K/V, dK/dV
       break;
     }
     case CpMethod::allgather: {
