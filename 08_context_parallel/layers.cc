@@ -479,18 +479,13 @@ void ContextParallel::synchronize() {
   cp_lane_.synchronize();
 }
 
-std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
-  const int dp = ctx.options.dp == 0 ? 1 : ctx.options.dp;
-  const int cp = ctx.options.cp != 0 ? ctx.options.cp : (ctx.world % 2 == 0 ? 2 : 1);
-  if (dp < 1)
-    throw ConfigError(
-        fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));
-  if (cp < 1)
-    throw ConfigError(fmt::format("--cp must be a positive number of sequence parts (got {})", cp));
-  return make_context_parallel_on(ctx, Mesh::make(dp, cp));  // refuses a D·C not dividing the ranks
-}
+namespace {
 
-std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mesh mesh) {
+/// Throws ConfigError (one line, the same on every rank) unless `mesh` splits everything the
+/// stage splits: D the batch, 2C·T the sequence, T the heads and the FFN, and CP's method its KV
+/// heads (the checks of make_context_parallel, make_context_parallel_on and
+/// plan_context_parallel alike).
+void check_mesh(const RunContext& ctx, const Mesh& mesh) {
   const BlockConfig& c = ctx.options.config;
   const int dp = mesh.dp, cp = mesh.cp;
   if (c.batch % dp != 0)
@@ -499,7 +494,7 @@ std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mes
         c.batch));
   if (cp == 1) {
     check_tp_split(c, mesh.tp, /*sequence=*/true);
-    return std::make_unique<fsdp::FsdpTp>(ctx, std::move(mesh));
+    return;
   }
   if (c.seq % (2 * cp * mesh.tp) != 0)
     throw ConfigError(
@@ -526,7 +521,60 @@ std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mes
   BlockConfig local = c;
   local.seq = c.seq / cp;
   check_tp_split(local, mesh.tp, /*sequence=*/true);
-  return std::make_unique<ContextParallel>(ctx, std::move(mesh), ctx.options.cp_method);
+}
+
+/// The mesh of ctx's job (--dp default 1, --cp default 2 when the ranks are even), checked.
+/// Collective.
+Mesh checked_mesh(const RunContext& ctx) {
+  const int dp = ctx.options.dp == 0 ? 1 : ctx.options.dp;
+  const int cp = ctx.options.cp != 0 ? ctx.options.cp : (ctx.world % 2 == 0 ? 2 : 1);
+  if (dp < 1)
+    throw ConfigError(
+        fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));
+  if (cp < 1)
+    throw ConfigError(fmt::format("--cp must be a positive number of sequence parts (got {})", cp));
+  Mesh mesh = Mesh::make(dp, cp);  // refuses a D·C that does not divide the ranks
+  check_mesh(ctx, mesh);
+  return mesh;
+}
+
+/// Stage 07 alone at C = 1, else CP around it.
+std::unique_ptr<Parallelism> build(const RunContext& ctx, Mesh mesh) {
+  if (mesh.cp == 1) return std::make_unique<fsdp::FsdpTp>(ctx, std::move(mesh));
+  return std::make_unique<ContextParallel>(ctx, mesh, ctx.options.cp_method);
+}
+
+}  // namespace
+
+std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
+  return build(ctx, checked_mesh(ctx));
+}
+
+std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mesh mesh) {
+  check_mesh(ctx, mesh);
+  return build(ctx, std::move(mesh));
+}
+
+StagePlan plan_context_parallel(const RunContext& ctx) {
+  const Mesh mesh = checked_mesh(ctx);
+  const bool cp = mesh.cp > 1;
+  const CpMethod method = ctx.options.cp_method;
+  const MeshTraffic t = mesh_traffic(ctx.options.config, mesh.dp, mesh.cp, mesh.tp, method);
+  StagePlan p;
+  p.sharding = {.rank = mesh.tp_index,
+                .world = mesh.tp,
+                .weights = true,
+                .sequence = true,
+                .dp = mesh.dp,
+                .cp = mesh.cp,
+                .cp_method = cp ? method : CpMethod::ring};  // as the Parallelism's sharding()
+  p.traffic = t.total();
+  p.dp_traffic = t.dp;
+  p.cp_traffic = t.cp;
+  p.comm = cp ? fmt::format("mesh D {} × CP {} × TP {} (cp-method {}) (dry run)", mesh.dp, mesh.cp,
+                            mesh.tp, to_string(method))
+              : fmt::format("mesh D {} × TP {} (dry run)", mesh.dp, mesh.tp);
+  return p;
 }
 
 }  // namespace tpx::cp

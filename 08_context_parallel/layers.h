@@ -24,7 +24,7 @@
 //              backward does the same with dO and the gradients. Needs NKV % (C·T) == 0.
 //
 // defines: tpx::cp::ContextParallel, tpx::cp::make_context_parallel(),
-//          tpx::cp::make_context_parallel_on()
+//          tpx::cp::make_context_parallel_on(), tpx::cp::plan_context_parallel()
 #pragma once
 
 #include <cstdint>
@@ -158,5 +158,10 @@ std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx);
 /// The same on a mesh made already (stage 09 makes one with a PP dimension and runs this stage
 /// on each pipeline stage's slice of it): every check but the mesh's own.
 std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mesh mesh);
+
+/// --dry-run's plan: the same mesh and checks as make_context_parallel, and a step's bytes per
+/// group from common/traffic.h (mesh_traffic(): stage 05's on the rank's tokens over TP, chapter
+/// 8's K/V bytes over CP, FSDP over DP×CP).
+StagePlan plan_context_parallel(const RunContext& ctx);
 
 }  // namespace tpx::cp

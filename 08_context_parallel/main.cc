@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
                .mesh = true,
                .context_parallel = true},
       .make = cp::make_context_parallel,
-      .plan = {},  // no --dry-run yet: chapter 8's CP formulas are not in common/traffic.h
+      .plan = cp::plan_context_parallel,
       .reference = baseline::run_reference,
   };
   return run_stage(stage, argc, argv);

@@ -34,6 +34,9 @@ struct StagePlan {
   Traffic traffic;     ///< a step's communication, every group together (as the step row's)
   Traffic dp_traffic;  ///< the part over the data-parallel group (stage 07), else zero
   std::string comm;    ///< the header's words for the groups
+  /// The part over the context-parallel group (stage 08), else zero; the DP part is then FSDP's
+  /// over the merged DP×CP group.
+  Traffic cp_traffic = {};
 };
 
 struct StageDefinition {

@@ -13,6 +13,15 @@ void check(bool ok, const char* why) {
   if (!ok) throw std::runtime_error(why);
 }
 
+/// A step of L layers from one layer's traffic `layer` and its forward's share `fwd`, which each
+/// layer that --recompute full recomputes (--recompute-every) moves once more.
+Traffic per_step(const BlockConfig& c, const Traffic& layer, const Traffic& fwd) {
+  const auto L = static_cast<std::uint64_t>(c.layers);
+  const auto R = static_cast<std::uint64_t>(c.recomputed_layers());
+  return {layer.payload * L + fwd.payload * R, layer.bus * L + fwd.bus * R,
+          layer.calls * L + fwd.calls * R};
+}
+
 }  // namespace
 
 // Per rank and step, L layers, N ranks, E = act_bytes, P = S·B·H·E (one [S, B, H] activation):
@@ -29,11 +38,11 @@ void check(bool ok, const char* why) {
 //   06  05's, the six gathers per layer moving 1-byte FP8 codes (the four reduce-scatters stay
 //       E), plus eight MAX all-reduces of k fp32 amaxes per layer, k ∈ {4,2,3,2,3,2,2,2}:
 //       payload 4k, bus ⌊4k·2(N−1)/N⌋ each.                  (06_fp8/README.md)
-// Under --recompute full each layer's forward runs again before its backward, collectives
-// included: its share (02: the two g all-reduces; 03: two all-gathers and two reduce-scatters;
-// 04, 05: those four as ring transfers; 06: two FP8 gathers, two reduce-scatters and the four
-// forward amax all-reduces, k ∈ {4,2,3,2}) is counted twice. GQA changes none of it: the
-// collectives move the [S, B, H] stream, whatever the width of k and v.
+// Under --recompute full each recomputed layer's forward (every --recompute-every K-th) runs
+// again before its backward, collectives included: its share (02: the two g all-reduces; 03: two
+// all-gathers and two reduce-scatters; 04, 05: those four as ring transfers; 06: two FP8 gathers,
+// two reduce-scatters and the four forward amax all-reduces, k ∈ {4,2,3,2}) is counted twice. GQA
+// changes none of it: the collectives move the [S, B, H] stream, whatever the width of k and v.
 int activation_bytes(int stage, const BlockConfig& c) {
   return stage == 6 || c.activations() == DType::bf16 ? 2 : 4;
 }
@@ -42,7 +51,6 @@ Traffic comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes) {
   check(n >= 1, "ranks must be >= 1");
   if (act_bytes == 0) act_bytes = activation_bytes(stage, c);
   const auto N = static_cast<std::uint64_t>(n);
-  const auto L = static_cast<std::uint64_t>(c.layers);
   const auto elems = static_cast<std::uint64_t>(c.seq * c.batch * c.hidden);
   const auto P = elems * static_cast<std::uint64_t>(act_bytes);
   const auto H = static_cast<std::uint64_t>(c.hidden);
@@ -88,9 +96,7 @@ Traffic comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes) {
     default:
       throw std::runtime_error(fmt::format("no stage {} (1 … 6)", stage));
   }
-  if (c.recompute == Recompute::full)
-    r = {r.payload + fwd.payload, r.bus + fwd.bus, r.calls + fwd.calls};
-  return {r.payload * L, r.bus * L, r.calls * L};
+  return per_step(c, r, fwd);
 }
 
 double layer_params_per_tp_rank(const BlockConfig& c, int tp) {
@@ -129,6 +135,53 @@ Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp) {
   const U gathered = D * gather, reduced = D * numel * 4;
   const U L = U(c.layers);
   return {L * (2 * gathered + reduced), L * (2 * ring(gathered) + ring(reduced)), L * 3};
+}
+
+Traffic cp_traffic(const BlockConfig& c, int dp, int cp, int tp, CpMethod method) {
+  check(dp >= 1 && cp >= 1 && tp >= 1, "DP, CP and TP ranks must be >= 1");
+  if (cp == 1) return {};
+  using U = std::uint64_t;
+  const U C = U(cp), E = U(activation_bytes(8, c)), Dh = U(c.head_dim());
+  const U rows = U(c.seq) / C * (U(c.batch) / U(dp));  // the rank's tokens × its sequences
+  const U kv = rows * (U(c.kv_heads_or_heads()) / U(tp)) * Dh;
+  const U q = rows * (U(c.heads) / U(tp)) * Dh;
+  Traffic layer, fwd;
+  switch (method) {
+    case CpMethod::ring: {
+      const U hop = 2 * kv * E;                     // K and V packed, or dK and dV
+      fwd = {(C - 1) * hop, (C - 1) * hop, C - 1};  // K/V: C − 1 hops
+      layer = fwd;
+      layer += {(C - 1) * hop + C * hop, (C - 1) * hop + C * hop, (C - 1) + C};  // K/V, dK/dV
+      break;
+    }
+    case CpMethod::allgather: {
+      const U all = C * 2 * kv * E;  // the gathered K/V (the reduce-scattered dK/dV: the same)
+      const Traffic one{all, all * (C - 1) / C, 1};
+      fwd = one;
+      layer = one;   // forward: the gather
+      layer += one;  // backward: the gather again
+      layer += one;  // and the reduce-scatter of dK/dV
+      break;
+    }
+    case CpMethod::ulysses: {
+      // An all-to-all of a tensor of n elements: C − 1 sendrecv steps of n/C elements.
+      auto a2a = [&](U n) { return Traffic{(C - 1) * (n / C) * E, (C - 1) * (n / C) * E, C - 1}; };
+      for (const U n : {q, kv, kv, q}) fwd += a2a(n);  // q, k, v there; the output back
+      layer = fwd;
+      for (const U n : {q, kv, kv, q, q, q, kv, kv}) layer += a2a(n);  // q k v out dO; dq dk dv
+      break;
+    }
+  }
+  return per_step(c, layer, fwd);
+}
+
+MeshTraffic mesh_traffic(const BlockConfig& c, int dp, int cp, int tp, CpMethod method) {
+  check(dp >= 1 && cp >= 1 && tp >= 1, "DP, CP and TP ranks must be >= 1");
+  BlockConfig local = c;  // what one rank's stage 05 sees: S / C tokens of B / D sequences
+  local.seq = c.seq / cp;
+  local.batch = c.batch / dp;
+  return {comm_bytes(5, local, tp), cp_traffic(c, dp, cp, tp, method),
+          fsdp_traffic(c, tp, dp * cp)};
 }
 
 }  // namespace tpx

@@ -5,19 +5,26 @@
 // Pure arithmetic: no MPI, no device, nothing allocated.
 //
 // defines: tpx::Traffic, tpx::activation_bytes(), tpx::comm_bytes(),
-// tpx::layer_params_per_tp_rank(),
-//          tpx::fsdp_bytes(), tpx::fsdp_traffic()
+//          tpx::layer_params_per_tp_rank(), tpx::fsdp_bytes(), tpx::fsdp_traffic(),
+//          tpx::cp_traffic(), tpx::MeshTraffic, tpx::mesh_traffic()
 #pragma once
 
 #include <cstdint>
 
 #include "config.h"
+#include "model.h"
 
 namespace tpx {
 
 /// Communication of one step on one rank, counted as the stages count it (nccl-tests' bus bytes).
 struct Traffic {
   std::uint64_t payload = 0, bus = 0, calls = 0;
+  Traffic& operator+=(const Traffic& o) {
+    payload += o.payload;
+    bus += o.bus;
+    calls += o.calls;
+    return *this;
+  }
 };
 
 /// Bytes per element of the activations `stage` stores and communicates under `c`: 2 under the
@@ -44,5 +51,33 @@ double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes);
 /// as bf16 compute copies under --dtype bf16, the norm gains fp32, each at a multiple of its
 /// element size) and one fp32 reduce-scatter of the layer's padded flat gradient [D · numel].
 Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp);
+
+/// Stage 08's traffic over the CP group (C ranks) per rank and step, chapter 8's formulas, with
+/// kv = S/C · B/D · NKV/T · Dh and q = S/C · B/D · NH/T · Dh elements of e activation bytes
+/// (K/V at their GQA size) and g = e gradient bytes, per layer:
+///   ring       forward C−1 hops of K/V (2kv each); backward C−1 hops of K/V and C of dK/dV (one
+///              more brings them home): payload = bus = (C−1)·2kv·e + (C−1)·2kv·e + C·2kv·g
+///   allgather  forward one all-gather of K/V, bus (C−1)·2kv·e of a C·2kv·e payload; backward the
+///              gather again and a reduce-scatter of dK/dV, bus (C−1)·2kv·g
+///   ulysses    every all-to-all (C−1 pairwise steps) moves (C−1)/C of its tensor: forward q, k,
+///              v there and the output back, (C−1)/C·(2q + 2kv)·e; backward q, k, v, the output
+///              and dO there, dq, dk, dv back, (C−1)/C·(4q + 4kv)·e
+/// A layer recomputed under --recompute full runs its forward's share again. Zero at C = 1.
+Traffic cp_traffic(const BlockConfig& c, int dp, int cp, int tp, CpMethod method);
+
+/// A step's traffic on a D × C × T mesh, per group, as stage 08 counts it (stage 07 at C = 1):
+/// tp, stage 05's on the rank's S/C tokens of B/D sequences; cp, cp_traffic(); dp, FSDP over the
+/// D·C ranks of the DP×CP group (fsdp_traffic(c, T, D·C): weights sharded over D·C ranks).
+struct MeshTraffic {
+  Traffic tp, cp, dp;
+  Traffic total() const {
+    Traffic t = tp;
+    t += cp;
+    t += dp;
+    return t;
+  }
+};
+MeshTraffic mesh_traffic(const BlockConfig& c, int dp, int cp, int tp,
+                         CpMethod method = CpMethod::ring);
 
 }  // namespace tpx

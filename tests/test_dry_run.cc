@@ -51,7 +51,7 @@ TEST_P(DryRun, EqualsTheRealRunsJson) {
   EXPECT_FALSE(real.contains("dry_run"));
   for (const char* key :
        {"flops_per_step_per_rank", "executed_flops_per_step_per_rank", "saved_activation_bytes",
-        "memory_estimate_bytes", "memory_terms", "optimizer_state_bytes", "dp", "world_size"})
+        "memory_estimate_bytes", "memory_terms", "optimizer_state_bytes", "dp", "cp", "world_size"})
     EXPECT_EQ(dry.at(key), real.at(key)) << key;
   // The config, but for what only a real run has (the step count is the same here: 5 default).
   json want = real.at("config"), got = dry.at("config");
@@ -60,12 +60,15 @@ TEST_P(DryRun, EqualsTheRealRunsJson) {
   EXPECT_EQ(got, want);
   // Every step of the real run moves what the dry run says a step moves.
   for (const json& row : real["steps"])
-    for (const char* key :
-         {"comm_payload_bytes", "comm_bus_bytes", "comm_calls", "dp_payload_bytes", "dp_bus_bytes"})
+    for (const char* key : {"comm_payload_bytes", "comm_bus_bytes", "comm_calls",
+                            "dp_payload_bytes", "dp_bus_bytes", "cp_payload_bytes", "cp_bus_bytes"})
       EXPECT_EQ(dry["step"].at(key), row.at(key)) << key << " at step " << row.at("step");
   // And it is not all zeros where the stage communicates.
   if (c.ranks > 1) {
     EXPECT_GT(dry["step"].at("comm_bus_bytes").get<std::uint64_t>(), 0u);
+  }
+  if (real.at("cp").get<int>() > 1) {
+    EXPECT_GT(dry["step"].at("cp_bus_bytes").get<std::uint64_t>(), 0u);
   }
 }
 
@@ -76,14 +79,51 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{"03_sequence_parallel", 2, "--dtype bf16 --optimizer adamw --lr 1e-3"},
                     Case{"04_overlap_ring", 2, "--kv-heads 2 --recompute full"},
                     Case{"05_copy_engine_async_tp", 2, "--recompute selective"},
+                    Case{"05_copy_engine_async_tp", 2, "--recompute full --recompute-every 2"},
                     Case{"06_fp8", 2, ""}, Case{"06_fp8", 2, "--dtype bf16"},
                     Case{"07_fsdp_tp", 4, "--dp 2 --dtype bf16"},
-                    Case{"07_fsdp_tp", 3, "--dp 3 --batch 3"}),
+                    Case{"07_fsdp_tp", 3, "--dp 3 --batch 3"},
+                    // Stage 08, each method at C = 2 and at C = 2 × T = 2; Ulysses needs NKV
+                    // to split over C·T (4 KV heads here); the recompute repeats the forward's
+                    // K/V traffic on every second layer; D = 2 × C = 2 shards over DP×CP.
+                    Case{"08_context_parallel", 2, "--cp 2 --cp-method ring"},
+                    Case{"08_context_parallel", 2, "--cp 2 --cp-method allgather --kv-heads 2"},
+                    Case{"08_context_parallel", 2, "--cp 2 --cp-method ulysses --kv-heads 2"},
+                    Case{"08_context_parallel", 4,
+                         "--cp 2 --cp-method ring --kv-heads 2 --recompute full "
+                         "--recompute-every 2"},
+                    Case{"08_context_parallel", 4, "--cp 2 --cp-method allgather"},
+                    Case{"08_context_parallel", 4, "--cp 2 --cp-method ulysses --recompute full"},
+                    Case{"08_context_parallel", 4, "--dp 2 --cp 2 --optimizer adamw --lr 1e-3"}),
     [](const auto& p) {
       std::string name =
           fmt::format("{}_np{}_{}", p.param.stage.substr(0, 2), p.param.ranks, p.index);
       return name;
     });
+
+TEST(DryRun, Stage08RefusesWhatTheRealRunRefuses) {
+  // The plan checks the mesh with the real run's own checks: the same line, exit 2, for a
+  // sequence that does not split into 2C·T chunks, KV heads Ulysses cannot split, a C·D that
+  // does not divide the ranks.
+  test::TempDir dir;
+  auto first_line = [](const std::string& err) { return err.substr(0, err.find('\n')); };
+  for (const std::string& args :
+       {std::string("--seq 12 --cp 2"),
+        std::string("--seq 16 --cp 2 --cp-method ulysses "
+                    "--kv-heads 2"),
+        std::string("--seq 16 --cp 3"), std::string("--seq 16 --cp 2 --dtype bf16")}) {
+    const std::string cmd = "--hidden 32 --heads 4 --ffn 64 --layers 2 " + args;
+    const auto real = test::run_stage("08_context_parallel", 4, cmd, dir);
+    const auto dry = test::run_stage("08_context_parallel", 4, cmd + " --dry-run", dir);
+    EXPECT_EQ(real.exit_code, 2) << args << "\n" << real.err;
+    EXPECT_EQ(dry.exit_code, 2) << args << "\n" << dry.err;
+    EXPECT_NE(first_line(dry.err).find("08_context_parallel: error: "), std::string::npos)
+        << args << "\n"
+        << dry.err;
+    EXPECT_EQ(first_line(dry.err), first_line(real.err)) << args;  // printed once, by rank 0
+    EXPECT_EQ(dry.err.find("error: ", dry.err.find('\n')), std::string::npos) << dry.err;
+  }
+}
 
 // --- models by name and by file ------------------------------------------------------------------
 

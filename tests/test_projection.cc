@@ -7,6 +7,9 @@
 //   - the fused (Flux) and GEMM + reduce-scatter times, FSDP's bytes and a training step by hand;
 //   - tpx_project's output: its validation errors are (projected − published) / published of the
 //     numbers it prints, its projections are the library's, and its markdown says it is projected;
+//   - the 4-D mesh (project_layout()): at P = C = 1 it is stage 07's projection, its bubble is the
+//     schedule's formula, its CP bytes common/traffic.h's (and chapter 8's measured numbers), its
+//     P2P bytes the boundary activations, and the report's tables hold only whole layouts;
 //   - the published cases: the held-out set keeps every case and each value is the one its quoted
 //     source line gives; the validation and sensitivity tables in docs/benchmarks.md are what a
 //     fresh run of tpx_project prints (a constant changed without regenerating them fails here).
@@ -25,6 +28,7 @@
 
 #include "bench/busbw.h"
 #include "common/flops.h"
+#include "common/pipeline/schedule.h"
 #include "test_util.h"
 #include "tools/projection.h"
 
@@ -315,6 +319,163 @@ TEST(Projection, BadDeviceFileIsOneClearError) {
   }
 }
 
+// --- the 4-D mesh --------------------------------------------------------------------------------
+
+/// The Llama-3-70B layer, `layers` of them, a global batch of `batch` sequences.
+BlockConfig stack(int layers, int batch) {
+  BlockConfig c = pj::big_config();
+  c.layers = layers;
+  c.batch = batch;
+  return c;
+}
+
+TEST(Layout, OneStageNoCpIsStage07) {
+  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json");
+  const BlockConfig c = stack(4, 8);
+  pj::Layout l;
+  l.tp = 8;
+  l.dp = 4;
+  const pj::LayoutStep x = pj::project_layout(d, c, l);
+  BlockConfig replica = c;
+  replica.batch /= 4;
+  const Traffic dp = fsdp_traffic(c, 8, 4);
+  const auto stage07 = pj::project_mesh(d, replica, 8, 4, double(dp.bus));
+  EXPECT_DOUBLE_EQ(x.step_ms, stage07.step_ms);
+  EXPECT_DOUBLE_EQ(x.compute_ms, stage07.compute_ms);
+  EXPECT_DOUBLE_EQ(x.compute_ms + x.tp_ms, stage07.tp_step_ms);
+  EXPECT_EQ(x.bubble, 0.0);
+  EXPECT_EQ(x.bubble_ms, 0.0);
+  EXPECT_EQ(x.p2p_ms, 0.0);
+  EXPECT_EQ(x.cp_ms, 0.0);
+  EXPECT_EQ(x.p2p_bytes, 0u);
+  // The bytes: stage 07's, as its dry run counts them.
+  const MeshTraffic t = mesh_traffic(c, 4, 1, 8);
+  EXPECT_EQ(x.tp.bus, t.tp.bus);
+  EXPECT_EQ(x.tp.bus, comm_bytes(5, replica, 8).bus);
+  EXPECT_EQ(x.dp.bus, dp.bus);
+  EXPECT_EQ(x.cp.bus, 0u);
+}
+
+TEST(Layout, TheStepIsTheSumOfItsParts) {
+  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json");
+  for (const pj::Layout& l : pj::layout_table(512)) {
+    const pj::LayoutStep x = pj::project_layout(d, pj::layout_model("llama3-70b", 512), l);
+    EXPECT_NEAR(x.step_ms, x.compute_ms + x.tp_ms + x.cp_ms + x.dp_ms + x.p2p_ms + x.bubble_ms,
+                1e-9 * x.step_ms);
+    EXPECT_GT(x.compute_ms, 0.0);
+    EXPECT_EQ(x.cp_ms > 0.0 || l.cp == 1, true);  // the ring's last dK/dV hop is never hidden
+    EXPECT_EQ(x.p2p_ms > 0.0, l.pp > 1);
+    EXPECT_EQ(x.bubble_ms > 0.0, l.pp > 1);
+  }
+}
+
+TEST(Layout, TheBubbleIsTheSchedulesFormula) {
+  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json");
+  const BlockConfig c = stack(16, 16);
+  for (const std::string& name : pipeline::schedule_names()) {
+    pj::Layout l;
+    l.pp = 4;
+    l.dp = 2;
+    l.microbatches = 8;
+    l.schedule = name;
+    l.stages_per_rank = name == "interleaved-1f1b" ? 2 : 1;
+    const pj::LayoutStep x = pj::project_layout(d, c, l);
+    const auto sched = pipeline::make_schedule(name, {4, 8, l.stages_per_rank});
+    const double V = l.stages_per_rank;
+    const pipeline::Costs costs =
+        sched->split_backward()
+            ? pipeline::Costs{x.forward_ms, x.backward_ms / 2, x.backward_ms / 2, 0.0}
+            : pipeline::Costs{x.forward_ms / V, x.backward_ms / V, 0.0, 0.0};
+    EXPECT_DOUBLE_EQ(x.bubble, sched->formula_bubble(costs)) << name;
+    // The pipeline's busy time (its micro-batches' work) over 1 − bubble is the makespan.
+    const double busy = x.compute_ms + x.tp_ms + x.cp_ms;
+    EXPECT_NEAR(x.bubble_ms, busy * x.bubble / (1 - x.bubble), 1e-9 * x.step_ms) << name;
+  }
+  // By hand: 1F1B and GPipe (P−1)/(M+P−1) = 3/11; interleaved with V = 2: 3/19.
+  pj::Layout l;
+  l.pp = 4;
+  l.dp = 2;
+  l.microbatches = 8;
+  EXPECT_DOUBLE_EQ(pj::project_layout(d, c, l).bubble, 3.0 / 11.0);
+  l.schedule = "interleaved-1f1b";
+  l.stages_per_rank = 2;
+  EXPECT_DOUBLE_EQ(pj::project_layout(d, c, l).bubble, 3.0 / 19.0);
+}
+
+TEST(Layout, MoreMicrobatchesShrinkTheBubble) {
+  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json");
+  const BlockConfig c = stack(16, 32);
+  double prev = 1.0, prev_share = 1.0;
+  for (const int m : {4, 8, 16, 32}) {
+    pj::Layout l;
+    l.pp = 4;
+    l.microbatches = m;
+    const pj::LayoutStep x = pj::project_layout(d, c, l);
+    EXPECT_LT(x.bubble, prev) << m;
+    EXPECT_LT(x.bubble_ms / x.step_ms, prev_share) << m;
+    prev = x.bubble;
+    prev_share = x.bubble_ms / x.step_ms;
+  }
+}
+
+TEST(Layout, CpBytesAreTrafficsAndTheChaptersMeasuredOnes) {
+  // Chapter 8's table, measured by stage 08 at the default sizes with --kv-heads 2, C = 2
+  // (08_context_parallel/README.md): ring 524,288, allgather 393,216, ulysses 983,040 bytes.
+  BlockConfig c;
+  c.kv_heads = 2;
+  EXPECT_EQ(cp_traffic(c, 1, 2, 1, CpMethod::ring).bus, 524288u);
+  EXPECT_EQ(cp_traffic(c, 1, 2, 1, CpMethod::allgather).bus, 393216u);
+  EXPECT_EQ(cp_traffic(c, 1, 2, 1, CpMethod::ulysses).bus, 983040u);
+  // Its exercise: C = 4, 4 KV heads, H 96 NH 12 S 48 B 2 L 2: 122,880 bytes (ring).
+  BlockConfig e;
+  e.hidden = 96, e.heads = 12, e.kv_heads = 4, e.ffn = 192, e.seq = 48, e.batch = 2, e.layers = 2;
+  EXPECT_EQ(cp_traffic(e, 1, 4, 1, CpMethod::ring).bus, 122880u);
+  EXPECT_EQ(cp_traffic(e, 1, 1, 1, CpMethod::ring).bus, 0u);
+  // The projection's CP bytes are traffic.h's, a micro-batch at a time.
+  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json");
+  const BlockConfig s = stack(8, 8);
+  for (const CpMethod m : {CpMethod::ring, CpMethod::allgather, CpMethod::ulysses}) {
+    pj::Layout l;
+    l.dp = 2;
+    l.cp = 2;
+    l.tp = 4;
+    l.cp_method = m;
+    EXPECT_EQ(pj::project_layout(d, s, l).cp.bus, mesh_traffic(s, 2, 2, 4, m).cp.bus);
+    l.pp = 2;
+    l.microbatches = 4;
+    BlockConfig half = s;  // each rank holds 4 layers; a micro-batch is 2 of the 8 sequences
+    half.layers = 4;
+    half.batch = 2;
+    const pj::LayoutStep x = pj::project_layout(d, s, l);
+    EXPECT_EQ(x.cp.bus, 4 * cp_traffic(half, 2, 2, 4, m).bus);
+    EXPECT_EQ(x.dp.bus, fsdp_traffic(half, 4, 4).bus);  // over D·C = 4 ranks
+    // PP: 2·M messages of [S/(C·T), B/(D·M), H] bf16, forward and back.
+    EXPECT_EQ(x.message_bytes, std::uint64_t(8192 / 8) * 1 * 8192 * 2);
+    EXPECT_EQ(x.p2p_bytes, 2 * 4 * x.message_bytes);
+  }
+}
+
+TEST(Layout, TheReportsTablesHoldWholeLayoutsAndMarkTheBest) {
+  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json");
+  const pj::Report r = pj::make_report(d, {});
+  ASSERT_EQ(r.layouts.size(), 2u);
+  for (const auto& t : r.layouts) {
+    EXPECT_TRUE(t.gpus == 64 || t.gpus == 512) << t.gpus;
+    EXPECT_EQ(t.config.layers, 80);
+    EXPECT_EQ(t.config.hidden, 8192);
+    ASSERT_GE(t.rows.size(), 5u);
+    for (const pj::LayoutStep& x : t.rows) {
+      EXPECT_EQ(x.layout.gpus(), t.gpus);
+      EXPECT_GE(x.step_ms, t.rows[t.best].step_ms);
+    }
+  }
+  const std::string md = pj::report_markdown(r);
+  EXPECT_NE(md.find("on 64 GPUs, 4-D meshes (projected, not measured)"), std::string::npos);
+  EXPECT_NE(md.find("on 512 GPUs, 4-D meshes (projected, not measured)"), std::string::npos);
+  EXPECT_NE(md.find("| **best** |"), std::string::npos);
+  EXPECT_THROW(pj::layout_table(100), std::runtime_error);
+}
+
 // --- tpx_project's output ------------------------------------------------------------------------
 
 TEST(TpxProject, ValidationErrorsAreWhatItPrints) {
@@ -493,9 +654,10 @@ TEST(TpxProject, Llama3At8GpusGivesEveryStage) {
                             "04_overlap_ring", "05_copy_engine_async_tp", "06_fp8", "07_fsdp_tp"})
     EXPECT_NE(r.out.find("| " + std::string(stage) + " |"), std::string::npos) << stage;
   EXPECT_NE(r.out.find("H 4096 NH 32 NKV 8 F 14336 S 8192 B 2 L 32"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find(" GiB |"), std::string::npos) << r.out;  // human units
+  EXPECT_NE(r.out.find(" GiB |"), std::string::npos) << r.out;                        // human units
+  EXPECT_NE(r.out.find("| 08_context_parallel | 16 |"), std::string::npos) << r.out;  // C = 2
   const json j = project_json("--model llama3-8b --tp 8 --device h100_sxm", dir);
-  ASSERT_EQ(j.at("stages").size(), 7u);
+  ASSERT_EQ(j.at("stages").size(), 8u);
   // Each row's bytes are the stages' own formulas (those are checked against the stages' --json).
   BlockConfig c;
   c.hidden = 4096, c.heads = 32, c.kv_heads = 8, c.ffn = 14336, c.seq = 8192, c.batch = 2;
@@ -542,6 +704,55 @@ TEST(TpxProject, FlagsOverTheModelAndBadInputExits2) {
   }
   const auto r = test::run_command(fmt::format("{} --device h100", TPX_PROJECT_BIN), dir);
   EXPECT_NE(r.err.find("h100_sxm"), std::string::npos) << r.err;  // the known devices listed
+}
+
+TEST(TpxProject, PipelineAndCpFlags) {
+  test::TempDir dir;
+  const std::string base = "--device h100_sxm --model llama3-70b --tp 8 --dp 2 --batch 16 ";
+  const json j = project_json(base + "--cp 2 --cp-method allgather --pp 4", dir);
+  ASSERT_EQ(j.at("stages").size(), 9u);
+  const json& cp = j["stages"][7];
+  const json& pp = j["stages"][8];
+  EXPECT_EQ(cp.at("stage"), "08_context_parallel");
+  EXPECT_EQ(cp.at("gpus"), 32);
+  EXPECT_EQ(pp.at("stage"), "09_pipeline_parallel");
+  EXPECT_EQ(pp.at("gpus"), 128);
+  EXPECT_EQ(j.at("microbatches"), 8);  // B / D: one sequence each
+  BlockConfig c = pj::layout_model("llama3-70b", 32);
+  c.batch = 16;
+  c.optimizer = Optimizer::sgd;  // tpx_project's default
+  EXPECT_EQ(cp.at("cp_bus_bytes").get<std::uint64_t>(),
+            cp_traffic(c, 2, 2, 8, CpMethod::allgather).bus);
+  EXPECT_EQ(cp.at("bubble_ms").get<double>(), 0.0);
+  EXPECT_GT(pp.at("bubble_ms").get<double>(), 0.0);
+  EXPECT_GT(pp.at("pp_p2p_bytes").get<std::uint64_t>(), 0u);
+  // More micro-batches: a smaller bubble.
+  const json k = project_json(base + "--pp 4 --microbatches 4", dir);
+  ASSERT_EQ(k.at("stages").size(), 9u);
+  EXPECT_LT(
+      pp.at("bubble_ms").get<double>() / pp.at("step_ms").get<double>(),
+      k["stages"][8].at("bubble_ms").get<double>() / k["stages"][8].at("step_ms").get<double>());
+  // A sequence stage 08's default C = 2 cannot split (2·C·T = 16 ∤ 40): the other stages'
+  // rows, stage 08 left out with the reason; asked for with --cp, it is an error.
+  const std::string odd = "--device h100_sxm --hidden 512 --heads 4 --ffn 1024 --seq 40 --tp 4";
+  const auto left = test::run_command(fmt::format("{} {}", TPX_PROJECT_BIN, odd), dir);
+  ASSERT_EQ(left.exit_code, 0) << left.err;
+  EXPECT_NE(left.out.find("| 07_fsdp_tp |"), std::string::npos) << left.out;
+  EXPECT_EQ(left.out.find("| 08_context_parallel |"), std::string::npos) << left.out;
+  EXPECT_NE(left.out.find("08_context_parallel is left out at its default --cp 2: "),
+            std::string::npos)
+      << left.out;
+  EXPECT_EQ(test::run_command(fmt::format("{} {} --cp 2", TPX_PROJECT_BIN, odd), dir).exit_code, 2);
+  for (const std::string& args :
+       {std::string("--schedule zigzag"), std::string("--cp 3"), std::string("--pp 0"),
+        std::string("--cp-method ring2"), std::string("--pp 4 --microbatches 3"),
+        std::string("--pp 8 --microbatches 2 --schedule zb-h1"),
+        std::string("--pp 4 --microbatches 2 --schedule interleaved-1f1b --stages-per-rank 2"),
+        std::string("--pp 100")}) {
+    const auto r = test::run_command(fmt::format("{} {} {}", TPX_PROJECT_BIN, base, args), dir);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
+    EXPECT_EQ(test::lines_of(r.err).size(), 1u) << args << "\n" << r.err;
+  }
 }
 
 }  // namespace

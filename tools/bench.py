@@ -636,7 +636,8 @@ What each section is:
   CPU section shows the mechanics (bytes, the structure of the overlap, relative cost), not GPU
   speed.
 - **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
-  (`tools/projection.h`); projected, not measured; then the model against published results,
+  (`tools/projection.h`), and of a Llama-3-70B-shaped stack on 4-D meshes (PP × DP × CP × TP) of
+  64 and 512 GPUs; projected, not measured; then the model against published results,
   held-out cases first, and how far each error moves with each assumption.
 
 Regenerate with `scripts/bench.sh` (CPU section and projection) or `scripts/bench.sh --device

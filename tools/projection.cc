@@ -1,5 +1,9 @@
 #include "projection.h"
 
+#include "common/memory.h"
+#include "common/pipeline/schedule.h"
+#include "common/presets.h"
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -14,7 +18,8 @@ namespace {
 
 using I = std::int64_t;
 
-// The library stands alone (no MPI, no device code): its errors are std::runtime_error.
+// The model's own errors are std::runtime_error (one line); the schedule library's are
+// tpx::ConfigError, a std::runtime_error too.
 [[noreturn]] void fail(const std::string& why) {
   throw std::runtime_error(why);
 }
@@ -102,6 +107,7 @@ DeviceSpec load_device(const std::filesystem::path& file) {
   d.dp_GBps_per_direction = j.value("dp_GBps_per_direction", 0.0);
   d.dp_efficiency = j.value("dp_efficiency", 1.0);
   d.elementwise_scale = j.value("elementwise_scale", 1.0);
+  d.gpus_per_node = j.value("gpus_per_node", 8);
   if (j.contains("assumptions") && j["assumptions"].is_object())
     for (const auto& [key, why] : j["assumptions"].items()) d.assumed.push_back(key);
   if (d.sms <= d.collective_sms || d.collective_sms < 0)
@@ -305,7 +311,8 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
   const double qkv = 2 * T * H * (H + 2 * KV) / N, out = 2 * T * (H / N) * H;
   const double gu = 2 * T * H * 2 * F / N, down = 2 * T * (F / N) * H;
   // Attention (common/flops.h): forward 2·(2·B·S²·H) over the heads, 1/N per rank; backward 2×.
-  const double attn_f = 2 * (2 * B * S * S * H) / N;
+  // Under context parallelism the S queries here attend the keys of all C ranks (C·S).
+  const double attn_f = 2 * (2 * B * S * S * H) / N * o.cp;
   const double attn_ms = attn_f / (d.peak_bf16_flops * d.attention_efficiency) * 1e3;
   // Element-wise work (assumed: 12 passes over the residual stream and 6 over the FFN activations
   // of fp32 per forward, twice that backward; the stream is sharded under sequence parallelism).
@@ -370,6 +377,7 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
 
   Projection p;
   p.flops_per_rank = L * 3 * (qkv + out + gu + down + attn_f);  // backward = 2 × forward
+  p.attention_ms = L * attn_ms;
   p.forward = {fwd.step_ms * L, fwd.compute_ms * L};
   p.backward = {bwd.step_ms * L, bwd.compute_ms * L};
   const double forwards = o.recompute || c.recompute == Recompute::full ? 2.0 : 1.0;
@@ -758,6 +766,16 @@ Report make_report(const DeviceSpec& d, const std::vector<Validation>& validatio
   if (d.dp_GBps_per_direction > 0)
     for (const int dp : {4, 32})
       r.mesh.push_back(project_mesh(d, r.mesh_config, 8, dp, fsdp_bytes(r.mesh_config, 8, dp, 2)));
+  // The 4-D meshes: a Llama-3-70B-shaped stack of all 80 layers on 64 and 512 GPUs.
+  if (d.dp_GBps_per_direction > 0)
+    for (const int gpus : {64, 512}) {
+      Report::LayoutTable t{gpus, layout_model("llama3-70b", gpus), {}, 0};
+      for (const Layout& l : layout_table(gpus)) {
+        t.rows.push_back(project_layout(d, t.config, l));
+        if (t.rows.back().step_ms < t.rows[t.best].step_ms) t.best = t.rows.size() - 1;
+      }
+      r.layouts.push_back(std::move(t));
+    }
   return r;
 }
 
@@ -776,6 +794,209 @@ Report::MeshRow project_mesh(const DeviceSpec& d, const BlockConfig& replica, in
                   : 0.0;
   row.step_ms = p.step_ms + std::max(0.0, row.dp_ms - p.compute_ms);
   return row;
+}
+
+namespace {
+
+/// A group's link: NVLink when its `size` ranks, `stride` apart, sit in one node, else the
+/// inter-node network.
+struct Link {
+  double GBps = 0, efficiency = 1, latency_us = 0;
+  /// `bytes` over the link in `messages` messages, milliseconds.
+  double ms(double bytes, double messages) const {
+    return bytes / (GBps * 1e9 * efficiency) * 1e3 + messages * latency_us * 1e-3;
+  }
+};
+
+Link link_of(const DeviceSpec& d, int stride, int size, const char* group) {
+  if (stride * size <= d.gpus_per_node)
+    return {d.nvlink_GBps_per_direction, d.collective_efficiency, d.link_latency_us};
+  if (d.dp_GBps_per_direction <= 0)
+    fail(fmt::format("{}: the {} group spans nodes and the file has no dp_GBps_per_direction",
+                     d.file, group));
+  return {d.dp_GBps_per_direction, d.dp_efficiency, d.link_latency_us};
+}
+
+Traffic times(Traffic t, std::uint64_t k) {
+  return {t.payload * k, t.bus * k, t.calls * k};
+}
+
+}  // namespace
+
+LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layout& l) {
+  check(l.pp >= 1 && l.dp >= 1 && l.cp >= 1 && l.tp >= 1 && l.microbatches >= 1 &&
+            l.stages_per_rank >= 1,
+        "P, D, C, T, M and V must be >= 1");
+  const std::string mesh = fmt::format("P {} × D {} × C {} × T {}", l.pp, l.dp, l.cp, l.tp);
+  const I nkv = c.kv_heads_or_heads();
+  if (c.batch % l.dp != 0)
+    fail(fmt::format("{}: D = {} does not divide the batch of {} sequences", mesh, l.dp, c.batch));
+  if (c.batch / l.dp % l.microbatches != 0)
+    fail(fmt::format("{}: M = {} does not divide a replica's {} sequences", mesh, l.microbatches,
+                     c.batch / l.dp));
+  if (c.seq % (l.cp > 1 ? 2 * l.cp * l.tp : l.tp) != 0)
+    fail(fmt::format("{}: S = {} does not split into {} chunks", mesh, c.seq,
+                     l.cp > 1 ? 2 * l.cp * l.tp : l.tp));
+  if (nkv % l.tp != 0 || c.heads % l.tp != 0 || c.ffn % l.tp != 0)
+    fail(fmt::format("{}: T = {} does not divide the heads ({}), KV heads ({}) and F ({})", mesh,
+                     l.tp, c.heads, nkv, c.ffn));
+  if (l.cp > 1 && l.cp_method == CpMethod::ulysses && nkv % (l.cp * l.tp) != 0)
+    fail(fmt::format("{}: ulysses needs the {} KV heads to split over C·T = {}", mesh, nkv,
+                     l.cp * l.tp));
+  const pipeline::PipelineShape shape{l.pp, l.microbatches, l.stages_per_rank};
+  const auto sched = pipeline::make_schedule(l.schedule, shape);
+  const auto split = pipeline::split_layers(int(c.layers), shape.stages(),
+                                            fmt::format("P·V = {}", shape.stages()));
+  LayoutStep r;
+  r.layout = l;
+  for (int p = 0; p < l.pp; ++p) {
+    int layers = 0;
+    for (const int s : shape.stages_of(p)) layers += split[std::size_t(s)].count;
+    r.layers = std::max(r.layers, layers);
+  }
+
+  // One micro-batch through the rank's layers: stage 05 on S/C tokens of B/(D·M) sequences.
+  BlockConfig mb = c;
+  mb.seq = c.seq / l.cp;
+  mb.batch = c.batch / (l.dp * l.microbatches);
+  mb.layers = r.layers;
+  ModelOptions o = stage_options(5);
+  o.act_bytes = activation_bytes(5, c);
+  o.cp = l.cp;
+  const Projection p = project(d, mb, l.tp, o);
+
+  // CP per layer, forward and backward (common/traffic.h's bytes; chapter 8's schedules).
+  const double C = l.cp, e = o.act_bytes, Dh = double(c.head_dim());
+  const double rows = double(mb.seq) * double(mb.batch);
+  const double kv = rows * double(nkv / l.tp) * Dh, q = rows * double(c.heads / l.tp) * Dh;
+  double cp_f = 0, cp_b = 0;
+  if (l.cp > 1) {
+    const Link link = link_of(d, l.tp, l.cp, "cp");
+    const double block_f = p.attention_ms / r.layers / C;  // one of the C blocks' attention
+    switch (l.cp_method) {
+      case CpMethod::ring: {
+        const double hop = link.ms(2 * kv * e, 1);
+        cp_f = (C - 1) * std::max(0.0, hop - block_f);
+        cp_b = (C - 1) * std::max(0.0, 2 * hop - 2 * block_f) + hop;
+        break;
+      }
+      case CpMethod::allgather: {
+        const double gather = link.ms((C - 1) * 2 * kv * e, C - 1);
+        cp_f = gather;
+        cp_b = 2 * gather;  // the gather again, and the dK/dV reduce-scatter
+        break;
+      }
+      case CpMethod::ulysses: {
+        auto a2a = [&](double n) { return link.ms((C - 1) / C * n * e, C - 1); };
+        cp_f = a2a(q + 2 * kv) + a2a(q);
+        cp_b = a2a(3 * q + 2 * kv) + a2a(q + 2 * kv);
+        break;
+      }
+    }
+  }
+  const double again = c.recompute == Recompute::full ? 1.0 : 0.0;  // project()'s rule
+  const double L = r.layers, M = l.microbatches, V = l.stages_per_rank;
+  const double cp_mb = L * (cp_f * (1 + again) + cp_b);
+  r.compute_ms = M * p.compute_ms;
+  r.tp_ms = M * p.exposed_comm_ms;
+  r.cp_ms = M * cp_mb;
+  r.forward_ms = p.forward.step_ms + L * cp_f;
+  r.backward_ms = p.step_ms - p.forward.step_ms + L * (cp_f * again + cp_b);
+  const double busy = M * (p.step_ms + cp_mb);
+
+  // The bubble: the schedule's formula, with a split backward's W as half of it (the weight
+  // gradients' GEMMs are as many FLOPs as the input gradients').
+  pipeline::Costs costs{r.forward_ms / V, r.backward_ms / V, 0.0, 0.0};
+  if (sched->split_backward()) costs = {r.forward_ms, r.backward_ms / 2, r.backward_ms / 2, 0.0};
+  r.bubble = sched->formula_bubble(costs);
+  if (!std::isfinite(r.bubble))
+    fail(fmt::format("{}: schedule {} has no bubble formula at M = {} (zb-h1's needs M >= P)", mesh,
+                     l.schedule, l.microbatches));
+  r.bubble_ms = busy * r.bubble / (1 - r.bubble);
+
+  // PP: each boundary's [S/(C·T), B/(D·M), H] activation, and its gradient back.
+  r.message_bytes = std::uint64_t(c.seq / (l.cp * l.tp)) * std::uint64_t(mb.batch) *
+                    std::uint64_t(c.hidden) * std::uint64_t(o.act_bytes);
+  if (l.pp > 1) {
+    r.p2p_bytes =
+        2 * std::uint64_t(l.microbatches) * std::uint64_t(l.stages_per_rank) * r.message_bytes;
+    pipeline::Costs with = costs;
+    with.latency = link_of(d, l.dp * l.cp * l.tp, l.pp, "pp").ms(double(r.message_bytes), 1);
+    r.p2p_ms =
+        pipeline::simulate(*sched, with).makespan - pipeline::simulate(*sched, costs).makespan;
+  }
+
+  // The step's bytes per group, as the stages count them (common/traffic.h).
+  BlockConfig rank = c;  // the rank's layers, the whole batch
+  rank.layers = r.layers;
+  BlockConfig micro = rank;  // one micro-batch of every replica
+  micro.batch = c.batch / l.microbatches;
+  const MeshTraffic t = mesh_traffic(micro, l.dp, l.cp, l.tp, l.cp_method);
+  r.tp = times(t.tp, std::uint64_t(l.microbatches));
+  r.cp = times(t.cp, std::uint64_t(l.microbatches));
+  r.dp = fsdp_traffic(rank, l.tp, l.dp * l.cp);  // gathered once a step, kept across micro-batches
+  if (l.dp * l.cp > 1) {
+    const double dp_ms =
+        link_of(d, l.tp, l.dp * l.cp, "dp×cp").ms(double(r.dp.bus), 3 * (l.dp * l.cp - 1));
+    r.dp_ms = std::max(0.0, dp_ms - r.compute_ms);
+  }
+  r.step_ms = busy + r.bubble_ms + r.p2p_ms + r.dp_ms;
+
+  // Memory: common/memory.h's estimate of the rank's layers with as many micro-batches' saved
+  // activations as the schedule keeps alive (per virtual stage: 1/V of the layers each).
+  const std::vector<int> live = pipeline::peak_live(*sched);
+  const int alive =
+      (*std::max_element(live.begin(), live.end()) + l.stages_per_rank - 1) / l.stages_per_rank;
+  BlockConfig mem = rank;
+  mem.batch = c.batch / l.microbatches * std::min(alive, l.microbatches);
+  const Sharding sh{.rank = 0,
+                    .world = l.tp,
+                    .weights = true,
+                    .sequence = true,
+                    .dp = l.dp,
+                    .cp = l.cp,
+                    .cp_method = l.cp_method};
+  const MemoryEstimate estimate = estimate_training_memory(mem, sh);
+  r.memory_bytes = estimate.total();
+  r.saved_bytes = estimate.term("saved activations").bytes;
+  return r;
+}
+
+BlockConfig layout_model(const std::string& preset, int gpus) {
+  const ModelPreset* m = find_preset(preset);
+  if (m == nullptr) fail(fmt::format("no model {} (known: {})", preset, preset_names()));
+  BlockConfig c;
+  apply_preset(*m, {}, c);
+  c.dtype = DType::bf16;
+  c.optimizer = Optimizer::adamw;
+  c.batch = gpus / 2;
+  return c;
+}
+
+std::vector<Layout> layout_table(int gpus) {
+  struct Dims {
+    int pp, dp, cp;
+  };
+  std::vector<Dims> dims;
+  if (gpus == 64)
+    dims = {{1, 8, 1}, {1, 4, 2}, {2, 4, 1}, {2, 2, 2}, {4, 2, 1}, {4, 1, 2}, {8, 1, 1}};
+  else if (gpus == 512)
+    dims = {{1, 64, 1}, {1, 32, 2}, {2, 32, 1}, {2, 16, 2}, {4, 16, 1},
+            {4, 8, 2},  {4, 4, 4},  {8, 8, 1},  {8, 4, 2}};
+  else
+    fail(fmt::format("no 4-D table for {} GPUs (64 or 512)", gpus));
+  const int batch = gpus / 2;  // layout_model()'s
+  std::vector<Layout> out;
+  for (const Dims& x : dims) {
+    Layout l;
+    l.pp = x.pp;
+    l.dp = x.dp;
+    l.cp = x.cp;
+    l.tp = gpus / (x.pp * x.dp * x.cp);
+    l.microbatches = batch / x.dp;  // micro-batches of one sequence
+    out.push_back(l);
+  }
+  return out;
 }
 
 namespace {
@@ -855,6 +1076,42 @@ json report_json(const Report& r) {
                          {"dp_bus_bytes_per_rank", m.dp_bus_bytes},
                          {"dp_comm_ms", m.dp_ms},
                          {"step_ms", m.step_ms}});
+  j["layouts"] = json::array();
+  for (const auto& t : r.layouts) {
+    json rows = json::array();
+    for (std::size_t i = 0; i < t.rows.size(); ++i) {
+      const LayoutStep& x = t.rows[i];
+      const Layout& l = x.layout;
+      rows.push_back({{"pp", l.pp},
+                      {"dp", l.dp},
+                      {"cp", l.cp},
+                      {"tp", l.tp},
+                      {"microbatches", l.microbatches},
+                      {"schedule", l.schedule},
+                      {"stages_per_rank", l.stages_per_rank},
+                      {"layers_per_rank", x.layers},
+                      {"step_ms", x.step_ms},
+                      {"compute_ms", x.compute_ms},
+                      {"tp_exposed_ms", x.tp_ms},
+                      {"cp_exposed_ms", x.cp_ms},
+                      {"dp_exposed_ms", x.dp_ms},
+                      {"pp_p2p_ms", x.p2p_ms},
+                      {"bubble_ms", x.bubble_ms},
+                      {"bubble", x.bubble},
+                      {"tp_bus_bytes", x.tp.bus},
+                      {"cp_bus_bytes", x.cp.bus},
+                      {"dp_bus_bytes", x.dp.bus},
+                      {"pp_p2p_bytes", x.p2p_bytes},
+                      {"memory_estimate_bytes", x.memory_bytes},
+                      {"best", i == t.best}});
+    }
+    j["layouts"].push_back({{"gpus", t.gpus},
+                            {"model", "llama3-70b"},
+                            {"layers", t.config.layers},
+                            {"seq", t.config.seq},
+                            {"batch", t.config.batch},
+                            {"rows", rows}});
+  }
   j["validation"] = json::array();
   for (const auto& v : r.validation) j["validation"].push_back(validation_json(v));
   j["left_out"] = json::array();
@@ -984,6 +1241,40 @@ std::string report_markdown(const Report& r) {
       s << fmt::format("| 07 | {} × {} | {} | {:.2f} | {:.2f} | {:.0f} | {:.2f} | {:.2f} |\n", m.tp,
                        m.dp, m.tp * m.dp, m.tp_step_ms, m.compute_ms, m.dp_bus_bytes, m.dp_ms,
                        m.step_ms);
+    s << "\n";
+  }
+  for (const auto& t : r.layouts) {
+    const BlockConfig& c = t.config;
+    s << fmt::format(
+        "**A Llama-3-70B-shaped layer stack on {} GPUs, 4-D meshes (projected, not measured)**: "
+        "all {} layers (H={} NH={} NKV={} F={}), S={}, a global batch of {} sequences, bf16, "
+        "AdamW; P × D × C × T with TP inside a node of {} GPUs, a group that spans nodes at the "
+        "inter-node {:g} GB/s × {:g}; micro-batches of one sequence, 1F1B; CP by the K/V ring; "
+        "FSDP over DP×CP; each layout named by the stage whose scheme it is (07: D × T, 08: "
+        "+ C, 09: + P). Per GPU (the busiest pipeline rank) and training step, the step split "
+        "into compute, exposed TP, CP and DP communication, PP point-to-point, and the bubble "
+        "(the schedule's formula); memory: the stages' estimate for the rank's layers and the "
+        "micro-batches 1F1B keeps alive, not checked against the GPU. As above, the stack of "
+        "blocks only: no embedding, output layer or optimizer step.\n\n",
+        t.gpus, c.layers, c.hidden, c.heads, c.kv_heads_or_heads(), c.ffn, c.seq, c.batch,
+        r.device.gpus_per_node, r.device.dp_GBps_per_direction, r.device.dp_efficiency);
+    s << "| scheme | P × D × C × T | M | layers/rank | projected step ms | compute ms | TP exposed "
+         "ms | CP exposed ms | DP exposed ms | PP P2P ms | bubble ms | bubble % | memory estimate "
+         "| |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+    for (std::size_t i = 0; i < t.rows.size(); ++i) {
+      const LayoutStep& x = t.rows[i];
+      const Layout& l = x.layout;
+      s << fmt::format(
+          "| {} | {} × {} × {} × {} | {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | "
+          "{:.1f} | "
+          "{:.1f} | {:.1f} | {} | {} |\n",
+          l.pp > 1   ? "09_pipeline_parallel"
+          : l.cp > 1 ? "08_context_parallel"
+                     : "07_fsdp_tp",
+          l.pp, l.dp, l.cp, l.tp, l.microbatches, x.layers, x.step_ms, x.compute_ms, x.tp_ms,
+          x.cp_ms, x.dp_ms, x.p2p_ms, x.bubble_ms, 100 * x.bubble, bytes_text(x.memory_bytes),
+          i == t.best ? "**best**" : "");
+    }
     s << "\n";
   }
   s << "**The model against published results**, each case quoted with its source and what it "

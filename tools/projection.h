@@ -33,14 +33,38 @@
 // layer's compute (exposed: what a layer's DP traffic takes beyond its compute, and the first
 // gather); AdamW on the rank's 1/(TP·DP) of the parameters at HBM speed.
 //
+// The 4-D mesh (project_layout()): P pipeline stages × D data-parallel replicas × C context-
+// parallel ranks × T tensor-parallel ranks, rank = ((p·D + d)·C + c)·T + t (TP innermost), a
+// node holding gpus_per_node consecutive ranks; a group whose ranks span more than one node runs
+// at the inter-node bandwidth (dp_GBps_per_direction × dp_efficiency), else at NVLink's. The
+// busiest pipeline rank (⌈L/P⌉ layers, common/pipeline/schedule.h's split_layers()) runs M
+// micro-batches of B/(D·M) sequences of S/C tokens:
+//   compute, TP  stage 05's projection of one micro-batch through its layers (attention of the
+//                S/C queries against all S keys), M times;
+//   CP           ring: forward C−1 hops of K/V (2·kv·e bytes), each beside one of the C blocks'
+//                attention, exposed where the hop outlasts the block; backward the K/V hop and
+//                the previous block's dK/dV hop beside each block, and the last dK/dV hop home
+//                exposed. allgather: the gather (forward, again backward) and the dK/dV
+//                reduce-scatter, exposed. ulysses: two all-to-alls per attention in each
+//                direction (q, k, v there and the output back; q, k, v, out, dO there and dq,
+//                dk, dv back), exposed; bytes as common/traffic.h's cp_traffic();
+//   DP           FSDP over the D·C ranks of the DP×CP group, the rank's layers gathered twice
+//                and reduce-scattered once a step (kept across micro-batches), prefetched behind
+//                the step's compute: exposed what it takes beyond it (project_mesh()'s rule);
+//   bubble       the schedule's own formula (make_schedule(...)->formula_bubble(...): (P−1)/
+//                (M+P−1), ÷V interleaved, ZB-H1's) of the step: busy · β / (1 − β);
+//   PP P2P       each boundary sends [S/(C·T), B/(D·M), H] forward and its gradient back; the
+//                exposed time is how much longer the schedule's simulated makespan gets when
+//                every message between ranks takes latency + bytes / bandwidth.
+//
 // defines: tpx::projection::stage_name(), EfficiencyCurve, DeviceSpec, load_device(), calibrate(),
-// Comm,
-//          Schedule, ModelOptions, Phase, Projection, project(),
+//          Comm, Schedule, ModelOptions, Phase, Projection, project(),
 //          project_stage(), ag_gemm_ms(), gemm_rs_ms(), Workload, train_step(), Published,
 //          load_published(), Validation, validate(), error_pct(), perturb(), Sensitivity,
 //          sensitivity(), Report, make_report(), report_json(), report_markdown(),
 //          validation_markdown(), sensitivity_markdown(), big_config(), small_config(),
-//          project_mesh() (comm_bytes(), fsdp_bytes(): common/traffic.h)
+//          project_mesh(), Layout, LayoutStep, project_layout(), layout_model(),
+//          layout_table() (comm_bytes(), fsdp_bytes(), mesh_traffic(): common/traffic.h)
 #pragma once
 
 #include <cstdint>
@@ -85,6 +109,8 @@ struct DeviceSpec {
   double dp_GBps_per_direction = 0, dp_efficiency = 1;
   /// Scales the element-wise HBM traffic the model charges (12 + 6 passes per forward).
   double elementwise_scale = 1;
+  /// GPUs per node (NVLink inside, dp_GBps_per_direction between nodes); 8 when not given.
+  int gpus_per_node = 8;
   EfficiencyCurve gemm;
   bool calibrated = false;
   std::vector<std::string> calibration_notes;  // what --calibrate replaced, from which file
@@ -120,6 +146,7 @@ struct ModelOptions {
   bool fp8 = false;        // linear GEMMs at the FP8 peak, 1-byte gathers, amax all-reduces
   int act_bytes = 4;       // see comm_bytes()
   bool recompute = false;  // activation checkpointing: the forward runs twice per step
+  int cp = 1;  // context parallelism: the S queries of the config attend C·S keys (of C ranks)
 };
 
 /// Times of one phase (forward or backward), milliseconds, all layers.
@@ -131,6 +158,7 @@ struct Projection {
   Phase forward, backward;
   double step_ms = 0, compute_ms = 0, exposed_comm_ms = 0;
   double flops_per_rank = 0;  // the GEMMs the model times, forward + backward once
+  double attention_ms = 0;    // attention's share of forward.compute_ms (backward: twice it)
   Comm comm;
 };
 
@@ -233,6 +261,33 @@ std::vector<Sensitivity> sensitivity(const std::vector<Published>& cases,
 BlockConfig big_config();  ///< H=8192 NH=64 NKV=8 F=28672 S=8192 B=1 L=1, bf16: a Llama-3-70B layer
 BlockConfig small_config();  ///< H=4096 NH=32 NKV=32 F=11008 S=2048 B=1 L=1, bf16 (Llama-2-7B)
 
+/// A 4-D layout (see the top of the file): P × D × C × T GPUs, M micro-batches scheduled by
+/// `schedule` (gpipe, 1f1b, interleaved-1f1b, zb-h1) with V virtual stages per rank, CP by
+/// `cp_method`.
+struct Layout {
+  int pp = 1, dp = 1, cp = 1, tp = 8;
+  int microbatches = 1, stages_per_rank = 1;
+  std::string schedule = "1f1b";
+  CpMethod cp_method = CpMethod::ring;
+  int gpus() const { return pp * dp * cp * tp; }
+};
+
+/// A layout's projected step on its busiest GPU: the parts add up to step_ms.
+struct LayoutStep {
+  Layout layout;
+  int layers = 0;  // the layers of the busiest pipeline rank
+  double compute_ms = 0, tp_ms = 0, cp_ms = 0, dp_ms = 0, p2p_ms = 0, bubble_ms = 0, step_ms = 0;
+  double bubble = 0;  // the schedule's formula: the idle share of the pipeline
+  /// One micro-batch through the rank's layers: forward, and backward (with a recomputed
+  /// forward), TP and CP exposure included: the schedule's F and B (and W = B/2 for zb-h1).
+  double forward_ms = 0, backward_ms = 0;
+  Traffic tp, cp, dp;           // a step's bytes per GPU on each group (common/traffic.h)
+  std::uint64_t p2p_bytes = 0;  // sent per GPU and step across pipeline boundaries (2·M·V msgs)
+  std::uint64_t message_bytes = 0;  // one boundary's activation [S/(C·T), B/(D·M), H]
+  std::uint64_t memory_bytes = 0;   // common/memory.h's estimate of the layers alone
+  std::uint64_t saved_bytes = 0;    // its saved activations
+};
+
 /// Everything tpx_project writes.
 struct Report {
   DeviceSpec device;
@@ -254,6 +309,14 @@ struct Report {
   };
   BlockConfig mesh_config;
   std::vector<MeshRow> mesh;
+  /// The 4-D meshes: per GPU count, the model and its layouts' projected steps.
+  struct LayoutTable {
+    int gpus = 0;
+    BlockConfig config;
+    std::vector<LayoutStep> rows;
+    std::size_t best = 0;  // the row with the shortest step
+  };
+  std::vector<LayoutTable> layouts;
   std::vector<Validation> validation;
   std::vector<LeftOut> left_out;
   std::vector<Sensitivity> sensitivity;
@@ -265,6 +328,19 @@ struct Report {
 /// beyond it; none without a dp_GBps_per_direction in the device file).
 Report::MeshRow project_mesh(const DeviceSpec& d, const BlockConfig& replica, int tp, int dp,
                              double dp_bus_bytes);
+
+/// The projection of `c` (all its layers, its global batch B) on layout `l`. Throws
+/// std::runtime_error (tpx::ConfigError from the schedule library) with one line when the
+/// layout does not split the model: D ∤ B, M ∤ B/D, 2C·T ∤ S, T ∤ the heads or F, L < P·V, a
+/// schedule's own limits, Ulysses' NKV % (C·T), zb-h1's formula outside M ≥ P.
+LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layout& l);
+
+/// The model of the 4-D tables: `preset` (common/presets.h, all its layers), bf16, AdamW, and a
+/// global batch of `gpus` / 2 sequences (the same tokens per GPU at every size).
+BlockConfig layout_model(const std::string& preset, int gpus);
+/// The layouts of the 4-D table at `gpus` (64 or 512): a handful of P × D × C × T, each with
+/// micro-batches of one sequence under 1F1B.
+std::vector<Layout> layout_table(int gpus);
 
 Report make_report(const DeviceSpec& d, const std::vector<Validation>& validation,
                    const std::vector<LeftOut>& left_out = {},

@@ -4,22 +4,30 @@
 //               [--calibrate FILE …] [--published FILE] [--validate] [--sensitivity]
 //   tpx_project --device NAME|FILE [--model NAME] [--config FILE] [--hidden H] [--heads NH]
 //               [--kv-heads NKV] [--ffn F] [--seq S] [--batch B] [--layers L] [--dtype fp32|bf16]
-//               [--recompute none|full|selective] [--tp T] [--dp D] [--markdown FILE] [--json FILE]
+//               [--recompute none|full|selective] [--tp T] [--dp D] [--cp C]
+//               [--cp-method ring|allgather|ulysses] [--pp P] [--microbatches M]
+//               [--schedule gpipe|1f1b|interleaved-1f1b|zb-h1] [--stages-per-rank V]
+//               [--markdown FILE] [--json FILE]
 //
 // --device is a device file, or its name in tools/devices/ (h100_sxm, h200, …; an unknown name
 // is refused with the list).
 //
-// Given a model (--model, --config, or any size flag) or a parallel size (--tp, --dp), it answers
-// "what does each stage's scheme cost per GPU for my model": one row per stage (01 on one GPU,
-// 02 … 06 on T GPUs, 07 on T × D) with the projected step, its compute and exposed communication,
-// the FLOPs, the bytes on the TP and DP groups as the stages count them (common/traffic.h), the
-// saved activations and the peak-memory estimate per GPU (common/memory.h), in KiB/MiB/GiB.
+// Given a model (--model, --config, or any size flag) or a parallel size (--tp, --dp, --cp,
+// --pp, …), it answers "what does each stage's scheme cost per GPU for my model": one row per
+// stage (01 on one GPU, 02 … 06 on T GPUs, 07 on T × D, 08 on T × C × D with --cp C, default 2,
+// by --cp-method; with --pp P, the 4-D mesh P × D × C × T of stage 09's pipeline, M micro-batches
+// (default: one sequence each) by --schedule with V stages per rank) with the projected step, its
+// compute and exposed communication, the pipeline's bubble, the FLOPs, the bytes on the TP, CP,
+// DP and PP groups as the stages count them (common/traffic.h), the saved activations and the
+// peak-memory estimate per GPU (common/memory.h), in KiB/MiB/GiB.
 //
 // Otherwise it writes the report: per config (a Llama-3-70B layer and a Llama-7B-sized one) the
 // projected step of every stage at N = 2, 4, 8 (stage 01 at N = 1), stage 07 at TP × DP = 8 × 4
-// and 8 × 32, then the model against published results (--published, default published.json
-// next to the device file): the held-out cases first, then the calibration cases, what is left
-// out and why, and the sensitivity of every error to each assumed parameter (±20 %).
+// and 8 × 32, a Llama-3-70B-shaped stack of 80 layers on 4-D meshes P × D × C × T of 64 and 512
+// GPUs (the step split into compute, exposed TP, CP and DP communication, PP point-to-point and
+// bubble; the shortest marked), then the model against published results (--published, default
+// published.json next to the device file): the held-out cases first, then the calibration cases,
+// what is left out and why, and the sensitivity of every error to each assumed parameter (±20 %).
 // --markdown / --json write files; with neither, the markdown goes to stdout. --validate prints
 // the validation tables alone, --sensitivity the sensitivity table alone (both: both).
 // --calibrate (repeatable) replaces assumptions of the device with measurements: the GEMM
@@ -44,9 +52,11 @@
 #include <nlohmann/json.hpp>
 
 #include "common/check.h"
+#include "common/cli.h"
 #include "common/config.h"
 #include "common/flops.h"
 #include "common/memory.h"
+#include "common/pipeline/schedule.h"
 #include "common/presets.h"
 #include "common/tp.h"
 #include "common/traffic.h"
@@ -86,33 +96,57 @@ fs::path device_file(const std::string& arg) {
 /// One stage's row of the by-flags table.
 struct StageCost {
   std::string stage;
-  int tp = 1, dp = 1;
+  int gpus = 1;
   pj::Projection p;
-  double step_ms = 0, exposed_ms = 0;
-  tpx::Traffic tp_bytes, dp_bytes;
+  double step_ms = 0, exposed_ms = 0, bubble_ms = 0;
+  tpx::Traffic tp_bytes, dp_bytes, cp_bytes;
+  std::uint64_t pp_bytes = 0;
   double flops = 0;  // per GPU and step, the model's GEMMs
   std::uint64_t saved = 0, memory = 0;
+  std::string left_out;  // why the row has no numbers (stage 08 at a C not asked for)
 };
 
-/// Every stage's cost per GPU for model `c` at TP `tp` (stage 07: T × `dp`).
+/// Stage 08's row (l.pp = 1) or the 4-D pipeline's (stage 09's scheme), from the layout's
+/// projection: exposed = everything but the compute and the bubble.
+StageCost layout_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const pj::Layout& l) {
+  const pj::LayoutStep x = pj::project_layout(d, c, l);
+  StageCost r;
+  r.stage = l.pp > 1 ? "09_pipeline_parallel" : "08_context_parallel";
+  r.gpus = l.gpus();
+  r.step_ms = x.step_ms;
+  r.bubble_ms = x.bubble_ms;
+  r.exposed_ms = x.step_ms - x.compute_ms - x.bubble_ms;
+  r.tp_bytes = x.tp;
+  r.cp_bytes = x.cp;
+  r.dp_bytes = x.dp;
+  r.pp_bytes = x.p2p_bytes;
+  r.flops = tpx::step_flops(c).total() / double(r.gpus);
+  r.saved = x.saved_bytes;
+  r.memory = x.memory_bytes;
+  return r;
+}
+
+/// Every stage's cost per GPU for model `c` at TP `tp` (stage 07: T × `dp`), stage 08 at `mesh`
+/// without its pipeline, and with mesh.pp > 1 the 4-D pipeline. Stage 08 at a default C that
+/// the model does not split into is left out, with the reason (`cp_given`: an error instead).
 std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp,
-                                   int dp) {
+                                   int dp, const pj::Layout& mesh, bool cp_given) {
   using tpx::Sharding;
   std::vector<StageCost> rows;
   for (int stage = 1; stage <= 7; ++stage) {
     StageCost r;
     r.stage = stage == 7 ? "07_fsdp_tp" : pj::stage_name(stage);
-    r.tp = stage == 1 ? 1 : tp;
-    r.dp = stage == 7 ? dp : 1;
+    const int t = stage == 1 ? 1 : tp, n = stage == 7 ? dp : 1;
+    r.gpus = t * n;
     tpx::BlockConfig s = c;                      // what the stage runs
     if (stage == 6) s.dtype = tpx::DType::e4m3;  // its default recipe: FP8 GEMMs inside bf16
-    Sharding sh{.rank = 0, .world = r.tp, .weights = stage > 1, .sequence = stage > 2, .dp = r.dp};
-    if (stage > 1) tpx::check_tp_split(s, r.tp, /*sequence=*/stage > 2);
+    Sharding sh{.rank = 0, .world = t, .weights = stage > 1, .sequence = stage > 2, .dp = n};
+    if (stage > 1) tpx::check_tp_split(s, t, /*sequence=*/stage > 2);
     if (stage < 7) {
-      r.p = pj::project_stage(d, s, r.tp, stage);
+      r.p = pj::project_stage(d, s, t, stage);
       r.step_ms = r.p.step_ms;
       r.exposed_ms = r.p.exposed_comm_ms;
-      r.tp_bytes = tpx::comm_bytes(stage, s, r.tp);
+      r.tp_bytes = tpx::comm_bytes(stage, s, t);
     } else {
       tpx::BlockConfig replica = s;
       replica.batch /= dp;
@@ -122,12 +156,25 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
       r.exposed_ms = m.step_ms - m.compute_ms;
       r.tp_bytes = tpx::comm_bytes(5, replica, tp);
     }
-    r.flops = tpx::step_flops(s).total() / double(r.tp * r.dp);
+    r.flops = tpx::step_flops(s).total() / double(r.gpus);
     const tpx::MemoryEstimate e = tpx::estimate_training_memory(s, sh);
     r.saved = e.term("saved activations").bytes;
     r.memory = e.total();
     rows.push_back(r);
   }
+  pj::Layout cp = mesh;
+  cp.pp = cp.microbatches = cp.stages_per_rank = 1;
+  cp.schedule = "1f1b";
+  try {
+    rows.push_back(layout_cost(d, c, cp));
+  } catch (const std::runtime_error& e) {
+    if (cp_given) throw;
+    StageCost left;
+    left.stage = "08_context_parallel";
+    left.left_out = e.what();
+    rows.push_back(left);
+  }
+  if (mesh.pp > 1) rows.push_back(layout_cost(d, c, mesh));
   return rows;
 }
 
@@ -138,8 +185,18 @@ std::string describe(const tpx::BlockConfig& c, const std::string& model) {
                      tpx::dtype_flag(c.dtype), tpx::recompute_flag(c.recompute));
 }
 
+/// "P 2 × D 1 × C 2 × T 8, 1f1b, M 4, V 1, cp-method ring" (P only when > 1).
+std::string describe(const pj::Layout& l) {
+  return fmt::format("{}D {} × C {} × T {}{}, cp-method {}",
+                     l.pp > 1 ? fmt::format("P {} × ", l.pp) : "", l.dp, l.cp, l.tp,
+                     l.pp > 1 ? fmt::format(", {} with M {} and V {}", l.schedule, l.microbatches,
+                                            l.stages_per_rank)
+                              : "",
+                     tpx::to_string(l.cp_method));
+}
+
 std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
-                           const std::string& model, int tp, int dp,
+                           const std::string& model, int tp, int dp, const pj::Layout& mesh,
                            const std::vector<StageCost>& rows) {
   std::ostringstream s;
   s << fmt::format(
@@ -147,23 +204,34 @@ std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
       "({}), GEMM efficiency {}{}.\n\n",
       d.file, d.name, d.calibrated ? "calibrated: " : "not calibrated: ", d.gemm.origin);
   s << fmt::format(
-      "{} | TP {}, DP {} (stage 07). Per GPU and training step (forward + backward of all L "
-      "layers); bytes as the stages count them (bus bytes, nccl-tests' convention); memory: the "
-      "stages' own estimate of a GPU's peak (common/memory.h); stage 06 runs FP8 GEMMs inside "
-      "the bf16 recipe.\n\n",
-      describe(c, model), tp, dp);
-  s << "| stage | GPUs | step ms | exposed comm ms | TFLOP per GPU | TP bus per GPU | DP bus per "
-       "GPU | saved activations | peak memory |\n|---|---|---|---|---|---|---|---|---|\n";
+      "{} | TP {}, DP {} (stages 07, 08); {} (stage 08{}). Per GPU and training step (forward + "
+      "backward of all L layers; the pipeline's busiest rank); bytes as the stages count them "
+      "(bus bytes, nccl-tests' convention; 08's DP bytes over DP×CP; PP: what a rank sends); "
+      "memory: the stages' own estimate of a GPU's peak (common/memory.h); stage 06 runs FP8 "
+      "GEMMs inside the bf16 recipe.\n\n",
+      describe(c, model), tp, dp, describe(mesh), mesh.pp > 1 ? ", 09 with the pipeline" : "");
+  s << "| stage | GPUs | step ms | exposed comm ms | bubble ms | TFLOP per GPU | TP bus per GPU | "
+       "CP bus per GPU | DP bus per GPU | PP P2P per GPU | saved activations | peak memory "
+       "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const StageCost& r : rows) {
+    if (!r.left_out.empty()) continue;
+    s << fmt::format(
+        "| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.1f} | {} | {} | {} | {} | {} | {} "
+        "|\n",
+        r.stage, r.gpus, r.step_ms, r.exposed_ms, r.bubble_ms, r.flops / 1e12,
+        tpx::bytes_text(r.tp_bytes.bus), tpx::bytes_text(r.cp_bytes.bus),
+        tpx::bytes_text(r.dp_bytes.bus), tpx::bytes_text(r.pp_bytes), tpx::bytes_text(r.saved),
+        tpx::bytes_text(r.memory));
+  }
   for (const StageCost& r : rows)
-    s << fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.1f} | {} | {} | {} | {} |\n", r.stage,
-                     r.tp * r.dp, r.step_ms, r.exposed_ms, r.flops / 1e12,
-                     tpx::bytes_text(r.tp_bytes.bus), tpx::bytes_text(r.dp_bytes.bus),
-                     tpx::bytes_text(r.saved), tpx::bytes_text(r.memory));
+    if (!r.left_out.empty())
+      s << fmt::format("\n{} is left out at its default --cp {}: {}.\n", r.stage, mesh.cp,
+                       r.left_out);
   return s.str();
 }
 
 json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::string& model,
-                int tp, int dp, const std::vector<StageCost>& rows) {
+                int tp, int dp, const pj::Layout& mesh, const std::vector<StageCost>& rows) {
   json j = {{"device", d.name},
             {"device_file", d.file},
             {"model", model},
@@ -179,18 +247,33 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
               {"recompute", tpx::recompute_flag(c.recompute)}}},
             {"tp", tp},
             {"dp", dp},
+            {"cp", mesh.cp},
+            {"cp_method", tpx::to_string(mesh.cp_method)},
+            {"pp", mesh.pp},
+            {"microbatches", mesh.microbatches},
+            {"schedule", mesh.schedule},
+            {"stages_per_rank", mesh.stages_per_rank},
             {"stages", json::array()}};
-  for (const StageCost& r : rows)
+  for (const StageCost& r : rows) {
+    if (!r.left_out.empty()) {
+      j["stages"].push_back({{"stage", r.stage}, {"left_out", r.left_out}});
+      continue;
+    }
     j["stages"].push_back({{"stage", r.stage},
-                           {"gpus", r.tp * r.dp},
+                           {"gpus", r.gpus},
                            {"step_ms", r.step_ms},
                            {"exposed_comm_ms", r.exposed_ms},
+                           {"bubble_ms", r.bubble_ms},
                            {"flops_per_gpu", r.flops},
                            {"tp_bus_bytes", r.tp_bytes.bus},
                            {"tp_payload_bytes", r.tp_bytes.payload},
+                           {"cp_bus_bytes", r.cp_bytes.bus},
+                           {"cp_payload_bytes", r.cp_bytes.payload},
+                           {"pp_p2p_bytes", r.pp_bytes},
                            {"dp_bus_bytes", r.dp_bytes.bus},
                            {"saved_activation_bytes", r.saved},
                            {"memory_estimate_bytes", r.memory}});
+  }
   return j;
 }
 
@@ -198,8 +281,9 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "tpx_project: projected step time, bytes and memory per GPU of stages 01-07 on GPUs of one "
-      "kind, for a model given by name, file or sizes; or the projection report"};
+      "tpx_project: projected step time, bytes and memory per GPU of stages 01-08 (and, with --pp, "
+      "a 4-D mesh's pipeline) on GPUs of one kind, for a model given by name, file or sizes; or "
+      "the projection report"};
   app.footer("Exit status: 0 done; 2 bad input (a flag, a size the ranks cannot split, a file).");
   std::string device_arg, markdown, json_file, published;
   std::vector<std::string> calibrate;
@@ -252,7 +336,36 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str()
       ->group(m);
-  app.add_option("--dp", dp, "D, data-parallel replicas of stage 07 (FSDP over D)")
+  app.add_option("--dp", dp, "D, data-parallel replicas of stages 07 and 08 (FSDP over D)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(m);
+  pj::Layout mesh;  // stage 08's C and method, and the pipeline's P, M, schedule and V
+  mesh.cp = 2;
+  std::string cp_method = "ring";
+  mesh.microbatches = 0;  // 0: one sequence each, B / D
+  app.add_option("--cp", mesh.cp, "C, context-parallel ranks of stage 08 (and the pipeline)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(m);
+  app.add_option("--cp-method", cp_method, "ring, allgather or ulysses (stage 08)")
+      ->check(CLI::IsMember({"ring", "allgather", "ulysses"}))
+      ->capture_default_str()
+      ->group(m);
+  app.add_option("--pp", mesh.pp, "P, pipeline stages: adds the 4-D mesh P × D × C × T's row")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(m);
+  app.add_option("--microbatches", mesh.microbatches,
+                 "M, micro-batches per step of each replica (default: B / D, one sequence each)")
+      ->check(CLI::PositiveNumber)
+      ->group(m);
+  app.add_option("--schedule", mesh.schedule, "the pipeline's schedule")
+      ->check(CLI::IsMember(tpx::pipeline::schedule_names()))
+      ->capture_default_str()
+      ->group(m);
+  app.add_option("--stages-per-rank", mesh.stages_per_rank,
+                 "V, virtual pipeline stages per rank (interleaved-1f1b)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str()
       ->group(m);
@@ -267,7 +380,8 @@ int main(int argc, char** argv) {
   const bool by_flags = [&] {
     for (const char* flag :
          {"--model", "--config", "--hidden", "--heads", "--kv-heads", "--ffn", "--seq", "--batch",
-          "--layers", "--dtype", "--recompute", "--tp", "--dp"})
+          "--layers", "--dtype", "--recompute", "--tp", "--dp", "--cp", "--cp-method", "--pp",
+          "--microbatches", "--schedule", "--stages-per-rank"})
       if (app.count(flag) > 0) return true;
     return false;
   }();
@@ -314,11 +428,17 @@ int main(int argc, char** argv) {
         throw std::invalid_argument(fmt::format(
             "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", dp,
             c.batch));
-      const auto rows = stage_costs(device, c, tp, dp);
-      const std::string md = costs_markdown(device, c, model, tp, dp, rows);
+      mesh.dp = dp;
+      mesh.tp = tp;
+      mesh.cp_method = cp_method == "allgather" ? tpx::CpMethod::allgather
+                       : cp_method == "ulysses" ? tpx::CpMethod::ulysses
+                                                : tpx::CpMethod::ring;
+      if (mesh.microbatches == 0) mesh.microbatches = int(c.batch / dp);
+      const auto rows = stage_costs(device, c, tp, dp, mesh, app.count("--cp") > 0);
+      const std::string md = costs_markdown(device, c, model, tp, dp, mesh, rows);
       if (!markdown.empty()) write_file(markdown, md);
       if (!json_file.empty())
-        write_file(json_file, costs_json(device, c, model, tp, dp, rows).dump(2) + "\n");
+        write_file(json_file, costs_json(device, c, model, tp, dp, mesh, rows).dump(2) + "\n");
       if (markdown.empty() && json_file.empty()) std::fputs(md.c_str(), stdout);
       return 0;
     }
