@@ -389,11 +389,11 @@ class Executor {
   std::vector<Tensor> inputs, targets;
 
   struct Result {
-    double loss_sum = 0;        ///< this rank's part of Σ (y − T)² (last stage)
-    double busy_ms = 0;         ///< the actions' own time
-    int peak_live = 0;          ///< the most (micro-batch, stage) activations alive at once
+    double loss_sum = 0;         ///< this rank's part of Σ (y − T)² (last stage)
+    double busy_ms = 0;          ///< the actions' own time
+    int peak_live = 0;           ///< the most (micro-batch, stage) activations alive at once
     std::size_t peak_saved = 0;  ///< the most bytes of saved activations alive at once
-    std::vector<Tensor> y, dx;  ///< per micro-batch: the last stage's output, stage 0's dx
+    std::vector<Tensor> y, dx;   ///< per micro-batch: the last stage's output, stage 0's dx
   };
 
   Result run(const std::vector<LayerParams>& params, bool keep) {
@@ -682,19 +682,11 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     }
     row.loss =
         0.5 * par.sum_over_ranks(r.loss_sum) / (double(c.seq) * double(c.batch) * double(c.hidden));
-    double sq = 0.0;
-    {
-      TraceScope op(trace, "grad norm");
-      sq = grad_square_sum(m, sh);
-    }
-    row.grad_norm = std::sqrt(par.sum_over_ranks(sq));
-    if (!std::isfinite(row.loss) || !std::isfinite(row.grad_norm)) {
-      result.diverged =
-          fmt::format("{} is not finite at step {} (lr {:g} too large?)",
-                      std::isfinite(row.loss) ? "the gradient norm" : "loss", step, c.lr);
+    row.grad_norm = grad_norm(par, m, sh, trace);
+    if (result.diverged = divergence(row, c.lr); !result.diverged.empty()) {
       par.synchronize();
       ops::synchronize(c.device);
-      break;
+      break;  // no update from a non-finite gradient; the rows so far stay
     }
     par.synchronize();
     ops::synchronize(c.device);
@@ -738,19 +730,7 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       m.target = Tensor();
     }
 
-    const auto t1 = Clock::now();
-    {
-      TraceScope phase(trace, "update", Lane::phase);
-      TraceScope scope(trace, std::string(optimizer_flag(c.optimizer)));
-      update(c, m, moments, step + 1);
-      par.synchronize();
-      ops::synchronize(c.device);
-    }
-    row.ms = ms + ms_between(t1, Clock::now());
-    row.exposed_comm_ms += trace.exposed_comm_ms(t1, Clock::now());
-    const MemoryStats mem = allocator_for(c.device).stats();
-    row.peak_bytes = mem.peak;
-    row.reserved_bytes = mem.reserved;
+    finish_step(c, par, m, moments, trace, row, ms);
     result.rows.push_back(row);
     if (on_row) on_row(row);
   }

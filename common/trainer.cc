@@ -95,6 +95,41 @@ double grad_square_sum(const Model& m, const Sharding& sh) {
   return sq;
 }
 
+double grad_norm(Parallelism& par, const Model& m, const Sharding& sh, Trace& trace) {
+  // Sharded gradients are summed over ranks; replicated ones (identical on every rank) are
+  // counted once, on rank 0.
+  double sq = 0.0;
+  {
+    TraceScope op(trace, "grad norm");
+    sq = grad_square_sum(m, sh);
+  }
+  return std::sqrt(par.sum_over_ranks(sq));
+}
+
+std::string divergence(const StepRow& row, double lr) {
+  if (std::isfinite(row.loss) && std::isfinite(row.grad_norm)) return {};
+  return fmt::format("{} is not finite at step {} (lr {:g} too large?)",
+                     std::isfinite(row.loss) ? "the gradient norm" : "loss", row.step, lr);
+}
+
+void finish_step(const BlockConfig& c, Parallelism& par, Model& m, Moments& moments, Trace& trace,
+                 StepRow& row, double ms) {
+  const auto t1 = std::chrono::steady_clock::now();
+  {
+    TraceScope phase(trace, "update", Lane::phase);
+    TraceScope scope(trace, std::string(optimizer_flag(c.optimizer)));
+    update(c, m, moments, row.step + 1);
+    par.synchronize();
+    ops::synchronize(c.device);
+  }
+  const auto t2 = std::chrono::steady_clock::now();
+  row.ms = ms + std::chrono::duration<double, std::milli>(t2 - t1).count();
+  row.exposed_comm_ms += trace.exposed_comm_ms(t1, t2);
+  const MemoryStats mem = allocator_for(c.device).stats();
+  row.peak_bytes = mem.peak;
+  row.reserved_bytes = mem.reserved;
+}
+
 }  // namespace training
 
 namespace {
@@ -218,18 +253,8 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       par.finish_grads();
     }
     if (step == 0) result.saved_activation_bytes = saved + one_block;
-    // Gradient norm: sharded gradients are summed over ranks; replicated ones (identical on every
-    // rank) are counted once, on rank 0.
-    double sq = 0.0;
-    {
-      TraceScope op(trace, "grad norm");
-      sq = grad_square_sum(m, sh);
-    }
-    row.grad_norm = std::sqrt(par.sum_over_ranks(sq));
-    if (!std::isfinite(row.loss) || !std::isfinite(row.grad_norm)) {
-      result.diverged =
-          fmt::format("{} is not finite at step {} (lr {:g} too large?)",
-                      std::isfinite(row.loss) ? "the gradient norm" : "loss", step, c.lr);
+    row.grad_norm = grad_norm(par, m, sh, trace);
+    if (result.diverged = divergence(row, c.lr); !result.diverged.empty()) {
       par.synchronize();
       ops::synchronize(c.device);
       break;  // no update from a non-finite gradient; the rows so far stay
@@ -246,19 +271,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       par.take_comm_stats();
     }
 
-    const auto t1 = Clock::now();
-    {
-      TraceScope phase(trace, "update", Lane::phase);
-      TraceScope scope(trace, std::string(optimizer_flag(c.optimizer)));
-      update(c, m, moments, step + 1);
-      par.synchronize();
-      ops::synchronize(c.device);
-    }
-    row.ms = ms + ms_since(t1);
-    row.exposed_comm_ms += trace.exposed_comm_ms(t1, Clock::now());
-    const MemoryStats mem = allocator_for(c.device).stats();
-    row.peak_bytes = mem.peak;
-    row.reserved_bytes = mem.reserved;
+    finish_step(c, par, m, moments, trace, row, ms);
     result.rows.push_back(row);
     if (on_row) on_row(row);
   }

@@ -88,6 +88,16 @@ void update(const BlockConfig& c, Model& m, Moments& moments, int t);
 /// This rank's part of Σ g² over m's gradients: sharded gradients count everywhere, replicated
 /// ones (identical on every rank of the TP group) on its rank 0 only.
 double grad_square_sum(const Model& m, const Sharding& sh);
+/// The global L2 norm of every rank's gradients: grad_square_sum() summed by par.
+double grad_norm(Parallelism& par, const Model& m, const Sharding& sh, Trace& trace);
+/// The line that stops training at `row` when its loss or gradient norm is not finite (the
+/// values are sums over ranks, the same everywhere, so every rank stops at the same step);
+/// empty otherwise.
+std::string divergence(const StepRow& row, double lr);
+/// Ends the step of `row`: the optimizer's update (a phase of its own on the trace), then the
+/// row's time (`ms` before the update, plus the update's), its exposed comm and memory.
+void finish_step(const BlockConfig& c, Parallelism& par, Model& m, Moments& moments, Trace& trace,
+                 StepRow& row, double ms);
 
 }  // namespace training
 

@@ -237,23 +237,13 @@ TEST(ContextParallel, BadInputIsOneLineOnEveryRank) {
                        Bad{2, "--cp 2 --cp-method zigzag", "--cp-method"},
                        Bad{4, "--cp 2 --cp-method ulysses --kv-heads 2", "ulysses needs the 2 KV"},
                        Bad{4, "--dp 4 --cp 2", "must divide the 4 ranks"}}) {
-    test::TempDir dir;
     Sizes zb = z;
     if (b.args.find("--seq") != std::string::npos) zb.S = 0;  // the case names its own S
     const std::string sizes =
         zb.S == 0 ? fmt::format("--hidden {} --heads {} --ffn {} --batch {} --layers {}", z.H, z.NH,
                                 z.F, z.B, z.L)
                   : z.args();
-    const auto r = run_stage("08_context_parallel", b.n, sizes + " --steps 1 " + b.args, dir);
-    EXPECT_EQ(r.exit_code, 2) << b.args << "\n" << r.out << r.err;
-    int lines = 0;
-    for (const auto& line : test::lines_of(r.err))
-      if (line.starts_with("08_context_parallel: error:")) {
-        ++lines;
-        EXPECT_NE(line.find(b.words), std::string::npos) << line;
-      }
-    // Every rank refuses alike, so the line is said once, not once per rank.
-    EXPECT_EQ(lines, 1) << "said once:\n" << r.err;
+    test::expect_refused_once("08_context_parallel", b.n, sizes + " --steps 1 " + b.args, b.words);
   }
   // --cp exists on stage 08 only.
   test::TempDir dir;

@@ -1,7 +1,8 @@
 // Helpers for tests that run stage executables and compare what they write: the --json summary
 // of a run, and two --dump directories tensor by tensor.
 //
-// defines: tpx::test::Sizes, tpx::test::run_json(), tpx::test::expect_dumps_close()
+// defines: tpx::test::Sizes, tpx::test::run_json(), tpx::test::expect_refused_once(),
+//          tpx::test::expect_dumps_close()
 #pragma once
 
 #include <algorithm>
@@ -39,6 +40,22 @@ inline nlohmann::json run_json(const std::string& stage, int n, const std::strin
   EXPECT_EQ(r.exit_code, 0) << stage << " " << args << "\n" << r.out << r.err;
   if (r.exit_code != 0) return nlohmann::json::object();
   return nlohmann::json::parse(read_file(dir / "s.json"));
+}
+
+/// `mpirun -np n <stage> <args>` refuses: exit 2, and one line "<stage>: error: …" containing
+/// `words` (every rank refuses alike, so the agreed line is printed once, not once per rank).
+inline void expect_refused_once(const std::string& stage, int n, const std::string& args,
+                                const std::string& words) {
+  TempDir dir;
+  const auto r = run_stage(stage, n, args, dir);
+  EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out << r.err;
+  int lines = 0;
+  for (const auto& line : lines_of(r.err))
+    if (line.starts_with(stage + ": error:")) {
+      ++lines;
+      EXPECT_NE(line.find(words), std::string::npos) << line;
+    }
+  EXPECT_EQ(lines, 1) << "the ranks' agreed error, printed once:\n" << r.err;
 }
 #endif
 
