@@ -9,7 +9,11 @@ a CSV per device and SVG plots. Normally started by scripts/bench.sh, which buil
                    [--command "what to print as the command that made the tables"]
 
 The sweep: N = 1, 2, 4 (stage 01 only at N = 1; an N that does not divide H, NH, F and S is left
-out), the default config and a GEMM-dominated one, each point run R times. A selection narrows
+out), the default config and a GEMM-dominated one, each point run R times. Stage 08 has its own
+subsection (cp_plan): its meshes C × T = 2 × 1, 1 × 2, 2 × 2 at S = 128 and 512 beside stage 03
+at the same S and N, and attention time against S for C = 1, 2, 4 (T = 1), from the
+`attention fwd` / `attention bwd` spans of every run's --trace (the same measure at every C; the
+stage's own cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside cp_attention_ms. A selection narrows
 it: --stages (numbers or names, comma-separated), --ranks (comma-separated N), and --model NAME
 or --config FILE, which replace the two configs by that one, forwarded as they are to every
 stage and to tpx_project (a stage that refuses the config at some N, exit 2, leaves that point
@@ -25,8 +29,11 @@ the R runs and their spread as min–max. From it, per rank:
 
 Outputs under --out (default: the repository's docs/): benchmarks.md, whose sections between
 `<!-- tpx-bench:begin NAME -->` and `<!-- tpx-bench:end NAME -->` are replaced one at a time
-(a cpu run leaves the cuda section alone and vice versa), benchmarks/<device>.csv and
-figures/bench_<device>_{step_ms,exposed_comm,breakdown}.svg. The raw --json files and logs go
+(a cpu run leaves the cuda section alone and vice versa; stage 08's subsection has its own
+markers, `<device>-cp`, and --only cp replaces it alone), benchmarks/<device>.csv,
+benchmarks/<device>_cp.csv, benchmarks/<device>_cp_attention.csv,
+figures/bench_<device>_{step_ms,exposed_comm,breakdown}.svg and
+figures/bench_<device>_cp_attention.svg. The raw --json files and logs go
 under --work. A stage run that fails stops the driver (exit 1); a micro-benchmark program that is
 missing or fails leaves a one-line note in its section instead (collectives with wrong results are
 flagged in bold in the section and on stderr). Before it exits the driver reads
@@ -132,10 +139,12 @@ def divides(config, n):
     return all(config[k] % n == 0 for k in ("hidden", "heads", "ffn", "seq"))
 
 
-def cp_plan(ranks, quick):
+def cp_plan(ranks, quick, device="cpu"):
     """Stage 08's subsection as points: the stage table's (S, stage, N), stage 08 on its meshes
     C × T (MESH_STAGES) and stage 03 at every N as the speed-up's reference, and the attention
-    sweep's (S, C), run at N = C (T = 1); only N in `ranks`, only S that 2·C·T divides."""
+    sweep's (S, C), run at N = C (T = 1); only N in `ranks`, only S that 2·C·T divides. The
+    attention sweep is the cpu's only: --cp > 1 has no CUDA kernels yet, and a trace span times
+    the host, not a GPU's kernels."""
     table = []
     for seq in CP_TABLE_SEQS[quick]:
         z = {**DEFAULTS, "seq": seq}
@@ -143,7 +152,7 @@ def cp_plan(ranks, quick):
         table += [(seq, stage_label(CP_STAGE, c), n) for n, c in MESH_STAGES[CP_STAGE][3]
                   if n in ranks and seq % (2 * n) == 0 and divides(z, n // c)]
     attention = [(seq, c) for seq in CP_ATTENTION_SEQS[quick] for c in CP_ATTENTION_C
-                 if c in ranks and seq % (2 * c) == 0]
+                 if c in ranks and seq % (2 * c) == 0 and device == "cpu"]
     return table, attention
 
 
@@ -548,7 +557,7 @@ class Driver:
         missing = [s for s in (REFERENCE_STAGE, CP_STAGE) if not self.exe(s)]
         if missing:
             raise BenchError(f"not built in {self.bin}: {', '.join(missing)}")
-        table, attention = cp_plan(self.ranks, self.a.quick)
+        table, attention = cp_plan(self.ranks, self.a.quick, self.a.device)
         runs = list(dict.fromkeys(table + [(seq, stage_label(CP_STAGE, c), c)
                                            for seq, c in attention]))
         results, refused = {}, {}
@@ -785,9 +794,10 @@ What each section is:
 - **CPU** and **CUDA**: the stages run under `mpirun` with `--json` over several rank counts and
   configs, each point repeated (each section says which, written from what ran); then the
   micro-benchmarks on the same device: GEMM throughput at the block's shapes, the chunked GEMMs
-  of the ring stages (efficiency against N), and the collectives in nccl-tests' convention. A
-  CPU section shows the mechanics (bytes, the structure of the overlap, relative cost), not GPU
-  speed.
+  of the ring stages (efficiency against N), and the collectives in nccl-tests' convention.
+  Stage 08 has a subsection of its own: its meshes at two sequence lengths beside stage 03, and
+  its attention time against S for C = 1, 2, 4. A CPU section shows the mechanics (bytes, the
+  structure of the overlap, relative cost), not GPU speed.
 - **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
   (`tools/projection.h`); projected, not measured; then the model against published results,
   held-out cases first, and how far each error moves with each assumption.
@@ -798,7 +808,8 @@ cuda` on a GPU machine (CUDA section and projection); each run replaces only its
 (into `out/bench/` unless `--out` is given).
 `tools/bench.py --only projection --build DIR` replaces the projection alone (no stage runs).
 `tools/bench.py --only text` rewrites this text and each section's line of what ran, from the
-section's CSV (runs nothing).
+section's CSV (runs nothing). `scripts/bench.sh --only cp` reruns only stage 08's
+subsection of its device's section (with its own date, command and load average).
 No number in this file is typed by hand: all of it is written by `tools/bench.py`."""
 
 PLACEHOLDER = {
@@ -961,7 +972,7 @@ class Render:
                    f"(build: `{rel(d.build)}`).")
         out.append("")
         out += self.load_line(loads, "this sweep")
-        table, attention = cp_plan(d.ranks, a.quick)
+        table, attention = cp_plan(d.ranks, a.quick, a.device)
         meshes = ", ".join(f"C {c} × T {n // c}" for n, c in MESH_STAGES[CP_STAGE][3]
                            if n in d.ranks)
         refs = sorted({n for _, s, n in table if s == REFERENCE_STAGE})
@@ -1010,6 +1021,11 @@ class Render:
             out.append("")
         out.append("#### Attention time against S")
         out.append("")
+        if not attention:
+            out.append(f"Not run on {dev}: `--cp > 1` runs on the cpu backend only in this build, "
+                       "and a trace span times the host, not the GPU's kernels.")
+            out.append(f"<!-- tpx-bench:end {dev}-cp -->")
+            return out
         out.append("Measured the same way at every C, from each run's `--trace`: on each rank, the "
                    "`attention fwd` and `attention bwd` spans of its compute lane (the spans "
                    "`common/block.cc` opens around the block's whole attention) summed within "
@@ -1331,7 +1347,7 @@ def verify_cp(out, device, expected, expected_attention, peak_measured):
     att_path = out / "benchmarks" / f"{device}_cp_attention.csv"
     fig = out / "figures" / f"bench_{device}_cp_attention.svg"
     md_path = out / "benchmarks.md"
-    for p in (csv_path, att_path, fig, md_path):
+    for p in (csv_path, att_path, md_path) + ((fig,) if expected_attention else ()):
         if not p.is_file() or p.stat().st_size == 0:
             problems.append(f"missing output: {p}")
     if problems:
@@ -1560,7 +1576,8 @@ def drive(a):
     if cp_wanted:
         write_csv(cp_rows, out / "benchmarks" / f"{a.device}_cp.csv", CP_CSV_FIELDS)
         write_csv(att, out / "benchmarks" / f"{a.device}_cp_attention.csv", ATTENTION_FIELDS)
-        plot_cp_attention(att, a.device, out / "figures")
+        if att:
+            plot_cp_attention(att, a.device, out / "figures")
     if main:
         collectives = d.bench_collectives()
         projection, proj_cmd, proj_note = d.projection()

@@ -329,6 +329,8 @@ class ContextParallel(unittest.TestCase):
                          ([(128, "03_sequence_parallel", 1), (128, "03_sequence_parallel", 2),
                            (128, "08_context_parallel C2", 2), (128, "08_context_parallel C1", 2)],
                           [(32, 1), (32, 2), (64, 1), (64, 2), (128, 1), (128, 2)]))
+        # cuda: the stage table only (--cp > 1 is the cpu's; spans would time the host).
+        self.assertEqual(bench.cp_plan([1, 2, 4], False, "cuda"), (table, []))
 
     def test_each_point_runs_with_its_mesh(self):
         import types
