@@ -599,7 +599,8 @@ class Driver:
                for seq, c in attention if (seq, stage_label(CP_STAGE, c), c) in results]
         for r in att:
             r["steps"] = self.steps
-        left_out = [f"S={seq} {stage} at N={n}: {line}" for (seq, stage, n), line in refused.items()]
+        left_out = [f"S={seq} {stage} at N={n}: {line}"
+                    for (seq, stage, n), line in refused.items()]
         return (rows, att, [(f"S{s}", st, n) for s, st, n in table if (s, st, n) not in refused],
                 [(s, c) for s, c in attention if (s, stage_label(CP_STAGE, c), c) not in refused],
                 left_out)
@@ -1175,13 +1176,15 @@ def plot_cp_attention(rows, device, figures):
     the ring blocks' own time where C > 1."""
     plt = pyplot(figures)
     colors = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    handles = []  # the legend in C's order, each C's spans before its blocks
     for k, (c, s) in enumerate(sorted(attention_series(rows).items())):
-        ax.errorbar(s["seq"], s["ms"], yerr=s["err"], marker="o", capsize=3, color=colors(k),
-                    label=f"C = {c} (N = {c}, T = 1): attention spans")
+        handles.append(ax.errorbar(s["seq"], s["ms"], yerr=s["err"], marker="o", capsize=3,
+                                   color=colors(k),
+                                   label=f"C = {c} (N = {c}, T = 1): attention spans"))
         if None not in s["blocks"]:
-            ax.plot(s["seq"], s["blocks"], marker="x", linestyle="--", color=colors(k),
-                    label=f"C = {c}: its ring blocks alone (cp_attention_ms)")
+            handles += ax.plot(s["seq"], s["blocks"], marker="x", linestyle="--", color=colors(k),
+                               label=f"C = {c}: its ring blocks alone (cp_attention_ms)")
     seqs = sorted({r["seq"] for r in rows})
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -1190,9 +1193,9 @@ def plot_cp_attention(rows, device, figures):
     ax.set_xlabel("S (tokens of the whole sequence)")
     ax.set_ylabel("attention ms per step on one rank (median)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False)
     fig.suptitle(f"{device}: stage 08's attention time against S (ring){cpu_note(device)}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 * ((len(handles) + 1) // 2), 1, 1))
     path = figures / f"bench_{device}_cp_attention.svg"
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)
@@ -1638,11 +1641,11 @@ def replace_cp_section(text, device, block):
     name = f"{device}-cp"
     if f"<!-- tpx-bench:begin {name} -->" in text:
         return replace_section(text, name, "\n".join(block[1:-1]))
-    end = f"<!-- tpx-bench:end {device} -->"
+    begin, end = f"<!-- tpx-bench:begin {device} -->", f"<!-- tpx-bench:end {device} -->"
     body = section_body(text, device)
     micro = f"\n### Micro-benchmarks ({device})\n"
-    at = (text.index(f"<!-- tpx-bench:begin {device} -->") + len(f"<!-- tpx-bench:begin {device} -->")
-          + body.index(micro) + 1) if micro in body else text.index(end)
+    at = (text.index(begin) + len(begin) + body.index(micro) + 1 if micro in body
+          else text.index(end))
     return text[:at] + "\n".join(block) + "\n\n" + text[at:]
 
 

@@ -393,8 +393,8 @@ class ContextParallel(unittest.TestCase):
     def test_the_plots_lines_are_the_rows(self):
         s = bench.attention_series(self.ROWS)
         self.assertEqual(sorted(s), [1, 2])
-        self.assertEqual(s[2], {"seq": [128, 256], "ms": [1.0, 3.0], "err": [[0.0, 1.0], [0.5, 2.0]],
-                                "blocks": [0.5, 1.5]})
+        self.assertEqual(s[2], {"seq": [128, 256], "ms": [1.0, 3.0],
+                                "err": [[0.0, 1.0], [0.5, 2.0]], "blocks": [0.5, 1.5]})
         self.assertEqual(s[1], {"seq": [128], "ms": [2.0], "err": [[0.5], [0.5]],
                                 "blocks": [None]})
 
