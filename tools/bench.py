@@ -1646,7 +1646,8 @@ def replace_cp_section(text, device, block):
     micro = f"\n### Micro-benchmarks ({device})\n"
     at = (text.index(begin) + len(begin) + body.index(micro) + 1 if micro in body
           else text.index(end))
-    return text[:at] + "\n".join(block) + "\n\n" + text[at:]
+    head = text[:at] if text[:at].endswith("\n\n") else text[:at].rstrip("\n") + "\n\n"
+    return head + "\n".join(block) + "\n\n" + text[at:]
 
 
 if __name__ == "__main__":
