@@ -1190,6 +1190,13 @@ def plot_cp_attention(rows, device, figures):
     ax.set_yscale("log")
     ax.set_xticks(seqs, [str(s) for s in seqs])
     ax.minorticks_off()
+    # Plain numbers at 1, 2, 5 × 10^k across the drawn range, not only the decades.
+    low, high = ax.get_ylim()
+    ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(low)),
+                                          math.ceil(math.log10(high)) + 1) for m in (1, 2, 5)]
+    ticks = [v for v in ticks if low <= v <= high]
+    ax.set_yticks(ticks, [f"{v:g}" for v in ticks])
+    ax.set_ylim(low, high)
     ax.set_xlabel("S (tokens of the whole sequence)")
     ax.set_ylabel("attention ms per step on one rank (median)")
     ax.grid(True, alpha=0.3)
