@@ -13,9 +13,9 @@ out), the default config and a GEMM-dominated one, each point run R times. Stage
 subsection (cp_plan): its meshes C × T = 2 × 1, 1 × 2, 2 × 2 at S = 128 and 512 beside stage 03
 at the same S and N, and attention time against S for C = 1, 2, 4 (T = 1), from the
 `attention fwd` / `attention bwd` spans of every run's --trace (the same measure at every C; the
-stage's own cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside cp_attention_ms. A selection narrows
-it: --stages (numbers or names, comma-separated), --ranks (comma-separated N), and --model NAME
-or --config FILE, which replace the two configs by that one, forwarded as they are to every
+stage's own cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside cp_attention_ms.
+A selection narrows it: --stages (numbers or names, comma-separated), --ranks (comma-separated
+N), and --model NAME or --config FILE, which replace the two configs by that one, forwarded as they are to every
 stage and to tpx_project (a stage that refuses the config at some N, exit 2, leaves that point
 out with its one line). With a selection the page goes under --work unless --out is given, so the
 committed docs/benchmarks.md keeps the full sweep; its text says what ran either way. A point's step time is
