@@ -10,17 +10,17 @@ a CSV per device and SVG plots. Normally started by scripts/bench.sh, which buil
 
 The sweep: N = 1, 2, 4 (stage 01 only at N = 1; an N that does not divide H, NH, F and S is left
 out), the default config and a GEMM-dominated one, each point run R times. Stage 08 has its own
-subsection (cp_plan): its meshes C × T = 2 × 1, 1 × 2, 2 × 2 at S = 128 and 512 beside stage 03
-at the same S and N, and attention time against S for C = 1, 2, 4 (T = 1), from the
-`attention fwd` / `attention bwd` spans of every run's --trace (the same measure at every C; the
-stage's own cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside cp_attention_ms.
-A selection narrows it: --stages (numbers or names, comma-separated), --ranks (comma-separated
-N), and --model NAME or --config FILE, which replace the two configs by that one, forwarded as they are to every
-stage and to tpx_project (a stage that refuses the config at some N, exit 2, leaves that point
-out with its one line). With a selection the page goes under --work unless --out is given, so the
-committed docs/benchmarks.md keeps the full sweep; its text says what ran either way. A point's step time is
-the mean over the steps after step 0 (step 0 warms up) of one run; the tables give the median over
-the R runs and their spread as min–max. From it, per rank:
+subsection (cp_plan): its meshes C × T = 2 × 1, 1 × 2, 2 × 2 at S = 128 and 512 beside stage 03 at
+the same S and N, and attention time against S for C = 1, 2, 4 (T = 1), from the `attention fwd` /
+`attention bwd` spans of every run's --trace (the same measure at every C; the stage's own
+cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside the ring steps alone. A selection
+narrows it: --stages (numbers or names, comma-separated), --ranks (comma-separated N), and --model
+NAME or --config FILE, which replace the two configs by that one, forwarded as they are to every
+stage and to tpx_project (a stage that refuses the config at some N, exit 2, leaves that point out
+with its one line). With a selection the page goes under --work unless --out is given, so the
+committed docs/benchmarks.md keeps the full sweep; its text says what ran either way. A point's step
+time is the mean over the steps after step 0 (step 0 warms up) of one run; the tables give the
+median over the R runs and their spread as min–max. From it, per rank:
     TFLOP/s        = flops_per_step_per_rank / step time            (GEMM FLOPs, common/flops.h)
     MFU            = TFLOP/s / peak, the peak MEASURED by bench_gemm (its largest bf16 GEMM on
                      cuda, fp32 on the cpu), never assumed
@@ -162,11 +162,16 @@ def trace_lanes(events):
             if e.get("ph") == "M" and e.get("name") == "thread_name"}
 
 
-def attention_ms_per_step(trace):
+ATTENTION_SPANS = ("attention fwd", "attention bwd")  # common/block.cc's, around the attention
+
+
+def attention_ms_per_step(trace, blocks=False):
     """{rank: [ms of step 0, 1, ...]} from a --trace file (its JSON): per rank, the sum of the
     `attention fwd` and `attention bwd` spans on its compute lane (the block's whole attention:
     at C > 1 the ring steps inside them and the waits for K/V as well) within each step, a step
-    running from the start of one `forward` span on the phases lane to the next one's."""
+    running from the start of one `forward` span on the phases lane to the next one's. With
+    `blocks`, the spans nested in those instead, stage 08's ring steps (`attention fwd ring step
+    1/2 ...`, the spans its cp_attention_ms times too): the attention blocks alone."""
     events = trace["traceEvents"]
     lanes = trace_lanes(events)
     out = {}
@@ -178,7 +183,9 @@ def attention_ms_per_step(trace):
             raise BenchError(f"the trace has no forward phase for rank {rank}")
         steps = [0.0] * len(starts)
         for e in spans:
-            if e["tid"] == compute and e["name"] in ("attention fwd", "attention bwd"):
+            whole = e["name"] in ATTENTION_SPANS
+            block = not whole and e["name"].startswith(ATTENTION_SPANS)
+            if e["tid"] == compute and (block if blocks else whole):
                 at = sum(1 for s in starts if s <= e["ts"]) - 1
                 if at < 0:
                     raise BenchError(f"an attention span of rank {rank} before the first step")
@@ -187,10 +194,10 @@ def attention_ms_per_step(trace):
     return out
 
 
-def attention_ms(trace):
-    """A traced run's attention ms per step: each rank's mean over the steps after step 0 (as
-    step times are taken), averaged over the ranks."""
-    per_rank = attention_ms_per_step(trace)
+def attention_ms(trace, blocks=False):
+    """A traced run's attention ms per step (attention_ms_per_step): each rank's mean over the
+    steps after step 0 (as step times are taken), averaged over the ranks."""
+    per_rank = attention_ms_per_step(trace, blocks)
     if not per_rank:
         raise BenchError("the trace has no spans")
     return statistics.mean(steady_mean([{"ms": ms} for ms in steps], "ms")
@@ -202,16 +209,18 @@ def summarise_attention(seq, c, runs):
     att = [attention_ms(trace) for _, trace in runs]
     med, lo, hi = median_spread(att)
     step = statistics.median(steady_mean(s["steps"], "ms") for s, _ in runs)
-    blocks = (statistics.median(steady_mean(s["steps"], "cp_attention_ms") for s, _ in runs)
-              if c > 1 else None)
+    blocks = statistics.median(attention_ms(t, True) for _, t in runs) if c > 1 else None
+    rank0 = (statistics.median(steady_mean(s["steps"], "cp_attention_ms") for s, _ in runs)
+             if c > 1 else None)
     return {"seq": seq, "c": c, "n": c, "t": 1, "repeats": len(runs),
             "attention_ms": med, "attention_ms_min": lo, "attention_ms_max": hi,
-            "blocks_ms": blocks, "step_ms": step, "share": med / step}
+            "blocks_ms": blocks, "cp_attention_ms_rank0": rank0, "step_ms": step,
+            "share": med / step}
 
 
 def attention_series(rows):
     """The plot's lines, from the attention sweep's rows: {C: {"seq": [S ...], "ms": [median
-    ...], "err": [[below ...], [above ...]] (to min and max), "blocks": [cp_attention_ms ...]
+    ...], "err": [[below ...], [above ...]] (to min and max), "blocks": [the ring steps' ms ...]
     (None at C = 1)}}, S ascending."""
     series = {}
     for r in sorted(rows, key=lambda r: (r["c"], r["seq"])):
@@ -316,7 +325,7 @@ CSV_FIELDS = ["config", "hidden", "heads", "ffn", "seq", "batch", "layers", "ste
 # Stage 08's subsection: its stage table (the mesh C × T besides), and the attention sweep.
 CP_CSV_FIELDS = CSV_FIELDS + ["c", "t"]
 ATTENTION_FIELDS = ["seq", "c", "n", "t", "repeats", "steps", "attention_ms", "attention_ms_min",
-                    "attention_ms_max", "blocks_ms", "step_ms", "share"]
+                    "attention_ms_max", "blocks_ms", "cp_attention_ms_rank0", "step_ms", "share"]
 
 
 def missing_cells(rows, expected, peak_measured, reference_ran):
@@ -1035,10 +1044,12 @@ class Render:
                    "stage 07 alone and those spans hold the fused attention kernel over the whole "
                    "sequence (its `--json` `cp_attention_ms` is 0 there: no ring); at C > 1 they "
                    "hold the ring's C steps forward and backward, the log-sum-exp merges and the "
-                   "waits for K/V and dK/dV blocks between the steps. `ring blocks ms` is the "
-                   "stage's own `cp_attention_ms` from `--json` (rank 0's attention blocks "
-                   "alone, without those waits), — at C = 1. `attention / step` is the attention "
-                   "time over the step time.")
+                   "waits for K/V and dK/dV blocks between the steps. `ring steps ms` is the "
+                   "spans of those steps alone (`attention fwd ring step …`, nested in the "
+                   "former), taken the same way: the attention blocks without the waits, the "
+                   "time the stage's own `cp_attention_ms` counts (the CSV has rank 0's, from "
+                   "`--json`, beside it); — at C = 1. `attention / step` is the attention time "
+                   "over the step time.")
         out.append("")
         if a.device == "cpu" and any(c > (os.cpu_count() or 1) for _, c in attention):
             out.append(f"At C = 4 four ranks share the {os.cpu_count()} cores, so a ring step "
@@ -1046,7 +1057,7 @@ class Render:
                        "structure, not what four cores would give.")
             out.append("")
         out.append(md_table(["S", "C", "N", "attention ms per step (median)", "spread (min–max)",
-                             "ring blocks ms", "step ms (median)", "attention / step"],
+                             "ring steps ms", "step ms (median)", "attention / step"],
                             [[r["seq"], r["c"], r["n"], f"{r['attention_ms']:.2f}",
                               f"{r['attention_ms_min']:.2f}–{r['attention_ms_max']:.2f}",
                               _f(2)(r["blocks_ms"]), f"{r['step_ms']:.2f}",
@@ -1173,7 +1184,7 @@ def cpu_note(device):
 def plot_cp_attention(rows, device, figures):
     """figures/bench_<device>_cp_attention.svg: attention ms per step against S, a line per C,
     from the attention sweep's rows (attention_series), error bars min–max over the runs; dashed,
-    the ring blocks' own time where C > 1."""
+    the ring steps' own time where C > 1."""
     plt = pyplot(figures)
     colors = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(6.4, 5.2))
@@ -1184,7 +1195,7 @@ def plot_cp_attention(rows, device, figures):
                                    label=f"C = {c} (N = {c}, T = 1): attention spans"))
         if None not in s["blocks"]:
             handles += ax.plot(s["seq"], s["blocks"], marker="x", linestyle="--", color=colors(k),
-                               label=f"C = {c}: its ring blocks alone (cp_attention_ms)")
+                               label=f"C = {c}: its ring steps alone")
     seqs = sorted({r["seq"] for r in rows})
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -1351,7 +1362,8 @@ def section_body(text, name):
 def verify_cp(out, device, expected, expected_attention, peak_measured):
     """Reads stage 08's outputs back: the two CSVs and the plot exist, the stage table has every
     expected point and cell, the attention CSV every expected (S, C) with a positive time (and
-    the stage's cp_attention_ms where C > 1), and the subsection one table row per CSV row."""
+    the ring steps' time and rank 0's cp_attention_ms where C > 1), and the subsection one
+    table row per CSV row."""
     problems = []
     csv_path = out / "benchmarks" / f"{device}_cp.csv"
     att_path = out / "benchmarks" / f"{device}_cp_attention.csv"
@@ -1374,7 +1386,7 @@ def verify_cp(out, device, expected, expected_attention, peak_measured):
     for (seq, c), r in have.items():
         for field in ATTENTION_FIELDS:
             v = r.get(field, "")
-            if v == "" and field == "blocks_ms" and c == 1:
+            if v == "" and field in ("blocks_ms", "cp_attention_ms_rank0") and c == 1:
                 continue  # stage 08 at C = 1 is stage 07: no ring blocks to time
             try:
                 ok = math.isfinite(float(v)) and float(v) > 0

@@ -291,6 +291,8 @@ def trace(ranks):
 # = 0.5 ms, step 2 (from 2000 µs) 100 + 200 µs = 0.3 ms; a ring step nested in a span, attention
 # on another lane and another op are not counted. Rank 1: steps 1 and 2 take 0.7 and 0.9 ms.
 # Per rank, steps 1 … : (0.5 + 0.3) / 2 = 0.4 and (0.7 + 0.9) / 2 = 0.8; over the ranks 0.6 ms.
+# The ring steps alone: rank 0 has 50 µs in step 1 and 0 in step 2 (0.025 ms per step), rank 1
+# 0 and 30 + 70 µs (0.05 ms); over the ranks 0.0375 ms.
 TWO_RANKS = {
     0: {"forward": [0, 1000, 2000],
         "spans": [("attention fwd", "compute", 100, 500),
@@ -306,7 +308,9 @@ TWO_RANKS = {
         "spans": [("attention fwd", "compute", 105, 800),
                   ("attention bwd", "compute", 1600, 700),
                   ("attention fwd", "compute", 2200, 400),
-                  ("attention bwd", "compute", 2700, 500)]}}
+                  ("attention bwd", "compute", 2700, 500),
+                  ("attention bwd ring step 1/2 (K/V of cp rank 1)", "compute", 2710, 30),
+                  ("attention bwd ring step 2/2 (K/V of cp rank 0)", "compute", 2750, 70)]}}
 
 
 class ContextParallel(unittest.TestCase):
@@ -353,6 +357,8 @@ class ContextParallel(unittest.TestCase):
         for got, want in zip(per_step[1], [0.8, 0.7, 0.9]):
             self.assertAlmostEqual(got, want, places=12)
         self.assertAlmostEqual(bench.attention_ms(trace(TWO_RANKS)), 0.6, places=12)
+        self.assertAlmostEqual(bench.attention_ms(trace(TWO_RANKS), blocks=True), 0.0375,
+                               places=12)
         with self.assertRaises(bench.BenchError):  # no steps to put the spans in
             bench.attention_ms(trace({0: {"forward": [],
                                           "spans": [("attention fwd", "compute", 0, 5)]}}))
@@ -362,7 +368,8 @@ class ContextParallel(unittest.TestCase):
     def test_a_point_of_the_attention_sweep(self):
         # Two runs: attention 0.6 ms (above) and 0.3 ms (every span halved) -> median 0.45,
         # spread 0.3–0.6; step ms (after step 0) 3 and 6 -> median 4.5; share 0.45 / 4.5 = 10 %;
-        # cp_attention_ms 0.2 and 0.4 -> 0.3 (C = 2), none at C = 1.
+        # ring steps 0.0375 and 0.01875 -> 0.028125; rank 0's cp_attention_ms 0.2 and 0.4 -> 0.3
+        # (C = 2); neither at C = 1.
         half = {r: {"forward": v["forward"],
                     "spans": [(n, lane, ts, dur / 2) for n, lane, ts, dur in v["spans"]]}
                 for r, v in TWO_RANKS.items()}
@@ -377,17 +384,23 @@ class ContextParallel(unittest.TestCase):
         self.assertAlmostEqual(r["attention_ms_max"], 0.6, places=12)
         self.assertAlmostEqual(r["step_ms"], 4.5, places=12)
         self.assertAlmostEqual(r["share"], 0.1, places=12)
-        self.assertAlmostEqual(r["blocks_ms"], 0.3, places=12)
-        self.assertIsNone(bench.summarise_attention(256, 1, runs)["blocks_ms"])
+        self.assertAlmostEqual(r["blocks_ms"], 0.028125, places=12)
+        self.assertAlmostEqual(r["cp_attention_ms_rank0"], 0.3, places=12)
+        one = bench.summarise_attention(256, 1, runs)
+        self.assertIsNone(one["blocks_ms"])
+        self.assertIsNone(one["cp_attention_ms_rank0"])
 
     ROWS = [{"seq": 256, "c": 2, "n": 2, "t": 1, "repeats": 1, "steps": 8, "attention_ms": 3.0,
-             "attention_ms_min": 2.0, "attention_ms_max": 5.0, "blocks_ms": 1.5, "step_ms": 30.0,
+             "attention_ms_min": 2.0, "attention_ms_max": 5.0, "blocks_ms": 1.5,
+             "cp_attention_ms_rank0": 1.6, "step_ms": 30.0,
              "share": 0.1},
             {"seq": 128, "c": 2, "n": 2, "t": 1, "repeats": 1, "steps": 8, "attention_ms": 1.0,
-             "attention_ms_min": 1.0, "attention_ms_max": 1.5, "blocks_ms": 0.5, "step_ms": 20.0,
+             "attention_ms_min": 1.0, "attention_ms_max": 1.5, "blocks_ms": 0.5,
+             "cp_attention_ms_rank0": 0.6, "step_ms": 20.0,
              "share": 0.05},
             {"seq": 128, "c": 1, "n": 1, "t": 1, "repeats": 1, "steps": 8, "attention_ms": 2.0,
-             "attention_ms_min": 1.5, "attention_ms_max": 2.5, "blocks_ms": None, "step_ms": 40.0,
+             "attention_ms_min": 1.5, "attention_ms_max": 2.5, "blocks_ms": None,
+             "cp_attention_ms_rank0": None, "step_ms": 40.0,
              "share": 0.05}]
 
     def test_the_plots_lines_are_the_rows(self):
@@ -413,8 +426,8 @@ class ContextParallel(unittest.TestCase):
                             bench.ATTENTION_FIELDS)
             svg = bench.plot_cp_attention(self.ROWS, "cpu", out / "figures").read_text()
             self.assertIn("C = 1 (N = 1, T = 1)", svg)  # a line per C, dashed blocks at C > 1
-            self.assertIn("C = 2: its ring blocks alone", svg)
-            self.assertNotIn("C = 1: its ring blocks", svg)
+            self.assertIn("C = 2: its ring steps alone", svg)
+            self.assertNotIn("C = 1: its ring steps", svg)
             block = ["<!-- tpx-bench:begin cpu-cp -->", "### Stage 08",
                      "| 08_context_parallel C2 | 2 × 1 | 2 | cpu |",
                      "| 256 | 2 | 2 | 3.00 |", "| 128 | 2 | 2 | 1.00 |", "| 128 | 1 | 1 | 2.00 |",
