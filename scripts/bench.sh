@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The benchmarks: set up, build what they need, run tools/bench.py (every stage over N = 1, 2, 4,
-# stage 07 on the meshes D × TP = 1 × 2, 2 × 1, 2 × 2, stage 08 on C × TP = 2 × 1, 1 × 2, 2 × 2,
-# and two or more configs, the micro-benchmarks, the projection), and write docs/benchmarks.md
-# (its device's section and the projection; the other device's section stays), the CSV
-# docs/benchmarks/<device>.csv and the plots docs/figures/bench_<device>_*.svg.
+# stage 07 on the meshes D × TP = 1 × 2, 2 × 1, 2 × 2, and two or more configs; stage 08 in its
+# own subsection: C × TP = 2 × 1, 1 × 2, 2 × 2 at S = 128 and 512 beside stage 03, and its
+# attention time against S for C = 1, 2, 4; the micro-benchmarks, the projection), and write
+# docs/benchmarks.md (its device's section and the projection; the other device's section stays),
+# the CSVs docs/benchmarks/<device>.csv, <device>_cp.csv, <device>_cp_attention.csv and the plots
+# docs/figures/bench_<device>_*.svg.
 #
 #   scripts/bench.sh [--quick] [--device cpu|cuda] [--repeats R] [--out DIR]
 #                    [--stages 04,05] [--ranks 2,4] [--model NAME | --config FILE]
+#                    [--only cp]
 #
 #   --quick        1 repeat, N = 1, 2, 3 steps, collectives up to 64K, the default config only
 #   --device       cpu (default) or cuda (on a GPU machine)
@@ -18,6 +21,8 @@
 #   --config FILE  one config, the file FILE, likewise
 #   (with --stages, --ranks, --model or --config the page goes to out/bench/<device>/page/
 #   unless --out is given; its text says what ran)
+#   --only cp      only stage 08's subsection (bench_gemm's peak first), the rest of the page
+#                  as it is: what to run after a change to stage 08
 #
 # The build: TPX_BENCH_BUILD (default: build-bench-cpu for --device cpu, configured cpu-only
 # without tests and docs so that it builds in a few minutes; build/ for --device cuda). An existing

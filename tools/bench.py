@@ -9,14 +9,18 @@ a CSV per device and SVG plots. Normally started by scripts/bench.sh, which buil
                    [--command "what to print as the command that made the tables"]
 
 The sweep: N = 1, 2, 4 (stage 01 only at N = 1; an N that does not divide H, NH, F and S is left
-out), the default config and a GEMM-dominated one, each point run R times. A selection narrows
-it: --stages (numbers or names, comma-separated), --ranks (comma-separated N), and --model NAME
-or --config FILE, which replace the two configs by that one, forwarded as they are to every
-stage and to tpx_project (a stage that refuses the config at some N, exit 2, leaves that point
-out with its one line). With a selection the page goes under --work unless --out is given, so the
-committed docs/benchmarks.md keeps the full sweep; its text says what ran either way. A point's step time is
-the mean over the steps after step 0 (step 0 warms up) of one run; the tables give the median over
-the R runs and their spread as min–max. From it, per rank:
+out), the default config and a GEMM-dominated one, each point run R times. Stage 08 has its own
+subsection (cp_plan): its meshes C × T = 2 × 1, 1 × 2, 2 × 2 at S = 128 and 512 beside stage 03 at
+the same S and N, and attention time against S for C = 1, 2, 4 (T = 1), from the `attention fwd` /
+`attention bwd` spans of every run's --trace (the same measure at every C; the stage's own
+cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside the ring steps alone. A selection
+narrows it: --stages (numbers or names, comma-separated), --ranks (comma-separated N), and --model
+NAME or --config FILE, which replace the two configs by that one, forwarded as they are to every
+stage and to tpx_project (a stage that refuses the config at some N, exit 2, leaves that point out
+with its one line). With a selection the page goes under --work unless --out is given, so the
+committed docs/benchmarks.md keeps the full sweep; its text says what ran either way. A point's step
+time is the mean over the steps after step 0 (step 0 warms up) of one run; the tables give the
+median over the R runs and their spread as min–max. From it, per rank:
     TFLOP/s        = flops_per_step_per_rank / step time            (GEMM FLOPs, common/flops.h)
     MFU            = TFLOP/s / peak, the peak MEASURED by bench_gemm (its largest bf16 GEMM on
                      cuda, fp32 on the cpu), never assumed
@@ -25,8 +29,11 @@ the R runs and their spread as min–max. From it, per rank:
 
 Outputs under --out (default: the repository's docs/): benchmarks.md, whose sections between
 `<!-- tpx-bench:begin NAME -->` and `<!-- tpx-bench:end NAME -->` are replaced one at a time
-(a cpu run leaves the cuda section alone and vice versa), benchmarks/<device>.csv and
-figures/bench_<device>_{step_ms,exposed_comm,breakdown}.svg. The raw --json files and logs go
+(a cpu run leaves the cuda section alone and vice versa; stage 08's subsection has its own
+markers, `<device>-cp`, and --only cp replaces it alone), benchmarks/<device>.csv,
+benchmarks/<device>_cp.csv, benchmarks/<device>_cp_attention.csv,
+figures/bench_<device>_{step_ms,exposed_comm,breakdown}.svg and
+figures/bench_<device>_cp_attention.svg. The raw --json files and logs go
 under --work. A stage run that fails stops the driver (exit 1); a micro-benchmark program that is
 missing or fails leaves a one-line note in its section instead (collectives with wrong results are
 flagged in bold in the section and on stderr). Before it exits the driver reads
@@ -70,6 +77,12 @@ def split_label(label):
         return exe, MESH_STAGES[exe][1], rest[1:]
     return exe, None, None
 REFERENCE_STAGE = "03_sequence_parallel"  # the speed-up column's denominator
+# Stage 08 has its own subsection (cp_plan): its meshes at two sequence lengths beside stage 03 at
+# the same S and N, and attention time against S for C = 1, 2, 4 (T = 1), every run traced.
+CP_STAGE = "08_context_parallel"
+CP_TABLE_SEQS = {False: [128, 512], True: [128]}  # the stage table's S (quick: the default only)
+CP_ATTENTION_SEQS = {False: [64, 128, 256, 512], True: [32, 64, 128]}
+CP_ATTENTION_C = [1, 2, 4]
 MIB = 1024.0 * 1024.0
 SECTIONS = ["cpu", "cuda", "projection"]  # the order of the sections in benchmarks.md
 
@@ -124,6 +137,100 @@ def speedup(reference_ms, step_ms):
 def divides(config, n):
     """Whether N ranks can split the config: H, NH, F and S (sequence parallelism) by N."""
     return all(config[k] % n == 0 for k in ("hidden", "heads", "ffn", "seq"))
+
+
+def cp_plan(ranks, quick, device="cpu"):
+    """Stage 08's subsection as points: the stage table's (S, stage, N), stage 08 on its meshes
+    C × T (MESH_STAGES) and stage 03 at every N as the speed-up's reference, and the attention
+    sweep's (S, C), run at N = C (T = 1); only N in `ranks`, only S that 2·C·T divides. The
+    attention sweep is the cpu's only: --cp > 1 has no CUDA kernels yet, and a trace span times
+    the host, not a GPU's kernels."""
+    table = []
+    for seq in CP_TABLE_SEQS[quick]:
+        z = {**DEFAULTS, "seq": seq}
+        table += [(seq, REFERENCE_STAGE, n) for n in ranks if divides(z, n)]
+        table += [(seq, stage_label(CP_STAGE, c), n) for n, c in MESH_STAGES[CP_STAGE][3]
+                  if n in ranks and seq % (2 * n) == 0 and divides(z, n // c)]
+    attention = [(seq, c) for seq in CP_ATTENTION_SEQS[quick] for c in CP_ATTENTION_C
+                 if c in ranks and seq % (2 * c) == 0 and device == "cpu"]
+    return table, attention
+
+
+def trace_lanes(events):
+    """{(rank, lane name): tid} from a --trace file's thread_name records."""
+    return {(e["pid"], e["args"]["name"]): e["tid"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
+ATTENTION_SPANS = ("attention fwd", "attention bwd")  # common/block.cc's, around the attention
+
+
+def attention_ms_per_step(trace, blocks=False):
+    """{rank: [ms of step 0, 1, ...]} from a --trace file (its JSON): per rank, the sum of the
+    `attention fwd` and `attention bwd` spans on its compute lane (the block's whole attention:
+    at C > 1 the ring steps inside them and the waits for K/V as well) within each step, a step
+    running from the start of one `forward` span on the phases lane to the next one's. With
+    `blocks`, the spans nested in those instead, stage 08's ring steps (`attention fwd ring step
+    1/2 ...`, the spans its cp_attention_ms times too): the attention blocks alone."""
+    events = trace["traceEvents"]
+    lanes = trace_lanes(events)
+    out = {}
+    for rank in sorted({e["pid"] for e in events if e.get("ph") == "X"}):
+        compute, phases = lanes.get((rank, "compute")), lanes.get((rank, "phases"))
+        spans = [e for e in events if e.get("ph") == "X" and e["pid"] == rank]
+        starts = sorted(e["ts"] for e in spans if e["tid"] == phases and e["name"] == "forward")
+        if not starts:
+            raise BenchError(f"the trace has no forward phase for rank {rank}")
+        steps = [0.0] * len(starts)
+        for e in spans:
+            whole = e["name"] in ATTENTION_SPANS
+            block = not whole and e["name"].startswith(ATTENTION_SPANS)
+            if e["tid"] == compute and (block if blocks else whole):
+                at = sum(1 for s in starts if s <= e["ts"]) - 1
+                if at < 0:
+                    raise BenchError(f"an attention span of rank {rank} before the first step")
+                steps[at] += e["dur"] / 1e3
+        out[rank] = steps
+    return out
+
+
+def attention_ms(trace, blocks=False):
+    """A traced run's attention ms per step (attention_ms_per_step): each rank's mean over the
+    steps after step 0 (as step times are taken), averaged over the ranks."""
+    per_rank = attention_ms_per_step(trace, blocks)
+    if not per_rank:
+        raise BenchError("the trace has no spans")
+    return statistics.mean(steady_mean([{"ms": ms} for ms in steps], "ms")
+                           for steps in per_rank.values())
+
+
+def summarise_attention(seq, c, runs):
+    """One point of the attention sweep from its R runs' (summary, trace) pairs."""
+    att = [attention_ms(trace) for _, trace in runs]
+    med, lo, hi = median_spread(att)
+    step = statistics.median(steady_mean(s["steps"], "ms") for s, _ in runs)
+    blocks = statistics.median(attention_ms(t, True) for _, t in runs) if c > 1 else None
+    rank0 = (statistics.median(steady_mean(s["steps"], "cp_attention_ms") for s, _ in runs)
+             if c > 1 else None)
+    return {"seq": seq, "c": c, "n": c, "t": 1, "repeats": len(runs),
+            "attention_ms": med, "attention_ms_min": lo, "attention_ms_max": hi,
+            "blocks_ms": blocks, "cp_attention_ms_rank0": rank0, "step_ms": step,
+            "share": med / step}
+
+
+def attention_series(rows):
+    """The plot's lines, from the attention sweep's rows: {C: {"seq": [S ...], "ms": [median
+    ...], "err": [[below ...], [above ...]] (to min and max), "blocks": [the ring steps' ms ...]
+    (None at C = 1)}}, S ascending."""
+    series = {}
+    for r in sorted(rows, key=lambda r: (r["c"], r["seq"])):
+        s = series.setdefault(r["c"], {"seq": [], "ms": [], "err": [[], []], "blocks": []})
+        s["seq"].append(r["seq"])
+        s["ms"].append(r["attention_ms"])
+        s["err"][0].append(r["attention_ms"] - r["attention_ms_min"])
+        s["err"][1].append(r["attention_ms_max"] - r["attention_ms"])
+        s["blocks"].append(r["blocks_ms"])
+    return series
 
 
 def summarise_point(summaries):
@@ -215,6 +322,10 @@ COLUMNS = [
 CSV_FIELDS = ["config", "hidden", "heads", "ffn", "seq", "batch", "layers", "steps", "stage", "n",
               "device", "dtype", "repeats", "step_ms", "step_ms_min", "step_ms_max", "tflops",
               "peak_tflops", "mfu", "exposed_ms", "bus_bytes", "bus_gbps", "peak_mib", "saved_mib", "speedup"]
+# Stage 08's subsection: its stage table (the mesh C × T besides), and the attention sweep.
+CP_CSV_FIELDS = CSV_FIELDS + ["c", "t"]
+ATTENTION_FIELDS = ["seq", "c", "n", "t", "repeats", "steps", "attention_ms", "attention_ms_min",
+                    "attention_ms_max", "blocks_ms", "cp_attention_ms_rank0", "step_ms", "share"]
 
 
 def missing_cells(rows, expected, peak_measured, reference_ran):
@@ -358,12 +469,13 @@ class Driver:
         return cmd + ["--json", str(json_path)]
 
     # -- the stage sweep ----------------------------------------------------------------------
-    def sweep(self):
-        stages = [s for s in (self.a.stages or STAGES) if self.exe(s)]
+    def sweep(self, chosen):
+        """The stage tables: the stages `chosen` (stage 08 has its own sweep, cp_sweep)."""
+        stages = [s for s in chosen if self.exe(s)]
         if not stages:
             raise BenchError(f"no stage executables in {self.bin} (build first: scripts/bench.sh)")
-        if self.a.stages and len(stages) < len(self.a.stages):
-            missing = [s for s in self.a.stages if s not in stages]
+        if self.a.stages and len(stages) < len(chosen):
+            missing = [s for s in chosen if s not in stages]
             raise BenchError(f"not built in {self.bin}: {', '.join(missing)}")
         points, skipped = [], []
         for config in self.configs:
@@ -441,6 +553,66 @@ class Driver:
         expected = [(c["name"], s, n) for c, s, n in points
                     if c["name"] not in refused and (c["name"], s, n) not in declined]
         return stages, rows, expected, skipped, refused
+
+    def cp_config(self, seq):
+        return {"name": f"S{seq}", "set": {"seq": seq}, "optional": False,
+                "why": ("the tutorial's default config" if seq == DEFAULTS["seq"] else
+                        f"the default config with a {seq // DEFAULTS['seq']}× longer sequence")}
+
+    def cp_sweep(self):
+        """Stage 08's subsection (cp_plan), every run with --trace; a point whose stage refuses
+        it (exit 2, e.g. --cp > 1 on cuda) is left out with its line. Returns (table rows,
+        attention rows, expected table points, expected attention points, left-out lines)."""
+        missing = [s for s in (REFERENCE_STAGE, CP_STAGE) if not self.exe(s)]
+        if missing:
+            raise BenchError(f"not built in {self.bin}: {', '.join(missing)}")
+        table, attention = cp_plan(self.ranks, self.a.quick, self.a.device)
+        runs = list(dict.fromkeys(table + [(seq, stage_label(CP_STAGE, c), c)
+                                           for seq, c in attention]))
+        results, refused = {}, {}
+        total, done = len(runs) * self.repeats, 0
+        for rep in range(self.repeats):  # repeats outermost, as in the stage tables
+            for point in runs:
+                seq, stage, n = point
+                done += 1
+                if point in refused:
+                    continue
+                base = self.work / "cp" / f"S{seq}.{stage.replace(' ', '-')}.np{n}.r{rep}"
+                base.parent.mkdir(parents=True, exist_ok=True)
+                json_path = base.parent / (base.name + ".json")
+                trace_path = base.parent / (base.name + ".trace.json")
+                cmd = self.stage_cmd(stage, n, self.cp_config(seq), json_path) + [
+                    "--trace", str(trace_path)]
+                print(f"[cp {done}/{total}] S={seq} {stage} N={n} (repeat {rep + 1})", flush=True)
+                log = base.parent / (base.name + ".log")
+                rc, last = run(cmd, log, self.a.timeout)
+                if rc == 2:
+                    refused[point] = last
+                    continue
+                if rc != 0:
+                    raise BenchError(f"stage run failed (exit {rc}): {shlex.join(cmd)}\n  {last}\n"
+                                     f"  full output: {log}")
+                results.setdefault(point, []).append(
+                    (json.loads(json_path.read_text()), json.loads(trace_path.read_text())))
+        rows = []
+        for seq, stage, n in table:
+            if (seq, stage, n) not in results:
+                continue
+            r = summarise_point([s for s, _ in results[(seq, stage, n)]])
+            _, _, degree = split_label(stage)
+            c = int(degree) if degree else 1  # stage 03: no CP, T = N
+            r.update(config=f"S{seq}", steps=self.steps, c=c, t=n // c,
+                     spread=f"{r['step_ms_min']:.2f}–{r['step_ms_max']:.2f}")
+            rows.append(r)
+        att = [summarise_attention(seq, c, results[(seq, stage_label(CP_STAGE, c), c)])
+               for seq, c in attention if (seq, stage_label(CP_STAGE, c), c) in results]
+        for r in att:
+            r["steps"] = self.steps
+        left_out = [f"S={seq} {stage} at N={n}: {line}"
+                    for (seq, stage, n), line in refused.items()]
+        return (rows, att, [(f"S{s}", st, n) for s, st, n in table if (s, st, n) not in refused],
+                [(s, c) for s, c in attention if (s, stage_label(CP_STAGE, c), c) not in refused],
+                left_out)
 
     # -- micro-benchmarks ---------------------------------------------------------------------
     def bench_gemm(self):
@@ -632,9 +804,10 @@ What each section is:
 - **CPU** and **CUDA**: the stages run under `mpirun` with `--json` over several rank counts and
   configs, each point repeated (each section says which, written from what ran); then the
   micro-benchmarks on the same device: GEMM throughput at the block's shapes, the chunked GEMMs
-  of the ring stages (efficiency against N), and the collectives in nccl-tests' convention. A
-  CPU section shows the mechanics (bytes, the structure of the overlap, relative cost), not GPU
-  speed.
+  of the ring stages (efficiency against N), and the collectives in nccl-tests' convention.
+  Stage 08 has a subsection of its own: its meshes at two sequence lengths beside stage 03, and
+  its attention time against S for C = 1, 2, 4. A CPU section shows the mechanics (bytes, the
+  structure of the overlap, relative cost), not GPU speed.
 - **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
   (`tools/projection.h`), and of a Llama-3-70B-shaped stack on 4-D meshes (PP × DP × CP × TP) of
   64 and 512 GPUs; projected, not measured; then the model against published results,
@@ -646,7 +819,8 @@ cuda` on a GPU machine (CUDA section and projection); each run replaces only its
 (into `out/bench/` unless `--out` is given).
 `tools/bench.py --only projection --build DIR` replaces the projection alone (no stage runs).
 `tools/bench.py --only text` rewrites this text and each section's line of what ran, from the
-section's CSV (runs nothing).
+section's CSV (runs nothing). `scripts/bench.sh --only cp` reruns only stage 08's
+subsection of its device's section (with its own date, command and load average).
 No number in this file is typed by hand: all of it is written by `tools/bench.py`."""
 
 PLACEHOLDER = {
@@ -730,12 +904,7 @@ class Render:
                        "not GPU speed.** Ranks share the machine's cores (one BLAS thread each, "
                        f"{cores} cores{crowd}).")
             out.append("")
-        if None not in loads:
-            out.append(f"The machine's 1-minute load average was {loads[0]:.2f} when the sweep "
-                       f"started and {loads[1]:.2f} when it ended: other work on it widens the "
-                       "spread, and a rank that is not scheduled shows up as exposed comm on its "
-                       "peers.")
-            out.append("")
+        out += self.load_line(loads, "the sweep")
         out.append(ran_text(stages, d.ranks, d.configs, d.repeats, d.steps, a.quick,
                             mesh_points_of(rows)))
         out.append("")
@@ -795,6 +964,115 @@ class Render:
             out.append(f"![{dev} {kind}](figures/bench_{dev}_{kind}.svg)")
         out.append("")
         out.append(f"The table as CSV: [benchmarks/{dev}.csv](benchmarks/{dev}.csv).")
+        return out
+
+    def load_line(self, loads, what):
+        if None in loads:
+            return []
+        return [f"The machine's 1-minute load average was {loads[0]:.2f} when {what} started and "
+                f"{loads[1]:.2f} when it ended: other work on it widens the spread, and a rank "
+                "that is not scheduled shows up as exposed comm on its peers.", ""]
+
+    def cp_section(self, rows, att, left_out, loads, peak):
+        """Stage 08's subsection, between its own markers (tools/bench.py --only cp replaces
+        it alone): its stage table per S, then attention time against S, table and plot."""
+        a, d, dev = self.a, self.d, self.a.device
+        out = [f"<!-- tpx-bench:begin {dev}-cp -->", f"### Stage 08: context parallelism ({dev})",
+               ""]
+        out.append(f"Device: {self.device_text}. Date: {d.date}. Command: `{a.command}` "
+                   f"(build: `{rel(d.build)}`).")
+        out.append("")
+        out += self.load_line(loads, "this sweep")
+        table, attention = cp_plan(d.ranks, a.quick, a.device)
+        meshes = ", ".join(f"C {c} × T {n // c}" for n, c in MESH_STAGES[CP_STAGE][3]
+                           if n in d.ranks)
+        refs = sorted({n for _, s, n in table if s == REFERENCE_STAGE})
+        seqs = sorted({s for s, _, _ in table})
+        att_seqs = sorted({s for s, _ in attention})
+        att_c = sorted({c for _, c in attention})
+        out.append(f"`{CP_STAGE}` with its default ring (`--cp-method ring`) on the meshes "
+                   f"{meshes}, beside `{REFERENCE_STAGE}` at N = {', '.join(map(str, refs))} "
+                   f"(C 1 × T N: the speed-up's reference, run in this sweep), at S = "
+                   f"{', '.join(map(str, seqs))}; then attention time against S for C = "
+                   f"{', '.join(map(str, att_c))} (N = C, T = 1) at S = "
+                   f"{', '.join(map(str, att_seqs))}. The other sizes are the default config's; "
+                   f"{d.repeats} repeat{'s' if d.repeats > 1 else ''} of {d.steps} steps per "
+                   "point, every run with `--trace` (the same small cost at every point). The "
+                   "columns are the stage tables' above; a point's step time, spread and "
+                   "derived columns are taken the same way.")
+        out.append("")
+        out.append(f"MFU per rank is against the peak `bench_gemm` measured before this sweep, "
+                   f"**{peak['tflops']:.4f} TFLOP/s** (`gemm/{a.device}/{peak['dtype']}/"
+                   f"{peak['gemm']}`)." if peak else
+                   "MFU per rank: — (no peak was measured: `bench_gemm` did not run).")
+        out.append("")
+        if a.device == "cpu" and any(n > (os.cpu_count() or 1) for _, _, n in table):
+            out.append(f"At N = 4 four ranks share the {os.cpu_count()} cores: those points time "
+                       "the scheduler as much as the stage (their speed-up is not shown).")
+            out.append("")
+        head = ["stage", "C × T"] + [h for k, h, _ in COLUMNS if h and k != "stage"]
+        for seq in seqs:
+            config = d.cp_config(seq)
+            mine = [r for r in rows if r["config"] == config["name"]]
+            out.append(f"#### S = {seq}: {size_text(sizes(config))}")
+            out.append("")
+            out.append(f"{config['why'][0].upper()}{config['why'][1:]}.")
+            out.append("")
+            out.append(md_table(head, [[r["stage"], f"{r['c']} × {r['t']}"] +
+                                       [cell(r, k, f) for k, h, f in COLUMNS
+                                        if h and k != "stage"] for r in mine]))
+            out.append("")
+            example = d.stage_cmd("<stage>", "<N>", config, "<file>") + ["--trace", "<file>"]
+            out += self.caption(f"Each point run by `{a.command}` as (stage 08 with `--cp <C>`)",
+                                example)
+            out.append("")
+        for line in left_out:
+            out.append(f"- left out: {line}")
+        if left_out:
+            out.append("")
+        out.append("#### Attention time against S")
+        out.append("")
+        if not attention:
+            out.append(f"Not run on {dev}: `--cp > 1` runs on the cpu backend only in this build, "
+                       "and a trace span times the host, not the GPU's kernels.")
+            out.append(f"<!-- tpx-bench:end {dev}-cp -->")
+            return out
+        out.append("Measured the same way at every C, from each run's `--trace`: on each rank, the "
+                   "`attention fwd` and `attention bwd` spans of its compute lane (the spans "
+                   "`common/block.cc` opens around the block's whole attention) summed within "
+                   "each step; the mean over steps 1 … (step 0 warms up) and over the ranks; the "
+                   "median over the runs, with the spread min–max. At C = 1 stage 08 builds "
+                   "stage 07 alone and those spans hold the fused attention kernel over the whole "
+                   "sequence (its `--json` `cp_attention_ms` is 0 there: no ring); at C > 1 they "
+                   "hold the ring's C steps forward and backward, the log-sum-exp merges and the "
+                   "waits for K/V and dK/dV blocks between the steps. `ring steps ms` is the "
+                   "spans of those steps alone (`attention fwd ring step …`, nested in the "
+                   "former), taken the same way: the attention blocks without the waits, the "
+                   "time the stage's own `cp_attention_ms` counts (the CSV has rank 0's, from "
+                   "`--json`, beside it); — at C = 1. `attention / step` is the attention time "
+                   "over the step time.")
+        out.append("")
+        if a.device == "cpu" and any(c > (os.cpu_count() or 1) for _, c in attention):
+            out.append(f"At C = 4 four ranks share the {os.cpu_count()} cores, so a ring step "
+                       "also waits for a peer that is not running: those points show the ring's "
+                       "structure, not what four cores would give.")
+            out.append("")
+        out.append(md_table(["S", "C", "N", "attention ms per step (median)", "spread (min–max)",
+                             "ring steps ms", "step ms (median)", "attention / step"],
+                            [[r["seq"], r["c"], r["n"], f"{r['attention_ms']:.2f}",
+                              f"{r['attention_ms_min']:.2f}–{r['attention_ms_max']:.2f}",
+                              _f(2)(r["blocks_ms"]), f"{r['step_ms']:.2f}",
+                              f"{100 * r['share']:.1f} %"] for r in att]))
+        out.append("")
+        example = d.stage_cmd(stage_label(CP_STAGE, "<C>"), "<C>", {"set": {"seq": "<S>"}},
+                              "<file>") + ["--trace", "<file>"]
+        out += self.caption(f"Each point run by `{a.command}` as", example)
+        out.append("")
+        out.append(f"![{dev} cp_attention](figures/bench_{dev}_cp_attention.svg)")
+        out.append("")
+        out.append(f"The tables as CSV: [benchmarks/{dev}_cp.csv](benchmarks/{dev}_cp.csv), "
+                   f"[benchmarks/{dev}_cp_attention.csv](benchmarks/{dev}_cp_attention.csv).")
+        out.append(f"<!-- tpx-bench:end {dev}-cp -->")
         return out
 
     def gemm_section(self, gemm, chunked, cmd, note):
@@ -888,20 +1166,70 @@ def show(cmd):
     return " ".join(out)
 
 
-def plot(rows, device, stages, figures):
-    """The three SVGs; deterministic (fixed hash salt, no date) so re-running does not churn."""
+def pyplot(figures):
+    """matplotlib's pyplot set up for the SVGs: deterministic (fixed hash salt, and no date when
+    saved with metadata={"Date": None}) so re-running does not churn."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     plt.rcParams["svg.hashsalt"] = "tpx-bench"
     plt.rcParams["font.size"] = 9
     figures.mkdir(parents=True, exist_ok=True)
+    return plt
+
+
+def cpu_note(device):
+    return "\ncpu backend: the mechanics, not GPU speed" if device == "cpu" else ""
+
+
+def plot_cp_attention(rows, device, figures):
+    """figures/bench_<device>_cp_attention.svg: attention ms per step against S, a line per C,
+    from the attention sweep's rows (attention_series), error bars min–max over the runs; dashed,
+    the ring steps' own time where C > 1."""
+    plt = pyplot(figures)
+    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    handles = []  # the legend in C's order, each C's spans before its blocks
+    for k, (c, s) in enumerate(sorted(attention_series(rows).items())):
+        handles.append(ax.errorbar(s["seq"], s["ms"], yerr=s["err"], marker="o", capsize=3,
+                                   color=colors(k),
+                                   label=f"C = {c} (N = {c}, T = 1): attention spans"))
+        if None not in s["blocks"]:
+            handles += ax.plot(s["seq"], s["blocks"], marker="x", linestyle="--", color=colors(k),
+                               label=f"C = {c}: its ring steps alone")
+    seqs = sorted({r["seq"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(seqs, [str(s) for s in seqs])
+    ax.minorticks_off()
+    # Plain numbers at 1, 2, 5 × 10^k across the drawn range, not only the decades.
+    low, high = ax.get_ylim()
+    ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(low)),
+                                          math.ceil(math.log10(high)) + 1) for m in (1, 2, 5)]
+    ticks = [v for v in ticks if low <= v <= high]
+    ax.set_yticks(ticks, [f"{v:g}" for v in ticks])
+    ax.set_ylim(low, high)
+    ax.set_xlabel("S (tokens of the whole sequence)")
+    ax.set_ylabel("attention ms per step on one rank (median)")
+    ax.grid(True, alpha=0.3)
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(f"{device}: stage 08's attention time against S (ring){cpu_note(device)}")
+    fig.tight_layout(rect=(0, 0.06 * ((len(handles) + 1) // 2), 1, 1))
+    path = figures / f"bench_{device}_cp_attention.svg"
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return path
+
+
+def plot(rows, device, stages, figures):
+    """The three SVGs of the stage tables."""
+    plt = pyplot(figures)
     configs = []
     for r in rows:
         if r["config"] not in configs:
             configs.append(r["config"])
     colors = plt.get_cmap("tab10")
-    note = "\ncpu backend: the mechanics, not GPU speed" if device == "cpu" else ""
+    note = cpu_note(device)
     paths = []
 
     def panels(title):
@@ -974,15 +1302,15 @@ def plot(rows, device, stages, figures):
 # ---------------------------------------------------------------------------------------------
 
 
-def write_csv(rows, path):
+def write_csv(rows, path, fields=CSV_FIELDS):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, lineterminator="\n")
+        w = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
         w.writeheader()
         for r in rows:
             w.writerow({k: ("" if r.get(k) is None else
                             f"{r[k]:.6g}" if isinstance(r[k], float) else r[k])
-                        for k in CSV_FIELDS})
+                        for k in fields})
 
 
 def verify(out, device, expected, peak_measured, reference_ran, sections):
@@ -1005,8 +1333,10 @@ def verify(out, device, expected, peak_measured, reference_ran, sections):
     for name in sections:
         if f"<!-- tpx-bench:begin {name} -->" not in text:
             problems.append(f"{md_path}: no section '{name}'")
-    body = text.split(f"<!-- tpx-bench:begin {device} -->", 1)[-1].split(
-        f"<!-- tpx-bench:end {device} -->", 1)[0]
+    body = section_body(text, device)
+    if f"<!-- tpx-bench:begin {device}-cp -->" in body:  # stage 08's own tables: verify_cp
+        head, rest = body.split(f"<!-- tpx-bench:begin {device}-cp -->", 1)
+        body = head + rest.split(f"<!-- tpx-bench:end {device}-cp -->", 1)[-1]
     for r in rows:
         if not re.search(rf"^\| {re.escape(r['stage'])} \| {r['n']} \| {device} \|", body, re.M):
             problems.append(f"{md_path}: no table row for {r['config']}/{r['stage']}/N={r['n']}")
@@ -1019,6 +1349,63 @@ def verify(out, device, expected, peak_measured, reference_ran, sections):
             problems.append(f"{md_path}: incomplete row: {ln}")
     if len(table_rows) != len(rows):
         problems.append(f"{md_path}: {len(table_rows)} table rows for {len(rows)} CSV rows")
+    return problems
+
+
+def section_body(text, name):
+    """The text between the section NAME's markers ("" if it has none)."""
+    begin, end = f"<!-- tpx-bench:begin {name} -->", f"<!-- tpx-bench:end {name} -->"
+    if begin not in text:
+        return ""
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+def verify_cp(out, device, expected, expected_attention, peak_measured):
+    """Reads stage 08's outputs back: the two CSVs and the plot exist, the stage table has every
+    expected point and cell, the attention CSV every expected (S, C) with a positive time (and
+    the ring steps' time and rank 0's cp_attention_ms where C > 1), and the subsection one
+    table row per CSV row."""
+    problems = []
+    csv_path = out / "benchmarks" / f"{device}_cp.csv"
+    att_path = out / "benchmarks" / f"{device}_cp_attention.csv"
+    fig = out / "figures" / f"bench_{device}_cp_attention.svg"
+    md_path = out / "benchmarks.md"
+    for p in (csv_path, att_path, md_path) + ((fig,) if expected_attention else ()):
+        if not p.is_file() or p.stat().st_size == 0:
+            problems.append(f"missing output: {p}")
+    if problems:
+        return problems
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    with open(att_path) as f:
+        att = list(csv.DictReader(f))
+    problems += missing_cells(rows, expected, peak_measured, True)
+    have = {(int(r["seq"]), int(r["c"])): r for r in att}
+    for seq, c in expected_attention:
+        if (seq, c) not in have:
+            problems.append(f"no attention row for S {seq}, C {c}")
+    for (seq, c), r in have.items():
+        for field in ATTENTION_FIELDS:
+            v = r.get(field, "")
+            if v == "" and field in ("blocks_ms", "cp_attention_ms_rank0") and c == 1:
+                continue  # stage 08 at C = 1 is stage 07: no ring blocks to time
+            try:
+                ok = math.isfinite(float(v)) and float(v) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                problems.append(f"attention S={seq} C={c}: {field} is '{v}'")
+    body = section_body(md_path.read_text(), f"{device}-cp")
+    if not body:
+        problems.append(f"{md_path}: no section '{device}-cp'")
+        return problems
+    for r in rows:
+        if not re.search(rf"^\| {re.escape(r['stage'])} \| {r['c']} × {r['t']} \| {r['n']} \|",
+                         body, re.M):
+            problems.append(f"{md_path}: no table row for {r['config']}/{r['stage']}/N={r['n']}")
+    for r in att:
+        if not re.search(rf"^\| {r['seq']} \| {r['c']} \| {r['n']} \|", body, re.M):
+            problems.append(f"{md_path}: no attention row for S={r['seq']} C={r['c']}")
     return problems
 
 
@@ -1045,10 +1432,12 @@ def main(argv=None):
     ap.add_argument("--mpirun", default="mpirun --oversubscribe --bind-to none")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per program run")
     ap.add_argument("--command", help="the command to print as the one that made the tables")
-    ap.add_argument("--only", choices=["projection", "text"],
+    ap.add_argument("--only", choices=["projection", "text", "cp"],
                     help="regenerate only part of benchmarks.md: projection (runs tpx_project "
-                         "alone, no stage runs) or text (the intro, and each device section's "
-                         "line of what ran, from its CSV; runs nothing)")
+                         "alone, no stage runs), text (the intro, and each device section's "
+                         "line of what ran, from its CSV; runs nothing) or cp (stage 08's "
+                         "subsection: bench_gemm's peak, then its stage table and attention "
+                         "against S)")
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -1173,51 +1562,112 @@ def drive(a):
         raise BenchError("matplotlib is missing (Debian: apt-get install python3-matplotlib; "
                          "scripts/setup.sh installs it)")
 
+    if a.only == "cp" and (a.model or a.config):
+        raise BenchError("--only cp runs stage 08 on the default config's sizes: leave out "
+                         "--model / --config")
+    chosen = a.stages or STAGES
+    main, cp_wanted = parts(chosen, a.only, bool(a.model or a.config))
+
     # The peak first: bench_gemm's largest GEMM, before the stages load the machine.
     gemm, chunked, gemm_cmd, gemm_note = d.bench_gemm()
     peak = measured_peak(gemm, a.device)
-    load_before = load_average()
-    stages, rows, expected, skipped, refused = d.sweep()
-    loads = (load_before, load_average())
-    if not rows:  # e.g. every stage refused the --model / --config given
-        why = skipped + [f"{name}: {line}" for name, line in refused.items()]
-        raise BenchError("no point ran" + (": " + "; ".join(why) if why else ""))
-    add_derived(rows, peak["tflops"] if peak else None)
-    collectives = d.bench_collectives()
-    projection, proj_cmd, proj_note = d.projection()
+    peak_tflops = peak["tflops"] if peak else None
+    rows, cp_rows, att = [], [], []
+    if main:
+        load_before = load_average()
+        stages, rows, expected, skipped, refused = d.sweep(main)
+        loads = (load_before, load_average())
+        if not rows:  # e.g. every stage refused the --model / --config given
+            why = skipped + [f"{name}: {line}" for name, line in refused.items()]
+            raise BenchError("no point ran" + (": " + "; ".join(why) if why else ""))
+        if CP_STAGE in chosen and not cp_wanted:
+            skipped.append(f"`{CP_STAGE}`: its subsection runs on the default config's sizes "
+                           "only, not with --model / --config")
+        add_derived(rows, peak_tflops)
+    if cp_wanted:
+        load_before = load_average()
+        cp_rows, att, cp_expected, att_expected, cp_left = d.cp_sweep()
+        cp_loads = (load_before, load_average())
+        if not cp_rows and not att:
+            raise BenchError(f"no point of {CP_STAGE}'s sweep ran: " + "; ".join(cp_left))
+        add_derived(cp_rows, peak_tflops)
 
-    device_text = device_description(a.device, rows)
-    R = Render(d, device_text)
-    body = R.stage_section(stages, rows, skipped, refused, peak, gemm_cmd, loads)
-    body += ["", f"### Micro-benchmarks ({a.device})", ""]
-    body += R.gemm_section(gemm, chunked, gemm_cmd, gemm_note)
-    body += R.collectives_section(collectives)
-
-    proj = projection_section(a, d, projection, proj_cmd, proj_note)
-
-    write_csv(rows, out / "benchmarks" / f"{a.device}.csv")
-    plot(rows, a.device, stages, out / "figures")
+    R = Render(d, device_description(a.device, rows + cp_rows))
     md = out / "benchmarks.md"
     text = benchmarks_md(md)
-    text = replace_section(text, a.device, "\n".join(body))
-    text = replace_section(text, "projection", "\n".join(proj))
+    cp_block = R.cp_section(cp_rows, att, cp_left, cp_loads, peak) if cp_wanted else []
+    if cp_wanted:
+        write_csv(cp_rows, out / "benchmarks" / f"{a.device}_cp.csv", CP_CSV_FIELDS)
+        write_csv(att, out / "benchmarks" / f"{a.device}_cp_attention.csv", ATTENTION_FIELDS)
+        if att:
+            plot_cp_attention(att, a.device, out / "figures")
+    if main:
+        collectives = d.bench_collectives()
+        projection, proj_cmd, proj_note = d.projection()
+        body = R.stage_section(stages, rows, skipped, refused, peak, gemm_cmd, loads)
+        if cp_block:
+            body += [""] + cp_block
+        body += ["", f"### Micro-benchmarks ({a.device})", ""]
+        body += R.gemm_section(gemm, chunked, gemm_cmd, gemm_note)
+        body += R.collectives_section(collectives)
+        proj = projection_section(a, d, projection, proj_cmd, proj_note)
+        write_csv(rows, out / "benchmarks" / f"{a.device}.csv")
+        plot(rows, a.device, stages, out / "figures")
+        text = replace_section(text, a.device, "\n".join(body))
+        text = replace_section(text, "projection", "\n".join(proj))
+    else:
+        text = replace_cp_section(text, a.device, cp_block)
     md.write_text(text.rstrip("\n") + "\n")
 
-    problems = verify(out, a.device, expected, peak is not None, REFERENCE_STAGE in stages,
-                      SECTIONS)
-    wrong = [(n, op) for n, ops, _, _ in collectives if ops for op, rs in ops.items()
-             if any(r["wrong"] for r in rs)]
-    for n, op in wrong:  # a benchmark program's failure: flagged in its section, not fatal
-        print(f"bench: WARNING: bench_collectives: WRONG RESULTS for {op} at N={n}",
-              file=sys.stderr)
-    print(f"wrote {md}, {out / 'benchmarks' / (a.device + '.csv')}, "
-          f"{out / 'figures'}/bench_{a.device}_*.svg ({len(rows)} rows)")
-    for note in [gemm_note, proj_note] + [c[3] for c in collectives]:
-        if note:
-            print(f"note: {note}")
+    problems = []
+    if main:
+        problems += verify(out, a.device, expected, peak is not None, REFERENCE_STAGE in stages,
+                           SECTIONS)
+        wrong = [(n, op) for n, ops, _, _ in collectives if ops for op, rs in ops.items()
+                 if any(r["wrong"] for r in rs)]
+        for n, op in wrong:  # a benchmark program's failure: flagged in its section, not fatal
+            print(f"bench: WARNING: bench_collectives: WRONG RESULTS for {op} at N={n}",
+                  file=sys.stderr)
+        print(f"wrote {md}, {out / 'benchmarks' / (a.device + '.csv')}, "
+              f"{out / 'figures'}/bench_{a.device}_*.svg ({len(rows)} rows)")
+        for note in [gemm_note, proj_note] + [c[3] for c in collectives]:
+            if note:
+                print(f"note: {note}")
+    if cp_wanted:
+        problems += verify_cp(out, a.device, cp_expected, att_expected, peak is not None)
+        print(f"wrote stage 08's subsection of {md}, {out / 'benchmarks'}/{a.device}_cp*.csv, "
+              f"{out / 'figures'}/bench_{a.device}_cp_attention.svg ({len(cp_rows)} + "
+              f"{len(att)} rows)")
     if problems:
         raise BenchError("the outputs are incomplete:\n  " + "\n  ".join(problems))
     return 0
+
+
+def parts(chosen, only, preset):
+    """(the stages of the stage tables, whether stage 08's subsection runs) for the stages
+    chosen, --only and whether --model / --config was given: stage 08 is in its subsection only,
+    which runs on the default config's sizes."""
+    main = [] if only == "cp" else [s for s in chosen if s != CP_STAGE]
+    cp_wanted = only == "cp" or (CP_STAGE in chosen and not preset)
+    if not main and not cp_wanted:
+        raise BenchError(f"{CP_STAGE}'s sweep runs on the default config's sizes only: with "
+                         "--model / --config choose other stages")
+    return main, cp_wanted
+
+
+def replace_cp_section(text, device, block):
+    """text with stage 08's subsection (block: its lines, markers included) replaced, or put into
+    the device's section before its micro-benchmarks (or at its end) if it has none yet."""
+    name = f"{device}-cp"
+    if f"<!-- tpx-bench:begin {name} -->" in text:
+        return replace_section(text, name, "\n".join(block[1:-1]))
+    begin, end = f"<!-- tpx-bench:begin {device} -->", f"<!-- tpx-bench:end {device} -->"
+    body = section_body(text, device)
+    micro = f"\n### Micro-benchmarks ({device})\n"
+    at = (text.index(begin) + len(begin) + body.index(micro) + 1 if micro in body
+          else text.index(end))
+    head = text[:at] if text[:at].endswith("\n\n") else text[:at].rstrip("\n") + "\n\n"
+    return head + "\n".join(block) + "\n\n" + text[at:]
 
 
 if __name__ == "__main__":

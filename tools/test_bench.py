@@ -272,5 +272,201 @@ class Selection(unittest.TestCase):
                           "of 8 steps per point.\n\nEach point: ...", once)
 
 
+def trace(ranks):
+    """A --trace file's JSON: per rank {"forward": [start µs of each step], "spans": [(name, lane
+    name, ts µs, dur µs)]}; the lanes' tids are given by thread_name records, as the stages write."""
+    tids = {"compute": 0, "comm": 1, "phases": 3, "cp comm": 5}
+    events = []
+    for rank, r in ranks.items():
+        events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                    "args": {"name": lane}} for lane, tid in tids.items()]
+        events += [{"name": "forward", "ph": "X", "pid": rank, "tid": tids["phases"], "ts": ts,
+                    "dur": 10} for ts in r["forward"]]
+        events += [{"name": name, "ph": "X", "pid": rank, "tid": tids[lane], "ts": ts, "dur": dur}
+                   for name, lane, ts, dur in r["spans"]]
+    return {"traceEvents": events}
+
+
+# Rank 0: step 0 (from 0 µs) 0.5 ms of attention (warm-up), step 1 (from 1000 µs) 200 + 300 µs
+# = 0.5 ms, step 2 (from 2000 µs) 100 + 200 µs = 0.3 ms; a ring step nested in a span, attention
+# on another lane and another op are not counted. Rank 1: steps 1 and 2 take 0.7 and 0.9 ms.
+# Per rank, steps 1 … : (0.5 + 0.3) / 2 = 0.4 and (0.7 + 0.9) / 2 = 0.8; over the ranks 0.6 ms.
+# The ring steps alone: rank 0 has 50 µs in step 1 and 0 in step 2 (0.025 ms per step), rank 1
+# 0 and 30 + 70 µs (0.05 ms); over the ranks 0.0375 ms.
+TWO_RANKS = {
+    0: {"forward": [0, 1000, 2000],
+        "spans": [("attention fwd", "compute", 100, 500),
+                  ("attention fwd", "compute", 1100, 200),
+                  ("attention fwd ring step 1/2 (K/V of cp rank 0)", "compute", 1110, 50),
+                  ("cp K/V ring fwd 1 hop 1/1", "cp comm", 1120, 150),
+                  ("attention fwd", "comm", 1150, 400),
+                  ("rope fwd", "compute", 1400, 90),
+                  ("attention bwd", "compute", 1500, 300),
+                  ("attention fwd", "compute", 2100, 100),
+                  ("attention bwd", "compute", 2500, 200)]},
+    1: {"forward": [5, 1005, 2005],
+        "spans": [("attention fwd", "compute", 105, 800),
+                  ("attention bwd", "compute", 1600, 700),
+                  ("attention fwd", "compute", 2200, 400),
+                  ("attention bwd", "compute", 2700, 500),
+                  ("attention bwd ring step 1/2 (K/V of cp rank 1)", "compute", 2710, 30),
+                  ("attention bwd ring step 2/2 (K/V of cp rank 0)", "compute", 2750, 70)]}}
+
+
+class ContextParallel(unittest.TestCase):
+    """Stage 08's subsection: the points it runs, attention time from the traces, the plot's
+    lines, and the check that reads its outputs back."""
+
+    def test_the_sweep_has_the_meshes_at_two_lengths_and_attention_at_three(self):
+        table, attention = bench.cp_plan([1, 2, 4], False)
+        for seq in (128, 512):  # the default S and a longer one
+            for label, n in [("08_context_parallel C2", 2), ("08_context_parallel C1", 2),
+                             ("08_context_parallel C2", 4)]:  # C × T = 2 × 1, 1 × 2, 2 × 2
+                self.assertIn((seq, label, n), table)
+            for n in (1, 2, 4):  # the speed-up's reference at the same S and N
+                self.assertIn((seq, "03_sequence_parallel", n), table)
+        for c in (1, 2, 4):
+            seqs = [s for s, cc in attention if cc == c]
+            self.assertGreaterEqual(len(seqs), 3, c)
+            self.assertTrue(all(s % (2 * c) == 0 for s in seqs), seqs)
+        self.assertEqual(bench.cp_plan([1, 2], True),  # quick: N <= 2, the default S only
+                         ([(128, "03_sequence_parallel", 1), (128, "03_sequence_parallel", 2),
+                           (128, "08_context_parallel C2", 2), (128, "08_context_parallel C1", 2)],
+                          [(32, 1), (32, 2), (64, 1), (64, 2), (128, 1), (128, 2)]))
+        # cuda: the stage table only (--cp > 1 is the cpu's; spans would time the host).
+        self.assertEqual(bench.cp_plan([1, 2, 4], False, "cuda"), (table, []))
+
+    def test_each_point_runs_with_its_mesh(self):
+        import types
+        a = types.SimpleNamespace(build="/b", out="/o", work="/w", device="cpu", mpirun="mpirun",
+                                  quick=False, ranks=None, repeats=1, model=None, config=None)
+        d = bench.Driver(a)
+        cmd = d.stage_cmd("08_context_parallel C1", 2, d.cp_config(512), "x.json")
+        self.assertEqual(cmd[:3], ["mpirun", "-np", "2"])
+        self.assertEqual(cmd[cmd.index("--seq") + 1], "512")
+        self.assertEqual(cmd[cmd.index("--cp") + 1], "1")  # C 1 × T 2
+        cmd = d.stage_cmd("03_sequence_parallel", 4, d.cp_config(128), "x.json")
+        self.assertNotIn("--cp", cmd)
+        self.assertEqual(d.cp_config(512)["name"], "S512")
+
+    def test_attention_time_from_the_trace(self):
+        per_step = bench.attention_ms_per_step(trace(TWO_RANKS))
+        self.assertEqual(sorted(per_step), [0, 1])
+        for got, want in zip(per_step[0], [0.5, 0.5, 0.3]):
+            self.assertAlmostEqual(got, want, places=12)
+        for got, want in zip(per_step[1], [0.8, 0.7, 0.9]):
+            self.assertAlmostEqual(got, want, places=12)
+        self.assertAlmostEqual(bench.attention_ms(trace(TWO_RANKS)), 0.6, places=12)
+        self.assertAlmostEqual(bench.attention_ms(trace(TWO_RANKS), blocks=True), 0.0375,
+                               places=12)
+        with self.assertRaises(bench.BenchError):  # no steps to put the spans in
+            bench.attention_ms(trace({0: {"forward": [],
+                                          "spans": [("attention fwd", "compute", 0, 5)]}}))
+        with self.assertRaises(bench.BenchError):  # no spans at all
+            bench.attention_ms(trace({0: {"forward": [], "spans": []}}))
+
+    def test_a_point_of_the_attention_sweep(self):
+        # Two runs: attention 0.6 ms (above) and 0.3 ms (every span halved) -> median 0.45,
+        # spread 0.3–0.6; step ms (after step 0) 3 and 6 -> median 4.5; share 0.45 / 4.5 = 10 %;
+        # ring steps 0.0375 and 0.01875 -> 0.028125; rank 0's cp_attention_ms 0.2 and 0.4 -> 0.3
+        # (C = 2); neither at C = 1.
+        half = {r: {"forward": v["forward"],
+                    "spans": [(n, lane, ts, dur / 2) for n, lane, ts, dur in v["spans"]]}
+                for r, v in TWO_RANKS.items()}
+        runs = [({"steps": [{"ms": 99, "cp_attention_ms": 9}, {"ms": 3, "cp_attention_ms": 0.2}]},
+                 trace(TWO_RANKS)),
+                ({"steps": [{"ms": 99, "cp_attention_ms": 9}, {"ms": 6, "cp_attention_ms": 0.4}]},
+                 trace(half))]
+        r = bench.summarise_attention(256, 2, runs)
+        self.assertEqual((r["seq"], r["c"], r["n"], r["t"], r["repeats"]), (256, 2, 2, 1, 2))
+        self.assertAlmostEqual(r["attention_ms"], 0.45, places=12)
+        self.assertAlmostEqual(r["attention_ms_min"], 0.3, places=12)
+        self.assertAlmostEqual(r["attention_ms_max"], 0.6, places=12)
+        self.assertAlmostEqual(r["step_ms"], 4.5, places=12)
+        self.assertAlmostEqual(r["share"], 0.1, places=12)
+        self.assertAlmostEqual(r["blocks_ms"], 0.028125, places=12)
+        self.assertAlmostEqual(r["cp_attention_ms_rank0"], 0.3, places=12)
+        one = bench.summarise_attention(256, 1, runs)
+        self.assertIsNone(one["blocks_ms"])
+        self.assertIsNone(one["cp_attention_ms_rank0"])
+
+    ROWS = [{"seq": 256, "c": 2, "n": 2, "t": 1, "repeats": 1, "steps": 8, "attention_ms": 3.0,
+             "attention_ms_min": 2.0, "attention_ms_max": 5.0, "blocks_ms": 1.5,
+             "cp_attention_ms_rank0": 1.6, "step_ms": 30.0,
+             "share": 0.1},
+            {"seq": 128, "c": 2, "n": 2, "t": 1, "repeats": 1, "steps": 8, "attention_ms": 1.0,
+             "attention_ms_min": 1.0, "attention_ms_max": 1.5, "blocks_ms": 0.5,
+             "cp_attention_ms_rank0": 0.6, "step_ms": 20.0,
+             "share": 0.05},
+            {"seq": 128, "c": 1, "n": 1, "t": 1, "repeats": 1, "steps": 8, "attention_ms": 2.0,
+             "attention_ms_min": 1.5, "attention_ms_max": 2.5, "blocks_ms": None,
+             "cp_attention_ms_rank0": None, "step_ms": 40.0,
+             "share": 0.05}]
+
+    def test_the_plots_lines_are_the_rows(self):
+        s = bench.attention_series(self.ROWS)
+        self.assertEqual(sorted(s), [1, 2])
+        self.assertEqual(s[2], {"seq": [128, 256], "ms": [1.0, 3.0],
+                                "err": [[0.0, 1.0], [0.5, 2.0]], "blocks": [0.5, 1.5]})
+        self.assertEqual(s[1], {"seq": [128], "ms": [2.0], "err": [[0.5], [0.5]],
+                                "blocks": [None]})
+
+    def test_the_outputs_are_read_back(self):
+        import csv, tempfile
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            self.skipTest("no matplotlib")
+        table = [{f: 1.0 for f in bench.CSV_FIELDS} | {"config": "S128", "n": 2, "c": 2, "t": 1,
+                                                       "stage": "08_context_parallel C2"}]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = pathlib.Path(tmp)
+            bench.write_csv(table, out / "benchmarks" / "cpu_cp.csv", bench.CP_CSV_FIELDS)
+            bench.write_csv(self.ROWS, out / "benchmarks" / "cpu_cp_attention.csv",
+                            bench.ATTENTION_FIELDS)
+            svg = bench.plot_cp_attention(self.ROWS, "cpu", out / "figures").read_text()
+            self.assertIn("C = 1 (N = 1, T = 1)", svg)  # a line per C, dashed blocks at C > 1
+            self.assertIn("C = 2: its ring steps alone", svg)
+            self.assertNotIn("C = 1: its ring steps", svg)
+            block = ["<!-- tpx-bench:begin cpu-cp -->", "### Stage 08",
+                     "| 08_context_parallel C2 | 2 × 1 | 2 | cpu |",
+                     "| 256 | 2 | 2 | 3.00 |", "| 128 | 2 | 2 | 1.00 |", "| 128 | 1 | 1 | 2.00 |",
+                     "<!-- tpx-bench:end cpu-cp -->"]
+            doc = ("# B\n\n<!-- tpx-bench:begin cpu -->\n## CPU\n\ntables\n\n"
+                   "### Micro-benchmarks (cpu)\n\nx\n<!-- tpx-bench:end cpu -->\n")
+            text = bench.replace_cp_section(doc, "cpu", block)
+            self.assertLess(text.index("tables"), text.index("begin cpu-cp"))
+            self.assertLess(text.index("end cpu-cp"), text.index("### Micro-benchmarks"))
+            self.assertEqual(bench.replace_cp_section(text, "cpu", block), text)  # in place
+            (out / "benchmarks.md").write_text(text)
+            expected = [("S128", "08_context_parallel C2", 2)]
+            points = [(256, 2), (128, 2), (128, 1)]
+            self.assertEqual(bench.verify_cp(out, "cpu", expected, points, True), [])
+            # A point that did not run, a table row the page lacks, an empty ring-blocks cell:
+            problems = bench.verify_cp(out, "cpu", expected + [("S512", "08_context_parallel C2",
+                                                                4)], points + [(512, 4)], True)
+            self.assertEqual(len(problems), 2, problems)
+            (out / "benchmarks.md").write_text(text.replace("| 256 | 2 | 2 |", "| 256 | 2 | 4 |"))
+            self.assertEqual(len(bench.verify_cp(out, "cpu", expected, points, True)), 1)
+            rows = [dict(r, blocks_ms=None) if r["c"] == 2 else r for r in self.ROWS]
+            bench.write_csv(rows, out / "benchmarks" / "cpu_cp_attention.csv",
+                            bench.ATTENTION_FIELDS)
+            (out / "benchmarks.md").write_text(text)
+            problems = bench.verify_cp(out, "cpu", expected, points, True)
+            self.assertEqual(len(problems), 2, problems)  # blocks_ms at C = 2, both S
+            self.assertTrue(all("blocks_ms" in p for p in problems))
+
+    def test_stage_08_is_in_its_subsection_only(self):
+        main, cp = bench.parts(bench.STAGES, None, False)
+        self.assertNotIn("08_context_parallel", main)
+        self.assertIn("07_fsdp_tp", main)
+        self.assertTrue(cp)
+        self.assertEqual(bench.parts(["08_context_parallel"], None, False), ([], True))
+        self.assertEqual(bench.parts(bench.STAGES, "cp", False), ([], True))
+        self.assertFalse(bench.parts(bench.STAGES, None, True)[1])  # --model: default sizes only
+        with self.assertRaises(bench.BenchError):
+            bench.parts(["08_context_parallel"], None, True)
+
+
 if __name__ == "__main__":
     unittest.main()
