@@ -479,13 +479,7 @@ void ContextParallel::synchronize() {
   cp_lane_.synchronize();
 }
 
-namespace {
-
-/// Throws ConfigError (one line, the same on every rank) unless `mesh` splits everything the
-/// stage splits: D the batch, 2C·T the sequence, T the heads and the FFN, and CP's method its KV
-/// heads (the checks of make_context_parallel, make_context_parallel_on and
-/// plan_context_parallel alike).
-void check_mesh(const RunContext& ctx, const Mesh& mesh) {
+void check_context_parallel(const RunContext& ctx, const Mesh& mesh) {
   const BlockConfig& c = ctx.options.config;
   const int dp = mesh.dp, cp = mesh.cp;
   if (c.batch % dp != 0)
@@ -523,6 +517,8 @@ void check_mesh(const RunContext& ctx, const Mesh& mesh) {
   check_tp_split(local, mesh.tp, /*sequence=*/true);
 }
 
+namespace {
+
 /// The mesh of ctx's job (--dp default 1, --cp default 2 when the ranks are even), checked.
 /// Collective.
 Mesh checked_mesh(const RunContext& ctx) {
@@ -534,7 +530,7 @@ Mesh checked_mesh(const RunContext& ctx) {
   if (cp < 1)
     throw ConfigError(fmt::format("--cp must be a positive number of sequence parts (got {})", cp));
   Mesh mesh = Mesh::make(dp, cp);  // refuses a D·C that does not divide the ranks
-  check_mesh(ctx, mesh);
+  check_context_parallel(ctx, mesh);
   return mesh;
 }
 
@@ -551,7 +547,7 @@ std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx) {
 }
 
 std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mesh mesh) {
-  check_mesh(ctx, mesh);
+  check_context_parallel(ctx, mesh);
   return build(ctx, std::move(mesh));
 }
 

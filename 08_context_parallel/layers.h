@@ -24,7 +24,8 @@
 //              backward does the same with dO and the gradients. Needs NKV % (C·T) == 0.
 //
 // defines: tpx::cp::ContextParallel, tpx::cp::make_context_parallel(),
-//          tpx::cp::make_context_parallel_on(), tpx::cp::plan_context_parallel()
+//          tpx::cp::make_context_parallel_on(), tpx::cp::check_context_parallel(),
+//          tpx::cp::plan_context_parallel()
 #pragma once
 
 #include <cstdint>
@@ -158,6 +159,11 @@ std::unique_ptr<Parallelism> make_context_parallel(const RunContext& ctx);
 /// The same on a mesh made already (stage 09 makes one with a PP dimension and runs this stage
 /// on each pipeline stage's slice of it): every check but the mesh's own.
 std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mesh mesh);
+/// Throws ConfigError (one line, the same on every rank) unless `mesh` splits everything the
+/// stage splits: D the batch, 2C·T the sequence, T the heads and the FFN, and CP's method its KV
+/// heads (the checks of make_context_parallel, make_context_parallel_on and
+/// plan_context_parallel alike).
+void check_context_parallel(const RunContext& ctx, const Mesh& mesh);
 
 /// --dry-run's plan: the same mesh and checks as make_context_parallel, and a step's bytes per
 /// group from common/traffic.h (mesh_traffic(): stage 05's on the rank's tokens over TP, chapter

@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
                .context_parallel = true,
                .pipeline = true},
       .make = pp::make_pipeline,
-      .plan = {},  // no --dry-run yet: the PP formulas are in the projection, not common/traffic.h
+      .plan = pp::plan_pipeline,
       .reference = baseline::run_reference,
       .train = pp::train_pipeline,
       .print_schedule = pp::describe_pipeline,

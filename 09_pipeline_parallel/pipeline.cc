@@ -71,22 +71,27 @@ PipelineParallel::~PipelineParallel() {
     }
 }
 
-Sharding PipelineParallel::sharding() const {
-  Sharding s = slice_->sharding();
-  const PipelineShape& shape = schedule_->shape();
-  s.pp = mesh_.pp;
-  s.pp_layers = std::int64_t(held_layers().size());
+namespace {
+
+/// `slice` (a pipeline stage's ranks' sharding) with what rank `pp_index` of the pipeline holds:
+/// its layers, and the peaks of the schedule's live activations and waiting loss gradients.
+Sharding pipeline_sharding(Sharding s, const Schedule& schedule,
+                           const std::vector<LayerRange>& layers, int pp_index) {
+  const PipelineShape& shape = schedule.shape();
+  s.pp = shape.ranks;
   s.microbatches = shape.microbatches;
+  s.pp_layers = 0;
+  for (const int stage : shape.stages_of(pp_index)) s.pp_layers += layers[std::size_t(stage)].count;
   // The schedule's peaks on this rank: live (micro-batch, layer) activations, and loss
   // gradients waiting for the last stage's backward.
   const int last = shape.stages() - 1;
   std::int64_t live = 0, peak = 0, losses = 0, peak_losses = 0;
-  for (const Action& a : schedule_->actions(mesh_.pp_index)) {
-    const std::int64_t n = layers_[std::size_t(a.stage)].count;
+  for (const Action& a : schedule.actions(pp_index)) {
+    const std::int64_t n = layers[std::size_t(a.stage)].count;
     if (a.phase == Phase::forward) {
       live += n;
       if (a.stage == last) ++losses;
-    } else if (a.phase == Phase::weight || !schedule_->split_backward()) {
+    } else if (a.phase == Phase::weight || !schedule.split_backward()) {
       live -= n;
     }
     if (a.phase == Phase::backward && a.stage == last) --losses;
@@ -95,10 +100,16 @@ Sharding PipelineParallel::sharding() const {
   }
   s.pp_live_layers = peak;
   s.pp_loss_grads = peak_losses;
-  s.pp_holds_input = mesh_.pp_index == shape.rank_of(0);
-  s.pp_holds_target = mesh_.pp_index == shape.rank_of(last);
-  s.pp_split_backward = schedule_->split_backward();
+  s.pp_split_backward = schedule.split_backward();
+  s.pp_holds_input = pp_index == shape.rank_of(0);
+  s.pp_holds_target = pp_index == shape.rank_of(last);
   return s;
+}
+
+}  // namespace
+
+Sharding PipelineParallel::sharding() const {
+  return pipeline_sharding(slice_->sharding(), *schedule_, layers_, mesh_.pp_index);
 }
 
 std::string PipelineParallel::comm_name() const {
@@ -291,6 +302,54 @@ std::string describe_pipeline(const RunContext& ctx) {
   out += pipeline::format_timeline(*schedule, sim);
   out += pipeline::format_simulation(*schedule, unit, sim);
   return out;
+}
+
+StagePlan plan_pipeline(const RunContext& ctx) {
+  const BlockConfig& c = ctx.options.config;
+  const Layout l = layout(ctx);
+  const auto schedule = pipeline::make_schedule(ctx.options.schedule, l.shape);
+  const Mesh mesh = Mesh::make(l.dp, l.cp, l.pp);
+  cp::check_context_parallel(ctx, mesh);
+  const CpMethod method = ctx.options.cp_method;
+  const Sharding slice{.rank = mesh.tp_index,
+                       .world = mesh.tp,
+                       .weights = true,
+                       .sequence = true,
+                       .dp = mesh.dp,
+                       .cp = mesh.cp,
+                       .cp_method = mesh.cp > 1 ? method : CpMethod::ring};
+  StagePlan p;
+  p.sharding = pipeline_sharding(slice, *schedule, l.layers, mesh.pp_index);
+  // The slice's traffic on this rank's layers, once per micro-batch (the TP and CP bytes of a
+  // micro-batch, M times; FSDP's gathers for every micro-batch, its reduce-scatter once).
+  BlockConfig mine = c;
+  mine.layers = p.sharding.pp_layers;
+  BlockConfig micro = mine;
+  micro.batch = c.batch / l.shape.microbatches;
+  const MeshTraffic t = mesh_traffic(micro, mesh.dp, mesh.cp, mesh.tp, method);
+  const auto m = std::uint64_t(l.shape.microbatches);
+  const Traffic tp{t.tp.payload * m, t.tp.bus * m, t.tp.calls * m};
+  p.cp_traffic = {t.cp.payload * m, t.cp.bus * m, t.cp.calls * m};
+  p.dp_traffic = mesh.dp * mesh.cp > 1
+                     ? fsdp_traffic(mine, mesh.tp, mesh.dp * mesh.cp, l.shape.microbatches)
+                     : Traffic{};
+  // The pipeline's messages: every send of the schedule on this rank carries one micro-batch's
+  // [S/(C·T), B/(D·M), H] activation (or its gradient); a receive is a call that sends nothing.
+  const std::uint64_t message = std::uint64_t(c.seq / (mesh.cp * mesh.tp)) *
+                                std::uint64_t(micro.batch / mesh.dp) * std::uint64_t(c.hidden) *
+                                std::uint64_t(dtype_size(c.activations()));
+  for (const Transfer& x : pipeline::transfers(*schedule, mesh.pp_index)) {
+    p.pp_traffic.calls += 1;
+    if (x.send) {
+      p.pp_traffic.payload += message;
+      p.pp_traffic.bus += message;
+    }
+  }
+  p.traffic = tp;
+  for (const Traffic* part : {&p.cp_traffic, &p.dp_traffic, &p.pp_traffic}) p.traffic += *part;
+  p.comm = fmt::format("mesh P {} × D {} × CP {} × TP {}, {} with M {} (dry run)", mesh.pp, mesh.dp,
+                       mesh.cp, mesh.tp, schedule->name(), l.shape.microbatches);
+  return p;
 }
 
 // --- the executor

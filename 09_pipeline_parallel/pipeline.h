@@ -20,7 +20,8 @@
 //   zb-h1         the backward split: B runs the block backward with the linear layers' dW
 //                 GEMMs set aside (Parallelism::defer_weight_grads), W runs them later
 //
-// defines: tpx::pp::PipelineParallel, tpx::pp::make_pipeline(), tpx::pp::describe_pipeline(),
+// defines: tpx::pp::PipelineParallel, tpx::pp::make_pipeline(), tpx::pp::plan_pipeline(),
+//          tpx::pp::describe_pipeline(),
 //          tpx::pp::train_pipeline()
 #pragma once
 
@@ -115,6 +116,11 @@ class PipelineParallel final : public Parallelism {
 /// --cp default 1), splits the layers, sizes the micro-batches and makes the schedule
 /// (ConfigError, one line on every rank, for what does not split), then stage 08 on the slice.
 std::unique_ptr<Parallelism> make_pipeline(const RunContext& ctx);
+
+/// --dry-run's plan of this rank: the checks of make_pipeline, its sharding (its layers, the
+/// schedule's peak of live activations) and a step's bytes per group (common/traffic.h's
+/// formulas on the rank's layers, once per micro-batch, and the pipeline's messages).
+StagePlan plan_pipeline(const RunContext& ctx);
 
 /// --print-schedule: the schedule of ctx's config as text (format_schedule(), the layers of each
 /// stage, the simulated timeline with unit costs and its bubble against the formula). Makes no

@@ -440,6 +440,7 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
   const Traffic& all = plan.traffic;
   const Traffic& dp = plan.dp_traffic;
   const Traffic& cp = plan.cp_traffic;
+  const Traffic& pp = plan.pp_traffic;
   const std::uint64_t saved = memory.estimate.term("saved activations").bytes;
   if (rank == 0) {
     print_header(st, c, world, plan.comm, nodes.layout(), speed, memory.estimate, memory.reference,
@@ -458,11 +459,12 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
                  bytes_text(t.payload), t.calls);
     };
     if (all.calls == 0) fmt::print("  {:<22} none\n", "communication");
-    if (all.calls > dp.calls + cp.calls)
-      group(dp.calls + cp.calls > 0 ? "tp group" : "tp group (all ranks)",
-            {all.payload - dp.payload - cp.payload, all.bus - dp.bus - cp.bus,
-             all.calls - dp.calls - cp.calls});
+    if (all.calls > dp.calls + cp.calls + pp.calls)
+      group(dp.calls + cp.calls + pp.calls > 0 ? "tp group" : "tp group (all ranks)",
+            {all.payload - dp.payload - cp.payload - pp.payload, all.bus - dp.bus - cp.bus - pp.bus,
+             all.calls - dp.calls - cp.calls - pp.calls});
     if (cp.calls > 0) group("cp group", cp);
+    if (pp.calls > 0) group("pp group (rank 0)", pp);
     if (dp.calls > 0) group(cp.calls > 0 ? "dp×cp group" : "dp group", dp);
     fmt::print("  {:<22} {}\n", "saved activations", bytes_text(saved));
     fmt::print("  {:<22} {} ({})\n", "peak memory estimate", bytes_text(memory.estimate.total()),
@@ -478,7 +480,9 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
                        {"dp_payload_bytes", dp.payload},
                        {"dp_bus_bytes", dp.bus},
                        {"cp_payload_bytes", cp.payload},
-                       {"cp_bus_bytes", cp.bus}};
+                       {"cp_bus_bytes", cp.bus},
+                       {"pp_payload_bytes", pp.payload},
+                       {"pp_bus_bytes", pp.bus}};
     summary["memory_available_bytes"] = memory.available;
     if (!memory.problem.empty()) summary["memory_problem"] = memory.problem;
     write_text_file(o.json_path, summary.dump(2) + '\n');  // checked writable at start-up

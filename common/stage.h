@@ -37,6 +37,8 @@ struct StagePlan {
   /// The part over the context-parallel group (stage 08), else zero; the DP part is then FSDP's
   /// over the merged DP×CP group.
   Traffic cp_traffic = {};
+  /// The part over the pipeline-parallel group (stage 09's messages between stages), else zero.
+  Traffic pp_traffic = {};
 };
 
 struct StageDefinition {

@@ -111,8 +111,8 @@ double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes) {
   return double(c.layers) * (2.0 * gather_bytes + 4.0) * P * (D - 1) / D;
 }
 
-Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp) {
-  check(tp >= 1 && dp >= 1, "TP and DP ranks must be >= 1");
+Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches) {
+  check(tp >= 1 && dp >= 1 && microbatches >= 1, "TP, DP ranks and micro-batches must be >= 1");
   using U = std::uint64_t;
   const U D = U(dp), T = U(tp), H = U(c.hidden), KV = U(c.kv_dim()), F = U(c.ffn);
   const U matrix = c.bf16_weight_copies() ? 2 : 4;  // the compute copies' element bytes
@@ -133,8 +133,8 @@ Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp) {
   }
   auto ring = [&](U payload) { return payload * (D - 1) / D; };
   const U gathered = D * gather, reduced = D * numel * 4;
-  const U L = U(c.layers);
-  return {L * (2 * gathered + reduced), L * (2 * ring(gathered) + ring(reduced)), L * 3};
+  const U L = U(c.layers), G = 2 * U(microbatches);  // gathers per layer and step
+  return {L * (G * gathered + reduced), L * (G * ring(gathered) + ring(reduced)), L * (G + 1)};
 }
 
 Traffic cp_traffic(const BlockConfig& c, int dp, int cp, int tp, CpMethod method) {

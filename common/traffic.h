@@ -50,7 +50,9 @@ double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes);
 /// one rank's packed part (each TP-local parameter's dim-0 shard of ⌈rows/D⌉ rows, the matrices
 /// as bf16 compute copies under --dtype bf16, the norm gains fp32, each at a multiple of its
 /// element size) and one fp32 reduce-scatter of the layer's padded flat gradient [D · numel].
-Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp);
+/// With `microbatches` M (stage 09's pipeline) each layer is gathered for every micro-batch's
+/// forward and backward, 2M times, and its gradients reduce-scattered once.
+Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches = 1);
 
 /// Stage 08's traffic over the CP group (C ranks) per rank and step, chapter 8's formulas, with
 /// kv = S/C · B/D · NKV/T · Dh and q = S/C · B/D · NH/T · Dh elements of e activation bytes

@@ -4,7 +4,8 @@
 //    (uneven) with M = 2 and 3, and interleaved at P = 2 × V = 2, under SGD and AdamW, with GQA;
 //  - zb-h1's gradients equal 1f1b's (the split backward computes the same sums);
 //  - the live counts in --json equal the schedule list's, on every rank;
-//  - the PP bytes of a step equal the formula (each message [S/(C·T), B/(D·M), H]);
+//  - the PP bytes of a step equal the formula (each message [S/(C·T), B/(D·M), H]), and
+//    --dry-run's bytes and memory estimate equal a real run's;
 //  - GPipe's peak memory grows with M at a fixed micro-batch size while 1F1B's does not (the
 //    estimate and the measured peak, each within 10 % of the other);
 //  - the trace names each F, B and W by micro-batch and carries the messages on a pp-comm lane;
@@ -231,6 +232,30 @@ TEST(PipelineParallel, GpipeMemoryGrowsWithMicrobatchesOneFOneBsDoesNot) {
     EXPECT_GT(peak["gpipe"][i], peak["gpipe"][i - 1]);
     EXPECT_EQ(saved["1f1b"][i], saved["1f1b"][i - 1]) << "1F1B keeps at most P micro-batches";
     EXPECT_LT(peak["1f1b"][i], 1.1 * peak["1f1b"][0]);
+  }
+}
+
+TEST(PipelineParallel, DryRunGivesTheRealRunsBytesAndMemoryEstimate) {
+  // --dry-run's plan of rank 0 (common/traffic.h's formulas on its layers, once per micro-batch,
+  // and the schedule's messages) against what a real step of rank 0 counted.
+  const Sizes z = pipeline_sizes();
+  struct Run {
+    int n;
+    std::string args;
+  };
+  for (const Run& run :
+       {Run{2, "--pp 2 --microbatches 4"}, Run{4, "--pp 2 --dp 2 --microbatches 2"},
+        Run{4, "--pp 2 --cp 2 --microbatches 2 --schedule zb-h1"},
+        Run{2, "--pp 2 --stages-per-rank 2 --microbatches 2 --schedule interleaved-1f1b"},
+        Run{3, "--pp 3 --microbatches 4 --schedule gpipe"}}) {
+    const std::string args = z.args() + " --steps 2 " + run.args;
+    const json real = run_json("09_pipeline_parallel", run.n, args);
+    const json dry = run_json("09_pipeline_parallel", run.n, args + " --dry-run");
+    ASSERT_TRUE(real.contains("steps") && dry.contains("step")) << run.args;
+    for (const char* key : {"comm_payload_bytes", "comm_bus_bytes", "comm_calls", "dp_bus_bytes",
+                            "cp_bus_bytes", "pp_bus_bytes", "pp_payload_bytes"})
+      EXPECT_EQ(dry.at("step").at(key), real.at("steps")[1].at(key)) << key << ": " << run.args;
+    EXPECT_EQ(dry.at("memory_estimate_bytes"), real.at("memory_estimate_bytes")) << run.args;
   }
 }
 
