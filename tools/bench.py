@@ -13,7 +13,10 @@ out), the default config and a GEMM-dominated one, each point run R times. Stage
 subsection (cp_plan): its meshes C × T = 2 × 1, 1 × 2, 2 × 2 at S = 128 and 512 beside stage 03 at
 the same S and N, and attention time against S for C = 1, 2, 4 (T = 1), from the `attention fwd` /
 `attention bwd` spans of every run's --trace (the same measure at every C; the stage's own
-cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside the ring steps alone. A selection
+cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside the ring steps alone. Stage 09
+has its own subsection too (pp_plan): each schedule (gpipe, 1f1b, zb-h1 at V = 1,
+interleaved-1f1b at V = 2) at P = 2 and 4 (N = P, T = D = C = 1) over M = 1, 2, 4, 8 on small
+sizes, the --json's measured bubble beside the schedule's formula. A selection
 narrows it: --stages (numbers or names, comma-separated), --ranks (comma-separated N), and --model
 NAME or --config FILE, which replace the two configs by that one, forwarded as they are to every
 stage and to tpx_project (a stage that refuses the config at some N, exit 2, leaves that point out
@@ -30,14 +33,15 @@ median over the R runs and their spread as min–max. From it, per rank:
 Outputs under --out (default: the repository's docs/): benchmarks.md, whose sections between
 `<!-- tpx-bench:begin NAME -->` and `<!-- tpx-bench:end NAME -->` are replaced one at a time
 (a cpu run leaves the cuda section alone and vice versa; stage 08's subsection has its own
-markers, `<device>-cp`, and --only cp replaces it alone), benchmarks/<device>.csv,
-benchmarks/<device>_cp.csv, benchmarks/<device>_cp_attention.csv,
-figures/bench_<device>_{step_ms,exposed_comm,breakdown}.svg and
-figures/bench_<device>_cp_attention.svg. The raw --json files and logs go
-under --work. A stage run that fails stops the driver (exit 1); a micro-benchmark program that is
-missing or fails leaves a one-line note in its section instead (collectives with wrong results are
-flagged in bold in the section and on stderr). Before it exits the driver reads
-its outputs back and exits 1 if any expected file, row or cell is missing.
+markers, `<device>-cp`, and --only cp replaces it alone; stage 09's likewise, `<device>-pp` and
+--only pp), benchmarks/<device>.csv, benchmarks/<device>_cp.csv,
+benchmarks/<device>_cp_attention.csv, benchmarks/<device>_pp.csv,
+figures/bench_<device>_{step_ms,exposed_comm,breakdown}.svg,
+figures/bench_<device>_cp_attention.svg and figures/bench_<device>_pp_bubble.svg. The raw --json
+files and logs go under --work. A stage run that fails stops the driver (exit 1); a
+micro-benchmark program that is missing or fails leaves a one-line note in its section instead
+(collectives with wrong results are flagged in bold in the section and on stderr). Before it
+exits the driver reads its outputs back and exits 1 if any expected file, row or cell is missing.
 
 The environment is the caller's: under scripts/env.sh (OPENBLAS_NUM_THREADS=1, Open MPI's consent
 to run as root and to oversubscribe). Plots need matplotlib (Debian: python3-matplotlib).
@@ -909,7 +913,9 @@ What each section is:
   micro-benchmarks on the same device: GEMM throughput at the block's shapes, the chunked GEMMs
   of the ring stages (efficiency against N), and the collectives in nccl-tests' convention.
   Stage 08 has a subsection of its own: its meshes at two sequence lengths beside stage 03, and
-  its attention time against S for C = 1, 2, 4. A CPU section shows the mechanics (bytes, the
+  its attention time against S for C = 1, 2, 4. Stage 09 has one too: each pipeline schedule at
+  P = 2 and 4 over the number of micro-batches M, its measured bubble against the schedule's
+  formula. A CPU section shows the mechanics (bytes, the
   structure of the overlap, relative cost), not GPU speed.
 - **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
   (`tools/projection.h`), and of a Llama-3-70B-shaped stack on 4-D meshes (PP × DP × CP × TP) of
@@ -923,7 +929,8 @@ cuda` on a GPU machine (CUDA section and projection); each run replaces only its
 `tools/bench.py --only projection --build DIR` replaces the projection alone (no stage runs).
 `tools/bench.py --only text` rewrites this text and each section's line of what ran, from the
 section's CSV (runs nothing). `scripts/bench.sh --only cp` reruns only stage 08's
-subsection of its device's section (with its own date, command and load average).
+subsection of its device's section (with its own date, command and load average);
+`scripts/bench.sh --only pp` likewise stage 09's.
 No number in this file is typed by hand: all of it is written by `tools/bench.py`."""
 
 PLACEHOLDER = {
@@ -1069,27 +1076,28 @@ class Render:
         out.append(f"The table as CSV: [benchmarks/{dev}.csv](benchmarks/{dev}.csv).")
         return out
 
-    def load_line(self, loads, what):
+    def load_line(self, loads, what, shows="exposed comm"):
         if None in loads:
             return []
         return [f"The machine's 1-minute load average was {loads[0]:.2f} when {what} started and "
                 f"{loads[1]:.2f} when it ended: other work on it widens the spread, and a rank "
-                "that is not scheduled shows up as exposed comm on its peers.", ""]
+                f"that is not scheduled shows up as {shows} on its peers.", ""]
 
-    def subsection_head(self, name, title, loads):
+    def subsection_head(self, name, title, loads, shows="exposed comm"):
         """A subsection's first lines: its begin marker, heading, device, date, command and the
         load average around its sweep (its own: --only NAME reruns it alone)."""
         a, d, dev = self.a, self.d, self.a.device
         return [f"<!-- tpx-bench:begin {dev}-{name} -->", f"### {title} ({dev})", "",
                 f"Device: {self.device_text}. Date: {d.date}. Command: `{a.command}` "
-                f"(build: `{rel(d.build)}`).", "", *self.load_line(loads, "this sweep")]
+                f"(build: `{rel(d.build)}`).", "", *self.load_line(loads, "this sweep", shows)]
 
     def pp_section(self, rows, left_out, loads):
         """Stage 09's subsection, between its own markers (tools/bench.py --only pp replaces it
         alone): per schedule and P the measured bubble against M beside the formula's, table
         and plot."""
         a, d, dev = self.a, self.d, self.a.device
-        out = self.subsection_head("pp", "Stage 09: pipeline schedules, measured bubble", loads)
+        out = self.subsection_head("pp", "Stage 09: pipeline schedules, measured bubble", loads,
+                                   "idle time")
         points = pp_plan(d.ranks, a.quick)
         degrees = sorted({p for _, p, _, _ in points})
         scheds = ", ".join(f"`{s}` (V = {v})" for s, v in PP_SCHEDULES)
@@ -1388,28 +1396,41 @@ def plot_cp_attention(rows, device, figures):
 def plot_pp_bubble(rows, device, figures):
     """figures/bench_<device>_pp_bubble.svg: stage 09's measured bubble against M, a panel per P
     and a colour per schedule, from its rows (pp_series): the median with error bars min–max over
-    the runs, and dashed the schedule's formula (where it has one) in the same colour."""
+    the runs, and dashed the schedule's formula (where it has one) in the same colour; schedules
+    whose formulas are the same line (GPipe's and 1F1B's) share one, named after both."""
     plt = pyplot(figures)
     colors = plt.get_cmap("tab10")
     series = pp_series(rows)
     degrees = sorted({p for _, p in series})
     names = [s for s, _ in PP_SCHEDULES if any(k[0] == s for k in series)]
     names += sorted({s for s, _ in series} - set(names))
-    fig, axes = plt.subplots(1, len(degrees), figsize=(max(5.0 * len(degrees), 6.4), 5.2),
+    fig, axes = plt.subplots(1, len(degrees), figsize=(max(5.0 * len(degrees), 6.4), 5.4),
                              squeeze=False, sharey=True)
+    legend = {}  # label -> handle, in the order drawn: per schedule, measured then formula
     for ax, p in zip(axes[0], degrees):
+        formulas = {}  # the formula's points -> the schedules drawn with them, in this panel
         for k, name in enumerate(names):
             s = series.get((name, p))
             if not s:
                 continue
-            v = next((v for n, v in PP_SCHEDULES if n == name), None)
-            ax.errorbar(s["m"], s["bubble"], yerr=s["err"], marker="o", capsize=3,
-                        color=colors(k), label=f"{name}{f' (V = {v})' if v and v > 1 else ''}: "
-                                               "measured")
-            drawn = [(m, f) for m, f in zip(s["m"], s["formula"]) if f is not None]
-            if drawn:
-                ax.plot([m for m, _ in drawn], [f for _, f in drawn], linestyle="--",
-                        marker="x", color=colors(k), label=f"{name}: formula")
+            v = next((v for n, v in PP_SCHEDULES if n == name), 1)
+            label = f"{name}{f' (V = {v})' if v > 1 else ''}: measured (CPU timings)"
+            legend.setdefault(label, ax.errorbar(s["m"], s["bubble"], yerr=s["err"], marker="o",
+                                                 capsize=3, color=colors(k), label=label))
+            drawn = tuple((m, f) for m, f in zip(s["m"], s["formula"]) if f is not None)
+            if not drawn:
+                continue
+            if drawn in formulas:
+                formulas[drawn].append(name)
+                continue
+            formulas[drawn] = [name]
+            formulas[drawn].append(ax.plot([m for m, _ in drawn], [f for _, f in drawn],
+                                           linestyle="--", marker="x", color=colors(k))[0])
+        for names_and_line in formulas.values():
+            line, same = names_and_line[1], [names_and_line[0]] + names_and_line[2:]
+            label = f"{' and '.join(same)}: formula"
+            line.set_label(label)
+            legend.setdefault(label, line)
         ms = sorted({m for (_, q), s in series.items() if q == p for m in s["m"]})
         ax.set_xscale("log", base=2)
         ax.set_xticks(ms, [str(m) for m in ms])
@@ -1419,16 +1440,15 @@ def plot_pp_bubble(rows, device, figures):
         ax.set_title(f"P = {p} (N = {p} ranks)")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("bubble: idle / wall over the pipeline's ranks")
-    handles, labels = [], []
-    for ax in axes[0]:  # one legend below the panels, each label once
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    # One legend below the panels, a schedule's measured line above its formula.
+    order = sorted(legend, key=lambda lab: (next((i for i, n in enumerate(names)
+                                                  if lab.startswith(n)), len(names)),
+                                            "formula" in lab))
+    fig.legend([legend[lab] for lab in order], order, loc="lower center", ncol=2, fontsize=8,
+               frameon=False)
     fig.suptitle(f"{device}: stage 09's bubble against M, measured and by the formula"
                  f"{cpu_note(device)}")
-    fig.tight_layout(rect=(0, 0.05 * ((len(labels) + 1) // 2), 1, 1))
+    fig.tight_layout(rect=(0, 0.045 * ((len(order) + 1) // 2), 1, 1))
     path = figures / f"bench_{device}_pp_bubble.svg"
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)

@@ -567,7 +567,7 @@ class PipelineSubsection(unittest.TestCase):
         self.assertEqual(s[("zb-h1", 4)]["formula"], [None, 0.2])  # no formula below M = P
 
     def test_the_outputs_are_read_back(self):
-        import csv, tempfile
+        import tempfile
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -581,6 +581,14 @@ class PipelineSubsection(unittest.TestCase):
                           "cpu backend: the mechanics"):
                 self.assertIn(label, svg)
             self.assertNotIn("gpipe", svg)  # a schedule without rows draws nothing
+            # GPipe's formula is 1F1B's: one dashed line, named after both.
+            gpipe = [dict(r, schedule="gpipe", bubble=0.9, bubble_max=0.95) for r in self.ROWS
+                     if r["schedule"] == "1f1b"]
+            svg = bench.plot_pp_bubble(self.ROWS + gpipe, "cpu", out / "figures").read_text()
+            self.assertIn("gpipe and 1f1b: formula", svg)
+            self.assertNotIn("1f1b: formula", svg.replace("gpipe and 1f1b: formula", ""))
+            self.assertIn("gpipe: measured (CPU timings)", svg)
+            svg = bench.plot_pp_bubble(self.ROWS, "cpu", out / "figures").read_text()
             block = ["<!-- tpx-bench:begin cpu-pp -->", "### Stage 09",
                      "| 1f1b | 2 | 1 | 4 | 0.300 |", "| 1f1b | 2 | 1 | 2 | 0.500 |",
                      "| zb-h1 | 4 | 1 | 2 | 0.700 |", "| zb-h1 | 4 | 1 | 4 | 0.500 |",
