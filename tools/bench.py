@@ -915,8 +915,8 @@ What each section is:
   Stage 08 has a subsection of its own: its meshes at two sequence lengths beside stage 03, and
   its attention time against S for C = 1, 2, 4. Stage 09 has one too: each pipeline schedule at
   P = 2 and 4 over the number of micro-batches M, its measured bubble against the schedule's
-  formula. A CPU section shows the mechanics (bytes, the
-  structure of the overlap, relative cost), not GPU speed.
+  formula. A CPU section shows the mechanics (bytes, the structure of the overlap, relative
+  cost), not GPU speed.
 - **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
   (`tools/projection.h`), and of a Llama-3-70B-shaped stack on 4-D meshes (PP × DP × CP × TP) of
   64 and 512 GPUs; projected, not measured; then the model against published results,
