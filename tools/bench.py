@@ -713,6 +713,9 @@ class Driver:
         if not self.exe(PP_STAGE):
             raise BenchError(f"not built in {self.bin}: {PP_STAGE}")
         points = pp_plan(self.ranks, self.a.quick)
+        if not points:
+            raise BenchError(f"{PP_STAGE}'s sweep runs at N = P = "
+                             f"{' or '.join(map(str, PP_DEGREES))}: --ranks has neither")
         results, refused = self.run_points(
             "pp", points, lambda pt: f"{pt[0]}.P{pt[1]}.V{pt[2]}.M{pt[3]}",
             lambda pt: f"{pt[0]} P={pt[1]} V={pt[2]} M={pt[3]}", self.pp_cmd)
