@@ -2,14 +2,16 @@
 # The benchmarks: set up, build what they need, run tools/bench.py (every stage over N = 1, 2, 4,
 # stage 07 on the meshes D × TP = 1 × 2, 2 × 1, 2 × 2, and two or more configs; stage 08 in its
 # own subsection: C × TP = 2 × 1, 1 × 2, 2 × 2 at S = 128 and 512 beside stage 03, and its
-# attention time against S for C = 1, 2, 4; the micro-benchmarks, the projection), and write
-# docs/benchmarks.md (its device's section and the projection; the other device's section stays),
-# the CSVs docs/benchmarks/<device>.csv, <device>_cp.csv, <device>_cp_attention.csv and the plots
+# attention time against S for C = 1, 2, 4; stage 09 in its own subsection: each schedule at
+# P = 2 and 4 over M = 1, 2, 4, 8, its measured bubble against the formula's; the
+# micro-benchmarks, the projection), and write docs/benchmarks.md (its device's section and the
+# projection; the other device's section stays), the CSVs docs/benchmarks/<device>.csv,
+# <device>_cp.csv, <device>_cp_attention.csv, <device>_pp.csv and the plots
 # docs/figures/bench_<device>_*.svg.
 #
 #   scripts/bench.sh [--quick] [--device cpu|cuda] [--repeats R] [--out DIR]
 #                    [--stages 04,05] [--ranks 2,4] [--model NAME | --config FILE]
-#                    [--only cp]
+#                    [--only cp|pp]
 #
 #   --quick        1 repeat, N = 1, 2, 3 steps, collectives up to 64K, the default config only
 #   --device       cpu (default) or cuda (on a GPU machine)
@@ -23,6 +25,7 @@
 #   unless --out is given; its text says what ran)
 #   --only cp      only stage 08's subsection (bench_gemm's peak first), the rest of the page
 #                  as it is: what to run after a change to stage 08
+#   --only pp      only stage 09's subsection, likewise: what to run after a change to stage 09
 #
 # The build: TPX_BENCH_BUILD (default: build-bench-cpu for --device cpu, configured cpu-only
 # without tests and docs so that it builds in a few minutes; build/ for --device cuda). An existing
@@ -34,6 +37,7 @@ cd "$(dirname "$0")/.."
 args=("$@")
 device=cpu
 stages=
+only=
 while [ $# -gt 0 ]; do
   case $1 in
     --device)
@@ -54,6 +58,14 @@ while [ $# -gt 0 ]; do
       ;;
     --stages=*)
       stages=${1#*=}
+      shift
+      ;;
+    --only)
+      only=${2:-}
+      shift 2 || shift
+      ;;
+    --only=*)
+      only=${1#*=}
       shift
       ;;
     *) shift ;;
@@ -95,7 +107,12 @@ fi
 # Build only the programs the benchmarks run (with --stages, only those stages), those this source
 # tree has; tools/bench.py checks the list itself and names a stage that does not exist.
 all_stages=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
-  06_fp8 07_fsdp_tp 08_context_parallel)
+  06_fp8 07_fsdp_tp 08_context_parallel 09_pipeline_parallel)
+# --only cp | pp: the programs of that subsection alone (tools/bench.py checks --only itself).
+case $only in
+  cp) stages=03,08 ;;
+  pp) stages=09 ;;
+esac
 chosen=()
 for s in "${all_stages[@]}"; do
   if [ -z "$stages" ]; then
@@ -110,10 +127,11 @@ for s in "${all_stages[@]}"; do
   done
 done
 if [ -n "$stages" ] && [ ${#chosen[@]} -eq 0 ]; then
-  echo "bench: --stages $stages names no stage (stages: 01 … 08, or their names)" >&2
+  echo "bench: --stages $stages names no stage (stages: 01 … 09, or their names)" >&2
   exit 2
 fi
 wanted=("${chosen[@]}" bench_gemm bench_collectives tpx_project)
+[ "$only" = pp ] && wanted=("${chosen[@]}")
 known=$(cmake --build "$build" --target help 2>/dev/null)
 targets=()
 for t in "${wanted[@]}"; do

@@ -13,7 +13,10 @@ out), the default config and a GEMM-dominated one, each point run R times. Stage
 subsection (cp_plan): its meshes C × T = 2 × 1, 1 × 2, 2 × 2 at S = 128 and 512 beside stage 03 at
 the same S and N, and attention time against S for C = 1, 2, 4 (T = 1), from the `attention fwd` /
 `attention bwd` spans of every run's --trace (the same measure at every C; the stage's own
-cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside the ring steps alone. A selection
+cp_attention_ms is 0 at C = 1, where stage 08 is stage 07) beside the ring steps alone. Stage 09
+has its own subsection too (pp_plan): each schedule (gpipe, 1f1b, zb-h1 at V = 1,
+interleaved-1f1b at V = 2) at P = 2 and 4 (N = P, T = D = C = 1) over M = 1, 2, 4, 8 on small
+sizes, the --json's measured bubble beside the schedule's formula. A selection
 narrows it: --stages (numbers or names, comma-separated), --ranks (comma-separated N), and --model
 NAME or --config FILE, which replace the two configs by that one, forwarded as they are to every
 stage and to tpx_project (a stage that refuses the config at some N, exit 2, leaves that point out
@@ -30,14 +33,15 @@ median over the R runs and their spread as min–max. From it, per rank:
 Outputs under --out (default: the repository's docs/): benchmarks.md, whose sections between
 `<!-- tpx-bench:begin NAME -->` and `<!-- tpx-bench:end NAME -->` are replaced one at a time
 (a cpu run leaves the cuda section alone and vice versa; stage 08's subsection has its own
-markers, `<device>-cp`, and --only cp replaces it alone), benchmarks/<device>.csv,
-benchmarks/<device>_cp.csv, benchmarks/<device>_cp_attention.csv,
-figures/bench_<device>_{step_ms,exposed_comm,breakdown}.svg and
-figures/bench_<device>_cp_attention.svg. The raw --json files and logs go
-under --work. A stage run that fails stops the driver (exit 1); a micro-benchmark program that is
-missing or fails leaves a one-line note in its section instead (collectives with wrong results are
-flagged in bold in the section and on stderr). Before it exits the driver reads
-its outputs back and exits 1 if any expected file, row or cell is missing.
+markers, `<device>-cp`, and --only cp replaces it alone; stage 09's likewise, `<device>-pp` and
+--only pp), benchmarks/<device>.csv, benchmarks/<device>_cp.csv,
+benchmarks/<device>_cp_attention.csv, benchmarks/<device>_pp.csv,
+figures/bench_<device>_{step_ms,exposed_comm,breakdown}.svg,
+figures/bench_<device>_cp_attention.svg and figures/bench_<device>_pp_bubble.svg. The raw --json
+files and logs go under --work. A stage run that fails stops the driver (exit 1); a
+micro-benchmark program that is missing or fails leaves a one-line note in its section instead
+(collectives with wrong results are flagged in bold in the section and on stderr). Before it
+exits the driver reads its outputs back and exits 1 if any expected file, row or cell is missing.
 
 The environment is the caller's: under scripts/env.sh (OPENBLAS_NUM_THREADS=1, Open MPI's consent
 to run as root and to oversubscribe). Plots need matplotlib (Debian: python3-matplotlib).
@@ -57,7 +61,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STAGES = ["01_baseline", "02_megatron_tp", "03_sequence_parallel", "04_overlap_ring",
-          "05_copy_engine_async_tp", "06_fp8", "07_fsdp_tp", "08_context_parallel"]
+          "05_copy_engine_async_tp", "06_fp8", "07_fsdp_tp", "08_context_parallel",
+          "09_pipeline_parallel"]
 # The mesh stages run at points (N, X) of their own dimension X, N = X · TP: stage 07 on D × TP
 # (rows "07_fsdp_tp D<D>": 1 × 2, 2 × 1, 2 × 2), stage 08 on C × TP (rows
 # "08_context_parallel C<C>": C × T = 2 × 1, 1 × 2, 2 × 2), each with its flag and json key.
@@ -83,6 +88,16 @@ CP_STAGE = "08_context_parallel"
 CP_TABLE_SEQS = {False: [128, 512], True: [128]}  # the stage table's S (quick: the default only)
 CP_ATTENTION_SEQS = {False: [64, 128, 256, 512], True: [32, 64, 128]}
 CP_ATTENTION_C = [1, 2, 4]
+# Stage 09 has its own subsection (pp_plan): each schedule at P = 2 and 4 (T = D = C = 1) over a
+# sweep of M, its measured bubble beside the schedule's formula. Small sizes: B divides by every
+# M, L >= P·V at the largest P and V.
+PP_STAGE = "09_pipeline_parallel"
+PP_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]  # (name, V)
+PP_DEGREES = [2, 4]
+PP_MICROBATCHES = {False: [1, 2, 4, 8], True: [2, 4]}
+PP_SIZES = {"hidden": 128, "heads": 4, "ffn": 512, "seq": 64, "batch": 8, "layers": 8}
+# The stages with a subsection of their own, each between the markers `<device>-<name>`.
+SUBSECTIONS = {"cp": CP_STAGE, "pp": PP_STAGE}
 MIB = 1024.0 * 1024.0
 SECTIONS = ["cpu", "cuda", "projection"]  # the order of the sections in benchmarks.md
 
@@ -154,6 +169,51 @@ def cp_plan(ranks, quick, device="cpu"):
     attention = [(seq, c) for seq in CP_ATTENTION_SEQS[quick] for c in CP_ATTENTION_C
                  if c in ranks and seq % (2 * c) == 0 and device == "cpu"]
     return table, attention
+
+
+def pp_plan(ranks, quick):
+    """Stage 09's subsection as points (schedule, P, V, M), run at N = P: every schedule of
+    PP_SCHEDULES at each P of PP_DEGREES in `ranks`, over M of PP_MICROBATCHES that divide B
+    (interleaved needs M % P == 0 too), with L >= P·V."""
+    z = PP_SIZES
+    return [(name, p, v, m) for name, v in PP_SCHEDULES for p in PP_DEGREES if p in ranks
+            for m in PP_MICROBATCHES[quick]
+            if z["batch"] % m == 0 and z["layers"] >= p * v and (v == 1 or m % p == 0)]
+
+
+def summarise_pp(point, summaries):
+    """One point of stage 09's sweep from its R runs' --json summaries: the measured bubble's
+    median and spread, the formula's bubble (None where the schedule has none), the step time
+    and pp bytes per step (each run's mean over steps 1 …, the median over the runs), and the
+    peak count of live micro-batches per pipeline rank (the largest over the runs)."""
+    schedule, p, v, m = point
+    pipes = [s["pipeline"] for s in summaries]
+    med, lo, hi = median_spread([float(x["bubble_measured"]) for x in pipes])
+    formula = pipes[0].get("bubble_formula")
+    live = [max(int(x["live_peak"][r]) for x in pipes) for r in range(len(pipes[0]["live_peak"]))]
+    return {"schedule": schedule, "p": p, "v": v, "m": m, "n": int(summaries[0]["world_size"]),
+            "repeats": len(summaries), "bubble": med, "bubble_min": lo, "bubble_max": hi,
+            "formula": None if formula is None or not math.isfinite(float(formula))
+            else float(formula),
+            "step_ms": statistics.median(steady_mean(s["steps"], "ms") for s in summaries),
+            "pp_bytes": statistics.median(steady_mean(s["steps"], "pp_bus_bytes")
+                                          for s in summaries),
+            "live_peak": " ".join(map(str, live))}
+
+
+def pp_series(rows):
+    """The plot's lines, from stage 09's rows: {(schedule, P): {"m": [M ...], "bubble": [median
+    ...], "err": [[below ...], [above ...]] (to min and max), "formula": [...]}}, M ascending."""
+    series = {}
+    for r in sorted(rows, key=lambda r: (r["schedule"], r["p"], r["m"])):
+        s = series.setdefault((r["schedule"], r["p"]),
+                              {"m": [], "bubble": [], "err": [[], []], "formula": []})
+        s["m"].append(r["m"])
+        s["bubble"].append(r["bubble"])
+        s["err"][0].append(r["bubble"] - r["bubble_min"])
+        s["err"][1].append(r["bubble_max"] - r["bubble"])
+        s["formula"].append(r["formula"])
+    return series
 
 
 def trace_lanes(events):
@@ -324,6 +384,8 @@ CSV_FIELDS = ["config", "hidden", "heads", "ffn", "seq", "batch", "layers", "ste
               "peak_tflops", "mfu", "exposed_ms", "bus_bytes", "bus_gbps", "peak_mib", "saved_mib", "speedup"]
 # Stage 08's subsection: its stage table (the mesh C × T besides), and the attention sweep.
 CP_CSV_FIELDS = CSV_FIELDS + ["c", "t"]
+PP_FIELDS = ["schedule", "p", "v", "m", "n", "repeats", "steps", "bubble", "bubble_min",
+             "bubble_max", "formula", "step_ms", "pp_bytes", "live_peak"]
 ATTENTION_FIELDS = ["seq", "c", "n", "t", "repeats", "steps", "attention_ms", "attention_ms_min",
                     "attention_ms_max", "blocks_ms", "cp_attention_ms_rank0", "step_ms", "share"]
 
@@ -386,6 +448,11 @@ def run(cmd, log, timeout):
                                                  r"Exit code|Per user-direction", ln)]
     errors = [ln for ln in lines if re.search(r"error|wrong|fail|killed", ln, re.I)]
     return rc, (errors[-1] if errors else lines[-1] if lines else f"exit status {rc}")
+
+
+def trace_path(json_path):
+    """Where a run's --trace goes: beside its --json, X.json -> X.trace.json."""
+    return json_path.parent / (json_path.name.removesuffix(".json") + ".trace.json")
 
 
 def config_flags(config):
@@ -569,31 +636,15 @@ class Driver:
         table, attention = cp_plan(self.ranks, self.a.quick, self.a.device)
         runs = list(dict.fromkeys(table + [(seq, stage_label(CP_STAGE, c), c)
                                            for seq, c in attention]))
-        results, refused = {}, {}
-        total, done = len(runs) * self.repeats, 0
-        for rep in range(self.repeats):  # repeats outermost, as in the stage tables
-            for point in runs:
-                seq, stage, n = point
-                done += 1
-                if point in refused:
-                    continue
-                base = self.work / "cp" / f"S{seq}.{stage.replace(' ', '-')}.np{n}.r{rep}"
-                base.parent.mkdir(parents=True, exist_ok=True)
-                json_path = base.parent / (base.name + ".json")
-                trace_path = base.parent / (base.name + ".trace.json")
-                cmd = self.stage_cmd(stage, n, self.cp_config(seq), json_path) + [
-                    "--trace", str(trace_path)]
-                print(f"[cp {done}/{total}] S={seq} {stage} N={n} (repeat {rep + 1})", flush=True)
-                log = base.parent / (base.name + ".log")
-                rc, last = run(cmd, log, self.a.timeout)
-                if rc == 2:
-                    refused[point] = last
-                    continue
-                if rc != 0:
-                    raise BenchError(f"stage run failed (exit {rc}): {shlex.join(cmd)}\n  {last}\n"
-                                     f"  full output: {log}")
-                results.setdefault(point, []).append(
-                    (json.loads(json_path.read_text()), json.loads(trace_path.read_text())))
+
+        def command(point, json_path):
+            seq, stage, n = point
+            return (self.stage_cmd(stage, n, self.cp_config(seq), json_path) +
+                    ["--trace", str(trace_path(json_path))])
+
+        results, refused = self.run_points(
+            "cp", runs, lambda pt: f"S{pt[0]}.{pt[1].replace(' ', '-')}.np{pt[2]}",
+            lambda pt: f"S={pt[0]} {pt[1]} N={pt[2]}", command, traced=True)
         rows = []
         for seq, stage, n in table:
             if (seq, stage, n) not in results:
@@ -613,6 +664,65 @@ class Driver:
         return (rows, att, [(f"S{s}", st, n) for s, st, n in table if (s, st, n) not in refused],
                 [(s, c) for s, c in attention if (s, stage_label(CP_STAGE, c), c) not in refused],
                 left_out)
+
+    def run_points(self, part, points, name, title, command, traced=False):
+        """Runs a subsection's points R times, repeats outermost (drift spreads over every
+        point), each with --json (and, `traced`, --trace beside it) under WORK/<part>/; a point
+        whose stage refuses it (exit 2) is left out after its first refusal, any other failure
+        stops the driver. name(point): the files' name, title(point): the progress line's,
+        command(point, json path): the command. Returns ({point: [(summary, trace or None) per
+        run]}, {point: its one-line refusal})."""
+        results, refused = {}, {}
+        total, done = len(points) * self.repeats, 0
+        for rep in range(self.repeats):
+            for point in points:
+                done += 1
+                if point in refused:
+                    continue
+                base = self.work / part / f"{name(point)}.r{rep}"
+                base.parent.mkdir(parents=True, exist_ok=True)
+                json_path = base.parent / (base.name + ".json")
+                cmd = command(point, json_path)
+                print(f"[{part} {done}/{total}] {title(point)} (repeat {rep + 1})", flush=True)
+                log = base.parent / (base.name + ".log")
+                rc, last = run(cmd, log, self.a.timeout)
+                if rc == 2:
+                    refused[point] = last
+                    continue
+                if rc != 0:
+                    raise BenchError(f"stage run failed (exit {rc}): {shlex.join(cmd)}\n  {last}\n"
+                                     f"  full output: {log}")
+                trace = json.loads(trace_path(json_path).read_text()) if traced else None
+                results.setdefault(point, []).append((json.loads(json_path.read_text()), trace))
+        return results, refused
+
+    def pp_config(self):
+        return {"name": "pp", "set": PP_SIZES, "optional": False,
+                "why": "small sizes: the pipeline's mechanics in seconds per run"}
+
+    def pp_cmd(self, point, json_path):
+        """A point of stage 09's sweep: N = P ranks, T = D = C = 1."""
+        schedule, p, v, m = point
+        return self.stage_cmd(PP_STAGE, p, self.pp_config(), json_path) + [
+            "--pp", str(p), "--schedule", schedule, "--stages-per-rank", str(v),
+            "--microbatches", str(m)]
+
+    def pp_sweep(self):
+        """Stage 09's subsection (pp_plan); a point the stage refuses (exit 2) is left out with
+        its line. Returns (rows, expected points, left-out lines)."""
+        if not self.exe(PP_STAGE):
+            raise BenchError(f"not built in {self.bin}: {PP_STAGE}")
+        points = pp_plan(self.ranks, self.a.quick)
+        if not points:
+            raise BenchError(f"{PP_STAGE}'s sweep runs at N = P = "
+                             f"{' or '.join(map(str, PP_DEGREES))}: --ranks has neither")
+        results, refused = self.run_points(
+            "pp", points, lambda pt: f"{pt[0]}.P{pt[1]}.V{pt[2]}.M{pt[3]}",
+            lambda pt: f"{pt[0]} P={pt[1]} V={pt[2]} M={pt[3]}", self.pp_cmd)
+        rows = [dict(summarise_pp(pt, [s for s, _ in results[pt]]), steps=self.steps)
+                for pt in points if pt in results]
+        left_out = [f"{s} P={p} V={v} M={m}: {line}" for (s, p, v, m), line in refused.items()]
+        return rows, [pt for pt in points if pt not in refused], left_out
 
     # -- micro-benchmarks ---------------------------------------------------------------------
     def bench_gemm(self):
@@ -806,8 +916,10 @@ What each section is:
   micro-benchmarks on the same device: GEMM throughput at the block's shapes, the chunked GEMMs
   of the ring stages (efficiency against N), and the collectives in nccl-tests' convention.
   Stage 08 has a subsection of its own: its meshes at two sequence lengths beside stage 03, and
-  its attention time against S for C = 1, 2, 4. A CPU section shows the mechanics (bytes, the
-  structure of the overlap, relative cost), not GPU speed.
+  its attention time against S for C = 1, 2, 4. Stage 09 has one too: each pipeline schedule at
+  P = 2 and 4 over the number of micro-batches M, its measured bubble against the schedule's
+  formula. A CPU section shows the mechanics (bytes, the structure of the overlap, relative
+  cost), not GPU speed.
 - **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
   (`tools/projection.h`), and of a Llama-3-70B-shaped stack on 4-D meshes (PP × DP × CP × TP) of
   64 and 512 GPUs; projected, not measured; then the model against published results,
@@ -820,7 +932,8 @@ cuda` on a GPU machine (CUDA section and projection); each run replaces only its
 `tools/bench.py --only projection --build DIR` replaces the projection alone (no stage runs).
 `tools/bench.py --only text` rewrites this text and each section's line of what ran, from the
 section's CSV (runs nothing). `scripts/bench.sh --only cp` reruns only stage 08's
-subsection of its device's section (with its own date, command and load average).
+subsection of its device's section (with its own date, command and load average);
+`scripts/bench.sh --only pp` likewise stage 09's.
 No number in this file is typed by hand: all of it is written by `tools/bench.py`."""
 
 PLACEHOLDER = {
@@ -966,23 +1079,85 @@ class Render:
         out.append(f"The table as CSV: [benchmarks/{dev}.csv](benchmarks/{dev}.csv).")
         return out
 
-    def load_line(self, loads, what):
+    def load_line(self, loads, what, shows="exposed comm"):
         if None in loads:
             return []
         return [f"The machine's 1-minute load average was {loads[0]:.2f} when {what} started and "
                 f"{loads[1]:.2f} when it ended: other work on it widens the spread, and a rank "
-                "that is not scheduled shows up as exposed comm on its peers.", ""]
+                f"that is not scheduled shows up as {shows} on its peers.", ""]
+
+    def subsection_head(self, name, title, loads, shows="exposed comm"):
+        """A subsection's first lines: its begin marker, heading, device, date, command and the
+        load average around its sweep (its own: --only NAME reruns it alone)."""
+        a, d, dev = self.a, self.d, self.a.device
+        return [f"<!-- tpx-bench:begin {dev}-{name} -->", f"### {title} ({dev})", "",
+                f"Device: {self.device_text}. Date: {d.date}. Command: `{a.command}` "
+                f"(build: `{rel(d.build)}`).", "", *self.load_line(loads, "this sweep", shows)]
+
+    def pp_section(self, rows, left_out, loads):
+        """Stage 09's subsection, between its own markers (tools/bench.py --only pp replaces it
+        alone): per schedule and P the measured bubble against M beside the formula's, table
+        and plot."""
+        a, d, dev = self.a, self.d, self.a.device
+        out = self.subsection_head("pp", "Stage 09: pipeline schedules, measured bubble", loads,
+                                   "idle time")
+        points = pp_plan(d.ranks, a.quick)
+        degrees = sorted({p for _, p, _, _ in points})
+        scheds = ", ".join(f"`{s}` (V = {v})" for s, v in PP_SCHEDULES)
+        ms = ", ".join(map(str, PP_MICROBATCHES[a.quick]))
+        out.append(f"`{PP_STAGE}` with the schedules {scheds} at P = "
+                   f"{', '.join(map(str, degrees))} (N = P ranks, T = D = C = 1) over M = {ms} "
+                   f"micro-batches (interleaved only where P divides M); sizes "
+                   f"{size_text(PP_SIZES)}, small so that a run takes seconds; {d.repeats} "
+                   f"repeat{'s' if d.repeats > 1 else ''} of {d.steps} steps per point.")
+        out.append("")
+        out.append("Measured bubble: the stage's `--json` `pipeline.bubble_measured`, the idle "
+                   "time (a rank waiting for a peer's activation or gradient, or between its "
+                   "actions) summed over the pipeline's ranks over their summed wall time, steps "
+                   "1 … (step 0 warms up); the table gives the median over the runs and the "
+                   "spread as min–max. Formula: `pipeline.bubble_formula`, the schedule's bubble "
+                   "with unit costs F = B = W (`common/pipeline/schedule.cc`): (P−1)/(M+P−1) "
+                   "for GPipe and 1F1B, (P−1)/(V·M+P−1) interleaved, (P−1)/(3M+P−1) for ZB-H1 "
+                   "(its deferred W's fill the wait), which has none below M = P (—). Step ms: "
+                   "the mean over steps "
+                   "1 …, median over the runs; pp bytes: the point-to-point bus bytes per step "
+                   "per rank (`pp_bus_bytes`); live peak: the most micro-batches whose "
+                   "activations each pipeline rank held at once, rank 0 first.")
+        out.append("")
+        if a.device == "cpu":
+            cores = os.cpu_count() or 1
+            crowd = (f" At P = {', '.join(str(p) for p in degrees if p > cores)} the ranks "
+                     f"outnumber the {cores} cores: a rank that is not scheduled counts as idle "
+                     "on its peers, so those bubbles are the scheduler's as much as the "
+                     "schedule's." if any(p > cores for p in degrees) else "")
+            out.append("**CPU timings: the bubble's mechanics, not GPU speed.**" + crowd)
+            out.append("")
+        out.append(md_table(["schedule", "P", "V", "M", "bubble measured (median)",
+                             "spread (min–max)", "bubble formula", "step ms (median)",
+                             "pp bytes per step", "live peak per rank"],
+                            [[r["schedule"], r["p"], r["v"], r["m"], f"{r['bubble']:.3f}",
+                              f"{r['bubble_min']:.3f}–{r['bubble_max']:.3f}",
+                              _f(3)(r["formula"]), f"{r['step_ms']:.2f}",
+                              f"{r['pp_bytes']:.0f}", r["live_peak"]] for r in rows]))
+        out.append("")
+        example = d.pp_cmd(("<schedule>", "<P>", "<V>", "<M>"), "<file>")
+        out += self.caption(f"Each point run by `{a.command}` as", example)
+        out.append("")
+        for line in left_out:
+            out.append(f"- left out: {line}")
+        if left_out:
+            out.append("")
+        out.append(f"![{dev} pp_bubble](figures/bench_{dev}_pp_bubble.svg)")
+        out.append("")
+        out.append(f"The table as CSV: [benchmarks/{dev}_pp.csv](benchmarks/{dev}_pp.csv).")
+        out.append(f"<!-- tpx-bench:end {dev}-pp -->")
+        return out
 
     def cp_section(self, rows, att, left_out, loads, peak):
         """Stage 08's subsection, between its own markers (tools/bench.py --only cp replaces
         it alone): its stage table per S, then attention time against S, table and plot."""
         a, d, dev = self.a, self.d, self.a.device
-        out = [f"<!-- tpx-bench:begin {dev}-cp -->", f"### Stage 08: context parallelism ({dev})",
-               ""]
-        out.append(f"Device: {self.device_text}. Date: {d.date}. Command: `{a.command}` "
-                   f"(build: `{rel(d.build)}`).")
-        out.append("")
-        out += self.load_line(loads, "this sweep")
+        out = self.subsection_head("cp", "Stage 08: context parallelism", loads)
         table, attention = cp_plan(d.ranks, a.quick, a.device)
         meshes = ", ".join(f"C {c} × T {n // c}" for n, c in MESH_STAGES[CP_STAGE][3]
                            if n in d.ranks)
@@ -1221,6 +1396,68 @@ def plot_cp_attention(rows, device, figures):
     return path
 
 
+def plot_pp_bubble(rows, device, figures):
+    """figures/bench_<device>_pp_bubble.svg: stage 09's measured bubble against M, a panel per P
+    and a colour per schedule, from its rows (pp_series): the median with error bars min–max over
+    the runs, and dashed the schedule's formula (where it has one) in the same colour; schedules
+    whose formulas are the same line (GPipe's and 1F1B's) share one, named after both."""
+    plt = pyplot(figures)
+    colors = plt.get_cmap("tab10")
+    series = pp_series(rows)
+    degrees = sorted({p for _, p in series})
+    names = [s for s, _ in PP_SCHEDULES if any(k[0] == s for k in series)]
+    names += sorted({s for s, _ in series} - set(names))
+    fig, axes = plt.subplots(1, len(degrees), figsize=(max(5.0 * len(degrees), 6.4), 5.4),
+                             squeeze=False, sharey=True)
+    legend = {}  # label -> handle, in the order drawn: per schedule, measured then formula
+    for ax, p in zip(axes[0], degrees):
+        formulas = {}  # the formula's points -> the schedules drawn with them, in this panel
+        for k, name in enumerate(names):
+            s = series.get((name, p))
+            if not s:
+                continue
+            v = next((v for n, v in PP_SCHEDULES if n == name), 1)
+            label = f"{name}{f' (V = {v})' if v > 1 else ''}: measured (CPU timings)"
+            legend.setdefault(label, ax.errorbar(s["m"], s["bubble"], yerr=s["err"], marker="o",
+                                                 capsize=3, color=colors(k), label=label))
+            drawn = tuple((m, f) for m, f in zip(s["m"], s["formula"]) if f is not None)
+            if not drawn:
+                continue
+            if drawn in formulas:
+                formulas[drawn].append(name)
+                continue
+            formulas[drawn] = [name]
+            formulas[drawn].append(ax.plot([m for m, _ in drawn], [f for _, f in drawn],
+                                           linestyle="--", marker="x", color=colors(k))[0])
+        for names_and_line in formulas.values():
+            line, same = names_and_line[1], [names_and_line[0]] + names_and_line[2:]
+            label = f"{' and '.join(same)}: formula"
+            line.set_label(label)
+            legend.setdefault(label, line)
+        ms = sorted({m for (_, q), s in series.items() if q == p for m in s["m"]})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.minorticks_off()
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("M (micro-batches)")
+        ax.set_title(f"P = {p} (N = {p} ranks)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("bubble: idle / wall over the pipeline's ranks")
+    # One legend below the panels, a schedule's measured line above its formula.
+    order = sorted(legend, key=lambda lab: (next((i for i, n in enumerate(names)
+                                                  if lab.startswith(n)), len(names)),
+                                            "formula" in lab))
+    fig.legend([legend[lab] for lab in order], order, loc="lower center", ncol=2, fontsize=8,
+               frameon=False)
+    fig.suptitle(f"{device}: stage 09's bubble against M, measured and by the formula"
+                 f"{cpu_note(device)}")
+    fig.tight_layout(rect=(0, 0.045 * ((len(order) + 1) // 2), 1, 1))
+    path = figures / f"bench_{device}_pp_bubble.svg"
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return path
+
+
 def plot(rows, device, stages, figures):
     """The three SVGs of the stage tables."""
     plt = pyplot(figures)
@@ -1334,9 +1571,10 @@ def verify(out, device, expected, peak_measured, reference_ran, sections):
         if f"<!-- tpx-bench:begin {name} -->" not in text:
             problems.append(f"{md_path}: no section '{name}'")
     body = section_body(text, device)
-    if f"<!-- tpx-bench:begin {device}-cp -->" in body:  # stage 08's own tables: verify_cp
-        head, rest = body.split(f"<!-- tpx-bench:begin {device}-cp -->", 1)
-        body = head + rest.split(f"<!-- tpx-bench:end {device}-cp -->", 1)[-1]
+    for name in SUBSECTIONS:  # their own tables: verify_cp, verify_pp
+        if f"<!-- tpx-bench:begin {device}-{name} -->" in body:
+            head, rest = body.split(f"<!-- tpx-bench:begin {device}-{name} -->", 1)
+            body = head + rest.split(f"<!-- tpx-bench:end {device}-{name} -->", 1)[-1]
     for r in rows:
         if not re.search(rf"^\| {re.escape(r['stage'])} \| {r['n']} \| {device} \|", body, re.M):
             problems.append(f"{md_path}: no table row for {r['config']}/{r['stage']}/N={r['n']}")
@@ -1409,6 +1647,54 @@ def verify_cp(out, device, expected, expected_attention, peak_measured):
     return problems
 
 
+def verify_pp(out, device, expected):
+    """Reads stage 09's outputs back: the CSV and the plot exist, the CSV has a row for every
+    expected (schedule, P, V, M) with a measured bubble in [0, 1) and its spread around it, a
+    positive step time and pp bytes, a live count per pipeline rank, and a formula wherever the
+    schedule has one (ZB-H1 below M = P has none); the subsection one table row per CSV row."""
+    problems = []
+    csv_path = out / "benchmarks" / f"{device}_pp.csv"
+    fig = out / "figures" / f"bench_{device}_pp_bubble.svg"
+    md_path = out / "benchmarks.md"
+    for p in (csv_path, md_path) + ((fig,) if expected else ()):
+        if not p.is_file() or p.stat().st_size == 0:
+            problems.append(f"missing output: {p}")
+    if problems:
+        return problems
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    have = {(r["schedule"], int(r["p"]), int(r["v"]), int(r["m"])): r for r in rows}
+    for point in expected:
+        if point not in have:
+            problems.append(f"no row for {point[0]} P={point[1]} V={point[2]} M={point[3]}")
+    body = section_body(md_path.read_text(), f"{device}-pp")
+    if not body:
+        return problems + [f"{md_path}: no section '{device}-pp'"]
+    for (s, p, v, m), r in have.items():
+        where = f"{s} P={p} V={v} M={m}"
+
+        def number(field):
+            try:
+                x = float(r.get(field, ""))
+            except ValueError:
+                return None
+            return x if math.isfinite(x) else None
+        lo, mid, hi = (number(k) for k in ("bubble_min", "bubble", "bubble_max"))
+        if None in (lo, mid, hi) or not 0 <= lo <= mid <= hi < 1:
+            problems.append(f"{where}: bubble {r.get('bubble')!r} not in [0, 1) within its "
+                            f"spread {r.get('bubble_min')!r}–{r.get('bubble_max')!r}")
+        for field in ("step_ms", "pp_bytes"):
+            if not (number(field) or 0) > 0:
+                problems.append(f"{where}: {field} is '{r.get(field)}'")
+        if len(r.get("live_peak", "").split()) != p:
+            problems.append(f"{where}: live_peak '{r.get('live_peak')}' has not {p} ranks")
+        if number("formula") is None and not (s == "zb-h1" and m < p):
+            problems.append(f"{where}: no formula bubble")
+        if not re.search(rf"^\| {re.escape(s)} \| {p} \| {v} \| {m} \|", body, re.M):
+            problems.append(f"{md_path}: no table row for {where}")
+    return problems
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--build", default=str(ROOT / "build"), help="build directory (has bin/)")
@@ -1432,12 +1718,13 @@ def main(argv=None):
     ap.add_argument("--mpirun", default="mpirun --oversubscribe --bind-to none")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per program run")
     ap.add_argument("--command", help="the command to print as the one that made the tables")
-    ap.add_argument("--only", choices=["projection", "text", "cp"],
+    ap.add_argument("--only", choices=["projection", "text", "cp", "pp"],
                     help="regenerate only part of benchmarks.md: projection (runs tpx_project "
                          "alone, no stage runs), text (the intro, and each device section's "
                          "line of what ran, from its CSV; runs nothing) or cp (stage 08's "
                          "subsection: bench_gemm's peak, then its stage table and attention "
-                         "against S)")
+                         "against S) or pp (stage 09's subsection: each schedule's bubble "
+                         "against M)")
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -1562,14 +1849,16 @@ def drive(a):
         raise BenchError("matplotlib is missing (Debian: apt-get install python3-matplotlib; "
                          "scripts/setup.sh installs it)")
 
-    if a.only == "cp" and (a.model or a.config):
-        raise BenchError("--only cp runs stage 08 on the default config's sizes: leave out "
-                         "--model / --config")
+    if a.only in SUBSECTIONS and (a.model or a.config):
+        raise BenchError(f"--only {a.only} runs {SUBSECTIONS[a.only]} on its own sizes: leave "
+                         "out --model / --config")
     chosen = a.stages or STAGES
-    main, cp_wanted = parts(chosen, a.only, bool(a.model or a.config))
+    main, wanted = parts(chosen, a.only, bool(a.model or a.config))
+    cp_wanted, pp_wanted = "cp" in wanted, "pp" in wanted
 
     # The peak first: bench_gemm's largest GEMM, before the stages load the machine.
-    gemm, chunked, gemm_cmd, gemm_note = d.bench_gemm()
+    gemm, chunked, gemm_cmd, gemm_note = (d.bench_gemm() if a.only != "pp" else
+                                          (None, None, None, None))  # stage 09's: no MFU
     peak = measured_peak(gemm, a.device)
     peak_tflops = peak["tflops"] if peak else None
     rows, cp_rows, att = [], [], []
@@ -1580,9 +1869,10 @@ def drive(a):
         if not rows:  # e.g. every stage refused the --model / --config given
             why = skipped + [f"{name}: {line}" for name, line in refused.items()]
             raise BenchError("no point ran" + (": " + "; ".join(why) if why else ""))
-        if CP_STAGE in chosen and not cp_wanted:
-            skipped.append(f"`{CP_STAGE}`: its subsection runs on the default config's sizes "
-                           "only, not with --model / --config")
+        for name, stage in SUBSECTIONS.items():
+            if stage in chosen and name not in wanted:
+                skipped.append(f"`{stage}`: its subsection runs on its own sizes only, not with "
+                               "--model / --config")
         add_derived(rows, peak_tflops)
     if cp_wanted:
         load_before = load_average()
@@ -1591,11 +1881,22 @@ def drive(a):
         if not cp_rows and not att:
             raise BenchError(f"no point of {CP_STAGE}'s sweep ran: " + "; ".join(cp_left))
         add_derived(cp_rows, peak_tflops)
+    pp_rows = []
+    if pp_wanted:
+        load_before = load_average()
+        pp_rows, pp_expected, pp_left = d.pp_sweep()
+        pp_loads = (load_before, load_average())
+        if not pp_rows:
+            raise BenchError(f"no point of {PP_STAGE}'s sweep ran: " + "; ".join(pp_left))
 
     R = Render(d, device_description(a.device, rows + cp_rows))
     md = out / "benchmarks.md"
     text = benchmarks_md(md)
     cp_block = R.cp_section(cp_rows, att, cp_left, cp_loads, peak) if cp_wanted else []
+    pp_block = R.pp_section(pp_rows, pp_left, pp_loads) if pp_wanted else []
+    if pp_wanted:
+        write_csv(pp_rows, out / "benchmarks" / f"{a.device}_pp.csv", PP_FIELDS)
+        plot_pp_bubble(pp_rows, a.device, out / "figures")
     if cp_wanted:
         write_csv(cp_rows, out / "benchmarks" / f"{a.device}_cp.csv", CP_CSV_FIELDS)
         write_csv(att, out / "benchmarks" / f"{a.device}_cp_attention.csv", ATTENTION_FIELDS)
@@ -1605,8 +1906,9 @@ def drive(a):
         collectives = d.bench_collectives()
         projection, proj_cmd, proj_note = d.projection()
         body = R.stage_section(stages, rows, skipped, refused, peak, gemm_cmd, loads)
-        if cp_block:
-            body += [""] + cp_block
+        for block in (cp_block, pp_block):
+            if block:
+                body += [""] + block
         body += ["", f"### Micro-benchmarks ({a.device})", ""]
         body += R.gemm_section(gemm, chunked, gemm_cmd, gemm_note)
         body += R.collectives_section(collectives)
@@ -1616,7 +1918,9 @@ def drive(a):
         text = replace_section(text, a.device, "\n".join(body))
         text = replace_section(text, "projection", "\n".join(proj))
     else:
-        text = replace_cp_section(text, a.device, cp_block)
+        for name, block in (("cp", cp_block), ("pp", pp_block)):
+            if block:
+                text = replace_subsection(text, a.device, name, block)
     md.write_text(text.rstrip("\n") + "\n")
 
     problems = []
@@ -1638,29 +1942,36 @@ def drive(a):
         print(f"wrote stage 08's subsection of {md}, {out / 'benchmarks'}/{a.device}_cp*.csv, "
               f"{out / 'figures'}/bench_{a.device}_cp_attention.svg ({len(cp_rows)} + "
               f"{len(att)} rows)")
+    if pp_wanted:
+        problems += verify_pp(out, a.device, pp_expected)
+        print(f"wrote stage 09's subsection of {md}, {out / 'benchmarks'}/{a.device}_pp.csv, "
+              f"{out / 'figures'}/bench_{a.device}_pp_bubble.svg ({len(pp_rows)} rows)")
     if problems:
         raise BenchError("the outputs are incomplete:\n  " + "\n  ".join(problems))
     return 0
 
 
 def parts(chosen, only, preset):
-    """(the stages of the stage tables, whether stage 08's subsection runs) for the stages
-    chosen, --only and whether --model / --config was given: stage 08 is in its subsection only,
-    which runs on the default config's sizes."""
-    main = [] if only == "cp" else [s for s in chosen if s != CP_STAGE]
-    cp_wanted = only == "cp" or (CP_STAGE in chosen and not preset)
-    if not main and not cp_wanted:
-        raise BenchError(f"{CP_STAGE}'s sweep runs on the default config's sizes only: with "
-                         "--model / --config choose other stages")
-    return main, cp_wanted
+    """(the stages of the stage tables, the subsections that run: names of SUBSECTIONS) for the
+    stages chosen, --only and whether --model / --config was given: stages 08 and 09 are in
+    their subsections only, which run on their own sizes (--only NAME: that one alone)."""
+    if only in SUBSECTIONS:
+        return [], [only]
+    main = [s for s in chosen if s not in SUBSECTIONS.values()]
+    wanted = [] if preset else [n for n, s in SUBSECTIONS.items() if s in chosen]
+    if not main and not wanted:
+        raise BenchError(f"{' and '.join(SUBSECTIONS.values())} run on their own sizes only: "
+                         "with --model / --config choose other stages")
+    return main, wanted
 
 
-def replace_cp_section(text, device, block):
-    """text with stage 08's subsection (block: its lines, markers included) replaced, or put into
-    the device's section before its micro-benchmarks (or at its end) if it has none yet."""
-    name = f"{device}-cp"
-    if f"<!-- tpx-bench:begin {name} -->" in text:
-        return replace_section(text, name, "\n".join(block[1:-1]))
+def replace_subsection(text, device, name, block):
+    """text with the subsection NAME (block: its lines, markers included) replaced, or put into
+    the device's section before its micro-benchmarks (or at its end) if it has none yet: after
+    the subsections before it."""
+    marker = f"{device}-{name}"
+    if f"<!-- tpx-bench:begin {marker} -->" in text:
+        return replace_section(text, marker, "\n".join(block[1:-1]))
     begin, end = f"<!-- tpx-bench:begin {device} -->", f"<!-- tpx-bench:end {device} -->"
     body = section_body(text, device)
     micro = f"\n### Micro-benchmarks ({device})\n"

@@ -219,7 +219,8 @@ class Selection(unittest.TestCase):
     def test_stages_by_number_or_name_in_the_sweeps_order(self):
         self.assertEqual(bench.stage_list("05,4"), ["04_overlap_ring", "05_copy_engine_async_tp"])
         self.assertEqual(bench.stage_list("07_fsdp_tp"), ["07_fsdp_tp"])
-        for bad in ("9", "overlap", ","):
+        self.assertEqual(bench.stage_list("9"), ["09_pipeline_parallel"])
+        for bad in ("10", "overlap", ","):
             with self.assertRaises(Exception, msg=bad):
                 bench.stage_list(bad)
 
@@ -434,10 +435,10 @@ class ContextParallel(unittest.TestCase):
                      "<!-- tpx-bench:end cpu-cp -->"]
             doc = ("# B\n\n<!-- tpx-bench:begin cpu -->\n## CPU\n\ntables\n\n"
                    "### Micro-benchmarks (cpu)\n\nx\n<!-- tpx-bench:end cpu -->\n")
-            text = bench.replace_cp_section(doc, "cpu", block)
+            text = bench.replace_subsection(doc, "cpu", "cp", block)
             self.assertLess(text.index("tables"), text.index("begin cpu-cp"))
             self.assertLess(text.index("end cpu-cp"), text.index("### Micro-benchmarks"))
-            self.assertEqual(bench.replace_cp_section(text, "cpu", block), text)  # in place
+            self.assertEqual(bench.replace_subsection(text, "cpu", "cp", block), text)  # in place
             (out / "benchmarks.md").write_text(text)
             expected = [("S128", "08_context_parallel C2", 2)]
             points = [(256, 2), (128, 2), (128, 1)]
@@ -456,16 +457,171 @@ class ContextParallel(unittest.TestCase):
             self.assertEqual(len(problems), 2, problems)  # blocks_ms at C = 2, both S
             self.assertTrue(all("blocks_ms" in p for p in problems))
 
-    def test_stage_08_is_in_its_subsection_only(self):
-        main, cp = bench.parts(bench.STAGES, None, False)
+    def test_stages_08_and_09_are_in_their_subsections_only(self):
+        main, wanted = bench.parts(bench.STAGES, None, False)
         self.assertNotIn("08_context_parallel", main)
+        self.assertNotIn("09_pipeline_parallel", main)
         self.assertIn("07_fsdp_tp", main)
-        self.assertTrue(cp)
-        self.assertEqual(bench.parts(["08_context_parallel"], None, False), ([], True))
-        self.assertEqual(bench.parts(bench.STAGES, "cp", False), ([], True))
-        self.assertFalse(bench.parts(bench.STAGES, None, True)[1])  # --model: default sizes only
-        with self.assertRaises(bench.BenchError):
-            bench.parts(["08_context_parallel"], None, True)
+        self.assertEqual(wanted, ["cp", "pp"])  # a full run has both
+        self.assertEqual(bench.parts(["08_context_parallel"], None, False), ([], ["cp"]))
+        self.assertEqual(bench.parts(["04_overlap_ring", "09_pipeline_parallel"], None, False),
+                         (["04_overlap_ring"], ["pp"]))
+        self.assertEqual(bench.parts(bench.STAGES, "cp", False), ([], ["cp"]))
+        self.assertEqual(bench.parts(bench.STAGES, "pp", False), ([], ["pp"]))
+        self.assertEqual(bench.parts(bench.STAGES, None, True)[1], [])  # --model: own sizes only
+        for alone in (["08_context_parallel"], ["09_pipeline_parallel"]):
+            with self.assertRaises(bench.BenchError):
+                bench.parts(alone, None, True)
+
+
+def pp_summary(n, bubble, formula, ms, pp_bytes, live):
+    """A stage 09 --json summary with the fields the pp sweep reads."""
+    return {"stage": "09_pipeline_parallel", "world_size": n,
+            "steps": [{"ms": m, "pp_bus_bytes": b} for m, b in zip(ms, pp_bytes)],
+            "pipeline": {"bubble_measured": bubble, "bubble_formula": formula,
+                         "live_peak": live}}
+
+
+class PipelineSubsection(unittest.TestCase):
+    def test_the_sweep_has_every_schedule_at_p_2_and_4_over_m(self):
+        points = bench.pp_plan([1, 2, 4], False)
+        z = bench.PP_SIZES
+        for name, v in [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]:
+            for p in (2, 4):
+                ms = [m for s, pp, vv, m in points if s == name and pp == p]
+                self.assertTrue(all(vv == v for s, pp, vv, _ in points if s == name), name)
+                if v == 1:
+                    self.assertEqual(ms, [1, 2, 4, 8], (name, p))
+                else:  # interleaved: P divides M
+                    self.assertEqual(ms, [m for m in (1, 2, 4, 8) if m % p == 0], (name, p))
+                    self.assertGreaterEqual(len(ms), 2)
+        for s, p, v, m in points:
+            self.assertEqual(z["batch"] % m, 0)  # M divides B (T = D = C = 1)
+            self.assertGreaterEqual(z["layers"], p * v)  # each virtual stage has a layer
+        self.assertEqual(len(points), 3 * 2 * 4 + 3 + 2)
+        self.assertEqual(bench.pp_plan([1, 2], True),  # quick: P = 2, M = 2, 4
+                         [("gpipe", 2, 1, 2), ("gpipe", 2, 1, 4), ("1f1b", 2, 1, 2),
+                          ("1f1b", 2, 1, 4), ("zb-h1", 2, 1, 2), ("zb-h1", 2, 1, 4),
+                          ("interleaved-1f1b", 2, 2, 2), ("interleaved-1f1b", 2, 2, 4)])
+        self.assertEqual(bench.pp_plan([1], False), [])  # no P fits one rank
+
+    def test_each_point_runs_with_its_schedule(self):
+        import types
+        a = types.SimpleNamespace(build="/b", out="/o", work="/w", device="cpu", mpirun="mpirun",
+                                  quick=False, ranks=None, repeats=1, model=None, config=None)
+        d = bench.Driver(a)
+        cmd = d.pp_cmd(("interleaved-1f1b", 4, 2, 8), "x.json")
+        self.assertEqual(cmd[:4], ["mpirun", "-np", "4", "/b/bin/09_pipeline_parallel"])
+        flag = {f: cmd[cmd.index(f) + 1] for f in ("--pp", "--schedule", "--stages-per-rank",
+                                                   "--microbatches", "--batch", "--layers")}
+        self.assertEqual(flag, {"--pp": "4", "--schedule": "interleaved-1f1b",
+                                "--stages-per-rank": "2", "--microbatches": "8", "--batch": "8",
+                                "--layers": "8"})
+        for other in ("--dp", "--cp"):  # T = D = C = 1: N = P
+            self.assertNotIn(other, cmd)
+
+    def test_a_point_of_the_sweep(self):
+        # Three runs: bubbles 0.30, 0.20, 0.25 -> median 0.25, spread 0.20–0.30; step ms after
+        # step 0: (4+6)/2 = 5, 3, 7 -> median 5; pp bytes after step 0: 100, 100, 100; live peak
+        # per rank the largest over the runs: [4, 3] and [3, 4] and [2, 2] -> "4 4".
+        runs = [pp_summary(2, 0.30, 0.2, [50, 4, 6], [9, 100, 100], [4, 3]),
+                pp_summary(2, 0.20, 0.2, [50, 3], [9, 100], [3, 4]),
+                pp_summary(2, 0.25, 0.2, [50, 7], [9, 100], [2, 2])]
+        r = bench.summarise_pp(("1f1b", 2, 1, 4), runs)
+        self.assertEqual((r["schedule"], r["p"], r["v"], r["m"], r["n"], r["repeats"]),
+                         ("1f1b", 2, 1, 4, 2, 3))
+        self.assertAlmostEqual(r["bubble"], 0.25, places=12)
+        self.assertAlmostEqual(r["bubble_min"], 0.20, places=12)
+        self.assertAlmostEqual(r["bubble_max"], 0.30, places=12)
+        self.assertAlmostEqual(r["formula"], 0.2, places=12)
+        self.assertAlmostEqual(r["step_ms"], 5.0, places=12)
+        self.assertAlmostEqual(r["pp_bytes"], 100.0, places=12)
+        self.assertEqual(r["live_peak"], "4 4")
+        # ZB-H1 below M = P has no formula: the --json's null (NaN) stays None.
+        none = bench.summarise_pp(("zb-h1", 4, 1, 2), [pp_summary(4, 0.5, None, [1, 2], [1, 1],
+                                                                  [1, 1, 1, 1])])
+        self.assertIsNone(none["formula"])
+
+    ROWS = [{"schedule": "1f1b", "p": 2, "v": 1, "m": 4, "n": 2, "repeats": 3, "steps": 8,
+             "bubble": 0.3, "bubble_min": 0.25, "bubble_max": 0.4, "formula": 0.2,
+             "step_ms": 10.0, "pp_bytes": 1000.0, "live_peak": "2 1"},
+            {"schedule": "1f1b", "p": 2, "v": 1, "m": 2, "n": 2, "repeats": 3, "steps": 8,
+             "bubble": 0.5, "bubble_min": 0.5, "bubble_max": 0.6, "formula": 1 / 3,
+             "step_ms": 9.0, "pp_bytes": 500.0, "live_peak": "2 1"},
+            {"schedule": "zb-h1", "p": 4, "v": 1, "m": 2, "n": 4, "repeats": 3, "steps": 8,
+             "bubble": 0.7, "bubble_min": 0.6, "bubble_max": 0.7, "formula": None,
+             "step_ms": 20.0, "pp_bytes": 500.0, "live_peak": "2 2 2 1"},
+            {"schedule": "zb-h1", "p": 4, "v": 1, "m": 4, "n": 4, "repeats": 3, "steps": 8,
+             "bubble": 0.5, "bubble_min": 0.45, "bubble_max": 0.55, "formula": 0.2,
+             "step_ms": 30.0, "pp_bytes": 1000.0, "live_peak": "4 3 2 1"}]
+
+    def test_the_plots_lines_are_the_rows(self):
+        s = bench.pp_series(self.ROWS)
+        self.assertEqual(sorted(s), [("1f1b", 2), ("zb-h1", 4)])
+        one = s[("1f1b", 2)]
+        self.assertEqual(one["m"], [2, 4])  # M ascending, whatever the rows' order
+        self.assertEqual(one["bubble"], [0.5, 0.3])
+        for got, want in zip(one["err"][0] + one["err"][1], [0.0, 0.05, 0.1, 0.1]):
+            self.assertAlmostEqual(got, want, places=12)
+        self.assertEqual(one["formula"], [1 / 3, 0.2])
+        self.assertEqual(s[("zb-h1", 4)]["formula"], [None, 0.2])  # no formula below M = P
+
+    def test_the_outputs_are_read_back(self):
+        import tempfile
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            self.skipTest("no matplotlib")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = pathlib.Path(tmp)
+            bench.write_csv(self.ROWS, out / "benchmarks" / "cpu_pp.csv", bench.PP_FIELDS)
+            svg = bench.plot_pp_bubble(self.ROWS, "cpu", out / "figures").read_text()
+            for label in ("P = 2 (N = 2 ranks)", "P = 4 (N = 4 ranks)", "1f1b: measured",
+                          "1f1b: formula", "zb-h1: formula", "M (micro-batches)",
+                          "cpu backend: the mechanics"):
+                self.assertIn(label, svg)
+            self.assertNotIn("gpipe", svg)  # a schedule without rows draws nothing
+            # GPipe's formula is 1F1B's: one dashed line, named after both.
+            gpipe = [dict(r, schedule="gpipe", bubble=0.9, bubble_max=0.95) for r in self.ROWS
+                     if r["schedule"] == "1f1b"]
+            svg = bench.plot_pp_bubble(self.ROWS + gpipe, "cpu", out / "figures").read_text()
+            self.assertIn("gpipe and 1f1b: formula", svg)
+            self.assertNotIn("1f1b: formula", svg.replace("gpipe and 1f1b: formula", ""))
+            self.assertIn("gpipe: measured (CPU timings)", svg)
+            svg = bench.plot_pp_bubble(self.ROWS, "cpu", out / "figures").read_text()
+            block = ["<!-- tpx-bench:begin cpu-pp -->", "### Stage 09",
+                     "| 1f1b | 2 | 1 | 4 | 0.300 |", "| 1f1b | 2 | 1 | 2 | 0.500 |",
+                     "| zb-h1 | 4 | 1 | 2 | 0.700 |", "| zb-h1 | 4 | 1 | 4 | 0.500 |",
+                     "<!-- tpx-bench:end cpu-pp -->"]
+            doc = ("# B\n\n<!-- tpx-bench:begin cpu -->\n## CPU\n\ntables\n\n"
+                   "<!-- tpx-bench:begin cpu-cp -->\ncp\n<!-- tpx-bench:end cpu-cp -->\n\n"
+                   "### Micro-benchmarks (cpu)\n\nx\n<!-- tpx-bench:end cpu -->\n")
+            text = bench.replace_subsection(doc, "cpu", "pp", block)
+            self.assertLess(text.index("end cpu-cp"), text.index("begin cpu-pp"))  # after 08's
+            self.assertLess(text.index("end cpu-pp"), text.index("### Micro-benchmarks"))
+            self.assertEqual(bench.replace_subsection(text, "cpu", "pp", block), text)
+            (out / "benchmarks.md").write_text(text)
+            expected = [("1f1b", 2, 1, 4), ("1f1b", 2, 1, 2), ("zb-h1", 4, 1, 2),
+                        ("zb-h1", 4, 1, 4)]
+            self.assertEqual(bench.verify_pp(out, "cpu", expected), [])
+            # A point that did not run, and a row the page lacks:
+            problems = bench.verify_pp(out, "cpu", expected + [("gpipe", 4, 1, 8)])
+            self.assertEqual(len(problems), 1, problems)
+            (out / "benchmarks.md").write_text(text.replace("| zb-h1 | 4 | 1 | 4 |",
+                                                            "| zb-h1 | 4 | 2 | 4 |"))
+            self.assertEqual(len(bench.verify_pp(out, "cpu", expected)), 1)
+            (out / "benchmarks.md").write_text(text)
+            # A formula missing where the schedule has one, a bubble outside its spread, live
+            # counts for the wrong number of ranks, no pp bytes:
+            bad = [dict(self.ROWS[0], formula=None), dict(self.ROWS[1], bubble=0.7),
+                   dict(self.ROWS[2], live_peak="2 2"), dict(self.ROWS[3], pp_bytes=0.0)]
+            bench.write_csv(bad, out / "benchmarks" / "cpu_pp.csv", bench.PP_FIELDS)
+            problems = bench.verify_pp(out, "cpu", expected)
+            self.assertEqual(len(problems), 4, problems)
+            for word, p in zip(("formula", "bubble", "live_peak", "pp_bytes"), problems):
+                self.assertIn(word, p)
+            (out / "figures" / "bench_cpu_pp_bubble.svg").unlink()
+            self.assertEqual(len(bench.verify_pp(out, "cpu", expected)), 1)  # the plot is gone
 
 
 if __name__ == "__main__":
