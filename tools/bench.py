@@ -201,19 +201,25 @@ def summarise_pp(point, summaries):
             "live_peak": " ".join(map(str, live))}
 
 
+def sweep_series(rows, line, x, y, more=()):
+    """A plot's lines from a sweep's rows: {line(row): {x name: [...], y name: [median ...],
+    "err": [[below ...], [above ...]] (to the y field's _min and _max), and a list per name of
+    more}}, x ascending. x, y and each of more are (name in the series, field of the row)."""
+    series = {}
+    for r in sorted(rows, key=lambda r: (line(r), r[x[1]])):
+        s = series.setdefault(line(r), {name: [] for name, _ in (x, y, *more)} | {"err": [[], []]})
+        for name, field in (x, y, *more):
+            s[name].append(r[field])
+        s["err"][0].append(r[y[1]] - r[y[1] + "_min"])
+        s["err"][1].append(r[y[1] + "_max"] - r[y[1]])
+    return series
+
+
 def pp_series(rows):
     """The plot's lines, from stage 09's rows: {(schedule, P): {"m": [M ...], "bubble": [median
     ...], "err": [[below ...], [above ...]] (to min and max), "formula": [...]}}, M ascending."""
-    series = {}
-    for r in sorted(rows, key=lambda r: (r["schedule"], r["p"], r["m"])):
-        s = series.setdefault((r["schedule"], r["p"]),
-                              {"m": [], "bubble": [], "err": [[], []], "formula": []})
-        s["m"].append(r["m"])
-        s["bubble"].append(r["bubble"])
-        s["err"][0].append(r["bubble"] - r["bubble_min"])
-        s["err"][1].append(r["bubble_max"] - r["bubble"])
-        s["formula"].append(r["formula"])
-    return series
+    return sweep_series(rows, lambda r: (r["schedule"], r["p"]), ("m", "m"), ("bubble", "bubble"),
+                        [("formula", "formula")])
 
 
 def trace_lanes(events):
@@ -282,15 +288,8 @@ def attention_series(rows):
     """The plot's lines, from the attention sweep's rows: {C: {"seq": [S ...], "ms": [median
     ...], "err": [[below ...], [above ...]] (to min and max), "blocks": [the ring steps' ms ...]
     (None at C = 1)}}, S ascending."""
-    series = {}
-    for r in sorted(rows, key=lambda r: (r["c"], r["seq"])):
-        s = series.setdefault(r["c"], {"seq": [], "ms": [], "err": [[], []], "blocks": []})
-        s["seq"].append(r["seq"])
-        s["ms"].append(r["attention_ms"])
-        s["err"][0].append(r["attention_ms"] - r["attention_ms_min"])
-        s["err"][1].append(r["attention_ms_max"] - r["attention_ms"])
-        s["blocks"].append(r["blocks_ms"])
-    return series
+    return sweep_series(rows, lambda r: r["c"], ("seq", "seq"), ("ms", "attention_ms"),
+                        [("blocks", "blocks_ms")])
 
 
 def summarise_point(summaries):
