@@ -14,8 +14,9 @@ its output stands unfenced, as markdown, up to a line `<!-- end of output -->`.
 
 --fix runs every marked command and writes its output (stdout and stderr) into the block. Without
 --fix it runs them and checks that each block still has the output's shape: the same lines with
-every number masked and runs of blanks made one (timings and bytes change from machine to machine; the layout, the words and
-the number of rows must not). Exits 1 on a stale block, a failing command or a marker without a
+every number masked, the machine a "Device:" line names masked, and runs of blanks made one
+(timings, bytes and the CPU model change from machine to machine; the layout, the words and the
+number of rows must not). Exits 1 on a stale block, a failing command or a marker without a
 block. --build DIR runs the programs of another build tree (build/bin/ becomes DIR/bin/).
 
 Usage: scripts/chapter-outputs.py [--fix] [--build DIR] [CHAPTER.md ...]
@@ -43,8 +44,12 @@ def run(command, build):
     return (p.stdout + p.stderr).rstrip("\n").splitlines()
 
 
+# The machine a report names ("Device: cpu: <model>, 2 cores.") is the one that ran it.
+DEVICE = re.compile(r"^(\s*Device: \w+:).*$")
+
+
 def skeleton(lines):
-    return [" ".join(NUMBER.sub("#", line).split()) for line in lines]
+    return [" ".join(NUMBER.sub("#", DEVICE.sub(r"\1 <machine>", line)).split()) for line in lines]
 
 
 def blocks(lines):
