@@ -201,6 +201,11 @@ def summarise_pp(point, summaries):
             "live_peak": " ".join(map(str, live))}
 
 
+def left_out_list(lines):
+    """The bullets under a table for the points a sweep left out, and a blank line after them."""
+    return [f"- left out: {line}" for line in lines] + ([""] if lines else [])
+
+
 def sweep_series(rows, line, x, y, more=()):
     """A plot's lines from a sweep's rows: {line(row): {x name: [...], y name: [median ...],
     "err": [[below ...], [above ...]] (to the y field's _min and _max), and a list per name of
@@ -1062,10 +1067,7 @@ class Render:
             example = d.stage_cmd("<stage>", "<N>", config, "<file>")
             out += self.caption(f"Each point run by `{a.command}` as", example)
             out.append("")
-        for line in skipped:
-            out.append(f"- left out: {line}")
-        if skipped:
-            out.append("")
+        out += left_out_list(skipped)
         dev = a.device
         out.append("Step time per stage against N (error bars: min–max over the runs), exposed "
                    "communication (the time a counted comm or copy span runs with no compute span "
@@ -1142,10 +1144,7 @@ class Render:
         example = d.pp_cmd(("<schedule>", "<P>", "<V>", "<M>"), "<file>")
         out += self.caption(f"Each point run by `{a.command}` as", example)
         out.append("")
-        for line in left_out:
-            out.append(f"- left out: {line}")
-        if left_out:
-            out.append("")
+        out += left_out_list(left_out)
         out.append(f"![{dev} pp_bubble](figures/bench_{dev}_pp_bubble.svg)")
         out.append("")
         out.append(f"The table as CSV: [benchmarks/{dev}_pp.csv](benchmarks/{dev}_pp.csv).")
@@ -1200,10 +1199,7 @@ class Render:
             out += self.caption(f"Each point run by `{a.command}` as (stage 08 with `--cp <C>`)",
                                 example)
             out.append("")
-        for line in left_out:
-            out.append(f"- left out: {line}")
-        if left_out:
-            out.append("")
+        out += left_out_list(left_out)
         out.append("#### Attention time against S")
         out.append("")
         if not attention:
