@@ -338,12 +338,7 @@ Tensor FsdpTp::gather_param(Param p, const Tensor& local) {
 
 CommStats FsdpTp::take_comm_stats() {
   CommStats s = tp_->take_comm_stats();
-  const CommStats dp = dp_comm_->take_stats();
-  s.payload_bytes += dp.payload_bytes;
-  s.bus_bytes += dp.bus_bytes;
-  s.calls += dp.calls;
-  s.dp_payload_bytes += dp.payload_bytes;
-  s.dp_bus_bytes += dp.bus_bytes;
+  s.add_group(dp_comm_->take_stats(), &CommStats::dp_payload_bytes, &CommStats::dp_bus_bytes);
   return s;
 }
 

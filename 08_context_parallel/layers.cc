@@ -463,12 +463,7 @@ Tensor ContextParallel::gather_activation(const Tensor& local) {
 
 CommStats ContextParallel::take_comm_stats() {
   CommStats s = inner_->take_comm_stats();
-  const CommStats cp = cp_comm_->take_stats();
-  s.payload_bytes += cp.payload_bytes;
-  s.bus_bytes += cp.bus_bytes;
-  s.calls += cp.calls;
-  s.cp_payload_bytes += cp.payload_bytes;
-  s.cp_bus_bytes += cp.bus_bytes;
+  s.add_group(cp_comm_->take_stats(), &CommStats::cp_payload_bytes, &CommStats::cp_bus_bytes);
   s.cp_attention_ms = std::exchange(attention_ms_, 0.0);
   s.cp_attention_blocks = std::exchange(attention_blocks_, 0);
   return s;

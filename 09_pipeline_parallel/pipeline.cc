@@ -189,15 +189,9 @@ double PipelineParallel::sum_over_ranks(double local) {
 
 CommStats PipelineParallel::take_comm_stats() {
   CommStats s = slice_->take_comm_stats();
-  for (auto* c : {activations_.get(), gradients_.get()}) {
-    if (!c) continue;
-    const CommStats p = c->comm->take_stats();
-    s.payload_bytes += p.payload_bytes;
-    s.bus_bytes += p.bus_bytes;
-    s.calls += p.calls;
-    s.pp_payload_bytes += p.payload_bytes;
-    s.pp_bus_bytes += p.bus_bytes;
-  }
+  for (auto* c : {activations_.get(), gradients_.get()})
+    if (c)
+      s.add_group(c->comm->take_stats(), &CommStats::pp_payload_bytes, &CommStats::pp_bus_bytes);
   return s;
 }
 

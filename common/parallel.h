@@ -51,6 +51,18 @@ struct CommStats {
   /// gradients between stages); 0 elsewhere.
   std::uint64_t pp_payload_bytes = 0;
   std::uint64_t pp_bus_bytes = 0;
+
+  /// Adds one mesh group's traffic (its communicator's stats) to the totals and to that group's
+  /// own counters, named by member: `s.add_group(dp, &CommStats::dp_payload_bytes,
+  /// &CommStats::dp_bus_bytes)`.
+  void add_group(const CommStats& group, std::uint64_t CommStats::*payload,
+                 std::uint64_t CommStats::*bus) {
+    payload_bytes += group.payload_bytes;
+    bus_bytes += group.bus_bytes;
+    calls += group.calls;
+    this->*payload += group.payload_bytes;
+    this->*bus += group.bus_bytes;
+  }
 };
 
 /// Rows of the sequence this rank's attention sees, contiguous in global position: `rows` rows
