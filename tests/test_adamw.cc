@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/ops.h"
+#include "test_stage_runs.h"
 #include "test_util.h"
 
 namespace tpx {
@@ -170,16 +171,8 @@ void PrintTo(const Bad& b, std::ostream* os) {
 class AdamWBadFlags : public testing::TestWithParam<Bad> {};
 
 TEST_P(AdamWBadFlags, OneLineOnEveryRankAndExit2) {
-  test::TempDir dir;
-  const auto r = run_stage("02_megatron_tp", 2, kSizes + " " + GetParam().args, dir);
-  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  int lines = 0;
-  for (const auto& line : test::lines_of(r.err))
-    if (line.starts_with("02_megatron_tp: error:")) {
-      ++lines;
-      EXPECT_NE(line.find(GetParam().says), std::string::npos) << line;
-    }
-  EXPECT_EQ(lines, 1) << "the ranks' agreed error, printed once:\n" << r.err;
+  const auto r = test::expect_refused_once("02_megatron_tp", 2, kSizes + " " + GetParam().args,
+                                           GetParam().says);
   EXPECT_EQ(r.out.find("grad norm"), std::string::npos) << r.out;
 }
 

@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/npy.h"
+#include "test_stage_runs.h"
 #include "test_util.h"
 
 namespace tpx {
@@ -401,18 +402,10 @@ class BadFlags : public testing::TestWithParam<Bad> {};
 
 TEST_P(BadFlags, OneLineOnEveryRankAndExit2) {
   const Bad& b = GetParam();
-  test::TempDir dir;
   const std::string sizes =
       b.args.find("--hidden") == std::string::npos ? "--hidden 64 --heads 8 " : "";
-  const auto r = run_stage(b.stage, b.ranks, sizes + "--ffn 64 --seq 8 " + b.args, dir);
-  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  int lines = 0;
-  for (const auto& line : test::lines_of(r.err))
-    if (line.starts_with(b.stage + ": error:")) {
-      ++lines;
-      EXPECT_NE(line.find(b.says), std::string::npos) << line;
-    }
-  EXPECT_EQ(lines, 1) << "the ranks' agreed error, printed once:\n" << r.err;
+  const auto r =
+      test::expect_refused_once(b.stage, b.ranks, sizes + "--ffn 64 --seq 8 " + b.args, b.says);
   EXPECT_EQ(r.out.find("step"), std::string::npos) << "no step may run:\n" << r.out;
 }
 

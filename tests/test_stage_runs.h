@@ -44,10 +44,11 @@ inline nlohmann::json run_json(const std::string& stage, int n, const std::strin
 
 /// `mpirun -np n <stage> <args>` refuses: exit 2, and one line "<stage>: error: …" containing
 /// `words` (every rank refuses alike, so the agreed line is printed once, not once per rank).
-inline void expect_refused_once(const std::string& stage, int n, const std::string& args,
-                                const std::string& words) {
+/// Returns the run, for a caller's further checks.
+inline CommandResult expect_refused_once(const std::string& stage, int n, const std::string& args,
+                                         const std::string& words) {
   TempDir dir;
-  const auto r = run_stage(stage, n, args, dir);
+  auto r = run_stage(stage, n, args, dir);
   EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out << r.err;
   int lines = 0;
   for (const auto& line : lines_of(r.err))
@@ -56,6 +57,7 @@ inline void expect_refused_once(const std::string& stage, int n, const std::stri
       EXPECT_NE(line.find(words), std::string::npos) << line;
     }
   EXPECT_EQ(lines, 1) << "the ranks' agreed error, printed once:\n" << r.err;
+  return r;
 }
 #endif
 

@@ -31,6 +31,7 @@
 
 #include "common/fp8.h"
 #include "common/npy.h"
+#include "test_stage_runs.h"
 #include "test_util.h"
 
 namespace tpx {
@@ -392,18 +393,9 @@ TEST(CopyEngine, WatchdogNamesThePeerAndGenerationOfAMissingSignal) {
 
 TEST(CopyEngine, NcclZeroCtaAllGatherOnTheCpuIsOneLineOnEveryRank) {
   // The library comparison needs GPUs; on the cpu the option says so and nothing runs.
-  test::TempDir dir;
-  const auto r =
-      run_stage("05_copy_engine_async_tp", 2, Sizes{}.args() + " --all-gather nccl-zero-cta", dir);
-  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  int lines = 0;
-  for (const auto& line : test::lines_of(r.err))
-    if (line.starts_with("05_copy_engine_async_tp: error:")) {
-      ++lines;
-      EXPECT_NE(line.find("--all-gather nccl-zero-cta cannot run on the cpu"), std::string::npos)
-          << line;
-    }
-  EXPECT_EQ(lines, 1) << "the ranks' agreed error, printed once:\n" << r.err;
+  const auto r = test::expect_refused_once("05_copy_engine_async_tp", 2,
+                                           Sizes{}.args() + " --all-gather nccl-zero-cta",
+                                           "--all-gather nccl-zero-cta cannot run on the cpu");
   EXPECT_EQ(r.out.find("step"), std::string::npos) << "no step may run:\n" << r.out;
 }
 
