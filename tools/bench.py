@@ -1545,21 +1545,27 @@ def write_csv(rows, path, fields=CSV_FIELDS):
                         for k in fields})
 
 
+def missing_outputs(paths):
+    """verify*'s first problems: each of the files that is absent or empty."""
+    return [f"missing output: {p}" for p in paths if not p.is_file() or p.stat().st_size == 0]
+
+
+def read_csv_rows(path):
+    """A CSV file's rows, as dicts of strings."""
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
 def verify(out, device, expected, peak_measured, reference_ran, sections):
     """Reads the outputs back: the files exist, the CSV has every expected row and cell, the
     markdown has the sections and one table row per CSV row. Returns the problems."""
-    problems = []
     csv_path = out / "benchmarks" / f"{device}.csv"
     md_path = out / "benchmarks.md"
     figs = [out / "figures" / f"bench_{device}_{k}.svg"
             for k in ("step_ms", "exposed_comm", "breakdown")]
-    for p in [csv_path, md_path] + figs:
-        if not p.is_file() or p.stat().st_size == 0:
-            problems.append(f"missing output: {p}")
-    if problems:
+    if problems := missing_outputs([csv_path, md_path] + figs):
         return problems
-    with open(csv_path) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv_rows(csv_path)
     problems += missing_cells(rows, expected, peak_measured, reference_ran)
     text = md_path.read_text()
     for name in sections:
@@ -1598,20 +1604,15 @@ def verify_cp(out, device, expected, expected_attention, peak_measured):
     expected point and cell, the attention CSV every expected (S, C) with a positive time (and
     the ring steps' time and rank 0's cp_attention_ms where C > 1), and the subsection one
     table row per CSV row."""
-    problems = []
     csv_path = out / "benchmarks" / f"{device}_cp.csv"
     att_path = out / "benchmarks" / f"{device}_cp_attention.csv"
     fig = out / "figures" / f"bench_{device}_cp_attention.svg"
     md_path = out / "benchmarks.md"
-    for p in (csv_path, att_path, md_path) + ((fig,) if expected_attention else ()):
-        if not p.is_file() or p.stat().st_size == 0:
-            problems.append(f"missing output: {p}")
-    if problems:
+    if problems := missing_outputs((csv_path, att_path, md_path) +
+                                   ((fig,) if expected_attention else ())):
         return problems
-    with open(csv_path) as f:
-        rows = list(csv.DictReader(f))
-    with open(att_path) as f:
-        att = list(csv.DictReader(f))
+    rows = read_csv_rows(csv_path)
+    att = read_csv_rows(att_path)
     problems += missing_cells(rows, expected, peak_measured, True)
     have = {(int(r["seq"]), int(r["c"])): r for r in att}
     for seq, c in expected_attention:
@@ -1647,17 +1648,12 @@ def verify_pp(out, device, expected):
     expected (schedule, P, V, M) with a measured bubble in [0, 1) and its spread around it, a
     positive step time and pp bytes, a live count per pipeline rank, and a formula wherever the
     schedule has one (ZB-H1 below M = P has none); the subsection one table row per CSV row."""
-    problems = []
     csv_path = out / "benchmarks" / f"{device}_pp.csv"
     fig = out / "figures" / f"bench_{device}_pp_bubble.svg"
     md_path = out / "benchmarks.md"
-    for p in (csv_path, md_path) + ((fig,) if expected else ()):
-        if not p.is_file() or p.stat().st_size == 0:
-            problems.append(f"missing output: {p}")
-    if problems:
+    if problems := missing_outputs((csv_path, md_path) + ((fig,) if expected else ())):
         return problems
-    with open(csv_path) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv_rows(csv_path)
     have = {(r["schedule"], int(r["p"]), int(r["v"]), int(r["m"])): r for r in rows}
     for point in expected:
         if point not in have:
@@ -1794,8 +1790,7 @@ def drive_projection(a, d, out):
 def ran_text_from_csv(path):
     """ran_text() for a section already written, from its CSV: the stages, N and configs that
     have rows, and the repeats and steps the rows record."""
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv_rows(path)
     if not rows:
         raise BenchError(f"{path} has no rows")
     stages = [s for s in STAGES if any(split_label(r["stage"])[0] == s for r in rows)]
