@@ -52,9 +52,9 @@ def skeleton(lines):
     return [" ".join(NUMBER.sub("#", DEVICE.sub(r"\1 <machine>", line)).split()) for line in lines]
 
 
-def first_difference(want, got, want_shape, got_shape):
+def first_difference(want, got):
     """The first line whose shape differs, as the chapter has it and as the program printed it."""
-    for i, (w, g) in enumerate(zip(want_shape, got_shape)):
+    for i, (w, g) in enumerate(zip(skeleton(want), skeleton(got))):
         if w != g:
             return f"  line {i + 1} of the block:\n    chapter: {want[i]}\n    now:     {got[i]}"
     return (f"  the chapter's block has {len(want)} lines, the output {len(got)}; the first extra:"
@@ -105,10 +105,10 @@ def main():
                 continue
             if a.fix:
                 lines[first:end] = got
-            elif (want_shape := skeleton(lines[first:end])) != (got_shape := skeleton(got)):
+            elif skeleton(lines[first:end]) != skeleton(got):
                 print(f"{where}: the output of `{command}` has changed shape; "
                       "regenerate with scripts/chapter-outputs.py --fix")
-                print(first_difference(lines[first:end], got, want_shape, got_shape))
+                print(first_difference(lines[first:end], got))
                 problems += 1
         if a.fix:
             chapter.write_text("\n".join(lines) + "\n")
