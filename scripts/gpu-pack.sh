@@ -5,6 +5,10 @@
 # cuBLAS and NCCL are there already; Open MPI comes from ../shared/gpu/bundle.sh's .gpubundle/.
 #
 #   scripts/gpu-pack.sh [BUILD] [OUT]     (defaults: build, .gpucarry.tar.xz)
+#   scripts/gpu-pack.sh --list            the programs it packs, one per line
+#
+# The list must hold every program scripts/gpu-validate.sh runs, and nothing else: ctest's
+# gpu_pack test runs gpu-validate.sh over stand-ins of exactly these and compares.
 #
 # BUILD must be made for the GPU (the default CUDA architectures, 80;90, cover the H100 and
 # H200). Carry OUT and .gpubundle/ (together about 40 MB; a call carries at most 64 MiB), then:
@@ -13,11 +17,16 @@
 #     TPX_BUILD=.gpucarry scripts/gpu-validate.sh $OUT/gpu unit
 set -euo pipefail
 cd "$(dirname "$0")/.."
+programs=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
+  06_fp8 07_fsdp_tp 08_context_parallel 09_pipeline_parallel
+  test_cuda_ops test_cuda_stage01 test_cuda_streams test_fp8 test_comm test_attention
+  bench_gemm bench_copy_overlap bench_attention)
+if [ "${1:-}" = --list ]; then
+  printf '%s\n' "${programs[@]}"
+  exit 0
+fi
 build=${1:-build}
 out=${2:-.gpucarry.tar.xz}
-programs=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
-  06_fp8 07_fsdp_tp test_cuda_ops test_cuda_stage01 test_cuda_streams test_fp8 test_comm test_attention
-  bench_gemm bench_copy_overlap bench_attention)
 # What a bare GPU machine has: the C and C++ runtimes, CUDA's libraries; and what the bundle has.
 have='/libc\.so|/libm\.so|/libdl\.so|/libpthread\.so|/librt\.so|/ld-linux|/libstdc\+\+\.so|/libgcc_s\.so|/usr/local/cuda|/libcud|/libcublas|/libnccl|/libmpi|/libopen-|/libhwloc|/libevent|/libudev|/libz\.so'
 
