@@ -261,5 +261,55 @@ class PipelineFigures(unittest.TestCase):
         self.assertIn("not a 09_pipeline_parallel --json", r.stderr)
 
 
+class GpuReport(unittest.TestCase):
+    """tools/gpu_report.py on a run written here: two parts, one with a report, one logs only."""
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory(dir=TOOLS.parent / "docs")
+        self.run_dir = pathlib.Path(self.dir.name) / "run"
+        logs = self.run_dir / "logs"
+        (logs / "unit" / "logs").mkdir(parents=True)
+        (logs / "bench" / "logs").mkdir(parents=True)
+        (logs / "report-unit.md").write_text(
+            "# GPU validation\n\n- date: 2030-01-02 03:04 UTC\n"
+            "- device: Test GPU, 1.2, Default (name, driver, compute mode)\n- commit: abc1234\n"
+            "- build: b; parts: unit\n\n| # | step | result | seconds | command | log |\n"
+            "|---|---|---|---|---|---|\n| 1 | ok_step | pass | 3 | `x` | 01-ok_step.log |\n"
+            "| 2 | bad_step | FAIL (exit 1) | 7 | `y` | 02-bad_step.log |\n\n1 passed, 1 failed\n")
+        (logs / "bench" / "logs" / "01-bench_x.log").write_text(
+            "terminate called after throwing an instance of 'E'\n  what():  it broke\n")
+        self.page = pathlib.Path(self.dir.name) / "page.md"
+        self.page.write_text("intro\n<!-- tpx-gpu:begin steps -->\nold\n"
+                             "<!-- tpx-gpu:end steps -->\nafter\n")
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def tool(self, *args):
+        return run([sys.executable, TOOLS / "gpu_report.py", self.run_dir, "--page", self.page,
+                    *args])
+
+    def test_writes_every_step_with_its_result_and_checks_the_page(self):
+        self.assertEqual(self.tool("--check").returncode, 1)  # the page holds "old"
+        self.assertEqual(self.tool().returncode, 0)
+        text = self.page.read_text()
+        self.assertTrue(text.startswith("intro\n") and text.endswith("after\n"))
+        self.assertIn("- device: Test GPU, 1.2, Default (name, driver, compute mode)\n", text)
+        self.assertIn("- commit (as the reports name it): abc1234", text)
+        self.assertIn("- steps: 3, of which 1 passed or ran and 2 failed", text)
+        self.assertIn("| unit | 2 | bad_step | FAIL (exit 1) | 7 |", text)
+        self.assertIn("| bench | 1 | bench_x | aborted: `it broke` | — |", text)
+        self.assertLess(text.index("| unit |"), text.index("| bench |"))  # the script's order
+        self.assertEqual(self.tool("--check").returncode, 0)
+
+    def test_a_report_without_its_header_is_one_line_and_exit_2(self):
+        report = self.run_dir / "logs" / "report-unit.md"
+        report.write_text(report.read_text().replace("- commit: abc1234\n", ""))
+        r = self.tool()
+        self.assertEqual(r.returncode, 2)
+        self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
+        self.assertIn("no '- commit:' line", r.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()
