@@ -1,6 +1,9 @@
 // Causal attention, forward + backward, fused (FlashAttention-2) against naive (probabilities
 // materialised): on the cpu at S = 1024 (B 2, NH 8, D 32: the default config's heads), and on
-// cuda when a GPU is usable at S = 2048 and 8192 with D = 128 (NH 32, B 1) in bf16.
+// cuda when a GPU is usable in bf16 at S = 1024, 2048, 8192 and 16384 with D = 128 (NH 32, B 1:
+// Llama-2-7B's heads), and at S = 2048 with D = 64 (NH 32). The naive path stops at S = 8192:
+// its probabilities and their gradient are S² floats per head each, 25 GiB of peak at 8192 and
+// four times that at 16384, more than an 80 GB GPU holds.
 //
 // Counters: TFLOP/s, and peak_MiB, the allocator's high-water mark above the inputs during one
 // forward + backward (outputs, what forward keeps, the backward's scratch). The cpu's block
@@ -90,16 +93,26 @@ void register_all() {
     if (d == Device::cpu)
       shapes = {{1024, 2, 8, 32}};
     else
-      shapes = {{2048, 1, 32, 128}, {8192, 1, 32, 128}};
+      shapes = {{1024, 1, 32, 128},
+                {2048, 1, 32, 128},
+                {8192, 1, 32, 128},
+                {16384, 1, 32, 128},
+                {2048, 1, 32, 64}};
+    constexpr std::int64_t kNaiveMaxSeq = 8192;  // S² scratch beyond it outgrows the GPU
     for (const AttnShape& a : shapes)
-      for (const bool fused : {true, false})
+      for (const bool fused : {true, false}) {
+        if (!fused && d == Device::cuda && a.s > kNaiveMaxSeq) continue;
+        // The D = 128 rows keep the names of earlier runs; another head dim says so.
+        const std::string head_dim =
+            a.d == 128 || d == Device::cpu ? "" : fmt::format("/D:{}", a.d);
         benchmark::RegisterBenchmark(
-            fmt::format("attention/{}/{}/{}/S:{}", to_string(d), dtype_flag(compute),
-                        fused ? "fused" : "naive", a.s)
+            fmt::format("attention/{}/{}/{}/S:{}{}", to_string(d), dtype_flag(compute),
+                        fused ? "fused" : "naive", a.s, head_dim)
                 .c_str(),
             [d, compute, fused, a](benchmark::State& s) { bm_attention(s, d, compute, fused, a); })
             ->UseRealTime()
             ->Unit(benchmark::kMillisecond);
+      }
   }
 }
 

@@ -2,12 +2,12 @@
 """PyTorch's fused attention at bench_attention's GPU shapes, for comparison.
 
 Times torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), forward +
-backward, in bf16 on cuda at B 1, NH 32, D 128 and S = 2048, 8192 (the shapes of
-build/bin/bench_attention's cuda rows), and prints one line per shape with its TFLOP/s under
+backward, in bf16 on cuda at B 1, NH 32, D 128 and S = 1024, 2048, 8192, 16384 (the shapes of
+build/bin/bench_attention's cuda rows; --head-dim 64 --seq 2048 its D = 64 row), and prints one line per shape with its TFLOP/s under
 the same FLOP convention (FlashAttention-2's, arXiv:2307.08691 section 4.1): the causal forward
 counts 4·B·NH·S²·D / 2, the backward 2.5 times that, a step 3.5 times.
 
-    python3 tools/sdpa_bench.py [--seq 2048 8192] [--iters 20]
+    python3 tools/sdpa_bench.py [--seq 1024 2048 8192 16384] [--head-dim 128] [--iters 20]
 
 Without PyTorch or without a GPU it prints one line saying so and exits 2.
 """
@@ -22,7 +22,7 @@ def causal_step_flops(b, nh, s, d):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 8192, 16384])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -66,7 +66,8 @@ def main():
         torch.cuda.synchronize()
         ms = start.elapsed_time(end) / args.iters
         tflops = causal_step_flops(b, nh, s, d) / (ms * 1e-3) / 1e12
-        print(f"attention/cuda/bf16/sdpa/S:{s}  B={b} NH={nh} D={d}  {ms:.3f} ms  "
+        head_dim = "" if d == 128 else f"/D:{d}"  # as bench_attention names its rows
+        print(f"attention/cuda/bf16/sdpa/S:{s}{head_dim}  B={b} NH={nh} D={d}  {ms:.3f} ms  "
               f"TFLOP/s={tflops:.1f}")
     return 0
 
