@@ -7,12 +7,14 @@
 // writes rows of the output, so both global accesses are coalesced whichever way the tile turns.
 // Each thread handles 4 of the tile's 32 rows. The shared tile's rows are 36 bytes apart: reading
 // a column touches the words 9·x (mod 32) for lanes x = 0..31, all different banks. Padding
-// positions (beyond the matrix, up to the output's size) are written as code 0x00, +0.
+// positions (beyond the matrix, up to the output's size) are written as code 0x00, +0. Which
+// operand is packed, and to what size, is common/fp8_gemm_plan.h's decision.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "common.cuh"
+#include "common/fp8_bits.h"
 #include "kernels.h"
 
 namespace tpx::cuda::kernels {
@@ -52,9 +54,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void scale_inverses_kernel(const float* scale_a, const float* scale_b, float* out) {
-  out[0] = 1.0f / *scale_a;
-  out[1] = 1.0f / *scale_b;
+// fp8::div_rn: the correctly rounded quotient whatever -use_fast_math or -prec-div say.
+__global__ void scale_inverses_kernel(const float* scale_a, const float* scale_b, float* inv_a,
+                                      float* inv_b) {
+  *inv_a = fp8::div_rn(1.0f, *scale_a);
+  *inv_b = fp8::div_rn(1.0f, *scale_b);
 }
 
 }  // namespace
@@ -74,8 +78,9 @@ void pack_fp8(const std::uint8_t* src, I ld, bool transposed, I rows, I cols, st
         src, ld, rows, cols, out, out_rows, out_cols, across, tiles);
 }
 
-void fp8_scale_inverses(const float* scale_a, const float* scale_b, float* out, void* stream) {
-  scale_inverses_kernel<<<1, 1, 0, dev::as_stream(stream)>>>(scale_a, scale_b, out);
+void fp8_scale_inverses(const float* scale_a, const float* scale_b, float* inv_a, float* inv_b,
+                        void* stream) {
+  scale_inverses_kernel<<<1, 1, 0, dev::as_stream(stream)>>>(scale_a, scale_b, inv_a, inv_b);
 }
 
 }  // namespace tpx::cuda::kernels

@@ -52,31 +52,51 @@
 // 16-byte aligned, the GEMM writes a scratch D of n' = ⌈n/4⌉·4 columns (zero rows appended to
 // B_k), copied in (beta ≠ 0) and out with cudaMemcpy2DAsync. An operand that is K-major, 16-byte
 // aligned and fits k' (and n') is used in place. So every shape runs on the FP8 tensor cores.
+// These choices, and the types and transposes of the call, are made by a host function,
+// fp8::lt::plan_gemm (common/fp8_gemm_plan.h), which tests/test_fp8_gemm_plan.cc checks on the
+// cpu against the requirements for forward, dgrad and wgrad at stage 06's shapes.
+//
+// The scale factors. A_SCALE_POINTER and B_SCALE_POINTER each point to one fp32 (scale mode
+// CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, set explicitly where cuBLAS has scale modes, 12.8 on).
+// Each factor lives in a 256-byte slot of its own in a small scratch, as a separate allocation
+// would (the cuBLAS samples' LtFp8Matmul and PyTorch's scaled_gemm pass scales that way). They
+// used to share one 8-byte scratch, which put B's factor at byte 4; on an H100 with cuBLAS 13 the
+// heuristic then offered an algorithm for every FP8 problem and every cublasLtMatmul returned
+// CUBLAS_STATUS_NOT_SUPPORTED. Of all the arguments, only the scale pointers differed from those
+// working calls, and accepted by the heuristic but refused by the run is the mark of a check on
+// pointers, which the run makes (the heuristic learns the operands' alignment only from the
+// preference): hence the slots. Should cuBLASLt still refuse, the fallback below keeps the
+// stage running, at the dequantized GEMM's speed.
 //
 // Fallbacks to the product of the dequantized operands (as ops::gemm computes it elsewhere):
 // E5M2 × E5M2, absent from cuBLASLt's FP8 type table (stage 06 never multiplies two gradients);
-// k = 0 (C = beta·C); and a problem for which cuBLASLt's heuristic offers no algorithm, said once
-// per shape on stderr as gemm.cc does, since it costs speed.
+// k = 0 (C = beta·C); a problem for which cuBLASLt's heuristic offers no algorithm (or none whose
+// result state is CUBLAS_STATUS_SUCCESS); and one for which cublasLtMatmul refuses, at run time,
+// every algorithm the heuristic offered (up to 8, tried in turn). Each is said once per shape on
+// stderr, as gemm.cc does, since it costs speed.
 //
 // References, the cuBLAS documentation (docs.nvidia.com/cuda/cublas): "cublasLtMatmul()" (the
 // FP8 requirements: A transposed and B not, the "TN" format, on Ada and Hopper; compute type
 // CUBLAS_COMPUTE_32F; scale type CUDA_R_32F; the table of FP8 type combinations: E4M3 × E4M3,
-// E4M3 × E5M2, E5M2 × E4M3, no E5M2 × E5M2); "Tensor Core Usage" (the alignment above);
-// "cublasLtMatmulDescAttributes_t" (A_SCALE_POINTER, B_SCALE_POINTER, FAST_ACCUM).
+// E4M3 × E5M2, E5M2 × E4M3, no E5M2 × E5M2, each with C and D both CUDA_R_32F among its rows);
+// "Tensor Core Usage" (the alignment above); "cublasLtMatmulDescAttributes_t" (A_SCALE_POINTER,
+// B_SCALE_POINTER, A_SCALE_MODE, B_SCALE_MODE, FAST_ACCUM); "cublasLtMatmulHeuristicResult_t"
+// (state).
 //
 // defines: tpx::cuda::gemm_fp8, tpx::cuda::blas::gemm_fp8
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <tuple>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "blas.h"
 #include "check.h"
+#include "common/fp8_gemm_plan.h"
 #include "common/ops.h"
 #include "device.h"
 #include "kernels.h"
@@ -88,40 +108,61 @@ namespace tpx::cuda {
 namespace {
 
 using I = std::int64_t;
+namespace plan = ::tpx::fp8::lt;
 
-constexpr I kKAlign = 16;  // codes: K and the operands' leading dimensions, 16 bytes
-constexpr I kNAlign = 4;   // floats: D's rows and leading dimension, 16 bytes
-
-I round_up(I v, I to) {
-  return (v + to - 1) / to * to;
-}
+/// Algorithms asked of the heuristic: the best first, the others tried in turn should cuBLASLt
+/// refuse one at run time (the heuristic does not see the pointers).
+constexpr int kAlgorithms = 8;
 
 bool aligned16(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
 }
 
-cudaDataType_t fp8_type(DType d) {
-  switch (d) {
-    case DType::e4m3:
+cudaDataType_t cuda_type(plan::Type t) {
+  switch (t) {
+    case plan::Type::e4m3:
       return CUDA_R_8F_E4M3;
-    case DType::e5m2:
+    case plan::Type::e5m2:
       return CUDA_R_8F_E5M2;
-    default:
-      fail(fmt::format("no cuBLASLt FP8 type for dtype {}", to_string(d)));
+    case plan::Type::bf16:
+      return CUDA_R_16BF;
+    case plan::Type::f16:
+      return CUDA_R_16F;
+    case plan::Type::f32:
+      return CUDA_R_32F;
   }
+  fail("no CUDA data type for this FP8 GEMM element type");
+}
+
+cublasOperation_t cuda_op(plan::Op op) {
+  return op == plan::Op::T ? CUBLAS_OP_T : CUBLAS_OP_N;
+}
+
+cublasLtMatrixLayout_t layout(const plan::Matrix& m) {
+  return lt::layout(cuda_type(m.type), m.rows, m.cols, m.ld);
 }
 
 // m, n, k, lda, ldb, ldc, A type, B type, alignment of A, B, C.
 using Fp8Key = std::tuple<I, I, I, I, I, I, int, int, std::uint32_t, std::uint32_t, std::uint32_t>;
 
+/// One FP8 problem's descriptors and the algorithms the heuristic offered, best first; `current`
+/// is the one in use. Once cuBLASLt has refused them all at run time, current == algos.size()
+/// and the problem takes the fallback.
+struct Fp8Plan {
+  lt::Plan lt;
+  std::vector<cublasLtMatmulAlgo_t> algos;
+  std::size_t current = 0;
+  bool usable() const { return current < algos.size(); }
+};
+
 /// The calling thread's FP8 plans (lt_plan.h), next to gemm.cc's per-thread handles and plans.
 /// The scale pointers change with every call and are set on a plan's descriptor just before each
 /// cublasLtMatmul (set_factors).
 struct Fp8Plans {
-  std::map<Fp8Key, lt::Plan> plans;
+  std::map<Fp8Key, Fp8Plan> plans;
   Fp8Plans() = default;
   ~Fp8Plans() {
-    for (auto& [key, p] : plans) lt::destroy(p);
+    for (auto& [key, p] : plans) lt::destroy(p.lt);
   }
   Fp8Plans(const Fp8Plans&) = delete;
   Fp8Plans& operator=(const Fp8Plans&) = delete;
@@ -140,30 +181,44 @@ void set_factors(cublasLtMatmulDesc_t desc, const float* a_factor, const float* 
                                                   &a_factor, sizeof a_factor));
 }
 
-const lt::Plan& fp8_plan(cublasLtHandle_t lt, std::size_t workspace_bytes, const Fp8Key& key, I m,
-                         I n, I k, blas::Operand a, DType at, const float* a_factor,
-                         blas::Operand b, DType bt, const float* b_factor, const void* c, I ldc) {
+void say_fallback(const char* why, DType at, DType bt, I m, I n, I k, std::uint32_t ay,
+                  std::uint32_t ax, std::uint32_t ad) {
+  fmt::print(stderr,
+             "tpx: cuBLASLt {} for a {} x {} GEMM m={} n={} k={} (alignment {} {} {} B); "
+             "multiplying the dequantized operands in fp32 instead\n",
+             why, to_string(at), to_string(bt), m, n, k, ay, ax, ad);
+}
+
+Fp8Plan& fp8_plan(cublasLtHandle_t handle, std::size_t workspace_bytes, const Fp8Key& key,
+                  const plan::Call& call, DType at, DType bt, const float* a_factor,
+                  const float* b_factor, const void* a, const void* b, const void* c) {
   auto& plans = fp8_plans().plans;
   if (auto it = plans.find(key); it != plans.end()) return it->second;
-  lt::Plan p;
-  TPX_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t opx = CUBLAS_OP_T, opy = CUBLAS_OP_N;  // "TN"
+  Fp8Plan p;
+  TPX_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.lt.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t opx = cuda_op(call.transa), opy = cuda_op(call.transb);
   const std::int8_t fast_accum = 0;
   TPX_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opx, sizeof opx));
+      cublasLtMatmulDescSetAttribute(p.lt.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opx, sizeof opx));
   TPX_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opy, sizeof opy));
-  TPX_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+      cublasLtMatmulDescSetAttribute(p.lt.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opy, sizeof opy));
+  TPX_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.lt.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                                   &fast_accum, sizeof fast_accum));
-  set_factors(p.desc, a_factor, b_factor);     // the heuristic sees the problem as it will run
-  p.x = lt::layout(fp8_type(bt), k, n, b.ld);  // B_k: K x M column-major, M = n
-  p.y = lt::layout(fp8_type(at), k, m, a.ld);  // A_k: K x N column-major, N = m
-  p.out = lt::layout(CUDA_R_32F, n, m, ldc);   // Cᵀ: M x N column-major = C [m, n] row-major
+#if CUBLAS_VERSION >= 120800
+  // One fp32 per tensor: the default scale mode, said explicitly since cuBLAS 12.8 has others.
+  const std::int32_t scalar = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  for (const auto attr : {CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE})
+    TPX_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.lt.desc, attr, &scalar, sizeof scalar));
+#endif
+  set_factors(p.lt.desc, a_factor, b_factor);  // the heuristic sees the problem as it will run
+  p.lt.x = layout(call.a);
+  p.lt.y = layout(call.b);
+  p.lt.out = layout(call.d);  // C is D (call.c_is_d): one layout for both
 
   cublasLtMatmulPreference_t pref = nullptr;
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const std::uint64_t ws = workspace_bytes;
-  const std::uint32_t ax = lt::alignment(b.ptr), ay = lt::alignment(a.ptr), ad = lt::alignment(c);
+  const std::uint32_t ax = lt::alignment(b), ay = lt::alignment(a), ad = lt::alignment(c);
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -174,25 +229,25 @@ const lt::Plan& fp8_plan(cublasLtHandle_t lt, std::size_t workspace_bytes, const
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ad, sizeof ad));
   TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ad, sizeof ad));
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kAlgorithms] = {};
   int found = 0;
-  const cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.x, p.y, p.out, p.out, pref, 1, &result, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
+      handle, p.lt.desc, p.lt.x, p.lt.y, p.lt.out, p.lt.out, pref, kAlgorithms, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
-    p.algo = result.algo;
-    p.usable = true;
-  } else if (st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED) {
-    // Said once per shape (plans are cached): the fallback is correct but slower.
-    fmt::print(stderr,
-               "tpx: cuBLASLt has no FP8 algorithm for a {} x {} GEMM m={} n={} k={} (alignment "
-               "{} {} {} B); multiplying the dequantized operands in fp32 instead\n",
-               to_string(at), to_string(bt), m, n, k, ay, ax, ad);
-  } else {
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    // A result's other fields hold only if its state is CUBLAS_STATUS_SUCCESS
+    // (cublasLtMatmulHeuristicResult_t).
+    for (int i = 0; i < found; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= workspace_bytes)
+        p.algos.push_back(results[i].algo);
+  } else if (st != CUBLAS_STATUS_NOT_SUPPORTED) {
     // An invalid value, a bad handle, no memory: a bug or a broken device, not a missing kernel.
-    lt::destroy(p);
+    lt::destroy(p.lt);
     TPX_CUBLAS_CHECK(st);
   }
+  if (p.algos.empty())  // said once per shape (plans are cached): correct but slower
+    say_fallback("has no FP8 algorithm", at, bt, call.n, call.m, call.k, ay, ax, ad);
+  p.lt.usable = !p.algos.empty();
   return plans.emplace(key, p).first->second;
 }
 
@@ -216,6 +271,16 @@ void dequantized_gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans
   gemm(dequantized(a), trans_a, dequantized(b), trans_b, c, alpha, beta);
 }
 
+/// Copies an operand into its K-major scratch as the plan says (or returns it as it is).
+Tensor packed(const Tensor& t, const plan::Pack& pack, void* stream) {
+  if (pack.in_place) return t;
+  Tensor out = scratch({pack.out_rows, pack.out_cols}, t.dtype());
+  kernels::pack_fp8(codes(t), t.cols(), pack.transpose, pack.rows, pack.cols,
+                    out.data<std::uint8_t>(), pack.out_rows, pack.out_cols, stream);
+  TPX_CUDA_CHECK(cudaGetLastError());
+  return out;
+}
+
 }  // namespace
 
 namespace blas {
@@ -224,7 +289,7 @@ bool gemm_fp8(I m, I n, I k, float alpha, Operand a, DType a_type, const float* 
               DType b_type, const float* b_factor, float beta, float* c, I ldc) {
   if (m == 0 || n == 0) return true;
   const LtContext ctx = lt_context();
-  auto* const lt = static_cast<cublasLtHandle_t>(ctx.handle);
+  auto* const handle = static_cast<cublasLtHandle_t>(ctx.handle);
   const Fp8Key key{m,
                    n,
                    k,
@@ -236,14 +301,25 @@ bool gemm_fp8(I m, I n, I k, float alpha, Operand a, DType a_type, const float* 
                    lt::alignment(a.ptr),
                    lt::alignment(b.ptr),
                    lt::alignment(c)};
-  const lt::Plan& p = fp8_plan(lt, ctx.workspace_bytes, key, m, n, k, a, a_type, a_factor, b,
-                               b_type, b_factor, c, ldc);
-  if (!p.usable) return false;
-  set_factors(p.desc, a_factor, b_factor);
-  TPX_CUBLAS_CHECK(cublasLtMatmul(lt, p.desc, &alpha, b.ptr, p.x, a.ptr, p.y, &beta, c, p.out, c,
-                                  p.out, &p.algo, ctx.workspace, ctx.workspace_bytes,
-                                  static_cast<cudaStream_t>(ctx.stream)));
-  return true;
+  const plan::Call call = plan::call_for(m, n, k, a.ld, b.ld, ldc, a_type, b_type);
+  Fp8Plan& p = fp8_plan(handle, ctx.workspace_bytes, key, call, a_type, b_type, a_factor, b_factor,
+                        a.ptr, b.ptr, c);
+  if (!p.usable()) return false;
+  set_factors(p.lt.desc, a_factor, b_factor);
+  while (p.usable()) {
+    const cublasStatus_t st =
+        cublasLtMatmul(handle, p.lt.desc, &alpha, b.ptr, p.lt.x, a.ptr, p.lt.y, &beta, c, p.lt.out,
+                       c, p.lt.out, &p.algos[p.current], ctx.workspace, ctx.workspace_bytes,
+                       static_cast<cudaStream_t>(ctx.stream));
+    if (st == CUBLAS_STATUS_SUCCESS) return true;
+    // Refused, nothing issued: the next algorithm, or (all refused) the fallback for good.
+    if (st != CUBLAS_STATUS_NOT_SUPPORTED) TPX_CUBLAS_CHECK(st);
+    ++p.current;
+  }
+  say_fallback("refused every FP8 algorithm at run time (CUBLAS_STATUS_NOT_SUPPORTED)", a_type,
+               b_type, m, n, k, std::get<8>(key), std::get<9>(key), std::get<10>(key));
+  p.lt.usable = false;
+  return false;
 }
 
 }  // namespace blas
@@ -261,49 +337,37 @@ void gemm_fp8(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, cons
             "gemm_fp8 needs FP8 tensor cores (compute capability 8.9 or newer); this GPU is {}",
             device_name());
   if (m == 0 || n == 0) return;
-  if (k == 0 || (a.dtype() == DType::e5m2 && b.dtype() == DType::e5m2))
-    return dequantized_gemm(a, trans_a, b, trans_b, c, alpha, beta);
+  // Everything below follows the plan (common/fp8_gemm_plan.h, tested on the cpu).
+  const plan::GemmPlan p =
+      plan::plan_gemm(m, n, k, a.dtype(), trans_a, b.dtype(), trans_b, aligned16(a.raw()),
+                      aligned16(b.raw()), aligned16(c.raw()));
+  if (!p.use_lt) return dequantized_gemm(a, trans_a, b, trans_b, c, alpha, beta);
   auto* const stream = current_stream();
 
-  // The shapes cuBLASLt is given (header, "Alignment"): k' and, unless C can be written in place,
-  // n' columns of a scratch D.
-  const bool c_in_place = n % kNAlign == 0 && aligned16(c.raw());
-  const I kp = round_up(k, kKAlign), np = c_in_place ? n : round_up(n, kNAlign);
-
   // A_k = op(A) [m, k'] and B_k = op(B)ᵀ [n', k'], K-major: in place, or packed into scratch.
-  const bool a_in_place = !trans_a && k == kp && aligned16(a.raw());
-  const bool b_in_place = trans_b && k == kp && n == np && aligned16(b.raw());
-  Tensor a_k = a, b_k = b;
-  if (!a_in_place) {
-    a_k = scratch({m, kp}, a.dtype());
-    kernels::pack_fp8(codes(a), a.cols(), trans_a, m, k, a_k.data<std::uint8_t>(), m, kp, stream);
-    TPX_CUDA_CHECK(cudaGetLastError());
-  }
-  if (!b_in_place) {
-    b_k = scratch({np, kp}, b.dtype());
-    kernels::pack_fp8(codes(b), b.cols(), !trans_b, n, k, b_k.data<std::uint8_t>(), np, kp, stream);
-    TPX_CUDA_CHECK(cudaGetLastError());
-  }
+  const Tensor a_k = packed(a, p.a_k, stream), b_k = packed(b, p.b_k, stream);
 
-  // The factors cuBLASLt multiplies by: 1/scale_a, 1/scale_b, computed on the device.
-  const Tensor factors = scratch({2}, DType::f32);
-  float* const f = factors.data<float>();
-  kernels::fp8_scale_inverses(a.scale().data<float>(), b.scale().data<float>(), f, stream);
+  // The factors cuBLASLt multiplies by, 1/scale_a and 1/scale_b, computed on the device, each in
+  // a slot of its own.
+  const Tensor factors = scratch({I(p.factor_bytes / sizeof(float))}, DType::f32);
+  float* const fa = factors.data<float>() + p.a_factor_offset / sizeof(float);
+  float* const fb = factors.data<float>() + p.b_factor_offset / sizeof(float);
+  kernels::fp8_scale_inverses(a.scale().data<float>(), b.scale().data<float>(), fa, fb, stream);
   TPX_CUDA_CHECK(cudaGetLastError());
 
   // D: C itself, or a scratch [m, n'] holding C (for beta ≠ 0) in its first n columns.
-  const Tensor d = c_in_place ? c : scratch({m, np}, DType::f32);
+  const Tensor d = p.d_scratch ? scratch({m, p.np}, DType::f32) : c;
   const auto row = static_cast<std::size_t>(n) * sizeof(float);
-  const auto d_row = static_cast<std::size_t>(np) * sizeof(float);
+  const auto d_row = static_cast<std::size_t>(p.np) * sizeof(float);
   auto* const cuda_stream = static_cast<cudaStream_t>(stream);
-  if (!c_in_place && beta != 0.0f)
+  if (p.d_scratch && beta != 0.0f)
     TPX_CUDA_CHECK(cudaMemcpy2DAsync(d.raw(), d_row, c.raw(), row, row, static_cast<std::size_t>(m),
                                      cudaMemcpyDeviceToDevice, cuda_stream));
 
-  if (!blas::gemm_fp8(m, np, kp, alpha, {codes(a_k), kp}, a.dtype(), f, {codes(b_k), kp}, b.dtype(),
-                      f + 1, beta, d.data<float>(), np))
+  if (!blas::gemm_fp8(m, p.np, p.kp, alpha, {codes(a_k), p.kp}, a.dtype(), fa, {codes(b_k), p.kp},
+                      b.dtype(), fb, beta, d.data<float>(), p.np))
     return dequantized_gemm(a, trans_a, b, trans_b, c, alpha, beta);
-  if (!c_in_place)
+  if (p.d_scratch)
     TPX_CUDA_CHECK(cudaMemcpy2DAsync(c.raw(), row, d.raw(), d_row, row, static_cast<std::size_t>(m),
                                      cudaMemcpyDeviceToDevice, cuda_stream));
 }

@@ -122,7 +122,8 @@ void fp8_scale(const float* amax, float fmax, float* scale, void* stream);
 /// M[r][c] = src[r·ld + c], or src[c·ld + r] when `transposed` (src then holds Mᵀ, cols x rows).
 void pack_fp8(const std::uint8_t* src, I ld, bool transposed, I rows, I cols, std::uint8_t* out,
               I out_rows, I out_cols, void* stream);
-/// out[0] = 1 / *scale_a, out[1] = 1 / *scale_b (fp32 division, correctly rounded).
-void fp8_scale_inverses(const float* scale_a, const float* scale_b, float* out, void* stream);
+/// *inv_a = 1 / *scale_a, *inv_b = 1 / *scale_b (fp32 division, correctly rounded).
+void fp8_scale_inverses(const float* scale_a, const float* scale_b, float* inv_a, float* inv_b,
+                        void* stream);
 
 }  // namespace tpx::cuda::kernels
