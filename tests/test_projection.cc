@@ -179,7 +179,9 @@ TEST(Projection, AllGatherGemmByHand) {
 }
 
 TEST(Projection, CopyEngineOverlapNeverLosesToBulk) {
-  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json");
+  // The mechanics, on the assumed curve: the measured one (three points, 0.50 at 1.8e11 FLOPs
+  // and 0.82 at 1.1e12) makes the chunks of 05 so much slower than whole GEMMs that 03 can win.
+  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json", /*measured=*/false);
   for (const BlockConfig& c : {pj::big_config(), pj::small_config()})
     for (int n : {2, 4, 8}) {
       const double s3 = pj::project_stage(d, c, n, 3).step_ms;
@@ -506,7 +508,9 @@ TEST(TpxProject, ValidationErrorsAreWhatItPrints) {
   const std::string first = text.substr(0, text.find('\n'));
   EXPECT_NE(first.find("Projected by the model"), std::string::npos) << first;
   EXPECT_NE(first.find("h100_sxm.json"), std::string::npos) << first;
-  EXPECT_NE(first.find("not calibrated"), std::string::npos) << first;
+  EXPECT_NE(first.find("calibrated: measured (h100_sxm.json"), std::string::npos) << first;
+  EXPECT_NE(first.find("attention: the measured 'sdpa' attention kernel"), std::string::npos)
+      << first;
   // One row per stage 02 … 06 at N = 2, 4, 8, plus stage 01, per config; the bytes are the
   // stages' formula.
   ASSERT_EQ(j.at("configs").size(), 2u);
@@ -596,11 +600,64 @@ TEST(Published, SensitivityIsTheErrorOfAPerturbedModel) {
       EXPECT_NEAR(s.plus[i], up[i].error_pct - base[i].error_pct, 1e-9) << cases[i].name;
   }
   EXPECT_TRUE(gemm) << "the GEMM efficiency curve is an assumption of every device file";
-  // A figure no device file marks as assumed is not perturbed; efficiencies stay at most 1.
-  pj::DeviceSpec d = h100;
+  // A figure no device file marks as assumed is not perturbed (nor a measured one); efficiencies
+  // stay at most 1.
+  pj::DeviceSpec measured = h100;
+  EXPECT_FALSE(pj::perturb(measured, "gemm_efficiency", 1.2));
+  EXPECT_FALSE(pj::perturb(measured, "attention_efficiency", 1.2));
+  pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json", /*measured=*/false);
   EXPECT_FALSE(pj::perturb(d, "sms", 1.2));
   EXPECT_TRUE(pj::perturb(d, "gemm_efficiency", 10.0));
   for (const auto& pt : d.gemm.points) EXPECT_LE(pt.second, 1.0);
+}
+
+TEST(Devices, TheMeasuredBlockReplacesTheAssumptions) {
+  const pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json");
+  const pj::DeviceSpec a = pj::load_device(kDevices / "h100_sxm.json", /*measured=*/false);
+  // Measured: the GEMM curve and the attention kernels of the 2026-11-27 run, SDPA by default.
+  EXPECT_TRUE(d.calibrated);
+  EXPECT_NE(d.gemm.origin.find("commit ca299f2"), std::string::npos) << d.gemm.origin;
+  EXPECT_EQ(d.attention_kernel, "sdpa");
+  for (const char* k : {"fused", "naive", "sdpa"}) EXPECT_EQ(d.attention_kernels.count(k), 1u);
+  for (const char* key : {"gemm_efficiency", "attention_efficiency"}) {
+    EXPECT_EQ(std::count(d.assumed.begin(), d.assumed.end(), key), 0) << key;
+    EXPECT_EQ(std::count(a.assumed.begin(), a.assumed.end(), key), 1) << key;
+  }
+  // Assumed: the file's constant and curve, as before the run.
+  EXPECT_FALSE(a.calibrated);
+  EXPECT_TRUE(a.attention_kernel.empty());
+  EXPECT_DOUBLE_EQ(a.attention_at(2048), 0.5);
+  EXPECT_NE(d.gemm.at(2e11), a.gemm.at(2e11));
+  // An unknown kernel is refused with the known ones.
+  pj::DeviceSpec e = d;
+  try {
+    pj::use_attention(e, "flash3");
+    ADD_FAILURE() << "use_attention accepted flash3";
+  } catch (const std::invalid_argument& x) {
+    EXPECT_NE(std::string(x.what()).find("known: assumed, fused, naive, sdpa"), std::string::npos)
+        << x.what();
+  }
+  pj::use_attention(e, "assumed");
+  EXPECT_DOUBLE_EQ(e.attention_at(2048), d.attention_efficiency);
+}
+
+TEST(Devices, TheFusedKernelProjectsItsMeasuredTime) {
+  // bench_attention measured tpx's fused forward + backward at S 2048 (B 1, NH 32, D 128) in
+  // 15.2 ms; the model, told to use that kernel, gives stage 01's attention (forward + twice it
+  // backward) the same time, within the 4 digits the device file keeps.
+  pj::DeviceSpec d = pj::load_device(kDevices / "h100_sxm.json");
+  pj::use_attention(d, "fused");
+  const pj::Projection p = pj::project_stage(d, pj::small_config(), 1, 1);
+  EXPECT_NEAR(3 * p.attention_ms, 15.2, 0.05);
+  // The SDPA kernel: 0.356 ms.
+  pj::use_attention(d, "sdpa");
+  EXPECT_NEAR(3 * pj::project_stage(d, pj::small_config(), 1, 1).attention_ms, 0.356, 0.002);
+  // The step with tpx's kernel is within 15 % of the measured 22.74 ms; the assumptions alone
+  // were 4.7 times too fast (4.83 ms).
+  pj::use_attention(d, "fused");
+  EXPECT_NEAR(pj::project_stage(d, pj::small_config(), 1, 1).step_ms, 22.74, 0.15 * 22.74);
+  const pj::DeviceSpec a = pj::load_device(kDevices / "h100_sxm.json", /*measured=*/false);
+  EXPECT_NEAR(pj::project_stage(a, pj::small_config(), 1, 1).step_ms, 4.83, 0.01);
 }
 
 TEST(Published, CommittedTablesAreAFreshRun) {

@@ -56,6 +56,22 @@ std::string text(const json& j, const char* key, const std::filesystem::path& fi
   return j.at(key).get<std::string>();
 }
 
+/// j["points"]: [[x, efficiency], …], sorted by x; `what` names the block in the error.
+std::vector<std::pair<double, double>> curve_points(const json& j, const std::string& what,
+                                                    const std::filesystem::path& file) {
+  if (!j.is_object() || !j.contains("points") || !j["points"].is_array() || j["points"].empty())
+    fail(fmt::format("{}: {}: \"points\": [[x, efficiency], …] is missing", file.string(), what));
+  std::vector<std::pair<double, double>> points;
+  for (const json& p : j["points"]) {
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number() || !p[1].is_number() ||
+        p[1].get<double>() <= 0)
+      fail(fmt::format("{}: {}: a point is not [x, efficiency > 0]", file.string(), what));
+    points.emplace_back(p[0].get<double>(), p[1].get<double>());
+  }
+  std::sort(points.begin(), points.end());
+  return points;
+}
+
 }  // namespace
 
 std::string stage_name(int stage) {
@@ -87,7 +103,38 @@ double EfficiencyCurve::at(double flops) const {
 
 // --- devices -------------------------------------------------------------------------------------
 
-DeviceSpec load_device(const std::filesystem::path& file) {
+double DeviceSpec::attention_at(double seq) const {
+  if (attention_kernel.empty()) return attention_efficiency;
+  return attention_kernels.at(attention_kernel).at(seq);
+}
+
+std::string DeviceSpec::attention_origin() const {
+  if (attention_kernel.empty())
+    return fmt::format(
+        "attention efficiency {:g}, {} ({})", attention_efficiency,
+        std::find(assumed.begin(), assumed.end(), "attention_efficiency") != assumed.end()
+            ? "assumed"
+            : "given",
+        file);
+  return fmt::format("the measured '{}' attention kernel: {}", attention_kernel,
+                     attention_kernels.at(attention_kernel).origin);
+}
+
+void use_attention(DeviceSpec& d, const std::string& name) {
+  if (name == "assumed") {
+    d.attention_kernel.clear();
+    return;
+  }
+  if (d.attention_kernels.count(name) == 0) {
+    std::vector<std::string> known{"assumed"};
+    for (const auto& [k, curve] : d.attention_kernels) known.push_back(k);
+    throw std::invalid_argument(fmt::format("--attention {}: {} has no such kernel (known: {})",
+                                            name, d.file, fmt::join(known, ", ")));
+  }
+  d.attention_kernel = name;
+}
+
+DeviceSpec load_device(const std::filesystem::path& file, bool measured) {
   const json j = read_json(file);
   DeviceSpec d;
   d.file = file.filename().string();
@@ -126,6 +173,35 @@ DeviceSpec load_device(const std::filesystem::path& file) {
   if (j["gemm_efficiency"].contains("assumption")) d.assumed.push_back("gemm_efficiency");
   if (!j.contains("sources") || !j["sources"].is_array() || j["sources"].empty())
     fail(fmt::format("{}: \"sources\" must list where the figures come from", file.string()));
+  if (!measured || !j.contains("measured")) return d;
+  // Measurements replace assumptions: the GEMM curve, and attention by the default kernel.
+  const json& m = j["measured"];
+  const std::string source = text(m, "source", file);
+  if (m.contains("gemm_efficiency")) {
+    d.gemm.points = curve_points(m["gemm_efficiency"], "measured.gemm_efficiency", file);
+    d.gemm.origin =
+        fmt::format("measured ({}: {}, {:.2g} … {:.2g} FLOPs, held constant outside)", d.file,
+                    source, d.gemm.points.front().first, d.gemm.points.back().first);
+    std::erase(d.assumed, "gemm_efficiency");
+    d.calibrated = true;
+  }
+  if (m.contains("attention")) {
+    const json& a = m["attention"];
+    if (!a.contains("kernels") || !a["kernels"].is_object() || a["kernels"].empty())
+      fail(fmt::format("{}: measured.attention: \"kernels\" is missing", file.string()));
+    for (const auto& [name, k] : a["kernels"].items()) {
+      EfficiencyCurve& c = d.attention_kernels[name];
+      c.points = curve_points(k, "measured.attention." + name, file);
+      c.origin = fmt::format("{} ({}), S {:g} … {:g}, held constant outside", source, d.file,
+                             c.points.front().first, c.points.back().first);
+    }
+    const std::string chosen = text(m, "attention_default", file);
+    if (d.attention_kernels.count(chosen) == 0)
+      fail(fmt::format("{}: measured.attention_default '{}' is not one of its kernels",
+                       file.string(), chosen));
+    d.attention_kernel = chosen;
+    std::erase(d.assumed, "attention_efficiency");
+  }
   return d;
 }
 
@@ -313,7 +389,7 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
   // Attention (common/flops.h): forward 2·(2·B·S²·H) over the heads, 1/N per rank; backward 2×.
   // Under context parallelism the S queries here attend the keys of all C ranks (C·S).
   const double attn_f = 2 * (2 * B * S * S * H) / N * o.cp;
-  const double attn_ms = attn_f / (d.peak_bf16_flops * d.attention_efficiency) * 1e3;
+  const double attn_ms = attn_f / (d.peak_bf16_flops * d.attention_at(S * o.cp)) * 1e3;
   // Element-wise work (assumed: 12 passes over the residual stream and 6 over the FFN activations
   // of fp32 per forward, twice that backward; the stream is sharded under sequence parallelism).
   const double stream = sp ? T * H / N : T * H;
@@ -1038,7 +1114,8 @@ json report_json(const Report& r) {
                  {"file", r.device.file},
                  {"calibrated", r.device.calibrated},
                  {"calibration", r.device.calibration_notes},
-                 {"gemm_efficiency", r.device.gemm.origin}};
+                 {"gemm_efficiency", r.device.gemm.origin},
+                 {"attention", r.device.attention_origin()}};
   j["configs"] = json::array();
   for (const auto& t : r.tables) {
     json rows = json::array();
@@ -1200,9 +1277,10 @@ std::string report_markdown(const Report& r) {
   std::ostringstream s;
   s << fmt::format(
       "Projected by the model in tools/projection.cc, not measured: device file "
-      "tools/devices/{} ({}), GEMM efficiency {}{}.\n\n",
+      "tools/devices/{} ({}), GEMM efficiency {}{}; attention: {}.\n\n",
       r.device.file, r.device.name,
-      r.device.calibrated ? "calibrated: " : "not calibrated: ", r.device.gemm.origin);
+      r.device.calibrated ? "calibrated: " : "not calibrated: ", r.device.gemm.origin,
+      r.device.attention_origin());
   for (const std::string& note : r.device.calibration_notes)
     if (note != r.device.gemm.origin) s << "Calibrated: " << note << ".\n\n";
   for (const auto& t : r.tables) {

@@ -70,6 +70,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -112,13 +113,29 @@ struct DeviceSpec {
   /// GPUs per node (NVLink inside, dp_GBps_per_direction between nodes); 8 when not given.
   int gpus_per_node = 8;
   EfficiencyCurve gemm;
+  /// Measured attention kernels (the device file's "measured" block): each one's rate as the
+  /// model counts attention's FLOPs (common/flops.h, no causal halving), over the bf16 peak,
+  /// against S (the keys attended), e.g. "fused" (tpx's kernel) and "sdpa" (PyTorch's).
+  std::map<std::string, EfficiencyCurve> attention_kernels;
+  /// The kernel the model uses; empty: attention_efficiency, the assumed constant.
+  std::string attention_kernel;
+  /// attention's efficiency at S keys: the chosen kernel's curve, else attention_efficiency.
+  double attention_at(double seq) const;
+  /// What attention_at() models, in words: "measured fused (…)" or "assumed 0.5 (…)".
+  std::string attention_origin() const;
   bool calibrated = false;
   std::vector<std::string> calibration_notes;  // what --calibrate replaced, from which file
   std::vector<std::string> assumed;            // the keys the device file marks as assumptions
 };
 
 /// Reads a device file; throws std::runtime_error with one line naming the file and the problem.
-DeviceSpec load_device(const std::filesystem::path& file);
+/// Its optional "measured" block (written from a GPU run's logs by tools/gpu_logs.py, which
+/// names the logs) replaces the assumed GEMM curve and attention efficiency with measured ones,
+/// unless `measured` is false (the assumptions alone, as before the device was measured).
+DeviceSpec load_device(const std::filesystem::path& file, bool measured = true);
+/// Makes the model use the measured attention kernel `name`, or "assumed" (attention_efficiency);
+/// throws std::invalid_argument naming the kernels the device has for any other name.
+void use_attention(DeviceSpec& d, const std::string& name);
 /// Replaces assumptions with measurements from a Google Benchmark JSON file: the GEMM curve from
 /// bench_gemm's cuda bf16 rows, whole (gemm/cuda/bf16/…, at 2·m·n·k) and chunked
 /// (gemm_chunked/cuda/bf16/…, each point at one chunk's FLOPs), so the curve spans what the

@@ -2,6 +2,7 @@
 //
 //   tpx_project --device NAME|FILE [--markdown FILE] [--json FILE]
 //               [--calibrate FILE …] [--published FILE] [--validate] [--sensitivity]
+//               [--attention KERNEL|assumed] [--assumed]
 //   tpx_project --device NAME|FILE [--model NAME] [--config FILE] [--hidden H] [--heads NH]
 //               [--kv-heads NKV] [--ffn F] [--seq S] [--batch B] [--layers L] [--dtype fp32|bf16]
 //               [--recompute none|full|selective] [--tp T] [--dp D] [--cp C]
@@ -35,6 +36,11 @@
 // GEMM's slow-down beside a copy engine and beside an SM copy from bench_copy_overlap's; a file
 // that is missing or holds no such rows changes nothing, with a note on stderr (the output says
 // what it used).
+// A device file's "measured" block (from a GPU run's logs: tools/gpu_logs.py) replaces its
+// assumed GEMM curve and attention efficiency; --assumed ignores it (the assumptions alone, as
+// before the device was measured). --attention picks which measured attention kernel the model
+// uses (h100_sxm: fused, tpx's own; naive; sdpa, PyTorch's FlashAttention-class kernel; the
+// file's attention_default when not given), or "assumed" for the assumed constant.
 //
 // Exit status: 0 done, 2 bad input (a flag, a size, a file), with one line on stderr.
 #include <algorithm>
@@ -201,8 +207,9 @@ std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
   std::ostringstream s;
   s << fmt::format(
       "Projected by the model in tools/projection.cc, not measured: device file tools/devices/{} "
-      "({}), GEMM efficiency {}{}.\n\n",
-      d.file, d.name, d.calibrated ? "calibrated: " : "not calibrated: ", d.gemm.origin);
+      "({}), GEMM efficiency {}{}; attention: {}.\n\n",
+      d.file, d.name, d.calibrated ? "calibrated: " : "not calibrated: ", d.gemm.origin,
+      d.attention_origin());
   s << fmt::format(
       "{} | TP {}, DP {} (stages 07, 08); {} (stage 08{}). Per GPU and training step (forward + "
       "backward of all L layers; the pipeline's busiest rank); bytes as the stages count them "
@@ -287,7 +294,8 @@ int main(int argc, char** argv) {
   app.footer("Exit status: 0 done; 2 bad input (a flag, a size the ranks cannot split, a file).");
   std::string device_arg, markdown, json_file, published;
   std::vector<std::string> calibrate;
-  bool validate_only = false, sensitivity_only = false;
+  bool validate_only = false, sensitivity_only = false, assumed_only = false;
+  std::string attention;
   app.add_option("--device", device_arg,
                  "a device by name (h100_sxm, h200, …: the files in tools/devices/) or a device "
                  "file")
@@ -297,6 +305,11 @@ int main(int argc, char** argv) {
   app.add_option("--calibrate", calibrate,
                  "bench_gemm / bench_copy_overlap JSON whose cuda bf16 rows replace the assumed "
                  "GEMM efficiency curve and GEMM slow-downs beside a transfer (repeatable)");
+  app.add_option("--attention", attention,
+                 "the measured attention kernel the model uses (the device file's "
+                 "measured.attention kernels, e.g. fused, sdpa), or assumed");
+  app.add_flag("--assumed", assumed_only,
+               "ignore the device file's measured block: its assumptions alone");
   app.add_option("--published", published,
                  "published results (default: published.json next to the device file)");
   app.add_flag("--validate", validate_only, "print the model against published results and exit");
@@ -387,7 +400,8 @@ int main(int argc, char** argv) {
   }();
 
   try {
-    pj::DeviceSpec device = pj::load_device(device_file(device_arg));
+    pj::DeviceSpec device = pj::load_device(device_file(device_arg), !assumed_only);
+    if (!attention.empty()) pj::use_attention(device, attention);
     for (const std::string& file : calibrate) {
       if (!std::filesystem::exists(file))
         std::fprintf(stderr, "note: %s not found: the device file's assumptions are used\n",
