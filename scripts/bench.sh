@@ -12,6 +12,7 @@
 #   scripts/bench.sh [--quick] [--device cpu|cuda] [--repeats R] [--out DIR]
 #                    [--stages 04,05] [--ranks 2,4] [--model NAME | --config FILE]
 #                    [--only cp|pp]
+#   scripts/bench.sh --from-logs DIR [--out DIR]
 #
 #   --quick        1 repeat, N = 1, 2, 3 steps, collectives up to 64K, the default config only
 #   --device       cpu (default) or cuda (on a GPU machine)
@@ -26,6 +27,12 @@
 #   --only cp      only stage 08's subsection (bench_gemm's peak first), the rest of the page
 #                  as it is: what to run after a change to stage 08
 #   --only pp      only stage 09's subsection, likewise: what to run after a change to stage 09
+#   --from-logs DIR  publish a GPU run made elsewhere: the CUDA section, docs/benchmarks/
+#                  cuda_run.csv and docs/figures/bench_cuda_attention.svg written from the logs
+#                  of DIR (a folder of docs/gpu-runs/, as scripts/gpu-validate.sh left it) by
+#                  tools/gpu_logs.py; nothing is built or run, and a log that lacks a line the
+#                  section needs stops it, naming the file. ctest's docs.from_logs fails when
+#                  the committed section differs from what the logs give.
 #
 # The build: TPX_BENCH_BUILD (default: build-bench-cpu for --device cpu, configured cpu-only
 # without tests and docs so that it builds in a few minutes; build/ for --device cuda). An existing
@@ -38,6 +45,7 @@ args=("$@")
 device=cpu
 stages=
 only=
+from_logs=
 while [ $# -gt 0 ]; do
   case $1 in
     --device)
@@ -68,6 +76,14 @@ while [ $# -gt 0 ]; do
       only=${1#*=}
       shift
       ;;
+    --from-logs)
+      from_logs=${2:-}
+      shift 2 || shift
+      ;;
+    --from-logs=*)
+      from_logs=${1#*=}
+      shift
+      ;;
     *) shift ;;
   esac
 done
@@ -79,7 +95,7 @@ case $device in
     ;;
 esac
 
-scripts/setup.sh
+[ -z "$from_logs" ] && scripts/setup.sh
 
 # A python3 that can draw (matplotlib comes from Debian's python3-matplotlib, whose python is
 # /usr/bin/python3: another python3 earlier on PATH may lack it).
@@ -93,6 +109,10 @@ done
 if [ -z "$py" ]; then
   echo "bench: no python3 with matplotlib (install Debian's python3-matplotlib: scripts/setup.sh)" >&2
   exit 1
+fi
+
+if [ -n "$from_logs" ]; then # no build, no runs: the logs' numbers, parsed
+  exec "$py" tools/bench.py --command "scripts/bench.sh${args[*]:+ ${args[*]}}" "${args[@]}"
 fi
 
 build=${TPX_BENCH_BUILD:-}

@@ -7,6 +7,12 @@ a CSV per device and SVG plots. Normally started by scripts/bench.sh, which buil
                    [--stages 04,05] [--ranks 2,4] [--model NAME | --config FILE]
                    [--work DIR] [--mpirun "mpirun --oversubscribe --bind-to none"]
                    [--command "what to print as the command that made the tables"]
+    tools/bench.py --from-logs DIR [--out DIR]
+
+--from-logs DIR publishes a GPU run made elsewhere: the CUDA section, benchmarks/cuda_run.csv and
+figures/bench_cuda_attention.svg written from the logs of a run folder (docs/gpu-runs/DATE-GPU,
+as scripts/gpu-validate.sh and the profilers left them), parsed by tools/gpu_logs.py; nothing is
+run, and a log that lacks a line the section needs stops it (exit 1, naming the file).
 
 The sweep: N = 1, 2, 4 (stage 01 only at N = 1; an N that does not divide H, NH, F and S is left
 out), the default config and a GEMM-dominated one, each point run R times. Stage 08 has its own
@@ -931,6 +937,8 @@ What each section is:
 
 Regenerate with `scripts/bench.sh` (CPU section and projection) or `scripts/bench.sh --device
 cuda` on a GPU machine (CUDA section and projection); each run replaces only its own sections.
+`scripts/bench.sh --from-logs docs/gpu-runs/DATE-GPU` publishes a GPU run made elsewhere: it
+writes the CUDA section from that folder's logs (runs nothing; every number names its log).
 `scripts/bench.sh --stages 04,05 --ranks 2,4 [--model NAME | --config FILE]` runs a selection
 (into `out/bench/` unless `--out` is given).
 `tools/bench.py --only projection --build DIR` replaces the projection alone (no stage runs).
@@ -942,8 +950,8 @@ No number in this file is typed by hand: all of it is written by `tools/bench.py
 
 PLACEHOLDER = {
     "cpu": "## CPU\n\nNot generated yet: `scripts/bench.sh` writes this section.",
-    "cuda": "## CUDA\n\nNot generated yet: `scripts/bench.sh --device cuda` on a GPU machine "
-            "writes this section.",
+    "cuda": "## CUDA\n\nNot generated yet: `scripts/bench.sh --device cuda` on a GPU machine, "
+            "or `scripts/bench.sh --from-logs DIR` from a GPU run's logs, writes this section.",
     "projection": "## Projection (H100 SXM, projected)\n\nNot generated yet: `scripts/bench.sh` "
                   "writes this section.",
 }
@@ -1709,6 +1717,8 @@ def main(argv=None):
     ap.add_argument("--mpirun", default="mpirun --oversubscribe --bind-to none")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per program run")
     ap.add_argument("--command", help="the command to print as the one that made the tables")
+    ap.add_argument("--from-logs", metavar="DIR",
+                    help="write the CUDA section from a GPU run's log folder (runs nothing)")
     ap.add_argument("--only", choices=["projection", "text", "cp", "pp"],
                     help="regenerate only part of benchmarks.md: projection (runs tpx_project "
                          "alone, no stage runs), text (the intro, and each device section's "
@@ -1723,8 +1733,10 @@ def main(argv=None):
         a.command = shlex.join(["tools/bench.py"] + (sys.argv[1:] if argv is None else argv))
     bad_path = (f"--config {a.config}: no such file" if a.config and
                 not pathlib.Path(a.config).is_file() else
+                f"--from-logs {a.from_logs}: no such directory"
+                if a.from_logs and not pathlib.Path(a.from_logs).is_dir() else
                 f"--build {a.build}: no such directory"
-                if a.only != "text" and not pathlib.Path(a.build).is_dir()
+                if a.only != "text" and not a.from_logs and not pathlib.Path(a.build).is_dir()
                 else None)
     if bad_path:  # one line and exit 2, as every tool in tools/ answers a bad path
         print(f"bench: error: {bad_path}", file=sys.stderr)
@@ -1764,13 +1776,103 @@ def rank_list(text):
     return ranks
 
 
-def projection_section(a, d, projection, proj_cmd, proj_note):
+GPU_RUNS = ROOT / "docs" / "gpu-runs"  # published GPU runs, one folder each (DATE-GPU)
+GPU_DEVICE_FILE = ROOT / "tools" / "devices" / "h100_sxm.json"  # the projection's, and the run's
+# The projection's views of the one measured step: (tpx_project flags, what it models, the
+# measured step it is compared with: tpx's own, or PyTorch's on the same GPU).
+MEASURED_CHECK = [
+    (["--assumed"], "the device file's assumptions alone (GEMM efficiency up to 0.78 of the "
+                    "datasheet peak, attention at 0.5 of it): the model as it was before the run",
+     "tpx"),
+    (["--attention", "fused"], "measured GEMMs, tpx's fused attention as measured: tpx as it is",
+     "tpx"),
+    (["--attention", "sdpa"], "measured GEMMs, PyTorch SDPA's attention as measured: what a "
+                              "FlashAttention-class kernel would give", "torch"),
+]
+
+
+def error_line(projected_ms, measured_ms):
+    """'−9.2 %' within a factor of 2, else '4.7× too fast' / '2.1× too slow'."""
+    ratio = projected_ms / measured_ms
+    if 0.5 <= ratio <= 2:
+        return f"{(ratio - 1) * 100:+.1f} %"
+    return f"{1 / ratio:.1f}× too fast" if ratio < 1 else f"{ratio:.1f}× too slow"
+
+
+def latest_gpu_run(runs=GPU_RUNS):
+    """The newest published run folder that has a big stage 01 log, or None."""
+    import gpu_logs
+    found = sorted(p for p in runs.glob("*") if (p / gpu_logs.FILES["big"]).is_file())
+    return found[-1] if found else None
+
+
+def measured_check(exe, device_file, work, timeout, run_dir=None):
+    """The projection against the one measured GPU step (stage 01 at the big log's shape): lines
+    of markdown, projected by `exe` in each MEASURED_CHECK view; [] without a published run."""
+    import gpu_logs
+    run_dir = run_dir or latest_gpu_run()
+    if run_dir is None:
+        return []
+    try:
+        big = gpu_logs.stage_log(run_dir / gpu_logs.FILES["big"])
+        report = gpu_logs.report_md(run_dir / gpu_logs.FILES["report"])
+        commit = gpu_logs.readme_commit(run_dir / gpu_logs.FILES["readme"])
+        torch = gpu_logs.torch_log(run_dir / gpu_logs.FILES["torch"])
+    except gpu_logs.LogError as e:
+        raise BenchError(str(e))
+    s = big["sizes"]
+    flags = ["--hidden", s["hidden"], "--heads", s["heads"], "--kv-heads", s["kv_heads"],
+             "--ffn", s["ffn"], "--seq", s["seq"], "--batch", s["batch"], "--layers", s["layers"],
+             "--dtype", big["dtype"], "--tp", 1]
+    rows = []
+    for i, (view, what, against) in enumerate(MEASURED_CHECK):
+        js = work / f"measured_check.{i}.json"
+        js.unlink(missing_ok=True)
+        cmd = [str(exe), "--device", str(device_file)] + view + [str(f) for f in flags] + [
+            "--json", str(js)]
+        rc, last = run(cmd, work / f"measured_check.{i}.log", timeout)
+        if rc != 0 or not js.is_file():
+            raise BenchError(f"`{show(cmd)}` failed (exit {rc}): {last}")
+        stage = next((r for r in json.loads(js.read_text())["stages"]
+                      if r["stage"] == big["stage"]), None)
+        if stage is None:
+            raise BenchError(f"{js}: no {big['stage']} row")
+        ms = stage["step_ms"]
+        measured = ([("tpx", big["step_ms"])] if against == "tpx" else
+                    [("PyTorch eager", torch["eager"]["step_ms"]),
+                     ("torch.compile", torch["compile"]["step_ms"])])
+        rows.append([what, "`" + " ".join(view) + "`", f"{ms:.2f}",
+                     ", ".join(f"{who} {m:.2f}" for who, m in measured),
+                     ", ".join(f"{error_line(ms, m)}" + (f" vs {who}" if len(measured) > 1
+                                                         else "") for who, m in measured)])
+    log = os.path.relpath(run_dir / gpu_logs.FILES["big"], ROOT / "docs")
+    shape = " ".join(f"{k} {s[v]}" for k, v in (("H", "hidden"), ("NH", "heads"), ("F", "ffn"),
+                                                 ("S", "seq"), ("B", "batch"), ("L", "layers")))
+    return [f"**First, the model against the one measured GPU step**: {big['stage']}, "
+            f"{big['dtype']}, {shape}, one training step on one {big['device']['name']} "
+            f"({report['date']}, commit `{commit}`, [its log]({log})): measured "
+            f"{big['step_ms']:.2f} ms (PyTorch on the same GPU and block: eager "
+            f"{torch['eager']['step_ms']:.2f} ms, torch.compile {torch['compile']['step_ms']:.2f} "
+            "ms). The model's constants were not chosen against this step "
+            "(the GEMM and attention rates come from the micro-benchmarks of the same run), so it "
+            "is held out. Until a projection is within a few per cent of a measured step, do not "
+            "trust the TP rows below for more than their order.", ""] + md_table(
+        ["what the model uses", "tpx_project flags", "projected ms", "measured ms (same GPU)",
+         "error"],
+        rows).split("\n") + ["", "The tables below use the device file's default: measured GEMMs and "
+                 "SDPA-class attention (what the stages' schemes would cost with a fast attention "
+                 "kernel; tpx's own fused kernel is about 40× slower than SDPA, see the CUDA "
+                 "section).", ""]
+
+
+def projection_section(a, d, projection, proj_cmd, proj_note, check=()):
     proj = ["## Projection (H100 SXM, projected)", ""]
     if projection is None:
         return proj + [proj_note]
-    return proj + ["Projected by the model, not measured. Date: " + d.date + ". Command: `"
-                   + show(proj_cmd) + "` (run by `" + a.command + "`); its "
-                   "markdown, verbatim:", "", projection.strip()]
+    return proj + list(check) + [
+        "Projected by the model, not measured. Date: " + d.date + ". Command: `"
+        + show(proj_cmd) + "` (run by `" + a.command + "`); its markdown, verbatim:", "",
+        projection.strip()]
 
 
 def drive_projection(a, d, out):
@@ -1778,10 +1880,11 @@ def drive_projection(a, d, out):
     projection, proj_cmd, proj_note = d.projection()
     if projection is None:
         raise BenchError(proj_note)
+    check = measured_check(d.exe("tpx_project"), GPU_DEVICE_FILE, d.work, a.timeout)
     md = out / "benchmarks.md"
     text = benchmarks_md(md)
-    text = replace_section(text, "projection",
-                           "\n".join(projection_section(a, d, projection, proj_cmd, proj_note)))
+    text = replace_section(text, "projection", "\n".join(
+        projection_section(a, d, projection, proj_cmd, proj_note, check)))
     md.write_text(text.rstrip("\n") + "\n")
     print(f"wrote the projection section of {md}")
     return 0
@@ -1825,7 +1928,42 @@ def drive_text(out):
     return 0
 
 
+def drive_from_logs(a, out):
+    """--from-logs DIR: the CUDA section, its CSV and plot from a GPU run's logs; runs nothing."""
+    import gpu_logs
+    try:
+        import matplotlib  # noqa: F401  (the plot; checked before anything is written)
+    except ImportError:
+        raise BenchError("matplotlib is missing (Debian: apt-get install python3-matplotlib; "
+                         "scripts/setup.sh installs it)")
+    folder = pathlib.Path(a.from_logs).resolve()
+    try:
+        run = gpu_logs.load_run(folder)
+    except gpu_logs.LogError as e:
+        raise BenchError(str(e))
+    # Links as docs/benchmarks.md reaches the folder, wherever --out puts the page.
+    where = os.path.relpath(folder, ROOT / "docs")
+    datasheet = json.loads(GPU_DEVICE_FILE.read_text())["peak_bf16_flops"] / 1e12
+    csv_path = out / "benchmarks" / "cuda_run.csv"
+    figure = out / "figures" / "bench_cuda_attention.svg"
+    body = gpu_logs.cuda_section(run, where, a.command, datasheet, csv_path,
+                                 "figures/" + figure.name)
+    gpu_logs.write_csv(run, csv_path)
+    gpu_logs.plot_attention(run, figure)
+    md = out / "benchmarks.md"
+    text = replace_section(benchmarks_md(md), "cuda", "\n".join(body))
+    md.write_text(text.rstrip("\n") + "\n")
+    problems = missing_outputs([md, csv_path, figure])
+    if problems:
+        raise BenchError("the outputs are incomplete:\n  " + "\n  ".join(problems))
+    print(f"wrote the cuda section of {md}, {csv_path} and {figure} from {rel(folder)}")
+    return 0
+
+
 def drive(a):
+    if a.from_logs:  # before Driver: no build, no runs
+        out = pathlib.Path(a.out)
+        return drive_from_logs(a, out)
     d = Driver(a)
     d.work.mkdir(parents=True, exist_ok=True)
     out = pathlib.Path(a.out)
@@ -1902,7 +2040,9 @@ def drive(a):
         body += ["", f"### Micro-benchmarks ({a.device})", ""]
         body += R.gemm_section(gemm, chunked, gemm_cmd, gemm_note)
         body += R.collectives_section(collectives)
-        proj = projection_section(a, d, projection, proj_cmd, proj_note)
+        check = (measured_check(d.exe("tpx_project"), GPU_DEVICE_FILE, d.work, a.timeout)
+                 if projection is not None else [])
+        proj = projection_section(a, d, projection, proj_cmd, proj_note, check)
         write_csv(rows, out / "benchmarks" / f"{a.device}.csv")
         plot(rows, a.device, stages, out / "figures")
         text = replace_section(text, a.device, "\n".join(body))
