@@ -25,7 +25,8 @@
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
 // (the tensor-core kernel does the same for 64 keys at a time), then o /= l, lse = m + log l.
-// Backward, with Δ_i = Σ_d dO_i ∘ O_i (flash_delta_kernel), P = exp(s − lse_i):
+// Backward, with Δ_i = Σ_d dO_i ∘ O_i (flash_delta_kernel; under bf16 compute dO rounded as the
+// dP products read it, flash_operands.h), P = exp(s − lse_i):
 //   dV_j = Σ_i P_ij dO_i;  dP_ij = dO_i·v_j;  dS = P ∘ (dP − Δ_i);
 //   dQ_i = Σ_j dS_ij k_j / sqrt(D);  dK_j = Σ_i dS_ij q_i / sqrt(D)
 // (dK_j and dV_j also summed over the query heads of the group) split into a dQ kernel (parallel
@@ -47,6 +48,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "flash_operands.h"
 #include "kernels.h"
 
 namespace tpx::cuda::kernels {
@@ -67,12 +69,7 @@ constexpr int kRowsPerWarp = 4;
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;  // 16
 constexpr int kTile = 32;                             // rows of the other side per shared tile
 
-/// x as the GEMM operand: itself, or rounded to bf16 (round to nearest even) for bf16 compute.
-template <bool kBf16>
-__device__ __forceinline__ float operand(float x) {
-  if constexpr (kBf16) return __bfloat162float(__float2bfloat16_rn(x));
-  return x;
-}
+using flash::operand;  // x as the GEMM operand: itself, or rounded to bf16 for bf16 compute
 
 /// Row `row` of one head, D values spread over the lanes (lane + 32·t), zero past D or S.
 template <int kPerLane, bool kBf16>
@@ -310,7 +307,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/// Δ[bh·S + i] = Σ_d dO ∘ O of query row i of head bh: one warp per row, grid-stride.
+/// Δ[bh·S + i] = Σ_d dO ∘ O of query row i of head bh: one warp per row, grid-stride. Under bf16
+/// compute dO is rounded to bf16, as every dP = dO·Vᵀ of the backward kernels reads it: Δ is
+/// then Σ_j P·dP of those same dP, and dS = P·(dP − Δ) sums to zero over a row as it should
+/// (flash_operands.h). An unrounded dO left every dS off by Σ_d (dO − bf16(dO))·O; at S = 1,
+/// where dQ and dK are exactly zero, they came out as that residue (~1e-3) times K and Q.
+template <bool kBf16>
 __global__ void __launch_bounds__(256)
     flash_delta_kernel(const float* dout, const float* out, float* delta, I s, I heads_total, I d,
                        I ld) {
@@ -321,7 +323,8 @@ __global__ void __launch_bounds__(256)
     const I bh = rr / s, i = rr % s;
     const I base = i * ld + bh * d;
     float part = 0.0f;
-    for (I c = lane; c < d; c += kWarp) part += dout[base + c] * out[base + c];
+    for (I c = lane; c < d; c += kWarp)
+      part += flash::delta_term<kBf16>(dout[base + c], out[base + c]);
     part = dev::warp_sum(part);
     if (lane == 0) delta[rr] = part;
   }
@@ -755,8 +758,9 @@ int flash_attention_backward(const float* dout, const float* q, const float* k, 
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const cudaStream_t st = dev::as_stream(stream);
   const auto kv_total = static_cast<unsigned>(heads_total / group);  // B·kv_heads
-  flash_delta_kernel<<<dev::blocks_for(heads_total * s * kWarp, 256), 256, 0, st>>>(
-      dout, out, delta, s, heads_total, d, ldq);
+  auto* delta_kernel = bf16_compute ? flash_delta_kernel<true> : flash_delta_kernel<false>;
+  delta_kernel<<<dev::blocks_for(heads_total * s * kWarp, 256), 256, 0, st>>>(dout, out, delta, s,
+                                                                              heads_total, d, ldq);
   bool tc = false;
   cudaError_t err = use_tensor_cores(d, bf16_compute, tc);
   if (err != cudaSuccess) return err;
