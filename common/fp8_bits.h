@@ -23,7 +23,7 @@
 // result rounds up to the even one and an even result stays.
 //
 // defines: TPX_HD, tpx::fp8::Format, kE4M3, kE5M2, encode, decode, max_normal, quantize,
-//          dequantize, scale_from_amax, float_bits, bits_float, kNaNBits
+//          dequantize, scale_from_amax, float_bits, bits_float, is_nan, kNaNBits
 #pragma once
 
 #include <cstdint>
@@ -157,15 +157,37 @@ TPX_HD inline float div_rn(float a, float b) {
 #endif
 }
 
-/// Stage 06's quantization: the code of x · scale, the product rounded to fp32 first.
+/// True for every NaN, by its bits (no floating-point operation, so no fast-math flag can fold it).
+TPX_HD inline bool is_nan(float v) {
+  return (float_bits(v) & 0x7FFFFFFFu) > 0x7F800000u;
+}
+
+// NaN through the scaling, decided once for both backends. The OCP 8-bit Floating Point
+// Specification (OFP8, rev. 1.0, its table of the two formats' special values) gives each format
+// NaNs of both signs (E4M3 S.1111.111, E5M2 S.11111.{01,10,11}) and asks only that a NaN convert
+// to a NaN; DESIGN's recipe says "NaN stays NaN". This project keeps the sign as well (encode
+// and decode above, pinned by tests/test_fp8.cc). IEEE 754-2019 (section 6.3) leaves the sign of
+// a NaN that comes out of an arithmetic operation unspecified, and the two backends do differ:
+// x86's SSE multiply and divide return the NaN operand quieted, sign and payload kept, while a
+// GPU's fp32 multiply and divide return the canonical NaN 0x7FFFFFFF, whatever the operand's
+// sign. So a NaN must not go through x · scale or q / scale: quantize encodes a NaN x directly
+// (its sign kept) and dequantize returns decode's NaN (the code's sign, fp32's quiet NaN
+// 0x7FC00000) as it is. Every other value, ±inf, ±0 and fp32 subnormals included, goes through
+// the one correctly rounded operation, which gives the same bits on both (the device code is
+// built without -ftz / --use_fast_math, which would flush the subnormals).
+
+/// Stage 06's quantization: the code of x · scale, the product rounded to fp32 first; a NaN x
+/// gives the format's NaN with x's sign.
 TPX_HD inline std::uint8_t quantize(float x, float scale, Format f) {
-  return encode(mul_rn(x, scale), f);
+  return encode(is_nan(x) ? x : mul_rn(x, scale), f);
 }
 
 /// Stage 06's dequantization: decode(q) / scale, one fp32 division (not a multiplication by
-/// 1 / scale, which rounds twice and can differ in the last bit).
+/// 1 / scale, which rounds twice and can differ in the last bit); a NaN code gives fp32's quiet
+/// NaN with the code's sign.
 TPX_HD inline float dequantize(std::uint8_t q, float scale, Format f) {
-  return div_rn(decode(q, f), scale);
+  const float v = decode(q, f);
+  return is_nan(v) ? v : div_rn(v, scale);
 }
 
 /// The per-tensor scale of current scaling: fmax / amax in fp32, except where that is no usable
