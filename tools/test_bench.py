@@ -4,12 +4,19 @@ expected values are worked out by hand in the comments. Run by ctest (bench.driv
 
     python3 tools/test_bench.py
 """
+import contextlib
+import importlib.util
+import io
+import json
 import pathlib
+import shutil
 import sys
+import tempfile
 import unittest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench  # noqa: E402
+import gpu_logs  # noqa: E402
 
 
 def summary(stage, n, ms, exposed, bus, peaks, flops=4e9, saved=3 * 1024 * 1024):
@@ -622,6 +629,193 @@ class PipelineSubsection(unittest.TestCase):
                 self.assertIn(word, p)
             (out / "figures" / "bench_cpu_pp_bubble.svg").unlink()
             self.assertEqual(len(bench.verify_pp(out, "cpu", expected)), 1)  # the plot is gone
+
+
+RUN = bench.ROOT / "docs" / "gpu-runs" / "2026-11-27-h100"  # the committed logs of a GPU run
+
+
+def broken(src, tmp, drop=None, replace=None):
+    """A copy of the log src under tmp with the lines matching drop removed (or replace applied)."""
+    text = src.read_text()
+    if drop:
+        text = "\n".join(ln for ln in text.split("\n") if drop not in ln)
+    if replace:
+        text = text.replace(*replace)
+    path = pathlib.Path(tmp) / src.name
+    path.write_text(text)
+    return path
+
+
+class GpuLogs(unittest.TestCase):
+    """tools/gpu_logs.py on the committed logs of the 2026-11-27 H100 run, and on broken copies."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.logs = gpu_logs.load_run(RUN)
+
+    def test_the_stage_and_pytorch_steps(self):
+        big, torch = self.logs["big"], self.logs["torch"]
+        self.assertEqual(big["step_ms"], 22.74)
+        self.assertEqual(big["peak_tflops"], 809.2)
+        self.assertEqual(big["sizes"]["ffn"], 11008)
+        self.assertEqual(big["device"], {"name": "NVIDIA H100 80GB HBM3", "arch": "sm_90",
+                                         "sms": 132, "memory_gib": 79.2})
+        self.assertEqual((torch["eager"]["step_ms"], torch["compile"]["step_ms"]), (7.657, 5.886))
+        self.assertEqual(self.logs["driver"], "580.159.04")
+        self.assertEqual(self.logs["commit"], "ca299f2")
+
+    def test_micro_benchmarks(self):
+        gemms = gemm_logs = gpu_logs.gemm_rows(self.logs)
+        self.assertEqual(len(gemms), 9)
+        self.assertEqual(min(g["tflops"] for g in gemm_logs), 434.17)
+        self.assertEqual(max(g["tflops"] for g in gemm_logs), 519.814)
+        self.assertEqual(gpu_logs.gemm_rows(self.logs, "fp8"), [])
+        self.assertIn("CUBLAS_STATUS_NOT_SUPPORTED", self.logs["gemm"]["aborted"])
+        slow = {c["mover"]: c["slowdown"] for c in gpu_logs.copy_rows(self.logs)
+                if c["size"] == 4096}
+        self.assertEqual((slow["copy_engine"], slow["sm_copy"], slow["nccl"]),
+                         (1.2029, 1.66016, 1.37622))
+        att = {(r["kernel"], r["seq"]): r for r in gpu_logs.attention_rows(self.logs)}
+        self.assertEqual(att["fused", 2048]["ms"], 15.2)
+        self.assertEqual(att["sdpa", 8192]["tflops"], 539.7)
+        self.assertEqual(att["naive", 8192]["peak_mib"], 25344.0)  # printed 25.344k
+        self.assertAlmostEqual(att["fused", 2048]["vs_sdpa"], 15.2 / 0.356)
+
+    def test_nsight_compute_groups(self):
+        groups, attention, total = gpu_logs.ncu_groups(self.logs["ncu"])
+        self.assertEqual(self.logs["ncu"]["launches"], 240)
+        by = {g: (n, ms) for g, n, ms, _ in groups}
+        # flash_forward_tc 1 × 5.09, flash_dq_tc 2 × 5.25, flash_dkdv_tc 2 × 7.19 ms
+        n, ms = by["attention (flash_forward_tc, flash_dq_tc, flash_dkdv_tc)"]
+        self.assertEqual(n, 5)
+        self.assertAlmostEqual(ms, 5.09 + 2 * 5.25 + 2 * 7.19)
+        self.assertEqual(by["GEMMs (cuBLASLt nvjet)"][0], 38)
+        self.assertEqual(by["bf16 ↔ fp32 conversions"][0], 59 + 43)
+        self.assertNotIn("other", by)  # every kernel of the step has its group
+        self.assertEqual(groups[0][0], "attention (flash_forward_tc, flash_dq_tc, flash_dkdv_tc)")
+        self.assertAlmostEqual(sum(share for *_, share in groups), 1.0)
+
+    def test_a_log_missing_its_line_names_the_file(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for parse, src, drop, where in [
+                    (gpu_logs.stage_log, RUN / gpu_logs.FILES["big"], "mean step", "mean step"),
+                    (gpu_logs.torch_log, RUN / gpu_logs.FILES["torch"], "torch compile:",
+                     "torch compile"),
+                    (gpu_logs.gbench_console, RUN / gpu_logs.FILES["gemm"], "tpx_device_cuda",
+                     "device line"),
+                    (gpu_logs.sdpa_log, RUN / gpu_logs.FILES["sdpa"], "sdpa_bench:", "sdpa_bench"),
+                    (gpu_logs.report_md, RUN / gpu_logs.FILES["report"], "- commit:", "commit"),
+                    # one launch fewer than the summary counts
+                    (gpu_logs.ncu_summary, RUN / gpu_logs.FILES["ncu"], '"rope_kernel" - 59',
+                     "invocations")]:
+                path = broken(src, tmp, drop=drop)
+                with self.assertRaises(gpu_logs.LogError) as e:
+                    parse(path)
+                self.assertIn(str(path), str(e.exception))
+                self.assertIn(where, str(e.exception))
+            bad = broken(RUN / gpu_logs.FILES["gemm"], tmp, replace=("TFLOP/s=434.17",
+                                                                     "TFLOP/s=fast"))
+            with self.assertRaisesRegex(gpu_logs.LogError, "not a number"):
+                gpu_logs.gbench_console(bad)
+        with self.assertRaisesRegex(gpu_logs.LogError, "cannot read"):
+            gpu_logs.load_run(pathlib.Path("/nonexistent/run"))
+
+    def test_console_rows_as_google_benchmark_json(self):
+        j = gpu_logs.gbench_json(self.logs["gemm"])
+        b = j["benchmarks"][0]
+        self.assertEqual(b["name"], "gemm/cuda/bf16/wq/fwd/real_time")
+        self.assertEqual(b["label"], "m=2048 n=4096 k=4096")  # what tpx_project --calibrate reads
+        self.assertEqual(b["TFLOP/s"], 434.17)
+
+    def test_the_device_files_measured_block(self):
+        # 12·H / (7·NH·D) = 12/7 times the bench's TFLOP/s over the peak: the model's FLOPs.
+        self.assertAlmostEqual(gpu_logs.model_attention_efficiency(7.0, 1e15, 32, 128, 4096),
+                               0.012)
+        m = gpu_logs.measured_block(self.logs, 989.4e12, "RUN")
+        self.assertEqual(m["gemm_efficiency"]["points"][-1],
+                         [2.0 * 8192 ** 3, round(809.2 / 989.4, 4)])  # the stage's 8192³ peak
+        self.assertEqual(len(m["gemm_efficiency"]["points"]), 3)  # 6.9e10, 1.8e11, 1.1e12 FLOPs
+        self.assertEqual(gpu_logs.check_device_file(
+            bench.ROOT / "tools/devices/h100_sxm.json", self.logs, str(RUN.relative_to(
+                bench.ROOT))), [])
+        with tempfile.TemporaryDirectory() as tmp:
+            j = json.loads((bench.ROOT / "tools/devices/h100_sxm.json").read_text())
+            j["measured"]["gemm_efficiency"]["points"][0][1] = 0.9
+            f = pathlib.Path(tmp) / "h100_sxm.json"
+            f.write_text(json.dumps(j))
+            problems = gpu_logs.check_device_file(f, self.logs, "docs/gpu-runs/2026-11-27-h100")
+            self.assertEqual(len(problems), 1)
+            self.assertIn("measured.gemm_efficiency", problems[0])
+
+
+@unittest.skipUnless(importlib.util.find_spec("matplotlib"), "the plot needs matplotlib")
+class FromLogs(unittest.TestCase):
+    def test_the_section_is_written_from_the_logs(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = pathlib.Path(tmp)
+            rc = bench.main(["--from-logs", str(RUN), "--out", tmp, "--command", "CMD"])
+            self.assertEqual(rc, 0)
+            text = (out / "benchmarks.md").read_text()
+            body = bench.section_body(text, "cuda")
+            self.assertIn("NVIDIA H100 80GB HBM3, sm_90, 132 SMs", body)
+            self.assertIn("driver 580.159.04", body)
+            self.assertIn("Commit `ca299f2`", body)
+            self.assertIn("**tpx is 3.0× slower than PyTorch eager today**", body)  # 22.74 / 7.657
+            self.assertIn("| tpx 01_baseline (fused attention) | 22.74 |", body)
+            self.assertIn("| PyTorch SDPA | 8192 | 3.56 | 539.7 | 1.0× | — |", body)
+            self.assertIn("434–520 TFLOP/s, 54–64 % of the measured 809.2 TFLOP/s", body)
+            self.assertIn("No FP8 rows", body)
+            self.assertIn("1.20× as long beside a copy-engine copy, 1.66× beside an SM copy "
+                          "kernel and 1.38× beside NCCL", body)
+            self.assertIn("| attention (flash_forward_tc, flash_dq_tc, flash_dkdv_tc) | 5 | "
+                          "29.97 | 67.9 % |", body)
+            self.assertIn("share it", body)  # the multi-rank caveat
+            self.assertIn("`CMD`", body)
+            self.assertIn("--from-logs", text.split("<!-- tpx-bench:begin")[0])  # the intro
+            rows = bench.read_csv_rows(out / "benchmarks" / "cuda_run.csv")
+            step = [r for r in rows if r["what"] == "tpx 01_baseline" and r["metric"] == "step_ms"]
+            self.assertEqual(step[0]["value"], "22.74")
+            self.assertTrue((out / "figures" / "bench_cuda_attention.svg").stat().st_size > 0)
+
+    def test_a_broken_run_writes_nothing(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = pathlib.Path(tmp) / "run"
+            shutil.copytree(RUN, run)
+            big = run / gpu_logs.FILES["big"]
+            big.write_text(big.read_text().replace("mean step", "average step"))
+            out = pathlib.Path(tmp) / "out"
+            out.mkdir()
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                rc = bench.main(["--from-logs", str(run), "--out", str(out)])
+            self.assertEqual(rc, 1)
+            self.assertIn("01-01.big.bf16.log: no 'mean step … ms' line", err.getvalue())
+            self.assertFalse((out / "benchmarks.md").exists())
+
+
+class MeasuredCheck(unittest.TestCase):
+    def test_error_line(self):
+        self.assertEqual(bench.error_line(4.83, 22.74), "4.7× too fast")  # 22.74 / 4.83 = 4.71
+        self.assertEqual(bench.error_line(20.66, 22.74), "-9.1 %")
+        self.assertEqual(bench.error_line(50.0, 20.0), "2.5× too slow")
+
+    def test_the_projection_states_its_error_first(self):
+        # A stand-in tpx_project that projects 01_baseline at 4.83 ms under --assumed, else 20.66.
+        with tempfile.TemporaryDirectory() as tmp:
+            exe = pathlib.Path(tmp) / "tpx_project"
+            exe.write_text("#!/bin/sh\nms=20.66\nfor a in \"$@\"; do [ \"$a\" = --assumed ] && "
+                           "ms=4.83; done\nwhile [ \"$1\" != --json ]; do shift; done\n"
+                           "echo \"{\\\"stages\\\": [{\\\"stage\\\": \\\"01_baseline\\\", "
+                           "\\\"step_ms\\\": $ms}]}\" > \"$2\"\n")
+            exe.chmod(0o755)
+            lines = bench.measured_check(exe, bench.GPU_DEVICE_FILE, pathlib.Path(tmp), 30, RUN)
+        text = "\n".join(lines)
+        self.assertTrue(lines[0].startswith("**First, the model against the one measured GPU "
+                                            "step**"))
+        self.assertIn("measured 22.74 ms", lines[0])
+        self.assertIn("| `--assumed` | 4.83 | tpx 22.74 | 4.7× too fast |", text)
+        self.assertIn("| `--attention fused` | 20.66 | tpx 22.74 | -9.1 % |", text)
+        self.assertIn("PyTorch eager 7.66, torch.compile 5.89", text)
 
 
 if __name__ == "__main__":
