@@ -8,8 +8,8 @@
 // exact), accumulate in fp32 (CUBLAS_COMPUTE_32F) and cuBLASLt applies the two per-tensor factors
 // once per output. It takes them as device pointers, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER and
 // B_SCALE_POINTER, to a float that multiplies the operand: the inverse of our scale. A one-thread
-// kernel writes 1/s_a and 1/s_b into a device scratch of two floats, so no scale visits the host
-// and nothing waits for it.
+// kernel writes 1/s_a and 1/s_b into device scratch (each in a slot of its own, see "The scale
+// factors" below), so no scale visits the host and nothing waits for it.
 //
 // Rounding. The cpu backend (and the fallback below) rounds each dequantized element, q / s, to
 // fp32 and multiplies those; here the codes are multiplied exactly and the rounded reciprocals
