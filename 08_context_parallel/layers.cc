@@ -371,7 +371,8 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     // K and V gathered again (the forward kept only this rank's), every block's dK/dV computed
     // here, then reduce-scattered: each rank receives the sum over CP of its own block's.
     const Tensor all = Tensor::empty({n * 2 * kv}, DType::f32, device_);
-    const Tensor dall = Tensor::zeros({n * 2 * kv}, DType::f32, device_);
+    const Tensor dall = Tensor::empty({n * 2 * kv}, DType::f32, device_);
+    ops::fill(dall, 0.0f);  // every block's dK/dV is added into it
     const Tensor dmine = Tensor::empty({2 * kv}, DType::f32, device_);
     gather_kv(mine, all, fmt::format("cp K/V all-gather (bwd {})", call)).wait(compute);
     for (int r = 0; r < n; ++r) {

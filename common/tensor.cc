@@ -167,10 +167,8 @@ Tensor Tensor::borrow(void* ptr, Shape shape, DType dtype, Device device,
   return t;
 }
 
-Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
-  Tensor t = empty(std::move(shape), dtype, device);
-  TPX_CHECK(device == Device::cpu, "Tensor::zeros on {} must go through ops::fill",
-            to_string(device));
+Tensor Tensor::zeros(Shape shape, DType dtype) {
+  Tensor t = empty(std::move(shape), dtype, Device::cpu);
   std::memset(t.raw(), 0, t.nbytes());
   return t;
 }

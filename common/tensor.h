@@ -73,8 +73,11 @@ class Tensor {
   Tensor() = default;
   /// Uninitialised storage of the given shape from allocator_for(device).
   static Tensor empty(Shape shape, DType dtype = DType::f32, Device device = Device::cpu);
-  /// Zero-filled host storage (cpu only; fill device tensors with ops::fill).
-  static Tensor zeros(Shape shape, DType dtype = DType::f32, Device device = Device::cpu);
+  /// Zero-filled host storage. There is deliberately no device argument: zeroing device memory
+  /// is work that must be ordered on the stream that uses the tensor, which is what ops::fill
+  /// does (Tensor::empty(shape, dtype, device), then ops::fill(t, 0.0f)). A device tensor asked
+  /// of zeros() is a compile error, not a failure on the first run that has a GPU.
+  static Tensor zeros(Shape shape, DType dtype = DType::f32);
   /// A view of memory the allocator does not own (a symmetric-memory buffer): `owner` is kept
   /// alive as long as any view of it, and nothing is freed or counted by the allocator.
   static Tensor borrow(void* ptr, Shape shape, DType dtype, Device device,
