@@ -18,7 +18,9 @@
 #   big      stage 01 at H=4096 NH=32 F=11008 S=2048 B=1 in bf16: step time, TFLOP/s, MFU
 #   bench    the GPU micro-benchmarks: bench_copy_overlap (chapter 5), bench_gemm bf16 vs fp8 (6),
 #            bench_attention fused vs naive beside PyTorch's SDPA (tools/sdpa_bench.py, when
-#            PyTorch is installed) at the same shapes (1)
+#            PyTorch is installed) at the same shapes, S 1k to 16k (1); stage 01 at the big
+#            shape beside PyTorch's step for the same block (tools/torch_block_perf.py); then
+#            one table of the ratios (tools/gpu_logs.py --compare), printed and in its log
 #
 # The build: TPX_BUILD (default: build) must hold a build made for this GPU, e.g.
 #   cmake --preset release -DCMAKE_CUDA_ARCHITECTURES=90 -DTPX_STATIC_BLAS=ON
@@ -228,9 +230,19 @@ if has bench; then
   fi
   if python3 -c 'import torch' >/dev/null 2>&1; then # PyTorch's SDPA at the same shapes
     step sdpa_bench 300 python3 tools/sdpa_bench.py
+    step sdpa_bench.d64 120 python3 tools/sdpa_bench.py --seq 2048 --head-dim 64
+    # PyTorch's training step for the same block, beside stage 01's in this same run (chapter 1)
+    step torch_block_perf 300 python3 tools/torch_block_perf.py
   else
-    echo "=== sdpa_bench: skipped (no PyTorch for python3 here)"
+    echo "=== sdpa_bench, torch_block_perf: skipped (no PyTorch for python3 here)"
   fi
+  if need 01_baseline; then
+    check_step 01.big.bf16.bench 300 "TFLOP" "$bin/01_baseline" --device cuda --dtype bf16 \
+      --hidden 4096 --heads 32 --ffn 11008 --seq 2048 --batch 1 --layers 1 --steps 5
+  fi
+  # One table of this run's ratios: tpx attention against SDPA, stage 01 against PyTorch.
+  step compare 60 python3 tools/gpu_logs.py --compare "$out/logs"
+  cat "$(printf '%s/logs/%02d-compare.log' "$out" "$n")"
 fi
 
 # The report.

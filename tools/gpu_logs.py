@@ -6,6 +6,8 @@ its CSV and its plot written from them by `tools/bench.py --from-logs DIR` (noth
 A parser that does not find a line it expects raises LogError naming the file and the line.
 
     tools/gpu_logs.py DIR                      the facts read from DIR, as JSON
+    tools/gpu_logs.py --compare LOGDIR         gpu-validate.sh's bench table from OUTDIR/logs: tpx
+                                               attention beside SDPA, stage 01 beside PyTorch
     tools/gpu_logs.py --gbench-json LOG        a Google Benchmark console log as its JSON form
                                                (what `tpx_project --calibrate` reads)
     tools/gpu_logs.py --device-file FILE DIR [--write]
@@ -139,10 +141,11 @@ def sdpa_log(path):
     """sdpa_bench.py's lines: {device, torch, rows: [{name, seq, time_ms, tflops}]}."""
     text = read(path)
     m = need(r"(?m)^sdpa_bench: (.+?), torch (\S+?),", text, path, "'sdpa_bench: DEVICE, torch …'")
-    rows = [{"name": n, "seq": int(s), "time_ms": float(t), "tflops": float(f)}
-            for n, s, t, f in re.findall(
-                r"(?m)^(attention/cuda/bf16/sdpa/S:(\d+))\s.*?\s([0-9.]+) ms\s+TFLOP/s=([0-9.]+)",
-                text)]
+    rows = [{"name": n, "seq": int(s), "head_dim": int(d or 128), "time_ms": float(t),
+             "tflops": float(f)}
+            for n, s, d, t, f in re.findall(
+                r"(?m)^(attention/cuda/bf16/sdpa/S:(\d+)(?:/D:(\d+))?)\s.*?\s([0-9.]+) ms\s+"
+                r"TFLOP/s=([0-9.]+)", text)]
     if not rows:
         raise LogError(f"{path}: no 'attention/cuda/bf16/sdpa/S:…  … ms  TFLOP/s=…' rows")
     return {"device": m.group(1), "torch": m.group(2), "rows": rows}
@@ -304,7 +307,7 @@ def gemm_rows(run, dtype="bf16"):
 def attention_rows(run):
     """[{kernel, seq, ms, tflops, peak_mib, vs_sdpa}] at every S both logs have, kernels in the
     order fused, naive, sdpa."""
-    sdpa = {r["seq"]: r for r in run["sdpa"]["rows"]}
+    sdpa = {r["seq"]: r for r in run["sdpa"]["rows"] if r["head_dim"] == 128}
     rows = []
     for r in run["attention"]["rows"]:
         m = re.fullmatch(r"attention/cuda/bf16/(\w+)/S:(\d+)", r["name"])
@@ -636,6 +639,82 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure):
     return out
 
 
+# --- one run's comparison table, as gpu-validate.sh's bench part prints it -----------------------
+
+def compare(logdir):
+    """The bench part's own logs (gpu-validate.sh OUTDIR/logs: NN-bench_attention.log,
+    NN-sdpa_bench*.log, NN-torch_block_perf.log, NN-01.big.bf16*.log) as one markdown table:
+    tpx fused and naive attention beside SDPA at every S and D of the run (TFLOP/s, and each
+    kernel's TFLOP/s as a multiple of SDPA's), then stage 01's step beside PyTorch eager and
+    compiled. Ratios come from one run on one GPU. A log the run lacks is named, not guessed."""
+    d = pathlib.Path(logdir)
+
+    def logs(pattern):
+        return sorted(d.glob(pattern))
+
+    out, absent = [], []
+    tpx = {}  # (seq, head_dim) -> {kernel: row}
+    for path in logs("*-bench_attention.log"):
+        for r in gbench_console(path)["rows"]:
+            m = re.fullmatch(r"attention/cuda/bf16/(\w+)/S:(\d+)(?:/D:(\d+))?", r["name"])
+            if m:
+                key = (int(m.group(2)), int(m.group(3) or 128))
+                tpx.setdefault(key, {})[m.group(1)] = {"ms": r["time_ms"],
+                                                        "tflops": r["counters"]["TFLOP/s"]}
+    if not tpx:
+        absent.append("bench_attention (no NN-bench_attention.log with cuda rows)")
+    for path in logs("*-sdpa_bench*.log"):
+        try:
+            for r in sdpa_log(path)["rows"]:
+                key = (r["seq"], r["head_dim"])
+                tpx.setdefault(key, {})["sdpa"] = {"ms": r["time_ms"], "tflops": r["tflops"]}
+        except LogError:
+            absent.append(f"SDPA ({path.name} has no timings: no PyTorch or no GPU there?)")
+    if not logs("*-sdpa_bench*.log"):
+        absent.append("SDPA (no NN-sdpa_bench*.log: PyTorch was not there)")
+
+    def cell(k):
+        return f"{k['ms']:.3g} ms, {k['tflops']:.1f}" if k else "—"
+
+    out += ["| S | D | tpx fused: ms, TFLOP/s | tpx naive | PyTorch SDPA | fused ÷ SDPA "
+            "(TFLOP/s) | naive ÷ SDPA |", "|---|---|---|---|---|---|---|"]
+    for (seq, hd), k in sorted(tpx.items()):
+        sdpa = k.get("sdpa")
+
+        def ratio(kernel):
+            return f"{k[kernel]['tflops'] / sdpa['tflops']:.3f}" if sdpa and k.get(kernel) \
+                else "—"
+        out.append(f"| {seq} | {hd} | {cell(k.get('fused'))} | {cell(k.get('naive'))} | "
+                   f"{cell(sdpa)} | {ratio('fused')} | {ratio('naive')} |")
+
+    steps = logs("*-01.big.bf16*.log")  # the bench part's own run, when big ran too
+    step = stage_log(steps[-1]) if steps else None
+    torch = None
+    for path in logs("*-torch_block_perf.log"):
+        try:
+            torch = torch_log(path)
+        except LogError:
+            absent.append(f"PyTorch's step ({path.name} has no timings)")
+    if step is None:
+        absent.append("stage 01's step (no NN-01.big.bf16*.log)")
+    if torch is None and not logs("*-torch_block_perf.log"):
+        absent.append("PyTorch's step (no NN-torch_block_perf.log: PyTorch was not there)")
+    if step:
+        z = step["sizes"]
+        out += ["", f"Stage 01, {step['dtype']}, H {z['hidden']} NH {z['heads']} F {z['ffn']} "
+                f"S {z['seq']} B {z['batch']} L {z['layers']}, ms per training step:", "",
+                "| tpx | PyTorch eager | torch.compile | tpx ÷ eager | tpx ÷ compile |",
+                "|---|---|---|---|---|"]
+        ms = step["step_ms"]
+        ref = [torch[mode]["step_ms"] if torch else None for mode in ("eager", "compile")]
+        times = [f"{t:.2f}" if t else "—" for t in ref]
+        ratios = [f"{ms / t:.2f}×" if t else "—" for t in ref]
+        out.append(f"| {ms:.2f} | {' | '.join(times)} | {' | '.join(ratios)} |")
+    for a in absent:
+        out.append(f"\nnot in this run: {a}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="The logs of a GPU run, read back.")
     ap.add_argument("folder", nargs="?", help="a run folder (docs/gpu-runs/DATE-GPU)")
@@ -643,10 +722,15 @@ def main(argv=None):
     ap.add_argument("--device-file", metavar="FILE",
                     help="check FILE's measured block against the run folder")
     ap.add_argument("--write", action="store_true", help="with --device-file: write it")
+    ap.add_argument("--compare", metavar="LOGDIR",
+                    help="print gpu-validate.sh's bench comparison from its OUTDIR/logs")
     a = ap.parse_args(argv)
     try:
         if a.gbench_json:
             print(json.dumps(gbench_json(gbench_console(a.gbench_json)), indent=2))
+            return 0
+        if a.compare:
+            print("\n".join(compare(a.compare)))
             return 0
         if not a.folder:
             ap.error("a run folder is needed")

@@ -818,5 +818,75 @@ class MeasuredCheck(unittest.TestCase):
         self.assertIn("PyTorch eager 7.66, torch.compile 5.89", text)
 
 
+class GpuCompare(unittest.TestCase):
+    """gpu_logs.compare: the bench part's table from logs written here by hand."""
+
+    GBENCH = """2030-01-02T03:04:05+00:00
+tpx_device_cuda: Test GPU (sm_90, 100 SMs, 80.0 GiB)
+----------------------------------------------------------------
+Benchmark                                      Time             CPU   Iterations UserCounters...
+----------------------------------------------------------------
+attention/cuda/bf16/fused/S:1024/real_time       2.00 ms         2.00 ms           10 TFLOP/s=30 peak_MiB=1
+attention/cuda/bf16/naive/S:1024/real_time       4.00 ms         4.00 ms           10 TFLOP/s=15 peak_MiB=9
+attention/cuda/bf16/fused/S:2048/D:64/real_time  1.00 ms         1.00 ms           10 TFLOP/s=60 peak_MiB=1
+"""
+    SDPA = ("sdpa_bench: Test GPU, torch 9.9, bf16, fwd+bwd\n"
+            "attention/cuda/bf16/sdpa/S:1024  B=1 NH=32 D=128  0.500 ms  TFLOP/s=120.0\n")
+    SDPA64 = ("sdpa_bench: Test GPU, torch 9.9, bf16, fwd+bwd\n"
+              "attention/cuda/bf16/sdpa/S:2048/D:64  B=1 NH=32 D=64  0.250 ms  TFLOP/s=240.0\n")
+    STAGE = """tpx 01_baseline | single device
+ranks 1 | device cuda | dtype bf16 | attention fused | comm none
+H 64 NH 4 NKV 4 (D 16) F 128 S 32 B 1 L 1 | steps 5
+gpu Test GPU (sm_90, 100 SMs, 80.0 GiB) | bf16 GEMM peak 500.0 TFLOP/s (measured by rank 0 alone before the steps: x) | 1.5 TFLOP per step per rank (GEMMs, flops.h)
+mean step 12.00 ms (exposed comm 0.00 ms; steps 1-4, step 0 warms up)
+"""
+    TORCH = ("torch eager: mean step 4.000 ms, 1.0 TFLOP/s (model FLOPs)\n"
+             "torch compile: mean step 3.000 ms, 1.3 TFLOP/s (model FLOPs)\n")
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.logs = pathlib.Path(self.dir.name)
+        for name, text in (("03-bench_attention.log", self.GBENCH), ("04-sdpa_bench.log", self.SDPA),
+                           ("05-sdpa_bench.d64.log", self.SDPA64),
+                           ("06-torch_block_perf.log", self.TORCH),
+                           ("07-01.big.bf16.bench.log", self.STAGE)):
+            (self.logs / name).write_text(text)
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def test_every_kernel_beside_sdpa_and_the_step_beside_pytorch(self):
+        text = "\n".join(gpu_logs.compare(self.logs))
+        # S 1024, D 128: fused 30 / 120 = 0.250 of SDPA's TFLOP/s, naive 15 / 120 = 0.125.
+        self.assertIn("| 1024 | 128 | 2 ms, 30.0 | 4 ms, 15.0 | 0.5 ms, 120.0 | 0.250 | 0.125 |",
+                      text)
+        # S 2048, D 64: fused 60 / 240 = 0.250; no naive row at that shape.
+        self.assertIn("| 2048 | 64 | 1 ms, 60.0 | — | 0.25 ms, 240.0 | 0.250 | — |", text)
+        # 12 / 4 = 3.00× eager, 12 / 3 = 4.00× compile.
+        self.assertIn("| 12.00 | 4.00 | 3.00 | 3.00× | 4.00× |", text)
+        self.assertNotIn("not in this run", text)
+
+    def test_a_missing_log_is_named_not_guessed(self):
+        (self.logs / "06-torch_block_perf.log").unlink()
+        (self.logs / "04-sdpa_bench.log").write_text("sdpa_bench: PyTorch is not installed here\n")
+        text = "\n".join(gpu_logs.compare(self.logs))
+        self.assertIn("| 12.00 | — | — | — | — |", text)
+        self.assertIn("not in this run: PyTorch's step", text)
+        self.assertIn("not in this run: SDPA (04-sdpa_bench.log has no timings", text)
+        self.assertIn("| 1024 | 128 | 2 ms, 30.0 | 4 ms, 15.0 | — | — | — |", text)
+
+
+class TorchBlockFlops(unittest.TestCase):
+    def test_model_flops_by_hand(self):
+        spec = importlib.util.spec_from_file_location(
+            "torch_block_perf", pathlib.Path(__file__).resolve().parent / "torch_block_perf.py")
+        tbp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tbp)
+        # H 4, NH 2 (D 2), NKV 1, F 8, S 3, B 1: projections 2·3·(2·16 + 2·4·2 + 3·32) = 864,
+        # attention 2·1·2·9·2 = 72; a step is 3 × 936 = 2808.
+        self.assertEqual(tbp.model_flops(4, 2, 1, 8, 3, 1, 1), 2808)
+        self.assertEqual(tbp.model_flops(4, 2, 1, 8, 3, 1, 2), 2 * 2808)
+
+
 if __name__ == "__main__":
     unittest.main()
