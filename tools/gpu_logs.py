@@ -577,8 +577,9 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure):
     if not fp8:
         why = (f"the program stopped at its first FP8 case: `{run['gemm']['aborted']}`"
                if run["gemm"]["aborted"] else "the log has none")
-        out += ["", f"No FP8 rows: {why}. cuBLASLt refused the FP8 GEMM on that commit; the fix "
-                "is under way, and the FP8 rows come with the next run.", ""]
+        after = (" What has changed since is in [gpu-validation.md](gpu-validation.md); the FP8 "
+                 "rows come with the next GPU run." if run["gemm"]["aborted"] else "")
+        out += ["", f"No FP8 rows: {why}.{after}", ""]
     else:
         out += [""]
 
