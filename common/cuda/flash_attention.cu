@@ -15,13 +15,38 @@
 // times smaller with `group` times the work per block. kv_heads = heads is a group of one.
 //
 // Two families of kernels, the same algorithm:
-//  - tensor cores (bf16 compute, D = 32, 64, 128): 4 warps per block, each owning 16 rows of a
-//    64-row block; operand tiles of 64 rows are rounded to bf16 as they are loaded into shared
-//    memory, the block products run on WMMA 16×16×16 bf16 fragments with fp32 accumulation,
-//    and the softmax is fp32 (two lanes per row, 32 columns each).
+//  - tensor cores (bf16 compute, D = 32, 64, 128): FlashAttention-2's work partitioning (Dao
+//    2023, section 3.3): 4 warps per block, each owning 16 query rows (forward, dQ) or 16 key rows
+//    (dK/dV) of the block's 64, all sharing the other side's tiles in shared memory. Products are
+//    mma.sync.aligned.m16n8k16 (bf16 × bf16 + fp32) in inline PTX, operands from shared memory
+//    by ldmatrix.x4 (.trans for a row-major B); the score tile and the O / dQ / dK / dV
+//    accumulators stay in registers, the online softmax runs on the score fragments (a row's
+//    max over the 4 lanes of a quad: two shuffles), and P and dS go from C fragments to A
+//    fragments in the same registers (flash_tc_math.h has the fragment layouts, masks, bounds
+//    and softmax steps, shared with tests/test_flash_tc_twin.cc, the kernels' CPU twin). K/V
+//    (or Q/dO) tiles are double-buffered: the next tile's loads are issued in parts before a
+//    run of the current tile's MMAs and stored to the other buffer after it, one __syncthreads
+//    per tile. The fp32 inputs are rounded to bf16 on the way (global → registers → shared;
+//    cp.async cannot convert).
 //  - CUDA cores (fp32 compute, any D <= 256, and bf16 for other D): one warp per row (4 rows per
 //    warp, 16 per block), lanes striding over D, tiles of 32 rows of the other side in shared
 //    memory; with bf16 compute the operands are rounded to bf16 as they are loaded.
+//
+// Budget of the tensor-core kernels (written before tuning; ptxas's numbers are checked at build
+// time by the ctest flash_resources, tests/check_flash_resources.py). 128 threads a block; sm_90
+// has 64 Ki registers, 228 KB shared (1 KB reserved per block) per SM, sm_80 64 Ki and 164 KB.
+//   kernel     tiles               registers/thread (D = 128)            shared bytes (D 64 / 128)
+//   forward    64 q × 64 keys      O 64 + S 32 + staging 16 + ~60: <= 255  46080 / 87040
+//   dQ         64 q × 64 keys      dQ 64 + S 32 + dP 32 + 16 + ~60: <= 255 55296 / 104448
+//   dK/dV      64 keys × 32 q      dK 64 + dV 64 + Sᵀ 16 + dPᵀ 16 + 16 + ~60: <= 255
+//                                                                          37376 / 70144
+// so 2 blocks (8 warps) per SM on sm_90 for every kernel and D (registers <= 255 = 65536 / (2 ·
+// 128), shared <= 113 KB), 3 at D = 32 where registers allow; on sm_80 2 blocks, except the
+// forward and dQ at D = 128 (87 and 104 KB: 1 block). Bytes per FLOP at D = 128: global, per
+// tile, forward 2·64·D·4 B of K, V (fp32 inputs) for 4·64·64·D FLOP = 1/32 (1/64 with bf16
+// inputs); dQ 1/48; dK/dV 2·32·D·4 B of Q, dO for 8·64·32·D FLOP = 1/64. Shared memory, every
+// warp reading the shared tile by ldmatrix for each of its products: 1/16 B per FLOP in all
+// three (a 64-row block is shared-memory-bound at about 16 FLOP/B; 128-row blocks halve it).
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
 // (the tensor-core kernel does the same for 64 keys at a time), then o /= l, lse = m + log l.
@@ -33,22 +58,25 @@
 // over query blocks) and a dK/dV kernel (parallel over key blocks), each recomputing P: no
 // atomics, so results are deterministic. Causal blocks above the diagonal are never visited.
 //
-// Context parallelism (stage 08) runs the CUDA-core kernels on one pair of sequence chunks at a
-// time, as the cpu backend runs its loops (common/cpu/attention.cc): the keys' global positions
-// lie `shift` rows before the queries', key j is visible to query i when j <= i + shift (sees()),
-// and the loops' bounds and masks come from that one rule. Shift 0 is the causal attention
-// above, with the same launch shapes. A query row that sees no key of the pair ends with l = 0:
-// output 0 and lse −inf, which attention_merge() skips. Backward's pairs add into dq, dk, dv
-// (kAccumulate) instead of overwriting them, as each query chunk meets several key chunks. The
-// tensor-core kernels are the causal case only (the pairs are fp32).
+// Context parallelism (stage 08) runs the kernels on one pair of sequence chunks at a time, as
+// the cpu backend runs its loops (common/cpu/attention.cc): the keys' global positions lie
+// `shift` rows before the queries', key j is visible to query i when j <= i + shift (sees();
+// tc::visible for the tensor-core kernels), and the loops' bounds and masks come from that one
+// rule. Shift 0 is the causal attention above, with the same launch shapes. A query row that
+// sees no key of the pair ends with l = 0: output 0 and lse −inf, which attention_merge() skips.
+// Backward's pairs add into dq, dk, dv (accumulate) instead of overwriting them, as each query
+// chunk meets several key chunks. The tensor-core kernels implement the shift and the
+// accumulation too (the CPU twin checks them), but the launchers still refuse bf16 chunk pairs
+// (valid()): the stages run --cp > 1 in fp32 only, so the pairs run on CUDA cores.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
-
+#include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "common.cuh"
 #include "flash_operands.h"
+#include "flash_tc_math.h"
 #include "kernels.h"
 
 namespace tpx::cuda::kernels {
@@ -355,293 +383,420 @@ __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core kernels (bf16 operands, fp32 accumulation; D = 32, 64, 128)
+// Tensor-core kernels: mma.sync m16n8k16 (bf16 operands, fp32 accumulation; D = 32, 64, 128)
 // ---------------------------------------------------------------------------------------------
+// The index math, the masks, the loops' bounds and the softmax steps are flash_tc_math.h's
+// (shared with the CPU twin of these kernels, tests/test_flash_tc_twin.cc).
 
-namespace wmma = nvcuda::wmma;
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
-using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;
-using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+namespace tc = flash::tc;
+using tc::kBlockRows;
+using tc::kKeyTile;
+using tc::kQueryTile;
+using tc::kWarpRows;
 
-constexpr int kTcRows = 64;        // rows per block and per tile: 16 per warp
-constexpr int kLdS = kTcRows + 4;  // fp32 [16][64] score rows, padded against bank conflicts
-constexpr int kLdP = kTcRows + 8;  // bf16 [16][64] probability rows (a multiple of 8)
-constexpr int kWarpRows = 16;      // rows a warp owns
-template <int D>
-constexpr int kLdT = D + 8;  // bf16 operand tile rows [64][D]
-template <int D>
-constexpr int kLdO = D + 4;  // fp32 accumulator rows [16][D]
-
-/// Shared-memory bytes of each region, multiples of 128 so every region (and every 16-row,
-/// 16-column fragment inside it) meets WMMA's 256-bit alignment.
-constexpr int tile_bytes(int d) {
-  return 2 * kTcRows * (d + 8);  // a bf16 [64][D + 8] tile
+__device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
-constexpr int kScoreBytes = 4 * kWarps * kWarpRows * kLdS;  // one fp32 [16][64] per warp
-constexpr int kProbBytes = 2 * kWarps * kWarpRows * kLdP;   // one bf16 [16][64] per warp
-constexpr int acc_bytes(int d) {
-  return 4 * kWarps * kWarpRows * (d + 4);  // one fp32 [16][D + 4] per warp
+
+/// Four 8×8 bf16 matrices from shared memory (rows addressed by lanes 8m .. 8m + 7) into r[m].
+__device__ __forceinline__ void ldsm_x4(std::uint32_t (&r)[4], const bf16* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(row)));
 }
-static_assert(tile_bytes(32) % 128 == 0 && kScoreBytes % 128 == 0 && kProbBytes % 128 == 0);
-
-template <int D>
-constexpr int kForwardTcSmem = 3 * tile_bytes(D) + kScoreBytes + kProbBytes + acc_bytes(D);
-// dQ: Q, dO, K, V tiles; two fp32 [16][64] per warp (scores, dP; then the dQ staging); dS.
-template <int D>
-constexpr int kDqTcSmem = 4 * tile_bytes(D) + 2 * kScoreBytes + kProbBytes;
-// dK/dV: K, V, Q, dO tiles; lse and Δ of 64 queries; two fp32 [16][64] per warp; Pᵀ and dSᵀ.
-template <int D>
-constexpr int kDkdvTcSmem = 4 * tile_bytes(D) + 2 * kTcRows * 4 + 2 * kScoreBytes + 2 * kProbBytes;
-// The staging of a warp's [16][D] result fits in its two fp32 [16][64] blocks.
-static_assert(kWarpRows * kLdO<128> <= 2 * kWarpRows * kLdS);
-
-/// Rows row0 .. row0 + 63 of one head, rounded to bf16, into a [64][D + 8] tile; zero past S.
-template <int D>
-__device__ __forceinline__ void load_tile_bf16(bf16* dst, const float* p, I row0, I s, I ld) {
-  for (int e = threadIdx.x; e < kTcRows * D; e += blockDim.x) {
-    const int r = e / D, c = e % D;
-    dst[r * kLdT<D> + c] = __float2bfloat16_rn(row0 + r < s ? p[(row0 + r) * ld + c] : 0.0f);
+/// The same, each matrix transposed on the way (B fragments of a row-major [k][n] tile).
+__device__ __forceinline__ void ldsm_x4_trans(std::uint32_t (&r)[4], const bf16* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(row)));
+}
+/// c (16×8, f32) += A (16×16, bf16, a0..a7 in a[0..3]) · B (16×8, bf16, b0..b3 in b0, b1).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const std::uint32_t (&a)[4],
+                                         std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/// Two floats as one register of two bf16 (lo in the lower half), each rounded to nearest even.
+__device__ __forceinline__ std::uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+/// The A fragment of keys (or queries) 16kk .. 16kk + 15 of a C-fragment block: from c[2kk]
+/// and c[2kk + 1], rounded to bf16 (tc::a_from_c_half / a_from_c_index say which is which).
+template <int N>
+__device__ __forceinline__ void a_from_c(std::uint32_t (&a)[4], const float (&c)[N][4], int kk) {
+  for (int r = 0; r < 4; ++r) {
+    const int lo = 2 * r, hi = 2 * r + 1;
+    a[r] = pack_bf16(c[2 * kk + tc::a_from_c_half(lo)][tc::a_from_c_index(lo)],
+                     c[2 * kk + tc::a_from_c_half(hi)][tc::a_from_c_index(hi)]);
   }
 }
 
-/// dst [16][64] (fp32, ld kLdS) = A Bᵀ for A = 16 rows of a tile, B = a whole 64-row tile.
-template <int D>
-__device__ __forceinline__ void scores_tc(float* dst, const bf16* a, const bf16* b) {
-  for (int n = 0; n < kTcRows / 16; ++n) {
-    FragC acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (int kk = 0; kk < D / 16; ++kk) {
-      FragA fa;
-      FragBt fb;  // Bᵀ: element (k, n') is b[(16n + n')·ld + 16kk + k], column-major
-      wmma::load_matrix_sync(fa, a + kk * 16, kLdT<D>);
-      wmma::load_matrix_sync(fb, b + n * 16 * kLdT<D> + kk * 16, kLdT<D>);
-      wmma::mma_sync(acc, fa, fb, acc);
+/// The max over the four lanes of a quad (one row of a C fragment).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(kFullMask, x, 1));
+  return fmaxf(x, __shfl_xor_sync(kFullMask, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(kFullMask, x, 1);
+  return x + __shfl_xor_sync(kFullMask, x, 2);
+}
+
+/// acc[N][4] (rows row0 + c_row, columns 8n + c_col of one head) × scale, written or added to
+/// p[row·ld + col] for rows inside S. Two floats per lane per fragment row (8-byte stores).
+template <int N>
+__device__ __forceinline__ void store_acc(const float (&acc)[N][4], float scale, float* p, I row0,
+                                          I s, I ld, bool accumulate, int lane) {
+  for (int h = 0; h < 2; ++h) {
+    const I row = row0 + tc::c_row(lane, 2 * h);
+    if (row >= s) continue;
+    for (int n = 0; n < N; ++n) {
+      float2* dst = reinterpret_cast<float2*>(p + row * ld + 8 * n + tc::c_col(lane, 0));
+      float2 x = make_float2(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
+      if (accumulate) {
+        const float2 old = *dst;
+        x.x += old.x;
+        x.y += old.y;
+      }
+      *dst = x;
     }
-    wmma::store_matrix_sync(dst + n * 16, acc, kLdS, wmma::mem_row_major);
   }
 }
 
-/// acc[n] (16 x D as D/16 fragments) += P (bf16 [16][64], ld kLdP) · tile (bf16 [64][D]).
-template <int D>
-__device__ __forceinline__ void accumulate_tc(FragC (&acc)[D / 16], const bf16* p,
-                                              const bf16* tile) {
-  for (int n = 0; n < D / 16; ++n)
-    for (int kk = 0; kk < kTcRows / 16; ++kk) {
-      FragA fa;
-      FragB fb;
-      wmma::load_matrix_sync(fa, p + kk * 16, kLdP);
-      wmma::load_matrix_sync(fb, tile + kk * 16 * kLdT<D> + n * 16, kLdT<D>);
-      wmma::mma_sync(acc[n], fa, fb, acc[n]);
+/// A [R][D] tile of one head (fp32 rows row0 .. row0 + R − 1, zero past S) moved into a bf16
+/// [R][D + 8] shared tile through registers, rounded to bf16 on the way (the operand<true> of the
+/// recipe): global → registers with 16-byte loads (fetch), registers → shared (commit). The tile
+/// goes in kParts parts of at most 16 floats a thread, so that a part's loads are issued before
+/// a run of MMAs and stored after it without holding a whole tile in registers. (cp.async would
+/// copy bf16 inputs straight to shared memory; it cannot round fp32.)
+template <int R, int D>
+struct TileLoad {
+  static constexpr int kVecs = R * D / 4 / tc::kThreads;  // float4s per thread
+  static constexpr int kParts = kVecs >= 4 ? kVecs / 4 : 1;
+  static constexpr int kPerPart = kVecs / kParts;
+  static_assert(kVecs % kParts == 0 && kVecs >= 1);
+  float4 v[kPerPart];
+
+  __device__ __forceinline__ void fetch(int part, const float* p, I row0, I s, I ld) {
+    for (int u = 0; u < kPerPart; ++u) {
+      const int e = threadIdx.x + tc::kThreads * (part * kPerPart + u);
+      const int r = e / (D / 4), c = e % (D / 4);
+      v[u] = row0 + r < s ? *reinterpret_cast<const float4*>(p + (row0 + r) * ld + 4 * c)
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+  }
+  __device__ __forceinline__ void commit(int part, bf16* tile) const {
+    for (int u = 0; u < kPerPart; ++u) {
+      const int e = threadIdx.x + tc::kThreads * (part * kPerPart + u);
+      const int r = e / (D / 4), c = e % (D / 4);
+      const uint2 x = make_uint2(pack_bf16(v[u].x, v[u].y), pack_bf16(v[u].z, v[u].w));
+      *reinterpret_cast<uint2*>(tile + r * tc::ld_tile(D) + 4 * c) = x;
+    }
+  }
+  /// The whole tile at once (the prologue before the first tile).
+  __device__ __forceinline__ void now(const float* p, I row0, I s, I ld, bf16* tile) {
+    for (int part = 0; part < kParts; ++part) {
+      fetch(part, p, row0, s, ld);
+      commit(part, tile);
+    }
+  }
+  /// Within a loop of `steps` MMA steps ks: fetch part p before step p·steps/kParts, commit it
+  /// after step (p + 1)·steps/kParts − 1, so the loads fly while the MMAs run.
+  template <int kSteps>
+  __device__ __forceinline__ void before(int ks, bool on, const float* p, I row0, I s, I ld) {
+    static_assert(kSteps % kParts == 0);
+    if (on && ks % (kSteps / kParts) == 0) fetch(ks / (kSteps / kParts), p, row0, s, ld);
+  }
+  template <int kSteps>
+  __device__ __forceinline__ void after(int ks, bool on, bf16* tile) const {
+    if (on && ks % (kSteps / kParts) == kSteps / kParts - 1) commit(ks / (kSteps / kParts), tile);
+  }
+};
+
+/// acc[2·NB][4] (16 × 16·NB) += A (the warp's 16 rows of a row-major [m][D] tile, columns
+/// 16kk ..) · Bᵀ for B = rows n0 .. n0 + 16·NB − 1 of an [n][D] tile (scores: Q·Kᵀ, K·Qᵀ, dO·Vᵀ,
+/// V·dOᵀ), for one k step kk (16 of D).
+template <int NB, int D>
+__device__ __forceinline__ void mma_abt(float (&acc)[2 * NB][4], const bf16* a_tile,
+                                        const bf16* b_tile, int kk, int lane) {
+  constexpr int ld = tc::ld_tile(D);
+  std::uint32_t a[4];
+  const tc::RowCol pa = tc::ldsm_a(lane), pb = tc::ldsm_b(lane);
+  ldsm_x4(a, a_tile + pa.row * ld + 16 * kk + pa.col);
+  for (int nb = 0; nb < NB; ++nb) {
+    std::uint32_t b[4];
+    ldsm_x4(b, b_tile + (16 * nb + pb.row) * ld + 16 * kk + pb.col);
+    mma_bf16(acc[2 * nb], a, b[0], b[1]);
+    mma_bf16(acc[2 * nb + 1], a, b[2], b[3]);
+  }
+}
+/// acc[D/8][4] (16 × D) += A (16 × 16, registers) · rows 16kk .. 16kk + 15 of a row-major
+/// [k][D] tile (P·V, dS·K, Pᵀ·dO, dSᵀ·Q), read with ldmatrix.trans.
+template <int D>
+__device__ __forceinline__ void mma_av(float (&acc)[D / 8][4], const std::uint32_t (&a)[4],
+                                       const bf16* b_tile, int kk, int lane) {
+  constexpr int ld = tc::ld_tile(D);
+  const tc::RowCol pb = tc::ldsm_a(lane);  // the .trans B layout addresses rows as A does
+  for (int nb = 0; nb < D / 16; ++nb) {
+    std::uint32_t b[4];
+    ldsm_x4_trans(b, b_tile + (16 * kk + pb.row) * ld + 16 * nb + pb.col);
+    mma_bf16(acc[2 * nb], a, b[0], b[1]);
+    mma_bf16(acc[2 * nb + 1], a, b[2], b[3]);
+  }
 }
 
-/// Writes a warp's [16][D] fragments times `scale` to rows row0.. (< S) of one head, staged
-/// through `stage` (fp32, at least 16 x (D + 4) floats).
-template <int D>
-__device__ __forceinline__ void store_rows_tc(FragC (&acc)[D / 16], float scale, float* stage,
-                                              float* p, I row0, I s, I ld, int lane) {
-  for (int n = 0; n < D / 16; ++n) {
-    for (int t = 0; t < acc[n].num_elements; ++t) acc[n].x[t] *= scale;
-    wmma::store_matrix_sync(stage + n * 16, acc[n], kLdO<D>, wmma::mem_row_major);
-  }
-  __syncwarp();
-  for (int e = lane; e < kWarpRows * D; e += kWarp) {
-    const int r = e / D, c = e % D;
-    if (row0 + r < s) p[(row0 + r) * ld + c] = stage[r * kLdO<D> + c];
-  }
-  __syncwarp();
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+  for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
 
+// Forward: one block per (64 query rows, query head), 4 warps of 16 rows; key tiles of 64,
+// double-buffered. Per tile: S = Q·Kᵀ (the next K tile in flight), the online softmax on S's
+// fragments, O += P·V with P as A fragments from S's registers (the next V tile in flight).
 template <int D>
-__global__ void __launch_bounds__(kThreads)
-    flash_forward_tc(const float* q, const float* k, const float* v, float* out, float* lse, I s,
-                     I ldq, I ldkv, I group, float scale) {
-  extern __shared__ __align__(128) unsigned char tc_smem[];
-  bf16* qs = reinterpret_cast<bf16*>(tc_smem);
-  bf16* ks = qs + kTcRows * kLdT<D>;
-  bf16* vs = ks + kTcRows * kLdT<D>;
-  float* ss = reinterpret_cast<float*>(vs + kTcRows * kLdT<D>);
-  bf16* ps = reinterpret_cast<bf16*>(ss + kWarps * kWarpRows * kLdS);
-  float* os = reinterpret_cast<float*>(ps + kWarps * kWarpRows * kLdP);
+__global__ void __launch_bounds__(tc::kThreads, 2)
+    flash_forward_mma(const float* q, const float* k, const float* v, float* out, float* lse, I s,
+                      I ldq, I ldkv, I group, float scale_log2, I shift) {
+  extern __shared__ __align__(128) unsigned char mma_smem[];
+  constexpr int kTile = kKeyTile * tc::ld_tile(D);  // bf16 per K or V tile
+  bf16* qs = reinterpret_cast<bf16*>(mma_smem);
+  bf16* ks = qs + kBlockRows * tc::ld_tile(D);  // [2][64][D + 8]
+  bf16* vs = ks + 2 * kTile;                    // [2][64][D + 8]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const I qb = I(gridDim.x) - 1 - blockIdx.x;  // the longest rows first
-  const I bh = blockIdx.y, q0 = qb * kTcRows;
-  const I kvh = bh / group;  // the KV head this query head reads
+  const I bh = blockIdx.y, q0 = qb * kBlockRows, kvh = bh / group;
   q += bh * D, k += kvh * D, v += kvh * D, out += bh * D;
-  float* sw = ss + warp * kWarpRows * kLdS;
-  bf16* pw = ps + warp * kWarpRows * kLdP;
-  float* ow = os + warp * kWarpRows * kLdO<D>;
-  load_tile_bf16<D>(qs, q, q0, s, ldq);
-  for (int e = lane; e < kWarpRows * kLdO<D>; e += kWarp) ow[e] = 0.0f;
-  // Two lanes per row: row r of the warp's 16, columns half·32 .. half·32 + 31 of each tile.
-  const int r = lane / 2, half = lane % 2;
-  const I i = q0 + warp * kWarpRows + r;
-  float m = -INFINITY, l = 0.0f;
-  for (I kb = 0; kb <= qb; ++kb) {
-    __syncthreads();  // Q is loaded; nobody reads the previous K, V any more
-    load_tile_bf16<D>(ks, k, kb * kTcRows, s, ldkv);
-    load_tile_bf16<D>(vs, v, kb * kTcRows, s, ldkv);
-    __syncthreads();
-    scores_tc<D>(sw, qs + warp * kWarpRows * kLdT<D>, ks);
-    __syncwarp();
-    float* srow = sw + r * kLdS + half * 32;
-    const I j0 = kb * kTcRows + half * 32;
-    float mx = -INFINITY;
-    for (int c = 0; c < 32; ++c) {
-      const float x = j0 + c <= i ? srow[c] * scale : -INFINITY;  // causal mask
-      srow[c] = x;
-      mx = fmaxf(mx, x);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-    const float m_new = fmaxf(m, mx);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet stays 0
-    float sum = 0.0f;
-    bf16* prow = pw + r * kLdP + half * 32;
-    for (int c = 0; c < 32; ++c) {
-      const float p = expf(srow[c] - m_use);
-      sum += p;
-      prow[c] = __float2bfloat16_rn(p);
-    }
-    sum += __shfl_xor_sync(kFullMask, sum, 1);
-    const float alpha = expf(m - m_use);
-    l = l * alpha + sum;
-    m = m_new;
-    float* orow = ow + r * kLdO<D> + half * (D / 2);
-    for (int c = 0; c < D / 2; ++c) orow[c] *= alpha;
-    __syncwarp();
-    FragC acc[D / 16];
-    for (int n = 0; n < D / 16; ++n)
-      wmma::load_matrix_sync(acc[n], ow + n * 16, kLdO<D>, wmma::mem_row_major);
-    accumulate_tc<D>(acc, pw, vs);
-    for (int n = 0; n < D / 16; ++n)
-      wmma::store_matrix_sync(ow + n * 16, acc[n], kLdO<D>, wmma::mem_row_major);
-    __syncwarp();
+  const I tiles = tc::key_tiles(q0, s, shift);
+  const I row0 = q0 + warp * kWarpRows;  // the warp's first query row
+  TileLoad<kBlockRows, D> ql;
+  ql.now(q, q0, s, ldq, qs);
+  TileLoad<kKeyTile, D> kl, vl;
+  if (tiles > 0) {
+    kl.now(k, 0, s, ldkv, ks);
+    vl.now(v, 0, s, ldkv, vs);
   }
-  // Every lane of the warp writes: row rr's l is held by lanes 2rr and 2rr + 1.
-  for (int e = lane; e < kWarpRows * D; e += kWarp) {
-    const int rr = e / D, c = e % D;
-    const float lr = __shfl_sync(kFullMask, l, 2 * rr);
-    const I ii = q0 + warp * kWarpRows + rr;
-    if (ii < s) out[ii * ldq + c] = ow[rr * kLdO<D> + c] / lr;
+  __syncthreads();
+  const bf16* qw = qs + warp * kWarpRows * tc::ld_tile(D);
+  float o[D / 8][4];
+  zero(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this lane's share of the sum
+  for (I t = 0; t < tiles; ++t) {
+    const int b = int(t & 1);
+    const bool next = t + 1 < tiles;  // the next tile goes into the other buffer
+    const I j0 = t * kKeyTile, jn = j0 + kKeyTile;
+    bf16 *kc = ks + b * kTile, *kn = ks + (b ^ 1) * kTile;
+    bf16 *vc = vs + b * kTile, *vn = vs + (b ^ 1) * kTile;
+    float sc[kKeyTile / 8][4];
+    zero(sc);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      kl.template before<D / 16>(kk, next, k, jn, s, ldkv);
+      mma_abt<kKeyTile / 16, D>(sc, qw, kc, kk, lane);
+      kl.template after<D / 16>(kk, next, kn);
+    }
+    const bool masked = !tc::all_visible(row0, kWarpRows, j0, kKeyTile, s, shift);
+    tc::scale_mask(sc, lane, row0, j0, s, shift, scale_log2, masked);
+    for (int h = 0; h < 2; ++h) {
+      float alpha;
+      const float offset = tc::online_max(m[h], quad_max(tc::lane_row_max(sc, h)), alpha);
+      l[h] = l[h] * alpha + tc::exp_row(sc, h, offset);
+      for (int n = 0; n < D / 8; ++n) o[n][2 * h] *= alpha, o[n][2 * h + 1] *= alpha;
+    }
+    for (int kk = 0; kk < kKeyTile / 16; ++kk) {
+      vl.template before<kKeyTile / 16>(kk, next, v, jn, s, ldkv);
+      std::uint32_t a[4];
+      a_from_c(a, sc, kk);
+      mma_av<D>(o, a, vc, kk, lane);
+      vl.template after<kKeyTile / 16>(kk, next, vn);
+    }
+    __syncthreads();  // the next tiles are in; nobody reads this tile's buffers any more
   }
-  if (half == 0 && i < s) lse[bh * s + i] = m + logf(l);
+  for (int h = 0; h < 2; ++h) {
+    const float lr = quad_sum(l[h]);
+    const I row = row0 + tc::c_row(lane, 2 * h);
+    if (row >= s) continue;
+    const float f = tc::out_factor(lr);
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<float2*>(out + row * ldq + 8 * n + tc::c_col(lane, 0)) =
+          make_float2(o[n][2 * h] * f, o[n][2 * h + 1] * f);
+    if (tc::thread_in_group(lane) == 0) lse[bh * s + row] = tc::row_lse(m[h], lr);
+  }
 }
 
+// dQ: one block per (64 query rows, query head), as the forward. Per key tile: S = Q·Kᵀ (next K
+// in flight), dP = dO·Vᵀ (next V in flight), dS = P ∘ (dP − Δ) on the fragments, dQ += dS·K.
 template <int D>
-__global__ void __launch_bounds__(kThreads)
-    flash_dq_tc(const float* dout, const float* q, const float* k, const float* v, const float* lse,
-                const float* delta, float* dq, I s, I ldq, I ldkv, I group, float scale) {
-  extern __shared__ __align__(128) unsigned char tc_smem[];
-  bf16* qs = reinterpret_cast<bf16*>(tc_smem);
-  bf16* dos = qs + kTcRows * kLdT<D>;
-  bf16* ks = dos + kTcRows * kLdT<D>;
-  bf16* vs = ks + kTcRows * kLdT<D>;
-  float* scratch = reinterpret_cast<float*>(vs + kTcRows * kLdT<D>);
-  bf16* dss = reinterpret_cast<bf16*>(scratch + 2 * kWarps * kWarpRows * kLdS);
+__global__ void __launch_bounds__(tc::kThreads, 2)
+    flash_dq_mma(const float* dout, const float* q, const float* k, const float* v,
+                 const float* lse, const float* delta, float* dq, I s, I ldq, I ldkv, I group,
+                 float scale, float scale_log2, I shift, bool accumulate) {
+  extern __shared__ __align__(128) unsigned char mma_smem[];
+  constexpr int kTile = kKeyTile * tc::ld_tile(D);
+  bf16* qs = reinterpret_cast<bf16*>(mma_smem);
+  bf16* dos = qs + kBlockRows * tc::ld_tile(D);
+  bf16* ks = dos + kBlockRows * tc::ld_tile(D);  // [2][64][D + 8]
+  bf16* vs = ks + 2 * kTile;                     // [2][64][D + 8]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const I qb = I(gridDim.x) - 1 - blockIdx.x;
-  const I bh = blockIdx.y, q0 = qb * kTcRows;
-  const I kvh = bh / group;
+  const I bh = blockIdx.y, q0 = qb * kBlockRows, kvh = bh / group;
   dout += bh * D, q += bh * D, k += kvh * D, v += kvh * D, dq += bh * D;
-  float* sw = scratch + 2 * warp * kWarpRows * kLdS;  // scores
-  float* dpw = sw + kWarpRows * kLdS;                 // dP = dO Vᵀ
-  bf16* dsw = dss + warp * kWarpRows * kLdP;
-  load_tile_bf16<D>(qs, q, q0, s, ldq);
-  load_tile_bf16<D>(dos, dout, q0, s, ldq);
-  const int r = lane / 2, half = lane % 2;
-  const I i = q0 + warp * kWarpRows + r;
-  const float lse_i = i < s ? lse[bh * s + i] : 0.0f;
-  const float delta_i = i < s ? delta[bh * s + i] : 0.0f;
-  FragC acc[D / 16];
-  for (int n = 0; n < D / 16; ++n) wmma::fill_fragment(acc[n], 0.0f);
-  for (I kb = 0; kb <= qb; ++kb) {
-    __syncthreads();
-    load_tile_bf16<D>(ks, k, kb * kTcRows, s, ldkv);
-    load_tile_bf16<D>(vs, v, kb * kTcRows, s, ldkv);
-    __syncthreads();
-    scores_tc<D>(sw, qs + warp * kWarpRows * kLdT<D>, ks);
-    scores_tc<D>(dpw, dos + warp * kWarpRows * kLdT<D>, vs);
-    __syncwarp();
-    for (int c = half * 32; c < half * 32 + 32; ++c) {
-      const I j = kb * kTcRows + c;
-      const float p = j <= i && i < s ? expf(sw[r * kLdS + c] * scale - lse_i) : 0.0f;
-      dsw[r * kLdP + c] = __float2bfloat16_rn(p * (dpw[r * kLdS + c] - delta_i));
-    }
-    __syncwarp();
-    accumulate_tc<D>(acc, dsw, ks);
+  const I tiles = tc::key_tiles(q0, s, shift);
+  const I row0 = q0 + warp * kWarpRows;
+  TileLoad<kBlockRows, D> ql;
+  ql.now(q, q0, s, ldq, qs);
+  ql.now(dout, q0, s, ldq, dos);
+  TileLoad<kKeyTile, D> kl, vl;
+  if (tiles > 0) {
+    kl.now(k, 0, s, ldkv, ks);
+    vl.now(v, 0, s, ldkv, vs);
   }
-  __syncwarp();
-  store_rows_tc<D>(acc, scale, sw, dq, q0 + warp * kWarpRows, s, ldq, lane);
+  float lse2[2], dl[2];
+  for (int h = 0; h < 2; ++h) {
+    const I row = row0 + tc::c_row(lane, 2 * h);
+    lse2[h] = row < s ? lse[bh * s + row] * tc::kLog2e : 0.0f;
+    dl[h] = row < s ? delta[bh * s + row] : 0.0f;
+  }
+  __syncthreads();
+  const bf16* qw = qs + warp * kWarpRows * tc::ld_tile(D);
+  const bf16* dow = dos + warp * kWarpRows * tc::ld_tile(D);
+  float acc[D / 8][4];
+  zero(acc);
+  for (I t = 0; t < tiles; ++t) {
+    const int b = int(t & 1);
+    const bool next = t + 1 < tiles;
+    const I j0 = t * kKeyTile, jn = j0 + kKeyTile;
+    bf16 *kc = ks + b * kTile, *kn = ks + (b ^ 1) * kTile;
+    bf16 *vc = vs + b * kTile, *vn = vs + (b ^ 1) * kTile;
+    float sc[kKeyTile / 8][4], dp[kKeyTile / 8][4];
+    zero(sc);
+    zero(dp);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      kl.template before<D / 16>(kk, next, k, jn, s, ldkv);
+      mma_abt<kKeyTile / 16, D>(sc, qw, kc, kk, lane);
+      kl.template after<D / 16>(kk, next, kn);
+    }
+    for (int kk = 0; kk < D / 16; ++kk) {
+      vl.template before<D / 16>(kk, next, v, jn, s, ldkv);
+      mma_abt<kKeyTile / 16, D>(dp, dow, vc, kk, lane);
+      vl.template after<D / 16>(kk, next, vn);
+    }
+    const bool masked = !tc::all_visible(row0, kWarpRows, j0, kKeyTile, s, shift);
+    tc::ds_rows(sc, dp, lane, row0, j0, s, shift, scale_log2, lse2, dl, masked);
+    for (int kk = 0; kk < kKeyTile / 16; ++kk) {
+      std::uint32_t a[4];
+      a_from_c(a, sc, kk);
+      mma_av<D>(acc, a, kc, kk, lane);
+    }
+    __syncthreads();
+  }
+  store_acc(acc, scale, dq, row0, s, ldq, accumulate, lane);
 }
 
-// One block per (64 keys, KV head), looping over the query heads of the group one after another
-// with dK and dV accumulating in the same fragments; each key row is written once.
+// dK/dV: one block per (64 keys, KV head), 4 warps of 16 keys, looping over the query heads of
+// the group and, for each, over query tiles of 32 (double-buffered, with their lse and Δ). Per
+// tile, on the transposed blocks: Sᵀ = K·Qᵀ (next Q in flight), dPᵀ = V·dOᵀ (next dO in flight),
+// Pᵀ and dSᵀ on the fragments, dV += Pᵀ·dO and dK += dSᵀ·Q, summed over the group in registers
+// and written once: no atomics, deterministic.
 template <int D>
-__global__ void __launch_bounds__(kThreads)
-    flash_dkdv_tc(const float* dout, const float* q, const float* k, const float* v,
-                  const float* lse, const float* delta, float* dk, float* dv, I s, I ldq, I ldkv,
-                  I group, float scale) {
-  extern __shared__ __align__(128) unsigned char tc_smem[];
-  bf16* ks = reinterpret_cast<bf16*>(tc_smem);
-  bf16* vs = ks + kTcRows * kLdT<D>;
-  bf16* qs = vs + kTcRows * kLdT<D>;
-  bf16* dos = qs + kTcRows * kLdT<D>;
-  float* lse_s = reinterpret_cast<float*>(dos + kTcRows * kLdT<D>);
-  float* delta_s = lse_s + kTcRows;
-  float* scratch = delta_s + kTcRows;
-  bf16* pts = reinterpret_cast<bf16*>(scratch + 2 * kWarps * kWarpRows * kLdS);
-  bf16* dsts = pts + kWarps * kWarpRows * kLdP;
+__global__ void __launch_bounds__(tc::kThreads, 2)
+    flash_dkdv_mma(const float* dout, const float* q, const float* k, const float* v,
+                   const float* lse, const float* delta, float* dk, float* dv, I s, I ldq, I ldkv,
+                   I group, float scale, float scale_log2, I shift, bool accumulate) {
+  extern __shared__ __align__(128) unsigned char mma_smem[];
+  constexpr int kTile = kQueryTile * tc::ld_tile(D);
+  bf16* ks = reinterpret_cast<bf16*>(mma_smem);
+  bf16* vs = ks + kBlockRows * tc::ld_tile(D);
+  bf16* qs = vs + kBlockRows * tc::ld_tile(D);               // [2][32][D + 8]
+  bf16* dos = qs + 2 * kTile;                                // [2][32][D + 8]
+  float* lse_s = reinterpret_cast<float*>(dos + 2 * kTile);  // [2][32], × log2(e)
+  float* dl_s = lse_s + 2 * kQueryTile;                      // [2][32]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const I kb = blockIdx.x, kvh = blockIdx.y, k0 = kb * kTcRows;  // key block, KV head
+  const I kvh = blockIdx.y, k0 = I(blockIdx.x) * kBlockRows;
   k += kvh * D, v += kvh * D, dk += kvh * D, dv += kvh * D;
-  float* stw = scratch + 2 * warp * kWarpRows * kLdS;  // Sᵀ: 16 keys x 64 queries
-  float* dptw = stw + kWarpRows * kLdS;                // dPᵀ = V dOᵀ
-  bf16* ptw = pts + warp * kWarpRows * kLdP;
-  bf16* dstw = dsts + warp * kWarpRows * kLdP;
-  load_tile_bf16<D>(ks, k, k0, s, ldkv);
-  load_tile_bf16<D>(vs, v, k0, s, ldkv);
-  const int r = lane / 2, half = lane % 2;
-  const I j = k0 + warp * kWarpRows + r;  // this lane's key
-  FragC dk_acc[D / 16], dv_acc[D / 16];
-  for (int n = 0; n < D / 16; ++n) {
-    wmma::fill_fragment(dk_acc[n], 0.0f);
-    wmma::fill_fragment(dv_acc[n], 0.0f);
-  }
-  const I blocks = (s + kTcRows - 1) / kTcRows;
-  for (I g = 0; g < group; ++g) {
-    const I bh = kvh * group + g;  // a query head of this KV head's group
-    const float* qh = q + bh * D;
-    const float* doh = dout + bh * D;
-    const float* lh = lse + bh * s;
-    const float* dh = delta + bh * s;
-    for (I qb = kb; qb < blocks; ++qb) {  // query blocks from the diagonal down
-      const I q0 = qb * kTcRows;
-      __syncthreads();  // K, V are loaded; nobody reads the previous Q, dO, lse, Δ any more
-      load_tile_bf16<D>(qs, qh, q0, s, ldq);
-      load_tile_bf16<D>(dos, doh, q0, s, ldq);
-      for (int t = threadIdx.x; t < kTcRows; t += blockDim.x) {
-        lse_s[t] = q0 + t < s ? lh[q0 + t] : 0.0f;
-        delta_s[t] = q0 + t < s ? dh[q0 + t] : 0.0f;
-      }
-      __syncthreads();
-      scores_tc<D>(stw, ks + warp * kWarpRows * kLdT<D>, qs);
-      scores_tc<D>(dptw, vs + warp * kWarpRows * kLdT<D>, dos);
-      __syncwarp();
-      for (int c = half * 32; c < half * 32 + 32; ++c) {
-        const I i = q0 + c;
-        const float p = i < s && j <= i ? expf(stw[r * kLdS + c] * scale - lse_s[c]) : 0.0f;
-        ptw[r * kLdP + c] = __float2bfloat16_rn(p);
-        dstw[r * kLdP + c] = __float2bfloat16_rn(p * (dptw[r * kLdS + c] - delta_s[c]));
-      }
-      __syncwarp();
-      accumulate_tc<D>(dv_acc, ptw, dos);
-      accumulate_tc<D>(dk_acc, dstw, qs);
+  const I first = tc::first_query_tile(k0, shift);
+  const I per_head = tc::query_tiles_end(s) > first ? tc::query_tiles_end(s) - first : 0;
+  const I total = group * per_head;      // (head, query tile) pairs, in that order
+  const I row0 = k0 + warp * kWarpRows;  // the warp's first key
+  // The pointers and first query of step it: query head kvh·group + it / per_head.
+  auto at = [&](I it, const float*& qh, const float*& doh, I& i0, I& bh) {
+    bh = kvh * group + it / per_head;
+    qh = q + bh * D;
+    doh = dout + bh * D;
+    i0 = (first + it % per_head) * kQueryTile;
+  };
+  // lse (× log2 e) and Δ of a query tile: threads 0-31 fetch lse, 32-63 Δ, one float each.
+  auto stats = [&](I bh, I i0, float& x) {
+    const int t = int(threadIdx.x) % kQueryTile;
+    const float* src = threadIdx.x < kQueryTile ? lse : delta;
+    const float scale_of = threadIdx.x < kQueryTile ? tc::kLog2e : 1.0f;
+    x = i0 + t < s ? src[bh * s + i0 + t] * scale_of : 0.0f;
+  };
+  auto put_stats = [&](int b, float x) {
+    const int t = int(threadIdx.x) % kQueryTile;
+    (threadIdx.x < kQueryTile ? lse_s : dl_s)[b * kQueryTile + t] = x;
+  };
+  TileLoad<kBlockRows, D> kvl;
+  kvl.now(k, k0, s, ldkv, ks);
+  kvl.now(v, k0, s, ldkv, vs);
+  TileLoad<kQueryTile, D> ql, dol;
+  float st = 0.0f;
+  if (total > 0) {
+    const float *qh, *doh;
+    I i0, bh;
+    at(0, qh, doh, i0, bh);
+    ql.now(qh, i0, s, ldq, qs);
+    dol.now(doh, i0, s, ldq, dos);
+    if (threadIdx.x < 2 * kQueryTile) {
+      stats(bh, i0, st);
+      put_stats(0, st);
     }
   }
-  __syncwarp();
-  store_rows_tc<D>(dk_acc, scale, stw, dk, k0 + warp * kWarpRows, s, ldkv, lane);
-  store_rows_tc<D>(dv_acc, 1.0f, stw, dv, k0 + warp * kWarpRows, s, ldkv, lane);
+  __syncthreads();
+  const bf16* kw = ks + warp * kWarpRows * tc::ld_tile(D);
+  const bf16* vw = vs + warp * kWarpRows * tc::ld_tile(D);
+  float dka[D / 8][4], dva[D / 8][4];
+  zero(dka);
+  zero(dva);
+  for (I it = 0; it < total; ++it) {
+    const int b = int(it & 1);
+    const bool next = it + 1 < total;
+    const float *qn_src = nullptr, *don_src = nullptr;
+    I in0 = 0, bhn = 0;
+    if (next) at(it + 1, qn_src, don_src, in0, bhn);
+    const I i0 = (first + it % per_head) * kQueryTile;
+    bf16 *qc = qs + b * kTile, *qn = qs + (b ^ 1) * kTile;
+    bf16 *dc = dos + b * kTile, *dn = dos + (b ^ 1) * kTile;
+    if (next && threadIdx.x < 2 * kQueryTile) stats(bhn, in0, st);
+    float pt[kQueryTile / 8][4], dpt[kQueryTile / 8][4];
+    zero(pt);
+    zero(dpt);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      ql.template before<D / 16>(kk, next, qn_src, in0, s, ldq);
+      mma_abt<kQueryTile / 16, D>(pt, kw, qc, kk, lane);
+      ql.template after<D / 16>(kk, next, qn);
+    }
+    for (int kk = 0; kk < D / 16; ++kk) {
+      dol.template before<D / 16>(kk, next, don_src, in0, s, ldq);
+      mma_abt<kQueryTile / 16, D>(dpt, vw, dc, kk, lane);
+      dol.template after<D / 16>(kk, next, dn);
+    }
+    const bool masked = !tc::all_visible(i0, kQueryTile, row0, kWarpRows, s, shift);
+    tc::ds_cols(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
+                dl_s + b * kQueryTile, masked);
+    for (int kk = 0; kk < kQueryTile / 16; ++kk) {
+      std::uint32_t a[4];
+      a_from_c(a, pt, kk);
+      mma_av<D>(dva, a, dc, kk, lane);
+      a_from_c(a, dpt, kk);
+      mma_av<D>(dka, a, qc, kk, lane);
+    }
+    if (next && threadIdx.x < 2 * kQueryTile) put_stats(b ^ 1, st);
+    __syncthreads();
+  }
+  store_acc(dka, scale, dk, row0, s, ldkv, accumulate, lane);
+  store_acc(dva, 1.0f, dv, row0, s, ldkv, accumulate, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -688,17 +843,19 @@ cudaError_t smem_optin(int& bytes) {
   return cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
 }
 
-/// True when the tensor-core kernels of head dim d fit this device's shared memory (they run
-/// the causal attention only; chunk pairs are fp32 on CUDA cores).
-cudaError_t use_tensor_cores(I d, bool bf16_compute, bool& use) {
+/// True when the mma.sync kernels run: bf16 compute at d = 32, 64 or 128, 16-byte aligned rows
+/// (their float4 loads), and the device lets a block have their shared memory.
+cudaError_t use_tensor_cores(I d, bool bf16_compute, std::initializer_list<const float*> ptrs,
+                             I ldq, I ldkv, bool& use) {
   use = false;
-  if (!bf16_compute || (d != 32 && d != 64 && d != 128)) return cudaSuccess;
+  if (!bf16_compute || (d != 32 && d != 64 && d != 128) || ldq % 4 != 0 || ldkv % 4 != 0)
+    return cudaSuccess;
+  for (const float* p : ptrs)
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return cudaSuccess;
   int optin = 0;
   if (const cudaError_t e = smem_optin(optin); e != cudaSuccess) return e;
-  with_head_dim(d, [&](auto dim) {
-    constexpr int D = decltype(dim)::value;
-    use = kForwardTcSmem<D> <= optin && kDqTcSmem<D> <= optin && kDkdvTcSmem<D> <= optin;
-  });
+  const int dd = static_cast<int>(d);
+  use = tc::forward_smem(dd) <= optin && tc::dq_smem(dd) <= optin && tc::dkdv_smem(dd) <= optin;
   return cudaSuccess;
 }
 
@@ -722,17 +879,17 @@ int flash_attention_forward(const float* q, const float* k, const float* v, floa
   if (s == 0 || heads_total == 0) return cudaSuccess;
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const cudaStream_t st = dev::as_stream(stream);
-  bool tc = false;
-  cudaError_t err = use_tensor_cores(d, bf16_compute, tc);
+  bool mma = false;
+  cudaError_t err = use_tensor_cores(d, bf16_compute, {q, k, v, out}, ldq, ldkv, mma);
   if (err != cudaSuccess) return err;
-  if (tc) {
+  if (mma) {
     with_head_dim(d, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
-      err = allow_smem(flash_forward_tc<D>, kForwardTcSmem<D>);
+      err = allow_smem(flash_forward_mma<D>, tc::forward_smem(D));
       if (err != cudaSuccess) return;
-      const dim3 grid(blocks_of(s, kTcRows), static_cast<unsigned>(heads_total));
-      flash_forward_tc<D><<<grid, kThreads, kForwardTcSmem<D>, st>>>(q, k, v, out, lse, s, ldq,
-                                                                     ldkv, group, scale);
+      const dim3 grid(blocks_of(s, tc::kBlockRows), static_cast<unsigned>(heads_total));
+      flash_forward_mma<D><<<grid, tc::kThreads, tc::forward_smem(D), st>>>(
+          q, k, v, out, lse, s, ldq, ldkv, group, scale * tc::kLog2e, pair.shift);
     });
     return err;
   }
@@ -761,22 +918,24 @@ int flash_attention_backward(const float* dout, const float* q, const float* k, 
   auto* delta_kernel = bf16_compute ? flash_delta_kernel<true> : flash_delta_kernel<false>;
   delta_kernel<<<dev::blocks_for(heads_total * s * kWarp, 256), 256, 0, st>>>(dout, out, delta, s,
                                                                               heads_total, d, ldq);
-  bool tc = false;
-  cudaError_t err = use_tensor_cores(d, bf16_compute, tc);
+  bool mma = false;
+  cudaError_t err = use_tensor_cores(d, bf16_compute, {dout, q, k, v, dq, dk, dv}, ldq, ldkv, mma);
   if (err != cudaSuccess) return err;
-  if (tc) {
+  if (mma) {
     with_head_dim(d, [&](auto dim) {
       constexpr int D = decltype(dim)::value;
-      const unsigned blocks = blocks_of(s, kTcRows);
-      err = allow_smem(flash_dq_tc<D>, kDqTcSmem<D>);
+      const unsigned blocks = blocks_of(s, tc::kBlockRows);
+      err = allow_smem(flash_dq_mma<D>, tc::dq_smem(D));
       if (err != cudaSuccess) return;
-      flash_dq_tc<D>
-          <<<dim3(blocks, static_cast<unsigned>(heads_total)), kThreads, kDqTcSmem<D>, st>>>(
-              dout, q, k, v, lse, delta, dq, s, ldq, ldkv, group, scale);
-      err = allow_smem(flash_dkdv_tc<D>, kDkdvTcSmem<D>);
+      flash_dq_mma<D>
+          <<<dim3(blocks, static_cast<unsigned>(heads_total)), tc::kThreads, tc::dq_smem(D), st>>>(
+              dout, q, k, v, lse, delta, dq, s, ldq, ldkv, group, scale, scale * tc::kLog2e,
+              pair.shift, pair.accumulate);
+      err = allow_smem(flash_dkdv_mma<D>, tc::dkdv_smem(D));
       if (err != cudaSuccess) return;
-      flash_dkdv_tc<D><<<dim3(blocks, kv_total), kThreads, kDkdvTcSmem<D>, st>>>(
-          dout, q, k, v, lse, delta, dk, dv, s, ldq, ldkv, group, scale);
+      flash_dkdv_mma<D><<<dim3(blocks, kv_total), tc::kThreads, tc::dkdv_smem(D), st>>>(
+          dout, q, k, v, lse, delta, dk, dv, s, ldq, ldkv, group, scale, scale * tc::kLog2e,
+          pair.shift, pair.accumulate);
     });
     return err;
   }

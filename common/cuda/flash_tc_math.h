@@ -1,0 +1,260 @@
+// The index math and the per-lane arithmetic of the tensor-core attention kernels
+// (flash_attention.cu, "mma.sync kernels"), as functions that also run on the host: the fragment
+// layouts of mma.m16n8k16 and of ldmatrix, the tiles' shapes and shared-memory bytes, the loops'
+// bounds, the one visibility rule (causal, a chunk pair's shift, S not a multiple of a tile) and
+// the online softmax on accumulator fragments. tests/test_flash_tc_twin.cc runs the kernels'
+// per-warp algorithm on the CPU through these same functions (32 lanes as arrays, an emulated
+// mma and ldmatrix) against a double-precision attention. That checks the algorithm, the tiling
+// and that these functions agree with each other; whether they agree with the hardware (the
+// fragment layouts below as the PTX ISA states them, read here) only a GPU run can check.
+//
+// Fragment layouts, PTX ISA (CUDA 13.0), section 9.7.14.5.8, "Matrix Fragments for
+// mma.m16n8k16 with floating point type": in a warp, lane = 4·groupID + threadID_in_group;
+//  - A, 16×16 (m×k, .row), bf16: a0..a7 (four .b32 registers of two bf16, the lower index in the
+//    lower half): row = groupID + 8 for a2, a3, a6, a7 (else groupID);
+//    col = 2·threadID_in_group + (i & 1) + 8 for i >= 4.
+//  - B, 16×8 (k×n, .col), bf16: b0..b3 (two registers): row (k) = 2·threadID_in_group + (i & 1)
+//    + 8 for i >= 2; col (n) = groupID.
+//  - C and D, 16×8, f32: c0..c3: row = groupID + 8 for c2, c3; col = 2·threadID_in_group + (i & 1).
+// ldmatrix (section 9.7.14.5.15, "ldmatrix"), .m8n8.x4.b16: lanes 8·m .. 8·m + 7 give the
+// addresses of the 8 rows (16 bytes each) of matrix m; lane l receives, in register m, the
+// elements (l / 4, 2·(l % 4)) and (l / 4, 2·(l % 4) + 1) of matrix m, or with .trans the elements
+// (2·(l % 4), l / 4) and (2·(l % 4) + 1, l / 4).
+//
+// defines: tpx::cuda::flash::tc::* (the constants, fragment and ldmatrix indices, tile bounds,
+//          visible(), the softmax steps)
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "flash_operands.h"
+
+namespace tpx::cuda::flash::tc {
+
+using I = std::int64_t;
+
+inline constexpr int kLanes = 32;
+inline constexpr int kWarps = 4;  // per block
+inline constexpr int kThreads = kWarps * kLanes;
+inline constexpr int kWarpRows = 16;                   // query (or key) rows a warp owns
+inline constexpr int kBlockRows = kWarps * kWarpRows;  // 64: a block's query (or key) rows
+inline constexpr int kKeyTile = 64;                    // keys per tile (forward, dQ)
+inline constexpr int kQueryTile = 32;                  // queries per tile (dK/dV)
+inline constexpr int kPad = 8;                         // bf16 per shared row past D
+inline constexpr float kLog2e = 1.4426950408889634f;   // scores go to exp2
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+/// A shared tile's row stride in bf16: D + 8, so the 8 rows one ldmatrix reads start 16 bytes
+/// apart modulo 128 and hit 8 different 4-byte bank groups (no conflicts).
+constexpr int ld_tile(int d) {
+  return d + kPad;
+}
+/// Bytes of a bf16 [rows][D + 8] tile.
+constexpr int tile_bytes(int rows, int d) {
+  return 2 * rows * ld_tile(d);
+}
+/// Dynamic shared memory of each kernel. Forward: Q, then K and V twice (double-buffered).
+constexpr int forward_smem(int d) {
+  return tile_bytes(kBlockRows, d) + 4 * tile_bytes(kKeyTile, d);
+}
+/// dQ: Q and dO, then K and V twice.
+constexpr int dq_smem(int d) {
+  return 2 * tile_bytes(kBlockRows, d) + 4 * tile_bytes(kKeyTile, d);
+}
+/// dK/dV: K and V of the block's keys, then Q and dO twice, then lse and Δ (fp32) twice.
+constexpr int dkdv_smem(int d) {
+  return 2 * tile_bytes(kBlockRows, d) + 4 * tile_bytes(kQueryTile, d) + 2 * 2 * kQueryTile * 4;
+}
+
+// ---- Fragments (PTX ISA 9.7.14.5.8) ------------------------------------------------------------
+
+TPX_HD constexpr int group_id(int lane) {
+  return lane >> 2;
+}
+TPX_HD constexpr int thread_in_group(int lane) {
+  return lane & 3;
+}
+/// Row and column of element a_i (i = 0..7) of lane's A fragment (16×16).
+TPX_HD constexpr int a_row(int lane, int i) {
+  return group_id(lane) + ((i >> 1) & 1) * 8;
+}
+TPX_HD constexpr int a_col(int lane, int i) {
+  return 2 * thread_in_group(lane) + (i & 1) + (i >> 2) * 8;
+}
+/// Row (k) and column (n) of element b_i (i = 0..3) of lane's B fragment (16×8).
+TPX_HD constexpr int b_row(int lane, int i) {
+  return 2 * thread_in_group(lane) + (i & 1) + (i >> 1) * 8;
+}
+TPX_HD constexpr int b_col(int lane, int /*i*/) {
+  return group_id(lane);
+}
+/// Row and column of element c_i (i = 0..3) of lane's C/D fragment (16×8).
+TPX_HD constexpr int c_row(int lane, int i) {
+  return group_id(lane) + (i >> 1) * 8;
+}
+TPX_HD constexpr int c_col(int lane, int i) {
+  return 2 * thread_in_group(lane) + (i & 1);
+}
+
+/// The A fragment of a 16×16 block whose two 16×8 halves are the C fragments lo (columns 0-7)
+/// and hi (8-15): a0..a3 = lo's c0..c3 and a4..a7 = hi's, element for element (a_row/a_col of
+/// a_i equal c_row/c_col of c_(i % 4), plus 8 columns for i >= 4). This is how a product's
+/// result (scores, dS) becomes the next product's operand without leaving the registers.
+TPX_HD constexpr int a_from_c_half(int i) {
+  return i >> 2;  // 0: lo, 1: hi
+}
+TPX_HD constexpr int a_from_c_index(int i) {
+  return i & 3;
+}
+
+// ---- ldmatrix.x4 addresses (PTX ISA 9.7.14.5.15) -----------------------------------------------
+
+struct RowCol {
+  int row, col;
+};
+/// Matrix m = lane / 8 and its row lane % 8, for the row address lane gives ldmatrix.x4.
+TPX_HD constexpr int ldsm_matrix(int lane) {
+  return lane >> 3;
+}
+/// The A fragment of the 16×16 block at (0, 0) of a row-major [m][k] tile: matrices (rows 0-7,
+/// cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) are registers a0a1, a2a3, a4a5, a6a7.
+/// Also the B fragments of two 8-wide n blocks from a [k][n] tile read with .trans: matrices
+/// (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15) are b0b1 and b2b3 of n
+/// block 0, then of n block 1.
+TPX_HD constexpr RowCol ldsm_a(int lane) {
+  return {(lane & 7) + (ldsm_matrix(lane) & 1) * 8, (ldsm_matrix(lane) >> 1) * 8};
+}
+/// The B fragments of two 8-wide n blocks from an [n][k] tile (K for Q·Kᵀ; Q, dO for K·Qᵀ),
+/// without .trans: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+/// are b0b1 and b2b3 of n block 0, then of n block 1. Returned as (tile row = n, column = k).
+TPX_HD constexpr RowCol ldsm_b(int lane) {
+  return {(lane & 7) + (ldsm_matrix(lane) >> 1) * 8, (ldsm_matrix(lane) & 1) * 8};
+}
+/// What lane receives from one 8×8 matrix: element j (0, 1) of its register is the matrix's
+/// (row, col); with .trans the transposed position.
+TPX_HD constexpr RowCol ldsm_element(int lane, int j, bool trans) {
+  return trans ? RowCol{2 * (lane & 3) + j, lane >> 2} : RowCol{lane >> 2, 2 * (lane & 3) + j};
+}
+
+// ---- Tiles and the visibility rule --------------------------------------------------------------
+
+/// Key j is visible to query i: both inside the sequence, and j <= i + shift (shift 0: the causal
+/// mask; a chunk pair's keys lie `shift` positions before its queries).
+TPX_HD constexpr bool visible(I i, I j, I s, I shift) {
+  return i < s && j < s && j <= i + shift;
+}
+/// Every (query, key) of rows i0 .. i0 + ni − 1 and keys j0 .. j0 + nj − 1 is visible: the tile
+/// needs no mask (the kernels skip it then).
+TPX_HD constexpr bool all_visible(I i0, I ni, I j0, I nj, I s, I shift) {
+  return i0 + ni <= s && j0 + nj <= s && j0 + nj - 1 <= i0 + shift;
+}
+/// Key tiles of kKeyTile the query rows q0 .. q0 + 63 visit (forward, dQ): those up to the last
+/// key the block's last row (inside S) sees; 0 when it sees none.
+TPX_HD constexpr I key_tiles(I q0, I s, I shift) {
+  const I last = (q0 + kBlockRows < s ? q0 + kBlockRows : s) - 1;
+  const I end0 = last + shift + 1 < s ? last + shift + 1 : s;
+  const I end = end0 > 0 ? end0 : 0;
+  return (end + kKeyTile - 1) / kKeyTile;
+}
+/// The first query tile (of kQueryTile) that sees any of the keys k0 .. k0 + 63: the tile of the
+/// first query that sees key k0, max(0, k0 − shift) (dK/dV).
+TPX_HD constexpr I first_query_tile(I k0, I shift) {
+  return (k0 - shift > 0 ? k0 - shift : 0) / kQueryTile;
+}
+/// One past the last query tile: ceil(S / kQueryTile).
+TPX_HD constexpr I query_tiles_end(I s) {
+  return (s + kQueryTile - 1) / kQueryTile;
+}
+
+// ---- The softmax on C fragments -----------------------------------------------------------------
+// A warp's [16][N·8] score block is N C fragments: lane holds, of fragment n, the elements
+// (row g, cols 8n + 2t, +1) in c0, c1 and (row g + 8, the same cols) in c2, c3 (g = groupID,
+// t = threadID_in_group). Half h = 0 is row g, h = 1 row g + 8: the four lanes of a quad hold
+// all of a row between them, so a row's max or sum is the lane's own, then two shuffles.
+
+/// Forward: scores × scale·log2(e) (exp2 units), −inf where the key is not visible (only when
+/// `masked`: a tile all of whose keys every row sees skips the test). Query row0 + c_row, key
+/// col0 + 8n + c_col.
+template <int N>
+TPX_HD inline void scale_mask(float (&sc)[N][4], int lane, I row0, I col0, I s, I shift,
+                              float scale_log2, bool masked) {
+  for (int n = 0; n < N; ++n)
+    for (int e = 0; e < 4; ++e) {
+      const float x = sc[n][e] * scale_log2;
+      sc[n][e] = !masked || visible(row0 + c_row(lane, e), col0 + 8 * n + c_col(lane, e), s, shift)
+                     ? x
+                     : -INFINITY;
+    }
+}
+/// The lane's maximum of row half h.
+template <int N>
+TPX_HD inline float lane_row_max(const float (&sc)[N][4], int h) {
+  float mx = -INFINITY;
+  for (int n = 0; n < N; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * h], sc[n][2 * h + 1]));
+  return mx;
+}
+/// The online softmax's step for one row, given the tile's row maximum `tile_max` (over the
+/// quad): m ← max(m, tile_max); returns the exponent's offset (m, or 0 while the row has seen no
+/// visible key, so that exp2(−inf − 0) = 0 and nothing becomes NaN) and sets alpha = exp2(m_old −
+/// offset), the factor that rescales l and O summed against the old maximum.
+TPX_HD inline float online_max(float& m, float tile_max, float& alpha) {
+  const float m_new = fmaxf(m, tile_max);
+  const float use = m_new == -INFINITY ? 0.0f : m_new;
+  alpha = exp2f(m - use);
+  m = m_new;
+  return use;
+}
+/// p = exp2(x − offset) in place for row half h; returns the lane's sum of them (fp32, before
+/// the bf16 rounding P gets as an operand).
+template <int N>
+TPX_HD inline float exp_row(float (&sc)[N][4], int h, float offset) {
+  float sum = 0.0f;
+  for (int n = 0; n < N; ++n)
+    for (int e = 2 * h; e < 2 * h + 2; ++e) {
+      sc[n][e] = exp2f(sc[n][e] - offset);
+      sum += sc[n][e];
+    }
+  return sum;
+}
+/// The end of a forward row, with l summed over the quad: O's divisor (0 for a row that saw no
+/// key: its output is 0) and lse = m·ln 2 + log l (−inf for such a row).
+TPX_HD inline float out_factor(float l) {
+  return l > 0.0f ? 1.0f / l : 0.0f;
+}
+TPX_HD inline float row_lse(float m, float l) {
+  return l > 0.0f ? m * kLn2 + logf(l) : -INFINITY;
+}
+
+/// Backward, query rows (dQ): P = exp2(s·scale·log2e − lse_i·log2e) where visible, else 0, and
+/// dS = P ∘ (dP − Δ_i), in place of sc (→ dS) and dp. lse2 and delta are the lane's two rows'.
+template <int N>
+TPX_HD inline void ds_rows(float (&sc)[N][4], const float (&dp)[N][4], int lane, I row0, I col0,
+                           I s, I shift, float scale_log2, const float (&lse2)[2],
+                           const float (&delta)[2], bool masked) {
+  for (int n = 0; n < N; ++n)
+    for (int e = 0; e < 4; ++e) {
+      const bool vis =
+          !masked || visible(row0 + c_row(lane, e), col0 + 8 * n + c_col(lane, e), s, shift);
+      const float p = vis ? exp2f(sc[n][e] * scale_log2 - lse2[e >> 1]) : 0.0f;
+      sc[n][e] = p * (dp[n][e] - delta[e >> 1]);
+    }
+}
+/// Backward, key rows (dK/dV: the transposed block, key row0 + c_row, query col0 + c_col):
+/// pt = Pᵀ and dpt becomes dSᵀ. lse2 and delta are per query column (the tile's, in shared
+/// memory, indexed from col0).
+template <int N>
+TPX_HD inline void ds_cols(float (&pt)[N][4], float (&dpt)[N][4], int lane, I row0, I col0, I s,
+                           I shift, float scale_log2, const float* lse2, const float* delta,
+                           bool masked) {
+  for (int n = 0; n < N; ++n)
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * n + c_col(lane, e);
+      const bool vis = !masked || visible(col0 + c, row0 + c_row(lane, e), s, shift);
+      const float p = vis ? exp2f(pt[n][e] * scale_log2 - lse2[c]) : 0.0f;
+      pt[n][e] = p;
+      dpt[n][e] = p * (dpt[n][e] - delta[c]);
+    }
+}
+
+}  // namespace tpx::cuda::flash::tc

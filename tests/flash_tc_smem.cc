@@ -1,0 +1,27 @@
+// Prints, for each fused-attention kernel of common/cuda/flash_attention.cu, its threads per
+// block and the dynamic shared memory its launcher gives it, one "name threads bytes" line each,
+// for tests/check_flash_resources.py (ptxas reports registers, spills and static shared memory
+// but not the dynamic bytes a launch asks for). The mma.sync kernels' bytes are
+// flash_tc_math.h's; the CUDA-core kernels' are their launchers' formulas, at D = 32 × the
+// values per lane of the instantiation.
+#include <cstdio>
+#include <initializer_list>
+
+#include "common/cuda/flash_tc_math.h"
+
+int main() {
+  namespace tc = tpx::cuda::flash::tc;
+  for (int d : {32, 64, 128}) {
+    std::printf("flash_forward_mma<%d> %d %d\n", d, tc::kThreads, tc::forward_smem(d));
+    std::printf("flash_dq_mma<%d> %d %d\n", d, tc::kThreads, tc::dq_smem(d));
+    std::printf("flash_dkdv_mma<%d> %d %d\n", d, tc::kThreads, tc::dkdv_smem(d));
+  }
+  for (int per_lane : {1, 2, 4, 8}) {
+    const int d = 32 * per_lane, tile = 32;
+    std::printf("flash_forward_simple<%d> 128 %d\n", per_lane, 2 * tile * d * 4);
+    std::printf("flash_dq_simple<%d> 128 %d\n", per_lane, 2 * tile * d * 4);
+    std::printf("flash_dkdv_simple<%d> 128 %d\n", per_lane, (2 * tile * d + 2 * tile) * 4);
+  }
+  std::printf("flash_delta_kernel 256 0\nflash_merge_kernel 256 0\n");
+  return 0;
+}

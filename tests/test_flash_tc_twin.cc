@@ -1,0 +1,611 @@
+// A CPU twin of the mma.sync attention kernels (common/cuda/flash_attention.cu): the same
+// per-warp algorithm, run with the 32 lanes of a warp as arrays, through the functions the
+// kernels call (common/cuda/flash_tc_math.h): ldmatrix's row addresses, the fragment layouts of
+// mma.m16n8k16, the C-to-A register reuse, the tile loops' bounds, the visibility rule (causal,
+// a chunk pair's shift, S not a multiple of a tile, S = 1), the online softmax on fragments
+// with its quad reductions, the backward's P and dS on fragments. An emulated ldmatrix hands
+// each lane the elements the PTX ISA says it receives (9.7.14.5.15), an emulated mma gathers
+// each lane's a0..a7, b0..b3, c0..c3 into matrices through a_row/a_col, b_row/b_col,
+// c_row/c_col (9.7.14.5.8) and scatters the result back the same way; tiles are rounded to bf16
+// as the kernels' loads round them, P and dS as the kernels pack them.
+//
+// What this checks: that the algorithm and its tiling compute the attention (forward, dQ, dK,
+// dV, grouped-query, chunk pairs with a shift that add into their gradients) to bf16 accuracy
+// against a double-precision reference, and that the index functions are consistent with each
+// other and with the fragment layouts as written in flash_tc_math.h. What it cannot check: that
+// those layouts are what the hardware does (the PTX ISA's fragment tables as read there), the
+// inline PTX itself, the double-buffered schedule (the twin loads every tile when it uses it),
+// races, and shared-memory addressing: only a run on a GPU checks those
+// (FusedAttention.Cuda* in test_attention.cc).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <ostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/cuda/flash_operands.h"
+#include "common/cuda/flash_tc_math.h"
+
+namespace {
+
+namespace tc = tpx::cuda::flash::tc;
+using tpx::cuda::flash::round_bf16;
+using I = std::int64_t;
+constexpr int kL = tc::kLanes;
+
+// ---- The warp's primitives, emulated -----------------------------------------------------------
+
+/// A shared-memory tile: rows of a head's [S][D] slice rounded to bf16, zero past S.
+struct Tile {
+  int rows = 0, d = 0;
+  std::vector<float> v;
+  float at(int r, int c) const { return v[static_cast<std::size_t>(r * d + c)]; }
+};
+Tile load_tile(const std::vector<float>& x, I row0, int rows, I s, I ld, I off, int d) {
+  Tile t{rows, d, std::vector<float>(static_cast<std::size_t>(rows * d), 0.0f)};
+  for (int r = 0; r < rows; ++r)
+    if (row0 + r < s)
+      for (int c = 0; c < d; ++c)
+        t.v[static_cast<std::size_t>(r * d + c)] =
+            round_bf16(x[static_cast<std::size_t>((row0 + r) * ld + off + c)]);
+  return t;
+}
+
+/// ldmatrix.x4 (optionally .trans) from the 16×16 block at (row0, col0) of a tile, with lane l
+/// pointing at the row `addr(l)` says: out[l][m][j], element j of lane l's register m.
+using Regs = std::array<std::array<std::array<float, 2>, 4>, kL>;
+template <class Addr>
+Regs ldsm_x4(const Tile& t, int row0, int col0, bool trans, Addr addr) {
+  float mat[4][8][8];
+  for (int lane = 0; lane < kL; ++lane) {  // lanes 8m .. 8m + 7: rows of matrix m
+    const tc::RowCol a = addr(lane);
+    for (int c = 0; c < 8; ++c)
+      mat[tc::ldsm_matrix(lane)][lane & 7][c] = t.at(row0 + a.row, col0 + a.col + c);
+  }
+  Regs out{};
+  for (int lane = 0; lane < kL; ++lane)
+    for (int m = 0; m < 4; ++m)
+      for (int j = 0; j < 2; ++j) {
+        const tc::RowCol e = tc::ldsm_element(lane, j, trans);
+        out[static_cast<std::size_t>(lane)][static_cast<std::size_t>(m)]
+           [static_cast<std::size_t>(j)] = mat[m][e.row][e.col];
+      }
+  return out;
+}
+
+using FragA = std::array<std::array<float, 8>, kL>;
+using FragB = std::array<std::array<float, 4>, kL>;
+/// A warp's N C fragments: [lane][n][c_i].
+template <int N>
+struct FragC {
+  float v[kL][N][4];
+  float (&operator[](int lane))[N][4] { return v[lane]; }
+  const float (&operator[](int lane) const)[N][4] { return v[lane]; }
+};
+
+/// Registers m = 0..3 as a0a1, a2a3, a4a5, a6a7.
+FragA as_a(const Regs& r) {
+  FragA a{};
+  for (int l = 0; l < kL; ++l)
+    for (int i = 0; i < 8; ++i) a[l][i] = r[l][i >> 1][i & 1];
+  return a;
+}
+/// Registers 2h, 2h + 1 as b0b1, b2b3 of n block h.
+FragB as_b(const Regs& r, int h) {
+  FragB b{};
+  for (int l = 0; l < kL; ++l)
+    for (int i = 0; i < 4; ++i) b[l][i] = r[l][2 * h + (i >> 1)][i & 1];
+  return b;
+}
+
+/// mma.m16n8k16: D = A·B + C, every lane's registers placed by the fragment layouts. Counts how
+/// often each position is written, which must be once.
+template <int N>
+void mma(FragC<N>& c, int n, const FragA& a, const FragB& b) {
+  float am[16][16], bm[16][8], cm[16][8];
+  int hits_a[16][16] = {}, hits_b[16][8] = {}, hits_c[16][8] = {};
+  for (int l = 0; l < kL; ++l) {
+    for (int i = 0; i < 8; ++i) {
+      am[tc::a_row(l, i)][tc::a_col(l, i)] = a[l][i];
+      ++hits_a[tc::a_row(l, i)][tc::a_col(l, i)];
+    }
+    for (int i = 0; i < 4; ++i) {
+      bm[tc::b_row(l, i)][tc::b_col(l, i)] = b[l][i];
+      ++hits_b[tc::b_row(l, i)][tc::b_col(l, i)];
+      cm[tc::c_row(l, i)][tc::c_col(l, i)] = c[l][n][i];
+      ++hits_c[tc::c_row(l, i)][tc::c_col(l, i)];
+    }
+  }
+  for (int r = 0; r < 16; ++r)
+    for (int k = 0; k < 16; ++k) {
+      ASSERT_EQ(hits_a[r][k], 1) << "A fragment (" << r << ", " << k << ")";
+      if (k < 8) {
+        ASSERT_EQ(hits_b[r][k], 1) << "B fragment (" << r << ", " << k << ")";
+        ASSERT_EQ(hits_c[r][k], 1) << "C fragment (" << r << ", " << k << ")";
+      }
+    }
+  for (int r = 0; r < 16; ++r)
+    for (int col = 0; col < 8; ++col) {
+      float acc = cm[r][col];
+      for (int k = 0; k < 16; ++k) acc += am[r][k] * bm[k][col];
+      cm[r][col] = acc;
+    }
+  for (int l = 0; l < kL; ++l)
+    for (int i = 0; i < 4; ++i) c[l][n][i] = cm[tc::c_row(l, i)][tc::c_col(l, i)];
+}
+
+/// __shfl_xor_sync over 1 and 2: the reduction among the four lanes of a quad.
+template <class Op>
+std::array<float, kL> quad(std::array<float, kL> x, Op op) {
+  for (int o = 1; o <= 2; o *= 2) {
+    std::array<float, kL> y = x;
+    for (int l = 0; l < kL; ++l) y[l] = op(x[l], x[l ^ o]);
+    x = y;
+  }
+  return x;
+}
+
+template <int N>
+void zero(FragC<N>& c) {
+  for (auto& lane : c.v)
+    for (auto& f : lane) f[0] = f[1] = f[2] = f[3] = 0.0f;
+}
+
+/// The warp's per-lane fragment arrays as the kernels' `float (&)[N][4]`.
+template <int N>
+float (&lane_frag(FragC<N>& c, int l))[N][4] {
+  return c[l];
+}
+
+/// acc (16 × 16·NB as 2·NB C fragments) += rows row0.. of a (16 of them) · rows n0.. of bᵀ, over
+/// all of D: the kernels' mma_abt for every k step.
+template <int NC>
+void mma_abt(FragC<NC>& acc, const Tile& a, int arow0, const Tile& b, int d) {
+  for (int kk = 0; kk < d / 16; ++kk) {
+    const FragA fa = as_a(ldsm_x4(a, arow0, 16 * kk, false, tc::ldsm_a));
+    for (int nb = 0; nb < NC / 2; ++nb) {
+      const Regs r = ldsm_x4(b, 16 * nb, 16 * kk, false, tc::ldsm_b);
+      mma(acc, 2 * nb, fa, as_b(r, 0));
+      mma(acc, 2 * nb + 1, fa, as_b(r, 1));
+    }
+  }
+}
+/// The kernels' a_from_c: the A fragment of columns 16kk.. of a C-fragment block, bf16.
+template <int NC>
+FragA a_from_c(const FragC<NC>& c, int kk) {
+  FragA a{};
+  for (int l = 0; l < kL; ++l)
+    for (int i = 0; i < 8; ++i)
+      a[l][i] = round_bf16(c[l][2 * kk + tc::a_from_c_half(i)][tc::a_from_c_index(i)]);
+  return a;
+}
+/// acc (16 × D) += A · rows 16kk.. of a [k][D] tile, read with .trans (the kernels' mma_av).
+template <int ND>
+void mma_av(FragC<ND>& acc, const FragA& a, const Tile& b, int kk) {
+  for (int nb = 0; nb < ND / 2; ++nb) {
+    const Regs r = ldsm_x4(b, 16 * kk, 16 * nb, true, tc::ldsm_a);
+    mma(acc, 2 * nb, a, as_b(r, 0));
+    mma(acc, 2 * nb + 1, a, as_b(r, 1));
+  }
+}
+
+// ---- The kernels, one warp at a time -----------------------------------------------------------
+
+struct Problem {
+  I s, d, heads, group, shift;
+  bool accumulate;
+  I kv() const { return heads / group; }
+  I ldq() const { return heads * d; }
+  I ldkv() const { return kv() * d; }
+};
+
+/// flash_forward_mma<D>: out [S][heads·D], lse [heads][S].
+template <int D>
+void twin_forward(const Problem& p, const std::vector<float>& q, const std::vector<float>& k,
+                  const std::vector<float>& v, std::vector<float>& out, std::vector<float>& lse) {
+  constexpr int ND = D / 8, NS = tc::kKeyTile / 8;
+  const I s = p.s;
+  const float scale_log2 = 1.0f / std::sqrt(float(D)) * tc::kLog2e;
+  for (I bh = 0; bh < p.heads; ++bh) {
+    const I kvh = bh / p.group;
+    for (I q0 = 0; q0 < s; q0 += tc::kBlockRows) {
+      const Tile qt = load_tile(q, q0, tc::kBlockRows, s, p.ldq(), bh * D, D);
+      const I tiles = tc::key_tiles(q0, s, p.shift);
+      for (int w = 0; w < tc::kWarps; ++w) {
+        const I row0 = q0 + w * tc::kWarpRows;
+        FragC<ND> o;
+        zero(o);
+        std::array<std::array<float, 2>, kL> m, l;
+        for (auto& x : m) x = {-INFINITY, -INFINITY};
+        for (auto& x : l) x = {0.0f, 0.0f};
+        for (I t = 0; t < tiles; ++t) {
+          const I j0 = t * tc::kKeyTile;
+          const Tile kt = load_tile(k, j0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          const Tile vt = load_tile(v, j0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          FragC<NS> sc;
+          zero(sc);
+          mma_abt(sc, qt, w * tc::kWarpRows, kt, D);
+          const bool masked = !tc::all_visible(row0, tc::kWarpRows, j0, tc::kKeyTile, s, p.shift);
+          for (int ln = 0; ln < kL; ++ln)
+            tc::scale_mask(lane_frag(sc, ln), ln, row0, j0, s, p.shift, scale_log2, masked);
+          for (int h = 0; h < 2; ++h) {
+            std::array<float, kL> mx{};
+            for (int ln = 0; ln < kL; ++ln) mx[ln] = tc::lane_row_max(lane_frag(sc, ln), h);
+            mx = quad(mx, [](float a, float b) { return std::fmax(a, b); });
+            for (int ln = 0; ln < kL; ++ln) {
+              float alpha;
+              const float offset = tc::online_max(m[ln][h], mx[ln], alpha);
+              l[ln][h] = l[ln][h] * alpha + tc::exp_row(lane_frag(sc, ln), h, offset);
+              for (int n = 0; n < ND; ++n) o[ln][n][2 * h] *= alpha, o[ln][n][2 * h + 1] *= alpha;
+            }
+          }
+          for (int kk = 0; kk < tc::kKeyTile / 16; ++kk) mma_av(o, a_from_c(sc, kk), vt, kk);
+        }
+        for (int h = 0; h < 2; ++h) {
+          std::array<float, kL> lh{};
+          for (int ln = 0; ln < kL; ++ln) lh[ln] = l[ln][h];
+          lh = quad(lh, [](float a, float b) { return a + b; });
+          for (int ln = 0; ln < kL; ++ln) {
+            const I row = row0 + tc::c_row(ln, 2 * h);
+            if (row >= s) continue;
+            const float f = tc::out_factor(lh[ln]);
+            for (int n = 0; n < ND; ++n)
+              for (int e = 0; e < 2; ++e)
+                out[static_cast<std::size_t>(row * p.ldq() + bh * D + 8 * n + tc::c_col(ln, e))] =
+                    o[ln][n][2 * h + e] * f;
+            if (tc::thread_in_group(ln) == 0)
+              lse[static_cast<std::size_t>(bh * s + row)] = tc::row_lse(m[ln][h], lh[ln]);
+          }
+        }
+      }
+    }
+  }
+}
+
+/// Writes (or adds) a warp's accumulators × scale to rows row0.. of x (head offset off).
+template <int ND>
+void store(const FragC<ND>& acc, float scale, std::vector<float>& x, I row0, I s, I ld, I off,
+           bool accumulate) {
+  for (int ln = 0; ln < kL; ++ln)
+    for (int i = 0; i < 4; ++i) {
+      const I row = row0 + tc::c_row(ln, i);
+      if (row >= s) continue;
+      for (int n = 0; n < ND; ++n) {
+        float& dst = x[static_cast<std::size_t>(row * ld + off + 8 * n + tc::c_col(ln, i))];
+        dst = accumulate ? dst + acc[ln][n][i] * scale : acc[ln][n][i] * scale;
+      }
+    }
+}
+
+/// flash_dq_mma<D>.
+template <int D>
+void twin_dq(const Problem& p, const std::vector<float>& dout, const std::vector<float>& q,
+             const std::vector<float>& k, const std::vector<float>& v,
+             const std::vector<float>& lse, const std::vector<float>& delta,
+             std::vector<float>& dq) {
+  constexpr int ND = D / 8, NS = tc::kKeyTile / 8;
+  const I s = p.s;
+  const float scale = 1.0f / std::sqrt(float(D)), scale_log2 = scale * tc::kLog2e;
+  for (I bh = 0; bh < p.heads; ++bh) {
+    const I kvh = bh / p.group;
+    for (I q0 = 0; q0 < s; q0 += tc::kBlockRows) {
+      const Tile qt = load_tile(q, q0, tc::kBlockRows, s, p.ldq(), bh * D, D);
+      const Tile dot = load_tile(dout, q0, tc::kBlockRows, s, p.ldq(), bh * D, D);
+      const I tiles = tc::key_tiles(q0, s, p.shift);
+      for (int w = 0; w < tc::kWarps; ++w) {
+        const I row0 = q0 + w * tc::kWarpRows;
+        std::array<std::array<float, 2>, kL> lse2, dl;
+        for (int ln = 0; ln < kL; ++ln)
+          for (int h = 0; h < 2; ++h) {
+            const I row = row0 + tc::c_row(ln, 2 * h);
+            lse2[ln][h] = row < s ? lse[static_cast<std::size_t>(bh * s + row)] * tc::kLog2e : 0.0f;
+            dl[ln][h] = row < s ? delta[static_cast<std::size_t>(bh * s + row)] : 0.0f;
+          }
+        FragC<ND> acc;
+        zero(acc);
+        for (I t = 0; t < tiles; ++t) {
+          const I j0 = t * tc::kKeyTile;
+          const Tile kt = load_tile(k, j0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          const Tile vt = load_tile(v, j0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          FragC<NS> sc, dp;
+          zero(sc);
+          zero(dp);
+          mma_abt(sc, qt, w * tc::kWarpRows, kt, D);
+          mma_abt(dp, dot, w * tc::kWarpRows, vt, D);
+          const bool masked = !tc::all_visible(row0, tc::kWarpRows, j0, tc::kKeyTile, s, p.shift);
+          for (int ln = 0; ln < kL; ++ln) {
+            const float l2[2] = {lse2[ln][0], lse2[ln][1]}, d2[2] = {dl[ln][0], dl[ln][1]};
+            tc::ds_rows(lane_frag(sc, ln), lane_frag(dp, ln), ln, row0, j0, s, p.shift, scale_log2,
+                        l2, d2, masked);
+          }
+          for (int kk = 0; kk < tc::kKeyTile / 16; ++kk) mma_av(acc, a_from_c(sc, kk), kt, kk);
+        }
+        store(acc, scale, dq, row0, s, p.ldq(), bh * D, p.accumulate);
+      }
+    }
+  }
+}
+
+/// flash_dkdv_mma<D>.
+template <int D>
+void twin_dkdv(const Problem& p, const std::vector<float>& dout, const std::vector<float>& q,
+               const std::vector<float>& k, const std::vector<float>& v,
+               const std::vector<float>& lse, const std::vector<float>& delta,
+               std::vector<float>& dk, std::vector<float>& dv) {
+  constexpr int ND = D / 8, NS = tc::kQueryTile / 8;
+  const I s = p.s;
+  const float scale = 1.0f / std::sqrt(float(D)), scale_log2 = scale * tc::kLog2e;
+  for (I kvh = 0; kvh < p.kv(); ++kvh)
+    for (I k0 = 0; k0 < s; k0 += tc::kBlockRows) {
+      const Tile kt = load_tile(k, k0, tc::kBlockRows, s, p.ldkv(), kvh * D, D);
+      const Tile vt = load_tile(v, k0, tc::kBlockRows, s, p.ldkv(), kvh * D, D);
+      const I first = tc::first_query_tile(k0, p.shift);
+      const I per_head = std::max<I>(0, tc::query_tiles_end(s) - first);
+      for (int w = 0; w < tc::kWarps; ++w) {
+        const I row0 = k0 + w * tc::kWarpRows;
+        FragC<ND> dka, dva;
+        zero(dka);
+        zero(dva);
+        for (I it = 0; it < p.group * per_head; ++it) {
+          const I bh = kvh * p.group + it / per_head;
+          const I i0 = (first + it % per_head) * tc::kQueryTile;
+          const Tile qt = load_tile(q, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
+          const Tile dot = load_tile(dout, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
+          float lse_s[tc::kQueryTile], dl_s[tc::kQueryTile];
+          for (int t = 0; t < tc::kQueryTile; ++t) {
+            const bool in = i0 + t < s;
+            lse_s[t] = in ? lse[static_cast<std::size_t>(bh * s + i0 + t)] * tc::kLog2e : 0.0f;
+            dl_s[t] = in ? delta[static_cast<std::size_t>(bh * s + i0 + t)] : 0.0f;
+          }
+          FragC<NS> pt, dpt;
+          zero(pt);
+          zero(dpt);
+          mma_abt(pt, kt, w * tc::kWarpRows, qt, D);
+          mma_abt(dpt, vt, w * tc::kWarpRows, dot, D);
+          const bool masked = !tc::all_visible(i0, tc::kQueryTile, row0, tc::kWarpRows, s, p.shift);
+          for (int ln = 0; ln < kL; ++ln)
+            tc::ds_cols(lane_frag(pt, ln), lane_frag(dpt, ln), ln, row0, i0, s, p.shift, scale_log2,
+                        lse_s, dl_s, masked);
+          for (int kk = 0; kk < tc::kQueryTile / 16; ++kk) {
+            mma_av(dva, a_from_c(pt, kk), dot, kk);
+            mma_av(dka, a_from_c(dpt, kk), qt, kk);
+          }
+        }
+        store(dka, scale, dk, row0, s, p.ldkv(), kvh * D, p.accumulate);
+        store(dva, 1.0f, dv, row0, s, p.ldkv(), kvh * D, p.accumulate);
+      }
+    }
+}
+
+// ---- The reference -----------------------------------------------------------------------------
+
+struct Ref {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+/// Attention in double on the bf16-rounded inputs: key j visible to query i when j <= i + shift;
+/// a row that sees no key has output 0 and lse −inf.
+Ref reference(const Problem& p, const std::vector<float>& q, const std::vector<float>& k,
+              const std::vector<float>& v, const std::vector<float>& dout) {
+  const I s = p.s, d = p.d;
+  const double scale = 1.0 / std::sqrt(double(d));
+  Ref r;
+  r.out.assign(q.size(), 0.0);
+  r.dq.assign(q.size(), 0.0);
+  r.dk.assign(k.size(), 0.0);
+  r.dv.assign(v.size(), 0.0);
+  r.lse.assign(static_cast<std::size_t>(p.heads * s), -INFINITY);
+  auto Q = [&](const std::vector<float>& x, I i, I h, I c) {
+    return double(round_bf16(x[static_cast<std::size_t>(i * p.ldq() + h * d + c)]));
+  };
+  auto K = [&](const std::vector<float>& x, I j, I h, I c) {
+    return double(round_bf16(x[static_cast<std::size_t>(j * p.ldkv() + h / p.group * d + c)]));
+  };
+  std::vector<double> pr(static_cast<std::size_t>(s)), dp(static_cast<std::size_t>(s));
+  for (I h = 0; h < p.heads; ++h)
+    for (I i = 0; i < s; ++i) {
+      const I n = std::clamp<I>(i + p.shift + 1, 0, s);  // keys 0 .. n − 1
+      if (n == 0) continue;
+      double mx = -INFINITY;
+      for (I j = 0; j < n; ++j) {
+        double x = 0.0;
+        for (I c = 0; c < d; ++c) x += Q(q, i, h, c) * K(k, j, h, c);
+        pr[j] = x * scale;
+        mx = std::max(mx, pr[j]);
+      }
+      double sum = 0.0;
+      for (I j = 0; j < n; ++j) sum += (pr[j] = std::exp(pr[j] - mx));
+      for (I j = 0; j < n; ++j) pr[j] /= sum;
+      r.lse[static_cast<std::size_t>(h * s + i)] = mx + std::log(sum);
+      double dsum = 0.0;
+      for (I j = 0; j < n; ++j) {
+        double x = 0.0;
+        for (I c = 0; c < d; ++c) x += Q(dout, i, h, c) * K(v, j, h, c);
+        dp[j] = x;
+        dsum += pr[j] * x;
+      }
+      for (I j = 0; j < n; ++j) {
+        const double ds = pr[j] * (dp[j] - dsum);
+        for (I c = 0; c < d; ++c) {
+          const auto qi = static_cast<std::size_t>(i * p.ldq() + h * d + c);
+          const auto kj = static_cast<std::size_t>(j * p.ldkv() + h / p.group * d + c);
+          r.out[qi] += pr[j] * K(v, j, h, c);
+          r.dq[qi] += ds * K(k, j, h, c) * scale;
+          r.dk[kj] += ds * Q(q, i, h, c) * scale;
+          r.dv[kj] += pr[j] * Q(dout, i, h, c);
+        }
+      }
+    }
+  return r;
+}
+
+/// max |got − (base + want)| / max(1, max |want|).
+double rel_error(const std::vector<float>& got, const std::vector<double>& want,
+                 const std::vector<float>& base) {
+  double err = 0.0, size = 1.0;
+  for (std::size_t e = 0; e < got.size(); ++e) {
+    const double b = base.empty() ? 0.0 : base[e];
+    err = std::max(err, std::abs(double(got[e]) - (b + want[e])));
+    size = std::max(size, std::abs(want[e]));
+  }
+  return err / size;
+}
+
+std::vector<float> randoms(std::size_t n, std::uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> x(n);
+  for (float& e : x) e = dist(gen);
+  return x;
+}
+
+/// shift 0; S/2 + 1; −S/3 − 1 (some rows see no key); 46, where a tile is one key short of
+/// needing no mask (46 = 64 − 16 − 2: the last key of tile 0 is one past what row 16 sees).
+enum class Pair { causal, later_keys, earlier_keys, boundary };
+
+using Param = std::tuple<I, int, I, Pair>;  // S, D, group, pair
+
+class FlashTcTwin : public testing::TestWithParam<Param> {};
+
+template <int D>
+void run(const Problem& p) {
+  const I s = p.s;
+  const auto nq = static_cast<std::size_t>(s * p.ldq()),
+             nk = static_cast<std::size_t>(s * p.ldkv());
+  const std::uint32_t seed = static_cast<std::uint32_t>(s * 1000 + D + p.group * 7);
+  const auto q = randoms(nq, seed), k = randoms(nk, seed + 1), v = randoms(nk, seed + 2),
+             dout = randoms(nq, seed + 3);
+  const Ref ref = reference(p, q, k, v, dout);
+  std::vector<float> out(nq, 0.0f), lse(static_cast<std::size_t>(p.heads * s), 0.0f);
+  twin_forward<D>(p, q, k, v, out, lse);
+  const double e_out = rel_error(out, ref.out, {});
+  EXPECT_LT(e_out, 1e-2) << "out";
+  for (std::size_t e = 0; e < lse.size(); ++e) {
+    if (std::isinf(ref.lse[e])) {
+      EXPECT_EQ(lse[e], -INFINITY) << "lse of a row that sees no key, " << e;
+    } else {
+      ASSERT_NEAR(lse[e], ref.lse[e], 1e-4 * std::max(1.0, std::abs(ref.lse[e]))) << "lse " << e;
+    }
+  }
+  // Δ as flash_delta_kernel computes it: dO rounded as the products read it, O as written.
+  std::vector<float> delta(lse.size(), 0.0f);
+  for (I h = 0; h < p.heads; ++h)
+    for (I i = 0; i < s; ++i) {
+      float sum = 0.0f;
+      for (I c = 0; c < D; ++c) {
+        const auto e = static_cast<std::size_t>(i * p.ldq() + h * D + c);
+        sum += tpx::cuda::flash::delta_term<true>(dout[e], out[e]);
+      }
+      delta[static_cast<std::size_t>(h * s + i)] = sum;
+    }
+  // A chunk pair adds its share to what earlier pairs left in the gradients.
+  const std::vector<float> dq0 = p.accumulate ? randoms(nq, seed + 4) : std::vector<float>(nq),
+                           dk0 = p.accumulate ? randoms(nk, seed + 5) : std::vector<float>(nk),
+                           dv0 = p.accumulate ? randoms(nk, seed + 6) : std::vector<float>(nk);
+  std::vector<float> dq = dq0, dk = dk0, dv = dv0;
+  twin_dq<D>(p, dout, q, k, v, lse, delta, dq);
+  twin_dkdv<D>(p, dout, q, k, v, lse, delta, dk, dv);
+  const double e_dq = rel_error(dq, ref.dq, dq0), e_dk = rel_error(dk, ref.dk, dk0),
+               e_dv = rel_error(dv, ref.dv, dv0);
+  EXPECT_LT(e_dq, 2e-2) << "dq";
+  EXPECT_LT(e_dk, 2e-2) << "dk";
+  EXPECT_LT(e_dv, 2e-2) << "dv";
+  std::printf("relative error: out %.2e dq %.2e dk %.2e dv %.2e\n", e_out, e_dq, e_dk, e_dv);
+}
+
+TEST_P(FlashTcTwin, MatchesDoubleReference) {
+  const auto [s, d, group, pair] = GetParam();
+  Problem p{s, d, group * (group == 1 ? 2 : 1), group, 0, false};
+  if (pair == Pair::later_keys) p = {s, d, p.heads, group, s / 2 + 1, true};
+  if (pair == Pair::earlier_keys) p = {s, d, p.heads, group, -(s / 3) - 1, true};
+  if (pair == Pair::boundary) p = {s, d, p.heads, group, 46, true};
+  if (d == 64)
+    run<64>(p);
+  else
+    run<128>(p);
+}
+
+std::string name_of(const testing::TestParamInfo<Param>& param) {
+  const char* names[] = {"causal", "shifted", "earlier", "boundary"};
+  std::ostringstream os;
+  os << "S" << std::get<0>(param.param) << "_D" << std::get<1>(param.param) << "_G"
+     << std::get<2>(param.param) << "_" << names[static_cast<int>(std::get<3>(param.param))];
+  return os.str();
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, FlashTcTwin,
+                         testing::Combine(testing::Values<I>(1, 15, 16, 17, 63, 64, 65, 200),
+                                          testing::Values(64, 128), testing::Values<I>(1, 4),
+                                          testing::Values(Pair::causal, Pair::later_keys,
+                                                          Pair::earlier_keys, Pair::boundary)),
+                         name_of);
+
+/// The ldmatrix addresses deliver the fragment layouts: an A block read with tc::ldsm_a puts
+/// element (a_row, a_col) of every lane's a_i where the mma reads it; a [n][k] block read with
+/// tc::ldsm_b and a [k][n] block read with .trans and tc::ldsm_a give B's (b_row, b_col).
+TEST(FlashTcTwinFragments, LdmatrixDeliversTheMmaLayouts) {
+  Tile t{16, 16, std::vector<float>(256)};
+  for (int e = 0; e < 256; ++e)
+    t.v[static_cast<std::size_t>(e)] = float(e);  // value = 16·row + col
+  const FragA a = as_a(ldsm_x4(t, 0, 0, false, tc::ldsm_a));
+  const Regs rb = ldsm_x4(t, 0, 0, false, tc::ldsm_b);  // t as [n][k]
+  const Regs rbt = ldsm_x4(t, 0, 0, true, tc::ldsm_a);  // t as [k][n]
+  for (int l = 0; l < kL; ++l) {
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(a[l][i], float(16 * tc::a_row(l, i) + tc::a_col(l, i)));
+    for (int h = 0; h < 2; ++h) {
+      const FragB b = as_b(rb, h), bt = as_b(rbt, h);
+      for (int i = 0; i < 4; ++i) {
+        const int kr = tc::b_row(l, i), n = 8 * h + tc::b_col(l, i);
+        EXPECT_EQ(b[l][i], float(16 * n + kr)) << "lane " << l << " b" << i;
+        EXPECT_EQ(bt[l][i], float(16 * kr + n)) << "lane " << l << " b" << i << " (.trans)";
+      }
+    }
+  }
+}
+
+/// The C-to-A reuse: the A fragment built from two C fragments holds, at every (a_row, a_col),
+/// the element the C fragments hold at that position.
+TEST(FlashTcTwinFragments, AccumulatorBecomesOperandInPlace) {
+  FragC<2> c{};
+  for (int l = 0; l < kL; ++l)
+    for (int n = 0; n < 2; ++n)
+      for (int i = 0; i < 4; ++i)
+        c[l][n][i] = float(16 * tc::c_row(l, i) + 8 * n + tc::c_col(l, i));
+  const FragA a = a_from_c(c, 0);
+  for (int l = 0; l < kL; ++l)
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(a[l][i], float(16 * tc::a_row(l, i) + tc::a_col(l, i)));
+}
+
+/// The loops' bounds against the visibility rule, by brute force.
+TEST(FlashTcTwinFragments, TileBoundsCoverExactlyTheVisibleKeys) {
+  for (I s : {1, 15, 64, 65, 200})
+    for (I shift : {I(-70), I(-5), I(0), I(3), I(64), I(300)}) {
+      for (I q0 = 0; q0 < s; q0 += tc::kBlockRows) {
+        I last = -1;  // the last key any row of the block sees
+        for (I i = q0; i < std::min(s, q0 + tc::kBlockRows); ++i)
+          for (I j = 0; j < s; ++j)
+            if (tc::visible(i, j, s, shift)) last = std::max(last, j);
+        EXPECT_EQ(tc::key_tiles(q0, s, shift), (last + tc::kKeyTile) / tc::kKeyTile)
+            << "S " << s << " shift " << shift << " q0 " << q0;
+      }
+      for (I k0 = 0; k0 < s; k0 += tc::kBlockRows) {
+        I first = s;  // the first query that sees a key of the block
+        for (I i = 0; i < s; ++i)
+          for (I j = k0; j < std::min(s, k0 + tc::kBlockRows); ++j)
+            if (tc::visible(i, j, s, shift)) first = std::min(first, i);
+        if (first < s) {
+          EXPECT_LE(tc::first_query_tile(k0, shift) * tc::kQueryTile, first)
+              << "S " << s << " shift " << shift << " k0 " << k0;
+        }
+      }
+    }
+}
+
+}  // namespace
