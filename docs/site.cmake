@@ -18,6 +18,8 @@ run(${DOXYGEN} ${OUT}/Doxyfile)
 # The chapters' figures and the benchmark CSVs, where docs/site.py points the pages at them.
 file(COPY ${SOURCE}/docs/figures/ DESTINATION ${OUT}/html/figures)
 file(COPY ${SOURCE}/docs/benchmarks/ DESTINATION ${OUT}/html/benchmarks)
+# The published GPU runs (docs/gpu-runs/): the validation and benchmark pages link their logs.
+file(COPY ${SOURCE}/docs/gpu-runs/ DESTINATION ${OUT}/html/gpu-runs)
 # The figures drawn from runs (timelines, the signal protocol, the loss plot) are made again from
 # this build's programs, replacing the committed copies in html/ (scripts/chapter-figures.py).
 if(BUILD AND EXISTS ${BUILD}/bin/06_fp8)

@@ -13,9 +13,9 @@
 The filter changes only what must differ between the repository, as GitHub shows it, and the
 site, whose pages all lie in one flat html/ directory served on its own:
 
-- A link or image into docs/figures/ or docs/benchmarks/ is written relative to the file on GitHub
-  (`../docs/figures/x.svg` from a chapter); the docs target copies both directories into html/,
-  so the site's path is `figures/x.svg`. Images become a link to the figure around the image, so
+- A link or image into docs/figures/, docs/benchmarks/ or docs/gpu-runs/ is written relative to
+  the file on GitHub (`../docs/figures/x.svg` from a chapter); the docs target copies the three
+  directories into html/, so the site's path is `figures/x.svg`. Images become a link to the figure around the image, so
   a click opens it full size (the stylesheet scales it to the content width).
 - A ```math block (GitHub typesets it with MathJax) becomes Doxygen's \\f[ ... \\f] (the site
   typesets it with MathJax too).
@@ -34,7 +34,8 @@ import urllib.parse
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOC = ROOT / "docs" / "toc.txt"
 # Repository directories the docs target copies into html/, and their names there.
-COPIED = {ROOT / "docs" / "figures": "figures", ROOT / "docs" / "benchmarks": "benchmarks"}
+COPIED = {ROOT / "docs" / "figures": "figures", ROOT / "docs" / "benchmarks": "benchmarks",
+          ROOT / "docs" / "gpu-runs": "gpu-runs"}  # a GPU run's reports and logs, as they are
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 
 
@@ -60,11 +61,12 @@ def reading_order():
 
 
 def page_id(path):
-    """The name Doxygen gives a markdown page: `index` for the front page, else md_<path>."""
+    """The name Doxygen gives a markdown page: `index` for the front page, else md_<path>, with
+    '/' and '-' as '_' (docs/gpu-validation.md is md_docs_gpu_validation)."""
     if path == ROOT / "docs" / "README.md":
         return "index"
     rel = path.relative_to(ROOT).with_suffix("")
-    return "md_" + str(rel).replace("/", "_")
+    return "md_" + str(rel).replace("/", "_").replace("-", "_")
 
 
 def title(path):
@@ -126,6 +128,10 @@ def rewrite_links(md, line):
         site = site_target(md, target)
         if site is None:
             return m.group(0)
+        if not bang and site.partition("#")[0].endswith(".md"):
+            # A markdown file copied as it is (a GPU run's report): Doxygen would take the link
+            # for a reference to a page of its own, so it is written as plain HTML.
+            return f'<a href="{html.escape(site)}">{text}</a>'
         if not bang:
             return f"[{text}]({site})"
         src, alt = html.escape(site), html.escape(text)
