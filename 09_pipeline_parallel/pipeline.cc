@@ -54,9 +54,12 @@ PipelineParallel::PipelineParallel(const RunContext& ctx, Mesh mesh,
   if (mesh_.pp == 1) return;
   CommOptions o = ctx.options.comm;
   o.group = mesh_.pp_group;
-  for (auto* c : {&activations_, &gradients_})
+  // The two channels order their messages apart: two lanes of the group in the flight recorder.
+  for (auto [c, payload] : {std::pair{&activations_, "act"}, std::pair{&gradients_, "grad"}}) {
+    o.group_label = fmt::format("{} {}", mesh_.pp_group.name(), payload);
     *c = std::make_unique<Channel>(
         Channel{make_communicator(o, device_), Stream::create(device_), Stream::create(device_)});
+  }
 }
 
 PipelineParallel::~PipelineParallel() {
@@ -141,7 +144,7 @@ Event PipelineParallel::send(const Transfer& x, const Tensor& t, const std::stri
   ready.record(compute);  // t has been written
   ready.wait(ch.send_lane);
   record_stream(t, ch.send_lane);
-  const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what);
+  const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what, x.peer, -1);
   ch.send_lane.run([this, &ch, t, peer = x.peer, what, booked] {
     TraceScope span(trace_, what, Lane::pp_comm);
     ch.comm->sendrecv(t, peer, Tensor(), peer, ch.send_lane, what, booked);
@@ -158,7 +161,7 @@ Event PipelineParallel::receive(const Transfer& x, const Tensor& buf, const std:
   ready.record(compute);  // buf is free to be written
   ready.wait(ch.recv_lane);
   record_stream(buf, ch.recv_lane);
-  const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what);
+  const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what, -1, x.peer);
   ch.recv_lane.run([this, &ch, buf, peer = x.peer, what, booked] {
     TraceScope span(trace_, what, Lane::pp_comm);
     ch.comm->sendrecv(Tensor(), peer, buf, peer, ch.recv_lane, what, booked);
@@ -246,12 +249,23 @@ Layout layout(const RunContext& ctx) {
   const int local_batch = int(c.batch / l.dp);
   const int v = o.stages_per_rank;
   int m = o.microbatches;
-  if (m == 0)  // the default: as many as keep every stage busy in the steady state, if they fit
+  // The default: as many as keep every stage busy in the steady state, if they fit (the
+  // interleaved schedule takes only multiples of P).
+  const bool interleaved = o.schedule == "interleaved-1f1b";
+  if (m == 0) {
     for (const int candidate : {l.pp * v, l.pp, 1})
-      if (local_batch % candidate == 0) {
+      if (local_batch % candidate == 0 && (!interleaved || candidate % l.pp == 0)) {
         m = candidate;
         break;
       }
+    if (m == 0)
+      throw ConfigError(fmt::format(
+          "--schedule interleaved-1f1b needs a number of micro-batches that is a multiple of "
+          "--pp {}, and the default --microbatches (the largest of P·V {}, P {} and 1 that "
+          "divides B / D) finds none that divides the local batch of {}: give --batch a "
+          "multiple of {}, or --microbatches",
+          l.pp, l.pp * v, l.pp, local_batch, std::int64_t(l.pp) * l.dp));
+  }
   (void)pipeline::microbatch_size(local_batch, m);  // throws unless M divides B / D
   l.shape = {.ranks = l.pp, .microbatches = m, .stages_per_rank = v};
   l.layers =

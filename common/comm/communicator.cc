@@ -57,7 +57,9 @@ Communicator::Communicator(int rank, int size, const CommOptions& o)
       rank_(rank),
       size_(size),
       options_(o),
-      group_{options_.group.name(), rank, job_ranks(options_.group)},
+      group_{options_.group_label.empty() ? std::string_view(options_.group.name())
+                                          : std::string_view(options_.group_label),
+             rank, job_ranks(options_.group)},
       job_rank_(o.group.world_rank_of(rank)) {
   options_.monitor.reset();  // held once, in monitor_
 }
@@ -77,8 +79,8 @@ void Communicator::shutdown() {
   if (own_monitor_ && std::uncaught_exceptions() == 0 && size_ > 1) monitor_->barrier();
 }
 
-std::uint64_t Communicator::book(CommOp op, std::string_view what) {
-  const std::uint64_t seq = recorder_.reserve(op, what, group_);
+std::uint64_t Communicator::book(CommOp op, std::string_view what, int peer, int src) {
+  const std::uint64_t seq = recorder_.reserve(op, what, group_, peer, src);
   std::lock_guard lock(stats_mutex_);
   booked_.emplace(seq, monitor_->next(CommMonitor::Kind::collective));
   return seq;

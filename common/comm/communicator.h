@@ -69,6 +69,10 @@ struct CommOptions {
   /// The ranks the communicator spans (the whole job unless a mesh splits it); every message
   /// about a peer names it in the group's terms (RankGroup::describe_rank).
   RankGroup group;
+  /// What the flight recorder calls the group, when not the group's own name: two
+  /// communicators over one group whose ops are ordered apart (stage 09's activation and
+  /// gradient channels) are two lanes of it, "pp group 0.0.0 act" and "... grad".
+  std::string group_label;
   /// Seconds an op may take before the watchdog dumps every rank's recent ops and aborts.
   double timeout_s = 60.0;
   /// Fault injection for tests: job rank `fault_rank` silently skips its collective (or ring
@@ -105,8 +109,9 @@ class Communicator {
   /// Books the record of an op of kind `op` that a task queued now will issue later on another
   /// thread (a comm lane's): pass the result as `booked` to that call. So an op takes its place
   /// in the flight recorder in the order the program queues it, the same on every rank, whichever
-  /// thread runs first.
-  std::uint64_t book(CommOp op, std::string_view what = {});
+  /// thread runs first. A point-to-point op names its peer (`peer` to send to, `src` to receive
+  /// from, numbers in the group) here already, so that its record joins the lane of that link.
+  std::uint64_t book(CommOp op, std::string_view what = {}, int peer = -1, int src = -1);
 
   /// out [N·n, ...] = concatenation over ranks of in [n, ...].
   void all_gather(const Tensor& in, const Tensor& out, const Stream& s,

@@ -72,8 +72,22 @@ void copy_text(std::string_view text, char* out, std::size_t size) {
 
 }  // namespace
 
-std::uint64_t FlightRecorder::reserve(CommOp op, std::string_view what, const OpGroup& group) {
+namespace {
+
+bool point_to_point(CommOp op) {
+  return op == CommOp::sendrecv || op == CommOp::send || op == CommOp::recv;
+}
+
+}  // namespace
+
+std::uint64_t FlightRecorder::reserve(CommOp op, std::string_view what, const OpGroup& group,
+                                      int peer, int src) {
   const double t = now();
+  // The lane: the group's, or for an op that only sends (or only receives) its link's.
+  std::string lane(group.name);
+  if (point_to_point(op) && (peer >= 0) != (src >= 0))
+    lane += peer >= 0 ? fmt::format(" >{}", group.job_of(peer))
+                      : fmt::format(" <{}", group.job_of(src));
   std::lock_guard lock(mu_);
   const std::uint64_t seq = next_++;
   OpRecord& r = ring_[seq % ring_.size()];
@@ -82,6 +96,11 @@ std::uint64_t FlightRecorder::reserve(CommOp op, std::string_view what, const Op
   r.enqueue_s = t;
   r.op = op;
   r.group_rank = group.name.empty() ? -1 : group.rank;
+  r.peer = peer;
+  r.src = src;
+  r.peer_job = group.job_of(peer);
+  r.src_job = group.job_of(src);
+  r.lane_seq = lanes_[lane]++;
   copy_text(what, r.what, sizeof r.what);
   copy_text(group.name, r.group, sizeof r.group);
   return seq;
@@ -103,10 +122,8 @@ void FlightRecorder::fill(std::uint64_t seq, DType dtype, std::int64_t count, st
 std::uint64_t FlightRecorder::begin(CommOp op, DType dtype, std::int64_t count, std::uint64_t bytes,
                                     int peer, int src, std::string_view what,
                                     const OpGroup& group) {
-  const std::uint64_t seq = reserve(op, what, group);
+  const std::uint64_t seq = reserve(op, what, group, peer, src);
   fill(seq, dtype, count, bytes, peer, src);
-  std::lock_guard lock(mu_);
-  if (OpRecord* r = find(seq)) r->src_job = group.job_of(src);
   return seq;
 }
 
@@ -210,17 +227,73 @@ Signature signature_of(const OpRecord& r) {
   }
 }
 
-/// One rank's entry for one sequence number.
+/// A lane: the ops that the same ranks must issue alike, numbered alike. `from`/`to` name a
+/// link (job ranks), -1 for a group's lane; `legacy`: records without lane numbers (made by
+/// hand), whose lane is the whole job in program order.
+struct Lane {
+  std::string group;
+  int from = -1, to = -1;
+  bool legacy = false;
+  auto operator<=>(const Lane&) const = default;
+  bool link() const { return from >= 0; }
+};
+
+Lane lane_of(const OpRecord& r, int rank) {
+  if (r.lane_seq == OpRecord::kNoLane) return {"", -1, -1, true};
+  Lane l{std::string(r.group), -1, -1, false};
+  if (point_to_point(r.op) && (r.peer >= 0) != (r.src >= 0)) {
+    l.from = r.peer >= 0 ? rank : r.src_job;
+    l.to = r.peer >= 0 ? r.peer_job : rank;
+  }
+  return l;
+}
+
+std::uint64_t index_in_lane(const OpRecord& r) {
+  return r.lane_seq == OpRecord::kNoLane ? r.seq : r.lane_seq;
+}
+
+/// One rank's entry for one op of a lane.
 struct Entry {
   enum Kind { record, evicted, not_issued } kind = record;
   const OpRecord* rec = nullptr;
 };
 
-Entry entry_at(const RankOps& r, std::uint64_t seq) {
-  if (seq >= r.next_seq) return {Entry::not_issued, nullptr};
-  for (const OpRecord& op : r.ops)
-    if (op.seq == seq) return {Entry::record, &op};
+Entry entry_at(const RankOps& r, const Lane& lane, std::uint64_t index) {
+  if (lane.legacy) {
+    if (index >= r.next_seq) return {Entry::not_issued, nullptr};
+    for (const OpRecord& op : r.ops)
+      if (op.seq == index) return {Entry::record, &op};
+    return {Entry::evicted, nullptr};
+  }
+  // The rank's retained ops of the lane: the newest of them is its last (older ones leave the
+  // ring first); none retained reads as none issued.
+  bool any = false;
+  std::uint64_t newest = 0;
+  for (const OpRecord& op : r.ops) {
+    if (op.lane_seq == OpRecord::kNoLane || lane_of(op, r.rank) != lane) continue;
+    if (op.lane_seq == index) return {Entry::record, &op};
+    any = true;
+    newest = std::max(newest, op.lane_seq);
+  }
+  if (!any || index > newest) return {Entry::not_issued, nullptr};
   return {Entry::evicted, nullptr};
+}
+
+/// The ranks that must issue a lane's ops: a link's two ends; a group's members that recorded
+/// any op of it; for records made by hand, every rank.
+std::vector<const RankOps*> members_of(const Lane& lane, const std::vector<const RankOps*>& live) {
+  std::vector<const RankOps*> out;
+  for (const RankOps* r : live) {
+    bool in = lane.legacy || r->rank == lane.from || r->rank == lane.to;
+    if (!lane.link() && !lane.legacy)
+      for (const OpRecord& op : r->ops)
+        if (op.lane_seq != OpRecord::kNoLane && lane_of(op, r->rank) == lane) {
+          in = true;
+          break;
+        }
+    if (in) out.push_back(r);
+  }
+  return out;
 }
 
 const OpRecord* oldest_in_flight(const RankOps& r) {
@@ -244,16 +317,26 @@ std::string last_op_words(const RankOps& r) {
                          : fmt::format("its last op is #{}, done", r.next_seq - 1);
 }
 
-/// Rule 1 of diagnose(): the first op a responding rank skipped or issued differently.
-std::optional<Verdict> first_difference(const std::vector<const RankOps*>& live) {
+/// Rule 1 of diagnose() in one lane: the first op a member skipped or issued differently.
+std::optional<Verdict> first_difference(const Lane& lane,
+                                        const std::vector<const RankOps*>& members,
+                                        const OpRecord** culprit) {
   std::uint64_t lo = UINT64_MAX, hi = 0;
-  for (const RankOps* r : live) {
-    lo = std::min(lo, r->ops.empty() ? r->next_seq : r->ops.front().seq);
-    hi = std::max(hi, r->next_seq);
+  for (const RankOps* r : members) {
+    if (lane.legacy) {
+      lo = std::min(lo, r->ops.empty() ? r->next_seq : r->ops.front().seq);
+      hi = std::max(hi, r->next_seq);
+      continue;
+    }
+    for (const OpRecord& op : r->ops)
+      if (op.lane_seq != OpRecord::kNoLane && lane_of(op, r->rank) == lane) {
+        lo = std::min(lo, op.lane_seq);
+        hi = std::max(hi, op.lane_seq + 1);
+      }
   }
-  for (std::uint64_t seq = lo; seq < hi; ++seq) {
+  for (std::uint64_t index = lo; index < hi; ++index) {
     std::vector<Entry> entries;
-    for (const RankOps* r : live) entries.push_back(entry_at(*r, seq));
+    for (const RankOps* r : members) entries.push_back(entry_at(*r, lane, index));
     // The expected op: the most common signature among ranks that executed it.
     // A booked op not yet run (not sized) has no sizes to compare: it neither votes nor differs,
     // unless it is another kind of op altogether.
@@ -269,18 +352,21 @@ std::optional<Verdict> first_difference(const std::vector<const RankOps*>& live)
     for (const auto& [sig, n] : votes)
       if (n > best) best = n, expected = sig;
     const OpRecord* example = nullptr;  // the op as a rank that ran it has it
-    for (const Entry& e : entries)
+    int example_rank = -1;
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const Entry& e = entries[i];
       if (!example && e.kind == Entry::record && e.rec->state != OpState::skipped && expected &&
           e.rec->sized && signature_of(*e.rec) == *expected)
-        example = e.rec;
+        example = e.rec, example_rank = members[i]->rank;
+    }
 
     Verdict v;
     std::vector<std::string> problems;
     const OpRecord* culprit_op = nullptr;
-    for (std::size_t i = 0; i < live.size(); ++i) {
+    for (std::size_t i = 0; i < members.size(); ++i) {
       const Entry& e = entries[i];
       if (e.kind != Entry::record) continue;
-      const int rank = live[i]->rank;
+      const int rank = members[i]->rank;
       if (e.rec->state == OpState::skipped) {
         problems.push_back(fmt::format("{} skipped it", rank_words(rank, e.rec)));
       } else if (expected && differs(*e.rec, *expected)) {
@@ -296,14 +382,36 @@ std::optional<Verdict> first_difference(const std::vector<const RankOps*>& live)
     constexpr std::size_t kShown = 4;
     const std::size_t more = problems.size() > kShown ? problems.size() - kShown : 0;
     problems.resize(std::min(problems.size(), kShown));
-    v.seq = seq;
-    v.text = fmt::format("first difference at op #{} ({}): {}", seq, describe_op(*culprit_op),
-                         fmt::join(problems, "; "));
+    v.seq = culprit_op->seq;
+    *culprit = culprit_op;
+    v.text = fmt::format("first difference at op #{} ({}): {}", culprit_op->seq,
+                         describe_op(*culprit_op), fmt::join(problems, "; "));
     if (more > 0) v.text += fmt::format("; and {} more rank(s)", more);
-    if (example) v.text += fmt::format(" (the others: {})", describe_op(*example));
+    if (example && lane.link())
+      v.text += fmt::format(" (its {}: rank {}'s op #{}, {})",
+                            lane.from == example_rank ? "send" : "receive", example_rank,
+                            example->seq, describe_op(*example));
+    else if (example)
+      v.text += fmt::format(" (the others: {})", describe_op(*example));
     return v;
   }
   return std::nullopt;
+}
+
+/// Rule 1 over every lane: the difference whose op was enqueued first.
+std::optional<Verdict> first_difference(const std::vector<const RankOps*>& live) {
+  std::map<Lane, bool> lanes;
+  for (const RankOps* r : live)
+    for (const OpRecord& op : r->ops) lanes[lane_of(op, r->rank)] = true;
+  std::optional<Verdict> best;
+  double best_t = 0;
+  for (const auto& [lane, _] : lanes) {
+    const OpRecord* culprit = nullptr;
+    auto v = first_difference(lane, members_of(lane, live), &culprit);
+    if (v && (!best || culprit->enqueue_s < best_t))
+      best = std::move(v), best_t = culprit->enqueue_s;
+  }
+  return best;
 }
 
 }  // namespace
@@ -320,11 +428,14 @@ Verdict diagnose(std::span<const RankOps> ranks) {
   Verdict v;
   if (auto d = first_difference(live)) return *d;
 
-  // The oldest op in flight on a responding rank: what the job waits in.
+  // The oldest op in flight on a responding rank: what the job waits in (enqueued first; by
+  // sequence number among equals).
   const RankOps* oldest_rank = nullptr;
   const OpRecord* oldest = nullptr;
   for (const RankOps* r : live)
-    if (const OpRecord* op = oldest_in_flight(*r); op && (!oldest || op->seq < oldest->seq))
+    if (const OpRecord* op = oldest_in_flight(*r);
+        op &&
+        (!oldest || std::tie(op->enqueue_s, op->seq) < std::tie(oldest->enqueue_s, oldest->seq)))
       oldest_rank = r, oldest = op;
 
   if (!silent.empty()) {
@@ -333,7 +444,8 @@ Verdict diagnose(std::span<const RankOps> ranks) {
                          ranks_words(silent));
     if (oldest) {
       v.seq = oldest->seq;
-      v.text += fmt::format("; the others wait in op #{} ({})", oldest->seq, describe_op(*oldest));
+      v.text += fmt::format("; the others wait in op #{} ({}) on rank {}", oldest->seq,
+                            describe_op(*oldest), oldest_rank->rank);
     }
     return v;
   }
@@ -345,36 +457,52 @@ Verdict diagnose(std::span<const RankOps> ranks) {
     return v;
   }
 
-  // A wait for a peer's signal is the peer's to end: follow the waits to a rank that is not
-  // waiting for another (or back to one already seen).
   auto find_rank = [&](int job_rank) -> const RankOps* {
     for (const RankOps* r : live)
       if (r->rank == job_rank) return r;
     return nullptr;
   };
+  // Follow the waits to a rank that is not waiting for another (or back to one already seen): a
+  // wait for a peer's signal is the peer's to end; an op whose lane has a member waiting in
+  // another op is that member's.
   std::vector<int> seen{oldest_rank->rank};
-  while (oldest->op == CommOp::signal_wait && oldest->src_job >= 0) {
-    const RankOps* peer = find_rank(oldest->src_job);
-    if (peer == nullptr || std::ranges::find(seen, peer->rank) != seen.end()) break;
-    const OpRecord* op = oldest_in_flight(*peer);
-    if (op == nullptr) break;
-    seen.push_back(peer->rank);
-    oldest_rank = peer, oldest = op;
+  std::vector<int> holding, done, behind;
+  for (;;) {
+    if (oldest->op == CommOp::signal_wait && oldest->src_job >= 0) {
+      const RankOps* peer = find_rank(oldest->src_job);
+      const OpRecord* op = peer ? oldest_in_flight(*peer) : nullptr;
+      if (op != nullptr && std::ranges::find(seen, peer->rank) == seen.end()) {
+        seen.push_back(peer->rank);
+        oldest_rank = peer, oldest = op;
+        continue;
+      }
+    }
+    const Lane lane = lane_of(*oldest, oldest_rank->rank);
+    const std::uint64_t index = index_in_lane(*oldest);
+    holding.clear(), done.clear(), behind.clear();
+    const RankOps* waiting_elsewhere = nullptr;
+    for (const RankOps* r : members_of(lane, live)) {
+      const Entry e = entry_at(*r, lane, index);
+      if (e.kind == Entry::not_issued) {
+        if (oldest_in_flight(*r) == nullptr)
+          behind.push_back(r->rank);
+        else if (!lane.legacy && waiting_elsewhere == nullptr)
+          waiting_elsewhere = r;
+      } else if (e.kind == Entry::record && e.rec->state == OpState::in_flight) {
+        holding.push_back(r->rank);
+      } else {
+        done.push_back(r->rank);
+      }
+    }
+    if (!behind.empty() || waiting_elsewhere == nullptr ||
+        std::ranges::find(seen, waiting_elsewhere->rank) != seen.end())
+      break;
+    seen.push_back(waiting_elsewhere->rank);
+    oldest_rank = waiting_elsewhere, oldest = oldest_in_flight(*waiting_elsewhere);
   }
 
   const std::uint64_t seq = oldest->seq;
-  std::vector<int> holding, done, behind;
   const OpRecord* holding_op = oldest;
-  for (const RankOps* r : live) {
-    const Entry e = entry_at(*r, seq);
-    if (e.kind == Entry::not_issued) {
-      if (oldest_in_flight(*r) == nullptr) behind.push_back(r->rank);
-    } else if (e.kind == Entry::record && e.rec->state == OpState::in_flight) {
-      holding.push_back(r->rank);
-    } else {
-      done.push_back(r->rank);
-    }
-  }
   v.seq = seq;
   if (!behind.empty()) {
     v.ranks = behind;
@@ -382,8 +510,8 @@ Verdict diagnose(std::span<const RankOps> ranks) {
     for (int r : behind)
       words.push_back(fmt::format("{} has not issued it ({})", rank_words(r, nullptr),
                                   last_op_words(*find_rank(r))));
-    v.text =
-        fmt::format("op #{} ({}) waits: {}", seq, describe_op(*holding_op), fmt::join(words, "; "));
+    v.text = fmt::format("op #{} ({}) on rank {} waits: {}", seq, describe_op(*holding_op),
+                         oldest_rank->rank, fmt::join(words, "; "));
   } else if (!done.empty() || holding.size() == 1) {
     // The op is stuck on the ranks still holding it, and only there.
     v.ranks = {oldest_rank->rank};
@@ -391,8 +519,9 @@ Verdict diagnose(std::span<const RankOps> ranks) {
                          rank_words(oldest_rank->rank, holding_op),
                          done.empty() ? "" : fmt::format("; {} completed it", ranks_words(done)));
   } else {
-    v.text = fmt::format("every rank waits in op #{} ({}): none skipped it or issued another", seq,
-                         describe_op(*holding_op));
+    v.text =
+        fmt::format("every rank waits in op #{} ({}) on rank {}: none skipped it or issued another",
+                    seq, describe_op(*holding_op), oldest_rank->rank);
   }
   return v;
 }

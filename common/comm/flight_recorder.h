@@ -2,9 +2,12 @@
 // communicator's collectives and point-to-point ring steps, every symmetric memory's signals,
 // signal waits and copy-engine pulls, of every group a rank belongs to — numbered in the order the
 // rank's program issues them (sequence number, op, size, peers, group, enqueue/start/end times,
-// outcome). All ranks run the same program, so op #k is the same event on every rank, and the
-// analysis (diagnose) lines the rings of all ranks up to name the op and the rank that stopped the
-// job. The watchdog (watchdog.h) prints both when an op hangs.
+// outcome). Each op is also numbered in its lane: the ops of one group (its members issue the
+// same sequence), or of one link of a group (a point-to-point op that only sends to, or only
+// receives from, one peer: the k-th send from a to b meets b's k-th receive from a). Ranks need
+// not run the same program (a pipeline's stages do not), so the analysis (diagnose) lines up
+// each lane's members, never the whole job, to name the op, the rank and the group that stopped
+// the job. The watchdog (watchdog.h) prints both when an op hangs.
 //
 // An op run later on another thread (a comm lane's task) is booked when it is queued (reserve), so
 // that it takes its place in the order of the program, not of the threads.
@@ -15,6 +18,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -74,6 +79,13 @@ struct OpRecord {
   char what[48] = {};
   /// The group the op ran in (e.g. "tp group 1"), NUL-terminated; empty for the whole job.
   char group[24] = {};
+  /// The job rank of `peer` (-1 when there is none).
+  std::int32_t peer_job = -1;
+  /// The op's number in its lane on this rank (0, 1, 2, ...): among the ops of its group, or of
+  /// its link (group, sender, receiver) for a send-only or receive-only op. kNoLane in a record
+  /// made by hand: then the whole job is its lane and `seq` its number.
+  std::uint64_t lane_seq = kNoLane;
+  static constexpr std::uint64_t kNoLane = ~std::uint64_t{0};
 };
 
 /// The group an op runs in, as the recorder stores it: empty name for the whole job.
@@ -98,7 +110,10 @@ class FlightRecorder {
                       const OpGroup& group = {});
   /// Books the next sequence number for an op of kind `op` that will be issued later, from
   /// another thread: recorded now (in flight, enqueued now); fill() completes it.
-  std::uint64_t reserve(CommOp op, std::string_view what = {}, const OpGroup& group = {});
+  /// A point-to-point op names its peer (`peer`, to send to) or source (`src`) here, numbers in
+  /// `group`, so that it is numbered in the lane of that link.
+  std::uint64_t reserve(CommOp op, std::string_view what = {}, const OpGroup& group = {},
+                        int peer = -1, int src = -1);
   /// Completes a reserve()d op's size and peers (ignored once it has left the ring).
   void fill(std::uint64_t seq, DType dtype, std::int64_t count, std::uint64_t bytes, int peer = -1,
             int src = -1);
@@ -124,6 +139,7 @@ class FlightRecorder {
   mutable std::mutex mu_;
   std::vector<OpRecord> ring_;  // slot = seq % capacity
   std::uint64_t next_ = 0;
+  std::map<std::string, std::uint64_t, std::less<>> lanes_;  // lane → ops numbered in it
 };
 
 /// One rank's recorder as the analysis sees it.
@@ -146,15 +162,19 @@ struct Verdict {
   std::string text;
 };
 
-/// The job's diagnosis from the records of every rank, in this order of evidence:
-///   1. the first op some responding rank skipped or issued differently from the others (for
-///      collectives also a different dtype, size or root): those ranks;
+/// The job's diagnosis from the records of every rank. Only the ranks that must agree are
+/// compared: each lane's (a group's members; a link's sender and receiver). In this order of
+/// evidence:
+///   1. the first op (earliest enqueued) some responding rank skipped or issued differently from
+///      the rest of its lane (for collectives also a different dtype, size or root): those ranks;
 ///   2. else ranks that did not answer: they, and the op the others wait in;
-///   3. else the oldest op still in flight anywhere: if it waits for a peer's signal, the peer
-///      it waits for (followed while that peer waits too); the rank(s) holding it, when the others
-///      are done with it, or a rank with nothing in flight that has not issued it yet.
+///   3. else the oldest op still in flight anywhere, followed to what it waits for: a peer's
+///      signal, or a member of its lane that waits in another op; then the rank(s) holding it,
+///      when the rest of its lane is done with it, or a member with nothing in flight that has
+///      not issued it yet.
 /// A rank waiting in an op (in flight) is never blamed for not having issued a later one. Ops
-/// evicted from a rank's ring count as issued with unknown contents.
+/// evicted from a rank's ring count as issued with unknown contents. The verdict names each
+/// op by the sequence number of the rank it is about.
 Verdict diagnose(std::span<const RankOps> ranks);
 
 /// One op in a few words, e.g. "all_reduce fp32[1024] 4096 B", "sendrecv fp32[64] 256 B to 1 from
