@@ -246,22 +246,98 @@ std::string prepare_dump_dir(const fs::path& dir) {
   };
   if (dir.empty()) return "--dump: the path is empty";
   std::error_code ec;
-  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) return problem("is not a directory");
-  fs::create_directories(dir, ec);
-  if (ec) return problem(fmt::format("cannot create the directory: {}", ec.message()));
-  if (const int err = probe_directory_of(dir / "config.json"); err != 0)
-    return problem(fmt::format("cannot create files in it: {}", std::strerror(err)));
   const fs::path name = directory_name(dir);
-  const fs::path probe = create_temporary_dir(name);
+  if (fs::exists(name, ec)) {
+    if (!fs::is_directory(name, ec)) return problem("is not a directory");
+    if (const int err = probe_directory_of(name / "config.json"); err != 0)
+      return problem(fmt::format("cannot create files in it: {}", std::strerror(err)));
+  }
+  // The first name on the way down that does not exist yet (`name` itself, or a parent): the
+  // dump creates it, so a directory must be creatable in its parent.
+  fs::path first_missing = name;
+  for (fs::path p = name; !p.empty() && p != p.parent_path(); p = p.parent_path()) {
+    if (fs::exists(p, ec)) break;
+    first_missing = p;
+  }
+  const fs::path beside = fs::exists(name, ec) ? name : first_missing;
+  if (fs::exists(beside.parent_path(), ec) && !fs::is_directory(beside.parent_path(), ec))
+    return problem(fmt::format("'{}' is not a directory", beside.parent_path().string()));
+  const fs::path probe = create_temporary_dir(beside);
   if (probe.empty())
-    return problem(fmt::format("cannot create a directory beside it in '{}': {}",
-                               name.parent_path().string(), std::strerror(errno)));
+    return problem(fmt::format("cannot create a directory in '{}': {}",
+                               beside.parent_path().string(), std::strerror(errno)));
   fs::remove(probe, ec);
+  return {};
+}
+
+namespace {
+
+/// `p` as the file it names: absolute, normal, symlinks resolved where they exist.
+fs::path resolved(const fs::path& p) {
+  std::error_code ec;
+  fs::path r = fs::weakly_canonical(fs::absolute(p, ec), ec);
+  if (ec) r = fs::absolute(p, ec).lexically_normal();
+  if (r.filename().empty()) r = r.parent_path();
+  return r;
+}
+
+bool same_file(const fs::path& a, const fs::path& b) {
+  if (resolved(a) == resolved(b)) return true;
+  std::error_code ec;
+  return fs::exists(a, ec) && fs::exists(b, ec) && fs::equivalent(a, b, ec);
+}
+
+/// Whether `p` lies inside the directory `dir` (resolved names).
+bool inside(const fs::path& p, const fs::path& dir) {
+  const fs::path rp = resolved(p), rd = resolved(dir);
+  auto d = rd.begin();
+  auto i = rp.begin();
+  for (; d != rd.end(); ++d, ++i)
+    if (i == rp.end() || *i != *d) return false;
+  return i != rp.end();
+}
+
+std::string quoted(const NamedPath& n) {
+  if (n.flag.empty()) return fmt::format("'{}'", n.path.string());
+  return fmt::format("{} '{}'", n.flag, n.path.string());
+}
+
+}  // namespace
+
+std::string output_collision(const std::vector<NamedPath>& outputs,
+                             const std::vector<NamedPath>& inputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const NamedPath& a = outputs[i];
+    for (std::size_t j = 0; j < i; ++j) {
+      const NamedPath& b = outputs[j];
+      if (same_file(a.path, b.path))
+        return fmt::format("{} is the same file as {}: each output needs its own", quoted(a),
+                           quoted(b));
+      if (b.directory && inside(a.path, b.path))
+        return fmt::format("{} lies inside {}, which the dump replaces whole: write it elsewhere",
+                           quoted(a), quoted(b));
+      if (a.directory && inside(b.path, a.path))
+        return fmt::format("{} lies inside {}, which the dump replaces whole: write it elsewhere",
+                           quoted(b), quoted(a));
+    }
+    for (const NamedPath& in : inputs) {
+      if (same_file(a.path, in.path))
+        return fmt::format("{} would overwrite the input {}: write it elsewhere", quoted(a),
+                           quoted(in));
+      if (a.directory && inside(in.path, a.path))
+        return fmt::format("the input {} lies inside {}, which the dump replaces whole", quoted(in),
+                           quoted(a));
+    }
+  }
   return {};
 }
 
 void write_dump_dir(const fs::path& dir, const std::function<void(const fs::path&)>& fill) {
   const fs::path target = directory_name(dir);
+  // The directory's missing parents are made now, when the dump is written (prepare_dump_dir
+  // made nothing).
+  if (std::error_code made; !fs::create_directories(target.parent_path(), made) && made)
+    fail_write(dir, made.value());
   const fs::path staging = create_temporary_dir(target);
   if (staging.empty()) fail_write(dir, errno);
   std::error_code ec;

@@ -14,7 +14,8 @@
 // typo in a directory costs a one-line error, not a run.
 //
 // defines: tpx::OutputFile, tpx::write_file_atomically(), tpx::write_text_file(),
-//          tpx::output_file_problem(), tpx::prepare_dump_dir(), tpx::write_dump_dir()
+//          tpx::output_file_problem(), tpx::prepare_dump_dir(), tpx::write_dump_dir(),
+//          tpx::NamedPath, tpx::output_collision()
 #pragma once
 
 #include <cstddef>
@@ -22,6 +23,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace tpx {
 
@@ -73,11 +75,29 @@ void write_text_file(const std::filesystem::path& path, std::string_view text);
 /// creates no directories.
 std::string output_file_problem(std::string_view flag, const std::filesystem::path& path);
 
-/// Gets a --dump directory ready: creates it (and its parents) if needed and checks that files can
-/// be created in it and a temporary directory beside it. Changes nothing in it: what an earlier
-/// run left is replaced when the new dump is complete (write_dump_dir). Returns empty on success,
-/// else one sentence naming --dump, the directory and why.
+/// Checks that a --dump directory can be written, creating nothing: an existing `dir` must be a
+/// directory in which files can be created, with room for a temporary directory beside it; a
+/// missing one must have an existing ancestor in which a directory can be created (the dump
+/// makes it, and its missing parents, only when it is written: a refused or killed run leaves
+/// nothing behind). Changes nothing in it: what an earlier run left is replaced when the new dump
+/// is complete (write_dump_dir). Returns empty on success, else one sentence naming --dump, the
+/// directory and why.
 std::string prepare_dump_dir(const std::filesystem::path& dir);
+
+/// One path a program reads or writes, for output_collision(): the flag that names it, and
+/// whether it is a directory (a --dump) whose files are outputs too.
+struct NamedPath {
+  std::string_view flag;
+  std::filesystem::path path;
+  bool directory = false;
+};
+
+/// Empty when the `outputs` are apart: no two resolve to the same file (symlinks and hard links
+/// followed), none lies inside another's directory, and none is one of the `inputs` (or inside
+/// an output directory, an input). Otherwise one sentence naming both flags and the file, e.g.
+/// "--trace 'x' is the same file as --json 'x': each output needs its own". Creates nothing.
+std::string output_collision(const std::vector<NamedPath>& outputs,
+                             const std::vector<NamedPath>& inputs = {});
 
 /// Writes the --dump directory `dir` whole or not at all: `fill` writes every file into the
 /// directory it is given, a new temporary one beside `dir`, which then takes `dir`'s place in one

@@ -280,6 +280,15 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
            "GPU memory and needs --device cuda with one GPU per rank (on the cpu, the copy-engine "
            "path is the hand-built pulls: --all-gather pulls)";
   if (rank != 0) return {};
+  {
+    // No two outputs in one file (or one inside the dump), none over an input.
+    std::vector<NamedPath> outputs, inputs;
+    if (!o.json_path.empty()) outputs.push_back({"--json", o.json_path});
+    if (!o.trace_path.empty()) outputs.push_back({"--trace", o.trace_path});
+    if (!o.dump_dir.empty()) outputs.push_back({"--dump", o.dump_dir, /*directory=*/true});
+    if (!o.config_file.empty()) inputs.push_back({"--config", o.config_file});
+    if (std::string p = output_collision(outputs, inputs); !p.empty()) return p;
+  }
   if (!o.json_path.empty())
     if (std::string p = output_file_problem("--json", o.json_path); !p.empty()) return p;
   if (!o.trace_path.empty())

@@ -281,16 +281,36 @@ TEST(WriteDumpDir, MakesTheDirectoryAndAFailedWriteLeavesTheOldOneWhole) {
   EXPECT_EQ(names_in(parent.path()), std::vector<std::string>{"dump"});
 }
 
-TEST(PrepareDumpDir, CreatesAMissingDirectoryAndRejectsAFile) {
+// A --dump directory is made only when the dump is written: checking it creates nothing, so a
+// refused or killed run leaves no empty directory behind.
+TEST(PrepareDumpDir, CreatesNothingAndRejectsAFile) {
   const test::TempDir dir;
   EXPECT_EQ(prepare_dump_dir(dir / "a" / "b"), "");
-  EXPECT_TRUE(fs::is_directory(dir / "a" / "b"));
-  EXPECT_TRUE(fs::is_empty(dir / "a" / "b"));  // the probe is gone
+  EXPECT_FALSE(fs::exists(dir / "a"));
+  EXPECT_TRUE(fs::is_empty(dir.path()));  // the probe is gone
+  write_dump_dir(dir / "a" / "b", [](const fs::path& d) { put(d / "config.json", "{}"); });
+  EXPECT_EQ(test::read_file(dir / "a" / "b" / "config.json"), "{}");
   put(dir / "file", "x");
   EXPECT_EQ(prepare_dump_dir(dir / "file"),
             "--dump '" + (dir / "file").string() + "': is not a directory");
   EXPECT_EQ(test::read_file(dir / "file"), "x");
-  EXPECT_TRUE(Contains(prepare_dump_dir(dir / "file" / "sub"), "cannot create the directory"));
+  EXPECT_TRUE(Contains(prepare_dump_dir(dir / "file" / "sub"), "is not a directory"));
+}
+
+TEST(OutputCollision, SameFileInsideTheDumpOrOverAnInput) {
+  const test::TempDir dir;
+  put(dir / "in.json", "{}");
+  fs::create_symlink(dir / "in.json", dir / "link.json");
+  EXPECT_EQ(output_collision({{"--json", dir / "a.json"}, {"--trace", dir / "b.json"}}), "");
+  EXPECT_TRUE(
+      Contains(output_collision({{"--json", dir / "a"}, {"--trace", dir / "x" / ".." / "a"}}),
+               "is the same file as --json"));
+  EXPECT_TRUE(Contains(
+      output_collision({{"--dump", dir / "d", true}, {"--json", dir / "d" / "config.json"}}),
+      "lies inside --dump"));
+  EXPECT_TRUE(Contains(output_collision({{"--csv", dir / "link.json"}}, {{"", dir / "in.json"}}),
+                       "would overwrite the input"));
+  EXPECT_TRUE(fs::exists(dir / "in.json"));
 }
 
 }  // namespace

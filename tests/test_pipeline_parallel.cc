@@ -341,5 +341,52 @@ TEST(PipelineParallel, BadInputIsOneLineOnEveryRank) {
   test::expect_refused_once("08_context_parallel", 2, z.args() + " --steps 1 --pp 2", "--pp");
 }
 
+TEST(PipelineParallel, TheInterleavedDefaultNamesNoFlagTheUserDidNotGive) {
+  const Sizes z = pipeline_sizes();
+  const auto r = test::expect_refused_once(
+      "09_pipeline_parallel", 2,
+      fmt::format("--hidden {} --heads {} --ffn {} --seq {} --layers 4 --batch 1 --steps 1 "
+                  "--schedule interleaved-1f1b --stages-per-rank 2",
+                  z.H, z.NH, z.F, z.S),
+      "the default --microbatches");
+  EXPECT_EQ(r.err.find("--microbatches 1 "), std::string::npos) << r.err;
+}
+
+// Outputs of one run that would land in one file, or inside the dump, or over the --config it
+// reads: refused in one line before any work, nothing written; a refused run leaves no --dump.
+TEST(PipelineParallel, OutputsThatCollideAreRefusedAndARefusedRunLeavesNoDump) {
+  const Sizes z = pipeline_sizes();
+  const std::string base = z.args() + " --steps 1";
+  struct Bad {
+    std::string args, words;
+  };
+  for (const Bad& b :
+       {Bad{"--json X --trace X", "--trace 'X' is the same file as --json 'X'"},
+        Bad{"--json X --trace ./sub/../X", "is the same file as --json 'X'"},
+        Bad{"--dump D --json D/config.json", "--json 'D/config.json' lies inside --dump 'D'"},
+        Bad{"--dump D --trace D/t.json", "lies inside --dump 'D'"}}) {
+    SCOPED_TRACE(b.args);
+    test::TempDir dir;
+    std::filesystem::create_directory(dir / "sub");
+    const auto r = test::run_stage("09_pipeline_parallel", 2, base + " " + b.args, dir);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    int lines = 0;
+    for (const auto& line : test::lines_of(r.err))
+      if (line.starts_with("09_pipeline_parallel: error:")) {
+        ++lines;
+        EXPECT_NE(line.find(b.words), std::string::npos) << line;
+      }
+    EXPECT_EQ(lines, 1) << r.err;
+    EXPECT_FALSE(std::filesystem::exists(dir / "X"));
+    EXPECT_FALSE(std::filesystem::exists(dir / "D")) << "a refused run made its --dump";
+  }
+  // A run refused after the outputs were checked (here: by a bad mesh) leaves no directory.
+  test::TempDir dir;
+  const auto r = test::run_stage("09_pipeline_parallel", 2,
+                                 base + " --pp 2 --microbatches 3 --dump a/b/D", dir);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "a")) << "a refused run left its --dump behind";
+}
+
 }  // namespace
 }  // namespace tpx

@@ -687,6 +687,29 @@ TEST(TpxProject, MissingDeviceFileFailsWithOneLine) {
   EXPECT_EQ(test::lines_of(r.err).size(), 1u) << r.err;
 }
 
+TEST(TpxProject, BadSizesAndAMissingCalibrationAreOneLineAndExit2) {
+  test::TempDir dir;
+  const std::string device = (kDevices / "h100_sxm.json").string();
+  for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--tp 0", "--tp: must be a positive integer (got 0)"},
+           {"--hidden abc", "--hidden: 'abc' is not an integer"},
+           {"--hidden -3", "--hidden: must be a positive integer (got -3)"},
+           {"--dp 1.5", "--dp: '1.5' is not an integer"},
+           {"--calibrate /nonexistent.json", "--calibrate /nonexistent.json: no such file"},
+           {"--markdown t.md --json t.md",
+            "--json 't.md' is the same file as --markdown 't.md'"}}) {
+    SCOPED_TRACE(args);
+    const auto r =
+        test::run_command(fmt::format("{} --device {} {}", TPX_PROJECT_BIN, device, args), dir);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    const auto lines = test::lines_of(r.err);
+    ASSERT_EQ(lines.size(), 1u) << r.err;
+    EXPECT_NE(lines[0].find(says), std::string::npos) << lines[0];
+    EXPECT_LT(lines[0].size(), 200u) << lines[0];
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+}
+
 // --- tpx_project by flags: a model by name, file or sizes
 // -----------------------------------------
 

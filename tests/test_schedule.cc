@@ -515,12 +515,20 @@ TEST(TpxSchedule, PrintsTheLibrarysScheduleAndSimulation) {
                           "--stages-per-rank 2",
                           "--schedule nope", "--pp 0", "--pp 2 --stages-per-rank 2",
                           "--microbatches x", "--no-such-flag", "--forward -1 --simulate",
-                          "--timeline", "--simulate --timeline --backward 1.5"}) {
+                          "--timeline", "--simulate --timeline --backward 1.5",
+                          // past the size guards: one line, at once, not bad_alloc or minutes
+                          "--pp 2147483647 --microbatches 2147483647 --simulate",
+                          "--pp 2000 --microbatches 100000 --simulate",
+                          "--pp 4 --microbatches 8 --simulate --timeline --forward 1000000000"}) {
     SCOPED_TRACE(bad);
     const auto r = test::run_command(fmt::format("{} {}", TPX_SCHEDULE_BIN, bad), dir);
     EXPECT_EQ(r.exit_code, 2);
     EXPECT_EQ(test::lines_of(r.err).size(), 1u) << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;
+    if (std::string_view(bad).find("2147483647") != std::string_view::npos ||
+        std::string_view(bad).find("--pp 2000") != std::string_view::npos) {
+      EXPECT_NE(r.err.find("actions, more than the 1e+07"), std::string::npos) << r.err;
+    }
   }
 }
 

@@ -111,13 +111,17 @@ class Report(unittest.TestCase):
                            ([notjson], "is not JSON"),
                            ([nosteps], "is not a stage's --json summary"),
                            ([good, "--csv", self.tmp / "no" / "dir" / "t.csv"], "cannot write"),
-                           ([good, "--cvs", "t.csv"], "did you mean --csv?")]:
+                           ([good, "--cvs", "t.csv"], "did you mean --csv?"),
+                           # the CSV over one of its own inputs: refused before anything is read
+                           (["--csv", good, good, self.tmp / "b.json"],
+                            "would overwrite the input")]:
             r = run([self.exe] + args)
             self.assertEqual(r.returncode, 2, (args, r.stderr))
             lines = r.stderr.strip().splitlines()
             self.assertEqual(len(lines), 1, r.stderr)
             self.assertTrue(lines[0].startswith("tpx_report: error: "), lines[0])
             self.assertIn(says, lines[0])
+        self.assertEqual(json.loads(good.read_text())["stage"], summary(256, "mpi")["stage"])
 
 
 def trace(events, stage="04_overlap_ring", world=2):

@@ -44,10 +44,12 @@
 //
 // Exit status: 0 done, 2 bad input (a flag, a size, a file), with one line on stderr.
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -62,6 +64,7 @@
 #include "common/config.h"
 #include "common/flops.h"
 #include "common/memory.h"
+#include "common/output.h"
 #include "common/pipeline/schedule.h"
 #include "common/presets.h"
 #include "common/tp.h"
@@ -286,6 +289,30 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
 
 }  // namespace
 
+namespace {
+
+/// A size flag's check: all of the value an integer of T (no sign, fraction or exponent) and at
+/// least 1; CLI11's PositiveNumber would say "not in range 0 to 1.797…e308" for both.
+template <class T>
+CLI::Validator positive_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        T value{};
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        if (ec == std::errc::result_out_of_range)
+          return fmt::format("'{}' is out of range (at most {})", text,
+                             std::numeric_limits<T>::max());
+        if (text.empty() || ec != std::errc() || ptr != end)
+          return fmt::format("'{}' is not an integer", text);
+        if (value < 1) return fmt::format("must be a positive integer (got {})", text);
+        return {};
+      },
+      "POSITIVE", "positive integer");
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{
       "tpx_project: projected step time, bytes and memory per GPU of stages 01-08 (and, with --pp, "
@@ -326,17 +353,17 @@ int main(int argc, char** argv) {
   app.set_config("--config", "", "read these flags from a TOML/INI file; the command line wins")
       ->group(m);
   app.allow_config_extras(CLI::config_extras_mode::error);
-  app.add_option("--hidden", c.hidden, "H")->check(CLI::PositiveNumber)->group(m);
-  app.add_option("--heads", c.heads, "NH")->check(CLI::PositiveNumber)->group(m);
+  app.add_option("--hidden", c.hidden, "H")->check(positive_integer<std::int64_t>())->group(m);
+  app.add_option("--heads", c.heads, "NH")->check(positive_integer<std::int64_t>())->group(m);
   app.add_option("--kv-heads", c.kv_heads, "NKV (GQA); NH when not given")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer<std::int64_t>())
       ->group(m);
-  app.add_option("--ffn", c.ffn, "F")->check(CLI::PositiveNumber)->group(m);
-  app.add_option("--seq", c.seq, "S")->check(CLI::PositiveNumber)->group(m);
+  app.add_option("--ffn", c.ffn, "F")->check(positive_integer<std::int64_t>())->group(m);
+  app.add_option("--seq", c.seq, "S")->check(positive_integer<std::int64_t>())->group(m);
   app.add_option("--batch", c.batch, "B, the global batch (stage 07: B / D per replica)")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer<std::int64_t>())
       ->group(m);
-  app.add_option("--layers", c.layers, "L")->check(CLI::PositiveNumber)->group(m);
+  app.add_option("--layers", c.layers, "L")->check(positive_integer<std::int64_t>())->group(m);
   app.add_option("--dtype", dtype, "fp32 or bf16 (stage 06: FP8 GEMMs inside bf16)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str()
@@ -346,11 +373,11 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->group(m);
   app.add_option("--tp", tp, "T, tensor-parallel GPUs (stages 02-07)")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
   app.add_option("--dp", dp, "D, data-parallel replicas of stages 07 and 08 (FSDP over D)")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
   pj::Layout mesh;  // stage 08's C and method, and the pipeline's P, M, schedule and V
@@ -358,7 +385,7 @@ int main(int argc, char** argv) {
   std::string cp_method = "ring";
   mesh.microbatches = 0;  // 0: one sequence each, B / D
   app.add_option("--cp", mesh.cp, "C, context-parallel ranks of stage 08 (and the pipeline)")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
   app.add_option("--cp-method", cp_method, "ring, allgather or ulysses (stage 08)")
@@ -366,12 +393,12 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->group(m);
   app.add_option("--pp", mesh.pp, "P, pipeline stages: adds the 4-D mesh P × D × C × T's row")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
   app.add_option("--microbatches", mesh.microbatches,
                  "M, micro-batches per step of each replica (default: B / D, one sequence each)")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer<int>())
       ->group(m);
   app.add_option("--schedule", mesh.schedule, "the pipeline's schedule")
       ->check(CLI::IsMember(tpx::pipeline::schedule_names()))
@@ -379,7 +406,7 @@ int main(int argc, char** argv) {
       ->group(m);
   app.add_option("--stages-per-rank", mesh.stages_per_rank,
                  "V, virtual pipeline stages per rank (interleaved-1f1b)")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
 
@@ -400,13 +427,22 @@ int main(int argc, char** argv) {
   }();
 
   try {
+    {
+      // The outputs apart from each other and from every file read.
+      std::vector<tpx::NamedPath> outputs, inputs;
+      if (!markdown.empty()) outputs.push_back({"--markdown", markdown});
+      if (!json_file.empty()) outputs.push_back({"--json", json_file});
+      for (const std::string& f : calibrate) inputs.push_back({"--calibrate", f});
+      if (!published.empty()) inputs.push_back({"--published", published});
+      if (const std::string p = tpx::output_collision(outputs, inputs); !p.empty())
+        throw std::invalid_argument(p);
+    }
     pj::DeviceSpec device = pj::load_device(device_file(device_arg), !assumed_only);
     if (!attention.empty()) pj::use_attention(device, attention);
     for (const std::string& file : calibrate) {
       if (!std::filesystem::exists(file))
-        std::fprintf(stderr, "note: %s not found: the device file's assumptions are used\n",
-                     file.c_str());
-      else if (!pj::calibrate(device, file))
+        throw std::invalid_argument(fmt::format("--calibrate {}: no such file", file));
+      if (!pj::calibrate(device, file))
         std::fprintf(stderr,
                      "note: %s has no cuda bf16 GEMM or copy-overlap rows: the device file's "
                      "assumptions are used\n",

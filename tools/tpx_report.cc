@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/cli_hint.h"
+#include "common/output.h"
 #include "common/units.h"
 
 namespace {
@@ -231,6 +232,11 @@ int main(int argc, char** argv) {
     return fail(tpx::parse_error_text(app, e));
   }
 
+  if (!csv.empty()) {
+    std::vector<tpx::NamedPath> inputs;
+    for (const auto& f : files) inputs.push_back({"", f});
+    if (std::string p = tpx::output_collision({{"--csv", csv}}, inputs); !p.empty()) return fail(p);
+  }
   std::vector<Row> rows;
   try {
     for (const auto& f : files) rows.push_back(summarise(f));

@@ -7,8 +7,9 @@
 // Prints every rank's actions in order; with --simulate also each rank's busy and idle time,
 // idle fraction and peak count of live micro-batch activations, the makespan and the bubble
 // next to the schedule's formula; --timeline adds the simulated timeline, one column per unit of
-// the smallest cost (every cost and the latency must be whole multiples of it). Bad sizes or names:
-// one line on stderr and exit 2.
+// the smallest cost (every cost and the latency must be whole multiples of it). Bad sizes or names,
+// and sizes past the guards (more than pipeline::kMaxScheduleActions actions, a timeline of more
+// than 10^8 characters): one line on stderr and exit 2.
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -21,6 +22,8 @@
 #include "common/pipeline/schedule.h"
 
 namespace {
+
+constexpr double kMaxTimelineCells = 1e8;
 
 // The timeline's column: the smallest nonzero cost (latency included).
 double unit_of(const tpx::pipeline::Costs& c) {
@@ -83,7 +86,16 @@ int main(int argc, char** argv) {
     if (simulate) {
       const pl::SimResult result = pl::simulate(*schedule, costs);
       out += pl::format_simulation(*schedule, costs, result);
-      if (timeline) out += pl::format_timeline(*schedule, result, unit);
+      if (timeline) {
+        // One character per rank and unit of time: a size guard before the text is made.
+        const double cells = double(shape.ranks) * (result.makespan / unit);
+        if (cells > kMaxTimelineCells)
+          throw tpx::ConfigError(fmt::format(
+              "--timeline would draw {:.3g} columns for each of {} ranks, more than {:.3g} "
+              "cells in all: fewer --microbatches, or costs fewer units of the smallest",
+              result.makespan / unit, shape.ranks, kMaxTimelineCells));
+        out += pl::format_timeline(*schedule, result, unit);
+      }
     }
     std::fputs(out.c_str(), stdout);
   } catch (const tpx::ConfigError& e) {

@@ -246,6 +246,15 @@ std::unique_ptr<Schedule> make_schedule(std::string_view name, const PipelineSha
     throw ConfigError(
         fmt::format("--microbatches must be at least 1 (got {})", shape.microbatches));
   const int V = shape.stages_per_rank;
+  // Every rank's list is held whole (and simulated, printed, run): a size guard before any is
+  // made. P·V·M·3 in floating point cannot overflow.
+  const double actions = double(shape.ranks) * std::max(V, 1) * double(shape.microbatches) *
+                         (name == "zb-h1" ? 3.0 : 2.0);
+  if (actions > double(kMaxScheduleActions))
+    throw ConfigError(fmt::format(
+        "--pp {} × --stages-per-rank {} × --microbatches {} makes {:.3g} actions, more than the "
+        "{:.3g} a schedule is made with (every rank's list is held in memory)",
+        shape.ranks, V, shape.microbatches, actions, double(kMaxScheduleActions)));
   if (name == "interleaved-1f1b") {
     if (V < 2)
       throw ConfigError(fmt::format(

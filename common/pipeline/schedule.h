@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -177,9 +178,13 @@ class ZeroBubbleH1 final : public Schedule {
 /// The names make_schedule() knows: gpipe, 1f1b, interleaved-1f1b, zb-h1.
 const std::vector<std::string>& schedule_names();
 
+/// The most actions (over every rank, F, B and W) make_schedule() lists: 10 million, a few
+/// hundred MB of lists and simulation.
+inline constexpr std::int64_t kMaxScheduleActions = 10'000'000;
+
 /// The schedule called `name` for `shape`. Throws ConfigError (one line) for an unknown name,
 /// P, M or V below 1, V ≠ 1 on a schedule other than interleaved-1f1b, V < 2 or M not a
-/// multiple of P on interleaved-1f1b.
+/// multiple of P on interleaved-1f1b, and more than kMaxScheduleActions actions.
 std::unique_ptr<Schedule> make_schedule(std::string_view name, const PipelineShape& shape);
 
 /// What a message carries: a forward activation, or the gradient of one going back.
