@@ -518,8 +518,9 @@ namespace {
 /// The mesh of ctx's job (--dp default 1, --cp default 2 when the ranks are even), checked.
 /// Collective.
 Mesh checked_mesh(const RunContext& ctx) {
-  const int dp = ctx.options.dp == 0 ? 1 : ctx.options.dp;
-  const int cp = ctx.options.cp != 0 ? ctx.options.cp : (ctx.world % 2 == 0 ? 2 : 1);
+  const StageOptions& o = ctx.options;
+  const int dp = o.dp != 0 ? o.dp : mesh_default(MeshFlag::cp, MeshFlag::dp, ctx.world);
+  const int cp = o.cp != 0 ? o.cp : mesh_default(MeshFlag::cp, MeshFlag::cp, ctx.world);
   if (dp < 1)
     throw ConfigError(
         fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));

@@ -223,9 +223,9 @@ Layout layout(const RunContext& ctx) {
   const StageOptions& o = ctx.options;
   const BlockConfig& c = o.config;
   Layout l;
-  l.pp = o.pp != 0 ? o.pp : (ctx.world % 2 == 0 ? 2 : 1);
-  l.dp = o.dp != 0 ? o.dp : 1;
-  l.cp = o.cp != 0 ? o.cp : 1;
+  l.pp = o.pp != 0 ? o.pp : mesh_default(MeshFlag::pp, MeshFlag::pp, ctx.world);
+  l.dp = o.dp != 0 ? o.dp : mesh_default(MeshFlag::pp, MeshFlag::dp, ctx.world);
+  l.cp = o.cp != 0 ? o.cp : mesh_default(MeshFlag::pp, MeshFlag::cp, ctx.world);
   if (l.pp < 1)
     throw ConfigError(fmt::format("--pp must be a positive number of stages (got {})", l.pp));
   if (l.dp < 1)

@@ -247,7 +247,8 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
     add_number(app, "--dp", o.dp,
                "data-parallel degree D: the ranks form a D × TP mesh (TP = ranks / D, TP "
                "innermost); weights, gradients and optimizer state are sharded over D; "
-               "when not given, 2 if the ranks are even and at least 4, else 1")
+               "when not given, " +
+                   mesh_default_words(newest_dimension(info), MeshFlag::dp))
         ->type_name("D")
         ->group("Mesh");
   // Only a context-parallel stage splits the sequence over a mesh dimension.
@@ -255,8 +256,8 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   if (info.context_parallel) {
     add_number(app, "--cp", o.cp,
                "context-parallel degree C: the sequence is cut into 2C chunks, CP rank i holding "
-               "chunks i and 2C-1-i (mesh D × C × TP, TP innermost); when not given, 2 if the "
-               "ranks are even, else 1")
+               "chunks i and 2C-1-i (mesh D × C × TP, TP innermost); when not given, " +
+                   mesh_default_words(newest_dimension(info), MeshFlag::cp))
         ->type_name("C")
         ->group("Mesh");
     app.add_option("--cp-method", cp_method,
@@ -271,7 +272,8 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   if (info.pipeline) {
     add_number(app, "--pp", o.pp,
                "pipeline-parallel degree P: the layers split contiguously over P stages (mesh P × "
-               "D × C × TP, PP outermost); when not given, 2 if the ranks are even, else 1")
+               "D × C × TP, PP outermost); when not given, " +
+                   mesh_default_words(newest_dimension(info), MeshFlag::pp))
         ->type_name("P")
         ->group("Pipeline");
     add_number(app, "--microbatches", o.microbatches,
@@ -441,8 +443,23 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
 }
 
 int default_dp(int dp, int world) {
-  if (dp != 0) return dp;
-  return world >= 4 && world % 2 == 0 ? 2 : 1;
+  return dp != 0 ? dp : mesh_default(MeshFlag::dp, MeshFlag::dp, world);
+}
+
+MeshFlag newest_dimension(const StageInfo& info) {
+  return info.pipeline ? MeshFlag::pp : info.context_parallel ? MeshFlag::cp : MeshFlag::dp;
+}
+
+int mesh_default(MeshFlag newest, MeshFlag flag, int world) {
+  if (flag != newest || world % 2 != 0) return 1;
+  // Data parallelism alone (stage 07) keeps a TP group of at least 2 at its default.
+  return flag == MeshFlag::dp && world < 4 ? 1 : 2;
+}
+
+std::string mesh_default_words(MeshFlag newest, MeshFlag flag) {
+  if (flag != newest) return "1";
+  return flag == MeshFlag::dp ? "2 if the ranks are even and at least 4, else 1"
+                              : "2 if the ranks are even, else 1";
 }
 
 }  // namespace tpx

@@ -73,9 +73,20 @@ struct StageOptions {
   bool print_schedule = false;    ///< --print-schedule: print the schedule and exit
 };
 
-/// The data-parallel degree a mesh stage runs with on `world` ranks when --dp is `dp` (0: not
+/// The data-parallel degree stage 07 runs with on `world` ranks when --dp is `dp` (0: not
 /// given).
 int default_dp(int dp, int world);
+
+/// A mesh dimension's flag: --dp, --cp, --pp.
+enum class MeshFlag { dp, cp, pp };
+/// The dimension a stage adds (07 dp, 08 cp, 09 pp): its flag's default is 2 where the ranks
+/// allow, every other dimension's 1 (DESIGN.md's rule).
+MeshFlag newest_dimension(const StageInfo& info);
+/// The value a stage whose newest dimension is `newest` gives `flag` on `world` ranks when the
+/// flag is not given; what stages 07-09 run with and what --help prints (mesh_default_words).
+int mesh_default(MeshFlag newest, MeshFlag flag, int world);
+/// mesh_default()'s rule in words, for --help: "1", "2 if the ranks are even, else 1", ...
+std::string mesh_default_words(MeshFlag newest, MeshFlag flag);
 
 /// Either options to run with, or a message to print and an exit code (help: 0, error: 2).
 struct CliOutcome {

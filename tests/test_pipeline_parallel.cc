@@ -341,6 +341,33 @@ TEST(PipelineParallel, BadInputIsOneLineOnEveryRank) {
   test::expect_refused_once("08_context_parallel", 2, z.args() + " --steps 1 --pp 2", "--pp");
 }
 
+// --help's defaults are the ones the runs take (mesh_default_words beside mesh_default): stage
+// 08's --dp and stage 09's --dp and --cp are 1, whatever the ranks.
+TEST(PipelineParallel, HelpSaysTheMeshDefaultsTheRunsUse) {
+  test::TempDir dir;
+  for (const char* stage : {"08_context_parallel", "09_pipeline_parallel"}) {
+    SCOPED_TRACE(stage);
+    const auto r = test::run_command(test::stage_binary(stage) + " --help", dir);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto dp = r.out.find("--dp D");
+    ASSERT_NE(dp, std::string::npos) << r.out;
+    const std::string dp_text = r.out.substr(dp, r.out.find("\n  --", dp + 1) - dp);
+    EXPECT_NE(dp_text.find("when not given, 1"), std::string::npos) << dp_text;
+    const auto cp = r.out.find("--cp C");
+    const std::string cp_text = r.out.substr(cp, r.out.find("\n  --", cp + 1) - cp);
+    EXPECT_NE(cp_text.find(std::string_view(stage) == "09_pipeline_parallel"
+                               ? "when not given, 1"
+                               : "when not given, 2 if the ranks are even, else 1"),
+              std::string::npos)
+        << cp_text;
+  }
+  // And the runs: 4 ranks of stage 09 default to P 2 × D 1 × C 1 × T 2.
+  const Sizes z = pipeline_sizes();
+  const auto run = test::run_stage("09_pipeline_parallel", 4, z.args() + " --steps 1", dir);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.out.find("mesh P 2 × D 1 × CP 1 × TP 2"), std::string::npos) << run.out;
+}
+
 TEST(PipelineParallel, TheInterleavedDefaultNamesNoFlagTheUserDidNotGive) {
   const Sizes z = pipeline_sizes();
   const auto r = test::expect_refused_once(
