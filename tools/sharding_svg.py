@@ -172,8 +172,8 @@ def gqa_figure(nh, nkv, n):
         q0, q1 = r * nh // n, (r + 1) * nh // n - 1
         k0, k1 = r * nkv // n, (r + 1) * nkv // n - 1
         kv_text = f"KV head {k0}" if k0 == k1 else f"KV heads {k0}-{k1}"
-        holds = (f"rank {r}: q heads {q0}-{q1}, {kv_text}; Wq [H, NH·D/{n}], "
-                 f"Wk and Wv [H, NKV·D/{n}], Wo rows [NH·D/{n}, H]")
+        holds = (f"rank {r}: q heads {q0}-{q1}, {kv_text}; Wq [H, NH·Dh/{n}], "
+                 f"Wk and Wv [H, NKV·Dh/{n}], Wo rows [NH·Dh/{n}, H]")
         out.append(f'<text x="10" y="{y + r * 18}" fill="{COLORS[r]}" font-weight="bold">'
                    f'{escape(holds)}</text>')
     notes = ["a line joins each query head to the KV head it reads: no line crosses from one "
@@ -240,7 +240,7 @@ def gqa_replicated_figure(nh, nkv, n):
     for r in range(n):
         q0, q1 = r * per_rank, (r + 1) * per_rank - 1
         holds = (f"rank {r}: q heads {q0}-{q1}, a copy of KV head {r // copies}; "
-                 f"Wq [H, NH·D/{n}], Wk and Wv [H, D] (the copy), Wo rows [NH·D/{n}, H]")
+                 f"Wq [H, NH·Dh/{n}], Wk and Wv [H, Dh] (the copy), Wo rows [NH·Dh/{n}, H]")
         out.append(f'<text x="10" y="{y + r * 18}" fill="{COLORS[r]}" font-weight="bold">'
                    f'{escape(holds)}</text>')
     notes = ["each copy's gradient holds only its own rank's query heads: without the sum the "
