@@ -4,6 +4,7 @@
 //    AdamW, with and without GQA and RoPE;
 //  - the three methods give the same gradients to 1e-6;
 //  - the CP bytes of a step equal chapter 8's formulas for each method, K/V at their GQA size;
+//  - --json's FLOPs per rank equal chapter 8's formula (S/C tokens, 1/C of the S² attention);
 //  - saved activations fall as 1/C (C = 1, 2, 4), the estimate within 10 % of the measured peak;
 //  - the trace shows each ring transfer on the cp-comm lane while the previous block's attention
 //    runs;
@@ -137,6 +138,36 @@ TEST(ContextParallel, CpBytesEqualTheFormulas) {
       EXPECT_GT(per_block, 0.0) << method;
       EXPECT_NEAR(total, per_block * double(blocks), 1e-6 * total + 1e-9) << method;
     }
+}
+
+/// Chapter 8's FLOPs per rank and step: every linear sees S/C · B/D tokens and 1/T of its
+/// columns, and the 2C balanced chunks give each CP rank 1/C of attention's S² pairs (counted as
+/// the full square, chapter 1's convention):
+///   3 · L · (2 · (S/C)·(B/D) · (2H² + 2H·NKV·Dh + 3HF) / T  +  2 · 2 · (B/D) · S² · H / (C·T))
+double cp_flops(const Sizes& z, int nkv, int d, int c, int t) {
+  const double dh = double(z.H / z.NH), h = double(z.H), f = double(z.F);
+  const double tokens = double(z.S) / c * double(z.B) / d, s = double(z.S);
+  const double linear = 2 * tokens * (2 * h * h + 2 * h * nkv * dh + 3 * h * f) / t;
+  const double attention = 2 * 2 * (double(z.B) / d) * s * s * h / (double(c) * t);
+  return 3 * double(z.L) * (linear + attention);
+}
+
+TEST(ContextParallel, FlopsPerRankEqualTheChaptersFormula) {
+  Sizes z;
+  z.S = 48;
+  struct Run {
+    int n, d, c, nkv;
+  };
+  for (const Run& run : {Run{2, 1, 2, 12}, Run{4, 1, 4, 4}, Run{4, 1, 2, 4}, Run{4, 2, 2, 2}}) {
+    const int t = run.n / (run.d * run.c);
+    const json j = run_json(
+        "08_context_parallel", run.n,
+        fmt::format("{} --kv-heads {} --dp {} --cp {} --steps 1", z.args(), run.nkv, run.d, run.c));
+    ASSERT_TRUE(j.contains("flops_per_step_per_rank"));
+    const double want = cp_flops(z, run.nkv, run.d, run.c, t);
+    EXPECT_NEAR(j.at("flops_per_step_per_rank").get<double>(), want, 1e-9 * want)
+        << "np " << run.n << " D " << run.d << " C " << run.c << " T " << t;
+  }
 }
 
 TEST(ContextParallel, ActivationMemoryFallsAsOneOverC) {

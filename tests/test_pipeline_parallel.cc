@@ -6,6 +6,8 @@
 //  - the live counts in --json equal the schedule list's, on every rank;
 //  - the PP bytes of a step equal the formula (each message [S/(C·T), B/(D·M), H]), and
 //    --dry-run's bytes and memory estimate equal a real run's;
+//  - --json's FLOPs per rank equal chapter 9's formula (a pipeline stage's L/P layers, each
+//    stage 08's FLOPs), and are the mean over the ranks when P does not divide L;
 //  - GPipe's peak memory grows with M at a fixed micro-batch size while 1F1B's does not (the
 //    estimate and the measured peak, each within 10 % of the other);
 //  - the trace names each F, B and W by micro-batch and carries the messages on a pp-comm lane;
@@ -202,6 +204,40 @@ TEST(PipelineParallel, PpBytesEqualTheFormula) {
     for (const json& row : j.at("steps"))
       EXPECT_EQ(row.at("pp_bus_bytes").get<std::int64_t>(), boundaries * run.m * message)
           << fmt::format("P {} D {} C {} T {} V {} M {}", run.p, run.d, run.c, t, run.v, run.m);
+  }
+}
+
+/// Chapter 9's FLOPs of rank p and step: its layers L_p, each with stage 08's FLOPs per layer
+///   3 · L_p · (2 · (S/C)·(B/D) · (2H² + 2H·NKV·Dh + 3HF) / T  +  2 · 2 · (B/D) · S² · H / (C·T))
+/// M cancels (M micro-batches of B/(D·M) sequences each). --json reports the mean over the ranks,
+/// the model's FLOPs / N: L_p = L/P when P divides L.
+double pp_flops(const Sizes& z, double layers, int d, int c, int t) {
+  const double dh = double(z.H / z.NH), h = double(z.H), f = double(z.F), nkv = double(z.NH);
+  const double tokens = double(z.S) / c * double(z.B) / d, s = double(z.S);
+  const double linear = 2 * tokens * (2 * h * h + 2 * h * nkv * dh + 3 * h * f) / t;
+  const double attention = 2 * 2 * (double(z.B) / d) * s * s * h / (double(c) * t);
+  return 3 * layers * (linear + attention);
+}
+
+TEST(PipelineParallel, FlopsPerRankEqualTheChaptersFormula) {
+  const Sizes z = pipeline_sizes();
+  struct Run {
+    int n, p, d, c, m;
+    std::string schedule;
+  };
+  for (const Run& run :
+       {Run{2, 2, 1, 1, 2, "1f1b"}, Run{4, 2, 2, 1, 2, "gpipe"}, Run{4, 2, 1, 2, 2, "zb-h1"},
+        Run{4, 2, 1, 1, 4, "1f1b"}, Run{3, 3, 1, 1, 2, "1f1b"}}) {
+    const int t = run.n / (run.p * run.d * run.c);
+    const json j = run_json("09_pipeline_parallel", run.n,
+                            fmt::format("{} --steps 1 --pp {} --dp {} --cp {} --microbatches {} "
+                                        "--schedule {}",
+                                        z.args(), run.p, run.d, run.c, run.m, run.schedule));
+    ASSERT_TRUE(j.contains("flops_per_step_per_rank")) << run.schedule;
+    // L/P layers per pipeline stage when P divides L; else the mean over the P stages.
+    const double want = pp_flops(z, double(z.L) / run.p, run.d, run.c, t);
+    EXPECT_NEAR(j.at("flops_per_step_per_rank").get<double>(), want, 1e-9 * want)
+        << fmt::format("np {} P {} D {} C {} T {} M {}", run.n, run.p, run.d, run.c, t, run.m);
   }
 }
 
