@@ -170,6 +170,25 @@ class Fp32Boundary {
   std::vector<std::pair<Tensor, Tensor>> pending_;  // (fp32 stand-in, the bf16 output)
 };
 
+/// Whether the op's backend reads and writes the bf16 tensors of `t`'s device as they are stored,
+/// with the recipe's rounding points in registers: the cuda kernels widen each bf16 operand as
+/// they load it and round each bf16 output once as they store it (cuda/elementwise_ops.h), the
+/// same values as Fp32Boundary without its fp32 copies. The cpu always goes through
+/// Fp32Boundary (its kernels are fp32 loops); so does cuda with TPX_CUDA_FP32_BOUNDARY=1
+/// (cuda/README.md).
+bool native_bf16([[maybe_unused]] const Tensor& t) {
+#if TPX_WITH_CUDA
+  return t.device() == Device::cuda && !cuda::fp32_boundary_forced();
+#else
+  return false;
+#endif
+}
+bool same_dtype(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    if (t->dtype() != (*ts.begin())->dtype()) return false;
+  return true;
+}
+
 }  // namespace
 
 GemmDims gemm_dims(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c) {
@@ -254,7 +273,7 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
   TPX_DISPATCH(c.device(), gemm, a, trans_a, b, trans_b, c, alpha, beta);
 }
 void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd) {
-  if (any_bf16({&x, &y})) {
+  if (any_bf16({&x, &y}) && !native_bf16(x)) {
     Fp32Boundary f;
     return rmsnorm_forward(f.in(x), g, f.out(y), rstd);
   }
@@ -262,7 +281,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Te
 }
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
                       const Tensor& dx, const Tensor& dg) {
-  if (any_bf16({&dy, &x, &dx})) {
+  if (any_bf16({&dy, &x, &dx}) && !(native_bf16(x) && same_dtype({&dy, &x}))) {
     Fp32Boundary f;
     return rmsnorm_backward(f.in(dy), f.in(x), g, rstd, f.out(dx), dg);
   }
@@ -355,14 +374,14 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
   TPX_DISPATCH(q.device(), attention_fused_backward, dout, q, k, v, out, lse, heads, dq, dk, dv);
 }
 void rope_forward(const Tensor& x, std::int64_t heads, double theta, std::int64_t first) {
-  if (is_bf16(x)) {
+  if (is_bf16(x) && !native_bf16(x)) {
     Fp32Boundary f;
     return rope_forward(f.out(x, /*read=*/true), heads, theta, first);
   }
   TPX_DISPATCH(x.device(), rope_forward, x, heads, theta, first);
 }
 void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int64_t first) {
-  if (is_bf16(dx)) {
+  if (is_bf16(dx) && !native_bf16(dx)) {
     Fp32Boundary f;
     return rope_backward(f.out(dx, /*read=*/true), heads, theta, first);
   }
@@ -384,7 +403,7 @@ void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_ou
   TPX_DISPATCH(out.device(), attention_merge, out, lse, part_out, part_lse, heads);
 }
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
-  if (any_bf16({&gate, &up, &out})) {
+  if (any_bf16({&gate, &up, &out}) && !(native_bf16(gate) && same_dtype({&gate, &up}))) {
     Fp32Boundary f;
     return swiglu_forward(f.in(gate), f.in(up), f.out(out));
   }
@@ -392,32 +411,34 @@ void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
 }
 void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, const Tensor& dgate,
                      const Tensor& dup) {
-  if (any_bf16({&dout, &gate, &up, &dgate, &dup})) {
+  if (any_bf16({&dout, &gate, &up, &dgate, &dup}) &&
+      !(native_bf16(gate) && same_dtype({&dout, &gate, &up}) && same_dtype({&dgate, &dup}))) {
     Fp32Boundary f;
     return swiglu_backward(f.in(dout), f.in(gate), f.in(up), f.out(dgate), f.out(dup));
   }
   TPX_DISPATCH(gate.device(), swiglu_backward, dout, gate, up, dgate, dup);
 }
 void add(const Tensor& a, const Tensor& b, const Tensor& out) {
-  if (any_bf16({&a, &b, &out})) {
+  if (any_bf16({&a, &b, &out}) && !native_bf16(out)) {
     Fp32Boundary f;  // out may alias a or b: they are read into copies before anything is written
     return add(f.in(a), f.in(b), f.out(out));
   }
   TPX_DISPATCH(out.device(), add, a, b, out);
 }
 void accumulate(const Tensor& x, const Tensor& into) {
-  if (any_bf16({&x, &into})) {
+  if (any_bf16({&x, &into}) && !native_bf16(into)) {
     Fp32Boundary f;
     return accumulate(f.in(x), f.out(into, /*read=*/true));
   }
   TPX_DISPATCH(into.device(), accumulate, x, into);
 }
 double mse_loss_sum(const Tensor& y, const Tensor& t) {
-  if (any_bf16({&y, &t})) return mse_loss_sum(Fp32Boundary::in(y), Fp32Boundary::in(t));
+  if (any_bf16({&y, &t}) && !native_bf16(y))
+    return mse_loss_sum(Fp32Boundary::in(y), Fp32Boundary::in(t));
   TPX_DISPATCH(y.device(), mse_loss_sum, y, t);
 }
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy) {
-  if (any_bf16({&y, &t, &dy})) {
+  if (any_bf16({&y, &t, &dy}) && !native_bf16(y)) {
     Fp32Boundary f;
     return mse_loss_backward(f.in(y), f.in(t), scale, f.out(dy));
   }
@@ -437,11 +458,11 @@ void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Te
   TPX_DISPATCH(w.device(), adamw_update, w, grad, m, v, s);
 }
 double sum_squares(const Tensor& x) {
-  if (is_bf16(x)) return sum_squares(Fp32Boundary::in(x));
+  if (is_bf16(x) && !native_bf16(x)) return sum_squares(Fp32Boundary::in(x));
   TPX_DISPATCH(x.device(), sum_squares, x);
 }
 void fill(const Tensor& t, float value) {
-  if (is_bf16(t)) {
+  if (is_bf16(t) && !native_bf16(t)) {
     Fp32Boundary f;
     return fill(f.out(t), value);
   }

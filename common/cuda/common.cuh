@@ -1,15 +1,19 @@
 // Device-side helpers shared by the backend's kernels: 16-byte vector access, warp and block
-// reductions, launch sizing. Included by .cu files only.
+// reductions, launch sizing, an operand's storage type from its runtime dtype. Included by .cu
+// files only.
 //
-// defines: tpx::cuda::dev::aligned16, ld4, st4, warp_sum, warp_max, block_sum, launch grid helpers
+// defines: tpx::cuda::dev::aligned16, ld4, st4, warp_sum, warp_max, block_sum, launch grid helpers,
+//          typed, Elem
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device.h"
+#include "kernels.h"
 
 namespace tpx::cuda::dev {
 
@@ -64,5 +68,25 @@ inline cudaStream_t as_stream(void* s) {
 inline unsigned blocks_for(I work, int threads) {
   return static_cast<unsigned>(grid_for(work, threads));
 }
+
+/// Calls f with the operand as a typed pointer: const float* (fp32) or const std::uint16_t*
+/// (bf16 bit patterns); one instance of f per storage type.
+template <class F>
+void typed(kernels::Src x, F&& f) {
+  if (x.bf16)
+    f(static_cast<const std::uint16_t*>(x.p));
+  else
+    f(static_cast<const float*>(x.p));
+}
+template <class F>
+void typed(kernels::Dst x, F&& f) {
+  if (x.bf16)
+    f(static_cast<std::uint16_t*>(x.p));
+  else
+    f(static_cast<float*>(x.p));
+}
+/// The storage type a typed pointer points to, const dropped.
+template <class P>
+using Elem = std::remove_const_t<std::remove_pointer_t<P>>;
 
 }  // namespace tpx::cuda::dev

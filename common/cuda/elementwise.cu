@@ -1,14 +1,20 @@
-// Element-wise kernels and reductions over flat fp32 arrays.
+// Element-wise kernels and reductions over flat arrays of fp32 or bf16.
 //
 // Shape: every kernel is a grid-stride loop over the elements, with just enough blocks to fill
 // the device (device.h's grid_for). When the element count is a multiple of 4 and every pointer is
-// 16-byte aligned (always true for whole tensors from the caching allocator) each thread moves
-// float4s: one 16-byte load per operand per iteration, the widest a thread can issue, so a warp
-// touches 512 contiguous bytes. Otherwise the scalar loop runs (odd sizes, sliced views).
+// aligned for it (16 bytes for fp32, 8 for bf16: always true for whole tensors from the caching
+// allocator) each thread moves four elements per operand per iteration, a float4 or four bf16 in
+// one load, so a warp touches 512 (256) contiguous bytes. Otherwise the scalar loop runs (odd
+// sizes, sliced views).
+//
+// The per-element work is elementwise_ops.h's functors, instantiated for the operands' storage
+// types (Src / Dst, kernels.h): a bf16 operand is widened as it is loaded, a bf16 output rounded
+// once as it is stored, so an op on bf16 tensors needs no fp32 copies of them.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "common.cuh"
+#include "elementwise_ops.h"
 #include "kernels.h"
 
 namespace tpx::cuda::kernels {
@@ -20,31 +26,9 @@ using dev::st4;
 
 constexpr int kThreads = 256;
 
-// Full-precision expf (not __expf): these kernels are memory bound, accuracy is free.
-__device__ __forceinline__ float sigmoid(float z) {
-  return 1.0f / (1.0f + expf(-z));
-}
-
-// Each op is a functor applied per element; the kernel below runs it either on float4 groups
-// (vectorised) or on single elements. Arity is fixed per op, so each functor defines both.
-
-struct Fill {
-  float* p;
-  float v;
-  __device__ void one(I i) const { p[i] = v; }
-  __device__ void four(I i) const { st4(p, i, make_float4(v, v, v, v)); }
-};
-
-struct Add {
-  const float* a;
-  const float* b;
-  float* out;
-  __device__ void one(I i) const { out[i] = a[i] + b[i]; }
-  __device__ void four(I i) const {
-    const float4 x = ld4(a, i), y = ld4(b, i);
-    st4(out, i, make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w));
-  }
-};
+using dev::Elem;
+using dev::typed;
+using elem::aligned4;
 
 // AdamW per element, with the cpu's operations in the cpu's order and no contraction into FMA
 // (the __f*_rn intrinsics), so that both backends round alike.
@@ -85,57 +69,6 @@ struct Sgd {
   }
 };
 
-struct SwigluForward {
-  const float* gate;
-  const float* up;
-  float* out;
-  __device__ static float f(float g, float u) { return g * sigmoid(g) * u; }
-  __device__ void one(I i) const { out[i] = f(gate[i], up[i]); }
-  __device__ void four(I i) const {
-    const float4 g = ld4(gate, i), u = ld4(up, i);
-    st4(out, i, make_float4(f(g.x, u.x), f(g.y, u.y), f(g.z, u.z), f(g.w, u.w)));
-  }
-};
-
-// d/dz silu(z) = σ(z)·(1 + z·(1 − σ(z))); dup = dout·silu(gate), dgate = dout·up·silu'(gate).
-struct SwigluBackward {
-  const float* dout;
-  const float* gate;
-  const float* up;
-  float* dgate;
-  float* dup;
-  __device__ static void f(float d, float g, float u, float& dg, float& du) {
-    const float s = sigmoid(g);
-    du = d * g * s;
-    dg = d * u * s * (1.0f + g * (1.0f - s));
-  }
-  __device__ void one(I i) const { f(dout[i], gate[i], up[i], dgate[i], dup[i]); }
-  __device__ void four(I i) const {
-    const float4 d = ld4(dout, i), g = ld4(gate, i), u = ld4(up, i);
-    float4 dg, du;
-    f(d.x, g.x, u.x, dg.x, du.x);
-    f(d.y, g.y, u.y, dg.y, du.y);
-    f(d.z, g.z, u.z, dg.z, du.z);
-    f(d.w, g.w, u.w, dg.w, du.w);
-    st4(dgate, i, dg);
-    st4(dup, i, du);
-  }
-};
-
-// dy = scale·(y − t): the difference in fp32 (as the cpu backend), the scaling in double.
-struct MseBackward {
-  const float* y;
-  const float* t;
-  double scale;
-  float* dy;
-  __device__ float f(float a, float b) const { return static_cast<float>(scale * double(a - b)); }
-  __device__ void one(I i) const { dy[i] = f(y[i], t[i]); }
-  __device__ void four(I i) const {
-    const float4 a = ld4(y, i), b = ld4(t, i);
-    st4(dy, i, make_float4(f(a.x, b.x), f(a.y, b.y), f(a.z, b.z), f(a.w, b.w)));
-  }
-};
-
 template <class Op>
 __global__ void __launch_bounds__(kThreads) map_kernel(Op op, I n, bool vec) {
   const I stride = I(gridDim.x) * blockDim.x;
@@ -150,7 +83,7 @@ __global__ void __launch_bounds__(kThreads) map_kernel(Op op, I n, bool vec) {
 template <class Op, class... P>
 void launch_map(const Op& op, I n, void* stream, const P*... ptrs) {
   if (n == 0) return;
-  const bool vec = n % 4 == 0 && dev::aligned16(ptrs...);
+  const bool vec = n % 4 == 0 && (aligned4(ptrs) && ...);
   const I work = vec ? n / 4 : n;
   map_kernel<<<dev::blocks_for(work, kThreads), kThreads, 0, dev::as_stream(stream)>>>(op, n, vec);
 }
@@ -196,13 +129,15 @@ __global__ void __launch_bounds__(kThreads)
 // its grid-stride share into partials[block]; pass 2: one block adds the partials in a fixed order.
 // Deterministic, no atomics. Double per thread costs nothing here: the loop is bound by memory
 // bandwidth, not arithmetic.
+template <class X, class Y>
 __global__ void __launch_bounds__(kThreads)
-    sum_squares_kernel(const float* x, const float* y, I n, double* partials) {
+    sum_squares_kernel(const X* x, const Y* y, I n, double* partials) {
   __shared__ double shared[kThreads / dev::kWarp];
   const I stride = I(gridDim.x) * blockDim.x;
   double acc = 0.0;
   for (I i = I(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const double d = y ? double(x[i]) - double(y[i]) : double(x[i]);
+    const double d =
+        y ? double(elem::load(x, i)) - double(elem::load(y, i)) : double(elem::load(x, i));
     acc += d * d;
   }
   acc = dev::block_sum(acc, shared);
@@ -220,12 +155,20 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void fill(float* p, float value, I n, void* stream) {
-  launch_map(Fill{p, value}, n, stream, p);
+void fill(Dst p, float value, I n, void* stream) {
+  typed(p, [&](auto* t) { launch_map(elem::Fill<Elem<decltype(t)>>{t, value}, n, stream, t); });
 }
 
-void add(const float* a, const float* b, float* out, I n, void* stream) {
-  launch_map(Add{a, b, out}, n, stream, a, b, out);
+void add(Src a, Src b, Dst out, I n, void* stream) {
+  typed(a, [&](auto* pa) {
+    typed(b, [&](auto* pb) {
+      typed(out, [&](auto* po) {
+        launch_map(
+            elem::Add<Elem<decltype(pa)>, Elem<decltype(pb)>, Elem<decltype(po)>>{pa, pb, po}, n,
+            stream, pa, pb, po);
+      });
+    });
+  });
 }
 
 void sgd(float* w, const float* grad, float lr, I n, void* stream) {
@@ -238,17 +181,40 @@ void adamw(float* w, const float* grad, float* m, float* v, float beta1, float b
              grad, m, v);
 }
 
-void swiglu_forward(const float* gate, const float* up, float* out, I n, void* stream) {
-  launch_map(SwigluForward{gate, up, out}, n, stream, gate, up, out);
+void swiglu_forward(Src gate, Src up, Dst out, I n, void* stream) {
+  typed(gate, [&](auto* g) {
+    using T = Elem<decltype(g)>;
+    const auto* u = static_cast<const T*>(up.p);
+    typed(out, [&](auto* o) {
+      launch_map(elem::SwigluForward<T, Elem<decltype(o)>>{g, u, o}, n, stream, g, u, o);
+    });
+  });
 }
 
-void swiglu_backward(const float* dout, const float* gate, const float* up, float* dgate,
-                     float* dup, I n, void* stream) {
-  launch_map(SwigluBackward{dout, gate, up, dgate, dup}, n, stream, dout, gate, up, dgate, dup);
+void swiglu_backward(Src dout, Src gate, Src up, Dst dgate, Dst dup, I n, void* stream) {
+  typed(gate, [&](auto* g) {
+    using T = Elem<decltype(g)>;
+    const auto* d = static_cast<const T*>(dout.p);
+    const auto* u = static_cast<const T*>(up.p);
+    typed(dgate, [&](auto* dg) {
+      using O = Elem<decltype(dg)>;
+      auto* du = static_cast<O*>(dup.p);
+      launch_map(elem::SwigluBackward<T, O>{d, g, u, dg, du}, n, stream, d, g, u, dg, du);
+    });
+  });
 }
 
-void mse_backward(const float* y, const float* t, double scale, float* dy, I n, void* stream) {
-  launch_map(MseBackward{y, t, scale, dy}, n, stream, y, t, dy);
+void mse_backward(Src y, Src t, double scale, Dst dy, I n, void* stream) {
+  typed(y, [&](auto* py) {
+    typed(t, [&](auto* pt) {
+      typed(dy, [&](auto* pd) {
+        launch_map(
+            elem::MseBackward<Elem<decltype(py)>, Elem<decltype(pt)>, Elem<decltype(pd)>>{
+                py, pt, scale, pd},
+            n, stream, py, pt, pd);
+      });
+    });
+  });
 }
 
 void f32_to_bf16(const float* in, std::uint16_t* out, I n, void* stream) {
@@ -270,10 +236,13 @@ int reduction_blocks(I n) {
   return static_cast<int>(dev::blocks_for(n, kThreads));
 }
 
-void sum_squares(const float* x, const float* y, I n, double* partials, double* result,
-                 void* stream) {
+void sum_squares(Src x, Src y, I n, double* partials, double* result, void* stream) {
   const int blocks = reduction_blocks(n);
-  sum_squares_kernel<<<blocks, kThreads, 0, dev::as_stream(stream)>>>(x, y, n, partials);
+  typed(x, [&](auto* px) {
+    typed(y, [&](auto* py) {
+      sum_squares_kernel<<<blocks, kThreads, 0, dev::as_stream(stream)>>>(px, py, n, partials);
+    });
+  });
   sum_partials_kernel<<<1, kThreads, 0, dev::as_stream(stream)>>>(partials, blocks, result);
 }
 

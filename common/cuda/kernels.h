@@ -18,36 +18,55 @@ namespace tpx::cuda::kernels {
 
 using I = std::int64_t;
 
+/// An operand of the element-wise kernels as it is stored: fp32, or bf16 bit patterns. A bf16
+/// operand is widened in registers as it is read and a bf16 output rounded once, to nearest even,
+/// as it is stored: the recipe's op boundary without copies (elementwise_ops.h).
+struct Src {
+  const void* p = nullptr;
+  bool bf16 = false;
+};
+struct Dst {
+  void* p = nullptr;
+  bool bf16 = false;
+};
+inline Src src(const float* p) {
+  return {p, false};
+}
+inline Dst dst(float* p) {
+  return {p, false};
+}
+
 // elementwise.cu ---------------------------------------------------------------------------------
-void fill(float* p, float value, I n, void* stream);
-void add(const float* a, const float* b, float* out, I n, void* stream);  // out may alias a or b
+void fill(Dst p, float value, I n, void* stream);
+void add(Src a, Src b, Dst out, I n, void* stream);  // out may alias a or b
 void sgd(float* w, const float* grad, float lr, I n, void* stream);
 /// AdamW (tpx::ops::adamw_update): the same fp32 operations, in the same order, as the cpu.
 void adamw(float* w, const float* grad, float* m, float* v, float beta1, float beta2, float eps,
            float decay, float step_size, float sqrt_bias2, I n, void* stream);
-void swiglu_forward(const float* gate, const float* up, float* out, I n, void* stream);
-void swiglu_backward(const float* dout, const float* gate, const float* up, float* dgate,
-                     float* dup, I n, void* stream);
-void mse_backward(const float* y, const float* t, double scale, float* dy, I n, void* stream);
+/// gate and up of one dtype.
+void swiglu_forward(Src gate, Src up, Dst out, I n, void* stream);
+/// dout, gate, up of one dtype; dgate, dup of one dtype.
+void swiglu_backward(Src dout, Src gate, Src up, Dst dgate, Dst dup, I n, void* stream);
+void mse_backward(Src y, Src t, double scale, Dst dy, I n, void* stream);
 void f32_to_bf16(const float* in, std::uint16_t* out, I n, void* stream);
 void bf16_to_f32(const std::uint16_t* in, float* out, I n, void* stream);
 
 /// Number of double partials sum_squares needs as scratch.
 int reduction_blocks(I n);
-/// *result (device) = Σ (x − y)² (y may be null: Σ x²), accumulated in double. `partials` holds
+/// *result (device) = Σ (x − y)² (y.p may be null: Σ x²), accumulated in double. `partials` holds
 /// reduction_blocks(n) doubles. The two-pass reduction is deterministic (no atomics).
-void sum_squares(const float* x, const float* y, I n, double* partials, double* result,
-                 void* stream);
+void sum_squares(Src x, Src y, I n, double* partials, double* result, void* stream);
 
 // rmsnorm.cu -------------------------------------------------------------------------------------
-void rmsnorm_forward(const float* x, const float* g, float* y, float* rstd, I rows, I h, float eps,
+// x, y, dy, dx in their own dtypes (dy and x of one dtype); g, rstd, dg, partial fp32.
+void rmsnorm_forward(Src x, const float* g, Dst y, float* rstd, I rows, I h, float eps,
                      void* stream);
-void rmsnorm_backward_dx(const float* dy, const float* x, const float* g, const float* rstd,
-                         float* dx, I rows, I h, void* stream);
+void rmsnorm_backward_dx(Src dy, Src x, const float* g, const float* rstd, Dst dx, I rows, I h,
+                         void* stream);
 /// Row chunks rmsnorm_backward_dg splits the rows into; it needs chunks * h floats of scratch.
 int rmsnorm_dg_chunks(I rows, I h);
-void rmsnorm_backward_dg(const float* dy, const float* x, const float* rstd, float* partial,
-                         float* dg, I rows, I h, void* stream);
+void rmsnorm_backward_dg(Src dy, Src x, const float* rstd, float* partial, float* dg, I rows, I h,
+                         void* stream);
 
 // attention.cu -----------------------------------------------------------------------------------
 /// In place on `rows` score rows of length s (rows = batches·s; row r is query position r % s):
@@ -99,7 +118,8 @@ void attention_merge(float* out, float* lse, const float* part_out, const float*
 /// sequence position, s positions: the pair (i, i + half) of a row at position p is rotated by
 /// the angle whose cos and sin are cos[p·half + i], sin[p·half + i] (device arrays), or by its
 /// opposite when `inverse`; the same fp32 products and sums as the cpu, without FMA contraction.
-void rope(float* x, const float* cos, const float* sin, I s, I rows_per_pos, I half, bool inverse,
+/// x fp32 or bf16 (read, rotated in fp32, rounded once when stored).
+void rope(Dst x, const float* cos, const float* sin, I s, I rows_per_pos, I half, bool inverse,
           void* stream);
 
 // fp8.cu -----------------------------------------------------------------------------------------

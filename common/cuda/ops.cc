@@ -6,9 +6,11 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string_view>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -42,6 +44,23 @@ void expect_f32(const Tensor& t, const char* what) {
   expect(t, DType::f32, what);
 }
 
+/// An operand the element-wise kernels read or write as it is stored: fp32 or bf16 on cuda.
+void expect_f32_or_bf16(const Tensor& t, const char* what) {
+  TPX_CHECK(t.device() == Device::cuda && (t.dtype() == DType::f32 || t.dtype() == DType::bf16),
+            "{} must be f32 or bf16 on cuda, got {}", what, t.describe());
+}
+void expect_same_dtype(const Tensor& a, const Tensor& b) {
+  TPX_CHECK(a.dtype() == b.dtype(), "dtypes differ: {} vs {}", a.describe(), b.describe());
+}
+
+/// A tensor as the element-wise kernels take it (kernels.h): its storage and whether it is bf16.
+kernels::Src in(const Tensor& t) {
+  return {t.raw(), t.dtype() == DType::bf16};
+}
+kernels::Dst out(const Tensor& t) {
+  return {t.raw(), t.dtype() == DType::bf16};
+}
+
 void expect_same_numel(const Tensor& a, const Tensor& b) {
   TPX_CHECK(a.numel() == b.numel(), "element counts differ: {} vs {}", a.describe(), b.describe());
 }
@@ -69,7 +88,7 @@ Tensor as_bf16(const Tensor& t) {
 }
 
 /// A reduction to one double on the host (deterministic, two passes; see elementwise.cu).
-double reduce_sum_squares(const float* x, const float* y, I n) {
+double reduce_sum_squares(kernels::Src x, kernels::Src y, I n) {
   // Scratch for the result and one partial per block, as doubles (two f32 slots each).
   const Tensor partials = scratch({2 * (I{kernels::reduction_blocks(n)} + 1)}, DType::f32);
   auto* p = static_cast<double*>(partials.raw());
@@ -136,14 +155,14 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Te
 void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd) {
   NvtxRange range("rmsnorm_forward");
   const I rows = x.rows(), h = x.cols();
-  expect_f32(x, "rmsnorm x");
+  expect_f32_or_bf16(x, "rmsnorm x");
   expect_f32(g, "rmsnorm g");
-  expect_f32(y, "rmsnorm y");
+  expect_f32_or_bf16(y, "rmsnorm y");
   expect_f32(rstd, "rmsnorm rstd");
   TPX_CHECK(g.numel() == h && y.numel() == x.numel() && rstd.numel() == rows,
             "rmsnorm shapes: x {}, g {}, y {}, rstd {}", x.describe(), g.describe(), y.describe(),
             rstd.describe());
-  kernels::rmsnorm_forward(cf(x), cf(g), f(y), f(rstd), rows, h, static_cast<float>(kNormEps),
+  kernels::rmsnorm_forward(in(x), cf(g), out(y), f(rstd), rows, h, static_cast<float>(kNormEps),
                            stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
@@ -152,14 +171,16 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const 
                       const Tensor& dx, const Tensor& dg) {
   NvtxRange range("rmsnorm_backward");
   const I rows = x.rows(), h = x.cols();
-  for (const Tensor* t : {&dy, &x, &g, &rstd, &dx, &dg}) expect_f32(*t, "rmsnorm_backward tensor");
+  for (const Tensor* t : {&dy, &x, &dx}) expect_f32_or_bf16(*t, "rmsnorm_backward tensor");
+  for (const Tensor* t : {&g, &rstd, &dg}) expect_f32(*t, "rmsnorm_backward tensor");
+  expect_same_dtype(dy, x);
   TPX_CHECK(dy.numel() == x.numel() && dx.numel() == x.numel() && g.numel() == h &&
                 dg.numel() == h && rstd.numel() == rows,
             "rmsnorm_backward shapes");
-  kernels::rmsnorm_backward_dx(cf(dy), cf(x), cf(g), cf(rstd), f(dx), rows, h, stream());
+  kernels::rmsnorm_backward_dx(in(dy), in(x), cf(g), cf(rstd), out(dx), rows, h, stream());
   TPX_CUDA_LAUNCH_CHECK();
   Tensor partial = scratch({I{kernels::rmsnorm_dg_chunks(rows, h)}, h}, DType::f32);
-  kernels::rmsnorm_backward_dg(cf(dy), cf(x), cf(rstd), f(partial), f(dg), rows, h, stream());
+  kernels::rmsnorm_backward_dg(in(dy), in(x), cf(rstd), f(partial), f(dg), rows, h, stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 
@@ -374,14 +395,14 @@ const float* rope_device_table(I seq, I head_dim, double theta) {
 /// x [S, B, heads·D] rotated in place by the angles of rope_table(), or by their opposites; row
 /// p of x is at position first + p.
 void rope_rotate(const Tensor& x, I heads, double theta, I first, bool inverse) {
-  expect_f32(x, "rope x");
+  expect_f32_or_bf16(x, "rope x");
   TPX_CHECK(x.ndim() == 3 && heads > 0 && x.dim(2) % heads == 0 && (x.dim(2) / heads) % 2 == 0,
             "rope: {} must be [S, B, heads*D] with {} heads of even D", x.describe(), heads);
   TPX_CHECK(first >= 0, "rope: first position {} must not be negative", first);
   const I s = x.dim(0), d = x.dim(2) / heads, n = first + s;
   const float* table = rope_device_table(n, d, theta);  // checks theta, and S > 0 like the cpu
   const I half = d / 2;
-  kernels::rope(f(x), table + first * half, table + (n + first) * half, s, x.dim(1) * heads, half,
+  kernels::rope(out(x), table + first * half, table + (n + first) * half, s, x.dim(1) * heads, half,
                 inverse, stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
@@ -401,10 +422,11 @@ void rope_backward(const Tensor& dx, I heads, double theta, I first) {
 
 void swiglu_forward(const Tensor& gate, const Tensor& up, const Tensor& out) {
   NvtxRange range("swiglu_forward");
-  for (const Tensor* t : {&gate, &up, &out}) expect_f32(*t, "swiglu tensor");
+  for (const Tensor* t : {&gate, &up, &out}) expect_f32_or_bf16(*t, "swiglu tensor");
+  expect_same_dtype(gate, up);
   expect_same_numel(gate, up);
   expect_same_numel(gate, out);
-  kernels::swiglu_forward(cf(gate), cf(up), f(out), gate.numel(), stream());
+  kernels::swiglu_forward(in(gate), in(up), cuda::out(out), gate.numel(), stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 
@@ -412,45 +434,49 @@ void swiglu_backward(const Tensor& dout, const Tensor& gate, const Tensor& up, c
                      const Tensor& dup) {
   NvtxRange range("swiglu_backward");
   for (const Tensor* t : {&dout, &gate, &up, &dgate, &dup}) {
-    expect_f32(*t, "swiglu_backward tensor");
+    expect_f32_or_bf16(*t, "swiglu_backward tensor");
     expect_same_numel(gate, *t);
   }
-  kernels::swiglu_backward(cf(dout), cf(gate), cf(up), f(dgate), f(dup), gate.numel(), stream());
+  expect_same_dtype(gate, dout);
+  expect_same_dtype(gate, up);
+  expect_same_dtype(dgate, dup);
+  kernels::swiglu_backward(in(dout), in(gate), in(up), out(dgate), out(dup), gate.numel(),
+                           stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 
 void add(const Tensor& a, const Tensor& b, const Tensor& out) {
   NvtxRange range("add");
-  for (const Tensor* t : {&a, &b, &out}) expect_f32(*t, "add tensor");
+  for (const Tensor* t : {&a, &b, &out}) expect_f32_or_bf16(*t, "add tensor");
   expect_same_numel(a, b);
   expect_same_numel(a, out);
-  kernels::add(cf(a), cf(b), f(out), a.numel(), stream());
+  kernels::add(in(a), in(b), cuda::out(out), a.numel(), stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 
 void accumulate(const Tensor& x, const Tensor& into) {
   NvtxRange range("accumulate");
-  expect_f32(x, "accumulate x");
-  expect_f32(into, "accumulate into");
+  expect_f32_or_bf16(x, "accumulate x");
+  expect_f32_or_bf16(into, "accumulate into");
   expect_same_numel(x, into);
-  kernels::add(cf(into), cf(x), f(into), x.numel(), stream());
+  kernels::add(in(into), in(x), out(into), x.numel(), stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 
 double mse_loss_sum(const Tensor& y, const Tensor& t) {
   NvtxRange range("mse_loss_sum");
-  expect_f32(y, "mse y");
-  expect_f32(t, "mse target");
+  expect_f32_or_bf16(y, "mse y");
+  expect_f32_or_bf16(t, "mse target");
   expect_same_numel(y, t);
-  return reduce_sum_squares(cf(y), cf(t), y.numel());
+  return reduce_sum_squares(in(y), in(t), y.numel());
 }
 
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy) {
   NvtxRange range("mse_loss_backward");
-  for (const Tensor* p : {&y, &t, &dy}) expect_f32(*p, "mse_loss_backward tensor");
+  for (const Tensor* p : {&y, &t, &dy}) expect_f32_or_bf16(*p, "mse_loss_backward tensor");
   expect_same_numel(y, t);
   expect_same_numel(y, dy);
-  kernels::mse_backward(cf(y), cf(t), scale, f(dy), y.numel(), stream());
+  kernels::mse_backward(in(y), in(t), scale, out(dy), y.numel(), stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 
@@ -473,15 +499,23 @@ void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Te
 
 double sum_squares(const Tensor& x) {
   NvtxRange range("sum_squares");
-  expect_f32(x, "sum_squares x");
-  return reduce_sum_squares(cf(x), nullptr, x.numel());
+  expect_f32_or_bf16(x, "sum_squares x");
+  return reduce_sum_squares(in(x), kernels::Src{}, x.numel());
 }
 
 void fill(const Tensor& t, float value) {
   NvtxRange range("fill");
-  expect_f32(t, "fill");
-  kernels::fill(f(t), value, t.numel(), stream());
+  expect_f32_or_bf16(t, "fill");
+  kernels::fill(out(t), value, t.numel(), stream());
   TPX_CUDA_LAUNCH_CHECK();
+}
+
+bool fp32_boundary_forced() {
+  static const bool forced = [] {
+    const char* v = std::getenv("TPX_CUDA_FP32_BOUNDARY");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return forced;
 }
 
 void cast(const Tensor& src, const Tensor& dst) {

@@ -1,10 +1,14 @@
 // The CUDA backend of tpx::ops (common/ops.h dispatches here for cuda tensors). Signatures mirror
 // tpx::cpu (common/cpu/ops.h); gemm and attention also take the compute dtype.
 //
-// Precision (see README.md): tensors are stored in fp32 (weights, gradients, activations). With
-// compute = bf16 the GEMMs, attention's included, read bf16 copies of their operands and
-// accumulate in fp32; everything else (norms, softmax, SwiGLU, loss, SGD) is fp32 arithmetic.
-// Reductions that return a scalar to the host (loss, sum of squares) accumulate in double.
+// Precision (see README.md): weights and their gradients are fp32; activations are fp32, or bf16
+// under the mixed-precision recipe. With compute = bf16 the GEMMs, attention's included, read
+// bf16 operands (bf16 copies of fp32 tensors) and accumulate in fp32; everything else (norms,
+// softmax, SwiGLU, loss, SGD) is fp32 arithmetic. The element-wise ops (rmsnorm_*, rope_*,
+// swiglu_*, add, accumulate, mse_loss_*, sum_squares, fill) also take bf16 tensors as they are
+// stored: a bf16 operand is widened in registers and a bf16 output rounded once, to nearest even,
+// as it is stored (elementwise_ops.h), the rounding points of tpx::ops' op boundary. Reductions
+// that return a scalar to the host (loss, sum of squares) accumulate in double.
 //
 // All work is issued on cuda::current_stream() (device.h) and is asynchronous unless the op
 // returns a host value (mse_loss_sum, sum_squares, to_host_f32) or copies to host memory.
@@ -12,8 +16,8 @@
 // defines: tpx::cuda::gemm, rmsnorm_*, attention_*, attention_fused_*, attention_block_*,
 //          attention_merge, rope_*, swiglu_*,
 //          add, accumulate, mse_loss_*, sgd_update, sum_squares, fill, cast, copy, to_host_f32,
-//          synchronize, device_problem, measure_bf16_gemm_peak_tflops, quantize_fp8,
-//          dequantize_fp8, amax, fp8_scale, gemm_fp8
+//          synchronize, device_problem, fp32_boundary_forced, measure_bf16_gemm_peak_tflops,
+//          quantize_fp8, dequantize_fp8, amax, fp8_scale, gemm_fp8
 #pragma once
 
 #include <cstdint>
@@ -77,6 +81,12 @@ void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Te
                   const ops::AdamWStep& s);
 double sum_squares(const Tensor& x);
 void fill(const Tensor& t, float value);
+
+/// True when the environment sets TPX_CUDA_FP32_BOUNDARY=1 (read once): tpx::ops then gives the
+/// cuda ops fp32 copies of bf16 tensors and rounds their outputs in a separate pass, as the cpu
+/// backend does, instead of letting the kernels read and write bf16 (README.md, "The op
+/// boundary"). The values are the same either way; the switch is there to compare and time them.
+bool fp32_boundary_forced();
 
 /// dst = src converted between f32 and bf16 (round to nearest even); equal dtypes copy.
 void cast(const Tensor& src, const Tensor& dst);
