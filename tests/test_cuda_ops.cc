@@ -245,6 +245,77 @@ TEST(Ops, ElementwiseMatchCpu) {
   }
 }
 
+// The element-wise ops on bf16 tensors: on cuda their kernels read and write bf16 as stored
+// (common/cuda/elementwise_ops.h), on the cpu Fp32Boundary widens and rounds around the fp32 op;
+// the rounding points are the same, so where the fp32 math is the same (add, accumulate, fill,
+// the loss's gradient, RoPE) the bits are, and SwiGLU and RMSNorm (expf, FMA, the statistic's
+// summation order) differ by at most one bf16 spacing of their outputs.
+TEST(Ops, Bf16ElementwiseMatchCpuBoundary) {
+  TPX_REQUIRE_GPU();
+  auto bf16 = [](const Tensor& f32) {
+    Tensor t = Tensor::empty(f32.shape(), DType::bf16);
+    ops::cast(f32, t);
+    return t;
+  };
+  auto host_f32 = [](const Tensor& t) {  // a tensor's values, widened, on the host
+    if (t.device() == Device::cuda) return on_cpu(t);
+    Tensor w = Tensor::empty(t.shape());
+    ops::cast(t, w);
+    return w;
+  };
+  const double one_rounding = 0x1p-7;  // one bf16 spacing, relative: 2^-8 to 2^-7
+  for (const I n : {I{4096}, I{1001}}) {
+    SCOPED_TRACE(testing::Message() << "n " << n);
+    const Tensor a = bf16(random_tensor({n}, 21)), b = bf16(random_tensor({n}, 22));
+    const Tensor t32 = random_tensor({n}, 23);
+    const Tensor ga = on_gpu(a), gb = on_gpu(b), gt = on_gpu(t32);
+    Tensor want = Tensor::empty({n}, DType::bf16), got = gpu_empty({n}, DType::bf16);
+    ops::add(a, b, want);
+    ops::add(ga, gb, got);
+    EXPECT_EQ(rel_err(got, host_f32(want)), 0.0) << "add";
+    ops::copy(ga, got);
+    ops::accumulate(gb, got);
+    EXPECT_EQ(rel_err(got, host_f32(want)), 0.0) << "accumulate";
+    ops::mse_loss_backward(a, t32, 1.0 / double(n), want);
+    ops::mse_loss_backward(ga, gt, 1.0 / double(n), got);
+    EXPECT_EQ(rel_err(got, host_f32(want)), 0.0) << "mse_loss_backward";
+    EXPECT_NEAR(ops::mse_loss_sum(ga, gt), ops::mse_loss_sum(a, t32),
+                1e-12 * ops::mse_loss_sum(a, t32));
+    EXPECT_NEAR(ops::sum_squares(ga), ops::sum_squares(a), 1e-12 * ops::sum_squares(a));
+    ops::fill(want, 0.1f);
+    ops::fill(got, 0.1f);
+    EXPECT_EQ(rel_err(got, host_f32(want)), 0.0) << "fill";
+    ops::swiglu_forward(a, b, want);
+    ops::swiglu_forward(ga, gb, got);
+    EXPECT_LE(rel_err(got, host_f32(want)), one_rounding) << "swiglu_forward";
+    Tensor wdg = Tensor::empty({n}, DType::bf16), wdu = Tensor::empty({n}, DType::bf16);
+    Tensor gdg = gpu_empty({n}, DType::bf16), gdu = gpu_empty({n}, DType::bf16);
+    ops::swiglu_backward(b, a, b, wdg, wdu);
+    ops::swiglu_backward(gb, ga, gb, gdg, gdu);
+    EXPECT_LE(rel_err(gdg, host_f32(wdg)), one_rounding) << "swiglu_backward dgate";
+    EXPECT_LE(rel_err(gdu, host_f32(wdu)), one_rounding) << "swiglu_backward dup";
+  }
+  const I s = 8, batch = 2, heads = 4, d = 16, rows = s * batch, h = heads * d;
+  const Tensor x = bf16(random_tensor({s, batch, h}, 24)), g = random_tensor({h}, 25, 1.0, 0.1);
+  const Tensor gx = on_gpu(x);
+  ops::rope_forward(x, heads, 10000.0, 3);
+  ops::rope_forward(gx, heads, 10000.0, 3);
+  EXPECT_EQ(rel_err(gx, host_f32(x)), 0.0) << "rope";
+  const Tensor x2 = x.reshape({rows, h}), gx2 = gx.reshape({rows, h});
+  Tensor y = Tensor::empty({rows, h}, DType::bf16), rstd = cpu_empty({rows});
+  Tensor gy = gpu_empty({rows, h}, DType::bf16), grstd = gpu_empty({rows});
+  ops::rmsnorm_forward(x2, g, y, rstd);
+  ops::rmsnorm_forward(gx2, on_gpu(g), gy, grstd);
+  EXPECT_LE(rel_err(gy, host_f32(y)), one_rounding) << "rmsnorm y";
+  EXPECT_LE(rel_err(grstd, rstd), kF32Tol) << "rmsnorm rstd";
+  Tensor dx = Tensor::empty({rows, h}, DType::bf16), dg = cpu_empty({h});
+  Tensor gdx = gpu_empty({rows, h}, DType::bf16), gdg = gpu_empty({h});
+  ops::rmsnorm_backward(y, x2, g, rstd, dx, dg);
+  ops::rmsnorm_backward(gy, gx2, on_gpu(g), grstd, gdx, gdg);
+  EXPECT_LE(rel_err(gdx, host_f32(dx)), 4 * one_rounding) << "rmsnorm dx";
+  EXPECT_LE(rel_err(gdg, dg), 4 * one_rounding) << "rmsnorm dg";
+}
+
 TEST(Ops, CastsAreBitExactRoundToNearestEven) {
   TPX_REQUIRE_GPU();
   for (const I n : {I{64}, I{13}}) {  // 8-wide vector path, scalar path
