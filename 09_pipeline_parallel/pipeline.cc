@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <span>
 #include <tuple>
 #include <utility>
 
@@ -433,6 +434,31 @@ struct Pass {
   WeightGradWork work;                 ///< zb-h1: the dW GEMMs B set aside
 };
 
+/// A rank's sends (or receives) grouped by the action that makes (or reads) them: one list, and
+/// where each action's part begins (a map from action to list would cost a node per action).
+class ByAction {
+ public:
+  ByAction() = default;
+  /// `xs` in any order; `actions` the length of the rank's action list.
+  ByAction(std::vector<Transfer> xs, std::size_t actions)
+      : xs_(std::move(xs)), first_(actions + 1) {
+    std::ranges::stable_sort(xs_, {}, &Transfer::action);
+    std::size_t k = 0;
+    for (std::size_t i = 0; i <= actions; ++i) {
+      first_[i] = k;
+      while (k < xs_.size() && xs_[k].action == i) ++k;
+    }
+    TPX_CHECK(k == xs_.size(), "a transfer of an action past the schedule's end");
+  }
+  std::span<const Transfer> at(std::size_t i) const {
+    return std::span(xs_).subspan(first_[i], first_[i + 1] - first_[i]);
+  }
+
+ private:
+  std::vector<Transfer> xs_;
+  std::vector<std::size_t> first_;
+};
+
 /// One step's actions on this rank, and what they leave behind.
 class Executor {
  public:
@@ -448,8 +474,11 @@ class Executor {
         split_(pp.schedule().split_backward()) {
     const std::vector<std::int64_t> held = pp.held_layers();
     for (std::size_t i = 0; i < held.size(); ++i) local_[held[i]] = i;
+    std::vector<Transfer> sends, receives;
     for (const Transfer& x : pipeline::transfers(pp.schedule(), me_))
-      (x.send ? sends_ : receives_)[x.action].push_back(x);
+      (x.send ? sends : receives).push_back(x);
+    sends_ = ByAction(std::move(sends), actions_.size());
+    receives_ = ByAction(std::move(receives), actions_.size());
   }
 
   /// The micro-batches of the block's input (stage 0) and of the target (the last stage).
@@ -465,12 +494,14 @@ class Executor {
 
   Result run(const std::vector<LayerParams>& params, bool keep) {
     Result r;
+    saved_ = 0;
     passes_.clear();
     buffers_.clear();
     local_messages_.clear();
     acc_.clear();
     done_.clear();
-    std::vector<Event> sent;
+    // Each payload's sends run in order on its lane: the last one's end is the end of all.
+    std::optional<Event> sent[2];
     int live = 0;
     if (keep) {
       r.y.resize(std::size_t(shape_.microbatches));
@@ -480,7 +511,7 @@ class Executor {
       post_receives(i);
       if (i + 1 < actions_.size()) post_receives(i + 1);  // one action ahead
       const Action& a = actions_[i];
-      for (const Transfer& x : receives_[i]) buffers_.at(x.tag).second.synchronize();
+      for (const Transfer& x : receives_.at(i)) buffers_.at(x.tag).second.synchronize();
       const auto t0 = Clock::now();
       {
         TraceScope phase(trace_, pipeline::to_string(a, shape_.stages_per_rank > 1), Lane::phase);
@@ -495,7 +526,7 @@ class Executor {
       if (a.phase == Phase::forward) ++live;
       if (a.phase == Phase::weight || (a.phase == Phase::backward && !split_)) --live;
       r.peak_live = std::max(r.peak_live, live);
-      if (a.phase == Phase::forward) r.peak_saved = std::max(r.peak_saved, saved_bytes());
+      if (a.phase == Phase::forward) r.peak_saved = std::max(r.peak_saved, saved_);
       // What the action made for the next (forward) or previous (backward) virtual stage: sent,
       // or left here when this rank holds that stage too.
       if (a.phase != Phase::weight) {
@@ -506,7 +537,8 @@ class Executor {
           const Tensor& t = fwd ? p.y : p.dx;
           if (shape_.rank_of(to) == me_)
             local_messages_[{a.microbatch, to, fwd ? Payload::activation : Payload::gradient}] = t;
-          for (const Transfer& x : sends_[i]) sent.push_back(pp_.send(x, t, name(x)));
+          for (const Transfer& x : sends_.at(i))
+            sent[std::size_t(x.payload)] = pp_.send(x, t, name(x));
         }
       }
       // The pass keeps only what its later actions read: the send lane holds what it sends
@@ -517,27 +549,21 @@ class Executor {
       if (a.phase == Phase::weight || (a.phase == Phase::backward && !split_))
         passes_.erase({a.microbatch, a.stage});
     }
-    for (const Event& e : sent) e.synchronize();
+    for (const std::optional<Event>& e : sent)
+      if (e) e->synchronize();
+    scratch_ = {};
     slice_.finish_grads();
     return r;
   }
 
  private:
-  /// What every live pass keeps for its backward now.
-  std::size_t saved_bytes() const {
-    std::size_t n = 0;
-    for (const auto& [key, p] : passes_)
-      for (const BlockActivations& a : p.acts) n += a.bytes();
-    return n;
-  }
-
   static std::string name(const Transfer& x) {
     return fmt::format("{} {} stage {}→{}", x.payload == Payload::activation ? "act" : "grad",
                        x.microbatch, x.from_stage, x.to_stage);
   }
 
   void post_receives(std::size_t i) {
-    for (const Transfer& x : receives_[i])
+    for (const Transfer& x : receives_.at(i))
       if (!buffers_.contains(x.tag)) {
         Tensor buf = Tensor::empty(message_shape, c_.activations(), c_.device);
         buffers_.emplace(x.tag, std::make_pair(buf, pp_.receive(x, buf, name(x))));
@@ -553,7 +579,7 @@ class Executor {
   /// or left on this rank by the neighbouring virtual stage.
   Tensor incoming(std::size_t i, Payload payload) {
     const Action& a = actions_[i];
-    for (const Transfer& x : receives_[i])
+    for (const Transfer& x : receives_.at(i))
       if (x.payload == payload) {
         Tensor t = buffers_.at(x.tag).first;
         buffers_.erase(x.tag);
@@ -579,6 +605,7 @@ class Executor {
       const int next = k + 1 < range.count ? int(l + 1) : -1;
       const LayerParams w = slice_.layer_params(params, l, next);
       h = block_forward(c_, w, h, slice_, p.acts[std::size_t(k)], trace_);
+      saved_ += p.acts[std::size_t(k)].bytes();
       slice_.release_layer(l);
     }
     p.y = h;
@@ -611,6 +638,7 @@ class Executor {
       LayerParams g = fresh_grads(l);
       dy = block_backward(c_, w, p.acts[std::size_t(k)], dy, slice_, g, trace_);
       slice_.release_layer(l);
+      saved_ -= p.acts[std::size_t(k)].bytes();
       p.acts[std::size_t(k)] = {};
       if (split_)
         p.grads[std::size_t(k)] = g;
@@ -630,11 +658,20 @@ class Executor {
       accumulate(local_.at(range.first + k), p.grads[std::size_t(k)]);
   }
 
-  /// Buffers for one micro-batch's gradients of layer l (the slice's full-layer shapes).
+  /// Buffers for one micro-batch's gradients of layer l (the slice's full-layer shapes). Without
+  /// the split they are added to the step's at once, so every layer and micro-batch reuses one
+  /// set (in stream order: its adds are issued before the next backward's GEMMs overwrite it);
+  /// zb-h1's live from B to W, a set per (micro-batch, layer) between them.
   LayerParams fresh_grads(std::size_t l) {
     LayerParams& acc = accumulator(l);
+    const bool reuse = !split_ && scratch_[Param::norm1].defined() &&
+                       std::ranges::all_of(kAllParams, [&](Param q) {
+                         return scratch_[q].shape() == acc[q].shape();
+                       });
+    if (reuse) return scratch_;
     LayerParams g;
     for (Param q : kAllParams) g[q] = Tensor::empty(acc[q].shape(), DType::f32, c_.device);
+    if (!split_) scratch_ = g;
     return g;
   }
 
@@ -671,13 +708,17 @@ class Executor {
   int me_;
   const std::vector<Action>& actions_;
   bool split_;
-  std::map<std::int64_t, std::size_t> local_;                       // global layer → index in m_
-  std::map<std::size_t, std::vector<Transfer>> sends_, receives_;   // by action index
+  std::map<std::int64_t, std::size_t> local_;  // global layer → index in m_
+  ByAction sends_, receives_;
   std::map<std::pair<int, int>, Pass> passes_;                      // (micro-batch, stage)
   std::map<int, std::pair<Tensor, Event>> buffers_;                 // posted receives, by tag
   std::map<std::tuple<int, int, Payload>, Tensor> local_messages_;  // (micro-batch, to stage)
   std::map<std::size_t, LayerParams> acc_;                          // by local layer
   std::map<std::size_t, int> done_;                                 // micro-batches accumulated
+  /// What every live pass keeps for its backward now: added by each layer's forward, taken
+  /// away by its backward, so that the peak costs O(1) per action.
+  std::size_t saved_ = 0;
+  LayerParams scratch_;  // one micro-batch's gradients of a layer, reused (no split)
 };
 
 }  // namespace
@@ -702,15 +743,19 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
   const std::int64_t n = m.input.dim(1) / shape.microbatches;
   ex.message_shape = {m.input.dim(0), n, m.input.dim(2)};
   // Stage 0 keeps the input's micro-batches (in the activations' dtype), the last stage the
-  // target's; the whole tensors stay only where the snapshot reads them.
+  // target's; the whole tensors stay only where the snapshot reads them, and a rank lets go of
+  // what it does not use before it splits what it does.
+  if (me != 0) m.input = Tensor();
+  if (me != last) m.target = Tensor();
   if (me == 0) {
     const Tensor input = as_dtype(m.input, c.activations());
+    if (!snapshot) m.input = Tensor();
     for (int j = 0; j < shape.microbatches; ++j) ex.inputs.push_back(microbatch(input, j, n));
   }
-  if (me == last)
+  if (me == last) {
     for (int j = 0; j < shape.microbatches; ++j) ex.targets.push_back(microbatch(m.target, j, n));
-  if (!snapshot || me != 0) m.input = Tensor();
-  if (!snapshot || me != last) m.target = Tensor();
+    if (!snapshot) m.target = Tensor();
+  }
 
   std::vector<LayerParams> params;
   Moments moments = make_moments(c, m);
