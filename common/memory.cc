@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <array>
+#include <fstream>
 #include <initializer_list>
+#include <sstream>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -447,6 +449,28 @@ std::uint64_t snapshot_bytes(const BlockConfig& c) {
                           checked_product({params, 2}, "the snapshot's parameters")},
                          "the snapshot's elements");
   return std::uint64_t(checked_product({elements, kF32}, "the snapshot's bytes"));
+}
+
+HostMemory host_memory() {
+  HostMemory m;
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    std::istringstream in(line);
+    std::string key;
+    std::uint64_t kib = 0;
+    in >> key >> kib;  // "VmRSS:   123456 kB"
+    if (key == "VmRSS:") m.rss = kib * 1024;
+    if (key == "VmHWM:") m.peak = kib * 1024;
+  }
+  return m;
+}
+
+bool reset_host_peak() {
+  std::ofstream refs("/proc/self/clear_refs");
+  refs << "5\n";  // 5: reset the peak resident set size
+  refs.flush();
+  return bool(refs);
 }
 
 }  // namespace tpx

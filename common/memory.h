@@ -23,7 +23,8 @@
 // 128×128 scores), host memory outside the allocator; these are small or outside its view.
 //
 // defines: tpx::MemoryTerm, tpx::MemoryEstimate, tpx::estimate_training_memory(),
-//          tpx::snapshot_bytes() (and, through units.h, tpx::bytes_text())
+//          tpx::snapshot_bytes(), tpx::HostMemory, tpx::host_memory(),
+//          tpx::reset_host_peak() (and, through units.h, tpx::bytes_text())
 #pragma once
 
 #include <cstdint>
@@ -70,5 +71,20 @@ MemoryEstimate estimate_training_memory(const BlockConfig& c, const Sharding& s)
 /// and gradients. Host memory whatever the device (add it to a cpu estimate; on cuda it is
 /// taken from the host). Throws SizeOverflow when it does not fit in 64 bits.
 std::uint64_t snapshot_bytes(const BlockConfig& c);
+
+/// This process's resident memory, as the kernel counts it (/proc/self/status): every page it
+/// touched, the allocator's and everyone else's (MPI, BLAS, the binary, malloc's own books).
+struct HostMemory {
+  std::uint64_t rss = 0;   ///< VmRSS: resident now
+  std::uint64_t peak = 0;  ///< VmHWM: the high-water mark of VmRSS (since the last reset)
+};
+
+/// This process's VmRSS and VmHWM; zeros where /proc is not there.
+HostMemory host_memory();
+
+/// Sets VmHWM back to VmRSS (/proc/self/clear_refs, Linux 4.0+), so that the next high-water
+/// mark is that of what runs after; false where the kernel does not allow it (then VmHWM keeps
+/// the earlier peak).
+bool reset_host_peak();
 
 }  // namespace tpx

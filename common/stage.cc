@@ -436,6 +436,25 @@ json summary_json(const StageDefinition& st, const StageOptions& o, int world,
   return summary;
 }
 
+/// Every rank's host memory over training, on rank 0 (empty elsewhere).
+struct HostMemoryReport {
+  std::vector<std::uint64_t> peak, baseline, estimate;
+};
+
+HostMemoryReport gather_host_memory(std::uint64_t peak, std::uint64_t baseline,
+                                    std::uint64_t estimate, int rank, int world) {
+  const std::uint64_t mine[3] = {peak, baseline, estimate};
+  std::vector<std::uint64_t> all(rank == 0 ? 3 * std::size_t(world) : 0);
+  TPX_MPI_CHECK(MPI_Gather(mine, 3, MPI_UINT64_T, all.data(), 3, MPI_UINT64_T, 0, MPI_COMM_WORLD));
+  HostMemoryReport h;
+  for (std::size_t i = 0; i < all.size(); i += 3) {
+    h.peak.push_back(all[i]);
+    h.baseline.push_back(all[i + 1]);
+    h.estimate.push_back(all[i + 2]);
+  }
+  return h;
+}
+
 /// --dry-run: the stage's plan (its split checks, sharding and a step's bytes), the memory
 /// estimate (reported, not refused) and a step's FLOPs, printed by rank 0 and written to --json;
 /// nothing is computed and no tensor allocated, so any size answers at once.
@@ -538,6 +557,11 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   }
   // Ranks that share rank 0's GPU must not start their steps while it measures the peak.
   if (c.device == Device::cuda) TPX_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+  // The host memory training takes, as the kernel counts it: the high-water mark from here on,
+  // beside what the process holds before the model is made (MPI, BLAS, the binary, the
+  // communicators); the estimate counts the difference.
+  const bool peak_reset = reset_host_peak();
+  const std::uint64_t host_baseline = host_memory().rss;
   const TrainResult r =
       st.train(c, *par, o.check || !o.dump_dir.empty(), trace, [&](const StepRow& row) {
         if (rank != 0) return;
@@ -549,6 +573,8 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
             fmt::print(stderr, "{}: warning: {}\n", st.info.name, w);
         print_row(row, speed, c);
       });
+  const HostMemoryReport host =
+      gather_host_memory(host_memory().peak, host_baseline, memory.estimate.total(), rank, world);
   if (rank == 0) {
     // Step 0 warms up (first allocations, GEMM heuristics, lazily made transports): the mean is
     // over the steps after it, when there are any.
@@ -626,6 +652,12 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   if (!o.json_path.empty())
     on_rank0([&] {
       json summary = summary_json(st, o, world, *par, r, speed, memory.estimate);
+      summary["host_peak_bytes"] = host.peak[0];
+      summary["host_baseline_bytes"] = host.baseline[0];
+      summary["host_peak_bytes_per_rank"] = host.peak;
+      summary["host_baseline_bytes_per_rank"] = host.baseline;
+      summary["memory_estimate_bytes_per_rank"] = host.estimate;
+      summary["host_peak_since_baseline"] = peak_reset;
       if (o.check && r.diverged.empty())
         summary["check"] = {{"pass", pass},
                             {"rtol", tol.rtol},
