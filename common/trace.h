@@ -48,7 +48,8 @@ class Trace {
   using Clock = std::chrono::steady_clock;
   enum class Mode {
     off,      ///< records nothing (reference runs, tests)
-    measure,  ///< records each step's spans for the exposed-comm figure, then forgets them
+    measure,  ///< keeps only what the exposed-comm figure reads of each step's spans (their
+              ///< times and kind, no names: 24 bytes a span), then forgets them
     keep,     ///< records and keeps every span for write()
   };
 
@@ -68,7 +69,8 @@ class Trace {
   /// recorded so far. Unless the trace is kept, spans ending before t1 are then forgotten.
   double exposed_comm_ms(Clock::time_point t0, Clock::time_point t1);
 
-  /// The names of the spans kept so far on `lane`, in the order they were recorded (tests).
+  /// The names of the spans kept so far on `lane`, in the order they were recorded (kept
+  /// traces; a measuring one keeps no names).
   std::vector<std::string> span_names(Lane lane) const;
 
   /// Collective over MPI_COMM_WORLD: gathers every rank's events and rank 0 writes the file (whole
@@ -84,10 +86,17 @@ class Trace {
     Clock::time_point begin, end;
     bool counted;
   };
+  /// What a measuring trace keeps of a span: compute, or communication the figure counts
+  /// (spans of the other lanes, and reporting-only traffic, are not kept at all).
+  struct Span {
+    Clock::time_point begin, end;
+    bool compute;
+  };
   Mode mode_;
   Clock::time_point origin_;
   mutable std::mutex mutex_;
-  std::vector<Event> events_;
+  std::vector<Event> events_;  // keep
+  std::vector<Span> spans_;    // measure
 };
 
 /// Opens / closes a profiler range (NVTX when the CUDA backend is built, else nothing), so an
