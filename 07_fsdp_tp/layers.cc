@@ -86,17 +86,17 @@ void FsdpTp::shard_model(Model& m) {
   // The data: this replica's B / D columns of the batch dim of [S/T, B, H]. The parameters are
   // sharded over the DP×CP group (the DP group when there is no CP dimension).
   auto batch_part = [&](const Tensor& t) {
-    const Tensor host = ops::to_device(t, Device::cpu);
+    const Tensor host = t.device() == Device::cpu ? t : ops::to_device(t, Device::cpu);
     const std::int64_t s = t.dim(0), b = t.dim(1) / mesh_.dp, h = t.dim(2);
     const Tensor part = Tensor::empty({s, b, h});
     for (std::int64_t i = 0; i < s; ++i)
       std::memcpy(part.f32().data() + i * b * h,
                   host.f32().data() + (i * t.dim(1) + mesh_.dp_index * b) * h,
                   static_cast<std::size_t>(b * h) * sizeof(float));
-    return ops::to_device(part, t.device());
+    return t.device() == Device::cpu ? part : ops::to_device(part, t.device());
   };
-  m.input = batch_part(m.input);
-  m.target = batch_part(m.target);
+  m.input = mesh_.dp == 1 ? m.input : batch_part(m.input);  // one replica: the whole batch
+  m.target = mesh_.dp == 1 ? m.target : batch_part(m.target);
 
   // The parameters and gradients: one flat fp32 shard per layer each; the Model's tensors are
   // views into them, so a gradient reduce-scatter writes straight into what the optimizer reads.
