@@ -361,6 +361,20 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
     if (shards > 1)  // FSDP's unsharded gradients, summed over the micro-batches of a step
       e.terms.push_back({"gradient accumulators (FSDP × PP)",
                          std::uint64_t(checked_product({grads_layer, c.layers}, what))});
+    // The host's books of a step, beyond the tensors' bytes (the cpu backend with glibc's
+    // malloc, measured with --json's host_peak_bytes − host_baseline_bytes at M up to 16 000):
+    //   per (micro-batch, layer held): the schedule's actions and transfers, the per-pass
+    //     records, the step's trace spans, each small tensor's handle, storage and shape;
+    //     2.5 KiB, and 4.5 KiB on a D·C > 1 slice (its collectives' records and spans)
+    //   per live (micro-batch, layer) at the schedule's peak: the handles and malloc chunks of
+    //     the fourteen saved tensors and of the pass that holds them, 5 KiB
+    // host per micro-batch = M · L_rank · (2.5 or 4.5 KiB) + live · 5 KiB
+    const I per_microbatch_layer = shards > 1 ? 4608 : 2560, per_live_layer = 5120;
+    e.terms.push_back(
+        {"host per micro-batch",
+         std::uint64_t(sum({checked_product({s.microbatches, c.layers, per_microbatch_layer}, what),
+                            checked_product({s.pp_live_layers, per_live_layer}, what)},
+                           what))});
   }
   if (c.bf16_weight_copies()) {
     // This step's bf16 compute copies of the seven matrices (this rank's shards): half their
@@ -432,6 +446,19 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
          c.layers},
         "the FP8 weights' bytes");
     e.terms.push_back({"FP8 weights", std::uint64_t(copies)});
+  }
+  if (pipeline) {
+    // The set-up's streams: every rank generates the whole input and target, [S, B, H] fp32
+    // each (X bytes), before its mesh cuts them; with C > 1 the CP cut copies this rank's S / C
+    // rows of one of them twice while both are alive (the FSDP cut's B / D part is less). The
+    // training terms above are not alive yet, so the term is what the set-up needs beyond them
+    // (zero when training needs more):
+    //   set-up streams = max(0, 2·X + (C > 1 ? 2·X / C : 0) − the terms above)
+    const char* what = "the set-up's streams";
+    const I x = checked_product({global.seq, c.batch, c.hidden, kF32}, what);
+    const I setup = sum({checked_product({x, 2}, what), s.cp > 1 ? 2 * (x / s.cp) : I{0}}, what);
+    const std::uint64_t training = e.total(), need = std::uint64_t(setup);
+    e.terms.push_back({"set-up streams", need > training ? need - training : 0});
   }
   (void)e.total();  // throws SizeOverflow now rather than when it is printed
   return e;

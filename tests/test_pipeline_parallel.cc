@@ -14,9 +14,11 @@
 //  - --print-schedule prints the lists and trains nothing;
 //  - bad input is one line and exit 2 on every rank.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -269,6 +271,62 @@ TEST(PipelineParallel, GpipeMemoryGrowsWithMicrobatchesOneFOneBsDoesNot) {
     EXPECT_EQ(saved["1f1b"][i], saved["1f1b"][i - 1]) << "1F1B keeps at most P micro-batches";
     EXPECT_LT(peak["1f1b"][i], 1.1 * peak["1f1b"][0]);
   }
+}
+
+TEST(PipelineParallel, EstimateHoldsTheHostsOwnPeakOnEveryRank) {
+  // The estimate against the process's own high-water mark over training (VmHWM from the step's
+  // start less the VmRSS before the model is made), every rank, at points where the pipeline's
+  // own memory (the set-up's streams, M micro-batches' books, a pass's activations) is tens of
+  // MiB, well above the noise of MPI's and malloc's own pages.
+  struct Point {
+    int n;
+    std::string args;
+  };
+  const std::string big = "--hidden 64 --heads 2 --seq 16 --ffn 64 --batch 4000 --microbatches 200";
+  const std::string small = "--hidden 32 --heads 2 --seq 8 --ffn 64 --layers 2";
+  for (const Point& p :
+       {Point{2, big + " --layers 2 --schedule 1f1b"},
+        Point{2, big + " --layers 2 --schedule zb-h1"},
+        Point{2, big + " --layers 4 --stages-per-rank 2 --schedule interleaved-1f1b"},
+        Point{4, big + " --layers 2 --pp 2 --cp 2 --schedule 1f1b"},
+        Point{2, small + " --schedule gpipe --batch 2000 --microbatches 2000"}}) {
+    const json j = run_json("09_pipeline_parallel", p.n, "--steps 2 " + p.args);
+    ASSERT_TRUE(j.contains("host_peak_bytes_per_rank")) << p.args;
+    ASSERT_TRUE(j.at("host_peak_since_baseline").get<bool>()) << "VmHWM could not be reset";
+    const auto peak = j.at("host_peak_bytes_per_rank").get<std::vector<double>>();
+    const auto base = j.at("host_baseline_bytes_per_rank").get<std::vector<double>>();
+    const auto est = j.at("memory_estimate_bytes_per_rank").get<std::vector<double>>();
+    ASSERT_EQ(peak.size(), std::size_t(p.n));
+    for (int r = 0; r < p.n; ++r) {
+      const double measured = peak[std::size_t(r)] - base[std::size_t(r)];
+      EXPECT_NEAR(est[std::size_t(r)] / measured, 1.0, 0.15)
+          << p.args << ", rank " << r << ": estimate " << est[std::size_t(r)] << ", measured "
+          << measured << "; " << j.at("memory_terms");
+    }
+  }
+}
+
+TEST(PipelineParallel, APipelineThatCannotFitIsRefusedUpFront) {
+  // A million micro-batches of 2 sequences: the set-up's streams (2 · 16 GB per rank) and the
+  // micro-batches' books are far beyond any host of this suite; refused from the estimate, in
+  // one line on every rank, before the model is made.
+  test::TempDir dir;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = run_stage("09_pipeline_parallel", 2,
+                           "--hidden 128 --heads 2 --seq 16 --ffn 64 --batch 2000000 "
+                           "--microbatches 1000000",
+                           dir);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  std::vector<std::string> errors;
+  std::istringstream err(r.err);
+  for (std::string line; std::getline(err, line);)
+    if (line.starts_with("09_pipeline_parallel: error:")) errors.push_back(line);
+  ASSERT_EQ(errors.size(), 1u) << r.err;
+  EXPECT_NE(errors[0].find("not enough memory"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("biggest term"), std::string::npos) << errors[0];
+  EXPECT_EQ(r.out.find("grad norm"), std::string::npos) << "it started training:\n" << r.out;
+  EXPECT_LT(s, 20.0) << "the refusal is arithmetic";
 }
 
 TEST(PipelineParallel, DryRunGivesTheRealRunsBytesAndMemoryEstimate) {
