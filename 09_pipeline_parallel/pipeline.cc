@@ -172,16 +172,16 @@ Event PipelineParallel::receive(const Transfer& x, const Tensor& buf, const std:
   return done;
 }
 
+// The report's collectives over the pipeline go through the activation channel's communicator,
+// so the flight recorder has them and the watchdog diagnoses a pipeline stage that never joins
+// (a bare MPI call would leave its peers waiting forever).
 std::vector<double> PipelineParallel::gather_over_pipeline(double mine) const {
-  std::vector<double> all(std::size_t(mesh_.pp), mine);
-  if (mesh_.pp > 1)
-    TPX_MPI_CHECK(
-        MPI_Allgather(&mine, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, mesh_.pp_group.comm()));
-  return all;
+  if (mesh_.pp == 1) return {mine};
+  return activations_->comm->all_gather_report(mine, "report gather");
 }
 
 void PipelineParallel::pipeline_barrier() const {
-  if (mesh_.pp > 1) TPX_MPI_CHECK(MPI_Barrier(mesh_.pp_group.comm()));
+  if (mesh_.pp > 1) (void)activations_->comm->all_gather_report(0.0, "step barrier");
 }
 
 double PipelineParallel::sum_over_ranks(double local) {

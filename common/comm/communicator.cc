@@ -60,11 +60,27 @@ Communicator::Communicator(int rank, int size, const CommOptions& o)
       group_{options_.group_label.empty() ? std::string_view(options_.group.name())
                                           : std::string_view(options_.group_label),
              rank, job_ranks(options_.group)},
+      report_label_(fmt::format("{} report", options_.group.name())),
       job_rank_(o.group.world_rank_of(rank)) {
   options_.monitor.reset();  // held once, in monitor_
 }
 
 Communicator::~Communicator() = default;
+
+std::vector<double> Communicator::all_gather_report(double mine, std::string_view what) {
+  std::vector<double> all(static_cast<std::size_t>(size_), mine);
+  if (size_ == 1) return all;
+  const OpGroup lane{report_label_, group_.rank, group_.jobs};
+  const auto bytes = static_cast<std::uint64_t>(sizeof(double)) * std::uint64_t(size_);
+  const std::uint64_t seq =
+      recorder_.begin(CommOp::all_gather, DType::f32, 2 * size_, bytes, -1, -1, what, lane);
+  recorder_.started(seq);
+  const int rc =
+      MPI_Allgather(&mine, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, options_.group.comm());
+  recorder_.finish(seq, rc == MPI_SUCCESS ? OpState::done : OpState::failed);
+  TPX_MPI_CHECK(rc);
+  return all;
+}
 
 double Communicator::timeout() const {
   return monitor_->timeout();

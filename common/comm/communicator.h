@@ -113,6 +113,13 @@ class Communicator {
   /// from, numbers in the group) here already, so that its record joins the lane of that link.
   std::uint64_t book(CommOp op, std::string_view what = {}, int peer = -1, int src = -1);
 
+  /// A report's number from every rank of the group, in rank order (a step's loss sum, a
+  /// timing): a host-side MPI all-gather of one double each. It is recorded in the flight
+  /// recorder as an op of the group's "report" lane, so a rank that never joins it is diagnosed
+  /// by the watchdog as in any other op instead of leaving its peers in a bare MPI call forever;
+  /// it is not counted in take_stats() (the report's traffic, not the step's).
+  std::vector<double> all_gather_report(double mine, std::string_view what);
+
   /// out [N·n, ...] = concatenation over ranks of in [n, ...].
   void all_gather(const Tensor& in, const Tensor& out, const Stream& s,
                   std::optional<std::uint64_t> booked = {});
@@ -194,6 +201,7 @@ class Communicator {
   std::uint64_t current_seq_ = 0;
   std::map<std::uint64_t, std::int64_t> booked_;  // book()ed ops: seq → collective number
   OpGroup group_;                                 // how the records name this communicator's group
+  std::string report_label_;                      // its group's "report" lane: "<group> report"
   int job_rank_;   // this rank in the whole job (what the fault flags name)
   int poll_ = -1;  // the backend's poll, registered with the monitor
 };
