@@ -22,19 +22,14 @@
 // bits; above half it does; at exactly half it carries only if the lowest kept bit is 1, so an odd
 // result rounds up to the even one and an even result stays.
 //
-// defines: TPX_HD, tpx::fp8::Format, kE4M3, kE5M2, encode, decode, max_normal, quantize,
+// defines: tpx::fp8::Format, kE4M3, kE5M2, encode, decode, max_normal, quantize,
 //          dequantize, scale_from_amax, float_bits, bits_float, is_nan, kNaNBits
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
-/// Marks a function callable from host and device code under nvcc; empty for the C++ compiler.
-#if defined(__CUDACC__)
-#define TPX_HD __host__ __device__
-#else
-#define TPX_HD
-#endif
+#include "common/host_device.h"
 
 namespace tpx::fp8 {
 
@@ -140,22 +135,8 @@ TPX_HD inline float decode(std::uint8_t q, Format f) {
   return bits_float(sign | normal_f32_bits(magnitude, f));
 }
 
-/// a · b and a / b rounded to nearest fp32, whatever fast-math flags the device code is built
-/// with (the host compiler gives IEEE results for the plain operators).
-TPX_HD inline float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-TPX_HD inline float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
+using hd::div_rn;  // rounded to nearest whatever the device's fast-math flags (host_device.h)
+using hd::mul_rn;
 
 /// True for every NaN, by its bits (no floating-point operation, so no fast-math flag can fold it).
 TPX_HD inline bool is_nan(float v) {

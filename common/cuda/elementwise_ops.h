@@ -14,10 +14,12 @@
 // std::uint16_t) and defines one(i), element i, and four(i), elements 4i .. 4i + 3 (the kernels'
 // vector path: 16-byte loads of fp32, 8-byte loads of bf16).
 //
-// defines: TPX_HD, tpx::cuda::elem::{widen, round_bf16, load, store, load4, store4, F4,
+// defines: tpx::cuda::elem::{widen, round_bf16, load, store, load4, store4, F4,
 //          aligned4, sigmoid, Fill, Add, SwigluForward, SwigluBackward, MseBackward,
 //          RmsNormY, RmsNormDx, rope_pair, mul_rn, add_rn, sub_rn}
 #pragma once
+
+#include "common/host_device.h"
 
 #include <cmath>
 #include <cstdint>
@@ -25,15 +27,6 @@
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
-#endif
-
-/// Marks a function callable from host and device code under nvcc; empty for the C++ compiler.
-#ifndef TPX_HD
-#if defined(__CUDACC__)
-#define TPX_HD __host__ __device__
-#else
-#define TPX_HD
-#endif
 #endif
 
 namespace tpx::cuda::elem {
@@ -128,30 +121,10 @@ inline bool aligned4(const std::uint16_t* p) {
   return reinterpret_cast<std::uintptr_t>(p) % 8 == 0;
 }
 
-/// fp32 products and sums rounded one at a time: on the device the round-to-nearest intrinsics,
-/// which nvcc never contracts into an FMA; on the host plain operations (the cpu backend and the
-/// tests that run these functors are compiled without contraction).
-TPX_HD inline float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-TPX_HD inline float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-TPX_HD inline float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
+// fp32 products and sums rounded one at a time (host_device.h): never contracted into an FMA.
+using hd::add_rn;
+using hd::mul_rn;
+using hd::sub_rn;
 
 // --- the ops -------------------------------------------------------------------------------------
 

@@ -9,23 +9,16 @@
 // every dS = P·(dP − Δ) is then off by that much, and where dQ and dK are zero (one query row,
 // S = 1: the softmax of one score is constant) they come out as that error times K and Q.
 //
-// defines: TPX_HD, tpx::cuda::flash::round_bf16, operand, delta_term
+// defines: tpx::cuda::flash::round_bf16, operand, delta_term
 #pragma once
+
+#include "common/host_device.h"
 
 #include <cstdint>
 #include <cstring>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
-#endif
-
-/// Marks a function callable from host and device code under nvcc; empty for the C++ compiler.
-#ifndef TPX_HD
-#if defined(__CUDACC__)
-#define TPX_HD __host__ __device__
-#else
-#define TPX_HD
-#endif
 #endif
 
 namespace tpx::cuda::flash {
