@@ -41,6 +41,46 @@ Tensor on(const Tensor& t, Device device) {
   return t.device() == device ? t : ops::to_device(t, device);
 }
 
+// Under --dtype bf16 (DESIGN.md, "Mixed precision") q, k, v, the output and the gradients are
+// stored bf16 and K/V move in bf16, but the chunk pairs are computed and merged in fp32: each
+// pair's partial output and lse, the running merge and the dK/dV partial sums stay fp32, and
+// each of the op's outputs is rounded to bf16 once, at the end, as every op of the recipe rounds
+// its own. The pair kernels read f32 only (cpu and cuda alike), so bf16 operands are widened
+// into fp32 copies here (exact: every bf16 value is an fp32 value).
+
+/// `t` as fp32: itself when it is f32, else an fp32 copy on its device.
+Tensor wide(const Tensor& t) {
+  if (t.dtype() == DType::f32) return t;
+  const Tensor w = Tensor::empty(t.shape(), DType::f32, t.device());
+  ops::cast(t, w);
+  return w;
+}
+
+/// `t` (f32) as `dtype`: itself for f32, else a copy rounded to bf16 (exact when its values are
+/// bf16 values already, as the widened ones Ulysses repacks).
+Tensor narrow(const Tensor& t, DType dtype) {
+  if (dtype == DType::f32) return t;
+  const Tensor n = Tensor::empty(t.shape(), dtype, t.device());
+  ops::cast(t, n);
+  return n;
+}
+
+/// Where an op accumulates its output `t` in fp32: t itself when it is f32, else a new fp32
+/// tensor that round_into() rounds into t once.
+Tensor accumulator(const Tensor& t) {
+  return t.dtype() == DType::f32 ? t : Tensor::empty(t.shape(), DType::f32, t.device());
+}
+
+/// t ← the fp32 result `acc`: a copy, or the one rounding of a bf16 output. Nothing when acc is
+/// t's own accumulator.
+void round_into(const Tensor& acc, const Tensor& t) {
+  if (acc.dtype() == t.dtype()) {
+    if (acc.raw() != t.raw()) ops::copy(acc, t);
+  } else {
+    ops::cast(acc, t);
+  }
+}
+
 /// Adds the time from its making to its end to `ms`, and one to `blocks`: the attention time of
 /// one ring step (or one all-gather block, or Ulysses' whole attention), for --json.
 class BlockTimer {
@@ -236,17 +276,18 @@ Tensor ContextParallel::seq_to_heads(const Tensor& x, const std::string& what) {
   const std::int64_t rows = x.dim(0), b = x.dim(1), cols = x.dim(2) / n, chunk = rows / 2;
   // Pack: block r = the columns of head part r, [S/C, B, X/C]. The packing runs on the host
   // (cuda: a copy there and back around it); the all-to-all moves tensors of the run's device.
-  const Tensor host = on(x, Device::cpu);
+  // bf16 is packed as its fp32 values (exact) and narrowed again before it moves, in bf16.
+  const Tensor host = wide(on(x, Device::cpu));
   const Tensor packed = Tensor::empty({n * rows * b * cols});
   for (int r = 0; r < n; ++r)
     for (std::int64_t i = 0; i < rows * b; ++i)
       std::memcpy(packed.f32().data() + (r * rows * b + i) * cols,
                   host.f32().data() + i * x.dim(2) + r * cols, std::size_t(cols) * sizeof(float));
-  const Tensor send = on(packed, device_);
-  const Tensor recv = Tensor::empty(send.shape(), DType::f32, device_);
+  const Tensor send = narrow(on(packed, device_), x.dtype());
+  const Tensor recv = Tensor::empty(send.shape(), x.dtype(), device_);
   all_to_all(send, recv, what);
   // Block r holds CP rank r's two chunks: each goes to its place in the sequence.
-  const Tensor full = Tensor::empty({n * rows, b, cols}, DType::f32, device_);
+  const Tensor full = Tensor::empty({n * rows, b, cols}, x.dtype(), device_);
   const std::int64_t per_chunk = chunk * b * cols;
   for (int r = 0; r < n; ++r)
     for (int j = 0; j < 2; ++j)
@@ -260,21 +301,22 @@ Tensor ContextParallel::heads_to_seq(const Tensor& x, const std::string& what) {
   const std::int64_t rows = x.dim(0) / n, b = x.dim(1), cols = x.dim(2), chunk = rows / 2;
   const std::int64_t per_chunk = chunk * b * cols;
   // Block r = CP rank r's two chunks of this rank's head part.
-  const Tensor send = Tensor::empty({n * rows * b * cols}, DType::f32, device_);
+  const Tensor send = Tensor::empty({n * rows * b * cols}, x.dtype(), device_);
   for (int r = 0; r < n; ++r)
     for (int j = 0; j < 2; ++j)
       ops::copy(x.slice0(chunk_of(r, j) * chunk, (chunk_of(r, j) + 1) * chunk),
                 send.slice0((2 * r + j) * per_chunk, (2 * r + j + 1) * per_chunk));
-  const Tensor recv = Tensor::empty(send.shape(), DType::f32, device_);
+  const Tensor recv = Tensor::empty(send.shape(), x.dtype(), device_);
   all_to_all(send, recv, what);
-  // Block r holds head part r of this rank's rows: its columns (unpacked on the host).
-  const Tensor got = on(recv, Device::cpu);
+  // Block r holds head part r of this rank's rows: its columns (unpacked on the host, bf16 as its
+  // fp32 values).
+  const Tensor got = wide(on(recv, Device::cpu));
   const Tensor local = Tensor::empty({rows, b, n * cols});
   for (int r = 0; r < n; ++r)
     for (std::int64_t i = 0; i < rows * b; ++i)
       std::memcpy(local.f32().data() + i * n * cols + r * cols,
                   got.f32().data() + (r * rows * b + i) * cols, std::size_t(cols) * sizeof(float));
-  return on(local, device_);
+  return narrow(on(local, device_), x.dtype());
 }
 
 void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -288,7 +330,9 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
     const Tensor qh = seq_to_heads(q, fmt::format("cp q all-to-all (fwd {})", call));
     const Tensor kh = seq_to_heads(k, fmt::format("cp k all-to-all (fwd {})", call));
     const Tensor vh = seq_to_heads(v, fmt::format("cp v all-to-all (fwd {})", call));
-    const Tensor oh = Tensor::empty(qh.shape(), DType::f32, device_);
+    // The whole sequence's attention of these heads is complete here: its output is rounded to
+    // bf16 once, by the fused op itself, before it moves back.
+    const Tensor oh = Tensor::empty(qh.shape(), q.dtype(), device_);
     {
       TraceScope span(trace_, "attention fwd (whole sequence, heads / C)");
       const BlockTimer timer(attention_ms_, attention_blocks_);
@@ -298,27 +342,33 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
     ops::copy(heads_to_seq(oh, fmt::format("cp out all-to-all (fwd {})", call)), out);
     return;
   }
-  ops::fill(out, 0.0f);
+  // The partial outputs merge into an fp32 output (bf16: rounded into `out` once at the end);
+  // the lse is fp32 in every recipe.
+  const Tensor q32 = wide(q), out32 = accumulator(out);
+  ops::fill(out32, 0.0f);
   ops::fill(lse, -std::numeric_limits<float>::infinity());
-  // This rank's K/V block, packed into one buffer [k | v] so that each hop is one transfer.
+  // This rank's K/V block, packed into one buffer [k | v] so that each hop is one transfer; it
+  // moves in the activations' dtype (bf16: half the bytes) and is widened where it is read.
   const std::int64_t kv = k.numel();
-  const Tensor mine = Tensor::empty({2 * kv}, DType::f32, device_);
+  const Tensor mine = Tensor::empty({2 * kv}, k.dtype(), device_);
   ops::copy(k, packed(mine, 0, k.shape()));
   ops::copy(v, packed(mine, 1, k.shape()));
   if (method_ == CpMethod::allgather) {
-    const Tensor all = Tensor::empty({n * 2 * kv}, DType::f32, device_);
+    const Tensor all = Tensor::empty({n * 2 * kv}, k.dtype(), device_);
     gather_kv(mine, all, fmt::format("cp K/V all-gather (fwd {})", call)).wait(compute);
     for (int r = 0; r < n; ++r) {
-      const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
       TraceScope span(trace_, fmt::format("attention fwd: K/V of cp rank {}", r));
       const BlockTimer timer(attention_ms_, attention_blocks_);
-      attend_block(q, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r, heads, out, lse);
+      const Tensor block = wide(all.slice0(r * 2 * kv, (r + 1) * 2 * kv));
+      attend_block(q32, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r, heads, out32,
+                   lse);
     }
+    round_into(out32, out);
     return;
   }
   // Ring: at step s the rank holds the block of cp rank (me − s) mod C, attends to it while the
   // block travels on to me + 1 and the next one arrives from me − 1.
-  std::array<Tensor, 2> buf{mine, Tensor::empty({2 * kv}, DType::f32, device_)};
+  std::array<Tensor, 2> buf{mine, Tensor::empty({2 * kv}, k.dtype(), device_)};
   Event arrived;
   for (int s = 0; s < n; ++s) {
     const Tensor& held = buf[std::size_t(s % 2)];
@@ -330,8 +380,11 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
     TraceScope span(
         trace_, fmt::format("attention fwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
     const BlockTimer timer(attention_ms_, attention_blocks_);
-    attend_block(q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src, heads, out, lse);
+    const Tensor block = wide(held);
+    attend_block(q32, packed(block, 0, k.shape()), packed(block, 1, k.shape()), src, heads, out32,
+                 lse);
   }
+  round_into(out32, out);
 }
 
 void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
@@ -348,9 +401,11 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     };
     const Tensor qh = to_heads(q, "q"), kh = to_heads(k, "k"), vh = to_heads(v, "v");
     const Tensor oh = to_heads(out, "out"), doh = to_heads(dout, "dout");
-    const Tensor dqh = Tensor::empty(qh.shape(), DType::f32, device_);
-    const Tensor dkh = Tensor::empty(kh.shape(), DType::f32, device_);
-    const Tensor dvh = Tensor::empty(vh.shape(), DType::f32, device_);
+    // Each rank's gradients are whole here (every query of its heads): rounded once by the fused
+    // op, they move back in the activations' dtype.
+    const Tensor dqh = Tensor::empty(qh.shape(), dq.dtype(), device_);
+    const Tensor dkh = Tensor::empty(kh.shape(), dk.dtype(), device_);
+    const Tensor dvh = Tensor::empty(vh.shape(), dv.dtype(), device_);
     {
       TraceScope span(trace_, "attention bwd (whole sequence, heads / C)");
       const BlockTimer timer(attention_ms_, attention_blocks_);
@@ -362,26 +417,29 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     ops::copy(heads_to_seq(dvh, fmt::format("cp dv all-to-all (bwd {})", call)), dv);
     return;
   }
-  ops::fill(dq, 0.0f);
+  // The pairs read fp32 (bf16 operands widened); dq sums over the blocks in fp32 and dK/dV's
+  // partial sums stay fp32 until they are complete, each rounded into its bf16 output once.
+  const Tensor dout32 = wide(dout), q32 = wide(q), out32 = wide(out), dq32 = accumulator(dq);
+  ops::fill(dq32, 0.0f);
   const std::int64_t kv = k.numel();
-  const Tensor mine = Tensor::empty({2 * kv}, DType::f32, device_);
+  const Tensor mine = Tensor::empty({2 * kv}, k.dtype(), device_);
   ops::copy(k, packed(mine, 0, k.shape()));
   ops::copy(v, packed(mine, 1, k.shape()));
   if (method_ == CpMethod::allgather) {
     // K and V gathered again (the forward kept only this rank's), every block's dK/dV computed
-    // here, then reduce-scattered: each rank receives the sum over CP of its own block's.
-    const Tensor all = Tensor::empty({n * 2 * kv}, DType::f32, device_);
+    // here, then reduce-scattered in fp32: each rank receives the sum over CP of its own block's.
+    const Tensor all = Tensor::empty({n * 2 * kv}, k.dtype(), device_);
     const Tensor dall = Tensor::empty({n * 2 * kv}, DType::f32, device_);
     ops::fill(dall, 0.0f);  // every block's dK/dV is added into it
     const Tensor dmine = Tensor::empty({2 * kv}, DType::f32, device_);
     gather_kv(mine, all, fmt::format("cp K/V all-gather (bwd {})", call)).wait(compute);
     for (int r = 0; r < n; ++r) {
-      const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
       const Tensor dblock = dall.slice0(r * 2 * kv, (r + 1) * 2 * kv);
       TraceScope span(trace_, fmt::format("attention bwd: K/V of cp rank {}", r));
       const BlockTimer timer(attention_ms_, attention_blocks_);
-      attend_block_backward(dout, q, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r,
-                            out, lse, heads, dq, packed(dblock, 0, k.shape()),
+      const Tensor block = wide(all.slice0(r * 2 * kv, (r + 1) * 2 * kv));
+      attend_block_backward(dout32, q32, packed(block, 0, k.shape()), packed(block, 1, k.shape()),
+                            r, out32, lse, heads, dq32, packed(dblock, 0, k.shape()),
                             packed(dblock, 1, k.shape()));
     }
     Event computed(device_);
@@ -396,15 +454,17 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     Event done(device_);
     done.record(cp_lane_);
     done.wait(compute);
-    ops::copy(packed(dmine, 0, k.shape()), dk);
-    ops::copy(packed(dmine, 1, k.shape()), dv);
+    round_into(packed(dmine, 0, k.shape()), dk);
+    round_into(packed(dmine, 1, k.shape()), dv);
+    round_into(dq32, dq);
     return;
   }
   // Ring: the K/V blocks go round again. The dK/dV partial of the block held at step s is
   // computed here into a fresh buffer, the partial that the previous ranks accumulated for the
   // same block (arriving from me − 1) is added, and the sum travels on with the block; after the
   // last step one more hop brings each block's complete dK/dV to its owner.
-  std::array<Tensor, 2> buf{mine, Tensor::empty({2 * kv}, DType::f32, device_)};
+  // K/V travel in the activations' dtype, the dK/dV partial sums in fp32.
+  std::array<Tensor, 2> buf{mine, Tensor::empty({2 * kv}, k.dtype(), device_)};
   std::array<Tensor, 2> dbuf{Tensor::empty({2 * kv}, DType::f32, device_),
                              Tensor::empty({2 * kv}, DType::f32, device_)};
   Tensor incoming = Tensor::empty({2 * kv}, DType::f32, device_);
@@ -422,8 +482,9 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
           trace_, fmt::format("attention bwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
       const BlockTimer timer(attention_ms_, attention_blocks_);
       ops::fill(dheld, 0.0f);
-      attend_block_backward(dout, q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src,
-                            out, lse, heads, dq, packed(dheld, 0, k.shape()),
+      const Tensor block = wide(held);
+      attend_block_backward(dout32, q32, packed(block, 0, k.shape()), packed(block, 1, k.shape()),
+                            src, out32, lse, heads, dq32, packed(dheld, 0, k.shape()),
                             packed(dheld, 1, k.shape()));
     }
     if (s > 0) {  // the partial of the same block that the previous ranks accumulated
@@ -438,8 +499,9 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     incoming = next_in;
   }
   d_arrived.wait(compute);
-  ops::copy(packed(incoming, 0, k.shape()), dk);
-  ops::copy(packed(incoming, 1, k.shape()), dv);
+  round_into(packed(incoming, 0, k.shape()), dk);
+  round_into(packed(incoming, 1, k.shape()), dv);
+  round_into(dq32, dq);
 }
 
 // --- reporting -----------------------------------------------------------------------------------
@@ -499,10 +561,6 @@ void check_context_parallel(const RunContext& ctx, const Mesh& mesh) {
     throw ConfigError(
         "--cp > 1 needs --attention fused: context parallelism merges the fused kernel's partial "
         "outputs by their log-sum-exp (the naive kernel keeps no lse)");
-  if (c.dtype != DType::f32)
-    throw ConfigError(fmt::format(
-        "--cp > 1 runs with --dtype fp32 (got {}): the ring's partial outputs are merged in fp32",
-        dtype_flag(c.dtype)));
   if (ctx.options.cp_method == CpMethod::ulysses && c.kv_heads_or_heads() % (cp * mesh.tp) != 0)
     throw ConfigError(fmt::format(
         "--cp-method ulysses needs the {} KV heads to split over C·T = {} ranks: the all-to-all "

@@ -141,26 +141,28 @@ Traffic cp_traffic(const BlockConfig& c, int dp, int cp, int tp, CpMethod method
   check(dp >= 1 && cp >= 1 && tp >= 1, "DP, CP and TP ranks must be >= 1");
   if (cp == 1) return {};
   using U = std::uint64_t;
-  const U C = U(cp), E = U(activation_bytes(8, c)), Dh = U(c.head_dim());
+  // E: K/V, q and the output move at the activations' element size (2 under bf16); G: the dK/dV
+  // partial sums of the ring and the all-gather's reduce-scatter stay fp32 in every recipe.
+  const U C = U(cp), E = U(activation_bytes(8, c)), G = 4, Dh = U(c.head_dim());
   const U rows = U(c.seq) / C * (U(c.batch) / U(dp));  // the rank's tokens × its sequences
   const U kv = rows * (U(c.kv_heads_or_heads()) / U(tp)) * Dh;
   const U q = rows * (U(c.heads) / U(tp)) * Dh;
   Traffic layer, fwd;
   switch (method) {
     case CpMethod::ring: {
-      const U hop = 2 * kv * E;                     // K and V packed, or dK and dV
+      const U hop = 2 * kv * E, dhop = 2 * kv * G;  // K and V packed; dK and dV packed
       fwd = {(C - 1) * hop, (C - 1) * hop, C - 1};  // K/V: C − 1 hops
       layer = fwd;
-      layer += {(C - 1) * hop + C * hop, (C - 1) * hop + C * hop, (C - 1) + C};  // K/V, dK/dV
+      layer += {(C - 1) * hop + C * dhop, (C - 1) * hop + C * dhop, (C - 1) + C};  // K/V, dK/dV
       break;
     }
     case CpMethod::allgather: {
-      const U all = C * 2 * kv * E;  // the gathered K/V (the reduce-scattered dK/dV: the same)
+      const U all = C * 2 * kv * E, dall = C * 2 * kv * G;  // gathered K/V, reduce-scattered dK/dV
       const Traffic one{all, all * (C - 1) / C, 1};
       fwd = one;
-      layer = one;   // forward: the gather
-      layer += one;  // backward: the gather again
-      layer += one;  // and the reduce-scatter of dK/dV
+      layer = one;                             // forward: the gather
+      layer += one;                            // backward: the gather again
+      layer += {dall, dall * (C - 1) / C, 1};  // and the reduce-scatter of dK/dV
       break;
     }
     case CpMethod::ulysses: {

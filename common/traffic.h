@@ -56,7 +56,9 @@ Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches = 1)
 
 /// Stage 08's traffic over the CP group (C ranks) per rank and step, chapter 8's formulas, with
 /// kv = S/C · B/D · NKV/T · Dh and q = S/C · B/D · NH/T · Dh elements of e activation bytes
-/// (K/V at their GQA size) and g = e gradient bytes, per layer:
+/// (K/V at their GQA size, 2 bytes under bf16) and g = 4 bytes of the dK/dV partial sums, which
+/// stay fp32 until they are complete (the ring's and the reduce-scatter's; Ulysses moves whole
+/// gradients, at e), per layer:
 ///   ring       forward C−1 hops of K/V (2kv each); backward C−1 hops of K/V and C of dK/dV (one
 ///              more brings them home): payload = bus = (C−1)·2kv·e + (C−1)·2kv·e + C·2kv·g
 ///   allgather  forward one all-gather of K/V, bus (C−1)·2kv·e of a C·2kv·e payload; backward the
