@@ -16,12 +16,14 @@ namespace {
 constexpr int kTagRequest = 4401;  // "send me your records"; payload: the requester's rank
 constexpr int kTagReply = 4402;    // ReplyHeader followed by the records
 
-/// Header of a reply; the records follow it as raw OpRecord bytes.
+/// Header of a reply; the records follow it as raw OpRecord bytes. `now` is the replying rank's
+/// clock when it answered: its records' ages are printed against it.
 struct ReplyHeader {
   std::int32_t rank;
   std::int32_t role;
   std::uint64_t next_seq;
   std::uint64_t count;
+  double now;
 };
 
 double now() {
@@ -32,10 +34,14 @@ void sleep_ms(int ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
-[[noreturn]] void abort_job(const std::string& line) {
+/// Prints `text` (the verdict first), flushed, and ends the job. The pause lets mpirun forward
+/// the text before the abort's own lines (its MPI_ABORT box, ORTE_ERROR_LOG), which it prints as
+/// soon as the abort reaches it.
+[[noreturn]] void abort_job(const std::string& text) {
   std::fflush(stdout);
-  fmt::print(stderr, "{}\n", line);
+  fmt::print(stderr, "{}{}", text, text.ends_with('\n') ? "" : "\n");
   std::fflush(stderr);
+  sleep_ms(200);
   MPI_Abort(MPI_COMM_WORLD, 1);
   std::_Exit(1);  // MPI_Abort does not return; this keeps [[noreturn]] honest
 }
@@ -165,36 +171,34 @@ void Watchdog::service_requests() {
   });
 }
 
-void Watchdog::print_own_ops(const std::string& headline) {
-  printed_ = true;
-  // The last 64 ops, and further back to a few before the oldest that is not done (skipped, in
-  // flight, failed); the analysis reads the whole ring.
+namespace {
+
+/// A rank's last ops as its dump prints them under `headline`: the last 64, and further back to
+/// a few before the oldest that is not done (skipped, in flight, failed); the analysis reads the
+/// whole ring. Ages are counted back from `now`, the rank's own clock when it took the records.
+std::string dump_text(const std::string& headline, const std::vector<OpRecord>& ops, double now,
+                      int rank) {
   constexpr std::ptrdiff_t kShown = 64, kContext = 8;
-  const auto ops = recorder_.snapshot();
   const auto n = static_cast<std::ptrdiff_t>(ops.size());
   const auto open =
       std::ranges::find_if(ops, [](const OpRecord& r) { return r.state != OpState::done; });
   const std::ptrdiff_t first =
       std::max<std::ptrdiff_t>(0, std::min(open - ops.begin() - kContext, n - kShown));
-  std::string text = headline + "\n";
-  text += format_ops(std::span(ops).subspan(static_cast<std::size_t>(first)), now(),
-                     fmt::format("[rank {}] ", rank_));
-  fmt::print(stderr, "{}", text);
-  std::fflush(stderr);
+  return headline + "\n" +
+         format_ops(std::span(ops).subspan(static_cast<std::size_t>(first)), now,
+                    fmt::format("[rank {}] ", rank));
 }
+
+}  // namespace
 
 void Watchdog::reply_to(int requester) {
   // A rank asked for our records: another rank is diagnosing, so this one stays passive (it
-  // will not print the verdict line) unless it is already diagnosing itself.
+  // will not print the verdict line) unless it is already diagnosing itself. It prints nothing:
+  // the reporter prints the verdict first, then every rank's records it was sent.
   int expected = static_cast<int>(Role::watching);
   role_.compare_exchange_strong(expected, static_cast<int>(Role::passive));
-  if (!printed_.exchange(true))
-    print_own_ops(
-        fmt::format("{}: rank {} last ops (asked by rank {}, which "
-                    "reports a stuck op):",
-                    prefix_, rank_, requester));
   const auto ops = recorder_.snapshot();
-  const ReplyHeader h{rank_, role_.load(), recorder_.next_seq(), ops.size()};
+  const ReplyHeader h{rank_, role_.load(), recorder_.next_seq(), ops.size(), now()};
   std::vector<char> buf(sizeof h + ops.size() * sizeof(OpRecord));
   std::memcpy(buf.data(), &h, sizeof h);
   if (!ops.empty()) std::memcpy(buf.data() + sizeof h, ops.data(), ops.size() * sizeof(OpRecord));
@@ -211,7 +215,9 @@ void Watchdog::wait_to_be_killed(double seconds, const std::string& line) {
     service_requests();
     sleep_ms(5);
   }
-  abort_job(line + " (the reporting rank did not end the job)");
+  abort_job(line + " (the reporting rank did not end the job)\n" +
+            dump_text(fmt::format("{}: rank {} last ops:", prefix_, rank_), recorder_.snapshot(),
+                      now(), rank_));
 }
 
 void Watchdog::report(const OpRecord& op, const std::string& trigger) {
@@ -222,7 +228,6 @@ void Watchdog::report(const OpRecord& op, const std::string& trigger) {
     // Another rank already asked for our records and is diagnosing; it ends the job.
     wait_to_be_killed(grace_s_ + 10.0, fmt::format("{}: {}; {}", prefix_, trigger, op_words));
   }
-  print_own_ops(fmt::format("{}: {}; {}; rank {} last ops:", prefix_, trigger, op_words, rank_));
 
   // Ask every other rank for its records; wait for the answers until the grace deadline.
   const std::size_t max_bytes = sizeof(ReplyHeader) + recorder_.capacity() * sizeof(OpRecord);
@@ -257,6 +262,7 @@ void Watchdog::report(const OpRecord& op, const std::string& trigger) {
   }
 
   std::vector<RankOps> ranks(static_cast<std::size_t>(size_));
+  std::vector<double> clocks(static_cast<std::size_t>(size_), 0.0);  // each reply's `now`
   std::vector<int> silent;
   int printer = rank_;
   for (int r = 0; r < size_; ++r) {
@@ -267,6 +273,7 @@ void Watchdog::report(const OpRecord& op, const std::string& trigger) {
       ro.responded = true;
       ro.ops = recorder_.snapshot();
       ro.next_seq = recorder_.next_seq();
+      clocks[i] = now();
       continue;
     }
     if (!answered[i]) {
@@ -277,6 +284,7 @@ void Watchdog::report(const OpRecord& op, const std::string& trigger) {
     std::memcpy(&h, replies[i].data(), sizeof h);
     ro.responded = true;
     ro.next_seq = h.next_seq;
+    clocks[i] = h.now;
     ro.ops.resize(h.count);
     if (h.count > 0)
       std::memcpy(ro.ops.data(), replies[i].data() + sizeof h, h.count * sizeof(OpRecord));
@@ -287,7 +295,20 @@ void Watchdog::report(const OpRecord& op, const std::string& trigger) {
   const Verdict v = diagnose(ranks);
   std::string line = fmt::format("{}: {}; {}", prefix_, trigger, v.text);
   if (!silent.empty()) line += fmt::format(" (no answer within {:.1f} s)", grace_s_);
-  if (printer == rank_) abort_job(line);
+  if (printer == rank_) {
+    // The verdict first, then the records it was read from: this rank's, and each answer's.
+    std::string text = line + "\n";
+    for (const RankOps& ro : ranks) {
+      if (!ro.responded) continue;
+      const std::string headline =
+          ro.rank == rank_ ? fmt::format("{}: rank {} last ops (it reports: {}; {}):", prefix_,
+                                         rank_, trigger, op_words)
+                           : fmt::format("{}: rank {} last ops (as it answered rank {}):", prefix_,
+                                         ro.rank, rank_);
+      text += dump_text(headline, ro.ops, clocks[static_cast<std::size_t>(ro.rank)], ro.rank);
+    }
+    abort_job(text);
+  }
   // A lower rank is diagnosing the same hang and prints the line; give it time to end the job.
   wait_to_be_killed(grace_s_ + 10.0, line);
 }

@@ -4,15 +4,17 @@
 // One per rank (CommMonitor): a thread watches the rank's one flight recorder, into which every
 // communicator and symmetric memory of the rank records. When an op stays in flight longer than
 // the timeout (or a backend reports it failed), the rank
-//   1. prints its last ops to stderr,
-//   2. asks every other rank for its recorder over a private communicator (non-blocking, with its
-//      own deadline; ranks that do not answer are reported as unresponsive), and every rank that
-//      is asked prints its own last ops,
-//   3. lines the records up (diagnose) and the lowest-numbered reporting rank prints the job's ONE
-//      verdict line, which depends only on the records, not on the rank that prints it, e.g.
+//   1. asks every other rank for its recorder over a private communicator (non-blocking, with its
+//      own deadline; ranks that do not answer are reported as unresponsive); a rank that is
+//      asked answers and prints nothing,
+//   2. lines the records up (diagnose), and the lowest-numbered reporting rank prints the job's
+//      ONE verdict line, which depends only on the records, not on the rank that prints it, e.g.
 //        tpx: comm watchdog: an op did not complete in 2.0 s; first difference at op #5
 //        (all_reduce fp32[256] 1024 B): rank 1 skipped it (the others: all_reduce ...)
-//   4. MPI_Abort ends the job.
+//      and after it, in the same flushed write, the last ops of every rank that answered
+//      ("[rank r]" lines), so that the verdict is the first line a user reads,
+//   3. MPI_Abort ends the job (after a pause that lets mpirun forward the text before its own
+//      MPI_ABORT lines).
 // The thread also answers other ranks' requests at any time, so a rank blocked elsewhere (in
 // compute, in another MPI call) still contributes its records. Needs MPI_THREAD_MULTIPLE.
 //
@@ -83,7 +85,6 @@ class Watchdog {
   void reply_to(int requester);
   [[noreturn]] void report(const OpRecord& op, const std::string& trigger);
   [[noreturn]] void wait_to_be_killed(double seconds, const std::string& line);
-  void print_own_ops(const std::string& headline);
   void pause();
 
   const std::string prefix_;  // "tpx: comm watchdog", and the group's name when it is one
@@ -95,7 +96,6 @@ class Watchdog {
   int rank_ = 0, size_ = 1;
 
   std::atomic<int> role_{static_cast<int>(Role::watching)};
-  std::atomic<bool> printed_{false};
   std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::condition_variable cv_;
