@@ -70,6 +70,12 @@ FsdpTp::FsdpTp(const RunContext& ctx, Mesh mesh)
   CommOptions o = ctx.options.comm;
   o.group = mesh_.dp_cp_group;
   dp_comm_ = make_communicator(o, device_);
+  if (mesh_.cp > 1) {
+    // The DP group's own (a CP ring inside it, stage 08): only report gathers, host memory.
+    o.group = mesh_.dp_group;
+    o.kind = CommKind::mpi;
+    dp_report_comm_ = make_communicator(o, device_);
+  }
 }
 
 FsdpTp::~FsdpTp() = default;
@@ -293,17 +299,21 @@ void FsdpTp::finish_grads() {
 // ------------------------------------------------------------------------------
 
 double FsdpTp::sum_over_ranks(double local) {
-  double tp_sum = tp_->sum_over_ranks(local), all = tp_sum;
-  TPX_MPI_CHECK(MPI_Allreduce(&tp_sum, &all, 1, MPI_DOUBLE, MPI_SUM, mesh_.dp_cp_group.comm()));
+  // The TP group's sum, then the DP×CP group's, through the communicators: each a report gather
+  // the flight recorder watches, added in rank order so that every rank gets the same sum.
+  double all = 0.0;
+  for (const double v : dp_comm_->all_gather_report(tp_->sum_over_ranks(local), "loss or norm sum"))
+    all += v;
   return all;
 }
 
-void FsdpTp::dp_gather_for_report(const RankGroup& group, const Tensor& src,
-                                  const Tensor& dst) const {
-  TPX_CHECK(dst.nbytes() == src.nbytes() * std::size_t(group.size()), "dp gather {} into {}",
-            src.describe(), dst.describe());
-  TPX_MPI_CHECK(MPI_Allgather(src.raw(), int(src.nbytes()), MPI_BYTE, dst.raw(), int(src.nbytes()),
-                              MPI_BYTE, group.comm()));
+void FsdpTp::dp_gather_for_report(Communicator& comm, const Tensor& src, const Tensor& dst) const {
+  TPX_CHECK(src.device() == Device::cpu && dst.device() == Device::cpu &&
+                dst.nbytes() == src.nbytes() * std::size_t(comm.size()),
+            "dp gather {} into {}", src.describe(), dst.describe());
+  comm.all_gather_report(std::span(static_cast<const std::byte*>(src.raw()), src.nbytes()),
+                         std::span(static_cast<std::byte*>(dst.raw()), dst.nbytes()),
+                         fmt::format("report gather {}", src.describe()));
 }
 
 Tensor FsdpTp::gather_activation(const Tensor& local) {
@@ -312,7 +322,7 @@ Tensor FsdpTp::gather_activation(const Tensor& local) {
   const std::int64_t s = seq.dim(0), b = seq.dim(1), h = seq.dim(2);
   const auto e = static_cast<std::int64_t>(dtype_size(seq.dtype()));
   const Tensor all = Tensor::empty({mesh_.dp * s, b, h}, seq.dtype());
-  dp_gather_for_report(mesh_.dp_group, seq, all);
+  dp_gather_for_report(dp_comm_for_report(), seq, all);
   // Replica d's [S, B/D, H] goes to batch columns [d·B/D, (d+1)·B/D) of [S, B, H].
   const Tensor full = Tensor::empty({s, b * mesh_.dp, h}, seq.dtype());
   for (int d = 0; d < mesh_.dp; ++d)
@@ -330,10 +340,14 @@ Tensor FsdpTp::gather_param(Param p, const Tensor& local) {
   Tensor::Shape shape = local.shape();
   shape[0] *= mesh_.dp_cp();
   const Tensor all = Tensor::empty(shape, local.dtype());
-  dp_gather_for_report(mesh_.dp_cp_group, host, all);
+  dp_gather_for_report(*dp_comm_, host, all);
   const FlatLayout::Entry& e = layout_.front()[p];  // every layer has the same layout
   const Tensor tp_local = all.slice0(0, e.rows);
   return tp_->gather_param(p, ops::to_device(tp_local, device_));
+}
+
+Communicator& FsdpTp::dp_comm_for_report() {
+  return dp_report_comm_ ? *dp_report_comm_ : *dp_comm_;  // D×C = D when C = 1
 }
 
 CommStats FsdpTp::take_comm_stats() {

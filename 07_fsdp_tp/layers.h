@@ -115,10 +115,13 @@ class FsdpTp final : public Parallelism {
  private:
   /// Issues layer l's weight all-gather on the DP-comm lane (once per forward or backward use).
   void issue_gather(const std::vector<LayerParams>& stored, std::size_t l);
-  /// dst (host, [n·G]) ← every rank's src (host, [n]) of `group` (G ranks: the DP group, or the
-  /// DP×CP group the parameters are sharded over), in group order: reporting only, not counted
-  /// in the step's traffic.
-  void dp_gather_for_report(const RankGroup& group, const Tensor& src, const Tensor& dst) const;
+  /// dst (host, [n·G]) ← every rank's src (host, [n]) of `comm`'s group (G ranks: the DP group,
+  /// or the DP×CP group the parameters are sharded over), in group order: a report gather
+  /// (Communicator::all_gather_report), watched by the flight recorder and not counted in the
+  /// step's traffic.
+  void dp_gather_for_report(Communicator& comm, const Tensor& src, const Tensor& dst) const;
+  /// The communicator over the DP group alone (dp_comm_ spans the DP×CP group).
+  Communicator& dp_comm_for_report();
 
   struct Gather {
     Tensor full;  ///< every rank's part, [D · bytes] (see ByteLayout in layers.cc)
@@ -138,9 +141,10 @@ class FsdpTp final : public Parallelism {
   Trace& trace_;
   Device device_;
   std::unique_ptr<Communicator> dp_comm_;
-  Stream gather_lane_, reduce_lane_;  // the DP-comm lane's two streams
-  std::vector<FlatLayout> layout_;    // per layer
-  std::vector<Tensor> grad_shards_;   // per layer: the flat fp32 gradient shard [numel]
+  std::unique_ptr<Communicator> dp_report_comm_;  // over the DP group, when C > 1
+  Stream gather_lane_, reduce_lane_;              // the DP-comm lane's two streams
+  std::vector<FlatLayout> layout_;                // per layer
+  std::vector<Tensor> grad_shards_;               // per layer: the flat fp32 gradient shard [numel]
   std::map<std::size_t, Gather> gathers_;
   std::vector<Reduction> reductions_;  // in flight until finish_grads()
 };

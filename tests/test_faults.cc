@@ -3,11 +3,14 @@
 // copy that takes three timeouts, or the whole rank stopped by SIGSTOP — must end on its own, well
 // within the comm timeout plus a few seconds, with a non-zero exit and exactly ONE verdict line
 // that names that rank and the operation (checked against the rank's own dump of its last ops),
-// never a healthy rank, and never the word "fault" (an injected failure reads like a real one).
-// Stage 07 runs on a 2 × 2 mesh and stage 08 on a CP ring of 3, and their verdicts also name the
-// group and the rank's number in it. Stage 09 runs as a pipeline of P 2 (its stages issue
-// different ops by design: the verdict must compare each send with its receive) and of P 2 × C 2
-// (a CP ring inside each pipeline stage); each of its skips is tried three times.
+// never a healthy rank, and never the word "fault" (an injected failure reads like a real one);
+// the verdict is the first non-empty line on stderr, before the ranks' records and Open MPI's
+// lines about the abort. Stage 07 runs on a 2 × 2 mesh and stage 08 on a CP ring of 3, and their
+// verdicts also name the group and the rank's number in it; stage 07 is also stopped three times
+// as D 2 × T 1, where the peer often waits in the step's loss or norm sum (a watched report
+// gather: a bare MPI call there would leave it waiting forever). Stage 09 runs as a pipeline of P 2
+// (its stages issue different ops by design: the verdict must compare each send with its receive)
+// and of P 2 × C 2 (a CP ring inside each pipeline stage); each of its skips is tried three times.
 #include <chrono>
 #include <cstdlib>
 #include <ostream>
@@ -42,11 +45,13 @@ const char* name_of(Failure f) {
 struct Case {
   std::string stage;
   Failure failure;
-  int cp = 1;  ///< stage 09: --cp (P 2 × C cp)
+  int cp = 1;             ///< stage 09: --cp (P 2 × C cp)
+  bool replicas = false;  ///< stage 07 as D 2 × T 1: two ranks, only the DP group between them
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
-  *os << c.stage << " " << name_of(c.failure) << (c.cp > 1 ? " C2" : "");
+  *os << c.stage << " " << name_of(c.failure) << (c.cp > 1 ? " C2" : "")
+      << (c.replicas ? " D2" : "");
 }
 
 constexpr double kTimeout = 2.0;  // --comm-timeout of every run
@@ -63,12 +68,13 @@ bool pipeline(const Case& c) {
 }
 int ranks_of(const Case& c) {
   if (pipeline(c)) return 2 * c.cp;
+  if (c.replicas) return 2;
   return mesh(c) ? 4 : 3;
 }
 /// The rank that fails: not rank 0, which prints the steps; on the mesh, one in the second TP
 /// group and the second DP group.
 int culprit_of(const Case& c) {
-  return mesh(c) ? 3 : 1;
+  return mesh(c) && !c.replicas ? 3 : 1;
 }
 
 std::string stage_args(const Case& c, int steps) {
@@ -83,7 +89,10 @@ std::string stage_args(const Case& c, int steps) {
                                     : "--hidden 96 --heads 3 --ffn 384 --seq 96";
   // Stage 08 as C = 3, T = 1: its 30th collective (the skipped one) is a K/V ring hop.
   return fmt::format("{}{} --steps {} --comm-timeout {}", shape,
-                     context_parallel(c) ? " --cp 3" : "", steps, kTimeout);
+                     context_parallel(c) ? " --cp 3"
+                     : c.replicas        ? " --dp 2"
+                                         : "",
+                     steps, kTimeout);
 }
 
 std::string fault_flag(const Case& c) {
@@ -156,6 +165,13 @@ std::vector<std::string> verdicts_in(const std::string& err) {
   return out;
 }
 
+/// The first line of `text` that is not empty.
+std::string first_line(const std::string& text) {
+  for (const auto& line : test::lines_of(text))
+    if (line.find_first_not_of(" \t\r") != std::string::npos) return line;
+  return {};
+}
+
 /// Rank r's dump line of op #seq, if it printed one.
 std::string dump_line(const std::string& err, int r, const std::string& seq) {
   for (const auto& line : test::lines_of(err))
@@ -184,6 +200,9 @@ void expect_one_verdict(const Case& c) {
   const auto verdicts = verdicts_in(err);
   ASSERT_EQ(verdicts.size(), 1u) << err;
   const std::string& v = verdicts[0];
+  // The verdict is the first thing a user reads: before the ranks' records and before Open MPI's
+  // lines about the abort.
+  EXPECT_EQ(first_line(err), v) << err;
   EXPECT_EQ(v.find("fault"), std::string::npos) << v;
   EXPECT_EQ(v.find("has not issued"), std::string::npos) << v;
   EXPECT_EQ(
@@ -241,7 +260,9 @@ TEST_P(Faults, OneVerdictNamesTheRankAndTheOperation) {
   const Case c = GetParam();
   // Stage 09's skips three times: which ops are in flight when the watchdog fires varies with
   // the threads' timing, and the verdict must not.
-  const int tries = pipeline(c) && c.failure == Failure::skip_collective ? 3 : 1;
+  // Stage 07's replicas three times: where the stop finds the peer (a weight gather, a
+  // reduce-scatter, a loss or norm sum) varies from run to run.
+  const int tries = (pipeline(c) && c.failure == Failure::skip_collective) || c.replicas ? 3 : 1;
   for (int i = 0; i < tries; ++i) {
     SCOPED_TRACE(fmt::format("try {} of {}", i + 1, tries));
     expect_one_verdict(c);
@@ -257,6 +278,9 @@ std::vector<Case> all_cases() {
     for (Failure f :
          {Failure::skip_collective, Failure::skip_signal, Failure::delay_copy, Failure::stop})
       cases.push_back({stage, f});
+  // D 2 × T 1: a stopped replica leaves its peer waiting where only the DP group meets, the
+  // step's loss and norm sums among them (report gathers the recorder watches).
+  cases.push_back({"07_fsdp_tp", Failure::stop, 1, true});
   for (Failure f : {Failure::skip_collective, Failure::stop})  // T = 1: no copy-engine pulls
     cases.push_back({"08_context_parallel", f});
   for (int cp : {1, 2})
@@ -267,8 +291,10 @@ std::vector<Case> all_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Stages, Faults, ::testing::ValuesIn(all_cases()),
                          [](const ::testing::TestParamInfo<Case>& p) {
-                           return fmt::format("Stage{}{}{}", p.param.stage.substr(0, 2),
-                                              p.param.cp > 1 ? "C2" : "", name_of(p.param.failure));
+                           return fmt::format("Stage{}{}{}{}", p.param.stage.substr(0, 2),
+                                              p.param.cp > 1 ? "C2" : "",
+                                              p.param.replicas ? "D2" : "",
+                                              name_of(p.param.failure));
                          });
 
 }  // namespace

@@ -274,6 +274,27 @@ TEST(Diagnose, NamesTheGroupAndTheRanksNumberInIt) {
   EXPECT_TRUE(has(v.text, "rank 3 (rank 1 of dp group 1) skipped it")) << v.text;
 }
 
+TEST(Diagnose, AReportLanesMembersAreItsGroupsEvenBeforeTheirFirstReport) {
+  // Rank 1 waits in its first report of dp group 1 (ranks 1 and 3); rank 3 has run the group's
+  // weight gather but not reached the report: its pull in tp group 1 (ranks 2 and 3) is stuck,
+  // and rank 2 completed it. Rank 3 holds the job up, though it has no record of the report lane.
+  auto in = [](OpRecord o, const std::string& group, int group_rank, std::uint64_t lane_seq) {
+    group.copy(o.group, group.size());
+    o.group_rank = group_rank;
+    o.lane_seq = lane_seq;
+    return o;
+  };
+  std::vector<RankOps> ranks{{1, true, 2, {}}, {2, true, 1, {}}, {3, true, 2, {}}};
+  ranks[0].ops = {in(op(0, CommOp::all_gather), "dp group 1", 0, 0),
+                  in(op(1, CommOp::all_gather, 16, OpState::in_flight), "dp group 1 report", 0, 0)};
+  ranks[1].ops = {in(op(0, CommOp::pull, 64), "tp group 1", 0, 0)};
+  ranks[2].ops = {in(op(0, CommOp::all_gather), "dp group 1", 1, 0),
+                  in(op(1, CommOp::pull, 64, OpState::in_flight), "tp group 1", 1, 0)};
+  const Verdict v = diagnose(ranks);
+  EXPECT_EQ(v.ranks, std::vector<int>{3}) << v.text;
+  EXPECT_TRUE(has(v.text, "did not complete on rank 3")) << v.text;
+}
+
 TEST(Diagnose, OpsEvictedFromARingCountAsIssued) {
   // Rank 0 has issued 100 ops and keeps 36..99; rank 1 has issued 50, keeps 0..49, and is idle.
   std::vector<RankOps> ranks{ranks_ops(0, 36, 100), ranks_ops(1, 0, 50)};

@@ -4,8 +4,11 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <array>
 #include <exception>
+#include <limits>
+#include <span>
 
 #include <fmt/format.h>
 
@@ -69,17 +72,34 @@ Communicator::~Communicator() = default;
 
 std::vector<double> Communicator::all_gather_report(double mine, std::string_view what) {
   std::vector<double> all(static_cast<std::size_t>(size_), mine);
-  if (size_ == 1) return all;
+  all_gather_report(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(all)),
+                    what);
+  return all;
+}
+
+void Communicator::all_gather_report(std::span<const std::byte> mine, std::span<std::byte> all,
+                                     std::string_view what) {
+  TPX_CHECK(all.size() == mine.size() * std::size_t(size_),
+            "report gather of {} B from each of {} ranks into {} B", mine.size(), size_,
+            all.size());
+  TPX_CHECK(mine.size() <= std::size_t(std::numeric_limits<int>::max()),
+            "report gather of {} B: more than an MPI count", mine.size());
+  if (size_ == 1) {
+    std::ranges::copy(mine, all.begin());
+    return;
+  }
+  // Recorded as fp32 elements (the recorder's unit; a double is two).
   const OpGroup lane{report_label_, group_.rank, group_.jobs};
-  const auto bytes = static_cast<std::uint64_t>(sizeof(double)) * std::uint64_t(size_);
+  const auto bytes = std::uint64_t(all.size());
   const std::uint64_t seq =
-      recorder_.begin(CommOp::all_gather, DType::f32, 2 * size_, bytes, -1, -1, what, lane);
+      recorder_.begin(CommOp::all_gather, DType::f32, static_cast<std::int64_t>(bytes / 4), bytes,
+                      -1, -1, what, lane);
   recorder_.started(seq);
+  const int n = static_cast<int>(mine.size());
   const int rc =
-      MPI_Allgather(&mine, 1, MPI_DOUBLE, all.data(), 1, MPI_DOUBLE, options_.group.comm());
+      MPI_Allgather(mine.data(), n, MPI_BYTE, all.data(), n, MPI_BYTE, options_.group.comm());
   recorder_.finish(seq, rc == MPI_SUCCESS ? OpState::done : OpState::failed);
   TPX_MPI_CHECK(rc);
-  return all;
 }
 
 double Communicator::timeout() const {

@@ -38,6 +38,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -119,6 +120,11 @@ class Communicator {
   /// by the watchdog as in any other op instead of leaving its peers in a bare MPI call forever;
   /// it is not counted in take_stats() (the report's traffic, not the step's).
   std::vector<double> all_gather_report(double mine, std::string_view what);
+  /// The same for bytes (a tensor gathered for --check or --dump): `all` = every rank's `mine`
+  /// (all of one size) concatenated in rank order; `all` holds size() · mine.size() bytes.
+  /// Recorded in the "report" lane and not counted, as above.
+  void all_gather_report(std::span<const std::byte> mine, std::span<std::byte> all,
+                         std::string_view what);
 
   /// out [N·n, ...] = concatenation over ranks of in [n, ...].
   void all_gather(const Tensor& in, const Tensor& out, const Stream& s,

@@ -279,18 +279,32 @@ Entry entry_at(const RankOps& r, const Lane& lane, std::uint64_t index) {
   return {Entry::evicted, nullptr};
 }
 
+/// The group a group lane's ops run in: a communicator's report lane ("dp group 1 report",
+/// Communicator::all_gather_report) has the members of the group itself ("dp group 1").
+std::string_view group_of_lane(std::string_view name) {
+  constexpr std::string_view kReport = " report";
+  if (name.ends_with(kReport)) name.remove_suffix(kReport.size());
+  return name;
+}
+
 /// The ranks that must issue a lane's ops: a link's two ends; a group's members that recorded
-/// any op of it; for records made by hand, every rank.
+/// any op of it, or of the group's other lane (its report lane, or the group's own: a rank whose
+/// first report is not issued yet is a member all the same); for records made by hand, every
+/// rank.
 std::vector<const RankOps*> members_of(const Lane& lane, const std::vector<const RankOps*>& live) {
   std::vector<const RankOps*> out;
   for (const RankOps* r : live) {
     bool in = lane.legacy || r->rank == lane.from || r->rank == lane.to;
     if (!lane.link() && !lane.legacy)
-      for (const OpRecord& op : r->ops)
-        if (op.lane_seq != OpRecord::kNoLane && lane_of(op, r->rank) == lane) {
+      for (const OpRecord& op : r->ops) {
+        if (op.lane_seq == OpRecord::kNoLane) continue;
+        const Lane other = lane_of(op, r->rank);
+        if (other == lane ||
+            (!other.link() && group_of_lane(other.group) == group_of_lane(lane.group))) {
           in = true;
           break;
         }
+      }
     if (in) out.push_back(r);
   }
   return out;
