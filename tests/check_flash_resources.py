@@ -2,8 +2,9 @@
 """The fused-attention kernels' resources, from ptxas's report (nvcc -Xptxas -v, one file per
 architecture) and the launchers' dynamic shared memory (flash_tc_smem's lines): registers,
 spills, shared bytes, and the blocks that fit on one SM. Fails when an mma.sync kernel
-(flash_*_mma) spills or fits fewer than two blocks per SM on sm_90; prints the CUDA-core kernels'
-numbers (their spills included) without failing on them.
+(flash_*_mma, every instance: bf16 and fp32 outputs, D = 32, 64, 128) spills, fits fewer than
+two blocks per SM on sm_90, or is missing from a report; prints the CUDA-core kernels' numbers
+(their spills included) without failing on them.
 
 usage: check_flash_resources.py SMEM_LINES REPORT_sm_90 [REPORT_sm_80 ...]
 """
@@ -50,7 +51,7 @@ def parse(path):
         m = re.search(r"(flash_\w+?)(<[^>]*>)?\(", name)
         if not m:
             continue
-        short = m.group(1) + (m.group(2) or "")
+        short = (m.group(1) + (m.group(2) or "")).replace(" ", "").replace("__nv_bfloat16", "bf16")
         out[short] = dict(arch=e[1], regs=int(e[5]), spill_st=int(e[3]), spill_ld=int(e[4]),
                           smem=int(e[6]))
     return out
@@ -73,6 +74,10 @@ def main():
     failures = []
     for path in sys.argv[2:]:
         kernels = parse(path)
+        arch_name = next(iter(kernels.values()))["arch"] if kernels else "?"
+        # Every tensor-core instance the launchers can start must have been compiled and checked.
+        for name in sorted(n for n in launch if "_mma" in n and n not in kernels):
+            failures.append(f"{arch_name} {name}: not in {path}")
         for name in sorted(kernels):
             k = kernels[name]
             arch = ARCH[k["arch"]]
@@ -86,7 +91,7 @@ def main():
             smem = k["smem"] + dyn
             blocks, by_regs, by_smem = blocks_per_sm(arch, threads, k["regs"], smem)
             new = "_mma" in base
-            print(f"{k['arch']} {name:34s} threads {threads:3d} regs {k['regs']:3d} "
+            print(f"{k['arch']} {name:40s} threads {threads:3d} regs {k['regs']:3d} "
                   f"spills {k['spill_st']}/{k['spill_ld']} B  smem {smem:6d} B  "
                   f"blocks/SM {blocks} (regs {by_regs}, smem {by_smem})"
                   + ("" if new else "  [CUDA cores: reported only]"))

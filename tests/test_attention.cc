@@ -335,6 +335,57 @@ TEST_P(FusedAttention, CudaFusedIsReproducible) {
   }
 }
 
+// The recipe on cuda's bf16 tensors: the fused ops read and write them as they are stored (no
+// fp32 copies), with the op boundary's rounding points. The boundary spelled out by hand on fp32
+// tensors holding the same bf16 values: forward under bf16 compute into fp32 out and lse, out
+// rounded to bf16; backward on that rounded out, dq, dk, dv rounded. Bit for bit the same: both
+// compute each output in fp32 from the same bf16 operands and round it once. A store rounded
+// twice, an input read unrounded or Δ read from the unrounded out would differ in some bits.
+TEST_P(FusedAttention, CudaBf16TensorsAreTheBoundarysValues) {
+  TPX_REQUIRE_GPU();
+  const Sizes z = GetParam();
+  const Inputs in = inputs(z);
+  auto as = [](const Tensor& t, DType dtype) {
+    const Tensor c = Tensor::empty(t.shape(), dtype, Device::cuda);
+    ops::cast(t, c);
+    return c;
+  };
+  auto bf16 = [&](const Tensor& host) {
+    return as(ops::to_device(host, Device::cuda), DType::bf16);
+  };
+  auto host = [&](const Tensor& t) {
+    return to_doubles(ops::to_device(t.dtype() == DType::f32 ? t : as(t, DType::f32), Device::cpu));
+  };
+  auto empty = [](Tensor::Shape shape, DType dtype) {
+    return Tensor::empty(std::move(shape), dtype, Device::cuda);
+  };
+  const Tensor q = bf16(in.q), k = bf16(in.k), v = bf16(in.v), dout = bf16(in.dout);
+  // As stored.
+  const Tensor out = empty(z.act(), DType::bf16), lse = empty({z.b, z.heads, z.s}, DType::f32);
+  const Tensor dq = empty(z.act(), DType::bf16), dk = empty(z.kv_act(), DType::bf16),
+               dv = empty(z.kv_act(), DType::bf16);
+  ops::attention_fused_forward(q, k, v, z.heads, out, lse, DType::bf16);
+  ops::attention_fused_backward(dout, q, k, v, out, lse, z.heads, dq, dk, dv, DType::bf16);
+  // Through fp32 tensors, rounded by hand.
+  const Tensor q32 = as(q, DType::f32), k32 = as(k, DType::f32), v32 = as(v, DType::f32),
+               dout32 = as(dout, DType::f32);
+  const Tensor out32 = empty(z.act(), DType::f32), lse32 = empty({z.b, z.heads, z.s}, DType::f32);
+  ops::attention_fused_forward(q32, k32, v32, z.heads, out32, lse32, DType::bf16);
+  const Tensor out_rounded = as(out32, DType::bf16);
+  const Tensor dq32 = empty(z.act(), DType::f32), dk32 = empty(z.kv_act(), DType::f32),
+               dv32 = empty(z.kv_act(), DType::f32);
+  ops::attention_fused_backward(dout32, q32, k32, v32, as(out_rounded, DType::f32), lse32, z.heads,
+                                dq32, dk32, dv32, DType::bf16);
+  EXPECT_EQ(host(out), host(out_rounded)) << "out";
+  EXPECT_EQ(host(lse), host(lse32)) << "lse";
+  EXPECT_EQ(host(dq), host(as(dq32, DType::bf16))) << "dq";
+  EXPECT_EQ(host(dk), host(as(dk32, DType::bf16))) << "dk";
+  EXPECT_EQ(host(dv), host(as(dv32, DType::bf16))) << "dv";
+  // And the values are attention's.
+  const Got got{host(out), host(lse), host(dq), host(dk), host(dv)};
+  expect_close(got, in.want, kBf16Tol);
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, FusedAttention, testing::ValuesIn(kSizes),
                          [](const auto& p) { return testing::PrintToString(p.param); });
 

@@ -6,17 +6,23 @@
 // with its quad reductions, the backward's P and dS on fragments. An emulated ldmatrix hands
 // each lane the elements the PTX ISA says it receives (9.7.14.5.15), an emulated mma gathers
 // each lane's a0..a7, b0..b3, c0..c3 into matrices through a_row/a_col, b_row/b_col,
-// c_row/c_col (9.7.14.5.8) and scatters the result back the same way; tiles are rounded to bf16
-// as the kernels' loads round them, P and dS as the kernels pack them.
+// c_row/c_col (9.7.14.5.8) and scatters the result back the same way. The inputs are bf16
+// tensors as stored (values rounded once, before anything runs); tiles are copied in 16-byte
+// chunks as the kernels' cp.async copies them (tc::chunk_row, chunk_col: a chunk nobody copies
+// stays NaN), into two buffers in the kernels' order (tile t + 1 into tc::buffer_of(t + 1)
+// before tile t is multiplied from tc::buffer_of(t)); P and dS are rounded as the kernels pack
+// them, and the outputs as the kernels store them: bf16 (rounded once) for the causal
+// attention, fp32 added to what is there for a chunk pair.
 //
 // What this checks: that the algorithm and its tiling compute the attention (forward, dQ, dK,
 // dV, grouped-query, chunk pairs with a shift that add into their gradients) to bf16 accuracy
 // against a double-precision reference, and that the index functions are consistent with each
 // other and with the fragment layouts as written in flash_tc_math.h. What it cannot check: that
 // those layouts are what the hardware does (the PTX ISA's fragment tables as read there), the
-// inline PTX itself, the double-buffered schedule (the twin loads every tile when it uses it),
-// races, and shared-memory addressing: only a run on a GPU checks those
-// (FusedAttention.Cuda* in test_attention.cc).
+// inline PTX itself (cp.async, its wait_group and the barriers around it: the twin's copies land
+// at once, so a missing wait or __syncthreads shows only as a race on a GPU), and shared-memory
+// addressing: only a run on a GPU checks those (FusedAttention.Cuda* in test_attention.cc,
+// compute-sanitizer's racecheck).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -43,19 +49,29 @@ constexpr int kL = tc::kLanes;
 
 // ---- The warp's primitives, emulated -----------------------------------------------------------
 
-/// A shared-memory tile: rows of a head's [S][D] slice rounded to bf16, zero past S.
+/// A shared-memory tile: rows of a head's [S][D] slice of a bf16 tensor, zero past S.
 struct Tile {
   int rows = 0, d = 0;
   std::vector<float> v;
   float at(int r, int c) const { return v[static_cast<std::size_t>(r * d + c)]; }
 };
+/// A buffer nothing has been copied into yet.
+Tile unwritten(int rows, int d) {
+  return {rows, d, std::vector<float>(static_cast<std::size_t>(rows * d), NAN)};
+}
+/// The kernels' load_tile: thread x of the block copies 16-byte chunks x, x + kThreads, ...
+/// (8 bf16 each; tc::chunk_row, chunk_col), a row past S as 16 zero bytes.
 Tile load_tile(const std::vector<float>& x, I row0, int rows, I s, I ld, I off, int d) {
-  Tile t{rows, d, std::vector<float>(static_cast<std::size_t>(rows * d), 0.0f)};
-  for (int r = 0; r < rows; ++r)
-    if (row0 + r < s)
-      for (int c = 0; c < d; ++c)
+  Tile t = unwritten(rows, d);
+  const int per_thread = rows * tc::row_chunks(d) / tc::kThreads;
+  for (int u = 0; u < per_thread; ++u)
+    for (int th = 0; th < tc::kThreads; ++th) {
+      const int e = th + tc::kThreads * u;
+      const int r = tc::chunk_row(e, d), c0 = tc::chunk_col(e, d);
+      for (int c = c0; c < c0 + 8; ++c)
         t.v[static_cast<std::size_t>(r * d + c)] =
-            round_bf16(x[static_cast<std::size_t>((row0 + r) * ld + off + c)]);
+            row0 + r < s ? x[static_cast<std::size_t>((row0 + r) * ld + off + c)] : 0.0f;
+    }
   return t;
 }
 
@@ -202,10 +218,16 @@ void mma_av(FragC<ND>& acc, const FragA& a, const Tile& b, int kk) {
 struct Problem {
   I s, d, heads, group, shift;
   bool accumulate;
+  bool bf16_out = false;  // outputs stored bf16 (the causal attention) or fp32 (chunk pairs)
   I kv() const { return heads / group; }
   I ldq() const { return heads * d; }
   I ldkv() const { return kv() * d; }
 };
+
+/// An output value as the kernels store it: bf16 rounded once (store_pair), or fp32.
+float stored(float x, bool bf16_out) {
+  return bf16_out ? round_bf16(x) : x;
+}
 
 /// flash_forward_mma<D>: out [S][heads·D], lse [heads][S].
 template <int D>
@@ -226,10 +248,22 @@ void twin_forward(const Problem& p, const std::vector<float>& q, const std::vect
         std::array<std::array<float, 2>, kL> m, l;
         for (auto& x : m) x = {-INFINITY, -INFINITY};
         for (auto& x : l) x = {0.0f, 0.0f};
+        Tile kb[2] = {unwritten(tc::kKeyTile, D), unwritten(tc::kKeyTile, D)};
+        Tile vb[2] = {kb[0], kb[1]};
+        if (tiles > 0) {  // the prologue: tile 0 into buffer 0
+          kb[0] = load_tile(k, 0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          vb[0] = load_tile(v, 0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+        }
         for (I t = 0; t < tiles; ++t) {
           const I j0 = t * tc::kKeyTile;
-          const Tile kt = load_tile(k, j0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
-          const Tile vt = load_tile(v, j0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          if (t + 1 < tiles) {  // the next tile into the other buffer, before this one's products
+            kb[tc::buffer_of(t + 1)] =
+                load_tile(k, j0 + tc::kKeyTile, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+            vb[tc::buffer_of(t + 1)] =
+                load_tile(v, j0 + tc::kKeyTile, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          }
+          const Tile& kt = kb[tc::buffer_of(t)];
+          const Tile& vt = vb[tc::buffer_of(t)];
           FragC<NS> sc;
           zero(sc);
           mma_abt(sc, qt, w * tc::kWarpRows, kt, D);
@@ -260,7 +294,7 @@ void twin_forward(const Problem& p, const std::vector<float>& q, const std::vect
             for (int n = 0; n < ND; ++n)
               for (int e = 0; e < 2; ++e)
                 out[static_cast<std::size_t>(row * p.ldq() + bh * D + 8 * n + tc::c_col(ln, e))] =
-                    o[ln][n][2 * h + e] * f;
+                    stored(o[ln][n][2 * h + e] * f, p.bf16_out);
             if (tc::thread_in_group(ln) == 0)
               lse[static_cast<std::size_t>(bh * s + row)] = tc::row_lse(m[ln][h], lh[ln]);
           }
@@ -270,17 +304,18 @@ void twin_forward(const Problem& p, const std::vector<float>& q, const std::vect
   }
 }
 
-/// Writes (or adds) a warp's accumulators × scale to rows row0.. of x (head offset off).
+/// Writes (or adds) a warp's accumulators × scale to rows row0.. of x (head offset off), as
+/// bf16 or fp32.
 template <int ND>
 void store(const FragC<ND>& acc, float scale, std::vector<float>& x, I row0, I s, I ld, I off,
-           bool accumulate) {
+           bool accumulate, bool bf16_out) {
   for (int ln = 0; ln < kL; ++ln)
     for (int i = 0; i < 4; ++i) {
       const I row = row0 + tc::c_row(ln, i);
       if (row >= s) continue;
       for (int n = 0; n < ND; ++n) {
         float& dst = x[static_cast<std::size_t>(row * ld + off + 8 * n + tc::c_col(ln, i))];
-        dst = accumulate ? dst + acc[ln][n][i] * scale : acc[ln][n][i] * scale;
+        dst = stored(accumulate ? dst + acc[ln][n][i] * scale : acc[ln][n][i] * scale, bf16_out);
       }
     }
 }
@@ -311,10 +346,22 @@ void twin_dq(const Problem& p, const std::vector<float>& dout, const std::vector
           }
         FragC<ND> acc;
         zero(acc);
+        Tile kb[2] = {unwritten(tc::kKeyTile, D), unwritten(tc::kKeyTile, D)};
+        Tile vb[2] = {kb[0], kb[1]};
+        if (tiles > 0) {
+          kb[0] = load_tile(k, 0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          vb[0] = load_tile(v, 0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+        }
         for (I t = 0; t < tiles; ++t) {
           const I j0 = t * tc::kKeyTile;
-          const Tile kt = load_tile(k, j0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
-          const Tile vt = load_tile(v, j0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          if (t + 1 < tiles) {
+            kb[tc::buffer_of(t + 1)] =
+                load_tile(k, j0 + tc::kKeyTile, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+            vb[tc::buffer_of(t + 1)] =
+                load_tile(v, j0 + tc::kKeyTile, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          }
+          const Tile& kt = kb[tc::buffer_of(t)];
+          const Tile& vt = vb[tc::buffer_of(t)];
           FragC<NS> sc, dp;
           zero(sc);
           zero(dp);
@@ -328,7 +375,7 @@ void twin_dq(const Problem& p, const std::vector<float>& dout, const std::vector
           }
           for (int kk = 0; kk < tc::kKeyTile / 16; ++kk) mma_av(acc, a_from_c(sc, kk), kt, kk);
         }
-        store(acc, scale, dq, row0, s, p.ldq(), bh * D, p.accumulate);
+        store(acc, scale, dq, row0, s, p.ldq(), bh * D, p.accumulate, p.bf16_out);
       }
     }
   }
@@ -354,17 +401,29 @@ void twin_dkdv(const Problem& p, const std::vector<float>& dout, const std::vect
         FragC<ND> dka, dva;
         zero(dka);
         zero(dva);
-        for (I it = 0; it < p.group * per_head; ++it) {
-          const I bh = kvh * p.group + it / per_head;
-          const I i0 = (first + it % per_head) * tc::kQueryTile;
-          const Tile qt = load_tile(q, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
-          const Tile dot = load_tile(dout, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
-          float lse_s[tc::kQueryTile], dl_s[tc::kQueryTile];
+        const I total = p.group * per_head;
+        // Step it's query head and first row; its Q, dO tiles, lse and Δ into buffer b.
+        auto first_row = [&](I it) { return (first + it % per_head) * tc::kQueryTile; };
+        Tile qb[2] = {unwritten(tc::kQueryTile, D), unwritten(tc::kQueryTile, D)};
+        Tile db[2] = {qb[0], qb[1]};
+        float lse_s[2][tc::kQueryTile], dl_s[2][tc::kQueryTile];
+        auto load_step = [&](I it, int b) {
+          const I bh = kvh * p.group + it / per_head, i0 = first_row(it);
+          qb[b] = load_tile(q, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
+          db[b] = load_tile(dout, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
           for (int t = 0; t < tc::kQueryTile; ++t) {
             const bool in = i0 + t < s;
-            lse_s[t] = in ? lse[static_cast<std::size_t>(bh * s + i0 + t)] * tc::kLog2e : 0.0f;
-            dl_s[t] = in ? delta[static_cast<std::size_t>(bh * s + i0 + t)] : 0.0f;
+            lse_s[b][t] = in ? lse[static_cast<std::size_t>(bh * s + i0 + t)] * tc::kLog2e : 0.0f;
+            dl_s[b][t] = in ? delta[static_cast<std::size_t>(bh * s + i0 + t)] : 0.0f;
           }
+        };
+        if (total > 0) load_step(0, 0);
+        for (I it = 0; it < total; ++it) {
+          if (it + 1 < total) load_step(it + 1, tc::buffer_of(it + 1));
+          const int b = tc::buffer_of(it);
+          const I i0 = first_row(it);
+          const Tile& qt = qb[b];
+          const Tile& dot = db[b];
           FragC<NS> pt, dpt;
           zero(pt);
           zero(dpt);
@@ -373,14 +432,14 @@ void twin_dkdv(const Problem& p, const std::vector<float>& dout, const std::vect
           const bool masked = !tc::all_visible(i0, tc::kQueryTile, row0, tc::kWarpRows, s, p.shift);
           for (int ln = 0; ln < kL; ++ln)
             tc::ds_cols(lane_frag(pt, ln), lane_frag(dpt, ln), ln, row0, i0, s, p.shift, scale_log2,
-                        lse_s, dl_s, masked);
+                        lse_s[b], dl_s[b], masked);
           for (int kk = 0; kk < tc::kQueryTile / 16; ++kk) {
             mma_av(dva, a_from_c(pt, kk), dot, kk);
             mma_av(dka, a_from_c(dpt, kk), qt, kk);
           }
         }
-        store(dka, scale, dk, row0, s, p.ldkv(), kvh * D, p.accumulate);
-        store(dva, 1.0f, dv, row0, s, p.ldkv(), kvh * D, p.accumulate);
+        store(dka, scale, dk, row0, s, p.ldkv(), kvh * D, p.accumulate, p.bf16_out);
+        store(dva, 1.0f, dv, row0, s, p.ldkv(), kvh * D, p.accumulate, p.bf16_out);
       }
     }
 }
@@ -480,8 +539,13 @@ void run(const Problem& p) {
   const auto nq = static_cast<std::size_t>(s * p.ldq()),
              nk = static_cast<std::size_t>(s * p.ldkv());
   const std::uint32_t seed = static_cast<std::uint32_t>(s * 1000 + D + p.group * 7);
-  const auto q = randoms(nq, seed), k = randoms(nk, seed + 1), v = randoms(nk, seed + 2),
-             dout = randoms(nq, seed + 3);
+  // bf16 tensors: the values as stored, rounded once here.
+  auto bf16 = [](std::vector<float> x) {
+    for (float& e : x) e = round_bf16(e);
+    return x;
+  };
+  const auto q = bf16(randoms(nq, seed)), k = bf16(randoms(nk, seed + 1)),
+             v = bf16(randoms(nk, seed + 2)), dout = bf16(randoms(nq, seed + 3));
   const Ref ref = reference(p, q, k, v, dout);
   std::vector<float> out(nq, 0.0f), lse(static_cast<std::size_t>(p.heads * s), 0.0f);
   twin_forward<D>(p, q, k, v, out, lse);
@@ -494,7 +558,8 @@ void run(const Problem& p) {
       ASSERT_NEAR(lse[e], ref.lse[e], 1e-4 * std::max(1.0, std::abs(ref.lse[e]))) << "lse " << e;
     }
   }
-  // Δ as flash_delta_kernel computes it: dO rounded as the products read it, O as written.
+  // Δ as flash_delta_kernel computes it: dO as the products read it, O as the forward stored it
+  // (bf16 for the causal attention).
   std::vector<float> delta(lse.size(), 0.0f);
   for (I h = 0; h < p.heads; ++h)
     for (I i = 0; i < s; ++i) {
@@ -526,6 +591,7 @@ TEST_P(FlashTcTwin, MatchesDoubleReference) {
   if (pair == Pair::later_keys) p = {s, d, p.heads, group, s / 2 + 1, true};
   if (pair == Pair::earlier_keys) p = {s, d, p.heads, group, -(s / 3) - 1, true};
   if (pair == Pair::boundary) p = {s, d, p.heads, group, 46, true};
+  p.bf16_out = !p.accumulate;  // the causal attention's outputs are bf16, a pair's fp32
   if (d == 64)
     run<64>(p);
   else
@@ -581,6 +647,28 @@ TEST(FlashTcTwinFragments, AccumulatorBecomesOperandInPlace) {
   const FragA a = a_from_c(c, 0);
   for (int l = 0; l < kL; ++l)
     for (int i = 0; i < 8; ++i) EXPECT_EQ(a[l][i], float(16 * tc::a_row(l, i) + tc::a_col(l, i)));
+}
+
+/// The cp.async copies of every tile the kernels load: the block's threads, u rounds of one
+/// 16-byte chunk each, write every element of the tile exactly once; and consecutive tiles of a
+/// loop go to different buffers.
+TEST(FlashTcTwinFragments, TileCopiesWriteEveryElementOnce) {
+  for (int d : {32, 64, 128})
+    for (int rows : {tc::kBlockRows, tc::kKeyTile, tc::kQueryTile}) {
+      const int chunks = rows * tc::row_chunks(d);
+      ASSERT_EQ(chunks % tc::kThreads, 0) << "rows " << rows << " D " << d;
+      std::vector<int> writes(static_cast<std::size_t>(rows * d), 0);
+      for (int u = 0; u < chunks / tc::kThreads; ++u)
+        for (int th = 0; th < tc::kThreads; ++th) {
+          const int e = th + tc::kThreads * u;
+          const int r = tc::chunk_row(e, d), c = tc::chunk_col(e, d);
+          ASSERT_TRUE(r < rows && c % 8 == 0 && c + 8 <= d) << "chunk " << e;
+          for (int x = c; x < c + 8; ++x) ++writes[static_cast<std::size_t>(r * d + x)];
+        }
+      for (std::size_t e = 0; e < writes.size(); ++e)
+        EXPECT_EQ(writes[e], 1) << "rows " << rows << " D " << d << " element " << e;
+    }
+  for (I t = 0; t < 5; ++t) EXPECT_NE(tc::buffer_of(t), tc::buffer_of(t + 1)) << t;
 }
 
 /// The loops' bounds against the visibility rule, by brute force.

@@ -1,5 +1,5 @@
 // Fused causal attention (FlashAttention-2: Dao 2023, arXiv:2307.08691, Algorithms 1 and 2) on
-// the [S, B, heads·D] fp32 tensors, read in place: query head bh = b·heads + h of row i starts at
+// the [S, B, heads·D] tensors, read in place: query head bh = b·heads + h of row i starts at
 // i·ldq + bh·D in q, out, dout, dq (ldq = B·heads·D). Nothing of size S×S is ever stored; forward
 // keeps lse [B·heads, S] = log Σ_j exp(q_i·k_j / sqrt(D)) per query row, and backward recomputes
 // each block of probabilities as exp(q_i·k_j / sqrt(D) − lse_i).
@@ -9,49 +9,60 @@
 // bh / group, group = heads / kv_heads (b·heads + h over group is b·kv_heads + h / group, since
 // group divides heads). The forward and dQ kernels, one block per (query block, query head), only
 // read K and V there. The dK/dV kernels run one block per (key block, KV head) and loop over the
-// group's query heads inside the block, accumulating the sum over the group in registers (the
-// CUDA-core kernel) or WMMA fragments (the tensor-core kernel) before writing each key row once:
-// no atomics and no scratch, so dK and dV stay deterministic, at the price of a grid `group`
-// times smaller with `group` times the work per block. kv_heads = heads is a group of one.
+// group's query heads inside the block, accumulating the sum over the group in registers before
+// writing each key row once: no atomics and no scratch, so dK and dV stay deterministic, at the
+// price of a grid `group` times smaller with `group` times the work per block. kv_heads = heads
+// is a group of one.
 //
 // Two families of kernels, the same algorithm:
-//  - tensor cores (bf16 compute, D = 32, 64, 128): FlashAttention-2's work partitioning (Dao
+//  - tensor cores (bf16 tensors, D = 32, 64, 128): FlashAttention-2's work partitioning (Dao
 //    2023, section 3.3): 4 warps per block, each owning 16 query rows (forward, dQ) or 16 key rows
 //    (dK/dV) of the block's 64, all sharing the other side's tiles in shared memory. Products are
 //    mma.sync.aligned.m16n8k16 (bf16 × bf16 + fp32) in inline PTX, operands from shared memory
 //    by ldmatrix.x4 (.trans for a row-major B); the score tile and the O / dQ / dK / dV
 //    accumulators stay in registers, the online softmax runs on the score fragments (a row's
 //    max over the 4 lanes of a quad: two shuffles), and P and dS go from C fragments to A
-//    fragments in the same registers (flash_tc_math.h has the fragment layouts, masks, bounds
-//    and softmax steps, shared with tests/test_flash_tc_twin.cc, the kernels' CPU twin). K/V
-//    (or Q/dO) tiles are double-buffered: the next tile's loads are issued in parts before a
-//    run of the current tile's MMAs and stored to the other buffer after it, one __syncthreads
-//    per tile. The fp32 inputs are rounded to bf16 on the way (global → registers → shared;
-//    cp.async cannot convert).
-//  - CUDA cores (fp32 compute, any D <= 256, and bf16 for other D): one warp per row (4 rows per
-//    warp, 16 per block), lanes striding over D, tiles of 32 rows of the other side in shared
-//    memory; with bf16 compute the operands are rounded to bf16 as they are loaded.
+//    fragments in the same registers (flash_tc_math.h has the fragment layouts, masks, bounds,
+//    tile copies and softmax steps, shared with tests/test_flash_tc_twin.cc, the kernels' CPU
+//    twin). Q, K, V, dO are read as the bf16 tensors store them: cp.async.cg copies 16 bytes at
+//    a time from global to shared memory without passing through registers, and K/V (or Q/dO)
+//    tiles are double-buffered, tile t + 1 copying into one buffer while tile t is multiplied
+//    from the other (the pipeline above flash_forward_mma). O, dQ, dK, dV are stored as TOut:
+//    bf16, each value rounded once from its fp32 accumulator (the recipe's rounding point: the
+//    op's output), or fp32 (fp32 tensors under bf16 compute, whose inputs the caller rounds into
+//    bf16 copies; chunk pairs, added to what is there). lse and Δ stay fp32.
+//  - CUDA cores (fp32 compute, any D <= 256, and bf16 compute where the tensor cores do not run):
+//    one warp per row (4 rows per warp, 16 per block), lanes striding over D, tiles of 32 rows of
+//    the other side in shared memory; fp32 or bf16 tensors (T), widened as they are loaded,
+//    rounded to bf16 as operands under bf16 compute, outputs stored as T.
 //
-// Budget of the tensor-core kernels (written before tuning; ptxas's numbers are checked at build
-// time by the ctest flash_resources, tests/check_flash_resources.py). 128 threads a block; sm_90
-// has 64 Ki registers, 228 KB shared (1 KB reserved per block) per SM, sm_80 64 Ki and 164 KB.
-//   kernel     tiles               registers/thread (D = 128)            shared bytes (D 64 / 128)
-//   forward    64 q × 64 keys      O 64 + S 32 + staging 16 + ~60: <= 255  46080 / 87040
-//   dQ         64 q × 64 keys      dQ 64 + S 32 + dP 32 + 16 + ~60: <= 255 55296 / 104448
-//   dK/dV      64 keys × 32 q      dK 64 + dV 64 + Sᵀ 16 + dPᵀ 16 + 16 + ~60: <= 255
-//                                                                          37376 / 70144
-// so 2 blocks (8 warps) per SM on sm_90 for every kernel and D (registers <= 255 = 65536 / (2 ·
-// 128), shared <= 113 KB), 3 at D = 32 where registers allow; on sm_80 2 blocks, except the
-// forward and dQ at D = 128 (87 and 104 KB: 1 block). Bytes per FLOP at D = 128: global, per
-// tile, forward 2·64·D·4 B of K, V (fp32 inputs) for 4·64·64·D FLOP = 1/32 (1/64 with bf16
-// inputs); dQ 1/48; dK/dV 2·32·D·4 B of Q, dO for 8·64·32·D FLOP = 1/64. Shared memory, every
-// warp reading the shared tile by ldmatrix for each of its products: 1/16 B per FLOP in all
-// three (a 64-row block is shared-memory-bound at about 16 FLOP/B; 128-row blocks halve it).
+// Budget of the tensor-core kernels with bf16 inputs and cp.async buffers (written before
+// tuning; ptxas's numbers are checked at build time, for every instance, by the ctest
+// flash_resources, tests/check_flash_resources.py). 128 threads a block; sm_90 has 64 Ki
+// registers, 228 KB shared (1 KB reserved per block) per SM, sm_80 64 Ki and 164 KB. A tile in
+// flight costs no registers (cp.async writes shared memory directly; the fp32 inputs of before
+// needed 16 staging registers a thread for the rounding on the way).
+//   kernel     tiles               registers/thread (D = 128)           shared bytes (D 64 / 128)
+//   forward    64 q × 64 keys      O 64 + S 32 + ~60: <= 255              46080 /  87040
+//   dQ         64 q × 64 keys      dQ 64 + S 32 + dP 32 + ~60: <= 255     55296 / 104448
+//   dK/dV      64 keys × 32 q      dK 64 + dV 64 + Sᵀ 16 + dPᵀ 16 + ~60   37376 /  70144
+// (shared: the block's own 64 rows once, the other side's tiles twice, rows of D + 8 bf16; dK/dV
+// also lse and Δ twice). So 2 blocks (8 warps) per SM on sm_90 for every kernel and D
+// (registers <= 255 = 65536 / (2 · 128), shared <= 113 KB), more at D = 32 and 64 where
+// registers allow; on sm_80 2 blocks, except the forward and dQ at D = 128 (87 and 104 KB: 1
+// block). Two blocks of 4 warps let one block's products run while the other waits at a
+// barrier or for its next tile; a third would need both fewer registers (<= 168) and, at D =
+// 128, smaller tiles. Bytes per FLOP at D = 128, global, per tile (bf16: 2 B an element):
+// forward 2·64·D·2 B of K, V for 4·64·64·D FLOP = 1/64 (1/32 with the fp32 inputs of before);
+// dQ 2·64·D·2 B for 6·64·64·D = 1/96; dK/dV 2·32·D·2 B of Q, dO for 8·64·32·D FLOP = 1/128.
+// Shared memory, every warp reading the shared tiles by ldmatrix for each of its products: 1/16
+// B per FLOP in all three (a 64-row block is shared-memory-bound at about 16 FLOP/B; 128-row
+// blocks halve it), plus the cp.async writes, 1/64 (forward) or less.
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
 // (the tensor-core kernel does the same for 64 keys at a time), then o /= l, lse = m + log l.
 // Backward, with Δ_i = Σ_d dO_i ∘ O_i (flash_delta_kernel; under bf16 compute dO rounded as the
-// dP products read it, flash_operands.h), P = exp(s − lse_i):
+// dP products read it, O as the forward stored it, flash_operands.h), P = exp(s − lse_i):
 //   dV_j = Σ_i P_ij dO_i;  dP_ij = dO_i·v_j;  dS = P ∘ (dP − Δ_i);
 //   dQ_i = Σ_j dS_ij k_j / sqrt(D);  dK_j = Σ_i dS_ij q_i / sqrt(D)
 // (dK_j and dV_j also summed over the query heads of the group) split into a dQ kernel (parallel
@@ -66,8 +77,10 @@
 // sees no key of the pair ends with l = 0: output 0 and lse −inf, which attention_merge() skips.
 // Backward's pairs add into dq, dk, dv (accumulate) instead of overwriting them, as each query
 // chunk meets several key chunks. The tensor-core kernels implement the shift and the
-// accumulation too (the CPU twin checks them), but the launchers still refuse bf16 chunk pairs
-// (valid()): the stages run --cp > 1 in fp32 only, so the pairs run on CUDA cores.
+// accumulation too, with fp32 outputs (TOut = float: a pair's partial output and gradients stay
+// fp32 until the merge; the CPU twin checks them), but the launchers refuse a pair with bf16
+// outputs or with bf16 compute on fp32 tensors (valid()): the stages run --cp > 1 in fp32, so
+// the pairs run on CUDA cores.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
@@ -99,22 +112,38 @@ constexpr int kTile = 32;                             // rows of the other side 
 
 using flash::operand;  // x as the GEMM operand: itself, or rounded to bf16 for bf16 compute
 
+/// A stored value widened to fp32 (exact), and an fp32 value as it is stored (bf16: rounded once,
+/// to nearest even).
+__device__ __forceinline__ float wide(float x) {
+  return x;
+}
+__device__ __forceinline__ float wide(bf16 x) {
+  return __bfloat162float(x);
+}
+template <class T>
+__device__ __forceinline__ T narrow(float x) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return __float2bfloat16_rn(x);
+  else
+    return x;
+}
+
 /// Row `row` of one head, D values spread over the lanes (lane + 32·t), zero past D or S.
-template <int kPerLane, bool kBf16>
-__device__ __forceinline__ void load_row(float (&dst)[kPerLane], const float* p, I row, I s, I d,
-                                         I ld, int lane) {
+template <int kPerLane, bool kBf16, class T>
+__device__ __forceinline__ void load_row(float (&dst)[kPerLane], const T* p, I row, I s, I d, I ld,
+                                         int lane) {
   for (int t = 0; t < kPerLane; ++t) {
     const I c = lane + kWarp * t;
-    dst[t] = row < s && c < d ? operand<kBf16>(p[row * ld + c]) : 0.0f;
+    dst[t] = row < s && c < d ? operand<kBf16>(wide(p[row * ld + c])) : 0.0f;
   }
 }
 
 /// Rows row0 .. row0 + kTile − 1 of one head into shared memory [kTile][d], zero past S.
-template <bool kBf16>
-__device__ __forceinline__ void load_tile_f32(float* dst, const float* p, I row0, I s, I d, I ld) {
+template <bool kBf16, class T>
+__device__ __forceinline__ void load_tile_f32(float* dst, const T* p, I row0, I s, I d, I ld) {
   for (I e = threadIdx.x; e < kTile * d; e += blockDim.x) {
     const I r = row0 + e / d;
-    dst[e] = r < s ? operand<kBf16>(p[r * ld + e % d]) : 0.0f;
+    dst[e] = r < s ? operand<kBf16>(wide(p[r * ld + e % d])) : 0.0f;
   }
 }
 
@@ -135,12 +164,14 @@ __device__ __forceinline__ I first_query(I j, I shift) {
 }
 
 /// A gradient's value written (the whole attention) or added (a chunk pair's share).
-template <bool kAccumulate>
-__device__ __forceinline__ void put(float* p, float x) {
-  if constexpr (kAccumulate)
+template <bool kAccumulate, class T>
+__device__ __forceinline__ void put(T* p, float x) {
+  if constexpr (kAccumulate) {
+    static_assert(std::is_same_v<T, float>, "a chunk pair's share is added in fp32");
     *p += x;
-  else
-    *p = x;
+  } else {
+    *p = narrow<T>(x);
+  }
 }
 
 /// Σ_d a·b over the warp: each lane's partial products, then a butterfly sum.
@@ -155,10 +186,10 @@ __device__ __forceinline__ float warp_dot(const float (&a)[kPerLane], const floa
   return dev::warp_sum(part);
 }
 
-template <int kPerLane, bool kBf16>
+template <int kPerLane, bool kBf16, class T>
 __global__ void __launch_bounds__(kThreads)
-    flash_forward_simple(const float* q, const float* k, const float* v, float* out, float* lse,
-                         I s, I d, I ldq, I ldkv, I group, float scale, I shift) {
+    flash_forward_simple(const T* q, const T* k, const T* v, T* out, float* lse, I s, I d, I ldq,
+                         I ldkv, I group, float scale, I shift) {
   extern __shared__ float smem[];
   float* ks = smem;              // [kTile][d]
   float* vs = smem + kTile * d;  // [kTile][d]
@@ -171,7 +202,7 @@ __global__ void __launch_bounds__(kThreads)
   I rows[kRowsPerWarp];
   for (int r = 0; r < kRowsPerWarp; ++r) {
     rows[r] = row0 + warp * kRowsPerWarp + r;
-    load_row<kPerLane, kBf16>(qr[r], q, rows[r], s, d, ldq, lane);
+    load_row<kPerLane, kBf16, T>(qr[r], q, rows[r], s, d, ldq, lane);
     for (int t = 0; t < kPerLane; ++t) o[r][t] = 0.0f;
     m[r] = -INFINITY;
     l[r] = 0.0f;
@@ -180,8 +211,8 @@ __global__ void __launch_bounds__(kThreads)
   const I end = keys_end(min(s, row0 + kRowsPerBlock) - 1, s, shift);
   for (I j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the previous tiles are no longer read
-    load_tile_f32<kBf16>(ks, k, j0, s, d, ldkv);
-    load_tile_f32<kBf16>(vs, v, j0, s, d, ldkv);
+    load_tile_f32<kBf16, T>(ks, k, j0, s, d, ldkv);
+    load_tile_f32<kBf16, T>(vs, v, j0, s, d, ldkv);
     __syncthreads();
     const I n = min(I(kTile), end - j0);
     for (I jj = 0; jj < n; ++jj) {
@@ -205,17 +236,17 @@ __global__ void __launch_bounds__(kThreads)
     const bool seen = l[r] > 0.0f;  // false only for a chunk pair's row that sees no key
     for (int t = 0; t < kPerLane; ++t) {
       const I c = lane + kWarp * t;
-      if (c < d) out[rows[r] * ldq + c] = seen ? o[r][t] / l[r] : 0.0f;
+      if (c < d) out[rows[r] * ldq + c] = narrow<T>(seen ? o[r][t] / l[r] : 0.0f);
     }
     if (lane == 0) lse[bh * s + rows[r]] = seen ? m[r] + logf(l[r]) : -INFINITY;
   }
 }
 
-template <int kPerLane, bool kBf16, bool kAccumulate>
+template <int kPerLane, bool kBf16, bool kAccumulate, class T>
 __global__ void __launch_bounds__(kThreads)
-    flash_dq_simple(const float* dout, const float* q, const float* k, const float* v,
-                    const float* lse, const float* delta, float* dq, I s, I d, I ldq, I ldkv,
-                    I group, float scale, I shift) {
+    flash_dq_simple(const T* dout, const T* q, const T* k, const T* v, const float* lse,
+                    const float* delta, T* dq, I s, I d, I ldq, I ldkv, I group, float scale,
+                    I shift) {
   extern __shared__ float smem[];
   float* ks = smem;
   float* vs = smem + kTile * d;
@@ -228,8 +259,8 @@ __global__ void __launch_bounds__(kThreads)
   I rows[kRowsPerWarp];
   for (int r = 0; r < kRowsPerWarp; ++r) {
     rows[r] = row0 + warp * kRowsPerWarp + r;
-    load_row<kPerLane, kBf16>(qr[r], q, rows[r], s, d, ldq, lane);
-    load_row<kPerLane, kBf16>(dor[r], dout, rows[r], s, d, ldq, lane);
+    load_row<kPerLane, kBf16, T>(qr[r], q, rows[r], s, d, ldq, lane);
+    load_row<kPerLane, kBf16, T>(dor[r], dout, rows[r], s, d, ldq, lane);
     for (int t = 0; t < kPerLane; ++t) acc[r][t] = 0.0f;
     lse_r[r] = rows[r] < s ? lse[bh * s + rows[r]] : 0.0f;
     delta_r[r] = rows[r] < s ? delta[bh * s + rows[r]] : 0.0f;
@@ -237,8 +268,8 @@ __global__ void __launch_bounds__(kThreads)
   const I end = keys_end(min(s, row0 + kRowsPerBlock) - 1, s, shift);
   for (I j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();
-    load_tile_f32<kBf16>(ks, k, j0, s, d, ldkv);
-    load_tile_f32<kBf16>(vs, v, j0, s, d, ldkv);
+    load_tile_f32<kBf16, T>(ks, k, j0, s, d, ldkv);
+    load_tile_f32<kBf16, T>(vs, v, j0, s, d, ldkv);
     __syncthreads();
     const I n = min(I(kTile), end - j0);
     for (I jj = 0; jj < n; ++jj) {
@@ -266,11 +297,11 @@ __global__ void __launch_bounds__(kThreads)
 // One block per (16 keys, KV head): it loops over the query heads of the KV head's group, one
 // after another, accumulating their contributions to dK and dV in registers, and writes each of
 // its key rows once: no atomics, no scratch, a fixed order of summation.
-template <int kPerLane, bool kBf16, bool kAccumulate>
+template <int kPerLane, bool kBf16, bool kAccumulate, class T>
 __global__ void __launch_bounds__(kThreads)
-    flash_dkdv_simple(const float* dout, const float* q, const float* k, const float* v,
-                      const float* lse, const float* delta, float* dk, float* dv, I s, I d, I ldq,
-                      I ldkv, I group, float scale, I shift) {
+    flash_dkdv_simple(const T* dout, const T* q, const T* k, const T* v, const float* lse,
+                      const float* delta, T* dk, T* dv, I s, I d, I ldq, I ldkv, I group,
+                      float scale, I shift) {
   extern __shared__ float smem[];
   float* qs = smem;                     // [kTile][d]
   float* dos = smem + kTile * d;        // [kTile][d]
@@ -284,22 +315,22 @@ __global__ void __launch_bounds__(kThreads)
   I rows[kRowsPerWarp];
   for (int r = 0; r < kRowsPerWarp; ++r) {
     rows[r] = row0 + warp * kRowsPerWarp + r;
-    load_row<kPerLane, kBf16>(kr[r], k, rows[r], s, d, ldkv, lane);
-    load_row<kPerLane, kBf16>(vr[r], v, rows[r], s, d, ldkv, lane);
+    load_row<kPerLane, kBf16, T>(kr[r], k, rows[r], s, d, ldkv, lane);
+    load_row<kPerLane, kBf16, T>(vr[r], v, rows[r], s, d, ldkv, lane);
     for (int t = 0; t < kPerLane; ++t) dka[r][t] = dva[r][t] = 0.0f;
   }
   for (I g = 0; g < group; ++g) {
     const I bh = kvh * group + g;  // a query head of this KV head's group
-    const float* qh = q + bh * d;
-    const float* doh = dout + bh * d;
+    const T* qh = q + bh * d;
+    const T* doh = dout + bh * d;
     const float* lh = lse + bh * s;
     const float* dh = delta + bh * s;
     // Queries from the first that sees the block's first key (shift 0: that key's own row):
     // every earlier query sees none of its keys.
     for (I i0 = first_query(row0, shift); i0 < s; i0 += kTile) {
       __syncthreads();  // the previous tiles (of this head or the last) are no longer read
-      load_tile_f32<kBf16>(qs, qh, i0, s, d, ldq);
-      load_tile_f32<kBf16>(dos, doh, i0, s, d, ldq);
+      load_tile_f32<kBf16, T>(qs, qh, i0, s, d, ldq);
+      load_tile_f32<kBf16, T>(dos, doh, i0, s, d, ldq);
       for (I t = threadIdx.x; t < kTile; t += blockDim.x) {
         lse_s[t] = i0 + t < s ? lh[i0 + t] : 0.0f;
         delta_s[t] = i0 + t < s ? dh[i0 + t] : 0.0f;
@@ -340,10 +371,9 @@ __global__ void __launch_bounds__(kThreads)
 /// then Σ_j P·dP of those same dP, and dS = P·(dP − Δ) sums to zero over a row as it should
 /// (flash_operands.h). An unrounded dO left every dS off by Σ_d (dO − bf16(dO))·O; at S = 1,
 /// where dQ and dK are exactly zero, they came out as that residue (~1e-3) times K and Q.
-template <bool kBf16>
+template <bool kBf16, class TD, class TO>
 __global__ void __launch_bounds__(256)
-    flash_delta_kernel(const float* dout, const float* out, float* delta, I s, I heads_total, I d,
-                       I ld) {
+    flash_delta_kernel(const TD* dout, const TO* out, float* delta, I s, I heads_total, I d, I ld) {
   const int lane = threadIdx.x % kWarp;
   const I warps = I(gridDim.x) * (blockDim.x / kWarp);
   for (I rr = I(blockIdx.x) * (blockDim.x / kWarp) + threadIdx.x / kWarp; rr < heads_total * s;
@@ -352,7 +382,7 @@ __global__ void __launch_bounds__(256)
     const I base = i * ld + bh * d;
     float part = 0.0f;
     for (I c = lane; c < d; c += kWarp)
-      part += flash::delta_term<kBf16>(dout[base + c], out[base + c]);
+      part += flash::delta_term<kBf16>(wide(dout[base + c]), wide(out[base + c]));
     part = dev::warp_sum(part);
     if (lane == 0) delta[rr] = part;
   }
@@ -445,80 +475,73 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(kFullMask, x, 2);
 }
 
+/// Two adjacent values of a lane's accumulator row stored as the output's type: fp32 (one 8-byte
+/// store; added to what is there with `accumulate`, a chunk pair's share), or bf16, each rounded
+/// once to nearest even (one 4-byte store; the launchers never ask bf16 outputs to accumulate).
+__device__ __forceinline__ void store_pair(float* p, float x, float y, bool accumulate) {
+  float2* dst = reinterpret_cast<float2*>(p);
+  if (accumulate) {
+    const float2 old = *dst;
+    x += old.x;
+    y += old.y;
+  }
+  *dst = make_float2(x, y);
+}
+__device__ __forceinline__ void store_pair(bf16* p, float x, float y, bool /*accumulate*/) {
+  *reinterpret_cast<std::uint32_t*>(p) = pack_bf16(x, y);
+}
+
 /// acc[N][4] (rows row0 + c_row, columns 8n + c_col of one head) × scale, written or added to
-/// p[row·ld + col] for rows inside S. Two floats per lane per fragment row (8-byte stores).
-template <int N>
-__device__ __forceinline__ void store_acc(const float (&acc)[N][4], float scale, float* p, I row0,
-                                          I s, I ld, bool accumulate, int lane) {
+/// p[row·ld + col] for rows inside S.
+template <int N, class T>
+__device__ __forceinline__ void store_acc(const float (&acc)[N][4], float scale, T* p, I row0, I s,
+                                          I ld, bool accumulate, int lane) {
   for (int h = 0; h < 2; ++h) {
     const I row = row0 + tc::c_row(lane, 2 * h);
     if (row >= s) continue;
-    for (int n = 0; n < N; ++n) {
-      float2* dst = reinterpret_cast<float2*>(p + row * ld + 8 * n + tc::c_col(lane, 0));
-      float2 x = make_float2(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
-      if (accumulate) {
-        const float2 old = *dst;
-        x.x += old.x;
-        x.y += old.y;
-      }
-      *dst = x;
-    }
+    for (int n = 0; n < N; ++n)
+      store_pair(p + row * ld + 8 * n + tc::c_col(lane, 0), acc[n][2 * h] * scale,
+                 acc[n][2 * h + 1] * scale, accumulate);
   }
 }
 
-/// A [R][D] tile of one head (fp32 rows row0 .. row0 + R − 1, zero past S) moved into a bf16
-/// [R][D + 8] shared tile through registers, rounded to bf16 on the way (the operand<true> of the
-/// recipe): global → registers with 16-byte loads (fetch), registers → shared (commit). The tile
-/// goes in kParts parts of at most 16 floats a thread, so that a part's loads are issued before
-/// a run of MMAs and stored after it without holding a whole tile in registers. (cp.async would
-/// copy bf16 inputs straight to shared memory; it cannot round fp32.)
-template <int R, int D>
-struct TileLoad {
-  static constexpr int kVecs = R * D / 4 / tc::kThreads;  // float4s per thread
-  static constexpr int kParts = kVecs >= 4 ? kVecs / 4 : 1;
-  static constexpr int kPerPart = kVecs / kParts;
-  static_assert(kVecs % kParts == 0 && kVecs >= 1);
-  float4 v[kPerPart];
+/// 16 bytes from global to shared memory without passing through registers (cp.async.cg, cached
+/// in L2 only: PTX ISA, "Data Movement and Conversion Instructions: cp.async"). `bytes` 0 reads
+/// nothing and writes 16 zero bytes (a row past S); src must still be an address of the tensor.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(bytes)
+               : "memory");
+}
+/// Closes the group of this thread's cp.async issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+/// Waits until at most N of this thread's committed groups (the newest N) are still in flight.
+/// Only the thread's own copies: a __syncthreads must follow before others read them.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
-  __device__ __forceinline__ void fetch(int part, const float* p, I row0, I s, I ld) {
-    for (int u = 0; u < kPerPart; ++u) {
-      const int e = threadIdx.x + tc::kThreads * (part * kPerPart + u);
-      const int r = e / (D / 4), c = e % (D / 4);
-      v[u] = row0 + r < s ? *reinterpret_cast<const float4*>(p + (row0 + r) * ld + 4 * c)
-                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
+/// Issues the copy of rows row0 .. row0 + R − 1 of one head (bf16, row stride ld) into a
+/// [R][D + 8] shared tile, rows past S zero: R·D/8 chunks of 16 bytes, thread x taking chunks
+/// x, x + 128, ... (tc::chunk_row, chunk_col). Nothing waits here: the tile is there after a
+/// cp_async_wait that covers its group and a __syncthreads.
+template <int R, int D>
+__device__ __forceinline__ void load_tile(bf16* tile, const bf16* p, I row0, I s, I ld) {
+  constexpr int kChunks = R * tc::row_chunks(D);
+  static_assert(kChunks % tc::kThreads == 0);
+  for (int u = 0; u < kChunks / tc::kThreads; ++u) {
+    const int e = int(threadIdx.x) + tc::kThreads * u;
+    const int r = tc::chunk_row(e, D), c = tc::chunk_col(e, D);
+    const bool in = row0 + r < s;
+    cp_async16(tile + r * tc::ld_tile(D) + c, in ? p + (row0 + r) * ld + c : p, in ? 16 : 0);
   }
-  __device__ __forceinline__ void commit(int part, bf16* tile) const {
-    for (int u = 0; u < kPerPart; ++u) {
-      const int e = threadIdx.x + tc::kThreads * (part * kPerPart + u);
-      const int r = e / (D / 4), c = e % (D / 4);
-      const uint2 x = make_uint2(pack_bf16(v[u].x, v[u].y), pack_bf16(v[u].z, v[u].w));
-      *reinterpret_cast<uint2*>(tile + r * tc::ld_tile(D) + 4 * c) = x;
-    }
-  }
-  /// The whole tile at once (the prologue before the first tile).
-  __device__ __forceinline__ void now(const float* p, I row0, I s, I ld, bf16* tile) {
-    for (int part = 0; part < kParts; ++part) {
-      fetch(part, p, row0, s, ld);
-      commit(part, tile);
-    }
-  }
-  /// Within a loop of `steps` MMA steps ks: fetch part p before step p·steps/kParts, commit it
-  /// after step (p + 1)·steps/kParts − 1, so the loads fly while the MMAs run.
-  template <int kSteps>
-  __device__ __forceinline__ void before(int ks, bool on, const float* p, I row0, I s, I ld) {
-    static_assert(kSteps % kParts == 0);
-    if (on && ks % (kSteps / kParts) == 0) fetch(ks / (kSteps / kParts), p, row0, s, ld);
-  }
-  template <int kSteps>
-  __device__ __forceinline__ void after(int ks, bool on, bf16* tile) const {
-    if (on && ks % (kSteps / kParts) == kSteps / kParts - 1) commit(ks / (kSteps / kParts), tile);
-  }
-};
+}
 
 /// acc[2·NB][4] (16 × 16·NB) += A (the warp's 16 rows of a row-major [m][D] tile, columns
-/// 16kk ..) · Bᵀ for B = rows n0 .. n0 + 16·NB − 1 of an [n][D] tile (scores: Q·Kᵀ, K·Qᵀ, dO·Vᵀ,
-/// V·dOᵀ), for one k step kk (16 of D).
+/// 16kk ..) · Bᵀ for B = rows 0 .. 16·NB − 1 of an [n][D] tile, for one k step kk (16 of D).
 template <int NB, int D>
 __device__ __forceinline__ void mma_abt(float (&acc)[2 * NB][4], const bf16* a_tile,
                                         const bf16* b_tile, int kk, int lane) {
@@ -534,7 +557,7 @@ __device__ __forceinline__ void mma_abt(float (&acc)[2 * NB][4], const bf16* a_t
   }
 }
 /// acc[D/8][4] (16 × D) += A (16 × 16, registers) · rows 16kk .. 16kk + 15 of a row-major
-/// [k][D] tile (P·V, dS·K, Pᵀ·dO, dSᵀ·Q), read with ldmatrix.trans.
+/// [k][D] tile, read with ldmatrix.trans.
 template <int D>
 __device__ __forceinline__ void mma_av(float (&acc)[D / 8][4], const std::uint32_t (&a)[4],
                                        const bf16* b_tile, int kk, int lane) {
@@ -553,12 +576,43 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
   for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
 
-// Forward: one block per (64 query rows, query head), 4 warps of 16 rows; key tiles of 64,
-// double-buffered. Per tile: S = Q·Kᵀ (the next K tile in flight), the online softmax on S's
-// fragments, O += P·V with P as A fragments from S's registers (the next V tile in flight).
-template <int D>
+/// acc = A·Bᵀ over the whole of D, the score-like products of every kernel (S = Q·Kᵀ and
+/// dP = dO·Vᵀ in the forward and dQ kernels, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ in dK/dV): A the warp's
+/// 16 rows of an [m][D] tile, B all 16·NB rows of an [n][D] tile, both in shared memory.
+template <int NB, int D>
+__device__ __forceinline__ void product_abt(float (&acc)[2 * NB][4], const bf16* a_tile,
+                                            const bf16* b_tile, int lane) {
+  zero(acc);
+  for (int kk = 0; kk < D / 16; ++kk) mma_abt<NB, D>(acc, a_tile, b_tile, kk, lane);
+}
+/// acc (16 × D) += C · tile, the products that weight a tile's rows (P·V, dS·K, Pᵀ·dO, dSᵀ·Q):
+/// C a [16][8·NC] block of accumulators turned into A fragments in the same registers (rounded
+/// to bf16), the tile its 8·NC rows of D.
+template <int NC, int D>
+__device__ __forceinline__ void product_cv(float (&acc)[D / 8][4], const float (&c)[NC][4],
+                                           const bf16* tile, int lane) {
+  for (int kk = 0; kk < NC / 2; ++kk) {
+    std::uint32_t a[4];
+    a_from_c(a, c, kk);
+    mma_av<D>(acc, a, tile, kk, lane);
+  }
+}
+
+// The pipeline of every tensor-core kernel, per tile t of the loop (buffer b = t mod 2):
+//   issue the copies of tile t + 1 into buffer 1 − b; commit (an empty group after the last
+//   tile, so that the count stays one group per tile); cp.async.wait_group 1: every group but
+//   the newest, i.e. tile t, has landed for this thread; __syncthreads: for every thread;
+//   the products on buffer b; __syncthreads: nobody reads buffer b any more, so tile t + 2 may
+//   be copied into it.
+// Tile t + 1's copy runs during tile t's products; the prologue puts the block's own rows and
+// tile 0 in one group before the loop.
+
+// Forward: one block per (64 query rows, query head), 4 warps of 16 rows; key tiles of 64 in two
+// buffers. Per tile: S = Q·Kᵀ, the online softmax on S's fragments, O += P·V with P as A
+// fragments from S's registers. O is stored as TOut (bf16: rounded once), lse in fp32.
+template <int D, class TOut>
 __global__ void __launch_bounds__(tc::kThreads, 2)
-    flash_forward_mma(const float* q, const float* k, const float* v, float* out, float* lse, I s,
+    flash_forward_mma(const bf16* q, const bf16* k, const bf16* v, TOut* out, float* lse, I s,
                       I ldq, I ldkv, I group, float scale_log2, I shift) {
   extern __shared__ __align__(128) unsigned char mma_smem[];
   constexpr int kTile = kKeyTile * tc::ld_tile(D);  // bf16 per K or V tile
@@ -571,31 +625,28 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   q += bh * D, k += kvh * D, v += kvh * D, out += bh * D;
   const I tiles = tc::key_tiles(q0, s, shift);
   const I row0 = q0 + warp * kWarpRows;  // the warp's first query row
-  TileLoad<kBlockRows, D> ql;
-  ql.now(q, q0, s, ldq, qs);
-  TileLoad<kKeyTile, D> kl, vl;
+  load_tile<kBlockRows, D>(qs, q, q0, s, ldq);
   if (tiles > 0) {
-    kl.now(k, 0, s, ldkv, ks);
-    vl.now(v, 0, s, ldkv, vs);
+    load_tile<kKeyTile, D>(ks, k, 0, s, ldkv);
+    load_tile<kKeyTile, D>(vs, v, 0, s, ldkv);
   }
-  __syncthreads();
+  cp_async_commit();
   const bf16* qw = qs + warp * kWarpRows * tc::ld_tile(D);
   float o[D / 8][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this lane's share of the sum
   for (I t = 0; t < tiles; ++t) {
-    const int b = int(t & 1);
-    const bool next = t + 1 < tiles;  // the next tile goes into the other buffer
-    const I j0 = t * kKeyTile, jn = j0 + kKeyTile;
-    bf16 *kc = ks + b * kTile, *kn = ks + (b ^ 1) * kTile;
-    bf16 *vc = vs + b * kTile, *vn = vs + (b ^ 1) * kTile;
-    float sc[kKeyTile / 8][4];
-    zero(sc);
-    for (int kk = 0; kk < D / 16; ++kk) {
-      kl.template before<D / 16>(kk, next, k, jn, s, ldkv);
-      mma_abt<kKeyTile / 16, D>(sc, qw, kc, kk, lane);
-      kl.template after<D / 16>(kk, next, kn);
+    const int b = tc::buffer_of(t), bn = tc::buffer_of(t + 1);
+    const I j0 = t * kKeyTile;
+    if (t + 1 < tiles) {
+      load_tile<kKeyTile, D>(ks + bn * kTile, k, j0 + kKeyTile, s, ldkv);
+      load_tile<kKeyTile, D>(vs + bn * kTile, v, j0 + kKeyTile, s, ldkv);
     }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    float sc[kKeyTile / 8][4];
+    product_abt<kKeyTile / 16, D>(sc, qw, ks + b * kTile, lane);
     const bool masked = !tc::all_visible(row0, kWarpRows, j0, kKeyTile, s, shift);
     tc::scale_mask(sc, lane, row0, j0, s, shift, scale_log2, masked);
     for (int h = 0; h < 2; ++h) {
@@ -604,34 +655,29 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
       l[h] = l[h] * alpha + tc::exp_row(sc, h, offset);
       for (int n = 0; n < D / 8; ++n) o[n][2 * h] *= alpha, o[n][2 * h + 1] *= alpha;
     }
-    for (int kk = 0; kk < kKeyTile / 16; ++kk) {
-      vl.template before<kKeyTile / 16>(kk, next, v, jn, s, ldkv);
-      std::uint32_t a[4];
-      a_from_c(a, sc, kk);
-      mma_av<D>(o, a, vc, kk, lane);
-      vl.template after<kKeyTile / 16>(kk, next, vn);
-    }
-    __syncthreads();  // the next tiles are in; nobody reads this tile's buffers any more
+    product_cv<kKeyTile / 8, D>(o, sc, vs + b * kTile, lane);
+    __syncthreads();
   }
+  cp_async_wait<0>();  // (a block that visited no tile still has its Q in flight)
   for (int h = 0; h < 2; ++h) {
     const float lr = quad_sum(l[h]);
     const I row = row0 + tc::c_row(lane, 2 * h);
     if (row >= s) continue;
     const float f = tc::out_factor(lr);
     for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<float2*>(out + row * ldq + 8 * n + tc::c_col(lane, 0)) =
-          make_float2(o[n][2 * h] * f, o[n][2 * h + 1] * f);
+      store_pair(out + row * ldq + 8 * n + tc::c_col(lane, 0), o[n][2 * h] * f, o[n][2 * h + 1] * f,
+                 false);
     if (tc::thread_in_group(lane) == 0) lse[bh * s + row] = tc::row_lse(m[h], lr);
   }
 }
 
-// dQ: one block per (64 query rows, query head), as the forward. Per key tile: S = Q·Kᵀ (next K
-// in flight), dP = dO·Vᵀ (next V in flight), dS = P ∘ (dP − Δ) on the fragments, dQ += dS·K.
-template <int D>
+// dQ: one block per (64 query rows, query head), as the forward. Per key tile: S = Q·Kᵀ,
+// dP = dO·Vᵀ, dS = P ∘ (dP − Δ) on the fragments, dQ += dS·K.
+template <int D, class TOut>
 __global__ void __launch_bounds__(tc::kThreads, 2)
-    flash_dq_mma(const float* dout, const float* q, const float* k, const float* v,
-                 const float* lse, const float* delta, float* dq, I s, I ldq, I ldkv, I group,
-                 float scale, float scale_log2, I shift, bool accumulate) {
+    flash_dq_mma(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse,
+                 const float* delta, TOut* dq, I s, I ldq, I ldkv, I group, float scale,
+                 float scale_log2, I shift, bool accumulate) {
   extern __shared__ __align__(128) unsigned char mma_smem[];
   constexpr int kTile = kKeyTile * tc::ld_tile(D);
   bf16* qs = reinterpret_cast<bf16*>(mma_smem);
@@ -644,66 +690,56 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   dout += bh * D, q += bh * D, k += kvh * D, v += kvh * D, dq += bh * D;
   const I tiles = tc::key_tiles(q0, s, shift);
   const I row0 = q0 + warp * kWarpRows;
-  TileLoad<kBlockRows, D> ql;
-  ql.now(q, q0, s, ldq, qs);
-  ql.now(dout, q0, s, ldq, dos);
-  TileLoad<kKeyTile, D> kl, vl;
+  load_tile<kBlockRows, D>(qs, q, q0, s, ldq);
+  load_tile<kBlockRows, D>(dos, dout, q0, s, ldq);
   if (tiles > 0) {
-    kl.now(k, 0, s, ldkv, ks);
-    vl.now(v, 0, s, ldkv, vs);
+    load_tile<kKeyTile, D>(ks, k, 0, s, ldkv);
+    load_tile<kKeyTile, D>(vs, v, 0, s, ldkv);
   }
+  cp_async_commit();
   float lse2[2], dl[2];
   for (int h = 0; h < 2; ++h) {
     const I row = row0 + tc::c_row(lane, 2 * h);
     lse2[h] = row < s ? lse[bh * s + row] * tc::kLog2e : 0.0f;
     dl[h] = row < s ? delta[bh * s + row] : 0.0f;
   }
-  __syncthreads();
   const bf16* qw = qs + warp * kWarpRows * tc::ld_tile(D);
   const bf16* dow = dos + warp * kWarpRows * tc::ld_tile(D);
   float acc[D / 8][4];
   zero(acc);
   for (I t = 0; t < tiles; ++t) {
-    const int b = int(t & 1);
-    const bool next = t + 1 < tiles;
-    const I j0 = t * kKeyTile, jn = j0 + kKeyTile;
-    bf16 *kc = ks + b * kTile, *kn = ks + (b ^ 1) * kTile;
-    bf16 *vc = vs + b * kTile, *vn = vs + (b ^ 1) * kTile;
+    const int b = tc::buffer_of(t), bn = tc::buffer_of(t + 1);
+    const I j0 = t * kKeyTile;
+    if (t + 1 < tiles) {
+      load_tile<kKeyTile, D>(ks + bn * kTile, k, j0 + kKeyTile, s, ldkv);
+      load_tile<kKeyTile, D>(vs + bn * kTile, v, j0 + kKeyTile, s, ldkv);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const bf16* kc = ks + b * kTile;
     float sc[kKeyTile / 8][4], dp[kKeyTile / 8][4];
-    zero(sc);
-    zero(dp);
-    for (int kk = 0; kk < D / 16; ++kk) {
-      kl.template before<D / 16>(kk, next, k, jn, s, ldkv);
-      mma_abt<kKeyTile / 16, D>(sc, qw, kc, kk, lane);
-      kl.template after<D / 16>(kk, next, kn);
-    }
-    for (int kk = 0; kk < D / 16; ++kk) {
-      vl.template before<D / 16>(kk, next, v, jn, s, ldkv);
-      mma_abt<kKeyTile / 16, D>(dp, dow, vc, kk, lane);
-      vl.template after<D / 16>(kk, next, vn);
-    }
+    product_abt<kKeyTile / 16, D>(sc, qw, kc, lane);
+    product_abt<kKeyTile / 16, D>(dp, dow, vs + b * kTile, lane);
     const bool masked = !tc::all_visible(row0, kWarpRows, j0, kKeyTile, s, shift);
     tc::ds_rows(sc, dp, lane, row0, j0, s, shift, scale_log2, lse2, dl, masked);
-    for (int kk = 0; kk < kKeyTile / 16; ++kk) {
-      std::uint32_t a[4];
-      a_from_c(a, sc, kk);
-      mma_av<D>(acc, a, kc, kk, lane);
-    }
+    product_cv<kKeyTile / 8, D>(acc, sc, kc, lane);
     __syncthreads();
   }
+  cp_async_wait<0>();
   store_acc(acc, scale, dq, row0, s, ldq, accumulate, lane);
 }
 
 // dK/dV: one block per (64 keys, KV head), 4 warps of 16 keys, looping over the query heads of
-// the group and, for each, over query tiles of 32 (double-buffered, with their lse and Δ). Per
-// tile, on the transposed blocks: Sᵀ = K·Qᵀ (next Q in flight), dPᵀ = V·dOᵀ (next dO in flight),
-// Pᵀ and dSᵀ on the fragments, dV += Pᵀ·dO and dK += dSᵀ·Q, summed over the group in registers
-// and written once: no atomics, deterministic.
-template <int D>
+// the group and, for each, over query tiles of 32 (two buffers, with their lse and Δ). Per
+// tile, on the transposed blocks: Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ on the fragments,
+// dV += Pᵀ·dO and dK += dSᵀ·Q, summed over the group in registers and written once: no
+// atomics, deterministic.
+template <int D, class TOut>
 __global__ void __launch_bounds__(tc::kThreads, 2)
-    flash_dkdv_mma(const float* dout, const float* q, const float* k, const float* v,
-                   const float* lse, const float* delta, float* dk, float* dv, I s, I ldq, I ldkv,
-                   I group, float scale, float scale_log2, I shift, bool accumulate) {
+    flash_dkdv_mma(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse,
+                   const float* delta, TOut* dk, TOut* dv, I s, I ldq, I ldkv, I group, float scale,
+                   float scale_log2, I shift, bool accumulate) {
   extern __shared__ __align__(128) unsigned char mma_smem[];
   constexpr int kTile = kQueryTile * tc::ld_tile(D);
   bf16* ks = reinterpret_cast<bf16*>(mma_smem);
@@ -719,82 +755,67 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   const I per_head = tc::query_tiles_end(s) > first ? tc::query_tiles_end(s) - first : 0;
   const I total = group * per_head;      // (head, query tile) pairs, in that order
   const I row0 = k0 + warp * kWarpRows;  // the warp's first key
-  // The pointers and first query of step it: query head kvh·group + it / per_head.
-  auto at = [&](I it, const float*& qh, const float*& doh, I& i0, I& bh) {
-    bh = kvh * group + it / per_head;
-    qh = q + bh * D;
-    doh = dout + bh * D;
-    i0 = (first + it % per_head) * kQueryTile;
+  // Step it: query head kvh·group + it / per_head, its first query row.
+  auto head_of = [&](I it) { return kvh * group + it / per_head; };
+  auto first_row = [&](I it) { return (first + it % per_head) * kQueryTile; };
+  // Step it's query and dO tiles into buffer b (issued, not waited for).
+  auto load_step = [&](I it, int b) {
+    const I bh = head_of(it), i0 = first_row(it);
+    load_tile<kQueryTile, D>(qs + b * kTile, q + bh * D, i0, s, ldq);
+    load_tile<kQueryTile, D>(dos + b * kTile, dout + bh * D, i0, s, ldq);
   };
-  // lse (× log2 e) and Δ of a query tile: threads 0-31 fetch lse, 32-63 Δ, one float each.
-  auto stats = [&](I bh, I i0, float& x) {
+  // lse (× log2 e) and Δ of step it's query tile: threads 0-31 fetch lse, 32-63 Δ, one float
+  // each, into a register (scaled: cp.async cannot), stored after the step's products.
+  auto stats = [&](I it) {
+    const I bh = head_of(it), i0 = first_row(it);
     const int t = int(threadIdx.x) % kQueryTile;
     const float* src = threadIdx.x < kQueryTile ? lse : delta;
     const float scale_of = threadIdx.x < kQueryTile ? tc::kLog2e : 1.0f;
-    x = i0 + t < s ? src[bh * s + i0 + t] * scale_of : 0.0f;
+    return i0 + t < s ? src[bh * s + i0 + t] * scale_of : 0.0f;
   };
   auto put_stats = [&](int b, float x) {
     const int t = int(threadIdx.x) % kQueryTile;
     (threadIdx.x < kQueryTile ? lse_s : dl_s)[b * kQueryTile + t] = x;
   };
-  TileLoad<kBlockRows, D> kvl;
-  kvl.now(k, k0, s, ldkv, ks);
-  kvl.now(v, k0, s, ldkv, vs);
-  TileLoad<kQueryTile, D> ql, dol;
-  float st = 0.0f;
+  const bool stat_thread = threadIdx.x < 2 * kQueryTile;
+  load_tile<kBlockRows, D>(ks, k, k0, s, ldkv);
+  load_tile<kBlockRows, D>(vs, v, k0, s, ldkv);
   if (total > 0) {
-    const float *qh, *doh;
-    I i0, bh;
-    at(0, qh, doh, i0, bh);
-    ql.now(qh, i0, s, ldq, qs);
-    dol.now(doh, i0, s, ldq, dos);
-    if (threadIdx.x < 2 * kQueryTile) {
-      stats(bh, i0, st);
-      put_stats(0, st);
-    }
+    load_step(0, 0);
+    if (stat_thread) put_stats(0, stats(0));
   }
-  __syncthreads();
+  cp_async_commit();
   const bf16* kw = ks + warp * kWarpRows * tc::ld_tile(D);
   const bf16* vw = vs + warp * kWarpRows * tc::ld_tile(D);
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
   for (I it = 0; it < total; ++it) {
-    const int b = int(it & 1);
+    const int b = tc::buffer_of(it), bn = tc::buffer_of(it + 1);
     const bool next = it + 1 < total;
-    const float *qn_src = nullptr, *don_src = nullptr;
-    I in0 = 0, bhn = 0;
-    if (next) at(it + 1, qn_src, don_src, in0, bhn);
-    const I i0 = (first + it % per_head) * kQueryTile;
-    bf16 *qc = qs + b * kTile, *qn = qs + (b ^ 1) * kTile;
-    bf16 *dc = dos + b * kTile, *dn = dos + (b ^ 1) * kTile;
-    if (next && threadIdx.x < 2 * kQueryTile) stats(bhn, in0, st);
+    float st = 0.0f;
+    if (next) {
+      load_step(it + 1, bn);
+      if (stat_thread) st = stats(it + 1);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const bf16* qc = qs + b * kTile;
+    const bf16* dc = dos + b * kTile;
+    const I i0 = first_row(it);
     float pt[kQueryTile / 8][4], dpt[kQueryTile / 8][4];
-    zero(pt);
-    zero(dpt);
-    for (int kk = 0; kk < D / 16; ++kk) {
-      ql.template before<D / 16>(kk, next, qn_src, in0, s, ldq);
-      mma_abt<kQueryTile / 16, D>(pt, kw, qc, kk, lane);
-      ql.template after<D / 16>(kk, next, qn);
-    }
-    for (int kk = 0; kk < D / 16; ++kk) {
-      dol.template before<D / 16>(kk, next, don_src, in0, s, ldq);
-      mma_abt<kQueryTile / 16, D>(dpt, vw, dc, kk, lane);
-      dol.template after<D / 16>(kk, next, dn);
-    }
+    product_abt<kQueryTile / 16, D>(pt, kw, qc, lane);
+    product_abt<kQueryTile / 16, D>(dpt, vw, dc, lane);
     const bool masked = !tc::all_visible(i0, kQueryTile, row0, kWarpRows, s, shift);
     tc::ds_cols(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
                 dl_s + b * kQueryTile, masked);
-    for (int kk = 0; kk < kQueryTile / 16; ++kk) {
-      std::uint32_t a[4];
-      a_from_c(a, pt, kk);
-      mma_av<D>(dva, a, dc, kk, lane);
-      a_from_c(a, dpt, kk);
-      mma_av<D>(dka, a, qc, kk, lane);
-    }
-    if (next && threadIdx.x < 2 * kQueryTile) put_stats(b ^ 1, st);
+    product_cv<kQueryTile / 8, D>(dva, pt, dc, lane);
+    product_cv<kQueryTile / 8, D>(dka, dpt, qc, lane);
+    if (next && stat_thread) put_stats(bn, st);  // buffer bn's last readers passed the last barrier
     __syncthreads();
   }
+  cp_async_wait<0>();
   store_acc(dka, scale, dk, row0, s, ldkv, accumulate, lane);
   store_acc(dva, 1.0f, dv, row0, s, ldkv, accumulate, lane);
 }
@@ -843,15 +864,12 @@ cudaError_t smem_optin(int& bytes) {
   return cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
 }
 
-/// True when the mma.sync kernels run: bf16 compute at d = 32, 64 or 128, 16-byte aligned rows
-/// (their float4 loads), and the device lets a block have their shared memory.
-cudaError_t use_tensor_cores(I d, bool bf16_compute, std::initializer_list<const float*> ptrs,
-                             I ldq, I ldkv, bool& use) {
+/// True when the mma.sync kernels can run: d = 32, 64 or 128, rows of bf16 that are whole
+/// 16-byte chunks (the strides multiples of 8 elements: cp.async copies 16 bytes), and the
+/// device lets a block have their shared memory.
+cudaError_t tensor_cores_fit(I d, I ldq, I ldkv, bool& use) {
   use = false;
-  if (!bf16_compute || (d != 32 && d != 64 && d != 128) || ldq % 4 != 0 || ldkv % 4 != 0)
-    return cudaSuccess;
-  for (const float* p : ptrs)
-    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return cudaSuccess;
+  if ((d != 32 && d != 64 && d != 128) || ldq % 8 != 0 || ldkv % 8 != 0) return cudaSuccess;
   int optin = 0;
   if (const cudaError_t e = smem_optin(optin); e != cudaSuccess) return e;
   const int dd = static_cast<int>(d);
@@ -859,45 +877,45 @@ cudaError_t use_tensor_cores(I d, bool bf16_compute, std::initializer_list<const
   return cudaSuccess;
 }
 
+/// Every pointer 16-byte aligned (cp.async's sources; the outputs' 8-byte stores).
+bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
 unsigned blocks_of(I rows, int per_block) {
   return static_cast<unsigned>((rows + per_block - 1) / per_block);
 }
 
 /// The arguments every launcher refuses before it launches anything: a group that does not
-/// divide the heads, a chunk pair with bf16 compute (the pairs are fp32).
+/// divide the heads, a chunk pair whose outputs would be rounded to bf16 (the pairs' partial
+/// outputs and gradients stay fp32 until the merge: with bf16_compute on fp32 tensors, or
+/// bf16 inputs with fp32 outputs).
 bool valid(I heads_total, I group, bool bf16_compute, FlashPair pair) {
   const bool causal = pair.shift == 0 && !pair.accumulate;
   return group >= 1 && heads_total % group == 0 && (causal || !bf16_compute);
 }
 
-}  // namespace
+const bf16* as_bf16(const std::uint16_t* p) {
+  return reinterpret_cast<const bf16*>(p);
+}
 
-int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
-                            I s, I heads_total, I group, I d, I ldq, I ldkv, bool bf16_compute,
-                            FlashPair pair, void* stream) {
-  if (!valid(heads_total, group, bf16_compute, pair)) return cudaErrorInvalidValue;
-  if (s == 0 || heads_total == 0) return cudaSuccess;
+/// The fp32 kernels, or the CUDA-core ones with bf16 compute, on tensors of element type T
+/// (every input and output T: float, or bf16 for the CUDA-core fallback of bf16 tensors).
+template <class T>
+cudaError_t forward_simple(const T* q, const T* k, const T* v, T* out, float* lse, I s,
+                           I heads_total, I group, I d, I ldq, I ldkv, bool bf16_compute,
+                           FlashPair pair, cudaStream_t st) {
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
-  const cudaStream_t st = dev::as_stream(stream);
-  bool mma = false;
-  cudaError_t err = use_tensor_cores(d, bf16_compute, {q, k, v, out}, ldq, ldkv, mma);
-  if (err != cudaSuccess) return err;
-  if (mma) {
-    with_head_dim(d, [&](auto dim) {
-      constexpr int D = decltype(dim)::value;
-      err = allow_smem(flash_forward_mma<D>, tc::forward_smem(D));
-      if (err != cudaSuccess) return;
-      const dim3 grid(blocks_of(s, tc::kBlockRows), static_cast<unsigned>(heads_total));
-      flash_forward_mma<D><<<grid, tc::kThreads, tc::forward_smem(D), st>>>(
-          q, k, v, out, lse, s, ldq, ldkv, group, scale * tc::kLog2e, pair.shift);
-    });
-    return err;
-  }
   const int smem = static_cast<int>(2 * kTile * d * sizeof(float));
   const dim3 grid(blocks_of(s, kRowsPerBlock), static_cast<unsigned>(heads_total));
+  cudaError_t err = cudaSuccess;
   with_per_lane(d, [&](auto per_lane) {
     constexpr int P = decltype(per_lane)::value;
-    auto* kernel = bf16_compute ? flash_forward_simple<P, true> : flash_forward_simple<P, false>;
+    auto* kernel = flash_forward_simple<P, true, T>;
+    if constexpr (std::is_same_v<T, float>)
+      if (!bf16_compute) kernel = flash_forward_simple<P, false, T>;
     err = allow_smem(kernel, smem);
     if (err != cudaSuccess) return;
     kernel<<<grid, kThreads, smem, st>>>(q, k, v, out, lse, s, d, ldq, ldkv, group, scale,
@@ -906,51 +924,30 @@ int flash_attention_forward(const float* q, const float* k, const float* v, floa
   return err;
 }
 
-int flash_attention_backward(const float* dout, const float* q, const float* k, const float* v,
-                             const float* out, const float* lse, float* delta, float* dq, float* dk,
-                             float* dv, I s, I heads_total, I group, I d, I ldq, I ldkv,
-                             bool bf16_compute, FlashPair pair, void* stream) {
-  if (!valid(heads_total, group, bf16_compute, pair)) return cudaErrorInvalidValue;
-  if (s == 0 || heads_total == 0) return cudaSuccess;
+template <class T>
+cudaError_t backward_simple(const T* dout, const T* q, const T* k, const T* v, const float* lse,
+                            const float* delta, T* dq, T* dk, T* dv, I s, I heads_total, I group,
+                            I d, I ldq, I ldkv, bool bf16_compute, FlashPair pair,
+                            cudaStream_t st) {
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
-  const cudaStream_t st = dev::as_stream(stream);
   const auto kv_total = static_cast<unsigned>(heads_total / group);  // B·kv_heads
-  auto* delta_kernel = bf16_compute ? flash_delta_kernel<true> : flash_delta_kernel<false>;
-  delta_kernel<<<dev::blocks_for(heads_total * s * kWarp, 256), 256, 0, st>>>(dout, out, delta, s,
-                                                                              heads_total, d, ldq);
-  bool mma = false;
-  cudaError_t err = use_tensor_cores(d, bf16_compute, {dout, q, k, v, dq, dk, dv}, ldq, ldkv, mma);
-  if (err != cudaSuccess) return err;
-  if (mma) {
-    with_head_dim(d, [&](auto dim) {
-      constexpr int D = decltype(dim)::value;
-      const unsigned blocks = blocks_of(s, tc::kBlockRows);
-      err = allow_smem(flash_dq_mma<D>, tc::dq_smem(D));
-      if (err != cudaSuccess) return;
-      flash_dq_mma<D>
-          <<<dim3(blocks, static_cast<unsigned>(heads_total)), tc::kThreads, tc::dq_smem(D), st>>>(
-              dout, q, k, v, lse, delta, dq, s, ldq, ldkv, group, scale, scale * tc::kLog2e,
-              pair.shift, pair.accumulate);
-      err = allow_smem(flash_dkdv_mma<D>, tc::dkdv_smem(D));
-      if (err != cudaSuccess) return;
-      flash_dkdv_mma<D><<<dim3(blocks, kv_total), tc::kThreads, tc::dkdv_smem(D), st>>>(
-          dout, q, k, v, lse, delta, dk, dv, s, ldq, ldkv, group, scale, scale * tc::kLog2e,
-          pair.shift, pair.accumulate);
-    });
-    return err;
-  }
   const unsigned blocks = blocks_of(s, kRowsPerBlock);
   const int smem_dq = static_cast<int>(2 * kTile * d * sizeof(float));
   const int smem_dkdv = static_cast<int>((2 * kTile * d + 2 * kTile) * sizeof(float));
+  cudaError_t err = cudaSuccess;
   with_per_lane(d, [&](auto per_lane) {
     constexpr int P = decltype(per_lane)::value;
     // bf16 compute, fp32, or fp32 adding a chunk pair's share (valid() refused bf16 pairs).
-    auto* dq_kernel = bf16_compute      ? flash_dq_simple<P, true, false>
-                      : pair.accumulate ? flash_dq_simple<P, false, true>
-                                        : flash_dq_simple<P, false, false>;
-    auto* dkdv_kernel = bf16_compute      ? flash_dkdv_simple<P, true, false>
-                        : pair.accumulate ? flash_dkdv_simple<P, false, true>
-                                          : flash_dkdv_simple<P, false, false>;
+    auto* dq_kernel = flash_dq_simple<P, true, false, T>;
+    auto* dkdv_kernel = flash_dkdv_simple<P, true, false, T>;
+    if constexpr (std::is_same_v<T, float>) {
+      if (!bf16_compute) {
+        dq_kernel = pair.accumulate ? flash_dq_simple<P, false, true, T>
+                                    : flash_dq_simple<P, false, false, T>;
+        dkdv_kernel = pair.accumulate ? flash_dkdv_simple<P, false, true, T>
+                                      : flash_dkdv_simple<P, false, false, T>;
+      }
+    }
     err = allow_smem(dq_kernel, smem_dq);
     if (err != cudaSuccess) return;
     dq_kernel<<<dim3(blocks, static_cast<unsigned>(heads_total)), kThreads, smem_dq, st>>>(
@@ -961,6 +958,141 @@ int flash_attention_backward(const float* dout, const float* q, const float* k, 
         dout, q, k, v, lse, delta, dk, dv, s, d, ldq, ldkv, group, scale, pair.shift);
   });
   return err;
+}
+
+/// Δ = rowsum(dO ∘ O) (dO as the products read it), dO and O each in its stored type.
+template <bool kBf16, class TD, class TO>
+void launch_delta(const TD* dout, const TO* out, float* delta, I s, I heads_total, I d, I ld,
+                  cudaStream_t st) {
+  flash_delta_kernel<kBf16, TD, TO><<<dev::blocks_for(heads_total * s * kWarp, 256), 256, 0, st>>>(
+      dout, out, delta, s, heads_total, d, ld);
+}
+
+/// The tensor-core kernels, bf16 inputs, outputs of type TOut.
+template <class TOut>
+cudaError_t forward_mma(const bf16* q, const bf16* k, const bf16* v, TOut* out, float* lse, I s,
+                        I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
+                        cudaStream_t st) {
+  const float scale = 1.0f / sqrtf(static_cast<float>(d));
+  cudaError_t err = cudaSuccess;
+  with_head_dim(d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    err = allow_smem(flash_forward_mma<D, TOut>, tc::forward_smem(D));
+    if (err != cudaSuccess) return;
+    const dim3 grid(blocks_of(s, tc::kBlockRows), static_cast<unsigned>(heads_total));
+    flash_forward_mma<D, TOut><<<grid, tc::kThreads, tc::forward_smem(D), st>>>(
+        q, k, v, out, lse, s, ldq, ldkv, group, scale * tc::kLog2e, pair.shift);
+  });
+  return err;
+}
+
+template <class TOut>
+cudaError_t backward_mma(const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                         const float* lse, const float* delta, TOut* dq, TOut* dk, TOut* dv, I s,
+                         I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
+                         cudaStream_t st) {
+  const float scale = 1.0f / sqrtf(static_cast<float>(d));
+  const auto kv_total = static_cast<unsigned>(heads_total / group);
+  cudaError_t err = cudaSuccess;
+  with_head_dim(d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    const unsigned blocks = blocks_of(s, tc::kBlockRows);
+    err = allow_smem(flash_dq_mma<D, TOut>, tc::dq_smem(D));
+    if (err != cudaSuccess) return;
+    flash_dq_mma<D, TOut>
+        <<<dim3(blocks, static_cast<unsigned>(heads_total)), tc::kThreads, tc::dq_smem(D), st>>>(
+            dout, q, k, v, lse, delta, dq, s, ldq, ldkv, group, scale, scale * tc::kLog2e,
+            pair.shift, pair.accumulate);
+    err = allow_smem(flash_dkdv_mma<D, TOut>, tc::dkdv_smem(D));
+    if (err != cudaSuccess) return;
+    flash_dkdv_mma<D, TOut><<<dim3(blocks, kv_total), tc::kThreads, tc::dkdv_smem(D), st>>>(
+        dout, q, k, v, lse, delta, dk, dv, s, ldq, ldkv, group, scale, scale * tc::kLog2e,
+        pair.shift, pair.accumulate);
+  });
+  return err;
+}
+
+}  // namespace
+
+int flash_tensor_cores(I d, I ldq, I ldkv, bool& use) {
+  return tensor_cores_fit(d, ldq, ldkv, use);
+}
+
+int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
+                            I s, I heads_total, I group, I d, I ldq, I ldkv, bool bf16_compute,
+                            FlashPair pair, void* stream) {
+  if (!valid(heads_total, group, bf16_compute, pair)) return cudaErrorInvalidValue;
+  if (s == 0 || heads_total == 0) return cudaSuccess;
+  return forward_simple(q, k, v, out, lse, s, heads_total, group, d, ldq, ldkv, bf16_compute, pair,
+                        dev::as_stream(stream));
+}
+
+int flash_attention_backward(const float* dout, const float* q, const float* k, const float* v,
+                             const float* out, const float* lse, float* delta, float* dq, float* dk,
+                             float* dv, I s, I heads_total, I group, I d, I ldq, I ldkv,
+                             bool bf16_compute, FlashPair pair, void* stream) {
+  if (!valid(heads_total, group, bf16_compute, pair)) return cudaErrorInvalidValue;
+  if (s == 0 || heads_total == 0) return cudaSuccess;
+  const cudaStream_t st = dev::as_stream(stream);
+  if (bf16_compute)
+    launch_delta<true>(dout, out, delta, s, heads_total, d, ldq, st);
+  else
+    launch_delta<false>(dout, out, delta, s, heads_total, d, ldq, st);
+  return backward_simple(dout, q, k, v, lse, delta, dq, dk, dv, s, heads_total, group, d, ldq, ldkv,
+                         bf16_compute, pair, st);
+}
+
+int flash_attention_forward_bf16(const std::uint16_t* q, const std::uint16_t* k,
+                                 const std::uint16_t* v, Dst out, float* lse, I s, I heads_total,
+                                 I group, I d, I ldq, I ldkv, FlashPair pair, void* stream) {
+  if (!valid(heads_total, group, out.bf16, pair)) return cudaErrorInvalidValue;
+  bool mma = false;
+  if (const cudaError_t e = tensor_cores_fit(d, ldq, ldkv, mma); e != cudaSuccess) return e;
+  mma = mma && aligned16({q, k, v, out.p});
+  if (!mma && !out.bf16) return cudaErrorInvalidValue;  // fp32 outputs need the tensor cores
+  if (s == 0 || heads_total == 0) return cudaSuccess;
+  const cudaStream_t st = dev::as_stream(stream);
+  if (!mma)
+    return forward_simple(as_bf16(q), as_bf16(k), as_bf16(v), static_cast<bf16*>(out.p), lse, s,
+                          heads_total, group, d, ldq, ldkv, true, pair, st);
+  if (out.bf16)
+    return forward_mma(as_bf16(q), as_bf16(k), as_bf16(v), static_cast<bf16*>(out.p), lse, s,
+                       heads_total, group, d, ldq, ldkv, pair, st);
+  return forward_mma(as_bf16(q), as_bf16(k), as_bf16(v), static_cast<float*>(out.p), lse, s,
+                     heads_total, group, d, ldq, ldkv, pair, st);
+}
+
+int flash_attention_backward_bf16(const std::uint16_t* dout, const std::uint16_t* q,
+                                  const std::uint16_t* k, const std::uint16_t* v, Src out,
+                                  const float* lse, float* delta, Dst dq, Dst dk, Dst dv, I s,
+                                  I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
+                                  void* stream) {
+  if (dq.bf16 != dk.bf16 || dq.bf16 != dv.bf16) return cudaErrorInvalidValue;
+  if (!valid(heads_total, group, dq.bf16, pair)) return cudaErrorInvalidValue;
+  bool mma = false;
+  if (const cudaError_t e = tensor_cores_fit(d, ldq, ldkv, mma); e != cudaSuccess) return e;
+  mma = mma && aligned16({dout, q, k, v, dq.p, dk.p, dv.p});
+  if (!mma && !dq.bf16) return cudaErrorInvalidValue;  // fp32 outputs need the tensor cores
+  if (s == 0 || heads_total == 0) return cudaSuccess;
+  const cudaStream_t st = dev::as_stream(stream);
+  if (out.bf16)
+    launch_delta<true>(as_bf16(dout), static_cast<const bf16*>(out.p), delta, s, heads_total, d,
+                       ldq, st);
+  else
+    launch_delta<true>(as_bf16(dout), static_cast<const float*>(out.p), delta, s, heads_total, d,
+                       ldq, st);
+  if (!mma)
+    return backward_simple(as_bf16(dout), as_bf16(q), as_bf16(k), as_bf16(v), lse, delta,
+                           static_cast<bf16*>(dq.p), static_cast<bf16*>(dk.p),
+                           static_cast<bf16*>(dv.p), s, heads_total, group, d, ldq, ldkv, true,
+                           pair, st);
+  if (dq.bf16)
+    return backward_mma(as_bf16(dout), as_bf16(q), as_bf16(k), as_bf16(v), lse, delta,
+                        static_cast<bf16*>(dq.p), static_cast<bf16*>(dk.p),
+                        static_cast<bf16*>(dv.p), s, heads_total, group, d, ldq, ldkv, pair, st);
+  return backward_mma(as_bf16(dout), as_bf16(q), as_bf16(k), as_bf16(v), lse, delta,
+                      static_cast<float*>(dq.p), static_cast<float*>(dk.p),
+                      static_cast<float*>(dv.p), s, heads_total, group, d, ldq, ldkv, pair, st);
 }
 
 void attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, I s,

@@ -67,6 +67,26 @@ constexpr int dkdv_smem(int d) {
   return 2 * tile_bytes(kBlockRows, d) + 4 * tile_bytes(kQueryTile, d) + 2 * 2 * kQueryTile * 4;
 }
 
+// ---- Tiles copied by cp.async ---------------------------------------------------------------
+
+/// 16-byte chunks (8 bf16) in a row of D: the unit of a tile's cp.async copies.
+TPX_HD constexpr int row_chunks(int d) {
+  return d / 8;
+}
+/// Chunk e of a [rows][D] tile (thread x copies chunks x, x + kThreads, ...): its row, and its
+/// first column in bf16.
+TPX_HD constexpr int chunk_row(int e, int d) {
+  return e / row_chunks(d);
+}
+TPX_HD constexpr int chunk_col(int e, int d) {
+  return 8 * (e % row_chunks(d));
+}
+/// The shared buffer (0 or 1) that tile t of a loop is copied into: tile t + 1 goes into the
+/// other one while tile t is multiplied.
+TPX_HD constexpr int buffer_of(I t) {
+  return static_cast<int>(t & 1);
+}
+
 // ---- Fragments (PTX ISA 9.7.14.5.8) ------------------------------------------------------------
 
 TPX_HD constexpr int group_id(int lane) {

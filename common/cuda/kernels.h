@@ -80,23 +80,33 @@ void causal_softmax_backward(const float* p, float* dp, std::uint16_t* ds_bf16, 
 // Fused causal attention on the [S, B, heads·D] layout, with grouped-query attention: query head
 // bh (of heads_total = B·heads) of row i starts at i·ldq + bh·d in q, out, dout, dq; it reads KV
 // head bh / group (group = heads / kv_heads, which divides heads), whose row i starts at
-// i·ldkv + (bh / group)·d in k, v, dk, dv. bf16_compute: tensor cores for d = 32, 64, 128 (where
-// the device's shared memory allows), else CUDA cores with operands rounded to bf16; otherwise
-// fp32 on CUDA cores. Both return a cudaError_t value (0: success) for what fails before a
-// launch (cudaErrorInvalidValue for a group that does not divide heads_total).
+// i·ldkv + (bh / group)·d in k, v, dk, dv. Two entry points:
+//  - fp32 tensors (flash_attention_forward, _backward): CUDA cores, fp32, or with bf16_compute
+//    every operand rounded to bf16 as it is loaded;
+//  - bf16 tensors (_bf16): q, k, v, dout read as stored; the tensor-core kernels (mma.sync, tiles
+//    copied to shared memory by cp.async) where flash_tensor_cores() says they fit and the
+//    pointers are 16-byte aligned, else the CUDA-core kernels with bf16 compute. Outputs (Dst)
+//    bf16, rounded once as they are stored, or fp32 (the tensor-core kernels only: the fp32
+//    tensors under bf16 compute, rounded into bf16 copies first, and chunk pairs); lse and Δ fp32.
+// All return a cudaError_t value (0: success) for what fails before a launch
+// (cudaErrorInvalidValue for a group that does not divide heads_total, a refused pair, or fp32
+// outputs from bf16 inputs where the tensor cores do not run).
 /// The largest head dim the fused kernels take.
 inline constexpr I kFlashMaxHeadDim = 256;
 /// Which keys each query sees, and whether backward overwrites its gradients or adds to them.
 /// kCausal: the causal attention, key j visible to query i when j <= i. Context parallelism's
 /// pair of sequence chunks: the keys' positions lie `shift` rows before the queries' (key j
 /// visible when j <= i + shift; a query that sees no key gets output 0 and lse −inf), and
-/// backward adds the pair's share into dq, dk, dv (`accumulate`). Pairs take fp32 compute only
-/// (cudaErrorInvalidValue with bf16_compute).
+/// backward adds the pair's share into dq, dk, dv (`accumulate`). Pairs keep their outputs in
+/// fp32: cudaErrorInvalidValue with bf16_compute on fp32 tensors or with bf16 outputs.
 struct FlashPair {
   I shift = 0;
   bool accumulate = false;
 };
 inline constexpr FlashPair kCausal{};
+/// Whether the tensor-core kernels run for head dim d and row strides ldq, ldkv (elements) on
+/// the current device: d = 32, 64 or 128, strides multiples of 8, their shared memory allowed.
+int flash_tensor_cores(I d, I ldq, I ldkv, bool& use);
 /// out, lse [heads_total, S].
 int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
                             I s, I heads_total, I group, I d, I ldq, I ldkv, bool bf16_compute,
@@ -107,6 +117,16 @@ int flash_attention_backward(const float* dout, const float* q, const float* k, 
                              const float* out, const float* lse, float* delta, float* dq, float* dk,
                              float* dv, I s, I heads_total, I group, I d, I ldq, I ldkv,
                              bool bf16_compute, FlashPair pair, void* stream);
+/// The same on bf16 q, k, v (bit patterns), bf16 compute; out bf16 or fp32.
+int flash_attention_forward_bf16(const std::uint16_t* q, const std::uint16_t* k,
+                                 const std::uint16_t* v, Dst out, float* lse, I s, I heads_total,
+                                 I group, I d, I ldq, I ldkv, FlashPair pair, void* stream);
+/// The same on bf16 dout, q, k, v; out (read for Δ) bf16 or fp32; dq, dk, dv of one dtype.
+int flash_attention_backward_bf16(const std::uint16_t* dout, const std::uint16_t* q,
+                                  const std::uint16_t* k, const std::uint16_t* v, Src out,
+                                  const float* lse, float* delta, Dst dq, Dst dk, Dst dv, I s,
+                                  I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
+                                  void* stream);
 /// (out, lse) ← their log-sum-exp merge with (part_out, part_lse), two attentions of the same
 /// queries over disjoint keys, in the layout above (out, part_out row stride ld; lse, part_lse
 /// [heads_total, S]); rows with part_lse = −inf are left as they are.

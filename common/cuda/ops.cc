@@ -262,14 +262,20 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 
 namespace {
 
-/// The fused ops' checks: q, out [S, B, heads·D] and k, v [S, B, kv_heads·D] f32 on cuda, lse
-/// [B, heads, S], a head dim the kernels take and a head count a grid dimension can hold.
+/// The fused ops' checks: q, out [S, B, heads·D] and k, v [S, B, kv_heads·D] on cuda, f32 or
+/// bf16 (q, k, v of one dtype; bf16 takes bf16 compute), lse [B, heads, S] f32, a head dim the
+/// kernels take and a head count a grid dimension can hold.
 AttnDims fused_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
-                    const Tensor& lse) {
-  const AttnDims z = qkv_dims(q, k, v, heads, "fused attention");
+                    const Tensor& lse, DType compute) {
+  const AttnDims z = ::tpx::ops::attention_dims(q, k, v, heads, "fused attention");
+  for (const Tensor* t : {&q, &k, &v, &out}) expect_f32_or_bf16(*t, "fused attention tensor");
+  TPX_CHECK(k.dtype() == q.dtype() && v.dtype() == q.dtype() &&
+                (q.dtype() == DType::f32 || compute == DType::bf16),
+            "fused attention: q, k, v of one dtype, bf16 ones with bf16 compute: {} {} {} ({})",
+            q.describe(), k.describe(), v.describe(), to_string(compute));
   TPX_CHECK(out.shape() == q.shape(), "fused attention: out {} must be shaped like q {}",
             out.describe(), q.describe());
-  for (const Tensor* t : {&out, &lse}) expect_f32(*t, "fused attention tensor");
+  expect_f32(lse, "fused attention lse");
   TPX_CHECK(z.d <= kernels::kFlashMaxHeadDim,
             "fused attention on cuda takes head dims up to {} (got {}); use --attention naive",
             kernels::kFlashMaxHeadDim, z.d);
@@ -280,21 +286,44 @@ AttnDims fused_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, 
   return z;
 }
 
+/// Whether the fused kernels run on bf16 operands: bf16 tensors always; fp32 tensors under bf16
+/// compute where the tensor-core kernels run (they read bf16 only, so such tensors are rounded
+/// into bf16 scratch once, the same values the CUDA-core kernels round as they load). Outputs
+/// bf16 or fp32 as the tensors are.
+bool fused_bf16_operands(const Tensor& q, DType compute, const AttnDims& z) {
+  if (q.dtype() == DType::bf16) return true;
+  if (compute != DType::bf16) return false;
+  bool tc = false;
+  TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_tensor_cores(z.d, z.ldq, z.ldkv, tc)));
+  return tc;
+}
+
 }  // namespace
 
 namespace {
 
-// FlashAttention-2 kernels (flash_attention.cu) on the tensors in place; bf16 compute rounds the
-// operands as the kernels load them, so there are no bf16 copies. Backward's only scratch is
-// Δ = rowsum(dO ∘ O), one float per query row and head. `pair`: the causal attention, or one of
-// context parallelism's chunk pairs (fp32).
+// FlashAttention-2 kernels (flash_attention.cu) on the tensors in place. bf16 tensors are read
+// and written as they are stored (outputs rounded once by the kernels); fp32 ones too, except
+// that under bf16 compute the tensor-core kernels read bf16 copies of the inputs (above).
+// Backward's scratch is Δ = rowsum(dO ∘ O), one float per query row and head. `pair`: the
+// causal attention, or one of context parallelism's chunk pairs (fp32).
 void fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
                    const Tensor& lse, DType compute, kernels::FlashPair pair) {
   expect_compute(compute);
-  const AttnDims z = fused_dims(q, k, v, heads, out, lse);
-  TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_forward(
-      cf(q), cf(k), cf(v), f(out), f(lse), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv,
-      compute == DType::bf16, pair, stream())));
+  const AttnDims z = fused_dims(q, k, v, heads, out, lse, compute);
+  if (fused_bf16_operands(q, compute, z)) {
+    TPX_CHECK(out.dtype() == q.dtype() || q.dtype() == DType::f32,
+              "fused attention: bf16 q, k, v write a bf16 out, not {}", out.describe());
+    const Tensor qb = as_bf16(q), kb = as_bf16(k), vb = as_bf16(v);
+    TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_forward_bf16(
+        h16(qb), h16(kb), h16(vb), {out.raw(), out.dtype() == DType::bf16}, f(lse), z.s,
+        z.b * heads, z.group(), z.d, z.ldq, z.ldkv, pair, stream())));
+  } else {
+    expect_f32(out, "fused attention out");
+    TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_forward(
+        cf(q), cf(k), cf(v), f(out), f(lse), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv,
+        compute == DType::bf16, pair, stream())));
+  }
   TPX_CUDA_LAUNCH_CHECK();
 }
 
@@ -302,17 +331,32 @@ void fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const 
                     const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
                     const Tensor& dk, const Tensor& dv, DType compute, kernels::FlashPair pair) {
   expect_compute(compute);
-  const AttnDims z = fused_dims(q, k, v, heads, out, lse);
+  const AttnDims z = fused_dims(q, k, v, heads, out, lse, compute);
   for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
-    expect_f32(*t, "fused attention backward tensor");
+    TPX_CHECK(t->dtype() == (t == &dout ? q.dtype() : dq.dtype()),
+              "fused attention backward: {} must be of {}'s dtype", t->describe(),
+              t == &dout ? "q" : "dq");
     const Tensor& like = t == &dk || t == &dv ? k : q;
     TPX_CHECK(t->shape() == like.shape(), "fused attention backward: {} must be shaped like {}",
               t->describe(), like.describe());
   }
   const Tensor delta = scratch({z.b * heads * z.s}, DType::f32);
-  TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_backward(
-      cf(dout), cf(q), cf(k), cf(v), cf(out), cf(lse), f(delta), f(dq), f(dk), f(dv), z.s,
-      z.b * heads, z.group(), z.d, z.ldq, z.ldkv, compute == DType::bf16, pair, stream())));
+  if (fused_bf16_operands(q, compute, z)) {
+    TPX_CHECK(dq.dtype() == q.dtype() || q.dtype() == DType::f32,
+              "fused attention backward: bf16 q, k, v write bf16 dq, dk, dv, not {}",
+              dq.describe());
+    const Tensor dob = as_bf16(dout), qb = as_bf16(q), kb = as_bf16(k), vb = as_bf16(v);
+    auto dst = [](const Tensor& t) -> kernels::Dst { return {t.raw(), t.dtype() == DType::bf16}; };
+    TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_backward_bf16(
+        h16(dob), h16(qb), h16(kb), h16(vb), {out.raw(), out.dtype() == DType::bf16}, cf(lse),
+        f(delta), dst(dq), dst(dk), dst(dv), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv, pair,
+        stream())));
+  } else {
+    for (const Tensor* t : {&out, &dq}) expect_f32(*t, "fused attention backward tensor");
+    TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_backward(
+        cf(dout), cf(q), cf(k), cf(v), cf(out), cf(lse), f(delta), f(dq), f(dk), f(dv), z.s,
+        z.b * heads, z.group(), z.d, z.ldq, z.ldkv, compute == DType::bf16, pair, stream())));
+  }
   TPX_CUDA_LAUNCH_CHECK();
 }
 

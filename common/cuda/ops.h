@@ -48,8 +48,10 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::i
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
                         const Tensor& dv, DType compute = DType::f32);
-/// Fused (FlashAttention-2) attention, kernels in flash_attention.cu: fp32 operands in place;
-/// bf16 compute rounds them to bf16 as they are loaded (no bf16 copies in memory).
+/// Fused (FlashAttention-2) attention, kernels in flash_attention.cu, on the tensors in place:
+/// fp32, or bf16 (bf16 compute; outputs rounded once as the kernels store them). fp32 tensors
+/// under bf16 compute: the tensor cores read bf16 copies of q, k, v, dO (rounded once into
+/// scratch), the CUDA-core kernels round them as they load them.
 void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const Tensor& out, const Tensor& lse, DType compute = DType::f32);
 void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
