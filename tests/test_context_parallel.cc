@@ -3,7 +3,11 @@
 //    --cp-method at C = 2 alone, C = 2 × T = 2, D = 2 × C = 2 and C = 3 (odd ring), under SGD and
 //    AdamW, with and without GQA and RoPE;
 //  - the three methods give the same gradients to 1e-6;
+//  - under --dtype bf16 every method passes --check at C = 2, C = 4 and C = 2 × T = 2, and its
+//    dumps equal stage 01's bf16 ones to 5e-4 (the chunk pairs merged in fp32 and the output
+//    rounded once; a bf16 merge is off by some 2e-3); stage 09 at P = 2 × C = 2 likewise;
 //  - the CP bytes of a step equal chapter 8's formulas for each method, K/V at their GQA size;
+//    under bf16 they are half of fp32's but for the dK/dV partial sums, which stay fp32;
 //  - --json's FLOPs per rank equal chapter 8's formula (S/C tokens, 1/C of the S² attention);
 //  - saved activations fall as 1/C (C = 1, 2, 4), the estimate within 10 % of the measured peak;
 //  - the trace shows each ring transfer on the cp-comm lane while the previous block's attention
@@ -77,6 +81,64 @@ INSTANTIATE_TEST_SUITE_P(
                          p.param.method, p.index);
     });
 
+// --dtype bf16: the recipe's single rounding per op. The --check tolerance under bf16 (3e-2)
+// would pass a merge that rounds the running output to bf16 after every chunk pair, so the dumps
+// are held at 5e-4 to the same recipe without CP: stage 01 when T = 1, stage 07 at the same T
+// otherwise (TP's bf16 partial sums alone are some 3e-3 from stage 01). The fp32 merge differs
+// from the fused attention of the whole sequence only in fp32 summation order, which moves an
+// occasional rounding by one bf16 ulp (up to some 1e-4 of a tensor's largest value), while a
+// bf16 merge is off by 1.6e-3 to 5e-3.
+class CpBf16 : public testing::TestWithParam<Case> {};
+
+TEST_P(CpBf16, ChecksAndDumpsEqualTheRunWithoutCp) {
+  const Case& c = GetParam();
+  Sizes z;
+  z.S = 48;
+  test::TempDir dir;
+  const std::string common = fmt::format("{} {} --dtype bf16 --steps 2", z.args(), c.extra);
+  const int t = c.ranks / (c.dp * c.cp);
+  const auto ref = run_stage(t == 1 ? "01_baseline" : "07_fsdp_tp", t,
+                             common + " --dump " + (dir / "ref").string(), dir);
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  const auto r = run_stage("08_context_parallel", c.ranks,
+                           fmt::format("{} --dp {} --cp {} --cp-method {} --check --dump {}",
+                                       common, c.dp, c.cp, c.method, (dir / "08").string()),
+                           dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("dtype bf16"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+  expect_dumps_close(dir / "ref", dir / "08", 5e-4, r.out.substr(0, 400));
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, CpBf16,
+                         testing::Values(Case{2, 1, 2, "ring", ""}, Case{2, 1, 2, "allgather", ""},
+                                         Case{2, 1, 2, "ulysses", ""}, Case{4, 1, 4, "ring", ""},
+                                         Case{4, 1, 4, "allgather", ""},
+                                         Case{4, 1, 4, "ulysses", ""},
+                                         Case{4, 1, 2, "ring", kGqaRope},
+                                         Case{4, 1, 2, "allgather", kGqaRope},
+                                         Case{4, 1, 2, "ulysses", kGqaRope}),
+                         [](const auto& p) {
+                           return fmt::format("np{}_dp{}_cp{}_{}_{}", p.param.ranks, p.param.dp,
+                                              p.param.cp, p.param.method, p.index);
+                         });
+
+// Stage 09 runs stage 08 on each pipeline stage's ranks: P = 2 × C = 2 in bf16.
+TEST(ContextParallel, InsideThePipelineInBf16) {
+  const Sizes z;
+  test::TempDir dir;
+  const std::string common = fmt::format("{} --dtype bf16 --steps 2", z.args());
+  const auto ref = run_stage("01_baseline", 1, common + " --dump " + (dir / "01").string(), dir);
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  const auto r = run_stage(
+      "09_pipeline_parallel", 4,
+      fmt::format("{} --pp 2 --cp 2 --check --dump {}", common, (dir / "09").string()), dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("mesh P 2 × D 1 × CP 2 × TP 1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+  expect_dumps_close(dir / "01", dir / "09", 5e-4, r.out.substr(0, 400));
+}
+
 TEST(ContextParallel, TheThreeMethodsGiveTheSameGradients) {
   const Sizes z;
   test::TempDir dir;
@@ -92,19 +154,32 @@ TEST(ContextParallel, TheThreeMethodsGiveTheSameGradients) {
 }
 
 /// Chapter 8's CP bus bytes of one rank's step, from the sizes alone: per layer, with
-/// kv = S/C · B/D · NKV/T · Dh and q = S/C · B/D · NH/T · Dh elements of 4 bytes,
-///   ring       fwd (C−1)·2kv, bwd (C−1)·2kv for K/V and C·2kv for dK/dV
-///   allgather  fwd (C−1)·2kv, bwd (C−1)·2kv again (K/V re-gathered) and (C−1)·2kv (dK/dV RS)
+/// kv = S/C · B/D · NKV/T · Dh and q = S/C · B/D · NH/T · Dh elements of e bytes (4, or 2 under
+/// bf16) and the dK/dV partial sums at 4 bytes in every recipe,
+///   ring       fwd (C−1)·2kv·e, bwd (C−1)·2kv·e for K/V and C·2kv·4 for dK/dV
+///   allgather  fwd (C−1)·2kv·e, bwd (C−1)·2kv·e again (K/V re-gathered) and (C−1)·2kv·4 (dK/dV
+///              reduce-scattered)
 ///   ulysses    (C−1)/C of every all-to-all's tensor: q, k, v, out forward; q, k, v, out, dO
-///              and dq, dk, dv backward — (C−1)/C · (6q + 6kv)
-std::uint64_t cp_bytes(const Sizes& z, int nkv, int d, int c, int t, const std::string& method) {
+///              and dq, dk, dv backward — (C−1)/C · (6q + 6kv)·e
+std::uint64_t cp_bytes(const Sizes& z, int nkv, int d, int c, int t, const std::string& method,
+                       int e = 4) {
   const std::int64_t dh = z.H / z.NH;
-  const std::int64_t kv = z.S / c * z.B / d * nkv / t * dh * 4,
-                     q = z.S / c * z.B / d * z.NH / t * dh * 4;
+  const std::int64_t kv = z.S / c * z.B / d * nkv / t * dh, q = z.S / c * z.B / d * z.NH / t * dh;
   std::int64_t layer = 0;
-  if (method == "ring") layer = (c - 1) * 2 * kv + (c - 1) * 2 * kv + c * 2 * kv;
-  if (method == "allgather") layer = 3 * (c - 1) * 2 * kv;
-  if (method == "ulysses") layer = (c - 1) * (6 * q + 6 * kv) / c;
+  if (method == "ring") layer = (c - 1) * 2 * kv * e + (c - 1) * 2 * kv * e + c * 2 * kv * 4;
+  if (method == "allgather") layer = 2 * (c - 1) * 2 * kv * e + (c - 1) * 2 * kv * 4;
+  if (method == "ulysses") layer = (c - 1) * (6 * q + 6 * kv) * e / c;
+  return std::uint64_t(layer * z.L);
+}
+
+/// The part of cp_bytes that stays fp32 under bf16: the dK/dV partial sums (the ring's C hops,
+/// the all-gather's reduce-scatter); Ulysses moves none.
+std::uint64_t cp_fp32_bytes(const Sizes& z, int nkv, int d, int c, int t,
+                            const std::string& method) {
+  const std::int64_t dh = z.H / z.NH, kv = z.S / c * z.B / d * nkv / t * dh;
+  std::int64_t layer = 0;
+  if (method == "ring") layer = c * 2 * kv * 4;
+  if (method == "allgather") layer = (c - 1) * 2 * kv * 4;
   return std::uint64_t(layer * z.L);
 }
 
@@ -150,6 +225,37 @@ double cp_flops(const Sizes& z, int nkv, int d, int c, int t) {
   const double linear = 2 * tokens * (2 * h * h + 2 * h * nkv * dh + 3 * h * f) / t;
   const double attention = 2 * 2 * (double(z.B) / d) * s * s * h / (double(c) * t);
   return 3 * double(z.L) * (linear + attention);
+}
+
+TEST(ContextParallel, Bf16CpBytesAreHalfOfFp32sButTheDkDvPartialSums) {
+  Sizes z;
+  z.S = 48;
+  struct Run {
+    int n, d, c, nkv;
+  };
+  for (const Run& run : {Run{2, 1, 2, 12}, Run{4, 1, 4, 4}, Run{4, 1, 2, 4}})
+    for (const std::string method : {"ring", "allgather", "ulysses"}) {
+      const int t = run.n / (run.d * run.c);
+      if (method == "ulysses" && run.nkv % (run.c * t) != 0) continue;
+      const std::string args =
+          fmt::format("{} --kv-heads {} --dp {} --cp {} --cp-method {} --steps 1", z.args(),
+                      run.nkv, run.d, run.c, method);
+      const json f32 = run_json("08_context_parallel", run.n, args);
+      const json b16 = run_json("08_context_parallel", run.n, args + " --dtype bf16");
+      ASSERT_TRUE(f32.contains("steps") && b16.contains("steps"));
+      const auto fp32_bus = f32.at("steps")[0].at("cp_bus_bytes").get<std::uint64_t>();
+      const auto bf16_bus = b16.at("steps")[0].at("cp_bus_bytes").get<std::uint64_t>();
+      const std::uint64_t kept = cp_fp32_bytes(z, run.nkv, run.d, run.c, t, method);
+      const std::string where = fmt::format("{} np {} C {} NKV {}", method, run.n, run.c, run.nkv);
+      EXPECT_EQ(fp32_bus, cp_bytes(z, run.nkv, run.d, run.c, t, method, 4)) << where;
+      EXPECT_EQ(bf16_bus, cp_bytes(z, run.nkv, run.d, run.c, t, method, 2)) << where;
+      // Everything but the fp32 dK/dV partial sums moves at half the bytes.
+      EXPECT_EQ(bf16_bus - kept, (fp32_bus - kept) / 2) << where;
+      EXPECT_EQ((fp32_bus - kept) % 2, 0u) << where;
+      if (method == "ulysses") {
+        EXPECT_EQ(2 * bf16_bus, fp32_bus) << where;
+      }
+    }
 }
 
 TEST(ContextParallel, FlopsPerRankEqualTheChaptersFormula) {

@@ -74,27 +74,30 @@ TEST_P(DryRun, EqualsTheRealRunsJson) {
 
 INSTANTIATE_TEST_SUITE_P(
     stages, DryRun,
-    testing::Values(Case{"01_baseline", 1, "--recompute full"},
-                    Case{"02_megatron_tp", 2, "--kv-heads 2"},
-                    Case{"03_sequence_parallel", 2, "--dtype bf16 --optimizer adamw --lr 1e-3"},
-                    Case{"04_overlap_ring", 2, "--kv-heads 2 --recompute full"},
-                    Case{"05_copy_engine_async_tp", 2, "--recompute selective"},
-                    Case{"05_copy_engine_async_tp", 2, "--recompute full --recompute-every 2"},
-                    Case{"06_fp8", 2, ""}, Case{"06_fp8", 2, "--dtype bf16"},
-                    Case{"07_fsdp_tp", 4, "--dp 2 --dtype bf16"},
-                    Case{"07_fsdp_tp", 3, "--dp 3 --batch 3"},
-                    // Stage 08, each method at C = 2 and at C = 2 × T = 2; Ulysses needs NKV
-                    // to split over C·T (4 KV heads here); the recompute repeats the forward's
-                    // K/V traffic on every second layer; D = 2 × C = 2 shards over DP×CP.
-                    Case{"08_context_parallel", 2, "--cp 2 --cp-method ring"},
-                    Case{"08_context_parallel", 2, "--cp 2 --cp-method allgather --kv-heads 2"},
-                    Case{"08_context_parallel", 2, "--cp 2 --cp-method ulysses --kv-heads 2"},
-                    Case{"08_context_parallel", 4,
-                         "--cp 2 --cp-method ring --kv-heads 2 --recompute full "
-                         "--recompute-every 2"},
-                    Case{"08_context_parallel", 4, "--cp 2 --cp-method allgather"},
-                    Case{"08_context_parallel", 4, "--cp 2 --cp-method ulysses --recompute full"},
-                    Case{"08_context_parallel", 4, "--dp 2 --cp 2 --optimizer adamw --lr 1e-3"}),
+    testing::Values(
+        Case{"01_baseline", 1, "--recompute full"}, Case{"02_megatron_tp", 2, "--kv-heads 2"},
+        Case{"03_sequence_parallel", 2, "--dtype bf16 --optimizer adamw --lr 1e-3"},
+        Case{"04_overlap_ring", 2, "--kv-heads 2 --recompute full"},
+        Case{"05_copy_engine_async_tp", 2, "--recompute selective"},
+        Case{"05_copy_engine_async_tp", 2, "--recompute full --recompute-every 2"},
+        Case{"06_fp8", 2, ""}, Case{"06_fp8", 2, "--dtype bf16"},
+        Case{"07_fsdp_tp", 4, "--dp 2 --dtype bf16"}, Case{"07_fsdp_tp", 3, "--dp 3 --batch 3"},
+        // Stage 08, each method at C = 2 and at C = 2 × T = 2; Ulysses needs NKV
+        // to split over C·T (4 KV heads here); the recompute repeats the forward's
+        // K/V traffic on every second layer; D = 2 × C = 2 shards over DP×CP.
+        Case{"08_context_parallel", 2, "--cp 2 --cp-method ring"},
+        Case{"08_context_parallel", 2, "--cp 2 --cp-method allgather --kv-heads 2"},
+        Case{"08_context_parallel", 2, "--cp 2 --cp-method ulysses --kv-heads 2"},
+        Case{"08_context_parallel", 4,
+             "--cp 2 --cp-method ring --kv-heads 2 --recompute full "
+             "--recompute-every 2"},
+        Case{"08_context_parallel", 4, "--cp 2 --cp-method allgather"},
+        Case{"08_context_parallel", 4, "--cp 2 --cp-method ulysses --recompute full"},
+        Case{"08_context_parallel", 4, "--dp 2 --cp 2 --optimizer adamw --lr 1e-3"},
+        // And in bf16: K/V, q and the outputs at 2 bytes, the dK/dV partial sums at 4.
+        Case{"08_context_parallel", 2, "--cp 2 --cp-method ring --dtype bf16 --recompute full"},
+        Case{"08_context_parallel", 4, "--cp 2 --cp-method allgather --dtype bf16"},
+        Case{"08_context_parallel", 2, "--cp 2 --cp-method ulysses --kv-heads 2 --dtype bf16"}),
     [](const auto& p) {
       std::string name =
           fmt::format("{}_np{}_{}", p.param.stage.substr(0, 2), p.param.ranks, p.index);
@@ -104,14 +107,14 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(DryRun, Stage08RefusesWhatTheRealRunRefuses) {
   // The plan checks the mesh with the real run's own checks: the same line, exit 2, for a
   // sequence that does not split into 2C·T chunks, KV heads Ulysses cannot split, a C·D that
-  // does not divide the ranks.
+  // does not divide the ranks, the naive attention (no lse to merge by).
   test::TempDir dir;
   auto first_line = [](const std::string& err) { return err.substr(0, err.find('\n')); };
   for (const std::string& args :
        {std::string("--seq 12 --cp 2"),
         std::string("--seq 16 --cp 2 --cp-method ulysses "
                     "--kv-heads 2"),
-        std::string("--seq 16 --cp 3"), std::string("--seq 16 --cp 2 --dtype bf16")}) {
+        std::string("--seq 16 --cp 3"), std::string("--seq 16 --cp 2 --attention naive")}) {
     const std::string cmd = "--hidden 32 --heads 4 --ffn 64 --layers 2 " + args;
     const auto real = test::run_stage("08_context_parallel", 4, cmd, dir);
     const auto dry = test::run_stage("08_context_parallel", 4, cmd + " --dry-run", dir);
