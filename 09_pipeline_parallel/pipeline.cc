@@ -89,20 +89,24 @@ Sharding pipeline_sharding(Sharding s, const Schedule& schedule,
   // The schedule's peaks on this rank: live (micro-batch, layer) activations, and loss
   // gradients waiting for the last stage's backward.
   const int last = shape.stages() - 1;
-  std::int64_t live = 0, peak = 0, losses = 0, peak_losses = 0;
+  std::int64_t live = 0, peak = 0, passes = 0, peak_passes = 0, losses = 0, peak_losses = 0;
   for (const Action& a : schedule.actions(pp_index)) {
     const std::int64_t n = layers[std::size_t(a.stage)].count;
     if (a.phase == Phase::forward) {
       live += n;
+      ++passes;
       if (a.stage == last) ++losses;
     } else if (a.phase == Phase::weight || !schedule.split_backward()) {
       live -= n;
+      --passes;
     }
     if (a.phase == Phase::backward && a.stage == last) --losses;
     peak = std::max(peak, live);
+    peak_passes = std::max(peak_passes, passes);
     peak_losses = std::max(peak_losses, losses);
   }
   s.pp_live_layers = peak;
+  s.pp_live_passes = peak_passes;
   s.pp_loss_grads = peak_losses;
   s.pp_split_backward = schedule.split_backward();
   s.pp_holds_input = pp_index == shape.rank_of(0);
@@ -267,6 +271,17 @@ Layout layout(const RunContext& ctx) {
           "multiple of {}, or --microbatches",
           l.pp, l.pp * v, l.pp, local_batch, std::int64_t(l.pp) * l.dp));
   }
+  // A limit of this stage, not of memory: each micro-batch costs every rank its books (the
+  // schedule's actions and transfers, the passes' records, the trace's spans: the estimate's
+  // "host per micro-batch", about 2.5 KiB per micro-batch and layer) and a step its messages,
+  // while the bubble (P−1)/(M+P−1) is already below 0.1 % at M = 65536 for P ≤ 64.
+  if (m > kMaxMicrobatches)
+    throw ConfigError(fmt::format(
+        "--microbatches {} is more than 09_pipeline_parallel takes ({}): every micro-batch "
+        "costs each rank its books and a step its messages, and the bubble (P−1)/(M+P−1) is "
+        "below 0.1 % at M = {} for P ≤ 64 already; cut the local batch into fewer, larger "
+        "micro-batches",
+        m, kMaxMicrobatches, kMaxMicrobatches));
   (void)pipeline::microbatch_size(local_batch, m);  // throws unless M divides B / D
   l.shape = {.ranks = l.pp, .microbatches = m, .stages_per_rank = v};
   l.layers =

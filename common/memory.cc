@@ -375,6 +375,21 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
          std::uint64_t(sum({checked_product({s.microbatches, c.layers, per_microbatch_layer}, what),
                             checked_product({s.pp_live_layers, per_live_layer}, what)},
                            what))});
+    // The holes the live passes leave in the heap (the cpu backend, glibc's malloc). A layer's
+    // forward frees, between the tensors its pass keeps, the outputs of its two row GEMMs before
+    // the residual adds (attention's Wo and the MLP's Wd: G each, the full [S, b, H] partial
+    // sums), and a pass frees its output once it is sent (a micro-batch's stream R). A block
+    // below malloc's mmap threshold (which rises to the largest block freed, at most 32 MiB:
+    // the set-up's streams lift it there) comes from the heap, and malloc keeps such holes
+    // resident under the live passes' tensors above them until those are freed. With the
+    // schedule's peaks of live (micro-batch, layer) pairs and of live passes:
+    //   heap holes = live layers · 2·G + live passes · R   (0 on cuda, or if G ≥ 32 MiB)
+    constexpr I kMmapThresholdMax = I{32} << 20;
+    if (c.device == Device::cpu && ba.full < kMmapThresholdMax)
+      e.terms.push_back(
+          {"heap holes", std::uint64_t(sum({checked_product({s.pp_live_layers, ba.full, 2}, what),
+                                            checked_product({s.pp_live_passes, ba.stream}, what)},
+                                           what))});
   }
   if (c.bf16_weight_copies()) {
     // This step's bf16 compute copies of the seven matrices (this rank's shards): half their
@@ -450,13 +465,15 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
   if (pipeline) {
     // The set-up's streams: every rank generates the whole input and target, [S, B, H] fp32
     // each (X bytes), before its mesh cuts them; with C > 1 the CP cut copies this rank's S / C
-    // rows of one of them twice while both are alive (the FSDP cut's B / D part is less). The
-    // training terms above are not alive yet, so the term is what the set-up needs beyond them
-    // (zero when training needs more):
-    //   set-up streams = max(0, 2·X + (C > 1 ? 2·X / C : 0) − the terms above)
+    // rows of one of them twice while both are alive; with C = 1 and D > 1 the FSDP cut copies
+    // this replica's B / D columns of the input while both are alive (the target's cut comes
+    // after the whole input is gone). The training terms above are not alive yet, so the term
+    // is what the set-up needs beyond them (zero when training needs more):
+    //   set-up streams = max(0, 2·X + (C > 1 ? 2·X/C : D > 1 ? X/D : 0) − the terms above)
     const char* what = "the set-up's streams";
     const I x = checked_product({global.seq, c.batch, c.hidden, kF32}, what);
-    const I setup = sum({checked_product({x, 2}, what), s.cp > 1 ? 2 * (x / s.cp) : I{0}}, what);
+    const I cut = s.cp > 1 ? 2 * (x / s.cp) : s.dp > 1 ? x / s.dp : I{0};
+    const I setup = sum({checked_product({x, 2}, what), cut}, what);
     const std::uint64_t training = e.total(), need = std::uint64_t(setup);
     e.terms.push_back({"set-up streams", need > training ? need - training : 0});
   }

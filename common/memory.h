@@ -14,9 +14,10 @@
 //                           sequences and naive attention, a forward re-allocating a layer's
 //                           probabilities; fused attention keeps only [B, NH/N, S]; under
 //                           full recompute, a block's forward run again inside backward)
-// A pipeline (stage 09) adds its buffers and two host terms that grow with M and B: the host's
-// books of M micro-batches, and the set-up's whole input and target streams (memory.cc); they
-// are held against the process's own high-water mark (--json's host_peak_bytes).
+// A pipeline (stage 09) adds its buffers and three host terms that grow with M and B: the host's
+// books of M micro-batches, the holes the live passes' freed transients leave in malloc's heap
+// (cpu), and the set-up's whole input and target streams (memory.cc); they are held against the
+// process's own high-water mark (--json's host_peak_bytes).
 // Every size is computed with checked arithmetic (checked.h): sizes too large for 64 bits throw
 // SizeOverflow, never a wrapped, small-looking number. It is pure arithmetic, so absurd configs
 // are refused at once.

@@ -67,11 +67,13 @@ struct Sharding {
   /// the micro-batches between their B and W are kept too.
   /// `pp_loss_grads`: the most micro-batches whose loss gradient waits for their backward (the
   /// last stage's live count; 0 elsewhere). The first stage keeps the input's micro-batches, the
-  /// last the target's.
+  /// last the target's. `pp_live_passes`: the most (micro-batch, virtual stage) passes alive at
+  /// once (each of them pp_layers / stages-per-rank layers of pp_live_layers).
   int pp = 1;
   std::int64_t pp_layers = 0;
   int microbatches = 1;
   std::int64_t pp_live_layers = 0;
+  std::int64_t pp_live_passes = 0;
   bool pp_split_backward = false;
   std::int64_t pp_loss_grads = 0;
   bool pp_holds_input = false, pp_holds_target = false;
