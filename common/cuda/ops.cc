@@ -6,8 +6,10 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <string_view>
@@ -289,10 +291,13 @@ AttnDims fused_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, 
 /// Whether the fused kernels run on bf16 operands: bf16 tensors always; fp32 tensors under bf16
 /// compute where the tensor-core kernels run (they read bf16 only, so such tensors are rounded
 /// into bf16 scratch once, the same values the CUDA-core kernels round as they load). Outputs
-/// bf16 or fp32 as the tensors are.
-bool fused_bf16_operands(const Tensor& q, DType compute, const AttnDims& z) {
+/// bf16 or fp32 as the tensors are (fp32 ones 16-byte aligned, else the CUDA-core kernels).
+bool fused_bf16_operands(const Tensor& q, DType compute, const AttnDims& z,
+                         std::initializer_list<const Tensor*> outputs) {
   if (q.dtype() == DType::bf16) return true;
   if (compute != DType::bf16) return false;
+  for (const Tensor* t : outputs)
+    if (reinterpret_cast<std::uintptr_t>(t->raw()) % 16 != 0) return false;
   bool tc = false;
   TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_tensor_cores(z.d, z.ldq, z.ldkv, tc)));
   return tc;
@@ -311,7 +316,7 @@ void fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads, c
                    const Tensor& lse, DType compute, kernels::FlashPair pair) {
   expect_compute(compute);
   const AttnDims z = fused_dims(q, k, v, heads, out, lse, compute);
-  if (fused_bf16_operands(q, compute, z)) {
+  if (fused_bf16_operands(q, compute, z, {&out})) {
     TPX_CHECK(out.dtype() == q.dtype() || q.dtype() == DType::f32,
               "fused attention: bf16 q, k, v write a bf16 out, not {}", out.describe());
     const Tensor qb = as_bf16(q), kb = as_bf16(k), vb = as_bf16(v);
@@ -341,7 +346,7 @@ void fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const 
               t->describe(), like.describe());
   }
   const Tensor delta = scratch({z.b * heads * z.s}, DType::f32);
-  if (fused_bf16_operands(q, compute, z)) {
+  if (fused_bf16_operands(q, compute, z, {&dq, &dk, &dv})) {
     TPX_CHECK(dq.dtype() == q.dtype() || q.dtype() == DType::f32,
               "fused attention backward: bf16 q, k, v write bf16 dq, dk, dv, not {}",
               dq.describe());
