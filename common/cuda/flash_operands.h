@@ -50,8 +50,8 @@ TPX_HD inline float operand(float x) {
   return x;
 }
 
-/// One term of Δ_i = Σ_d dO_id·O_id: dO read as the dP = dO·Vᵀ products read it, O (the
-/// forward's fp32 output, already the P-weighted sum of rounded V rows) as it is.
+/// One term of Δ_i = Σ_d dO_id·O_id: dO read as the dP = dO·Vᵀ products read it, O as the
+/// forward stored it (the P-weighted sum of rounded V rows; in a bf16 tensor, rounded once).
 template <bool kBf16>
 TPX_HD inline float delta_term(float dout, float out) {
   return operand<kBf16>(dout) * out;

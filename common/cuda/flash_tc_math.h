@@ -1,11 +1,12 @@
 // The index math and the per-lane arithmetic of the tensor-core attention kernels
 // (flash_attention.cu, "mma.sync kernels"), as functions that also run on the host: the fragment
-// layouts of mma.m16n8k16 and of ldmatrix, the tiles' shapes and shared-memory bytes, the loops'
-// bounds, the one visibility rule (causal, a chunk pair's shift, S not a multiple of a tile) and
-// the online softmax on accumulator fragments. tests/test_flash_tc_twin.cc runs the kernels'
-// per-warp algorithm on the CPU through these same functions (32 lanes as arrays, an emulated
-// mma and ldmatrix) against a double-precision attention. That checks the algorithm, the tiling
-// and that these functions agree with each other; whether they agree with the hardware (the
+// layouts of mma.m16n8k16 and of ldmatrix, the tiles' shapes and shared-memory bytes, which
+// thread copies which 16-byte chunk of a tile (cp.async) and which of the two buffers a tile goes
+// to, the loops' bounds, the one visibility rule (causal, a chunk pair's shift, S not a multiple of
+// a tile) and the online softmax on accumulator fragments. tests/test_flash_tc_twin.cc runs the
+// kernels' per-warp algorithm on the CPU through these same functions (32 lanes as arrays, an
+// emulated mma and ldmatrix) against a double-precision attention. That checks the algorithm, the
+// tiling and that these functions agree with each other; whether they agree with the hardware (the
 // fragment layouts below as the PTX ISA states them, read here) only a GPU run can check.
 //
 // Fragment layouts, PTX ISA (CUDA 13.0), section 9.7.14.5.8, "Matrix Fragments for
@@ -21,8 +22,8 @@
 // elements (l / 4, 2·(l % 4)) and (l / 4, 2·(l % 4) + 1) of matrix m, or with .trans the elements
 // (2·(l % 4), l / 4) and (2·(l % 4) + 1, l / 4).
 //
-// defines: tpx::cuda::flash::tc::* (the constants, fragment and ldmatrix indices, tile bounds,
-//          visible(), the softmax steps)
+// defines: tpx::cuda::flash::tc::* (the constants, tile chunks and buffers, fragment and
+//          ldmatrix indices, tile bounds, visible(), the softmax steps)
 #pragma once
 
 #include <cmath>
