@@ -13,8 +13,8 @@
 #   sanitize compute-sanitizer: memcheck on the cuda op tests, racecheck on RMSNorm and attention,
 #            memcheck on stage 05 at -np 2 (memcheck with TPX_EXACT_ALLOC=1: no cached blocks)
 #   stages   01 on cuda in fp32 and bf16; 02-06 at -np 1 (NCCL) and -np 2 (ranks sharing the GPU);
-#            07 and 08 (--cp 2, each --cp-method) on ranks sharing the GPU; 09 at P = 1, and
-#            its one-line refusal of P = 2 on cuda
+#            07 and 08 (--cp 2, each --cp-method, fp32 and bf16) on ranks sharing the GPU; 09 at
+#            P = 1, and its one-line refusal of P = 2 on cuda
 #   big      stage 01 at H=4096 NH=32 F=11008 S=2048 B=1 in bf16: step time, TFLOP/s, MFU
 #   bench    the GPU micro-benchmarks: bench_copy_overlap (chapter 5), bench_gemm bf16 vs fp8 (6),
 #            bench_attention fused vs naive beside PyTorch's SDPA (tools/sdpa_bench.py, when
@@ -196,6 +196,9 @@ if has stages; then
     for method in ring allgather ulysses; do
       check_step "08.cp2.$method.np2" 300 PASS "${mpi[@]}" -np 2 "$bin/08_context_parallel" \
         --device cuda --cp 2 --cp-method "$method" --check
+      # bf16: K/V moved in bf16, the pairs on fp32 copies, one rounding per output.
+      check_step "08.cp2.$method.bf16.np2" 300 PASS "${mpi[@]}" -np 2 "$bin/08_context_parallel" \
+        --device cuda --cp 2 --cp-method "$method" --dtype bf16 --check
     done
     check_step 08.cp2.gqa.np2 300 PASS "${mpi[@]}" -np 2 "$bin/08_context_parallel" --device cuda \
       --cp 2 --kv-heads 2 --check
