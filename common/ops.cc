@@ -290,11 +290,11 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const 
 
 namespace {
 
-/// Attention under the recipe, except the fused one on cuda's bf16 tensors (attention_native
-/// below): bf16 tensors are read as fp32 and the outputs rounded once (Fp32Boundary). The cuda
-/// ops then compute in bf16 (`compute` bf16: bf16 GEMMs for the naive attention, bf16 copies of
-/// q, k, v, dO for the fused one's tensor cores); the cpu computes everything inside in fp32,
-/// and `compute` bf16 on f32 tensors rounds its inputs to bf16 values first.
+/// Attention under the recipe, except on cuda's bf16 tensors (attention_native below): bf16
+/// tensors are read as fp32 and the outputs rounded once (Fp32Boundary). The cuda ops then
+/// compute in bf16 (`compute` bf16: bf16 GEMMs for the naive attention, bf16 copies of q, k, v,
+/// dO for the fused one's tensor cores); the cpu computes everything inside in fp32, and
+/// `compute` bf16 on f32 tensors rounds its inputs to bf16 values first.
 bool attention_at_boundary(const Tensor& q, DType compute,
                            std::initializer_list<const Tensor*> ts) {
   return any_bf16(ts) || (q.device() == Device::cpu && compute == DType::bf16);
@@ -305,12 +305,13 @@ Tensor attention_input(Fp32Boundary& f, const Tensor& t, DType compute) {
 DType attention_compute(const Tensor& q, DType compute) {
   return q.device() == Device::cpu ? DType::f32 : compute;
 }
-/// A fused attention whose tensors are all bf16 on cuda (the recipe's activations and their
-/// gradients) runs on them as they are stored, without Fp32Boundary's copies: the kernels read
-/// bf16 operands, keep lse and Δ in fp32 and round each output once as they store it, the same
-/// values as the boundary (cuda/ops.cc). TPX_CUDA_FP32_BOUNDARY=1 goes through the boundary
-/// instead (native_bf16), whose fp32 copies cuda/ops.cc rounds into bf16 scratch for the tensor
-/// cores.
+/// An attention whose tensors are all bf16 on cuda (the recipe's activations and their
+/// gradients) runs on them as they are stored, without Fp32Boundary's copies: the fused kernels
+/// read bf16 operands, keep lse and Δ in fp32 and round each output once as they store it, the
+/// same values as the boundary; the naive one's GEMMs read bf16 operands and write bf16 outputs,
+/// rounded once by cuBLASLt (dK, dV of a group summed in fp32 first), its probabilities fp32
+/// (cuda/ops.cc). TPX_CUDA_FP32_BOUNDARY=1 goes through the boundary instead (native_bf16), whose
+/// fp32 copies cuda/ops.cc rounds into bf16 scratch for the GEMMs and the tensor cores.
 bool attention_native(const Tensor& q, DType compute, std::initializer_list<const Tensor*> ts) {
   if (!native_bf16(q) || compute != DType::bf16) return false;
   for (const Tensor* t : ts)
@@ -326,6 +327,10 @@ void expect_f32_compute(DType compute) {
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                        const Tensor& out, const Tensor& probs, DType compute) {
+#if TPX_WITH_CUDA
+  if (attention_native(q, compute, {&q, &k, &v, &out}))
+    return cuda::attention_forward(q, k, v, heads, out, probs, compute);
+#endif
   if (attention_at_boundary(q, compute, {&q, &k, &v, &out})) {
     Fp32Boundary f;
     auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
@@ -342,6 +347,10 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::i
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
                         const Tensor& dv, DType compute) {
+#if TPX_WITH_CUDA
+  if (attention_native(q, compute, {&dout, &q, &k, &v, &dq, &dk, &dv}))
+    return cuda::attention_backward(dout, q, k, v, probs, heads, dq, dk, dv, compute);
+#endif
   if (attention_at_boundary(q, compute, {&dout, &q, &k, &v, &dq, &dk, &dv})) {
     Fp32Boundary f;
     auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };

@@ -530,60 +530,72 @@ TEST(Ops, FusedGroupedQueryAttentionMatchesCpu) {
   }
 }
 
-// The recipe's case: bf16 tensors on cuda, read and written as stored by the fused kernels (no
-// fp32 copies, outputs rounded once), against the cpu's fused attention on the same bf16 tensors
-// (through its op boundary). S = 1 (one key: dq and dk are the cancellation of dS), S not a
-// multiple of a tile, grouped-query attention; tensor cores at D = 32, 64, 128, CUDA cores at 16.
-TEST(Ops, FusedAttentionOnBf16TensorsMatchesCpu) {
+// The recipe's case: bf16 tensors on cuda, read and written as stored (no fp32 copies, outputs
+// rounded once) by the fused kernels and by the naive GEMMs, against the cpu's attention on the
+// same bf16 tensors (through its op boundary). S = 1 (one key: dq and dk are the cancellation of
+// dS), S not a multiple of a tile, grouped-query attention (the naive dK, dV summed over a group
+// in fp32); tensor cores at D = 32, 64, 128, CUDA cores at 16.
+TEST(Ops, AttentionOnBf16TensorsMatchesCpu) {
   TPX_REQUIRE_GPU();
   auto bf16_copy = [](const Tensor& t, Device device) {
     const Tensor b = Tensor::empty(t.shape(), DType::bf16, device);
     ops::cast(device == Device::cpu ? t : on_gpu(t), b);
     return b;
   };
-  auto f32_on_cpu = [](const Tensor& b) {
-    const Tensor w = Tensor::empty(b.shape(), DType::f32, b.device());
-    ops::cast(b, w);
+  auto f32_on_cpu = [](const Tensor& t) {
+    if (t.dtype() == DType::f32) return on_cpu(t);
+    const Tensor w = Tensor::empty(t.shape(), DType::f32, t.device());
+    ops::cast(t, w);
     return on_cpu(w);
   };
   for (const AttnCase& c :
        {AttnCase{1, 1, 2, 64}, AttnCase{1, 2, 4, 128, 2}, AttnCase{77, 2, 4, 64, 2},
-        AttnCase{77, 2, 4, 16, 1}, AttnCase{40, 1, 6, 32, 3}, AttnCase{130, 1, 4, 128, 1}}) {
-    const I kv = c.kv == 0 ? c.heads : c.kv;
-    SCOPED_TRACE(testing::Message() << "bf16 tensors, S " << c.s << " B " << c.b << " heads "
-                                    << c.heads << " kv " << kv << " D " << c.d);
-    const Tensor::Shape act{c.s, c.b, c.heads * c.d}, kv_act{c.s, c.b, kv * c.d};
-    const Tensor q = random_tensor(act, 34), k = random_tensor(kv_act, 35),
-                 v = random_tensor(kv_act, 36), dout = random_tensor(act, 37);
-    Tensor want[5], got[5];  // out, lse, dq, dk, dv
-    for (Device device : {Device::cpu, Device::cuda}) {
-      auto empty = [&](Tensor::Shape shape, DType dtype) {
-        return Tensor::empty(std::move(shape), dtype, device);
-      };
-      const Tensor bq = bf16_copy(q, device), bk = bf16_copy(k, device), bv = bf16_copy(v, device),
-                   bdout = bf16_copy(dout, device);
-      const Tensor out = empty(act, DType::bf16), lse = empty({c.b, c.heads, c.s}, DType::f32);
-      const Tensor dq = empty(act, DType::bf16), dk = empty(kv_act, DType::bf16),
-                   dv = empty(kv_act, DType::bf16);
-      ops::attention_fused_forward(bq, bk, bv, c.heads, out, lse, DType::bf16);
-      ops::attention_fused_backward(bdout, bq, bk, bv, out, lse, c.heads, dq, dk, dv, DType::bf16);
-      Tensor* r = device == Device::cpu ? want : got;
-      r[0] = f32_on_cpu(out), r[1] = on_cpu(lse), r[2] = f32_on_cpu(dq), r[3] = f32_on_cpu(dk);
-      r[4] = f32_on_cpu(dv);
-    }
-    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-    for (int i = 0; i < 5; ++i) {
-      if (c.s == 1 && (i == 2 || i == 3)) {
-        // One key: dq and dk are exactly 0 (dP = Δ), both backends leave fp32 roundoff of
-        // terms of size ~|dO|·|v|, far below what an error in Δ's rounding gave (~1e-3).
-        double largest = 0.0;
-        for (float x : got[i].f32()) largest = std::max(largest, double(std::abs(x)));
-        EXPECT_LE(largest, 1e-4) << names[i] << " at S 1";
-      } else {
-        EXPECT_LE(rel_err(got[i], want[i]), 3e-2) << names[i];
+        AttnCase{77, 2, 4, 16, 1}, AttnCase{40, 1, 6, 32, 3}, AttnCase{130, 1, 4, 128, 1}})
+    for (bool naive : {false, true}) {
+      const I kv = c.kv == 0 ? c.heads : c.kv;
+      SCOPED_TRACE(testing::Message()
+                   << (naive ? "naive" : "fused") << ", bf16 tensors, S " << c.s << " B " << c.b
+                   << " heads " << c.heads << " kv " << kv << " D " << c.d);
+      const Tensor::Shape act{c.s, c.b, c.heads * c.d}, kv_act{c.s, c.b, kv * c.d};
+      const Tensor q = random_tensor(act, 34), k = random_tensor(kv_act, 35),
+                   v = random_tensor(kv_act, 36), dout = random_tensor(act, 37);
+      Tensor want[5], got[5];  // out, lse or probs, dq, dk, dv
+      for (Device device : {Device::cpu, Device::cuda}) {
+        auto empty = [&](Tensor::Shape shape, DType dtype) {
+          return Tensor::empty(std::move(shape), dtype, device);
+        };
+        const Tensor bq = bf16_copy(q, device), bk = bf16_copy(k, device),
+                     bv = bf16_copy(v, device), bdout = bf16_copy(dout, device);
+        const Tensor out = empty(act, DType::bf16);
+        const Tensor stats = naive ? empty({c.b, c.heads, c.s, c.s}, DType::f32)
+                                   : empty({c.b, c.heads, c.s}, DType::f32);
+        const Tensor dq = empty(act, DType::bf16), dk = empty(kv_act, DType::bf16),
+                     dv = empty(kv_act, DType::bf16);
+        if (naive) {
+          ops::attention_forward(bq, bk, bv, c.heads, out, stats, DType::bf16);
+          ops::attention_backward(bdout, bq, bk, bv, stats, c.heads, dq, dk, dv, DType::bf16);
+        } else {
+          ops::attention_fused_forward(bq, bk, bv, c.heads, out, stats, DType::bf16);
+          ops::attention_fused_backward(bdout, bq, bk, bv, out, stats, c.heads, dq, dk, dv,
+                                        DType::bf16);
+        }
+        Tensor* r = device == Device::cpu ? want : got;
+        const Tensor* t[5] = {&out, &stats, &dq, &dk, &dv};
+        for (int i = 0; i < 5; ++i) r[i] = f32_on_cpu(*t[i]);
+      }
+      const char* names[] = {"out", naive ? "probs" : "lse", "dq", "dk", "dv"};
+      for (int i = 0; i < 5; ++i) {
+        if (c.s == 1 && (i == 2 || i == 3)) {
+          // One key: dq and dk are exactly 0 (dP = Δ), both backends leave fp32 roundoff of
+          // terms of size ~|dO|·|v|, far below what an error in Δ's rounding gave (~1e-3).
+          double largest = 0.0;
+          for (float x : got[i].f32()) largest = std::max(largest, double(std::abs(x)));
+          EXPECT_LE(largest, 1e-4) << names[i] << " at S 1";
+        } else {
+          EXPECT_LE(rel_err(got[i], want[i]), 3e-2) << names[i];
+        }
       }
     }
-  }
 }
 
 // bf16 operands carry 8 significant bits (unit roundoff u = 2^-8 ≈ 3.9e-3). Each attention output

@@ -105,18 +105,22 @@ double reduce_sum_squares(kernels::Src x, kernels::Src y, I n) {
 
 using AttnDims = ::tpx::ops::AttentionDims;
 
-/// q [S, B, heads·D] and k, v [S, B, kv_heads·D] (ops::attention_dims), f32 on cuda.
-AttnDims qkv_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const char* what) {
+/// q [S, B, heads·D] and k, v [S, B, kv_heads·D] (ops::attention_dims) on cuda, of one dtype:
+/// f32, or bf16 under bf16 compute.
+AttnDims qkv_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, DType compute,
+                  const char* what) {
   const AttnDims z = ::tpx::ops::attention_dims(q, k, v, heads, what);
-  expect_f32(q, "attention q");
-  expect_f32(k, "attention k");
-  expect_f32(v, "attention v");
+  for (const Tensor* t : {&q, &k, &v}) expect_f32_or_bf16(*t, what);
+  TPX_CHECK(k.dtype() == q.dtype() && v.dtype() == q.dtype() &&
+                (q.dtype() == DType::f32 || compute == DType::bf16),
+            "{}: q, k, v of one dtype, bf16 ones with bf16 compute: {} {} {} ({})", what,
+            q.describe(), k.describe(), v.describe(), to_string(compute));
   return z;
 }
 
 AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
-                        const Tensor& probs) {
-  const AttnDims z = qkv_dims(q, k, v, heads, "attention");
+                        const Tensor& probs, DType compute) {
+  const AttnDims z = qkv_dims(q, k, v, heads, compute, "attention");
   expect_f32(probs, "attention probs");
   TPX_CHECK(probs.numel() == z.b * heads * z.s * z.s, "probs {} must hold [B, heads, S, S]",
             probs.describe());
@@ -126,6 +130,10 @@ AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, I hea
 /// `t` (f32 or bf16) from element `elems` on: a GEMM operand that starts inside a tensor.
 const void* at(const Tensor& t, I elems) {
   return static_cast<const char*>(t.raw()) + elems * static_cast<I>(dtype_size(t.dtype()));
+}
+/// The same for a GEMM's output.
+void* at_out(const Tensor& t, I elems) {
+  return static_cast<char*>(t.raw()) + elems * static_cast<I>(dtype_size(t.dtype()));
 }
 
 void expect_compute(DType compute) {
@@ -199,8 +207,8 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, I head
                        const Tensor& out, const Tensor& probs, DType compute) {
   NvtxRange range("attention_forward");
   expect_compute(compute);
-  const AttnDims z = attention_dims(q, k, v, heads, probs);
-  expect_f32(out, "attention out");
+  const AttnDims z = attention_dims(q, k, v, heads, probs, compute);
+  expect(out, q.dtype(), "attention out");  // bf16: cuBLASLt rounds each output once
   expect_same_numel(q, out);
   const I s = z.s, d = z.d, g = z.group(), n = z.b * z.kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -215,7 +223,8 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, I head
   const Tensor& p_op = low ? p16 : probs;
   for (I r = 0; r < g; ++r)
     blas::gemm(false, false, s, d, s, 1.0f, {at(p_op, r * s * s), s, g * s * s},
-               {vo.raw(), z.ldkv, d}, 0.0f, f(out) + r * d, z.ldq, g * d, n, compute, DType::f32);
+               {vo.raw(), z.ldkv, d}, 0.0f, at_out(out, r * d), z.ldq, g * d, n, compute,
+               out.dtype());
 }
 
 // dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − rowsum(dP ⊙ P));  dQ = scale·dS K;  dK = scale·dSᵀ Q.
@@ -227,9 +236,9 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         const Tensor& dv, DType compute) {
   NvtxRange range("attention_backward");
   expect_compute(compute);
-  const AttnDims z = attention_dims(q, k, v, heads, probs);
+  const AttnDims z = attention_dims(q, k, v, heads, probs, compute);
   for (const Tensor* t : {&dout, &dq, &dk, &dv}) {
-    expect_f32(*t, "attention_backward tensor");
+    expect(*t, q.dtype(), "attention_backward tensor");
     expect_same_numel(t == &dk || t == &dv ? k : q, *t);
   }
   const I s = z.s, d = z.d, g = z.group(), n = z.b * z.kv_heads;
@@ -241,11 +250,16 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   const Tensor p_op = low ? as_bf16(probs) : probs;
   const Tensor dp = scratch(probs.shape(), DType::f32);
   const Tensor ds16 = low ? scratch(probs.shape(), DType::bf16) : Tensor();
+  // dK and dV sum the group's members: bf16 ones are summed in fp32 scratch and rounded once
+  // (a group of one writes them directly, rounded by cuBLASLt).
+  const bool summed16 = dk.dtype() == DType::bf16 && g > 1;
+  const Tensor dk_acc = summed16 ? scratch(dk.shape(), DType::f32) : dk;
+  const Tensor dv_acc = summed16 ? scratch(dv.shape(), DType::f32) : dv;
 
   for (I r = 0; r < g; ++r)
     blas::gemm(true, false, s, d, s, 1.0f, {at(p_op, r * s * s), s, g * s * s},
-               {at(doo, r * d), ldq, g * d}, r == 0 ? 0.0f : 1.0f, dv.raw(), ldkv, d, n, compute,
-               DType::f32);
+               {at(doo, r * d), ldq, g * d}, r == 0 ? 0.0f : 1.0f, dv_acc.raw(), ldkv, d, n,
+               compute, dv_acc.dtype());
   for (I r = 0; r < g; ++r)
     blas::gemm(false, true, s, s, d, 1.0f, {at(doo, r * d), ldq, g * d}, {vo.raw(), ldkv, d}, 0.0f,
                f(dp) + r * s * s, s, g * s * s, n, compute, DType::f32);
@@ -255,11 +269,15 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   const Tensor& ds_op = low ? ds16 : dp;
   for (I r = 0; r < g; ++r)
     blas::gemm(false, false, s, d, s, scale, {at(ds_op, r * s * s), s, g * s * s},
-               {ko.raw(), ldkv, d}, 0.0f, f(dq) + r * d, ldq, g * d, n, compute, DType::f32);
+               {ko.raw(), ldkv, d}, 0.0f, at_out(dq, r * d), ldq, g * d, n, compute, dq.dtype());
   for (I r = 0; r < g; ++r)
     blas::gemm(true, false, s, d, s, scale, {at(ds_op, r * s * s), s, g * s * s},
-               {at(qo, r * d), ldq, g * d}, r == 0 ? 0.0f : 1.0f, dk.raw(), ldkv, d, n, compute,
-               DType::f32);
+               {at(qo, r * d), ldq, g * d}, r == 0 ? 0.0f : 1.0f, dk_acc.raw(), ldkv, d, n, compute,
+               dk_acc.dtype());
+  if (summed16) {
+    cast(dk_acc, dk);
+    cast(dv_acc, dv);
+  }
 }
 
 namespace {

@@ -43,6 +43,8 @@ void gemm_fp8(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, cons
 void rmsnorm_forward(const Tensor& x, const Tensor& g, const Tensor& y, const Tensor& rstd);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
                       const Tensor& dx, const Tensor& dg);
+/// Naive attention by cuBLASLt GEMMs and softmax kernels: q, k, v, out (dout, dq, dk, dv) of
+/// one dtype, f32 or bf16 (bf16 compute; outputs rounded once), probs f32.
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                        const Tensor& out, const Tensor& probs, DType compute = DType::f32);
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
