@@ -941,8 +941,9 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
   o.cp = l.cp;
   const Projection p = project(d, mb, l.tp, o);
 
-  // CP per layer, forward and backward (common/traffic.h's bytes; chapter 8's schedules).
-  const double C = l.cp, e = o.act_bytes, Dh = double(c.head_dim());
+  // CP per layer, forward and backward (common/traffic.h's bytes; chapter 8's schedules): K/V,
+  // q and the outputs at e bytes, the dK/dV partial sums (ring, reduce-scatter) at 4.
+  const double C = l.cp, e = o.act_bytes, g = 4, Dh = double(c.head_dim());
   const double rows = double(mb.seq) * double(mb.batch);
   const double kv = rows * double(nkv / l.tp) * Dh, q = rows * double(c.heads / l.tp) * Dh;
   double cp_f = 0, cp_b = 0;
@@ -951,15 +952,15 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
     const double block_f = p.attention_ms / r.layers / C;  // one of the C blocks' attention
     switch (l.cp_method) {
       case CpMethod::ring: {
-        const double hop = link.ms(2 * kv * e, 1);
+        const double hop = link.ms(2 * kv * e, 1), dhop = link.ms(2 * kv * g, 1);
         cp_f = (C - 1) * std::max(0.0, hop - block_f);
-        cp_b = (C - 1) * std::max(0.0, 2 * hop - 2 * block_f) + hop;
+        cp_b = (C - 1) * std::max(0.0, hop + dhop - 2 * block_f) + dhop;
         break;
       }
       case CpMethod::allgather: {
         const double gather = link.ms((C - 1) * 2 * kv * e, C - 1);
         cp_f = gather;
-        cp_b = 2 * gather;  // the gather again, and the dK/dV reduce-scatter
+        cp_b = gather + link.ms((C - 1) * 2 * kv * g, C - 1);  // again, and dK/dV's reduce-scatter
         break;
       }
       case CpMethod::ulysses: {

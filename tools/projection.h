@@ -43,11 +43,11 @@
 //                S/C queries against all S keys), M times;
 //   CP           ring: forward C−1 hops of K/V (2·kv·e bytes), each beside one of the C blocks'
 //                attention, exposed where the hop outlasts the block; backward the K/V hop and
-//                the previous block's dK/dV hop beside each block, and the last dK/dV hop home
-//                exposed. allgather: the gather (forward, again backward) and the dK/dV
-//                reduce-scatter, exposed. ulysses: two all-to-alls per attention in each
-//                direction (q, k, v there and the output back; q, k, v, out, dO there and dq,
-//                dk, dv back), exposed; bytes as common/traffic.h's cp_traffic();
+//                the previous block's dK/dV hop (fp32 partial sums, 2·kv·4 bytes) beside each
+//                block, and the last dK/dV hop home exposed. allgather: the gather (forward, again
+//                backward) and the dK/dV reduce-scatter, exposed. ulysses: two all-to-alls per
+//                attention in each direction (q, k, v there and the output back; q, k, v, out, dO
+//                there and dq, dk, dv back), exposed; bytes as common/traffic.h's cp_traffic();
 //   DP           FSDP over the D·C ranks of the DP×CP group, the rank's layers gathered twice
 //                and reduce-scattered once a step (kept across micro-batches), prefetched behind
 //                the step's compute: exposed what it takes beyond it (project_mesh()'s rule);
