@@ -7,10 +7,12 @@
 // so that a failed expectation cannot leave the ranks out of step.
 #include <mpi.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -275,6 +277,35 @@ TEST_F(Comm, FlightRecorderHoldsEveryOp) {
   EXPECT_EQ(ops[4].peer, (r_ + 1) % n_);
   EXPECT_EQ(ops[4].src, (r_ + n_ - 1) % n_);
   EXPECT_FALSE(comm_->recorder().oldest_in_flight().has_value());
+}
+
+TEST_F(Comm, ReportGathersConcatenateInRankOrderInTheReportLaneUncounted) {
+  // Five bytes from each rank (not a whole float), and a double: every rank's, in rank order.
+  std::vector<std::byte> mine(5), all(std::size_t(5 * n_));
+  for (int i = 0; i < 5; ++i) mine[std::size_t(i)] = std::byte(16 * r_ + i);
+  comm_->all_gather_report(mine, all, "bytes for a report");
+  for (int q = 0; q < n_; ++q)
+    for (int i = 0; i < 5; ++i)
+      EXPECT_EQ(all[std::size_t(q * 5 + i)], std::byte(16 * q + i))
+          << "rank " << q << " byte " << i;
+  const std::vector<double> sums = comm_->all_gather_report(0.5 + r_, "a number");
+  ASSERT_EQ(sums.size(), std::size_t(n_));
+  for (int q = 0; q < n_; ++q) EXPECT_EQ(sums[std::size_t(q)], 0.5 + q);
+  expect_stats(0, 0, 0);  // the report's traffic, not the step's
+  // Recorded (with more than one rank) as all-gathers of the group's report lane, done.
+  const auto ops = comm_->recorder().snapshot();
+  ASSERT_EQ(ops.size(), n_ > 1 ? 2u : 0u);
+  const std::uint64_t bytes[] = {5u * n_, 8u * n_};
+  const char* what[] = {"bytes for a report", "a number"};
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    EXPECT_EQ(ops[i].op, CommOp::all_gather);
+    EXPECT_EQ(ops[i].bytes, bytes[i]);
+    EXPECT_EQ(ops[i].state, OpState::done);
+    EXPECT_EQ(std::string_view(ops[i].what), what[i]);
+    EXPECT_TRUE(std::string_view(ops[i].group).ends_with(" report")) << ops[i].group;
+  }
+  std::vector<std::byte> wrong(std::size_t(5 * n_ + 1));
+  EXPECT_THROW(comm_->all_gather_report(mine, wrong, "a wrong size"), Error);
 }
 
 TEST(CommFault, SkippedOpIsRecordedAndNotCounted) {
