@@ -9,9 +9,14 @@
 
 namespace tpx::ring {
 
-OverlapRing::OverlapRing(const RunContext& ctx, ChunkMover mover)
+std::unique_ptr<ChunkTransport> send_recv_ring(const RunContext& ctx, TpGroup& group) {
+  return std::make_unique<P2PTransport>(group.communicator(), ctx.options.config.device,
+                                        group.trace());
+}
+
+OverlapRing::OverlapRing(const RunContext& ctx, const MakeTransport& make)
     : SequenceParallel(ctx),
-      ring_{.transport = group_.transport(mover),
+      ring_{.transport = group_.adopt_transport(make(ctx, group_)),
             .trace = group_.trace(),
             .compute = high_precision(ctx.options.config.dtype),
             .activations = ctx.options.config.activations()} {}

@@ -13,6 +13,7 @@
 // defines: tpx::ring::OverlapRing, tpx::ring::make_overlap_ring()
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -23,14 +24,21 @@
 
 namespace tpx::ring {
 
+/// Makes the transport that moves the ring primitives' chunks over the stage's group
+/// (collective: every rank of the group calls it).
+using MakeTransport = std::function<std::unique_ptr<ChunkTransport>(const RunContext&, TpGroup&)>;
+
+/// Stage 04's transport: P2PTransport, a ring of send/recv on the group's communicator.
+std::unique_ptr<ChunkTransport> send_recv_ring(const RunContext& ctx, TpGroup& group);
+
 /// Stage 03's Parallelism with its four linear-layer methods replaced by ring primitives over
 /// point-to-point transfers (or another ChunkTransport). Everything else (sharding, norm-gain
 /// all-reduce, gathers for --check) is stage 03's.
 class OverlapRing : public sp::SequenceParallel {
  public:
-  /// `mover` says how the chunks travel: stage 04's ring of send/recv, or (stage 05) pulls from
-  /// symmetric memory by the copy engine. The schedule of GEMMs is the same.
-  explicit OverlapRing(const RunContext& ctx, ChunkMover mover = ChunkMover::send_recv);
+  /// `make` says how the chunks travel: stage 04's ring of send/recv, or the transport a later
+  /// stage brings (stage 05's copy-engine pulls). The schedule of GEMMs is the same.
+  explicit OverlapRing(const RunContext& ctx, const MakeTransport& make = send_recv_ring);
   std::string comm_name() const override;
 
   ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,

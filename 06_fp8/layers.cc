@@ -10,7 +10,7 @@
 
 namespace tpx::async_fp8 {
 
-Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx) : OverlapRing(ctx, ChunkMover::copy_engine) {}
+Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx) : OverlapRing(ctx, async_tp::copy_engine_transport) {}
 
 std::vector<Tensor> Fp8AsyncTp::quantize(std::span<const Tensor> x, std::span<const DType> format,
                                          std::string_view what) {

@@ -45,11 +45,11 @@
 
 #include <fmt/format.h>
 
+#include "05_copy_engine_async_tp/symmetric_memory.h"
 #include "bench_util.h"
 #include "busbw.h"
 #include "common/check.h"
 #include "common/comm/communicator.h"
-#include "common/symmetric_memory.h"
 #include "common/trace.h"
 
 namespace tpx::bench {

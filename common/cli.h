@@ -37,7 +37,7 @@ const char* to_string(CpMethod m);
 
 /// What runs a copy-engine stage's all-gathers (--all-gather).
 enum class AllGatherPath {
-  pulls,          ///< the hand-built pulls from symmetric memory (common/copy_engine.h)
+  pulls,  ///< the hand-built pulls from symmetric memory (05_copy_engine_async_tp/copy_engine.h)
   nccl_zero_cta,  ///< NCCL's copy-engine all-gather on a registered window (common/comm/zero_cta.h)
 };
 const char* to_string(AllGatherPath p);

@@ -4,7 +4,7 @@
 // Decomposition in Large Deep Learning Models"). Stages 04-06 are written with these primitives;
 // what moves the bytes is a ChunkTransport, which also fixes the order of the chunks: below is
 // the ring of point-to-point send/recv of stage 04 (P2PTransport); stage 05's copy-engine pulls
-// are described in common/copy_engine.h.
+// are described in 05_copy_engine_async_tp/copy_engine.h.
 //
 // Rank r of N holds chunk r = rows [r·n, (r+1)·n) of a tensor split along dim 0 (the sequence).
 //
@@ -47,7 +47,8 @@ struct RingContext;
 /// How the chunks of the primitives below travel between ranks: a transport starts an all-gather
 /// or a reduce-scatter whose chunks the primitive then consumes or produces one per step. Stage 04
 /// passes chunks around a ring with send/recv (P2PTransport); stage 05 pulls them out of peers'
-/// symmetric memory with the copy engine (CopyEngineTransport, common/copy_engine.h).
+/// symmetric memory with the copy engine (CopyEngineTransport,
+/// 05_copy_engine_async_tp/copy_engine.h).
 class ChunkTransport {
  public:
   virtual ~ChunkTransport() = default;

@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 
 #include "check.h"
-#include "copy_engine.h"
 #include "ops.h"
 
 namespace tpx {
@@ -53,18 +52,7 @@ TpGroup::TpGroup(const RunContext& ctx)
       device_(ctx.options.config.device),
       trace_(ctx.trace),
       stream_(device_),
-      comm_(make_communicator(ctx.options.comm, device_)),
-      comm_options_(ctx.options.comm),
-      all_gather_(ctx.options.all_gather),
-      symmetric_{.timeout_s = ctx.options.comm.timeout_s,
-                 .fault_rank = ctx.options.comm.signal_fault_rank,
-                 .fault_signal = ctx.options.comm.signal_fault,
-                 .delay_us = ctx.options.comm.copy_delay_us,
-                 .delay_seed = ctx.options.config.seed,
-                 .group = ctx.options.comm.group,
-                 .copy_fault_rank = ctx.options.comm.copy_fault_rank,
-                 .copy_fault = ctx.options.comm.copy_fault,
-                 .monitor = ctx.options.comm.monitor} {
+      comm_(make_communicator(ctx.options.comm, device_)) {
   TPX_CHECK(comm_->rank() == rank_ && comm_->size() == world_,
             "communicator is rank {} of {}, the job says {} of {}", comm_->rank(), comm_->size(),
             rank_, world_);
@@ -99,22 +87,15 @@ Tensor TpGroup::reduce_scatter(const Tensor& full, std::string_view what) {
   return local;
 }
 
-ChunkTransport& TpGroup::transport(ChunkMover mover) {
-  if (mover == ChunkMover::send_recv) {
-    if (!p2p_) p2p_ = std::make_unique<P2PTransport>(*comm_, device_, trace_);
-    return *p2p_;
-  }
-  if (!copy_engine_)
-    copy_engine_ = std::make_unique<CopyEngineTransport>(
-        rank_, world_, device_, symmetric_, trace_,
-        all_gather_ == AllGatherPath::nccl_zero_cta ? make_zero_cta_comm(comm_options_, device_)
-                                                    : nullptr);
-  return *copy_engine_;
+ChunkTransport& TpGroup::adopt_transport(std::unique_ptr<ChunkTransport> transport) {
+  TPX_CHECK(transport && !transport_, "a tensor-parallel group has one transport");
+  transport_ = std::move(transport);
+  return *transport_;
 }
 
 void TpGroup::bank_step_stats() {
   for (const CommStats& s :
-       {comm_->take_stats(), copy_engine_ ? copy_engine_->take_stats() : CommStats{}}) {
+       {comm_->take_stats(), transport_ ? transport_->take_stats() : CommStats{}}) {
     step_.payload_bytes += s.payload_bytes;
     step_.bus_bytes += s.bus_bytes;
     step_.calls += s.calls;

@@ -21,7 +21,6 @@
 #include "ring.h"
 #include "stage.h"
 #include "stream.h"
-#include "symmetric_memory.h"
 #include "tensor.h"
 #include "trace.h"
 
@@ -36,12 +35,6 @@ void check_tp_split(const BlockConfig& c, int world, bool sequence);
 /// split check of its factory, its sharding (weights; from stage 03 on the sequence too) and a
 /// step's bytes (comm_bytes(); stage 06 under --dtype fp32 or bf16 runs as stage 05).
 StagePlan tp_plan(int stage, const RunContext& ctx);
-
-/// What moves the chunks of the overlap primitives.
-enum class ChunkMover {
-  send_recv,    ///< a ring of point-to-point transfers (stage 04)
-  copy_engine,  ///< pulls from peers' symmetric memory by the copy engine (stage 05)
-};
 
 /// The tensor-parallel group: every rank of the job, in rank order.
 class TpGroup {
@@ -72,11 +65,13 @@ class TpGroup {
   /// The full [S, B, H] tensor from this rank's sequence shard (collective; not counted).
   Tensor gather_sequence(const Tensor& local);
 
-  /// The transport of the overlap primitives (common/ring.h) over this group, made on first use:
-  /// stage 04's ring of send/recv on a comm stream of its own, or stage 05's copy-engine pulls
-  /// from symmetric memory (whose all-gathers may be NCCL's zero-CTA ones, --all-gather). Its
-  /// traffic is part of take_stats().
-  ChunkTransport& transport(ChunkMover mover);
+  /// The group's communicator (stage 04's ring of send/recv runs on it).
+  Communicator& communicator() { return *comm_; }
+  /// Takes the transport of the overlap primitives (common/ring.h) that the stage made for this
+  /// group (stage 04: a ring of send/recv; stage 05: its copy-engine pulls) and returns it. The
+  /// group owns it (destroyed before the communicator), counts the traffic it moves itself in
+  /// take_stats() and waits for it in synchronize().
+  ChunkTransport& adopt_transport(std::unique_ptr<ChunkTransport> transport);
   Trace& trace() const { return trace_; }
 
   /// The step's traffic since the last call; resets the counters.
@@ -84,8 +79,7 @@ class TpGroup {
   /// Waits for everything issued on the group's stream.
   void synchronize() {
     stream_.synchronize();
-    if (p2p_) p2p_->synchronize();
-    if (copy_engine_) copy_engine_->synchronize();
+    if (transport_) transport_->synchronize();
   }
 
  private:
@@ -99,11 +93,7 @@ class TpGroup {
   Trace& trace_;
   Stream stream_;
   std::unique_ptr<Communicator> comm_;
-  CommOptions comm_options_;
-  AllGatherPath all_gather_;  // of the copy-engine transport
-  SymmetricOptions symmetric_;
-  std::unique_ptr<P2PTransport> p2p_;  // after comm_: destroyed (its stream drained) first
-  std::unique_ptr<ChunkTransport> copy_engine_;
+  std::unique_ptr<ChunkTransport> transport_;  // after comm_: destroyed (its streams drained) first
   CommStats step_;
 };
 

@@ -5,7 +5,7 @@ A chapter quotes code as a reference `path:first-last` (or `path:line`) in the t
 fenced block whose lines start with their line number (of the references since the last block,
 the one whose range holds the quoted numbers):
 
-    The pull, `common/copy_engine.cc:49-63`:
+    The pull, `05_copy_engine_async_tp/copy_engine.cc:49-63`:
 
     ```
     49    bool advance() override {

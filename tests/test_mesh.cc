@@ -10,10 +10,10 @@
 
 #include <gtest/gtest.h>
 
+#include "05_copy_engine_async_tp/symmetric_memory.h"
 #include "common/check.h"
 #include "common/comm/communicator.h"
 #include "common/mesh.h"
-#include "common/symmetric_memory.h"
 #include "common/trace.h"
 #include "test_mpi.h"
 

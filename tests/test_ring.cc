@@ -21,8 +21,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "05_copy_engine_async_tp/copy_engine.h"
 #include "common/comm/communicator.h"
-#include "common/copy_engine.h"
 #include "common/ops.h"
 #include "common/ring.h"
 #include "common/tp.h"
@@ -47,9 +47,12 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
 
+/// What moves the chunks: stage 04's ring of send/recv or stage 05's copy-engine pulls.
+enum class Mover { send_recv, copy_engine };
+
 /// Every test runs over both transports: stage 04's ring of send/recv and stage 05's copy-engine
 /// pulls from symmetric memory.
-class Ring : public ::testing::TestWithParam<ChunkMover> {
+class Ring : public ::testing::TestWithParam<Mover> {
  protected:
   void SetUp() override {
     CommOptions o;
@@ -70,7 +73,7 @@ class Ring : public ::testing::TestWithParam<ChunkMover> {
                                                                           .group = {}},
                                                          trace_);
   }
-  bool p2p() const { return GetParam() == ChunkMover::send_recv; }
+  bool p2p() const { return GetParam() == Mover::send_recv; }
 
   /// The traffic of the primitives since the last call: the communicator's (send/recv) and the
   /// transport's own (pulls).
@@ -272,10 +275,9 @@ TEST_P(Ring, ExposedCommIsTheCommNotCoveredByCompute) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, Ring,
-                         ::testing::Values(ChunkMover::send_recv, ChunkMover::copy_engine),
-                         [](const ::testing::TestParamInfo<ChunkMover>& i) {
-                           return i.param == ChunkMover::send_recv ? "SendRecv" : "CopyEngine";
+INSTANTIATE_TEST_SUITE_P(Transports, Ring, ::testing::Values(Mover::send_recv, Mover::copy_engine),
+                         [](const ::testing::TestParamInfo<Mover>& i) {
+                           return i.param == Mover::send_recv ? "SendRecv" : "CopyEngine";
                          });
 
 }  // namespace

@@ -13,8 +13,8 @@
 
 #include <gtest/gtest.h>
 
+#include "05_copy_engine_async_tp/symmetric_memory.h"
 #include "common/check.h"
-#include "common/symmetric_memory.h"
 #include "test_mpi.h"
 
 namespace tpx {

@@ -3,7 +3,7 @@
 
 The input is a --trace file of 05_copy_engine_async_tp (or 06_fp8). The trace records spans, not
 the signals themselves, but every signal is issued on a lane right after a span of that lane, in
-stream order (common/copy_engine.cc), so its time is the end of that span:
+stream order (05_copy_engine_async_tp/copy_engine.cc), so its time is the end of that span:
 
   all-gather, rank p, use k of its `ag` buffer:
     '<role> publish' (copy lane) ends      -> ready = k written into every peer's pad

@@ -1,7 +1,7 @@
 // Stage 05's transport for the overlap primitives of common/ring.h: chunks are pulled out of the
-// peers' symmetric memory (common/symmetric_memory.h) by the copy engine, so no SM (on the cpu:
-// not the compute thread) spends a cycle moving them, and the only ordering between ranks is the
-// signal pad's.
+// peers' symmetric memory (symmetric_memory.h, beside this file) by the copy engine, so no SM (on
+// the cpu: not the compute thread) spends a cycle moving them, and the only ordering between ranks
+// is the signal pad's.
 //
 // Rank r of N, the k-th use of a buffer (every rank counts alike; generations start at 1):
 //
@@ -46,9 +46,9 @@
 #include <optional>
 #include <string>
 
-#include "comm/zero_cta.h"
-#include "ring.h"
-#include "symmetric_memory.h"
+#include "05_copy_engine_async_tp/symmetric_memory.h"
+#include "common/comm/zero_cta.h"
+#include "common/ring.h"
 
 namespace tpx {
 

@@ -1,4 +1,4 @@
-#include "symmetric_memory.h"
+#include "05_copy_engine_async_tp/symmetric_memory.h"
 
 #include <mpi.h>
 
@@ -10,12 +10,12 @@
 
 #include <fmt/format.h>
 
-#include "check.h"
-#include "comm/nodes.h"
-#include "comm/watchdog.h"
+#include "common/check.h"
+#include "common/comm/nodes.h"
+#include "common/comm/watchdog.h"
 
 #if TPX_WITH_CUDA
-#include "cuda/symmetric_memory.h"
+#include "05_copy_engine_async_tp/cuda/symmetric_memory.h"
 #endif
 
 namespace tpx {

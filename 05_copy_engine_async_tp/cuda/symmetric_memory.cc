@@ -1,4 +1,4 @@
-// The cuda backend of tpx::SymmetricMemory (see common/symmetric_memory.h for the contract).
+// The cuda backend of tpx::SymmetricMemory (see ../symmetric_memory.h for the contract).
 //
 // Every rank cudaMalloc's one block: its buffer (rounded up to whole pad lines) followed by its
 // signal pad, zeroed so that every counter starts at generation 0. The block's CUDA IPC handle is
@@ -36,7 +36,7 @@
 // allocated.
 //
 // defines: tpx::cuda::make_symmetric_memory() (CudaSymmetricMemory, internal)
-#include "symmetric_memory.h"
+#include "05_copy_engine_async_tp/cuda/symmetric_memory.h"
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -55,8 +55,8 @@
 
 #include <fmt/format.h>
 
-#include "check.h"
-#include "device.h"
+#include "common/cuda/check.h"
+#include "common/cuda/device.h"
 
 namespace tpx::cuda {
 namespace {

@@ -47,12 +47,12 @@
 #include <string_view>
 #include <vector>
 
-#include "comm/flight_recorder.h"
-#include "comm/group.h"
-#include "parallel.h"
-#include "stream.h"
-#include "tensor.h"
-#include "trace.h"
+#include "common/comm/flight_recorder.h"
+#include "common/comm/group.h"
+#include "common/parallel.h"
+#include "common/stream.h"
+#include "common/tensor.h"
+#include "common/trace.h"
 
 namespace tpx {
 

@@ -1,4 +1,4 @@
-// The cuda backend of tpx::SymmetricMemory (common/symmetric_memory.h): cudaMalloc'd buffer + pad
+// The cuda backend of tpx::SymmetricMemory (../symmetric_memory.h): cudaMalloc'd buffer + pad
 // per rank, CUDA IPC handles exchanged over MPI, pulls by cudaMemcpyAsync on the copy stream,
 // signals by cuStreamWriteValue32 / cuStreamWaitValue32 on the pads.
 //
@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <memory>
 
-#include "common/symmetric_memory.h"
+#include "05_copy_engine_async_tp/symmetric_memory.h"
 
 namespace tpx::cuda {
 

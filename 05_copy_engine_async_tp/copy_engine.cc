@@ -1,9 +1,9 @@
-#include "copy_engine.h"
+#include "05_copy_engine_async_tp/copy_engine.h"
 
 #include <fmt/format.h>
 
-#include "check.h"
-#include "ops.h"
+#include "common/check.h"
+#include "common/ops.h"
 
 namespace tpx {
 namespace {
