@@ -2,6 +2,7 @@
 // position, token index t = s·B + b.
 #include "reference.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "init.h"
@@ -96,9 +97,24 @@ Vec rmsnorm_back(const Vec& dy, const Vec& x, const Vec& g, const Vec& rstd, I r
   return dx;
 }
 
+// What a layer's forward keeps for its backward.
 struct Layer {
   Vec x, rstd1, h, q, k, v, p, a, x2, rstd2, h2, gt, up, s;
 };
+
+using Params = std::array<Vec, kNumParams>;
+
+const Vec& param(const Params& params, Param p) {
+  return params[static_cast<std::size_t>(p)];
+}
+Vec& param(Params& params, Param p) {
+  return params[static_cast<std::size_t>(p)];
+}
+
+// y += x, element by element.
+void add_into(Vec& y, const Vec& x) {
+  for (std::size_t i = 0; i < y.size(); ++i) y[i] += x[i];
+}
 
 double silu(double z) {
   return z / (1.0 + std::exp(-z));
@@ -119,27 +135,51 @@ class RefBlock {
         theta(c.rope_theta) {}
 
   // Returns out; fills the saved layer state.
-  Vec forward(const std::array<Vec, kNumParams>& w, const Vec& x, Layer& L) const {
-    L.x = x;
-    Norm n1 = rmsnorm(x, w[0], T, H);
-    L.h = n1.y;
-    L.rstd1 = n1.rstd;
-    L.q = matmul(L.h, w[1], T, H, H);
-    L.k = matmul(L.h, w[2], T, H, KV);
-    L.v = matmul(L.h, w[3], T, H, KV);
-    rope(L.q, NH, +1.0);
-    rope(L.k, NKV, +1.0);
-    L.p.assign(static_cast<std::size_t>(B * NH * S * S), 0.0);
-    L.a.assign(static_cast<std::size_t>(T * H), 0.0);
+  Vec forward(const Params& w, const Vec& x, Layer& saved) const {
+    saved.x = x;
+    const Vec o = attention_forward(w, saved);
+    saved.x2 = x;
+    add_into(saved.x2, o);
+    return mlp_forward(w, saved);
+  }
+
+  // Returns dx; writes every weight gradient into dw.
+  Vec backward(const Params& w, const Layer& saved, const Vec& dout, Params& dw) const {
+    Vec dx2 = mlp_backward(w, saved, dout, dw);
+    add_into(dx2, dout);
+    Vec dx = attention_backward(w, saved, dx2, dw);
+    add_into(dx, dx2);
+    return dx;
+  }
+
+ private:
+  // norm1, Q/K/V with RoPE, causal attention; returns a·Wo (the residual is the caller's).
+  Vec attention_forward(const Params& w, Layer& saved) const {
+    Norm n1 = rmsnorm(saved.x, param(w, Param::norm1), T, H);
+    saved.h = n1.y;
+    saved.rstd1 = n1.rstd;
+    saved.q = matmul(saved.h, param(w, Param::wq), T, H, H);
+    saved.k = matmul(saved.h, param(w, Param::wk), T, H, KV);
+    saved.v = matmul(saved.h, param(w, Param::wv), T, H, KV);
+    rope(saved.q, NH, +1.0);
+    rope(saved.k, NKV, +1.0);
+    causal_softmax_attention(saved);
+    return matmul(saved.a, param(w, Param::wo), T, H, H);
+  }
+
+  // saved.p = softmax(q·kᵀ/√D) under the causal mask, saved.a = p·v, every head.
+  void causal_softmax_attention(Layer& saved) const {
+    saved.p.assign(static_cast<std::size_t>(B * NH * S * S), 0.0);
+    saved.a.assign(static_cast<std::size_t>(T * H), 0.0);
     const double scale = 1.0 / std::sqrt(double(D));
     for (I b = 0; b < B; ++b)
       for (I hd = 0; hd < NH; ++hd)
         for (I i = 0; i < S; ++i) {
-          double* prow = &L.p[static_cast<std::size_t>(((b * NH + hd) * S + i) * S)];
+          double* prow = &saved.p[static_cast<std::size_t>(((b * NH + hd) * S + i) * S)];
           double mx = -INFINITY;
           for (I j = 0; j <= i; ++j) {
             double dot = 0.0;
-            for (I d = 0; d < D; ++d) dot += L.q[at(i, b, hd, d)] * L.k[kv_at(j, b, hd, d)];
+            for (I d = 0; d < D; ++d) dot += saved.q[at(i, b, hd, d)] * saved.k[kv_at(j, b, hd, d)];
             prow[j] = dot * scale;
             mx = std::max(mx, prow[j]);
           }
@@ -147,58 +187,81 @@ class RefBlock {
           for (I j = 0; j <= i; ++j) sum += (prow[j] = std::exp(prow[j] - mx));
           for (I j = 0; j <= i; ++j) prow[j] /= sum;
           for (I j = 0; j <= i; ++j)
-            for (I d = 0; d < D; ++d) L.a[at(i, b, hd, d)] += prow[j] * L.v[kv_at(j, b, hd, d)];
+            for (I d = 0; d < D; ++d)
+              saved.a[at(i, b, hd, d)] += prow[j] * saved.v[kv_at(j, b, hd, d)];
         }
-    Vec o = matmul(L.a, w[4], T, H, H);
-    L.x2 = x;
-    for (std::size_t i = 0; i < o.size(); ++i) L.x2[i] += o[i];
-    Norm n2 = rmsnorm(L.x2, w[5], T, H);
-    L.h2 = n2.y;
-    L.rstd2 = n2.rstd;
-    L.gt = matmul(L.h2, w[6], T, H, F);
-    L.up = matmul(L.h2, w[7], T, H, F);
-    L.s.resize(L.gt.size());
-    for (std::size_t i = 0; i < L.s.size(); ++i) L.s[i] = silu(L.gt[i]) * L.up[i];
-    Vec m = matmul(L.s, w[8], T, F, H);
-    Vec out = L.x2;
-    for (std::size_t i = 0; i < out.size(); ++i) out[i] += m[i];
+  }
+
+  // norm2 and the SwiGLU MLP on saved.x2; returns x2 + its output.
+  Vec mlp_forward(const Params& w, Layer& saved) const {
+    Norm n2 = rmsnorm(saved.x2, param(w, Param::norm2), T, H);
+    saved.h2 = n2.y;
+    saved.rstd2 = n2.rstd;
+    saved.gt = matmul(saved.h2, param(w, Param::w_gate), T, H, F);
+    saved.up = matmul(saved.h2, param(w, Param::w_up), T, H, F);
+    saved.s.resize(saved.gt.size());
+    for (std::size_t i = 0; i < saved.s.size(); ++i) saved.s[i] = silu(saved.gt[i]) * saved.up[i];
+    Vec m = matmul(saved.s, param(w, Param::w_down), T, F, H);
+    Vec out = saved.x2;
+    add_into(out, m);
     return out;
   }
 
-  // Returns dx; writes every weight gradient into dw.
-  Vec backward(const std::array<Vec, kNumParams>& w, const Layer& L, const Vec& dout,
-               std::array<Vec, kNumParams>& dw) const {
-    dw[8] = matmul_dw(L.s, dout, T, F, H);
-    Vec ds = matmul_dx(dout, w[8], T, F, H);
+  // The MLP half's backward: the gradients of Wd, Wg, Wu and norm2; returns the gradient that
+  // reaches x2 through norm2 (the residual's dout is the caller's).
+  Vec mlp_backward(const Params& w, const Layer& saved, const Vec& dout, Params& dw) const {
+    param(dw, Param::w_down) = matmul_dw(saved.s, dout, T, F, H);
+    Vec ds = matmul_dx(dout, param(w, Param::w_down), T, F, H);
     Vec dgt(ds.size()), dup(ds.size());
     for (std::size_t i = 0; i < ds.size(); ++i) {
-      const double z = L.gt[i], sg = 1.0 / (1.0 + std::exp(-z));
+      const double z = saved.gt[i], sg = 1.0 / (1.0 + std::exp(-z));
       dup[i] = ds[i] * silu(z);
-      dgt[i] = ds[i] * L.up[i] * sg * (1.0 + z * (1.0 - sg));
+      dgt[i] = ds[i] * saved.up[i] * sg * (1.0 + z * (1.0 - sg));
     }
-    dw[6] = matmul_dw(L.h2, dgt, T, H, F);
-    dw[7] = matmul_dw(L.h2, dup, T, H, F);
-    Vec dh2 = matmul_dx(dgt, w[6], T, H, F);
-    const Vec dh2u = matmul_dx(dup, w[7], T, H, F);
-    for (std::size_t i = 0; i < dh2.size(); ++i) dh2[i] += dh2u[i];
-    dw[5].assign(static_cast<std::size_t>(H), 0.0);
-    Vec dx2 = rmsnorm_back(dh2, L.x2, w[5], L.rstd2, T, H, dw[5]);
-    for (std::size_t i = 0; i < dx2.size(); ++i) dx2[i] += dout[i];
+    param(dw, Param::w_gate) = matmul_dw(saved.h2, dgt, T, H, F);
+    param(dw, Param::w_up) = matmul_dw(saved.h2, dup, T, H, F);
+    Vec dh2 = matmul_dx(dgt, param(w, Param::w_gate), T, H, F);
+    add_into(dh2, matmul_dx(dup, param(w, Param::w_up), T, H, F));
+    param(dw, Param::norm2).assign(static_cast<std::size_t>(H), 0.0);
+    return rmsnorm_back(dh2, saved.x2, param(w, Param::norm2), saved.rstd2, T, H,
+                        param(dw, Param::norm2));
+  }
 
-    dw[4] = matmul_dw(L.a, dx2, T, H, H);
-    const Vec da = matmul_dx(dx2, w[4], T, H, H);
-    Vec dq(da.size(), 0.0), dk(L.k.size(), 0.0), dv(L.v.size(), 0.0);
+  // The attention half's backward from dx2: the gradients of Wo, Wq, Wk, Wv and norm1; returns
+  // the gradient that reaches x through norm1 (the residual's dx2 is the caller's).
+  Vec attention_backward(const Params& w, const Layer& saved, const Vec& dx2, Params& dw) const {
+    param(dw, Param::wo) = matmul_dw(saved.a, dx2, T, H, H);
+    const Vec da = matmul_dx(dx2, param(w, Param::wo), T, H, H);
+    Vec dq(da.size(), 0.0), dk(saved.k.size(), 0.0), dv(saved.v.size(), 0.0);
+    causal_softmax_attention_backward(saved, da, dq, dk, dv);
+    rope(dq, NH, -1.0);  // the rotation's transpose
+    rope(dk, NKV, -1.0);
+    param(dw, Param::wq) = matmul_dw(saved.h, dq, T, H, H);
+    param(dw, Param::wk) = matmul_dw(saved.h, dk, T, H, KV);
+    param(dw, Param::wv) = matmul_dw(saved.h, dv, T, H, KV);
+    Vec dh = matmul_dx(dq, param(w, Param::wq), T, H, H);
+    add_into(dh, matmul_dx(dk, param(w, Param::wk), T, H, KV));
+    add_into(dh, matmul_dx(dv, param(w, Param::wv), T, H, KV));
+    param(dw, Param::norm1).assign(static_cast<std::size_t>(H), 0.0);
+    return rmsnorm_back(dh, saved.x, param(w, Param::norm1), saved.rstd1, T, H,
+                        param(dw, Param::norm1));
+  }
+
+  // From da (the gradient of p·v): dq, dk and dv (zeroed by the caller; a KV head sums over its
+  // group of query heads), before the rotary embedding's transpose.
+  void causal_softmax_attention_backward(const Layer& saved, const Vec& da, Vec& dq, Vec& dk,
+                                         Vec& dv) const {
     const double scale = 1.0 / std::sqrt(double(D));
     std::vector<double> dp(static_cast<std::size_t>(S));
     for (I b = 0; b < B; ++b)
       for (I hd = 0; hd < NH; ++hd)
         for (I i = 0; i < S; ++i) {
-          const double* prow = &L.p[static_cast<std::size_t>(((b * NH + hd) * S + i) * S)];
+          const double* prow = &saved.p[static_cast<std::size_t>(((b * NH + hd) * S + i) * S)];
           double dot = 0.0;
           for (I j = 0; j <= i; ++j) {
             double acc = 0.0;
             for (I d = 0; d < D; ++d) {
-              acc += da[at(i, b, hd, d)] * L.v[kv_at(j, b, hd, d)];
+              acc += da[at(i, b, hd, d)] * saved.v[kv_at(j, b, hd, d)];
               dv[kv_at(j, b, hd, d)] += prow[j] * da[at(i, b, hd, d)];  // Σ over the group
             }
             dp[static_cast<std::size_t>(j)] = acc;
@@ -207,28 +270,13 @@ class RefBlock {
           for (I j = 0; j <= i; ++j) {
             const double dsc = prow[j] * (dp[static_cast<std::size_t>(j)] - dot) * scale;
             for (I d = 0; d < D; ++d) {
-              dq[at(i, b, hd, d)] += dsc * L.k[kv_at(j, b, hd, d)];
-              dk[kv_at(j, b, hd, d)] += dsc * L.q[at(i, b, hd, d)];
+              dq[at(i, b, hd, d)] += dsc * saved.k[kv_at(j, b, hd, d)];
+              dk[kv_at(j, b, hd, d)] += dsc * saved.q[at(i, b, hd, d)];
             }
           }
         }
-    rope(dq, NH, -1.0);  // the rotation's transpose
-    rope(dk, NKV, -1.0);
-    dw[1] = matmul_dw(L.h, dq, T, H, H);
-    dw[2] = matmul_dw(L.h, dk, T, H, KV);
-    dw[3] = matmul_dw(L.h, dv, T, H, KV);
-    Vec dh = matmul_dx(dq, w[1], T, H, H);
-    for (const auto& [dy, wi] : {std::pair{&dk, &w[2]}, std::pair{&dv, &w[3]}}) {
-      const Vec part = matmul_dx(*dy, *wi, T, H, KV);
-      for (std::size_t i = 0; i < dh.size(); ++i) dh[i] += part[i];
-    }
-    dw[0].assign(static_cast<std::size_t>(H), 0.0);
-    Vec dx = rmsnorm_back(dh, L.x, w[0], L.rstd1, T, H, dw[0]);
-    for (std::size_t i = 0; i < dx.size(); ++i) dx[i] += dx2[i];
-    return dx;
   }
 
- private:
   // Index of element (position s, batch b, head h, dim d) in a [S, B, H] tensor.
   std::size_t at(I s, I b, I h, I d) const {
     return static_cast<std::size_t>((s * B + b) * H + h * D + d);
@@ -260,6 +308,61 @@ class RefBlock {
   double theta;
 };
 
+// The loss ½·mean((y − target)²) and its gradient dy = (y − target)/n.
+double mse_loss(const Vec& y, const Vec& target, Vec& dy) {
+  const double elements = double(y.size());
+  double sum = 0.0;
+  dy.resize(y.size());
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    sum += (y[i] - target[i]) * (y[i] - target[i]);
+    dy[i] = (y[i] - target[i]) / elements;
+  }
+  return 0.5 * sum / elements;
+}
+
+void sgd_update(const BlockConfig& c, const std::vector<Params>& grads,
+                std::vector<Params>& params) {
+  for (std::size_t l = 0; l < params.size(); ++l)
+    for (std::size_t p = 0; p < kNumParams; ++p)
+      for (std::size_t i = 0; i < params[l][p].size(); ++i)
+        params[l][p][i] -= c.lr * grads[l][p][i];
+}
+
+// AdamW's two moments, zero before the first update.
+struct AdamState {
+  std::vector<Params> moment1, moment2;
+};
+
+// AdamW (torch.optim.AdamW) at step t = step + 1: the moments, the decoupled decay (not on the
+// norm gains), the bias-corrected update.
+void adamw_update(const BlockConfig& c, int step, const std::vector<Params>& grads,
+                  std::vector<Params>& params, AdamState& adam) {
+  if (adam.moment1.empty()) {
+    adam.moment1 = params;
+    adam.moment2 = params;
+    for (auto* moments : {&adam.moment1, &adam.moment2})
+      for (auto& layer : *moments)
+        for (auto& v : layer) std::fill(v.begin(), v.end(), 0.0);
+  }
+  const double adam_step = double(step + 1);
+  const double bias1 = 1.0 - std::pow(c.beta1, adam_step);
+  const double bias2 = 1.0 - std::pow(c.beta2, adam_step);
+  for (std::size_t l = 0; l < params.size(); ++l)
+    for (std::size_t p = 0; p < kNumParams; ++p) {
+      const bool gain = param_split(kAllParams[p]) == Split::replicated;
+      for (std::size_t i = 0; i < params[l][p].size(); ++i) {
+        const double grad = grads[l][p][i];
+        double& m1 = adam.moment1[l][p][i];
+        double& m2 = adam.moment2[l][p][i];
+        double& weight = params[l][p][i];
+        m1 = c.beta1 * m1 + (1.0 - c.beta1) * grad;
+        m2 = c.beta2 * m2 + (1.0 - c.beta2) * grad * grad;
+        if (!gain) weight -= c.lr * c.weight_decay * weight;
+        weight -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
+      }
+    }
+}
+
 }  // namespace
 
 ReferenceState reference_init(const BlockConfig& c) {
@@ -284,61 +387,28 @@ ReferenceRun reference_run(const BlockConfig& c, int steps) {
 }
 
 ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int steps) {
-  const I n = c.seq * c.batch * c.hidden;
-  const Vec& x = state.input;
-  const Vec& target = state.target;
-  auto& w = state.params;
-  RefBlock block(c);
+  auto& params = state.params;
+  const RefBlock block(c);
   ReferenceRun run;
   std::vector<Layer> saved(static_cast<std::size_t>(c.layers));
-  std::vector<std::array<Vec, kNumParams>> moment1, moment2;  // AdamW's state
+  AdamState adam;
   for (int step = 0; step < steps; ++step) {
-    Vec y = x;
-    for (std::size_t l = 0; l < saved.size(); ++l) y = block.forward(w[l], y, saved[l]);
-    double loss = 0.0;
-    Vec dy(y.size());
-    for (std::size_t i = 0; i < y.size(); ++i) {
-      loss += (y[i] - target[i]) * (y[i] - target[i]);
-      dy[i] = (y[i] - target[i]) / double(n);
-    }
-    run.losses.push_back(0.5 * loss / double(n));
-    std::vector<std::array<Vec, kNumParams>> grads(saved.size());
-    for (std::size_t l = saved.size(); l-- > 0;) dy = block.backward(w[l], saved[l], dy, grads[l]);
+    Vec out = state.input;
+    for (std::size_t l = 0; l < saved.size(); ++l) out = block.forward(params[l], out, saved[l]);
+    Vec dout;
+    run.losses.push_back(mse_loss(out, state.target, dout));
+    std::vector<Params> grads(saved.size());
+    for (std::size_t l = saved.size(); l-- > 0;)
+      dout = block.backward(params[l], saved[l], dout, grads[l]);
     if (step == 0) {
-      run.output = y;
-      run.input_grad = dy;
+      run.output = out;
+      run.input_grad = dout;
       run.grads = grads;
     }
-    if (c.optimizer == Optimizer::sgd) {
-      for (std::size_t l = 0; l < w.size(); ++l)
-        for (std::size_t p = 0; p < kNumParams; ++p)
-          for (std::size_t i = 0; i < w[l][p].size(); ++i) w[l][p][i] -= c.lr * grads[l][p][i];
-      continue;
-    }
-    // AdamW (torch.optim.AdamW) at step t = step + 1: the moments, the decoupled decay (not on
-    // the norm gains), the bias-corrected update.
-    if (moment1.empty()) {
-      moment1 = w;
-      moment2 = w;
-      for (auto* mom : {&moment1, &moment2})
-        for (auto& layer : *mom)
-          for (auto& v : layer) std::fill(v.begin(), v.end(), 0.0);
-    }
-    const double t = double(step + 1);
-    const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
-    for (std::size_t l = 0; l < w.size(); ++l)
-      for (std::size_t p = 0; p < kNumParams; ++p) {
-        const bool gain = param_split(kAllParams[p]) == Split::replicated;
-        for (std::size_t i = 0; i < w[l][p].size(); ++i) {
-          const double g = grads[l][p][i];
-          double& m1 = moment1[l][p][i];
-          double& m2 = moment2[l][p][i];
-          m1 = c.beta1 * m1 + (1.0 - c.beta1) * g;
-          m2 = c.beta2 * m2 + (1.0 - c.beta2) * g * g;
-          if (!gain) w[l][p][i] -= c.lr * c.weight_decay * w[l][p][i];
-          w[l][p][i] -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
-        }
-      }
+    if (c.optimizer == Optimizer::sgd)
+      sgd_update(c, grads, params);
+    else
+      adamw_update(c, step, grads, params, adam);
   }
   return run;
 }
