@@ -94,13 +94,15 @@ const char* to_string(CpMethod m) {
   return "ring";
 }
 
-CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
-  StageOptions o;
-  BlockConfig& c = o.config;
-  std::string device = "cpu", dtype = info.fp8 ? "fp8" : "fp32";
-  std::string attention(attention_flag(c.attention));
+namespace {
 
-  CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
+/// What the choice flags are given as, before they become enums.
+struct Choices {
+  std::string device, dtype, attention, optimizer, recompute, comm_kind, cp_method, all_gather;
+};
+
+/// The app: name, summary, the footer's words on ranks and exit codes, --help's layout.
+void describe_app(CLI::App& app, const StageInfo& info) {
   app.footer(fmt::format(
       "{}\n\nEvery rank must be given the same flags. Exit status: 0 done (and --check "
       "passed); 1 --check failed or an output could not be written; 2 bad input, or a config "
@@ -111,6 +113,11 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
             "exits with an error."
           : "Run under `mpirun -np N`; N must divide the sizes the stage splits."));
   app.get_formatter()->column_width(26);
+}
+
+/// Model sizes: H, NH, NKV, F, S, B, L, or a model by name, or a file of flags.
+void add_size_flags(CLI::App& app, StageOptions& o) {
+  BlockConfig& c = o.config;
   auto sizes = "Model sizes";
   add_number(app, "--hidden", c.hidden, "H, the model width")->group(sizes);
   add_number(app, "--heads", c.heads, "NH, attention heads (H % NH == 0)")->group(sizes);
@@ -135,13 +142,11 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->type_name("FILE")
       ->group(sizes);
   app.allow_config_extras(CLI::config_extras_mode::error);
-  auto run = "Run";
-  add_number(app, "--steps", c.steps,
-             "training steps (each: forward, loss, backward, optimizer update)")
-      ->group(run);
-  add_number(app, "--lr", c.lr, "learning rate (SGD runs at 1; AdamW wants ~1e-3)")->group(run);
+}
+
+/// The optimizer: SGD, or AdamW with its four settings.
+void add_optimizer_flags(CLI::App& app, BlockConfig& c, std::string& optimizer) {
   auto opt = "Optimizer";
-  std::string optimizer(optimizer_flag(c.optimizer));
   app.add_option("--optimizer", optimizer,
                  "sgd (w -= lr·grad) or adamw (torch.optim.AdamW: bias-corrected moments, "
                  "decoupled weight decay on the seven matrices, none on the norm gains)")
@@ -155,12 +160,23 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_number(app, "--weight-decay", c.weight_decay,
              "AdamW's decoupled weight decay (the seven matrices only)")
       ->group(opt);
+}
+
+/// The run: steps and learning rate (then the optimizer's group), seed, device, precision,
+/// attention, RoPE, recomputation.
+void add_run_flags(CLI::App& app, const StageInfo& info, BlockConfig& c, Choices& choices) {
+  auto run = "Run";
+  add_number(app, "--steps", c.steps,
+             "training steps (each: forward, loss, backward, optimizer update)")
+      ->group(run);
+  add_number(app, "--lr", c.lr, "learning rate (SGD runs at 1; AdamW wants ~1e-3)")->group(run);
+  add_optimizer_flags(app, c, choices.optimizer);
   add_number(app, "--seed", c.seed, "initialisation seed")->group(run);
-  app.add_option("--device", device, "backend: cpu or cuda")
+  app.add_option("--device", choices.device, "backend: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str()
       ->group(run);
-  app.add_option("--dtype", dtype,
+  app.add_option("--dtype", choices.dtype,
                  info.fp8 ? "precision: fp8 (the bf16 recipe with the linear layers' GEMMs in "
                             "E4M3 forward, E5M2 gradients), fp32, or bf16 (bf16 activations and "
                             "communication, fp32 master weights, gradients and op math)"
@@ -169,7 +185,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
       ->check(info.fp8 ? CLI::IsMember({"fp8", "fp32", "bf16"}) : CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str()
       ->group(run);
-  app.add_option("--attention", attention,
+  app.add_option("--attention", choices.attention,
                  "fused (FlashAttention-2: blockwise, online softmax, keeps only the log-sum-exp) "
                  "or naive (materialises and keeps the S×S probabilities)")
       ->check(CLI::IsMember({"fused", "naive"}))
@@ -179,8 +195,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
              "θ of the rotary position embedding on q and k (Llama 3: 500000); 0 turns it off")
       ->type_name("THETA")
       ->group(run);
-  std::string recompute(recompute_flag(c.recompute));
-  app.add_option("--recompute", recompute,
+  app.add_option("--recompute", choices.recompute,
                  "none (keep every activation backward reads), full (keep only each block's "
                  "input and run the block's forward again, collectives included, before its "
                  "backward) or selective (keep the GEMMs' and attention's outputs, run RMSNorm "
@@ -192,6 +207,10 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
              "with --recompute full: recompute only layers l with l % K == 0")
       ->type_name("K")
       ->group(run);
+}
+
+/// Output: --dry-run, --check, --dump, --json, --trace.
+void add_output_flags(CLI::App& app, StageOptions& o) {
   auto out = "Output";
   app.add_flag("--dry-run", o.dry_run,
                "compute and allocate nothing: print a step's FLOPs, bytes per group, saved "
@@ -215,158 +234,176 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                  "stream")
       ->type_name("FILE")
       ->group(out);
+}
 
+/// Communication: --comm, --comm-timeout, and the watchdog tests' hidden fault injection.
+void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
+                    std::string& comm_kind) {
   // A single-device stage does not communicate: its communication flags are hidden from --help
   // and rejected with a sentence that says why (instead of being silently ignored).
-  const auto comm = info.single_device ? "" : "Communication";
-  std::string comm_kind = "auto";
+  const auto group = info.single_device ? "" : "Communication";
   app.add_option("--comm", comm_kind,
                  "collectives: nccl (cuda, one GPU per rank), mpi (host memory; cuda tensors are "
                  "staged through the host) or auto (nccl when every rank has its own GPU)")
       ->check(CLI::IsMember({"auto", "mpi", "nccl"}))
       ->capture_default_str()
-      ->group(comm);
-  add_number(app, "--comm-timeout", o.comm.timeout_s,
+      ->group(group);
+  add_number(app, "--comm-timeout", comm.timeout_s,
              "seconds a communication op may take before every rank prints its last ops and the "
              "job aborts with one line naming the op and the rank that stopped it (at least 0.1)")
       ->type_name("SECONDS")
-      ->group(comm);
+      ->group(group);
   // Fault injection for the watchdog's tests; hidden from --help (empty group).
-  add_rank_pair(app, "--fault-skip-collective", "SEQ", o.comm.fault_rank, o.comm.fault_seq,
+  add_rank_pair(app, "--fault-skip-collective", "SEQ", comm.fault_rank, comm.fault_seq,
                 "RANK:SEQ: that rank silently skips its collective (or ring step) SEQ (0-based)");
-  add_rank_pair(app, "--fault-skip-signal", "N", o.comm.signal_fault_rank, o.comm.signal_fault,
+  add_rank_pair(app, "--fault-skip-signal", "N", comm.signal_fault_rank, comm.signal_fault,
                 "RANK:N: that rank never sends its symmetric-memory signal N (0-based)");
-  add_rank_pair(app, "--fault-delay-copy", "N", o.comm.copy_fault_rank, o.comm.copy_fault,
+  add_rank_pair(app, "--fault-delay-copy", "N", comm.copy_fault_rank, comm.copy_fault,
                 "RANK:N: that rank's copy-engine pull N (0-based) takes three comm timeouts");
-  add_number(app, "--fault-copy-delay-us", o.comm.copy_delay_us,
+  add_number(app, "--fault-copy-delay-us", comm.copy_delay_us,
              "each copy-lane pull and signal first waits a random 0..US microseconds")
       ->type_name("US")
       ->group("");
-  // Only a mesh stage has a data-parallel dimension; elsewhere --dp is an unknown flag.
-  if (info.mesh)
-    add_number(app, "--dp", o.dp,
-               "data-parallel degree D: the ranks form a D × TP mesh (TP = ranks / D, TP "
-               "innermost); weights, gradients and optimizer state are sharded over D; "
-               "when not given, " +
-                   mesh_default_words(newest_dimension(info), MeshFlag::dp))
-        ->type_name("D")
-        ->group("Mesh");
-  // Only a context-parallel stage splits the sequence over a mesh dimension.
-  std::string cp_method = to_string(o.cp_method);
-  if (info.context_parallel) {
-    add_number(app, "--cp", o.cp,
-               "context-parallel degree C: the sequence is cut into 2C chunks, CP rank i holding "
-               "chunks i and 2C-1-i (mesh D × C × TP, TP innermost); when not given, " +
-                   mesh_default_words(newest_dimension(info), MeshFlag::cp))
-        ->type_name("C")
-        ->group("Mesh");
-    app.add_option("--cp-method", cp_method,
-                   "ring (K/V blocks around the CP ring, merged by log-sum-exp), allgather (K and "
-                   "V all-gathered over CP) or ulysses (all-to-all to whole-sequence, "
-                   "head-sharded q, k, v; needs NKV % (C·T) == 0)")
-        ->check(CLI::IsMember({"ring", "allgather", "ulysses"}))
-        ->capture_default_str()
-        ->group("Mesh");
-  }
-  // Only a pipeline stage splits the layers over a mesh dimension.
-  if (info.pipeline) {
-    add_number(app, "--pp", o.pp,
-               "pipeline-parallel degree P: the layers split contiguously over P stages (mesh P × "
-               "D × C × TP, PP outermost); when not given, " +
-                   mesh_default_words(newest_dimension(info), MeshFlag::pp))
-        ->type_name("P")
-        ->group("Pipeline");
-    add_number(app, "--microbatches", o.microbatches,
-               "M micro-batches of the local batch B/D, each sent through the pipeline; when not "
-               "given, the largest of P·V, P and 1 that divides B/D")
-        ->type_name("M")
-        ->group("Pipeline");
-    app.add_option("--schedule", o.schedule,
-                   "gpipe (all forwards, then all backwards), 1f1b (one forward, one backward), "
-                   "interleaved-1f1b (V virtual stages per rank) or zb-h1 (zero bubble: the "
-                   "backward split into B, the input gradient, and W, the weight gradients)")
-        ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}))
-        ->capture_default_str()
-        ->group("Pipeline");
-    add_number(app, "--stages-per-rank", o.stages_per_rank,
-               "V virtual stages per rank (interleaved-1f1b: rank p holds stages p, p+P, ...)")
-        ->type_name("V")
-        ->group("Pipeline");
-    app.add_flag("--print-schedule", o.print_schedule,
-                 "print every rank's list of F, B (and W) actions and the simulated bubble, "
-                 "then exit without training")
-        ->group("Pipeline");
-  }
-  // Only a copy-engine stage has a choice of all-gather; elsewhere the flag does not exist.
-  std::string all_gather = to_string(o.all_gather);
-  if (info.copy_engine)
-    app.add_option("--all-gather", all_gather,
-                   "pulls (the hand-built copy-engine pulls from symmetric memory) or "
-                   "nccl-zero-cta (NCCL >= 2.28's copy-engine all-gather on a registered "
-                   "window; cuda, one GPU per rank)")
-        ->check(CLI::IsMember({"pulls", "nccl-zero-cta"}))
-        ->capture_default_str()
-        ->group("Copy engine");
+}
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    return {std::nullopt, app.help(), 0};
-  } catch (const CLI::ParseError& e) {
-    return {std::nullopt, parse_error_text(app, e), 2};
-  }
+/// Stage 07's data-parallel degree (a mesh stage's only; elsewhere --dp is an unknown flag).
+void add_data_parallel_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
+  if (!info.mesh) return;
+  add_number(app, "--dp", o.dp,
+             "data-parallel degree D: the ranks form a D × TP mesh (TP = ranks / D, TP "
+             "innermost); weights, gradients and optimizer state are sharded over D; "
+             "when not given, " +
+                 mesh_default_words(newest_dimension(info), MeshFlag::dp))
+      ->type_name("D")
+      ->group("Mesh");
+}
+
+/// Stage 08's context-parallel degree and method (a context-parallel stage's only).
+void add_context_parallel_flags(CLI::App& app, const StageInfo& info, StageOptions& o,
+                                std::string& cp_method) {
+  if (!info.context_parallel) return;
+  add_number(app, "--cp", o.cp,
+             "context-parallel degree C: the sequence is cut into 2C chunks, CP rank i holding "
+             "chunks i and 2C-1-i (mesh D × C × TP, TP innermost); when not given, " +
+                 mesh_default_words(newest_dimension(info), MeshFlag::cp))
+      ->type_name("C")
+      ->group("Mesh");
+  app.add_option("--cp-method", cp_method,
+                 "ring (K/V blocks around the CP ring, merged by log-sum-exp), allgather (K and "
+                 "V all-gathered over CP) or ulysses (all-to-all to whole-sequence, "
+                 "head-sharded q, k, v; needs NKV % (C·T) == 0)")
+      ->check(CLI::IsMember({"ring", "allgather", "ulysses"}))
+      ->capture_default_str()
+      ->group("Mesh");
+}
+
+/// Stage 09's pipeline: degree, micro-batches, schedule (a pipeline stage's only).
+void add_pipeline_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
+  if (!info.pipeline) return;
+  add_number(app, "--pp", o.pp,
+             "pipeline-parallel degree P: the layers split contiguously over P stages (mesh P × "
+             "D × C × TP, PP outermost); when not given, " +
+                 mesh_default_words(newest_dimension(info), MeshFlag::pp))
+      ->type_name("P")
+      ->group("Pipeline");
+  add_number(app, "--microbatches", o.microbatches,
+             "M micro-batches of the local batch B/D, each sent through the pipeline; when not "
+             "given, the largest of P·V, P and 1 that divides B/D")
+      ->type_name("M")
+      ->group("Pipeline");
+  app.add_option("--schedule", o.schedule,
+                 "gpipe (all forwards, then all backwards), 1f1b (one forward, one backward), "
+                 "interleaved-1f1b (V virtual stages per rank) or zb-h1 (zero bubble: the "
+                 "backward split into B, the input gradient, and W, the weight gradients)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}))
+      ->capture_default_str()
+      ->group("Pipeline");
+  add_number(app, "--stages-per-rank", o.stages_per_rank,
+             "V virtual stages per rank (interleaved-1f1b: rank p holds stages p, p+P, ...)")
+      ->type_name("V")
+      ->group("Pipeline");
+  app.add_flag("--print-schedule", o.print_schedule,
+               "print every rank's list of F, B (and W) actions and the simulated bubble, "
+               "then exit without training")
+      ->group("Pipeline");
+}
+
+/// Stage 05's choice of all-gather (a copy-engine stage's only; elsewhere it does not exist).
+void add_copy_engine_flags(CLI::App& app, const StageInfo& info, std::string& all_gather) {
+  if (!info.copy_engine) return;
+  app.add_option("--all-gather", all_gather,
+                 "pulls (the hand-built copy-engine pulls from symmetric memory) or "
+                 "nccl-zero-cta (NCCL >= 2.28's copy-engine all-gather on a registered "
+                 "window; cuda, one GPU per rank)")
+      ->check(CLI::IsMember({"pulls", "nccl-zero-cta"}))
+      ->capture_default_str()
+      ->group("Copy engine");
+}
+
+/// The choice flags' words as enums (CLI11 has checked that each is one of its words).
+void apply_choices(const Choices& choices, StageOptions& o) {
+  BlockConfig& c = o.config;
+  o.comm.kind = parse_comm_kind(choices.comm_kind);
+  o.all_gather =
+      choices.all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
+  o.cp_method = choices.cp_method == "allgather" ? CpMethod::allgather
+                : choices.cp_method == "ulysses" ? CpMethod::ulysses
+                                                 : CpMethod::ring;
+  c.device = parse_device(choices.device);
+  c.dtype = parse_dtype(choices.dtype);
+  c.attention = choices.attention == "naive" ? Attention::naive : Attention::fused;
+  c.optimizer = choices.optimizer == "adamw" ? Optimizer::adamw : Optimizer::sgd;
+  c.recompute = choices.recompute == "full"        ? Recompute::full
+                : choices.recompute == "selective" ? Recompute::selective
+                                                   : Recompute::none;
+}
+
+/// The flags that parse on their own but not together: one sentence for the first such pair,
+/// nothing when they fit.
+std::optional<std::string> check_combinations(const CLI::App& app, const StageInfo& info,
+                                              const StageOptions& o, const Choices& choices) {
+  auto given = [&](const char* flag) { return app.count(flag) > 0; };
   if (info.single_device)
     for (const char* flag : {"--comm", "--comm-timeout", "--fault-skip-collective",
                              "--fault-skip-signal", "--fault-delay-copy", "--fault-copy-delay-us"})
-      if (app.count(flag) > 0)
-        return {std::nullopt,
-                fmt::format("{} has no meaning for {}: it runs on one device and does not "
-                            "communicate",
-                            flag, info.name),
-                2};
+      if (given(flag))
+        return fmt::format(
+            "{} has no meaning for {}: it runs on one device and does not "
+            "communicate",
+            flag, info.name);
   if (!(o.comm.timeout_s >= kMinCommTimeout))
-    return {std::nullopt,
-            fmt::format("--comm-timeout must be at least {} s (got {}): a shorter one would "
-                        "report a healthy job's ordinary waits as a stall",
-                        kMinCommTimeout, o.comm.timeout_s),
-            2};
-  o.comm.kind = parse_comm_kind(comm_kind);
-  o.all_gather = all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
-  o.cp_method = cp_method == "allgather" ? CpMethod::allgather
-                : cp_method == "ulysses" ? CpMethod::ulysses
-                                         : CpMethod::ring;
-  c.device = parse_device(device);
-  c.dtype = parse_dtype(dtype);
-  c.attention = attention == "naive" ? Attention::naive : Attention::fused;
-  c.optimizer = optimizer == "adamw" ? Optimizer::adamw : Optimizer::sgd;
-  if (c.optimizer == Optimizer::sgd)
+    return fmt::format(
+        "--comm-timeout must be at least {} s (got {}): a shorter one would "
+        "report a healthy job's ordinary waits as a stall",
+        kMinCommTimeout, o.comm.timeout_s);
+  if (o.config.optimizer == Optimizer::sgd)
     for (const char* flag : {"--beta1", "--beta2", "--eps", "--weight-decay"})
-      if (app.count(flag) > 0)
-        return {std::nullopt,
-                fmt::format("{} is a setting of --optimizer adamw (this run uses sgd)", flag), 2};
-  c.recompute = recompute == "full"        ? Recompute::full
-                : recompute == "selective" ? Recompute::selective
-                                           : Recompute::none;
-  if (app.count("--recompute-every") > 0 && c.recompute != Recompute::full)
-    return {std::nullopt,
-            fmt::format("--recompute-every chooses the layers of --recompute full (got "
-                        "--recompute {})",
-                        recompute),
-            2};
+      if (given(flag))
+        return fmt::format("{} is a setting of --optimizer adamw (this run uses sgd)", flag);
+  if (given("--recompute-every") && o.config.recompute != Recompute::full)
+    return fmt::format(
+        "--recompute-every chooses the layers of --recompute full (got "
+        "--recompute {})",
+        choices.recompute);
   if (o.dry_run)
     for (const char* flag : {"--check", "--dump", "--trace"})
-      if (app.count(flag) > 0)
-        return {std::nullopt,
-                fmt::format("{} needs a real run; --dry-run computes nothing (leave out one of "
-                            "the two)",
-                            flag),
-                2};
+      if (given(flag))
+        return fmt::format(
+            "{} needs a real run; --dry-run computes nothing (leave out one of "
+            "the two)",
+            flag);
+  return std::nullopt;
+}
+
+/// The sizes --model sets where no flag (or --config) did, the --config file's name, and NKV
+/// when --kv-heads is not given; an error for an unknown model or --kv-heads 0.
+std::optional<std::string> resolve_model(const CLI::App& app, StageOptions& o) {
+  BlockConfig& c = o.config;
+  auto given = [&](const char* flag) { return app.count(flag) > 0; };
   if (!o.model.empty()) {
     const ModelPreset* preset = find_preset(o.model);
     if (preset == nullptr)
-      return {std::nullopt,
-              fmt::format("--model {}: no such model (known: {})", o.model, preset_names()), 2};
-    auto given = [&](const char* flag) { return app.count(flag) > 0; };
+      return fmt::format("--model {}: no such model (known: {})", o.model, preset_names());
     apply_preset(*preset,
                  {.hidden = given("--hidden"),
                   .heads = given("--heads"),
@@ -378,14 +415,51 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                   .rope_theta = given("--rope-theta")},
                  c);
   }
-  if (app.get_config_ptr() != nullptr && app.count("--config") > 0)
+  if (app.get_config_ptr() != nullptr && given("--config"))
     o.config_file = app.get_config_ptr()->as<std::string>();
-  if (app.count("--kv-heads") == 0) {
+  if (!given("--kv-heads")) {
     if (o.model.empty()) c.kv_heads = c.heads;  // multi-head attention (a preset sets its NKV)
   } else if (c.kv_heads == 0) {
-    return {std::nullopt, "--kv-heads must be positive (got 0; leave it out for NKV = NH)", 2};
+    return "--kv-heads must be positive (got 0; leave it out for NKV = NH)";
   }
-  if (const auto errors = validate(c); !errors.empty())
+  return std::nullopt;
+}
+
+}  // namespace
+
+CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
+  StageOptions o;
+  Choices choices{.device = "cpu",
+                  .dtype = info.fp8 ? "fp8" : "fp32",
+                  .attention = std::string(attention_flag(o.config.attention)),
+                  .optimizer = std::string(optimizer_flag(o.config.optimizer)),
+                  .recompute = std::string(recompute_flag(o.config.recompute)),
+                  .comm_kind = "auto",
+                  .cp_method = to_string(o.cp_method),
+                  .all_gather = to_string(o.all_gather)};
+
+  CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
+  describe_app(app, info);
+  add_size_flags(app, o);
+  add_run_flags(app, info, o.config, choices);
+  add_output_flags(app, o);
+  add_comm_flags(app, info, o.comm, choices.comm_kind);
+  add_data_parallel_flags(app, info, o);
+  add_context_parallel_flags(app, info, o, choices.cp_method);
+  add_pipeline_flags(app, info, o);
+  add_copy_engine_flags(app, info, choices.all_gather);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    return {std::nullopt, app.help(), 0};
+  } catch (const CLI::ParseError& e) {
+    return {std::nullopt, parse_error_text(app, e), 2};
+  }
+  apply_choices(choices, o);
+  if (auto error = check_combinations(app, info, o, choices)) return {std::nullopt, *error, 2};
+  if (auto error = resolve_model(app, o)) return {std::nullopt, *error, 2};
+  if (const auto errors = validate(o.config); !errors.empty())
     return {std::nullopt, fmt::format("{}", fmt::join(errors, "; ")), 2};
   return {std::move(o), "", 0};
 }
