@@ -11,7 +11,7 @@
 // split. The norm gains now see only S/N tokens per rank, so their gradients are all-reduced.
 //
 // defines: tpx::sp::SequenceConjugates, tpx::sp::SequenceParallel,
-// tpx::sp::make_sequence_parallel()
+//          tpx::sp::make_sequence_parallel()
 #pragma once
 
 #include <memory>

@@ -295,8 +295,7 @@ void FsdpTp::finish_grads() {
   gathers_.clear();  // a prefetch past the last layer (none is issued) would end here
 }
 
-// --- across the mesh
-// ------------------------------------------------------------------------------
+// --- across the mesh -----------------------------------------------------------------------------
 
 double FsdpTp::sum_over_ranks(double local) {
   // The TP group's sum, then the DP×CP group's, through the communicators: each a report gather

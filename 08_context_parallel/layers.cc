@@ -169,8 +169,7 @@ std::vector<SequenceRun> ContextParallel::sequence_runs(std::int64_t rows) const
           {chunk, chunk_of(mesh_.cp_index, 1) * chunk}};
 }
 
-// --- attention
-// ------------------------------------------------------------------------------------
+// --- attention -----------------------------------------------------------------------------------
 
 void ContextParallel::attend_block(const Tensor& q, const Tensor& k, const Tensor& v, int src,
                                    std::int64_t heads, const Tensor& out, const Tensor& lse) {

@@ -28,8 +28,7 @@ using pipeline::PipelineShape;
 using pipeline::Schedule;
 using pipeline::Transfer;
 
-// --- the pipeline's point-to-point lanes
-// -----------------------------------------------------------
+// --- the pipeline's point-to-point lanes ---------------------------------------------------------
 
 /// One payload's messages (activations forward, or gradients back): a communicator over the
 /// pipeline group and two lanes, one sending and one receiving. A lane runs its transfers in the
@@ -212,8 +211,7 @@ void PipelineParallel::synchronize() {
     }
 }
 
-// --- the factory
-// -----------------------------------------------------------------------------------
+// --- the factory ---------------------------------------------------------------------------------
 
 namespace {
 
@@ -376,8 +374,7 @@ StagePlan plan_pipeline(const RunContext& ctx) {
   return p;
 }
 
-// --- the executor
-// ----------------------------------------------------------------------------------
+// --- the executor --------------------------------------------------------------------------------
 
 namespace {
 

@@ -1,7 +1,7 @@
 // The parameters of L stacked blocks, their gradients, and how tensor parallelism shards them.
 //
 // defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::CpMethod, tpx::Sharding, tpx::Model,
-// tpx::make_data(), tpx::make_model()
+//          tpx::make_data(), tpx::make_model()
 #pragma once
 
 #include <array>

@@ -2,7 +2,7 @@
 // between the host and the device.
 //
 // defines: TPX_REQUIRE_GPU, tpx::test::expect_gpu, tpx::test::on_gpu, tpx::test::on_cpu,
-// tpx::test::gpu_empty
+//          tpx::test::gpu_empty
 #pragma once
 
 #include <cstdlib>

@@ -226,8 +226,7 @@ INSTANTIATE_TEST_SUITE_P(Stages, MeasuredPeak, testing::ValuesIn(all_cases()), [
   return p.param.stage.name + "_" + p.param.sizes.name;
 });
 
-// --- the terms against the chapters' formulas, computed here
-// --------------------------------------
+// --- the terms against the chapters' formulas, computed here -------------------------------------
 
 constexpr std::uint64_t kFloat = 4;
 

@@ -41,8 +41,7 @@ using bench::Collective;
 
 const std::filesystem::path kDevices = std::filesystem::path(TPX_SOURCE_DIR) / "tools/devices";
 
-// --- busbw.h
-// ---------------------------------------------------------------------------------------
+// --- busbw.h -------------------------------------------------------------------------------------
 
 TEST(BusBandwidth, NcclTestsFormulasByHand) {
   // 1 GB in 1 s: algbw 1 GB/s for every op; at n = 8 an all-reduce's bus carries 2·7/8 of it.
@@ -710,8 +709,7 @@ TEST(TpxProject, BadSizesAndAMissingCalibrationAreOneLineAndExit2) {
   }
 }
 
-// --- tpx_project by flags: a model by name, file or sizes
-// -----------------------------------------
+// --- tpx_project by flags: a model by name, file or sizes ----------------------------------------
 
 json project_json(const std::string& args, test::TempDir& dir) {
   const auto path = dir / "p.json";
