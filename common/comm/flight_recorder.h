@@ -41,9 +41,9 @@ enum class CommOp : std::uint8_t {
   recv,
   sendrecv,
   barrier,
-  signal,  ///< a symmetric-memory signal to `peer`; `count` is its generation
+  signal,       ///< a symmetric-memory signal to `peer`; `count` is its generation
   signal_wait,  ///< a wait for `src`'s signal of generation `count` (stage 05's symmetric memory)
-  pull  ///< a copy-engine pull of `bytes` from `src`'s symmetric buffer
+  pull          ///< a copy-engine pull of `bytes` from `src`'s symmetric buffer
 };
 const char* to_string(CommOp op);
 
