@@ -558,8 +558,13 @@ void check_context_parallel(const RunContext& ctx, const Mesh& mesh) {
                           c.seq, 2 * cp * mesh.tp, mesh.tp));
   if (c.attention != Attention::fused)
     throw ConfigError(
-        "--cp > 1 needs --attention fused: context parallelism merges the fused kernel's partial "
-        "outputs by their log-sum-exp (the naive kernel keeps no lse)");
+        ctx.options.cp_method == CpMethod::ulysses
+            ? std::string("--cp-method ulysses needs --attention fused: its all-to-alls run around "
+                          "the fused attention (the block calls the naive kernel outside the CP "
+                          "hooks, on the rank's own tokens alone)")
+            : fmt::format("--cp-method {} needs --attention fused: it merges the fused kernel's "
+                          "partial outputs by their log-sum-exp (the naive kernel keeps no lse)",
+                          to_string(ctx.options.cp_method)));
   if (ctx.options.cp_method == CpMethod::ulysses && c.kv_heads_or_heads() % (cp * mesh.tp) != 0)
     throw ConfigError(fmt::format(
         "--cp-method ulysses needs the {} KV heads to split over C·T = {} ranks: the all-to-all "
