@@ -368,12 +368,19 @@ TEST(ContextParallel, BadInputIsOneLineOnEveryRank) {
     int n;
     std::string args, words;
   };
-  for (const Bad& b : {Bad{3, "--cp 2", "--cp 2 must divide the 3 ranks"},
-                       Bad{2, "--cp 2 --seq 26", "must be divisible by 2·C = 4"},
-                       Bad{4, "--cp 2 --seq 20", "must be divisible by 2·C·T = 8"},
-                       Bad{2, "--cp 2 --cp-method zigzag", "--cp-method"},
-                       Bad{4, "--cp 2 --cp-method ulysses --kv-heads 2", "ulysses needs the 2 KV"},
-                       Bad{4, "--dp 4 --cp 2", "must divide the 4 ranks"}}) {
+  for (const Bad& b :
+       {Bad{3, "--cp 2", "--cp 2 must divide the 3 ranks"},
+        Bad{2, "--cp 2 --seq 26", "must be divisible by 2·C = 4"},
+        Bad{4, "--cp 2 --seq 20", "must be divisible by 2·C·T = 8"},
+        Bad{2, "--cp 2 --cp-method zigzag", "--cp-method"},
+        Bad{4, "--cp 2 --cp-method ulysses --kv-heads 2", "ulysses needs the 2 KV"},
+        // --attention naive: each method's own reason.
+        Bad{2, "--cp 2 --attention naive", "--cp-method ring needs --attention fused"},
+        Bad{2, "--cp 2 --cp-method allgather --attention naive",
+            "--cp-method allgather needs --attention fused: it merges"},
+        Bad{2, "--cp 2 --cp-method ulysses --attention naive",
+            "--cp-method ulysses needs --attention fused: its all-to-alls"},
+        Bad{4, "--dp 4 --cp 2", "must divide the 4 ranks"}}) {
     Sizes zb = z;
     if (b.args.find("--seq") != std::string::npos) zb.S = 0;  // the case names its own S
     const std::string sizes =
