@@ -15,6 +15,7 @@
 
 #include "check.h"
 #include "checked.h"
+#include "column_blocks.h"
 #include "cpu/ops.h"
 #if TPX_WITH_CUDA
 #include "cuda/ops.h"
@@ -511,6 +512,51 @@ void copy(const Tensor& src, const Tensor& dst) {
 #else
   no_cuda();
 #endif
+}
+
+namespace {
+
+/// split_columns (split) or join_columns: x [m, n·c] ↔ blocks [n][m, c].
+void column_blocks(const Tensor& x, std::int64_t n, const Tensor& blocks, bool split) {
+  TPX_CHECK(x.ndim() >= 1 && n >= 1 && x.dim(x.ndim() - 1) % n == 0,
+            "{} columns: {} must have a last dimension that {} blocks divide",
+            split ? "split" : "join", x.describe(), n);
+  TPX_CHECK(
+      blocks.numel() == x.numel() && blocks.dtype() == x.dtype() && blocks.device() == x.device(),
+      "{} columns: {} and {} must match in element count, dtype and device",
+      split ? "split" : "join", x.describe(), blocks.describe());
+  TPX_CHECK(x.raw() != blocks.raw() || x.numel() == 0, "{} columns: {} in place",
+            split ? "split" : "join", x.describe());
+  const std::int64_t c = x.dim(x.ndim() - 1) / n, m = c == 0 ? 0 : x.numel() / (n * c);
+  if (x.device() == Device::cuda) {
+#if TPX_WITH_CUDA
+    return cuda::column_blocks(x, blocks, m, c, n, split);
+#else
+    no_cuda();
+#endif
+  }
+  // A run of c elements of the blocks (one row of one block) is a run of c elements of x.
+  const std::size_t esize = dtype_size(x.dtype()), run = static_cast<std::size_t>(c) * esize;
+  auto* xb = static_cast<char*>(x.raw());
+  auto* bb = static_cast<char*>(blocks.raw());
+  for (std::int64_t e = 0; e < m * n * c; e += c) {
+    const auto from = static_cast<std::size_t>(hd::column_block_source(e, m, c, n)) * esize;
+    const auto to = static_cast<std::size_t>(e) * esize;
+    if (split)
+      std::memcpy(bb + to, xb + from, run);
+    else
+      std::memcpy(xb + from, bb + to, run);
+  }
+}
+
+}  // namespace
+
+void split_columns(const Tensor& x, std::int64_t n, const Tensor& blocks) {
+  column_blocks(x, n, blocks, true);
+}
+
+void join_columns(const Tensor& blocks, std::int64_t n, const Tensor& x) {
+  column_blocks(x, n, blocks, false);
 }
 
 void cast(const Tensor& src, const Tensor& dst) {

@@ -196,6 +196,12 @@ void fill(const Tensor& t, float value);
 void cast(const Tensor& src, const Tensor& dst);
 /// Copies between any devices; shapes must have the same element count and dtypes must match.
 void copy(const Tensor& src, const Tensor& dst);
+/// Ulysses' packing (stage 08; the layout in common/column_blocks.h): x seen as [m, n·c] (its
+/// last dimension n·c) and `blocks` as n blocks [m, c], block r holding columns r·c … (r + 1)·c − 1
+/// of every row. split_columns: blocks ← x; join_columns: x ← blocks. Same dtype (any), same
+/// element count, same device, not overlapping; on cuda a kernel, on the cpu row copies.
+void split_columns(const Tensor& x, std::int64_t n, const Tensor& blocks);
+void join_columns(const Tensor& blocks, std::int64_t n, const Tensor& x);
 /// A new tensor on `device` holding the same values: a bf16 cuda tensor arrives on the host as
 /// f32 (the cpu computes in f32); every other dtype, FP8 codes included, is copied as it is.
 Tensor to_device(const Tensor& t, Device device);

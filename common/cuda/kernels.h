@@ -1,13 +1,14 @@
 // Launchers of the backend's own CUDA kernels, on raw device pointers. ops.cc checks shapes and
 // dtypes, allocates scratch and calls these; the .cu files that define them include nothing but
-// CUDA and this header (and fp8.cu the host/device casts of common/fp8_bits.h). Every launcher
+// CUDA and this header (and fp8.cu the host/device casts of common/fp8_bits.h,
+// column_blocks.cu the index map of common/column_blocks.h). Every launcher
 // enqueues on `stream` (a cudaStream_t) and returns at once.
 //
 // bf16 values travel as std::uint16_t bit patterns (the storage of __nv_bfloat16), FP8 values
 // as std::uint8_t codes.
 //
 // defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu,
-//          flash_attention.cu, rope.cu, fp8.cu, fp8_pack.cu)
+//          flash_attention.cu, rope.cu, fp8.cu, fp8_pack.cu, column_blocks.cu)
 #pragma once
 
 #include <cstdint>
@@ -35,6 +36,12 @@ inline Src src(const float* p) {
 inline Dst dst(float* p) {
   return {p, false};
 }
+
+// column_blocks.cu -------------------------------------------------------------------------------
+/// Ulysses' packing (common/column_blocks.h): split, blocks [n][m, c] ← x [m, n·c]; else join,
+/// x ← blocks. Elements of elem_bytes (1, 2 or 4) bytes, moved as they are; src and dst apart.
+void column_blocks(const void* src, void* dst, I m, I c, I n, int elem_bytes, bool split,
+                   void* stream);
 
 // elementwise.cu ---------------------------------------------------------------------------------
 void fill(Dst p, float value, I n, void* stream);

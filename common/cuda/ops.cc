@@ -613,6 +613,16 @@ void copy(const Tensor& src, const Tensor& dst) {
   if (src.device() == Device::cpu || dst.device() == Device::cpu) synchronize();
 }
 
+void column_blocks(const Tensor& x, const Tensor& blocks, I m, I c, I n, bool split) {
+  NvtxRange range(split ? "split_columns" : "join_columns");
+  const int bytes = static_cast<int>(dtype_size(x.dtype()));
+  if (split)
+    kernels::column_blocks(x.raw(), blocks.raw(), m, c, n, bytes, true, stream());
+  else
+    kernels::column_blocks(blocks.raw(), x.raw(), m, c, n, bytes, false, stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
 void quantize_fp8(const Tensor& x, const Tensor& scale, const Tensor& q) {
   NvtxRange range("quantize_fp8");
   kernels::quantize_fp8(cf(x), cf(scale), q.data<std::uint8_t>(), x.numel(), fp8::format(q.dtype()),

@@ -96,6 +96,10 @@ bool fp32_boundary_forced();
 void cast(const Tensor& src, const Tensor& dst);
 /// Copies bytes between host and device or device and device (same dtype, same element count).
 void copy(const Tensor& src, const Tensor& dst);
+/// Ulysses' packing on the device (common/column_blocks.h): split, blocks [n][m, c] ← x
+/// [m, n·c]; else join, x ← blocks. Arguments checked by tpx::ops.
+void column_blocks(const Tensor& x, const Tensor& blocks, std::int64_t m, std::int64_t c,
+                   std::int64_t n, bool split);
 /// A host f32 tensor with the values of t (any dtype, any device).
 Tensor to_host_f32(const Tensor& t);
 
