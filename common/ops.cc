@@ -420,12 +420,22 @@ void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int6
 }
 void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const Tensor& out, const Tensor& lse, std::int64_t shift) {
+  // bf16 inputs: cuda reads them as they are (bf16 compute); the cpu loops read fp32 copies.
+  if (q.device() == Device::cpu && any_bf16({&q, &k, &v})) {
+    Fp32Boundary f;
+    return attention_block_forward(f.in(q), f.in(k), f.in(v), heads, out, lse, shift);
+  }
   TPX_DISPATCH(q.device(), attention_block_forward, q, k, v, heads, out, lse, shift);
 }
 void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv,
                               std::int64_t shift) {
+  if (q.device() == Device::cpu && any_bf16({&dout, &q, &k, &v, &out})) {
+    Fp32Boundary f;
+    return attention_block_backward(f.in(dout), f.in(q), f.in(k), f.in(v), f.in(out), lse, heads,
+                                    dq, dk, dv, shift);
+  }
   TPX_DISPATCH(q.device(), attention_block_backward, dout, q, k, v, out, lse, heads, dq, dk, dv,
                shift);
 }

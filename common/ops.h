@@ -138,11 +138,13 @@ void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int6
 /// attention_fused_forward; >= Sc: a K/V chunk wholly in the past, unmasked). Writes the pair's
 /// own softmax-normalised out and its lse [B, heads, Sc]; a query that sees no key gets out 0
 /// and lse −inf. The fused kernel's own loops with its online softmax, on both backends (the
-/// fused causal attention is their shift-0 case). f32 only.
+/// fused causal attention is their shift-0 case). out, lse f32; q, k, v f32, or bf16 (stage 08's
+/// --dtype bf16: cuda reads them as stored, under bf16 compute, on the tensor cores where they
+/// take the shapes; the cpu reads fp32 copies, exact).
 void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const Tensor& out, const Tensor& lse, std::int64_t shift);
 /// The pair's backward from the merged forward's out and lse (the full softmax over every key
-/// chunk): *adds* this pair's terms into dq, dk, dv.
+/// chunk): *adds* this pair's terms into dq, dk, dv (f32; dout, q, k, v, out as the forward's).
 void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv,

@@ -787,6 +787,75 @@ TEST(Ops, AttentionChunkPairsMatchCpu) {
   check_chunk_pairs({33, 2, 2, 64, 1, {-5, 33, 0}});
 }
 
+/// `t` (a cpu f32 tensor of bf16 values) as a bf16 tensor on the GPU.
+Tensor gpu_bf16(const Tensor& t) {
+  const Tensor b = Tensor::empty(t.shape(), DType::bf16, Device::cuda);
+  ops::cast(on_gpu(t), b);
+  return b;
+}
+
+/// Stage 08's pairs under --dtype bf16: bf16 q, k, v, dO and O as stored, fp32 partial outputs,
+/// lse and gradients (added into). Against the cpu's fp32 pairs on the same bf16 values; the
+/// GPU multiplies in bf16 (P and dS rounded to bf16, as the causal attention under bf16), so
+/// 2e-2 of each tensor's largest value (the twin's bound; a wrong mask or shift is off by O(1)).
+/// D 64: the tensor-core kernels; D 16: the CUDA-core ones on fp32 copies.
+void check_bf16_chunk_pairs(const PairCase& c) {
+  SCOPED_TRACE(testing::Message() << "bf16 pairs S " << c.s << " B " << c.b << " heads " << c.heads
+                                  << " kv " << c.kv << " D " << c.d);
+  constexpr double kTol = 2e-2;
+  const Tensor::Shape act{c.s, c.b, c.heads * c.d}, kv_act{c.s, c.b, c.kv * c.d};
+  const Tensor::Shape lse_shape{c.b, c.heads, c.s};
+  const float inf = std::numeric_limits<float>::infinity();
+  const Tensor q = rounded_to_bf16(random_tensor(act, 160)),
+               dout = rounded_to_bf16(random_tensor(act, 161));
+  std::vector<Tensor> ks, vs;
+  Tensor out = cpu_empty(act), lse = cpu_empty(lse_shape);
+  cpu::fill(out, 0.0f);
+  cpu::fill(lse, -inf);
+  for (std::size_t p = 0; p < c.shifts.size(); ++p) {
+    const I shift = c.shifts[p];
+    SCOPED_TRACE(testing::Message() << "shift " << shift);
+    ks.push_back(rounded_to_bf16(random_tensor(kv_act, 162 + 2 * std::uint32_t(p))));
+    vs.push_back(rounded_to_bf16(random_tensor(kv_act, 163 + 2 * std::uint32_t(p))));
+    Tensor part_out = cpu_empty(act), part_lse = cpu_empty(lse_shape);
+    cpu::attention_block_forward(q, ks[p], vs[p], c.heads, part_out, part_lse, shift);
+    const Tensor gpart_out = gpu_empty(act), gpart_lse = gpu_empty(lse_shape);
+    ops::fill(gpart_out, std::numeric_limits<float>::quiet_NaN());  // every element written
+    ops::fill(gpart_lse, std::numeric_limits<float>::quiet_NaN());
+    ops::attention_block_forward(gpu_bf16(q), gpu_bf16(ks[p]), gpu_bf16(vs[p]), c.heads, gpart_out,
+                                 gpart_lse, shift);
+    EXPECT_LE(rel_err(gpart_out, part_out), kTol) << "pair out";
+    expect_lse_near(gpart_lse, part_lse, kTol, "pair lse");
+    cpu::attention_merge(out, lse, part_out, part_lse, c.heads);
+  }
+  // The merged output as stage 08 stores it (bf16), read by both sides' backward.
+  const Tensor out_b = rounded_to_bf16(out);
+  Tensor dq = random_tensor(act, 190, 0.0, 0.1);
+  const Tensor gdq = on_gpu(dq);
+  for (std::size_t p = 0; p < c.shifts.size(); ++p) {
+    SCOPED_TRACE(testing::Message() << "backward, shift " << c.shifts[p]);
+    Tensor dk = random_tensor(kv_act, 191 + std::uint32_t(p), 0.0, 0.1),
+           dv = random_tensor(kv_act, 195 + std::uint32_t(p), 0.0, 0.1);
+    const Tensor gdk = on_gpu(dk), gdv = on_gpu(dv);
+    cpu::attention_block_backward(dout, q, ks[p], vs[p], out_b, lse, c.heads, dq, dk, dv,
+                                  c.shifts[p]);
+    ops::attention_block_backward(gpu_bf16(dout), gpu_bf16(q), gpu_bf16(ks[p]), gpu_bf16(vs[p]),
+                                  gpu_bf16(out_b), on_gpu(lse), c.heads, gdq, gdk, gdv,
+                                  c.shifts[p]);
+    EXPECT_LE(rel_err(gdk, dk), kTol) << "dk";
+    EXPECT_LE(rel_err(gdv, dv), kTol) << "dv";
+    EXPECT_LE(rel_err(gdq, dq), kTol) << "dq so far";
+  }
+}
+
+TEST(Ops, AttentionBf16ChunkPairsMatchCpu) {
+  TPX_REQUIRE_GPU();
+  // Stage 08's shifts (0: the diagonal pair; S: a chunk wholly in the past), a partial overlap.
+  check_bf16_chunk_pairs({40, 2, 4, 64, 2, {0, 40, 13}});  // tensor cores, GQA
+  check_bf16_chunk_pairs({65, 1, 2, 128, 2, {65, 0}});     // tensor cores, S past a tile
+  check_bf16_chunk_pairs({37, 2, 4, 16, 4, {0, 37, -5}});  // CUDA cores (D 16)
+}
+
 // The causal fused attention is the pair of shift 0, and backward's sum into zeros is the
 // overwrite: one code path, the same bits.
 TEST(Ops, AttentionChunkPairOfShiftZeroIsTheFusedKernel) {

@@ -526,8 +526,10 @@ std::vector<float> randoms(std::size_t n, std::uint32_t seed) {
 }
 
 /// shift 0; S/2 + 1; −S/3 − 1 (some rows see no key); 46, where a tile is one key short of
-/// needing no mask (46 = 64 − 16 − 2: the last key of tile 0 is one past what row 16 sees).
-enum class Pair { causal, later_keys, earlier_keys, boundary };
+/// needing no mask (46 = 64 − 16 − 2: the last key of tile 0 is one past what row 16 sees); and
+/// the two pairs stage 08 runs under --dtype bf16, fp32 outputs added into: its diagonal pair
+/// (shift 0, the causal mask) and a key chunk wholly in the past (shift S: every key visible).
+enum class Pair { causal, later_keys, earlier_keys, boundary, diagonal, past };
 
 using Param = std::tuple<I, int, I, Pair>;  // S, D, group, pair
 
@@ -591,6 +593,8 @@ TEST_P(FlashTcTwin, MatchesDoubleReference) {
   if (pair == Pair::later_keys) p = {s, d, p.heads, group, s / 2 + 1, true};
   if (pair == Pair::earlier_keys) p = {s, d, p.heads, group, -(s / 3) - 1, true};
   if (pair == Pair::boundary) p = {s, d, p.heads, group, 46, true};
+  if (pair == Pair::diagonal) p = {s, d, p.heads, group, 0, true};
+  if (pair == Pair::past) p = {s, d, p.heads, group, s, true};
   p.bf16_out = !p.accumulate;  // the causal attention's outputs are bf16, a pair's fp32
   if (d == 64)
     run<64>(p);
@@ -599,7 +603,7 @@ TEST_P(FlashTcTwin, MatchesDoubleReference) {
 }
 
 std::string name_of(const testing::TestParamInfo<Param>& param) {
-  const char* names[] = {"causal", "shifted", "earlier", "boundary"};
+  const char* names[] = {"causal", "shifted", "earlier", "boundary", "diagonal", "past"};
   std::ostringstream os;
   os << "S" << std::get<0>(param.param) << "_D" << std::get<1>(param.param) << "_G"
      << std::get<2>(param.param) << "_" << names[static_cast<int>(std::get<3>(param.param))];
@@ -610,7 +614,8 @@ INSTANTIATE_TEST_SUITE_P(Sizes, FlashTcTwin,
                          testing::Combine(testing::Values<I>(1, 15, 16, 17, 63, 64, 65, 200),
                                           testing::Values(64, 128), testing::Values<I>(1, 4),
                                           testing::Values(Pair::causal, Pair::later_keys,
-                                                          Pair::earlier_keys, Pair::boundary)),
+                                                          Pair::earlier_keys, Pair::boundary,
+                                                          Pair::diagonal, Pair::past)),
                          name_of);
 
 /// The ldmatrix addresses deliver the fragment layouts: an A block read with tc::ldsm_a puts

@@ -78,9 +78,10 @@
 // Backward's pairs add into dq, dk, dv (accumulate) instead of overwriting them, as each query
 // chunk meets several key chunks. The tensor-core kernels implement the shift and the
 // accumulation too, with fp32 outputs (TOut = float: a pair's partial output and gradients stay
-// fp32 until the merge; the CPU twin checks them), but the launchers refuse a pair with bf16
-// outputs or with bf16 compute on fp32 tensors (valid()): the stages run --cp > 1 in fp32, so
-// the pairs run on CUDA cores.
+// fp32 until the merge; the CPU twin checks them): stage 08 under --dtype bf16 runs its pairs
+// there, on its bf16 q, k, v, dO and O as they are stored. A pair whose shapes the tensor cores
+// do not take runs on the CUDA-core kernels on fp32 copies under bf16 compute (ops.cc), and
+// --dtype fp32 on the fp32 CUDA-core kernels. Only bf16 outputs cannot accumulate (valid()).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
@@ -889,12 +890,11 @@ unsigned blocks_of(I rows, int per_block) {
 }
 
 /// The arguments every launcher refuses before it launches anything: a group that does not
-/// divide the heads, a chunk pair whose outputs would be rounded to bf16 (the pairs' partial
-/// outputs and gradients stay fp32 until the merge: with bf16_compute on fp32 tensors, or
-/// bf16 inputs with fp32 outputs).
-bool valid(I heads_total, I group, bool bf16_compute, FlashPair pair) {
-  const bool causal = pair.shift == 0 && !pair.accumulate;
-  return group >= 1 && heads_total % group == 0 && (causal || !bf16_compute);
+/// divide the heads, or a pair's share added into outputs that cannot hold a sum (`add_into`
+/// false: bf16 outputs, each rounded once, and the forward, whose outputs are overwritten).
+/// Any shift is allowed: every kernel masks with it.
+bool valid(I heads_total, I group, bool add_into, FlashPair pair) {
+  return group >= 1 && heads_total % group == 0 && (add_into || !pair.accumulate);
 }
 
 const bf16* as_bf16(const std::uint16_t* p) {
@@ -937,11 +937,17 @@ cudaError_t backward_simple(const T* dout, const T* q, const T* k, const T* v, c
   cudaError_t err = cudaSuccess;
   with_per_lane(d, [&](auto per_lane) {
     constexpr int P = decltype(per_lane)::value;
-    // bf16 compute, fp32, or fp32 adding a chunk pair's share (valid() refused bf16 pairs).
+    // bf16 compute or fp32, each overwriting its outputs or (fp32 outputs, a chunk pair's
+    // share) adding to them; bf16 outputs never accumulate (valid()).
     auto* dq_kernel = flash_dq_simple<P, true, false, T>;
     auto* dkdv_kernel = flash_dkdv_simple<P, true, false, T>;
     if constexpr (std::is_same_v<T, float>) {
-      if (!bf16_compute) {
+      if (bf16_compute) {
+        if (pair.accumulate) {
+          dq_kernel = flash_dq_simple<P, true, true, T>;
+          dkdv_kernel = flash_dkdv_simple<P, true, true, T>;
+        }
+      } else {
         dq_kernel = pair.accumulate ? flash_dq_simple<P, false, true, T>
                                     : flash_dq_simple<P, false, false, T>;
         dkdv_kernel = pair.accumulate ? flash_dkdv_simple<P, false, true, T>
@@ -1021,7 +1027,7 @@ int flash_tensor_cores(I d, I ldq, I ldkv, bool& use) {
 int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
                             I s, I heads_total, I group, I d, I ldq, I ldkv, bool bf16_compute,
                             FlashPair pair, void* stream) {
-  if (!valid(heads_total, group, bf16_compute, pair)) return cudaErrorInvalidValue;
+  if (!valid(heads_total, group, false, pair)) return cudaErrorInvalidValue;
   if (s == 0 || heads_total == 0) return cudaSuccess;
   return forward_simple(q, k, v, out, lse, s, heads_total, group, d, ldq, ldkv, bf16_compute, pair,
                         dev::as_stream(stream));
@@ -1031,7 +1037,7 @@ int flash_attention_backward(const float* dout, const float* q, const float* k, 
                              const float* out, const float* lse, float* delta, float* dq, float* dk,
                              float* dv, I s, I heads_total, I group, I d, I ldq, I ldkv,
                              bool bf16_compute, FlashPair pair, void* stream) {
-  if (!valid(heads_total, group, bf16_compute, pair)) return cudaErrorInvalidValue;
+  if (!valid(heads_total, group, true, pair)) return cudaErrorInvalidValue;
   if (s == 0 || heads_total == 0) return cudaSuccess;
   const cudaStream_t st = dev::as_stream(stream);
   if (bf16_compute)
@@ -1045,7 +1051,7 @@ int flash_attention_backward(const float* dout, const float* q, const float* k, 
 int flash_attention_forward_bf16(const std::uint16_t* q, const std::uint16_t* k,
                                  const std::uint16_t* v, Dst out, float* lse, I s, I heads_total,
                                  I group, I d, I ldq, I ldkv, FlashPair pair, void* stream) {
-  if (!valid(heads_total, group, out.bf16, pair)) return cudaErrorInvalidValue;
+  if (!valid(heads_total, group, false, pair)) return cudaErrorInvalidValue;
   bool mma = false;
   if (const cudaError_t e = tensor_cores_fit(d, ldq, ldkv, mma); e != cudaSuccess) return e;
   mma = mma && aligned16({q, k, v, out.p});
@@ -1068,7 +1074,7 @@ int flash_attention_backward_bf16(const std::uint16_t* dout, const std::uint16_t
                                   I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
                                   void* stream) {
   if (dq.bf16 != dk.bf16 || dq.bf16 != dv.bf16) return cudaErrorInvalidValue;
-  if (!valid(heads_total, group, dq.bf16, pair)) return cudaErrorInvalidValue;
+  if (!valid(heads_total, group, !dq.bf16, pair)) return cudaErrorInvalidValue;
   bool mma = false;
   if (const cudaError_t e = tensor_cores_fit(d, ldq, ldkv, mma); e != cudaSuccess) return e;
   mma = mma && aligned16({dout, q, k, v, dq.p, dk.p, dv.p});

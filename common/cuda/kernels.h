@@ -104,8 +104,9 @@ inline constexpr I kFlashMaxHeadDim = 256;
 /// kCausal: the causal attention, key j visible to query i when j <= i. Context parallelism's
 /// pair of sequence chunks: the keys' positions lie `shift` rows before the queries' (key j
 /// visible when j <= i + shift; a query that sees no key gets output 0 and lse −inf), and
-/// backward adds the pair's share into dq, dk, dv (`accumulate`). Pairs keep their outputs in
-/// fp32: cudaErrorInvalidValue with bf16_compute on fp32 tensors or with bf16 outputs.
+/// backward adds the pair's share into dq, dk, dv (`accumulate`), which must be fp32 (bf16
+/// outputs are rounded once, never summed into: cudaErrorInvalidValue). Every kernel honours the
+/// shift; bf16 inputs with fp32 outputs run on the tensor cores only (stage 08's bf16 pairs).
 struct FlashPair {
   I shift = 0;
   bool accumulate = false;

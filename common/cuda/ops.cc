@@ -306,19 +306,38 @@ AttnDims fused_dims(const Tensor& q, const Tensor& k, const Tensor& v, I heads, 
   return z;
 }
 
-/// Whether the fused kernels run on bf16 operands: bf16 tensors always; fp32 tensors under bf16
-/// compute where the tensor-core kernels run (they read bf16 only, so such tensors are rounded
-/// into bf16 scratch once, the same values the CUDA-core kernels round as they load). Outputs
-/// bf16 or fp32 as the tensors are (fp32 ones 16-byte aligned, else the CUDA-core kernels).
+/// Whether the fused kernels run on bf16 operands: bf16 tensors and fp32 ones under bf16
+/// compute (read as bf16 copies in scratch, the same values the CUDA-core kernels round as they
+/// load), except where fp32 outputs are asked for and the tensor cores cannot write them (only
+/// they store fp32 from bf16 operands): a head dim or row stride they do not take, an fp32
+/// output or a bf16 input not 16-byte aligned. Then the CUDA-core kernels run on fp32 tensors.
 bool fused_bf16_operands(const Tensor& q, DType compute, const AttnDims& z,
+                         std::initializer_list<const Tensor*> inputs,
                          std::initializer_list<const Tensor*> outputs) {
-  if (q.dtype() == DType::bf16) return true;
-  if (compute != DType::bf16) return false;
-  for (const Tensor* t : outputs)
-    if (reinterpret_cast<std::uintptr_t>(t->raw()) % 16 != 0) return false;
+  if (q.dtype() == DType::f32 && compute != DType::bf16) return false;
+  auto aligned = [](const Tensor* t) {
+    return reinterpret_cast<std::uintptr_t>(t->raw()) % 16 == 0;
+  };
+  bool fp32_outputs = false;
+  for (const Tensor* t : outputs) {
+    if (t->dtype() != DType::f32) continue;
+    fp32_outputs = true;
+    if (!aligned(t)) return false;
+  }
+  if (!fp32_outputs) return true;  // bf16 outputs: the launcher picks tensor or CUDA cores
+  for (const Tensor* t : inputs)
+    if (t->dtype() == DType::bf16 && !aligned(t)) return false;
   bool tc = false;
   TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_tensor_cores(z.d, z.ldq, z.ldkv, tc)));
   return tc;
+}
+
+/// `t` as an fp32 tensor: itself if it is one, else an fp32 copy in scratch (exact).
+Tensor as_f32(const Tensor& t) {
+  if (t.dtype() == DType::f32) return t;
+  Tensor out = scratch(t.shape(), DType::f32);
+  cast(t, out);
+  return out;
 }
 
 }  // namespace
@@ -329,22 +348,26 @@ namespace {
 // and written as they are stored (outputs rounded once by the kernels); fp32 ones too, except
 // that under bf16 compute the tensor-core kernels read bf16 copies of the inputs (above).
 // Backward's scratch is Δ = rowsum(dO ∘ O), one float per query row and head. `pair`: the
-// causal attention, or one of context parallelism's chunk pairs (fp32).
+// causal attention, or one of context parallelism's chunk pairs, whose outputs are fp32 (its
+// inputs fp32, or bf16 under bf16 compute: stage 08's --dtype bf16).
 void fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
                    const Tensor& lse, DType compute, kernels::FlashPair pair) {
   expect_compute(compute);
   const AttnDims z = fused_dims(q, k, v, heads, out, lse, compute);
-  if (fused_bf16_operands(q, compute, z, {&out})) {
-    TPX_CHECK(out.dtype() == q.dtype() || q.dtype() == DType::f32,
-              "fused attention: bf16 q, k, v write a bf16 out, not {}", out.describe());
+  if (fused_bf16_operands(q, compute, z, {&q, &k, &v}, {&out})) {
+    TPX_CHECK(out.dtype() == q.dtype() || out.dtype() == DType::f32,
+              "fused attention: bf16 q, k, v write a bf16 or f32 out, not {}", out.describe());
     const Tensor qb = as_bf16(q), kb = as_bf16(k), vb = as_bf16(v);
     TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_forward_bf16(
         h16(qb), h16(kb), h16(vb), {out.raw(), out.dtype() == DType::bf16}, f(lse), z.s,
         z.b * heads, z.group(), z.d, z.ldq, z.ldkv, pair, stream())));
   } else {
+    // fp32 tensors, or bf16 ones whose fp32 outputs the tensor cores cannot write: fp32 copies
+    // (exact) under bf16 compute.
     expect_f32(out, "fused attention out");
+    const Tensor qf = as_f32(q), kf = as_f32(k), vf = as_f32(v);
     TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_forward(
-        cf(q), cf(k), cf(v), f(out), f(lse), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv,
+        cf(qf), cf(kf), cf(vf), f(out), f(lse), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv,
         compute == DType::bf16, pair, stream())));
   }
   TPX_CUDA_LAUNCH_CHECK();
@@ -364,9 +387,9 @@ void fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const 
               t->describe(), like.describe());
   }
   const Tensor delta = scratch({z.b * heads * z.s}, DType::f32);
-  if (fused_bf16_operands(q, compute, z, {&dq, &dk, &dv})) {
-    TPX_CHECK(dq.dtype() == q.dtype() || q.dtype() == DType::f32,
-              "fused attention backward: bf16 q, k, v write bf16 dq, dk, dv, not {}",
+  if (fused_bf16_operands(q, compute, z, {&dout, &q, &k, &v}, {&dq, &dk, &dv})) {
+    TPX_CHECK(dq.dtype() == q.dtype() || dq.dtype() == DType::f32,
+              "fused attention backward: bf16 q, k, v write bf16 or f32 dq, dk, dv, not {}",
               dq.describe());
     const Tensor dob = as_bf16(dout), qb = as_bf16(q), kb = as_bf16(k), vb = as_bf16(v);
     auto dst = [](const Tensor& t) -> kernels::Dst { return {t.raw(), t.dtype() == DType::bf16}; };
@@ -375,9 +398,11 @@ void fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const 
         f(delta), dst(dq), dst(dk), dst(dv), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv, pair,
         stream())));
   } else {
-    for (const Tensor* t : {&out, &dq}) expect_f32(*t, "fused attention backward tensor");
+    expect_f32(dq, "fused attention backward dq");
+    const Tensor dof = as_f32(dout), qf = as_f32(q), kf = as_f32(k), vf = as_f32(v);
+    const Tensor of = as_f32(out);
     TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_backward(
-        cf(dout), cf(q), cf(k), cf(v), cf(out), cf(lse), f(delta), f(dq), f(dk), f(dv), z.s,
+        cf(dof), cf(qf), cf(kf), cf(vf), cf(of), cf(lse), f(delta), f(dq), f(dk), f(dv), z.s,
         z.b * heads, z.group(), z.d, z.ldq, z.ldkv, compute == DType::bf16, pair, stream())));
   }
   TPX_CUDA_LAUNCH_CHECK();
@@ -398,18 +423,28 @@ void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor&
   fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, compute, kernels::kCausal);
 }
 
-// Context parallelism's chunk pairs: the same kernels with the pair's shift, fp32.
+// Context parallelism's chunk pairs: the same kernels with the pair's shift, fp32 outputs. fp32
+// inputs compute in fp32 (CUDA cores); bf16 ones under bf16 compute, on the tensor cores where
+// they take the shapes (else CUDA cores on exact fp32 copies).
+namespace {
+DType pair_compute(const Tensor& q) {
+  return q.dtype() == DType::bf16 ? DType::bf16 : DType::f32;
+}
+}  // namespace
+
 void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads,
                              const Tensor& out, const Tensor& lse, I shift) {
   NvtxRange range("attention_block_forward");
-  fused_forward(q, k, v, heads, out, lse, DType::f32, {shift, false});
+  expect_f32(out, "attention block out");
+  fused_forward(q, k, v, heads, out, lse, pair_compute(q), {shift, false});
 }
 
 void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, I heads, const Tensor& dq,
                               const Tensor& dk, const Tensor& dv, I shift) {
   NvtxRange range("attention_block_backward");
-  fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, DType::f32, {shift, true});
+  for (const Tensor* t : {&dq, &dk, &dv}) expect_f32(*t, "attention block gradient");
+  fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, pair_compute(q), {shift, true});
 }
 
 void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out,
