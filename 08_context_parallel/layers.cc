@@ -36,34 +36,13 @@ Tensor packed(const Tensor& buf, int part, const Tensor::Shape& shape) {
   return buf.slice0(part * n, (part + 1) * n).reshape(shape);
 }
 
-/// `t` on `device`: itself when it is there already, else a copy.
-Tensor on(const Tensor& t, Device device) {
-  return t.device() == device ? t : ops::to_device(t, device);
-}
-
 // Under --dtype bf16 (DESIGN.md, "Mixed precision") q, k, v, the output and the gradients are
 // stored bf16 and K/V move in bf16, but the chunk pairs are computed and merged in fp32: each
 // pair's partial output and lse, the running merge and the dK/dV partial sums stay fp32, and
 // each of the op's outputs is rounded to bf16 once, at the end, as every op of the recipe rounds
-// its own. The pair kernels read f32 only (cpu and cuda alike), so bf16 operands are widened
-// into fp32 copies here (exact: every bf16 value is an fp32 value).
-
-/// `t` as fp32: itself when it is f32, else an fp32 copy on its device.
-Tensor wide(const Tensor& t) {
-  if (t.dtype() == DType::f32) return t;
-  const Tensor w = Tensor::empty(t.shape(), DType::f32, t.device());
-  ops::cast(t, w);
-  return w;
-}
-
-/// `t` (f32) as `dtype`: itself for f32, else a copy rounded to bf16 (exact when its values are
-/// bf16 values already, as the widened ones Ulysses repacks).
-Tensor narrow(const Tensor& t, DType dtype) {
-  if (dtype == DType::f32) return t;
-  const Tensor n = Tensor::empty(t.shape(), dtype, t.device());
-  ops::cast(t, n);
-  return n;
-}
+// its own. The pairs read q, k, v, dO and O as they are stored: on cuda the tensor-core kernels
+// take bf16 operands and write fp32 partials (ops::attention_block_*), on the cpu the op reads
+// fp32 copies of them (exact: every bf16 value is an fp32 value).
 
 /// Where an op accumulates its output `t` in fp32: t itself when it is f32, else a new fp32
 /// tensor that round_into() rounds into t once.
@@ -273,16 +252,10 @@ void ContextParallel::all_to_all(const Tensor& send, const Tensor& recv, const s
 Tensor ContextParallel::seq_to_heads(const Tensor& x, const std::string& what) {
   const int n = mesh_.cp;
   const std::int64_t rows = x.dim(0), b = x.dim(1), cols = x.dim(2) / n, chunk = rows / 2;
-  // Pack: block r = the columns of head part r, [S/C, B, X/C]. The packing runs on the host
-  // (cuda: a copy there and back around it); the all-to-all moves tensors of the run's device.
-  // bf16 is packed as its fp32 values (exact) and narrowed again before it moves, in bf16.
-  const Tensor host = wide(on(x, Device::cpu));
-  const Tensor packed = Tensor::empty({n * rows * b * cols});
-  for (int r = 0; r < n; ++r)
-    for (std::int64_t i = 0; i < rows * b; ++i)
-      std::memcpy(packed.f32().data() + (r * rows * b + i) * cols,
-                  host.f32().data() + i * x.dim(2) + r * cols, std::size_t(cols) * sizeof(float));
-  const Tensor send = narrow(on(packed, device_), x.dtype());
+  // Pack: block r = the columns of head part r, [S/C, B, X/C], on the run's device (cuda: a
+  // kernel; the index map is common/column_blocks.h), in the activations' dtype.
+  const Tensor send = Tensor::empty({n * rows * b * cols}, x.dtype(), device_);
+  ops::split_columns(x, n, send);
   const Tensor recv = Tensor::empty(send.shape(), x.dtype(), device_);
   all_to_all(send, recv, what);
   // Block r holds CP rank r's two chunks: each goes to its place in the sequence.
@@ -307,15 +280,10 @@ Tensor ContextParallel::heads_to_seq(const Tensor& x, const std::string& what) {
                 send.slice0((2 * r + j) * per_chunk, (2 * r + j + 1) * per_chunk));
   const Tensor recv = Tensor::empty(send.shape(), x.dtype(), device_);
   all_to_all(send, recv, what);
-  // Block r holds head part r of this rank's rows: its columns (unpacked on the host, bf16 as its
-  // fp32 values).
-  const Tensor got = wide(on(recv, Device::cpu));
-  const Tensor local = Tensor::empty({rows, b, n * cols});
-  for (int r = 0; r < n; ++r)
-    for (std::int64_t i = 0; i < rows * b; ++i)
-      std::memcpy(local.f32().data() + i * n * cols + r * cols,
-                  got.f32().data() + (r * rows * b + i) * cols, std::size_t(cols) * sizeof(float));
-  return narrow(on(local, device_), x.dtype());
+  // Block r holds head part r of this rank's rows: its columns (unpacked where they are).
+  const Tensor local = Tensor::empty({rows, b, n * cols}, x.dtype(), device_);
+  ops::join_columns(recv, n, local);
+  return local;
 }
 
 void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -343,11 +311,11 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
   }
   // The partial outputs merge into an fp32 output (bf16: rounded into `out` once at the end);
   // the lse is fp32 in every recipe.
-  const Tensor q32 = wide(q), out32 = accumulator(out);
+  const Tensor out32 = accumulator(out);
   ops::fill(out32, 0.0f);
   ops::fill(lse, -std::numeric_limits<float>::infinity());
   // This rank's K/V block, packed into one buffer [k | v] so that each hop is one transfer; it
-  // moves in the activations' dtype (bf16: half the bytes) and is widened where it is read.
+  // moves in the activations' dtype (bf16: half the bytes) and is read as it moves.
   const std::int64_t kv = k.numel();
   const Tensor mine = Tensor::empty({2 * kv}, k.dtype(), device_);
   ops::copy(k, packed(mine, 0, k.shape()));
@@ -358,8 +326,8 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
     for (int r = 0; r < n; ++r) {
       TraceScope span(trace_, fmt::format("attention fwd: K/V of cp rank {}", r));
       const BlockTimer timer(attention_ms_, attention_blocks_);
-      const Tensor block = wide(all.slice0(r * 2 * kv, (r + 1) * 2 * kv));
-      attend_block(q32, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r, heads, out32,
+      const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
+      attend_block(q, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r, heads, out32,
                    lse);
     }
     round_into(out32, out);
@@ -379,9 +347,7 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
     TraceScope span(
         trace_, fmt::format("attention fwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
     const BlockTimer timer(attention_ms_, attention_blocks_);
-    const Tensor block = wide(held);
-    attend_block(q32, packed(block, 0, k.shape()), packed(block, 1, k.shape()), src, heads, out32,
-                 lse);
+    attend_block(q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src, heads, out32, lse);
   }
   round_into(out32, out);
 }
@@ -416,9 +382,9 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
     ops::copy(heads_to_seq(dvh, fmt::format("cp dv all-to-all (bwd {})", call)), dv);
     return;
   }
-  // The pairs read fp32 (bf16 operands widened); dq sums over the blocks in fp32 and dK/dV's
+  // The pairs read dO, q, K/V and O as stored; dq sums over the blocks in fp32 and dK/dV's
   // partial sums stay fp32 until they are complete, each rounded into its bf16 output once.
-  const Tensor dout32 = wide(dout), q32 = wide(q), out32 = wide(out), dq32 = accumulator(dq);
+  const Tensor dq32 = accumulator(dq);
   ops::fill(dq32, 0.0f);
   const std::int64_t kv = k.numel();
   const Tensor mine = Tensor::empty({2 * kv}, k.dtype(), device_);
@@ -436,9 +402,9 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
       const Tensor dblock = dall.slice0(r * 2 * kv, (r + 1) * 2 * kv);
       TraceScope span(trace_, fmt::format("attention bwd: K/V of cp rank {}", r));
       const BlockTimer timer(attention_ms_, attention_blocks_);
-      const Tensor block = wide(all.slice0(r * 2 * kv, (r + 1) * 2 * kv));
-      attend_block_backward(dout32, q32, packed(block, 0, k.shape()), packed(block, 1, k.shape()),
-                            r, out32, lse, heads, dq32, packed(dblock, 0, k.shape()),
+      const Tensor block = all.slice0(r * 2 * kv, (r + 1) * 2 * kv);
+      attend_block_backward(dout, q, packed(block, 0, k.shape()), packed(block, 1, k.shape()), r,
+                            out, lse, heads, dq32, packed(dblock, 0, k.shape()),
                             packed(dblock, 1, k.shape()));
     }
     Event computed(device_);
@@ -481,9 +447,8 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
           trace_, fmt::format("attention bwd ring step {}/{} (K/V of cp rank {})", s + 1, n, src));
       const BlockTimer timer(attention_ms_, attention_blocks_);
       ops::fill(dheld, 0.0f);
-      const Tensor block = wide(held);
-      attend_block_backward(dout32, q32, packed(block, 0, k.shape()), packed(block, 1, k.shape()),
-                            src, out32, lse, heads, dq32, packed(dheld, 0, k.shape()),
+      attend_block_backward(dout, q, packed(held, 0, k.shape()), packed(held, 1, k.shape()), src,
+                            out, lse, heads, dq32, packed(dheld, 0, k.shape()),
                             packed(dheld, 1, k.shape()));
     }
     if (s > 0) {  // the partial of the same block that the previous ranks accumulated
