@@ -313,12 +313,14 @@ DType attention_compute(const Tensor& q, DType compute) {
 /// rounded once by cuBLASLt (dK, dV of a group summed in fp32 first), its probabilities fp32
 /// (cuda/ops.cc). TPX_CUDA_FP32_BOUNDARY=1 goes through the boundary instead (native_bf16), whose
 /// fp32 copies cuda/ops.cc rounds into bf16 scratch for the GEMMs and the tensor cores.
+#if TPX_WITH_CUDA
 bool attention_native(const Tensor& q, DType compute, std::initializer_list<const Tensor*> ts) {
   if (!native_bf16(q) || compute != DType::bf16) return false;
   for (const Tensor* t : ts)
     if (!is_bf16(*t)) return false;
   return true;
 }
+#endif
 void expect_f32_compute(DType compute) {
   TPX_CHECK(compute == DType::f32, "the cpu backend computes in fp32 (asked for {})",
             to_string(compute));
