@@ -1,9 +1,8 @@
 #include "08_context_parallel/layers.h"
 
-#include <mpi.h>
-
 #include <chrono>
 #include <cstring>
+#include <span>
 #include <utility>
 
 #include <fmt/format.h>
@@ -477,8 +476,11 @@ Tensor ContextParallel::gather_activation(const Tensor& local) {
   const std::int64_t s = mine.dim(0), chunk = s / 2;
   const std::size_t bytes = mine.nbytes(), row = bytes / std::size_t(s);
   const Tensor all = Tensor::empty({mesh_.cp * s, mine.dim(1), mine.dim(2)}, mine.dtype());
-  TPX_MPI_CHECK(MPI_Allgather(mine.raw(), int(bytes), MPI_BYTE, all.raw(), int(bytes), MPI_BYTE,
-                              mesh_.cp_group.comm()));
+  // Through the CP communicator's report lane, not a bare MPI call: a rank that never joins is
+  // named by the watchdog instead of leaving its peers waiting here forever.
+  cp_comm_->all_gather_report(std::span(static_cast<const std::byte*>(mine.raw()), bytes),
+                              std::span(static_cast<std::byte*>(all.raw()), all.nbytes()),
+                              "activation gather for --check/--dump");
   const Tensor full = Tensor::empty({mesh_.cp * s, mine.dim(1), mine.dim(2)}, mine.dtype());
   for (int r = 0; r < mesh_.cp; ++r)
     for (int j = 0; j < 2; ++j)
