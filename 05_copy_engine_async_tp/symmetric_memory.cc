@@ -26,17 +26,6 @@ const char* to_string(Signal s) {
 
 // --- what every backend shares -------------------------------------------------------------------
 
-namespace {
-
-std::vector<int> job_ranks(const RankGroup& g) {
-  std::vector<int> jobs;
-  if (!g.is_world())
-    for (int r = 0; r < g.size(); ++r) jobs.push_back(g.world_rank_of(r));
-  return jobs;
-}
-
-}  // namespace
-
 SymmetricMemory::SymmetricMemory(int rank, int world, Device device, std::size_t bytes,
                                  const SymmetricOptions& o, Trace& trace)
     : monitor_(o.monitor ? o.monitor : std::make_shared<CommMonitor>(o.timeout_s, o.group)),
@@ -49,7 +38,7 @@ SymmetricMemory::SymmetricMemory(int rank, int world, Device device, std::size_t
       device_(device),
       bytes_(bytes),
       sent_(static_cast<std::size_t>(kSignals * world), 0),
-      group_{options_.group.name(), rank, job_ranks(options_.group)},
+      group_{options_.group.name(), rank, options_.group.job_ranks()},
       job_rank_(options_.group.world_rank_of(rank)),
       rng_(o.delay_seed + static_cast<std::uint64_t>(rank)) {}
 

@@ -44,13 +44,6 @@ double checked_timeout(const CommOptions& o) {
   return o.timeout_s;
 }
 
-std::vector<int> job_ranks(const RankGroup& g) {
-  std::vector<int> jobs;
-  if (!g.is_world())
-    for (int r = 0; r < g.size(); ++r) jobs.push_back(g.world_rank_of(r));
-  return jobs;
-}
-
 }  // namespace
 
 Communicator::Communicator(int rank, int size, const CommOptions& o)
@@ -62,7 +55,7 @@ Communicator::Communicator(int rank, int size, const CommOptions& o)
       options_(o),
       group_{options_.group_label.empty() ? std::string_view(options_.group.name())
                                           : std::string_view(options_.group_label),
-             rank, job_ranks(options_.group)},
+             rank, options_.group.job_ranks()},
       report_label_(fmt::format("{} report", options_.group.name())),
       job_rank_(o.group.world_rank_of(rank)) {
   options_.monitor.reset();  // held once, in monitor_

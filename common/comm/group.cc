@@ -78,6 +78,10 @@ int RankGroup::world_rank_of(int r) const {
   return state_ ? state_->world_ranks[static_cast<std::size_t>(r)] : r;
 }
 
+std::vector<int> RankGroup::job_ranks() const {
+  return state_ ? state_->world_ranks : std::vector<int>{};
+}
+
 std::string RankGroup::describe_rank(int r) const {
   if (is_world()) return fmt::format("rank {}", r);
   return fmt::format("rank {} of {} (job rank {})", r, state_->name, world_rank_of(r));

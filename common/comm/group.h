@@ -29,6 +29,9 @@ class RankGroup {
   const std::string& name() const;
   /// The job rank (MPI_COMM_WORLD) of the group's rank `r`.
   int world_rank_of(int r) const;
+  /// The job ranks of the group's members in group order, or none for the whole job: how a
+  /// flight recorder's group lists its members.
+  std::vector<int> job_ranks() const;
   /// "rank r" for the whole job; "rank r of <name> (job rank w)" for a group: how messages name a
   /// rank of this group.
   std::string describe_rank(int r) const;
