@@ -122,6 +122,33 @@ class ContextParallel final : public Parallelism {
   void attend_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                              int src, const Tensor& out, const Tensor& lse, std::int64_t heads,
                              const Tensor& dq, const Tensor& dk, const Tensor& dv);
+  /// The gradients of one attention call: this rank's dq, dk, dv.
+  struct Grads {
+    const Tensor &dq, &dk, &dv;
+  };
+  /// Forward and backward of each method (attention_forward / attention_backward choose).
+  /// Ulysses: all-to-alls to heads / C of the whole sequence around the rank's fused attention.
+  void ulysses_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                       const Tensor& out, const Tensor& lse, DType compute, int call);
+  void ulysses_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, std::int64_t heads,
+                        const Grads& grads, DType compute, int call);
+  /// All-gather: every CP rank's K/V gathered, merged into the fp32 out32 and lse; backward
+  /// returns this rank's block's complete dK/dV, packed [dk | dv] in fp32.
+  void allgather_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                         const Tensor& out32, const Tensor& lse, int call);
+  Tensor allgather_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& out, const Tensor& lse, std::int64_t heads,
+                            const Tensor& dq32, int call);
+  /// Ring: the K/V blocks travel around the CP ranks while each is attended to; backward sends
+  /// the dK/dV partial sums round with them and returns this rank's, complete (fp32, packed).
+  void ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
+                    const Tensor& out32, const Tensor& lse, int call);
+  Tensor ring_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& out, const Tensor& lse, std::int64_t heads, const Tensor& dq32,
+                       int call);
+  /// This rank's K and V packed into one buffer [k | v] (one transfer per hop).
+  Tensor pack_kv(const Tensor& k, const Tensor& v) const;
   /// Ulysses' all-to-all: x [S/C, B, X] (this rank's chunks, all of its X/hd heads of hd
   /// columns) → [S, B, X/C] (the whole sequence in natural order, head part cp_index).
   Tensor seq_to_heads(const Tensor& x, const std::string& what);
