@@ -9,7 +9,7 @@
 //                 kMaxMicrobatches); each boundary sends the SP-sharded activation
 //                 [S/(C·T), B/(D·M), H] from a TP rank to the same TP rank of the next stage,
 //                 and its gradient back
-//   schedule      common/pipeline/schedule.h: one list of (micro-batch, virtual stage, F|B|W)
+//   schedule      schedule.h (tpx_schedules): one list of (micro-batch, virtual stage, F|B|W)
 //                 actions per rank, which this executor runs in order; receives are posted one
 //                 action ahead and sends queued behind the action that made them, each on a lane
 //                 thread of its own, so a stage computes while its neighbour's message is in
@@ -34,10 +34,10 @@
 #include <string_view>
 #include <vector>
 
+#include "09_pipeline_parallel/schedule.h"
 #include "common/comm/communicator.h"
 #include "common/mesh.h"
 #include "common/parallel.h"
-#include "common/pipeline/schedule.h"
 #include "common/stage.h"
 #include "common/stream.h"
 #include "common/trainer.h"

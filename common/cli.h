@@ -68,7 +68,7 @@ struct StageOptions {
   /// --microbatches M (stage 09): the parts of the local batch B / D; 0 = the default, the
   /// largest of P·V, P, 1 that divides B / D.
   int microbatches = 0;
-  std::string schedule = "1f1b";  ///< --schedule (common/pipeline/schedule.h's names)
+  std::string schedule = "1f1b";  ///< --schedule (09_pipeline_parallel/schedule.h's names)
   int stages_per_rank = 1;        ///< --stages-per-rank V (interleaved-1f1b)
   bool print_schedule = false;    ///< --print-schedule: print the schedule and exit
 };

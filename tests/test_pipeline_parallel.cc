@@ -26,7 +26,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "common/pipeline/schedule.h"
+#include "09_pipeline_parallel/schedule.h"
 #include "test_stage_runs.h"
 #include "test_util.h"
 

@@ -26,9 +26,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "09_pipeline_parallel/schedule.h"
 #include "bench/busbw.h"
 #include "common/flops.h"
-#include "common/pipeline/schedule.h"
 #include "test_util.h"
 #include "tools/projection.h"
 

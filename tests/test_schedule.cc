@@ -1,5 +1,5 @@
-// The pipeline schedules (common/pipeline/schedule.h) without a model or MPI: the order of every
-// micro-batch's passes, the messages, the live counts, the simulated bubble against each
+// The pipeline schedules (09_pipeline_parallel/schedule.h) without a model or MPI: the order of
+// every micro-batch's passes, the messages, the live counts, the simulated bubble against each
 // paper's formula over a sweep of P, M and V, the simulator on timelines worked by hand, the
 // layer split, the errors, and tools/tpx_schedule's output against the library.
 #include <algorithm>
@@ -13,8 +13,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "09_pipeline_parallel/schedule.h"
 #include "common/check.h"
-#include "common/pipeline/schedule.h"
 #include "test_util.h"
 
 namespace tpx {

@@ -1,7 +1,7 @@
 #include "projection.h"
 
+#include "09_pipeline_parallel/schedule.h"
 #include "common/memory.h"
-#include "common/pipeline/schedule.h"
 #include "common/presets.h"
 
 #include <algorithm>

@@ -37,7 +37,7 @@
 // parallel ranks × T tensor-parallel ranks, rank = ((p·D + d)·C + c)·T + t (TP innermost), a
 // node holding gpus_per_node consecutive ranks; a group whose ranks span more than one node runs
 // at the inter-node bandwidth (dp_GBps_per_direction × dp_efficiency), else at NVLink's. The
-// busiest pipeline rank (⌈L/P⌉ layers, common/pipeline/schedule.h's split_layers()) runs M
+// busiest pipeline rank (⌈L/P⌉ layers, 09_pipeline_parallel/schedule.h's split_layers()) runs M
 // micro-batches of B/(D·M) sequences of S/C tokens:
 //   compute, TP  stage 05's projection of one micro-batch through its layers (attention of the
 //                S/C queries against all S keys), M times;

@@ -59,13 +59,13 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "09_pipeline_parallel/schedule.h"
 #include "common/check.h"
 #include "common/cli.h"
 #include "common/config.h"
 #include "common/flops.h"
 #include "common/memory.h"
 #include "common/output.h"
-#include "common/pipeline/schedule.h"
 #include "common/presets.h"
 #include "common/tp.h"
 #include "common/traffic.h"

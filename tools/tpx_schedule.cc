@@ -1,5 +1,5 @@
-// tpx_schedule: a pipeline schedule (common/pipeline/schedule.h) printed and simulated, without
-// a model.
+// tpx_schedule: a pipeline schedule (09_pipeline_parallel/schedule.h) printed and simulated,
+// without a model.
 //
 //   tpx_schedule --pp P --microbatches M --schedule NAME [--stages-per-rank V]
 //                [--simulate [--timeline] [--forward F] [--backward B] [--weight W] [--latency L]]
@@ -18,8 +18,8 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "09_pipeline_parallel/schedule.h"
 #include "common/check.h"
-#include "common/pipeline/schedule.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 // Pipeline-parallel schedules: the four kinds, the layer split, the messages the actions imply,
 // the live counts, the printed grid and the simulator (schedule.h).
-#include "common/pipeline/schedule.h"
+#include "09_pipeline_parallel/schedule.h"
 
 #include <algorithm>
 #include <cmath>
