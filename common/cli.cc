@@ -249,8 +249,9 @@ void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
       ->capture_default_str()
       ->group(group);
   add_number(app, "--comm-timeout", comm.timeout_s,
-             "seconds a communication op may take before every rank prints its last ops and the "
-             "job aborts with one line naming the op and the rank that stopped it (at least 0.1)")
+             "seconds a communication op may take before the job aborts with one line naming "
+             "the op and the rank that stopped it, followed in the same write by the last ops of "
+             "every rank that answered (at least 0.1)")
       ->type_name("SECONDS")
       ->group(group);
   // Fault injection for the watchdog's tests; hidden from --help (empty group).
@@ -308,7 +309,7 @@ void add_pipeline_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
       ->group("Pipeline");
   add_number(app, "--microbatches", o.microbatches,
              "M micro-batches of the local batch B/D, each sent through the pipeline; when not "
-             "given, the largest of P·V, P and 1 that divides B/D")
+             "given, the largest of P·V, P and 1 that divides B/D; stage 09 takes at most 65536")
       ->type_name("M")
       ->group("Pipeline");
   app.add_option("--schedule", o.schedule,
