@@ -116,6 +116,11 @@ struct Moments {
   I widened(std::initializer_list<I> tensors) const {
     return mixed ? 2 * sum(tensors, what) : I{0};
   }
+  /// Attention's: the same on the cpu; on cuda nothing, its kernels and GEMMs read the bf16
+  /// tensors as they are stored and round each output once (ops.cc, attention_native).
+  I attention_copies(std::initializer_list<I> tensors) const {
+    return cuda ? I{0} : widened(tensors);
+  }
   /// A GEMM's: on the cpu the same for its activations `acts` and its bf16 output `out`, and the
   /// weight's bf16 compute copy, whose fp32 copy has the master weight's bytes `w`; on cuda
   /// nothing (bf16 operands go to the tensor cores as they are). Stage 06's FP8 GEMMs on the cpu
@@ -126,18 +131,20 @@ struct Moments {
   }
 };
 
-/// The CUDA attention backward's scratch. Naive: dP (fp32) and, under the recipe, bf16 copies
-/// of dO, q, k, v, P and dS. Fused: Δ = rowsum(dO ∘ O), one float per query row and head (the
-/// kernels round their operands to bf16 as they load them; the cpu's block buffers are host
-/// memory outside the allocator).
-I attention_scratch(bool cuda, bool mixed, bool fused, const Bytes& b) {
+/// The CUDA attention backward's scratch (cuda/ops.cc). Fused: Δ = rowsum(dO ∘ O), one float
+/// per query row and head. Naive: dP (fp32) and, under the recipe, which it reads as bf16 as
+/// they are stored, a bf16 copy of the fp32 P and dS in bf16, and, when a KV head serves a group
+/// of g > 1 query heads, the group's dK and dV summed in fp32 before they are rounded once:
+///   naive = P·4 + (mixed ? P·2 + P·2 + (g > 1 ? 2·(2·kv) : 0) : 0)
+/// (P the probabilities' elements, kv the bf16 bytes of k). The cpu's block buffers are host
+/// memory outside the allocator.
+I attention_scratch(const BlockConfig& c, bool cuda, bool mixed, bool fused, const Bytes& b) {
   const char* what = Moments::what;
   if (!cuda) return 0;
   if (fused) return b.lse;
-  return sum(
-      {b.probs,
-       mixed ? sum({b.cols_h, b.cols_h, b.cols_kv, b.cols_kv, b.probs / 2, b.probs / 2}, what) : 0},
-      what);
+  const bool grouped = c.kv_heads_or_heads() < c.heads;
+  const I dkv_f32 = grouped ? checked_product({b.cols_kv, 2, 2}, what) : I{0};  // dK, dV at fp32
+  return sum({b.probs, mixed ? sum({b.probs / 2, b.probs / 2, dkv_f32}, what) : 0}, what);
 }
 
 Moments moments_of(const BlockConfig& c, const Sharding& s, const Bytes& b) {
@@ -155,7 +162,7 @@ Moments moments_of(const BlockConfig& c, const Sharding& s, const Bytes& b) {
           .scattered = s.sequence ? b.stream : 0,
           // At most one [H] row per 16 rows.
           .rms_partial = cuda ? checked_product({b.rows / kF32 / 16 + 1, c.hidden, kF32}, what) : 0,
-          .attn_scratch = attention_scratch(cuda, mixed, fused, b)};
+          .attn_scratch = attention_scratch(c, cuda, mixed, fused, b)};
 }
 
 /// Backward of a layer: the last block's output y and the incoming gradient stay alive, and
@@ -187,7 +194,7 @@ I backward_peak(const Moments& m) {
           what),
       // attention backward: dO, q, k, v (and O, fused) in, dq, dk, dv out
       sum({held_attn, m.attn_scratch,
-           m.widened({b.cols_h, m.cols_qkv, m.fused ? b.cols_h : I{0}, m.cols_qkv})},
+           m.attention_copies({b.cols_h, m.cols_qkv, m.fused ? b.cols_h : I{0}, m.cols_qkv})},
           what),
       // column backward of Wq, Wk, Wv
       sum({held_attn, b.gather, G,
@@ -199,9 +206,9 @@ I backward_peak(const Moments& m) {
   });
 }
 
-/// Attention forward's copies: q, k, v in, out out.
+/// Attention forward's copies: q, k, v in, out out (none on cuda).
 I attention_forward_copies(const Moments& m) {
-  return m.widened({m.cols_qkv, m.b.cols_h});
+  return m.attention_copies({m.cols_qkv, m.b.cols_h});
 }
 
 /// A layer under full recompute has nothing to replace (its activations are released after its
@@ -230,7 +237,7 @@ I forward_replacement_peak(const Moments& m) {
   const I qkv_col = sum({R, b.gather, m.cols_qkv, m.gemm_copies({G}, b.w_h, b.cols_h)}, what);
   const I attn_fwd =
       sum({b.attn, attention_forward_copies(m),
-           m.cuda && m.mixed && !m.fused ? sum({m.cols_qkv, b.probs / 2}, what) : I{0}},
+           m.cuda && m.mixed && !m.fused ? b.probs / 2 : I{0}},  // naive on cuda: P in bf16
           what);
   const I wo_row = sum({G, largest({m.gemm_copies({b.cols_h}, b.w_h, G), m.scattered})}, what);
   const I mlp_col = sum({R, R, b.gather, b.cols_f, b.cols_f, m.gemm_copies({G}, b.w_f, b.cols_f)},

@@ -291,10 +291,10 @@ TEST(MemoryTerms, FsdpShardsFallAsOneOverTD) {
     }
 }
 
-// bf16 on cuda. At L = 1 the estimate is 5.9 GiB with fused attention and 29.9 GiB with naive:
+// bf16 on cuda. At L = 1 the estimate is 5.4 GiB with fused attention and 28.1 GiB with naive:
 // naive keeps the probabilities, B·NH·S²·4 = 8 GiB per layer, and its backward's dP, bf16 P and
 // dS add 16 GiB of scratch; fused keeps B·NH·S·4 = 1 MiB of lse and its backward's only scratch
-// is Δ, as small. Each further layer adds 11.6 GiB with naive, 3.6 GiB with fused, so at L = 6
+// is Δ, as small. Each further layer adds 10.9 GiB with naive, 2.9 GiB with fused, so at L = 6
 // naive needs more than an 80 GiB H100 has while fused stays far below.
 TEST(MemoryTerms, FusedAttentionFitsALongSequenceOnOneGpu) {
   BlockConfig c;
@@ -321,6 +321,39 @@ TEST(MemoryTerms, FusedAttentionFitsALongSequenceOnOneGpu) {
     }
     EXPECT_EQ(naive.term("saved activations").bytes - fused.term("saved activations").bytes,
               std::uint64_t(layers) * kFloat * (B * NH * S * S - B * NH * S));
+  }
+}
+
+// Naive attention on cuda under the recipe reads the bf16 q, k, v and dO as they are stored (no
+// fp32 copies, common/ops.cc's attention_native); its backward's scratch is dP in fp32, a bf16
+// copy of P and dS in bf16, and, with grouped-query attention (g = NH / NKV > 1), the group's
+// dK and dV summed in fp32 (common/cuda/ops.cc). At S = 8192 with one step that backward is the
+// largest moment, on top of the tensors block_backward holds then (all bf16):
+//   temporaries = y, dout, ds, dgate, dup, dh2, dx2, da, dq, dk, dv
+//               + B·NH·S²·(4 + 2 + 2) + (g > 1 ? 2 · S·B·NKV·D·4 : 0)
+TEST(MemoryTerms, CudaNaiveAttentionBackwardScratch) {
+  BlockConfig c;
+  c.hidden = 4096;
+  c.heads = 32;
+  c.ffn = 11008;
+  c.seq = 8192;
+  c.batch = 1;
+  c.layers = 1;
+  c.steps = 1;
+  c.device = Device::cuda;
+  c.dtype = DType::bf16;
+  c.attention = Attention::naive;
+  const std::uint64_t S = 8192, B = 1, H = 4096, F = 11008, NH = 32, D = 128;
+  for (const std::int64_t kv_heads : {32, 8}) {
+    c.kv_heads = kv_heads;
+    const MemoryEstimate e = estimate_training_memory(c, Sharding{});
+    const std::uint64_t NKV = std::uint64_t(kv_heads);
+    const std::uint64_t stream = S * B * H * 2, mlp = S * B * F * 2, q = S * B * H * 2,
+                        kv = S * B * NKV * D * 2;
+    const std::uint64_t held = 4 * stream + 3 * mlp + 2 * q + 2 * kv;
+    const std::uint64_t scratch =
+        B * NH * S * S * (4 + 2 + 2) + (NKV < NH ? 2 * S * B * NKV * D * 4 : 0);
+    EXPECT_EQ(e.term("largest temporaries").bytes, held + scratch) << "NKV " << kv_heads;
   }
 }
 
