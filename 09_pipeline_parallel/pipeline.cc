@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "08_context_parallel/layers.h"
+#include "09_pipeline_parallel/executor.h"
 #include "common/block.h"
 #include "common/check.h"
 #include "common/ops.h"
@@ -374,7 +375,7 @@ StagePlan plan_pipeline(const RunContext& ctx) {
   return p;
 }
 
-// --- the executor --------------------------------------------------------------------------------
+// --- the training loop ---------------------------------------------------------------------------
 
 namespace {
 
@@ -388,10 +389,11 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
 /// Copies batch columns between t [rows, B, H] and part [rows, n, H]: part ← t[:, first:first+n]
 /// (to_part) or the reverse.
 void copy_batch_columns(const Tensor& t, const Tensor& part, std::int64_t first, bool to_part) {
-  const std::int64_t rows = t.dim(0), b = t.dim(1), h = t.dim(2), n = part.dim(1);
-  const Tensor flat = t.reshape({rows * b, h}), flat_part = part.reshape({rows * n, h});
+  const std::int64_t rows = t.dim(0), batch = t.dim(1), hidden = t.dim(2), n = part.dim(1);
+  const Tensor flat = t.reshape({rows * batch, hidden}),
+               flat_part = part.reshape({rows * n, hidden});
   for (std::int64_t i = 0; i < rows; ++i) {
-    const Tensor whole = flat.slice0(i * b + first, i * b + first + n);
+    const Tensor whole = flat.slice0(i * batch + first, i * batch + first + n);
     const Tensor mine = flat_part.slice0(i * n, (i + 1) * n);
     if (to_part)
       ops::copy(whole, mine);
@@ -435,449 +437,133 @@ void to_rank0(std::vector<float>& v, int from, int slice_ranks, int rank) {
   }
 }
 
-/// What one (micro-batch, virtual stage) pair holds between its actions.
-struct Pass {
-  Tensor x;                            ///< the stage's input
-  std::vector<BlockActivations> acts;  ///< per layer of the stage
-  Tensor y;                            ///< the stage's output (forward)
-  Tensor dy;                           ///< the gradient of y (backward's input)
-  Tensor dx;                           ///< the gradient of x (backward's output)
-  std::vector<LayerParams> grads;      ///< zb-h1: the gradients W completes, per layer
-  WeightGradWork work;                 ///< zb-h1: the dW GEMMs B set aside
+/// This rank's place in the job: its pipeline stage, the last one, the ranks of a slice.
+struct Place {
+  int me;           ///< this rank's pipeline stage
+  int last;         ///< the pipeline stage that holds the last virtual stage
+  int slice_ranks;  ///< D·C·T: the job ranks of one pipeline stage
+  int rank;         ///< the job rank
 };
 
-/// A rank's sends (or receives) grouped by the action that makes (or reads) them: one list, and
-/// where each action's part begins (a map from action to list would cost a node per action).
-class ByAction {
- public:
-  ByAction() = default;
-  /// `xs` in any order; `actions` the length of the rank's action list.
-  ByAction(std::vector<Transfer> xs, std::size_t actions)
-      : xs_(std::move(xs)), first_(actions + 1) {
-    std::ranges::stable_sort(xs_, {}, &Transfer::action);
-    std::size_t k = 0;
-    for (std::size_t i = 0; i <= actions; ++i) {
-      first_[i] = k;
-      while (k < xs_.size() && xs_[k].action == i) ++k;
-    }
-    TPX_CHECK(k == xs_.size(), "a transfer of an action past the schedule's end");
-  }
-  std::span<const Transfer> at(std::size_t i) const {
-    return std::span(xs_).subspan(first_[i], first_[i + 1] - first_[i]);
-  }
-
- private:
-  std::vector<Transfer> xs_;
-  std::vector<std::size_t> first_;
-};
-
-/// One step's actions on this rank, and what they leave behind.
-class Executor {
- public:
-  Executor(const BlockConfig& c, PipelineParallel& pp, Model& m, Trace& trace)
-      : c_(c),
-        pp_(pp),
-        slice_(pp.slice()),
-        m_(m),
-        trace_(trace),
-        shape_(pp.schedule().shape()),
-        me_(pp.mesh().pp_index),
-        actions_(pp.schedule().actions(me_)),
-        split_(pp.schedule().split_backward()) {
-    const std::vector<std::int64_t> held = pp.held_layers();
-    for (std::size_t i = 0; i < held.size(); ++i) local_[held[i]] = i;
-    std::vector<Transfer> sends, receives;
-    for (const Transfer& x : pipeline::transfers(pp.schedule(), me_))
-      (x.send ? sends : receives).push_back(x);
-    sends_ = ByAction(std::move(sends), actions_.size());
-    receives_ = ByAction(std::move(receives), actions_.size());
-  }
-
-  /// The micro-batches of the block's input (stage 0) and of the target (the last stage).
-  std::vector<Tensor> inputs, targets;
-
-  struct Result {
-    double loss_sum = 0;         ///< this rank's part of Σ (y − T)² (last stage)
-    double busy_ms = 0;          ///< the actions' own time
-    int peak_live = 0;           ///< the most (micro-batch, stage) activations alive at once
-    std::size_t peak_saved = 0;  ///< the most bytes of saved activations alive at once
-    std::vector<Tensor> y, dx;   ///< per micro-batch: the last stage's output, stage 0's dx
-  };
-
-  Result run(const std::vector<LayerParams>& params, bool keep) {
-    Result r;
-    saved_ = 0;
-    passes_.clear();
-    buffers_.clear();
-    local_messages_.clear();
-    acc_.clear();
-    done_.clear();
-    // Each payload's sends run in order on its lane: the last one's end is the end of all.
-    std::optional<Event> sent[2];
-    int live = 0;
-    if (keep) {
-      r.y.resize(std::size_t(shape_.microbatches));
-      r.dx.resize(std::size_t(shape_.microbatches));
-    }
-    for (std::size_t i = 0; i < actions_.size(); ++i) {
-      post_receives(i);
-      if (i + 1 < actions_.size()) post_receives(i + 1);  // one action ahead
-      const Action& a = actions_[i];
-      for (const Transfer& x : receives_.at(i)) buffers_.at(x.tag).second.synchronize();
-      const auto t0 = Clock::now();
-      {
-        TraceScope phase(trace_, pipeline::to_string(a, shape_.stages_per_rank > 1), Lane::phase);
-        if (a.phase == Phase::forward)
-          forward(i, params, r, keep);
-        else if (a.phase == Phase::backward)
-          backward(i, params, r, keep);
-        else
-          weights(a);
-      }
-      r.busy_ms += ms_between(t0, Clock::now());
-      if (a.phase == Phase::forward) ++live;
-      if (a.phase == Phase::weight || (a.phase == Phase::backward && !split_)) --live;
-      r.peak_live = std::max(r.peak_live, live);
-      if (a.phase == Phase::forward) r.peak_saved = std::max(r.peak_saved, saved_);
-      // What the action made for the next (forward) or previous (backward) virtual stage: sent,
-      // or left here when this rank holds that stage too.
-      if (a.phase != Phase::weight) {
-        const bool fwd = a.phase == Phase::forward;
-        const int to = fwd ? a.stage + 1 : a.stage - 1;
-        if (to >= 0 && to < shape_.stages()) {
-          const Pass& p = passes_.at({a.microbatch, a.stage});
-          const Tensor& t = fwd ? p.y : p.dx;
-          if (shape_.rank_of(to) == me_)
-            local_messages_[{a.microbatch, to, fwd ? Payload::activation : Payload::gradient}] = t;
-          for (const Transfer& x : sends_.at(i))
-            sent[std::size_t(x.payload)] = pp_.send(x, t, name(x));
-        }
-      }
-      // The pass keeps only what its later actions read: the send lane holds what it sends
-      // until it is gone, and the stage input is the first layer's saved x.
-      if (const auto it = passes_.find({a.microbatch, a.stage}); it != passes_.end())
-        it->second.x = it->second.y = it->second.dx = Tensor();
-      // A pass whose last use is over lets go of what it holds.
-      if (a.phase == Phase::weight || (a.phase == Phase::backward && !split_))
-        passes_.erase({a.microbatch, a.stage});
-    }
-    for (const std::optional<Event>& e : sent)
-      if (e) e->synchronize();
-    scratch_ = {};
-    slice_.finish_grads();
-    return r;
-  }
-
- private:
-  static std::string name(const Transfer& x) {
-    return fmt::format("{} {} stage {}→{}", x.payload == Payload::activation ? "act" : "grad",
-                       x.microbatch, x.from_stage, x.to_stage);
-  }
-
-  void post_receives(std::size_t i) {
-    for (const Transfer& x : receives_.at(i))
-      if (!buffers_.contains(x.tag)) {
-        Tensor buf = Tensor::empty(message_shape, c_.activations(), c_.device);
-        buffers_.emplace(x.tag, std::make_pair(buf, pp_.receive(x, buf, name(x))));
-      }
-  }
-
- public:
-  /// [S/(C·T), B/(D·M), H]: every message between stages.
-  Tensor::Shape message_shape;
-
- private:
-  /// The input of action i (a forward's activation, a backward's output gradient): received,
-  /// or left on this rank by the neighbouring virtual stage.
-  Tensor incoming(std::size_t i, Payload payload) {
-    const Action& a = actions_[i];
-    for (const Transfer& x : receives_.at(i))
-      if (x.payload == payload) {
-        Tensor t = buffers_.at(x.tag).first;
-        buffers_.erase(x.tag);
-        return t;
-      }
-    const auto it = local_messages_.find({a.microbatch, a.stage, payload});
-    TPX_CHECK(it != local_messages_.end(), "no {} for {}",
-              payload == Payload::activation ? "activation" : "gradient", to_string(a, true));
-    Tensor t = it->second;
-    local_messages_.erase(it);
-    return t;
-  }
-
-  void forward(std::size_t i, const std::vector<LayerParams>& params, Result& r, bool keep) {
-    const Action& a = actions_[i];
-    Pass& p = passes_[{a.microbatch, a.stage}];
-    p.x = a.stage == 0 ? inputs[std::size_t(a.microbatch)] : incoming(i, Payload::activation);
-    const LayerRange& range = pp_.layers()[std::size_t(a.stage)];
-    p.acts.resize(std::size_t(range.count));
-    Tensor h = p.x;
-    for (int k = 0; k < range.count; ++k) {
-      const std::size_t l = local_.at(range.first + k);
-      const int next = k + 1 < range.count ? int(l + 1) : -1;
-      const LayerParams w = slice_.layer_params(params, l, next);
-      h = block_forward(c_, w, h, slice_, p.acts[std::size_t(k)], trace_);
-      saved_ += p.acts[std::size_t(k)].bytes();
-      slice_.release_layer(l);
-    }
-    p.y = h;
-    if (a.stage == shape_.stages() - 1) {
-      // The loss of this micro-batch, as part of the mean over the whole batch: its gradient is
-      // scaled by 1 / (S·B·H), which is 1/M of the micro-batch's own mean.
-      TraceScope op(trace_, "mse loss");
-      const Tensor& target = targets[std::size_t(a.microbatch)];
-      r.loss_sum += ops::mse_loss_sum(h, target);
-      p.dy = Tensor::empty(h.shape(), h.dtype(), h.device());
-      const double count = double(c_.seq) * double(c_.batch) * double(c_.hidden);
-      ops::mse_loss_backward(h, target, 1.0 / count, p.dy);
-      if (keep) r.y[std::size_t(a.microbatch)] = h;
-    }
-  }
-
-  void backward(std::size_t i, const std::vector<LayerParams>& params, Result& r, bool keep) {
-    const Action& a = actions_[i];
-    Pass& p = passes_.at({a.microbatch, a.stage});
-    Tensor dy = a.stage == shape_.stages() - 1 ? p.dy : incoming(i, Payload::gradient);
-    const LayerRange& range = pp_.layers()[std::size_t(a.stage)];
-    if (split_) {
-      TPX_CHECK(slice_.defer_weight_grads(&p.work), "the stage cannot split its backward");
-      p.grads.resize(std::size_t(range.count));
-    }
-    for (int k = range.count - 1; k >= 0; --k) {
-      const std::size_t l = local_.at(range.first + k);
-      const int next = k > 0 ? int(l - 1) : -1;
-      const LayerParams w = slice_.layer_params(params, l, next);
-      LayerParams g = fresh_grads(l);
-      dy = block_backward(c_, w, p.acts[std::size_t(k)], dy, slice_, g, trace_);
-      slice_.release_layer(l);
-      saved_ -= p.acts[std::size_t(k)].bytes();
-      p.acts[std::size_t(k)] = {};
-      if (split_)
-        p.grads[std::size_t(k)] = g;
-      else
-        accumulate(l, g);
-    }
-    if (split_) slice_.defer_weight_grads(nullptr);
-    p.dx = dy;
-    if (keep && a.stage == 0) r.dx[std::size_t(a.microbatch)] = dy;
-  }
-
-  void weights(const Action& a) {
-    Pass& p = passes_.at({a.microbatch, a.stage});
-    p.work.run();  // the dW GEMMs, writing p.grads
-    const LayerRange& range = pp_.layers()[std::size_t(a.stage)];
-    for (int k = 0; k < range.count; ++k)
-      accumulate(local_.at(range.first + k), p.grads[std::size_t(k)]);
-  }
-
-  /// Buffers for one micro-batch's gradients of layer l (the slice's full-layer shapes). Without
-  /// the split they are added to the step's at once, so every layer and micro-batch reuses one
-  /// set (in stream order: its adds are issued before the next backward's GEMMs overwrite it);
-  /// zb-h1's live from B to W, a set per (micro-batch, layer) between them.
-  LayerParams fresh_grads(std::size_t l) {
-    LayerParams& acc = accumulator(l);
-    const bool reuse = !split_ && scratch_[Param::norm1].defined() &&
-                       std::ranges::all_of(kAllParams, [&](Param q) {
-                         return scratch_[q].shape() == acc[q].shape();
-                       });
-    if (reuse) return scratch_;
-    LayerParams g;
-    for (Param q : kAllParams) g[q] = Tensor::empty(acc[q].shape(), DType::f32, c_.device);
-    if (!split_) scratch_ = g;
-    return g;
-  }
-
-  /// The gradients layer l accumulates over the step's micro-batches (the slice's buffers:
-  /// the stored ones, or FSDP's unsharded ones), zero at the first.
-  LayerParams& accumulator(std::size_t l) {
-    auto it = acc_.find(l);
-    if (it == acc_.end()) {
-      it = acc_.emplace(l, slice_.layer_grads(l, m_.grads[l])).first;
-      for (Param q : kAllParams) ops::fill(it->second[q], 0.0f);
-    }
-    return it->second;
-  }
-
-  /// Adds one micro-batch's gradients of layer l; after the M-th, the slice reduces them.
-  void accumulate(std::size_t l, const LayerParams& g) {
-    LayerParams& acc = accumulator(l);
-    {
-      TraceScope op(trace_, "grad accumulate");
-      for (Param q : kAllParams) ops::accumulate(g[q], acc[q]);
-    }
-    if (++done_[l] == shape_.microbatches) {
-      slice_.grads_done(l, acc, m_.grads[l]);
-      acc_.erase(l);
-    }
-  }
-
-  const BlockConfig& c_;
-  PipelineParallel& pp_;
-  Parallelism& slice_;
-  Model& m_;
-  Trace& trace_;
-  PipelineShape shape_;
-  int me_;
-  const std::vector<Action>& actions_;
-  bool split_;
-  std::map<std::int64_t, std::size_t> local_;  // global layer → index in m_
-  ByAction sends_, receives_;
-  std::map<std::pair<int, int>, Pass> passes_;                      // (micro-batch, stage)
-  std::map<int, std::pair<Tensor, Event>> buffers_;                 // posted receives, by tag
-  std::map<std::tuple<int, int, Payload>, Tensor> local_messages_;  // (micro-batch, to stage)
-  std::map<std::size_t, LayerParams> acc_;                          // by local layer
-  std::map<std::size_t, int> done_;                                 // micro-batches accumulated
-  /// What every live pass keeps for its backward now: added by each layer's forward, taken
-  /// away by its backward, so that the peak costs O(1) per action.
-  std::size_t saved_ = 0;
-  LayerParams scratch_;  // one micro-batch's gradients of a layer, reused (no split)
-};
-
-}  // namespace
-
-TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& trace,
-                           const std::function<void(const StepRow&)>& on_row) {
-  auto& pp = static_cast<PipelineParallel&>(par);
-  Parallelism& slice = pp.slice();
+Place place_of(const PipelineParallel& pp) {
   const Mesh& mesh = pp.mesh();
+  const PipelineShape shape = pp.schedule().shape();
+  Place place{.me = mesh.pp_index,
+              .last = shape.rank_of(shape.stages() - 1),
+              .slice_ranks = mesh.dp * mesh.cp * mesh.tp,
+              .rank = 0};
+  TPX_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &place.rank));
+  return place;
+}
+
+/// Stage 0 keeps the input's micro-batches (in the activations' dtype), the last stage the
+/// target's; the whole tensors stay only where the snapshot reads them, and a rank lets go of
+/// what it does not use before it splits what it does. Returns the micro-batch's rows B/(D·M).
+std::int64_t split_microbatches(const BlockConfig& c, const Place& place, int microbatches,
+                                bool snapshot, Model& model, Executor& ex) {
+  const std::int64_t rows = model.input.dim(1) / microbatches;
+  ex.message_shape = {model.input.dim(0), rows, model.input.dim(2)};
+  if (place.me != 0) model.input = Tensor();
+  if (place.me != place.last) model.target = Tensor();
+  if (place.me == 0) {
+    const Tensor input = as_dtype(model.input, c.activations());
+    if (!snapshot) model.input = Tensor();
+    for (int j = 0; j < microbatches; ++j) ex.inputs.push_back(microbatch(input, j, rows));
+  }
+  if (place.me == place.last) {
+    for (int j = 0; j < microbatches; ++j) ex.targets.push_back(microbatch(model.target, j, rows));
+    if (!snapshot) model.target = Tensor();
+  }
+  return rows;
+}
+
+/// The measured steps' times on this rank (steps 1 …; step 0 warms up, unless it is the only
+/// one) and its peak of live activations.
+struct StepTimes {
+  double idle_ms = 0, busy_ms = 0, wall_ms = 0;
+  int measured = 0, peak_live = 0;
+};
+
+/// The pipeline's part of the step, between two barriers of the pipeline group: its wall time
+/// less the actions' own time is this rank's idle time (the bubble, and waits).
+Executor::Result run_actions(PipelineParallel& pp, Executor& ex,
+                             const std::vector<LayerParams>& params, bool keep, bool measured,
+                             StepTimes& times) {
+  pp.pipeline_barrier();
+  const auto start = Clock::now();
+  Executor::Result r = ex.run(params, keep);
+  pp.synchronize();
+  pp.pipeline_barrier();
+  const double wall = ms_between(start, Clock::now());
+  times.peak_live = std::max(times.peak_live, r.peak_live);
+  if (measured) {
+    times.idle_ms += wall - r.busy_ms;
+    times.busy_ms += r.busy_ms;
+    times.wall_ms += wall;
+    ++times.measured;
+  }
+  return r;
+}
+
+/// The whole model on rank 0 after step 0: each pipeline stage's slice gathers what it holds to
+/// its first rank, which sends it on (not counted: reporting). Every rank calls it.
+void take_snapshot(const BlockConfig& c, PipelineParallel& pp, const Place& place,
+                   const Model& model, const Executor::Result& r, Snapshot& snap) {
+  Parallelism& slice = pp.slice();
+  auto gathered = [&](int from, auto&& make) {
+    std::vector<float> v;
+    if (place.me == from) v = host_copy(make());
+    to_rank0(v, from, place.slice_ranks, place.rank);
+    return v;
+  };
+  const int last = place.last;
+  snap.input = gathered(0, [&] { return slice.gather_activation(model.input); });
+  snap.target = gathered(last, [&] { return slice.gather_activation(model.target); });
+  snap.output = gathered(last, [&] { return slice.gather_activation(join_microbatches(r.y)); });
+  snap.input_grad = gathered(0, [&] { return slice.gather_activation(join_microbatches(r.dx)); });
+  snap.params.resize(std::size_t(c.layers));
+  snap.grads.resize(std::size_t(c.layers));
+  const std::vector<std::int64_t> held = pp.held_layers();
+  std::map<std::int64_t, std::size_t> local;
+  for (std::size_t i = 0; i < held.size(); ++i) local[held[i]] = i;
+  const PipelineShape shape = pp.schedule().shape();
+  for (std::size_t stage = 0; stage < pp.layers().size(); ++stage) {
+    const LayerRange& range = pp.layers()[stage];
+    const int owner = shape.rank_of(int(stage));
+    for (int l = range.first; l < range.first + range.count; ++l)
+      for (Param p : kAllParams) {
+        const auto i = static_cast<std::size_t>(p);
+        snap.params[std::size_t(l)][i] =
+            gathered(owner, [&] { return slice.gather_param(p, model.params[local.at(l)][p]); });
+        snap.grads[std::size_t(l)][i] =
+            gathered(owner, [&] { return slice.gather_param(p, model.grads[local.at(l)][p]); });
+      }
+  }
+}
+
+/// --json's "pipeline": the schedule, and per pipeline stage its live count and measured idle
+/// time (the pipeline of rank 0: every pipeline runs the same schedule).
+nlohmann::json pipeline_report(const PipelineParallel& pp, const StepTimes& times,
+                               std::int64_t microbatch_rows) {
   const Schedule& schedule = pp.schedule();
   const PipelineShape shape = schedule.shape();
-  const int me = mesh.pp_index, last = shape.rank_of(shape.stages() - 1);
-  const int slice_ranks = mesh.dp * mesh.cp * mesh.tp;
-  int rank = 0;
-  TPX_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
-
-  const Sharding sh = slice.sharding();
-  const std::vector<std::int64_t> held = pp.held_layers();
-  Model m = make_model(c, sh, held);
-  slice.shard_model(m);  // this rank's tokens and batch part; its layers' shards
-  Executor ex(c, pp, m, trace);
-  const std::int64_t n = m.input.dim(1) / shape.microbatches;
-  ex.message_shape = {m.input.dim(0), n, m.input.dim(2)};
-  // Stage 0 keeps the input's micro-batches (in the activations' dtype), the last stage the
-  // target's; the whole tensors stay only where the snapshot reads them, and a rank lets go of
-  // what it does not use before it splits what it does.
-  if (me != 0) m.input = Tensor();
-  if (me != last) m.target = Tensor();
-  if (me == 0) {
-    const Tensor input = as_dtype(m.input, c.activations());
-    if (!snapshot) m.input = Tensor();
-    for (int j = 0; j < shape.microbatches; ++j) ex.inputs.push_back(microbatch(input, j, n));
-  }
-  if (me == last) {
-    for (int j = 0; j < shape.microbatches; ++j) ex.targets.push_back(microbatch(m.target, j, n));
-    if (!snapshot) m.target = Tensor();
-  }
-
-  std::vector<LayerParams> params;
-  Moments moments = make_moments(c, m);
-  TrainResult result;
-  par.synchronize();
-  ops::synchronize(c.device);
-  par.take_comm_stats();
-
-  double idle_sum = 0, busy_sum = 0, wall_sum = 0;
-  int measured = 0, peak_live = 0;
-  for (int step = 0; step < c.steps; ++step) {
-    const auto t0 = Clock::now();
-    StepRow row;
-    row.step = step;
-    {
-      std::optional<TraceScope> op;
-      if (c.bf16_weight_copies()) op.emplace(trace, "bf16 weight copies");
-      make_compute_copies(c, m, params);
-    }
-    // The pipeline's part of the step, between two barriers of the pipeline group: its wall
-    // time less the actions' own time is this rank's idle time (the bubble, and waits).
-    pp.pipeline_barrier();
-    const auto p0 = Clock::now();
-    const bool keep = snapshot && step == 0;
-    Executor::Result r = ex.run(params, keep);
-    par.synchronize();
-    pp.pipeline_barrier();
-    const double wall = ms_between(p0, Clock::now());
-    peak_live = std::max(peak_live, r.peak_live);
-    if (step == 0) result.saved_activation_bytes = r.peak_saved;
-    if (step > 0 || c.steps == 1) {
-      idle_sum += wall - r.busy_ms;
-      busy_sum += r.busy_ms;
-      wall_sum += wall;
-      ++measured;
-    }
-    row.loss =
-        0.5 * par.sum_over_ranks(r.loss_sum) / (double(c.seq) * double(c.batch) * double(c.hidden));
-    row.grad_norm = grad_norm(par, m, sh, trace);
-    if (result.diverged = divergence(row, c.lr); !result.diverged.empty()) {
-      par.synchronize();
-      ops::synchronize(c.device);
-      break;  // no update from a non-finite gradient; the rows so far stay
-    }
-    par.synchronize();
-    ops::synchronize(c.device);
-    double ms = ms_between(t0, Clock::now());
-    add(row.comm, par.take_comm_stats());
-    row.exposed_comm_ms = trace.exposed_comm_ms(t0, Clock::now());
-
-    if (keep) {
-      // The whole model on rank 0: each pipeline stage's slice gathers what it holds to its
-      // first rank, which sends it on (not counted: reporting).
-      Snapshot& s = result.first;
-      s.loss = row.loss;
-      auto gathered = [&](int from, auto&& make) {
-        std::vector<float> v;
-        if (me == from) v = host_copy(make());
-        to_rank0(v, from, slice_ranks, rank);
-        return v;
-      };
-      s.input = gathered(0, [&] { return slice.gather_activation(m.input); });
-      s.target = gathered(last, [&] { return slice.gather_activation(m.target); });
-      s.output = gathered(last, [&] { return slice.gather_activation(join_microbatches(r.y)); });
-      s.input_grad = gathered(0, [&] { return slice.gather_activation(join_microbatches(r.dx)); });
-      s.params.resize(std::size_t(c.layers));
-      s.grads.resize(std::size_t(c.layers));
-      std::map<std::int64_t, std::size_t> local;
-      for (std::size_t i = 0; i < held.size(); ++i) local[held[i]] = i;
-      for (std::size_t s_ = 0; s_ < pp.layers().size(); ++s_) {
-        const LayerRange& range = pp.layers()[s_];
-        const int owner = shape.rank_of(int(s_));
-        for (int l = range.first; l < range.first + range.count; ++l)
-          for (Param p : kAllParams) {
-            const auto i = static_cast<std::size_t>(p);
-            s.params[std::size_t(l)][i] =
-                gathered(owner, [&] { return slice.gather_param(p, m.params[local.at(l)][p]); });
-            s.grads[std::size_t(l)][i] =
-                gathered(owner, [&] { return slice.gather_param(p, m.grads[local.at(l)][p]); });
-          }
-      }
-      par.take_comm_stats();
-      m.input = Tensor();
-      m.target = Tensor();
-    }
-
-    finish_step(c, par, m, moments, trace, row, ms);
-    result.rows.push_back(row);
-    if (on_row) on_row(row);
-  }
-
-  // --json: the schedule, and per pipeline stage its live count and measured idle time (the
-  // pipeline of rank 0: every pipeline runs the same schedule).
-  const double k = measured > 0 ? double(measured) : 1.0;
-  const std::vector<double> idle = pp.gather_over_pipeline(idle_sum / k);
-  const std::vector<double> busy = pp.gather_over_pipeline(busy_sum / k);
-  const std::vector<double> wall = pp.gather_over_pipeline(wall_sum / k);
-  const std::vector<double> live = pp.gather_over_pipeline(double(peak_live));
+  const double steps = times.measured > 0 ? double(times.measured) : 1.0;
+  const std::vector<double> idle = pp.gather_over_pipeline(times.idle_ms / steps);
+  const std::vector<double> busy = pp.gather_over_pipeline(times.busy_ms / steps);
+  const std::vector<double> wall = pp.gather_over_pipeline(times.wall_ms / steps);
+  const std::vector<double> live = pp.gather_over_pipeline(double(times.peak_live));
   double idle_all = 0, wall_all = 0;
   for (std::size_t p = 0; p < idle.size(); ++p) {
     idle_all += idle[p];
     wall_all += wall[p];
   }
   std::vector<int> live_counts(live.begin(), live.end());
-  result.extra["pipeline"] = {
+  return {
       {"schedule", schedule.name()},
       {"pp", shape.ranks},
       {"microbatches", shape.microbatches},
       {"stages_per_rank", shape.stages_per_rank},
-      {"microbatch_rows", n},
+      {"microbatch_rows", microbatch_rows},
       {"split_backward", schedule.split_backward()},
       {"live_peak", live_counts},
       {"schedule_live_peak", pipeline::peak_live(schedule)},
@@ -886,8 +572,69 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       {"wall_ms", wall},
       {"bubble_measured", wall_all > 0 ? idle_all / wall_all : 0.0},
       {"bubble_formula", schedule.formula_bubble(pipeline::Costs{})},
-      {"measured_steps", measured},
+      {"measured_steps", times.measured},
   };
+}
+
+}  // namespace
+
+TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& trace,
+                           const std::function<void(const StepRow&)>& on_row) {
+  auto& pp = static_cast<PipelineParallel&>(par);
+  const Place place = place_of(pp);
+  const Sharding sh = pp.slice().sharding();
+  Model model = make_model(c, sh, pp.held_layers());
+  pp.slice().shard_model(model);  // this rank's tokens and batch part; its layers' shards
+  Executor ex(c, pp, model, trace);
+  const std::int64_t microbatch_rows =
+      split_microbatches(c, place, pp.schedule().shape().microbatches, snapshot, model, ex);
+
+  std::vector<LayerParams> params;
+  Moments moments = make_moments(c, model);
+  TrainResult result;
+  par.synchronize();
+  ops::synchronize(c.device);
+  par.take_comm_stats();
+
+  StepTimes times;
+  for (int step = 0; step < c.steps; ++step) {
+    const auto start = Clock::now();
+    StepRow row;
+    row.step = step;
+    {
+      std::optional<TraceScope> op;
+      if (c.bf16_weight_copies()) op.emplace(trace, "bf16 weight copies");
+      make_compute_copies(c, model, params);
+    }
+    const bool keep = snapshot && step == 0;
+    const Executor::Result r =
+        run_actions(pp, ex, params, keep, /*measured=*/step > 0 || c.steps == 1, times);
+    if (step == 0) result.saved_activation_bytes = r.peak_saved;
+    row.loss =
+        0.5 * par.sum_over_ranks(r.loss_sum) / (double(c.seq) * double(c.batch) * double(c.hidden));
+    row.grad_norm = grad_norm(par, model, sh, trace);
+    if (result.diverged = divergence(row, c.lr); !result.diverged.empty()) {
+      par.synchronize();
+      ops::synchronize(c.device);
+      break;  // no update from a non-finite gradient; the rows so far stay
+    }
+    par.synchronize();
+    ops::synchronize(c.device);
+    double ms = ms_between(start, Clock::now());
+    add(row.comm, par.take_comm_stats());
+    row.exposed_comm_ms = trace.exposed_comm_ms(start, Clock::now());
+    if (keep) {
+      result.first.loss = row.loss;
+      take_snapshot(c, pp, place, model, r, result.first);
+      par.take_comm_stats();
+      model.input = Tensor();
+      model.target = Tensor();
+    }
+    finish_step(c, par, model, moments, trace, row, ms);
+    result.rows.push_back(row);
+    if (on_row) on_row(row);
+  }
+  result.extra["pipeline"] = pipeline_report(pp, times, microbatch_rows);
   return result;
 }
 
