@@ -291,12 +291,8 @@ TEST(MemoryTerms, FsdpShardsFallAsOneOverTD) {
     }
 }
 
-// bf16 on cuda. At L = 1 the estimate is 5.4 GiB with fused attention and 28.1 GiB with naive:
-// naive keeps the probabilities, B·NH·S²·4 = 8 GiB per layer, and its backward's dP, bf16 P and
-// dS add 16 GiB of scratch; fused keeps B·NH·S·4 = 1 MiB of lse and its backward's only scratch
-// is Δ, as small. Each further layer adds 10.9 GiB with naive, 2.9 GiB with fused, so at L = 6
-// naive needs more than an 80 GiB H100 has while fused stays far below.
-TEST(MemoryTerms, FusedAttentionFitsALongSequenceOnOneGpu) {
+/// A Llama-sized block (H 4096, NH 32, F 11008) on one sequence of 8192 tokens, bf16 on cuda.
+BlockConfig long_sequence_on_cuda() {
   BlockConfig c;
   c.hidden = 4096;
   c.heads = 32;
@@ -305,6 +301,16 @@ TEST(MemoryTerms, FusedAttentionFitsALongSequenceOnOneGpu) {
   c.batch = 1;
   c.device = Device::cuda;
   c.dtype = DType::bf16;
+  return c;
+}
+
+// bf16 on cuda. At L = 1 the estimate is 5.4 GiB with fused attention and 28.1 GiB with naive:
+// naive keeps the probabilities, B·NH·S²·4 = 8 GiB per layer, and its backward's dP, bf16 P and
+// dS add 16 GiB of scratch; fused keeps B·NH·S·4 = 1 MiB of lse and its backward's only scratch
+// is Δ, as small. Each further layer adds 10.9 GiB with naive, 2.9 GiB with fused, so at L = 6
+// naive needs more than an 80 GiB H100 has while fused stays far below.
+TEST(MemoryTerms, FusedAttentionFitsALongSequenceOnOneGpu) {
+  BlockConfig c = long_sequence_on_cuda();
   constexpr std::uint64_t GiB = std::uint64_t{1} << 30;
   const std::uint64_t B = 1, NH = 32, S = 8192;
   for (const std::int64_t layers : {1, 6}) {
@@ -332,16 +338,9 @@ TEST(MemoryTerms, FusedAttentionFitsALongSequenceOnOneGpu) {
 //   temporaries = y, dout, ds, dgate, dup, dh2, dx2, da, dq, dk, dv
 //               + B·NH·S²·(4 + 2 + 2) + (g > 1 ? 2 · S·B·NKV·D·4 : 0)
 TEST(MemoryTerms, CudaNaiveAttentionBackwardScratch) {
-  BlockConfig c;
-  c.hidden = 4096;
-  c.heads = 32;
-  c.ffn = 11008;
-  c.seq = 8192;
-  c.batch = 1;
+  BlockConfig c = long_sequence_on_cuda();
   c.layers = 1;
   c.steps = 1;
-  c.device = Device::cuda;
-  c.dtype = DType::bf16;
   c.attention = Attention::naive;
   const std::uint64_t S = 8192, B = 1, H = 4096, F = 11008, NH = 32, D = 128;
   for (const std::int64_t kv_heads : {32, 8}) {
