@@ -15,6 +15,7 @@ using pipeline::LayerRange;
 using pipeline::Payload;
 using pipeline::Phase;
 using pipeline::Transfer;
+using training::add;
 
 namespace {
 
@@ -152,6 +153,7 @@ void Executor::forward(std::size_t i, const std::vector<LayerParams>& params, Re
     const int next = k + 1 < range.count ? int(l + 1) : -1;
     const LayerParams w = slice_.layer_params(params, l, next);
     h = block_forward(c_, w, h, slice_, p.acts[std::size_t(k)], trace_);
+    release(range.first + k, p.acts[std::size_t(k)]);
     saved_ += p.acts[std::size_t(k)].bytes();
     slice_.release_layer(l);
   }
@@ -184,6 +186,7 @@ void Executor::backward(std::size_t i, const std::vector<LayerParams>& params, R
     const int next = k > 0 ? int(l - 1) : -1;
     const LayerParams w = slice_.layer_params(params, l, next);
     LayerParams g = fresh_grads(l);
+    remake(range.first + k, w, p.acts[std::size_t(k)], r);
     dy = block_backward(c_, w, p.acts[std::size_t(k)], dy, slice_, g, trace_);
     slice_.release_layer(l);
     saved_ -= p.acts[std::size_t(k)].bytes();
@@ -196,6 +199,32 @@ void Executor::backward(std::size_t i, const std::vector<LayerParams>& params, R
   if (split_) slice_.defer_weight_grads(nullptr);
   p.dx = dy;
   if (keep && a.stage == 0) r.dx[std::size_t(a.microbatch)] = dy;
+}
+
+void Executor::release(std::int64_t layer, BlockActivations& saved) const {
+  if (c_.recomputes_layer(layer))
+    saved.keep_only_input();
+  else if (c_.recompute == Recompute::selective)
+    saved.drop_cheap();
+}
+
+void Executor::remake(std::int64_t layer, const LayerParams& w, BlockActivations& saved,
+                      Result& r) {
+  const std::size_t kept = saved.bytes();
+  if (c_.recomputes_layer(layer)) {
+    // The block's forward again from its saved input, collectives included (their traffic
+    // counted apart, as train() counts it); its output is already the next layer's input.
+    add(r.comm, slice_.take_comm_stats());
+    {
+      TraceScope again(trace_, "recompute", Lane::phase);
+      block_forward(c_, w, saved.x, slice_, saved, trace_);
+    }
+    add(r.recompute_comm, slice_.take_comm_stats());
+  } else if (c_.recompute == Recompute::selective) {
+    block_refill(w, slice_, saved, trace_);
+  }
+  saved_ += saved.bytes() - kept;  // one block whole again, until its backward is done
+  r.peak_saved = std::max(r.peak_saved, saved_);
 }
 
 void Executor::weights(const Action& a) {

@@ -77,7 +77,10 @@ class Executor {
     double busy_ms = 0;          ///< the actions' own time
     int peak_live = 0;           ///< the most (micro-batch, stage) activations alive at once
     std::size_t peak_saved = 0;  ///< the most bytes of saved activations alive at once
-    std::vector<Tensor> y, dx;   ///< per micro-batch: the last stage's output, stage 0's dx
+    /// The slice's traffic taken out around --recompute full's forwards: what the step moved
+    /// before each, and what each moved (the rest is still in the slice's stats at the end).
+    CommStats comm, recompute_comm;
+    std::vector<Tensor> y, dx;  ///< per micro-batch: the last stage's output, stage 0's dx
   };
 
   /// One step: this rank's actions in the schedule's order with the step's compute copies
@@ -94,6 +97,11 @@ class Executor {
   void forward(std::size_t i, const std::vector<LayerParams>& params, Result& r, bool keep);
   void backward(std::size_t i, const std::vector<LayerParams>& params, Result& r, bool keep);
   void weights(const pipeline::Action& a);
+  /// --recompute: what global layer `layer` keeps between its forward and its backward (its
+  /// input under full recompute, all but the cheap ops' outputs under selective), and making
+  /// again what it let go, before its backward.
+  void release(std::int64_t layer, BlockActivations& saved) const;
+  void remake(std::int64_t layer, const LayerParams& w, BlockActivations& saved, Result& r);
   LayerParams fresh_grads(std::size_t l);
   LayerParams& accumulator(std::size_t l);
   void accumulate(std::size_t l, const LayerParams& g);

@@ -50,6 +50,7 @@ PipelineParallel::PipelineParallel(const RunContext& ctx, Mesh mesh,
       slice_(std::move(slice)),
       schedule_(std::move(schedule)),
       layers_(std::move(layers)),
+      config_(ctx.options.config),
       trace_(ctx.trace),
       device_(ctx.options.config.device) {
   if (mesh_.pp == 1) return;
@@ -79,7 +80,7 @@ namespace {
 
 /// `slice` (a pipeline stage's ranks' sharding) with what rank `pp_index` of the pipeline holds:
 /// its layers, and the peaks of the schedule's live activations and waiting loss gradients.
-Sharding pipeline_sharding(Sharding s, const Schedule& schedule,
+Sharding pipeline_sharding(Sharding s, const BlockConfig& c, const Schedule& schedule,
                            const std::vector<LayerRange>& layers, int pp_index) {
   const PipelineShape& shape = schedule.shape();
   s.pp = shape.ranks;
@@ -90,23 +91,34 @@ Sharding pipeline_sharding(Sharding s, const Schedule& schedule,
   // gradients waiting for the last stage's backward.
   const int last = shape.stages() - 1;
   std::int64_t live = 0, peak = 0, passes = 0, peak_passes = 0, losses = 0, peak_losses = 0;
+  std::int64_t kept = 0, peak_kept = 0;  // the live pairs of layers not fully recomputed
+  auto kept_layers = [&](const LayerRange& range) {
+    std::int64_t n = 0;
+    for (int k = 0; k < range.count; ++k) n += c.recomputes_layer(range.first + k) ? 0 : 1;
+    return n;
+  };
   for (const Action& a : schedule.actions(pp_index)) {
     const std::int64_t n = layers[std::size_t(a.stage)].count;
+    const std::int64_t n_kept = kept_layers(layers[std::size_t(a.stage)]);
     if (a.phase == Phase::forward) {
       live += n;
+      kept += n_kept;
       ++passes;
       if (a.stage == last) ++losses;
     } else if (a.phase == Phase::weight || !schedule.split_backward()) {
       live -= n;
+      kept -= n_kept;
       --passes;
     }
     if (a.phase == Phase::backward && a.stage == last) --losses;
     peak = std::max(peak, live);
+    peak_kept = std::max(peak_kept, kept);
     peak_passes = std::max(peak_passes, passes);
     peak_losses = std::max(peak_losses, losses);
   }
   s.pp_live_layers = peak;
   s.pp_live_passes = peak_passes;
+  s.pp_live_kept_layers = peak_kept;
   s.pp_loss_grads = peak_losses;
   s.pp_split_backward = schedule.split_backward();
   s.pp_holds_input = pp_index == shape.rank_of(0);
@@ -117,7 +129,7 @@ Sharding pipeline_sharding(Sharding s, const Schedule& schedule,
 }  // namespace
 
 Sharding PipelineParallel::sharding() const {
-  return pipeline_sharding(slice_->sharding(), *schedule_, layers_, mesh_.pp_index);
+  return pipeline_sharding(slice_->sharding(), config_, *schedule_, layers_, mesh_.pp_index);
 }
 
 std::string PipelineParallel::comm_name() const {
@@ -287,10 +299,6 @@ Layout layout(const RunContext& ctx) {
       pipeline::split_layers(int(c.layers), l.shape.stages(),
                              v == 1 ? fmt::format("--pp {}", l.pp)
                                     : fmt::format("--pp {} × --stages-per-rank {}", l.pp, v));
-  if (c.recompute != Recompute::none)
-    throw ConfigError(
-        "--recompute is not offered by 09_pipeline_parallel yet: a pipeline keeps the "
-        "activations of several micro-batches, and its memory estimate counts them whole");
   if (l.pp > 1 && c.device != Device::cpu)
     throw ConfigError(
         "--pp > 1 runs on --device cpu in this build: the pipeline's send and receive lanes are "
@@ -327,6 +335,40 @@ std::string describe_pipeline(const RunContext& ctx) {
   return out;
 }
 
+namespace {
+
+Traffic per_layer_share(Traffic all, const Traffic& none, std::int64_t layers,
+                        std::int64_t recomputed) {
+  const auto L = std::uint64_t(layers), R = std::uint64_t(recomputed);
+  return {(all.payload - none.payload) / L * R, (all.bus - none.bus) / L * R,
+          (all.calls - none.calls) / L * R};
+}
+
+/// The slice's traffic for one micro-batch on this rank's layers (`micro`: its L_rank layers),
+/// with --recompute full's second forwards on the layers of this rank that it recomputes (their
+/// global index a multiple of --recompute-every, which mesh_traffic cannot see): the forward's
+/// share of a layer, from the traffic with every layer recomputed minus none, times their number.
+MeshTraffic recomputed_traffic(const BlockConfig& micro, const Mesh& mesh, CpMethod method,
+                               const std::vector<LayerRange>& layers,
+                               const std::vector<int>& stages) {
+  BlockConfig none = micro, all = micro;
+  none.recompute = Recompute::none;
+  MeshTraffic t = mesh_traffic(none, mesh.dp, mesh.cp, mesh.tp, method);
+  if (micro.recompute != Recompute::full) return t;
+  all.recompute_every = 1;
+  const MeshTraffic every = mesh_traffic(all, mesh.dp, mesh.cp, mesh.tp, method);
+  std::int64_t recomputed = 0;
+  for (const int stage : stages) {
+    const LayerRange& range = layers[std::size_t(stage)];
+    for (int k = 0; k < range.count; ++k) recomputed += micro.recomputes_layer(range.first + k);
+  }
+  t.tp += per_layer_share(every.tp, t.tp, micro.layers, recomputed);
+  t.cp += per_layer_share(every.cp, t.cp, micro.layers, recomputed);
+  return t;
+}
+
+}  // namespace
+
 StagePlan plan_pipeline(const RunContext& ctx) {
   const BlockConfig& c = ctx.options.config;
   const Layout l = layout(ctx);
@@ -342,14 +384,15 @@ StagePlan plan_pipeline(const RunContext& ctx) {
                        .cp = mesh.cp,
                        .cp_method = mesh.cp > 1 ? method : CpMethod::ring};
   StagePlan p;
-  p.sharding = pipeline_sharding(slice, *schedule, l.layers, mesh.pp_index);
+  p.sharding = pipeline_sharding(slice, c, *schedule, l.layers, mesh.pp_index);
   // The slice's traffic on this rank's layers, once per micro-batch (the TP and CP bytes of a
   // micro-batch, M times; FSDP's gathers for every micro-batch, its reduce-scatter once).
   BlockConfig mine = c;
   mine.layers = p.sharding.pp_layers;
   BlockConfig micro = mine;
   micro.batch = c.batch / l.shape.microbatches;
-  const MeshTraffic t = mesh_traffic(micro, mesh.dp, mesh.cp, mesh.tp, method);
+  const MeshTraffic t =
+      recomputed_traffic(micro, mesh, method, l.layers, l.shape.stages_of(mesh.pp_index));
   const auto m = std::uint64_t(l.shape.microbatches);
   const Traffic tp{t.tp.payload * m, t.tp.bus * m, t.tp.calls * m};
   p.cp_traffic = {t.cp.payload * m, t.cp.bus * m, t.cp.calls * m};
@@ -621,7 +664,10 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     par.synchronize();
     ops::synchronize(c.device);
     double ms = ms_between(start, Clock::now());
+    add(row.comm, r.comm);
     add(row.comm, par.take_comm_stats());
+    add(row.comm, r.recompute_comm);  // the step's traffic includes the recompute's
+    row.recompute_comm = r.recompute_comm;
     row.exposed_comm_ms = trace.exposed_comm_ms(start, Clock::now());
     if (keep) {
       result.first.loss = row.loss;

@@ -113,6 +113,7 @@ class PipelineParallel final : public Parallelism {
   std::unique_ptr<Parallelism> slice_;
   std::unique_ptr<pipeline::Schedule> schedule_;
   std::vector<pipeline::LayerRange> layers_;
+  BlockConfig config_;  // the run's block (--recompute decides what each layer keeps)
   Trace& trace_;
   Device device_;
   std::unique_ptr<Channel> activations_, gradients_;  // null when P = 1

@@ -272,8 +272,7 @@ BlockConfig rank_block(const BlockConfig& global, const Sharding& s) {
   BlockConfig c = global;
   c.seq = global.seq / s.cp;
   const bool pipeline = s.pp_layers > 0;
-  TPX_CHECK(!pipeline || (s.microbatches >= 1 && c.batch % (s.dp * s.microbatches) == 0 &&
-                          c.recompute == Recompute::none),
+  TPX_CHECK(!pipeline || (s.microbatches >= 1 && c.batch % (s.dp * s.microbatches) == 0),
             "memory estimate: a pipeline of {} micro-batches over --batch {}", s.microbatches,
             c.batch);
   if (pipeline) c.layers = s.pp_layers;
@@ -345,14 +344,31 @@ I saved_layer_bytes(const BlockConfig& c, const Bytes& b) {
 ///   full       x (R = ceil(L/K) layers; the rest  saved_layer − x
 ///              keep saved_layer)
 ///   selective  saved_layer − cheap                cheap = h, h2 (as kept), rstd1, rstd2, s
-/// A pipeline rank keeps saved_layer for each (micro-batch, layer) alive at once.
+/// A pipeline rank keeps, for each (micro-batch, layer) alive at once (the schedule's peak, live),
+/// what its layer keeps, plus the one block its recompute makes again:
+///   none       saved_layer · live
+///   full       x · live + (saved_layer − x) · (live − recomputed pairs) + (saved_layer − x)
+///   selective  (saved_layer − cheap) · live + cheap
+I pipeline_saved_activations(const BlockConfig& c, const Sharding& s, I saved_layer, I cheap,
+                             I input) {
+  const char* what = "the saved activations' bytes";
+  if (c.recompute == Recompute::selective)
+    return sum({checked_product({saved_layer - cheap, s.pp_live_layers}, what), cheap}, what);
+  if (c.recompute == Recompute::full)
+    return sum(
+        {checked_product({input, s.pp_live_layers}, what),
+         checked_product({saved_layer - input, s.pp_live_kept_layers}, what), saved_layer - input},
+        what);
+  return checked_product({saved_layer, s.pp_live_layers}, what);
+}
+
 I saved_activations(const BlockConfig& c, const Sharding& s, const Bytes& b, const Bytes& ba) {
   const char* what = "the saved activations' bytes";
   const I saved_layer = saved_layer_bytes(c, ba);
   const I kept_h = kept_h_bytes(c, ba);
   const I cheap = sum({kept_h, kept_h, ba.rows, ba.rows, ba.cols_f}, what);
   const I recomputed = c.recomputed_layers();
-  if (s.pp_layers > 0) return checked_product({saved_layer, s.pp_live_layers}, what);
+  if (s.pp_layers > 0) return pipeline_saved_activations(c, s, saved_layer, cheap, ba.stream);
   if (c.recompute == Recompute::selective)
     return sum({checked_product({saved_layer - cheap, c.layers}, what), cheap}, what);
   if (recomputed > 0)
@@ -430,14 +446,16 @@ I host_per_microbatch(const BlockConfig& c, const Sharding& s) {
 /// set-up's streams lift it there) comes from the heap, and malloc keeps such holes resident
 /// under the live passes' tensors above them until those are freed. With the schedule's peaks
 /// of live (micro-batch, layer) pairs and of live passes:
-///   heap holes = live layers · 2·G + live passes · R   (no term on cuda, or if G ≥ 32 MiB)
+///   heap holes = live kept layers · 2·G + live passes · R   (no term on cuda, or if G ≥ 32 MiB)
+/// where a layer that --recompute full makes again leaves none: it frees its saved tensors with
+/// the GEMMs' outputs right after its forward, so the next forward reuses the space.
 constexpr I kMmapThresholdMax = I{32} << 20;
 bool has_heap_holes(const BlockConfig& c, const Bytes& ba) {
   return c.device == Device::cpu && ba.full < kMmapThresholdMax;
 }
 I heap_holes(const Sharding& s, const Bytes& ba) {
   const char* what = "the pipeline's buffers";
-  return sum({checked_product({s.pp_live_layers, ba.full, 2}, what),
+  return sum({checked_product({s.pp_live_kept_layers, ba.full, 2}, what),
               checked_product({s.pp_live_passes, ba.stream}, what)},
              what);
 }

@@ -69,11 +69,15 @@ struct Sharding {
   /// last stage's live count; 0 elsewhere). The first stage keeps the input's micro-batches, the
   /// last the target's. `pp_live_passes`: the most (micro-batch, virtual stage) passes alive at
   /// once (each of them pp_layers / stages-per-rank layers of pp_live_layers).
+  /// `pp_live_kept_layers`: the most of those (micro-batch, layer) pairs whose layer keeps its
+  /// activations whole between its forward and its backward (all of them but the layers that
+  /// --recompute full makes again, which keep only their input).
   int pp = 1;
   std::int64_t pp_layers = 0;
   int microbatches = 1;
   std::int64_t pp_live_layers = 0;
   std::int64_t pp_live_passes = 0;
+  std::int64_t pp_live_kept_layers = 0;
   bool pp_split_backward = false;
   std::int64_t pp_loss_grads = 0;
   bool pp_holds_input = false, pp_holds_target = false;

@@ -3,6 +3,8 @@
 //    with every schedule at P = 2 alone, P = 2 × T = 2, P = 2 × D = 2, P = 3 over L = 4 layers
 //    (uneven) with M = 2 and 3, and interleaved at P = 2 × V = 2, under SGD and AdamW, with GQA;
 //  - zb-h1's gradients equal 1f1b's (the split backward computes the same sums);
+//  - --recompute full (every layer, and every second one) and selective give gradients bit for
+//    bit those of --recompute none, at P = 2 and 3 with every schedule;
 //  - the live counts in --json equal the schedule list's, on every rank;
 //  - the PP bytes of a step equal the formula (each message [S/(C·T), B/(D·M), H]), and
 //    --dry-run's bytes and memory estimate equal a real run's;
@@ -17,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <sstream>
 #include <string>
@@ -134,6 +137,41 @@ TEST(PipelineParallel, ZeroBubbleGivesOneFOneBsGradients) {
     ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   }
   expect_dumps_close(dir / "1f1b", dir / "zb-h1", 1e-6, "zb-h1 against 1f1b");
+}
+
+TEST(PipelineParallel, RecomputeGivesGradientsBitIdenticalToNone) {
+  // A recomputed block's forward is the same arithmetic again, and a selective refill remakes
+  // the cheap ops' outputs exactly: every dumped tensor (the weights' and the input's gradients,
+  // the output, the loss) equal bit for bit, whichever schedule orders the passes.
+  struct Pipe {
+    int pp;
+    std::string args;
+  };
+  test::TempDir dir;
+  for (const Pipe& p :
+       {Pipe{2, "--layers 4 --schedule gpipe"}, Pipe{2, "--layers 4 --schedule 1f1b"},
+        Pipe{2, "--layers 4 --schedule zb-h1"},
+        Pipe{2, "--layers 4 --schedule interleaved-1f1b --stages-per-rank 2"},
+        Pipe{3, "--layers 4 --schedule gpipe"}, Pipe{3, "--layers 4 --schedule 1f1b"},
+        Pipe{3, "--layers 4 --schedule zb-h1"},
+        Pipe{3, "--layers 6 --schedule interleaved-1f1b --stages-per-rank 2"}}) {
+    const std::string base = fmt::format(
+        "--hidden 32 --heads 4 --kv-heads 2 --seq 8 --ffn 64 --batch {} --steps 1 "
+        "--pp {} --microbatches {} {}",
+        2 * p.pp, p.pp, p.pp, p.args);
+    std::string mode_names[] = {"none", "full", "every2", "selective"};
+    std::string modes[] = {"--recompute none", "--recompute full",
+                           "--recompute full --recompute-every 2", "--recompute selective"};
+    for (int i = 0; i < 4; ++i) {
+      const auto r = run_stage(
+          "09_pipeline_parallel", p.pp,
+          fmt::format("{} {} --dump {}", base, modes[i], (dir / mode_names[i]).string()), dir);
+      ASSERT_EQ(r.exit_code, 0) << base << " " << modes[i] << "\n" << r.out << r.err;
+    }
+    for (int i = 1; i < 4; ++i)
+      expect_dumps_close(dir / "none", dir / mode_names[i], 0.0, base + " " + modes[i]);
+    for (const std::string& name : mode_names) std::filesystem::remove_all(dir / name);
+  }
 }
 
 /// The schedule the stage runs, rebuilt from the library for the test's expectations.
@@ -298,7 +336,11 @@ TEST(PipelineParallel, EstimateHoldsTheHostsOwnPeakOnEveryRank) {
         Point{2, big + " --layers 4 --stages-per-rank 2 --schedule interleaved-1f1b"},
         Point{4, big + " --layers 2 --pp 2 --cp 2 --schedule 1f1b"},
         Point{4, big + " --layers 2 --pp 2 --dp 2 --schedule 1f1b"},
-        Point{2, small + " --schedule gpipe --batch 2000 --microbatches 2000"}}) {
+        Point{2, small + " --schedule gpipe --batch 2000 --microbatches 2000"},
+        // Recompute: every live micro-batch keeps a recomputed layer's input only (rank 0's
+        // layer 0 at every 2; rank 1's layer 1 keeps all), or all but the cheap ops' outputs.
+        Point{2, big + " --layers 2 --schedule gpipe --recompute full --recompute-every 2"},
+        Point{2, big + " --layers 2 --schedule gpipe --recompute selective"}}) {
     const json j = run_json("09_pipeline_parallel", p.n, "--steps 2 " + p.args);
     ASSERT_TRUE(j.contains("host_peak_bytes_per_rank")) << p.args;
     ASSERT_TRUE(j.at("host_peak_since_baseline").get<bool>()) << "VmHWM could not be reset";
@@ -381,7 +423,11 @@ TEST(PipelineParallel, DryRunGivesTheRealRunsBytesAndMemoryEstimate) {
        {Run{2, "--pp 2 --microbatches 4"}, Run{4, "--pp 2 --dp 2 --microbatches 2"},
         Run{4, "--pp 2 --cp 2 --microbatches 2 --schedule zb-h1"},
         Run{2, "--pp 2 --stages-per-rank 2 --microbatches 2 --schedule interleaved-1f1b"},
-        Run{3, "--pp 3 --microbatches 4 --schedule gpipe"}}) {
+        Run{3, "--pp 3 --microbatches 4 --schedule gpipe"},
+        // --recompute full's second forwards: TP's share on the layers this rank recomputes
+        // (layer 0 of 0, 1 at every 2: rank 0 one, rank 1 none), and CP's ring again.
+        Run{4, "--pp 2 --microbatches 2 --recompute full --recompute-every 2"},
+        Run{4, "--pp 2 --cp 2 --microbatches 2 --recompute full"}}) {
     const std::string args = z.args() + " --steps 2 " + run.args;
     const json real = run_json("09_pipeline_parallel", run.n, args);
     const json dry = run_json("09_pipeline_parallel", run.n, args + " --dry-run");
