@@ -357,6 +357,15 @@ TEST(PipelineParallel, EstimateHoldsTheHostsOwnPeakOnEveryRank) {
   }
 }
 
+/// The stage's error lines in a run's stderr (one per rank that reports).
+std::vector<std::string> error_lines(const std::string& err) {
+  std::vector<std::string> errors;
+  std::istringstream in(err);
+  for (std::string line; std::getline(in, line);)
+    if (line.starts_with("09_pipeline_parallel: error:")) errors.push_back(line);
+  return errors;
+}
+
 TEST(PipelineParallel, APipelineThatCannotFitIsRefusedUpFront) {
   // 50 000 micro-batches of 40 sequences: the set-up's streams (2 · 16 GB per rank) are far
   // beyond any host of this suite; refused from the estimate, in one line on every rank, before
@@ -369,10 +378,7 @@ TEST(PipelineParallel, APipelineThatCannotFitIsRefusedUpFront) {
                            dir);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  std::vector<std::string> errors;
-  std::istringstream err(r.err);
-  for (std::string line; std::getline(err, line);)
-    if (line.starts_with("09_pipeline_parallel: error:")) errors.push_back(line);
+  const std::vector<std::string> errors = error_lines(r.err);
   ASSERT_EQ(errors.size(), 1u) << r.err;
   EXPECT_NE(errors[0].find("not enough memory"), std::string::npos) << errors[0];
   EXPECT_NE(errors[0].find("biggest term"), std::string::npos) << errors[0];
@@ -393,10 +399,7 @@ TEST(PipelineParallel, AMillionMicrobatchesAreRefusedUpFront) {
                            dir);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
-  std::vector<std::string> errors;
-  std::istringstream err(r.err);
-  for (std::string line; std::getline(err, line);)
-    if (line.starts_with("09_pipeline_parallel: error:")) errors.push_back(line);
+  const std::vector<std::string> errors = error_lines(r.err);
   ASSERT_EQ(errors.size(), 1u) << r.err;
   EXPECT_NE(
       errors[0].find("--microbatches 1000000 is more than 09_pipeline_parallel takes (65536)"),

@@ -608,6 +608,28 @@ __device__ __forceinline__ void product_cv(float (&acc)[D / 8][4], const float (
 // Tile t + 1's copy runs during tile t's products; the prologue puts the block's own rows and
 // tile 0 in one group before the loop.
 
+/// Issues the copies of K/V tile t (keys t·64 ..) into buffer tc::buffer_of(t): the forward's and
+/// dQ's key tiles.
+template <int D>
+__device__ __forceinline__ void load_kv_tile(bf16* ks, bf16* vs, const bf16* k, const bf16* v, I t,
+                                             I s, I ldkv) {
+  constexpr int kTile = kKeyTile * tc::ld_tile(D);
+  const int b = tc::buffer_of(t);
+  load_tile<kKeyTile, D>(ks + b * kTile, k, t * kKeyTile, s, ldkv);
+  load_tile<kKeyTile, D>(vs + b * kTile, v, t * kKeyTile, s, ldkv);
+}
+
+/// The pipeline's step at key tile t of `tiles` (above): tile t + 1's copies issued into the
+/// other buffer (an empty group after the last tile), then tile t landed for every thread.
+template <int D>
+__device__ __forceinline__ void next_kv_tile(bf16* ks, bf16* vs, const bf16* k, const bf16* v, I t,
+                                             I tiles, I s, I ldkv) {
+  if (t + 1 < tiles) load_kv_tile<D>(ks, vs, k, v, t + 1, s, ldkv);
+  cp_async_commit();
+  cp_async_wait<1>();
+  __syncthreads();
+}
+
 // Forward: one block per (64 query rows, query head), 4 warps of 16 rows; key tiles of 64 in two
 // buffers. Per tile: S = Q·Kᵀ, the online softmax on S's fragments, O += P·V with P as A
 // fragments from S's registers. O is stored as TOut (bf16: rounded once), lse in fp32.
@@ -627,25 +649,16 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   const I tiles = tc::key_tiles(q0, s, shift);
   const I row0 = q0 + warp * kWarpRows;  // the warp's first query row
   load_tile<kBlockRows, D>(qs, q, q0, s, ldq);
-  if (tiles > 0) {
-    load_tile<kKeyTile, D>(ks, k, 0, s, ldkv);
-    load_tile<kKeyTile, D>(vs, v, 0, s, ldkv);
-  }
+  if (tiles > 0) load_kv_tile<D>(ks, vs, k, v, 0, s, ldkv);
   cp_async_commit();
   const bf16* qw = qs + warp * kWarpRows * tc::ld_tile(D);
   float o[D / 8][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this lane's share of the sum
   for (I t = 0; t < tiles; ++t) {
-    const int b = tc::buffer_of(t), bn = tc::buffer_of(t + 1);
+    const int b = tc::buffer_of(t);
     const I j0 = t * kKeyTile;
-    if (t + 1 < tiles) {
-      load_tile<kKeyTile, D>(ks + bn * kTile, k, j0 + kKeyTile, s, ldkv);
-      load_tile<kKeyTile, D>(vs + bn * kTile, v, j0 + kKeyTile, s, ldkv);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
+    next_kv_tile<D>(ks, vs, k, v, t, tiles, s, ldkv);
     float sc[kKeyTile / 8][4];
     product_abt<kKeyTile / 16, D>(sc, qw, ks + b * kTile, lane);
     const bool masked = !tc::all_visible(row0, kWarpRows, j0, kKeyTile, s, shift);
@@ -693,10 +706,7 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   const I row0 = q0 + warp * kWarpRows;
   load_tile<kBlockRows, D>(qs, q, q0, s, ldq);
   load_tile<kBlockRows, D>(dos, dout, q0, s, ldq);
-  if (tiles > 0) {
-    load_tile<kKeyTile, D>(ks, k, 0, s, ldkv);
-    load_tile<kKeyTile, D>(vs, v, 0, s, ldkv);
-  }
+  if (tiles > 0) load_kv_tile<D>(ks, vs, k, v, 0, s, ldkv);
   cp_async_commit();
   float lse2[2], dl[2];
   for (int h = 0; h < 2; ++h) {
@@ -709,15 +719,9 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   float acc[D / 8][4];
   zero(acc);
   for (I t = 0; t < tiles; ++t) {
-    const int b = tc::buffer_of(t), bn = tc::buffer_of(t + 1);
+    const int b = tc::buffer_of(t);
     const I j0 = t * kKeyTile;
-    if (t + 1 < tiles) {
-      load_tile<kKeyTile, D>(ks + bn * kTile, k, j0 + kKeyTile, s, ldkv);
-      load_tile<kKeyTile, D>(vs + bn * kTile, v, j0 + kKeyTile, s, ldkv);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
+    next_kv_tile<D>(ks, vs, k, v, t, tiles, s, ldkv);
     const bf16* kc = ks + b * kTile;
     float sc[kKeyTile / 8][4], dp[kKeyTile / 8][4];
     product_abt<kKeyTile / 16, D>(sc, qw, kc, lane);
