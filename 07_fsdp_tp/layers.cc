@@ -182,12 +182,6 @@ void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l)
   }
   Gather g{Tensor::empty({std::int64_t(mesh_.dp_cp()) * b.bytes}, DType::u8, device_),
            Event(device_), b.offset, b.bytes};
-  const Stream compute(device_);
-  Event packed(device_);
-  packed.record(compute);
-  packed.wait(gather_lane_);
-  record_stream(send, gather_lane_);
-  record_stream(g.full, gather_lane_);
   const std::string what = fmt::format("layer {} weights all-gather", l);
   // Booked now, so that the flight recorder has it in the program's order on every rank.
   const std::uint64_t booked = dp_comm_->book(CommOp::all_gather, what);
@@ -197,11 +191,12 @@ void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l)
     const auto now = Trace::Clock::now();
     trace_.record(what + " queued", Lane::dp_comm, now, now, /*counted=*/false);
   }
-  gather_lane_.run([this, send, full = g.full, what, booked] {
-    TraceScope span(trace_, what, Lane::dp_comm);
-    dp_comm_->all_gather(send, full, gather_lane_, booked);
-  });
-  g.done.record(gather_lane_);
+  // Behind the compute stream's mark: the shards have been packed into send.
+  g.done =
+      run_after_compute(gather_lane_, {send, g.full}, [this, send, full = g.full, what, booked] {
+        TraceScope span(trace_, what, Lane::dp_comm);
+        dp_comm_->all_gather(send, full, gather_lane_, booked);
+      });
   gathers_.insert_or_assign(l, std::move(g));
 }
 
@@ -272,19 +267,15 @@ void FsdpTp::grads_done(std::size_t l, const LayerParams& full, const LayerParam
     reductions_.front().done.wait(compute);
     reductions_.erase(reductions_.begin());
   }
-  Event packed(device_);
-  packed.record(compute);
-  packed.wait(reduce_lane_);
   const Tensor shard = grad_shards_[l];
-  record_stream(r.flat, reduce_lane_);
-  record_stream(shard, reduce_lane_);
   const std::string what = fmt::format("layer {} grads reduce-scatter", l);
   const std::uint64_t booked = dp_comm_->book(CommOp::reduce_scatter, what);
-  reduce_lane_.run([this, flat = r.flat, shard, what, booked] {
-    TraceScope span(trace_, what, Lane::dp_comm);
-    dp_comm_->reduce_scatter(flat, shard, reduce_lane_, booked);
-  });
-  r.done.record(reduce_lane_);
+  // Behind the compute stream's mark: the gradients have been packed into r.flat.
+  r.done =
+      run_after_compute(reduce_lane_, {r.flat, shard}, [this, flat = r.flat, shard, what, booked] {
+        TraceScope span(trace_, what, Lane::dp_comm);
+        dp_comm_->reduce_scatter(flat, shard, reduce_lane_, booked);
+      });
   reductions_.push_back(std::move(r));
 }
 

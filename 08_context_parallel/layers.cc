@@ -189,33 +189,21 @@ void ContextParallel::attend_block_backward(const Tensor& dout, const Tensor& q,
 
 Event ContextParallel::gather_kv(const Tensor& mine, const Tensor& all, const std::string& what) {
   const std::uint64_t booked = cp_comm_->book(CommOp::all_gather, what);
-  cp_lane_.run([this, mine, all, what, booked] {
+  return run_after_compute(cp_lane_, {mine, all}, [this, mine, all, what, booked] {
     TraceScope span(trace_, what, Lane::cp_comm);
     cp_comm_->all_gather(mine, all, cp_lane_, booked);
   });
-  Event done(device_);
-  done.record(cp_lane_);
-  return done;
 }
 
 Event ContextParallel::ring_hop(const Tensor& send, const Tensor& recv, const std::string& what) {
   const int next = (mesh_.cp_index + 1) % mesh_.cp,
             prev = (mesh_.cp_index + mesh_.cp - 1) % mesh_.cp;
-  const Stream compute(device_);
-  Event ready(device_);
-  ready.record(compute);  // what is sent has been written, what is received no longer read
-  ready.wait(cp_lane_);
-  record_stream(send, cp_lane_);
-  record_stream(recv, cp_lane_);
   // Booked now, so that the flight recorder has it in the program's order on every rank.
   const std::uint64_t booked = cp_comm_->book(CommOp::sendrecv, what);
-  cp_lane_.run([this, send, recv, next, prev, what, booked] {
+  return run_after_compute(cp_lane_, {send, recv}, [this, send, recv, next, prev, what, booked] {
     TraceScope span(trace_, what, Lane::cp_comm);
     cp_comm_->sendrecv(send, next, recv, prev, cp_lane_, what, booked);
   });
-  Event done(device_);
-  done.record(cp_lane_);
-  return done;
 }
 
 void ContextParallel::all_to_all(const Tensor& send, const Tensor& recv, const std::string& what) {
@@ -223,29 +211,20 @@ void ContextParallel::all_to_all(const Tensor& send, const Tensor& recv, const s
   const std::int64_t part = send.numel() / n;
   auto block = [&](const Tensor& t, int r) { return t.slice0(r * part, (r + 1) * part); };
   ops::copy(block(send, me), block(recv, me));
-  const Stream compute(device_);
-  Event ready(device_);
-  ready.record(compute);
-  ready.wait(cp_lane_);
-  record_stream(send, cp_lane_);
-  record_stream(recv, cp_lane_);
   std::vector<std::pair<std::string, std::uint64_t>> steps;  // booked now, in program order
   for (int s = 1; s < n; ++s) {
     std::string name = fmt::format("{} step {}/{}", what, s, n - 1);
     const std::uint64_t booked = cp_comm_->book(CommOp::sendrecv, name);
     steps.emplace_back(std::move(name), booked);
   }
-  cp_lane_.run([this, send, recv, n, me, what, block, steps] {
+  run_after_compute(cp_lane_, {send, recv}, [this, send, recv, n, me, what, block, steps] {
     TraceScope span(trace_, what, Lane::cp_comm);
     for (int s = 1; s < n; ++s) {  // step s: to me + s, from me − s
       const int to = (me + s) % n, from = (me - s + n) % n;
       const auto& [name, booked] = steps[static_cast<std::size_t>(s - 1)];
       cp_comm_->sendrecv(block(send, to), to, block(recv, from), from, cp_lane_, name, booked);
     }
-  });
-  Event done(device_);
-  done.record(cp_lane_);
-  done.wait(compute);
+  }).wait(Stream(device_));
 }
 
 Tensor ContextParallel::seq_to_heads(const Tensor& x, const std::string& what) {
@@ -442,18 +421,12 @@ Tensor ContextParallel::allgather_backward(const Tensor& dout, const Tensor& q, 
                           lse, heads, dq32, packed(dblock, 0, k.shape()),
                           packed(dblock, 1, k.shape()));
   }
-  Event computed(device_);
-  computed.record(compute);
-  computed.wait(cp_lane_);
   const std::string what = fmt::format("cp dK/dV reduce-scatter (bwd {})", call);
   const std::uint64_t booked = cp_comm_->book(CommOp::reduce_scatter, what);
-  cp_lane_.run([this, dall, dmine, what, booked] {
+  run_after_compute(cp_lane_, {dall, dmine}, [this, dall, dmine, what, booked] {
     TraceScope span(trace_, what, Lane::cp_comm);
     cp_comm_->reduce_scatter(dall, dmine, cp_lane_, booked);
-  });
-  Event done(device_);
-  done.record(cp_lane_);
-  done.wait(compute);
+  }).wait(compute);
   return dmine;
 }
 

@@ -156,36 +156,22 @@ PipelineParallel::Channel& PipelineParallel::channel(Payload p) {
 
 Event PipelineParallel::send(const Transfer& x, const Tensor& t, const std::string& what) {
   Channel& ch = channel(x.payload);
-  const Stream compute(device_);
-  Event ready(device_);
-  ready.record(compute);  // t has been written
-  ready.wait(ch.send_lane);
-  record_stream(t, ch.send_lane);
   const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what, x.peer, -1);
-  ch.send_lane.run([this, &ch, t, peer = x.peer, what, booked] {
+  // Behind the compute stream's mark: t has been written.
+  return run_after_compute(ch.send_lane, {t}, [this, &ch, t, peer = x.peer, what, booked] {
     TraceScope span(trace_, what, Lane::pp_comm);
     ch.comm->sendrecv(t, peer, Tensor(), peer, ch.send_lane, what, booked);
   });
-  Event done(device_);
-  done.record(ch.send_lane);
-  return done;
 }
 
 Event PipelineParallel::receive(const Transfer& x, const Tensor& buf, const std::string& what) {
   Channel& ch = channel(x.payload);
-  const Stream compute(device_);
-  Event ready(device_);
-  ready.record(compute);  // buf is free to be written
-  ready.wait(ch.recv_lane);
-  record_stream(buf, ch.recv_lane);
   const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what, -1, x.peer);
-  ch.recv_lane.run([this, &ch, buf, peer = x.peer, what, booked] {
+  // Behind the compute stream's mark: buf is free to be written.
+  return run_after_compute(ch.recv_lane, {buf}, [this, &ch, buf, peer = x.peer, what, booked] {
     TraceScope span(trace_, what, Lane::pp_comm);
     ch.comm->sendrecv(Tensor(), peer, buf, peer, ch.recv_lane, what, booked);
   });
-  Event done(device_);
-  done.record(ch.recv_lane);
-  return done;
 }
 
 // The report's collectives over the pipeline go through the activation channel's communicator,

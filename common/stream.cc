@@ -287,4 +287,16 @@ void record_stream(const Tensor& t, const Stream& s) {
   allocator_for(Device::cuda).record_stream(t.storage_ptr(), s.native());
 }
 
+Event run_after_compute(const Stream& lane, std::initializer_list<Tensor> uses,
+                        std::function<void()> work) {
+  Event ready(lane.device());
+  ready.record(Stream(lane.device()));
+  ready.wait(lane);
+  for (const Tensor& t : uses) record_stream(t, lane);
+  lane.run(std::move(work));
+  Event done(lane.device());
+  done.record(lane);
+  return done;
+}
+
 }  // namespace tpx

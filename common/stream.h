@@ -17,10 +17,11 @@
 // one that allocated it must be announced with record_stream(), so that the caching allocator
 // holds its block back until that stream has passed the point where the tensor was freed.
 //
-// defines: tpx::Stream, tpx::Event, tpx::record_stream
+// defines: tpx::Stream, tpx::Event, tpx::record_stream, tpx::run_after_compute
 #pragma once
 
 #include <functional>
+#include <initializer_list>
 #include <memory>
 
 #include "tensor.h"
@@ -82,5 +83,15 @@ class Event {
 /// hand it out again before `s` has passed that point. No-op on the cpu (tasks hold their
 /// tensors) and for the stream that allocated the tensor.
 void record_stream(const Tensor& t, const Stream& s);
+
+/// Hands `work` to `lane` behind everything issued so far on the device's default (compute)
+/// stream, the one hand-off every comm lane of the stages makes: `lane` first waits for a mark
+/// recorded on the compute stream now (what the work reads has been written, what it writes is no
+/// longer read), each tensor of `uses` is announced on `lane` (record_stream), then `work` runs on
+/// `lane`. Returns the event recorded on `lane` after the work. On the cpu the compute stream runs
+/// inline, so a hand-off that forgot the mark would still be right there; on cuda it would read
+/// what the compute stream has not written yet: one function, so that no call site can forget.
+Event run_after_compute(const Stream& lane, std::initializer_list<Tensor> uses,
+                        std::function<void()> work);
 
 }  // namespace tpx

@@ -175,6 +175,35 @@ TEST(Streams, EventOrdersAConsumerStreamAfterAProducerStream) {
   producer.synchronize();
 }
 
+// Every comm lane of the stages takes its work through run_after_compute: the lane must not read
+// a tensor before the compute stream has written it. Stage 08's K/V all-gather once skipped the
+// mark and gathered stale K/V on the GPU (the cpu, whose compute stream runs inline, cannot tell).
+TEST(Streams, RunAfterComputeWaitsForTheComputeStreamsWrites) {
+  TPX_REQUIRE_GPU();
+  constexpr I n = I{1} << 16;
+  const Tensor t = gpu_empty({n}), out = gpu_empty({n});
+  ops::fill(t, 1.0f);  // the fill kernel loaded and the blocks allocated before the gate
+  ops::fill(out, -1.0f);
+  ops::synchronize(Device::cuda);
+  const Stream lane = Stream::create(Device::cuda);
+  Event done(Device::cuda);
+  bool ran_early = true, timed_out = false;
+  {
+    const Stream compute(Device::cuda);
+    HostGate gate(compute);  // the compute stream is held here
+    ops::fill(t, 7.0f);      // written behind the gate
+    done = run_after_compute(lane, {t, out}, [&] { ops::copy(t, out); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ran_early = done.ready();
+    gate.open();
+    done.synchronize();
+    timed_out = gate.timed_out();
+  }
+  ASSERT_FALSE(timed_out);
+  EXPECT_FALSE(ran_early) << "the lane's work finished while the compute stream was held";
+  for (const float v : on_cpu(out).f32()) ASSERT_EQ(v, 7.0f);
+}
+
 TEST(Allocator, FreeListsArePerStream) {
   TPX_REQUIRE_GPU();
   Allocator& a = allocator_for(Device::cuda);

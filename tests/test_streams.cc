@@ -96,6 +96,18 @@ TEST(CpuEvent, WaitOnTheDefaultStreamBlocksTheCaller) {
   EXPECT_EQ(value.load(), 1);
 }
 
+TEST(CpuEvent, RunAfterComputeReturnsTheEndOfTheLanesWork) {
+  const Stream lane = Stream::create(Device::cpu);
+  std::atomic<int> value{0};
+  const Event done = run_after_compute(lane, {}, [&] {
+    std::this_thread::sleep_for(30ms);
+    value = 1;
+  });
+  done.synchronize();
+  EXPECT_EQ(value.load(), 1);
+  EXPECT_TRUE(done.ready());
+}
+
 TEST(CpuEvent, NeverRecordedIsComplete) {
   const Event e(Device::cpu);
   EXPECT_TRUE(e.ready());
