@@ -12,7 +12,7 @@
 #   scripts/bench.sh [--quick] [--device cpu|cuda] [--repeats R] [--out DIR]
 #                    [--stages 04,05] [--ranks 2,4] [--model NAME | --config FILE]
 #                    [--only cp|pp]
-#   scripts/bench.sh --from-logs DIR [--out DIR]
+#   scripts/bench.sh --from-logs DIR [--from-logs DIR2 …] [--out DIR]
 #
 #   --quick        1 repeat, N = 1, 2, 3 steps, collectives up to 64K, the default config only
 #   --device       cpu (default) or cuda (on a GPU machine)
@@ -31,8 +31,10 @@
 #                  cuda_run.csv and docs/figures/bench_cuda_attention.svg written from the logs
 #                  of DIR (a folder of docs/gpu-runs/, as scripts/gpu-validate.sh left it) by
 #                  tools/gpu_logs.py; nothing is built or run, and a log that lacks a line the
-#                  section needs stops it, naming the file. ctest's docs.from_logs fails when
-#                  the committed section differs from what the logs give.
+#                  section needs stops it, naming the file. Given again, newest run first, the
+#                  section keeps every run, each labelled with its GPU (an earlier run's CSV and
+#                  figure carry its folder's name). ctest's docs.from_logs fails when the
+#                  committed section differs from what the logs give.
 #
 # The build: TPX_BENCH_BUILD (default: build-bench-cpu for --device cpu, configured cpu-only
 # without tests and docs so that it builds in a few minutes; build/ for --device cuda). An existing

@@ -7,12 +7,15 @@ a CSV per device and SVG plots. Normally started by scripts/bench.sh, which buil
                    [--stages 04,05] [--ranks 2,4] [--model NAME | --config FILE]
                    [--work DIR] [--mpirun "mpirun --oversubscribe --bind-to none"]
                    [--command "what to print as the command that made the tables"]
-    tools/bench.py --from-logs DIR [--out DIR]
+    tools/bench.py --from-logs DIR [--from-logs DIR2 …] [--out DIR]
 
 --from-logs DIR publishes a GPU run made elsewhere: the CUDA section, benchmarks/cuda_run.csv and
 figures/bench_cuda_attention.svg written from the logs of a run folder (docs/gpu-runs/DATE-GPU,
 as scripts/gpu-validate.sh and the profilers left them), parsed by tools/gpu_logs.py; nothing is
-run, and a log that lacks a line the section needs stops it (exit 1, naming the file).
+run, and a log that lacks a line the section needs stops it (exit 1, naming the file). Given
+again (newest run first), the section keeps every run: a table of the runs side by side, then a
+subsection per run, labelled with its GPU; an earlier run's CSV and figure carry its folder's
+name (benchmarks/cuda_run.DATE-GPU.csv, figures/bench_cuda_attention.DATE-GPU.svg).
 
 The sweep: N = 1, 2, 4 (stage 01 only at N = 1; an N that does not divide H, NH, F and S is left
 out), the default config and a GEMM-dominated one, each point run R times. Stage 08 has its own
@@ -938,7 +941,8 @@ What each section is:
 Regenerate with `scripts/bench.sh` (CPU section and projection) or `scripts/bench.sh --device
 cuda` on a GPU machine (CUDA section and projection); each run replaces only its own sections.
 `scripts/bench.sh --from-logs docs/gpu-runs/DATE-GPU` publishes a GPU run made elsewhere: it
-writes the CUDA section from that folder's logs (runs nothing; every number names its log).
+writes the CUDA section from that folder's logs (runs nothing; every number names its log);
+`--from-logs` given again keeps several runs, newest first, each labelled with its GPU.
 `scripts/bench.sh --stages 04,05 --ranks 2,4 [--model NAME | --config FILE]` runs a selection
 (into `out/bench/` unless `--out` is given).
 `tools/bench.py --only projection --build DIR` replaces the projection alone (no stage runs).
@@ -1718,8 +1722,9 @@ def main(argv=None):
     ap.add_argument("--mpirun", default="mpirun --oversubscribe --bind-to none")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per program run")
     ap.add_argument("--command", help="the command to print as the one that made the tables")
-    ap.add_argument("--from-logs", metavar="DIR",
-                    help="write the CUDA section from a GPU run's log folder (runs nothing)")
+    ap.add_argument("--from-logs", metavar="DIR", action="append",
+                    help="write the CUDA section from a GPU run's log folder (runs nothing); "
+                         "given again, one subsection per run, the first the newest")
     ap.add_argument("--only", choices=["projection", "text", "cp", "pp"],
                     help="regenerate only part of benchmarks.md: projection (runs tpx_project "
                          "alone, no stage runs), text (the intro, and each device section's "
@@ -1732,10 +1737,10 @@ def main(argv=None):
         ap.error("--repeats must be at least 1")
     if a.command is None:
         a.command = shlex.join(["tools/bench.py"] + (sys.argv[1:] if argv is None else argv))
+    missing_run = next((d for d in a.from_logs or [] if not pathlib.Path(d).is_dir()), None)
     bad_path = (f"--config {a.config}: no such file" if a.config and
                 not pathlib.Path(a.config).is_file() else
-                f"--from-logs {a.from_logs}: no such directory"
-                if a.from_logs and not pathlib.Path(a.from_logs).is_dir() else
+                f"--from-logs {missing_run}: no such directory" if missing_run else
                 f"--build {a.build}: no such directory"
                 if a.only != "text" and not a.from_logs and not pathlib.Path(a.build).is_dir()
                 else None)
@@ -1800,10 +1805,18 @@ def error_line(projected_ms, measured_ms):
     return f"{1 / ratio:.1f}× too fast" if ratio < 1 else f"{ratio:.1f}× too slow"
 
 
-def latest_gpu_run(runs=GPU_RUNS):
-    """The newest published run folder that has a big stage 01 log, or None."""
+def latest_gpu_run(runs=GPU_RUNS, gpu="H100"):
+    """The newest published run folder on a `gpu` (the projection's device: its reports' device
+    name holds the word) that has a big stage 01 log, or None."""
     import gpu_logs
-    found = sorted(p for p in runs.glob("*") if (p / gpu_logs.FILES["big"]).is_file())
+
+    def on_gpu(p):
+        f = gpu_logs.files_of(p)
+        try:
+            return f["big"].is_file() and gpu in gpu_logs.report_md(f["report"])["device"]
+        except gpu_logs.LogError:
+            return False
+    found = sorted(p for p in runs.glob("*") if p.is_dir() and on_gpu(p))
     return found[-1] if found else None
 
 
@@ -1814,11 +1827,12 @@ def measured_check(exe, device_file, work, timeout, run_dir=None):
     run_dir = run_dir or latest_gpu_run()
     if run_dir is None:
         return []
+    f = gpu_logs.files_of(run_dir)
     try:
-        big = gpu_logs.stage_log(run_dir / gpu_logs.FILES["big"])
-        report = gpu_logs.report_md(run_dir / gpu_logs.FILES["report"])
-        commit = gpu_logs.readme_commit(run_dir / gpu_logs.FILES["readme"])
-        torch = gpu_logs.torch_log(run_dir / gpu_logs.FILES["torch"])
+        big = gpu_logs.stage_log(f["big"])
+        report = gpu_logs.report_md(f["report"])
+        commit = gpu_logs.readme_commit(f["readme"])
+        torch = gpu_logs.torch_log(f["torch"])
     except gpu_logs.LogError as e:
         raise BenchError(str(e))
     s = big["sizes"]
@@ -1846,7 +1860,7 @@ def measured_check(exe, device_file, work, timeout, run_dir=None):
                      ", ".join(f"{who} {m:.2f}" for who, m in measured),
                      ", ".join(f"{error_line(ms, m)}" + (f" vs {who}" if len(measured) > 1
                                                          else "") for who, m in measured)])
-    log = os.path.relpath(run_dir / gpu_logs.FILES["big"], ROOT / "docs")
+    log = os.path.relpath(f["big"], ROOT / "docs")
     shape = " ".join(f"{k} {s[v]}" for k, v in (("H", "hidden"), ("NH", "heads"), ("F", "ffn"),
                                                  ("S", "seq"), ("B", "batch"), ("L", "layers")))
     return [f"**First, the model against the one measured GPU step**: {big['stage']}, "
@@ -1862,8 +1876,8 @@ def measured_check(exe, device_file, work, timeout, run_dir=None):
          "error"],
         rows).split("\n") + ["", "The tables below use the device file's default: measured GEMMs and "
                  "SDPA-class attention (what the stages' schemes would cost with a fast attention "
-                 "kernel; tpx's own fused kernel is about 40× slower than SDPA, see the CUDA "
-                 "section).", ""]
+                 "kernel; on that run tpx's own fused kernel was about 40× slower than SDPA; the "
+                 "CUDA section has the later runs).", ""]
 
 
 def projection_section(a, d, projection, proj_cmd, proj_note, check=()):
@@ -1929,35 +1943,63 @@ def drive_text(out):
     return 0
 
 
+def datasheet_file(run):
+    """The device file whose datasheet peak a run's GEMM rows are compared with."""
+    name = run["big"]["device"]["name"]
+    return ROOT / "tools" / "devices" / "h200.json" if "H200" in name else GPU_DEVICE_FILE
+
+
+def from_logs_outputs(out, folder, first):
+    """The CSV and the figure of one run of --from-logs: the first (newest) run's keep the names
+    of a one-run page; an earlier run's carry its folder's name."""
+    tag = "" if first else f".{folder.name}"
+    return (out / "benchmarks" / f"cuda_run{tag}.csv",
+            out / "figures" / f"bench_cuda_attention{tag}.svg")
+
+
 def drive_from_logs(a, out):
-    """--from-logs DIR: the CUDA section, its CSV and plot from a GPU run's logs; runs nothing."""
+    """--from-logs DIR [--from-logs DIR2 …]: the CUDA section, its CSV and plot from GPU runs'
+    logs, newest first; runs nothing. One run: the section is that run's. Several: a table of the
+    runs side by side, then one subsection per run (its own CSV and plot)."""
     import gpu_logs
     try:
         import matplotlib  # noqa: F401  (the plot; checked before anything is written)
     except ImportError:
         raise BenchError("matplotlib is missing (Debian: apt-get install python3-matplotlib; "
                          "scripts/setup.sh installs it)")
-    folder = pathlib.Path(a.from_logs).resolve()
+    folders = [pathlib.Path(f).resolve() for f in a.from_logs]
     try:
-        run = gpu_logs.load_run(folder)
+        runs = [gpu_logs.load_run(f) for f in folders]
     except gpu_logs.LogError as e:
         raise BenchError(str(e))
-    # Links as docs/benchmarks.md reaches the folder, wherever --out puts the page.
-    where = os.path.relpath(folder, ROOT / "docs")
-    datasheet = json.loads(GPU_DEVICE_FILE.read_text())["peak_bf16_flops"] / 1e12
-    csv_path = out / "benchmarks" / "cuda_run.csv"
-    figure = out / "figures" / "bench_cuda_attention.svg"
-    body = gpu_logs.cuda_section(run, where, a.command, datasheet, csv_path,
-                                 "figures/" + figure.name)
-    gpu_logs.write_csv(run, csv_path)
-    gpu_logs.plot_attention(run, figure)
+    bodies, written = [], []
+    for i, (folder, run) in enumerate(zip(folders, runs)):
+        # Links as docs/benchmarks.md reaches the folder, wherever --out puts the page.
+        where = os.path.relpath(folder, ROOT / "docs")
+        datasheet = json.loads(datasheet_file(run).read_text())["peak_bf16_flops"] / 1e12
+        csv_path, figure = from_logs_outputs(out, folder, i == 0)
+        bodies.append(gpu_logs.cuda_section(run, where, a.command, datasheet, csv_path,
+                                            "figures/" + figure.name, latest=i == 0))
+        gpu_logs.write_csv(run, csv_path)
+        gpu_logs.plot_attention(run, figure)
+        written += [csv_path, figure]
+    if len(runs) == 1:
+        body = bodies[0]
+    else:
+        wheres = [os.path.relpath(f, ROOT / "docs") for f in folders]
+        body = gpu_logs.runs_side_by_side(runs, wheres, a.command)
+        for i, (run, lines) in enumerate(zip(runs, bodies)):
+            body += ["", gpu_logs.run_heading(run, latest=i == 0), ""]
+            body += [("#" + ln) if ln.startswith("### ") else ln
+                     for ln in lines if not ln.startswith("## ")][1:]
     md = out / "benchmarks.md"
     text = replace_section(benchmarks_md(md), "cuda", "\n".join(body))
     md.write_text(text.rstrip("\n") + "\n")
-    problems = missing_outputs([md, csv_path, figure])
+    problems = missing_outputs([md] + written)
     if problems:
         raise BenchError("the outputs are incomplete:\n  " + "\n  ".join(problems))
-    print(f"wrote the cuda section of {md}, {csv_path} and {figure} from {rel(folder)}")
+    print(f"wrote the cuda section of {md}, {', '.join(str(w) for w in written)} from "
+          f"{', '.join(str(rel(f)) for f in folders)}")
     return 0
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Fails when docs/benchmarks.md's CUDA section or docs/benchmarks/cuda_run.csv is not what
-`scripts/bench.sh --from-logs RUN` writes now from the run's logs, or when the device file's
-measured block is not what those logs give: the published page cannot drift from its logs.
-Run by ctest (docs.from_logs); writes into a temporary folder only.
+"""Fails when docs/benchmarks.md's CUDA section or its CSVs (docs/benchmarks/cuda_run*.csv) are
+not what `scripts/bench.sh --from-logs RUN [--from-logs RUN2 …]` writes now from the runs' logs,
+or when the device file's measured block is not what the H100 run's logs give: the published page
+cannot drift from its logs. Run by ctest (docs.from_logs); writes into a temporary folder only.
 
-    tools/check_from_logs.py [RUN]     (default: docs/gpu-runs/2026-11-27-h100)
+    tools/check_from_logs.py [RUN …]     (default: the runs of RUNS, newest first)
 """
 import difflib
 import os
@@ -18,7 +18,10 @@ import bench  # noqa: E402
 import gpu_logs  # noqa: E402
 
 ROOT = bench.ROOT
-DEFAULT_RUN = "docs/gpu-runs/2026-11-27-h100"
+# The runs the CUDA section shows, newest first, and the one whose measurements the projection's
+# device file (tools/devices/h100_sxm.json) holds: an H100's, the projection's GPU.
+RUNS = ["docs/gpu-runs/2026-11-27-h200", "docs/gpu-runs/2026-11-27-h100"]
+DEVICE_RUN = "docs/gpu-runs/2026-11-27-h100"
 
 
 def differences(name, want, have):
@@ -28,43 +31,45 @@ def differences(name, want, have):
 
 
 def main(argv):
-    run = argv[0] if argv else DEFAULT_RUN
+    runs = argv or RUNS
+    command = "scripts/bench.sh " + " ".join(f"--from-logs {r}" for r in runs)
     docs = ROOT / "docs"
     problems = []
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp)
         shutil.copy(docs / "benchmarks.md", out / "benchmarks.md")
-        rc = bench.main(["--from-logs", str(ROOT / run), "--out", str(out),
-                         "--command", f"scripts/bench.sh --from-logs {run}"])
+        args = [a for r in runs for a in ("--from-logs", str(ROOT / r))]
+        rc = bench.main(args + ["--out", str(out), "--command", command])
         if rc != 0:
-            print(f"check_from_logs: tools/bench.py --from-logs {run} failed (exit {rc})",
-                  file=sys.stderr)
+            print(f"check_from_logs: {command} failed (exit {rc})", file=sys.stderr)
             return 1
         committed = (docs / "benchmarks.md").read_text()
         fresh = (out / "benchmarks.md").read_text()
-        for name, want, have in [
-                ("the CUDA section of docs/benchmarks.md", bench.section_body(fresh, "cuda"),
-                 bench.section_body(committed, "cuda")),
-                ("docs/benchmarks/cuda_run.csv", (out / "benchmarks" / "cuda_run.csv").read_text(),
-                 (docs / "benchmarks" / "cuda_run.csv").read_text()
-                 if (docs / "benchmarks" / "cuda_run.csv").is_file() else "")]:
+        pairs = [("the CUDA section of docs/benchmarks.md", bench.section_body(fresh, "cuda"),
+                  bench.section_body(committed, "cuda"))]
+        for i, r in enumerate(runs):
+            csv_path, _ = bench.from_logs_outputs(out, pathlib.Path(r), i == 0)
+            mine = docs / "benchmarks" / csv_path.name
+            pairs.append((f"docs/benchmarks/{csv_path.name}", csv_path.read_text(),
+                          mine.read_text() if mine.is_file() else ""))
+        for name, want, have in pairs:
             if want != have:
-                problems.append(f"{name} is not what {run}'s logs give:")
+                problems.append(f"{name} is not what {', '.join(runs)} give:")
                 problems += ["  " + line for line in differences(name, want, have)]
     try:
         problems += gpu_logs.check_device_file(ROOT / "tools/devices/h100_sxm.json",
-                                               gpu_logs.load_run(ROOT / run), run)
+                                               gpu_logs.load_run(ROOT / DEVICE_RUN), DEVICE_RUN)
     except gpu_logs.LogError as e:
         problems.append(str(e))
     for p in problems:
         print(f"check_from_logs: {p}", file=sys.stderr)
     if problems:
-        print(f"check_from_logs: regenerate with `scripts/bench.sh --from-logs {run}` (and "
-              f"`tools/gpu_logs.py --device-file tools/devices/h100_sxm.json {run} --write`)",
+        print(f"check_from_logs: regenerate with `{command}` (and `tools/gpu_logs.py "
+              f"--device-file tools/devices/h100_sxm.json {DEVICE_RUN} --write`)",
               file=sys.stderr)
         return 1
-    print(f"the CUDA section, cuda_run.csv and h100_sxm.json's measured block are what {run} "
-          "gives")
+    print(f"the CUDA section and its CSVs are what {', '.join(runs)} give, and h100_sxm.json's "
+          f"measured block what {DEVICE_RUN} gives")
     return 0
 
 

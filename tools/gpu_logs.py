@@ -23,6 +23,12 @@ The run folder's layout (gpu-validate.sh's step logs, and the extra logs beside 
                                        sdpa_bench.py
     logs/torchperf.log                 PyTorch eager and torch.compile on the same block
     logs/ncu-step.txt                  Nsight Compute's summary over the launches of a stage 01 run
+A run whose parts were run as gpu-validate.sh now names them has its facts in their own part and
+PyTorch's step in the bench part; where a file above is absent, its place there is read:
+    logs/report-facts.md, logs/facts/logs/01-nvidia-smi.log, logs/bench/logs/NN-torch_block_perf.log
+(and a bench log at another number, NN-bench_gemm.log). Where the bench part ran stage 01 itself
+(logs/bench/logs/NN-01.big.bf16.bench.log, right after PyTorch's step), that run is the one
+read. Nsight Compute's summary is optional: a run without it has no "where the time goes" table.
 """
 import argparse
 import csv
@@ -44,6 +50,20 @@ FILES = {
     "torch": "logs/torchperf.log",
     "ncu": "logs/ncu-step.txt",
 }
+# Where a run folder of another layout has what FILES names (tried in this order after FILES).
+ALTERNATIVES = {
+    "report": ["logs/report-facts.md"],
+    "smi": ["logs/facts/logs/*-nvidia-smi.log", "logs/*/logs/*-nvidia-smi.log"],
+    "copy": ["logs/bench/logs/*-bench_copy_overlap.log"],
+    "gemm": ["logs/bench/logs/*-bench_gemm.log"],
+    "attention": ["logs/bench/logs/*-bench_attention.log"],
+    "sdpa": ["logs/bench/logs/*-sdpa_bench.log"],
+    "torch": ["logs/bench/logs/*-torch_block_perf.log"],
+}
+# Where a run folder has these, they come before FILES: stage 01 as the bench part ran it, right
+# after PyTorch's step on the same block (the big part runs it too, on its own).
+PREFERRED = {"big": ["logs/bench/logs/*-01.big.bf16*.log"]}
+OPTIONAL = {"ncu"}  # a run may lack these; the others are needed
 UNIT_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 # The FLOPs bench_attention and sdpa_bench count for a causal forward + backward
 # (FlashAttention-2's convention): 3.5 × the forward's 4·B·NH·S²·D / 2.
@@ -269,17 +289,37 @@ def ncu_groups(ncu):
     return rows, attention, total
 
 
+def files_of(folder):
+    """{key: path} of FILES in a run folder: the first of PREFERRED that exists, else FILES' own
+    path where it exists, else the first of ALTERNATIVES that does, else FILES' path (reading it
+    then names it); an OPTIONAL file found nowhere is None."""
+    d = pathlib.Path(folder)
+    out = {}
+    for key, path in FILES.items():
+        found = next((p for pattern in PREFERRED.get(key, [])
+                      for p in sorted(d.glob(pattern)) if p.is_file()), None)
+        found = found or (d / path if (d / path).is_file() else None)
+        for pattern in ALTERNATIVES.get(key, []) if found is None else []:
+            hits = sorted(p for p in d.glob(pattern) if p.is_file())
+            if hits:
+                found = hits[0]
+                break
+        out[key] = found if found or key in OPTIONAL else d / path
+    return out
+
+
 def load_run(folder):
     """Every fact of a run folder the CUDA section shows; LogError on the first log that lacks
     one."""
     d = pathlib.Path(folder)
-    f = {k: d / v for k, v in FILES.items()}
+    f = files_of(d)
     run = {"folder": d, "files": f,
            "commit": readme_commit(f["readme"]), "report": report_md(f["report"]),
            "driver": smi_driver(f["smi"]), "big": stage_log(f["big"]),
            "copy": gbench_console(f["copy"]), "gemm": gbench_console(f["gemm"]),
            "attention": gbench_console(f["attention"]), "sdpa": sdpa_log(f["sdpa"]),
-           "torch": torch_log(f["torch"]), "ncu": ncu_summary(f["ncu"])}
+           "torch": torch_log(f["torch"]),
+           "ncu": ncu_summary(f["ncu"]) if f["ncu"] else None}
     if run["driver"] != run["report"]["driver"]:
         raise LogError(f"{f['smi']}: driver {run['driver']}, but {f['report']} says "
                        f"{run['report']['driver']}")
@@ -425,6 +465,11 @@ KERNELS = {"fused": "tpx fused (FlashAttention-2 style)", "naive": "tpx naive (c
            "sdpa": "PyTorch SDPA"}
 
 
+def ratio(r):
+    """A time ratio as the page prints it: 3.0× from 2 up, else two decimals (1.15×, 0.89×)."""
+    return f"{r:.1f}×" if r >= 2 else f"{r:.2f}×"
+
+
 def table(head, rows):
     return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
@@ -433,7 +478,7 @@ def table(head, rows):
 def csv_rows(run):
     """The section's numbers, one a row: part, what, metric, value, unit, log (relative to the run
     folder)."""
-    f = {k: str(v.relative_to(run["folder"])) for k, v in run["files"].items()}
+    f = {k: str(v.relative_to(run["folder"])) for k, v in run["files"].items() if v}
     big, torch = run["big"], run["torch"]
     rows = [("stage01", "tpx 01_baseline", "step_ms", big["step_ms"], "ms", f["big"]),
             ("stage01", "tpx 01_baseline", "tflops", big["tflop_per_step"] / big["step_ms"] * 1e3,
@@ -455,10 +500,14 @@ def csv_rows(run):
         what = f"bf16 {g['gemm']} m={g['m']} n={g['n']} k={g['k']}"
         rows += [("gemm", what, "us", g["us"], "us", f["gemm"]),
                  ("gemm", what, "tflops", g["tflops"], "TFLOP/s", f["gemm"])]
+    for g in gemm_rows(run, "fp8"):
+        what = f"fp8 {g['gemm']} m={g['m']} n={g['n']} k={g['k']}"
+        rows += [("gemm", what, "us", g["us"], "us", f["gemm"]),
+                 ("gemm", what, "tflops", g["tflops"], "TFLOP/s", f["gemm"])]
     for c in copy_rows(run):
         rows.append(("copy_overlap", f"bf16 {c['mover']} {c['size']}", "slowdown", c["slowdown"],
                      "x", f["copy"]))
-    groups, _, _ = ncu_groups(run["ncu"])
+    groups, _, _ = ncu_groups(run["ncu"]) if run["ncu"] else ([], None, None)
     for g, n, ms, share in groups:
         rows += [("ncu", g, "launches", n, "", f["ncu"]),
                  ("ncu", g, "ms", ms, "ms", f["ncu"])]
@@ -487,8 +536,9 @@ def plot_attention(run, path):
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(kernels)
     for i, k in enumerate(kernels):
-        xs = [j + (i - (len(kernels) - 1) / 2) * width for j in range(len(seqs))]
-        ms = [next(r["ms"] for r in rows if r["kernel"] == k and r["seq"] == s) for s in seqs]
+        at = {r["seq"]: r["ms"] for r in rows if r["kernel"] == k}  # a kernel may skip an S
+        xs = [j + (i - (len(kernels) - 1) / 2) * width for j, s in enumerate(seqs) if s in at]
+        ms = [at[s] for s in seqs if s in at]
         bars = ax.bar(xs, ms, width, label=KERNELS[k])
         ax.bar_label(bars, labels=[f"{m:.3g} ms" for m in ms], fontsize=8)
     ax.set_yscale("log")
@@ -506,11 +556,15 @@ def plot_attention(run, path):
     plt.close(fig)
 
 
-def cuda_section(run, where, command, datasheet_tflops, csv_path, figure):
+def cuda_section(run, where, command, datasheet_tflops, csv_path, figure, latest=True):
     """The CUDA section's markdown (a list of lines) from a loaded run; `where` is the run folder
-    as the page names it, `datasheet_tflops` the device file's dense bf16 peak."""
+    as the page names it, `datasheet_tflops` the device file's dense bf16 peak. `latest`: the
+    run is the newest published one (its stage 01 sentence says "today", an earlier run's "on
+    that run")."""
     big, torch, rep, ncu = run["big"], run["torch"], run["report"], run["ncu"]
-    dev, f = big["device"], {k: f"{where}/{v}" for k, v in FILES.items()}
+    dev = big["device"]
+    f = {k: f"{where}/{v.relative_to(run['folder']).as_posix()}"
+         for k, v in run["files"].items() if v}
     s = big["sizes"]
     shape = (f"H {s['hidden']} / NH {s['heads']} / F {s['ffn']} / S {s['seq']} / B {s['batch']} / "
              f"L {s['layers']}")
@@ -518,8 +572,11 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure):
     out = ["## CUDA", "",
            f"Device: **{dev['name']}, {dev['arch']}, {dev['sms']} SMs** ({dev['memory_gib']} GiB), "
            f"driver {run['driver']} ({link('smi')}). Commit `{run['commit']}` (the run's "
-           f"[README]({f['readme']}); gpu-validate.sh's reports name `{rep['commit']}`, the copy of "
-           f"that tree on the GPU machine). Date: {rep['date']} ({link('report')}). One GPU: "
+           f"[README]({f['readme']}); "
+           + (f"gpu-validate.sh's reports name `{rep['commit']}`, the copy of that tree on the "
+              "GPU machine" if rep["commit"] != run["commit"] else "gpu-validate.sh's reports "
+              "name it too")
+           + f"). Date: {rep['date']} ({link('report')}). One GPU: "
            "the ranks of a multi-rank run share it, so no number here shows scaling across GPUs, "
            "and the stage sweep of the CPU section has not been run on a GPU yet.", "",
            f"Published from the logs of [{where}]({where}) by `{command}`: nothing was run to "
@@ -535,18 +592,27 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure):
             f"{torch['eager']['what']}).", ""]
     rows = [[f"tpx {big['stage']} ({big['attention']} attention)", f"{big['step_ms']:.2f}",
              f"{tpx_tflops:.1f} (its GEMMs: {big['tflop_per_step']} TFLOP)",
-             f"{big['step_ms'] / eager:.1f}×"]]
+             ratio(big['step_ms'] / eager)]]
     for mode in ("eager", "compile"):
         t = torch[mode]
         rows.append([f"PyTorch {mode}" if mode == "eager" else "torch.compile",
                      f"{t['step_ms']:.2f}", f"{t['tflops']:.1f} (model FLOPs)",
                      f"{t['step_ms'] / eager:.2f}×"])
     out += table(["program", "ms per step", "TFLOP/s", "time vs PyTorch eager"], rows)
-    out += ["", f"**tpx is {big['step_ms'] / eager:.1f}× slower than PyTorch eager today** "
-            f"({big['step_ms'] / torch['compile']['step_ms']:.1f}× slower than torch.compile): "
+    when = "today" if latest else "on that run"
+
+    def against(ms, name):  # "3.0× slower than X", or "faster than X" and "0.89× its time"
+        r = big["step_ms"] / ms
+        return (f"{ratio(r)} slower than {name}", None) if r >= 1 else \
+            (f"faster than {name}", f"{ratio(r)} its time")
+    head, note = against(eager, "PyTorch eager")
+    compiled, compiled_note = against(torch["compile"]["step_ms"], "torch.compile")
+    notes = [n for n in (note, compiled + (f", {compiled_note}" if compiled_note else "")) if n]
+    out += ["", f"**tpx is {head} {when}** ({'; '.join(notes)}): "
             f"{tpx_tflops:.0f} TFLOP/s is {tpx_tflops / big['peak_tflops'] * 100:.1f} % of the "
             f"{big['peak_tflops']} TFLOP/s bf16 GEMM peak the stage measured before its steps "
-            f"({big['peak_how']}). Where the time goes is below: mostly attention.", ""]
+            f"({big['peak_how']})."
+            + (" Where the time goes is below: mostly attention." if ncu else ""), ""]
 
     att = attention_rows(run)
     a0 = att[0]["shape"]
@@ -578,9 +644,21 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure):
         why = (f"the program stopped at its first FP8 case: `{run['gemm']['aborted']}`"
                if run["gemm"]["aborted"] else "the log has none")
         after = (" What has changed since is in [gpu-validation.md](gpu-validation.md); the FP8 "
-                 "rows come with the next GPU run." if run["gemm"]["aborted"] else "")
+                 + ("rows come with the next GPU run." if latest else
+                    "rows of a later run are in its subsection above.")
+                 if run["gemm"]["aborted"] else "")
         out += ["", f"No FP8 rows: {why}.{after}", ""]
     else:
+        flo, fhi = min(g["tflops"] for g in fp8), max(g["tflops"] for g in fp8)
+        bf16 = {g["gemm"]: g for g in gemms}
+        out += ["", f"The same GEMMs in FP8 as stage 06 multiplies them (cuBLASLt; forward "
+                f"E4M3 × E4M3, dx E5M2 × E4M3, dW E4M3 × E5M2; {link('gemm')}): "
+                f"{flo:.0f}–{fhi:.0f} TFLOP/s; time vs bf16: the bf16 row's time over the FP8 "
+                "row's.", ""]
+        out += table(["GEMM", "m", "n", "k", "µs", "TFLOP/s", "time vs bf16"],
+                     [[g["gemm"], g["m"], g["n"], g["k"], f"{g['us']:.0f}", f"{g['tflops']:.1f}",
+                       f"{bf16[g['gemm']]['us'] / g['us']:.2f}×" if g["gemm"] in bf16 else "—"]
+                      for g in fp8])
         out += [""]
 
     cps = copy_rows(run)
@@ -608,6 +686,21 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure):
             f"{sl.get('nccl', 0):.2f}× beside NCCL: the copy engine takes no SMs, which is "
             "chapter 5's claim.", ""]
 
+    out += ncu_lines(run, att, link) if ncu else []
+    out += ["### Caveats", "",
+            "- One GPU: the multi-rank stages ran with their ranks sharing it, so their times "
+            "show time-slicing, not scaling, and are not published here.",
+            "- The Google Benchmark library on that machine was a debug build (its logs warn). "
+            "The rows time GPU work that each iteration waits for (real_time) or CUDA events "
+            "(manual_time), so the library's own code is not what they measure.",
+            f"- Every number has its log; [{where}/README.md]({where}/README.md) says what ran "
+            "and what failed."]
+    return out
+
+
+def ncu_lines(run, att, link):
+    """The Nsight Compute subsection of the CUDA section: stage 01's kernel time by group."""
+    big, ncu, s = run["big"], run["ncu"], run["big"]["sizes"]
     groups, attn, total = ncu_groups(ncu)
     fused = next((r for r in att if r["kernel"] == big["attention"] and r["seq"] == s["seq"]),
                  None)
@@ -615,7 +708,7 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure):
         raise LogError(f"{run['files']['attention']}: no {big['attention']} row at S {s['seq']}, "
                        "the stage's")
     st = ncu["stage"]
-    out += ["### Where stage 01's time goes (Nsight Compute)", "",
+    out = ["### Where stage 01's time goes (Nsight Compute)", "",
             f"{st['stage']} at the same shape under Nsight Compute ({link('ncu')}: "
             f"gpu__time_duration of every launch, serialised and with the profiler's clocks): "
             f"{ncu['launches']} launches profiled, from the middle of step 0 through step 1 of "
@@ -628,15 +721,73 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure):
         + f": {sum(ms for _, _, ms in attn):.1f} ms a step under the profiler (bench_attention, "
         f"unprofiled, S {s['seq']}: {fused['ms']:.3g} ms), against {big['step_ms']:.2f} ms for the whole step "
         "unprofiled.", ""]
+    return out
 
-    out += ["### Caveats", "",
-            "- One GPU: the multi-rank stages ran with their ranks sharing it, so their times "
-            "show time-slicing, not scaling, and are not published here.",
-            "- The Google Benchmark library on that machine was a debug build (its logs warn). "
-            "The rows time GPU work that each iteration waits for (real_time) or CUDA events "
-            "(manual_time), so the library's own code is not what they measure.",
-            f"- Every number has its log; [{where}/README.md]({where}/README.md) says what ran "
-            "and what failed."]
+
+NUMBERS = {2: "Two", 3: "Three", 4: "Four"}
+
+
+def run_heading(run, latest):
+    """A run's subsection heading on a page of several runs: its GPU and date."""
+    return (f"### {run['big']['device']['name']} ({run['report']['date']}, "
+            f"{'the latest run' if latest else 'an earlier run'})")
+
+
+def runs_side_by_side(runs, wheres, command):
+    """The head of a CUDA section of several runs (newest first): what they are, and one table of
+    their main numbers, a column per run, each headed by its GPU."""
+    names = [r["big"]["device"]["name"] for r in runs]
+    csvs = ["cuda_run.csv"] + [f"cuda_run.{pathlib.PurePath(w).name}.csv" for w in wheres[1:]]
+    out = ["## CUDA", "",
+           f"{NUMBERS.get(len(runs), len(runs))} GPU runs, newest first, each on one GPU: "
+           + "; ".join(f"{n} ([{w}]({w}), commit `{r['commit']}`)"
+                       for n, w, r in zip(names, wheres, runs))
+           + ". "
+           + ("They are different GPUs, and each ran the code of its day: a difference between "
+              "two columns below is the GPU's and the code's together, not a speed-up of tpx "
+              "alone. The comparison that holds is within a run: tpx beside PyTorch on the same "
+              "GPU, in each run's subsection." if len(set(names)) > 1 else
+              "Each ran the code of its day: a difference between two columns below is the "
+              "code's and the machine's together."), "",
+           f"Published by `{command}`: nothing was run to write this section, every number is "
+           "parsed from the log its run's subsection names (`tools/gpu_logs.py`), and the "
+           "numbers are in " + ", ".join(f"[{c}](benchmarks/{c})" for c in csvs) + ", one per "
+           "run in the same order.", "",
+           "### The runs side by side", ""]
+    head = ["what"] + [f"{n}, {r['report']['date']}" for n, r in zip(names, runs)]
+    rows = [["commit"] + [f"`{r['commit']}`" for r in runs]]
+    s0 = runs[0]["big"]["sizes"]
+    rows.append([f"stage 01, {runs[0]['big']['dtype']}, H {s0['hidden']} / NH {s0['heads']} / "
+                 f"F {s0['ffn']} / S {s0['seq']} / B {s0['batch']} / L {s0['layers']}: tpx, ms "
+                 "per step"] + [f"{r['big']['step_ms']:.2f}" if r["big"]["sizes"] == s0 else "—"
+                                for r in runs])
+    for mode, label in (("eager", "PyTorch eager"), ("compile", "torch.compile")):
+        rows.append([f"the same block, {label}, ms per step"]
+                    + [f"{r['torch'][mode]['step_ms']:.2f}" for r in runs])
+    rows.append(["tpx's step time vs PyTorch eager's"]
+                + [f"{r['big']['step_ms'] / r['torch']['eager']['step_ms']:.2f}×" for r in runs])
+    att = [{(a["kernel"], a["seq"]): a for a in attention_rows(r)} for r in runs]
+    keys = sorted({k for a in att for k in a}, key=lambda k: (k[1], list(KERNELS).index(k[0])))
+    for kernel, seq in keys:
+        rows.append([f"attention fwd + bwd, {KERNELS[kernel]}, S {seq}: ms (TFLOP/s)"]
+                    + [f"{a[(kernel, seq)]['ms']:.3g} ({a[(kernel, seq)]['tflops']:.1f})"
+                       if (kernel, seq) in a else "—" for a in att])
+    rows.append(["bf16 GEMM peak the stage measured (TFLOP/s)"]
+                + [f"{r['big']['peak_tflops']}" for r in runs])
+
+    def spread(r, dtype):
+        g = gemm_rows(r, dtype)
+        if g:
+            return f"{min(x['tflops'] for x in g):.0f}–{max(x['tflops'] for x in g):.0f}"
+        return "— (stopped at its first FP8 case)" if r["gemm"]["aborted"] else "—"
+    rows.append(["the block's bf16 GEMMs, S 2048 (TFLOP/s)"] + [spread(r, "bf16") for r in runs])
+    rows.append(["the same GEMMs in FP8 (TFLOP/s)"] + [spread(r, "fp8") for r in runs])
+    cps = [{(c["mover"], c["size"]): c for c in copy_rows(r)} for r in runs]
+    for mover in ("copy_engine", "sm_copy", "nccl"):
+        rows.append([f"GEMM 4096³ slow-down beside a copy by {MOVERS[mover]}"]
+                    + [f"{c[(mover, 4096)]['slowdown']:.2f}×" if (mover, 4096) in c else "—"
+                       for c in cps])
+    out += table(head, rows)
     return out
 
 
