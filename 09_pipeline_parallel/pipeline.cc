@@ -59,8 +59,16 @@ PipelineParallel::PipelineParallel(const RunContext& ctx, Mesh mesh,
   // The two channels order their messages apart: two lanes of the group in the flight recorder.
   for (auto [c, payload] : {std::pair{&activations_, "act"}, std::pair{&gradients_, "grad"}}) {
     o.group_label = fmt::format("{} {}", mesh_.pp_group.name(), payload);
-    *c = std::make_unique<Channel>(
-        Channel{make_communicator(o, device_), Stream::create(device_), Stream::create(device_)});
+    std::unique_ptr<Communicator> comm = make_communicator(o, device_);
+    // A transfer that blocks its caller (MPI; on cuda it stages through the host) runs on a host
+    // lane, a thread of its own, so that the thread issuing compute never waits in it; NCCL only
+    // queues its transfers on the lane's stream.
+    const bool blocks = comm->blocks_caller();
+    auto lane = [&] {
+      return blocks ? Stream::create_host_lane(device_) : Stream::create(device_);
+    };
+    Stream send_lane = lane(), recv_lane = lane();
+    *c = std::make_unique<Channel>(Channel{std::move(comm), send_lane, recv_lane});
   }
 }
 
@@ -285,11 +293,6 @@ Layout layout(const RunContext& ctx) {
       pipeline::split_layers(int(c.layers), l.shape.stages(),
                              v == 1 ? fmt::format("--pp {}", l.pp)
                                     : fmt::format("--pp {} × --stages-per-rank {}", l.pp, v));
-  if (l.pp > 1 && c.device != Device::cpu)
-    throw ConfigError(
-        "--pp > 1 runs on --device cpu in this build: the pipeline's send and receive lanes are "
-        "host threads on the cpu backend, and a cuda stream would block its host thread in each "
-        "host-staged transfer");
   return l;
 }
 

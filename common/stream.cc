@@ -1,5 +1,6 @@
-// The cpu side of Stream/Event (a thread per created stream, counters for events) and the
-// dispatch to the cuda side (common/cuda/stream.h).
+// The cpu side of Stream/Event (a thread per created stream, counters for events), the cuda
+// host lane (the same thread and counters around a cuda stream) and the dispatch to the cuda
+// side (common/cuda/stream.h).
 #include "stream.h"
 
 #include <algorithm>
@@ -149,6 +150,21 @@ CpuEvent& cpu_event(const std::shared_ptr<void>& h) {
   return *static_cast<CpuEvent*>(h.get());
 }
 
+#if TPX_WITH_CUDA
+/// A cuda host lane: a cpu queue whose thread issues the work onto `stream`. `aux` only waits
+/// and records: it takes the snapshot of another stream's event at the moment the lane waits on
+/// it, for the lane's thread to wait on when it gets there. The queue is declared last, so it is
+/// destroyed first: its thread finishes the issued work before the streams go.
+struct CudaHostLane {
+  std::shared_ptr<void> stream = cuda::create_stream();
+  std::shared_ptr<void> aux = cuda::create_stream();
+  CpuQueue queue;
+};
+CudaHostLane& host_lane(const std::shared_ptr<void>& h) {
+  return *static_cast<CudaHostLane*>(h.get());
+}
+#endif
+
 }  // namespace
 
 Stream::Stream(Device device) : device_(device) {}
@@ -161,6 +177,21 @@ Stream Stream::create(Device device) {
   }
 #if TPX_WITH_CUDA
   s.handle_ = cuda::create_stream();
+  s.native_ = s.handle_.get();
+#else
+  TPX_CHECK(false, "this build has no CUDA backend");
+#endif
+  return s;
+}
+
+Stream Stream::create_host_lane(Device device) {
+  if (device == Device::cpu) return create(device);  // every created cpu stream is one
+  Stream s(device);
+#if TPX_WITH_CUDA
+  auto lane = std::make_shared<CudaHostLane>();
+  s.native_ = lane->stream.get();
+  s.handle_ = std::move(lane);
+  s.host_lane_ = true;
 #else
   TPX_CHECK(false, "this build has no CUDA backend");
 #endif
@@ -170,6 +201,16 @@ Stream Stream::create(Device device) {
 void Stream::run(std::function<void()> work) const {
   if (device_ == Device::cuda) {
 #if TPX_WITH_CUDA
+    if (host_lane_) {  // the lane's thread binds the device and issues on the lane's stream
+      host_lane(handle_).queue.push(
+          [stream = native_, w = std::move(work)](const std::exception_ptr&) {
+            cuda::ensure_initialized();
+            cuda::StreamGuard guard(stream);
+            w();
+          },
+          false);
+      return;
+    }
     cuda::StreamGuard guard(native());
     work();
     return;
@@ -185,6 +226,7 @@ void Stream::run(std::function<void()> work) const {
 void Stream::synchronize() const {
 #if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
+    if (host_lane_) host_lane(handle_).queue.synchronize();  // everything issued, then done
     cuda::synchronize_stream(native());
     return;
   }
@@ -199,6 +241,7 @@ Event::Event(Device device) : device_(device) {
   }
 #if TPX_WITH_CUDA
   handle_ = cuda::create_event();
+  host_ = std::make_shared<CpuEvent>();
 #else
   TPX_CHECK(false, "this build has no CUDA backend");
 #endif
@@ -209,7 +252,32 @@ void Event::record(const Stream& s) {
             to_string(s.device()));
 #if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
-    cuda::record_event(handle_.get(), s.native());
+    // The host counters say whether the cuda record has been made: at once from the calling
+    // thread, or when a host lane's thread reaches the mark (an event recorded on a host lane is
+    // not recorded elsewhere before that mark is reached).
+    CpuEvent& host = cpu_event(host_);
+    std::uint64_t generation = 0;
+    {
+      std::lock_guard lock(host.mutex);
+      generation = ++host.recorded;
+    }
+    if (!s.is_cuda_host_lane()) {
+      cuda::record_event(handle_.get(), s.native());
+      host.complete(generation, nullptr);
+      return;
+    }
+    host_lane(s.handle_).queue.push(
+        [event = handle_, state = host_, stream = s.native(),
+         generation](std::exception_ptr failed) {
+          if (!failed) try {
+              cuda::ensure_initialized();
+              cuda::record_event(event.get(), stream);
+            } catch (...) {
+              failed = std::current_exception();
+            }
+          static_cast<CpuEvent*>(state.get())->complete(generation, std::move(failed));
+        },
+        true);
     return;
   }
 #endif
@@ -235,7 +303,29 @@ void Event::wait(const Stream& s) const {
             to_string(s.device()));
 #if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
-    cuda::wait_event(handle_.get(), s.native());
+    CpuEvent& host = cpu_event(host_);
+    std::uint64_t target = 0;
+    {
+      std::lock_guard lock(host.mutex);
+      target = host.recorded;
+    }
+    host.wait_for(target);  // a host lane's record made (at once for any other stream's)
+    if (!s.is_cuda_host_lane()) {
+      cuda::wait_event(handle_.get(), s.native());
+      return;
+    }
+    // The point recorded now, for the lane's thread to wait on when it gets there (the event
+    // may be recorded again meanwhile): aux waits for it and records a snapshot.
+    CudaHostLane& lane = host_lane(s.handle_);
+    cuda::wait_event(handle_.get(), lane.aux.get());
+    std::shared_ptr<void> snapshot = cuda::create_event();
+    cuda::record_event(snapshot.get(), lane.aux.get());
+    lane.queue.push(
+        [snapshot, stream = s.native()](const std::exception_ptr&) {
+          cuda::ensure_initialized();
+          cuda::wait_event(snapshot.get(), stream);
+        },
+        false);
     return;
   }
 #endif
@@ -260,6 +350,13 @@ void Event::wait(const Stream& s) const {
 void Event::synchronize() const {
 #if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
+    CpuEvent& host = cpu_event(host_);
+    std::uint64_t target = 0;
+    {
+      std::lock_guard lock(host.mutex);
+      target = host.recorded;
+    }
+    host.wait_for(target);
     cuda::synchronize_event(handle_.get());
     return;
   }
@@ -275,7 +372,14 @@ void Event::synchronize() const {
 
 bool Event::ready() const {
 #if TPX_WITH_CUDA
-  if (device_ == Device::cuda) return cuda::event_ready(handle_.get());
+  if (device_ == Device::cuda) {
+    CpuEvent& host = cpu_event(host_);
+    {
+      std::lock_guard lock(host.mutex);
+      if (host.completed < host.recorded) return false;
+    }
+    return cuda::event_ready(handle_.get());
+  }
 #endif
   CpuEvent& e = cpu_event(handle_);
   std::lock_guard lock(e.mutex);

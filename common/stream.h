@@ -10,7 +10,9 @@
 //         guarded by a mutex: record() enqueues a mark, wait() enqueues (or, on the default
 //         stream, performs) a blocking wait for it.
 //   cuda  cudaStream_t / cudaEvent_t (common/cuda/stream.h). run() issues the work's kernels on
-//         the stream from the calling thread; the GPU runs them asynchronously.
+//         the stream from the calling thread; the GPU runs them asynchronously. A host lane
+//         (create_host_lane) is the cpu's thread and counters around a cuda stream of its own:
+//         for work that blocks the thread running it (a host-staged transfer in MPI).
 //
 // Memory: a cpu task keeps the tensors it captured alive until it has run (captures are shared
 // handles), so their memory cannot be reused early. A cuda tensor used on a stream other than the
@@ -34,12 +36,23 @@ class Stream {
   explicit Stream(Device device = Device::cpu);
   /// A new stream on `device` that runs concurrently with the others (cpu: with its own thread).
   static Stream create(Device device);
+  /// A stream whose work runs in order on a host thread of its own, for work that blocks the
+  /// thread that issues it (a host-staged transfer waits in MPI). cpu: the same as create().
+  /// cuda: the thread issues the work's kernels and copies on a cuda stream of its own, so the
+  /// calling thread goes on issuing compute meanwhile. An event recorded on such a lane completes
+  /// once the lane's thread has reached it and the device has done what was issued before it;
+  /// waiting on that event from another stream blocks the calling thread until the lane's thread
+  /// has reached the mark (then the device waits for the rest), and waiting on another stream's
+  /// event from the lane orders the lane's later work after the point recorded at the call.
+  static Stream create_host_lane(Device device);
 
   Device device() const { return device_; }
   /// True for the default stream.
   bool is_default() const { return !handle_; }
-  /// The native handle (cudaStream_t on cuda, nullptr on cpu).
-  void* native() const { return device_ == Device::cuda && handle_ ? handle_.get() : nullptr; }
+  /// The native handle (cudaStream_t on cuda, nullptr on cpu); a host lane's cuda stream.
+  void* native() const { return native_; }
+  /// True for a stream made by create_host_lane() on cuda (on the cpu every created stream is one).
+  bool is_cuda_host_lane() const { return device_ == Device::cuda && host_lane_; }
 
   /// Runs `work` in order after the work issued on this stream before it. cpu: a created stream
   /// runs it later on its own thread and run() returns at once; the default stream runs it now.
@@ -59,6 +72,8 @@ class Stream {
   friend class Event;
   Device device_;
   std::shared_ptr<void> handle_;  // owns the native stream / the cpu queue; null for default
+  void* native_ = nullptr;        // the cudaStream_t work is issued on (cuda only)
+  bool host_lane_ = false;        // cuda: handle_ is a host lane (a queue and its cuda stream)
 };
 
 class Event {
@@ -77,6 +92,7 @@ class Event {
  private:
   Device device_;
   std::shared_ptr<void> handle_;  // cudaEvent_t on cuda; the counters on cpu
+  std::shared_ptr<void> host_;    // cuda: the counters of records made by a host lane's thread
 };
 
 /// Declares that work issued on `s` uses `t`: when t's memory is freed, the allocator does not

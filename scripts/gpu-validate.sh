@@ -14,7 +14,8 @@
 #            memcheck on stage 05 at -np 2 (memcheck with TPX_EXACT_ALLOC=1: no cached blocks)
 #   stages   01 on cuda in fp32 and bf16; 02-06 at -np 1 (NCCL) and -np 2 (ranks sharing the GPU);
 #            07 and 08 (--cp 2, each --cp-method, fp32 and bf16) on ranks sharing the GPU; 09 at
-#            P = 1, and its one-line refusal of P = 2 on cuda
+#            P = 1, at P = 2 with each schedule (and bf16), and the 4-D mesh P 2 × C 2 × T 2 at
+#            np 8 in fp32 and bf16
 #   big      stage 01 at H=4096 NH=32 F=11008 S=2048 B=1 in bf16: step time, TFLOP/s, MFU
 #   bench    the GPU micro-benchmarks: bench_copy_overlap (chapter 5), bench_gemm bf16 vs fp8 (6),
 #            bench_attention fused vs naive beside PyTorch's SDPA (tools/sdpa_bench.py, when
@@ -146,6 +147,7 @@ if has unit; then
   done
   step test_fp8.cuda 120 "$bin/test_fp8" --gtest_filter='Fp8Cuda.*:Fp8Gemm.*'
   step test_attention.cuda 240 "$bin/test_attention" --gtest_filter='*Cuda*' # fused attention
+  step test_column_blocks.cuda 120 "$bin/test_column_blocks" --gtest_filter='*Cuda*' # Ulysses' packing
   step test_comm.cuda.np1 180 "${mpi[@]}" -np 1 "$bin/test_comm" --gtest_filter='CommCuda.*'
   step test_comm.cuda.np2 180 "${mpi[@]}" -np 2 "$bin/test_comm" --gtest_filter='CommCuda.*'
 fi
@@ -203,11 +205,23 @@ if has stages; then
     check_step 08.cp2.gqa.np2 300 PASS "${mpi[@]}" -np 2 "$bin/08_context_parallel" --device cuda \
       --cp 2 --kv-heads 2 --check
   fi
-  if need 09_pipeline_parallel; then # PP: one pipeline stage on cuda; P > 1 refuses on cuda
+  if need 09_pipeline_parallel; then # PP: activations and gradients on host lanes (host-staged)
     check_step 09.pp1.np1 300 PASS "${mpi[@]}" -np 1 "$bin/09_pipeline_parallel" --device cuda \
       --check "${small[@]}"
-    step 09.pp2.np2-refuses 120 bash -c "${mpi[*]} -np 2 $bin/09_pipeline_parallel --device cuda \
-      --pp 2 --steps 1; test \$? -eq 2"
+    pp=(--hidden 256 --heads 8 --ffn 1024 --seq 128 --batch 4 --layers 4 --steps 3)
+    for schedule in gpipe 1f1b interleaved-1f1b zb-h1; do
+      virtual=()
+      [ "$schedule" = interleaved-1f1b ] && virtual=(--stages-per-rank 2)
+      check_step "09.pp2.$schedule.np2" 300 PASS "${mpi[@]}" -np 2 "$bin/09_pipeline_parallel" \
+        --device cuda --pp 2 --schedule "$schedule" "${virtual[@]}" --check "${pp[@]}"
+    done
+    check_step 09.pp2.bf16.np2 300 PASS "${mpi[@]}" -np 2 "$bin/09_pipeline_parallel" \
+      --device cuda --pp 2 --dtype bf16 --check "${pp[@]}"
+    # The 4-D mesh (D = 1) on eight ranks sharing the GPU: P 2 × C 2 × T 2.
+    for dtype in fp32 bf16; do
+      check_step "09.pp2cp2tp2.$dtype.np8" 540 PASS "${mpi[@]}" -np 8 \
+        "$bin/09_pipeline_parallel" --device cuda --pp 2 --cp 2 --dtype "$dtype" --check "${pp[@]}"
+    done
   fi
   check_step 05.nccl-zero-cta.np1 300 PASS "${mpi[@]}" -np 1 "$bin/05_copy_engine_async_tp" \
     --device cuda --all-gather nccl-zero-cta --check

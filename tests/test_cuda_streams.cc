@@ -204,6 +204,45 @@ TEST(Streams, RunAfterComputeWaitsForTheComputeStreamsWrites) {
   for (const float v : on_cpu(out).f32()) ASSERT_EQ(v, 7.0f);
 }
 
+// Stage 09's send and receive lanes on cuda: a host-staged transfer blocks the thread that runs
+// it, so it runs on a host lane's own thread, issuing on the lane's cuda stream, while the calling
+// thread goes on; the lane still waits for the compute stream's writes, and the compute stream
+// for the lane's work.
+TEST(Streams, HostLaneRunsBlockingWorkOnItsOwnThreadInTheStreamsOrder) {
+  TPX_REQUIRE_GPU();
+  constexpr I n = I{1} << 16;
+  const Tensor t = gpu_empty({n}), out = gpu_empty({n}), doubled = gpu_empty({n});
+  ops::fill(t, 1.0f);
+  ops::fill(out, -1.0f);
+  ops::add(out, out, doubled);  // every kernel loaded before the gate
+  ops::synchronize(Device::cuda);
+  const Stream lane = Stream::create_host_lane(Device::cuda);
+  std::atomic<bool> release{false};
+  std::thread::id ran_on;
+  bool ready_while_held = true, timed_out = false;
+  {
+    const Stream compute(Device::cuda);
+    HostGate gate(compute);
+    ops::fill(t, 7.0f);  // written behind the gate
+    const Event done = run_after_compute(lane, {t, out}, [&] {
+      ran_on = std::this_thread::get_id();
+      while (!release.load()) std::this_thread::yield();  // blocks the lane's thread only
+      ops::copy(t, out);
+    });
+    ready_while_held = done.ready();  // this thread was not blocked by the lane's work
+    gate.open();
+    release = true;
+    done.wait(compute);           // until the lane's thread has reached the mark
+    ops::add(out, out, doubled);  // then on the compute stream, after the lane's copy
+    ops::synchronize(Device::cuda);
+    timed_out = gate.timed_out();
+  }
+  ASSERT_FALSE(timed_out);
+  EXPECT_FALSE(ready_while_held);
+  EXPECT_NE(ran_on, std::this_thread::get_id());
+  for (const float v : on_cpu(doubled).f32()) ASSERT_EQ(v, 14.0f);
+}
+
 TEST(Allocator, FreeListsArePerStream) {
   TPX_REQUIRE_GPU();
   Allocator& a = allocator_for(Device::cuda);

@@ -108,6 +108,22 @@ TEST(CpuEvent, RunAfterComputeReturnsTheEndOfTheLanesWork) {
   EXPECT_TRUE(done.ready());
 }
 
+TEST(CpuEvent, AHostLaneRunsItsWorkOnItsOwnThread) {
+  const Stream lane = Stream::create_host_lane(Device::cpu);
+  std::atomic<bool> release{false};
+  std::thread::id ran_on;
+  lane.run([&] {
+    ran_on = std::this_thread::get_id();
+    while (!release) std::this_thread::yield();  // blocks the lane, not the caller
+  });
+  Event done(Device::cpu);
+  done.record(lane);
+  EXPECT_FALSE(done.ready());
+  release = true;
+  done.synchronize();
+  EXPECT_NE(ran_on, std::this_thread::get_id());
+}
+
 TEST(CpuEvent, NeverRecordedIsComplete) {
   const Event e(Device::cpu);
   EXPECT_TRUE(e.ready());

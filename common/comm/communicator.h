@@ -106,6 +106,11 @@ class Communicator {
   int size() const { return size_; }
   /// Words for the stage header, e.g. "mpi (host memory)" or "nccl (device memory)".
   virtual std::string name() const = 0;
+  /// True when an op returns only once its transfer is done, so the calling thread waits (MPI,
+  /// which stages cuda tensors through the host); false when it only queues the transfer on the
+  /// stream (NCCL). A lane whose transfers block belongs on a host lane of its own
+  /// (Stream::create_host_lane), or the thread that issues compute would wait in them.
+  virtual bool blocks_caller() const { return true; }
 
   /// Books the record of an op of kind `op` that a task queued now will issue later on another
   /// thread (a comm lane's): pass the result as `booked` to that call. So an op takes its place

@@ -12,6 +12,7 @@
 #include <climits>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <thread>
 #include <utility>
 
@@ -152,8 +153,11 @@ class MpiCommunicator final : public Communicator {
   }
 
   /// A host view of `t`: t itself on the cpu, else a staging buffer of the same shape.
+  /// Two lanes may call at once (a pipeline's send lane uses slot 0 while its receive lane uses
+  /// slot 1): the map is guarded; each slot is used by one lane at a time.
   Tensor host_buffer(const Tensor& t, int slot) {
     if (t.device() == Device::cpu) return t;
+    std::lock_guard lock(staging_mutex_);
     Tensor& buf = staging_[{slot, t.dtype()}];
     if (!buf.defined() || buf.numel() < t.numel())
       buf = Tensor::empty({t.numel()}, t.dtype(), Device::cpu);
@@ -179,6 +183,7 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_;
   MPI_Op bf16_sum_ = MPI_OP_NULL;
   std::string name_;
+  std::mutex staging_mutex_;
   std::map<std::pair<int, DType>, Tensor> staging_;  // host buffers for cuda tensors
 };
 

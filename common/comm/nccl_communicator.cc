@@ -112,6 +112,10 @@ class NcclCommunicator final : public Communicator {
   }
 
  protected:
+  bool blocks_caller() const override {
+    return false;
+  }  // queued on the stream
+
   bool accepts(Device d) const override {
     return d == Device::cuda;
   }
