@@ -3,7 +3,8 @@
 // cuda when a GPU is usable in bf16 at S = 1024, 2048, 8192 and 16384 with D = 128 (NH 32, B 1:
 // Llama-2-7B's heads), and at S = 2048 with D = 64 (NH 32). The naive path stops at S = 8192:
 // its probabilities and their gradient are S² floats per head each, 25 GiB of peak at 8192 and
-// four times that at 16384, more than an 80 GB GPU holds.
+// four times that at 16384, more than an 80 GB GPU holds. On cuda the fused kernels' forward and
+// backward are also timed apart at S = 2048 and 8192 (rows fused-fwd, fused-bwd).
 //
 // Counters: TFLOP/s, and peak_MiB, the allocator's high-water mark above the inputs during one
 // forward + backward (outputs, what forward keeps, the backward's scratch). The cpu's block
@@ -38,11 +39,43 @@ struct AttnShape {
   I s, b, heads, d;
 };
 
-/// Causal forward + backward FLOPs under the convention above.
-double step_flops(const AttnShape& a) {
+/// What a row times: the training step's attention (forward + backward), or, for the fused
+/// kernels on cuda, the forward or the backward alone (the backward from a forward done before
+/// the clock starts): where the step's time goes, beside SDPA's same split (tools/sdpa_bench.py).
+enum class Pass { step, forward, backward };
+
+/// Causal FLOPs of `pass` under the convention above.
+double pass_flops(const AttnShape& a, Pass pass) {
   const double forward =
       4.0 * double(a.b) * double(a.heads) * double(a.s) * double(a.s) * double(a.d) / 2.0;
-  return forward * (1.0 + 2.5);
+  return pass == Pass::forward ? forward : pass == Pass::backward ? 2.5 * forward : 3.5 * forward;
+}
+
+/// The fused kernels' forward or backward alone, on cuda.
+void bm_fused_pass(benchmark::State& state, DType compute, Pass pass, AttnShape a) {
+  constexpr Device d = Device::cuda;
+  const Tensor::Shape act{a.s, a.b, a.heads * a.d};
+  const Tensor q = random_on(d, act, 1), k = random_on(d, act, 2), v = random_on(d, act, 3);
+  const Tensor dout = random_on(d, act, 4);
+  const Tensor out = Tensor::empty(act, DType::f32, d);
+  const Tensor lse = Tensor::empty({a.b, a.heads, a.s}, DType::f32, d);
+  const Tensor dq = Tensor::empty(act, DType::f32, d), dk = Tensor::empty(act, DType::f32, d),
+               dv = Tensor::empty(act, DType::f32, d);
+  ops::attention_fused_forward(q, k, v, a.heads, out, lse, compute);  // what backward reads
+  ops::synchronize(d);
+  double seconds = 0.0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (pass == Pass::forward)
+      ops::attention_fused_forward(q, k, v, a.heads, out, lse, compute);
+    else
+      ops::attention_fused_backward(dout, q, k, v, out, lse, a.heads, dq, dk, dv, compute);
+    ops::synchronize(d);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const double iters = double(state.iterations());
+  state.counters["TFLOP/s"] = seconds > 0 ? pass_flops(a, pass) * iters / seconds / 1e12 : 0;
+  state.SetLabel(fmt::format("S={} B={} NH={} D={}", a.s, a.b, a.heads, a.d));
 }
 
 void bm_attention(benchmark::State& state, Device d, DType compute, bool fused, AttnShape a) {
@@ -74,7 +107,7 @@ void bm_attention(benchmark::State& state, Device d, DType compute, bool fused, 
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   const double iters = double(state.iterations());
-  state.counters["TFLOP/s"] = seconds > 0 ? step_flops(a) * iters / seconds / 1e12 : 0;
+  state.counters["TFLOP/s"] = seconds > 0 ? pass_flops(a, Pass::step) * iters / seconds / 1e12 : 0;
   state.counters["peak_MiB"] = double(alloc.stats().peak - before) / (1024.0 * 1024.0);
   const double host_mib =
       d == Device::cpu
@@ -110,6 +143,18 @@ void register_all() {
                         fused ? "fused" : "naive", a.s, head_dim)
                 .c_str(),
             [d, compute, fused, a](benchmark::State& s) { bm_attention(s, d, compute, fused, a); })
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+      }
+    if (d != Device::cuda) continue;
+    for (const std::int64_t seq : {2048, 8192})
+      for (const Pass pass : {Pass::forward, Pass::backward}) {
+        const AttnShape a{seq, 1, 32, 128};
+        benchmark::RegisterBenchmark(
+            fmt::format("attention/cuda/{}/fused-{}/S:{}", dtype_flag(compute),
+                        pass == Pass::forward ? "fwd" : "bwd", seq)
+                .c_str(),
+            [compute, pass, a](benchmark::State& s) { bm_fused_pass(s, compute, pass, a); })
             ->UseRealTime()
             ->Unit(benchmark::kMillisecond);
       }

@@ -793,6 +793,31 @@ def runs_side_by_side(runs, wheres, command):
 
 # --- one run's comparison table, as gpu-validate.sh's bench part prints it -----------------------
 
+SPLIT_ROW = re.compile(r"(?m)^attention/cuda/bf16/(fused|sdpa)-(fwd|bwd)/S:(\d+)(?:/real_time)?\s.*?"
+                       r"\s([0-9.]+) ms\s.*?TFLOP/s=([0-9.]+)")
+
+
+def split_table(attention_logs, sdpa_logs):
+    """The fused kernels' forward and backward apart beside SDPA's (rows fused-fwd, fused-bwd of
+    bench_attention, sdpa-fwd, sdpa-bwd of sdpa_bench.py), as markdown lines; none when the
+    logs have no such rows (runs before they were timed apart)."""
+    found = {}  # (seq, pass) -> {kernel: (ms, tflops)}
+    for path in list(attention_logs) + list(sdpa_logs):
+        for kernel, p, seq, ms, tflops in SPLIT_ROW.findall(read(path)):
+            found.setdefault((int(seq), p), {})[kernel] = (float(ms), float(tflops))
+    if not found:
+        return []
+    out = ["", "The forward and the backward apart (D 128, B 1, NH 32):", "",
+           "| S | pass | tpx fused: ms, TFLOP/s | PyTorch SDPA | fused ÷ SDPA (TFLOP/s) |",
+           "|---|---|---|---|---|"]
+    for (seq, p), k in sorted(found.items(), key=lambda x: (x[0][0], x[0][1] != "fwd")):
+        cells = [f"{k[n][0]:.3g} ms, {k[n][1]:.1f}" if n in k else "—" for n in ("fused", "sdpa")]
+        ratio = f"{k['fused'][1] / k['sdpa'][1]:.3f}" if "fused" in k and "sdpa" in k else "—"
+        out.append(f"| {seq} | {'forward' if p == 'fwd' else 'backward'} | {cells[0]} | "
+                   f"{cells[1]} | {ratio} |")
+    return out
+
+
 def compare(logdir):
     """The bench part's own logs (gpu-validate.sh OUTDIR/logs: NN-bench_attention.log,
     NN-sdpa_bench*.log, NN-torch_block_perf.log, NN-01.big.bf16*.log) as one markdown table:
@@ -838,6 +863,8 @@ def compare(logdir):
                 else "—"
         out.append(f"| {seq} | {hd} | {cell(k.get('fused'))} | {cell(k.get('naive'))} | "
                    f"{cell(sdpa)} | {ratio('fused')} | {ratio('naive')} |")
+
+    out += split_table(logs("*-bench_attention.log"), logs("*-sdpa_bench*.log"))
 
     steps = logs("*-01.big.bf16*.log")  # the bench part's own run, when big ran too
     step = stage_log(steps[-1]) if steps else None

@@ -315,5 +315,39 @@ class GpuReport(unittest.TestCase):
         self.assertIn("no '- commit:' line", r.stderr)
 
 
+
+class SplitTable(unittest.TestCase):
+    """gpu_logs.split_table: the fused kernels' forward and backward beside SDPA's."""
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        d = pathlib.Path(self.dir.name)
+        self.attention, self.sdpa = d / "03-bench_attention.log", d / "04-sdpa_bench.log"
+        self.attention.write_text(
+            "attention/cuda/bf16/fused/S:2048/real_time   1.25 ms   1.25 ms   562 TFLOP/s=96.5\n"
+            "attention/cuda/bf16/fused-fwd/S:2048/real_time   0.500 ms   0.500 ms   10 "
+            "TFLOP/s=100 S=2048 B=1 NH=32 D=128\n"
+            "attention/cuda/bf16/fused-bwd/S:2048/real_time   2.00 ms   2.00 ms   10 "
+            "TFLOP/s=62.5 S=2048 B=1 NH=32 D=128\n")
+        self.sdpa.write_text(
+            "sdpa_bench: GPU, torch 2.0, bf16\n"
+            "attention/cuda/bf16/sdpa-fwd/S:2048  B=1 NH=32 D=128  0.125 ms  TFLOP/s=400.0\n")
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def test_each_pass_beside_sdpas_with_the_ratio_of_their_tflops(self):
+        sys.path.insert(0, str(TOOLS))
+        import gpu_logs
+        lines = gpu_logs.split_table([self.attention], [self.sdpa])
+        self.assertIn("| 2048 | forward | 0.5 ms, 100.0 | 0.125 ms, 400.0 | 0.250 |", lines)
+        self.assertIn("| 2048 | backward | 2 ms, 62.5 | — | — |", lines)
+        self.assertLess(lines.index("| 2048 | forward | 0.5 ms, 100.0 | 0.125 ms, 400.0 | 0.250 |"),
+                        lines.index("| 2048 | backward | 2 ms, 62.5 | — | — |"))
+        self.sdpa.write_text("sdpa_bench: GPU, torch 2.0, bf16\n")
+        self.attention.write_text(
+            "attention/cuda/bf16/fused/S:2048/real_time   1.25 ms   1.25 ms   562 TFLOP/s=96.5\n")
+        self.assertEqual(gpu_logs.split_table([self.attention], [self.sdpa]), [])
+
 if __name__ == "__main__":
     unittest.main()
