@@ -54,6 +54,9 @@ class CpuQueue {
     state_->wake.notify_all();
   }
 
+  /// True on the queue's own thread (inside a task it runs).
+  bool on_worker() const { return worker_.get_id() == std::this_thread::get_id(); }
+
   void synchronize() {
     State& st = *state_;
     std::unique_lock lock(st.mutex);
@@ -226,12 +229,15 @@ void Stream::run(std::function<void()> work) const {
 void Stream::synchronize() const {
 #if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
-    if (host_lane_) host_lane(handle_).queue.synchronize();  // everything issued, then done
+    // Everything issued, then done. A task of the lane that synchronizes its own stream (MPI
+    // staging a cuda tensor drains the stream it was given) waits for the cuda stream only: the
+    // queue behind it cannot finish before it does.
+    if (host_lane_ && !host_lane(handle_).queue.on_worker()) host_lane(handle_).queue.synchronize();
     cuda::synchronize_stream(native());
     return;
   }
 #endif
-  if (!is_default()) queue(handle_).synchronize();
+  if (!is_default() && !queue(handle_).on_worker()) queue(handle_).synchronize();
 }
 
 Event::Event(Device device) : device_(device) {

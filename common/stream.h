@@ -60,7 +60,10 @@ class Stream {
   /// An exception thrown by work on a cpu stream's thread fails the stream: later work on it is
   /// skipped, and synchronize() (and every event recorded after the failure) rethrows it.
   void run(std::function<void()> work) const;
-  /// Blocks the host until everything issued on the stream is done; rethrows a failure.
+  /// Blocks the host until everything issued on the stream is done; rethrows a failure. Called
+  /// by a task of a created cpu stream or a host lane on its own stream (MPI drains the stream it
+  /// was given before staging a cuda tensor), it waits for what the task issued so far (cuda:
+  /// the lane's cuda stream), not for the queue behind the task, which cannot finish before it.
   void synchronize() const;
 
   /// Two handles to the same stream compare equal.

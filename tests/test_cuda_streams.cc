@@ -227,6 +227,7 @@ TEST(Streams, HostLaneRunsBlockingWorkOnItsOwnThreadInTheStreamsOrder) {
     const Event done = run_after_compute(lane, {t, out}, [&] {
       ran_on = std::this_thread::get_id();
       while (!release.load()) std::this_thread::yield();  // blocks the lane's thread only
+      lane.synchronize();  // as MPI's staging does: the lane's cuda stream, not this task
       ops::copy(t, out);
     });
     ready_while_held = done.ready();  // this thread was not blocked by the lane's work

@@ -115,6 +115,7 @@ TEST(CpuEvent, AHostLaneRunsItsWorkOnItsOwnThread) {
   lane.run([&] {
     ran_on = std::this_thread::get_id();
     while (!release) std::this_thread::yield();  // blocks the lane, not the caller
+    lane.synchronize();  // as MPI does before staging: must not wait for this very task
   });
   Event done(Device::cpu);
   done.record(lane);
