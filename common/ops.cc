@@ -291,14 +291,28 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const 
 
 namespace {
 
-/// Attention under the recipe, except on cuda's bf16 tensors (attention_native below): bf16
-/// tensors are read as fp32 and the outputs rounded once (Fp32Boundary). The cuda ops then
+/// An attention whose tensors are all bf16 on cuda (the recipe's activations and their
+/// gradients) runs on them as they are stored: the fused kernels read bf16 operands, keep lse and
+/// Δ in fp32 and round each output once as they store it, the same values as the boundary below;
+/// the naive one's GEMMs read bf16 operands and write bf16 outputs, rounded once by cuBLASLt (dK,
+/// dV of a group summed in fp32 first), its probabilities fp32 (cuda/ops.cc).
+/// TPX_CUDA_FP32_BOUNDARY=1 goes through the boundary instead (native_bf16), whose fp32 copies
+/// cuda/ops.cc rounds into bf16 scratch for the GEMMs and the tensor cores.
+bool attention_native(const Tensor& q, DType compute, std::initializer_list<const Tensor*> ts) {
+  if (!native_bf16(q) || compute != DType::bf16) return false;
+  for (const Tensor* t : ts)
+    if (!is_bf16(*t)) return false;
+  return true;
+}
+/// Every other attention with a bf16 tensor, and the cpu's under bf16 compute, goes through
+/// Fp32Boundary: bf16 tensors are read as fp32 and the outputs rounded once. The cuda ops then
 /// compute in bf16 (`compute` bf16: bf16 GEMMs for the naive attention, bf16 copies of q, k, v,
 /// dO for the fused one's tensor cores); the cpu computes everything inside in fp32, and
 /// `compute` bf16 on f32 tensors rounds its inputs to bf16 values first.
 bool attention_at_boundary(const Tensor& q, DType compute,
                            std::initializer_list<const Tensor*> ts) {
-  return any_bf16(ts) || (q.device() == Device::cpu && compute == DType::bf16);
+  return (any_bf16(ts) || (q.device() == Device::cpu && compute == DType::bf16)) &&
+         !attention_native(q, compute, ts);
 }
 Tensor attention_input(Fp32Boundary& f, const Tensor& t, DType compute) {
   return t.device() == Device::cpu && compute == DType::bf16 ? f.in_rounded(t) : f.in(t);
@@ -306,21 +320,6 @@ Tensor attention_input(Fp32Boundary& f, const Tensor& t, DType compute) {
 DType attention_compute(const Tensor& q, DType compute) {
   return q.device() == Device::cpu ? DType::f32 : compute;
 }
-/// An attention whose tensors are all bf16 on cuda (the recipe's activations and their
-/// gradients) runs on them as they are stored, without Fp32Boundary's copies: the fused kernels
-/// read bf16 operands, keep lse and Δ in fp32 and round each output once as they store it, the
-/// same values as the boundary; the naive one's GEMMs read bf16 operands and write bf16 outputs,
-/// rounded once by cuBLASLt (dK, dV of a group summed in fp32 first), its probabilities fp32
-/// (cuda/ops.cc). TPX_CUDA_FP32_BOUNDARY=1 goes through the boundary instead (native_bf16), whose
-/// fp32 copies cuda/ops.cc rounds into bf16 scratch for the GEMMs and the tensor cores.
-#if TPX_WITH_CUDA
-bool attention_native(const Tensor& q, DType compute, std::initializer_list<const Tensor*> ts) {
-  if (!native_bf16(q) || compute != DType::bf16) return false;
-  for (const Tensor* t : ts)
-    if (!is_bf16(*t)) return false;
-  return true;
-}
-#endif
 void expect_f32_compute(DType compute) {
   TPX_CHECK(compute == DType::f32, "the cpu backend computes in fp32 (asked for {})",
             to_string(compute));
@@ -330,10 +329,6 @@ void expect_f32_compute(DType compute) {
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                        const Tensor& out, const Tensor& probs, DType compute) {
-#if TPX_WITH_CUDA
-  if (attention_native(q, compute, {&q, &k, &v, &out}))
-    return cuda::attention_forward(q, k, v, heads, out, probs, compute);
-#endif
   if (attention_at_boundary(q, compute, {&q, &k, &v, &out})) {
     Fp32Boundary f;
     auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
@@ -350,10 +345,6 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::i
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& probs, std::int64_t heads, const Tensor& dq, const Tensor& dk,
                         const Tensor& dv, DType compute) {
-#if TPX_WITH_CUDA
-  if (attention_native(q, compute, {&dout, &q, &k, &v, &dq, &dk, &dv}))
-    return cuda::attention_backward(dout, q, k, v, probs, heads, dq, dk, dv, compute);
-#endif
   if (attention_at_boundary(q, compute, {&dout, &q, &k, &v, &dq, &dk, &dv})) {
     Fp32Boundary f;
     auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
@@ -369,10 +360,6 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 }
 void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const Tensor& out, const Tensor& lse, DType compute) {
-#if TPX_WITH_CUDA
-  if (attention_native(q, compute, {&q, &k, &v, &out}))
-    return cuda::attention_fused_forward(q, k, v, heads, out, lse, compute);
-#endif
   if (attention_at_boundary(q, compute, {&q, &k, &v, &out})) {
     Fp32Boundary f;
     auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
@@ -389,10 +376,6 @@ void attention_fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
 void attention_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv, DType compute) {
-#if TPX_WITH_CUDA
-  if (attention_native(q, compute, {&dout, &q, &k, &v, &out, &dq, &dk, &dv}))
-    return cuda::attention_fused_backward(dout, q, k, v, out, lse, heads, dq, dk, dv, compute);
-#endif
   if (attention_at_boundary(q, compute, {&dout, &q, &k, &v, &out, &dq, &dk, &dv})) {
     Fp32Boundary f;
     auto in = [&](const Tensor& t) { return attention_input(f, t, compute); };
