@@ -217,6 +217,14 @@ if has stages; then
     done
     check_step 09.pp2.bf16.np2 300 PASS "${mpi[@]}" -np 2 "$bin/09_pipeline_parallel" \
       --device cuda --pp 2 --dtype bf16 --check "${pp[@]}"
+    # The trace of a cuda pipeline: on each rank, compute spans beside its pp comm lane's
+    # transfers (lanes 0 and 6 of tpx's trace; the file is kept beside the logs).
+    step 09.pp2.trace.np2 300 bash -c "${mpi[*]} -np 2 $bin/09_pipeline_parallel --device cuda \
+      --pp 2 ${pp[*]} --trace $out/logs/09-pp2-trace.json >/dev/null && python3 -c 'import json, \
+      sys; spans = {(e[\"pid\"], e[\"tid\"]) for e in json.load(open(sys.argv[1]))[\"traceEvents\"] \
+      if e[\"ph\"] == \"X\"}; ok = all((r, lane) in spans for r in (0, 1) for lane in (0, 6)); \
+      print(\"compute and pp comm spans on both ranks\" if ok else sorted(spans)); \
+      sys.exit(0 if ok else 1)' $out/logs/09-pp2-trace.json"
     # The 4-D mesh (D = 1) on eight ranks sharing the GPU: P 2 × C 2 × T 2.
     for dtype in fp32 bf16; do
       check_step "09.pp2cp2tp2.$dtype.np8" 540 PASS "${mpi[@]}" -np 8 \
