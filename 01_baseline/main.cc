@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
       // One device: the whole model, nothing moved.
       .plan =
           [](const RunContext&) {
-            return StagePlan{{}, {}, {}, "none (one device)"};
+            return StagePlan{.sharding = {}, .traffic = {}, .comm = "none (one device)"};
           },
       .reference = reference_run,
   };

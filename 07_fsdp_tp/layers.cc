@@ -342,7 +342,7 @@ Communicator& FsdpTp::dp_comm_for_report() {
 
 CommStats FsdpTp::take_comm_stats() {
   CommStats s = tp_->take_comm_stats();
-  s.add_group(dp_comm_->take_stats(), &CommStats::dp_payload_bytes, &CommStats::dp_bus_bytes);
+  s.add_group("dp", dp_comm_->take_stats());
   return s;
 }
 
@@ -385,9 +385,9 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
   p.sharding = {
       .rank = mesh.tp_index, .world = mesh.tp, .weights = true, .sequence = true, .dp = mesh.dp};
   const Traffic tp = comm_bytes(5, replica, mesh.tp);
-  p.dp_traffic = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
-  p.traffic = {tp.payload + p.dp_traffic.payload, tp.bus + p.dp_traffic.bus,
-               tp.calls + p.dp_traffic.calls};
+  const Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
+  p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};
+  p.traffic = {tp.payload + dp.payload, tp.bus + dp.bus, tp.calls + dp.calls};
   p.comm = fmt::format("mesh D {} × TP {} (dry run)", mesh.dp, mesh.tp);
   return p;
 }

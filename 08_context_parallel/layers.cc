@@ -503,9 +503,9 @@ Tensor ContextParallel::gather_activation(const Tensor& local) {
 
 CommStats ContextParallel::take_comm_stats() {
   CommStats s = inner_->take_comm_stats();
-  s.add_group(cp_comm_->take_stats(), &CommStats::cp_payload_bytes, &CommStats::cp_bus_bytes);
-  s.cp_attention_ms = std::exchange(attention_ms_, 0.0);
-  s.cp_attention_blocks = std::exchange(attention_blocks_, 0);
+  s.add_group("cp", cp_comm_->take_stats());
+  s.add_time("cp_attention", std::exchange(attention_ms_, 0.0),
+             std::exchange(attention_blocks_, 0));
   return s;
 }
 
@@ -602,8 +602,9 @@ StagePlan plan_context_parallel(const RunContext& ctx) {
                 .cp = mesh.cp,
                 .cp_method = cp ? method : CpMethod::ring};  // as the Parallelism's sharding()
   p.traffic = t.total();
-  p.dp_traffic = t.dp;
-  p.cp_traffic = t.cp;
+  p.groups = {
+      {.name = "cp", .label = "cp group", .traffic = t.cp},
+      {.name = "dp", .label = t.cp.calls > 0 ? "dp×cp group" : "dp group", .traffic = t.dp}};
   p.comm = cp ? fmt::format("mesh D {} × CP {} × TP {} (cp-method {}) (dry run)", mesh.dp, mesh.cp,
                             mesh.tp, to_string(method))
               : fmt::format("mesh D {} × TP {} (dry run)", mesh.dp, mesh.tp);

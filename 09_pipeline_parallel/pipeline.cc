@@ -204,8 +204,7 @@ double PipelineParallel::sum_over_ranks(double local) {
 CommStats PipelineParallel::take_comm_stats() {
   CommStats s = slice_->take_comm_stats();
   for (auto* c : {activations_.get(), gradients_.get()})
-    if (c)
-      s.add_group(c->comm->take_stats(), &CommStats::pp_payload_bytes, &CommStats::pp_bus_bytes);
+    if (c) s.add_group("pp", c->comm->take_stats());
   return s;
 }
 
@@ -384,24 +383,28 @@ StagePlan plan_pipeline(const RunContext& ctx) {
       recomputed_traffic(micro, mesh, method, l.layers, l.shape.stages_of(mesh.pp_index));
   const auto m = std::uint64_t(l.shape.microbatches);
   const Traffic tp{t.tp.payload * m, t.tp.bus * m, t.tp.calls * m};
-  p.cp_traffic = {t.cp.payload * m, t.cp.bus * m, t.cp.calls * m};
-  p.dp_traffic = mesh.dp * mesh.cp > 1
-                     ? fsdp_traffic(mine, mesh.tp, mesh.dp * mesh.cp, l.shape.microbatches)
-                     : Traffic{};
+  const Traffic cp{t.cp.payload * m, t.cp.bus * m, t.cp.calls * m};
+  const Traffic dp = mesh.dp * mesh.cp > 1
+                         ? fsdp_traffic(mine, mesh.tp, mesh.dp * mesh.cp, l.shape.microbatches)
+                         : Traffic{};
+  Traffic pp;
   // The pipeline's messages: every send of the schedule on this rank carries one micro-batch's
   // [S/(C·T), B/(D·M), H] activation (or its gradient); a receive is a call that sends nothing.
   const std::uint64_t message = std::uint64_t(c.seq / (mesh.cp * mesh.tp)) *
                                 std::uint64_t(micro.batch / mesh.dp) * std::uint64_t(c.hidden) *
                                 std::uint64_t(dtype_size(c.activations()));
   for (const Transfer& x : pipeline::transfers(*schedule, mesh.pp_index)) {
-    p.pp_traffic.calls += 1;
+    pp.calls += 1;
     if (x.send) {
-      p.pp_traffic.payload += message;
-      p.pp_traffic.bus += message;
+      pp.payload += message;
+      pp.bus += message;
     }
   }
+  p.groups = {{.name = "cp", .label = "cp group", .traffic = cp},
+              {.name = "pp", .label = "pp group (rank 0)", .traffic = pp},
+              {.name = "dp", .label = cp.calls > 0 ? "dp×cp group" : "dp group", .traffic = dp}};
   p.traffic = tp;
-  for (const Traffic* part : {&p.cp_traffic, &p.dp_traffic, &p.pp_traffic}) p.traffic += *part;
+  for (const PlanGroup& g : p.groups) p.traffic += g.traffic;
   p.comm = fmt::format("mesh P {} × D {} × CP {} × TP {}, {} with M {} (dry run)", mesh.pp, mesh.dp,
                        mesh.cp, mesh.tp, schedule->name(), l.shape.microbatches);
   return p;

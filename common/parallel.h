@@ -5,8 +5,8 @@
 // all-reduces; stage 03 with sequence-parallel all-gather / reduce-scatter; later stages overlap
 // those transfers with the GEMMs. The block (block.h) is written once against this interface.
 //
-// defines: tpx::ColumnResult, tpx::CommStats, tpx::SequenceRun, tpx::linear_output(),
-//          tpx::WeightGradWork, tpx::Parallelism
+// defines: tpx::ColumnResult, tpx::GroupTraffic, tpx::StepTime, tpx::CommStats, tpx::SequenceRun,
+//          tpx::linear_output(), tpx::WeightGradWork, tpx::Parallelism
 #pragma once
 
 #include <cstdint>
@@ -31,37 +31,78 @@ struct ColumnResult {
   Tensor saved;
 };
 
-/// Communication of one step on this rank (nccl-tests convention for bus bytes).
+/// One mesh group's part of a step's communication, under the name of the group its stage adds
+/// (stage 07 "dp", stage 08 "cp", stage 09 "pp": CommStats::add_group).
+struct GroupTraffic {
+  std::string name;
+  std::uint64_t payload_bytes = 0;
+  std::uint64_t bus_bytes = 0;
+};
+
+/// A host-clock time a stage counts in its step under a name, summed over `blocks` timed pieces
+/// (stage 08's "cp_attention": its attention blocks, forward and backward).
+struct StepTime {
+  std::string name;
+  double ms = 0;
+  std::uint64_t blocks = 0;
+};
+
+/// Communication of one step on this rank (nccl-tests convention for bus bytes), plus the named
+/// counters a stage adds: the part of it each of the stage's mesh groups carried, and its timers.
+/// common/ reads them only by name.
 struct CommStats {
   std::uint64_t payload_bytes = 0;
   std::uint64_t bus_bytes = 0;
   std::uint64_t calls = 0;
-  /// The part of the above that crossed the data-parallel group (stage 07's weight gathers and
-  /// gradient reduce-scatters); 0 elsewhere.
-  std::uint64_t dp_payload_bytes = 0;
-  std::uint64_t dp_bus_bytes = 0;
-  /// The part that crossed the context-parallel group (stage 08's K/V and dK/dV); 0 elsewhere.
-  std::uint64_t cp_payload_bytes = 0;
-  std::uint64_t cp_bus_bytes = 0;
-  /// Stage 08's attention time on the host clock, summed over its blocks (ring steps, gathered
-  /// blocks, or Ulysses' whole-sequence attention, forward and backward), and their count.
-  double cp_attention_ms = 0;
-  std::uint64_t cp_attention_blocks = 0;
-  /// The part that crossed the pipeline-parallel group (stage 09's activations and their
-  /// gradients between stages); 0 elsewhere.
-  std::uint64_t pp_payload_bytes = 0;
-  std::uint64_t pp_bus_bytes = 0;
+  std::vector<GroupTraffic> groups;  ///< in the order first added; a name at most once
+  std::vector<StepTime> times;       ///< likewise
 
-  /// Adds one mesh group's traffic (its communicator's stats) to the totals and to that group's
-  /// own counters, named by member: `s.add_group(dp, &CommStats::dp_payload_bytes,
-  /// &CommStats::dp_bus_bytes)`.
-  void add_group(const CommStats& group, std::uint64_t CommStats::*payload,
-                 std::uint64_t CommStats::*bus) {
+  /// Adds one mesh group's traffic (its communicator's stats) to the totals and to the counter
+  /// named `name`: `s.add_group("dp", dp_comm->take_stats())`.
+  void add_group(std::string_view name, const CommStats& group) {
     payload_bytes += group.payload_bytes;
     bus_bytes += group.bus_bytes;
     calls += group.calls;
-    this->*payload += group.payload_bytes;
-    this->*bus += group.bus_bytes;
+    GroupTraffic& g = named(groups, name);
+    g.payload_bytes += group.payload_bytes;
+    g.bus_bytes += group.bus_bytes;
+  }
+  /// Adds `ms` over `blocks` timed pieces to the timer named `name`.
+  void add_time(std::string_view name, double ms, std::uint64_t blocks) {
+    StepTime& t = named(times, name);
+    t.ms += ms;
+    t.blocks += blocks;
+  }
+  /// Adds another step's (or part's) totals and every named counter, by name.
+  CommStats& operator+=(const CommStats& more) {
+    payload_bytes += more.payload_bytes;
+    bus_bytes += more.bus_bytes;
+    calls += more.calls;
+    for (const GroupTraffic& g : more.groups) {
+      GroupTraffic& mine = named(groups, g.name);
+      mine.payload_bytes += g.payload_bytes;
+      mine.bus_bytes += g.bus_bytes;
+    }
+    for (const StepTime& t : more.times) add_time(t.name, t.ms, t.blocks);
+    return *this;
+  }
+  /// The group named `name`'s part; zeros when no stage added it.
+  GroupTraffic group(std::string_view name) const { return find(groups, name); }
+  /// The timer named `name`; zeros when no stage added it.
+  StepTime time(std::string_view name) const { return find(times, name); }
+
+ private:
+  template <class T>
+  static T& named(std::vector<T>& all, std::string_view name) {
+    for (T& x : all)
+      if (x.name == name) return x;
+    return all.emplace_back(T{.name = std::string(name)});
+  }
+  template <class T>
+  static T find(const std::vector<T>& all, std::string_view name) {
+    for (const T& x : all)
+      if (x.name == name) return x;
+    return T{.name = std::string(name)};
   }
 };
 

@@ -3,6 +3,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -389,36 +390,59 @@ json plan_json(const StageDefinition& st, const StageOptions& o, int world, cons
   return summary;
 }
 
+/// The named counters every stage's --json carries, 0 where a stage adds none, so that one
+/// schema reads every stage (tools/bench.py, tools/mesh_svg.py): the mesh groups that stages
+/// 07 (dp), 08 (cp) and 09 (pp) add, and the timer stage 08 adds for the CP group's attention.
+/// A counter a stage adds under another name is written as well.
+constexpr std::array<std::string_view, 3> kReportedGroups = {"dp", "cp", "pp"};
+constexpr std::array<std::string_view, 1> kReportedTimes = {"cp_attention"};
+
+/// The names of kReportedGroups or kReportedTimes (`fixed`), then those of `added` not among
+/// them.
+template <std::size_t N, class T>
+std::vector<std::string> reported_names(const std::array<std::string_view, N>& fixed,
+                                        const std::vector<T>& added) {
+  std::vector<std::string> names(fixed.begin(), fixed.end());
+  for (const T& x : added)
+    if (std::find(names.begin(), names.end(), x.name) == names.end()) names.push_back(x.name);
+  return names;
+}
+
+/// A --json step row: the step's numbers, its traffic, and every named counter of the stage
+/// (`<group>_bus_bytes`, `<group>_payload_bytes`; `<timer>_ms`, `<timer>_ms_per_block`).
+json step_json(const StepRow& row) {
+  json j = {{"step", row.step},
+            {"loss", row.loss},
+            {"grad_norm", row.grad_norm},
+            {"ms", row.ms},
+            {"exposed_comm_ms", row.exposed_comm_ms},
+            {"comm_payload_bytes", row.comm.payload_bytes},
+            {"comm_bus_bytes", row.comm.bus_bytes},
+            {"comm_calls", row.comm.calls},
+            {"recompute_bus_bytes", row.recompute_comm.bus_bytes},
+            {"recompute_payload_bytes", row.recompute_comm.payload_bytes},
+            {"peak_bytes", row.peak_bytes},
+            {"reserved_bytes", row.reserved_bytes}};
+  for (const std::string& name : reported_names(kReportedGroups, row.comm.groups)) {
+    const GroupTraffic g = row.comm.group(name);
+    j[name + "_bus_bytes"] = g.bus_bytes;
+    j[name + "_payload_bytes"] = g.payload_bytes;
+  }
+  for (const std::string& name : reported_names(kReportedTimes, row.comm.times)) {
+    const StepTime t = row.comm.time(name);
+    j[name + "_ms"] = t.ms;
+    j[name + "_ms_per_block"] = t.blocks > 0 ? t.ms / double(t.blocks) : 0.0;
+  }
+  return j;
+}
+
 /// The --json summary: the config, every completed step, and what ended the run.
 json summary_json(const StageDefinition& st, const StageOptions& o, int world,
                   const Parallelism& par, const TrainResult& r, const Speed& speed,
                   const MemoryEstimate& estimate) {
   const BlockConfig& c = o.config;
   json rows = json::array();
-  for (const auto& row : r.rows)
-    rows.push_back({{"step", row.step},
-                    {"loss", row.loss},
-                    {"grad_norm", row.grad_norm},
-                    {"ms", row.ms},
-                    {"exposed_comm_ms", row.exposed_comm_ms},
-                    {"comm_payload_bytes", row.comm.payload_bytes},
-                    {"comm_bus_bytes", row.comm.bus_bytes},
-                    {"comm_calls", row.comm.calls},
-                    {"recompute_bus_bytes", row.recompute_comm.bus_bytes},
-                    {"recompute_payload_bytes", row.recompute_comm.payload_bytes},
-                    {"dp_bus_bytes", row.comm.dp_bus_bytes},
-                    {"dp_payload_bytes", row.comm.dp_payload_bytes},
-                    {"cp_bus_bytes", row.comm.cp_bus_bytes},
-                    {"cp_payload_bytes", row.comm.cp_payload_bytes},
-                    {"cp_attention_ms", row.comm.cp_attention_ms},
-                    {"pp_bus_bytes", row.comm.pp_bus_bytes},
-                    {"pp_payload_bytes", row.comm.pp_payload_bytes},
-                    {"cp_attention_ms_per_block",
-                     row.comm.cp_attention_blocks > 0
-                         ? row.comm.cp_attention_ms / double(row.comm.cp_attention_blocks)
-                         : 0.0},
-                    {"peak_bytes", row.peak_bytes},
-                    {"reserved_bytes", row.reserved_bytes}});
+  for (const auto& row : r.rows) rows.push_back(step_json(row));
   json summary = plan_json(st, o, world, par.comm_name(), par.sharding(), speed, estimate);
   summary["steps"] = rows;
   summary["saved_activation_bytes"] = r.saved_activation_bytes;
@@ -455,6 +479,24 @@ HostMemoryReport gather_host_memory(std::uint64_t peak, std::uint64_t baseline,
   return h;
 }
 
+/// --dry-run's lines of a step's bytes per group: the TP group's (what the named groups leave),
+/// then each named group the stage's plan lists that communicates, in its order.
+void print_plan_groups(const StagePlan& plan) {
+  auto line = [](std::string_view label, const Traffic& t) {
+    fmt::print("  {:<22} {} bus, {} payload, {} calls\n", label, bytes_text(t.bus),
+               bytes_text(t.payload), t.calls);
+  };
+  const Traffic& all = plan.traffic;
+  Traffic named;
+  for (const PlanGroup& g : plan.groups) named += g.traffic;
+  if (all.calls == 0) fmt::print("  {:<22} none\n", "communication");
+  if (all.calls > named.calls)
+    line(named.calls > 0 ? "tp group" : "tp group (all ranks)",
+         {all.payload - named.payload, all.bus - named.bus, all.calls - named.calls});
+  for (const PlanGroup& g : plan.groups)
+    if (g.traffic.calls > 0) line(g.label, g.traffic);
+}
+
 /// --dry-run: the stage's plan (its split checks, sharding and a step's bytes), the memory
 /// estimate (reported, not refused) and a step's FLOPs, printed by rank 0 and written to --json;
 /// nothing is computed and no tensor allocated, so any size answers at once.
@@ -466,9 +508,6 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
   const MemoryCheck memory = check_memory(o, plan.sharding, rank);
   const Speed speed{step_flops(c).total() / double(world), 0.0};
   const Traffic& all = plan.traffic;
-  const Traffic& dp = plan.dp_traffic;
-  const Traffic& cp = plan.cp_traffic;
-  const Traffic& pp = plan.pp_traffic;
   const std::uint64_t saved = memory.estimate.term("saved activations").bytes;
   if (rank == 0) {
     print_header(st, c, world, plan.comm, nodes.layout(), speed, memory.estimate, memory.reference,
@@ -482,18 +521,7 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
                f.recompute > 0 ? fmt::format("; {:.4g} TFLOP executed with the recompute",
                                              f.executed() / double(world) / 1e12)
                                : "");
-    auto group = [](std::string_view name, const Traffic& t) {
-      fmt::print("  {:<22} {} bus, {} payload, {} calls\n", name, bytes_text(t.bus),
-                 bytes_text(t.payload), t.calls);
-    };
-    if (all.calls == 0) fmt::print("  {:<22} none\n", "communication");
-    if (all.calls > dp.calls + cp.calls + pp.calls)
-      group(dp.calls + cp.calls + pp.calls > 0 ? "tp group" : "tp group (all ranks)",
-            {all.payload - dp.payload - cp.payload - pp.payload, all.bus - dp.bus - cp.bus - pp.bus,
-             all.calls - dp.calls - cp.calls - pp.calls});
-    if (cp.calls > 0) group("cp group", cp);
-    if (pp.calls > 0) group("pp group (rank 0)", pp);
-    if (dp.calls > 0) group(cp.calls > 0 ? "dp×cp group" : "dp group", dp);
+    print_plan_groups(plan);
     fmt::print("  {:<22} {}\n", "saved activations", bytes_text(saved));
     fmt::print("  {:<22} {} ({})\n", "peak memory estimate", bytes_text(memory.estimate.total()),
                memory.problem.empty() ? "fits" : "would be refused: " + memory.problem);
@@ -504,13 +532,12 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
     summary["saved_activation_bytes"] = saved;
     summary["step"] = {{"comm_payload_bytes", all.payload},
                        {"comm_bus_bytes", all.bus},
-                       {"comm_calls", all.calls},
-                       {"dp_payload_bytes", dp.payload},
-                       {"dp_bus_bytes", dp.bus},
-                       {"cp_payload_bytes", cp.payload},
-                       {"cp_bus_bytes", cp.bus},
-                       {"pp_payload_bytes", pp.payload},
-                       {"pp_bus_bytes", pp.bus}};
+                       {"comm_calls", all.calls}};
+    for (const std::string& name : reported_names(kReportedGroups, plan.groups)) {
+      const Traffic t = plan.group(name);
+      summary["step"][name + "_payload_bytes"] = t.payload;
+      summary["step"][name + "_bus_bytes"] = t.bus;
+    }
     summary["memory_available_bytes"] = memory.available;
     if (!memory.problem.empty()) summary["memory_problem"] = memory.problem;
     write_text_file(o.json_path, summary.dump(2) + '\n');  // checked writable at start-up
@@ -568,7 +595,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
         // A TP group across nodes: once, with the TP bytes step 0 moved (the DP bytes apart).
         if (row.step == 0)
           if (const std::string w =
-                  placement.tp_warning(row.comm.bus_bytes - row.comm.dp_bus_bytes);
+                  placement.tp_warning(row.comm.bus_bytes - row.comm.group("dp").bus_bytes);
               !w.empty())
             fmt::print(stderr, "{}: warning: {}\n", st.info.name, w);
         print_row(row, speed, c);

@@ -2,12 +2,14 @@
 // --check, --dump, --json and --trace. A stage's main.cc names itself, says how it splits the
 // block (a Parallelism) and what it checks against, and calls run_stage().
 //
-// defines: tpx::RunContext, tpx::StagePlan, tpx::StageDefinition, tpx::run_stage()
+// defines: tpx::RunContext, tpx::PlanGroup, tpx::StagePlan, tpx::StageDefinition, tpx::run_stage()
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "check.h"
 #include "cli.h"
@@ -27,18 +29,30 @@ struct RunContext {
   Trace& trace;
 };
 
+/// A step's traffic over one named mesh group of a stage (--dry-run), under the name of the step
+/// row's counter (CommStats::add_group: "dp", "cp", "pp").
+struct PlanGroup {
+  std::string name;
+  std::string label;  ///< --dry-run's words, e.g. "dp×cp group"
+  Traffic traffic;
+};
+
 /// What one training step holds and moves on this rank, from the config alone (--dry-run):
 /// nothing is computed and no tensor allocated.
 struct StagePlan {
-  Sharding sharding;   ///< the part of the model this rank holds (as the Parallelism's)
-  Traffic traffic;     ///< a step's communication, every group together (as the step row's)
-  Traffic dp_traffic;  ///< the part over the data-parallel group (stage 07), else zero
-  std::string comm;    ///< the header's words for the groups
-  /// The part over the context-parallel group (stage 08), else zero; the DP part is then FSDP's
-  /// over the merged DP×CP group.
-  Traffic cp_traffic = {};
-  /// The part over the pipeline-parallel group (stage 09's messages between stages), else zero.
-  Traffic pp_traffic = {};
+  Sharding sharding;  ///< the part of the model this rank holds (as the Parallelism's)
+  Traffic traffic;    ///< a step's communication, every group together (as the step row's)
+  std::string comm;   ///< the header's words for the groups
+  /// The parts of `traffic` over the stage's named mesh groups, in the order --dry-run prints
+  /// them; what they leave is the TP group's.
+  std::vector<PlanGroup> groups = {};
+
+  /// The part over the group named `name`; zeros when the plan has none.
+  Traffic group(std::string_view name) const {
+    for (const PlanGroup& g : groups)
+      if (g.name == name) return g.traffic;
+    return {};
+  }
 };
 
 struct StageDefinition {

@@ -17,17 +17,7 @@ namespace tpx {
 namespace training {
 
 void add(CommStats& into, const CommStats& more) {
-  into.payload_bytes += more.payload_bytes;
-  into.bus_bytes += more.bus_bytes;
-  into.calls += more.calls;
-  into.dp_payload_bytes += more.dp_payload_bytes;
-  into.dp_bus_bytes += more.dp_bus_bytes;
-  into.cp_payload_bytes += more.cp_payload_bytes;
-  into.cp_bus_bytes += more.cp_bus_bytes;
-  into.cp_attention_ms += more.cp_attention_ms;
-  into.cp_attention_blocks += more.cp_attention_blocks;
-  into.pp_payload_bytes += more.pp_payload_bytes;
-  into.pp_bus_bytes += more.pp_bus_bytes;
+  into += more;
 }
 
 Tensor as_dtype(const Tensor& t, DType d) {
