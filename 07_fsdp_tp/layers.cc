@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "05_copy_engine_async_tp/layers.h"
+#include "07_fsdp_tp/flags.h"
 #include "common/check.h"
 #include "common/ops.h"
 #include "common/tp.h"
@@ -358,7 +359,7 @@ namespace {
 /// parallelism splits (ConfigError, one line on every rank). Collective.
 Mesh make_mesh(const RunContext& ctx) {
   const BlockConfig& c = ctx.options.config;
-  const int dp = default_dp(ctx.options.dp, ctx.world);
+  const int dp = default_dp(ctx.options.flags<DataParallelFlags>().dp, ctx.world);
   if (dp < 1)
     throw ConfigError(
         fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));

@@ -4,6 +4,7 @@
 // gradients reduce-scattered while backward goes on; checked against stage 01 run in-process
 // on the whole model and the whole batch.
 #include "01_baseline/layers.h"
+#include "07_fsdp_tp/flags.h"
 #include "07_fsdp_tp/layers.h"
 #include "common/stage.h"
 
@@ -15,7 +16,7 @@ int main(int argc, char** argv) {
                           "and the parameters, gradients and optimizer state sharded over DP "
                           "(FSDP), weights gathered just in time, gradients reduce-scattered",
                .copy_engine = true,
-               .mesh = true},
+               .flag_groups = {fsdp::DataParallelFlags::make}},
       .make = fsdp::make_fsdp_tp,
       .plan = fsdp::plan_fsdp_tp,
       .reference = baseline::run_reference,

@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "07_fsdp_tp/flags.h"
+#include "08_context_parallel/flags.h"
 #include "common/check.h"
 #include "common/ops.h"
 #include "common/tp.h"
@@ -516,6 +518,7 @@ void ContextParallel::synchronize() {
 
 void check_context_parallel(const RunContext& ctx, const Mesh& mesh) {
   const BlockConfig& c = ctx.options.config;
+  const CpMethod method = ctx.options.flags<ContextParallelFlags>().method();
   const int dp = mesh.dp, cp = mesh.cp;
   if (c.batch % dp != 0)
     throw ConfigError(fmt::format(
@@ -536,14 +539,14 @@ void check_context_parallel(const RunContext& ctx, const Mesh& mesh) {
                           c.seq, 2 * cp * mesh.tp, mesh.tp));
   if (c.attention != Attention::fused)
     throw ConfigError(
-        ctx.options.cp_method == CpMethod::ulysses
+        method == CpMethod::ulysses
             ? std::string("--cp-method ulysses needs --attention fused: its all-to-alls run around "
                           "the fused attention (the block calls the naive kernel outside the CP "
                           "hooks, on the rank's own tokens alone)")
             : fmt::format("--cp-method {} needs --attention fused: it merges the fused kernel's "
                           "partial outputs by their log-sum-exp (the naive kernel keeps no lse)",
-                          to_string(ctx.options.cp_method)));
-  if (ctx.options.cp_method == CpMethod::ulysses && c.kv_heads_or_heads() % (cp * mesh.tp) != 0)
+                          to_string(method)));
+  if (method == CpMethod::ulysses && c.kv_heads_or_heads() % (cp * mesh.tp) != 0)
     throw ConfigError(fmt::format(
         "--cp-method ulysses needs the {} KV heads to split over C·T = {} ranks: the all-to-all "
         "gives every rank whole KV heads of the whole sequence (use ring or allgather)",
@@ -558,9 +561,10 @@ namespace {
 /// The mesh of ctx's job (--dp default 1, --cp default 2 when the ranks are even), checked.
 /// Collective.
 Mesh checked_mesh(const RunContext& ctx) {
-  const StageOptions& o = ctx.options;
-  const int dp = o.dp != 0 ? o.dp : mesh_default(MeshFlag::cp, MeshFlag::dp, ctx.world);
-  const int cp = o.cp != 0 ? o.cp : mesh_default(MeshFlag::cp, MeshFlag::cp, ctx.world);
+  const int given_dp = ctx.options.flags<fsdp::DataParallelFlags>().dp;
+  const int given_cp = ctx.options.flags<ContextParallelFlags>().cp;
+  const int dp = given_dp != 0 ? given_dp : mesh_default(MeshFlag::cp, MeshFlag::dp, ctx.world);
+  const int cp = given_cp != 0 ? given_cp : mesh_default(MeshFlag::cp, MeshFlag::cp, ctx.world);
   if (dp < 1)
     throw ConfigError(
         fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));
@@ -574,7 +578,8 @@ Mesh checked_mesh(const RunContext& ctx) {
 /// Stage 07 alone at C = 1, else CP around it.
 std::unique_ptr<Parallelism> build(const RunContext& ctx, Mesh mesh) {
   if (mesh.cp == 1) return std::make_unique<fsdp::FsdpTp>(ctx, std::move(mesh));
-  return std::make_unique<ContextParallel>(ctx, mesh, ctx.options.cp_method);
+  return std::make_unique<ContextParallel>(ctx, mesh,
+                                           ctx.options.flags<ContextParallelFlags>().method());
 }
 
 }  // namespace
@@ -591,7 +596,7 @@ std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mes
 StagePlan plan_context_parallel(const RunContext& ctx) {
   const Mesh mesh = checked_mesh(ctx);
   const bool cp = mesh.cp > 1;
-  const CpMethod method = ctx.options.cp_method;
+  const CpMethod method = ctx.options.flags<ContextParallelFlags>().method();
   const MeshTraffic t = mesh_traffic(ctx.options.config, mesh.dp, mesh.cp, mesh.tp, method);
   StagePlan p;
   p.sharding = {.rank = mesh.tp_index,

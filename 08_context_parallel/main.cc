@@ -4,6 +4,8 @@
 // all-gather of K and V); checked against stage 01 run in-process on the whole model, the whole
 // batch and the whole sequence.
 #include "01_baseline/layers.h"
+#include "07_fsdp_tp/flags.h"
+#include "08_context_parallel/flags.h"
 #include "08_context_parallel/layers.h"
 #include "common/stage.h"
 
@@ -16,8 +18,7 @@ int main(int argc, char** argv) {
                           "all-gather of K/V, or Ulysses' all-to-all), stage 07's FSDP × TP on "
                           "each rank's tokens",
                .copy_engine = true,
-               .mesh = true,
-               .context_parallel = true},
+               .flag_groups = {fsdp::DataParallelFlags::make, cp::ContextParallelFlags::make}},
       .make = cp::make_context_parallel,
       .plan = cp::plan_context_parallel,
       .reference = baseline::run_reference,

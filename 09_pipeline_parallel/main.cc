@@ -4,6 +4,9 @@
 // interleaved 1F1B, ZB-H1) lists; checked against stage 01 run in-process on the whole model,
 // the whole batch and the whole sequence.
 #include "01_baseline/layers.h"
+#include "07_fsdp_tp/flags.h"
+#include "08_context_parallel/flags.h"
+#include "09_pipeline_parallel/flags.h"
 #include "09_pipeline_parallel/pipeline.h"
 #include "common/stage.h"
 
@@ -15,14 +18,13 @@ int main(int argc, char** argv) {
                           "through them by point-to-point messages in a schedule's order (gpipe, "
                           "1f1b, interleaved-1f1b, zb-h1), stage 08 on each stage's ranks",
                .copy_engine = true,
-               .mesh = true,
-               .context_parallel = true,
-               .pipeline = true},
+               .flag_groups = {fsdp::DataParallelFlags::make, cp::ContextParallelFlags::make,
+                               pp::PipelineFlags::make}},
       .make = pp::make_pipeline,
       .plan = pp::plan_pipeline,
       .reference = baseline::run_reference,
       .train = pp::train_pipeline,
-      .print_schedule = pp::describe_pipeline,
+      .answer_instead = pp::describe_pipeline,
   };
   return run_stage(stage, argc, argv);
 }

@@ -13,8 +13,11 @@
 
 #include <fmt/format.h>
 
+#include "07_fsdp_tp/flags.h"
+#include "08_context_parallel/flags.h"
 #include "08_context_parallel/layers.h"
 #include "09_pipeline_parallel/executor.h"
+#include "09_pipeline_parallel/flags.h"
 #include "common/block.h"
 #include "common/check.h"
 #include "common/ops.h"
@@ -229,12 +232,14 @@ struct Layout {
 };
 
 Layout layout(const RunContext& ctx) {
-  const StageOptions& o = ctx.options;
-  const BlockConfig& c = o.config;
+  const PipelineFlags& o = ctx.options.flags<PipelineFlags>();
+  const BlockConfig& c = ctx.options.config;
+  const int given_dp = ctx.options.flags<fsdp::DataParallelFlags>().dp;
+  const int given_cp = ctx.options.flags<cp::ContextParallelFlags>().cp;
   Layout l;
   l.pp = o.pp != 0 ? o.pp : mesh_default(MeshFlag::pp, MeshFlag::pp, ctx.world);
-  l.dp = o.dp != 0 ? o.dp : mesh_default(MeshFlag::pp, MeshFlag::dp, ctx.world);
-  l.cp = o.cp != 0 ? o.cp : mesh_default(MeshFlag::pp, MeshFlag::cp, ctx.world);
+  l.dp = given_dp != 0 ? given_dp : mesh_default(MeshFlag::pp, MeshFlag::dp, ctx.world);
+  l.cp = given_cp != 0 ? given_cp : mesh_default(MeshFlag::pp, MeshFlag::cp, ctx.world);
   if (l.pp < 1)
     throw ConfigError(fmt::format("--pp must be a positive number of stages (got {})", l.pp));
   if (l.dp < 1)
@@ -299,16 +304,19 @@ Layout layout(const RunContext& ctx) {
 
 std::unique_ptr<Parallelism> make_pipeline(const RunContext& ctx) {
   Layout l = layout(ctx);
-  auto schedule = pipeline::make_schedule(ctx.options.schedule, l.shape);  // its own checks
+  auto schedule = pipeline::make_schedule(ctx.options.flags<PipelineFlags>().schedule,
+                                          l.shape);  // its own checks
   Mesh mesh = Mesh::make(l.dp, l.cp, l.pp);
   auto slice = cp::make_context_parallel_on(ctx, mesh);
   return std::make_unique<PipelineParallel>(ctx, std::move(mesh), std::move(slice),
                                             std::move(schedule), std::move(l.layers));
 }
 
-std::string describe_pipeline(const RunContext& ctx) {
+std::optional<std::string> describe_pipeline(const RunContext& ctx) {
+  if (!ctx.options.flags<PipelineFlags>().print_schedule) return std::nullopt;
   const Layout l = layout(ctx);
-  const auto schedule = pipeline::make_schedule(ctx.options.schedule, l.shape);
+  const auto schedule =
+      pipeline::make_schedule(ctx.options.flags<PipelineFlags>().schedule, l.shape);
   std::string out = pipeline::format_schedule(*schedule);
   out += "layers:";
   for (std::size_t s = 0; s < l.layers.size(); ++s)
@@ -360,10 +368,11 @@ MeshTraffic recomputed_traffic(const BlockConfig& micro, const Mesh& mesh, CpMet
 StagePlan plan_pipeline(const RunContext& ctx) {
   const BlockConfig& c = ctx.options.config;
   const Layout l = layout(ctx);
-  const auto schedule = pipeline::make_schedule(ctx.options.schedule, l.shape);
+  const auto schedule =
+      pipeline::make_schedule(ctx.options.flags<PipelineFlags>().schedule, l.shape);
   const Mesh mesh = Mesh::make(l.dp, l.cp, l.pp);
   cp::check_context_parallel(ctx, mesh);
-  const CpMethod method = ctx.options.cp_method;
+  const CpMethod method = ctx.options.flags<cp::ContextParallelFlags>().method();
   const Sharding slice{.rank = mesh.tp_index,
                        .world = mesh.tp,
                        .weights = true,

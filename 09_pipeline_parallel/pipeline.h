@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -130,9 +131,10 @@ std::unique_ptr<Parallelism> make_pipeline(const RunContext& ctx);
 StagePlan plan_pipeline(const RunContext& ctx);
 
 /// --print-schedule: the schedule of ctx's config as text (format_schedule(), the layers of each
-/// stage, the simulated timeline with unit costs and its bubble against the formula). Makes no
-/// mesh and no communicator; the same checks as make_pipeline.
-std::string describe_pipeline(const RunContext& ctx);
+/// stage, the simulated timeline with unit costs and its bubble against the formula); nothing
+/// when the flag is not given. Makes no mesh and no communicator; the same checks as
+/// make_pipeline.
+std::optional<std::string> describe_pipeline(const RunContext& ctx);
 
 /// The training loop of a pipeline: train() with the step's forward and backward replaced by
 /// the schedule's actions over micro-batches. `par` is make_pipeline()'s.

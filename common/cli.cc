@@ -1,59 +1,15 @@
 #include "cli.h"
 
-#include <charconv>
-#include <cmath>
-#include <limits>
-#include <type_traits>
-
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include "check.h"
+#include "cli_flags.h"
 #include "cli_hint.h"
 #include "presets.h"
 
 namespace tpx {
 namespace {
-
-/// `text` as a T, all of it: decimal digits (a leading '-' only for signed types; a float may
-/// also have a fraction and an exponent), in T's range, finite. Anything else is an error naming
-/// the flag: an empty value, "12abc", "-1" for an unsigned seed, 2^64 for an int64 size, "nan".
-template <class T>
-T parse_number(std::string_view flag, const std::string& text) {
-  T value{};
-  const char* end = text.data() + text.size();
-  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-  auto error = [&](std::string_view why) {
-    return CLI::ValidationError(fmt::format("{} '{}': {}", flag, text, why));
-  };
-  if (text.empty()) throw error("empty value");
-  if (ec == std::errc::result_out_of_range) {
-    if constexpr (std::is_integral_v<T>)
-      throw error(fmt::format("out of range ({} to {})", std::numeric_limits<T>::min(),
-                              std::numeric_limits<T>::max()));
-    else
-      throw error("out of range");
-  }
-  if (ec != std::errc() || ptr != end)
-    throw error(std::is_integral_v<T>
-                    ? (std::is_signed_v<T> ? "not an integer" : "not a non-negative integer")
-                    : "not a number");
-  if constexpr (std::is_floating_point_v<T>)
-    if (!std::isfinite(value)) throw error("not a finite number");
-  return value;
-}
-
-/// Registers a numeric flag parsed by parse_number (CLI11's own conversion caps out-of-range
-/// values and wraps negative unsigned ones); --help shows the default.
-template <class T>
-CLI::Option* add_number(CLI::App& app, const std::string& flag, T& target,
-                        const std::string& help) {
-  return app
-      .add_option_function<std::string>(
-          flag, [&target, flag](const std::string& s) { target = parse_number<T>(flag, s); }, help)
-      ->default_str(fmt::format("{}", target))
-      ->type_name(std::is_integral_v<T> ? "INT" : "FLOAT");
-}
 
 /// Registers a hidden RANK:<what> flag (fault injection) that sets `rank` and `value`, both >= 0.
 void add_rank_pair(CLI::App& app, const std::string& flag, const std::string& what, int& rank,
@@ -98,7 +54,7 @@ namespace {
 
 /// What the choice flags are given as, before they become enums.
 struct Choices {
-  std::string device, dtype, attention, optimizer, recompute, comm_kind, cp_method, all_gather;
+  std::string device, dtype, attention, optimizer, recompute, comm_kind, all_gather;
 };
 
 /// The app: name, summary, the footer's words on ranks and exit codes, --help's layout.
@@ -267,68 +223,6 @@ void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
       ->group("");
 }
 
-/// Stage 07's data-parallel degree (a mesh stage's only; elsewhere --dp is an unknown flag).
-void add_data_parallel_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
-  if (!info.mesh) return;
-  add_number(app, "--dp", o.dp,
-             "data-parallel degree D: the ranks form a D × TP mesh (TP = ranks / D, TP "
-             "innermost); weights, gradients and optimizer state are sharded over D; "
-             "when not given, " +
-                 mesh_default_words(newest_dimension(info), MeshFlag::dp))
-      ->type_name("D")
-      ->group("Mesh");
-}
-
-/// Stage 08's context-parallel degree and method (a context-parallel stage's only).
-void add_context_parallel_flags(CLI::App& app, const StageInfo& info, StageOptions& o,
-                                std::string& cp_method) {
-  if (!info.context_parallel) return;
-  add_number(app, "--cp", o.cp,
-             "context-parallel degree C: the sequence is cut into 2C chunks, CP rank i holding "
-             "chunks i and 2C-1-i (mesh D × C × TP, TP innermost); when not given, " +
-                 mesh_default_words(newest_dimension(info), MeshFlag::cp))
-      ->type_name("C")
-      ->group("Mesh");
-  app.add_option("--cp-method", cp_method,
-                 "ring (K/V blocks around the CP ring, merged by log-sum-exp), allgather (K and "
-                 "V all-gathered over CP) or ulysses (all-to-all to whole-sequence, "
-                 "head-sharded q, k, v; needs NKV % (C·T) == 0)")
-      ->check(CLI::IsMember({"ring", "allgather", "ulysses"}))
-      ->capture_default_str()
-      ->group("Mesh");
-}
-
-/// Stage 09's pipeline: degree, micro-batches, schedule (a pipeline stage's only).
-void add_pipeline_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
-  if (!info.pipeline) return;
-  add_number(app, "--pp", o.pp,
-             "pipeline-parallel degree P: the layers split contiguously over P stages (mesh P × "
-             "D × C × TP, PP outermost); when not given, " +
-                 mesh_default_words(newest_dimension(info), MeshFlag::pp))
-      ->type_name("P")
-      ->group("Pipeline");
-  add_number(app, "--microbatches", o.microbatches,
-             "M micro-batches of the local batch B/D, each sent through the pipeline; when not "
-             "given, the largest of P·V, P and 1 that divides B/D; stage 09 takes at most 65536")
-      ->type_name("M")
-      ->group("Pipeline");
-  app.add_option("--schedule", o.schedule,
-                 "gpipe (all forwards, then all backwards), 1f1b (one forward, one backward), "
-                 "interleaved-1f1b (V virtual stages per rank) or zb-h1 (zero bubble: the "
-                 "backward split into B, the input gradient, and W, the weight gradients)")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}))
-      ->capture_default_str()
-      ->group("Pipeline");
-  add_number(app, "--stages-per-rank", o.stages_per_rank,
-             "V virtual stages per rank (interleaved-1f1b: rank p holds stages p, p+P, ...)")
-      ->type_name("V")
-      ->group("Pipeline");
-  app.add_flag("--print-schedule", o.print_schedule,
-               "print every rank's list of F, B (and W) actions and the simulated bubble, "
-               "then exit without training")
-      ->group("Pipeline");
-}
-
 /// Stage 05's choice of all-gather (a copy-engine stage's only; elsewhere it does not exist).
 void add_copy_engine_flags(CLI::App& app, const StageInfo& info, std::string& all_gather) {
   if (!info.copy_engine) return;
@@ -341,15 +235,27 @@ void add_copy_engine_flags(CLI::App& app, const StageInfo& info, std::string& al
       ->group("Copy engine");
 }
 
+/// The flag groups the stage names (StageInfo::flag_groups), made and added in its order; each
+/// mesh dimension's help gives its default by the newest dimension among them.
+void add_stage_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
+  std::vector<std::shared_ptr<FlagGroup>> groups;
+  MeshFlag newest = MeshFlag::dp;
+  for (const auto& make : info.flag_groups) {
+    groups.push_back(make());
+    if (const auto d = groups.back()->dimension()) newest = *d;
+  }
+  for (const auto& group : groups) {
+    group->add_flags(app, newest);
+    o.flag_groups.push_back(group);
+  }
+}
+
 /// The choice flags' words as enums (CLI11 has checked that each is one of its words).
 void apply_choices(const Choices& choices, StageOptions& o) {
   BlockConfig& c = o.config;
   o.comm.kind = parse_comm_kind(choices.comm_kind);
   o.all_gather =
       choices.all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
-  o.cp_method = choices.cp_method == "allgather" ? CpMethod::allgather
-                : choices.cp_method == "ulysses" ? CpMethod::ulysses
-                                                 : CpMethod::ring;
   c.device = parse_device(choices.device);
   c.dtype = parse_dtype(choices.dtype);
   c.attention = choices.attention == "naive" ? Attention::naive : Attention::fused;
@@ -436,7 +342,6 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                   .optimizer = std::string(optimizer_flag(o.config.optimizer)),
                   .recompute = std::string(recompute_flag(o.config.recompute)),
                   .comm_kind = "auto",
-                  .cp_method = to_string(o.cp_method),
                   .all_gather = to_string(o.all_gather)};
 
   CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
@@ -445,9 +350,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_run_flags(app, info, o.config, choices);
   add_output_flags(app, o);
   add_comm_flags(app, info, o.comm, choices.comm_kind);
-  add_data_parallel_flags(app, info, o);
-  add_context_parallel_flags(app, info, o, choices.cp_method);
-  add_pipeline_flags(app, info, o);
+  add_stage_flags(app, info, o);
   add_copy_engine_flags(app, info, choices.all_gather);
 
   try {
@@ -459,6 +362,8 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   }
   apply_choices(choices, o);
   if (auto error = check_combinations(app, info, o, choices)) return {std::nullopt, *error, 2};
+  for (const auto& group : o.flag_groups)
+    if (auto error = group->check(app)) return {std::nullopt, *error, 2};
   if (auto error = resolve_model(app, o)) return {std::nullopt, *error, 2};
   if (const auto errors = validate(o.config); !errors.empty())
     return {std::nullopt, fmt::format("{}", fmt::join(errors, "; ")), 2};
@@ -472,7 +377,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
   auto given = [](const std::string& path) {
     return path.empty() ? std::string("not given") : fmt::format("'{}'", path);
   };
-  return {
+  ConfigFields fields = {
       {"the stage", info.name},
       {"--hidden", fmt::format("{}", c.hidden)},
       {"--heads", fmt::format("{}", c.heads)},
@@ -502,27 +407,16 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--fault-delay-copy", fmt::format("{}:{}", o.comm.copy_fault_rank, o.comm.copy_fault)},
       {"--fault-copy-delay-us", fmt::format("{}", o.comm.copy_delay_us)},
       {"--all-gather", to_string(o.all_gather)},
-      {"--dp", fmt::format("{}", o.dp)},
-      {"--dry-run", o.dry_run ? "given" : "not given"},
-      {"--cp", fmt::format("{}", o.cp)},
-      {"--cp-method", to_string(o.cp_method)},
-      {"--pp", fmt::format("{}", o.pp)},
-      {"--microbatches", fmt::format("{}", o.microbatches)},
-      {"--schedule", o.schedule},
-      {"--stages-per-rank", fmt::format("{}", o.stages_per_rank)},
-      {"--print-schedule", o.print_schedule ? "given" : "not given"},
-      {"--check", o.check ? "given" : "not given"},
-      {"--dump", given(o.dump_dir)},
-      {"--json", given(o.json_path)},
-      {"--trace", given(o.trace_path)}};
-}
-
-int default_dp(int dp, int world) {
-  return dp != 0 ? dp : mesh_default(MeshFlag::dp, MeshFlag::dp, world);
-}
-
-MeshFlag newest_dimension(const StageInfo& info) {
-  return info.pipeline ? MeshFlag::pp : info.context_parallel ? MeshFlag::cp : MeshFlag::dp;
+      {"--dry-run", o.dry_run ? "given" : "not given"}};
+  for (const auto& group : o.flag_groups) {
+    const ConfigFields more = group->agreed();
+    fields.insert(fields.end(), more.begin(), more.end());
+  }
+  fields.insert(fields.end(), {{"--check", o.check ? "given" : "not given"},
+                               {"--dump", given(o.dump_dir)},
+                               {"--json", given(o.json_path)},
+                               {"--trace", given(o.trace_path)}});
+  return fields;
 }
 
 int mesh_default(MeshFlag newest, MeshFlag flag, int world) {

@@ -1,19 +1,51 @@
 // The command line of every stage executable (DESIGN.md, "Contract of every stage executable"),
 // on CLI11.
 //
-// defines: tpx::StageInfo, tpx::AllGatherPath, tpx::StageOptions, tpx::CliOutcome,
-//          tpx::parse_stage_cli(), tpx::config_fields()
+// defines: tpx::MeshFlag, tpx::FlagGroup, tpx::StageInfo, tpx::AllGatherPath, tpx::StageOptions,
+//          tpx::CliOutcome, tpx::parse_stage_cli(), tpx::config_fields(), tpx::mesh_default(),
+//          tpx::mesh_default_words()
 #pragma once
 
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "agree.h"
 #include "comm/communicator.h"
 #include "config.h"
 #include "model.h"
 
+namespace CLI {
+class App;
+}
+
 namespace tpx {
+
+/// A mesh dimension's flag, --dp, --cp, --pp: the dimensions stages 07 (dp), 08 (cp) and 09 (pp)
+/// add, whose defaults follow one rule (mesh_default()).
+enum class MeshFlag { dp, cp, pp };
+
+/// Flags a stage adds to its executable's command line, and where their values live: the group
+/// adds its own --help section, checks how its flags combine, and lists the values every rank
+/// must agree on. A stage names its groups (and those of the stages it runs inside it) in
+/// StageInfo::flag_groups and reads the parsed values with StageOptions::flags<G>().
+class FlagGroup {
+ public:
+  virtual ~FlagGroup() = default;
+  /// The mesh dimension the group's flags choose, if any: the last such group of a stage names
+  /// its newest dimension, whose flag defaults to 2 where the ranks allow (mesh_default()).
+  virtual std::optional<MeshFlag> dimension() const { return std::nullopt; }
+  /// Adds the group's flags to `app`, bound to this object; `newest` is the stage's newest mesh
+  /// dimension (for mesh_default_words()).
+  virtual void add_flags(CLI::App& app, MeshFlag newest) = 0;
+  /// After parsing: one sentence for the first of the group's flags that parse on their own but
+  /// not together; nothing when they fit.
+  virtual std::optional<std::string> check(const CLI::App& /*app*/) const { return std::nullopt; }
+  /// The group's flags as config_fields() lists them: every rank must give the same.
+  virtual ConfigFields agreed() const = 0;
+};
 
 /// What a stage says about itself in --help and in its header.
 struct StageInfo {
@@ -24,13 +56,8 @@ struct StageInfo {
   bool copy_engine = false;
   /// Runs the linear layers in FP8 (stage 06): offers --dtype fp8, its default.
   bool fp8 = false;
-  /// Lays the ranks out as a DP × TP mesh (stage 07): offers --dp.
-  bool mesh = false;
-  /// Splits the sequence over a CP dimension of the mesh (stage 08): offers --cp, --cp-method.
-  bool context_parallel = false;
-  /// Splits the layers over a PP dimension of the mesh (stage 09): offers --pp, --microbatches,
-  /// --schedule, --stages-per-rank and --print-schedule.
-  bool pipeline = false;
+  /// The stage's own flag groups, in the order --help lists them: each call makes one.
+  std::vector<std::function<std::shared_ptr<FlagGroup>()>> flag_groups = {};
 };
 
 const char* to_string(CpMethod m);
@@ -51,37 +78,24 @@ struct StageOptions {
   std::string trace_path;  ///< empty: no trace
   CommOptions comm;        ///< --comm, --comm-timeout, --fault-skip-collective
   AllGatherPath all_gather = AllGatherPath::pulls;  ///< --all-gather (copy-engine stages)
-  /// --dp D (mesh stages): the data-parallel degree; 0 = the default, 2 when the job has an even
-  /// number of ranks, at least 4, else 1 (default_dp()).
-  int dp = 0;
   std::string model;        ///< --model NAME (common/presets.h); empty: none
   std::string config_file;  ///< --config FILE; empty: none
   /// --dry-run: report a step's FLOPs, bytes and memory from the formulas, compute nothing.
   bool dry_run = false;
-  /// --cp C (stage 08): the context-parallel degree; 0 = the default, 2 when the job's ranks
-  /// are even, else 1.
-  int cp = 0;
-  CpMethod cp_method = CpMethod::ring;  ///< --cp-method
-  /// --pp P (stage 09): the pipeline-parallel degree; 0 = the default, 2 when the job's ranks
-  /// are even, else 1.
-  int pp = 0;
-  /// --microbatches M (stage 09): the parts of the local batch B / D; 0 = the default, the
-  /// largest of P·V, P, 1 that divides B / D.
-  int microbatches = 0;
-  std::string schedule = "1f1b";  ///< --schedule (09_pipeline_parallel/schedule.h's names)
-  int stages_per_rank = 1;        ///< --stages-per-rank V (interleaved-1f1b)
-  bool print_schedule = false;    ///< --print-schedule: print the schedule and exit
+  /// The stage's flag groups (StageInfo::flag_groups), as parsed.
+  std::vector<std::shared_ptr<const FlagGroup>> flag_groups = {};
+
+  /// The stage's flag group of type G; a new G (its flags' defaults) when the stage has none
+  /// (a test's StageOptions).
+  template <class G>
+  const G& flags() const {
+    for (const auto& group : flag_groups)
+      if (const auto* g = dynamic_cast<const G*>(group.get())) return *g;
+    static const G defaults;
+    return defaults;
+  }
 };
 
-/// The data-parallel degree stage 07 runs with on `world` ranks when --dp is `dp` (0: not
-/// given).
-int default_dp(int dp, int world);
-
-/// A mesh dimension's flag: --dp, --cp, --pp.
-enum class MeshFlag { dp, cp, pp };
-/// The dimension a stage adds (07 dp, 08 cp, 09 pp): its flag's default is 2 where the ranks
-/// allow, every other dimension's 1 (DESIGN.md's rule).
-MeshFlag newest_dimension(const StageInfo& info);
 /// The value a stage whose newest dimension is `newest` gives `flag` on `world` ranks when the
 /// flag is not given; what stages 07-09 run with and what --help prints (mesh_default_words).
 int mesh_default(MeshFlag newest, MeshFlag flag, int world);

@@ -558,11 +558,12 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
     throw ConfigError(fmt::format(
         "{} has no --dry-run: its formulas are not in common/traffic.h yet", st.info.name));
   if (o.dry_run) return dry_run(st, o, rank, world, nodes);
-  if (o.print_schedule) {
+  if (st.answer_instead) {
     Trace off;
-    const std::string text = st.print_schedule(RunContext{o, rank, world, off});
-    if (rank == 0) fmt::print("{}", text);
-    return 0;
+    if (const auto text = st.answer_instead(RunContext{o, rank, world, off})) {
+      if (rank == 0) fmt::print("{}", *text);
+      return 0;
+    }
   }
 
   // One flight recorder and watchdog per rank, shared by every communicator and symmetric memory

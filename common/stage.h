@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -72,8 +73,10 @@ struct StageDefinition {
   std::function<TrainResult(const BlockConfig&, Parallelism&, bool snapshot, Trace&,
                             const std::function<void(const StepRow&)>&)>
       train = tpx::train;
-  /// --print-schedule (stage 09): the text printed by rank 0 before the stage exits.
-  std::function<std::string(const RunContext&)> print_schedule = {};
+  /// A flag of the stage's own that asks for a text instead of a run (stage 09's
+  /// --print-schedule): the text rank 0 prints before the stage exits; nothing when the flag is
+  /// not given and the stage runs.
+  std::function<std::optional<std::string>(const RunContext&)> answer_instead = {};
 };
 
 /// Steps the --check compares losses for: losses after 0..3 SGD updates (fewer if --steps is

@@ -29,6 +29,7 @@
 #include "03_sequence_parallel/layers.h"
 #include "04_overlap_ring/layers.h"
 #include "06_fp8/layers.h"
+#include "07_fsdp_tp/flags.h"
 #include "07_fsdp_tp/layers.h"
 #include "common/checked.h"
 #include "common/memory.h"
@@ -135,7 +136,9 @@ const Stage kFp8{"fp8", async_fp8::make_fp8_async_tp};
 /// Stage 07 with every rank its own DP replica (D = the ranks, TP = 1): FSDP at its fullest.
 const Stage kFsdp{"fsdp", [](const RunContext& ctx) {
                     StageOptions o = ctx.options;
-                    o.dp = ctx.world;
+                    auto flags = std::make_shared<fsdp::DataParallelFlags>();
+                    flags->dp = ctx.world;
+                    o.flag_groups.push_back(flags);
                     return fsdp::make_fsdp_tp(RunContext{o, ctx.rank, ctx.world, ctx.trace});
                   }};
 
