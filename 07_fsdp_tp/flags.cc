@@ -7,13 +7,10 @@
 namespace tpx::fsdp {
 
 void DataParallelFlags::add_flags(CLI::App& app, MeshFlag newest) {
-  add_number(app, "--dp", dp,
-             "data-parallel degree D: the ranks form a D × TP mesh (TP = ranks / D, TP "
-             "innermost); weights, gradients and optimizer state are sharded over D; "
-             "when not given, " +
-                 mesh_default_words(newest, MeshFlag::dp))
-      ->type_name("D")
-      ->group("Mesh");
+  add_mesh_degree(app, "--dp", dp, "D",
+                  "data-parallel degree D: the ranks form a D × TP mesh (TP = ranks / D, TP "
+                  "innermost); weights, gradients and optimizer state are sharded over D",
+                  MeshFlag::dp, newest, "Mesh");
 }
 
 ConfigFields DataParallelFlags::agreed() const {

@@ -13,12 +13,10 @@ CpMethod ContextParallelFlags::method() const {
 }
 
 void ContextParallelFlags::add_flags(CLI::App& app, MeshFlag newest) {
-  add_number(app, "--cp", cp,
-             "context-parallel degree C: the sequence is cut into 2C chunks, CP rank i holding "
-             "chunks i and 2C-1-i (mesh D × C × TP, TP innermost); when not given, " +
-                 mesh_default_words(newest, MeshFlag::cp))
-      ->type_name("C")
-      ->group("Mesh");
+  add_mesh_degree(app, "--cp", cp, "C",
+                  "context-parallel degree C: the sequence is cut into 2C chunks, CP rank i "
+                  "holding chunks i and 2C-1-i (mesh D × C × TP, TP innermost)",
+                  MeshFlag::cp, newest, "Mesh");
   app.add_option("--cp-method", method_word,
                  "ring (K/V blocks around the CP ring, merged by log-sum-exp), allgather (K and "
                  "V all-gathered over CP) or ulysses (all-to-all to whole-sequence, "

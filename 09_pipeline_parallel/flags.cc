@@ -7,12 +7,10 @@
 namespace tpx::pp {
 
 void PipelineFlags::add_flags(CLI::App& app, MeshFlag newest) {
-  add_number(app, "--pp", pp,
-             "pipeline-parallel degree P: the layers split contiguously over P stages (mesh P × "
-             "D × C × TP, PP outermost); when not given, " +
-                 mesh_default_words(newest, MeshFlag::pp))
-      ->type_name("P")
-      ->group("Pipeline");
+  add_mesh_degree(app, "--pp", pp, "P",
+                  "pipeline-parallel degree P: the layers split contiguously over P stages (mesh "
+                  "P × D × C × TP, PP outermost)",
+                  MeshFlag::pp, newest, "Pipeline");
   add_number(app, "--microbatches", microbatches,
              "M micro-batches of the local batch B/D, each sent through the pipeline; when not "
              "given, the largest of P·V, P and 1 that divides B/D; stage 09 takes at most 65536")

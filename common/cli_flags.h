@@ -1,7 +1,7 @@
 // What a stage's flag group (cli.h's FlagGroup) registers its flags with: CLI11, and numeric
 // flags that parse all of their text or fail with a message naming the flag.
 //
-// defines: tpx::parse_number(), tpx::add_number()
+// defines: tpx::parse_number(), tpx::add_number(), tpx::add_mesh_degree()
 #pragma once
 
 #include <charconv>
@@ -13,6 +13,8 @@
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
+
+#include "cli.h"
 
 namespace tpx {
 
@@ -54,6 +56,18 @@ CLI::Option* add_number(CLI::App& app, const std::string& flag, T& target,
           flag, [&target, flag](const std::string& s) { target = parse_number<T>(flag, s); }, help)
       ->default_str(fmt::format("{}", target))
       ->type_name(std::is_integral_v<T> ? "INT" : "FLOAT");
+}
+
+/// Registers a mesh degree (--dp, --cp, --pp of stages 07-09), named `letter` in --help, whose
+/// help ends with the default the running stage takes when the flag is not given
+/// (mesh_default_words: `newest` is the stage's newest mesh dimension).
+inline CLI::Option* add_mesh_degree(CLI::App& app, const std::string& flag, int& target,
+                                    const std::string& letter, const std::string& help,
+                                    MeshFlag dim, MeshFlag newest, const std::string& group) {
+  return add_number(app, flag, target,
+                    help + "; when not given, " + mesh_default_words(newest, dim))
+      ->type_name(letter)
+      ->group(group);
 }
 
 }  // namespace tpx
