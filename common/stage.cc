@@ -10,6 +10,8 @@
 #include <limits>
 #include <string_view>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -545,6 +547,66 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
   return 0;
 }
 
+/// --check's tolerance: the stage's, at least bf16's under the bf16 recipe; FP8's cosine rule.
+CheckTolerance check_tolerance(const StageDefinition& st, DType dtype) {
+  if (is_fp8(dtype)) return kFp8Check;
+  return {.rtol = dtype == DType::bf16 ? std::max(st.rtol, kBf16CheckRtol) : st.rtol};
+}
+
+/// The mean step after the warm-up (rank 0). Step 0 warms up (first allocations, GEMM
+/// heuristics, lazily made transports): the mean is over the steps after it, when there are any.
+void print_mean_step(const TrainResult& r) {
+  if (r.rows.empty()) return;
+  const std::size_t first = r.rows.size() > 1 ? 1 : 0;
+  double total = 0, exposed = 0;
+  for (std::size_t i = first; i < r.rows.size(); ++i) {
+    total += r.rows[i].ms;
+    exposed += r.rows[i].exposed_comm_ms;
+  }
+  const auto steps = double(r.rows.size() - first);
+  fmt::print("\nmean step {:.2f} ms (exposed comm {:.2f} ms; {}) | saved activations {} per rank\n",
+             total / steps, exposed / steps,
+             first == 1 ? fmt::format("steps 1-{}, step 0 warms up", r.rows.size() - 1) : "step 0",
+             bytes_text(r.saved_activation_bytes));
+}
+
+/// --check on rank 0: the first step's tensors and the first losses against the stage's
+/// single-device reference, one row per tensor, then PASS or FAIL. Returns the verdict and the
+/// rows for --json.
+std::pair<bool, json> print_check(const StageDefinition& st, const BlockConfig& c,
+                                  const TrainResult& r, const CheckTolerance& tol) {
+  const int steps = static_cast<int>(std::min<std::int64_t>(c.steps, kCheckSteps));
+  const ReferenceRun want = st.reference(c, steps);
+  fmt::print(
+      "\ncheck against the reference (relative error = max|got - want| / max|want|, "
+      "tolerance {:.0e}{})\n",
+      tol.rtol,
+      tol.cosine > 0 ? fmt::format("; gradients: cosine similarity >= {}; losses: {:.0e}",
+                                   tol.cosine, tol.loss_rtol)
+                     : "");
+  fmt::print("{:<34} {:>12} {:>12}{}\n", "tensor", "max abs", "max rel",
+             tol.cosine > 0 ? fmt::format(" {:>10}", "cosine") : "");
+  bool pass = true;
+  json rows;
+  for (const auto& row : compare(r.first, r.rows, want, tol)) {
+    const std::string verdict =
+        row.ok
+            ? "ok"
+            : (row.nonfinite > 0 ? fmt::format("FAIL ({} NaN/Inf values)", row.nonfinite) : "FAIL");
+    fmt::print("{:<34} {:>12.3e} {:>12.3e}{}  {}\n", row.name, row.max_abs, row.max_rel,
+               tol.cosine > 0 ? fmt::format(" {:>10.6f}", row.cosine) : "", verdict);
+    pass = pass && row.ok;
+    rows.push_back({{"tensor", row.name},
+                    {"max_abs", row.max_abs},
+                    {"max_rel", row.max_rel},
+                    {"nonfinite", row.nonfinite},
+                    {"cosine", row.cosine},
+                    {"ok", row.ok}});
+  }
+  fmt::print("{}\n", pass ? "PASS" : "FAIL");
+  return {pass, rows};
+}
+
 /// Runs after MPI is up and every rank's command line parsed. Returns the exit code.
 int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   const BlockConfig& c = o.config;
@@ -603,30 +665,13 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
       });
   const HostMemoryReport host =
       gather_host_memory(host_memory().peak, host_baseline, memory.estimate.total(), rank, world);
-  if (rank == 0) {
-    // Step 0 warms up (first allocations, GEMM heuristics, lazily made transports): the mean is
-    // over the steps after it, when there are any.
-    const std::size_t first = r.rows.size() > 1 ? 1 : 0;
-    double total = 0, exposed = 0;
-    for (std::size_t i = first; i < r.rows.size(); ++i) {
-      total += r.rows[i].ms;
-      exposed += r.rows[i].exposed_comm_ms;
-    }
-    const auto steps = double(r.rows.size() - first);
-    if (!r.rows.empty())
-      fmt::print(
-          "\nmean step {:.2f} ms (exposed comm {:.2f} ms; {}) | saved activations {} per rank\n",
-          total / steps, exposed / steps,
-          first == 1 ? fmt::format("steps 1-{}, step 0 warms up", r.rows.size() - 1) : "step 0",
-          bytes_text(r.saved_activation_bytes));
-  }
+  if (rank == 0) print_mean_step(r);
 
   // Outputs are written by rank 0 (the trace's gather is collective); a failure to write one is
   // agreed like a start-up problem, so that every rank exits with rank 0's message.
   bool pass = true;
   json check_json;
-  const double rtol = c.dtype == DType::bf16 ? std::max(st.rtol, kBf16CheckRtol) : st.rtol;
-  const CheckTolerance tol = is_fp8(c.dtype) ? kFp8Check : CheckTolerance{.rtol = rtol};
+  const CheckTolerance tol = check_tolerance(st, c.dtype);
   std::string write_problem;
   auto on_rank0 = [&](auto&& write) {
     if (rank != 0 || !write_problem.empty()) return;
@@ -645,36 +690,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
       fmt::print("dumped first-step tensors to {}\n", o.dump_dir);
     });
   if (o.check && r.diverged.empty()) {
-    if (rank == 0) {
-      const int steps = static_cast<int>(std::min<std::int64_t>(c.steps, kCheckSteps));
-      const ReferenceRun want = st.reference(c, steps);
-      const auto rows = compare(r.first, r.rows, want, tol);
-      fmt::print(
-          "\ncheck against the reference (relative error = max|got - want| / max|want|, "
-          "tolerance {:.0e}{})\n",
-          tol.rtol,
-          tol.cosine > 0 ? fmt::format("; gradients: cosine similarity >= {}; losses: {:.0e}",
-                                       tol.cosine, tol.loss_rtol)
-                         : "");
-      fmt::print("{:<34} {:>12} {:>12}{}\n", "tensor", "max abs", "max rel",
-                 tol.cosine > 0 ? fmt::format(" {:>10}", "cosine") : "");
-      for (const auto& row : rows) {
-        const std::string verdict =
-            row.ok ? "ok"
-                   : (row.nonfinite > 0 ? fmt::format("FAIL ({} NaN/Inf values)", row.nonfinite)
-                                        : "FAIL");
-        fmt::print("{:<34} {:>12.3e} {:>12.3e}{}  {}\n", row.name, row.max_abs, row.max_rel,
-                   tol.cosine > 0 ? fmt::format(" {:>10.6f}", row.cosine) : "", verdict);
-        pass = pass && row.ok;
-        check_json.push_back({{"tensor", row.name},
-                              {"max_abs", row.max_abs},
-                              {"max_rel", row.max_rel},
-                              {"nonfinite", row.nonfinite},
-                              {"cosine", row.cosine},
-                              {"ok", row.ok}});
-      }
-      fmt::print("{}\n", pass ? "PASS" : "FAIL");
-    }
+    if (rank == 0) std::tie(pass, check_json) = print_check(st, c, r, tol);
     pass = !agree_to_start(rank == 0 && !pass, kExitFail, "").stop;
   }
   if (!o.json_path.empty())
