@@ -269,6 +269,31 @@ TEST(MemoryTerms, ParametersTargetAndSavedFollowTheShardings) {
 // matrices and 1/D of the norm gains (replicated over TP, sharded over DP; here every dim 0
 // divides, so no padding); the activations are 1/(T·D) of the model's under sequence
 // parallelism; and D = 1 adds no FSDP term.
+// Chapter 9's saved-activations term of a pipeline rank, term by term: under --recompute none a
+// live (micro-batch, layer) pair keeps saved_layer bytes; under full, x (its micro-batch's block
+// input, [S, B/M, H] fp32) for every live pair, the rest of saved_layer only for the live pairs
+// whose layer is not recomputed (live_kept), and one block whole again during its backward.
+TEST(MemoryTerms, PipelineSavedActivationsFollowChapterNinesFormula) {
+  BlockConfig c;  // H 256, NH 8, F 1024, S 128, B 2, L 2
+  c.batch = 8;
+  constexpr std::uint64_t kMicrobatches = 4, kLive = 6;
+  const std::uint64_t x = kFloat * std::uint64_t(c.seq) * (std::uint64_t(c.batch) / kMicrobatches) *
+                          std::uint64_t(c.hidden);
+  Sharding sh{.pp = 2, .pp_layers = 1, .microbatches = int(kMicrobatches)};
+  sh.pp_live_layers = sh.pp_live_passes = std::int64_t(kLive);
+  const std::uint64_t none = estimate_training_memory(c, sh).term("saved activations").bytes;
+  ASSERT_EQ(none % kLive, 0u);
+  const std::uint64_t saved_layer = none / kLive;
+  ASSERT_GT(saved_layer, x);
+  c.recompute = Recompute::full;
+  for (const std::uint64_t kept : {0u, 2u, 6u}) {
+    sh.pp_live_kept_layers = std::int64_t(kept);
+    EXPECT_EQ(estimate_training_memory(c, sh).term("saved activations").bytes,
+              x * kLive + (saved_layer - x) * kept + (saved_layer - x))
+        << "live_kept " << kept;
+  }
+}
+
 TEST(MemoryTerms, FsdpShardsFallAsOneOverTD) {
   BlockConfig c;  // H 256, NH 8, F 1024, S 128, B 2 → B 4 so that D = 4 divides it
   c.batch = 4;
