@@ -18,7 +18,7 @@ ConfigFields DataParallelFlags::agreed() const {
 }
 
 int default_dp(int dp, int world) {
-  return dp != 0 ? dp : mesh_default(MeshFlag::dp, MeshFlag::dp, world);
+  return mesh_degree(dp, MeshFlag::dp, MeshFlag::dp, world);
 }
 
 }  // namespace tpx::fsdp

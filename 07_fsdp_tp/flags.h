@@ -14,7 +14,7 @@ namespace tpx::fsdp {
 /// --dp D (the "Mesh" section of --help).
 class DataParallelFlags : public FlagGroup {
  public:
-  /// The data-parallel degree; 0 = the default, mesh_default() of the stage's newest dimension
+  /// The data-parallel degree; 0 = the default, mesh_degree() of the stage's newest dimension
   /// (stage 07: 2 when the job has an even number of ranks, at least 4, else 1).
   int dp = 0;
 

@@ -17,7 +17,7 @@ namespace tpx::cp {
 /// --cp C and --cp-method (the "Mesh" section of --help, after --dp).
 class ContextParallelFlags : public FlagGroup {
  public:
-  /// The context-parallel degree; 0 = the default, mesh_default() of the stage's newest
+  /// The context-parallel degree; 0 = the default, mesh_degree() of the stage's newest
   /// dimension (stage 08: 2 when the job's ranks are even, else 1).
   int cp = 0;
   std::string method_word = "ring";  ///< --cp-method as given (CLI11 checks it is one of three)

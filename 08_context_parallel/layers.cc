@@ -563,8 +563,8 @@ namespace {
 Mesh checked_mesh(const RunContext& ctx) {
   const int given_dp = ctx.options.flags<fsdp::DataParallelFlags>().dp;
   const int given_cp = ctx.options.flags<ContextParallelFlags>().cp;
-  const int dp = given_dp != 0 ? given_dp : mesh_default(MeshFlag::cp, MeshFlag::dp, ctx.world);
-  const int cp = given_cp != 0 ? given_cp : mesh_default(MeshFlag::cp, MeshFlag::cp, ctx.world);
+  const int dp = mesh_degree(given_dp, MeshFlag::cp, MeshFlag::dp, ctx.world);
+  const int cp = mesh_degree(given_cp, MeshFlag::cp, MeshFlag::cp, ctx.world);
   if (dp < 1)
     throw ConfigError(
         fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));

@@ -237,9 +237,9 @@ Layout layout(const RunContext& ctx) {
   const int given_dp = ctx.options.flags<fsdp::DataParallelFlags>().dp;
   const int given_cp = ctx.options.flags<cp::ContextParallelFlags>().cp;
   Layout l;
-  l.pp = o.pp != 0 ? o.pp : mesh_default(MeshFlag::pp, MeshFlag::pp, ctx.world);
-  l.dp = given_dp != 0 ? given_dp : mesh_default(MeshFlag::pp, MeshFlag::dp, ctx.world);
-  l.cp = given_cp != 0 ? given_cp : mesh_default(MeshFlag::pp, MeshFlag::cp, ctx.world);
+  l.pp = mesh_degree(o.pp, MeshFlag::pp, MeshFlag::pp, ctx.world);
+  l.dp = mesh_degree(given_dp, MeshFlag::pp, MeshFlag::dp, ctx.world);
+  l.cp = mesh_degree(given_cp, MeshFlag::pp, MeshFlag::cp, ctx.world);
   if (l.pp < 1)
     throw ConfigError(fmt::format("--pp must be a positive number of stages (got {})", l.pp));
   if (l.dp < 1)

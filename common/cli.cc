@@ -419,7 +419,8 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
   return fields;
 }
 
-int mesh_default(MeshFlag newest, MeshFlag flag, int world) {
+int mesh_degree(int given, MeshFlag newest, MeshFlag flag, int world) {
+  if (given != 0) return given;
   if (flag != newest || world % 2 != 0) return 1;
   // Data parallelism alone (stage 07) keeps a TP group of at least 2 at its default.
   return flag == MeshFlag::dp && world < 4 ? 1 : 2;

@@ -2,7 +2,7 @@
 // on CLI11.
 //
 // defines: tpx::MeshFlag, tpx::FlagGroup, tpx::StageInfo, tpx::AllGatherPath, tpx::StageOptions,
-//          tpx::CliOutcome, tpx::parse_stage_cli(), tpx::config_fields(), tpx::mesh_default(),
+//          tpx::CliOutcome, tpx::parse_stage_cli(), tpx::config_fields(), tpx::mesh_degree(),
 //          tpx::mesh_default_words()
 #pragma once
 
@@ -24,7 +24,7 @@ class App;
 namespace tpx {
 
 /// A mesh dimension's flag, --dp, --cp, --pp: the dimensions stages 07 (dp), 08 (cp) and 09 (pp)
-/// add, whose defaults follow one rule (mesh_default()).
+/// add, whose defaults follow one rule (mesh_degree()).
 enum class MeshFlag { dp, cp, pp };
 
 /// Flags a stage adds to its executable's command line, and where their values live: the group
@@ -35,7 +35,7 @@ class FlagGroup {
  public:
   virtual ~FlagGroup() = default;
   /// The mesh dimension the group's flags choose, if any: the last such group of a stage names
-  /// its newest dimension, whose flag defaults to 2 where the ranks allow (mesh_default()).
+  /// its newest dimension, whose flag defaults to 2 where the ranks allow (mesh_degree()).
   virtual std::optional<MeshFlag> dimension() const { return std::nullopt; }
   /// Adds the group's flags to `app`, bound to this object; `newest` is the stage's newest mesh
   /// dimension (for mesh_default_words()).
@@ -96,10 +96,11 @@ struct StageOptions {
   }
 };
 
-/// The value a stage whose newest dimension is `newest` gives `flag` on `world` ranks when the
-/// flag is not given; what stages 07-09 run with and what --help prints (mesh_default_words).
-int mesh_default(MeshFlag newest, MeshFlag flag, int world);
-/// mesh_default()'s rule in words, for --help: "1", "2 if the ranks are even, else 1", ...
+/// A mesh degree: `given` (the flag's value) unless it is 0, the flag not given; then the value
+/// a stage whose newest dimension is `newest` gives `flag` on `world` ranks, what stages 07-09
+/// run with and what --help prints (mesh_default_words).
+int mesh_degree(int given, MeshFlag newest, MeshFlag flag, int world);
+/// mesh_degree()'s default in words, for --help: "1", "2 if the ranks are even, else 1", ...
 std::string mesh_default_words(MeshFlag newest, MeshFlag flag);
 
 /// Either options to run with, or a message to print and an exit code (help: 0, error: 2).

@@ -121,6 +121,21 @@ struct CpuEvent {
   std::uint64_t recorded = 0, completed = 0;
   std::exception_ptr error;  // the failure of the stream that should have reached the mark
 
+  /// The generation a new record() takes.
+  std::uint64_t next() {
+    std::lock_guard lock(mutex);
+    return ++recorded;
+  }
+  /// The generation of the last record(): what a wait made now waits for.
+  std::uint64_t last() {
+    std::lock_guard lock(mutex);
+    return recorded;
+  }
+  /// True once the last record() is reached.
+  bool reached_last() {
+    std::lock_guard lock(mutex);
+    return completed >= recorded;
+  }
   void complete(std::uint64_t generation, std::exception_ptr failed) {
     {
       std::lock_guard lock(mutex);
@@ -262,11 +277,7 @@ void Event::record(const Stream& s) {
     // thread, or when a host lane's thread reaches the mark (an event recorded on a host lane is
     // not recorded elsewhere before that mark is reached).
     CpuEvent& host = cpu_event(host_);
-    std::uint64_t generation = 0;
-    {
-      std::lock_guard lock(host.mutex);
-      generation = ++host.recorded;
-    }
+    const std::uint64_t generation = host.next();
     if (!s.is_cuda_host_lane()) {
       cuda::record_event(handle_.get(), s.native());
       host.complete(generation, nullptr);
@@ -288,11 +299,7 @@ void Event::record(const Stream& s) {
   }
 #endif
   CpuEvent& e = cpu_event(handle_);
-  std::uint64_t generation = 0;
-  {
-    std::lock_guard lock(e.mutex);
-    generation = ++e.recorded;
-  }
+  const std::uint64_t generation = e.next();
   if (s.is_default()) {
     e.complete(generation, nullptr);  // the default stream has done everything issued on it
     return;
@@ -310,11 +317,7 @@ void Event::wait(const Stream& s) const {
 #if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
     CpuEvent& host = cpu_event(host_);
-    std::uint64_t target = 0;
-    {
-      std::lock_guard lock(host.mutex);
-      target = host.recorded;
-    }
+    const std::uint64_t target = host.last();
     host.wait_for(target);  // a host lane's record made (at once for any other stream's)
     if (!s.is_cuda_host_lane()) {
       cuda::wait_event(handle_.get(), s.native());
@@ -336,11 +339,7 @@ void Event::wait(const Stream& s) const {
   }
 #endif
   CpuEvent& e = cpu_event(handle_);
-  std::uint64_t target = 0;
-  {
-    std::lock_guard lock(e.mutex);
-    target = e.recorded;
-  }
+  const std::uint64_t target = e.last();
   if (target == 0) return;
   if (s.is_default()) {
     e.wait_for(target);
@@ -357,39 +356,23 @@ void Event::synchronize() const {
 #if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
     CpuEvent& host = cpu_event(host_);
-    std::uint64_t target = 0;
-    {
-      std::lock_guard lock(host.mutex);
-      target = host.recorded;
-    }
+    const std::uint64_t target = host.last();
     host.wait_for(target);
     cuda::synchronize_event(handle_.get());
     return;
   }
 #endif
   CpuEvent& e = cpu_event(handle_);
-  std::uint64_t target = 0;
-  {
-    std::lock_guard lock(e.mutex);
-    target = e.recorded;
-  }
+  const std::uint64_t target = e.last();
   e.wait_for(target);
 }
 
 bool Event::ready() const {
 #if TPX_WITH_CUDA
-  if (device_ == Device::cuda) {
-    CpuEvent& host = cpu_event(host_);
-    {
-      std::lock_guard lock(host.mutex);
-      if (host.completed < host.recorded) return false;
-    }
-    return cuda::event_ready(handle_.get());
-  }
+  if (device_ == Device::cuda)
+    return cpu_event(host_).reached_last() && cuda::event_ready(handle_.get());
 #endif
-  CpuEvent& e = cpu_event(handle_);
-  std::lock_guard lock(e.mutex);
-  return e.completed >= e.recorded;
+  return cpu_event(handle_).reached_last();
 }
 
 void record_stream(const Tensor& t, const Stream& s) {
