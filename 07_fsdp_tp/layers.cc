@@ -11,6 +11,7 @@
 
 #include "05_copy_engine_async_tp/layers.h"
 #include "07_fsdp_tp/flags.h"
+#include "07_fsdp_tp/memory.h"
 #include "common/check.h"
 #include "common/ops.h"
 #include "common/tp.h"
@@ -80,6 +81,13 @@ FsdpTp::FsdpTp(const RunContext& ctx, Mesh mesh)
 }
 
 FsdpTp::~FsdpTp() = default;
+
+Sharding FsdpTp::sharding() const {
+  Sharding s = tp_->sharding();
+  s.dp = mesh_.dp;
+  s.dimensions.push_back(memory_dimension());  // unsharded layers (FSDP)
+  return s;
+}
 
 std::string FsdpTp::comm_name() const {
   return fmt::format("mesh D {} × TP {}; tp: {}; dp: {}", mesh_.dp, mesh_.tp, tp_->comm_name(),
@@ -383,8 +391,12 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
   BlockConfig replica = ctx.options.config;  // stage 05 inside the TP group, on B / D
   replica.batch /= mesh.dp;
   StagePlan p;
-  p.sharding = {
-      .rank = mesh.tp_index, .world = mesh.tp, .weights = true, .sequence = true, .dp = mesh.dp};
+  p.sharding = {.rank = mesh.tp_index,
+                .world = mesh.tp,
+                .weights = true,
+                .sequence = true,
+                .dp = mesh.dp,
+                .dimensions = {memory_dimension()}};  // as the Parallelism's sharding()
   const Traffic tp = comm_bytes(5, replica, mesh.tp);
   const Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
   p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};

@@ -64,11 +64,7 @@ class FsdpTp final : public Parallelism {
   FsdpTp(const RunContext& ctx, Mesh mesh);
   ~FsdpTp() override;
 
-  Sharding sharding() const override {
-    Sharding s = tp_->sharding();
-    s.dp = mesh_.dp;
-    return s;
-  }
+  Sharding sharding() const override;
   std::string comm_name() const override;
   std::vector<MeshGroup> mesh_groups() const override { return mesh_.groups(); }
 

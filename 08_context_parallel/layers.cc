@@ -8,7 +8,9 @@
 #include <fmt/format.h>
 
 #include "07_fsdp_tp/flags.h"
+#include "07_fsdp_tp/memory.h"
 #include "08_context_parallel/flags.h"
+#include "08_context_parallel/memory.h"
 #include "common/check.h"
 #include "common/ops.h"
 #include "common/tp.h"
@@ -103,7 +105,7 @@ ContextParallel::~ContextParallel() = default;
 Sharding ContextParallel::sharding() const {
   Sharding s = inner_->sharding();
   s.cp = mesh_.cp;
-  s.cp_method = method_;
+  s.dimensions.push_back(memory_dimension(method_));  // CP attention buffers
   return s;
 }
 
@@ -605,7 +607,8 @@ StagePlan plan_context_parallel(const RunContext& ctx) {
                 .sequence = true,
                 .dp = mesh.dp,
                 .cp = mesh.cp,
-                .cp_method = cp ? method : CpMethod::ring};  // as the Parallelism's sharding()
+                // as the Parallelism's sharding(): stage 07's FSDP inside, then CP
+                .dimensions = {fsdp::memory_dimension(), memory_dimension(method)}};
   p.traffic = t.total();
   p.groups = {
       {.name = "cp", .label = "cp group", .traffic = t.cp},

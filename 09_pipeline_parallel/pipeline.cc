@@ -14,10 +14,13 @@
 #include <fmt/format.h>
 
 #include "07_fsdp_tp/flags.h"
+#include "07_fsdp_tp/memory.h"
 #include "08_context_parallel/flags.h"
 #include "08_context_parallel/layers.h"
+#include "08_context_parallel/memory.h"
 #include "09_pipeline_parallel/executor.h"
 #include "09_pipeline_parallel/flags.h"
+#include "09_pipeline_parallel/memory.h"
 #include "common/block.h"
 #include "common/check.h"
 #include "common/ops.h"
@@ -89,20 +92,19 @@ PipelineParallel::~PipelineParallel() {
 
 namespace {
 
-/// `slice` (a pipeline stage's ranks' sharding) with what rank `pp_index` of the pipeline holds:
-/// its layers, and the peaks of the schedule's live activations and waiting loss gradients.
-Sharding pipeline_sharding(Sharding s, const BlockConfig& c, const Schedule& schedule,
-                           const std::vector<LayerRange>& layers, int pp_index) {
+/// What rank `pp_index` of the pipeline holds, as the memory estimate needs it: its layers, and
+/// the peaks of the schedule's live activations and waiting loss gradients.
+PipelineMemory pipeline_memory(const BlockConfig& c, const Schedule& schedule,
+                               const std::vector<LayerRange>& layers, int pp_index) {
   const PipelineShape& shape = schedule.shape();
-  s.pp = shape.ranks;
-  s.microbatches = shape.microbatches;
-  s.pp_layers = 0;
-  for (const int stage : shape.stages_of(pp_index)) s.pp_layers += layers[std::size_t(stage)].count;
+  PipelineMemory m;
+  m.microbatches = shape.microbatches;
+  for (const int stage : shape.stages_of(pp_index)) m.layers += layers[std::size_t(stage)].count;
   // The schedule's peaks on this rank: live (micro-batch, layer) activations, and loss
   // gradients waiting for the last stage's backward.
   const int last = shape.stages() - 1;
-  std::int64_t live = 0, peak = 0, passes = 0, peak_passes = 0, losses = 0, peak_losses = 0;
-  std::int64_t kept = 0, peak_kept = 0;  // the live pairs of layers not fully recomputed
+  std::int64_t live = 0, passes = 0, losses = 0;
+  std::int64_t kept = 0;  // the live pairs of layers not fully recomputed
   auto kept_layers = [&](const LayerRange& range) {
     std::int64_t n = 0;
     for (int k = 0; k < range.count; ++k) n += c.recomputes_layer(range.first + k) ? 0 : 1;
@@ -122,25 +124,29 @@ Sharding pipeline_sharding(Sharding s, const BlockConfig& c, const Schedule& sch
       --passes;
     }
     if (a.phase == Phase::backward && a.stage == last) --losses;
-    peak = std::max(peak, live);
-    peak_kept = std::max(peak_kept, kept);
-    peak_passes = std::max(peak_passes, passes);
-    peak_losses = std::max(peak_losses, losses);
+    m.live_layers = std::max(m.live_layers, live);
+    m.live_kept_layers = std::max(m.live_kept_layers, kept);
+    m.live_passes = std::max(m.live_passes, passes);
+    m.loss_grads = std::max(m.loss_grads, losses);
   }
-  s.pp_live_layers = peak;
-  s.pp_live_passes = peak_passes;
-  s.pp_live_kept_layers = peak_kept;
-  s.pp_loss_grads = peak_losses;
-  s.pp_split_backward = schedule.split_backward();
-  s.pp_holds_input = pp_index == shape.rank_of(0);
-  s.pp_holds_target = pp_index == shape.rank_of(last);
-  return s;
+  m.split_backward = schedule.split_backward();
+  m.holds_input = pp_index == shape.rank_of(0);
+  m.holds_target = pp_index == shape.rank_of(last);
+  return m;
+}
+
+/// `slice` (a pipeline stage's ranks' sharding) with the pipeline's dimension, last.
+Sharding pipeline_sharding(Sharding slice, const PipelineMemory& held, int pp) {
+  slice.pp = pp;
+  slice.dimensions.push_back(memory_dimension(held));
+  return slice;
 }
 
 }  // namespace
 
 Sharding PipelineParallel::sharding() const {
-  return pipeline_sharding(slice_->sharding(), config_, *schedule_, layers_, mesh_.pp_index);
+  return pipeline_sharding(slice_->sharding(),
+                           pipeline_memory(config_, *schedule_, layers_, mesh_.pp_index), mesh_.pp);
 }
 
 std::string PipelineParallel::comm_name() const {
@@ -379,13 +385,15 @@ StagePlan plan_pipeline(const RunContext& ctx) {
                        .sequence = true,
                        .dp = mesh.dp,
                        .cp = mesh.cp,
-                       .cp_method = mesh.cp > 1 ? method : CpMethod::ring};
+                       // as the slice's sharding(): stage 07's FSDP, then 08's CP
+                       .dimensions = {fsdp::memory_dimension(), cp::memory_dimension(method)}};
+  const PipelineMemory held = pipeline_memory(c, *schedule, l.layers, mesh.pp_index);
   StagePlan p;
-  p.sharding = pipeline_sharding(slice, c, *schedule, l.layers, mesh.pp_index);
+  p.sharding = pipeline_sharding(slice, held, mesh.pp);
   // The slice's traffic on this rank's layers, once per micro-batch (the TP and CP bytes of a
   // micro-batch, M times; FSDP's gathers for every micro-batch, its reduce-scatter once).
   BlockConfig mine = c;
-  mine.layers = p.sharding.pp_layers;
+  mine.layers = held.layers;
   BlockConfig micro = mine;
   micro.batch = c.batch / l.shape.microbatches;
   const MeshTraffic t =

@@ -11,24 +11,28 @@
 
 #include "check.h"
 #include "checked.h"
+#include "memory_terms.h"
 
 namespace tpx {
+namespace memory {
+
 namespace {
-
-using I = std::int64_t;
-
-constexpr I kF32 = 4;   // master weights, gradients, optimizer state, statistics; fp32 activations
-constexpr I kBf16 = 2;  // activations under the mixed-precision recipe, and weights' compute copies
 
 [[noreturn]] void overflow(std::string_view what) {
   throw SizeOverflow(
       fmt::format("{} does not fit in a 64-bit count (the sizes are too large)", what));
 }
 
-/// The sum of non-negative counts; SizeOverflow naming `what` if it does not fit in int64.
-I sum(std::initializer_list<I> parts, std::string_view what) {
-  I r = 0;
-  for (const I p : parts) {
+/// Stage 06 (FP8) keeps h and h2 as the FP8 shards it quantized: a byte per element.
+Count kept_h_bytes(const BlockConfig& c, const ActivationBytes& b) {
+  return is_fp8(c.dtype) ? b.stream / b.e : b.stream;
+}
+
+}  // namespace
+
+Count sum(std::initializer_list<Count> parts, std::string_view what) {
+  Count r = 0;
+  for (const Count p : parts) {
     const auto next = checked_add(r, p);
     if (!next) overflow(what);
     r = *next;
@@ -36,32 +40,41 @@ I sum(std::initializer_list<I> parts, std::string_view what) {
   return r;
 }
 
+Count product(std::initializer_list<Count> factors, std::string_view what) {
+  return checked_product(factors, what);
+}
+
+Count largest(std::initializer_list<Count> moments) {
+  return std::max(moments);
+}
+
+Count saved_layer_bytes(const BlockConfig& c, const ActivationBytes& b) {
+  const Count kept_h = kept_h_bytes(c, b);
+  return sum({b.stream, kept_h, b.stream, kept_h, b.rows, b.rows, b.cols_h, b.cols_kv, b.cols_kv,
+              b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.attn},
+             "a layer's saved activations");
+}
+
+Count cheap_bytes(const BlockConfig& c, const ActivationBytes& b) {
+  const Count kept_h = kept_h_bytes(c, b);
+  return sum({kept_h, kept_h, b.rows, b.rows, b.cols_f}, "the saved activations' bytes");
+}
+
+}  // namespace memory
+
+namespace {
+
+using namespace memory;  // NOLINT: the estimate is written in its own vocabulary
+using I = Count;
+using Bytes = ActivationBytes;
+
 I numel(const std::vector<I>& shape, std::string_view what) {
   I r = 1;
   for (const I d : shape) r = checked_product({r, d}, what);
   return r;
 }
 
-/// Bytes of this rank's tensors, named as in the chapters (N ranks; /N only where `s` splits).
-/// Activations take e = c.activations()'s bytes per element (4, or 2 under --dtype bf16 / fp8);
-/// statistics and weights are fp32.
-struct Bytes {
-  I e;        ///< an activation element's bytes
-  I stream;   ///< R: the residual stream [S, B, H], or [S/N, B, H] with sequence parallelism
-  I rows;     ///< an RMSNorm's rstd, one float per row of the stream
-  I full;     ///< G: [S, B, H], every token: a region's gathered input or partial output
-  I gather;   ///< G with sequence parallelism (f and g all-gather into a new tensor), else 0
-  I cols_h;   ///< [S, B, H/N]: q, a and their gradients
-  I cols_kv;  ///< [S, B, NKV·D/N]: k, v and their gradients (cols_h without GQA)
-  I cols_f;   ///< [S, B, F/N]: gate, up, s and their gradients
-  I probs;    ///< [B, NH/N, S, S]: naive attention's probabilities
-  I lse;      ///< [B, NH/N, S]: fused attention's log-sum-exp per query row
-  I attn;     ///< what attention keeps for backward: lse (fused) or probs (naive)
-  I w_h;      ///< a local Wq / Wo: H·H/N elements (bytes at fp32)
-  I w_kv;     ///< a local Wk / Wv: H·NKV·D/N elements
-  I w_f;      ///< a local Wg / Wu / Wd: H·F/N elements (bytes at fp32)
-};
-
+/// The bytes of the rank's tensors for block `c` (its tokens and batch part).
 Bytes local_bytes(const BlockConfig& c, const Sharding& s) {
   const I seq_local = s.sequence ? c.seq / s.world : c.seq;
   const I cols_h = param_local_shape(Param::wq, c, s)[1];      // H/N: whole heads
@@ -87,11 +100,6 @@ Bytes local_bytes(const BlockConfig& c, const Sharding& s) {
   b.w_kv = checked_product({c.hidden, cols_kv, kF32}, "a local Wk's bytes");
   b.w_f = checked_product({c.hidden, cols_f, kF32}, "a local MLP weight's bytes");
   return b;
-}
-
-/// The largest of the moments' live bytes.
-I largest(std::initializer_list<I> moments) {
-  return std::max(moments);
 }
 
 /// The sizes every moment of a layer's passes is counted in (`b` the activations' bytes, as
@@ -262,20 +270,22 @@ I largest_temporaries(const BlockConfig& c, const Sharding& s, const Bytes& b) {
   return peak;
 }
 
-// ---- The estimate's terms, one function per dimension of the mesh and per method ----
+// ---- The shared terms, one function each ----
 
-/// The rank's block: its S / C tokens under context parallelism (stage 08), its layers of a
-/// pipeline (stage 09); refused unless the estimate can be made.
-BlockConfig rank_block(const BlockConfig& global, const Sharding& s) {
+/// The rank's block: its S / C tokens under context parallelism (stages 08, 09), cut further by
+/// the sharding's dimensions (a pipeline: its layers; one pass, a micro-batch); refused unless
+/// the estimate can be made.
+struct Blocks {
+  BlockConfig rank, pass;
+};
+Blocks rank_blocks(const BlockConfig& global, const Sharding& s) {
   TPX_CHECK(s.cp >= 1 && global.seq % s.cp == 0, "memory estimate: --seq {} over {} CP ranks",
             global.seq, s.cp);
-  BlockConfig c = global;
-  c.seq = global.seq / s.cp;
-  const bool pipeline = s.pp_layers > 0;
-  TPX_CHECK(!pipeline || (s.microbatches >= 1 && c.batch % (s.dp * s.microbatches) == 0),
-            "memory estimate: a pipeline of {} micro-batches over --batch {}", s.microbatches,
-            c.batch);
-  if (pipeline) c.layers = s.pp_layers;
+  Blocks b{global, global};
+  b.rank.seq = global.seq / s.cp;
+  b.pass = b.rank;
+  for (const auto& dimension : s.dimensions) dimension->cut(b.rank, b.pass, s);
+  const BlockConfig& c = b.rank;
   TPX_CHECK(c.hidden > 0 && c.heads > 0 && c.ffn > 0 && c.seq > 0 && c.batch > 0 && c.layers > 0 &&
                 c.hidden % c.heads == 0,
             "memory estimate of an invalid config (validate() it first)");
@@ -285,24 +295,9 @@ BlockConfig rank_block(const BlockConfig& global, const Sharding& s) {
                 (!s.sequence || c.seq % s.world == 0),
             "memory estimate for {} ranks that cannot split the block (check_tp_split() first)",
             s.world);
-  return c;
+  return b;
 }
 
-/// What the activations are made of: the rank's block, or one micro-batch of it in a pipeline,
-/// B / (D·M) sequences.
-BlockConfig activation_block(const BlockConfig& c, const Sharding& s) {
-  BlockConfig act = c;
-  if (s.pp_layers > 0) act.batch = c.batch / s.microbatches;
-  return act;
-}
-
-/// One layer's parameter elements: the nine tensors, this rank's shards. Under FSDP (D·C shards
-/// of the DP×CP group) each TP shard [rows, ...] is split on dim 0 into D·C shards of
-/// ⌈rows / (D·C)⌉ rows (padded): the rank keeps one (`kept`); `tp` counts the unsharded TP shard.
-struct LayerElements {
-  I kept = 0;
-  I tp = 0;
-};
 LayerElements layer_elements(const BlockConfig& c, const Sharding& s) {
   const I shards = s.dp * s.cp;
   LayerElements layer;
@@ -323,52 +318,18 @@ I parameter_bytes(const BlockConfig& c, const LayerElements& layer) {
   return checked_product({layer.kept, kF32, c.layers}, "the parameters' bytes");
 }
 
-/// Stage 06 (FP8) keeps h and h2 as the FP8 shards it quantized: a byte per element.
-I kept_h_bytes(const BlockConfig& c, const Bytes& b) {
-  return is_fp8(c.dtype) ? b.stream / b.e : b.stream;
-}
-
-/// Per layer, as BlockActivations: x, h, x2, h2 (the stream; h and h2 as the stage keeps them:
-/// this rank's part of the stream, never the gathered copy), rstd1, rstd2, q, k, v, a, gate, up,
-/// s, and probs (naive attention) or lse (fused).
-I saved_layer_bytes(const BlockConfig& c, const Bytes& b) {
-  const I kept_h = kept_h_bytes(c, b);
-  return sum({b.stream, kept_h, b.stream, kept_h, b.rows, b.rows, b.cols_h, b.cols_kv, b.cols_kv,
-              b.cols_h, b.cols_f, b.cols_f, b.cols_f, b.attn},
-             "a layer's saved activations");
-}
-
 /// --recompute: what a layer keeps between its forward and its backward, and what its
 /// recompute makes again while that block's backward runs (the largest such, once):
 ///   none       saved_layer                        —
 ///   full       x (R = ceil(L/K) layers; the rest  saved_layer − x
 ///              keep saved_layer)
 ///   selective  saved_layer − cheap                cheap = h, h2 (as kept), rstd1, rstd2, s
-/// A pipeline rank keeps, for each (micro-batch, layer) alive at once (the schedule's peak, live),
-/// what its layer keeps, plus the one block its recompute makes again:
-///   none       saved_layer · live
-///   full       x · live + (saved_layer − x) · (live − recomputed pairs) + (saved_layer − x)
-///   selective  (saved_layer − cheap) · live + cheap
-I pipeline_saved_activations(const BlockConfig& c, const Sharding& s, I saved_layer, I cheap,
-                             I input) {
+/// (A pipeline counts its live micro-batches instead: 09_pipeline_parallel/memory.cc.)
+I saved_activations(const BlockConfig& c, const Bytes& b) {
   const char* what = "the saved activations' bytes";
-  if (c.recompute == Recompute::selective)
-    return sum({checked_product({saved_layer - cheap, s.pp_live_layers}, what), cheap}, what);
-  if (c.recompute == Recompute::full)
-    return sum(
-        {checked_product({input, s.pp_live_layers}, what),
-         checked_product({saved_layer - input, s.pp_live_kept_layers}, what), saved_layer - input},
-        what);
-  return checked_product({saved_layer, s.pp_live_layers}, what);
-}
-
-I saved_activations(const BlockConfig& c, const Sharding& s, const Bytes& b, const Bytes& ba) {
-  const char* what = "the saved activations' bytes";
-  const I saved_layer = saved_layer_bytes(c, ba);
-  const I kept_h = kept_h_bytes(c, ba);
-  const I cheap = sum({kept_h, kept_h, ba.rows, ba.rows, ba.cols_f}, what);
+  const I saved_layer = saved_layer_bytes(c, b);
+  const I cheap = cheap_bytes(c, b);
   const I recomputed = c.recomputed_layers();
-  if (s.pp_layers > 0) return pipeline_saved_activations(c, s, saved_layer, cheap, ba.stream);
   if (c.recompute == Recompute::selective)
     return sum({checked_product({saved_layer - cheap, c.layers}, what), cheap}, what);
   if (recomputed > 0)
@@ -384,93 +345,6 @@ I fp32_stream_bytes(const BlockConfig& c, const Bytes& b) {
   return checked_product({b.rows, c.hidden}, "the target's bytes");
 }
 
-/// The pipeline's own buffers (stage 09):
-///   input       the first stage's micro-batches of the input, all M (the live ones are also
-///               their first layer's saved x: counted twice, a micro-batch's stream each)
-///   messages    the receives posted for this action and the next: two micro-batch streams
-///   loss grads  the last stage's dL/dy of each micro-batch waiting for its backward
-///   gradients   one micro-batch's gradients of the layer in backward, fp32, before they are
-///               added to the step's (zb-h1: those of every micro-batch between its B and W)
-///   deferred    zb-h1: what a layer's set-aside dW GEMMs read, per (micro-batch, layer)
-///               between B and W, in place of its saved activations: the gathered inputs of
-///               the four GEMMs (h, h2 and the two output gradients of the row layers,
-///               [S, b, H] each) and their other operands (dq, dk, dv, a; dgate, dup, s)
-I pipeline_buffers(const BlockConfig& c, const Sharding& s, const Bytes& b, const Bytes& ba,
-                   const LayerElements& layer) {
-  const char* what = "the pipeline's buffers";
-  const I message = ba.stream;
-  const I grads_layer = checked_product({layer.tp, kF32}, what);
-  const I deferred_layer =
-      sum({checked_product({ba.full, 4}, what), ba.cols_h, ba.cols_kv, ba.cols_kv, ba.cols_h,
-           ba.cols_f, ba.cols_f, ba.cols_f, grads_layer},
-          what);
-  const I saved_layer = saved_layer_bytes(c, ba);
-  const I deferred_beyond_saved = deferred_layer > saved_layer ? deferred_layer - saved_layer : 0;
-  const I gradients = s.pp_split_backward
-                          ? checked_product({deferred_beyond_saved, s.pp_live_layers}, what)
-                          : grads_layer;
-  const I buffers = sum({checked_product({message, 2}, what),
-                         checked_product({message, s.pp_loss_grads}, what), gradients},
-                        what);
-  return s.pp_holds_input ? sum({buffers, b.stream}, what) : buffers;
-}
-
-/// FSDP × PP: the unsharded fp32 gradients of the rank's layers, summed over a step's
-/// micro-batches before they are reduce-scattered.
-I gradient_accumulators(const BlockConfig& c, const LayerElements& layer) {
-  const char* what = "the pipeline's buffers";
-  return checked_product({checked_product({layer.tp, kF32}, what), c.layers}, what);
-}
-
-/// The host's books of a step, beyond the tensors' bytes (the cpu backend with glibc's malloc,
-/// measured with --json's host_peak_bytes − host_baseline_bytes at M up to 16 000):
-///   per (micro-batch, layer held): the schedule's actions and transfers, the per-pass records,
-///     the step's trace spans, each small tensor's handle, storage and shape; 2.5 KiB, and
-///     4.5 KiB on a D·C > 1 slice (its collectives' records and spans)
-///   per live (micro-batch, layer) at the schedule's peak: the handles and malloc chunks of the
-///     fourteen saved tensors and of the pass that holds them, 5 KiB
-/// host per micro-batch = M · L_rank · (2.5 or 4.5 KiB) + live · 5 KiB
-I host_per_microbatch(const BlockConfig& c, const Sharding& s) {
-  const char* what = "the pipeline's buffers";
-  const I per_microbatch_layer = s.dp * s.cp > 1 ? 4608 : 2560, per_live_layer = 5120;
-  return sum({checked_product({s.microbatches, c.layers, per_microbatch_layer}, what),
-              checked_product({s.pp_live_layers, per_live_layer}, what)},
-             what);
-}
-
-/// The holes the live passes leave in the heap (the cpu backend, glibc's malloc). A layer's
-/// forward frees, between the tensors its pass keeps, the outputs of its two row GEMMs before
-/// the residual adds (attention's Wo and the MLP's Wd: G each, the full [S, b, H] partial sums),
-/// and a pass frees its output once it is sent (a micro-batch's stream R). A block below
-/// malloc's mmap threshold (which rises to the largest block freed, at most 32 MiB: the
-/// set-up's streams lift it there) comes from the heap, and malloc keeps such holes resident
-/// under the live passes' tensors above them until those are freed. With the schedule's peaks
-/// of live (micro-batch, layer) pairs and of live passes:
-///   heap holes = live kept layers · 2·G + live passes · R   (no term on cuda, or if G ≥ 32 MiB)
-/// where a layer that --recompute full makes again leaves none: it frees its saved tensors with
-/// the GEMMs' outputs right after its forward, so the next forward reuses the space.
-constexpr I kMmapThresholdMax = I{32} << 20;
-bool has_heap_holes(const BlockConfig& c, const Bytes& ba) {
-  return c.device == Device::cpu && ba.full < kMmapThresholdMax;
-}
-I heap_holes(const Sharding& s, const Bytes& ba) {
-  const char* what = "the pipeline's buffers";
-  return sum({checked_product({s.pp_live_kept_layers, ba.full, 2}, what),
-              checked_product({s.pp_live_passes, ba.stream}, what)},
-             what);
-}
-
-/// The pipeline's terms, after the training terms.
-void add_pipeline_terms(MemoryEstimate& e, const BlockConfig& c, const Sharding& s, const Bytes& b,
-                        const Bytes& ba, const LayerElements& layer) {
-  e.terms.push_back({"pipeline buffers", std::uint64_t(pipeline_buffers(c, s, b, ba, layer))});
-  if (s.dp * s.cp > 1)
-    e.terms.push_back(
-        {"gradient accumulators (FSDP × PP)", std::uint64_t(gradient_accumulators(c, layer))});
-  e.terms.push_back({"host per micro-batch", std::uint64_t(host_per_microbatch(c, s))});
-  if (has_heap_holes(c, ba)) e.terms.push_back({"heap holes", std::uint64_t(heap_holes(s, ba))});
-}
-
 /// The seven matrices' bytes of one layer at fp32, this rank's TP shards.
 I layer_matrix_bytes(const Bytes& b) {
   return sum({b.w_h, b.w_kv, b.w_kv, b.w_h, b.w_f, b.w_f, b.w_f}, "a layer's weights' bytes");
@@ -483,54 +357,6 @@ I bf16_weight_copies(const BlockConfig& c, const Sharding& s, const Bytes& b) {
   return matrices / (kF32 / kBf16) / (s.dp * s.cp);
 }
 
-/// FSDP's unsharded layers (stage 07). While layer l's backward runs: the gathered buffers of l
-/// and of l − 1 below it, prefetched (D shards each, at the compute copies' bytes: g), the
-/// unsharded copy of l's weights and its fp32 gradients, and the fp32 buffer of l + 1's gradient
-/// reduce-scatter still in flight (D shards: r); a layer has one below only if l > 0 and one
-/// above only if l < L − 1. When l's gradients go out, l's own reduce-scatter buffer joins
-/// them, but backward's temporaries are gone: the term is the larger of the two moments, the
-/// second less the temporaries the estimate already counts.
-I unsharded_layers(const BlockConfig& c, const Sharding& s, const LayerElements& layer,
-                   I temporaries) {
-  const char* what = "FSDP's unsharded layers";
-  const I shards = s.dp * s.cp;
-  const I weight_bytes = c.bf16_weight_copies() ? kBf16 : kF32;
-  const I gathered = checked_product({shards, layer.kept, weight_bytes}, what);
-  const I reduce_scatter = checked_product({shards, layer.kept, kF32}, what);
-  const I unsharded = checked_product({layer.tp, sum({weight_bytes, kF32}, what)}, what);
-  const I in_flight =
-      c.layers >= 3 ? sum({gathered, gathered, reduce_scatter}, what)
-      : c.layers == 2
-          ? largest({sum({gathered, gathered}, what), sum({gathered, reduce_scatter}, what)})
-          : gathered;
-  const I during = sum({unsharded, in_flight}, what);
-  const I going_out = sum({during, reduce_scatter}, what);
-  return largest({during, going_out > temporaries ? going_out - temporaries : I{0}});
-}
-
-/// Context parallelism's attention buffers at their largest, in backward (stage 08; kv = this
-/// rank's K/V block [S/C, B/D, NKV/T·Dh], fp32; q likewise with NH/T heads):
-///   ring       its own block packed [k | v], the block in flight, two dK/dV partials and
-///              the one arriving: 2·kv each, 6 in all, plus the last hop's arrival
-///   allgather  every rank's block gathered, their dK/dV, this rank's own and its share of
-///              the reduce-scatter: (2C + 2)·2·kv
-///   ulysses    the head-sharded copies of q, k, v, out, dO and of dq, dk, dv (each as big as
-///              the rank's own), plus one all-to-all's host send, receive and reorder buffers
-I cp_attention_buffers(const Sharding& s, const Bytes& ba) {
-  const char* what = "CP attention buffers";
-  const I kv2 = checked_product({ba.cols_kv, 2}, what);
-  switch (s.cp_method) {
-    case CpMethod::ring:
-      return checked_product({kv2, 7}, what);
-    case CpMethod::allgather:
-      return checked_product({kv2, 2 * I(s.cp) + 2}, what);
-    case CpMethod::ulysses:
-      return sum({checked_product({ba.cols_h, 7}, what), checked_product({ba.cols_kv, 4}, what)},
-                 what);
-  }
-  return 0;
-}
-
 /// AdamW's two fp32 moments per parameter element, this rank's shards.
 I optimizer_state(I params) {
   return checked_product({params, 2}, "AdamW's state bytes");
@@ -539,22 +365,6 @@ I optimizer_state(I params) {
 /// The FP8 copies of every weight, made in forward and kept for backward (a byte each; stage 06).
 I fp8_weights(const BlockConfig& c, const Bytes& b) {
   return checked_product({layer_matrix_bytes(b) / kF32, c.layers}, "the FP8 weights' bytes");
-}
-
-/// The pipeline's set-up streams: every rank generates the whole input and target, [S, B, H]
-/// fp32 each (X bytes), before its mesh cuts them; with C > 1 the CP cut copies this rank's
-/// S / C rows of one of them twice while both are alive; with C = 1 and D > 1 the FSDP cut
-/// copies this replica's B / D columns of the input while both are alive (the target's cut
-/// comes after the whole input is gone). The training terms are not alive yet, so the term is
-/// what the set-up needs beyond them (zero when training needs more):
-///   set-up streams = max(0, 2·X + (C > 1 ? 2·X/C : D > 1 ? X/D : 0) − the training terms)
-std::uint64_t setup_streams(const BlockConfig& global, const BlockConfig& c, const Sharding& s,
-                            std::uint64_t training) {
-  const char* what = "the set-up's streams";
-  const I x = checked_product({global.seq, c.batch, c.hidden, kF32}, what);
-  const I cut = s.cp > 1 ? 2 * (x / s.cp) : s.dp > 1 ? x / s.dp : I{0};
-  const auto need = std::uint64_t(sum({checked_product({x, 2}, what), cut}, what));
-  return need > training ? need - training : 0;
 }
 
 }  // namespace
@@ -582,6 +392,15 @@ const MemoryTerm& MemoryEstimate::term(const std::string& name) const {
   fail(fmt::format("the memory estimate has no term '{}'", name));
 }
 
+MemoryTerm& MemoryEstimate::term(const std::string& name) {
+  const auto& self = *this;
+  return const_cast<MemoryTerm&>(self.term(name));
+}
+
+void MemoryEstimate::remove(const std::string& name) {
+  std::erase_if(terms, [&](const MemoryTerm& m) { return m.name == name; });
+}
+
 std::string MemoryEstimate::describe() const {
   const std::uint64_t all = total();
   const ByteUnit u = byte_unit(all);
@@ -593,38 +412,35 @@ std::string MemoryEstimate::describe() const {
 }
 
 MemoryEstimate estimate_training_memory(const BlockConfig& global, const Sharding& s) {
-  const BlockConfig c = rank_block(global, s);
-  const BlockConfig act = activation_block(c, s);
-  const bool pipeline = s.pp_layers > 0, fsdp = s.dp * s.cp > 1;
-  const Bytes rank = local_bytes(c, s), micro = local_bytes(act, s);
-  const LayerElements layer = layer_elements(c, s);
-  const I params = parameter_bytes(c, layer);
-  const I stream_f32 = fp32_stream_bytes(c, rank);
-  const I temporaries = largest_temporaries(act, s, micro);
+  const auto [c, pass] = rank_blocks(global, s);
+  const MemoryParts p{.global = global,
+                      .rank = c,
+                      .pass = pass,
+                      .rank_bytes = local_bytes(c, s),
+                      .pass_bytes = local_bytes(pass, s),
+                      .layer = layer_elements(c, s),
+                      .temporaries = largest_temporaries(pass, s, local_bytes(pass, s)),
+                      .sharding = s};
+  const I params = parameter_bytes(c, p.layer);
+  const I stream_f32 = fp32_stream_bytes(c, p.rank_bytes);
   MemoryEstimate e;
   e.terms = {
       {"parameters", std::uint64_t(params)},
       {"gradients", std::uint64_t(params)},
-      {"saved activations", std::uint64_t(saved_activations(c, s, rank, micro))},
+      {"saved activations", std::uint64_t(saved_activations(c, p.rank_bytes))},
       // The input x is layer 0's saved x (the same tensor), counted there, unless it is a copy.
-      // A pipeline's last stage keeps the target's micro-batches; the others none.
-      {"target", std::uint64_t(!pipeline || s.pp_holds_target ? stream_f32 : 0)},
-      {"largest temporaries", std::uint64_t(temporaries)},
+      {"target", std::uint64_t(stream_f32)},
+      {"largest temporaries", std::uint64_t(p.temporaries)},
   };
-  if (c.activations() != DType::f32 && !pipeline)
-    e.terms.push_back({"fp32 input", std::uint64_t(stream_f32)});
-  if (pipeline) add_pipeline_terms(e, c, s, rank, micro, layer);
+  if (c.activations() != DType::f32) e.terms.push_back({"fp32 input", std::uint64_t(stream_f32)});
   if (c.bf16_weight_copies())
-    e.terms.push_back({"bf16 weight copies", std::uint64_t(bf16_weight_copies(c, s, rank))});
-  if (fsdp)
     e.terms.push_back(
-        {"unsharded layers (FSDP)", std::uint64_t(unsharded_layers(c, s, layer, temporaries))});
-  if (s.cp > 1)
-    e.terms.push_back({"CP attention buffers", std::uint64_t(cp_attention_buffers(s, micro))});
+        {"bf16 weight copies", std::uint64_t(bf16_weight_copies(c, s, p.rank_bytes))});
   if (c.optimizer == Optimizer::adamw)
     e.terms.push_back({"optimizer state", std::uint64_t(optimizer_state(params))});
-  if (is_fp8(c.dtype)) e.terms.push_back({"FP8 weights", std::uint64_t(fp8_weights(c, rank))});
-  if (pipeline) e.terms.push_back({"set-up streams", setup_streams(global, c, s, e.total())});
+  if (is_fp8(c.dtype))
+    e.terms.push_back({"FP8 weights", std::uint64_t(fp8_weights(c, p.rank_bytes))});
+  for (const auto& dimension : s.dimensions) dimension->add_terms(e, p);
   (void)e.total();  // throws SizeOverflow now rather than when it is printed
   return e;
 }

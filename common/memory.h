@@ -14,10 +14,12 @@
 //                           sequences and naive attention, a forward re-allocating a layer's
 //                           probabilities; fused attention keeps only [B, NH/N, S]; under
 //                           full recompute, a block's forward run again inside backward)
-// A pipeline (stage 09) adds its buffers and three host terms that grow with M and B: the host's
-// books of M micro-batches, the holes the live passes' freed transients leave in malloc's heap
-// (cpu), and the set-up's whole input and target streams (memory.cc); they are held against the
-// process's own high-water mark (--json's host_peak_bytes).
+//   weight copies, state    bf16 compute copies of the matrices, AdamW's moments, FP8 weights
+// and then the terms of the stages' own dimensions of the mesh (Sharding::dimensions,
+// common/memory_terms.h): FSDP's unsharded layers (07_fsdp_tp/memory.cc), CP's attention buffers
+// (08_context_parallel/memory.cc), and a pipeline's buffers and the three host terms that grow
+// with M and B (09_pipeline_parallel/memory.cc), which are held against the process's own
+// high-water mark (--json's host_peak_bytes).
 // Every size is computed with checked arithmetic (checked.h): sizes too large for 64 bits throw
 // SizeOverflow, never a wrapped, small-looking number. It is pure arithmetic, so absurd configs
 // are refused at once.
@@ -57,6 +59,9 @@ struct MemoryEstimate {
   const MemoryTerm& biggest() const;
   /// The term named `name`; throws tpx::Error when there is none.
   const MemoryTerm& term(const std::string& name) const;
+  MemoryTerm& term(const std::string& name);
+  /// Removes the term named `name`, if there is one.
+  void remove(const std::string& name);
   /// One line, the total and each term in the total's unit, e.g.
   /// "33.6 MiB = parameters 8.0 + gradients 8.0 + saved activations 12.0 + ...".
   std::string describe() const;
@@ -64,7 +69,8 @@ struct MemoryEstimate {
 
 /// This rank's peak bytes through allocator_for(c.device) while train() runs (without the
 /// first-step snapshot), for a rank holding the part of the model `s` describes: stage 01
-/// Sharding{}, stage 02 weights split over s.world ranks, stage 03 weights and sequence split.
+/// Sharding{}, stage 02 weights split over s.world ranks, stage 03 weights and sequence split;
+/// stages 07-09 add their dimensions' terms through s.dimensions, in its order.
 /// Expects a config that validate() accepts and that s.world divides where `s` splits (heads,
 /// ffn, and seq with sequence parallelism; tpx::Error otherwise). Throws SizeOverflow when a
 /// count does not fit in 64 bits.

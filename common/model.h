@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <string_view>
 #include <vector>
 
@@ -46,41 +47,26 @@ enum class CpMethod {
   ulysses,    ///< all-to-all to head-sharded full-sequence q, k, v and back (DeepSpeed Ulysses)
 };
 
+class MemoryDimension;  // common/memory_terms.h
+
 /// Which part of the model this rank holds. Stage 01: the default (everything).
 struct Sharding {
   int rank = 0;
   int world = 1;
   bool weights = false;   ///< tensor parallel: weights split by param_split()
   bool sequence = false;  ///< sequence parallel: input/target/activations split along S
-  /// Data parallel with sharded parameters (stage 07's FSDP): D replicas, each training B / D,
-  /// each parameter's TP shard split on dim 0 over them (padded). rank and world above are the
-  /// rank's place in its TP group.
+  /// The mesh's data-parallel degree D (stages 07-09): D replicas, each training B / D, each
+  /// parameter's TP shard split on dim 0 over the D·C ranks of the DP×CP group (padded). rank and
+  /// world above are the rank's place in its TP group.
   int dp = 1;
-  /// Context parallelism (stage 08): the sequence split over C ranks as well (S / (C·T) tokens
-  /// per rank under SP); the parameters are sharded over D·C ranks.
+  /// The mesh's context-parallel degree C (stages 08, 09): the sequence split over C ranks as well
+  /// (S / (C·T) tokens per rank under SP).
   int cp = 1;
-  CpMethod cp_method = CpMethod::ring;
-  /// Pipeline parallelism (stage 09): P stages, this rank holding `pp_layers` of the L layers
-  /// (0: all of them), its batch part trained in `microbatches` parts, and at most
-  /// `pp_live_layers` (micro-batch, layer) activations alive at once (its schedule's peak).
-  /// `pp_split_backward`: the schedule splits the backward (zb-h1), so the dW GEMMs' inputs of
-  /// the micro-batches between their B and W are kept too.
-  /// `pp_loss_grads`: the most micro-batches whose loss gradient waits for their backward (the
-  /// last stage's live count; 0 elsewhere). The first stage keeps the input's micro-batches, the
-  /// last the target's. `pp_live_passes`: the most (micro-batch, virtual stage) passes alive at
-  /// once (each of them pp_layers / stages-per-rank layers of pp_live_layers).
-  /// `pp_live_kept_layers`: the most of those (micro-batch, layer) pairs whose layer keeps its
-  /// activations whole between its forward and its backward (all of them but the layers that
-  /// --recompute full makes again, which keep only their input).
+  /// The mesh's pipeline degree P (stage 09).
   int pp = 1;
-  std::int64_t pp_layers = 0;
-  int microbatches = 1;
-  std::int64_t pp_live_layers = 0;
-  std::int64_t pp_live_passes = 0;
-  std::int64_t pp_live_kept_layers = 0;
-  bool pp_split_backward = false;
-  std::int64_t pp_loss_grads = 0;
-  bool pp_holds_input = false, pp_holds_target = false;
+  /// The stages' own parts of the memory estimate, in the order of the mesh (FSDP, CP, pipeline):
+  /// each cuts the rank's block and adds its terms (common/memory_terms.h).
+  std::vector<std::shared_ptr<const MemoryDimension>> dimensions = {};
 };
 
 /// Shape of this rank's shard of parameter p.

@@ -31,6 +31,8 @@
 #include "06_fp8/layers.h"
 #include "07_fsdp_tp/flags.h"
 #include "07_fsdp_tp/layers.h"
+#include "07_fsdp_tp/memory.h"
+#include "09_pipeline_parallel/memory.h"
 #include "common/checked.h"
 #include "common/memory.h"
 #include "common/ops.h"
@@ -279,16 +281,20 @@ TEST(MemoryTerms, PipelineSavedActivationsFollowChapterNinesFormula) {
   constexpr std::uint64_t kMicrobatches = 4, kLive = 6;
   const std::uint64_t x = kFloat * std::uint64_t(c.seq) * (std::uint64_t(c.batch) / kMicrobatches) *
                           std::uint64_t(c.hidden);
-  Sharding sh{.pp = 2, .pp_layers = 1, .microbatches = int(kMicrobatches)};
-  sh.pp_live_layers = sh.pp_live_passes = std::int64_t(kLive);
-  const std::uint64_t none = estimate_training_memory(c, sh).term("saved activations").bytes;
+  pp::PipelineMemory held{.layers = 1, .microbatches = int(kMicrobatches)};
+  held.live_layers = held.live_passes = std::int64_t(kLive);
+  auto estimate = [&] {
+    return estimate_training_memory(c,
+                                    Sharding{.pp = 2, .dimensions = {pp::memory_dimension(held)}});
+  };
+  const std::uint64_t none = estimate().term("saved activations").bytes;
   ASSERT_EQ(none % kLive, 0u);
   const std::uint64_t saved_layer = none / kLive;
   ASSERT_GT(saved_layer, x);
   c.recompute = Recompute::full;
   for (const std::uint64_t kept : {0u, 2u, 6u}) {
-    sh.pp_live_kept_layers = std::int64_t(kept);
-    EXPECT_EQ(estimate_training_memory(c, sh).term("saved activations").bytes,
+    held.live_kept_layers = std::int64_t(kept);
+    EXPECT_EQ(estimate().term("saved activations").bytes,
               x * kLive + (saved_layer - x) * kept + (saved_layer - x))
         << "live_kept " << kept;
   }
@@ -301,7 +307,12 @@ TEST(MemoryTerms, FsdpShardsFallAsOneOverTD) {
   const MemoryEstimate one = estimate_training_memory(c, Sharding{});
   for (const int t : {1, 2, 4})
     for (const int d : {1, 2, 4}) {
-      const Sharding s{.rank = 0, .world = t, .weights = true, .sequence = true, .dp = d};
+      const Sharding s{.rank = 0,
+                       .world = t,
+                       .weights = true,
+                       .sequence = true,
+                       .dp = d,
+                       .dimensions = {fsdp::memory_dimension()}};
       const MemoryEstimate e = estimate_training_memory(c, s);
       for (const char* term : {"parameters", "gradients", "optimizer state"}) {
         const std::uint64_t copies = std::string(term) == "optimizer state" ? 2 : 1;

@@ -1,5 +1,7 @@
 #include "projection.h"
 
+#include "07_fsdp_tp/memory.h"
+#include "08_context_parallel/memory.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "common/memory.h"
 #include "common/presets.h"
@@ -1032,7 +1034,7 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
                     .sequence = true,
                     .dp = l.dp,
                     .cp = l.cp,
-                    .cp_method = l.cp_method};
+                    .dimensions = {fsdp::memory_dimension(), cp::memory_dimension(l.cp_method)}};
   const MemoryEstimate estimate = estimate_training_memory(mem, sh);
   r.memory_bytes = estimate.total();
   r.saved_bytes = estimate.term("saved activations").bytes;

@@ -59,6 +59,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "07_fsdp_tp/memory.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "common/check.h"
 #include "common/cli.h"
@@ -150,6 +151,7 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
     tpx::BlockConfig s = c;                      // what the stage runs
     if (stage == 6) s.dtype = tpx::DType::e4m3;  // its default recipe: FP8 GEMMs inside bf16
     Sharding sh{.rank = 0, .world = t, .weights = stage > 1, .sequence = stage > 2, .dp = n};
+    if (stage == 7) sh.dimensions = {tpx::fsdp::memory_dimension()};
     if (stage > 1) tpx::check_tp_split(s, t, /*sequence=*/stage > 2);
     if (stage < 7) {
       r.p = pj::project_stage(d, s, t, stage);
