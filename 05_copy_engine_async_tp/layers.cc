@@ -1,6 +1,7 @@
 #include "05_copy_engine_async_tp/layers.h"
 
 #include "05_copy_engine_async_tp/copy_engine.h"
+#include "05_copy_engine_async_tp/flags.h"
 
 namespace tpx::async_tp {
 
@@ -18,8 +19,9 @@ std::unique_ptr<ChunkTransport> copy_engine_transport(const RunContext& ctx, TpG
   const Device device = ctx.options.config.device;
   return std::make_unique<CopyEngineTransport>(
       group.rank(), group.world(), device, symmetric, group.trace(),
-      ctx.options.all_gather == AllGatherPath::nccl_zero_cta ? make_zero_cta_comm(comm, device)
-                                                             : nullptr);
+      ctx.options.flags<AllGatherFlags>().path() == AllGatherPath::nccl_zero_cta
+          ? make_zero_cta_comm(comm, device)
+          : nullptr);
 }
 
 std::unique_ptr<Parallelism> make_copy_engine_async_tp(const RunContext& ctx) {

@@ -2,6 +2,7 @@
 // chunk moved by a copy-engine pull from the peers' symmetric memory, ordered by stream-ordered
 // signals with monotonic generations; checked against stage 01 run in-process.
 #include "01_baseline/layers.h"
+#include "05_copy_engine_async_tp/flags.h"
 #include "05_copy_engine_async_tp/layers.h"
 #include "common/stage.h"
 #include "common/tp.h"
@@ -12,7 +13,7 @@ int main(int argc, char** argv) {
       .info = {.name = "05_copy_engine_async_tp",
                .summary = "tensor + sequence parallelism with all-gather + GEMM and GEMM + "
                           "reduce-scatter overlapped by copy-engine pulls from symmetric memory",
-               .copy_engine = true},
+               .flag_groups = {async_tp::AllGatherFlags::make}},
       .make = async_tp::make_copy_engine_async_tp,
       .plan = [](const RunContext& ctx) { return tp_plan(5, ctx); },
       .reference = baseline::run_reference,

@@ -2,6 +2,7 @@
 // gradients, per-tensor current scaling agreed over the group) and the all-gathers moving FP8
 // bytes; checked against stage 01 (fp32) run in-process.
 #include "01_baseline/layers.h"
+#include "05_copy_engine_async_tp/flags.h"
 #include "06_fp8/layers.h"
 #include "common/stage.h"
 #include "common/tp.h"
@@ -12,10 +13,16 @@ int main(int argc, char** argv) {
       .info = {.name = "06_fp8",
                .summary = "stage 05 with FP8 GEMMs (E4M3 forward, E5M2 gradients, per-tensor "
                           "scales agreed over the group) and all-gathers of FP8 bytes",
-               .copy_engine = true,
-               .fp8 = true},
+               .own_dtype = StagePrecision{.word = "fp8",
+                                           .help = "the bf16 recipe with the linear layers' "
+                                                   "GEMMs in E4M3 forward, E5M2 gradients"},
+               .flag_groups = {async_tp::AllGatherFlags::make}},
       .make = async_fp8::make_fp8_async_tp,
-      .plan = [](const RunContext& ctx) { return tp_plan(6, ctx); },
+      // Under --dtype fp32 or bf16 the stage runs as stage 05, and moves stage 05's bytes.
+      .plan =
+          [](const RunContext& ctx) {
+            return tp_plan(is_fp8(ctx.options.config.dtype) ? 6 : 5, ctx);
+          },
       // The reference is stage 01 in fp32: what FP8 is measured against.
       .reference =
           [](BlockConfig c, int steps) {

@@ -4,6 +4,7 @@
 // gradients reduce-scattered while backward goes on; checked against stage 01 run in-process
 // on the whole model and the whole batch.
 #include "01_baseline/layers.h"
+#include "05_copy_engine_async_tp/flags.h"
 #include "07_fsdp_tp/flags.h"
 #include "07_fsdp_tp/layers.h"
 #include "common/stage.h"
@@ -15,8 +16,7 @@ int main(int argc, char** argv) {
                .summary = "a D × TP mesh: stage 05's async TP in each TP group, the batch split "
                           "and the parameters, gradients and optimizer state sharded over DP "
                           "(FSDP), weights gathered just in time, gradients reduce-scattered",
-               .copy_engine = true,
-               .flag_groups = {fsdp::DataParallelFlags::make}},
+               .flag_groups = {fsdp::DataParallelFlags::make, async_tp::AllGatherFlags::make}},
       .make = fsdp::make_fsdp_tp,
       .plan = fsdp::plan_fsdp_tp,
       .reference = baseline::run_reference,

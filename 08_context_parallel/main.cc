@@ -4,6 +4,7 @@
 // all-gather of K and V); checked against stage 01 run in-process on the whole model, the whole
 // batch and the whole sequence.
 #include "01_baseline/layers.h"
+#include "05_copy_engine_async_tp/flags.h"
 #include "07_fsdp_tp/flags.h"
 #include "08_context_parallel/flags.h"
 #include "08_context_parallel/layers.h"
@@ -17,8 +18,8 @@ int main(int argc, char** argv) {
                           "attention by a ring of K/V blocks merged by log-sum-exp (or an "
                           "all-gather of K/V, or Ulysses' all-to-all), stage 07's FSDP × TP on "
                           "each rank's tokens",
-               .copy_engine = true,
-               .flag_groups = {fsdp::DataParallelFlags::make, cp::ContextParallelFlags::make}},
+               .flag_groups = {fsdp::DataParallelFlags::make, cp::ContextParallelFlags::make,
+                               async_tp::AllGatherFlags::make}},
       .make = cp::make_context_parallel,
       .plan = cp::plan_context_parallel,
       .reference = baseline::run_reference,

@@ -4,6 +4,7 @@
 // interleaved 1F1B, ZB-H1) lists; checked against stage 01 run in-process on the whole model,
 // the whole batch and the whole sequence.
 #include "01_baseline/layers.h"
+#include "05_copy_engine_async_tp/flags.h"
 #include "07_fsdp_tp/flags.h"
 #include "08_context_parallel/flags.h"
 #include "09_pipeline_parallel/flags.h"
@@ -17,9 +18,8 @@ int main(int argc, char** argv) {
                .summary = "a P × D × C × TP mesh: the layers over P pipeline stages, micro-batches "
                           "through them by point-to-point messages in a schedule's order (gpipe, "
                           "1f1b, interleaved-1f1b, zb-h1), stage 08 on each stage's ranks",
-               .copy_engine = true,
                .flag_groups = {fsdp::DataParallelFlags::make, cp::ContextParallelFlags::make,
-                               pp::PipelineFlags::make}},
+                               pp::PipelineFlags::make, async_tp::AllGatherFlags::make}},
       .make = pp::make_pipeline,
       .plan = pp::plan_pipeline,
       .reference = baseline::run_reference,

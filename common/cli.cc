@@ -34,10 +34,6 @@ void add_rank_pair(CLI::App& app, const std::string& flag, const std::string& wh
 
 }  // namespace
 
-const char* to_string(AllGatherPath p) {
-  return p == AllGatherPath::pulls ? "pulls" : "nccl-zero-cta";
-}
-
 const char* to_string(CpMethod m) {
   switch (m) {
     case CpMethod::allgather:
@@ -54,7 +50,7 @@ namespace {
 
 /// What the choice flags are given as, before they become enums.
 struct Choices {
-  std::string device, dtype, attention, optimizer, recompute, comm_kind, all_gather;
+  std::string device, dtype, attention, optimizer, recompute, comm_kind;
 };
 
 /// The app: name, summary, the footer's words on ranks and exit codes, --help's layout.
@@ -132,13 +128,16 @@ void add_run_flags(CLI::App& app, const StageInfo& info, BlockConfig& c, Choices
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str()
       ->group(run);
+  const std::string common_dtypes =
+      "fp32, or bf16 (bf16 activations and communication, fp32 master weights, gradients and op "
+      "math)";
+  std::vector<std::string> dtypes = {"fp32", "bf16"};
+  if (info.own_dtype) dtypes.insert(dtypes.begin(), info.own_dtype->word);
   app.add_option("--dtype", choices.dtype,
-                 info.fp8 ? "precision: fp8 (the bf16 recipe with the linear layers' GEMMs in "
-                            "E4M3 forward, E5M2 gradients), fp32, or bf16 (bf16 activations and "
-                            "communication, fp32 master weights, gradients and op math)"
-                          : "precision: fp32, or bf16 (bf16 activations and communication, fp32 "
-                            "master weights, gradients and op math)")
-      ->check(info.fp8 ? CLI::IsMember({"fp8", "fp32", "bf16"}) : CLI::IsMember({"fp32", "bf16"}))
+                 info.own_dtype ? fmt::format("precision: {} ({}), {}", info.own_dtype->word,
+                                              info.own_dtype->help, common_dtypes)
+                                : "precision: " + common_dtypes)
+      ->check(CLI::IsMember(dtypes))
       ->capture_default_str()
       ->group(run);
   app.add_option("--attention", choices.attention,
@@ -223,18 +222,6 @@ void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
       ->group("");
 }
 
-/// Stage 05's choice of all-gather (a copy-engine stage's only; elsewhere it does not exist).
-void add_copy_engine_flags(CLI::App& app, const StageInfo& info, std::string& all_gather) {
-  if (!info.copy_engine) return;
-  app.add_option("--all-gather", all_gather,
-                 "pulls (the hand-built copy-engine pulls from symmetric memory) or "
-                 "nccl-zero-cta (NCCL >= 2.28's copy-engine all-gather on a registered "
-                 "window; cuda, one GPU per rank)")
-      ->check(CLI::IsMember({"pulls", "nccl-zero-cta"}))
-      ->capture_default_str()
-      ->group("Copy engine");
-}
-
 /// The flag groups the stage names (StageInfo::flag_groups), made and added in its order; each
 /// mesh dimension's help gives its default by the newest dimension among them.
 void add_stage_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
@@ -254,8 +241,6 @@ void add_stage_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
 void apply_choices(const Choices& choices, StageOptions& o) {
   BlockConfig& c = o.config;
   o.comm.kind = parse_comm_kind(choices.comm_kind);
-  o.all_gather =
-      choices.all_gather == "pulls" ? AllGatherPath::pulls : AllGatherPath::nccl_zero_cta;
   c.device = parse_device(choices.device);
   c.dtype = parse_dtype(choices.dtype);
   c.attention = choices.attention == "naive" ? Attention::naive : Attention::fused;
@@ -337,12 +322,11 @@ std::optional<std::string> resolve_model(const CLI::App& app, StageOptions& o) {
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   StageOptions o;
   Choices choices{.device = "cpu",
-                  .dtype = info.fp8 ? "fp8" : "fp32",
+                  .dtype = info.own_dtype ? info.own_dtype->word : "fp32",
                   .attention = std::string(attention_flag(o.config.attention)),
                   .optimizer = std::string(optimizer_flag(o.config.optimizer)),
                   .recompute = std::string(recompute_flag(o.config.recompute)),
-                  .comm_kind = "auto",
-                  .all_gather = to_string(o.all_gather)};
+                  .comm_kind = "auto"};
 
   CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
   describe_app(app, info);
@@ -351,7 +335,6 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_output_flags(app, o);
   add_comm_flags(app, info, o.comm, choices.comm_kind);
   add_stage_flags(app, info, o);
-  add_copy_engine_flags(app, info, choices.all_gather);
 
   try {
     app.parse(argc, argv);
@@ -363,7 +346,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   apply_choices(choices, o);
   if (auto error = check_combinations(app, info, o, choices)) return {std::nullopt, *error, 2};
   for (const auto& group : o.flag_groups)
-    if (auto error = group->check(app)) return {std::nullopt, *error, 2};
+    if (auto error = group->check(app, o)) return {std::nullopt, *error, 2};
   if (auto error = resolve_model(app, o)) return {std::nullopt, *error, 2};
   if (const auto errors = validate(o.config); !errors.empty())
     return {std::nullopt, fmt::format("{}", fmt::join(errors, "; ")), 2};
@@ -406,7 +389,6 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--fault-skip-signal", fmt::format("{}:{}", o.comm.signal_fault_rank, o.comm.signal_fault)},
       {"--fault-delay-copy", fmt::format("{}:{}", o.comm.copy_fault_rank, o.comm.copy_fault)},
       {"--fault-copy-delay-us", fmt::format("{}", o.comm.copy_delay_us)},
-      {"--all-gather", to_string(o.all_gather)},
       {"--dry-run", o.dry_run ? "given" : "not given"}};
   for (const auto& group : o.flag_groups) {
     const ConfigFields more = group->agreed();

@@ -1,7 +1,7 @@
 // The command line of every stage executable (DESIGN.md, "Contract of every stage executable"),
 // on CLI11.
 //
-// defines: tpx::MeshFlag, tpx::FlagGroup, tpx::StageInfo, tpx::AllGatherPath, tpx::StageOptions,
+// defines: tpx::MeshFlag, tpx::FlagGroup, tpx::StagePrecision, tpx::StageInfo, tpx::StageOptions,
 //          tpx::CliOutcome, tpx::parse_stage_cli(), tpx::config_fields(), tpx::mesh_degree(),
 //          tpx::mesh_default_words()
 #pragma once
@@ -23,6 +23,8 @@ class App;
 
 namespace tpx {
 
+struct StageOptions;
+
 /// A mesh dimension's flag, --dp, --cp, --pp: the dimensions stages 07 (dp), 08 (cp) and 09 (pp)
 /// add, whose defaults follow one rule (mesh_degree()).
 enum class MeshFlag { dp, cp, pp };
@@ -41,10 +43,19 @@ class FlagGroup {
   /// dimension (for mesh_default_words()).
   virtual void add_flags(CLI::App& app, MeshFlag newest) = 0;
   /// After parsing: one sentence for the first of the group's flags that parse on their own but
-  /// not together; nothing when they fit.
-  virtual std::optional<std::string> check(const CLI::App& /*app*/) const { return std::nullopt; }
+  /// not together (or not with the common flags, `o`); nothing when they fit.
+  virtual std::optional<std::string> check(const CLI::App& /*app*/,
+                                           const StageOptions& /*o*/) const {
+    return std::nullopt;
+  }
   /// The group's flags as config_fields() lists them: every rank must give the same.
   virtual ConfigFields agreed() const = 0;
+};
+
+/// A --dtype word a stage adds (stage 06's fp8), and what it means, for --help.
+struct StagePrecision {
+  std::string word;  ///< e.g. "fp8"
+  std::string help;  ///< e.g. "the bf16 recipe with the linear layers' GEMMs in ..."
 };
 
 /// What a stage says about itself in --help and in its header.
@@ -52,32 +63,22 @@ struct StageInfo {
   std::string name;     ///< executable name, e.g. "01_baseline"
   std::string summary;  ///< one line: the stage's idea
   bool single_device = false;
-  /// Moves chunks with the copy engine (stages 05, 06): offers --all-gather.
-  bool copy_engine = false;
-  /// Runs the linear layers in FP8 (stage 06): offers --dtype fp8, its default.
-  bool fp8 = false;
+  /// A precision the stage adds to --dtype, its default (stage 06: fp8); none: fp32 and bf16.
+  std::optional<StagePrecision> own_dtype = std::nullopt;
   /// The stage's own flag groups, in the order --help lists them: each call makes one.
   std::vector<std::function<std::shared_ptr<FlagGroup>()>> flag_groups = {};
 };
 
 const char* to_string(CpMethod m);
 
-/// What runs a copy-engine stage's all-gathers (--all-gather).
-enum class AllGatherPath {
-  pulls,  ///< the hand-built pulls from symmetric memory (05_copy_engine_async_tp/copy_engine.h)
-  nccl_zero_cta,  ///< NCCL's copy-engine all-gather on a registered window (common/comm/zero_cta.h)
-};
-const char* to_string(AllGatherPath p);
-
 /// A parsed command line.
 struct StageOptions {
   BlockConfig config;
   bool check = false;
-  std::string dump_dir;    ///< empty: no dump
-  std::string json_path;   ///< empty: no summary file
-  std::string trace_path;  ///< empty: no trace
-  CommOptions comm;        ///< --comm, --comm-timeout, --fault-skip-collective
-  AllGatherPath all_gather = AllGatherPath::pulls;  ///< --all-gather (copy-engine stages)
+  std::string dump_dir;     ///< empty: no dump
+  std::string json_path;    ///< empty: no summary file
+  std::string trace_path;   ///< empty: no trace
+  CommOptions comm;         ///< --comm, --comm-timeout, --fault-skip-collective
   std::string model;        ///< --model NAME (common/presets.h); empty: none
   std::string config_file;  ///< --config FILE; empty: none
   /// --dry-run: report a step's FLOPs, bytes and memory from the formulas, compute nothing.

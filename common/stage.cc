@@ -278,10 +278,6 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
   if (std::string p = ops::device_problem(c.device); !p.empty()) return p;
   if (is_fp8(c.dtype))
     if (std::string p = ops::fp8_problem(c.device); !p.empty()) return p;
-  if (o.all_gather == AllGatherPath::nccl_zero_cta && c.device == Device::cpu)
-    return "--all-gather nccl-zero-cta cannot run on the cpu: NCCL's copy-engine all-gather moves "
-           "GPU memory and needs --device cuda with one GPU per rank (on the cpu, the copy-engine "
-           "path is the hand-built pulls: --all-gather pulls)";
   if (rank != 0) return {};
   {
     // No two outputs in one file (or one inside the dump), none over an input.

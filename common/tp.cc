@@ -41,7 +41,7 @@ StagePlan tp_plan(int stage, const RunContext& ctx) {
   check_tp_split(c, ctx.world, sequence);
   StagePlan p;
   p.sharding = {.rank = ctx.rank, .world = ctx.world, .weights = true, .sequence = sequence};
-  p.traffic = comm_bytes(stage == 6 && !is_fp8(c.dtype) ? 5 : stage, c, ctx.world);
+  p.traffic = comm_bytes(stage, c, ctx.world);
   p.comm = fmt::format("tp over {} ranks (dry run)", ctx.world);
   return p;
 }

@@ -33,7 +33,7 @@ void check_tp_split(const BlockConfig& c, int world, bool sequence);
 
 /// --dry-run's plan of tensor-parallel stage `stage` (2 … 6) over all of ctx's ranks: the
 /// split check of its factory, its sharding (weights; from stage 03 on the sequence too) and a
-/// step's bytes (comm_bytes(); stage 06 under --dtype fp32 or bf16 runs as stage 05).
+/// step's bytes (comm_bytes() of `stage`: the stage whose bytes it moves).
 StagePlan tp_plan(int stage, const RunContext& ctx);
 
 /// The tensor-parallel group: every rank of the job, in rank order.

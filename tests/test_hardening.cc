@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "05_copy_engine_async_tp/flags.h"
 #include "common/checked.h"
 #include "common/cli.h"
 #include "common/cli_hint.h"
@@ -166,18 +167,26 @@ TEST(StrictFlags, FaultInjectionErrorsNameTheFlag) {
 }
 
 TEST(StrictFlags, OnlyACopyEngineStageTakesAllGather) {
-  std::vector<std::string> args{"prog", "--all-gather", "nccl-zero-cta"};
+  std::vector<std::string> args{"prog", "--all-gather", "nccl-zero-cta", "--device", "cuda"};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
-  const StageInfo copy_engine{.name = "prog", .summary = "test", .copy_engine = true};
-  const CliOutcome ok = parse_stage_cli(copy_engine, 3, argv.data());
+  // Stage 05's flag group (stage 06 names it too).
+  const StageInfo copy_engine{
+      .name = "prog", .summary = "test", .flag_groups = {async_tp::AllGatherFlags::make}};
+  const CliOutcome ok = parse_stage_cli(copy_engine, 5, argv.data());
   ASSERT_TRUE(ok.options.has_value()) << ok.message;
-  EXPECT_EQ(ok.options->all_gather, AllGatherPath::nccl_zero_cta);
+  EXPECT_EQ(ok.options->flags<async_tp::AllGatherFlags>().path(),
+            async_tp::AllGatherPath::nccl_zero_cta);
   // Ranks must agree on it like on any flag that decides which collectives run.
   const ConfigFields fields = config_fields(copy_engine, *ok.options);
   EXPECT_TRUE(std::ranges::any_of(fields, [](const auto& f) {
     return f.first == "--all-gather" && f.second == "nccl-zero-cta";
   }));
+  // NCCL's all-gather moves GPU memory: refused on the cpu, naming the path that runs there.
+  const CliOutcome cpu = parse_stage_cli(copy_engine, 3, argv.data());
+  EXPECT_EQ(cpu.exit_code, 2);
+  EXPECT_NE(cpu.message.find("cannot run on the cpu"), std::string::npos) << cpu.message;
+  EXPECT_NE(cpu.message.find("--all-gather pulls"), std::string::npos) << cpu.message;
   args[2] = "nccl";
   argv.clear();
   for (auto& a : args) argv.push_back(a.data());
