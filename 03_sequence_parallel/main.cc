@@ -3,6 +3,7 @@
 // against stage 01 run in-process.
 #include "01_baseline/layers.h"
 #include "03_sequence_parallel/layers.h"
+#include "03_sequence_parallel/traffic.h"
 #include "common/stage.h"
 #include "common/tp.h"
 
@@ -13,7 +14,7 @@ int main(int argc, char** argv) {
                .summary =
                    "tensor + sequence parallelism: f/g all-gather and reduce-scatter along S"},
       .make = sp::make_sequence_parallel,
-      .plan = [](const RunContext& ctx) { return tp_plan(3, ctx); },
+      .plan = [](const RunContext& ctx) { return tp_plan(ctx, /*sequence=*/true, sp::traffic); },
       .reference = baseline::run_reference,
   };
   return run_stage(stage, argc, argv);

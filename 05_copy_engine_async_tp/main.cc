@@ -2,6 +2,7 @@
 // chunk moved by a copy-engine pull from the peers' symmetric memory, ordered by stream-ordered
 // signals with monotonic generations; checked against stage 01 run in-process.
 #include "01_baseline/layers.h"
+#include "04_overlap_ring/traffic.h"
 #include "05_copy_engine_async_tp/flags.h"
 #include "05_copy_engine_async_tp/layers.h"
 #include "common/stage.h"
@@ -15,7 +16,7 @@ int main(int argc, char** argv) {
                           "reduce-scatter overlapped by copy-engine pulls from symmetric memory",
                .flag_groups = {async_tp::AllGatherFlags::make}},
       .make = async_tp::make_copy_engine_async_tp,
-      .plan = [](const RunContext& ctx) { return tp_plan(5, ctx); },
+      .plan = [](const RunContext& ctx) { return tp_plan(ctx, /*sequence=*/true, ring::traffic); },
       .reference = baseline::run_reference,
   };
   return run_stage(stage, argc, argv);

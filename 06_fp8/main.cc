@@ -2,8 +2,10 @@
 // gradients, per-tensor current scaling agreed over the group) and the all-gathers moving FP8
 // bytes; checked against stage 01 (fp32) run in-process.
 #include "01_baseline/layers.h"
+#include "04_overlap_ring/traffic.h"
 #include "05_copy_engine_async_tp/flags.h"
 #include "06_fp8/layers.h"
+#include "06_fp8/traffic.h"
 #include "common/stage.h"
 #include "common/tp.h"
 
@@ -21,7 +23,8 @@ int main(int argc, char** argv) {
       // Under --dtype fp32 or bf16 the stage runs as stage 05, and moves stage 05's bytes.
       .plan =
           [](const RunContext& ctx) {
-            return tp_plan(is_fp8(ctx.options.config.dtype) ? 6 : 5, ctx);
+            return tp_plan(ctx, /*sequence=*/true,
+                           is_fp8(ctx.options.config.dtype) ? async_fp8::traffic : ring::traffic);
           },
       // The reference is stage 01 in fp32: what FP8 is measured against.
       .reference =

@@ -9,9 +9,11 @@
 
 #include <fmt/format.h>
 
+#include "04_overlap_ring/traffic.h"
 #include "05_copy_engine_async_tp/layers.h"
 #include "07_fsdp_tp/flags.h"
 #include "07_fsdp_tp/memory.h"
+#include "07_fsdp_tp/traffic.h"
 #include "common/check.h"
 #include "common/ops.h"
 #include "common/tp.h"
@@ -396,8 +398,8 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .weights = true,
                 .sequence = true,
                 .dp = mesh.dp,
-                .dimensions = {memory_dimension()}};  // as the Parallelism's sharding()
-  const Traffic tp = comm_bytes(5, replica, mesh.tp);
+                .dimensions = {memory_dimension()}};   // as the Parallelism's sharding()
+  const Traffic tp = ring::traffic(replica, mesh.tp);  // stage 05's, inside the TP group
   const Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
   p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};
   p.traffic = {tp.payload + dp.payload, tp.bus + dp.bus, tp.calls + dp.calls};

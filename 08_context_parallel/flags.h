@@ -9,8 +9,8 @@
 #include <optional>
 #include <string>
 
+#include "08_context_parallel/traffic.h"
 #include "common/cli.h"
-#include "common/model.h"
 
 namespace tpx::cp {
 

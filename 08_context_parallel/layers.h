@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "07_fsdp_tp/layers.h"
+#include "08_context_parallel/traffic.h"
 #include "common/cli.h"
 #include "common/comm/communicator.h"
 #include "common/mesh.h"
@@ -193,7 +194,7 @@ std::unique_ptr<Parallelism> make_context_parallel_on(const RunContext& ctx, Mes
 void check_context_parallel(const RunContext& ctx, const Mesh& mesh);
 
 /// --dry-run's plan: the same mesh and checks as make_context_parallel, and a step's bytes per
-/// group from common/traffic.h (mesh_traffic(): stage 05's on the rank's tokens over TP, chapter
+/// group from traffic.h (mesh_traffic(): stage 05's on the rank's tokens over TP, chapter
 /// 8's K/V bytes over CP, FSDP over DP×CP).
 StagePlan plan_context_parallel(const RunContext& ctx);
 

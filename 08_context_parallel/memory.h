@@ -6,8 +6,8 @@
 
 #include <memory>
 
+#include "08_context_parallel/traffic.h"
 #include "common/memory_terms.h"
-#include "common/model.h"
 
 namespace tpx::cp {
 

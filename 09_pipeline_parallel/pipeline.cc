@@ -15,9 +15,11 @@
 
 #include "07_fsdp_tp/flags.h"
 #include "07_fsdp_tp/memory.h"
+#include "07_fsdp_tp/traffic.h"
 #include "08_context_parallel/flags.h"
 #include "08_context_parallel/layers.h"
 #include "08_context_parallel/memory.h"
+#include "08_context_parallel/traffic.h"
 #include "09_pipeline_parallel/executor.h"
 #include "09_pipeline_parallel/flags.h"
 #include "09_pipeline_parallel/memory.h"
@@ -27,6 +29,8 @@
 
 namespace tpx::pp {
 
+using cp::CpMethod;
+using cp::MeshTraffic;
 using pipeline::Action;
 using pipeline::LayerRange;
 using pipeline::Payload;
@@ -355,10 +359,10 @@ MeshTraffic recomputed_traffic(const BlockConfig& micro, const Mesh& mesh, CpMet
                                const std::vector<int>& stages) {
   BlockConfig none = micro, all = micro;
   none.recompute = Recompute::none;
-  MeshTraffic t = mesh_traffic(none, mesh.dp, mesh.cp, mesh.tp, method);
+  MeshTraffic t = cp::mesh_traffic(none, mesh.dp, mesh.cp, mesh.tp, method);
   if (micro.recompute != Recompute::full) return t;
   all.recompute_every = 1;
-  const MeshTraffic every = mesh_traffic(all, mesh.dp, mesh.cp, mesh.tp, method);
+  const MeshTraffic every = cp::mesh_traffic(all, mesh.dp, mesh.cp, mesh.tp, method);
   std::int64_t recomputed = 0;
   for (const int stage : stages) {
     const LayerRange& range = layers[std::size_t(stage)];
@@ -401,9 +405,9 @@ StagePlan plan_pipeline(const RunContext& ctx) {
   const auto m = std::uint64_t(l.shape.microbatches);
   const Traffic tp{t.tp.payload * m, t.tp.bus * m, t.tp.calls * m};
   const Traffic cp{t.cp.payload * m, t.cp.bus * m, t.cp.calls * m};
-  const Traffic dp = mesh.dp * mesh.cp > 1
-                         ? fsdp_traffic(mine, mesh.tp, mesh.dp * mesh.cp, l.shape.microbatches)
-                         : Traffic{};
+  const Traffic dp = mesh.dp * mesh.cp > 1 ? fsdp::fsdp_traffic(mine, mesh.tp, mesh.dp * mesh.cp,
+                                                                l.shape.microbatches)
+                                           : Traffic{};
   Traffic pp;
   // The pipeline's messages: every send of the schedule on this rank carries one micro-batch's
   // [S/(C·T), B/(D·M), H] activation (or its gradient); a receive is a call that sends nothing.

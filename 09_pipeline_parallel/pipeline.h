@@ -126,8 +126,9 @@ class PipelineParallel final : public Parallelism {
 std::unique_ptr<Parallelism> make_pipeline(const RunContext& ctx);
 
 /// --dry-run's plan of this rank: the checks of make_pipeline, its sharding (its layers, the
-/// schedule's peak of live activations) and a step's bytes per group (common/traffic.h's
-/// formulas on the rank's layers, once per micro-batch, and the pipeline's messages).
+/// schedule's peak of live activations) and a step's bytes per group (the formulas of
+/// 08_context_parallel/traffic.h on the rank's layers, once per micro-batch, and the pipeline's
+/// messages).
 StagePlan plan_pipeline(const RunContext& ctx);
 
 /// --print-schedule: the schedule of ctx's config as text (format_schedule(), the layers of each

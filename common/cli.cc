@@ -34,18 +34,6 @@ void add_rank_pair(CLI::App& app, const std::string& flag, const std::string& wh
 
 }  // namespace
 
-const char* to_string(CpMethod m) {
-  switch (m) {
-    case CpMethod::allgather:
-      return "allgather";
-    case CpMethod::ulysses:
-      return "ulysses";
-    case CpMethod::ring:
-      break;
-  }
-  return "ring";
-}
-
 namespace {
 
 /// What the choice flags are given as, before they become enums.

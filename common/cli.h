@@ -69,8 +69,6 @@ struct StageInfo {
   std::vector<std::function<std::shared_ptr<FlagGroup>()>> flag_groups = {};
 };
 
-const char* to_string(CpMethod m);
-
 /// A parsed command line.
 struct StageOptions {
   BlockConfig config;

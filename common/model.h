@@ -1,6 +1,6 @@
 // The parameters of L stacked blocks, their gradients, and how tensor parallelism shards them.
 //
-// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::CpMethod, tpx::Sharding, tpx::Model,
+// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::Sharding, tpx::Model,
 //          tpx::make_data(), tpx::make_model()
 #pragma once
 
@@ -38,13 +38,6 @@ struct LayerParams {
   std::array<Tensor, kNumParams> t;
   Tensor& operator[](Param p) { return t[static_cast<std::size_t>(p)]; }
   const Tensor& operator[](Param p) const { return t[static_cast<std::size_t>(p)]; }
-};
-
-/// How stage 08's attention reaches the keys of the other CP ranks (--cp-method).
-enum class CpMethod {
-  ring,       ///< K/V blocks passed around the CP ring, merged by log-sum-exp
-  allgather,  ///< K and V all-gathered over CP; dK, dV reduce-scattered
-  ulysses,    ///< all-to-all to head-sharded full-sequence q, k, v and back (DeepSpeed Ulysses)
 };
 
 class MemoryDimension;  // common/memory_terms.h

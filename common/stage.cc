@@ -513,7 +513,7 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
     const StepFlops f = step_flops(c);
     fmt::print(
         "\ndry run: nothing computed or allocated; one training step per rank, from the formulas "
-        "(common/flops.h, common/traffic.h, common/memory.h)\n");
+        "(common/flops.h, the stage's traffic.h, common/memory.h)\n");
     fmt::print("  {:<22} {:.4g} TFLOP (the GEMMs of forward + backward{})\n", "FLOPs",
                speed.flops_per_rank / 1e12,
                f.recompute > 0 ? fmt::format("; {:.4g} TFLOP executed with the recompute",
@@ -614,7 +614,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   const NodeMap nodes = NodeMap::discover();  // which node every rank runs on
   if (o.dry_run && !st.plan)  // every stage's plan is its formulas; a stage without them says so
     throw ConfigError(fmt::format(
-        "{} has no --dry-run: its formulas are not in common/traffic.h yet", st.info.name));
+        "{} has no --dry-run: it has no traffic formula (traffic.h) yet", st.info.name));
   if (o.dry_run) return dry_run(st, o, rank, world, nodes);
   if (st.answer_instead) {
     Trace off;

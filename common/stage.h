@@ -61,7 +61,7 @@ struct StageDefinition {
   /// Builds this rank's Parallelism. Throws tpx::ConfigError (same on every rank) for a config
   /// the stage cannot split; that becomes a one-line error and exit code 2.
   std::function<std::unique_ptr<Parallelism>(const RunContext&)> make;
-  /// --dry-run's plan of this rank (common/traffic.h's formulas). Throws tpx::ConfigError for a
+  /// --dry-run's plan of this rank (the stage's traffic.h formulas). Throws tpx::ConfigError for a
   /// config the stage cannot split, as `make` does.
   std::function<StagePlan(const RunContext&)> plan;
   /// The reference --check compares against, run in-process on rank 0 for `steps` steps.

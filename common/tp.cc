@@ -35,13 +35,12 @@ void check_tp_split(const BlockConfig& c, int world, bool sequence) {
         fmt::format("cannot split the block over {} ranks: {}", world, fmt::join(problems, "; ")));
 }
 
-StagePlan tp_plan(int stage, const RunContext& ctx) {
+StagePlan tp_plan(const RunContext& ctx, bool sequence, StageTraffic traffic) {
   const BlockConfig& c = ctx.options.config;
-  const bool sequence = stage >= 3;
   check_tp_split(c, ctx.world, sequence);
   StagePlan p;
   p.sharding = {.rank = ctx.rank, .world = ctx.world, .weights = true, .sequence = sequence};
-  p.traffic = comm_bytes(stage, c, ctx.world);
+  p.traffic = traffic(c, ctx.world, 0);
   p.comm = fmt::format("tp over {} ranks (dry run)", ctx.world);
   return p;
 }

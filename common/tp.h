@@ -31,10 +31,13 @@ namespace tpx {
 /// also NH and H), F, and with sequence parallelism S.
 void check_tp_split(const BlockConfig& c, int world, bool sequence);
 
-/// --dry-run's plan of tensor-parallel stage `stage` (2 … 6) over all of ctx's ranks: the
-/// split check of its factory, its sharding (weights; from stage 03 on the sequence too) and a
-/// step's bytes (comm_bytes() of `stage`: the stage whose bytes it moves).
-StagePlan tp_plan(int stage, const RunContext& ctx);
+/// A stage's bytes per rank and step at N ranks (its traffic.h: megatron::traffic, ...).
+using StageTraffic = Traffic (*)(const BlockConfig& c, int n, int act_bytes);
+
+/// --dry-run's plan of a tensor-parallel stage over all of ctx's ranks: the split check of its
+/// factory, its sharding (weights; with `sequence`, from stage 03 on, the sequence too) and a
+/// step's bytes, the stage's `traffic` formula.
+StagePlan tp_plan(const RunContext& ctx, bool sequence, StageTraffic traffic);
 
 /// The tensor-parallel group: every rank of the job, in rank order.
 class TpGroup {

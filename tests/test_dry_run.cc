@@ -1,6 +1,6 @@
 // --dry-run against real runs: at a small shape, every stage's dry run (nothing computed, only the
-// formulas of common/flops.h, common/traffic.h and common/memory.h) reports exactly what the real
-// run's --json measured and counted; and models by name (--model) and by file (--config).
+// formulas of common/flops.h, the stages' traffic.h and common/memory.h) reports exactly what the
+// real run's --json measured and counted; and models by name (--model) and by file (--config).
 #include <gtest/gtest.h>
 
 #include <chrono>

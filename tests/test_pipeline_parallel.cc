@@ -416,7 +416,7 @@ TEST(PipelineParallel, AMillionMicrobatchesAreRefusedUpFront) {
 }
 
 TEST(PipelineParallel, DryRunGivesTheRealRunsBytesAndMemoryEstimate) {
-  // --dry-run's plan of rank 0 (common/traffic.h's formulas on its layers, once per micro-batch,
+  // --dry-run's plan of rank 0 (the stages' traffic.h formulas on its layers, once per micro-batch,
   // and the schedule's messages) against what a real step of rank 0 counted.
   const Sizes z = pipeline_sizes();
   struct Run {

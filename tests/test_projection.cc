@@ -8,8 +8,9 @@
 //   - tpx_project's output: its validation errors are (projected − published) / published of the
 //     numbers it prints, its projections are the library's, and its markdown says it is projected;
 //   - the 4-D mesh (project_layout()): at P = C = 1 it is stage 07's projection, its bubble is the
-//     schedule's formula, its CP bytes common/traffic.h's (and chapter 8's measured numbers), its
-//     P2P bytes the boundary activations, and the report's tables hold only whole layouts;
+//     schedule's formula, its CP bytes 08_context_parallel/traffic.h's (and chapter 8's measured
+//     numbers), its P2P bytes the boundary activations, and the report's tables hold only whole
+//     layouts;
 //   - the published cases: the held-out set keeps every case and each value is the one its quoted
 //     source line gives; the validation and sensitivity tables in docs/benchmarks.md are what a
 //     fresh run of tpx_project prints (a constant changed without regenerating them fails here).
@@ -38,6 +39,12 @@ namespace {
 using nlohmann::json;
 namespace pj = projection;
 using bench::Collective;
+using cp::cp_traffic;
+using cp::CpMethod;
+using cp::mesh_traffic;
+using cp::MeshTraffic;
+using fsdp::fsdp_traffic;
+using pj::comm_bytes;
 
 const std::filesystem::path kDevices = std::filesystem::path(TPX_SOURCE_DIR) / "tools/devices";
 

@@ -1,5 +1,9 @@
 #include "projection.h"
 
+#include "02_megatron_tp/traffic.h"
+#include "03_sequence_parallel/traffic.h"
+#include "04_overlap_ring/traffic.h"
+#include "06_fp8/traffic.h"
 #include "07_fsdp_tp/memory.h"
 #include "08_context_parallel/memory.h"
 #include "09_pipeline_parallel/schedule.h"
@@ -463,6 +467,29 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
   p.compute_ms = forwards * p.forward.compute_ms + p.backward.compute_ms;
   p.exposed_comm_ms = p.step_ms - p.compute_ms;
   return p;
+}
+
+int activation_bytes(int stage, const BlockConfig& c) {
+  return stage == 6 ? 2 : tpx::activation_bytes(c);
+}
+
+Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes) {
+  if (act_bytes == 0) act_bytes = activation_bytes(stage, c);
+  switch (stage) {
+    case 1:
+      return {};
+    case 2:
+      return megatron::traffic(c, n, act_bytes);
+    case 3:
+      return sp::traffic(c, n, act_bytes);
+    case 4:
+    case 5:  // the ring's transfers, pulled by the copy engine
+      return ring::traffic(c, n, act_bytes);
+    case 6:
+      return async_fp8::traffic(c, n, act_bytes);
+    default:
+      throw std::runtime_error(fmt::format("no stage {} (1 … 6)", stage));
+  }
 }
 
 Projection project_stage(const DeviceSpec& d, const BlockConfig& c, int n, int stage) {
@@ -1010,10 +1037,11 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
   rank.layers = r.layers;
   BlockConfig micro = rank;  // one micro-batch of every replica
   micro.batch = c.batch / l.microbatches;
-  const MeshTraffic t = mesh_traffic(micro, l.dp, l.cp, l.tp, l.cp_method);
+  const cp::MeshTraffic t = cp::mesh_traffic(micro, l.dp, l.cp, l.tp, l.cp_method);
   r.tp = times(t.tp, std::uint64_t(l.microbatches));
   r.cp = times(t.cp, std::uint64_t(l.microbatches));
-  r.dp = fsdp_traffic(rank, l.tp, l.dp * l.cp);  // gathered once a step, kept across micro-batches
+  r.dp = fsdp::fsdp_traffic(rank, l.tp,
+                            l.dp * l.cp);  // gathered once a step, kept across micro-batches
   if (l.dp * l.cp > 1) {
     const double dp_ms =
         link_of(d, l.tp, l.dp * l.cp, "dp×cp").ms(double(r.dp.bus), 3 * (l.dp * l.cp - 1));

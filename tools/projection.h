@@ -9,7 +9,7 @@
 //             at peak · efficiency(GEMM FLOPs): the efficiency curve is the device file's
 //             assumed one, or measured cuda bf16 rows of bench_gemm (--calibrate); attention's
 //             GEMMs at peak · attention_efficiency; element-wise work as bytes / HBM bandwidth.
-//   comm      the bytes the stages count (common/traffic.h's comm_bytes(), tested against
+//   comm      the bytes the stages count (comm_bytes(): each stage's traffic.h, tested against
 //             the stages' --json), at link bandwidth · collective efficiency, plus the latency per
 //             message (a ring all-gather or reduce-scatter sends N−1 messages per rank; an
 //             all-reduce is charged 2·⌈log₂ N⌉, a tree's latency).
@@ -47,7 +47,7 @@
 //                block, and the last dK/dV hop home exposed. allgather: the gather (forward, again
 //                backward) and the dK/dV reduce-scatter, exposed. ulysses: two all-to-alls per
 //                attention in each direction (q, k, v there and the output back; q, k, v, out, dO
-//                there and dq, dk, dv back), exposed; bytes as common/traffic.h's cp_traffic();
+//                there and dq, dk, dv back), exposed; bytes as 08_context_parallel/traffic.h's cp_traffic();
 //   DP           FSDP over the D·C ranks of the DP×CP group, the rank's layers gathered twice
 //                and reduce-scattered once a step (kept across micro-batches), prefetched behind
 //                the step's compute: exposed what it takes beyond it (project_mesh()'s rule);
@@ -64,7 +64,7 @@
 //          sensitivity(), Report, make_report(), report_json(), report_markdown(),
 //          validation_markdown(), sensitivity_markdown(), big_config(), small_config(),
 //          project_mesh(), Layout, LayoutStep, project_layout(), layout_model(),
-//          layout_table() (comm_bytes(), fsdp_bytes(), mesh_traffic(): common/traffic.h)
+//          layout_table() (comm_bytes(), fsdp_bytes(), mesh_traffic(): the stages' traffic.h)
 #pragma once
 
 #include <cstdint>
@@ -77,6 +77,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "07_fsdp_tp/traffic.h"
+#include "08_context_parallel/traffic.h"
 #include "common/config.h"
 #include "common/traffic.h"
 
@@ -146,11 +148,21 @@ bool calibrate(DeviceSpec& device, const std::filesystem::path& bench_json);
 
 /// Communication of one step on one rank, counted as the stages count it (common/traffic.h).
 using Comm = tpx::Traffic;
-// The bytes formulas live in common/traffic.h, shared with the stages' --dry-run.
-using tpx::activation_bytes;
-using tpx::comm_bytes;
-using tpx::fsdp_bytes;
+// The bytes formulas live in each stage's traffic.h (common/traffic.h has what they share),
+// shared with the stages' --dry-run.
 using tpx::layer_params_per_tp_rank;
+using tpx::cp::CpMethod;
+using tpx::fsdp::fsdp_bytes;
+
+/// Bytes per element of the activations `stage` stores and communicates under `c`: 2 under the
+/// mixed-precision recipe (--dtype bf16, and stage 06's FP8, which runs inside it), else 4.
+int activation_bytes(int stage, const BlockConfig& c);
+
+/// The bytes per rank and step of `stage` (1 … 6) at N ranks, each stage's own formula (its
+/// traffic.h; stage 01 moves nothing, stage 05 moves stage 04's). `act_bytes`: bytes per element
+/// of the communicated activations (0: activation_bytes(stage, c), what the stage counts).
+/// Throws std::runtime_error for a stage outside 1 … 6.
+Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes = 0);
 
 /// The stage's directory and executable name, e.g. "03_sequence_parallel" for 3 ("?" outside 1…6).
 std::string stage_name(int stage);

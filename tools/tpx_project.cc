@@ -157,15 +157,15 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
       r.p = pj::project_stage(d, s, t, stage);
       r.step_ms = r.p.step_ms;
       r.exposed_ms = r.p.exposed_comm_ms;
-      r.tp_bytes = tpx::comm_bytes(stage, s, t);
+      r.tp_bytes = pj::comm_bytes(stage, s, t);
     } else {
       tpx::BlockConfig replica = s;
       replica.batch /= dp;
-      r.dp_bytes = tpx::fsdp_traffic(s, tp, dp);
+      r.dp_bytes = tpx::fsdp::fsdp_traffic(s, tp, dp);
       const auto m = pj::project_mesh(d, replica, tp, dp, double(r.dp_bytes.bus));
       r.step_ms = m.step_ms;
       r.exposed_ms = m.step_ms - m.compute_ms;
-      r.tp_bytes = tpx::comm_bytes(5, replica, tp);
+      r.tp_bytes = pj::comm_bytes(5, replica, tp);
     }
     r.flops = tpx::step_flops(s).total() / double(r.gpus);
     const tpx::MemoryEstimate e = tpx::estimate_training_memory(s, sh);
@@ -203,7 +203,7 @@ std::string describe(const pj::Layout& l) {
                      l.pp > 1 ? fmt::format(", {} with M {} and V {}", l.schedule, l.microbatches,
                                             l.stages_per_rank)
                               : "",
-                     tpx::to_string(l.cp_method));
+                     tpx::cp::to_string(l.cp_method));
 }
 
 std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
@@ -260,7 +260,7 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
             {"tp", tp},
             {"dp", dp},
             {"cp", mesh.cp},
-            {"cp_method", tpx::to_string(mesh.cp_method)},
+            {"cp_method", tpx::cp::to_string(mesh.cp_method)},
             {"pp", mesh.pp},
             {"microbatches", mesh.microbatches},
             {"schedule", mesh.schedule},
@@ -482,9 +482,9 @@ int main(int argc, char** argv) {
             c.batch));
       mesh.dp = dp;
       mesh.tp = tp;
-      mesh.cp_method = cp_method == "allgather" ? tpx::CpMethod::allgather
-                       : cp_method == "ulysses" ? tpx::CpMethod::ulysses
-                                                : tpx::CpMethod::ring;
+      mesh.cp_method = cp_method == "allgather" ? tpx::cp::CpMethod::allgather
+                       : cp_method == "ulysses" ? tpx::cp::CpMethod::ulysses
+                                                : tpx::cp::CpMethod::ring;
       if (mesh.microbatches == 0) mesh.microbatches = int(c.batch / dp);
       const auto rows = stage_costs(device, c, tp, dp, mesh, app.count("--cp") > 0);
       const std::string md = costs_markdown(device, c, model, tp, dp, mesh, rows);

@@ -1,0 +1,24 @@
+#include "03_sequence_parallel/traffic.h"
+
+#include <cstdint>
+
+namespace tpx::sp {
+
+Traffic gain_all_reduces(const BlockConfig& c, int n) {
+  using U = std::uint64_t;
+  const U N = U(n), H = U(c.hidden);
+  return {8 * H, 2 * ((4 * H * 2 * (N - 1)) / N), 2};
+}
+
+Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
+  require_formula(n >= 1, "ranks must be >= 1");
+  using U = std::uint64_t;
+  const U N = U(n), e = U(act_bytes == 0 ? activation_bytes(c) : act_bytes);
+  const U P = U(c.seq * c.batch * c.hidden) * e;
+  Traffic layer{10 * P, 10 * (P * (N - 1) / N), 10};
+  layer += gain_all_reduces(c, n);
+  const Traffic fwd{4 * P, 4 * (P * (N - 1) / N), 4};
+  return per_step(c, layer, fwd);
+}
+
+}  // namespace tpx::sp

@@ -1,0 +1,20 @@
+// Stage 06's bytes per rank and step, chapter 6's formula (common/traffic.h has what the stages'
+// formulas share).
+//
+// defines: tpx::async_fp8::traffic()
+#pragma once
+
+#include "common/config.h"
+#include "common/traffic.h"
+
+namespace tpx::async_fp8 {
+
+/// Per rank and step at N ranks, L layers, a shard of S·B·H / N elements: stage 05's ring, the
+/// six gathers per layer moving 1-byte FP8 codes and the four reduce-scatters e bytes (e =
+/// `act_bytes`, 0: 2, the recipe's bf16), stage 03's all-reduces of the norm gains, and eight
+/// MAX all-reduces of k fp32 amaxes per layer, k ∈ {4,2,3,2,3,2,2,2}: payload 4k, bus
+/// ⌊4k·2(N−1)/N⌋ each. A layer recomputed under --recompute full moves its forward's two FP8
+/// gathers, two reduce-scatters and four amax all-reduces (k ∈ {4,2,3,2}) once more.
+Traffic traffic(const BlockConfig& c, int n, int act_bytes = 0);
+
+}  // namespace tpx::async_fp8

@@ -1,0 +1,41 @@
+#include "07_fsdp_tp/traffic.h"
+
+#include <array>
+#include <cstdint>
+
+namespace tpx::fsdp {
+
+double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes) {
+  require_formula(dp >= 1, "DP ranks must be >= 1");
+  const double P = layer_params_per_tp_rank(c, tp), D = dp;
+  return double(c.layers) * (2.0 * gather_bytes + 4.0) * P * (D - 1) / D;
+}
+
+Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches) {
+  require_formula(tp >= 1 && dp >= 1 && microbatches >= 1,
+                  "TP, DP ranks and micro-batches must be >= 1");
+  using U = std::uint64_t;
+  const U D = U(dp), T = U(tp), H = U(c.hidden), KV = U(c.kv_dim()), F = U(c.ffn);
+  const U matrix = c.bf16_weight_copies() ? 2 : 4;  // the compute copies' element bytes
+  struct Part {
+    U rows, cols, size;
+  };
+  // The TP-local parameters in the order of common/model.h's Param: norm1, wq, wk, wv, wo, norm2,
+  // w_gate, w_up, w_down (columns split the out dim, rows the in dim).
+  const std::array<Part, 9> parts = {
+      Part{H, 1, 4},           Part{H, H / T, matrix}, Part{H, KV / T, matrix},
+      Part{H, KV / T, matrix}, Part{H / T, H, matrix}, Part{H, 1, 4},
+      Part{H, F / T, matrix},  Part{H, F / T, matrix}, Part{F / T, H, matrix}};
+  U gather = 0, numel = 0;  // one rank's packed part (bytes) and flat shard (elements)
+  for (const Part& p : parts) {
+    const U shard = (p.rows + D - 1) / D * p.cols;
+    gather = (gather + p.size - 1) / p.size * p.size + shard * p.size;
+    numel += shard;
+  }
+  auto ring = [&](U payload) { return payload * (D - 1) / D; };
+  const U gathered = D * gather, reduced = D * numel * 4;
+  const U L = U(c.layers), G = 2 * U(microbatches);  // gathers per layer and step
+  return {L * (G * gathered + reduced), L * (G * ring(gathered) + ring(reduced)), L * (G + 1)};
+}
+
+}  // namespace tpx::fsdp
