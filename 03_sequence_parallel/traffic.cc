@@ -13,8 +13,7 @@ Traffic gain_all_reduces(const BlockConfig& c, int n) {
 Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
   require_formula(n >= 1, "ranks must be >= 1");
   using U = std::uint64_t;
-  const U N = U(n), e = U(act_bytes == 0 ? activation_bytes(c) : act_bytes);
-  const U P = U(c.seq * c.batch * c.hidden) * e;
+  const U N = U(n), P = stream_bytes(c, act_bytes);
   Traffic layer{10 * P, 10 * (P * (N - 1) / N), 10};
   layer += gain_all_reduces(c, n);
   const Traffic fwd{4 * P, 4 * (P * (N - 1) / N), 4};

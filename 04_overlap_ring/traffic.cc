@@ -9,8 +9,7 @@ namespace tpx::ring {
 Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
   require_formula(n >= 1, "ranks must be >= 1");
   using U = std::uint64_t;
-  const U N = U(n), e = U(act_bytes == 0 ? activation_bytes(c) : act_bytes);
-  const U P = U(c.seq * c.batch * c.hidden) * e;
+  const U N = U(n), P = stream_bytes(c, act_bytes);
   const U chunks = (N - 1) * (P / N);  // one primitive's transfers
   Traffic layer{10 * chunks, 10 * chunks, 10 * (N - 1)};
   layer += sp::gain_all_reduces(c, n);

@@ -613,8 +613,8 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   stop_if_any_rank(startup_problem(st, o, rank, world), world);
   const NodeMap nodes = NodeMap::discover();  // which node every rank runs on
   if (o.dry_run && !st.plan)  // every stage's plan is its formulas; a stage without them says so
-    throw ConfigError(fmt::format(
-        "{} has no --dry-run: it has no traffic formula (traffic.h) yet", st.info.name));
+    throw ConfigError(fmt::format("{} has no --dry-run: it has no traffic formula (traffic.h) yet",
+                                  st.info.name));
   if (o.dry_run) return dry_run(st, o, rank, world, nodes);
   if (st.answer_instead) {
     Trace off;

@@ -19,6 +19,11 @@ int activation_bytes(const BlockConfig& c) {
   return c.activations() == DType::bf16 ? 2 : 4;
 }
 
+std::uint64_t stream_bytes(const BlockConfig& c, int act_bytes) {
+  const int e = act_bytes == 0 ? activation_bytes(c) : act_bytes;
+  return static_cast<std::uint64_t>(c.seq * c.batch * c.hidden) * static_cast<std::uint64_t>(e);
+}
+
 double layer_params_per_tp_rank(const BlockConfig& c, int tp) {
   require_formula(tp >= 1, "TP ranks must be >= 1");
   const double H = double(c.hidden), KV = double(c.kv_dim()), F = double(c.ffn);

@@ -8,7 +8,7 @@
 // Pure arithmetic: no MPI, no device, nothing allocated; errors are std::runtime_error.
 //
 // defines: tpx::Traffic, tpx::require_formula(), tpx::per_step(), tpx::activation_bytes(),
-//          tpx::layer_params_per_tp_rank()
+//          tpx::stream_bytes(), tpx::layer_params_per_tp_rank()
 #pragma once
 
 #include <cstdint>
@@ -38,6 +38,9 @@ Traffic per_step(const BlockConfig& c, const Traffic& layer, const Traffic& fwd)
 /// Bytes per element of the activations a stage stores and communicates under `c`: 2 under the
 /// mixed-precision recipe (--dtype bf16, and stage 06's FP8, which runs inside it), else 4.
 int activation_bytes(const BlockConfig& c);
+
+/// P = S·B·H·e, the bytes of one [S, B, H] activation, e = `act_bytes` (0: activation_bytes(c)).
+std::uint64_t stream_bytes(const BlockConfig& c, int act_bytes);
 
 /// Parameters of one layer on one TP rank: its TP shard of the seven matrices plus the two norm
 /// gains (replicated over TP).
