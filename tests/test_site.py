@@ -6,7 +6,8 @@
       the reading order (docs/toc.txt) in headless Chromium at 1280 px and fails on: raw markup
       or stray backticks in the prose (markdown Doxygen did not understand), a display formula
       MathJax did not typeset, an image that does not load or is wider than the window, a
-      relative link that leads nowhere (a missing file, or an #anchor missing from its page),
+      relative link that leads nowhere (a missing file, or an #anchor missing from its page), a
+      code span showing the backslash of a pipe escaped for a markdown table,
       a sidebar tree that does not list the pages in reading order, or a page without its link
       to the next one. Every in-page #anchor of every html file is checked too. With
       --screenshots it saves the top of each page there as a PNG for a person to look at.
@@ -139,10 +140,15 @@ const images = [...document.querySelectorAll('div.contents img')].map(img => {
           left: r.left, right: r.right};
 });
 const links = [...document.querySelectorAll('a[href]')].map(a => a.getAttribute('href'));
+// A pipe escaped for a markdown table inside a code span: GitHub drops the backslash, Doxygen
+// shows it.
+const escaped = [...document.querySelectorAll('div.contents code')].map(c => c.textContent)
+                    .filter(t => t.includes('\\|'));
 const tree = [...document.querySelectorAll('#nav-tree a[href]')].map(a => a.getAttribute('href'));
 const next = document.querySelector('div.tpx-pager .tpx-next a[href]');
 const prev = document.querySelector('div.tpx-pager .tpx-prev a[href]');
 return {prose: prose.join(''), width: width, images: images, links: links, tree: tree,
+        escaped: escaped,
         next: next && next.getAttribute('href'), prev: prev && prev.getAttribute('href'),
         formulas: document.querySelectorAll('.formulaDsp').length,
         typeset: document.querySelectorAll('.formulaDsp .MathJax_Display, .formulaDsp .MathJax').length,
@@ -262,6 +268,8 @@ def browser(html_dir, screenshots):
                 problems.append(f"{where}: MathJax did not finish within 30 s")
             got = driver.execute_script(INSPECT)
             problems += prose_problems(where, got["prose"])
+            problems += [f"{where}: a backslash before a pipe in code, `{code}` (write the "
+                         "alternatives outside the code span)" for code in got["escaped"]]
             if got["formulas"] and (got["typeset"] < got["formulas"] or got["math_errors"]):
                 problems.append(f"{where}: {got['formulas']} display formulas, "
                                 f"{got['typeset']} typeset by MathJax, {got['math_errors']} errors")
