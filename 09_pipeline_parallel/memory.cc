@@ -1,5 +1,7 @@
 #include "09_pipeline_parallel/memory.h"
 
+#include <algorithm>
+
 #include "common/check.h"
 
 namespace tpx::pp {
@@ -153,6 +155,47 @@ class PipelineDimension final : public MemoryDimension {
 };
 
 }  // namespace
+
+PipelineMemory pipeline_memory(const BlockConfig& c, const pipeline::Schedule& schedule,
+                               const std::vector<pipeline::LayerRange>& layers, int pp_index) {
+  const pipeline::PipelineShape& shape = schedule.shape();
+  PipelineMemory m;
+  m.microbatches = shape.microbatches;
+  for (const int stage : shape.stages_of(pp_index)) m.layers += layers[std::size_t(stage)].count;
+  // The schedule's peaks on this rank: live (micro-batch, layer) activations, and loss
+  // gradients waiting for the last stage's backward.
+  const int last = shape.stages() - 1;
+  std::int64_t live = 0, passes = 0, losses = 0;
+  std::int64_t kept = 0;  // the live pairs of layers not fully recomputed
+  auto kept_layers = [&](const pipeline::LayerRange& range) {
+    std::int64_t n = 0;
+    for (int k = 0; k < range.count; ++k) n += c.recomputes_layer(range.first + k) ? 0 : 1;
+    return n;
+  };
+  for (const pipeline::Action& a : schedule.actions(pp_index)) {
+    const std::int64_t n = layers[std::size_t(a.stage)].count;
+    const std::int64_t n_kept = kept_layers(layers[std::size_t(a.stage)]);
+    if (a.phase == pipeline::Phase::forward) {
+      live += n;
+      kept += n_kept;
+      ++passes;
+      if (a.stage == last) ++losses;
+    } else if (a.phase == pipeline::Phase::weight || !schedule.split_backward()) {
+      live -= n;
+      kept -= n_kept;
+      --passes;
+    }
+    if (a.phase == pipeline::Phase::backward && a.stage == last) --losses;
+    m.live_layers = std::max(m.live_layers, live);
+    m.live_kept_layers = std::max(m.live_kept_layers, kept);
+    m.live_passes = std::max(m.live_passes, passes);
+    m.loss_grads = std::max(m.loss_grads, losses);
+  }
+  m.split_backward = schedule.split_backward();
+  m.holds_input = pp_index == shape.rank_of(0);
+  m.holds_target = pp_index == shape.rank_of(last);
+  return m;
+}
 
 std::shared_ptr<const MemoryDimension> memory_dimension(const PipelineMemory& pipeline) {
   return std::make_shared<PipelineDimension>(pipeline);

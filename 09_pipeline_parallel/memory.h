@@ -4,12 +4,14 @@
 // the input's micro-batches, the last the target's; and the pipeline's own buffers and host terms
 // follow the training terms.
 //
-// defines: tpx::pp::PipelineMemory, tpx::pp::memory_dimension()
+// defines: tpx::pp::PipelineMemory, tpx::pp::pipeline_memory(), tpx::pp::memory_dimension()
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
+#include "09_pipeline_parallel/schedule.h"
 #include "common/memory_terms.h"
 
 namespace tpx::pp {
@@ -38,6 +40,12 @@ struct PipelineMemory {
   /// The first stage keeps the input's micro-batches, the last the target's.
   bool holds_input = false, holds_target = false;
 };
+
+/// What rank `pp_index` of the pipeline holds under `schedule`, whose virtual stages hold
+/// `layers`: its layers, and the peaks of the schedule's live activations and waiting loss
+/// gradients (a layer that --recompute full makes again keeps only its input).
+PipelineMemory pipeline_memory(const BlockConfig& c, const pipeline::Schedule& schedule,
+                               const std::vector<pipeline::LayerRange>& layers, int pp_index);
 
 /// The pipeline dimension of the estimate, for Sharding::dimensions (after those of the slice's
 /// stages: its set-up term compares with everything before it).

@@ -96,49 +96,6 @@ PipelineParallel::~PipelineParallel() {
 
 namespace {
 
-/// What rank `pp_index` of the pipeline holds, as the memory estimate needs it: its layers, and
-/// the peaks of the schedule's live activations and waiting loss gradients.
-PipelineMemory pipeline_memory(const BlockConfig& c, const Schedule& schedule,
-                               const std::vector<LayerRange>& layers, int pp_index) {
-  const PipelineShape& shape = schedule.shape();
-  PipelineMemory m;
-  m.microbatches = shape.microbatches;
-  for (const int stage : shape.stages_of(pp_index)) m.layers += layers[std::size_t(stage)].count;
-  // The schedule's peaks on this rank: live (micro-batch, layer) activations, and loss
-  // gradients waiting for the last stage's backward.
-  const int last = shape.stages() - 1;
-  std::int64_t live = 0, passes = 0, losses = 0;
-  std::int64_t kept = 0;  // the live pairs of layers not fully recomputed
-  auto kept_layers = [&](const LayerRange& range) {
-    std::int64_t n = 0;
-    for (int k = 0; k < range.count; ++k) n += c.recomputes_layer(range.first + k) ? 0 : 1;
-    return n;
-  };
-  for (const Action& a : schedule.actions(pp_index)) {
-    const std::int64_t n = layers[std::size_t(a.stage)].count;
-    const std::int64_t n_kept = kept_layers(layers[std::size_t(a.stage)]);
-    if (a.phase == Phase::forward) {
-      live += n;
-      kept += n_kept;
-      ++passes;
-      if (a.stage == last) ++losses;
-    } else if (a.phase == Phase::weight || !schedule.split_backward()) {
-      live -= n;
-      kept -= n_kept;
-      --passes;
-    }
-    if (a.phase == Phase::backward && a.stage == last) --losses;
-    m.live_layers = std::max(m.live_layers, live);
-    m.live_kept_layers = std::max(m.live_kept_layers, kept);
-    m.live_passes = std::max(m.live_passes, passes);
-    m.loss_grads = std::max(m.loss_grads, losses);
-  }
-  m.split_backward = schedule.split_backward();
-  m.holds_input = pp_index == shape.rank_of(0);
-  m.holds_target = pp_index == shape.rank_of(last);
-  return m;
-}
-
 /// `slice` (a pipeline stage's ranks' sharding) with the pipeline's dimension, last.
 Sharding pipeline_sharding(Sharding slice, const PipelineMemory& held, int pp) {
   slice.pp = pp;
