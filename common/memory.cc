@@ -413,13 +413,14 @@ std::string MemoryEstimate::describe() const {
 
 MemoryEstimate estimate_training_memory(const BlockConfig& global, const Sharding& s) {
   const auto [c, pass] = rank_blocks(global, s);
+  const Bytes pass_bytes = local_bytes(pass, s);
   const MemoryParts p{.global = global,
                       .rank = c,
                       .pass = pass,
                       .rank_bytes = local_bytes(c, s),
-                      .pass_bytes = local_bytes(pass, s),
+                      .pass_bytes = pass_bytes,
                       .layer = layer_elements(c, s),
-                      .temporaries = largest_temporaries(pass, s, local_bytes(pass, s)),
+                      .temporaries = largest_temporaries(pass, s, pass_bytes),
                       .sharding = s};
   const I params = parameter_bytes(c, p.layer);
   const I stream_f32 = fp32_stream_bytes(c, p.rank_bytes);
