@@ -208,6 +208,10 @@ void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
              "each copy-lane pull and signal first waits a random 0..US microseconds")
       ->type_name("US")
       ->group("");
+  add_number(app, "--fault-comm-delay-us", comm.comm_delay_us,
+             "each communicator op first waits a random 0..US microseconds on its lane")
+      ->type_name("US")
+      ->group("");
 }
 
 /// The flag groups the stage names (StageInfo::flag_groups), made and added in its order; each
@@ -244,8 +248,9 @@ std::optional<std::string> check_combinations(const CLI::App& app, const StageIn
                                               const StageOptions& o, const Choices& choices) {
   auto given = [&](const char* flag) { return app.count(flag) > 0; };
   if (info.single_device)
-    for (const char* flag : {"--comm", "--comm-timeout", "--fault-skip-collective",
-                             "--fault-skip-signal", "--fault-delay-copy", "--fault-copy-delay-us"})
+    for (const char* flag :
+         {"--comm", "--comm-timeout", "--fault-skip-collective", "--fault-skip-signal",
+          "--fault-delay-copy", "--fault-copy-delay-us", "--fault-comm-delay-us"})
       if (given(flag))
         return fmt::format(
             "{} has no meaning for {}: it runs on one device and does not "
@@ -377,6 +382,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--fault-skip-signal", fmt::format("{}:{}", o.comm.signal_fault_rank, o.comm.signal_fault)},
       {"--fault-delay-copy", fmt::format("{}:{}", o.comm.copy_fault_rank, o.comm.copy_fault)},
       {"--fault-copy-delay-us", fmt::format("{}", o.comm.copy_delay_us)},
+      {"--fault-comm-delay-us", fmt::format("{}", o.comm.comm_delay_us)},
       {"--dry-run", o.dry_run ? "given" : "not given"}};
   for (const auto& group : o.flag_groups) {
     const ConfigFields more = group->agreed();

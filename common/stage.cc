@@ -275,6 +275,8 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
                        o.comm.copy_fault_rank, world - 1);
   if (o.comm.copy_delay_us < 0 || o.comm.copy_delay_us > 1'000'000)
     return fmt::format("--fault-copy-delay-us must be 0 … 1000000 (got {})", o.comm.copy_delay_us);
+  if (o.comm.comm_delay_us < 0 || o.comm.comm_delay_us > 1'000'000)
+    return fmt::format("--fault-comm-delay-us must be 0 … 1000000 (got {})", o.comm.comm_delay_us);
   if (std::string p = ops::device_problem(c.device); !p.empty()) return p;
   if (is_fp8(c.dtype))
     if (std::string p = ops::fp8_problem(c.device); !p.empty()) return p;

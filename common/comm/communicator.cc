@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <exception>
 #include <limits>
 #include <span>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -38,6 +40,16 @@ const char* to_string(CommKind k) {
 }
 
 namespace {
+
+/// --fault-comm-delay-us: op `seq` of job rank `rank` waits 0 … max_us µs, drawn by a hash of
+/// the two (splitmix64's finaliser), so the same op waits as long on every run.
+std::chrono::microseconds comm_delay(int rank, std::uint64_t seq, int max_us) {
+  std::uint64_t z = seq * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(rank) + 1;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return std::chrono::microseconds(z % (static_cast<std::uint64_t>(max_us) + 1));
+}
 
 double checked_timeout(const CommOptions& o) {
   TPX_CHECK(o.timeout_s > 0, "the comm timeout must be positive (got {} s)", o.timeout_s);
@@ -155,6 +167,8 @@ std::optional<std::uint64_t> Communicator::begin_op(CommOp op, DType dtype, std:
     stats_.calls += 1;
     current_seq_ = seq;
   }
+  if (options_.comm_delay_us > 0)  // fault injection: the lane runs late
+    std::this_thread::sleep_for(comm_delay(job_rank_, seq, options_.comm_delay_us));
   recorder_.started(seq);
   return seq;
 }

@@ -63,8 +63,8 @@ const char* to_string(CommKind k);
 inline constexpr double kMinCommTimeout = 0.1;
 
 /// Options every multi-rank stage takes (--comm, --comm-timeout, and the hidden
-/// --fault-skip-collective RANK:N, --fault-skip-signal RANK:N, --fault-delay-copy RANK:N and
-/// --fault-copy-delay-us US).
+/// --fault-skip-collective RANK:N, --fault-skip-signal RANK:N, --fault-delay-copy RANK:N,
+/// --fault-copy-delay-us US and --fault-comm-delay-us US).
 struct CommOptions {
   CommKind kind = CommKind::automatic;
   /// The ranks the communicator spans (the whole job unless a mesh splits it); every message
@@ -91,6 +91,13 @@ struct CommOptions {
   int copy_fault_rank = -1;
   std::int64_t copy_fault = -1;
   int copy_delay_us = 0;
+  /// Fault injection for the stream order (hidden --fault-comm-delay-us US): every op of every
+  /// communicator of the rank waits a random 0 … `comm_delay_us` µs, the same for an op on every
+  /// run, before it moves bytes, on the thread that runs it. On the cpu a comm lane is a thread
+  /// of its own, so its transfers then finish late: compute that reads a received buffer, or
+  /// writes over one being sent, without first waiting for the lane's event reads or sends
+  /// the wrong bytes, as it would on a GPU whose lane runs behind. 0: no delay.
+  int comm_delay_us = 0;
   /// The rank's one flight recorder and watchdog, shared by every communicator and symmetric
   /// memory made with these options (the stages make one per job). Null: each makes its own.
   std::shared_ptr<CommMonitor> monitor = nullptr;
