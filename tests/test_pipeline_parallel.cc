@@ -20,12 +20,14 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -342,18 +344,33 @@ TEST(PipelineParallel, EstimateHoldsTheHostsOwnPeakOnEveryRank) {
         // forward's transients reuse part of the holes that drop_cheap's frees leave, so its
         // estimate is an upper bound that measured 1.08 to 1.16 times the peak.
         Point{2, big + " --layers 2 --schedule gpipe --recompute full --recompute-every 2"}}) {
-    const json j = run_json("09_pipeline_parallel", p.n, "--steps 2 " + p.args);
-    ASSERT_TRUE(j.contains("host_peak_bytes_per_rank")) << p.args;
-    ASSERT_TRUE(j.at("host_peak_since_baseline").get<bool>()) << "VmHWM could not be reset";
-    const auto peak = j.at("host_peak_bytes_per_rank").get<std::vector<double>>();
-    const auto base = j.at("host_baseline_bytes_per_rank").get<std::vector<double>>();
-    const auto est = j.at("memory_estimate_bytes_per_rank").get<std::vector<double>>();
-    ASSERT_EQ(peak.size(), std::size_t(p.n));
-    for (int r = 0; r < p.n; ++r) {
-      const double measured = peak[std::size_t(r)] - base[std::size_t(r)];
-      EXPECT_NEAR(est[std::size_t(r)] / measured, 1.0, 0.15)
-          << p.args << ", rank " << r << ": estimate " << est[std::size_t(r)] << ", measured "
-          << measured << "; " << j.at("memory_terms");
+    // The ratio of every rank's estimate to its measured peak. A host's peak also holds pages
+    // that other processes' load makes malloc and MPI keep: a point outside the tolerance is
+    // measured once more, and fails only when both runs are (a wrong term is off every time).
+    auto ratios = [&] {
+      const json j = run_json("09_pipeline_parallel", p.n, "--steps 2 " + p.args);
+      std::vector<std::string> off;
+      if (!j.contains("host_peak_bytes_per_rank")) return std::vector<std::string>{"no run"};
+      EXPECT_TRUE(j.at("host_peak_since_baseline").get<bool>()) << "VmHWM could not be reset";
+      const auto peak = j.at("host_peak_bytes_per_rank").get<std::vector<double>>();
+      const auto base = j.at("host_baseline_bytes_per_rank").get<std::vector<double>>();
+      const auto est = j.at("memory_estimate_bytes_per_rank").get<std::vector<double>>();
+      EXPECT_EQ(peak.size(), std::size_t(p.n));
+      for (std::size_t r = 0; r < peak.size(); ++r) {
+        const double measured = peak[r] - base[r];
+        if (std::abs(est[r] / measured - 1.0) > 0.15)
+          off.push_back(fmt::format("rank {}: estimate {} / measured {} = {:.3f}; {}", r, est[r],
+                                    measured, est[r] / measured, j.at("memory_terms").dump()));
+      }
+      return off;
+    };
+    if (const auto first = ratios(); !first.empty()) {
+      std::cout << p.args << ": outside the tolerance once, measured again:\n"
+                << fmt::format("{}", fmt::join(first, "\n")) << std::endl;
+      const auto again = ratios();
+      EXPECT_TRUE(again.empty()) << p.args << ", outside 1 ± 0.15 in two runs:\n"
+                                 << fmt::format("{}\n", fmt::join(first, "\n"))
+                                 << fmt::format("{}", fmt::join(again, "\n"));
     }
   }
 }
