@@ -65,7 +65,11 @@ Executor::Result Executor::run(const std::vector<LayerParams>& params, bool keep
     post_receives(i);
     if (i + 1 < actions_.size()) post_receives(i + 1);  // one action ahead
     const Action& a = actions_[i];
-    for (const Transfer& x : receives_.at(i)) buffers_.at(x.tag).second.synchronize();
+    // The compute stream waits for the messages this action reads. The host goes on issuing:
+    // with NCCL nothing blocks; a host lane's event makes this thread wait until the lane's
+    // thread has made the transfer (the cpu's default stream waits the same way).
+    const Stream compute(c_.device);
+    for (const Transfer& x : receives_.at(i)) buffers_.at(x.tag).second.wait(compute);
     const auto t0 = Clock::now();
     {
       TraceScope phase(trace_, pipeline::to_string(a, shape_.stages_per_rank > 1), Lane::phase);
