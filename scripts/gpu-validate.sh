@@ -231,6 +231,20 @@ if has stages; then
         "$bin/09_pipeline_parallel" --device cuda --pp 2 --cp 2 --dtype "$dtype" --check "${pp[@]}"
     done
   fi
+  # Comm lanes running late: every communicator op first waits a random 0 … 400 µs, so each
+  # transfer ends after the compute around it has been issued; a missing wait fails --check
+  # (tests/test_late_lanes.cc does the same on the cpu).
+  late=(--fault-comm-delay-us 400 --check)
+  need 07_fsdp_tp && check_step 07.dp2tp2.late.np4 300 PASS "${mpi[@]}" -np 4 "$bin/07_fsdp_tp" \
+    --device cuda --dp 2 "${late[@]}"
+  if need 08_context_parallel; then
+    for method in ring allgather ulysses; do
+      check_step "08.cp2.$method.late.np2" 300 PASS "${mpi[@]}" -np 2 \
+        "$bin/08_context_parallel" --device cuda --cp 2 --cp-method "$method" "${late[@]}"
+    done
+  fi
+  need 09_pipeline_parallel && check_step 09.pp2.1f1b.late.np2 300 PASS "${mpi[@]}" -np 2 \
+    "$bin/09_pipeline_parallel" --device cuda --pp 2 --schedule 1f1b "${late[@]}" "${pp[@]}"
   check_step 05.nccl-zero-cta.np1 300 PASS "${mpi[@]}" -np 1 "$bin/05_copy_engine_async_tp" \
     --device cuda --all-gather nccl-zero-cta --check
   # Ranks sharing the GPU: the option must refuse in one line on every rank, with exit status 2.
