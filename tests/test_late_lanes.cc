@@ -94,7 +94,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"08_context_parallel", 2, "--cp 2 --cp-method ring --dtype bf16", "ring_bf16"},
         Case{"08_context_parallel", 2, "--cp 2 --cp-method allgather --dtype bf16",
              "allgather_bf16"},
-        // a pipeline's send and receive lanes with each schedule, recompute, and CP inside it
+        // a pipeline's send and receive lanes with each schedule, recompute, CP and FSDP inside it
         Case{"09_pipeline_parallel", 2, "--pp 2 --microbatches 4 --schedule gpipe", "gpipe"},
         Case{"09_pipeline_parallel", 2, "--pp 2 --microbatches 4 --schedule 1f1b", "1f1b"},
         Case{"09_pipeline_parallel", 2,
@@ -103,7 +103,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"09_pipeline_parallel", 2, "--pp 2 --microbatches 4 --schedule zb-h1", "zb_h1"},
         Case{"09_pipeline_parallel", 2, "--pp 2 --microbatches 4 --schedule 1f1b --recompute full",
              "1f1b_recompute"},
-        Case{"09_pipeline_parallel", 4, "--pp 2 --cp 2 --microbatches 2 --schedule 1f1b", "P2_C2"}),
+        Case{"09_pipeline_parallel", 4, "--pp 2 --cp 2 --microbatches 2 --schedule 1f1b", "P2_C2"},
+        Case{"09_pipeline_parallel", 4, "--pp 2 --dp 2 --microbatches 2 --schedule zb-h1",
+             "P2_D2_zb_h1"}),
     [](const auto& p) { return p.param.stage + "_" + p.param.name; });
 
 }  // namespace
