@@ -160,10 +160,13 @@ TEST(StrictFlags, FaultInjectionErrorsNameTheFlag) {
   expect_error({"--fault-skip-collective", "1:"}, {"--fault-skip-collective"});
   expect_error({"--fault-skip-collective", "a:3"}, {"--fault-skip-collective"});
   expect_error({"--fault-skip-collective", "-1:3"}, {"--fault-skip-collective"});
-  const CliOutcome ok = parse({"--fault-skip-collective", "1:7"});
+  expect_error({"--fault-comm-delay-us", "x"}, {"--fault-comm-delay-us"});
+  expect_error({"--fault-comm-delay-us", "1.5"}, {"--fault-comm-delay-us"});
+  const CliOutcome ok = parse({"--fault-skip-collective", "1:7", "--fault-comm-delay-us", "250"});
   ASSERT_TRUE(ok.options.has_value()) << ok.message;
   EXPECT_EQ(ok.options->comm.fault_rank, 1);
   EXPECT_EQ(ok.options->comm.fault_seq, 7);
+  EXPECT_EQ(ok.options->comm.comm_delay_us, 250);
 }
 
 TEST(StrictFlags, OnlyACopyEngineStageTakesAllGather) {
@@ -205,6 +208,7 @@ TEST(StrictFlags, ASingleDeviceStageRejectsCommunicationFlags) {
     EXPECT_TRUE(parse({flag, value}).options.has_value()) << "multi-rank stages take " << flag;
   }
   expect_error({"--fault-skip-collective", "0:1"}, {"--fault-skip-collective"}, true);
+  expect_error({"--fault-comm-delay-us", "5"}, {"--fault-comm-delay-us", "one device"}, true);
   EXPECT_EQ(parse({"--help"}, true).message.find("--comm"), std::string::npos)
       << "--help of a single-device stage lists --comm";
 }

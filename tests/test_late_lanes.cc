@@ -108,5 +108,12 @@ INSTANTIATE_TEST_SUITE_P(
              "P2_D2_zb_h1"}),
     [](const auto& p) { return p.param.stage + "_" + p.param.name; });
 
+TEST(LateLanesFlag, AnOutOfRangeDelayIsRefusedInOneLine) {
+  for (const char* us : {"-1", "1000001"})
+    test::expect_refused_once("04_overlap_ring", 2,
+                              fmt::format("--steps 1 --fault-comm-delay-us {}", us),
+                              "--fault-comm-delay-us must be 0 … 1000000");
+}
+
 }  // namespace
 }  // namespace tpx
