@@ -116,20 +116,8 @@ const lt::Plan& lt_plan(Handles& h, const LtKey& key, bool ta, bool tb, I m, I n
   p.y = lt::layout(abt, ta ? m : k, ta ? k : m, lda);
   p.out = lt::layout(cct, n, m, ldc);
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const std::uint64_t ws = kLtWorkspace;
   const std::uint32_t ax = lt::alignment(b), ay = lt::alignment(a), ac = lt::alignment(c);
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &ax, sizeof ax));
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ay, sizeof ay));
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof ac));
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof ac));
+  cublasLtMatmulPreference_t pref = lt::preference(kLtWorkspace, ax, ay, ac);
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h.lt, p.desc, p.x, p.y, p.out, p.out,

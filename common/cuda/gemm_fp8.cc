@@ -215,20 +215,8 @@ Fp8Plan& fp8_plan(cublasLtHandle_t handle, std::size_t workspace_bytes, const Fp
   p.lt.y = layout(call.b);
   p.lt.out = layout(call.d);  // C is D (call.c_is_d): one layout for both
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const std::uint64_t ws = workspace_bytes;
   const std::uint32_t ax = lt::alignment(b), ay = lt::alignment(a), ad = lt::alignment(c);
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &ax, sizeof ax));
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ay, sizeof ay));
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ad, sizeof ad));
-  TPX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ad, sizeof ad));
+  cublasLtMatmulPreference_t pref = lt::preference(workspace_bytes, ax, ay, ad);
   cublasLtMatmulHeuristicResult_t results[kAlgorithms] = {};
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
