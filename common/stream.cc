@@ -1,9 +1,11 @@
 // The cpu side of Stream/Event (a thread per created stream, counters for events), the cuda
-// host lane (the same thread and counters around a cuda stream) and the dispatch to the cuda
-// side (common/cuda/stream.h).
+// host lane (the same thread and counters around a device stream) and the dispatch to the
+// device's streams and events (common/device_queues.h: the CUDA runtime, or a test's simulated
+// device).
 #include "stream.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -14,8 +16,8 @@
 #include <utility>
 
 #include "check.h"
+#include "device_queues.h"
 #if TPX_WITH_CUDA
-#include "cuda/device.h"
 #include "cuda/stream.h"
 #endif
 
@@ -168,22 +170,53 @@ CpuEvent& cpu_event(const std::shared_ptr<void>& h) {
   return *static_cast<CpuEvent*>(h.get());
 }
 
-#if TPX_WITH_CUDA
 /// A cuda host lane: a cpu queue whose thread issues the work onto `stream`. `aux` only waits
 /// and records: it takes the snapshot of another stream's event at the moment the lane waits on
 /// it, for the lane's thread to wait on when it gets there. The queue is declared last, so it is
 /// destroyed first: its thread finishes the issued work before the streams go.
 struct CudaHostLane {
-  std::shared_ptr<void> stream = cuda::create_stream();
-  std::shared_ptr<void> aux = cuda::create_stream();
+  std::shared_ptr<void> stream = device_queues().create_stream();
+  std::shared_ptr<void> aux = device_queues().create_stream();
   CpuQueue queue;
 };
 CudaHostLane& host_lane(const std::shared_ptr<void>& h) {
   return *static_cast<CudaHostLane*>(h.get());
 }
-#endif
+
+/// The calling thread's current device stream set to `stream` for a scope: what the work's ops
+/// issue on.
+class CurrentStream {
+ public:
+  CurrentStream(DeviceQueues& q, void* stream) : q_(q), previous_(q.current_stream()) {
+    q_.set_current_stream(stream);
+  }
+  ~CurrentStream() { q_.set_current_stream(previous_); }
+  CurrentStream(const CurrentStream&) = delete;
+  CurrentStream& operator=(const CurrentStream&) = delete;
+
+ private:
+  DeviceQueues& q_;
+  void* previous_;
+};
+
+std::atomic<DeviceQueues*> installed_queues{nullptr};  // a test's simulated device, if any
 
 }  // namespace
+
+DeviceQueues& device_queues() {
+  if (DeviceQueues* q = installed_queues.load()) return *q;
+#if TPX_WITH_CUDA
+  return cuda::runtime_queues();
+#else
+  fail("this build has no CUDA backend");
+#endif
+}
+
+ScopedDeviceQueues::ScopedDeviceQueues(DeviceQueues& queues)
+    : previous_(installed_queues.exchange(&queues)) {}
+ScopedDeviceQueues::~ScopedDeviceQueues() {
+  installed_queues.store(previous_);
+}
 
 Stream::Stream(Device device) : device_(device) {}
 
@@ -193,46 +226,37 @@ Stream Stream::create(Device device) {
     s.handle_ = std::make_shared<CpuQueue>();
     return s;
   }
-#if TPX_WITH_CUDA
-  s.handle_ = cuda::create_stream();
+  s.handle_ = device_queues().create_stream();
   s.native_ = s.handle_.get();
-#else
-  TPX_CHECK(false, "this build has no CUDA backend");
-#endif
   return s;
 }
 
 Stream Stream::create_host_lane(Device device) {
   if (device == Device::cpu) return create(device);  // every created cpu stream is one
   Stream s(device);
-#if TPX_WITH_CUDA
   auto lane = std::make_shared<CudaHostLane>();
   s.native_ = lane->stream.get();
   s.handle_ = std::move(lane);
   s.host_lane_ = true;
-#else
-  TPX_CHECK(false, "this build has no CUDA backend");
-#endif
   return s;
 }
 
 void Stream::run(std::function<void()> work) const {
   if (device_ == Device::cuda) {
-#if TPX_WITH_CUDA
     if (host_lane_) {  // the lane's thread binds the device and issues on the lane's stream
       host_lane(handle_).queue.push(
           [stream = native_, w = std::move(work)](const std::exception_ptr&) {
-            cuda::ensure_initialized();
-            cuda::StreamGuard guard(stream);
+            DeviceQueues& q = device_queues();
+            q.bind_thread();
+            CurrentStream issue_on(q, stream);
             w();
           },
           false);
       return;
     }
-    cuda::StreamGuard guard(native());
+    CurrentStream issue_on(device_queues(), native());
     work();
     return;
-#endif
   }
   if (is_default()) {
     work();
@@ -242,16 +266,14 @@ void Stream::run(std::function<void()> work) const {
 }
 
 void Stream::synchronize() const {
-#if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
     // Everything issued, then done. A task of the lane that synchronizes its own stream (MPI
     // staging a cuda tensor drains the stream it was given) waits for the cuda stream only: the
     // queue behind it cannot finish before it does.
     if (host_lane_ && !host_lane(handle_).queue.on_worker()) host_lane(handle_).queue.synchronize();
-    cuda::synchronize_stream(native());
+    device_queues().synchronize_stream(native());
     return;
   }
-#endif
   if (!is_default() && !queue(handle_).on_worker()) queue(handle_).synchronize();
 }
 
@@ -260,18 +282,13 @@ Event::Event(Device device) : device_(device) {
     handle_ = std::make_shared<CpuEvent>();
     return;
   }
-#if TPX_WITH_CUDA
-  handle_ = cuda::create_event();
+  handle_ = device_queues().create_event();
   host_ = std::make_shared<CpuEvent>();
-#else
-  TPX_CHECK(false, "this build has no CUDA backend");
-#endif
 }
 
 void Event::record(const Stream& s) {
   TPX_CHECK(s.device() == device_, "an event on {} recorded on a stream on {}", to_string(device_),
             to_string(s.device()));
-#if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
     // The host counters say whether the cuda record has been made: at once from the calling
     // thread, or when a host lane's thread reaches the mark (an event recorded on a host lane is
@@ -279,7 +296,7 @@ void Event::record(const Stream& s) {
     CpuEvent& host = cpu_event(host_);
     const std::uint64_t generation = host.next();
     if (!s.is_cuda_host_lane()) {
-      cuda::record_event(handle_.get(), s.native());
+      device_queues().record_event(handle_.get(), s.native());
       host.complete(generation, nullptr);
       return;
     }
@@ -287,8 +304,9 @@ void Event::record(const Stream& s) {
         [event = handle_, state = host_, stream = s.native(),
          generation](std::exception_ptr failed) {
           if (!failed) try {
-              cuda::ensure_initialized();
-              cuda::record_event(event.get(), stream);
+              DeviceQueues& q = device_queues();
+              q.bind_thread();
+              q.record_event(event.get(), stream);
             } catch (...) {
               failed = std::current_exception();
             }
@@ -297,7 +315,6 @@ void Event::record(const Stream& s) {
         true);
     return;
   }
-#endif
   CpuEvent& e = cpu_event(handle_);
   const std::uint64_t generation = e.next();
   if (s.is_default()) {
@@ -314,30 +331,30 @@ void Event::record(const Stream& s) {
 void Event::wait(const Stream& s) const {
   TPX_CHECK(s.device() == device_, "an event on {} waited on by a stream on {}", to_string(device_),
             to_string(s.device()));
-#if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
     CpuEvent& host = cpu_event(host_);
     const std::uint64_t target = host.last();
     host.wait_for(target);  // a host lane's record made (at once for any other stream's)
+    DeviceQueues& q = device_queues();
     if (!s.is_cuda_host_lane()) {
-      cuda::wait_event(handle_.get(), s.native());
+      q.wait_event(handle_.get(), s.native());
       return;
     }
     // The point recorded now, for the lane's thread to wait on when it gets there (the event
     // may be recorded again meanwhile): aux waits for it and records a snapshot.
     CudaHostLane& lane = host_lane(s.handle_);
-    cuda::wait_event(handle_.get(), lane.aux.get());
-    std::shared_ptr<void> snapshot = cuda::create_event();
-    cuda::record_event(snapshot.get(), lane.aux.get());
+    q.wait_event(handle_.get(), lane.aux.get());
+    std::shared_ptr<void> snapshot = q.create_event();
+    q.record_event(snapshot.get(), lane.aux.get());
     lane.queue.push(
         [snapshot, stream = s.native()](const std::exception_ptr&) {
-          cuda::ensure_initialized();
-          cuda::wait_event(snapshot.get(), stream);
+          DeviceQueues& lane_q = device_queues();
+          lane_q.bind_thread();
+          lane_q.wait_event(snapshot.get(), stream);
         },
         false);
     return;
   }
-#endif
   CpuEvent& e = cpu_event(handle_);
   const std::uint64_t target = e.last();
   if (target == 0) return;
@@ -353,25 +370,21 @@ void Event::wait(const Stream& s) const {
 }
 
 void Event::synchronize() const {
-#if TPX_WITH_CUDA
   if (device_ == Device::cuda) {
     CpuEvent& host = cpu_event(host_);
     const std::uint64_t target = host.last();
     host.wait_for(target);
-    cuda::synchronize_event(handle_.get());
+    device_queues().synchronize_event(handle_.get());
     return;
   }
-#endif
   CpuEvent& e = cpu_event(handle_);
   const std::uint64_t target = e.last();
   e.wait_for(target);
 }
 
 bool Event::ready() const {
-#if TPX_WITH_CUDA
   if (device_ == Device::cuda)
-    return cpu_event(host_).reached_last() && cuda::event_ready(handle_.get());
-#endif
+    return cpu_event(host_).reached_last() && device_queues().event_ready(handle_.get());
   return cpu_event(handle_).reached_last();
 }
 

@@ -9,10 +9,12 @@
 //         a transfer issued on a created stream really run at the same time. Events are counters
 //         guarded by a mutex: record() enqueues a mark, wait() enqueues (or, on the default
 //         stream, performs) a blocking wait for it.
-//   cuda  cudaStream_t / cudaEvent_t (common/cuda/stream.h). run() issues the work's kernels on
-//         the stream from the calling thread; the GPU runs them asynchronously. A host lane
-//         (create_host_lane) is the cpu's thread and counters around a cuda stream of its own:
-//         for work that blocks the thread running it (a host-staged transfer in MPI).
+//   cuda  cudaStream_t / cudaEvent_t, reached through common/device_queues.h (the CUDA runtime;
+//         in tests, a simulated device whose streams run behind the host). run() issues the
+//         work's kernels on the stream from the calling thread; the GPU runs them
+//         asynchronously. A host lane (create_host_lane) is the cpu's thread and counters around
+//         a cuda stream of its own: for work that blocks the thread running it (a host-staged
+//         transfer in MPI).
 //
 // Memory: a cpu task keeps the tensors it captured alive until it has run (captures are shared
 // handles), so their memory cannot be reused early. A cuda tensor used on a stream other than the
