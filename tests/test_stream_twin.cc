@@ -10,10 +10,12 @@
 //     on issuing, and an event recorded behind that work orders the compute stream after it;
 //   - a host lane that waits on an event waits for the point the event was recorded at when the
 //     wait was issued, even if the event is recorded again before the lane's thread gets there
-//     (the snapshot on the lane's aux stream).
+//     (the snapshot on the lane's aux stream);
+//   - a failure on a host lane's thread reaches whoever waits behind it instead of hanging them.
 // tests/test_cuda_streams.cc checks the same on a GPU.
 #include <atomic>
 #include <chrono>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -133,6 +135,21 @@ TEST_F(StreamTwin, AHostLaneWaitsForThePointRecordedWhenItWaited) {
   second.open();
   compute.synchronize();
   EXPECT_EQ(a.load(), 2);
+}
+
+TEST_F(StreamTwin, AFailureOnAHostLaneReachesEveryoneWaitingBehindIt) {
+  // A transfer that throws on the lane's thread (an MPI error) must not leave the compute
+  // stream, or the host, waiting for an event that will never be recorded.
+  const Stream lane = Stream::create_host_lane(Device::cuda);
+  bool ran_after = false;
+  lane.run([] { throw std::runtime_error("transfer failed"); });
+  lane.run([&] { ran_after = true; });
+  Event received(Device::cuda);
+  received.record(lane);
+  EXPECT_THROW(received.wait(Stream(Device::cuda)), std::runtime_error);
+  EXPECT_THROW(received.synchronize(), std::runtime_error);
+  EXPECT_THROW(lane.synchronize(), std::runtime_error);
+  EXPECT_FALSE(ran_after) << "work after a failure must be skipped";
 }
 
 }  // namespace
