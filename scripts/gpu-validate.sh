@@ -22,6 +22,8 @@
 #            PyTorch is installed) at the same shapes, S 1k to 16k (1); stage 01 at the big
 #            shape beside PyTorch's step for the same block (tools/torch_block_perf.py); then
 #            one table of the ratios (tools/gpu_logs.py --compare), printed and in its log
+#   profile  Nsight Compute (ncu) on one launch of each fused-attention kernel at S 2048, D 128,
+#            bf16: throughput, occupancy, warp stalls, shared-memory conflicts, instruction mix
 #
 # The build: TPX_BUILD (default: build) must hold a build made for this GPU, e.g.
 #   cmake --preset release -DCMAKE_CUDA_ARCHITECTURES=90 -DTPX_STATIC_BLAS=ON
@@ -36,17 +38,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 if [ $# -lt 1 ] || [[ "$1" == -* ]]; then
-  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^[^#]/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$1
 shift
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(facts unit sanitize stages big bench)
+[ ${#parts[@]} -eq 0 ] && parts=(facts unit sanitize stages big bench profile)
 for p in "${parts[@]}"; do
-  case $p in facts | unit | sanitize | stages | big | bench) ;;
+  case $p in facts | unit | sanitize | stages | big | bench | profile) ;;
   *)
-    echo "gpu-validate: unknown part '$p' (facts, unit, sanitize, stages, big, bench)"
+    echo "gpu-validate: unknown part '$p' (facts, unit, sanitize, stages, big, bench, profile)"
     exit 2
     ;;
   esac
@@ -282,6 +284,17 @@ if has bench; then
   # One table of this run's ratios: tpx attention against SDPA, stage 01 against PyTorch.
   step compare 60 python3 tools/gpu_logs.py --compare "$out/logs"
   cat "$(printf '%s/logs/%02d-compare.log' "$out" "$n")"
+fi
+
+if has profile && need bench_attention; then
+  # Where the fused attention's time goes, before anyone tunes it (chapter 1's kernels): the
+  # forward, Δ, dQ and dK/dV kernels of one fwd + bwd, each replayed by the profiler.
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  step ncu.attention 540 "$ncu" --kernel-name regex:flash_ --launch-count 4 \
+    --section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis_Tables \
+    --section ComputeWorkloadAnalysis --section InstructionStats \
+    "$bin/bench_attention" --benchmark_filter='attention/cuda/bf16/fused/S:2048/real_time$'
 fi
 
 # The report.

@@ -2,9 +2,9 @@
 # scripts/gpu-pack.sh packs exactly what scripts/gpu-validate.sh runs, on any machine: every part
 # of gpu-validate.sh runs over a stand-in build whose bin/ holds one stand-in for each program
 # `gpu-pack.sh --list` names (each records its name and prints what the steps look for), with
-# stand-ins for nvidia-smi, mpirun and compute-sanitizer. The programs the steps ran must be the
-# packed list: one the validation runs but the pack leaves out shows as a step "missing from the
-# build"; one packed but never run is carried for nothing.
+# stand-ins for nvidia-smi, mpirun, compute-sanitizer and ncu. The programs the steps ran must be
+# the packed list: one the validation runs but the pack leaves out shows as a step "missing from
+# the build"; one packed but never run is carried for nothing.
 #
 #   tests/gpu_pack_test.sh
 set -uo pipefail
@@ -48,6 +48,15 @@ cat >>"$tmp/path/compute-sanitizer" <<'EOF'
 while [[ $# -gt 0 && $1 == --* ]]; do shift 2; done
 exec "$@"
 EOF
+# ncu --option VALUE ... PROGRAM ARGS: records its arguments, runs PROGRAM.
+cat >"$tmp/path/ncu" <<EOF
+#!/bin/bash
+echo "\$*" >>"$tmp/ncu.txt"
+EOF
+cat >>"$tmp/path/ncu" <<'EOF'
+while [[ $# -gt 0 && $1 == --* ]]; do shift 2; done
+exec "$@"
+EOF
 # No PyTorch: the SDPA step is skipped (it runs a script from the checkout, not a packed program).
 printf '#!/bin/sh\n[ "$1" = -c ] && exit 1\nexit 1\n' >"$tmp/path/python3"
 chmod +x "$tmp/path/"*
@@ -72,4 +81,7 @@ memcheck=$(grep -- '--tool memcheck' "$tmp/sanitizer.txt" | grep test_cuda_ops)
 [ -n "$memcheck" ] || fail "no memcheck run of test_cuda_ops"
 grep -q -- "--gtest_filter=-.*$deliberate" <<<"$memcheck" ||
   fail "memcheck of test_cuda_ops does not leave out $deliberate: $memcheck"
+# The profile part: Nsight Compute on the fused attention's kernels of bench_attention.
+grep -q -- "--kernel-name regex:flash_ .*/bench_attention" "$tmp/ncu.txt" 2>/dev/null ||
+  fail "no ncu run of bench_attention's flash_ kernels: $(cat "$tmp/ncu.txt" 2>/dev/null)"
 echo "gpu-pack: packs the ${#packed[@]} programs gpu-validate.sh runs, and only those"

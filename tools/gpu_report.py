@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- tpx-gpu:begin steps -->", "<!-- tpx-gpu:end steps -->"
 ROW = re.compile(r"^\| (\d+) \| ([^|]+) \| ([^|]+) \| (\d+) \| .* \| ([^|]+) \|$")
-ORDER = ["facts", "unit", "sanitize", "san", "stages", "big", "bench"]
+ORDER = ["facts", "unit", "sanitize", "san", "stages", "big", "bench", "profile"]
 HEAD = re.compile(r"^- (date|device|commit|build): (.*)$")
 
 
