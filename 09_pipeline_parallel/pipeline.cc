@@ -20,6 +20,7 @@
 #include "08_context_parallel/layers.h"
 #include "08_context_parallel/memory.h"
 #include "08_context_parallel/traffic.h"
+#include "09_pipeline_parallel/channels.h"
 #include "09_pipeline_parallel/executor.h"
 #include "09_pipeline_parallel/flags.h"
 #include "09_pipeline_parallel/memory.h"
@@ -42,13 +43,15 @@ using pipeline::Transfer;
 // --- the pipeline's point-to-point lanes ---------------------------------------------------------
 
 /// One payload's messages (activations forward, or gradients back): a communicator over the
-/// pipeline group and two lanes, one sending and one receiving. A lane runs its transfers in the
-/// order they were queued, and between two ranks every schedule receives in the order it sends
-/// (tested in tests/test_schedule.cc), so each lane pair is a FIFO channel: a send waits only for
-/// its own receive to be posted, never for another message. The compute thread never waits for a
-/// send, only for the receives its next action needs.
+/// pipeline group for each color of channels.h, a message travelling on its sender's, and two
+/// lanes, one sending and one receiving. A lane, and a communicator, runs its transfers in the
+/// order they were queued (NCCL: on one stream), and between two ranks every schedule receives in
+/// the order it sends (tested in tests/test_schedule.cc). No rank sends and receives on one
+/// communicator, so each queue is a FIFO channel to one peer: a send waits only for its own
+/// receive to be posted, never for another message (Channels.TheColorsAndTheLanesNeverDeadlock).
+/// The compute thread never waits for a send, only for the receives its next action needs.
 struct PipelineParallel::Channel {
-  std::unique_ptr<Communicator> comm;
+  std::vector<std::unique_ptr<Communicator>> comms;  // [color]: what ranks of that color send
   Stream send_lane, recv_lane;
 };
 
@@ -66,19 +69,24 @@ PipelineParallel::PipelineParallel(const RunContext& ctx, Mesh mesh,
   if (mesh_.pp == 1) return;
   CommOptions o = ctx.options.comm;
   o.group = mesh_.pp_group;
-  // The two channels order their messages apart: two lanes of the group in the flight recorder.
+  // The channels' communicators order their messages apart: lanes of the group in the flight
+  // recorder, e.g. "pp group 0.0.0 act even" (what the even ranks send).
   for (auto [c, payload] : {std::pair{&activations_, "act"}, std::pair{&gradients_, "grad"}}) {
-    o.group_label = fmt::format("{} {}", mesh_.pp_group.name(), payload);
-    std::unique_ptr<Communicator> comm = make_communicator(o, device_);
+    std::vector<std::unique_ptr<Communicator>> comms;
+    for (int color = 0; color < pipeline::channel_colors(mesh_.pp); ++color) {
+      o.group_label =
+          fmt::format("{} {} {}", mesh_.pp_group.name(), payload, pipeline::color_name(color));
+      comms.push_back(make_communicator(o, device_));
+    }
     // A transfer that blocks its caller (MPI; on cuda it stages through the host) runs on a host
     // lane, a thread of its own, so that the thread issuing compute never waits in it; NCCL only
     // queues its transfers on the lane's stream.
-    const bool blocks = comm->blocks_caller();
+    const bool blocks = comms.front()->blocks_caller();
     auto lane = [&] {
       return blocks ? Stream::create_host_lane(device_) : Stream::create(device_);
     };
     Stream send_lane = lane(), recv_lane = lane();
-    *c = std::make_unique<Channel>(Channel{std::move(comm), send_lane, recv_lane});
+    *c = std::make_unique<Channel>(Channel{std::move(comms), send_lane, recv_lane});
   }
 }
 
@@ -115,7 +123,8 @@ std::string PipelineParallel::comm_name() const {
   std::string slice = slice_->comm_name();
   if (slice.starts_with("mesh ")) slice = slice.substr(slice.find("; ") + 2);
   return fmt::format("mesh P {} × D {} × CP {} × TP {}; pp: {}; {}", mesh_.pp, mesh_.dp, mesh_.cp,
-                     mesh_.tp, activations_ ? activations_->comm->name() : "none (P = 1)", slice);
+                     mesh_.tp, activations_ ? activations_->comms.front()->name() : "none (P = 1)",
+                     slice);
 }
 
 std::vector<std::int64_t> PipelineParallel::held_layers() const {
@@ -134,21 +143,25 @@ PipelineParallel::Channel& PipelineParallel::channel(Payload p) {
 
 Event PipelineParallel::send(const Transfer& x, const Tensor& t, const std::string& what) {
   Channel& ch = channel(x.payload);
-  const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what, x.peer, -1);
+  const Stream& lane = ch.send_lane;
+  Communicator& comm = *ch.comms.at(pipeline::channel_color(mesh_.pp_index, mesh_.pp));
+  const std::uint64_t booked = comm.book(CommOp::sendrecv, what, x.peer, -1);
   // Behind the compute stream's mark: t has been written.
-  return run_after_compute(ch.send_lane, {t}, [this, &ch, t, peer = x.peer, what, booked] {
+  return run_after_compute(lane, {t}, [this, &comm, &lane, t, peer = x.peer, what, booked] {
     TraceScope span(trace_, what, Lane::pp_comm);
-    ch.comm->sendrecv(t, peer, Tensor(), peer, ch.send_lane, what, booked);
+    comm.sendrecv(t, peer, Tensor(), peer, lane, what, booked);
   });
 }
 
 Event PipelineParallel::receive(const Transfer& x, const Tensor& buf, const std::string& what) {
   Channel& ch = channel(x.payload);
-  const std::uint64_t booked = ch.comm->book(CommOp::sendrecv, what, -1, x.peer);
+  const Stream& lane = ch.recv_lane;
+  Communicator& comm = *ch.comms.at(pipeline::channel_color(x.peer, mesh_.pp));
+  const std::uint64_t booked = comm.book(CommOp::sendrecv, what, -1, x.peer);
   // Behind the compute stream's mark: buf is free to be written.
-  return run_after_compute(ch.recv_lane, {buf}, [this, &ch, buf, peer = x.peer, what, booked] {
+  return run_after_compute(lane, {buf}, [this, &comm, &lane, buf, peer = x.peer, what, booked] {
     TraceScope span(trace_, what, Lane::pp_comm);
-    ch.comm->sendrecv(Tensor(), peer, buf, peer, ch.recv_lane, what, booked);
+    comm.sendrecv(Tensor(), peer, buf, peer, lane, what, booked);
   });
 }
 
@@ -157,11 +170,11 @@ Event PipelineParallel::receive(const Transfer& x, const Tensor& buf, const std:
 // (a bare MPI call would leave its peers waiting forever).
 std::vector<double> PipelineParallel::gather_over_pipeline(double mine) const {
   if (mesh_.pp == 1) return {mine};
-  return activations_->comm->all_gather_report(mine, "report gather");
+  return activations_->comms.front()->all_gather_report(mine, "report gather");
 }
 
 void PipelineParallel::pipeline_barrier() const {
-  if (mesh_.pp > 1) (void)activations_->comm->all_gather_report(0.0, "step barrier");
+  if (mesh_.pp > 1) (void)activations_->comms.front()->all_gather_report(0.0, "step barrier");
 }
 
 double PipelineParallel::sum_over_ranks(double local) {
@@ -174,7 +187,8 @@ double PipelineParallel::sum_over_ranks(double local) {
 CommStats PipelineParallel::take_comm_stats() {
   CommStats s = slice_->take_comm_stats();
   for (auto* c : {activations_.get(), gradients_.get()})
-    if (c) s.add_group("pp", c->comm->take_stats());
+    if (c)
+      for (const auto& comm : c->comms) s.add_group("pp", comm->take_stats());
   return s;
 }
 

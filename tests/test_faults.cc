@@ -212,9 +212,10 @@ void expect_one_verdict(const Case& c) {
   // How the verdict names the rank: on the mesh with its group and its number in it.
   const std::string who =
       pipeline(c)
-          ? fmt::format(fmt::runtime(c.cp > 1 ? R"(rank {} \(rank \d of cp group [\d.]+ of pp 0\))"
-                                              : R"(rank {} \(rank \d of pp group [\d.]+ act\))"),
-                        r)
+          ? fmt::format(
+                fmt::runtime(c.cp > 1 ? R"(rank {} \(rank \d of cp group [\d.]+ of pp 0\))"
+                                      : R"(rank {} \(rank \d of pp group [\d.]+ act even\))"),
+                r)
       : mesh(c)             ? fmt::format(R"(rank {} \(rank \d of (tp|dp) group \d\))", r)
       : context_parallel(c) ? fmt::format(R"(rank {} \(rank \d of (cp|dp×cp) group [\d.]+\))", r)
                             : fmt::format("rank {}", r);

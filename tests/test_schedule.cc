@@ -1,7 +1,8 @@
 // The pipeline schedules (09_pipeline_parallel/schedule.h) without a model or MPI: the order of
 // every micro-batch's passes, the messages, the live counts, the simulated bubble against each
 // paper's formula over a sweep of P, M and V, the simulator on timelines worked by hand, the
-// layer split, the errors, and tools/tpx_schedule's output against the library.
+// layer split, the errors, tools/tpx_schedule's output against the library, and the
+// communicators the messages travel on (channels.h) against the executor's order of issue.
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -13,6 +14,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "09_pipeline_parallel/channels.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "common/check.h"
 #include "test_util.h"
@@ -194,6 +196,68 @@ TEST(Schedule, SendsMatchReceivesInOrderAndAtTheirActions) {
     // gradient per micro-batch and boundary (V times 1F1B's count, less one boundary).
     EXPECT_EQ(messages, P > 1 ? 2 * M * (S - 1) : 0);
   }
+}
+
+// --- the communicators a pipeline's messages travel on (channels.h) -----------------------------
+
+/// A transfer's queue on its rank: one of the payload's communicators, or a lane.
+int payload_queue(const pl::Transfer& x, int within) {
+  return 8 * static_cast<int>(x.payload) + within;
+}
+
+TEST(Channels, NoRankSendsAndReceivesOnOneCommunicator) {
+  for (int P = 1; P <= 7; ++P) {
+    EXPECT_EQ(pl::channel_colors(P), P == 1 ? 1 : P % 2 == 0 ? 2 : 3) << "P " << P;
+    for (int r = 0; r < P; ++r) {
+      const int color = pl::channel_color(r, P);
+      EXPECT_LT(color, pl::channel_colors(P));
+      // A rank sends to r ± 1 (mod P, a wrapped message with V > 1) and receives from them.
+      if (P > 1) {
+        EXPECT_NE(color, pl::channel_color((r + 1) % P, P)) << "P " << P << " rank " << r;
+        EXPECT_NE(color, pl::channel_color((r + P - 1) % P, P)) << "P " << P << " rank " << r;
+      }
+    }
+  }
+}
+
+TEST(Channels, OneCommunicatorPerPayloadDeadlocksInterleaving) {
+  // What NCCL would do with one communicator per payload (one queue for a rank's sends and
+  // receives): the executor's receive posted one action ahead blocks the send its peer needs.
+  const auto s = pl::make_schedule("interleaved-1f1b", {2, 2, 2});
+  const auto stuck =
+      pl::fifo_deadlock(*s, [](int, const pl::Transfer& x) { return payload_queue(x, 0); });
+  ASSERT_FALSE(stuck.empty());
+  // Rank 0 waits for F0@1's output before it sends F1@0's, which rank 1 waits for first.
+  EXPECT_TRUE(std::ranges::any_of(stuck, [](const pl::Transfer& x) {
+    return x.send && x.payload == pl::Payload::activation && x.microbatch == 1 && x.from_stage == 0;
+  }));
+}
+
+TEST(Channels, TheColorsAndTheLanesNeverDeadlock) {
+  int one_queue_stuck = 0;
+  for (const Case& c : sweep()) {
+    SCOPED_TRACE(label(c));
+    const auto s = pl::make_schedule(c.name, c.shape);
+    const int P = c.shape.ranks;
+    // NCCL: the communicator of the sender's color, for each payload.
+    const auto colors = pl::fifo_deadlock(*s, [P](int rank, const pl::Transfer& x) {
+      return payload_queue(x, pl::channel_color(x.send ? rank : x.peer, P));
+    });
+    EXPECT_TRUE(colors.empty()) << colors.size() << " messages stuck";
+    // MPI: a send lane and a receive lane per payload, each a thread of its own.
+    const auto lanes = pl::fifo_deadlock(
+        *s, [](int, const pl::Transfer& x) { return payload_queue(x, x.send ? 1 : 0); });
+    EXPECT_TRUE(lanes.empty()) << lanes.size() << " messages stuck";
+    one_queue_stuck += pl::fifo_deadlock(
+                           *s,
+                           [](int, const pl::Transfer& x) {
+                             return payload_queue(x, 0);
+                           }).empty()
+                           ? 0
+                           : 1;
+  }
+  // The check can tell: one queue per payload deadlocks somewhere in the sweep.
+  EXPECT_GT(one_queue_stuck, 0);
 }
 
 TEST(Schedule, LiveActivationCountsPerRank) {

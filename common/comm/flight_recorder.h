@@ -77,8 +77,9 @@ struct OpRecord {
   /// What the op is for in the caller's words (e.g. "qkv AG step 2/4"), NUL-terminated and cut
   /// to fit; empty when the caller gave none.
   char what[48] = {};
-  /// The group the op ran in (e.g. "tp group 1"), NUL-terminated; empty for the whole job.
-  char group[24] = {};
+  /// The group the op ran in (e.g. "tp group 1", or "pp group 0.0.0 act even": one of stage 09's
+  /// communicators over a group), NUL-terminated; empty for the whole job.
+  char group[32] = {};
   /// The job rank of `peer` (-1 when there is none).
   std::int32_t peer_job = -1;
   /// The op's number in its lane on this rank (0, 1, 2, ...): among the ops of its group, or of
