@@ -42,21 +42,18 @@ struct Issued {
 };
 
 /// A rank's transfers in the executor's order of issue (Executor::run): at action i, the
-/// receives of action i and of action i + 1 not posted yet (behind a mark of the actions before
+/// receives of actions i … i + kReceivesAhead not posted yet (behind a mark of the actions before
 /// i), then, after the action, its sends.
 std::vector<Issued> issue_order(const Schedule& schedule, int rank) {
   const std::size_t n = schedule.actions(rank).size();
-  std::vector<std::vector<Transfer>> receives(n + 1), sends(n);
+  std::vector<std::vector<Transfer>> receives(n), sends(n);
   for (const Transfer& x : transfers(schedule, rank))
     (x.send ? sends : receives)[x.action].push_back(x);
   std::vector<Issued> order;
-  std::vector<bool> posted(n + 1, false);
+  std::size_t posted = 0;  // receives of actions before this one are posted
   for (std::size_t i = 0; i < n; ++i) {
-    for (const std::size_t j : {i, i + 1}) {
-      if (posted[j]) continue;
-      posted[j] = true;
-      for (const Transfer& x : receives[j]) order.push_back({x, i});
-    }
+    for (; posted < n && posted <= i + kReceivesAhead; ++posted)
+      for (const Transfer& x : receives[posted]) order.push_back({x, i});
     for (const Transfer& x : sends[i]) order.push_back({x, i + 1});
   }
   return order;

@@ -22,10 +22,11 @@
 // on every schedule with one communicator per payload (it deadlocks), with the colors and with
 // the MPI backend's lanes (neither does).
 //
-// defines: tpx::pipeline::channel_colors(), channel_color(), color_name(), QueueOf,
-//          fifo_deadlock()
+// defines: tpx::pipeline::kReceivesAhead, channel_colors(), channel_color(), color_name(),
+//          QueueOf, fifo_deadlock()
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <string>
 #include <vector>
@@ -33,6 +34,10 @@
 #include "09_pipeline_parallel/schedule.h"
 
 namespace tpx::pipeline {
+
+/// How many actions ahead of the one that reads it the executor posts a receive (Executor::run);
+/// fifo_deadlock() plays the same rule.
+inline constexpr std::size_t kReceivesAhead = 1;
 
 /// How many communicators a payload needs at P ranks: 1 at P = 1 (none is used), 2 when P is
 /// even, 3 when it is odd.

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "09_pipeline_parallel/channels.h"
 #include "common/check.h"
 #include "common/ops.h"
 
@@ -62,8 +63,8 @@ Executor::Result Executor::run(const std::vector<LayerParams>& params, bool keep
     r.dx.resize(std::size_t(shape_.microbatches));
   }
   for (std::size_t i = 0; i < actions_.size(); ++i) {
-    post_receives(i);
-    if (i + 1 < actions_.size()) post_receives(i + 1);  // one action ahead
+    for (std::size_t j = i; j < actions_.size() && j <= i + pipeline::kReceivesAhead; ++j)
+      post_receives(j);  // ahead of the action that reads them
     const Action& a = actions_[i];
     // The compute stream waits for the messages this action reads. The host goes on issuing:
     // with NCCL nothing blocks; a host lane's event makes this thread wait until the lane's
