@@ -45,7 +45,9 @@ Tensor packed(const Tensor& buf, int part, const Tensor::Shape& shape) {
 // each of the op's outputs is rounded to bf16 once, at the end, as every op of the recipe rounds
 // its own. The pairs read q, k, v, dO and O as they are stored: on cuda the tensor-core kernels
 // take bf16 operands and write fp32 partials (ops::attention_block_*), on the cpu the op reads
-// fp32 copies of them (exact: every bf16 value is an fp32 value).
+// fp32 copies of them (exact: every bf16 value is an fp32 value), made by
+// ops::attention_block_operand once for all the pairs that read them: q, dO and O once per
+// attention, each K/V block once per ring step (or gathered block), never once per pair.
 
 /// Where an op accumulates its output `t` in fp32: t itself when it is f32, else a new fp32
 /// tensor that round_into() rounds into t once.
@@ -156,6 +158,7 @@ std::vector<SequenceRun> ContextParallel::sequence_runs(std::int64_t rows) const
 void ContextParallel::attend_block(const Tensor& q, const Tensor& k, const Tensor& v, int src,
                                    std::int64_t heads, const Tensor& out, const Tensor& lse) {
   const std::int64_t chunk = q.dim(0) / 2;
+  const Tensor kw = ops::attention_block_operand(k), vw = ops::attention_block_operand(v);
   for (int i = 0; i < 2; ++i) {
     const Tensor qi = q.slice0(i * chunk, (i + 1) * chunk);
     const Tensor oi = out.slice0(i * chunk, (i + 1) * chunk), li = lse_chunk(lse, i);
@@ -166,8 +169,8 @@ void ContextParallel::attend_block(const Tensor& q, const Tensor& k, const Tenso
       // on the diagonal, and not at all when kc > qc (skipped).
       const std::int64_t qc = chunk_of(mesh_.cp_index, i), kc = chunk_of(src, j);
       if (kc > qc) continue;
-      const Tensor kj = k.slice0(j * chunk, (j + 1) * chunk);
-      const Tensor vj = v.slice0(j * chunk, (j + 1) * chunk);
+      const Tensor kj = kw.slice0(j * chunk, (j + 1) * chunk);
+      const Tensor vj = vw.slice0(j * chunk, (j + 1) * chunk);
       ops::attention_block_forward(qi, kj, vj, heads, part_out, part_lse, (qc - kc) * chunk);
       ops::attention_merge(oi, li.reshape({q.dim(1), heads, chunk}), part_out,
                            part_lse.reshape({q.dim(1), heads, chunk}), heads);
@@ -180,14 +183,15 @@ void ContextParallel::attend_block_backward(const Tensor& dout, const Tensor& q,
                                             const Tensor& lse, std::int64_t heads, const Tensor& dq,
                                             const Tensor& dk, const Tensor& dv) {
   const std::int64_t chunk = q.dim(0) / 2;
+  const Tensor kw = ops::attention_block_operand(k), vw = ops::attention_block_operand(v);
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < 2; ++j) {
       const std::int64_t qc = chunk_of(mesh_.cp_index, i), kc = chunk_of(src, j);
       if (kc > qc) continue;
       auto rows = [&](const Tensor& t, int c) { return t.slice0(c * chunk, (c + 1) * chunk); };
-      ops::attention_block_backward(rows(dout, i), rows(q, i), rows(k, j), rows(v, j), rows(out, i),
-                                    lse_chunk(lse, i), heads, rows(dq, i), rows(dk, j), rows(dv, j),
-                                    (qc - kc) * chunk);
+      ops::attention_block_backward(rows(dout, i), rows(q, i), rows(kw, j), rows(vw, j),
+                                    rows(out, i), lse_chunk(lse, i), heads, rows(dq, i),
+                                    rows(dk, j), rows(dv, j), (qc - kc) * chunk);
     }
 }
 
@@ -279,10 +283,12 @@ void ContextParallel::attention_forward(const Tensor& q, const Tensor& k, const 
   const Tensor out32 = accumulator(out);
   ops::fill(out32, 0.0f);
   ops::fill(lse, -std::numeric_limits<float>::infinity());
+  // q as every chunk pair reads it (the cpu: fp32), made once for all the blocks.
+  const Tensor qw = ops::attention_block_operand(q);
   if (method_ == CpMethod::allgather)
-    allgather_forward(q, k, v, heads, out32, lse, call);
+    allgather_forward(qw, k, v, heads, out32, lse, call);
   else
-    ring_forward(q, k, v, heads, out32, lse, call);
+    ring_forward(qw, k, v, heads, out32, lse, call);
   round_into(out32, out);
 }
 
@@ -367,9 +373,12 @@ void ContextParallel::attention_backward(const Tensor& dout, const Tensor& q, co
   // partial sums stay fp32 until they are complete, each rounded into its bf16 output once.
   const Tensor dq32 = accumulator(dq);
   ops::fill(dq32, 0.0f);
+  // dO, q and O as every chunk pair reads them (the cpu: fp32), made once for all the blocks.
+  const Tensor dow = ops::attention_block_operand(dout), qw = ops::attention_block_operand(q),
+               ow = ops::attention_block_operand(out);
   const Tensor dkv = method_ == CpMethod::allgather
-                         ? allgather_backward(dout, q, k, v, out, lse, heads, dq32, call)
-                         : ring_backward(dout, q, k, v, out, lse, heads, dq32, call);
+                         ? allgather_backward(dow, qw, k, v, ow, lse, heads, dq32, call)
+                         : ring_backward(dow, qw, k, v, ow, lse, heads, dq32, call);
   round_into(packed(dkv, 0, k.shape()), dk);
   round_into(packed(dkv, 1, k.shape()), dv);
   round_into(dq32, dq);

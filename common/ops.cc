@@ -403,24 +403,31 @@ void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int6
   }
   TPX_DISPATCH(dx.device(), rope_backward, dx, heads, theta, first);
 }
+Tensor attention_block_operand(const Tensor& t) {
+  if (t.device() == Device::cpu) return Fp32Boundary::in(t);
+  return t;
+}
+namespace {
+/// The cpu's chunk-pair loops read fp32: a bf16 operand must come widened by the caller
+/// (attention_block_operand), once for every pair it takes part in, not once per pair here.
+void expect_block_operands(std::initializer_list<const Tensor*> ts) {
+  if ((*ts.begin())->device() == Device::cpu && any_bf16(ts))
+    fail(
+        "attention_block_*: the cpu reads fp32 operands; widen a bf16 one once with "
+        "ops::attention_block_operand() before the chunk pairs that read it");
+}
+}  // namespace
 void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const Tensor& out, const Tensor& lse, std::int64_t shift) {
-  // bf16 inputs: cuda reads them as they are (bf16 compute); the cpu loops read fp32 copies.
-  if (q.device() == Device::cpu && any_bf16({&q, &k, &v})) {
-    Fp32Boundary f;
-    return attention_block_forward(f.in(q), f.in(k), f.in(v), heads, out, lse, shift);
-  }
+  // bf16 inputs: cuda reads them as they are (bf16 compute); the cpu's arrive widened.
+  expect_block_operands({&q, &k, &v});
   TPX_DISPATCH(q.device(), attention_block_forward, q, k, v, heads, out, lse, shift);
 }
 void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, const Tensor& lse, std::int64_t heads,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv,
                               std::int64_t shift) {
-  if (q.device() == Device::cpu && any_bf16({&dout, &q, &k, &v, &out})) {
-    Fp32Boundary f;
-    return attention_block_backward(f.in(dout), f.in(q), f.in(k), f.in(v), f.in(out), lse, heads,
-                                    dq, dk, dv, shift);
-  }
+  expect_block_operands({&q, &dout, &k, &v, &out});
   TPX_DISPATCH(q.device(), attention_block_backward, dout, q, k, v, out, lse, heads, dq, dk, dv,
                shift);
 }

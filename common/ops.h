@@ -132,6 +132,11 @@ void rope_forward(const Tensor& x, std::int64_t heads, double theta, std::int64_
 /// angle −p·θ^(−2i/D). A rotation is orthogonal, so this is also rope_forward's inverse.
 void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int64_t first = 0);
 
+/// A q, k, v, dO or O operand of attention_block_* as the op reads it on t's device: on the cpu
+/// a bf16 tensor's fp32 copy (exact: every bf16 value is an fp32 value), on cuda t itself (the
+/// kernels read bf16 as stored). A caller makes it once for all the chunk pairs that read the
+/// tensor (stage 08: q, dO and O once per attention, each K/V block once), not once per pair.
+Tensor attention_block_operand(const Tensor& t);
 /// Context parallelism (stage 08): one pair of sequence chunks of a causal attention. q [Sc, B,
 /// heads·D] against k, v [Sc, B, kv_heads·D] whose positions lie `shift` rows before q's: key j
 /// is visible to query i when j <= i + shift (0: the diagonal pair, masked as
@@ -140,7 +145,7 @@ void rope_backward(const Tensor& dx, std::int64_t heads, double theta, std::int6
 /// and lse −inf. The fused kernel's own loops with its online softmax, on both backends (the
 /// fused causal attention is their shift-0 case). out, lse f32; q, k, v f32, or bf16 (stage 08's
 /// --dtype bf16: cuda reads them as stored, under bf16 compute, on the tensor cores where they
-/// take the shapes; the cpu reads fp32 copies, exact).
+/// take the shapes); on the cpu bf16 operands are refused: pass attention_block_operand()'s.
 void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t heads,
                              const Tensor& out, const Tensor& lse, std::int64_t shift);
 /// The pair's backward from the merged forward's out and lse (the full softmax over every key

@@ -627,5 +627,47 @@ TEST(FlashOperands, DeltaIsTheProbabilityWeightedSumOfDp) {
     }
 }
 
+// Stage 08's chunk pairs under --dtype bf16 on the cpu: the op reads fp32 operands that its
+// caller widened once (attention_block_operand) for all the pairs reading them. The op itself
+// refuses bf16 on the cpu, so a caller cannot fall back to one widening of q, K/V, dO and O per
+// pair (C times the copying on the cpu's hot path). The widened copy holds the same values, so
+// the pair's results equal the op run on fp32 tensors of those values, bit for bit.
+TEST(BlockAttention, CpuTakesOperandsWidenedOnceByTheCaller) {
+  const Sizes z{8, 2, 4, 16, 2};
+  auto bf16 = [](const Tensor& t) {
+    const Tensor b = Tensor::empty(t.shape(), DType::bf16);
+    ops::cast(t, b);
+    return b;
+  };
+  auto f32 = [](const Tensor& b) {
+    const Tensor f = Tensor::empty(b.shape());
+    ops::cast(b, f);
+    return f;
+  };
+  const Tensor q = bf16(random_tensor(z.act(), 51)), k = bf16(random_tensor(z.kv_act(), 52)),
+               v = bf16(random_tensor(z.kv_act(), 53));
+  const Tensor out = Tensor::empty(z.act()), lse = Tensor::empty({z.b, z.heads, z.s});
+  EXPECT_THROW(ops::attention_block_forward(q, k, v, z.heads, out, lse, 0), Error);
+  const Tensor dout = bf16(random_tensor(z.act(), 54)), dq = Tensor::empty(z.act()),
+               dk = Tensor::empty(z.kv_act()), dv = Tensor::empty(z.kv_act());
+  EXPECT_THROW(ops::attention_block_backward(dout, q, k, v, out, lse, z.heads, dq, dk, dv, 0),
+               Error);
+
+  const Tensor qw = ops::attention_block_operand(q), kw = ops::attention_block_operand(k),
+               vw = ops::attention_block_operand(v);
+  ASSERT_EQ(qw.dtype(), DType::f32);
+  EXPECT_EQ(to_doubles(qw), to_doubles(f32(q))) << "the widening is exact";
+  // An fp32 operand is read as it is: no copy.
+  EXPECT_EQ(ops::attention_block_operand(qw).raw(), qw.raw());
+
+  // The widened operands give what fp32 tensors holding the bf16 values give (shift 3: a pair
+  // partly masked).
+  const Tensor out2 = Tensor::empty(z.act()), lse2 = Tensor::empty({z.b, z.heads, z.s});
+  ops::attention_block_forward(qw, kw, vw, z.heads, out, lse, 3);
+  ops::attention_block_forward(f32(q), f32(k), f32(v), z.heads, out2, lse2, 3);
+  EXPECT_EQ(to_doubles(out), to_doubles(out2));
+  EXPECT_EQ(to_doubles(lse), to_doubles(lse2));
+}
+
 }  // namespace
 }  // namespace tpx
