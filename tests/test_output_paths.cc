@@ -1,6 +1,7 @@
 // A stage's output paths as a user meets them under mpirun (output.h's rule):
 //   - `--dump .` and any existing --dump directory are written in place: the directory keeps its
-//     inode and mode, the user's files stay, and the same --dump again works;
+//     inode and mode, the user's files stay, the same --dump again works, and two jobs writing it
+//     at once leave one run's whole dump;
 //   - a --dump through a symlink writes the directory it names; a --json or --dump symlink that
 //     names nothing, and a kernel file under /proc, are refused before the first step;
 //   - a run killed mid-dump leaves a temporary that the next run removes, and a write that fails
@@ -11,6 +12,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -113,6 +115,40 @@ TEST(DumpPaths, WhatCannotBeWrittenIsRefusedBeforeTheFirstStep) {
   EXPECT_TRUE(fs::is_symlink(dir / "dangling.json")) << "the link was replaced";
   EXPECT_FALSE(fs::exists(dir / "nowhere.json"));
   EXPECT_FALSE(fs::exists(dir / "nowhere"));
+}
+
+/// The regular files under `dir`, relative to it, with their bytes; `except` left out.
+std::map<std::string, std::string> files_in(const fs::path& dir, const std::string& except = "") {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file() && e.path().filename() != except)
+      out[fs::relative(e.path(), dir).string()] = test::read_file(e.path());
+  return out;
+}
+
+// Written in place, an existing directory still ends with one run's whole dump when two jobs
+// write it at once (their moves take the directory's lock in turn), and keeps the user's file.
+TEST(DumpPaths, TwoJobsIntoAnExistingDirectoryLeaveOneRunsWholeSet) {
+  const TempDir dir;
+  fs::create_directory(dir / "shared");
+  std::ofstream(dir / "shared" / "notes.txt") << "mine";
+  const auto job = [&](int seed, const std::string& dump) {
+    return fmt::format("{} timeout 120 {} {} -np 1 {} {} --seed {} --dump {}", test::kRootMpiEnv,
+                       TPX_MPIEXEC, TPX_MPIEXEC_FLAGS, test::stage_binary("01_baseline"), kSmall,
+                       seed, (dir / dump).string());
+  };
+  for (int seed : {1, 2})
+    ASSERT_EQ(test::run_command(job(seed, fmt::format("alone{}", seed)), dir).exit_code, 0);
+  const auto r = test::run_command(
+      fmt::format("{} > /dev/null & a=$!; {} > /dev/null; b=$?; wait $a; echo $? $b",
+                  job(1, "shared"), job(2, "shared")),
+      dir);
+  EXPECT_EQ(r.out, "0 0\n") << r.err;
+  const auto got = files_in(dir / "shared", "notes.txt");
+  EXPECT_TRUE(got == files_in(dir / "alone1") || got == files_in(dir / "alone2"))
+      << "the dump is neither run's whole dump (" << got.size() << " files)";
+  EXPECT_EQ(test::read_file(dir / "shared" / "notes.txt"), "mine");
+  EXPECT_TRUE(temporaries_in(dir / "shared").empty());
 }
 
 // A rank killed mid-dump (here by SIGXFSZ at the file-size limit, as kill -9 would) cannot remove
