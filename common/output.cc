@@ -424,7 +424,7 @@ std::string quoted(const NamedPath& n) {
 }
 
 /// Moves what `from` holds into `to` (both existing directories), one rename per file, making
-/// the subdirectories `to` lacks; `written` collects the names moved, relative to `top`.
+/// the subdirectories `to` lacks; `written` collects the names moved, relative to `to`.
 void move_tree(const fs::path& from, const fs::path& to, const fs::path& shown, const fs::path& rel,
                std::set<fs::path>& written) {
   std::error_code ec;
