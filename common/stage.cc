@@ -258,8 +258,8 @@ int print_agreed_error(const StageDefinition& st, const std::string& message, in
 
 /// Each rank's own start-up problems before anything is allocated: a single-device stage on
 /// several ranks, a fault injected into a rank that does not exist, a device this rank cannot
-/// use, an output path rank 0 cannot write (rank 0 also empties a reused --dump directory of the
-/// stage's files here). Empty when there are none.
+/// use, an output path rank 0 cannot write (output.h's rule; rank 0 also removes its dead
+/// writers' temporaries there). Empty when there are none.
 std::string startup_problem(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   const BlockConfig& c = o.config;
   if (st.info.single_device && world > 1)
@@ -681,7 +681,8 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   };
   if (!o.dump_dir.empty() && !r.rows.empty())
     on_rank0([&] {
-      // Into a fresh directory that replaces --dump's in one rename: whole, one run's, or absent.
+      // Staged, then moved in (output.h): a new directory appears whole; an existing one is kept
+      // and receives one run's whole set.
       write_dump_dir(o.dump_dir, [&](const fs::path& staging) {
         write_dump(staging, o, st.info.name, world, r.first);
       });
