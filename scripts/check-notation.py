@@ -13,6 +13,11 @@ refused, each with the symbol the table gives it:
     s as a size                   `s = S/…`, `[s, …]`                                        s is a tensor: S_r
     G as a tensor                 `G = [S, …]`                                               G is NH/NKV
 
+In chapter 9, where a part of the model's layers is a pipeline stage and "stage 09" is the
+program, the prose (paragraphs joined, code and output left out) may not say "the stage", "a
+stage", "each stage", … for either: it says "pipeline stage", "virtual stage", "this stage" or
+"stage 09".
+
 Prints each as `page:line: …` and exits 1 if there is any. --self-test plants each in a scratch
 page and expects it found, and the right forms not reported.
 
@@ -37,6 +42,9 @@ RULES = [
     (re.compile(r"\bs\s*=\s*S\s*/|\[s, "), "a size is upper case: s is the SwiGLU output"),
     (re.compile(r"\bG\s*=\s*\["), "G is NH/NKV, not a tensor"),
 ]
+BARE_STAGE = re.compile(r"\b(?:[Tt]he|[Aa]|[Ee]ach|[Ee]very|[Nn]ext|[Ll]ast|[Pp]revious|[Oo]ther|[Oo]ne"
+                        r"|per|its|[Ww]hole)\s+stages?\b(?!\s*0\d)")
+PIPELINE_CHAPTER = "09_pipeline_parallel"
 SPAN = re.compile(r"`([^`]+)`")
 FENCE = re.compile(r"^\s*```\s*(\w*)")
 
@@ -63,9 +71,29 @@ def formulas(lines):
             yield n, line
 
 
+def paragraphs(lines):
+    """(first line number, text) of each prose paragraph: no code, output, table or heading."""
+    fenced, para = False, []
+    for n, line in enumerate(lines + [""], 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or line.lstrip().startswith("```") or not line.strip() or \
+                line.startswith(("#", "<!--", "|")):
+            if para:
+                yield para[0][0], " ".join(text for _, text in para)
+            para = []
+        else:
+            para.append((n, line))
+
+
 def problems(page):
     lines = page.read_text().splitlines()
     found = []
+    if PIPELINE_CHAPTER in str(page.resolve()):
+        for n, text in paragraphs(lines):
+            for m in BARE_STAGE.finditer(text):
+                found.append(f"{page}:{n}: {m.group(0)!r} in the paragraph from this line: say "
+                             "\"pipeline stage\" (or \"virtual stage\", \"stage 09\")")
     for n, text in formulas(lines):
         for rule, why in RULES:
             m = rule.search(text)
@@ -100,8 +128,18 @@ def self_test():
             if len(problems(page)) != 1:
                 print(f"self-test: {bad!r}: {problems(page) or 'not found'}")
                 ok = False
+        chapter = pathlib.Path(tmp) / PIPELINE_CHAPTER / "README.md"
+        chapter.parent.mkdir()
+        chapter.write_text("The price is idle time: a stage cannot start before the previous\n"
+                           "one hands it something.\n")
+        if len(problems(chapter)) != 1:
+            print(f"self-test: a bare stage in chapter 9: {problems(chapter) or 'not found'}")
+            ok = False
+        chapter.write_text("The price is idle time: a pipeline stage cannot start before the\n"
+                           "previous one, and virtual stage 2 waits. This stage (stage 09) runs\n"
+                           "stage 08 inside each pipeline stage.\n\n```text\nthe stage\n```\n")
         page.write_text(SELF_TEST_GOOD)
-        for p in problems(page):
+        for p in problems(page) + problems(chapter):
             print(f"self-test: a right form was reported: {p}")
             ok = False
     print("self-test:", "every planted clash found, the right forms not reported" if ok else "FAILED")
