@@ -693,7 +693,7 @@ TEST(TpxProject, MissingDeviceFileFailsWithOneLine) {
   EXPECT_EQ(test::lines_of(r.err).size(), 1u) << r.err;
 }
 
-TEST(TpxProject, BadSizesAndAMissingCalibrationAreOneLineAndExit2) {
+TEST(TpxProject, BadSizesAndInputsAreOneLineNamingTheFlagAndExit2) {
   test::TempDir dir;
   const std::string device = (kDevices / "h100_sxm.json").string();
   for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
@@ -702,8 +702,21 @@ TEST(TpxProject, BadSizesAndAMissingCalibrationAreOneLineAndExit2) {
            {"--hidden -3", "--hidden: must be a positive integer (got -3)"},
            {"--dp 1.5", "--dp: '1.5' is not an integer"},
            {"--calibrate /nonexistent.json", "--calibrate /nonexistent.json: no such file"},
-           {"--markdown t.md --json t.md",
-            "--json 't.md' is the same file as --markdown 't.md'"}}) {
+           {"--markdown t.md --json t.md", "--json 't.md' is the same file as --markdown 't.md'"},
+           // An input that is a directory names its flag (the test runs in its temp directory).
+           {"--calibrate .", "--calibrate .: is a directory, not a JSON file"},
+           {"--published .", "--published .: is a directory, not a JSON file"},
+           {"--json nodir/p.json", "--json 'nodir/p.json': directory 'nodir' does not exist"},
+           // Products of the mesh's sizes are checked, not wrapped into "must be >= 1".
+           {"--dp 2147483647 --cp 2 --batch 4294967294",
+            "--pp 1 × --dp 2147483647 × --cp 2 × --tp 8 is more GPUs than the model counts"},
+           {"--pp 65536 --dp 65536 --batch 4294967296",
+            "--pp 65536 × --dp 65536 × --cp 2 × --tp 8 is more GPUs"},
+           {"--batch 4294967296", "--batch 4294967296 / --dp 1 is 4294967296 micro-batches"},
+           {"--layers 4294967296 --pp 2", "L = 4294967296 layers, more than an int counts"},
+           // zb-h1's formula needs W <= F too: the line says so when M >= P holds.
+           {"--model llama3-70b --tp 4 --batch 8 --pp 4 --schedule zb-h1 --recompute full",
+            "needs M >= P (M = 8) and W no larger than F and B"}}) {
     SCOPED_TRACE(args);
     const auto r =
         test::run_command(fmt::format("{} --device {} {}", TPX_PROJECT_BIN, device, args), dir);

@@ -7,12 +7,15 @@
 #include "07_fsdp_tp/memory.h"
 #include "08_context_parallel/memory.h"
 #include "09_pipeline_parallel/schedule.h"
+#include "common/checked.h"
 #include "common/memory.h"
 #include "common/presets.h"
 
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -40,12 +43,17 @@ std::string dtype_word(DType d) {
 using nlohmann::json;
 
 json read_json(const std::filesystem::path& file) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(file, ec))
+    fail(fmt::format("cannot read {}: it is a directory, not a JSON file", file.string()));
   std::ifstream in(file);
   if (!in) fail(fmt::format("cannot read {}", file.string()));
   try {
     return json::parse(in);
   } catch (const json::exception& e) {
     fail(fmt::format("{} is not valid JSON: {}", file.string(), e.what()));
+  } catch (const std::ios_base::failure& e) {
+    fail(fmt::format("cannot read {}: {}", file.string(), e.what()));
   }
 }
 
@@ -933,15 +941,23 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
             l.stages_per_rank >= 1,
         "P, D, C, T, M and V must be >= 1");
   const std::string mesh = fmt::format("P {} × D {} × C {} × T {}", l.pp, l.dp, l.cp, l.tp);
+  // Every product of the mesh's sizes below is at most P·D·C·T, an int (Layout::gpus()).
+  const auto pd = checked_mul(l.pp, l.dp);
+  const auto pdc = pd ? checked_mul(*pd, l.cp) : std::nullopt;
+  if (!pdc || !checked_mul(*pdc, l.tp))
+    fail(fmt::format("{}: more GPUs than an int counts ({} at most)", mesh,
+                     std::numeric_limits<int>::max()));
+  if (c.layers > std::numeric_limits<int>::max())
+    fail(fmt::format("{}: L = {} layers, more than an int counts", mesh, c.layers));
   const I nkv = c.kv_heads_or_heads();
   if (c.batch % l.dp != 0)
     fail(fmt::format("{}: D = {} does not divide the batch of {} sequences", mesh, l.dp, c.batch));
   if (c.batch / l.dp % l.microbatches != 0)
     fail(fmt::format("{}: M = {} does not divide a replica's {} sequences", mesh, l.microbatches,
                      c.batch / l.dp));
-  if (c.seq % (l.cp > 1 ? 2 * l.cp * l.tp : l.tp) != 0)
-    fail(fmt::format("{}: S = {} does not split into {} chunks", mesh, c.seq,
-                     l.cp > 1 ? 2 * l.cp * l.tp : l.tp));
+  const I chunks = l.cp > 1 ? 2 * I(l.cp) * l.tp : l.tp;
+  if (c.seq % chunks != 0)
+    fail(fmt::format("{}: S = {} does not split into {} chunks", mesh, c.seq, chunks));
   if (nkv % l.tp != 0 || c.heads % l.tp != 0 || c.ffn % l.tp != 0)
     fail(fmt::format("{}: T = {} does not divide the heads ({}), KV heads ({}) and F ({})", mesh,
                      l.tp, c.heads, nkv, c.ffn));
@@ -963,7 +979,7 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
   // One micro-batch through the rank's layers: stage 05 on S/C tokens of B/(D·M) sequences.
   BlockConfig mb = c;
   mb.seq = c.seq / l.cp;
-  mb.batch = c.batch / (l.dp * l.microbatches);
+  mb.batch = c.batch / (I(l.dp) * l.microbatches);  // D·M divides B: no overflow
   mb.layers = r.layers;
   ModelOptions o = stage_options(5);
   o.act_bytes = activation_bytes(5, c);
@@ -1016,8 +1032,10 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
   if (sched->split_backward()) costs = {r.forward_ms, r.backward_ms / 2, r.backward_ms / 2, 0.0};
   r.bubble = sched->formula_bubble(costs);
   if (!std::isfinite(r.bubble))
-    fail(fmt::format("{}: schedule {} has no bubble formula at M = {} (zb-h1's needs M >= P)", mesh,
-                     l.schedule, l.microbatches));
+    fail(fmt::format(
+        "{}: schedule {} has no bubble formula here: zb-h1's needs M >= P (M = {}) and W no "
+        "larger than F and B (F {:.3g} ms, B {:.3g} ms, W {:.3g} ms)",
+        mesh, l.schedule, l.microbatches, costs.forward, costs.backward, costs.weight));
   r.bubble_ms = busy * r.bubble / (1 - r.bubble);
 
   // PP: each boundary's [S/(C·T), B/(D·M), H] activation, and its gradient back.
@@ -1044,7 +1062,7 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
                             l.dp * l.cp);  // gathered once a step, kept across micro-batches
   if (l.dp * l.cp > 1) {
     const double dp_ms =
-        link_of(d, l.tp, l.dp * l.cp, "dp×cp").ms(double(r.dp.bus), 3 * (l.dp * l.cp - 1));
+        link_of(d, l.tp, l.dp * l.cp, "dp×cp").ms(double(r.dp.bus), 3.0 * (l.dp * l.cp - 1));
     r.dp_ms = std::max(0.0, dp_ms - r.compute_ms);
   }
   r.step_ms = busy + r.bubble_ms + r.p2p_ms + r.dp_ms;

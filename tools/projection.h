@@ -361,7 +361,8 @@ Report::MeshRow project_mesh(const DeviceSpec& d, const BlockConfig& replica, in
 /// The projection of `c` (all its layers, its global batch B) on layout `l`. Throws
 /// std::runtime_error (tpx::ConfigError from the schedule library) with one line when the
 /// layout does not split the model: D ∤ B, M ∤ B/D, 2C·T ∤ S, T ∤ the heads or F, L < P·V, a
-/// schedule's own limits, Ulysses' NKV % (C·T), zb-h1's formula outside M ≥ P.
+/// schedule's own limits, Ulysses' NKV % (C·T), zb-h1's formula outside M ≥ P and W ≤ F, a mesh
+/// of more GPUs than an int counts, more layers than an int.
 LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layout& l);
 
 /// The model of the 4-D tables: `preset` (common/presets.h, all its layers), bf16, AdamW, and a

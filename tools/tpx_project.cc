@@ -50,9 +50,11 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
@@ -62,6 +64,7 @@
 #include "07_fsdp_tp/memory.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "common/check.h"
+#include "common/checked.h"
 #include "common/cli.h"
 #include "common/config.h"
 #include "common/flops.h"
@@ -78,11 +81,31 @@ namespace fs = std::filesystem;
 namespace pj = tpx::projection;
 using nlohmann::json;
 
-void write_file(const fs::path& path, const std::string& text) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error("cannot write " + path.string());
-  out << text;
-  if (!out) throw std::runtime_error("cannot write " + path.string());
+/// Empty when `path`, given to `flag`, is a file that can be read; else one sentence naming both.
+std::string input_file_problem(std::string_view flag, const fs::path& path) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (!fs::exists(st)) return fmt::format("{} {}: no such file", flag, path.string());
+  if (fs::is_directory(st))
+    return fmt::format("{} {}: is a directory, not a JSON file", flag, path.string());
+  if (!std::ifstream(path)) return fmt::format("{} {}: cannot be read", flag, path.string());
+  return {};
+}
+
+/// The mesh's GPU count P·D·C·T, and the default micro-batch count B / D, as ints (what the model
+/// counts in): otherwise one line naming the flags.
+void check_mesh_counts(const pj::Layout& mesh, std::int64_t batch, bool microbatches_given) {
+  const auto pd = tpx::checked_mul(mesh.pp, mesh.dp);
+  const auto pdc = pd ? tpx::checked_mul(*pd, mesh.cp) : std::nullopt;
+  if (!pdc || !tpx::checked_mul(*pdc, mesh.tp))
+    throw std::invalid_argument(fmt::format(
+        "--pp {} × --dp {} × --cp {} × --tp {} is more GPUs than the model counts ({} at most)",
+        mesh.pp, mesh.dp, mesh.cp, mesh.tp, std::numeric_limits<int>::max()));
+  if (!microbatches_given && batch / mesh.dp > std::numeric_limits<int>::max())
+    throw std::invalid_argument(
+        fmt::format("--batch {} / --dp {} is {} micro-batches of one sequence, more than {}: give "
+                    "--microbatches",
+                    batch, mesh.dp, batch / mesh.dp, std::numeric_limits<int>::max()));
 }
 
 /// A device file: `arg` itself when it is a file, else tools/devices/<arg>.json; an unknown name
@@ -438,12 +461,16 @@ int main(int argc, char** argv) {
       if (!published.empty()) inputs.push_back({"--published", published});
       if (const std::string p = tpx::output_collision(outputs, inputs); !p.empty())
         throw std::invalid_argument(p);
+      for (const tpx::NamedPath& o : outputs)
+        if (const std::string p = tpx::output_file_problem(o.flag, o.path); !p.empty())
+          throw std::invalid_argument(p);
+      for (const tpx::NamedPath& i : inputs)
+        if (const std::string p = input_file_problem(i.flag, i.path); !p.empty())
+          throw std::invalid_argument(p);
     }
     pj::DeviceSpec device = pj::load_device(device_file(device_arg), !assumed_only);
     if (!attention.empty()) pj::use_attention(device, attention);
     for (const std::string& file : calibrate) {
-      if (!std::filesystem::exists(file))
-        throw std::invalid_argument(fmt::format("--calibrate {}: no such file", file));
       if (!pj::calibrate(device, file))
         std::fprintf(stderr,
                      "note: %s has no cuda bf16 GEMM or copy-overlap rows: the device file's "
@@ -482,15 +509,17 @@ int main(int argc, char** argv) {
             c.batch));
       mesh.dp = dp;
       mesh.tp = tp;
+      check_mesh_counts(mesh, c.batch, app.count("--microbatches") > 0);
       mesh.cp_method = cp_method == "allgather" ? tpx::cp::CpMethod::allgather
                        : cp_method == "ulysses" ? tpx::cp::CpMethod::ulysses
                                                 : tpx::cp::CpMethod::ring;
       if (mesh.microbatches == 0) mesh.microbatches = int(c.batch / dp);
       const auto rows = stage_costs(device, c, tp, dp, mesh, app.count("--cp") > 0);
       const std::string md = costs_markdown(device, c, model, tp, dp, mesh, rows);
-      if (!markdown.empty()) write_file(markdown, md);
+      if (!markdown.empty()) tpx::write_text_file(markdown, md);
       if (!json_file.empty())
-        write_file(json_file, costs_json(device, c, model, tp, dp, mesh, rows).dump(2) + "\n");
+        tpx::write_text_file(json_file,
+                             costs_json(device, c, model, tp, dp, mesh, rows).dump(2) + "\n");
       if (markdown.empty() && json_file.empty()) std::fputs(md.c_str(), stdout);
       return 0;
     }
@@ -505,8 +534,8 @@ int main(int argc, char** argv) {
     if (validate_only || sensitivity_only) return 0;
     const pj::Report report = pj::make_report(device, validation, cases.left_out, sens);
     const std::string md = pj::report_markdown(report);
-    if (!markdown.empty()) write_file(markdown, md);
-    if (!json_file.empty()) write_file(json_file, pj::report_json(report).dump(2) + "\n");
+    if (!markdown.empty()) tpx::write_text_file(markdown, md);
+    if (!json_file.empty()) tpx::write_text_file(json_file, pj::report_json(report).dump(2) + "\n");
     if (markdown.empty() && json_file.empty()) std::fputs(md.c_str(), stdout);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tpx_project: error: %s\n", e.what());
