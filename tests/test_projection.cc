@@ -327,6 +327,37 @@ TEST(Projection, BadDeviceFileIsOneClearError) {
   }
 }
 
+// A device figure out of range (a negative peak, an efficiency above 1, a fractional or absurd
+// count, an optional figure of the wrong type) is an error naming the file and the key, not a
+// table of negative milliseconds.
+TEST(Projection, DeviceFiguresOutOfRangeAreOneErrorNamingTheKey) {
+  test::TempDir dir;
+  const json good = json::parse(test::read_file(kDevices / "h100_sxm.json"));
+  for (const auto& [key, value, says] : std::vector<std::tuple<std::string, json, std::string>>{
+           {"peak_bf16_flops", -5, "\"peak_bf16_flops\" is -5: it must be a number > 0"},
+           {"hbm_GBps", 0, "\"hbm_GBps\" is 0: it must be a number > 0"},
+           {"link_latency_us", -1, "\"link_latency_us\" is -1: it must be a number >= 0"},
+           {"collective_efficiency", 1.5, "\"collective_efficiency\" is 1.5"},
+           {"sms", 1e300, "\"sms\" is 1e+300"},
+           {"sms", 131.5, "\"sms\" is 131.5: it must be an integer"},
+           {"gpus_per_node", 0, "\"gpus_per_node\" is 0"},
+           {"dp_efficiency", "high", "\"dp_efficiency\" is missing or not a number"},
+           {"copy_engine_gemm_slowdown", 0.5, "\"copy_engine_gemm_slowdown\" is 0.5"}}) {
+    SCOPED_TRACE(key);
+    json j = good;
+    j[key] = value;
+    const auto path = dir / "bad.json";
+    std::ofstream(path) << j.dump();
+    try {
+      pj::load_device(path);
+      ADD_FAILURE() << "no error";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(path.string() + ": " + says), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 // --- the 4-D mesh --------------------------------------------------------------------------------
 
 /// The Llama-3-70B layer, `layers` of them, a global batch of `batch` sequences.

@@ -64,6 +64,31 @@ double number(const json& j, const char* key, const std::filesystem::path& file)
   return j.at(key).get<double>();
 }
 
+/// j[key] (or `missing` when absent) as a finite number from `lo` to `hi`, `lo` itself excluded
+/// unless `lo_ok`: a device's figures (a peak, a rate, an efficiency, a count) checked, so that
+/// a negative or absurd one is an error naming the file and the key, not a table of garbage.
+double figure(const json& j, const char* key, const std::filesystem::path& file, double lo,
+              bool lo_ok, double hi, std::optional<double> missing = std::nullopt) {
+  if (missing && !j.contains(key)) return *missing;
+  const double v = number(j, key, file);
+  if (!(std::isfinite(v) && (v > lo || (lo_ok && v == lo)) && v <= hi))
+    fail(fmt::format(
+        "{}: \"{}\" is {:g}: it must be a number {} {:g}{}", file.string(), key, v,
+        lo_ok ? ">=" : ">", lo,
+        hi < std::numeric_limits<double>::max() ? fmt::format(" and <= {:g}", hi) : std::string()));
+  return v;
+}
+constexpr double kNoLimit = std::numeric_limits<double>::max();
+
+/// A count in a device file (SMs, GPUs per node): an integer from `lo` to 10^6.
+int count(const json& j, const char* key, const std::filesystem::path& file, int lo,
+          std::optional<double> missing = std::nullopt) {
+  const double v = figure(j, key, file, lo, true, 1e6, missing);
+  if (v != std::floor(v))
+    fail(fmt::format("{}: \"{}\" is {:g}: it must be an integer", file.string(), key, v));
+  return static_cast<int>(v);
+}
+
 std::string text(const json& j, const char* key, const std::filesystem::path& file) {
   if (!j.contains(key) || !j.at(key).is_string())
     fail(fmt::format("{}: \"{}\" is missing or not a string", file.string(), key));
@@ -153,22 +178,29 @@ DeviceSpec load_device(const std::filesystem::path& file, bool measured) {
   DeviceSpec d;
   d.file = file.filename().string();
   d.name = text(j, "name", file);
-  d.peak_bf16_flops = number(j, "peak_bf16_flops", file);
-  d.peak_fp8_flops = number(j, "peak_fp8_flops", file);
-  d.hbm_GBps = number(j, "hbm_GBps", file);
-  d.nvlink_GBps_per_direction = number(j, "nvlink_GBps_per_direction", file);
-  d.link_latency_us = number(j, "link_latency_us", file);
-  d.sms = static_cast<int>(number(j, "sms", file));
-  d.collective_sms = static_cast<int>(number(j, "collective_sms", file));
-  d.copy_engine_GBps = number(j, "copy_engine_GBps", file);
-  d.collective_efficiency = number(j, "collective_efficiency", file);
-  d.attention_efficiency = number(j, "attention_efficiency", file);
-  d.copy_engine_gemm_slowdown = j.value("copy_engine_gemm_slowdown", 1.0);
-  d.ring_gemm_slowdown = j.value("ring_gemm_slowdown", 0.0);
-  d.dp_GBps_per_direction = j.value("dp_GBps_per_direction", 0.0);
-  d.dp_efficiency = j.value("dp_efficiency", 1.0);
-  d.elementwise_scale = j.value("elementwise_scale", 1.0);
-  d.gpus_per_node = j.value("gpus_per_node", 8);
+  // Peaks and rates above 0, efficiencies in (0, 1], slow-downs at least 1 (0: none given).
+  d.peak_bf16_flops = figure(j, "peak_bf16_flops", file, 0, false, kNoLimit);
+  d.peak_fp8_flops = figure(j, "peak_fp8_flops", file, 0, false, kNoLimit);
+  d.hbm_GBps = figure(j, "hbm_GBps", file, 0, false, kNoLimit);
+  d.nvlink_GBps_per_direction = figure(j, "nvlink_GBps_per_direction", file, 0, false, kNoLimit);
+  d.link_latency_us = figure(j, "link_latency_us", file, 0, true, kNoLimit);
+  d.sms = count(j, "sms", file, 1);
+  d.collective_sms = count(j, "collective_sms", file, 0);
+  d.copy_engine_GBps = figure(j, "copy_engine_GBps", file, 0, false, kNoLimit);
+  d.collective_efficiency = figure(j, "collective_efficiency", file, 0, false, 1);
+  d.attention_efficiency = figure(j, "attention_efficiency", file, 0, false, 1);
+  d.copy_engine_gemm_slowdown =
+      figure(j, "copy_engine_gemm_slowdown", file, 1, true, kNoLimit, 1.0);
+  d.ring_gemm_slowdown = figure(j, "ring_gemm_slowdown", file, 0, true, kNoLimit, 0.0);
+  if (d.ring_gemm_slowdown > 0 && d.ring_gemm_slowdown < 1)
+    fail(
+        fmt::format("{}: \"ring_gemm_slowdown\" is {:g}: it must be 0 (derived from the SMs) or "
+                    ">= 1",
+                    file.string(), d.ring_gemm_slowdown));
+  d.dp_GBps_per_direction = figure(j, "dp_GBps_per_direction", file, 0, true, kNoLimit, 0.0);
+  d.dp_efficiency = figure(j, "dp_efficiency", file, 0, false, 1, 1.0);
+  d.elementwise_scale = figure(j, "elementwise_scale", file, 0, false, kNoLimit, 1.0);
+  d.gpus_per_node = count(j, "gpus_per_node", file, 1, 8.0);
   if (j.contains("assumptions") && j["assumptions"].is_object())
     for (const auto& [key, why] : j["assumptions"].items()) d.assumed.push_back(key);
   if (d.sms <= d.collective_sms || d.collective_sms < 0)

@@ -130,8 +130,9 @@ struct DeviceSpec {
   std::vector<std::string> assumed;            // the keys the device file marks as assumptions
 };
 
-/// Reads a device file; throws std::runtime_error with one line naming the file and the problem.
-/// Its optional "measured" block (written from a GPU run's logs by tools/gpu_logs.py, which
+/// Reads a device file; throws std::runtime_error with one line naming the file and the problem
+/// (a missing key, or a figure out of range: peaks and rates > 0, efficiencies in (0, 1], the
+/// latency >= 0, slow-downs >= 1, SM and GPU counts whole numbers). Its optional "measured" block (written from a GPU run's logs by tools/gpu_logs.py, which
 /// names the logs) replaces the assumed GEMM curve and attention efficiency with measured ones,
 /// unless `measured` is false (the assumptions alone, as before the device was measured).
 DeviceSpec load_device(const std::filesystem::path& file, bool measured = true);
