@@ -147,6 +147,7 @@ class Report(unittest.TestCase):
             (edited(lambda j: j["steps"][0].update(loss=None)), "steps[0].loss is null"),
             (edited(lambda j: j.update(saved_activation_bytes=2 ** 63)),
              "saved_activation_bytes is 9223372036854775808"),
+            (edited(lambda j: j.pop("world_size")), "has no world_size"),
             (edited(lambda j: j.update(pp=0)), "pp is 0"),
             (edited(lambda j: j.update(dp=0)), "dp is 0"),
             # A P2 run's mesh must cover its ranks: pp·dp·cp divides world_size.

@@ -107,7 +107,7 @@ class Fields {
     if (i < lo || i > hi) bad(name(where, key), v, rule);
     return i;
   }
-  /// An int-sized count of at least 1 (ranks, a mesh dimension), obj[key] or `missing` if absent.
+  /// A mesh dimension: an int of at least 1, obj[key] or `missing` when absent.
   int count(const json& obj, const std::string& where, const char* key, int missing) const {
     if (!obj.contains(key)) return missing;
     return int(integer(obj, where, key, 1, std::numeric_limits<int>::max()));
@@ -172,7 +172,7 @@ Row summarise(const std::string& path) {
   const json& c = f.at(j, "", "config");
   Row r;
   r.stage = f.text(j, "", "stage");
-  r.ranks = f.count(j, "", "world_size", 0);
+  r.ranks = int(f.integer(j, "", "world_size", 1, std::numeric_limits<int>::max()));
   // The mesh: pp·dp·cp must divide the ranks, the rest is TP.
   r.pp = f.count(j, "", "pp", 1);
   r.dp = f.count(j, "", "dp", 1);
