@@ -726,7 +726,12 @@ TEST(TpxProject, MissingDeviceFileFailsWithOneLine) {
 
 TEST(TpxProject, BadSizesAndInputsAreOneLineNamingTheFlagAndExit2) {
   test::TempDir dir;
+  // A Google Benchmark file whose GEMM row has a TFLOP/s of another type.
+  std::ofstream(dir / "rows.json") << R"({"benchmarks": [{"name": "gemm/cuda/bf16/x", )"
+                                      R"("label": "m=1 n=1 k=1", "TFLOP/s": "fast"}]})";
   const std::string device = (kDevices / "h100_sxm.json").string();
+  const std::string tmp = dir.path().string(), rows = (dir / "rows.json").string(),
+                    nodir = (dir / "nodir").string();
   for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
            {"--tp 0", "--tp: must be a positive integer (got 0)"},
            {"--hidden abc", "--hidden: 'abc' is not an integer"},
@@ -734,10 +739,12 @@ TEST(TpxProject, BadSizesAndInputsAreOneLineNamingTheFlagAndExit2) {
            {"--dp 1.5", "--dp: '1.5' is not an integer"},
            {"--calibrate /nonexistent.json", "--calibrate /nonexistent.json: no such file"},
            {"--markdown t.md --json t.md", "--json 't.md' is the same file as --markdown 't.md'"},
-           // An input that is a directory names its flag (the test runs in its temp directory).
-           {"--calibrate .", "--calibrate .: is a directory, not a JSON file"},
-           {"--published .", "--published .: is a directory, not a JSON file"},
-           {"--json nodir/p.json", "--json 'nodir/p.json': directory 'nodir' does not exist"},
+           // An input that is a directory, or holds a field of another type, names its flag.
+           {"--calibrate " + tmp, "--calibrate " + tmp + ": is a directory, not a JSON file"},
+           {"--published " + tmp, "--published " + tmp + ": is a directory, not a JSON file"},
+           {"--calibrate " + rows,
+            "--calibrate " + rows + ": not a bench_gemm or bench_copy_overlap JSON file"},
+           {"--json " + nodir + "/p.json", "directory '" + nodir + "' does not exist"},
            // Products of the mesh's sizes are checked, not wrapped into "must be >= 1".
            {"--dp 2147483647 --cp 2 --batch 4294967294",
             "--pp 1 × --dp 2147483647 × --cp 2 × --tp 8 is more GPUs than the model counts"},

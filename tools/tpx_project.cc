@@ -488,7 +488,14 @@ pj::DeviceSpec device_of(const Options& o) {
   pj::DeviceSpec device = pj::load_device(device_file(o.device_arg), !o.assumed_only);
   if (!o.attention.empty()) pj::use_attention(device, o.attention);
   for (const std::string& file : o.calibrate) {
-    if (!pj::calibrate(device, file))
+    bool used = false;
+    try {
+      used = pj::calibrate(device, file);
+    } catch (const json::exception& e) {  // a row's field of another type
+      throw std::invalid_argument(fmt::format(
+          "--calibrate {}: not a bench_gemm or bench_copy_overlap JSON file ({})", file, e.what()));
+    }
+    if (!used)
       std::fprintf(stderr,
                    "note: %s has no cuda bf16 GEMM or copy-overlap rows: the device file's "
                    "assumptions are used\n",
