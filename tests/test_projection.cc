@@ -327,6 +327,37 @@ TEST(Projection, BadDeviceFileIsOneClearError) {
   }
 }
 
+// A device figure out of range (a negative peak, an efficiency above 1, a fractional or absurd
+// count, an optional figure of the wrong type) is an error naming the file and the key, not a
+// table of negative milliseconds.
+TEST(Projection, DeviceFiguresOutOfRangeAreOneErrorNamingTheKey) {
+  test::TempDir dir;
+  const json good = json::parse(test::read_file(kDevices / "h100_sxm.json"));
+  for (const auto& [key, value, says] : std::vector<std::tuple<std::string, json, std::string>>{
+           {"peak_bf16_flops", -5, "\"peak_bf16_flops\" is -5: it must be a number > 0"},
+           {"hbm_GBps", 0, "\"hbm_GBps\" is 0: it must be a number > 0"},
+           {"link_latency_us", -1, "\"link_latency_us\" is -1: it must be a number >= 0"},
+           {"collective_efficiency", 1.5, "\"collective_efficiency\" is 1.5"},
+           {"sms", 1e300, "\"sms\" is 1e+300"},
+           {"sms", 131.5, "\"sms\" is 131.5: it must be an integer"},
+           {"gpus_per_node", 0, "\"gpus_per_node\" is 0"},
+           {"dp_efficiency", "high", "\"dp_efficiency\" is missing or not a number"},
+           {"copy_engine_gemm_slowdown", 0.5, "\"copy_engine_gemm_slowdown\" is 0.5"}}) {
+    SCOPED_TRACE(key);
+    json j = good;
+    j[key] = value;
+    const auto path = dir / "bad.json";
+    std::ofstream(path) << j.dump();
+    try {
+      pj::load_device(path);
+      ADD_FAILURE() << "no error";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(path.string() + ": " + says), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 // --- the 4-D mesh --------------------------------------------------------------------------------
 
 /// The Llama-3-70B layer, `layers` of them, a global batch of `batch` sequences.
@@ -693,17 +724,37 @@ TEST(TpxProject, MissingDeviceFileFailsWithOneLine) {
   EXPECT_EQ(test::lines_of(r.err).size(), 1u) << r.err;
 }
 
-TEST(TpxProject, BadSizesAndAMissingCalibrationAreOneLineAndExit2) {
+TEST(TpxProject, BadSizesAndInputsAreOneLineNamingTheFlagAndExit2) {
   test::TempDir dir;
+  // A Google Benchmark file whose GEMM row has a TFLOP/s of another type.
+  std::ofstream(dir / "rows.json") << R"({"benchmarks": [{"name": "gemm/cuda/bf16/x", )"
+                                      R"("label": "m=1 n=1 k=1", "TFLOP/s": "fast"}]})";
   const std::string device = (kDevices / "h100_sxm.json").string();
+  const std::string tmp = dir.path().string(), rows = (dir / "rows.json").string(),
+                    nodir = (dir / "nodir").string();
   for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
            {"--tp 0", "--tp: must be a positive integer (got 0)"},
            {"--hidden abc", "--hidden: 'abc' is not an integer"},
            {"--hidden -3", "--hidden: must be a positive integer (got -3)"},
            {"--dp 1.5", "--dp: '1.5' is not an integer"},
            {"--calibrate /nonexistent.json", "--calibrate /nonexistent.json: no such file"},
-           {"--markdown t.md --json t.md",
-            "--json 't.md' is the same file as --markdown 't.md'"}}) {
+           {"--markdown t.md --json t.md", "--json 't.md' is the same file as --markdown 't.md'"},
+           // An input that is a directory, or holds a field of another type, names its flag.
+           {"--calibrate " + tmp, "--calibrate " + tmp + ": is a directory, not a JSON file"},
+           {"--published " + tmp, "--published " + tmp + ": is a directory, not a JSON file"},
+           {"--calibrate " + rows,
+            "--calibrate " + rows + ": not a bench_gemm or bench_copy_overlap JSON file"},
+           {"--json " + nodir + "/p.json", "directory '" + nodir + "' does not exist"},
+           // Products of the mesh's sizes are checked, not wrapped into "must be >= 1".
+           {"--dp 2147483647 --cp 2 --batch 4294967294",
+            "--pp 1 × --dp 2147483647 × --cp 2 × --tp 8 is more GPUs than the model counts"},
+           {"--pp 65536 --dp 65536 --batch 4294967296",
+            "--pp 65536 × --dp 65536 × --cp 2 × --tp 8 is more GPUs"},
+           {"--batch 4294967296", "--batch 4294967296 / --dp 1 is 4294967296 micro-batches"},
+           {"--layers 4294967296 --pp 2", "L = 4294967296 layers, more than an int counts"},
+           // zb-h1's formula needs W <= F too: the line says so when M >= P holds.
+           {"--model llama3-70b --tp 4 --batch 8 --pp 4 --schedule zb-h1 --recompute full",
+            "needs M >= P (M = 8) and W no larger than F and B"}}) {
     SCOPED_TRACE(args);
     const auto r =
         test::run_command(fmt::format("{} --device {} {}", TPX_PROJECT_BIN, device, args), dir);

@@ -583,12 +583,35 @@ TEST(TpxSchedule, PrintsTheLibrarysScheduleAndSimulation) {
                           // past the size guards: one line, at once, not bad_alloc or minutes
                           "--pp 2147483647 --microbatches 2147483647 --simulate",
                           "--pp 2000 --microbatches 100000 --simulate",
-                          "--pp 4 --microbatches 8 --simulate --timeline --forward 1000000000"}) {
+                          "--pp 4 --microbatches 8 --simulate --timeline --forward 1000000000",
+                          // costs: finite, F, B and W > 0, the latency >= 0; with and without
+                          // the timeline, never a table of nan nor an internal check
+                          "--pp 2 --microbatches 4 --simulate --forward inf",
+                          "--pp 2 --microbatches 4 --simulate --timeline --forward inf "
+                          "--backward inf --weight inf",
+                          "--pp 2 --microbatches 4 --simulate --backward nan",
+                          "--pp 2 --microbatches 4 --simulate --weight 0",
+                          "--pp 2 --microbatches 4 --simulate --forward 0 --backward 0",
+                          "--pp 2 --microbatches 4 --simulate --latency -1e300",
+                          "--pp 2 --microbatches 4 --simulate --latency inf",
+                          "--pp 2 --microbatches 4 --simulate --forward 1e308 --backward 1e308"}) {
     SCOPED_TRACE(bad);
     const auto r = test::run_command(fmt::format("{} {}", TPX_SCHEDULE_BIN, bad), dir);
     EXPECT_EQ(r.exit_code, 2);
     EXPECT_EQ(test::lines_of(r.err).size(), 1u) << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;
+    EXPECT_EQ(r.err.rfind("tpx_schedule: error: ", 0), 0u) << r.err;
+    // A bad cost is named: one of the cost flags given is in the line (with --timeline, the
+    // timeline's own limits may speak first).
+    bool cost_given = false, cost_named = false;
+    for (const std::string flag : {"--forward", "--backward", "--weight", "--latency"}) {
+      if (std::string_view(bad).find(flag) == std::string_view::npos) continue;
+      cost_given = true;
+      cost_named = cost_named || r.err.find(flag) != std::string::npos;
+    }
+    if (std::string_view(bad).find("--timeline") == std::string_view::npos) {
+      EXPECT_EQ(cost_named, cost_given) << r.err;
+    }
     if (std::string_view(bad).find("2147483647") != std::string_view::npos ||
         std::string_view(bad).find("--pp 2000") != std::string_view::npos) {
       EXPECT_NE(r.err.find("actions, more than the 1e+07"), std::string::npos) << r.err;

@@ -7,12 +7,15 @@
 #include "07_fsdp_tp/memory.h"
 #include "08_context_parallel/memory.h"
 #include "09_pipeline_parallel/schedule.h"
+#include "common/checked.h"
 #include "common/memory.h"
 #include "common/presets.h"
 
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -40,12 +43,17 @@ std::string dtype_word(DType d) {
 using nlohmann::json;
 
 json read_json(const std::filesystem::path& file) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(file, ec))
+    fail(fmt::format("cannot read {}: it is a directory, not a JSON file", file.string()));
   std::ifstream in(file);
   if (!in) fail(fmt::format("cannot read {}", file.string()));
   try {
     return json::parse(in);
   } catch (const json::exception& e) {
     fail(fmt::format("{} is not valid JSON: {}", file.string(), e.what()));
+  } catch (const std::ios_base::failure& e) {
+    fail(fmt::format("cannot read {}: {}", file.string(), e.what()));
   }
 }
 
@@ -54,6 +62,31 @@ double number(const json& j, const char* key, const std::filesystem::path& file)
   if (!j.contains(key) || !j.at(key).is_number())
     fail(fmt::format("{}: \"{}\" is missing or not a number", file.string(), key));
   return j.at(key).get<double>();
+}
+
+/// j[key] (or `missing` when absent) as a finite number from `lo` to `hi`, `lo` itself excluded
+/// unless `lo_ok`: a device's figures (a peak, a rate, an efficiency, a count) checked, so that
+/// a negative or absurd one is an error naming the file and the key, not a table of garbage.
+double figure(const json& j, const char* key, const std::filesystem::path& file, double lo,
+              bool lo_ok, double hi, std::optional<double> missing = std::nullopt) {
+  if (missing && !j.contains(key)) return *missing;
+  const double v = number(j, key, file);
+  if (!(std::isfinite(v) && (v > lo || (lo_ok && v == lo)) && v <= hi))
+    fail(fmt::format(
+        "{}: \"{}\" is {:g}: it must be a number {} {:g}{}", file.string(), key, v,
+        lo_ok ? ">=" : ">", lo,
+        hi < std::numeric_limits<double>::max() ? fmt::format(" and <= {:g}", hi) : std::string()));
+  return v;
+}
+constexpr double kNoLimit = std::numeric_limits<double>::max();
+
+/// A count in a device file (SMs, GPUs per node): an integer from `lo` to 10^6.
+int count(const json& j, const char* key, const std::filesystem::path& file, int lo,
+          std::optional<double> missing = std::nullopt) {
+  const double v = figure(j, key, file, lo, true, 1e6, missing);
+  if (v != std::floor(v))
+    fail(fmt::format("{}: \"{}\" is {:g}: it must be an integer", file.string(), key, v));
+  return static_cast<int>(v);
 }
 
 std::string text(const json& j, const char* key, const std::filesystem::path& file) {
@@ -145,22 +178,29 @@ DeviceSpec load_device(const std::filesystem::path& file, bool measured) {
   DeviceSpec d;
   d.file = file.filename().string();
   d.name = text(j, "name", file);
-  d.peak_bf16_flops = number(j, "peak_bf16_flops", file);
-  d.peak_fp8_flops = number(j, "peak_fp8_flops", file);
-  d.hbm_GBps = number(j, "hbm_GBps", file);
-  d.nvlink_GBps_per_direction = number(j, "nvlink_GBps_per_direction", file);
-  d.link_latency_us = number(j, "link_latency_us", file);
-  d.sms = static_cast<int>(number(j, "sms", file));
-  d.collective_sms = static_cast<int>(number(j, "collective_sms", file));
-  d.copy_engine_GBps = number(j, "copy_engine_GBps", file);
-  d.collective_efficiency = number(j, "collective_efficiency", file);
-  d.attention_efficiency = number(j, "attention_efficiency", file);
-  d.copy_engine_gemm_slowdown = j.value("copy_engine_gemm_slowdown", 1.0);
-  d.ring_gemm_slowdown = j.value("ring_gemm_slowdown", 0.0);
-  d.dp_GBps_per_direction = j.value("dp_GBps_per_direction", 0.0);
-  d.dp_efficiency = j.value("dp_efficiency", 1.0);
-  d.elementwise_scale = j.value("elementwise_scale", 1.0);
-  d.gpus_per_node = j.value("gpus_per_node", 8);
+  // Peaks and rates above 0, efficiencies in (0, 1], slow-downs at least 1 (0: none given).
+  d.peak_bf16_flops = figure(j, "peak_bf16_flops", file, 0, false, kNoLimit);
+  d.peak_fp8_flops = figure(j, "peak_fp8_flops", file, 0, false, kNoLimit);
+  d.hbm_GBps = figure(j, "hbm_GBps", file, 0, false, kNoLimit);
+  d.nvlink_GBps_per_direction = figure(j, "nvlink_GBps_per_direction", file, 0, false, kNoLimit);
+  d.link_latency_us = figure(j, "link_latency_us", file, 0, true, kNoLimit);
+  d.sms = count(j, "sms", file, 1);
+  d.collective_sms = count(j, "collective_sms", file, 0);
+  d.copy_engine_GBps = figure(j, "copy_engine_GBps", file, 0, false, kNoLimit);
+  d.collective_efficiency = figure(j, "collective_efficiency", file, 0, false, 1);
+  d.attention_efficiency = figure(j, "attention_efficiency", file, 0, false, 1);
+  d.copy_engine_gemm_slowdown =
+      figure(j, "copy_engine_gemm_slowdown", file, 1, true, kNoLimit, 1.0);
+  d.ring_gemm_slowdown = figure(j, "ring_gemm_slowdown", file, 0, true, kNoLimit, 0.0);
+  if (d.ring_gemm_slowdown > 0 && d.ring_gemm_slowdown < 1)
+    fail(
+        fmt::format("{}: \"ring_gemm_slowdown\" is {:g}: it must be 0 (derived from the SMs) or "
+                    ">= 1",
+                    file.string(), d.ring_gemm_slowdown));
+  d.dp_GBps_per_direction = figure(j, "dp_GBps_per_direction", file, 0, true, kNoLimit, 0.0);
+  d.dp_efficiency = figure(j, "dp_efficiency", file, 0, false, 1, 1.0);
+  d.elementwise_scale = figure(j, "elementwise_scale", file, 0, false, kNoLimit, 1.0);
+  d.gpus_per_node = count(j, "gpus_per_node", file, 1, 8.0);
   if (j.contains("assumptions") && j["assumptions"].is_object())
     for (const auto& [key, why] : j["assumptions"].items()) d.assumed.push_back(key);
   if (d.sms <= d.collective_sms || d.collective_sms < 0)
@@ -928,115 +968,133 @@ Traffic times(Traffic t, std::uint64_t k) {
 
 }  // namespace
 
-LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layout& l) {
+namespace {
+
+/// The checks of project_layout(): the mesh's counts fit an int, and the layout splits the model
+/// (D | B, M | B/D, 2C·T | S, T | the heads, KV heads and F, Ulysses' C·T | NKV). `mesh` names
+/// the layout in the errors.
+void check_layout(const BlockConfig& c, const Layout& l, const std::string& mesh) {
   check(l.pp >= 1 && l.dp >= 1 && l.cp >= 1 && l.tp >= 1 && l.microbatches >= 1 &&
             l.stages_per_rank >= 1,
         "P, D, C, T, M and V must be >= 1");
-  const std::string mesh = fmt::format("P {} × D {} × C {} × T {}", l.pp, l.dp, l.cp, l.tp);
+  // Every product of the mesh's sizes below is at most P·D·C·T, an int (Layout::gpus()).
+  const auto pd = checked_mul(l.pp, l.dp);
+  const auto pdc = pd ? checked_mul(*pd, l.cp) : std::nullopt;
+  if (!pdc || !checked_mul(*pdc, l.tp))
+    fail(fmt::format("{}: more GPUs than an int counts ({} at most)", mesh,
+                     std::numeric_limits<int>::max()));
+  if (c.layers > std::numeric_limits<int>::max())
+    fail(fmt::format("{}: L = {} layers, more than an int counts", mesh, c.layers));
   const I nkv = c.kv_heads_or_heads();
   if (c.batch % l.dp != 0)
     fail(fmt::format("{}: D = {} does not divide the batch of {} sequences", mesh, l.dp, c.batch));
   if (c.batch / l.dp % l.microbatches != 0)
     fail(fmt::format("{}: M = {} does not divide a replica's {} sequences", mesh, l.microbatches,
                      c.batch / l.dp));
-  if (c.seq % (l.cp > 1 ? 2 * l.cp * l.tp : l.tp) != 0)
-    fail(fmt::format("{}: S = {} does not split into {} chunks", mesh, c.seq,
-                     l.cp > 1 ? 2 * l.cp * l.tp : l.tp));
+  const I chunks = l.cp > 1 ? 2 * I(l.cp) * l.tp : l.tp;
+  if (c.seq % chunks != 0)
+    fail(fmt::format("{}: S = {} does not split into {} chunks", mesh, c.seq, chunks));
   if (nkv % l.tp != 0 || c.heads % l.tp != 0 || c.ffn % l.tp != 0)
     fail(fmt::format("{}: T = {} does not divide the heads ({}), KV heads ({}) and F ({})", mesh,
                      l.tp, c.heads, nkv, c.ffn));
   if (l.cp > 1 && l.cp_method == CpMethod::ulysses && nkv % (l.cp * l.tp) != 0)
     fail(fmt::format("{}: ulysses needs the {} KV heads to split over C·T = {}", mesh, nkv,
                      l.cp * l.tp));
-  const pipeline::PipelineShape shape{l.pp, l.microbatches, l.stages_per_rank};
-  const auto sched = pipeline::make_schedule(l.schedule, shape);
+}
+
+/// The layers of the busiest pipeline rank: its V stages' share of L.
+int busiest_rank_layers(const BlockConfig& c, const pipeline::PipelineShape& shape) {
   const auto split = pipeline::split_layers(int(c.layers), shape.stages(),
                                             fmt::format("P·V = {}", shape.stages()));
-  LayoutStep r;
-  r.layout = l;
-  for (int p = 0; p < l.pp; ++p) {
+  int most = 0;
+  for (int p = 0; p < shape.ranks; ++p) {
     int layers = 0;
     for (const int s : shape.stages_of(p)) layers += split[std::size_t(s)].count;
-    r.layers = std::max(r.layers, layers);
+    most = std::max(most, layers);
   }
+  return most;
+}
 
-  // One micro-batch through the rank's layers: stage 05 on S/C tokens of B/(D·M) sequences.
-  BlockConfig mb = c;
-  mb.seq = c.seq / l.cp;
-  mb.batch = c.batch / (l.dp * l.microbatches);
-  mb.layers = r.layers;
-  ModelOptions o = stage_options(5);
-  o.act_bytes = activation_bytes(5, c);
-  o.cp = l.cp;
-  const Projection p = project(d, mb, l.tp, o);
+/// CP's exposed time per layer of one micro-batch `mb`, forward and backward.
+struct CpExposure {
+  double forward = 0, backward = 0;
+};
 
-  // CP per layer, forward and backward (common/traffic.h's bytes; chapter 8's schedules): K/V,
-  // q and the outputs at e bytes, the dK/dV partial sums (ring, reduce-scatter) at 4.
-  const double C = l.cp, e = o.act_bytes, g = 4, Dh = double(c.head_dim());
+/// CP per layer, forward and backward (common/traffic.h's bytes; chapter 8's schedules): K/V,
+/// q and the outputs at `e` bytes, the dK/dV partial sums (ring, reduce-scatter) at 4; the ring
+/// hides each hop behind one of the C blocks' attention (`attention_ms` is the rank's layers').
+CpExposure cp_exposure(const DeviceSpec& d, const BlockConfig& c, const Layout& l,
+                       const BlockConfig& mb, double e, double attention_ms) {
+  CpExposure x;
+  if (l.cp == 1) return x;
+  const double C = l.cp, g = 4, Dh = double(c.head_dim());
   const double rows = double(mb.seq) * double(mb.batch);
-  const double kv = rows * double(nkv / l.tp) * Dh, q = rows * double(c.heads / l.tp) * Dh;
-  double cp_f = 0, cp_b = 0;
-  if (l.cp > 1) {
-    const Link link = link_of(d, l.tp, l.cp, "cp");
-    const double block_f = p.attention_ms / r.layers / C;  // one of the C blocks' attention
-    switch (l.cp_method) {
-      case CpMethod::ring: {
-        const double hop = link.ms(2 * kv * e, 1), dhop = link.ms(2 * kv * g, 1);
-        cp_f = (C - 1) * std::max(0.0, hop - block_f);
-        cp_b = (C - 1) * std::max(0.0, hop + dhop - 2 * block_f) + dhop;
-        break;
-      }
-      case CpMethod::allgather: {
-        const double gather = link.ms((C - 1) * 2 * kv * e, C - 1);
-        cp_f = gather;
-        cp_b = gather + link.ms((C - 1) * 2 * kv * g, C - 1);  // again, and dK/dV's reduce-scatter
-        break;
-      }
-      case CpMethod::ulysses: {
-        auto a2a = [&](double n) { return link.ms((C - 1) / C * n * e, C - 1); };
-        cp_f = a2a(q + 2 * kv) + a2a(q);
-        cp_b = a2a(3 * q + 2 * kv) + a2a(q + 2 * kv);
-        break;
-      }
+  const double kv = rows * double(c.kv_heads_or_heads() / l.tp) * Dh,
+               q = rows * double(c.heads / l.tp) * Dh;
+  const Link link = link_of(d, l.tp, l.cp, "cp");
+  const double block_f = attention_ms / double(mb.layers) / C;  // one of the C blocks' attention
+  switch (l.cp_method) {
+    case CpMethod::ring: {
+      const double hop = link.ms(2 * kv * e, 1), dhop = link.ms(2 * kv * g, 1);
+      x.forward = (C - 1) * std::max(0.0, hop - block_f);
+      x.backward = (C - 1) * std::max(0.0, hop + dhop - 2 * block_f) + dhop;
+      break;
+    }
+    case CpMethod::allgather: {
+      const double gather = link.ms((C - 1) * 2 * kv * e, C - 1);
+      x.forward = gather;
+      x.backward = gather + link.ms((C - 1) * 2 * kv * g, C - 1);  // again, and dK/dV's RS
+      break;
+    }
+    case CpMethod::ulysses: {
+      auto a2a = [&](double n) { return link.ms((C - 1) / C * n * e, C - 1); };
+      x.forward = a2a(q + 2 * kv) + a2a(q);
+      x.backward = a2a(3 * q + 2 * kv) + a2a(q + 2 * kv);
+      break;
     }
   }
-  const double again = c.recompute == Recompute::full ? 1.0 : 0.0;  // project()'s rule
-  const double L = r.layers, M = l.microbatches, V = l.stages_per_rank;
-  const double cp_mb = L * (cp_f * (1 + again) + cp_b);
-  r.compute_ms = M * p.compute_ms;
-  r.tp_ms = M * p.exposed_comm_ms;
-  r.cp_ms = M * cp_mb;
-  r.forward_ms = p.forward.step_ms + L * cp_f;
-  r.backward_ms = p.step_ms - p.forward.step_ms + L * (cp_f * again + cp_b);
-  const double busy = M * (p.step_ms + cp_mb);
+  return x;
+}
 
-  // The bubble: the schedule's formula, with a split backward's W as half of it (the weight
-  // gradients' GEMMs are as many FLOPs as the input gradients').
+/// The schedule's bubble at r's F and B, with a split backward's W as half of B (the weight
+/// gradients' GEMMs are as many FLOPs as the input gradients'), and its time beside `busy`;
+/// returns the costs the schedule ran with.
+pipeline::Costs add_bubble(const pipeline::Schedule& sched, const Layout& l,
+                           const std::string& mesh, double busy, LayoutStep& r) {
+  const double V = l.stages_per_rank;
   pipeline::Costs costs{r.forward_ms / V, r.backward_ms / V, 0.0, 0.0};
-  if (sched->split_backward()) costs = {r.forward_ms, r.backward_ms / 2, r.backward_ms / 2, 0.0};
-  r.bubble = sched->formula_bubble(costs);
+  if (sched.split_backward()) costs = {r.forward_ms, r.backward_ms / 2, r.backward_ms / 2, 0.0};
+  r.bubble = sched.formula_bubble(costs);
   if (!std::isfinite(r.bubble))
-    fail(fmt::format("{}: schedule {} has no bubble formula at M = {} (zb-h1's needs M >= P)", mesh,
-                     l.schedule, l.microbatches));
+    fail(fmt::format(
+        "{}: schedule {} has no bubble formula here: zb-h1's needs M >= P (M = {}) and W no "
+        "larger than F and B (F {:.3g} ms, B {:.3g} ms, W {:.3g} ms)",
+        mesh, l.schedule, l.microbatches, costs.forward, costs.backward, costs.weight));
   r.bubble_ms = busy * r.bubble / (1 - r.bubble);
+  return costs;
+}
 
-  // PP: each boundary's [S/(C·T), B/(D·M), H] activation, and its gradient back.
-  r.message_bytes = std::uint64_t(c.seq / (l.cp * l.tp)) * std::uint64_t(mb.batch) *
-                    std::uint64_t(c.hidden) * std::uint64_t(o.act_bytes);
-  if (l.pp > 1) {
-    r.p2p_bytes =
-        2 * std::uint64_t(l.microbatches) * std::uint64_t(l.stages_per_rank) * r.message_bytes;
-    pipeline::Costs with = costs;
-    with.latency = link_of(d, l.dp * l.cp * l.tp, l.pp, "pp").ms(double(r.message_bytes), 1);
-    r.p2p_ms =
-        pipeline::simulate(*sched, with).makespan - pipeline::simulate(*sched, costs).makespan;
-  }
+/// PP: each boundary's [S/(C·T), B/(D·M), H] activation, and its gradient back; the time the
+/// messages add to the schedule's simulated makespan at `costs`.
+void add_p2p(const DeviceSpec& d, const BlockConfig& c, const Layout& l,
+             const pipeline::Schedule& sched, const pipeline::Costs& costs, I mb_batch,
+             int act_bytes, LayoutStep& r) {
+  r.message_bytes = std::uint64_t(c.seq / (l.cp * l.tp)) * std::uint64_t(mb_batch) *
+                    std::uint64_t(c.hidden) * std::uint64_t(act_bytes);
+  if (l.pp == 1) return;
+  r.p2p_bytes =
+      2 * std::uint64_t(l.microbatches) * std::uint64_t(l.stages_per_rank) * r.message_bytes;
+  pipeline::Costs with = costs;
+  with.latency = link_of(d, l.dp * l.cp * l.tp, l.pp, "pp").ms(double(r.message_bytes), 1);
+  r.p2p_ms = pipeline::simulate(sched, with).makespan - pipeline::simulate(sched, costs).makespan;
+}
 
-  // The step's bytes per group, as the stages count them (common/traffic.h).
-  BlockConfig rank = c;  // the rank's layers, the whole batch
-  rank.layers = r.layers;
+/// The step's bytes per group as the stages count them (common/traffic.h) for the rank's layers
+/// `rank` (the whole batch), and the DP×CP group's time beyond the compute.
+void add_group_traffic(const DeviceSpec& d, const BlockConfig& rank, const Layout& l,
+                       LayoutStep& r) {
   BlockConfig micro = rank;  // one micro-batch of every replica
-  micro.batch = c.batch / l.microbatches;
+  micro.batch = rank.batch / l.microbatches;
   const cp::MeshTraffic t = cp::mesh_traffic(micro, l.dp, l.cp, l.tp, l.cp_method);
   r.tp = times(t.tp, std::uint64_t(l.microbatches));
   r.cp = times(t.cp, std::uint64_t(l.microbatches));
@@ -1044,18 +1102,20 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
                             l.dp * l.cp);  // gathered once a step, kept across micro-batches
   if (l.dp * l.cp > 1) {
     const double dp_ms =
-        link_of(d, l.tp, l.dp * l.cp, "dp×cp").ms(double(r.dp.bus), 3 * (l.dp * l.cp - 1));
+        link_of(d, l.tp, l.dp * l.cp, "dp×cp").ms(double(r.dp.bus), 3.0 * (l.dp * l.cp - 1));
     r.dp_ms = std::max(0.0, dp_ms - r.compute_ms);
   }
-  r.step_ms = busy + r.bubble_ms + r.p2p_ms + r.dp_ms;
+}
 
-  // Memory: common/memory.h's estimate of the rank's layers with as many micro-batches' saved
-  // activations as the schedule keeps alive (per virtual stage: 1/V of the layers each).
-  const std::vector<int> live = pipeline::peak_live(*sched);
+/// Memory: common/memory.h's estimate of the rank's layers `rank` with as many micro-batches'
+/// saved activations as the schedule keeps alive (per virtual stage: 1/V of the layers each).
+void add_memory(const pipeline::Schedule& sched, const BlockConfig& rank, const Layout& l,
+                LayoutStep& r) {
+  const std::vector<int> live = pipeline::peak_live(sched);
   const int alive =
       (*std::max_element(live.begin(), live.end()) + l.stages_per_rank - 1) / l.stages_per_rank;
   BlockConfig mem = rank;
-  mem.batch = c.batch / l.microbatches * std::min(alive, l.microbatches);
+  mem.batch = rank.batch / l.microbatches * std::min(alive, l.microbatches);
   const Sharding sh{.rank = 0,
                     .world = l.tp,
                     .weights = true,
@@ -1066,6 +1126,48 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
   const MemoryEstimate estimate = estimate_training_memory(mem, sh);
   r.memory_bytes = estimate.total();
   r.saved_bytes = estimate.term("saved activations").bytes;
+}
+
+}  // namespace
+
+LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layout& l) {
+  const std::string mesh = fmt::format("P {} × D {} × C {} × T {}", l.pp, l.dp, l.cp, l.tp);
+  check_layout(c, l, mesh);
+  const pipeline::PipelineShape shape{l.pp, l.microbatches, l.stages_per_rank};
+  const auto sched = pipeline::make_schedule(l.schedule, shape);
+  LayoutStep r;
+  r.layout = l;
+  r.layers = busiest_rank_layers(c, shape);
+
+  // One micro-batch through the rank's layers: stage 05 on S/C tokens of B/(D·M) sequences.
+  BlockConfig mb = c;
+  mb.seq = c.seq / l.cp;
+  mb.batch = c.batch / (I(l.dp) * l.microbatches);  // D·M divides B: no overflow
+  mb.layers = r.layers;
+  ModelOptions o = stage_options(5);
+  o.act_bytes = activation_bytes(5, c);
+  o.cp = l.cp;
+  const Projection p = project(d, mb, l.tp, o);
+  const CpExposure cp_layer = cp_exposure(d, c, l, mb, o.act_bytes, p.attention_ms);
+
+  const double again = c.recompute == Recompute::full ? 1.0 : 0.0;  // project()'s rule
+  const double L = r.layers, M = l.microbatches;
+  const double cp_mb = L * (cp_layer.forward * (1 + again) + cp_layer.backward);
+  r.compute_ms = M * p.compute_ms;
+  r.tp_ms = M * p.exposed_comm_ms;
+  r.cp_ms = M * cp_mb;
+  r.forward_ms = p.forward.step_ms + L * cp_layer.forward;
+  r.backward_ms =
+      p.step_ms - p.forward.step_ms + L * (cp_layer.forward * again + cp_layer.backward);
+  const double busy = M * (p.step_ms + cp_mb);
+
+  const pipeline::Costs costs = add_bubble(*sched, l, mesh, busy, r);
+  add_p2p(d, c, l, *sched, costs, mb.batch, o.act_bytes, r);
+  BlockConfig rank = c;  // the rank's layers, the whole batch
+  rank.layers = r.layers;
+  add_group_traffic(d, rank, l, r);
+  r.step_ms = busy + r.bubble_ms + r.p2p_ms + r.dp_ms;
+  add_memory(*sched, rank, l, r);
   return r;
 }
 

@@ -130,8 +130,9 @@ struct DeviceSpec {
   std::vector<std::string> assumed;            // the keys the device file marks as assumptions
 };
 
-/// Reads a device file; throws std::runtime_error with one line naming the file and the problem.
-/// Its optional "measured" block (written from a GPU run's logs by tools/gpu_logs.py, which
+/// Reads a device file; throws std::runtime_error with one line naming the file and the problem
+/// (a missing key, or a figure out of range: peaks and rates > 0, efficiencies in (0, 1], the
+/// latency >= 0, slow-downs >= 1, SM and GPU counts whole numbers). Its optional "measured" block (written from a GPU run's logs by tools/gpu_logs.py, which
 /// names the logs) replaces the assumed GEMM curve and attention efficiency with measured ones,
 /// unless `measured` is false (the assumptions alone, as before the device was measured).
 DeviceSpec load_device(const std::filesystem::path& file, bool measured = true);
@@ -361,7 +362,8 @@ Report::MeshRow project_mesh(const DeviceSpec& d, const BlockConfig& replica, in
 /// The projection of `c` (all its layers, its global batch B) on layout `l`. Throws
 /// std::runtime_error (tpx::ConfigError from the schedule library) with one line when the
 /// layout does not split the model: D ∤ B, M ∤ B/D, 2C·T ∤ S, T ∤ the heads or F, L < P·V, a
-/// schedule's own limits, Ulysses' NKV % (C·T), zb-h1's formula outside M ≥ P.
+/// schedule's own limits, Ulysses' NKV % (C·T), zb-h1's formula outside M ≥ P and W ≤ F, a mesh
+/// of more GPUs than an int counts, more layers than an int.
 LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layout& l);
 
 /// The model of the 4-D tables: `preset` (common/presets.h, all its layers), bf16, AdamW, and a

@@ -6,7 +6,10 @@ the expected value). Run by ctest (tools.reports_and_errors):
 
   - tpx_report's CSV parses with Python's csv reader into rows as long as the header (RFC 4180:
     a field holding commas or quotes stays one field), carries each run's config, mesh and device
-    string, and its markdown table shows the config and bytes in binary units;
+    string, and its markdown table shows the config and bytes in binary units; a field that is
+    missing, of another type or out of range (or a mesh that does not cover the ranks) is one
+    line naming the file and the field, and a CSV that cannot be written whole (a file-size
+    limit) is not written at all;
   - trace_svg titles the drawing with the stage, ranks and step, and shades exactly the interval
     in which a rank communicates and computes nothing; a pipeline's step runs between its
     updates, with its F, B and W actions drawn;
@@ -21,6 +24,7 @@ import csv
 import json
 import pathlib
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -110,7 +114,10 @@ class Report(unittest.TestCase):
         for args, says in [([self.tmp / "missing.json"], "cannot read"),
                            ([notjson], "is not JSON"),
                            ([nosteps], "is not a stage's --json summary"),
-                           ([good, "--csv", self.tmp / "no" / "dir" / "t.csv"], "cannot write"),
+                           # checked before any input is read
+                           ([good, "--csv", self.tmp / "no" / "dir" / "t.csv"],
+                            "--csv '{}': directory '{}' does not exist".format(
+                                self.tmp / "no" / "dir" / "t.csv", self.tmp / "no" / "dir")),
                            ([good, "--cvs", "t.csv"], "did you mean --csv?"),
                            # the CSV over one of its own inputs: refused before anything is read
                            (["--csv", good, good, self.tmp / "b.json"],
@@ -122,6 +129,66 @@ class Report(unittest.TestCase):
             self.assertTrue(lines[0].startswith("tpx_report: error: "), lines[0])
             self.assertIn(says, lines[0])
         self.assertEqual(json.loads(good.read_text())["stage"], summary(256, "mpi")["stage"])
+
+    def test_a_field_out_of_range_is_one_line_naming_the_file_and_the_field(self):
+        def edited(edit):
+            j = summary(256, "mpi")
+            edit(j)
+            return j
+        cases = [  # (the summary, what the line names)
+            (edited(lambda j: j.update(world_size=1e30)), "world_size is 1e+30"),
+            (edited(lambda j: j.update(world_size=2.5)), "world_size is 2.5"),
+            (edited(lambda j: j["config"].update(hidden=1e300)), "config.hidden is 1e+300"),
+            (edited(lambda j: j["config"].update(heads="8")), 'config.heads is "8"'),
+            (edited(lambda j: j["config"].update(batch=0)), "config.batch is 0"),
+            (edited(lambda j: j["config"].update(kv_heads=3)), "config.kv_heads 3 does not divide"),
+            (edited(lambda j: j["steps"][1].update(peak_bytes=-5)), "steps[1].peak_bytes is -5"),
+            (edited(lambda j: j["steps"][1].update(ms=-1.0)), "steps[1].ms is -1"),
+            (edited(lambda j: j["steps"][0].update(loss=None)), "steps[0].loss is null"),
+            (edited(lambda j: j.update(saved_activation_bytes=2 ** 63)),
+             "saved_activation_bytes is 9223372036854775808"),
+            (edited(lambda j: j.pop("world_size")), "has no world_size"),
+            (edited(lambda j: j.update(pp=0)), "pp is 0"),
+            (edited(lambda j: j.update(dp=0)), "dp is 0"),
+            # A P2 run's mesh must cover its ranks: pp·dp·cp divides world_size.
+            (edited(lambda j: j.update(world_size=3, dp=2)), "world_size 3 is not a multiple"),
+            (edited(lambda j: j.update(check={"pass": 1})), "check.pass is 1"),
+        ]
+        for j, says in cases:
+            path = self.write("f.json", j)
+            r = run([self.exe, path])
+            self.assertEqual(r.returncode, 2, (says, r.stdout, r.stderr))
+            lines = r.stderr.strip().splitlines()
+            self.assertEqual(len(lines), 1, r.stderr)
+            self.assertTrue(lines[0].startswith(f"tpx_report: error: '{path}'"), lines[0])
+            self.assertIn(says, lines[0])
+            self.assertEqual(r.stdout, "")
+        # A directory is not a summary: one line, not an uncaught stream error.
+        r = run([self.exe, self.tmp])
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertEqual(r.stderr.strip(),
+                         f"tpx_report: error: cannot read '{self.tmp}': it is a directory, "
+                         "not a --json file")
+
+    def test_a_csv_that_cannot_be_written_whole_is_not_written_at_all(self):
+        # 40 rows of some 300 bytes under a 4 KiB file-size limit: the write fails part-way.
+        inputs = [self.write(f"r{i}.json", summary(256, "mpi")) for i in range(40)]
+        old, new = self.tmp / "old.csv", self.tmp / "new.csv"
+        old.write_text("old content\n")
+        before = sorted(p.name for p in self.tmp.iterdir())
+
+        def limited(csv_path):
+            def limit():
+                resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+            return subprocess.run([str(c) for c in [self.exe, *inputs, "--csv", csv_path]],
+                                  capture_output=True, text=True, timeout=60, preexec_fn=limit)
+        for path in (old, new):
+            r = limited(path)
+            self.assertEqual(r.returncode, 2, (path, r.stderr))
+            self.assertEqual(r.stderr.strip().splitlines(),
+                             [f"tpx_report: error: cannot write '{path}': File too large"])
+        self.assertEqual(old.read_text(), "old content\n")  # the old file kept whole
+        self.assertEqual(sorted(p.name for p in self.tmp.iterdir()), before)  # nothing left
 
 
 def trace(events, stage="04_overlap_ring", world=2):

@@ -49,10 +49,14 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
@@ -62,6 +66,7 @@
 #include "07_fsdp_tp/memory.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "common/check.h"
+#include "common/checked.h"
 #include "common/cli.h"
 #include "common/config.h"
 #include "common/flops.h"
@@ -78,11 +83,31 @@ namespace fs = std::filesystem;
 namespace pj = tpx::projection;
 using nlohmann::json;
 
-void write_file(const fs::path& path, const std::string& text) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error("cannot write " + path.string());
-  out << text;
-  if (!out) throw std::runtime_error("cannot write " + path.string());
+/// Empty when `path`, given to `flag`, is a file that can be read; else one sentence naming both.
+std::string input_file_problem(std::string_view flag, const fs::path& path) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (!fs::exists(st)) return fmt::format("{} {}: no such file", flag, path.string());
+  if (fs::is_directory(st))
+    return fmt::format("{} {}: is a directory, not a JSON file", flag, path.string());
+  if (!std::ifstream(path)) return fmt::format("{} {}: cannot be read", flag, path.string());
+  return {};
+}
+
+/// The mesh's GPU count P·D·C·T, and the default micro-batch count B / D, as ints (what the model
+/// counts in): otherwise one line naming the flags.
+void check_mesh_counts(const pj::Layout& mesh, std::int64_t batch, bool microbatches_given) {
+  const auto pd = tpx::checked_mul(mesh.pp, mesh.dp);
+  const auto pdc = pd ? tpx::checked_mul(*pd, mesh.cp) : std::nullopt;
+  if (!pdc || !tpx::checked_mul(*pdc, mesh.tp))
+    throw std::invalid_argument(fmt::format(
+        "--pp {} × --dp {} × --cp {} × --tp {} is more GPUs than the model counts ({} at most)",
+        mesh.pp, mesh.dp, mesh.cp, mesh.tp, std::numeric_limits<int>::max()));
+  if (!microbatches_given && batch / mesh.dp > std::numeric_limits<int>::max())
+    throw std::invalid_argument(
+        fmt::format("--batch {} / --dp {} is {} micro-batches of one sequence, more than {}: give "
+                    "--microbatches",
+                    batch, mesh.dp, batch / mesh.dp, std::numeric_limits<int>::max()));
 }
 
 /// A device file: `arg` itself when it is a file, else tools/devices/<arg>.json; an unknown name
@@ -313,45 +338,74 @@ CLI::Validator positive_integer() {
       "POSITIVE", "positive integer");
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{
-      "tpx_project: projected step time, bytes and memory per GPU of stages 01-08 (and, with --pp, "
-      "a 4-D mesh's pipeline) on GPUs of one kind, for a model given by name, file or sizes; or "
-      "the projection report"};
-  app.footer("Exit status: 0 done; 2 bad input (a flag, a size the ranks cannot split, a file).");
-  std::string device_arg, markdown, json_file, published;
+/// Everything the command line sets.
+struct Options {
+  // The device, the report's inputs and the outputs.
+  std::string device_arg, markdown, json_file, published, attention;
   std::vector<std::string> calibrate;
   bool validate_only = false, sensitivity_only = false, assumed_only = false;
-  std::string attention;
-  app.add_option("--device", device_arg,
+  // The model (common/presets.h's presets, config files and size flags) and its mesh.
+  tpx::BlockConfig c;
+  std::string model, dtype = "bf16", recompute = "none", cp_method = "ring";
+  int tp = 8, dp = 1;
+  pj::Layout mesh;  // stage 08's C and method, and the pipeline's P, M, schedule and V
+
+  Options() {
+    c.dtype = tpx::DType::bf16;  // what GPUs train in
+    mesh.cp = 2;
+    mesh.microbatches = 0;  // 0: one sequence each, B / D
+  }
+};
+
+/// The model's flags: given any of them, tpx_project prints a table per stage for that model.
+constexpr const char* kModelFlags[] = {"--model",
+                                       "--config",
+                                       "--hidden",
+                                       "--heads",
+                                       "--kv-heads",
+                                       "--ffn",
+                                       "--seq",
+                                       "--batch",
+                                       "--layers",
+                                       "--dtype",
+                                       "--recompute",
+                                       "--tp",
+                                       "--dp",
+                                       "--cp",
+                                       "--cp-method",
+                                       "--pp",
+                                       "--microbatches",
+                                       "--schedule",
+                                       "--stages-per-rank"};
+
+/// --device, the outputs, and the report's inputs and switches.
+void add_report_options(CLI::App& app, Options& o) {
+  app.add_option("--device", o.device_arg,
                  "a device by name (h100_sxm, h200, …: the files in tools/devices/) or a device "
                  "file")
       ->required();
-  app.add_option("--markdown", markdown, "write the tables as markdown to FILE");
-  app.add_option("--json", json_file, "write the tables as JSON to FILE");
-  app.add_option("--calibrate", calibrate,
+  app.add_option("--markdown", o.markdown, "write the tables as markdown to FILE");
+  app.add_option("--json", o.json_file, "write the tables as JSON to FILE");
+  app.add_option("--calibrate", o.calibrate,
                  "bench_gemm / bench_copy_overlap JSON whose cuda bf16 rows replace the assumed "
                  "GEMM efficiency curve and GEMM slow-downs beside a transfer (repeatable)");
-  app.add_option("--attention", attention,
+  app.add_option("--attention", o.attention,
                  "the measured attention kernel the model uses (the device file's "
                  "measured.attention kernels, e.g. fused, sdpa), or assumed");
-  app.add_flag("--assumed", assumed_only,
+  app.add_flag("--assumed", o.assumed_only,
                "ignore the device file's measured block: its assumptions alone");
-  app.add_option("--published", published,
+  app.add_option("--published", o.published,
                  "published results (default: published.json next to the device file)");
-  app.add_flag("--validate", validate_only, "print the model against published results and exit");
-  app.add_flag("--sensitivity", sensitivity_only,
+  app.add_flag("--validate", o.validate_only, "print the model against published results and exit");
+  app.add_flag("--sensitivity", o.sensitivity_only,
                "print how far each validation error moves with each assumption ±20 % and exit");
+}
 
-  // The model: the stages' presets, config files and size flags (common/presets.h).
-  tpx::BlockConfig c;
-  c.dtype = tpx::DType::bf16;  // what GPUs train in
-  std::string model, dtype = "bf16", recompute = "none";
-  int tp = 8, dp = 1;
+/// The model's sizes, recipe and mesh (kModelFlags).
+void add_model_options(CLI::App& app, Options& o) {
   const auto m = "Model (any of these: a table per stage for this model)";
-  app.add_option("--model", model, "a model by name: " + tpx::preset_names())->group(m);
+  tpx::BlockConfig& c = o.c;
+  app.add_option("--model", o.model, "a model by name: " + tpx::preset_names())->group(m);
   app.set_config("--config", "", "read these flags from a TOML/INI file; the command line wins")
       ->group(m);
   app.allow_config_extras(CLI::config_extras_mode::error);
@@ -366,31 +420,28 @@ int main(int argc, char** argv) {
       ->check(positive_integer<std::int64_t>())
       ->group(m);
   app.add_option("--layers", c.layers, "L")->check(positive_integer<std::int64_t>())->group(m);
-  app.add_option("--dtype", dtype, "fp32 or bf16 (stage 06: FP8 GEMMs inside bf16)")
+  app.add_option("--dtype", o.dtype, "fp32 or bf16 (stage 06: FP8 GEMMs inside bf16)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str()
       ->group(m);
-  app.add_option("--recompute", recompute, "none, full or selective")
+  app.add_option("--recompute", o.recompute, "none, full or selective")
       ->check(CLI::IsMember({"none", "full", "selective"}))
       ->capture_default_str()
       ->group(m);
-  app.add_option("--tp", tp, "T, tensor-parallel GPUs (stages 02-07)")
+  app.add_option("--tp", o.tp, "T, tensor-parallel GPUs (stages 02-07)")
       ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
-  app.add_option("--dp", dp, "D, data-parallel replicas of stages 07 and 08 (FSDP over D)")
+  app.add_option("--dp", o.dp, "D, data-parallel replicas of stages 07 and 08 (FSDP over D)")
       ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
-  pj::Layout mesh;  // stage 08's C and method, and the pipeline's P, M, schedule and V
-  mesh.cp = 2;
-  std::string cp_method = "ring";
-  mesh.microbatches = 0;  // 0: one sequence each, B / D
+  pj::Layout& mesh = o.mesh;
   app.add_option("--cp", mesh.cp, "C, context-parallel ranks of stage 08 (and the pipeline)")
       ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
-  app.add_option("--cp-method", cp_method, "ring, allgather or ulysses (stage 08)")
+  app.add_option("--cp-method", o.cp_method, "ring, allgather or ulysses (stage 08)")
       ->check(CLI::IsMember({"ring", "allgather", "ulysses"}))
       ->capture_default_str()
       ->group(m);
@@ -411,7 +462,138 @@ int main(int argc, char** argv) {
       ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
+}
 
+/// The outputs apart from each other and from every file read, each writable, each input
+/// readable: one line naming the flag otherwise, before any work.
+void check_paths(const Options& o) {
+  std::vector<tpx::NamedPath> outputs, inputs;
+  if (!o.markdown.empty()) outputs.push_back({"--markdown", o.markdown});
+  if (!o.json_file.empty()) outputs.push_back({"--json", o.json_file});
+  for (const std::string& f : o.calibrate) inputs.push_back({"--calibrate", f});
+  if (!o.published.empty()) inputs.push_back({"--published", o.published});
+  if (const std::string p = tpx::output_collision(outputs, inputs); !p.empty())
+    throw std::invalid_argument(p);
+  for (const tpx::NamedPath& out : outputs)
+    if (const std::string p = tpx::output_file_problem(out.flag, out.path); !p.empty())
+      throw std::invalid_argument(p);
+  for (const tpx::NamedPath& in : inputs)
+    if (const std::string p = input_file_problem(in.flag, in.path); !p.empty())
+      throw std::invalid_argument(p);
+}
+
+/// The device file, its measured block unless --assumed, the --attention kernel, and the
+/// --calibrate files' measurements (a note on stderr for a file with none).
+pj::DeviceSpec device_of(const Options& o) {
+  pj::DeviceSpec device = pj::load_device(device_file(o.device_arg), !o.assumed_only);
+  if (!o.attention.empty()) pj::use_attention(device, o.attention);
+  for (const std::string& file : o.calibrate) {
+    bool used = false;
+    try {
+      used = pj::calibrate(device, file);
+    } catch (const json::exception& e) {  // a row's field of another type
+      throw std::invalid_argument(fmt::format(
+          "--calibrate {}: not a bench_gemm or bench_copy_overlap JSON file ({})", file, e.what()));
+    }
+    if (!used)
+      std::fprintf(stderr,
+                   "note: %s has no cuda bf16 GEMM or copy-overlap rows: the device file's "
+                   "assumptions are used\n",
+                   file.c_str());
+  }
+  return device;
+}
+
+/// The model of the flags: a preset under the size flags given, the dtype and recompute, checked
+/// like the stages check it, and D dividing the batch.
+void resolve_model(const CLI::App& app, Options& o) {
+  tpx::BlockConfig& c = o.c;
+  if (!o.model.empty()) {
+    const tpx::ModelPreset* preset = tpx::find_preset(o.model);
+    if (preset == nullptr)
+      throw std::invalid_argument(
+          fmt::format("--model {}: no such model (known: {})", o.model, tpx::preset_names()));
+    auto given = [&](const char* flag) { return app.count(flag) > 0; };
+    tpx::apply_preset(*preset,
+                      {.hidden = given("--hidden"),
+                       .heads = given("--heads"),
+                       .kv_heads = given("--kv-heads"),
+                       .ffn = given("--ffn"),
+                       .layers = given("--layers"),
+                       .seq = given("--seq"),
+                       .batch = given("--batch"),
+                       .rope_theta = false},
+                      c);
+  } else if (app.count("--kv-heads") == 0) {
+    c.kv_heads = c.heads;
+  }
+  c.dtype = tpx::parse_dtype(o.dtype);
+  c.recompute = o.recompute == "full"        ? tpx::Recompute::full
+                : o.recompute == "selective" ? tpx::Recompute::selective
+                                             : tpx::Recompute::none;
+  if (const auto errors = tpx::validate(c); !errors.empty())
+    throw std::invalid_argument(fmt::format("{}", fmt::join(errors, "; ")));
+  if (c.batch % o.dp != 0)
+    throw std::invalid_argument(fmt::format(
+        "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", o.dp,
+        c.batch));
+}
+
+/// The mesh of the flags: D, T and the CP method; M = B / D unless given; its counts checked.
+void resolve_mesh(const CLI::App& app, Options& o) {
+  pj::Layout& mesh = o.mesh;
+  mesh.dp = o.dp;
+  mesh.tp = o.tp;
+  check_mesh_counts(mesh, o.c.batch, app.count("--microbatches") > 0);
+  mesh.cp_method = o.cp_method == "allgather" ? tpx::cp::CpMethod::allgather
+                   : o.cp_method == "ulysses" ? tpx::cp::CpMethod::ulysses
+                                              : tpx::cp::CpMethod::ring;
+  if (mesh.microbatches == 0) mesh.microbatches = int(o.c.batch / o.dp);
+}
+
+/// The markdown to --markdown and the JSON (made only when asked for) to --json; with neither,
+/// the markdown to stdout.
+void write_outputs(const Options& o, const std::string& md, const std::function<json()>& j) {
+  if (!o.markdown.empty()) tpx::write_text_file(o.markdown, md);
+  if (!o.json_file.empty()) tpx::write_text_file(o.json_file, j().dump(2) + "\n");
+  if (o.markdown.empty() && o.json_file.empty()) std::fputs(md.c_str(), stdout);
+}
+
+/// A table per stage for the model of the flags.
+void project_model(const CLI::App& app, Options& o, const pj::DeviceSpec& device) {
+  resolve_model(app, o);
+  resolve_mesh(app, o);
+  const auto rows = stage_costs(device, o.c, o.tp, o.dp, o.mesh, app.count("--cp") > 0);
+  write_outputs(o, costs_markdown(device, o.c, o.model, o.tp, o.dp, o.mesh, rows),
+                [&] { return costs_json(device, o.c, o.model, o.tp, o.dp, o.mesh, rows); });
+}
+
+/// The report, or with --validate / --sensitivity those tables alone on stdout.
+void project_report(const Options& o, const pj::DeviceSpec& device) {
+  const fs::path dir = device_file(o.device_arg).parent_path();
+  const fs::path pub = o.published.empty() ? dir / "published.json" : fs::path(o.published);
+  const pj::PublishedSet cases = pj::load_published(pub);
+  const auto validation = pj::validate(cases.results, pub.parent_path(), device);
+  if (o.validate_only)
+    std::fputs(pj::validation_markdown(validation, cases.left_out).c_str(), stdout);
+  const auto sens = pj::sensitivity(cases.results, pub.parent_path(), device);
+  if (o.sensitivity_only) std::fputs(pj::sensitivity_markdown(validation, sens).c_str(), stdout);
+  if (o.validate_only || o.sensitivity_only) return;
+  const pj::Report report = pj::make_report(device, validation, cases.left_out, sens);
+  write_outputs(o, pj::report_markdown(report), [&] { return pj::report_json(report); });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "tpx_project: projected step time, bytes and memory per GPU of stages 01-08 (and, with --pp, "
+      "a 4-D mesh's pipeline) on GPUs of one kind, for a model given by name, file or sizes; or "
+      "the projection report"};
+  app.footer("Exit status: 0 done; 2 bad input (a flag, a size the ranks cannot split, a file).");
+  Options o;
+  add_report_options(app, o);
+  add_model_options(app, o);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -419,95 +601,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tpx_project: error: %s (see --help)\n", e.what());
     return 2;
   }
-  const bool by_flags = [&] {
-    for (const char* flag :
-         {"--model", "--config", "--hidden", "--heads", "--kv-heads", "--ffn", "--seq", "--batch",
-          "--layers", "--dtype", "--recompute", "--tp", "--dp", "--cp", "--cp-method", "--pp",
-          "--microbatches", "--schedule", "--stages-per-rank"})
-      if (app.count(flag) > 0) return true;
-    return false;
-  }();
-
+  const bool by_flags = std::any_of(std::begin(kModelFlags), std::end(kModelFlags),
+                                    [&](const char* flag) { return app.count(flag) > 0; });
   try {
-    {
-      // The outputs apart from each other and from every file read.
-      std::vector<tpx::NamedPath> outputs, inputs;
-      if (!markdown.empty()) outputs.push_back({"--markdown", markdown});
-      if (!json_file.empty()) outputs.push_back({"--json", json_file});
-      for (const std::string& f : calibrate) inputs.push_back({"--calibrate", f});
-      if (!published.empty()) inputs.push_back({"--published", published});
-      if (const std::string p = tpx::output_collision(outputs, inputs); !p.empty())
-        throw std::invalid_argument(p);
-    }
-    pj::DeviceSpec device = pj::load_device(device_file(device_arg), !assumed_only);
-    if (!attention.empty()) pj::use_attention(device, attention);
-    for (const std::string& file : calibrate) {
-      if (!std::filesystem::exists(file))
-        throw std::invalid_argument(fmt::format("--calibrate {}: no such file", file));
-      if (!pj::calibrate(device, file))
-        std::fprintf(stderr,
-                     "note: %s has no cuda bf16 GEMM or copy-overlap rows: the device file's "
-                     "assumptions are used\n",
-                     file.c_str());
-    }
-    if (by_flags) {
-      if (!model.empty()) {
-        const tpx::ModelPreset* preset = tpx::find_preset(model);
-        if (preset == nullptr)
-          throw std::invalid_argument(
-              fmt::format("--model {}: no such model (known: {})", model, tpx::preset_names()));
-        auto given = [&](const char* flag) { return app.count(flag) > 0; };
-        tpx::apply_preset(*preset,
-                          {.hidden = given("--hidden"),
-                           .heads = given("--heads"),
-                           .kv_heads = given("--kv-heads"),
-                           .ffn = given("--ffn"),
-                           .layers = given("--layers"),
-                           .seq = given("--seq"),
-                           .batch = given("--batch"),
-                           .rope_theta = false},
-                          c);
-      } else if (app.count("--kv-heads") == 0) {
-        c.kv_heads = c.heads;
-      }
-      c.dtype = tpx::parse_dtype(dtype);
-      c.recompute = recompute == "full"        ? tpx::Recompute::full
-                    : recompute == "selective" ? tpx::Recompute::selective
-                                               : tpx::Recompute::none;
-      if (const auto errors = tpx::validate(c); !errors.empty())
-        throw std::invalid_argument(fmt::format("{}", fmt::join(errors, "; ")));
-      if (c.batch % dp != 0)
-        throw std::invalid_argument(fmt::format(
-            "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", dp,
-            c.batch));
-      mesh.dp = dp;
-      mesh.tp = tp;
-      mesh.cp_method = cp_method == "allgather" ? tpx::cp::CpMethod::allgather
-                       : cp_method == "ulysses" ? tpx::cp::CpMethod::ulysses
-                                                : tpx::cp::CpMethod::ring;
-      if (mesh.microbatches == 0) mesh.microbatches = int(c.batch / dp);
-      const auto rows = stage_costs(device, c, tp, dp, mesh, app.count("--cp") > 0);
-      const std::string md = costs_markdown(device, c, model, tp, dp, mesh, rows);
-      if (!markdown.empty()) write_file(markdown, md);
-      if (!json_file.empty())
-        write_file(json_file, costs_json(device, c, model, tp, dp, mesh, rows).dump(2) + "\n");
-      if (markdown.empty() && json_file.empty()) std::fputs(md.c_str(), stdout);
-      return 0;
-    }
-    const fs::path dir = device_file(device_arg).parent_path();
-    const fs::path pub = published.empty() ? dir / "published.json" : fs::path(published);
-    const pj::PublishedSet cases = pj::load_published(pub);
-    const auto validation = pj::validate(cases.results, pub.parent_path(), device);
-    if (validate_only)
-      std::fputs(pj::validation_markdown(validation, cases.left_out).c_str(), stdout);
-    const auto sens = pj::sensitivity(cases.results, pub.parent_path(), device);
-    if (sensitivity_only) std::fputs(pj::sensitivity_markdown(validation, sens).c_str(), stdout);
-    if (validate_only || sensitivity_only) return 0;
-    const pj::Report report = pj::make_report(device, validation, cases.left_out, sens);
-    const std::string md = pj::report_markdown(report);
-    if (!markdown.empty()) write_file(markdown, md);
-    if (!json_file.empty()) write_file(json_file, pj::report_json(report).dump(2) + "\n");
-    if (markdown.empty() && json_file.empty()) std::fputs(md.c_str(), stdout);
+    check_paths(o);
+    const pj::DeviceSpec device = device_of(o);
+    if (by_flags)
+      project_model(app, o, device);
+    else
+      project_report(o, device);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tpx_project: error: %s\n", e.what());
     return 2;

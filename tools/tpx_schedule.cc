@@ -9,7 +9,8 @@
 // next to the schedule's formula; --timeline adds the simulated timeline, one column per unit of
 // the smallest cost (every cost and the latency must be whole multiples of it). Bad sizes or names,
 // and sizes past the guards (more than pipeline::kMaxScheduleActions actions, a timeline of more
-// than 10^8 characters): one line on stderr and exit 2.
+// than 10^8 characters), and costs that are not finite numbers (F, B and W > 0, the latency >= 0)
+// or make a step longer than a double holds: one line on stderr and exit 2.
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -31,6 +32,18 @@ double unit_of(const tpx::pipeline::Costs& c) {
   for (double v : {c.forward, c.backward, c.weight, c.latency})
     if (v > 0.0 && (unit == 0.0 || v < unit)) unit = v;
   return unit > 0.0 ? unit : 1.0;
+}
+
+// Every cost a finite number: an F, a B and a W take time (> 0), a message 0 or more.
+void check_costs(const tpx::pipeline::Costs& c) {
+  for (const auto& [flag, value] :
+       {std::pair{"--forward", c.forward}, {"--backward", c.backward}, {"--weight", c.weight}})
+    if (!(std::isfinite(value) && value > 0.0))
+      throw tpx::ConfigError(fmt::format(
+          "{} must be a finite number > 0, the time of one action (got {:g})", flag, value));
+  if (!(std::isfinite(c.latency) && c.latency >= 0.0))
+    throw tpx::ConfigError(fmt::format(
+        "--latency must be a finite number >= 0, the time of one message (got {:g})", c.latency));
 }
 
 }  // namespace
@@ -66,14 +79,13 @@ int main(int argc, char** argv) {
     std::fputs(app.help().c_str(), stdout);
     return 0;
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "%s (see --help)\n", e.what());
+    std::fprintf(stderr, "tpx_schedule: error: %s (see --help)\n", e.what());
     return 2;
   }
   try {
+    check_costs(costs);
     const double unit = unit_of(costs);
     for (double c : {costs.forward, costs.backward, costs.weight, costs.latency}) {
-      if (!(c >= 0.0))
-        throw tpx::ConfigError("--forward, --backward, --weight and --latency must be >= 0");
       if (timeline && std::abs(c / unit - std::round(c / unit)) > 1e-9)
         throw tpx::ConfigError(
             fmt::format("--timeline needs every cost and the latency to be a whole multiple of the "
@@ -85,6 +97,11 @@ int main(int argc, char** argv) {
     std::string out = pl::format_schedule(*schedule);
     if (simulate) {
       const pl::SimResult result = pl::simulate(*schedule, costs);
+      if (!std::isfinite(result.makespan))
+        throw tpx::ConfigError(fmt::format(
+            "the simulated step is longer than a double holds with --forward {:g} --backward {:g} "
+            "--weight {:g} --latency {:g}: smaller costs",
+            costs.forward, costs.backward, costs.weight, costs.latency));
       out += pl::format_simulation(*schedule, costs, result);
       if (timeline) {
         // One character per rank and unit of time: a size guard before the text is made.
@@ -99,10 +116,10 @@ int main(int argc, char** argv) {
     }
     std::fputs(out.c_str(), stdout);
   } catch (const tpx::ConfigError& e) {
-    std::fprintf(stderr, "%s\n", e.what());
+    std::fprintf(stderr, "tpx_schedule: error: %s\n", e.what());
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
+    std::fprintf(stderr, "tpx_schedule: %s\n", e.what());
     return 1;
   }
   return 0;
