@@ -11,8 +11,12 @@
 // gather: a bare MPI call there would leave it waiting forever). Stage 09 runs as a pipeline of P 2
 // (its stages issue different ops by design: the verdict must compare each send with its receive)
 // and of P 2 × C 2 (a CP ring inside each pipeline stage); each of its skips is tried three times.
+// And a fault that no rank can notice: stage 09's collective that has no peer (an all-gather in a
+// TP group of one) still runs, and the run says in one line that the fault did not fire, exits 1
+// and writes no --json; so does a fault past the run's last collective.
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <ostream>
 #include <regex>
 #include <string>
@@ -297,6 +301,79 @@ INSTANTIATE_TEST_SUITE_P(Stages, Faults, ::testing::ValuesIn(all_cases()),
                                               p.param.replicas ? "D2" : "",
                                               name_of(p.param.failure));
                          });
+
+// --- a fault no rank can notice ------------------------------------------------------------------
+
+/// Stage 09 as P 2 for one step with `extra` flags and a --json in `dir`.
+test::CommandResult run_pipeline_step(const test::TempDir& dir, const std::string& extra) {
+  const Case c{"09_pipeline_parallel", Failure::skip_collective};
+  const std::string mpirun = fmt::format("{} timeout 90 {} --oversubscribe --bind-to none -np 2",
+                                         test::kRootMpiEnv, TPX_MPIEXEC);
+  return test::run_command(
+      fmt::format("cd '{}' && {} {} {} --json out.json {}", dir.path().string(), mpirun,
+                  test::stage_binary(c.stage), stage_args(c, 1), extra),
+      dir);
+}
+
+/// Step 0's row of a stage's output (its loss and gradient norm), or "" when there is none.
+std::string step0_row(const std::string& out) {
+  const std::regex row(R"(^ +0 +(\S+) +(\S+) )");
+  for (const auto& line : test::lines_of(out))
+    if (std::smatch m; std::regex_search(line, m, row)) return m[1].str() + " " + m[2].str();
+  return {};
+}
+
+/// The stage's own error lines on stderr (not Open MPI's).
+std::vector<std::string> stage_errors(const std::string& err) {
+  std::vector<std::string> lines;
+  for (const auto& line : test::lines_of(err))
+    if (line.rfind("09_pipeline_parallel: ", 0) == 0) lines.push_back(line);
+  return lines;
+}
+
+TEST(FaultNoRankCanNotice, AnAllGatherOfAOneRankGroupStillRunsAndTheRunSaysSo) {
+  // P 2, T 1: rank 1's collective 8 is step 0's loss gather in its TP group of one rank. Its
+  // output is its input; skipped, it held whatever the buffer held (a loss of -1.97e28). It must
+  // run, the step's loss must be the healthy run's, and the run must not pass: one line, exit 1,
+  // no --json.
+  test::TempDir healthy_dir, dir;
+  const test::CommandResult healthy = run_pipeline_step(healthy_dir, "");
+  ASSERT_EQ(healthy.exit_code, 0) << healthy.err;
+  const test::CommandResult r = run_pipeline_step(dir, "--fault-skip-collective 1:8");
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_FALSE(step0_row(healthy.out).empty()) << healthy.out;
+  EXPECT_EQ(step0_row(r.out), step0_row(healthy.out)) << r.out;
+  const auto errors = stage_errors(r.err);
+  ASSERT_EQ(errors.size(), 1u) << r.err;
+  EXPECT_EQ(errors[0].rfind("09_pipeline_parallel: error: --fault-skip-collective 1:8 did not "
+                            "fire: rank 1's collective 8 (op #",
+                            0),
+            0u)
+      << errors[0];
+  EXPECT_TRUE(std::regex_search(errors[0], std::regex(R"(: all_gather \S+ \d+ B in tp group )")))
+      << errors[0];
+  EXPECT_NE(errors[0].find("no other rank taking part"), std::string::npos) << errors[0];
+  EXPECT_EQ(r.err.find("comm watchdog"), std::string::npos) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(healthy_dir / "out.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "out.json")) << "a run that failed wrote --json";
+}
+
+TEST(FaultNoRankCanNotice, AFaultPastTheLastCollectiveIsReportedAtTheEnd) {
+  test::TempDir dir;
+  const test::CommandResult r = run_pipeline_step(dir, "--fault-skip-collective 1:1000000");
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  const auto errors = stage_errors(r.err);
+  ASSERT_EQ(errors.size(), 1u) << r.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_match(
+      errors[0], m,
+      std::regex(R"(09_pipeline_parallel: error: --fault-skip-collective 1:1000000 never fired: )"
+                 R"(rank 1 issued (\d+) collectives \(0 … (\d+)\))")))
+      << errors[0];
+  EXPECT_EQ(std::stoi(m[1]), std::stoi(m[2]) + 1) << errors[0];
+  EXPECT_GT(std::stoi(m[1]), 1) << errors[0];
+  EXPECT_FALSE(std::filesystem::exists(dir / "out.json"));
+}
 
 }  // namespace
 }  // namespace tpx
