@@ -194,7 +194,9 @@ void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
   add_number(app, "--comm-timeout", comm.timeout_s,
              "seconds a communication op may take before the job aborts with one line naming "
              "the op and the rank that stopped it, followed in the same write by the last ops of "
-             "every rank that answered (at least 0.1)")
+             "every rank that answered; the ranks get a quarter of SECONDS (0.5 to 5 s) to "
+             "answer, so a stall, a stopped rank included, is named at most SECONDS plus that "
+             "after it began (at least 0.1)")
       ->type_name("SECONDS")
       ->group(group);
   // Fault injection for the watchdog's tests; hidden from --help (empty group). A RANK:N fault

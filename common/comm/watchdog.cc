@@ -48,6 +48,10 @@ void sleep_ms(int ms) {
 
 }  // namespace
 
+double Watchdog::grace_seconds(double timeout_s) {
+  return std::clamp(timeout_s / 4, 0.5, 5.0);
+}
+
 bool Watchdog::supported() {
   int provided = MPI_THREAD_SINGLE;
   MPI_Query_thread(&provided);
@@ -73,7 +77,7 @@ Watchdog::Watchdog(const FlightRecorder& recorder, double timeout_s, Poll poll,
     : prefix_(watchdog_prefix(group)),
       recorder_(recorder),
       timeout_s_(timeout_s),
-      grace_s_(std::clamp(timeout_s, 1.0, 5.0)),
+      grace_s_(grace_seconds(timeout_s)),
       poll_(std::move(poll)) {
   TPX_CHECK(timeout_s > 0, "the comm timeout must be positive (got {})", timeout_s);
   TPX_CHECK(supported(), "the comm watchdog needs MPI_THREAD_MULTIPLE");

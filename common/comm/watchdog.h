@@ -4,9 +4,13 @@
 // One per rank (CommMonitor): a thread watches the rank's one flight recorder, into which every
 // communicator and symmetric memory of the rank records. When an op stays in flight longer than
 // the timeout (or a backend reports it failed), the rank
-//   1. asks every other rank for its recorder over a private communicator (non-blocking, with its
-//      own deadline; ranks that do not answer are reported as unresponsive); a rank that is
-//      asked answers and prints nothing,
+//   1. asks every other rank for its recorder over a private communicator (non-blocking) and
+//      waits for the answers at most a grace of a quarter of the timeout (at least 0.5 s, at
+//      most 5 s: grace_seconds()); ranks that do not answer in it are reported as unresponsive.
+//      A live rank answers within milliseconds (its watchdog thread polls every 5 ms), so the
+//      grace is what a stopped rank costs: the verdict on it comes at most the timeout plus the
+//      grace after its peers began to wait for it. A rank that is asked answers and prints
+//      nothing,
 //   2. lines the records up (diagnose), and the lowest-numbered reporting rank prints the job's
 //      ONE verdict line, which depends only on the records, not on the rank that prints it, e.g.
 //        tpx: comm watchdog: an op did not complete in 2.0 s; first difference at op #5
@@ -68,6 +72,9 @@ class Watchdog {
 
   /// Seconds an op may stay in flight.
   double timeout() const { return timeout_s_; }
+  /// Seconds a reporting rank waits for the others' records under `timeout_s`: a quarter of it,
+  /// at least 0.5 s (what a live rank on a loaded machine may need to answer) and at most 5 s.
+  static double grace_seconds(double timeout_s);
 
   /// True if this MPI library allows a watchdog thread (MPI_THREAD_MULTIPLE).
   static bool supported();
