@@ -28,7 +28,7 @@ const char* to_string(Signal s) {
 
 SymmetricMemory::SymmetricMemory(int rank, int world, Device device, std::size_t bytes,
                                  const SymmetricOptions& o, Trace& trace)
-    : monitor_(o.monitor ? o.monitor : std::make_shared<CommMonitor>(o.timeout_s, o.group)),
+    : monitor_(o.monitor ? o.monitor : own_monitor(o)),
       recorder_(monitor_->recorder()),
       trace_(trace),
       copy_(Stream::create(device)),
@@ -39,7 +39,6 @@ SymmetricMemory::SymmetricMemory(int rank, int world, Device device, std::size_t
       bytes_(bytes),
       sent_(static_cast<std::size_t>(kSignals * world), 0),
       group_{options_.group.name(), rank, options_.group.job_ranks()},
-      job_rank_(options_.group.world_rank_of(rank)),
       rng_(o.delay_seed + static_cast<std::uint64_t>(rank)) {}
 
 SymmetricMemory::~SymmetricMemory() = default;
@@ -93,8 +92,8 @@ void SymmetricMemory::pull(int peer, std::size_t offset, const Tensor& dst, cons
   const std::uint64_t seq =
       recorder_.begin(CommOp::pull, dst.dtype(), dst.numel(), dst.nbytes(), -1, peer, what, group_);
   int delay_us = random_delay();
-  if (monitor_->next(CommMonitor::Kind::pull) == options_.copy_fault &&
-      job_rank_ == options_.copy_fault_rank)  // fault injection: this copy takes three timeouts
+  if (monitor_->strikes(CommMonitor::Kind::pull, monitor_->next(CommMonitor::Kind::pull), seq,
+                        /*peers=*/true))  // fault injection: this copy takes three timeouts
     delay_us = static_cast<int>(std::min(3e6 * std::max(options_.timeout_s, 1.0), 2e9));
   do_pull(peer, offset, dst, s, std::string(what), delay_us);
   Event landed(device_);
@@ -109,9 +108,10 @@ void SymmetricMemory::signal(int peer, Signal sig, const Stream& s, std::string_
   const std::uint64_t seq =
       recorder_.begin(CommOp::signal, DType::f32, static_cast<std::int64_t>(gen), 0, peer, -1,
                       fmt::format("{} {}", what, to_string(sig)), group_);
-  if (monitor_->next(CommMonitor::Kind::signal) == options_.fault_signal &&
-      job_rank_ == options_.fault_rank) {
-    recorder_.finish(seq, OpState::skipped);  // fault injection: the peer never hears of it
+  // Fault injection: the peer never hears of it (a signal to the rank itself is never skipped).
+  if (monitor_->strikes(CommMonitor::Kind::signal, monitor_->next(CommMonitor::Kind::signal), seq,
+                        peer != rank_)) {
+    recorder_.finish(seq, OpState::skipped);
     return;
   }
   do_signal(peer, sig, gen, s, seq, random_delay());
@@ -315,6 +315,15 @@ std::unique_ptr<SymmetricMemory> make_symmetric_memory(Device device, std::size_
 #else
   throw ConfigError("symmetric memory on cuda needs a build with the CUDA backend");
 #endif
+}
+
+std::shared_ptr<CommMonitor> SymmetricMemory::own_monitor(const SymmetricOptions& o) {
+  const int me = o.group.world_rank_of(o.group.rank());
+  return std::make_shared<CommMonitor>(
+      o.timeout_s, o.group,
+      FaultTargets{.job_rank = me,
+                   .signal = o.fault_rank == me ? o.fault_signal : -1,
+                   .pull = o.copy_fault_rank == me ? o.copy_fault : -1});
 }
 
 }  // namespace tpx

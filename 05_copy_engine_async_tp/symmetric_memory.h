@@ -86,6 +86,8 @@ struct SymmetricOptions {
   int copy_fault_rank = -1;
   std::int64_t copy_fault = -1;
   /// The rank's one flight recorder and watchdog (CommOptions::monitor); null: a private one.
+  /// The fault options above act through the monitor: a shared one has them from its maker
+  /// (make_comm_monitor), a private one from these.
   std::shared_ptr<CommMonitor> monitor = nullptr;
 };
 
@@ -175,6 +177,8 @@ class SymmetricMemory {
   const SymmetricOptions options_;
 
  private:
+  /// A monitor of the memory's own (no shared one given), with the ops its fault options name.
+  static std::shared_ptr<CommMonitor> own_monitor(const SymmetricOptions& o);
   int random_delay();
   std::string poll_pending();
 
@@ -183,7 +187,6 @@ class SymmetricMemory {
   std::size_t bytes_;
   std::vector<std::uint64_t> sent_;  // [signal][peer]
   OpGroup group_;                    // how the records name the memory's group
-  int job_rank_;                     // this rank in the whole job (what the fault flags name)
   std::mt19937_64 rng_;
   std::mutex mu_;  // guards stats_ and pending_
   CommStats stats_;

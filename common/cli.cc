@@ -194,14 +194,21 @@ void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
   add_number(app, "--comm-timeout", comm.timeout_s,
              "seconds a communication op may take before the job aborts with one line naming "
              "the op and the rank that stopped it, followed in the same write by the last ops of "
-             "every rank that answered (at least 0.1)")
+             "every rank that answered; the ranks get a quarter of SECONDS (0.5 to 5 s) to "
+             "answer, so a stall, a stopped rank included, is named at most SECONDS plus that "
+             "after it began (at least 0.1)")
       ->type_name("SECONDS")
       ->group(group);
-  // Fault injection for the watchdog's tests; hidden from --help (empty group).
+  // Fault injection for the watchdog's tests; hidden from --help (empty group). A RANK:N fault
+  // is meant to end the run in the watchdog's verdict: a run that gets to its end says in one
+  // line what became of it and exits 1 (CommOptions::fault_rank).
   add_rank_pair(app, "--fault-skip-collective", "SEQ", comm.fault_rank, comm.fault_seq,
-                "RANK:SEQ: that rank silently skips its collective (or ring step) SEQ (0-based)");
+                "RANK:SEQ: that rank silently skips its collective (or ring step) SEQ (0-based), "
+                "unless no other rank takes part in it (then it runs, and the end of the run "
+                "says so)");
   add_rank_pair(app, "--fault-skip-signal", "N", comm.signal_fault_rank, comm.signal_fault,
-                "RANK:N: that rank never sends its symmetric-memory signal N (0-based)");
+                "RANK:N: that rank never sends its symmetric-memory signal N (0-based), unless "
+                "it is a signal to itself");
   add_rank_pair(app, "--fault-delay-copy", "N", comm.copy_fault_rank, comm.copy_fault,
                 "RANK:N: that rank's copy-engine pull N (0-based) takes three comm timeouts");
   add_number(app, "--fault-copy-delay-us", comm.copy_delay_us,

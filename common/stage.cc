@@ -54,7 +54,7 @@ class MpiSession {
 };
 
 /// Exit codes of a stage executable (also in --help's footer).
-constexpr int kExitFail = 1;      ///< --check FAIL, or an output that could not be written
+constexpr int kExitFail = 1;      ///< --check FAIL, an output not written, a fault flag not seen
 constexpr int kExitConfig = 2;    ///< bad input or a config that cannot run here
 constexpr int kExitDiverged = 3;  ///< a loss or gradient norm became NaN or infinite
 
@@ -629,8 +629,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   // One flight recorder and watchdog per rank, shared by every communicator and symmetric memory
   // the stage makes, so that a stall gets one verdict (common/comm/watchdog.h).
   StageOptions with_monitor = o;
-  if (!st.info.single_device)
-    with_monitor.comm.monitor = std::make_shared<CommMonitor>(o.comm.timeout_s);
+  if (!st.info.single_device) with_monitor.comm.monitor = make_comm_monitor(o.comm);
   Trace trace(o.trace_path.empty() ? Trace::Mode::measure : Trace::Mode::keep);
   auto par = st.make(RunContext{with_monitor, rank, world, trace});
   const Placement placement = place(nodes, par->mesh_groups());
@@ -663,6 +662,15 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
       });
   const HostMemoryReport host =
       gather_host_memory(host_memory().peak, host_baseline, memory.estimate.total(), rank, world);
+  // A run with a fault flag is meant to end in the watchdog's verdict. One that got here says
+  // what became of the fault (never fired, an op without peers, a skip nobody noticed) and
+  // writes nothing: a skipped op's results were not all computed.
+  const std::string faults =
+      with_monitor.comm.monitor ? with_monitor.comm.monitor->fault_report() : std::string();
+  if (const StartVerdict v = agree_to_start(!faults.empty(), kExitFail, faults); v.stop) {
+    with_monitor.comm.monitor->barrier();
+    return print_agreed_error(st, v.message, kExitFail, rank);
+  }
   if (rank == 0) print_mean_step(r);
 
   // Outputs are written by rank 0 (the trace's gather is collective); a failure to write one is

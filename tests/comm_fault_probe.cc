@@ -1,7 +1,10 @@
 // A small MPI program that drives the Communicator through the stage command line, for the
-// watchdog tests (test_flight_recorder.cc): ten all-reduces of 256 ones, then a check that each
-// summed to the number of ranks. With --fault-skip-collective RANK:SEQ that rank skips one op,
-// the others wait for it forever, and the watchdog must abort the job with a diagnosis.
+// watchdog tests (test_flight_recorder.cc): ten all-reduces of 256 ones, then an all-gather of
+// each rank's number plus one into a buffer of −1s, then a check that each sum is the number of
+// ranks and the gather holds 1, 2, ... With --fault-skip-collective RANK:SEQ that rank skips one
+// op, the others wait for it forever, and the watchdog must abort the job with a diagnosis. A
+// probe that gets to its end with a fault flag prints what became of it, as a stage does
+// (CommMonitor::fault_report), and exits 1.
 #include <mpi.h>
 
 #include <cstdio>
@@ -10,6 +13,7 @@
 
 #include "common/cli.h"
 #include "common/comm/communicator.h"
+#include "common/comm/watchdog.h"
 #include "common/ops.h"
 
 int main(int argc, char** argv) {
@@ -22,7 +26,9 @@ int main(int argc, char** argv) {
   const tpx::CliOutcome cli = tpx::parse_stage_cli(info, argc, argv);
   int rc = cli.exit_code;
   if (cli.options) {
-    auto comm = tpx::make_communicator(cli.options->comm, tpx::Device::cpu);
+    tpx::CommOptions o = cli.options->comm;
+    o.monitor = tpx::make_comm_monitor(o);  // the stages' way: one monitor, asked at the end
+    auto comm = tpx::make_communicator(o, tpx::Device::cpu);
     const tpx::Stream stream;
     const tpx::Tensor t = tpx::Tensor::empty({256});
     int wrong = 0;
@@ -32,12 +38,24 @@ int main(int argc, char** argv) {
       comm->all_reduce(t, stream);
       for (float v : t.f32()) wrong += v != float(world) ? 1 : 0;
     }
+    const tpx::Tensor mine = tpx::Tensor::empty({1}), all = tpx::Tensor::empty({world});
+    tpx::ops::fill(mine, float(rank + 1));
+    tpx::ops::fill(all, -1.0f);
+    comm->all_gather(mine, all, stream);
+    for (int r = 0; r < world; ++r) wrong += all.f32()[std::size_t(r)] != float(r + 1) ? 1 : 0;
+    o.monitor->barrier();  // no rank leaves while another may still ask for its records
     rc = wrong == 0 ? 0 : 1;
-    fmt::print("comm_fault_probe: rank {}: {} all-reduces, {} wrong values\n", rank, kOps, wrong);
+    fmt::print("comm_fault_probe: rank {}: {} all-reduces and an all-gather, {} wrong values\n",
+               rank, kOps, wrong);
+    if (const std::string faults = o.monitor->fault_report(); !faults.empty()) {
+      fmt::print(stderr, "comm_fault_probe: rank {}: {}\n", rank, faults);
+      rc = 1;
+    }
   } else {
     fmt::print(stderr, "comm_fault_probe: {}\n", cli.message);
   }
   std::fflush(stdout);
+  std::fflush(stderr);
   MPI_Finalize();
   return rc;
 }

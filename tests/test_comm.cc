@@ -15,9 +15,11 @@
 #include <string_view>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "common/comm/communicator.h"
+#include "common/comm/watchdog.h"
 #include "common/comm/zero_cta.h"
 #include "common/ops.h"
 #include "common/stage.h"
@@ -309,13 +311,16 @@ TEST_F(Comm, ReportGathersConcatenateInRankOrderInTheReportLaneUncounted) {
 }
 
 TEST(CommFault, SkippedOpIsRecordedAndNotCounted) {
-  // Every rank skips its op #1, so the ranks stay in step and nothing hangs.
+  // Every rank skips its op #1, so the ranks stay in step and nothing hangs. On one rank the op
+  // has no peer that could miss it: it runs, and the monitor says the fault did not fire.
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   CommOptions o;
   o.fault_rank = rank;
   o.fault_seq = 1;
+  o.monitor = make_comm_monitor(o);
   auto comm = make_communicator(o, Device::cpu);
+  const bool peers = comm->size() > 1;
   const Stream s;
   const Tensor t = Tensor::empty({4});
   for (int i = 0; i < 3; ++i) {
@@ -326,9 +331,40 @@ TEST(CommFault, SkippedOpIsRecordedAndNotCounted) {
   const auto ops = comm->recorder().snapshot();
   ASSERT_EQ(ops.size(), 3u);
   EXPECT_EQ(ops[0].state, OpState::done);
-  EXPECT_EQ(ops[1].state, OpState::skipped);
+  EXPECT_EQ(ops[1].state, peers ? OpState::skipped : OpState::done);
   EXPECT_EQ(ops[2].state, OpState::done);
-  EXPECT_EQ(comm->take_stats().calls, 2u);
+  EXPECT_EQ(comm->take_stats().calls, peers ? 2u : 3u);
+  // Every rank skipped the same op, so no rank could notice: what a run that gets to its end
+  // with a fault flag reports.
+  const std::string report = o.monitor->fault_report();
+  EXPECT_EQ(report.rfind(fmt::format("--fault-skip-collective {}:1 ", rank), 0), 0u) << report;
+  EXPECT_NE(report.find(peers ? "the job still ran to its end" : "no other rank taking part"),
+            std::string::npos)
+      << report;
+  o.monitor->barrier();
+}
+
+TEST(CommFault, AOneRankAllGatherStillGathersWhenItsFaultComes) {
+  // A one-rank group's all-gather must produce its output (its input) even when a fault flag
+  // names it; only an op another rank takes part in is skipped.
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  CommOptions o;
+  o.group = RankGroup::split(rank, 0, "one-rank group");
+  o.fault_rank = rank;
+  o.fault_seq = 0;
+  o.monitor = make_comm_monitor(o);
+  auto comm = make_communicator(o, Device::cpu);
+  const Stream s;
+  const Tensor mine = Tensor::empty({2}), all = Tensor::empty({2});
+  ops::fill(mine, 3.0f);
+  ops::fill(all, -1.0f);
+  comm->all_gather(mine, all, s);
+  EXPECT_EQ(all.f32()[0], 3.0f);
+  EXPECT_EQ(all.f32()[1], 3.0f);
+  EXPECT_EQ(comm->recorder().snapshot().at(0).state, OpState::done);
+  EXPECT_NE(o.monitor->fault_report().find("did not fire"), std::string::npos)
+      << o.monitor->fault_report();
 }
 
 TEST(CommFactory, NcclOnCpuIsAConfigError) {

@@ -11,8 +11,18 @@
 // gather: a bare MPI call there would leave it waiting forever). Stage 09 runs as a pipeline of P 2
 // (its stages issue different ops by design: the verdict must compare each send with its receive)
 // and of P 2 × C 2 (a CP ring inside each pipeline stage); each of its skips is tried three times.
+// A stopped rank is named within the comm timeout plus the ranks' grace to answer (a quarter of
+// the timeout, at least 0.5 s), not two timeouts: the op the reporting rank waits in has been in
+// flight less than 1.3 × the timeout plus 0.5 s when the verdict is written (its own record
+// says), and the verdict is on stderr less than 1.3 × the timeout plus 2.5 s after the SIGSTOP
+// (the peers first run on until they need the stopped rank, slowly on a loaded machine).
+//
+// And a fault that no rank can notice: stage 09's collective that has no peer (an all-gather in a
+// TP group of one) still runs, and the run says in one line that the fault did not fire, exits 1
+// and writes no --json; so does a fault past the run's last collective.
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <ostream>
 #include <regex>
 #include <string>
@@ -55,7 +65,7 @@ void PrintTo(const Case& c, std::ostream* os) {
 }
 
 constexpr double kTimeout = 2.0;  // --comm-timeout of every run
-constexpr double kGrace = 2.0;    // how long the reporter waits for answers (clamp(timeout, 1, 5))
+constexpr double kGrace = 0.5;    // how long the reporter waits for answers (timeout / 4, >= 0.5)
 
 bool mesh(const Case& c) {
   return c.stage == "07_fsdp_tp";
@@ -116,10 +126,12 @@ std::string fault_flag(const Case& c) {
 struct FaultRun {
   test::CommandResult result;
   double seconds = 0;  ///< from the failure (the start; for a stop, the SIGSTOP) to the end
+  double named = 0;    ///< for a stop: from the SIGSTOP to the watchdog's first line on stderr
 };
 
 /// Runs the case. A stop runs many steps, waits for step 3's row, stops the culprit's process
-/// (found through a wrapper that records its pid) and measures from there.
+/// (found through a wrapper that records its pid) and measures from there: until the verdict
+/// appears on stderr (polled every 20 ms) and until the job has ended.
 FaultRun run_case(const Case& c, const test::TempDir& dir) {
   const std::string mpirun = fmt::format("{} timeout 90 {} --oversubscribe --bind-to none -np {}",
                                          test::kRootMpiEnv, TPX_MPIEXEC, ranks_of(c));
@@ -135,12 +147,14 @@ FaultRun run_case(const Case& c, const test::TempDir& dir) {
         "sh -c 'if [ \"$OMPI_COMM_WORLD_RANK\" = {} ]; then echo $$ > pid; fi; exec {} {}'",
         culprit_of(c), stage, stage_args(c, 100000));
     run.result = test::run_command(
-        fmt::format("cd '{}' && {{ {} {} > out.txt & }}; job=$!; "
+        fmt::format("cd '{}' && {{ {} {} > out.txt 2> err.txt & }}; job=$!; "
                     "i=0; while [ $i -lt 600 ] && ! grep -qE '^ +3 ' out.txt 2>/dev/null; do "
                     "sleep 0.05; i=$((i+1)); done; "
                     "kill -STOP $(cat pid); date +%s.%N > stopped; "
+                    "i=0; while [ $i -lt 3000 ] && ! grep -q '^tpx: comm watchdog:' err.txt; do "
+                    "sleep 0.02; i=$((i+1)); done; date +%s.%N > named; "
                     "wait $job; rc=$?; date +%s.%N > ended; "
-                    "kill -KILL $(cat pid) 2>/dev/null; cat out.txt; exit $rc",
+                    "kill -KILL $(cat pid) 2>/dev/null; cat out.txt; cat err.txt >&2; exit $rc",
                     dir.path().string(), mpirun, wrapped),
         dir);
     // The shell's clock, in seconds; a missing file reads as 0 and fails the time check.
@@ -149,6 +163,7 @@ FaultRun run_case(const Case& c, const test::TempDir& dir) {
       return text.empty() ? 0.0 : std::strtod(text.c_str(), nullptr);
     };
     run.seconds = seconds_in("ended") - seconds_in("stopped");
+    run.named = seconds_in("named") - seconds_in("stopped");
     return run;
   }
   run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -181,6 +196,20 @@ std::string dump_line(const std::string& err, int r, const std::string& seq) {
   return {};
 }
 
+/// How long the op the reporting rank names as its oldest in flight had been waiting when the
+/// verdict was written: its age in the reporter's own dump ("it reports: …; op #k … is the
+/// oldest in flight"); -1 when the dump does not show it.
+double reported_wait(const std::string& err) {
+  std::smatch m;
+  if (!std::regex_search(err, m,
+                         std::regex(R"(rank (\d+) last ops \(it reports: .*?; op #(\d+) )")))
+    return -1;
+  const std::string line = dump_line(err, std::stoi(m[1]), m[2]);
+  std::smatch age;
+  if (!std::regex_search(line, age, std::regex(R"(([\d.]+) +\S+ +\S+  in flight$)"))) return -1;
+  return std::stod(age[1]);
+}
+
 class Faults : public ::testing::TestWithParam<Case> {};
 
 void expect_one_verdict(const Case& c) {
@@ -194,8 +223,18 @@ void expect_one_verdict(const Case& c) {
   }
   EXPECT_NE(run.result.exit_code, 0) << err;
   EXPECT_NE(run.result.exit_code, 124) << "the job hung until `timeout` killed it\n" << err;
-  // Start-up (about a second on an oversubscribed machine) plus the timeout and the grace.
-  EXPECT_LT(run.seconds, kTimeout + kGrace + (c.failure == Failure::stop ? 3.0 : 10.0)) << err;
+  if (c.failure == Failure::stop) {
+    // The verdict on a stopped rank: the timeout plus the grace, not two timeouts. Then mpirun
+    // ends the job, which takes it a second or two for a stopped process.
+    const double waited = reported_wait(err);
+    EXPECT_GT(waited, kTimeout) << err;
+    EXPECT_LT(waited, 1.3 * kTimeout + 0.5) << err;
+    EXPECT_LT(run.named, 1.3 * kTimeout + 2.5) << err;
+    EXPECT_LT(run.seconds, run.named + 5.0) << err;
+  } else {
+    // Start-up (about a second on an oversubscribed machine) plus the timeout and the grace.
+    EXPECT_LT(run.seconds, kTimeout + kGrace + 10.0) << err;
+  }
 
   const auto verdicts = verdicts_in(err);
   ASSERT_EQ(verdicts.size(), 1u) << err;
@@ -297,6 +336,79 @@ INSTANTIATE_TEST_SUITE_P(Stages, Faults, ::testing::ValuesIn(all_cases()),
                                               p.param.replicas ? "D2" : "",
                                               name_of(p.param.failure));
                          });
+
+// --- a fault no rank can notice ------------------------------------------------------------------
+
+/// Stage 09 as P 2 for one step with `extra` flags and a --json in `dir`.
+test::CommandResult run_pipeline_step(const test::TempDir& dir, const std::string& extra) {
+  const Case c{"09_pipeline_parallel", Failure::skip_collective};
+  const std::string mpirun = fmt::format("{} timeout 90 {} --oversubscribe --bind-to none -np 2",
+                                         test::kRootMpiEnv, TPX_MPIEXEC);
+  return test::run_command(
+      fmt::format("cd '{}' && {} {} {} --json out.json {}", dir.path().string(), mpirun,
+                  test::stage_binary(c.stage), stage_args(c, 1), extra),
+      dir);
+}
+
+/// Step 0's row of a stage's output (its loss and gradient norm), or "" when there is none.
+std::string step0_row(const std::string& out) {
+  const std::regex row(R"(^ +0 +(\S+) +(\S+) )");
+  for (const auto& line : test::lines_of(out))
+    if (std::smatch m; std::regex_search(line, m, row)) return m[1].str() + " " + m[2].str();
+  return {};
+}
+
+/// The stage's own error lines on stderr (not Open MPI's).
+std::vector<std::string> stage_errors(const std::string& err) {
+  std::vector<std::string> lines;
+  for (const auto& line : test::lines_of(err))
+    if (line.rfind("09_pipeline_parallel: ", 0) == 0) lines.push_back(line);
+  return lines;
+}
+
+TEST(FaultNoRankCanNotice, AnAllGatherOfAOneRankGroupStillRunsAndTheRunSaysSo) {
+  // P 2, T 1: rank 1's collective 8 is step 0's loss gather in its TP group of one rank. Its
+  // output is its input; skipped, it held whatever the buffer held (a loss of -1.97e28). It must
+  // run, the step's loss must be the healthy run's, and the run must not pass: one line, exit 1,
+  // no --json.
+  test::TempDir healthy_dir, dir;
+  const test::CommandResult healthy = run_pipeline_step(healthy_dir, "");
+  ASSERT_EQ(healthy.exit_code, 0) << healthy.err;
+  const test::CommandResult r = run_pipeline_step(dir, "--fault-skip-collective 1:8");
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_FALSE(step0_row(healthy.out).empty()) << healthy.out;
+  EXPECT_EQ(step0_row(r.out), step0_row(healthy.out)) << r.out;
+  const auto errors = stage_errors(r.err);
+  ASSERT_EQ(errors.size(), 1u) << r.err;
+  EXPECT_EQ(errors[0].rfind("09_pipeline_parallel: error: --fault-skip-collective 1:8 did not "
+                            "fire: rank 1's collective 8 (op #",
+                            0),
+            0u)
+      << errors[0];
+  EXPECT_TRUE(std::regex_search(errors[0], std::regex(R"(: all_gather \S+ \d+ B in tp group )")))
+      << errors[0];
+  EXPECT_NE(errors[0].find("no other rank taking part"), std::string::npos) << errors[0];
+  EXPECT_EQ(r.err.find("comm watchdog"), std::string::npos) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(healthy_dir / "out.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "out.json")) << "a run that failed wrote --json";
+}
+
+TEST(FaultNoRankCanNotice, AFaultPastTheLastCollectiveIsReportedAtTheEnd) {
+  test::TempDir dir;
+  const test::CommandResult r = run_pipeline_step(dir, "--fault-skip-collective 1:1000000");
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  const auto errors = stage_errors(r.err);
+  ASSERT_EQ(errors.size(), 1u) << r.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_match(
+      errors[0], m,
+      std::regex(R"(09_pipeline_parallel: error: --fault-skip-collective 1:1000000 never fired: )"
+                 R"(rank 1 issued (\d+) collectives \(0 … (\d+)\))")))
+      << errors[0];
+  EXPECT_EQ(std::stoi(m[1]), std::stoi(m[2]) + 1) << errors[0];
+  EXPECT_GT(std::stoi(m[1]), 1) << errors[0];
+  EXPECT_FALSE(std::filesystem::exists(dir / "out.json"));
+}
 
 }  // namespace
 }  // namespace tpx

@@ -393,10 +393,51 @@ ProbeRun run_probe(int ranks, const std::string& args) {
 TEST(Watchdog, HealthyJobFinishes) {
   const ProbeRun run = run_probe(2, "--comm-timeout 10");
   EXPECT_EQ(run.result.exit_code, 0) << run.result.out << run.result.err;
-  EXPECT_NE(run.result.out.find("rank 0: 10 all-reduces, 0 wrong values"), std::string::npos)
+  for (int r : {0, 1})
+    EXPECT_NE(run.result.out.find(
+                  fmt::format("rank {}: 10 all-reduces and an all-gather, 0 wrong values", r)),
+              std::string::npos)
+        << run.result.out;
+  EXPECT_EQ(run.result.err.find("comm watchdog"), std::string::npos) << run.result.err;
+}
+
+// The probe's lines on stderr that are its own (not Open MPI's).
+std::vector<std::string> probe_errors(const std::string& err) {
+  std::vector<std::string> lines;
+  for (const auto& line : test::lines_of(err))
+    if (line.rfind("comm_fault_probe:", 0) == 0) lines.push_back(line);
+  return lines;
+}
+
+TEST(Watchdog, AFaultOnAnOpNoOtherRankTakesPartInIsNotInjectedAndIsReported) {
+  // One rank: its collective 10, the all-gather, has no peer that could miss it. It must still
+  // run (a one-rank all-gather's output is its input: 1, not the −1 the buffer held), and the
+  // end of the run says the fault did not fire, with a non-zero exit.
+  const ProbeRun run = run_probe(1, "--comm-timeout 10 --fault-skip-collective 0:10");
+  EXPECT_EQ(run.result.exit_code, 1) << run.result.out << run.result.err;
+  EXPECT_NE(run.result.out.find("rank 0: 10 all-reduces and an all-gather, 0 wrong values"),
+            std::string::npos)
       << run.result.out;
-  EXPECT_NE(run.result.out.find("rank 1: 10 all-reduces, 0 wrong values"), std::string::npos)
-      << run.result.out;
+  const auto lines = probe_errors(run.result.err);
+  ASSERT_EQ(lines.size(), 1u) << run.result.err;
+  EXPECT_EQ(lines[0].rfind("comm_fault_probe: rank 0: --fault-skip-collective 0:10 did not fire: "
+                           "rank 0's collective 10 (op #10: all_gather ",
+                           0),
+            0u)
+      << lines[0];
+  EXPECT_NE(lines[0].find("no other rank taking part"), std::string::npos) << lines[0];
+  EXPECT_EQ(run.result.err.find("comm watchdog"), std::string::npos) << run.result.err;
+}
+
+TEST(Watchdog, AFaultPastTheLastOpIsReportedAtTheEnd) {
+  // The probe issues 11 collectives (0 … 10): number 11 never comes.
+  const ProbeRun run = run_probe(2, "--comm-timeout 10 --fault-skip-collective 1:11");
+  EXPECT_EQ(run.result.exit_code, 1) << run.result.out << run.result.err;
+  const auto lines = probe_errors(run.result.err);
+  ASSERT_EQ(lines.size(), 1u) << run.result.err;
+  EXPECT_EQ(lines[0],
+            "comm_fault_probe: rank 1: --fault-skip-collective 1:11 never fired: rank 1 issued 11 "
+            "collectives (0 … 10)");
   EXPECT_EQ(run.result.err.find("comm watchdog"), std::string::npos) << run.result.err;
 }
 

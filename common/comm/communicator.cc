@@ -51,15 +51,22 @@ std::chrono::microseconds comm_delay(int rank, std::uint64_t seq, int max_us) {
   return std::chrono::microseconds(z % (static_cast<std::uint64_t>(max_us) + 1));
 }
 
-double checked_timeout(const CommOptions& o) {
-  TPX_CHECK(o.timeout_s > 0, "the comm timeout must be positive (got {} s)", o.timeout_s);
-  return o.timeout_s;
-}
-
 }  // namespace
 
+std::shared_ptr<CommMonitor> make_comm_monitor(const CommOptions& o) {
+  TPX_CHECK(o.timeout_s > 0, "the comm timeout must be positive (got {} s)", o.timeout_s);
+  const int me = o.group.world_rank_of(o.group.rank());
+  auto named = [me](int rank, std::int64_t n) { return rank == me ? n : -1; };
+  return std::make_shared<CommMonitor>(
+      o.timeout_s, o.group,
+      FaultTargets{.job_rank = me,
+                   .collective = named(o.fault_rank, o.fault_seq),
+                   .signal = named(o.signal_fault_rank, o.signal_fault),
+                   .pull = named(o.copy_fault_rank, o.copy_fault)});
+}
+
 Communicator::Communicator(int rank, int size, const CommOptions& o)
-    : monitor_(o.monitor ? o.monitor : std::make_shared<CommMonitor>(checked_timeout(o), o.group)),
+    : monitor_(o.monitor ? o.monitor : make_comm_monitor(o)),
       own_monitor_(!o.monitor),
       recorder_(monitor_->recorder()),
       rank_(rank),
@@ -156,8 +163,12 @@ std::optional<std::uint64_t> Communicator::begin_op(CommOp op, DType dtype, std:
     seq = recorder_.begin(op, dtype, count, payload, peer, src, what, group_);
     nth = monitor_->next(CommMonitor::Kind::collective);
   }
-  if (options_.fault_rank == job_rank_ && options_.fault_seq == nth) {
-    recorder_.finish(seq, OpState::skipped);  // fault injection: this rank silently skips it
+  // Fault injection: this rank silently skips the op, when another rank takes part in it.
+  const bool peers = op == CommOp::sendrecv
+                         ? (peer >= 0 && peer != rank_) || (src >= 0 && src != rank_)
+                         : size_ > 1;
+  if (monitor_->strikes(CommMonitor::Kind::collective, nth, seq, peers)) {
+    recorder_.finish(seq, OpState::skipped);
     return std::nullopt;
   }
   {

@@ -29,7 +29,7 @@
 // every rank alike; sums (all_reduce, reduce_scatter) accept f32 only.
 //
 // defines: tpx::CommKind, tpx::parse_comm_kind(), tpx::CommOptions, tpx::Communicator,
-//          tpx::make_communicator(), tpx::find_shared_device()
+//          tpx::make_comm_monitor(), tpx::make_communicator(), tpx::find_shared_device()
 #pragma once
 
 #include <cstdint>
@@ -78,7 +78,13 @@ struct CommOptions {
   double timeout_s = 60.0;
   /// Fault injection for tests: job rank `fault_rank` silently skips its collective (or ring
   /// step) number `fault_seq`, counting from 0 over every communicator of the rank, and records
-  /// it as skipped. -1: no fault.
+  /// it as skipped. -1: no fault. An op that no other rank takes part in (a collective of a
+  /// one-rank group, a transfer to the rank itself) is counted but never skipped, since no rank
+  /// could notice it missing: it runs. A stage that gets to its end with a RANK:N fault flag
+  /// (this one, or the signal and copy faults below) says in one line what became of it (it
+  /// never fired, its op had no peers, or its skip went unnoticed: CommMonitor::fault_report)
+  /// and exits 1 without writing its outputs. These faults act through the rank's monitor,
+  /// which make_comm_monitor() gives them.
   int fault_rank = -1;
   std::int64_t fault_seq = -1;
   /// Fault injection for symmetric memory (stages 05-07; hidden --fault-skip-signal RANK:N,
@@ -223,6 +229,12 @@ class Communicator {
   int job_rank_;   // this rank in the whole job (what the fault flags name)
   int poll_ = -1;  // the backend's poll, registered with the monitor
 };
+
+/// A monitor (the rank's flight recorder and watchdog) over `o.group`, with `o`'s timeout and the
+/// ops that `o`'s fault flags name on this rank (collective over the group): what a stage shares
+/// between its communicators and symmetric memories (CommOptions::monitor), and what a
+/// communicator made without one makes for itself.
+std::shared_ptr<CommMonitor> make_comm_monitor(const CommOptions& o);
 
 /// The communicator over MPI_COMM_WORLD for tensors on `device` (collective: every rank calls
 /// it). `automatic` picks NCCL for cuda when every rank has its own GPU and MPI (host-staged)

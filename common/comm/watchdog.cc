@@ -48,6 +48,10 @@ void sleep_ms(int ms) {
 
 }  // namespace
 
+double Watchdog::grace_seconds(double timeout_s) {
+  return std::clamp(timeout_s / 4, 0.5, 5.0);
+}
+
 bool Watchdog::supported() {
   int provided = MPI_THREAD_SINGLE;
   MPI_Query_thread(&provided);
@@ -73,7 +77,7 @@ Watchdog::Watchdog(const FlightRecorder& recorder, double timeout_s, Poll poll,
     : prefix_(watchdog_prefix(group)),
       recorder_(recorder),
       timeout_s_(timeout_s),
-      grace_s_(std::clamp(timeout_s, 1.0, 5.0)),
+      grace_s_(grace_seconds(timeout_s)),
       poll_(std::move(poll)) {
   TPX_CHECK(timeout_s > 0, "the comm timeout must be positive (got {})", timeout_s);
   TPX_CHECK(supported(), "the comm watchdog needs MPI_THREAD_MULTIPLE");
@@ -315,7 +319,8 @@ void Watchdog::report(const OpRecord& op, const std::string& trigger) {
 
 // --- the monitor ---------------------------------------------------------------------------------
 
-CommMonitor::CommMonitor(double timeout_s, const RankGroup& group) : timeout_s_(timeout_s) {
+CommMonitor::CommMonitor(double timeout_s, const RankGroup& group, const FaultTargets& faults)
+    : timeout_s_(timeout_s), faults_(faults) {
   if (timeout_s > 0 && Watchdog::supported())
     watchdog_ = std::make_unique<Watchdog>(
         recorder_, timeout_s, [this] { return poll_all(); }, group);
@@ -345,6 +350,71 @@ void CommMonitor::fail_op(std::uint64_t seq, const std::string& why) {
   recorder_.finish(seq, OpState::failed);
   if (watchdog_) watchdog_->fail_op(seq, why);
   fail(fmt::format("comm op #{} failed: {}", seq, why));
+}
+
+namespace {
+
+/// How fault_report() words a fault flag of each kind (CommMonitor::Kind's order).
+struct FaultWords {
+  const char* flag;
+  const char* noun;  // what the flag counts
+  const char* verb;  // what it does to the op it names
+};
+constexpr std::array<FaultWords, 3> kFaultWords{
+    {{"--fault-skip-collective", "collective", "skipped"},
+     {"--fault-skip-signal", "signal", "skipped"},
+     {"--fault-delay-copy", "pull", "delayed"}}};
+
+}  // namespace
+
+bool CommMonitor::strikes(Kind k, std::int64_t nth, std::uint64_t seq, bool peers) {
+  const auto i = static_cast<std::size_t>(k);
+  const std::array<std::int64_t, 3> target{faults_.collective, faults_.signal, faults_.pull};
+  if (target[i] < 0 || nth != target[i]) return false;
+  FaultOutcome outcome{peers ? FaultOutcome::State::struck : FaultOutcome::State::no_peers, seq,
+                       fmt::format("op #{}", seq)};
+  for (const OpRecord& r : recorder_.snapshot())
+    if (r.seq == seq) outcome.op = fmt::format("op #{}: {}", seq, describe_op(r));
+  std::lock_guard lock(faults_mu_);
+  outcomes_[i] = std::move(outcome);
+  return peers;
+}
+
+std::string CommMonitor::fault_report() const {
+  const std::array<std::int64_t, 3> target{faults_.collective, faults_.signal, faults_.pull};
+  std::string text;
+  std::lock_guard lock(faults_mu_);
+  for (std::size_t i = 0; i < target.size(); ++i) {
+    if (target[i] < 0) continue;
+    const FaultWords& w = kFaultWords[i];
+    const FaultOutcome& o = outcomes_[i];
+    const std::string named = fmt::format("{} {}:{}", w.flag, faults_.job_rank, target[i]);
+    std::string line;
+    switch (o.state) {
+      case FaultOutcome::State::pending: {
+        const std::int64_t issued = counters_[i].load();
+        line = fmt::format("{} never fired: rank {} issued {}", named, faults_.job_rank,
+                           issued == 0 ? fmt::format("no {}s", w.noun)
+                                       : fmt::format("{} {}{} (0 … {})", issued, w.noun,
+                                                     issued == 1 ? "" : "s", issued - 1));
+        break;
+      }
+      case FaultOutcome::State::no_peers:
+        line = fmt::format(
+            "{} did not fire: rank {}'s {} {} ({}) has no other rank taking part, so none could "
+            "notice it missing; it ran",
+            named, faults_.job_rank, w.noun, target[i], o.op);
+        break;
+      case FaultOutcome::State::struck:
+        line = fmt::format(
+            "{} {} rank {}'s {} {} ({}), and the job still ran to its end: no rank noticed, so "
+            "its results are not to be trusted",
+            named, w.verb, faults_.job_rank, w.noun, target[i], o.op);
+        break;
+    }
+    text += (text.empty() ? "" : "; ") + line;
+  }
+  return text;
 }
 
 void CommMonitor::barrier() {

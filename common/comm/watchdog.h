@@ -4,9 +4,13 @@
 // One per rank (CommMonitor): a thread watches the rank's one flight recorder, into which every
 // communicator and symmetric memory of the rank records. When an op stays in flight longer than
 // the timeout (or a backend reports it failed), the rank
-//   1. asks every other rank for its recorder over a private communicator (non-blocking, with its
-//      own deadline; ranks that do not answer are reported as unresponsive); a rank that is
-//      asked answers and prints nothing,
+//   1. asks every other rank for its recorder over a private communicator (non-blocking) and
+//      waits for the answers at most a grace of a quarter of the timeout (at least 0.5 s, at
+//      most 5 s: grace_seconds()); ranks that do not answer in it are reported as unresponsive.
+//      A live rank answers within milliseconds (its watchdog thread polls every 5 ms), so the
+//      grace is what a stopped rank costs: the verdict on it comes at most the timeout plus the
+//      grace after its peers began to wait for it. A rank that is asked answers and prints
+//      nothing,
 //   2. lines the records up (diagnose), and the lowest-numbered reporting rank prints the job's
 //      ONE verdict line, which depends only on the records, not on the rank that prints it, e.g.
 //        tpx: comm watchdog: an op did not complete in 2.0 s; first difference at op #5
@@ -18,7 +22,7 @@
 // The thread also answers other ranks' requests at any time, so a rank blocked elsewhere (in
 // compute, in another MPI call) still contributes its records. Needs MPI_THREAD_MULTIPLE.
 //
-// defines: tpx::Watchdog, tpx::CommMonitor
+// defines: tpx::Watchdog, tpx::FaultTargets, tpx::CommMonitor
 #pragma once
 
 #include <mpi.h>
@@ -68,6 +72,9 @@ class Watchdog {
 
   /// Seconds an op may stay in flight.
   double timeout() const { return timeout_s_; }
+  /// Seconds a reporting rank waits for the others' records under `timeout_s`: a quarter of it,
+  /// at least 0.5 s (what a live rank on a loaded machine may need to answer) and at most 5 s.
+  static double grace_seconds(double timeout_s);
 
   /// True if this MPI library allows a watchdog thread (MPI_THREAD_MULTIPLE).
   static bool supported();
@@ -108,6 +115,15 @@ class Watchdog {
   std::thread thread_;
 };
 
+/// Test-only fault injection (the hidden --fault-* flags, CommOptions): which of one rank's ops
+/// each flag names, by the number CommMonitor::next() gives it; -1: no flag names this rank.
+struct FaultTargets {
+  int job_rank = -1;             ///< the rank the flags name (for fault_report()'s words)
+  std::int64_t collective = -1;  ///< --fault-skip-collective: this collective is skipped
+  std::int64_t signal = -1;      ///< --fault-skip-signal: this signal is never sent
+  std::int64_t pull = -1;        ///< --fault-delay-copy: this pull takes three comm timeouts
+};
+
 /// A rank's one record of its communication and the one watchdog over it. Every communicator and
 /// symmetric memory of a stage records into the monitor they are given (CommOptions::monitor), so
 /// the rank's collectives, ring steps, pulls and signals, in every group, form one sequence that
@@ -116,8 +132,9 @@ class Watchdog {
 class CommMonitor {
  public:
   /// Collective over `group` (the whole job for the stages): starts the watchdog when
-  /// `timeout_s` > 0 and MPI allows a watchdog thread.
-  explicit CommMonitor(double timeout_s, const RankGroup& group = RankGroup());
+  /// `timeout_s` > 0 and MPI allows a watchdog thread. `faults`: the ops the fault flags name.
+  explicit CommMonitor(double timeout_s, const RankGroup& group = RankGroup(),
+                       const FaultTargets& faults = {});
   ~CommMonitor();
   CommMonitor(const CommMonitor&) = delete;
   CommMonitor& operator=(const CommMonitor&) = delete;
@@ -144,12 +161,35 @@ class CommMonitor {
   enum class Kind { collective, signal, pull };
   std::int64_t next(Kind k) { return counters_[static_cast<std::size_t>(k)]++; }
 
+  /// Whether the fault flag of kind `k` strikes op `nth` of that kind (a number next() gave;
+  /// `seq`: its record, which must hold the op's size and peers): true for the op the flag
+  /// names, if another rank takes part in it (`peers`). An op without peers (a collective of a
+  /// one-rank group, a transfer to the rank itself) is never struck: no rank could notice it
+  /// missing, and its output (a one-rank all-gather's is its input) must still be made.
+  bool strikes(Kind k, std::int64_t nth, std::uint64_t seq, bool peers);
+  /// For a run that got to its end (the watchdog never stopped it): one line that says, for each
+  /// fault flag naming this rank, that it never fired (the rank issued fewer ops of its kind),
+  /// that the op it names has no peers (so it ran), or that it struck and no rank noticed; ""
+  /// when no flag names this rank. A run with a fault flag is meant to be stopped by the
+  /// watchdog: whatever this says, the run did not test what it was asked to.
+  std::string fault_report() const;
+
  private:
   std::string poll_all();
 
+  /// What became of a fault flag's op (strikes()).
+  struct FaultOutcome {
+    enum class State { pending, struck, no_peers } state = State::pending;
+    std::uint64_t seq = 0;  ///< the op's record
+    std::string op;         ///< describe_op() of it
+  };
+
   FlightRecorder recorder_;
   double timeout_s_;
+  FaultTargets faults_;
   std::array<std::atomic<std::int64_t>, 3> counters_{};
+  mutable std::mutex faults_mu_;
+  std::array<FaultOutcome, 3> outcomes_{};  // by Kind; guarded by faults_mu_
   std::mutex polls_mu_;
   std::map<int, Watchdog::Poll> polls_;
   int next_poll_ = 0;
