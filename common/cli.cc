@@ -216,7 +216,8 @@ void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
       ->type_name("US")
       ->group("");
   add_number(app, "--fault-comm-delay-us", comm.comm_delay_us,
-             "each communicator op first waits a random 0..US microseconds on its lane")
+             "each communicator op first waits 0..US microseconds on its lane, a hash of rank "
+             "and op number: the same wait on every run")
       ->type_name("US")
       ->group("");
 }

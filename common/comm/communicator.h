@@ -98,8 +98,8 @@ struct CommOptions {
   std::int64_t copy_fault = -1;
   int copy_delay_us = 0;
   /// Fault injection for the stream order (hidden --fault-comm-delay-us US): every op of every
-  /// communicator of the rank waits a random 0 … `comm_delay_us` µs, the same for an op on every
-  /// run, before it moves bytes, on the thread that runs it. On the cpu a comm lane is a thread
+  /// communicator of the rank waits 0 … `comm_delay_us` µs, a hash of the rank and the op's
+  /// sequence number (random-looking, but the same for an op on every run), before it moves bytes, on the thread that runs it. On the cpu a comm lane is a thread
   /// of its own, so its transfers then finish late: compute that reads a received buffer, or
   /// writes over one being sent, without first waiting for the lane's event reads or sends
   /// the wrong bytes, as it would on a GPU whose lane runs behind. 0: no delay.
