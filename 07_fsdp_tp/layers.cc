@@ -87,7 +87,7 @@ FsdpTp::~FsdpTp() = default;
 Sharding FsdpTp::sharding() const {
   Sharding s = tp_->sharding();
   s.dp = mesh_.dp;
-  s.dimensions.push_back(memory_dimension());  // unsharded layers (FSDP)
+  s.dimensions.push_back(memory_dimension(mesh_.dp_cp_index() == 0));  // unsharded layers (FSDP)
   return s;
 }
 
@@ -398,7 +398,7 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .weights = true,
                 .sequence = true,
                 .dp = mesh.dp,
-                .dimensions = {memory_dimension()}};   // as the Parallelism's sharding()
+                .dimensions = {memory_dimension(mesh.dp_cp_index() == 0)}};  // as sharding()
   const Traffic tp = ring::traffic(replica, mesh.tp);  // stage 05's, inside the TP group
   const Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
   p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};

@@ -1,5 +1,6 @@
 // Stage 07's part of the memory estimate: FSDP's unsharded layers, the term of the D·C ranks of the
-// DP×CP group that share each parameter (stages 07, 08 and 09 run it). Its sharded parameters,
+// DP×CP group that share each parameter (stages 07, 08 and 09 run it), and on the cpu backend the
+// MPI reduce-scatter's staging on the group's first rank. Its sharded parameters,
 // gradients and optimizer state are the shared terms at Sharding::dp (common/memory.cc).
 //
 // defines: tpx::fsdp::memory_dimension()
@@ -11,7 +12,9 @@
 
 namespace tpx::fsdp {
 
-/// The FSDP dimension of the estimate (a term only where D·C > 1), for Sharding::dimensions.
-std::shared_ptr<const MemoryDimension> memory_dimension();
+/// The FSDP dimension of the estimate (terms only where D·C > 1), for Sharding::dimensions.
+/// `first_of_group`: this rank is rank 0 of its DP×CP group (Mesh::dp_cp_index() == 0), where
+/// the cpu backend's MPI reduce-scatter stages the whole input ("MPI reduce-scatter staging").
+std::shared_ptr<const MemoryDimension> memory_dimension(bool first_of_group = false);
 
 }  // namespace tpx::fsdp

@@ -610,14 +610,15 @@ StagePlan plan_context_parallel(const RunContext& ctx) {
   const CpMethod method = ctx.options.flags<ContextParallelFlags>().method();
   const MeshTraffic t = mesh_traffic(ctx.options.config, mesh.dp, mesh.cp, mesh.tp, method);
   StagePlan p;
-  p.sharding = {.rank = mesh.tp_index,
-                .world = mesh.tp,
-                .weights = true,
-                .sequence = true,
-                .dp = mesh.dp,
-                .cp = mesh.cp,
-                // as the Parallelism's sharding(): stage 07's FSDP inside, then CP
-                .dimensions = {fsdp::memory_dimension(), memory_dimension(method)}};
+  p.sharding = {
+      .rank = mesh.tp_index,
+      .world = mesh.tp,
+      .weights = true,
+      .sequence = true,
+      .dp = mesh.dp,
+      .cp = mesh.cp,
+      // as the Parallelism's sharding(): stage 07's FSDP inside, then CP
+      .dimensions = {fsdp::memory_dimension(mesh.dp_cp_index() == 0), memory_dimension(method)}};
   p.traffic = t.total();
   p.groups = {
       {.name = "cp", .label = "cp group", .traffic = t.cp},

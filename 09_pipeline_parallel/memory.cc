@@ -82,28 +82,6 @@ Count host_per_microbatch(const BlockConfig& c, const Sharding& s, const Pipelin
              what);
 }
 
-/// The holes the live passes leave in the heap (the cpu backend, glibc's malloc). A layer's
-/// forward frees, between the tensors its pass keeps, the outputs of its two row GEMMs before
-/// the residual adds (attention's Wo and the MLP's Wd: G each, the full [S, b, H] partial sums),
-/// and a pass frees its output once it is sent (a micro-batch's stream R). A block below
-/// malloc's mmap threshold (which rises to the largest block freed, at most 32 MiB: the
-/// set-up's streams lift it there) comes from the heap, and malloc keeps such holes resident
-/// under the live passes' tensors above them until those are freed. With the schedule's peaks
-/// of live (micro-batch, layer) pairs and of live passes:
-///   heap holes = live kept layers · 2·G + live passes · R   (no term on cuda, or if G ≥ 32 MiB)
-/// where a layer that --recompute full makes again leaves none: it frees its saved tensors with
-/// the GEMMs' outputs right after its forward, so the next forward reuses the space.
-constexpr Count kMmapThresholdMax = Count{32} << 20;
-bool has_heap_holes(const BlockConfig& c, const ActivationBytes& b) {
-  return c.device == Device::cpu && b.full < kMmapThresholdMax;
-}
-Count heap_holes(const PipelineMemory& pp, const ActivationBytes& b) {
-  const char* what = "the pipeline's buffers";
-  return sum(
-      {product({pp.live_kept_layers, b.full, 2}, what), product({pp.live_passes, b.stream}, what)},
-      what);
-}
-
 /// The set-up streams: every rank generates the whole input and target, [S, B, H] fp32 each (X
 /// bytes), before its mesh cuts them; with C > 1 the CP cut copies this rank's S / C rows of one
 /// of them twice while both are alive; with C = 1 and D > 1 the FSDP cut copies this replica's
@@ -140,13 +118,16 @@ class PipelineDimension final : public MemoryDimension {
     if (!pp_.holds_target) e.term("target").bytes = 0;
     e.remove("fp32 input");
     e.terms.push_back({"pipeline buffers", std::uint64_t(buffers(pp_, p))});
-    if (p.sharding.dp * p.sharding.cp > 1)
+    if (p.sharding.dp * p.sharding.cp > 1) {
+      // The unsharded gradients of the layer in backward are its accumulator (or the one
+      // micro-batch's buffer the pipeline buffers count), not a buffer of their own.
+      e.term("unsharded layers (FSDP)").bytes -=
+          std::uint64_t(product({p.layer.tp, kF32}, "FSDP's unsharded layers"));
       e.terms.push_back({"gradient accumulators (FSDP × PP)",
                          std::uint64_t(gradient_accumulators(p.rank, p.layer))});
+    }
     e.terms.push_back(
         {"host per micro-batch", std::uint64_t(host_per_microbatch(p.rank, p.sharding, pp_))});
-    if (has_heap_holes(p.rank, p.pass_bytes))
-      e.terms.push_back({"heap holes", std::uint64_t(heap_holes(pp_, p.pass_bytes))});
     e.terms.push_back({"set-up streams", setup_streams(p, e.total())});
   }
 

@@ -361,7 +361,8 @@ StagePlan plan_pipeline(const RunContext& ctx) {
                        .dp = mesh.dp,
                        .cp = mesh.cp,
                        // as the slice's sharding(): stage 07's FSDP, then 08's CP
-                       .dimensions = {fsdp::memory_dimension(), cp::memory_dimension(method)}};
+                       .dimensions = {fsdp::memory_dimension(mesh.dp_cp_index() == 0),
+                                      cp::memory_dimension(method)}};
   const PipelineMemory held = pipeline_memory(c, *schedule, l.layers, mesh.pp_index);
   StagePlan p;
   p.sharding = pipeline_sharding(slice, held, mesh.pp);

@@ -16,17 +16,22 @@
 //                           full recompute, a block's forward run again inside backward)
 //   weight copies, state    bf16 compute copies of the matrices, AdamW's moments, FP8 weights
 // and then the terms of the stages' own dimensions of the mesh (Sharding::dimensions,
-// common/memory_terms.h): FSDP's unsharded layers (07_fsdp_tp/memory.cc), CP's attention buffers
-// (08_context_parallel/memory.cc), and a pipeline's buffers and the three host terms that grow
-// with M and B (09_pipeline_parallel/memory.cc), which are held against the process's own
-// high-water mark (--json's host_peak_bytes).
+// common/memory_terms.h): FSDP's unsharded layers and, on the cpu backend, the MPI
+// reduce-scatter's staging on the first rank of a DP×CP group (07_fsdp_tp/memory.cc), CP's
+// attention buffers (08_context_parallel/memory.cc), and a pipeline's buffers and the two host
+// terms that grow with M and B (09_pipeline_parallel/memory.cc). The total is held against the
+// process's own high-water mark (--json's host_peak_bytes − host_baseline_bytes, every rank):
+// on the cpu backend the host allocator keeps malloc from holding freed tensors' pages
+// (common/tensor.cc), so what the allocator frees leaves the process.
 // Every size is computed with checked arithmetic (checked.h): sizes too large for 64 bits throw
 // SizeOverflow, never a wrapped, small-looking number. It is pure arithmetic, so absurd configs
 // are refused at once.
 //
 // Not counted: the CUDA context, cuBLAS / NCCL workspaces, the caching allocator's rounding to
 // size classes, and the CPU attention's scratch (naive backward: an S×S matrix; fused: blocks of
-// 128×128 scores), host memory outside the allocator; these are small or outside its view.
+// 128×128 scores); on the host, the blocks under 64 KiB malloc keeps, MPI's and the comm lanes'
+// own pages (a per-thread malloc arena of about 130 KiB each) and the touched part of thread
+// stacks; these are small or outside its view.
 //
 // defines: tpx::MemoryTerm, tpx::MemoryEstimate, tpx::estimate_training_memory(),
 //          tpx::snapshot_bytes(), tpx::HostMemory, tpx::host_memory(),

@@ -5,6 +5,10 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -78,9 +82,26 @@ float bf16_value(std::uint16_t bits) {
 
 namespace {
 
-/// Host memory, 64-byte aligned (a cache line; also what AVX-512 loads like).
+/// Blocks of this many bytes or more are mapped by malloc for themselves and unmapped when
+/// freed. Left to itself, glibc's malloc raises that threshold to the largest block freed (up to
+/// 32 MiB) and serves the blocks under it from its heaps, where a freed block stays resident, a
+/// hole under the live blocks above it: the process held up to twice what the allocator counts
+/// (stage 08 at H 256, S 128), MPI's own staging buffers in the comm lanes' heaps too. Setting
+/// the threshold fixes it there, for every malloc of the process.
+constexpr int kOwnMapping = 64 << 10;
+
+void fix_malloc_mmap_threshold() {
+#if defined(__GLIBC__)
+  mallopt(M_MMAP_THRESHOLD, kOwnMapping);
+#endif
+}
+
+/// Host memory, 64-byte aligned (a cache line; also what AVX-512 loads like). The process's
+/// pages are the blocks in use: a freed tensor of kOwnMapping bytes or more leaves the process.
 class CpuAllocator final : public Allocator {
  public:
+  CpuAllocator() { fix_malloc_mmap_threshold(); }
+
   void* allocate(std::size_t bytes) override {
     const std::size_t rounded = (bytes + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);

@@ -300,6 +300,50 @@ TEST(MemoryTerms, PipelineSavedActivationsFollowChapterNinesFormula) {
   }
 }
 
+TEST(MemoryTerms, FsdpKeepsTwoReductionsInFlightAndAllocatesTheThirdBeforeWaiting) {
+  // One layer's parameters, T 1: the nine tensors' rows split evenly over D = 2 and 4, so the
+  // gathered buffer (g), the reduce-scatter buffer (r) and the layer's fp32 gradients are the
+  // layer's elements · 4 bytes each (fp32), the unsharded copy its weights and gradients.
+  BlockConfig c;
+  c.batch = 4;
+  constexpr std::uint64_t H = 256, F = 1024;
+  const std::uint64_t layer = kFloat * (2 * H + 4 * H * H + 3 * H * F);  // g = r = fp32 grads
+  // While layer l's backward runs: its weights and gradients (2 · layer), its gathered buffer and
+  // that of l − 1 (l > 0), and the reduce-scatters of l + 1 and l + 2 that exist; its own joins
+  // them when its gradients go out, less the temporaries backward no longer holds.
+  for (const int layers : {1, 2, 3, 4, 6}) {
+    c.layers = layers;
+    std::uint64_t in_flight = 0;
+    for (int l = 0; l < layers; ++l)
+      in_flight =
+          std::max(in_flight, layer * std::uint64_t((l > 0 ? 2 : 1) + std::min(2, layers - 1 - l)));
+    for (const int d : {2, 4}) {
+      const Sharding s{.dp = d, .dimensions = {fsdp::memory_dimension()}};
+      const MemoryEstimate e = estimate_training_memory(c, s);
+      const std::uint64_t during = 2 * layer + in_flight;
+      const std::uint64_t temporaries = e.term("largest temporaries").bytes;
+      const std::uint64_t going_out =
+          during + layer > temporaries ? during + layer - temporaries : 0;
+      EXPECT_EQ(e.term("unsharded layers (FSDP)").bytes, std::max(during, going_out))
+          << "L " << layers << " D " << d;
+    }
+  }
+  // The MPI reduce-scatter's staging: the whole reduced input of a layer's gradients, on the
+  // first rank of a DP×CP group of more than two ranks only.
+  c.layers = 4;
+  for (const int d : {2, 4})
+    for (const bool first : {false, true}) {
+      const Sharding s{.dp = d, .dimensions = {fsdp::memory_dimension(first)}};
+      const MemoryEstimate e = estimate_training_memory(c, s);
+      const bool staged = std::ranges::any_of(
+          e.terms, [](const MemoryTerm& m) { return m.name == "MPI reduce-scatter staging"; });
+      EXPECT_EQ(staged, first && d > 2) << "D " << d << " first " << first;
+      if (staged) {
+        EXPECT_EQ(e.term("MPI reduce-scatter staging").bytes, layer) << "D " << d;
+      }
+    }
+}
+
 TEST(MemoryTerms, FsdpShardsFallAsOneOverTD) {
   BlockConfig c;  // H 256, NH 8, F 1024, S 128, B 2 → B 4 so that D = 4 divides it
   c.batch = 4;
