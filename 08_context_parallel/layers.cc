@@ -576,12 +576,12 @@ Mesh checked_mesh(const RunContext& ctx) {
   const int given_cp = ctx.options.flags<ContextParallelFlags>().cp;
   const int dp = mesh_degree(given_dp, MeshFlag::cp, MeshFlag::dp, ctx.world);
   const int cp = mesh_degree(given_cp, MeshFlag::cp, MeshFlag::cp, ctx.world);
-  if (dp < 1)
-    throw ConfigError(
-        fmt::format("--dp must be a positive number of data-parallel replicas (got {})", dp));
-  if (cp < 1)
-    throw ConfigError(fmt::format("--cp must be a positive number of sequence parts (got {})", cp));
-  Mesh mesh = Mesh::make(dp, cp);  // refuses a D·C that does not divide the ranks
+  // A D·C that does not divide the ranks, named as the user gave it, before any group is made.
+  if (std::string p =
+          Mesh::problem(ctx.world, dp, cp, 1, {.dp = given_dp != 0, .cp = given_cp != 0});
+      !p.empty())
+    throw ConfigError(p);
+  Mesh mesh = Mesh::make(dp, cp);
   check_context_parallel(ctx, mesh);
   return mesh;
 }

@@ -11,9 +11,10 @@ void PipelineFlags::add_flags(CLI::App& app, MeshFlag newest) {
                   "pipeline-parallel degree P: the layers split contiguously over P stages (mesh "
                   "P × D × C × TP, PP outermost)",
                   MeshFlag::pp, newest, "Pipeline");
-  add_number(app, "--microbatches", microbatches,
-             "M micro-batches of the local batch B/D, each sent through the pipeline; when not "
-             "given, the largest of P·V, P and 1 that divides B/D; stage 09 takes at most 65536")
+  add_count(app, "--microbatches", microbatches,
+            "M micro-batches of the local batch B/D, each sent through the pipeline; when not "
+            "given, the largest of P·V, P and 1 that divides B/D; stage 09 takes at most 65536",
+            "its default: the largest of P·V, P and 1 that divides B/D")
       ->type_name("M")
       ->group("Pipeline");
   app.add_option("--schedule", schedule,
@@ -23,8 +24,9 @@ void PipelineFlags::add_flags(CLI::App& app, MeshFlag newest) {
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}))
       ->capture_default_str()
       ->group("Pipeline");
-  add_number(app, "--stages-per-rank", stages_per_rank,
-             "V virtual stages per rank (interleaved-1f1b: rank p holds stages p, p+P, ...)")
+  add_count(app, "--stages-per-rank", stages_per_rank,
+            "V virtual stages per rank (interleaved-1f1b: rank p holds stages p, p+P, ...)",
+            "its default: 1")
       ->type_name("V")
       ->group("Pipeline");
   app.add_flag("--print-schedule", print_schedule,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <optional>
 #include <span>
@@ -26,6 +27,7 @@
 #include "09_pipeline_parallel/memory.h"
 #include "common/block.h"
 #include "common/check.h"
+#include "common/checked.h"
 #include "common/ops.h"
 
 namespace tpx::pp {
@@ -212,6 +214,67 @@ struct Layout {
   std::vector<LayerRange> layers;
 };
 
+/// A mesh size as a message names it: "--pp 2" when the flag was given (`flag_value` ≠ 0), "P 2
+/// (--pp's default)" when the stage chose it.
+std::string size_words(const char* flag, const char* letter, int flag_value, int value) {
+  return flag_value != 0 ? fmt::format("{} {}", flag, value)
+                         : fmt::format("{} {} ({}'s default)", letter, value, flag);
+}
+
+/// The virtual stages P·V, each holding at least one layer: their number, or ConfigError with a
+/// --stages-per-rank (or --layers) that fits. `pp` names P as the user gave it.
+int checked_stages(const BlockConfig& c, int P, int V, const std::string& pp) {
+  // Layers are numbered by int here (LayerRange), so P·V is too: a product beyond the int range
+  // is beyond every --layers this stage takes.
+  if (c.layers > std::numeric_limits<int>::max())
+    throw ConfigError(fmt::format(
+        "--layers {} is more than 09_pipeline_parallel takes ({}): it numbers layers as int",
+        c.layers, std::numeric_limits<int>::max()));
+  const std::optional<int> stages = checked_mul(P, V);
+  if (stages && *stages <= c.layers) return *stages;
+  const std::int64_t most_v = c.layers / P;  // virtual stages per rank that --layers can fill
+  const std::string remedy =
+      V == 1        ? fmt::format("give --layers at least {}", P)
+      : most_v >= 2 ? fmt::format("give --stages-per-rank at most {} (--layers {} / P {})", most_v,
+                                  c.layers, P)
+                    : fmt::format(
+                          "give --stages-per-rank 2 (the fewest interleaved-1f1b "
+                          "takes) and --layers at least {} (P {} × 2)",
+                          std::int64_t(P) * 2, P);
+  throw ConfigError(fmt::format(
+      "{} makes {} pipeline stages but --layers is {}: every stage needs at least one layer; {}",
+      V == 1 ? pp : fmt::format("{} × --stages-per-rank {}", pp, V), std::int64_t(P) * V, c.layers,
+      remedy));
+}
+
+/// ConfigError when the schedule of `shape` would list more than kMaxScheduleActions actions
+/// (make_schedule's guard, said before the layers are split or any list is made), naming the
+/// flags as given and a smaller --microbatches or --stages-per-rank that fits.
+void check_schedule_size(const PipelineFlags& o, const PipelineShape& shape, const std::string& pp,
+                         bool interleaved) {
+  const double actions = pipeline::schedule_actions(o.schedule, shape);
+  const auto limit = double(pipeline::kMaxScheduleActions);
+  if (actions <= limit) return;
+  // The fewest micro-batches the schedule takes (P divides the local batch on interleaved-1f1b).
+  PipelineShape fewest = shape;
+  fewest.microbatches = interleaved ? shape.ranks : 1;
+  const double per_stage = pipeline::schedule_actions(o.schedule, fewest) / shape.stages_per_rank;
+  const std::string remedy =
+      fewest.microbatches < shape.microbatches && per_stage * shape.stages_per_rank <= limit
+          ? fmt::format("give --microbatches {}", fewest.microbatches)
+          : fmt::format("give --stages-per-rank at most {} with --microbatches {}",
+                        std::int64_t(limit / per_stage), fewest.microbatches);
+  throw ConfigError(fmt::format(
+      "{}{} × {} makes {:.3g} schedule actions, more than the {:.3g} a schedule is made with "
+      "(every rank's list is held in memory): {}",
+      pp,
+      shape.stages_per_rank == 1 ? ""
+                                 : fmt::format(" × --stages-per-rank {}", shape.stages_per_rank),
+      o.microbatches != 0 ? fmt::format("--microbatches {}", shape.microbatches)
+                          : fmt::format("M {} (--microbatches' default)", shape.microbatches),
+      actions, limit, remedy));
+}
+
 Layout layout(const RunContext& ctx) {
   const PipelineFlags& o = ctx.options.flags<PipelineFlags>();
   const BlockConfig& c = ctx.options.config;
@@ -221,46 +284,52 @@ Layout layout(const RunContext& ctx) {
   l.pp = mesh_degree(o.pp, MeshFlag::pp, MeshFlag::pp, ctx.world);
   l.dp = mesh_degree(given_dp, MeshFlag::pp, MeshFlag::dp, ctx.world);
   l.cp = mesh_degree(given_cp, MeshFlag::pp, MeshFlag::cp, ctx.world);
-  if (l.pp < 1)
-    throw ConfigError(fmt::format("--pp must be a positive number of stages (got {})", l.pp));
-  if (l.dp < 1)
-    throw ConfigError(
-        fmt::format("--dp must be a positive number of data-parallel replicas (got {})", l.dp));
-  if (l.cp < 1)
-    throw ConfigError(
-        fmt::format("--cp must be a positive number of sequence parts (got {})", l.cp));
-  if (ctx.world % (l.pp * l.dp * l.cp) != 0)
-    throw ConfigError(fmt::format(
-        "--pp {} × --dp {} × --cp {} must divide the {} ranks of the job (the mesh is P × D × C "
-        "× TP, TP = ranks / (P·D·C))",
-        l.pp, l.dp, l.cp, ctx.world));
-  if (o.stages_per_rank < 1)
-    throw ConfigError(
-        fmt::format("--stages-per-rank must be at least 1 (got {})", o.stages_per_rank));
+  // The flags are positive when given (cli_flags.h's add_count); P·D·C is checked, not wrapped.
+  if (std::string p = Mesh::problem(ctx.world, l.dp, l.cp, l.pp,
+                                    {.pp = o.pp != 0, .dp = given_dp != 0, .cp = given_cp != 0});
+      !p.empty())
+    throw ConfigError(p);
+  const std::string pp = size_words("--pp", "P", o.pp, l.pp);
+  const int v = o.stages_per_rank;
+  if (std::string p = pipeline::stages_per_rank_problem(o.schedule, v); !p.empty())
+    throw ConfigError(p);
+  const int stages = checked_stages(c, l.pp, v, pp);
   if (c.batch % l.dp != 0)
     throw ConfigError(fmt::format(
         "--dp {} must divide --batch {}: each data-parallel replica trains B / D sequences", l.dp,
         c.batch));
-  const int local_batch = int(c.batch / l.dp);
-  const int v = o.stages_per_rank;
-  int m = o.microbatches;
-  // The default: as many as keep every stage busy in the steady state, if they fit (the
-  // interleaved schedule takes only multiples of P).
+  const std::int64_t local_batch = c.batch / l.dp;
   const bool interleaved = o.schedule == "interleaved-1f1b";
-  if (m == 0) {
-    for (const int candidate : {l.pp * v, l.pp, 1})
-      if (local_batch % candidate == 0 && (!interleaved || candidate % l.pp == 0)) {
+  // The interleaved schedule takes only multiples of P: one that divides B / D exists exactly
+  // when P does, whether --microbatches is given or not.
+  if (interleaved && local_batch % l.pp != 0) {
+    const std::string batch = l.dp == 1
+                                  ? fmt::format("--batch {}", c.batch)
+                                  : fmt::format("B / D = {} / {} = {}", c.batch, l.dp, local_batch);
+    const std::string fix = fmt::format(
+        "give --batch a multiple of {} (P·D), or another --schedule", std::int64_t(l.pp) * l.dp);
+    throw ConfigError(
+        o.microbatches != 0
+            ? fmt::format("--schedule interleaved-1f1b needs --microbatches to be a multiple of "
+                          "{} that divides the local batch ({}), and none does: {}",
+                          pp, batch, fix)
+            : fmt::format("--schedule interleaved-1f1b needs a number of micro-batches that is a "
+                          "multiple of {} and divides the local batch ({}), and none does, so "
+                          "the default --microbatches has none to take: {}",
+                          pp, batch, fix));
+  }
+  int m = o.microbatches;
+  // The default: as many as keep every stage busy in the steady state (P·V), if they fit the
+  // local batch and the stage's limit; else P; else 1 (the interleaved schedule takes only
+  // multiples of P, and P divides the local batch there).
+  if (m == 0)
+    for (const int candidate : {stages, l.pp, 1})
+      if (candidate <= kMaxMicrobatches && local_batch % candidate == 0 &&
+          (!interleaved || candidate % l.pp == 0)) {
         m = candidate;
         break;
       }
-    if (m == 0)
-      throw ConfigError(fmt::format(
-          "--schedule interleaved-1f1b needs a number of micro-batches that is a multiple of "
-          "--pp {}, and the default --microbatches (the largest of P·V {}, P {} and 1 that "
-          "divides B / D) finds none that divides the local batch of {}: give --batch a "
-          "multiple of {}, or --microbatches",
-          l.pp, l.pp * v, l.pp, local_batch, std::int64_t(l.pp) * l.dp));
-  }
+  TPX_CHECK(m >= 1, "no default --microbatches for P {}, B / D {}", l.pp, local_batch);
   // A limit of this stage, not of memory: each micro-batch costs every rank its books (the
   // schedule's actions and transfers, the passes' records, the trace's spans: the estimate's
   // "host per micro-batch", about 2.5 KiB per micro-batch and layer) and a step its messages,
@@ -274,10 +343,9 @@ Layout layout(const RunContext& ctx) {
         m, kMaxMicrobatches, kMaxMicrobatches));
   (void)pipeline::microbatch_size(local_batch, m);  // throws unless M divides B / D
   l.shape = {.ranks = l.pp, .microbatches = m, .stages_per_rank = v};
-  l.layers =
-      pipeline::split_layers(int(c.layers), l.shape.stages(),
-                             v == 1 ? fmt::format("--pp {}", l.pp)
-                                    : fmt::format("--pp {} × --stages-per-rank {}", l.pp, v));
+  check_schedule_size(o, l.shape, pp, interleaved);  // before the layers are split P·V ways
+  l.layers = pipeline::split_layers(int(c.layers), stages,
+                                    v == 1 ? pp : fmt::format("{} × --stages-per-rank {}", pp, v));
   return l;
 }
 

@@ -52,7 +52,7 @@ std::vector<LayerRange> split_layers(int layers, int stages, std::string_view wh
   return split;
 }
 
-int microbatch_size(int local_batch, int microbatches) {
+std::int64_t microbatch_size(std::int64_t local_batch, int microbatches) {
   if (microbatches < 1)
     throw ConfigError(fmt::format("--microbatches must be at least 1 (got {})", microbatches));
   if (local_batch % microbatches != 0)
@@ -236,6 +236,26 @@ const std::vector<std::string>& schedule_names() {
   return names;
 }
 
+double schedule_actions(std::string_view name, const PipelineShape& shape) {
+  // In floating point: P·V·M·3 cannot overflow.
+  return double(shape.ranks) * std::max(shape.stages_per_rank, 1) * double(shape.microbatches) *
+         (name == "zb-h1" ? 3.0 : 2.0);
+}
+
+std::string stages_per_rank_problem(std::string_view name, int V) {
+  if (name == "interleaved-1f1b")
+    return V < 2 ? fmt::format(
+                       "--schedule interleaved-1f1b needs --stages-per-rank of at least 2 (got {})",
+                       V)
+                 : std::string();
+  if (V != 1)
+    return fmt::format(
+        "--stages-per-rank {} needs --schedule interleaved-1f1b (--schedule {} holds one stage "
+        "per rank)",
+        V, name);
+  return {};
+}
+
 std::unique_ptr<Schedule> make_schedule(std::string_view name, const PipelineShape& shape) {
   if (std::find(schedule_names().begin(), schedule_names().end(), name) == schedule_names().end())
     throw ConfigError(fmt::format("unknown --schedule '{}' (one of: {})", name,
@@ -247,29 +267,21 @@ std::unique_ptr<Schedule> make_schedule(std::string_view name, const PipelineSha
         fmt::format("--microbatches must be at least 1 (got {})", shape.microbatches));
   const int V = shape.stages_per_rank;
   // Every rank's list is held whole (and simulated, printed, run): a size guard before any is
-  // made. P·V·M·3 in floating point cannot overflow.
-  const double actions = double(shape.ranks) * std::max(V, 1) * double(shape.microbatches) *
-                         (name == "zb-h1" ? 3.0 : 2.0);
+  // made.
+  const double actions = schedule_actions(name, shape);
   if (actions > double(kMaxScheduleActions))
     throw ConfigError(fmt::format(
         "--pp {} × --stages-per-rank {} × --microbatches {} makes {:.3g} actions, more than the "
         "{:.3g} a schedule is made with (every rank's list is held in memory)",
         shape.ranks, V, shape.microbatches, actions, double(kMaxScheduleActions)));
+  if (std::string p = stages_per_rank_problem(name, V); !p.empty()) throw ConfigError(p);
   if (name == "interleaved-1f1b") {
-    if (V < 2)
-      throw ConfigError(fmt::format(
-          "--schedule interleaved-1f1b needs --stages-per-rank of at least 2 (got {})", V));
     if (shape.microbatches % shape.ranks != 0)
       throw ConfigError(fmt::format(
           "--schedule interleaved-1f1b needs --microbatches {} to be a multiple of --pp {}",
           shape.microbatches, shape.ranks));
     return std::make_unique<Interleaved1F1B>(shape);
   }
-  if (V != 1)
-    throw ConfigError(fmt::format(
-        "--stages-per-rank {} needs --schedule interleaved-1f1b (--schedule {} holds one stage "
-        "per rank)",
-        V, name));
   if (name == "gpipe") return std::make_unique<GPipe>(shape);
   if (name == "1f1b") return std::make_unique<OneFOneB>(shape);
   return std::make_unique<ZeroBubbleH1>(shape);

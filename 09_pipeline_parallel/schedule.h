@@ -36,7 +36,9 @@
 //
 // defines: tpx::pipeline::Phase, letter(), Action, to_string(), PipelineShape, LayerRange,
 //          split_layers(), microbatch_size(), Costs, Schedule, GPipe, OneFOneB,
-//          Interleaved1F1B, ZeroBubbleH1, schedule_names(), make_schedule(), Payload, Transfer,
+//          Interleaved1F1B, ZeroBubbleH1, schedule_names(), schedule_actions(),
+//          stages_per_rank_problem(),
+//          make_schedule(), Payload, Transfer,
 //          message_tag(), transfers(), live_counts(), peak_live(), format_schedule(),
 //          TimedAction, SimResult, simulate(), format_timeline(), format_simulation()
 #pragma once
@@ -95,7 +97,7 @@ std::vector<LayerRange> split_layers(int layers, int stages, std::string_view wh
 
 /// The rows of one micro-batch: local_batch / M. Throws ConfigError unless M ≥ 1 divides the
 /// local batch.
-int microbatch_size(int local_batch, int microbatches);
+std::int64_t microbatch_size(std::int64_t local_batch, int microbatches);
 
 /// What each action costs (any unit) and what a message between ranks takes, for simulate() and
 /// formula_bubble(). A fused backward costs backward + weight. An action is one pass through one
@@ -181,6 +183,15 @@ const std::vector<std::string>& schedule_names();
 /// The most actions (over every rank, F, B and W) make_schedule() lists: 10 million, a few
 /// hundred MB of lists and simulation.
 inline constexpr std::int64_t kMaxScheduleActions = 10'000'000;
+
+/// The actions (over every rank: F and B, and W on zb-h1) of the schedule called `name` for
+/// `shape`, P·V·M·2 or ·3, counted in floating point (no overflow), for the kMaxScheduleActions
+/// guard.
+double schedule_actions(std::string_view name, const PipelineShape& shape);
+
+/// Why the schedule called `name` cannot hold V virtual stages per rank: interleaved-1f1b needs
+/// V ≥ 2, the others V = 1. Empty when it can (or the name is unknown: make_schedule's to say).
+std::string stages_per_rank_problem(std::string_view name, int V);
 
 /// The schedule called `name` for `shape`. Throws ConfigError (one line) for an unknown name,
 /// P, M or V below 1, V ≠ 1 on a schedule other than interleaved-1f1b, V < 2 or M not a

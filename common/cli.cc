@@ -1,15 +1,97 @@
 #include "cli.h"
 
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <string_view>
+
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include "check.h"
 #include "cli_flags.h"
 #include "cli_hint.h"
+#include "output.h"
 #include "presets.h"
 
 namespace tpx {
 namespace {
+
+/// A --config file that is not a config: too large, or not text (the line and column of its first
+/// byte that is not); parse_stage_cli's message adds the file's name.
+class ConfigNotText : public CLI::ConfigError {
+ public:
+  using CLI::ConfigError::ConfigError;
+};
+
+/// --config's reader: CLI11's TOML/INI parser, behind a check that the file is lines of text
+/// (a binary file is refused at its first byte that is not, instead of being echoed back as
+/// keys), remembering the line of each key for the messages about it.
+class ConfigReader : public CLI::ConfigTOML {
+ public:
+  static constexpr std::size_t kMaxConfigBytes = 1 << 20;
+
+  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
+    lines_.clear();
+    // A config is a few lines: a file past the limit (/dev/zero, a disk image) is not one, and
+    // is not read whole into memory to find that out.
+    std::string text(kMaxConfigBytes + 1, '\0');
+    input.read(text.data(), std::streamsize(text.size()));
+    text.resize(std::size_t(input.gcount()));
+    if (text.size() > kMaxConfigBytes)
+      throw ConfigNotText(
+          fmt::format("is larger than {} bytes, more than a config file holds", kMaxConfigBytes));
+    std::string section;
+    int number = 0;
+    for (std::size_t at = 0; at < text.size();) {
+      const std::size_t end = std::min(text.find('\n', at), text.size());
+      std::string_view line(text.data() + at, end - at);
+      at = end + 1;
+      ++number;
+      if (line.ends_with('\r')) line.remove_suffix(1);  // a CRLF file
+      std::string spaced(line);  // a tab is white space here, not a byte to refuse
+      std::ranges::replace(spaced, '\t', ' ');
+      if (const std::size_t bad = unprintable_at(spaced); bad != std::string::npos)
+        throw ConfigNotText(fmt::format(
+            "line {}, column {}: byte {:#04x} is not text (a config file holds `name = value` "
+            "lines)",
+            number, bad + 1, static_cast<unsigned char>(line[bad])));
+      remember(line, section, number);
+    }
+    std::istringstream again(text);
+    return CLI::ConfigTOML::from_config(again);
+  }
+
+  /// The line (from 1) of the first item named `key` ("hidden", or "section.name"); 0 if none.
+  int line_of(std::string_view key) const {
+    const auto it = lines_.find(std::string(key));
+    return it == lines_.end() ? 0 : it->second;
+  }
+
+ private:
+  /// Notes the key of `line`: the text before '=' (or the whole line, a flag), trimmed and
+  /// unquoted, under the `[section]` it lies in.
+  void remember(std::string_view line, std::string& section, int number) const {
+    auto trim = [](std::string_view s) {
+      const auto first = s.find_first_not_of(" \t");
+      if (first == std::string_view::npos) return std::string_view();
+      return s.substr(first, s.find_last_not_of(" \t") - first + 1);
+    };
+    line = trim(line);
+    if (line.empty() || line.front() == '#' || line.front() == ';') return;
+    if (line.front() == '[' && line.back() == ']') {
+      const std::string_view name = trim(line.substr(1, line.size() - 2));
+      section = name == "default" ? "" : std::string(name) + ".";
+      return;
+    }
+    std::string_view key = trim(line.substr(0, line.find('=')));
+    if (key.size() >= 2 && (key.front() == '"' || key.front() == '\'') && key.back() == key.front())
+      key = key.substr(1, key.size() - 2);
+    lines_.emplace(section + std::string(key), number);
+  }
+
+  mutable std::map<std::string, int> lines_;
+};
 
 /// Registers a hidden RANK:<what> flag (fault injection) that sets `rank` and `value`, both >= 0.
 void add_rank_pair(CLI::App& app, const std::string& flag, const std::string& what, int& rank,
@@ -319,6 +401,55 @@ std::optional<std::string> resolve_model(const CLI::App& app, StageOptions& o) {
   return std::nullopt;
 }
 
+/// The message for `e`, an error CLI11 raised while it read the --config file (the reader's
+/// refusal, a key that is no flag, a value a flag refuses, a file it cannot open): the same
+/// sentence, naming the file and the line. Nothing when no --config was given or `e` is about the
+/// command line.
+std::optional<std::string> config_error_text(const CLI::App& app, const ConfigReader& reader,
+                                             const std::vector<std::string>& args,
+                                             const CLI::ParseError& e) {
+  const CLI::Option* config = app.get_config_ptr();
+  if (config == nullptr || config->count() == 0) return std::nullopt;
+  const std::string file = config->as<std::string>();
+  const std::string named = fmt::format("--config '{}'", file);
+  auto at_line = [&](int line) {
+    return line > 0 ? fmt::format("{} line {}", named, line) : named;
+  };
+  const std::string what = e.what();
+  if (dynamic_cast<const ConfigNotText*>(&e) != nullptr) return named + " " + what;
+  if (dynamic_cast<const CLI::FileError*>(&e) != nullptr)
+    return named + ": cannot be read as a file (missing, a directory, or not readable)";
+  constexpr std::string_view extra = "INI was not able to parse ";
+  if (dynamic_cast<const CLI::ConfigError*>(&e) != nullptr && what.starts_with(extra)) {
+    const std::string key = what.substr(extra.size());
+    const std::string near = closest_flag("--" + key, visible_flags(app));
+    return fmt::format("{}: '{}' is not a flag of {}{}", at_line(reader.line_of(key)), key,
+                       app.get_name(),
+                       near.empty() ? "" : fmt::format(" (did you mean {}?)", near.substr(2)));
+  }
+  // A value a flag refused ("--hidden 'x': not an integer"): from the file when the flag is not
+  // on the command line (which wins over the file) and the file sets it.
+  if (!what.starts_with("--")) return std::nullopt;
+  const std::string flag = what.substr(0, what.find_first_of(" :'="));
+  const bool on_command_line = std::ranges::any_of(
+      args, [&](const std::string& a) { return a == flag || a.starts_with(flag + "="); });
+  const int line = reader.line_of(flag.substr(2));
+  if (on_command_line || line == 0) return std::nullopt;
+  return fmt::format("{}: {}", at_line(line), what);
+}
+
+/// A path or name flag given an empty value, which would otherwise read as "not given": --json,
+/// --trace and --dump get output.h's own verdict on the path, --config and --model theirs.
+std::optional<std::string> empty_value(const CLI::App& app, const StageOptions& o) {
+  auto given = [&](const char* flag) { return app.count(flag) > 0; };
+  if (given("--json") && o.json_path.empty()) return output_file_problem("--json", o.json_path);
+  if (given("--trace") && o.trace_path.empty()) return output_file_problem("--trace", o.trace_path);
+  if (given("--dump") && o.dump_dir.empty()) return prepare_dump_dir(o.dump_dir);
+  if (given("--model") && o.model.empty())
+    return fmt::format("--model: the name is empty (known: {})", preset_names());
+  return std::nullopt;
+}
+
 }  // namespace
 
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
@@ -338,20 +469,32 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_comm_flags(app, info, o.comm, choices.comm_kind);
   add_stage_flags(app, info, o);
 
+  const auto reader = std::make_shared<ConfigReader>();
+  app.config_formatter(reader);
+  // Every refusal quotes what the user typed (or the file holds) in printable characters only.
+  auto refuse = [](const std::string& message) {
+    return CliOutcome{std::nullopt, printable(message), 2};
+  };
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
     return {std::nullopt, app.help(), 0};
   } catch (const CLI::ParseError& e) {
-    return {std::nullopt, parse_error_text(app, e), 2};
+    const std::vector<std::string> args(argv + std::min(argc, 1), argv + argc);
+    if (auto text = config_error_text(app, *reader, args, e)) return refuse(*text);
+    return refuse(parse_error_text(app, e));
   }
+  // --config '': CLI11 reads no file for an empty name (and says nothing).
+  if (app.count("--config") > 0 && app.get_config_ptr()->as<std::string>().empty())
+    return refuse("--config: the path is empty");
+  if (auto error = empty_value(app, o)) return refuse(*error);
   apply_choices(choices, o);
-  if (auto error = check_combinations(app, info, o, choices)) return {std::nullopt, *error, 2};
+  if (auto error = check_combinations(app, info, o, choices)) return refuse(*error);
   for (const auto& group : o.flag_groups)
-    if (auto error = group->check(app, o)) return {std::nullopt, *error, 2};
-  if (auto error = resolve_model(app, o)) return {std::nullopt, *error, 2};
+    if (auto error = group->check(app, o)) return refuse(*error);
+  if (auto error = resolve_model(app, o)) return refuse(*error);
   if (const auto errors = validate(o.config); !errors.empty())
-    return {std::nullopt, fmt::format("{}", fmt::join(errors, "; ")), 2};
+    return refuse(fmt::format("{}", fmt::join(errors, "; ")));
   return {std::move(o), "", 0};
 }
 

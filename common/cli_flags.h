@@ -1,7 +1,7 @@
 // What a stage's flag group (cli.h's FlagGroup) registers its flags with: CLI11, and numeric
 // flags that parse all of their text or fail with a message naming the flag.
 //
-// defines: tpx::parse_number(), tpx::add_number(), tpx::add_mesh_degree()
+// defines: tpx::parse_number(), tpx::add_number(), tpx::add_count(), tpx::add_mesh_degree()
 #pragma once
 
 #include <charconv>
@@ -58,14 +58,39 @@ CLI::Option* add_number(CLI::App& app, const std::string& flag, T& target,
       ->type_name(std::is_integral_v<T> ? "INT" : "FLOAT");
 }
 
+/// Registers a count that must be positive when given, parsed by parse_number. Its variable's 0
+/// (or other default) stands for "not given", so a 0 or a negative value the user typed is
+/// refused, never taken for the default: `when_not_given` says what the flag takes when it is
+/// left out ("2 if the ranks are even, else 1").
+inline CLI::Option* add_count(CLI::App& app, const std::string& flag, int& target,
+                              const std::string& help, const std::string& when_not_given) {
+  return app
+      .add_option_function<std::string>(
+          flag,
+          [&target, flag, when_not_given](const std::string& s) {
+            const int value = parse_number<int>(flag, s);
+            if (value < 1)
+              throw CLI::ValidationError(
+                  fmt::format("{} '{}': must be a positive number (leave {} out for {})", flag, s,
+                              flag, when_not_given));
+            target = value;
+          },
+          help)
+      // A 0 stands for the default the help words: shown as no value at all, not as "=0".
+      ->default_str(target == 0 ? std::string() : fmt::format("{}", target))
+      ->type_name("INT");
+}
+
 /// Registers a mesh degree (--dp, --cp, --pp of stages 07-09), named `letter` in --help, whose
 /// help ends with the default the running stage takes when the flag is not given
-/// (mesh_default_words: `newest` is the stage's newest mesh dimension).
+/// (mesh_default_words: `newest` is the stage's newest mesh dimension). A given degree is
+/// positive (add_count): 0 is not the default's spelling.
 inline CLI::Option* add_mesh_degree(CLI::App& app, const std::string& flag, int& target,
                                     const std::string& letter, const std::string& help,
                                     MeshFlag dim, MeshFlag newest, const std::string& group) {
-  return add_number(app, flag, target,
-                    help + "; when not given, " + mesh_default_words(newest, dim))
+  const std::string fallback = mesh_default_words(newest, dim);
+  return add_count(app, flag, target, help + "; when not given, " + fallback,
+                   "its default: " + fallback)
       ->type_name(letter)
       ->group(group);
 }

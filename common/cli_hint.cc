@@ -25,15 +25,6 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
   return d[a.size()][b.size()];
 }
 
-/// The flags --help shows (hidden options, in the empty group, are left out), as "--name".
-std::vector<std::string> visible_flags(const CLI::App& app) {
-  std::vector<std::string> flags;
-  for (const CLI::Option* opt : app.get_options())
-    if (!opt->get_group().empty())
-      for (const std::string& name : opt->get_lnames()) flags.push_back("--" + name);
-  return flags;
-}
-
 }  // namespace
 
 std::string closest_flag(const std::string& given, const std::vector<std::string>& known) {
@@ -61,6 +52,84 @@ std::string closest_flag(const std::string& given, const std::vector<std::string
   return prefixed.size() == 1 ? prefixed.front() : std::string();
 }
 
+std::vector<std::string> visible_flags(const CLI::App& app) {
+  std::vector<std::string> flags;
+  for (const CLI::Option* opt : app.get_options())
+    if (!opt->get_group().empty())
+      for (const std::string& name : opt->get_lnames()) flags.push_back("--" + name);
+  return flags;
+}
+
+namespace {
+
+/// The length of the printable character at the start of `s` (1 to 4 bytes of UTF-8), or 0 when
+/// it is not one: a control character, DEL, a C1 control (U+0080 … U+009F), an overlong or
+/// surrogate encoding, a code point above U+10FFFF, or a byte outside a valid sequence.
+std::size_t printable_length(std::string_view s) {
+  const auto byte = [&](std::size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char b = byte(0);
+  if (b < 0x80) return b >= 0x20 && b != 0x7f ? 1 : 0;
+  // The sequence's length, and the range its second byte must lie in (which excludes overlong
+  // forms, surrogates, code points beyond U+10FFFF and the C1 controls).
+  std::size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xbf;
+  if (b == 0xc2) {
+    n = 2;
+    lo = 0xa0;  // U+0080 … U+009F are the C1 controls
+  } else if (b >= 0xc3 && b <= 0xdf) {
+    n = 2;
+  } else if (b == 0xe0) {
+    n = 3;
+    lo = 0xa0;
+  } else if (b == 0xed) {
+    n = 3;
+    hi = 0x9f;
+  } else if (b >= 0xe1 && b <= 0xef) {
+    n = 3;
+  } else if (b == 0xf0) {
+    n = 4;
+    lo = 0x90;
+  } else if (b >= 0xf1 && b <= 0xf3) {
+    n = 4;
+  } else if (b == 0xf4) {
+    n = 4;
+    hi = 0x8f;
+  } else {
+    return 0;
+  }
+  if (s.size() < n || byte(1) < lo || byte(1) > hi) return 0;
+  for (std::size_t i = 2; i < n; ++i)
+    if (byte(i) < 0x80 || byte(i) > 0xbf) return 0;
+  return n;
+}
+
+}  // namespace
+
+std::size_t unprintable_at(std::string_view text) {
+  for (std::size_t i = 0; i < text.size();) {
+    const std::size_t n = printable_length(text.substr(i));
+    if (n == 0) return i;
+    i += n;
+  }
+  return std::string_view::npos;
+}
+
+std::string printable(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size();) {
+    if (const std::size_t n = printable_length(text.substr(i)); n > 0) {
+      out.append(text.substr(i, n));
+      i += n;
+    } else {
+      out += text[i] == '\t' ? std::string("\\t")
+                             : fmt::format("\\x{:02x}", static_cast<unsigned char>(text[i]));
+      ++i;
+    }
+  }
+  return out;
+}
+
 std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e) {
   std::string text = e.what();
   if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
@@ -73,7 +142,7 @@ std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e) {
           hints.push_back(fmt::format("{}: did you mean {}?", arg.substr(0, arg.find('=')), flag));
     if (!hints.empty()) text += fmt::format(" ({})", fmt::join(hints, "; "));
   }
-  return text + " (see --help)";
+  return printable(text + " (see --help)");
 }
 
 }  // namespace tpx

@@ -1,39 +1,60 @@
 #include "mesh.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "check.h"
+#include "checked.h"
 
 namespace tpx {
+
+std::string Mesh::problem(int world, int dp, int cp, int pp, MeshGiven given) {
+  struct Size {
+    const char *flag, *letter;
+    int value;
+    bool given;
+  };
+  // In the order the mesh nests them (P outermost), which is also the order of the message.
+  const Size sizes[] = {
+      {"--pp", "P", pp, given.pp}, {"--dp", "D", dp, given.dp}, {"--cp", "C", cp, given.cp}};
+  auto named = [](const Size& s) {
+    return s.given ? fmt::format("{} {}", s.flag, s.value)
+                   : fmt::format("{} {} ({}'s default)", s.letter, s.value, s.flag);
+  };
+  // P first, then C, then D: the first product that does not divide the ranks is the one to
+  // name, with the sizes before it that are not 1.
+  std::int64_t product = 1;
+  std::vector<const Size*> checked;
+  for (const Size* s : {&sizes[0], &sizes[2], &sizes[1]}) {
+    checked.push_back(s);
+    const auto next = checked_mul<std::int64_t>(product, s->value);
+    // A product beyond the int range is beyond the ranks: it does not divide them either.
+    if (s->value >= 1 && next && world % *next == 0) {
+      product = *next;
+      continue;
+    }
+    std::vector<std::string> names;
+    for (const Size& size : sizes)
+      if (std::ranges::find(checked, &size) != checked.end() && (&size == s || size.value != 1))
+        names.push_back(named(size));
+    const bool p = pp != 1, c = cp != 1;
+    return fmt::format("{} must divide the {} ranks of the job (the mesh is {})",
+                       fmt::join(names, " × "), world,
+                       p   ? "P × D × C × TP, TP = ranks / (P·D·C)"
+                       : c ? "D × C × TP, TP = ranks / (D·C)"
+                           : "D × TP, TP = ranks / D");
+  }
+  return {};
+}
 
 Mesh Mesh::make(int dp, int cp, int pp) {
   const RankGroup world;
   const int n = world.size(), rank = world.rank();
-  if (pp < 1 || n % pp != 0)
-    throw ConfigError(
-        fmt::format("--pp {} must divide the {} ranks of the job (the mesh is P × D "
-                    "× C × TP, TP = ranks / (P·D·C))",
-                    pp, n));
+  if (std::string p = problem(n, dp, cp, pp); !p.empty()) throw ConfigError(p);
   const int slice = n / pp;  // the ranks of one pipeline stage
-  if (cp < 1 || slice % cp != 0)
-    throw ConfigError(
-        pp == 1 ? fmt::format("--cp {} must divide the {} ranks of the job (the mesh is D × C × "
-                              "TP, TP = ranks / (D·C))",
-                              cp, n)
-                : fmt::format("--pp {} × --cp {} must divide the {} ranks of the job (the mesh is "
-                              "P × D × C × TP, TP = ranks / (P·D·C))",
-                              pp, cp, n));
-  if (dp < 1 || slice % (dp * cp) != 0)
-    throw ConfigError(
-        pp > 1    ? fmt::format("--pp {} × --dp {} × --cp {} must divide the {} ranks of the job "
-                                   "(the mesh is P × D × C × TP, TP = ranks / (P·D·C))",
-                                pp, dp, cp, n)
-        : cp == 1 ? fmt::format("--dp {} must divide the {} ranks of the job (the mesh is D × TP, "
-                                "TP = ranks / D)",
-                                dp, n)
-                  : fmt::format("--dp {} × --cp {} must divide the {} ranks of the job (the mesh "
-                                "is D × C × TP, TP = ranks / (D·C))",
-                                dp, cp, n));
   Mesh m;
   m.pp = pp;
   m.dp = dp;

@@ -14,7 +14,7 @@
 // job: stages 02-06. At C = 1 the DP×CP group is the DP group: stage 07. Every group but the PP
 // group lies inside one pipeline stage's P-th of the job (a "slice"), which runs as stage 08 does.
 //
-// defines: tpx::MeshGroup, tpx::Mesh
+// defines: tpx::MeshGroup, tpx::MeshGiven, tpx::Mesh
 #pragma once
 
 #include <string>
@@ -28,6 +28,13 @@ namespace tpx {
 struct MeshGroup {
   std::string dim;  ///< "tp", "cp", "dp", "pp"
   RankGroup group;
+};
+
+/// Which of a mesh's sizes the user gave by flag: a message names a given size by its flag
+/// ("--dp 4") and one the stage chose by its letter and the flag it stands for ("C 2 (--cp's
+/// default)"), so that it never blames a flag the user did not type.
+struct MeshGiven {
+  bool pp = true, dp = true, cp = true;
 };
 
 struct Mesh {
@@ -49,8 +56,12 @@ struct Mesh {
   int pp_peer(int step) const { return pp_group.world_rank_of(((pp_index + step) % pp + pp) % pp); }
 
   /// Splits the job into P × D × C × (world / (P·D·C)); collective over the job. Throws
-  /// ConfigError (the same line on every rank) unless P·D·C divides the job's ranks.
+  /// ConfigError (the same line on every rank, problem()'s) unless P·D·C divides the job's ranks.
   static Mesh make(int dp, int cp = 1, int pp = 1);
+  /// Why P × D × C × TP cannot lay out `world` ranks, in one line naming the sizes as `given`
+  /// says; empty when it can. Every size is at least 1 and the product P·D·C is checked, so sizes
+  /// whose product leaves the int range are refused, never wrapped. Needs no communication.
+  static std::string problem(int world, int dp, int cp, int pp, MeshGiven given = {});
   /// "D 2 × TP 2 (this rank: dp 1, tp 0)" for headers and messages ("D 1 × CP 2 × TP 2 (...)"
   /// when there is a CP dimension, "P 2 × D 1 × CP 1 × TP 2 (...)" with a PP one).
   std::string describe() const;

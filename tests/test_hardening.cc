@@ -5,6 +5,10 @@
 //   - size arithmetic is checked: a config whose counts overflow 64 bits is a config error, and a
 //     tensor of such a shape throws instead of wrapping;
 //   - a single-device stage rejects the communication flags;
+//   - a value the user typed is used or refused, never read as "not given": an empty path or
+//     name, a mesh degree or micro-batch count of 0;
+//   - a --config file that is not text, or holds a key that is no flag or a value a flag refuses,
+//     is refused naming the file and the line; no message echoes a byte a terminal acts on;
 //   - an unknown flag is answered with the closest known one ("did you mean --layers?").
 // The executables' behaviour (exit codes, every rank agreeing) is in test_startup.cc.
 #include <gtest/gtest.h>
@@ -12,17 +16,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "05_copy_engine_async_tp/flags.h"
+#include "07_fsdp_tp/flags.h"
+#include "08_context_parallel/flags.h"
+#include "09_pipeline_parallel/flags.h"
 #include "common/checked.h"
 #include "common/cli.h"
 #include "common/cli_hint.h"
 #include "common/config.h"
 #include "common/tensor.h"
 #include "common/trainer.h"
+#include "test_util.h"
 
 namespace tpx {
 namespace {
@@ -211,6 +220,149 @@ TEST(StrictFlags, ASingleDeviceStageRejectsCommunicationFlags) {
   expect_error({"--fault-comm-delay-us", "5"}, {"--fault-comm-delay-us", "one device"}, true);
   EXPECT_EQ(parse({"--help"}, true).message.find("--comm"), std::string::npos)
       << "--help of a single-device stage lists --comm";
+}
+
+// --- given values are used or refused ----------------------------------------------------------
+
+/// parse_stage_cli of stage 09's flag groups (--dp, --cp, --pp, --microbatches, ...).
+CliOutcome parse_mesh_stage(std::vector<std::string> args) {
+  args.insert(args.begin(), "prog");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  const StageInfo info{.name = "prog",
+                       .summary = "test",
+                       .flag_groups = {fsdp::DataParallelFlags::make,
+                                       cp::ContextParallelFlags::make, pp::PipelineFlags::make}};
+  return parse_stage_cli(info, static_cast<int>(args.size()), argv.data());
+}
+
+TEST(GivenValues, AnEmptyPathOrNameIsRefusedNotTakenAsNotGiven) {
+  // The output paths reach output.h's own check of an empty path.
+  for (const char* flag : {"--json", "--trace", "--dump"}) {
+    expect_error({flag, ""}, {std::string(flag) + ": the path is empty"});
+    expect_error({fmt::format("{}=", flag)}, {flag});  // CLI11: a value is missing
+  }
+  expect_error({"--config", ""}, {"--config: the path is empty"});
+  expect_error({"--model", ""}, {"--model", "empty", "llama3-8b"});
+}
+
+TEST(GivenValues, ZeroOrANegativeMeshDegreeIsRefusedNotTakenAsTheDefault) {
+  for (const char* flag : {"--pp", "--dp", "--cp", "--microbatches", "--stages-per-rank"})
+    for (const char* value : {"0", "-1"}) {
+      SCOPED_TRACE(fmt::format("{} {}", flag, value));
+      const CliOutcome r = parse_mesh_stage({flag, value});
+      EXPECT_FALSE(r.options.has_value());
+      EXPECT_EQ(r.exit_code, 2);
+      EXPECT_NE(r.message.find(fmt::format("{} '{}': must be a positive number", flag, value)),
+                std::string::npos)
+          << r.message;
+      // And says what leaving it out gives.
+      EXPECT_NE(r.message.find(fmt::format("leave {} out for its default", flag)),
+                std::string::npos)
+          << r.message;
+    }
+  // Left out, they are the defaults; given, the values.
+  const CliOutcome none = parse_mesh_stage({});
+  ASSERT_TRUE(none.options.has_value()) << none.message;
+  EXPECT_EQ(none.options->flags<pp::PipelineFlags>().pp, 0);
+  EXPECT_EQ(none.options->flags<pp::PipelineFlags>().microbatches, 0);
+  const CliOutcome given = parse_mesh_stage({"--pp", "2", "--dp", "1", "--microbatches", "4"});
+  ASSERT_TRUE(given.options.has_value()) << given.message;
+  EXPECT_EQ(given.options->flags<pp::PipelineFlags>().pp, 2);
+  EXPECT_EQ(given.options->flags<fsdp::DataParallelFlags>().dp, 1);
+  EXPECT_EQ(given.options->flags<pp::PipelineFlags>().microbatches, 4);
+  // --help does not advertise 0 as a value.
+  EXPECT_EQ(parse_mesh_stage({"--help"}).message.find("--pp P=0"), std::string::npos);
+}
+
+// --- --config files and bytes a terminal acts on -------------------------------------------------
+
+TEST(Printable, ControlBytesAndBrokenUtf8AreEscapedPrintableUtf8IsKept) {
+  EXPECT_EQ(printable("P 2 × D 1 … ok"), "P 2 × D 1 … ok");
+  EXPECT_EQ(printable("a\x1b[2Jb"), "a\\x1b[2Jb");
+  EXPECT_EQ(printable("tab\there\n"), "tab\\there\\x0a");
+  EXPECT_EQ(printable("\x7f"), "\\x7f");
+  EXPECT_EQ(printable("\xc2\x9b"), "\\xc2\\x9b");           // U+009B, a C1 control (CSI)
+  EXPECT_EQ(printable("\xff\xc3"), "\\xff\\xc3");           // not UTF-8; a cut sequence
+  EXPECT_EQ(printable("\xe0\x80\xaf"), "\\xe0\\x80\\xaf");  // overlong '/'
+  EXPECT_EQ(unprintable_at("ok ×"), std::string::npos);
+  EXPECT_EQ(unprintable_at("ok\x1b"), 2u);
+}
+
+TEST(ConfigFiles, ABinaryFileIsRefusedNamingTheFileAndLineWithoutEchoingIt) {
+  test::TempDir dir;
+  struct Case {
+    std::string name, bytes, words;
+  };
+  std::string junk = "hidden = 64\n";
+  for (int i = 0; i < 256; ++i) junk += char((i * 37 + 11) % 256);  // every byte value
+  for (const Case& c :
+       {Case{"junk.bin", junk, "line 2, column "},
+        Case{"escape.toml", "hidden = 64\n\x1b[31mred\x1b[0m = 3\n", "line 2, column 1: byte 0x1b"},
+        Case{"value.toml", "# sizes\nheads = 4\nhidden = \x1b]0;title\x07\n", "line 3, column 10"},
+        Case{"c1.toml",
+             "hidden = 6\xc2\x9b"
+             "4\n",
+             "line 1, column 11: byte 0xc2"}}) {
+    SCOPED_TRACE(c.name);
+    const std::string path = (dir / c.name).string();
+    { std::ofstream(path, std::ios::binary) << c.bytes; }
+    const CliOutcome r = parse({"--config", path});
+    EXPECT_FALSE(r.options.has_value());
+    EXPECT_EQ(r.exit_code, 2);
+    EXPECT_NE(r.message.find(fmt::format("--config '{}' ", path)), std::string::npos) << r.message;
+    EXPECT_NE(r.message.find(c.words), std::string::npos) << r.message;
+    EXPECT_EQ(unprintable_at(r.message), std::string::npos) << printable(r.message);
+  }
+}
+
+TEST(ConfigFiles, AKeyOrAValueTheStageRefusesIsNamedWithItsLine) {
+  test::TempDir dir;
+  const std::string path = (dir / "run.toml").string();
+  auto refused = [&](const std::string& text, std::vector<std::string> args) {
+    { std::ofstream(path) << text; }
+    args.insert(args.begin(), {"--config", path});
+    const CliOutcome r = parse(args);
+    EXPECT_FALSE(r.options.has_value()) << text;
+    EXPECT_EQ(r.exit_code, 2);
+    return r.message;
+  };
+  const std::string key = refused("# a run\nhidden = 64\n\n  layrs = 3\n", {});
+  EXPECT_NE(key.find(fmt::format("--config '{}' line 4: 'layrs' is not a flag", path)),
+            std::string::npos)
+      << key;
+  EXPECT_NE(key.find("did you mean layers?"), std::string::npos) << key;
+  const std::string value = refused("hidden = 64\r\nheads\t= x\r\n", {});
+  EXPECT_NE(value.find(fmt::format("--config '{}' line 2: --heads 'x': not an integer", path)),
+            std::string::npos)
+      << value;
+  // The command line wins over the file: its own bad value is not blamed on the file.
+  const std::string flag = refused("hidden = 64\nheads = 4\n", {"--heads", "y"});
+  EXPECT_EQ(flag.find("--config"), std::string::npos) << flag;
+  EXPECT_NE(flag.find("--heads 'y'"), std::string::npos) << flag;
+  // A directory or a missing file: named as --config's.
+  const CliOutcome missing = parse({"--config", dir.path().string()});
+  EXPECT_NE(missing.message.find(fmt::format("--config '{}'", dir.path().string())),
+            std::string::npos)
+      << missing.message;
+  // A good file with tabs, CRLF and UTF-8 comments parses.
+  { std::ofstream(path) << "# P × D\r\nhidden\t= 64\r\nheads = 4\r\n"; }
+  const CliOutcome ok = parse({"--config", path});
+  ASSERT_TRUE(ok.options.has_value()) << ok.message;
+  EXPECT_EQ(ok.options->config.hidden, 64);
+  EXPECT_EQ(ok.options->config.heads, 4);
+}
+
+TEST(ConfigFiles, NoMessageEchoesATerminalsControlBytes) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--hidden", "\x1b[2J"},
+                                               {"--model", "\x1b[31mred"},
+                                               {"--dtype", "\x1b]0;x\x07"},
+                                               {"--bogus\x1b[1m"}}) {
+    const CliOutcome r = parse(args);
+    EXPECT_EQ(r.exit_code, 2);
+    EXPECT_EQ(unprintable_at(r.message), std::string::npos) << printable(r.message);
+    EXPECT_NE(r.message.find("\\x1b"), std::string::npos) << r.message;
+  }
 }
 
 // --- checked sizes -----------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 // The device mesh (common/mesh.h) under mpirun: every split D × (N / D) of the job gives each rank
 // the coordinates rank = dp·T + tp, groups of the right members in the right order, communicators
 // whose sums stay inside their group, symmetric memory over a TP group, and one clear error for
-// a D that does not divide the job.
+// a D that does not divide the job, or sizes whose product leaves the int range.
 #include <mpi.h>
 
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -111,6 +112,40 @@ TEST(Mesh, ADpThatDoesNotDivideTheJobIsOneLine) {
       EXPECT_EQ(what.find('\n'), std::string::npos) << what;
     }
   }
+}
+
+// P·D·C of sizes near the int range: checked, never wrapped into a product that seems to divide
+// the job (2147483647 · 2 wraps to −2, which divides 2, 4 and 6; 65536 · 65536 wraps to 0).
+TEST(Mesh, SizesWhoseProductLeavesTheIntRangeAreOneLineNotAWrappedProduct) {
+  const int n = world_size();
+  constexpr int big = std::numeric_limits<int>::max();
+  struct Case {
+    int dp, cp, pp;
+    std::string words;
+  };
+  for (const Case& c :
+       {Case{big, 2, 1, n % 2 == 0 ? "--dp 2147483647 × --cp 2 must divide" : "--cp 2 must divide"},
+        Case{65536, 1, 65536, "--pp 65536 must divide"},
+        Case{65536, 65536, 65536, "--pp 65536 must divide"},
+        Case{big, big, 1, "--cp 2147483647 must divide"}}) {
+    SCOPED_TRACE(c.words);
+    const std::string p = Mesh::problem(n, c.dp, c.cp, c.pp);
+    EXPECT_NE(p.find(c.words), std::string::npos) << p;
+    try {
+      (void)Mesh::make(c.dp, c.cp, c.pp);
+      ADD_FAILURE() << "accepted for " << n << " ranks";
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(std::string(e.what()), p);
+    }
+  }
+  // The largest product that does divide is accepted at the edge of the checks (P·D·C = n).
+  EXPECT_EQ(Mesh::problem(n, 1, 1, n), "");
+  EXPECT_EQ(Mesh::problem(big - 1, 2, 1, 1), "") << "2 divides 2147483646";
+  EXPECT_NE(Mesh::problem(big, big, 2, 1), "");
+  // A size the stage chose is named by its letter, not blamed on a flag nobody typed.
+  const std::string chosen = Mesh::problem(2, big, 2, 2, {.pp = false, .dp = true, .cp = true});
+  EXPECT_NE(chosen.find("P 2 (--pp's default) × --cp 2 must divide the 2 ranks"), std::string::npos)
+      << chosen;
 }
 
 }  // namespace

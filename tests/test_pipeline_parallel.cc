@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -533,8 +534,7 @@ TEST(PipelineParallel, BadInputIsOneLineOnEveryRank) {
     std::string args, words;
   };
   for (const Bad& b :
-       {Bad{3, "--pp 2", "--pp 2 × --dp 1 × --cp 1 must divide the 3 ranks"},
-        Bad{4, "--pp 4 --layers 3", "--pp 4"},
+       {Bad{3, "--pp 2", "--pp 2 must divide the 3 ranks"}, Bad{4, "--pp 4 --layers 3", "--pp 4"},
         Bad{2, "--pp 2 --stages-per-rank 3 --schedule interleaved-1f1b", "--stages-per-rank 3"},
         Bad{2, "--pp 2 --microbatches 3", "3"}, Bad{2, "--pp 2 --schedule zigzag", "--schedule"},
         Bad{2,
@@ -589,6 +589,97 @@ TEST(PipelineParallel, TheInterleavedDefaultNamesNoFlagTheUserDidNotGive) {
                   z.H, z.NH, z.F, z.S),
       "the default --microbatches");
   EXPECT_EQ(r.err.find("--microbatches 1 "), std::string::npos) << r.err;
+}
+
+/// The model sizes of pipeline_sizes() with `args`, whose own --layers and --batch win.
+std::string sized(const std::string& args) {
+  const Sizes z = pipeline_sizes();
+  return fmt::format(
+      "--hidden {} --heads {} --ffn {} --seq {} {} {} --steps 1 {}", z.H, z.NH, z.F, z.S,
+      args.find("--layers") == std::string::npos ? fmt::format("--layers {}", z.L) : "",
+      args.find("--batch") == std::string::npos ? fmt::format("--batch {}", z.B) : "", args);
+}
+
+/// A refusal that is the stage's own line, not a signal, an internal check or MPI_ABORT.
+void expect_no_crash(const test::CommandResult& r) {
+  for (const char* crash : {"Signal", "check '", "MPI_ABORT", "core dumped"})
+    EXPECT_EQ(r.err.find(crash), std::string::npos) << r.err;
+}
+
+// P·D·C (and D·C) of sizes near the int range: before, 65536 · 65536 wrapped to 0 (an integer
+// division by zero on every rank) and 2147483647 · 2 to −2, which "divides" 2 ranks (a rank
+// group's negative colour, an internal check and MPI_ABORT). Now one line, exit 2, everywhere.
+TEST(PipelineParallel, MeshSizesBeyondTheIntRangeAreOneLineOnEveryRank) {
+  test::TempDir dir;
+  { std::ofstream(dir / "mesh.toml") << "pp = 65536\ndp = 65536\n"; }
+  struct Bad {
+    std::string stage;
+    int n;
+    std::string args, words;
+  };
+  for (const Bad& b :
+       {Bad{"09_pipeline_parallel", 1, "--pp 65536 --dp 65536", "--pp 65536 must divide the 1"},
+        Bad{"09_pipeline_parallel", 1, "--pp 65536 --dp 65536 --dry-run", "--pp 65536 must"},
+        Bad{"09_pipeline_parallel", 1, "--pp 65536 --dp 65536 --print-schedule", "--pp 65536"},
+        Bad{"09_pipeline_parallel", 1, "--config " + (dir / "mesh.toml").string(),
+            "--pp 65536 must divide the 1 ranks"},
+        Bad{"08_context_parallel", 2, "--dp 2147483647 --cp 2",
+            "--dp 2147483647 × --cp 2 must divide the 2 ranks"},
+        Bad{"09_pipeline_parallel", 2, "--dp 2147483647 --cp 2 --batch 4294967294",
+            "P 2 (--pp's default) × --cp 2 must divide the 2 ranks"},
+        Bad{"09_pipeline_parallel", 2, "--pp 1 --dp 2147483647 --cp 2 --batch 4294967294 --dry-run",
+            "--dp 2147483647 × --cp 2 must divide the 2 ranks"}}) {
+    SCOPED_TRACE(b.stage + " " + b.args);
+    expect_no_crash(test::expect_refused_once(b.stage, b.n, sized(b.args), b.words));
+  }
+}
+
+// A refusal about the pipeline's stages or micro-batches names the flags the user gave, and the
+// remedy it advises runs.
+TEST(PipelineParallel, StageAndMicrobatchRefusalsNameTheGivenFlagsAndARemedyThatRuns) {
+  test::TempDir dir;
+  // --stages-per-rank on a schedule of one stage per rank: that, not --microbatches (before:
+  // "--microbatches must be at least 1 (got -2)", P·V wrapped).
+  auto r =
+      test::expect_refused_once("09_pipeline_parallel", 2, sized("--stages-per-rank 2147483647"),
+                                "--stages-per-rank 2147483647 needs --schedule interleaved-1f1b");
+  EXPECT_EQ(r.err.find("--microbatches"), std::string::npos) << r.err;
+  // On interleaved-1f1b: P·V stages for L = 4 layers; at most L / P = 2 per rank fit.
+  r = test::expect_refused_once(
+      "09_pipeline_parallel", 2, sized("--schedule interleaved-1f1b --stages-per-rank 2147483647"),
+      "P 2 (--pp's default) × --stages-per-rank 2147483647 makes 4294967294 pipeline stages");
+  EXPECT_EQ(r.err.find("--microbatches"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("give --stages-per-rank at most 2"), std::string::npos) << r.err;
+  EXPECT_EQ(run_stage("09_pipeline_parallel", 2,
+                      sized("--schedule interleaved-1f1b --stages-per-rank 2"), dir)
+                .exit_code,
+            0);
+  // B / D = 3 rows that no multiple of P = 2 divides: no --microbatches can work (before, the
+  // message offered one), a --batch that is a multiple of P·D = 2 does.
+  for (const std::string microbatches : {"", "--microbatches 2"}) {
+    SCOPED_TRACE(microbatches);
+    r = test::expect_refused_once(
+        "09_pipeline_parallel", 2,
+        sized("--pp 2 --schedule interleaved-1f1b --stages-per-rank 2 --batch 3 " + microbatches),
+        "give --batch a multiple of 2 (P·D)");
+    EXPECT_EQ(r.err.find("or --microbatches"), std::string::npos) << r.err;
+  }
+  EXPECT_EQ(
+      run_stage("09_pipeline_parallel", 2,
+                sized("--pp 2 --schedule interleaved-1f1b --stages-per-rank 2 --batch 4"), dir)
+          .exit_code,
+      0);
+}
+
+// A 0 the user typed is refused like any value out of range (before: taken as "not given", the
+// default run); an empty output path reaches the outputs' own check (before: no output, exit 0).
+TEST(PipelineParallel, ZeroAndEmptyValuesAreRefusedOnEveryRank) {
+  for (const char* flag : {"--pp", "--dp", "--cp", "--microbatches"})
+    test::expect_refused_once("09_pipeline_parallel", 2, sized(fmt::format("{} 0", flag)),
+                              fmt::format("{} '0': must be a positive number", flag));
+  for (const char* flag : {"--json", "--trace", "--dump"})
+    test::expect_refused_once("09_pipeline_parallel", 2, sized(fmt::format("{} ''", flag)),
+                              fmt::format("{}: the path is empty", flag));
 }
 
 // Outputs of one run that would land in one file, or inside the dump, or over the --config it
