@@ -127,10 +127,9 @@ struct Choices {
 void describe_app(CLI::App& app, const StageInfo& info) {
   app.footer(fmt::format(
       "{}\n\nEvery rank must be given the same flags. Exit status: 0 done (and --check "
-      "passed); 1 --check failed, an output could not be written, communication stalled, or "
-      "an injected fault did not fire or went unnoticed; 2 bad input, or a config "
-      "that cannot run here (too large for memory, ranks that disagree); 3 training diverged (a "
-      "loss or gradient norm became NaN or infinite).",
+      "passed); 1 --check failed, an output could not be written, or communication stalled; 2 "
+      "bad input, or a config that cannot run here (too large for memory, ranks that disagree); "
+      "3 training diverged (a loss or gradient norm became NaN or infinite).",
       info.single_device
           ? "Single-device stage: run it directly or under `mpirun -np 1`; with more ranks it "
             "exits with an error."
