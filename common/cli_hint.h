@@ -32,8 +32,9 @@ std::vector<std::string> visible_flags(const CLI::App& app);
 /// Printable UTF-8 ("×", "…") is text.
 std::size_t unprintable_at(std::string_view text);
 
-/// `text` with every byte that unprintable_at() objects to written as \xNN (a tab as \t), so that
-/// a message quoting user input prints as one line and cannot drive the terminal.
+/// `text` with every byte that unprintable_at() objects to written as a backslash, "x" and two
+/// hex digits (a tab as a backslash and "t": C's escapes), so that a message quoting user input
+/// prints as one line and cannot drive the terminal.
 std::string printable(std::string_view text);
 
 /// One line for `e`, thrown by `app.parse()`: CLI11's message, with "did you mean --X?" for
