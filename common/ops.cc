@@ -477,6 +477,92 @@ void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Ten
   }
   TPX_DISPATCH(y.device(), mse_loss_backward, y, t, scale, dy);
 }
+namespace {
+
+/// The checks every language-model op starts from: i32 ids of one element per position, the
+/// other tensors on the ids' device with the sizes `what` needs.
+void expect_ids(const Tensor& ids, const Tensor& like, const char* what) {
+  TPX_CHECK(ids.dtype() == DType::i32 && ids.device() == like.device(),
+            "{}: token ids {} must be i32 on the device of {}", what, ids.describe(),
+            like.describe());
+}
+void expect_rows(const Tensor& t, std::int64_t rows, std::int64_t cols, DType dtype,
+                 const char* what) {
+  TPX_CHECK(t.dtype() == dtype && t.rows() == rows && t.cols() == cols,
+            "{}: {} must be {} [{}, {}]", what, t.describe(), to_string(dtype), rows, cols);
+}
+void expect_vector(const Tensor& t, std::int64_t n, const Tensor& like, const char* what) {
+  TPX_CHECK(t.dtype() == DType::f32 && t.numel() == n && t.device() == like.device(),
+            "{}: {} must be f32 with {} elements", what, t.describe(), n);
+}
+
+}  // namespace
+
+void embedding_forward(const Tensor& ids, const Tensor& table, std::int64_t begin,
+                       const Tensor& out) {
+  expect_ids(ids, table, "embedding_forward");
+  TPX_CHECK(table.dtype() == DType::f32 && table.ndim() == 2 && out.device() == table.device(),
+            "embedding_forward: table {} must be f32 [rows, H]", table.describe());
+  if (is_bf16(out) && !native_bf16(out)) {
+    Fp32Boundary f;
+    return embedding_forward(ids, table, begin, f.out(out));
+  }
+  TPX_CHECK(out.rows() == ids.numel() && out.cols() == table.dim(1),
+            "embedding_forward: out {} must be [{} positions, {}]", out.describe(), ids.numel(),
+            table.dim(1));
+  TPX_DISPATCH(out.device(), embedding_forward, ids, table, begin, out);
+}
+void embedding_backward(const Tensor& ids, const Tensor& dout, std::int64_t begin,
+                        const Tensor& dtable) {
+  expect_ids(ids, dtable, "embedding_backward");
+  if (is_bf16(dout) && !native_bf16(dout))
+    return embedding_backward(ids, Fp32Boundary::in(dout), begin, dtable);
+  TPX_CHECK(dtable.ndim() == 2, "embedding_backward: dtable {} must be [rows, H]",
+            dtable.describe());
+  expect_rows(dtable, dtable.dim(0), dout.cols(), DType::f32, "embedding_backward");
+  TPX_CHECK(dout.rows() == ids.numel(), "embedding_backward: dout {} must have {} positions",
+            dout.describe(), ids.numel());
+  TPX_DISPATCH(dtable.device(), embedding_backward, ids, dout, begin, dtable);
+}
+void cross_entropy_partial(const Tensor& logits, const Tensor& targets, std::int64_t begin,
+                           std::int64_t vocab, const Tensor& max, const Tensor& sumexp,
+                           const Tensor& target_logit) {
+  expect_ids(targets, logits, "cross_entropy_partial");
+  if (is_bf16(logits) && !native_bf16(logits))
+    return cross_entropy_partial(Fp32Boundary::in(logits), targets, begin, vocab, max, sumexp,
+                                 target_logit);
+  const std::int64_t n = targets.numel();
+  TPX_CHECK(logits.rows() == n, "cross_entropy_partial: logits {} must have {} positions",
+            logits.describe(), n);
+  for (const Tensor* t : {&max, &sumexp, &target_logit})
+    expect_vector(*t, n, logits, "cross_entropy_partial");
+  TPX_DISPATCH(logits.device(), cross_entropy_partial, logits, targets, begin, vocab, max, sumexp,
+               target_logit);
+}
+void cross_entropy_rescale(const Tensor& local_max, const Tensor& max, const Tensor& sumexp) {
+  for (const Tensor* t : {&local_max, &max})
+    expect_vector(*t, sumexp.numel(), sumexp, "cross_entropy_rescale");
+  TPX_DISPATCH(sumexp.device(), cross_entropy_rescale, local_max, max, sumexp);
+}
+double cross_entropy_loss(const Tensor& max, const Tensor& sumexp, const Tensor& target_logit,
+                          const Tensor& lse) {
+  for (const Tensor* t : {&max, &sumexp, &target_logit})
+    expect_vector(*t, lse.numel(), lse, "cross_entropy_loss");
+  TPX_DISPATCH(lse.device(), cross_entropy_loss, max, sumexp, target_logit, lse);
+}
+void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                            std::int64_t begin, std::int64_t vocab, double scale,
+                            const Tensor& dlogits) {
+  expect_ids(targets, logits, "cross_entropy_backward");
+  if (any_bf16({&logits, &dlogits}) && !native_bf16(logits)) {
+    Fp32Boundary f;
+    return cross_entropy_backward(f.in(logits), targets, lse, begin, vocab, scale, f.out(dlogits));
+  }
+  expect_vector(lse, targets.numel(), logits, "cross_entropy_backward");
+  expect_rows(dlogits, logits.rows(), logits.cols(), logits.dtype(), "cross_entropy_backward");
+  TPX_DISPATCH(logits.device(), cross_entropy_backward, logits, targets, lse, begin, vocab, scale,
+               dlogits);
+}
 void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
   for (const Tensor* t : {&w, &grad})
     TPX_CHECK(t->dtype() == DType::f32, "sgd: {} must be f32 (master weights and gradients)",

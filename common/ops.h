@@ -13,7 +13,7 @@
 //
 // defines: tpx::ops::gemm, attention_dims, attention_merge_dims, rmsnorm_*, attention_*,
 //          attention_fused_*, attention_block_*, attention_merge, swiglu_*, add, rope_forward,
-//          rope_backward, accumulate, mse_loss_*, sgd_update, AdamWStep, adamw_update, sum_squares,
+//          rope_backward, accumulate, mse_loss_*, embedding_*, cross_entropy_*, sgd_update, AdamWStep, adamw_update, sum_squares,
 //          fill, cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, memory_available,
 //          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale
 #pragma once
@@ -176,6 +176,45 @@ void accumulate(const Tensor& x, const Tensor& into);
 double mse_loss_sum(const Tensor& y, const Tensor& t);
 /// dy = scale · (y − t); with scale = 1 / (S·B·H) this is the gradient of 0.5·mean((y − y*)²).
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
+
+// The language model's two ends (DESIGN.md, "The language model around the block"). Token ids
+// are i32 [S, B]; a vocabulary-parallel rank holds the rows [begin, begin + Vl) of the embedding
+// and the same columns of the output layer, and its logits are [S, B, Vl].
+
+/// out[s, b, :] = table[ids[s, b] − begin, :] for an id in [begin, begin + table.dim(0)), and 0
+/// for every other id: the lookup of this rank's rows of the embedding (the whole table, begin 0,
+/// is the plain lookup). table f32 [Vl, H]; out [S, B, H] f32 or bf16 (rounded once).
+void embedding_forward(const Tensor& ids, const Tensor& table, std::int64_t begin,
+                       const Tensor& out);
+/// dtable[id − begin, :] += dout[s, b, :] for every position whose id is in this rank's range
+/// (dtable f32 [Vl, H], *accumulated*: zero it first; dout f32 or bf16). Each row's sum runs in
+/// position order (s, then b) on both backends, so the result is deterministic.
+void embedding_backward(const Tensor& ids, const Tensor& dout, std::int64_t begin,
+                        const Tensor& dtable);
+/// One pass over this rank's logits z [S, B, Vl] (f32 or bf16, math in fp32), column j standing
+/// for the vocabulary id begin + j; ids ≥ `vocab` are the padding of a vocabulary cut into equal
+/// parts and are skipped. For each of the N = S·B positions n with target t = targets[n]:
+///   max[n] = max_j z[n, j],  sumexp[n] = Σ_j exp(z[n, j] − max[n]),
+///   target_logit[n] = z[n, t − begin] when begin ≤ t < begin + Vl, else 0.
+/// max, sumexp, target_logit f32 [N] (overwritten). A rank with no real column writes max = −inf,
+/// sumexp = 0.
+void cross_entropy_partial(const Tensor& logits, const Tensor& targets, std::int64_t begin,
+                           std::int64_t vocab, const Tensor& max, const Tensor& sumexp,
+                           const Tensor& target_logit);
+/// sumexp[n] *= exp(local_max[n] − max[n]): a rank's partial sum of exponentials moved from its
+/// own maximum onto the global one (after the MAX all-reduce), ready for the SUM all-reduce.
+/// A row with local_max = −inf (no real column) gets 0.
+void cross_entropy_rescale(const Tensor& local_max, const Tensor& max, const Tensor& sumexp);
+/// lse[n] = max[n] + log(sumexp[n]) (f32 [N], overwritten); returns Σ_n (lse[n] − target[n])
+/// in double: the sum of the positions' losses.
+double cross_entropy_loss(const Tensor& max, const Tensor& sumexp, const Tensor& target_logit,
+                          const Tensor& lse);
+/// dz[n, j] = scale · (exp(z[n, j] − lse[n]) − [begin + j == t_n]), and 0 in the padding columns
+/// (ids ≥ vocab): softmax minus one-hot on the local shard, never the whole row. dlogits has the
+/// logits' shape and dtype (rounded once).
+void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                            std::int64_t begin, std::int64_t vocab, double scale,
+                            const Tensor& dlogits);
 
 /// w −= lr · grad.
 void sgd_update(const Tensor& w, const Tensor& grad, float lr);

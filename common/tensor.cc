@@ -23,6 +23,7 @@ namespace tpx {
 std::size_t dtype_size(DType d) {
   switch (d) {
     case DType::f32:
+    case DType::i32:
       return 4;
     case DType::bf16:
       return 2;
@@ -46,6 +47,8 @@ std::string_view to_string(DType d) {
       return "e5m2";
     case DType::u8:
       return "u8";
+    case DType::i32:
+      return "i32";
   }
   return "?";
 }
@@ -237,6 +240,14 @@ void* Tensor::storage_ptr() const {
 void Tensor::check_element_size(std::size_t bytes) const {
   TPX_CHECK(bytes == dtype_size(dtype_), "element size {} does not match dtype {}", bytes,
             to_string(dtype_));
+}
+
+void Tensor::check_float() const {
+  TPX_CHECK(dtype_ != DType::i32, "float pointer into an i32 tensor {}", describe());
+}
+
+void Tensor::check_int32() const {
+  TPX_CHECK(dtype_ == DType::i32, "int32 pointer into a {} tensor", describe());
 }
 
 std::span<float> Tensor::f32() const {

@@ -10,14 +10,15 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace tpx {
 
 /// Element types. Ops compute in f32; bf16 is the mixed-precision recipe's storage, E4M3 / E5M2
-/// the FP8 stage's (OCP), and u8 plain bytes (a buffer that packs tensors of several dtypes, as
-/// stage 07's weight gathers do).
-enum class DType : std::uint8_t { f32, bf16, e4m3, e5m2, u8 };
+/// the FP8 stage's (OCP), u8 plain bytes (a buffer that packs tensors of several dtypes, as
+/// stage 07's weight gathers do), and i32 the language model's token ids.
+enum class DType : std::uint8_t { f32, bf16, e4m3, e5m2, u8, i32 };
 
 /// Where a tensor's bytes live.
 enum class Device : std::uint8_t { cpu, cuda };
@@ -101,7 +102,8 @@ class Tensor {
   void* raw() const;
   /// The start of the allocation this tensor views (what the allocator handed out).
   void* storage_ptr() const;
-  /// Typed pointer; checks that T matches the dtype's size and the tensor is f32 when T = float.
+  /// Typed pointer; checks that T matches the dtype's size, and that the tensor is f32 when T is
+  /// float and i32 when T is std::int32_t.
   template <class T>
   T* data() const;
   /// Host-side span over f32 data (cpu tensors only).
@@ -123,6 +125,8 @@ class Tensor {
 
  private:
   void check_element_size(std::size_t bytes) const;
+  void check_float() const;  // f32, or an FP8 scale's f32
+  void check_int32() const;
 
   struct Storage;
   std::shared_ptr<Storage> storage_;
@@ -136,6 +140,8 @@ class Tensor {
 template <class T>
 T* Tensor::data() const {
   check_element_size(sizeof(T));
+  if constexpr (std::is_same_v<std::remove_cv_t<T>, float>) check_float();
+  if constexpr (std::is_same_v<std::remove_cv_t<T>, std::int32_t>) check_int32();
   return static_cast<T*>(raw());
 }
 

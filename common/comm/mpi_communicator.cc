@@ -35,6 +35,8 @@ MPI_Datatype mpi_type(DType d) {
     case DType::e5m2:
     case DType::u8:
       return MPI_UINT8_T;
+    case DType::i32:
+      return MPI_INT32_T;
   }
   return MPI_BYTE;
 }

@@ -50,6 +50,8 @@ ncclDataType_t nccl_type(DType d) {
     case DType::e5m2:
     case DType::u8:
       return ncclUint8;  // moved as bytes, never summed
+    case DType::i32:
+      return ncclInt32;
   }
   return ncclUint8;
 }

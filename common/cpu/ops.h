@@ -46,6 +46,21 @@ void accumulate(const Tensor& x, const Tensor& into);
 double mse_loss_sum(const Tensor& y, const Tensor& t);
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
 void sgd_update(const Tensor& w, const Tensor& grad, float lr);
+// The language model's ends (lm.cc): the vocabulary-parallel embedding and cross-entropy, on
+// f32 tensors (tpx::ops checks the shapes and gives bf16 tensors fp32 stand-ins, on the cpu).
+void embedding_forward(const Tensor& ids, const Tensor& table, std::int64_t begin,
+                       const Tensor& out);
+void embedding_backward(const Tensor& ids, const Tensor& dout, std::int64_t begin,
+                        const Tensor& dtable);
+void cross_entropy_partial(const Tensor& logits, const Tensor& targets, std::int64_t begin,
+                           std::int64_t vocab, const Tensor& max, const Tensor& sumexp,
+                           const Tensor& target_logit);
+void cross_entropy_rescale(const Tensor& local_max, const Tensor& max, const Tensor& sumexp);
+double cross_entropy_loss(const Tensor& max, const Tensor& sumexp, const Tensor& target_logit,
+                          const Tensor& lse);
+void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                            std::int64_t begin, std::int64_t vocab, double scale,
+                            const Tensor& dlogits);
 void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
                   const ops::AdamWStep& s);
 double sum_squares(const Tensor& x);
