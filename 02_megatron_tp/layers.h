@@ -117,9 +117,20 @@ class TensorParallel : public Parallelism {
                       std::string_view role) override {
     return row_.backward(a, w, dy, dw, role);
   }
+  Tensor vocab_reduce(const Tensor& partial) override { return fg_.g_forward(partial); }
+  Tensor vocab_reduce_backward(const Tensor& dx) override { return fg_.g_backward(dx); }
+  void vocab_all_reduce(const Tensor& t, VocabReduce op) override {
+    if (op == VocabReduce::max)
+      group_.all_reduce_max(t, "cross-entropy: max all-reduce");
+    else
+      group_.all_reduce(t, "cross-entropy: sum all-reduce");
+  }
   double sum_over_ranks(double local) override { return group_.sum_for_report(local); }
   Tensor gather_param(Param p, const Tensor& local) override {
     return group_.gather_param(p, local);
+  }
+  Tensor gather_vocab(Split split, const Tensor& local) override {
+    return group_.gather_split(split, local);
   }
   CommStats take_comm_stats() override { return group_.take_stats(); }
   void synchronize() override { group_.synchronize(); }

@@ -11,6 +11,7 @@
 #include "check.h"
 #include "cli_flags.h"
 #include "cli_hint.h"
+#include "data.h"
 #include "output.h"
 #include "presets.h"
 
@@ -120,7 +121,7 @@ namespace {
 
 /// What the choice flags are given as, before they become enums.
 struct Choices {
-  std::string device, dtype, attention, optimizer, recompute, comm_kind;
+  std::string device, dtype, attention, optimizer, recompute, comm_kind, task;
 };
 
 /// The app: name, summary, the footer's words on ranks and exit codes, --help's layout.
@@ -164,6 +165,31 @@ void add_size_flags(CLI::App& app, StageOptions& o) {
       ->type_name("FILE")
       ->group(sizes);
   app.allow_config_extras(CLI::config_extras_mode::error);
+}
+
+/// What the run trains: the language model on a token stream, or the blocks alone.
+void add_task_flags(CLI::App& app, BlockConfig& c, std::string& task) {
+  auto model = "Language model";
+  app.add_option("--task", task,
+                 "lm (token ids → embedding → the blocks → final RMSNorm → output layer → "
+                 "cross-entropy against the next token) or block (the blocks alone: random "
+                 "input, mean-squared loss against a random target)")
+      ->check(CLI::IsMember({"lm", "block"}))
+      ->capture_default_str()
+      ->group(model);
+  add_number(app, "--vocab", c.vocab,
+             fmt::format("V, the vocabulary ({} … {}); the token file's when not given, {} for "
+                         "--data synthetic",
+                         kMinVocab, kMaxVocab, kSyntheticVocab))
+      ->default_str("from --data")
+      ->group(model);
+  app.add_option("--data", c.data,
+                 "the token stream: a token file made by tpx_tokenize (its train split; each "
+                 "step's B sequences start at offsets drawn from --seed), or synthetic (ids "
+                 "drawn from --seed)")
+      ->type_name("FILE")
+      ->capture_default_str()
+      ->group(model);
 }
 
 /// The optimizer: SGD, or AdamW with its four settings.
@@ -326,6 +352,7 @@ void apply_choices(const Choices& choices, StageOptions& o) {
   c.device = parse_device(choices.device);
   c.dtype = parse_dtype(choices.dtype);
   c.attention = choices.attention == "naive" ? Attention::naive : Attention::fused;
+  c.task = choices.task == "lm" ? Task::lm : Task::block;
   c.optimizer = choices.optimizer == "adamw" ? Optimizer::adamw : Optimizer::sgd;
   c.recompute = choices.recompute == "full"        ? Recompute::full
                 : choices.recompute == "selective" ? Recompute::selective
@@ -458,12 +485,14 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                   .attention = std::string(attention_flag(o.config.attention)),
                   .optimizer = std::string(optimizer_flag(o.config.optimizer)),
                   .recompute = std::string(recompute_flag(o.config.recompute)),
-                  .comm_kind = "auto"};
+                  .comm_kind = "auto",
+                  .task = std::string(task_flag(o.config.task))};
 
   CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
   describe_app(app, info);
   add_size_flags(app, o);
   add_run_flags(app, info, o.config, choices);
+  add_task_flags(app, o.config, choices.task);
   add_output_flags(app, o);
   add_comm_flags(app, info, o.comm, choices.comm_kind);
   add_stage_flags(app, info, o);
@@ -492,6 +521,9 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   for (const auto& group : o.flag_groups)
     if (auto error = group->check(app, o)) return refuse(*error);
   if (auto error = resolve_model(app, o)) return refuse(*error);
+  if (o.config.lm())
+    if (auto error = resolve_token_source(o.config, app.count("--vocab") > 0))
+      return refuse(*error);
   if (const auto errors = validate(o.config); !errors.empty())
     return refuse(fmt::format("{}", fmt::join(errors, "; ")));
   return {std::move(o), "", 0};
@@ -527,6 +559,9 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--rope-theta", fmt::format("{}", c.rope_theta)},
       {"--recompute", std::string(recompute_flag(c.recompute))},
       {"--recompute-every", fmt::format("{}", c.recompute_every)},
+      {"--task", std::string(task_flag(c.task))},
+      {"--vocab", fmt::format("{}", c.vocab)},
+      {"--data", c.data},
       {"--comm", to_string(o.comm.kind)},
       {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
       {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},

@@ -23,6 +23,9 @@ std::vector<std::string> validate(const BlockConfig& c) {
   positive("seq", c.seq);
   positive("batch", c.batch);
   positive("layers", c.layers);
+  if (c.lm() && (c.vocab < kMinVocab || c.vocab > kMaxVocab))
+    errors.push_back(
+        fmt::format("--vocab must be between {} and {} (got {})", kMinVocab, kMaxVocab, c.vocab));
   if (c.steps < 1) errors.push_back(fmt::format("--steps must be at least 1 (got {})", c.steps));
   if (c.steps > std::numeric_limits<int>::max())
     errors.push_back(fmt::format("--steps must be at most {} (got {})",

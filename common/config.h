@@ -34,6 +34,18 @@ enum class Recompute { none, full, selective };
 /// The optimizer (--optimizer): plain SGD, or AdamW as torch.optim.AdamW runs it.
 enum class Optimizer { sgd, adamw };
 
+/// What a run trains (--task). lm: the language model, token ids → embedding → L blocks → final
+/// RMSNorm → output layer → cross-entropy against the next token (DESIGN.md, "The language model
+/// around the block"); block: the L blocks alone on a random input against a random target with
+/// a mean-squared loss (the chapters' block experiments).
+enum class Task { lm, block };
+
+/// --vocab's bounds: a byte-level vocabulary at least, and ids that fit the token file's u16.
+inline constexpr std::int64_t kMinVocab = 2;
+inline constexpr std::int64_t kMaxVocab = 65536;
+/// The vocabulary of --data synthetic when --vocab is not given.
+inline constexpr std::int64_t kSyntheticVocab = 512;
+
 /// Llama 3's rotary base θ (--rope-theta's default).
 inline constexpr double kLlama3RopeTheta = 500000.0;
 
@@ -49,7 +61,11 @@ struct BlockConfig {
   std::int64_t batch = 2;   ///< B
   std::int64_t layers = 2;  ///< L stacked blocks
   std::int64_t steps = 5;   ///< training steps (--steps)
-  double lr = 1.0;          ///< learning rate (the loss is a mean, so SGD's grads are small)
+  Task task = Task::block;  ///< --task
+  std::int64_t vocab = 0;   ///< V, the vocabulary (--vocab; the token file's when not given)
+  /// --data: a token file made by tpx_tokenize, or "synthetic" for a generated stream.
+  std::string data = "synthetic";
+  double lr = 1.0;  ///< learning rate (the loss is a mean, so SGD's grads are small)
   Optimizer optimizer = Optimizer::sgd;
   double beta1 = 0.9;         ///< AdamW: first-moment decay
   double beta2 = 0.95;        ///< AdamW: second-moment decay
@@ -82,6 +98,7 @@ struct BlockConfig {
     return recompute == Recompute::full ? (layers + recompute_every - 1) / recompute_every : 0;
   }
   std::int64_t tokens() const { return seq * batch; }
+  bool lm() const { return task == Task::lm; }
   /// The dtype activations, their gradients and the saved tensors are stored and communicated
   /// in: bf16 under --dtype bf16 and fp8, f32 otherwise.
   DType activations() const { return dtype == DType::f32 ? DType::f32 : DType::bf16; }
@@ -92,6 +109,10 @@ struct BlockConfig {
 
 /// The --dtype word for a config's dtype: "fp32", "bf16" or "fp8".
 std::string_view dtype_flag(DType d);
+/// The --task word: "lm" or "block".
+constexpr std::string_view task_flag(Task t) {
+  return t == Task::lm ? "lm" : "block";
+}
 /// The --attention word: "fused" or "naive".
 constexpr std::string_view attention_flag(Attention a) {
   return a == Attention::fused ? "fused" : "naive";

@@ -20,8 +20,12 @@ constexpr std::uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
 
 }  // namespace
 
+std::uint64_t bits_at(std::uint64_t seed, std::uint64_t id, std::uint64_t index) {
+  return mix(mix(mix(seed + kGolden) ^ (id * kGolden)) ^ (index + kGolden));
+}
+
 double normal_at(std::uint64_t seed, std::uint64_t id, std::uint64_t index) {
-  const std::uint64_t bits = mix(mix(mix(seed + kGolden) ^ (id * kGolden)) ^ (index + kGolden));
+  const std::uint64_t bits = bits_at(seed, id, index);
   // Two 32-bit uniforms; u1 is in (0, 1] so log(u1) is finite.
   const double u1 = (static_cast<double>(bits >> 32) + 1.0) / 4294967296.0;
   const double u2 = static_cast<double>(bits & 0xffffffffULL) / 4294967296.0;

@@ -4,7 +4,7 @@
 // into 64 random bits, which become two uniforms and, through Box-Muller, one standard normal. So a
 // rank can generate exactly its shard, and that shard equals the slice of the full tensor.
 //
-// defines: tpx::TensorId, tpx::normal_at(), tpx::Window, tpx::fill_normal()
+// defines: tpx::TensorId, tpx::bits_at(), tpx::normal_at(), tpx::Window, tpx::fill_normal()
 #pragma once
 
 #include <cstdint>
@@ -13,14 +13,23 @@
 
 namespace tpx {
 
-/// Tensor ids: the input and target, then 16 ids per layer (9 used: see Param in model.h).
+/// Tensor ids: the input and target, the language model's own tensors and draws, then 16 ids per
+/// layer (9 used: see Param in model.h).
 struct TensorId {
   static constexpr std::uint64_t input = 1;
   static constexpr std::uint64_t target = 2;
+  static constexpr std::uint64_t embedding = 3;  ///< E [V, H]
+  static constexpr std::uint64_t norm_f = 4;     ///< (a gain: 1, drawn from nothing)
+  static constexpr std::uint64_t w_out = 5;      ///< W_out [H, V]
+  static constexpr std::uint64_t tokens = 6;     ///< --data synthetic's ids
+  static constexpr std::uint64_t windows = 7;    ///< where each sequence of a step starts
   static constexpr std::uint64_t layer(std::int64_t l, int param) {
     return 16 + 16 * static_cast<std::uint64_t>(l) + static_cast<std::uint64_t>(param);
   }
 };
+
+/// 64 random bits for element `index` of tensor `id` under `seed` (SplitMix64 of the three).
+std::uint64_t bits_at(std::uint64_t seed, std::uint64_t id, std::uint64_t index);
 
 /// The standard normal value of element `index` of tensor `id` under `seed`.
 double normal_at(std::uint64_t seed, std::uint64_t id, std::uint64_t index);

@@ -1,5 +1,7 @@
 #include "model.h"
 
+#include <algorithm>
+
 #include "check.h"
 #include "init.h"
 #include "ops.h"
@@ -71,6 +73,48 @@ Tensor generate(std::vector<std::int64_t> shape, const BlockConfig& c, std::uint
 
 }  // namespace
 
+VocabShard vocab_shard(const BlockConfig& c, const Sharding& s) {
+  const std::int64_t parts = s.weights ? s.world : 1;
+  const std::int64_t local = (c.vocab + parts - 1) / parts;
+  return {.begin = s.weights ? s.rank * local : 0, .local = local, .padded = local * parts};
+}
+
+namespace {
+
+/// The language model's tensors of this rank: the embedding's rows and the output layer's
+/// columns of its vocabulary range (their padding zero), the final gain.
+void make_lm(const BlockConfig& c, const Sharding& s, Model& m) {
+  const VocabShard v = vocab_shard(c, s);
+  const std::int64_t real = std::max<std::int64_t>(0, std::min(v.local, c.vocab - v.begin));
+  const std::int64_t h = c.hidden;
+  // Generated on the host: the real rows (columns) drawn from the full [V, H] ([H, V]) tensor's
+  // elements, the padding left zero.
+  Tensor e = Tensor::empty({v.local, h}), w = Tensor::empty({h, v.local});
+  ops::fill(e, 0.0f);
+  ops::fill(w, 0.0f);
+  if (real > 0) {
+    Tensor rows = e.slice0(0, real);
+    fill_normal(rows, c.seed, TensorId::embedding, {h, v.begin, 0}, 0.0, 0.02);
+    Tensor cols = Tensor::empty({h, real});
+    fill_normal(cols, c.seed, TensorId::w_out, {c.vocab, 0, v.begin}, 0.0, 0.02);
+    auto from = cols.f32(), to = w.f32();
+    for (std::int64_t i = 0; i < h; ++i)
+      std::copy_n(from.begin() + i * real, real, to.begin() + i * v.local);
+  }
+  Tensor g = Tensor::empty({h});
+  ops::fill(g, 1.0f);
+  auto on_device = [&](const Tensor& t) {
+    return c.device == Device::cpu ? t : ops::to_device(t, c.device);
+  };
+  m.lm = {.embedding = on_device(e), .norm_f = on_device(g), .w_out = on_device(w)};
+  for (auto [param, grad] : {std::pair{&m.lm.embedding, &m.lm_grads.embedding},
+                             {&m.lm.norm_f, &m.lm_grads.norm_f},
+                             {&m.lm.w_out, &m.lm_grads.w_out}})
+    *grad = Tensor::empty(param->shape(), DType::f32, c.device);
+}
+
+}  // namespace
+
 Tensor make_data(const BlockConfig& c, bool target, std::int64_t begin, std::int64_t end) {
   TPX_CHECK(0 <= begin && begin <= end && end <= c.seq, "sequence rows [{}, {}) of {}", begin, end,
             c.seq);
@@ -90,8 +134,12 @@ Model make_model(const BlockConfig& c, const Sharding& s, const std::vector<std:
   Model m;
   const std::int64_t seq_local = s.sequence ? c.seq / s.world : c.seq;
   const std::int64_t first = s.sequence ? s.rank * seq_local : 0;
-  m.input = make_data(c, false, first, first + seq_local);
-  m.target = make_data(c, true, first, first + seq_local);
+  if (c.lm()) {
+    make_lm(c, s, m);
+  } else {
+    m.input = make_data(c, false, first, first + seq_local);
+    m.target = make_data(c, true, first, first + seq_local);
+  }
   for (const std::int64_t l : layers) {
     TPX_CHECK(0 <= l && l < c.layers, "layer {} of {}", l, c.layers);
     LayerParams p, g;

@@ -1,6 +1,7 @@
 // The parameters of L stacked blocks, their gradients, and how tensor parallelism shards them.
 //
-// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::Sharding, tpx::Model,
+// defines: tpx::Param, tpx::Split, tpx::LayerParams, tpx::Sharding, tpx::VocabShard,
+//          tpx::vocab_shard(), tpx::LmParams, tpx::Model,
 //          tpx::make_data(), tpx::make_model()
 #pragma once
 
@@ -65,12 +66,38 @@ struct Sharding {
 /// Shape of this rank's shard of parameter p.
 std::vector<std::int64_t> param_local_shape(Param p, const BlockConfig& c, const Sharding& s);
 
+/// The language model's vocabulary cut over the tensor-parallel group (DESIGN.md, "The language
+/// model around the block"): V padded up to a multiple of T, as Megatron pads it, each rank holding
+/// the contiguous ids [begin, begin + local). Ids ≥ V are padding: embedding rows never looked up,
+/// output columns whose logits the cross-entropy skips, all zero.
+struct VocabShard {
+  std::int64_t begin = 0, local = 0, padded = 0;
+};
+VocabShard vocab_shard(const BlockConfig& c, const Sharding& s);
+
+/// The language model's parameters outside the blocks, this rank's part: the embedding's rows
+/// [local, H], the final RMSNorm's gain [H] (replicated) and the output layer's columns
+/// [H, local] (untied, as Llama 3). Undefined under --task block.
+struct LmParams {
+  Tensor embedding, norm_f, w_out;
+  /// The three in --dump's order (kLmParamNames).
+  std::array<const Tensor*, 3> all() const { return {&embedding, &norm_f, &w_out}; }
+};
+inline constexpr int kLmParams = 3;
+inline constexpr std::array<std::string_view, kLmParams> kLmParamNames = {"embedding", "norm_f",
+                                                                          "w_out"};
+/// How the TP group splits each: the embedding's rows and the output layer's columns over the
+/// vocabulary, the final gain replicated.
+inline constexpr std::array<Split, kLmParams> kLmSplits = {Split::rows, Split::replicated,
+                                                           Split::columns};
+
 /// This rank's parameters, gradient buffers, input and target, on c.device.
 struct Model {
   std::vector<LayerParams> params;
   std::vector<LayerParams> grads;
-  Tensor input;   ///< x, [S, B, H] or its sequence shard
-  Tensor target;  ///< T, same layout as input
+  Tensor input;           ///< x, [S, B, H] or its sequence shard (--task block)
+  Tensor target;          ///< T, same layout as input (--task block)
+  LmParams lm, lm_grads;  ///< --task lm
 };
 
 /// Rows [begin, end) of the sequence of the input x (or, with `target`, of the target T):
@@ -78,7 +105,8 @@ struct Model {
 Tensor make_data(const BlockConfig& c, bool target, std::int64_t begin, std::int64_t end);
 
 /// Builds this rank's shard with the counter-based initialiser: weights ~ N(0, 0.02²), gains = 1,
-/// x and T ~ N(0, 1). Every shard equals the same slice of the unsharded model.
+/// x and T ~ N(0, 1) (--task block), or the embedding and output layer ~ N(0, 0.02²) and the final
+/// gain 1 (--task lm). Every shard equals the same slice of the unsharded model.
 Model make_model(const BlockConfig& c, const Sharding& s);
 /// The same, holding only the listed layers (indices into the whole model, in the order given):
 /// a pipeline stage's part (stage 09). Each layer's tensors equal make_model's for that index.

@@ -98,6 +98,11 @@ void write_npy(const std::filesystem::path& path, std::span<const std::uint8_t> 
   write_array(path, "|u1", data.data(), data.size_bytes(), data.size(), shape);
 }
 
+void write_npy(const std::filesystem::path& path, std::span<const std::int32_t> data,
+               const std::vector<std::int64_t>& shape) {
+  write_array(path, "<i4", data.data(), data.size_bytes(), data.size(), shape);
+}
+
 NpyArray read_npy(const std::filesystem::path& path) {
   NpyArray a;
   a.shape = read_array(path, "<f4", sizeof(float), a.data);

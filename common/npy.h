@@ -1,5 +1,5 @@
-// NumPy .npy files (format version 1.0, C order: little-endian float32, or uint8 for the FP8
-// codes of stage 06), for --dump and tests.
+// NumPy .npy files (format version 1.0, C order: little-endian float32, uint8 for the FP8
+// codes of stage 06, int32 for the language model's token ids), for --dump and tests.
 // Format: https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 //
 // defines: tpx::NpyArray, tpx::NpyBytes, tpx::write_npy(), tpx::read_npy(), tpx::read_npy_bytes()
@@ -24,6 +24,10 @@ void write_npy(const std::filesystem::path& path, std::span<const float> data,
 
 /// Writes `|u1` (uint8) data, likewise.
 void write_npy(const std::filesystem::path& path, std::span<const std::uint8_t> data,
+               const std::vector<std::int64_t>& shape);
+
+/// Writes `<i4` (int32: token ids) data, likewise.
+void write_npy(const std::filesystem::path& path, std::span<const std::int32_t> data,
                const std::vector<std::int64_t>& shape);
 
 /// Reads a `<f4`, C-order .npy file; throws tpx::Error on anything else.

@@ -112,6 +112,17 @@ struct SequenceRun {
   std::int64_t rows = 0, first = 0;
 };
 
+/// The token ids a rank's column-parallel region holds: the rows of the sequence (in order, as
+/// sequence_runs() gives them) and the batch columns [batch_begin, batch_end). Its logits are
+/// those positions', and so are the ids its embedding lookup reads.
+struct TokenCut {
+  std::vector<SequenceRun> runs;
+  std::int64_t batch_begin = 0, batch_end = 0;
+};
+
+/// The reductions of the vocabulary-parallel cross-entropy.
+enum class VocabReduce { max, sum };
+
 /// A new [rows..., out] tensor for the output of x [rows..., in] times a weight [in, out].
 inline Tensor linear_output(const Tensor& x, const Tensor& w) {
   auto shape = x.shape();
@@ -219,6 +230,36 @@ class Parallelism {
   /// Before the optimizer step: every reduction grads_done() issued has landed.
   virtual void finish_grads() {}
 
+  // --- the language model's two ends (--task lm; DESIGN.md, "The language model around the
+  // block"). The embedding is cut over the vocabulary like a row-parallel layer's input rows, the
+  // output layer is a column-parallel linear (column_forward with role "output"), and the
+  // cross-entropy reduces three [positions] vectors instead of gathering the logits. -----------
+
+  /// The positions whose token ids this rank looks up and scores (c's S and B; the CP and DP
+  /// cuts come from sharding()). Default: the sequence runs of its S / C region rows, batch
+  /// columns [0, B) (stages 07-09 give their replica's B / D).
+  virtual TokenCut token_cut(const BlockConfig& c) const {
+    return {sequence_runs(c.seq / sharding().cp), 0, c.batch};
+  }
+  /// The embedding lookup's partial [rows, B, H] (this rank's vocabulary rows, zeros for the other
+  /// ids) made whole in the residual stream's layout: the g of a row-parallel layer (stage 02: an
+  /// all-reduce; from stage 03: a reduce-scatter along S). Default: as it is (one rank, the whole
+  /// vocabulary).
+  virtual Tensor vocab_reduce(const Tensor& partial) { return partial; }
+  /// Its backward: the residual stream's gradient as every rank's lookup reads it, g's backward
+  /// (stage 02: as it is; from stage 03: all-gathered along S).
+  virtual Tensor vocab_reduce_backward(const Tensor& dx) { return dx; }
+  /// In place over the ranks that share the vocabulary (the TP group): MAX or SUM of the
+  /// cross-entropy's per-position f32 vectors. Default: nothing to reduce.
+  virtual void vocab_all_reduce(const Tensor& /*t*/, VocabReduce /*op*/) {}
+  /// After backward: the language model's gradients summed over the ranks that hold the same
+  /// part of it (stages 07-09: the DP×CP group); the final gain's over the TP group under
+  /// sequence parallelism comes first, through reduce_replicated_grad(). Default: nothing.
+  virtual void reduce_lm_grads(const LmParams& /*grads*/) {}
+  /// Whether this rank counts the language model's replicated values (gradient norm) once for
+  /// its replicas: true on every rank but the DP×CP replicas of stages 07-09.
+  virtual bool counts_lm_replica() const { return true; }
+
   // --- what the step loop needs across ranks ---------------------------------------------------
   /// Sums a per-rank scalar over all ranks. The caller makes each rank contribute only what it
   /// alone holds (a replicated value on rank 0 only), so every piece is counted once.
@@ -230,6 +271,9 @@ class Parallelism {
   virtual Tensor gather_activation(const Tensor& local) { return local; }
   /// On rank 0: the full parameter (or gradient) from this rank's shard (collective).
   virtual Tensor gather_param(Param /*p*/, const Tensor& local) { return local; }
+  /// On rank 0: the full language-model tensor (padded vocabulary) from this rank's part, split
+  /// over the TP group as `split` says (collective).
+  virtual Tensor gather_vocab(Split /*split*/, const Tensor& local) { return local; }
   /// On rank 0: what else --dump writes, as (file name without .npy, host tensor), e.g. stage
   /// 06's FP8 operands (collective; called once, after the first forward and backward).
   virtual std::vector<std::pair<std::string, Tensor>> dump_extra() { return {}; }

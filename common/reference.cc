@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
+#include "data.h"
 #include "init.h"
 
 namespace tpx {
@@ -320,6 +322,62 @@ double mse_loss(const Vec& y, const Vec& target, Vec& dy) {
   return 0.5 * sum / elements;
 }
 
+// The language model's two ends (DESIGN.md, "The language model around the block"), on the
+// step's tokens: x[t] = E[token t]; after the blocks, the final norm, logits z = h·W_out and the
+// mean over positions of logsumexp(z) − z[target], with its gradient (softmax − onehot) / T.
+struct RefLm {
+  I T, H, V;
+  // What backward needs.
+  Vec y, h, rstd;
+  std::vector<std::int32_t> tokens, targets;
+
+  Vec embed(const Vec& e) const {
+    Vec x(static_cast<std::size_t>(T * H));
+    for (I t = 0; t < T; ++t)
+      for (I i = 0; i < H; ++i)
+        x[static_cast<std::size_t>(t * H + i)] =
+            e[static_cast<std::size_t>(I(tokens[std::size_t(t)]) * H + i)];
+    return x;
+  }
+  // The loss, and dy for the last block; the final gain's and the output layer's gradients.
+  double head(const std::array<Vec, kLmParams>& p, const Vec& out, Vec& dy,
+              std::array<Vec, kLmParams>& g) {
+    y = out;
+    Norm n = rmsnorm(y, p[1], T, H);
+    h = n.y;
+    rstd = n.rstd;
+    const Vec z = matmul(h, p[2], T, H, V);
+    Vec dz(z.size());
+    double loss = 0.0;
+    for (I t = 0; t < T; ++t) {
+      const double* zt = z.data() + t * V;
+      const double m = *std::max_element(zt, zt + V);
+      double sum = 0.0;
+      for (I j = 0; j < V; ++j) sum += std::exp(zt[j] - m);
+      const double lse = m + std::log(sum);
+      const I target = targets[std::size_t(t)];
+      loss += lse - zt[target];
+      for (I j = 0; j < V; ++j)
+        dz[std::size_t(t * V + j)] =
+            (std::exp(zt[j] - lse) - (j == target ? 1.0 : 0.0)) / double(T);
+    }
+    g[2] = matmul_dw(h, dz, T, H, V);
+    const Vec dh = matmul_dx(dz, p[2], T, H, V);
+    g[1].assign(static_cast<std::size_t>(H), 0.0);
+    dy = rmsnorm_back(dh, y, p[1], rstd, T, H, g[1]);
+    return loss / double(T);
+  }
+  // The embedding's gradient: each position's dx added to its token's row.
+  Vec embed_back(const Vec& dx) const {
+    Vec de(static_cast<std::size_t>(V * H), 0.0);
+    for (I t = 0; t < T; ++t)
+      for (I i = 0; i < H; ++i)
+        de[static_cast<std::size_t>(I(tokens[std::size_t(t)]) * H + i)] +=
+            dx[static_cast<std::size_t>(t * H + i)];
+    return de;
+  }
+};
+
 void sgd_update(const BlockConfig& c, const std::vector<Params>& grads,
                 std::vector<Params>& params) {
   for (std::size_t l = 0; l < params.size(); ++l)
@@ -331,6 +389,7 @@ void sgd_update(const BlockConfig& c, const std::vector<Params>& grads,
 // AdamW's two moments, zero before the first update.
 struct AdamState {
   std::vector<Params> moment1, moment2;
+  std::array<Vec, kLmParams> lm1, lm2;  // the language model's
 };
 
 // AdamW (torch.optim.AdamW) at step t = step + 1: the moments, the decoupled decay (not on the
@@ -363,13 +422,46 @@ void adamw_update(const BlockConfig& c, int step, const std::vector<Params>& gra
     }
 }
 
+// The language model's three parameters: SGD, or AdamW with decay on the embedding and the
+// output layer (not on the final gain), moments kept beside the blocks'.
+void update_lm(const BlockConfig& c, int step, const std::array<Vec, kLmParams>& grads,
+               std::array<Vec, kLmParams>& params, AdamState& adam) {
+  if (adam.lm1[0].empty())
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      adam.lm1[i].assign(params[i].size(), 0.0);
+      adam.lm2[i].assign(params[i].size(), 0.0);
+    }
+  const double t = double(step + 1);
+  const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
+  for (std::size_t p = 0; p < params.size(); ++p)
+    for (std::size_t i = 0; i < params[p].size(); ++i) {
+      double& w = params[p][i];
+      const double g = grads[p][i];
+      if (c.optimizer == Optimizer::sgd) {
+        w -= c.lr * g;
+        continue;
+      }
+      double &m1 = adam.lm1[p][i], &m2 = adam.lm2[p][i];
+      m1 = c.beta1 * m1 + (1.0 - c.beta1) * g;
+      m2 = c.beta2 * m2 + (1.0 - c.beta2) * g * g;
+      if (kLmSplits[p] != Split::replicated) w -= c.lr * c.weight_decay * w;
+      w -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
+    }
+}
+
 }  // namespace
 
 ReferenceState reference_init(const BlockConfig& c) {
   const I n = c.seq * c.batch * c.hidden;
   ReferenceState s;
-  s.input = normal(c, TensorId::input, n, 0.0, 1.0);
-  s.target = normal(c, TensorId::target, n, 0.0, 1.0);
+  if (c.lm()) {
+    s.lm[0] = normal(c, TensorId::embedding, c.vocab * c.hidden, 0.0, 0.02);
+    s.lm[1].assign(static_cast<std::size_t>(c.hidden), 1.0);
+    s.lm[2] = normal(c, TensorId::w_out, c.hidden * c.vocab, 0.0, 0.02);
+  } else {
+    s.input = normal(c, TensorId::input, n, 0.0, 1.0);
+    s.target = normal(c, TensorId::target, n, 0.0, 1.0);
+  }
   s.params.resize(static_cast<std::size_t>(c.layers));
   for (I l = 0; l < c.layers; ++l)
     for (Param p : kAllParams) {
@@ -392,23 +484,40 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
   ReferenceRun run;
   std::vector<Layer> saved(static_cast<std::size_t>(c.layers));
   AdamState adam;
+  // The language model's ends as one more "layer" of three parameters for the optimizer.
+  RefLm lm{c.seq * c.batch, c.hidden, c.vocab, {}, {}, {}, {}, {}};
+  const std::optional<TokenStream> stream =
+      c.lm() ? std::optional<TokenStream>(std::in_place, c) : std::nullopt;
   for (int step = 0; step < steps; ++step) {
-    Vec out = state.input;
+    Vec out;
+    if (stream) {
+      const TokenBatch batch = stream->batch(step);
+      lm.tokens = batch.tokens;
+      lm.targets = batch.targets;
+      out = lm.embed(state.lm[0]);
+    } else {
+      out = state.input;
+    }
     for (std::size_t l = 0; l < saved.size(); ++l) out = block.forward(params[l], out, saved[l]);
     Vec dout;
-    run.losses.push_back(mse_loss(out, state.target, dout));
+    std::array<Vec, kLmParams> lm_grads;
+    run.losses.push_back(stream ? lm.head(state.lm, out, dout, lm_grads)
+                                : mse_loss(out, state.target, dout));
     std::vector<Params> grads(saved.size());
     for (std::size_t l = saved.size(); l-- > 0;)
       dout = block.backward(params[l], saved[l], dout, grads[l]);
+    if (stream) lm_grads[0] = lm.embed_back(dout);
     if (step == 0) {
       run.output = out;
       run.input_grad = dout;
       run.grads = grads;
+      if (stream) run.lm_grads = lm_grads;
     }
     if (c.optimizer == Optimizer::sgd)
       sgd_update(c, grads, params);
     else
       adamw_update(c, step, grads, params, adam);
+    if (stream) update_lm(c, step, lm_grads, state.lm, adam);
   }
   return run;
 }

@@ -19,13 +19,16 @@ struct ReferenceRun {
   std::vector<double> output;                                      ///< [S, B, H]
   std::vector<double> input_grad;                                  ///< [S, B, H]
   std::vector<std::array<std::vector<double>, kNumParams>> grads;  ///< [layer][param]
+  /// --task lm: the gradients of the embedding, the final gain and the output layer.
+  std::array<std::vector<double>, kLmParams> lm_grads;
   /// losses[i]: the loss after i SGD updates.
   std::vector<double> losses;
 };
 
 /// A starting point of the reference: input, target and every layer's parameters (unsharded).
 struct ReferenceState {
-  std::vector<double> input, target;                                // [S, B, H]
+  std::vector<double> input, target;              // [S, B, H] (--task block)
+  std::array<std::vector<double>, kLmParams> lm;  ///< --task lm: E [V, H], norm_f [H], W_out [H, V]
   std::vector<std::array<std::vector<double>, kNumParams>> params;  ///< [layer][param]
 };
 

@@ -20,6 +20,7 @@
 #include "check.h"
 #include "checked.h"
 #include "comm/watchdog.h"
+#include "data.h"
 #include "flops.h"
 #include "memory.h"
 #include "npy.h"
@@ -129,6 +130,10 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
   fmt::print("H {} NH {} NKV {} (D {}) F {} S {} B {} L {} | steps {} lr {:g} seed {}\n", c.hidden,
              c.heads, c.kv_heads_or_heads(), c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps,
              c.lr, c.seed);
+  if (c.lm())
+    fmt::print("task lm | V {} | data {}\n", c.vocab, TokenStream(c).describe());
+  else
+    fmt::print("task block (random input, mean-squared loss)\n");
   fmt::print("optimizer {} | rope {} | recompute {}\n",
              c.optimizer == Optimizer::adamw
                  ? fmt::format("adamw (beta1 {:g}, beta2 {:g}, eps {:g}, weight decay {:g})",
@@ -200,7 +205,10 @@ json config_json(const StageOptions& o) {
           {"beta1", c.beta1},
           {"beta2", c.beta2},
           {"optimizer_eps", c.eps},
-          {"weight_decay", c.weight_decay}};
+          {"weight_decay", c.weight_decay},
+          {"task", task_flag(c.task)},
+          {"vocab", c.lm() ? json(c.vocab) : json(nullptr)},
+          {"data", c.lm() ? json(c.data) : json(nullptr)}};
 }
 
 void write_dump(const fs::path& dir, const StageOptions& o, const std::string& stage, int world,
@@ -208,7 +216,19 @@ void write_dump(const fs::path& dir, const StageOptions& o, const std::string& s
   const BlockConfig& c = o.config;
   const std::vector<std::int64_t> act{c.seq, c.batch, c.hidden};
   write_npy(dir / "input.npy", s.input, act);
-  write_npy(dir / "target.npy", s.target, act);
+  if (!s.target.empty()) write_npy(dir / "target.npy", s.target, act);
+  if (c.lm()) {
+    const std::vector<std::int64_t> ids{c.seq, c.batch};
+    write_npy(dir / "tokens.npy", std::span<const std::int32_t>(s.tokens), ids);
+    write_npy(dir / "targets.npy", std::span<const std::int32_t>(s.targets), ids);
+    const std::array<std::vector<std::int64_t>, kLmParams> shapes = {
+        {{c.vocab, c.hidden}, {c.hidden}, {c.hidden, c.vocab}}};
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      const std::string base(kLmParamNames[i]);
+      write_npy(dir / (base + ".npy"), s.lm_params[i], shapes[i]);
+      write_npy(dir / (base + ".grad.npy"), s.lm_grads[i], shapes[i]);
+    }
+  }
   write_npy(dir / "output.npy", s.output, act);
   write_npy(dir / "input.grad.npy", s.input_grad, act);
   const float loss = static_cast<float>(s.loss);

@@ -131,7 +131,10 @@ double TpGroup::sum_for_report(double local) {
 }
 
 Tensor TpGroup::gather_param(Param p, const Tensor& local) {
-  const Split split = param_split(p);
+  return gather_split(param_split(p), local);
+}
+
+Tensor TpGroup::gather_split(Split split, const Tensor& local) {
   if (split == Split::replicated || world_ == 1) return local;
   bank_step_stats();
   Tensor stacked = all_gather(local, "all-gather (snapshot)");  // [N·rows, cols]

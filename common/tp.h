@@ -65,6 +65,9 @@ class TpGroup {
   /// The full parameter (or gradient) from this rank's shard, split as param_split(p) says
   /// (collective; not counted). Column shards [in, out/N] are interleaved into [in, out].
   Tensor gather_param(Param p, const Tensor& local);
+  /// The same for a tensor split as `split` says (the language model's: the embedding's rows,
+  /// the output layer's columns).
+  Tensor gather_split(Split split, const Tensor& local);
   /// The full [S, B, H] tensor from this rank's sequence shard (collective; not counted).
   Tensor gather_sequence(const Tensor& local);
 

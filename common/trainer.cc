@@ -11,6 +11,8 @@
 
 #include "block.h"
 #include "check.h"
+#include "data.h"
+#include "lm.h"
 #include "ops.h"
 
 namespace tpx {
@@ -40,25 +42,46 @@ void make_compute_copies(const BlockConfig& c, const Model& m, std::vector<Layer
       if (param_split(p) != Split::replicated) layer[p] = as_dtype(layer[p], DType::bf16);
 }
 
+LmParams lm_compute_copies(const BlockConfig& c, const Model& m) {
+  LmParams p = m.lm;
+  // The output layer's GEMM reads a bf16 copy under the recipe (and under FP8's, which keeps this
+  // layer in bf16); the lookup reads the fp32 master rows and rounds what it writes.
+  if (c.activations() == DType::bf16 && p.w_out.defined()) p.w_out = as_dtype(p.w_out, DType::bf16);
+  return p;
+}
+
+namespace {
+
+Tensor zeros_like(const Tensor& t) {
+  Tensor z = Tensor::empty(t.shape(), DType::f32, t.device());
+  ops::fill(z, 0.0f);
+  return z;
+}
+
+}  // namespace
+
 Moments make_moments(const BlockConfig& c, const Model& m) {
   Moments moments;
   if (c.optimizer != Optimizer::adamw) return moments;
   for (const LayerParams& layer : m.params) {
-    auto& mv = moments.emplace_back();
+    auto& mv = moments.layers.emplace_back();
     for (LayerParams& state : mv)
-      for (Param p : kAllParams) {
-        state[p] = Tensor::empty(layer[p].shape(), DType::f32, layer[p].device());
-        ops::fill(state[p], 0.0f);
-      }
+      for (Param p : kAllParams) state[p] = zeros_like(layer[p]);
   }
+  for (int i = 0; i < kLmParams; ++i)
+    if (const Tensor& t = *m.lm.all()[std::size_t(i)]; t.defined())
+      for (auto& state : moments.lm) state[std::size_t(i)] = zeros_like(t);
   return moments;
 }
 
 void update(const BlockConfig& c, Model& m, Moments& moments, int t) {
+  const auto lm = m.lm.all(), lm_grads = m.lm_grads.all();
   if (c.optimizer == Optimizer::sgd) {
     for (std::size_t l = 0; l < m.params.size(); ++l)
       for (Param p : kAllParams)
         ops::sgd_update(m.params[l][p], m.grads[l][p], static_cast<float>(c.lr));
+    for (std::size_t i = 0; i < lm.size(); ++i)
+      if (lm[i]->defined()) ops::sgd_update(*lm[i], *lm_grads[i], static_cast<float>(c.lr));
     return;
   }
   // AdamW's scalars in double, rounded once: the bias corrections of step t, and the decoupled
@@ -72,16 +95,31 @@ void update(const BlockConfig& c, Model& m, Moments& moments, int t) {
       s.decay = param_split(p) == Split::replicated
                     ? 1.0f
                     : static_cast<float>(1.0 - c.lr * c.weight_decay);
-      ops::adamw_update(m.params[l][p], m.grads[l][p], moments[l][0][p], moments[l][1][p], s);
+      ops::adamw_update(m.params[l][p], m.grads[l][p], moments.layers[l][0][p],
+                        moments.layers[l][1][p], s);
     }
+  // The embedding and the output layer decay like the blocks' matrices; the final gain does not.
+  for (std::size_t i = 0; i < lm.size(); ++i) {
+    if (!lm[i]->defined()) continue;
+    s.decay =
+        kLmSplits[i] == Split::replicated ? 1.0f : static_cast<float>(1.0 - c.lr * c.weight_decay);
+    ops::adamw_update(*lm[i], *lm_grads[i], moments.lm[0][i], moments.lm[1][i], s);
+  }
 }
 
-double grad_square_sum(const Model& m, const Sharding& sh) {
+double grad_square_sum(const Model& m, const Sharding& sh, bool lm_replica) {
   double sq = 0.0;
   for (const auto& g : m.grads)
     for (Param p : kAllParams)
       if ((sh.weights && param_split(p) != Split::replicated) || sh.rank == 0)
         sq += ops::sum_squares(g[p]);
+  // The language model's: once per replica over data/context parallelism, and within the TP
+  // group as the blocks' (the vocabulary shards everywhere, the final gain on rank 0).
+  const auto lm = m.lm_grads.all();
+  for (std::size_t i = 0; i < lm.size(); ++i)
+    if (lm[i]->defined() && lm_replica &&
+        ((sh.weights && kLmSplits[i] != Split::replicated) || sh.rank == 0))
+      sq += ops::sum_squares(*lm[i]);
   return sq;
 }
 
@@ -91,7 +129,7 @@ double grad_norm(Parallelism& par, const Model& m, const Sharding& sh, Trace& tr
   double sq = 0.0;
   {
     TraceScope op(trace, "grad norm");
-    sq = grad_square_sum(m, sh);
+    sq = grad_square_sum(m, sh, par.counts_lm_replica());
   }
   return std::sqrt(par.sum_over_ranks(sq));
 }
@@ -132,11 +170,25 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const Tensor& y,
-                   const Tensor& dx, double loss, Snapshot& s) {
+/// A language-model tensor whole on rank 0, its vocabulary unpadded: the embedding's first V rows,
+/// the output layer's first V columns.
+std::vector<float> unpadded(const BlockConfig& c, Split split, const Tensor& full) {
+  std::vector<float> all = host_copy(full);
+  if (split == Split::rows) all.resize(static_cast<std::size_t>(c.vocab * c.hidden));
+  if (split != Split::columns) return all;
+  const std::int64_t padded = full.dim(1);
+  std::vector<float> out(static_cast<std::size_t>(c.hidden * c.vocab));
+  for (std::int64_t i = 0; i < c.hidden; ++i)
+    std::copy_n(all.begin() + i * padded, c.vocab, out.begin() + i * c.vocab);
+  return out;
+}
+
+void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const Tensor& x,
+                   const Tensor& y, const Tensor& dx, const TokenBatch& batch, double loss,
+                   Snapshot& s) {
   s.loss = loss;
-  s.input = host_copy(par.gather_activation(m.input));
-  s.target = host_copy(par.gather_activation(m.target));
+  s.input = host_copy(par.gather_activation(x));
+  if (m.target.defined()) s.target = host_copy(par.gather_activation(m.target));
   s.output = host_copy(par.gather_activation(y));
   s.input_grad = host_copy(par.gather_activation(dx));
   s.params.resize(static_cast<std::size_t>(c.layers));
@@ -147,6 +199,15 @@ void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const
       s.params[l][i] = host_copy(par.gather_param(p, m.params[l][p]));
       s.grads[l][i] = host_copy(par.gather_param(p, m.grads[l][p]));
     }
+  if (c.lm()) {
+    s.tokens = batch.tokens;
+    s.targets = batch.targets;
+    const auto params = m.lm.all(), grads = m.lm_grads.all();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      s.lm_params[i] = unpadded(c, kLmSplits[i], par.gather_vocab(kLmSplits[i], *params[i]));
+      s.lm_grads[i] = unpadded(c, kLmSplits[i], par.gather_vocab(kLmSplits[i], *grads[i]));
+    }
+  }
   s.extra = par.dump_extra();
 }
 
@@ -157,11 +218,17 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
   const Sharding sh = par.sharding();
   Model m = make_model(c, sh);
   par.shard_model(m);
-  // The block's input in the activations' dtype (rounded to bf16 once under the recipe), and the
-  // parameters it computes with (the compute copies, remade every step).
-  const Tensor input = as_dtype(m.input, c.activations());
+  // --task block: the blocks' input in the activations' dtype (rounded to bf16 once under the
+  // recipe). --task lm: the token stream, and the positions this rank looks up and scores.
+  const Tensor input = c.lm() ? Tensor() : as_dtype(m.input, c.activations());
+  const std::optional<TokenStream> stream =
+      c.lm() ? std::optional<TokenStream>(std::in_place, c) : std::nullopt;
+  const TokenCut cut = c.lm() ? par.token_cut(c) : TokenCut{};
+  // The parameters the blocks compute with (the compute copies, remade every step).
   std::vector<LayerParams> params;
+  LmParams lm_params;
   const double count = double(c.seq) * double(c.batch) * double(c.hidden);
+  const double positions = double(c.seq) * double(c.batch);
   std::vector<BlockActivations> acts(static_cast<std::size_t>(c.layers));
   // What layer l keeps between its forward and its backward (--recompute), and what it makes
   // again before its backward: the block's forward (full) or its cheap ops (selective).
@@ -192,14 +259,25 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     const auto t0 = Clock::now();
     StepRow row;
     row.step = step;
+    TokenBatch batch;
+    lm::RankTokens tokens;
+    if (stream) {
+      batch = stream->batch(step);
+      tokens = lm::cut_tokens(batch, cut, c.device);
+    }
     Tensor y = input;
+    lm::HeadActivations head;
+    Tensor first_input;  // the first block's input (the embedding's output under --task lm)
     {
       TraceScope scope(trace, "forward", Lane::phase);
       {
         std::optional<TraceScope> op;  // a span only where there is work to show
         if (c.bf16_weight_copies()) op.emplace(trace, "bf16 weight copies");
         make_compute_copies(c, m, params);
+        lm_params = lm_compute_copies(c, m);
       }
+      if (c.lm()) y = lm::embed(c, par, m.lm.embedding, tokens.tokens, trace);
+      const Tensor x = y;
       for (std::size_t l = 0; l < acts.size(); ++l) {
         const int next = l + 1 < acts.size() ? int(l + 1) : -1;
         const LayerParams w = par.layer_params(params, l, next);
@@ -207,14 +285,23 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         release(l);
         par.release_layer(l);
       }
+      first_input = x;
     }
     // What backward keeps from forward: what every layer kept, plus what the largest recompute
     // makes again while that one block's backward runs.
     std::size_t saved = 0, one_block = 0;
     for (const auto& a : acts) saved += a.bytes();
-    Tensor dy = Tensor::empty(y.shape(), y.dtype(), y.device());
-    {
+    Tensor dy;
+    if (c.lm()) {
       TraceScope scope(trace, "loss", Lane::phase);
+      const double mine = lm::head_forward(c, par, lm_params, y, tokens.targets, head, trace);
+      dy = lm::head_backward(c, par, lm_params, head, tokens.targets, 1.0 / positions, m.lm_grads,
+                             trace);
+      head = {};  // the logits are not kept through the blocks' backward
+      row.loss = par.sum_over_ranks(mine) / positions;
+    } else {
+      TraceScope scope(trace, "loss", Lane::phase);
+      dy = Tensor::empty(y.shape(), y.dtype(), y.device());
       // Every token's error counted once: each rank's sequence shard, or a replicated output on
       // rank 0 only (the same rule as the gradient norm below).
       double mine = 0.0;
@@ -241,6 +328,10 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         par.release_layer(l);
       }
       par.finish_grads();
+      if (c.lm()) {
+        lm::embed_backward(c, par, tokens.tokens, dy, m.lm_grads.embedding, trace);
+        par.reduce_lm_grads(m.lm_grads);
+      }
     }
     if (step == 0) result.saved_activation_bytes = saved + one_block;
     row.grad_norm = grad_norm(par, m, sh, trace);
@@ -257,7 +348,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     row.exposed_comm_ms = trace.exposed_comm_ms(t0, Clock::now());
 
     if (step == 0 && snapshot) {  // outside the timed region; its gathers are not counted
-      take_snapshot(c, par, m, y, dy, row.loss, result.first);
+      take_snapshot(c, par, m, c.lm() ? first_input : input, y, dy, batch, row.loss, result.first);
       par.take_comm_stats();
     }
 
@@ -277,6 +368,8 @@ ReferenceRun to_reference(const TrainResult& r) {
     auto& out = ref.grads.emplace_back();
     for (std::size_t p = 0; p < kNumParams; ++p) out[p] = widen(layer[p]);
   }
+  for (std::size_t i = 0; i < ref.lm_grads.size(); ++i)
+    ref.lm_grads[i] = widen(r.first.lm_grads[i]);
   for (const auto& row : r.rows) ref.losses.push_back(row.loss);
   return ref;
 }
@@ -336,6 +429,10 @@ std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& r
     }
   if (want.grads.size() != got.grads.size())
     out.push_back({.name = "layer count", .max_abs = INFINITY, .max_rel = INFINITY});
+  for (std::size_t i = 0; i < want.lm_grads.size(); ++i)
+    if (!want.lm_grads[i].empty() || !got.lm_grads[i].empty())
+      out.push_back(compare_grad(fmt::format("{}.grad", kLmParamNames[i]), got.lm_grads[i],
+                                 want.lm_grads[i], tol));
   for (std::size_t s = 0; s < want.losses.size(); ++s) {
     const double g = s < rows.size() ? rows[s].loss : NAN;
     out.push_back(compare_one(fmt::format("loss after {} update{}", s, s == 1 ? "" : "s"),

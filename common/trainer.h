@@ -40,7 +40,13 @@ struct StepRow {
 
 /// Full, unsharded host copies from the first forward + backward (valid on rank 0 only).
 struct Snapshot {
+  /// --task block: x, T, the last block's output and dL/dx. --task lm: the embedding's output x,
+  /// no target, the last block's output, dL/dx.
   std::vector<float> input, target, output, input_grad;
+  /// --task lm: the step's token ids and targets [S, B], and the embedding, final gain and output
+  /// layer with their gradients (kLmParams order, the vocabulary unpadded).
+  std::vector<std::int32_t> tokens, targets;
+  std::array<std::vector<float>, kLmParams> lm_params, lm_grads;
   std::vector<std::array<std::vector<float>, kNumParams>> params, grads;  ///< [layer][param]
   double loss = 0;
   std::vector<std::pair<std::string, Tensor>> extra;  ///< Parallelism::dump_extra()
@@ -80,14 +86,21 @@ std::vector<float> host_copy(const Tensor& t);
 /// weight matrix rounded from its fp32 master weight (the norm gains stay fp32); else the master
 /// weights themselves. Made once per step, after the previous update.
 void make_compute_copies(const BlockConfig& c, const Model& m, std::vector<LayerParams>& out);
+/// The language model's compute copies: the output layer's bf16 copy under --dtype bf16 (and
+/// fp8), the rest as m holds them.
+LmParams lm_compute_copies(const BlockConfig& c, const Model& m);
 /// AdamW's two moments per parameter of m (zero); empty under SGD.
-using Moments = std::vector<std::array<LayerParams, 2>>;
+struct Moments {
+  std::vector<std::array<LayerParams, 2>> layers;
+  std::array<std::array<Tensor, kLmParams>, 2> lm;  ///< the language model's (--task lm)
+};
 Moments make_moments(const BlockConfig& c, const Model& m);
 /// The optimizer step t (from 1) on every parameter m holds.
 void update(const BlockConfig& c, Model& m, Moments& moments, int t);
 /// This rank's part of Σ g² over m's gradients: sharded gradients count everywhere, replicated
-/// ones (identical on every rank of the TP group) on its rank 0 only.
-double grad_square_sum(const Model& m, const Sharding& sh);
+/// ones (identical on every rank of the TP group) on its rank 0 only; the language model's only
+/// where `lm_replica` (Parallelism::counts_lm_replica).
+double grad_square_sum(const Model& m, const Sharding& sh, bool lm_replica);
 /// The global L2 norm of every rank's gradients: grad_square_sum() summed by par.
 double grad_norm(Parallelism& par, const Model& m, const Sharding& sh, Trace& trace);
 /// The line that stops training at `row` when its loss or gradient norm is not finite (the
