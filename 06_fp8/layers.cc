@@ -64,6 +64,10 @@ std::vector<std::pair<std::string, Tensor>> Fp8AsyncTp::dump_extra() {
 
 ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor> w,
                                         std::string_view role) {
+  // The language model's output layer stays in bf16, as TorchTitan's and Transformer Engine's
+  // recipes keep it: its logits feed a softmax over the whole vocabulary, where FP8's 3-bit
+  // mantissa would move every probability, and it is one GEMM of L·7.
+  if (role == kOutputLayerRole) return OverlapRing::column_forward(h, w, role);
   // The input's shard and the weights (E4M3 all): the shard is what the all-gather moves.
   std::vector<Tensor> x{h};
   x.insert(x.end(), w.begin(), w.end());
@@ -81,6 +85,7 @@ ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor>
 Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> w,
                                    std::span<const Tensor> dy, std::span<const Tensor> dw,
                                    std::string_view role) {
+  if (role == kOutputLayerRole) return OverlapRing::column_backward(saved, w, dy, dw, role);
   // dX = RS(Σ dy·Wᵀ): E5M2 × E4M3; dW = AG(h)ᵀ·dy: E4M3 (the saved shard) × E5M2.
   const std::vector<DType> format(dy.size(), DType::e5m2);
   const std::vector<Tensor> dyq = quantize(dy, format, fmt::format("{} bwd", role));

@@ -112,8 +112,10 @@ void FsdpTp::shard_model(Model& m) {
                   static_cast<std::size_t>(b * h) * sizeof(float));
     return t.device() == Device::cpu ? part : ops::to_device(part, t.device());
   };
-  m.input = mesh_.dp == 1 ? m.input : batch_part(m.input);  // one replica: the whole batch
-  m.target = mesh_.dp == 1 ? m.target : batch_part(m.target);
+  if (m.input.defined() && mesh_.dp > 1) {  // one replica: the whole batch
+    m.input = batch_part(m.input);
+    m.target = batch_part(m.target);
+  }
 
   // The parameters and gradients: one flat fp32 shard per layer each; the Model's tensors are
   // views into them, so a gradient reduce-scatter writes straight into what the optimizer reads.
@@ -288,6 +290,20 @@ void FsdpTp::grads_done(std::size_t l, const LayerParams& full, const LayerParam
         dp_comm_->reduce_scatter(flat, shard, reduce_lane_, booked);
       });
   reductions_.push_back(std::move(r));
+}
+
+TokenCut FsdpTp::token_cut(const BlockConfig& c) const {
+  const std::int64_t part = c.batch / mesh_.dp;
+  return {{{c.seq, 0}}, mesh_.dp_index * part, (mesh_.dp_index + 1) * part};
+}
+
+void FsdpTp::reduce_lm_grads(const LmParams& grads) {
+  if (mesh_.dp_cp() == 1) return;
+  const Stream compute(device_);
+  for (const Tensor* g : grads.all()) {
+    TraceScope span(trace_, "language model grads all-reduce", Lane::dp_comm);
+    dp_comm_->all_reduce(*g, compute);
+  }
 }
 
 void FsdpTp::finish_grads() {

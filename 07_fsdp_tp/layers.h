@@ -90,6 +90,18 @@ class FsdpTp final : public Parallelism {
   bool defer_weight_grads(WeightGradWork* work) override { return tp_->defer_weight_grads(work); }
   void reduce_replicated_grad(const Tensor& grad) override { tp_->reduce_replicated_grad(grad); }
 
+  // The language model's ends: cut over the vocabulary within the TP group (stage 05's), and
+  // replicated over the DP×CP group, whose ranks all-reduce their gradients (as DDP would).
+  TokenCut token_cut(const BlockConfig& c) const override;
+  Tensor vocab_reduce(const Tensor& partial) override { return tp_->vocab_reduce(partial); }
+  Tensor vocab_reduce_backward(const Tensor& dx) override { return tp_->vocab_reduce_backward(dx); }
+  void vocab_all_reduce(const Tensor& t, VocabReduce op) override { tp_->vocab_all_reduce(t, op); }
+  void reduce_lm_grads(const LmParams& grads) override;
+  bool counts_lm_replica() const override { return mesh_.dp_cp_index() == 0; }
+  Tensor gather_vocab(Split split, const Tensor& local) override {
+    return tp_->gather_vocab(split, local);
+  }
+
   // Across the whole mesh.
   double sum_over_ranks(double local) override;
   Tensor gather_activation(const Tensor& local) override;

@@ -140,9 +140,19 @@ void ContextParallel::shard_model(Model& m) {
     const Tensor part = local.slice0(mesh_.tp_index * rows, (mesh_.tp_index + 1) * rows);
     return ops::to_device(part, c.device);
   };
-  m.input = mine(false);
-  m.target = mine(true);
+  if (m.input.defined()) {
+    m.input = mine(false);
+    m.target = mine(true);
+  }
   inner_->shard_model(m);  // the batch over DP, the parameters over DP×CP
+}
+
+TokenCut ContextParallel::token_cut(const BlockConfig& c) const {
+  // The targets come from the global stream: a chunk's last token predicts the first of the
+  // next chunk, which another rank holds (TokenStream cuts after choosing them).
+  TokenCut cut = inner_->token_cut(c);
+  cut.runs = sequence_runs(seq_ / mesh_.cp);
+  return cut;
 }
 
 std::vector<SequenceRun> ContextParallel::sequence_runs(std::int64_t rows) const {

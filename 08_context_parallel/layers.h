@@ -80,6 +80,20 @@ class ContextParallel final : public Parallelism {
     return inner_->defer_weight_grads(work);
   }
   void reduce_replicated_grad(const Tensor& grad) override { inner_->reduce_replicated_grad(grad); }
+  // The language model's ends: stage 07's, on this rank's two chunks of the sequence.
+  TokenCut token_cut(const BlockConfig& c) const override;
+  Tensor vocab_reduce(const Tensor& partial) override { return inner_->vocab_reduce(partial); }
+  Tensor vocab_reduce_backward(const Tensor& dx) override {
+    return inner_->vocab_reduce_backward(dx);
+  }
+  void vocab_all_reduce(const Tensor& t, VocabReduce op) override {
+    inner_->vocab_all_reduce(t, op);
+  }
+  void reduce_lm_grads(const LmParams& grads) override { inner_->reduce_lm_grads(grads); }
+  bool counts_lm_replica() const override { return inner_->counts_lm_replica(); }
+  Tensor gather_vocab(Split split, const Tensor& local) override {
+    return inner_->gather_vocab(split, local);
+  }
   LayerParams layer_params(const std::vector<LayerParams>& stored, std::size_t l,
                            int next) override {
     return inner_->layer_params(stored, l, next);

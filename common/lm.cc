@@ -64,7 +64,7 @@ double head_forward(const BlockConfig& c, Parallelism& par, const LmParams& p, c
     ops::rmsnorm_forward(y, p.norm_f, h, acts.rstd);
   }
   const std::array<Tensor, 1> w = {p.w_out};
-  ColumnResult r = par.column_forward(h, w, "output");
+  ColumnResult r = par.column_forward(h, w, kOutputLayerRole);
   acts.h_saved = r.saved;
   acts.logits = r.y[0];
   const std::int64_t n = targets.numel();
@@ -100,7 +100,7 @@ Tensor head_backward(const BlockConfig& c, Parallelism& par, const LmParams& p,
     ops::cross_entropy_backward(acts.logits, targets, acts.lse, v.begin, c.vocab, scale, dlogits);
   }
   const std::array<Tensor, 1> w = {p.w_out}, dy = {dlogits}, dw = {grads.w_out};
-  const Tensor dh = par.column_backward(acts.h_saved, w, dy, dw, "output");
+  const Tensor dh = par.column_backward(acts.h_saved, w, dy, dw, kOutputLayerRole);
   const Tensor dx = Tensor::empty(acts.y.shape(), acts.y.dtype(), acts.y.device());
   {
     TraceScope op(trace, "final rmsnorm backward");

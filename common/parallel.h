@@ -120,6 +120,9 @@ struct TokenCut {
   std::int64_t batch_begin = 0, batch_end = 0;
 };
 
+/// The `role` of the language model's output layer in column_forward / column_backward.
+inline constexpr std::string_view kOutputLayerRole = "output";
+
 /// The reductions of the vocabulary-parallel cross-entropy.
 enum class VocabReduce { max, sum };
 
