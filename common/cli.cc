@@ -190,6 +190,11 @@ void add_task_flags(CLI::App& app, BlockConfig& c, std::string& task) {
       ->type_name("FILE")
       ->capture_default_str()
       ->group(model);
+  add_number(app, "--eval-every", c.eval_every,
+             "the loss on the held-out split every K steps and at the last, forward only (0: "
+             "never)")
+      ->type_name("K")
+      ->group(model);
 }
 
 /// The optimizer: SGD, or AdamW with its four settings.
@@ -562,6 +567,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--task", std::string(task_flag(c.task))},
       {"--vocab", fmt::format("{}", c.vocab)},
       {"--data", c.data},
+      {"--eval-every", fmt::format("{}", c.eval_every)},
       {"--comm", to_string(o.comm.kind)},
       {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
       {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},

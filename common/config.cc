@@ -26,6 +26,8 @@ std::vector<std::string> validate(const BlockConfig& c) {
   if (c.lm() && (c.vocab < kMinVocab || c.vocab > kMaxVocab))
     errors.push_back(
         fmt::format("--vocab must be between {} and {} (got {})", kMinVocab, kMaxVocab, c.vocab));
+  if (c.eval_every < 0)
+    errors.push_back(fmt::format("--eval-every must be >= 0 (got {}; 0: never)", c.eval_every));
   if (c.steps < 1) errors.push_back(fmt::format("--steps must be at least 1 (got {})", c.steps));
   if (c.steps > std::numeric_limits<int>::max())
     errors.push_back(fmt::format("--steps must be at most {} (got {})",

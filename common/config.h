@@ -65,6 +65,8 @@ struct BlockConfig {
   std::int64_t vocab = 0;   ///< V, the vocabulary (--vocab; the token file's when not given)
   /// --data: a token file made by tpx_tokenize, or "synthetic" for a generated stream.
   std::string data = "synthetic";
+  /// --eval-every K: the held-out loss every K steps and at the last (0: never).
+  std::int64_t eval_every = 0;
   double lr = 1.0;  ///< learning rate (the loss is a mean, so SGD's grads are small)
   Optimizer optimizer = Optimizer::sgd;
   double beta1 = 0.9;         ///< AdamW: first-moment decay
@@ -99,6 +101,10 @@ struct BlockConfig {
   }
   std::int64_t tokens() const { return seq * batch; }
   bool lm() const { return task == Task::lm; }
+  /// Whether step `step` also measures the held-out loss (--eval-every).
+  bool evaluates(std::int64_t step) const {
+    return lm() && eval_every > 0 && (step % eval_every == 0 || step == steps - 1);
+  }
   /// The dtype activations, their gradients and the saved tensors are stored and communicated
   /// in: bf16 under --dtype bf16 and fp8, f32 otherwise.
   DType activations() const { return dtype == DType::f32 ? DType::f32 : DType::bf16; }

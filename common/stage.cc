@@ -161,6 +161,7 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
              "grad norm", "step ms", "exposed ms", "payload/rank", "bus/rank", "peak");
   if (speed.gpu()) fmt::print(" {:>8} {:>6} {:>11}", "TFLOP/s", "MFU %", "reserved");
   if (c.recompute == Recompute::full) fmt::print(" {:>14}", "recompute bus");
+  if (c.eval_every > 0) fmt::print(" {:>13}", "held-out loss");
   fmt::print("\n");
 }
 
@@ -174,6 +175,8 @@ void print_row(const StepRow& r, const Speed& speed, const BlockConfig& c) {
                bytes_text(r.reserved_bytes));
   }
   if (c.recompute == Recompute::full) fmt::print(" {:>14}", bytes_text(r.recompute_comm.bus_bytes));
+  if (c.eval_every > 0)
+    fmt::print(" {:>13}", std::isfinite(r.eval_loss) ? fmt::format("{:.8f}", r.eval_loss) : "");
   fmt::print("\n");
   std::fflush(stdout);
 }
@@ -208,7 +211,8 @@ json config_json(const StageOptions& o) {
           {"weight_decay", c.weight_decay},
           {"task", task_flag(c.task)},
           {"vocab", c.lm() ? json(c.vocab) : json(nullptr)},
-          {"data", c.lm() ? json(c.data) : json(nullptr)}};
+          {"data", c.lm() ? json(c.data) : json(nullptr)},
+          {"eval_every", c.eval_every}};
 }
 
 void write_dump(const fs::path& dir, const StageOptions& o, const std::string& stage, int world,
@@ -443,6 +447,7 @@ json step_json(const StepRow& row) {
             {"recompute_payload_bytes", row.recompute_comm.payload_bytes},
             {"peak_bytes", row.peak_bytes},
             {"reserved_bytes", row.reserved_bytes}};
+  if (std::isfinite(row.eval_loss)) j["eval_loss"] = row.eval_loss;
   for (const std::string& name : reported_names(kReportedGroups, row.comm.groups)) {
     const GroupTraffic g = row.comm.group(name);
     j[name + "_bus_bytes"] = g.bus_bytes;

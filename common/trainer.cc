@@ -250,6 +250,32 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       block_refill(w, par, acts[l], trace);
     }
   };
+  auto forward_blocks = [&](Tensor y) {
+    for (std::size_t l = 0; l < acts.size(); ++l) {
+      const int next = l + 1 < acts.size() ? int(l + 1) : -1;
+      const LayerParams w = par.layer_params(params, l, next);
+      y = block_forward(c, w, y, par, acts[l], trace);
+      release(l);
+      par.release_layer(l);
+    }
+    return y;
+  };
+  // --eval-every: the model's loss on the held-out split's batch of this step, forward only,
+  // with the parameters the step trained with (before its update); its traffic is not the step's.
+  auto held_out_loss = [&](int step) {
+    TraceScope scope(trace, "held-out loss", Lane::phase);
+    par.take_comm_stats();
+    const lm::RankTokens valid =
+        lm::cut_tokens(stream->batch(step, DataSplit::valid), cut, c.device);
+    const Tensor y = forward_blocks(lm::embed(c, par, m.lm.embedding, valid.tokens, trace));
+    lm::HeadActivations head;
+    const double mine = lm::head_forward(c, par, lm_params, y, valid.targets, head, trace);
+    for (auto& a : acts) a = {};
+    const double loss = par.sum_over_ranks(mine) / positions;
+    par.synchronize();
+    par.take_comm_stats();
+    return loss;
+  };
   // AdamW's two moments per parameter, zero before the first step (none under SGD).
   Moments moments = make_moments(c, m);
   TrainResult result;
@@ -279,15 +305,8 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         lm_params = lm_compute_copies(c, m);
       }
       if (c.lm()) y = lm::embed(c, par, m.lm.embedding, tokens.tokens, trace);
-      const Tensor x = y;
-      for (std::size_t l = 0; l < acts.size(); ++l) {
-        const int next = l + 1 < acts.size() ? int(l + 1) : -1;
-        const LayerParams w = par.layer_params(params, l, next);
-        y = block_forward(c, w, y, par, acts[l], trace);
-        release(l);
-        par.release_layer(l);
-      }
-      first_input = x;
+      first_input = y;
+      y = forward_blocks(y);
     }
     // What backward keeps from forward: what every layer kept, plus what the largest recompute
     // makes again while that one block's backward runs.
@@ -353,6 +372,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       take_snapshot(c, par, m, c.lm() ? first_input : input, y, dy, batch, row.loss, result.first);
       par.take_comm_stats();
     }
+    if (c.evaluates(step)) row.eval_loss = held_out_loss(step);
 
     finish_step(c, par, m, moments, trace, row, ms);
     result.rows.push_back(row);

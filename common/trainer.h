@@ -10,6 +10,7 @@
 #include <array>
 #include <cstddef>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -26,7 +27,10 @@ namespace tpx {
 /// One row of the step table.
 struct StepRow {
   int step = 0;
-  double loss = 0;       ///< loss before this step's update
+  double loss = 0;  ///< loss before this step's update
+  /// --eval-every: the loss on the held-out split's batch with the same parameters; NaN on the
+  /// steps that do not evaluate.
+  double eval_loss = std::numeric_limits<double>::quiet_NaN();
   double grad_norm = 0;  ///< global L2 norm of all gradients
   double ms = 0;         ///< forward + backward + update, wall clock
   CommStats comm;        ///< this rank's communication in the step
