@@ -153,7 +153,10 @@ Tokenizer Tokenizer::train(std::string_view text, std::int64_t vocab) {
       counts[k] += n;
       touched.push_back(k);
     };
-    for (const std::int32_t index : where[top.key]) {
+    // The words that held the pair; the list is the pair's no more (it is merged everywhere).
+    const std::vector<std::int32_t> holders = std::move(where[top.key]);
+    where.erase(top.key);
+    for (const std::int32_t index : holders) {
       if (visited[std::size_t(index)] == merges.size()) continue;
       visited[std::size_t(index)] = merges.size();
       Word& w = words[std::size_t(index)];
@@ -179,7 +182,6 @@ Tokenizer Tokenizer::train(std::string_view text, std::int64_t vocab) {
       }
       w.ids.swap(merged);
     }
-    where.erase(top.key);
     counts.erase(top.key);  // every occurrence is merged now
     std::sort(touched.begin(), touched.end());
     touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
