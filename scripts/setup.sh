@@ -14,6 +14,7 @@ packages=(
   chromium chromium-driver python3-selenium cmark-gfm  # its tests: in a browser, and as GitHub renders it
   python3                           # tools/trace_svg.py, scripts/check-quotes.py
   python3-matplotlib                # tools/bench.py's plots (scripts/bench.sh)
+  bible-kjv bible-kjv-text          # the language model's text: the King James Version (scripts/make-corpus.sh)
 )
 
 missing=()
