@@ -517,8 +517,9 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, std::int64_t begi
   expect_ids(ids, dtable, "embedding_backward");
   if (is_bf16(dout) && !native_bf16(dout))
     return embedding_backward(ids, Fp32Boundary::in(dout), begin, dtable);
-  TPX_CHECK(dtable.ndim() == 2, "embedding_backward: dtable {} must be [rows, H]",
-            dtable.describe());
+  TPX_CHECK(dtable.ndim() == 2 && dout.device() == dtable.device(),
+            "embedding_backward: dtable {} must be [rows, H] on the device of dout {}",
+            dtable.describe(), dout.describe());
   expect_rows(dtable, dtable.dim(0), dout.cols(), DType::f32, "embedding_backward");
   TPX_CHECK(dout.rows() == ids.numel(), "embedding_backward: dout {} must have {} positions",
             dout.describe(), ids.numel());
@@ -558,6 +559,9 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
     Fp32Boundary f;
     return cross_entropy_backward(f.in(logits), targets, lse, begin, vocab, scale, f.out(dlogits));
   }
+  TPX_CHECK(logits.rows() == targets.numel() && dlogits.device() == logits.device(),
+            "cross_entropy_backward: logits {} must have {} positions, dlogits {} their device",
+            logits.describe(), targets.numel(), dlogits.describe());
   expect_vector(lse, targets.numel(), logits, "cross_entropy_backward");
   expect_rows(dlogits, logits.rows(), logits.cols(), logits.dtype(), "cross_entropy_backward");
   TPX_DISPATCH(logits.device(), cross_entropy_backward, logits, targets, lse, begin, vocab, scale,

@@ -494,5 +494,36 @@ TEST(MseLossBackward, IsTheGradientOfHalfTheMeanSquaredError) {
   for (std::size_t i = 0; i < fd.size(); ++i) EXPECT_NEAR(an[i], fd[i], 1e-4 * big) << i;
 }
 
+// The cross-entropy's backward refuses targets that do not match the logits' rows (the cpu loop
+// runs over the targets and would read past the logits).
+TEST(CrossEntropyBackward, RefusesTargetsThatAreNotOnePerRow) {
+  const Tensor logits = random_tensor({4, 10}, 91), dlogits = Tensor::empty({4, 10});
+  Tensor targets = Tensor::empty({6}, DType::i32), lse = Tensor::zeros({6});
+  for (std::int64_t r = 0; r < 6; ++r) targets.data<std::int32_t>()[r] = 1;
+  EXPECT_THROW(ops::cross_entropy_backward(logits, targets, lse, 0, 10, 1.0, dlogits), Error);
+  EXPECT_NO_THROW(ops::cross_entropy_backward(logits, targets.slice0(0, 4), lse.slice0(0, 4), 0, 10,
+                                              1.0, dlogits));
+}
+
+// A long row's sum of exponentials (a vocabulary shard of 64k columns) stays within fp32's
+// rounding of the sum computed in double: the one pass sums in double, not in an fp32 running
+// sum that drifts with the row's length.
+TEST(CrossEntropyPartial, LongRowSumIsAccurate) {
+  const std::int64_t n = 3, cols = 65536;
+  const Tensor z = random_tensor({n, cols}, 92, 0.0, 3.0);
+  Tensor targets = Tensor::empty({n}, DType::i32);
+  for (std::int64_t r = 0; r < n; ++r) targets.data<std::int32_t>()[r] = static_cast<int>(7 * r);
+  Tensor m = Tensor::empty({n}), s = Tensor::empty({n}), t = Tensor::empty({n});
+  ops::cross_entropy_partial(z, targets, 0, cols, m, s, t);
+  for (std::int64_t r = 0; r < n; ++r) {
+    double mx = -INFINITY, sum = 0.0;
+    for (std::int64_t j = 0; j < cols; ++j) mx = std::max(mx, double(z.f32()[r * cols + j]));
+    for (std::int64_t j = 0; j < cols; ++j) sum += std::exp(double(z.f32()[r * cols + j]) - mx);
+    EXPECT_EQ(m.f32()[r], float(mx)) << r;
+    EXPECT_NEAR(s.f32()[r], sum, 1e-6 * sum) << r;
+    EXPECT_EQ(t.f32()[r], z.f32()[r * cols + 7 * r]) << r;
+  }
+}
+
 }  // namespace
 }  // namespace tpx

@@ -68,18 +68,19 @@ void cross_entropy_partial(const Tensor& logits, const Tensor& targets, std::int
   for (std::int64_t r = 0; r < n; ++r) {
     const float* zr = z + r * cols;
     // One pass: the running maximum, and the sum of exponentials rescaled whenever it moves
-    // (the online softmax of FlashAttention, here over the vocabulary).
+    // (the online softmax of FlashAttention, here over the vocabulary). The exponentials are
+    // fp32, their sum double: an fp32 running sum over a row of 64k columns would drift by ~1e-4.
     float m = -std::numeric_limits<float>::infinity();
-    float s = 0.0f;
+    double s = 0.0;
     for (std::int64_t j = 0; j < real; ++j) {
       if (zr[j] > m) {
-        s = s * std::exp(m - zr[j]);
+        s = s * double(std::exp(m - zr[j]));
         m = zr[j];
       }
-      s += std::exp(zr[j] - m);
+      s += double(std::exp(zr[j] - m));
     }
     pm[r] = m;
-    ps[r] = s;
+    ps[r] = static_cast<float>(s);
     const std::int64_t j = local_column(t[r], begin, real);
     pt[r] = j < 0 ? 0.0f : zr[j];
   }

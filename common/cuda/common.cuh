@@ -2,8 +2,8 @@
 // reductions, launch sizing, an operand's storage type from its runtime dtype. Included by .cu
 // files only.
 //
-// defines: tpx::cuda::dev::aligned16, ld4, st4, warp_sum, warp_max, block_sum, launch grid helpers,
-//          typed, Elem
+// defines: tpx::cuda::dev::aligned16, ld4, st4, warp_sum, warp_max, block_sum, row_threads,
+//          launch grid helpers, typed, Elem
 #pragma once
 
 #include <cuda_bf16.h>
@@ -62,6 +62,13 @@ __device__ T block_sum(T v, T* shared) {
 
 inline cudaStream_t as_stream(void* s) {
   return static_cast<cudaStream_t>(s);
+}
+
+/// Threads for a block that sweeps `units` items of one row: a multiple of the warp size, at
+/// most `max_threads`, no more than there is work for.
+inline int row_threads(I units, int max_threads) {
+  const I t = (units + kWarp - 1) / kWarp * kWarp;
+  return static_cast<int>(t < kWarp ? kWarp : t > max_threads ? max_threads : t);
 }
 
 /// Grid-stride launch size (device.h's grid_for) as a CUDA grid dimension.

@@ -8,9 +8,10 @@
 // as std::uint8_t codes.
 //
 // defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu,
-//          flash_attention.cu, rope.cu, fp8.cu, fp8_pack.cu, column_blocks.cu)
+//          flash_attention.cu, rope.cu, fp8.cu, fp8_pack.cu, column_blocks.cu, lm.cu)
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/fp8_bits.h"
@@ -74,6 +75,36 @@ void rmsnorm_backward_dx(Src dy, Src x, const float* g, const float* rstd, Dst d
 int rmsnorm_dg_chunks(I rows, I h);
 void rmsnorm_backward_dg(Src dy, Src x, const float* rstd, float* partial, float* dg, I rows, I h,
                          void* stream);
+
+// lm.cu ------------------------------------------------------------------------------------------
+// The language model's two ends (tpx::ops::embedding_*, cross_entropy_*): token ids i32, n
+// positions; a vocabulary shard of `cols` (or `rows`) ids starting at `begin`, ids >= `vocab` its
+// padding. Logits and dlogits of one dtype; fp32 math.
+/// out [n, h] (fp32 or bf16, rounded once) = table [rows, h] row ids[t] − begin, or 0 outside.
+void embedding_forward(const std::int32_t* ids, const float* table, I rows, I h, I begin, Dst out,
+                       I n, void* stream);
+/// Bytes of device scratch embedding_backward needs (n < 2^31 positions, rows < 2^32 − 1).
+std::size_t embedding_backward_scratch_bytes(I n, I rows);
+/// dtable [rows, h] += dout [n, h] (fp32 or bf16) scattered by id, each row's positions summed in
+/// position order (a stable sort of the positions by row; no float atomics): deterministic, the
+/// cpu's sums. Returns a cudaError_t value (0: success) for a sort that fails to launch.
+int embedding_backward(const std::int32_t* ids, Src dout, I n, I rows, I h, I begin, float* dtable,
+                       void* scratch, void* stream);
+/// Per row of logits [n, cols]: max, Σ exp(z − max) over the real columns in one pass (online
+/// softmax), and the target's logit (0 when another shard holds it).
+void cross_entropy_partial(Src logits, const std::int32_t* targets, I n, I cols, I begin, I vocab,
+                           float* max, float* sumexp, float* target_logit, void* stream);
+/// sumexp *= exp(local_max − max); 0 where local_max is −inf.
+void cross_entropy_rescale(const float* local_max, const float* max, float* sumexp, I n,
+                           void* stream);
+/// Number of double partials cross_entropy_loss needs as scratch.
+int cross_entropy_loss_blocks(I n);
+/// lse = max + log(sumexp); *result (device) = Σ (lse − target_logit) in double, deterministic.
+void cross_entropy_loss(const float* max, const float* sumexp, const float* target_logit,
+                        float* lse, I n, double* partials, double* result, void* stream);
+/// dlogits = scale · exp(z − lse) − scale at the target column, 0 in the padding columns.
+void cross_entropy_backward(Src logits, const std::int32_t* targets, const float* lse, I n, I cols,
+                            I begin, I vocab, float scale, Dst dlogits, void* stream);
 
 // attention.cu -----------------------------------------------------------------------------------
 /// In place on `rows` score rows of length s (rows = batches·s; row r is query position r % s):

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -89,6 +90,15 @@ Tensor as_bf16(const Tensor& t) {
   return out;
 }
 
+/// The double at device address p, copied to the host once the current stream has written it.
+double fetch_double(const double* p) {
+  double result = 0.0;
+  TPX_CUDA_CHECK(cudaMemcpyAsync(&result, p, sizeof(double), cudaMemcpyDeviceToHost,
+                                 static_cast<cudaStream_t>(stream())));
+  synchronize();
+  return result;
+}
+
 /// A reduction to one double on the host (deterministic, two passes; see elementwise.cu).
 double reduce_sum_squares(kernels::Src x, kernels::Src y, I n) {
   // Scratch for the result and one partial per block, as doubles (two f32 slots each).
@@ -96,11 +106,7 @@ double reduce_sum_squares(kernels::Src x, kernels::Src y, I n) {
   auto* p = static_cast<double*>(partials.raw());
   kernels::sum_squares(x, y, n, p + 1, p, stream());
   TPX_CUDA_LAUNCH_CHECK();
-  double result = 0.0;
-  TPX_CUDA_CHECK(cudaMemcpyAsync(&result, p, sizeof(double), cudaMemcpyDeviceToHost,
-                                 static_cast<cudaStream_t>(stream())));
-  synchronize();
-  return result;
+  return fetch_double(p);
 }
 
 using AttnDims = ::tpx::ops::AttentionDims;
@@ -588,6 +594,94 @@ void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
   expect_f32(grad, "sgd grad");
   expect_same_numel(w, grad);
   kernels::sgd(f(w), cf(grad), lr, w.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+// The language model's ends (kernels in lm.cu; tpx::ops checked the shapes). Logits, dlogits,
+// the embedding's output and dout are f32 or bf16 as stored; the rest f32, ids i32.
+namespace {
+
+/// Token ids on cuda, at most 2^31 − 1 of them (one thread block per position).
+const std::int32_t* ids_of(const Tensor& ids, const char* what) {
+  expect(ids, DType::i32, what);
+  TPX_CHECK(ids.numel() <= I{0x7fffffff}, "{}: {} positions, more than 2^31 − 1", what,
+            ids.numel());
+  return ids.data<std::int32_t>();
+}
+
+}  // namespace
+
+void embedding_forward(const Tensor& ids, const Tensor& table, std::int64_t begin,
+                       const Tensor& out) {
+  NvtxRange range("embedding_forward");
+  const std::int32_t* id = ids_of(ids, "embedding_forward ids");
+  expect_f32(table, "embedding_forward table");
+  expect_f32_or_bf16(out, "embedding_forward out");
+  kernels::embedding_forward(id, cf(table), table.dim(0), table.dim(1), begin, cuda::out(out),
+                             ids.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void embedding_backward(const Tensor& ids, const Tensor& dout, std::int64_t begin,
+                        const Tensor& dtable) {
+  NvtxRange range("embedding_backward");
+  const std::int32_t* id = ids_of(ids, "embedding_backward ids");
+  expect_f32_or_bf16(dout, "embedding_backward dout");
+  expect_f32(dtable, "embedding_backward dtable");
+  const I n = ids.numel(), rows = dtable.dim(0);
+  TPX_CHECK(rows < I{0xffffffff}, "embedding_backward: {} rows, more than 2^32 − 2",
+            dtable.describe());
+  const Tensor work = scratch({static_cast<I>(std::max<std::size_t>(
+                                  1, kernels::embedding_backward_scratch_bytes(n, rows)))},
+                              DType::u8);
+  TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::embedding_backward(
+      id, in(dout), n, rows, dtable.dim(1), begin, f(dtable), work.raw(), stream())));
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void cross_entropy_partial(const Tensor& logits, const Tensor& targets, std::int64_t begin,
+                           std::int64_t vocab, const Tensor& max, const Tensor& sumexp,
+                           const Tensor& target_logit) {
+  NvtxRange range("cross_entropy_partial");
+  const std::int32_t* t = ids_of(targets, "cross_entropy_partial targets");
+  expect_f32_or_bf16(logits, "cross_entropy_partial logits");
+  for (const Tensor* p : {&max, &sumexp, &target_logit}) expect_f32(*p, "cross_entropy_partial");
+  kernels::cross_entropy_partial(in(logits), t, targets.numel(), logits.cols(), begin, vocab,
+                                 f(max), f(sumexp), f(target_logit), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void cross_entropy_rescale(const Tensor& local_max, const Tensor& max, const Tensor& sumexp) {
+  NvtxRange range("cross_entropy_rescale");
+  for (const Tensor* p : {&local_max, &max, &sumexp}) expect_f32(*p, "cross_entropy_rescale");
+  kernels::cross_entropy_rescale(cf(local_max), cf(max), f(sumexp), sumexp.numel(), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+double cross_entropy_loss(const Tensor& max, const Tensor& sumexp, const Tensor& target_logit,
+                          const Tensor& lse) {
+  NvtxRange range("cross_entropy_loss");
+  for (const Tensor* p : {&max, &sumexp, &target_logit, &lse}) expect_f32(*p, "cross_entropy_loss");
+  const I n = lse.numel();
+  // The result and one partial per block, as doubles (two f32 slots each).
+  const Tensor partials = scratch({2 * (I{kernels::cross_entropy_loss_blocks(n)} + 1)}, DType::f32);
+  auto* p = static_cast<double*>(partials.raw());
+  kernels::cross_entropy_loss(cf(max), cf(sumexp), cf(target_logit), f(lse), n, p + 1, p, stream());
+  TPX_CUDA_LAUNCH_CHECK();
+  return fetch_double(p);
+}
+
+void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                            std::int64_t begin, std::int64_t vocab, double scale,
+                            const Tensor& dlogits) {
+  NvtxRange range("cross_entropy_backward");
+  const std::int32_t* t = ids_of(targets, "cross_entropy_backward targets");
+  expect_f32_or_bf16(logits, "cross_entropy_backward logits");
+  expect_same_dtype(logits, dlogits);
+  expect_same_numel(logits, dlogits);
+  expect_f32(lse, "cross_entropy_backward lse");
+  kernels::cross_entropy_backward(in(logits), t, cf(lse), targets.numel(), logits.cols(), begin,
+                                  vocab, static_cast<float>(scale), out(dlogits), stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 

@@ -5,17 +5,20 @@
 // under the mixed-precision recipe. With compute = bf16 the GEMMs, attention's included, read
 // bf16 operands (bf16 copies of fp32 tensors) and accumulate in fp32; everything else (norms,
 // softmax, SwiGLU, loss, SGD) is fp32 arithmetic. The element-wise ops (rmsnorm_*, rope_*,
-// swiglu_*, add, accumulate, mse_loss_*, sum_squares, fill) also take bf16 tensors as they are
-// stored: a bf16 operand is widened in registers and a bf16 output rounded once, to nearest even,
-// as it is stored (elementwise_ops.h), the rounding points of tpx::ops' op boundary. Reductions
+// swiglu_*, add, accumulate, mse_loss_*, sum_squares, fill, embedding_*, cross_entropy_*) also
+// take bf16 tensors as they are stored: a bf16 operand is widened in registers and a bf16 output
+// rounded once, to nearest even, as it is stored (elementwise_ops.h), the rounding points of
+// tpx::ops' op boundary. Reductions
 // that return a scalar to the host (loss, sum of squares) accumulate in double.
 //
 // All work is issued on cuda::current_stream() (device.h) and is asynchronous unless the op
-// returns a host value (mse_loss_sum, sum_squares, to_host_f32) or copies to host memory.
+// returns a host value (mse_loss_sum, cross_entropy_loss, sum_squares, to_host_f32) or copies to
+// host memory.
 //
 // defines: tpx::cuda::gemm, rmsnorm_*, attention_*, attention_fused_*, attention_block_*,
 //          attention_merge, rope_*, swiglu_*,
-//          add, accumulate, mse_loss_*, sgd_update, sum_squares, fill, cast, copy, to_host_f32,
+//          add, accumulate, mse_loss_*, sgd_update, embedding_*, cross_entropy_*, sum_squares,
+//          fill, cast, copy, to_host_f32,
 //          synchronize, device_problem, fp32_boundary_forced, measure_bf16_gemm_peak_tflops,
 //          quantize_fp8, dequantize_fp8, amax, fp8_scale, gemm_fp8
 #pragma once
@@ -81,8 +84,12 @@ void accumulate(const Tensor& x, const Tensor& into);
 double mse_loss_sum(const Tensor& y, const Tensor& t);
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
 void sgd_update(const Tensor& w, const Tensor& grad, float lr);
-// The language model's ends (lm.cc): the vocabulary-parallel embedding and cross-entropy, on
-// f32 tensors (tpx::ops checks the shapes and gives bf16 tensors fp32 stand-ins, on the cpu).
+// The language model's ends (kernels in lm.cu): the vocabulary-parallel embedding and
+// cross-entropy (tpx::ops checks the shapes). Logits and dlogits (one dtype), the embedding's out
+// and dout are f32 or bf16 as stored, widened as read and rounded once as written; the table, its
+// gradient and the per-position vectors f32; fp32 math, the loss's sum in double.
+// embedding_backward sums each row's positions in position order (a stable sort by row, no float
+// atomics): the cpu backend's result, bit for bit.
 void embedding_forward(const Tensor& ids, const Tensor& table, std::int64_t begin,
                        const Tensor& out);
 void embedding_backward(const Tensor& ids, const Tensor& dout, std::int64_t begin,

@@ -36,11 +36,8 @@ using elem::store4;
 
 constexpr int kMaxThreads = 256;
 
-/// Threads for a block that sweeps `units` items of one row: a multiple of the warp size, at
-/// most kMaxThreads, no more than there is work for.
 int row_threads(I units) {
-  const I t = std::min<I>(kMaxThreads, (units + dev::kWarp - 1) / dev::kWarp * dev::kWarp);
-  return static_cast<int>(std::max<I>(dev::kWarp, t));
+  return dev::row_threads(units, kMaxThreads);
 }
 
 template <bool kVec, class X, class Y>
