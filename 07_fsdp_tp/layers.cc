@@ -301,6 +301,7 @@ void FsdpTp::reduce_lm_grads(const LmParams& grads) {
   if (mesh_.dp_cp() == 1) return;
   const Stream compute(device_);
   for (const Tensor* g : grads.all()) {
+    if (!g->defined()) continue;  // a pipeline stage holds only its end's
     TraceScope span(trace_, "language model grads all-reduce", Lane::dp_comm);
     dp_comm_->all_reduce(*g, compute);
   }

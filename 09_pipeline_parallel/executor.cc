@@ -59,9 +59,12 @@ Executor::Result Executor::run(const std::vector<LayerParams>& params, bool keep
   std::optional<Event> sent[2];
   int live = 0;
   if (keep) {
+    r.x.resize(std::size_t(shape_.microbatches));
     r.y.resize(std::size_t(shape_.microbatches));
     r.dx.resize(std::size_t(shape_.microbatches));
   }
+  for (const Tensor* g : m_.lm_grads.all())  // summed over the micro-batches from zero
+    if (g->defined()) ops::fill(*g, 0.0f);
   for (std::size_t i = 0; i < actions_.size(); ++i) {
     for (std::size_t j = i; j < actions_.size() && j <= i + pipeline::kReceivesAhead; ++j)
       post_receives(j);  // ahead of the action that reads them
@@ -98,7 +101,9 @@ Executor::Result Executor::run(const std::vector<LayerParams>& params, bool keep
   for (const std::optional<Event>& e : sent)
     if (e) e->synchronize();
   scratch_ = {};
+  lm_scratch_ = {};
   slice_.finish_grads();
+  if (c_.lm()) slice_.reduce_lm_grads(m_.lm_grads);
   return r;
 }
 
@@ -149,7 +154,14 @@ void Executor::forward(std::size_t i, const std::vector<LayerParams>& params, Re
                        bool keep) {
   const Action& a = actions_[i];
   Pass& p = passes_[{a.microbatch, a.stage}];
-  p.x = a.stage == 0 ? inputs[std::size_t(a.microbatch)] : incoming(i, Payload::activation);
+  const auto j = std::size_t(a.microbatch);
+  if (a.stage != 0)
+    p.x = incoming(i, Payload::activation);
+  else if (c_.lm())
+    p.x = lm::embed(c_, slice_, lm_params.embedding, tokens[j].tokens, trace_);
+  else
+    p.x = inputs[j];
+  if (keep && a.stage == 0) r.x[j] = p.x;
   const LayerRange& range = pp_.layers()[std::size_t(a.stage)];
   p.acts.resize(std::size_t(range.count));
   Tensor h = p.x;
@@ -163,7 +175,17 @@ void Executor::forward(std::size_t i, const std::vector<LayerParams>& params, Re
     slice_.release_layer(l);
   }
   p.y = h;
-  if (a.stage == shape_.stages() - 1) {
+  if (a.stage == shape_.stages() - 1 && c_.lm()) {
+    // The language model's head on this micro-batch, its loss part of the mean over every
+    // position of the batch (its gradient scaled by 1 / (S·B)).
+    lm::HeadActivations head;
+    r.loss_sum += lm::head_forward(c_, slice_, lm_params, h, tokens[j].targets, head, trace_);
+    const LmParams g = lm_scratch();
+    p.dy = lm::head_backward(c_, slice_, lm_params, head, tokens[j].targets,
+                             1.0 / (double(c_.seq) * double(c_.batch)), g, trace_);
+    accumulate_lm({.embedding = {}, .norm_f = g.norm_f, .w_out = g.w_out});
+    if (keep) r.y[j] = h;
+  } else if (a.stage == shape_.stages() - 1) {
     // The loss of this micro-batch, as part of the mean over the whole batch: its gradient is
     // scaled by 1 / (S·B·H), which is 1/M of the micro-batch's own mean.
     TraceScope op(trace_, "mse loss");
@@ -204,6 +226,12 @@ void Executor::backward(std::size_t i, const std::vector<LayerParams>& params, R
   if (split_) slice_.defer_weight_grads(nullptr);
   p.dx = dy;
   if (keep && a.stage == 0) r.dx[std::size_t(a.microbatch)] = dy;
+  if (a.stage == 0 && c_.lm()) {
+    const LmParams g = lm_scratch();
+    lm::embed_backward(c_, slice_, tokens[std::size_t(a.microbatch)].tokens, dy, g.embedding,
+                       trace_);
+    accumulate_lm({.embedding = g.embedding, .norm_f = {}, .w_out = {}});
+  }
 }
 
 void Executor::release(std::int64_t layer, BlockActivations& saved) const {
@@ -279,6 +307,23 @@ void Executor::accumulate(std::size_t l, const LayerParams& g) {
     slice_.grads_done(l, acc, m_.grads[l]);
     acc_.erase(l);
   }
+}
+
+LmParams Executor::lm_scratch() {
+  if (!lm_scratch_.norm_f.defined() && !lm_scratch_.embedding.defined()) {
+    auto like = [&](const Tensor& t) {
+      return t.defined() ? Tensor::empty(t.shape(), DType::f32, c_.device) : Tensor();
+    };
+    lm_scratch_ = {like(m_.lm_grads.embedding), like(m_.lm_grads.norm_f), like(m_.lm_grads.w_out)};
+  }
+  return lm_scratch_;
+}
+
+void Executor::accumulate_lm(const LmParams& g) {
+  TraceScope op(trace_, "grad accumulate");
+  const auto from = g.all(), into = m_.lm_grads.all();
+  for (std::size_t i = 0; i < from.size(); ++i)
+    if (from[i]->defined() && into[i]->defined()) ops::accumulate(*from[i], *into[i]);
 }
 
 }  // namespace tpx::pp

@@ -22,6 +22,7 @@
 #include "09_pipeline_parallel/pipeline.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "common/block.h"
+#include "common/lm.h"
 #include "common/model.h"
 
 namespace tpx::pp {
@@ -67,8 +68,14 @@ class Executor {
  public:
   Executor(const BlockConfig& c, PipelineParallel& pp, Model& model, Trace& trace);
 
-  /// The micro-batches of the block's input (stage 0) and of the target (the last stage).
+  /// --task block: the micro-batches of the block's input (stage 0) and of the target (the
+  /// last stage).
   std::vector<Tensor> inputs, targets;
+  /// --task lm: the step's token ids and targets, per micro-batch, and the language model's
+  /// compute copies (the embedding on stage 0's rank, the final norm and output layer on the last
+  /// stage's).
+  std::vector<lm::RankTokens> tokens;
+  LmParams lm_params;
   /// [S/(C·T), B/(D·M), H]: every message between stages.
   Tensor::Shape message_shape;
 
@@ -80,7 +87,8 @@ class Executor {
     /// The slice's traffic taken out around --recompute full's forwards: what the step moved
     /// before each, and what each moved (the rest is still in the slice's stats at the end).
     CommStats comm, recompute_comm;
-    std::vector<Tensor> y, dx;  ///< per micro-batch: the last stage's output, stage 0's dx
+    std::vector<Tensor> x, y, dx;  ///< per micro-batch: stage 0's input (--task lm: the
+                                   ///< embedding's output), the last stage's output, stage 0's dx
   };
 
   /// One step: this rank's actions in the schedule's order with the step's compute copies
@@ -105,6 +113,11 @@ class Executor {
   LayerParams fresh_grads(std::size_t l);
   LayerParams& accumulator(std::size_t l);
   void accumulate(std::size_t l, const LayerParams& g);
+  /// --task lm: adds one micro-batch's gradients of the language model's tensors defined in `g`
+  /// into the model's.
+  void accumulate_lm(const LmParams& g);
+  /// Buffers for one micro-batch's language-model gradients, the shapes of the model's.
+  LmParams lm_scratch();
 
   const BlockConfig& c_;
   PipelineParallel& pp_;
@@ -127,6 +140,7 @@ class Executor {
   /// away by its backward, so that the peak costs O(1) per action.
   std::size_t saved_ = 0;
   LayerParams scratch_;  // one micro-batch's gradients of a layer, reused (no split)
+  LmParams lm_scratch_;  // one micro-batch's language-model gradients, reused
 };
 
 }  // namespace tpx::pp

@@ -28,6 +28,8 @@
 #include "common/block.h"
 #include "common/check.h"
 #include "common/checked.h"
+#include "common/data.h"
+#include "common/lm.h"
 #include "common/ops.h"
 
 namespace tpx::pp {
@@ -555,8 +557,18 @@ Place place_of(const PipelineParallel& pp) {
 /// Stage 0 keeps the input's micro-batches (in the activations' dtype), the last stage the
 /// target's; the whole tensors stay only where the snapshot reads them, and a rank lets go of
 /// what it does not use before it splits what it does. Returns the micro-batch's rows B/(D·M).
-std::int64_t split_microbatches(const BlockConfig& c, const Place& place, int microbatches,
-                                bool snapshot, Model& model, Executor& ex) {
+std::int64_t split_microbatches(const BlockConfig& c, const Sharding& sh, const Place& place,
+                                int microbatches, bool snapshot, Model& model, Executor& ex) {
+  if (c.lm()) {
+    // The language model's ends on the pipeline's ends: the embedding where stage 0 runs, the
+    // final norm and the output layer where the last stage does.
+    if (place.me != 0) model.lm.embedding = model.lm_grads.embedding = Tensor();
+    if (place.me != place.last)
+      model.lm.norm_f = model.lm_grads.norm_f = model.lm.w_out = model.lm_grads.w_out = Tensor();
+    const std::int64_t rows = c.batch / sh.dp / microbatches;
+    ex.message_shape = {c.seq / sh.cp / (sh.sequence ? sh.world : 1), rows, c.hidden};
+    return rows;
+  }
   const std::int64_t rows = model.input.dim(1) / microbatches;
   ex.message_shape = {model.input.dim(0), rows, model.input.dim(2)};
   if (place.me != 0) model.input = Tensor();
@@ -571,6 +583,18 @@ std::int64_t split_microbatches(const BlockConfig& c, const Place& place, int mi
     if (!snapshot) model.target = Tensor();
   }
   return rows;
+}
+
+/// The step's token ids and targets [rows, B/D] cut into M micro-batches of `rows` columns.
+std::vector<lm::RankTokens> microbatch_tokens(const lm::RankTokens& all, int microbatches,
+                                              std::int64_t rows) {
+  std::vector<lm::RankTokens> out;
+  auto part = [&](const Tensor& t, int j) {
+    const Tensor p = microbatch(t.reshape({t.dim(0), t.dim(1), 1}), j, rows);
+    return p.reshape({t.dim(0), rows});
+  };
+  for (int j = 0; j < microbatches; ++j) out.push_back({part(all.tokens, j), part(all.targets, j)});
+  return out;
 }
 
 /// The measured steps' times on this rank (steps 1 …; step 0 warms up, unless it is the only
@@ -604,7 +628,8 @@ Executor::Result run_actions(PipelineParallel& pp, Executor& ex,
 /// The whole model on rank 0 after step 0: each pipeline stage's slice gathers what it holds to
 /// its first rank, which sends it on (not counted: reporting). Every rank calls it.
 void take_snapshot(const BlockConfig& c, PipelineParallel& pp, const Place& place,
-                   const Model& model, const Executor::Result& r, Snapshot& snap) {
+                   const Model& model, const Executor::Result& r, const TokenBatch& batch,
+                   Snapshot& snap) {
   Parallelism& slice = pp.slice();
   auto gathered = [&](int from, auto&& make) {
     std::vector<float> v;
@@ -613,8 +638,23 @@ void take_snapshot(const BlockConfig& c, PipelineParallel& pp, const Place& plac
     return v;
   };
   const int last = place.last;
-  snap.input = gathered(0, [&] { return slice.gather_activation(model.input); });
-  snap.target = gathered(last, [&] { return slice.gather_activation(model.target); });
+  if (c.lm()) {
+    snap.input = gathered(0, [&] { return slice.gather_activation(join_microbatches(r.x)); });
+    snap.tokens = batch.tokens;
+    snap.targets = batch.targets;
+    const auto params = model.lm.all(), grads = model.lm_grads.all();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const int owner = i == 0 ? 0 : last;
+      const Split split = kLmSplits[i];
+      snap.lm_params[i] = unpadded_vocab(
+          c, split, gathered(owner, [&] { return slice.gather_vocab(split, *params[i]); }));
+      snap.lm_grads[i] = unpadded_vocab(
+          c, split, gathered(owner, [&] { return slice.gather_vocab(split, *grads[i]); }));
+    }
+  } else {
+    snap.input = gathered(0, [&] { return slice.gather_activation(model.input); });
+    snap.target = gathered(last, [&] { return slice.gather_activation(model.target); });
+  }
   snap.output = gathered(last, [&] { return slice.gather_activation(join_microbatches(r.y)); });
   snap.input_grad = gathered(0, [&] { return slice.gather_activation(join_microbatches(r.dx)); });
   snap.params.resize(std::size_t(c.layers));
@@ -683,7 +723,12 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
   pp.slice().shard_model(model);  // this rank's tokens and batch part; its layers' shards
   Executor ex(c, pp, model, trace);
   const std::int64_t microbatch_rows =
-      split_microbatches(c, place, pp.schedule().shape().microbatches, snapshot, model, ex);
+      split_microbatches(c, sh, place, pp.schedule().shape().microbatches, snapshot, model, ex);
+  // --task lm: the token stream, and the positions this rank's slice looks up and scores.
+  const std::optional<TokenStream> stream =
+      c.lm() ? std::optional<TokenStream>(std::in_place, c) : std::nullopt;
+  const TokenCut cut = c.lm() ? pp.slice().token_cut(c) : TokenCut{};
+  TokenBatch batch;
 
   std::vector<LayerParams> params;
   Moments moments = make_moments(c, model);
@@ -701,13 +746,20 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       std::optional<TraceScope> op;
       if (c.bf16_weight_copies()) op.emplace(trace, "bf16 weight copies");
       make_compute_copies(c, model, params);
+      ex.lm_params = lm_compute_copies(c, model);
+    }
+    if (stream) {
+      batch = stream->batch(step);
+      ex.tokens = microbatch_tokens(lm::cut_tokens(batch, cut, c.device),
+                                    pp.schedule().shape().microbatches, microbatch_rows);
     }
     const bool keep = snapshot && step == 0;
     const Executor::Result r =
         run_actions(pp, ex, params, keep, /*measured=*/step > 0 || c.steps == 1, times);
     if (step == 0) result.saved_activation_bytes = r.peak_saved;
-    row.loss =
-        0.5 * par.sum_over_ranks(r.loss_sum) / (double(c.seq) * double(c.batch) * double(c.hidden));
+    const double positions = double(c.seq) * double(c.batch);
+    row.loss = c.lm() ? par.sum_over_ranks(r.loss_sum) / positions
+                      : 0.5 * par.sum_over_ranks(r.loss_sum) / (positions * double(c.hidden));
     row.grad_norm = grad_norm(par, model, sh, trace);
     if (result.diverged = divergence(row, c.lr); !result.diverged.empty()) {
       par.synchronize();
@@ -724,7 +776,7 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     row.exposed_comm_ms = trace.exposed_comm_ms(start, Clock::now());
     if (keep) {
       result.first.loss = row.loss;
-      take_snapshot(c, pp, place, model, r, result.first);
+      take_snapshot(c, pp, place, model, r, batch, result.first);
       par.take_comm_stats();
       model.input = Tensor();
       model.target = Tensor();

@@ -60,6 +60,19 @@ Tensor zeros_like(const Tensor& t) {
 
 }  // namespace
 
+std::vector<float> unpadded_vocab(const BlockConfig& c, Split split, std::vector<float> padded) {
+  if (padded.empty() || split == Split::replicated) return padded;
+  if (split == Split::rows) {
+    padded.resize(static_cast<std::size_t>(c.vocab * c.hidden));
+    return padded;
+  }
+  const auto width = static_cast<std::int64_t>(padded.size()) / c.hidden;
+  std::vector<float> out(static_cast<std::size_t>(c.hidden * c.vocab));
+  for (std::int64_t i = 0; i < c.hidden; ++i)
+    std::copy_n(padded.begin() + i * width, c.vocab, out.begin() + i * c.vocab);
+  return out;
+}
+
 Moments make_moments(const BlockConfig& c, const Model& m) {
   Moments moments;
   if (c.optimizer != Optimizer::adamw) return moments;
@@ -170,19 +183,6 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-/// A language-model tensor whole on rank 0, its vocabulary unpadded: the embedding's first V rows,
-/// the output layer's first V columns.
-std::vector<float> unpadded(const BlockConfig& c, Split split, const Tensor& full) {
-  std::vector<float> all = host_copy(full);
-  if (split == Split::rows) all.resize(static_cast<std::size_t>(c.vocab * c.hidden));
-  if (split != Split::columns) return all;
-  const std::int64_t padded = full.dim(1);
-  std::vector<float> out(static_cast<std::size_t>(c.hidden * c.vocab));
-  for (std::int64_t i = 0; i < c.hidden; ++i)
-    std::copy_n(all.begin() + i * padded, c.vocab, out.begin() + i * c.vocab);
-  return out;
-}
-
 void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const Tensor& x,
                    const Tensor& y, const Tensor& dx, const TokenBatch& batch, double loss,
                    Snapshot& s) {
@@ -204,8 +204,10 @@ void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const
     s.targets = batch.targets;
     const auto params = m.lm.all(), grads = m.lm_grads.all();
     for (std::size_t i = 0; i < params.size(); ++i) {
-      s.lm_params[i] = unpadded(c, kLmSplits[i], par.gather_vocab(kLmSplits[i], *params[i]));
-      s.lm_grads[i] = unpadded(c, kLmSplits[i], par.gather_vocab(kLmSplits[i], *grads[i]));
+      s.lm_params[i] =
+          unpadded_vocab(c, kLmSplits[i], host_copy(par.gather_vocab(kLmSplits[i], *params[i])));
+      s.lm_grads[i] =
+          unpadded_vocab(c, kLmSplits[i], host_copy(par.gather_vocab(kLmSplits[i], *grads[i])));
     }
   }
   s.extra = par.dump_extra();

@@ -89,6 +89,10 @@ void make_compute_copies(const BlockConfig& c, const Model& m, std::vector<Layer
 /// The language model's compute copies: the output layer's bf16 copy under --dtype bf16 (and
 /// fp8), the rest as m holds them.
 LmParams lm_compute_copies(const BlockConfig& c, const Model& m);
+/// A whole language-model tensor's values (as gathered: its vocabulary padded to a multiple of
+/// T) without the padding: the embedding's first V rows, the output layer's first V columns.
+/// An empty vector (a rank that gathered nothing) stays empty.
+std::vector<float> unpadded_vocab(const BlockConfig& c, Split split, std::vector<float> padded);
 /// AdamW's two moments per parameter of m (zero); empty under SGD.
 struct Moments {
   std::vector<std::array<LayerParams, 2>> layers;
