@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
-# Installs the Debian packages tpx needs. Idempotent: does nothing when they are all present.
-# As a non-root user without them it prints the exact command to run and exits non-zero.
+# Installs the Debian packages tpx needs; with --transformers (scripts/test.sh) also Hugging Face
+# transformers from PyPI into .venv-hf, for tests/lm_transformers.py. Idempotent: does nothing
+# when they are all present. As a non-root user without the packages it prints the exact command
+# to run and exits non-zero. TPX_NO_TRANSFORMERS=1 leaves transformers out (offline); the test
+# then reports itself skipped.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+transformers=0
+case "${1:-}" in
+  "") ;;
+  --transformers) transformers=1 ;;
+  *) echo "setup: unknown argument $1 (the only one is --transformers)" >&2; exit 2 ;;
+esac
 
 packages=(
   build-essential cmake ninja-build git pkg-config
@@ -15,6 +25,7 @@ packages=(
   python3                           # tools/trace_svg.py, scripts/check-quotes.py
   python3-matplotlib                # tools/bench.py's plots (scripts/bench.sh)
   bible-kjv bible-kjv-text          # the language model's text: the King James Version (scripts/make-corpus.sh)
+  python3-torch python3-venv python3-packaging  # tests/lm_transformers.py (PyTorch on the cpu)
 )
 
 missing=()
@@ -23,14 +34,36 @@ for p in "${packages[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup: all ${#packages[@]} packages present"
-  exit 0
+else
+  cmd="apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ${missing[*]}"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: missing packages: ${missing[*]}" >&2
+    echo "setup: run as root:  sudo sh -c '$cmd'" >&2
+    exit 1
+  fi
+  echo "setup: installing ${missing[*]}"
+  sh -c "$cmd"
 fi
 
-cmd="apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ${missing[*]}"
-if [ "$(id -u)" -ne 0 ]; then
-  echo "setup: missing packages: ${missing[*]}" >&2
-  echo "setup: run as root:  sudo sh -c '$cmd'" >&2
-  exit 1
+# transformers from PyPI at the versions pinned in the requirements file, in a virtual environment
+# that sees Debian's python3-torch (PyPI's torch wheels pull gigabytes of CUDA libraries). The
+# environment keeps a copy of the file it was made from: the same file, nothing to do.
+[ "$transformers" = 1 ] || exit 0
+venv=.venv-hf
+req=scripts/requirements-transformers.txt
+if [ "${TPX_NO_TRANSFORMERS:-0}" = 1 ]; then
+  echo "setup: TPX_NO_TRANSFORMERS=1: no transformers (tests/lm_transformers.py skips)"
+elif cmp -s "$req" "$venv/requirements.txt"; then
+  echo "setup: transformers present ($venv)"
+else
+  echo "setup: installing transformers into $venv ($req)"
+  rm -rf "$venv"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+  if ! "$venv/bin/pip" install --disable-pip-version-check --no-input --quiet --only-binary :all: \
+      -r "$req"; then
+    echo "setup: pip could not install $req (offline? TPX_NO_TRANSFORMERS=1 leaves it out)" >&2
+    exit 1
+  fi
+  "$venv/bin/python" -c 'import torch, transformers'
+  cp "$req" "$venv/requirements.txt"
 fi
-echo "setup: installing ${missing[*]}"
-sh -c "$cmd"
