@@ -491,7 +491,8 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
                   .optimizer = std::string(optimizer_flag(o.config.optimizer)),
                   .recompute = std::string(recompute_flag(o.config.recompute)),
                   .comm_kind = "auto",
-                  .task = std::string(task_flag(o.config.task))};
+                  .task = "lm"};
+  o.config.data = default_data();
 
   CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
   describe_app(app, info);

@@ -61,7 +61,9 @@ struct BlockConfig {
   std::int64_t batch = 2;   ///< B
   std::int64_t layers = 2;  ///< L stacked blocks
   std::int64_t steps = 5;   ///< training steps (--steps)
-  Task task = Task::block;  ///< --task
+  /// --task. The struct's default is the blocks alone (what in-process tests and tools build);
+  /// the executables' --task defaults to lm (common/cli.cc).
+  Task task = Task::block;
   std::int64_t vocab = 0;   ///< V, the vocabulary (--vocab; the token file's when not given)
   /// --data: a token file made by tpx_tokenize, or "synthetic" for a generated stream.
   std::string data = "synthetic";

@@ -7,12 +7,14 @@
 // Position s of a window is the input of position s and the target of position s − 1: the next
 // token comes from the stream itself, before any rank cuts the sequence.
 //
-// defines: tpx::DataSplit, tpx::TokenBatch, tpx::TokenStream, tpx::resolve_token_source()
+// defines: tpx::DataSplit, tpx::kSyntheticData, tpx::TokenBatch, tpx::TokenStream,
+//          tpx::default_data(), tpx::resolve_token_source()
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "config.h"
@@ -20,6 +22,9 @@
 namespace tpx {
 
 enum class DataSplit { train, valid };
+
+/// --data's word for the generated stream.
+inline constexpr std::string_view kSyntheticData = "synthetic";
 
 /// One step's whole batch, sequence first: tokens[s·B + b] is window b's token s and
 /// targets[s·B + b] its token s + 1.
@@ -47,6 +52,10 @@ class TokenStream {
   std::string path_;  // empty: synthetic
   std::vector<std::uint16_t> train_, valid_;
 };
+
+/// --data's default: the token file the build made from real text (token_file.h's
+/// default_token_file()) where it exists, else the generated stream.
+std::string default_data();
 
 /// --data and --vocab checked and resolved (c.vocab: the token file's vocabulary when --vocab is
 /// not given, kSyntheticVocab for the generated stream): one sentence naming the flag or file

@@ -43,10 +43,10 @@ std::size_t run_end(std::string_view text, std::size_t i, ByteClass cls) {
 }
 
 void check_vocab(std::int64_t vocab) {
-  if (vocab < kMinVocab || vocab > kMaxVocab)
+  if (vocab < kMinTokenizerVocab || vocab > kMaxTokenizerVocab)
     throw ConfigError(fmt::format(
         "--vocab must be {} (the bytes) … {} (got {}): a byte-level tokenizer's vocabulary",
-        kMinVocab, kMaxVocab, vocab));
+        kMinTokenizerVocab, kMaxTokenizerVocab, vocab));
 }
 
 // The most frequent pair first; of equal counts, the smallest pair.
@@ -131,7 +131,7 @@ Tokenizer Tokenizer::train(std::string_view text, std::int64_t vocab) {
   for (const auto& [k, n] : counts) queue.push({n, k});
 
   std::vector<Pair> merges;
-  const auto n_merges = std::size_t(vocab - kMinVocab);
+  const auto n_merges = std::size_t(vocab - kMinTokenizerVocab);
   merges.reserve(n_merges);
   std::vector<std::size_t> visited(words.size(), 0);  // the merge that last visited each word
   std::vector<std::uint64_t> touched;
@@ -140,13 +140,13 @@ Tokenizer Tokenizer::train(std::string_view text, std::int64_t vocab) {
     if (queue.empty())
       throw ConfigError(fmt::format(
           "--vocab {}: the text holds only enough pairs for {} ids (its words are each one token)",
-          vocab, kMinVocab + std::int64_t(merges.size())));
+          vocab, kMinTokenizerVocab + std::int64_t(merges.size())));
     const Candidate top = queue.top();
     queue.pop();
     const auto found = counts.find(top.key);
     if (found == counts.end() || found->second != top.count) continue;
     const auto a = std::int32_t(top.key >> 32), b = std::int32_t(top.key & 0xffffffffu);
-    const auto made = std::int32_t(kMinVocab + std::int64_t(merges.size()));
+    const auto made = std::int32_t(kMinTokenizerVocab + std::int64_t(merges.size()));
     merges.emplace_back(a, b);
     touched.clear();
     auto add = [&](std::uint64_t k, std::int64_t n) {
@@ -215,18 +215,18 @@ Tokenizer Tokenizer::load(const std::string& path) {
   if (!j.contains("vocab") || !j["vocab"].is_number_integer())
     throw bad("\"vocab\" must be an integer");
   const auto vocab = j["vocab"].get<std::int64_t>();
-  if (vocab < kMinVocab || vocab > kMaxVocab)
-    throw bad(fmt::format("\"vocab\" must be {} … {} (got {})", kMinVocab, kMaxVocab, vocab));
+  if (vocab < kMinTokenizerVocab || vocab > kMaxTokenizerVocab)
+    throw bad(fmt::format("\"vocab\" must be {} … {} (got {})", kMinTokenizerVocab, kMaxTokenizerVocab, vocab));
   if (!j.contains("merges") || !j["merges"].is_array() ||
-      std::int64_t(j["merges"].size()) != vocab - kMinVocab)
+      std::int64_t(j["merges"].size()) != vocab - kMinTokenizerVocab)
     throw bad(
-        fmt::format("\"merges\" must be a list of vocab − 256 = {} pairs", vocab - kMinVocab));
+        fmt::format("\"merges\" must be a list of vocab − 256 = {} pairs", vocab - kMinTokenizerVocab));
   std::vector<Pair> merges;
-  merges.reserve(std::size_t(vocab - kMinVocab));
+  merges.reserve(std::size_t(vocab - kMinTokenizerVocab));
   std::unordered_map<std::uint64_t, std::size_t> seen;
   for (const auto& m : j["merges"]) {
     const std::size_t i = merges.size();
-    const std::int64_t made = kMinVocab + std::int64_t(i);
+    const std::int64_t made = kMinTokenizerVocab + std::int64_t(i);
     if (!m.is_array() || m.size() != 2 || !m[0].is_number_integer() || !m[1].is_number_integer())
       throw bad(fmt::format("merge {} must be a pair of ids [a, b]", i));
     const auto a = m[0].get<std::int64_t>(), b = m[1].get<std::int64_t>();
@@ -290,7 +290,7 @@ std::vector<std::int32_t> Tokenizer::encode(std::string_view text) const {
       queue.pop();
       if (id[std::size_t(left)] < 0 || rank_at(left) != r) continue;  // gone, or changed
       const std::int64_t right = next[std::size_t(left)];
-      id[std::size_t(left)] = std::int32_t(kMinVocab + r);
+      id[std::size_t(left)] = std::int32_t(kMinTokenizerVocab + r);
       id[std::size_t(right)] = -1;
       next[std::size_t(left)] = next[std::size_t(right)];
       if (next[std::size_t(right)] >= 0) prev[std::size_t(next[std::size_t(right)])] = left;

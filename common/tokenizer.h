@@ -15,7 +15,7 @@
 // The tokenizer is saved as JSON: {"format": "tpx-bpe", "version": 1, "vocab": V, "words":
 // "<the split rule>", "merges": [[a, b], …]}, merge i making id 256 + i from ids a and b.
 //
-// defines: tpx::Tokenizer, tpx::split_words(), tpx::kMinVocab, tpx::kMaxVocab
+// defines: tpx::Tokenizer, tpx::split_words(), tpx::kMinTokenizerVocab, tpx::kMaxTokenizerVocab
 #pragma once
 
 #include <cstdint>
@@ -30,8 +30,8 @@ namespace tpx {
 
 /// The vocabulary sizes train() accepts: the 256 bytes at least; at most what a u16 token file
 /// holds with room to spare.
-inline constexpr std::int64_t kMinVocab = 256;
-inline constexpr std::int64_t kMaxVocab = 32768;
+inline constexpr std::int64_t kMinTokenizerVocab = 256;
+inline constexpr std::int64_t kMaxTokenizerVocab = 32768;
 
 /// `text` cut into words, in order, with nothing lost (their concatenation is `text`). A word is
 /// one of:
@@ -45,8 +45,8 @@ std::vector<std::string_view> split_words(std::string_view text);
 
 class Tokenizer {
  public:
-  /// Trains on `text` up to `vocab` ids. Throws tpx::ConfigError for a vocab outside kMinVocab …
-  /// kMaxVocab ("--vocab ...") or one the text cannot fill (its words run out of pairs first).
+  /// Trains on `text` up to `vocab` ids. Throws tpx::ConfigError for a vocab outside kMinTokenizerVocab …
+  /// kMaxTokenizerVocab ("--vocab ...") or one the text cannot fill (its words run out of pairs first).
   static Tokenizer train(std::string_view text, std::int64_t vocab);
 
   /// Reads a tokenizer save() wrote. Throws tpx::ConfigError naming the file and the rule for a

@@ -122,11 +122,15 @@ inline constexpr const char* kRootMpiEnv =
 #ifdef TPX_MPIEXEC_FLAGS
 /// `mpirun -np N build/bin/<stage> <args>` in `dir`, with a wall-clock limit so that a hang fails
 /// instead of blocking (for test targets compiled with TPX_MPIEXEC_FLAGS).
+/// The blocks' machinery is what most tests check (their traffic, memory, recompute, dumps of
+/// x and T): a run that names no --task trains the blocks alone (--task block); the language
+/// model's tests say --task lm.
 inline CommandResult run_stage(const std::string& stage, int ranks, const std::string& args,
                                const TempDir& dir) {
+  const std::string task = args.find("--task") == std::string::npos ? " --task block" : "";
   const std::string cmd = std::string(kRootMpiEnv) + " timeout 120 " + TPX_MPIEXEC + " " +
                           TPX_MPIEXEC_FLAGS + " -np " + std::to_string(ranks) + " " +
-                          stage_binary(stage) + " " + args;
+                          stage_binary(stage) + " " + args + task;
   return run_command(cmd, dir);
 }
 #endif

@@ -34,7 +34,7 @@ struct Options {
 };
 
 std::vector<std::uint16_t> as_u16(const std::vector<std::int32_t>& ids) {
-  return {ids.begin(), ids.end()};  // every id < kMaxVocab ≤ 65536
+  return {ids.begin(), ids.end()};  // every id < kMaxTokenizerVocab ≤ 65536
 }
 
 // Trains on all but the last fraction of the lines, then writes the tokenizer and token file.
@@ -46,9 +46,9 @@ void train(const Options& o) {
     throw ConfigError(fmt::format(
         "--valid-fraction must be above 0 and below 1, the share of lines held out (got {:g})",
         o.valid_fraction));
-  if (o.vocab < tpx::kMinVocab || o.vocab > tpx::kMaxVocab)
-    throw ConfigError(fmt::format("--vocab must be {} (the bytes) … {} (got {})", tpx::kMinVocab,
-                                  tpx::kMaxVocab, o.vocab));
+  if (o.vocab < tpx::kMinTokenizerVocab || o.vocab > tpx::kMaxTokenizerVocab)
+    throw ConfigError(fmt::format("--vocab must be {} (the bytes) … {} (got {})", tpx::kMinTokenizerVocab,
+                                  tpx::kMaxTokenizerVocab, o.vocab));
   const std::vector<tpx::NamedPath> outputs{{"--tokenizer", o.tokenizer}, {"--output", o.output}};
   if (const std::string p = tpx::output_collision(outputs, {{"--text", o.text}}); !p.empty())
     throw ConfigError(p);
@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
   auto* text = app.add_option("--text", o.text, "the text to train on and tokenize (bytes)");
   auto* vocab = app.add_option("--vocab", o.vocab,
                                fmt::format("with --text: V, the vocabulary size ({} … {})",
-                                           tpx::kMinVocab, tpx::kMaxVocab))
+                                           tpx::kMinTokenizerVocab, tpx::kMaxTokenizerVocab))
                     ->capture_default_str();
   auto* valid = app.add_option("--valid-fraction", o.valid_fraction,
                                "with --text: the share of the text's lines held out, from its end")
