@@ -11,7 +11,9 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
   const U all_reduce_bus = (P * 2 * (N - 1)) / N;
   const Traffic layer{4 * P, 4 * all_reduce_bus, 4};
   const Traffic fwd{2 * P, 2 * all_reduce_bus, 2};
-  return per_step(c, layer, fwd);
+  Traffic step = per_step(c, layer, fwd);
+  step += lm_traffic(c, n, act_bytes, TpLayout::all_reduce);  // the language model's ends
+  return step;
 }
 
 }  // namespace tpx::megatron

@@ -17,7 +17,9 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
   Traffic layer{10 * P, 10 * (P * (N - 1) / N), 10};
   layer += gain_all_reduces(c, n);
   const Traffic fwd{4 * P, 4 * (P * (N - 1) / N), 4};
-  return per_step(c, layer, fwd);
+  Traffic step = per_step(c, layer, fwd);
+  step += lm_traffic(c, n, act_bytes, TpLayout::sequence);  // the language model's ends
+  return step;
 }
 
 }  // namespace tpx::sp

@@ -14,7 +14,9 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
   Traffic layer{10 * chunks, 10 * chunks, 10 * (N - 1)};
   layer += sp::gain_all_reduces(c, n);
   const Traffic fwd{4 * chunks, 4 * chunks, 4 * (N - 1)};
-  return per_step(c, layer, fwd);
+  Traffic step = per_step(c, layer, fwd);
+  step += lm_traffic(c, n, act_bytes, TpLayout::ring);  // the language model's ends
+  return step;
 }
 
 }  // namespace tpx::ring

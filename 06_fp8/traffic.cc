@@ -25,7 +25,9 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
   layer += amax;
   Traffic fwd{moved_fwd, moved_fwd, 4 * (N - 1)};
   fwd += amax_fwd;
-  return per_step(c, layer, fwd);
+  Traffic step = per_step(c, layer, fwd);
+  step += lm_traffic(c, n, act_bytes, TpLayout::ring);  // the language model's ends
+  return step;
 }
 
 }  // namespace tpx::async_fp8

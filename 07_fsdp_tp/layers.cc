@@ -417,7 +417,8 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .dp = mesh.dp,
                 .dimensions = {memory_dimension(mesh.dp_cp_index() == 0)}};  // as sharding()
   const Traffic tp = ring::traffic(replica, mesh.tp);  // stage 05's, inside the TP group
-  const Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
+  Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
+  dp += lm_grads_traffic(ctx.options.config, mesh.tp, mesh.dp, true, true);  // replicated ends
   p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};
   p.traffic = {tp.payload + dp.payload, tp.bus + dp.bus, tp.calls + dp.calls};
   p.comm = fmt::format("mesh D {} × TP {} (dry run)", mesh.dp, mesh.tp);

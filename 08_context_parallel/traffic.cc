@@ -64,8 +64,9 @@ MeshTraffic mesh_traffic(const BlockConfig& c, int dp, int cp, int tp, CpMethod 
   BlockConfig local = c;  // what one rank's stage 05 sees: S / C tokens of B / D sequences
   local.seq = c.seq / cp;
   local.batch = c.batch / dp;
-  return {ring::traffic(local, tp), cp_traffic(c, dp, cp, tp, method),
-          fsdp::fsdp_traffic(c, tp, dp * cp)};
+  Traffic grads = fsdp::fsdp_traffic(c, tp, dp * cp);
+  grads += lm_grads_traffic(c, tp, dp * cp, true, true);  // the language model's replicated ends
+  return {ring::traffic(local, tp), cp_traffic(c, dp, cp, tp, method), grads};
 }
 
 }  // namespace tpx::cp

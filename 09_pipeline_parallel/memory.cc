@@ -115,8 +115,14 @@ class PipelineDimension final : public MemoryDimension {
     // The live micro-batches' activations; the target's micro-batches on the last stage only;
     // the input's are the pipeline's own buffer (the first stage's), never a bf16 copy's source.
     e.term("saved activations").bytes = std::uint64_t(saved_activations(p.rank, pp_, p.pass_bytes));
-    if (!pp_.holds_target) e.term("target").bytes = 0;
+    if (!pp_.holds_target && !p.global.lm()) e.term("target").bytes = 0;
     e.remove("fp32 input");
+    // --task lm: the embedding on the first stage's rank, the head on the last's.
+    if (!pp_.holds_input) e.remove(kLmEmbeddingTerm);
+    if (!pp_.holds_target) {
+      e.remove(kLmOutputTerm);
+      e.remove(kLmLogitsTerm);
+    }
     e.terms.push_back({"pipeline buffers", std::uint64_t(buffers(pp_, p))});
     if (p.sharding.dp * p.sharding.cp > 1) {
       // The unsharded gradients of the layer in backward are its accumulator (or the one

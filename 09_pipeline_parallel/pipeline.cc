@@ -442,14 +442,26 @@ StagePlan plan_pipeline(const RunContext& ctx) {
   mine.layers = held.layers;
   BlockConfig micro = mine;
   micro.batch = c.batch / l.shape.microbatches;
-  const MeshTraffic t =
-      recomputed_traffic(micro, mesh, method, l.layers, l.shape.stages_of(mesh.pp_index));
+  BlockConfig blocks = micro;  // the slice's blocks; the language model's ends come below
+  blocks.task = Task::block;
+  MeshTraffic t =
+      recomputed_traffic(blocks, mesh, method, l.layers, l.shape.stages_of(mesh.pp_index));
+  // --task lm: the embedding on the rank of the first stage, the head on the last's, once per
+  // micro-batch on its S / C tokens of B / (D·M) sequences.
+  const bool first = mesh.pp_index == l.shape.rank_of(0);
+  const bool last = mesh.pp_index == l.shape.rank_of(l.shape.stages() - 1);
+  BlockConfig ends = micro;
+  ends.seq = c.seq / mesh.cp;
+  ends.batch = micro.batch / mesh.dp;
+  if (first) t.tp += lm_embedding_traffic(ends, mesh.tp, 0, TpLayout::ring);
+  if (last) t.tp += lm_head_traffic(ends, mesh.tp, 0, TpLayout::ring);
   const auto m = std::uint64_t(l.shape.microbatches);
   const Traffic tp{t.tp.payload * m, t.tp.bus * m, t.tp.calls * m};
   const Traffic cp{t.cp.payload * m, t.cp.bus * m, t.cp.calls * m};
-  const Traffic dp = mesh.dp * mesh.cp > 1 ? fsdp::fsdp_traffic(mine, mesh.tp, mesh.dp * mesh.cp,
-                                                                l.shape.microbatches)
-                                           : Traffic{};
+  Traffic dp = mesh.dp * mesh.cp > 1
+                   ? fsdp::fsdp_traffic(mine, mesh.tp, mesh.dp * mesh.cp, l.shape.microbatches)
+                   : Traffic{};
+  dp += lm_grads_traffic(c, mesh.tp, mesh.dp * mesh.cp, first, last);
   Traffic pp;
   // The pipeline's messages: every send of the schedule on this rank carries one micro-batch's
   // [S/(C·T), B/(D·M), H] activation (or its gradient); a receive is a call that sends nothing.

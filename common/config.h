@@ -64,7 +64,7 @@ struct BlockConfig {
   /// --task. The struct's default is the blocks alone (what in-process tests and tools build);
   /// the executables' --task defaults to lm (common/cli.cc).
   Task task = Task::block;
-  std::int64_t vocab = 0;   ///< V, the vocabulary (--vocab; the token file's when not given)
+  std::int64_t vocab = 0;  ///< V, the vocabulary (--vocab; the token file's when not given)
   /// --data: a token file made by tpx_tokenize, or "synthetic" for a generated stream.
   std::string data = "synthetic";
   /// --eval-every K: the held-out loss every K steps and at the last (0: never).

@@ -5,8 +5,8 @@
 #include <filesystem>
 
 #include "check.h"
-#include "token_file.h"
 #include "init.h"
+#include "token_file.h"
 
 namespace tpx {
 namespace {
@@ -26,9 +26,10 @@ TokenStream::TokenStream(const BlockConfig& c)
   // resolve_token_source() has refused the rest; a caller that skipped it still gets a sentence.
   for (const auto* split : {&train_, &valid_})
     if (split->size() < std::size_t(seq_) + 1)
-      throw ConfigError(fmt::format("token file '{}': a split of {} tokens is shorter than one "
-                                    "sequence + 1 (--seq {})",
-                                    path_, split->size(), seq_));
+      throw ConfigError(
+          fmt::format("token file '{}': a split of {} tokens is shorter than one "
+                      "sequence + 1 (--seq {})",
+                      path_, split->size(), seq_));
 }
 
 const std::vector<std::uint16_t>& TokenStream::ids(DataSplit split) const {
@@ -87,13 +88,15 @@ std::optional<std::string> resolve_token_source(BlockConfig& c, bool vocab_given
     const TokenFile file = read_token_file(c.data);  // every rule of the format, every id
     if (!vocab_given) c.vocab = file.vocab;
     if (c.vocab < file.vocab)
-      return fmt::format("--vocab {} is smaller than the vocabulary {} of token file '{}' (its "
-                         "ids reach {}); leave --vocab out to use the file's",
-                         c.vocab, file.vocab, c.data, file.vocab - 1);
+      return fmt::format(
+          "--vocab {} is smaller than the vocabulary {} of token file '{}' (its "
+          "ids reach {}); leave --vocab out to use the file's",
+          c.vocab, file.vocab, c.data, file.vocab - 1);
     auto short_split = [&](const std::vector<std::uint16_t>& ids, const char* name) {
-      return fmt::format("token file '{}': its {} split of {} tokens is shorter than one "
-                         "sequence + 1 (--seq {} needs {})",
-                         c.data, name, ids.size(), c.seq, c.seq + 1);
+      return fmt::format(
+          "token file '{}': its {} split of {} tokens is shorter than one "
+          "sequence + 1 (--seq {} needs {})",
+          c.data, name, ids.size(), c.seq, c.seq + 1);
     };
     if (file.train.size() < std::size_t(c.seq) + 1) return short_split(file.train, "train");
     if (c.eval_every > 0 && file.valid.size() < std::size_t(c.seq) + 1)

@@ -12,6 +12,9 @@
 //   recompute          R/L × forward       --recompute full runs the forward of R = ceil(L/K)
 //                                          blocks again (--recompute-every K); selective only
 //                                          element-wise ops, 0 GEMM FLOPs
+// The language model (--task lm) adds its output layer, once per step (not per layer):
+//   output forward     2·S·B·H·V          h · W_out, W_out: [H, V]; backward 2 × forward
+// The embedding is a lookup (no FLOPs), the cross-entropy element-wise.
 // Element-wise work (norms, RoPE, softmax, SwiGLU, residuals, loss, SGD) is O(S·B·H) and not
 // counted. GQA does not change attention's FLOPs: every query head still scores every key.
 // A tensor-parallel rank does 1/N of the GEMM work. total() is the model's FLOPs (what MFU
@@ -25,7 +28,7 @@
 namespace tpx {
 
 struct StepFlops {
-  double linear_forward = 0;     ///< all layers
+  double linear_forward = 0;     ///< all layers (and the output layer, under --task lm)
   double attention_forward = 0;  ///< all layers
   double forward() const { return linear_forward + attention_forward; }
   double recompute = 0;  ///< the recomputed layers' forward GEMMs (full), else 0
@@ -41,8 +44,10 @@ inline StepFlops step_flops(const BlockConfig& c) {
   StepFlops r;
   const double kv = double(c.kv_dim());
   r.linear_forward = layers * 2.0 * t * (2.0 * h * h + 2.0 * h * kv + 3.0 * h * f);
+  const double recomputed = r.linear_forward + layers * 2.0 * (2.0 * b * s * s * h);
+  if (c.lm()) r.linear_forward += 2.0 * t * h * double(c.vocab);  // the output layer
   r.attention_forward = layers * 2.0 * (2.0 * b * s * s * h);
-  r.recompute = r.forward() * double(c.recomputed_layers()) / layers;
+  r.recompute = recomputed * double(c.recomputed_layers()) / layers;  // the blocks' only
   return r;
 }
 

@@ -367,6 +367,44 @@ I fp8_weights(const BlockConfig& c, const Bytes& b) {
   return checked_product({layer_matrix_bytes(b) / kF32, c.layers}, "the FP8 weights' bytes");
 }
 
+/// --task lm: the language model's ends on this rank (DESIGN.md, "The language model around the
+/// block"), V padded to a multiple of T and cut over it, the tokens of the rank's S / C region
+/// rows (the whole S under SP: the output layer's input is gathered) and B / D sequences:
+///   embedding      its rows E [V/T, H] and their gradient, fp32 (+ AdamW's two moments)
+///   output layer   W_out [H, V/T] and the final gain [H], their gradients (+ moments; + W_out's
+///                  bf16 compute copy under the recipe)
+///   logits         z and dz [S, B, V/T] at the activations' width, the cross-entropy's five fp32
+///                  vectors of S·B, the output layer's gathered input and its gradient
+///                  [S, B, H]: the head's moment, never S·B·V (it falls as 1/T)
+///   tokens         the ids and targets, int32 [S, B]
+/// (`c` is one pass's block: its S / C rows; a pipeline's micro-batch of the batch.)
+void add_lm_terms(const BlockConfig& c, const Sharding& s, MemoryEstimate& e) {
+  if (!c.lm()) return;
+  const char* what = "the language model's bytes";
+  const VocabShard v = vocab_shard(c, s);
+  const I rows = c.seq, batch = c.batch / s.dp, h = c.hidden;
+  const I elements = checked_product({v.local, h}, what);
+  const I copies = c.optimizer == Optimizer::adamw ? 4 : 2;  // value, gradient (, m, v)
+  const I e_act = c.activations() == DType::bf16 ? kBf16 : kF32;
+  const I positions = checked_product({rows, batch}, what);
+  e.terms.push_back(
+      {kLmEmbeddingTerm, std::uint64_t(checked_product({elements, kF32, copies}, what))});
+  e.terms.push_back(
+      {kLmOutputTerm,
+       std::uint64_t(
+           sum({checked_product({sum({elements, h}, what), kF32, copies}, what),
+                c.activations() == DType::bf16 ? checked_product({elements, kBf16}, what) : 0},
+               what))});
+  e.terms.push_back(
+      {kLmLogitsTerm, std::uint64_t(sum({checked_product({positions, v.local, e_act, 2}, what),
+                                         checked_product({positions, kF32, 5}, what),
+                                         checked_product({positions, h, e_act, 2}, what)},
+                                        what))});
+  e.terms.push_back({kLmTokensTerm, std::uint64_t(checked_product({positions, 4, 2}, what))});
+  e.remove("target");
+  e.remove("fp32 input");
+}
+
 }  // namespace
 
 std::uint64_t MemoryEstimate::total() const {
@@ -441,6 +479,7 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
     e.terms.push_back({"optimizer state", std::uint64_t(optimizer_state(params))});
   if (is_fp8(c.dtype))
     e.terms.push_back({"FP8 weights", std::uint64_t(fp8_weights(c, p.rank_bytes))});
+  add_lm_terms(pass, s, e);
   for (const auto& dimension : s.dimensions) dimension->add_terms(e, p);
   (void)e.total();  // throws SizeOverflow now rather than when it is printed
   return e;

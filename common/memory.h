@@ -48,6 +48,13 @@
 
 namespace tpx {
 
+/// The memory estimate's terms of the language model's ends (--task lm): the embedding, the
+/// output layer with the final gain, the head's logits moment, the token ids.
+inline constexpr const char* kLmEmbeddingTerm = "embedding";
+inline constexpr const char* kLmOutputTerm = "output layer";
+inline constexpr const char* kLmLogitsTerm = "logits";
+inline constexpr const char* kLmTokensTerm = "tokens";
+
 /// One named part of an estimate.
 struct MemoryTerm {
   std::string name;  ///< e.g. "parameters", "saved activations"

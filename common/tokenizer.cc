@@ -216,11 +216,12 @@ Tokenizer Tokenizer::load(const std::string& path) {
     throw bad("\"vocab\" must be an integer");
   const auto vocab = j["vocab"].get<std::int64_t>();
   if (vocab < kMinTokenizerVocab || vocab > kMaxTokenizerVocab)
-    throw bad(fmt::format("\"vocab\" must be {} … {} (got {})", kMinTokenizerVocab, kMaxTokenizerVocab, vocab));
+    throw bad(fmt::format("\"vocab\" must be {} … {} (got {})", kMinTokenizerVocab,
+                          kMaxTokenizerVocab, vocab));
   if (!j.contains("merges") || !j["merges"].is_array() ||
       std::int64_t(j["merges"].size()) != vocab - kMinTokenizerVocab)
-    throw bad(
-        fmt::format("\"merges\" must be a list of vocab − 256 = {} pairs", vocab - kMinTokenizerVocab));
+    throw bad(fmt::format("\"merges\" must be a list of vocab − 256 = {} pairs",
+                          vocab - kMinTokenizerVocab));
   std::vector<Pair> merges;
   merges.reserve(std::size_t(vocab - kMinTokenizerVocab));
   std::unordered_map<std::uint64_t, std::size_t> seen;

@@ -24,6 +24,76 @@ std::uint64_t stream_bytes(const BlockConfig& c, int act_bytes) {
   return static_cast<std::uint64_t>(c.seq * c.batch * c.hidden) * static_cast<std::uint64_t>(e);
 }
 
+namespace {
+
+using U = std::uint64_t;
+
+/// One collective of `payload` bytes as the communicator counts it.
+Traffic all_reduce(U payload, U n) {
+  return {payload, payload * 2 * (n - 1) / n, 1};
+}
+Traffic gather_or_scatter(U payload, U n) {
+  return {payload, payload * (n - 1) / n, 1};
+}
+/// A ring all-gather or reduce-scatter of `payload` bytes: N − 1 steps of P/N each.
+Traffic ring_steps(U payload, U n) {
+  const U moved = (n - 1) * (payload / n);
+  return {moved, moved, n - 1};
+}
+
+}  // namespace
+
+Traffic lm_embedding_traffic(const BlockConfig& c, int n, int act_bytes, TpLayout layout) {
+  require_formula(n >= 1, "ranks must be >= 1");
+  if (!c.lm()) return {};
+  const U N = U(n), P = stream_bytes(c, act_bytes);
+  if (layout == TpLayout::all_reduce) return all_reduce(P, N);
+  Traffic t = gather_or_scatter(P, N);  // forward: reduce-scatter
+  t += gather_or_scatter(P, N);         // backward: all-gather
+  return t;
+}
+
+Traffic lm_head_traffic(const BlockConfig& c, int n, int act_bytes, TpLayout layout) {
+  require_formula(n >= 1, "ranks must be >= 1");
+  if (!c.lm()) return {};
+  const U N = U(n), P = stream_bytes(c, act_bytes), vector = 4 * U(c.seq * c.batch);
+  Traffic t;
+  switch (layout) {
+    case TpLayout::all_reduce:
+      t += all_reduce(P, N);  // f backward
+      break;
+    case TpLayout::sequence:
+      for (int i = 0; i < 3; ++i) t += gather_or_scatter(P, N);
+      break;
+    case TpLayout::ring:
+      for (int i = 0; i < 3; ++i) t += ring_steps(P, N);
+      break;
+  }
+  for (int i = 0; i < 3; ++i) t += all_reduce(vector, N);  // the cross-entropy's MAX, SUM, SUM
+  if (layout != TpLayout::all_reduce) t += all_reduce(4 * U(c.hidden), N);  // the final gain
+  return t;
+}
+
+Traffic lm_traffic(const BlockConfig& c, int n, int act_bytes, TpLayout layout) {
+  Traffic t = lm_embedding_traffic(c, n, act_bytes, layout);
+  t += lm_head_traffic(c, n, act_bytes, layout);
+  return t;
+}
+
+Traffic lm_grads_traffic(const BlockConfig& c, int tp, int group, bool embedding, bool head) {
+  require_formula(tp >= 1 && group >= 1, "TP and DP×CP ranks must be >= 1");
+  if (!c.lm() || group == 1) return {};
+  const U T = U(tp), G = U(group), H = U(c.hidden);
+  const U shard = (U(c.vocab) + T - 1) / T * H * 4;  // V_pad / T rows (or columns) of H, fp32
+  Traffic t;
+  if (embedding) t += all_reduce(shard, G);
+  if (head) {
+    t += all_reduce(4 * H, G);  // the final gain: its gradient all-reduce comes first
+    t += all_reduce(shard, G);
+  }
+  return t;
+}
+
 double layer_params_per_tp_rank(const BlockConfig& c, int tp) {
   require_formula(tp >= 1, "TP ranks must be >= 1");
   const double H = double(c.hidden), KV = double(c.kv_dim()), F = double(c.ffn);

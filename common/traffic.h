@@ -8,7 +8,9 @@
 // Pure arithmetic: no MPI, no device, nothing allocated; errors are std::runtime_error.
 //
 // defines: tpx::Traffic, tpx::require_formula(), tpx::per_step(), tpx::activation_bytes(),
-//          tpx::stream_bytes(), tpx::layer_params_per_tp_rank()
+//          tpx::stream_bytes(), tpx::TpLayout, tpx::lm_embedding_traffic(),
+//          tpx::lm_head_traffic(), tpx::lm_traffic(), tpx::lm_grads_traffic(),
+//          tpx::layer_params_per_tp_rank()
 #pragma once
 
 #include <cstdint>
@@ -41,6 +43,30 @@ int activation_bytes(const BlockConfig& c);
 
 /// P = S·B·H·e, the bytes of one [S, B, H] activation, e = `act_bytes` (0: activation_bytes(c)).
 std::uint64_t stream_bytes(const BlockConfig& c, int act_bytes);
+
+/// How a tensor-parallel stage moves activations between the residual stream and its
+/// column-parallel regions: stage 02's all-reduces (f backward, g forward), stage 03's
+/// all-gathers and reduce-scatters along S, stages 04-06's ring steps (or copy-engine pulls) for
+/// the column-parallel gathers and scatters.
+enum class TpLayout { all_reduce, sequence, ring };
+
+/// The language model's embedding on a TP rank per step (--task lm; zero for --task block):
+/// its g forward, an all-reduce of P = S·B·H·e (stage 02) or a reduce-scatter of P (from stage
+/// 03), and, with sequence parallelism, g's backward, an all-gather of P. Plain collectives on
+/// every layout (the lookup is no GEMM for a ring to hide).
+Traffic lm_embedding_traffic(const BlockConfig& c, int n, int act_bytes, TpLayout layout);
+/// The language model's head on a TP rank per step (zero for --task block): the output layer's
+/// f (stage 02: backward all-reduce of P; sequence: forward all-gather, backward re-gather and
+/// reduce-scatter of P; ring: those three as N − 1 ring steps of P/N each), the cross-entropy's
+/// three fp32 all-reduces of S·B floats (MAX, SUM, SUM: 4·S·B bytes each) and, under sequence
+/// parallelism, the final gain's gradient all-reduce (4H bytes).
+Traffic lm_head_traffic(const BlockConfig& c, int n, int act_bytes, TpLayout layout);
+/// Both (a stage that holds both ends).
+Traffic lm_traffic(const BlockConfig& c, int n, int act_bytes, TpLayout layout);
+/// Over a DP×CP group of `group` ranks (stages 07-09): the fp32 all-reduce of the language
+/// model's gradients this rank holds: the embedding's rows and the output layer's columns
+/// (V padded to a multiple of T, over T), and the final gain [H], one call each.
+Traffic lm_grads_traffic(const BlockConfig& c, int tp, int group, bool embedding, bool head);
 
 /// Parameters of one layer on one TP rank: its TP shard of the seven matrices plus the two norm
 /// gains (replicated over TP).

@@ -104,6 +104,29 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
+// The language model's ends (--task lm): the embedding's g, the output layer's f, the
+// cross-entropy's three all-reduces of one float per position, the final gain's, and over DP×CP
+// the all-reduce of the ends' gradients (common/traffic.h), at a vocabulary that T does not
+// divide (V = 101: padded to 102 at T = 2).
+INSTANTIATE_TEST_SUITE_P(
+    lm, DryRun,
+    testing::Values(
+        Case{"01_baseline", 1, "--task lm --data synthetic --vocab 101"},
+        Case{"02_megatron_tp", 2, "--task lm --data synthetic --vocab 101"},
+        Case{"03_sequence_parallel", 2, "--task lm --data synthetic --vocab 101"},
+        Case{"04_overlap_ring", 2, "--task lm --data synthetic --vocab 101"},
+        Case{"05_copy_engine_async_tp", 2, "--task lm --data synthetic --vocab 101 --dtype bf16"},
+        Case{"06_fp8", 2, "--task lm --data synthetic --vocab 101"},
+        Case{"07_fsdp_tp", 4, "--task lm --data synthetic --vocab 101 --dp 2"},
+        Case{"08_context_parallel", 4, "--task lm --data synthetic --vocab 101 --dp 2 --cp 2"},
+        Case{"09_pipeline_parallel", 2,
+             "--task lm --data synthetic --vocab 101 --pp 2 --microbatches 2"},
+        Case{"09_pipeline_parallel", 4,
+             "--task lm --data synthetic --vocab 101 --pp 2 --dp 2 --batch 4"}),
+    [](const auto& p) {
+      return fmt::format("{}_np{}_{}", p.param.stage.substr(0, 2), p.param.ranks, p.index);
+    });
+
 TEST(DryRun, Stage08RefusesWhatTheRealRunRefuses) {
   // The plan checks the mesh with the real run's own checks: the same line, exit 2, for a
   // sequence that does not split into 2C·T chunks, KV heads Ulysses cannot split, a C·D that
