@@ -222,7 +222,12 @@ void add_run_flags(CLI::App& app, const StageInfo& info, BlockConfig& c, Choices
   add_number(app, "--steps", c.steps,
              "training steps (each: forward, loss, backward, optimizer update)")
       ->group(run);
-  add_number(app, "--lr", c.lr, "learning rate (SGD runs at 1; AdamW wants ~1e-3)")->group(run);
+  add_number(app, "--lr", c.lr,
+             fmt::format("learning rate (SGD runs the blocks at 1 and the language model at {:g}; "
+                         "AdamW wants ~1e-3)",
+                         kLmDefaultLr))
+      ->default_str(fmt::format("1 (--task block), {:g} (--task lm)", kLmDefaultLr))
+      ->group(run);
   add_optimizer_flags(app, c, choices.optimizer);
   add_number(app, "--seed", c.seed, "initialisation seed")->group(run);
   app.add_option("--device", choices.device, "backend: cpu or cuda")
@@ -527,9 +532,11 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   for (const auto& group : o.flag_groups)
     if (auto error = group->check(app, o)) return refuse(*error);
   if (auto error = resolve_model(app, o)) return refuse(*error);
-  if (o.config.lm())
+  if (o.config.lm()) {
+    if (app.count("--lr") == 0) o.config.lr = kLmDefaultLr;
     if (auto error = resolve_token_source(o.config, app.count("--vocab") > 0))
       return refuse(*error);
+  }
   if (const auto errors = validate(o.config); !errors.empty())
     return refuse(fmt::format("{}", fmt::join(errors, "; ")));
   return {std::move(o), "", 0};

@@ -43,6 +43,8 @@ enum class Task { lm, block };
 /// --vocab's bounds: a byte-level vocabulary at least, and ids that fit the token file's u16.
 inline constexpr std::int64_t kMinVocab = 2;
 inline constexpr std::int64_t kMaxVocab = 65536;
+/// --lr's default under --task lm (the block's 1 diverges on the cross-entropy in a few steps).
+inline constexpr double kLmDefaultLr = 0.1;
 /// The vocabulary of --data synthetic when --vocab is not given.
 inline constexpr std::int64_t kSyntheticVocab = 512;
 

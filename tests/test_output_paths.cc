@@ -34,19 +34,20 @@ constexpr const char* kSmall =
 
 /// `mpirun -np 1 01_baseline <args>` run from the directory `cwd`.
 CommandResult run_in(const fs::path& cwd, const std::string& args, const TempDir& scratch) {
-  return test::run_command(
-      fmt::format("cd '{}' && {} timeout 120 {} {} -np 1 {} {}", cwd.string(), test::kRootMpiEnv,
-                  TPX_MPIEXEC, TPX_MPIEXEC_FLAGS, test::stage_binary("01_baseline"), args),
-      scratch);
+  return test::run_command(fmt::format("cd '{}' && {} timeout 120 {} {} -np 1 {} {}", cwd.string(),
+                                       test::kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS,
+                                       test::stage_binary("01_baseline"), test::block_task(args)),
+                           scratch);
 }
 
 /// `01_baseline <args>` as a singleton MPI job (no mpirun, which would reset the signals the
 /// shell ignores) from the directory `cwd`, after the shell text `limits` (a ulimit, a trap).
 CommandResult run_alone_in(const fs::path& cwd, const std::string& args, const TempDir& scratch,
                            const std::string& limits) {
-  return test::run_command(fmt::format("cd '{}' && {} {} timeout 120 {} {}", cwd.string(), limits,
-                                       test::kRootMpiEnv, test::stage_binary("01_baseline"), args),
-                           scratch);
+  return test::run_command(
+      fmt::format("cd '{}' && {} {} timeout 120 {} {}", cwd.string(), limits, test::kRootMpiEnv,
+                  test::stage_binary("01_baseline"), test::block_task(args)),
+      scratch);
 }
 
 /// The inode and permission bits of `path`.

@@ -43,7 +43,7 @@ CommandResult mpirun(const std::string& spec, const TempDir& dir, int timeout_s 
 
 /// "-np N build/bin/<stage> <args>".
 std::string group(int ranks, const std::string& stage, const std::string& args) {
-  return fmt::format("-np {} {} {}", ranks, test::stage_binary(stage), args);
+  return fmt::format("-np {} {} {}", ranks, test::stage_binary(stage), test::block_task(args));
 }
 
 /// The lines a rank printed as errors ("<stage>: error: ..."); mpirun's own banners are not.
@@ -126,9 +126,10 @@ TEST(Memory, TooLargeConfigsAreRefusedQuicklyOnEveryRank) {
            {"02_megatron_tp", 2, "--layers 100000"}}) {
     const TempDir dir;
     // One rank runs without mpirun (a singleton MPI job), so the time is the program's own.
-    const std::string cmd = ranks == 1 ? fmt::format("{} timeout 60 {} {}", test::kRootMpiEnv,
-                                                     test::stage_binary(stage), args)
-                                       : "";
+    const std::string cmd = ranks == 1
+                                ? fmt::format("{} timeout 60 {} {}", test::kRootMpiEnv,
+                                              test::stage_binary(stage), test::block_task(args))
+                                : "";
     const auto t0 = std::chrono::steady_clock::now();
     const auto r =
         ranks == 1 ? test::run_command(cmd, dir) : mpirun(group(ranks, stage, args), dir);

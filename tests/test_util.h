@@ -113,6 +113,13 @@ inline std::string stage_binary(const std::string& name) {
   return (std::filesystem::path(TPX_BIN_DIR) / name).string();
 }
 
+/// `args` with --task block added unless they name a task: the blocks' machinery is what most
+/// tests check (their traffic, memory, recompute, dumps of x and T); the language model's tests
+/// say --task lm.
+inline std::string block_task(const std::string& args) {
+  return args.find("--task") == std::string::npos ? args + " --task block" : args;
+}
+
 /// Environment for mpirun run as root and oversubscribed on a small machine, set in the command
 /// itself so that a test also runs outside ctest.
 inline constexpr const char* kRootMpiEnv =
@@ -122,15 +129,12 @@ inline constexpr const char* kRootMpiEnv =
 #ifdef TPX_MPIEXEC_FLAGS
 /// `mpirun -np N build/bin/<stage> <args>` in `dir`, with a wall-clock limit so that a hang fails
 /// instead of blocking (for test targets compiled with TPX_MPIEXEC_FLAGS).
-/// The blocks' machinery is what most tests check (their traffic, memory, recompute, dumps of
-/// x and T): a run that names no --task trains the blocks alone (--task block); the language
-/// model's tests say --task lm.
+/// A run that names no --task trains the blocks alone (block_task()).
 inline CommandResult run_stage(const std::string& stage, int ranks, const std::string& args,
                                const TempDir& dir) {
-  const std::string task = args.find("--task") == std::string::npos ? " --task block" : "";
   const std::string cmd = std::string(kRootMpiEnv) + " timeout 120 " + TPX_MPIEXEC + " " +
                           TPX_MPIEXEC_FLAGS + " -np " + std::to_string(ranks) + " " +
-                          stage_binary(stage) + " " + args + task;
+                          stage_binary(stage) + " " + block_task(args);
   return run_command(cmd, dir);
 }
 #endif
