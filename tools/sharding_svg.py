@@ -15,7 +15,8 @@ STAGE is 01, 02 or 03. --all writes 01_sharding.svg, 02_sharding_np2.svg,
 07_fsdp_tp_cut_np4.svg (a column- and a row-parallel weight cut by TP and then by FSDP on a
 D 2 × TP 2 mesh), 08_ring_cp4.svg (which K/V block each of C = 4 CP ranks holds at each ring step,
 and the dK/dV hop home) and 08_ulysses_cp2.svg (Ulysses' all-to-all from sequence to head shards
-at C = 2); with
+at C = 2), and tools/vocab_svg.py's 02_vocab_parallel_ce_np4.svg (the logits cut over the
+vocabulary, T = 4, and the cross-entropy's three all-reduces); with
 --check it writes nothing and exits 1 if a committed figure differs from what it would write.
 Only the standard library.
 """
@@ -25,6 +26,7 @@ import sys
 from xml.sax.saxutils import escape
 
 import tool_errors
+import vocab_svg
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIGURES = ROOT / "docs" / "figures"
@@ -480,7 +482,8 @@ def main():
                           ("02_gqa_replicated_np4.svg", gqa_replicated_figure(8, 2, 4)),
                           ("07_fsdp_tp_cut_np4.svg", fsdp_tp_figure(2, 2)),
                           ("08_ring_cp4.svg", ring_figure(4)),
-                          ("08_ulysses_cp2.svg", ulysses_figure(2, 4))]:
+                          ("08_ulysses_cp2.svg", ulysses_figure(2, 4)),
+                          ("02_vocab_parallel_ce_np4.svg", vocab_svg.figure())]:
             path = FIGURES / name
             if a.check:
                 if not path.exists() or path.read_text() != svg:

@@ -273,6 +273,8 @@ class TraceSvg(unittest.TestCase):
               self.tmp / "x.svg"], "nope.json"),
             ([TOOLS / "mesh_svg.py", self.tmp / "nope.json", "-o", self.tmp / "x.svg"],
              "nope.json"),
+            ([TOOLS / "vocab_svg.py", "-o", self.tmp / "missing" / "dir" / "x.svg"],
+             "missing/dir/x.svg"),
             ([TOOLS / "bench.py", "--build", self.tmp / "nobuild"], "nobuild: no such directory"),
             ([TOOLS / "recompute_sweep.py", "--build", self.tmp / "nobuild"], "nobuild/bin"),
         ]
