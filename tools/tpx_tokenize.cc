@@ -47,8 +47,8 @@ void train(const Options& o) {
         "--valid-fraction must be above 0 and below 1, the share of lines held out (got {:g})",
         o.valid_fraction));
   if (o.vocab < tpx::kMinTokenizerVocab || o.vocab > tpx::kMaxTokenizerVocab)
-    throw ConfigError(fmt::format("--vocab must be {} (the bytes) … {} (got {})", tpx::kMinTokenizerVocab,
-                                  tpx::kMaxTokenizerVocab, o.vocab));
+    throw ConfigError(fmt::format("--vocab must be {} (the bytes) … {} (got {})",
+                                  tpx::kMinTokenizerVocab, tpx::kMaxTokenizerVocab, o.vocab));
   const std::vector<tpx::NamedPath> outputs{{"--tokenizer", o.tokenizer}, {"--output", o.output}};
   if (const std::string p = tpx::output_collision(outputs, {{"--text", o.text}}); !p.empty())
     throw ConfigError(p);
