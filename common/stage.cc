@@ -130,10 +130,7 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
   fmt::print("H {} NH {} NKV {} (D {}) F {} S {} B {} L {} | steps {} lr {:g} seed {}\n", c.hidden,
              c.heads, c.kv_heads_or_heads(), c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps,
              c.lr, c.seed);
-  if (c.lm())
-    fmt::print("task lm | V {} | data {}\n", c.vocab, TokenStream(c).describe());
-  else
-    fmt::print("task block (random input, mean-squared loss)\n");
+  if (c.lm()) fmt::print("task lm | V {} | data {}\n", c.vocab, TokenStream(c).describe());
   fmt::print("optimizer {} | rope {} | recompute {}\n",
              c.optimizer == Optimizer::adamw
                  ? fmt::format("adamw (beta1 {:g}, beta2 {:g}, eps {:g}, weight decay {:g})",

@@ -144,7 +144,7 @@ if has facts; then
 fi
 
 if has unit; then
-  for t in test_cuda_ops test_cuda_stage01 test_cuda_streams; do
+  for t in test_cuda_ops test_cuda_stage01 test_cuda_streams test_cuda_lm; do
     step "$t" 480 "$bin/$t"
   done
   step test_fp8.cuda 120 "$bin/test_fp8" --gtest_filter='Fp8Cuda.*:Fp8Gemm.*'
@@ -174,7 +174,11 @@ fi
 
 if has stages; then
   for dtype in fp32 bf16; do
+    # The default task is the language model (the generated token stream where the build's
+    # corpus is not on this machine); the blocks alone once more under --task block.
     check_step "01.$dtype" 300 PASS "$bin/01_baseline" --device cuda --dtype "$dtype" --check
+    check_step "01.block.$dtype" 300 PASS "$bin/01_baseline" --device cuda --dtype "$dtype" \
+      --task block --check
   done
   for s in 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp 06_fp8; do
     need "$s" || continue
