@@ -369,7 +369,8 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     row.exposed_comm_ms = trace.exposed_comm_ms(t0, Clock::now());
 
     if (step == 0 && snapshot) {  // outside the timed region; its gathers are not counted
-      take_snapshot(c, par, m, c.lm() ? first_input : input, y, dy, batch, row.loss, result.first);
+      take_snapshot(c, par, m, c.lm() ? first_input : m.input, y, dy, batch, row.loss,
+                    result.first);
       par.take_comm_stats();
     }
     if (c.evaluates(step)) row.eval_loss = held_out_loss(step);

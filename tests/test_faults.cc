@@ -87,7 +87,8 @@ int culprit_of(const Case& c) {
   return mesh(c) && !c.replicas ? 3 : 1;
 }
 
-std::string stage_args(const Case& c, int steps) {
+/// The case's sizes and steps.
+std::string stage_shape_args(const Case& c, int steps) {
   // Stage 09: messages of 128 KiB ([128, 1, 256] fp32), past MPI's eager limit, so that a
   // send waits for its receive.
   if (pipeline(c))
@@ -103,6 +104,11 @@ std::string stage_args(const Case& c, int steps) {
                      : c.replicas        ? " --dp 2"
                                          : "",
                      steps, kTimeout);
+}
+
+/// The case's flags: the blocks alone, whose collectives the cases count.
+std::string stage_args(const Case& c, int steps) {
+  return test::block_task(stage_shape_args(c, steps));
 }
 
 std::string fault_flag(const Case& c) {
@@ -345,8 +351,8 @@ test::CommandResult run_pipeline_step(const test::TempDir& dir, const std::strin
   const std::string mpirun = fmt::format("{} timeout 90 {} --oversubscribe --bind-to none -np 2",
                                          test::kRootMpiEnv, TPX_MPIEXEC);
   return test::run_command(
-      fmt::format("cd '{}' && {} {} {} --json out.json {}", dir.path().string(), mpirun,
-                  test::stage_binary(c.stage), stage_args(c, 1), extra),
+      fmt::format("cd '{}' && {} {} {}", dir.path().string(), mpirun, test::stage_binary(c.stage),
+                  fmt::format("{} --json out.json {}", stage_args(c, 1), extra)),
       dir);
 }
 

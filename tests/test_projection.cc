@@ -96,7 +96,7 @@ TEST_P(ModelBytes, EqualTheStagesJson) {
     const auto path = dir / "summary.json";
     const std::string cmd = fmt::format(
         "{} timeout 120 {} {} -np {} {} --hidden {} --heads {} --ffn {} --seq {} --batch {} "
-        "--layers {} --kv-heads {} --recompute {} --steps 1 --json {}",
+        "--layers {} --kv-heads {} --recompute {} --task block --steps 1 --json {}",
         test::kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS, n,
         test::stage_binary(projection::stage_name(stage)), c.hidden, c.heads, c.ffn, c.seq, c.batch,
         c.layers, c.kv_heads, recompute_flag(c.recompute), path.string());

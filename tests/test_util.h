@@ -113,11 +113,11 @@ inline std::string stage_binary(const std::string& name) {
   return (std::filesystem::path(TPX_BIN_DIR) / name).string();
 }
 
-/// `args` with --task block added unless they name a task: the blocks' machinery is what most
+/// `args` with --task block put first unless they name a task (first: what follows may be shell): the blocks' machinery is what most
 /// tests check (their traffic, memory, recompute, dumps of x and T); the language model's tests
 /// say --task lm.
 inline std::string block_task(const std::string& args) {
-  return args.find("--task") == std::string::npos ? args + " --task block" : args;
+  return args.find("--task") == std::string::npos ? "--task block " + args : args;
 }
 
 /// Environment for mpirun run as root and oversubscribed on a small machine, set in the command
