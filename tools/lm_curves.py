@@ -361,7 +361,7 @@ def write_md(a, curves, ref, secs, total, command, path):
         "are written by one command:" if a.data != "synthetic" else
         "Every stage and PyTorch train the same language model on a synthetic stream.",
         "",
-        "```",
+        "```sh",
         command,
         "```",
         "",
@@ -384,7 +384,8 @@ def write_md(a, curves, ref, secs, total, command, path):
         d = rel_diffs(rows, ref)
         h = held_diffs(rows, ref)
         held = f"{rows[-1][2]:.4f}" if rows[-1][2] is not None else "—"
-        lines.append(f"| {exe} {' '.join(own)} | {ranks} | {rows[-1][1]:.4f} | {held} | "
+        label = f"{exe} {' '.join(own)}".strip()
+        lines.append(f"| `{label}` | {ranks} | {rows[-1][1]:.4f} | {held} | "
                      f"{max(d[:a.tight_steps]):.1e} | {max(d):.1e} | "
                      f"{(f'{max(h):.1e}' if h else '—')} | {secs[k]:.0f} |")
     lines.append(f"| PyTorch {sys.modules['torch'].__version__} | 1 | {last[1]:.4f} | "
