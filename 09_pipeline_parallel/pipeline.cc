@@ -637,40 +637,37 @@ Executor::Result run_actions(PipelineParallel& pp, Executor& ex,
   return r;
 }
 
-/// The whole model on rank 0 after step 0: each pipeline stage's slice gathers what it holds to
-/// its first rank, which sends it on (not counted: reporting). Every rank calls it.
-void take_snapshot(const BlockConfig& c, PipelineParallel& pp, const Place& place,
-                   const Model& model, const Executor::Result& r, const TokenBatch& batch,
-                   Snapshot& snap) {
+/// `make()` on rank `from` of this rank's pipeline, sent to the pipeline's rank 0 (not counted:
+/// reporting). Every rank of the pipeline calls it; the others' values are empty.
+template <typename Make>
+std::vector<float> gathered(const Place& place, int from, Make&& make) {
+  std::vector<float> v;
+  if (place.me == from) v = host_copy(make());
+  to_rank0(v, from, place.slice_ranks, place.rank);
+  return v;
+}
+
+/// On rank 0, into s.params and s.lm_params (with `grads`, s.grads and s.lm_grads too): the whole
+/// model, each pipeline stage's slice gathering what it holds to its first rank, which sends it
+/// on. Every rank calls it.
+void gather_model(const BlockConfig& c, PipelineParallel& pp, const Place& place,
+                  const Model& model, bool grads, Snapshot& snap) {
   Parallelism& slice = pp.slice();
-  auto gathered = [&](int from, auto&& make) {
-    std::vector<float> v;
-    if (place.me == from) v = host_copy(make());
-    to_rank0(v, from, place.slice_ranks, place.rank);
-    return v;
-  };
-  const int last = place.last;
   if (c.lm()) {
-    snap.input = gathered(0, [&] { return slice.gather_activation(join_microbatches(r.x)); });
-    snap.tokens = batch.tokens;
-    snap.targets = batch.targets;
-    const auto params = model.lm.all(), grads = model.lm_grads.all();
+    const auto params = model.lm.all(), lm_grads = model.lm_grads.all();
     for (std::size_t i = 0; i < params.size(); ++i) {
-      const int owner = i == 0 ? 0 : last;
+      const int owner = i == 0 ? 0 : place.last;
       const Split split = kLmSplits[i];
       snap.lm_params[i] = unpadded_vocab(
-          c, split, gathered(owner, [&] { return slice.gather_vocab(split, *params[i]); }));
-      snap.lm_grads[i] = unpadded_vocab(
-          c, split, gathered(owner, [&] { return slice.gather_vocab(split, *grads[i]); }));
+          c, split, gathered(place, owner, [&] { return slice.gather_vocab(split, *params[i]); }));
+      if (grads)
+        snap.lm_grads[i] = unpadded_vocab(c, split, gathered(place, owner, [&] {
+                                            return slice.gather_vocab(split, *lm_grads[i]);
+                                          }));
     }
-  } else {
-    snap.input = gathered(0, [&] { return slice.gather_activation(model.input); });
-    snap.target = gathered(last, [&] { return slice.gather_activation(model.target); });
   }
-  snap.output = gathered(last, [&] { return slice.gather_activation(join_microbatches(r.y)); });
-  snap.input_grad = gathered(0, [&] { return slice.gather_activation(join_microbatches(r.dx)); });
   snap.params.resize(std::size_t(c.layers));
-  snap.grads.resize(std::size_t(c.layers));
+  if (grads) snap.grads.resize(std::size_t(c.layers));
   const std::vector<std::int64_t> held = pp.held_layers();
   std::map<std::int64_t, std::size_t> local;
   for (std::size_t i = 0; i < held.size(); ++i) local[held[i]] = i;
@@ -681,12 +678,36 @@ void take_snapshot(const BlockConfig& c, PipelineParallel& pp, const Place& plac
     for (int l = range.first; l < range.first + range.count; ++l)
       for (Param p : kAllParams) {
         const auto i = static_cast<std::size_t>(p);
-        snap.params[std::size_t(l)][i] =
-            gathered(owner, [&] { return slice.gather_param(p, model.params[local.at(l)][p]); });
-        snap.grads[std::size_t(l)][i] =
-            gathered(owner, [&] { return slice.gather_param(p, model.grads[local.at(l)][p]); });
+        snap.params[std::size_t(l)][i] = gathered(
+            place, owner, [&] { return slice.gather_param(p, model.params[local.at(l)][p]); });
+        if (grads)
+          snap.grads[std::size_t(l)][i] = gathered(
+              place, owner, [&] { return slice.gather_param(p, model.grads[local.at(l)][p]); });
       }
   }
+}
+
+/// The whole step 0 on rank 0: the model and its gradients (gather_model()), the input, output
+/// and input gradient. Every rank calls it.
+void take_snapshot(const BlockConfig& c, PipelineParallel& pp, const Place& place,
+                   const Model& model, const Executor::Result& r, const TokenBatch& batch,
+                   Snapshot& snap) {
+  Parallelism& slice = pp.slice();
+  const int last = place.last;
+  if (c.lm()) {
+    snap.input =
+        gathered(place, 0, [&] { return slice.gather_activation(join_microbatches(r.x)); });
+    snap.tokens = batch.tokens;
+    snap.targets = batch.targets;
+  } else {
+    snap.input = gathered(place, 0, [&] { return slice.gather_activation(model.input); });
+    snap.target = gathered(place, last, [&] { return slice.gather_activation(model.target); });
+  }
+  snap.output =
+      gathered(place, last, [&] { return slice.gather_activation(join_microbatches(r.y)); });
+  snap.input_grad =
+      gathered(place, 0, [&] { return slice.gather_activation(join_microbatches(r.dx)); });
+  gather_model(c, pp, place, model, /*grads=*/true, snap);
 }
 
 /// --json's "pipeline": the schedule, and per pipeline stage its live count and measured idle
@@ -796,6 +817,10 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     finish_step(c, par, model, moments, trace, row, ms);
     result.rows.push_back(row);
     if (on_row) on_row(row);
+  }
+  if (c.generate.tokens > 0 && result.diverged.empty()) {
+    gather_model(c, pp, place, model, /*grads=*/false, result.trained);  // reporting
+    par.take_comm_stats();
   }
   result.extra["pipeline"] = pipeline_report(pp, times, microbatch_rows);
   return result;

@@ -12,6 +12,7 @@
 #include "cli_flags.h"
 #include "cli_hint.h"
 #include "data.h"
+#include "generate.h"
 #include "output.h"
 #include "presets.h"
 
@@ -195,6 +196,29 @@ void add_task_flags(CLI::App& app, BlockConfig& c, std::string& task) {
              "never)")
       ->type_name("K")
       ->group(model);
+}
+
+/// Text from the trained model (common/generate.h).
+void add_generate_flags(CLI::App& app, GenerateOptions& g) {
+  auto group = "Generation";
+  add_number(app, "--generate", g.tokens,
+             "after training, rank 0 continues --prompt by N tokens with the trained model and "
+             "prints them (decoded by the tokenizer beside the token file: <name>.tokenizer.json "
+             "for <name>.tokens)")
+      ->type_name("N")
+      ->group(group);
+  app.add_option("--prompt", g.prompt, "the text --generate continues")
+      ->type_name("TEXT")
+      ->capture_default_str()
+      ->group(group);
+  add_number(app, "--temperature", g.temperature,
+             "0: the most likely token each time; T > 0: a draw from softmax(logits / T), from "
+             "--seed")
+      ->type_name("T")
+      ->group(group);
+  add_number(app, "--top-k", g.top_k, "with T > 0: draw among the K most likely tokens (0: all)")
+      ->type_name("K")
+      ->group(group);
 }
 
 /// The optimizer: SGD, or AdamW with its four settings.
@@ -504,6 +528,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_size_flags(app, o);
   add_run_flags(app, info, o.config, choices);
   add_task_flags(app, o.config, choices.task);
+  add_generate_flags(app, o.config.generate);
   add_output_flags(app, o);
   add_comm_flags(app, info, o.comm, choices.comm_kind);
   add_stage_flags(app, info, o);
@@ -537,6 +562,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
     if (auto error = resolve_token_source(o.config, app.count("--vocab") > 0))
       return refuse(*error);
   }
+  if (auto error = check_generation(o.config)) return refuse(*error);
   if (const auto errors = validate(o.config); !errors.empty())
     return refuse(fmt::format("{}", fmt::join(errors, "; ")));
   return {std::move(o), "", 0};
@@ -576,6 +602,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--vocab", fmt::format("{}", c.vocab)},
       {"--data", c.data},
       {"--eval-every", fmt::format("{}", c.eval_every)},
+      {"--generate", fmt::format("{}", c.generate.tokens)},
       {"--comm", to_string(o.comm.kind)},
       {"--comm-timeout", fmt::format("{}", o.comm.timeout_s)},
       {"--fault-skip-collective", fmt::format("{}:{}", o.comm.fault_rank, o.comm.fault_seq)},

@@ -51,6 +51,14 @@ inline constexpr std::int64_t kSyntheticVocab = 512;
 /// Llama 3's rotary base θ (--rope-theta's default).
 inline constexpr double kLlama3RopeTheta = 500000.0;
 
+/// --generate N after training, and how it draws (common/generate.h).
+struct GenerateOptions {
+  std::int64_t tokens = 0;  ///< N new ids (0: no generation)
+  std::string prompt = "And God said";
+  double temperature = 0;  ///< 0: the most likely id; > 0: a draw from softmax(logits / T)
+  std::int64_t top_k = 0;  ///< > 0: draw among the K most likely ids only
+};
+
 /// Everything that defines a run of a stage. Defaults are the tutorial's default config.
 struct BlockConfig {
   std::int64_t hidden = 256;  ///< H
@@ -71,6 +79,8 @@ struct BlockConfig {
   std::string data = "synthetic";
   /// --eval-every K: the held-out loss every K steps and at the last (0: never).
   std::int64_t eval_every = 0;
+  /// --generate: after the last step rank 0 gathers the trained model and continues the prompt.
+  GenerateOptions generate;
   double lr = 1.0;  ///< learning rate (the loss is a mean, so SGD's grads are small)
   Optimizer optimizer = Optimizer::sgd;
   double beta1 = 0.9;         ///< AdamW: first-moment decay

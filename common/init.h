@@ -23,6 +23,7 @@ struct TensorId {
   static constexpr std::uint64_t w_out = 5;      ///< W_out [H, V]
   static constexpr std::uint64_t tokens = 6;     ///< --data synthetic's ids
   static constexpr std::uint64_t windows = 7;    ///< where each sequence of a step starts
+  static constexpr std::uint64_t sample = 8;     ///< --generate's draws, one per new token
   static constexpr std::uint64_t layer(std::int64_t l, int param) {
     return 16 + 16 * static_cast<std::uint64_t>(l) + static_cast<std::uint64_t>(param);
   }

@@ -22,11 +22,13 @@
 #include "comm/watchdog.h"
 #include "data.h"
 #include "flops.h"
+#include "generate.h"
 #include "memory.h"
 #include "npy.h"
 #include "ops.h"
 #include "output.h"
 #include "placement.h"
+#include "tokenizer.h"
 #include "trainer.h"
 
 namespace tpx {
@@ -590,6 +592,24 @@ void print_mean_step(const TrainResult& r) {
              bytes_text(r.saved_activation_bytes));
 }
 
+/// --generate on rank 0: the prompt's continuation by the trained model, printed after the step
+/// table and returned (the new text alone); nothing without --generate or after a divergence.
+std::string print_generated(const BlockConfig& c, const TrainResult& r) {
+  const GenerateOptions& g = c.generate;
+  if (g.tokens == 0 || !r.diverged.empty()) return {};
+  const Tokenizer tok = Tokenizer::load(tokenizer_path_for(c.data));
+  const std::vector<std::int32_t> ids = generate(c, r.trained, tok.encode(g.prompt));
+  const std::string text = valid_utf8(tok.decode(ids));
+  fmt::print("\ngenerated {} tokens ({}), one forward of the trained model per token:\n{}{}\n",
+             g.tokens,
+             g.temperature == 0
+                 ? std::string("greedy")
+                 : fmt::format("temperature {:g}{}, seed {}", g.temperature,
+                               g.top_k > 0 ? fmt::format(", top-k {}", g.top_k) : "", c.seed),
+             valid_utf8(g.prompt), text);
+  return text;
+}
+
 /// --check on rank 0: the first step's tensors and the first losses against the stage's
 /// single-device reference, one row per tensor, then PASS or FAIL. Returns the verdict and the
 /// rows for --json.
@@ -694,6 +714,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
     return print_agreed_error(st, v.message, kExitFail, rank);
   }
   if (rank == 0) print_mean_step(r);
+  const std::string generated = rank == 0 ? print_generated(c, r) : std::string();
 
   // Outputs are written by rank 0 (the trace's gather is collective); a failure to write one is
   // agreed like a start-up problem, so that every rank exits with rank 0's message.
@@ -731,6 +752,8 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
       summary["host_baseline_bytes_per_rank"] = host.baseline;
       summary["memory_estimate_bytes_per_rank"] = host.estimate;
       summary["host_peak_since_baseline"] = peak_reset;
+      if (c.generate.tokens > 0 && r.diverged.empty())
+        summary["generated"] = {{"prompt", valid_utf8(c.generate.prompt)}, {"text", generated}};
       if (o.check && r.diverged.empty())
         summary["check"] = {{"pass", pass},
                             {"rtol", tol.rtol},

@@ -316,4 +316,49 @@ std::string Tokenizer::decode(std::span<const std::int32_t> ids) const {
   return out;
 }
 
+namespace {
+
+/// A UTF-8 sequence that starts with byte `b`: its length (0: no sequence starts so) and the range
+/// of its second byte (RFC 3629, section 4: no overlong forms, surrogates or code points above
+/// U+10FFFF); the later bytes are 0x80 … 0xBF.
+struct Utf8Lead {
+  std::size_t length = 0;
+  unsigned char lo = 0x80, hi = 0xBF;
+};
+
+Utf8Lead utf8_lead(unsigned char b) {
+  if (b < 0x80) return {1};
+  if (b >= 0xC2 && b <= 0xDF) return {2};
+  if (b == 0xE0) return {3, 0xA0};
+  if (b == 0xED) return {3, 0x80, 0x9F};
+  if (b >= 0xE1 && b <= 0xEF) return {3};
+  if (b == 0xF0) return {4, 0x90};
+  if (b == 0xF4) return {4, 0x80, 0x8F};
+  if (b >= 0xF1 && b <= 0xF3) return {4};
+  return {};
+}
+
+}  // namespace
+
+std::string valid_utf8(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  const auto at = [&](std::size_t i) { return static_cast<unsigned char>(bytes[i]); };
+  for (std::size_t i = 0; i < bytes.size();) {
+    const Utf8Lead lead = utf8_lead(at(i));
+    const std::size_t n = lead.length;
+    bool ok = n > 0 && i + n <= bytes.size();
+    if (ok && n > 1) ok = at(i + 1) >= lead.lo && at(i + 1) <= lead.hi;
+    for (std::size_t k = 2; ok && k < n; ++k) ok = at(i + k) >= 0x80 && at(i + k) <= 0xBF;
+    if (ok) {
+      out.append(bytes.substr(i, n));
+      i += n;
+    } else {
+      out += "\xEF\xBF\xBD";  // U+FFFD
+      ++i;
+    }
+  }
+  return out;
+}
+
 }  // namespace tpx

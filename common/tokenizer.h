@@ -15,7 +15,8 @@
 // The tokenizer is saved as JSON: {"format": "tpx-bpe", "version": 1, "vocab": V, "words":
 // "<the split rule>", "merges": [[a, b], …]}, merge i making id 256 + i from ids a and b.
 //
-// defines: tpx::Tokenizer, tpx::split_words(), tpx::kMinTokenizerVocab, tpx::kMaxTokenizerVocab
+// defines: tpx::Tokenizer, tpx::split_words(), tpx::valid_utf8(), tpx::kMinTokenizerVocab,
+//          tpx::kMaxTokenizerVocab
 #pragma once
 
 #include <cstdint>
@@ -77,5 +78,10 @@ class Tokenizer {
   std::vector<std::string> bytes_;                        // bytes_[id]: what id decodes to
   std::unordered_map<std::uint64_t, std::int32_t> rank_;  // pair (a << 32 | b) -> its merge
 };
+
+/// `bytes` with each byte that does not belong to a well-formed UTF-8 sequence (RFC 3629: no
+/// overlong forms, no surrogates, nothing above U+10FFFF) replaced by U+FFFD, so that text decoded
+/// from sampled ids can be printed and written to JSON.
+std::string valid_utf8(std::string_view bytes);
 
 }  // namespace tpx

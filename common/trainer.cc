@@ -136,6 +136,26 @@ double grad_square_sum(const Model& m, const Sharding& sh, bool lm_replica) {
   return sq;
 }
 
+void gather_model(const BlockConfig& c, Parallelism& par, const Model& m, bool grads, Snapshot& s) {
+  s.params.resize(static_cast<std::size_t>(c.layers));
+  if (grads) s.grads.resize(static_cast<std::size_t>(c.layers));
+  for (std::size_t l = 0; l < s.params.size(); ++l)
+    for (Param p : kAllParams) {
+      const auto i = static_cast<std::size_t>(p);
+      s.params[l][i] = host_copy(par.gather_param(p, m.params[l][p]));
+      if (grads) s.grads[l][i] = host_copy(par.gather_param(p, m.grads[l][p]));
+    }
+  if (!c.lm()) return;
+  const auto params = m.lm.all(), lm_grads = m.lm_grads.all();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    s.lm_params[i] =
+        unpadded_vocab(c, kLmSplits[i], host_copy(par.gather_vocab(kLmSplits[i], *params[i])));
+    if (grads)
+      s.lm_grads[i] =
+          unpadded_vocab(c, kLmSplits[i], host_copy(par.gather_vocab(kLmSplits[i], *lm_grads[i])));
+  }
+}
+
 double grad_norm(Parallelism& par, const Model& m, const Sharding& sh, Trace& trace) {
   // Sharded gradients are summed over ranks; replicated ones (identical on every rank) are
   // counted once, on rank 0.
@@ -191,24 +211,10 @@ void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const
   if (m.target.defined()) s.target = host_copy(par.gather_activation(m.target));
   s.output = host_copy(par.gather_activation(y));
   s.input_grad = host_copy(par.gather_activation(dx));
-  s.params.resize(static_cast<std::size_t>(c.layers));
-  s.grads.resize(static_cast<std::size_t>(c.layers));
-  for (std::size_t l = 0; l < s.params.size(); ++l)
-    for (Param p : kAllParams) {
-      const auto i = static_cast<std::size_t>(p);
-      s.params[l][i] = host_copy(par.gather_param(p, m.params[l][p]));
-      s.grads[l][i] = host_copy(par.gather_param(p, m.grads[l][p]));
-    }
+  gather_model(c, par, m, /*grads=*/true, s);
   if (c.lm()) {
     s.tokens = batch.tokens;
     s.targets = batch.targets;
-    const auto params = m.lm.all(), grads = m.lm_grads.all();
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      s.lm_params[i] =
-          unpadded_vocab(c, kLmSplits[i], host_copy(par.gather_vocab(kLmSplits[i], *params[i])));
-      s.lm_grads[i] =
-          unpadded_vocab(c, kLmSplits[i], host_copy(par.gather_vocab(kLmSplits[i], *grads[i])));
-    }
   }
   s.extra = par.dump_extra();
 }
@@ -378,6 +384,10 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     finish_step(c, par, m, moments, trace, row, ms);
     result.rows.push_back(row);
     if (on_row) on_row(row);
+  }
+  if (c.generate.tokens > 0 && result.diverged.empty()) {
+    gather_model(c, par, m, /*grads=*/false, result.trained);  // not a step's: reporting
+    par.take_comm_stats();
   }
   return result;
 }

@@ -62,6 +62,8 @@ struct TrainResult {
   /// values are sums over ranks, identical everywhere, so every rank stops at the same step.
   std::string diverged;
   Snapshot first;  ///< filled when requested
+  /// --generate: the parameters after the last update (params and lm_params only), on rank 0.
+  Snapshot trained;
   /// This rank, all layers, first step: the activations saved between forward and backward.
   /// Under --recompute, what every layer kept (its input, for a recomputed layer; all but the
   /// cheap ops' outputs, under selective) plus what the largest recompute makes again while
@@ -109,6 +111,10 @@ void update(const BlockConfig& c, Model& m, Moments& moments, int t);
 /// ones (identical on every rank of the TP group) on its rank 0 only; the language model's only
 /// where `lm_replica` (Parallelism::counts_lm_replica).
 double grad_square_sum(const Model& m, const Sharding& sh, bool lm_replica);
+/// On rank 0, into s.params and s.lm_params: the whole model from every rank's part of m
+/// (collective: every rank calls it; the vocabulary unpadded). With `grads`, s.grads and
+/// s.lm_grads from m's gradients as well.
+void gather_model(const BlockConfig& c, Parallelism& par, const Model& m, bool grads, Snapshot& s);
 /// The global L2 norm of every rank's gradients: grad_square_sum() summed by par.
 double grad_norm(Parallelism& par, const Model& m, const Sharding& sh, Trace& trace);
 /// The line that stops training at `row` when its loss or gradient norm is not finite (the

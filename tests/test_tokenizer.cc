@@ -420,5 +420,21 @@ TEST(TpxTokenize, BadInputIsOneLineAndExitTwo) {
   }
 }
 
+// Sampled ids can end inside a character or join bytes no encoder would: valid_utf8() keeps
+// every well-formed sequence and replaces each byte of a broken one by U+FFFD.
+TEST(ValidUtf8, KeepsWellFormedTextAndReplacesEachBadByte) {
+  const std::string fffd = "\xEF\xBF\xBD";
+  EXPECT_EQ(valid_utf8("plain ascii"), "plain ascii");
+  const std::string good = "caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80";  // é, €, an emoji
+  EXPECT_EQ(valid_utf8(good), good);
+  EXPECT_EQ(valid_utf8("a\xC3"), "a" + fffd) << "cut after the lead byte";
+  EXPECT_EQ(valid_utf8("\xE2\x82"), fffd + fffd) << "cut inside a three-byte sequence";
+  EXPECT_EQ(valid_utf8("\x80x"), fffd + "x") << "a continuation byte alone";
+  EXPECT_EQ(valid_utf8("\xC0\xAF"), fffd + fffd) << "overlong '/'";
+  EXPECT_EQ(valid_utf8("\xED\xA0\x80"), fffd + fffd + fffd) << "a surrogate";
+  EXPECT_EQ(valid_utf8("\xF4\x90\x80\x80"), fffd + fffd + fffd + fffd) << "above U+10FFFF";
+  EXPECT_EQ(valid_utf8("\xFF"), fffd);
+}
+
 }  // namespace
 }  // namespace tpx
