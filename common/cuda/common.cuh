@@ -2,8 +2,8 @@
 // reductions, launch sizing, an operand's storage type from its runtime dtype. Included by .cu
 // files only.
 //
-// defines: tpx::cuda::dev::aligned16, ld4, st4, warp_sum, warp_max, block_sum, row_threads,
-//          launch grid helpers, typed, Elem
+// defines: tpx::cuda::dev::aligned16, ld4, st4, warp_sum, warp_max, block_sum,
+//          sum_partials_kernel, row_threads, launch grid helpers, typed, Elem
 #pragma once
 
 #include <cuda_bf16.h>
@@ -58,6 +58,18 @@ __device__ T block_sum(T v, T* shared) {
   __syncthreads();
   T total = lane < warps ? shared[lane] : T(0);
   return warp_sum(total);
+}
+
+/// The second pass of a two-pass sum: one block of kThreads threads adds the `count` partials the
+/// first pass left (one per block) into *result, in double.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    sum_partials_kernel(const double* partials, int count, double* result) {
+  __shared__ double shared[kThreads / kWarp];
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) *result = acc;
 }
 
 inline cudaStream_t as_stream(void* s) {

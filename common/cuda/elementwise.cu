@@ -144,15 +144,6 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
-__global__ void __launch_bounds__(kThreads)
-    sum_partials_kernel(const double* partials, int count, double* result) {
-  __shared__ double shared[kThreads / dev::kWarp];
-  double acc = 0.0;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
-  acc = dev::block_sum(acc, shared);
-  if (threadIdx.x == 0) *result = acc;
-}
-
 }  // namespace
 
 void fill(Dst p, float value, I n, void* stream) {
@@ -243,7 +234,8 @@ void sum_squares(Src x, Src y, I n, double* partials, double* result, void* stre
       sum_squares_kernel<<<blocks, kThreads, 0, dev::as_stream(stream)>>>(px, py, n, partials);
     });
   });
-  sum_partials_kernel<<<1, kThreads, 0, dev::as_stream(stream)>>>(partials, blocks, result);
+  dev::sum_partials_kernel<kThreads>
+      <<<1, kThreads, 0, dev::as_stream(stream)>>>(partials, blocks, result);
 }
 
 }  // namespace tpx::cuda::kernels

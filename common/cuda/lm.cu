@@ -234,15 +234,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
-__global__ void __launch_bounds__(kMaxThreads)
-    sum_loss_partials_kernel(const double* partials, int count, double* result) {
-  __shared__ double shared[kMaxThreads / dev::kWarp];
-  double acc = 0.0;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
-  acc = dev::block_sum(acc, shared);
-  if (threadIdx.x == 0) *result = acc;
-}
-
 // --- embedding ----------------------------------------------------------------------------------
 
 template <bool kVec, class O>
@@ -414,7 +405,8 @@ void cross_entropy_loss(const float* max, const float* sumexp, const float* targ
   const int blocks = cross_entropy_loss_blocks(n);
   cross_entropy_loss_kernel<<<blocks, kMaxThreads, 0, dev::as_stream(stream)>>>(
       max, sumexp, target_logit, lse, n, partials);
-  sum_loss_partials_kernel<<<1, kMaxThreads, 0, dev::as_stream(stream)>>>(partials, blocks, result);
+  dev::sum_partials_kernel<kMaxThreads>
+      <<<1, kMaxThreads, 0, dev::as_stream(stream)>>>(partials, blocks, result);
 }
 
 void cross_entropy_backward(Src logits, const std::int32_t* targets, const float* lse, I n, I cols,
