@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Installs the Debian packages tpx needs; with --transformers (scripts/test.sh) also Hugging Face
-# transformers from PyPI into .venv-hf, for tests/lm_transformers.py. Idempotent: does nothing
-# when they are all present. As a non-root user without the packages it prints the exact command
+# transformers from PyPI into .venv-hf, for tests/lm_transformers.py, and with --nvdisasm (also
+# scripts/test.sh) NVIDIA's SASS disassembler from PyPI into .venv-nvdisasm where nvcc is found,
+# for the ctest flash_sass (the toolkit's own packages here ship neither it nor cuobjdump).
+# Idempotent: does nothing when they are all present. As a non-root user without the packages it prints the exact command
 # to run and exits non-zero. TPX_NO_TRANSFORMERS=1 leaves transformers out (offline); the test
 # then reports itself skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 transformers=0
-case "${1:-}" in
-  "") ;;
-  --transformers) transformers=1 ;;
-  *) echo "setup: unknown argument $1 (the only one is --transformers)" >&2; exit 2 ;;
-esac
+nvdisasm=0
+for arg in "$@"; do
+  case "$arg" in
+    --transformers) transformers=1 ;;
+    --nvdisasm) nvdisasm=1 ;;
+    *) echo "setup: unknown argument $arg (known: --transformers, --nvdisasm)" >&2; exit 2 ;;
+  esac
+done
 
 packages=(
   build-essential cmake ninja-build git pkg-config
@@ -48,22 +53,49 @@ fi
 # transformers from PyPI at the versions pinned in the requirements file, in a virtual environment
 # that sees Debian's python3-torch (PyPI's torch wheels pull gigabytes of CUDA libraries). The
 # environment keeps a copy of the file it was made from: the same file, nothing to do.
-[ "$transformers" = 1 ] || exit 0
-venv=.venv-hf
-req=scripts/requirements-transformers.txt
-if [ "${TPX_NO_TRANSFORMERS:-0}" = 1 ]; then
-  echo "setup: TPX_NO_TRANSFORMERS=1: no transformers (tests/lm_transformers.py skips)"
-elif cmp -s "$req" "$venv/requirements.txt"; then
-  echo "setup: transformers present ($venv)"
-else
-  echo "setup: installing transformers into $venv ($req)"
-  rm -rf "$venv"
-  /usr/bin/python3 -m venv --system-site-packages "$venv"
-  if ! "$venv/bin/pip" install --disable-pip-version-check --no-input --quiet --only-binary :all: \
-      -r "$req"; then
-    echo "setup: pip could not install $req (offline? TPX_NO_TRANSFORMERS=1 leaves it out)" >&2
-    exit 1
+install_transformers() {
+  local venv=.venv-hf req=scripts/requirements-transformers.txt
+  if [ "${TPX_NO_TRANSFORMERS:-0}" = 1 ]; then
+    echo "setup: TPX_NO_TRANSFORMERS=1: no transformers (tests/lm_transformers.py skips)"
+  elif cmp -s "$req" "$venv/requirements.txt"; then
+    echo "setup: transformers present ($venv)"
+  else
+    echo "setup: installing transformers into $venv ($req)"
+    rm -rf "$venv"
+    /usr/bin/python3 -m venv --system-site-packages "$venv"
+    if ! "$venv/bin/pip" install --disable-pip-version-check --no-input --quiet --only-binary :all: \
+        -r "$req"; then
+      echo "setup: pip could not install $req (offline? TPX_NO_TRANSFORMERS=1 leaves it out)" >&2
+      exit 1
+    fi
+    "$venv/bin/python" -c 'import torch, transformers'
+    cp "$req" "$venv/requirements.txt"
   fi
-  "$venv/bin/python" -c 'import torch, transformers'
-  cp "$req" "$venv/requirements.txt"
-fi
+}
+[ "$transformers" = 1 ] && install_transformers
+
+# nvdisasm from PyPI (a wheel that holds the binary alone), pinned in its requirements file, in a
+# virtual environment of its own; only where nvcc is found (a CUDA build makes the cubin it reads).
+# Offline, or with TPX_NO_NVDISASM=1, the ctest flash_sass reports itself skipped.
+install_nvdisasm() {
+  local venv=.venv-nvdisasm req=scripts/requirements-nvdisasm.txt
+  if [ "${TPX_NO_NVDISASM:-0}" = 1 ]; then
+    echo "setup: TPX_NO_NVDISASM=1: no nvdisasm (the ctest flash_sass skips)"
+  elif ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+    echo "setup: no nvcc: no nvdisasm (nothing to disassemble)"
+  elif cmp -s "$req" "$venv/requirements.txt"; then
+    echo "setup: nvdisasm present ($venv)"
+  else
+    echo "setup: installing nvdisasm into $venv ($req)"
+    rm -rf "$venv"
+    /usr/bin/python3 -m venv "$venv"
+    if ! "$venv/bin/pip" install --disable-pip-version-check --no-input --quiet --only-binary :all: \
+        -r "$req"; then
+      echo "setup: pip could not install $req (offline? TPX_NO_NVDISASM=1 leaves it out)" >&2
+      exit 1
+    fi
+    cp "$req" "$venv/requirements.txt"
+  fi
+}
+[ "$nvdisasm" = 1 ] && install_nvdisasm
+exit 0

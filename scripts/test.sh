@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-release}
-scripts/setup.sh --transformers  # and transformers for tests/lm_transformers.py
+scripts/setup.sh --transformers --nvdisasm  # and PyPI tools: transformers (tests/lm_transformers.py), nvdisasm (flash_sass)
 scripts/build.sh "$preset" -DTPX_WERROR=ON  # warnings (g++ and nvcc) fail the build
 source scripts/env.sh
 ctest --preset "$preset"

@@ -58,6 +58,17 @@
 // Shared memory, every warp reading the shared tiles by ldmatrix for each of its products: 1/16
 // B per FLOP in all three (a 64-row block is shared-memory-bound at about 16 FLOP/B; 128-row
 // blocks halve it), plus the cp.async writes, 1/64 (forward) or less.
+// Instructions per tensor-core op, read from the build's sm_90 SASS by the ctest flash_sass
+// (tests/check_flash_sass.py, nvdisasm): in each mma.sync kernel's main loop (the loop whose body
+// holds the most HMMA) the body's instructions over its HMMA, counted once each. Each instance,
+// bf16 and fp32 outputs alike, must stay at or below its budget below, so that a change that
+// makes a loop fatter fails. The budgets are the counts of these kernels as they are; the aim
+// is 4 or fewer (interior tiles without masks or bounds, 32-bit in-block indices, the exponent
+// as one FFMA, 32 query rows a warp).
+//                kernel          D 32   D 64  D 128
+//   sass budget  flash_forward   27.0   16.9   10.6
+//   sass budget  flash_dq        19.4   11.3    7.1
+//   sass budget  flash_dkdv      26.1   14.3    8.4
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
 // (the tensor-core kernel does the same for 64 keys at a time), then o /= l, lse = m + log l.
