@@ -12,6 +12,10 @@
 // S = 1024) and the fused kernels' two 128×128 score blocks and one float per row (about
 // 0.13 MiB); the label states them.
 //
+// Timing: only the attention calls, on the stage's operand type (bf16 tensors in and out on
+// cuda, made before the clock starts: no cast and no allocation is timed), by device events
+// around timed_reps() calls back to back on cuda (ops::time_ms) and the host clock on the cpu.
+//
 // FLOP convention (FlashAttention-2's, arXiv:2307.08691 §4.1): the forward is two GEMMs of
 // 2·S²·D per (batch, head), halved by the causal mask: 4·B·NH·S²·D / 2; the backward counts
 // 2.5× the forward (five GEMM-sized products instead of two); a step is 3.5× the forward. The
@@ -22,7 +26,6 @@
 //   --benchmark_out_format=json]
 #include <benchmark/benchmark.h>
 
-#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -51,27 +54,47 @@ double pass_flops(const AttnShape& a, Pass pass) {
   return pass == Pass::forward ? forward : pass == Pass::backward ? 2.5 * forward : 3.5 * forward;
 }
 
+/// q, k, v, dout as the stage hands them to attention: bf16 under bf16 compute (so no cast runs
+/// inside the clock), fp32 otherwise; make_outputs() adds out, dq, dk, dv of the same type.
+struct AttnTensors {
+  Device device;
+  DType type;
+  Tensor::Shape act;
+  Tensor q, k, v, dout, out, dq, dk, dv;
+  AttnTensors(Device d, DType compute, const AttnShape& a)
+      : device(d),
+        type(compute == DType::bf16 ? DType::bf16 : DType::f32),
+        act{a.s, a.b, a.heads * a.d},
+        q(as_dtype(random_on(d, act, 1), type)),
+        k(as_dtype(random_on(d, act, 2), type)),
+        v(as_dtype(random_on(d, act, 3), type)),
+        dout(as_dtype(random_on(d, act, 4), type)) {}
+  void make_outputs() {
+    out = Tensor::empty(act, type, device);
+    dq = Tensor::empty(act, type, device);
+    dk = Tensor::empty(act, type, device);
+    dv = Tensor::empty(act, type, device);
+  }
+};
+
 /// The fused kernels' forward or backward alone, on cuda.
 void bm_fused_pass(benchmark::State& state, DType compute, Pass pass, AttnShape a) {
   constexpr Device d = Device::cuda;
-  const Tensor::Shape act{a.s, a.b, a.heads * a.d};
-  const Tensor q = random_on(d, act, 1), k = random_on(d, act, 2), v = random_on(d, act, 3);
-  const Tensor dout = random_on(d, act, 4);
-  const Tensor out = Tensor::empty(act, DType::f32, d);
+  AttnTensors t(d, compute, a);
+  t.make_outputs();
   const Tensor lse = Tensor::empty({a.b, a.heads, a.s}, DType::f32, d);
-  const Tensor dq = Tensor::empty(act, DType::f32, d), dk = Tensor::empty(act, DType::f32, d),
-               dv = Tensor::empty(act, DType::f32, d);
-  ops::attention_fused_forward(q, k, v, a.heads, out, lse, compute);  // what backward reads
-  ops::synchronize(d);
+  ops::attention_fused_forward(t.q, t.k, t.v, a.heads, t.out, lse, compute);  // backward reads it
   double seconds = 0.0;
   for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    if (pass == Pass::forward)
-      ops::attention_fused_forward(q, k, v, a.heads, out, lse, compute);
-    else
-      ops::attention_fused_backward(dout, q, k, v, out, lse, a.heads, dq, dk, dv, compute);
-    ops::synchronize(d);
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double ms = ops::time_ms(d, timed_reps(d), [&] {
+      if (pass == Pass::forward)
+        ops::attention_fused_forward(t.q, t.k, t.v, a.heads, t.out, lse, compute);
+      else
+        ops::attention_fused_backward(t.dout, t.q, t.k, t.v, t.out, lse, a.heads, t.dq, t.dk, t.dv,
+                                      compute);
+    });
+    state.SetIterationTime(ms * 1e-3);
+    seconds += ms * 1e-3;
   }
   const double iters = double(state.iterations());
   state.counters["TFLOP/s"] = seconds > 0 ? pass_flops(a, pass) * iters / seconds / 1e12 : 0;
@@ -79,32 +102,28 @@ void bm_fused_pass(benchmark::State& state, DType compute, Pass pass, AttnShape 
 }
 
 void bm_attention(benchmark::State& state, Device d, DType compute, bool fused, AttnShape a) {
-  const Tensor::Shape act{a.s, a.b, a.heads * a.d};
-  const Tensor q = random_on(d, act, 1), k = random_on(d, act, 2), v = random_on(d, act, 3);
-  const Tensor dout = random_on(d, act, 4);
+  AttnTensors t(d, compute, a);
   Allocator& alloc = allocator_for(d);
   ops::synchronize(d);
-  const std::size_t before = alloc.stats().current;
+  const std::size_t before = alloc.stats().current;  // the inputs; what follows is the peak's
   alloc.reset_peak();
+  t.make_outputs();
+  const Tensor lse = Tensor::empty({a.b, a.heads, a.s}, DType::f32, d);
+  const Tensor probs = fused ? Tensor() : Tensor::empty({a.b, a.heads, a.s, a.s}, DType::f32, d);
   double seconds = 0.0;
   for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    {
-      const Tensor out = Tensor::empty(act, DType::f32, d);
-      const Tensor dq = Tensor::empty(act, DType::f32, d), dk = Tensor::empty(act, DType::f32, d),
-                   dv = Tensor::empty(act, DType::f32, d);
+    const double ms = ops::time_ms(d, timed_reps(d), [&] {
       if (fused) {
-        const Tensor lse = Tensor::empty({a.b, a.heads, a.s}, DType::f32, d);
-        ops::attention_fused_forward(q, k, v, a.heads, out, lse, compute);
-        ops::attention_fused_backward(dout, q, k, v, out, lse, a.heads, dq, dk, dv, compute);
+        ops::attention_fused_forward(t.q, t.k, t.v, a.heads, t.out, lse, compute);
+        ops::attention_fused_backward(t.dout, t.q, t.k, t.v, t.out, lse, a.heads, t.dq, t.dk, t.dv,
+                                      compute);
       } else {
-        const Tensor probs = Tensor::empty({a.b, a.heads, a.s, a.s}, DType::f32, d);
-        ops::attention_forward(q, k, v, a.heads, out, probs, compute);
-        ops::attention_backward(dout, q, k, v, probs, a.heads, dq, dk, dv, compute);
+        ops::attention_forward(t.q, t.k, t.v, a.heads, t.out, probs, compute);
+        ops::attention_backward(t.dout, t.q, t.k, t.v, probs, a.heads, t.dq, t.dk, t.dv, compute);
       }
-      ops::synchronize(d);  // device kernels are asynchronous: time them to completion
-    }
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    });
+    state.SetIterationTime(ms * 1e-3);
+    seconds += ms * 1e-3;
   }
   const double iters = double(state.iterations());
   state.counters["TFLOP/s"] = seconds > 0 ? pass_flops(a, Pass::step) * iters / seconds / 1e12 : 0;
@@ -143,7 +162,7 @@ void register_all() {
                         fused ? "fused" : "naive", a.s, head_dim)
                 .c_str(),
             [d, compute, fused, a](benchmark::State& s) { bm_attention(s, d, compute, fused, a); })
-            ->UseRealTime()
+            ->UseManualTime()
             ->Unit(benchmark::kMillisecond);
       }
     if (d != Device::cuda) continue;
@@ -155,7 +174,7 @@ void register_all() {
                         pass == Pass::forward ? "fwd" : "bwd", seq)
                 .c_str(),
             [compute, pass, a](benchmark::State& s) { bm_fused_pass(s, compute, pass, a); })
-            ->UseRealTime()
+            ->UseManualTime()
             ->Unit(benchmark::kMillisecond);
       }
   }

@@ -1,7 +1,9 @@
 // GEMM throughput at the block's shapes: for each weight kind the forward product y = x·W and
-// the two backward products dx = dy·Wᵀ and dW = xᵀ·dy, in fp32, (cuda) bf16 with fp32
+// the two backward products dx = dy·Wᵀ and dW = xᵀ·dy, in fp32, (cuda) bf16 in and out with fp32
 // accumulation, and fp8 as stage 06 multiplies them (forward E4M3 × E4M3, dx E5M2 × E4M3, dW
-// E4M3 × E5M2, operands quantized with their per-tensor scales before the timing starts). On the
+// E4M3 × E5M2, operands quantized with their per-tensor scales and laid out K-major before the
+// timing starts; fp32 out). Only the product is timed: on cuda by device events around
+// timed_reps() calls back to back (ops::time_ms), on the cpu by the host clock. On the
 // cpu an FP8 GEMM dequantizes its operands and runs the fp32 GEMM: its numbers show what the
 // emulation costs, not FP8 speed. Reports TFLOP/s (2·m·n·k per GEMM); --benchmark_out=FILE
 // --benchmark_out_format=json writes Google Benchmark's JSON.
@@ -16,7 +18,6 @@
 //   build/bin/bench_gemm [--benchmark_filter=cuda/bf16] [--benchmark_min_time=0.5]
 #include <benchmark/benchmark.h>
 
-#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -55,22 +56,33 @@ Tensor quantized(const Tensor& x, DType format) {
   return q.with_scale(scale);
 }
 
-/// compute: f32, bf16, or e4m3 for stage 06's FP8 operands.
+/// compute: f32, bf16, or e4m3 for stage 06's FP8 operands. Only the product is timed: a bf16
+/// row's operands are bf16 tensors and it writes bf16 (no cast inside the clock); an FP8 row's
+/// codes are quantized before it and laid out K-major, A [m, k] and B [n, k], the "TN" form
+/// cuBLASLt's FP8 GEMM reads in place (common/fp8_gemm_plan.h), so no transpose is timed either
+/// (stage 06 makes those transposes; they are not GEMM time).
 void bm_gemm(benchmark::State& state, Device d, DType compute, GemmShape g) {
-  Tensor a = random_on(d, g.ta ? Tensor::Shape{g.k, g.m} : Tensor::Shape{g.m, g.k}, 1);
-  Tensor b = random_on(d, g.tb ? Tensor::Shape{g.n, g.k} : Tensor::Shape{g.k, g.n}, 2);
-  if (is_fp8(compute)) {
+  const bool fp8 = is_fp8(compute);
+  const bool ta = fp8 ? false : g.ta, tb = fp8 ? true : g.tb;
+  Tensor a = random_on(d, ta ? Tensor::Shape{g.k, g.m} : Tensor::Shape{g.m, g.k}, 1);
+  Tensor b = random_on(d, tb ? Tensor::Shape{g.n, g.k} : Tensor::Shape{g.k, g.n}, 2);
+  DType out = DType::f32;
+  if (fp8) {
     a = quantized(a, g.fp8_a);
     b = quantized(b, g.fp8_b);
     compute = DType::f32;  // not used for FP8 operands
+  } else if (compute == DType::bf16) {
+    a = as_dtype(a, DType::bf16);
+    b = as_dtype(b, DType::bf16);
+    out = DType::bf16;
   }
-  const Tensor c = Tensor::empty({g.m, g.n}, DType::f32, d);
+  const Tensor c = Tensor::empty({g.m, g.n}, out, d);
   double seconds = 0.0;
   for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    ops::gemm(a, g.ta, b, g.tb, c, 1.0f, 0.0f, compute);
-    ops::synchronize(d);  // device GEMMs are asynchronous: time them to completion
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double ms =
+        ops::time_ms(d, timed_reps(d), [&] { ops::gemm(a, ta, b, tb, c, 1.0f, 0.0f, compute); });
+    state.SetIterationTime(ms * 1e-3);
+    seconds += ms * 1e-3;
   }
   const double flops = 2.0 * double(g.m) * double(g.n) * double(g.k);
   state.counters["TFLOP/s"] = seconds > 0 ? flops * double(state.iterations()) / seconds / 1e12 : 0;
@@ -79,15 +91,10 @@ void bm_gemm(benchmark::State& state, Device d, DType compute, GemmShape g) {
 
 /// The forward GEMM `g` whole and in `chunks` row chunks; see the top of the file.
 void bm_gemm_chunked(benchmark::State& state, Device d, DType compute, GemmShape g, I chunks) {
-  const Tensor a = random_on(d, {g.m, g.k}, 1);
-  const Tensor b = random_on(d, {g.k, g.n}, 2);
-  const Tensor c = Tensor::empty({g.m, g.n}, DType::f32, d);
-  auto timed = [d](auto&& work) {
-    const auto t0 = std::chrono::steady_clock::now();
-    work();
-    ops::synchronize(d);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
+  const Tensor a = as_dtype(random_on(d, {g.m, g.k}, 1), compute);
+  const Tensor b = as_dtype(random_on(d, {g.k, g.n}, 2), compute);
+  const Tensor c = Tensor::empty({g.m, g.n}, compute, d);
+  auto timed = [d](auto&& work) { return ops::time_ms(d, timed_reps(d), work) * 1e-3; };
   double whole = 0.0, chunked = 0.0;
   for (auto _ : state) {
     whole += timed([&] { ops::gemm(a, false, b, false, c, 1.0f, 0.0f, compute); });
@@ -124,7 +131,7 @@ void register_all() {
         benchmark::RegisterBenchmark(
             fmt::format("gemm/{}/{}/{}", to_string(d), dtype_flag(t), g.name).c_str(),
             [d, t, g](benchmark::State& s) { bm_gemm(s, d, t, g); })
-            ->UseRealTime()
+            ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);
     std::vector<DType> chunked_types{DType::f32};
     if (d == Device::cuda) chunked_types = {DType::bf16};

@@ -5,7 +5,8 @@
 // the mechanics, not GPU speed); the gpu runs H=4096, NH=32, F=11008, S=2048, B=1, a Llama-7B-
 // sized block, where GEMMs dominate.
 //
-// defines: tpx::bench::devices(), bench_config(), random_on(), device_label(), run_benchmarks()
+// defines: tpx::bench::devices(), bench_config(), random_on(), as_dtype(), timed_reps(),
+//          device_label(), run_benchmarks()
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -52,6 +53,21 @@ inline Tensor random_on(Device d, Tensor::Shape shape, unsigned seed, double std
   std::normal_distribution<float> dist(0.0f, static_cast<float>(std));
   for (float& v : host.f32()) v = dist(gen);
   return d == Device::cpu ? host : ops::to_device(host, d);
+}
+
+/// `t` as a tensor of `dtype` on its device (a copy; t itself when it already is one): the
+/// operands a bf16 benchmark row reads, made before its clock starts.
+inline Tensor as_dtype(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor out = Tensor::empty(t.shape(), dtype, t.device());
+  ops::cast(t, out);
+  return out;
+}
+
+/// Calls of the timed work per benchmark iteration: on cuda enough back to back that the
+/// host's launches run ahead of the GPU (device events time them: ops::time_ms), one on the cpu.
+inline int timed_reps(Device d) {
+  return d == Device::cuda ? 10 : 1;
 }
 
 /// "cpu" or the GPU's name, for benchmark labels and the JSON context.

@@ -2,6 +2,7 @@
 #include "ops.h"
 
 #include <charconv>
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <fstream>
@@ -745,6 +746,20 @@ double bf16_gemm_peak_tflops([[maybe_unused]] Device device) {
   }
 #endif
   return 0.0;
+}
+
+double time_ms(Device device, int reps, const std::function<void()>& work) {
+  TPX_CHECK(reps > 0, "time_ms: {} repetitions", reps);
+  work();  // untimed: first-call costs (plans, workspaces, lazy loading) stay out
+#if TPX_WITH_CUDA
+  if (device == Device::cuda) return cuda::time_ms(reps, work);
+#endif
+  synchronize(device);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) work();
+  synchronize(device);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+         reps;
 }
 
 Tensor to_device(const Tensor& t, Device device) {

@@ -14,11 +14,12 @@
 // defines: tpx::ops::gemm, attention_dims, attention_merge_dims, rmsnorm_*, attention_*,
 //          attention_fused_*, attention_block_*, attention_merge, swiglu_*, add, rope_forward,
 //          rope_backward, accumulate, mse_loss_*, embedding_*, cross_entropy_*, sgd_update, AdamWStep, adamw_update, sum_squares,
-//          fill, cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, memory_available,
+//          fill, cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, time_ms, memory_available,
 //          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "tensor.h"
@@ -277,5 +278,12 @@ void synchronize(Device device);
 /// The device's dense bf16 GEMM throughput in TFLOP/s, measured once per process by timing a
 /// large cuBLAS GEMM: the denominator of MFU. 0 for the cpu.
 double bf16_gemm_peak_tflops(Device device);
+
+/// Milliseconds per call of `work`, issued `reps` times back to back after one untimed call: on
+/// cuda by two events on the calling thread's stream around the calls (the host queues them
+/// ahead of the GPU, so the time is the kernels' unless each call's launches take longer than
+/// its kernels), on the cpu by the host's steady clock. What `work` issues on other streams is
+/// not waited for. For benchmarks: what is outside `work` (casts, allocations) is not timed.
+double time_ms(Device device, int reps, const std::function<void()>& work);
 
 }  // namespace tpx::ops

@@ -108,8 +108,9 @@ def cuda_device(text, path):
 
 def gbench_console(path):
     """A Google Benchmark console log: {device, date, rows, aborted}. Each row: name (without
-    /real_time or /manual_time), time_ms, iterations, counters; `aborted` is the 'what():' line of
-    an exception that ended the program, else None."""
+    /real_time or /manual_time), timer ("real", "manual" or None: the suffix, which says whether
+    the row was timed by the host clock or by CUDA events), time_ms, iterations, counters;
+    `aborted` is the 'what():' line of an exception that ended the program, else None."""
     text = read(path)
     device = cuda_device(text, path)
     date = need(r"(?m)^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", text, path, "date line").group(1)
@@ -132,8 +133,10 @@ def gbench_console(path):
             except ValueError:
                 raise LogError(f"{path}: counter '{token}' is not a number: {line.strip()}")
             counters.update({k: value for k in keys})
-        name = re.sub(r"/(real|manual)_time$", "", m.group(1))
-        rows.append({"name": name, "time_ms": float(m.group(2)) * UNIT_MS[m.group(3)],
+        timer = re.search(r"/(real|manual)_time$", m.group(1))
+        name = m.group(1)[:timer.start()] if timer else m.group(1)
+        rows.append({"name": name, "timer": timer.group(1) if timer else None,
+                     "time_ms": float(m.group(2)) * UNIT_MS[m.group(3)],
                      "iterations": int(m.group(5)), "counters": counters})
     if not rows:
         raise LogError(f"{path}: no benchmark rows under the table heading")
@@ -333,14 +336,15 @@ def load_run(folder):
 # --- numbers derived from the logs --------------------------------------------------------------
 
 def gemm_rows(run, dtype="bf16"):
-    """bench_gemm's cuda rows of one dtype: [{gemm, m, n, k, us, tflops}]."""
+    """bench_gemm's cuda rows of one dtype: [{gemm, m, n, k, us, tflops, timer}]."""
     out = []
     for r in run["gemm"]["rows"]:
         parts = r["name"].split("/")
         if parts[:3] == ["gemm", "cuda", dtype]:
             c = r["counters"]
             out.append({"gemm": "/".join(parts[3:]), "m": int(c["m"]), "n": int(c["n"]),
-                        "k": int(c["k"]), "us": r["time_ms"] * 1e3, "tflops": c["TFLOP/s"]})
+                        "k": int(c["k"]), "us": r["time_ms"] * 1e3, "tflops": c["TFLOP/s"],
+                        "timer": r["timer"]})
     return out
 
 
@@ -359,11 +363,12 @@ def attention_rows(run):
                            f"{run['files']['attention'].name} has")
         rows.append({"kernel": m.group(1), "seq": seq, "ms": r["time_ms"],
                      "tflops": r["counters"]["TFLOP/s"], "peak_mib": r["counters"]["peak_MiB"],
-                     "shape": {k: int(r["counters"][k]) for k in ("B", "NH", "D")}})
+                     "shape": {k: int(r["counters"][k]) for k in ("B", "NH", "D")},
+                     "timer": r["timer"]})
     for seq, s in sdpa.items():
         shape = next((r["shape"] for r in rows if r["seq"] == seq), None)
         rows.append({"kernel": "sdpa", "seq": seq, "ms": s["time_ms"], "tflops": s["tflops"],
-                     "peak_mib": None, "shape": shape})
+                     "peak_mib": None, "shape": shape, "timer": "manual"})
     order = {"fused": 0, "naive": 1, "sdpa": 2}
     rows.sort(key=lambda r: (r["seq"], order.get(r["kernel"], 3)))
     for r in rows:
@@ -618,7 +623,12 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure, latest
     a0 = att[0]["shape"]
     out += ["### Attention, forward + backward", "",
             f"Causal, bf16, B {a0['B']}, NH {a0['NH']}, D {a0['D']} ({link('attention')}, "
-            f"{link('sdpa')}: PyTorch {run['sdpa']['torch']}). TFLOP/s as the benches count "
+            f"{link('sdpa')}: PyTorch {run['sdpa']['torch']}; "
+            + ("tpx's rows: bf16 tensors in and out, the calls alone timed by CUDA events, as "
+               "SDPA's" if all(r["timer"] == "manual" for r in att) else
+               "tpx's rows: fp32 tensors, so each timed iteration also casts q, k, v and dO to "
+               "bf16 and the outputs back, and waits on the host; SDPA's: bf16, CUDA events")
+            + "). TFLOP/s as the benches count "
             "FLOPs (FlashAttention-2's: 3.5 × the causal forward's 4·B·NH·S²·D / 2); peak MiB: "
             "the allocator's high-water mark above the inputs (tpx's kernels only).", ""]
     out += table(["kernel", "S", "ms", "TFLOP/s", "time vs SDPA", "peak MiB"],
@@ -629,8 +639,14 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure, latest
 
     gemms = gemm_rows(run)
     lo, hi = min(g["tflops"] for g in gemms), max(g["tflops"] for g in gemms)
+    # bench_gemm's rows became event-timed (manual_time) when its bf16 rows got bf16 operands;
+    # before, each timed iteration also cast both fp32 operands to bf16.
+    timed = ("bf16 in and out, the product alone timed by CUDA events"
+             if all(g["timer"] == "manual" for g in gemms) else
+             "bf16 products of fp32 operands: each timed iteration also casts both to bf16, so "
+             "these rows understate the GEMMs")
     out += ["### The block's bf16 GEMMs (bench_gemm)", "",
-            f"cuBLASLt, bf16 in and out, the GEMMs of the block at S {s['seq']} ({link('gemm')}): "
+            f"cuBLASLt, {timed}; the GEMMs of the block at S {s['seq']} ({link('gemm')}): "
             f"{lo:.0f}–{hi:.0f} TFLOP/s, {lo / big['peak_tflops'] * 100:.0f}–"
             f"{hi / big['peak_tflops'] * 100:.0f} % of the measured {big['peak_tflops']} TFLOP/s "
             f"peak ({datasheet_tflops:.1f} is the datasheet's dense bf16).", ""]
@@ -793,7 +809,8 @@ def runs_side_by_side(runs, wheres, command):
 
 # --- one run's comparison table, as gpu-validate.sh's bench part prints it -----------------------
 
-SPLIT_ROW = re.compile(r"(?m)^attention/cuda/bf16/(fused|sdpa)-(fwd|bwd)/S:(\d+)(?:/real_time)?\s.*?"
+SPLIT_ROW = re.compile(r"(?m)^attention/cuda/bf16/(fused|sdpa)-(fwd|bwd)/S:(\d+)"
+                       r"(?:/(?:real|manual)_time)?\s.*?"
                        r"\s([0-9.]+) ms\s.*?TFLOP/s=([0-9.]+)")
 
 

@@ -125,6 +125,22 @@ void synchronize() {
   TPX_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(current_stream())));
 }
 
+double time_ms(int reps, const std::function<void()>& work) {
+  auto stream = static_cast<cudaStream_t>(current_stream());
+  cudaEvent_t start = nullptr, stop = nullptr;
+  TPX_CUDA_CHECK(cudaEventCreate(&start));
+  TPX_CUDA_CHECK(cudaEventCreate(&stop));
+  TPX_CUDA_CHECK(cudaEventRecord(start, stream));
+  for (int i = 0; i < reps; ++i) work();
+  TPX_CUDA_CHECK(cudaEventRecord(stop, stream));
+  TPX_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0.0f;
+  TPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  TPX_CUDA_CHECK(cudaEventDestroy(start));
+  TPX_CUDA_CHECK(cudaEventDestroy(stop));
+  return double(ms) / reps;
+}
+
 std::size_t memory_free_bytes() {
   ensure_initialized();
   std::size_t free = 0, total = 0;

@@ -8,12 +8,13 @@
 // the GPU count.
 //
 // defines: tpx::cuda::device_problem, ensure_initialized, DeviceInfo, device_info, device_name,
-//          current_stream, set_current_stream, StreamGuard, grid_for, synchronize,
+//          current_stream, set_current_stream, time_ms, StreamGuard, grid_for, synchronize,
 //          memory_free_bytes, fp8_gemm_supported
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace tpx::cuda {
@@ -51,6 +52,10 @@ bool fp8_gemm_supported();
 /// default stream, unless a StreamGuard says otherwise.
 void* current_stream();
 void set_current_stream(void* stream);
+
+/// ops::time_ms on cuda: milliseconds per call of `work` issued `reps` times between two events
+/// on the current stream.
+double time_ms(int reps, const std::function<void()>& work);
 
 /// Issues the ops of a scope on another stream, restoring the previous one on exit.
 class StreamGuard {
