@@ -267,17 +267,17 @@ void twin_forward(const Problem& p, const std::vector<float>& q, const std::vect
           FragC<NS> sc;
           zero(sc);
           mma_abt(sc, qt, w * tc::kWarpRows, kt, D);
-          const bool masked = !tc::all_visible(row0, tc::kWarpRows, j0, tc::kKeyTile, s, p.shift);
-          for (int ln = 0; ln < kL; ++ln)
-            tc::scale_mask(lane_frag(sc, ln), ln, row0, j0, s, p.shift, scale_log2, masked);
+          // The kernel masks every tile after the block's clear ones.
+          if (t >= tc::clear_key_tiles(q0, s, p.shift))
+            for (int ln = 0; ln < kL; ++ln) tc::mask(lane_frag(sc, ln), ln, row0, j0, s, p.shift);
           for (int h = 0; h < 2; ++h) {
             std::array<float, kL> mx{};
             for (int ln = 0; ln < kL; ++ln) mx[ln] = tc::lane_row_max(lane_frag(sc, ln), h);
             mx = quad(mx, [](float a, float b) { return std::fmax(a, b); });
             for (int ln = 0; ln < kL; ++ln) {
               float alpha;
-              const float offset = tc::online_max(m[ln][h], mx[ln], alpha);
-              l[ln][h] = l[ln][h] * alpha + tc::exp_row(lane_frag(sc, ln), h, offset);
+              const float offset = tc::online_max(m[ln][h], mx[ln], scale_log2, alpha);
+              l[ln][h] = l[ln][h] * alpha + tc::exp_row(lane_frag(sc, ln), h, scale_log2, offset);
               for (int n = 0; n < ND; ++n) o[ln][n][2 * h] *= alpha, o[ln][n][2 * h + 1] *= alpha;
             }
           }
@@ -367,11 +367,15 @@ void twin_dq(const Problem& p, const std::vector<float>& dout, const std::vector
           zero(dp);
           mma_abt(sc, qt, w * tc::kWarpRows, kt, D);
           mma_abt(dp, dot, w * tc::kWarpRows, vt, D);
-          const bool masked = !tc::all_visible(row0, tc::kWarpRows, j0, tc::kKeyTile, s, p.shift);
+          const bool masked = t >= tc::clear_key_tiles(q0, s, p.shift);
           for (int ln = 0; ln < kL; ++ln) {
             const float l2[2] = {lse2[ln][0], lse2[ln][1]}, d2[2] = {dl[ln][0], dl[ln][1]};
-            tc::ds_rows(lane_frag(sc, ln), lane_frag(dp, ln), ln, row0, j0, s, p.shift, scale_log2,
-                        l2, d2, masked);
+            if (masked)
+              tc::ds_rows<true>(lane_frag(sc, ln), lane_frag(dp, ln), ln, row0, j0, s, p.shift,
+                                scale_log2, l2, d2);
+            else
+              tc::ds_rows<false>(lane_frag(sc, ln), lane_frag(dp, ln), ln, row0, j0, s, p.shift,
+                                 scale_log2, l2, d2);
           }
           for (int kk = 0; kk < tc::kKeyTile / 16; ++kk) mma_av(acc, a_from_c(sc, kk), kt, kk);
         }
@@ -431,8 +435,12 @@ void twin_dkdv(const Problem& p, const std::vector<float>& dout, const std::vect
           mma_abt(dpt, vt, w * tc::kWarpRows, dot, D);
           const bool masked = !tc::all_visible(i0, tc::kQueryTile, row0, tc::kWarpRows, s, p.shift);
           for (int ln = 0; ln < kL; ++ln)
-            tc::ds_cols(lane_frag(pt, ln), lane_frag(dpt, ln), ln, row0, i0, s, p.shift, scale_log2,
-                        lse_s[b], dl_s[b], masked);
+            if (masked)
+              tc::ds_cols<true>(lane_frag(pt, ln), lane_frag(dpt, ln), ln, row0, i0, s, p.shift,
+                                scale_log2, lse_s[b], dl_s[b]);
+            else
+              tc::ds_cols<false>(lane_frag(pt, ln), lane_frag(dpt, ln), ln, row0, i0, s, p.shift,
+                                 scale_log2, lse_s[b], dl_s[b]);
           for (int kk = 0; kk < tc::kQueryTile / 16; ++kk) {
             mma_av(dva, a_from_c(pt, kk), dot, kk);
             mma_av(dka, a_from_c(dpt, kk), qt, kk);
@@ -699,6 +707,29 @@ TEST(FlashTcTwinFragments, TileBoundsCoverExactlyTheVisibleKeys) {
         }
       }
     }
+}
+
+// The tiles the forward and dQ run without a mask are exactly the leading ones that every row of
+// the block sees whole: for each, no (row, key) is hidden, and the first masked tile (if any
+// tile is left) hides one.
+TEST(FlashTcTwinFragments, ClearTilesAreTheLeadingWholeVisibleOnes) {
+  for (I s : {1, 63, 64, 65, 128, 200, 256})
+    for (I shift : {I(-70), I(-5), I(0), I(3), I(63), I(64), I(300)})
+      for (I q0 = 0; q0 < s; q0 += tc::kBlockRows) {
+        const I tiles = tc::key_tiles(q0, s, shift), clear = tc::clear_key_tiles(q0, s, shift);
+        ASSERT_LE(clear, tiles) << "S " << s << " shift " << shift << " q0 " << q0;
+        auto whole = [&](I t) {
+          for (I i = q0; i < q0 + tc::kBlockRows; ++i)
+            for (I j = t * tc::kKeyTile; j < (t + 1) * tc::kKeyTile; ++j)
+              if (!tc::visible(i, j, s, shift)) return false;
+          return true;
+        };
+        for (I t = 0; t < clear; ++t)
+          EXPECT_TRUE(whole(t)) << "S " << s << " shift " << shift << " q0 " << q0 << " t " << t;
+        if (clear < tiles) {
+          EXPECT_FALSE(whole(clear)) << "S " << s << " shift " << shift << " q0 " << q0;
+        }
+      }
 }
 
 }  // namespace

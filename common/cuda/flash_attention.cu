@@ -62,13 +62,14 @@
 // (tests/check_flash_sass.py, nvdisasm): in each mma.sync kernel's main loop (the loop whose body
 // holds the most HMMA) the body's instructions over its HMMA, counted once each. Each instance,
 // bf16 and fp32 outputs alike, must stay at or below its budget below, so that a change that
-// makes a loop fatter fails. The budgets are the counts of these kernels as they are; the aim
-// is 4 or fewer (interior tiles without masks or bounds, 32-bit in-block indices, the exponent
-// as one FFMA, 32 query rows a warp).
+// makes a loop fatter fails. The budgets are the counts of these kernels as they are (before
+// the clear tiles ran without a mask and the exponent became one FFMA and one ex2.approx.ftz:
+// forward 10.6, dQ 7.0, dK/dV 8.4 at D 128); the aim is 4 or fewer (32-bit in-block indices,
+// copies without bounds on interior tiles, 32 query rows a warp).
 //                kernel          D 32   D 64  D 128
-//   sass budget  flash_forward   27.0   16.9   10.6
-//   sass budget  flash_dq        19.4   11.3    7.1
-//   sass budget  flash_dkdv      26.1   14.3    8.4
+//   sass budget  flash_forward    9.9    7.6    6.4
+//   sass budget  flash_dq         6.1    5.3    4.4
+//   sass budget  flash_dkdv      18.0   10.3    6.4
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
 // (the tensor-core kernel does the same for 64 keys at a time), then o /= l, lse = m + log l.
@@ -666,23 +667,26 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   float o[D / 8][4];
   zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this lane's share of the sum
-  for (I t = 0; t < tiles; ++t) {
+  // One key tile; kMasked for the tiles after the clear ones (the diagonal, S's ragged end).
+  auto step = [&](I t, auto masked) {
     const int b = tc::buffer_of(t);
-    const I j0 = t * kKeyTile;
     next_kv_tile<D>(ks, vs, k, v, t, tiles, s, ldkv);
     float sc[kKeyTile / 8][4];
     product_abt<kKeyTile / 16, D>(sc, qw, ks + b * kTile, lane);
-    const bool masked = !tc::all_visible(row0, kWarpRows, j0, kKeyTile, s, shift);
-    tc::scale_mask(sc, lane, row0, j0, s, shift, scale_log2, masked);
+    if constexpr (decltype(masked)::value) tc::mask(sc, lane, row0, t * kKeyTile, s, shift);
     for (int h = 0; h < 2; ++h) {
       float alpha;
-      const float offset = tc::online_max(m[h], quad_max(tc::lane_row_max(sc, h)), alpha);
-      l[h] = l[h] * alpha + tc::exp_row(sc, h, offset);
+      const float offset =
+          tc::online_max(m[h], quad_max(tc::lane_row_max(sc, h)), scale_log2, alpha);
+      l[h] = l[h] * alpha + tc::exp_row(sc, h, scale_log2, offset);
       for (int n = 0; n < D / 8; ++n) o[n][2 * h] *= alpha, o[n][2 * h + 1] *= alpha;
     }
     product_cv<kKeyTile / 8, D>(o, sc, vs + b * kTile, lane);
     __syncthreads();
-  }
+  };
+  const I clear = tc::clear_key_tiles(q0, s, shift);
+  for (I t = 0; t < clear; ++t) step(t, std::false_type{});
+  for (I t = clear; t < tiles; ++t) step(t, std::true_type{});
   cp_async_wait<0>();  // (a block that visited no tile still has its Q in flight)
   for (int h = 0; h < 2; ++h) {
     const float lr = quad_sum(l[h]);
@@ -729,19 +733,21 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   const bf16* dow = dos + warp * kWarpRows * tc::ld_tile(D);
   float acc[D / 8][4];
   zero(acc);
-  for (I t = 0; t < tiles; ++t) {
+  auto step = [&](I t, auto masked) {  // as the forward's
     const int b = tc::buffer_of(t);
-    const I j0 = t * kKeyTile;
     next_kv_tile<D>(ks, vs, k, v, t, tiles, s, ldkv);
     const bf16* kc = ks + b * kTile;
     float sc[kKeyTile / 8][4], dp[kKeyTile / 8][4];
     product_abt<kKeyTile / 16, D>(sc, qw, kc, lane);
     product_abt<kKeyTile / 16, D>(dp, dow, vs + b * kTile, lane);
-    const bool masked = !tc::all_visible(row0, kWarpRows, j0, kKeyTile, s, shift);
-    tc::ds_rows(sc, dp, lane, row0, j0, s, shift, scale_log2, lse2, dl, masked);
+    tc::ds_rows<decltype(masked)::value>(sc, dp, lane, row0, t * kKeyTile, s, shift, scale_log2,
+                                         lse2, dl);
     product_cv<kKeyTile / 8, D>(acc, sc, kc, lane);
     __syncthreads();
-  }
+  };
+  const I clear = tc::clear_key_tiles(q0, s, shift);
+  for (I t = 0; t < clear; ++t) step(t, std::false_type{});
+  for (I t = clear; t < tiles; ++t) step(t, std::true_type{});
   cp_async_wait<0>();
   store_acc(acc, scale, dq, row0, s, ldq, accumulate, lane);
 }
@@ -824,9 +830,14 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
     float pt[kQueryTile / 8][4], dpt[kQueryTile / 8][4];
     product_abt<kQueryTile / 16, D>(pt, kw, qc, lane);
     product_abt<kQueryTile / 16, D>(dpt, vw, dc, lane);
-    const bool masked = !tc::all_visible(i0, kQueryTile, row0, kWarpRows, s, shift);
-    tc::ds_cols(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
-                dl_s + b * kQueryTile, masked);
+    // The mask's test only on the tiles that need it (the diagonal's, S's ragged end): both
+    // versions sit in the loop (a clear-first order of the steps cost registers, and spilled).
+    if (tc::all_visible(i0, kQueryTile, row0, kWarpRows, s, shift))
+      tc::ds_cols<false>(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
+                         dl_s + b * kQueryTile);
+    else
+      tc::ds_cols<true>(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
+                        dl_s + b * kQueryTile);
     product_cv<kQueryTile / 8, D>(dva, pt, dc, lane);
     product_cv<kQueryTile / 8, D>(dka, dpt, qc, lane);
     if (next && stat_thread) put_stats(bn, st);  // buffer bn's last readers passed the last barrier

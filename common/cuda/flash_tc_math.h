@@ -170,6 +170,15 @@ TPX_HD constexpr bool visible(I i, I j, I s, I shift) {
 TPX_HD constexpr bool all_visible(I i0, I ni, I j0, I nj, I s, I shift) {
   return i0 + ni <= s && j0 + nj <= s && j0 + nj - 1 <= i0 + shift;
 }
+/// Of those key tiles, how many at the start every row q0 .. q0 + 63 sees whole (all_visible()
+/// of the block's 64 rows): the rows inside S, the tile's keys inside S and at or below the first
+/// row's last visible key, t·64 + 63 <= q0 + shift. The kernels run these tiles without a mask
+/// and the rest (the diagonal, S's ragged end) with one.
+TPX_HD constexpr I clear_key_tiles(I q0, I s, I shift) {
+  if (q0 + kBlockRows > s || q0 + shift + 1 < kKeyTile) return 0;
+  const I by_rows = (q0 + shift + 1) / kKeyTile, by_keys = s / kKeyTile;
+  return by_rows < by_keys ? by_rows : by_keys;
+}
 /// Key tiles of kKeyTile the query rows q0 .. q0 + 63 visit (forward, dQ): those up to the last
 /// key the block's last row (inside S) sees; 0 when it sees none.
 TPX_HD constexpr I key_tiles(I q0, I s, I shift) {
@@ -194,19 +203,28 @@ TPX_HD constexpr I query_tiles_end(I s) {
 // t = threadID_in_group). Half h = 0 is row g, h = 1 row g + 8: the four lanes of a quad hold
 // all of a row between them, so a row's max or sum is the lane's own, then two shuffles.
 
-/// Forward: scores × scale·log2(e) (exp2 units), −inf where the key is not visible (only when
-/// `masked`: a tile all of whose keys every row sees skips the test). Query row0 + c_row, key
-/// col0 + 8n + c_col.
+/// 2^x: on the GPU one MUFU instruction, ex2.approx.ftz.f32 (PTX ISA, "ex2": an approximation,
+/// subnormal inputs and results flushed to zero; ex2(−inf) = +0), where exp2f adds a guard for
+/// subnormals around it; on the host exp2f (the twin). The scores' exponents are one FFMA before
+/// it: x = s·scale·log2(e) − offset.
+TPX_HD inline float exp2_fast(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
+/// Forward, a tile that needs a mask (clear_key_tiles()): −inf where the key is not visible,
+/// the raw score elsewhere (scaled in exp_row). Query row0 + c_row, key col0 + 8n + c_col.
 template <int N>
-TPX_HD inline void scale_mask(float (&sc)[N][4], int lane, I row0, I col0, I s, I shift,
-                              float scale_log2, bool masked) {
+TPX_HD inline void mask(float (&sc)[N][4], int lane, I row0, I col0, I s, I shift) {
   for (int n = 0; n < N; ++n)
-    for (int e = 0; e < 4; ++e) {
-      const float x = sc[n][e] * scale_log2;
-      sc[n][e] = !masked || visible(row0 + c_row(lane, e), col0 + 8 * n + c_col(lane, e), s, shift)
-                     ? x
-                     : -INFINITY;
-    }
+    for (int e = 0; e < 4; ++e)
+      if (!visible(row0 + c_row(lane, e), col0 + 8 * n + c_col(lane, e), s, shift))
+        sc[n][e] = -INFINITY;
 }
 /// The lane's maximum of row half h.
 template <int N>
@@ -215,25 +233,26 @@ TPX_HD inline float lane_row_max(const float (&sc)[N][4], int h) {
   for (int n = 0; n < N; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * h], sc[n][2 * h + 1]));
   return mx;
 }
-/// The online softmax's step for one row, given the tile's row maximum `tile_max` (over the
-/// quad): m ← max(m, tile_max); returns the exponent's offset (m, or 0 while the row has seen no
-/// visible key, so that exp2(−inf − 0) = 0 and nothing becomes NaN) and sets alpha = exp2(m_old −
-/// offset), the factor that rescales l and O summed against the old maximum.
-TPX_HD inline float online_max(float& m, float tile_max, float& alpha) {
-  const float m_new = fmaxf(m, tile_max);
+/// The online softmax's step for one row, given the tile's raw row maximum `tile_max` (over the
+/// quad; the scale is positive, so it is the maximum of the scaled scores too): m ← max(m,
+/// tile_max·scale_log2) in exp2 units; returns the exponent's offset (m, or 0 while the row has
+/// seen no visible key, so that exp2(−inf − 0) = 0 and nothing becomes NaN) and sets alpha =
+/// exp2(m_old − offset), the factor that rescales l and O summed against the old maximum.
+TPX_HD inline float online_max(float& m, float tile_max, float scale_log2, float& alpha) {
+  const float m_new = fmaxf(m, tile_max * scale_log2);
   const float use = m_new == -INFINITY ? 0.0f : m_new;
-  alpha = exp2f(m - use);
+  alpha = exp2_fast(m - use);
   m = m_new;
   return use;
 }
-/// p = exp2(x − offset) in place for row half h; returns the lane's sum of them (fp32, before
-/// the bf16 rounding P gets as an operand).
+/// p = exp2(x·scale_log2 − offset) in place for row half h, one FFMA and one ex2 each; returns
+/// the lane's sum of them (fp32, before the bf16 rounding P gets as an operand).
 template <int N>
-TPX_HD inline float exp_row(float (&sc)[N][4], int h, float offset) {
+TPX_HD inline float exp_row(float (&sc)[N][4], int h, float scale_log2, float offset) {
   float sum = 0.0f;
   for (int n = 0; n < N; ++n)
     for (int e = 2 * h; e < 2 * h + 2; ++e) {
-      sc[n][e] = exp2f(sc[n][e] - offset);
+      sc[n][e] = exp2_fast(fmaf(sc[n][e], scale_log2, -offset));
       sum += sc[n][e];
     }
   return sum;
@@ -249,30 +268,31 @@ TPX_HD inline float row_lse(float m, float l) {
 
 /// Backward, query rows (dQ): P = exp2(s·scale·log2e − lse_i·log2e) where visible, else 0, and
 /// dS = P ∘ (dP − Δ_i), in place of sc (→ dS) and dp. lse2 and delta are the lane's two rows'.
-template <int N>
+/// kMasked: a tile that needs the mask (clear_key_tiles()); without it no visibility test runs.
+template <bool kMasked, int N>
 TPX_HD inline void ds_rows(float (&sc)[N][4], const float (&dp)[N][4], int lane, I row0, I col0,
                            I s, I shift, float scale_log2, const float (&lse2)[2],
-                           const float (&delta)[2], bool masked) {
+                           const float (&delta)[2]) {
   for (int n = 0; n < N; ++n)
     for (int e = 0; e < 4; ++e) {
-      const bool vis =
-          !masked || visible(row0 + c_row(lane, e), col0 + 8 * n + c_col(lane, e), s, shift);
-      const float p = vis ? exp2f(sc[n][e] * scale_log2 - lse2[e >> 1]) : 0.0f;
+      float p = exp2_fast(fmaf(sc[n][e], scale_log2, -lse2[e >> 1]));
+      if constexpr (kMasked)
+        if (!visible(row0 + c_row(lane, e), col0 + 8 * n + c_col(lane, e), s, shift)) p = 0.0f;
       sc[n][e] = p * (dp[n][e] - delta[e >> 1]);
     }
 }
 /// Backward, key rows (dK/dV: the transposed block, key row0 + c_row, query col0 + c_col):
 /// pt = Pᵀ and dpt becomes dSᵀ. lse2 and delta are per query column (the tile's, in shared
 /// memory, indexed from col0).
-template <int N>
+template <bool kMasked, int N>
 TPX_HD inline void ds_cols(float (&pt)[N][4], float (&dpt)[N][4], int lane, I row0, I col0, I s,
-                           I shift, float scale_log2, const float* lse2, const float* delta,
-                           bool masked) {
+                           I shift, float scale_log2, const float* lse2, const float* delta) {
   for (int n = 0; n < N; ++n)
     for (int e = 0; e < 4; ++e) {
       const int c = 8 * n + c_col(lane, e);
-      const bool vis = !masked || visible(col0 + c, row0 + c_row(lane, e), s, shift);
-      const float p = vis ? exp2f(pt[n][e] * scale_log2 - lse2[c]) : 0.0f;
+      float p = exp2_fast(fmaf(pt[n][e], scale_log2, -lse2[c]));
+      if constexpr (kMasked)
+        if (!visible(col0 + c, row0 + c_row(lane, e), s, shift)) p = 0.0f;
       pt[n][e] = p;
       dpt[n][e] = p * (dpt[n][e] - delta[c]);
     }
