@@ -63,13 +63,14 @@
 // holds the most HMMA) the body's instructions over its HMMA, counted once each. Each instance,
 // bf16 and fp32 outputs alike, must stay at or below its budget below, so that a change that
 // makes a loop fatter fails. The budgets are the counts of these kernels as they are (before
-// the clear tiles ran without a mask and the exponent became one FFMA and one ex2.approx.ftz:
-// forward 10.6, dQ 7.0, dK/dV 8.4 at D 128); the aim is 4 or fewer (32-bit in-block indices,
-// copies without bounds on interior tiles, 32 query rows a warp).
+// the clear tiles ran without a mask, the exponent became one FFMA and one ex2.approx.ftz and
+// a tile's copies one address per thread stepped by a stride: forward 10.6, dQ 7.0, dK/dV 8.4
+// at D 128); the aim is 4 or fewer (copies without bounds on interior tiles, 32 query rows a
+// warp).
 //                kernel          D 32   D 64  D 128
-//   sass budget  flash_forward    9.9    7.6    6.4
-//   sass budget  flash_dq         6.1    5.3    4.4
-//   sass budget  flash_dkdv      18.0   10.3    6.4
+//   sass budget  flash_forward    9.3    6.1    4.7
+//   sass budget  flash_dq         5.8    4.2    3.2
+//   sass budget  flash_dkdv      18.1   10.3    6.2
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
 // (the tensor-core kernel does the same for 64 keys at a time), then o /= l, lse = m + log l.
@@ -541,15 +542,19 @@ __device__ __forceinline__ void cp_async_wait() {
 /// [R][D + 8] shared tile, rows past S zero: R·D/8 chunks of 16 bytes, thread x taking chunks
 /// x, x + 128, ... (tc::chunk_row, chunk_col). Nothing waits here: the tile is there after a
 /// cp_async_wait that covers its group and a __syncthreads.
+/// A row's chunks divide the block's threads, so chunk x + 128·u is row chunk_row(x) + u·(128 /
+/// chunks per row), column chunk_col(x): one address per thread, stepped by a stride per chunk.
 template <int R, int D>
 __device__ __forceinline__ void load_tile(bf16* tile, const bf16* p, I row0, I s, I ld) {
-  constexpr int kChunks = R * tc::row_chunks(D);
-  static_assert(kChunks % tc::kThreads == 0);
-  for (int u = 0; u < kChunks / tc::kThreads; ++u) {
-    const int e = int(threadIdx.x) + tc::kThreads * u;
-    const int r = tc::chunk_row(e, D), c = tc::chunk_col(e, D);
-    const bool in = row0 + r < s;
-    cp_async16(tile + r * tc::ld_tile(D) + c, in ? p + (row0 + r) * ld + c : p, in ? 16 : 0);
+  constexpr int kPerRow = tc::row_chunks(D), kRowsPerPass = tc::kThreads / kPerRow;
+  static_assert(tc::kThreads % kPerRow == 0 && R % kRowsPerPass == 0);
+  const int r = tc::chunk_row(int(threadIdx.x), D), c = tc::chunk_col(int(threadIdx.x), D);
+  const bf16* src = p + (row0 + r) * ld + c;
+  const I stride = kRowsPerPass * ld;
+  const I left = s - row0 - r;  // rows from this thread's first to S's end
+  for (int u = 0; u < R / kRowsPerPass; ++u, src += stride) {
+    const bool in = u * kRowsPerPass < left;
+    cp_async16(tile + (r + u * kRowsPerPass) * tc::ld_tile(D) + c, in ? src : p, in ? 16 : 0);
   }
 }
 
