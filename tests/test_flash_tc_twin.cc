@@ -732,4 +732,20 @@ TEST(FlashTcTwinFragments, ClearTilesAreTheLeadingWholeVisibleOnes) {
       }
 }
 
+// The kernels' 32-bit per-tile mask says what visible() says for every element of a tile,
+// at offsets far from the diagonal and S's end too (where the clamp matters).
+TEST(FlashTcTwinFragments, TileMaskAgreesWithVisible) {
+  for (I s : {I(1), I(70), I(200), I(1) << 40})
+    for (I shift : {I(-300), I(-70), I(-5), I(0), I(3), I(64), I(300), I(1) << 41})
+      for (I row0 : {I(0), I(16), I(64), I(128), I(190), s - 1, s + 5})
+        for (I col0 : {I(0), I(32), I(64), I(150), s - 20, s + 100}) {
+          const tc::TileMask tile(row0, col0, s, shift);
+          for (int i = 0; i < 64; ++i)
+            for (int j = 0; j < 64; ++j)
+              ASSERT_EQ(tile.sees(i, j), tc::visible(row0 + i, col0 + j, s, shift))
+                  << "S " << s << " shift " << shift << " row0 " << row0 << " col0 " << col0
+                  << " i " << i << " j " << j;
+        }
+}
+
 }  // namespace

@@ -64,13 +64,13 @@
 // bf16 and fp32 outputs alike, must stay at or below its budget below, so that a change that
 // makes a loop fatter fails. The budgets are the counts of these kernels as they are (before
 // the clear tiles ran without a mask, the exponent became one FFMA and one ex2.approx.ftz and
-// a tile's copies one address per thread stepped by a stride: forward 10.6, dQ 7.0, dK/dV 8.4
-// at D 128); the aim is 4 or fewer (copies without bounds on interior tiles, 32 query rows a
-// warp).
+// a tile's copies one address per thread stepped by a stride, and dK/dV counted its steps up
+// and masked in 32 bits: forward 10.6, dQ 7.0, dK/dV 8.4 at D 128); the aim is 4 or fewer
+// (copies without bounds on interior tiles, 32 query rows a warp).
 //                kernel          D 32   D 64  D 128
 //   sass budget  flash_forward    9.3    6.1    4.7
 //   sass budget  flash_dq         5.8    4.2    3.2
-//   sass budget  flash_dkdv      18.1   10.3    6.2
+//   sass budget  flash_dkdv      14.2    8.4    5.2
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
 // (the tensor-core kernel does the same for 64 keys at a time), then o /= l, lse = m + log l.
@@ -779,23 +779,25 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   // Key block 0 meets every query tile: the blocks in y order are the longest first (tc_grid()).
   const I kvh = blockIdx.x, k0 = I(blockIdx.y) * kBlockRows;
   k += kvh * D, v += kvh * D, dk += kvh * D, dv += kvh * D;
-  const I first = tc::first_query_tile(k0, shift);
-  const I per_head = tc::query_tiles_end(s) > first ? tc::query_tiles_end(s) - first : 0;
+  const I first = tc::first_query_tile(k0, shift), end = tc::query_tiles_end(s);
+  const I per_head = end > first ? end - first : 0;
   const I total = group * per_head;      // (head, query tile) pairs, in that order
   const I row0 = k0 + warp * kWarpRows;  // the warp's first key
-  // Step it: query head kvh·group + it / per_head, its first query row.
-  auto head_of = [&](I it) { return kvh * group + it / per_head; };
-  auto first_row = [&](I it) { return (first + it % per_head) * kQueryTile; };
-  // Step it's query and dO tiles into buffer b (issued, not waited for).
-  auto load_step = [&](I it, int b) {
-    const I bh = head_of(it), i0 = first_row(it);
-    load_tile<kQueryTile, D>(qs + b * kTile, q + bh * D, i0, s, ldq);
-    load_tile<kQueryTile, D>(dos + b * kTile, dout + bh * D, i0, s, ldq);
+  // A step: its query head and query tile, counted up (no division by per_head in the loop).
+  struct Step {
+    I head, tile;
   };
-  // lse (× log2 e) and Δ of step it's query tile: threads 0-31 fetch lse, 32-63 Δ, one float
+  auto after = [&](Step p) { return ++p.tile == end ? Step{p.head + 1, first} : p; };
+  // The step's query and dO tiles into buffer b (issued, not waited for).
+  auto load_step = [&](Step p, int b) {
+    const I i0 = p.tile * kQueryTile;
+    load_tile<kQueryTile, D>(qs + b * kTile, q + p.head * D, i0, s, ldq);
+    load_tile<kQueryTile, D>(dos + b * kTile, dout + p.head * D, i0, s, ldq);
+  };
+  // lse (× log2 e) and Δ of the step's query tile: threads 0-31 fetch lse, 32-63 Δ, one float
   // each, into a register (scaled: cp.async cannot), stored after the step's products.
-  auto stats = [&](I it) {
-    const I bh = head_of(it), i0 = first_row(it);
+  auto stats = [&](Step p) {
+    const I bh = p.head, i0 = p.tile * kQueryTile;
     const int t = int(threadIdx.x) % kQueryTile;
     const float* src = threadIdx.x < kQueryTile ? lse : delta;
     const float scale_of = threadIdx.x < kQueryTile ? tc::kLog2e : 1.0f;
@@ -808,9 +810,10 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   const bool stat_thread = threadIdx.x < 2 * kQueryTile;
   load_tile<kBlockRows, D>(ks, k, k0, s, ldkv);
   load_tile<kBlockRows, D>(vs, v, k0, s, ldkv);
+  Step cur{kvh * group, first};
   if (total > 0) {
-    load_step(0, 0);
-    if (stat_thread) put_stats(0, stats(0));
+    load_step(cur, 0);
+    if (stat_thread) put_stats(0, stats(cur));
   }
   cp_async_commit();
   const bf16* kw = ks + warp * kWarpRows * tc::ld_tile(D);
@@ -821,17 +824,18 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   for (I it = 0; it < total; ++it) {
     const int b = tc::buffer_of(it), bn = tc::buffer_of(it + 1);
     const bool next = it + 1 < total;
+    const Step nxt = after(cur);
     float st = 0.0f;
     if (next) {
-      load_step(it + 1, bn);
-      if (stat_thread) st = stats(it + 1);
+      load_step(nxt, bn);
+      if (stat_thread) st = stats(nxt);
     }
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
     const bf16* qc = qs + b * kTile;
     const bf16* dc = dos + b * kTile;
-    const I i0 = first_row(it);
+    const I i0 = cur.tile * kQueryTile;
     float pt[kQueryTile / 8][4], dpt[kQueryTile / 8][4];
     product_abt<kQueryTile / 16, D>(pt, kw, qc, lane);
     product_abt<kQueryTile / 16, D>(dpt, vw, dc, lane);
@@ -847,6 +851,7 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
     product_cv<kQueryTile / 8, D>(dka, dpt, qc, lane);
     if (next && stat_thread) put_stats(bn, st);  // buffer bn's last readers passed the last barrier
     __syncthreads();
+    cur = nxt;
   }
   cp_async_wait<0>();
   store_acc(dka, scale, dk, row0, s, ldkv, accumulate, lane);

@@ -165,6 +165,19 @@ TPX_HD constexpr RowCol ldsm_element(int lane, int j, bool trans) {
 TPX_HD constexpr bool visible(I i, I j, I s, I shift) {
   return i < s && j < s && j <= i + shift;
 }
+/// visible() for the elements of one tile, in 32-bit arithmetic: query row0 + i and key col0 + j
+/// (0 <= i, j < 64) see each other iff i < rows, j < cols and j − i <= diag, with rows = S − row0,
+/// cols = S − col0 and diag = row0 + shift − col0 each clamped to ±128, which keeps every
+/// comparison's outcome for such i and j. The dK/dV kernel makes one per masked step and tests
+/// each score with three 32-bit comparisons (in the forward and dQ kernels it cost registers:
+/// their masked tiles keep visible()).
+struct TileMask {
+  int rows, cols, diag;
+  static TPX_HD constexpr int clamp(I x) { return x < -128 ? -128 : x > 128 ? 128 : int(x); }
+  TPX_HD constexpr TileMask(I row0, I col0, I s, I shift)
+      : rows(clamp(s - row0)), cols(clamp(s - col0)), diag(clamp(row0 + shift - col0)) {}
+  TPX_HD constexpr bool sees(int i, int j) const { return i < rows && j < cols && j - i <= diag; }
+};
 /// Every (query, key) of rows i0 .. i0 + ni − 1 and keys j0 .. j0 + nj − 1 is visible: the tile
 /// needs no mask (the kernels skip it then).
 TPX_HD constexpr bool all_visible(I i0, I ni, I j0, I nj, I s, I shift) {
@@ -287,12 +300,13 @@ TPX_HD inline void ds_rows(float (&sc)[N][4], const float (&dp)[N][4], int lane,
 template <bool kMasked, int N>
 TPX_HD inline void ds_cols(float (&pt)[N][4], float (&dpt)[N][4], int lane, I row0, I col0, I s,
                            I shift, float scale_log2, const float* lse2, const float* delta) {
+  const TileMask tile(col0, row0, s, shift);  // queries along the columns here
   for (int n = 0; n < N; ++n)
     for (int e = 0; e < 4; ++e) {
       const int c = 8 * n + c_col(lane, e);
       float p = exp2_fast(fmaf(pt[n][e], scale_log2, -lse2[c]));
       if constexpr (kMasked)
-        if (!visible(col0 + c, row0 + c_row(lane, e), s, shift)) p = 0.0f;
+        if (!tile.sees(c, c_row(lane, e))) p = 0.0f;
       pt[n][e] = p;
       dpt[n][e] = p * (dpt[n][e] - delta[c]);
     }
