@@ -44,7 +44,7 @@ PP_SIZES = {"hidden": 128, "heads": 4, "ffn": 512, "seq": 64, "batch": 8, "layer
 # The stages with a subsection of their own, each between the markers `<device>-<name>`.
 SUBSECTIONS = {"cp": CP_STAGE, "pp": PP_STAGE}
 MIB = 1024.0 * 1024.0
-SECTIONS = ["cpu", "cuda", "projection"]  # the order of the sections in benchmarks.md
+SECTIONS = ["cuda", "cpu", "projection"]  # the order of the sections in benchmarks.md
 
 
 class BenchError(Exception):

@@ -9,13 +9,13 @@ from .tables import read_csv_rows
 
 
 def benchmarks_md(md):
-    """benchmarks.md as it stands (empty if new), with the current intro and a placeholder for
-    every section it does not have yet."""
+    """benchmarks.md as it stands (empty if new), with the current intro and closing text
+    (METHOD, after every section) and a placeholder for every section it does not have yet."""
     text = replace_intro(md.read_text() if md.is_file() else "", INTRO)
     for name in SECTIONS:
         if f"<!-- tpx-bench:begin {name} -->" not in text:
             text = replace_section(text, name, PLACEHOLDER[name])
-    return text
+    return replace_section(text, "method", METHOD)  # not in SECTIONS: after them all
 
 
 def replace_section(text, name, body):
@@ -44,17 +44,26 @@ def replace_intro(text, intro):
 
 INTRO = """# Benchmarks
 
-What each section is:
+tpx against PyTorch on the same GPU comes first: the **CUDA** section's table puts each published
+GPU run side by side (stage 01's training step against PyTorch eager and `torch.compile`, the
+fused attention against SDPA at each sequence length, the block's GEMMs against the GEMM peak the
+run measured), and each run's subsection has the tables behind it, with the log of every number.
+The **CPU** section shows the mechanics of every stage (bytes, the structure of the overlap,
+relative cost), not GPU speed; the **projection** estimates the stages on many GPUs. How the
+numbers are made and how to make them again is the last section, How this page is made."""
 
-- **CPU** and **CUDA**: the stages run under `mpirun` with `--json` over several rank counts and
+# After the sections: what each is and how to regenerate them.
+METHOD = """## How this page is made
+
+- **CUDA** and **CPU**: the stages run under `mpirun` with `--json` over several rank counts and
   configs, each point repeated (each section says which, written from what ran); then the
   micro-benchmarks on the same device: GEMM throughput at the block's shapes, the chunked GEMMs
   of the ring stages (efficiency against N), and the collectives in nccl-tests' convention.
   Stage 08 has a subsection of its own: its meshes at two sequence lengths beside stage 03, and
   its attention time against S for C = 1, 2, 4. Stage 09 has one too: each pipeline schedule at
   P = 2 and 4 over the number of micro-batches M, its measured bubble against the schedule's
-  formula. A CPU section shows the mechanics (bytes, the structure of the overlap, relative
-  cost), not GPU speed.
+  formula. On cuda the micro-benchmarks time only what they name (bf16 tensors in and out,
+  device events; a published run made before that says so beside its numbers).
 - **Projection**: the step time of each stage on N H100 SXM GPUs from the projection model
   (`tools/projection.h`), and of a Llama-3-70B-shaped stack on 4-D meshes (PP × DP × CP × TP) of
   64 and 512 GPUs; projected, not measured; then the model against published results,
@@ -68,9 +77,9 @@ writes the CUDA section from that folder's logs (runs nothing; every number name
 `scripts/bench.sh --stages 04,05 --ranks 2,4 [--model NAME | --config FILE]` runs a selection
 (into `out/bench/` unless `--out` is given).
 `tools/bench.py --only projection --build DIR` replaces the projection alone (no stage runs).
-`tools/bench.py --only text` rewrites this text and each section's line of what ran, from the
-section's CSV (runs nothing). `scripts/bench.sh --only cp` reruns only stage 08's
-subsection of its device's section (with its own date, command and load average);
+`tools/bench.py --only text` rewrites the text at the top and here and each section's line of
+what ran, from the section's CSV (runs nothing). `scripts/bench.sh --only cp` reruns only stage
+08's subsection of its device's section (with its own date, command and load average);
 `scripts/bench.sh --only pp` likewise stage 09's.
 No number in this file is typed by hand: all of it is written by `tools/bench.py`."""
 
