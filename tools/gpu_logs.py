@@ -348,6 +348,9 @@ def gemm_rows(run, dtype="bf16"):
     return out
 
 
+S2_BASE = 2048  # the sequence length the S² scaling is measured from
+
+
 def attention_rows(run):
     """[{kernel, seq, ms, tflops, peak_mib, vs_sdpa}] at every S both logs have, kernels in the
     order fused, naive, sdpa."""
@@ -371,8 +374,14 @@ def attention_rows(run):
                      "peak_mib": None, "shape": shape, "timer": "manual"})
     order = {"fused": 0, "naive": 1, "sdpa": 2}
     rows.sort(key=lambda r: (r["seq"], order.get(r["kernel"], 3)))
+    # S² scaling: the time over the same kernel's at S 2048 scaled by (S / 2048)², 1 when the
+    # work is the kernels' (their FLOPs grow as S²); well above 1 below S 2048 when launches or
+    # the host set the time, so a ratio there is not a kernel ratio.
+    base = {r["kernel"]: r["ms"] for r in rows if r["seq"] == S2_BASE}
     for r in rows:
         r["vs_sdpa"] = r["ms"] / sdpa[r["seq"]]["time_ms"]
+        b = base.get(r["kernel"])
+        r["s2_scaling"] = r["ms"] / (b * (r["seq"] / S2_BASE) ** 2) if b else None
     return rows
 
 
@@ -630,11 +639,16 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure, latest
                "bf16 and the outputs back, and waits on the host; SDPA's: bf16, CUDA events")
             + "). TFLOP/s as the benches count "
             "FLOPs (FlashAttention-2's: 3.5 × the causal forward's 4·B·NH·S²·D / 2); peak MiB: "
-            "the allocator's high-water mark above the inputs (tpx's kernels only).", ""]
-    out += table(["kernel", "S", "ms", "TFLOP/s", "time vs SDPA", "peak MiB"],
+            "the allocator's high-water mark above the inputs (tpx's kernels only). S² scaling: "
+            f"the time over the same kernel's at S {S2_BASE} times (S / {S2_BASE})², the FLOPs' "
+            "growth; below 1 the kernel runs at a higher rate than at S 2048 (fuller waves, "
+            "shorter tails), well above 1 something besides the kernels sets the time "
+            "(launches, the host), and that row's ratio to SDPA is not a kernel ratio.", ""]
+    out += table(["kernel", "S", "ms", "TFLOP/s", "time vs SDPA", "S² scaling", "peak MiB"],
                  [[KERNELS[r["kernel"]], r["seq"], f"{r['ms']:.3g}", f"{r['tflops']:.1f}",
-                   f"{r['vs_sdpa']:.1f}×", "—" if r["peak_mib"] is None else
-                   f"{r['peak_mib']:.1f}"] for r in att])
+                   f"{r['vs_sdpa']:.1f}×",
+                   "—" if r["s2_scaling"] is None else f"{r['s2_scaling']:.2f}",
+                   "—" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"] for r in att])
     out += ["", f"![attention time per kernel]({figure})", ""]
 
     gemms = gemm_rows(run)
