@@ -598,21 +598,31 @@ def cuda_section(run, where, command, datasheet_tflops, csv_path, figure, latest
            f"(`tools/gpu_logs.py`), and the numbers are in [{csv_path.name}]"
            f"(benchmarks/{csv_path.name}).", ""]
 
-    tpx_tflops = big["tflop_per_step"] / big["step_ms"] * 1e3
+    # One FLOP count for the three rows: torch_block_perf.py's model FLOPs of the step (the causal
+    # attention counted half, as FlashAttention-2 counts it), so their TFLOP/s compare as their
+    # times do. The stage's own count (attention as the full S² square, common/flops.h) is
+    # quoted beside it.
     eager = torch["eager"]["step_ms"]
+    model_tflop = torch["eager"]["tflops"] * eager / 1e3
+    tpx_tflops = model_tflop / big["step_ms"] * 1e3
+    own_tflops = big["tflop_per_step"] / big["step_ms"] * 1e3
     out += [f"### Stage 01 against PyTorch on the same GPU", "",
             f"One training step of one block, {big['dtype']}, {shape}, SGD "
             f"({link('big')}: mean of steps {big['steps']}, step 0 warms up; {link('torch')}: "
-            f"{torch['eager']['what']}).", ""]
+            f"{torch['eager']['what']}). TFLOP/s: the step's model FLOPs, {model_tflop:.3f} "
+            "TFLOP, the causal attention counted half (FlashAttention-2's convention), over each "
+            "program's time; tpx's own count, attention as the full S² square "
+            f"(`common/flops.h`), is {big['tflop_per_step']} TFLOP, {own_tflops:.1f} TFLOP/s.",
+            ""]
     rows = [[f"tpx {big['stage']} ({big['attention']} attention)", f"{big['step_ms']:.2f}",
-             f"{tpx_tflops:.1f} (its GEMMs: {big['tflop_per_step']} TFLOP)",
-             ratio(big['step_ms'] / eager)]]
+             f"{tpx_tflops:.1f}", ratio(big['step_ms'] / eager)]]
     for mode in ("eager", "compile"):
         t = torch[mode]
         rows.append([f"PyTorch {mode}" if mode == "eager" else "torch.compile",
-                     f"{t['step_ms']:.2f}", f"{t['tflops']:.1f} (model FLOPs)",
+                     f"{t['step_ms']:.2f}", f"{model_tflop / t['step_ms'] * 1e3:.1f}",
                      f"{t['step_ms'] / eager:.2f}×"])
-    out += table(["program", "ms per step", "TFLOP/s", "time vs PyTorch eager"], rows)
+    out += table(["program", "ms per step", "TFLOP/s (model FLOPs)", "time vs PyTorch eager"],
+                 rows)
     when = "today" if latest else "on that run"
 
     def against(ms, name):  # "3.0× slower than X", or "faster than X" and "0.89× its time"
