@@ -22,8 +22,9 @@
 #            PyTorch is installed) at the same shapes, S 1k to 16k (1); stage 01 at the big
 #            shape beside PyTorch's step for the same block (tools/torch_block_perf.py); then
 #            one table of the ratios (tools/gpu_logs.py --compare), printed and in its log
-#   profile  Nsight Compute (ncu) on one launch of each fused-attention kernel at S 2048, D 128,
-#            bf16: throughput, occupancy, warp stalls, shared-memory conflicts, instruction mix
+#   profile  Nsight Compute (ncu, --clock-control none) on one launch of each fused-attention
+#            kernel and of SDPA's at S 2048 and 8192, D 128, bf16: throughput, issue slots and
+#            tensor pipe, occupancy, warp stalls with source counters, SM activity max vs avg
 #
 # The build: TPX_BUILD (default: build) must hold a build made for this GPU, e.g.
 #   cmake --preset release -DCMAKE_CUDA_ARCHITECTURES=90 -DTPX_STATIC_BLAS=ON
@@ -291,14 +292,27 @@ if has bench; then
 fi
 
 if has profile && need bench_attention; then
-  # Where the fused attention's time goes, before anyone tunes it (chapter 1's kernels): the
-  # forward, Δ, dQ and dK/dV kernels of one fwd + bwd, each replayed by the profiler.
+  # Where the fused attention's time goes, beside SDPA's (chapter 1's kernels): the forward, Δ,
+  # dQ and dK/dV kernels of one fwd + bwd as the stage runs them (bf16 tensors, bf16 outputs),
+  # each replayed by the profiler at the GPU's own clocks (--clock-control none): durations,
+  # issue slots and the tensor pipe (SpeedOfLight, ComputeWorkloadAnalysis), warp stalls with
+  # their source lines (WarpStateStats, SourceCounters), and SM activity max against average
+  # (the tail of the last wave), at S 2048 and 8192.
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  step ncu.attention 540 "$ncu" --kernel-name regex:flash_ --launch-count 4 \
-    --section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats \
-    --section WarpStateStats --section MemoryWorkloadAnalysis_Tables \
-    --section ComputeWorkloadAnalysis --section InstructionStats \
-    "$bin/bench_attention" --benchmark_filter='attention/cuda/bf16/fused/S:2048/real_time$'
+  ncu_what=(--clock-control none
+    --section SpeedOfLight --section LaunchStats --section Occupancy --section SchedulerStats
+    --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis_Tables
+    --section ComputeWorkloadAnalysis --section InstructionStats
+    --metrics sm__cycles_active.max,sm__cycles_active.avg)
+  for s in 2048 8192; do
+    step "ncu.attention.S$s" 240 "$ncu" --kernel-name regex:flash_ --launch-count 4 \
+      "${ncu_what[@]}" "$bin/bench_attention" \
+      --benchmark_filter="^attention/cuda/bf16/fused/S:$s/" --benchmark_min_time=0.001
+    if python3 -c 'import torch' 2>/dev/null; then  # SDPA's own kernels, the same shape
+      step "ncu.sdpa.S$s" 240 "$ncu" --kernel-name 'regex:flash|fmha|sdpa|attention' \
+        --launch-count 4 "${ncu_what[@]}" python3 tools/sdpa_bench.py --seq "$s" --iters 1
+    fi
+  done
 fi
 
 # The report.
