@@ -205,34 +205,22 @@ double measure_bf16_gemm_peak_tflops() {
     v = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(f) >> 16);
   }
   void *a = nullptr, *b = nullptr, *c = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
   const std::size_t bytes = host.size() * sizeof(std::uint16_t);
   TPX_CUDA_CHECK(cudaMalloc(&a, bytes));
   TPX_CUDA_CHECK(cudaMalloc(&b, bytes));
   TPX_CUDA_CHECK(cudaMalloc(&c, bytes));  // a bf16 result, as a bf16 peak is usually quoted
   TPX_CUDA_CHECK(cudaMemcpy(a, host.data(), bytes, cudaMemcpyHostToDevice));
   TPX_CUDA_CHECK(cudaMemcpy(b, host.data(), bytes, cudaMemcpyHostToDevice));
-  TPX_CUDA_CHECK(cudaEventCreate(&start));
-  TPX_CUDA_CHECK(cudaEventCreate(&stop));
   auto run = [&] {
     blas::gemm(false, false, n, n, n, 1.0f, {a, n}, {b, n}, 0.0f, c, n, 0, 1, DType::bf16,
                DType::bf16);
   };
   for (int i = 0; i < warmup; ++i) run();
-  auto stream = static_cast<cudaStream_t>(current_stream());
-  TPX_CUDA_CHECK(cudaEventRecord(start, stream));
-  for (int i = 0; i < iters; ++i) run();
-  TPX_CUDA_CHECK(cudaEventRecord(stop, stream));
-  TPX_CUDA_CHECK(cudaEventSynchronize(stop));
-  float ms = 0.0f;
-  TPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  const double ms = time_ms(iters, run);  // per GEMM
   cudaFree(a);
   cudaFree(b);
   cudaFree(c);
-  const double flops = 2.0 * double(n) * double(n) * double(n) * iters;
-  return flops / (double(ms) * 1e-3) / 1e12;
+  return 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
 }
 
 }  // namespace tpx::cuda
