@@ -107,6 +107,55 @@ Executor::Result Executor::run(const std::vector<LayerParams>& params, bool keep
   return r;
 }
 
+double Executor::evaluate(const std::vector<LayerParams>& params,
+                          const std::vector<lm::RankTokens>& batch) {
+  const int last = shape_.stages() - 1;
+  const Stream compute(c_.device);
+  auto message = [&](int j, int from, bool send) {
+    const int to = from + 1;
+    return Transfer{.send = send,
+                    .payload = Payload::activation,
+                    .microbatch = j,
+                    .from_stage = from,
+                    .to_stage = to,
+                    .peer = shape_.rank_of(send ? to : from),
+                    .tag = -1,  // not the step's: no tag of message_tag()
+                    .action = 0};
+  };
+  auto message_name = [](int j, int from) {
+    return fmt::format("eval act {} stage {}→{}", j, from, from + 1);
+  };
+  double loss_sum = 0;
+  for (int j = 0; j < shape_.microbatches; ++j) {
+    Tensor h;  // the activation between consecutive virtual stages when this rank holds both
+    for (const int s : shape_.stages_of(me_)) {
+      const auto mb = std::size_t(j);
+      if (s == 0) {
+        h = lm::embed(c_, slice_, lm_params.embedding, batch[mb].tokens, trace_);
+      } else if (shape_.rank_of(s - 1) != me_) {
+        h = Tensor::empty(message_shape, c_.activations(), c_.device);
+        pp_.receive(message(j, s - 1, /*send=*/false), h, message_name(j, s - 1)).wait(compute);
+      }
+      const LayerRange& range = pp_.layers()[std::size_t(s)];
+      for (int k = 0; k < range.count; ++k) {
+        const std::size_t l = local_.at(range.first + k);
+        const int next = k + 1 < range.count ? int(l + 1) : -1;
+        const LayerParams w = slice_.layer_params(params, l, next);
+        BlockActivations dropped;  // forward only: what the layer saves goes at once
+        h = block_forward(c_, w, h, slice_, dropped, trace_);
+        slice_.release_layer(l);
+      }
+      if (s == last) {
+        lm::HeadActivations head;
+        loss_sum += lm::head_forward(c_, slice_, lm_params, h, batch[mb].targets, head, trace_);
+      } else if (shape_.rank_of(s + 1) != me_) {
+        pp_.send(message(j, s, /*send=*/true), h, message_name(j, s));
+      }
+    }
+  }
+  return loss_sum;
+}
+
 void Executor::pass_on(std::size_t i, std::optional<Event> (&sent)[2]) {
   const Action& a = actions_[i];
   const bool fwd = a.phase == Phase::forward;

@@ -95,6 +95,15 @@ class Executor {
   /// `params`; `keep` keeps the last stage's outputs and stage 0's input gradients (snapshot).
   Result run(const std::vector<LayerParams>& params, bool keep);
 
+  /// --eval-every: this rank's part of the loss summed over `batch`'s micro-batches (the
+  /// held-out tokens, cut as the step's), forward only with `params` and lm_params. A plain
+  /// sweep, not the schedule: micro-batch by micro-batch, each of this rank's virtual stages in
+  /// order, receiving its input, running its layers and sending its output on; nothing is kept
+  /// for a backward. Every rank of the pipeline calls it after run() has drained every message of
+  /// the step, so its messages, the only ones then on the activation lanes, arrive in the order
+  /// sent.
+  double evaluate(const std::vector<LayerParams>& params, const std::vector<lm::RankTokens>& batch);
+
  private:
   static std::string name(const pipeline::Transfer& x);
   void post_receives(std::size_t i);

@@ -762,8 +762,25 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       c.lm() ? std::optional<TokenStream>(std::in_place, c) : std::nullopt;
   const TokenCut cut = c.lm() ? pp.slice().token_cut(c) : TokenCut{};
   TokenBatch batch;
+  const double positions = double(c.seq) * double(c.batch);
 
   std::vector<LayerParams> params;
+  // --eval-every: the model's loss on the held-out split's batch of this step, forward only
+  // through the pipeline with the parameters the step trained with (before its update), cut
+  // into the step's micro-batches; its traffic is not the step's.
+  auto held_out_loss = [&](int step) {
+    TraceScope scope(trace, "held-out loss", Lane::phase);
+    par.take_comm_stats();
+    const std::vector<lm::RankTokens> valid =
+        microbatch_tokens(lm::cut_tokens(stream->batch(step, DataSplit::valid), cut, c.device),
+                          pp.schedule().shape().microbatches, microbatch_rows);
+    const double mine = ex.evaluate(params, valid);
+    par.synchronize();  // its messages are through before the sum's collective
+    const double loss = par.sum_over_ranks(mine) / positions;
+    par.synchronize();
+    par.take_comm_stats();
+    return loss;
+  };
   Moments moments = make_moments(c, model);
   TrainResult result;
   par.synchronize();
@@ -790,7 +807,6 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     const Executor::Result r =
         run_actions(pp, ex, params, keep, /*measured=*/step > 0 || c.steps == 1, times);
     if (step == 0) result.saved_activation_bytes = r.peak_saved;
-    const double positions = double(c.seq) * double(c.batch);
     row.loss = c.lm() ? par.sum_over_ranks(r.loss_sum) / positions
                       : 0.5 * par.sum_over_ranks(r.loss_sum) / (positions * double(c.hidden));
     row.grad_norm = grad_norm(par, model, sh, trace);
@@ -814,6 +830,7 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       model.input = Tensor();
       model.target = Tensor();
     }
+    if (c.evaluates(step)) row.eval_loss = held_out_loss(step);
     finish_step(c, par, model, moments, trace, row, ms);
     result.rows.push_back(row);
     if (on_row) on_row(row);

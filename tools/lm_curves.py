@@ -252,15 +252,23 @@ def held_diffs(rows, ref):
 
 # --- the figure -----------------------------------------------------------------------------------
 
-W, LEFT, RIGHT = 760, 70, 170
+# The panels' left margin and width; the legend to their right is as wide as its longest name:
+# a sample line, then the name at LEGEND_CHAR pixels a character (a generous average for a 12 px
+# sans-serif, so that the longest stage name, 05_copy_engine_async_tp, is not cut by the edge).
+LEFT, PLOT = 70, 520
+LEGEND_LINE, LEGEND_CHAR, LEGEND_PAD = 40, 7.5, 12
+
+
+def legend_width(names):
+    return LEGEND_LINE + math.ceil(LEGEND_CHAR * max(len(n) for n in names)) + LEGEND_PAD
 
 
 def panel(out, top, height, steps, lo, hi, series, ylabel, fmt, log=False):
     """series: (label, color, [(step, value)], dashed, width)."""
     tr = (lambda v: math.log10(v)) if log else (lambda v: v)
-    x = lambda i: LEFT + (W - LEFT - RIGHT) * i / max(steps - 1, 1)
+    x = lambda i: LEFT + PLOT * i / max(steps - 1, 1)
     y = lambda v: top + height - height * (tr(v) - tr(lo)) / ((tr(hi) - tr(lo)) or 1)
-    out.append(f'<rect x="{LEFT}" y="{top}" width="{W - LEFT - RIGHT}" height="{height}" '
+    out.append(f'<rect x="{LEFT}" y="{top}" width="{PLOT}" height="{height}" '
                'fill="none" stroke="#999"/>')
     if log:
         marks = [10.0 ** e for e in range(math.floor(tr(lo)), math.ceil(tr(hi)) + 1)
@@ -268,7 +276,7 @@ def panel(out, top, height, steps, lo, hi, series, ylabel, fmt, log=False):
     else:
         marks = [lo + (hi - lo) * i / 4 for i in range(5)]
     for v in marks:
-        out.append(f'<line x1="{LEFT - 4}" x2="{W - RIGHT}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
+        out.append(f'<line x1="{LEFT - 4}" x2="{LEFT + PLOT}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
                    'stroke="#eee"/>')
         out.append(f'<text x="{LEFT - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{fmt(v)}</text>')
     out.append(f'<text x="16" y="{top + height / 2}" transform="rotate(-90 16 {top + height / 2})" '
@@ -295,6 +303,8 @@ def draw(a, curves, ref, path):
     sub = (f"H {a.hidden}, NH {a.heads}, NKV {a.kv_heads}, F {a.ffn}, L {a.layers}, V {a.vocab}, "
            f"S {a.seq}, B {a.batch} | AdamW lr {a.lr:g}, wd {a.weight_decay:g} | {steps} steps | "
            f"device cpu, fp32")
+    names = [STAGES[k][0] for k in curves] + ["PyTorch"]
+    W = LEFT + PLOT + legend_width(names)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" '
            'font-family="sans-serif" font-size="12">',
            f'<title>{escape(title)}</title>',
@@ -328,15 +338,15 @@ def draw(a, curves, ref, path):
                f'(log; check: ≤ {TIGHT:g} for steps &lt; {a.tight_steps}, ≤ {LOOSE:g} for all)'
                '</text>')
     panel(out, top3, h3, steps, 1e-9, 1e-1, dseries, "rel. diff.", lambda v: f"{v:.0e}", log=True)
-    out.append(f'<text x="{(W - RIGHT + LEFT) / 2}" y="{height - 12}" text-anchor="middle">'
+    out.append(f'<text x="{LEFT + PLOT / 2}" y="{height - 12}" text-anchor="middle">'
                'AdamW step</text>')
     for k, (label, color, _, dashed, width) in enumerate(series):
         yy = top1 + 14 + 18 * k
         name = label if label == "PyTorch" else STAGES[label][0]
         dash = ' stroke-dasharray="6 3"' if dashed else ""
-        out.append(f'<line x1="{W - RIGHT + 10}" x2="{W - RIGHT + 36}" y1="{yy}" y2="{yy}" '
+        out.append(f'<line x1="{LEFT + PLOT + 10}" x2="{LEFT + PLOT + 36}" y1="{yy}" y2="{yy}" '
                    f'stroke="{color}" stroke-width="{width + 0.8}"{dash}/>')
-        out.append(f'<text x="{W - RIGHT + 40}" y="{yy + 4}">{escape(name)}</text>')
+        out.append(f'<text x="{LEFT + PLOT + LEGEND_LINE}" y="{yy + 4}">{escape(name)}</text>')
     out.append("</svg>")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
