@@ -80,7 +80,7 @@ struct BlockConfig {
   /// --eval-every K: the held-out loss every K steps and at the last (0: never).
   std::int64_t eval_every = 0;
   /// --generate: after the last step rank 0 gathers the trained model and continues the prompt.
-  GenerateOptions generate;
+  GenerateOptions generate = {};
   double lr = 1.0;  ///< learning rate (the loss is a mean, so SGD's grads are small)
   Optimizer optimizer = Optimizer::sgd;
   double beta1 = 0.9;         ///< AdamW: first-moment decay
