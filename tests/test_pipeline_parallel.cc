@@ -1,7 +1,9 @@
 // Stage 09 (pipeline parallelism) as a user runs it, under mpirun:
 //  - --check passes, the dumps equal stage 01's to 1e-5 and the losses of 3 updates to 1e-6,
 //    with every schedule at P = 2 alone, P = 2 × T = 2, P = 2 × D = 2, P = 3 over L = 4 layers
-//    (uneven) with M = 2 and 3, and interleaved at P = 2 × V = 2, under SGD and AdamW, with GQA;
+//    (uneven) with M = 2 and 3, and interleaved at P = 2 × V = 2, under SGD and AdamW, with GQA,
+//    and with --first-stage-layers / --last-stage-layers (P = 2, 3, interleaved, P = 2 × D = 2);
+//  - the last rank's estimate falls by one block's terms per block --last-stage-layers moves;
 //  - zb-h1's gradients equal 1f1b's (the split backward computes the same sums);
 //  - --recompute full (every layer, and every second one) and selective give gradients bit for
 //    bit those of --recompute none, at P = 2 and 3 with every schedule;
