@@ -29,6 +29,20 @@ void PipelineFlags::add_flags(CLI::App& app, MeshFlag newest) {
             "its default: 1")
       ->type_name("V")
       ->group("Pipeline");
+  add_count(app, "--first-stage-layers", first_stage_layers,
+            "N blocks on the first pipeline stage (it also holds the embedding), the other "
+            "stages' layers split evenly; with --stages-per-rank V the first virtual stage, rank "
+            "0's first",
+            "its default: the even split's share")
+      ->type_name("N")
+      ->group("Pipeline");
+  add_count(app, "--last-stage-layers", last_stage_layers,
+            "N blocks on the last pipeline stage (it also holds the final norm, the output layer "
+            "and the loss), the other stages' layers split evenly; with --stages-per-rank V the "
+            "last virtual stage, the last rank's last",
+            "its default: the even split's share")
+      ->type_name("N")
+      ->group("Pipeline");
   app.add_flag("--print-schedule", print_schedule,
                "print every rank's list of F, B (and W) actions and the simulated bubble, "
                "then exit without training")
@@ -40,6 +54,8 @@ ConfigFields PipelineFlags::agreed() const {
           {"--microbatches", fmt::format("{}", microbatches)},
           {"--schedule", schedule},
           {"--stages-per-rank", fmt::format("{}", stages_per_rank)},
+          {"--first-stage-layers", fmt::format("{}", first_stage_layers)},
+          {"--last-stage-layers", fmt::format("{}", last_stage_layers)},
           {"--print-schedule", print_schedule ? "given" : "not given"}};
 }
 

@@ -1,5 +1,6 @@
 // Stage 09's flags: --pp, the pipeline-parallel degree of the P × D × C × TP mesh, the
-// micro-batches, the schedule, its virtual stages per rank, and --print-schedule.
+// micro-batches, the schedule, its virtual stages per rank, the layers of the first and last
+// stage, and --print-schedule.
 //
 // defines: tpx::pp::PipelineFlags
 #pragma once
@@ -24,6 +25,10 @@ class PipelineFlags : public FlagGroup {
   std::string schedule = "1f1b";  ///< --schedule (schedule.h's names)
   int stages_per_rank = 1;        ///< --stages-per-rank V (interleaved-1f1b)
   bool print_schedule = false;    ///< --print-schedule: print the schedule and exit
+  /// --first-stage-layers / --last-stage-layers: the blocks of the first virtual stage (rank 0's
+  /// first) and of the last (the last rank's last); 0 = not given, the even split's share.
+  int first_stage_layers = 0;
+  int last_stage_layers = 0;
 
   static std::shared_ptr<FlagGroup> make() { return std::make_shared<PipelineFlags>(); }
   std::optional<MeshFlag> dimension() const override { return MeshFlag::pp; }

@@ -29,8 +29,11 @@
 #include "common/check.h"
 #include "common/checked.h"
 #include "common/data.h"
+#include "common/flops.h"
 #include "common/lm.h"
+#include "common/memory.h"
 #include "common/ops.h"
+#include "common/units.h"
 
 namespace tpx::pp {
 
@@ -347,7 +350,8 @@ Layout layout(const RunContext& ctx) {
   l.shape = {.ranks = l.pp, .microbatches = m, .stages_per_rank = v};
   check_schedule_size(o, l.shape, pp, interleaved);  // before the layers are split P·V ways
   l.layers = pipeline::split_layers(int(c.layers), stages,
-                                    v == 1 ? pp : fmt::format("{} × --stages-per-rank {}", pp, v));
+                                    v == 1 ? pp : fmt::format("{} × --stages-per-rank {}", pp, v),
+                                    {.first = o.first_stage_layers, .last = o.last_stage_layers});
   return l;
 }
 
@@ -363,6 +367,39 @@ std::unique_ptr<Parallelism> make_pipeline(const RunContext& ctx) {
                                             std::move(schedule), std::move(l.layers));
 }
 
+namespace {
+
+/// The estimate's sharding of a rank (TP index `tp_index`, the first of its D·C group or not)
+/// that holds `held` of the pipeline: as the slice's sharding() (stage 07's FSDP, then 08's CP),
+/// the pipeline's dimension last.
+Sharding planned_sharding(const Mesh& mesh, CpMethod method, int tp_index, bool dp_cp_first,
+                          const PipelineMemory& held) {
+  const Sharding slice{
+      .rank = tp_index,
+      .world = mesh.tp,
+      .weights = true,
+      .sequence = true,
+      .dp = mesh.dp,
+      .cp = mesh.cp,
+      .dimensions = {fsdp::memory_dimension(dp_cp_first), cp::memory_dimension(method)}};
+  return pipeline_sharding(slice, held, mesh.pp);
+}
+
+/// The language model's output layer and loss in blocks of this config: its FLOPs (forward and
+/// backward, 3 · 2·S·B·H·V) over one block's (common/flops.h); 0 under --task block.
+double head_in_blocks(const BlockConfig& c) {
+  if (!c.lm()) return 0.0;
+  BlockConfig one = c;
+  one.layers = 1;
+  one.task = Task::block;
+  const double block = step_flops(one).total();
+  return block > 0 ? 3.0 * 2.0 * double(c.seq) * double(c.batch) * double(c.hidden) *
+                         double(c.vocab) / block
+                   : 0.0;
+}
+
+}  // namespace
+
 std::optional<std::string> describe_pipeline(const RunContext& ctx) {
   if (!ctx.options.flags<PipelineFlags>().print_schedule) return std::nullopt;
   const Layout l = layout(ctx);
@@ -374,11 +411,31 @@ std::optional<std::string> describe_pipeline(const RunContext& ctx) {
     out += fmt::format(" stage {} {}-{}{}", s, l.layers[s].first,
                        l.layers[s].first + l.layers[s].count - 1,
                        s + 1 < l.layers.size() ? "," : "\n");
+  // With an end's layers given, each action costs its stage's layers (F = B = W = 1 a block);
+  // else one unit each, as for equal stages.
+  const bool ends = ctx.options.flags<PipelineFlags>().first_stage_layers != 0 ||
+                    ctx.options.flags<PipelineFlags>().last_stage_layers != 0;
   const pipeline::Costs unit;
-  const pipeline::SimResult sim = pipeline::simulate(*schedule, unit);
-  out += "\nsimulated with unit costs (F = B = W = 1):\n";
+  const pipeline::SimResult sim = pipeline::simulate(
+      *schedule, unit, ends ? pipeline::stage_work(l.layers) : std::vector<double>{});
+  out += ends ? "\nsimulated with unit costs per block (F = B = W = 1 a block):\n"
+              : "\nsimulated with unit costs (F = B = W = 1):\n";
   out += pipeline::format_timeline(*schedule, sim);
   out += pipeline::format_simulation(*schedule, unit, sim);
+  // Each pipeline stage's memory estimate (of its first rank, TP index 0): its layers, its live
+  // activations, and the language model's ends on the first and last.
+  const Mesh mesh = Mesh::make(l.dp, l.cp, l.pp);
+  cp::check_context_parallel(ctx, mesh);
+  const CpMethod method = ctx.options.flags<cp::ContextParallelFlags>().method();
+  const BlockConfig& c = ctx.options.config;
+  out += "\nmemory estimate per pipeline stage (its first rank):\n";
+  for (int p = 0; p < l.pp; ++p) {
+    const PipelineMemory held = pipeline_memory(c, *schedule, l.layers, p);
+    const MemoryEstimate e =
+        estimate_training_memory(c, planned_sharding(mesh, method, 0, true, held));
+    out += fmt::format("  stage {} ({} layer{}): {}\n", p, held.layers, held.layers == 1 ? "" : "s",
+                       bytes_text(e.total()));
+  }
   return out;
 }
 
@@ -424,18 +481,9 @@ StagePlan plan_pipeline(const RunContext& ctx) {
   const Mesh mesh = Mesh::make(l.dp, l.cp, l.pp);
   cp::check_context_parallel(ctx, mesh);
   const CpMethod method = ctx.options.flags<cp::ContextParallelFlags>().method();
-  const Sharding slice{.rank = mesh.tp_index,
-                       .world = mesh.tp,
-                       .weights = true,
-                       .sequence = true,
-                       .dp = mesh.dp,
-                       .cp = mesh.cp,
-                       // as the slice's sharding(): stage 07's FSDP, then 08's CP
-                       .dimensions = {fsdp::memory_dimension(mesh.dp_cp_index() == 0),
-                                      cp::memory_dimension(method)}};
   const PipelineMemory held = pipeline_memory(c, *schedule, l.layers, mesh.pp_index);
   StagePlan p;
-  p.sharding = pipeline_sharding(slice, held, mesh.pp);
+  p.sharding = planned_sharding(mesh, method, mesh.tp_index, mesh.dp_cp_index() == 0, held);
   // The slice's traffic on this rank's layers, once per micro-batch (the TP and CP bytes of a
   // micro-batch, M times; FSDP's gathers for every micro-batch, its reduce-scatter once).
   BlockConfig mine = c;
@@ -710,12 +758,18 @@ void take_snapshot(const BlockConfig& c, PipelineParallel& pp, const Place& plac
   gather_model(c, pp, place, model, /*grads=*/true, snap);
 }
 
-/// --json's "pipeline": the schedule, and per pipeline stage its live count and measured idle
-/// time (the pipeline of rank 0: every pipeline runs the same schedule).
-nlohmann::json pipeline_report(const PipelineParallel& pp, const StepTimes& times,
-                               std::int64_t microbatch_rows) {
+/// --json's "pipeline": the schedule, per pipeline stage its layers, live count and measured idle
+/// time (the pipeline of rank 0: every pipeline runs the same schedule), and the bubble the
+/// simulation gives with each virtual stage's actions costing its blocks, the output layer and
+/// loss (--task lm) adding their FLOPs in blocks to the last stage's.
+nlohmann::json pipeline_report(const BlockConfig& c, const PipelineParallel& pp,
+                               const StepTimes& times, std::int64_t microbatch_rows) {
   const Schedule& schedule = pp.schedule();
   const PipelineShape shape = schedule.shape();
+  std::vector<int> stage_layers(std::size_t(shape.ranks), 0);
+  for (std::size_t s = 0; s < pp.layers().size(); ++s)
+    stage_layers[std::size_t(shape.rank_of(int(s)))] += pp.layers()[s].count;
+  const std::vector<double> blocks = pipeline::stage_work(pp.layers(), 0.0, head_in_blocks(c));
   const double steps = times.measured > 0 ? double(times.measured) : 1.0;
   const std::vector<double> idle = pp.gather_over_pipeline(times.idle_ms / steps);
   const std::vector<double> busy = pp.gather_over_pipeline(times.busy_ms / steps);
@@ -734,6 +788,7 @@ nlohmann::json pipeline_report(const PipelineParallel& pp, const StepTimes& time
       {"stages_per_rank", shape.stages_per_rank},
       {"microbatch_rows", microbatch_rows},
       {"split_backward", schedule.split_backward()},
+      {"stage_layers", stage_layers},
       {"live_peak", live_counts},
       {"schedule_live_peak", pipeline::peak_live(schedule)},
       {"idle_ms", idle},
@@ -741,6 +796,7 @@ nlohmann::json pipeline_report(const PipelineParallel& pp, const StepTimes& time
       {"wall_ms", wall},
       {"bubble_measured", wall_all > 0 ? idle_all / wall_all : 0.0},
       {"bubble_formula", schedule.formula_bubble(pipeline::Costs{})},
+      {"bubble_simulated", pipeline::simulate(schedule, {}, blocks).bubble()},
       {"measured_steps", times.measured},
   };
 }
@@ -839,7 +895,7 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     gather_model(c, pp, place, model, /*grads=*/false, result.trained);  // reporting
     par.take_comm_stats();
   }
-  result.extra["pipeline"] = pipeline_report(pp, times, microbatch_rows);
+  result.extra["pipeline"] = pipeline_report(c, pp, times, microbatch_rows);
   return result;
 }
 

@@ -36,20 +36,64 @@ std::vector<int> PipelineShape::stages_of(int rank) const {
   return s;
 }
 
-std::vector<LayerRange> split_layers(int layers, int stages, std::string_view what) {
+std::vector<LayerRange> split_layers(int layers, int stages, std::string_view what,
+                                     EndLayers ends) {
   if (stages < 1) throw ConfigError(fmt::format("{} gives no pipeline stage", what));
-  if (layers < stages)
+  if (ends.given()) {
+    const std::string given =
+        ends.first != 0 && ends.last != 0
+            ? fmt::format("--first-stage-layers {} and --last-stage-layers {}", ends.first,
+                          ends.last)
+        : ends.first != 0 ? fmt::format("--first-stage-layers {}", ends.first)
+                          : fmt::format("--last-stage-layers {}", ends.last);
+    if (stages < 2)
+      throw ConfigError(
+          fmt::format("{} needs at least two pipeline stages, and {} makes one", given, what));
+    for (const auto& [flag, n] :
+         {std::pair{"--first-stage-layers", ends.first}, {"--last-stage-layers", ends.last}})
+      if (n < 0 || n > layers)
+        throw ConfigError(fmt::format("{} {} must be between 1 and --layers {}", flag, n, layers));
+    const int fixed = (ends.first != 0 ? 1 : 0) + (ends.last != 0 ? 1 : 0);
+    const int others = stages - fixed;
+    const std::int64_t left = std::int64_t(layers) - ends.first - ends.last;
+    if (others == 0 && left != 0)
+      throw ConfigError(fmt::format(
+          "{} must add up to --layers {}: {} makes two pipeline stages, the first and the last",
+          given, layers, what));
+    if (others > 0 && left < others)
+      throw ConfigError(fmt::format(
+          "{} leaves {} of --layers {} for the {} other pipeline stage{} of {}: every stage "
+          "needs at least one layer",
+          given, std::max<std::int64_t>(left, 0), layers, others, others == 1 ? "" : "s", what));
+  } else if (layers < stages) {
     throw ConfigError(fmt::format(
         "{} makes {} pipeline stages but --layers is {}: every stage needs at least one layer",
         what, stages, layers));
+  }
+  // The stages the even split covers: all of them, less the ends given.
+  const int lo = ends.first != 0 ? 1 : 0, hi = ends.last != 0 ? stages - 1 : stages;
+  const int even = layers - ends.first - ends.last, n = hi - lo;
   std::vector<LayerRange> split;
   int first = 0;
   for (int s = 0; s < stages; ++s) {
-    const int count = layers / stages + (s < layers % stages ? 1 : 0);
+    const int count = s < lo    ? ends.first
+                      : s >= hi ? ends.last
+                                : even / n + (s - lo < even % n ? 1 : 0);
     split.push_back({first, count});
     first += count;
   }
   return split;
+}
+
+std::vector<double> stage_work(const std::vector<LayerRange>& layers, double first_extra,
+                               double last_extra) {
+  std::vector<double> work;
+  for (const LayerRange& r : layers) work.push_back(double(r.count));
+  if (!work.empty()) {
+    work.front() += first_extra;
+    work.back() += last_extra;
+  }
+  return work;
 }
 
 std::int64_t microbatch_size(std::int64_t local_batch, int microbatches) {
@@ -439,11 +483,14 @@ void check_complete(const Schedule& schedule) {
 
 }  // namespace
 
-SimResult simulate(const Schedule& schedule, const Costs& costs) {
+SimResult simulate(const Schedule& schedule, const Costs& costs,
+                   const std::vector<double>& stage_work) {
   check_complete(schedule);
   const PipelineShape& sh = schedule.shape();
   const int P = sh.ranks, last = sh.stages() - 1;
-  auto cost_of = [&](Phase p) {
+  TPX_CHECK(stage_work.empty() || int(stage_work.size()) == sh.stages(),
+            "simulate: {} stage costs for {} virtual stages", stage_work.size(), sh.stages());
+  auto phase_cost = [&](Phase p) {
     switch (p) {
       case Phase::forward:
         return costs.forward;
@@ -453,6 +500,10 @@ SimResult simulate(const Schedule& schedule, const Costs& costs) {
         return costs.weight;
     }
     return 0.0;
+  };
+  auto cost_of = [&](const Action& a) {
+    const double work = stage_work.empty() ? 1.0 : stage_work[std::size_t(a.stage)];
+    return phase_cost(a.phase) * work;
   };
   Finished done(sh);
   SimResult r;
@@ -480,10 +531,10 @@ SimResult simulate(const Schedule& schedule, const Costs& costs) {
           start = std::max(start, end + (sh.rank_of(in.stage) == p ? 0.0 : costs.latency));
         }
         if (!ready) break;
-        const double end = start + cost_of(a.phase);
+        const double end = start + cost_of(a);
         done.at(a.phase, a.microbatch, a.stage) = end;
         r.timeline[p].push_back({a, start, end});
-        r.busy[p] += cost_of(a.phase);
+        r.busy[p] += cost_of(a);
         free_at[p] = end;
         r.makespan = std::max(r.makespan, end);
         ++next[p];
@@ -507,6 +558,7 @@ SimResult simulate(const Schedule& schedule, const Costs& costs) {
     fail(fmt::format("schedule {} deadlocks: {}", schedule.name(), fmt::join(stuck, "; ")));
   for (int p = 0; p < P; ++p) r.idle.push_back(r.makespan - r.busy[p]);
   r.peak_live = peak_live(schedule);
+  r.stage_work = stage_work;
   return r;
 }
 
@@ -554,6 +606,9 @@ std::string format_simulation(const Schedule& schedule, const Costs& costs,
       fmt::format("simulated with F={:g} B={:g} W={:g}{}, P2P latency {:g}\n", costs.forward,
                   costs.backward, costs.weight,
                   schedule.split_backward() ? "" : " (a fused backward costs B+W)", costs.latency);
+  if (!result.stage_work.empty())
+    out += fmt::format("each virtual stage's actions cost these times as much: {}\n",
+                       fmt::join(result.stage_work, " "));
   out += "rank |     busy |     idle | idle fraction | peak live\n";
   for (int p = 0; p < schedule.shape().ranks; ++p)
     out += fmt::format("{:>4} | {:>8.4g} | {:>8.4g} | {:>13.4f} | {:>9}\n", p, result.busy[p],

@@ -20,7 +20,9 @@
 //     Between two ranks, every schedule here receives in the order it sends (tested).
 //   * Virtual stages: S = P·V stages for P ranks and V stages per rank; rank p holds the
 //     virtual stages p, p+P, p+2P, … (Megatron-LM's interleaving; V = 1 is the plain pipeline).
-//     The layers are split contiguously over the S virtual stages (split_layers()).
+//     The layers are split contiguously over the S virtual stages (split_layers()): evenly, or
+//     with a given number on the first and the last virtual stage (EndLayers) and the rest
+//     evenly over the stages between.
 //   * One class per schedule kind (GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1), made by name
 //     with make_schedule(); each also knows the bubble its paper derives (formula_bubble()).
 //   * simulate() runs the lists with given F/B/W costs and a P2P latency, honouring every
@@ -35,7 +37,7 @@
 // 2023, "Zero Bubble Pipeline Parallelism").
 //
 // defines: tpx::pipeline::Phase, letter(), Action, to_string(), PipelineShape, LayerRange,
-//          split_layers(), microbatch_size(), Costs, Schedule, GPipe, OneFOneB,
+//          EndLayers, split_layers(), microbatch_size(), Costs, stage_work(), Schedule, GPipe, OneFOneB,
 //          Interleaved1F1B, ZeroBubbleH1, schedule_names(), schedule_actions(),
 //          stages_per_rank_problem(),
 //          make_schedule(), Payload, Transfer,
@@ -90,10 +92,23 @@ struct LayerRange {
   bool operator==(const LayerRange&) const = default;
 };
 
-/// The layers of each of `stages` virtual stages: contiguous, in stage order, the first
-/// L mod stages taking one layer more. Throws ConfigError when L < stages (a stage would hold
-/// no layer); `what` names the count in the message ("--pp 4", "--pp 2 × --stages-per-rank 3").
-std::vector<LayerRange> split_layers(int layers, int stages, std::string_view what);
+/// The layers of the first and the last virtual stage when given (--first-stage-layers,
+/// --last-stage-layers); 0 = not given: that end takes its share of the even split.
+struct EndLayers {
+  int first = 0;
+  int last = 0;
+  bool given() const { return first != 0 || last != 0; }
+};
+
+/// The layers of each of `stages` virtual stages: contiguous, in stage order. Virtual stage 0
+/// takes ends.first layers and stage S−1 ends.last when given; the layers left go evenly over
+/// the other stages, the first of them taking one more each until the remainder is spent (with
+/// no ends given: the first L mod stages take one layer more). Throws ConfigError, `what`
+/// naming the stage count ("--pp 4", "--pp 2 × --stages-per-rank 3"), when a stage would hold
+/// no layer (L < stages, or the ends leave fewer layers than stages between them), when an end
+/// is given with one stage, or when the two ends of two stages do not add up to L.
+std::vector<LayerRange> split_layers(int layers, int stages, std::string_view what,
+                                     EndLayers ends = {});
 
 /// The rows of one micro-batch: local_batch / M. Throws ConfigError unless M ≥ 1 divides the
 /// local batch.
@@ -109,6 +124,12 @@ struct Costs {
   double weight = 1.0;    ///< the weight gradients (W)
   double latency = 0.0;  ///< from the end of an action to the start of its consumer on another rank
 };
+
+/// Each virtual stage's work in blocks, for simulate()'s stage_work: its layers, plus `first_extra`
+/// on stage 0 and `last_extra` on the last stage (the embedding's and the output layer's and
+/// loss's time in blocks).
+std::vector<double> stage_work(const std::vector<LayerRange>& layers, double first_extra = 0.0,
+                               double last_extra = 0.0);
 
 /// Per-rank action lists. The kinds below build theirs; the public constructor takes any lists
 /// (tests build broken ones with it), and checks only that they fit the shape: every action's
@@ -250,7 +271,8 @@ struct SimResult {
   std::vector<double> busy;                        ///< per rank: the sum of its actions' costs
   std::vector<double> idle;    ///< per rank: makespan − busy (waiting, before, between and after)
   std::vector<int> peak_live;  ///< per rank: peak_live()
-  double makespan = 0.0;       ///< the end of the last action of any rank
+  std::vector<double> stage_work;  ///< simulate()'s stage_work (empty: 1 on every stage)
+  double makespan = 0.0;           ///< the end of the last action of any rank
   /// The bubble: the idle share of all ranks' time, Σ idle / (P · makespan).
   double bubble() const;
   /// Rank p's idle share: idle[p] / makespan.
@@ -261,8 +283,11 @@ struct SimResult {
 /// there (F of micro-batch m on stage s after F on s−1; B on s after B on s+1 and after F on s;
 /// W after B), plus `costs.latency` for an input that comes from another rank. Throws Error when
 /// the lists are not a complete schedule (an action missing or repeated), or when they deadlock:
-/// the message names what each stuck rank waits for.
-SimResult simulate(const Schedule& schedule, const Costs& costs = {});
+/// the message names what each stuck rank waits for. `stage_work`, per virtual stage, multiplies
+/// the costs of that stage's actions (e.g. its blocks, stage_work()); empty: 1 on every stage.
+/// formula_bubble() knows no stage_work (the papers' formulas assume equal stages).
+SimResult simulate(const Schedule& schedule, const Costs& costs = {},
+                   const std::vector<double>& stage_work = {});
 
 /// The simulated timeline as text, one row per rank and one column per `unit` of time: an
 /// action fills round(duration / unit) columns, its name in the first and "-" in the rest; "."

@@ -1,7 +1,9 @@
 // Stage 09 (pipeline parallelism) as a user runs it, under mpirun:
 //  - --check passes, the dumps equal stage 01's to 1e-5 and the losses of 3 updates to 1e-6,
 //    with every schedule at P = 2 alone, P = 2 × T = 2, P = 2 × D = 2, P = 3 over L = 4 layers
-//    (uneven) with M = 2 and 3, and interleaved at P = 2 × V = 2, under SGD and AdamW, with GQA;
+//    (uneven) with M = 2 and 3, and interleaved at P = 2 × V = 2, under SGD and AdamW, with GQA,
+//    and with --first-stage-layers / --last-stage-layers (P = 2, 3, interleaved, P = 2 × D = 2);
+//  - the last rank's estimate falls by one block's terms per block --last-stage-layers moves;
 //  - zb-h1's gradients equal 1f1b's (the split backward computes the same sums);
 //  - --recompute full (every layer, and every second one) and selective give gradients bit for
 //    bit those of --recompute none, at P = 2 and 3 with every schedule;
@@ -56,6 +58,7 @@ Sizes pipeline_sizes() {
 struct Case {
   int ranks;
   std::string mesh, schedule, extra;  // mesh: --pp/--dp/--cp/--stages-per-rank/--microbatches
+  std::int64_t layers = 0;            // --layers for both stages when not pipeline_sizes()'s
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << "np " << c.ranks << " " << c.mesh << " " << c.schedule << " " << c.extra;
@@ -73,6 +76,7 @@ TEST_P(PpMesh, ChecksAndDumpsEqualStage01) {
   const Case& c = GetParam();
   Sizes z = pipeline_sizes();
   if (c.mesh.find("--microbatches 3") != std::string::npos) z.B = 6;
+  if (c.layers != 0) z.L = c.layers;
   test::TempDir dir;
   const std::string common = fmt::format("{} {} --steps 4", z.args(), c.extra);
   const auto ref = run_stage("01_baseline", 1,
@@ -121,7 +125,19 @@ INSTANTIATE_TEST_SUITE_P(
         Case{3, "--pp 3 --microbatches 2", "1f1b", kAdamW},
         Case{3, "--pp 3 --microbatches 2", "zb-h1", ""},
         Case{3, "--pp 3 --microbatches 3", "1f1b", ""},
-        Case{3, "--pp 3 --microbatches 3", "zb-h1", kAdamW}),
+        Case{3, "--pp 3 --microbatches 3", "zb-h1", kAdamW},
+        // Uneven ends: P = 2 over L = 4 as 1, 3; P = 3 over L = 5 as 1, 3, 1; interleaved
+        // P = 2 × V = 2 over L = 5 as 2, 1, 1, 1; P = 2 × D = 2 over L = 4 as 3, 1
+        Case{2, "--pp 2 --microbatches 2 --first-stage-layers 1", "1f1b", ""},
+        Case{3, "--pp 3 --microbatches 2 --first-stage-layers 1 --last-stage-layers 1", "gpipe", "",
+             5},
+        Case{3, "--pp 3 --microbatches 2 --first-stage-layers 1 --last-stage-layers 1", "1f1b",
+             kAdamW, 5},
+        Case{3, "--pp 3 --microbatches 2 --first-stage-layers 1 --last-stage-layers 1", "zb-h1", "",
+             5},
+        Case{2, "--pp 2 --stages-per-rank 2 --microbatches 2 --first-stage-layers 2",
+             "interleaved-1f1b", "", 5},
+        Case{4, "--pp 2 --dp 2 --microbatches 2 --last-stage-layers 1", "1f1b", ""}),
     [](const auto& p) {
       std::string name = fmt::format("np{}_{}_{}", p.param.ranks, p.param.schedule, p.index);
       std::replace(name.begin(), name.end(), '-', '_');
@@ -396,6 +412,47 @@ std::vector<std::string> error_lines(const std::string& err) {
   return errors;
 }
 
+// --last-stage-layers: the last rank's estimate falls by one block's bytes for each block it
+// gives up, and rank 0's rises by as many of its own. A block's bytes on a rank, from chapter 9's
+// terms: its parameters and gradients (SGD: no optimizer state), its saved activations once per
+// live micro-batch (1F1B at P = 2, M = 2: 2 on rank 0, 1 on the last rank) and the host's books
+// (M · 2.5 KiB, and 5 KiB per live micro-batch). Rank 0's terms between two runs give the
+// per-block parameters, gradients and saved activations that both ranks' blocks share.
+TEST(PipelineParallel, TheLastStagesEstimateFallsByTheBlocksItGivesUp) {
+  const std::string sizes =
+      "--hidden 96 --heads 12 --ffn 192 --seq 24 --batch 4 --layers 5 --steps 1 --pp 2 "
+      "--microbatches 2 --schedule 1f1b";
+  const json even = run_json("09_pipeline_parallel", 2, sizes);                              // 3, 2
+  const json one = run_json("09_pipeline_parallel", 2, sizes + " --last-stage-layers 1");    // 4, 1
+  const json three = run_json("09_pipeline_parallel", 2, sizes + " --last-stage-layers 3");  // 2, 3
+  ASSERT_TRUE(even.contains("pipeline") && one.contains("pipeline") && three.contains("pipeline"));
+  EXPECT_EQ(even.at("pipeline").at("stage_layers"), json({3, 2}));
+  EXPECT_EQ(one.at("pipeline").at("stage_layers"), json({4, 1}));
+  EXPECT_EQ(three.at("pipeline").at("stage_layers"), json({2, 3}));
+  auto rank = [](const json& j, int r) {
+    return j.at("memory_estimate_bytes_per_rank").at(std::size_t(r)).get<double>();
+  };
+  auto term = [](const json& j, const char* name) {
+    return j.at("memory_terms").at(name).get<double>();
+  };
+  const double microbatches = 2, live0 = 2, live_last = 1;
+  // One block more on rank 0 (from the even run to `one`, and from `three` to the even run).
+  for (const auto& [more, fewer] : {std::pair{&one, &even}, std::pair{&even, &three}}) {
+    const double params = term(*more, "parameters") - term(*fewer, "parameters");
+    const double grads = term(*more, "gradients") - term(*fewer, "gradients");
+    const double saved_pair =
+        (term(*more, "saved activations") - term(*fewer, "saved activations")) / live0;
+    EXPECT_GT(params, 0);
+    EXPECT_EQ(grads, params);
+    EXPECT_GT(saved_pair, 0);
+    auto block = [&](double live) {
+      return params + grads + saved_pair * live + microbatches * 2560 + live * 5120;
+    };
+    EXPECT_EQ(rank(*more, 0) - rank(*fewer, 0), block(live0));
+    EXPECT_EQ(rank(*fewer, 1) - rank(*more, 1), block(live_last));
+  }
+}
+
 TEST(PipelineParallel, APipelineThatCannotFitIsRefusedUpFront) {
   // 50 000 micro-batches of 40 sequences: the set-up's streams (2 · 16 GB per rank) are far
   // beyond any host of this suite; refused from the estimate, in one line on every rank, before
@@ -457,6 +514,7 @@ TEST(PipelineParallel, DryRunGivesTheRealRunsBytesAndMemoryEstimate) {
         Run{4, "--pp 2 --cp 2 --microbatches 2 --schedule zb-h1"},
         Run{2, "--pp 2 --stages-per-rank 2 --microbatches 2 --schedule interleaved-1f1b"},
         Run{3, "--pp 3 --microbatches 4 --schedule gpipe"},
+        Run{3, "--pp 3 --microbatches 2 --first-stage-layers 2 --last-stage-layers 1"},
         // --recompute full's second forwards: TP's share on the layers this rank recomputes
         // (layer 0 of 0, 1 at every 2: rank 0 one, rank 1 none), and CP's ring again.
         Run{4, "--pp 2 --microbatches 2 --recompute full --recompute-every 2"},
@@ -540,7 +598,13 @@ TEST(PipelineParallel, BadInputIsOneLineOnEveryRank) {
         Bad{2,
             "--pp 2 --stages-per-rank 2 --microbatches 3 --batch 3 --schedule "
             "interleaved-1f1b",
-            "multiple of"}}) {
+            "multiple of"},
+        Bad{1, "--pp 1 --first-stage-layers 1", "--first-stage-layers 1 needs at least two"},
+        Bad{2, "--pp 2 --last-stage-layers 5", "--last-stage-layers 5 must be between 1 and"},
+        Bad{2, "--pp 2 --first-stage-layers 4",
+            "leaves 0 of --layers 4 for the 1 other pipeline stage "},
+        Bad{2, "--pp 2 --first-stage-layers 1 --last-stage-layers 2", "must add up to --layers 4"},
+        Bad{3, "--pp 3 --first-stage-layers 2 --last-stage-layers 2", "leaves 0 of --layers 4"}}) {
     const std::string layers = b.args.find("--layers") == std::string::npos ? "--layers 4" : "";
     const std::string batch = b.args.find("--batch") == std::string::npos ? "--batch 4" : "";
     test::expect_refused_once(
@@ -674,7 +738,8 @@ TEST(PipelineParallel, StageAndMicrobatchRefusalsNameTheGivenFlagsAndARemedyThat
 // A 0 the user typed is refused like any value out of range (before: taken as "not given", the
 // default run); an empty output path reaches the outputs' own check (before: no output, exit 0).
 TEST(PipelineParallel, ZeroAndEmptyValuesAreRefusedOnEveryRank) {
-  for (const char* flag : {"--pp", "--dp", "--cp", "--microbatches"})
+  for (const char* flag :
+       {"--pp", "--dp", "--cp", "--microbatches", "--first-stage-layers", "--last-stage-layers"})
     test::expect_refused_once("09_pipeline_parallel", 2, sized(fmt::format("{} 0", flag)),
                               fmt::format("{} '0': must be a positive number", flag));
   for (const char* flag : {"--json", "--trace", "--dump"})

@@ -314,6 +314,47 @@ double paper_bubble(const Case& c, const pl::Costs& k) {
   return (P - 1) / (M + P - 1);
 }
 
+// Costs::stage_work: an action on stage s lasts its phase's cost times the stage's work; all
+// ones is the unweighted simulation; and a last stage that carries the output layer's cost is
+// the pipeline's bottleneck, so moving a block off it shortens the step.
+TEST(Simulator, StageWorkScalesEachStagesActions) {
+  for (const std::string name : {"gpipe", "1f1b", "zb-h1"}) {
+    SCOPED_TRACE(name);
+    const auto s = pl::make_schedule(name, {4, 8, 1});
+    EXPECT_EQ(pl::simulate(*s, {}, {1, 1, 1, 1}).makespan, pl::simulate(*s).makespan);
+    const pl::Costs k{1, 2, 1, 0};
+    const std::vector<double> work = {3, 1, 2, 0.5};
+    const pl::SimResult r = pl::simulate(*s, k, work);
+    for (int p = 0; p < 4; ++p)
+      for (const pl::TimedAction& t : r.timeline[std::size_t(p)]) {
+        const double phase = t.action.phase == Phase::forward ? k.forward
+                             : t.action.phase == Phase::weight
+                                 ? k.weight
+                                 : k.backward + (s->split_backward() ? 0.0 : k.weight);
+        EXPECT_DOUBLE_EQ(t.end - t.start, phase * work[std::size_t(t.action.stage)]);
+      }
+    // L = 8 over P = 4, the output layer worth two blocks on the last stage: the even split
+    // 2, 2, 2, 2 makes the last stage's work 4; --last-stage-layers 1 gives 3, 2, 2, 1, work at
+    // most 3. Every micro-batch passes the slowest stage, so the step is at least
+    // M · (F + B + W) · the largest work, and it falls with it.
+    using Split = std::vector<pl::LayerRange>;
+    const Split even = pl::split_layers(8, 4, "--pp 4");
+    const Split relieved = pl::split_layers(8, 4, "--pp 4", {.last = 1});
+    EXPECT_EQ(relieved, (Split{{0, 3}, {3, 2}, {5, 2}, {7, 1}}));
+    const std::vector<double> head = pl::stage_work(even, 0.0, 2.0);
+    const std::vector<double> moved = pl::stage_work(relieved, 0.0, 2.0);
+    EXPECT_EQ(head, (std::vector<double>{2, 2, 2, 4}));
+    EXPECT_EQ(moved, (std::vector<double>{3, 2, 2, 3}));
+    const pl::SimResult before = pl::simulate(*s, {}, head), after = pl::simulate(*s, {}, moved);
+    EXPECT_GE(before.makespan, 8 * 3 * 4.0);
+    EXPECT_GE(after.makespan, 8 * 3 * 3.0);
+    EXPECT_LT(after.makespan, before.makespan);
+    // The same work in all over a shorter step: the bubble shrinks with the makespan.
+    EXPECT_LT(after.bubble(), before.bubble());
+  }
+  EXPECT_THROW((void)pl::simulate(*pl::make_schedule("1f1b", {2, 2, 1}), {}, {1, 1, 1}), Error);
+}
+
 TEST(Simulator, BubbleEqualsEachPapersFormula) {
   // Unit costs, a backward twice a forward, W half of B, F or B three times W: the formulas
   // hold for each (ZB-H1's needs W ≤ F, B).
@@ -446,6 +487,55 @@ TEST(Simulator, ReportsDeadlocksAndIncompleteLists) {
   // A W in a fused schedule, or an action on a stage the rank does not hold, is refused.
   EXPECT_THROW(pl::Schedule("w", {1, 1, 1}, false, {{{0, 0, Phase::weight}}}), Error);
   EXPECT_THROW(pl::Schedule("r", {2, 1, 1}, false, {{{0, 1, Phase::forward}}, {}}), Error);
+}
+
+// --first-stage-layers and --last-stage-layers: the ends take what is given, the stages between
+// them the rest evenly (the first of them one more each for the remainder); the even split is
+// the same with or without an empty EndLayers.
+TEST(LayerSplit, GivenEndsTakeTheirLayersAndTheMiddleSplitsTheRest) {
+  using Split = std::vector<pl::LayerRange>;
+  EXPECT_EQ(pl::split_layers(4, 2, "--pp 2", {.first = 1}), (Split{{0, 1}, {1, 3}}));
+  EXPECT_EQ(pl::split_layers(4, 2, "--pp 2", {.last = 1}), (Split{{0, 3}, {3, 1}}));
+  EXPECT_EQ(pl::split_layers(5, 3, "--pp 3", {.first = 1, .last = 1}),
+            (Split{{0, 1}, {1, 3}, {4, 1}}));
+  EXPECT_EQ(pl::split_layers(7, 4, "--pp 4", {.last = 1}), (Split{{0, 2}, {2, 2}, {4, 2}, {6, 1}}));
+  EXPECT_EQ(pl::split_layers(9, 4, "--pp 4", {.first = 1, .last = 2}),
+            (Split{{0, 1}, {1, 3}, {4, 3}, {7, 2}}));
+  EXPECT_EQ(pl::split_layers(10, 5, "--pp 5", {.first = 1}),
+            (Split{{0, 1}, {1, 3}, {4, 2}, {6, 2}, {8, 2}}));
+  // Virtual stages: the first is rank 0's first, the last the last rank's last.
+  EXPECT_EQ(pl::split_layers(5, 4, "--pp 2 × --stages-per-rank 2", {.first = 2}),
+            (Split{{0, 2}, {2, 1}, {3, 1}, {4, 1}}));
+  for (int L = 2; L <= 12; ++L)
+    for (int S = 2; S <= L; ++S)
+      EXPECT_EQ(pl::split_layers(L, S, "--pp", {}), pl::split_layers(L, S, "--pp"));
+  struct Bad {
+    int layers, stages;
+    pl::EndLayers ends;
+    std::string words;
+  };
+  for (const Bad& b :
+       {Bad{4, 1, {.first = 1}, "--first-stage-layers 1 needs at least two"},
+        Bad{4, 1, {.last = 2}, "--last-stage-layers 2 needs at least two"},
+        Bad{4, 2, {.first = 5}, "--first-stage-layers 5 must be between 1 and --layers 4"},
+        Bad{4, 2, {.first = 4}, "leaves 0 of --layers 4 for the 1 other pipeline stage "},
+        Bad{4, 2, {.first = 1, .last = 1}, "must add up to --layers 4"},
+        Bad{4,
+            3,
+            {.first = 2, .last = 2},
+            "leaves 0 of --layers 4 for the 1 other pipeline stage "},
+        Bad{5,
+            4,
+            {.first = 2, .last = 2},
+            "leaves 1 of --layers 5 for the 2 other pipeline stages"}}) {
+    try {
+      (void)pl::split_layers(b.layers, b.stages, "--pp", b.ends);
+      ADD_FAILURE() << b.words << ": accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(b.words), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(LayerSplit, ContiguousFirstStagesTakeTheRemainder) {
