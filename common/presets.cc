@@ -9,19 +9,24 @@ namespace {
 // AI @ Meta, 2024, arXiv:2407.21783), Table 3 (layers, model dimension, FFN dimension, attention
 // heads, key/value heads, RoPE θ = 500,000), and the models' config.json files on the Hugging Face
 // Hub (meta-llama/Llama-3.1-8B, -70B, -405B: hidden_size, intermediate_size, num_attention_heads,
-// num_key_value_heads, num_hidden_layers, rope_theta). S = 8192 is Llama 3's pre-training
+// num_key_value_heads, num_hidden_layers, rope_theta, vocab_size = 128256). S = 8192 is Llama 3's pre-training
 // context length (the same paper, section 3.4.1); B = 2 sequences per step, so that stage 07's
-// default mesh (D = 2 on 4 or more ranks) splits it.
+// default mesh (D = 2 on 4 or more ranks) splits it. The tutorial's V is the vocabulary of the
+// build's default token file, data/kjv-4096.tokens (common/token_file.h).
+constexpr std::int64_t kLlama3Vocab = 128256;  // Llama 3's tokenizer (the paper, section 3.1.1)
+
 constexpr std::array<ModelPreset, 4> kPresets = {{
     {"tutorial",
-     "the tutorial's small model, the default (H 256, 8 heads, F 1024, L 2, S 128, B 2)", 256, 8, 8,
-     1024, 2, 128, 2, kLlama3RopeTheta},
-    {"llama3-8b", "Llama 3 8B (H 4096, 32 heads, 8 KV heads, F 14336, L 32, S 8192, B 2)", 4096, 32,
-     8, 14336, 32, 8192, 2, kLlama3RopeTheta},
-    {"llama3-70b", "Llama 3 70B (H 8192, 64 heads, 8 KV heads, F 28672, L 80, S 8192, B 2)", 8192,
-     64, 8, 28672, 80, 8192, 2, kLlama3RopeTheta},
-    {"llama3-405b", "Llama 3 405B (H 16384, 128 heads, 8 KV heads, F 53248, L 126, S 8192, B 2)",
-     16384, 128, 8, 53248, 126, 8192, 2, kLlama3RopeTheta},
+     "the tutorial's small model, the default (H 256, 8 heads, F 1024, L 2, S 128, B 2, V 4096)",
+     256, 8, 8, 1024, 2, 128, 2, kLlama3RopeTheta, 4096},
+    {"llama3-8b", "Llama 3 8B (H 4096, 32 heads, 8 KV heads, F 14336, L 32, S 8192, B 2, V 128256)",
+     4096, 32, 8, 14336, 32, 8192, 2, kLlama3RopeTheta, kLlama3Vocab},
+    {"llama3-70b",
+     "Llama 3 70B (H 8192, 64 heads, 8 KV heads, F 28672, L 80, S 8192, B 2, V 128256)", 8192, 64,
+     8, 28672, 80, 8192, 2, kLlama3RopeTheta, kLlama3Vocab},
+    {"llama3-405b",
+     "Llama 3 405B (H 16384, 128 heads, 8 KV heads, F 53248, L 126, S 8192, B 2, V 128256)", 16384,
+     128, 8, 53248, 126, 8192, 2, kLlama3RopeTheta, kLlama3Vocab},
 }};
 
 }  // namespace

@@ -1,6 +1,6 @@
 // Models by name (--model NAME): the Llama 3 family as Meta published it, and the tutorial's own
-// small model. A preset sets the model's shape and a training shape (S, B); every flag given on
-// the command line or in a --config file wins over it.
+// small model. A preset sets the model's shape, its vocabulary V and a training shape (S, B); every
+// flag given on the command line or in a --config file wins over it.
 //
 // defines: tpx::ModelPreset, tpx::model_presets(), tpx::find_preset(), tpx::preset_names(),
 //          tpx::apply_preset()
@@ -20,6 +20,7 @@ struct ModelPreset {
   std::string_view summary;  ///< one line for --help and the listings
   std::int64_t hidden, heads, kv_heads, ffn, layers, seq, batch;
   double rope_theta;
+  std::int64_t vocab;  ///< V of the language model (the tokenizer's vocabulary)
 };
 
 /// Every preset, the tutorial's first (the default config: choosing it changes nothing).
@@ -34,7 +35,8 @@ struct GivenSizes {
   bool hidden = false, heads = false, kv_heads = false, ffn = false, layers = false, seq = false,
        batch = false, rope_theta = false;
 };
-/// Sets the fields of `c` that `given` does not mark to the preset's values.
+/// Sets the fields of `c` that `given` does not mark to the preset's values; not V (the stages
+/// take theirs from the token file; tpx_project reads ModelPreset::vocab itself).
 void apply_preset(const ModelPreset& p, const GivenSizes& given, BlockConfig& c);
 
 }  // namespace tpx

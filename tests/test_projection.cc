@@ -30,6 +30,10 @@
 #include "09_pipeline_parallel/schedule.h"
 #include "bench/busbw.h"
 #include "common/flops.h"
+#include "common/memory.h"
+#include "common/model.h"
+#include "common/presets.h"
+#include "common/traffic.h"
 #include "test_util.h"
 #include "tools/projection.h"
 
@@ -797,14 +801,14 @@ TEST(TpxProject, Llama3At8GpusGivesEveryStage) {
   // Each row's bytes are the stages' own formulas (those are checked against the stages' --json).
   BlockConfig c;
   c.hidden = 4096, c.heads = 32, c.kv_heads = 8, c.ffn = 14336, c.seq = 8192, c.batch = 2;
-  c.layers = 32, c.dtype = DType::bf16;
+  c.layers = 32, c.dtype = DType::bf16, c.task = Task::lm, c.vocab = 128256;
   EXPECT_EQ(j["stages"][2].at("tp_bus_bytes").get<std::uint64_t>(), pj::comm_bytes(3, c, 8).bus);
   EXPECT_EQ(j["stages"][0].at("tp_bus_bytes").get<std::uint64_t>(), 0u);
 }
 
 TEST(TpxProject, Bf16HalvesTheActivationBytes) {
   test::TempDir dir;
-  const std::string base = "--model llama3-8b --tp 8 --device h100_sxm --dtype ";
+  const std::string base = "--model llama3-8b --task block --tp 8 --device h100_sxm --dtype ";
   const json f = project_json(base + "fp32", dir), b = project_json(base + "bf16", dir);
   ASSERT_TRUE(f.contains("stages") && b.contains("stages"));
   // Stage 02 moves only activations: exactly half. The saved activations: half but for
@@ -888,6 +892,150 @@ TEST(TpxProject, PipelineAndCpFlags) {
     const auto r = test::run_command(fmt::format("{} {} {}", TPX_PROJECT_BIN, base, args), dir);
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
     EXPECT_EQ(test::lines_of(r.err).size(), 1u) << args << "\n" << r.err;
+  }
+}
+
+// --- the language model's ends: embedding, output layer, cross-entropy ---------------------------
+
+/// The preset's config as tpx_project runs it (bf16, SGD), the language model at V.
+BlockConfig lm_config(const std::string& preset, std::int64_t vocab) {
+  BlockConfig c;
+  apply_preset(*find_preset(preset), {}, c);
+  c.dtype = DType::bf16;
+  c.task = vocab > 0 ? Task::lm : Task::block;
+  c.vocab = vocab;
+  return c;
+}
+
+std::uint64_t u64(const json& row, const char* key) {
+  return row.at(key).get<std::uint64_t>();
+}
+
+TEST(TpxProject, PresetsCarryTheirVocabulary) {
+  test::TempDir dir;
+  EXPECT_EQ(find_preset("llama3-8b")->vocab, 128256);
+  EXPECT_EQ(find_preset("llama3-405b")->vocab, 128256);
+  // The tutorial's V is the build's default token file's (kjv-4096).
+  EXPECT_EQ(find_preset("tutorial")->vocab, 4096);
+  const json j = project_json("--model llama3-70b --layers 1 --device h100_sxm", dir);
+  EXPECT_EQ(j["config"].at("vocab"), 128256);
+  EXPECT_EQ(j["config"].at("task"), "lm");
+  const json t = project_json("--tp 2 --device h100_sxm", dir);  // the tutorial's sizes
+  EXPECT_EQ(t["config"].at("vocab"), 4096);
+  const json b = project_json("--tp 2 --task block --device h100_sxm", dir);
+  EXPECT_EQ(b["config"].at("task"), "block");
+  EXPECT_EQ(b["config"].at("vocab"), 0);
+  // From a --config file too; the command line wins over it.
+  std::ofstream(dir / "m.toml") << "model = \"llama3-8b\"\nvocab = 32000\n";
+  const std::string cfg = "--config " + (dir / "m.toml").string() + " --device h100_sxm";
+  EXPECT_EQ(project_json(cfg, dir)["config"].at("vocab"), 32000);
+  EXPECT_EQ(project_json(cfg + " --vocab 0", dir)["config"].at("task"), "block");
+}
+
+TEST(TpxProject, TheEndsAddExactlyTheirFormulas) {
+  test::TempDir dir;
+  const std::int64_t V = 128256;
+  const std::string base = "--model llama3-8b --layers 4 --tp 8 --dp 2 --cp 1 --device h100_sxm ";
+  const json lm = project_json(base, dir), block = project_json(base + "--vocab 0", dir);
+  ASSERT_EQ(lm.at("stages").size(), 8u);
+  ASSERT_EQ(block.at("stages").size(), 8u);
+  BlockConfig c = lm_config("llama3-8b", V), b = lm_config("llama3-8b", 0);
+  c.layers = b.layers = 4;
+  // The output layer: 2·S·B·H·V forward, twice that backward, over the row's GPUs.
+  const double head_flops = 3 * 2.0 * double(c.tokens()) * double(c.hidden) * double(V);
+  const TpLayout layouts[] = {TpLayout::all_reduce, TpLayout::all_reduce, TpLayout::sequence,
+                              TpLayout::ring,       TpLayout::ring,       TpLayout::ring};
+  for (std::size_t i = 0; i < 8; ++i) {
+    SCOPED_TRACE(i);
+    const json &x = lm["stages"][i], &y = block["stages"][i];
+    const int gpus = x.at("gpus").get<int>();
+    EXPECT_NEAR(x.at("flops_per_gpu").get<double>() - y.at("flops_per_gpu").get<double>(),
+                head_flops / gpus, 1e-9 * head_flops);
+    EXPECT_GT(x.at("step_ms").get<double>(), y.at("step_ms").get<double>());
+    EXPECT_GT(u64(x, "memory_estimate_bytes"), u64(y, "memory_estimate_bytes"));
+    EXPECT_EQ(u64(y, "logits_bytes"), 0u);
+    if (i >= 1 && i <= 5) {  // 02 … 06 on T = 8: the embedding's and the head's collectives
+      EXPECT_EQ(u64(x, "tp_bus_bytes") - u64(y, "tp_bus_bytes"),
+                lm_traffic(c, 8, 2, layouts[i]).bus);
+      EXPECT_EQ(u64(x, "dp_bus_bytes"), u64(y, "dp_bus_bytes"));
+    }
+  }
+  // Stage 07 (T 8 × D 2): a replica's ends on the ring, their gradients all-reduced over D.
+  BlockConfig replica = c;
+  replica.batch /= 2;
+  EXPECT_EQ(u64(lm["stages"][6], "tp_bus_bytes") - u64(block["stages"][6], "tp_bus_bytes"),
+            lm_traffic(replica, 8, 2, TpLayout::ring).bus);
+  EXPECT_EQ(u64(lm["stages"][6], "dp_bus_bytes") - u64(block["stages"][6], "dp_bus_bytes"),
+            lm_grads_traffic(c, 8, 2, true, true).bus);
+  // Stage 02's memory: the estimate's language-model terms in place of the target's.
+  const Sharding sh{.rank = 0, .world = 8, .weights = true};
+  const MemoryEstimate el = estimate_training_memory(c, sh), eb = estimate_training_memory(b, sh);
+  std::uint64_t ends = 0;
+  for (const char* t : {kLmEmbeddingTerm, kLmOutputTerm, kLmLogitsTerm, kLmTokensTerm})
+    ends += el.term(t).bytes;
+  EXPECT_EQ(u64(lm["stages"][1], "memory_estimate_bytes") + eb.term("target").bytes +
+                eb.term("fp32 input").bytes,
+            u64(block["stages"][1], "memory_estimate_bytes") + ends);
+}
+
+TEST(TpxProject, ThePipelinesEndsLandOnItsFirstAndLastRanks) {
+  test::TempDir dir;
+  const std::string base =
+      "--model llama3-8b --layers 4 --tp 8 --dp 1 --cp 1 --pp 2 --batch 4 --device h100_sxm ";
+  const json lm = project_json(base, dir), block = project_json(base + "--task block", dir);
+  ASSERT_EQ(lm.at("stages").size(), 9u);
+  const json &x = lm["stages"][8], &y = block["stages"][8];
+  // Two layers a rank: the last, with the output layer, is the slowest and sets the pace; its
+  // TP bytes gain the head's per micro-batch (M = 4 of one sequence), its DP none (D = 1).
+  BlockConfig local = lm_config("llama3-8b", 128256);
+  local.batch = 1;
+  EXPECT_EQ(u64(x, "tp_bus_bytes") - u64(y, "tp_bus_bytes"),
+            4 * lm_head_traffic(local, 8, 2, TpLayout::ring).bus);
+  EXPECT_GT(x.at("step_ms").get<double>(), y.at("step_ms").get<double>());
+  EXPECT_GT(u64(x, "logits_bytes"), 0u);
+  // The whole model's FLOPs per GPU, the output layer's included.
+  EXPECT_NEAR(x.at("flops_per_gpu").get<double>() - y.at("flops_per_gpu").get<double>(),
+              3 * 2.0 * 8192 * 4 * 4096 * 128256 / 16, 1e-9 * x.at("flops_per_gpu").get<double>());
+}
+
+TEST(TpxProject, TheLogitsPerRankFallAsOneOverT) {
+  test::TempDir dir;
+  const std::int64_t V = 131072;  // divides by every T here: no padding
+  std::uint64_t logits[4] = {};
+  const int tps[4] = {1, 2, 4, 8};
+  for (int k = 0; k < 4; ++k) {
+    const json j = project_json(
+        fmt::format("--model llama3-8b --layers 1 --vocab {} --tp {} --device h100_sxm", V, tps[k]),
+        dir);
+    logits[k] = u64(j["stages"][tps[k] == 1 ? 0 : 1], "logits_bytes");  // 01 at T 1, else 02
+  }
+  // z and dz [S, B, V/T] in bf16: the part that scales; the rest (the loss's vectors, the head's
+  // [S, B, H] input) does not depend on T.
+  const std::uint64_t positions = 8192 * 2;
+  for (int k = 1; k < 4; ++k)
+    EXPECT_EQ(logits[k - 1] - logits[k],
+              positions * 2 * 2 * (std::uint64_t(V) / tps[k - 1] - std::uint64_t(V) / tps[k]))
+        << tps[k];
+  // A V the mesh does not divide is padded to a multiple of T, as the stages pad it.
+  const std::string at8 = "--model llama3-8b --layers 1 --tp 8 --device h100_sxm --vocab ";
+  EXPECT_EQ(u64(project_json(at8 + "128250", dir)["stages"][1], "logits_bytes"),
+            u64(project_json(at8 + "128256", dir)["stages"][1], "logits_bytes"));
+}
+
+TEST(TpxProject, BadVocabIsOneLineAndExit2) {
+  test::TempDir dir;
+  for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--vocab -1", "--vocab: must be 0 or more (got -1)"},
+           {"--vocab 12x", "--vocab: '12x' is not an integer"},
+           {"--task words", "--task: words not in {lm,block}"}}) {
+    SCOPED_TRACE(args);
+    const auto r = test::run_command(
+        fmt::format("{} --device h100_sxm --model llama3-8b {}", TPX_PROJECT_BIN, args), dir);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    const auto lines = test::lines_of(r.err);
+    ASSERT_EQ(lines.size(), 1u) << r.err;
+    EXPECT_NE(lines[0].find(says), std::string::npos) << lines[0];
+    EXPECT_TRUE(r.out.empty()) << r.out;
   }
 }
 

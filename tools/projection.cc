@@ -9,6 +9,7 @@
 #include "09_pipeline_parallel/schedule.h"
 #include "common/checked.h"
 #include "common/memory.h"
+#include "common/model.h"
 #include "common/presets.h"
 
 #include <algorithm>
@@ -532,11 +533,89 @@ Comm comm_bytes(int stage, const BlockConfig& c, int n, int act_bytes) {
   }
 }
 
+EndsCost project_ends(const DeviceSpec& d, const BlockConfig& c, int n, const ModelOptions& o) {
+  check(n >= 1, "ranks must be >= 1");
+  EndsCost e;
+  if (!c.lm()) return e;
+  const Model m{d, n, o};
+  const double N = n, T = double(c.tokens()), H = double(c.hidden), E = o.act_bytes;
+  const double V = double(vocab_shard(c, Sharding{.world = n, .weights = true}).padded);
+  const double full = T * H * E;  // one [S, B, H] activation
+  const bool sp = o.schedule != Schedule::none && o.schedule != Schedule::all_reduce;
+  const TpLayout layout = !sp                            ? TpLayout::all_reduce
+                          : o.schedule == Schedule::bulk ? TpLayout::sequence
+                                                         : TpLayout::ring;
+  const double stream = sp ? T * H / N : T * H;  // the residual stream's rows on this rank
+  auto both = [](Phase& ph, double t) {
+    ph.step_ms += t;
+    ph.compute_ms += t;
+  };
+  auto add = [](Phase& ph, std::pair<double, double> t) {
+    ph.step_ms += t.first;
+    ph.compute_ms += t.second;
+  };
+
+  // Embedding: read the ids' rows, write the stream (fp32 math, the activations' width out);
+  // backward the scatter-add of the stream's gradient into the fp32 rows.
+  both(e.embedding.forward, d.elementwise_scale * m.hbm_ms(T * H * (4 + E)));
+  both(e.embedding.backward, d.elementwise_scale * m.hbm_ms(T * H * (E + 2 * 4)));
+  if (n > 1) {
+    const Traffic emb = lm_embedding_traffic(c, n, int(E), layout);
+    const double calls = double(emb.calls), per_call = double(emb.bus) / calls;
+    const double messages = sp ? N - 1 : m.ar_messages();
+    e.embedding.forward.step_ms += m.collective_ms(per_call, messages);
+    if (sp) e.embedding.backward.step_ms += m.collective_ms(per_call, messages);
+  }
+
+  // Head: the final norm (2 passes forward, 4 backward, fp32), the output layer in bf16, the
+  // cross-entropy's passes over the logits (max, sum-exp, softmax − one-hot: 3 fp32 passes).
+  both(e.head.forward, d.elementwise_scale * m.hbm_ms(4 * 2 * stream));
+  both(e.head.backward, d.elementwise_scale * m.hbm_ms(4 * 4 * stream));
+  const double out = 2 * T * H * V / N;
+  auto plain = [&] {
+    const double t = m.gemm_ms(out, false);
+    return std::pair{t, t};
+  };
+  if (!sp) {
+    add(e.head.forward, plain());
+    add(e.head.backward, plain());
+    add(e.head.backward, plain());
+    if (o.schedule == Schedule::all_reduce)
+      e.head.backward.step_ms += m.collective_ms(full * 2 * (N - 1) / N, m.ar_messages());
+  } else {
+    add(e.head.forward, m.primitive(out, full, false));   // AG h → logits
+    add(e.head.backward, m.primitive(out, full, false));  // re-gather h → dW_out
+    add(e.head.backward, m.primitive(out, full, false));  // dX → RS
+  }
+  const double logits = d.elementwise_scale * m.hbm_ms(3 * 4 * T * V / N);
+  both(e.head.forward, logits / 3);
+  both(e.head.backward, 2 * logits / 3);
+  if (n > 1) {
+    const double ce = m.collective_ms(4 * T * 2 * (N - 1) / N, m.ar_messages());
+    e.head.forward.step_ms += 3 * ce;  // MAX, SUM of exponentials, the targets' logits
+    if (sp) e.head.backward.step_ms += m.collective_ms(4 * H * 2 * (N - 1) / N, m.ar_messages());
+  }
+  return e;
+}
+
 Projection project_stage(const DeviceSpec& d, const BlockConfig& c, int n, int stage) {
   ModelOptions o = stage_options(stage);
   o.act_bytes = activation_bytes(stage, c);
   Projection p = project(d, c, n, o);
   p.comm = comm_bytes(stage, c, n);
+  const EndsCost e = project_ends(d, c, n, o);
+  for (const EndCost* end : {&e.embedding, &e.head}) {
+    p.forward.step_ms += end->forward.step_ms;
+    p.forward.compute_ms += end->forward.compute_ms;
+    p.backward.step_ms += end->backward.step_ms;
+    p.backward.compute_ms += end->backward.compute_ms;
+    p.step_ms += end->step_ms();
+    p.compute_ms += end->compute_ms();
+  }
+  p.exposed_comm_ms = p.step_ms - p.compute_ms;
+  if (c.lm())  // the output layer's GEMMs over the rank's V_pad / N columns
+    p.flops_per_rank += 3 * 2 * double(c.tokens()) * double(c.hidden) *
+                        double(vocab_shard(c, Sharding{.world = n, .weights = true}).padded) / n;
   return p;
 }
 
@@ -1002,17 +1081,23 @@ void check_layout(const BlockConfig& c, const Layout& l, const std::string& mesh
                      l.cp * l.tp));
 }
 
-/// The layers of the busiest pipeline rank: its V stages' share of L.
-int busiest_rank_layers(const BlockConfig& c, const pipeline::PipelineShape& shape) {
+/// The layers of each pipeline rank: its V stages' share of L.
+std::vector<int> rank_layers(const BlockConfig& c, const pipeline::PipelineShape& shape) {
   const auto split = pipeline::split_layers(int(c.layers), shape.stages(),
                                             fmt::format("P·V = {}", shape.stages()));
-  int most = 0;
-  for (int p = 0; p < shape.ranks; ++p) {
-    int layers = 0;
-    for (const int s : shape.stages_of(p)) layers += split[std::size_t(s)].count;
-    most = std::max(most, layers);
-  }
-  return most;
+  std::vector<int> layers(std::size_t(shape.ranks), 0);
+  for (int p = 0; p < shape.ranks; ++p)
+    for (const int s : shape.stages_of(p)) layers[std::size_t(p)] += split[std::size_t(s)].count;
+  return layers;
+}
+
+/// Which of the language model's ends a pipeline rank holds: the embedding on the first, the
+/// final norm, output layer and loss on the last (both at P = 1; none under --task block).
+struct RankEnds {
+  bool embedding = false, head = false;
+};
+RankEnds rank_ends(const BlockConfig& c, int rank, int ranks) {
+  return {c.lm() && rank == 0, c.lm() && rank == ranks - 1};
 }
 
 /// CP's exposed time per layer of one micro-batch `mb`, forward and backward.
@@ -1091,15 +1176,26 @@ void add_p2p(const DeviceSpec& d, const BlockConfig& c, const Layout& l,
 
 /// The step's bytes per group as the stages count them (common/traffic.h) for the rank's layers
 /// `rank` (the whole batch), and the DP×CP group's time beyond the compute.
+/// Under --task lm, the ends the rank holds (`ends`) add their TP collectives per micro-batch
+/// (common/traffic.h's lm_embedding_traffic(), lm_head_traffic(), on the ring's layout) and their
+/// gradients' all-reduce over the DP×CP group (lm_grads_traffic()).
 void add_group_traffic(const DeviceSpec& d, const BlockConfig& rank, const Layout& l,
-                       LayoutStep& r) {
-  BlockConfig micro = rank;  // one micro-batch of every replica
+                       const RankEnds& ends, LayoutStep& r) {
+  BlockConfig micro = rank;  // one micro-batch of every replica, the blocks alone
   micro.batch = rank.batch / l.microbatches;
+  micro.task = Task::block;
   const cp::MeshTraffic t = cp::mesh_traffic(micro, l.dp, l.cp, l.tp, l.cp_method);
-  r.tp = times(t.tp, std::uint64_t(l.microbatches));
+  BlockConfig local = rank;  // what one rank's ends see: S / C tokens of a micro-batch's B / D
+  local.seq = rank.seq / l.cp;
+  local.batch = micro.batch / l.dp;
+  Traffic tp = t.tp;
+  if (ends.embedding) tp += lm_embedding_traffic(local, l.tp, 0, TpLayout::ring);
+  if (ends.head) tp += lm_head_traffic(local, l.tp, 0, TpLayout::ring);
+  r.tp = times(tp, std::uint64_t(l.microbatches));
   r.cp = times(t.cp, std::uint64_t(l.microbatches));
-  r.dp = fsdp::fsdp_traffic(rank, l.tp,
+  r.dp = fsdp::fsdp_traffic(micro, l.tp,
                             l.dp * l.cp);  // gathered once a step, kept across micro-batches
+  r.dp += lm_grads_traffic(rank, l.tp, l.dp * l.cp, ends.embedding, ends.head);
   if (l.dp * l.cp > 1) {
     const double dp_ms =
         link_of(d, l.tp, l.dp * l.cp, "dp×cp").ms(double(r.dp.bus), 3.0 * (l.dp * l.cp - 1));
@@ -1110,7 +1206,7 @@ void add_group_traffic(const DeviceSpec& d, const BlockConfig& rank, const Layou
 /// Memory: common/memory.h's estimate of the rank's layers `rank` with as many micro-batches'
 /// saved activations as the schedule keeps alive (per virtual stage: 1/V of the layers each).
 void add_memory(const pipeline::Schedule& sched, const BlockConfig& rank, const Layout& l,
-                LayoutStep& r) {
+                const RankEnds& ends, LayoutStep& r) {
   const std::vector<int> live = pipeline::peak_live(sched);
   const int alive =
       (*std::max_element(live.begin(), live.end()) + l.stages_per_rank - 1) / l.stages_per_rank;
@@ -1123,9 +1219,16 @@ void add_memory(const pipeline::Schedule& sched, const BlockConfig& rank, const 
                     .dp = l.dp,
                     .cp = l.cp,
                     .dimensions = {fsdp::memory_dimension(), cp::memory_dimension(l.cp_method)}};
-  const MemoryEstimate estimate = estimate_training_memory(mem, sh);
+  if (!ends.embedding && !ends.head) mem.task = Task::block;
+  MemoryEstimate estimate = estimate_training_memory(mem, sh);
+  if (!ends.embedding) estimate.remove(kLmEmbeddingTerm);  // the first rank's
+  if (!ends.head) {                                        // the last rank's
+    estimate.remove(kLmOutputTerm);
+    estimate.remove(kLmLogitsTerm);
+  }
   r.memory_bytes = estimate.total();
   r.saved_bytes = estimate.term("saved activations").bytes;
+  if (ends.head) r.logits_bytes = estimate.term(kLmLogitsTerm).bytes;
 }
 
 }  // namespace
@@ -1137,20 +1240,47 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
   const auto sched = pipeline::make_schedule(l.schedule, shape);
   LayoutStep r;
   r.layout = l;
-  r.layers = busiest_rank_layers(c, shape);
 
-  // One micro-batch through the rank's layers: stage 05 on S/C tokens of B/(D·M) sequences.
+  // One micro-batch through a rank's layers: stage 05 on S/C tokens of B/(D·M) sequences, and
+  // under --task lm the ends it holds. The slowest rank sets the pace: its numbers are the row's.
   BlockConfig mb = c;
   mb.seq = c.seq / l.cp;
   mb.batch = c.batch / (I(l.dp) * l.microbatches);  // D·M divides B: no overflow
-  mb.layers = r.layers;
   ModelOptions o = stage_options(5);
   o.act_bytes = activation_bytes(5, c);
   o.cp = l.cp;
-  const Projection p = project(d, mb, l.tp, o);
-  const CpExposure cp_layer = cp_exposure(d, c, l, mb, o.act_bytes, p.attention_ms);
-
   const double again = c.recompute == Recompute::full ? 1.0 : 0.0;  // project()'s rule
+  const EndsCost end_cost = project_ends(d, mb, l.tp, o);
+  const std::vector<int> layers = rank_layers(c, shape);
+  Projection p;
+  CpExposure cp_layer;
+  RankEnds ends;
+  double slowest = -1;
+  for (int q = 0; q < l.pp; ++q) {
+    BlockConfig rank_mb = mb;
+    rank_mb.layers = layers[std::size_t(q)];
+    Projection pq = project(d, rank_mb, l.tp, o);
+    const CpExposure cq = cp_exposure(d, c, l, rank_mb, o.act_bytes, pq.attention_ms);
+    const RankEnds eq = rank_ends(c, q, l.pp);
+    for (const auto& [held, end] :
+         {std::pair{eq.embedding, &end_cost.embedding}, std::pair{eq.head, &end_cost.head}}) {
+      if (!held) continue;
+      pq.forward.step_ms += end->forward.step_ms;
+      pq.forward.compute_ms += end->forward.compute_ms;
+      pq.step_ms += end->step_ms();
+      pq.compute_ms += end->compute_ms();
+    }
+    pq.exposed_comm_ms = pq.step_ms - pq.compute_ms;
+    const double t = pq.step_ms + double(rank_mb.layers) * (cq.forward * (1 + again) + cq.backward);
+    if (t > slowest) {
+      slowest = t;
+      p = pq;
+      cp_layer = cq;
+      ends = eq;
+      r.layers = layers[std::size_t(q)];
+    }
+  }
+
   const double L = r.layers, M = l.microbatches;
   const double cp_mb = L * (cp_layer.forward * (1 + again) + cp_layer.backward);
   r.compute_ms = M * p.compute_ms;
@@ -1165,9 +1295,9 @@ LayoutStep project_layout(const DeviceSpec& d, const BlockConfig& c, const Layou
   add_p2p(d, c, l, *sched, costs, mb.batch, o.act_bytes, r);
   BlockConfig rank = c;  // the rank's layers, the whole batch
   rank.layers = r.layers;
-  add_group_traffic(d, rank, l, r);
+  add_group_traffic(d, rank, l, ends, r);
   r.step_ms = busy + r.bubble_ms + r.p2p_ms + r.dp_ms;
-  add_memory(*sched, rank, l, r);
+  add_memory(*sched, rank, l, ends, r);
   return r;
 }
 

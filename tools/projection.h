@@ -25,6 +25,10 @@
 //             transfers; exposed is the tail: for an all-gather the last chunk's GEMM when the
 //             transfers are the slower, for a reduce-scatter the last chunk's transfer.
 //   exposed comm = step − compute (the compute of the stage's own, possibly chunked, GEMMs).
+//   ends      under --task lm (project_ends()): the embedding and the output layer with the final
+//             norm and the vocab-parallel cross-entropy, once per step, V padded to a multiple of
+//             N; their bytes are the stages' (common/traffic.h's lm_traffic(), in each stage's
+//             formula), their memory common/memory.h's terms.
 //
 // A training step as published (train_step()): L layers of the block with TP (stage 03's or
 // 05's schedule), full or selective activation recompute, GQA; the embedding and the output
@@ -51,6 +55,9 @@
 //   DP           FSDP over the D·C ranks of the DP×CP group, the rank's layers gathered twice
 //                and reduce-scattered once a step (kept across micro-batches), prefetched behind
 //                the step's compute: exposed what it takes beyond it (project_mesh()'s rule);
+//   ends         under --task lm the embedding on the first rank, the output layer and loss on
+//                the last (project_ends(), their TP bytes and gradients' DP all-reduce added
+//                there, their memory terms there only); the slowest rank sets the pace;
 //   bubble       the schedule's own formula (make_schedule(...)->formula_bubble(...): (P−1)/
 //                (M+P−1), ÷V interleaved, ZB-H1's) of the step: busy · β / (1 − β);
 //   PP P2P       each boundary sends [S/(C·T), B/(D·M), H] forward and its gradient back; the
@@ -59,7 +66,7 @@
 //
 // defines: tpx::projection::stage_name(), EfficiencyCurve, DeviceSpec, load_device(), calibrate(),
 //          Comm, Schedule, ModelOptions, Phase, Projection, project(),
-//          project_stage(), ag_gemm_ms(), gemm_rs_ms(), Workload, train_step(), Published,
+//          project_stage(), EndCost, EndsCost, project_ends(), ag_gemm_ms(), gemm_rs_ms(), Workload, train_step(), Published,
 //          load_published(), Validation, validate(), error_pct(), perturb(), Sensitivity,
 //          sensitivity(), Report, make_report(), report_json(), report_markdown(),
 //          validation_markdown(), sensitivity_markdown(), big_config(), small_config(),
@@ -197,7 +204,32 @@ Projection project(const DeviceSpec& d, const BlockConfig& c, int n, const Model
 /// Stage `stage`'s schedule (01: none at N = 1; 02: all_reduce; 03: bulk; 04: ring;
 /// 05: copy_engine; 06: copy_engine + fp8), bytes as the stages count them.
 ModelOptions stage_options(int stage);
+/// Stage `stage`'s projection of `c`, the language model's ends (project_ends()) included
+/// under --task lm.
 Projection project_stage(const DeviceSpec& d, const BlockConfig& c, int n, int stage);
+
+/// The language model's ends on one TP rank of `n` (zero under --task block), one pass of `c`'s
+/// S·B tokens under schedule `o`, milliseconds:
+///   embedding  the lookup and its backward scatter-add (element-wise, HBM), and its collectives
+///              as common/traffic.h's lm_embedding_traffic() counts them (02: the forward
+///              all-reduce; from 03: the forward reduce-scatter and the backward all-gather),
+///              bulk and exposed (the lookup is no GEMM to hide them behind);
+///   head       the final RMSNorm (element-wise), the output layer's GEMM of 2·S·B·H·V/N FLOPs
+///              forward and twice that backward, always at the bf16 peak (stage 06 keeps it in
+///              bf16), paired with its gathers as the schedule pairs the blocks' column-parallel
+///              GEMMs (02: the backward all-reduce; 03: bulk; 04-06: the ring / copy-engine
+///              pipeline), the cross-entropy over the [S, B, V/N] logits (three fp32 passes, HBM)
+///              and its three all-reduces of S·B floats, and under sequence parallelism the final
+///              gain's gradient all-reduce. V is padded to a multiple of N (common/model.h).
+struct EndCost {
+  Phase forward, backward;
+  double step_ms() const { return forward.step_ms + backward.step_ms; }
+  double compute_ms() const { return forward.compute_ms + backward.compute_ms; }
+};
+struct EndsCost {
+  EndCost embedding, head;
+};
+EndsCost project_ends(const DeviceSpec& d, const BlockConfig& c, int n, const ModelOptions& o);
 
 /// One all-gather + GEMM: the gathered x [m, k] (m/N rows per rank, `bytes` per element) times
 /// this rank's [k, n_local] weight, bulk (all-gather, then the GEMM) or overlapped (05's
@@ -314,8 +346,9 @@ struct LayoutStep {
   Traffic tp, cp, dp;           // a step's bytes per GPU on each group (common/traffic.h)
   std::uint64_t p2p_bytes = 0;  // sent per GPU and step across pipeline boundaries (2·M·V msgs)
   std::uint64_t message_bytes = 0;  // one boundary's activation [S/(C·T), B/(D·M), H]
-  std::uint64_t memory_bytes = 0;   // common/memory.h's estimate of the layers alone
+  std::uint64_t memory_bytes = 0;   // common/memory.h's estimate: its layers and ends
   std::uint64_t saved_bytes = 0;    // its saved activations
+  std::uint64_t logits_bytes = 0;   // its logits term (--task lm, the last pipeline rank's)
 };
 
 /// Everything tpx_project writes.

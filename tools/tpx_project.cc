@@ -4,7 +4,8 @@
 //               [--calibrate FILE …] [--published FILE] [--validate] [--sensitivity]
 //               [--attention KERNEL|assumed] [--assumed]
 //   tpx_project --device NAME|FILE [--model NAME] [--config FILE] [--hidden H] [--heads NH]
-//               [--kv-heads NKV] [--ffn F] [--seq S] [--batch B] [--layers L] [--dtype fp32|bf16]
+//               [--kv-heads NKV] [--ffn F] [--seq S] [--batch B] [--layers L] [--task lm|block]
+//               [--vocab V] [--dtype fp32|bf16]
 //               [--recompute none|full|selective] [--tp T] [--dp D] [--cp C]
 //               [--cp-method ring|allgather|ulysses] [--pp P] [--microbatches M]
 //               [--schedule gpipe|1f1b|interleaved-1f1b|zb-h1] [--stages-per-rank V]
@@ -20,7 +21,12 @@
 // (default: one sequence each) by --schedule with V stages per rank) with the projected step, its
 // compute and exposed communication, the pipeline's bubble, the FLOPs, the bytes on the TP, CP,
 // DP and PP groups as the stages count them (common/traffic.h), the saved activations and the
-// peak-memory estimate per GPU (common/memory.h), in KiB/MiB/GiB.
+// peak-memory estimate per GPU (common/memory.h), in KiB/MiB/GiB. The model is the language model
+// (--task lm, the default): the blocks, the embedding and the output layer (final norm, the
+// output GEMM, the vocab-parallel cross-entropy and its three all-reduces; V padded to a multiple
+// of T as the stages pad it), V from --vocab, else the preset's (the tutorial's without
+// --model); --task block or --vocab 0 projects the blocks alone. With --pp the embedding is the
+// first pipeline rank's and the output layer the last's; the slowest rank sets the pace.
 //
 // Otherwise it writes the report: per config (a Llama-3-70B layer and a Llama-7B-sized one) the
 // projected step of every stage at N = 2, 4, 8 (stage 01 at N = 1), stage 07 at TP × DP = 8 × 4
@@ -138,7 +144,8 @@ struct StageCost {
   std::uint64_t pp_bytes = 0;
   double flops = 0;  // per GPU and step, the model's GEMMs
   std::uint64_t saved = 0, memory = 0;
-  std::string left_out;  // why the row has no numbers (stage 08 at a C not asked for)
+  std::uint64_t logits = 0;  // the memory estimate's logits term (--task lm; 0 for the blocks)
+  std::string left_out;      // why the row has no numbers (stage 08 at a C not asked for)
 };
 
 /// Stage 08's row (l.pp = 1) or the 4-D pipeline's (stage 09's scheme), from the layout's
@@ -158,6 +165,7 @@ StageCost layout_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const 
   r.flops = tpx::step_flops(c).total() / double(r.gpus);
   r.saved = x.saved_bytes;
   r.memory = x.memory_bytes;
+  r.logits = x.logits_bytes;
   return r;
 }
 
@@ -187,6 +195,7 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
       tpx::BlockConfig replica = s;
       replica.batch /= dp;
       r.dp_bytes = tpx::fsdp::fsdp_traffic(s, tp, dp);
+      r.dp_bytes += tpx::lm_grads_traffic(s, tp, dp, true, true);  // the replicated ends
       const auto m = pj::project_mesh(d, replica, tp, dp, double(r.dp_bytes.bus));
       r.step_ms = m.step_ms;
       r.exposed_ms = m.step_ms - m.compute_ms;
@@ -196,6 +205,7 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
     const tpx::MemoryEstimate e = tpx::estimate_training_memory(s, sh);
     r.saved = e.term("saved activations").bytes;
     r.memory = e.total();
+    if (s.lm()) r.logits = e.term(tpx::kLmLogitsTerm).bytes;
     rows.push_back(r);
   }
   pj::Layout cp = mesh;
@@ -215,9 +225,10 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
 }
 
 std::string describe(const tpx::BlockConfig& c, const std::string& model) {
-  return fmt::format("{}H {} NH {} NKV {} F {} S {} B {} L {} | {} | recompute {}",
+  return fmt::format("{}H {} NH {} NKV {} F {} S {} B {} L {} {} | {} | recompute {}",
                      model.empty() ? "" : "model " + model + ": ", c.hidden, c.heads,
                      c.kv_heads_or_heads(), c.ffn, c.seq, c.batch, c.layers,
+                     c.lm() ? fmt::format("V {}", c.vocab) : std::string("(blocks only)"),
                      tpx::dtype_flag(c.dtype), tpx::recompute_flag(c.recompute));
 }
 
@@ -242,11 +253,15 @@ std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
       d.attention_origin());
   s << fmt::format(
       "{} | TP {}, DP {} (stages 07, 08); {} (stage 08{}). Per GPU and training step (forward + "
-      "backward of all L layers; the pipeline's busiest rank); bytes as the stages count them "
+      "backward of all L layers{}; the pipeline's slowest rank); bytes as the stages count them "
       "(bus bytes, nccl-tests' convention; 08's DP bytes over DP×CP; PP: what a rank sends); "
       "memory: the stages' own estimate of a GPU's peak (common/memory.h); stage 06 runs FP8 "
-      "GEMMs inside the bf16 recipe.\n\n",
-      describe(c, model), tp, dp, describe(mesh), mesh.pp > 1 ? ", 09 with the pipeline" : "");
+      "GEMMs inside the bf16 recipe{}.\n\n",
+      describe(c, model), tp, dp, describe(mesh), mesh.pp > 1 ? ", 09 with the pipeline" : "",
+      c.lm() ? ", the embedding and the output layer with its cross-entropy (with the pipeline: "
+               "the embedding on the first rank, the output layer on the last)"
+             : "",
+      c.lm() ? ", its output layer in bf16" : "");
   s << "| stage | GPUs | step ms | exposed comm ms | bubble ms | TFLOP per GPU | TP bus per GPU | "
        "CP bus per GPU | DP bus per GPU | PP P2P per GPU | saved activations | peak memory "
        "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
@@ -280,6 +295,8 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
               {"seq", c.seq},
               {"batch", c.batch},
               {"layers", c.layers},
+              {"task", c.lm() ? "lm" : "block"},
+              {"vocab", c.vocab},
               {"dtype", tpx::dtype_flag(c.dtype)},
               {"recompute", tpx::recompute_flag(c.recompute)}}},
             {"tp", tp},
@@ -309,7 +326,8 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
                            {"pp_p2p_bytes", r.pp_bytes},
                            {"dp_bus_bytes", r.dp_bytes.bus},
                            {"saved_activation_bytes", r.saved},
-                           {"memory_estimate_bytes", r.memory}});
+                           {"memory_estimate_bytes", r.memory},
+                           {"logits_bytes", r.logits}});
   }
   return j;
 }
@@ -338,6 +356,25 @@ CLI::Validator positive_integer() {
       "POSITIVE", "positive integer");
 }
 
+/// A count that may be 0 (--vocab): all of the value an integer of T, at least 0.
+template <class T>
+CLI::Validator non_negative_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        T value{};
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        if (ec == std::errc::result_out_of_range)
+          return fmt::format("'{}' is out of range (at most {})", text,
+                             std::numeric_limits<T>::max());
+        if (text.empty() || ec != std::errc() || ptr != end)
+          return fmt::format("'{}' is not an integer", text);
+        if (value < 0) return fmt::format("must be 0 or more (got {})", text);
+        return {};
+      },
+      "NON-NEGATIVE", "non-negative integer");
+}
+
 /// Everything the command line sets.
 struct Options {
   // The device, the report's inputs and the outputs.
@@ -346,7 +383,8 @@ struct Options {
   bool validate_only = false, sensitivity_only = false, assumed_only = false;
   // The model (common/presets.h's presets, config files and size flags) and its mesh.
   tpx::BlockConfig c;
-  std::string model, dtype = "bf16", recompute = "none", cp_method = "ring";
+  std::string model, dtype = "bf16", recompute = "none", cp_method = "ring", task = "lm";
+  std::int64_t vocab = 0;  // --vocab; the preset's when not given
   int tp = 8, dp = 1;
   pj::Layout mesh;  // stage 08's C and method, and the pipeline's P, M, schedule and V
 
@@ -358,25 +396,13 @@ struct Options {
 };
 
 /// The model's flags: given any of them, tpx_project prints a table per stage for that model.
-constexpr const char* kModelFlags[] = {"--model",
-                                       "--config",
-                                       "--hidden",
-                                       "--heads",
-                                       "--kv-heads",
-                                       "--ffn",
-                                       "--seq",
-                                       "--batch",
-                                       "--layers",
-                                       "--dtype",
-                                       "--recompute",
-                                       "--tp",
-                                       "--dp",
-                                       "--cp",
-                                       "--cp-method",
-                                       "--pp",
-                                       "--microbatches",
-                                       "--schedule",
-                                       "--stages-per-rank"};
+constexpr const char* kModelFlags[] = {"--model",        "--config",    "--hidden",
+                                       "--heads",        "--kv-heads",  "--ffn",
+                                       "--seq",          "--batch",     "--layers",
+                                       "--task",         "--vocab",     "--dtype",
+                                       "--recompute",    "--tp",        "--dp",
+                                       "--cp",           "--cp-method", "--pp",
+                                       "--microbatches", "--schedule",  "--stages-per-rank"};
 
 /// --device, the outputs, and the report's inputs and switches.
 void add_report_options(CLI::App& app, Options& o) {
@@ -420,6 +446,17 @@ void add_model_options(CLI::App& app, Options& o) {
       ->check(positive_integer<std::int64_t>())
       ->group(m);
   app.add_option("--layers", c.layers, "L")->check(positive_integer<std::int64_t>())->group(m);
+  app.add_option(
+         "--task", o.task,
+         "lm: the language model (blocks, embedding, output layer); block: the blocks alone")
+      ->check(CLI::IsMember({"lm", "block"}))
+      ->capture_default_str()
+      ->group(m);
+  app.add_option("--vocab", o.vocab,
+                 "V, the vocabulary (padded to a multiple of T); 0: the blocks alone; default: "
+                 "the preset's")
+      ->check(non_negative_integer<std::int64_t>())
+      ->group(m);
   app.add_option("--dtype", o.dtype, "fp32 or bf16 (stage 06: FP8 GEMMs inside bf16)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str()
@@ -508,11 +545,15 @@ pj::DeviceSpec device_of(const Options& o) {
 /// like the stages check it, and D dividing the batch.
 void resolve_model(const CLI::App& app, Options& o) {
   tpx::BlockConfig& c = o.c;
+  // V: --vocab, else the preset's (the tutorial's, whose sizes are the defaults, without --model).
+  const tpx::ModelPreset* preset = tpx::find_preset(o.model.empty() ? "tutorial" : o.model);
+  if (preset == nullptr)
+    throw std::invalid_argument(
+        fmt::format("--model {}: no such model (known: {})", o.model, tpx::preset_names()));
+  c.vocab = app.count("--vocab") > 0 ? o.vocab : preset->vocab;
+  c.task = o.task == "block" || c.vocab == 0 ? tpx::Task::block : tpx::Task::lm;
+  if (!c.lm()) c.vocab = 0;
   if (!o.model.empty()) {
-    const tpx::ModelPreset* preset = tpx::find_preset(o.model);
-    if (preset == nullptr)
-      throw std::invalid_argument(
-          fmt::format("--model {}: no such model (known: {})", o.model, tpx::preset_names()));
     auto given = [&](const char* flag) { return app.count(flag) > 0; };
     tpx::apply_preset(*preset,
                       {.hidden = given("--hidden"),
@@ -531,7 +572,11 @@ void resolve_model(const CLI::App& app, Options& o) {
   c.recompute = o.recompute == "full"        ? tpx::Recompute::full
                 : o.recompute == "selective" ? tpx::Recompute::selective
                                              : tpx::Recompute::none;
-  if (const auto errors = tpx::validate(c); !errors.empty())
+  // The blocks as the stages check them; V has no upper bound here (no token file to fit: a
+  // projection of Llama 3's 128 256 ids), only what the byte counts hold (tpx::SizeOverflow).
+  tpx::BlockConfig blocks = c;
+  blocks.task = tpx::Task::block;
+  if (const auto errors = tpx::validate(blocks); !errors.empty())
     throw std::invalid_argument(fmt::format("{}", fmt::join(errors, "; ")));
   if (c.batch % o.dp != 0)
     throw std::invalid_argument(fmt::format(
