@@ -336,43 +336,36 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
 
 namespace {
 
-/// A size flag's check: all of the value an integer of T (no sign, fraction or exponent) and at
-/// least 1; CLI11's PositiveNumber would say "not in range 0 to 1.797…e308" for both.
+/// An integer flag's check: all of the value an integer of T (no sign, fraction or exponent) and
+/// at least `least` (1 for a size, 0 for a count that may be none, e.g. --vocab); CLI11's
+/// PositiveNumber would say "not in range 0 to 1.797…e308" for both.
+template <class T>
+CLI::Validator integer_at_least(T least) {
+  return CLI::Validator(
+      [least](std::string& text) -> std::string {
+        T value{};
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        if (ec == std::errc::result_out_of_range)
+          return fmt::format("'{}' is out of range (at most {})", text,
+                             std::numeric_limits<T>::max());
+        if (text.empty() || ec != std::errc() || ptr != end)
+          return fmt::format("'{}' is not an integer", text);
+        if (value < least)
+          return least == 1 ? fmt::format("must be a positive integer (got {})", text)
+                            : fmt::format("must be {} or more (got {})", least, text);
+        return {};
+      },
+      least == 1 ? "POSITIVE" : "NON-NEGATIVE",
+      least == 1 ? "positive integer" : "non-negative integer");
+}
 template <class T>
 CLI::Validator positive_integer() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        T value{};
-        const char* end = text.data() + text.size();
-        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-        if (ec == std::errc::result_out_of_range)
-          return fmt::format("'{}' is out of range (at most {})", text,
-                             std::numeric_limits<T>::max());
-        if (text.empty() || ec != std::errc() || ptr != end)
-          return fmt::format("'{}' is not an integer", text);
-        if (value < 1) return fmt::format("must be a positive integer (got {})", text);
-        return {};
-      },
-      "POSITIVE", "positive integer");
+  return integer_at_least<T>(1);
 }
-
-/// A count that may be 0 (--vocab): all of the value an integer of T, at least 0.
 template <class T>
 CLI::Validator non_negative_integer() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        T value{};
-        const char* end = text.data() + text.size();
-        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-        if (ec == std::errc::result_out_of_range)
-          return fmt::format("'{}' is out of range (at most {})", text,
-                             std::numeric_limits<T>::max());
-        if (text.empty() || ec != std::errc() || ptr != end)
-          return fmt::format("'{}' is not an integer", text);
-        if (value < 0) return fmt::format("must be 0 or more (got {})", text);
-        return {};
-      },
-      "NON-NEGATIVE", "non-negative integer");
+  return integer_at_least<T>(0);
 }
 
 /// Everything the command line sets.
