@@ -166,7 +166,8 @@ TEST(PipelineParallel, ZeroBubbleGivesOneFOneBsGradients) {
 TEST(PipelineParallel, RecomputeGivesGradientsBitIdenticalToNone) {
   // A recomputed block's forward is the same arithmetic again, and a selective refill remakes
   // the cheap ops' outputs exactly: every dumped tensor (the weights' and the input's gradients,
-  // the output, the loss) equal bit for bit, whichever schedule orders the passes.
+  // the output, the loss) equal bit for bit, whichever schedule orders the passes. Every schedule
+  // at P 2; at P 3, where a middle stage holds neither end, one plain and one interleaved.
   struct Pipe {
     int pp;
     std::string args;
@@ -176,8 +177,7 @@ TEST(PipelineParallel, RecomputeGivesGradientsBitIdenticalToNone) {
        {Pipe{2, "--layers 4 --schedule gpipe"}, Pipe{2, "--layers 4 --schedule 1f1b"},
         Pipe{2, "--layers 4 --schedule zb-h1"},
         Pipe{2, "--layers 4 --schedule interleaved-1f1b --stages-per-rank 2"},
-        Pipe{3, "--layers 4 --schedule gpipe"}, Pipe{3, "--layers 4 --schedule 1f1b"},
-        Pipe{3, "--layers 4 --schedule zb-h1"},
+        Pipe{3, "--layers 4 --schedule 1f1b"},
         Pipe{3, "--layers 6 --schedule interleaved-1f1b --stages-per-rank 2"}}) {
     const std::string base = fmt::format(
         "--hidden 32 --heads 4 --kv-heads 2 --seq 8 --ffn 64 --batch {} --steps 1 "
