@@ -858,7 +858,7 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       std::optional<TraceScope> op;
       if (c.bf16_weight_copies()) op.emplace(trace, "bf16 weight copies");
       make_compute_copies(c, model, params);
-      ex.lm_params = lm_compute_copies(c, model);
+      lm_compute_copies(c, model, ex.lm_params);
     }
     if (stream) {
       batch = stream->batch(step);
@@ -893,7 +893,7 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       model.target = Tensor();
     }
     if (c.evaluates(step)) row.eval_loss = held_out_loss(step);
-    finish_step(c, par, model, moments, trace, row, ms);
+    finish_step(c, par, model, moments, params, ex.lm_params, trace, row, ms);
     result.rows.push_back(row);
     if (on_row) on_row(row);
   }

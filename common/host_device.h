@@ -3,8 +3,10 @@
 // kernels share the functions written with them (the FP8 casts, the element-wise ops, the
 // attention kernels' index math), so a cpu test runs the same code a GPU does.
 //
-// defines: TPX_HD, tpx::hd::mul_rn, add_rn, sub_rn, div_rn
+// defines: TPX_HD, tpx::hd::mul_rn, add_rn, sub_rn, div_rn, sqrt_rn
 #pragma once
+
+#include <cmath>
 
 /// Marks a function callable from host and device code under nvcc; empty for the C++ compiler.
 #if defined(__CUDACC__)
@@ -45,6 +47,14 @@ TPX_HD inline float div_rn(float a, float b) {
   return __fdiv_rn(a, b);
 #else
   return a / b;
+#endif
+}
+/// √a rounded to nearest (IEEE 754's correctly rounded square root on both sides).
+TPX_HD inline float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
 #endif
 }
 

@@ -568,22 +568,44 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
   TPX_DISPATCH(logits.device(), cross_entropy_backward, logits, targets, lse, begin, vocab, scale,
                dlogits);
 }
-void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
+namespace {
+
+/// The optimizer's compute copy, when given: bf16 with w's elements, on w's device.
+void expect_copy(const Tensor& copy, const Tensor& w, const char* what) {
+  if (copy.defined())
+    TPX_CHECK(
+        copy.dtype() == DType::bf16 && copy.numel() == w.numel() && copy.device() == w.device(),
+        "{}: the compute copy {} must be bf16 like w {}", what, copy.describe(), w.describe());
+}
+
+}  // namespace
+
+void sgd_update(const Tensor& w, const Tensor& grad, float lr, const Tensor& copy) {
   for (const Tensor* t : {&w, &grad})
     TPX_CHECK(t->dtype() == DType::f32, "sgd: {} must be f32 (master weights and gradients)",
               t->describe());
-  TPX_DISPATCH(w.device(), sgd_update, w, grad, lr);
+  expect_copy(copy, w, "sgd");
+  TPX_DISPATCH(w.device(), sgd_update, w, grad, lr, copy);
 }
 void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const AdamWStep& s) {
+                  const AdamWStep& s, const Tensor& copy) {
   for (const Tensor* t : {&grad, &m, &v})
     TPX_CHECK(t->numel() == w.numel() && t->dtype() == DType::f32 && t->device() == w.device(),
               "adamw: {} must be f32 like w {}", t->describe(), w.describe());
-  TPX_DISPATCH(w.device(), adamw_update, w, grad, m, v, s);
+  expect_copy(copy, w, "adamw");
+  TPX_DISPATCH(w.device(), adamw_update, w, grad, m, v, s, copy);
 }
 double sum_squares(const Tensor& x) {
   if (is_bf16(x) && !native_bf16(x)) return sum_squares(Fp32Boundary::in(x));
   TPX_DISPATCH(x.device(), sum_squares, x);
+}
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
+  if (xs.empty()) return {};
+  for (const Tensor& x : xs)
+    TPX_CHECK(x.device() == xs.front().device() && x.dtype() == DType::f32,
+              "sum_squares_each: {} must be f32 on {}'s device", x.describe(),
+              xs.front().describe());
+  TPX_DISPATCH(xs.front().device(), sum_squares_each, xs);
 }
 void fill(const Tensor& t, float value) {
   if (is_bf16(t) && !native_bf16(t)) {

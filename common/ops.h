@@ -14,6 +14,7 @@
 // defines: tpx::ops::gemm, attention_dims, attention_merge_dims, rmsnorm_*, attention_*,
 //          attention_fused_*, attention_block_*, attention_merge, swiglu_*, add, rope_forward,
 //          rope_backward, accumulate, mse_loss_*, embedding_*, cross_entropy_*, sgd_update, AdamWStep, adamw_update, sum_squares,
+//          sum_squares_each,
 //          fill, cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, time_ms, memory_available,
 //          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale
 #pragma once
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "tensor.h"
 
@@ -217,8 +219,10 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
                             std::int64_t begin, std::int64_t vocab, double scale,
                             const Tensor& dlogits);
 
-/// w −= lr · grad.
-void sgd_update(const Tensor& w, const Tensor& grad, float lr);
+/// w −= lr · grad. With `copy` (bf16, w's numel, w's device) the same pass also writes the
+/// updated w rounded to bf16 into it: the compute copy the next step reads, without a pass of
+/// its own over the fp32 masters (the trainer's --dtype bf16 recipe).
+void sgd_update(const Tensor& w, const Tensor& grad, float lr, const Tensor& copy = Tensor());
 
 /// One AdamW step's scalars, computed by the caller in double and rounded to fp32 once, so that
 /// both backends run the same fp32 arithmetic per element.
@@ -232,10 +236,15 @@ struct AdamWStep {
 ///   m = β1·m + (1−β1)·g,  v = β2·v + (1−β2)·g²,  w = w·decay,
 ///   w −= step_size · m / (sqrt(v) / sqrt_bias2 + eps)
 /// i.e. w −= lr·wd·w, then w −= lr · m̂ / (sqrt(v̂) + eps) with m̂ = m/(1−β1ᵗ), v̂ = v/(1−β2ᵗ).
+/// `copy` as sgd_update's.
 void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const AdamWStep& s);
+                  const AdamWStep& s, const Tensor& copy = Tensor());
 /// Σ x², in double.
 double sum_squares(const Tensor& x);
+/// Σ x² of each f32 tensor (of one device), in double, in their order: the same values as
+/// sum_squares() one by one, read back from the device together, after one wait instead of one
+/// per tensor (the gradient norm's).
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs);
 
 void fill(const Tensor& t, float value);
 /// dst = src converted between f32 and bf16 (round to nearest even, NaN stays NaN; bf16 to f32 is

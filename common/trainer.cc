@@ -34,20 +34,37 @@ std::vector<float> host_copy(const Tensor& t) {
   return {h.f32().begin(), h.f32().end()};
 }
 
+namespace {
+
+/// Whether `t` is a compute copy of its own (bf16), which the optimizer's update writes, rather
+/// than the fp32 master itself.
+bool own_copy(const Tensor& t) {
+  return t.defined() && t.dtype() == DType::bf16;
+}
+
+}  // namespace
+
 void make_compute_copies(const BlockConfig& c, const Model& m, std::vector<LayerParams>& out) {
+  if (!c.bf16_weight_copies()) {
+    out = m.params;
+    return;
+  }
+  // Made once: from then on the update pass keeps them equal to bf16(master).
+  if (out.size() == m.params.size() && !out.empty() && own_copy(out.front()[Param::wq])) return;
   out = m.params;
-  if (!c.bf16_weight_copies()) return;
   for (LayerParams& layer : out)
     for (Param p : kAllParams)
       if (param_split(p) != Split::replicated) layer[p] = as_dtype(layer[p], DType::bf16);
 }
 
-LmParams lm_compute_copies(const BlockConfig& c, const Model& m) {
-  LmParams p = m.lm;
+void lm_compute_copies(const BlockConfig& c, const Model& m, LmParams& out) {
   // The output layer's GEMM reads a bf16 copy under the recipe (and under FP8's, which keeps this
-  // layer in bf16); the lookup reads the fp32 master rows and rounds what it writes.
-  if (c.activations() == DType::bf16 && p.w_out.defined()) p.w_out = as_dtype(p.w_out, DType::bf16);
-  return p;
+  // layer in bf16), made once as the blocks' are; the lookup reads the fp32 master rows and
+  // rounds what it writes.
+  const bool copy = c.activations() == DType::bf16 && m.lm.w_out.defined();
+  const Tensor w_out = copy && own_copy(out.w_out) ? out.w_out : Tensor();
+  out = m.lm;
+  if (copy) out.w_out = w_out.defined() ? w_out : as_dtype(m.lm.w_out, DType::bf16);
 }
 
 namespace {
@@ -87,14 +104,21 @@ Moments make_moments(const BlockConfig& c, const Model& m) {
   return moments;
 }
 
-void update(const BlockConfig& c, Model& m, Moments& moments, int t) {
-  const auto lm = m.lm.all(), lm_grads = m.lm_grads.all();
+void update(const BlockConfig& c, Model& m, Moments& moments, int t,
+            const std::vector<LayerParams>& copies, const LmParams& lm_copies) {
+  const auto lm = m.lm.all(), lm_grads = m.lm_grads.all(), lm_copy = lm_copies.all();
+  // The bf16 compute copy of a parameter, written in the update's pass, where there is one.
+  auto copy_of = [&](std::size_t l, Param p) {
+    return l < copies.size() && own_copy(copies[l][p]) ? copies[l][p] : Tensor();
+  };
+  auto lm_copy_of = [&](std::size_t i) { return own_copy(*lm_copy[i]) ? *lm_copy[i] : Tensor(); };
   if (c.optimizer == Optimizer::sgd) {
     for (std::size_t l = 0; l < m.params.size(); ++l)
       for (Param p : kAllParams)
-        ops::sgd_update(m.params[l][p], m.grads[l][p], static_cast<float>(c.lr));
+        ops::sgd_update(m.params[l][p], m.grads[l][p], static_cast<float>(c.lr), copy_of(l, p));
     for (std::size_t i = 0; i < lm.size(); ++i)
-      if (lm[i]->defined()) ops::sgd_update(*lm[i], *lm_grads[i], static_cast<float>(c.lr));
+      if (lm[i]->defined())
+        ops::sgd_update(*lm[i], *lm_grads[i], static_cast<float>(c.lr), lm_copy_of(i));
     return;
   }
   // AdamW's scalars in double, rounded once: the bias corrections of step t, and the decoupled
@@ -109,29 +133,32 @@ void update(const BlockConfig& c, Model& m, Moments& moments, int t) {
                     ? 1.0f
                     : static_cast<float>(1.0 - c.lr * c.weight_decay);
       ops::adamw_update(m.params[l][p], m.grads[l][p], moments.layers[l][0][p],
-                        moments.layers[l][1][p], s);
+                        moments.layers[l][1][p], s, copy_of(l, p));
     }
   // The embedding and the output layer decay like the blocks' matrices; the final gain does not.
   for (std::size_t i = 0; i < lm.size(); ++i) {
     if (!lm[i]->defined()) continue;
     s.decay =
         kLmSplits[i] == Split::replicated ? 1.0f : static_cast<float>(1.0 - c.lr * c.weight_decay);
-    ops::adamw_update(*lm[i], *lm_grads[i], moments.lm[0][i], moments.lm[1][i], s);
+    ops::adamw_update(*lm[i], *lm_grads[i], moments.lm[0][i], moments.lm[1][i], s, lm_copy_of(i));
   }
 }
 
 double grad_square_sum(const Model& m, const Sharding& sh) {
-  double sq = 0.0;
+  std::vector<Tensor> counted;
   for (const auto& g : m.grads)
     for (Param p : kAllParams)
       if ((sh.weights && param_split(p) != Split::replicated) || sh.rank == 0)
-        sq += ops::sum_squares(g[p]);
+        counted.push_back(g[p]);
   // The language model's as the blocks' (the vocabulary shards everywhere, the final gain on
   // the TP group's rank 0; FSDP's shards of them each on the rank that holds it).
   const auto lm = m.lm_grads.all();
   for (std::size_t i = 0; i < lm.size(); ++i)
     if (lm[i]->defined() && ((sh.weights && kLmSplits[i] != Split::replicated) || sh.rank == 0))
-      sq += ops::sum_squares(*lm[i]);
+      counted.push_back(*lm[i]);
+  // Every tensor's Σ g² read back together (one wait for the device), added in this order.
+  double sq = 0.0;
+  for (const double x : ops::sum_squares_each(counted)) sq += x;
   return sq;
 }
 
@@ -172,13 +199,14 @@ std::string divergence(const StepRow& row, double lr) {
                      std::isfinite(row.loss) ? "the gradient norm" : "loss", row.step, lr);
 }
 
-void finish_step(const BlockConfig& c, Parallelism& par, Model& m, Moments& moments, Trace& trace,
+void finish_step(const BlockConfig& c, Parallelism& par, Model& m, Moments& moments,
+                 const std::vector<LayerParams>& copies, const LmParams& lm_copies, Trace& trace,
                  StepRow& row, double ms) {
   const auto t1 = std::chrono::steady_clock::now();
   {
     TraceScope phase(trace, "update", Lane::phase);
     TraceScope scope(trace, std::string(optimizer_flag(c.optimizer)));
-    update(c, m, moments, row.step + 1);
+    update(c, m, moments, row.step + 1, copies, lm_copies);
     par.synchronize();
     ops::synchronize(c.device);
   }
@@ -309,7 +337,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         std::optional<TraceScope> op;  // a span only where there is work to show
         if (c.bf16_weight_copies()) op.emplace(trace, "bf16 weight copies");
         make_compute_copies(c, m, params);
-        lm_params = lm_compute_copies(c, m);
+        lm_compute_copies(c, m, lm_params);
       }
       // The embedding's table as the lookup reads it (FSDP: gathered, and let go after it).
       if (c.lm())
@@ -390,7 +418,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     }
     if (c.evaluates(step)) row.eval_loss = held_out_loss(step);
 
-    finish_step(c, par, m, moments, trace, row, ms);
+    finish_step(c, par, m, moments, params, lm_params, trace, row, ms);
     result.rows.push_back(row);
     if (on_row) on_row(row);
   }

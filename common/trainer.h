@@ -88,13 +88,15 @@ void add(CommStats& into, const CommStats& more);
 Tensor as_dtype(const Tensor& t, DType d);
 /// t's values as host fp32.
 std::vector<float> host_copy(const Tensor& t);
-/// The parameters the block computes with this step: under --dtype bf16, a bf16 copy of each
+/// The parameters the block computes with, into `out`: under --dtype bf16, a bf16 copy of each
 /// weight matrix rounded from its fp32 master weight (the norm gains stay fp32); else the master
-/// weights themselves. Made once per step, after the previous update.
+/// weights themselves. The copies are made from the masters once, at the first step; after each
+/// step the optimizer's update pass writes them (update()), so no step reads the masters again
+/// to make them. Call it at the start of every step with the same `out`.
 void make_compute_copies(const BlockConfig& c, const Model& m, std::vector<LayerParams>& out);
-/// The language model's compute copies: the output layer's bf16 copy under --dtype bf16 (and
-/// fp8), the rest as m holds them.
-LmParams lm_compute_copies(const BlockConfig& c, const Model& m);
+/// The language model's compute copies, into `out` as make_compute_copies(): the output layer's
+/// bf16 copy under --dtype bf16 (and fp8), the rest as m holds them.
+void lm_compute_copies(const BlockConfig& c, const Model& m, LmParams& out);
 /// A whole language-model tensor's values (as gathered: its vocabulary padded to a multiple of
 /// T) without the padding: the embedding's first V rows, the output layer's first V columns.
 /// An empty vector (a rank that gathered nothing) stays empty.
@@ -105,8 +107,11 @@ struct Moments {
   std::array<std::array<Tensor, kLmParams>, 2> lm;  ///< the language model's (--task lm)
 };
 Moments make_moments(const BlockConfig& c, const Model& m);
-/// The optimizer step t (from 1) on every parameter m holds.
-void update(const BlockConfig& c, Model& m, Moments& moments, int t);
+/// The optimizer step t (from 1) on every parameter m holds. In the same pass over each parameter
+/// it writes the parameter's compute copy (make_compute_copies' `copies`, lm_compute_copies'
+/// `lm_copies`) where that is a bf16 copy of its own.
+void update(const BlockConfig& c, Model& m, Moments& moments, int t,
+            const std::vector<LayerParams>& copies, const LmParams& lm_copies);
 /// This rank's part of Σ g² over m's gradients: sharded gradients count everywhere, replicated
 /// ones (identical on every rank of the TP group) on its rank 0 only.
 double grad_square_sum(const Model& m, const Sharding& sh);
@@ -122,7 +127,8 @@ double grad_norm(Parallelism& par, const Model& m, const Sharding& sh, Trace& tr
 std::string divergence(const StepRow& row, double lr);
 /// Ends the step of `row`: the optimizer's update (a phase of its own on the trace), then the
 /// row's time (`ms` before the update, plus the update's), its exposed comm and memory.
-void finish_step(const BlockConfig& c, Parallelism& par, Model& m, Moments& moments, Trace& trace,
+void finish_step(const BlockConfig& c, Parallelism& par, Model& m, Moments& moments,
+                 const std::vector<LayerParams>& copies, const LmParams& lm_copies, Trace& trace,
                  StepRow& row, double ms);
 
 }  // namespace training

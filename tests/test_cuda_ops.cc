@@ -234,9 +234,9 @@ TEST(Ops, ElementwiseMatchCpu) {
       Tensor w = cpu_empty({n});
       ops::copy(ha, w);
       const Tensor gw = on_gpu(w);
-      cpu::sgd_update(w, hb, 0.3f);
+      cpu::sgd_update(w, hb, 0.3f, Tensor());
       ops::sgd_update(gw, gb, 0.3f);
-      EXPECT_LE(rel_err(gw, w), kF32Tol) << "sgd_update";  // nvcc may fuse w - lr·g into an FMA
+      EXPECT_EQ(rel_err(gw, w), 0.0) << "sgd_update";  // the product rounded on its own
 
       ops::fill(got, 2.5f);
       cpu::fill(want, 2.5f);
@@ -884,25 +884,33 @@ TEST(Ops, AttentionChunkPairOfShiftZeroIsTheFusedKernel) {
 // either), so three steps leave the weights and both moments bit-identical.
 TEST(Ops, AdamWIsBitIdenticalToCpu) {
   TPX_REQUIRE_GPU();
-  const std::int64_t n = 4099;  // not a multiple of 4: the scalar tail too
-  const Tensor w = random_tensor({n}, 94), m = Tensor::empty({n}), v = Tensor::empty({n});
-  ops::fill(m, 0.0f);
-  ops::fill(v, 0.0f);
-  const Tensor gw = on_gpu(w), gm = on_gpu(m), gv = on_gpu(v);
-  for (int t = 1; t <= 3; ++t) {
-    const Tensor g = random_tensor({n}, std::uint32_t(95 + t), 0.0, 1e-2);
-    const ops::AdamWStep s{0.9f,
-                           0.95f,
-                           1e-8f,
-                           float(1.0 - 1e-3 * 0.1),
-                           float(1e-3 / (1.0 - std::pow(0.9, t))),
-                           float(std::sqrt(1.0 - std::pow(0.95, t)))};
-    ops::adamw_update(w, g, m, v, s);
-    ops::adamw_update(gw, on_gpu(g), gm, gv, s);
-  }
-  EXPECT_TRUE(same_bits(on_cpu(gw), w));
-  EXPECT_TRUE(same_bits(on_cpu(gm), m));
-  EXPECT_TRUE(same_bits(on_cpu(gv), v));
+  // 4099: the scalar path (not a multiple of 4); 4096: the vector path, four elements a thread.
+  // With and without the bf16 compute copy written in the same pass.
+  for (const std::int64_t n : {4099, 4096})
+    for (const bool with_copy : {false, true}) {
+      const Tensor w = random_tensor({n}, 94), m = Tensor::empty({n}), v = Tensor::empty({n});
+      ops::fill(m, 0.0f);
+      ops::fill(v, 0.0f);
+      const Tensor gw = on_gpu(w), gm = on_gpu(m), gv = on_gpu(v);
+      const Tensor copy = with_copy ? Tensor::empty({n}, DType::bf16) : Tensor();
+      const Tensor gcopy = with_copy ? Tensor::empty({n}, DType::bf16, Device::cuda) : Tensor();
+      for (int t = 1; t <= 3; ++t) {
+        const Tensor g = random_tensor({n}, std::uint32_t(95 + t), 0.0, 1e-2);
+        const ops::AdamWStep s{0.9f,
+                               0.95f,
+                               1e-8f,
+                               float(1.0 - 1e-3 * 0.1),
+                               float(1e-3 / (1.0 - std::pow(0.9, t))),
+                               float(std::sqrt(1.0 - std::pow(0.95, t)))};
+        ops::adamw_update(w, g, m, v, s, copy);
+        ops::adamw_update(gw, on_gpu(g), gm, gv, s, gcopy);
+      }
+      const std::string what = "n " + std::to_string(n) + (with_copy ? " with copy" : "");
+      EXPECT_TRUE(same_bits(on_cpu(gw), w)) << what;
+      EXPECT_TRUE(same_bits(on_cpu(gm), m)) << what;
+      EXPECT_TRUE(same_bits(on_cpu(gv), v)) << what;
+      if (with_copy) EXPECT_TRUE(same_bits(on_cpu(gcopy), copy)) << what;
+    }
 }
 
 TEST(Ops, PeakMeasurementIsPlausible) {

@@ -1,6 +1,7 @@
 // The cuda backend's element-wise kernels on bf16 tensors, checked without a GPU: the per-element
 // functors the kernels run (common/cuda/elementwise_ops.h: RMSNorm's sweeps, RoPE, SwiGLU, add,
-// the loss's gradient, fill, and the load / store that widen and round) run here on the host over
+// the loss's gradient, fill, the optimizers' updates with their bf16 compute copy, and the load /
+// store that widen and round) run here on the host over
 // the same bf16 storage, through both the scalar one(i) and the vector four(i) paths, and must
 // equal, bit for bit, the cpu backend's result through tpx::ops' Fp32Boundary (bf16 inputs
 // widened into fp32 copies, the fp32 op, each output rounded once). So reading bf16 in registers
@@ -12,11 +13,13 @@
 //
 // What only a GPU can confirm: that nvcc compiles these functors to the same values (the device's
 // expf, FMA contraction where the functors leave it allowed); tests/test_cuda_ops.cc does that.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -382,6 +385,75 @@ TEST(CudaTwins, RopeMatchesTheCpuBoundary) {
     EXPECT_EQ(first_difference(got, want), "");
     EXPECT_NE(first_difference(wrong, want), "");
   }
+}
+
+/// A copy of t (same dtype, same values).
+Tensor clone(const Tensor& t) {
+  Tensor c = like(t);
+  std::copy_n(static_cast<const char*>(t.raw()), t.nbytes(), static_cast<char*>(c.raw()));
+  return c;
+}
+
+TEST(CudaTwins, OptimizerUpdatesMatchTheCpuAndWriteTheCopyInTheSamePass) {
+  // The cuda kernels' Sgd and AdamW functors, scalar and vector paths, against the cpu backend's
+  // sgd_update and adamw_update over three steps: master weights and moments bit for bit, and
+  // the bf16 compute copy written in the same pass equal to the cpu's copy of the same w (and to
+  // bf16 of the master). Negative check: a vector path that updates elements i .. i + 3 of group
+  // i (not 4i .. 4i + 3) differs.
+  const I n = kN;
+  for (const bool vec : {false, true}) {
+    Tensor w = f32_tensor(n, 61), m = Tensor::empty({n}), v = Tensor::empty({n});
+    ops::fill(m, 0.0f);
+    ops::fill(v, 0.0f);
+    Tensor tw = clone(w), tm = clone(m), tv = clone(v), sw = clone(w), tsw = clone(w);
+    Tensor copy = Tensor::empty({n}, DType::bf16), tcopy = like(copy);
+    Tensor scopy = like(copy), tscopy = like(copy);
+    for (int t = 1; t <= 3; ++t) {
+      Tensor g = f32_tensor(n, std::uint32_t(70 + t));
+      for (float& x : g.f32()) x *= 1e-2f;
+      const ops::AdamWStep s{0.9f,
+                             0.95f,
+                             1e-8f,
+                             float(1.0 - 1e-3 * 0.1),
+                             float(1e-3 / (1.0 - std::pow(0.9, t))),
+                             float(std::sqrt(1.0 - std::pow(0.95, t)))};
+      ops::adamw_update(w, g, m, v, s, copy);
+      run(elem::AdamW{ptr<float>(tw), ptr<float>(g), ptr<float>(tm), ptr<float>(tv), s.beta1,
+                      s.beta2, s.eps, s.decay, s.step_size, s.sqrt_bias2, ptr<u16>(tcopy)},
+          n, vec);
+      ops::sgd_update(sw, g, 0.3f, scopy);
+      run(elem::Sgd{ptr<float>(tsw), ptr<float>(g), 0.3f, ptr<u16>(tscopy)}, n, vec);
+    }
+    const std::string path = vec ? "vector path" : "scalar path";
+    EXPECT_EQ(first_difference(tw, w), "") << "AdamW w, " << path;
+    EXPECT_EQ(first_difference(tm, m), "") << "AdamW m, " << path;
+    EXPECT_EQ(first_difference(tv, v), "") << "AdamW v, " << path;
+    EXPECT_EQ(first_difference(tcopy, copy), "") << "AdamW copy, " << path;
+    EXPECT_EQ(first_difference(tsw, sw), "") << "SGD w, " << path;
+    EXPECT_EQ(first_difference(tscopy, scopy), "") << "SGD copy, " << path;
+    for (I i = 0; i < n; ++i)
+      ASSERT_EQ(ptr<u16>(copy)[i], bf16_bits(ptr<float>(w)[i])) << "the copy is bf16(w), at " << i;
+  }
+  // The vector path written wrong (group i's four elements taken as i .. i + 3).
+  struct WrongGroups {
+    elem::AdamW op;
+    void one(I i) const { op.one(i); }
+    void four(I i) const {
+      for (I k = 0; k < 4; ++k) op.one(i + k);
+    }
+  };
+  Tensor w = f32_tensor(n, 61), m = Tensor::empty({n}), v = Tensor::empty({n});
+  ops::fill(m, 0.0f);
+  ops::fill(v, 0.0f);
+  Tensor tw = clone(w), tm = clone(m), tv = clone(v);
+  const Tensor g = f32_tensor(n, 71);
+  const ops::AdamWStep s{0.9f, 0.95f, 1e-8f, 1.0f, 1e-3f, float(std::sqrt(1.0 - 0.95))};
+  ops::adamw_update(w, g, m, v, s);
+  run(WrongGroups{elem::AdamW{ptr<float>(tw), ptr<float>(g), ptr<float>(tm), ptr<float>(tv),
+                              s.beta1, s.beta2, s.eps, s.decay, s.step_size, s.sqrt_bias2,
+                              nullptr}},
+      n, true);
+  EXPECT_NE(first_difference(tw, w), "");
 }
 
 }  // namespace

@@ -226,6 +226,58 @@ TEST(MixedPrecision, AMovedRoundingIsCaught) {
         << "leaving out rounding point " << int(skip) << " went unnoticed";
 }
 
+TEST(MixedPrecision, TheUpdateWritesTheComputeCopiesAndTheyAreMadeOnce) {
+  // The bf16 compute copies are made from the masters once; every update pass then writes them.
+  // After each of three updates (SGD and AdamW, random gradients) every copy equals bf16 of its
+  // master, and a later make_compute_copies keeps the same tensors (no new pass over the
+  // masters). Stale copies (an update that leaves them alone) fail the first check.
+  for (const Optimizer opt : {Optimizer::sgd, Optimizer::adamw}) {
+    BlockConfig c = tiny();
+    c.task = Task::lm;
+    c.vocab = 40;
+    c.optimizer = opt;
+    c.lr = opt == Optimizer::sgd ? 0.5 : 1e-2;
+    Model m = make_model(c, Sharding{});
+    training::Moments moments = training::make_moments(c, m);
+    std::vector<LayerParams> copies;
+    LmParams lm_copies;
+    training::make_compute_copies(c, m, copies);
+    training::lm_compute_copies(c, m, lm_copies);
+    const void* made = copies[0][Param::wq].raw();
+    const void* made_out = lm_copies.w_out.raw();
+    std::uint32_t seed = 5;
+    auto randomize = [&seed](const Tensor& g) {
+      const Tensor r = test::random_tensor(g.shape(), seed++, 0.0, 0.1);
+      ops::copy(r, g);
+    };
+    for (int t = 1; t <= 3; ++t) {
+      for (Param p : kAllParams) randomize(m.grads[0][p]);
+      for (const Tensor* g : m.lm_grads.all()) randomize(*g);
+      training::update(c, m, moments, t, copies, lm_copies);
+      for (Param p : kAllParams) {
+        const Tensor& copy = copies[0][p];
+        if (param_split(p) == Split::replicated) {
+          EXPECT_EQ(copy.raw(), m.params[0][p].raw()) << "a norm gain computes with its master";
+          continue;
+        }
+        ASSERT_EQ(copy.dtype(), DType::bf16);
+        const auto master = m.params[0][p].f32();
+        for (std::size_t i = 0; i < master.size(); ++i)
+          ASSERT_EQ(copy.data<std::uint16_t>()[i], bf16_bits(master[i]))
+              << "step " << t << ", " << param_name(p) << "[" << i << "]";
+      }
+      const auto w_out = m.lm.w_out.f32();
+      for (std::size_t i = 0; i < w_out.size(); ++i)
+        ASSERT_EQ(lm_copies.w_out.data<std::uint16_t>()[i], bf16_bits(w_out[i]))
+            << "step " << t << ", w_out[" << i << "]";
+      training::make_compute_copies(c, m, copies);
+      training::lm_compute_copies(c, m, lm_copies);
+      EXPECT_EQ(copies[0][Param::wq].raw(), made) << "the copies were made again";
+      EXPECT_EQ(lm_copies.w_out.raw(), made_out) << "the output layer's copy was made again";
+    }
+  }
+}
+
 // --- the stages --------------------------------------------------------------------------------
 
 using test::run_stage;

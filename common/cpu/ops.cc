@@ -278,21 +278,36 @@ void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Ten
   for (std::size_t i = 0; i < py.size(); ++i) pd[i] = static_cast<float>(scale * (py[i] - pt[i]));
 }
 
-void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
+namespace {
+
+/// The optimizer's compute copy: element i of a bf16 tensor, or nothing (no copy asked for).
+std::uint16_t* copy_bits(const Tensor& copy) {
+  return copy.defined() ? static_cast<std::uint16_t*>(copy.raw()) : nullptr;
+}
+
+}  // namespace
+
+void sgd_update(const Tensor& w, const Tensor& grad, float lr, const Tensor& copy) {
   expect_same_numel(w, grad);
   auto pw = w.f32(), pg = grad.f32();
-  for (std::size_t i = 0; i < pw.size(); ++i) pw[i] -= lr * pg[i];
+  std::uint16_t* pc = copy_bits(copy);
+  for (std::size_t i = 0; i < pw.size(); ++i) {
+    pw[i] -= lr * pg[i];
+    if (pc) pc[i] = bf16_bits(pw[i]);
+  }
 }
 
 void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const ops::AdamWStep& s) {
+                  const ops::AdamWStep& s, const Tensor& copy) {
   auto pw = w.f32(), pg = grad.f32(), pm = m.f32(), pv = v.f32();
+  std::uint16_t* pc = copy_bits(copy);
   for (std::size_t i = 0; i < pw.size(); ++i) {
     const float g = pg[i];
     pm[i] = s.beta1 * pm[i] + (1.0f - s.beta1) * g;
     pv[i] = s.beta2 * pv[i] + (1.0f - s.beta2) * (g * g);
     pw[i] *= s.decay;
     pw[i] -= s.step_size * (pm[i] / (std::sqrt(pv[i]) / s.sqrt_bias2 + s.eps));
+    if (pc) pc[i] = bf16_bits(pw[i]);
   }
 }
 
@@ -300,6 +315,12 @@ double sum_squares(const Tensor& x) {
   double sum = 0.0;
   for (float v : x.f32()) sum += double(v) * v;
   return sum;
+}
+
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
+  std::vector<double> out;
+  for (const Tensor& x : xs) out.push_back(sum_squares(x));
+  return out;
 }
 
 void fill(const Tensor& t, float value) {

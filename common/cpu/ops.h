@@ -45,7 +45,7 @@ void add(const Tensor& a, const Tensor& b, const Tensor& out);
 void accumulate(const Tensor& x, const Tensor& into);
 double mse_loss_sum(const Tensor& y, const Tensor& t);
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
-void sgd_update(const Tensor& w, const Tensor& grad, float lr);
+void sgd_update(const Tensor& w, const Tensor& grad, float lr, const Tensor& copy);
 // The language model's ends (lm.cc): the vocabulary-parallel embedding and cross-entropy, on
 // f32 tensors (tpx::ops checks the shapes and gives bf16 tensors fp32 stand-ins, on the cpu).
 void embedding_forward(const Tensor& ids, const Tensor& table, std::int64_t begin,
@@ -62,8 +62,9 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
                             std::int64_t begin, std::int64_t vocab, double scale,
                             const Tensor& dlogits);
 void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const ops::AdamWStep& s);
+                  const ops::AdamWStep& s, const Tensor& copy);
 double sum_squares(const Tensor& x);
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs);
 void fill(const Tensor& t, float value);
 
 // FP8 casts (fp8_ops.cc); arguments checked by tpx::ops.

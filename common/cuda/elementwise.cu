@@ -30,45 +30,6 @@ using dev::Elem;
 using dev::typed;
 using elem::aligned4;
 
-// AdamW per element, with the cpu's operations in the cpu's order and no contraction into FMA
-// (the __f*_rn intrinsics), so that both backends round alike.
-struct AdamW {
-  float* w;
-  const float* g;
-  float* m;
-  float* v;
-  float beta1, beta2, eps, decay, step_size, sqrt_bias2;
-  __device__ void one(I i) const {
-    const float gi = g[i];
-    const float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(1.0f - beta1, gi));
-    const float vi = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(1.0f - beta2, __fmul_rn(gi, gi)));
-    m[i] = mi;
-    v[i] = vi;
-    const float wi = __fmul_rn(w[i], decay);
-    const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), sqrt_bias2), eps);
-    w[i] = __fsub_rn(wi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
-  }
-  __device__ void four(I i) const {
-    for (I k = 0; k < 4; ++k) one(i + k);
-  }
-};
-
-struct Sgd {
-  float* w;
-  const float* g;
-  float lr;
-  __device__ void one(I i) const { w[i] -= lr * g[i]; }
-  __device__ void four(I i) const {
-    float4 x = ld4(w, i);
-    const float4 d = ld4(g, i);
-    x.x -= lr * d.x;
-    x.y -= lr * d.y;
-    x.z -= lr * d.z;
-    x.w -= lr * d.w;
-    st4(w, i, x);
-  }
-};
-
 template <class Op>
 __global__ void __launch_bounds__(kThreads) map_kernel(Op op, I n, bool vec) {
   const I stride = I(gridDim.x) * blockDim.x;
@@ -162,14 +123,22 @@ void add(Src a, Src b, Dst out, I n, void* stream) {
   });
 }
 
-void sgd(float* w, const float* grad, float lr, I n, void* stream) {
-  launch_map(Sgd{w, grad, lr}, n, stream, w, grad);
+void sgd(float* w, const float* grad, float lr, std::uint16_t* copy, I n, void* stream) {
+  const elem::Sgd op{w, grad, lr, copy};
+  // The vector path needs the copy aligned too (null is).
+  if (copy)
+    launch_map(op, n, stream, w, grad, static_cast<const std::uint16_t*>(copy));
+  else
+    launch_map(op, n, stream, w, grad);
 }
 
 void adamw(float* w, const float* grad, float* m, float* v, float beta1, float beta2, float eps,
-           float decay, float step_size, float sqrt_bias2, I n, void* stream) {
-  launch_map(AdamW{w, grad, m, v, beta1, beta2, eps, decay, step_size, sqrt_bias2}, n, stream, w,
-             grad, m, v);
+           float decay, float step_size, float sqrt_bias2, std::uint16_t* copy, I n, void* stream) {
+  const elem::AdamW op{w, grad, m, v, beta1, beta2, eps, decay, step_size, sqrt_bias2, copy};
+  if (copy)
+    launch_map(op, n, stream, w, grad, m, v, static_cast<const std::uint16_t*>(copy));
+  else
+    launch_map(op, n, stream, w, grad, m, v);
 }
 
 void swiglu_forward(Src gate, Src up, Dst out, I n, void* stream) {

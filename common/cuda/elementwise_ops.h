@@ -15,7 +15,7 @@
 // vector path: 16-byte loads of fp32, 8-byte loads of bf16).
 //
 // defines: tpx::cuda::elem::{widen, round_bf16, load, store, load4, store4, F4,
-//          aligned4, sigmoid, Fill, Add, SwigluForward, SwigluBackward, MseBackward,
+//          aligned4, sigmoid, Sgd, AdamW, Fill, Add, SwigluForward, SwigluBackward, MseBackward,
 //          RmsNormY, RmsNormDx, rope_pair, mul_rn, add_rn, sub_rn}
 #pragma once
 
@@ -123,10 +123,65 @@ inline bool aligned4(const std::uint16_t* p) {
 
 // fp32 products and sums rounded one at a time (host_device.h): never contracted into an FMA.
 using hd::add_rn;
+using hd::div_rn;
 using hd::mul_rn;
+using hd::sqrt_rn;
 using hd::sub_rn;
 
 // --- the ops -------------------------------------------------------------------------------------
+
+/// SGD (tpx::ops::sgd_update): w −= lr·g, the product and the difference rounded one at a time as
+/// the cpu's. With `copy` (else null) the same pass writes the new w rounded to bf16: the compute
+/// copy of the --dtype bf16 recipe.
+struct Sgd {
+  float* w;
+  const float* g;
+  float lr;
+  std::uint16_t* copy;
+  TPX_HD float next(float wi, float gi) const { return sub_rn(wi, mul_rn(lr, gi)); }
+  TPX_HD void one(I i) const {
+    w[i] = next(w[i], g[i]);
+    if (copy) copy[i] = round_bf16(w[i]);
+  }
+  TPX_HD void four(I i) const {
+    F4 x = load4(w, i);
+    const F4 d = load4(g, i);
+    for (int k = 0; k < 4; ++k) x.v[k] = next(x.v[k], d.v[k]);
+    store4(w, i, x);
+    if (copy) store4(copy, i, x);
+  }
+};
+
+/// AdamW (tpx::ops::adamw_update): the cpu's fp32 operations in the cpu's order, none contracted
+/// into an FMA. `copy` as Sgd's. four(i) updates elements 4i .. 4i + 3, as every vector path.
+struct AdamW {
+  float* w;
+  const float* g;
+  float* m;
+  float* v;
+  float beta1, beta2, eps, decay, step_size, sqrt_bias2;
+  std::uint16_t* copy;
+  /// Element-wise: the new m, v and w from the old ones and the gradient.
+  TPX_HD void next(float& wi, float& mi, float& vi, float gi) const {
+    mi = add_rn(mul_rn(beta1, mi), mul_rn(1.0f - beta1, gi));
+    vi = add_rn(mul_rn(beta2, vi), mul_rn(1.0f - beta2, mul_rn(gi, gi)));
+    const float denom = add_rn(div_rn(sqrt_rn(vi), sqrt_bias2), eps);
+    wi = sub_rn(mul_rn(wi, decay), mul_rn(step_size, div_rn(mi, denom)));
+  }
+  TPX_HD void one(I i) const {
+    next(w[i], m[i], v[i], g[i]);
+    if (copy) copy[i] = round_bf16(w[i]);
+  }
+  TPX_HD void four(I i) const {
+    F4 x = load4(w, i), mm = load4(m, i), vv = load4(v, i);
+    const F4 d = load4(g, i);
+    for (int k = 0; k < 4; ++k) next(x.v[k], mm.v[k], vv.v[k], d.v[k]);
+    store4(w, i, x);
+    store4(m, i, mm);
+    store4(v, i, vv);
+    if (copy) store4(copy, i, x);
+  }
+};
 
 /// Full-precision expf (not __expf): the kernels are memory bound, accuracy is free.
 TPX_HD inline float sigmoid(float z) {

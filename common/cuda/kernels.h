@@ -47,10 +47,11 @@ void column_blocks(const void* src, void* dst, I m, I c, I n, int elem_bytes, bo
 // elementwise.cu ---------------------------------------------------------------------------------
 void fill(Dst p, float value, I n, void* stream);
 void add(Src a, Src b, Dst out, I n, void* stream);  // out may alias a or b
-void sgd(float* w, const float* grad, float lr, I n, void* stream);
-/// AdamW (tpx::ops::adamw_update): the same fp32 operations, in the same order, as the cpu.
+/// SGD and AdamW (tpx::ops::sgd_update, adamw_update; elementwise_ops.h's Sgd, AdamW): the cpu's
+/// fp32 operations in the cpu's order; `copy` (bf16, or null) receives the new w rounded.
+void sgd(float* w, const float* grad, float lr, std::uint16_t* copy, I n, void* stream);
 void adamw(float* w, const float* grad, float* m, float* v, float beta1, float beta2, float eps,
-           float decay, float step_size, float sqrt_bias2, I n, void* stream);
+           float decay, float step_size, float sqrt_bias2, std::uint16_t* copy, I n, void* stream);
 /// gate and up of one dtype.
 void swiglu_forward(Src gate, Src up, Dst out, I n, void* stream);
 /// dout, gate, up of one dtype; dgate, dup of one dtype.

@@ -588,12 +588,21 @@ void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Ten
   TPX_CUDA_LAUNCH_CHECK();
 }
 
-void sgd_update(const Tensor& w, const Tensor& grad, float lr) {
+namespace {
+
+/// The optimizer's bf16 compute copy (tpx::ops checked it), or null.
+std::uint16_t* copy_bits(const Tensor& copy) {
+  return copy.defined() ? static_cast<std::uint16_t*>(copy.raw()) : nullptr;
+}
+
+}  // namespace
+
+void sgd_update(const Tensor& w, const Tensor& grad, float lr, const Tensor& copy) {
   NvtxRange range("sgd_update");
   expect_f32(w, "sgd w");
   expect_f32(grad, "sgd grad");
   expect_same_numel(w, grad);
-  kernels::sgd(f(w), cf(grad), lr, w.numel(), stream());
+  kernels::sgd(f(w), cf(grad), lr, copy_bits(copy), w.numel(), stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 
@@ -686,10 +695,10 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
 }
 
 void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const ops::AdamWStep& s) {
+                  const ops::AdamWStep& s, const Tensor& copy) {
   NvtxRange range("adamw_update");
   kernels::adamw(f(w), cf(grad), f(m), f(v), s.beta1, s.beta2, s.eps, s.decay, s.step_size,
-                 s.sqrt_bias2, w.numel(), stream());
+                 s.sqrt_bias2, copy_bits(copy), w.numel(), stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 
@@ -697,6 +706,32 @@ double sum_squares(const Tensor& x) {
   NvtxRange range("sum_squares");
   expect_f32_or_bf16(x, "sum_squares x");
   return reduce_sum_squares(in(x), kernels::Src{}, x.numel());
+}
+
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
+  NvtxRange range("sum_squares_each");
+  // Each tensor's two-pass reduction into its slot of one array of doubles (two f32 slots
+  // each), then one copy of the array to the host: one wait for all of them.
+  const auto k = static_cast<I>(xs.size());
+  const Tensor results = scratch({2 * std::max<I>(k, 1)}, DType::f32);
+  auto* r = static_cast<double*>(results.raw());
+  std::vector<Tensor> partials;  // alive until the copy below has waited for the kernels
+  for (I i = 0; i < k; ++i) {
+    const Tensor& x = xs[std::size_t(i)];
+    expect_f32(x, "sum_squares_each x");
+    partials.push_back(
+        scratch({2 * std::max<I>(1, kernels::reduction_blocks(x.numel()))}, DType::f32));
+    kernels::sum_squares(in(x), kernels::Src{}, x.numel(),
+                         static_cast<double*>(partials.back().raw()), r + i, stream());
+    TPX_CUDA_LAUNCH_CHECK();
+  }
+  std::vector<double> out(std::size_t(k), 0.0);
+  if (k > 0) {
+    TPX_CUDA_CHECK(cudaMemcpyAsync(out.data(), r, std::size_t(k) * sizeof(double),
+                                   cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream())));
+    synchronize();
+  }
+  return out;
 }
 
 void fill(const Tensor& t, float value) {

@@ -83,7 +83,7 @@ void add(const Tensor& a, const Tensor& b, const Tensor& out);
 void accumulate(const Tensor& x, const Tensor& into);
 double mse_loss_sum(const Tensor& y, const Tensor& t);
 void mse_loss_backward(const Tensor& y, const Tensor& t, double scale, const Tensor& dy);
-void sgd_update(const Tensor& w, const Tensor& grad, float lr);
+void sgd_update(const Tensor& w, const Tensor& grad, float lr, const Tensor& copy);
 // The language model's ends (kernels in lm.cu): the vocabulary-parallel embedding and
 // cross-entropy (tpx::ops checks the shapes). Logits and dlogits (one dtype), the embedding's out
 // and dout are f32 or bf16 as stored, widened as read and rounded once as written; the table, its
@@ -104,8 +104,9 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
                             std::int64_t begin, std::int64_t vocab, double scale,
                             const Tensor& dlogits);
 void adamw_update(const Tensor& w, const Tensor& grad, const Tensor& m, const Tensor& v,
-                  const ops::AdamWStep& s);
+                  const ops::AdamWStep& s, const Tensor& copy);
 double sum_squares(const Tensor& x);
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs);
 void fill(const Tensor& t, float value);
 
 /// True when the environment sets TPX_CUDA_FP32_BOUNDARY=1 (read once): tpx::ops then gives the
