@@ -1,5 +1,6 @@
 #include "common/checkpoint.h"
 
+#include <algorithm>
 #include <array>
 
 namespace tpx {
@@ -26,6 +27,19 @@ std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t crc) {
   std::uint32_t r = ~crc;
   for (std::size_t i = 0; i < n; ++i) r = kCrcTable[(r ^ p[i]) & 0xFFU] ^ (r >> 8);
   return ~r;
+}
+
+std::optional<std::vector<IndexRange>> overlap(const std::vector<IndexRange>& a,
+                                               const std::vector<IndexRange>& b) {
+  if (a.size() != b.size()) return std::nullopt;
+  std::vector<IndexRange> box(a.size());
+  for (std::size_t d = 0; d < a.size(); ++d) {
+    const std::int64_t lo = std::max(a[d].start, b[d].start);
+    const std::int64_t hi = std::min(a[d].start + a[d].length, b[d].start + b[d].length);
+    if (hi <= lo) return std::nullopt;
+    box[d] = {lo, hi - lo};
+  }
+  return box;
 }
 
 }  // namespace tpx

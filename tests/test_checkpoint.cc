@@ -39,4 +39,26 @@ TEST(Checkpoint, Crc32SeesAFlippedBit) {
   EXPECT_NE(tpx::crc32(s.data(), s.size()), clean);
 }
 
+using R = tpx::IndexRange;
+
+// Rows 0..7 of a [16, 4] tensor (rank 0 of a two-way row cut) against rows 4..11 (rank 1 of a
+// cut of the middle): they share rows 4..7, every column.
+TEST(Checkpoint, OverlapOfTwoRowCuts) {
+  const auto box = tpx::overlap({R{0, 8}, R{0, 4}}, {R{4, 8}, R{0, 4}});
+  ASSERT_TRUE(box.has_value());
+  EXPECT_EQ(*box, (std::vector<R>{R{4, 4}, R{0, 4}}));
+}
+
+TEST(Checkpoint, OverlapOfARowAndAColumnCut) {
+  const auto box = tpx::overlap({R{8, 8}, R{0, 4}}, {R{0, 16}, R{2, 2}});
+  ASSERT_TRUE(box.has_value());
+  EXPECT_EQ(*box, (std::vector<R>{R{8, 8}, R{2, 2}}));
+}
+
+TEST(Checkpoint, DisjointOrTouchingPartsShareNothing) {
+  EXPECT_FALSE(tpx::overlap({R{0, 8}}, {R{8, 8}}).has_value());
+  EXPECT_FALSE(tpx::overlap({R{0, 4}, R{0, 4}}, {R{0, 4}, R{5, 1}}).has_value());
+  EXPECT_FALSE(tpx::overlap({R{0, 4}}, {R{0, 4}, R{0, 1}}).has_value());
+}
+
 }  // namespace
