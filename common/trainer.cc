@@ -9,8 +9,10 @@
 
 #include <fmt/format.h>
 
+#include "agree.h"
 #include "block.h"
 #include "check.h"
+#include "checkpoint.h"
 #include "data.h"
 #include "lm.h"
 #include "ops.h"
@@ -173,6 +175,26 @@ std::string divergence(const StepRow& row, double lr) {
                      std::isfinite(row.loss) ? "the gradient norm" : "loss", row.step, lr);
 }
 
+std::vector<Tensor*> state_tensors(Model& m, Moments& moments) {
+  std::vector<Tensor*> out;
+  auto add = [&](const std::vector<LayerParams*>& layers,
+                 const std::array<Tensor*, kLmParams>& lm) {
+    for (LayerParams* layer : layers)
+      for (Param p : kAllParams) out.push_back(&(*layer)[p]);
+    for (Tensor* t : lm)
+      if (t->defined()) out.push_back(t);
+  };
+  std::vector<LayerParams*> layers;
+  for (LayerParams& l : m.params) layers.push_back(&l);
+  add(layers, {&m.lm.embedding, &m.lm.norm_f, &m.lm.w_out});
+  for (std::size_t k = 0; k < 2 && !moments.layers.empty(); ++k) {
+    layers.clear();
+    for (auto& mv : moments.layers) layers.push_back(&mv[k]);
+    add(layers, {&moments.lm[k][0], &moments.lm[k][1], &moments.lm[k][2]});
+  }
+  return out;
+}
+
 void finish_step(const BlockConfig& c, Parallelism& par, Model& m, Moments& moments, Trace& trace,
                  StepRow& row, double ms) {
   const auto t1 = std::chrono::steady_clock::now();
@@ -284,12 +306,20 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
   };
   // AdamW's two moments per parameter, zero before the first step (none under SGD).
   Moments moments = make_moments(c, m);
+  // --resume: the state of the checkpoint's step, this rank's part of it read from the shards
+  // that hold it (in whatever cut they were saved); every rank stops if any cannot.
+  const int first = static_cast<int>(c.checkpoint.resume_step);
+  if (!c.checkpoint.resume_dir.empty()) {
+    const std::string problem = load_checkpoint(c, sh, state_tensors(m, moments));
+    if (const StartVerdict v = agree_to_start(!problem.empty(), 2, problem); v.stop)
+      throw ConfigError(v.message);
+  }
   TrainResult result;
   par.synchronize();
   ops::synchronize(c.device);  // initialisation's device work is not a step's
   par.take_comm_stats();       // set-up traffic is not a step's
 
-  for (int step = 0; step < c.steps; ++step) {
+  for (int step = first; step < c.steps; ++step) {
     const auto t0 = Clock::now();
     StepRow row;
     row.step = step;
@@ -360,7 +390,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         par.reduce_lm_grads(m.lm_grads);
       }
     }
-    if (step == 0) result.saved_activation_bytes = saved + one_block;
+    if (step == first) result.saved_activation_bytes = saved + one_block;
     row.grad_norm = grad_norm(par, m, sh, trace);
     if (result.diverged = divergence(row, c.lr); !result.diverged.empty()) {
       par.synchronize();
@@ -374,7 +404,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     add(row.comm, row.recompute_comm);
     row.exposed_comm_ms = trace.exposed_comm_ms(t0, Clock::now());
 
-    if (step == 0 && snapshot) {  // outside the timed region; its gathers are not counted
+    if (step == first && snapshot) {  // outside the timed region; its gathers are not counted
       take_snapshot(c, par, m, c.lm() ? first_input : m.input, y, dy, batch, row.loss,
                     result.first);
       par.take_comm_stats();
@@ -382,6 +412,13 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     if (c.evaluates(step)) row.eval_loss = held_out_loss(step);
 
     finish_step(c, par, m, moments, trace, row, ms);
+    if (c.checkpoint.saves_after(step + 1, c.steps)) {  // after the update: the next step's state
+      const auto t1 = Clock::now();
+      TraceScope phase(trace, "save", Lane::phase);
+      const auto all = state_tensors(m, moments);
+      row.saved = save_checkpoint(c, sh, {all.begin(), all.end()}, step + 1).string();
+      row.save_ms = ms_since(t1);
+    }
     result.rows.push_back(row);
     if (on_row) on_row(row);
   }

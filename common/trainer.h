@@ -40,6 +40,10 @@ struct StepRow {
   double exposed_comm_ms = 0;
   std::size_t peak_bytes = 0;
   std::size_t reserved_bytes = 0;  ///< held by the allocator at the step's end (cache included)
+  /// --save: the checkpoint written after this step's update (empty: none) and the time the
+  /// save took, outside `ms`.
+  std::string saved;
+  double save_ms = 0;
 };
 
 /// Full, unsharded host copies from the first forward + backward (valid on rank 0 only).
@@ -105,6 +109,10 @@ struct Moments {
   std::array<std::array<Tensor, kLmParams>, 2> lm;  ///< the language model's (--task lm)
 };
 Moments make_moments(const BlockConfig& c, const Model& m);
+/// Every tensor of the training state this rank holds, in common/checkpoint.h's state_parts()
+/// order: m's parameters (layer by layer, then the language model's), then AdamW's first and
+/// second moments of them (none under SGD).
+std::vector<Tensor*> state_tensors(Model& m, Moments& moments);
 /// The optimizer step t (from 1) on every parameter m holds.
 void update(const BlockConfig& c, Model& m, Moments& moments, int t);
 /// This rank's part of Σ g² over m's gradients: sharded gradients count everywhere, replicated
