@@ -175,26 +175,6 @@ std::string divergence(const StepRow& row, double lr) {
                      std::isfinite(row.loss) ? "the gradient norm" : "loss", row.step, lr);
 }
 
-std::vector<Tensor*> state_tensors(Model& m, Moments& moments) {
-  std::vector<Tensor*> out;
-  auto add = [&](const std::vector<LayerParams*>& layers,
-                 const std::array<Tensor*, kLmParams>& lm) {
-    for (LayerParams* layer : layers)
-      for (Param p : kAllParams) out.push_back(&(*layer)[p]);
-    for (Tensor* t : lm)
-      if (t->defined()) out.push_back(t);
-  };
-  std::vector<LayerParams*> layers;
-  for (LayerParams& l : m.params) layers.push_back(&l);
-  add(layers, {&m.lm.embedding, &m.lm.norm_f, &m.lm.w_out});
-  for (std::size_t k = 0; k < 2 && !moments.layers.empty(); ++k) {
-    layers.clear();
-    for (auto& mv : moments.layers) layers.push_back(&mv[k]);
-    add(layers, {&moments.lm[k][0], &moments.lm[k][1], &moments.lm[k][2]});
-  }
-  return out;
-}
-
 void finish_step(const BlockConfig& c, Parallelism& par, Model& m, Moments& moments, Trace& trace,
                  StepRow& row, double ms) {
   const auto t1 = std::chrono::steady_clock::now();
@@ -512,4 +492,27 @@ std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& r
   return out;
 }
 
+namespace training {
+
+std::vector<Tensor*> state_tensors(Model& m, Moments& moments) {
+  std::vector<Tensor*> out;
+  auto add = [&](const std::vector<LayerParams*>& layers,
+                 const std::array<Tensor*, kLmParams>& lm) {
+    for (LayerParams* layer : layers)
+      for (Param p : kAllParams) out.push_back(&(*layer)[p]);
+    for (Tensor* t : lm)
+      if (t->defined()) out.push_back(t);
+  };
+  std::vector<LayerParams*> layers;
+  for (LayerParams& l : m.params) layers.push_back(&l);
+  add(layers, {&m.lm.embedding, &m.lm.norm_f, &m.lm.w_out});
+  for (std::size_t k = 0; k < 2 && !moments.layers.empty(); ++k) {
+    layers.clear();
+    for (auto& mv : moments.layers) layers.push_back(&mv[k]);
+    add(layers, {&moments.lm[k][0], &moments.lm[k][1], &moments.lm[k][2]});
+  }
+  return out;
+}
+
+}  // namespace training
 }  // namespace tpx
