@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -519,6 +520,7 @@ fs::path save_checkpoint(const BlockConfig& c, const Sharding& s,
     problem = e.what();
   }
   throw_if_any(problem);
+  if (rank == c.checkpoint.kill_rank && step == c.checkpoint.kill_step) ::raise(SIGKILL);
   // After every shard: rank 0 writes the index, and the directory takes its name.
   const std::vector<std::string> all = gather_text(shards.dump(), rank, world);
   if (rank == 0) {

@@ -341,6 +341,9 @@ void add_checkpoint_flags(CLI::App& app, CheckpointOptions& k) {
                  "(counted from the start of training)")
       ->type_name("DIR")
       ->group(group);
+  add_rank_pair(app, "--fault-kill-in-save", "STEP", k.kill_rank, k.kill_step,
+                "RANK:STEP: that rank kills itself (SIGKILL) in the save after step STEP, once "
+                "its shard file is written and before the index");
 }
 
 /// Communication: --comm, --comm-timeout, and the watchdog tests' hidden fault injection.
@@ -654,7 +657,9 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--dry-run", o.dry_run ? "given" : "not given"},
       {"--save", given(c.checkpoint.save_dir)},
       {"--save-every", fmt::format("{}", c.checkpoint.save_every)},
-      {"--resume", given(c.checkpoint.resume_dir)}};
+      {"--resume", given(c.checkpoint.resume_dir)},
+      {"--fault-kill-in-save",
+       fmt::format("{}:{}", c.checkpoint.kill_rank, c.checkpoint.kill_step)}};
   for (const auto& group : o.flag_groups) {
     const ConfigFields more = group->agreed();
     fields.insert(fields.end(), more.begin(), more.end());

@@ -67,6 +67,10 @@ struct CheckpointOptions {
   /// command line (empty: from initialisation), and its step N.
   std::string resume_dir;
   std::int64_t resume_step = 0;
+  /// --fault-kill-in-save RANK:N (hidden; the tests' interrupted save): rank RANK kills itself
+  /// (SIGKILL) in the save after step N, once its shard file is written and before the index.
+  int kill_rank = -1;
+  std::int64_t kill_step = 0;
   /// Whether completed step count `done` (1 … steps) ends with a save.
   bool saves_after(std::int64_t done, std::int64_t steps) const {
     return !save_dir.empty() && (done == steps || (save_every > 0 && done % save_every == 0));

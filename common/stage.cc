@@ -308,6 +308,9 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
   if (o.comm.copy_fault_rank >= world)
     return fmt::format("--fault-delay-copy names rank {}, but the job has ranks 0..{}",
                        o.comm.copy_fault_rank, world - 1);
+  if (c.checkpoint.kill_rank >= world)
+    return fmt::format("--fault-kill-in-save names rank {}, but the job has ranks 0..{}",
+                       c.checkpoint.kill_rank, world - 1);
   if (o.comm.copy_delay_us < 0 || o.comm.copy_delay_us > 1'000'000)
     return fmt::format("--fault-copy-delay-us must be 0 … 1000000 (got {})", o.comm.copy_delay_us);
   if (o.comm.comm_delay_us < 0 || o.comm.comm_delay_us > 1'000'000)

@@ -267,6 +267,40 @@ TEST(CheckpointRuns, Stage01_IgnoresAnInterruptedSave) {
   EXPECT_EQ(rows[0][0], 2.0);
 }
 
+// A rank killed (SIGKILL) in the save after step 3, its shard written and the index not: the job
+// dies, step 3 is no checkpoint, and --resume DIR continues from step 2 as the run that never
+// stopped, bit for bit.
+TEST(CheckpointRuns, Stage02_AKillDuringASaveLeavesThePreviousCheckpoint) {
+  TempDir dir;
+  const std::string args = kTiny + " --task lm --optimizer adamw --lr 1e-3";
+  const fs::path ckpt = dir / "ckpt";
+  const CommandResult killed =
+      run_stage("02_megatron_tp", 2,
+                fmt::format("{} --steps 4 --save {} --save-every 1 --fault-kill-in-save 1:3", args,
+                            ckpt.string()),
+                dir);
+  EXPECT_NE(killed.exit_code, 0) << killed.out << killed.err;
+  EXPECT_TRUE(fs::exists(ckpt / "step-2" / "index.json"));
+  EXPECT_TRUE(fs::exists(ckpt / "step-3.tmp" / "rank-1.bin")) << "the save had begun";
+  EXPECT_FALSE(fs::exists(ckpt / "step-3")) << "a checkpoint without its index";
+  run_ok("02_megatron_tp", 2,
+         fmt::format("{} --steps 4 --json {}", args, (dir / "straight.json").string()), dir);
+  const CommandResult resumed =
+      run_stage("02_megatron_tp", 2,
+                fmt::format("{} --steps 4 --resume {} --json {}", args, ckpt.string(),
+                            (dir / "resumed.json").string()),
+                dir);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.out << resumed.err;
+  EXPECT_NE(resumed.out.find("(step 2)"), std::string::npos) << resumed.out;
+  const auto straight = rows_of(dir / "straight.json"), rows = rows_of(dir / "resumed.json");
+  ASSERT_EQ(rows.size(), 2U);
+  ASSERT_EQ(straight.size(), 4U);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(rows[i][1], straight[2 + i][1]) << "loss of step " << 2 + i;
+    EXPECT_EQ(rows[i][2], straight[2 + i][2]) << "grad norm of step " << 2 + i;
+  }
+}
+
 // The flags' own rules, before anything runs.
 TEST(CheckpointRuns, Stage01_RefusesBadCheckpointFlags) {
   TempDir dir;
