@@ -179,6 +179,30 @@ TEST(CheckpointRuns, Stage01_02_03_ReshardAcrossMeshes) {
   expect_rows_close(dir / "two_to_four.json", dir / "two.json", "T 2 -> 4");
 }
 
+// Tensors larger than a checksummed chunk (1 MiB): W_gate [512, 1024] and W_down [1024, 512] are
+// 2 MiB each on one rank, two chunks. Resumed at T = 2, a rank reads W_down's half of the rows,
+// one chunk of the two, and W_gate's half of the columns, which spans both.
+TEST(CheckpointRuns, Stage01_02_ReshardReadsPartsOfLargeShards) {
+  TempDir dir;
+  const std::string args =
+      "--hidden 512 --heads 4 --ffn 1024 --seq 4 --batch 1 --layers 1 --vocab 50 --task lm";
+  auto path = [&](const std::string& name) { return (dir / name).string(); };
+  run_ok("01_baseline", 1,
+         fmt::format("{} --steps 2 --save {} --save-every 1 --json {}", args, path("one"),
+                     path("one.json")),
+         dir);
+  run_ok(
+      "02_megatron_tp", 2,
+      fmt::format("{} --steps 2 --resume {} --json {}", args, path("one/step-1"), path("two.json")),
+      dir);
+  const auto want = rows_of(dir / "one.json"), got = rows_of(dir / "two.json");
+  ASSERT_EQ(want.size(), 2U);
+  ASSERT_EQ(got.size(), 1U);
+  EXPECT_EQ(got[0][0], 1.0);
+  EXPECT_NEAR(got[0][1], want[1][1], 1e-5 * std::abs(want[1][1]));
+  EXPECT_NEAR(got[0][2], want[1][2], 1e-5 * std::abs(want[1][2]));
+}
+
 /// A checkpoint of two steps (step-1 and step-2) of the tiny model on one rank, to damage.
 struct Saved {
   TempDir dir;
