@@ -10,15 +10,17 @@
 #include <csignal>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string_view>
+#include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
-#include "agree.h"
 #include "check.h"
 #include "ops.h"
 #include "output.h"
@@ -386,11 +388,11 @@ void sync_dir(const fs::path& dir) {
   if (rc != 0) throw Error(fmt::format("cannot write '{}': {}", dir.string(), std::strerror(err)));
 }
 
-/// Every rank's `mine` on rank 0 (collective over MPI_COMM_WORLD); empty elsewhere.
-std::vector<std::string> gather_text(const std::string& mine, int rank, int world) {
+/// Every rank's `mine` on rank 0 (collective over `comm`); empty elsewhere.
+std::vector<std::string> gather_text(const std::string& mine, int rank, int world, MPI_Comm comm) {
   const int len = static_cast<int>(mine.size());
   std::vector<int> lens(std::size_t(world), 0), at(std::size_t(world), 0);
-  TPX_MPI_CHECK(MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, MPI_COMM_WORLD));
+  TPX_MPI_CHECK(MPI_Gather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, comm));
   std::string all;
   if (rank == 0) {
     for (int r = 1; r < world; ++r)
@@ -398,7 +400,7 @@ std::vector<std::string> gather_text(const std::string& mine, int rank, int worl
     all.resize(std::size_t(at.back() + lens.back()));
   }
   TPX_MPI_CHECK(MPI_Gatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), at.data(),
-                            MPI_CHAR, 0, MPI_COMM_WORLD));
+                            MPI_CHAR, 0, comm));
   std::vector<std::string> out;
   if (rank == 0)
     for (int r = 0; r < world; ++r)
@@ -406,10 +408,21 @@ std::vector<std::string> gather_text(const std::string& mine, int rank, int worl
   return out;
 }
 
-/// Stops every rank with rank `first`'s error when any rank has one (collective).
-void throw_if_any(const std::string& problem) {
-  const StartVerdict v = agree_to_start(!problem.empty(), 1, problem);
-  if (v.stop) throw Error(v.message);
+/// Stops every rank of `comm` with the lowest failing rank's error when any rank has one
+/// (collective).
+void throw_if_any(const std::string& problem, MPI_Comm comm) {
+  int rank = 0;
+  TPX_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  const int mine = problem.empty() ? std::numeric_limits<int>::max() : rank;
+  int first = 0;
+  TPX_MPI_CHECK(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm));
+  if (first == std::numeric_limits<int>::max()) return;
+  std::string text = problem;
+  int len = static_cast<int>(text.size());
+  TPX_MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT, first, comm));
+  text.resize(std::size_t(len));
+  TPX_MPI_CHECK(MPI_Bcast(text.data(), len, MPI_CHAR, first, comm));
+  throw Error(text);
 }
 
 }  // namespace
@@ -438,9 +451,10 @@ std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s) {
     // The vocabulary's cut: this rank's ids [begin, begin + real), its padding not saved.
     const VocabShard v = vocab_shard(c, s);
     const std::int64_t h = c.hidden, real = v.real(c.vocab);
-    add(std::string(kLmParamNames[0]), {c.vocab, h}, {v.local, h}, {v.begin, 0}, {real, h}, true);
+    const std::int64_t at = std::min(v.begin, c.vocab);  // a range of padding alone: empty, at V
+    add(std::string(kLmParamNames[0]), {c.vocab, h}, {v.local, h}, {at, 0}, {real, h}, true);
     add(std::string(kLmParamNames[1]), {h}, {h}, {0}, {h}, false);
-    add(std::string(kLmParamNames[2]), {h, c.vocab}, {h, v.local}, {0, v.begin}, {h, real}, true);
+    add(std::string(kLmParamNames[2]), {h, c.vocab}, {h, v.local}, {0, at}, {h, real}, true);
   }
   if (c.optimizer == Optimizer::adamw) {
     const std::size_t n = parts.size();
@@ -471,11 +485,32 @@ std::optional<std::string> checkpoint_flag_problem(BlockConfig& c) {
   return std::nullopt;
 }
 
-fs::path save_checkpoint(const BlockConfig& c, const Sharding& s,
-                         const std::vector<const Tensor*>& state, std::int64_t step) {
+CheckpointSnapshot snapshot_state(const BlockConfig& c, const Sharding& s,
+                                  const std::vector<const Tensor*>& state, std::int64_t step) {
   const std::vector<StatePart> parts = state_parts(c, s);
   TPX_CHECK(parts.size() == state.size(), "{} state tensors for {} parts", state.size(),
             parts.size());
+  CheckpointSnapshot snap;
+  snap.step = step;
+  snap.dir = fs::path(c.checkpoint.save_dir) / fmt::format("step-{}", step);
+  snap.packed.resize(parts.size());
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const StatePart& p = parts[i];
+    if (!p.saved) continue;
+    const Tensor host = ops::to_device(*state[i], Device::cpu);
+    snap.packed[i].resize(std::size_t(volume(p.box)));
+    copy_region(host.f32().data(), box_at(p.box, p.local), 0, snap.packed[i].data(), p.box, p.box);
+  }
+  return snap;
+}
+
+namespace {
+
+/// Writes `snap` by the atomic protocol, collective over `comm` (the TP group's ranks).
+void write_checkpoint(const BlockConfig& c, const Sharding& s, const CheckpointSnapshot& snap,
+                      MPI_Comm comm) {
+  const std::vector<StatePart> parts = state_parts(c, s);
+  const std::int64_t step = snap.step;
   const fs::path dir = c.checkpoint.save_dir;
   const fs::path final_dir = dir / fmt::format("step-{}", step);
   const fs::path staging = dir / fmt::format("step-{}.tmp", step);
@@ -489,7 +524,7 @@ fs::path save_checkpoint(const BlockConfig& c, const Sharding& s,
     if (!ec) fs::create_directory(staging, ec);
     if (ec) problem = fmt::format("cannot write '{}': {}", staging.string(), ec.message());
   }
-  throw_if_any(problem);
+  throw_if_any(problem, comm);
   // Every rank its shard file: its parts packed one after another, a CRC per chunk of each.
   const std::string file = fmt::format("rank-{}.bin", rank);
   json shards = json::array();
@@ -499,9 +534,7 @@ fs::path save_checkpoint(const BlockConfig& c, const Sharding& s,
       for (std::size_t i = 0; i < parts.size(); ++i) {
         const StatePart& p = parts[i];
         if (!p.saved) continue;
-        const Tensor host = ops::to_device(*state[i], Device::cpu);
-        std::vector<float> packed(std::size_t(volume(p.box)));
-        copy_region(host.f32().data(), box_at(p.box, p.local), 0, packed.data(), p.box, p.box);
+        const std::vector<float>& packed = snap.packed[i];
         const std::int64_t bytes = std::int64_t(packed.size()) * 4;
         json crcs = json::array();
         const auto* b = reinterpret_cast<const char*>(packed.data());
@@ -519,10 +552,10 @@ fs::path save_checkpoint(const BlockConfig& c, const Sharding& s,
   } catch (const Error& e) {
     problem = e.what();
   }
-  throw_if_any(problem);
+  throw_if_any(problem, comm);
   if (rank == c.checkpoint.kill_rank && step == c.checkpoint.kill_step) ::raise(SIGKILL);
   // After every shard: rank 0 writes the index, and the directory takes its name.
-  const std::vector<std::string> all = gather_text(shards.dump(), rank, world);
+  const std::vector<std::string> all = gather_text(shards.dump(), rank, world, comm);
   if (rank == 0) {
     try {
       json tensors = json::array();
@@ -564,12 +597,57 @@ fs::path save_checkpoint(const BlockConfig& c, const Sharding& s,
         throw Error(fmt::format("cannot write '{}': {}", final_dir.string(), std::strerror(errno)));
       sync_dir(dir);
       fs::remove_all(old, ec);
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       problem = e.what();
     }
   }
-  throw_if_any(problem);
-  return final_dir;
+  throw_if_any(problem, comm);
+}
+
+}  // namespace
+
+fs::path save_checkpoint(const BlockConfig& c, const Sharding& s,
+                         const CheckpointSnapshot& snapshot) {
+  write_checkpoint(c, s, snapshot, MPI_COMM_WORLD);
+  return snapshot.dir;
+}
+
+struct AsyncCheckpointWriter::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;
+  std::thread thread;
+  std::string problem;  ///< the save's agreed error; empty when it succeeded
+};
+
+AsyncCheckpointWriter::AsyncCheckpointWriter() : impl_(std::make_unique<Impl>()) {
+  int level = 0;
+  TPX_MPI_CHECK(MPI_Query_thread(&level));
+  if (level < MPI_THREAD_MULTIPLE)
+    throw ConfigError(
+        "--async-save needs MPI_THREAD_MULTIPLE (its writer thread communicates while the steps "
+        "do), which this MPI does not provide");
+  TPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &impl_->comm));
+}
+
+AsyncCheckpointWriter::~AsyncCheckpointWriter() {
+  if (impl_->thread.joinable()) impl_->thread.join();
+  MPI_Comm_free(&impl_->comm);
+}
+
+void AsyncCheckpointWriter::start(const BlockConfig& c, const Sharding& s,
+                                  CheckpointSnapshot snapshot) {
+  wait();
+  impl_->thread = std::thread([this, c, s, snap = std::move(snapshot)] {
+    try {
+      write_checkpoint(c, s, snap, impl_->comm);
+    } catch (const std::exception& e) {
+      impl_->problem = e.what();
+    }
+  });
+}
+
+void AsyncCheckpointWriter::wait() {
+  if (impl_->thread.joinable()) impl_->thread.join();
+  if (!impl_->problem.empty()) throw Error(std::exchange(impl_->problem, {}));
 }
 
 std::string load_checkpoint(const BlockConfig& c, const Sharding& s,

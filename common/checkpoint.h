@@ -18,13 +18,14 @@
 //
 // defines: tpx::crc32(), tpx::IndexRange, tpx::overlap(), tpx::kCheckpointVersion,
 //          tpx::kCheckpointChunkBytes, tpx::StatePart, tpx::state_parts(),
-//          tpx::checkpoint_flag_problem(), tpx::resolve_resume(), tpx::save_checkpoint(),
-//          tpx::load_checkpoint()
+//          tpx::checkpoint_flag_problem(), tpx::CheckpointSnapshot, tpx::snapshot_state(),
+//          tpx::save_checkpoint(), tpx::AsyncCheckpointWriter, tpx::load_checkpoint()
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -85,12 +86,44 @@ std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s);
 /// run's --steps goes past the checkpoint's step. Sets c.checkpoint.resume_dir / resume_step.
 std::optional<std::string> checkpoint_flag_problem(BlockConfig& c);
 
-/// Collective over MPI_COMM_WORLD (the ranks of one tensor-parallel group, cut as `s`): saves
-/// `state` (in state_parts(c, s) order, this rank's tensors) as c.checkpoint.save_dir/step-<step>/
-/// by the atomic protocol above. Throws tpx::Error naming the file on a failed write (the
-/// previous checkpoints stay whole). Returns the new checkpoint's directory.
+/// What a save writes: this rank's saved parts of the state (state_parts(c, s) order; empty for
+/// a part it does not save), packed box by box in host memory, so that training may go on while
+/// they are written; the step, and the checkpoint directory it becomes.
+struct CheckpointSnapshot {
+  std::int64_t step = 0;
+  std::filesystem::path dir;  ///< c.checkpoint.save_dir/step-<step>
+  std::vector<std::vector<float>> packed;
+};
+
+/// This rank's part of `state` (state_parts(c, s) order, its tensors on any device) after `step`
+/// steps, copied to the host. Not collective.
+CheckpointSnapshot snapshot_state(const BlockConfig& c, const Sharding& s,
+                                  const std::vector<const Tensor*>& state, std::int64_t step);
+
+/// Collective over MPI_COMM_WORLD (the ranks of one tensor-parallel group, cut as `s`): writes
+/// `snapshot` as c.checkpoint.save_dir/step-<step>/ by the atomic protocol above. Throws
+/// tpx::Error naming the file on a failed write, the same on every rank (the previous
+/// checkpoints stay whole). Returns the new checkpoint's directory.
 std::filesystem::path save_checkpoint(const BlockConfig& c, const Sharding& s,
-                                      const std::vector<const Tensor*>& state, std::int64_t step);
+                                      const CheckpointSnapshot& snapshot);
+
+/// --async-save: each save written by a thread of its own, over a communicator of its own (a
+/// duplicate of MPI_COMM_WORLD), while the steps go on. Made by every rank together (collective).
+class AsyncCheckpointWriter {
+ public:
+  AsyncCheckpointWriter();
+  ~AsyncCheckpointWriter();  ///< waits for a save in flight (call wait() to see its error)
+  AsyncCheckpointWriter(const AsyncCheckpointWriter&) = delete;
+  AsyncCheckpointWriter& operator=(const AsyncCheckpointWriter&) = delete;
+  /// Waits for the save in flight (wait()), then starts writing `snapshot`.
+  void start(const BlockConfig& c, const Sharding& s, CheckpointSnapshot snapshot);
+  /// Waits for the save in flight; throws tpx::Error, the same on every rank, if it failed.
+  void wait();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// Reads this rank's part of every tensor of `state` (state_parts(c, s) order) from the checkpoint
 /// c.checkpoint.resume_dir, chunks verified by their CRC-32: empty on success, else one sentence

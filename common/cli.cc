@@ -341,6 +341,10 @@ void add_checkpoint_flags(CLI::App& app, CheckpointOptions& k) {
                  "(counted from the start of training)")
       ->type_name("DIR")
       ->group(group);
+  app.add_flag("--async-save", k.async_save,
+               "with --save: copy the state to host memory and write it on a thread of its own "
+               "while the next steps run")
+      ->group(group);
   add_rank_pair(app, "--fault-kill-in-save", "STEP", k.kill_rank, k.kill_step,
                 "RANK:STEP: that rank kills itself (SIGKILL) in the save after step STEP, once "
                 "its shard file is written and before the index");
@@ -446,7 +450,7 @@ std::optional<std::string> check_combinations(const CLI::App& app, const StageIn
         "--recompute-every chooses the layers of --recompute full (got "
         "--recompute {})",
         choices.recompute);
-  for (const char* flag : {"--save", "--save-every", "--resume"})
+  for (const char* flag : {"--save", "--save-every", "--async-save", "--resume"})
     if (given(flag))
       for (const auto& group : o.flag_groups)
         if (const auto dim = group->dimension())
@@ -461,6 +465,8 @@ std::optional<std::string> check_combinations(const CLI::App& app, const StageIn
     return "--check compares a run from initialisation with the reference; it cannot start "
            "from --resume (leave out one of the two)";
   if (given("--save") && o.config.checkpoint.save_dir.empty()) return "--save: the path is empty";
+  if (given("--async-save") && !given("--save"))
+    return "--async-save needs --save DIR (where the checkpoints go)";
   if (given("--resume") && o.config.checkpoint.resume_dir.empty())
     return "--resume: the path is empty";
   if (o.dry_run)
@@ -657,6 +663,7 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--dry-run", o.dry_run ? "given" : "not given"},
       {"--save", given(c.checkpoint.save_dir)},
       {"--save-every", fmt::format("{}", c.checkpoint.save_every)},
+      {"--async-save", c.checkpoint.async_save ? "given" : "not given"},
       {"--resume", given(c.checkpoint.resume_dir)},
       {"--fault-kill-in-save",
        fmt::format("{}:{}", c.checkpoint.kill_rank, c.checkpoint.kill_step)}};

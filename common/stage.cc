@@ -143,10 +143,13 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
   if (!c.checkpoint.resume_dir.empty())
     fmt::print("resumed from {} (step {})\n", c.checkpoint.resume_dir, c.checkpoint.resume_step);
   if (!c.checkpoint.save_dir.empty())
-    fmt::print("checkpoints to {}/step-<N> {}\n", c.checkpoint.save_dir,
+    fmt::print("checkpoints to {}/step-<N> {}{}\n", c.checkpoint.save_dir,
                c.checkpoint.save_every > 0
                    ? fmt::format("every {} steps and at the end", c.checkpoint.save_every)
-                   : std::string("at the end"));
+                   : std::string("at the end"),
+               c.checkpoint.async_save
+                   ? " (asynchronous: a thread writes each while the steps go on)"
+                   : "");
   if (c.device == Device::cpu)
     fmt::print("(cpu backend: timings show the mechanics, not GPU speed)\n");
   if (speed.gpu())
@@ -222,6 +225,7 @@ json config_json(const StageOptions& o) {
           {"eval_every", c.eval_every},
           {"save", c.checkpoint.save_dir},
           {"save_every", c.checkpoint.save_every},
+          {"async_save", c.checkpoint.async_save},
           {"resume", c.checkpoint.resume_dir},
           {"resume_step", c.checkpoint.resume_step}};
 }
@@ -465,6 +469,7 @@ json step_json(const StepRow& row) {
   if (!row.saved.empty()) {
     j["saved"] = row.saved;
     j["save_ms"] = row.save_ms;
+    j["save_async"] = row.save_async;
   }
   for (const std::string& name : reported_names(kReportedGroups, row.comm.groups)) {
     const GroupTraffic g = row.comm.group(name);

@@ -294,6 +294,9 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     if (const StartVerdict v = agree_to_start(!problem.empty(), 2, problem); v.stop)
       throw ConfigError(v.message);
   }
+  // --async-save: the saves' writer thread, with a communicator of its own.
+  std::optional<AsyncCheckpointWriter> writer;
+  if (c.checkpoint.async_save) writer.emplace();
   TrainResult result;
   par.synchronize();
   ops::synchronize(c.device);  // initialisation's device work is not a step's
@@ -396,11 +399,22 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       const auto t1 = Clock::now();
       TraceScope phase(trace, "save", Lane::phase);
       const auto all = state_tensors(m, moments);
-      row.saved = save_checkpoint(c, sh, {all.begin(), all.end()}, step + 1).string();
+      CheckpointSnapshot state = snapshot_state(c, sh, {all.begin(), all.end()}, step + 1);
+      row.saved = state.dir.string();
+      row.save_async = writer.has_value();
+      if (writer)  // the host copy taken, the step loop goes on while the thread writes it
+        writer->start(c, sh, std::move(state));
+      else
+        save_checkpoint(c, sh, state);
       row.save_ms = ms_since(t1);
     }
     result.rows.push_back(row);
     if (on_row) on_row(row);
+  }
+  if (writer) {  // the last save's writing, after the last step: the run's, not a step's
+    const auto t1 = Clock::now();
+    writer->wait();
+    result.extra["save_final_wait_ms"] = ms_since(t1);
   }
   if (c.generate.tokens > 0 && result.diverged.empty()) {
     gather_model(c, par, m, /*grads=*/false, result.trained);  // not a step's: reporting

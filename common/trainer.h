@@ -41,9 +41,11 @@ struct StepRow {
   std::size_t peak_bytes = 0;
   std::size_t reserved_bytes = 0;  ///< held by the allocator at the step's end (cache included)
   /// --save: the checkpoint written after this step's update (empty: none) and the time the
-  /// save took, outside `ms`.
+  /// save held the step loop, outside `ms`: the whole save, or under --async-save (`save_async`)
+  /// the host copy and the wait for the previous save, if it was still being written.
   std::string saved;
   double save_ms = 0;
+  bool save_async = false;
 };
 
 /// Full, unsharded host copies from the first forward + backward (valid on rank 0 only).

@@ -68,7 +68,8 @@ TEST(Checkpoint, DisjointOrTouchingPartsShareNothing) {
 // The boxes state_parts() gives the ranks of a T-way cut: the parts each rank saves tile every
 // global tensor exactly once (a replicated one on rank 0 alone, the vocabulary's padding on
 // nobody), and every rank's box of a tensor is the part it holds. T = 3 pads the vocabulary of
-// 50 to 51: the last rank holds 16 real ids and one of padding.
+// 50 to 51: the last rank holds 16 real ids and one of padding. At V = 5, T = 4 pads it to 8 and
+// rank 3 holds padding alone: an empty box.
 TEST(Checkpoint, SavedPartsTileEveryTensorOnce) {
   tpx::BlockConfig c;
   c.hidden = 24;
@@ -78,7 +79,8 @@ TEST(Checkpoint, SavedPartsTileEveryTensorOnce) {
   c.task = tpx::Task::lm;
   c.vocab = 50;
   c.optimizer = tpx::Optimizer::adamw;
-  for (int world : {1, 2, 3}) {
+  for (auto [vocab, world] : {std::pair{50, 1}, {50, 2}, {50, 3}, {5, 4}}) {
+    c.vocab = vocab;
     const auto whole = tpx::state_parts(c, tpx::Sharding{});
     std::vector<std::vector<int>> hits(whole.size());
     for (std::size_t i = 0; i < whole.size(); ++i) {

@@ -134,6 +134,34 @@ TEST(CheckpointRuns, Stage06_Fp8ContinuesBitForBit) {
   expect_continues_bit_for_bit("06_fp8", 2, "--task lm --optimizer adamw --lr 1e-3");
 }
 
+// --async-save: a thread writes each save's host copy while the steps go on. The checkpoints are
+// the synchronous saves' byte for byte, training is unchanged, and --json says which saves were
+// asynchronous and what each cost the step loop.
+TEST(CheckpointRuns, Stage02_AsyncSaveWritesTheSameCheckpoints) {
+  TempDir dir;
+  const std::string args = kTiny + " --task lm --optimizer adamw --lr 1e-3 --steps 3";
+  auto path = [&](const std::string& name) { return (dir / name).string(); };
+  run_ok(
+      "02_megatron_tp", 2,
+      fmt::format("{} --save {} --save-every 1 --json {}", args, path("sync"), path("sync.json")),
+      dir);
+  run_ok("02_megatron_tp", 2,
+         fmt::format("{} --save {} --save-every 1 --async-save --json {}", args, path("async"),
+                     path("async.json")),
+         dir);
+  expect_same_files(dir / "sync", dir / "async");
+  EXPECT_EQ(rows_of(dir / "sync.json"), rows_of(dir / "async.json"));
+  const json sync = json::parse(read_file(dir / "sync.json"));
+  const json async = json::parse(read_file(dir / "async.json"));
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(sync.at("steps")[i].at("save_async"), false);
+    EXPECT_EQ(async.at("steps")[i].at("save_async"), true);
+    EXPECT_EQ(async.at("steps")[i].at("saved"), path(fmt::format("async/step-{}", i + 1)));
+    EXPECT_GE(async.at("steps")[i].at("save_ms").get<double>(), 0.0);
+  }
+  EXPECT_GE(async.at("save_final_wait_ms").get<double>(), 0.0);
+}
+
 /// `got`'s rows against `want`'s steps 3..5 within rtol (fp32 --check's 1e-5): another cut
 /// sums in another order, so the last bits differ, and nothing more.
 void expect_rows_close(const fs::path& got, const fs::path& want, const std::string& what) {
