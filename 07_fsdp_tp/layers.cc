@@ -39,6 +39,12 @@ Tensor flat_rows(const Tensor& flat, std::int64_t begin, std::int64_t end, std::
   return flat.slice0(begin, end).reshape({(end - begin) / cols, cols});
 }
 
+/// Tensor i of LmParams::all() (the embedding, the final gain, the output layer), to assign.
+Tensor& lm_tensor(LmParams& p, std::size_t i) {
+  const std::array<Tensor*, kLmParams> all = {&p.embedding, &p.norm_f, &p.w_out};
+  return *all[i];
+}
+
 }  // namespace
 
 Tensor::Shape FlatLayout::Entry::shard_shape() const {
@@ -47,14 +53,14 @@ Tensor::Shape FlatLayout::Entry::shard_shape() const {
   return s;
 }
 
-FlatLayout flat_layout(const LayerParams& tp_local, int d) {
+FlatLayout flat_layout(std::span<const Tensor> tp_local, int d) {
   TPX_CHECK(d >= 1, "FSDP over {} ranks", d);
   FlatLayout f;
-  for (Param p : kAllParams) {
-    FlatLayout::Entry& e = f.entries[static_cast<std::size_t>(p)];
-    e.shape = tp_local[p].shape();
+  for (const Tensor& t : tp_local) {
+    FlatLayout::Entry& e = f.entries.emplace_back();
+    e.shape = t.shape();
     e.rows = e.shape[0];
-    e.cols = tp_local[p].numel() / e.rows;
+    e.cols = t.numel() / e.rows;
     e.shard_rows = (e.rows + d - 1) / d;
     e.offset = f.numel;
     f.numel += e.shard_numel();
@@ -99,7 +105,7 @@ std::string FsdpTp::comm_name() const {
 // --- the model: this rank's shards ---------------------------------------------------------------
 
 void FsdpTp::shard_model(Model& m) {
-  const int d = mesh_.dp_cp(), me = mesh_.dp_cp_index();
+  const int d = mesh_.dp_cp();
   // The data: this replica's B / D columns of the batch dim of [S/T, B, H]. The parameters are
   // sharded over the DP×CP group (the DP group when there is no CP dimension).
   auto batch_part = [&](const Tensor& t) {
@@ -122,27 +128,51 @@ void FsdpTp::shard_model(Model& m) {
   layout_.clear();
   grad_shards_.clear();
   for (std::size_t l = 0; l < m.params.size(); ++l) {
-    const FlatLayout f = flat_layout(m.params[l], d);
-    const Tensor host_shard = Tensor::zeros({f.numel});
-    for (Param p : kAllParams) {
-      const FlatLayout::Entry& e = f[p];
-      const std::int64_t begin = std::min(e.rows, me * e.shard_rows);
-      const std::int64_t end = std::min(e.rows, (me + 1) * e.shard_rows);
-      if (end > begin)
-        ops::copy(rows_of(ops::to_device(m.params[l][p], Device::cpu), e.cols, begin, end),
-                  flat_rows(host_shard, e.offset, e.offset + (end - begin) * e.cols, e.cols));
-    }
-    const Tensor params = ops::to_device(host_shard, device_);
-    const Tensor grads = Tensor::empty({f.numel}, DType::f32, device_);
-    ops::fill(grads, 0.0f);
-    for (Param p : kAllParams) {
-      const FlatLayout::Entry& e = f[p];
-      m.params[l][p] = params.slice0(e.offset, e.offset + e.shard_numel()).reshape(e.shard_shape());
-      m.grads[l][p] = grads.slice0(e.offset, e.offset + e.shard_numel()).reshape(e.shard_shape());
-    }
-    layout_.push_back(f);
-    grad_shards_.push_back(grads);
+    layout_.push_back(flat_layout(m.params[l].t, d));
+    grad_shards_.push_back(shard_unit(layout_.back(), m.params[l].t, m.grads[l].t));
   }
+  // The language model's ends (those this rank holds: a pipeline stage may hold one), a unit
+  // each, sharded the same way.
+  lm_units_.clear();
+  for (const auto& [name, members] :
+       {std::pair<std::string, std::vector<std::size_t>>{"embedding", {0}}, {"head", {1, 2}}}) {
+    if (!lm_tensor(m.lm, members.front()).defined()) continue;
+    std::vector<Tensor> params, grads;
+    for (const std::size_t i : members) {
+      params.push_back(lm_tensor(m.lm, i));
+      grads.push_back(lm_tensor(m.lm_grads, i));
+    }
+    LmUnit u{name, members, flat_layout(params, d), Tensor()};
+    u.grad_shard = shard_unit(u.layout, params, grads);
+    for (std::size_t k = 0; k < members.size(); ++k) {
+      lm_tensor(m.lm, members[k]) = params[k];
+      lm_tensor(m.lm_grads, members[k]) = grads[k];
+    }
+    lm_units_.push_back(std::move(u));
+  }
+}
+
+Tensor FsdpTp::shard_unit(const FlatLayout& f, std::span<Tensor> tensors,
+                          std::span<Tensor> grads) const {
+  const int me = mesh_.dp_cp_index();
+  const Tensor host_shard = Tensor::zeros({f.numel});
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const FlatLayout::Entry& e = f[i];
+    const std::int64_t begin = std::min(e.rows, me * e.shard_rows);
+    const std::int64_t end = std::min(e.rows, (me + 1) * e.shard_rows);
+    if (end > begin)
+      ops::copy(rows_of(ops::to_device(tensors[i], Device::cpu), e.cols, begin, end),
+                flat_rows(host_shard, e.offset, e.offset + (end - begin) * e.cols, e.cols));
+  }
+  const Tensor params = ops::to_device(host_shard, device_);
+  const Tensor flat_grads = Tensor::empty({f.numel}, DType::f32, device_);
+  ops::fill(flat_grads, 0.0f);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const FlatLayout::Entry& e = f[i];
+    tensors[i] = params.slice0(e.offset, e.offset + e.shard_numel()).reshape(e.shard_shape());
+    grads[i] = flat_grads.slice0(e.offset, e.offset + e.shard_numel()).reshape(e.shard_shape());
+  }
+  return flat_grads;
 }
 
 // --- forward and backward: gather just in time, reduce-scatter as soon as complete --------------
@@ -154,17 +184,17 @@ namespace {
 /// --dtype bf16; all fp32 otherwise), one after the other, each at a multiple of its element size
 /// (the views below need no more: the copy-out gives every parameter memory of its own).
 struct ByteLayout {
-  std::array<std::int64_t, kNumParams> offset{};  // bytes into one rank's part
-  std::int64_t bytes = 0;                         // of one rank's part
+  std::vector<std::int64_t> offset;  // bytes into one rank's part, per tensor
+  std::int64_t bytes = 0;            // of one rank's part
 };
 
-ByteLayout byte_layout(const FlatLayout& f, const LayerParams& stored) {
+ByteLayout byte_layout(const FlatLayout& f, std::span<const Tensor> stored) {
   ByteLayout b;
-  for (Param p : kAllParams) {
-    const auto size = static_cast<std::int64_t>(dtype_size(stored[p].dtype()));
+  for (std::size_t i = 0; i < stored.size(); ++i) {
+    const auto size = static_cast<std::int64_t>(dtype_size(stored[i].dtype()));
     b.bytes = (b.bytes + size - 1) / size * size;
-    b.offset[static_cast<std::size_t>(p)] = b.bytes;
-    b.bytes += f[p].shard_numel() * size;
+    b.offset.push_back(b.bytes);
+    b.bytes += f[i].shard_numel() * size;
   }
   return b;
 }
@@ -182,20 +212,18 @@ Tensor typed_view(const Tensor& buf, std::int64_t at, std::int64_t n, std::int64
 
 }  // namespace
 
-void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l) {
-  const FlatLayout& f = layout_[l];
-  const ByteLayout b = byte_layout(f, stored[l]);
-  // Pack this rank's shards (the compute copies are per parameter) into one buffer of bytes.
+FsdpTp::Gather FsdpTp::issue_gather(const FlatLayout& f, std::span<const Tensor> stored,
+                                    const std::string& what) {
+  const ByteLayout b = byte_layout(f, stored);
+  // Pack this rank's shards (the compute copies are per tensor) into one buffer of bytes.
   const Tensor send = Tensor::empty({b.bytes}, DType::u8, device_);
-  for (Param p : kAllParams) {
-    const FlatLayout::Entry& e = f[p];
-    const Tensor& shard = stored[l][p];
-    ops::copy(shard.reshape({e.shard_rows, e.cols}),
-              typed_view(send, b.offset[std::size_t(p)], e.shard_numel(), e.cols, shard.dtype()));
+  for (std::size_t i = 0; i < stored.size(); ++i) {
+    const FlatLayout::Entry& e = f[i];
+    ops::copy(stored[i].reshape({e.shard_rows, e.cols}),
+              typed_view(send, b.offset[i], e.shard_numel(), e.cols, stored[i].dtype()));
   }
   Gather g{Tensor::empty({std::int64_t(mesh_.dp_cp()) * b.bytes}, DType::u8, device_),
            Event(device_), b.offset, b.bytes};
-  const std::string what = fmt::format("layer {} weights all-gather", l);
   // Booked now, so that the flight recorder has it in the program's order on every rank.
   const std::uint64_t booked = dp_comm_->book(CommOp::all_gather, what);
   // And marked on the DP-comm lane as queued (reporting only, no duration): a prefetch shows as
@@ -210,7 +238,33 @@ void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l)
         TraceScope span(trace_, what, Lane::dp_comm);
         dp_comm_->all_gather(send, full, gather_lane_, booked);
       });
-  gathers_.insert_or_assign(l, std::move(g));
+  return g;
+}
+
+void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l) {
+  gathers_.insert_or_assign(
+      l, issue_gather(layout_[l], stored[l].t, fmt::format("layer {} weights all-gather", l)));
+}
+
+std::vector<Tensor> FsdpTp::copy_out(const Gather& g, const FlatLayout& f,
+                                     std::span<const Tensor> stored) const {
+  // Tensor i's rows from rank d sit at byte d·bytes + offset(i) of the gather.
+  std::vector<Tensor> out;
+  for (std::size_t i = 0; i < stored.size(); ++i) {
+    const FlatLayout::Entry& e = f[i];
+    const DType dtype = stored[i].dtype();
+    const Tensor full = Tensor::empty(e.shape, dtype, device_);
+    for (int d = 0; d < mesh_.dp_cp(); ++d) {
+      const std::int64_t begin = std::min(e.rows, d * e.shard_rows);
+      const std::int64_t end = std::min(e.rows, (d + 1) * e.shard_rows);
+      if (end <= begin) continue;
+      const Tensor part =
+          typed_view(g.full, d * g.bytes + g.offset[i], e.shard_numel(), e.cols, dtype);
+      ops::copy(part.slice0(0, end - begin), rows_of(full, e.cols, begin, end));
+    }
+    out.push_back(full);
+  }
+  return out;
 }
 
 LayerParams FsdpTp::layer_params(const std::vector<LayerParams>& stored, std::size_t l, int next) {
@@ -222,24 +276,10 @@ LayerParams FsdpTp::layer_params(const std::vector<LayerParams>& stored, std::si
   const Gather& g = gathers_.at(l);
   const Stream compute(device_);
   g.done.wait(compute);
-  // Copy out: parameter p's rows from rank d sit at byte d·bytes + offset(p) of the gather.
   TraceScope span(trace_, fmt::format("layer {} weights copy-out", l));
-  const FlatLayout& f = layout_[l];
+  const std::vector<Tensor> full = copy_out(g, layout_[l], stored[l].t);
   LayerParams w;
-  for (Param p : kAllParams) {
-    const FlatLayout::Entry& e = f[p];
-    const DType dtype = stored[l][p].dtype();
-    const Tensor full = Tensor::empty(e.shape, dtype, device_);
-    for (int d = 0; d < mesh_.dp_cp(); ++d) {
-      const std::int64_t begin = std::min(e.rows, d * e.shard_rows);
-      const std::int64_t end = std::min(e.rows, (d + 1) * e.shard_rows);
-      if (end <= begin) continue;
-      const Tensor part = typed_view(g.full, d * g.bytes + g.offset[std::size_t(p)],
-                                     e.shard_numel(), e.cols, dtype);
-      ops::copy(part.slice0(0, end - begin), rows_of(full, e.cols, begin, end));
-    }
-    w[p] = full;
-  }
+  std::ranges::copy(full, w.t.begin());
   return w;
 }
 
@@ -256,20 +296,25 @@ LayerParams FsdpTp::layer_grads(std::size_t l, const LayerParams& stored) {
 
 void FsdpTp::grads_done(std::size_t l, const LayerParams& full, const LayerParams& /*stored*/) {
   if (mesh_.dp_cp() == 1) return;
-  const FlatLayout& f = layout_[l];
-  // Pack in the gather's layout, [D, numel] with rank d's rows of every parameter at
+  issue_reduction(layout_[l], full.t, grad_shards_[l],
+                  fmt::format("layer {} grads reduce-scatter", l));
+}
+
+void FsdpTp::issue_reduction(const FlatLayout& f, std::span<const Tensor> full, const Tensor& shard,
+                             const std::string& what) {
+  // Pack in the gather's layout, [D, numel] with rank d's rows of every tensor at
   // d·numel + offset, padding zero, so that the reduce-scatter leaves each rank its own shard.
   Reduction r{Tensor::empty({std::int64_t(mesh_.dp_cp()) * f.numel}, DType::f32, device_),
               Event(device_)};
   ops::fill(r.flat, 0.0f);
-  for (Param p : kAllParams) {
-    const FlatLayout::Entry& e = f[p];
+  for (std::size_t i = 0; i < full.size(); ++i) {
+    const FlatLayout::Entry& e = f[i];
     for (int d = 0; d < mesh_.dp_cp(); ++d) {
       const std::int64_t begin = std::min(e.rows, d * e.shard_rows);
       const std::int64_t end = std::min(e.rows, (d + 1) * e.shard_rows);
       if (end <= begin) continue;
       const std::int64_t at = d * f.numel + e.offset;
-      ops::copy(rows_of(full[p], e.cols, begin, end),
+      ops::copy(rows_of(full[i], e.cols, begin, end),
                 flat_rows(r.flat, at, at + (end - begin) * e.cols, e.cols));
     }
   }
@@ -280,8 +325,6 @@ void FsdpTp::grads_done(std::size_t l, const LayerParams& full, const LayerParam
     reductions_.front().done.wait(compute);
     reductions_.erase(reductions_.begin());
   }
-  const Tensor shard = grad_shards_[l];
-  const std::string what = fmt::format("layer {} grads reduce-scatter", l);
   const std::uint64_t booked = dp_comm_->book(CommOp::reduce_scatter, what);
   // Behind the compute stream's mark: the gradients have been packed into r.flat.
   r.done =
@@ -297,14 +340,70 @@ TokenCut FsdpTp::token_cut(const BlockConfig& c) const {
   return {{{c.seq, 0}}, mesh_.dp_index * part, (mesh_.dp_index + 1) * part};
 }
 
-void FsdpTp::reduce_lm_grads(const LmParams& grads) {
-  if (mesh_.dp_cp() == 1) return;
-  const Stream compute(device_);
-  for (const Tensor* g : grads.all()) {
-    if (!g->defined()) continue;  // a pipeline stage holds only its end's
-    TraceScope span(trace_, "language model grads all-reduce", Lane::dp_comm);
-    dp_comm_->all_reduce(*g, compute);
+// --- the language model's ends: an FSDP unit each ---------------------------------------------
+
+std::pair<const FsdpTp::LmUnit*, std::size_t> FsdpTp::lm_unit_of(std::size_t i) const {
+  for (const LmUnit& u : lm_units_)
+    for (std::size_t k = 0; k < u.members.size(); ++k)
+      if (u.members[k] == i) return {&u, k};
+  return {nullptr, 0};
+}
+
+namespace {
+
+/// The units of `p` that it defines, each whole or not at all (a caller passes whole ends).
+template <class Unit>
+bool defines(const LmParams& p, const Unit& u) {
+  const auto all = p.all();
+  const bool first = all[u.members.front()]->defined();
+  for (const std::size_t i : u.members)
+    TPX_CHECK(all[i]->defined() == first, "the {} end passed in part", u.name);
+  return first;
+}
+
+/// The tensors of unit `u` in `p`, in the unit's order.
+template <class Unit>
+std::vector<Tensor> unit_tensors(const LmParams& p, const Unit& u) {
+  std::vector<Tensor> out;
+  for (const std::size_t i : u.members) out.push_back(*p.all()[i]);
+  return out;
+}
+
+}  // namespace
+
+LmParams FsdpTp::lm_params(const LmParams& stored) {
+  if (mesh_.dp_cp() == 1) return stored;  // nothing is sharded
+  LmParams w = stored;
+  for (const LmUnit& u : lm_units_) {
+    if (!defines(stored, u)) continue;
+    const std::vector<Tensor> shards = unit_tensors(stored, u);
+    // Gathered when the end is about to run (the head's for its forward and backward at once),
+    // and let go by the caller after it.
+    const Gather g = issue_gather(u.layout, shards, u.name + " weights all-gather");
+    g.done.wait(Stream(device_));
+    TraceScope span(trace_, u.name + " weights copy-out");
+    const std::vector<Tensor> full = copy_out(g, u.layout, shards);
+    for (std::size_t k = 0; k < full.size(); ++k) lm_tensor(w, u.members[k]) = full[k];
   }
+  return w;
+}
+
+LmParams FsdpTp::lm_grads(const LmParams& stored) {
+  if (mesh_.dp_cp() == 1) return stored;
+  LmParams g;
+  for (const LmUnit& u : lm_units_)
+    if (defines(stored, u))
+      for (std::size_t k = 0; k < u.members.size(); ++k)
+        lm_tensor(g, u.members[k]) = Tensor::empty(u.layout[k].shape, DType::f32, device_);
+  return g;
+}
+
+void FsdpTp::reduce_lm_grads(const LmParams& full, const LmParams& /*stored*/) {
+  if (mesh_.dp_cp() == 1) return;  // lm_grads() gave the stored gradients themselves
+  for (const LmUnit& u : lm_units_)
+    if (defines(full, u))
+      issue_reduction(u.layout, unit_tensors(full, u), u.grad_shard,
+                      u.name + " grads reduce-scatter");
 }
 
 void FsdpTp::finish_grads() {
@@ -351,17 +450,30 @@ Tensor FsdpTp::gather_activation(const Tensor& local) {
   return full;
 }
 
-Tensor FsdpTp::gather_param(Param p, const Tensor& local) {
-  if (mesh_.dp_cp() == 1) return tp_->gather_param(p, local);
-  // The DP shards back into the TP-local tensor (padding dropped), then stage 05's TP gather.
+Tensor FsdpTp::unshard_for_report(const Tensor& local, std::int64_t rows) const {
   const Tensor host = ops::to_device(local, Device::cpu);
   Tensor::Shape shape = local.shape();
   shape[0] *= mesh_.dp_cp();
   const Tensor all = Tensor::empty(shape, local.dtype());
   dp_gather_for_report(*dp_comm_, host, all);
+  return ops::to_device(all.slice0(0, rows), device_);  // the padding rows dropped
+}
+
+Tensor FsdpTp::gather_param(Param p, const Tensor& local) {
+  if (mesh_.dp_cp() == 1) return tp_->gather_param(p, local);
+  // The DP shards back into the TP-local tensor, then stage 05's TP gather.
   const FlatLayout::Entry& e = layout_.front()[p];  // every layer has the same layout
-  const Tensor tp_local = all.slice0(0, e.rows);
-  return tp_->gather_param(p, ops::to_device(tp_local, device_));
+  return tp_->gather_param(p, unshard_for_report(local, e.rows));
+}
+
+Tensor FsdpTp::gather_vocab(Split split, const Tensor& local) {
+  if (mesh_.dp_cp() == 1) return tp_->gather_vocab(split, local);
+  // The ends' tensor that `split` names (kLmSplits: the embedding's rows, the final gain, the
+  // output layer's columns), from its DP shards, then stage 05's TP gather.
+  const auto i = std::size_t(std::ranges::find(kLmSplits, split) - kLmSplits.begin());
+  const auto [unit, k] = lm_unit_of(i);
+  TPX_CHECK(unit != nullptr, "this rank holds no {}", kLmParamNames[i]);
+  return tp_->gather_vocab(split, unshard_for_report(local, unit->layout[k].rows));
 }
 
 Communicator& FsdpTp::dp_comm_for_report() {
@@ -418,7 +530,7 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .dimensions = {memory_dimension(mesh.dp_cp_index() == 0)}};  // as sharding()
   const Traffic tp = ring::traffic(replica, mesh.tp);  // stage 05's, inside the TP group
   Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
-  dp += lm_grads_traffic(ctx.options.config, mesh.tp, mesh.dp, true, true);  // replicated ends
+  dp += lm_grads_traffic(ctx.options.config, mesh.tp, mesh.dp, true, true);  // the ends (FSDP)
   p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};
   p.traffic = {tp.payload + dp.payload, tp.bus + dp.bus, tp.calls + dp.calls};
   p.comm = fmt::format("mesh D {} × TP {} (dry run)", mesh.dp, mesh.tp);

@@ -14,6 +14,11 @@
 //               are complete, one fp32 reduce-scatter over the DP group on a stream of its own,
 //               while layer l−1's backward runs
 //   update      the optimizer steps the local shards only
+//   lm ends     the language model's embedding and its head (the final gain with the output
+//               layer) are two more such units: each TP rank's vocabulary part split along dim 0
+//               over the DP group, gathered before the lookup (fp32 rows) and before the head
+//               (the output layer's bf16 compute copy under --dtype bf16), their gradients
+//               reduce-scattered as soon as each end's backward is done
 //
 // defines: tpx::fsdp::FlatLayout, tpx::fsdp::flat_layout(), tpx::fsdp::FsdpTp,
 //          tpx::fsdp::make_fsdp_tp(), tpx::fsdp::plan_fsdp_tp()
@@ -27,6 +32,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/cli.h"
@@ -38,9 +44,10 @@
 
 namespace tpx::fsdp {
 
-/// Where each of a layer's nine parameters sits in one rank's flat shard. A TP-local parameter
-/// [rows, ...] (cols = the product of the rest; 1 for a norm gain) is split along dim 0 into D
-/// shards of `shard_rows` = ⌈rows / D⌉ rows, the last ones padded with zeros.
+/// Where each tensor of an FSDP unit (a layer's nine parameters, or one end of the language
+/// model) sits in one rank's flat shard. A TP-local tensor [rows, ...] (cols = the product of
+/// the rest; 1 for a norm gain) is split along dim 0 into D shards of `shard_rows` = ⌈rows / D⌉
+/// rows, the last ones padded with zeros.
 struct FlatLayout {
   struct Entry {
     Tensor::Shape shape;  ///< the TP-local (unsharded) shape
@@ -50,13 +57,14 @@ struct FlatLayout {
     std::int64_t shard_numel() const { return shard_rows * cols; }
     Tensor::Shape shard_shape() const;
   };
-  std::array<Entry, kNumParams> entries{};
-  std::int64_t numel = 0;  ///< of one rank's flat shard (the sum of the shards)
+  std::vector<Entry> entries;  ///< in the unit's order (a layer's: Param's)
+  std::int64_t numel = 0;      ///< of one rank's flat shard (the sum of the shards)
+  const Entry& operator[](std::size_t i) const { return entries[i]; }
   const Entry& operator[](Param p) const { return entries[static_cast<std::size_t>(p)]; }
 };
 
-/// The layout of a layer whose TP-local parameters have the shapes of `tp_local`, over D ranks.
-FlatLayout flat_layout(const LayerParams& tp_local, int d);
+/// The layout of a unit whose TP-local tensors have the shapes of `tp_local`, over D ranks.
+FlatLayout flat_layout(std::span<const Tensor> tp_local, int d);
 
 class FsdpTp final : public Parallelism {
  public:
@@ -91,16 +99,15 @@ class FsdpTp final : public Parallelism {
   void reduce_replicated_grad(const Tensor& grad) override { tp_->reduce_replicated_grad(grad); }
 
   // The language model's ends: cut over the vocabulary within the TP group (stage 05's), and
-  // replicated over the DP×CP group, whose ranks all-reduce their gradients (as DDP would).
+  // sharded over the DP×CP group as every layer is (an FSDP unit each).
   TokenCut token_cut(const BlockConfig& c) const override;
   Tensor vocab_reduce(const Tensor& partial) override { return tp_->vocab_reduce(partial); }
   Tensor vocab_reduce_backward(const Tensor& dx) override { return tp_->vocab_reduce_backward(dx); }
   void vocab_all_reduce(const Tensor& t, VocabReduce op) override { tp_->vocab_all_reduce(t, op); }
-  void reduce_lm_grads(const LmParams& grads) override;
-  bool counts_lm_replica() const override { return mesh_.dp_cp_index() == 0; }
-  Tensor gather_vocab(Split split, const Tensor& local) override {
-    return tp_->gather_vocab(split, local);
-  }
+  LmParams lm_params(const LmParams& stored) override;
+  LmParams lm_grads(const LmParams& stored) override;
+  void reduce_lm_grads(const LmParams& full, const LmParams& stored) override;
+  Tensor gather_vocab(Split split, const Tensor& local) override;
 
   // Across the whole mesh.
   double sum_over_ranks(double local) override;
@@ -121,26 +128,53 @@ class FsdpTp final : public Parallelism {
   const Mesh& mesh() const { return mesh_; }
 
  private:
-  /// Issues layer l's weight all-gather on the DP-comm lane (once per forward or backward use).
-  void issue_gather(const std::vector<LayerParams>& stored, std::size_t l);
-  /// dst (host, [n·G]) ← every rank's src (host, [n]) of `comm`'s group (G ranks: the DP group,
-  /// or the DP×CP group the parameters are sharded over), in group order: a report gather
-  /// (Communicator::all_gather_report), watched by the flight recorder and not counted in the
-  /// step's traffic.
-  void dp_gather_for_report(Communicator& comm, const Tensor& src, const Tensor& dst) const;
-  /// The communicator over the DP group alone (dp_comm_ spans the DP×CP group).
-  Communicator& dp_comm_for_report();
-
   struct Gather {
     Tensor full;  ///< every rank's part, [D · bytes] (see ByteLayout in layers.cc)
     Event done;   ///< the gather has landed
-    std::array<std::int64_t, kNumParams> offset{};  ///< each parameter's byte offset in a part
-    std::int64_t bytes = 0;                         ///< one rank's part
+    std::vector<std::int64_t> offset;  ///< each tensor's byte offset in a part
+    std::int64_t bytes = 0;            ///< one rank's part
   };
   struct Reduction {
     Tensor flat;  ///< [D, numel] fp32 gradients being reduce-scattered
     Event done;
   };
+  /// One of the language model's ends as an FSDP unit: its tensors (indices into
+  /// LmParams::all()), their layout, and the flat fp32 gradient shard the model's views are of.
+  struct LmUnit {
+    std::string name;  ///< "embedding", "head"
+    std::vector<std::size_t> members;
+    FlatLayout layout;
+    Tensor grad_shard;
+  };
+
+  /// Shards `tensors` (TP-local, a unit laid out as `f`) in place: each becomes this rank's
+  /// dim-0 shard, a view into one flat fp32 tensor, and `grads` likewise into a zero one, which
+  /// is returned (what the unit's reduce-scatter writes).
+  Tensor shard_unit(const FlatLayout& f, std::span<Tensor> tensors, std::span<Tensor> grads) const;
+  /// Issues the all-gather of a unit's shards `stored` (compute copies, laid out as `f`) on the
+  /// DP-comm lane, named `what`.
+  Gather issue_gather(const FlatLayout& f, std::span<const Tensor> stored, const std::string& what);
+  /// Issues layer l's weight all-gather (once per forward or backward use).
+  void issue_gather(const std::vector<LayerParams>& stored, std::size_t l);
+  /// The unit's TP-local tensors from gather `g` once it has landed (in `stored`'s dtypes).
+  std::vector<Tensor> copy_out(const Gather& g, const FlatLayout& f,
+                               std::span<const Tensor> stored) const;
+  /// Packs a unit's complete gradients `full` (laid out as `f`) and issues their fp32
+  /// reduce-scatter into `shard` on its own stream, named `what`; finish_grads() waits for it.
+  void issue_reduction(const FlatLayout& f, std::span<const Tensor> full, const Tensor& shard,
+                       const std::string& what);
+  /// The language model's unit that holds tensor i of LmParams::all(), and i's place in it.
+  std::pair<const LmUnit*, std::size_t> lm_unit_of(std::size_t i) const;
+  /// dst (host, [n·G]) ← every rank's src (host, [n]) of `comm`'s group (G ranks: the DP group,
+  /// or the DP×CP group the parameters are sharded over), in group order: a report gather
+  /// (Communicator::all_gather_report), watched by the flight recorder and not counted in the
+  /// step's traffic.
+  void dp_gather_for_report(Communicator& comm, const Tensor& src, const Tensor& dst) const;
+  /// On every rank: the TP-local tensor of `rows` rows (padding dropped) from this rank's DP×CP
+  /// shard `local` and the others' (a report gather, as dp_gather_for_report()).
+  Tensor unshard_for_report(const Tensor& local, std::int64_t rows) const;
+  /// The communicator over the DP group alone (dp_comm_ spans the DP×CP group).
+  Communicator& dp_comm_for_report();
 
   StageOptions tp_options_;  // the options with the TP group's communicator
   Mesh mesh_;
@@ -153,6 +187,7 @@ class FsdpTp final : public Parallelism {
   Stream gather_lane_, reduce_lane_;              // the DP-comm lane's two streams
   std::vector<FlatLayout> layout_;                // per layer
   std::vector<Tensor> grad_shards_;               // per layer: the flat fp32 gradient shard [numel]
+  std::vector<LmUnit> lm_units_;                  // the ends this rank holds (--task lm)
   std::map<std::size_t, Gather> gathers_;
   std::vector<Reduction> reductions_;  // in flight until finish_grads()
 };
@@ -162,7 +197,8 @@ class FsdpTp final : public Parallelism {
 std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx);
 
 /// --dry-run's plan: the same mesh and checks as make_fsdp_tp, stage 05's bytes on B / D over
-/// the TP group plus the FSDP gathers and reduce-scatters over DP (fsdp_traffic()).
+/// the TP group plus the FSDP gathers and reduce-scatters over DP (fsdp_traffic(), and the
+/// language model's ends': lm_grads_traffic()).
 StagePlan plan_fsdp_tp(const RunContext& ctx);
 
 }  // namespace tpx::fsdp

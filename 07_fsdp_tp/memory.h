@@ -1,7 +1,8 @@
 // Stage 07's part of the memory estimate: FSDP's unsharded layers, the term of the D·C ranks of the
-// DP×CP group that share each parameter (stages 07, 08 and 09 run it), and on the cpu backend the
-// MPI reduce-scatter's staging on the group's first rank. Its sharded parameters,
-// gradients and optimizer state are the shared terms at Sharding::dp (common/memory.cc).
+// DP×CP group that share each parameter (stages 07, 08 and 09 run it), the language model's ends
+// as FSDP gathers them, and on the cpu backend the MPI reduce-scatter's staging on the group's
+// first rank. Its sharded parameters, gradients and optimizer state (the ends' too) are the shared
+// terms at Sharding::dp and Sharding::cp (common/memory.cc).
 //
 // defines: tpx::fsdp::memory_dimension()
 #pragma once

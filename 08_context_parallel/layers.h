@@ -89,8 +89,11 @@ class ContextParallel final : public Parallelism {
   void vocab_all_reduce(const Tensor& t, VocabReduce op) override {
     inner_->vocab_all_reduce(t, op);
   }
-  void reduce_lm_grads(const LmParams& grads) override { inner_->reduce_lm_grads(grads); }
-  bool counts_lm_replica() const override { return inner_->counts_lm_replica(); }
+  LmParams lm_params(const LmParams& stored) override { return inner_->lm_params(stored); }
+  LmParams lm_grads(const LmParams& stored) override { return inner_->lm_grads(stored); }
+  void reduce_lm_grads(const LmParams& full, const LmParams& stored) override {
+    inner_->reduce_lm_grads(full, stored);
+  }
   Tensor gather_vocab(Split split, const Tensor& local) override {
     return inner_->gather_vocab(split, local);
   }

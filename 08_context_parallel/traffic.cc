@@ -65,7 +65,7 @@ MeshTraffic mesh_traffic(const BlockConfig& c, int dp, int cp, int tp, CpMethod 
   local.seq = c.seq / cp;
   local.batch = c.batch / dp;
   Traffic grads = fsdp::fsdp_traffic(c, tp, dp * cp);
-  grads += lm_grads_traffic(c, tp, dp * cp, true, true);  // the language model's replicated ends
+  grads += lm_grads_traffic(c, tp, dp * cp, true, true);  // the language model's ends (FSDP)
   return {ring::traffic(local, tp), cp_traffic(c, dp, cp, tp, method), grads};
 }
 

@@ -63,7 +63,10 @@ Executor::Result Executor::run(const std::vector<LayerParams>& params, bool keep
     r.y.resize(std::size_t(shape_.microbatches));
     r.dx.resize(std::size_t(shape_.microbatches));
   }
-  for (const Tensor* g : m_.lm_grads.all())  // summed over the micro-batches from zero
+  // The language model's gradients, summed over the micro-batches from zero in the slice's
+  // buffers (FSDP's unsharded ones), reduced after the last.
+  lm_acc_ = c_.lm() ? slice_.lm_grads(m_.lm_grads) : LmParams{};
+  for (const Tensor* g : lm_acc_.all())
     if (g->defined()) ops::fill(*g, 0.0f);
   for (std::size_t i = 0; i < actions_.size(); ++i) {
     for (std::size_t j = i; j < actions_.size() && j <= i + pipeline::kReceivesAhead; ++j)
@@ -102,8 +105,9 @@ Executor::Result Executor::run(const std::vector<LayerParams>& params, bool keep
     if (e) e->synchronize();
   scratch_ = {};
   lm_scratch_ = {};
+  if (c_.lm()) slice_.reduce_lm_grads(lm_acc_, m_.lm_grads);
   slice_.finish_grads();
-  if (c_.lm()) slice_.reduce_lm_grads(m_.lm_grads);
+  lm_acc_ = {};
   return r;
 }
 
@@ -131,7 +135,8 @@ double Executor::evaluate(const std::vector<LayerParams>& params,
     for (const int s : shape_.stages_of(me_)) {
       const auto mb = std::size_t(j);
       if (s == 0) {
-        h = lm::embed(c_, slice_, lm_params.embedding, batch[mb].tokens, trace_);
+        h = lm::embed(c_, slice_, slice_.lm_params(lm::embedding_end(lm_params)).embedding,
+                      batch[mb].tokens, trace_);
       } else if (shape_.rank_of(s - 1) != me_) {
         h = Tensor::empty(message_shape, c_.activations(), c_.device);
         pp_.receive(message(j, s - 1, /*send=*/false), h, message_name(j, s - 1)).wait(compute);
@@ -147,7 +152,8 @@ double Executor::evaluate(const std::vector<LayerParams>& params,
       }
       if (s == last) {
         lm::HeadActivations head;
-        loss_sum += lm::head_forward(c_, slice_, lm_params, h, batch[mb].targets, head, trace_);
+        loss_sum += lm::head_forward(c_, slice_, slice_.lm_params(lm::head_end(lm_params)), h,
+                                     batch[mb].targets, head, trace_);
       } else if (shape_.rank_of(s + 1) != me_) {
         pp_.send(message(j, s, /*send=*/true), h, message_name(j, s));
       }
@@ -207,7 +213,8 @@ void Executor::forward(std::size_t i, const std::vector<LayerParams>& params, Re
   if (a.stage != 0)
     p.x = incoming(i, Payload::activation);
   else if (c_.lm())
-    p.x = lm::embed(c_, slice_, lm_params.embedding, tokens[j].tokens, trace_);
+    p.x = lm::embed(c_, slice_, slice_.lm_params(lm::embedding_end(lm_params)).embedding,
+                    tokens[j].tokens, trace_);
   else
     p.x = inputs[j];
   if (keep && a.stage == 0) r.x[j] = p.x;
@@ -227,10 +234,12 @@ void Executor::forward(std::size_t i, const std::vector<LayerParams>& params, Re
   if (a.stage == shape_.stages() - 1 && c_.lm()) {
     // The language model's head on this micro-batch, its loss part of the mean over every
     // position of the batch (its gradient scaled by 1 / (S·B)).
+    // (FSDP: the head's weights gathered for it, and let go after it.)
     lm::HeadActivations head;
-    r.loss_sum += lm::head_forward(c_, slice_, lm_params, h, tokens[j].targets, head, trace_);
+    const LmParams w = slice_.lm_params(lm::head_end(lm_params));
+    r.loss_sum += lm::head_forward(c_, slice_, w, h, tokens[j].targets, head, trace_);
     const LmParams g = lm_scratch();
-    p.dy = lm::head_backward(c_, slice_, lm_params, head, tokens[j].targets,
+    p.dy = lm::head_backward(c_, slice_, w, head, tokens[j].targets,
                              1.0 / (double(c_.seq) * double(c_.batch)), g, trace_);
     accumulate_lm({.embedding = {}, .norm_f = g.norm_f, .w_out = g.w_out});
     if (keep) r.y[j] = h;
@@ -363,14 +372,14 @@ LmParams Executor::lm_scratch() {
     auto like = [&](const Tensor& t) {
       return t.defined() ? Tensor::empty(t.shape(), DType::f32, c_.device) : Tensor();
     };
-    lm_scratch_ = {like(m_.lm_grads.embedding), like(m_.lm_grads.norm_f), like(m_.lm_grads.w_out)};
+    lm_scratch_ = {like(lm_acc_.embedding), like(lm_acc_.norm_f), like(lm_acc_.w_out)};
   }
   return lm_scratch_;
 }
 
 void Executor::accumulate_lm(const LmParams& g) {
   TraceScope op(trace_, "grad accumulate");
-  const auto from = g.all(), into = m_.lm_grads.all();
+  const auto from = g.all(), into = lm_acc_.all();
   for (std::size_t i = 0; i < from.size(); ++i)
     if (from[i]->defined() && into[i]->defined()) ops::accumulate(*from[i], *into[i]);
 }

@@ -123,9 +123,9 @@ class Executor {
   LayerParams& accumulator(std::size_t l);
   void accumulate(std::size_t l, const LayerParams& g);
   /// --task lm: adds one micro-batch's gradients of the language model's tensors defined in `g`
-  /// into the model's.
+  /// into the step's (lm_acc_).
   void accumulate_lm(const LmParams& g);
-  /// Buffers for one micro-batch's language-model gradients, the shapes of the model's.
+  /// Buffers for one micro-batch's language-model gradients, the shapes of the step's.
   LmParams lm_scratch();
 
   const BlockConfig& c_;
@@ -150,6 +150,7 @@ class Executor {
   std::size_t saved_ = 0;
   LayerParams scratch_;  // one micro-batch's gradients of a layer, reused (no split)
   LmParams lm_scratch_;  // one micro-batch's language-model gradients, reused
+  LmParams lm_acc_;      // the step's, the slice's buffers (Parallelism::lm_grads)
 };
 
 }  // namespace tpx::pp

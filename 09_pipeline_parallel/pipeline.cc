@@ -509,7 +509,7 @@ StagePlan plan_pipeline(const RunContext& ctx) {
   Traffic dp = mesh.dp * mesh.cp > 1
                    ? fsdp::fsdp_traffic(mine, mesh.tp, mesh.dp * mesh.cp, l.shape.microbatches)
                    : Traffic{};
-  dp += lm_grads_traffic(c, mesh.tp, mesh.dp * mesh.cp, first, last);
+  dp += lm_grads_traffic(c, mesh.tp, mesh.dp * mesh.cp, first, last, l.shape.microbatches);
   Traffic pp;
   // The pipeline's messages: every send of the schedule on this rank carries one micro-batch's
   // [S/(C·T), B/(D·M), H] activation (or its gradient); a receive is a call that sends nothing.
@@ -614,17 +614,22 @@ Place place_of(const PipelineParallel& pp) {
   return place;
 }
 
+/// The language model's ends on the pipeline's ends: the embedding where stage 0 runs, the final
+/// norm and the output layer where the last stage does; the other ranks let theirs go before the
+/// slice shards what it holds.
+void keep_held_ends(const BlockConfig& c, const Place& place, Model& model) {
+  if (!c.lm()) return;
+  if (place.me != 0) model.lm.embedding = model.lm_grads.embedding = Tensor();
+  if (place.me != place.last)
+    model.lm.norm_f = model.lm_grads.norm_f = model.lm.w_out = model.lm_grads.w_out = Tensor();
+}
+
 /// Stage 0 keeps the input's micro-batches (in the activations' dtype), the last stage the
 /// target's; the whole tensors stay only where the snapshot reads them, and a rank lets go of
 /// what it does not use before it splits what it does. Returns the micro-batch's rows B/(D·M).
 std::int64_t split_microbatches(const BlockConfig& c, const Sharding& sh, const Place& place,
                                 int microbatches, bool snapshot, Model& model, Executor& ex) {
   if (c.lm()) {
-    // The language model's ends on the pipeline's ends: the embedding where stage 0 runs, the
-    // final norm and the output layer where the last stage does.
-    if (place.me != 0) model.lm.embedding = model.lm_grads.embedding = Tensor();
-    if (place.me != place.last)
-      model.lm.norm_f = model.lm_grads.norm_f = model.lm.w_out = model.lm_grads.w_out = Tensor();
     const std::int64_t rows = c.batch / sh.dp / microbatches;
     ex.message_shape = {c.seq / sh.cp / (sh.sequence ? sh.world : 1), rows, c.hidden};
     return rows;
@@ -809,6 +814,7 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
   const Place place = place_of(pp);
   const Sharding sh = pp.slice().sharding();
   Model model = make_model(c, sh, pp.held_layers());
+  keep_held_ends(c, place, model);
   pp.slice().shard_model(model);  // this rank's tokens and batch part; its layers' shards
   Executor ex(c, pp, model, trace);
   const std::int64_t microbatch_rows =

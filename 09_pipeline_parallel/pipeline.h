@@ -84,7 +84,6 @@ class PipelineParallel final : public Parallelism {
   /// Σ over every rank of the job: the slice's sum, then the pipeline's (each stage holds other
   /// layers; only the last computes the loss).
   double sum_over_ranks(double local) override;
-  bool counts_lm_replica() const override { return slice_->counts_lm_replica(); }
   CommStats take_comm_stats() override;
   void synchronize() override;
 

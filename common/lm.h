@@ -12,7 +12,8 @@
 //            all-reduces of one float per position (MAX, SUM, SUM): the logits are never gathered
 //   dz     = (softmax(z) − onehot(target)) / (S·B) on the local shard
 //
-// defines: tpx::lm::RankTokens, tpx::lm::cut_tokens(), tpx::lm::HeadActivations, tpx::lm::embed(),
+// defines: tpx::lm::RankTokens, tpx::lm::cut_tokens(), tpx::lm::HeadActivations,
+//          tpx::lm::embedding_end(), tpx::lm::head_end(), tpx::lm::embed(),
 //          tpx::lm::embed_backward(), tpx::lm::head_forward(), tpx::lm::head_backward()
 #pragma once
 
@@ -41,6 +42,15 @@ struct HeadActivations {
   Tensor logits;   ///< this rank's [rows, B, V/T] (padded columns included)
   Tensor lse;      ///< log Σ exp of every position's whole row of logits [rows·B], f32
 };
+
+/// The tensors of one end of `p` (the others undefined): the embedding; the head's final gain
+/// and output layer. What Parallelism::lm_params() gathers (or lm_grads() makes) for that end.
+inline LmParams embedding_end(const LmParams& p) {
+  return {.embedding = p.embedding, .norm_f = {}, .w_out = {}};
+}
+inline LmParams head_end(const LmParams& p) {
+  return {.embedding = {}, .norm_f = p.norm_f, .w_out = p.w_out};
+}
 
 /// The residual stream's first activation from the token ids: this rank's part of x, in the
 /// activations' dtype.

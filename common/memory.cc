@@ -377,23 +377,30 @@ I fp8_weights(const BlockConfig& c, const Bytes& b) {
 ///                  vectors of S·B, the output layer's gathered input and its gradient
 ///                  [S, B, H]: the head's moment, never S·B·V (it falls as 1/T)
 ///   tokens         the ids and targets, int32 [S, B]
+/// Under FSDP (stages 07-09) the ends are sharded as every layer: the D·C ranks of the DP×CP
+/// group each keep ⌈rows / (D·C)⌉ of a tensor's dim-0 rows (E's V/T, the gain's and W_out's H),
+/// so the first two terms hold 1/(T·D·C) of the model's ends; what FSDP gathers for them is its
+/// dimension's (07_fsdp_tp/memory.cc).
 /// (`c` is one pass's block: its S / C rows; a pipeline's micro-batch of the batch.)
 void add_lm_terms(const BlockConfig& c, const Sharding& s, MemoryEstimate& e) {
   if (!c.lm()) return;
   const char* what = "the language model's bytes";
   const VocabShard v = vocab_shard(c, s);
   const I rows = c.seq, batch = c.batch / s.dp, h = c.hidden;
-  const I elements = checked_product({v.local, h}, what);
+  const I shards = I(s.dp) * I(s.cp);
+  const I table = checked_product({(v.local + shards - 1) / shards, h}, what);
+  const I head_rows = (h + shards - 1) / shards;
+  const I w_out = checked_product({head_rows, v.local}, what);
   const I copies = c.optimizer == Optimizer::adamw ? 4 : 2;  // value, gradient (, m, v)
   const I e_act = c.activations() == DType::bf16 ? kBf16 : kF32;
   const I positions = checked_product({rows, batch}, what);
   e.terms.push_back(
-      {kLmEmbeddingTerm, std::uint64_t(checked_product({elements, kF32, copies}, what))});
+      {kLmEmbeddingTerm, std::uint64_t(checked_product({table, kF32, copies}, what))});
   e.terms.push_back(
       {kLmOutputTerm,
        std::uint64_t(
-           sum({checked_product({sum({elements, h}, what), kF32, copies}, what),
-                c.activations() == DType::bf16 ? checked_product({elements, kBf16}, what) : 0},
+           sum({checked_product({sum({w_out, head_rows}, what), kF32, copies}, what),
+                c.activations() == DType::bf16 ? checked_product({w_out, kBf16}, what) : 0},
                what))});
   e.terms.push_back(
       {kLmLogitsTerm, std::uint64_t(sum({checked_product({positions, v.local, e_act, 2}, what),

@@ -230,7 +230,8 @@ class Parallelism {
   /// (FSDP: a reduce-scatter over the DP group, on its own stream, while backward goes on).
   virtual void grads_done(std::size_t /*l*/, const LayerParams& /*full*/,
                           const LayerParams& /*stored*/) {}
-  /// Before the optimizer step: every reduction grads_done() issued has landed.
+  /// Before the optimizer step: every reduction grads_done() and reduce_lm_grads() issued has
+  /// landed.
   virtual void finish_grads() {}
 
   // --- the language model's two ends (--task lm; DESIGN.md, "The language model around the
@@ -255,13 +256,22 @@ class Parallelism {
   /// In place over the ranks that share the vocabulary (the TP group): MAX or SUM of the
   /// cross-entropy's per-position f32 vectors. Default: nothing to reduce.
   virtual void vocab_all_reduce(const Tensor& /*t*/, VocabReduce /*op*/) {}
-  /// After backward: the language model's gradients summed over the ranks that hold the same
-  /// part of it (stages 07-09: the DP×CP group); the final gain's over the TP group under
-  /// sequence parallelism comes first, through reduce_replicated_grad(). Default: nothing.
-  virtual void reduce_lm_grads(const LmParams& /*grads*/) {}
-  /// Whether this rank counts the language model's replicated values (gradient norm) once for
-  /// its replicas: true on every rank but the DP×CP replicas of stages 07-09.
-  virtual bool counts_lm_replica() const { return true; }
+  /// The language model's parameters as an end computes with them, from what the trainer holds
+  /// (`stored`: the compute copies of this rank's parts; the caller defines the tensors of the
+  /// end it is about to run and leaves the others undefined). FSDP (stages 07-09): each end's
+  /// shards all-gathered over the DP×CP group in one flat buffer (the embedding; the final gain
+  /// with the output layer), as a layer's. Default: as they are.
+  virtual LmParams lm_params(const LmParams& stored) { return stored; }
+  /// The buffers an end's backward writes its gradients into, for the tensors `stored` (the
+  /// trainer's gradients) defines. FSDP: unsharded fp32 tensors of the TP-local shapes.
+  /// Default: `stored` itself.
+  virtual LmParams lm_grads(const LmParams& stored) { return stored; }
+  /// The gradients in `full` (from lm_grads(); the tensors it defines) are complete: reduce
+  /// them into `stored` over the ranks that hold the same part of the model (FSDP: one fp32
+  /// reduce-scatter per end over the DP×CP group, on a stream of its own, landed by
+  /// finish_grads()). The final gain's over the TP group under sequence parallelism comes
+  /// first, through reduce_replicated_grad(). Default: nothing (the buffers were `stored`).
+  virtual void reduce_lm_grads(const LmParams& /*full*/, const LmParams& /*stored*/) {}
 
   // --- what the step loop needs across ranks ---------------------------------------------------
   /// Sums a per-rank scalar over all ranks. The caller makes each rank contribute only what it

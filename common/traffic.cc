@@ -80,16 +80,30 @@ Traffic lm_traffic(const BlockConfig& c, int n, int act_bytes, TpLayout layout) 
   return t;
 }
 
-Traffic lm_grads_traffic(const BlockConfig& c, int tp, int group, bool embedding, bool head) {
-  require_formula(tp >= 1 && group >= 1, "TP and DP×CP ranks must be >= 1");
+Traffic lm_grads_traffic(const BlockConfig& c, int tp, int group, bool embedding, bool head,
+                         int microbatches) {
+  require_formula(tp >= 1 && group >= 1 && microbatches >= 1,
+                  "TP, DP×CP ranks and micro-batches must be >= 1");
   if (!c.lm() || group == 1) return {};
-  const U T = U(tp), G = U(group), H = U(c.hidden);
-  const U shard = (U(c.vocab) + T - 1) / T * H * 4;  // V_pad / T rows (or columns) of H, fp32
+  const U T = U(tp), G = U(group), M = U(microbatches), H = U(c.hidden);
+  const U local = (U(c.vocab) + T - 1) / T;  // V_pad / T: the rank's rows (or columns)
+  const U w_out = U(activation_bytes(c));    // the output layer's compute copy
+  // One unit: M all-gathers of one rank's part (`part` bytes; G parts gathered, G − 1 of them
+  // on the bus) and one fp32 reduce-scatter of the padded flat gradient [G · numel].
+  auto unit = [&](U part, U numel) {
+    const U gathered = G * part, reduced = G * numel * 4;
+    return Traffic{M * gathered + reduced,
+                   M * gather_or_scatter(gathered, G).bus + gather_or_scatter(reduced, G).bus,
+                   M + 1};
+  };
   Traffic t;
-  if (embedding) t += all_reduce(shard, G);
+  if (embedding) {
+    const U rows = (local + G - 1) / G;  // of the [V_pad/T, H] table, fp32
+    t += unit(rows * H * 4, rows * H);
+  }
   if (head) {
-    t += all_reduce(4 * H, G);  // the final gain: its gradient all-reduce comes first
-    t += all_reduce(shard, G);
+    const U rows = (H + G - 1) / G;  // of the gain [H], fp32, then of W_out [H, V_pad/T]
+    t += unit(rows * 4 + rows * local * w_out, rows * (1 + local));
   }
   return t;
 }

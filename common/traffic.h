@@ -63,10 +63,20 @@ Traffic lm_embedding_traffic(const BlockConfig& c, int n, int act_bytes, TpLayou
 Traffic lm_head_traffic(const BlockConfig& c, int n, int act_bytes, TpLayout layout);
 /// Both (a stage that holds both ends).
 Traffic lm_traffic(const BlockConfig& c, int n, int act_bytes, TpLayout layout);
-/// Over a DP×CP group of `group` ranks (stages 07-09): the fp32 all-reduce of the language
-/// model's gradients this rank holds: the embedding's rows and the output layer's columns
-/// (V padded to a multiple of T, over T), and the final gain [H], one call each.
-Traffic lm_grads_traffic(const BlockConfig& c, int tp, int group, bool embedding, bool head);
+/// Over a DP×CP group of G = `group` ranks (stages 07-09): the language model's ends this rank
+/// holds, sharded by FSDP like every layer, each end one unit (one flat buffer): the embedding
+/// E [V_p, H], and the head, the final gain [H] with W_out [H, V_p], V_p = ⌈V/T⌉ (V padded to a
+/// multiple of T, over T). A TP-local tensor of r rows is split on dim 0 into G shards of ⌈r/G⌉
+/// rows, so one rank's part of a unit, at the bytes the end computes with, is
+///   embedding  a = ⌈V_p/G⌉·H·4                        (the lookup reads fp32 rows)
+///   head       a = ⌈H/G⌉·4 + ⌈H/G⌉·V_p·e              (e: W_out's compute copy, 2 under bf16)
+/// and its flat fp32 gradient shard n = ⌈V_p/G⌉·H, or ⌈H/G⌉·(1 + V_p), elements. Per step each
+/// end is all-gathered before each use, once per micro-batch (M = `microbatches`, stage 09's;
+/// the head's forward and backward share one gather), and its gradients reduce-scattered once:
+///   payload = M·G·a + G·n·4,  bus = M·(G−1)·a + (G−1)·n·4,  calls = M + 1
+/// (nccl-tests' bus bytes: (G−1)/G of the gathered or the reduced buffer). Zero at G = 1.
+Traffic lm_grads_traffic(const BlockConfig& c, int tp, int group, bool embedding, bool head,
+                         int microbatches = 1);
 
 /// Parameters of one layer on one TP rank: its TP shard of the seven matrices plus the two norm
 /// gains (replicated over TP).

@@ -122,18 +122,17 @@ void update(const BlockConfig& c, Model& m, Moments& moments, int t) {
   }
 }
 
-double grad_square_sum(const Model& m, const Sharding& sh, bool lm_replica) {
+double grad_square_sum(const Model& m, const Sharding& sh) {
   double sq = 0.0;
   for (const auto& g : m.grads)
     for (Param p : kAllParams)
       if ((sh.weights && param_split(p) != Split::replicated) || sh.rank == 0)
         sq += ops::sum_squares(g[p]);
-  // The language model's: once per replica over data/context parallelism, and within the TP
-  // group as the blocks' (the vocabulary shards everywhere, the final gain on rank 0).
+  // The language model's as the blocks' (the vocabulary shards everywhere, the final gain on
+  // the TP group's rank 0; FSDP's shards of them each on the rank that holds it).
   const auto lm = m.lm_grads.all();
   for (std::size_t i = 0; i < lm.size(); ++i)
-    if (lm[i]->defined() && lm_replica &&
-        ((sh.weights && kLmSplits[i] != Split::replicated) || sh.rank == 0))
+    if (lm[i]->defined() && ((sh.weights && kLmSplits[i] != Split::replicated) || sh.rank == 0))
       sq += ops::sum_squares(*lm[i]);
   return sq;
 }
@@ -164,7 +163,7 @@ double grad_norm(Parallelism& par, const Model& m, const Sharding& sh, Trace& tr
   double sq = 0.0;
   {
     TraceScope op(trace, "grad norm");
-    sq = grad_square_sum(m, sh, par.counts_lm_replica());
+    sq = grad_square_sum(m, sh);
   }
   return std::sqrt(par.sum_over_ranks(sq));
 }
@@ -275,9 +274,11 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     par.take_comm_stats();
     const lm::RankTokens valid =
         lm::cut_tokens(stream->batch(step, DataSplit::valid), cut, c.device);
-    const Tensor y = forward_blocks(lm::embed(c, par, m.lm.embedding, valid.tokens, trace));
+    const Tensor y = forward_blocks(lm::embed(
+        c, par, par.lm_params(lm::embedding_end(lm_params)).embedding, valid.tokens, trace));
     lm::HeadActivations head;
-    const double mine = lm::head_forward(c, par, lm_params, y, valid.targets, head, trace);
+    const double mine = lm::head_forward(c, par, par.lm_params(lm::head_end(lm_params)), y,
+                                         valid.targets, head, trace);
     for (auto& a : acts) a = {};
     const double loss = par.sum_over_ranks(mine) / positions;
     par.synchronize();
@@ -323,7 +324,10 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         make_compute_copies(c, m, params);
         lm_params = lm_compute_copies(c, m);
       }
-      if (c.lm()) y = lm::embed(c, par, m.lm.embedding, tokens.tokens, trace);
+      // The embedding's table as the lookup reads it (FSDP: gathered, and let go after it).
+      if (c.lm())
+        y = lm::embed(c, par, par.lm_params(lm::embedding_end(lm_params)).embedding, tokens.tokens,
+                      trace);
       first_input = y;
       y = forward_blocks(y);
     }
@@ -334,10 +338,14 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     Tensor dy;
     if (c.lm()) {
       TraceScope scope(trace, "loss", Lane::phase);
-      const double mine = lm::head_forward(c, par, lm_params, y, tokens.targets, head, trace);
-      dy = lm::head_backward(c, par, lm_params, head, tokens.targets, 1.0 / positions, m.lm_grads,
-                             trace);
+      // The head's parameters and gradients as it computes them (FSDP: gathered, unsharded),
+      // its gradients' reduction on its way while the blocks' backward runs.
+      const LmParams w = par.lm_params(lm::head_end(lm_params));
+      const LmParams g = par.lm_grads(lm::head_end(m.lm_grads));
+      const double mine = lm::head_forward(c, par, w, y, tokens.targets, head, trace);
+      dy = lm::head_backward(c, par, w, head, tokens.targets, 1.0 / positions, g, trace);
       head = {};  // the logits are not kept through the blocks' backward
+      par.reduce_lm_grads(g, m.lm_grads);
       row.loss = par.sum_over_ranks(mine) / positions;
     } else {
       TraceScope scope(trace, "loss", Lane::phase);
@@ -367,11 +375,12 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         release(l);
         par.release_layer(l);
       }
-      par.finish_grads();
       if (c.lm()) {
-        lm::embed_backward(c, par, tokens.tokens, dy, m.lm_grads.embedding, trace);
-        par.reduce_lm_grads(m.lm_grads);
+        const LmParams g = par.lm_grads(lm::embedding_end(m.lm_grads));
+        lm::embed_backward(c, par, tokens.tokens, dy, g.embedding, trace);
+        par.reduce_lm_grads(g, m.lm_grads);
       }
+      par.finish_grads();
     }
     if (step == first) result.saved_activation_bytes = saved + one_block;
     row.grad_norm = grad_norm(par, m, sh, trace);

@@ -118,9 +118,8 @@ std::vector<Tensor*> state_tensors(Model& m, Moments& moments);
 /// The optimizer step t (from 1) on every parameter m holds.
 void update(const BlockConfig& c, Model& m, Moments& moments, int t);
 /// This rank's part of Σ g² over m's gradients: sharded gradients count everywhere, replicated
-/// ones (identical on every rank of the TP group) on its rank 0 only; the language model's only
-/// where `lm_replica` (Parallelism::counts_lm_replica).
-double grad_square_sum(const Model& m, const Sharding& sh, bool lm_replica);
+/// ones (identical on every rank of the TP group) on its rank 0 only.
+double grad_square_sum(const Model& m, const Sharding& sh);
 /// On rank 0, into s.params and s.lm_params: the whole model from every rank's part of m
 /// (collective: every rank calls it; the vocabulary unpadded). With `grads`, s.grads and
 /// s.lm_grads from m's gradients as well.

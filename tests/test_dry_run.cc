@@ -106,8 +106,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The language model's ends (--task lm): the embedding's g, the output layer's f, the
 // cross-entropy's three all-reduces of one float per position, the final gain's, and over DP×CP
-// the all-reduce of the ends' gradients (common/traffic.h), at a vocabulary that T does not
-// divide (V = 101: padded to 102 at T = 2).
+// FSDP's gathers of the ends' shards (the output layer's in bf16 under the recipe; stage 09's
+// once a micro-batch) and the reduce-scatters of their gradients (common/traffic.h), at a
+// vocabulary that T does not divide (V = 101: padded to 102 at T = 2).
 INSTANTIATE_TEST_SUITE_P(
     lm, DryRun,
     testing::Values(
@@ -118,11 +119,15 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"05_copy_engine_async_tp", 2, "--task lm --data synthetic --vocab 101 --dtype bf16"},
         Case{"06_fp8", 2, "--task lm --data synthetic --vocab 101"},
         Case{"07_fsdp_tp", 4, "--task lm --data synthetic --vocab 101 --dp 2"},
+        Case{"07_fsdp_tp", 4, "--task lm --data synthetic --vocab 101 --dp 2 --dtype bf16"},
         Case{"08_context_parallel", 4, "--task lm --data synthetic --vocab 101 --dp 2 --cp 2"},
         Case{"09_pipeline_parallel", 2,
              "--task lm --data synthetic --vocab 101 --pp 2 --microbatches 2"},
         Case{"09_pipeline_parallel", 4,
-             "--task lm --data synthetic --vocab 101 --pp 2 --dp 2 --batch 4"}),
+             "--task lm --data synthetic --vocab 101 --pp 2 --dp 2 --batch 4"},
+        Case{"09_pipeline_parallel", 2,
+             "--task lm --data synthetic --vocab 101 --pp 1 --dp 2 --batch 4 --microbatches 2 "
+             "--dtype bf16"}),
     [](const auto& p) {
       return fmt::format("{}_np{}_{}", p.param.stage.substr(0, 2), p.param.ranks, p.index);
     });

@@ -7,6 +7,11 @@
 //  - the trace shows layer l+1's weight gather beside layer l's compute, and a gradient
 //    reduce-scatter beside an earlier layer's backward;
 //  - per-rank parameters, gradients and optimizer state fall as 1 / (T·D);
+//  - the language model's ends (--task lm) are sharded like the layers: --check passes and the
+//    dumps (embedding and output layer whole, unpadded) equal stage 01's on D 2 and D 2 × T 2
+//    with a vocabulary T and D do not divide, fp32 and bf16; their DP bytes are two gathers'
+//    and two reduce-scatters' of their shards; their estimated bytes fall as 1 / (T·D) and the
+//    estimate, their gathered copies included, holds the measured peak;
 //  - bad input is exit 2 on every rank and one line, printed once.
 #include <algorithm>
 #include <cmath>
@@ -19,7 +24,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/config.h"
 #include "common/npy.h"
+#include "common/traffic.h"
 #include "test_stage_runs.h"
 #include "test_util.h"
 
@@ -211,6 +218,152 @@ TEST(Fsdp, MemoryEstimateHoldsAndShardsFallWithD) {
       EXPECT_EQ(params * std::uint64_t(d), params_d1) << "D " << d;
     }
     EXPECT_EQ(j.at("memory_terms").contains("unsharded layers (FSDP)"), d > 1);
+  }
+}
+
+// --- the language model's ends ------------------------------------------------------------------
+
+/// The language model on synthetic ids at V = 101: padded to 102 at T = 2, and each TP rank's 51
+/// (or 101) embedding rows split 26 + 25 (51 + 50, 34 + 34 + 33) over D.
+constexpr const char* kLm = " --task lm --data synthetic --vocab 101";
+
+struct LmMesh {
+  int ranks, dp;
+  std::string extra;  ///< dtype, optimizer
+};
+void PrintTo(const LmMesh& m, std::ostream* os) {
+  *os << "np " << m.ranks << " dp " << m.dp << " " << m.extra;
+}
+
+class FsdpLm : public testing::TestWithParam<LmMesh> {};
+
+// The ends' shards are gathered, used and reduce-scattered like a layer's: every gradient,
+// embedding, final gain and output layer included, passes --check, and the dumps written from
+// rank 0 (the shards gathered over D, then over T, the padding dropped) equal stage 01's: to
+// 1e-5 in fp32; in bf16 to 5e-4 when T = 1 (the same roundings but for the order the DP
+// reduce-scatter adds in fp32), and the check's own tolerance when TP's bf16 partial sums join.
+TEST_P(FsdpLm, ChecksAndDumpsEqualStage01) {
+  const auto& [n, dp, extra] = GetParam();
+  const Sizes z;
+  test::TempDir dir;
+  const std::string common = fmt::format("{}{} {} --steps 2", z.args(), kLm, extra);
+  const auto ref = run_stage("01_baseline", 1, common + " --dump " + (dir / "01").string(), dir);
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  const auto r = run_stage(
+      "07_fsdp_tp", n,
+      fmt::format("{} --dp {} --check --dump {}", common, dp, (dir / "07").string()), dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+  for (const char* name : {"embedding.grad", "norm_f.grad", "w_out.grad"})
+    EXPECT_NE(r.out.find(name), std::string::npos) << name << " is not checked\n" << r.out;
+  const NpyArray e = read_npy(dir / "07" / "embedding.npy"), w = read_npy(dir / "07" / "w_out.npy");
+  EXPECT_EQ(e.shape, (std::vector<std::int64_t>{101, z.H}));
+  EXPECT_EQ(w.shape, (std::vector<std::int64_t>{z.H, 101}));
+  const bool bf16 = extra.find("bf16") != std::string::npos;
+  if (!bf16 || n == dp)
+    expect_dumps_close(dir / "01", dir / "07", bf16 ? 5e-4 : 1e-5,
+                       fmt::format("np {} dp {} {}", n, dp, extra));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, FsdpLm,
+    testing::Values(LmMesh{2, 2, ""}, LmMesh{4, 2, ""}, LmMesh{4, 2, "--optimizer adamw --lr 1e-3"},
+                    LmMesh{3, 3, "--optimizer adamw --lr 1e-3"}, LmMesh{2, 2, "--dtype bf16"},
+                    LmMesh{4, 2, "--dtype bf16 --optimizer adamw --lr 1e-3"}),
+    [](const auto& p) { return fmt::format("np{}_dp{}_{}", p.param.ranks, p.param.dp, p.index); });
+
+TEST(Fsdp, PadsTheLanguageModelsEndsThatDDoesNotDivide) {
+  // H = 64 at D = 3: the final gain's and W_out's 64 rows split 22 + 22 + 20, the embedding's
+  // 101 rows 34 + 34 + 33.
+  test::TempDir dir;
+  const auto r =
+      run_stage("07_fsdp_tp", 3,
+                std::string("--hidden 64 --heads 4 --ffn 128 --seq 16 --batch 3 --dp 3 --steps 3 "
+                            "--check --optimizer adamw --lr 1e-3") +
+                    kLm,
+                dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+}
+
+TEST(Fsdp, LmEndsDpBytesAreTwoGathersAndTwoReduceScattersOfTheirShards) {
+  // --task lm minus --task block: the ends' DP bytes, by hand and by lm_grads_traffic() (what
+  // --dry-run reports), and their four calls (the TP group's calls: the ends' on the ring).
+  const Sizes z;
+  struct Split {
+    int n, d;
+    bool bf16;
+  };
+  for (const Split& s : {Split{2, 2, false}, Split{4, 2, false}, Split{4, 2, true},
+                         Split{3, 3, false}, Split{6, 2, true}}) {
+    const int t = s.n / s.d;
+    const std::string args =
+        fmt::format("{} --dp {} --steps 1{}", z.args(), s.d, s.bf16 ? " --dtype bf16" : "");
+    const json lm = run_json("07_fsdp_tp", s.n, args + kLm);
+    const json block = run_json("07_fsdp_tp", s.n, args + " --task block");
+    ASSERT_TRUE(lm.contains("steps") && block.contains("steps"));
+    const json &a = lm["steps"][0], &b = block["steps"][0];
+    auto diff = [&](const char* key) {
+      return a.at(key).get<std::uint64_t>() - b.at(key).get<std::uint64_t>();
+    };
+    const std::string where = fmt::format("np {} dp {}{}", s.n, s.d, s.bf16 ? " bf16" : "");
+    const auto [payload, bus] = test::lm_ends_dp_bytes(z.H, 101, t, s.d, 1, s.bf16);
+    EXPECT_EQ(diff("dp_payload_bytes"), payload) << where;
+    EXPECT_EQ(diff("dp_bus_bytes"), bus) << where;
+    BlockConfig c;
+    c.hidden = z.H, c.heads = z.NH, c.ffn = z.F, c.seq = z.S, c.batch = z.B, c.layers = z.L;
+    c.task = Task::lm;
+    c.vocab = 101;
+    c.dtype = s.bf16 ? DType::bf16 : DType::f32;
+    const Traffic ends = lm_grads_traffic(c, t, s.d, true, true);
+    EXPECT_EQ(ends.payload, payload) << where;
+    EXPECT_EQ(ends.bus, bus) << where;
+    BlockConfig replica = c;
+    replica.batch /= s.d;
+    EXPECT_EQ(diff("comm_calls"), ends.calls + lm_traffic(replica, t, 0, TpLayout::ring).calls)
+        << where;
+  }
+}
+
+TEST(Fsdp, LmEndsBytesFallWithDAndTheEstimateHoldsThePeak) {
+  // The estimate's embedding and output-layer terms are the rank's shards, ⌈rows/D⌉ of each
+  // tensor (value and gradient, fp32), at the tutorial's block (H 256, S 128), where the blocks'
+  // moments hold more than the ends' gathered copies: 1/D of D = 1's. And where the ends are
+  // most of the memory (V = 16384, H = 32), the estimate, their gathered copies and unsharded
+  // gradients included, is within 10 % of the allocator's measured peak (without them it is
+  // some 23 % below at D = 2, 40 % at D = 4).
+  constexpr std::int64_t V = 4096, H = 256;
+  std::uint64_t embedding_d1 = 0, output_d1 = 0;
+  for (const int d : {1, 2, 4}) {
+    const json j = run_json(
+        "07_fsdp_tp", d,
+        fmt::format("--hidden {} --heads 8 --ffn 1024 --seq 128 --batch 4 --layers 2 --dp {} "
+                    "--steps 1 --task lm --data synthetic --vocab {}",
+                    H, d, V));
+    ASSERT_TRUE(j.contains("steps"));
+    const auto embedding = j.at("memory_terms").at("embedding").get<std::uint64_t>();
+    const auto output = j.at("memory_terms").at("output layer").get<std::uint64_t>();
+    EXPECT_EQ(embedding, std::uint64_t((V + d - 1) / d * H * 4 * 2)) << "D " << d;
+    EXPECT_EQ(output, std::uint64_t((H + d - 1) / d * (V + 1) * 4 * 2)) << "D " << d;
+    if (d == 1) embedding_d1 = embedding, output_d1 = output;
+    EXPECT_EQ(embedding * std::uint64_t(d), embedding_d1) << "D " << d;
+    EXPECT_EQ(output * std::uint64_t(d), output_d1) << "D " << d;
+  }
+  for (const int d : {2, 4}) {
+    const json j =
+        run_json("07_fsdp_tp", d,
+                 fmt::format("--hidden 32 --heads 4 --ffn 64 --seq 32 --batch 4 --layers 1 --dp {} "
+                             "--steps 2 --task lm --data synthetic --vocab 16384",
+                             d));
+    ASSERT_TRUE(j.contains("steps"));
+    // The allocator does not see MPI's own staging of the reduce-scatter (a term of rank 0's
+    // estimate at D > 2, for the host's peak), so it is left out of what is compared with it.
+    const json& terms = j.at("memory_terms");
+    const double est = j.at("memory_estimate_bytes").get<double>() -
+                       terms.value("MPI reduce-scatter staging", 0.0);
+    const double peak = j["steps"][1].at("peak_bytes").get<double>();
+    EXPECT_GE(est / peak, 0.9) << "D " << d << ": " << j.at("memory_terms").dump();
+    EXPECT_LE(est / peak, 1.1) << "D " << d << ": " << j.at("memory_terms").dump();
   }
 }
 

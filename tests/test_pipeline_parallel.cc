@@ -3,6 +3,9 @@
 //    with every schedule at P = 2 alone, P = 2 × T = 2, P = 2 × D = 2, P = 3 over L = 4 layers
 //    (uneven) with M = 2 and 3, and interleaved at P = 2 × V = 2, under SGD and AdamW, with GQA,
 //    and with --first-stage-layers / --last-stage-layers (P = 2, 3, interleaved, P = 2 × D = 2);
+//  - the language model (--task lm) with P = 2 × D = 2, P = 1 × D = 2 and interleaved: --check,
+//    dumps and losses as above, its ends sharded over DP like the layers, their bytes on the
+//    rank that holds them M gathers (one a micro-batch) and one reduce-scatter of their shards;
 //  - the last rank's estimate falls by one block's terms per block --last-stage-layers moves;
 //  - zb-h1's gradients equal 1f1b's (the split backward computes the same sums);
 //  - --recompute full (every layer, and every second one) and selective give gradients bit for
@@ -35,6 +38,8 @@
 #include <nlohmann/json.hpp>
 
 #include "09_pipeline_parallel/schedule.h"
+#include "common/config.h"
+#include "common/traffic.h"
 #include "test_stage_runs.h"
 #include "test_util.h"
 
@@ -161,7 +166,8 @@ TEST(PipelineParallel, ZeroBubbleGivesOneFOneBsGradients) {
 TEST(PipelineParallel, RecomputeGivesGradientsBitIdenticalToNone) {
   // A recomputed block's forward is the same arithmetic again, and a selective refill remakes
   // the cheap ops' outputs exactly: every dumped tensor (the weights' and the input's gradients,
-  // the output, the loss) equal bit for bit, whichever schedule orders the passes.
+  // the output, the loss) equal bit for bit, whichever schedule orders the passes. Every schedule
+  // at P 2; at P 3, where a middle stage holds neither end, one plain and one interleaved.
   struct Pipe {
     int pp;
     std::string args;
@@ -171,8 +177,7 @@ TEST(PipelineParallel, RecomputeGivesGradientsBitIdenticalToNone) {
        {Pipe{2, "--layers 4 --schedule gpipe"}, Pipe{2, "--layers 4 --schedule 1f1b"},
         Pipe{2, "--layers 4 --schedule zb-h1"},
         Pipe{2, "--layers 4 --schedule interleaved-1f1b --stages-per-rank 2"},
-        Pipe{3, "--layers 4 --schedule gpipe"}, Pipe{3, "--layers 4 --schedule 1f1b"},
-        Pipe{3, "--layers 4 --schedule zb-h1"},
+        Pipe{3, "--layers 4 --schedule 1f1b"},
         Pipe{3, "--layers 6 --schedule interleaved-1f1b --stages-per-rank 2"}}) {
     const std::string base = fmt::format(
         "--hidden 32 --heads 4 --kv-heads 2 --seq 8 --ffn 64 --batch {} --steps 1 "
@@ -232,6 +237,61 @@ TEST(PipelineParallel, LiveCountsEqualTheSchedulesLists) {
         EXPECT_EQ(live, schedule->shape().microbatches);
       }
     }
+  }
+}
+
+// The language model with data parallelism: its ends, on the pipeline's first and last stages,
+// sharded over DP as the layers are (V = 101: 51 + 50 embedding rows at D = 2).
+const std::string kLm = "--task lm --data synthetic --vocab 101";
+
+INSTANTIATE_TEST_SUITE_P(
+    LmEnds, PpMesh,
+    testing::Values(Case{4, "--pp 2 --dp 2 --microbatches 2", "1f1b", kLm + " " + kAdamW},
+                    Case{4, "--pp 2 --dp 2 --microbatches 2", "zb-h1", kLm},
+                    Case{4, "--pp 2 --dp 2 --stages-per-rank 2 --microbatches 2",
+                         "interleaved-1f1b", kLm},
+                    Case{2, "--pp 1 --dp 2 --microbatches 2", "gpipe", kLm + " " + kAdamW}),
+    [](const auto& p) {
+      std::string name = fmt::format("np{}_{}_{}", p.param.ranks, p.param.schedule, p.index);
+      std::replace(name.begin(), name.end(), '-', '_');
+      return name;
+    });
+
+TEST(PipelineParallel, LmEndsAreShardedOverDpLikeTheLayers) {
+  // --task lm minus --task block on rank 0 (the first stage's: the embedding; at P = 1 the head
+  // too): each end it holds gathered once a micro-batch and reduce-scattered once a step, by
+  // hand and by lm_grads_traffic() (what --dry-run reports).
+  const Sizes z = pipeline_sizes();
+  struct Run {
+    int n, p, m;
+    bool bf16;
+  };
+  for (const Run& run :
+       {Run{4, 2, 1, false}, Run{4, 2, 2, false}, Run{2, 1, 2, false}, Run{2, 1, 2, true}}) {
+    const std::string args =
+        fmt::format("{} --steps 1 --pp {} --dp 2 --microbatches {} --schedule 1f1b{}", z.args(),
+                    run.p, run.m, run.bf16 ? " --dtype bf16" : "");
+    const json lm = run_json("09_pipeline_parallel", run.n, args + " " + kLm);
+    const json block = run_json("09_pipeline_parallel", run.n, args + " --task block");
+    ASSERT_TRUE(lm.contains("steps") && block.contains("steps"));
+    const json &a = lm["steps"][0], &b = block["steps"][0];
+    auto diff = [&](const char* key) {
+      return a.at(key).get<std::uint64_t>() - b.at(key).get<std::uint64_t>();
+    };
+    const int t = run.n / (run.p * 2);
+    const bool head = run.p == 1;
+    const std::string where = fmt::format("P {} D 2 M {}{}", run.p, run.m, run.bf16 ? " bf16" : "");
+    const auto [payload, bus] = test::lm_ends_dp_bytes(z.H, 101, t, 2, run.m, run.bf16, true, head);
+    EXPECT_EQ(diff("dp_payload_bytes"), payload) << where;
+    EXPECT_EQ(diff("dp_bus_bytes"), bus) << where;
+    BlockConfig c;
+    c.hidden = z.H, c.heads = z.NH, c.ffn = z.F, c.seq = z.S, c.batch = z.B, c.layers = z.L;
+    c.task = Task::lm;
+    c.vocab = 101;
+    c.dtype = run.bf16 ? DType::bf16 : DType::f32;
+    const Traffic ends = lm_grads_traffic(c, t, 2, true, head, run.m);
+    EXPECT_EQ(ends.payload, payload) << where;
+    EXPECT_EQ(ends.bus, bus) << where;
   }
 }
 

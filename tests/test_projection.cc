@@ -960,7 +960,7 @@ TEST(TpxProject, TheEndsAddExactlyTheirFormulas) {
       EXPECT_EQ(u64(x, "dp_bus_bytes"), u64(y, "dp_bus_bytes"));
     }
   }
-  // Stage 07 (T 8 × D 2): a replica's ends on the ring, their gradients all-reduced over D.
+  // Stage 07 (T 8 × D 2): a replica's ends on the ring, gathered and reduce-scattered over D.
   BlockConfig replica = c;
   replica.batch /= 2;
   EXPECT_EQ(u64(lm["stages"][6], "tp_bus_bytes") - u64(block["stages"][6], "tp_bus_bytes"),

@@ -1,8 +1,9 @@
 // Helpers for tests that run stage executables and compare what they write: the --json summary
-// of a run, and two --dump directories tensor by tensor.
+// of a run, and two --dump directories tensor by tensor; and the language model's ends' bytes
+// over the DP×CP group by hand.
 //
 // defines: tpx::test::Sizes, tpx::test::run_json(), tpx::test::expect_refused_once(),
-//          tpx::test::expect_dumps_close()
+//          tpx::test::lm_ends_dp_bytes(), tpx::test::expect_dumps_close()
 #pragma once
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -61,7 +63,29 @@ inline CommandResult expect_refused_once(const std::string& stage, int n, const 
 }
 #endif
 
-/// Every tensor of `want_dir`'s dump within rtol · max|want| of `got_dir`'s.
+/// One rank's DP×CP bytes of a step from the language model's ends (chapters 7-9), as (payload,
+/// bus): each end is an FSDP unit of its own, gathered before each use (the embedding before the
+/// lookup, the head's gain and output layer before the head; once per micro-batch, `m` of them)
+/// at the bytes it computes with (fp32 but W_out, bf16 under the recipe) and reduce-scattered
+/// once in fp32; each TP-local tensor's rows split into G shards of ⌈rows/G⌉ (V_p = ⌈V/T⌉ rows
+/// of E, H of the gain and of W_out [H, V_p]); nccl-tests' bus bytes, (G−1)/G of each buffer.
+/// `embedding`, `head`: the ends the rank holds.
+inline std::pair<std::uint64_t, std::uint64_t> lm_ends_dp_bytes(std::int64_t h, std::int64_t v,
+                                                                int t, int g, int m, bool bf16,
+                                                                bool embedding = true,
+                                                                bool head = true) {
+  const std::int64_t vp = (v + t - 1) / t;
+  auto rows = [&](std::int64_t r) { return (r + g - 1) / g; };
+  const std::int64_t table = embedding ? rows(vp) * h : 0;
+  const std::int64_t gain = head ? rows(h) : 0, w_out = head ? rows(h) * vp : 0;
+  const std::int64_t gathered = 4 * table + 4 * gain + (bf16 ? 2 : 4) * w_out;  // one rank's part
+  const std::int64_t reduced = 4 * (table + gain + w_out);
+  return {std::uint64_t(g * (m * gathered + reduced)),
+          std::uint64_t((g - 1) * (m * gathered + reduced))};
+}
+
+/// Every tensor of `want_dir`'s dump within rtol · max|want| of `got_dir`'s; the int32 token ids
+/// and targets (--task lm) byte for byte.
 inline void expect_dumps_close(const std::filesystem::path& want_dir,
                                const std::filesystem::path& got_dir, double rtol,
                                const std::string& what) {
@@ -70,6 +94,11 @@ inline void expect_dumps_close(const std::filesystem::path& want_dir,
     if (entry.path().extension() != ".npy") continue;
     ++files;
     const std::string name = entry.path().filename().string();
+    if (const std::string bytes = read_file(entry.path());
+        bytes.substr(0, 128).find("'<i4'") != std::string::npos) {
+      EXPECT_EQ(read_file(got_dir / name), bytes) << name << ": " << what;
+      continue;
+    }
     const NpyArray want = read_npy(entry.path());
     const NpyArray got = read_npy(got_dir / name);
     ASSERT_EQ(got.shape, want.shape) << name << " " << what;

@@ -1177,8 +1177,9 @@ void add_p2p(const DeviceSpec& d, const BlockConfig& c, const Layout& l,
 /// The step's bytes per group as the stages count them (common/traffic.h) for the rank's layers
 /// `rank` (the whole batch), and the DP×CP group's time beyond the compute.
 /// Under --task lm, the ends the rank holds (`ends`) add their TP collectives per micro-batch
-/// (common/traffic.h's lm_embedding_traffic(), lm_head_traffic(), on the ring's layout) and their
-/// gradients' all-reduce over the DP×CP group (lm_grads_traffic()).
+/// (common/traffic.h's lm_embedding_traffic(), lm_head_traffic(), on the ring's layout) and, as
+/// FSDP units of the DP×CP group, their gathers and gradients' reduce-scatter (lm_grads_traffic(),
+/// gathered once a step like the layers).
 void add_group_traffic(const DeviceSpec& d, const BlockConfig& rank, const Layout& l,
                        const RankEnds& ends, LayoutStep& r) {
   BlockConfig micro = rank;  // one micro-batch of every replica, the blocks alone

@@ -56,7 +56,7 @@
 //                and reduce-scattered once a step (kept across micro-batches), prefetched behind
 //                the step's compute: exposed what it takes beyond it (project_mesh()'s rule);
 //   ends         under --task lm the embedding on the first rank, the output layer and loss on
-//                the last (project_ends(), their TP bytes and gradients' DP all-reduce added
+//                the last (project_ends(), their TP bytes and FSDP gathers and reduce-scatters added
 //                there, their memory terms there only); the slowest rank sets the pace;
 //   bubble       the schedule's own formula (make_schedule(...)->formula_bubble(...): (P−1)/
 //                (M+P−1), ÷V interleaved, ZB-H1's) of the step: busy · β / (1 − β);
