@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "check.h"
+#include "checkpoint.h"
 #include "cli_flags.h"
 #include "cli_hint.h"
 #include "data.h"
@@ -321,6 +322,34 @@ void add_output_flags(CLI::App& app, StageOptions& o) {
       ->group(out);
 }
 
+/// Checkpoints: --save, --save-every, --resume (common/checkpoint.h).
+void add_checkpoint_flags(CLI::App& app, CheckpointOptions& k) {
+  auto group = "Checkpoints";
+  app.add_option("--save", k.save_dir,
+                 "save the training state (fp32 weights, AdamW moments, the step; the data and "
+                 "noise follow from --seed and the step) to DIR/step-<N>/ at the end of the run: "
+                 "one shard file per rank and an index.json, valid once the index is written")
+      ->type_name("DIR")
+      ->group(group);
+  add_count(app, "--save-every", k.save_every, "with --save: also after every K-th step",
+            "a save at the end of the run only")
+      ->type_name("K")
+      ->group(group);
+  app.add_option("--resume", k.resume_dir,
+                 "start from the checkpoint DIR/step-<N>/ with the largest N (or the step-<N> "
+                 "directory DIR itself), saved on any number of ranks, and train on to --steps "
+                 "(counted from the start of training)")
+      ->type_name("DIR")
+      ->group(group);
+  app.add_flag("--async-save", k.async_save,
+               "with --save: copy the state to host memory and write it on a thread of its own "
+               "while the next steps run")
+      ->group(group);
+  add_rank_pair(app, "--fault-kill-in-save", "STEP", k.kill_rank, k.kill_step,
+                "RANK:STEP: that rank kills itself (SIGKILL) in the save after step STEP, once "
+                "its shard file is written and before the index");
+}
+
 /// Communication: --comm, --comm-timeout, and the watchdog tests' hidden fault injection.
 void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
                     std::string& comm_kind) {
@@ -421,6 +450,25 @@ std::optional<std::string> check_combinations(const CLI::App& app, const StageIn
         "--recompute-every chooses the layers of --recompute full (got "
         "--recompute {})",
         choices.recompute);
+  for (const char* flag : {"--save", "--save-every", "--async-save", "--resume"})
+    if (given(flag))
+      for (const auto& group : o.flag_groups)
+        if (const auto dim = group->dimension())
+          return fmt::format(
+              "{} is not available in {}: its --{} dimension cuts the model further than one "
+              "tensor-parallel group, and checkpoints cover stages 01-06 for now",
+              flag, info.name,
+              *dim == MeshFlag::dp   ? "dp"
+              : *dim == MeshFlag::cp ? "cp"
+                                     : "pp");
+  if (o.check && given("--resume"))
+    return "--check compares a run from initialisation with the reference; it cannot start "
+           "from --resume (leave out one of the two)";
+  if (given("--save") && o.config.checkpoint.save_dir.empty()) return "--save: the path is empty";
+  if (given("--async-save") && !given("--save"))
+    return "--async-save needs --save DIR (where the checkpoints go)";
+  if (given("--resume") && o.config.checkpoint.resume_dir.empty())
+    return "--resume: the path is empty";
   if (o.dry_run)
     for (const char* flag : {"--check", "--dump", "--trace"})
       if (given(flag))
@@ -530,6 +578,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_task_flags(app, o.config, choices.task);
   add_generate_flags(app, o.config.generate);
   add_output_flags(app, o);
+  add_checkpoint_flags(app, o.config.checkpoint);
   add_comm_flags(app, info, o.comm, choices.comm_kind);
   add_stage_flags(app, info, o);
 
@@ -565,6 +614,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   if (auto error = check_generation(o.config)) return refuse(*error);
   if (const auto errors = validate(o.config); !errors.empty())
     return refuse(fmt::format("{}", fmt::join(errors, "; ")));
+  if (auto error = checkpoint_flag_problem(o.config)) return refuse(*error);
   return {std::move(o), "", 0};
 }
 
@@ -610,7 +660,13 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--fault-delay-copy", fmt::format("{}:{}", o.comm.copy_fault_rank, o.comm.copy_fault)},
       {"--fault-copy-delay-us", fmt::format("{}", o.comm.copy_delay_us)},
       {"--fault-comm-delay-us", fmt::format("{}", o.comm.comm_delay_us)},
-      {"--dry-run", o.dry_run ? "given" : "not given"}};
+      {"--dry-run", o.dry_run ? "given" : "not given"},
+      {"--save", given(c.checkpoint.save_dir)},
+      {"--save-every", fmt::format("{}", c.checkpoint.save_every)},
+      {"--async-save", c.checkpoint.async_save ? "given" : "not given"},
+      {"--resume", given(c.checkpoint.resume_dir)},
+      {"--fault-kill-in-save",
+       fmt::format("{}:{}", c.checkpoint.kill_rank, c.checkpoint.kill_step)}};
   for (const auto& group : o.flag_groups) {
     const ConfigFields more = group->agreed();
     fields.insert(fields.end(), more.begin(), more.end());

@@ -59,6 +59,26 @@ struct GenerateOptions {
   std::int64_t top_k = 0;  ///< > 0: draw among the K most likely ids only
 };
 
+/// --save, --save-every, --resume (common/checkpoint.h).
+struct CheckpointOptions {
+  std::string save_dir;  ///< --save DIR: checkpoints go to DIR/step-<N>/ (empty: none)
+  int save_every = 0;    ///< --save-every K: after every K-th step too (0: at the end only)
+  /// --async-save: a writer thread writes each save's host copy while the steps go on.
+  bool async_save = false;
+  /// --resume: the checkpoint directory DIR/step-<N>/ the run starts from, resolved by the
+  /// command line (empty: from initialisation), and its step N.
+  std::string resume_dir;
+  std::int64_t resume_step = 0;
+  /// --fault-kill-in-save RANK:N (hidden; the tests' interrupted save): rank RANK kills itself
+  /// (SIGKILL) in the save after step N, once its shard file is written and before the index.
+  int kill_rank = -1;
+  std::int64_t kill_step = 0;
+  /// Whether completed step count `done` (1 … steps) ends with a save.
+  bool saves_after(std::int64_t done, std::int64_t steps) const {
+    return !save_dir.empty() && (done == steps || (save_every > 0 && done % save_every == 0));
+  }
+};
+
 /// Everything that defines a run of a stage. Defaults are the tutorial's default config.
 struct BlockConfig {
   std::int64_t hidden = 256;  ///< H
@@ -81,6 +101,9 @@ struct BlockConfig {
   std::int64_t eval_every = 0;
   /// --generate: after the last step rank 0 gathers the trained model and continues the prompt.
   GenerateOptions generate = {};
+  /// --save / --resume; empty for a run that neither saves nor resumes (and for --check's
+  /// reference run).
+  CheckpointOptions checkpoint = {};
   double lr = 1.0;  ///< learning rate (the loss is a mean, so SGD's grads are small)
   Optimizer optimizer = Optimizer::sgd;
   double beta1 = 0.9;         ///< AdamW: first-moment decay

@@ -61,6 +61,14 @@ std::vector<std::int64_t> param_local_shape(Param p, const BlockConfig& c, const
   return shape;
 }
 
+std::vector<std::int64_t> param_offset(Param p, const BlockConfig& c, const Sharding& s) {
+  const auto local = param_local_shape(p, c, s);
+  std::vector<std::int64_t> at(local.size(), 0);
+  if (s.weights && param_split(p) == Split::columns) at[1] = s.rank * local[1];
+  if (s.weights && param_split(p) == Split::rows) at[0] = s.rank * local[0];
+  return at;
+}
+
 namespace {
 
 // Generates on the host (the initialiser is a host function) and moves to the run's device.
@@ -85,7 +93,7 @@ namespace {
 /// columns of its vocabulary range (their padding zero), the final gain.
 void make_lm(const BlockConfig& c, const Sharding& s, Model& m) {
   const VocabShard v = vocab_shard(c, s);
-  const std::int64_t real = std::max<std::int64_t>(0, std::min(v.local, c.vocab - v.begin));
+  const std::int64_t real = v.real(c.vocab);
   const std::int64_t h = c.hidden;
   // Generated on the host: the real rows (columns) drawn from the full [V, H] ([H, V]) tensor's
   // elements, the padding left zero.
@@ -146,9 +154,8 @@ Model make_model(const BlockConfig& c, const Sharding& s, const std::vector<std:
     for (Param q : kAllParams) {
       const auto full = param_shape(q, c);
       const auto local = param_local_shape(q, c, s);
-      Window w{full.back(), 0, 0};
-      if (s.weights && param_split(q) == Split::columns) w.col0 = s.rank * local[1];
-      if (s.weights && param_split(q) == Split::rows) w.row0 = s.rank * local[0];
+      const auto at = param_offset(q, c, s);
+      const Window w{full.back(), at[0], at.size() > 1 ? at[1] : 0};
       const bool gain = param_split(q) == Split::replicated;
       p[q] = generate(local, c, TensorId::layer(l, static_cast<int>(q)), w, gain ? 1.0 : 0.0,
                       gain ? 0.0 : 0.02);

@@ -65,6 +65,9 @@ struct Sharding {
 
 /// Shape of this rank's shard of parameter p.
 std::vector<std::int64_t> param_local_shape(Param p, const BlockConfig& c, const Sharding& s);
+/// Where that shard starts in the full tensor, per dim: its rank's slice of the split dim (the
+/// cut the initialiser draws each shard from, and the box a checkpoint records).
+std::vector<std::int64_t> param_offset(Param p, const BlockConfig& c, const Sharding& s);
 
 /// The language model's vocabulary cut over the tensor-parallel group (DESIGN.md, "The language
 /// model around the block"): V padded up to a multiple of T, as Megatron pads it, each rank holding
@@ -72,6 +75,11 @@ std::vector<std::int64_t> param_local_shape(Param p, const BlockConfig& c, const
 /// output columns whose logits the cross-entropy skips, all zero.
 struct VocabShard {
   std::int64_t begin = 0, local = 0, padded = 0;
+  /// How many of the `local` ids are real ones (< vocab): the rest are padding (0 on a rank
+  /// whose range lies wholly past the vocabulary).
+  std::int64_t real(std::int64_t vocab) const {
+    return vocab - begin < 0 ? 0 : (vocab - begin < local ? vocab - begin : local);
+  }
 };
 VocabShard vocab_shard(const BlockConfig& c, const Sharding& s);
 

@@ -140,6 +140,16 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
                  : std::string("sgd"),
              c.rope() ? fmt::format("theta {:g}", c.rope_theta) : std::string("off"),
              recompute_text(c));
+  if (!c.checkpoint.resume_dir.empty())
+    fmt::print("resumed from {} (step {})\n", c.checkpoint.resume_dir, c.checkpoint.resume_step);
+  if (!c.checkpoint.save_dir.empty())
+    fmt::print("checkpoints to {}/step-<N> {}{}\n", c.checkpoint.save_dir,
+               c.checkpoint.save_every > 0
+                   ? fmt::format("every {} steps and at the end", c.checkpoint.save_every)
+                   : std::string("at the end"),
+               c.checkpoint.async_save
+                   ? " (asynchronous: a thread writes each while the steps go on)"
+                   : "");
   if (c.device == Device::cpu)
     fmt::print("(cpu backend: timings show the mechanics, not GPU speed)\n");
   if (speed.gpu())
@@ -177,6 +187,7 @@ void print_row(const StepRow& r, const Speed& speed, const BlockConfig& c) {
   if (c.eval_every > 0)
     fmt::print(" {:>13}", std::isfinite(r.eval_loss) ? fmt::format("{:.8f}", r.eval_loss) : "");
   fmt::print("\n");
+  if (!r.saved.empty()) fmt::print("      saved {} ({:.2f} ms)\n", r.saved, r.save_ms);
   std::fflush(stdout);
 }
 
@@ -211,7 +222,12 @@ json config_json(const StageOptions& o) {
           {"task", task_flag(c.task)},
           {"vocab", c.lm() ? json(c.vocab) : json(nullptr)},
           {"data", c.lm() ? json(c.data) : json(nullptr)},
-          {"eval_every", c.eval_every}};
+          {"eval_every", c.eval_every},
+          {"save", c.checkpoint.save_dir},
+          {"save_every", c.checkpoint.save_every},
+          {"async_save", c.checkpoint.async_save},
+          {"resume", c.checkpoint.resume_dir},
+          {"resume_step", c.checkpoint.resume_step}};
 }
 
 void write_dump(const fs::path& dir, const StageOptions& o, const std::string& stage, int world,
@@ -296,6 +312,9 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
   if (o.comm.copy_fault_rank >= world)
     return fmt::format("--fault-delay-copy names rank {}, but the job has ranks 0..{}",
                        o.comm.copy_fault_rank, world - 1);
+  if (c.checkpoint.kill_rank >= world)
+    return fmt::format("--fault-kill-in-save names rank {}, but the job has ranks 0..{}",
+                       c.checkpoint.kill_rank, world - 1);
   if (o.comm.copy_delay_us < 0 || o.comm.copy_delay_us > 1'000'000)
     return fmt::format("--fault-copy-delay-us must be 0 … 1000000 (got {})", o.comm.copy_delay_us);
   if (o.comm.comm_delay_us < 0 || o.comm.comm_delay_us > 1'000'000)
@@ -447,6 +466,11 @@ json step_json(const StepRow& row) {
             {"peak_bytes", row.peak_bytes},
             {"reserved_bytes", row.reserved_bytes}};
   if (std::isfinite(row.eval_loss)) j["eval_loss"] = row.eval_loss;
+  if (!row.saved.empty()) {
+    j["saved"] = row.saved;
+    j["save_ms"] = row.save_ms;
+    j["save_async"] = row.save_async;
+  }
   for (const std::string& name : reported_names(kReportedGroups, row.comm.groups)) {
     const GroupTraffic g = row.comm.group(name);
     j[name + "_bus_bytes"] = g.bus_bytes;
@@ -588,7 +612,9 @@ void print_mean_step(const TrainResult& r) {
   const auto steps = double(r.rows.size() - first);
   fmt::print("\nmean step {:.2f} ms (exposed comm {:.2f} ms; {}) | saved activations {} per rank\n",
              total / steps, exposed / steps,
-             first == 1 ? fmt::format("steps 1-{}, step 0 warms up", r.rows.size() - 1) : "step 0",
+             first == 1 ? fmt::format("steps {}-{}, step {} warms up", r.rows[1].step,
+                                      r.rows.back().step, r.rows[0].step)
+                        : fmt::format("step {}", r.rows[0].step),
              bytes_text(r.saved_activation_bytes));
 }
 
@@ -616,7 +642,9 @@ std::string print_generated(const BlockConfig& c, const TrainResult& r) {
 std::pair<bool, json> print_check(const StageDefinition& st, const BlockConfig& c,
                                   const TrainResult& r, const CheckTolerance& tol) {
   const int steps = static_cast<int>(std::min<std::int64_t>(c.steps, kCheckSteps));
-  const ReferenceRun want = st.reference(c, steps);
+  BlockConfig plain = c;  // the reference neither saves nor resumes
+  plain.checkpoint = {};
+  const ReferenceRun want = st.reference(plain, steps);
   fmt::print(
       "\ncheck against the reference (relative error = max|got - want| / max|want|, "
       "tolerance {:.0e}{})\n",

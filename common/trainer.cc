@@ -9,8 +9,10 @@
 
 #include <fmt/format.h>
 
+#include "agree.h"
 #include "block.h"
 #include "check.h"
+#include "checkpoint.h"
 #include "data.h"
 #include "lm.h"
 #include "ops.h"
@@ -313,12 +315,23 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
   };
   // AdamW's two moments per parameter, zero before the first step (none under SGD).
   Moments moments = make_moments(c, m);
+  // --resume: the state of the checkpoint's step, this rank's part of it read from the shards
+  // that hold it (in whatever cut they were saved); every rank stops if any cannot.
+  const int first = static_cast<int>(c.checkpoint.resume_step);
+  if (!c.checkpoint.resume_dir.empty()) {
+    const std::string problem = load_checkpoint(c, sh, state_tensors(m, moments));
+    if (const StartVerdict v = agree_to_start(!problem.empty(), 2, problem); v.stop)
+      throw ConfigError(v.message);
+  }
+  // --async-save: the saves' writer thread, with a communicator of its own.
+  std::optional<AsyncCheckpointWriter> writer;
+  if (c.checkpoint.async_save) writer.emplace();
   TrainResult result;
   par.synchronize();
   ops::synchronize(c.device);  // initialisation's device work is not a step's
   par.take_comm_stats();       // set-up traffic is not a step's
 
-  for (int step = 0; step < c.steps; ++step) {
+  for (int step = first; step < c.steps; ++step) {
     const auto t0 = Clock::now();
     StepRow row;
     row.step = step;
@@ -397,7 +410,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       }
       par.finish_grads();
     }
-    if (step == 0) result.saved_activation_bytes = saved + one_block;
+    if (step == first) result.saved_activation_bytes = saved + one_block;
     row.grad_norm = grad_norm(par, m, sh, trace);
     if (result.diverged = divergence(row, c.lr); !result.diverged.empty()) {
       par.synchronize();
@@ -411,7 +424,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     add(row.comm, row.recompute_comm);
     row.exposed_comm_ms = trace.exposed_comm_ms(t0, Clock::now());
 
-    if (step == 0 && snapshot) {  // outside the timed region; its gathers are not counted
+    if (step == first && snapshot) {  // outside the timed region; its gathers are not counted
       take_snapshot(c, par, m, c.lm() ? first_input : m.input, y, dy, batch, row.loss,
                     result.first);
       par.take_comm_stats();
@@ -419,8 +432,26 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     if (c.evaluates(step)) row.eval_loss = held_out_loss(step);
 
     finish_step(c, par, m, moments, params, lm_params, trace, row, ms);
+    if (c.checkpoint.saves_after(step + 1, c.steps)) {  // after the update: the next step's state
+      const auto t1 = Clock::now();
+      TraceScope phase(trace, "save", Lane::phase);
+      const auto all = state_tensors(m, moments);
+      CheckpointSnapshot state = snapshot_state(c, sh, {all.begin(), all.end()}, step + 1);
+      row.saved = state.dir.string();
+      row.save_async = writer.has_value();
+      if (writer)  // the host copy taken, the step loop goes on while the thread writes it
+        writer->start(c, sh, std::move(state));
+      else
+        save_checkpoint(c, sh, state);
+      row.save_ms = ms_since(t1);
+    }
     result.rows.push_back(row);
     if (on_row) on_row(row);
+  }
+  if (writer) {  // the last save's writing, after the last step: the run's, not a step's
+    const auto t1 = Clock::now();
+    writer->wait();
+    result.extra["save_final_wait_ms"] = ms_since(t1);
   }
   if (c.generate.tokens > 0 && result.diverged.empty()) {
     gather_model(c, par, m, /*grads=*/false, result.trained);  // not a step's: reporting
@@ -512,4 +543,27 @@ std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& r
   return out;
 }
 
+namespace training {
+
+std::vector<Tensor*> state_tensors(Model& m, Moments& moments) {
+  std::vector<Tensor*> out;
+  auto add = [&](const std::vector<LayerParams*>& layers,
+                 const std::array<Tensor*, kLmParams>& lm) {
+    for (LayerParams* layer : layers)
+      for (Param p : kAllParams) out.push_back(&(*layer)[p]);
+    for (Tensor* t : lm)
+      if (t->defined()) out.push_back(t);
+  };
+  std::vector<LayerParams*> layers;
+  for (LayerParams& l : m.params) layers.push_back(&l);
+  add(layers, {&m.lm.embedding, &m.lm.norm_f, &m.lm.w_out});
+  for (std::size_t k = 0; k < 2 && !moments.layers.empty(); ++k) {
+    layers.clear();
+    for (auto& mv : moments.layers) layers.push_back(&mv[k]);
+    add(layers, {&moments.lm[k][0], &moments.lm[k][1], &moments.lm[k][2]});
+  }
+  return out;
+}
+
+}  // namespace training
 }  // namespace tpx

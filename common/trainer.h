@@ -40,6 +40,12 @@ struct StepRow {
   double exposed_comm_ms = 0;
   std::size_t peak_bytes = 0;
   std::size_t reserved_bytes = 0;  ///< held by the allocator at the step's end (cache included)
+  /// --save: the checkpoint written after this step's update (empty: none) and the time the
+  /// save held the step loop, outside `ms`: the whole save, or under --async-save (`save_async`)
+  /// the host copy and the wait for the previous save, if it was still being written.
+  std::string saved;
+  double save_ms = 0;
+  bool save_async = false;
 };
 
 /// Full, unsharded host copies from the first forward + backward (valid on rank 0 only).
@@ -107,6 +113,10 @@ struct Moments {
   std::array<std::array<Tensor, kLmParams>, 2> lm;  ///< the language model's (--task lm)
 };
 Moments make_moments(const BlockConfig& c, const Model& m);
+/// Every tensor of the training state this rank holds, in common/checkpoint.h's state_parts()
+/// order: m's parameters (layer by layer, then the language model's), then AdamW's first and
+/// second moments of them (none under SGD).
+std::vector<Tensor*> state_tensors(Model& m, Moments& moments);
 /// The optimizer step t (from 1) on every parameter m holds. In the same pass over each parameter
 /// it writes the parameter's compute copy (make_compute_copies' `copies`, lm_compute_copies'
 /// `lm_copies`) where that is a bf16 copy of its own.
