@@ -122,7 +122,8 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
 }
 
 /// The fields of the run the saved state depends on: the model's shapes, and what decides which
-/// tensors there are (task, optimizer) and how they were trained (dtype recipe).
+/// tensors there are (task, optimizer) and how they were trained (dtype recipe); and RoPE's θ and
+/// the sequence length, which an export needs.
 json model_json(const BlockConfig& c) {
   return {{"hidden", c.hidden},
           {"heads", c.heads},
@@ -132,7 +133,11 @@ json model_json(const BlockConfig& c) {
           {"vocab", c.lm() ? json(c.vocab) : json(nullptr)},
           {"task", task_flag(c.task)},
           {"dtype", dtype_flag(c.dtype)},
-          {"optimizer", optimizer_flag(c.optimizer)}};
+          {"optimizer", optimizer_flag(c.optimizer)},
+          // Not checked on resume (a run may go on at another θ or length), but what an export
+          // to another framework's config needs (tools/tpx_hf.py).
+          {"rope_theta", c.rope_theta},
+          {"seq", c.seq}};
 }
 
 /// An index read back: its path (for messages), its directory and its JSON.

@@ -23,7 +23,8 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 /// A tiny language model (and its blocks): four heads, so T = 1, 2, 4 all cut it.
-const std::string kTiny = "--hidden 32 --heads 4 --ffn 64 --seq 8 --batch 2 --layers 2 --vocab 50";
+const std::string kTiny =
+    "--hidden 32 --heads 4 --ffn 64 --seq 8 --batch 2 --layers 2 --data synthetic --vocab 50";
 
 /// The (step, loss, grad norm) rows of a --json summary.
 std::vector<std::array<double, 3>> rows_of(const fs::path& json_path) {
@@ -213,7 +214,8 @@ TEST(CheckpointRuns, Stage01_02_03_ReshardAcrossMeshes) {
 TEST(CheckpointRuns, Stage01_02_ReshardReadsPartsOfLargeShards) {
   TempDir dir;
   const std::string args =
-      "--hidden 512 --heads 4 --ffn 1024 --seq 4 --batch 1 --layers 1 --vocab 50 --task lm";
+      "--hidden 512 --heads 4 --ffn 1024 --seq 4 --batch 1 --layers 1 --data synthetic --vocab 50 "
+      "--task lm";
   auto path = [&](const std::string& name) { return (dir / name).string(); };
   run_ok("01_baseline", 1,
          fmt::format("{} --steps 2 --save {} --save-every 1 --json {}", args, path("one"),
