@@ -22,7 +22,7 @@ OUT/model.safetensors as transformers' LlamaForCausalLM names and lays them out:
     w_out            [H, V]          lm_head.weight                           [V, H]
 
 An nn.Linear holds W^T of our [in, out] weights. The q and k rows need no permutation: tpx rotates
-the pairs (i, i + D/2) of each head, transformers' rotate_half convention (Meta's original
+the pairs (i, i + Dh/2) of each head, transformers' rotate_half convention (Meta's original
 checkpoints pair (2i, 2i + 1), which is why their converter permutes those rows); the test
 tests/hf_checkpoint.py shows the loss of the exported model equal to tpx's.
 
