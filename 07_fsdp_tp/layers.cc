@@ -93,6 +93,7 @@ FsdpTp::~FsdpTp() = default;
 Sharding FsdpTp::sharding() const {
   Sharding s = tp_->sharding();
   s.dp = mesh_.dp;
+  s.dp_cp_index = mesh_.dp_cp_index();
   s.dimensions.push_back(memory_dimension(mesh_.dp_cp_index() == 0));  // unsharded layers (FSDP)
   return s;
 }

@@ -844,13 +844,20 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     return loss;
   };
   Moments moments = make_moments(c, model);
+  // Checkpoints: the slice's cut of the layers and ends this pipeline stage holds.
+  Sharding held = sh;
+  held.layers = pp.held_layers();
+  held.embedding = place.me == 0;
+  held.head = place.me == place.last;
+  Checkpoints checkpoints(c, held, model, moments);
+  const int first = checkpoints.first_step();
   TrainResult result;
   par.synchronize();
   ops::synchronize(c.device);
   par.take_comm_stats();
 
   StepTimes times;
-  for (int step = 0; step < c.steps; ++step) {
+  for (int step = first; step < c.steps; ++step) {
     const auto start = Clock::now();
     StepRow row;
     row.step = step;
@@ -865,10 +872,10 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
       ex.tokens = microbatch_tokens(lm::cut_tokens(batch, cut, c.device),
                                     pp.schedule().shape().microbatches, microbatch_rows);
     }
-    const bool keep = snapshot && step == 0;
+    const bool keep = snapshot && step == first;
     const Executor::Result r =
-        run_actions(pp, ex, params, keep, /*measured=*/step > 0 || c.steps == 1, times);
-    if (step == 0) result.saved_activation_bytes = r.peak_saved;
+        run_actions(pp, ex, params, keep, /*measured=*/step > first || c.steps == first + 1, times);
+    if (step == first) result.saved_activation_bytes = r.peak_saved;
     row.loss = c.lm() ? par.sum_over_ranks(r.loss_sum) / positions
                       : 0.5 * par.sum_over_ranks(r.loss_sum) / (positions * double(c.hidden));
     row.grad_norm = grad_norm(par, model, sh, trace);
@@ -894,9 +901,11 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     }
     if (c.evaluates(step)) row.eval_loss = held_out_loss(step);
     finish_step(c, par, model, moments, params, ex.lm_params, trace, row, ms);
+    checkpoints.after_step(row, trace);
     result.rows.push_back(row);
     if (on_row) on_row(row);
   }
+  checkpoints.finish(result);
   if (c.generate.tokens > 0 && result.diverged.empty()) {
     gather_model(c, pp, place, model, /*grads=*/false, result.trained);  // reporting
     par.take_comm_stats();

@@ -433,11 +433,23 @@ void throw_if_any(const std::string& problem, MPI_Comm comm) {
 }  // namespace
 
 std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s) {
-  TPX_CHECK(s.dp == 1 && s.cp == 1 && s.pp == 1, "checkpoints cover one tensor-parallel group");
   std::vector<StatePart> parts;
+  // FSDP (stages 07-09): the D·C ranks of the DP×CP group each hold ⌈rows / (D·C)⌉ rows of a
+  // TP-local tensor's dim 0, padded (07_fsdp_tp's FlatLayout), so the rank's tensor is
+  // [⌈rows / (D·C)⌉, ...] and the part of the TP-local tensor it holds the rows [r0, r1), of
+  // which only those the TP cut fills (`length`: the vocabulary's padding is not) are real.
+  const std::int64_t group = std::int64_t(s.dp) * s.cp;
   // A tensor the TP group splits is every rank's to write; a replicated one rank 0's alone.
   auto add = [&](std::string name, std::vector<std::int64_t> shape, std::vector<std::int64_t> local,
                  std::vector<std::int64_t> at, std::vector<std::int64_t> length, bool split) {
+    if (group > 1) {
+      const std::int64_t rows = local[0], shard = (rows + group - 1) / group;
+      const std::int64_t r0 = std::min(rows, s.dp_cp_index * shard);
+      const std::int64_t r1 = std::min(length[0], r0 + shard);
+      local[0] = shard;
+      at[0] += std::min(r0, length[0]);
+      length[0] = std::max<std::int64_t>(0, r1 - r0);
+    }
     StatePart p;
     p.name = std::move(name);
     p.shape = std::move(shape);
@@ -446,7 +458,11 @@ std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s) {
     p.saved = volume(p.box) > 0 && ((s.weights && split) || s.rank == 0);
     parts.push_back(std::move(p));
   };
-  for (std::int64_t l = 0; l < c.layers; ++l)
+  // The layers the rank holds, in the order it holds them (a pipeline stage's, or all).
+  std::vector<std::int64_t> layers = s.layers;
+  if (layers.empty())
+    for (std::int64_t l = 0; l < c.layers; ++l) layers.push_back(l);
+  for (const std::int64_t l : layers)
     for (Param q : kAllParams) {
       const auto local = param_local_shape(q, c, s);
       add(fmt::format("layers.{}.{}", l, param_name(q)), param_shape(q, c), local,
@@ -457,9 +473,12 @@ std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s) {
     const VocabShard v = vocab_shard(c, s);
     const std::int64_t h = c.hidden, real = v.real(c.vocab);
     const std::int64_t at = std::min(v.begin, c.vocab);  // a range of padding alone: empty, at V
-    add(std::string(kLmParamNames[0]), {c.vocab, h}, {v.local, h}, {at, 0}, {real, h}, true);
-    add(std::string(kLmParamNames[1]), {h}, {h}, {0}, {h}, false);
-    add(std::string(kLmParamNames[2]), {h, c.vocab}, {h, v.local}, {0, at}, {h, real}, true);
+    if (s.embedding)
+      add(std::string(kLmParamNames[0]), {c.vocab, h}, {v.local, h}, {at, 0}, {real, h}, true);
+    if (s.head) {
+      add(std::string(kLmParamNames[1]), {h}, {h}, {0}, {h}, false);
+      add(std::string(kLmParamNames[2]), {h, c.vocab}, {h, v.local}, {0, at}, {h, real}, true);
+    }
   }
   if (c.optimizer == Optimizer::adamw) {
     const std::size_t n = parts.size();
@@ -511,7 +530,7 @@ CheckpointSnapshot snapshot_state(const BlockConfig& c, const Sharding& s,
 
 namespace {
 
-/// Writes `snap` by the atomic protocol, collective over `comm` (the TP group's ranks).
+/// Writes `snap` by the atomic protocol, collective over `comm` (every rank of the job).
 void write_checkpoint(const BlockConfig& c, const Sharding& s, const CheckpointSnapshot& snap,
                       MPI_Comm comm) {
   const std::vector<StatePart> parts = state_parts(c, s);
@@ -519,7 +538,10 @@ void write_checkpoint(const BlockConfig& c, const Sharding& s, const CheckpointS
   const fs::path dir = c.checkpoint.save_dir;
   const fs::path final_dir = dir / fmt::format("step-{}", step);
   const fs::path staging = dir / fmt::format("step-{}.tmp", step);
-  const int rank = s.rank, world = s.world;
+  // The job's ranks (a mesh's TP rank is not unique): one shard file each.
+  int rank = 0, world = 1;
+  TPX_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  TPX_MPI_CHECK(MPI_Comm_size(comm, &world));
   // Rank 0 makes an empty staging directory (what a save that died there left goes first).
   std::string problem;
   if (rank == 0) {
@@ -546,7 +568,7 @@ void write_checkpoint(const BlockConfig& c, const Sharding& s, const CheckpointS
         for (std::int64_t at = 0; at < bytes; at += kCheckpointChunkBytes)
           crcs.push_back(crc32(b + at, std::size_t(std::min(kCheckpointChunkBytes, bytes - at))));
         out.write(b, std::size_t(bytes));
-        shards.push_back({{"tensor", i},
+        shards.push_back({{"tensor", p.name},
                           {"file", file},
                           {"offset", offset},
                           {"box", box_json(p.box)},
@@ -563,13 +585,18 @@ void write_checkpoint(const BlockConfig& c, const Sharding& s, const CheckpointS
   const std::vector<std::string> all = gather_text(shards.dump(), rank, world, comm);
   if (rank == 0) {
     try {
+      // Every tensor of the model, whichever ranks hold it (a pipeline stage holds some),
+      // each with the shards the ranks wrote of it.
       json tensors = json::array();
-      for (const StatePart& p : parts)
+      std::map<std::string, std::size_t> at;
+      for (const StatePart& p : state_parts(c, Sharding{})) {
+        at[p.name] = tensors.size();
         tensors.push_back(
             {{"name", p.name}, {"shape", p.shape}, {"dtype", "f32"}, {"shards", json::array()}});
+      }
       for (const std::string& text : all)
         for (json& sh : json::parse(text)) {
-          const auto i = sh.at("tensor").get<std::size_t>();
+          const std::size_t i = at.at(sh.at("tensor").get<std::string>());
           sh.erase("tensor");
           tensors[i]["shards"].push_back(std::move(sh));
         }

@@ -74,7 +74,9 @@ struct StatePart {
 /// Every tensor of the training state where the cut of (c, s) places it: the fp32 master of
 /// every layer parameter (layer by layer, Param order), the language model's embedding, norm_f
 /// and w_out (--task lm), then under --optimizer adamw the first moments of all of them and the
-/// second moments. Only stages whose ranks form one tensor-parallel group (s.dp, s.cp, s.pp 1).
+/// second moments. Of the layers and ends s holds (a pipeline stage's: Sharding::layers,
+/// embedding, head), each at the TP cut and, over a DP×CP group of D·C > 1 ranks, FSDP's cut of
+/// dim 0 (Sharding::dp_cp_index).
 std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s);
 
 /// --save / --save-every / --resume as parsed (c.checkpoint, resume_dir the flag's DIR): one
@@ -100,7 +102,7 @@ struct CheckpointSnapshot {
 CheckpointSnapshot snapshot_state(const BlockConfig& c, const Sharding& s,
                                   const std::vector<const Tensor*>& state, std::int64_t step);
 
-/// Collective over MPI_COMM_WORLD (the ranks of one tensor-parallel group, cut as `s`): writes
+/// Collective over MPI_COMM_WORLD (every rank of the job, this one cut as `s`): writes
 /// `snapshot` as c.checkpoint.save_dir/step-<step>/ by the atomic protocol above. Throws
 /// tpx::Error naming the file on a failed write, the same on every rank (the previous
 /// checkpoints stay whole). Returns the new checkpoint's directory.

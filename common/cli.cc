@@ -450,17 +450,6 @@ std::optional<std::string> check_combinations(const CLI::App& app, const StageIn
         "--recompute-every chooses the layers of --recompute full (got "
         "--recompute {})",
         choices.recompute);
-  for (const char* flag : {"--save", "--save-every", "--async-save", "--resume"})
-    if (given(flag))
-      for (const auto& group : o.flag_groups)
-        if (const auto dim = group->dimension())
-          return fmt::format(
-              "{} is not available in {}: its --{} dimension cuts the model further than one "
-              "tensor-parallel group, and checkpoints cover stages 01-06 for now",
-              flag, info.name,
-              *dim == MeshFlag::dp   ? "dp"
-              : *dim == MeshFlag::cp ? "cp"
-                                     : "pp");
   if (o.check && given("--resume"))
     return "--check compares a run from initialisation with the reference; it cannot start "
            "from --resume (leave out one of the two)";

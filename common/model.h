@@ -58,6 +58,14 @@ struct Sharding {
   int cp = 1;
   /// The mesh's pipeline degree P (stage 09).
   int pp = 1;
+  /// This rank's index in its DP×CP group, whose D·C ranks each hold ⌈rows / (D·C)⌉ of every
+  /// TP-local tensor's dim 0 (FSDP, stages 07-09).
+  int dp_cp_index = 0;
+  /// The layers this rank holds, as indices into the whole model (a pipeline stage's; empty:
+  /// every layer), and whether it holds the language model's embedding and its head (the final
+  /// gain and the output layer): the checkpoint's cut (common/checkpoint.h).
+  std::vector<std::int64_t> layers = {};
+  bool embedding = true, head = true;
   /// The stages' own parts of the memory estimate, in the order of the mesh (FSDP, CP, pipeline):
   /// each cuts the rank's block and adds its terms (common/memory_terms.h).
   std::vector<std::shared_ptr<const MemoryDimension>> dimensions = {};

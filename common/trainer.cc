@@ -315,17 +315,8 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
   };
   // AdamW's two moments per parameter, zero before the first step (none under SGD).
   Moments moments = make_moments(c, m);
-  // --resume: the state of the checkpoint's step, this rank's part of it read from the shards
-  // that hold it (in whatever cut they were saved); every rank stops if any cannot.
-  const int first = static_cast<int>(c.checkpoint.resume_step);
-  if (!c.checkpoint.resume_dir.empty()) {
-    const std::string problem = load_checkpoint(c, sh, state_tensors(m, moments));
-    if (const StartVerdict v = agree_to_start(!problem.empty(), 2, problem); v.stop)
-      throw ConfigError(v.message);
-  }
-  // --async-save: the saves' writer thread, with a communicator of its own.
-  std::optional<AsyncCheckpointWriter> writer;
-  if (c.checkpoint.async_save) writer.emplace();
+  Checkpoints checkpoints(c, sh, m, moments);  // --resume's state read; --save's writer
+  const int first = checkpoints.first_step();
   TrainResult result;
   par.synchronize();
   ops::synchronize(c.device);  // initialisation's device work is not a step's
@@ -432,27 +423,11 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     if (c.evaluates(step)) row.eval_loss = held_out_loss(step);
 
     finish_step(c, par, m, moments, params, lm_params, trace, row, ms);
-    if (c.checkpoint.saves_after(step + 1, c.steps)) {  // after the update: the next step's state
-      const auto t1 = Clock::now();
-      TraceScope phase(trace, "save", Lane::phase);
-      const auto all = state_tensors(m, moments);
-      CheckpointSnapshot state = snapshot_state(c, sh, {all.begin(), all.end()}, step + 1);
-      row.saved = state.dir.string();
-      row.save_async = writer.has_value();
-      if (writer)  // the host copy taken, the step loop goes on while the thread writes it
-        writer->start(c, sh, std::move(state));
-      else
-        save_checkpoint(c, sh, state);
-      row.save_ms = ms_since(t1);
-    }
+    checkpoints.after_step(row, trace);
     result.rows.push_back(row);
     if (on_row) on_row(row);
   }
-  if (writer) {  // the last save's writing, after the last step: the run's, not a step's
-    const auto t1 = Clock::now();
-    writer->wait();
-    result.extra["save_final_wait_ms"] = ms_since(t1);
-  }
+  checkpoints.finish(result);
   if (c.generate.tokens > 0 && result.diverged.empty()) {
     gather_model(c, par, m, /*grads=*/false, result.trained);  // not a step's: reporting
     par.take_comm_stats();
@@ -544,6 +519,47 @@ std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& r
 }
 
 namespace training {
+
+Checkpoints::Checkpoints(const BlockConfig& c, const Sharding& sh, Model& m, Moments& moments)
+    : c_(c), sh_(sh), m_(m), moments_(moments) {
+  // --resume: the state of the checkpoint's step, this rank's part of it read from the shards
+  // that hold it (in whatever cut they were saved); every rank stops if any cannot.
+  if (!c.checkpoint.resume_dir.empty()) {
+    const std::string problem = load_checkpoint(c, sh, state_tensors(m, moments));
+    if (const StartVerdict v = agree_to_start(!problem.empty(), 2, problem); v.stop)
+      throw ConfigError(v.message);
+  }
+  // --async-save: the saves' writer thread, with a communicator of its own.
+  if (c.checkpoint.async_save) writer_.emplace();
+}
+
+int Checkpoints::first_step() const {
+  return static_cast<int>(c_.checkpoint.resume_step);
+}
+
+void Checkpoints::after_step(StepRow& row, Trace& trace) {
+  if (!c_.checkpoint.saves_after(row.step + 1, c_.steps)) return;
+  // After the update: the next step's state.
+  const auto t1 = Clock::now();
+  TraceScope phase(trace, "save", Lane::phase);
+  const auto all = state_tensors(m_, moments_);
+  CheckpointSnapshot state = snapshot_state(c_, sh_, {all.begin(), all.end()}, row.step + 1);
+  row.saved = state.dir.string();
+  row.save_async = writer_.has_value();
+  if (writer_)  // the host copy taken, the step loop goes on while the thread writes it
+    writer_->start(c_, sh_, std::move(state));
+  else
+    save_checkpoint(c_, sh_, state);
+  row.save_ms = ms_since(t1);
+}
+
+void Checkpoints::finish(TrainResult& result) {
+  if (!writer_) return;
+  // The last save's writing, after the last step: the run's, not a step's.
+  const auto t1 = Clock::now();
+  writer_->wait();
+  result.extra["save_final_wait_ms"] = ms_since(t1);
+}
 
 std::vector<Tensor*> state_tensors(Model& m, Moments& moments) {
   std::vector<Tensor*> out;

@@ -11,11 +11,13 @@
 #include <cstddef>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint.h"
 #include "config.h"
 #include "model.h"
 #include "parallel.h"
@@ -117,6 +119,27 @@ Moments make_moments(const BlockConfig& c, const Model& m);
 /// order: m's parameters (layer by layer, then the language model's), then AdamW's first and
 /// second moments of them (none under SGD).
 std::vector<Tensor*> state_tensors(Model& m, Moments& moments);
+/// A training loop's checkpoints (common/checkpoint.h), the same in every loop: made after the
+/// model is cut (`sh`: this rank's part, m and moments its tensors), it reads --resume's state
+/// (every rank stops, exit 2, when any cannot); after_step() saves when --save and --save-every
+/// say so (on a writer thread under --async-save), and finish() waits for the last save.
+class Checkpoints {
+ public:
+  Checkpoints(const BlockConfig& c, const Sharding& sh, Model& m, Moments& moments);
+  /// The step the loop starts at: the checkpoint's, or 0.
+  int first_step() const;
+  /// After row.step's update: saves the state of step row.step + 1 when it is due.
+  void after_step(StepRow& row, Trace& trace);
+  /// After the last step.
+  void finish(TrainResult& result);
+
+ private:
+  const BlockConfig& c_;
+  Sharding sh_;
+  Model& m_;
+  Moments& moments_;
+  std::optional<AsyncCheckpointWriter> writer_;
+};
 /// The optimizer step t (from 1) on every parameter m holds. In the same pass over each parameter
 /// it writes the parameter's compute copy (make_compute_copies' `copies`, lm_compute_copies'
 /// `lm_copies`) where that is a bf16 copy of its own.

@@ -23,8 +23,12 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 /// A tiny language model (and its blocks): four heads, so T = 1, 2, 4 all cut it.
-const std::string kTiny =
-    "--hidden 32 --heads 4 --ffn 64 --seq 8 --batch 2 --layers 2 --data synthetic --vocab 50";
+std::string tiny(int batch = 2, int layers = 2) {
+  return fmt::format(
+      "--hidden 32 --heads 4 --ffn 64 --seq 8 --batch {} --layers {} --data synthetic --vocab 50",
+      batch, layers);
+}
+const std::string kTiny = tiny();
 
 /// The (step, loss, grad norm) rows of a --json summary.
 std::vector<std::array<double, 3>> rows_of(const fs::path& json_path) {
@@ -83,9 +87,10 @@ std::vector<float> read_whole_tensor(const fs::path& step_dir, const std::string
 /// three more on the same mesh: the same losses and gradient norms, bit for bit, and the same
 /// checkpoint of step 6 (every weight and moment), byte for byte. The resumed run's --dump holds
 /// the checkpoint's weights (its first step starts from them).
-void expect_continues_bit_for_bit(const std::string& stage, int n, const std::string& args) {
+void expect_continues_bit_for_bit(const std::string& stage, int n, const std::string& args,
+                                  const std::string& sizes = kTiny) {
   TempDir dir;
-  const std::string all = kTiny + " " + args;
+  const std::string all = sizes + " " + args;
   run_ok(stage, n,
          fmt::format("{} --steps 6 --save {} --save-every 3 --json {}", all,
                      (dir / "straight").string(), (dir / "straight.json").string()),
@@ -206,6 +211,64 @@ TEST(CheckpointRuns, Stage01_02_03_ReshardAcrossMeshes) {
                      path("two_to_four.json")),
          dir);
   expect_rows_close(dir / "two_to_four.json", dir / "two.json", "T 2 -> 4");
+}
+
+// The mesh's other cuts. Stage 07: FSDP holds ⌈rows / D⌉ of each TP-local tensor's dim 0
+// (padded: at D 3 the 50-row vocabulary's last shard holds 16 real rows of 17); stage 08: the
+// DP×CP group's D·C ranks; stage 09: a pipeline stage's layers and the end it holds.
+TEST(CheckpointRuns, Stage07_FsdpContinuesBitForBit) {
+  expect_continues_bit_for_bit("07_fsdp_tp", 2, "--task lm --dp 2 --optimizer adamw --lr 1e-3");
+}
+
+TEST(CheckpointRuns, Stage07_PaddedFsdpContinuesBitForBit) {
+  expect_continues_bit_for_bit("07_fsdp_tp", 3, "--task lm --dp 3 --dtype bf16", tiny(3));
+}
+
+TEST(CheckpointRuns, Stage08_ContextParallelContinuesBitForBit) {
+  expect_continues_bit_for_bit("08_context_parallel", 2,
+                               "--task lm --cp 2 --optimizer adamw --lr 1e-3");
+}
+
+TEST(CheckpointRuns, Stage09_PipelineContinuesBitForBit) {
+  expect_continues_bit_for_bit("09_pipeline_parallel", 2,
+                               "--task lm --pp 2 --optimizer adamw --lr 1e-3");
+}
+
+TEST(CheckpointRuns, Stage09_InterleavedPipelineWithFsdpContinuesBitForBit) {
+  expect_continues_bit_for_bit(
+      "09_pipeline_parallel", 4,
+      "--task lm --pp 2 --dp 2 --schedule interleaved-1f1b --stages-per-rank 2", tiny(4, 4));
+}
+
+// Across the mesh: saved by stage 02 (T 2), resumed by 07 (D 2); saved by 07 (D 2 × T 2),
+// resumed by 09 (P 2); saved by 09 (P 2, layers and ends on different ranks), resumed by 01 on
+// one rank and by 09 at P 4. Each continues stage 01's straight run within fp32's tolerance.
+TEST(CheckpointRuns, Stage02_07_09_ReshardAcrossTheMesh) {
+  TempDir dir;
+  const std::string args = tiny(2, 4) + " --task lm --optimizer adamw --lr 1e-3";
+  auto path = [&](const std::string& name) { return (dir / name).string(); };
+  auto save = [&](const std::string& stage, int n, const std::string& mesh,
+                  const std::string& name) {
+    run_ok(stage, n, fmt::format("{} {} --steps 3 --save {}", args, mesh, path(name)), dir);
+    ASSERT_TRUE(fs::exists(dir / name / "step-3" / "index.json")) << name;
+  };
+  int resumed = 0;
+  auto resume = [&](const std::string& stage, int n, const std::string& mesh,
+                    const std::string& from, const std::string& what) {
+    const std::string out = fmt::format("resumed{}.json", ++resumed);
+    run_ok(stage, n,
+           fmt::format("{} {} --steps 6 --resume {} --json {}", args, mesh, path(from), path(out)),
+           dir);
+    expect_rows_close(dir / out, dir / "straight.json", what);
+  };
+  run_ok("01_baseline", 1, fmt::format("{} --steps 6 --json {}", args, path("straight.json")), dir);
+  save("02_megatron_tp", 2, "", "tp2");
+  resume("07_fsdp_tp", 2, "--dp 2", "tp2", "02 T 2 -> 07 D 2");
+  save("07_fsdp_tp", 4, "--dp 2", "dp2tp2");
+  resume("09_pipeline_parallel", 2, "--pp 2", "dp2tp2", "07 D 2 x T 2 -> 09 P 2");
+  save("09_pipeline_parallel", 2, "--pp 2", "pp2");
+  resume("01_baseline", 1, "", "pp2", "09 P 2 -> 01");
+  resume("09_pipeline_parallel", 4, "--pp 4", "pp2", "09 P 2 -> 09 P 4");
 }
 
 // Tensors larger than a checksummed chunk (1 MiB): W_gate [512, 1024] and W_down [1024, 512] are
@@ -384,16 +447,6 @@ TEST(CheckpointRuns, Stage01_RefusesAStepOrSeedThatDoesNotContinue) {
   expect_refused_once("01_baseline", 1,
                       fmt::format("{} --steps 4 --seed 7 --resume {}", s.args, s.ckpt.string()),
                       "--seed 7: the checkpoint");
-}
-
-// Stages whose mesh cuts the model over data, context or pipeline ranks refuse the flags.
-TEST(CheckpointRuns, Stages07_08_09_RefuseCheckpoints) {
-  TempDir dir;
-  for (const std::string stage : {"07_fsdp_tp", "08_context_parallel", "09_pipeline_parallel"})
-    expect_refused_once(stage, 2, kTiny + " --task lm --save " + (dir / "c").string(),
-                        "--save is not available in " + stage);
-  expect_refused_once("07_fsdp_tp", 2, kTiny + " --task lm --resume " + (dir / "c").string(),
-                      "--resume is not available");
 }
 
 }  // namespace
