@@ -492,6 +492,21 @@ std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s) {
   return parts;
 }
 
+std::optional<std::vector<std::int64_t>> checkpoint_file_bytes(const BlockConfig& c,
+                                                               const Sharding& s) {
+  if (s.dp != 1 || s.cp != 1 || s.pp != 1) return std::nullopt;
+  std::vector<std::int64_t> bytes;
+  for (int r = 0; r < s.world; ++r) {
+    Sharding mine = s;
+    mine.rank = r;
+    std::int64_t n = 0;  // no overflow: the memory estimate's checked sizes bound every part
+    for (const StatePart& p : state_parts(c, mine))
+      if (p.saved) n += volume(p.box) * 4;
+    bytes.push_back(n);
+  }
+  return bytes;
+}
+
 std::optional<std::string> checkpoint_flag_problem(BlockConfig& c) {
   CheckpointOptions& k = c.checkpoint;
   if (k.save_every > 0 && k.save_dir.empty())

@@ -18,6 +18,7 @@
 //
 // defines: tpx::crc32(), tpx::IndexRange, tpx::overlap(), tpx::kCheckpointVersion,
 //          tpx::kCheckpointChunkBytes, tpx::StatePart, tpx::state_parts(),
+//          tpx::checkpoint_file_bytes(),
 //          tpx::checkpoint_flag_problem(), tpx::CheckpointSnapshot, tpx::snapshot_state(),
 //          tpx::save_checkpoint(), tpx::AsyncCheckpointWriter, tpx::load_checkpoint()
 #pragma once
@@ -78,6 +79,14 @@ struct StatePart {
 /// embedding, head), each at the TP cut and, over a DP×CP group of D·C > 1 ranks, FSDP's cut of
 /// dim 0 (Sharding::dp_cp_index).
 std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s);
+
+/// The bytes of every rank's shard file (rank-<r>.bin, r = 0 … s.world - 1) that a save of
+/// (c, s) writes: the boxes of the rank's saved state_parts(), 4 bytes an element, as the save
+/// packs them (the index.json beside them is not counted). Rank r's cut is `s` with s.rank = r.
+/// Nothing where state_parts() does not reach: a mesh with s.dp, s.cp or s.pp above 1 (--dry-run
+/// reports the sizes where there are some).
+std::optional<std::vector<std::int64_t>> checkpoint_file_bytes(const BlockConfig& c,
+                                                               const Sharding& s);
 
 /// --save / --save-every / --resume as parsed (c.checkpoint, resume_dir the flag's DIR): one
 /// sentence for the first that does not fit, nothing when they do. Resolves --resume DIR to the

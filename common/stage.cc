@@ -19,6 +19,7 @@
 #include "agree.h"
 #include "check.h"
 #include "checked.h"
+#include "checkpoint.h"
 #include "comm/watchdog.h"
 #include "data.h"
 #include "flops.h"
@@ -545,6 +546,24 @@ void print_plan_groups(const StagePlan& plan) {
     if (g.traffic.calls > 0) line(g.label, g.traffic);
 }
 
+/// --dry-run's line of a checkpoint's size: each rank's shard file (runs of ranks whose files
+/// print alike together; --json has the bytes) and all of them, the small index.json left out.
+std::string checkpoint_size_text(const std::vector<std::int64_t>& bytes) {
+  std::string ranks;
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < bytes.size();) {
+    const std::string size = bytes_text(std::uint64_t(bytes[i]));
+    std::size_t j = i;
+    while (j + 1 < bytes.size() && bytes_text(std::uint64_t(bytes[j + 1])) == size) ++j;
+    ranks += fmt::format("{}{} {}{}", ranks.empty() ? "" : ", ",
+                         j == i ? fmt::format("rank {}", i) : fmt::format("ranks {}-{}", i, j),
+                         size, j == i ? "" : " each");
+    for (std::size_t r = i; r <= j; ++r) total += std::uint64_t(bytes[r]);
+    i = j + 1;
+  }
+  return fmt::format("{}; about {} in all", ranks, bytes_text(total));
+}
+
 /// --dry-run: the stage's plan (its split checks, sharding and a step's bytes), the memory
 /// estimate (reported, not refused) and a step's FLOPs, printed by rank 0 and written to --json;
 /// nothing is computed and no tensor allocated, so any size answers at once.
@@ -557,6 +576,7 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
   const Speed speed{step_flops(c).total() / double(world), 0.0};
   const Traffic& all = plan.traffic;
   const std::uint64_t saved = memory.estimate.term("saved activations").bytes;
+  const auto checkpoint = checkpoint_file_bytes(c, plan.sharding);
   if (rank == 0) {
     print_header(st, c, world, plan.comm, nodes.layout(), speed, memory.estimate, memory.reference,
                  memory.available, /*dry_run=*/true);
@@ -573,6 +593,8 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
     fmt::print("  {:<22} {}\n", "saved activations", bytes_text(saved));
     fmt::print("  {:<22} {} ({})\n", "peak memory estimate", bytes_text(memory.estimate.total()),
                memory.problem.empty() ? "fits" : "would be refused: " + memory.problem);
+    if (checkpoint)  // a save's rank-<r>.bin files (--save DIR), from the parts the save writes
+      fmt::print("  {:<22} {}\n", "checkpoint (--save)", checkpoint_size_text(*checkpoint));
   }
   if (!o.json_path.empty() && rank == 0) {
     json summary = plan_json(st, o, world, plan.comm, plan.sharding, speed, memory.estimate);
@@ -585,6 +607,12 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
       const Traffic t = plan.group(name);
       summary["step"][name + "_payload_bytes"] = t.payload;
       summary["step"][name + "_bus_bytes"] = t.bus;
+    }
+    if (checkpoint) {  // each rank's shard file; their sum (the index.json beside them not in it)
+      summary["checkpoint_bytes_per_rank"] = *checkpoint;
+      std::int64_t total = 0;
+      for (const std::int64_t b : *checkpoint) total += b;
+      summary["checkpoint_bytes"] = total;
     }
     summary["memory_available_bytes"] = memory.available;
     if (!memory.problem.empty()) summary["memory_problem"] = memory.problem;

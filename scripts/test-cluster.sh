@@ -3,6 +3,8 @@
 # slurmd, each started here with a configuration written for this host's cores), stage 03 submitted
 # through scripts/cluster/tpx.sbatch at 2 tasks with --check, once launched by srun --mpi=pmix
 # and once by mpirun inside the allocation; each job must end COMPLETED with PASS in its output.
+# Then stage 02 through scripts/cluster/tpx-requeue.sbatch: requeued (scontrol requeue) after its
+# first checkpoint, its next start must resume from it.
 # Every daemon it started is stopped on exit, pass or fail; nothing is left running.
 #
 #   scripts/test-cluster.sh [BUILD_DIR]    (default build; as root: it installs Debian's slurm-wlm
@@ -20,7 +22,9 @@ die() {
 }
 
 [[ $(id -u) == 0 ]] || die "run as root: it installs packages and starts slurmctld, slurmd and munged"
-[[ -x $build/bin/03_sequence_parallel ]] || die "$build/bin/03_sequence_parallel is not built (scripts/build.sh)"
+for stage in 02_megatron_tp 03_sequence_parallel; do
+  [[ -x $build/bin/$stage ]] || die "$build/bin/$stage is not built (scripts/build.sh)"
+done
 
 # --- Debian's packages (a no-op when present) -----------------------------------------------------
 if ! dpkg -s slurm-wlm munge >/dev/null 2>&1; then
@@ -142,4 +146,31 @@ for launcher in srun mpirun; do
   grep -q "^1 node × 2 ranks per node$" "$out" || die "job $id ($launcher): the header does not say 1 node × 2 ranks"
   say "job $id ($launcher): COMPLETED, PASS"
 done
+
+# --- tpx-requeue.sbatch: a checkpoint, a requeue, a new start that resumes from it -----------------
+# (--steps far beyond what runs before the job is requeued and, after that, cancelled)
+ckpt="$work/ckpt"
+id=$(TPX_ROOT=$root TPX_BUILD=$(realpath --relative-to="$root" "$build") TPX_CHECKPOINT=$ckpt \
+  TPX_SAVE_EVERY=500 sbatch --parsable --nodes=1 --ntasks-per-node=2 --output="$work/job-%j.out" \
+  scripts/cluster/tpx-requeue.sbatch 02_megatron_tp --hidden 32 --heads 4 --ffn 64 --seq 8 \
+  --layers 2 --steps 100000000)
+out="$work/job-$id.out"
+for _ in $(seq 600); do
+  compgen -G "$ckpt/step-*/index.json" >/dev/null && break
+  sleep 0.2
+done
+compgen -G "$ckpt/step-*/index.json" >/dev/null || die "job $id (requeue): no checkpoint in $ckpt"
+scontrol requeue "$id"
+for _ in $(seq 1800); do # Slurm holds a requeued job a while before it starts again
+  grep -q "^resumed from $ckpt/step-" "$out" 2>/dev/null && break
+  sleep 0.2
+done
+scancel --quiet "$id" || true
+echo "--- job $id (requeue): $out"
+grep -v '^ *[0-9]' "$out" || true  # the starts' lines, not their step rows
+grep -q "no checkpoint in $ckpt yet, starting from initialisation" "$out" ||
+  die "job $id (requeue): its first start did not start from initialisation"
+grep -q "^resumed from $ckpt/step-" "$out" ||
+  die "job $id (requeue): no start after the requeue resumed from $ckpt"
+say "job $id (requeue): started from initialisation, requeued, resumed from its checkpoint"
 say "PASS"

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -153,6 +155,40 @@ TEST(DryRun, Stage08RefusesWhatTheRealRunRefuses) {
         << dry.err;
     EXPECT_EQ(first_line(dry.err), first_line(real.err)) << args;  // printed once, by rank 0
     EXPECT_EQ(dry.err.find("error: ", dry.err.find('\n')), std::string::npos) << dry.err;
+  }
+}
+
+TEST(DryRun, CheckpointSizeIsWhatASaveWrites) {
+  // The dry run's size of each rank's shard file against the files a real --save wrote: the
+  // language model at a vocabulary T does not divide (V = 101, padded to 102: the padding is not
+  // saved), AdamW's moments (three copies of the state), the norm gains replicated (rank 0 alone
+  // writes them); and the blocks alone under SGD.
+  for (const std::string& args :
+       {std::string("--task lm --data synthetic --vocab 101 --optimizer adamw --lr 1e-3"),
+        std::string("--task block")}) {
+    test::TempDir dir;
+    const auto ckpt = dir / "ckpt";
+    const std::string cmd = fmt::format("{} {} --steps 1 --save {}", kShape, args, ckpt.string());
+    const auto real = test::run_stage("02_megatron_tp", 2, cmd, dir);
+    ASSERT_EQ(real.exit_code, 0) << args << "\n" << real.out << real.err;
+    const auto path = dir / "d.json";
+    const auto dry =
+        test::run_stage("02_megatron_tp", 2, cmd + " --dry-run --json " + path.string(), dir);
+    ASSERT_EQ(dry.exit_code, 0) << args << "\n" << dry.out << dry.err;
+    const json j = json::parse(test::read_file(path));
+    ASSERT_TRUE(j.contains("checkpoint_bytes_per_rank")) << args;
+    const json& per_rank = j.at("checkpoint_bytes_per_rank");
+    ASSERT_EQ(per_rank.size(), 2u) << args;
+    std::uintmax_t total = 0;
+    for (int r = 0; r < 2; ++r) {
+      const auto file = ckpt / "step-1" / fmt::format("rank-{}.bin", r);
+      ASSERT_TRUE(std::filesystem::exists(file)) << file;
+      const std::uintmax_t size = std::filesystem::file_size(file);
+      EXPECT_EQ(per_rank.at(r).get<std::uintmax_t>(), size) << args << ": rank " << r;
+      total += size;
+    }
+    EXPECT_EQ(j.at("checkpoint_bytes").get<std::uintmax_t>(), total) << args;
+    EXPECT_NE(dry.out.find("checkpoint (--save)"), std::string::npos) << dry.out;
   }
 }
 
