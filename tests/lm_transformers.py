@@ -45,36 +45,16 @@ SKIP = 77
 # largest value (the self-test).
 TOLERANCE = 1e-5
 EPS = 1e-5  # DESIGN.md: RMSNorm(v; g) = v / sqrt(mean(v²) + 1e-5) · g
-PARAMS = ["norm1", "wq", "wk", "wv", "wo", "norm2", "w_gate", "w_up", "w_down"]
-# Our name -> (transformers' parameter within a decoder layer, whether it is stored transposed).
-HF_LAYER = {
-    "norm1": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "norm2": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-}
+# Our tensor names -> transformers' (and whether stored transposed): tools/tpx_hf.py's, which
+# exports and imports checkpoints with the same mapping.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+from tpx_hf import hf_names  # noqa: E402
 
 
 def fail(message):
     print(f"lm_transformers: error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def hf_names(layers):
-    """Our tensor name -> (transformers' parameter name, transposed?), in table order."""
-    names = {"embedding": ("model.embed_tokens.weight", False)}
-    for l in range(layers):
-        for p in PARAMS:
-            hf, t = HF_LAYER[p]
-            names[f"layers.{l}.{p}"] = (f"model.layers.{l}.{hf}", t)
-    names["norm_f"] = ("model.norm.weight", False)
-    names["w_out"] = ("lm_head.weight", True)
-    return names
 
 
 def run_stage(a, dump):

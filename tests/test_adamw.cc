@@ -41,16 +41,6 @@ void adamw_double(std::vector<double>& w, const std::vector<double>& g, std::vec
   }
 }
 
-/// The scalars the trainer passes for step t.
-ops::AdamWStep step_scalars(double lr, double b1, double b2, double eps, double wd, int t) {
-  return {float(b1),
-          float(b2),
-          float(eps),
-          float(1 - lr * wd),
-          float(lr / (1 - std::pow(b1, t))),
-          float(std::sqrt(1 - std::pow(b2, t)))};
-}
-
 TEST(AdamWOp, ThreeStepsEqualTheFormulaInDouble) {
   const double lr = 1e-2, b1 = 0.9, b2 = 0.95, eps = 1e-8;
   for (const double wd : {0.0, 0.1}) {  // a gain (no decay) and a matrix
@@ -62,7 +52,7 @@ TEST(AdamWOp, ThreeStepsEqualTheFormulaInDouble) {
     for (int t = 1; t <= 3; ++t) {
       const Tensor g = test::random_tensor({n}, std::uint32_t(10 + t), 0.0, 1e-3);
       const auto gd = test::to_doubles(g);
-      ops::adamw_update(w, g, m, v, step_scalars(lr, b1, b2, eps, wd, t));
+      ops::adamw_update(w, g, m, v, test::adamw_step(lr, b1, b2, eps, wd, t));
       adamw_double(wd_, gd, md, vd, lr, b1, b2, eps, wd, t);
       const auto got = test::to_doubles(w);
       for (std::int64_t i = 0; i < n; ++i)
@@ -81,7 +71,7 @@ TEST(AdamWOp, FirstStepIsLrTimesTheGradientsSignAfterTheDecay) {
   ops::fill(m, 0.0f);
   ops::fill(v, 0.0f);
   const auto w0 = test::to_doubles(w), gd = test::to_doubles(g);
-  ops::adamw_update(w, g, m, v, step_scalars(lr, 0.9, 0.95, 1e-8, wd, 1));
+  ops::adamw_update(w, g, m, v, test::adamw_step(lr, 0.9, 0.95, 1e-8, wd, 1));
   const auto w1 = test::to_doubles(w);
   for (std::size_t i = 0; i < w0.size(); ++i) {
     const double want = w0[i] * (1 - lr * wd) - lr * gd[i] / (std::abs(gd[i]) + 1e-8);

@@ -896,12 +896,7 @@ TEST(Ops, AdamWIsBitIdenticalToCpu) {
       const Tensor gcopy = with_copy ? Tensor::empty({n}, DType::bf16, Device::cuda) : Tensor();
       for (int t = 1; t <= 3; ++t) {
         const Tensor g = random_tensor({n}, std::uint32_t(95 + t), 0.0, 1e-2);
-        const ops::AdamWStep s{0.9f,
-                               0.95f,
-                               1e-8f,
-                               float(1.0 - 1e-3 * 0.1),
-                               float(1e-3 / (1.0 - std::pow(0.9, t))),
-                               float(std::sqrt(1.0 - std::pow(0.95, t)))};
+        const ops::AdamWStep s = test::adamw_step(1e-3, 0.9, 0.95, 1e-8, 0.1, t);
         ops::adamw_update(w, g, m, v, s, copy);
         ops::adamw_update(gw, on_gpu(g), gm, gv, s, gcopy);
       }
@@ -909,7 +904,9 @@ TEST(Ops, AdamWIsBitIdenticalToCpu) {
       EXPECT_TRUE(same_bits(on_cpu(gw), w)) << what;
       EXPECT_TRUE(same_bits(on_cpu(gm), m)) << what;
       EXPECT_TRUE(same_bits(on_cpu(gv), v)) << what;
-      if (with_copy) EXPECT_TRUE(same_bits(on_cpu(gcopy), copy)) << what;
+      if (with_copy) {
+        EXPECT_TRUE(same_bits(on_cpu(gcopy), copy)) << what;
+      }
     }
 }
 

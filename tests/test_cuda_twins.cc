@@ -28,6 +28,7 @@
 #include "common/ops.h"
 #include "common/rope.h"
 #include "common/tensor.h"
+#include "test_util.h"
 
 namespace tpx {
 namespace {
@@ -411,12 +412,7 @@ TEST(CudaTwins, OptimizerUpdatesMatchTheCpuAndWriteTheCopyInTheSamePass) {
     for (int t = 1; t <= 3; ++t) {
       Tensor g = f32_tensor(n, std::uint32_t(70 + t));
       for (float& x : g.f32()) x *= 1e-2f;
-      const ops::AdamWStep s{0.9f,
-                             0.95f,
-                             1e-8f,
-                             float(1.0 - 1e-3 * 0.1),
-                             float(1e-3 / (1.0 - std::pow(0.9, t))),
-                             float(std::sqrt(1.0 - std::pow(0.95, t)))};
+      const ops::AdamWStep s = test::adamw_step(1e-3, 0.9, 0.95, 1e-8, 0.1, t);
       ops::adamw_update(w, g, m, v, s, copy);
       run(elem::AdamW{ptr<float>(tw), ptr<float>(g), ptr<float>(tm), ptr<float>(tv), s.beta1,
                       s.beta2, s.eps, s.decay, s.step_size, s.sqrt_bias2, ptr<u16>(tcopy)},

@@ -1,7 +1,7 @@
 // Small helpers shared by the test programs: random tensors, host copies, temporary directories,
 // running a command and capturing its exit status, stdout and stderr.
 //
-// defines: tpx::test::random_tensor(), fill_random(), to_doubles(), max_abs(), TempDir,
+// defines: tpx::test::random_tensor(), fill_random(), to_doubles(), max_abs(), adamw_step(), TempDir,
 //          CommandResult, run_command(), lines_of(), stage_binary(), kRootMpiEnv
 #pragma once
 
@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "common/ops.h"
 #include "common/tensor.h"
 
 namespace tpx::test {
@@ -41,6 +42,16 @@ inline Tensor random_tensor(Tensor::Shape shape, std::uint32_t seed, double mean
 }
 
 /// The values of a cpu f32 tensor, widened to double.
+/// AdamW's scalars of step t (from 1) as the trainer computes them: in double, rounded once.
+inline ops::AdamWStep adamw_step(double lr, double b1, double b2, double eps, double wd, int t) {
+  return {float(b1),
+          float(b2),
+          float(eps),
+          float(1 - lr * wd),
+          float(lr / (1 - std::pow(b1, t))),
+          float(std::sqrt(1 - std::pow(b2, t)))};
+}
+
 inline std::vector<double> to_doubles(const Tensor& t) {
   auto s = t.f32();
   return {s.begin(), s.end()};

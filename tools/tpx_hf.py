@@ -67,13 +67,12 @@ class Refused(Exception):
 
 
 def hf_names(layers):
-    """Our tensor name -> (transformers' name, stored transposed), in our state's order."""
-    names = {}
+    """Our tensor name -> (transformers' name, stored transposed), in the model's order."""
+    names = {"embedding": ("model.embed_tokens.weight", False)}
     for l in range(layers):
         for p in PARAMS:
             hf, transposed = HF_LAYER[p]
             names[f"layers.{l}.{p}"] = (f"model.layers.{l}.{hf}", transposed)
-    names["embedding"] = ("model.embed_tokens.weight", False)
     names["norm_f"] = ("model.norm.weight", False)
     names["w_out"] = ("lm_head.weight", True)
     return names
