@@ -80,7 +80,7 @@ struct StatePart {
 /// dim 0 (Sharding::dp_cp_index).
 std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s);
 
-/// The bytes of every rank's shard file (rank-<r>.bin, r = 0 … s.world - 1) that a save of
+/// The bytes of every rank's shard file (rank-r.bin, r = 0 … s.world - 1) that a save of
 /// (c, s) writes: the boxes of the rank's saved state_parts(), 4 bytes an element, as the save
 /// packs them (the index.json beside them is not counted). Rank r's cut is `s` with s.rank = r.
 /// Nothing where state_parts() does not reach: a mesh with s.dp, s.cp or s.pp above 1 (--dry-run
@@ -90,7 +90,7 @@ std::optional<std::vector<std::int64_t>> checkpoint_file_bytes(const BlockConfig
 
 /// --save / --save-every / --resume as parsed (c.checkpoint, resume_dir the flag's DIR): one
 /// sentence for the first that does not fit, nothing when they do. Resolves --resume DIR to the
-/// checkpoint it names (DIR itself when it holds an index.json, else its step-<N> with the
+/// checkpoint it names (DIR itself when it holds an index.json, else its step-N with the
 /// largest N that does) and checks its index against the run before anything is allocated:
 /// the format version, every tensor's global shape, the config the shapes and the state depend
 /// on (task, dtype, optimizer, seed, data), every shard file's presence and size, and that the
@@ -102,7 +102,7 @@ std::optional<std::string> checkpoint_flag_problem(BlockConfig& c);
 /// they are written; the step, and the checkpoint directory it becomes.
 struct CheckpointSnapshot {
   std::int64_t step = 0;
-  std::filesystem::path dir;  ///< c.checkpoint.save_dir/step-<step>
+  std::filesystem::path dir;  ///< c.checkpoint.save_dir/step-(step)
   std::vector<std::vector<float>> packed;
 };
 
@@ -112,7 +112,7 @@ CheckpointSnapshot snapshot_state(const BlockConfig& c, const Sharding& s,
                                   const std::vector<const Tensor*>& state, std::int64_t step);
 
 /// Collective over MPI_COMM_WORLD (every rank of the job, this one cut as `s`): writes
-/// `snapshot` as c.checkpoint.save_dir/step-<step>/ by the atomic protocol above. Throws
+/// `snapshot` as c.checkpoint.save_dir/step-(step)/ by the atomic protocol above. Throws
 /// tpx::Error naming the file on a failed write, the same on every rank (the previous
 /// checkpoints stay whole). Returns the new checkpoint's directory.
 std::filesystem::path save_checkpoint(const BlockConfig& c, const Sharding& s,

@@ -61,11 +61,11 @@ struct GenerateOptions {
 
 /// --save, --save-every, --resume (common/checkpoint.h).
 struct CheckpointOptions {
-  std::string save_dir;  ///< --save DIR: checkpoints go to DIR/step-<N>/ (empty: none)
+  std::string save_dir;  ///< --save DIR: checkpoints go to DIR/step-N/ (empty: none)
   int save_every = 0;    ///< --save-every K: after every K-th step too (0: at the end only)
   /// --async-save: a writer thread writes each save's host copy while the steps go on.
   bool async_save = false;
-  /// --resume: the checkpoint directory DIR/step-<N>/ the run starts from, resolved by the
+  /// --resume: the checkpoint directory DIR/step-N/ the run starts from, resolved by the
   /// command line (empty: from initialisation), and its step N.
   std::string resume_dir;
   std::int64_t resume_step = 0;
