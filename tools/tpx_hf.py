@@ -209,6 +209,11 @@ def import_(a):
     if abs(cfg.get("rms_norm_eps", EPS) - EPS) > 1e-12:
         raise Refused(f"'{src / 'config.json'}': rms_norm_eps is {cfg['rms_norm_eps']}; tpx's "
                       f"RMSNorm has {EPS}")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size"):
+        if not isinstance(cfg.get(key), int) or cfg[key] < 1:
+            raise Refused(f"'{src / 'config.json'}': {key} must be a positive integer, not "
+                          f"{cfg.get(key)!r}")
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     NH = cfg["num_attention_heads"]
     NKV = cfg.get("num_key_value_heads") or NH
