@@ -17,6 +17,7 @@
 
 #include "common/cpu/ops.h"
 #include "common/cuda/allocator.h"
+#include "common/cuda/blas.h"
 #include "common/cuda/check.h"
 #include "common/cuda/device.h"
 #include "common/ops.h"
@@ -66,6 +67,15 @@ constexpr double kF32Tol = 1e-5;
 
 // ---------------------------------------------------------------------------------------------
 // Without a GPU.
+
+TEST(BlasLoader, CublasIsOpenedByItsFirstCallNotAtStart) {
+  // Each ctest case is a process of its own: nothing has called cuBLAS yet. Linked, the library
+  // would be mapped before main (0.2 s and 210 MiB per process on every rank of every run).
+  EXPECT_FALSE(cuda::blas::loaded()) << "cuBLAS was mapped before any call";
+  // cublasGetStatusName needs no GPU; the forwarder opens libcublas and finds the function.
+  EXPECT_STREQ(cublasGetStatusName(CUBLAS_STATUS_NOT_INITIALIZED), "CUBLAS_STATUS_NOT_INITIALIZED");
+  EXPECT_TRUE(cuda::blas::loaded());
+}
 
 TEST(Check, MacrosNameTheCallAndTheLibrarysError) {
   // cudaSetDevice(-1) fails everywhere: an invalid ordinal with a GPU, no driver without one.

@@ -14,7 +14,7 @@
 // calling thread's cuBLASLt handle and the per-stream workspaces of gemm.cc (lt_context).
 //
 // defines: tpx::cuda::blas::Operand, tpx::cuda::blas::gemm, tpx::cuda::blas::LtContext,
-//          tpx::cuda::blas::lt_context, tpx::cuda::blas::gemm_fp8
+//          tpx::cuda::blas::lt_context, tpx::cuda::blas::gemm_fp8, tpx::cuda::blas::loaded
 #pragma once
 
 #include <cstddef>
@@ -59,5 +59,10 @@ LtContext lt_context();
 bool gemm_fp8(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, Operand a, DType a_type,
               const float* a_factor, Operand b, DType b_type, const float* b_factor, float beta,
               float* c, std::int64_t ldc);
+
+/// Whether cuBLAS or cuBLASLt is loaded in this process. The backend does not link them: they are
+/// opened on the first call of any of their functions (blas_loader.cc), so a run that multiplies
+/// nothing on a GPU never maps them.
+bool loaded();
 
 }  // namespace tpx::cuda::blas
