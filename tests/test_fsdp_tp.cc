@@ -63,9 +63,8 @@ TEST_P(FsdpMesh, ChecksAndDumpsEqualStage01) {
   const std::string opt =
       optimizer == "adamw" ? " --optimizer adamw --lr 1e-3" : " --optimizer sgd";
   test::TempDir dir;
-  const auto ref = run_stage("01_baseline", 1,
-                             z.args() + opt + " --steps 2 --dump " + (dir / "01").string(), dir);
-  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  const auto ref = test::stage01_reference(z.args() + opt + " --steps 2");
+  ASSERT_FALSE(ref.empty());
   const auto r = run_stage("07_fsdp_tp", n,
                            fmt::format("{}{} --dp {} --steps 2 --check --dump {}", z.args(), opt,
                                        dp, (dir / "07").string()),
@@ -73,7 +72,7 @@ TEST_P(FsdpMesh, ChecksAndDumpsEqualStage01) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find(fmt::format("mesh D {} × TP {}", dp, n / dp)), std::string::npos) << r.out;
-  expect_dumps_close(dir / "01", dir / "07", 1e-5, fmt::format("np {} dp {}", n, dp));
+  expect_dumps_close(ref / "dump", dir / "07", 1e-5, fmt::format("np {} dp {}", n, dp));
 }
 
 INSTANTIATE_TEST_SUITE_P(Meshes, FsdpMesh,
@@ -247,8 +246,8 @@ TEST_P(FsdpLm, ChecksAndDumpsEqualStage01) {
   const Sizes z;
   test::TempDir dir;
   const std::string common = fmt::format("{}{} {} --steps 2", z.args(), kLm, extra);
-  const auto ref = run_stage("01_baseline", 1, common + " --dump " + (dir / "01").string(), dir);
-  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  const auto ref = test::stage01_reference(common);
+  ASSERT_FALSE(ref.empty());
   const auto r = run_stage(
       "07_fsdp_tp", n,
       fmt::format("{} --dp {} --check --dump {}", common, dp, (dir / "07").string()), dir);
@@ -261,7 +260,7 @@ TEST_P(FsdpLm, ChecksAndDumpsEqualStage01) {
   EXPECT_EQ(w.shape, (std::vector<std::int64_t>{z.H, 101}));
   const bool bf16 = extra.find("bf16") != std::string::npos;
   if (!bf16 || n == dp)
-    expect_dumps_close(dir / "01", dir / "07", bf16 ? 5e-4 : 1e-5,
+    expect_dumps_close(ref / "dump", dir / "07", bf16 ? 5e-4 : 1e-5,
                        fmt::format("np {} dp {} {}", n, dp, extra));
 }
 

@@ -84,11 +84,8 @@ TEST_P(PpMesh, ChecksAndDumpsEqualStage01) {
   if (c.layers != 0) z.L = c.layers;
   test::TempDir dir;
   const std::string common = fmt::format("{} {} --steps 4", z.args(), c.extra);
-  const auto ref = run_stage("01_baseline", 1,
-                             fmt::format("{} --dump {} --json {}", common, (dir / "01").string(),
-                                         (dir / "01.json").string()),
-                             dir);
-  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  const auto ref = test::stage01_reference(common);
+  ASSERT_FALSE(ref.empty());
   const auto r =
       run_stage("09_pipeline_parallel", c.ranks,
                 fmt::format("{} {} --schedule {} --check --dump {} --json {}", common, c.mesh,
@@ -96,8 +93,8 @@ TEST_P(PpMesh, ChecksAndDumpsEqualStage01) {
                 dir);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
-  expect_dumps_close(dir / "01", dir / "09", 1e-5, r.out.substr(0, 600));
-  const std::vector<double> want = losses(json::parse(test::read_file(dir / "01.json")));
+  expect_dumps_close(ref / "dump", dir / "09", 1e-5, r.out.substr(0, 600));
+  const std::vector<double> want = losses(json::parse(test::read_file(ref / "run.json")));
   const std::vector<double> got = losses(json::parse(test::read_file(dir / "09.json")));
   ASSERT_EQ(got.size(), want.size());
   for (std::size_t s = 0; s < want.size(); ++s)
@@ -390,78 +387,90 @@ TEST(PipelineParallel, GpipeMemoryGrowsWithMicrobatchesOneFOneBsDoesNot) {
   }
 }
 
-TEST(PipelineParallel, EstimateHoldsTheHostsOwnPeakOnEveryRank) {
-  // The estimate against the process's own high-water mark over training (VmHWM from the step's
-  // start less the VmRSS before the model is made), every rank, within the 15 % chapters 8 and
-  // 9 state: at points where the pipeline's own memory (the set-up's streams, M micro-batches'
-  // books, a pass's activations) is tens of MiB, well above the noise of MPI's and malloc's own
-  // pages; and at H 256, S 128, L 4, B 4 for stage 08 (each CP method, fp32 and bf16, FSDP over
-  // the DP×CP group: the MPI reduce-scatter's staging on its first rank at D·C 4) and stage 09.
-  struct Point {
-    int n;
-    std::string args;
-    std::string stage = "09_pipeline_parallel";
-  };
-  // GPipe at 20 sequences per micro-batch keeps all 200 passes alive; P 2 × D 2 needs the
-  // set-up's FSDP cut on top of the two whole streams.
-  const std::string big = "--hidden 64 --heads 2 --seq 16 --ffn 64 --batch 4000 --microbatches 200";
-  const std::string small = "--hidden 32 --heads 2 --seq 8 --ffn 64 --layers 2";
-  const std::string mid = "--hidden 256 --heads 8 --ffn 1024 --seq 128 --layers 4 --batch 4";
-  const std::string cp = "08_context_parallel";
-  for (const Point& p :
-       {Point{2, big + " --layers 2 --schedule 1f1b"},
-        Point{2, big + " --layers 2 --schedule zb-h1"},
-        Point{2, big + " --layers 2 --schedule gpipe"},
-        Point{2, big + " --layers 4 --stages-per-rank 2 --schedule interleaved-1f1b"},
-        Point{4, big + " --layers 2 --pp 2 --cp 2 --schedule 1f1b"},
-        Point{4, big + " --layers 2 --pp 2 --dp 2 --schedule 1f1b"},
-        Point{2, small + " --schedule gpipe --batch 2000 --microbatches 2000"},
-        // Recompute: every live micro-batch keeps a recomputed layer's input only (rank 0's
-        // layer 0 at every 2; rank 1's layer 1 keeps all); selective drops the cheap outputs.
-        Point{2, big + " --layers 2 --schedule gpipe --recompute full --recompute-every 2"},
-        Point{2, big + " --layers 2 --schedule gpipe --recompute selective"},
-        Point{2, mid + " --pp 2"}, Point{4, mid + " --pp 2 --cp 2"},
-        Point{2, mid + " --pp 2 --stages-per-rank 2 --schedule interleaved-1f1b --recompute full"},
-        Point{2, "--hidden 512 --heads 8 --ffn 1024 --seq 256 --layers 4 --batch 4 --pp 2"},
-        Point{2, mid + " --cp 2", cp}, Point{2, mid + " --cp 2 --cp-method allgather", cp},
-        Point{2, mid + " --cp 2 --cp-method ulysses", cp},
-        Point{4, mid + " --cp 2 --dp 2 --dtype bf16", cp},
-        Point{2, mid + " --cp 2 --cp-method allgather --dtype bf16", cp},
-        Point{4, mid + " --cp 2 --dp 2 --cp-method ulysses --dtype bf16", cp}}) {
-    // The ratio of every rank's estimate to its measured peak. A host's peak also holds pages
-    // that other processes' load makes malloc and MPI keep: a point outside the tolerance is
-    // measured once more, and fails only when both runs are (a wrong term is off every time).
-    auto ratios = [&] {
-      const json j = run_json(p.stage, p.n, "--steps 2 " + p.args);
-      std::vector<std::string> off;
-      if (!j.contains("host_peak_bytes_per_rank")) return std::vector<std::string>{"no run"};
-      EXPECT_TRUE(j.at("host_peak_since_baseline").get<bool>()) << "VmHWM could not be reset";
-      const auto peak = j.at("host_peak_bytes_per_rank").get<std::vector<double>>();
-      const auto base = j.at("host_baseline_bytes_per_rank").get<std::vector<double>>();
-      const auto est = j.at("memory_estimate_bytes_per_rank").get<std::vector<double>>();
-      EXPECT_EQ(peak.size(), std::size_t(p.n));
-      std::vector<std::string> each;
-      for (std::size_t r = 0; r < peak.size(); ++r) {
-        const double measured = peak[r] - base[r];
-        each.push_back(fmt::format("{:.3f}", est[r] / measured));
-        if (std::abs(est[r] / measured - 1.0) > 0.15)
-          off.push_back(fmt::format("rank {}: estimate {} / measured {} = {:.3f}; {}", r, est[r],
-                                    measured, est[r] / measured, j.at("memory_terms").dump()));
-      }
-      std::cout << "[ memory   ] " << p.stage << " " << p.args << ": estimate / measured "
-                << fmt::format("{}", fmt::join(each, ", ")) << std::endl;
-      return off;
-    };
-    if (const auto first = ratios(); !first.empty()) {
-      std::cout << p.stage << " " << p.args << ": outside the tolerance once, measured again:\n"
-                << fmt::format("{}", fmt::join(first, "\n")) << std::endl;
-      const auto again = ratios();
-      EXPECT_TRUE(again.empty()) << p.stage << " " << p.args << ", outside 1 ± 0.15 in two runs:\n"
-                                 << fmt::format("{}\n", fmt::join(first, "\n"))
-                                 << fmt::format("{}", fmt::join(again, "\n"));
+// The estimate against the process's own high-water mark over training (VmHWM from the step's
+// start less the VmRSS before the model is made), every rank, within the 15 % chapters 8 and 9
+// state: at points where the pipeline's own memory (the set-up's streams, M micro-batches' books,
+// a pass's activations) is tens of MiB, well above the noise of MPI's and malloc's own pages; and
+// at H 256, S 128, L 4, B 4 for stage 08 (each CP method, fp32 and bf16, FSDP over the DP×CP
+// group: the MPI reduce-scatter's staging on its first rank at D·C 4) and stage 09.
+struct PeakPoint {
+  int n;
+  std::string args;
+  std::string stage = "09_pipeline_parallel";
+};
+
+void PrintTo(const PeakPoint& p, std::ostream* os) {
+  *os << p.stage << " -np " << p.n << " " << p.args;
+}
+
+class HostPeak : public testing::TestWithParam<PeakPoint> {};
+
+TEST_P(HostPeak, EstimateHoldsTheHostsOwnPeakOnEveryRank) {
+  const PeakPoint& p = GetParam();
+  // The ratio of every rank's estimate to its measured peak. A host's peak also holds pages that
+  // other processes' load makes malloc and MPI keep: a point outside the tolerance is measured
+  // once more, and fails only when both runs are (a wrong term is off every time).
+  auto ratios = [&] {
+    const json j = run_json(p.stage, p.n, "--steps 2 " + p.args);
+    std::vector<std::string> off;
+    if (!j.contains("host_peak_bytes_per_rank")) return std::vector<std::string>{"no run"};
+    EXPECT_TRUE(j.at("host_peak_since_baseline").get<bool>()) << "VmHWM could not be reset";
+    const auto peak = j.at("host_peak_bytes_per_rank").get<std::vector<double>>();
+    const auto base = j.at("host_baseline_bytes_per_rank").get<std::vector<double>>();
+    const auto est = j.at("memory_estimate_bytes_per_rank").get<std::vector<double>>();
+    EXPECT_EQ(peak.size(), std::size_t(p.n));
+    std::vector<std::string> each;
+    for (std::size_t r = 0; r < peak.size(); ++r) {
+      const double measured = peak[r] - base[r];
+      each.push_back(fmt::format("{:.3f}", est[r] / measured));
+      if (std::abs(est[r] / measured - 1.0) > 0.15)
+        off.push_back(fmt::format("rank {}: estimate {} / measured {} = {:.3f}; {}", r, est[r],
+                                  measured, est[r] / measured, j.at("memory_terms").dump()));
     }
+    std::cout << "[ memory   ] " << p.stage << " " << p.args << ": estimate / measured "
+              << fmt::format("{}", fmt::join(each, ", ")) << std::endl;
+    return off;
+  };
+  if (const auto first = ratios(); !first.empty()) {
+    std::cout << p.stage << " " << p.args << ": outside the tolerance once, measured again:\n"
+              << fmt::format("{}", fmt::join(first, "\n")) << std::endl;
+    const auto again = ratios();
+    EXPECT_TRUE(again.empty()) << p.stage << " " << p.args << ", outside 1 ± 0.15 in two runs:\n"
+                               << fmt::format("{}\n", fmt::join(first, "\n"))
+                               << fmt::format("{}", fmt::join(again, "\n"));
   }
 }
+
+// GPipe at 20 sequences per micro-batch keeps all 200 passes alive; P 2 × D 2 needs the set-up's
+// FSDP cut on top of the two whole streams. Each schedule, each mesh dimension beside P, each
+// recompute policy and each CP method once (ring and Ulysses in both dtypes).
+const std::string kBig = "--hidden 64 --heads 2 --seq 16 --ffn 64 --batch 4000 --microbatches 200";
+const std::string kMid = "--hidden 256 --heads 8 --ffn 1024 --seq 128 --layers 4 --batch 4";
+const std::string kCp = "08_context_parallel";
+INSTANTIATE_TEST_SUITE_P(
+    PipelineParallel, HostPeak,
+    testing::Values(
+        PeakPoint{2, kBig + " --layers 2 --schedule 1f1b"},
+        PeakPoint{2, kBig + " --layers 2 --schedule gpipe"},
+        PeakPoint{2, kBig + " --layers 4 --stages-per-rank 2 --schedule interleaved-1f1b"},
+        PeakPoint{4, kBig + " --layers 2 --pp 2 --cp 2 --schedule 1f1b"},
+        PeakPoint{4, kBig + " --layers 2 --pp 2 --dp 2 --schedule zb-h1"},
+        PeakPoint{2,
+                  "--hidden 32 --heads 2 --seq 8 --ffn 64 --layers 2 --schedule gpipe "
+                  "--batch 2000 --microbatches 2000"},
+        // Recompute: every live micro-batch keeps a recomputed layer's input only (rank 0's
+        // layer 0 at every 2; rank 1's layer 1 keeps all); selective drops the cheap outputs.
+        PeakPoint{2, kBig + " --layers 2 --schedule gpipe --recompute full --recompute-every 2"},
+        PeakPoint{2, kBig + " --layers 2 --schedule gpipe --recompute selective"},
+        PeakPoint{4, kMid + " --pp 2 --cp 2"},
+        PeakPoint{2, kMid + " --pp 2 --stages-per-rank 2 --schedule interleaved-1f1b "
+                            "--recompute full"},
+        PeakPoint{2, kMid + " --cp 2", kCp},
+        PeakPoint{2, kMid + " --cp 2 --cp-method ulysses", kCp},
+        PeakPoint{4, kMid + " --cp 2 --dp 2 --dtype bf16", kCp},
+        PeakPoint{2, kMid + " --cp 2 --cp-method allgather --dtype bf16", kCp},
+        PeakPoint{4, kMid + " --cp 2 --dp 2 --cp-method ulysses --dtype bf16", kCp}),
+    [](const auto& p) { return fmt::format("point{}", p.index); });
 
 /// The stage's error lines in a run's stderr (one per rank that reports).
 std::vector<std::string> error_lines(const std::string& err) {

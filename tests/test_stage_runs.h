@@ -3,19 +3,23 @@
 // over the DP×CP group by hand.
 //
 // defines: tpx::test::Sizes, tpx::test::run_json(), tpx::test::expect_refused_once(),
-//          tpx::test::lm_ends_dp_bytes(), tpx::test::expect_dumps_close()
+//          tpx::test::lm_ends_dp_bytes(), tpx::test::expect_dumps_close(),
+//          tpx::test::stage01_reference()
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
+#include <system_error>
 #include <utility>
 
 #include <fmt/format.h>
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "common/npy.h"
@@ -42,6 +46,40 @@ inline nlohmann::json run_json(const std::string& stage, int n, const std::strin
   EXPECT_EQ(r.exit_code, 0) << stage << " " << args << "\n" << r.out << r.err;
   if (r.exit_code != 0) return nlohmann::json::object();
   return nlohmann::json::parse(read_file(dir / "s.json"));
+}
+
+/// Stage 01's run with `args` (which name neither --dump nor --json), as a directory holding its
+/// `dump/` and its `run.json`: the reference that the mesh stages' tests compare their dumps and
+/// losses with. Made once per build of 01_baseline and kept under the build tree, keyed by the
+/// flags and the binary's modification time, so that the many cases comparing with one flag set
+/// run stage 01 once; made under a temporary name and renamed into place, so that tests running
+/// at the same time never read a half-written one. A failed run is a test failure and an empty
+/// path.
+inline std::filesystem::path stage01_reference(const std::string& args) {
+  namespace fs = std::filesystem;
+  const auto stamp = fs::last_write_time(stage_binary("01_baseline")).time_since_epoch().count();
+  const std::string key = fmt::format(
+      "{:016x}", std::hash<std::string>{}(fmt::format("{}|{}", block_task(args), stamp)));
+  const fs::path cache = fs::path(TPX_BIN_DIR).parent_path() / "test-cache" / "stage01";
+  const fs::path dir = cache / key;
+  if (fs::exists(dir)) return dir;
+  const fs::path staged = cache / (key + ".tmp" + std::to_string(::getpid()));
+  fs::remove_all(staged);
+  fs::create_directories(staged);
+  TempDir scratch;
+  const auto r = run_stage("01_baseline", 1,
+                           fmt::format("{} --dump {} --json {}", args, (staged / "dump").string(),
+                                       (staged / "run.json").string()),
+                           scratch);
+  EXPECT_EQ(r.exit_code, 0) << "01_baseline " << args << "\n" << r.out << r.err;
+  if (r.exit_code != 0) {
+    fs::remove_all(staged);
+    return {};
+  }
+  std::error_code ec;
+  fs::rename(staged, dir, ec);  // fails only when another test put the same run there first
+  if (ec) fs::remove_all(staged);
+  return dir;
 }
 
 /// `mpirun -np n <stage> <args>` refuses: exit 2, and one line "<stage>: error: …" containing
