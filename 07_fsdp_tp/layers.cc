@@ -528,6 +528,7 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .weights = true,
                 .sequence = true,
                 .dp = mesh.dp,
+                .dp_cp_index = mesh.dp_cp_index(),
                 .dimensions = {memory_dimension(mesh.dp_cp_index() == 0)}};  // as sharding()
   const Traffic tp = ring::traffic(replica, mesh.tp);  // stage 05's, inside the TP group
   Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);

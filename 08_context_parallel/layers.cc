@@ -627,6 +627,7 @@ StagePlan plan_context_parallel(const RunContext& ctx) {
       .sequence = true,
       .dp = mesh.dp,
       .cp = mesh.cp,
+      .dp_cp_index = mesh.dp_cp_index(),
       // as the Parallelism's sharding(): stage 07's FSDP inside, then CP
       .dimensions = {fsdp::memory_dimension(mesh.dp_cp_index() == 0), memory_dimension(method)}};
   p.traffic = t.total();

@@ -134,13 +134,24 @@ std::string PipelineParallel::comm_name() const {
                      slice);
 }
 
-std::vector<std::int64_t> PipelineParallel::held_layers() const {
+namespace {
+
+/// The layers pipeline rank `pp_index` holds, in the order it holds them: those of each of its
+/// virtual stages (`layers`: every virtual stage's), as indices into the whole model.
+std::vector<std::int64_t> layers_of(const PipelineShape& shape,
+                                    const std::vector<LayerRange>& layers, int pp_index) {
   std::vector<std::int64_t> held;
-  for (const int s : schedule_->shape().stages_of(mesh_.pp_index)) {
-    const LayerRange& r = layers_[std::size_t(s)];
+  for (const int s : shape.stages_of(pp_index)) {
+    const LayerRange& r = layers[std::size_t(s)];
     for (int l = r.first; l < r.first + r.count; ++l) held.push_back(l);
   }
   return held;
+}
+
+}  // namespace
+
+std::vector<std::int64_t> PipelineParallel::held_layers() const {
+  return layers_of(schedule_->shape(), layers_, mesh_.pp_index);
 }
 
 PipelineParallel::Channel& PipelineParallel::channel(Payload p) {
@@ -484,6 +495,11 @@ StagePlan plan_pipeline(const RunContext& ctx) {
   const PipelineMemory held = pipeline_memory(c, *schedule, l.layers, mesh.pp_index);
   StagePlan p;
   p.sharding = planned_sharding(mesh, method, mesh.tp_index, mesh.dp_cp_index() == 0, held);
+  // The checkpoint's cut, as train_pipeline's: the FSDP shard, the layers and the ends it holds.
+  p.sharding.dp_cp_index = mesh.dp_cp_index();
+  p.sharding.layers = layers_of(l.shape, l.layers, mesh.pp_index);
+  p.sharding.embedding = mesh.pp_index == 0;
+  p.sharding.head = mesh.pp_index == l.shape.rank_of(l.shape.stages() - 1);
   // The slice's traffic on this rank's layers, once per micro-batch (the TP and CP bytes of a
   // micro-batch, M times; FSDP's gathers for every micro-batch, its reduce-scatter once).
   BlockConfig mine = c;

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <mpi.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -413,8 +415,8 @@ std::vector<std::string> gather_text(const std::string& mine, int rank, int worl
   return out;
 }
 
-/// Stops every rank of `comm` with the lowest failing rank's error when any rank has one
-/// (collective).
+/// Stops every rank of `comm` with the lowest failing rank's error, a SaveError, when any rank
+/// has one (collective).
 void throw_if_any(const std::string& problem, MPI_Comm comm) {
   int rank = 0;
   TPX_MPI_CHECK(MPI_Comm_rank(comm, &rank));
@@ -427,7 +429,7 @@ void throw_if_any(const std::string& problem, MPI_Comm comm) {
   TPX_MPI_CHECK(MPI_Bcast(&len, 1, MPI_INT, first, comm));
   text.resize(std::size_t(len));
   TPX_MPI_CHECK(MPI_Bcast(text.data(), len, MPI_CHAR, first, comm));
-  throw Error(text);
+  throw SaveError(text);
 }
 
 }  // namespace
@@ -492,19 +494,11 @@ std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s) {
   return parts;
 }
 
-std::optional<std::vector<std::int64_t>> checkpoint_file_bytes(const BlockConfig& c,
-                                                               const Sharding& s) {
-  if (s.dp != 1 || s.cp != 1 || s.pp != 1) return std::nullopt;
-  std::vector<std::int64_t> bytes;
-  for (int r = 0; r < s.world; ++r) {
-    Sharding mine = s;
-    mine.rank = r;
-    std::int64_t n = 0;  // no overflow: the memory estimate's checked sizes bound every part
-    for (const StatePart& p : state_parts(c, mine))
-      if (p.saved) n += volume(p.box) * 4;
-    bytes.push_back(n);
-  }
-  return bytes;
+std::int64_t checkpoint_file_bytes(const BlockConfig& c, const Sharding& s) {
+  std::int64_t n = 0;  // no overflow: the memory estimate's checked sizes bound every part
+  for (const StatePart& p : state_parts(c, s))
+    if (p.saved) n += volume(p.box) * 4;
+  return n;
 }
 
 std::optional<std::string> checkpoint_flag_problem(BlockConfig& c) {
@@ -545,6 +539,32 @@ CheckpointSnapshot snapshot_state(const BlockConfig& c, const Sharding& s,
 
 namespace {
 
+/// --fault-full-disk-in-save: while it lives, the process's files cannot grow past half of
+/// `snap`'s bytes (RLIMIT_FSIZE, SIGXFSZ ignored), so the shard's write() fails with EFBIG part
+/// way, as on a disk that fills during the save, and the saver's own error path runs.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(const CheckpointSnapshot& snap) {
+    rlim_t bytes = 0;
+    for (const std::vector<float>& part : snap.packed) bytes += part.size() * sizeof(float);
+    TPX_CHECK(::getrlimit(RLIMIT_FSIZE, &old_) == 0, "getrlimit: {}", std::strerror(errno));
+    old_signal_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit low = old_;
+    low.rlim_cur = bytes / 2;
+    TPX_CHECK(::setrlimit(RLIMIT_FSIZE, &low) == 0, "setrlimit: {}", std::strerror(errno));
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &old_);
+    std::signal(SIGXFSZ, old_signal_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit old_{};
+  void (*old_signal_)(int) = SIG_DFL;
+};
+
 /// Writes `snap` by the atomic protocol, collective over `comm` (every rank of the job).
 void write_checkpoint(const BlockConfig& c, const Sharding& s, const CheckpointSnapshot& snap,
                       MPI_Comm comm) {
@@ -570,6 +590,9 @@ void write_checkpoint(const BlockConfig& c, const Sharding& s, const CheckpointS
   // Every rank its shard file: its parts packed one after another, a CRC per chunk of each.
   const std::string file = fmt::format("rank-{}.bin", rank);
   json shards = json::array();
+  const bool full = rank == c.checkpoint.full_rank && step == c.checkpoint.full_step;
+  std::optional<FileSizeLimit> disk_full;
+  if (full) disk_full.emplace(snap);
   try {
     write_file_atomically(staging / file, [&](OutputFile& out) {
       std::int64_t offset = 0;
@@ -594,6 +617,7 @@ void write_checkpoint(const BlockConfig& c, const Sharding& s, const CheckpointS
   } catch (const Error& e) {
     problem = e.what();
   }
+  disk_full.reset();
   throw_if_any(problem, comm);
   if (rank == c.checkpoint.kill_rank && step == c.checkpoint.kill_step) ::raise(SIGKILL);
   // After every shard: rank 0 writes the index, and the directory takes its name.
@@ -662,7 +686,7 @@ fs::path save_checkpoint(const BlockConfig& c, const Sharding& s,
 struct AsyncCheckpointWriter::Impl {
   MPI_Comm comm = MPI_COMM_NULL;
   std::thread thread;
-  std::string problem;  ///< the save's agreed error; empty when it succeeded
+  std::exception_ptr error;  ///< what the save threw (null when it succeeded)
 };
 
 AsyncCheckpointWriter::AsyncCheckpointWriter() : impl_(std::make_unique<Impl>()) {
@@ -686,15 +710,15 @@ void AsyncCheckpointWriter::start(const BlockConfig& c, const Sharding& s,
   impl_->thread = std::thread([this, c, s, snap = std::move(snapshot)] {
     try {
       write_checkpoint(c, s, snap, impl_->comm);
-    } catch (const std::exception& e) {
-      impl_->problem = e.what();
+    } catch (...) {
+      impl_->error = std::current_exception();
     }
   });
 }
 
 void AsyncCheckpointWriter::wait() {
   if (impl_->thread.joinable()) impl_->thread.join();
-  if (!impl_->problem.empty()) throw Error(std::exchange(impl_->problem, {}));
+  if (impl_->error) std::rethrow_exception(std::exchange(impl_->error, nullptr));
 }
 
 std::string load_checkpoint(const BlockConfig& c, const Sharding& s,

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "config.h"
 #include "model.h"
 #include "tensor.h"
@@ -80,13 +81,10 @@ struct StatePart {
 /// dim 0 (Sharding::dp_cp_index).
 std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s);
 
-/// The bytes of every rank's shard file (rank-r.bin, r = 0 … s.world - 1) that a save of
-/// (c, s) writes: the boxes of the rank's saved state_parts(), 4 bytes an element, as the save
-/// packs them (the index.json beside them is not counted). Rank r's cut is `s` with s.rank = r.
-/// Nothing where state_parts() does not reach: a mesh with s.dp, s.cp or s.pp above 1 (--dry-run
-/// reports the sizes where there are some).
-std::optional<std::vector<std::int64_t>> checkpoint_file_bytes(const BlockConfig& c,
-                                                               const Sharding& s);
+/// The bytes of the shard file (rank-<r>.bin) that a save of (c, s) writes on the rank cut as
+/// `s`: the boxes of its saved state_parts(), 4 bytes an element, as the save packs them (the
+/// index.json beside the files is not counted). --dry-run gathers every rank's.
+std::int64_t checkpoint_file_bytes(const BlockConfig& c, const Sharding& s);
 
 /// --save / --save-every / --resume as parsed (c.checkpoint, resume_dir the flag's DIR): one
 /// sentence for the first that does not fit, nothing when they do. Resolves --resume DIR to the
@@ -111,10 +109,17 @@ struct CheckpointSnapshot {
 CheckpointSnapshot snapshot_state(const BlockConfig& c, const Sharding& s,
                                   const std::vector<const Tensor*>& state, std::int64_t step);
 
+/// A save that failed on some rank (a shard file or the index not written: a full disk, a
+/// directory gone), thrown on every rank with the same message, the lowest failing rank's: the
+/// run stops with that one line, exit 1 on every rank, and the previous checkpoints stay whole.
+class SaveError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// Collective over MPI_COMM_WORLD (every rank of the job, this one cut as `s`): writes
 /// `snapshot` as c.checkpoint.save_dir/step-(step)/ by the atomic protocol above. Throws
-/// tpx::Error naming the file on a failed write, the same on every rank (the previous
-/// checkpoints stay whole). Returns the new checkpoint's directory.
+/// SaveError naming the file on a failed write. Returns the new checkpoint's directory.
 std::filesystem::path save_checkpoint(const BlockConfig& c, const Sharding& s,
                                       const CheckpointSnapshot& snapshot);
 
@@ -128,7 +133,8 @@ class AsyncCheckpointWriter {
   AsyncCheckpointWriter& operator=(const AsyncCheckpointWriter&) = delete;
   /// Waits for the save in flight (wait()), then starts writing `snapshot`.
   void start(const BlockConfig& c, const Sharding& s, CheckpointSnapshot snapshot);
-  /// Waits for the save in flight; throws tpx::Error, the same on every rank, if it failed.
+  /// Waits for the save in flight; throws what it threw if it failed (a SaveError, the same on
+  /// every rank, when a file could not be written).
   void wait();
 
  private:

@@ -348,6 +348,9 @@ void add_checkpoint_flags(CLI::App& app, CheckpointOptions& k) {
   add_rank_pair(app, "--fault-kill-in-save", "STEP", k.kill_rank, k.kill_step,
                 "RANK:STEP: that rank kills itself (SIGKILL) in the save after step STEP, once "
                 "its shard file is written and before the index");
+  add_rank_pair(app, "--fault-full-disk-in-save", "STEP", k.full_rank, k.full_step,
+                "RANK:STEP: in the save after step STEP, that rank's shard file cannot grow past "
+                "half its size (its writes fail as on a full disk)");
 }
 
 /// Communication: --comm, --comm-timeout, and the watchdog tests' hidden fault injection.
@@ -655,7 +658,9 @@ ConfigFields config_fields(const StageInfo& info, const StageOptions& o) {
       {"--async-save", c.checkpoint.async_save ? "given" : "not given"},
       {"--resume", given(c.checkpoint.resume_dir)},
       {"--fault-kill-in-save",
-       fmt::format("{}:{}", c.checkpoint.kill_rank, c.checkpoint.kill_step)}};
+       fmt::format("{}:{}", c.checkpoint.kill_rank, c.checkpoint.kill_step)},
+      {"--fault-full-disk-in-save",
+       fmt::format("{}:{}", c.checkpoint.full_rank, c.checkpoint.full_step)}};
   for (const auto& group : o.flag_groups) {
     const ConfigFields more = group->agreed();
     fields.insert(fields.end(), more.begin(), more.end());

@@ -73,6 +73,11 @@ struct CheckpointOptions {
   /// (SIGKILL) in the save after step N, once its shard file is written and before the index.
   int kill_rank = -1;
   std::int64_t kill_step = 0;
+  /// --fault-full-disk-in-save RANK:N (hidden; the tests' full disk): in the save after step N,
+  /// rank RANK's file size limit (RLIMIT_FSIZE, SIGXFSZ ignored) drops below its shard file's
+  /// size just before it writes it, so its write fails as on a full disk (EFBIG, not ENOSPC).
+  int full_rank = -1;
+  std::int64_t full_step = 0;
   /// Whether completed step count `done` (1 … steps) ends with a save.
   bool saves_after(std::int64_t done, std::int64_t steps) const {
     return !save_dir.empty() && (done == steps || (save_every > 0 && done % save_every == 0));

@@ -316,6 +316,9 @@ std::string startup_problem(const StageDefinition& st, const StageOptions& o, in
   if (c.checkpoint.kill_rank >= world)
     return fmt::format("--fault-kill-in-save names rank {}, but the job has ranks 0..{}",
                        c.checkpoint.kill_rank, world - 1);
+  if (c.checkpoint.full_rank >= world)
+    return fmt::format("--fault-full-disk-in-save names rank {}, but the job has ranks 0..{}",
+                       c.checkpoint.full_rank, world - 1);
   if (o.comm.copy_delay_us < 0 || o.comm.copy_delay_us > 1'000'000)
     return fmt::format("--fault-copy-delay-us must be 0 … 1000000 (got {})", o.comm.copy_delay_us);
   if (o.comm.comm_delay_us < 0 || o.comm.comm_delay_us > 1'000'000)
@@ -576,7 +579,11 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
   const Speed speed{step_flops(c).total() / double(world), 0.0};
   const Traffic& all = plan.traffic;
   const std::uint64_t saved = memory.estimate.term("saved activations").bytes;
-  const auto checkpoint = checkpoint_file_bytes(c, plan.sharding);
+  // A save's rank-<r>.bin files (--save DIR): each rank's from the parts its cut saves.
+  const std::int64_t shard_bytes = checkpoint_file_bytes(c, plan.sharding);
+  std::vector<std::int64_t> checkpoint(rank == 0 ? std::size_t(world) : 0);
+  TPX_MPI_CHECK(MPI_Gather(&shard_bytes, 1, MPI_INT64_T, checkpoint.data(), 1, MPI_INT64_T, 0,
+                           MPI_COMM_WORLD));
   if (rank == 0) {
     print_header(st, c, world, plan.comm, nodes.layout(), speed, memory.estimate, memory.reference,
                  memory.available, /*dry_run=*/true);
@@ -593,8 +600,7 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
     fmt::print("  {:<22} {}\n", "saved activations", bytes_text(saved));
     fmt::print("  {:<22} {} ({})\n", "peak memory estimate", bytes_text(memory.estimate.total()),
                memory.problem.empty() ? "fits" : "would be refused: " + memory.problem);
-    if (checkpoint)  // a save's rank-<r>.bin files (--save DIR), from the parts the save writes
-      fmt::print("  {:<22} {}\n", "checkpoint (--save)", checkpoint_size_text(*checkpoint));
+    fmt::print("  {:<22} {}\n", "checkpoint (--save)", checkpoint_size_text(checkpoint));
   }
   if (!o.json_path.empty() && rank == 0) {
     json summary = plan_json(st, o, world, plan.comm, plan.sharding, speed, memory.estimate);
@@ -608,12 +614,11 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
       summary["step"][name + "_payload_bytes"] = t.payload;
       summary["step"][name + "_bus_bytes"] = t.bus;
     }
-    if (checkpoint) {  // each rank's shard file; their sum (the index.json beside them not in it)
-      summary["checkpoint_bytes_per_rank"] = *checkpoint;
-      std::int64_t total = 0;
-      for (const std::int64_t b : *checkpoint) total += b;
-      summary["checkpoint_bytes"] = total;
-    }
+    // Each rank's shard file; their sum (the index.json beside them not in it).
+    summary["checkpoint_bytes_per_rank"] = checkpoint;
+    std::int64_t total = 0;
+    for (const std::int64_t b : checkpoint) total += b;
+    summary["checkpoint_bytes"] = total;
     summary["memory_available_bytes"] = memory.available;
     if (!memory.problem.empty()) summary["memory_problem"] = memory.problem;
     write_text_file(o.json_path, summary.dump(2) + '\n');  // checked writable at start-up
@@ -858,6 +863,8 @@ int run_stage(const StageDefinition& st, int argc, char** argv) {
     return print_agreed_error(st, e.what(), kExitConfig, mpi.rank());
   } catch (const SizeOverflow& e) {
     return print_agreed_error(st, e.what(), kExitConfig, mpi.rank());
+  } catch (const SaveError& e) {  // agreed too: every rank throws the same one
+    return print_agreed_error(st, e.what(), kExitFail, mpi.rank());
   } catch (const std::exception& e) {
     print_error(st, e.what(), kExitFail);
     if (mpi.world() > 1) MPI_Abort(MPI_COMM_WORLD, kExitFail);

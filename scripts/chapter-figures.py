@@ -21,7 +21,7 @@ writes them into DIR (the docs target: the site's figures come from this build's
 --build DIR runs the programs of another build tree (build/bin/ becomes DIR/bin/).
 
 Usage: scripts/chapter-figures.py [--fix | --out DIR] [--build DIR] [CHAPTER.md ...]
-       (default: every stage's README.md)
+       (default: every stage's README.md and docs/checkpoints.md)
 """
 import argparse
 import pathlib
@@ -33,7 +33,8 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- figure: (.+) -->$")
-IMAGE = re.compile(r"!\[[^\]]*\]\(\.\./docs/figures/([^)]+\.svg)\)")
+# A chapter's image (../docs/figures/) or a docs page's (figures/).
+IMAGE = re.compile(r"!\[[^\]]*\]\((?:\.\./docs/)?figures/([^)]+\.svg)\)")
 RUN_FIGURE = re.compile(r"(timeline|signals|column_backward|loss|memory)")  # figures made from runs
 TITLE = re.compile(r"<title>(.*?)</title>", re.S)
 
@@ -77,7 +78,8 @@ def main():
     mode.add_argument("--out", type=pathlib.Path, help="write the figures into this directory")
     ap.add_argument("--build", help="the build tree whose bin/ runs (default: build)")
     a = ap.parse_args()
-    chapters = a.chapters or sorted(ROOT.glob("0[1-9]_*/README.md"))
+    chapters = a.chapters or (sorted(ROOT.glob("0[1-9]_*/README.md")) +
+                              [ROOT / "docs" / "checkpoints.md"])
     committed = ROOT / "docs" / "figures"
     problems = 0
     with tempfile.TemporaryDirectory(prefix="tpx-figures-") as tmp:

@@ -296,6 +296,50 @@ TEST(CheckpointRuns, Stage01_02_ReshardReadsPartsOfLargeShards) {
   EXPECT_NEAR(got[0][2], want[1][2], 1e-5 * std::abs(want[1][2]));
 }
 
+/// --dry-run's checkpoint size (--json: each rank's shard file, and all of them) against the
+/// rank-<r>.bin files a real --save of the same run wrote; and the line the dry run prints.
+void expect_dry_run_size_is_what_a_save_writes(const std::string& stage, int n,
+                                               const std::string& args) {
+  TempDir dir;
+  const fs::path ckpt = dir / "ckpt";
+  const std::string cmd = fmt::format("{} --steps 1 --save {}", args, ckpt.string());
+  run_ok(stage, n, cmd, dir);
+  const fs::path path = dir / "dry.json";
+  const CommandResult dry = run_stage(stage, n, cmd + " --dry-run --json " + path.string(), dir);
+  ASSERT_EQ(dry.exit_code, 0) << stage << " " << args << "\n" << dry.out << dry.err;
+  EXPECT_NE(dry.out.find("checkpoint (--save)"), std::string::npos) << dry.out;
+  const json j = json::parse(read_file(path));
+  ASSERT_TRUE(j.contains("checkpoint_bytes_per_rank")) << stage << " " << args;
+  const json& per_rank = j.at("checkpoint_bytes_per_rank");
+  ASSERT_EQ(per_rank.size(), std::size_t(n)) << stage << " " << args;
+  std::uintmax_t total = 0;
+  for (int r = 0; r < n; ++r) {
+    const fs::path file = ckpt / "step-1" / fmt::format("rank-{}.bin", r);
+    ASSERT_TRUE(fs::exists(file)) << file;
+    const std::uintmax_t size = fs::file_size(file);
+    EXPECT_EQ(per_rank.at(r).get<std::uintmax_t>(), size) << stage << " " << args << ": rank " << r;
+    total += size;
+  }
+  EXPECT_EQ(j.at("checkpoint_bytes").get<std::uintmax_t>(), total) << stage << " " << args;
+}
+
+// The dry run's sizes where the cut is more than the TP group's: FSDP's padded shards (D 3: the
+// last of the 50-row vocabulary's holds 16 real rows of 17), a DP×CP group, a pipeline's stages
+// (interleaved, uneven: one rank holds the embedding, the other the head) under FSDP, and a
+// pipeline of blocks alone.
+TEST(CheckpointRuns, Stage07_08_09_DryRunSizeIsWhatASaveWrites) {
+  const std::string adamw = " --task lm --optimizer adamw --lr 1e-3";
+  expect_dry_run_size_is_what_a_save_writes("07_fsdp_tp", 3, tiny(3) + adamw + " --dp 3");
+  expect_dry_run_size_is_what_a_save_writes("08_context_parallel", 4,
+                                            kTiny + adamw + " --dp 1 --cp 2");
+  expect_dry_run_size_is_what_a_save_writes(
+      "09_pipeline_parallel", 4,
+      tiny(4, 5) + adamw +
+          " --pp 2 --dp 2 --schedule interleaved-1f1b --stages-per-rank 2 --first-stage-layers 2");
+  expect_dry_run_size_is_what_a_save_writes("09_pipeline_parallel", 2,
+                                            kTiny + " --task block --pp 2");
+}
+
 /// A checkpoint of two steps (step-1 and step-2) of the tiny model on one rank, to damage.
 struct Saved {
   TempDir dir;
@@ -415,6 +459,57 @@ TEST(CheckpointRuns, Stage02_AKillDuringASaveLeavesThePreviousCheckpoint) {
   for (std::size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(rows[i][1], straight[2 + i][1]) << "loss of step " << 2 + i;
     EXPECT_EQ(rows[i][2], straight[2 + i][2]) << "grad norm of step " << 2 + i;
+  }
+}
+
+// A disk that fills during the save after step 3 (rank 1's shard file cannot grow past half its
+// size, so its write() fails), with the saves written in the step loop and on the writer thread:
+// every rank exits non-zero, the one error line names the shard file, step 3 is no checkpoint,
+// and --resume DIR continues from step 2 as the run that never stopped, bit for bit.
+TEST(CheckpointRuns, Stage02_AFullDiskDuringASaveLeavesThePreviousCheckpoint) {
+  TempDir dir;
+  const std::string args = kTiny + " --task lm --optimizer adamw --lr 1e-3";
+  run_ok("02_megatron_tp", 2,
+         fmt::format("{} --steps 4 --json {}", args, (dir / "straight.json").string()), dir);
+  const auto straight = rows_of(dir / "straight.json");
+  ASSERT_EQ(straight.size(), 4U);
+  for (const std::string mode : {"", "--async-save"}) {
+    const fs::path ckpt = dir / (mode.empty() ? "sync" : "async");
+    // Each rank's own exit status, written by a shell around it (mpirun reports one).
+    const std::string cmd = fmt::format(
+        "{} timeout 120 {} {} -np 2 sh -c '\"$0\" \"$@\"; echo $? > {}/exit-$OMPI_COMM_WORLD_RANK' "
+        "{} {} --steps 4 --save {} --save-every 1 {} --fault-full-disk-in-save 1:3",
+        kRootMpiEnv, TPX_MPIEXEC, TPX_MPIEXEC_FLAGS, dir.path().string(),
+        stage_binary("02_megatron_tp"), args, ckpt.string(), mode);
+    const CommandResult full = run_command(cmd, dir);
+    for (int rank = 0; rank < 2; ++rank) {
+      const fs::path status = dir / fmt::format("exit-{}", rank);
+      ASSERT_TRUE(fs::exists(status)) << mode << " rank " << rank << "\n" << full.out << full.err;
+      EXPECT_EQ(read_file(status), "1\n") << mode << " rank " << rank << "'s exit status";
+      fs::remove(status);
+    }
+    std::vector<std::string> errors;
+    for (const std::string& line : lines_of(full.err))
+      if (line.starts_with("02_megatron_tp: error: ")) errors.push_back(line);
+    ASSERT_EQ(errors.size(), 1U) << "the ranks' agreed error, printed once:\n" << full.err;
+    EXPECT_NE(errors[0].find((ckpt / "step-3.tmp" / "rank-1.bin").string()), std::string::npos)
+        << errors[0];
+    EXPECT_NE(errors[0].find("File too large"), std::string::npos) << errors[0];
+    EXPECT_TRUE(fs::exists(ckpt / "step-2" / "index.json")) << mode;
+    EXPECT_FALSE(fs::exists(ckpt / "step-3")) << mode << ": a checkpoint of the failed save";
+    EXPECT_FALSE(fs::exists(ckpt / "step-4")) << mode << ": the run went on after the failure";
+    const fs::path out = dir / (ckpt.filename().string() + ".json");
+    const CommandResult resumed = run_stage(
+        "02_megatron_tp", 2,
+        fmt::format("{} --steps 4 --resume {} --json {}", args, ckpt.string(), out.string()), dir);
+    ASSERT_EQ(resumed.exit_code, 0) << mode << "\n" << resumed.out << resumed.err;
+    EXPECT_NE(resumed.out.find("(step 2)"), std::string::npos) << resumed.out;
+    const auto rows = rows_of(out);
+    ASSERT_EQ(rows.size(), 2U) << mode;
+    for (std::size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(rows[i][1], straight[2 + i][1]) << mode << " loss of step " << 2 + i;
+      EXPECT_EQ(rows[i][2], straight[2 + i][2]) << mode << " grad norm of step " << 2 + i;
+    }
   }
 }
 
