@@ -186,16 +186,16 @@ void moe_update_bias(std::span<T> bias, std::span<const std::int64_t> counts, do
 template <class T>
 MoeForward<T> moe_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                           std::span<const T> bias) {
-  const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn;
+  const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
+          SF = m.shared_ffn;
   TPX_CHECK(x.size() == at(n * H), "x of {}", x.size());
   TPX_CHECK(w.router.size() == at(H * E), "router of {}", w.router.size());
   TPX_CHECK(w.w_gate.size() == at(E * H * FE) && w.w_up.size() == at(E * H * FE) &&
                 w.w_down.size() == at(E * FE * H),
             "expert weights of {}, {}, {}", w.w_gate.size(), w.w_up.size(), w.w_down.size());
-  TPX_CHECK(
-      !m.shared_expert || (w.shared_gate.size() == at(H * FE) && w.shared_up.size() == at(H * FE) &&
-                           w.shared_down.size() == at(FE * H)),
-      "shared expert weights of {}", w.shared_gate.size());
+  TPX_CHECK(w.shared_gate.size() == at(H * SF) && w.shared_up.size() == at(H * SF) &&
+                w.shared_down.size() == at(SF * H),
+            "shared expert weights of {}", w.shared_gate.size());
   MoeForward<T> f;
   f.logits.assign(at(n * E), T(0));
   for (I t = 0; t < n; ++t)
@@ -215,13 +215,13 @@ MoeForward<T> moe_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<c
                      w.w_down.data() + e * FE * H, H, FE, r.weight[at(a)], f.gate.data() + a * FE,
                      f.up.data() + a * FE, f.y.data() + t * H);
     }
-  if (m.shared_expert) {
-    f.shared_gate.assign(at(n * FE), T(0));
-    f.shared_up.assign(at(n * FE), T(0));
+  if (SF > 0) {
+    f.shared_gate.assign(at(n * SF), T(0));
+    f.shared_up.assign(at(n * SF), T(0));
     for (I t = 0; t < n; ++t)
       swiglu_forward(x.data() + t * H, w.shared_gate.data(), w.shared_up.data(),
-                     w.shared_down.data(), H, FE, T(1), f.shared_gate.data() + t * FE,
-                     f.shared_up.data() + t * FE, f.y.data() + t * H);
+                     w.shared_down.data(), H, SF, T(1), f.shared_gate.data() + t * SF,
+                     f.shared_up.data() + t * SF, f.y.data() + t * H);
   }
   if (m.aux_loss_weight != 0.0) {
     std::vector<T> P(at(E), T(0));
@@ -239,7 +239,8 @@ MoeForward<T> moe_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<c
 template <class T>
 MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                          const MoeForward<T>& f, std::span<const T> dy) {
-  const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn;
+  const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
+          SF = m.shared_ffn;
   TPX_CHECK(dy.size() == at(n * H) && x.size() == at(n * H), "dy of {}", dy.size());
   const MoeRouting<T>& r = f.routing;
   MoeGrads<T> g;
@@ -275,9 +276,9 @@ MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<co
                                        g.w.w_gate.data() + e * H * FE, g.w.w_up.data() + e * H * FE,
                                        g.w.w_down.data() + e * FE * H, dxt);
     }
-    if (m.shared_expert)
-      swiglu_backward(xt, w.shared_gate.data(), w.shared_up.data(), w.shared_down.data(), H, FE,
-                      T(1), f.shared_gate.data() + t * FE, f.shared_up.data() + t * FE, dyt,
+    if (SF > 0)
+      swiglu_backward(xt, w.shared_gate.data(), w.shared_up.data(), w.shared_down.data(), H, SF,
+                      T(1), f.shared_gate.data() + t * SF, f.shared_up.data() + t * SF, dyt,
                       g.w.shared_gate.data(), g.w.shared_up.data(), g.w.shared_down.data(), dxt);
 
     // The gate weights w_j = score_{e_j} / Σ_K score: ∂/∂score_{e_j} = (dw_j − Σ_i w_i dw_i) / Σ_K.

@@ -1,8 +1,9 @@
 // The mixture-of-experts MLP on the cpu, forward and backward, in plain loops templated on the
 // element type: double is the oracle the expert-parallel stage is checked against, float the
 // single-process twin. A router (a linear [H, E]) scores every token against E routed experts and
-// chooses k of them; each routed expert is a SwiGLU of width FE; an optional shared expert (a
-// SwiGLU of width FE as well) sees every token.
+// chooses k of them; each routed expert is a SwiGLU of width FE; the shared experts, if any, see
+// every token: NS of width FE are one SwiGLU of width NS·FE (their sum is that SwiGLU with the
+// matrices side by side), which is how they are held here.
 //
 // Routing, for the scores z = x·W_router of one token (z: [E]):
 //   softmax (Mixtral):     p = softmax(z); choose the k largest p (+ bias); the gate weights are
@@ -45,7 +46,7 @@ struct MoeShape {
   std::int64_t experts = 0;     ///< E, routed experts
   std::int64_t topk = 1;        ///< k, experts chosen per token (1 … E)
   std::int64_t expert_ffn = 0;  ///< FE, the width of every expert's SwiGLU
-  bool shared_expert = false;   ///< one shared expert of width FE, applied to every token
+  std::int64_t shared_ffn = 0;  ///< SF = NS·FE, the shared experts' width; 0: none
   MoeRouter router = MoeRouter::softmax;
   double capacity_factor = 0.0;  ///< C; 0: dropless
   double aux_loss_weight = 0.0;  ///< W of L_aux; 0: no auxiliary loss
@@ -81,8 +82,8 @@ struct MoeWeights {
   std::vector<T> router;                  ///< [H, E]
   std::vector<T> w_gate, w_up;            ///< [E, H, FE]
   std::vector<T> w_down;                  ///< [E, FE, H]
-  std::vector<T> shared_gate, shared_up;  ///< [H, FE] (empty without the shared expert)
-  std::vector<T> shared_down;             ///< [FE, H]
+  std::vector<T> shared_gate, shared_up;  ///< [H, SF] (empty without shared experts)
+  std::vector<T> shared_down;             ///< [SF, H]
 };
 
 /// The output and what the backward needs.
@@ -93,7 +94,7 @@ struct MoeForward {
   MoeRouting<T> routing;
   std::vector<T> logits;                  ///< [T, E]
   std::vector<T> gate, up;                ///< [T, k, FE] the routed experts' pre-activations
-  std::vector<T> shared_gate, shared_up;  ///< [T, FE]
+  std::vector<T> shared_gate, shared_up;  ///< [T, SF]
 };
 
 /// The gradients of (the caller's loss + L_aux), the shapes of MoeWeights.

@@ -2,9 +2,9 @@
 //
 //     moe_reference IN.json OUT.json
 //
-// IN holds the shape (tokens, hidden, experts, topk, expert_ffn, shared_expert, router,
+// IN holds the shape (tokens, hidden, experts, topk, expert_ffn, shared_ffn, router,
 // capacity_factor, aux_loss_weight) and the numbers: x [T, H], target [T, H], bias [E] (or
-// empty), w_router, w_gate, w_up, w_down and, with the shared expert, shared_gate, shared_up,
+// empty), w_router, w_gate, w_up, w_down and, with shared experts, shared_gate, shared_up,
 // shared_down, each flat in C order. OUT holds the loss ½·mean((y − target)²), the auxiliary loss,
 // y, the routing (expert, weight, kept, routed_per_expert, tokens_per_expert, capacity) and the
 // gradients of loss + L_aux: x and every weight. Exit status 0, or 2 with one line on stderr for
@@ -32,15 +32,15 @@ tpx::MoeShape shape_of(const json& in) {
   m.experts = in.at("experts").get<std::int64_t>();
   m.topk = in.at("topk").get<std::int64_t>();
   m.expert_ffn = in.at("expert_ffn").get<std::int64_t>();
-  m.shared_expert = in.at("shared_expert").get<bool>();
+  m.shared_ffn = in.at("shared_ffn").get<std::int64_t>();
   const std::string router = in.at("router").get<std::string>();
   if (router != "softmax" && router != "sigmoid")
     throw tpx::Error("router must be softmax or sigmoid (got '" + router + "')");
   m.router = router == "softmax" ? tpx::MoeRouter::softmax : tpx::MoeRouter::sigmoid;
   m.capacity_factor = in.at("capacity_factor").get<double>();
   m.aux_loss_weight = in.at("aux_loss_weight").get<double>();
-  if (m.tokens < 1 || m.hidden < 1 || m.experts < 1 || m.expert_ffn < 1 || m.topk < 1 ||
-      m.topk > m.experts || m.capacity_factor < 0.0)
+  if (m.tokens < 1 || m.hidden < 1 || m.experts < 1 || m.expert_ffn < 1 || m.shared_ffn < 0 ||
+      m.topk < 1 || m.topk > m.experts || m.capacity_factor < 0.0)
     throw tpx::Error("the sizes must be positive, 1 <= topk <= experts, capacity_factor >= 0");
   return m;
 }
@@ -56,7 +56,8 @@ Vec array(const json& in, const char* name, std::size_t size) {
 json run(const json& in) {
   const tpx::MoeShape m = shape_of(in);
   const auto T = static_cast<std::size_t>(m.tokens), H = static_cast<std::size_t>(m.hidden),
-             E = static_cast<std::size_t>(m.experts), FE = static_cast<std::size_t>(m.expert_ffn);
+             E = static_cast<std::size_t>(m.experts), FE = static_cast<std::size_t>(m.expert_ffn),
+             SF = static_cast<std::size_t>(m.shared_ffn);
   const Vec x = array(in, "x", T * H), target = array(in, "target", T * H);
   const Vec bias = in.at("bias").get<Vec>();
   if (!bias.empty() && bias.size() != E) throw tpx::Error("bias must be empty or hold E numbers");
@@ -65,10 +66,10 @@ json run(const json& in) {
   w.w_gate = array(in, "w_gate", E * H * FE);
   w.w_up = array(in, "w_up", E * H * FE);
   w.w_down = array(in, "w_down", E * FE * H);
-  if (m.shared_expert) {
-    w.shared_gate = array(in, "shared_gate", H * FE);
-    w.shared_up = array(in, "shared_up", H * FE);
-    w.shared_down = array(in, "shared_down", FE * H);
+  if (SF > 0) {
+    w.shared_gate = array(in, "shared_gate", H * SF);
+    w.shared_up = array(in, "shared_up", H * SF);
+    w.shared_down = array(in, "shared_down", SF * H);
   }
   const tpx::MoeForward<double> f = tpx::moe_forward<double>(m, w, x, bias);
   // The block's loss: ½·mean((y − target)²), dy = (y − target)/n.
@@ -95,7 +96,7 @@ json run(const json& in) {
   grads["w_gate"] = g.w.w_gate;
   grads["w_up"] = g.w.w_up;
   grads["w_down"] = g.w.w_down;
-  if (m.shared_expert) {
+  if (SF > 0) {
     grads["shared_gate"] = g.w.shared_gate;
     grads["shared_up"] = g.w.shared_up;
     grads["shared_down"] = g.w.shared_down;

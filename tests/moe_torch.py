@@ -6,7 +6,8 @@ tests/moe_reference (IN.json -> OUT.json), and computes the same MLP in torch fr
 common/moe.h, routing included (written again here, not read from the reference): the router
 linear, softmax (Mixtral: the top-k probabilities renormalised) or sigmoid (DeepSeek-V3: the top-k
 scores renormalised) scores, the bias added for the choice only, ties to the lower expert index,
-capacity ceil(C·T·k/E) filled in token order, the shared expert, and the auxiliary loss
+capacity ceil(C·T·k/E) filled in token order, the shared experts (NS of width FE: one SwiGLU of
+width NS·FE), and the auxiliary loss
 W·E·Σ f_e·P_e. The loss is ½·mean((y − target)²) + L_aux. Compared: the routing (chosen experts,
 drops, counts: exactly; gate weights), the loss, the auxiliary loss, y, and the gradients of x,
 the router and every expert's three matrices, each as max |ours − torch| / max |torch|.
@@ -34,19 +35,19 @@ TOLERANCE = 1e-11
 np = None
 torch = None
 
-# name, router, topk, experts, capacity factor, shared expert, aux weight, routing, bias
+# name, router, topk, experts, capacity factor, shared experts NS, aux weight, routing, bias
 # routing: "balanced" (small random router), "skewed" (low experts favoured), "tie" (experts 1
 # and 2 with the same router column, ahead of the others).
 CASES = [
-    ("softmax_dropless_balanced", "softmax", 2, 4, 0.0, False, 0.0, "balanced", False),
-    ("softmax_dropping_skewed_shared_aux", "softmax", 2, 4, 1.0, True, 0.01, "skewed", False),
-    ("softmax_top1_dropping_skewed_bias_aux", "softmax", 1, 4, 1.5, False, 0.1, "skewed", True),
-    ("softmax_tie_top1_aux", "softmax", 1, 4, 0.0, True, 0.01, "tie", False),
-    ("sigmoid_dropless_skewed_shared_aux_bias", "sigmoid", 2, 4, 0.0, True, 0.1, "skewed", True),
-    ("sigmoid_dropping_balanced_aux", "sigmoid", 2, 4, 1.0, False, 0.01, "balanced", False),
-    ("sigmoid_top3_of_8_dropping_skewed_shared", "sigmoid", 3, 8, 1.0, True, 0.0, "skewed",
+    ("softmax_dropless_balanced", "softmax", 2, 4, 0.0, 0, 0.0, "balanced", False),
+    ("softmax_dropping_skewed_shared_aux", "softmax", 2, 4, 1.0, 1, 0.01, "skewed", False),
+    ("softmax_top1_dropping_skewed_bias_aux", "softmax", 1, 4, 1.5, 0, 0.1, "skewed", True),
+    ("softmax_tie_top1_aux", "softmax", 1, 4, 0.0, 1, 0.01, "tie", False),
+    ("sigmoid_dropless_skewed_2shared_aux_bias", "sigmoid", 2, 4, 0.0, 2, 0.1, "skewed", True),
+    ("sigmoid_dropping_balanced_aux", "sigmoid", 2, 4, 1.0, 0, 0.01, "balanced", False),
+    ("sigmoid_top3_of_8_dropping_skewed_shared", "sigmoid", 3, 8, 1.0, 1, 0.0, "skewed",
      False),
-    ("sigmoid_tie_top1_dropping", "sigmoid", 1, 4, 1.0, False, 0.01, "tie", False),
+    ("sigmoid_tie_top1_dropping", "sigmoid", 1, 4, 1.0, 0, 0.01, "tie", False),
 ]
 TOKENS, HIDDEN, FFN = 24, 8, 6
 
@@ -61,7 +62,7 @@ def make_case(index, case):
     rng = np.random.default_rng(1000 + index)
     T, H, E, F = TOKENS, HIDDEN, experts, FFN
     c = {"tokens": T, "hidden": H, "experts": E, "topk": topk, "expert_ffn": F,
-         "shared_expert": shared, "router": router, "capacity_factor": capacity,
+         "shared_ffn": shared * F, "router": router, "capacity_factor": capacity,
          "aux_loss_weight": aux}
     x = rng.normal(0.0, 1.0, (T, H))
     R = rng.normal(0.0, 0.3, (H, E))
@@ -80,9 +81,10 @@ def make_case(index, case):
     c["w_up"] = rng.normal(0.0, 0.4, (E, H, F))
     c["w_down"] = rng.normal(0.0, 0.4, (E, F, H))
     if shared:
-        c["shared_gate"] = rng.normal(0.0, 0.4, (H, F))
-        c["shared_up"] = rng.normal(0.0, 0.4, (H, F))
-        c["shared_down"] = rng.normal(0.0, 0.4, (F, H))
+        SF = shared * F
+        c["shared_gate"] = rng.normal(0.0, 0.4, (H, SF))
+        c["shared_up"] = rng.normal(0.0, 0.4, (H, SF))
+        c["shared_down"] = rng.normal(0.0, 0.4, (SF, H))
     return name, c
 
 
@@ -148,7 +150,7 @@ def torch_moe(c, renormalise=True, lower_index_wins=True):
             if kept[i][j]:
                 e = experts[i][j]
                 yi = yi + weight[i, j] * swiglu(xi, t["w_gate"][e], t["w_up"][e], t["w_down"][e])
-        if c["shared_expert"]:
+        if c["shared_ffn"]:
             yi = yi + swiglu(xi, t["shared_gate"], t["shared_up"], t["shared_down"])
         rows.append(yi)
     y = torch.cat(rows)

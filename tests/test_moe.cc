@@ -141,7 +141,7 @@ TEST(MoeForward, ADroppedTokenGetsOnlyTheSharedExpert) {
   EXPECT_NEAR(f.y[1], silu(2.5) * -1.0, 1e-15);
   EXPECT_EQ(f.y[2], 0.0);
   EXPECT_EQ(f.y[3], 0.0);
-  m.shared_expert = true;
+  m.shared_ffn = 2;
   w.shared_gate = w.w_gate;
   w.shared_up = w.w_up;
   w.shared_down = w.w_down;
@@ -210,7 +210,7 @@ TEST(MoeForward, FloatAgreesWithDouble) {
   MoeShape m = shape(6, 3, 2, MoeRouter::sigmoid, 1.0);
   m.hidden = 3;
   m.expert_ffn = 2;
-  m.shared_expert = true;
+  m.shared_ffn = 2;
   m.aux_loss_weight = 0.01;
   MoeWeights<double> wd;
   auto fill = [](std::vector<double>& v, std::size_t n, double seed) {
