@@ -1,14 +1,22 @@
 // The routing rules of the mixture-of-experts MLP (common/moe.h) on small cases worked by hand:
 // the choice and its ties, the renormalised gate weights of both router rules, the capacity and
 // which assignments it drops, the balancing bias (choice only) and its update, the auxiliary loss.
-// The gradients are checked against PyTorch autograd by moe_torch.py.
+// The gradients are checked against PyTorch autograd by moe_torch.py. And the flags of the
+// experts (common/moe_flags.h): their defaults, the values given, and each refusal.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "common/cli.h"
 #include "common/moe.h"
+#include "common/moe_flags.h"
 
 namespace tpx {
 namespace {
@@ -243,6 +251,104 @@ TEST(MoeForward, FloatAgreesWithDouble) {
   for (std::size_t i = 0; i < gd.w.router.size(); ++i)
     EXPECT_NEAR(gf.w.router[i], gd.w.router[i], 1e-5);
   for (std::size_t i = 0; i < gd.x.size(); ++i) EXPECT_NEAR(gf.x[i], gd.x[i], 1e-5);
+}
+
+/// parse_stage_cli of a stage whose only group is the experts' flags.
+CliOutcome parse_moe(std::vector<std::string> args) {
+  args.insert(args.begin(), "prog");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  const StageInfo info{.name = "prog", .summary = "test", .flag_groups = {MoeFlags::make}};
+  return parse_stage_cli(info, static_cast<int>(args.size()), argv.data());
+}
+
+void expect_refused(const std::vector<std::string>& args, const std::string& line) {
+  SCOPED_TRACE(fmt::format("{}", fmt::join(args, " ")));
+  const CliOutcome r = parse_moe(args);
+  EXPECT_FALSE(r.options.has_value());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.message.find(line), std::string::npos) << r.message;
+  EXPECT_EQ(std::count(r.message.begin(), r.message.end(), '\n'), 0) << r.message;
+}
+
+TEST(MoeFlags, DefaultsAndGivenValues) {
+  const CliOutcome none = parse_moe({"--ffn", "96", "--hidden", "32", "--heads", "4"});
+  ASSERT_TRUE(none.options.has_value()) << none.message;
+  const MoeFlags& d = none.options->flags<MoeFlags>();
+  const MoeShape m = d.shape(none.options->config, 10);
+  EXPECT_EQ(m.experts, 8);
+  EXPECT_EQ(m.topk, 2);
+  EXPECT_EQ(m.expert_ffn, 96);  // --ffn
+  EXPECT_EQ(m.shared_ffn, 0);
+  EXPECT_EQ(m.router, MoeRouter::softmax);
+  EXPECT_EQ(m.capacity_factor, 0.0);  // dropless
+  EXPECT_EQ(moe_capacity(m), 10);
+  EXPECT_EQ(m.aux_loss_weight, kMoeAuxLossWeight);
+  EXPECT_EQ(d.balance(), MoeBalance::aux);
+  EXPECT_EQ(d.ep, 1);
+  EXPECT_TRUE(d.moe_layer(0));
+  EXPECT_TRUE(d.moe_layer(1));
+
+  const CliOutcome given =
+      parse_moe({"--experts", "16", "--topk", "4", "--expert-ffn", "24", "--shared-experts", "2",
+                 "--moe-every", "2", "--router", "sigmoid", "--capacity-factor", "1.25",
+                 "--balance", "bias", "--ep", "4"});
+  ASSERT_TRUE(given.options.has_value()) << given.message;
+  const MoeFlags& g = given.options->flags<MoeFlags>();
+  const MoeShape s = g.shape(given.options->config, 32);
+  EXPECT_EQ(s.experts, 16);
+  EXPECT_EQ(s.topk, 4);
+  EXPECT_EQ(s.expert_ffn, 24);
+  EXPECT_EQ(s.shared_ffn, 48);  // two shared experts of width 24
+  EXPECT_EQ(s.router, MoeRouter::sigmoid);
+  EXPECT_EQ(moe_capacity(s), 10);     // ⌈1.25·32·4/16⌉
+  EXPECT_EQ(s.aux_loss_weight, 0.0);  // --balance bias without --aux-loss-weight
+  EXPECT_EQ(g.balance(), MoeBalance::bias);
+  EXPECT_EQ(g.ep, 4);
+  EXPECT_TRUE(g.moe_layer(0));
+  EXPECT_FALSE(g.moe_layer(1));
+  EXPECT_TRUE(g.moe_layer(2));
+  // A weight given is used under either balance rule, 0 included.
+  const CliOutcome w = parse_moe({"--balance", "bias", "--aux-loss-weight", "0.001"});
+  ASSERT_TRUE(w.options.has_value()) << w.message;
+  EXPECT_EQ(w.options->flags<MoeFlags>().aux_weight(), 0.001);
+  const CliOutcome zero = parse_moe({"--aux-loss-weight", "0"});
+  ASSERT_TRUE(zero.options.has_value()) << zero.message;
+  EXPECT_EQ(zero.options->flags<MoeFlags>().aux_weight(), 0.0);
+  // Every rank must give the same: all ten are in the agreed fields.
+  const ConfigFields fields =
+      config_fields(StageInfo{.name = "prog", .summary = "test", .flag_groups = {MoeFlags::make}},
+                    *given.options);
+  for (const char* flag :
+       {"--experts", "--topk", "--expert-ffn", "--shared-experts", "--moe-every", "--router",
+        "--capacity-factor", "--aux-loss-weight", "--balance", "--ep"})
+    EXPECT_TRUE(std::ranges::any_of(fields, [&](const auto& f) { return f.first == flag; }))
+        << flag;
+}
+
+TEST(MoeFlags, BadInputIsOneLineNamingTheFlagAndTheRule) {
+  expect_refused({"--topk", "0"}, "--topk '0': must be a positive number");
+  expect_refused({"--topk", "-1"}, "--topk '-1': must be a positive number");
+  expect_refused({"--topk", "9"},
+                 "--topk (9) must be at most --experts (8): each token is routed to K different "
+                 "experts");
+  expect_refused({"--experts", "4", "--topk", "5"}, "--topk (5) must be at most --experts (4)");
+  expect_refused({"--capacity-factor", "0"},
+                 "--capacity-factor '0': must be a positive number (leave --capacity-factor out "
+                 "for dropless routing)");
+  expect_refused({"--capacity-factor", "-0.5"}, "--capacity-factor '-0.5': must be a positive");
+  expect_refused({"--capacity-factor", "nan"}, "--capacity-factor 'nan'");
+  expect_refused({"--experts", "6", "--ep", "4"},
+                 "--experts (6) must be divisible by --ep (4): each EP rank holds E/EP whole "
+                 "experts");
+  expect_refused({"--ep", "0"}, "--ep '0': must be a positive number");
+  expect_refused({"--experts", "0"}, "--experts '0': must be a positive number");
+  expect_refused({"--expert-ffn", "0"}, "--expert-ffn '0': must be a positive number");
+  expect_refused({"--moe-every", "0"}, "--moe-every '0': must be a positive number");
+  expect_refused({"--shared-experts", "-1"}, "--shared-experts '-1': must be 0 (none)");
+  expect_refused({"--aux-loss-weight", "-0.01"}, "--aux-loss-weight '-0.01': must be 0");
+  expect_refused({"--router", "topk"}, "--router");
+  expect_refused({"--balance", "none"}, "--balance");
 }
 
 }  // namespace
