@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -251,6 +252,61 @@ TEST(MoeForward, FloatAgreesWithDouble) {
   for (std::size_t i = 0; i < gd.w.router.size(); ++i)
     EXPECT_NEAR(gf.w.router[i], gd.w.router[i], 1e-5);
   for (std::size_t i = 0; i < gd.x.size(); ++i) EXPECT_NEAR(gf.x[i], gd.x[i], 1e-5);
+}
+
+// The double version's gradients are the derivatives of its own loss: central differences of
+// Σ y·r + L_aux (r fixed) for every parameter and input element, on a case that drops tokens,
+// with shared experts, the sigmoid rule, the bias and the auxiliary loss; a step of 1e-6 moves
+// no score across another, so the routing stays put. (moe_torch checks them against autograd
+// too; this one runs where torch is missing.)
+TEST(MoeBackward, MatchesFiniteDifferencesOfItsOwnLoss) {
+  for (const MoeRouter router : {MoeRouter::sigmoid, MoeRouter::softmax}) {
+    SCOPED_TRACE(router == MoeRouter::sigmoid ? "sigmoid" : "softmax");
+    MoeShape m = shape(6, 3, 2, router, 1.0);
+    m.hidden = 3;
+    m.expert_ffn = 2;
+    m.shared_ffn = 4;
+    m.aux_loss_weight = 0.3;
+    auto fill = [](std::size_t n, double seed) {
+      std::vector<double> v(n);
+      for (std::size_t i = 0; i < n; ++i) v[i] = std::sin(seed + 2.3 * double(i));
+      return v;
+    };
+    MoeWeights<double> w{fill(9, 0.1),  fill(18, 0.2), fill(18, 0.3), fill(18, 0.4),
+                         fill(12, 0.5), fill(12, 0.6), fill(12, 0.7)};
+    std::vector<double> x = fill(18, 0.8);
+    const std::vector<double> r = fill(18, 0.9), bias = {0.05, -0.02, 0.0};
+    auto loss = [&] {
+      const auto f = moe_forward<double>(m, w, x, bias);
+      double l = f.aux_loss;
+      for (std::size_t i = 0; i < r.size(); ++i) l += f.y[i] * r[i];
+      return l;
+    };
+    const auto f = moe_forward<double>(m, w, x, bias);
+    ASSERT_GT(std::count(f.routing.kept.begin(), f.routing.kept.end(), 0), 0) << "drops nothing";
+    const MoeGrads<double> g = moe_backward<double>(m, w, x, f, r);
+    const std::vector<std::pair<std::vector<double>*, const std::vector<double>*>> tensors = {
+        {&x, &g.x},
+        {&w.router, &g.w.router},
+        {&w.w_gate, &g.w.w_gate},
+        {&w.w_up, &g.w.w_up},
+        {&w.w_down, &g.w.w_down},
+        {&w.shared_gate, &g.w.shared_gate},
+        {&w.shared_up, &g.w.shared_up},
+        {&w.shared_down, &g.w.shared_down}};
+    for (const auto& [value, grad] : tensors) {
+      ASSERT_EQ(value->size(), grad->size());
+      for (std::size_t i = 0; i < value->size(); ++i) {
+        const double keep = (*value)[i], h = 1e-6;
+        (*value)[i] = keep + h;
+        const double up = loss();
+        (*value)[i] = keep - h;
+        const double down = loss();
+        (*value)[i] = keep;
+        EXPECT_NEAR((*grad)[i], (up - down) / (2 * h), 1e-8) << "element " << i;
+      }
+    }
+  }
 }
 
 /// parse_stage_cli of a stage whose only group is the experts' flags.
