@@ -1,0 +1,330 @@
+// Plain loops over tokens and their chosen experts; matrices row-major, token t's row at t·H.
+#include "moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "check.h"
+
+namespace tpx {
+namespace {
+
+using I = std::int64_t;
+
+std::size_t at(I i) {
+  return static_cast<std::size_t>(i);
+}
+
+template <class T>
+T sigmoid(T z) {
+  return T(1) / (T(1) + std::exp(-z));
+}
+
+template <class T>
+T silu(T z) {
+  return z * sigmoid(z);
+}
+
+// d silu(z)/dz = σ(z)·(1 + z·(1 − σ(z)))
+template <class T>
+T silu_grad(T z) {
+  const T s = sigmoid(z);
+  return s * (T(1) + z * (T(1) - s));
+}
+
+// y[o] += a · Σ_i x[i] W[i, o] for one row x [in] and W [in, out].
+template <class T>
+void row_matmul_acc(const T* x, const T* w, I in, I out, T a, T* y) {
+  for (I i = 0; i < in; ++i) {
+    const T xv = a * x[i];
+    for (I o = 0; o < out; ++o) y[o] += xv * w[i * out + o];
+  }
+}
+
+// dx[i] += Σ_o dy[o] W[i, o]
+template <class T>
+void row_matmul_dx(const T* dy, const T* w, I in, I out, T* dx) {
+  for (I i = 0; i < in; ++i) {
+    T acc = 0;
+    for (I o = 0; o < out; ++o) acc += dy[o] * w[i * out + o];
+    dx[i] += acc;
+  }
+}
+
+// dW[i, o] += x[i] dy[o]
+template <class T>
+void row_matmul_dw(const T* x, const T* dy, I in, I out, T* dw) {
+  for (I i = 0; i < in; ++i)
+    for (I o = 0; o < out; ++o) dw[i * out + o] += x[i] * dy[o];
+}
+
+// One SwiGLU's forward for one token: gate = x·Wg, up = x·Wu, y += a · (silu(gate)·up)·Wd.
+template <class T>
+void swiglu_forward(const T* x, const T* wg, const T* wu, const T* wd, I h, I fe, T a, T* gate,
+                    T* up, T* y) {
+  std::fill(gate, gate + fe, T(0));
+  std::fill(up, up + fe, T(0));
+  row_matmul_acc(x, wg, h, fe, T(1), gate);
+  row_matmul_acc(x, wu, h, fe, T(1), up);
+  std::vector<T> s(at(fe));
+  for (I f = 0; f < fe; ++f) s[at(f)] = silu(gate[f]) * up[f];
+  row_matmul_acc(s.data(), wd, fe, h, a, y);
+}
+
+// Its backward for dout = ∂loss/∂(its output, before the factor a): accumulates the weights'
+// gradients and dx; returns ∂loss/∂a = dout·(its output).
+template <class T>
+T swiglu_backward(const T* x, const T* wg, const T* wu, const T* wd, I h, I fe, T a, const T* gate,
+                  const T* up, const T* dout, T* dwg, T* dwu, T* dwd, T* dx) {
+  std::vector<T> s(at(fe)), ds(at(fe), T(0)), dgate(at(fe)), dup(at(fe));
+  for (I f = 0; f < fe; ++f) s[at(f)] = silu(gate[f]) * up[f];
+  // out = s·Wd: ∂loss/∂a = Σ_o dout[o]·out[o] = Σ_f s[f]·(Wd·dout)[f]
+  row_matmul_dx(dout, wd, fe, h, ds.data());  // ds = Wd·dout (before the factor a)
+  T da = 0;
+  for (I f = 0; f < fe; ++f) da += s[at(f)] * ds[at(f)];
+  std::vector<T> adout(dout, dout + h);
+  for (T& v : adout) v *= a;
+  row_matmul_dw(s.data(), adout.data(), fe, h, dwd);
+  for (I f = 0; f < fe; ++f) {
+    const T d = a * ds[at(f)];
+    dgate[at(f)] = d * up[f] * silu_grad(gate[f]);
+    dup[at(f)] = d * silu(gate[f]);
+  }
+  row_matmul_dw(x, dgate.data(), h, fe, dwg);
+  row_matmul_dw(x, dup.data(), h, fe, dwu);
+  row_matmul_dx(dgate.data(), wg, h, fe, dx);
+  row_matmul_dx(dup.data(), wu, h, fe, dx);
+  return da;
+}
+
+// The normalised probabilities P of the auxiliary loss for one token's scores: p itself
+// (softmax) or s / Σ s (sigmoid).
+template <class T>
+std::vector<T> aux_probs(const MoeShape& m, const T* score) {
+  std::vector<T> q(score, score + m.experts);
+  if (m.router == MoeRouter::sigmoid) {
+    const T sum = std::accumulate(q.begin(), q.end(), T(0));
+    for (T& v : q) v /= sum;
+  }
+  return q;
+}
+
+}  // namespace
+
+std::int64_t moe_capacity(const MoeShape& m) {
+  if (m.capacity_factor <= 0.0) return m.tokens;
+  const double c =
+      std::ceil(m.capacity_factor * double(m.tokens) * double(m.topk) / double(m.experts));
+  return std::min<I>(m.tokens, static_cast<I>(c));
+}
+
+template <class T>
+MoeRouting<T> moe_route(const MoeShape& m, std::span<const T> logits, std::span<const T> bias) {
+  const I n = m.tokens, E = m.experts, k = m.topk;
+  TPX_CHECK(k >= 1 && k <= E, "top-k {} of {} experts", k, E);
+  TPX_CHECK(logits.size() == at(n * E), "{} logits for {} tokens", logits.size(), n);
+  TPX_CHECK(bias.empty() || bias.size() == at(E), "a bias of {}", bias.size());
+  MoeRouting<T> r;
+  r.expert.resize(at(n * k));
+  r.weight.resize(at(n * k));
+  r.kept.assign(at(n * k), 0);
+  r.routed_per_expert.assign(at(E), 0);
+  r.tokens_per_expert.assign(at(E), 0);
+  r.score.resize(at(n * E));
+  const I capacity = moe_capacity(m);
+  std::vector<T> sel(at(E));
+  std::vector<std::int32_t> order(at(E));
+  for (I t = 0; t < n; ++t) {
+    const T* z = logits.data() + t * E;
+    T* score = r.score.data() + t * E;
+    if (m.router == MoeRouter::softmax) {
+      const T zmax = *std::max_element(z, z + E);
+      T sum = 0;
+      for (I e = 0; e < E; ++e) sum += (score[e] = std::exp(z[e] - zmax));
+      for (I e = 0; e < E; ++e) score[e] /= sum;
+    } else {
+      for (I e = 0; e < E; ++e) score[e] = sigmoid(z[e]);
+    }
+    for (I e = 0; e < E; ++e) sel[at(e)] = score[e] + (bias.empty() ? T(0) : bias[at(e)]);
+    std::iota(order.begin(), order.end(), 0);
+    // The k largest selection scores; among equal ones the lower expert index first.
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](std::int32_t a, std::int32_t b) {
+                        return sel[at(a)] > sel[at(b)] || (sel[at(a)] == sel[at(b)] && a < b);
+                      });
+    T chosen = 0;
+    for (I j = 0; j < k; ++j) chosen += score[order[at(j)]];
+    for (I j = 0; j < k; ++j) {
+      const std::int32_t e = order[at(j)];
+      r.expert[at(t * k + j)] = e;
+      r.weight[at(t * k + j)] = score[e] / chosen;
+      // Token order decides who is dropped: the first `capacity` tokens to choose e are served.
+      if (r.routed_per_expert[at(e)]++ < capacity) {
+        r.kept[at(t * k + j)] = 1;
+        ++r.tokens_per_expert[at(e)];
+      }
+    }
+  }
+  return r;
+}
+
+template <class T>
+void moe_update_bias(std::span<T> bias, std::span<const std::int64_t> counts, double rate) {
+  TPX_CHECK(bias.size() == counts.size() && !counts.empty(), "{} biases, {} counts", bias.size(),
+            counts.size());
+  // Compare count·E with Σ counts instead of count with the mean: integers, no rounding.
+  const I total = std::accumulate(counts.begin(), counts.end(), I(0));
+  const I E = static_cast<I>(counts.size());
+  for (std::size_t e = 0; e < counts.size(); ++e) {
+    const I scaled = counts[e] * E;
+    if (scaled < total) bias[e] += T(rate);
+    if (scaled > total) bias[e] -= T(rate);
+  }
+}
+
+template <class T>
+MoeForward<T> moe_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
+                          std::span<const T> bias) {
+  const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
+          SF = m.shared_ffn;
+  TPX_CHECK(x.size() == at(n * H), "x of {}", x.size());
+  TPX_CHECK(w.router.size() == at(H * E), "router of {}", w.router.size());
+  TPX_CHECK(w.w_gate.size() == at(E * H * FE) && w.w_up.size() == at(E * H * FE) &&
+                w.w_down.size() == at(E * FE * H),
+            "expert weights of {}, {}, {}", w.w_gate.size(), w.w_up.size(), w.w_down.size());
+  TPX_CHECK(w.shared_gate.size() == at(H * SF) && w.shared_up.size() == at(H * SF) &&
+                w.shared_down.size() == at(SF * H),
+            "shared expert weights of {}", w.shared_gate.size());
+  MoeForward<T> f;
+  f.logits.assign(at(n * E), T(0));
+  for (I t = 0; t < n; ++t)
+    row_matmul_acc(x.data() + t * H, w.router.data(), H, E, T(1), f.logits.data() + t * E);
+  f.routing = moe_route<T>(m, f.logits, bias);
+  const MoeRouting<T>& r = f.routing;
+
+  f.y.assign(at(n * H), T(0));
+  f.gate.assign(at(n * k * FE), T(0));
+  f.up.assign(at(n * k * FE), T(0));
+  for (I t = 0; t < n; ++t)
+    for (I j = 0; j < k; ++j) {
+      const I a = t * k + j;
+      if (!r.kept[at(a)]) continue;
+      const I e = r.expert[at(a)];
+      swiglu_forward(x.data() + t * H, w.w_gate.data() + e * H * FE, w.w_up.data() + e * H * FE,
+                     w.w_down.data() + e * FE * H, H, FE, r.weight[at(a)], f.gate.data() + a * FE,
+                     f.up.data() + a * FE, f.y.data() + t * H);
+    }
+  if (SF > 0) {
+    f.shared_gate.assign(at(n * SF), T(0));
+    f.shared_up.assign(at(n * SF), T(0));
+    for (I t = 0; t < n; ++t)
+      swiglu_forward(x.data() + t * H, w.shared_gate.data(), w.shared_up.data(),
+                     w.shared_down.data(), H, SF, T(1), f.shared_gate.data() + t * SF,
+                     f.shared_up.data() + t * SF, f.y.data() + t * H);
+  }
+  if (m.aux_loss_weight != 0.0) {
+    std::vector<T> P(at(E), T(0));
+    for (I t = 0; t < n; ++t) {
+      const std::vector<T> q = aux_probs(m, r.score.data() + t * E);
+      for (I e = 0; e < E; ++e) P[at(e)] += q[at(e)] / T(n);
+    }
+    T sum = 0;
+    for (I e = 0; e < E; ++e) sum += T(r.routed_per_expert[at(e)]) / T(n * k) * P[at(e)];
+    f.aux_loss = T(m.aux_loss_weight) * T(E) * sum;
+  }
+  return f;
+}
+
+template <class T>
+MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
+                         const MoeForward<T>& f, std::span<const T> dy) {
+  const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
+          SF = m.shared_ffn;
+  TPX_CHECK(dy.size() == at(n * H) && x.size() == at(n * H), "dy of {}", dy.size());
+  const MoeRouting<T>& r = f.routing;
+  MoeGrads<T> g;
+  g.x.assign(at(n * H), T(0));
+  g.w.router.assign(w.router.size(), T(0));
+  g.w.w_gate.assign(w.w_gate.size(), T(0));
+  g.w.w_up.assign(w.w_up.size(), T(0));
+  g.w.w_down.assign(w.w_down.size(), T(0));
+  g.w.shared_gate.assign(w.shared_gate.size(), T(0));
+  g.w.shared_up.assign(w.shared_up.size(), T(0));
+  g.w.shared_down.assign(w.shared_down.size(), T(0));
+
+  // ∂L_aux/∂P_e = W·E·f_e (f_e held constant), and P_e = mean_t q_{t,e}.
+  std::vector<T> dP(at(E), T(0));
+  if (m.aux_loss_weight != 0.0)
+    for (I e = 0; e < E; ++e)
+      dP[at(e)] = T(m.aux_loss_weight) * T(E) * T(r.routed_per_expert[at(e)]) / T(n * k);
+
+  std::vector<T> dweight(at(k)), dscore(at(E)), dz(at(E));
+  for (I t = 0; t < n; ++t) {
+    const T* xt = x.data() + t * H;
+    const T* dyt = dy.data() + t * H;
+    T* dxt = g.x.data() + t * H;
+    // The experts: each chosen, served expert's weights and the gradient of its gate weight.
+    for (I j = 0; j < k; ++j) {
+      const I a = t * k + j;
+      dweight[at(j)] = 0;
+      if (!r.kept[at(a)]) continue;
+      const I e = r.expert[at(a)];
+      dweight[at(j)] = swiglu_backward(xt, w.w_gate.data() + e * H * FE, w.w_up.data() + e * H * FE,
+                                       w.w_down.data() + e * FE * H, H, FE, r.weight[at(a)],
+                                       f.gate.data() + a * FE, f.up.data() + a * FE, dyt,
+                                       g.w.w_gate.data() + e * H * FE, g.w.w_up.data() + e * H * FE,
+                                       g.w.w_down.data() + e * FE * H, dxt);
+    }
+    if (SF > 0)
+      swiglu_backward(xt, w.shared_gate.data(), w.shared_up.data(), w.shared_down.data(), H, SF,
+                      T(1), f.shared_gate.data() + t * SF, f.shared_up.data() + t * SF, dyt,
+                      g.w.shared_gate.data(), g.w.shared_up.data(), g.w.shared_down.data(), dxt);
+
+    // The gate weights w_j = score_{e_j} / Σ_K score: ∂/∂score_{e_j} = (dw_j − Σ_i w_i dw_i) / Σ_K.
+    const T* score = r.score.data() + t * E;
+    std::fill(dscore.begin(), dscore.end(), T(0));
+    T chosen = 0, wdw = 0;
+    for (I j = 0; j < k; ++j) {
+      chosen += score[r.expert[at(t * k + j)]];
+      wdw += r.weight[at(t * k + j)] * dweight[at(j)];
+    }
+    for (I j = 0; j < k; ++j)
+      dscore[at(r.expert[at(t * k + j)])] += (dweight[at(j)] - wdw) / chosen;
+    // The auxiliary loss through q = score (softmax) or score / Σ score (sigmoid).
+    if (m.aux_loss_weight != 0.0) {
+      if (m.router == MoeRouter::softmax) {
+        for (I e = 0; e < E; ++e) dscore[at(e)] += dP[at(e)] / T(n);
+      } else {
+        const T sum = std::accumulate(score, score + E, T(0));
+        T qdq = 0;
+        for (I e = 0; e < E; ++e) qdq += score[e] / sum * dP[at(e)];
+        for (I e = 0; e < E; ++e) dscore[at(e)] += (dP[at(e)] - qdq) / (T(n) * sum);
+      }
+    }
+    // The scores from the logits: softmax's Jacobian, or the sigmoid's s(1 − s).
+    if (m.router == MoeRouter::softmax) {
+      T pdp = 0;
+      for (I e = 0; e < E; ++e) pdp += score[e] * dscore[at(e)];
+      for (I e = 0; e < E; ++e) dz[at(e)] = score[e] * (dscore[at(e)] - pdp);
+    } else {
+      for (I e = 0; e < E; ++e) dz[at(e)] = dscore[at(e)] * score[e] * (T(1) - score[e]);
+    }
+    row_matmul_dw(xt, dz.data(), H, E, g.w.router.data());
+    row_matmul_dx(dz.data(), w.router.data(), H, E, dxt);
+  }
+  return g;
+}
+
+#define TPX_MOE_INSTANTIATE(T)                                                                     \
+  template MoeRouting<T> moe_route<T>(const MoeShape&, std::span<const T>, std::span<const T>);    \
+  template void moe_update_bias<T>(std::span<T>, std::span<const std::int64_t>, double);           \
+  template MoeForward<T> moe_forward<T>(const MoeShape&, const MoeWeights<T>&, std::span<const T>, \
+                                        std::span<const T>);                                       \
+  template MoeGrads<T> moe_backward<T>(const MoeShape&, const MoeWeights<T>&, std::span<const T>,  \
+                                       const MoeForward<T>&, std::span<const T>);
+TPX_MOE_INSTANTIATE(float)
+TPX_MOE_INSTANTIATE(double)
+#undef TPX_MOE_INSTANTIATE
+
+}  // namespace tpx

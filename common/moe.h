@@ -1,0 +1,117 @@
+// The mixture-of-experts MLP on the cpu, forward and backward, in plain loops templated on the
+// element type: double is the oracle the expert-parallel stage is checked against, float the
+// single-process twin. A router (a linear [H, E]) scores every token against E routed experts and
+// chooses k of them; each routed expert is a SwiGLU of width FE; the shared experts, if any, see
+// every token: NS of width FE are one SwiGLU of width NS·FE (their sum is that SwiGLU with the
+// matrices side by side), which is how they are held here.
+//
+// Routing, for the scores z = x·W_router of one token (z: [E]):
+//   softmax (Mixtral):     p = softmax(z); choose the k largest p (+ bias); the gate weights are
+//                          the chosen p renormalised to sum 1 (Mixtral's reference code takes a
+//                          softmax over the top-k logits, which is the same thing).
+//   sigmoid (DeepSeek-V3): s = sigmoid(z); choose the k largest s (+ bias); the gate weights are
+//                          the chosen s renormalised to sum 1 (DeepSeek-V3's node-limited group
+//                          selection and its routed scaling factor are left out).
+// Ties are broken by the lower expert index, so a routing never depends on the backend. The
+// per-expert bias (auxiliary-loss-free balancing) is added to the scores for the choice only; the
+// gate weights and the auxiliary loss use the scores without it.
+//
+// Capacity: with a capacity factor C > 0 each expert takes at most ceil(C·T·k/E) of its
+// assignments, in token order (the assignment of token t is kept if fewer than that many tokens
+// t' < t chose the same expert); a dropped assignment contributes nothing (the other gate weights
+// are not renormalised). C = 0 is dropless.
+//
+// Auxiliary balance loss (Switch/GShard): L_aux = W·E·Σ_e f_e·P_e, where f_e is the fraction of
+// the T·k assignments the router chose for e (before drops; a constant for the gradient) and P_e
+// the mean over tokens of e's router probability: p_e for softmax, s_e / Σ_j s_j for sigmoid (the
+// normalised affinity of DeepSeek-V3's balance loss). Balanced routing gives L_aux = W.
+//
+// defines: tpx::MoeRouter, tpx::MoeShape, tpx::moe_capacity(), tpx::MoeRouting, tpx::moe_route(),
+//          tpx::moe_update_bias(), tpx::MoeWeights, tpx::MoeForward, tpx::MoeGrads,
+//          tpx::moe_forward(), tpx::moe_backward()
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace tpx {
+
+enum class MoeRouter { softmax, sigmoid };
+
+/// The sizes and rules of one MoE MLP over T tokens.
+struct MoeShape {
+  std::int64_t tokens = 0;      ///< T
+  std::int64_t hidden = 0;      ///< H
+  std::int64_t experts = 0;     ///< E, routed experts
+  std::int64_t topk = 1;        ///< k, experts chosen per token (1 … E)
+  std::int64_t expert_ffn = 0;  ///< FE, the width of every expert's SwiGLU
+  std::int64_t shared_ffn = 0;  ///< SF = NS·FE, the shared experts' width; 0: none
+  MoeRouter router = MoeRouter::softmax;
+  double capacity_factor = 0.0;  ///< C; 0: dropless
+  double aux_loss_weight = 0.0;  ///< W of L_aux; 0: no auxiliary loss
+};
+
+/// The assignments one expert takes at most: ceil(C·T·k/E), or T (every token) when dropless.
+std::int64_t moe_capacity(const MoeShape& m);
+
+/// One routing of T tokens: token t's j-th choice (j = 0 … k−1, by descending selection score).
+template <class T>
+struct MoeRouting {
+  std::vector<std::int32_t> expert;             ///< [T, k] the chosen experts
+  std::vector<T> weight;                        ///< [T, k] their gate weights (each row sums 1)
+  std::vector<std::uint8_t> kept;               ///< [T, k] 1: served, 0: dropped for capacity
+  std::vector<std::int64_t> routed_per_expert;  ///< [E] assignments chosen, before drops
+  std::vector<std::int64_t> tokens_per_expert;  ///< [E] assignments served, after drops
+  std::vector<T> score;  ///< [T, E] p (softmax) or s (sigmoid), without the bias
+};
+
+/// Routes T tokens from their router logits z [T, E]; bias: [E] added to the scores for the
+/// choice only, or empty (no bias).
+template <class T>
+MoeRouting<T> moe_route(const MoeShape& m, std::span<const T> logits, std::span<const T> bias);
+
+/// Auxiliary-loss-free balancing after a step: b_e += rate · sign(mean − count_e), with mean =
+/// T·k/E the count of a perfect balance and counts the assignments chosen (routed_per_expert).
+template <class T>
+void moe_update_bias(std::span<T> bias, std::span<const std::int64_t> counts, double rate);
+
+/// The parameters, all row-major: expert e's matrices at offset e·H·FE.
+template <class T>
+struct MoeWeights {
+  std::vector<T> router;                  ///< [H, E]
+  std::vector<T> w_gate, w_up;            ///< [E, H, FE]
+  std::vector<T> w_down;                  ///< [E, FE, H]
+  std::vector<T> shared_gate, shared_up;  ///< [H, SF] (empty without shared experts)
+  std::vector<T> shared_down;             ///< [SF, H]
+};
+
+/// The output and what the backward needs.
+template <class T>
+struct MoeForward {
+  std::vector<T> y;  ///< [T, H]
+  T aux_loss{};      ///< L_aux (0 when W = 0)
+  MoeRouting<T> routing;
+  std::vector<T> logits;                  ///< [T, E]
+  std::vector<T> gate, up;                ///< [T, k, FE] the routed experts' pre-activations
+  std::vector<T> shared_gate, shared_up;  ///< [T, SF]
+};
+
+/// The gradients of (the caller's loss + L_aux), the shapes of MoeWeights.
+template <class T>
+struct MoeGrads {
+  std::vector<T> x;  ///< [T, H]
+  MoeWeights<T> w;
+};
+
+/// y = Σ_j kept·weight_j · expert_{e_j}(x) + shared(x), token by token; x: [T, H].
+template <class T>
+MoeForward<T> moe_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
+                          std::span<const T> bias);
+
+/// The backward of moe_forward for dy = ∂loss/∂y, with L_aux's own gradient added.
+template <class T>
+MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
+                         const MoeForward<T>& f, std::span<const T> dy);
+
+}  // namespace tpx

@@ -1,0 +1,167 @@
+#include "moe_flags.h"
+
+#include <fmt/format.h>
+
+#include "cli_flags.h"
+
+namespace tpx {
+namespace {
+
+constexpr const char* kGroup = "Experts";
+
+/// A positive number when given; its variable's 0 stands for "not given" (add_count's rule for a
+/// real number).
+CLI::Option* add_positive(CLI::App& app, const std::string& flag, double& target,
+                          const std::string& help, const std::string& when_not_given) {
+  return app
+      .add_option_function<std::string>(
+          flag,
+          [&target, flag, when_not_given](const std::string& s) {
+            const double value = parse_number<double>(flag, s);
+            if (!(value > 0.0))
+              throw CLI::ValidationError(
+                  fmt::format("{} '{}': must be a positive number (leave {} out for {})", flag, s,
+                              flag, when_not_given));
+            target = value;
+          },
+          help)
+      ->type_name("FLOAT");
+}
+
+}  // namespace
+
+MoeRouter MoeFlags::router() const {
+  return router_word == "sigmoid" ? MoeRouter::sigmoid : MoeRouter::softmax;
+}
+
+MoeBalance MoeFlags::balance() const {
+  return balance_word == "bias" ? MoeBalance::bias : MoeBalance::aux;
+}
+
+double MoeFlags::aux_weight() const {
+  if (aux_loss_weight) return *aux_loss_weight;
+  return balance() == MoeBalance::aux ? kMoeAuxLossWeight : 0.0;
+}
+
+std::int64_t MoeFlags::expert_width(const BlockConfig& c) const {
+  return expert_ffn > 0 ? expert_ffn : c.ffn;
+}
+
+bool MoeFlags::moe_layer(std::int64_t layer) const {
+  return layer % moe_every == 0;
+}
+
+MoeShape MoeFlags::shape(const BlockConfig& c, std::int64_t tokens) const {
+  MoeShape m;
+  m.tokens = tokens;
+  m.hidden = c.hidden;
+  m.experts = experts;
+  m.topk = topk;
+  m.expert_ffn = expert_width(c);
+  m.shared_ffn = shared_experts * m.expert_ffn;
+  m.router = router();
+  m.capacity_factor = capacity_factor;
+  m.aux_loss_weight = aux_weight();
+  return m;
+}
+
+void MoeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
+  add_count(app, "--experts", experts, "E, routed experts in each MoE layer", "8")
+      ->type_name("E")
+      ->group(kGroup);
+  add_count(app, "--topk", topk, "K, experts each token is routed to (1 … E)", "2")
+      ->type_name("K")
+      ->group(kGroup);
+  add_count(app, "--expert-ffn", expert_ffn,
+            "FE, the SwiGLU inner size of every routed and shared expert; when not given, --ffn",
+            "--ffn")
+      ->type_name("FE")
+      ->group(kGroup);
+  app.add_option_function<std::string>(
+         "--shared-experts",
+         [this](const std::string& s) {
+           const int value = parse_number<int>("--shared-experts", s);
+           if (value < 0)
+             throw CLI::ValidationError(
+                 fmt::format("--shared-experts '{}': must be 0 (none) or a positive number", s));
+           shared_experts = value;
+         },
+         "NS, shared experts of width FE that every token passes through besides its K")
+      ->default_str("0")
+      ->type_name("NS")
+      ->group(kGroup);
+  add_count(app, "--moe-every", moe_every,
+            "N: layer l's MLP is the mixture of experts when l % N == 0, the others stay dense",
+            "1, every layer")
+      ->type_name("N")
+      ->group(kGroup);
+  app.add_option("--router", router_word,
+                 "softmax (Mixtral: softmax over E, top K, the K probabilities renormalised) or "
+                 "sigmoid (DeepSeek-V3: sigmoid scores, top K, renormalised); ties go to the "
+                 "lower expert index")
+      ->check(CLI::IsMember({"softmax", "sigmoid"}))
+      ->capture_default_str()
+      ->group(kGroup);
+  add_positive(app, "--capacity-factor", capacity_factor,
+               "C: each expert serves at most ceil(C·T·K/E) of a step's T tokens, in token "
+               "order, and drops the rest; when not given, dropless (every token served)",
+               "dropless routing")
+      ->type_name("C")
+      ->group(kGroup);
+  app.add_option_function<std::string>(
+         "--aux-loss-weight",
+         [this](const std::string& s) {
+           const double value = parse_number<double>("--aux-loss-weight", s);
+           if (value < 0.0)
+             throw CLI::ValidationError(fmt::format(
+                 "--aux-loss-weight '{}': must be 0 (no auxiliary loss) or positive", s));
+           aux_loss_weight = value;
+         },
+         fmt::format("W of the auxiliary balance loss W·E·Σ f_e·P_e; when not given, {} under "
+                     "--balance aux and 0 under --balance bias",
+                     kMoeAuxLossWeight))
+      ->type_name("W")
+      ->group(kGroup);
+  app.add_option("--balance", balance_word,
+                 fmt::format("aux (the auxiliary loss) or bias (DeepSeek-V3's per-expert bias on "
+                             "the routing scores, moved by {} toward the mean count after each "
+                             "step; not a gradient)",
+                             kMoeBiasRate))
+      ->check(CLI::IsMember({"aux", "bias"}))
+      ->capture_default_str()
+      ->group(kGroup);
+  add_count(app, "--ep", ep,
+            "EP, the expert-parallel degree: each EP rank holds E/EP whole experts", "1")
+      ->type_name("EP")
+      ->group("Mesh");
+}
+
+std::optional<std::string> MoeFlags::check(const CLI::App& /*app*/,
+                                           const StageOptions& /*o*/) const {
+  if (topk > experts)
+    return fmt::format(
+        "--topk ({}) must be at most --experts ({}): each token is routed to K "
+        "different experts",
+        topk, experts);
+  if (experts % ep != 0)
+    return fmt::format(
+        "--experts ({}) must be divisible by --ep ({}): each EP rank holds E/EP "
+        "whole experts",
+        experts, ep);
+  return std::nullopt;
+}
+
+ConfigFields MoeFlags::agreed() const {
+  return {{"--experts", fmt::format("{}", experts)},
+          {"--topk", fmt::format("{}", topk)},
+          {"--expert-ffn", fmt::format("{}", expert_ffn)},
+          {"--shared-experts", fmt::format("{}", shared_experts)},
+          {"--moe-every", fmt::format("{}", moe_every)},
+          {"--router", router_word},
+          {"--capacity-factor", fmt::format("{}", capacity_factor)},
+          {"--aux-loss-weight", fmt::format("{}", aux_weight())},
+          {"--balance", balance_word},
+          {"--ep", fmt::format("{}", ep)}};
+}
+
+}  // namespace tpx

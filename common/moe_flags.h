@@ -1,0 +1,62 @@
+// The mixture-of-experts flags (DESIGN.md, "Experts (stage 10)") as a FlagGroup (cli.h) a stage
+// names in StageInfo::flag_groups: --experts, --topk, --expert-ffn, --shared-experts,
+// --moe-every, --router, --capacity-factor, --aux-loss-weight, --balance, --ep. Each value is
+// checked on its own while parsing (a count is positive, a factor a positive number) and the
+// combinations after it (k ≤ E, E divisible by EP): one line naming the flag and the rule, exit 2,
+// before any rank allocates.
+//
+// defines: tpx::MoeBalance, tpx::kMoeAuxLossWeight, tpx::kMoeBiasRate, tpx::MoeFlags
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "cli.h"
+#include "config.h"
+#include "moe.h"
+
+namespace tpx {
+
+/// --balance: the auxiliary loss (Switch/GShard) or the auxiliary-loss-free bias (DeepSeek-V3).
+enum class MoeBalance { aux, bias };
+
+/// The auxiliary loss weight W under --balance aux when --aux-loss-weight is not given (the
+/// Switch Transformer's α).
+inline constexpr double kMoeAuxLossWeight = 0.01;
+/// The bias update rate u of --balance bias (DeepSeek-V3's γ for most of its training).
+inline constexpr double kMoeBiasRate = 0.001;
+
+/// The "Experts" section of --help.
+class MoeFlags : public FlagGroup {
+ public:
+  int experts = 8;         ///< --experts E, routed experts per MoE layer
+  int topk = 2;            ///< --topk K, experts per token (1 … E)
+  int expert_ffn = 0;      ///< --expert-ffn FE; 0: not given, --ffn
+  int shared_experts = 0;  ///< --shared-experts NS, each of width FE, applied to every token
+  int moe_every = 1;       ///< --moe-every N: layer l has experts when l % N == 0
+  std::string router_word = "softmax";    ///< --router as given (CLI11 checks it is one of two)
+  double capacity_factor = 0.0;           ///< --capacity-factor C; 0: not given, dropless
+  std::optional<double> aux_loss_weight;  ///< --aux-loss-weight W as given
+  std::string balance_word = "aux";       ///< --balance as given
+  int ep = 1;                             ///< --ep EP, the expert-parallel degree
+
+  MoeRouter router() const;
+  MoeBalance balance() const;
+  /// W: as given, else kMoeAuxLossWeight under --balance aux and 0 under --balance bias.
+  double aux_weight() const;
+  /// FE: --expert-ffn, or the dense MLP's --ffn when it is not given.
+  std::int64_t expert_width(const BlockConfig& c) const;
+  /// Whether layer l's MLP is the mixture of experts (Megatron-LM's moe_layer_freq: l % N == 0).
+  bool moe_layer(std::int64_t layer) const;
+  /// One MoE layer's shape over `tokens` tokens.
+  MoeShape shape(const BlockConfig& c, std::int64_t tokens) const;
+
+  static std::shared_ptr<FlagGroup> make() { return std::make_shared<MoeFlags>(); }
+  void add_flags(CLI::App& app, MeshFlag newest) override;
+  std::optional<std::string> check(const CLI::App& app, const StageOptions& o) const override;
+  ConfigFields agreed() const override;
+};
+
+}  // namespace tpx
