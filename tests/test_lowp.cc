@@ -5,6 +5,7 @@
 // against ml_dtypes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -12,7 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "06_fp8/flags.h"
 #include "common/check.h"
+#include "common/cli.h"
 #include "common/fp8_bits.h"
 #include "common/lowp.h"
 #include "common/lowp_bits.h"
@@ -459,6 +462,54 @@ TEST(LowpNvfp4, NaNPoisonsItsBlockAndInfinitySaturates) {
   EXPECT_EQ(r.codes[0], 15);
   EXPECT_EQ(r.codes[1], 0);
   EXPECT_EQ(lowp::dequantize(r)[0], -2688.0f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stage 06's --fp8-recipe.
+// ---------------------------------------------------------------------------------------------
+
+/// parse_stage_cli of a stage with stage 06's --fp8-recipe.
+CliOutcome parse_fp8_stage(std::vector<std::string> args) {
+  args.insert(args.begin(), "prog");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  const StageInfo info{.name = "prog",
+                       .summary = "test",
+                       .own_dtype = StagePrecision{.word = "fp8", .help = "test"},
+                       .flag_groups = {async_fp8::Fp8RecipeFlags::make}};
+  return parse_stage_cli(info, static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(Fp8RecipeFlag, TensorwiseIsTheDefaultAndRanksAgreeOnIt) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{}, std::vector<std::string>{"--fp8-recipe", "tensorwise"}}) {
+    const CliOutcome ok = parse_fp8_stage(args);
+    ASSERT_TRUE(ok.options.has_value()) << ok.message;
+    EXPECT_EQ(ok.options->flags<async_fp8::Fp8RecipeFlags>().recipe(), Recipe::tensorwise);
+    const StageInfo info{
+        .name = "prog", .summary = "test", .flag_groups = {async_fp8::Fp8RecipeFlags::make}};
+    const ConfigFields fields = config_fields(info, *ok.options);
+    EXPECT_TRUE(std::ranges::any_of(fields, [](const auto& f) {
+      return f.first == "--fp8-recipe" && f.second == "tensorwise";
+    }));
+  }
+}
+
+TEST(Fp8RecipeFlag, RecipesTheStageDoesNotRunAreOneLineAndExit2) {
+  for (const Recipe r : {Recipe::rowwise, Recipe::block128, Recipe::mxfp8, Recipe::nvfp4}) {
+    const std::string name(lowp::to_string(r));
+    for (const char* device : {"cpu", "cuda"}) {
+      const CliOutcome out = parse_fp8_stage({"--fp8-recipe", name, "--device", device});
+      EXPECT_FALSE(out.options.has_value()) << name;
+      EXPECT_EQ(out.exit_code, 2) << name;
+      EXPECT_NE(out.message.find("--fp8-recipe " + name), std::string::npos) << out.message;
+      const std::string line = out.message.substr(0, out.message.find_last_not_of('\n') + 1);
+      EXPECT_EQ(line.find('\n'), std::string::npos) << out.message;
+    }
+  }
+  const CliOutcome bad = parse_fp8_stage({"--fp8-recipe", "fp4"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.message.find("--fp8-recipe"), std::string::npos) << bad.message;
 }
 
 }  // namespace
