@@ -197,4 +197,17 @@ std::vector<float> dequantize(const Quantized& q) {
   return out;
 }
 
+std::int64_t storage_bytes(std::int64_t rows, std::int64_t cols, Recipe recipe, Operand operand) {
+  if (rows <= 0 || cols <= 0)
+    fail(fmt::format("the bytes of a {} x {} matrix: both sizes must be positive", rows, cols));
+  const Layout l = layout(recipe, operand);
+  const std::int64_t br = l.block_rows == 0 ? rows : l.block_rows;
+  const std::int64_t bc = l.block_cols == 0 ? cols : l.block_cols;
+  const std::int64_t n = checked_product({rows, cols}, "the operand's element count");
+  const std::int64_t codes = recipe == Recipe::nvfp4 ? n / 2 + n % 2 : n;
+  const std::int64_t scales = ((rows + br - 1) / br) * ((cols + bc - 1) / bc);
+  const std::int64_t scale_bytes = l.scale == ScaleFormat::fp32 ? 4 : 1;
+  return codes + scales * scale_bytes + (recipe == Recipe::nvfp4 ? 4 : 0);
+}
+
 }  // namespace tpx::lowp

@@ -54,7 +54,7 @@
 // of a NaN is ±6, see lowp_bits.h): under nvfp4 the block scale carries it.
 //
 // defines: tpx::lowp::Recipe, Operand, ScaleFormat, Layout, Quantized, to_string,
-//          parse_recipe, layout, quantize, dequantize, block_amax
+//          parse_recipe, layout, quantize, dequantize, block_amax, storage_bytes
 #pragma once
 
 #include <cstdint>
@@ -118,5 +118,12 @@ Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe 
 
 /// The fp32 values the codes and scales stand for, row-major [rows, cols].
 std::vector<float> dequantize(const Quantized& q);
+
+/// The bytes an operand [rows, cols] occupies (and a gather of it moves) under a recipe: its
+/// codes, one byte each (E2M1: two to a byte, as the GEMMs read them, ⌈rows · cols / 2⌉), and its
+/// scales, ⌈rows / block rows⌉ · ⌈cols / block cols⌉ of them at 4 bytes (fp32) or 1 (E8M0,
+/// UE4M3), and nvfp4's fp32 tensor scale. Quantized keeps E2M1 codes one to a byte; this counts
+/// them packed.
+std::int64_t storage_bytes(std::int64_t rows, std::int64_t cols, Recipe recipe, Operand operand);
 
 }  // namespace tpx::lowp

@@ -464,6 +464,24 @@ TEST(LowpNvfp4, NaNPoisonsItsBlockAndInfinitySaturates) {
   EXPECT_EQ(lowp::dequantize(r)[0], -2688.0f);
 }
 
+TEST(LowpRecipes, StorageBytesAreCodesPlusScales) {
+  // A 4096 × 4096 weight: 2^24 codes.
+  const std::int64_t n = 4096, codes = n * n;
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::tensorwise, Operand::weight), codes + 4);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::rowwise, Operand::weight), codes + 4096 * 4);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::block128, Operand::weight), codes + 32 * 32 * 4);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::block128, Operand::activation),
+            codes + 4096 * 32 * 4);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::mxfp8, Operand::weight), codes + 4096 * 128);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::nvfp4, Operand::weight), codes / 2 + 4096 * 256 + 4);
+  // Partial blocks count whole, an odd count of E2M1 codes rounds up: 3 × 17 has 51 codes,
+  // 26 bytes packed, and 3 · 2 block scales.
+  EXPECT_EQ(lowp::storage_bytes(3, 17, Recipe::nvfp4, Operand::activation), 26 + 6 + 4);
+  EXPECT_EQ(lowp::storage_bytes(3, 17, Recipe::mxfp8, Operand::activation), 51 + 3);
+  EXPECT_EQ(lowp::storage_bytes(130, 130, Recipe::block128, Operand::weight), 16900 + 4 * 4);
+  EXPECT_THROW(lowp::storage_bytes(0, 5, Recipe::rowwise, Operand::weight), Error);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Stage 06's --fp8-recipe.
 // ---------------------------------------------------------------------------------------------
