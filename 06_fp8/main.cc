@@ -4,6 +4,7 @@
 #include "01_baseline/layers.h"
 #include "04_overlap_ring/traffic.h"
 #include "05_copy_engine_async_tp/flags.h"
+#include "06_fp8/flags.h"
 #include "06_fp8/layers.h"
 #include "06_fp8/traffic.h"
 #include "common/stage.h"
@@ -18,7 +19,7 @@ int main(int argc, char** argv) {
                .own_dtype = StagePrecision{.word = "fp8",
                                            .help = "the bf16 recipe with the linear layers' "
                                                    "GEMMs in E4M3 forward, E5M2 gradients"},
-               .flag_groups = {async_tp::AllGatherFlags::make}},
+               .flag_groups = {async_tp::AllGatherFlags::make, async_fp8::Fp8RecipeFlags::make}},
       .make = async_fp8::make_fp8_async_tp,
       // Under --dtype fp32 or bf16 the stage runs as stage 05, and moves stage 05's bytes.
       .plan =

@@ -1,0 +1,33 @@
+// Stage 06's flag: --fp8-recipe, the granularity of the FP8 scales (DESIGN.md, "Low-precision
+// recipes"). tensorwise is the stage's recipe, one scale per tensor agreed over the group; the
+// others (rowwise, block128, mxfp8, nvfp4: their formats, blocks and scales are common/lowp.h's)
+// parse, and are refused with one line until the stage multiplies them.
+//
+// defines: tpx::async_fp8::Fp8RecipeFlags
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "common/cli.h"
+#include "common/lowp.h"
+
+namespace tpx::async_fp8 {
+
+/// --fp8-recipe (the "FP8" section of --help).
+class Fp8RecipeFlags : public FlagGroup {
+ public:
+  std::string word = "tensorwise";  ///< --fp8-recipe as given (CLI11 checks it names a recipe)
+
+  /// --fp8-recipe as the enum.
+  lowp::Recipe recipe() const;
+
+  static std::shared_ptr<FlagGroup> make() { return std::make_shared<Fp8RecipeFlags>(); }
+  void add_flags(CLI::App& app, MeshFlag newest) override;
+  /// A recipe the stage does not run yet: one line naming the flag (exit 2).
+  std::optional<std::string> check(const CLI::App& app, const StageOptions& o) const override;
+  ConfigFields agreed() const override;
+};
+
+}  // namespace tpx::async_fp8

@@ -1,0 +1,213 @@
+// The low-precision recipes' quantizers (common/lowp.h) on the cpu: block by block, every scale
+// and every cast through the bit-exact functions of common/fp8_bits.h and common/lowp_bits.h.
+#include "lowp.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "check.h"
+#include "checked.h"
+
+namespace tpx::lowp {
+namespace {
+
+struct Name {
+  Recipe recipe;
+  std::string_view name;
+};
+constexpr std::array<Name, 5> kNames{{{Recipe::tensorwise, "tensorwise"},
+                                      {Recipe::rowwise, "rowwise"},
+                                      {Recipe::block128, "block128"},
+                                      {Recipe::mxfp8, "mxfp8"},
+                                      {Recipe::nvfp4, "nvfp4"}}};
+
+/// The largest E2M1 value, NVFP4's element fmax.
+constexpr float kE2M1Max = 6.0f;
+
+/// The element code of a NaN with the sign of x, in a block whose scale is NaN: the FP8
+/// format's NaN, or E2M1's stand-in ±6.
+std::uint8_t nan_code(float x, fp8::Format element, bool e2m1) {
+  const bool negative = (fp8::float_bits(x) & 0x80000000u) != 0;
+  if (e2m1) return static_cast<std::uint8_t>((negative ? 0x08u : 0u) | kE2M1.nan_code);
+  return static_cast<std::uint8_t>((negative ? 0x80u : 0u) | element.nan_code);
+}
+
+/// fp32's quiet NaN with the sign of an element code, what a NaN-scaled block dequantizes to.
+float nan_of_code(std::uint8_t code, bool e2m1) {
+  const bool negative = e2m1 ? (code & 0x08u) != 0 : (code & 0x80u) != 0;
+  return fp8::bits_float((negative ? 0x80000000u : 0u) | fp8::kNaNBits);
+}
+
+}  // namespace
+
+std::string_view to_string(Recipe recipe) {
+  for (const Name& n : kNames)
+    if (n.recipe == recipe) return n.name;
+  fail("unknown low-precision recipe");
+}
+
+std::optional<Recipe> parse_recipe(std::string_view name) {
+  for (const Name& n : kNames)
+    if (n.name == name) return n.recipe;
+  return std::nullopt;
+}
+
+Layout layout(Recipe recipe, Operand operand) {
+  const fp8::Format fp8_element = operand == Operand::gradient ? fp8::kE5M2 : fp8::kE4M3;
+  switch (recipe) {
+    case Recipe::tensorwise:
+      return {fp8_element, 0, 0, ScaleFormat::fp32};
+    case Recipe::rowwise:
+      return {fp8_element, 1, 0, ScaleFormat::fp32};
+    case Recipe::block128:
+      return {fp8::kE4M3, operand == Operand::weight ? 128 : 1, 128, ScaleFormat::fp32};
+    case Recipe::mxfp8:
+      return {fp8::kE4M3, 1, 32, ScaleFormat::e8m0};
+    case Recipe::nvfp4:
+      return {kE2M1, 1, 16, ScaleFormat::ue4m3};
+  }
+  fail("unknown low-precision recipe");
+}
+
+float block_amax(const float* x, std::int64_t cols, std::int64_t r0, std::int64_t r1,
+                 std::int64_t c0, std::int64_t c1) {
+  float m = 0.0f;
+  for (std::int64_t r = r0; r < r1; ++r) {
+    for (std::int64_t c = c0; c < c1; ++c) {
+      const float v = x[r * cols + c];
+      if (fp8::is_nan(v)) return fp8::bits_float(fp8::kNaNBits);
+      m = std::fmax(m, std::fabs(v));
+    }
+  }
+  return m;
+}
+
+Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe recipe,
+                   Operand operand) {
+  if (rows <= 0 || cols <= 0)
+    fail(fmt::format("quantizing a {} x {} matrix: both sizes must be positive", rows, cols));
+  Quantized q{recipe, layout(recipe, operand), rows, cols, 0, 0, {}, {}, {}, 1.0f};
+  const Layout& l = q.layout;
+  const std::int64_t br = l.block_rows == 0 ? rows : l.block_rows;
+  const std::int64_t bc = l.block_cols == 0 ? cols : l.block_cols;
+  q.scale_rows = (rows + br - 1) / br;
+  q.scale_cols = (cols + bc - 1) / bc;
+  const std::int64_t n = checked_product({rows, cols}, "the operand's element count");
+  q.codes.resize(static_cast<std::size_t>(n));
+  const auto n_scales = static_cast<std::size_t>(q.scale_rows * q.scale_cols);
+  if (l.scale == ScaleFormat::fp32) {
+    q.scales.resize(n_scales);
+  } else {
+    q.scale_codes.resize(n_scales);
+  }
+  if (recipe == Recipe::nvfp4)
+    q.tensor_scale = fp8::scale_from_amax(block_amax(x, cols, 0, rows, 0, cols),
+                                          kE2M1Max * fp8::max_normal(fp8::kE4M3));
+
+  for (std::int64_t sr = 0; sr < q.scale_rows; ++sr) {
+    for (std::int64_t sc = 0; sc < q.scale_cols; ++sc) {
+      const std::int64_t r0 = sr * br, r1 = std::min(rows, r0 + br);
+      const std::int64_t c0 = sc * bc, c1 = std::min(cols, c0 + bc);
+      const auto s = static_cast<std::size_t>(sr * q.scale_cols + sc);
+      const float amax = block_amax(x, cols, r0, r1, c0, c1);
+      // Each recipe's element cast of x, given its block scale.
+      auto cast_block = [&](auto cast) {
+        for (std::int64_t r = r0; r < r1; ++r)
+          for (std::int64_t c = c0; c < c1; ++c)
+            q.codes[static_cast<std::size_t>(r * cols + c)] = cast(x[r * cols + c]);
+      };
+      switch (l.scale) {
+        case ScaleFormat::fp32: {
+          const float scale = fp8::scale_from_amax(amax, fp8::max_normal(l.element));
+          q.scales[s] = scale;
+          cast_block([&](float v) { return fp8::quantize(v, scale, l.element); });
+          break;
+        }
+        case ScaleFormat::e8m0: {
+          // NaN or ±inf in the block: the NaN scale. Else 2^(⌊log2 amax⌋ − emax_elem), clamped.
+          const bool special = fp8::is_nan(amax) || std::isinf(amax);
+          const std::uint8_t code =
+              special ? kE8M0NaN
+                      : (amax == 0.0f ? e8m0_from_exponent(-128)
+                                      : e8m0_from_exponent(floor_log2(amax) - emax(l.element)));
+          q.scale_codes[s] = code;
+          if (code == kE8M0NaN) {
+            cast_block([&](float v) { return nan_code(v, l.element, false); });
+          } else {
+            const float inverse = pow2(127 - int(code));  // 1 / X, exact: 2^−127 <= X <= 2^127
+            cast_block([&](float v) { return fp8::encode(hd::mul_rn(v, inverse), l.element); });
+          }
+          break;
+        }
+        case ScaleFormat::ue4m3: {
+          const float s_enc = q.tensor_scale;
+          const std::uint8_t code = ue4m3_encode(hd::mul_rn(hd::div_rn(amax, kE2M1Max), s_enc));
+          q.scale_codes[s] = code;
+          const float d = ue4m3_decode(code);
+          if (fp8::is_nan(d)) {
+            cast_block([&](float v) { return nan_code(v, l.element, true); });
+          } else if (d == 0.0f) {
+            cast_block([&](float v) {
+              return static_cast<std::uint8_t>((fp8::float_bits(v) >> 28) & 0x08u);  // ±0
+            });
+          } else {
+            const float s_enc_b = hd::div_rn(s_enc, d);
+            cast_block([&](float v) { return e2m1_encode(hd::mul_rn(v, s_enc_b)); });
+          }
+          break;
+        }
+      }
+    }
+  }
+  return q;
+}
+
+std::vector<float> dequantize(const Quantized& q) {
+  const Layout& l = q.layout;
+  const std::int64_t br = l.block_rows == 0 ? q.rows : l.block_rows;
+  const std::int64_t bc = l.block_cols == 0 ? q.cols : l.block_cols;
+  std::vector<float> out(q.codes.size());
+  for (std::int64_t r = 0; r < q.rows; ++r) {
+    for (std::int64_t c = 0; c < q.cols; ++c) {
+      const auto i = static_cast<std::size_t>(r * q.cols + c);
+      const auto s = static_cast<std::size_t>((r / br) * q.scale_cols + c / bc);
+      const std::uint8_t code = q.codes[i];
+      switch (l.scale) {
+        case ScaleFormat::fp32:
+          out[i] = fp8::dequantize(code, q.scales[s], l.element);
+          break;
+        case ScaleFormat::e8m0:
+          out[i] = q.scale_codes[s] == kE8M0NaN
+                       ? nan_of_code(code, false)
+                       : hd::mul_rn(fp8::decode(code, l.element), e8m0_decode(q.scale_codes[s]));
+          break;
+        case ScaleFormat::ue4m3: {
+          const float d = ue4m3_decode(q.scale_codes[s]);
+          out[i] = fp8::is_nan(d) ? nan_of_code(code, true)
+                                  : hd::div_rn(hd::mul_rn(e2m1_decode(code), d), q.tensor_scale);
+          break;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+std::int64_t storage_bytes(std::int64_t rows, std::int64_t cols, Recipe recipe, Operand operand) {
+  if (rows <= 0 || cols <= 0)
+    fail(fmt::format("the bytes of a {} x {} matrix: both sizes must be positive", rows, cols));
+  const Layout l = layout(recipe, operand);
+  const std::int64_t br = l.block_rows == 0 ? rows : l.block_rows;
+  const std::int64_t bc = l.block_cols == 0 ? cols : l.block_cols;
+  const std::int64_t n = checked_product({rows, cols}, "the operand's element count");
+  const std::int64_t codes = recipe == Recipe::nvfp4 ? n / 2 + n % 2 : n;
+  const std::int64_t scales = ((rows + br - 1) / br) * ((cols + bc - 1) / bc);
+  const std::int64_t scale_bytes = l.scale == ScaleFormat::fp32 ? 4 : 1;
+  return codes + scales * scale_bytes + (recipe == Recipe::nvfp4 ? 4 : 0);
+}
+
+}  // namespace tpx::lowp

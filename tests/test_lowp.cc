@@ -1,0 +1,534 @@
+// The low-precision formats (common/lowp_bits.h) and recipes (common/lowp.h) against values
+// derived by hand from the specifications: the OCP MX specification v1.0 (E2M1, E8M0, the MX
+// conversion), OFP8 (E4M3, E5M2) and NVIDIA's NVFP4 two-level scaling. Every expected code is
+// worked out in the comment beside it; tests/lowp_ml_dtypes.py checks the casts exhaustively
+// against ml_dtypes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "06_fp8/flags.h"
+#include "common/check.h"
+#include "common/cli.h"
+#include "common/fp8_bits.h"
+#include "common/lowp.h"
+#include "common/lowp_bits.h"
+
+namespace tpx {
+namespace {
+
+using lowp::Operand;
+using lowp::Recipe;
+
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+const float kInf = std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------------------------
+// E2M1, E8M0, UE4M3.
+// ---------------------------------------------------------------------------------------------
+
+TEST(LowpFormats, E2M1CodesAreTheSpecValues) {
+  // S.EE.M, bias 1: E = 0 → M/2 (0, 0.5); E >= 1 → 2^(E−1) · (1 + M/2).
+  const float want[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  for (unsigned c = 0; c < 8; ++c) {
+    EXPECT_EQ(lowp::e2m1_decode(static_cast<std::uint8_t>(c)), want[c]) << c;
+    EXPECT_EQ(lowp::e2m1_decode(static_cast<std::uint8_t>(c | 8u)), -want[c]) << c;
+    EXPECT_EQ(lowp::e2m1_encode(want[c]), c);
+  }
+  EXPECT_TRUE(std::signbit(lowp::e2m1_decode(8)));
+}
+
+TEST(LowpFormats, E2M1RoundsToNearestEvenAndSaturates) {
+  // Ties go to the code with mantissa bit 0: 0.25 between 0 (code 0) and 0.5 (code 1) → 0;
+  // 0.75 between 0.5 (1) and 1 (2) → 1; 1.25 between 1 (2) and 1.5 (3) → 1; 1.75 → 2 (code 4);
+  // 2.5 → 2 (4); 3.5 → 4 (6); 5 between 4 (6) and 6 (7) → 4.
+  EXPECT_EQ(lowp::e2m1_encode(0.25f), 0);
+  EXPECT_EQ(lowp::e2m1_encode(0.75f), 2);
+  EXPECT_EQ(lowp::e2m1_encode(1.25f), 2);
+  EXPECT_EQ(lowp::e2m1_encode(1.75f), 4);
+  EXPECT_EQ(lowp::e2m1_encode(2.5f), 4);
+  EXPECT_EQ(lowp::e2m1_encode(3.5f), 6);
+  EXPECT_EQ(lowp::e2m1_encode(5.0f), 6);
+  EXPECT_EQ(lowp::e2m1_encode(-5.0f), 14);
+  // Just past a tie rounds away from it.
+  EXPECT_EQ(lowp::e2m1_encode(std::nextafter(0.25f, 1.0f)), 1);
+  EXPECT_EQ(lowp::e2m1_encode(std::nextafter(5.0f, 6.0f)), 7);
+  // Saturation (no infinities), NaN to ±6 with its sign, zeros and tiny values.
+  EXPECT_EQ(lowp::e2m1_encode(7.0f), 7);
+  EXPECT_EQ(lowp::e2m1_encode(kInf), 7);
+  EXPECT_EQ(lowp::e2m1_encode(-kInf), 15);
+  EXPECT_EQ(lowp::e2m1_encode(kNaN), 7);
+  EXPECT_EQ(lowp::e2m1_encode(-kNaN), 15);
+  EXPECT_EQ(lowp::e2m1_encode(-0.0f), 8);
+  EXPECT_EQ(lowp::e2m1_encode(1e-30f), 0);
+  EXPECT_EQ(lowp::e2m1_encode(FLT_TRUE_MIN), 0);
+}
+
+TEST(LowpFormats, E8M0IsAPowerOfTwoWithBias127) {
+  EXPECT_EQ(lowp::e8m0_decode(127), 1.0f);
+  EXPECT_EQ(lowp::e8m0_decode(128), 2.0f);
+  EXPECT_EQ(lowp::e8m0_decode(119), 1.0f / 256.0f);
+  EXPECT_EQ(lowp::e8m0_decode(254), std::ldexp(1.0f, 127));
+  EXPECT_EQ(lowp::e8m0_decode(1), std::ldexp(1.0f, -126));
+  EXPECT_EQ(lowp::e8m0_decode(0), std::ldexp(1.0f, -127));  // an fp32 subnormal
+  EXPECT_TRUE(std::isnan(lowp::e8m0_decode(0xFF)));
+  EXPECT_EQ(lowp::e8m0_from_exponent(0), 127);
+  EXPECT_EQ(lowp::e8m0_from_exponent(-127), 0);
+  EXPECT_EQ(lowp::e8m0_from_exponent(-200), 0);  // clamps
+  EXPECT_EQ(lowp::e8m0_from_exponent(127), 254);
+  EXPECT_EQ(lowp::e8m0_from_exponent(128), 0xFF);  // past the format
+}
+
+TEST(LowpFormats, E8M0FloorAndFloorLog2) {
+  EXPECT_EQ(lowp::floor_log2(1.0f), 0);
+  EXPECT_EQ(lowp::floor_log2(1.9999999f), 0);
+  EXPECT_EQ(lowp::floor_log2(0.75f), -1);
+  EXPECT_EQ(lowp::floor_log2(FLT_MAX), 127);
+  EXPECT_EQ(lowp::floor_log2(FLT_MIN), -126);
+  EXPECT_EQ(lowp::floor_log2(std::nextafter(FLT_MIN, 0.0f)), -127);  // largest subnormal
+  EXPECT_EQ(lowp::floor_log2(std::ldexp(1.0f, -140)), -140);
+  EXPECT_EQ(lowp::floor_log2(FLT_TRUE_MIN), -149);
+  EXPECT_EQ(lowp::e8m0_floor(1.5f), 127);
+  EXPECT_EQ(lowp::e8m0_floor(0.75f), 126);
+  EXPECT_EQ(lowp::e8m0_floor(std::ldexp(1.0f, -128)), 0);  // below 2^−127: clamps
+  EXPECT_EQ(lowp::e8m0_floor(0.0f), 0);
+  EXPECT_EQ(lowp::e8m0_floor(-0.0f), 0);
+  EXPECT_EQ(lowp::e8m0_floor(FLT_MAX), 254);
+  EXPECT_EQ(lowp::e8m0_floor(kInf), 0xFF);
+  EXPECT_EQ(lowp::e8m0_floor(-1.0f), 0xFF);
+  EXPECT_EQ(lowp::e8m0_floor(kNaN), 0xFF);
+  // emax_elem: the exponent of each element format's largest normal value.
+  EXPECT_EQ(lowp::emax(fp8::kE4M3), 8);   // 448 = 1.75 · 2^8
+  EXPECT_EQ(lowp::emax(fp8::kE5M2), 15);  // 57344 = 1.75 · 2^15
+  EXPECT_EQ(lowp::emax(lowp::kE2M1), 2);  // 6 = 1.5 · 2^2
+}
+
+TEST(LowpFormats, UE4M3IsE4M3WithoutTheSign) {
+  EXPECT_EQ(lowp::ue4m3_encode(448.0f), 0x7E);   // S.1111.110
+  EXPECT_EQ(lowp::ue4m3_encode(1000.0f), 0x7E);  // saturates
+  EXPECT_EQ(lowp::ue4m3_encode(kInf), 0x7E);
+  EXPECT_EQ(lowp::ue4m3_encode(56.0f), 0x66);  // 1.75 · 2^5: E = 12, M = 6
+  EXPECT_EQ(lowp::ue4m3_encode(-0.0f), 0x00);
+  EXPECT_EQ(lowp::ue4m3_encode(-1.0f), 0x7F);
+  EXPECT_EQ(lowp::ue4m3_encode(kNaN), 0x7F);
+  EXPECT_EQ(lowp::ue4m3_decode(0x08), std::ldexp(1.0f, -6));  // min normal
+  EXPECT_EQ(lowp::ue4m3_decode(0x01), std::ldexp(1.0f, -9));  // min subnormal
+  EXPECT_TRUE(std::isnan(lowp::ue4m3_decode(0x7F)));
+  EXPECT_TRUE(std::isnan(lowp::ue4m3_decode(0x80)));  // not a UE4M3 code
+  EXPECT_TRUE(std::isnan(lowp::ue4m3_decode(0xB8)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recipes: names, layouts.
+// ---------------------------------------------------------------------------------------------
+
+TEST(LowpRecipes, NamesRoundTrip) {
+  for (const Recipe r :
+       {Recipe::tensorwise, Recipe::rowwise, Recipe::block128, Recipe::mxfp8, Recipe::nvfp4})
+    EXPECT_EQ(lowp::parse_recipe(lowp::to_string(r)), r);
+  EXPECT_EQ(lowp::parse_recipe("block128"), Recipe::block128);
+  EXPECT_FALSE(lowp::parse_recipe("mxfp4").has_value());
+  EXPECT_FALSE(lowp::parse_recipe("").has_value());
+}
+
+TEST(LowpRecipes, LayoutsAreTheDocumentedBlocks) {
+  auto check = [](Recipe r, Operand o, int mantissa, std::int64_t br, std::int64_t bc,
+                  lowp::ScaleFormat s) {
+    const lowp::Layout l = lowp::layout(r, o);
+    EXPECT_EQ(l.element.mantissa_bits, mantissa);
+    EXPECT_EQ(l.block_rows, br);
+    EXPECT_EQ(l.block_cols, bc);
+    EXPECT_EQ(l.scale, s);
+  };
+  using S = lowp::ScaleFormat;
+  check(Recipe::tensorwise, Operand::activation, 3, 0, 0, S::fp32);
+  check(Recipe::tensorwise, Operand::gradient, 2, 0, 0, S::fp32);
+  check(Recipe::rowwise, Operand::weight, 3, 1, 0, S::fp32);
+  check(Recipe::rowwise, Operand::gradient, 2, 1, 0, S::fp32);
+  check(Recipe::block128, Operand::activation, 3, 1, 128, S::fp32);
+  check(Recipe::block128, Operand::gradient, 3, 1, 128, S::fp32);  // E4M3 in both passes
+  check(Recipe::block128, Operand::weight, 3, 128, 128, S::fp32);
+  check(Recipe::mxfp8, Operand::gradient, 3, 1, 32, S::e8m0);
+  check(Recipe::nvfp4, Operand::weight, 1, 1, 16, S::ue4m3);
+}
+
+TEST(LowpRecipes, RefusesAnEmptyMatrix) {
+  const float x = 1.0f;
+  EXPECT_THROW(lowp::quantize(&x, 0, 4, Recipe::rowwise, Operand::activation), Error);
+  EXPECT_THROW(lowp::quantize(&x, 1, -1, Recipe::mxfp8, Operand::activation), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The FP8 recipes with fp32 scales.
+// ---------------------------------------------------------------------------------------------
+
+TEST(LowpRecipes, TensorwiseIsStage06sRecipe) {
+  // One scale, 448 / amax = 448 / 4 = 112; x · 112 then E4M3: 1 → 112 = 1.75 · 2^6 (E = 13,
+  // M = 6: 0x6E); −4 → −448 (0xFE); 0.5 → 56 = 1.75 · 2^5 (0x66).
+  const std::vector<float> x{1.0f, -4.0f, 0.5f, 0.0f, 2.0f, -0.0f};
+  const lowp::Quantized q = lowp::quantize(x.data(), 2, 3, Recipe::tensorwise, Operand::weight);
+  ASSERT_EQ(q.scales.size(), 1u);
+  EXPECT_EQ(q.scales[0], 112.0f);
+  EXPECT_EQ(q.codes, (std::vector<std::uint8_t>{0x6E, 0xFE, 0x66, 0x00, 0x76, 0x80}));
+  // 2 → 224 = 1.75 · 2^7 (E = 14: 0x76). Every value here is exact in E4M3 after scaling.
+  EXPECT_EQ(lowp::dequantize(q), x);
+}
+
+TEST(LowpRecipes, RowwiseScalesEachRow) {
+  // Rows with amax 1, 448 and 0: scales 448, 1 and 1 (amax 0 gives 1).
+  const std::vector<float> x{1.0f,   -0.5f, 0.25f, 0.0f,  // ×448: 448, −224, 112, 0
+                             448.0f, 1.0f,  2.0f,  3.0f,  // ×1
+                             0.0f,   0.0f,  0.0f,  -0.0f};
+  const lowp::Quantized q = lowp::quantize(x.data(), 3, 4, Recipe::rowwise, Operand::activation);
+  EXPECT_EQ(q.scale_rows, 3);
+  EXPECT_EQ(q.scale_cols, 1);
+  EXPECT_EQ(q.scales, (std::vector<float>{448.0f, 1.0f, 1.0f}));
+  // 448 → 0x7E; −224 = −1.75 · 2^7 → 0xF6; 112 → 0x6E; 1 = 2^0 (E = 7) → 0x38; 2 → 0x40;
+  // 3 = 1.5 · 2 (E = 8, M = 4) → 0x44.
+  EXPECT_EQ(q.codes, (std::vector<std::uint8_t>{0x7E, 0xF6, 0x6E, 0x00, 0x7E, 0x38, 0x40, 0x44,
+                                                0x00, 0x00, 0x00, 0x80}));
+  EXPECT_EQ(lowp::dequantize(q), x);
+}
+
+TEST(LowpRecipes, RowwiseGradientsUseE5M2) {
+  // amax 2: scale 57344 / 2 = 28672; 2 · 28672 = 57344 → E5M2 max 0x7B; 1 → 28672 = 1.75 · 2^14
+  // (E = 29, M = 3: 0x77).
+  const std::vector<float> x{2.0f, 1.0f};
+  const lowp::Quantized q = lowp::quantize(x.data(), 1, 2, Recipe::rowwise, Operand::gradient);
+  EXPECT_EQ(q.scales, (std::vector<float>{28672.0f}));
+  EXPECT_EQ(q.codes, (std::vector<std::uint8_t>{0x7B, 0x77}));
+}
+
+TEST(LowpRecipes, Block128ActivationsHaveOneScalePer128Columns) {
+  // 2 × 200: blocks of columns [0, 128) and [128, 200) (a partial block), per row.
+  std::vector<float> x(2 * 200, 0.0f);
+  x[5] = 3.5f;             // row 0, block 0: scale 448 / 3.5 = 128
+  x[150] = 7.0f;           // row 0, block 1: 448 / 7 = 64
+  x[200 + 199] = -0.875f;  // row 1, block 1: 448 / 0.875 = 512; row 1, block 0: zero → 1
+  const lowp::Quantized q = lowp::quantize(x.data(), 2, 200, Recipe::block128, Operand::activation);
+  EXPECT_EQ(q.scale_rows, 2);
+  EXPECT_EQ(q.scale_cols, 2);
+  EXPECT_EQ(q.scales, (std::vector<float>{128.0f, 64.0f, 1.0f, 512.0f}));
+  EXPECT_EQ(q.codes[5], 0x7E);
+  EXPECT_EQ(q.codes[150], 0x7E);
+  EXPECT_EQ(q.codes[200 + 199], 0xFE);
+  EXPECT_EQ(lowp::dequantize(q), x);
+}
+
+TEST(LowpRecipes, Block128WeightsHave128By128Blocks) {
+  // 130 × 130: four blocks, three of them partial.
+  const std::int64_t n = 130;
+  std::vector<float> x(static_cast<std::size_t>(n * n), 0.0f);
+  auto at = [&](std::int64_t r, std::int64_t c) -> float& {
+    return x[static_cast<std::size_t>(r * n + c)];
+  };
+  at(127, 127) = 2.0f;  // block (0, 0): 448 / 2 = 224
+  at(0, 1) = 1.0f;      //               1 · 224 = 224 → 0x76
+  at(0, 129) = 448.0f;  // block (0, 1): 1
+  at(129, 129) = 0.5f;  // block (1, 1): 896; block (1, 0) is zero: 1
+  const lowp::Quantized q = lowp::quantize(x.data(), n, n, Recipe::block128, Operand::weight);
+  EXPECT_EQ(q.scale_rows, 2);
+  EXPECT_EQ(q.scale_cols, 2);
+  EXPECT_EQ(q.scales, (std::vector<float>{224.0f, 1.0f, 1.0f, 896.0f}));
+  EXPECT_EQ(q.codes[127 * n + 127], 0x7E);
+  EXPECT_EQ(q.codes[1], 0x76);
+  EXPECT_EQ(q.codes[129], 0x7E);
+  EXPECT_EQ(q.codes[129 * n + 129], 0x7E);
+  EXPECT_EQ(lowp::dequantize(q), x);
+}
+
+TEST(LowpRecipes, APartialBlockIsTheZeroPaddedBlock) {
+  // The rule: a partial last block quantizes as the same block padded with zeros would. A
+  // 3 × 40 matrix under every recipe against the 3 × 64 matrix that holds it and zeros.
+  std::vector<float> x(3 * 40), padded(3 * 64, 0.0f);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = std::sin(0.37f * static_cast<float>(i)) * static_cast<float>(1 + i % 7);
+    padded[(i / 40) * 64 + i % 40] = x[i];
+  }
+  for (const Recipe r : {Recipe::rowwise, Recipe::block128, Recipe::mxfp8, Recipe::nvfp4}) {
+    SCOPED_TRACE(std::string(lowp::to_string(r)));
+    const lowp::Quantized q = lowp::quantize(x.data(), 3, 40, r, Operand::activation);
+    const lowp::Quantized p = lowp::quantize(padded.data(), 3, 64, r, Operand::activation);
+    const std::int64_t bc = q.layout.block_cols == 0 ? 40 : q.layout.block_cols;
+    EXPECT_EQ(q.scale_cols, (40 + bc - 1) / bc);  // ⌈40 / block⌉ scales per row
+    for (std::int64_t row = 0; row < 3; ++row) {
+      for (std::int64_t sc = 0; sc < q.scale_cols; ++sc) {
+        const auto i = static_cast<std::size_t>(row * q.scale_cols + sc);
+        const auto j = static_cast<std::size_t>(row * p.scale_cols + sc);
+        if (!q.scales.empty()) {
+          EXPECT_EQ(q.scales[i], p.scales[j]);
+        } else {
+          EXPECT_EQ(q.scale_codes[i], p.scale_codes[j]);
+        }
+      }
+      for (std::int64_t c = 0; c < 40; ++c)
+        EXPECT_EQ(q.codes[static_cast<std::size_t>(row * 40 + c)],
+                  p.codes[static_cast<std::size_t>(row * 64 + c)]);
+    }
+  }
+}
+
+TEST(LowpRecipes, FP8RecipesKeepNaNAndSaturateInfinities) {
+  // rowwise: a row holding a NaN has amax NaN → scale 1; the NaN keeps its sign; ±inf → ±448.
+  const std::vector<float> x{-kNaN, 2.0f, kInf, -kInf};
+  const lowp::Quantized q = lowp::quantize(x.data(), 1, 4, Recipe::rowwise, Operand::activation);
+  EXPECT_EQ(q.scales, (std::vector<float>{1.0f}));
+  EXPECT_EQ(q.codes, (std::vector<std::uint8_t>{0xFF, 0x40, 0x7E, 0xFE}));
+  const std::vector<float> d = lowp::dequantize(q);
+  EXPECT_TRUE(std::isnan(d[0]) && std::signbit(d[0]));
+  EXPECT_EQ(d[2], 448.0f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MXFP8: E8M0 scales by the MX rule.
+// ---------------------------------------------------------------------------------------------
+
+TEST(LowpMxfp8, SharedExponentIsFloorLog2AmaxMinusEight) {
+  // One block of 32 with amax 1: shared_exp = 0 − 8 → code 119, X = 2^−8; V / X = 256 · V:
+  // 1 → 256 = 2^8 (E = 15, M = 0: 0x78), 0.5 → 128 (0x70), −0.25 → −64 (E = 13: 0xE8), 0.001 →
+  // 0.256 = 1.024 · 2^−2 (E = 5; mantissa 0.024 · 8 < 0.5: 0x28 = 0.25).
+  std::vector<float> x(32, 0.0f);
+  x[0] = 1.0f;
+  x[1] = 0.5f;
+  x[2] = -0.25f;
+  x[3] = 0.001f;
+  const lowp::Quantized q = lowp::quantize(x.data(), 1, 32, Recipe::mxfp8, Operand::activation);
+  EXPECT_EQ(q.scale_codes, (std::vector<std::uint8_t>{119}));
+  EXPECT_TRUE(q.scales.empty());
+  EXPECT_EQ(q.codes[0], 0x78);
+  EXPECT_EQ(q.codes[1], 0x70);
+  EXPECT_EQ(q.codes[2], 0xE8);
+  EXPECT_EQ(q.codes[3], 0x28);
+  const std::vector<float> d = lowp::dequantize(q);
+  EXPECT_EQ(d[0], 1.0f);
+  EXPECT_EQ(d[2], -0.25f);
+  EXPECT_EQ(d[3], 0.25f / 256.0f);
+}
+
+TEST(LowpMxfp8, TheBlockMaximumSaturatesBetween448And512) {
+  // amax 1.9: ⌊log2 1.9⌋ = 0, X = 2^−8, 1.9 · 256 = 486.4 > 448: saturates to 448 (0x7E),
+  // dequantized 448 / 256 = 1.75.
+  std::vector<float> x(32, 0.0f);
+  x[7] = 1.9f;
+  const lowp::Quantized q = lowp::quantize(x.data(), 1, 32, Recipe::mxfp8, Operand::weight);
+  EXPECT_EQ(q.scale_codes[0], 119);
+  EXPECT_EQ(q.codes[7], 0x7E);
+  EXPECT_EQ(lowp::dequantize(q)[7], 1.75f);
+}
+
+TEST(LowpMxfp8, BlocksAreIndependentAlongARow) {
+  // 1 × 70: blocks [0, 32), [32, 64), [64, 70) with amax 4, 0.125 and 1000:
+  // codes 2 − 8 + 127 = 121, −3 − 8 + 127 = 116, 9 − 8 + 127 = 128.
+  std::vector<float> x(70, 0.0f);
+  x[3] = 4.0f;
+  x[40] = -0.125f;
+  x[69] = 1000.0f;
+  const lowp::Quantized q = lowp::quantize(x.data(), 1, 70, Recipe::mxfp8, Operand::activation);
+  EXPECT_EQ(q.scale_codes, (std::vector<std::uint8_t>{121, 116, 128}));
+  // 1000 / 2 = 500 saturates to 448: 896 back.
+  const std::vector<float> d = lowp::dequantize(q);
+  EXPECT_EQ(d[3], 4.0f);
+  EXPECT_EQ(d[40], -0.125f);
+  EXPECT_EQ(d[69], 896.0f);
+}
+
+TEST(LowpMxfp8, ZeroTinyHugeNaNAndInfinityBlocks) {
+  // Five rows of 32: zeros; all 2^−120; one huge value beside ones; a NaN; an infinity.
+  const std::int64_t k = 32;
+  std::vector<float> x(static_cast<std::size_t>(5 * k), 0.0f);
+  for (std::int64_t c = 0; c < k; ++c) x[static_cast<std::size_t>(k + c)] = 0x1p-120f;
+  x[2 * k] = 1e30f;
+  for (std::int64_t c = 1; c < k; ++c) x[static_cast<std::size_t>(2 * k + c)] = 1.0f;
+  x[3 * k + 4] = kNaN;
+  x[3 * k + 5] = -2.0f;
+  x[4 * k + 6] = -kInf;
+  const lowp::Quantized q = lowp::quantize(x.data(), 5, k, Recipe::mxfp8, Operand::activation);
+  // Zero block: ⌊log2 0⌋ = −∞ clamps to −127: code 0, codes 0, values 0.
+  // 2^−120: −120 − 8 = −128 clamps to −127 (code 0); V / X = 2^−120 · 2^127 = 128 (0x70).
+  // 1e30 (fp32 1.00000002e30): ⌊log2⌋ = 99 (2^99 ≈ 6.34e29), 99 − 8 = 91, code 218; 1e30 / 2^91
+  // ≈ 403.9, nearest E4M3 416 = 1.625 · 2^8 (0x7D); the ones, 2^−91, vanish (below 2^−10).
+  // NaN and −inf: the NaN scale 0xFF.
+  EXPECT_EQ(q.scale_codes, (std::vector<std::uint8_t>{0, 0, 218, 0xFF, 0xFF}));
+  EXPECT_EQ(q.codes[0], 0x00);
+  EXPECT_EQ(q.codes[k], 0x70);
+  EXPECT_EQ(q.codes[2 * k], 0x7D);
+  EXPECT_EQ(q.codes[2 * k + 1], 0x00);
+  const std::vector<float> d = lowp::dequantize(q);
+  EXPECT_EQ(d[0], 0.0f);
+  EXPECT_EQ(d[static_cast<std::size_t>(k + 3)], 0x1p-120f);
+  EXPECT_EQ(d[static_cast<std::size_t>(2 * k)], 416.0f * 0x1p91f);
+  EXPECT_EQ(d[static_cast<std::size_t>(2 * k + 1)], 0.0f);
+  for (std::int64_t c = 0; c < k; ++c) {
+    EXPECT_TRUE(std::isnan(d[static_cast<std::size_t>(3 * k + c)])) << c;
+    EXPECT_TRUE(std::isnan(d[static_cast<std::size_t>(4 * k + c)])) << c;
+  }
+  EXPECT_TRUE(std::signbit(d[static_cast<std::size_t>(3 * k + 5)]));  // the element's sign
+}
+
+TEST(LowpMxfp8, SubnormalBlocksFlushToZero) {
+  // amax 2^−140 (an fp32 subnormal): −148 clamps to −127, V / X = 2^−13, below half of E4M3's
+  // smallest subnormal 2^−9: code 0.
+  std::vector<float> x(32, 0x1p-140f);
+  const lowp::Quantized q = lowp::quantize(x.data(), 1, 32, Recipe::mxfp8, Operand::activation);
+  EXPECT_EQ(q.scale_codes[0], 0);
+  EXPECT_EQ(q.codes[0], 0);
+  EXPECT_EQ(lowp::dequantize(q)[0], 0.0f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// NVFP4: E2M1 elements, UE4M3 block scales, one fp32 tensor scale.
+// ---------------------------------------------------------------------------------------------
+
+TEST(LowpNvfp4, TwoLevelScales) {
+  // Tensor amax 6: s_enc = 2688 / 6 = 448.
+  // Block 0 (amax 6): d = 6 / 6 · 448 = 448 → UE4M3 0x7E; s_enc / d = 1: 6 → code 7, −3 →
+  //   code 13 (8 | 5), 0.25 → 0 (a tie, to even).
+  // Block 1 (amax 0.75): d = 0.125 · 448 = 56 → 0x66; s_enc / d = 8: 0.75 → 6 (code 7),
+  //   0.1 → 0.8 → 1 (code 2), dequantized 1 · 56 / 448 = 0.125.
+  std::vector<float> x(32, 0.0f);
+  x[0] = 6.0f;
+  x[1] = -3.0f;
+  x[2] = 0.25f;
+  x[16] = 0.75f;
+  x[17] = 0.1f;
+  const lowp::Quantized q = lowp::quantize(x.data(), 1, 32, Recipe::nvfp4, Operand::activation);
+  EXPECT_EQ(q.tensor_scale, 448.0f);
+  EXPECT_EQ(q.scale_codes, (std::vector<std::uint8_t>{0x7E, 0x66}));
+  EXPECT_EQ(q.codes[0], 7);
+  EXPECT_EQ(q.codes[1], 13);
+  EXPECT_EQ(q.codes[2], 0);
+  EXPECT_EQ(q.codes[16], 7);
+  EXPECT_EQ(q.codes[17], 2);
+  const std::vector<float> d = lowp::dequantize(q);
+  EXPECT_EQ(d[0], 6.0f);
+  EXPECT_EQ(d[1], -3.0f);
+  EXPECT_EQ(d[2], 0.0f);
+  EXPECT_EQ(d[16], 0.75f);
+  EXPECT_EQ(d[17], 0.125f);
+}
+
+TEST(LowpNvfp4, ZeroAndUnderflowingBlocks) {
+  // Tensor amax 2688: s_enc = 1. Block 1 (amax 2^−12): d = 2^−12 / 6 ≈ 4.07e−5, below half of
+  // E4M3's smallest subnormal (2^−10 ≈ 9.8e−4): UE4M3 0, the block's codes 0. Block 2: zeros.
+  std::vector<float> x(48, 0.0f);
+  x[0] = 2688.0f;
+  x[16] = 0x1p-12f;
+  x[17] = -0x1p-12f;
+  const lowp::Quantized q = lowp::quantize(x.data(), 1, 48, Recipe::nvfp4, Operand::weight);
+  EXPECT_EQ(q.tensor_scale, 1.0f);
+  // Block 0: d = 2688 / 6 = 448 (0x7E), s_enc / d = 1/448, 2688 / 448 = 6 → code 7.
+  EXPECT_EQ(q.scale_codes, (std::vector<std::uint8_t>{0x7E, 0x00, 0x00}));
+  EXPECT_EQ(q.codes[0], 7);
+  EXPECT_EQ(q.codes[16], 0);
+  EXPECT_EQ(q.codes[17], 8);  // −0
+  const std::vector<float> d = lowp::dequantize(q);
+  EXPECT_EQ(d[0], 2688.0f);
+  EXPECT_EQ(d[16], 0.0f);
+  EXPECT_EQ(d[40], 0.0f);
+}
+
+TEST(LowpNvfp4, NaNPoisonsItsBlockAndInfinitySaturates) {
+  // Block 0 holds a NaN: its scale is UE4M3's NaN and all 16 values dequantize to NaN; the
+  // tensor amax is NaN, so s_enc = 1, and block 1 (amax 3) gets d = 0.5 (0x30 = 2^−1), s_enc / d
+  // = 2: 3 → 6 (code 7), 1 → 2 (code 4).
+  std::vector<float> x(32, 0.0f);
+  x[3] = kNaN;
+  x[16] = 3.0f;
+  x[17] = 1.0f;
+  const lowp::Quantized q = lowp::quantize(x.data(), 1, 32, Recipe::nvfp4, Operand::activation);
+  EXPECT_EQ(q.tensor_scale, 1.0f);
+  EXPECT_EQ(q.scale_codes, (std::vector<std::uint8_t>{0x7F, 0x30}));
+  const std::vector<float> d = lowp::dequantize(q);
+  for (int i = 0; i < 16; ++i) EXPECT_TRUE(std::isnan(d[static_cast<std::size_t>(i)])) << i;
+  EXPECT_EQ(q.codes[16], 7);
+  EXPECT_EQ(q.codes[17], 4);
+  EXPECT_EQ(d[16], 3.0f);
+  EXPECT_EQ(d[17], 1.0f);
+
+  // An infinity: tensor amax +inf → s_enc = 1; d = inf / 6 saturates to 448; −inf / 448 = −inf
+  // saturates to −6 (code 15); dequantized −6 · 448 = −2688. 1 · (1 / 448) → 0.
+  std::vector<float> y(16, 0.0f);
+  y[0] = -kInf;
+  y[1] = 1.0f;
+  const lowp::Quantized r = lowp::quantize(y.data(), 1, 16, Recipe::nvfp4, Operand::gradient);
+  EXPECT_EQ(r.tensor_scale, 1.0f);
+  EXPECT_EQ(r.scale_codes, (std::vector<std::uint8_t>{0x7E}));
+  EXPECT_EQ(r.codes[0], 15);
+  EXPECT_EQ(r.codes[1], 0);
+  EXPECT_EQ(lowp::dequantize(r)[0], -2688.0f);
+}
+
+TEST(LowpRecipes, StorageBytesAreCodesPlusScales) {
+  // A 4096 × 4096 weight: 2^24 codes.
+  const std::int64_t n = 4096, codes = n * n;
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::tensorwise, Operand::weight), codes + 4);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::rowwise, Operand::weight), codes + 4096 * 4);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::block128, Operand::weight), codes + 32 * 32 * 4);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::block128, Operand::activation),
+            codes + 4096 * 32 * 4);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::mxfp8, Operand::weight), codes + 4096 * 128);
+  EXPECT_EQ(lowp::storage_bytes(n, n, Recipe::nvfp4, Operand::weight), codes / 2 + 4096 * 256 + 4);
+  // Partial blocks count whole, an odd count of E2M1 codes rounds up: 3 × 17 has 51 codes,
+  // 26 bytes packed, and 3 · 2 block scales.
+  EXPECT_EQ(lowp::storage_bytes(3, 17, Recipe::nvfp4, Operand::activation), 26 + 6 + 4);
+  EXPECT_EQ(lowp::storage_bytes(3, 17, Recipe::mxfp8, Operand::activation), 51 + 3);
+  EXPECT_EQ(lowp::storage_bytes(130, 130, Recipe::block128, Operand::weight), 16900 + 4 * 4);
+  EXPECT_THROW(lowp::storage_bytes(0, 5, Recipe::rowwise, Operand::weight), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stage 06's --fp8-recipe.
+// ---------------------------------------------------------------------------------------------
+
+/// parse_stage_cli of a stage with stage 06's --fp8-recipe.
+CliOutcome parse_fp8_stage(std::vector<std::string> args) {
+  args.insert(args.begin(), "prog");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  const StageInfo info{.name = "prog",
+                       .summary = "test",
+                       .own_dtype = StagePrecision{.word = "fp8", .help = "test"},
+                       .flag_groups = {async_fp8::Fp8RecipeFlags::make}};
+  return parse_stage_cli(info, static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(Fp8RecipeFlag, TensorwiseIsTheDefaultAndRanksAgreeOnIt) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{}, std::vector<std::string>{"--fp8-recipe", "tensorwise"}}) {
+    const CliOutcome ok = parse_fp8_stage(args);
+    ASSERT_TRUE(ok.options.has_value()) << ok.message;
+    EXPECT_EQ(ok.options->flags<async_fp8::Fp8RecipeFlags>().recipe(), Recipe::tensorwise);
+    const StageInfo info{
+        .name = "prog", .summary = "test", .flag_groups = {async_fp8::Fp8RecipeFlags::make}};
+    const ConfigFields fields = config_fields(info, *ok.options);
+    EXPECT_TRUE(std::ranges::any_of(fields, [](const auto& f) {
+      return f.first == "--fp8-recipe" && f.second == "tensorwise";
+    }));
+  }
+}
+
+TEST(Fp8RecipeFlag, RecipesTheStageDoesNotRunAreOneLineAndExit2) {
+  for (const Recipe r : {Recipe::rowwise, Recipe::block128, Recipe::mxfp8, Recipe::nvfp4}) {
+    const std::string name(lowp::to_string(r));
+    for (const char* device : {"cpu", "cuda"}) {
+      const CliOutcome out = parse_fp8_stage({"--fp8-recipe", name, "--device", device});
+      EXPECT_FALSE(out.options.has_value()) << name;
+      EXPECT_EQ(out.exit_code, 2) << name;
+      EXPECT_NE(out.message.find("--fp8-recipe " + name), std::string::npos) << out.message;
+      const std::string line = out.message.substr(0, out.message.find_last_not_of('\n') + 1);
+      EXPECT_EQ(line.find('\n'), std::string::npos) << out.message;
+    }
+  }
+  const CliOutcome bad = parse_fp8_stage({"--fp8-recipe", "fp4"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.message.find("--fp8-recipe"), std::string::npos) << bad.message;
+}
+
+}  // namespace
+}  // namespace tpx
