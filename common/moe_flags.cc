@@ -9,25 +9,6 @@ namespace {
 
 constexpr const char* kGroup = "Experts";
 
-/// A positive number when given; its variable's 0 stands for "not given" (add_count's rule for a
-/// real number).
-CLI::Option* add_positive(CLI::App& app, const std::string& flag, double& target,
-                          const std::string& help, const std::string& when_not_given) {
-  return app
-      .add_option_function<std::string>(
-          flag,
-          [&target, flag, when_not_given](const std::string& s) {
-            const double value = parse_number<double>(flag, s);
-            if (!(value > 0.0))
-              throw CLI::ValidationError(
-                  fmt::format("{} '{}': must be a positive number (leave {} out for {})", flag, s,
-                              flag, when_not_given));
-            target = value;
-          },
-          help)
-      ->type_name("FLOAT");
-}
-
 }  // namespace
 
 MoeRouter MoeFlags::router() const {
@@ -102,10 +83,18 @@ void MoeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
       ->check(CLI::IsMember({"softmax", "sigmoid"}))
       ->capture_default_str()
       ->group(kGroup);
-  add_positive(app, "--capacity-factor", capacity_factor,
-               "C: each expert serves at most ceil(C·T·K/E) of a step's T tokens, in token "
-               "order, and drops the rest; when not given, dropless (every token served)",
-               "dropless routing")
+  app.add_option_function<std::string>(
+         "--capacity-factor",
+         [this](const std::string& s) {
+           const double value = parse_number<double>("--capacity-factor", s);
+           if (!(value >= 0.0))  // NaN too
+             throw CLI::ValidationError(fmt::format(
+                 "--capacity-factor '{}': must be 0 (dropless) or a positive number", s));
+           capacity_factor = value;
+         },
+         "C: each expert serves at most ceil(C·T·K/E) of a step's T tokens, in token order, and "
+         "drops the rest; 0, dropless (every token served)")
+      ->default_str("0")
       ->type_name("C")
       ->group(kGroup);
   app.add_option_function<std::string>(

@@ -37,7 +37,7 @@ class MoeFlags : public FlagGroup {
   int shared_experts = 0;  ///< --shared-experts NS, each of width FE, applied to every token
   int moe_every = 1;       ///< --moe-every N: layer l has experts when l % N == 0
   std::string router_word = "softmax";    ///< --router as given (CLI11 checks it is one of two)
-  double capacity_factor = 0.0;           ///< --capacity-factor C; 0: not given, dropless
+  double capacity_factor = 0.0;           ///< --capacity-factor C; 0 (the default): dropless
   std::optional<double> aux_loss_weight;  ///< --aux-loss-weight W as given
   std::string balance_word = "aux";       ///< --balance as given
   int ep = 1;                             ///< --ep EP, the expert-parallel degree

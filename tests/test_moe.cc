@@ -339,6 +339,12 @@ TEST(MoeFlags, DefaultsAndGivenValues) {
   EXPECT_EQ(m.router, MoeRouter::softmax);
   EXPECT_EQ(m.capacity_factor, 0.0);  // dropless
   EXPECT_EQ(moe_capacity(m), 10);
+  // DESIGN.md: --capacity-factor 0 is dropless, the default said out loud.
+  const CliOutcome dropless =
+      parse_moe({"--ffn", "96", "--hidden", "32", "--heads", "4", "--capacity-factor", "0"});
+  ASSERT_TRUE(dropless.options.has_value()) << dropless.message;
+  EXPECT_EQ(moe_capacity(dropless.options->flags<MoeFlags>().shape(dropless.options->config, 10)),
+            10);
   EXPECT_EQ(m.aux_loss_weight, kMoeAuxLossWeight);
   EXPECT_EQ(d.balance(), MoeBalance::aux);
   EXPECT_EQ(d.ep, 1);
@@ -389,10 +395,8 @@ TEST(MoeFlags, BadInputIsOneLineNamingTheFlagAndTheRule) {
                  "--topk (9) must be at most --experts (8): each token is routed to K different "
                  "experts");
   expect_refused({"--experts", "4", "--topk", "5"}, "--topk (5) must be at most --experts (4)");
-  expect_refused({"--capacity-factor", "0"},
-                 "--capacity-factor '0': must be a positive number (leave --capacity-factor out "
-                 "for dropless routing)");
-  expect_refused({"--capacity-factor", "-0.5"}, "--capacity-factor '-0.5': must be a positive");
+  expect_refused({"--capacity-factor", "-0.5"},
+                 "--capacity-factor '-0.5': must be 0 (dropless) or a positive number");
   expect_refused({"--capacity-factor", "nan"}, "--capacity-factor 'nan'");
   expect_refused({"--experts", "6", "--ep", "4"},
                  "--experts (6) must be divisible by --ep (4): each EP rank holds E/EP whole "
