@@ -27,6 +27,8 @@ import shutil
 import subprocess
 import sys
 
+from under_python import rerun_under
+
 SKIP = 77
 TOLERANCE = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,9 +104,7 @@ def main():
     ap.add_argument("--vocab", type=int, required=True, help="its vocabulary")
     ap.add_argument("--python", help="run under this interpreter when it exists")
     a = ap.parse_args()
-    if a.python and os.path.exists(a.python) and \
-            os.path.abspath(sys.executable) != os.path.abspath(a.python):
-        os.execv(a.python, [a.python, os.path.abspath(__file__)] + sys.argv[1:])
+    rerun_under(a.python, __file__)
     try:
         import numpy as np
         import safetensors  # noqa: F401

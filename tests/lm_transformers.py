@@ -51,6 +51,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tools"))
 from tpx_hf import hf_names  # noqa: E402
 
+from under_python import rerun_under
+
 
 def fail(message):
     print(f"lm_transformers: error: {message}", file=sys.stderr)
@@ -184,9 +186,7 @@ def main():
     ap.add_argument("--self-test", action="store_true")
     ap.add_argument("--python", help="run under this interpreter when it exists")
     a = ap.parse_args()
-    if a.python and os.path.exists(a.python) and \
-            os.path.abspath(sys.executable) != os.path.abspath(a.python):
-        os.execv(a.python, [a.python, os.path.abspath(__file__)] + sys.argv[1:])
+    rerun_under(a.python, __file__)
 
     global np
     try:

@@ -33,6 +33,8 @@ import shutil
 import subprocess
 import sys
 
+from under_python import rerun_under
+
 SKIP = 77
 np = None
 ml_dtypes = None
@@ -116,9 +118,7 @@ def main():
     ap.add_argument("--work", required=True, help="a directory for the tables (replaced)")
     ap.add_argument("--python", help="run under this interpreter when it exists")
     a = ap.parse_args()
-    if a.python and os.path.exists(a.python) and \
-            os.path.abspath(sys.executable) != os.path.abspath(a.python):
-        os.execv(a.python, [a.python, os.path.abspath(__file__)] + sys.argv[1:])
+    rerun_under(a.python, __file__)
 
     global np, ml_dtypes
     try:

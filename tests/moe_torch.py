@@ -28,6 +28,8 @@ import os
 import subprocess
 import sys
 
+from under_python import rerun_under
+
 SKIP = 77
 # Both sides in float64 over a few dozen operations per value: differences of a few 1e-16 of the
 # tensor's scale. 1e-11 leaves room for that and catches an element off by 1e-9 (the self-test).
@@ -224,9 +226,7 @@ def main():
     ap.add_argument("--self-test", action="store_true")
     ap.add_argument("--python", help="run under this interpreter when it exists")
     a = ap.parse_args()
-    if a.python and os.path.exists(a.python) and \
-            os.path.abspath(sys.executable) != os.path.abspath(a.python):
-        os.execv(a.python, [a.python, os.path.abspath(__file__)] + sys.argv[1:])
+    rerun_under(a.python, __file__)
     global np, torch
     try:
         import numpy as np
