@@ -32,6 +32,11 @@ std::optional<std::string> Fp8RecipeFlags::check(const CLI::App& /*app*/,
         "--fp8-recipe {}: this stage multiplies tensorwise, rowwise and block128 so far, on "
         "either device (mxfp8 and nvfp4 are common/lowp.h's quantizers only)",
         word);
+  if (r != lowp::Recipe::tensorwise && !is_fp8(o.config.dtype))
+    return fmt::format(
+        "--fp8-recipe {}: the recipe of the FP8 GEMMs, which --dtype {} does not run (it runs "
+        "under --dtype fp8)",
+        word, to_string(o.config.dtype));
   if (r != lowp::Recipe::tensorwise && o.config.device != Device::cpu)
     return fmt::format(
         "--fp8-recipe {}: the {} device cannot run this recipe yet; it runs on --device cpu "

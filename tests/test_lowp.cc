@@ -531,6 +531,14 @@ TEST(Fp8RecipeFlag, RecipesTheStageDoesNotRunAreOneLineAndExit2) {
       EXPECT_EQ(line.find('\n'), std::string::npos) << out.message;
     }
   }
+  // A recipe other than tensorwise names the FP8 GEMMs' scales: without FP8 GEMMs it is refused.
+  for (const char* dtype : {"fp32", "bf16"}) {
+    const CliOutcome out = parse_fp8_stage({"--fp8-recipe", "rowwise", "--dtype", dtype});
+    EXPECT_FALSE(out.options.has_value()) << dtype;
+    EXPECT_EQ(out.exit_code, 2) << dtype;
+    EXPECT_NE(out.message.find("--fp8-recipe rowwise"), std::string::npos) << out.message;
+    EXPECT_NE(out.message.find(std::string("--dtype ") + dtype), std::string::npos) << out.message;
+  }
   const CliOutcome bad = parse_fp8_stage({"--fp8-recipe", "fp4"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.message.find("--fp8-recipe"), std::string::npos) << bad.message;
