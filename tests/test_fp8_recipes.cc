@@ -144,42 +144,54 @@ std::vector<float> transposed(const std::vector<float>& m, std::int64_t rows, st
 
 // The dump's layer-0 weight codes and scales are common/lowp.h's quantizer applied to the
 // dumped fp32 weight W [in, out], as the forward GEMM takes it: Wᵀ [out, in], K = in along the
-// blocks, bit for bit. At N = 1 the one shard is the whole weight.
+// blocks, bit for bit. At N = 1 the one shard is the whole weight, codes and scales. At N = 2
+// the shards' codes, gathered, are still the whole weight's wherever no scale spans two shards:
+// every weight under block128 (aligned 128-blocks), the column weights under rowwise (a row of
+// Wᵀ is an output column, whole on its rank); the row weights' rows under rowwise are cut at
+// in/N, so their scales are the shards' own and are not compared.
 TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
-  for (const Recipe recipe : {Recipe::rowwise, Recipe::block128}) {
-    const std::string name(lowp::to_string(recipe));
-    test::TempDir dir;
-    const auto r = run_stage("06_fp8", 1,
-                             fmt::format("--hidden 256 --heads 4 --ffn 384 --seq 8 --batch 2 "
-                                         "--layers 1 --steps 1 --fp8-recipe {} --dump {}",
-                                         name, (dir / "d").string()),
-                             dir);
-    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-    const json cfg = json::parse(test::read_file(dir / "d" / "config.json"));
-    EXPECT_EQ(cfg.at("fp8_recipe").get<std::string>(), name);
-    for (const char* w : {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}) {
-      const NpyArray master = read_npy(dir / "d" / fmt::format("layers.0.{}.npy", w));
-      const NpyBytes codes = read_npy_bytes(dir / "d" / fmt::format("fp8/layers.0.{}.npy", w));
-      const NpyArray scales = read_npy(dir / "d" / fmt::format("fp8/layers.0.{}.scale.npy", w));
-      ASSERT_EQ(master.shape.size(), 2u);
-      const std::int64_t in = master.shape[0], out = master.shape[1];
-      const std::vector<float> wt = transposed(master.data, in, out);
-      const lowp::Quantized q = lowp::quantize(wt.data(), out, in, recipe, lowp::Operand::weight);
-      EXPECT_EQ(codes.shape, master.shape) << name << " " << w;
-      ASSERT_EQ(codes.data.size(), q.codes.size()) << name << " " << w;
-      std::int64_t differ = 0;
-      for (std::int64_t i = 0; i < in; ++i)
-        for (std::int64_t o = 0; o < out; ++o)
-          differ += codes.data[std::size_t(i * out + o)] != q.codes[std::size_t(o * in + i)];
-      EXPECT_EQ(differ, 0) << name << " " << w << ": codes differ";
-      EXPECT_EQ(scales.shape, (std::vector<std::int64_t>{1, q.scale_rows, q.scale_cols}))
-          << name << " " << w;
-      EXPECT_EQ(scales.data, q.scales) << name << " " << w;
+  for (const int n : {1, 2})
+    for (const Recipe recipe : {Recipe::rowwise, Recipe::block128}) {
+      const std::string name(lowp::to_string(recipe));
+      test::TempDir dir;
+      const auto r = run_stage("06_fp8", n,
+                               fmt::format("--hidden 256 --heads 4 --ffn 512 --seq 8 --batch 2 "
+                                           "--layers 1 --steps 1 --fp8-recipe {} --dump {}",
+                                           name, (dir / "d").string()),
+                               dir);
+      ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+      const json cfg = json::parse(test::read_file(dir / "d" / "config.json"));
+      EXPECT_EQ(cfg.at("fp8_recipe").get<std::string>(), name);
+      for (const std::string w : {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}) {
+        const bool row_layer = w == "wo" || w == "w_down";
+        if (n > 1 && recipe == Recipe::rowwise && row_layer) continue;
+        const std::string what = fmt::format("{} np {} {}", name, n, w);
+        const NpyArray master = read_npy(dir / "d" / fmt::format("layers.0.{}.npy", w));
+        const NpyBytes codes = read_npy_bytes(dir / "d" / fmt::format("fp8/layers.0.{}.npy", w));
+        const NpyArray scales = read_npy(dir / "d" / fmt::format("fp8/layers.0.{}.scale.npy", w));
+        ASSERT_EQ(master.shape.size(), 2u);
+        const std::int64_t in = master.shape[0], out = master.shape[1];
+        const std::vector<float> wt = transposed(master.data, in, out);
+        const lowp::Quantized q = lowp::quantize(wt.data(), out, in, recipe, lowp::Operand::weight);
+        EXPECT_EQ(codes.shape, master.shape) << what;
+        ASSERT_EQ(codes.data.size(), q.codes.size()) << what;
+        std::int64_t differ = 0;
+        for (std::int64_t i = 0; i < in; ++i)
+          for (std::int64_t o = 0; o < out; ++o)
+            differ += codes.data[std::size_t(i * out + o)] != q.codes[std::size_t(o * in + i)];
+        EXPECT_EQ(differ, 0) << what << ": codes differ";
+        if (n > 1) {
+          EXPECT_EQ(scales.shape.at(0), n) << what;  // one set of scales per rank
+          continue;
+        }
+        EXPECT_EQ(scales.shape, (std::vector<std::int64_t>{1, q.scale_rows, q.scale_cols})) << what;
+        EXPECT_EQ(scales.data, q.scales) << what;
+      }
+      // The gathered input: one scale per row (rowwise) or per 128 of a row (block128) of each
+      // rank's [S/N·B, H] shard.
+      const NpyArray s = read_npy(dir / "d" / "fp8/layers.0.qkv_in.scale.npy");
+      EXPECT_EQ(s.shape, (std::vector<std::int64_t>{n, 16 / n, recipe == Recipe::rowwise ? 1 : 2}));
     }
-    // The gathered input: one scale per row (rowwise) or per 128 of a row (block128).
-    const NpyArray s = read_npy(dir / "d" / "fp8/layers.0.qkv_in.scale.npy");
-    EXPECT_EQ(s.shape, (std::vector<std::int64_t>{1, 16, recipe == Recipe::rowwise ? 1 : 2}));
-  }
 }
 
 }  // namespace
