@@ -55,10 +55,10 @@ class OverlapRing : public sp::SequenceParallel {
 
  protected:
   RingContext ring_;
-
- private:
   /// Runs `gemm`, or leaves it in deferred_ (stage 09's B/W split of the backward).
   void weight_grads(std::function<void()> gemm);
+
+ private:
   WeightGradWork* deferred_ = nullptr;
 };
 

@@ -16,20 +16,32 @@ lowp::Recipe Fp8RecipeFlags::recipe() const {
 void Fp8RecipeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
   app.add_option("--fp8-recipe", word,
                  "the FP8 scales' granularity: tensorwise (one scale per tensor, agreed over the "
-                 "group), rowwise, block128, mxfp8 or nvfp4 (common/lowp.h; not run by this "
-                 "stage yet)")
+                 "group), rowwise (one per row of each GEMM operand) or block128 (1x128 and "
+                 "128x128 blocks; both on the cpu only), mxfp8 or nvfp4 (common/lowp.h; not run "
+                 "by this stage yet)")
       ->check(CLI::IsMember({"tensorwise", "rowwise", "block128", "mxfp8", "nvfp4"}))
       ->capture_default_str()
       ->group("FP8");
 }
 
 std::optional<std::string> Fp8RecipeFlags::check(const CLI::App& /*app*/,
-                                                 const StageOptions& /*o*/) const {
-  if (recipe() != lowp::Recipe::tensorwise)
+                                                 const StageOptions& o) const {
+  const lowp::Recipe r = recipe();
+  if (r == lowp::Recipe::mxfp8 || r == lowp::Recipe::nvfp4)
     return fmt::format(
-        "--fp8-recipe {}: this stage multiplies only the tensorwise recipe so far, on either "
-        "device (one scale per tensor: --fp8-recipe tensorwise)",
+        "--fp8-recipe {}: this stage multiplies tensorwise, rowwise and block128 so far, on "
+        "either device (mxfp8 and nvfp4 are common/lowp.h's quantizers only)",
         word);
+  if (r != lowp::Recipe::tensorwise && !is_fp8(o.config.dtype))
+    return fmt::format(
+        "--fp8-recipe {}: the recipe of the FP8 GEMMs, which --dtype {} does not run (it runs "
+        "under --dtype fp8)",
+        word, to_string(o.config.dtype));
+  if (r != lowp::Recipe::tensorwise && o.config.device != Device::cpu)
+    return fmt::format(
+        "--fp8-recipe {}: the {} device cannot run this recipe yet; it runs on --device cpu "
+        "(on {} only tensorwise)",
+        word, to_string(o.config.device), to_string(o.config.device));
   return std::nullopt;
 }
 

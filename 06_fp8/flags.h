@@ -1,7 +1,8 @@
 // Stage 06's flag: --fp8-recipe, the granularity of the FP8 scales (DESIGN.md, "Low-precision
-// recipes"). tensorwise is the stage's recipe, one scale per tensor agreed over the group; the
-// others (rowwise, block128, mxfp8, nvfp4: their formats, blocks and scales are common/lowp.h's)
-// parse, and are refused with one line until the stage multiplies them.
+// recipes"). tensorwise is the stage's recipe, one scale per tensor agreed over the group, on
+// either device; rowwise and block128 run on the cpu (06_fp8/layers.h) and are refused with one
+// line on cuda; mxfp8 and nvfp4 (their formats, blocks and scales are common/lowp.h's) parse, and
+// are refused with one line until the stage multiplies them.
 //
 // defines: tpx::async_fp8::Fp8RecipeFlags
 #pragma once
@@ -25,7 +26,7 @@ class Fp8RecipeFlags : public FlagGroup {
 
   static std::shared_ptr<FlagGroup> make() { return std::make_shared<Fp8RecipeFlags>(); }
   void add_flags(CLI::App& app, MeshFlag newest) override;
-  /// A recipe the stage does not run yet: one line naming the flag (exit 2).
+  /// A recipe the stage or its device does not run yet: one line naming the flag (exit 2).
   std::optional<std::string> check(const CLI::App& app, const StageOptions& o) const override;
   ConfigFields agreed() const override;
 };

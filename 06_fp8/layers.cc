@@ -10,7 +10,9 @@
 
 namespace tpx::async_fp8 {
 
-Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx) : OverlapRing(ctx, async_tp::copy_engine_transport) {}
+Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx)
+    : OverlapRing(ctx, async_tp::copy_engine_transport),
+      recipe_(ctx.options.flags<Fp8RecipeFlags>().recipe()) {}
 
 std::vector<Tensor> Fp8AsyncTp::quantize(std::span<const Tensor> x, std::span<const DType> format,
                                          std::string_view what) {
@@ -47,6 +49,7 @@ void Fp8AsyncTp::keep_for_dump(const std::string& name, const Tensor& q) {
 
 std::vector<std::pair<std::string, Tensor>> Fp8AsyncTp::dump_extra() {
   keeping_ = false;
+  if (recipe_ != lowp::Recipe::tensorwise) return recipe_dump_extra();
   const std::map<std::string, Param> weights{
       {"wq", Param::wq},         {"wk", Param::wk},     {"wv", Param::wv},        {"wo", Param::wo},
       {"w_gate", Param::w_gate}, {"w_up", Param::w_up}, {"w_down", Param::w_down}};
@@ -68,6 +71,7 @@ ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor>
   // recipes keep it: its logits feed a softmax over the whole vocabulary, where FP8's 3-bit
   // mantissa would move every probability, and it is one GEMM of L·7.
   if (role == kOutputLayerRole) return OverlapRing::column_forward(h, w, role);
+  if (recipe_ != lowp::Recipe::tensorwise) return recipe_column_forward(h, w, role);
   // The input's shard and the weights (E4M3 all): the shard is what the all-gather moves.
   std::vector<Tensor> x{h};
   x.insert(x.end(), w.begin(), w.end());
@@ -86,6 +90,7 @@ Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> 
                                    std::span<const Tensor> dy, std::span<const Tensor> dw,
                                    std::string_view role) {
   if (role == kOutputLayerRole) return OverlapRing::column_backward(saved, w, dy, dw, role);
+  if (recipe_ != lowp::Recipe::tensorwise) return recipe_column_backward(saved, w, dy, dw, role);
   // dX = RS(Σ dy·Wᵀ): E5M2 × E4M3; dW = AG(h)ᵀ·dy: E4M3 (the saved shard) × E5M2.
   const std::vector<DType> format(dy.size(), DType::e5m2);
   const std::vector<Tensor> dyq = quantize(dy, format, fmt::format("{} bwd", role));
@@ -95,6 +100,7 @@ Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> 
 }
 
 Tensor Fp8AsyncTp::row_forward(const Tensor& a, const Tensor& w, std::string_view role) {
+  if (recipe_ != lowp::Recipe::tensorwise) return recipe_row_forward(a, w, role);
   const std::array x{a, w};
   const std::array format{DType::e4m3, DType::e4m3};
   const std::vector<Tensor> q = quantize(x, format, role);
@@ -105,6 +111,7 @@ Tensor Fp8AsyncTp::row_forward(const Tensor& a, const Tensor& w, std::string_vie
 
 Tensor Fp8AsyncTp::row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
                                 const Tensor& dw, std::string_view role) {
+  if (recipe_ != lowp::Recipe::tensorwise) return recipe_row_backward(a, w, dy, dw, role);
   // da = AG(dy)·Wᵀ: E5M2 × E4M3, the gradient's shard gathered as FP8; dW = aᵀ·AG(dy): E4M3 ×
   // E5M2. `a` is quantized again with the gradient in one all-reduce: its bits are forward's
   // (the same tensor, the same agreed amax).
@@ -116,6 +123,7 @@ Tensor Fp8AsyncTp::row_backward(const Tensor& a, const Tensor& w, const Tensor& 
 
 std::unique_ptr<Parallelism> make_fp8_async_tp(const RunContext& ctx) {
   check_tp_split(ctx.options.config, ctx.world, /*sequence=*/true);
+  check_recipe_split(ctx.options.config, ctx.world, ctx.options.flags<Fp8RecipeFlags>().recipe());
   // Under --dtype fp32 or bf16 this is stage 05 itself: the baseline FP8 is compared with.
   if (!is_fp8(ctx.options.config.dtype)) return std::make_unique<async_tp::CopyEngineAsyncTp>(ctx);
   return std::make_unique<Fp8AsyncTp>(ctx);

@@ -24,8 +24,15 @@ int main(int argc, char** argv) {
       // Under --dtype fp32 or bf16 the stage runs as stage 05, and moves stage 05's bytes.
       .plan =
           [](const RunContext& ctx) {
-            return tp_plan(ctx, /*sequence=*/true,
-                           is_fp8(ctx.options.config.dtype) ? async_fp8::traffic : ring::traffic);
+            StagePlan p =
+                tp_plan(ctx, /*sequence=*/true,
+                        is_fp8(ctx.options.config.dtype) ? async_fp8::traffic : ring::traffic);
+            // The recipe's scales: the amax all-reduces, or the scales the gathers carry.
+            const lowp::Recipe r = ctx.options.flags<async_fp8::Fp8RecipeFlags>().recipe();
+            async_fp8::check_recipe_split(ctx.options.config, ctx.world, r);
+            if (is_fp8(ctx.options.config.dtype))
+              p.traffic = async_fp8::recipe_traffic(ctx.options.config, ctx.world, 0, r);
+            return p;
           },
       // The reference is stage 01 in fp32: what FP8 is measured against.
       .reference =

@@ -7,23 +7,39 @@
 namespace tpx::async_fp8 {
 
 Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
+  return recipe_traffic(c, n, act_bytes, lowp::Recipe::tensorwise);
+}
+
+Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe) {
   require_formula(n >= 1, "ranks must be >= 1");
+  require_formula(recipe == lowp::Recipe::tensorwise || recipe == lowp::Recipe::rowwise ||
+                      recipe == lowp::Recipe::block128,
+                  "stage 06 moves tensorwise, rowwise and block128 operands only");
   using U = std::uint64_t;
   const U N = U(n), e = U(act_bytes == 0 ? 2 : act_bytes);
   const U chunk = U(c.seq * c.batch * c.hidden) / N;  // elements of one [S/N, B, H] shard
-  const U moved = 6 * (N - 1) * chunk * 1 + 4 * (N - 1) * chunk * e;
-  const U moved_fwd = 2 * (N - 1) * chunk * 1 + 2 * (N - 1) * chunk * e;
-  Traffic amax, amax_fwd;  // the eight MAX all-reduces, and the forward's four
+  // A gathered chunk's fp32 scales: none under tensorwise (the agreed scale travels with no
+  // chunk), one per row of H under rowwise, one per 128 of a row under block128; each scale
+  // gather is a second ring of N − 1 transfers.
+  const U rows = U(c.seq * c.batch) / N;
+  const U per_row = recipe == lowp::Recipe::rowwise    ? 1
+                    : recipe == lowp::Recipe::block128 ? (U(c.hidden) + 127) / 128
+                                                       : 0;
+  const U scales = 4 * rows * per_row, rings = per_row > 0 ? 2 : 1;
+  const U moved = 6 * (N - 1) * (chunk * 1 + scales) + 4 * (N - 1) * chunk * e;
+  const U moved_fwd = 2 * (N - 1) * (chunk * 1 + scales) + 2 * (N - 1) * chunk * e;
+  Traffic amax, amax_fwd;  // the eight MAX all-reduces, and the forward's four (tensorwise)
   int i = 0;
   for (const U k : {4, 2, 3, 2, 3, 2, 2, 2}) {
     const Traffic one{4 * k, (4 * k * 2 * (N - 1)) / N, 1};
-    amax += one;
-    if (i++ < 4) amax_fwd += one;
+    if (recipe == lowp::Recipe::tensorwise) amax += one;
+    if (recipe == lowp::Recipe::tensorwise && i < 4) amax_fwd += one;
+    ++i;
   }
-  Traffic layer{moved, moved, 10 * (N - 1)};
+  Traffic layer{moved, moved, (6 * rings + 4) * (N - 1)};
   layer += sp::gain_all_reduces(c, n);
   layer += amax;
-  Traffic fwd{moved_fwd, moved_fwd, 4 * (N - 1)};
+  Traffic fwd{moved_fwd, moved_fwd, (2 * rings + 2) * (N - 1)};
   fwd += amax_fwd;
   Traffic step = per_step(c, layer, fwd);
   step += lm_traffic(c, n, act_bytes, TpLayout::ring);  // the language model's ends

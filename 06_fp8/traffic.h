@@ -1,10 +1,11 @@
 // Stage 06's bytes per rank and step, chapter 6's formula (common/traffic.h has what the stages'
 // formulas share).
 //
-// defines: tpx::async_fp8::traffic()
+// defines: tpx::async_fp8::traffic(), tpx::async_fp8::recipe_traffic()
 #pragma once
 
 #include "common/config.h"
+#include "common/lowp.h"
 #include "common/traffic.h"
 
 namespace tpx::async_fp8 {
@@ -16,5 +17,10 @@ namespace tpx::async_fp8 {
 /// ⌊4k·2(N−1)/N⌋ each. A layer recomputed under --recompute full moves its forward's two FP8
 /// gathers, two reduce-scatters and four amax all-reduces (k ∈ {4,2,3,2}) once more.
 Traffic traffic(const BlockConfig& c, int n, int act_bytes = 0);
+/// The same under --fp8-recipe `recipe`: tensorwise is traffic(); under rowwise or block128
+/// (06_fp8/layers.h) there is no amax all-reduce, and each of the six gathers moves, beside its
+/// codes, its chunk's fp32 scales in a ring of its own: S·B/N rows of 1 (rowwise) or ⌈H/128⌉
+/// (block128) scales, 4 bytes each.
+Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe);
 
 }  // namespace tpx::async_fp8

@@ -271,6 +271,13 @@ void write_dump(const fs::path& dir, const StageOptions& o, const std::string& s
   json cfg = config_json(o);
   cfg["stage"] = stage;
   cfg["world_size"] = world;
+  // The stage's own flags (stage 06's --fp8-recipe: "fp8_recipe"), as the ranks agreed on them.
+  for (const auto& group : o.flag_groups)
+    for (const auto& [flag, value] : group->agreed()) {
+      std::string key = flag.substr(flag.find_first_not_of('-'));
+      std::ranges::replace(key, '-', '_');
+      if (!cfg.contains(key)) cfg[key] = value;
+    }
   write_text_file(dir / "config.json", cfg.dump(2) + '\n');
 }
 

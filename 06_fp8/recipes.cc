@@ -1,0 +1,235 @@
+// Stage 06 under --fp8-recipe rowwise and block128 on the cpu (06_fp8/layers.h says what each
+// GEMM's operands are quantized along, and where the scales come from).
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "06_fp8/layers.h"
+#include "common/check.h"
+#include "common/config.h"
+#include "common/ops.h"
+
+namespace tpx::async_fp8 {
+namespace {
+
+/// The layer-0 weights of the dump, by dump name.
+const std::map<std::string, Param> kDumpWeights{
+    {"wq", Param::wq},         {"wk", Param::wk},     {"wv", Param::wv},        {"wo", Param::wo},
+    {"w_gate", Param::w_gate}, {"w_up", Param::w_up}, {"w_down", Param::w_down}};
+
+/// x (on the cpu, any float dtype) as fp32 values, row-major.
+std::vector<float> host_values(const Tensor& x) {
+  if (x.dtype() == DType::f32) {
+    const std::span<const float> v = x.f32();
+    return {v.begin(), v.end()};
+  }
+  const Tensor f = Tensor::empty(x.shape(), DType::f32, Device::cpu);
+  ops::cast(x, f);
+  const std::span<const float> v = f.f32();
+  return {v.begin(), v.end()};
+}
+
+/// The [rows, cols] row-major matrix m transposed.
+template <class T>
+std::vector<T> transposed(const std::vector<T>& m, std::int64_t rows, std::int64_t cols) {
+  std::vector<T> t(m.size());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c)
+      t[std::size_t(c * rows + r)] = m[std::size_t(r * cols + c)];
+  return t;
+}
+
+/// The FP8 dtype of a recipe's element format (rowwise and block128 use E4M3 and E5M2 only).
+DType element_dtype(const fp8::Format& f) {
+  return f.mantissa_bits == fp8::kE5M2.mantissa_bits ? DType::e5m2 : DType::e4m3;
+}
+
+/// A cpu tensor of `shape` and `dtype` holding `bytes` (codes) or fp32 values.
+Tensor host_tensor(const Tensor::Shape& shape, DType dtype, const void* data, std::size_t bytes) {
+  const Tensor t = Tensor::empty(shape, dtype, Device::cpu);
+  TPX_CHECK(t.nbytes() == bytes, "{}: {} bytes given", t.describe(), bytes);
+  std::memcpy(t.raw(), data, bytes);
+  return t;
+}
+
+}  // namespace
+
+void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe) {
+  if (recipe != lowp::Recipe::block128 || world == 1) return;
+  // The lengths the group splits and a 128-block runs along (common/lowp.h: 1 × 128 along K,
+  // 128 × 128 for weights): Q's and O's NH·D / N, K's and V's NKV·D / N, F / N.
+  std::vector<std::string> cut;
+  for (const auto& [what, length] :
+       {std::pair{"NH·D/N (Wq's columns, Wo's rows)", c.hidden / world},
+        std::pair{"NKV·D/N (Wk's and Wv's columns)", c.kv_dim() / world},
+        std::pair{"F/N (Wg's and Wu's columns, Wd's rows)", c.ffn / world}})
+    if (length % 128 != 0) cut.push_back(fmt::format("{} = {}", what, length));
+  if (!cut.empty())
+    throw ConfigError(fmt::format(
+        "--fp8-recipe block128: over {} ranks a 128-block would straddle two ranks' shards "
+        "({}); every length the group splits must be a multiple of 128 per rank",
+        world, fmt::join(cut, ", ")));
+}
+
+Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand, Tensor* codes,
+                           Tensor* scales) const {
+  const std::int64_t last = x.dim(x.ndim() - 1), lead = x.numel() / last;
+  // The quantizer's matrix has K along its columns.
+  const std::int64_t rows = k_rows ? last : lead, cols = k_rows ? lead : last;
+  std::vector<float> m = host_values(x);
+  if (k_rows) m = transposed(m, lead, last);
+  const lowp::Quantized q = lowp::quantize(m.data(), rows, cols, recipe_, operand);
+  std::vector<float> d = lowp::dequantize(q);
+  if (k_rows) d = transposed(d, rows, cols);
+  if (codes) {
+    const std::vector<std::uint8_t> c = k_rows ? transposed(q.codes, rows, cols) : q.codes;
+    *codes = host_tensor(x.shape(), element_dtype(q.layout.element), c.data(), c.size());
+  }
+  if (scales)
+    *scales = host_tensor({1, q.scale_rows, q.scale_cols}, DType::f32, q.scales.data(),
+                          q.scales.size() * sizeof(float));
+  return host_tensor(x.shape(), DType::f32, d.data(), d.size() * sizeof(float));
+}
+
+Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand, std::string_view what,
+                                    Tensor* codes, Tensor* scales) {
+  const std::int64_t k = x.dim(x.ndim() - 1), rows = x.numel() / k;
+  const std::vector<float> m = host_values(x);
+  const lowp::Quantized q = lowp::quantize(m.data(), rows, k, recipe_, operand);
+  TPX_CHECK(q.layout.block_rows == 1, "a gathered operand's blocks are one row high");
+  const DType dtype = element_dtype(q.layout.element);
+  // The codes [n, B, K] and the scales [n, B·K / block] travel as two gathers of dim-0 chunks.
+  const Tensor local_codes = host_tensor(x.shape(), dtype, q.codes.data(), q.codes.size());
+  const std::int64_t n = x.dim(0);
+  const Tensor local_scales = host_tensor({n, q.scale_rows * q.scale_cols / n}, DType::f32,
+                                          q.scales.data(), q.scales.size() * sizeof(float));
+  const auto gc = ring_.transport.gather(ring_, local_codes, fmt::format("{} codes", what));
+  const auto gs = ring_.transport.gather(ring_, local_scales, fmt::format("{} scales", what));
+  gc->wait_all();
+  gs->wait_all();
+  const Tensor full_codes = ops::to_device(gc->full(), Device::cpu);
+  const Tensor full_scales = ops::to_device(gs->full(), Device::cpu);
+  lowp::Quantized all = q;
+  const std::int64_t n_ranks = group_.world();
+  all.rows = rows * n_ranks;
+  all.scale_rows = q.scale_rows * n_ranks;
+  all.codes.assign(full_codes.data<std::uint8_t>(),
+                   full_codes.data<std::uint8_t>() + full_codes.nbytes());
+  const std::span<const float> s = full_scales.f32();
+  all.scales.assign(s.begin(), s.end());
+  if (codes) *codes = full_codes;
+  if (scales)
+    *scales = host_tensor({1, q.scale_rows, q.scale_cols}, DType::f32, q.scales.data(),
+                          q.scales.size() * sizeof(float));
+  Tensor::Shape shape = x.shape();
+  shape[0] *= n_ranks;
+  const std::vector<float> d = lowp::dequantize(all);
+  return host_tensor(shape, DType::f32, d.data(), d.size() * sizeof(float));
+}
+
+void Fp8AsyncTp::keep_recipe_dump(const std::string& name, const Tensor& codes,
+                                  const Tensor& scales) {
+  if (keeping_) recipe_layer0_.try_emplace(name, codes, scales);
+}
+
+ColumnResult Fp8AsyncTp::recipe_column_forward(const Tensor& h, std::span<const Tensor> w,
+                                               std::string_view role) {
+  using lowp::Operand;
+  Tensor codes, scales;
+  const Tensor x = gather_quantized(h, Operand::activation, role, &codes, &scales);
+  const std::vector<std::string> names = role == "qkv"
+                                             ? std::vector<std::string>{"qkv_in", "wq", "wk", "wv"}
+                                             : std::vector<std::string>{"mlp_in", "w_gate", "w_up"};
+  keep_recipe_dump(names[0], codes, scales);
+  ColumnResult r;
+  r.saved = h;  // backward quantizes the shard again (the same codes) and re-gathers it
+  for (std::size_t j = 0; j < w.size(); ++j) {
+    // y = x·W: W's K (its rows) along the blocks, one scale per output column (rowwise).
+    const Tensor wq = emulate(w[j], /*k_rows=*/true, Operand::weight, &codes, &scales);
+    if (j + 1 < names.size()) keep_recipe_dump(names[j + 1], codes, scales);
+    auto shape = x.shape();
+    shape.back() = w[j].dim(1);
+    r.y.push_back(Tensor::empty(shape, ring_.activations, h.device()));
+    TraceScope span(ring_.trace, fmt::format("{} GEMM", role));
+    ops::gemm(x, false, wq, false, r.y.back(), 1.0f, 0.0f, DType::f32);
+  }
+  return r;
+}
+
+Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const Tensor> w,
+                                          std::span<const Tensor> dy, std::span<const Tensor> dw,
+                                          std::string_view role) {
+  using lowp::Operand;
+  // dX = RS(Σ dy·Wᵀ), K = out/N: the gradient and the weight along their columns.
+  std::vector<Tensor> dyq, wq;
+  for (std::size_t j = 0; j < dy.size(); ++j) {
+    dyq.push_back(emulate(dy[j], /*k_rows=*/false, Operand::gradient));
+    wq.push_back(emulate(w[j], /*k_rows=*/false, Operand::weight));
+  }
+  const Tensor dx =
+      gemm_reduce_scatter(ring_, dyq, wq, /*trans_w=*/true, fmt::format("{} dX", role));
+  // dW = AG(h)ᵀ·dy, K = the tokens: h re-gathered as FP8, both quantized again along the tokens.
+  const Tensor h = gather_quantized(saved, Operand::activation, fmt::format("{} re-gather", role));
+  weight_grads([this, h, dy = std::vector(dy.begin(), dy.end()),
+                dw = std::vector(dw.begin(), dw.end()), name = fmt::format("{} dW GEMMs", role)] {
+    TraceScope span(ring_.trace, name);
+    const Tensor hq = emulate(h, /*k_rows=*/true, Operand::activation);
+    for (std::size_t j = 0; j < dy.size(); ++j)
+      ops::gemm(hq, true, emulate(dy[j], /*k_rows=*/true, Operand::gradient), false, dw[j], 1.0f,
+                0.0f, DType::f32);
+  });
+  return dx;
+}
+
+Tensor Fp8AsyncTp::recipe_row_forward(const Tensor& a, const Tensor& w, std::string_view role) {
+  using lowp::Operand;
+  // y = RS(a·W), K = in/N: the activation along its columns, W along its rows.
+  Tensor codes, scales;
+  const std::array aq{emulate(a, /*k_rows=*/false, Operand::activation)};
+  const std::array wq{emulate(w, /*k_rows=*/true, Operand::weight, &codes, &scales)};
+  keep_recipe_dump(role == "o" ? "wo" : "w_down", codes, scales);
+  return gemm_reduce_scatter(ring_, aq, wq, /*trans_w=*/false, role);
+}
+
+Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
+                                       const Tensor& dw, std::string_view role) {
+  using lowp::Operand;
+  // da = AG(dy)·Wᵀ, K = H: the gradient's shard gathered as FP8 codes and scales.
+  const Tensor d = gather_quantized(dy, Operand::gradient, fmt::format("{} bwd", role));
+  const Tensor wq = emulate(w, /*k_rows=*/false, Operand::weight);
+  Tensor da = Tensor::empty(a.shape(), ring_.activations, a.device());
+  {
+    TraceScope span(ring_.trace, fmt::format("{} bwd GEMM", role));
+    ops::gemm(d, false, wq, true, da, 1.0f, 0.0f, DType::f32);
+  }
+  // dW = aᵀ·AG(dy), K = the tokens: both quantized again along the tokens.
+  weight_grads([this, a, d, dw, name = fmt::format("{} dW GEMM", role)] {
+    TraceScope span(ring_.trace, name);
+    ops::gemm(emulate(a, /*k_rows=*/true, Operand::activation), true,
+              emulate(d, /*k_rows=*/true, Operand::gradient), false, dw, 1.0f, 0.0f, DType::f32);
+  });
+  return da;
+}
+
+std::vector<std::pair<std::string, Tensor>> Fp8AsyncTp::recipe_dump_extra() {
+  std::vector<std::pair<std::string, Tensor>> out;
+  // The codes full size as under tensorwise (the column inputs were gathered already, the
+  // weights are gathered here); the scales as each rank computed them on its shard,
+  // [N, scale rows, scale cols] in rank order (a shard's scales are its own: see layers.h).
+  for (const auto& [name, cs] : std::exchange(recipe_layer0_, {})) {
+    const auto& [codes, scales] = cs;
+    const auto p = kDumpWeights.find(name);
+    const Tensor full = p != kDumpWeights.end() ? group_.gather_param(p->second, codes) : codes;
+    const std::string base = "fp8/layers.0." + name;
+    out.emplace_back(base, ops::to_device(full, Device::cpu));
+    out.emplace_back(base + ".scale", ops::to_device(group_.gather_sequence(scales), Device::cpu));
+  }
+  return out;
+}
+
+}  // namespace tpx::async_fp8

@@ -1,0 +1,198 @@
+// Stage 06 under --fp8-recipe rowwise and block128 (06_fp8/layers.h): --check against the fp32
+// reference at N = 1, 2, 4; the meshes whose shards would cut a 128-block refused, and the cuda
+// device refused; a step's bytes against the formula; the dumped layer-0 weight codes and scales
+// against common/lowp.h's quantizer applied to the dumped fp32 weights; the recipe in config.json.
+#include <cstdint>
+#include <filesystem>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "06_fp8/traffic.h"
+#include "common/lowp.h"
+#include "common/npy.h"
+#include "test_stage_runs.h"
+#include "test_util.h"
+
+namespace tpx {
+namespace {
+
+using lowp::Recipe;
+using nlohmann::json;
+using test::run_stage;
+
+/// A block whose every split length is a multiple of 128 on 1, 2 and 4 ranks (H/4 = NKV·D/4 =
+/// F/4 = 128), so block128 runs at every N; H = 512 is four 128-blocks along each row of the
+/// column inputs.
+constexpr const char* kSizes =
+    "--hidden 512 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 2 --steps 2";
+
+struct Case {
+  const char* recipe;
+  int ranks;
+};
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.recipe << " at N = " << c.ranks;
+}
+
+class RecipeCheck : public ::testing::TestWithParam<Case> {};
+
+// --check compares with stage 01 in fp32 under the stage's FP8 tolerance (relative error 0.1 of
+// the largest value, gradient cosine 0.98, losses 2e-2; common/stage.cc's kFp8Check), the one
+// tensorwise is held to. It holds for these recipes for the same reason: every operand element
+// is an E4M3 (3 mantissa bits, relative rounding error ≤ 2^-4) or E5M2 (≤ 2^-3) value times its
+// scale, and a finer scale only shrinks the share of values pushed into the subnormals, so each
+// element's error stays within E4M3's/E5M2's, and a K-long dot product of such errors sums to a
+// relative error of the same order as tensorwise's. block128 uses E4M3 for the gradients too:
+// one bit more of mantissa than E5M2.
+TEST_P(RecipeCheck, PassesCheck) {
+  const Case c = GetParam();
+  test::TempDir dir;
+  const auto r = run_stage("06_fp8", c.ranks,
+                           fmt::format("{} --fp8-recipe {} --check", kSizes, c.recipe), dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8Recipes, RecipeCheck,
+                         ::testing::Values(Case{"rowwise", 1}, Case{"rowwise", 2},
+                                           Case{"rowwise", 4}, Case{"block128", 1},
+                                           Case{"block128", 2}, Case{"block128", 4}),
+                         [](const auto& p) {
+                           return fmt::format("{}_np{}", p.param.recipe, p.param.ranks);
+                         });
+
+TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
+  // H = 256 over 4 ranks: NH·D/N = 64 (Wq's columns, Wo's rows) is half a block.
+  test::expect_refused_once(
+      "06_fp8", 4,
+      "--hidden 256 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 --fp8-recipe block128",
+      "--fp8-recipe block128");
+  // The dry run states the same rule.
+  test::expect_refused_once("06_fp8", 4,
+                            "--hidden 256 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 "
+                            "--fp8-recipe block128 --dry-run",
+                            "a multiple of 128");
+  // rowwise has no block to cut: the same mesh runs.
+  test::TempDir dir;
+  const auto r = run_stage("06_fp8", 4,
+                           "--hidden 256 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 --steps "
+                           "1 --fp8-recipe rowwise",
+                           dir);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+}
+
+TEST(Fp8Recipes, TheCudaDeviceRefusesThemInOneLine) {
+  for (const char* recipe : {"rowwise", "block128"})
+    test::expect_refused_once("06_fp8", 1,
+                              fmt::format("{} --device cuda --fp8-recipe {}", kSizes, recipe),
+                              fmt::format("--fp8-recipe {}: the cuda device", recipe));
+}
+
+// The comm counts of a step at N = 2: tensorwise's eight MAX all-reduces of k ∈ {4,2,3,2,3,2,2,2}
+// fp32 amaxes per layer (payload and bus 4k each at N = 2) are gone under rowwise and block128,
+// and each of the six FP8 gathers per layer carries its chunk's fp32 scales in a second ring of
+// N − 1 transfers: S·B/N rows of 1 (rowwise) or H/128 (block128) scales.
+TEST(Fp8Recipes, StepBytesFollowTheFormula) {
+  const std::int64_t H = 512, S = 8, B = 2, L = 2, N = 2;
+  const std::string args = fmt::format(
+      "--hidden {} --heads 4 --ffn 512 --seq {} --batch {} --layers {} --steps 1", H, S, B, L);
+  auto step = [&](const char* recipe) {
+    const json j = test::run_json("06_fp8", int(N), args + " --fp8-recipe " + recipe);
+    return j.empty() ? json::object() : j.at("steps").at(0);
+  };
+  const json tw = step("tensorwise"), rw = step("rowwise"), bl = step("block128");
+  ASSERT_FALSE(tw.empty() || rw.empty() || bl.empty());
+  auto get = [](const json& s, const char* key) { return s.at(key).get<std::int64_t>(); };
+  const std::int64_t amax = L * 4 * (4 + 2 + 3 + 2 + 3 + 2 + 2 + 2);  // payload = bus at N = 2
+  const std::int64_t rows = S * B / N;
+  for (const auto& [s, per_row] : {std::pair{rw, std::int64_t{1}}, std::pair{bl, H / 128}}) {
+    const std::int64_t scales = L * 6 * (N - 1) * rows * per_row * 4;
+    for (const char* key : {"comm_payload_bytes", "comm_bus_bytes"})
+      EXPECT_EQ(get(s, key), get(tw, key) - amax + scales) << key;
+    EXPECT_EQ(get(s, "comm_calls"), get(tw, "comm_calls") - L * 8 + L * 6 * (N - 1));
+  }
+  // And tensorwise itself is the chapter's formula (06_fp8/traffic.h).
+  BlockConfig c;
+  c.hidden = H;
+  c.heads = 4;
+  c.ffn = 512;
+  c.seq = S;
+  c.batch = B;
+  c.layers = L;
+  c.task = Task::block;
+  EXPECT_EQ(get(tw, "comm_bus_bytes"), std::int64_t(async_fp8::traffic(c, int(N)).bus));
+  EXPECT_EQ(get(rw, "comm_bus_bytes"),
+            std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::rowwise).bus));
+  EXPECT_EQ(get(bl, "comm_bus_bytes"),
+            std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::block128).bus));
+}
+
+/// The [rows, cols] matrix m transposed.
+std::vector<float> transposed(const std::vector<float>& m, std::int64_t rows, std::int64_t cols) {
+  std::vector<float> t(m.size());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c)
+      t[std::size_t(c * rows + r)] = m[std::size_t(r * cols + c)];
+  return t;
+}
+
+// The dump's layer-0 weight codes and scales are common/lowp.h's quantizer applied to the
+// dumped fp32 weight W [in, out], as the forward GEMM takes it: Wᵀ [out, in], K = in along the
+// blocks, bit for bit. At N = 1 the one shard is the whole weight, codes and scales. At N = 2
+// the shards' codes, gathered, are still the whole weight's wherever no scale spans two shards:
+// every weight under block128 (aligned 128-blocks), the column weights under rowwise (a row of
+// Wᵀ is an output column, whole on its rank); the row weights' rows under rowwise are cut at
+// in/N, so their scales are the shards' own and are not compared.
+TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
+  for (const int n : {1, 2})
+    for (const Recipe recipe : {Recipe::rowwise, Recipe::block128}) {
+      const std::string name(lowp::to_string(recipe));
+      test::TempDir dir;
+      const auto r = run_stage("06_fp8", n,
+                               fmt::format("--hidden 256 --heads 4 --ffn 512 --seq 8 --batch 2 "
+                                           "--layers 1 --steps 1 --fp8-recipe {} --dump {}",
+                                           name, (dir / "d").string()),
+                               dir);
+      ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+      const json cfg = json::parse(test::read_file(dir / "d" / "config.json"));
+      EXPECT_EQ(cfg.at("fp8_recipe").get<std::string>(), name);
+      for (const std::string w : {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}) {
+        const bool row_layer = w == "wo" || w == "w_down";
+        if (n > 1 && recipe == Recipe::rowwise && row_layer) continue;
+        const std::string what = fmt::format("{} np {} {}", name, n, w);
+        const NpyArray master = read_npy(dir / "d" / fmt::format("layers.0.{}.npy", w));
+        const NpyBytes codes = read_npy_bytes(dir / "d" / fmt::format("fp8/layers.0.{}.npy", w));
+        const NpyArray scales = read_npy(dir / "d" / fmt::format("fp8/layers.0.{}.scale.npy", w));
+        ASSERT_EQ(master.shape.size(), 2u);
+        const std::int64_t in = master.shape[0], out = master.shape[1];
+        const std::vector<float> wt = transposed(master.data, in, out);
+        const lowp::Quantized q = lowp::quantize(wt.data(), out, in, recipe, lowp::Operand::weight);
+        EXPECT_EQ(codes.shape, master.shape) << what;
+        ASSERT_EQ(codes.data.size(), q.codes.size()) << what;
+        std::int64_t differ = 0;
+        for (std::int64_t i = 0; i < in; ++i)
+          for (std::int64_t o = 0; o < out; ++o)
+            differ += codes.data[std::size_t(i * out + o)] != q.codes[std::size_t(o * in + i)];
+        EXPECT_EQ(differ, 0) << what << ": codes differ";
+        if (n > 1) {
+          EXPECT_EQ(scales.shape.at(0), n) << what;  // one set of scales per rank
+          continue;
+        }
+        EXPECT_EQ(scales.shape, (std::vector<std::int64_t>{1, q.scale_rows, q.scale_cols})) << what;
+        EXPECT_EQ(scales.data, q.scales) << what;
+      }
+      // The gathered input: one scale per row (rowwise) or per 128 of a row (block128) of each
+      // rank's [S/N·B, H] shard.
+      const NpyArray s = read_npy(dir / "d" / "fp8/layers.0.qkv_in.scale.npy");
+      EXPECT_EQ(s.shape, (std::vector<std::int64_t>{n, 16 / n, recipe == Recipe::rowwise ? 1 : 2}));
+    }
+}
+
+}  // namespace
+}  // namespace tpx
