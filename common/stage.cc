@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -271,12 +272,19 @@ void write_dump(const fs::path& dir, const StageOptions& o, const std::string& s
   json cfg = config_json(o);
   cfg["stage"] = stage;
   cfg["world_size"] = world;
-  // The stage's own flags (stage 06's --fp8-recipe: "fp8_recipe"), as the ranks agreed on them.
+  // The stage's own flags (stage 06's --fp8-recipe: "fp8_recipe", stage 07's --dp: "dp"), as the
+  // ranks agreed on them: a whole number as a number, anything else as the text given.
   for (const auto& group : o.flag_groups)
     for (const auto& [flag, value] : group->agreed()) {
       std::string key = flag.substr(flag.find_first_not_of('-'));
       std::ranges::replace(key, '-', '_');
-      if (!cfg.contains(key)) cfg[key] = value;
+      if (cfg.contains(key)) continue;
+      std::int64_t number = 0;
+      const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), number);
+      if (ec == std::errc() && end == value.data() + value.size() && !value.empty())
+        cfg[key] = number;
+      else
+        cfg[key] = value;
     }
   write_text_file(dir / "config.json", cfg.dump(2) + '\n');
 }

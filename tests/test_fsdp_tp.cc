@@ -73,6 +73,9 @@ TEST_P(FsdpMesh, ChecksAndDumpsEqualStage01) {
   EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find(fmt::format("mesh D {} × TP {}", dp, n / dp)), std::string::npos) << r.out;
   expect_dumps_close(ref / "dump", dir / "07", 1e-5, fmt::format("np {} dp {}", n, dp));
+  // The dump's config names the stage's own flags, numbers as numbers.
+  const json cfg = json::parse(test::read_file(dir / "07" / "config.json"));
+  EXPECT_EQ(cfg.at("dp").get<std::int64_t>(), dp) << cfg.dump();
 }
 
 INSTANTIATE_TEST_SUITE_P(Meshes, FsdpMesh,
