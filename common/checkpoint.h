@@ -81,7 +81,7 @@ struct StatePart {
 /// dim 0 (Sharding::dp_cp_index).
 std::vector<StatePart> state_parts(const BlockConfig& c, const Sharding& s);
 
-/// The bytes of the shard file (rank-<r>.bin) that a save of (c, s) writes on the rank cut as
+/// The bytes of the shard file (rank-R.bin) that a save of (c, s) writes on the rank cut as
 /// `s`: the boxes of its saved state_parts(), 4 bytes an element, as the save packs them (the
 /// index.json beside the files is not counted). --dry-run gathers every rank's.
 std::int64_t checkpoint_file_bytes(const BlockConfig& c, const Sharding& s);

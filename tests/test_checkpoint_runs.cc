@@ -297,7 +297,7 @@ TEST(CheckpointRuns, Stage01_02_ReshardReadsPartsOfLargeShards) {
 }
 
 /// --dry-run's checkpoint size (--json: each rank's shard file, and all of them) against the
-/// rank-<r>.bin files a real --save of the same run wrote; and the line the dry run prints.
+/// rank-R.bin files a real --save of the same run wrote; and the line the dry run prints.
 void expect_dry_run_size_is_what_a_save_writes(const std::string& stage, int n,
                                                const std::string& args) {
   TempDir dir;
