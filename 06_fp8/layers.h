@@ -106,7 +106,7 @@ class Fp8AsyncTp final : public ring::OverlapRing {
 
 /// The rule of the block recipes under TP: a block never straddles two ranks' shards. Under
 /// block128 every length a 128-block runs along that the group splits (the column layers'
-/// output widths NH·D/N, NKV·D/N and F/N, the row layers' K) must be a multiple of 128 when
+/// output widths NH·Dh/N, NKV·Dh/N and F/N, the row layers' K) must be a multiple of 128 when
 /// N > 1; otherwise one line naming --fp8-recipe and the rule (a ConfigError, exit 2).
 void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe);
 

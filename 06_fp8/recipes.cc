@@ -65,8 +65,8 @@ void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe) {
   // 128 × 128 for weights): Q's and O's NH·D / N, K's and V's NKV·D / N, F / N.
   std::vector<std::string> cut;
   for (const auto& [what, length] :
-       {std::pair{"NH·D/N (Wq's columns, Wo's rows)", c.hidden / world},
-        std::pair{"NKV·D/N (Wk's and Wv's columns)", c.kv_dim() / world},
+       {std::pair{"NH·Dh/N (Wq's columns, Wo's rows)", c.hidden / world},
+        std::pair{"NKV·Dh/N (Wk's and Wv's columns)", c.kv_dim() / world},
         std::pair{"F/N (Wg's and Wu's columns, Wd's rows)", c.ffn / world}})
     if (length % 128 != 0) cut.push_back(fmt::format("{} = {}", what, length));
   if (!cut.empty())

@@ -68,7 +68,7 @@ INSTANTIATE_TEST_SUITE_P(Fp8Recipes, RecipeCheck,
                          });
 
 TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
-  // H = 256 over 4 ranks: NH·D/N = 64 (Wq's columns, Wo's rows) is half a block.
+  // H = 256 over 4 ranks: NH·Dh/N = 64 (Wq's columns, Wo's rows) is half a block.
   test::expect_refused_once(
       "06_fp8", 4,
       "--hidden 256 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 --fp8-recipe block128",
