@@ -15,6 +15,7 @@
 #include <string>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -50,19 +51,28 @@ inline nlohmann::json run_json(const std::string& stage, int n, const std::strin
 
 /// Stage 01's run with `args` (which name neither --dump nor --json), as a directory holding its
 /// `dump/` and its `run.json`: the reference that the mesh stages' tests compare their dumps and
-/// losses with. Made once per build of 01_baseline and kept under the build tree, keyed by the
-/// flags and the binary's modification time, so that the many cases comparing with one flag set
-/// run stage 01 once; made under a temporary name and renamed into place, so that tests running
+/// losses with. Made once per build of 01_baseline and kept under the build tree (one directory
+/// per build, named by the binary's modification time, holding a run per flag set; a new build's
+/// first run removes the older builds'), so that the many cases comparing with one flag set run
+/// stage 01 once; made under a temporary name and renamed into place, so that tests running
 /// at the same time never read a half-written one. A failed run is a test failure and an empty
 /// path.
 inline std::filesystem::path stage01_reference(const std::string& args) {
   namespace fs = std::filesystem;
   const auto stamp = fs::last_write_time(stage_binary("01_baseline")).time_since_epoch().count();
-  const std::string key = fmt::format(
-      "{:016x}", std::hash<std::string>{}(fmt::format("{}|{}", block_task(args), stamp)));
-  const fs::path cache = fs::path(TPX_BIN_DIR).parent_path() / "test-cache" / "stage01";
+  const std::string key = fmt::format("{:016x}", std::hash<std::string>{}(block_task(args)));
+  const fs::path root = fs::path(TPX_BIN_DIR).parent_path() / "test-cache" / "stage01";
+  const fs::path cache = root / fmt::format("{:016x}", static_cast<std::uint64_t>(stamp));
   const fs::path dir = cache / key;
   if (fs::exists(dir)) return dir;
+  if (!fs::exists(cache)) {  // a new build of 01_baseline: the older builds' runs go
+    std::error_code ignored;
+    std::vector<fs::path> older;
+    for (const auto& entry : fs::directory_iterator(root, ignored))
+      if (entry.path().filename() != cache.filename()) older.push_back(entry.path());
+    for (const auto& path : older) fs::remove_all(path, ignored);
+  }
+  fs::create_directories(cache);
   const fs::path staged = cache / (key + ".tmp" + std::to_string(::getpid()));
   fs::remove_all(staged);
   fs::create_directories(staged);
