@@ -1,5 +1,7 @@
 #include "moe_flags.h"
 
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "cli_flags.h"
@@ -87,7 +89,7 @@ void MoeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
          "--capacity-factor",
          [this](const std::string& s) {
            const double value = parse_number<double>("--capacity-factor", s);
-           if (!(value >= 0.0))  // NaN too
+           if (!(value >= 0.0) || !std::isfinite(value))  // NaN and inf too
              throw CLI::ValidationError(fmt::format(
                  "--capacity-factor '{}': must be 0 (dropless) or a positive number", s));
            capacity_factor = value;
@@ -101,7 +103,7 @@ void MoeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
          "--aux-loss-weight",
          [this](const std::string& s) {
            const double value = parse_number<double>("--aux-loss-weight", s);
-           if (value < 0.0)
+           if (!(value >= 0.0) || !std::isfinite(value))
              throw CLI::ValidationError(fmt::format(
                  "--aux-loss-weight '{}': must be 0 (no auxiliary loss) or positive", s));
            aux_loss_weight = value;

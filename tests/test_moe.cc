@@ -398,6 +398,7 @@ TEST(MoeFlags, BadInputIsOneLineNamingTheFlagAndTheRule) {
   expect_refused({"--capacity-factor", "-0.5"},
                  "--capacity-factor '-0.5': must be 0 (dropless) or a positive number");
   expect_refused({"--capacity-factor", "nan"}, "--capacity-factor 'nan'");
+  expect_refused({"--capacity-factor", "inf"}, "--capacity-factor 'inf'");
   expect_refused({"--experts", "6", "--ep", "4"},
                  "--experts (6) must be divisible by --ep (4): each EP rank holds E/EP whole "
                  "experts");
@@ -407,6 +408,8 @@ TEST(MoeFlags, BadInputIsOneLineNamingTheFlagAndTheRule) {
   expect_refused({"--moe-every", "0"}, "--moe-every '0': must be a positive number");
   expect_refused({"--shared-experts", "-1"}, "--shared-experts '-1': must be 0 (none)");
   expect_refused({"--aux-loss-weight", "-0.01"}, "--aux-loss-weight '-0.01': must be 0");
+  expect_refused({"--aux-loss-weight", "nan"}, "--aux-loss-weight 'nan'");
+  expect_refused({"--aux-loss-weight", "1e400"}, "--aux-loss-weight");
   expect_refused({"--router", "topk"}, "--router");
   expect_refused({"--balance", "none"}, "--balance");
 }
