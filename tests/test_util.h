@@ -132,10 +132,11 @@ inline std::string block_task(const std::string& args) {
 }
 
 /// Environment for mpirun run as root and oversubscribed on a small machine, set in the command
-/// itself so that a test also runs outside ctest.
+/// itself so that a test also runs outside ctest; one node's quick start and end (ob1 rather than
+/// UCX, no second-long waits after an error exit) as cmake/TpxStage.cmake's TPX_TEST_ENV.
 inline constexpr const char* kRootMpiEnv =
     "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OPENBLAS_NUM_THREADS=1 "
-    "OMPI_MCA_rmaps_base_oversubscribe=1";
+    "OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_pml=ob1 OMPI_MCA_odls_base_sigkill_timeout=0";
 
 #ifdef TPX_MPIEXEC_FLAGS
 /// `mpirun -np N build/bin/<stage> <args>` in `dir`, with a wall-clock limit so that a hang fails
