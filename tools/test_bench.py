@@ -492,7 +492,7 @@ def pp_summary(n, bubble, formula, ms, pp_bytes, live):
 class PipelineSubsection(unittest.TestCase):
     def test_the_sweep_has_every_schedule_at_p_2_and_4_over_m(self):
         points = bench.pp_plan([1, 2, 4], False)
-        z = bench.PP_SIZES
+        z = bench.PP_SIZES[False]
         for name, v in [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]:
             for p in (2, 4):
                 ms = [m for s, pp, vv, m in points if s == name and pp == p]

@@ -79,7 +79,7 @@ def pp_plan(ranks, quick):
     """Stage 09's subsection as points (schedule, P, V, M), run at N = P: every schedule of
     PP_SCHEDULES at each P of PP_DEGREES in `ranks`, over M of PP_MICROBATCHES that divide B
     (interleaved needs M % P == 0 too), with L >= P·V."""
-    z = PP_SIZES
+    z = PP_SIZES[quick]
     return [(name, p, v, m) for name, v in PP_SCHEDULES for p in PP_DEGREES if p in ranks
             for m in PP_MICROBATCHES[quick]
             if z["batch"] % m == 0 and z["layers"] >= p * v and (v == 1 or m % p == 0)]

@@ -35,12 +35,13 @@ CP_ATTENTION_SEQS = {False: [64, 128, 256, 512], True: [32, 64, 128]}
 CP_ATTENTION_C = [1, 2, 4]
 # Stage 09 has its own subsection (pp_plan): each schedule at P = 2 and 4 (T = D = C = 1) over a
 # sweep of M, its measured bubble beside the schedule's formula. Small sizes: B divides by every
-# M, L >= P·V at the largest P and V.
+# M, L >= P·V at the largest P and V (quick: smaller still).
 PP_STAGE = "09_pipeline_parallel"
 PP_SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]  # (name, V)
 PP_DEGREES = [2, 4]
 PP_MICROBATCHES = {False: [1, 2, 4, 8], True: [2, 4]}
-PP_SIZES = {"hidden": 128, "heads": 4, "ffn": 512, "seq": 64, "batch": 8, "layers": 8}
+PP_SIZES = {False: {"hidden": 128, "heads": 4, "ffn": 512, "seq": 64, "batch": 8, "layers": 8},
+            True: {"hidden": 64, "heads": 4, "ffn": 128, "seq": 32, "batch": 8, "layers": 8}}
 # The stages with a subsection of their own, each between the markers `<device>-<name>`.
 SUBSECTIONS = {"cp": CP_STAGE, "pp": PP_STAGE}
 MIB = 1024.0 * 1024.0

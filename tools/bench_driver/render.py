@@ -138,7 +138,7 @@ class Render:
         out.append(f"`{PP_STAGE}` with the schedules {scheds} at P = "
                    f"{', '.join(map(str, degrees))} (N = P ranks, T = D = C = 1) over M = {ms} "
                    f"micro-batches (interleaved only where P divides M); sizes "
-                   f"{size_text(PP_SIZES)}, small so that a run takes seconds; {d.repeats} "
+                   f"{size_text(PP_SIZES[a.quick])}, small so that a run takes seconds; {d.repeats} "
                    f"repeat{'s' if d.repeats > 1 else ''} of {d.steps} steps per point.")
         out.append("")
         out.append("Measured bubble: the stage's `--json` `pipeline.bubble_measured`, the idle "
