@@ -1,4 +1,4 @@
-// Stage 06 under --fp8-recipe rowwise and block128 (06_fp8/layers.h): --check against the double
+// Stage 06 under --fp8-recipe rowwise, block128 and mxfp8 (06_fp8/layers.h): --check against the double
 // reference that emulates the recipe at N = 1, 2, 4, and the stage nearer to that emulation than
 // to the plain reference or another recipe's; the meshes whose shards would cut a 128-block refused, and the cuda
 // device refused; a step's bytes against the formula; the dumped layer-0 weight codes and scales
@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <ostream>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -29,8 +31,8 @@ using nlohmann::json;
 using test::run_stage;
 
 /// A block whose every split length is a multiple of 128 on 1, 2 and 4 ranks (H/4 = NKV·D/4 =
-/// F/4 = 128), so block128 runs at every N; H = 512 is four 128-blocks along each row of the
-/// column inputs.
+/// F/4 = 128), so block128 and mxfp8 run at every N; H = 512 is four 128-blocks (sixteen
+/// 32-blocks) along each row of the column inputs.
 constexpr const char* kSizes =
     "--hidden 512 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 2 --steps 2";
 
@@ -53,20 +55,28 @@ class RecipeCheck : public ::testing::TestWithParam<Case> {};
 // scale, and a finer scale only shrinks the share of values pushed into the subnormals, so each
 // element's error stays within E4M3's/E5M2's, and a K-long dot product of such errors sums to a
 // relative error of the same order as tensorwise's. block128 uses E4M3 for the gradients too:
-// one bit more of mantissa than E5M2.
+// one bit more of mantissa than E5M2. mxfp8's power-of-two scales leave each block's largest
+// element between 256 and 448 (or saturated at 448) instead of at 448: the same 3-bit mantissa.
+// Each recipe runs on the language model (the default task), mxfp8 on the block too.
 TEST_P(RecipeCheck, PassesCheck) {
   const Case c = GetParam();
   test::TempDir dir;
-  const auto r = run_stage("06_fp8", c.ranks,
-                           fmt::format("{} --fp8-recipe {} --check", kSizes, c.recipe), dir);
-  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+  for (const char* task : {"lm", "block"}) {
+    if (std::string_view(task) == "block" && std::string_view(c.recipe) != "mxfp8") continue;
+    const auto r =
+        run_stage("06_fp8", c.ranks,
+                  fmt::format("{} --task {} --fp8-recipe {} --check", kSizes, task, c.recipe), dir);
+    EXPECT_EQ(r.exit_code, 0) << task << r.out << r.err;
+    EXPECT_NE(r.out.find("emulating --fp8-recipe"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << task << r.out;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fp8Recipes, RecipeCheck,
                          ::testing::Values(Case{"rowwise", 1}, Case{"rowwise", 2},
                                            Case{"rowwise", 4}, Case{"block128", 1},
-                                           Case{"block128", 2}, Case{"block128", 4}),
+                                           Case{"block128", 2}, Case{"block128", 4},
+                                           Case{"mxfp8", 1}, Case{"mxfp8", 2}, Case{"mxfp8", 4}),
                          [](const auto& p) {
                            return fmt::format("{}_np{}", p.param.recipe, p.param.ranks);
                          });
@@ -82,6 +92,15 @@ TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
                             "--hidden 256 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 "
                             "--fp8-recipe block128 --dry-run",
                             "a multiple of 128");
+  // mxfp8's 32-blocks: H = 192 over 4 ranks leaves NH·Dh/N = 48 per rank.
+  test::expect_refused_once(
+      "06_fp8", 4,
+      "--hidden 192 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 --fp8-recipe mxfp8",
+      "--fp8-recipe mxfp8");
+  test::expect_refused_once("06_fp8", 4,
+                            "--hidden 192 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 "
+                            "--fp8-recipe mxfp8 --dry-run",
+                            "a multiple of 32");
   // rowwise has no block to cut: the same mesh runs.
   test::TempDir dir;
   const auto r = run_stage("06_fp8", 4,
@@ -92,7 +111,7 @@ TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
 }
 
 TEST(Fp8Recipes, TheCudaDeviceRefusesThemInOneLine) {
-  for (const char* recipe : {"rowwise", "block128"})
+  for (const char* recipe : {"rowwise", "block128", "mxfp8"})
     test::expect_refused_once("06_fp8", 1,
                               fmt::format("{} --device cuda --fp8-recipe {}", kSizes, recipe),
                               fmt::format("--fp8-recipe {}: the cuda device", recipe));
@@ -100,8 +119,9 @@ TEST(Fp8Recipes, TheCudaDeviceRefusesThemInOneLine) {
 
 // The comm counts of a step at N = 2: tensorwise's eight MAX all-reduces of k ∈ {4,2,3,2,3,2,2,2}
 // fp32 amaxes per layer (payload and bus 4k each at N = 2) are gone under rowwise and block128,
-// and each of the six FP8 gathers per layer carries its chunk's fp32 scales in a second ring of
-// N − 1 transfers: S·B/N rows of 1 (rowwise) or H/128 (block128) scales.
+// and each of the six FP8 gathers per layer carries its chunk's scales in a second ring of N − 1
+// transfers: S·B/N rows of 1 (rowwise) or H/128 (block128) fp32 scales, or H/32 (mxfp8) E8M0
+// scales of one byte.
 TEST(Fp8Recipes, StepBytesFollowTheFormula) {
   const std::int64_t H = 512, S = 8, B = 2, L = 2, N = 2;
   const std::string args = fmt::format(
@@ -110,13 +130,15 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
     const json j = test::run_json("06_fp8", int(N), args + " --fp8-recipe " + recipe);
     return j.empty() ? json::object() : j.at("steps").at(0);
   };
-  const json tw = step("tensorwise"), rw = step("rowwise"), bl = step("block128");
-  ASSERT_FALSE(tw.empty() || rw.empty() || bl.empty());
+  const json tw = step("tensorwise"), rw = step("rowwise"), bl = step("block128"),
+             mx = step("mxfp8");
+  ASSERT_FALSE(tw.empty() || rw.empty() || bl.empty() || mx.empty());
   auto get = [](const json& s, const char* key) { return s.at(key).get<std::int64_t>(); };
   const std::int64_t amax = L * 4 * (4 + 2 + 3 + 2 + 3 + 2 + 2 + 2);  // payload = bus at N = 2
   const std::int64_t rows = S * B / N;
-  for (const auto& [s, per_row] : {std::pair{rw, std::int64_t{1}}, std::pair{bl, H / 128}}) {
-    const std::int64_t scales = L * 6 * (N - 1) * rows * per_row * 4;
+  for (const auto& [s, per_row, bytes] : {std::tuple{rw, std::int64_t{1}, 4},
+                                          std::tuple{bl, H / 128, 4}, std::tuple{mx, H / 32, 1}}) {
+    const std::int64_t scales = L * 6 * (N - 1) * rows * per_row * bytes;
     for (const char* key : {"comm_payload_bytes", "comm_bus_bytes"})
       EXPECT_EQ(get(s, key), get(tw, key) - amax + scales) << key;
     EXPECT_EQ(get(s, "comm_calls"), get(tw, "comm_calls") - L * 8 + L * 6 * (N - 1));
@@ -135,6 +157,8 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
             std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::rowwise).bus));
   EXPECT_EQ(get(bl, "comm_bus_bytes"),
             std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::block128).bus));
+  EXPECT_EQ(get(mx, "comm_bus_bytes"),
+            std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::mxfp8).bus));
 }
 
 /// The [rows, cols] matrix m transposed.
@@ -225,7 +249,7 @@ TEST(Fp8Recipes, TheStageIsNearestToTheEmulationOfItsOwnRecipe) {
   c.layers = 1;
   c.task = Task::block;
   const int n = 2;
-  for (const Recipe recipe : {Recipe::rowwise, Recipe::block128}) {
+  for (const Recipe recipe : {Recipe::rowwise, Recipe::block128, Recipe::mxfp8}) {
     const std::string name(lowp::to_string(recipe));
     test::TempDir dir;
     const auto r = run_stage(
