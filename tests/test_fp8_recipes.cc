@@ -176,10 +176,11 @@ std::vector<float> transposed(const std::vector<float>& m, std::int64_t rows, st
 // the shards' codes, gathered, are still the whole weight's wherever no scale spans two shards:
 // every weight under block128 (aligned 128-blocks), the column weights under rowwise (a row of
 // Wᵀ is an output column, whole on its rank); the row weights' rows under rowwise are cut at
-// in/N, so their scales are the shards' own and are not compared.
+// in/N, so their scales are the shards' own and are not compared. mxfp8's E8M0 scales are
+// compared as bytes (aligned 32-blocks, as block128's).
 TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
   for (const int n : {1, 2})
-    for (const Recipe recipe : {Recipe::rowwise, Recipe::block128}) {
+    for (const Recipe recipe : {Recipe::rowwise, Recipe::block128, Recipe::mxfp8}) {
       const std::string name(lowp::to_string(recipe));
       test::TempDir dir;
       const auto r = run_stage("06_fp8", n,
@@ -196,7 +197,13 @@ TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
         const std::string what = fmt::format("{} np {} {}", name, n, w);
         const NpyArray master = read_npy(dir / "d" / fmt::format("layers.0.{}.npy", w));
         const NpyBytes codes = read_npy_bytes(dir / "d" / fmt::format("fp8/layers.0.{}.npy", w));
-        const NpyArray scales = read_npy(dir / "d" / fmt::format("fp8/layers.0.{}.scale.npy", w));
+        // The scales: fp32 values, or mxfp8's E8M0 codes as bytes.
+        const std::filesystem::path scale_path =
+            dir / "d" / fmt::format("fp8/layers.0.{}.scale.npy", w);
+        const bool e8m0 = recipe == Recipe::mxfp8;
+        const NpyArray scales = e8m0 ? NpyArray{} : read_npy(scale_path);
+        const NpyBytes scale_codes = e8m0 ? read_npy_bytes(scale_path) : NpyBytes{};
+        const std::vector<std::int64_t>& scale_shape = e8m0 ? scale_codes.shape : scales.shape;
         ASSERT_EQ(master.shape.size(), 2u);
         const std::int64_t in = master.shape[0], out = master.shape[1];
         const std::vector<float> wt = transposed(master.data, in, out);
@@ -209,16 +216,24 @@ TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
             differ += codes.data[std::size_t(i * out + o)] != q.codes[std::size_t(o * in + i)];
         EXPECT_EQ(differ, 0) << what << ": codes differ";
         if (n > 1) {
-          EXPECT_EQ(scales.shape.at(0), n) << what;  // one set of scales per rank
+          EXPECT_EQ(scale_shape.at(0), n) << what;  // one set of scales per rank
           continue;
         }
-        EXPECT_EQ(scales.shape, (std::vector<std::int64_t>{1, q.scale_rows, q.scale_cols})) << what;
-        EXPECT_EQ(scales.data, q.scales) << what;
+        EXPECT_EQ(scale_shape, (std::vector<std::int64_t>{1, q.scale_rows, q.scale_cols})) << what;
+        if (e8m0)
+          EXPECT_EQ(scale_codes.data, q.scale_codes) << what;
+        else
+          EXPECT_EQ(scales.data, q.scales) << what;
       }
-      // The gathered input: one scale per row (rowwise) or per 128 of a row (block128) of each
-      // rank's [S/N·B, H] shard.
-      const NpyArray s = read_npy(dir / "d" / "fp8/layers.0.qkv_in.scale.npy");
-      EXPECT_EQ(s.shape, (std::vector<std::int64_t>{n, 16 / n, recipe == Recipe::rowwise ? 1 : 2}));
+      // The gathered input: one scale per row (rowwise), per 128 of a row (block128) or per 32
+      // (mxfp8) of each rank's [S/N·B, H] shard.
+      const std::int64_t per_row = recipe == Recipe::rowwise    ? 1
+                                   : recipe == Recipe::block128 ? 2
+                                                                : 8;
+      const std::filesystem::path input_scales = dir / "d" / "fp8/layers.0.qkv_in.scale.npy";
+      EXPECT_EQ(recipe == Recipe::mxfp8 ? read_npy_bytes(input_scales).shape
+                                        : read_npy(input_scales).shape,
+                (std::vector<std::int64_t>{n, 16 / n, per_row}));
     }
 }
 
