@@ -654,6 +654,7 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
 
 /// The recipe --check's reference emulates: stage 06's --fp8-recipe under --dtype fp8, when it is
 /// not tensorwise (tensorwise is checked against the stage's plain reference); nothing otherwise.
+/// Stage 06's tensor-parallel group is every rank, so the emulation's group has `world` ranks.
 std::optional<LowpEmulation> emulated_recipe(const StageOptions& o, int world) {
   if (!is_fp8(o.config.dtype)) return std::nullopt;
   for (const auto& group : o.flag_groups)
