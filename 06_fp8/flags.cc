@@ -16,9 +16,9 @@ lowp::Recipe Fp8RecipeFlags::recipe() const {
 void Fp8RecipeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
   app.add_option("--fp8-recipe", word,
                  "the FP8 scales' granularity: tensorwise (one scale per tensor, agreed over the "
-                 "group), rowwise (one per row of each GEMM operand) or block128 (1x128 and "
-                 "128x128 blocks; both on the cpu only), mxfp8 or nvfp4 (common/lowp.h; not run "
-                 "by this stage yet)")
+                 "group), rowwise (one per row of each GEMM operand), block128 (1x128 and "
+                 "128x128 blocks) or mxfp8 (1x32 blocks, E8M0 power-of-two scales; these three "
+                 "on the cpu only), nvfp4 (common/lowp.h; not run by this stage yet)")
       ->check(CLI::IsMember({"tensorwise", "rowwise", "block128", "mxfp8", "nvfp4"}))
       ->capture_default_str()
       ->group("FP8");
@@ -27,10 +27,10 @@ void Fp8RecipeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
 std::optional<std::string> Fp8RecipeFlags::check(const CLI::App& /*app*/,
                                                  const StageOptions& o) const {
   const lowp::Recipe r = recipe();
-  if (r == lowp::Recipe::mxfp8 || r == lowp::Recipe::nvfp4)
+  if (r == lowp::Recipe::nvfp4)
     return fmt::format(
-        "--fp8-recipe {}: this stage multiplies tensorwise, rowwise and block128 so far, on "
-        "either device (mxfp8 and nvfp4 are common/lowp.h's quantizers only)",
+        "--fp8-recipe {}: this stage multiplies tensorwise, rowwise, block128 and mxfp8 so far, "
+        "on either device (nvfp4 is common/lowp.h's quantizer only)",
         word);
   if (r != lowp::Recipe::tensorwise && !is_fp8(o.config.dtype))
     return fmt::format(

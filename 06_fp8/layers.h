@@ -13,21 +13,22 @@
 // a column input is what backward keeps (¼ of the fp32 bytes), and each weight is quantized once
 // per step, in forward, and reused by its backward.
 //
-// --fp8-recipe rowwise | block128 (cpu): every operand of the three GEMMs is quantized as
+// --fp8-recipe rowwise | block128 | mxfp8 (cpu): every operand of the three GEMMs is quantized as
 // common/lowp.h's recipe quantizes it, with the GEMM's reduction dimension K along the blocks, and
 // the GEMM multiplies the dequantized operands in fp32. Each rank computes its operands' scales on
-// its own shard: a scale covers a row (rowwise) or a 1 × 128 / 128 × 128 block (block128) of the
-// operand of the GEMM this rank runs, so no amax all-reduce is needed. Where K is sharded (the
-// row-parallel forward's K = in/N, the column-parallel dgrad's K = out/N) a rowwise "row" is the
-// shard's part of the row, and a 128-block fits inside a shard only if the shard's length is a
-// multiple of 128: check_recipe_split() refuses the shapes where a block would straddle two
-// shards. The column inputs (forward and the dW re-gather) and the row-parallel backward's
-// gradient are quantized along K on their [S/N, B, H] shard and gathered as FP8 codes plus their
-// fp32 scales, which is what the gathers move. The weight-gradient GEMMs reduce over the tokens,
-// a dimension the forward's blocks run across: their operands are quantized again along the
-// tokens, the gathered ones from the values their gathered codes stand for (every rank holds all
-// the tokens then, so no block is cut). Backward keeps the high-precision shard of a column input
-// (as stage 05) and quantizes the weights again for dgrad, along the other dimension.
+// its own shard: a scale covers a row (rowwise), a 1 × 128 / 128 × 128 block (block128) or a 1 × 32
+// block (mxfp8, an E8M0 power of two) of the operand of the GEMM this rank runs, so no amax
+// all-reduce is needed. Where K is sharded (the row-parallel forward's K = in/N, the
+// column-parallel dgrad's K = out/N) a rowwise "row" is the shard's part of the row, and a
+// 128-block (32-block) fits inside a shard only if the shard's length is a multiple of 128 (32):
+// check_recipe_split() refuses the shapes where a block would straddle two shards. The column
+// inputs (forward and the dW re-gather) and the row-parallel backward's gradient are quantized
+// along K on their [S/N, B, H] shard and gathered as FP8 codes plus their scales (fp32; mxfp8's
+// E8M0 bytes), which is what the gathers move. The weight-gradient GEMMs reduce over the tokens, a
+// dimension the forward's blocks run across: their operands are quantized again along the tokens,
+// the gathered ones from the values their gathered codes stand for (every rank holds all the tokens
+// then, so no block is cut). Backward keeps the high-precision shard of a column input (as stage
+// 05) and quantizes the weights again for dgrad, along the other dimension.
 //
 // defines: tpx::async_fp8::Fp8AsyncTp, tpx::async_fp8::make_fp8_async_tp()
 #pragma once
@@ -71,7 +72,7 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   /// Keeps `q` as layer 0's `name` for dump_extra() if it is the first of that name.
   void keep_for_dump(const std::string& name, const Tensor& q);
 
-  // --- rowwise and block128 (recipe_ != tensorwise) ---
+  // --- rowwise, block128 and mxfp8 (recipe_ != tensorwise) ---
   /// The values `x` stands for under recipe_: quantized with the GEMM's K along its last
   /// dimension (k_rows false) or along its rows (k_rows true, x seen as [numel / last, last]),
   /// then dequantized, fp32 in x's shape. `codes`/`scales`, when given, receive the codes in x's
@@ -91,7 +92,7 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   Tensor recipe_row_forward(const Tensor& a, const Tensor& w, std::string_view role);
   Tensor recipe_row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                              std::string_view role);
-  /// dump_extra() under rowwise or block128: the codes full size, each rank's scales stacked.
+  /// dump_extra() under rowwise, block128 or mxfp8: the codes full size, each rank's scales stacked.
   std::vector<std::pair<std::string, Tensor>> recipe_dump_extra();
   /// Keeps layer 0's `name` (its codes, full or this rank's shard, and this rank's scales).
   void keep_recipe_dump(const std::string& name, const Tensor& codes, const Tensor& scales);
@@ -105,9 +106,10 @@ class Fp8AsyncTp final : public ring::OverlapRing {
 };
 
 /// The rule of the block recipes under TP: a block never straddles two ranks' shards. Under
-/// block128 every length a 128-block runs along that the group splits (the column layers'
-/// output widths NH·Dh/N, NKV·Dh/N and F/N, the row layers' K) must be a multiple of 128 when
-/// N > 1; otherwise one line naming --fp8-recipe and the rule (a ConfigError, exit 2).
+/// block128 (mxfp8) every length a 128-block (32-block) runs along that the group splits (the
+/// column layers' output widths NH·Dh/N, NKV·Dh/N and F/N, the row layers' K) must be a
+/// multiple of 128 (32) when N > 1; otherwise one line naming --fp8-recipe and the rule (a
+/// ConfigError, exit 2).
 void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe);
 
 /// Stage 06 under --dtype fp8 (its default); stage 05 under fp32 or bf16.

@@ -1,4 +1,4 @@
-// Stage 06 under --fp8-recipe rowwise and block128 on the cpu (06_fp8/layers.h says what each
+// Stage 06 under --fp8-recipe rowwise, block128 and mxfp8 on the cpu (06_fp8/layers.h says what each
 // GEMM's operands are quantized along, and where the scales come from).
 #include <algorithm>
 #include <array>
@@ -44,7 +44,7 @@ std::vector<T> transposed(const std::vector<T>& m, std::int64_t rows, std::int64
   return t;
 }
 
-/// The FP8 dtype of a recipe's element format (rowwise and block128 use E4M3 and E5M2 only).
+/// The FP8 dtype of a recipe's element format (rowwise, block128 and mxfp8 use E4M3 and E5M2).
 DType element_dtype(const fp8::Format& f) {
   return f.mantissa_bits == fp8::kE5M2.mantissa_bits ? DType::e5m2 : DType::e4m3;
 }
@@ -57,23 +57,35 @@ Tensor host_tensor(const Tensor::Shape& shape, DType dtype, const void* data, st
   return t;
 }
 
+/// q's scales as a cpu tensor of `shape`: fp32 values, or mxfp8's E8M0 codes as bytes (u8).
+Tensor scale_tensor(const lowp::Quantized& q, const Tensor::Shape& shape) {
+  if (q.layout.scale == lowp::ScaleFormat::fp32)
+    return host_tensor(shape, DType::f32, q.scales.data(), q.scales.size() * sizeof(float));
+  return host_tensor(shape, DType::u8, q.scale_codes.data(), q.scale_codes.size());
+}
+
 }  // namespace
 
 void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe) {
-  if (recipe != lowp::Recipe::block128 || world == 1) return;
-  // The lengths the group splits and a 128-block runs along (common/lowp.h: 1 × 128 along K,
-  // 128 × 128 for weights): Q's and O's NH·D / N, K's and V's NKV·D / N, F / N.
+  if (world == 1) return;
+  // The lengths the group splits and a block runs along (common/lowp.h: 1 × 128 along K and
+  // 128 × 128 for weights under block128, 1 × 32 along K under mxfp8): Q's and O's NH·D / N, K's
+  // and V's NKV·D / N, F / N.
+  const std::int64_t block = recipe == lowp::Recipe::block128 ? 128
+                             : recipe == lowp::Recipe::mxfp8  ? 32
+                                                              : 0;
+  if (block == 0) return;
   std::vector<std::string> cut;
   for (const auto& [what, length] :
        {std::pair{"NH·Dh/N (Wq's columns, Wo's rows)", c.hidden / world},
         std::pair{"NKV·Dh/N (Wk's and Wv's columns)", c.kv_dim() / world},
         std::pair{"F/N (Wg's and Wu's columns, Wd's rows)", c.ffn / world}})
-    if (length % 128 != 0) cut.push_back(fmt::format("{} = {}", what, length));
+    if (length % block != 0) cut.push_back(fmt::format("{} = {}", what, length));
   if (!cut.empty())
     throw ConfigError(fmt::format(
-        "--fp8-recipe block128: over {} ranks a 128-block would straddle two ranks' shards "
-        "({}); every length the group splits must be a multiple of 128 per rank",
-        world, fmt::join(cut, ", ")));
+        "--fp8-recipe {}: over {} ranks a {}-block would straddle two ranks' shards ({}); every "
+        "length the group splits must be a multiple of {} per rank",
+        lowp::to_string(recipe), world, block, fmt::join(cut, ", "), block));
 }
 
 Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand, Tensor* codes,
@@ -90,9 +102,7 @@ Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand, 
     const std::vector<std::uint8_t> c = k_rows ? transposed(q.codes, rows, cols) : q.codes;
     *codes = host_tensor(x.shape(), element_dtype(q.layout.element), c.data(), c.size());
   }
-  if (scales)
-    *scales = host_tensor({1, q.scale_rows, q.scale_cols}, DType::f32, q.scales.data(),
-                          q.scales.size() * sizeof(float));
+  if (scales) *scales = scale_tensor(q, {1, q.scale_rows, q.scale_cols});
   return host_tensor(x.shape(), DType::f32, d.data(), d.size() * sizeof(float));
 }
 
@@ -103,11 +113,11 @@ Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand, std:
   const lowp::Quantized q = lowp::quantize(m.data(), rows, k, recipe_, operand);
   TPX_CHECK(q.layout.block_rows == 1, "a gathered operand's blocks are one row high");
   const DType dtype = element_dtype(q.layout.element);
-  // The codes [n, B, K] and the scales [n, B·K / block] travel as two gathers of dim-0 chunks.
+  // The codes [n, B, K] and the scales [n, B·K / block] (fp32, or mxfp8's E8M0 bytes) travel as
+  // two gathers of dim-0 chunks.
   const Tensor local_codes = host_tensor(x.shape(), dtype, q.codes.data(), q.codes.size());
   const std::int64_t n = x.dim(0);
-  const Tensor local_scales = host_tensor({n, q.scale_rows * q.scale_cols / n}, DType::f32,
-                                          q.scales.data(), q.scales.size() * sizeof(float));
+  const Tensor local_scales = scale_tensor(q, {n, q.scale_rows * q.scale_cols / n});
   const auto gc = ring_.transport.gather(ring_, local_codes, fmt::format("{} codes", what));
   const auto gs = ring_.transport.gather(ring_, local_scales, fmt::format("{} scales", what));
   gc->wait_all();
@@ -120,12 +130,15 @@ Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand, std:
   all.scale_rows = q.scale_rows * n_ranks;
   all.codes.assign(full_codes.data<std::uint8_t>(),
                    full_codes.data<std::uint8_t>() + full_codes.nbytes());
-  const std::span<const float> s = full_scales.f32();
-  all.scales.assign(s.begin(), s.end());
+  if (q.layout.scale == lowp::ScaleFormat::fp32) {
+    const std::span<const float> s = full_scales.f32();
+    all.scales.assign(s.begin(), s.end());
+  } else {
+    all.scale_codes.assign(full_scales.data<std::uint8_t>(),
+                           full_scales.data<std::uint8_t>() + full_scales.nbytes());
+  }
   if (codes) *codes = full_codes;
-  if (scales)
-    *scales = host_tensor({1, q.scale_rows, q.scale_cols}, DType::f32, q.scales.data(),
-                          q.scales.size() * sizeof(float));
+  if (scales) *scales = scale_tensor(q, {1, q.scale_rows, q.scale_cols});
   Tensor::Shape shape = x.shape();
   shape[0] *= n_ranks;
   const std::vector<float> d = lowp::dequantize(all);

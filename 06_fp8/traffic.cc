@@ -12,20 +12,21 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
 
 Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe) {
   require_formula(n >= 1, "ranks must be >= 1");
-  require_formula(recipe == lowp::Recipe::tensorwise || recipe == lowp::Recipe::rowwise ||
-                      recipe == lowp::Recipe::block128,
-                  "stage 06 moves tensorwise, rowwise and block128 operands only");
+  require_formula(recipe != lowp::Recipe::nvfp4,
+                  "stage 06 moves tensorwise, rowwise, block128 and mxfp8 operands only");
   using U = std::uint64_t;
   const U N = U(n), e = U(act_bytes == 0 ? 2 : act_bytes);
   const U chunk = U(c.seq * c.batch * c.hidden) / N;  // elements of one [S/N, B, H] shard
-  // A gathered chunk's fp32 scales: none under tensorwise (the agreed scale travels with no
-  // chunk), one per row of H under rowwise, one per 128 of a row under block128; each scale
-  // gather is a second ring of N − 1 transfers.
+  // A gathered chunk's scales: none under tensorwise (the agreed scale travels with no chunk),
+  // one fp32 per row of H under rowwise, one fp32 per 128 of a row under block128, one E8M0 byte
+  // per 32 of a row under mxfp8; each scale gather is a second ring of N − 1 transfers.
   const U rows = U(c.seq * c.batch) / N;
   const U per_row = recipe == lowp::Recipe::rowwise    ? 1
                     : recipe == lowp::Recipe::block128 ? (U(c.hidden) + 127) / 128
+                    : recipe == lowp::Recipe::mxfp8    ? (U(c.hidden) + 31) / 32
                                                        : 0;
-  const U scales = 4 * rows * per_row, rings = per_row > 0 ? 2 : 1;
+  const U scale_bytes = recipe == lowp::Recipe::mxfp8 ? 1 : 4;
+  const U scales = scale_bytes * rows * per_row, rings = per_row > 0 ? 2 : 1;
   const U moved = 6 * (N - 1) * (chunk * 1 + scales) + 4 * (N - 1) * chunk * e;
   const U moved_fwd = 2 * (N - 1) * (chunk * 1 + scales) + 2 * (N - 1) * chunk * e;
   Traffic amax, amax_fwd;  // the eight MAX all-reduces, and the forward's four (tensorwise)

@@ -17,10 +17,10 @@ namespace tpx::async_fp8 {
 /// ⌊4k·2(N−1)/N⌋ each. A layer recomputed under --recompute full moves its forward's two FP8
 /// gathers, two reduce-scatters and four amax all-reduces (k ∈ {4,2,3,2}) once more.
 Traffic traffic(const BlockConfig& c, int n, int act_bytes = 0);
-/// The same under --fp8-recipe `recipe`: tensorwise is traffic(); under rowwise or block128
-/// (06_fp8/layers.h) there is no amax all-reduce, and each of the six gathers moves, beside its
-/// codes, its chunk's fp32 scales in a ring of its own: S·B/N rows of 1 (rowwise) or ⌈H/128⌉
-/// (block128) scales, 4 bytes each.
+/// The same under --fp8-recipe `recipe`: tensorwise is traffic(); under rowwise, block128 or
+/// mxfp8 (06_fp8/layers.h) there is no amax all-reduce, and each of the six gathers moves, beside
+/// its codes, its chunk's scales in a ring of its own: S·B/N rows of 1 (rowwise) or ⌈H/128⌉
+/// (block128) fp32 scales, 4 bytes each, or ⌈H/32⌉ (mxfp8) E8M0 scales, 1 byte each.
 Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe);
 
 }  // namespace tpx::async_fp8

@@ -66,7 +66,7 @@ Layout layout(Recipe recipe, Operand operand) {
     case Recipe::block128:
       return {fp8::kE4M3, operand == Operand::weight ? 128 : 1, 128, ScaleFormat::fp32};
     case Recipe::mxfp8:
-      return {fp8::kE4M3, 1, 32, ScaleFormat::e8m0};
+      return {fp8_element, 1, 32, ScaleFormat::e8m0};
     case Recipe::nvfp4:
       return {kE2M1, 1, 16, ScaleFormat::ue4m3};
   }

@@ -12,7 +12,7 @@
 //   tensorwise  E4M3 (E5M2 for gradients)     the whole matrix             fp32  fmax / amax
 //   rowwise     E4M3 (E5M2 for gradients)     1 × cols (one per row)       fp32  fmax / amax
 //   block128    E4M3                          1 × 128; weights 128 × 128   fp32  fmax / amax
-//   mxfp8       E4M3                          1 × 32                       E8M0  2^(⌊log2 amax⌋ − 8)
+//   mxfp8       E4M3 (E5M2 for gradients)     1 × 32                       E8M0  2^(⌊log2 amax⌋ − emax)
 //   nvfp4       E2M1                          1 × 16                       UE4M3, and one fp32 per
 //                                                                          tensor (two levels)
 //
@@ -24,13 +24,14 @@
 //   rule per block: scale = fmax / amax in fp32 (fp8::scale_from_amax: amax 0, NaN or +inf give
 //   1), q = cast(x · scale), x' = decode(q) / scale.
 // - mxfp8 is the OCP Microscaling Formats (MX) Specification v1.0 (2023), its MXFP8 E4M3 format
-//   and its conversion of a vector of scalars to an MX block: shared_exp = ⌊log2 amax⌋ − emax_elem
-//   (emax_elem = 8 for E4M3), X = 2^shared_exp stored as E8M0, P_i = cast(V_i / X) saturating to
-//   ±448. Dequantized value P_i · X. Where the specification leaves the choice open this code
+//   (MXFP8 E5M2 for gradients, as the other FP8 recipes split the passes) and its conversion of a
+//   vector of scalars to an MX block: shared_exp = ⌊log2 amax⌋ − emax_elem (emax_elem = 8 for
+//   E4M3, 15 for E5M2), X = 2^shared_exp stored as E8M0, P_i = cast(V_i / X) saturating to ±448
+//   (E4M3; ±57344 E5M2). Dequantized value P_i · X. Where the specification leaves the choice open this code
 //   takes the MX paper's reference implementation's: a shared exponent below −127 clamps to
 //   −127 (a zero block gets 2^−127 and all-zero codes); a block holding a NaN or an infinity gets
 //   the NaN scale 0xFF, and every element of a block whose scale is NaN dequantizes to NaN (the
-//   specification's rule for a NaN scale). Note that amax / X lies in [256, 512): a block's
+//   specification's rule for a NaN scale). Note that under E4M3 amax / X lies in [256, 512): a block's
 //   largest values between 448 and 512 saturate to 448. (Transformer Engine rounds the scale up
 //   instead, 2^⌈log2(amax / 448)⌉, which never saturates; the flag names the OCP rule.)
 // - nvfp4 is NVIDIA's NVFP4 (NVIDIA, "Pretraining Large Language Models with NVFP4", 2025; the

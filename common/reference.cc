@@ -56,6 +56,32 @@ Vec matmul_dw(const Vec& x, const Vec& dy, I rows, I in, I out) {
   return dw;
 }
 
+// The values the operand m [rows, cols] (row-major) stands for once a recipe has quantized it
+// as the GEMM's `operand`, with the reduction dimension K along m's columns (k_rows false) or
+// along its rows (k_rows true), K cut into `parts` equal parts quantized apart (a rank's shard
+// of K): common/lowp.h's quantizer on the fp32 values of m, dequantized, widened to double.
+Vec lowp_operand(const Vec& m, I rows, I cols, bool k_rows, lowp::Recipe recipe,
+                 lowp::Operand operand, I parts) {
+  const I outer = k_rows ? cols : rows, k = k_rows ? rows : cols, part = k / parts;
+  // m's element (outer index r, reduction index j).
+  auto at = [&](I r, I j) {
+    return static_cast<std::size_t>(k_rows ? j * cols + r : r * cols + j);
+  };
+  Vec out(m.size());
+  std::vector<float> x(static_cast<std::size_t>(outer * part));
+  for (I p = 0; p < parts; ++p) {
+    for (I r = 0; r < outer; ++r)
+      for (I j = 0; j < part; ++j)
+        x[static_cast<std::size_t>(r * part + j)] = float(m[at(r, p * part + j)]);
+    const std::vector<float> d =
+        lowp::dequantize(lowp::quantize(x.data(), outer, part, recipe, operand));
+    for (I r = 0; r < outer; ++r)
+      for (I j = 0; j < part; ++j)
+        out[at(r, p * part + j)] = double(d[static_cast<std::size_t>(r * part + j)]);
+  }
+  return out;
+}
+
 struct Norm {
   Vec y, rstd;
 };
@@ -131,6 +157,9 @@ class RefBlock {
         F(c.ffn),
         T(S * B),
         theta(c.rope_theta) {}
+  RefBlock(const BlockConfig& c, const std::optional<LowpEmulation>& emulate) : RefBlock(c) {
+    emul = emulate;
+  }
 
   // Returns out; fills the saved layer state.
   Vec forward(const Params& w, const Vec& x, Layer& saved) const {
@@ -151,18 +180,66 @@ class RefBlock {
   }
 
  private:
+  // The linear layers' GEMMs: plain double, or under the emulated recipe (LowpEmulation). A
+  // column-parallel layer's output columns and a row-parallel layer's input rows are sharded
+  // over the group.
+  static constexpr bool kColumn = false, kRow = true;
+
+  // The operand m [rows, cols] under the recipe (lowp_operand), K along its columns or rows.
+  Vec q(const Vec& m, I rows, I cols, bool k_rows, lowp::Operand operand, I parts = 1) const {
+    return lowp_operand(m, rows, cols, k_rows, emul->recipe, operand, parts);
+  }
+  // The parts a rank's shard cuts a sharded K into: rowwise's rows (see LowpEmulation).
+  I k_parts(bool k_sharded) const {
+    return k_sharded && emul->recipe == lowp::Recipe::rowwise ? I(emul->ranks) : 1;
+  }
+
+  // y = x·W, x [T, in], W [in, out]: K = in, sharded in a row layer.
+  Vec gemm(const Vec& x, const Vec& w, I in, I out, bool row) const {
+    if (!emul) return matmul(x, w, T, in, out);
+    using lowp::Operand;
+    const I parts = k_parts(row);
+    return matmul(q(x, T, in, false, Operand::activation, parts),
+                  q(w, in, out, true, Operand::weight, parts), T, in, out);
+  }
+  // dx = dy·Wᵀ: K = out, sharded in a column layer.
+  Vec gemm_dx(const Vec& dy, const Vec& w, I in, I out, bool row) const {
+    if (!emul) return matmul_dx(dy, w, T, in, out);
+    using lowp::Operand;
+    const I parts = k_parts(!row);
+    return matmul_dx(q(dy, T, out, false, Operand::gradient, parts),
+                     q(w, in, out, false, Operand::weight, parts), T, in, out);
+  }
+  // dW = xᵀ·dy: K = the tokens, whole on every rank. Under tensorwise both operands are the
+  // codes of the forward's and the input gradient's GEMMs (one scale per tensor, any
+  // orientation). Under the other recipes the stage quantizes each operand along the tokens
+  // from what it holds: a column layer's input is the gathered FP8 shard of the forward
+  // (quantized along H) and its gradient the fp32 one; a row layer's input is its fp32 shard and
+  // its gradient the gathered FP8 one of the input-gradient GEMM (quantized along H).
+  Vec gemm_dw(const Vec& x, const Vec& dy, I in, I out, bool row) const {
+    if (!emul) return matmul_dw(x, dy, T, in, out);
+    using lowp::Operand;
+    if (emul->recipe == lowp::Recipe::tensorwise)
+      return matmul_dw(q(x, T, in, false, Operand::activation),
+                       q(dy, T, out, false, Operand::gradient), T, in, out);
+    const Vec xs = row ? x : q(x, T, in, false, Operand::activation);
+    const Vec dys = row ? q(dy, T, out, false, Operand::gradient) : dy;
+    return matmul_dw(q(xs, T, in, true, Operand::activation),
+                     q(dys, T, out, true, Operand::gradient), T, in, out);
+  }
+
   // norm1, Q/K/V with RoPE, causal attention; returns a·Wo (the residual is the caller's).
   Vec attention_forward(const Params& w, Layer& saved) const {
     Norm n1 = rmsnorm(saved.x, param(w, Param::norm1), T, H);
     saved.h = n1.y;
     saved.rstd1 = n1.rstd;
-    saved.q = matmul(saved.h, param(w, Param::wq), T, H, H);
-    saved.k = matmul(saved.h, param(w, Param::wk), T, H, KV);
-    saved.v = matmul(saved.h, param(w, Param::wv), T, H, KV);
+    saved.q = gemm(saved.h, param(w, Param::wq), H, H, kColumn);
+    saved.k = gemm(saved.h, param(w, Param::wk), H, KV, kColumn);
+    saved.v = gemm(saved.h, param(w, Param::wv), H, KV, kColumn);
     rope(saved.q, NH, +1.0);
     rope(saved.k, NKV, +1.0);
     causal_softmax_attention(saved);
-    return matmul(saved.a, param(w, Param::wo), T, H, H);
+    return gemm(saved.a, param(w, Param::wo), H, H, kRow);
   }
 
   // saved.p = softmax(q·kᵀ/√D) under the causal mask, saved.a = p·v, every head.
@@ -195,11 +272,11 @@ class RefBlock {
     Norm n2 = rmsnorm(saved.x2, param(w, Param::norm2), T, H);
     saved.h2 = n2.y;
     saved.rstd2 = n2.rstd;
-    saved.gt = matmul(saved.h2, param(w, Param::w_gate), T, H, F);
-    saved.up = matmul(saved.h2, param(w, Param::w_up), T, H, F);
+    saved.gt = gemm(saved.h2, param(w, Param::w_gate), H, F, kColumn);
+    saved.up = gemm(saved.h2, param(w, Param::w_up), H, F, kColumn);
     saved.s.resize(saved.gt.size());
     for (std::size_t i = 0; i < saved.s.size(); ++i) saved.s[i] = silu(saved.gt[i]) * saved.up[i];
-    Vec m = matmul(saved.s, param(w, Param::w_down), T, F, H);
+    Vec m = gemm(saved.s, param(w, Param::w_down), F, H, kRow);
     Vec out = saved.x2;
     add_into(out, m);
     return out;
@@ -208,18 +285,18 @@ class RefBlock {
   // The MLP half's backward: the gradients of Wd, Wg, Wu and norm2; returns the gradient that
   // reaches x2 through norm2 (the residual's dout is the caller's).
   Vec mlp_backward(const Params& w, const Layer& saved, const Vec& dout, Params& dw) const {
-    param(dw, Param::w_down) = matmul_dw(saved.s, dout, T, F, H);
-    Vec ds = matmul_dx(dout, param(w, Param::w_down), T, F, H);
+    param(dw, Param::w_down) = gemm_dw(saved.s, dout, F, H, kRow);
+    Vec ds = gemm_dx(dout, param(w, Param::w_down), F, H, kRow);
     Vec dgt(ds.size()), dup(ds.size());
     for (std::size_t i = 0; i < ds.size(); ++i) {
       const double z = saved.gt[i], sg = 1.0 / (1.0 + std::exp(-z));
       dup[i] = ds[i] * silu(z);
       dgt[i] = ds[i] * saved.up[i] * sg * (1.0 + z * (1.0 - sg));
     }
-    param(dw, Param::w_gate) = matmul_dw(saved.h2, dgt, T, H, F);
-    param(dw, Param::w_up) = matmul_dw(saved.h2, dup, T, H, F);
-    Vec dh2 = matmul_dx(dgt, param(w, Param::w_gate), T, H, F);
-    add_into(dh2, matmul_dx(dup, param(w, Param::w_up), T, H, F));
+    param(dw, Param::w_gate) = gemm_dw(saved.h2, dgt, H, F, kColumn);
+    param(dw, Param::w_up) = gemm_dw(saved.h2, dup, H, F, kColumn);
+    Vec dh2 = gemm_dx(dgt, param(w, Param::w_gate), H, F, kColumn);
+    add_into(dh2, gemm_dx(dup, param(w, Param::w_up), H, F, kColumn));
     param(dw, Param::norm2).assign(static_cast<std::size_t>(H), 0.0);
     return rmsnorm_back(dh2, saved.x2, param(w, Param::norm2), saved.rstd2, T, H,
                         param(dw, Param::norm2));
@@ -228,18 +305,18 @@ class RefBlock {
   // The attention half's backward from dx2: the gradients of Wo, Wq, Wk, Wv and norm1; returns
   // the gradient that reaches x through norm1 (the residual's dx2 is the caller's).
   Vec attention_backward(const Params& w, const Layer& saved, const Vec& dx2, Params& dw) const {
-    param(dw, Param::wo) = matmul_dw(saved.a, dx2, T, H, H);
-    const Vec da = matmul_dx(dx2, param(w, Param::wo), T, H, H);
+    param(dw, Param::wo) = gemm_dw(saved.a, dx2, H, H, kRow);
+    const Vec da = gemm_dx(dx2, param(w, Param::wo), H, H, kRow);
     Vec dq(da.size(), 0.0), dk(saved.k.size(), 0.0), dv(saved.v.size(), 0.0);
     causal_softmax_attention_backward(saved, da, dq, dk, dv);
     rope(dq, NH, -1.0);  // the rotation's transpose
     rope(dk, NKV, -1.0);
-    param(dw, Param::wq) = matmul_dw(saved.h, dq, T, H, H);
-    param(dw, Param::wk) = matmul_dw(saved.h, dk, T, H, KV);
-    param(dw, Param::wv) = matmul_dw(saved.h, dv, T, H, KV);
-    Vec dh = matmul_dx(dq, param(w, Param::wq), T, H, H);
-    add_into(dh, matmul_dx(dk, param(w, Param::wk), T, H, KV));
-    add_into(dh, matmul_dx(dv, param(w, Param::wv), T, H, KV));
+    param(dw, Param::wq) = gemm_dw(saved.h, dq, H, H, kColumn);
+    param(dw, Param::wk) = gemm_dw(saved.h, dk, H, KV, kColumn);
+    param(dw, Param::wv) = gemm_dw(saved.h, dv, H, KV, kColumn);
+    Vec dh = gemm_dx(dq, param(w, Param::wq), H, H, kColumn);
+    add_into(dh, gemm_dx(dk, param(w, Param::wk), H, KV, kColumn));
+    add_into(dh, gemm_dx(dv, param(w, Param::wv), H, KV, kColumn));
     param(dw, Param::norm1).assign(static_cast<std::size_t>(H), 0.0);
     return rmsnorm_back(dh, saved.x, param(w, Param::norm1), saved.rstd1, T, H,
                         param(dw, Param::norm1));
@@ -304,6 +381,7 @@ class RefBlock {
 
   I S, B, H, NH, NKV, D, KV, F, T;
   double theta;
+  std::optional<LowpEmulation> emul;
 };
 
 // The loss ½·mean((y − target)²) and its gradient dy = (y − target)/n.
@@ -474,9 +552,14 @@ ReferenceRun reference_run(const BlockConfig& c, int steps) {
   return reference_run_from(c, reference_init(c), steps);
 }
 
-ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int steps) {
+ReferenceRun reference_run_lowp(const BlockConfig& c, int steps, const LowpEmulation& lowp) {
+  return reference_run_from(c, reference_init(c), steps, lowp);
+}
+
+ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int steps,
+                                const std::optional<LowpEmulation>& lowp) {
   auto& params = state.params;
-  const RefBlock block(c);
+  const RefBlock block(c, lowp);
   ReferenceRun run;
   std::vector<Layer> saved(static_cast<std::size_t>(c.layers));
   AdamState adam;

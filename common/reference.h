@@ -2,14 +2,22 @@
 // backward and SGD, in loops. It shares no compute code with the stages (only the initialiser, so
 // it sees the same numbers); tests and `01_baseline --check` compare against it.
 //
-// defines: tpx::ReferenceRun, tpx::ReferenceState, tpx::reference_init(), tpx::reference_run(),
-//          tpx::reference_run_from()
+// With a low-precision recipe (LowpEmulation) it emulates stage 06's GEMMs under --fp8-recipe: at
+// each of the seven linear layers' three GEMMs (forward, input gradient, weight gradient) both
+// operands go through common/lowp.h's quantizer as the stage quantizes them (the same element
+// format, the same blocks along the same reduction dimension), are dequantized, and multiplied
+// in double. Everything between the GEMMs, and the language model's output layer, stays in double.
+//
+// defines: tpx::ReferenceRun, tpx::ReferenceState, tpx::LowpEmulation, tpx::reference_init(),
+//          tpx::reference_run(), tpx::reference_run_lowp(), tpx::reference_run_from()
 #pragma once
 
 #include <array>
+#include <optional>
 #include <vector>
 
 #include "config.h"
+#include "lowp.h"
 #include "model.h"
 
 namespace tpx {
@@ -32,13 +40,29 @@ struct ReferenceState {
   std::vector<std::array<std::vector<double>, kNumParams>> params;  ///< [layer][param]
 };
 
+/// The recipe the reference emulates, and the tensor-parallel group it emulates it over.
+struct LowpEmulation {
+  lowp::Recipe recipe = lowp::Recipe::tensorwise;
+  /// The ranks N of the group. Where the stage's GEMM has its reduction dimension K sharded (the
+  /// row-parallel layers' forward, K = in/N; the column-parallel layers' input gradient,
+  /// K = out/N), each rank quantizes its own part of K: a rowwise scale covers 1/N of a row.
+  /// Under the block recipes a block never crosses a shard's edge (06_fp8/layers.h), and
+  /// tensorwise agrees one scale over the group, so N changes nothing there.
+  int ranks = 1;
+};
+
 /// The starting point make_model() generates from c.seed (fp32 values, widened to double).
 ReferenceState reference_init(const BlockConfig& c);
 
 /// Initialises the model from c.seed exactly as make_model() does and runs `steps` steps.
 ReferenceRun reference_run(const BlockConfig& c, int steps);
 
-/// Runs `steps` steps from an explicit starting point (tests perturb it for finite differences).
-ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int steps);
+/// reference_run() with every linear layer's GEMMs under the low-precision recipe `lowp`.
+ReferenceRun reference_run_lowp(const BlockConfig& c, int steps, const LowpEmulation& lowp);
+
+/// Runs `steps` steps from an explicit starting point (tests perturb it for finite differences),
+/// the GEMMs in plain double or, given `lowp`, emulating that recipe.
+ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int steps,
+                                const std::optional<LowpEmulation>& lowp = std::nullopt);
 
 }  // namespace tpx

@@ -1,11 +1,15 @@
-// Stage 06 under --fp8-recipe rowwise and block128 (06_fp8/layers.h): --check against the fp32
-// reference at N = 1, 2, 4; the meshes whose shards would cut a 128-block refused, and the cuda
+// Stage 06 under --fp8-recipe rowwise, block128 and mxfp8 (06_fp8/layers.h): --check against the double
+// reference that emulates the recipe at N = 1, 2, 4, and the stage nearer to that emulation than
+// to the plain reference or another recipe's; the meshes whose shards would cut a 128-block refused, and the cuda
 // device refused; a step's bytes against the formula; the dumped layer-0 weight codes and scales
 // against common/lowp.h's quantizer applied to the dumped fp32 weights; the recipe in config.json.
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <ostream>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -15,6 +19,7 @@
 #include "06_fp8/traffic.h"
 #include "common/lowp.h"
 #include "common/npy.h"
+#include "common/reference.h"
 #include "test_stage_runs.h"
 #include "test_util.h"
 
@@ -26,8 +31,8 @@ using nlohmann::json;
 using test::run_stage;
 
 /// A block whose every split length is a multiple of 128 on 1, 2 and 4 ranks (H/4 = NKV·D/4 =
-/// F/4 = 128), so block128 runs at every N; H = 512 is four 128-blocks along each row of the
-/// column inputs.
+/// F/4 = 128), so block128 and mxfp8 run at every N; H = 512 is four 128-blocks (sixteen
+/// 32-blocks) along each row of the column inputs.
 constexpr const char* kSizes =
     "--hidden 512 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 2 --steps 2";
 
@@ -42,27 +47,36 @@ void PrintTo(const Case& c, std::ostream* os) {
 
 class RecipeCheck : public ::testing::TestWithParam<Case> {};
 
-// --check compares with stage 01 in fp32 under the stage's FP8 tolerance (relative error 0.1 of
-// the largest value, gradient cosine 0.98, losses 2e-2; common/stage.cc's kFp8Check), the one
-// tensorwise is held to. It holds for these recipes for the same reason: every operand element
+// --check compares with the double reference emulating the recipe (common/reference.h) under the
+// stage's FP8 tolerance (relative error 0.1 of the largest value, gradient cosine 0.98, losses
+// 2e-2; common/stage.cc's kFp8Check), the one tensorwise is held to against stage 01 in fp32. It
+// holds against the plain reference too, for the same reason: every operand element
 // is an E4M3 (3 mantissa bits, relative rounding error ≤ 2^-4) or E5M2 (≤ 2^-3) value times its
 // scale, and a finer scale only shrinks the share of values pushed into the subnormals, so each
 // element's error stays within E4M3's/E5M2's, and a K-long dot product of such errors sums to a
 // relative error of the same order as tensorwise's. block128 uses E4M3 for the gradients too:
-// one bit more of mantissa than E5M2.
+// one bit more of mantissa than E5M2. mxfp8's power-of-two scales leave each block's largest
+// element between 256 and 448 (or saturated at 448) instead of at 448: the same 3-bit mantissa.
+// Each recipe runs on the language model (the default task), mxfp8 on the block too.
 TEST_P(RecipeCheck, PassesCheck) {
   const Case c = GetParam();
   test::TempDir dir;
-  const auto r = run_stage("06_fp8", c.ranks,
-                           fmt::format("{} --fp8-recipe {} --check", kSizes, c.recipe), dir);
-  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+  for (const char* task : {"lm", "block"}) {
+    if (std::string_view(task) == "block" && std::string_view(c.recipe) != "mxfp8") continue;
+    const auto r =
+        run_stage("06_fp8", c.ranks,
+                  fmt::format("{} --task {} --fp8-recipe {} --check", kSizes, task, c.recipe), dir);
+    EXPECT_EQ(r.exit_code, 0) << task << r.out << r.err;
+    EXPECT_NE(r.out.find("emulating --fp8-recipe"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << task << r.out;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fp8Recipes, RecipeCheck,
                          ::testing::Values(Case{"rowwise", 1}, Case{"rowwise", 2},
                                            Case{"rowwise", 4}, Case{"block128", 1},
-                                           Case{"block128", 2}, Case{"block128", 4}),
+                                           Case{"block128", 2}, Case{"block128", 4},
+                                           Case{"mxfp8", 1}, Case{"mxfp8", 2}, Case{"mxfp8", 4}),
                          [](const auto& p) {
                            return fmt::format("{}_np{}", p.param.recipe, p.param.ranks);
                          });
@@ -78,6 +92,15 @@ TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
                             "--hidden 256 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 "
                             "--fp8-recipe block128 --dry-run",
                             "a multiple of 128");
+  // mxfp8's 32-blocks: H = 192 over 4 ranks leaves NH·Dh/N = 48 per rank.
+  test::expect_refused_once(
+      "06_fp8", 4,
+      "--hidden 192 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 --fp8-recipe mxfp8",
+      "--fp8-recipe mxfp8");
+  test::expect_refused_once("06_fp8", 4,
+                            "--hidden 192 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 "
+                            "--fp8-recipe mxfp8 --dry-run",
+                            "a multiple of 32");
   // rowwise has no block to cut: the same mesh runs.
   test::TempDir dir;
   const auto r = run_stage("06_fp8", 4,
@@ -88,7 +111,7 @@ TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
 }
 
 TEST(Fp8Recipes, TheCudaDeviceRefusesThemInOneLine) {
-  for (const char* recipe : {"rowwise", "block128"})
+  for (const char* recipe : {"rowwise", "block128", "mxfp8"})
     test::expect_refused_once("06_fp8", 1,
                               fmt::format("{} --device cuda --fp8-recipe {}", kSizes, recipe),
                               fmt::format("--fp8-recipe {}: the cuda device", recipe));
@@ -96,8 +119,9 @@ TEST(Fp8Recipes, TheCudaDeviceRefusesThemInOneLine) {
 
 // The comm counts of a step at N = 2: tensorwise's eight MAX all-reduces of k ∈ {4,2,3,2,3,2,2,2}
 // fp32 amaxes per layer (payload and bus 4k each at N = 2) are gone under rowwise and block128,
-// and each of the six FP8 gathers per layer carries its chunk's fp32 scales in a second ring of
-// N − 1 transfers: S·B/N rows of 1 (rowwise) or H/128 (block128) scales.
+// and each of the six FP8 gathers per layer carries its chunk's scales in a second ring of N − 1
+// transfers: S·B/N rows of 1 (rowwise) or H/128 (block128) fp32 scales, or H/32 (mxfp8) E8M0
+// scales of one byte.
 TEST(Fp8Recipes, StepBytesFollowTheFormula) {
   const std::int64_t H = 512, S = 8, B = 2, L = 2, N = 2;
   const std::string args = fmt::format(
@@ -106,13 +130,15 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
     const json j = test::run_json("06_fp8", int(N), args + " --fp8-recipe " + recipe);
     return j.empty() ? json::object() : j.at("steps").at(0);
   };
-  const json tw = step("tensorwise"), rw = step("rowwise"), bl = step("block128");
-  ASSERT_FALSE(tw.empty() || rw.empty() || bl.empty());
+  const json tw = step("tensorwise"), rw = step("rowwise"), bl = step("block128"),
+             mx = step("mxfp8");
+  ASSERT_FALSE(tw.empty() || rw.empty() || bl.empty() || mx.empty());
   auto get = [](const json& s, const char* key) { return s.at(key).get<std::int64_t>(); };
   const std::int64_t amax = L * 4 * (4 + 2 + 3 + 2 + 3 + 2 + 2 + 2);  // payload = bus at N = 2
   const std::int64_t rows = S * B / N;
-  for (const auto& [s, per_row] : {std::pair{rw, std::int64_t{1}}, std::pair{bl, H / 128}}) {
-    const std::int64_t scales = L * 6 * (N - 1) * rows * per_row * 4;
+  for (const auto& [s, per_row, bytes] : {std::tuple{rw, std::int64_t{1}, 4},
+                                          std::tuple{bl, H / 128, 4}, std::tuple{mx, H / 32, 1}}) {
+    const std::int64_t scales = L * 6 * (N - 1) * rows * per_row * bytes;
     for (const char* key : {"comm_payload_bytes", "comm_bus_bytes"})
       EXPECT_EQ(get(s, key), get(tw, key) - amax + scales) << key;
     EXPECT_EQ(get(s, "comm_calls"), get(tw, "comm_calls") - L * 8 + L * 6 * (N - 1));
@@ -131,6 +157,8 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
             std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::rowwise).bus));
   EXPECT_EQ(get(bl, "comm_bus_bytes"),
             std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::block128).bus));
+  EXPECT_EQ(get(mx, "comm_bus_bytes"),
+            std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::mxfp8).bus));
 }
 
 /// The [rows, cols] matrix m transposed.
@@ -148,10 +176,11 @@ std::vector<float> transposed(const std::vector<float>& m, std::int64_t rows, st
 // the shards' codes, gathered, are still the whole weight's wherever no scale spans two shards:
 // every weight under block128 (aligned 128-blocks), the column weights under rowwise (a row of
 // Wᵀ is an output column, whole on its rank); the row weights' rows under rowwise are cut at
-// in/N, so their scales are the shards' own and are not compared.
+// in/N, so their scales are the shards' own and are not compared. mxfp8's E8M0 scales are
+// compared as bytes (aligned 32-blocks, as block128's).
 TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
   for (const int n : {1, 2})
-    for (const Recipe recipe : {Recipe::rowwise, Recipe::block128}) {
+    for (const Recipe recipe : {Recipe::rowwise, Recipe::block128, Recipe::mxfp8}) {
       const std::string name(lowp::to_string(recipe));
       test::TempDir dir;
       const auto r = run_stage("06_fp8", n,
@@ -168,7 +197,13 @@ TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
         const std::string what = fmt::format("{} np {} {}", name, n, w);
         const NpyArray master = read_npy(dir / "d" / fmt::format("layers.0.{}.npy", w));
         const NpyBytes codes = read_npy_bytes(dir / "d" / fmt::format("fp8/layers.0.{}.npy", w));
-        const NpyArray scales = read_npy(dir / "d" / fmt::format("fp8/layers.0.{}.scale.npy", w));
+        // The scales: fp32 values, or mxfp8's E8M0 codes as bytes.
+        const std::filesystem::path scale_path =
+            dir / "d" / fmt::format("fp8/layers.0.{}.scale.npy", w);
+        const bool e8m0 = recipe == Recipe::mxfp8;
+        const NpyArray scales = e8m0 ? NpyArray{} : read_npy(scale_path);
+        const NpyBytes scale_codes = e8m0 ? read_npy_bytes(scale_path) : NpyBytes{};
+        const std::vector<std::int64_t>& scale_shape = e8m0 ? scale_codes.shape : scales.shape;
         ASSERT_EQ(master.shape.size(), 2u);
         const std::int64_t in = master.shape[0], out = master.shape[1];
         const std::vector<float> wt = transposed(master.data, in, out);
@@ -181,17 +216,82 @@ TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
             differ += codes.data[std::size_t(i * out + o)] != q.codes[std::size_t(o * in + i)];
         EXPECT_EQ(differ, 0) << what << ": codes differ";
         if (n > 1) {
-          EXPECT_EQ(scales.shape.at(0), n) << what;  // one set of scales per rank
+          EXPECT_EQ(scale_shape.at(0), n) << what;  // one set of scales per rank
           continue;
         }
-        EXPECT_EQ(scales.shape, (std::vector<std::int64_t>{1, q.scale_rows, q.scale_cols})) << what;
-        EXPECT_EQ(scales.data, q.scales) << what;
+        EXPECT_EQ(scale_shape, (std::vector<std::int64_t>{1, q.scale_rows, q.scale_cols})) << what;
+        if (e8m0)
+          EXPECT_EQ(scale_codes.data, q.scale_codes) << what;
+        else
+          EXPECT_EQ(scales.data, q.scales) << what;
       }
-      // The gathered input: one scale per row (rowwise) or per 128 of a row (block128) of each
-      // rank's [S/N·B, H] shard.
-      const NpyArray s = read_npy(dir / "d" / "fp8/layers.0.qkv_in.scale.npy");
-      EXPECT_EQ(s.shape, (std::vector<std::int64_t>{n, 16 / n, recipe == Recipe::rowwise ? 1 : 2}));
+      // The gathered input: one scale per row (rowwise), per 128 of a row (block128) or per 32
+      // (mxfp8) of each rank's [S/N·B, H] shard.
+      const std::int64_t per_row = recipe == Recipe::rowwise    ? 1
+                                   : recipe == Recipe::block128 ? 2
+                                                                : 8;
+      const std::filesystem::path input_scales = dir / "d" / "fp8/layers.0.qkv_in.scale.npy";
+      EXPECT_EQ(recipe == Recipe::mxfp8 ? read_npy_bytes(input_scales).shape
+                                        : read_npy(input_scales).shape,
+                (std::vector<std::int64_t>{n, 16 / n, per_row}));
     }
+}
+
+/// ‖got − want‖ / ‖want‖.
+double relative_distance(const std::vector<float>& got, const std::vector<double>& want) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    diff += (double(got.at(i)) - want[i]) * (double(got.at(i)) - want[i]);
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+// The reference that emulates a recipe (common/reference.h, LowpEmulation) quantizes the GEMMs'
+// operands as the stage does: the stage's first-step output and input gradient (one layer, the
+// block task, so that little lies between the quantizers and the compared tensors) are nearer to
+// the emulation of the stage's own recipe than to the plain double reference, and nearer than to
+// the emulation of another recipe (a reference that quantizes differently from the stage).
+// tensorwise too: its scale agreed over the group is the reference's whole-tensor one. The
+// distance left is the stage's bf16 activations between the GEMMs and the FP8 roundings they flip
+// (common/stage.cc, kFp8Check): measured, the own recipe's distance is 0.4–0.7 of the others'.
+TEST(Fp8Recipes, TheStageIsNearestToTheEmulationOfItsOwnRecipe) {
+  BlockConfig c;
+  c.hidden = 512;
+  c.heads = 4;
+  c.ffn = 512;
+  c.seq = 8;
+  c.batch = 2;
+  c.layers = 1;
+  c.task = Task::block;
+  const int n = 2;
+  for (const Recipe recipe :
+       {Recipe::tensorwise, Recipe::rowwise, Recipe::block128, Recipe::mxfp8}) {
+    const std::string name(lowp::to_string(recipe));
+    test::TempDir dir;
+    const auto r = run_stage(
+        "06_fp8", n,
+        fmt::format("--task block --hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {} "
+                    "--steps 1 --fp8-recipe {} --dump {}",
+                    c.hidden, c.heads, c.ffn, c.seq, c.batch, c.layers, name, (dir / "d").string()),
+        dir);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    const std::vector<float> out = read_npy(dir / "d" / "output.npy").data;
+    const std::vector<float> grad = read_npy(dir / "d" / "input.grad.npy").data;
+    auto distances = [&](const ReferenceRun& want) {
+      return std::pair{relative_distance(out, want.output),
+                       relative_distance(grad, want.input_grad)};
+    };
+    const auto own = distances(reference_run_lowp(c, 1, {recipe, n}));
+    const Recipe other = recipe == Recipe::rowwise ? Recipe::block128 : Recipe::rowwise;
+    const std::vector<std::pair<std::string, std::pair<double, double>>> wrong{
+        {"the plain reference", distances(reference_run(c, 1))},
+        {std::string(lowp::to_string(other)), distances(reference_run_lowp(c, 1, {other, n}))}};
+    for (const auto& [what, d] : wrong) {
+      EXPECT_LT(own.first, 0.8 * d.first) << name << " output against " << what;
+      EXPECT_LT(own.second, 0.8 * d.second) << name << " input gradient against " << what;
+    }
+  }
 }
 
 }  // namespace
