@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -131,6 +132,49 @@ TEST_F(AllToAllArgs, InconsistentArgumentsAreRefusedBeforeAnyTransfer) {
   EXPECT_THROW(comm_->all_to_all_v(t, one, Tensor(), one, stream_), Error);
   EXPECT_TRUE(comm_->recorder().snapshot().empty());
   EXPECT_EQ(comm_->take_stats().calls, 0u);
+}
+
+/// A backend with every op but the all-to-all, as NCCL is: the refusal comes from the
+/// Communicator itself, before anything is recorded or counted.
+class NoAllToAll final : public Communicator {
+ public:
+  NoAllToAll(int rank, int size, const CommOptions& o) : Communicator(rank, size, o) {}
+  std::string name() const override { return "a test backend"; }
+
+ protected:
+  void do_all_gather(const Tensor&, const Tensor&, const Stream&) override { unused(); }
+  void do_reduce_scatter(const Tensor&, const Tensor&, const Stream&) override { unused(); }
+  void do_all_reduce(const Tensor&, const Stream&, bool) override { unused(); }
+  void do_broadcast(const Tensor&, int, const Stream&) override { unused(); }
+  void do_sendrecv(const Tensor&, int, const Tensor&, int, const Stream&) override { unused(); }
+  void do_barrier() override { unused(); }
+  bool accepts(Device) const override { return true; }
+
+ private:
+  [[noreturn]] static void unused() { fail("not used by the test"); }
+};
+
+TEST_F(AllToAllArgs, ABackendWithoutItRefusesOnEveryRankBeforeAnyTransfer) {
+  CommOptions o;
+  o.monitor = make_comm_monitor(o);
+  NoAllToAll c(r_, n_, o);
+  const std::vector<std::int64_t> one(static_cast<std::size_t>(n_), 1);
+  const Tensor t = Tensor::zeros({n_, kCols});
+  for (int op = 0; op < 2; ++op) {
+    try {
+      if (op == 0)
+        c.all_to_all_counts(one);
+      else
+        c.all_to_all_v(t, one, t, one, stream_);
+      ADD_FAILURE() << "op " << op << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string_view(e.what()).find("a test backend has no all-to-all yet"),
+                std::string_view::npos)
+          << e.what();
+    }
+  }
+  EXPECT_TRUE(c.recorder().snapshot().empty());
+  EXPECT_EQ(c.take_stats().calls, 0u);
 }
 
 }  // namespace
