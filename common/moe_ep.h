@@ -27,7 +27,8 @@
 //           (payload 4·E, bus 4·(E − E/EP));
 //   dispatch (forward x, backward w·dy): payload Σ_d n_{r→d}·H·B, bus Σ_{d≠r} n_{r→d}·H·B;
 //   combine  (forward out, backward dx): payload Σ_s n_{s→r}·H·B, bus Σ_{s≠r} n_{s→r}·H·B.
-// (Communicator's accounting: communicator.h.)
+// (Communicator's accounting: communicator.h. Float rows travel as f32, double rows as their bytes,
+// recorded as u8.)
 //
 // Equality with moe_forward/moe_backward over all tokens, in double: the routing and the drops
 // exactly; y, dx, the router's and the shared experts' gradients (summed over the ranks), the
