@@ -59,10 +59,11 @@ void row_matmul_dw(const T* x, const T* dy, I in, I out, T* dw) {
     for (I o = 0; o < out; ++o) dw[i * out + o] += x[i] * dy[o];
 }
 
-// One SwiGLU's forward for one token: gate = x·Wg, up = x·Wu, y += a · (silu(gate)·up)·Wd.
+}  // namespace
+
 template <class T>
-void swiglu_forward(const T* x, const T* wg, const T* wu, const T* wd, I h, I fe, T a, T* gate,
-                    T* up, T* y) {
+void moe_swiglu_forward(const T* x, const T* wg, const T* wu, const T* wd, I h, I fe, T a, T* gate,
+                        T* up, T* y) {
   std::fill(gate, gate + fe, T(0));
   std::fill(up, up + fe, T(0));
   row_matmul_acc(x, wg, h, fe, T(1), gate);
@@ -72,11 +73,9 @@ void swiglu_forward(const T* x, const T* wg, const T* wu, const T* wd, I h, I fe
   row_matmul_acc(s.data(), wd, fe, h, a, y);
 }
 
-// Its backward for dout = ∂loss/∂(its output, before the factor a): accumulates the weights'
-// gradients and dx; returns ∂loss/∂a = dout·(its output).
 template <class T>
-T swiglu_backward(const T* x, const T* wg, const T* wu, const T* wd, I h, I fe, T a, const T* gate,
-                  const T* up, const T* dout, T* dwg, T* dwu, T* dwd, T* dx) {
+T moe_swiglu_backward(const T* x, const T* wg, const T* wu, const T* wd, I h, I fe, T a,
+                      const T* gate, const T* up, const T* dout, T* dwg, T* dwu, T* dwd, T* dx) {
   std::vector<T> s(at(fe)), ds(at(fe), T(0)), dgate(at(fe)), dup(at(fe));
   for (I f = 0; f < fe; ++f) s[at(f)] = silu(gate[f]) * up[f];
   // out = s·Wd: ∂loss/∂a = Σ_o dout[o]·out[o] = Σ_f s[f]·(Wd·dout)[f]
@@ -97,6 +96,8 @@ T swiglu_backward(const T* x, const T* wg, const T* wu, const T* wd, I h, I fe, 
   row_matmul_dx(dup.data(), wu, h, fe, dx);
   return da;
 }
+
+namespace {
 
 // The normalised probabilities P of the auxiliary loss for one token's scores: p itself
 // (softmax) or s / Σ s (sigmoid).
@@ -184,6 +185,81 @@ void moe_update_bias(std::span<T> bias, std::span<const std::int64_t> counts, do
 }
 
 template <class T>
+std::vector<T> moe_logits(const MoeShape& m, std::span<const T> router, std::span<const T> x) {
+  const I n = m.tokens, H = m.hidden, E = m.experts;
+  TPX_CHECK(x.size() == at(n * H) && router.size() == at(H * E), "x of {}, router of {}", x.size(),
+            router.size());
+  std::vector<T> z(at(n * E), T(0));
+  for (I t = 0; t < n; ++t)
+    row_matmul_acc(x.data() + t * H, router.data(), H, E, T(1), z.data() + t * E);
+  return z;
+}
+
+template <class T>
+T moe_aux_loss(const MoeShape& m, std::span<const T> score, std::span<const std::int64_t> routed,
+               std::int64_t tokens_all) {
+  if (m.aux_loss_weight == 0.0) return T(0);
+  const I n = m.tokens, E = m.experts, k = m.topk;
+  TPX_CHECK(score.size() == at(n * E) && routed.size() == at(E), "{} scores, {} counts",
+            score.size(), routed.size());
+  std::vector<T> P(at(E), T(0));
+  for (I t = 0; t < n; ++t) {
+    const std::vector<T> q = aux_probs(m, score.data() + t * E);
+    for (I e = 0; e < E; ++e) P[at(e)] += q[at(e)] / T(tokens_all);
+  }
+  T sum = 0;
+  for (I e = 0; e < E; ++e) sum += T(routed[at(e)]) / T(tokens_all * k) * P[at(e)];
+  return T(m.aux_loss_weight) * T(E) * sum;
+}
+
+template <class T>
+std::vector<T> moe_aux_grad(const MoeShape& m, std::span<const std::int64_t> routed,
+                            std::int64_t tokens_all) {
+  const I E = m.experts, k = m.topk;
+  std::vector<T> dP(at(E), T(0));
+  if (m.aux_loss_weight != 0.0)
+    for (I e = 0; e < E; ++e)
+      dP[at(e)] = T(m.aux_loss_weight) * T(E) * T(routed[at(e)]) / T(tokens_all * k);
+  return dP;
+}
+
+template <class T>
+void moe_router_backward(const MoeShape& m, std::span<const T> router, const T* xt, const T* score,
+                         const std::int32_t* expert, const T* weight, const T* dweight,
+                         std::span<const T> dP, std::int64_t tokens_all, T* dxt, T* drouter) {
+  const I H = m.hidden, E = m.experts, k = m.topk, n = tokens_all;
+  std::vector<T> dscore(at(E), T(0)), dz(at(E));
+  // The gate weights w_j = score_{e_j} / Σ_K score: ∂/∂score_{e_j} = (dw_j − Σ_i w_i dw_i) / Σ_K.
+  T chosen = 0, wdw = 0;
+  for (I j = 0; j < k; ++j) {
+    chosen += score[expert[j]];
+    wdw += weight[j] * dweight[j];
+  }
+  for (I j = 0; j < k; ++j) dscore[at(expert[j])] += (dweight[j] - wdw) / chosen;
+  // The auxiliary loss through q = score (softmax) or score / Σ score (sigmoid).
+  if (m.aux_loss_weight != 0.0) {
+    if (m.router == MoeRouter::softmax) {
+      for (I e = 0; e < E; ++e) dscore[at(e)] += dP[at(e)] / T(n);
+    } else {
+      const T sum = std::accumulate(score, score + E, T(0));
+      T qdq = 0;
+      for (I e = 0; e < E; ++e) qdq += score[e] / sum * dP[at(e)];
+      for (I e = 0; e < E; ++e) dscore[at(e)] += (dP[at(e)] - qdq) / (T(n) * sum);
+    }
+  }
+  // The scores from the logits: softmax's Jacobian, or the sigmoid's s(1 − s).
+  if (m.router == MoeRouter::softmax) {
+    T pdp = 0;
+    for (I e = 0; e < E; ++e) pdp += score[e] * dscore[at(e)];
+    for (I e = 0; e < E; ++e) dz[at(e)] = score[e] * (dscore[at(e)] - pdp);
+  } else {
+    for (I e = 0; e < E; ++e) dz[at(e)] = dscore[at(e)] * score[e] * (T(1) - score[e]);
+  }
+  row_matmul_dw(xt, dz.data(), H, E, drouter);
+  row_matmul_dx(dz.data(), router.data(), H, E, dxt);
+}
+
+template <class T>
 MoeForward<T> moe_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                           std::span<const T> bias) {
   const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
@@ -197,9 +273,7 @@ MoeForward<T> moe_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<c
                 w.shared_down.size() == at(SF * H),
             "shared expert weights of {}", w.shared_gate.size());
   MoeForward<T> f;
-  f.logits.assign(at(n * E), T(0));
-  for (I t = 0; t < n; ++t)
-    row_matmul_acc(x.data() + t * H, w.router.data(), H, E, T(1), f.logits.data() + t * E);
+  f.logits = moe_logits<T>(m, w.router, x);
   f.routing = moe_route<T>(m, f.logits, bias);
   const MoeRouting<T>& r = f.routing;
 
@@ -211,28 +285,19 @@ MoeForward<T> moe_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<c
       const I a = t * k + j;
       if (!r.kept[at(a)]) continue;
       const I e = r.expert[at(a)];
-      swiglu_forward(x.data() + t * H, w.w_gate.data() + e * H * FE, w.w_up.data() + e * H * FE,
-                     w.w_down.data() + e * FE * H, H, FE, r.weight[at(a)], f.gate.data() + a * FE,
-                     f.up.data() + a * FE, f.y.data() + t * H);
+      moe_swiglu_forward(x.data() + t * H, w.w_gate.data() + e * H * FE, w.w_up.data() + e * H * FE,
+                         w.w_down.data() + e * FE * H, H, FE, r.weight[at(a)],
+                         f.gate.data() + a * FE, f.up.data() + a * FE, f.y.data() + t * H);
     }
   if (SF > 0) {
     f.shared_gate.assign(at(n * SF), T(0));
     f.shared_up.assign(at(n * SF), T(0));
     for (I t = 0; t < n; ++t)
-      swiglu_forward(x.data() + t * H, w.shared_gate.data(), w.shared_up.data(),
-                     w.shared_down.data(), H, SF, T(1), f.shared_gate.data() + t * SF,
-                     f.shared_up.data() + t * SF, f.y.data() + t * H);
+      moe_swiglu_forward(x.data() + t * H, w.shared_gate.data(), w.shared_up.data(),
+                         w.shared_down.data(), H, SF, T(1), f.shared_gate.data() + t * SF,
+                         f.shared_up.data() + t * SF, f.y.data() + t * H);
   }
-  if (m.aux_loss_weight != 0.0) {
-    std::vector<T> P(at(E), T(0));
-    for (I t = 0; t < n; ++t) {
-      const std::vector<T> q = aux_probs(m, r.score.data() + t * E);
-      for (I e = 0; e < E; ++e) P[at(e)] += q[at(e)] / T(n);
-    }
-    T sum = 0;
-    for (I e = 0; e < E; ++e) sum += T(r.routed_per_expert[at(e)]) / T(n * k) * P[at(e)];
-    f.aux_loss = T(m.aux_loss_weight) * T(E) * sum;
-  }
+  f.aux_loss = moe_aux_loss<T>(m, r.score, r.routed_per_expert, n);
   return f;
 }
 
@@ -254,12 +319,9 @@ MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<co
   g.w.shared_down.assign(w.shared_down.size(), T(0));
 
   // ∂L_aux/∂P_e = W·E·f_e (f_e held constant), and P_e = mean_t q_{t,e}.
-  std::vector<T> dP(at(E), T(0));
-  if (m.aux_loss_weight != 0.0)
-    for (I e = 0; e < E; ++e)
-      dP[at(e)] = T(m.aux_loss_weight) * T(E) * T(r.routed_per_expert[at(e)]) / T(n * k);
+  const std::vector<T> dP = moe_aux_grad<T>(m, r.routed_per_expert, n);
 
-  std::vector<T> dweight(at(k)), dscore(at(E)), dz(at(E));
+  std::vector<T> dweight(at(k));
   for (I t = 0; t < n; ++t) {
     const T* xt = x.data() + t * H;
     const T* dyt = dy.data() + t * H;
@@ -270,53 +332,37 @@ MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<co
       dweight[at(j)] = 0;
       if (!r.kept[at(a)]) continue;
       const I e = r.expert[at(a)];
-      dweight[at(j)] = swiglu_backward(xt, w.w_gate.data() + e * H * FE, w.w_up.data() + e * H * FE,
-                                       w.w_down.data() + e * FE * H, H, FE, r.weight[at(a)],
-                                       f.gate.data() + a * FE, f.up.data() + a * FE, dyt,
-                                       g.w.w_gate.data() + e * H * FE, g.w.w_up.data() + e * H * FE,
-                                       g.w.w_down.data() + e * FE * H, dxt);
+      dweight[at(j)] = moe_swiglu_backward(
+          xt, w.w_gate.data() + e * H * FE, w.w_up.data() + e * H * FE,
+          w.w_down.data() + e * FE * H, H, FE, r.weight[at(a)], f.gate.data() + a * FE,
+          f.up.data() + a * FE, dyt, g.w.w_gate.data() + e * H * FE, g.w.w_up.data() + e * H * FE,
+          g.w.w_down.data() + e * FE * H, dxt);
     }
     if (SF > 0)
-      swiglu_backward(xt, w.shared_gate.data(), w.shared_up.data(), w.shared_down.data(), H, SF,
-                      T(1), f.shared_gate.data() + t * SF, f.shared_up.data() + t * SF, dyt,
-                      g.w.shared_gate.data(), g.w.shared_up.data(), g.w.shared_down.data(), dxt);
+      moe_swiglu_backward(xt, w.shared_gate.data(), w.shared_up.data(), w.shared_down.data(), H, SF,
+                          T(1), f.shared_gate.data() + t * SF, f.shared_up.data() + t * SF, dyt,
+                          g.w.shared_gate.data(), g.w.shared_up.data(), g.w.shared_down.data(),
+                          dxt);
 
-    // The gate weights w_j = score_{e_j} / Σ_K score: ∂/∂score_{e_j} = (dw_j − Σ_i w_i dw_i) / Σ_K.
-    const T* score = r.score.data() + t * E;
-    std::fill(dscore.begin(), dscore.end(), T(0));
-    T chosen = 0, wdw = 0;
-    for (I j = 0; j < k; ++j) {
-      chosen += score[r.expert[at(t * k + j)]];
-      wdw += r.weight[at(t * k + j)] * dweight[at(j)];
-    }
-    for (I j = 0; j < k; ++j)
-      dscore[at(r.expert[at(t * k + j)])] += (dweight[at(j)] - wdw) / chosen;
-    // The auxiliary loss through q = score (softmax) or score / Σ score (sigmoid).
-    if (m.aux_loss_weight != 0.0) {
-      if (m.router == MoeRouter::softmax) {
-        for (I e = 0; e < E; ++e) dscore[at(e)] += dP[at(e)] / T(n);
-      } else {
-        const T sum = std::accumulate(score, score + E, T(0));
-        T qdq = 0;
-        for (I e = 0; e < E; ++e) qdq += score[e] / sum * dP[at(e)];
-        for (I e = 0; e < E; ++e) dscore[at(e)] += (dP[at(e)] - qdq) / (T(n) * sum);
-      }
-    }
-    // The scores from the logits: softmax's Jacobian, or the sigmoid's s(1 − s).
-    if (m.router == MoeRouter::softmax) {
-      T pdp = 0;
-      for (I e = 0; e < E; ++e) pdp += score[e] * dscore[at(e)];
-      for (I e = 0; e < E; ++e) dz[at(e)] = score[e] * (dscore[at(e)] - pdp);
-    } else {
-      for (I e = 0; e < E; ++e) dz[at(e)] = dscore[at(e)] * score[e] * (T(1) - score[e]);
-    }
-    row_matmul_dw(xt, dz.data(), H, E, g.w.router.data());
-    row_matmul_dx(dz.data(), w.router.data(), H, E, dxt);
+    moe_router_backward<T>(m, w.router, xt, r.score.data() + t * E, r.expert.data() + t * k,
+                           r.weight.data() + t * k, dweight.data(), dP, n, dxt, g.w.router.data());
   }
   return g;
 }
 
 #define TPX_MOE_INSTANTIATE(T)                                                                     \
+  template void moe_swiglu_forward<T>(const T*, const T*, const T*, const T*, I, I, T, T*, T*,     \
+                                      T*);                                                         \
+  template T moe_swiglu_backward<T>(const T*, const T*, const T*, const T*, I, I, T, const T*,     \
+                                    const T*, const T*, T*, T*, T*, T*);                           \
+  template std::vector<T> moe_logits<T>(const MoeShape&, std::span<const T>, std::span<const T>);  \
+  template T moe_aux_loss<T>(const MoeShape&, std::span<const T>, std::span<const std::int64_t>,   \
+                             std::int64_t);                                                        \
+  template std::vector<T> moe_aux_grad<T>(const MoeShape&, std::span<const std::int64_t>,          \
+                                          std::int64_t);                                           \
+  template void moe_router_backward<T>(const MoeShape&, std::span<const T>, const T*, const T*,    \
+                                       const std::int32_t*, const T*, const T*,                    \
+                                       std::span<const T>, std::int64_t, T*, T*);                  \
   template MoeRouting<T> moe_route<T>(const MoeShape&, std::span<const T>, std::span<const T>);    \
   template void moe_update_bias<T>(std::span<T>, std::span<const std::int64_t>, double);           \
   template MoeForward<T> moe_forward<T>(const MoeShape&, const MoeWeights<T>&, std::span<const T>, \

@@ -28,7 +28,10 @@
 //
 // defines: tpx::MoeRouter, tpx::MoeShape, tpx::moe_capacity(), tpx::MoeRouting, tpx::moe_route(),
 //          tpx::moe_update_bias(), tpx::MoeWeights, tpx::MoeForward, tpx::MoeGrads,
-//          tpx::moe_forward(), tpx::moe_backward()
+//          tpx::moe_forward(), tpx::moe_backward(), and the pieces they are made of that the
+//          expert-parallel layer (moe_ep.h) reuses: tpx::moe_logits(), tpx::moe_swiglu_forward(),
+//          tpx::moe_swiglu_backward(), tpx::moe_aux_loss(), tpx::moe_aux_grad(),
+//          tpx::moe_router_backward()
 #pragma once
 
 #include <cstdint>
@@ -113,5 +116,45 @@ MoeForward<T> moe_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<c
 template <class T>
 MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                          const MoeForward<T>& f, std::span<const T> dy);
+
+// The pieces of moe_forward/moe_backward, for a layer that runs the experts apart from the router
+// (moe_ep.h) with the same arithmetic.
+
+/// The router logits z = x·W_router [T, E] of x [T, H] (T = m.tokens).
+template <class T>
+std::vector<T> moe_logits(const MoeShape& m, std::span<const T> router, std::span<const T> x);
+
+/// One SwiGLU on one row x [h]: gate = x·Wg, up = x·Wu (both [fe], written), y [h] += a · (silu(gate)
+/// ·up)·Wd.
+template <class T>
+void moe_swiglu_forward(const T* x, const T* wg, const T* wu, const T* wd, std::int64_t h,
+                        std::int64_t fe, T a, T* gate, T* up, T* y);
+
+/// Its backward for dout = ∂loss/∂(its output, before the factor a): accumulates the weights'
+/// gradients and dx; returns ∂loss/∂a = dout·(its output).
+template <class T>
+T moe_swiglu_backward(const T* x, const T* wg, const T* wu, const T* wd, std::int64_t h,
+                      std::int64_t fe, T a, const T* gate, const T* up, const T* dout, T* dwg,
+                      T* dwu, T* dwd, T* dx);
+
+/// The part of L_aux that the m.tokens tokens of `score` [m.tokens, E] carry when all tokens_all
+/// tokens chose `routed` [E] assignments: W·E·Σ_e f_e·(Σ_t q_{t,e}) / tokens_all. With
+/// m.tokens = tokens_all it is L_aux; over the parts of a split of the tokens it sums to L_aux.
+template <class T>
+T moe_aux_loss(const MoeShape& m, std::span<const T> score, std::span<const std::int64_t> routed,
+               std::int64_t tokens_all);
+
+/// ∂L_aux/∂P_e = W·E·f_e for `routed` [E] assignments of tokens_all tokens (f_e held constant).
+template <class T>
+std::vector<T> moe_aux_grad(const MoeShape& m, std::span<const std::int64_t> routed,
+                            std::int64_t tokens_all);
+
+/// The router's backward for one token x_t [H] with scores `score` [E], choices `expert` [k],
+/// gate weights `weight` [k] and dweight [k] = ∂loss/∂(each gate weight) (0 for a dropped one):
+/// adds to dx_t [H] and dW_router [H, E], the auxiliary loss through dP (moe_aux_grad) included.
+template <class T>
+void moe_router_backward(const MoeShape& m, std::span<const T> router, const T* xt, const T* score,
+                         const std::int32_t* expert, const T* weight, const T* dweight,
+                         std::span<const T> dP, std::int64_t tokens_all, T* dxt, T* drouter);
 
 }  // namespace tpx

@@ -16,6 +16,7 @@
 
 #include "backends.h"
 #include "common/check.h"
+#include "common/checked.h"
 #include "watchdog.h"
 
 namespace tpx {
@@ -314,6 +315,104 @@ void Communicator::sendrecv(const Tensor& send, int dst, const Tensor& recv, int
   if (!seq) return;
   do_sendrecv(send, dst, recv, src, s);
   end_op(*seq);
+}
+
+namespace {
+
+/// The rows of `counts` (one per rank of an all-to-all of n ranks), checked: n of them, none
+/// negative, their sum returned.
+std::int64_t check_rows(std::span<const std::int64_t> counts, int n, const char* side) {
+  if (counts.size() != static_cast<std::size_t>(n))
+    fail(fmt::format("all_to_all_v: {} {} counts for {} ranks", counts.size(), side, n));
+  std::int64_t sum = 0;
+  for (std::size_t d = 0; d < counts.size(); ++d) {
+    if (counts[d] < 0)
+      fail(fmt::format("all_to_all_v: {} count {} for rank {}", side, counts[d], d));
+    const auto next = checked_add(sum, counts[d]);
+    if (!next) fail(fmt::format("all_to_all_v: the {} counts overflow a 64-bit sum", side));
+    sum = *next;
+  }
+  return sum;
+}
+
+/// The elements in one row (everything after dim 0) of t.
+std::int64_t row_numel(const Tensor& t) {
+  std::int64_t n = 1;
+  for (int i = 1; i < t.ndim(); ++i) n = checked_product({n, t.dim(i)}, "all_to_all_v's row size");
+  return n;
+}
+
+}  // namespace
+
+void Communicator::all_to_all_v(const Tensor& send, std::span<const std::int64_t> send_rows,
+                                const Tensor& recv, std::span<const std::int64_t> recv_rows,
+                                const Stream& s, std::string_view what) {
+  check_device(send, "all_to_all_v", "send");
+  check_device(recv, "all_to_all_v", "receive");
+  if (!has_all_to_all())
+    fail(fmt::format("all_to_all_v: {} has no all-to-all yet; use --comm mpi", name()));
+  if (send.ndim() < 1 || recv.ndim() < 1 || send.dtype() != recv.dtype() ||
+      send.device() != recv.device() ||
+      Tensor::Shape(send.shape().begin() + 1, send.shape().end()) !=
+          Tensor::Shape(recv.shape().begin() + 1, recv.shape().end()))
+    fail(
+        fmt::format("all_to_all_v needs send and receive tensors of the same row shape (after "
+                    "dim 0), dtype and device; got send {} and receive {}",
+                    send.describe(), recv.describe()));
+  if (check_rows(send_rows, size_, "send") != send.dim(0) ||
+      check_rows(recv_rows, size_, "receive") != recv.dim(0))
+    fail(
+        fmt::format("all_to_all_v: the send counts must sum to send's {} rows and the receive "
+                    "counts to receive's {} rows",
+                    send.dim(0), recv.dim(0)));
+  const std::int64_t row = row_numel(send);
+  std::vector<std::int64_t> send_counts(send_rows.size()), recv_counts(recv_rows.size());
+  std::int64_t away = 0;  // rows that leave this rank
+  for (int d = 0; d < size_; ++d) {
+    send_counts[static_cast<std::size_t>(d)] =
+        checked_product({send_rows[static_cast<std::size_t>(d)], row}, "all_to_all_v's send count");
+    recv_counts[static_cast<std::size_t>(d)] = checked_product(
+        {recv_rows[static_cast<std::size_t>(d)], row}, "all_to_all_v's receive count");
+    if (d != rank_) away += send_rows[static_cast<std::size_t>(d)];
+  }
+  const std::uint64_t payload = send.nbytes();
+  const std::uint64_t bus = static_cast<std::uint64_t>(
+      checked_product({away, row, static_cast<std::int64_t>(dtype_size(send.dtype()))},
+                      "all_to_all_v's bus bytes"));
+  const auto seq =
+      begin_op(CommOp::all_to_all, send.dtype(), send.numel(), payload, bus, -1, -1, what);
+  if (!seq) return;
+  do_all_to_all_v(send, send_counts, recv, recv_counts, s);
+  end_op(*seq);
+}
+
+std::vector<std::int64_t> Communicator::all_to_all_counts(std::span<const std::int64_t> send_rows,
+                                                          std::string_view what) {
+  if (!has_all_to_all())
+    fail(fmt::format("all_to_all_counts: {} has no all-to-all yet; use --comm mpi", name()));
+  check_rows(send_rows, size_, "send");
+  const Tensor send = Tensor::empty({size_}, DType::i32), recv = Tensor::zeros({size_}, DType::i32);
+  for (int d = 0; d < size_; ++d) {
+    const std::int64_t c = send_rows[static_cast<std::size_t>(d)];
+    if (c > std::numeric_limits<std::int32_t>::max())
+      fail(fmt::format("all_to_all_counts: {} rows for rank {} exceed the i32 count", c, d));
+    send.data<std::int32_t>()[d] = static_cast<std::int32_t>(c);
+  }
+  const std::vector<std::int64_t> one(static_cast<std::size_t>(size_), 1);
+  const std::uint64_t payload = send.nbytes();
+  const auto seq = begin_op(CommOp::all_to_all, DType::i32, size_, payload,
+                            payload - dtype_size(DType::i32), -1, -1, what);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(size_), 0);
+  if (!seq) return out;
+  do_all_to_all_v(send, one, recv, one, Stream());
+  end_op(*seq);
+  for (int d = 0; d < size_; ++d) out[static_cast<std::size_t>(d)] = recv.data<std::int32_t>()[d];
+  return out;
+}
+
+void Communicator::do_all_to_all_v(const Tensor&, std::span<const std::int64_t>, const Tensor&,
+                                   std::span<const std::int64_t>, const Stream&) {
+  fail(fmt::format("all_to_all_v: {} has no all-to-all yet", name()));
 }
 
 void Communicator::barrier() {

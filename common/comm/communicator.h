@@ -20,6 +20,10 @@
 //   broadcast      payload = t.nbytes(); bus = payload (0 when N = 1)
 //   sendrecv       payload = send.nbytes() (0 without a send); bus = payload, except 0 when the
 //                  destination is this rank itself (a local copy)
+//   all_to_all_v   payload = send.nbytes() (every row this rank sends, its own rows included)
+//                  bus     = the bytes of the rows sent to other ranks: Σ_{d≠r} send_rows[d]·R,
+//                            R the bytes of one row (what leaves the rank; its own rows stay)
+//   all_to_all_counts  payload = 4·N (one i32 count per rank); bus = 4·(N−1)
 //   barrier        payload = bus = 0
 //   calls          one per public call (barrier included)
 // The (N−1)/N factors are nccl-tests' "bus bandwidth" convention: the bytes each rank sends over
@@ -160,6 +164,21 @@ class Communicator {
   /// "qkv AG step 2/4".
   void sendrecv(const Tensor& send, int dst, const Tensor& recv, int src, const Stream& s,
                 std::string_view what = {}, std::optional<std::uint64_t> booked = {});
+  /// Ragged all-to-all along dim 0 (expert parallelism's dispatch and combine): `send` holds, in
+  /// rank order, send_rows[d] rows for each rank d; `recv` receives, in rank order, recv_rows[s]
+  /// rows from each rank s, which must be what rank s's send_rows names for this rank (exchange
+  /// them first with all_to_all_counts, or know them, as a combine that reverses a dispatch
+  /// does). A row is everything after dim 0; send and recv have the same row shape, dtype and
+  /// device; any count may be 0. Recorded as CommOp::all_to_all with send's dtype and numel.
+  /// The MPI backend only: another backend throws tpx::Error on every rank before any transfer.
+  void all_to_all_v(const Tensor& send, std::span<const std::int64_t> send_rows, const Tensor& recv,
+                    std::span<const std::int64_t> recv_rows, const Stream& s,
+                    std::string_view what = {});
+  /// The counts of all_to_all_v's receive side: element s of the result is what rank s passed
+  /// here as send_rows[rank()]. An all-to-all of one i32 per rank (counts above INT32_MAX are
+  /// refused), recorded as CommOp::all_to_all of dtype i32 and counted (see above).
+  std::vector<std::int64_t> all_to_all_counts(std::span<const std::int64_t> send_rows,
+                                              std::string_view what = {});
   /// Returns once every rank has called it (and, on NCCL, everything issued before it is done).
   void barrier();
 
@@ -183,6 +202,12 @@ class Communicator {
   virtual void do_sendrecv(const Tensor& send, int dst, const Tensor& recv, int src,
                            const Stream& s) = 0;
   virtual void do_barrier() = 0;
+  /// all_to_all_v with counts in elements (rows · row size); called only when has_all_to_all().
+  virtual void do_all_to_all_v(const Tensor& send, std::span<const std::int64_t> send_counts,
+                               const Tensor& recv, std::span<const std::int64_t> recv_counts,
+                               const Stream& s);
+  /// Whether this backend implements do_all_to_all_v (MPI does; NCCL not yet).
+  virtual bool has_all_to_all() const { return false; }
 
   /// Whether this backend moves tensors on `d` (MPI: both, staging cuda tensors through the host;
   /// NCCL: cuda only).

@@ -37,6 +37,8 @@ const char* to_string(CommOp op) {
       return "signal_wait";
     case CommOp::pull:
       return "pull";
+    case CommOp::all_to_all:
+      return "all_to_all";
   }
   return "?";
 }

@@ -43,7 +43,8 @@ enum class CommOp : std::uint8_t {
   barrier,
   signal,       ///< a symmetric-memory signal to `peer`; `count` is its generation
   signal_wait,  ///< a wait for `src`'s signal of generation `count` (stage 05's symmetric memory)
-  pull          ///< a copy-engine pull of `bytes` from `src`'s symmetric buffer
+  pull,         ///< a copy-engine pull of `bytes` from `src`'s symmetric buffer
+  all_to_all    ///< a ragged all-to-all (expert dispatch/combine, or its exchange of row counts)
 };
 const char* to_string(CommOp op);
 

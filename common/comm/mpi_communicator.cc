@@ -13,8 +13,10 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -126,6 +128,22 @@ class MpiCommunicator final : public Communicator {
 
   void do_barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }
 
+  bool has_all_to_all() const override { return true; }
+
+  void do_all_to_all_v(const Tensor& send, std::span<const std::int64_t> send_counts,
+                       const Tensor& recv, std::span<const std::int64_t> recv_counts,
+                       const Stream& s) override {
+    // MPI_Alltoallv takes int counts and displacements in elements: each must fit.
+    std::vector<int> sc, sd, rc, rd;
+    displacements(send_counts, sc, sd);
+    displacements(recv_counts, rc, rd);
+    const Tensor hs = to_host(send, 0, s), hr = host_buffer(recv, 1);
+    check(MPI_Alltoallv(hs.raw(), sc.data(), sd.data(), mpi_type(send.dtype()), hr.raw(), rc.data(),
+                        rd.data(), mpi_type(recv.dtype()), comm_),
+          "MPI_Alltoallv");
+    from_host(hr, recv, s);
+  }
+
  private:
   static constexpr int kTag = 77;
 
@@ -146,6 +164,19 @@ class MpiCommunicator final : public Communicator {
       check(MPI_Testall(2, req.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
       if (done) return;
       std::this_thread::yield();
+    }
+  }
+
+  /// MPI's int counts and displacements for element counts laid out one after the other.
+  static void displacements(std::span<const std::int64_t> counts, std::vector<int>& c,
+                            std::vector<int>& d) {
+    std::int64_t at = 0;
+    for (const std::int64_t n : counts) {
+      TPX_CHECK(n <= INT_MAX && at <= INT_MAX, "MPI counts are int; an all-to-all of {} at {}", n,
+                at);
+      c.push_back(static_cast<int>(n));
+      d.push_back(static_cast<int>(at));
+      at += n;
     }
   }
 

@@ -1,0 +1,274 @@
+// The expert-parallel MoE MLP: routing and capacity, dispatch, the local experts, combine, and the
+// mirror of all of it backward (moe_ep.h).
+#include "moe_ep.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <string_view>
+#include <type_traits>
+
+#include <fmt/format.h>
+
+#include "check.h"
+#include "comm/communicator.h"
+#include "stream.h"
+#include "tensor.h"
+
+namespace tpx {
+namespace {
+
+using I = std::int64_t;
+
+std::size_t at(I i) {
+  return static_cast<std::size_t>(i);
+}
+
+/// Rows of `width` T each through Communicator::all_to_all_v: float as f32, double as its bytes.
+template <class T>
+std::vector<T> exchange(Communicator& ep, const std::vector<T>& send, I width,
+                        std::span<const I> send_rows, std::span<const I> recv_rows, const Stream& s,
+                        std::string_view what) {
+  I n_send = 0, n_recv = 0;
+  for (const I r : send_rows) n_send += r;
+  for (const I r : recv_rows) n_recv += r;
+  TPX_CHECK(send.size() == at(n_send * width), "{} values for {} rows", send.size(), n_send);
+  const bool f32 = std::is_same_v<T, float>;
+  const DType dtype = f32 ? DType::f32 : DType::u8;
+  const I cols = f32 ? width : width * I(sizeof(T));
+  const Tensor st = Tensor::empty({n_send, cols}, dtype), rt = Tensor::empty({n_recv, cols}, dtype);
+  if (!send.empty()) std::memcpy(st.raw(), send.data(), send.size() * sizeof(T));
+  ep.all_to_all_v(st, send_rows, rt, recv_rows, s, what);
+  std::vector<T> recv(at(n_recv * width));
+  if (!recv.empty()) std::memcpy(recv.data(), rt.raw(), recv.size() * sizeof(T));
+  return recv;
+}
+
+/// The rows of local expert le in the received buffer, in order (rank 0's first): their indices.
+std::vector<I> group_rows(std::span<const I> recv_counts, I n_ranks, I local, I le) {
+  std::vector<I> rows;
+  I base = 0;
+  for (I s = 0; s < n_ranks; ++s) {
+    for (I l = 0; l < local; ++l) {
+      const I c = recv_counts[at(s * local + l)];
+      if (l == le)
+        for (I i = 0; i < c; ++i) rows.push_back(base + i);
+      base += c;
+    }
+  }
+  return rows;
+}
+
+}  // namespace
+
+void moe_ep_check(std::int64_t experts, int ep) {
+  if (ep < 1 || experts % ep != 0)
+    throw ConfigError(fmt::format(
+        "--experts ({}) must be divisible by --ep ({}): each EP rank holds E/EP whole experts",
+        experts, ep));
+}
+
+template <class T>
+MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
+                               std::span<const T> bias, Communicator& ep, const Stream& s) {
+  moe_ep_check(m.experts, ep.size());
+  const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
+          SF = m.shared_ffn, N = ep.size(), r = ep.rank(), El = E / N;
+  TPX_CHECK(x.size() == at(n * H), "x of {}", x.size());
+  TPX_CHECK(w.w_gate.size() == at(El * H * FE) && w.w_up.size() == at(El * H * FE) &&
+                w.w_down.size() == at(El * FE * H),
+            "expert weights of {}, {}, {} for {} local experts", w.w_gate.size(), w.w_up.size(),
+            w.w_down.size(), El);
+  TPX_CHECK(w.shared_gate.size() == at(H * SF) && w.shared_up.size() == at(H * SF) &&
+                w.shared_down.size() == at(SF * H),
+            "shared expert weights of {}", w.shared_gate.size());
+  MoeEpForward<T> f;
+
+  // 1. Route this rank's tokens without a capacity: every assignment kept for now.
+  MoeShape local = m;
+  local.capacity_factor = 0.0;
+  f.logits = moe_logits<T>(m, w.router, x);
+  f.routing = moe_route<T>(local, f.logits, bias);
+  MoeRouting<T>& rt = f.routing;
+
+  // 2. The capacity over all tokens: every rank's counts per expert, and its tokens.
+  const Tensor mine = Tensor::empty({E + 1}, DType::i32),
+               all = Tensor::empty({N * (E + 1)}, DType::i32);
+  for (I e = 0; e <= E; ++e) {
+    const I c = e < E ? rt.routed_per_expert[at(e)] : n;
+    TPX_CHECK(c <= std::numeric_limits<std::int32_t>::max(), "{} assignments", c);
+    mine.data<std::int32_t>()[e] = static_cast<std::int32_t>(c);
+  }
+  ep.all_gather(mine, all, s);
+  std::vector<I> before(at(E), 0);  // the assignments to e of the ranks before this one
+  f.routed_all.assign(at(E), 0);
+  for (I q = 0; q < N; ++q) {
+    const std::int32_t* c = all.data<std::int32_t>() + q * (E + 1);
+    for (I e = 0; e < E; ++e) {
+      f.routed_all[at(e)] += c[e];
+      if (q < r) before[at(e)] += c[e];
+    }
+    f.tokens_all += c[E];
+  }
+  MoeShape global = m;
+  global.tokens = f.tokens_all;
+  const I capacity = moe_capacity(global);
+  std::vector<std::vector<I>> by_expert(at(E));  // each expert's kept assignments, token order
+  rt.tokens_per_expert.assign(at(E), 0);
+  for (I a = 0; a < n * k; ++a) {
+    const I e = rt.expert[at(a)];
+    rt.kept[at(a)] = before[at(e)]++ < capacity ? 1 : 0;
+    if (rt.kept[at(a)]) {
+      ++rt.tokens_per_expert[at(e)];
+      by_expert[at(e)].push_back(a);
+    }
+  }
+  f.aux_loss = moe_aux_loss<T>(m, rt.score, f.routed_all, f.tokens_all);
+
+  // 3. Dispatch: the counts per (destination, expert), then the rows, grouped by destination,
+  // then expert, then token.
+  const Tensor counts = Tensor::empty({E}, DType::i32), got = Tensor::empty({E}, DType::i32);
+  f.send_rows.assign(at(N), 0);
+  std::vector<T> send;
+  for (I e = 0; e < E; ++e) {
+    counts.data<std::int32_t>()[e] = static_cast<std::int32_t>(by_expert[at(e)].size());
+    f.send_rows[at(e / El)] += I(by_expert[at(e)].size());
+    for (const I a : by_expert[at(e)]) {
+      f.sent.push_back(a);
+      const T* xt = x.data() + (a / k) * H;
+      send.insert(send.end(), xt, xt + H);
+    }
+  }
+  const std::vector<I> ones(at(N), 1);
+  ep.all_to_all_v(counts.reshape({N, El}), ones, got.reshape({N, El}), ones, s,
+                  "moe dispatch counts");
+  f.recv_counts.assign(at(E), 0);
+  f.recv_rows.assign(at(N), 0);
+  for (I i = 0; i < E; ++i) {
+    f.recv_counts[at(i)] = got.data<std::int32_t>()[i];
+    f.recv_rows[at(i / El)] += f.recv_counts[at(i)];
+  }
+  f.recv = exchange<T>(ep, send, H, f.send_rows, f.recv_rows, s, "moe dispatch");
+
+  // 4. The local experts, one call per expert over its group of received rows.
+  const I n_recv = I(f.recv.size()) / std::max<I>(H, 1);
+  f.gate.assign(at(n_recv * FE), T(0));
+  f.up.assign(at(n_recv * FE), T(0));
+  std::vector<T> out(at(n_recv * H), T(0));
+  for (I le = 0; le < El; ++le)
+    for (const I i : group_rows(f.recv_counts, N, El, le))
+      moe_swiglu_forward(f.recv.data() + i * H, w.w_gate.data() + le * H * FE,
+                         w.w_up.data() + le * H * FE, w.w_down.data() + le * FE * H, H, FE, T(1),
+                         f.gate.data() + i * FE, f.up.data() + i * FE, out.data() + i * H);
+
+  // 5. Combine: the outputs back to their tokens' ranks, weighted and summed.
+  f.out = exchange<T>(ep, out, H, f.recv_rows, f.send_rows, s, "moe combine");
+  std::vector<I> row_of(at(n * k), -1);
+  for (std::size_t i = 0; i < f.sent.size(); ++i) row_of[at(f.sent[i])] = I(i);
+  f.y.assign(at(n * H), T(0));
+  for (I t = 0; t < n; ++t)
+    for (I j = 0; j < k; ++j) {
+      const I a = t * k + j;
+      if (!rt.kept[at(a)]) continue;
+      const T* o = f.out.data() + row_of[at(a)] * H;
+      for (I h = 0; h < H; ++h) f.y[at(t * H + h)] += rt.weight[at(a)] * o[h];
+    }
+  if (SF > 0) {
+    f.shared_gate.assign(at(n * SF), T(0));
+    f.shared_up.assign(at(n * SF), T(0));
+    for (I t = 0; t < n; ++t)
+      moe_swiglu_forward(x.data() + t * H, w.shared_gate.data(), w.shared_up.data(),
+                         w.shared_down.data(), H, SF, T(1), f.shared_gate.data() + t * SF,
+                         f.shared_up.data() + t * SF, f.y.data() + t * H);
+  }
+  return f;
+}
+
+template <class T>
+MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
+                            const MoeEpForward<T>& f, std::span<const T> dy, Communicator& ep,
+                            const Stream& s) {
+  moe_ep_check(m.experts, ep.size());
+  const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
+          SF = m.shared_ffn, N = ep.size(), El = E / N;
+  TPX_CHECK(dy.size() == at(n * H) && x.size() == at(n * H), "dy of {}", dy.size());
+  const MoeRouting<T>& rt = f.routing;
+  MoeGrads<T> g;
+  g.x.assign(at(n * H), T(0));
+  g.w.router.assign(w.router.size(), T(0));
+  g.w.w_gate.assign(w.w_gate.size(), T(0));
+  g.w.w_up.assign(w.w_up.size(), T(0));
+  g.w.w_down.assign(w.w_down.size(), T(0));
+  g.w.shared_gate.assign(w.shared_gate.size(), T(0));
+  g.w.shared_up.assign(w.shared_up.size(), T(0));
+  g.w.shared_down.assign(w.shared_down.size(), T(0));
+
+  // Dispatch w_j·dy_t, the gradient of expert j's unscaled output, in the forward's order.
+  std::vector<T> send(f.sent.size() * at(H));
+  for (std::size_t i = 0; i < f.sent.size(); ++i) {
+    const I a = f.sent[i];
+    for (I h = 0; h < H; ++h) send[i * at(H) + at(h)] = rt.weight[at(a)] * dy[at((a / k) * H + h)];
+  }
+  const std::vector<T> rdy = exchange<T>(ep, send, H, f.send_rows, f.recv_rows, s, "moe dispatch");
+
+  // The local experts' backward, one call per expert over its group; dx rows go back.
+  const I n_recv = I(f.recv.size()) / std::max<I>(H, 1);
+  std::vector<T> dx_rows(at(n_recv * H), T(0));
+  for (I le = 0; le < El; ++le)
+    for (const I i : group_rows(f.recv_counts, N, El, le))
+      moe_swiglu_backward(f.recv.data() + i * H, w.w_gate.data() + le * H * FE,
+                          w.w_up.data() + le * H * FE, w.w_down.data() + le * FE * H, H, FE, T(1),
+                          f.gate.data() + i * FE, f.up.data() + i * FE, rdy.data() + i * H,
+                          g.w.w_gate.data() + le * H * FE, g.w.w_up.data() + le * H * FE,
+                          g.w.w_down.data() + le * FE * H, dx_rows.data() + i * H);
+  const std::vector<T> dx_back =
+      exchange<T>(ep, dx_rows, H, f.recv_rows, f.send_rows, s, "moe combine");
+
+  // On the tokens' rank: dx from the experts, the gate weights' gradients dy·out_j, the shared
+  // experts, and the router (with the auxiliary loss over all tokens).
+  std::vector<I> row_of(at(n * k), -1);
+  for (std::size_t i = 0; i < f.sent.size(); ++i) row_of[at(f.sent[i])] = I(i);
+  const std::vector<T> dP = moe_aux_grad<T>(m, f.routed_all, f.tokens_all);
+  std::vector<T> dweight(at(k));
+  for (I t = 0; t < n; ++t) {
+    const T* xt = x.data() + t * H;
+    const T* dyt = dy.data() + t * H;
+    T* dxt = g.x.data() + t * H;
+    for (I j = 0; j < k; ++j) {
+      const I a = t * k + j;
+      dweight[at(j)] = 0;
+      if (!rt.kept[at(a)]) continue;
+      const I row = row_of[at(a)];
+      const T* o = f.out.data() + row * H;
+      const T* d = dx_back.data() + row * H;
+      T da = 0;
+      for (I h = 0; h < H; ++h) {
+        da += dyt[h] * o[h];
+        dxt[h] += d[h];
+      }
+      dweight[at(j)] = da;
+    }
+    if (SF > 0)
+      moe_swiglu_backward(xt, w.shared_gate.data(), w.shared_up.data(), w.shared_down.data(), H, SF,
+                          T(1), f.shared_gate.data() + t * SF, f.shared_up.data() + t * SF, dyt,
+                          g.w.shared_gate.data(), g.w.shared_up.data(), g.w.shared_down.data(),
+                          dxt);
+    moe_router_backward<T>(m, w.router, xt, rt.score.data() + t * E, rt.expert.data() + t * k,
+                           rt.weight.data() + t * k, dweight.data(), dP, f.tokens_all, dxt,
+                           g.w.router.data());
+  }
+  return g;
+}
+
+#define TPX_MOE_EP_INSTANTIATE(T)                                                     \
+  template MoeEpForward<T> moe_ep_forward<T>(const MoeShape&, const MoeWeights<T>&,   \
+                                             std::span<const T>, std::span<const T>,  \
+                                             Communicator&, const Stream&);           \
+  template MoeGrads<T> moe_ep_backward<T>(const MoeShape&, const MoeWeights<T>&,      \
+                                          std::span<const T>, const MoeEpForward<T>&, \
+                                          std::span<const T>, Communicator&, const Stream&);
+TPX_MOE_EP_INSTANTIATE(float)
+TPX_MOE_EP_INSTANTIATE(double)
+#undef TPX_MOE_EP_INSTANTIATE
+
+}  // namespace tpx

@@ -1,0 +1,92 @@
+// The mixture-of-experts MLP of common/moe.h with its routed experts spread over the EP ranks of a
+// communicator (expert parallelism), on the cpu, in double (checked against moe_forward and
+// moe_backward over all tokens) and float.
+//
+// Each EP rank r holds E/EP consecutive experts, r·E/EP … (r+1)·E/EP − 1, the whole router and the
+// shared experts, and a slice of the tokens: the ranks' slices, in rank order, are the tokens of
+// the single-process layer in token order. Forward on rank r:
+//   1. route its own tokens with moe_route (the same scores, choices and ties as moe.h);
+//   2. capacity: the per-expert assignment counts (and token counts) are all-gathered over the EP
+//      group; with T_all tokens in all and c = moe_capacity(T_all), rank r's assignment of its
+//      token t to e is kept iff (the assignments to e of the ranks before r) + (those of its own
+//      tokens before t) < c: exactly moe_route's rule over all tokens in token order;
+//   3. dispatch: the rows x_t of its kept assignments, grouped by destination rank (the owner of
+//      the expert), within a destination by expert, within an expert in token order, are sent
+//      with Communicator::all_to_all_v, after an all-to-all of the row counts per (destination,
+//      expert);
+//   4. each local expert runs on the rows it received (one call per expert over its group, the
+//      rows from rank 0 first: token order), giving its unscaled output expert_e(x_t);
+//   5. combine: the reverse all-to-all returns the outputs; y_t = Σ_j w_j·out_j + shared(x_t).
+// Backward mirrors it: w_j·dy_t is dispatched, the experts' backward accumulates their weights'
+// gradients and returns ∂loss/∂x rows (combine), the gate weights' gradients dy_t·out_j and the
+// router's gradient (the auxiliary loss's included) are formed on the token's own rank.
+//
+// Bytes (B = the element size, n_{r→d} = kept assignments of rank r's tokens to experts of rank d,
+// Σ_d n_{r→d} = T_r·k − the drops of rank r's tokens), per rank r and pass:
+//   counts  forward: an all_gather of (E + 1) i32 per rank, then an all_to_all_v of E i32
+//           (payload 4·E, bus 4·(E − E/EP));
+//   dispatch (forward x, backward w·dy): payload Σ_d n_{r→d}·H·B, bus Σ_{d≠r} n_{r→d}·H·B;
+//   combine  (forward out, backward dx): payload Σ_s n_{s→r}·H·B, bus Σ_{s≠r} n_{s→r}·H·B.
+// (Communicator's accounting: communicator.h. Float rows travel as f32, double rows as their bytes,
+// recorded as u8.)
+//
+// Equality with moe_forward/moe_backward over all tokens, in double: the routing and the drops
+// exactly; y, dx, the router's and the shared experts' gradients (summed over the ranks), the
+// routed experts' gradients and L_aux (the parts summed) to rounding, since the gate weight is
+// applied on the token's rank instead of inside the expert and the sums over ranks are in another
+// order (tests/test_moe_ep.cc: 1e-12 relative to the largest element).
+//
+// defines: tpx::moe_ep_check(), tpx::MoeEpForward, tpx::moe_ep_forward(), tpx::moe_ep_backward()
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/moe.h"
+
+namespace tpx {
+
+class Communicator;
+class Stream;
+
+/// Refuses E not divisible by EP with tpx::ConfigError naming --experts and --ep.
+void moe_ep_check(std::int64_t experts, int ep);
+
+/// This rank's forward: its tokens' output and what its backward needs.
+template <class T>
+struct MoeEpForward {
+  std::vector<T> y;  ///< [T_r, H]
+  T aux_loss{};      ///< this rank's part of L_aux: the parts sum to L_aux over the EP ranks
+  /// This rank's tokens' routing, kept by the capacity over all tokens (above);
+  /// routed_per_expert and tokens_per_expert count this rank's tokens only.
+  MoeRouting<T> routing;
+  std::vector<std::int64_t> routed_all;   ///< [E] assignments all ranks' tokens chose
+  std::int64_t tokens_all = 0;            ///< T_all
+  std::vector<T> logits;                  ///< [T_r, E]
+  std::vector<T> shared_gate, shared_up;  ///< [T_r, SF]
+  std::vector<std::int64_t> send_rows;    ///< [EP] n_{r→d}: rows dispatched to each rank
+  std::vector<std::int64_t> recv_rows;    ///< [EP] n_{s→r}: rows received from each rank
+  std::vector<std::int64_t> recv_counts;  ///< [EP, E/EP] rows from each rank for each local expert
+  std::vector<std::int64_t> sent;  ///< [Σ send_rows] each dispatched row's assignment t·k + j
+  std::vector<T> recv;             ///< [Σ recv_rows, H] the received rows x
+  std::vector<T> gate, up;         ///< [Σ recv_rows, FE] the local experts' pre-activations
+  std::vector<T> out;              ///< [Σ send_rows, H] the experts' outputs, combined
+};
+
+/// Forward of this rank's tokens x [m.tokens = T_r, H]. w: the router [H, E], this rank's E/EP
+/// experts ([E/EP, H, FE], [E/EP, FE, H]) and the shared experts; bias [E] or empty. Collective
+/// over `ep` (EP = ep.size()); E not divisible by EP is refused (moe_ep_check) before any
+/// communication.
+template <class T>
+MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
+                               std::span<const T> bias, Communicator& ep, const Stream& s);
+
+/// Backward for dy [T_r, H]: dx of this rank's tokens, this rank's experts' gradients (complete),
+/// and this rank's part of the router's and shared experts' gradients (they sum over the ranks).
+template <class T>
+MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
+                            const MoeEpForward<T>& f, std::span<const T> dy, Communicator& ep,
+                            const Stream& s);
+
+}  // namespace tpx

@@ -1,0 +1,282 @@
+// The expert-parallel MoE MLP (common/moe_ep.h) under mpirun -np 1, 2 and 4 (EP = the number of
+// ranks) against common/moe.h's single-process forward and backward over all tokens: every rank
+// makes the same random case, holds an uneven slice of the tokens and E/EP experts, and compares
+// its routing and drops (exactly), its output and input gradient, its experts' weight gradients,
+// and (summed over the ranks) the router's and shared experts' gradients and L_aux (double: 1e-12
+// relative to the largest element; float: 1e-5), under balanced and skewed routing (a bias making
+// every token choose expert 0), dropless and with capacity drops, softmax and sigmoid routers.
+// The communicator's bytes for the pass are checked against moe_ep.h's formula with the
+// per-destination counts taken from the single-process routing. E not divisible by EP is refused.
+//
+// Every rank runs every test in the same order and reaches every collective.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <ostream>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "common/check.h"
+#include "common/comm/communicator.h"
+#include "common/moe.h"
+#include "common/moe_ep.h"
+#include "test_mpi.h"
+
+namespace tpx {
+namespace {
+
+using I = std::int64_t;
+
+struct Case {
+  MoeRouter router;
+  double capacity;  ///< 0: dropless
+  double aux;       ///< W of L_aux
+  I shared;         ///< SF
+  bool skew;        ///< a bias that sends every token to expert 0 first
+  bool f32;         ///< float instead of double
+};
+
+std::string describe(const Case& c) {
+  return fmt::format("{}_{}_{}_aux{}_shared{}_{}",
+                     c.router == MoeRouter::softmax ? "softmax" : "sigmoid",
+                     c.capacity > 0 ? "drop" : "dropless", c.skew ? "skewed" : "balanced",
+                     c.aux > 0 ? 1 : 0, c.shared > 0 ? 1 : 0, c.f32 ? "f32" : "f64");
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& i) {
+  return describe(i.param);
+}
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << describe(c);
+}
+
+constexpr I kTokens = 13, kHidden = 6, kExperts = 4, kTopk = 2, kFfn = 5;
+
+class MoeEp : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    CommOptions o;
+    o.kind = CommKind::mpi;
+    o.timeout_s = 60;  // a bug that hangs becomes an abort with a diagnosis
+    comm_ = make_communicator(o, Device::cpu);
+    n_ = comm_->size();
+    r_ = comm_->rank();
+  }
+
+  /// Σ over the ranks of each rank's `v` (all of one size), in rank order.
+  template <class T>
+  std::vector<T> sum_over_ranks(const std::vector<T>& v) {
+    std::vector<T> all(v.size() * std::size_t(n_)), sum(v.size(), T(0));
+    comm_->all_gather_report(std::as_bytes(std::span(v)), std::as_writable_bytes(std::span(all)),
+                             "a gradient to compare");
+    for (std::size_t q = 0; q < std::size_t(n_); ++q)
+      for (std::size_t i = 0; i < v.size(); ++i) sum[i] += all[q * v.size() + i];
+    return sum;
+  }
+
+  template <class T>
+  void run(const Case& c);
+
+  std::unique_ptr<Communicator> comm_;
+  Stream stream_;
+  int n_ = 1, r_ = 0;
+};
+
+/// max |got − want| ≤ tol · max |want| (and the sizes agree).
+template <class T>
+void expect_close(std::span<const T> got, std::span<const T> want, double tol, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double err = 0, scale = 1e-300;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    err = std::max(err, std::abs(double(got[i]) - double(want[i])));
+    scale = std::max(scale, std::abs(double(want[i])));
+  }
+  EXPECT_LE(err, tol * scale) << what << ": max error " << err << " of max " << scale;
+}
+
+template <class T>
+std::span<const T> part(const std::vector<T>& v, I begin, I count) {
+  return std::span<const T>(v).subspan(std::size_t(begin), std::size_t(count));
+}
+
+template <class T>
+void MoeEp::run(const Case& c) {
+  const double tol = c.f32 ? 1e-5 : 1e-12;
+  MoeShape m;
+  m.tokens = kTokens;
+  m.hidden = kHidden;
+  m.experts = kExperts;
+  m.topk = kTopk;
+  m.expert_ffn = kFfn;
+  m.shared_ffn = c.shared;
+  m.router = c.router;
+  m.capacity_factor = c.capacity;
+  m.aux_loss_weight = c.aux;
+  const I H = kHidden, E = kExperts, k = kTopk, FE = kFfn, SF = c.shared, El = E / n_;
+
+  // The same case on every rank.
+  std::mt19937_64 gen(1234);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  auto fill = [&](I count, double scale = 1.0) {
+    std::vector<T> v(static_cast<std::size_t>(count));
+    for (T& x : v) x = T(scale * u(gen));
+    return v;
+  };
+  MoeWeights<T> w;
+  w.router = fill(H * E);
+  w.w_gate = fill(E * H * FE, 0.5);
+  w.w_up = fill(E * H * FE, 0.5);
+  w.w_down = fill(E * FE * H, 0.5);
+  w.shared_gate = fill(H * SF, 0.5);
+  w.shared_up = fill(H * SF, 0.5);
+  w.shared_down = fill(SF * H, 0.5);
+  const std::vector<T> x = fill(kTokens * H), dy = fill(kTokens * H);
+  std::vector<T> bias;
+  if (c.skew) {
+    bias.assign(std::size_t(E), T(0));
+    bias[0] = T(2);  // above any score: expert 0 is every token's first choice
+  }
+
+  const MoeForward<T> ref = moe_forward<T>(m, w, x, bias);
+  const MoeGrads<T> gref = moe_backward<T>(m, w, x, ref, dy);
+  if (c.skew) {
+    EXPECT_EQ(ref.routing.routed_per_expert[0], kTokens);
+  }
+  const I drops = std::count(ref.routing.kept.begin(), ref.routing.kept.end(), 0);
+  if (c.capacity > 0 && c.skew) {
+    EXPECT_GT(drops, 0) << "the case must drop";
+  }
+  if (c.capacity == 0) {
+    EXPECT_EQ(drops, 0);
+  }
+
+  // This rank: tokens [lo, hi) and experts [r·E/EP, (r+1)·E/EP).
+  auto lo_of = [&](I q) { return q * kTokens / n_; };
+  const I lo = lo_of(r_), hi = lo_of(r_ + 1), nt = hi - lo;
+  MoeShape mr = m;
+  mr.tokens = nt;
+  MoeWeights<T> wr = w;
+  wr.w_gate.assign(w.w_gate.begin() + r_ * El * H * FE, w.w_gate.begin() + (r_ + 1) * El * H * FE);
+  wr.w_up.assign(w.w_up.begin() + r_ * El * H * FE, w.w_up.begin() + (r_ + 1) * El * H * FE);
+  wr.w_down.assign(w.w_down.begin() + r_ * El * FE * H, w.w_down.begin() + (r_ + 1) * El * FE * H);
+  const std::vector<T> xr(x.begin() + lo * H, x.begin() + hi * H),
+      dyr(dy.begin() + lo * H, dy.begin() + hi * H);
+
+  comm_->take_stats();
+  const MoeEpForward<T> f = moe_ep_forward<T>(mr, wr, xr, bias, *comm_, stream_);
+  const CommStats fwd = comm_->take_stats();
+  const MoeGrads<T> g = moe_ep_backward<T>(mr, wr, xr, f, dyr, *comm_, stream_);
+  const CommStats bwd = comm_->take_stats();
+
+  // The routing and the drops: exactly the single-process ones for these tokens.
+  EXPECT_EQ(f.tokens_all, kTokens);
+  EXPECT_EQ(f.routed_all, ref.routing.routed_per_expert);
+  for (I a = 0; a < nt * k; ++a) {
+    EXPECT_EQ(f.routing.expert[std::size_t(a)], ref.routing.expert[std::size_t(lo * k + a)]) << a;
+    EXPECT_EQ(f.routing.kept[std::size_t(a)], ref.routing.kept[std::size_t(lo * k + a)]) << a;
+    EXPECT_EQ(f.routing.weight[std::size_t(a)], ref.routing.weight[std::size_t(lo * k + a)]) << a;
+  }
+  expect_close<T>(f.y, part(ref.y, lo * H, nt * H), tol, "y");
+  expect_close<T>(g.x, part(gref.x, lo * H, nt * H), tol, "dx");
+  expect_close<T>(g.w.w_gate, part(gref.w.w_gate, r_ * El * H * FE, El * H * FE), tol, "dw_gate");
+  expect_close<T>(g.w.w_up, part(gref.w.w_up, r_ * El * H * FE, El * H * FE), tol, "dw_up");
+  expect_close<T>(g.w.w_down, part(gref.w.w_down, r_ * El * FE * H, El * FE * H), tol, "dw_down");
+  expect_close<T>(sum_over_ranks(g.w.router), gref.w.router, tol, "d router");
+  expect_close<T>(sum_over_ranks(g.w.shared_gate), gref.w.shared_gate, tol, "d shared_gate");
+  expect_close<T>(sum_over_ranks(g.w.shared_up), gref.w.shared_up, tol, "d shared_up");
+  expect_close<T>(sum_over_ranks(g.w.shared_down), gref.w.shared_down, tol, "d shared_down");
+  const std::vector<T> aux = sum_over_ranks(std::vector<T>{f.aux_loss});
+  EXPECT_NEAR(double(aux[0]), double(ref.aux_loss),
+              tol * std::max(1.0, std::abs(double(ref.aux_loss))));
+
+  // The bytes, from the single-process routing: n[s][d] = kept assignments of rank s's tokens to
+  // rank d's experts; Σ_d n[r][d] = T_r·k − rank r's drops.
+  std::vector<std::vector<std::uint64_t>> nsd(std::size_t(n_),
+                                              std::vector<std::uint64_t>(std::size_t(n_), 0));
+  for (int q = 0; q < n_; ++q)
+    for (I a = lo_of(q) * k; a < lo_of(q + 1) * k; ++a)
+      if (ref.routing.kept[std::size_t(a)])
+        ++nsd[std::size_t(q)][std::size_t(ref.routing.expert[std::size_t(a)] / El)];
+  std::uint64_t my_drops = 0;
+  for (I a = lo * k; a < hi * k; ++a) my_drops += ref.routing.kept[std::size_t(a)] ? 0 : 1;
+  std::uint64_t out_all = 0, out_away = 0, in_all = 0, in_away = 0;
+  for (int q = 0; q < n_; ++q) {
+    out_all += nsd[std::size_t(r_)][std::size_t(q)];
+    in_all += nsd[std::size_t(q)][std::size_t(r_)];
+    if (q != r_) {
+      out_away += nsd[std::size_t(r_)][std::size_t(q)];
+      in_away += nsd[std::size_t(q)][std::size_t(r_)];
+    }
+  }
+  EXPECT_EQ(out_all, std::uint64_t(nt * k) - my_drops);
+  EXPECT_EQ(f.send_rows, std::vector<I>(nsd[std::size_t(r_)].begin(), nsd[std::size_t(r_)].end()));
+  const std::uint64_t row = std::uint64_t(H) * sizeof(T), N = std::uint64_t(n_),
+                      Eu = std::uint64_t(E);
+  const std::uint64_t gather = N * (Eu + 1) * 4;  // the counts per expert and the tokens
+  EXPECT_EQ(fwd.calls, 4u);
+  EXPECT_EQ(fwd.payload_bytes, gather + 4 * Eu + (out_all + in_all) * row);
+  EXPECT_EQ(fwd.bus_bytes,
+            gather * (N - 1) / N + 4 * (Eu - std::uint64_t(El)) + (out_away + in_away) * row);
+  EXPECT_EQ(bwd.calls, 2u);
+  EXPECT_EQ(bwd.payload_bytes, (out_all + in_all) * row);
+  EXPECT_EQ(bwd.bus_bytes, (out_away + in_away) * row);
+  std::size_t all_to_alls = 0;
+  for (const auto& op : comm_->recorder().snapshot()) all_to_alls += op.op == CommOp::all_to_all;
+  EXPECT_EQ(all_to_alls, 5u);
+}
+
+TEST_P(MoeEp, EqualsTheSingleProcessLayerOverAllTokens) {
+  if (GetParam().f32)
+    run<float>(GetParam());
+  else
+    run<double>(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoeEp,
+                         ::testing::Values(Case{MoeRouter::softmax, 0.0, 0.0, 0, false, false},
+                                           Case{MoeRouter::softmax, 1.0, 0.01, 8, false, false},
+                                           Case{MoeRouter::softmax, 1.0, 0.01, 0, true, false},
+                                           Case{MoeRouter::softmax, 0.0, 0.0, 8, true, false},
+                                           Case{MoeRouter::sigmoid, 0.0, 0.02, 8, true, false},
+                                           Case{MoeRouter::sigmoid, 1.25, 0.0, 0, true, false},
+                                           Case{MoeRouter::sigmoid, 1.0, 0.01, 8, false, false},
+                                           Case{MoeRouter::softmax, 1.0, 0.01, 8, true, true}),
+                         case_name);
+
+class MoeEpRefusal : public MoeEp {};
+
+TEST_F(MoeEpRefusal, ExpertsNotDivisibleByEpAreRefusedBeforeAnyCommunication) {
+  try {
+    moe_ep_check(6, 4);
+    ADD_FAILURE() << "6 experts over 4 EP ranks accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "--experts (6) must be divisible by --ep (4): each EP rank holds E/EP whole experts");
+  }
+  EXPECT_NO_THROW(moe_ep_check(8, 4));
+  if (n_ > 1) {
+    // Three experts over 2 or 4 ranks: the layer refuses on every rank, before any op.
+    MoeShape m;
+    m.tokens = 2;
+    m.hidden = 2;
+    m.experts = 3;
+    m.topk = 1;
+    m.expert_ffn = 2;
+    const MoeWeights<double> w;
+    const std::vector<double> x(4, 0.5), none;
+    EXPECT_THROW(moe_ep_forward<double>(m, w, x, none, *comm_, stream_), ConfigError);
+    EXPECT_TRUE(comm_->recorder().snapshot().empty());
+  }
+}
+
+}  // namespace
+}  // namespace tpx
