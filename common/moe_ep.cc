@@ -12,6 +12,7 @@
 
 #include "check.h"
 #include "comm/communicator.h"
+#include "moe_flags.h"  // moe_ep_problem()
 #include "stream.h"
 #include "tensor.h"
 
@@ -62,10 +63,7 @@ std::vector<I> group_rows(std::span<const I> recv_counts, I n_ranks, I local, I 
 }  // namespace
 
 void moe_ep_check(std::int64_t experts, int ep) {
-  if (ep < 1 || experts % ep != 0)
-    throw ConfigError(fmt::format(
-        "--experts ({}) must be divisible by --ep ({}): each EP rank holds E/EP whole experts",
-        experts, ep));
+  if (auto problem = moe_ep_problem(experts, ep)) throw ConfigError(*problem);
 }
 
 template <class T>

@@ -127,6 +127,13 @@ void MoeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
       ->group("Mesh");
 }
 
+std::optional<std::string> moe_ep_problem(std::int64_t experts, std::int64_t ep) {
+  if (ep >= 1 && experts % ep == 0) return std::nullopt;
+  return fmt::format(
+      "--experts ({}) must be divisible by --ep ({}): each EP rank holds E/EP whole experts",
+      experts, ep);
+}
+
 std::optional<std::string> MoeFlags::check(const CLI::App& /*app*/,
                                            const StageOptions& /*o*/) const {
   if (topk > experts)
@@ -134,12 +141,7 @@ std::optional<std::string> MoeFlags::check(const CLI::App& /*app*/,
         "--topk ({}) must be at most --experts ({}): each token is routed to K "
         "different experts",
         topk, experts);
-  if (experts % ep != 0)
-    return fmt::format(
-        "--experts ({}) must be divisible by --ep ({}): each EP rank holds E/EP "
-        "whole experts",
-        experts, ep);
-  return std::nullopt;
+  return moe_ep_problem(experts, ep);
 }
 
 ConfigFields MoeFlags::agreed() const {

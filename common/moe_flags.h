@@ -5,7 +5,8 @@
 // combinations after it (k ≤ E, E divisible by EP): one line naming the flag and the rule, exit 2,
 // before any rank allocates.
 //
-// defines: tpx::MoeBalance, tpx::kMoeAuxLossWeight, tpx::kMoeBiasRate, tpx::MoeFlags
+// defines: tpx::MoeBalance, tpx::kMoeAuxLossWeight, tpx::kMoeBiasRate, tpx::moe_ep_problem(),
+//          tpx::MoeFlags
 #pragma once
 
 #include <cstdint>
@@ -29,6 +30,10 @@ inline constexpr double kMoeAuxLossWeight = 0.01;
 inline constexpr double kMoeBiasRate = 0.001;
 
 /// The "Experts" section of --help.
+/// The rule --experts and --ep must meet (each EP rank holds E/EP whole experts): the refusal's
+/// line, or nothing when E is a multiple of EP (EP ≥ 1).
+std::optional<std::string> moe_ep_problem(std::int64_t experts, std::int64_t ep);
+
 class MoeFlags : public FlagGroup {
  public:
   int experts = 8;         ///< --experts E, routed experts per MoE layer
