@@ -18,6 +18,7 @@
 
 #include "common/check.h"
 #include "common/comm/communicator.h"
+#include "test_job_comm.h"
 #include "test_mpi.h"
 
 namespace tpx {
@@ -42,10 +43,7 @@ float value(int s, int d, std::int64_t i, std::int64_t c) {
 class AllToAllArgs : public ::testing::Test {
  protected:
   void SetUp() override {
-    CommOptions o;
-    o.kind = CommKind::mpi;
-    o.timeout_s = 60;  // a bug that hangs becomes an abort with a diagnosis
-    comm_ = make_communicator(o, Device::cpu);
+    comm_ = test::job_communicator();
     n_ = comm_->size();
     r_ = comm_->rank();
   }

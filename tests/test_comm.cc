@@ -24,6 +24,7 @@
 #include "common/ops.h"
 #include "common/stage.h"
 #include "test_cuda.h"
+#include "test_job_comm.h"
 #if TPX_WITH_CUDA
 #include "common/cuda/device.h"
 #endif
@@ -34,10 +35,7 @@ namespace {
 class Comm : public ::testing::Test {
  protected:
   void SetUp() override {
-    CommOptions o;
-    o.kind = CommKind::mpi;
-    o.timeout_s = 60;  // a bug that hangs becomes an abort with a diagnosis
-    comm_ = make_communicator(o, Device::cpu);
+    comm_ = test::job_communicator();
     n_ = comm_->size();
     r_ = comm_->rank();
   }

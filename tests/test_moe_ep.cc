@@ -28,6 +28,7 @@
 #include "common/comm/communicator.h"
 #include "common/moe.h"
 #include "common/moe_ep.h"
+#include "test_job_comm.h"
 #include "test_mpi.h"
 
 namespace tpx {
@@ -64,10 +65,7 @@ constexpr I kTokens = 13, kHidden = 6, kExperts = 4, kTopk = 2, kFfn = 5;
 class MoeEp : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    CommOptions o;
-    o.kind = CommKind::mpi;
-    o.timeout_s = 60;  // a bug that hangs becomes an abort with a diagnosis
-    comm_ = make_communicator(o, Device::cpu);
+    comm_ = test::job_communicator();
     n_ = comm_->size();
     r_ = comm_->rank();
   }
