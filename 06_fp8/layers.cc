@@ -10,9 +10,10 @@
 
 namespace tpx::async_fp8 {
 
-Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx)
+Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx, Fp8Weights weights)
     : OverlapRing(ctx, async_tp::copy_engine_transport),
-      recipe_(ctx.options.flags<Fp8RecipeFlags>().recipe()) {}
+      recipe_(ctx.options.flags<Fp8RecipeFlags>().recipe()),
+      weight_use_(weights) {}
 
 std::vector<Tensor> Fp8AsyncTp::quantize(std::span<const Tensor> x, std::span<const DType> format,
                                          std::string_view what) {
@@ -77,7 +78,8 @@ ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor>
   x.insert(x.end(), w.begin(), w.end());
   const std::vector<DType> format(x.size(), DType::e4m3);
   std::vector<Tensor> q = quantize(x, format, role);
-  for (std::size_t j = 0; j < w.size(); ++j) weights_[w[j].raw()] = q[j + 1];
+  if (weight_use_ == Fp8Weights::kept)
+    for (std::size_t j = 0; j < w.size(); ++j) weights_[w[j].raw()] = q[j + 1];
   // The dump's names of these operands: the gathered input, then the weights.
   const std::vector<std::string> names = role == "qkv"
                                              ? std::vector<std::string>{"qkv_in", "wq", "wk", "wv"}
@@ -91,11 +93,20 @@ Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> 
                                    std::string_view role) {
   if (role == kOutputLayerRole) return OverlapRing::column_backward(saved, w, dy, dw, role);
   if (recipe_ != lowp::Recipe::tensorwise) return recipe_column_backward(saved, w, dy, dw, role);
-  // dX = RS(Σ dy·Wᵀ): E5M2 × E4M3; dW = AG(h)ᵀ·dy: E4M3 (the saved shard) × E5M2.
-  const std::vector<DType> format(dy.size(), DType::e5m2);
-  const std::vector<Tensor> dyq = quantize(dy, format, fmt::format("{} bwd", role));
+  // dX = RS(Σ dy·Wᵀ): E5M2 × E4M3; dW = AG(h)ᵀ·dy: E4M3 (the saved shard) × E5M2. The weights
+  // requantized (Fp8Weights) join the gradients' all-reduce.
+  const bool requantize = weight_use_ == Fp8Weights::requantized;
+  std::vector<Tensor> x(dy.begin(), dy.end());
+  std::vector<DType> format(dy.size(), DType::e5m2);
+  if (requantize) {
+    x.insert(x.end(), w.begin(), w.end());
+    format.resize(x.size(), DType::e4m3);
+  }
+  const std::vector<Tensor> q = quantize(x, format, fmt::format("{} bwd", role));
+  const std::span<const Tensor> dyq = std::span(q).first(dy.size());
   std::vector<Tensor> wq;
-  for (const Tensor& wj : w) wq.push_back(fp8_weight(wj));
+  for (std::size_t j = 0; j < w.size(); ++j)
+    wq.push_back(requantize ? q[dy.size() + j] : fp8_weight(w[j]));
   return OverlapRing::column_backward(saved, wq, dyq, dw, role);
 }
 
@@ -104,7 +115,7 @@ Tensor Fp8AsyncTp::row_forward(const Tensor& a, const Tensor& w, std::string_vie
   const std::array x{a, w};
   const std::array format{DType::e4m3, DType::e4m3};
   const std::vector<Tensor> q = quantize(x, format, role);
-  weights_[w.raw()] = q[1];
+  if (weight_use_ == Fp8Weights::kept) weights_[w.raw()] = q[1];
   keep_for_dump(role == "o" ? "wo" : "w_down", q[1]);
   return OverlapRing::row_forward(q[0], q[1], role);
 }
@@ -114,19 +125,25 @@ Tensor Fp8AsyncTp::row_backward(const Tensor& a, const Tensor& w, const Tensor& 
   if (recipe_ != lowp::Recipe::tensorwise) return recipe_row_backward(a, w, dy, dw, role);
   // da = AG(dy)·Wᵀ: E5M2 × E4M3, the gradient's shard gathered as FP8; dW = aᵀ·AG(dy): E4M3 ×
   // E5M2. `a` is quantized again with the gradient in one all-reduce: its bits are forward's
-  // (the same tensor, the same agreed amax).
+  // (the same tensor, the same agreed amax); so is the weight, where it is requantized.
+  if (weight_use_ == Fp8Weights::requantized) {
+    const std::array x{a, dy, w};
+    const std::array format{DType::e4m3, DType::e5m2, DType::e4m3};
+    const std::vector<Tensor> q = quantize(x, format, fmt::format("{} bwd", role));
+    return OverlapRing::row_backward(q[0], q[2], q[1], dw, role);
+  }
   const std::array x{a, dy};
   const std::array format{DType::e4m3, DType::e5m2};
   const std::vector<Tensor> q = quantize(x, format, fmt::format("{} bwd", role));
   return OverlapRing::row_backward(q[0], fp8_weight(w), q[1], dw, role);
 }
 
-std::unique_ptr<Parallelism> make_fp8_async_tp(const RunContext& ctx) {
+std::unique_ptr<Parallelism> make_fp8_async_tp(const RunContext& ctx, Fp8Weights weights) {
   check_tp_split(ctx.options.config, ctx.world, /*sequence=*/true);
   check_recipe_split(ctx.options.config, ctx.world, ctx.options.flags<Fp8RecipeFlags>().recipe());
   // Under --dtype fp32 or bf16 this is stage 05 itself: the baseline FP8 is compared with.
   if (!is_fp8(ctx.options.config.dtype)) return std::make_unique<async_tp::CopyEngineAsyncTp>(ctx);
-  return std::make_unique<Fp8AsyncTp>(ctx);
+  return std::make_unique<Fp8AsyncTp>(ctx, weights);
 }
 
 Tensor Fp8AsyncTp::column_saved(const Tensor& h, const Tensor& scale) {

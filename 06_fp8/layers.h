@@ -42,12 +42,13 @@
 
 #include "05_copy_engine_async_tp/layers.h"
 #include "06_fp8/flags.h"
+#include "06_fp8/traffic.h"
 
 namespace tpx::async_fp8 {
 
 class Fp8AsyncTp final : public ring::OverlapRing {
  public:
-  explicit Fp8AsyncTp(const RunContext& ctx);
+  explicit Fp8AsyncTp(const RunContext& ctx, Fp8Weights weights = Fp8Weights::kept);
 
   ColumnResult column_forward(const Tensor& h, std::span<const Tensor> w,
                               std::string_view role) override;
@@ -98,6 +99,7 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   void keep_recipe_dump(const std::string& name, const Tensor& codes, const Tensor& scales);
 
   lowp::Recipe recipe_;
+  Fp8Weights weight_use_;
   std::map<std::string, std::pair<Tensor, Tensor>> recipe_layer0_;  // codes, scales by dump name
 
   std::map<const void*, Tensor> weights_;  // by the address of the fp32 master weight
@@ -113,6 +115,7 @@ class Fp8AsyncTp final : public ring::OverlapRing {
 void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe);
 
 /// Stage 06 under --dtype fp8 (its default); stage 05 under fp32 or bf16.
-std::unique_ptr<Parallelism> make_fp8_async_tp(const RunContext& ctx);
+std::unique_ptr<Parallelism> make_fp8_async_tp(const RunContext& ctx,
+                                               Fp8Weights weights = Fp8Weights::kept);
 
 }  // namespace tpx::async_fp8

@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
                                            .help = "the bf16 recipe with the linear layers' "
                                                    "GEMMs in E4M3 forward, E5M2 gradients"},
                .flag_groups = {async_tp::AllGatherFlags::make, async_fp8::Fp8RecipeFlags::make}},
-      .make = async_fp8::make_fp8_async_tp,
+      .make = [](const RunContext& ctx) { return async_fp8::make_fp8_async_tp(ctx); },
       // Under --dtype fp32 or bf16 the stage runs as stage 05, and moves stage 05's bytes.
       .plan =
           [](const RunContext& ctx) {

@@ -1,5 +1,6 @@
 #include "06_fp8/traffic.h"
 
+#include <array>
 #include <cstdint>
 
 #include "03_sequence_parallel/traffic.h"
@@ -10,7 +11,8 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
   return recipe_traffic(c, n, act_bytes, lowp::Recipe::tensorwise);
 }
 
-Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe) {
+Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe,
+                       Fp8Weights weights) {
   require_formula(n >= 1, "ranks must be >= 1");
   require_formula(recipe != lowp::Recipe::nvfp4,
                   "stage 06 moves tensorwise, rowwise, block128 and mxfp8 operands only");
@@ -30,8 +32,14 @@ Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe 
   const U moved = 6 * (N - 1) * (chunk * 1 + scales) + 4 * (N - 1) * chunk * e;
   const U moved_fwd = 2 * (N - 1) * (chunk * 1 + scales) + 2 * (N - 1) * chunk * e;
   Traffic amax, amax_fwd;  // the eight MAX all-reduces, and the forward's four (tensorwise)
+  // Forward: qkv (h, Wq, Wk, Wv), o (a, Wo), gate/up (h2, Wg, Wu), down (s, Wd); backward:
+  // qkv (3 gradients), o (a, its gradient), gate/up (2 gradients), down (s, its gradient), each
+  // with its weights when they are requantized.
+  const bool again = weights == Fp8Weights::requantized;
+  const std::array<U, 8> ks = {
+      4, 2, 3, 2, again ? 6U : 3U, again ? 3U : 2U, again ? 4U : 2U, again ? 3U : 2U};
   int i = 0;
-  for (const U k : {4, 2, 3, 2, 3, 2, 2, 2}) {
+  for (const U k : ks) {
     const Traffic one{4 * k, (4 * k * 2 * (N - 1)) / N, 1};
     if (recipe == lowp::Recipe::tensorwise) amax += one;
     if (recipe == lowp::Recipe::tensorwise && i < 4) amax_fwd += one;

@@ -1,7 +1,7 @@
 // Stage 06's bytes per rank and step, chapter 6's formula (common/traffic.h has what the stages'
 // formulas share).
 //
-// defines: tpx::async_fp8::traffic(), tpx::async_fp8::recipe_traffic()
+// defines: tpx::async_fp8::Fp8Weights, tpx::async_fp8::traffic(), tpx::async_fp8::recipe_traffic()
 #pragma once
 
 #include "common/config.h"
@@ -9,6 +9,15 @@
 #include "common/traffic.h"
 
 namespace tpx::async_fp8 {
+
+/// Where a weight's FP8 copy comes from in backward (tensorwise; the other recipes quantize
+/// the weights again for dgrad along the other dimension anyway). `kept`: the forward's, found
+/// by the weight's address, for a stage whose weights stay in one place through the step (stage
+/// 06). `requantized`: quantized again from the weight backward is given, its amax agreed in the
+/// same MAX all-reduce as the gradient's, for a stage that gathers each layer again for its
+/// backward into another buffer (stage 07's FSDP; an address may then be another layer's): the
+/// same values under the same agreed scale give the forward's codes again.
+enum class Fp8Weights { kept, requantized };
 
 /// Per rank and step at N ranks, L layers, a shard of S·B·H / N elements: stage 05's ring, the
 /// six gathers per layer moving 1-byte FP8 codes and the four reduce-scatters e bytes (e =
@@ -20,7 +29,10 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes = 0);
 /// The same under --fp8-recipe `recipe`: tensorwise is traffic(); under rowwise, block128 or
 /// mxfp8 (06_fp8/layers.h) there is no amax all-reduce, and each of the six gathers moves, beside
 /// its codes, its chunk's scales in a ring of its own: S·B/N rows of 1 (rowwise) or ⌈H/128⌉
-/// (block128) fp32 scales, 4 bytes each, or ⌈H/32⌉ (mxfp8) E8M0 scales, 1 byte each.
-Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe);
+/// (block128) fp32 scales, 4 bytes each, or ⌈H/32⌉ (mxfp8) E8M0 scales, 1 byte each. Under
+/// tensorwise with the weights requantized for backward (Fp8Weights, stage 07) each backward
+/// all-reduce carries its group's weights' amaxes too: k ∈ {4,2,3,2,6,3,4,3}.
+Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe,
+                       Fp8Weights weights = Fp8Weights::kept);
 
 }  // namespace tpx::async_fp8

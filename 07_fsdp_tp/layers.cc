@@ -11,6 +11,8 @@
 
 #include "04_overlap_ring/traffic.h"
 #include "05_copy_engine_async_tp/layers.h"
+#include "06_fp8/layers.h"
+#include "06_fp8/traffic.h"
 #include "07_fsdp_tp/flags.h"
 #include "07_fsdp_tp/memory.h"
 #include "07_fsdp_tp/traffic.h"
@@ -72,7 +74,11 @@ FsdpTp::FsdpTp(const RunContext& ctx, Mesh mesh)
     : tp_options_(tp_options(ctx.options, mesh)),
       mesh_(std::move(mesh)),
       tp_ctx_{tp_options_, mesh_.tp_index, mesh_.tp, ctx.trace},
-      tp_(async_tp::make_copy_engine_async_tp(tp_ctx_)),
+      // Under --dtype fp8 stage 06's FP8 GEMMs, each layer's weights quantized again for its
+      // backward (gathered again, into another buffer): Fp8Weights.
+      tp_(is_fp8(ctx.options.config.dtype)
+              ? async_fp8::make_fp8_async_tp(tp_ctx_, async_fp8::Fp8Weights::requantized)
+              : async_tp::make_copy_engine_async_tp(tp_ctx_)),
       trace_(ctx.trace),
       device_(ctx.options.config.device),
       gather_lane_(Stream::create(device_)),
@@ -530,7 +536,16 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .dp = mesh.dp,
                 .dp_cp_index = mesh.dp_cp_index(),
                 .dimensions = {memory_dimension(mesh.dp_cp_index() == 0)}};  // as sharding()
-  const Traffic tp = ring::traffic(replica, mesh.tp);  // stage 05's, inside the TP group
+  // Stage 05's, inside the TP group; stage 06's under --dtype fp8, the weights requantized for
+  // backward (make_fp8_async_tp refuses a recipe's block that a TP shard would cut; so does this).
+  Traffic tp;
+  if (is_fp8(replica.dtype)) {
+    const lowp::Recipe r = ctx.options.flags<async_fp8::Fp8RecipeFlags>().recipe();
+    async_fp8::check_recipe_split(replica, mesh.tp, r);
+    tp = async_fp8::recipe_traffic(replica, mesh.tp, 0, r, async_fp8::Fp8Weights::requantized);
+  } else {
+    tp = ring::traffic(replica, mesh.tp);
+  }
   Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
   dp += lm_grads_traffic(ctx.options.config, mesh.tp, mesh.dp, true, true);  // the ends (FSDP)
   p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};

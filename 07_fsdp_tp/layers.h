@@ -97,6 +97,9 @@ class FsdpTp final : public Parallelism {
   }
   bool defer_weight_grads(WeightGradWork* work) override { return tp_->defer_weight_grads(work); }
   void reduce_replicated_grad(const Tensor& grad) override { tp_->reduce_replicated_grad(grad); }
+  /// Stage 06's FP8 operands of layer 0 under --dtype fp8 (this TP group's: replica 0's are
+  /// what rank 0 writes); nothing otherwise.
+  std::vector<std::pair<std::string, Tensor>> dump_extra() override { return tp_->dump_extra(); }
 
   // The language model's ends: cut over the vocabulary within the TP group (stage 05's), and
   // sharded over the DP×CP group as every layer is (an FSDP unit each).

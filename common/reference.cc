@@ -224,8 +224,30 @@ class RefBlock {
                        q(dy, T, out, false, Operand::gradient), T, in, out);
     const Vec xs = row ? x : q(x, T, in, false, Operand::activation);
     const Vec dys = row ? q(dy, T, out, false, Operand::gradient) : dy;
-    return matmul_dw(q(xs, T, in, true, Operand::activation),
-                     q(dys, T, out, true, Operand::gradient), T, in, out);
+    // Each data-parallel replica's tokens along the reduction, quantized apart; the sum of
+    // the replicas' products.
+    const I replicas = emul->replicas, tokens = T / replicas;
+    Vec dw(static_cast<std::size_t>(in * out), 0.0);
+    for (I d = 0; d < replicas; ++d) {
+      const Vec part = matmul_dw(q(replica_rows(xs, in, d), tokens, in, true, Operand::activation),
+                                 q(replica_rows(dys, out, d), tokens, out, true, Operand::gradient),
+                                 tokens, in, out);
+      add_into(dw, part);
+    }
+    return dw;
+  }
+  // Replica d's rows of m [S, B, cols]: batch columns [d·B/D, (d+1)·B/D) of every position, in
+  // their [S, B/D] order (all of m when D = 1).
+  Vec replica_rows(const Vec& m, I cols, I d) const {
+    const I b = B / emul->replicas;
+    if (b == B) return m;
+    Vec out;
+    out.reserve(static_cast<std::size_t>(S * b * cols));
+    for (I s = 0; s < S; ++s) {
+      const auto first = m.begin() + static_cast<std::ptrdiff_t>((s * B + d * b) * cols);
+      out.insert(out.end(), first, first + static_cast<std::ptrdiff_t>(b * cols));
+    }
+    return out;
   }
 
   // norm1, Q/K/V with RoPE, causal attention; returns a·Wo (the residual is the caller's).

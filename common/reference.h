@@ -49,6 +49,13 @@ struct LowpEmulation {
   /// Under the block recipes a block never crosses a shard's edge (06_fp8/layers.h), and
   /// tensorwise agrees one scale over the group, so N changes nothing there.
   int ranks = 1;
+  /// The data-parallel replicas D (stage 07's mesh): replica d trains batch columns
+  /// [d·B/D, (d+1)·B/D) and quantizes its own tokens. A weight-gradient GEMM reduces over the
+  /// tokens, so under the row and block recipes (whose blocks run along the tokens there) each
+  /// replica's tokens, in their [S, B/D] order, are quantized apart and the replicas' products
+  /// summed, as the reduce-scatter of FSDP sums them. Every other GEMM's blocks lie inside one
+  /// token row, which no replica cuts, and tensorwise is checked against the plain reference.
+  int replicas = 1;
 };
 
 /// The starting point make_model() generates from c.seed (fp32 values, widened to double).

@@ -654,15 +654,16 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
 
 /// The recipe --check's reference emulates: stage 06's --fp8-recipe under --dtype fp8, when it is
 /// not tensorwise (tensorwise is checked against the stage's plain reference); nothing otherwise.
-/// Stage 06's tensor-parallel group is every rank, so the emulation's group has `world` ranks.
-std::optional<LowpEmulation> emulated_recipe(const StageOptions& o, int world) {
+/// The emulation's group is the rank's tensor-parallel group and its replicas the mesh's
+/// data-parallel ones (`sh`: stage 06's whole job; stage 07's D × T mesh).
+std::optional<LowpEmulation> emulated_recipe(const StageOptions& o, const Sharding& sh) {
   if (!is_fp8(o.config.dtype)) return std::nullopt;
   for (const auto& group : o.flag_groups)
     for (const auto& [flag, value] : group->agreed())
       if (flag == "--fp8-recipe")
         if (const auto recipe = lowp::parse_recipe(value);
             recipe && *recipe != lowp::Recipe::tensorwise)
-          return LowpEmulation{*recipe, world};
+          return LowpEmulation{.recipe = *recipe, .ranks = sh.world, .replicas = sh.dp};
   return std::nullopt;
 }
 
@@ -825,7 +826,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   // agreed like a start-up problem, so that every rank exits with rank 0's message.
   bool pass = true;
   json check_json;
-  const std::optional<LowpEmulation> emulated = emulated_recipe(o, world);
+  const std::optional<LowpEmulation> emulated = emulated_recipe(o, par->sharding());
   const CheckTolerance tol = check_tolerance(st, c.dtype);
   std::string write_problem;
   auto on_rank0 = [&](auto&& write) {

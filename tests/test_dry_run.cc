@@ -84,6 +84,11 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"05_copy_engine_async_tp", 2, "--recompute full --recompute-every 2"},
         Case{"06_fp8", 2, ""}, Case{"06_fp8", 2, "--dtype bf16"},
         Case{"07_fsdp_tp", 4, "--dp 2 --dtype bf16"}, Case{"07_fsdp_tp", 3, "--dp 3 --batch 3"},
+        // Stage 06's FP8 inside each TP group: tensorwise's amax all-reduces with the weights'
+        // amaxes in backward (requantized), and the forward's once more under recompute.
+        // (The row and block recipes' bytes: test_fp8_recipes.)
+        Case{"07_fsdp_tp", 4, "--dp 2 --dtype fp8"},
+        Case{"07_fsdp_tp", 4, "--dp 2 --dtype fp8 --recompute full"},
         // Stage 08, each method at C = 2 and at C = 2 × T = 2; Ulysses needs NKV
         // to split over C·T (4 KV heads here); the recompute repeats the forward's
         // K/V traffic on every second layer; D = 2 × C = 2 shards over DP×CP.

@@ -134,7 +134,7 @@ const Stage kBaseline{"baseline", [](const RunContext& ctx) -> std::unique_ptr<P
 const Stage kMegatron{"megatron", megatron::make_megatron};
 const Stage kSequenceParallel{"sequence_parallel", sp::make_sequence_parallel};
 const Stage kOverlapRing{"overlap_ring", ring::make_overlap_ring};
-const Stage kFp8{"fp8", async_fp8::make_fp8_async_tp};
+const Stage kFp8{"fp8", [](const RunContext& ctx) { return async_fp8::make_fp8_async_tp(ctx); }};
 /// Stage 07 with every rank its own DP replica (D = the ranks, TP = 1): FSDP at its fullest.
 const Stage kFsdp{"fsdp", [](const RunContext& ctx) {
                     StageOptions o = ctx.options;
