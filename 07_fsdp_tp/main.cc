@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
                           "(FSDP), weights gathered just in time, gradients reduce-scattered",
                .own_dtype = StagePrecision{.word = "fp8",
                                            .help = "stage 06's FP8 GEMMs in each TP group "
-                                                   "(--fp8-recipe), the weights gathered fp32"},
+                                                   "(--fp8-recipe), the weights gathered fp32",
+                                           .is_default = false},
                .flag_groups = {fsdp::DataParallelFlags::make, async_tp::AllGatherFlags::make,
                                async_fp8::Fp8RecipeFlags::make}},
       .make = fsdp::make_fsdp_tp,

@@ -554,13 +554,14 @@ std::optional<std::string> empty_value(const CLI::App& app, const StageOptions& 
 
 CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   StageOptions o;
-  Choices choices{.device = "cpu",
-                  .dtype = info.own_dtype ? info.own_dtype->word : "fp32",
-                  .attention = std::string(attention_flag(o.config.attention)),
-                  .optimizer = std::string(optimizer_flag(o.config.optimizer)),
-                  .recompute = std::string(recompute_flag(o.config.recompute)),
-                  .comm_kind = "auto",
-                  .task = "lm"};
+  Choices choices{
+      .device = "cpu",
+      .dtype = info.own_dtype && info.own_dtype->is_default ? info.own_dtype->word : "fp32",
+      .attention = std::string(attention_flag(o.config.attention)),
+      .optimizer = std::string(optimizer_flag(o.config.optimizer)),
+      .recompute = std::string(recompute_flag(o.config.recompute)),
+      .comm_kind = "auto",
+      .task = "lm"};
   o.config.data = default_data();
 
   CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);

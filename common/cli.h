@@ -56,6 +56,8 @@ class FlagGroup {
 struct StagePrecision {
   std::string word;  ///< e.g. "fp8"
   std::string help;  ///< e.g. "the bf16 recipe with the linear layers' GEMMs in ..."
+  /// Whether it is the stage's default --dtype (stage 06); else fp32 stays the default (stage 07).
+  bool is_default = true;
 };
 
 /// What a stage says about itself in --help and in its header.
@@ -63,7 +65,7 @@ struct StageInfo {
   std::string name;     ///< executable name, e.g. "01_baseline"
   std::string summary;  ///< one line: the stage's idea
   bool single_device = false;
-  /// A precision the stage adds to --dtype, its default (stage 06: fp8); none: fp32 and bf16.
+  /// A precision the stage adds to --dtype (stage 06: fp8, its default); none: fp32 and bf16.
   std::optional<StagePrecision> own_dtype = std::nullopt;
   /// The stage's own flag groups, in the order --help lists them: each call makes one.
   std::vector<std::function<std::shared_ptr<FlagGroup>()>> flag_groups = {};
