@@ -484,6 +484,80 @@ TEST(LowpRecipes, StorageBytesAreCodesPlusScales) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Chapter 6's worked example and figure (06_fp8/README.md, "The scale arithmetic, worked").
+// ---------------------------------------------------------------------------------------------
+
+// One block x, row 0 of a 2 × 8 activation whose row 1 is [10, 0, …, 0]; the values below are
+// the ones the chapter prints, worked out independently (ml_dtypes' float8_e4m3fn and
+// float4_e2m1fn casts of the fp32 products, and by hand: see each comment).
+TEST(LowpWorkedExample, OneBlockUnderEachRecipe) {
+  const std::vector<float> x{0.3f,  -1.7f, 2.9f, 0.05f, -0.62f, 1.1f, 3.3f, -0.0071f,
+                             10.0f, 0.0f,  0.0f, 0.0f,  0.0f,   0.0f, 0.0f, 0.0f};
+  // The chapter prints dequantized values to 4 significant digits: within 5e-4 relative.
+  auto near = [](const std::vector<float>& got, const std::vector<double>& want) {
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_NEAR(got[i], want[i], 5e-4 * std::fabs(want[i]) + 1e-12) << "element " << i;
+  };
+  const std::vector<std::uint8_t> row0_codes_rowwise{0x62, 0xF6, 0x7C, 0x4E,
+                                                     0xEB, 0x71, 0x7E, 0xB7};
+  const std::vector<double> row0_rowwise{0.2946,  -1.650, 2.829, 0.05156,
+                                         -0.6482, 1.061,  3.300, -0.006906};
+
+  // tensorwise: amax 10 (row 1), scale 448 / 10 = 44.8; 0.3 · 44.8 = 13.44 → 13 (0x55).
+  const lowp::Quantized t = lowp::quantize(x.data(), 2, 8, Recipe::tensorwise, Operand::activation);
+  EXPECT_EQ(t.scales, (std::vector<float>{44.8f}));
+  EXPECT_EQ(std::vector<std::uint8_t>(t.codes.begin(), t.codes.begin() + 8),
+            (std::vector<std::uint8_t>{0x55, 0xEA, 0x70, 0x41, 0xDE, 0x64, 0x71, 0xAA}));
+  near(lowp::dequantize(t), {0.2902, -1.786, 2.857, 0.05022, -0.6250, 1.071, 3.214, -0.006975});
+
+  // rowwise and block128 (one partial 1 × 128 block per row here): amax 3.3, scale
+  // 448 / 3.3 = 135.7576; 3.3 · scale = 448 (0x7E); 0.05 · scale = 6.79 → 6.75 (0x4E).
+  for (const Recipe r : {Recipe::rowwise, Recipe::block128}) {
+    const lowp::Quantized q = lowp::quantize(x.data(), 2, 8, r, Operand::activation);
+    EXPECT_EQ(q.scales[0], 448.0f / 3.3f) << lowp::to_string(r);
+    EXPECT_NEAR(q.scales[0], 135.7576, 1e-4);
+    EXPECT_EQ(std::vector<std::uint8_t>(q.codes.begin(), q.codes.begin() + 8), row0_codes_rowwise)
+        << lowp::to_string(r);
+    near(lowp::dequantize(q), row0_rowwise);
+  }
+
+  // mxfp8: ⌊log2 3.3⌋ − 8 = −7, E8M0 code 127 − 7 = 120, X = 2^−7; 3.3 · 128 = 422.4 → 416
+  // (0x7D: E4M3 steps by 32 in [256, 512)), dequantized 416 / 128 = 3.25; 0.05 · 128 = 6.4 →
+  // 6.5 (0x4D). Every dequantized value is exact.
+  const lowp::Quantized m = lowp::quantize(x.data(), 2, 8, Recipe::mxfp8, Operand::activation);
+  EXPECT_EQ(m.scale_codes[0], 120);
+  EXPECT_EQ(std::vector<std::uint8_t>(m.codes.begin(), m.codes.begin() + 8),
+            (std::vector<std::uint8_t>{0x62, 0xF6, 0x7C, 0x4D, 0xEA, 0x71, 0x7D, 0xB7}));
+  const std::vector<float> md = lowp::dequantize(m);
+  EXPECT_EQ(std::vector<float>(md.begin(), md.begin() + 8),
+            (std::vector<float>{0.3125f, -1.75f, 3.0f, 0.05078125f, -0.625f, 1.125f, 3.25f,
+                                -0.00732421875f}));
+
+  // nvfp4: s_enc = 2688 / 10 = 268.8; d_b = 3.3 / 6 · 268.8 = 147.84 → UE4M3 144 (0x71, steps
+  // of 16 in [128, 256)); s_enc / d_b = 1.8667; 2.9 · 1.8667 = 5.41 → 6 (code 7), −1.7 →
+  // −3.17 → −3 (code 13), 0.05 → 0.093 → 0; dequantized e2m1 · 144 / 268.8. Row 1: d_b =
+  // 10 / 6 · 268.8 = 448 (0x7E).
+  const lowp::Quantized f = lowp::quantize(x.data(), 2, 8, Recipe::nvfp4, Operand::activation);
+  EXPECT_EQ(f.tensor_scale, 268.8f);
+  EXPECT_EQ(f.scale_codes, (std::vector<std::uint8_t>{0x71, 0x7E}));
+  EXPECT_EQ(std::vector<std::uint8_t>(f.codes.begin(), f.codes.begin() + 8),
+            (std::vector<std::uint8_t>{0x1, 0xD, 0x7, 0x0, 0xA, 0x4, 0x7, 0x8}));
+  near(lowp::dequantize(f), {0.2679, -1.607, 3.214, 0.0, -0.5357, 1.071, 3.214, 0.0});
+}
+
+// The bytes chapter 6's figure of the recipes shows for its 8 × 256 operand: 2048 one-byte codes
+// (1024 bytes of packed E2M1) plus the scales, counted by hand from the blocks.
+TEST(LowpWorkedExample, TheFiguresBytes) {
+  EXPECT_EQ(lowp::storage_bytes(8, 256, Recipe::tensorwise, Operand::activation), 2048 + 4);
+  EXPECT_EQ(lowp::storage_bytes(8, 256, Recipe::rowwise, Operand::activation), 2048 + 8 * 4);
+  EXPECT_EQ(lowp::storage_bytes(8, 256, Recipe::block128, Operand::activation), 2048 + 16 * 4);
+  EXPECT_EQ(lowp::storage_bytes(8, 256, Recipe::block128, Operand::weight), 2048 + 2 * 4);
+  EXPECT_EQ(lowp::storage_bytes(128, 256, Recipe::block128, Operand::weight), 32768 + 2 * 4);
+  EXPECT_EQ(lowp::storage_bytes(8, 256, Recipe::mxfp8, Operand::activation), 2048 + 64);
+  EXPECT_EQ(lowp::storage_bytes(8, 256, Recipe::nvfp4, Operand::activation), 1024 + 128 + 4);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Stage 06's --fp8-recipe.
 // ---------------------------------------------------------------------------------------------
 
