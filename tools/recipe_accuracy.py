@@ -347,7 +347,7 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--rope-theta", type=float, default=500000.0)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--svg", default="docs/figures/06_recipe_loss_curves.svg")
+    ap.add_argument("--svg", default="docs/figures/06_recipe_accuracy.svg")
     ap.add_argument("--md", default="docs/recipe-accuracy.md")
     ap.add_argument("--chapter", default="06_fp8/README.md",
                     help="a page whose recipe-accuracy markers receive the tables ('' for none)")
