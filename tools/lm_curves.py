@@ -90,16 +90,23 @@ def bits_at(seed, tid, index):
     return mix(mix(mix((seed + GOLDEN) & MASK) ^ ((tid * GOLDEN) & MASK)) ^ ((index + GOLDEN) & MASK))
 
 
+def read_token_header(f, path):
+    """(vocab, train ids, held-out ids) counts from a token file's header (common/token_file.h),
+    read from the open file f."""
+    head = f.read(64)
+    if len(head) < 64 or head[:8] != b"TPXTOKN1":
+        fail(f"token file '{path}': not a token file (no TPXTOKN1 header)")
+    version, vocab, n_train, n_valid = struct.unpack("<IIQQ", head[8:32])
+    if version != 1:
+        fail(f"token file '{path}': version {version}, this tool reads 1")
+    return vocab, n_train, n_valid
+
+
 def read_token_file(path):
     """(vocab, train ids, held-out ids) of a token file (common/token_file.h)."""
     import numpy as np
     with open(path, "rb") as f:
-        head = f.read(64)
-        if len(head) < 64 or head[:8] != b"TPXTOKN1":
-            fail(f"token file '{path}': not a token file (no TPXTOKN1 header)")
-        version, vocab, n_train, n_valid = struct.unpack("<IIQQ", head[8:32])
-        if version != 1:
-            fail(f"token file '{path}': version {version}, this tool reads 1")
+        vocab, n_train, n_valid = read_token_header(f, path)
         ids = np.frombuffer(f.read(), dtype="<u2")
     if ids.size != n_train + n_valid:
         fail(f"token file '{path}': {ids.size} ids, its header says {n_train + n_valid}")
@@ -220,12 +227,15 @@ def stage_flags(a):
     return [str(x) for x in f]
 
 
-def run_stage(a, key, extra):
-    exe, ranks, own = STAGES[key]
+def run_stage(a, key, extra, tag=None, own=None):
+    """Stage `key` on its ranks with its own flags (or `own`) and `extra`: its rows and seconds.
+    Its --json goes to <work>/<tag or key>.json."""
+    exe, ranks, stage_own = STAGES[key]
+    own = stage_own if own is None else own
     path = os.path.join(a.bin_dir, exe)
     if not os.path.isfile(path):
         fail(f"--bin-dir: no executable '{path}' (build the stages first)")
-    out = os.path.join(a.work, f"{key}.json")
+    out = os.path.join(a.work, f"{tag or key}.json")
     cmd = shlex.split(a.mpirun) + ["-np", str(ranks), path] + own + stage_flags(a) + \
         ["--json", out] + extra
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
