@@ -210,4 +210,26 @@ std::int64_t storage_bytes(std::int64_t rows, std::int64_t cols, Recipe recipe, 
   return codes + scales * scale_bytes + (recipe == Recipe::nvfp4 ? 4 : 0);
 }
 
+std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std::int64_t cols,
+                            bool k_rows, Recipe recipe, Operand operand, std::int64_t parts) {
+  using I = std::int64_t;
+  const I outer = k_rows ? cols : rows, k = k_rows ? rows : cols, part = k / parts;
+  // m's element (outer index r, reduction index j).
+  auto at = [&](I r, I j) {
+    return static_cast<std::size_t>(k_rows ? j * cols + r : r * cols + j);
+  };
+  std::vector<double> out(m.size());
+  std::vector<float> x(static_cast<std::size_t>(outer * part));
+  for (I p = 0; p < parts; ++p) {
+    for (I r = 0; r < outer; ++r)
+      for (I j = 0; j < part; ++j)
+        x[static_cast<std::size_t>(r * part + j)] = static_cast<float>(m[at(r, p * part + j)]);
+    const std::vector<float> d = dequantize(quantize(x.data(), outer, part, recipe, operand));
+    for (I r = 0; r < outer; ++r)
+      for (I j = 0; j < part; ++j)
+        out[at(r, p * part + j)] = double(d[static_cast<std::size_t>(r * part + j)]);
+  }
+  return out;
+}
+
 }  // namespace tpx::lowp

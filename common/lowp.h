@@ -55,7 +55,7 @@
 // of a NaN is ±6, see lowp_bits.h): under nvfp4 the block scale carries it.
 //
 // defines: tpx::lowp::Recipe, Operand, ScaleFormat, Layout, Quantized, to_string,
-//          parse_recipe, layout, quantize, dequantize, block_amax, storage_bytes
+//          parse_recipe, layout, quantize, dequantize, emulate, block_amax, storage_bytes
 #pragma once
 
 #include <cstdint>
@@ -119,6 +119,14 @@ Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe 
 
 /// The fp32 values the codes and scales stand for, row-major [rows, cols].
 std::vector<float> dequantize(const Quantized& q);
+
+/// The values a row-major operand m [rows, cols] stands for once `recipe` has quantized it as a
+/// GEMM's `operand`, with the reduction dimension K along m's columns (k_rows false) or along
+/// its rows (k_rows true), K cut into `parts` equal parts quantized apart (a rank's shard of K):
+/// quantize() of m's values rounded to fp32, dequantized, widened to double. The double
+/// reference's emulation of a recipe (common/reference.h) and tools/recipe_gemm_error use it.
+std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std::int64_t cols,
+                            bool k_rows, Recipe recipe, Operand operand, std::int64_t parts = 1);
 
 /// The bytes an operand [rows, cols] occupies (and a gather of it moves) under a recipe: its
 /// codes, one byte each (E2M1: two to a byte, as the GEMMs read them, ⌈rows · cols / 2⌉), and its

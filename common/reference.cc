@@ -56,32 +56,6 @@ Vec matmul_dw(const Vec& x, const Vec& dy, I rows, I in, I out) {
   return dw;
 }
 
-// The values the operand m [rows, cols] (row-major) stands for once a recipe has quantized it
-// as the GEMM's `operand`, with the reduction dimension K along m's columns (k_rows false) or
-// along its rows (k_rows true), K cut into `parts` equal parts quantized apart (a rank's shard
-// of K): common/lowp.h's quantizer on the fp32 values of m, dequantized, widened to double.
-Vec lowp_operand(const Vec& m, I rows, I cols, bool k_rows, lowp::Recipe recipe,
-                 lowp::Operand operand, I parts) {
-  const I outer = k_rows ? cols : rows, k = k_rows ? rows : cols, part = k / parts;
-  // m's element (outer index r, reduction index j).
-  auto at = [&](I r, I j) {
-    return static_cast<std::size_t>(k_rows ? j * cols + r : r * cols + j);
-  };
-  Vec out(m.size());
-  std::vector<float> x(static_cast<std::size_t>(outer * part));
-  for (I p = 0; p < parts; ++p) {
-    for (I r = 0; r < outer; ++r)
-      for (I j = 0; j < part; ++j)
-        x[static_cast<std::size_t>(r * part + j)] = float(m[at(r, p * part + j)]);
-    const std::vector<float> d =
-        lowp::dequantize(lowp::quantize(x.data(), outer, part, recipe, operand));
-    for (I r = 0; r < outer; ++r)
-      for (I j = 0; j < part; ++j)
-        out[at(r, p * part + j)] = double(d[static_cast<std::size_t>(r * part + j)]);
-  }
-  return out;
-}
-
 struct Norm {
   Vec y, rstd;
 };
@@ -185,9 +159,9 @@ class RefBlock {
   // over the group.
   static constexpr bool kColumn = false, kRow = true;
 
-  // The operand m [rows, cols] under the recipe (lowp_operand), K along its columns or rows.
+  // The operand m [rows, cols] under the recipe (lowp::emulate), K along its columns or rows.
   Vec q(const Vec& m, I rows, I cols, bool k_rows, lowp::Operand operand, I parts = 1) const {
-    return lowp_operand(m, rows, cols, k_rows, emul->recipe, operand, parts);
+    return lowp::emulate(m, rows, cols, k_rows, emul->recipe, operand, parts);
   }
   // The parts a rank's shard cuts a sharded K into: rowwise's rows (see LowpEmulation).
   I k_parts(bool k_sharded) const {

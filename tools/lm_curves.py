@@ -432,21 +432,12 @@ def write_md(a, curves, ref, secs, total, command, path):
     os.replace(tmp, path)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bin-dir", required=True, help="where the stage executables are")
-    ap.add_argument("--data", help="a token file, or synthetic (default: the build's corpus, "
-                    "<bin-dir>/../data/kjv-4096.tokens)")
-    ap.add_argument("--vocab", type=int, default=256, help="--data synthetic's vocabulary")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--ffn", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--eval-every", type=int, default=25)
+def add_model_flags(ap, **sizes):
+    """The language model's sizes (their defaults `sizes`, by flag name with _ for -) and its
+    AdamW run's flags, as the stages spell them: the runs' flags (stage_flags) read these."""
+    for name in ("hidden", "heads", "kv_heads", "ffn", "layers", "seq", "batch", "steps",
+                 "eval_every"):
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=sizes[name])
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--beta1", type=float, default=0.9)
     ap.add_argument("--beta2", type=float, default=0.95)
@@ -454,6 +445,16 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--rope-theta", type=float, default=500000.0)
     ap.add_argument("--seed", type=int, default=1234)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bin-dir", required=True, help="where the stage executables are")
+    ap.add_argument("--data", help="a token file, or synthetic (default: the build's corpus, "
+                    "<bin-dir>/../data/kjv-4096.tokens)")
+    ap.add_argument("--vocab", type=int, default=256, help="--data synthetic's vocabulary")
+    add_model_flags(ap, hidden=128, heads=4, kv_heads=2, ffn=384, layers=2, seq=64, batch=8,
+                    steps=300, eval_every=25)
     ap.add_argument("--tight-steps", type=int, default=10,
                     help=f"the first steps compared within {TIGHT:g}")
     ap.add_argument("--stages", default=",".join(STAGES), help="which, e.g. 01,02")

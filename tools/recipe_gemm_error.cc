@@ -148,30 +148,6 @@ Mat values(const Tensor& t) {
   return {v.begin(), v.end()};
 }
 
-/// The values the operand m [rows, cols] stands for under `recipe` as the GEMM's `operand`: K
-/// along m's columns (k_rows false) or rows (k_rows true), K cut into `parts` equal parts
-/// quantized apart; quantized from m's fp32 values, dequantized, widened to double.
-Mat quantized(const Mat& m, I rows, I cols, bool k_rows, Recipe recipe, Operand operand,
-              I parts = 1) {
-  const I outer = k_rows ? cols : rows, k = k_rows ? rows : cols, part = k / parts;
-  auto at = [&](I r, I j) {
-    return static_cast<std::size_t>(k_rows ? j * cols + r : r * cols + j);
-  };
-  Mat out(m.size());
-  std::vector<float> x(static_cast<std::size_t>(outer * part));
-  for (I p = 0; p < parts; ++p) {
-    for (I r = 0; r < outer; ++r)
-      for (I j = 0; j < part; ++j)
-        x[static_cast<std::size_t>(r * part + j)] = static_cast<float>(m[at(r, p * part + j)]);
-    const std::vector<float> d =
-        lowp::dequantize(lowp::quantize(x.data(), outer, part, recipe, operand));
-    for (I r = 0; r < outer; ++r)
-      for (I j = 0; j < part; ++j)
-        out[at(r, p * part + j)] = d[static_cast<std::size_t>(r * part + j)];
-  }
-  return out;
-}
-
 /// C [m, n] = op(A) · op(B) in double, op a transpose where asked; A is [m, k] or [k, m], B
 /// [k, n] or [n, k].
 Mat product(const Mat& a, bool trans_a, const Mat& b, bool trans_b, I m, I k, I n) {
@@ -340,8 +316,8 @@ class Measured final : public Parallelism {
       return o;
     };
     for (Recipe r : flags_.recipe_list()) {
-      const Mat xq = quantized(x, t, in, false, r, Operand::activation, parts(r, row));
-      const Mat wq = quantized(w, in, out, true, r, Operand::weight, parts(r, row));
+      const Mat xq = lowp::emulate(x, t, in, false, r, Operand::activation, parts(r, row));
+      const Mat wq = lowp::emulate(w, in, out, true, r, Operand::weight, parts(r, row));
       const Mat y = product(xq, false, wq, false, t, in, out);
       nlohmann::json g = gemm_json(y, exact);
       if (flags_.outlier != 1.0) g["other_rows"] = gemm_json(others(y), others(exact));
@@ -358,8 +334,8 @@ class Measured final : public Parallelism {
     const Mat exact_dx = product(dy, false, w, true, t, out, in);
     const Mat exact_dw = product(x, true, dy, false, in, t, out);
     for (Recipe r : flags_.recipe_list()) {
-      const Mat dyq = quantized(dy, t, out, false, r, Operand::gradient, parts(r, !row));
-      const Mat wq = quantized(w, in, out, false, r, Operand::weight, parts(r, !row));
+      const Mat dyq = lowp::emulate(dy, t, out, false, r, Operand::gradient, parts(r, !row));
+      const Mat wq = lowp::emulate(w, in, out, false, r, Operand::weight, parts(r, !row));
       record(name, "dgrad", r, gemm_json(product(dyq, false, wq, true, t, out, in), exact_dx),
              operand_json(dy, dyq, r, Operand::gradient, 1),
              operand_json(w, wq, r, Operand::weight, 1));
@@ -369,15 +345,15 @@ class Measured final : public Parallelism {
       Mat xw, dyw;
       int x_passes = 1, dy_passes = 1;
       if (r == Recipe::tensorwise) {
-        xw = quantized(x, t, in, false, r, Operand::activation);
-        dyw = quantized(dy, t, out, false, r, Operand::gradient);
+        xw = lowp::emulate(x, t, in, false, r, Operand::activation);
+        dyw = lowp::emulate(dy, t, out, false, r, Operand::gradient);
       } else {
-        const Mat xs = row ? x : quantized(x, t, in, false, r, Operand::activation);
-        const Mat dys = row ? quantized(dy, t, out, false, r, Operand::gradient) : dy;
+        const Mat xs = row ? x : lowp::emulate(x, t, in, false, r, Operand::activation);
+        const Mat dys = row ? lowp::emulate(dy, t, out, false, r, Operand::gradient) : dy;
         x_passes = row ? 1 : 2;
         dy_passes = row ? 2 : 1;
-        xw = quantized(xs, t, in, true, r, Operand::activation);
-        dyw = quantized(dys, t, out, true, r, Operand::gradient);
+        xw = lowp::emulate(xs, t, in, true, r, Operand::activation);
+        dyw = lowp::emulate(dys, t, out, true, r, Operand::gradient);
       }
       record(name, "wgrad", r, gemm_json(product(xw, true, dyw, false, in, t, out), exact_dw),
              operand_json(x, xw, r, Operand::activation, x_passes),
