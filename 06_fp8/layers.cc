@@ -17,21 +17,33 @@ Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx, Fp8Weights weights)
 
 std::vector<Tensor> Fp8AsyncTp::quantize(std::span<const Tensor> x, std::span<const DType> format,
                                          std::string_view what) {
-  const auto k = static_cast<std::int64_t>(x.size());
   const Device dev = x[0].device();
+  // An operand that arrives in FP8 with its scale (a weight gathered as FP8: Fp8Weights::gathered)
+  // is used as it is; the others are quantized here.
+  std::vector<std::size_t> todo;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (!is_fp8(x[i].dtype())) {
+      todo.push_back(i);
+      continue;
+    }
+    TPX_CHECK(x[i].dtype() == format[i] && x[i].scale().defined(),
+              "{} operand {} arrives as {} without its scale or in another format", what, i,
+              x[i].describe());
+  }
   // Every operand here is sharded over the group (a sequence shard, a column block, a weight
   // shard), so its amax is the maximum of the shards' amaxes: one MAX all-reduce for all of them.
+  const auto k = static_cast<std::int64_t>(todo.size());
   const Tensor amax = Tensor::empty({k}, DType::f32, dev);
-  for (std::int64_t i = 0; i < k; ++i) ops::amax(x[std::size_t(i)], amax.slice0(i, i + 1));
-  group_.all_reduce_max(amax, fmt::format("{} amax", what));
-  std::vector<Tensor> q;
-  for (std::int64_t i = 0; i < k; ++i) {
-    const Tensor& xi = x[std::size_t(i)];
+  for (std::int64_t j = 0; j < k; ++j) ops::amax(x[todo[std::size_t(j)]], amax.slice0(j, j + 1));
+  if (k > 0) group_.all_reduce_max(amax, fmt::format("{} amax", what));
+  std::vector<Tensor> q(x.begin(), x.end());
+  for (std::int64_t j = 0; j < k; ++j) {
+    const std::size_t i = todo[std::size_t(j)];
     const Tensor scale = Tensor::empty({1}, DType::f32, dev);
-    ops::fp8_scale(amax.slice0(i, i + 1), format[std::size_t(i)], scale);
-    const Tensor qi = Tensor::empty(xi.shape(), format[std::size_t(i)], dev);
-    ops::quantize_fp8(xi, scale, qi);
-    q.push_back(qi.with_scale(scale));
+    ops::fp8_scale(amax.slice0(j, j + 1), format[i], scale);
+    const Tensor qi = Tensor::empty(x[i].shape(), format[i], dev);
+    ops::quantize_fp8(x[i], scale, qi);
+    q[i] = qi.with_scale(scale);
   }
   return q;
 }
@@ -95,7 +107,7 @@ Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> 
   if (recipe_ != lowp::Recipe::tensorwise) return recipe_column_backward(saved, w, dy, dw, role);
   // dX = RS(Σ dy·Wᵀ): E5M2 × E4M3; dW = AG(h)ᵀ·dy: E4M3 (the saved shard) × E5M2. The weights
   // requantized (Fp8Weights) join the gradients' all-reduce.
-  const bool requantize = weight_use_ == Fp8Weights::requantized;
+  const bool requantize = weight_use_ != Fp8Weights::kept;
   std::vector<Tensor> x(dy.begin(), dy.end());
   std::vector<DType> format(dy.size(), DType::e5m2);
   if (requantize) {
@@ -126,7 +138,7 @@ Tensor Fp8AsyncTp::row_backward(const Tensor& a, const Tensor& w, const Tensor& 
   // da = AG(dy)·Wᵀ: E5M2 × E4M3, the gradient's shard gathered as FP8; dW = aᵀ·AG(dy): E4M3 ×
   // E5M2. `a` is quantized again with the gradient in one all-reduce: its bits are forward's
   // (the same tensor, the same agreed amax); so is the weight, where it is requantized.
-  if (weight_use_ == Fp8Weights::requantized) {
+  if (weight_use_ != Fp8Weights::kept) {
     const std::array x{a, dy, w};
     const std::array format{DType::e4m3, DType::e5m2, DType::e4m3};
     const std::vector<Tensor> q = quantize(x, format, fmt::format("{} bwd", role));

@@ -35,9 +35,10 @@ Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe 
   // Forward: qkv (h, Wq, Wk, Wv), o (a, Wo), gate/up (h2, Wg, Wu), down (s, Wd); backward:
   // qkv (3 gradients), o (a, its gradient), gate/up (2 gradients), down (s, its gradient), each
   // with its weights when they are requantized.
-  const bool again = weights == Fp8Weights::requantized;
-  const std::array<U, 8> ks = {
-      4, 2, 3, 2, again ? 6U : 3U, again ? 3U : 2U, again ? 4U : 2U, again ? 3U : 2U};
+  const bool again = weights == Fp8Weights::requantized,
+             given = weights == Fp8Weights::gathered;  // no weight's amax at all
+  const std::array<U, 8> ks = {given ? 1U : 4U, given ? 1U : 2U, given ? 1U : 3U, given ? 1U : 2U,
+                               again ? 6U : 3U, again ? 3U : 2U, again ? 4U : 2U, again ? 3U : 2U};
   int i = 0;
   for (const U k : ks) {
     const Traffic one{4 * k, (4 * k * 2 * (N - 1)) / N, 1};

@@ -16,8 +16,11 @@ namespace tpx::async_fp8 {
 /// 06). `requantized`: quantized again from the weight backward is given, its amax agreed in the
 /// same MAX all-reduce as the gradient's, for a stage that gathers each layer again for its
 /// backward into another buffer (stage 07's FSDP; an address may then be another layer's): the
-/// same values under the same agreed scale give the forward's codes again.
-enum class Fp8Weights { kept, requantized };
+/// same values under the same agreed scale give the forward's codes again. `gathered`: the
+/// weights arrive as FP8 codes with their scale, agreed over every rank that holds a part of the
+/// weight (stage 07's --fp8-weight-gather), in forward and in backward: used as they are, no amax
+/// of theirs in any all-reduce here.
+enum class Fp8Weights { kept, requantized, gathered };
 
 /// Per rank and step at N ranks, L layers, a shard of S·B·H / N elements: stage 05's ring, the
 /// six gathers per layer moving 1-byte FP8 codes and the four reduce-scatters e bytes (e =
@@ -31,7 +34,8 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes = 0);
 /// its codes, its chunk's scales in a ring of its own: S·B/N rows of 1 (rowwise) or ⌈H/128⌉
 /// (block128) fp32 scales, 4 bytes each, or ⌈H/32⌉ (mxfp8) E8M0 scales, 1 byte each. Under
 /// tensorwise with the weights requantized for backward (Fp8Weights, stage 07) each backward
-/// all-reduce carries its group's weights' amaxes too: k ∈ {4,2,3,2,6,3,4,3}.
+/// all-reduce carries its group's weights' amaxes too: k ∈ {4,2,3,2,6,3,4,3}; with the weights
+/// gathered as FP8 none does: k ∈ {1,1,1,1,3,2,2,2}.
 Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe,
                        Fp8Weights weights = Fp8Weights::kept);
 

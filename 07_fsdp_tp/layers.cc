@@ -77,7 +77,10 @@ FsdpTp::FsdpTp(const RunContext& ctx, Mesh mesh)
       // Under --dtype fp8 stage 06's FP8 GEMMs, each layer's weights quantized again for its
       // backward (gathered again, into another buffer): Fp8Weights.
       tp_(is_fp8(ctx.options.config.dtype)
-              ? async_fp8::make_fp8_async_tp(tp_ctx_, async_fp8::Fp8Weights::requantized)
+              ? async_fp8::make_fp8_async_tp(tp_ctx_,
+                                             ctx.options.flags<Fp8GatherFlags>().fp8_weight_gather
+                                                 ? async_fp8::Fp8Weights::gathered
+                                                 : async_fp8::Fp8Weights::requantized)
               : async_tp::make_copy_engine_async_tp(tp_ctx_)),
       trace_(ctx.trace),
       device_(ctx.options.config.device),
@@ -91,6 +94,12 @@ FsdpTp::FsdpTp(const RunContext& ctx, Mesh mesh)
     o.group = mesh_.dp_group;
     o.kind = CommKind::mpi;
     dp_report_comm_ = make_communicator(o, device_);
+  }
+  fp8_gather_ = ctx.options.flags<Fp8GatherFlags>().fp8_weight_gather;
+  if (fp8_gather_) {
+    // The weight matrices' amaxes agreed over every rank holding a part of them: the job's.
+    o = ctx.options.comm;
+    amax_comm_ = make_communicator(o, device_);
   }
 }
 
@@ -230,7 +239,12 @@ FsdpTp::Gather FsdpTp::issue_gather(const FlatLayout& f, std::span<const Tensor>
               typed_view(send, b.offset[i], e.shard_numel(), e.cols, stored[i].dtype()));
   }
   Gather g{Tensor::empty({std::int64_t(mesh_.dp_cp()) * b.bytes}, DType::u8, device_),
-           Event(device_), b.offset, b.bytes};
+           Event(device_),
+           b.offset,
+           b.bytes,
+           {},
+           {}};
+  for (const Tensor& t : stored) g.dtypes.push_back(t.dtype());
   // Booked now, so that the flight recorder has it in the program's order on every rank.
   const std::uint64_t booked = dp_comm_->book(CommOp::all_gather, what);
   // And marked on the DP-comm lane as queued (reporting only, no duration): a prefetch shows as
@@ -249,8 +263,41 @@ FsdpTp::Gather FsdpTp::issue_gather(const FlatLayout& f, std::span<const Tensor>
 }
 
 void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l) {
-  gathers_.insert_or_assign(
-      l, issue_gather(layout_[l], stored[l].t, fmt::format("layer {} weights all-gather", l)));
+  const std::string what = fmt::format("layer {} weights all-gather", l);
+  if (!fp8_gather_) {
+    gathers_.insert_or_assign(l, issue_gather(layout_[l], stored[l].t, what));
+    return;
+  }
+  const std::vector<Tensor> shards = fp8_shards(stored[l], l);
+  Gather g = issue_gather(layout_[l], shards, what);
+  for (const Tensor& s : shards) g.scales.push_back(s.scale());
+  gathers_.insert_or_assign(l, std::move(g));
+}
+
+std::vector<Tensor> FsdpTp::fp8_shards(const LayerParams& stored, std::size_t l) {
+  // Stage 06's tensorwise rule on the whole weight: scale = fmax / amax over every shard of every
+  // TP rank, so the codes are the ones stage 06 would make from the unsharded weight.
+  std::vector<Param> matrices;
+  for (const Param p : kAllParams)
+    if (param_split(p) != Split::replicated) matrices.push_back(p);
+  const auto k = static_cast<std::int64_t>(matrices.size());
+  const Tensor amax = Tensor::empty({k}, DType::f32, device_);
+  for (std::int64_t i = 0; i < k; ++i)
+    ops::amax(stored[matrices[std::size_t(i)]], amax.slice0(i, i + 1));
+  {
+    TraceScope span(trace_, fmt::format("layer {} weights amax", l), Lane::dp_comm);
+    amax_comm_->all_reduce_max(amax, Stream(device_));
+  }
+  std::vector<Tensor> out(stored.t.begin(), stored.t.end());
+  for (std::int64_t i = 0; i < k; ++i) {
+    const Tensor& w = stored[matrices[std::size_t(i)]];
+    const Tensor scale = Tensor::empty({1}, DType::f32, device_);
+    ops::fp8_scale(amax.slice0(i, i + 1), DType::e4m3, scale);
+    const Tensor q = Tensor::empty(w.shape(), DType::e4m3, device_);
+    ops::quantize_fp8(w, scale, q);
+    out[static_cast<std::size_t>(matrices[std::size_t(i)])] = q.with_scale(scale);
+  }
+  return out;
 }
 
 std::vector<Tensor> FsdpTp::copy_out(const Gather& g, const FlatLayout& f,
@@ -259,7 +306,7 @@ std::vector<Tensor> FsdpTp::copy_out(const Gather& g, const FlatLayout& f,
   std::vector<Tensor> out;
   for (std::size_t i = 0; i < stored.size(); ++i) {
     const FlatLayout::Entry& e = f[i];
-    const DType dtype = stored[i].dtype();
+    const DType dtype = g.dtypes[i];  // stored[i]'s, or E4M3 under --fp8-weight-gather
     const Tensor full = Tensor::empty(e.shape, dtype, device_);
     for (int d = 0; d < mesh_.dp_cp(); ++d) {
       const std::int64_t begin = std::min(e.rows, d * e.shard_rows);
@@ -269,7 +316,8 @@ std::vector<Tensor> FsdpTp::copy_out(const Gather& g, const FlatLayout& f,
           typed_view(g.full, d * g.bytes + g.offset[i], e.shard_numel(), e.cols, dtype);
       ops::copy(part.slice0(0, end - begin), rows_of(full, e.cols, begin, end));
     }
-    out.push_back(full);
+    out.push_back(i < g.scales.size() && g.scales[i].defined() ? full.with_scale(g.scales[i])
+                                                               : full);
   }
   return out;
 }
@@ -490,6 +538,7 @@ Communicator& FsdpTp::dp_comm_for_report() {
 CommStats FsdpTp::take_comm_stats() {
   CommStats s = tp_->take_comm_stats();
   s.add_group("dp", dp_comm_->take_stats());
+  if (amax_comm_) s.add_group("dp", amax_comm_->take_stats());  // FSDP's FP8 weight gathers'
   return s;
 }
 
@@ -536,17 +585,20 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .dp = mesh.dp,
                 .dp_cp_index = mesh.dp_cp_index(),
                 .dimensions = {memory_dimension(mesh.dp_cp_index() == 0)}};  // as sharding()
+  const bool fp8_gather = ctx.options.flags<Fp8GatherFlags>().fp8_weight_gather;
   // Stage 05's, inside the TP group; stage 06's under --dtype fp8, the weights requantized for
   // backward (make_fp8_async_tp refuses a recipe's block that a TP shard would cut; so does this).
   Traffic tp;
   if (is_fp8(replica.dtype)) {
     const lowp::Recipe r = ctx.options.flags<async_fp8::Fp8RecipeFlags>().recipe();
     async_fp8::check_recipe_split(replica, mesh.tp, r);
-    tp = async_fp8::recipe_traffic(replica, mesh.tp, 0, r, async_fp8::Fp8Weights::requantized);
+    tp = async_fp8::recipe_traffic(
+        replica, mesh.tp, 0, r,
+        fp8_gather ? async_fp8::Fp8Weights::gathered : async_fp8::Fp8Weights::requantized);
   } else {
     tp = ring::traffic(replica, mesh.tp);
   }
-  Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp);
+  Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp, 1, fp8_gather);
   dp += lm_grads_traffic(ctx.options.config, mesh.tp, mesh.dp, true, true);  // the ends (FSDP)
   p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};
   p.traffic = {tp.payload + dp.payload, tp.bus + dp.bus, tp.calls + dp.calls};

@@ -136,6 +136,10 @@ class FsdpTp final : public Parallelism {
     Event done;   ///< the gather has landed
     std::vector<std::int64_t> offset;  ///< each tensor's byte offset in a part
     std::int64_t bytes = 0;            ///< one rank's part
+    /// Each tensor's dtype as gathered, and its FP8 scale (--fp8-weight-gather: the weight
+    /// matrices' E4M3 codes; undefined for the tensors gathered as they are stored).
+    std::vector<DType> dtypes;
+    std::vector<Tensor> scales;
   };
   struct Reduction {
     Tensor flat;  ///< [D, numel] fp32 gradients being reduce-scattered
@@ -157,8 +161,13 @@ class FsdpTp final : public Parallelism {
   /// Issues the all-gather of a unit's shards `stored` (compute copies, laid out as `f`) on the
   /// DP-comm lane, named `what`.
   Gather issue_gather(const FlatLayout& f, std::span<const Tensor> stored, const std::string& what);
-  /// Issues layer l's weight all-gather (once per forward or backward use).
+  /// Issues layer l's weight all-gather (once per forward or backward use); under
+  /// --fp8-weight-gather its weight matrices' shards cast to E4M3 first (fp8_shards).
   void issue_gather(const std::vector<LayerParams>& stored, std::size_t l);
+  /// --fp8-weight-gather: layer l's shards with each weight matrix cast to E4M3 under one scale
+  /// per matrix, from its amax agreed over every rank that holds a part of it (one MAX
+  /// all-reduce of the seven amaxes over the mesh); the norm gains as they are.
+  std::vector<Tensor> fp8_shards(const LayerParams& stored, std::size_t l);
   /// The unit's TP-local tensors from gather `g` once it has landed (in `stored`'s dtypes).
   std::vector<Tensor> copy_out(const Gather& g, const FlatLayout& f,
                                std::span<const Tensor> stored) const;
@@ -187,6 +196,8 @@ class FsdpTp final : public Parallelism {
   Device device_;
   std::unique_ptr<Communicator> dp_comm_;
   std::unique_ptr<Communicator> dp_report_comm_;  // over the DP group, when C > 1
+  bool fp8_gather_ = false;                       // --fp8-weight-gather
+  std::unique_ptr<Communicator> amax_comm_;       // over the mesh, under --fp8-weight-gather
   Stream gather_lane_, reduce_lane_;              // the DP-comm lane's two streams
   std::vector<FlatLayout> layout_;                // per layer
   std::vector<Tensor> grad_shards_;               // per layer: the flat fp32 gradient shard [numel]

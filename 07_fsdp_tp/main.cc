@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
                                                    "(--fp8-recipe), the weights gathered fp32",
                                            .is_default = false},
                .flag_groups = {fsdp::DataParallelFlags::make, async_tp::AllGatherFlags::make,
-                               async_fp8::Fp8RecipeFlags::make}},
+                               async_fp8::Fp8RecipeFlags::make, fsdp::Fp8GatherFlags::make}},
       .make = fsdp::make_fsdp_tp,
       .plan = fsdp::plan_fsdp_tp,
       // FP8 is measured against the fp32 reference, as stage 06's is.

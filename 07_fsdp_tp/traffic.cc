@@ -11,12 +11,13 @@ double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes) {
   return double(c.layers) * (2.0 * gather_bytes + 4.0) * P * (D - 1) / D;
 }
 
-Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches) {
+Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches, bool fp8_gather) {
   require_formula(tp >= 1 && dp >= 1 && microbatches >= 1,
                   "TP, DP ranks and micro-batches must be >= 1");
   using U = std::uint64_t;
   const U D = U(dp), T = U(tp), H = U(c.hidden), KV = U(c.kv_dim()), F = U(c.ffn);
-  const U matrix = c.bf16_weight_copies() ? 2 : 4;  // the compute copies' element bytes
+  // The matrices' element bytes as gathered: E4M3 codes, or the compute copies' (bf16 or fp32).
+  const U matrix = fp8_gather ? 1 : c.bf16_weight_copies() ? 2 : 4;
   struct Part {
     U rows, cols, size;
   };
@@ -35,7 +36,12 @@ Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches) {
   auto ring = [&](U payload) { return payload * (D - 1) / D; };
   const U gathered = D * gather, reduced = D * numel * 4;
   const U L = U(c.layers), G = 2 * U(microbatches);  // gathers per layer and step
-  return {L * (G * gathered + reduced), L * (G * ring(gathered) + ring(reduced)), L * (G + 1)};
+  Traffic t{L * (G * gathered + reduced), L * (G * ring(gathered) + ring(reduced)), L * (G + 1)};
+  if (fp8_gather) {  // the seven amaxes agreed over the mesh before each gather
+    const U W = T * D, amax = 7 * 4;
+    t += Traffic{L * G * amax, L * G * (amax * 2 * (W - 1) / W), L * G};
+  }
+  return t;
 }
 
 }  // namespace tpx::fsdp

@@ -19,7 +19,11 @@ double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes);
 /// as bf16 compute copies under --dtype bf16, the norm gains fp32, each at a multiple of its
 /// element size) and one fp32 reduce-scatter of the layer's padded flat gradient [D · numel].
 /// With `microbatches` M (stage 09's pipeline) each layer is gathered for every micro-batch's
-/// forward and backward, 2M times, and its gradients reduce-scattered once.
-Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches = 1);
+/// forward and backward, 2M times, and its gradients reduce-scattered once. With `fp8_gather`
+/// (--fp8-weight-gather) the seven weight matrices travel as 1-byte E4M3 codes, and each gather
+/// is preceded by one MAX all-reduce of their seven fp32 amaxes over the T·D ranks of the mesh
+/// (payload 28, bus ⌊28·2(TD−1)/TD⌋).
+Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches = 1,
+                     bool fp8_gather = false);
 
 }  // namespace tpx::fsdp

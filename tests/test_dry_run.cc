@@ -89,6 +89,7 @@ INSTANTIATE_TEST_SUITE_P(
         // (The row and block recipes' bytes: test_fp8_recipes.)
         Case{"07_fsdp_tp", 4, "--dp 2 --dtype fp8"},
         Case{"07_fsdp_tp", 4, "--dp 2 --dtype fp8 --recompute full"},
+        Case{"07_fsdp_tp", 4, "--dp 2 --dtype fp8 --fp8-weight-gather"},
         // Stage 08, each method at C = 2 and at C = 2 × T = 2; Ulysses needs NKV
         // to split over C·T (4 KV heads here); the recompute repeats the forward's
         // K/V traffic on every second layer; D = 2 × C = 2 shards over DP×CP.

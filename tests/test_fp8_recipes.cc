@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "06_fp8/traffic.h"
+#include "07_fsdp_tp/traffic.h"
 #include "common/lowp.h"
 #include "common/npy.h"
 #include "common/reference.h"
@@ -98,10 +99,13 @@ INSTANTIATE_TEST_SUITE_P(
                       // (D 2 × T 2 at N = 4), or D 2 alone.
                       Case{"tensorwise", 4, "07_fsdp_tp"},
                       Case{"rowwise", 2, "07_fsdp_tp", "--dp 2"}, Case{"rowwise", 4, "07_fsdp_tp"},
-                      Case{"block128", 4, "07_fsdp_tp"}, Case{"mxfp8", 4, "07_fsdp_tp"}),
+                      Case{"block128", 4, "07_fsdp_tp"}, Case{"mxfp8", 4, "07_fsdp_tp"},
+                      // and its weights gathered as FP8.
+                      Case{"tensorwise", 2, "07_fsdp_tp", "--dp 2 --fp8-weight-gather"},
+                      Case{"tensorwise", 4, "07_fsdp_tp", "--fp8-weight-gather"}),
     [](const auto& p) {
-      return fmt::format("{}_{}_np{}", std::string_view(p.param.stage).substr(0, 2), p.param.recipe,
-                         p.param.ranks);
+      return fmt::format("{}_{}_np{}_{}", std::string_view(p.param.stage).substr(0, 2),
+                         p.param.recipe, p.param.ranks, p.index);
     });
 
 TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
@@ -204,6 +208,54 @@ TEST(Fp8Recipes, Stage07StepBytesAreItsDryRuns) {
               dry["step"].at("dp_bus_bytes").get<std::int64_t>())
         << recipe << ": the TP group moves bytes too";
   }
+}
+
+// --fp8-weight-gather: FSDP gathers the weight matrices as E4M3 codes under one scale per matrix
+// agreed over the mesh, and the GEMMs use them as gathered. The scale is stage 06's tensorwise one
+// (fmax over the whole weight's amax), so the codes are those stage 06 makes from the gathered
+// fp32 weight: every step's loss and gradient norm equal the fp32 gather's bit for bit. The DP
+// group's bytes are the formula's (07_fsdp_tp/traffic.h) in both, the matrices at 1 byte an
+// element against 4, plus the amax all-reduces; and the flag is refused where it has no meaning.
+TEST(Fp8Recipes, Stage07GathersFp8WeightsWithStage06sCodes) {
+  BlockConfig c;
+  c.hidden = 128;
+  c.heads = 4;
+  c.ffn = 256;
+  c.seq = 8;
+  c.batch = 4;
+  c.layers = 2;
+  c.task = Task::block;
+  c.dtype = DType::e4m3;
+  const std::string args = fmt::format(
+      "--task block --hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {} --steps 3 "
+      "--dtype fp8 --dp 2",
+      c.hidden, c.heads, c.ffn, c.seq, c.batch, c.layers);
+  const json fp32 = test::run_json("07_fsdp_tp", 4, args);
+  const json fp8 = test::run_json("07_fsdp_tp", 4, args + " --fp8-weight-gather");
+  ASSERT_TRUE(fp32.contains("steps") && fp8.contains("steps"));
+  ASSERT_EQ(fp32["steps"].size(), 3u);
+  ASSERT_EQ(fp8["steps"].size(), 3u);
+  for (std::size_t s = 0; s < 3; ++s) {
+    const json &a = fp32["steps"][s], &b = fp8["steps"][s];
+    EXPECT_EQ(a.at("loss").get<double>(), b.at("loss").get<double>()) << "step " << s;
+    EXPECT_EQ(a.at("grad_norm").get<double>(), b.at("grad_norm").get<double>()) << "step " << s;
+    EXPECT_EQ(a.at("dp_payload_bytes").get<std::uint64_t>(),
+              fsdp::fsdp_traffic(c, 2, 2, 1, false).payload);
+    EXPECT_EQ(b.at("dp_payload_bytes").get<std::uint64_t>(),
+              fsdp::fsdp_traffic(c, 2, 2, 1, true).payload);
+    EXPECT_EQ(b.at("dp_bus_bytes").get<std::uint64_t>(), fsdp::fsdp_traffic(c, 2, 2, 1, true).bus);
+  }
+  // Per layer and step two gathers of each rank's part: the seven matrices' shards (rows split
+  // over D = 2) at 4 bytes, against 1 byte and the 7 amaxes' all-reduce over the 4 ranks.
+  const std::uint64_t H = 128, F = 256, T = 2, D = 2, L = 2;
+  const std::uint64_t matrix_elems =
+      (H * (H / T) * 3 + (H / T) * H + H * (F / T) * 2 + (F / T) * H) / D;  // one rank's shard
+  const std::uint64_t drop = L * 2 * D * matrix_elems * (4 - 1), amax = L * 2 * 7 * 4;
+  EXPECT_EQ(fp32["steps"][0].at("dp_payload_bytes").get<std::uint64_t>() - drop + amax,
+            fp8["steps"][0].at("dp_payload_bytes").get<std::uint64_t>());
+  test::expect_refused_once("07_fsdp_tp", 2, "--fp8-weight-gather", "--dtype fp8");
+  test::expect_refused_once("07_fsdp_tp", 2, "--fp8-weight-gather --dtype fp8 --fp8-recipe rowwise",
+                            "--fp8-recipe tensorwise");
 }
 
 /// The [rows, cols] matrix m transposed.
