@@ -385,12 +385,8 @@ def write_md(a, curves, ref, secs, total, command, path):
         command,
         "```",
         "",
-        f"Sizes: H {a.hidden}, NH {a.heads}, NKV {a.kv_heads}, F {a.ffn}, L {a.layers}, "
-        f"V {a.vocab}, S {a.seq}, B {a.batch}; {a.steps} AdamW steps (lr {a.lr:g}, betas "
-        f"{a.beta1:g}/{a.beta2:g}, eps {a.eps:g}, weight decay {a.weight_decay:g}), seed {a.seed}, "
-        f"held-out loss every {a.eval_every} steps and at the last. Device: cpu (fp32). The whole "
-        f"command took {total / 60:.1f} minutes on a 2-core machine (stage runs and PyTorch: "
-        "below).",
+        f"{sizes_text(a)}. Device: cpu (fp32). The whole command took {total / 60:.1f} minutes "
+        "on a 2-core machine (stage runs and PyTorch: below).",
         "",
         f"![Training and held-out loss of every stage and PyTorch]({rel_svg})",
         "",
@@ -430,6 +426,14 @@ def write_md(a, curves, ref, secs, total, command, path):
     with open(tmp, "w") as f:
         f.write("\n".join(lines))
     os.replace(tmp, path)
+
+
+def sizes_text(a):
+    """The run's sizes and AdamW settings, as the pages state them (no full stop)."""
+    return (f"Sizes: H {a.hidden}, NH {a.heads}, NKV {a.kv_heads}, F {a.ffn}, L {a.layers}, "
+            f"V {a.vocab}, S {a.seq}, B {a.batch}; {a.steps} AdamW steps (lr {a.lr:g}, betas "
+            f"{a.beta1:g}/{a.beta2:g}, eps {a.eps:g}, weight decay {a.weight_decay:g}), seed "
+            f"{a.seed}, held-out loss every {a.eval_every} steps and at the last")
 
 
 def add_model_flags(ap, **sizes):

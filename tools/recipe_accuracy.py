@@ -286,12 +286,8 @@ def write_md(a, errors, curves, secs, total, command, path):
         command,
         "```",
         "",
-        f"Sizes: H {a.hidden}, NH {a.heads}, NKV {a.kv_heads}, F {a.ffn}, L {a.layers}, "
-        f"V {a.vocab}, S {a.seq}, B {a.batch}; {a.steps} AdamW steps (lr {a.lr:g}, betas "
-        f"{a.beta1:g}/{a.beta2:g}, eps {a.eps:g}, weight decay {a.weight_decay:g}), seed {a.seed}, "
-        f"held-out loss every {a.eval_every} steps and at the last; stage 06 on {a.np} ranks. "
-        f"Device: cpu. The whole command took {total / 60:.1f} minutes on a 2-core machine "
-        "(each run's seconds: below).",
+        f"{lm_curves.sizes_text(a)}; stage 06 on {a.np} ranks. Device: cpu. The whole command "
+        f"took {total / 60:.1f} minutes on a 2-core machine (each run's seconds: below).",
         "",
         f"![Training and held-out loss of stage 06 under each recipe, bf16 and fp32]({rel_svg})",
         "",
