@@ -14,8 +14,9 @@ int main(int argc, char** argv) {
   using namespace tpx;
   const StageDefinition stage{
       .info = {.name = "06_fp8",
-               .summary = "stage 05 with FP8 GEMMs (E4M3 forward, E5M2 gradients, per-tensor "
-                          "scales agreed over the group) and all-gathers of FP8 bytes",
+               .summary = "stage 05 with FP8 GEMMs (E4M3 forward, E5M2 gradients; one scale "
+                          "per tensor agreed over the group, or per row or block: --fp8-recipe) "
+                          "and all-gathers of FP8 bytes",
                .own_dtype = StagePrecision{.word = "fp8",
                                            .help = "the bf16 recipe with the linear layers' "
                                                    "GEMMs in E4M3 forward, E5M2 gradients"},

@@ -16,9 +16,11 @@ int main(int argc, char** argv) {
   using namespace tpx;
   const StageDefinition stage{
       .info = {.name = "07_fsdp_tp",
-               .summary = "a D × TP mesh: stage 05's async TP in each TP group, the batch split "
-                          "and the parameters, gradients and optimizer state sharded over DP "
-                          "(FSDP), weights gathered just in time, gradients reduce-scattered",
+               .summary =
+                   "a D × TP mesh: stage 05's async TP (stage 06's FP8 GEMMs under --dtype fp8) "
+                   "in each TP group, the batch split "
+                   "and the parameters, gradients and optimizer state sharded over DP "
+                   "(FSDP), weights gathered just in time, gradients reduce-scattered",
                .own_dtype = StagePrecision{.word = "fp8",
                                            .help = "stage 06's FP8 GEMMs in each TP group "
                                                    "(--fp8-recipe), the weights gathered fp32",
