@@ -119,6 +119,13 @@ class Flags : public FlagGroup {
     if (ranks < 1) return fmt::format("--emulate-ranks must be >= 1 (got {})", ranks);
     if (!(std::isfinite(outlier) && outlier > 0))
       return fmt::format("--outlier must be a positive number (got {})", outlier);
+    // The element times F is rounded to fp32: F up to 2^64 keeps any activation below 2^64
+    // finite (fp32 reaches 3.4e38); beyond it the measurement would be of an infinity.
+    if (outlier > 0x1p64)
+      return fmt::format(
+          "--outlier must be at most 2^64 (got {:g}): the activation times it must stay an fp32 "
+          "number",
+          outlier);
     const BlockConfig& c = o.config;
     for (const auto& [what, k] : {std::pair{"--hidden", c.hidden}, std::pair{"--ffn", c.ffn}})
       if (k % ranks != 0)

@@ -185,6 +185,8 @@ class BadInput(unittest.TestCase):
                                  (["--recipes", "rowwise", "--emulate-ranks", "3"],
                                   ["--emulate-ranks"]),
                                  (["--recipes", "rowwise", "--outlier", "-1"], ["--outlier"]),
+                                 (["--recipes", "rowwise", "--outlier", "1e300"],
+                                  ["--outlier", "2^64"]),
                                  (["--recipes", "rowwise", "--eval-every", "2"],
                                   ["--eval-every"])):
                 r = run([EXE, *TINY, "--gemm-errors", out, *flags])
