@@ -238,13 +238,7 @@ def run_stage(a, key, extra, tag=None, own=None):
     out = os.path.join(a.work, f"{tag or key}.json")
     cmd = shlex.split(a.mpirun) + ["-np", str(ranks), path] + own + stage_flags(a) + \
         ["--json", out] + extra
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    secs = time.monotonic() - t0
-    if r.returncode != 0:
-        print(r.stdout[-4000:])
-        fail(f"{exe} exited {r.returncode}")
+    secs = run_timed(cmd, exe)
     steps = json.load(open(out))["steps"]
     rows = [(s["step"], s["loss"], s.get("eval_loss")) for s in steps]
     print(f"  {exe}: {len(rows)} steps in {secs:.0f} s, final loss {rows[-1][1]:.4f}", flush=True)
@@ -426,6 +420,19 @@ def write_md(a, curves, ref, secs, total, command, path):
     with open(tmp, "w") as f:
         f.write("\n".join(lines))
     os.replace(tmp, path)
+
+
+def run_timed(cmd, name):
+    """Runs cmd (printed first), its output kept; stops with the output's tail and one line
+    when it fails. Returns the seconds it took."""
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    secs = time.monotonic() - t0
+    if r.returncode != 0:
+        print(r.stdout[-4000:])
+        fail(f"{name} exited {r.returncode}")
+    return secs
 
 
 def sizes_text(a):

@@ -30,7 +30,6 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from xml.sax.saxutils import escape
@@ -91,13 +90,7 @@ def gemm_errors(a):
     flags = lm_curves.stage_flags(argparse.Namespace(**{**vars(a), "eval_every": 0}))
     cmd = [exe] + flags + ["--dtype", "fp32", "--recipes", ",".join(a.recipe_list),
                            "--emulate-ranks", str(a.np), "--gemm-errors", out]
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    secs = time.monotonic() - t0
-    if r.returncode != 0:
-        print(r.stdout[-4000:])
-        fail(f"recipe_gemm_error exited {r.returncode}")
+    secs = lm_curves.run_timed(cmd, "recipe_gemm_error")
     print(f"  recipe_gemm_error: {secs:.0f} s", flush=True)
     return json.load(open(out)), secs
 
