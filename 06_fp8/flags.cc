@@ -15,10 +15,11 @@ lowp::Recipe Fp8RecipeFlags::recipe() const {
 
 void Fp8RecipeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
   app.add_option("--fp8-recipe", word,
-                 "the FP8 scales' granularity: tensorwise (one scale per tensor, agreed over the "
+                 "the scales' granularity: tensorwise (one scale per tensor, agreed over the "
                  "group), rowwise (one per row of each GEMM operand), block128 (1x128 and "
-                 "128x128 blocks) or mxfp8 (1x32 blocks, E8M0 power-of-two scales; these three "
-                 "on the cpu only), nvfp4 (common/lowp.h; not run by this stage yet)")
+                 "128x128 blocks), mxfp8 (1x32 blocks, E8M0 power-of-two scales) or nvfp4 (E2M1 "
+                 "elements, 1x16 blocks with UE4M3 scales and one agreed fp32 scale per tensor); "
+                 "all but tensorwise on the cpu only")
       ->check(CLI::IsMember({"tensorwise", "rowwise", "block128", "mxfp8", "nvfp4"}))
       ->capture_default_str()
       ->group("FP8");
@@ -27,11 +28,6 @@ void Fp8RecipeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
 std::optional<std::string> Fp8RecipeFlags::check(const CLI::App& /*app*/,
                                                  const StageOptions& o) const {
   const lowp::Recipe r = recipe();
-  if (r == lowp::Recipe::nvfp4)
-    return fmt::format(
-        "--fp8-recipe {}: this stage multiplies tensorwise, rowwise, block128 and mxfp8 so far, "
-        "on either device (nvfp4 is common/lowp.h's quantizer only)",
-        word);
   if (r != lowp::Recipe::tensorwise && !is_fp8(o.config.dtype))
     return fmt::format(
         "--fp8-recipe {}: the recipe of the FP8 GEMMs, which --dtype {} does not run (it runs "

@@ -1,8 +1,7 @@
-// Stage 06's flag: --fp8-recipe, the granularity of the FP8 scales (DESIGN.md, "Low-precision
-// recipes"). tensorwise is the stage's recipe, one scale per tensor agreed over the group, on
-// either device; rowwise, block128 and mxfp8 run on the cpu (06_fp8/layers.h) and are refused
-// with one line on cuda; nvfp4 (its format, blocks and scales are common/lowp.h's) parses, and is
-// refused with one line until the stage multiplies it.
+// Stage 06's flag: --fp8-recipe, the granularity of the low-precision scales (DESIGN.md,
+// "Low-precision recipes"). tensorwise is the stage's recipe, one scale per tensor agreed over the
+// group, on either device; rowwise, block128, mxfp8 and nvfp4 (their formats, blocks and scales
+// are common/lowp.h's) run on the cpu (06_fp8/layers.h) and are refused with one line on cuda.
 //
 // defines: tpx::async_fp8::Fp8RecipeFlags
 #pragma once

@@ -13,28 +13,33 @@
 // a column input is what backward keeps (¼ of the fp32 bytes), and each weight is quantized once
 // per step, in forward, and reused by its backward.
 //
-// --fp8-recipe rowwise | block128 | mxfp8 (cpu): every operand of the three GEMMs is quantized as
+// --fp8-recipe rowwise | block128 | mxfp8 | nvfp4 (cpu): every operand of the three GEMMs is quantized as
 // common/lowp.h's recipe quantizes it, with the GEMM's reduction dimension K along the blocks, and
 // the GEMM multiplies the dequantized operands in fp32. Each rank computes its operands' scales on
-// its own shard: a scale covers a row (rowwise), a 1 × 128 / 128 × 128 block (block128) or a 1 × 32
-// block (mxfp8, an E8M0 power of two) of the operand of the GEMM this rank runs, so no amax
-// all-reduce is needed. Where K is sharded (the row-parallel forward's K = in/N, the
-// column-parallel dgrad's K = out/N) a rowwise "row" is the shard's part of the row, and a
-// 128-block (32-block) fits inside a shard only if the shard's length is a multiple of 128 (32):
-// check_recipe_split() refuses the shapes where a block would straddle two shards. The column
-// inputs (forward and the dW re-gather) and the row-parallel backward's gradient are quantized
-// along K on their [S/N, B, H] shard and gathered as FP8 codes plus their scales (fp32; mxfp8's
-// E8M0 bytes), which is what the gathers move. The weight-gradient GEMMs reduce over the tokens, a
-// dimension the forward's blocks run across: their operands are quantized again along the tokens,
-// the gathered ones from the values their gathered codes stand for (every rank holds all the tokens
-// then, so no block is cut). Backward keeps the high-precision shard of a column input (as stage
-// 05) and quantizes the weights again for dgrad, along the other dimension.
+// its own shard: a scale covers a row (rowwise), a 1 × 128 / 128 × 128 block (block128), a 1 × 32
+// block (mxfp8, an E8M0 power of two) or a 1 × 16 block (nvfp4, UE4M3) of the operand of the GEMM
+// this rank runs, so no block scale needs an all-reduce. nvfp4's second level, one fp32 scale per
+// tensor, does: its amax is the whole tensor's, agreed as tensorwise agrees it, one MAX all-reduce
+// per GEMM group (agreed_amax(); its k per layer in 06_fp8/traffic.h). Where K is sharded (the
+// row-parallel forward's K = in/N, the column-parallel dgrad's K = out/N) a rowwise "row" is the
+// shard's part of the row, and a 128-block (32-, 16-block) fits inside a shard only if the
+// shard's length is a multiple of 128 (32, 16): check_recipe_split() refuses the shapes where a
+// block would straddle two shards. The column inputs (forward and the dW re-gather) and the
+// row-parallel backward's gradient are quantized along K on their [S/N, B, H] shard and gathered
+// as codes (FP8 bytes; nvfp4's E2M1 packed two to a byte) plus their scales (fp32; mxfp8's E8M0
+// and nvfp4's UE4M3 bytes), which is what the gathers move. The weight-gradient GEMMs reduce over
+// the tokens, a dimension the forward's blocks run across: their operands are quantized again
+// along the tokens, the gathered ones from the values their gathered codes stand for (every rank
+// holds all the tokens then, so no block is cut). Backward keeps the high-precision shard of a
+// column input (as stage 05) and quantizes the weights again for dgrad, along the other
+// dimension.
 //
 // defines: tpx::async_fp8::Fp8AsyncTp, tpx::async_fp8::make_fp8_async_tp()
 #pragma once
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -78,13 +83,20 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   /// dimension (k_rows false) or along its rows (k_rows true, x seen as [numel / last, last]),
   /// then dequantized, fp32 in x's shape. `codes`/`scales`, when given, receive the codes in x's
   /// layout and the scales [1, scale rows, scale cols] (for the dump).
-  Tensor emulate(const Tensor& x, bool k_rows, lowp::Operand operand, Tensor* codes = nullptr,
-                 Tensor* scales = nullptr) const;
-  /// The shard x [n, B, K] quantized along K, gathered over the group as its FP8 codes and its
-  /// fp32 scales (what the gather moves), dequantized: [N·n, B, K] fp32. `codes`/`scales` as in
-  /// emulate (the codes gathered, the scales this rank's).
-  Tensor gather_quantized(const Tensor& x, lowp::Operand operand, std::string_view what,
-                          Tensor* codes = nullptr, Tensor* scales = nullptr);
+  /// `amax`: nvfp4's agreed tensor amax (agreed_amax()), or nothing (x's own, or no tensor
+  /// scale).
+  Tensor emulate(const Tensor& x, bool k_rows, lowp::Operand operand, std::optional<float> amax,
+                 Tensor* codes = nullptr, Tensor* scales = nullptr) const;
+  /// The shard x [n, B, K] quantized along K, gathered over the group as its codes (FP8, or
+  /// nvfp4's E2M1 packed two to a byte) and its scales (what the gathers move), dequantized:
+  /// [N·n, B, K] fp32. `amax` as in emulate; `codes`/`scales` as in emulate (the codes
+  /// gathered, one to a byte, the scales this rank's).
+  Tensor gather_quantized(const Tensor& x, lowp::Operand operand, std::optional<float> amax,
+                          std::string_view what, Tensor* codes = nullptr, Tensor* scales = nullptr);
+  /// nvfp4's tensor scales: the amax of each logical tensor x[i] of which the group's ranks
+  /// hold parts, agreed with one MAX all-reduce over the group ("<what> amax"). Under the other
+  /// recipes no scale spans a shard: nothing for each, and no communication.
+  std::vector<std::optional<float>> agreed_amax(std::span<const Tensor> x, std::string_view what);
   ColumnResult recipe_column_forward(const Tensor& h, std::span<const Tensor> w,
                                      std::string_view role);
   Tensor recipe_column_backward(const Tensor& saved, std::span<const Tensor> w,
@@ -93,7 +105,8 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   Tensor recipe_row_forward(const Tensor& a, const Tensor& w, std::string_view role);
   Tensor recipe_row_backward(const Tensor& a, const Tensor& w, const Tensor& dy, const Tensor& dw,
                              std::string_view role);
-  /// dump_extra() under rowwise, block128 or mxfp8: the codes full size, each rank's scales stacked.
+  /// dump_extra() under the row and block recipes: the codes full size (nvfp4's one to a byte), each
+  /// rank's scales stacked.
   std::vector<std::pair<std::string, Tensor>> recipe_dump_extra();
   /// Keeps layer 0's `name` (its codes, full or this rank's shard, and this rank's scales).
   void keep_recipe_dump(const std::string& name, const Tensor& codes, const Tensor& scales);
@@ -110,8 +123,9 @@ class Fp8AsyncTp final : public ring::OverlapRing {
 /// The rule of the block recipes under TP: a block never straddles two ranks' shards. Under
 /// block128 (mxfp8) every length a 128-block (32-block) runs along that the group splits (the
 /// column layers' output widths NH·Dh/N, NKV·Dh/N and F/N, the row layers' K) must be a
-/// multiple of 128 (32) when N > 1; otherwise one line naming --fp8-recipe and the rule (a
-/// ConfigError, exit 2).
+/// multiple of 128 (32) when N > 1, and of 16 under nvfp4; nvfp4 also needs an even H at any N
+/// (a gathered row's E2M1 codes travel two to a byte). Otherwise one line naming --fp8-recipe
+/// and the rule (a ConfigError, exit 2).
 void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe);
 
 /// Stage 06 under --dtype fp8 (its default); stage 05 under fp32 or bf16.

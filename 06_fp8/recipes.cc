@@ -1,10 +1,11 @@
-// Stage 06 under --fp8-recipe rowwise, block128 and mxfp8 on the cpu (06_fp8/layers.h says what each
+// Stage 06 under --fp8-recipe rowwise, block128, mxfp8 and nvfp4 on the cpu (06_fp8/layers.h says what each
 // GEMM's operands are quantized along, and where the scales come from).
 #include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <utility>
 
 #include <fmt/format.h>
@@ -44,9 +45,28 @@ std::vector<T> transposed(const std::vector<T>& m, std::int64_t rows, std::int64
   return t;
 }
 
-/// The FP8 dtype of a recipe's element format (rowwise, block128 and mxfp8 use E4M3 and E5M2).
+/// The dtype a recipe's element codes are held in: E4M3 or E5M2, or bytes (u8) for nvfp4's E2M1
+/// codes (one to a byte, in bits 0..3; they travel packed, two to a byte: pack_e2m1()).
 DType element_dtype(const fp8::Format& f) {
+  if (f.mantissa_bits == lowp::kE2M1.mantissa_bits) return DType::u8;
   return f.mantissa_bits == fp8::kE5M2.mantissa_bits ? DType::e5m2 : DType::e4m3;
+}
+
+/// E2M1 codes, one to a byte, packed two to a byte along the last dimension (even: even element
+/// in bits 0..3, odd in bits 4..7, as the FP4 GEMMs read them): [..., K] -> [..., K / 2] bytes.
+std::vector<std::uint8_t> pack_e2m1(const std::vector<std::uint8_t>& codes) {
+  std::vector<std::uint8_t> packed(codes.size() / 2);
+  for (std::size_t i = 0; i < packed.size(); ++i)
+    packed[i] = static_cast<std::uint8_t>((codes[2 * i] & 0x0Fu) | (codes[2 * i + 1] << 4));
+  return packed;
+}
+std::vector<std::uint8_t> unpack_e2m1(const std::uint8_t* packed, std::size_t bytes) {
+  std::vector<std::uint8_t> codes(2 * bytes);
+  for (std::size_t i = 0; i < bytes; ++i) {
+    codes[2 * i] = packed[i] & 0x0Fu;
+    codes[2 * i + 1] = static_cast<std::uint8_t>(packed[i] >> 4);
+  }
+  return codes;
 }
 
 /// A cpu tensor of `shape` and `dtype` holding `bytes` (codes) or fp32 values.
@@ -57,7 +77,8 @@ Tensor host_tensor(const Tensor::Shape& shape, DType dtype, const void* data, st
   return t;
 }
 
-/// q's scales as a cpu tensor of `shape`: fp32 values, or mxfp8's E8M0 codes as bytes (u8).
+/// q's scales as a cpu tensor of `shape`: fp32 values, or mxfp8's E8M0 and nvfp4's UE4M3 codes as
+/// bytes (u8).
 Tensor scale_tensor(const lowp::Quantized& q, const Tensor::Shape& shape) {
   if (q.layout.scale == lowp::ScaleFormat::fp32)
     return host_tensor(shape, DType::f32, q.scales.data(), q.scales.size() * sizeof(float));
@@ -67,12 +88,18 @@ Tensor scale_tensor(const lowp::Quantized& q, const Tensor::Shape& shape) {
 }  // namespace
 
 void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe) {
+  if (recipe == lowp::Recipe::nvfp4 && c.hidden % 2 != 0)
+    throw ConfigError(fmt::format(
+        "--fp8-recipe nvfp4: --hidden {} is odd; a gathered row's E2M1 codes travel two to a "
+        "byte, so H must be even",
+        c.hidden));
   if (world == 1) return;
   // The lengths the group splits and a block runs along (common/lowp.h: 1 × 128 along K and
   // 128 × 128 for weights under block128, 1 × 32 along K under mxfp8): Q's and O's NH·D / N, K's
   // and V's NKV·D / N, F / N.
   const std::int64_t block = recipe == lowp::Recipe::block128 ? 128
                              : recipe == lowp::Recipe::mxfp8  ? 32
+                             : recipe == lowp::Recipe::nvfp4  ? 16
                                                               : 0;
   if (block == 0) return;
   std::vector<std::string> cut;
@@ -88,14 +115,29 @@ void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe) {
         lowp::to_string(recipe), world, block, fmt::join(cut, ", "), block));
 }
 
-Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand, Tensor* codes,
-                           Tensor* scales) const {
+std::vector<std::optional<float>> Fp8AsyncTp::agreed_amax(std::span<const Tensor> x,
+                                                          std::string_view what) {
+  std::vector<std::optional<float>> out(x.size());
+  if (recipe_ != lowp::Recipe::nvfp4 || x.empty()) return out;
+  const auto k = static_cast<std::int64_t>(x.size());
+  const Tensor amax = Tensor::empty({k}, DType::f32, Device::cpu);
+  for (std::int64_t j = 0; j < k; ++j) {
+    const std::vector<float> v = host_values(x[std::size_t(j)]);
+    amax.f32()[std::size_t(j)] = lowp::block_amax(v.data(), 1, 0, std::int64_t(v.size()), 0, 1);
+  }
+  group_.all_reduce_max(amax, fmt::format("{} amax", what));
+  for (std::int64_t j = 0; j < k; ++j) out[std::size_t(j)] = amax.f32()[std::size_t(j)];
+  return out;
+}
+
+Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand,
+                           std::optional<float> amax, Tensor* codes, Tensor* scales) const {
   const std::int64_t last = x.dim(x.ndim() - 1), lead = x.numel() / last;
   // The quantizer's matrix has K along its columns.
   const std::int64_t rows = k_rows ? last : lead, cols = k_rows ? lead : last;
   std::vector<float> m = host_values(x);
   if (k_rows) m = transposed(m, lead, last);
-  const lowp::Quantized q = lowp::quantize(m.data(), rows, cols, recipe_, operand);
+  const lowp::Quantized q = lowp::quantize(m.data(), rows, cols, recipe_, operand, amax);
   std::vector<float> d = lowp::dequantize(q);
   if (k_rows) d = transposed(d, rows, cols);
   if (codes) {
@@ -106,16 +148,22 @@ Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand, 
   return host_tensor(x.shape(), DType::f32, d.data(), d.size() * sizeof(float));
 }
 
-Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand, std::string_view what,
-                                    Tensor* codes, Tensor* scales) {
+Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand,
+                                    std::optional<float> amax, std::string_view what, Tensor* codes,
+                                    Tensor* scales) {
   const std::int64_t k = x.dim(x.ndim() - 1), rows = x.numel() / k;
   const std::vector<float> m = host_values(x);
-  const lowp::Quantized q = lowp::quantize(m.data(), rows, k, recipe_, operand);
+  const lowp::Quantized q = lowp::quantize(m.data(), rows, k, recipe_, operand, amax);
   TPX_CHECK(q.layout.block_rows == 1, "a gathered operand's blocks are one row high");
   const DType dtype = element_dtype(q.layout.element);
-  // The codes [n, B, K] and the scales [n, B·K / block] (fp32, or mxfp8's E8M0 bytes) travel as
-  // two gathers of dim-0 chunks.
-  const Tensor local_codes = host_tensor(x.shape(), dtype, q.codes.data(), q.codes.size());
+  const bool e2m1 = recipe_ == lowp::Recipe::nvfp4;
+  // The codes [n, B, K] (nvfp4's packed, [n, B, K/2] bytes) and the scales [n, B·K / block]
+  // (fp32, or mxfp8's E8M0 and nvfp4's UE4M3 bytes) travel as two gathers of dim-0 chunks.
+  // nvfp4's tensor scale needs no gather: every rank made it from the same agreed amax.
+  Tensor::Shape code_shape = x.shape();
+  if (e2m1) code_shape.back() /= 2;
+  const std::vector<std::uint8_t> sent = e2m1 ? pack_e2m1(q.codes) : q.codes;
+  const Tensor local_codes = host_tensor(code_shape, dtype, sent.data(), sent.size());
   const std::int64_t n = x.dim(0);
   const Tensor local_scales = scale_tensor(q, {n, q.scale_rows * q.scale_cols / n});
   const auto gc = ring_.transport.gather(ring_, local_codes, fmt::format("{} codes", what));
@@ -128,8 +176,12 @@ Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand, std:
   const std::int64_t n_ranks = group_.world();
   all.rows = rows * n_ranks;
   all.scale_rows = q.scale_rows * n_ranks;
-  all.codes.assign(full_codes.data<std::uint8_t>(),
-                   full_codes.data<std::uint8_t>() + full_codes.nbytes());
+  const std::uint8_t* gathered = full_codes.data<std::uint8_t>();
+  if (e2m1) {
+    all.codes = unpack_e2m1(gathered, full_codes.nbytes());
+  } else {
+    all.codes.assign(gathered, gathered + full_codes.nbytes());
+  }
   if (q.layout.scale == lowp::ScaleFormat::fp32) {
     const std::span<const float> s = full_scales.f32();
     all.scales.assign(s.begin(), s.end());
@@ -137,10 +189,11 @@ Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand, std:
     all.scale_codes.assign(full_scales.data<std::uint8_t>(),
                            full_scales.data<std::uint8_t>() + full_scales.nbytes());
   }
-  if (codes) *codes = full_codes;
-  if (scales) *scales = scale_tensor(q, {1, q.scale_rows, q.scale_cols});
   Tensor::Shape shape = x.shape();
   shape[0] *= n_ranks;
+  if (codes)
+    *codes = e2m1 ? host_tensor(shape, dtype, all.codes.data(), all.codes.size()) : full_codes;
+  if (scales) *scales = scale_tensor(q, {1, q.scale_rows, q.scale_cols});
   const std::vector<float> d = lowp::dequantize(all);
   return host_tensor(shape, DType::f32, d.data(), d.size() * sizeof(float));
 }
@@ -153,8 +206,12 @@ void Fp8AsyncTp::keep_recipe_dump(const std::string& name, const Tensor& codes,
 ColumnResult Fp8AsyncTp::recipe_column_forward(const Tensor& h, std::span<const Tensor> w,
                                                std::string_view role) {
   using lowp::Operand;
+  // nvfp4: the input's and the weights' amaxes, agreed (one all-reduce; none otherwise).
+  std::vector<Tensor> operands{h};
+  operands.insert(operands.end(), w.begin(), w.end());
+  const std::vector<std::optional<float>> amax = agreed_amax(operands, role);
   Tensor codes, scales;
-  const Tensor x = gather_quantized(h, Operand::activation, role, &codes, &scales);
+  const Tensor x = gather_quantized(h, Operand::activation, amax[0], role, &codes, &scales);
   const std::vector<std::string> names = role == "qkv"
                                              ? std::vector<std::string>{"qkv_in", "wq", "wk", "wv"}
                                              : std::vector<std::string>{"mlp_in", "w_gate", "w_up"};
@@ -163,7 +220,7 @@ ColumnResult Fp8AsyncTp::recipe_column_forward(const Tensor& h, std::span<const 
   r.saved = h;  // backward quantizes the shard again (the same codes) and re-gathers it
   for (std::size_t j = 0; j < w.size(); ++j) {
     // y = x·W: W's K (its rows) along the blocks, one scale per output column (rowwise).
-    const Tensor wq = emulate(w[j], /*k_rows=*/true, Operand::weight, &codes, &scales);
+    const Tensor wq = emulate(w[j], /*k_rows=*/true, Operand::weight, amax[j + 1], &codes, &scales);
     if (j + 1 < names.size()) keep_recipe_dump(names[j + 1], codes, scales);
     auto shape = x.shape();
     shape.back() = w[j].dim(1);
@@ -178,23 +235,30 @@ Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const T
                                           std::span<const Tensor> dy, std::span<const Tensor> dw,
                                           std::string_view role) {
   using lowp::Operand;
+  // nvfp4: the gradients', the weights' and the saved input's amaxes, agreed in one all-reduce.
+  std::vector<Tensor> operands(dy.begin(), dy.end());
+  operands.insert(operands.end(), w.begin(), w.end());
+  operands.push_back(saved);
+  const std::vector<std::optional<float>> amax = agreed_amax(operands, fmt::format("{} bwd", role));
   // dX = RS(Σ dy·Wᵀ), K = out/N: the gradient and the weight along their columns.
   std::vector<Tensor> dyq, wq;
   for (std::size_t j = 0; j < dy.size(); ++j) {
-    dyq.push_back(emulate(dy[j], /*k_rows=*/false, Operand::gradient));
-    wq.push_back(emulate(w[j], /*k_rows=*/false, Operand::weight));
+    dyq.push_back(emulate(dy[j], /*k_rows=*/false, Operand::gradient, amax[j]));
+    wq.push_back(emulate(w[j], /*k_rows=*/false, Operand::weight, amax[dy.size() + j]));
   }
   const Tensor dx =
       gemm_reduce_scatter(ring_, dyq, wq, /*trans_w=*/true, fmt::format("{} dX", role));
-  // dW = AG(h)ᵀ·dy, K = the tokens: h re-gathered as FP8, both quantized again along the tokens.
-  const Tensor h = gather_quantized(saved, Operand::activation, fmt::format("{} re-gather", role));
-  weight_grads([this, h, dy = std::vector(dy.begin(), dy.end()),
+  // dW = AG(h)ᵀ·dy, K = the tokens: h re-gathered as FP8, both quantized again along the tokens
+  // (the gathered h is whole on every rank: its own amax is the tensor's).
+  const Tensor h =
+      gather_quantized(saved, Operand::activation, amax.back(), fmt::format("{} re-gather", role));
+  weight_grads([this, h, amax, dy = std::vector(dy.begin(), dy.end()),
                 dw = std::vector(dw.begin(), dw.end()), name = fmt::format("{} dW GEMMs", role)] {
     TraceScope span(ring_.trace, name);
-    const Tensor hq = emulate(h, /*k_rows=*/true, Operand::activation);
+    const Tensor hq = emulate(h, /*k_rows=*/true, Operand::activation, std::nullopt);
     for (std::size_t j = 0; j < dy.size(); ++j)
-      ops::gemm(hq, true, emulate(dy[j], /*k_rows=*/true, Operand::gradient), false, dw[j], 1.0f,
-                0.0f, DType::f32);
+      ops::gemm(hq, true, emulate(dy[j], /*k_rows=*/true, Operand::gradient, amax[j]), false, dw[j],
+                1.0f, 0.0f, DType::f32);
   });
   return dx;
 }
@@ -202,9 +266,10 @@ Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const T
 Tensor Fp8AsyncTp::recipe_row_forward(const Tensor& a, const Tensor& w, std::string_view role) {
   using lowp::Operand;
   // y = RS(a·W), K = in/N: the activation along its columns, W along its rows.
+  const std::vector<std::optional<float>> amax = agreed_amax(std::array{a, w}, role);
   Tensor codes, scales;
-  const std::array aq{emulate(a, /*k_rows=*/false, Operand::activation)};
-  const std::array wq{emulate(w, /*k_rows=*/true, Operand::weight, &codes, &scales)};
+  const std::array aq{emulate(a, /*k_rows=*/false, Operand::activation, amax[0])};
+  const std::array wq{emulate(w, /*k_rows=*/true, Operand::weight, amax[1], &codes, &scales)};
   keep_recipe_dump(role == "o" ? "wo" : "w_down", codes, scales);
   return gemm_reduce_scatter(ring_, aq, wq, /*trans_w=*/false, role);
 }
@@ -212,19 +277,24 @@ Tensor Fp8AsyncTp::recipe_row_forward(const Tensor& a, const Tensor& w, std::str
 Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
                                        const Tensor& dw, std::string_view role) {
   using lowp::Operand;
+  // nvfp4: the gradient's shard's, the weight's and the input's amaxes, agreed in one all-reduce.
+  const std::vector<std::optional<float>> amax =
+      agreed_amax(std::array{dy, w, a}, fmt::format("{} bwd", role));
   // da = AG(dy)·Wᵀ, K = H: the gradient's shard gathered as FP8 codes and scales.
-  const Tensor d = gather_quantized(dy, Operand::gradient, fmt::format("{} bwd", role));
-  const Tensor wq = emulate(w, /*k_rows=*/false, Operand::weight);
+  const Tensor d = gather_quantized(dy, Operand::gradient, amax[0], fmt::format("{} bwd", role));
+  const Tensor wq = emulate(w, /*k_rows=*/false, Operand::weight, amax[1]);
   Tensor da = Tensor::empty(a.shape(), ring_.activations, a.device());
   {
     TraceScope span(ring_.trace, fmt::format("{} bwd GEMM", role));
     ops::gemm(d, false, wq, true, da, 1.0f, 0.0f, DType::f32);
   }
-  // dW = aᵀ·AG(dy), K = the tokens: both quantized again along the tokens.
-  weight_grads([this, a, d, dw, name = fmt::format("{} dW GEMM", role)] {
+  // dW = aᵀ·AG(dy), K = the tokens: both quantized again along the tokens (the gathered gradient
+  // is whole on every rank; a is this rank's K shard of the input, its amax the agreed one).
+  weight_grads([this, a, d, dw, a_amax = amax[2], name = fmt::format("{} dW GEMM", role)] {
     TraceScope span(ring_.trace, name);
-    ops::gemm(emulate(a, /*k_rows=*/true, Operand::activation), true,
-              emulate(d, /*k_rows=*/true, Operand::gradient), false, dw, 1.0f, 0.0f, DType::f32);
+    ops::gemm(emulate(a, /*k_rows=*/true, Operand::activation, a_amax), true,
+              emulate(d, /*k_rows=*/true, Operand::gradient, std::nullopt), false, dw, 1.0f, 0.0f,
+              DType::f32);
   });
   return da;
 }

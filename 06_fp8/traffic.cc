@@ -14,36 +14,44 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
 Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe,
                        Fp8Weights weights) {
   require_formula(n >= 1, "ranks must be >= 1");
-  require_formula(recipe != lowp::Recipe::nvfp4,
-                  "stage 06 moves tensorwise, rowwise, block128 and mxfp8 operands only");
   using U = std::uint64_t;
   const U N = U(n), e = U(act_bytes == 0 ? 2 : act_bytes);
   const U chunk = U(c.seq * c.batch * c.hidden) / N;  // elements of one [S/N, B, H] shard
   // A gathered chunk's scales: none under tensorwise (the agreed scale travels with no chunk),
   // one fp32 per row of H under rowwise, one fp32 per 128 of a row under block128, one E8M0 byte
-  // per 32 of a row under mxfp8; each scale gather is a second ring of N − 1 transfers.
+  // per 32 of a row under mxfp8, one UE4M3 byte per 16 under nvfp4 (its tensor scale travels
+  // with no chunk either); each scale gather is a second ring of N − 1 transfers. The codes are a
+  // byte each, nvfp4's half a byte (H is even).
   const U rows = U(c.seq * c.batch) / N;
+  const bool nvfp4 = recipe == lowp::Recipe::nvfp4;
   const U per_row = recipe == lowp::Recipe::rowwise    ? 1
                     : recipe == lowp::Recipe::block128 ? (U(c.hidden) + 127) / 128
                     : recipe == lowp::Recipe::mxfp8    ? (U(c.hidden) + 31) / 32
+                    : nvfp4                            ? (U(c.hidden) + 15) / 16
                                                        : 0;
-  const U scale_bytes = recipe == lowp::Recipe::mxfp8 ? 1 : 4;
+  const U scale_bytes = recipe == lowp::Recipe::mxfp8 || nvfp4 ? 1 : 4;
   const U scales = scale_bytes * rows * per_row, rings = per_row > 0 ? 2 : 1;
-  const U moved = 6 * (N - 1) * (chunk * 1 + scales) + 4 * (N - 1) * chunk * e;
-  const U moved_fwd = 2 * (N - 1) * (chunk * 1 + scales) + 2 * (N - 1) * chunk * e;
-  Traffic amax, amax_fwd;  // the eight MAX all-reduces, and the forward's four (tensorwise)
+  const U codes = nvfp4 ? chunk / 2 : chunk;
+  const U moved = 6 * (N - 1) * (codes + scales) + 4 * (N - 1) * chunk * e;
+  const U moved_fwd = 2 * (N - 1) * (codes + scales) + 2 * (N - 1) * chunk * e;
+  Traffic amax, amax_fwd;  // the eight MAX all-reduces, and the forward's four (tensorwise, nvfp4)
   // Forward: qkv (h, Wq, Wk, Wv), o (a, Wo), gate/up (h2, Wg, Wu), down (s, Wd); backward:
   // qkv (3 gradients), o (a, its gradient), gate/up (2 gradients), down (s, its gradient), each
-  // with its weights when they are requantized.
+  // with its weights when they are requantized. nvfp4 quantizes every weight again in backward
+  // and agrees the input's tensor amax again there too (the column layers' re-gathered input,
+  // the row layers' input of the dW GEMM): qkv 3 + 3 + 1, o 3, gate/up 2 + 2 + 1, down 3.
   const bool again = weights == Fp8Weights::requantized,
              given = weights == Fp8Weights::gathered;  // no weight's amax at all
-  const std::array<U, 8> ks = {given ? 1U : 4U, given ? 1U : 2U, given ? 1U : 3U, given ? 1U : 2U,
+  const std::array<U, 8> ks =
+      nvfp4 ? std::array<U, 8>{4, 2, 3, 2, 7, 3, 5, 3}
+            : std::array<U, 8>{given ? 1U : 4U, given ? 1U : 2U, given ? 1U : 3U, given ? 1U : 2U,
                                again ? 6U : 3U, again ? 3U : 2U, again ? 4U : 2U, again ? 3U : 2U};
+  const bool agreed = recipe == lowp::Recipe::tensorwise || nvfp4;
   int i = 0;
   for (const U k : ks) {
     const Traffic one{4 * k, (4 * k * 2 * (N - 1)) / N, 1};
-    if (recipe == lowp::Recipe::tensorwise) amax += one;
-    if (recipe == lowp::Recipe::tensorwise && i < 4) amax_fwd += one;
+    if (agreed) amax += one;
+    if (agreed && i < 4) amax_fwd += one;
     ++i;
   }
   Traffic layer{moved, moved, (6 * rings + 4) * (N - 1)};

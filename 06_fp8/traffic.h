@@ -35,7 +35,9 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes = 0);
 /// (block128) fp32 scales, 4 bytes each, or ⌈H/32⌉ (mxfp8) E8M0 scales, 1 byte each. Under
 /// tensorwise with the weights requantized for backward (Fp8Weights, stage 07) each backward
 /// all-reduce carries its group's weights' amaxes too: k ∈ {4,2,3,2,6,3,4,3}; with the weights
-/// gathered as FP8 none does: k ∈ {1,1,1,1,3,2,2,2}.
+/// gathered as FP8 none does: k ∈ {1,1,1,1,3,2,2,2}. Under nvfp4 the eight all-reduces agree the
+/// tensor scales, k ∈ {4,2,3,2,7,3,5,3}, and each gather moves its codes packed (S·B·H / 2N
+/// bytes) and ⌈H/16⌉ UE4M3 scale bytes per row.
 Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe,
                        Fp8Weights weights = Fp8Weights::kept);
 

@@ -87,7 +87,7 @@ float block_amax(const float* x, std::int64_t cols, std::int64_t r0, std::int64_
 }
 
 Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe recipe,
-                   Operand operand) {
+                   Operand operand, std::optional<float> tensor_amax) {
   if (rows <= 0 || cols <= 0)
     fail(fmt::format("quantizing a {} x {} matrix: both sizes must be positive", rows, cols));
   Quantized q{recipe, layout(recipe, operand), rows, cols, 0, 0, {}, {}, {}, 1.0f};
@@ -105,8 +105,9 @@ Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe 
     q.scale_codes.resize(n_scales);
   }
   if (recipe == Recipe::nvfp4)
-    q.tensor_scale = fp8::scale_from_amax(block_amax(x, cols, 0, rows, 0, cols),
-                                          kE2M1Max * fp8::max_normal(fp8::kE4M3));
+    q.tensor_scale =
+        fp8::scale_from_amax(tensor_amax ? *tensor_amax : block_amax(x, cols, 0, rows, 0, cols),
+                             kE2M1Max * fp8::max_normal(fp8::kE4M3));
 
   for (std::int64_t sr = 0; sr < q.scale_rows; ++sr) {
     for (std::int64_t sc = 0; sc < q.scale_cols; ++sc) {
@@ -220,11 +221,18 @@ std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std
   };
   std::vector<double> out(m.size());
   std::vector<float> x(static_cast<std::size_t>(outer * part));
+  // nvfp4's tensor scale: the whole m's amax, which a rank's shard of K is given.
+  std::optional<float> whole;
+  if (recipe == Recipe::nvfp4 && parts > 1) {
+    const std::vector<float> all(m.begin(), m.end());
+    whole = block_amax(all.data(), 1, 0, I(all.size()), 0, 1);
+  }
   for (I p = 0; p < parts; ++p) {
     for (I r = 0; r < outer; ++r)
       for (I j = 0; j < part; ++j)
         x[static_cast<std::size_t>(r * part + j)] = static_cast<float>(m[at(r, p * part + j)]);
-    const std::vector<float> d = dequantize(quantize(x.data(), outer, part, recipe, operand));
+    const std::vector<float> d =
+        dequantize(quantize(x.data(), outer, part, recipe, operand, whole));
     for (I r = 0; r < outer; ++r)
       for (I j = 0; j < part; ++j)
         out[at(r, p * part + j)] = double(d[static_cast<std::size_t>(r * part + j)]);

@@ -113,17 +113,20 @@ float block_amax(const float* x, std::int64_t cols, std::int64_t r0, std::int64_
                  std::int64_t c0, std::int64_t c1);
 
 /// Quantizes the row-major matrix x [rows, cols] (K along cols) as `recipe` quantizes an
-/// `operand`. rows and cols must be positive (else tpx::Error).
+/// `operand`. rows and cols must be positive (else tpx::Error). `tensor_amax`: nvfp4's s_enc
+/// comes from it instead of x's own amax, when x is one shard of a tensor whose amax the
+/// shards agreed (a stage's MAX all-reduce); the other recipes ignore it.
 Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe recipe,
-                   Operand operand);
+                   Operand operand, std::optional<float> tensor_amax = std::nullopt);
 
 /// The fp32 values the codes and scales stand for, row-major [rows, cols].
 std::vector<float> dequantize(const Quantized& q);
 
 /// The values a row-major operand m [rows, cols] stands for once `recipe` has quantized it as a
 /// GEMM's `operand`, with the reduction dimension K along m's columns (k_rows false) or along
-/// its rows (k_rows true), K cut into `parts` equal parts quantized apart (a rank's shard of K):
-/// quantize() of m's values rounded to fp32, dequantized, widened to double. The double
+/// its rows (k_rows true), K cut into `parts` equal parts quantized apart (a rank's shard of K;
+/// nvfp4's tensor scale is still the whole m's, as the shards agree it): quantize() of m's
+/// values rounded to fp32, dequantized, widened to double. The double
 /// reference's emulation of a recipe (common/reference.h) and tools/recipe_gemm_error use it.
 std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std::int64_t cols,
                             bool k_rows, Recipe recipe, Operand operand, std::int64_t parts = 1);

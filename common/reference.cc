@@ -17,6 +17,14 @@ namespace {
 using Vec = std::vector<double>;
 using I = std::int64_t;
 
+// m's values as a stage stores them in bf16: rounded to fp32, then to bf16 (nearest even).
+Vec bf16_rounded(const Vec& m) {
+  Vec out(m.size());
+  for (std::size_t i = 0; i < m.size(); ++i)
+    out[i] = double(bf16_value(bf16_bits(static_cast<float>(m[i]))));
+  return out;
+}
+
 Vec normal(const BlockConfig& c, std::uint64_t id, I n, double mean, double std) {
   Vec v(static_cast<std::size_t>(n));
   for (I i = 0; i < n; ++i)
@@ -137,20 +145,23 @@ class RefBlock {
 
   // Returns out; fills the saved layer state.
   Vec forward(const Params& w, const Vec& x, Layer& saved) const {
-    saved.x = x;
+    saved.x = stored(x);
     const Vec o = attention_forward(w, saved);
-    saved.x2 = x;
+    saved.x2 = saved.x;
     add_into(saved.x2, o);
+    saved.x2 = stored(saved.x2);
     return mlp_forward(w, saved);
   }
 
   // Returns dx; writes every weight gradient into dw.
-  Vec backward(const Params& w, const Layer& saved, const Vec& dout, Params& dw) const {
+  Vec backward(const Params& w, const Layer& saved, const Vec& dout_given, Params& dw) const {
+    const Vec dout = stored(dout_given);
     Vec dx2 = mlp_backward(w, saved, dout, dw);
     add_into(dx2, dout);
+    dx2 = stored(dx2);
     Vec dx = attention_backward(w, saved, dx2, dw);
     add_into(dx, dx2);
-    return dx;
+    return stored(dx);
   }
 
  private:
@@ -168,12 +179,33 @@ class RefBlock {
     return k_sharded && emul->recipe == lowp::Recipe::rowwise ? I(emul->ranks) : 1;
   }
 
+  // An activation or its gradient as the stage stores it: rounded to bf16 under
+  // LowpEmulation::bf16_tokens (wherever the stage's block writes a tensor), else as it is.
+  Vec stored(const Vec& m) const { return emul && emul->bf16_tokens ? bf16_rounded(m) : m; }
+
+  // A token operand m [T, cols], K along its columns, under the recipe. nvfp4's tensor scale is
+  // the amax of the tensor a replica's TP group holds: each data-parallel replica's tokens are
+  // quantized apart (their blocks lie inside a token row either way).
+  Vec q_tokens(const Vec& m, I cols, lowp::Operand operand, I parts) const {
+    if (emul->recipe != lowp::Recipe::nvfp4 || emul->replicas == 1)
+      return q(m, T, cols, false, operand, parts);
+    const I b = B / emul->replicas;
+    Vec out(m.size());
+    for (I d = 0; d < emul->replicas; ++d) {
+      const Vec part = q(replica_rows(m, cols, d), S * b, cols, false, operand, parts);
+      for (I s = 0; s < S; ++s)
+        std::copy_n(part.begin() + static_cast<std::ptrdiff_t>(s * b * cols), b * cols,
+                    out.begin() + static_cast<std::ptrdiff_t>((s * B + d * b) * cols));
+    }
+    return out;
+  }
+
   // y = x·W, x [T, in], W [in, out]: K = in, sharded in a row layer.
   Vec gemm(const Vec& x, const Vec& w, I in, I out, bool row) const {
     if (!emul) return matmul(x, w, T, in, out);
     using lowp::Operand;
     const I parts = k_parts(row);
-    return matmul(q(x, T, in, false, Operand::activation, parts),
+    return matmul(q_tokens(stored(x), in, Operand::activation, parts),
                   q(w, in, out, true, Operand::weight, parts), T, in, out);
   }
   // dx = dy·Wᵀ: K = out, sharded in a column layer.
@@ -181,7 +213,7 @@ class RefBlock {
     if (!emul) return matmul_dx(dy, w, T, in, out);
     using lowp::Operand;
     const I parts = k_parts(!row);
-    return matmul_dx(q(dy, T, out, false, Operand::gradient, parts),
+    return matmul_dx(q_tokens(stored(dy), out, Operand::gradient, parts),
                      q(w, in, out, false, Operand::weight, parts), T, in, out);
   }
   // dW = xᵀ·dy: K = the tokens, whole on every rank. Under tensorwise both operands are the
@@ -196,8 +228,8 @@ class RefBlock {
     if (emul->recipe == lowp::Recipe::tensorwise)
       return matmul_dw(q(x, T, in, false, Operand::activation),
                        q(dy, T, out, false, Operand::gradient), T, in, out);
-    const Vec xs = row ? x : q(x, T, in, false, Operand::activation);
-    const Vec dys = row ? q(dy, T, out, false, Operand::gradient) : dy;
+    const Vec xs = row ? stored(x) : q_tokens(stored(x), in, Operand::activation, 1);
+    const Vec dys = row ? q_tokens(stored(dy), out, Operand::gradient, 1) : stored(dy);
     // Each data-parallel replica's tokens along the reduction, quantized apart; the sum of
     // the replicas' products.
     const I replicas = emul->replicas, tokens = T / replicas;
@@ -227,15 +259,18 @@ class RefBlock {
   // norm1, Q/K/V with RoPE, causal attention; returns a·Wo (the residual is the caller's).
   Vec attention_forward(const Params& w, Layer& saved) const {
     Norm n1 = rmsnorm(saved.x, param(w, Param::norm1), T, H);
-    saved.h = n1.y;
+    saved.h = stored(n1.y);
     saved.rstd1 = n1.rstd;
-    saved.q = gemm(saved.h, param(w, Param::wq), H, H, kColumn);
-    saved.k = gemm(saved.h, param(w, Param::wk), H, KV, kColumn);
-    saved.v = gemm(saved.h, param(w, Param::wv), H, KV, kColumn);
+    saved.q = stored(gemm(saved.h, param(w, Param::wq), H, H, kColumn));
+    saved.k = stored(gemm(saved.h, param(w, Param::wk), H, KV, kColumn));
+    saved.v = stored(gemm(saved.h, param(w, Param::wv), H, KV, kColumn));
     rope(saved.q, NH, +1.0);
     rope(saved.k, NKV, +1.0);
+    saved.q = stored(saved.q);
+    saved.k = stored(saved.k);
     causal_softmax_attention(saved);
-    return gemm(saved.a, param(w, Param::wo), H, H, kRow);
+    saved.a = stored(saved.a);
+    return stored(gemm(saved.a, param(w, Param::wo), H, H, kRow));
   }
 
   // saved.p = softmax(q·kᵀ/√D) under the causal mask, saved.a = p·v, every head.
@@ -266,23 +301,24 @@ class RefBlock {
   // norm2 and the SwiGLU MLP on saved.x2; returns x2 + its output.
   Vec mlp_forward(const Params& w, Layer& saved) const {
     Norm n2 = rmsnorm(saved.x2, param(w, Param::norm2), T, H);
-    saved.h2 = n2.y;
+    saved.h2 = stored(n2.y);
     saved.rstd2 = n2.rstd;
-    saved.gt = gemm(saved.h2, param(w, Param::w_gate), H, F, kColumn);
-    saved.up = gemm(saved.h2, param(w, Param::w_up), H, F, kColumn);
+    saved.gt = stored(gemm(saved.h2, param(w, Param::w_gate), H, F, kColumn));
+    saved.up = stored(gemm(saved.h2, param(w, Param::w_up), H, F, kColumn));
     saved.s.resize(saved.gt.size());
     for (std::size_t i = 0; i < saved.s.size(); ++i) saved.s[i] = silu(saved.gt[i]) * saved.up[i];
-    Vec m = gemm(saved.s, param(w, Param::w_down), F, H, kRow);
+    saved.s = stored(saved.s);
+    Vec m = stored(gemm(saved.s, param(w, Param::w_down), F, H, kRow));
     Vec out = saved.x2;
     add_into(out, m);
-    return out;
+    return stored(out);
   }
 
   // The MLP half's backward: the gradients of Wd, Wg, Wu and norm2; returns the gradient that
   // reaches x2 through norm2 (the residual's dout is the caller's).
   Vec mlp_backward(const Params& w, const Layer& saved, const Vec& dout, Params& dw) const {
     param(dw, Param::w_down) = gemm_dw(saved.s, dout, F, H, kRow);
-    Vec ds = gemm_dx(dout, param(w, Param::w_down), F, H, kRow);
+    const Vec ds = stored(gemm_dx(dout, param(w, Param::w_down), F, H, kRow));
     Vec dgt(ds.size()), dup(ds.size());
     for (std::size_t i = 0; i < ds.size(); ++i) {
       const double z = saved.gt[i], sg = 1.0 / (1.0 + std::exp(-z));
@@ -291,31 +327,40 @@ class RefBlock {
     }
     param(dw, Param::w_gate) = gemm_dw(saved.h2, dgt, H, F, kColumn);
     param(dw, Param::w_up) = gemm_dw(saved.h2, dup, H, F, kColumn);
+    dgt = stored(dgt);
+    dup = stored(dup);
     Vec dh2 = gemm_dx(dgt, param(w, Param::w_gate), H, F, kColumn);
     add_into(dh2, gemm_dx(dup, param(w, Param::w_up), H, F, kColumn));
+    dh2 = stored(dh2);
     param(dw, Param::norm2).assign(static_cast<std::size_t>(H), 0.0);
-    return rmsnorm_back(dh2, saved.x2, param(w, Param::norm2), saved.rstd2, T, H,
-                        param(dw, Param::norm2));
+    return stored(rmsnorm_back(dh2, saved.x2, param(w, Param::norm2), saved.rstd2, T, H,
+                               param(dw, Param::norm2)));
   }
 
   // The attention half's backward from dx2: the gradients of Wo, Wq, Wk, Wv and norm1; returns
   // the gradient that reaches x through norm1 (the residual's dx2 is the caller's).
   Vec attention_backward(const Params& w, const Layer& saved, const Vec& dx2, Params& dw) const {
     param(dw, Param::wo) = gemm_dw(saved.a, dx2, H, H, kRow);
-    const Vec da = gemm_dx(dx2, param(w, Param::wo), H, H, kRow);
+    const Vec da = stored(gemm_dx(dx2, param(w, Param::wo), H, H, kRow));
     Vec dq(da.size(), 0.0), dk(saved.k.size(), 0.0), dv(saved.v.size(), 0.0);
     causal_softmax_attention_backward(saved, da, dq, dk, dv);
+    dq = stored(dq);
+    dk = stored(dk);
+    dv = stored(dv);
     rope(dq, NH, -1.0);  // the rotation's transpose
     rope(dk, NKV, -1.0);
+    dq = stored(dq);
+    dk = stored(dk);
     param(dw, Param::wq) = gemm_dw(saved.h, dq, H, H, kColumn);
     param(dw, Param::wk) = gemm_dw(saved.h, dk, H, KV, kColumn);
     param(dw, Param::wv) = gemm_dw(saved.h, dv, H, KV, kColumn);
     Vec dh = gemm_dx(dq, param(w, Param::wq), H, H, kColumn);
     add_into(dh, gemm_dx(dk, param(w, Param::wk), H, KV, kColumn));
     add_into(dh, gemm_dx(dv, param(w, Param::wv), H, KV, kColumn));
+    dh = stored(dh);
     param(dw, Param::norm1).assign(static_cast<std::size_t>(H), 0.0);
-    return rmsnorm_back(dh, saved.x, param(w, Param::norm1), saved.rstd1, T, H,
-                        param(dw, Param::norm1));
+    return stored(rmsnorm_back(dh, saved.x, param(w, Param::norm1), saved.rstd1, T, H,
+                               param(dw, Param::norm1)));
   }
 
   // From da (the gradient of p·v): dq, dk and dv (zeroed by the caller; a KV head sums over its
@@ -395,11 +440,17 @@ double mse_loss(const Vec& y, const Vec& target, Vec& dy) {
 // The language model's two ends (DESIGN.md, "The language model around the block"), on the
 // step's tokens: x[t] = E[token t]; after the blocks, the final norm, logits z = h·W_out and the
 // mean over positions of logsumexp(z) − z[target], with its gradient (softmax − onehot) / T.
+// With `bf16` (a low-precision emulation of a stage that keeps its activations in bf16,
+// LowpEmulation::bf16_tokens) the output layer is the stage's bf16 GEMM: h and W_out rounded to
+// bf16, the logits, their gradient and dh stored in bf16, the products in double.
 struct RefLm {
   I T, H, V;
   // What backward needs.
   Vec y, h, rstd;
   std::vector<std::int32_t> tokens, targets;
+  bool bf16 = false;
+
+  Vec as_stored(const Vec& m) const { return bf16 ? bf16_rounded(m) : m; }
 
   Vec embed(const Vec& e) const {
     Vec x(static_cast<std::size_t>(T * H));
@@ -414,9 +465,10 @@ struct RefLm {
               std::array<Vec, kLmParams>& g) {
     y = out;
     Norm n = rmsnorm(y, p[1], T, H);
-    h = n.y;
+    h = as_stored(n.y);
     rstd = n.rstd;
-    const Vec z = matmul(h, p[2], T, H, V);
+    const Vec w_out = as_stored(p[2]);
+    const Vec z = as_stored(matmul(h, w_out, T, H, V));
     Vec dz(z.size());
     double loss = 0.0;
     for (I t = 0; t < T; ++t) {
@@ -431,8 +483,9 @@ struct RefLm {
         dz[std::size_t(t * V + j)] =
             (std::exp(zt[j] - lse) - (j == target ? 1.0 : 0.0)) / double(T);
     }
+    dz = as_stored(dz);
     g[2] = matmul_dw(h, dz, T, H, V);
-    const Vec dh = matmul_dx(dz, p[2], T, H, V);
+    const Vec dh = as_stored(matmul_dx(dz, w_out, T, H, V));
     g[1].assign(static_cast<std::size_t>(H), 0.0);
     dy = rmsnorm_back(dh, y, p[1], rstd, T, H, g[1]);
     return loss / double(T);
@@ -560,7 +613,7 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
   std::vector<Layer> saved(static_cast<std::size_t>(c.layers));
   AdamState adam;
   // The language model's ends as one more "layer" of three parameters for the optimizer.
-  RefLm lm{c.seq * c.batch, c.hidden, c.vocab, {}, {}, {}, {}, {}};
+  RefLm lm{c.seq * c.batch, c.hidden, c.vocab, {}, {}, {}, {}, {}, lowp && lowp->bf16_tokens};
   const std::optional<TokenStream> stream =
       c.lm() ? std::optional<TokenStream>(std::in_place, c) : std::nullopt;
   for (int step = 0; step < steps; ++step) {

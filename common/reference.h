@@ -55,7 +55,15 @@ struct LowpEmulation {
   /// replica's tokens, in their [S, B/D] order, are quantized apart and the replicas' products
   /// summed, as the reduce-scatter of FSDP sums them. Every other GEMM's blocks lie inside one
   /// token row, which no replica cuts, and tensorwise is checked against the plain reference.
+  /// nvfp4's per-tensor scale is the amax of what one replica's TP group holds, so under nvfp4
+  /// every token operand (an activation or a gradient) is quantized replica by replica.
   int replicas = 1;
+  /// Whether the stage holds its activations and their gradients in bf16 (under --dtype fp8:
+  /// BlockConfig::activations()). Then every token operand the stage quantizes from a value it
+  /// stored (not from a gathered operand's dequantized codes) is rounded to bf16 first, as the
+  /// stage's was: the two then quantize the same bf16 values, and a code differs only where the
+  /// stage's fp32 arithmetic and the reference's double round to different bf16 neighbours.
+  bool bf16_tokens = false;
 };
 
 /// The starting point make_model() generates from c.seed (fp32 values, widened to double).

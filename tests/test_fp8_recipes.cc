@@ -1,4 +1,4 @@
-// Stage 06 under --fp8-recipe rowwise, block128 and mxfp8 (06_fp8/layers.h): --check against the double
+// Stage 06 under --fp8-recipe rowwise, block128, mxfp8 and nvfp4 (06_fp8/layers.h): --check against the double
 // reference that emulates the recipe at N = 1, 2, 4, and the stage nearer to that emulation than
 // to the plain reference or another recipe's; the meshes whose shards would cut a 128-block refused, and the cuda
 // device refused; a step's bytes against the formula; the dumped layer-0 weight codes and scales
@@ -94,12 +94,14 @@ INSTANTIATE_TEST_SUITE_P(
     Fp8Recipes, RecipeCheck,
     ::testing::Values(Case{"rowwise", 1}, Case{"rowwise", 2}, Case{"rowwise", 4},
                       Case{"block128", 1}, Case{"block128", 2}, Case{"block128", 4},
-                      Case{"mxfp8", 1}, Case{"mxfp8", 2}, Case{"mxfp8", 4},
+                      Case{"mxfp8", 1}, Case{"mxfp8", 2}, Case{"mxfp8", 4}, Case{"nvfp4", 1},
+                      Case{"nvfp4", 2}, Case{"nvfp4", 4},
                       // Stage 07: stage 06 in each TP group of a D × T mesh
                       // (D 2 × T 2 at N = 4), or D 2 alone.
                       Case{"tensorwise", 4, "07_fsdp_tp"},
                       Case{"rowwise", 2, "07_fsdp_tp", "--dp 2"}, Case{"rowwise", 4, "07_fsdp_tp"},
                       Case{"block128", 4, "07_fsdp_tp"}, Case{"mxfp8", 4, "07_fsdp_tp"},
+                      Case{"nvfp4", 4, "07_fsdp_tp"}, Case{"nvfp4", 2, "07_fsdp_tp", "--dp 2"},
                       // and its weights gathered as FP8.
                       Case{"tensorwise", 2, "07_fsdp_tp", "--dp 2 --fp8-weight-gather"},
                       Case{"tensorwise", 4, "07_fsdp_tp", "--fp8-weight-gather"}),
@@ -128,6 +130,11 @@ TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
                             "--hidden 192 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 "
                             "--fp8-recipe mxfp8 --dry-run",
                             "a multiple of 32");
+  // nvfp4's 16-blocks: H = 96 over 4 ranks leaves 24 per rank.
+  test::expect_refused_once(
+      "06_fp8", 4,
+      "--hidden 96 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 --fp8-recipe nvfp4",
+      "a multiple of 16");
   // rowwise has no block to cut: the same mesh runs.
   test::TempDir dir;
   const auto r = run_stage("06_fp8", 4,
@@ -138,7 +145,7 @@ TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
 }
 
 TEST(Fp8Recipes, TheCudaDeviceRefusesThemInOneLine) {
-  for (const char* recipe : {"rowwise", "block128", "mxfp8"})
+  for (const char* recipe : {"rowwise", "block128", "mxfp8", "nvfp4"})
     test::expect_refused_once("06_fp8", 1,
                               fmt::format("{} --device cuda --fp8-recipe {}", kSizes, recipe),
                               fmt::format("--fp8-recipe {}: the cuda device", recipe));
@@ -158,8 +165,8 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
     return j.empty() ? json::object() : j.at("steps").at(0);
   };
   const json tw = step("tensorwise"), rw = step("rowwise"), bl = step("block128"),
-             mx = step("mxfp8");
-  ASSERT_FALSE(tw.empty() || rw.empty() || bl.empty() || mx.empty());
+             mx = step("mxfp8"), nv = step("nvfp4");
+  ASSERT_FALSE(tw.empty() || rw.empty() || bl.empty() || mx.empty() || nv.empty());
   auto get = [](const json& s, const char* key) { return s.at(key).get<std::int64_t>(); };
   const std::int64_t amax = L * 4 * (4 + 2 + 3 + 2 + 3 + 2 + 2 + 2);  // payload = bus at N = 2
   const std::int64_t rows = S * B / N;
@@ -169,6 +176,16 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
     for (const char* key : {"comm_payload_bytes", "comm_bus_bytes"})
       EXPECT_EQ(get(s, key), get(tw, key) - amax + scales) << key;
     EXPECT_EQ(get(s, "comm_calls"), get(tw, "comm_calls") - L * 8 + L * 6 * (N - 1));
+  }
+  // nvfp4 keeps eight amax all-reduces per layer, the tensor scales', k ∈ {4,2,3,2,7,3,5,3}; its
+  // gathers move half a byte per element (E2M1 packed) and one UE4M3 byte per 16 of a row.
+  {
+    const std::int64_t nv_amax = L * 4 * (4 + 2 + 3 + 2 + 7 + 3 + 5 + 3);
+    const std::int64_t half_codes = L * 6 * (N - 1) * (S * B * H / N) / 2;
+    const std::int64_t scales = L * 6 * (N - 1) * rows * (H / 16);
+    for (const char* key : {"comm_payload_bytes", "comm_bus_bytes"})
+      EXPECT_EQ(get(nv, key), get(tw, key) - amax + nv_amax - half_codes + scales) << key;
+    EXPECT_EQ(get(nv, "comm_calls"), get(tw, "comm_calls") + L * 6 * (N - 1));
   }
   // And tensorwise itself is the chapter's formula (06_fp8/traffic.h).
   BlockConfig c;
@@ -186,6 +203,8 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
             std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::block128).bus));
   EXPECT_EQ(get(mx, "comm_bus_bytes"),
             std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::mxfp8).bus));
+  EXPECT_EQ(get(nv, "comm_bus_bytes"),
+            std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::nvfp4).bus));
 }
 
 // Stage 07 under each recipe: a step moves what its dry run says (stage 06's recipe_traffic inside
@@ -196,7 +215,7 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
 TEST(Fp8Recipes, Stage07StepBytesAreItsDryRuns) {
   const std::string args =
       "--hidden 128 --heads 4 --ffn 256 --seq 8 --batch 4 --layers 2 --dtype fp8 --dp 2";
-  for (const char* recipe : {"tensorwise", "rowwise", "mxfp8"}) {
+  for (const char* recipe : {"tensorwise", "rowwise", "mxfp8", "nvfp4"}) {
     const std::string flags = fmt::format("{} --fp8-recipe {}", args, recipe);
     const json real = test::run_json("07_fsdp_tp", 4, flags + " --steps 1");
     const json dry = test::run_json("07_fsdp_tp", 4, flags + " --dry-run");
@@ -274,10 +293,12 @@ std::vector<float> transposed(const std::vector<float>& m, std::int64_t rows, st
 // every weight under block128 (aligned 128-blocks), the column weights under rowwise (a row of
 // Wᵀ is an output column, whole on its rank); the row weights' rows under rowwise are cut at
 // in/N, so their scales are the shards' own and are not compared. mxfp8's E8M0 scales are
-// compared as bytes (aligned 32-blocks, as block128's).
+// compared as bytes (aligned 32-blocks, as block128's), and so are nvfp4's UE4M3 scales and its
+// E2M1 codes (one to a byte): its tensor scale is agreed over the group, so the shards' codes are
+// the whole weight's.
 TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
   for (const int n : {1, 2})
-    for (const Recipe recipe : {Recipe::rowwise, Recipe::block128, Recipe::mxfp8}) {
+    for (const Recipe recipe : {Recipe::rowwise, Recipe::block128, Recipe::mxfp8, Recipe::nvfp4}) {
       const std::string name(lowp::to_string(recipe));
       test::TempDir dir;
       const auto r = run_stage("06_fp8", n,
@@ -294,10 +315,10 @@ TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
         const std::string what = fmt::format("{} np {} {}", name, n, w);
         const NpyArray master = read_npy(dir / "d" / fmt::format("layers.0.{}.npy", w));
         const NpyBytes codes = read_npy_bytes(dir / "d" / fmt::format("fp8/layers.0.{}.npy", w));
-        // The scales: fp32 values, or mxfp8's E8M0 codes as bytes.
+        // The scales: fp32 values, or mxfp8's E8M0 and nvfp4's UE4M3 codes as bytes.
         const std::filesystem::path scale_path =
             dir / "d" / fmt::format("fp8/layers.0.{}.scale.npy", w);
-        const bool e8m0 = recipe == Recipe::mxfp8;
+        const bool e8m0 = recipe == Recipe::mxfp8 || recipe == Recipe::nvfp4;
         const NpyArray scales = e8m0 ? NpyArray{} : read_npy(scale_path);
         const NpyBytes scale_codes = e8m0 ? read_npy_bytes(scale_path) : NpyBytes{};
         const std::vector<std::int64_t>& scale_shape = e8m0 ? scale_codes.shape : scales.shape;
@@ -326,10 +347,12 @@ TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
       // (mxfp8) of each rank's [S/N·B, H] shard.
       const std::int64_t per_row = recipe == Recipe::rowwise    ? 1
                                    : recipe == Recipe::block128 ? 2
-                                                                : 8;
+                                   : recipe == Recipe::mxfp8    ? 8
+                                                                : 16;
       const std::filesystem::path input_scales = dir / "d" / "fp8/layers.0.qkv_in.scale.npy";
-      EXPECT_EQ(recipe == Recipe::mxfp8 ? read_npy_bytes(input_scales).shape
-                                        : read_npy(input_scales).shape,
+      EXPECT_EQ(recipe == Recipe::mxfp8 || recipe == Recipe::nvfp4
+                    ? read_npy_bytes(input_scales).shape
+                    : read_npy(input_scales).shape,
                 (std::vector<std::int64_t>{n, 16 / n, per_row}));
     }
 }
@@ -363,7 +386,7 @@ TEST(Fp8Recipes, TheStageIsNearestToTheEmulationOfItsOwnRecipe) {
   c.task = Task::block;
   const int n = 2;
   for (const Recipe recipe :
-       {Recipe::tensorwise, Recipe::rowwise, Recipe::block128, Recipe::mxfp8}) {
+       {Recipe::tensorwise, Recipe::rowwise, Recipe::block128, Recipe::mxfp8, Recipe::nvfp4}) {
     const std::string name(lowp::to_string(recipe));
     test::TempDir dir;
     const auto r = run_stage(
@@ -407,7 +430,7 @@ TEST(Fp8Recipes, Stage07QuantizesEachReplicasTokensApart) {
   c.layers = 1;
   c.task = Task::block;
   const int d = 4;
-  for (const Recipe recipe : {Recipe::rowwise, Recipe::block128}) {
+  for (const Recipe recipe : {Recipe::rowwise, Recipe::block128, Recipe::nvfp4}) {
     const std::string name(lowp::to_string(recipe));
     test::TempDir dir;
     const auto r = run_stage(
