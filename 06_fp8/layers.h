@@ -32,7 +32,9 @@
 // along the tokens, the gathered ones from the values their gathered codes stand for (every rank
 // holds all the tokens then, so no block is cut). Backward keeps the high-precision shard of a
 // column input (as stage 05) and quantizes the weights again for dgrad, along the other
-// dimension.
+// dimension. Under nvfp4 both weight-gradient operands first go through the random Hadamard
+// transform along the tokens (common/lowp.h, hadamard_rows), and the transformed gradients of the
+// column layers (sharded) agree their own tensor amax.
 //
 // defines: tpx::async_fp8::Fp8AsyncTp, tpx::async_fp8::make_fp8_async_tp()
 #pragma once
@@ -93,6 +95,9 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   /// gathered, one to a byte, the scales this rank's).
   Tensor gather_quantized(const Tensor& x, lowp::Operand operand, std::optional<float> amax,
                           std::string_view what, Tensor* codes = nullptr, Tensor* scales = nullptr);
+  /// x along its rows (its leading dimensions, the tokens) under lowp::hadamard_rows, fp32,
+  /// under nvfp4 (the weight-gradient GEMMs' operands); x itself under the other recipes.
+  Tensor hadamard(const Tensor& x) const;
   /// nvfp4's tensor scales: the amax of each logical tensor x[i] of which the group's ranks
   /// hold parts, agreed with one MAX all-reduce over the group ("<what> amax"). Under the other
   /// recipes no scale spans a shard: nothing for each, and no communication.

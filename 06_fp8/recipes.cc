@@ -130,6 +130,14 @@ std::vector<std::optional<float>> Fp8AsyncTp::agreed_amax(std::span<const Tensor
   return out;
 }
 
+Tensor Fp8AsyncTp::hadamard(const Tensor& x) const {
+  if (recipe_ != lowp::Recipe::nvfp4) return x;
+  const std::int64_t cols = x.dim(x.ndim() - 1), rows = x.numel() / cols;
+  std::vector<float> m = host_values(x);
+  lowp::hadamard_rows(m, rows, cols);
+  return host_tensor(x.shape(), DType::f32, m.data(), m.size() * sizeof(float));
+}
+
 Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand,
                            std::optional<float> amax, Tensor* codes, Tensor* scales) const {
   const std::int64_t last = x.dim(x.ndim() - 1), lead = x.numel() / last;
@@ -235,11 +243,18 @@ Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const T
                                           std::span<const Tensor> dy, std::span<const Tensor> dw,
                                           std::string_view role) {
   using lowp::Operand;
-  // nvfp4: the gradients', the weights' and the saved input's amaxes, agreed in one all-reduce.
+  // The wgrad's gradients along the tokens: under nvfp4 after the Hadamard transform.
+  std::vector<Tensor> dyt;
+  for (const Tensor& g : dy) dyt.push_back(hadamard(g));
+  // nvfp4: the gradients', the weights', the saved input's and the transformed gradients'
+  // amaxes, agreed in one all-reduce.
+  const bool nvfp4 = recipe_ == lowp::Recipe::nvfp4;
   std::vector<Tensor> operands(dy.begin(), dy.end());
   operands.insert(operands.end(), w.begin(), w.end());
   operands.push_back(saved);
+  if (nvfp4) operands.insert(operands.end(), dyt.begin(), dyt.end());
   const std::vector<std::optional<float>> amax = agreed_amax(operands, fmt::format("{} bwd", role));
+  const std::size_t saved_amax = dy.size() + w.size(), transformed = saved_amax + 1;
   // dX = RS(Σ dy·Wᵀ), K = out/N: the gradient and the weight along their columns.
   std::vector<Tensor> dyq, wq;
   for (std::size_t j = 0; j < dy.size(); ++j) {
@@ -248,17 +263,20 @@ Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const T
   }
   const Tensor dx =
       gemm_reduce_scatter(ring_, dyq, wq, /*trans_w=*/true, fmt::format("{} dX", role));
-  // dW = AG(h)ᵀ·dy, K = the tokens: h re-gathered as FP8, both quantized again along the tokens
-  // (the gathered h is whole on every rank: its own amax is the tensor's).
-  const Tensor h =
-      gather_quantized(saved, Operand::activation, amax.back(), fmt::format("{} re-gather", role));
-  weight_grads([this, h, amax, dy = std::vector(dy.begin(), dy.end()),
-                dw = std::vector(dw.begin(), dw.end()), name = fmt::format("{} dW GEMMs", role)] {
+  // dW = AG(h)ᵀ·dy, K = the tokens: h re-gathered as FP8, both quantized again along the tokens,
+  // nvfp4's after the Hadamard transform (the gathered h is whole on every rank: its own amax is
+  // the tensor's).
+  const Tensor h = gather_quantized(saved, Operand::activation, amax[saved_amax],
+                                    fmt::format("{} re-gather", role));
+  weight_grads([this, h, amax, dyt, nvfp4, transformed, dw = std::vector(dw.begin(), dw.end()),
+                name = fmt::format("{} dW GEMMs", role)] {
     TraceScope span(ring_.trace, name);
-    const Tensor hq = emulate(h, /*k_rows=*/true, Operand::activation, std::nullopt);
-    for (std::size_t j = 0; j < dy.size(); ++j)
-      ops::gemm(hq, true, emulate(dy[j], /*k_rows=*/true, Operand::gradient, amax[j]), false, dw[j],
+    const Tensor hq = emulate(hadamard(h), /*k_rows=*/true, Operand::activation, std::nullopt);
+    for (std::size_t j = 0; j < dyt.size(); ++j) {
+      const std::optional<float> g_amax = nvfp4 ? amax[transformed + j] : std::nullopt;
+      ops::gemm(hq, true, emulate(dyt[j], /*k_rows=*/true, Operand::gradient, g_amax), false, dw[j],
                 1.0f, 0.0f, DType::f32);
+    }
   });
   return dx;
 }
@@ -277,9 +295,11 @@ Tensor Fp8AsyncTp::recipe_row_forward(const Tensor& a, const Tensor& w, std::str
 Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
                                        const Tensor& dw, std::string_view role) {
   using lowp::Operand;
-  // nvfp4: the gradient's shard's, the weight's and the input's amaxes, agreed in one all-reduce.
+  // nvfp4: the gradient's shard's, the weight's and the wgrad input's amaxes (the input after
+  // the Hadamard transform along the tokens), agreed in one all-reduce.
+  const Tensor at = hadamard(a);
   const std::vector<std::optional<float>> amax =
-      agreed_amax(std::array{dy, w, a}, fmt::format("{} bwd", role));
+      agreed_amax(std::array{dy, w, at}, fmt::format("{} bwd", role));
   // da = AG(dy)·Wᵀ, K = H: the gradient's shard gathered as FP8 codes and scales.
   const Tensor d = gather_quantized(dy, Operand::gradient, amax[0], fmt::format("{} bwd", role));
   const Tensor wq = emulate(w, /*k_rows=*/false, Operand::weight, amax[1]);
@@ -288,13 +308,14 @@ Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const T
     TraceScope span(ring_.trace, fmt::format("{} bwd GEMM", role));
     ops::gemm(d, false, wq, true, da, 1.0f, 0.0f, DType::f32);
   }
-  // dW = aᵀ·AG(dy), K = the tokens: both quantized again along the tokens (the gathered gradient
-  // is whole on every rank; a is this rank's K shard of the input, its amax the agreed one).
-  weight_grads([this, a, d, dw, a_amax = amax[2], name = fmt::format("{} dW GEMM", role)] {
+  // dW = aᵀ·AG(dy), K = the tokens: both quantized again along the tokens, nvfp4's after the
+  // Hadamard transform (the gathered gradient is whole on every rank; a is this rank's K shard of
+  // the input, its amax the agreed one).
+  weight_grads([this, at, d, dw, a_amax = amax[2], name = fmt::format("{} dW GEMM", role)] {
     TraceScope span(ring_.trace, name);
-    ops::gemm(emulate(a, /*k_rows=*/true, Operand::activation, a_amax), true,
-              emulate(d, /*k_rows=*/true, Operand::gradient, std::nullopt), false, dw, 1.0f, 0.0f,
-              DType::f32);
+    ops::gemm(emulate(at, /*k_rows=*/true, Operand::activation, a_amax), true,
+              emulate(hadamard(d), /*k_rows=*/true, Operand::gradient, std::nullopt), false, dw,
+              1.0f, 0.0f, DType::f32);
   });
   return da;
 }

@@ -37,13 +37,14 @@ Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe 
   Traffic amax, amax_fwd;  // the eight MAX all-reduces, and the forward's four (tensorwise, nvfp4)
   // Forward: qkv (h, Wq, Wk, Wv), o (a, Wo), gate/up (h2, Wg, Wu), down (s, Wd); backward:
   // qkv (3 gradients), o (a, its gradient), gate/up (2 gradients), down (s, its gradient), each
-  // with its weights when they are requantized. nvfp4 quantizes every weight again in backward
-  // and agrees the input's tensor amax again there too (the column layers' re-gathered input,
-  // the row layers' input of the dW GEMM): qkv 3 + 3 + 1, o 3, gate/up 2 + 2 + 1, down 3.
+  // with its weights when they are requantized. nvfp4 quantizes every weight again in backward,
+  // agrees the input's tensor amax again there too (the column layers' re-gathered input, the
+  // row layers' input of the dW GEMM, after its Hadamard transform), and the column layers'
+  // gradients once more after theirs: qkv 3 + 3 + 1 + 3, o 3, gate/up 2 + 2 + 1 + 2, down 3.
   const bool again = weights == Fp8Weights::requantized,
              given = weights == Fp8Weights::gathered;  // no weight's amax at all
   const std::array<U, 8> ks =
-      nvfp4 ? std::array<U, 8>{4, 2, 3, 2, 7, 3, 5, 3}
+      nvfp4 ? std::array<U, 8>{4, 2, 3, 2, 10, 3, 7, 3}
             : std::array<U, 8>{given ? 1U : 4U, given ? 1U : 2U, given ? 1U : 3U, given ? 1U : 2U,
                                again ? 6U : 3U, again ? 3U : 2U, again ? 4U : 2U, again ? 3U : 2U};
   const bool agreed = recipe == lowp::Recipe::tensorwise || nvfp4;

@@ -36,7 +36,7 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes = 0);
 /// tensorwise with the weights requantized for backward (Fp8Weights, stage 07) each backward
 /// all-reduce carries its group's weights' amaxes too: k ∈ {4,2,3,2,6,3,4,3}; with the weights
 /// gathered as FP8 none does: k ∈ {1,1,1,1,3,2,2,2}. Under nvfp4 the eight all-reduces agree the
-/// tensor scales, k ∈ {4,2,3,2,7,3,5,3}, and each gather moves its codes packed (S·B·H / 2N
+/// tensor scales, k ∈ {4,2,3,2,10,3,7,3}, and each gather moves its codes packed (S·B·H / 2N
 /// bytes) and ⌈H/16⌉ UE4M3 scale bytes per row.
 Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe,
                        Fp8Weights weights = Fp8Weights::kept);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <string>
 
@@ -210,6 +211,33 @@ std::int64_t storage_bytes(std::int64_t rows, std::int64_t cols, Recipe recipe, 
   const std::int64_t scale_bytes = l.scale == ScaleFormat::fp32 ? 4 : 1;
   return codes + scales * scale_bytes + (recipe == Recipe::nvfp4 ? 4 : 0);
 }
+
+template <class T>
+void hadamard_rows(std::vector<T>& m, std::int64_t rows, std::int64_t cols) {
+  using I = std::int64_t;
+  TPX_CHECK(I(m.size()) == rows * cols, "hadamard_rows: {} elements for a {} x {} matrix", m.size(),
+            rows, cols);
+  // R[i][j] = H₁₆[i][j]·s[j] / 4, with H₁₆[i][j] = (−1)^popcount(i & j) (Sylvester's order).
+  std::array<std::array<T, kRhtSize>, kRhtSize> r{};
+  for (int i = 0; i < kRhtSize; ++i)
+    for (int j = 0; j < kRhtSize; ++j)
+      r[std::size_t(i)][std::size_t(j)] =
+          T((std::popcount(unsigned(i & j)) % 2 == 0 ? 1 : -1) * kRhtSigns[std::size_t(j)]) / T(4);
+  std::vector<T> group(static_cast<std::size_t>(kRhtSize * cols));
+  for (I g = 0; g + kRhtSize <= rows; g += kRhtSize) {
+    T* block = m.data() + g * cols;
+    std::copy(block, block + kRhtSize * cols, group.begin());
+    for (int i = 0; i < kRhtSize; ++i)
+      for (I c = 0; c < cols; ++c) {
+        T sum = 0;
+        for (int j = 0; j < kRhtSize; ++j)
+          sum += r[std::size_t(i)][std::size_t(j)] * group[std::size_t(j * cols + c)];
+        block[i * cols + c] = sum;
+      }
+  }
+}
+template void hadamard_rows(std::vector<float>&, std::int64_t, std::int64_t);
+template void hadamard_rows(std::vector<double>&, std::int64_t, std::int64_t);
 
 std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std::int64_t cols,
                             bool k_rows, Recipe recipe, Operand operand, std::int64_t parts) {

@@ -55,9 +55,11 @@
 // of a NaN is ±6, see lowp_bits.h): under nvfp4 the block scale carries it.
 //
 // defines: tpx::lowp::Recipe, Operand, ScaleFormat, Layout, Quantized, to_string,
-//          parse_recipe, layout, quantize, dequantize, emulate, block_amax, storage_bytes
+//          parse_recipe, layout, quantize, dequantize, emulate, block_amax, storage_bytes,
+//          kRhtSize, kRhtSigns, hadamard_rows
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -130,6 +132,24 @@ std::vector<float> dequantize(const Quantized& q);
 /// reference's emulation of a recipe (common/reference.h) and tools/recipe_gemm_error use it.
 std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std::int64_t cols,
                             bool k_rows, Recipe recipe, Operand operand, std::int64_t parts = 1);
+
+/// nvfp4's random Hadamard transform (NVIDIA, "Pretraining Large Language Models with NVFP4",
+/// 2025, its section on random Hadamard transforms): before the weight-gradient GEMM
+/// dW = xᵀ·dy quantizes its two operands along the tokens, each is multiplied along the tokens
+/// by the same orthogonal 16 × 16 matrix R = H₁₆·diag(s) / 4, H₁₆ the Sylvester-Hadamard matrix
+/// (H₁[0][0] = 1, H₂ₙ = [[Hₙ, Hₙ], [Hₙ, −Hₙ]]) and s kRhtSigns. Rᵀ·R = I, so (R·x)ᵀ·(R·dy) = xᵀ·dy
+/// in exact arithmetic, while each transformed element mixes 16 tokens: an outlier token is
+/// spread over its group before the 16-element blocks take their scales. Tokens run along the
+/// rows of m [rows, cols] (row-major): every group of 16 consecutive rows is replaced by R times
+/// it; a last group of fewer than 16 rows stays as it is (identity, still orthogonal). Computed
+/// in T's arithmetic, each output element one sum of 16 products in row order.
+inline constexpr int kRhtSize = 16;
+/// The fixed random signs s of the transform, drawn once (the paper fixes one sign vector for
+/// the whole run); every stage and the reference use these.
+inline constexpr std::array<int, kRhtSize> kRhtSigns = {1,  -1, 1, 1,  -1, 1, -1, -1,
+                                                        -1, 1,  1, -1, 1,  1, -1, 1};
+template <class T>
+void hadamard_rows(std::vector<T>& m, std::int64_t rows, std::int64_t cols);
 
 /// The bytes an operand [rows, cols] occupies (and a gather of it moves) under a recipe: its
 /// codes, one byte each (E2M1: two to a byte, as the GEMMs read them, ⌈rows · cols / 2⌉), and its

@@ -234,10 +234,15 @@ class RefBlock {
     // the replicas' products.
     const I replicas = emul->replicas, tokens = T / replicas;
     Vec dw(static_cast<std::size_t>(in * out), 0.0);
+    const bool rht = emul->recipe == lowp::Recipe::nvfp4 && emul->hadamard;
     for (I d = 0; d < replicas; ++d) {
-      const Vec part = matmul_dw(q(replica_rows(xs, in, d), tokens, in, true, Operand::activation),
-                                 q(replica_rows(dys, out, d), tokens, out, true, Operand::gradient),
-                                 tokens, in, out);
+      Vec xr = replica_rows(xs, in, d), dyr = replica_rows(dys, out, d);
+      if (rht) {  // nvfp4: both operands through the random Hadamard transform along the tokens
+        lowp::hadamard_rows(xr, tokens, in);
+        lowp::hadamard_rows(dyr, tokens, out);
+      }
+      const Vec part = matmul_dw(q(xr, tokens, in, true, Operand::activation),
+                                 q(dyr, tokens, out, true, Operand::gradient), tokens, in, out);
       add_into(dw, part);
     }
     return dw;

@@ -64,6 +64,9 @@ struct LowpEmulation {
   /// stage's was: the two then quantize the same bf16 values, and a code differs only where the
   /// stage's fp32 arithmetic and the reference's double round to different bf16 neighbours.
   bool bf16_tokens = false;
+  /// nvfp4's random Hadamard transform of the weight-gradient operands along the tokens
+  /// (lowp::hadamard_rows), as the stage applies it; false leaves it out (a test's contrast).
+  bool hadamard = true;
 };
 
 /// The starting point make_model() generates from c.seed (fp32 values, widened to double).

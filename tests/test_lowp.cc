@@ -465,6 +465,72 @@ TEST(LowpNvfp4, NaNPoisonsItsBlockAndInfinitySaturates) {
   EXPECT_EQ(lowp::dequantize(r)[0], -2688.0f);
 }
 
+// A given tensor amax sets nvfp4's tensor scale (a shard quantized under the amax its group
+// agreed): the codes of the shard are then those of the whole tensor, and without it the shard's
+// own amax gives another scale.
+TEST(LowpNvfp4, AnAgreedTensorAmaxGivesTheWholeTensorsCodes) {
+  std::vector<float> whole(2 * 32);
+  for (std::size_t i = 0; i < whole.size(); ++i) whole[i] = std::sin(float(i)) * float(1 + i % 7);
+  whole[40] = 50.0f;  // the tensor's amax lies in the second row
+  const lowp::Quantized all =
+      lowp::quantize(whole.data(), 2, 32, lowp::Recipe::nvfp4, lowp::Operand::activation);
+  // Row 0 as a shard of its own, under the agreed amax and under its own.
+  const lowp::Quantized agreed =
+      lowp::quantize(whole.data(), 1, 32, lowp::Recipe::nvfp4, lowp::Operand::activation, 50.0f);
+  const lowp::Quantized own =
+      lowp::quantize(whole.data(), 1, 32, lowp::Recipe::nvfp4, lowp::Operand::activation);
+  EXPECT_EQ(agreed.tensor_scale, all.tensor_scale);
+  EXPECT_EQ(agreed.codes, std::vector<std::uint8_t>(all.codes.begin(), all.codes.begin() + 32));
+  EXPECT_EQ(agreed.scale_codes,
+            std::vector<std::uint8_t>(all.scale_codes.begin(), all.scale_codes.begin() + 2));
+  EXPECT_NE(own.tensor_scale, all.tensor_scale);
+}
+
+// nvfp4's random Hadamard transform along the rows (common/lowp.h): orthogonal, so xᵀ·y is kept
+// (to double's rounding); an outlier in one row is spread evenly over its 16-row group (every
+// entry of R has magnitude 1/4); a last partial group is left as it is; float and double agree.
+TEST(LowpNvfp4, HadamardRowsIsOrthogonalAndSpreadsAnOutlier) {
+  const std::int64_t rows = 40, xc = 3, yc = 5;  // two groups of 16, then 8 rows untouched
+  std::vector<double> x(std::size_t(rows * xc)), y(std::size_t(rows * yc));
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::cos(0.7 * double(i)) + 0.1 * double(i % 5);
+  for (std::size_t i = 0; i < y.size(); ++i) y[i] = std::sin(1.3 * double(i)) - 0.2;
+  auto xty = [&](const std::vector<double>& a, const std::vector<double>& b) {
+    std::vector<double> p(std::size_t(xc * yc), 0.0);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t i = 0; i < xc; ++i)
+        for (std::int64_t j = 0; j < yc; ++j)
+          p[std::size_t(i * yc + j)] += a[std::size_t(r * xc + i)] * b[std::size_t(r * yc + j)];
+    return p;
+  };
+  const std::vector<double> before = xty(x, y);
+  std::vector<double> xt = x, yt = y;
+  lowp::hadamard_rows(xt, rows, xc);
+  lowp::hadamard_rows(yt, rows, yc);
+  const std::vector<double> after = xty(xt, yt);
+  for (std::size_t i = 0; i < before.size(); ++i) EXPECT_NEAR(after[i], before[i], 1e-12) << i;
+  EXPECT_NE(xt, x);
+  for (std::int64_t r = 32; r < rows; ++r)
+    for (std::int64_t c = 0; c < xc; ++c)
+      EXPECT_EQ(xt[std::size_t(r * xc + c)], x[std::size_t(r * xc + c)]) << r;
+  // One outlier of 100 in row 5 of an otherwise zero column: 16 entries of magnitude 25, of
+  // both signs, in rows 0..15 of that column.
+  std::vector<float> spike(std::size_t(16 * 2), 0.0f);
+  spike[5 * 2 + 1] = 100.0f;
+  lowp::hadamard_rows(spike, 16, 2);
+  int positive = 0;
+  for (int r = 0; r < 16; ++r) {
+    EXPECT_EQ(spike[std::size_t(r * 2)], 0.0f);
+    EXPECT_EQ(std::fabs(spike[std::size_t(r * 2 + 1)]), 25.0f) << r;
+    positive += spike[std::size_t(r * 2 + 1)] > 0;
+  }
+  EXPECT_GT(positive, 0);
+  EXPECT_LT(positive, 16);
+  // float against double: the same matrix, to fp32's rounding of a 16-term sum.
+  std::vector<float> xf(x.begin(), x.end());
+  lowp::hadamard_rows(xf, rows, xc);
+  for (std::size_t i = 0; i < xf.size(); ++i) EXPECT_NEAR(double(xf[i]), xt[i], 1e-5) << i;
+}
+
 TEST(LowpRecipes, StorageBytesAreCodesPlusScales) {
   // A 4096 × 4096 weight: 2^24 codes.
   const std::int64_t n = 4096, codes = n * n;

@@ -40,8 +40,8 @@ from lm_curves import LEFT, PLOT, LEGEND_LINE, panel, legend_width
 from tool_errors import fail
 
 # The recipes stage 06 runs, in the order every table and legend lists them: the one place that
-# names them (nvfp4 joins by its word here once the stage multiplies it).
-RECIPES = ["tensorwise", "rowwise", "block128", "mxfp8"]
+# names them.
+RECIPES = ["tensorwise", "rowwise", "block128", "mxfp8", "nvfp4"]
 # The high-precision runs beside them: bf16 is what the recipes are measured against.
 BASELINES = ["bf16", "fp32"]
 KINDS = ["forward", "dgrad", "wgrad"]
@@ -67,7 +67,7 @@ def check_sizes(a):
     """The shapes stage 06 refuses under a block recipe at --np ranks, refused here first (its
     rule, 06_fp8/layers.h: a block never straddles two ranks' shards)."""
     d = a.hidden // a.heads
-    blocks = {"block128": 128, "mxfp8": 32}
+    blocks = {"block128": 128, "mxfp8": 32, "nvfp4": 16}
     for r in a.recipe_list:
         b = blocks.get(r)
         if b is None or a.np == 1:

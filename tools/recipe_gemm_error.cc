@@ -11,10 +11,11 @@
 // --fp8-recipe (common/lowp.h's quantize with the operand's role and the GEMM's reduction
 // dimension K along the blocks; 06_fp8/layers.h), dequantized, and multiplied in double; the
 // product of the unquantized fp32 operands, in double, is the truth. As the stage does, the
-// weight-gradient GEMM's operands under rowwise, block128 and mxfp8 are quantized along the
-// tokens from what the stage holds there: a column layer's input as its forward quantized it
+// weight-gradient GEMM's operands under rowwise, block128, mxfp8 and nvfp4 are quantized along
+// the tokens from what the stage holds there: a column layer's input as its forward quantized it
 // (along H, gathered as FP8), a row layer's output gradient as its input-gradient GEMM quantized
-// it (along H, gathered as FP8); under tensorwise one scale covers a tensor in any orientation.
+// it (along H, gathered as FP8), nvfp4's both after the random Hadamard transform along the
+// tokens (lowp::hadamard_rows); under tensorwise one scale covers a tensor in any orientation.
 // --emulate-ranks N cuts a K that a tensor-parallel group of N shards (the row layers' forward,
 // the column layers' dgrad) into N parts that rowwise scales apart, as the stage's ranks do (the
 // block recipes' blocks never cross a shard: 06_fp8/layers.h's rule; tensorwise agrees one scale).
@@ -349,22 +350,29 @@ class Measured final : public Parallelism {
       // wgrad: tensorwise reuses one scale per tensor; the others quantize again along the
       // tokens from what the stage holds (a column layer's FP8 input, a row layer's FP8
       // gradient, each as quantized along H).
-      Mat xw, dyw;
+      // nvfp4 multiplies both along the tokens by the orthogonal Hadamard transform R first
+      // (lowp::hadamard_rows): (R·x)ᵀ·(R·dy) = xᵀ·dy, and each operand's error is measured
+      // against R times it.
+      Mat xw, dyw, x_want = x, dy_want = dy;
       int x_passes = 1, dy_passes = 1;
       if (r == Recipe::tensorwise) {
         xw = lowp::emulate(x, t, in, false, r, Operand::activation);
         dyw = lowp::emulate(dy, t, out, false, r, Operand::gradient);
       } else {
-        const Mat xs = row ? x : lowp::emulate(x, t, in, false, r, Operand::activation);
-        const Mat dys = row ? lowp::emulate(dy, t, out, false, r, Operand::gradient) : dy;
+        Mat xs = row ? x : lowp::emulate(x, t, in, false, r, Operand::activation);
+        Mat dys = row ? lowp::emulate(dy, t, out, false, r, Operand::gradient) : dy;
+        if (r == Recipe::nvfp4) {
+          for (Mat* m : {&xs, &x_want}) lowp::hadamard_rows(*m, t, in);
+          for (Mat* m : {&dys, &dy_want}) lowp::hadamard_rows(*m, t, out);
+        }
         x_passes = row ? 1 : 2;
         dy_passes = row ? 2 : 1;
         xw = lowp::emulate(xs, t, in, true, r, Operand::activation);
         dyw = lowp::emulate(dys, t, out, true, r, Operand::gradient);
       }
       record(name, "wgrad", r, gemm_json(product(xw, true, dyw, false, in, t, out), exact_dw),
-             operand_json(x, xw, r, Operand::activation, x_passes),
-             operand_json(dy, dyw, r, Operand::gradient, dy_passes));
+             operand_json(x_want, xw, r, Operand::activation, x_passes),
+             operand_json(dy_want, dyw, r, Operand::gradient, dy_passes));
     }
   }
 
