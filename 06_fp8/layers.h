@@ -114,11 +114,18 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   /// rank's scales stacked.
   std::vector<std::pair<std::string, Tensor>> recipe_dump_extra();
   /// Keeps layer 0's `name` (its codes, full or this rank's shard, and this rank's scales).
-  void keep_recipe_dump(const std::string& name, const Tensor& codes, const Tensor& scales);
+  /// `amax`: nvfp4's agreed tensor amax, whose s_enc the dump writes as well.
+  void keep_recipe_dump(const std::string& name, const Tensor& codes, const Tensor& scales,
+                        std::optional<float> amax);
 
   lowp::Recipe recipe_;
   Fp8Weights weight_use_;
-  std::map<std::string, std::pair<Tensor, Tensor>> recipe_layer0_;  // codes, scales by dump name
+  /// Layer 0's operands for the dump, by dump name: codes, scales, and nvfp4's s_enc.
+  struct RecipeDump {
+    Tensor codes, scales;
+    std::optional<float> tensor_scale;
+  };
+  std::map<std::string, RecipeDump> recipe_layer0_;
 
   std::map<const void*, Tensor> weights_;  // by the address of the fp32 master weight
   std::map<std::string, Tensor> layer0_;   // the first forward's FP8 operands, by dump name

@@ -207,8 +207,11 @@ Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand,
 }
 
 void Fp8AsyncTp::keep_recipe_dump(const std::string& name, const Tensor& codes,
-                                  const Tensor& scales) {
-  if (keeping_) recipe_layer0_.try_emplace(name, codes, scales);
+                                  const Tensor& scales, std::optional<float> amax) {
+  const std::optional<float> s_enc = recipe_ == lowp::Recipe::nvfp4 && amax
+                                         ? std::optional(lowp::nvfp4_tensor_scale(*amax))
+                                         : std::nullopt;
+  if (keeping_) recipe_layer0_.try_emplace(name, RecipeDump{codes, scales, s_enc});
 }
 
 ColumnResult Fp8AsyncTp::recipe_column_forward(const Tensor& h, std::span<const Tensor> w,
@@ -223,13 +226,13 @@ ColumnResult Fp8AsyncTp::recipe_column_forward(const Tensor& h, std::span<const 
   const std::vector<std::string> names = role == "qkv"
                                              ? std::vector<std::string>{"qkv_in", "wq", "wk", "wv"}
                                              : std::vector<std::string>{"mlp_in", "w_gate", "w_up"};
-  keep_recipe_dump(names[0], codes, scales);
+  keep_recipe_dump(names[0], codes, scales, amax[0]);
   ColumnResult r;
   r.saved = h;  // backward quantizes the shard again (the same codes) and re-gathers it
   for (std::size_t j = 0; j < w.size(); ++j) {
     // y = x·W: W's K (its rows) along the blocks, one scale per output column (rowwise).
     const Tensor wq = emulate(w[j], /*k_rows=*/true, Operand::weight, amax[j + 1], &codes, &scales);
-    if (j + 1 < names.size()) keep_recipe_dump(names[j + 1], codes, scales);
+    if (j + 1 < names.size()) keep_recipe_dump(names[j + 1], codes, scales, amax[j + 1]);
     auto shape = x.shape();
     shape.back() = w[j].dim(1);
     r.y.push_back(Tensor::empty(shape, ring_.activations, h.device()));
@@ -288,7 +291,7 @@ Tensor Fp8AsyncTp::recipe_row_forward(const Tensor& a, const Tensor& w, std::str
   Tensor codes, scales;
   const std::array aq{emulate(a, /*k_rows=*/false, Operand::activation, amax[0])};
   const std::array wq{emulate(w, /*k_rows=*/true, Operand::weight, amax[1], &codes, &scales)};
-  keep_recipe_dump(role == "o" ? "wo" : "w_down", codes, scales);
+  keep_recipe_dump(role == "o" ? "wo" : "w_down", codes, scales, amax[1]);
   return gemm_reduce_scatter(ring_, aq, wq, /*trans_w=*/false, role);
 }
 
@@ -324,14 +327,18 @@ std::vector<std::pair<std::string, Tensor>> Fp8AsyncTp::recipe_dump_extra() {
   std::vector<std::pair<std::string, Tensor>> out;
   // The codes full size as under tensorwise (the column inputs were gathered already, the
   // weights are gathered here); the scales as each rank computed them on its shard,
-  // [N, scale rows, scale cols] in rank order (a shard's scales are its own: see layers.h).
-  for (const auto& [name, cs] : std::exchange(recipe_layer0_, {})) {
-    const auto& [codes, scales] = cs;
+  // [N, scale rows, scale cols] in rank order (a shard's scales are its own: see layers.h);
+  // nvfp4's tensor scale s_enc, agreed by the group, as f32 [1].
+  for (const auto& [name, dump] : std::exchange(recipe_layer0_, {})) {
+    const auto& [codes, scales, tensor_scale] = dump;
     const auto p = kDumpWeights.find(name);
     const Tensor full = p != kDumpWeights.end() ? group_.gather_param(p->second, codes) : codes;
     const std::string base = "fp8/layers.0." + name;
     out.emplace_back(base, ops::to_device(full, Device::cpu));
     out.emplace_back(base + ".scale", ops::to_device(group_.gather_sequence(scales), Device::cpu));
+    if (tensor_scale)
+      out.emplace_back(base + ".tensor_scale",
+                       host_tensor({1}, DType::f32, &*tensor_scale, sizeof(float)));
   }
   return out;
 }

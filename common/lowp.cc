@@ -87,6 +87,10 @@ float block_amax(const float* x, std::int64_t cols, std::int64_t r0, std::int64_
   return m;
 }
 
+float nvfp4_tensor_scale(float amax) {
+  return fp8::scale_from_amax(amax, kE2M1Max * fp8::max_normal(fp8::kE4M3));
+}
+
 Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe recipe,
                    Operand operand, std::optional<float> tensor_amax) {
   if (rows <= 0 || cols <= 0)
@@ -107,8 +111,7 @@ Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe 
   }
   if (recipe == Recipe::nvfp4)
     q.tensor_scale =
-        fp8::scale_from_amax(tensor_amax ? *tensor_amax : block_amax(x, cols, 0, rows, 0, cols),
-                             kE2M1Max * fp8::max_normal(fp8::kE4M3));
+        nvfp4_tensor_scale(tensor_amax ? *tensor_amax : block_amax(x, cols, 0, rows, 0, cols));
 
   for (std::int64_t sr = 0; sr < q.scale_rows; ++sr) {
     for (std::int64_t sc = 0; sc < q.scale_cols; ++sc) {

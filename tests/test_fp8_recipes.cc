@@ -333,6 +333,14 @@ TEST(Fp8Recipes, DumpedWeightCodesAndScalesAreTheQuantizers) {
           for (std::int64_t o = 0; o < out; ++o)
             differ += codes.data[std::size_t(i * out + o)] != q.codes[std::size_t(o * in + i)];
         EXPECT_EQ(differ, 0) << what << ": codes differ";
+        // nvfp4's tensor scale: the whole weight's s_enc, agreed by the ranks.
+        const std::filesystem::path tensor_scale =
+            dir / "d" / fmt::format("fp8/layers.0.{}.tensor_scale.npy", w);
+        if (recipe == Recipe::nvfp4) {
+          EXPECT_EQ(read_npy(tensor_scale).data, std::vector<float>{q.tensor_scale}) << what;
+        } else {
+          EXPECT_FALSE(std::filesystem::exists(tensor_scale)) << what;
+        }
         if (n > 1) {
           EXPECT_EQ(scale_shape.at(0), n) << what;  // one set of scales per rank
           continue;
