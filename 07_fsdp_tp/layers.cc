@@ -109,7 +109,8 @@ Sharding FsdpTp::sharding() const {
   Sharding s = tp_->sharding();
   s.dp = mesh_.dp;
   s.dp_cp_index = mesh_.dp_cp_index();
-  s.dimensions.push_back(memory_dimension(mesh_.dp_cp_index() == 0));  // unsharded layers (FSDP)
+  // FSDP's unsharded layers, gathered as E4M3 codes under --fp8-weight-gather.
+  s.dimensions.push_back(memory_dimension(mesh_.dp_cp_index() == 0, fp8_gather_));
   return s;
 }
 
@@ -584,8 +585,9 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .sequence = true,
                 .dp = mesh.dp,
                 .dp_cp_index = mesh.dp_cp_index(),
-                .dimensions = {memory_dimension(mesh.dp_cp_index() == 0)}};  // as sharding()
+                .dimensions = {}};
   const bool fp8_gather = ctx.options.flags<Fp8GatherFlags>().fp8_weight_gather;
+  p.sharding.dimensions = {memory_dimension(mesh.dp_cp_index() == 0, fp8_gather)};  // as sharding()
   // Stage 05's, inside the TP group; stage 06's under --dtype fp8, the weights requantized for
   // backward (make_fp8_async_tp refuses a recipe's block that a TP shard would cut; so does this).
   Traffic tp;

@@ -14,14 +14,15 @@ using namespace memory;  // NOLINT: the estimate's vocabulary
 /// keep at most two in flight, but a layer allocates its own before it waits for the older
 /// ones. A layer has one below only if l > 0, and as many above as there are:
 ///   in flight(l) = g · (1 + [l > 0]) + r · min(2, L − 1 − l)
-/// at its largest at l = 0 or l = 1. When l's gradients go out, l's own reduce-scatter buffer
+/// at its largest at l = 0 or l = 1 (g at one byte an element when the weights travel as E4M3
+/// codes: --fp8-weight-gather). When l's gradients go out, l's own reduce-scatter buffer
 /// joins them, but backward's temporaries are gone: the term is the larger of the two moments,
 /// the second less the temporaries the estimate already counts.
 Count unsharded_layers(const BlockConfig& c, const Sharding& s, const LayerElements& layer,
-                       Count temporaries) {
+                       Count temporaries, bool fp8_gather) {
   const char* what = "FSDP's unsharded layers";
   const Count shards = s.dp * s.cp;
-  const Count weight_bytes = c.bf16_weight_copies() ? kBf16 : kF32;
+  const Count weight_bytes = fp8_gather ? 1 : c.bf16_weight_copies() ? kBf16 : kF32;
   const Count gathered = product({shards, layer.kept, weight_bytes}, what);
   const Count reduce_scatter = product({shards, layer.kept, kF32}, what);
   const Count unsharded = product({layer.tp, sum({weight_bytes, kF32}, what)}, what);
@@ -121,10 +122,11 @@ void add_unsharded_ends(MemoryEstimate& e, const MemoryParts& p, const Ends& end
 
 class FsdpMemory final : public MemoryDimension {
  public:
-  explicit FsdpMemory(bool first_of_group) : first_of_group_(first_of_group) {}
+  FsdpMemory(bool first_of_group, bool fp8_gather)
+      : first_of_group_(first_of_group), fp8_gather_(fp8_gather) {}
   void add_terms(MemoryEstimate& e, const MemoryParts& p) const override {
     if (p.sharding.dp * p.sharding.cp == 1) return;  // one replica: nothing gathered
-    const Count layers = unsharded_layers(p.rank, p.sharding, p.layer, p.temporaries);
+    const Count layers = unsharded_layers(p.rank, p.sharding, p.layer, p.temporaries, fp8_gather_);
     e.terms.push_back({"unsharded layers (FSDP)", std::uint64_t(layers)});
     const Ends ends = ends_of(p.rank, p.sharding);
     add_unsharded_ends(e, p, ends, sum({p.temporaries, layers}, "the blocks' moment"));
@@ -134,13 +136,13 @@ class FsdpMemory final : public MemoryDimension {
   }
 
  private:
-  bool first_of_group_;
+  bool first_of_group_, fp8_gather_;
 };
 
 }  // namespace
 
-std::shared_ptr<const MemoryDimension> memory_dimension(bool first_of_group) {
-  return std::make_shared<FsdpMemory>(first_of_group);
+std::shared_ptr<const MemoryDimension> memory_dimension(bool first_of_group, bool fp8_gather) {
+  return std::make_shared<FsdpMemory>(first_of_group, fp8_gather);
 }
 
 }  // namespace tpx::fsdp

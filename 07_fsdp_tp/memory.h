@@ -16,6 +16,9 @@ namespace tpx::fsdp {
 /// The FSDP dimension of the estimate (terms only where D·C > 1), for Sharding::dimensions.
 /// `first_of_group`: this rank is rank 0 of its DP×CP group (Mesh::dp_cp_index() == 0), where
 /// the cpu backend's MPI reduce-scatter stages the whole input ("MPI reduce-scatter staging").
-std::shared_ptr<const MemoryDimension> memory_dimension(bool first_of_group = false);
+/// `fp8_gather` (--fp8-weight-gather): the gathered and unsharded weights are E4M3 codes, a byte
+/// per element (the two norm gains, 2H of a layer's elements, counted at a byte too).
+std::shared_ptr<const MemoryDimension> memory_dimension(bool first_of_group = false,
+                                                        bool fp8_gather = false);
 
 }  // namespace tpx::fsdp

@@ -144,6 +144,19 @@ const Stage kFsdp{"fsdp", [](const RunContext& ctx) {
                     return fsdp::make_fsdp_tp(RunContext{o, ctx.rank, ctx.world, ctx.trace});
                   }};
 
+/// Stage 07 as kFsdp under --dtype fp8 --fp8-weight-gather: the weights gathered as E4M3 codes.
+const Stage kFsdpFp8Gather{
+    "fsdp_fp8_gather", [](const RunContext& ctx) {
+      StageOptions o = ctx.options;
+      auto flags = std::make_shared<fsdp::DataParallelFlags>();
+      flags->dp = ctx.world;
+      auto gather = std::make_shared<fsdp::Fp8GatherFlags>();
+      gather->fp8_weight_gather = true;
+      o.flag_groups.push_back(flags);
+      o.flag_groups.push_back(gather);
+      return fsdp::make_fsdp_tp(RunContext{o, ctx.rank, ctx.world, ctx.trace});
+    }};
+
 /// `z` with stage 06's --dtype fp8.
 Sizes in_fp8(Sizes z) {
   z.config.dtype = DType::e4m3;
@@ -231,6 +244,14 @@ std::vector<Case> all_cases() {
   for (const Sizes& z : {default_sizes(), long_sequence(1), wide_mlp(),
                          gqa_recomputed(default_sizes()), selective(default_sizes())})
     cases.push_back({kFp8, in_fp8(z)});
+  // Stage 07 under FP8, its weights gathered as fp32 masters or as E4M3 codes.
+  for (const Sizes& z : {default_sizes(), wide_mlp()}) {
+    Sizes two = in_fp8(z);
+    two.name += "_fp8";
+    two.config.batch = std::max<std::int64_t>(two.config.batch, 2);
+    cases.push_back({kFsdp, two});
+    cases.push_back({kFsdpFp8Gather, two});
+  }
   return cases;
 }
 

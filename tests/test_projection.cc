@@ -27,6 +27,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "06_fp8/traffic.h"
+#include "07_fsdp_tp/traffic.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "bench/busbw.h"
 #include "common/flops.h"
@@ -930,6 +932,40 @@ TEST(TpxProject, PresetsCarryTheirVocabulary) {
   const std::string cfg = "--config " + (dir / "m.toml").string() + " --device h100_sxm";
   EXPECT_EQ(project_json(cfg, dir)["config"].at("vocab"), 32000);
   EXPECT_EQ(project_json(cfg + " --vocab 0", dir)["config"].at("task"), "block");
+}
+
+// --fp8-weight-gather: stage 07's row runs as under --dtype fp8 --fp8-weight-gather, stage 06 in
+// each TP group with the gathered E4M3 weights taken as they are, FSDP's gathers of E4M3 codes;
+// its bytes are the stages' formulas (tested against the stages' counts in test_fp8_recipes), its
+// memory the estimate with the weights gathered at a byte an element (test_memory), and every
+// other row is unchanged.
+TEST(TpxProject, Fp8WeightGatherRunsStage07InFp8) {
+  test::TempDir dir;
+  const std::string base = "--model llama3-8b --layers 4 --tp 8 --dp 2 --cp 1 --device h100_sxm ";
+  const json plain = project_json(base, dir), g = project_json(base + "--fp8-weight-gather", dir);
+  ASSERT_EQ(g.at("stages").size(), plain.at("stages").size());
+  EXPECT_EQ(plain.at("fp8_weight_gather"), false);
+  EXPECT_EQ(g.at("fp8_weight_gather"), true);
+  for (std::size_t i = 0; i < g.at("stages").size(); ++i) {
+    if (i == 6) continue;
+    for (const char* key : {"tp_bus_bytes", "dp_bus_bytes", "memory_estimate_bytes"})
+      EXPECT_EQ(u64(g["stages"][i], key), u64(plain["stages"][i], key)) << i << " " << key;
+  }
+  BlockConfig c = lm_config("llama3-8b", 128256);
+  c.layers = 4;
+  c.dtype = DType::e4m3;
+  BlockConfig replica = c;
+  replica.batch /= 2;
+  const json& s07 = g["stages"][6];
+  EXPECT_EQ(u64(s07, "dp_bus_bytes"),
+            fsdp::fsdp_traffic(c, 8, 2, 1, true).bus + lm_grads_traffic(c, 8, 2, true, true).bus);
+  EXPECT_EQ(u64(s07, "tp_bus_bytes"),
+            async_fp8::recipe_traffic(replica, 8, 2, lowp::Recipe::tensorwise,
+                                      async_fp8::Fp8Weights::gathered)
+                .bus);
+  // E4M3 codes against bf16 compute copies: FSDP's gathers move half the bytes.
+  EXPECT_LT(u64(s07, "dp_bus_bytes"), u64(plain["stages"][6], "dp_bus_bytes"));
+  EXPECT_LT(u64(s07, "memory_estimate_bytes"), u64(plain["stages"][6], "memory_estimate_bytes"));
 }
 
 TEST(TpxProject, TheEndsAddExactlyTheirFormulas) {

@@ -1004,11 +1004,11 @@ Report make_report(const DeviceSpec& d, const std::vector<Validation>& validatio
 }
 
 Report::MeshRow project_mesh(const DeviceSpec& d, const BlockConfig& replica, int tp, int dp,
-                             double dp_bus_bytes) {
+                             double dp_bus_bytes, int tp_stage) {
   Report::MeshRow row;
   row.tp = tp;
   row.dp = dp;
-  const Projection p = project_stage(d, replica, tp, 5);
+  const Projection p = project_stage(d, replica, tp, tp_stage);
   row.tp_step_ms = p.step_ms;
   row.compute_ms = p.compute_ms;
   row.dp_bus_bytes = dp_bus_bytes;

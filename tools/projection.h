@@ -385,12 +385,13 @@ struct Report {
   std::vector<Sensitivity> sensitivity;
 };
 
-/// Stage 07 at a TP × DP mesh: stage 05's TP step on one DP replica's config `replica` (its
-/// B / D), plus `dp_bus_bytes` of FSDP traffic per rank over DP at the inter-node bandwidth
-/// (latency: 3·(D−1) messages per layer), prefetched behind the compute (exposed: what it takes
-/// beyond it; none without a dp_GBps_per_direction in the device file).
+/// Stage 07 at a TP × DP mesh: stage `tp_stage`'s TP step (05, or 06 under --dtype fp8) on one
+/// DP replica's config `replica` (its B / D), plus `dp_bus_bytes` of FSDP traffic per rank over
+/// DP at the inter-node bandwidth (latency: 3·(D−1) messages per layer), prefetched behind the
+/// compute (exposed: what it takes beyond it; none without a dp_GBps_per_direction in the device
+/// file).
 Report::MeshRow project_mesh(const DeviceSpec& d, const BlockConfig& replica, int tp, int dp,
-                             double dp_bus_bytes);
+                             double dp_bus_bytes, int tp_stage = 5);
 
 /// The projection of `c` (all its layers, its global batch B) on layout `l`. Throws
 /// std::runtime_error (tpx::ConfigError from the schedule library) with one line when the

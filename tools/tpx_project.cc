@@ -69,6 +69,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "06_fp8/traffic.h"
 #include "07_fsdp_tp/memory.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "common/check.h"
@@ -172,8 +173,10 @@ StageCost layout_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const 
 /// Every stage's cost per GPU for model `c` at TP `tp` (stage 07: T × `dp`), stage 08 at `mesh`
 /// without its pipeline, and with mesh.pp > 1 the 4-D pipeline. Stage 08 at a default C that
 /// the model does not split into is left out, with the reason (`cp_given`: an error instead).
+/// `fp8_gather`: stage 07 runs as under --dtype fp8 --fp8-weight-gather (stage 06's FP8 GEMMs in
+/// each TP group, the weights gathered as E4M3 codes).
 std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp,
-                                   int dp, const pj::Layout& mesh, bool cp_given) {
+                                   int dp, const pj::Layout& mesh, bool cp_given, bool fp8_gather) {
   using tpx::Sharding;
   std::vector<StageCost> rows;
   for (int stage = 1; stage <= 7; ++stage) {
@@ -183,8 +186,9 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
     r.gpus = t * n;
     tpx::BlockConfig s = c;                      // what the stage runs
     if (stage == 6) s.dtype = tpx::DType::e4m3;  // its default recipe: FP8 GEMMs inside bf16
+    if (stage == 7 && fp8_gather) s.dtype = tpx::DType::e4m3;
     Sharding sh{.rank = 0, .world = t, .weights = stage > 1, .sequence = stage > 2, .dp = n};
-    if (stage == 7) sh.dimensions = {tpx::fsdp::memory_dimension()};
+    if (stage == 7) sh.dimensions = {tpx::fsdp::memory_dimension(false, fp8_gather)};
     if (stage > 1) tpx::check_tp_split(s, t, /*sequence=*/stage > 2);
     if (stage < 7) {
       r.p = pj::project_stage(d, s, t, stage);
@@ -194,12 +198,19 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
     } else {
       tpx::BlockConfig replica = s;
       replica.batch /= dp;
-      r.dp_bytes = tpx::fsdp::fsdp_traffic(s, tp, dp);
+      const int tp_stage = fp8_gather ? 6 : 5;  // what runs in each TP group
+      r.dp_bytes = tpx::fsdp::fsdp_traffic(s, tp, dp, 1, fp8_gather);
       r.dp_bytes += tpx::lm_grads_traffic(s, tp, dp, true, true);  // the replicated ends
-      const auto m = pj::project_mesh(d, replica, tp, dp, double(r.dp_bytes.bus));
+      const auto m = pj::project_mesh(d, replica, tp, dp, double(r.dp_bytes.bus), tp_stage);
       r.step_ms = m.step_ms;
       r.exposed_ms = m.step_ms - m.compute_ms;
-      r.tp_bytes = pj::comm_bytes(5, replica, tp);
+      // Under FP8 gathers the TP group's GEMMs take the gathered E4M3 weights as they are: no
+      // weight amax in any all-reduce (06_fp8/traffic.h, Fp8Weights::gathered).
+      r.tp_bytes =
+          fp8_gather ? tpx::async_fp8::recipe_traffic(replica, tp, pj::activation_bytes(6, replica),
+                                                      tpx::lowp::Recipe::tensorwise,
+                                                      tpx::async_fp8::Fp8Weights::gathered)
+                     : pj::comm_bytes(tp_stage, replica, tp);
     }
     r.flops = tpx::step_flops(s).total() / double(r.gpus);
     const tpx::MemoryEstimate e = tpx::estimate_training_memory(s, sh);
@@ -244,7 +255,7 @@ std::string describe(const pj::Layout& l) {
 
 std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
                            const std::string& model, int tp, int dp, const pj::Layout& mesh,
-                           const std::vector<StageCost>& rows) {
+                           bool fp8_gather, const std::vector<StageCost>& rows) {
   std::ostringstream s;
   s << fmt::format(
       "Projected by the model in tools/projection.cc, not measured: device file tools/devices/{} "
@@ -256,12 +267,15 @@ std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
       "backward of all L layers{}; the pipeline's slowest rank); bytes as the stages count them "
       "(bus bytes, nccl-tests' convention; 08's DP bytes over DP×CP; PP: what a rank sends); "
       "memory: the stages' own estimate of a GPU's peak (common/memory.h); stage 06 runs FP8 "
-      "GEMMs inside the bf16 recipe{}.\n\n",
+      "GEMMs inside the bf16 recipe{}{}.\n\n",
       describe(c, model), tp, dp, describe(mesh), mesh.pp > 1 ? ", 09 with the pipeline" : "",
       c.lm() ? ", the embedding and the output layer with its cross-entropy (with the pipeline: "
                "the embedding on the first rank, the output layer on the last)"
              : "",
-      c.lm() ? ", its output layer in bf16" : "");
+      c.lm() ? ", its output layer in bf16" : "",
+      fp8_gather ? "; stage 07 runs --dtype fp8 --fp8-weight-gather: stage 06 in each TP group, "
+                   "the weights gathered as E4M3 codes"
+                 : "");
   s << "| stage | GPUs | step ms | exposed comm ms | bubble ms | TFLOP per GPU | TP bus per GPU | "
        "CP bus per GPU | DP bus per GPU | PP P2P per GPU | saved activations | peak memory "
        "|\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
@@ -283,7 +297,8 @@ std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
 }
 
 json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::string& model,
-                int tp, int dp, const pj::Layout& mesh, const std::vector<StageCost>& rows) {
+                int tp, int dp, const pj::Layout& mesh, bool fp8_gather,
+                const std::vector<StageCost>& rows) {
   json j = {{"device", d.name},
             {"device_file", d.file},
             {"model", model},
@@ -307,6 +322,7 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
             {"microbatches", mesh.microbatches},
             {"schedule", mesh.schedule},
             {"stages_per_rank", mesh.stages_per_rank},
+            {"fp8_weight_gather", fp8_gather},
             {"stages", json::array()}};
   for (const StageCost& r : rows) {
     if (!r.left_out.empty()) {
@@ -379,6 +395,7 @@ struct Options {
   std::string model, dtype = "bf16", recompute = "none", cp_method = "ring", task = "lm";
   std::int64_t vocab = 0;  // --vocab; the preset's when not given
   int tp = 8, dp = 1;
+  bool fp8_weight_gather = false;  // stage 07 under --dtype fp8 --fp8-weight-gather
   pj::Layout mesh;  // stage 08's C and method, and the pipeline's P, M, schedule and V
 
   Options() {
@@ -389,13 +406,28 @@ struct Options {
 };
 
 /// The model's flags: given any of them, tpx_project prints a table per stage for that model.
-constexpr const char* kModelFlags[] = {"--model",        "--config",    "--hidden",
-                                       "--heads",        "--kv-heads",  "--ffn",
-                                       "--seq",          "--batch",     "--layers",
-                                       "--task",         "--vocab",     "--dtype",
-                                       "--recompute",    "--tp",        "--dp",
-                                       "--cp",           "--cp-method", "--pp",
-                                       "--microbatches", "--schedule",  "--stages-per-rank"};
+constexpr const char* kModelFlags[] = {"--model",
+                                       "--config",
+                                       "--hidden",
+                                       "--heads",
+                                       "--kv-heads",
+                                       "--ffn",
+                                       "--seq",
+                                       "--batch",
+                                       "--layers",
+                                       "--task",
+                                       "--vocab",
+                                       "--dtype",
+                                       "--recompute",
+                                       "--tp",
+                                       "--dp",
+                                       "--cp",
+                                       "--cp-method",
+                                       "--pp",
+                                       "--microbatches",
+                                       "--schedule",
+                                       "--stages-per-rank",
+                                       "--fp8-weight-gather"};
 
 /// --device, the outputs, and the report's inputs and switches.
 void add_report_options(CLI::App& app, Options& o) {
@@ -465,6 +497,10 @@ void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--dp", o.dp, "D, data-parallel replicas of stages 07 and 08 (FSDP over D)")
       ->check(positive_integer<int>())
       ->capture_default_str()
+      ->group(m);
+  app.add_flag("--fp8-weight-gather", o.fp8_weight_gather,
+               "stage 07 as under --dtype fp8 --fp8-weight-gather: stage 06's FP8 GEMMs in each TP "
+               "group, FSDP gathering the weights as E4M3 codes")
       ->group(m);
   pj::Layout& mesh = o.mesh;
   app.add_option("--cp", mesh.cp, "C, context-parallel ranks of stage 08 (and the pipeline)")
@@ -601,9 +637,10 @@ void write_outputs(const Options& o, const std::string& md, const std::function<
 void project_model(const CLI::App& app, Options& o, const pj::DeviceSpec& device) {
   resolve_model(app, o);
   resolve_mesh(app, o);
-  const auto rows = stage_costs(device, o.c, o.tp, o.dp, o.mesh, app.count("--cp") > 0);
-  write_outputs(o, costs_markdown(device, o.c, o.model, o.tp, o.dp, o.mesh, rows),
-                [&] { return costs_json(device, o.c, o.model, o.tp, o.dp, o.mesh, rows); });
+  const bool g = o.fp8_weight_gather;
+  const auto rows = stage_costs(device, o.c, o.tp, o.dp, o.mesh, app.count("--cp") > 0, g);
+  write_outputs(o, costs_markdown(device, o.c, o.model, o.tp, o.dp, o.mesh, g, rows),
+                [&] { return costs_json(device, o.c, o.model, o.tp, o.dp, o.mesh, g, rows); });
 }
 
 /// The report, or with --validate / --sensitivity those tables alone on stdout.
