@@ -150,6 +150,30 @@ Tensor Fp8AsyncTp::row_backward(const Tensor& a, const Tensor& w, const Tensor& 
   return OverlapRing::row_backward(q[0], fp8_weight(w), q[1], dw, role);
 }
 
+namespace {
+
+/// The row and block recipes' cut of the estimate: the rank's block keeps no FP8 codes.
+class RecipeMemory final : public MemoryDimension {
+ public:
+  void cut(BlockConfig& rank, BlockConfig& pass, const Sharding& /*s*/) const override {
+    rank.fp8_codes_kept = pass.fp8_codes_kept = false;
+  }
+  void add_terms(MemoryEstimate& /*e*/, const MemoryParts& /*p*/) const override {}
+};
+
+}  // namespace
+
+std::shared_ptr<const MemoryDimension> recipe_memory_dimension(lowp::Recipe recipe) {
+  if (recipe == lowp::Recipe::tensorwise) return nullptr;
+  return std::make_shared<RecipeMemory>();
+}
+
+Sharding Fp8AsyncTp::sharding() const {
+  Sharding s = OverlapRing::sharding();
+  if (auto d = recipe_memory_dimension(recipe_)) s.dimensions.push_back(std::move(d));
+  return s;
+}
+
 std::unique_ptr<Parallelism> make_fp8_async_tp(const RunContext& ctx, Fp8Weights weights) {
   check_tp_split(ctx.options.config, ctx.world, /*sequence=*/true);
   check_recipe_split(ctx.options.config, ctx.world, ctx.options.flags<Fp8RecipeFlags>().recipe());

@@ -36,7 +36,8 @@
 // transform along the tokens (common/lowp.h, hadamard_rows), and the transformed gradients of the
 // column layers (sharded) agree their own tensor amax.
 //
-// defines: tpx::async_fp8::Fp8AsyncTp, tpx::async_fp8::make_fp8_async_tp()
+// defines: tpx::async_fp8::Fp8AsyncTp, tpx::async_fp8::make_fp8_async_tp(),
+//          tpx::async_fp8::recipe_memory_dimension()
 #pragma once
 
 #include <map>
@@ -50,6 +51,7 @@
 #include "05_copy_engine_async_tp/layers.h"
 #include "06_fp8/flags.h"
 #include "06_fp8/traffic.h"
+#include "common/memory_terms.h"
 
 namespace tpx::async_fp8 {
 
@@ -68,6 +70,8 @@ class Fp8AsyncTp final : public ring::OverlapRing {
                       std::string_view role) override;
   /// fp8/layers.0.<name>(.scale): the layer-0 FP8 operands of the first forward, full size.
   std::vector<std::pair<std::string, Tensor>> dump_extra() override;
+  /// Stage 05's, and under a row or block recipe its memory dimension (recipe_memory_dimension).
+  Sharding sharding() const override;
 
  private:
   /// x[i] in format[i], each with its own per-tensor scale, agreed over the group with one MAX
@@ -139,6 +143,11 @@ class Fp8AsyncTp final : public ring::OverlapRing {
 /// (a gathered row's E2M1 codes travel two to a byte). Otherwise one line naming --fp8-recipe
 /// and the rule (a ConfigError, exit 2).
 void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe);
+
+/// The memory estimate's view of a recipe (common/memory_terms.h): under the row and block
+/// recipes the block keeps the bf16 shards of its column inputs and no FP8 copy of a weight
+/// (BlockConfig::fp8_codes_kept false); nothing under tensorwise (a null pointer: no dimension).
+std::shared_ptr<const MemoryDimension> recipe_memory_dimension(lowp::Recipe recipe);
 
 /// Stage 06 under --dtype fp8 (its default); stage 05 under fp32 or bf16.
 std::unique_ptr<Parallelism> make_fp8_async_tp(const RunContext& ctx,

@@ -31,8 +31,11 @@ int main(int argc, char** argv) {
             // The recipe's scales: the amax all-reduces, or the scales the gathers carry.
             const lowp::Recipe r = ctx.options.flags<async_fp8::Fp8RecipeFlags>().recipe();
             async_fp8::check_recipe_split(ctx.options.config, ctx.world, r);
-            if (is_fp8(ctx.options.config.dtype))
+            if (is_fp8(ctx.options.config.dtype)) {
               p.traffic = async_fp8::recipe_traffic(ctx.options.config, ctx.world, 0, r);
+              if (auto d = async_fp8::recipe_memory_dimension(r))
+                p.sharding.dimensions.push_back(std::move(d));  // as the stage's sharding()
+            }
             return p;
           },
       // The reference is stage 01 in fp32: what FP8 is measured against.

@@ -587,19 +587,22 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .dp_cp_index = mesh.dp_cp_index(),
                 .dimensions = {}};
   const bool fp8_gather = ctx.options.flags<Fp8GatherFlags>().fp8_weight_gather;
-  p.sharding.dimensions = {memory_dimension(mesh.dp_cp_index() == 0, fp8_gather)};  // as sharding()
   // Stage 05's, inside the TP group; stage 06's under --dtype fp8, the weights requantized for
   // backward (make_fp8_async_tp refuses a recipe's block that a TP shard would cut; so does this).
   Traffic tp;
   if (is_fp8(replica.dtype)) {
     const lowp::Recipe r = ctx.options.flags<async_fp8::Fp8RecipeFlags>().recipe();
     async_fp8::check_recipe_split(replica, mesh.tp, r);
+    // The TP group's dimension of the estimate first, then FSDP's: as sharding().
+    if (auto d = async_fp8::recipe_memory_dimension(r))
+      p.sharding.dimensions.push_back(std::move(d));
     tp = async_fp8::recipe_traffic(
         replica, mesh.tp, 0, r,
         fp8_gather ? async_fp8::Fp8Weights::gathered : async_fp8::Fp8Weights::requantized);
   } else {
     tp = ring::traffic(replica, mesh.tp);
   }
+  p.sharding.dimensions.push_back(memory_dimension(mesh.dp_cp_index() == 0, fp8_gather));
   Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp, 1, fp8_gather);
   dp += lm_grads_traffic(ctx.options.config, mesh.tp, mesh.dp, true, true);  // the ends (FSDP)
   p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};

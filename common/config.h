@@ -128,6 +128,11 @@ struct BlockConfig {
   Recompute recompute = Recompute::none;
   /// Under full recompute, layers l with l % K == 0 are recomputed (1: every layer).
   std::int64_t recompute_every = 1;
+  /// Under --dtype fp8, whether the block keeps the FP8 codes its forward made for backward (the
+  /// column inputs' shards, every weight: tensorwise) or the high-precision shards, quantized
+  /// again in backward (the row and block recipes, 06_fp8/layers.h). No flag sets it: stage 06's
+  /// memory dimension does, for the estimate (async_fp8::recipe_memory_dimension()).
+  bool fp8_codes_kept = true;
 
   std::int64_t head_dim() const { return hidden / heads; }
   std::int64_t kv_heads_or_heads() const { return kv_heads > 0 ? kv_heads : heads; }

@@ -23,9 +23,10 @@ namespace {
       fmt::format("{} does not fit in a 64-bit count (the sizes are too large)", what));
 }
 
-/// Stage 06 (FP8) keeps h and h2 as the FP8 shards it quantized: a byte per element.
+/// Stage 06 (FP8) keeps h and h2 as the FP8 shards it quantized: a byte per element (its row
+/// and block recipes keep the bf16 shards: BlockConfig::fp8_codes_kept).
 Count kept_h_bytes(const BlockConfig& c, const ActivationBytes& b) {
-  return is_fp8(c.dtype) ? b.stream / b.e : b.stream;
+  return is_fp8(c.dtype) && c.fp8_codes_kept ? b.stream / b.e : b.stream;
 }
 
 }  // namespace
@@ -484,7 +485,7 @@ MemoryEstimate estimate_training_memory(const BlockConfig& global, const Shardin
         {"bf16 weight copies", std::uint64_t(bf16_weight_copies(c, s, p.rank_bytes))});
   if (c.optimizer == Optimizer::adamw)
     e.terms.push_back({"optimizer state", std::uint64_t(optimizer_state(params))});
-  if (is_fp8(c.dtype))
+  if (is_fp8(c.dtype) && c.fp8_codes_kept)
     e.terms.push_back({"FP8 weights", std::uint64_t(fp8_weights(c, p.rank_bytes))});
   add_lm_terms(pass, s, e);
   for (const auto& dimension : s.dimensions) dimension->add_terms(e, p);

@@ -209,9 +209,8 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
 
 // Stage 07 under each recipe: a step moves what its dry run says (stage 06's recipe_traffic inside
 // the TP group on B / D, the weights requantized for backward under tensorwise, plus FSDP's fp32
-// gathers and reduce-scatters over DP), on D 2 × T 2. (The saved activations are left out: the
-// row and block recipes keep a column input's bf16 shard where the estimate counts tensorwise's
-// FP8 one.)
+// gathers and reduce-scatters over DP), on D 2 × T 2, and saves what its dry run says (the row
+// and block recipes keep a column input's bf16 shard, tensorwise its FP8 one).
 TEST(Fp8Recipes, Stage07StepBytesAreItsDryRuns) {
   const std::string args =
       "--hidden 128 --heads 4 --ffn 256 --seq 8 --batch 4 --layers 2 --dtype fp8 --dp 2";
@@ -223,6 +222,7 @@ TEST(Fp8Recipes, Stage07StepBytesAreItsDryRuns) {
     for (const char* key :
          {"comm_payload_bytes", "comm_bus_bytes", "comm_calls", "dp_payload_bytes", "dp_bus_bytes"})
       EXPECT_EQ(dry["step"].at(key), real["steps"].at(0).at(key)) << recipe << " " << key;
+    EXPECT_EQ(dry.at("saved_activation_bytes"), real.at("saved_activation_bytes")) << recipe;
     EXPECT_GT(dry["step"].at("comm_bus_bytes").get<std::int64_t>(),
               dry["step"].at("dp_bus_bytes").get<std::int64_t>())
         << recipe << ": the TP group moves bytes too";

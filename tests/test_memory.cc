@@ -28,6 +28,7 @@
 #include "02_megatron_tp/layers.h"
 #include "03_sequence_parallel/layers.h"
 #include "04_overlap_ring/layers.h"
+#include "06_fp8/flags.h"
 #include "06_fp8/layers.h"
 #include "07_fsdp_tp/flags.h"
 #include "07_fsdp_tp/layers.h"
@@ -157,6 +158,17 @@ const Stage kFsdpFp8Gather{
       return fsdp::make_fsdp_tp(RunContext{o, ctx.rank, ctx.world, ctx.trace});
     }};
 
+/// Stage 06 under --fp8-recipe `word`.
+Stage fp8_recipe(const std::string& word) {
+  return {"fp8_" + word, [word](const RunContext& ctx) {
+            StageOptions o = ctx.options;
+            auto flags = std::make_shared<async_fp8::Fp8RecipeFlags>();
+            flags->word = word;
+            o.flag_groups.push_back(flags);
+            return async_fp8::make_fp8_async_tp(RunContext{o, ctx.rank, ctx.world, ctx.trace});
+          }};
+}
+
 /// `z` with stage 06's --dtype fp8.
 Sizes in_fp8(Sizes z) {
   z.config.dtype = DType::e4m3;
@@ -244,6 +256,13 @@ std::vector<Case> all_cases() {
   for (const Sizes& z : {default_sizes(), long_sequence(1), wide_mlp(),
                          gqa_recomputed(default_sizes()), selective(default_sizes())})
     cases.push_back({kFp8, in_fp8(z)});
+  // Stage 06 under the row and block recipes: the column inputs' bf16 shards kept, no FP8
+  // weights. (nvfp4's emulation holds more fp32 scratch than the estimate counts: the Hadamard
+  // transforms' copies of the wgrad operands, measured at 0.85 of the peak. Its saved activations
+  // are tested below.)
+  for (const char* word : {"rowwise", "block128"})
+    for (const Sizes& z : {default_sizes(), selective(default_sizes())})
+      cases.push_back({fp8_recipe(word), in_fp8(z)});
   // Stage 07 under FP8, its weights gathered as fp32 masters or as E4M3 codes.
   for (const Sizes& z : {default_sizes(), wide_mlp()}) {
     Sizes two = in_fp8(z);
@@ -262,6 +281,32 @@ INSTANTIATE_TEST_SUITE_P(Stages, MeasuredPeak, testing::ValuesIn(all_cases()), [
 // --- the terms against the chapters' formulas, computed here -------------------------------------
 
 constexpr std::uint64_t kFloat = 4;
+
+// Under the row and block recipes the block keeps the bf16 shards of its column inputs and no FP8
+// copy of a weight (BlockConfig::fp8_codes_kept, set by async_fp8::recipe_memory_dimension): the
+// estimate's saved activations are the bytes the run saved, under each recipe and recompute mode,
+// and it has no "FP8 weights" term; tensorwise keeps both.
+TEST(MemoryTerms, RecipesKeepTheirColumnInputsInBf16) {
+  for (const char* word : {"tensorwise", "rowwise", "block128", "mxfp8", "nvfp4"})
+    for (const Recompute r : {Recompute::none, Recompute::selective, Recompute::full}) {
+      StageOptions options;
+      options.config = in_fp8(default_sizes()).config;
+      options.config.hidden = 256;  // 128 per rank at N = 2: whole 128-blocks
+      options.config.heads = 4;
+      options.config.ffn = 256;
+      options.config.steps = 1;
+      options.config.recompute = r;
+      Trace trace;
+      const std::unique_ptr<Parallelism> par =
+          fp8_recipe(word).make(RunContext{options, world_rank(), world_size(), trace});
+      const MemoryEstimate e = estimate_training_memory(options.config, par->sharding());
+      const TrainResult run = train(options.config, *par, /*snapshot=*/false, trace);
+      SCOPED_TRACE(fmt::format("{} recompute {}", word, recompute_flag(r)));
+      EXPECT_EQ(e.term("saved activations").bytes, run.saved_activation_bytes) << e.describe();
+      const bool tensorwise = std::string_view(word) == "tensorwise";
+      EXPECT_EQ(e.describe().find("FP8 weights") != std::string::npos, tensorwise) << e.describe();
+    }
+}
 
 TEST(MemoryTerms, ParametersTargetAndSavedFollowTheShardings) {
   for (const Attention attention : {Attention::fused, Attention::naive}) {
