@@ -135,6 +135,11 @@ TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
       "06_fp8", 4,
       "--hidden 96 --heads 4 --ffn 512 --seq 8 --batch 2 --layers 1 --fp8-recipe nvfp4",
       "a multiple of 16");
+  // nvfp4's codes travel two to a byte along H, on one rank too.
+  test::expect_refused_once("06_fp8", 1,
+                            "--hidden 9 --heads 3 --ffn 8 --seq 8 --batch 2 --layers 1 "
+                            "--rope-theta 0 --fp8-recipe nvfp4",
+                            "H must be even");
   // rowwise has no block to cut: the same mesh runs.
   test::TempDir dir;
   const auto r = run_stage("06_fp8", 4,
