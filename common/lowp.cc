@@ -26,23 +26,6 @@ constexpr std::array<Name, 5> kNames{{{Recipe::tensorwise, "tensorwise"},
                                       {Recipe::mxfp8, "mxfp8"},
                                       {Recipe::nvfp4, "nvfp4"}}};
 
-/// The largest E2M1 value, NVFP4's element fmax.
-constexpr float kE2M1Max = 6.0f;
-
-/// The element code of a NaN with the sign of x, in a block whose scale is NaN: the FP8
-/// format's NaN, or E2M1's stand-in ±6.
-std::uint8_t nan_code(float x, fp8::Format element, bool e2m1) {
-  const bool negative = (fp8::float_bits(x) & 0x80000000u) != 0;
-  if (e2m1) return static_cast<std::uint8_t>((negative ? 0x08u : 0u) | kE2M1.nan_code);
-  return static_cast<std::uint8_t>((negative ? 0x80u : 0u) | element.nan_code);
-}
-
-/// fp32's quiet NaN with the sign of an element code, what a NaN-scaled block dequantizes to.
-float nan_of_code(std::uint8_t code, bool e2m1) {
-  const bool negative = e2m1 ? (code & 0x08u) != 0 : (code & 0x80u) != 0;
-  return fp8::bits_float((negative ? 0x80000000u : 0u) | fp8::kNaNBits);
-}
-
 }  // namespace
 
 std::string_view to_string(Recipe recipe) {
@@ -118,54 +101,16 @@ Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe 
       const std::int64_t r0 = sr * br, r1 = std::min(rows, r0 + br);
       const std::int64_t c0 = sc * bc, c1 = std::min(cols, c0 + bc);
       const auto s = static_cast<std::size_t>(sr * q.scale_cols + sc);
-      const float amax = block_amax(x, cols, r0, r1, c0, c1);
-      // Each recipe's element cast of x, given its block scale.
-      auto cast_block = [&](auto cast) {
-        for (std::int64_t r = r0; r < r1; ++r)
-          for (std::int64_t c = c0; c < c1; ++c)
-            q.codes[static_cast<std::size_t>(r * cols + c)] = cast(x[r * cols + c]);
-      };
-      switch (l.scale) {
-        case ScaleFormat::fp32: {
-          const float scale = fp8::scale_from_amax(amax, fp8::max_normal(l.element));
-          q.scales[s] = scale;
-          cast_block([&](float v) { return fp8::quantize(v, scale, l.element); });
-          break;
-        }
-        case ScaleFormat::e8m0: {
-          // NaN or ±inf in the block: the NaN scale. Else 2^(⌊log2 amax⌋ − emax_elem), clamped.
-          const bool special = fp8::is_nan(amax) || std::isinf(amax);
-          const std::uint8_t code =
-              special ? kE8M0NaN
-                      : (amax == 0.0f ? e8m0_from_exponent(-128)
-                                      : e8m0_from_exponent(floor_log2(amax) - emax(l.element)));
-          q.scale_codes[s] = code;
-          if (code == kE8M0NaN) {
-            cast_block([&](float v) { return nan_code(v, l.element, false); });
-          } else {
-            const float inverse = pow2(127 - int(code));  // 1 / X, exact: 2^−127 <= X <= 2^127
-            cast_block([&](float v) { return fp8::encode(hd::mul_rn(v, inverse), l.element); });
-          }
-          break;
-        }
-        case ScaleFormat::ue4m3: {
-          const float s_enc = q.tensor_scale;
-          const std::uint8_t code = ue4m3_encode(hd::mul_rn(hd::div_rn(amax, kE2M1Max), s_enc));
-          q.scale_codes[s] = code;
-          const float d = ue4m3_decode(code);
-          if (fp8::is_nan(d)) {
-            cast_block([&](float v) { return nan_code(v, l.element, true); });
-          } else if (d == 0.0f) {
-            cast_block([&](float v) {
-              return static_cast<std::uint8_t>((fp8::float_bits(v) >> 28) & 0x08u);  // ±0
-            });
-          } else {
-            const float s_enc_b = hd::div_rn(s_enc, d);
-            cast_block([&](float v) { return e2m1_encode(hd::mul_rn(v, s_enc_b)); });
-          }
-          break;
-        }
+      const BlockScale b = block_scale(block_amax(x, cols, r0, r1, c0, c1), l, q.tensor_scale);
+      if (l.scale == ScaleFormat::fp32) {
+        q.scales[s] = b.scale;
+      } else {
+        q.scale_codes[s] = b.code;
       }
+      for (std::int64_t r = r0; r < r1; ++r)
+        for (std::int64_t c = c0; c < c1; ++c)
+          q.codes[static_cast<std::size_t>(r * cols + c)] =
+              cast_element(x[r * cols + c], l, b, q.tensor_scale);
     }
   }
   return q;
@@ -180,23 +125,9 @@ std::vector<float> dequantize(const Quantized& q) {
     for (std::int64_t c = 0; c < q.cols; ++c) {
       const auto i = static_cast<std::size_t>(r * q.cols + c);
       const auto s = static_cast<std::size_t>((r / br) * q.scale_cols + c / bc);
-      const std::uint8_t code = q.codes[i];
-      switch (l.scale) {
-        case ScaleFormat::fp32:
-          out[i] = fp8::dequantize(code, q.scales[s], l.element);
-          break;
-        case ScaleFormat::e8m0:
-          out[i] = q.scale_codes[s] == kE8M0NaN
-                       ? nan_of_code(code, false)
-                       : hd::mul_rn(fp8::decode(code, l.element), e8m0_decode(q.scale_codes[s]));
-          break;
-        case ScaleFormat::ue4m3: {
-          const float d = ue4m3_decode(q.scale_codes[s]);
-          out[i] = fp8::is_nan(d) ? nan_of_code(code, true)
-                                  : hd::div_rn(hd::mul_rn(e2m1_decode(code), d), q.tensor_scale);
-          break;
-        }
-      }
+      const BlockScale b = l.scale == ScaleFormat::fp32 ? BlockScale{q.scales[s], 0}
+                                                        : BlockScale{1.0f, q.scale_codes[s]};
+      out[i] = decode_element(q.codes[i], l, b, q.tensor_scale);
     }
   }
   return out;

@@ -1,6 +1,7 @@
 // Low-precision recipes: how one GEMM operand is cut into blocks, how each block's scale is
 // computed and encoded, and how its elements are cast. Five recipes, from one scale per tensor to
-// one per 16 elements; the formats' bits are in common/fp8_bits.h and common/lowp_bits.h.
+// one per 16 elements; the formats' bits are in common/fp8_bits.h and common/lowp_bits.h, one
+// block's scale and casts (host and device) in common/lowp_block.h.
 //
 // The operand is a row-major matrix [rows, cols] whose cols run along the GEMM's reduction
 // dimension K and whose rows are its outer dimension (M for the left operand of C = A·B, N for
@@ -67,6 +68,7 @@
 
 #include "common/fp8_bits.h"
 #include "common/lowp_bits.h"
+#include "common/lowp_block.h"
 
 namespace tpx::lowp {
 
@@ -76,21 +78,12 @@ enum class Recipe { tensorwise, rowwise, block128, mxfp8, nvfp4 };
 /// format of tensorwise and rowwise (E5M2 for gradients).
 enum class Operand { activation, weight, gradient };
 
-/// How a block's scale is stored.
-enum class ScaleFormat { fp32, e8m0, ue4m3 };
-
 /// The recipe's name as the flag spells it: "tensorwise", "rowwise", …
 std::string_view to_string(Recipe recipe);
 /// The recipe a flag value names, or nothing.
 std::optional<Recipe> parse_recipe(std::string_view name);
 
-/// What a recipe does to one operand.
-struct Layout {
-  fp8::Format element;      ///< fp8::kE4M3, fp8::kE5M2 or lowp::kE2M1
-  std::int64_t block_rows;  ///< rows per block; 0: all rows (tensorwise)
-  std::int64_t block_cols;  ///< columns per block; 0: all columns (tensorwise, rowwise)
-  ScaleFormat scale;
-};
+/// What a recipe does to one operand (Layout and ScaleFormat: common/lowp_block.h).
 Layout layout(Recipe recipe, Operand operand);
 
 /// An operand quantized by a recipe.

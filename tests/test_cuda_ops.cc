@@ -5,12 +5,15 @@
 // with the reason when none is visible. ctest names them cuda.<Suite>.<Test>.
 #include <cublas_api.h>
 #include <cuda_runtime_api.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +23,8 @@
 #include "common/cuda/blas.h"
 #include "common/cuda/check.h"
 #include "common/cuda/device.h"
+#include "common/cuda/ops.h"
+#include "common/lowp.h"
 #include "common/ops.h"
 #include "common/stream.h"
 #include "test_cuda.h"
@@ -1094,6 +1099,77 @@ TEST(Fp8CudaGemm, E5M2TimesE5M2MultipliesTheDequantizedOperands) {
     const Tensor c0 = random_tensor({21, 12}, 28);
     EXPECT_LE(fp8_gemm_error(a, ta, b, false, c0, 0.5f, 1.0f, false), kF32Tol);
   }
+}
+
+// The recipes' quantizer on the device (common/cuda/lowp.cu) writes the cpu's lowp::quantize's
+// bytes: every recipe and operand role, on matrices with partial blocks, a zero block and fp32
+// subnormals, once plain and once with a block of one huge value, a NaN and an infinity (which
+// make nvfp4's tensor scale 1); nvfp4 also under a given (agreed) tensor amax twice the plain
+// matrix's own.
+TEST(LowpCuda, QuantizerWritesTheCpusBytes) {
+  TPX_REQUIRE_GPU();
+  using lowp::Operand;
+  using lowp::Recipe;
+  for (const auto& [rows, cols] : {std::pair<I, I>{37, 300}, {130, 256}})
+    for (const bool specials : {false, true}) {
+      Tensor host = cpu_empty({rows, cols});
+      const std::span<float> x = host.f32();
+      for (std::size_t i = 0; i < x.size(); ++i)
+        x[i] = std::sin(0.37f * float(i)) * std::exp2(float(int(i % 23) - 11));
+      for (I c = 0; c < 32; ++c) x[std::size_t(c)] = 0.0f;  // a zero 32-block of row 0
+      for (I c = 0; c < 16; ++c)
+        x[std::size_t(2 * cols + c)] = 1.0e-40f * float(c + 1);  // fp32 subnormals in row 2
+      if (specials) {
+        x[std::size_t(cols + 5)] = 3.0e38f;  // one huge value in row 1
+        x[std::size_t(3 * cols + 7)] = std::numeric_limits<float>::quiet_NaN();
+        x[std::size_t(4 * cols + 9)] = -std::numeric_limits<float>::infinity();
+      }
+      float own = 0.0f;
+      for (const float v : x) own = std::max(own, std::fabs(v));
+      const Tensor xg = on_gpu(host);
+      for (const Recipe r :
+           {Recipe::tensorwise, Recipe::rowwise, Recipe::block128, Recipe::mxfp8, Recipe::nvfp4})
+        for (const Operand op : {Operand::activation, Operand::weight, Operand::gradient})
+          for (const bool agreed : {false, true}) {
+            if (agreed && (r != Recipe::nvfp4 || specials)) continue;
+            SCOPED_TRACE(fmt::format("{} operand {} {}x{}{}{}", lowp::to_string(r), int(op), rows,
+                                     cols, specials ? " specials" : "",
+                                     agreed ? " agreed amax" : ""));
+            const float given = 2.0f * own;
+            const lowp::Quantized want = agreed ? lowp::quantize(x.data(), rows, cols, r, op, given)
+                                                : lowp::quantize(x.data(), rows, cols, r, op);
+            const lowp::Layout l = lowp::layout(r, op);
+            const bool fp32 = l.scale == lowp::ScaleFormat::fp32;
+            const Tensor codes = gpu_empty({rows, cols}, DType::u8);
+            const Tensor scales =
+                gpu_empty({want.scale_rows, want.scale_cols}, fp32 ? DType::f32 : DType::u8);
+            const Tensor tensor_scale = gpu_empty({1});
+            Tensor amax;
+            if (agreed) {
+              Tensor a = cpu_empty({1});
+              a.f32()[0] = given;
+              amax = on_gpu(a);
+            }
+            cuda::lowp_quantize(xg, l, amax, codes, scales, tensor_scale);
+            const Tensor got_codes = on_cpu(codes), got_scales = on_cpu(scales);
+            const std::uint8_t* gc = got_codes.data<std::uint8_t>();
+            EXPECT_EQ(std::vector<std::uint8_t>(gc, gc + want.codes.size()), want.codes);
+            if (fp32) {
+              const std::span<const float> gs = got_scales.f32();
+              for (std::size_t i = 0; i < want.scales.size(); ++i)
+                EXPECT_EQ(std::bit_cast<std::uint32_t>(gs[i]),
+                          std::bit_cast<std::uint32_t>(want.scales[i]))
+                    << "scale " << i;
+            } else {
+              const std::uint8_t* gs = got_scales.data<std::uint8_t>();
+              EXPECT_EQ(std::vector<std::uint8_t>(gs, gs + want.scale_codes.size()),
+                        want.scale_codes);
+            }
+            if (r == Recipe::nvfp4) {
+              EXPECT_EQ(on_cpu(tensor_scale).f32()[0], want.tensor_scale);
+            }
+          }
+    }
 }
 
 }  // namespace

@@ -8,13 +8,14 @@
 // as std::uint8_t codes.
 //
 // defines: tpx::cuda::kernels::* (elementwise.cu, rmsnorm.cu, attention.cu,
-//          flash_attention.cu, rope.cu, fp8.cu, fp8_pack.cu, column_blocks.cu, lm.cu)
+//          flash_attention.cu, rope.cu, fp8.cu, lowp.cu, fp8_pack.cu, column_blocks.cu, lm.cu)
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "common/fp8_bits.h"
+#include "common/lowp_block.h"
 
 namespace tpx::cuda::kernels {
 
@@ -194,6 +195,16 @@ void dequantize_fp8(const std::uint8_t* q, const float* scale, float* x, I n, fp
 void amax(const float* x, I n, float* out, void* stream);
 /// *scale = fp8::scale_from_amax(*amax, fmax).
 void fp8_scale(const float* amax, float fmax, float* scale, void* stream);
+
+// lowp.cu ----------------------------------------------------------------------------------------
+/// The row-major x [rows, cols] (K along cols; rows, cols > 0) quantized as layout `l` quantizes
+/// it (common/lowp.h, the cpu's lowp::quantize bit for bit): codes [rows, cols] one a byte, the
+/// scales [⌈rows/br⌉, ⌈cols/bc⌉] into `scales` (fp32 layouts) or `scale_codes` (E8M0, UE4M3),
+/// and under UE4M3 s_enc from *tensor_amax (device) into *tensor_scale (either may be null
+/// otherwise).
+void lowp_quantize(const float* x, I rows, I cols, const lowp::Layout& l, const float* tensor_amax,
+                   std::uint8_t* codes, float* scales, std::uint8_t* scale_codes,
+                   float* tensor_scale, void* stream);
 
 // fp8_pack.cu ------------------------------------------------------------------------------------
 // The operands of the FP8 GEMM (gemm_fp8.cc) in the layout cuBLASLt's FP8 kernels read.

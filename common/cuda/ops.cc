@@ -813,6 +813,33 @@ void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale) {
   TPX_CUDA_LAUNCH_CHECK();
 }
 
+void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_amax,
+                   const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale) {
+  NvtxRange range("lowp_quantize");
+  TPX_CHECK(x.dtype() == DType::f32 && x.ndim() == 2 && x.numel() > 0,
+            "lowp_quantize of {}: a non-empty f32 matrix", x.describe());
+  TPX_CHECK(codes.dtype() == DType::u8 && codes.numel() == x.numel(),
+            "lowp_quantize: codes {} for {}", codes.describe(), x.describe());
+  const I rows = x.dim(0), cols = x.dim(1);
+  const I br = l.block_rows == 0 ? rows : l.block_rows,
+          bc = l.block_cols == 0 ? cols : l.block_cols;
+  const bool fp32 = l.scale == lowp::ScaleFormat::fp32;
+  TPX_CHECK(scales.numel() == ((rows + br - 1) / br) * ((cols + bc - 1) / bc) &&
+                scales.dtype() == (fp32 ? DType::f32 : DType::u8),
+            "lowp_quantize: scales {} for {}", scales.describe(), x.describe());
+  const bool two_level = l.scale == lowp::ScaleFormat::ue4m3;
+  Tensor amax = tensor_amax;
+  if (two_level && !amax.defined()) {  // the whole tensor's own amax
+    amax = scratch({1}, DType::f32);
+    kernels::amax(cf(x), x.numel(), f(amax), stream());
+  }
+  kernels::lowp_quantize(cf(x), rows, cols, l, two_level ? cf(amax) : nullptr,
+                         codes.data<std::uint8_t>(), fp32 ? f(scales) : nullptr,
+                         fp32 ? nullptr : scales.data<std::uint8_t>(),
+                         two_level ? f(tensor_scale) : nullptr, stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
 Tensor to_host_f32(const Tensor& t) {
   Tensor f32 = t;
   if (t.dtype() != DType::f32) {

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/lowp_block.h"
 #include "common/ops.h"
 #include "common/tensor.h"
 #include "device.h"
@@ -132,6 +133,15 @@ void quantize_fp8(const Tensor& x, const Tensor& scale, const Tensor& q);
 void dequantize_fp8(const Tensor& q, const Tensor& scale, const Tensor& x);
 void amax(const Tensor& x, const Tensor& out);
 void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
+
+/// A low-precision recipe's quantizer on the device (kernels in lowp.cu), bit-identical to the
+/// cpu's lowp::quantize: x f32 [rows, cols] on cuda (K along cols) as layout `l` quantizes it;
+/// codes u8 [rows, cols]; scales f32 (fp32 layouts) or u8 (E8M0, UE4M3) [scale rows, scale
+/// cols]; under UE4M3 tensor_scale f32 [1] receives s_enc, made from tensor_amax f32 [1] when it
+/// is defined (an amax the shards agreed) and from x's own amax otherwise. Everything stays on
+/// the device.
+void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_amax,
+                   const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale);
 
 /// Times a large cuBLASLt bf16 GEMM (8192³, fp32 accumulation, bf16 result) and returns its
 /// throughput in TFLOP/s:

@@ -1,0 +1,106 @@
+// The low-precision recipes' quantizer on the device (common/lowp.h), block by block, with the
+// functions the cpu quantizer calls (common/lowp_block.h): one thread block per scale block (a
+// grid-stride loop over them) reduces the block's amax, takes its scale from lowp::block_scale and
+// casts every element with lowp::cast_element, so both backends write the same bytes. The amax
+// follows lowp::block_amax: a NaN anywhere makes it NaN, otherwise max |x| (+inf included); max is
+// exact in any order, so the reduction's order changes nothing. nvfp4's tensor scale s_enc is
+// made on the device from the tensor amax the caller passes (the whole tensor's, or the one its
+// shards agreed), so nothing waits for the host.
+//
+// Shape: 256 threads a block; a 1 × 16 (nvfp4) or 1 × 32 (mxfp8) block leaves most of them idle,
+// a 128 × 128 weight block or a rowwise row of K keeps them busy. This is the reference cast on
+// the GPU, for the tests and the recipes' dequantize-then-multiply path, not a tuned kernel.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "common/fp8_bits.h"
+#include "common/lowp_block.h"
+#include "kernels.h"
+
+namespace tpx::cuda::kernels {
+namespace {
+
+using dev::I;
+
+constexpr int kThreads = 256;
+
+/// Scale block `blk`'s rectangle [r0, r1) × [c0, c1).
+struct Box {
+  I r0, r1, c0, c1;
+};
+__device__ Box box_of(I blk, I rows, I cols, I br, I bc, I scale_cols) {
+  const I sr = blk / scale_cols, sc = blk % scale_cols;
+  const I r0 = sr * br, c0 = sc * bc;
+  return {r0, r0 + br < rows ? r0 + br : rows, c0, c0 + bc < cols ? c0 + bc : cols};
+}
+
+__global__ void __launch_bounds__(kThreads)
+    lowp_quantize_kernel(const float* x, I rows, I cols, lowp::Layout l, I br, I bc, I scale_cols,
+                         I blocks, const float* tensor_amax, std::uint8_t* codes, float* scales,
+                         std::uint8_t* scale_codes, float* tensor_scale) {
+  __shared__ float block_max[kThreads];
+  __shared__ int block_nan[kThreads];
+  // nvfp4's s_enc, the same in every block (lowp::nvfp4_tensor_scale's arithmetic).
+  const float s_enc =
+      tensor_amax != nullptr
+          ? fp8::scale_from_amax(*tensor_amax, lowp::kE2M1Max * fp8::max_normal(fp8::kE4M3))
+          : 1.0f;
+  if (tensor_scale != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *tensor_scale = s_enc;
+  for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+    const Box b = box_of(blk, rows, cols, br, bc, scale_cols);
+    const I width = b.c1 - b.c0, n = (b.r1 - b.r0) * width;
+    float m = 0.0f;
+    int nan = 0;
+    for (I e = threadIdx.x; e < n; e += kThreads) {
+      const float v = x[(b.r0 + e / width) * cols + b.c0 + e % width];
+      if (fp8::is_nan(v)) {
+        nan = 1;
+      } else {
+        m = fmaxf(m, fabsf(v));
+      }
+    }
+    block_max[threadIdx.x] = m;
+    block_nan[threadIdx.x] = nan;
+    __syncthreads();
+    for (int half = kThreads / 2; half > 0; half /= 2) {
+      if (int(threadIdx.x) < half) {
+        block_max[threadIdx.x] = fmaxf(block_max[threadIdx.x], block_max[threadIdx.x + half]);
+        block_nan[threadIdx.x] |= block_nan[threadIdx.x + half];
+      }
+      __syncthreads();
+    }
+    const float amax = block_nan[0] != 0 ? fp8::bits_float(fp8::kNaNBits) : block_max[0];
+    const lowp::BlockScale s = lowp::block_scale(amax, l, s_enc);
+    if (threadIdx.x == 0) {
+      if (l.scale == lowp::ScaleFormat::fp32) {
+        scales[blk] = s.scale;
+      } else {
+        scale_codes[blk] = s.code;
+      }
+    }
+    for (I e = threadIdx.x; e < n; e += kThreads) {
+      const I i = (b.r0 + e / width) * cols + b.c0 + e % width;
+      codes[i] = lowp::cast_element(x[i], l, s, s_enc);
+    }
+    __syncthreads();  // block_max and block_nan are read above before the next block's writes
+  }
+}
+
+}  // namespace
+
+void lowp_quantize(const float* x, I rows, I cols, const lowp::Layout& l, const float* tensor_amax,
+                   std::uint8_t* codes, float* scales, std::uint8_t* scale_codes,
+                   float* tensor_scale, void* stream) {
+  const I br = l.block_rows == 0 ? rows : l.block_rows;
+  const I bc = l.block_cols == 0 ? cols : l.block_cols;
+  const I scale_rows = (rows + br - 1) / br, scale_cols = (cols + bc - 1) / bc;
+  const I blocks = scale_rows * scale_cols;
+  const I grid = blocks < I{65535} ? blocks : I{65535};
+  lowp_quantize_kernel<<<unsigned(grid), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      x, rows, cols, l, br, bc, scale_cols, blocks, tensor_amax, codes, scales, scale_codes,
+      tensor_scale);
+}
+
+}  // namespace tpx::cuda::kernels
