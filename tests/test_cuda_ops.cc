@@ -1102,7 +1102,7 @@ TEST(Fp8CudaGemm, E5M2TimesE5M2MultipliesTheDequantizedOperands) {
 }
 
 // The recipes' quantizer on the device (common/cuda/lowp.cu) writes the cpu's lowp::quantize's
-// bytes: every recipe and operand role, on matrices with partial blocks, a zero block and fp32
+// bytes, and its dequantizer reads lowp::dequantize's values back: every recipe and operand role, on matrices with partial blocks, a zero block and fp32
 // subnormals, once plain and once with a block of one huge value, a NaN and an infinity (which
 // make nvfp4's tensor scale 1); nvfp4 also under a given (agreed) tensor amax twice the plain
 // matrix's own.
@@ -1168,6 +1168,17 @@ TEST(LowpCuda, QuantizerWritesTheCpusBytes) {
             if (r == Recipe::nvfp4) {
               EXPECT_EQ(on_cpu(tensor_scale).f32()[0], want.tensor_scale);
             }
+            // And back: the values lowp::dequantize reads from the same codes, bit for bit.
+            const Tensor back = gpu_empty({rows, cols});
+            cuda::lowp_dequantize(codes, l, scales, tensor_scale, back);
+            const std::vector<float> want_back = lowp::dequantize(want);
+            const Tensor got_back = on_cpu(back);
+            const std::span<const float> gb = got_back.f32();
+            I differ = 0;
+            for (std::size_t i = 0; i < want_back.size(); ++i)
+              differ +=
+                  std::bit_cast<std::uint32_t>(gb[i]) != std::bit_cast<std::uint32_t>(want_back[i]);
+            EXPECT_EQ(differ, 0) << "dequantized values differ";
           }
     }
 }

@@ -205,6 +205,11 @@ void fp8_scale(const float* amax, float fmax, float* scale, void* stream);
 void lowp_quantize(const float* x, I rows, I cols, const lowp::Layout& l, const float* tensor_amax,
                    std::uint8_t* codes, float* scales, std::uint8_t* scale_codes,
                    float* tensor_scale, void* stream);
+/// x [rows, cols] = the values lowp_quantize's codes and scales stand for (the cpu's
+/// lowp::dequantize bit for bit); tensor_scale (device, UE4M3 only) is s_enc.
+void lowp_dequantize(const std::uint8_t* codes, I rows, I cols, const lowp::Layout& l,
+                     const float* scales, const std::uint8_t* scale_codes,
+                     const float* tensor_scale, float* x, void* stream);
 
 // fp8_pack.cu ------------------------------------------------------------------------------------
 // The operands of the FP8 GEMM (gemm_fp8.cc) in the layout cuBLASLt's FP8 kernels read.

@@ -10,6 +10,8 @@
 // Shape: 256 threads a block; a 1 × 16 (nvfp4) or 1 × 32 (mxfp8) block leaves most of them idle,
 // a 128 × 128 weight block or a rowwise row of K keeps them busy. This is the reference cast on
 // the GPU, for the tests and the recipes' dequantize-then-multiply path, not a tuned kernel.
+// lowp_dequantize is element-wise: each element looks up its block's scale and calls
+// lowp::decode_element, as lowp::dequantize does.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -88,7 +90,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+__global__ void __launch_bounds__(kThreads)
+    lowp_dequantize_kernel(const std::uint8_t* codes, I rows, I cols, lowp::Layout l, I br, I bc,
+                           I scale_cols, const float* scales, const std::uint8_t* scale_codes,
+                           const float* tensor_scale, float* x) {
+  const float s_enc = tensor_scale != nullptr ? *tensor_scale : 1.0f;
+  const I n = rows * cols, stride = I(gridDim.x) * kThreads;
+  for (I i = I(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
+    const I blk = (i / cols / br) * scale_cols + (i % cols) / bc;
+    const lowp::BlockScale b = l.scale == lowp::ScaleFormat::fp32
+                                   ? lowp::BlockScale{scales[blk], 0}
+                                   : lowp::BlockScale{1.0f, scale_codes[blk]};
+    x[i] = lowp::decode_element(codes[i], l, b, s_enc);
+  }
+}
+
 }  // namespace
+
+void lowp_dequantize(const std::uint8_t* codes, I rows, I cols, const lowp::Layout& l,
+                     const float* scales, const std::uint8_t* scale_codes,
+                     const float* tensor_scale, float* x, void* stream) {
+  const I br = l.block_rows == 0 ? rows : l.block_rows;
+  const I bc = l.block_cols == 0 ? cols : l.block_cols;
+  const I scale_cols = (cols + bc - 1) / bc;
+  const I want = (rows * cols + kThreads - 1) / kThreads;
+  const I grid = want < I{65535} ? want : I{65535};
+  lowp_dequantize_kernel<<<unsigned(grid), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      codes, rows, cols, l, br, bc, scale_cols, scales, scale_codes, tensor_scale, x);
+}
 
 void lowp_quantize(const float* x, I rows, I cols, const lowp::Layout& l, const float* tensor_amax,
                    std::uint8_t* codes, float* scales, std::uint8_t* scale_codes,

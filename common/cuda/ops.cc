@@ -840,6 +840,23 @@ void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_
   TPX_CUDA_LAUNCH_CHECK();
 }
 
+void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
+                     const Tensor& tensor_scale, const Tensor& x) {
+  NvtxRange range("lowp_dequantize");
+  TPX_CHECK(x.dtype() == DType::f32 && x.ndim() == 2 && x.numel() > 0 &&
+                codes.dtype() == DType::u8 && codes.numel() == x.numel(),
+            "lowp_dequantize: codes {} into {}", codes.describe(), x.describe());
+  const bool fp32 = l.scale == lowp::ScaleFormat::fp32;
+  TPX_CHECK(scales.dtype() == (fp32 ? DType::f32 : DType::u8),
+            "lowp_dequantize: scales {} for this layout", scales.describe());
+  const bool two_level = l.scale == lowp::ScaleFormat::ue4m3;
+  kernels::lowp_dequantize(codes.data<std::uint8_t>(), x.dim(0), x.dim(1), l,
+                           fp32 ? cf(scales) : nullptr,
+                           fp32 ? nullptr : scales.data<std::uint8_t>(),
+                           two_level ? cf(tensor_scale) : nullptr, f(x), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
 Tensor to_host_f32(const Tensor& t) {
   Tensor f32 = t;
   if (t.dtype() != DType::f32) {

@@ -142,6 +142,10 @@ void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
 /// the device.
 void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_amax,
                    const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale);
+/// Its inverse, lowp::dequantize's bytes: x f32 [rows, cols] from codes, scales and (UE4M3)
+/// tensor_scale as lowp_quantize wrote them.
+void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
+                     const Tensor& tensor_scale, const Tensor& x);
 
 /// Times a large cuBLASLt bf16 GEMM (8192³, fp32 accumulation, bf16 result) and returns its
 /// throughput in TFLOP/s:
