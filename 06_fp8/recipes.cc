@@ -1,5 +1,5 @@
-// Stage 06 under --fp8-recipe rowwise, block128, mxfp8 and nvfp4 on the cpu (06_fp8/layers.h says what each
-// GEMM's operands are quantized along, and where the scales come from).
+// Stage 06 under --fp8-recipe rowwise, block128, mxfp8 and nvfp4 on the cpu (06_fp8/layers.h
+// says what each GEMM's operands are quantized along, and where the scales come from).
 #include <algorithm>
 #include <array>
 #include <cstdint>

@@ -1,8 +1,10 @@
-// Stage 06 under --fp8-recipe rowwise, block128, mxfp8 and nvfp4 (06_fp8/layers.h): --check against the double
-// reference that emulates the recipe at N = 1, 2, 4, and the stage nearer to that emulation than
-// to the plain reference or another recipe's; the meshes whose shards would cut a 128-block refused, and the cuda
-// device refused; a step's bytes against the formula; the dumped layer-0 weight codes and scales
-// against common/lowp.h's quantizer applied to the dumped fp32 weights; the recipe in config.json.
+// Stage 06 under --fp8-recipe rowwise, block128, mxfp8 and nvfp4 (06_fp8/layers.h): --check against
+// the double reference that emulates the recipe at N = 1, 2, 4, and the stage nearer to that
+// emulation than to the plain reference or another recipe's; the meshes whose shards would cut a
+// 128-block refused, and the cuda device refused; a step's bytes against the formula; the dumped
+// layer-0 weight codes and scales against common/lowp.h's quantizer applied to the dumped fp32
+// weights; the recipe in config.json; stage 07 under each recipe (its replicas' tokens, its bytes
+// against its dry run, its weights gathered as FP8); nvfp4's Hadamard transform.
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
