@@ -269,4 +269,38 @@ TPX_MOE_EP_INSTANTIATE(float)
 TPX_MOE_EP_INSTANTIATE(double)
 #undef TPX_MOE_EP_INSTANTIATE
 
+MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows, int r,
+                            std::int64_t experts, std::uint64_t row_bytes) {
+  using U = std::uint64_t;
+  const U N = rows.size(), E = U(experts);
+  require_formula(N >= 1 && r >= 0 && U(r) < N && E % N == 0,
+                  "an EP group of N >= 1 ranks, rank r in it, E a multiple of N");
+  U out_all = 0, out_away = 0, in_all = 0, in_away = 0;
+  for (U q = 0; q < N; ++q) {
+    require_formula(rows[q].size() == N, "rows is EP × EP");
+    out_all += rows[U(r)][q];
+    in_all += rows[q][U(r)];
+    if (q != U(r)) {
+      out_away += rows[U(r)][q];
+      in_away += rows[q][U(r)];
+    }
+  }
+  const U gather = N * (E + 1) * 4;  // every rank's counts per expert and its token count
+  const U exchange = (out_all + in_all) * row_bytes, away = (out_away + in_away) * row_bytes;
+  MoeEpTraffic t;
+  t.forward = {gather + 4 * E + exchange, gather * (N - 1) / N + 4 * (E - E / N) + away, 4};
+  t.backward = {exchange, away, 2};
+  return t;
+}
+
+std::vector<std::vector<std::uint64_t>> moe_balanced_rows(int ep, std::int64_t tokens_per_rank,
+                                                          std::int64_t topk) {
+  require_formula(
+      ep >= 1 && tokens_per_rank >= 0 && topk >= 1 && (tokens_per_rank * topk) % ep == 0,
+      "T_r · k a multiple of EP");
+  const auto each = std::uint64_t(tokens_per_rank * topk / ep);
+  return std::vector<std::vector<std::uint64_t>>(std::size_t(ep),
+                                                 std::vector<std::uint64_t>(std::size_t(ep), each));
+}
+
 }  // namespace tpx

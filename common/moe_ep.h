@@ -36,7 +36,8 @@
 // applied on the token's rank instead of inside the expert and the sums over ranks are in another
 // order (tests/test_moe_ep.cc: 1e-12 relative to the largest element).
 //
-// defines: tpx::moe_ep_check(), tpx::MoeEpForward, tpx::moe_ep_forward(), tpx::moe_ep_backward()
+// defines: tpx::moe_ep_check(), tpx::MoeEpForward, tpx::moe_ep_forward(), tpx::moe_ep_backward(),
+//          tpx::MoeEpTraffic, tpx::moe_ep_traffic(), tpx::moe_balanced_rows()
 #pragma once
 
 #include <cstdint>
@@ -44,6 +45,7 @@
 #include <vector>
 
 #include "common/moe.h"
+#include "common/traffic.h"
 
 namespace tpx {
 
@@ -88,5 +90,25 @@ template <class T>
 MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                             const MoeEpForward<T>& f, std::span<const T> dy, Communicator& ep,
                             const Stream& s);
+
+/// One rank's bytes and calls of an expert-parallel layer's forward and backward (the formula
+/// above, in the communicator's accounting).
+struct MoeEpTraffic {
+  Traffic forward, backward;
+};
+
+/// The formula for rank r of an EP group: rows[s][d] = n_{s→d}, the kept assignments of rank s's
+/// tokens to rank d's experts (EP × EP), `experts` = E, `row_bytes` = H · the element size.
+/// Forward: the all_gather of E + 1 i32 counts, the all_to_all_v of E i32, the dispatch of
+/// Σ_d n_{r→d} rows and the combine of Σ_s n_{s→r} rows (4 calls); backward: the same two row
+/// exchanges (2 calls). Bus bytes count what leaves the rank (d ≠ r, s ≠ r).
+MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows, int r,
+                            std::int64_t experts, std::uint64_t row_bytes);
+
+/// n_{s→d} under perfectly balanced, dropless routing (what a dry run assumes): each of the EP
+/// ranks' T_r tokens sends k rows, spread evenly over the EP ranks (T_r · k / EP each, which
+/// must divide).
+std::vector<std::vector<std::uint64_t>> moe_balanced_rows(int ep, std::int64_t tokens_per_rank,
+                                                          std::int64_t topk);
 
 }  // namespace tpx

@@ -206,30 +206,43 @@ void MoeEp::run(const Case& c) {
         ++nsd[std::size_t(q)][std::size_t(ref.routing.expert[std::size_t(a)] / El)];
   std::uint64_t my_drops = 0;
   for (I a = lo * k; a < hi * k; ++a) my_drops += ref.routing.kept[std::size_t(a)] ? 0 : 1;
-  std::uint64_t out_all = 0, out_away = 0, in_all = 0, in_away = 0;
-  for (int q = 0; q < n_; ++q) {
-    out_all += nsd[std::size_t(r_)][std::size_t(q)];
-    in_all += nsd[std::size_t(q)][std::size_t(r_)];
-    if (q != r_) {
-      out_away += nsd[std::size_t(r_)][std::size_t(q)];
-      in_away += nsd[std::size_t(q)][std::size_t(r_)];
-    }
-  }
+  std::uint64_t out_all = 0;
+  for (int q = 0; q < n_; ++q) out_all += nsd[std::size_t(r_)][std::size_t(q)];
   EXPECT_EQ(out_all, std::uint64_t(nt * k) - my_drops);
   EXPECT_EQ(f.send_rows, std::vector<I>(nsd[std::size_t(r_)].begin(), nsd[std::size_t(r_)].end()));
-  const std::uint64_t row = std::uint64_t(H) * sizeof(T), N = std::uint64_t(n_),
-                      Eu = std::uint64_t(E);
-  const std::uint64_t gather = N * (Eu + 1) * 4;  // the counts per expert and the tokens
-  EXPECT_EQ(fwd.calls, 4u);
-  EXPECT_EQ(fwd.payload_bytes, gather + 4 * Eu + (out_all + in_all) * row);
-  EXPECT_EQ(fwd.bus_bytes,
-            gather * (N - 1) / N + 4 * (Eu - std::uint64_t(El)) + (out_away + in_away) * row);
-  EXPECT_EQ(bwd.calls, 2u);
-  EXPECT_EQ(bwd.payload_bytes, (out_all + in_all) * row);
-  EXPECT_EQ(bwd.bus_bytes, (out_away + in_away) * row);
+  // The communicator's counts are moe_ep.h's formula (moe_ep_traffic) of these rows.
+  const MoeEpTraffic want = moe_ep_traffic(nsd, r_, E, std::uint64_t(H) * sizeof(T));
+  EXPECT_EQ(fwd.calls, want.forward.calls);
+  EXPECT_EQ(fwd.payload_bytes, want.forward.payload);
+  EXPECT_EQ(fwd.bus_bytes, want.forward.bus);
+  EXPECT_EQ(bwd.calls, want.backward.calls);
+  EXPECT_EQ(bwd.payload_bytes, want.backward.payload);
+  EXPECT_EQ(bwd.bus_bytes, want.backward.bus);
   std::size_t all_to_alls = 0;
   for (const auto& op : comm_->recorder().snapshot()) all_to_alls += op.op == CommOp::all_to_all;
   EXPECT_EQ(all_to_alls, 5u);
+}
+
+// moe_ep_traffic on rows worked out by hand: EP 2, rank 0 sends 3 rows to itself and 1 to rank
+// 1 and receives 2 from rank 1 (n = [[3, 1], [2, 4]]), E 4, rows of 8 bytes. Forward: the counts'
+// all_gather 2·(4 + 1)·4 = 40 bytes (bus 20), the counts' all_to_all 4·4 = 16 (bus 4·(4 − 2) =
+// 8), dispatch 4 rows out and combine 5 in, 72 bytes (bus: the 1 + 2 that cross, 24); backward
+// the two exchanges again. Balanced rows: T_r·k / EP each.
+TEST(MoeEpTraffic, TheFormulaOnRowsWorkedOutByHand) {
+  const std::vector<std::vector<std::uint64_t>> n{{3, 1}, {2, 4}};
+  const MoeEpTraffic t = moe_ep_traffic(n, 0, 4, 8);
+  EXPECT_EQ(t.forward.payload, 40u + 16u + 72u);
+  EXPECT_EQ(t.forward.bus, 20u + 8u + 24u);
+  EXPECT_EQ(t.forward.calls, 4u);
+  EXPECT_EQ(t.backward.payload, 72u);
+  EXPECT_EQ(t.backward.bus, 24u);
+  EXPECT_EQ(t.backward.calls, 2u);
+  const MoeEpTraffic other = moe_ep_traffic(n, 1, 4, 8);  // rank 1: 6 rows out, 5 in, 3 cross
+  EXPECT_EQ(other.backward.payload, 11u * 8u);
+  EXPECT_EQ(other.backward.bus, 3u * 8u);
+  EXPECT_EQ(moe_balanced_rows(2, 6, 2), (std::vector<std::vector<std::uint64_t>>{{6, 6}, {6, 6}}));
+  EXPECT_THROW(moe_balanced_rows(4, 3, 1), std::runtime_error);  // 3 rows over 4 ranks
+  EXPECT_THROW(moe_ep_traffic(n, 0, 3, 8), std::runtime_error);  // E not a multiple of EP
 }
 
 TEST_P(MoeEp, EqualsTheSingleProcessLayerOverAllTokens) {
