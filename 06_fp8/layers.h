@@ -103,9 +103,11 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   /// under nvfp4 (the weight-gradient GEMMs' operands); x itself under the other recipes.
   Tensor hadamard(const Tensor& x) const;
   /// nvfp4's tensor scales: the amax of each logical tensor x[i] of which the group's ranks
-  /// hold parts, agreed with one MAX all-reduce over the group ("<what> amax"). Under the other
-  /// recipes no scale spans a shard: nothing for each, and no communication.
-  std::vector<std::optional<float>> agreed_amax(std::span<const Tensor> x, std::string_view what);
+  /// hold parts, then of each hadamard(transformed[j]), agreed with one MAX all-reduce over the
+  /// group ("<what> amax"). Under the other recipes no scale spans a shard: nothing for each,
+  /// and no communication.
+  std::vector<std::optional<float>> agreed_amax(std::span<const Tensor> x, std::string_view what,
+                                                std::span<const Tensor> transformed = {});
   ColumnResult recipe_column_forward(const Tensor& h, std::span<const Tensor> w,
                                      std::string_view role);
   Tensor recipe_column_backward(const Tensor& saved, std::span<const Tensor> w,

@@ -116,15 +116,20 @@ void check_recipe_split(const BlockConfig& c, int world, lowp::Recipe recipe) {
 }
 
 std::vector<std::optional<float>> Fp8AsyncTp::agreed_amax(std::span<const Tensor> x,
-                                                          std::string_view what) {
-  std::vector<std::optional<float>> out(x.size());
-  if (recipe_ != lowp::Recipe::nvfp4 || x.empty()) return out;
-  const auto k = static_cast<std::int64_t>(x.size());
+                                                          std::string_view what,
+                                                          std::span<const Tensor> transformed) {
+  std::vector<std::optional<float>> out(x.size() + transformed.size());
+  if (recipe_ != lowp::Recipe::nvfp4 || out.empty()) return out;
+  const auto k = static_cast<std::int64_t>(out.size());
   const Tensor amax = Tensor::empty({k}, DType::f32, Device::cpu);
-  for (std::int64_t j = 0; j < k; ++j) {
-    const std::vector<float> v = host_values(x[std::size_t(j)]);
-    amax.f32()[std::size_t(j)] = lowp::block_amax(v.data(), 1, 0, std::int64_t(v.size()), 0, 1);
-  }
+  auto local = [](const Tensor& t) {
+    const std::vector<float> v = host_values(t);
+    return lowp::block_amax(v.data(), 1, 0, std::int64_t(v.size()), 0, 1);
+  };
+  for (std::size_t j = 0; j < x.size(); ++j) amax.f32()[j] = local(x[j]);
+  // One transformed copy at a time: each is gone before the next is made.
+  for (std::size_t j = 0; j < transformed.size(); ++j)
+    amax.f32()[x.size() + j] = local(hadamard(transformed[j]));
   group_.all_reduce_max(amax, fmt::format("{} amax", what));
   for (std::int64_t j = 0; j < k; ++j) out[std::size_t(j)] = amax.f32()[std::size_t(j)];
   return out;
@@ -247,16 +252,14 @@ Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const T
                                           std::string_view role) {
   using lowp::Operand;
   // The wgrad's gradients along the tokens: under nvfp4 after the Hadamard transform.
-  std::vector<Tensor> dyt;
-  for (const Tensor& g : dy) dyt.push_back(hadamard(g));
   // nvfp4: the gradients', the weights', the saved input's and the transformed gradients'
-  // amaxes, agreed in one all-reduce.
+  // amaxes (the wgrad's gradients, after the Hadamard transform), agreed in one all-reduce.
   const bool nvfp4 = recipe_ == lowp::Recipe::nvfp4;
   std::vector<Tensor> operands(dy.begin(), dy.end());
   operands.insert(operands.end(), w.begin(), w.end());
   operands.push_back(saved);
-  if (nvfp4) operands.insert(operands.end(), dyt.begin(), dyt.end());
-  const std::vector<std::optional<float>> amax = agreed_amax(operands, fmt::format("{} bwd", role));
+  const std::vector<std::optional<float>> amax =
+      agreed_amax(operands, fmt::format("{} bwd", role), nvfp4 ? dy : std::span<const Tensor>{});
   const std::size_t saved_amax = dy.size() + w.size(), transformed = saved_amax + 1;
   // dX = RS(Σ dy·Wᵀ), K = out/N: the gradient and the weight along their columns.
   std::vector<Tensor> dyq, wq;
@@ -271,14 +274,15 @@ Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const T
   // the tensor's).
   const Tensor h = gather_quantized(saved, Operand::activation, amax[saved_amax],
                                     fmt::format("{} re-gather", role));
-  weight_grads([this, h, amax, dyt, nvfp4, transformed, dw = std::vector(dw.begin(), dw.end()),
-                name = fmt::format("{} dW GEMMs", role)] {
+  weight_grads([this, h, amax, nvfp4, transformed, dy = std::vector(dy.begin(), dy.end()),
+                dw = std::vector(dw.begin(), dw.end()), name = fmt::format("{} dW GEMMs", role)] {
     TraceScope span(ring_.trace, name);
     const Tensor hq = emulate(hadamard(h), /*k_rows=*/true, Operand::activation, std::nullopt);
-    for (std::size_t j = 0; j < dyt.size(); ++j) {
+    for (std::size_t j = 0; j < dy.size(); ++j) {
       const std::optional<float> g_amax = nvfp4 ? amax[transformed + j] : std::nullopt;
-      ops::gemm(hq, true, emulate(dyt[j], /*k_rows=*/true, Operand::gradient, g_amax), false, dw[j],
-                1.0f, 0.0f, DType::f32);
+      // One statement each, so that the transformed copy is gone before the product.
+      const Tensor gq = emulate(hadamard(dy[j]), /*k_rows=*/true, Operand::gradient, g_amax);
+      ops::gemm(hq, true, gq, false, dw[j], 1.0f, 0.0f, DType::f32);
     }
   });
   return dx;
@@ -300,9 +304,10 @@ Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const T
   using lowp::Operand;
   // nvfp4: the gradient's shard's, the weight's and the wgrad input's amaxes (the input after
   // the Hadamard transform along the tokens), agreed in one all-reduce.
-  const Tensor at = hadamard(a);
+  const bool nvfp4 = recipe_ == lowp::Recipe::nvfp4;
   const std::vector<std::optional<float>> amax =
-      agreed_amax(std::array{dy, w, at}, fmt::format("{} bwd", role));
+      agreed_amax(std::array{dy, w}, fmt::format("{} bwd", role),
+                  nvfp4 ? std::span<const Tensor>(&a, 1) : std::span<const Tensor>{});
   // da = AG(dy)·Wᵀ, K = H: the gradient's shard gathered as FP8 codes and scales.
   const Tensor d = gather_quantized(dy, Operand::gradient, amax[0], fmt::format("{} bwd", role));
   const Tensor wq = emulate(w, /*k_rows=*/false, Operand::weight, amax[1]);
@@ -314,11 +319,13 @@ Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const T
   // dW = aᵀ·AG(dy), K = the tokens: both quantized again along the tokens, nvfp4's after the
   // Hadamard transform (the gathered gradient is whole on every rank; a is this rank's K shard of
   // the input, its amax the agreed one).
-  weight_grads([this, at, d, dw, a_amax = amax[2], name = fmt::format("{} dW GEMM", role)] {
+  weight_grads([this, a, d, dw, a_amax = nvfp4 ? amax[2] : std::optional<float>(),
+                name = fmt::format("{} dW GEMM", role)] {
     TraceScope span(ring_.trace, name);
-    ops::gemm(emulate(at, /*k_rows=*/true, Operand::activation, a_amax), true,
-              emulate(hadamard(d), /*k_rows=*/true, Operand::gradient, std::nullopt), false, dw,
-              1.0f, 0.0f, DType::f32);
+    // One statement each, so that each transformed copy is gone before the next is made.
+    const Tensor aq = emulate(hadamard(a), /*k_rows=*/true, Operand::activation, a_amax);
+    const Tensor dq = emulate(hadamard(d), /*k_rows=*/true, Operand::gradient, std::nullopt);
+    ops::gemm(aq, true, dq, false, dw, 1.0f, 0.0f, DType::f32);
   });
   return da;
 }
