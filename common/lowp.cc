@@ -70,10 +70,6 @@ float block_amax(const float* x, std::int64_t cols, std::int64_t r0, std::int64_
   return m;
 }
 
-float nvfp4_tensor_scale(float amax) {
-  return fp8::scale_from_amax(amax, kE2M1Max * fp8::max_normal(fp8::kE4M3));
-}
-
 Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe recipe,
                    Operand operand, std::optional<float> tensor_amax) {
   if (rows <= 0 || cols <= 0)

@@ -57,7 +57,7 @@
 //
 // defines: tpx::lowp::Recipe, Operand, ScaleFormat, Layout, Quantized, to_string,
 //          parse_recipe, layout, quantize, dequantize, emulate, block_amax, storage_bytes,
-//          kRhtSize, kRhtSigns, hadamard_rows, nvfp4_tensor_scale
+//          kRhtSize, kRhtSigns, hadamard_rows (nvfp4_tensor_scale: common/lowp_block.h)
 #pragma once
 
 #include <array>
@@ -106,10 +106,6 @@ struct Quantized {
 /// quiet NaN when the block holds a NaN, +inf when it holds an infinity (and no NaN).
 float block_amax(const float* x, std::int64_t cols, std::int64_t r0, std::int64_t r1,
                  std::int64_t c0, std::int64_t c1);
-
-/// nvfp4's per-tensor encode scale s_enc = (6 · 448) / amax_tensor, fp32 (fp8::scale_from_amax:
-/// amax 0, NaN or +inf give 1).
-float nvfp4_tensor_scale(float amax);
 
 /// Quantizes the row-major matrix x [rows, cols] (K along cols) as `recipe` quantizes an
 /// `operand`. rows and cols must be positive (else tpx::Error). `tensor_amax`: nvfp4's s_enc

@@ -14,7 +14,8 @@
 // each step one fp32 operation rounded to nearest (hd::), in the order written.
 //
 // defines: tpx::lowp::ScaleFormat, tpx::lowp::Layout, tpx::lowp::BlockScale, tpx::lowp::kE2M1Max,
-//          tpx::lowp::block_scale(), tpx::lowp::cast_element(), tpx::lowp::decode_element()
+//          tpx::lowp::nvfp4_tensor_scale(), tpx::lowp::block_scale(), tpx::lowp::cast_element(),
+//          tpx::lowp::decode_element()
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,12 @@ struct Layout {
 
 /// The largest E2M1 value, NVFP4's element fmax.
 inline constexpr float kE2M1Max = 6.0f;
+
+/// nvfp4's per-tensor encode scale s_enc = (6 · 448) / amax_tensor, fp32 (fp8::scale_from_amax:
+/// amax 0, NaN or +inf give 1).
+TPX_HD inline float nvfp4_tensor_scale(float amax) {
+  return fp8::scale_from_amax(amax, kE2M1Max * fp8::max_normal(fp8::kE4M3));
+}
 
 /// One block's scale: the fp32 scale (fp32 recipes) or the scale's code (E8M0, UE4M3).
 struct BlockScale {

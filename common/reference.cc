@@ -180,7 +180,8 @@ class RefBlock {
   }
 
   // An activation or its gradient as the stage stores it: rounded to bf16 under
-  // LowpEmulation::bf16_tokens (wherever the stage's block writes a tensor), else as it is.
+  // LowpEmulation::bf16_tokens (wherever the stage's block writes a tensor), else as it is. Every
+  // operand the GEMMs below receive has been stored so already.
   Vec stored(const Vec& m) const { return emul && emul->bf16_tokens ? bf16_rounded(m) : m; }
 
   // A token operand m [T, cols], K along its columns, under the recipe. nvfp4's tensor scale is
@@ -205,7 +206,7 @@ class RefBlock {
     if (!emul) return matmul(x, w, T, in, out);
     using lowp::Operand;
     const I parts = k_parts(row);
-    return matmul(q_tokens(stored(x), in, Operand::activation, parts),
+    return matmul(q_tokens(x, in, Operand::activation, parts),
                   q(w, in, out, true, Operand::weight, parts), T, in, out);
   }
   // dx = dy·Wᵀ: K = out, sharded in a column layer.
@@ -213,7 +214,7 @@ class RefBlock {
     if (!emul) return matmul_dx(dy, w, T, in, out);
     using lowp::Operand;
     const I parts = k_parts(!row);
-    return matmul_dx(q_tokens(stored(dy), out, Operand::gradient, parts),
+    return matmul_dx(q_tokens(dy, out, Operand::gradient, parts),
                      q(w, in, out, false, Operand::weight, parts), T, in, out);
   }
   // dW = xᵀ·dy: K = the tokens, whole on every rank. Under tensorwise both operands are the
@@ -228,8 +229,8 @@ class RefBlock {
     if (emul->recipe == lowp::Recipe::tensorwise)
       return matmul_dw(q(x, T, in, false, Operand::activation),
                        q(dy, T, out, false, Operand::gradient), T, in, out);
-    const Vec xs = row ? stored(x) : q_tokens(stored(x), in, Operand::activation, 1);
-    const Vec dys = row ? q_tokens(stored(dy), out, Operand::gradient, 1) : stored(dy);
+    const Vec xs = row ? x : q_tokens(x, in, Operand::activation, 1);
+    const Vec dys = row ? q_tokens(dy, out, Operand::gradient, 1) : dy;
     // Each data-parallel replica's tokens along the reduction, quantized apart; the sum of
     // the replicas' products.
     const I replicas = emul->replicas, tokens = T / replicas;
