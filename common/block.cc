@@ -62,7 +62,7 @@ std::size_t BlockActivations::bytes() const {
 }
 
 Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x, Parallelism& par,
-                     BlockActivations& sv, Trace& trace) {
+                     BlockActivations& sv, Trace& trace, MlpBranch* mlp) {
   sv.x = x;
 
   // Attention sub-block.
@@ -114,6 +114,13 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
     TraceScope op(trace, "rmsnorm 2 fwd");
     ops::rmsnorm_forward(sv.x2, p[Param::norm2], h2, sv.rstd2);
   }
+  if (mlp) {  // the stage's branch in place of the SwiGLU (stage 10's experts)
+    const Tensor branch = mlp->forward(h2, trace);
+    Tensor out = like(x);
+    TraceScope op(trace, "residual add 2 fwd");
+    ops::add(sv.x2, branch, out);
+    return out;
+  }
   const std::array gu_w{p[Param::w_gate], p[Param::w_up]};
   ColumnResult gu = par.column_forward(h2, gu_w, "gate/up");
   sv.h2_saved = gu.saved;
@@ -134,18 +141,28 @@ Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x
 }
 
 Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockActivations& sv,
-                      const Tensor& dout, Parallelism& par, LayerParams& grads, Trace& trace) {
-  // out = x2 + s·Wd: dout flows to x2 unchanged and through the MLP branch.
-  Tensor ds = par.row_backward(sv.s, p[Param::w_down], dout, grads[Param::w_down], "down");
-  Tensor dgate = like(sv.gate), dup = like(sv.up);
-  {
-    TraceScope op(trace, "swiglu bwd");
-    ops::swiglu_backward(ds, sv.gate, sv.up, dgate, dup);
+                      const Tensor& dout, Parallelism& par, LayerParams& grads, Trace& trace,
+                      MlpBranch* mlp) {
+  // out = x2 + s·Wd: dout flows to x2 unchanged and through the MLP branch (the SwiGLU, or a
+  // stage's branch in its place: stage 10's experts). The SwiGLU's gradients live to the end of
+  // the block's backward (what the memory estimate's largest temporaries count).
+  Tensor dh2, ds, dgate, dup;
+  if (mlp) {
+    dh2 = mlp->backward(dout, trace);
+    for (Param q : {Param::w_gate, Param::w_up, Param::w_down}) ops::fill(grads[q], 0.0f);
+  } else {
+    ds = par.row_backward(sv.s, p[Param::w_down], dout, grads[Param::w_down], "down");
+    dgate = like(sv.gate);
+    dup = like(sv.up);
+    {
+      TraceScope op(trace, "swiglu bwd");
+      ops::swiglu_backward(ds, sv.gate, sv.up, dgate, dup);
+    }
+    const std::array gu_w{p[Param::w_gate], p[Param::w_up]};
+    const std::array gu_dy{dgate, dup};
+    const std::array gu_dw{grads[Param::w_gate], grads[Param::w_up]};
+    dh2 = par.column_backward(sv.h2_saved, gu_w, gu_dy, gu_dw, "gate/up");
   }
-  const std::array gu_w{p[Param::w_gate], p[Param::w_up]};
-  const std::array gu_dy{dgate, dup};
-  const std::array gu_dw{grads[Param::w_gate], grads[Param::w_up]};
-  Tensor dh2 = par.column_backward(sv.h2_saved, gu_w, gu_dy, gu_dw, "gate/up");
   Tensor dx2 = like(dout);
   {
     TraceScope op(trace, "rmsnorm 2 bwd");

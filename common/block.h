@@ -18,6 +18,7 @@
 #include <cstddef>
 
 #include "config.h"
+#include "mlp_branch.h"
 #include "model.h"
 #include "parallel.h"
 #include "tensor.h"
@@ -54,18 +55,23 @@ struct BlockActivations {
 };
 
 /// Runs one block forward on this rank's part of x; fills `saved`, returns the block output.
-/// Each op outside the linear layers is a span on `trace`'s compute lane.
+/// Each op outside the linear layers is a span on `trace`'s compute lane. `mlp`: a branch in place
+/// of the SwiGLU (stage 10's experts; mlp_branch.h), which keeps its own state; p's w_gate,
+/// w_up and w_down are then not read.
 Tensor block_forward(const BlockConfig& c, const LayerParams& p, const Tensor& x, Parallelism& par,
-                     BlockActivations& saved, Trace& trace = Trace::off());
+                     BlockActivations& saved, Trace& trace = Trace::off(),
+                     MlpBranch* mlp = nullptr);
 
 /// Selective recompute: makes again what drop_cheap() released, from the kept x, x2, gate and
 /// up, with no communication (the stage remakes its kept GEMM inputs: Parallelism::column_saved).
 void block_refill(const LayerParams& p, Parallelism& par, BlockActivations& saved,
                   Trace& trace = Trace::off());
 
-/// Runs one block backward: writes every parameter gradient into `grads`, returns dL/dx.
+/// Runs one block backward: writes every parameter gradient into `grads`, returns dL/dx. With
+/// the forward's `mlp` branch, the branch's backward in place of the SwiGLU's, and zeros in
+/// grads' w_gate, w_up and w_down.
 Tensor block_backward(const BlockConfig& c, const LayerParams& p, const BlockActivations& saved,
                       const Tensor& dout, Parallelism& par, LayerParams& grads,
-                      Trace& trace = Trace::off());
+                      Trace& trace = Trace::off(), MlpBranch* mlp = nullptr);
 
 }  // namespace tpx

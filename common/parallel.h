@@ -24,6 +24,8 @@
 
 namespace tpx {
 
+class ExtraParameters;  // common/mlp_branch.h
+
 /// Outputs of a column-parallel group, plus the input copy backward needs (the stage decides:
 /// the local input, or the gathered one).
 struct ColumnResult {
@@ -290,6 +292,9 @@ class Parallelism {
   /// On rank 0: what else --dump writes, as (file name without .npy, host tensor), e.g. stage
   /// 06's FP8 operands (collective; called once, after the first forward and backward).
   virtual std::vector<std::pair<std::string, Tensor>> dump_extra() { return {}; }
+  /// What the stage trains beside the model's parameters (stage 10's experts: mlp_branch.h);
+  /// null for none.
+  virtual ExtraParameters* extra_parameters() { return nullptr; }
   /// Communication since the last call, and resets the counters.
   virtual CommStats take_comm_stats() { return {}; }
   /// Waits until all queued work on this rank is done (device sync; a no-op on the cpu).

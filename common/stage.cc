@@ -274,10 +274,15 @@ void write_dump(const fs::path& dir, const StageOptions& o, const std::string& s
   for (std::size_t l = 0; l < s.params.size(); ++l)
     for (Param p : kAllParams) {
       const auto i = static_cast<std::size_t>(p);
+      if (s.params[l][i].empty()) continue;  // a MoE layer's MLP: its experts are below
       const auto base = fmt::format("layers.{}.{}", l, param_name(p));
       write_npy(dir / (base + ".npy"), s.params[l][i], param_shape(p, c));
       write_npy(dir / (base + ".grad.npy"), s.grads[l][i], param_shape(p, c));
     }
+  for (const NamedArray<float>& t : s.extra_params)
+    write_npy(dir / (t.name + ".npy"), t.values, t.shape);
+  for (const NamedArray<float>& t : s.extra_grads)
+    write_npy(dir / (t.name + ".grad.npy"), t.values, t.shape);
   for (const auto& [name, t] : s.extra) {
     fs::create_directories((dir / name).parent_path());
     const fs::path path = dir / (name + ".npy");

@@ -191,6 +191,7 @@ double grad_norm(Parallelism& par, const Model& m, const Sharding& sh, Trace& tr
   {
     TraceScope op(trace, "grad norm");
     sq = grad_square_sum(m, sh);
+    if (const ExtraParameters* extra = par.extra_parameters()) sq += extra->grad_square_sum();
   }
   return std::sqrt(par.sum_over_ranks(sq));
 }
@@ -209,6 +210,7 @@ void finish_step(const BlockConfig& c, Parallelism& par, Model& m, Moments& mome
     TraceScope phase(trace, "update", Lane::phase);
     TraceScope scope(trace, std::string(optimizer_flag(c.optimizer)));
     update(c, m, moments, row.step + 1, copies, lm_copies);
+    if (ExtraParameters* extra = par.extra_parameters()) extra->update(row.step + 1);
     par.synchronize();
     ops::synchronize(c.device);
   }
@@ -246,6 +248,16 @@ void take_snapshot(const BlockConfig& c, Parallelism& par, const Model& m, const
     s.targets = batch.targets;
   }
   s.extra = par.dump_extra();
+  if (ExtraParameters* extra = par.extra_parameters()) {
+    extra->snapshot(s.extra_params, s.extra_grads);
+    // A layer whose MLP is the stage's branch has no dense SwiGLU to report.
+    for (std::size_t l = 0; l < s.params.size(); ++l)
+      if (extra->mlp(l))
+        for (Param p : {Param::w_gate, Param::w_up, Param::w_down}) {
+          s.params[l][std::size_t(p)].clear();
+          s.grads[l][std::size_t(p)].clear();
+        }
+  }
 }
 
 }  // namespace
@@ -267,6 +279,9 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
   const double count = double(c.seq) * double(c.batch) * double(c.hidden);
   const double positions = double(c.seq) * double(c.batch);
   std::vector<BlockActivations> acts(static_cast<std::size_t>(c.layers));
+  // Stage 10's experts: the layers whose MLP is the stage's branch (null: the SwiGLU).
+  ExtraParameters* const extra = par.extra_parameters();
+  auto mlp = [&](std::size_t l) { return extra ? extra->mlp(l) : nullptr; };
   // What layer l keeps between its forward and its backward (--recompute), and what it makes
   // again before its backward: the block's forward (full) or its cheap ops (selective).
   auto release = [&](std::size_t l) {
@@ -280,7 +295,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       // The block's forward again from its saved input, collectives included; its output is
       // the next block's input, which is already saved.
       TraceScope again(trace, "recompute", Lane::phase);
-      block_forward(c, w, acts[l].x, par, acts[l], trace);
+      block_forward(c, w, acts[l].x, par, acts[l], trace, mlp(l));
     } else if (c.recompute == Recompute::selective) {
       block_refill(w, par, acts[l], trace);
     }
@@ -289,7 +304,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     for (std::size_t l = 0; l < acts.size(); ++l) {
       const int next = l + 1 < acts.size() ? int(l + 1) : -1;
       const LayerParams w = par.layer_params(params, l, next);
-      y = block_forward(c, w, y, par, acts[l], trace);
+      y = block_forward(c, w, y, par, acts[l], trace, mlp(l));
       release(l);
       par.release_layer(l);
     }
@@ -354,6 +369,8 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     // makes again while that one block's backward runs.
     std::size_t saved = 0, one_block = 0;
     for (const auto& a : acts) saved += a.bytes();
+    for (std::size_t l = 0; l < acts.size(); ++l)
+      if (const MlpBranch* branch = mlp(l)) saved += branch->saved_bytes();
     Tensor dy;
     if (c.lm()) {
       TraceScope scope(trace, "loss", Lane::phase);
@@ -379,6 +396,9 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
       }
       row.loss = 0.5 * par.sum_over_ranks(mine) / count;
     }
+    // The branches' own losses (stage 10's auxiliary balance loss), whose gradients their
+    // backward adds.
+    if (extra) row.loss += par.sum_over_ranks(extra->loss_part());
     {
       TraceScope scope(trace, "backward", Lane::phase);
       for (std::size_t l = acts.size(); l-- > 0;) {
@@ -389,7 +409,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
         add(row.recompute_comm, par.take_comm_stats());
         one_block = std::max(one_block, acts[l].bytes() - kept);
         LayerParams g = par.layer_grads(l, m.grads[l]);
-        dy = block_backward(c, w, acts[l], dy, par, g, trace);
+        dy = block_backward(c, w, acts[l], dy, par, g, trace, mlp(l));
         par.grads_done(l, g, m.grads[l]);
         release(l);
         par.release_layer(l);
@@ -428,6 +448,7 @@ TrainResult train(const BlockConfig& c, Parallelism& par, bool snapshot, Trace& 
     if (on_row) on_row(row);
   }
   checkpoints.finish(result);
+  if (extra) result.extra = extra->summary();
   if (c.generate.tokens > 0 && result.diverged.empty()) {
     gather_model(c, par, m, /*grads=*/false, result.trained);  // not a step's: reporting
     par.take_comm_stats();
@@ -500,6 +521,7 @@ std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& r
   for (std::size_t l = 0; l < want.grads.size() && l < got.grads.size(); ++l)
     for (Param p : kAllParams) {
       const auto i = static_cast<std::size_t>(p);
+      if (want.grads[l][i].empty() && got.grads[l][i].empty()) continue;  // a MoE layer's MLP
       out.push_back(compare_grad(fmt::format("layers.{}.{}.grad", l, param_name(p)),
                                  got.grads[l][i], want.grads[l][i], tol));
     }
@@ -509,6 +531,19 @@ std::vector<CheckRow> compare(const Snapshot& got, const std::vector<StepRow>& r
     if (!want.lm_grads[i].empty() || !got.lm_grads[i].empty())
       out.push_back(compare_grad(fmt::format("{}.grad", kLmParamNames[i]), got.lm_grads[i],
                                  want.lm_grads[i], tol));
+  // Stage 10's experts, by name: every one the reference has, and none it lacks.
+  for (const NamedArray<double>& w : want.extra_grads) {
+    const auto it =
+        std::ranges::find_if(got.extra_grads, [&](const auto& g) { return g.name == w.name; });
+    out.push_back(compare_grad(w.name + ".grad",
+                               it == got.extra_grads.end() ? std::vector<float>{} : it->values,
+                               w.values, tol));
+  }
+  for (const NamedArray<float>& g : got.extra_grads)
+    if (std::ranges::none_of(want.extra_grads, [&](const auto& w) { return w.name == g.name; }))
+      out.push_back({.name = g.name + ".grad (not in the reference)",
+                     .max_abs = INFINITY,
+                     .max_rel = INFINITY});
   for (std::size_t s = 0; s < want.losses.size(); ++s) {
     const double g = s < rows.size() ? rows[s].loss : NAN;
     out.push_back(compare_one(fmt::format("loss after {} update{}", s, s == 1 ? "" : "s"),

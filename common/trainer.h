@@ -19,6 +19,7 @@
 
 #include "checkpoint.h"
 #include "config.h"
+#include "mlp_branch.h"
 #include "model.h"
 #include "parallel.h"
 #include "reference.h"
@@ -62,6 +63,10 @@ struct Snapshot {
   std::vector<std::array<std::vector<float>, kNumParams>> params, grads;  ///< [layer][param]
   double loss = 0;
   std::vector<std::pair<std::string, Tensor>> extra;  ///< Parallelism::dump_extra()
+  /// The stage's extra parameters and their gradients (ExtraParameters::snapshot(): stage 10's
+  /// experts). A layer whose MLP is such a branch has no dense w_gate, w_up, w_down: their
+  /// entries in params and grads are empty.
+  NamedValues extra_params, extra_grads;
 };
 
 struct TrainResult {
