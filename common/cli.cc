@@ -599,6 +599,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   for (const auto& group : o.flag_groups)
     if (auto error = group->check(app, o)) return refuse(*error);
   if (auto error = resolve_model(app, o)) return refuse(*error);
+  for (const auto& group : o.flag_groups) group->configure(o.config);
   if (o.config.lm()) {
     if (app.count("--lr") == 0) o.config.lr = kLmDefaultLr;
     if (auto error = resolve_token_source(o.config, app.count("--vocab") > 0))

@@ -48,6 +48,9 @@ class FlagGroup {
                                            const StageOptions& /*o*/) const {
     return std::nullopt;
   }
+  /// After check(): writes what the group's flags say of the model into the config (stage 10's
+  /// experts); nothing for a group whose flags only choose how the model is split.
+  virtual void configure(BlockConfig& /*c*/) const {}
   /// The group's flags as config_fields() lists them: every rank must give the same.
   virtual ConfigFields agreed() const = 0;
 };

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "moe.h"
 #include "tensor.h"
 
 namespace tpx {
@@ -85,6 +86,35 @@ struct CheckpointOptions {
 };
 
 /// Everything that defines a run of a stage. Defaults are the tutorial's default config.
+/// Stage 10's mixture of experts (DESIGN.md, "Experts (stage 10)"; common/moe.h holds the math):
+/// which layers' MLP is one, and its shape and rules. experts == 0: every MLP is the dense SwiGLU
+/// (every other stage). MoeFlags (common/moe_flags.h) fills it from the command line.
+struct MoeConfig {
+  std::int64_t experts = 0;     ///< E routed experts per MoE layer; 0: no MoE layer
+  std::int64_t topk = 1;        ///< K experts per token
+  std::int64_t expert_ffn = 0;  ///< FE, each expert's SwiGLU width
+  std::int64_t shared_ffn = 0;  ///< NS·FE, the shared experts side by side; 0: none
+  std::int64_t every = 1;       ///< layer l is a MoE layer when l % every == 0
+  MoeRouter router = MoeRouter::softmax;
+  double capacity_factor = 0.0;  ///< 0: dropless
+  double aux_loss_weight = 0.0;  ///< W of the auxiliary balance loss
+  double bias_rate = 0.0;  ///< > 0: auxiliary-loss-free balancing's bias step (--balance bias)
+
+  bool layer(std::int64_t l) const { return experts > 0 && l % every == 0; }
+  /// One MoE layer's shape over `tokens` tokens of hidden size `hidden`.
+  MoeShape shape(std::int64_t hidden, std::int64_t tokens) const {
+    return {.tokens = tokens,
+            .hidden = hidden,
+            .experts = experts,
+            .topk = topk,
+            .expert_ffn = expert_ffn,
+            .shared_ffn = shared_ffn,
+            .router = router,
+            .capacity_factor = capacity_factor,
+            .aux_loss_weight = aux_loss_weight};
+  }
+};
+
 struct BlockConfig {
   std::int64_t hidden = 256;  ///< H
   std::int64_t heads = 8;     ///< NH; head dim D = H / NH
@@ -133,6 +163,8 @@ struct BlockConfig {
   /// again in backward (the row and block recipes, 06_fp8/layers.h). No flag sets it: stage 06's
   /// memory dimension does, for the estimate (async_fp8::recipe_memory_dimension()).
   bool fp8_codes_kept = true;
+  /// Stage 10's experts (none elsewhere).
+  MoeConfig moe = {};
 
   std::int64_t head_dim() const { return hidden / heads; }
   std::int64_t kv_heads_or_heads() const { return kv_heads > 0 ? kv_heads : heads; }

@@ -45,6 +45,14 @@ std::vector<T> exchange(Communicator& ep, const std::vector<T>& send, I width,
   return recv;
 }
 
+/// Sums v over `comm`'s ranks in place (f32: the communicator sums no doubles).
+void all_reduce_values(Communicator& comm, std::vector<float>& v, const Stream& s) {
+  const Tensor t = Tensor::empty({I(v.size())}, DType::f32);
+  std::memcpy(t.raw(), v.data(), v.size() * sizeof(float));
+  comm.all_reduce(t, s);
+  std::memcpy(v.data(), t.raw(), v.size() * sizeof(float));
+}
+
 /// The rows of local expert le in the received buffer, in order (rank 0's first): their indices.
 std::vector<I> group_rows(std::span<const I> recv_counts, I n_ranks, I local, I le) {
   std::vector<I> rows;
@@ -68,10 +76,11 @@ void moe_ep_check(std::int64_t experts, int ep) {
 
 template <class T>
 MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
-                               std::span<const T> bias, Communicator& ep, const Stream& s) {
+                               std::span<const T> bias, Communicator& ep, const Stream& s,
+                               Communicator* token_group) {
   moe_ep_check(m.experts, ep.size());
   const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
-          SF = m.shared_ffn, N = ep.size(), r = ep.rank(), El = E / N;
+          SF = m.shared_ffn, N = ep.size(), El = E / N;
   TPX_CHECK(x.size() == at(n * H), "x of {}", x.size());
   TPX_CHECK(w.w_gate.size() == at(El * H * FE) && w.w_up.size() == at(El * H * FE) &&
                 w.w_down.size() == at(El * FE * H),
@@ -89,22 +98,25 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
   f.routing = moe_route<T>(local, f.logits, bias);
   MoeRouting<T>& rt = f.routing;
 
-  // 2. The capacity over all tokens: every rank's counts per expert, and its tokens.
+  // 2. The capacity over all tokens: every rank's counts per expert, and its tokens (over the
+  // token group, whose ranks in order hold the tokens in order).
+  Communicator& tg = token_group ? *token_group : ep;
+  const I NT = tg.size(), rt_rank = tg.rank();
   const Tensor mine = Tensor::empty({E + 1}, DType::i32),
-               all = Tensor::empty({N * (E + 1)}, DType::i32);
+               all = Tensor::empty({NT * (E + 1)}, DType::i32);
   for (I e = 0; e <= E; ++e) {
     const I c = e < E ? rt.routed_per_expert[at(e)] : n;
     TPX_CHECK(c <= std::numeric_limits<std::int32_t>::max(), "{} assignments", c);
     mine.data<std::int32_t>()[e] = static_cast<std::int32_t>(c);
   }
-  ep.all_gather(mine, all, s);
+  tg.all_gather(mine, all, s);
   std::vector<I> before(at(E), 0);  // the assignments to e of the ranks before this one
   f.routed_all.assign(at(E), 0);
-  for (I q = 0; q < N; ++q) {
+  for (I q = 0; q < NT; ++q) {
     const std::int32_t* c = all.data<std::int32_t>() + q * (E + 1);
     for (I e = 0; e < E; ++e) {
       f.routed_all[at(e)] += c[e];
-      if (q < r) before[at(e)] += c[e];
+      if (q < rt_rank) before[at(e)] += c[e];
     }
     f.tokens_all += c[E];
   }
@@ -185,7 +197,7 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
 template <class T>
 MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                             const MoeEpForward<T>& f, std::span<const T> dy, Communicator& ep,
-                            const Stream& s) {
+                            const Stream& s, Communicator* tp) {
   moe_ep_check(m.experts, ep.size());
   const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
           SF = m.shared_ffn, N = ep.size(), El = E / N;
@@ -227,14 +239,12 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
   std::vector<I> row_of(at(n * k), -1);
   for (std::size_t i = 0; i < f.sent.size(); ++i) row_of[at(f.sent[i])] = I(i);
   const std::vector<T> dP = moe_aux_grad<T>(m, f.routed_all, f.tokens_all);
-  std::vector<T> dweight(at(k));
+  std::vector<T> dweight(at(n * k), T(0));
   for (I t = 0; t < n; ++t) {
-    const T* xt = x.data() + t * H;
     const T* dyt = dy.data() + t * H;
     T* dxt = g.x.data() + t * H;
     for (I j = 0; j < k; ++j) {
       const I a = t * k + j;
-      dweight[at(j)] = 0;
       if (!rt.kept[at(a)]) continue;
       const I row = row_of[at(a)];
       const T* o = f.out.data() + row * H;
@@ -244,27 +254,42 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
         da += dyt[h] * o[h];
         dxt[h] += d[h];
       }
-      dweight[at(j)] = da;
+      dweight[at(a)] = da;
     }
     if (SF > 0)
-      moe_swiglu_backward(xt, w.shared_gate.data(), w.shared_up.data(), w.shared_down.data(), H, SF,
-                          T(1), f.shared_gate.data() + t * SF, f.shared_up.data() + t * SF, dyt,
-                          g.w.shared_gate.data(), g.w.shared_up.data(), g.w.shared_down.data(),
-                          dxt);
-    moe_router_backward<T>(m, w.router, xt, rt.score.data() + t * E, rt.expert.data() + t * k,
-                           rt.weight.data() + t * k, dweight.data(), dP, f.tokens_all, dxt,
-                           g.w.router.data());
+      moe_swiglu_backward(x.data() + t * H, w.shared_gate.data(), w.shared_up.data(),
+                          w.shared_down.data(), H, SF, T(1), f.shared_gate.data() + t * SF,
+                          f.shared_up.data() + t * SF, dyt, g.w.shared_gate.data(),
+                          g.w.shared_up.data(), g.w.shared_down.data(), dxt);
+  }
+  // Experts cut over a TP group: each rank's outputs are its part of the width, so a gate
+  // weight's gradient dy·out_j is the sum of the ranks' parts. The router's gradient is then the
+  // same on every rank; its part of dx is added on the group's rank 0 alone (the caller sums
+  // dx over the group).
+  if (tp && tp->size() > 1) {
+    if constexpr (std::is_same_v<T, float>)
+      all_reduce_values(*tp, dweight, s);
+    else
+      TPX_CHECK(false, "experts cut over a TP group run in float");
+  }
+  std::vector<T> scratch(at(H));
+  const bool router_dx = !tp || tp->rank() == 0;
+  for (I t = 0; t < n; ++t) {
+    T* dxt = router_dx ? g.x.data() + t * H : scratch.data();
+    moe_router_backward<T>(m, w.router, x.data() + t * H, rt.score.data() + t * E,
+                           rt.expert.data() + t * k, rt.weight.data() + t * k,
+                           dweight.data() + t * k, dP, f.tokens_all, dxt, g.w.router.data());
   }
   return g;
 }
 
-#define TPX_MOE_EP_INSTANTIATE(T)                                                     \
-  template MoeEpForward<T> moe_ep_forward<T>(const MoeShape&, const MoeWeights<T>&,   \
-                                             std::span<const T>, std::span<const T>,  \
-                                             Communicator&, const Stream&);           \
-  template MoeGrads<T> moe_ep_backward<T>(const MoeShape&, const MoeWeights<T>&,      \
-                                          std::span<const T>, const MoeEpForward<T>&, \
-                                          std::span<const T>, Communicator&, const Stream&);
+#define TPX_MOE_EP_INSTANTIATE(T)                                                          \
+  template MoeEpForward<T> moe_ep_forward<T>(const MoeShape&, const MoeWeights<T>&,        \
+                                             std::span<const T>, std::span<const T>,       \
+                                             Communicator&, const Stream&, Communicator*); \
+  template MoeGrads<T> moe_ep_backward<T>(                                                 \
+      const MoeShape&, const MoeWeights<T>&, std::span<const T>, const MoeEpForward<T>&,   \
+      std::span<const T>, Communicator&, const Stream&, Communicator*);
 TPX_MOE_EP_INSTANTIATE(float)
 TPX_MOE_EP_INSTANTIATE(double)
 #undef TPX_MOE_EP_INSTANTIATE

@@ -79,17 +79,26 @@ struct MoeEpForward {
 /// Forward of this rank's tokens x [m.tokens = T_r, H]. w: the router [H, E], this rank's E/EP
 /// experts ([E/EP, H, FE], [E/EP, FE, H]) and the shared experts; bias [E] or empty. Collective
 /// over `ep` (EP = ep.size()); E not divisible by EP is refused (moe_ep_check) before any
-/// communication.
+/// communication. `token_group`: the ranks whose tokens, in rank order, the capacity and the
+/// auxiliary loss run over (step 2 above: its all_gather of the counts), a group that holds
+/// several EP groups (stage 10's data-parallel ranks); null: `ep` itself.
 template <class T>
 MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
-                               std::span<const T> bias, Communicator& ep, const Stream& s);
+                               std::span<const T> bias, Communicator& ep, const Stream& s,
+                               Communicator* token_group = nullptr);
 
 /// Backward for dy [T_r, H]: dx of this rank's tokens, this rank's experts' gradients (complete),
 /// and this rank's part of the router's and shared experts' gradients (they sum over the ranks).
+/// `tp`: the experts' width (FE and SF) is cut over this TP group, every rank of it holding the
+/// same tokens, routing and dy, its own columns of w_gate and w_up and rows of w_down (expert
+/// tensor parallelism, as Megatron-LM's): the gate weights' gradients are summed over it (one
+/// all-reduce of T_r·K values; float only), the router's gradient is then the same on every
+/// rank, and dx is each rank's part (the router's part on rank 0 of the group alone), to be
+/// summed over the group by the caller.
 template <class T>
 MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                             const MoeEpForward<T>& f, std::span<const T> dy, Communicator& ep,
-                            const Stream& s);
+                            const Stream& s, Communicator* tp = nullptr);
 
 /// One rank's bytes and calls of an expert-parallel layer's forward and backward (the formula
 /// above, in the communicator's accounting).

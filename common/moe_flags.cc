@@ -122,7 +122,8 @@ void MoeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
       ->capture_default_str()
       ->group(kGroup);
   add_count(app, "--ep", ep,
-            "EP, the expert-parallel degree: each EP rank holds E/EP whole experts", "1")
+            "EP, the expert-parallel degree: each EP rank holds E/EP whole experts",
+            "every data-parallel rank")
       ->type_name("EP")
       ->group("Mesh");
 }
@@ -141,7 +142,21 @@ std::optional<std::string> MoeFlags::check(const CLI::App& /*app*/,
         "--topk ({}) must be at most --experts ({}): each token is routed to K "
         "different experts",
         topk, experts);
+  if (ep == 0) return std::nullopt;  // not given: the stage's data-parallel ranks (checked there)
   return moe_ep_problem(experts, ep);
+}
+
+void MoeFlags::configure(BlockConfig& c) const {
+  const MoeShape m = shape(c, 0);
+  c.moe = {.experts = m.experts,
+           .topk = m.topk,
+           .expert_ffn = m.expert_ffn,
+           .shared_ffn = m.shared_ffn,
+           .every = moe_every,
+           .router = m.router,
+           .capacity_factor = m.capacity_factor,
+           .aux_loss_weight = m.aux_loss_weight,
+           .bias_rate = balance() == MoeBalance::bias ? kMoeBiasRate : 0.0};
 }
 
 ConfigFields MoeFlags::agreed() const {

@@ -45,7 +45,9 @@ class MoeFlags : public FlagGroup {
   double capacity_factor = 0.0;           ///< --capacity-factor C; 0 (the default): dropless
   std::optional<double> aux_loss_weight;  ///< --aux-loss-weight W as given
   std::string balance_word = "aux";       ///< --balance as given
-  int ep = 1;                             ///< --ep EP, the expert-parallel degree
+  /// --ep EP, the expert-parallel degree; 0 (not given): stage 10 spreads the experts over all
+  /// of its data-parallel ranks
+  int ep = 0;
 
   MoeRouter router() const;
   MoeBalance balance() const;
@@ -61,6 +63,8 @@ class MoeFlags : public FlagGroup {
   static std::shared_ptr<FlagGroup> make() { return std::make_shared<MoeFlags>(); }
   void add_flags(CLI::App& app, MeshFlag newest) override;
   std::optional<std::string> check(const CLI::App& app, const StageOptions& o) const override;
+  /// c.moe: every layer's MoE (as moe_layer() says) of shape(), and --balance bias's rate.
+  void configure(BlockConfig& c) const override;
   ConfigFields agreed() const override;
 };
 

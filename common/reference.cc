@@ -10,6 +10,8 @@
 
 #include "data.h"
 #include "init.h"
+#include "moe.h"
+#include "moe_model.h"
 
 namespace tpx {
 namespace {
@@ -106,6 +108,15 @@ Vec rmsnorm_back(const Vec& dy, const Vec& x, const Vec& g, const Vec& rstd, I r
 // What a layer's forward keeps for its backward.
 struct Layer {
   Vec x, rstd1, h, q, k, v, p, a, x2, rstd2, h2, gt, up, s;
+  Vec moe_x;  // a MoE layer's h2 in sequence order
+  MoeForward<double> moe;
+};
+
+// A MoE layer's parameters, their balancing bias and (after backward) their gradients.
+struct RefMoe {
+  MoeWeights<double> w;
+  Vec bias;
+  MoeGrads<double> g;
 };
 
 using Params = std::array<Vec, kNumParams>;
@@ -138,25 +149,27 @@ class RefBlock {
         KV(NKV * D),
         F(c.ffn),
         T(S * B),
-        theta(c.rope_theta) {}
+        theta(c.rope_theta),
+        moe_shape(c.moe.shape(c.hidden, c.seq * c.batch)) {}
   RefBlock(const BlockConfig& c, const std::optional<LowpEmulation>& emulate) : RefBlock(c) {
     emul = emulate;
   }
 
-  // Returns out; fills the saved layer state.
-  Vec forward(const Params& w, const Vec& x, Layer& saved) const {
+  // Returns out; fills the saved layer state. `moe`: the layer's experts, or null (dense).
+  Vec forward(const Params& w, const Vec& x, Layer& saved, const RefMoe* moe = nullptr) const {
     saved.x = stored(x);
     const Vec o = attention_forward(w, saved);
     saved.x2 = saved.x;
     add_into(saved.x2, o);
     saved.x2 = stored(saved.x2);
-    return mlp_forward(w, saved);
+    return moe ? moe_forward_half(w, *moe, saved) : mlp_forward(w, saved);
   }
 
-  // Returns dx; writes every weight gradient into dw.
-  Vec backward(const Params& w, const Layer& saved, const Vec& dout_given, Params& dw) const {
+  // Returns dx; writes every weight gradient into dw (and a MoE layer's into moe->g).
+  Vec backward(const Params& w, const Layer& saved, const Vec& dout_given, Params& dw,
+               RefMoe* moe = nullptr) const {
     const Vec dout = stored(dout_given);
-    Vec dx2 = mlp_backward(w, saved, dout, dw);
+    Vec dx2 = moe ? moe_backward_half(w, *moe, saved, dout, dw) : mlp_backward(w, saved, dout, dw);
     add_into(dx2, dout);
     dx2 = stored(dx2);
     Vec dx = attention_backward(w, saved, dx2, dw);
@@ -343,6 +356,31 @@ class RefBlock {
                                param(dw, Param::norm2)));
   }
 
+  // Stage 10's MLP half: norm2, then the mixture of experts over the step's tokens in sequence
+  // order (common/moe_model.h); returns x2 + its output.
+  Vec moe_forward_half(const Params& w, const RefMoe& moe, Layer& saved) const {
+    Norm n2 = rmsnorm(saved.x2, param(w, Param::norm2), T, H);
+    saved.h2 = n2.y;
+    saved.rstd2 = n2.rstd;
+    saved.moe_x = to_sequence_major(saved.h2.data(), S, B, H);
+    saved.moe = moe_forward<double>(moe_shape, moe.w, saved.moe_x, moe.bias);
+    Vec out = from_sequence_major(saved.moe.y.data(), S, B, H);
+    add_into(out, saved.x2);
+    return out;
+  }
+
+  // Its backward: the experts' gradients (the auxiliary loss's included) into moe.g, norm2's
+  // into dw; the layer has no dense w_gate, w_up, w_down (their entries stay empty).
+  Vec moe_backward_half(const Params& w, RefMoe& moe, const Layer& saved, const Vec& dout,
+                        Params& dw) const {
+    const Vec dy = to_sequence_major(dout.data(), S, B, H);
+    moe.g = moe_backward<double>(moe_shape, moe.w, saved.moe_x, saved.moe, dy);
+    const Vec dh2 = from_sequence_major(moe.g.x.data(), S, B, H);
+    param(dw, Param::norm2).assign(static_cast<std::size_t>(H), 0.0);
+    return rmsnorm_back(dh2, saved.x2, param(w, Param::norm2), saved.rstd2, T, H,
+                        param(dw, Param::norm2));
+  }
+
   // The attention half's backward from dx2: the gradients of Wo, Wq, Wk, Wv and norm1; returns
   // the gradient that reaches x through norm1 (the residual's dx2 is the caller's).
   Vec attention_backward(const Params& w, const Layer& saved, const Vec& dx2, Params& dw) const {
@@ -428,6 +466,7 @@ class RefBlock {
 
   I S, B, H, NH, NKV, D, KV, F, T;
   double theta;
+  MoeShape moe_shape;  // stage 10's MoE layers, over all T tokens
   std::optional<LowpEmulation> emul;
 };
 
@@ -511,7 +550,7 @@ void sgd_update(const BlockConfig& c, const std::vector<Params>& grads,
                 std::vector<Params>& params) {
   for (std::size_t l = 0; l < params.size(); ++l)
     for (std::size_t p = 0; p < kNumParams; ++p)
-      for (std::size_t i = 0; i < params[l][p].size(); ++i)
+      for (std::size_t i = 0; i < grads[l][p].size(); ++i)  // none: a MoE layer's dense MLP
         params[l][p][i] -= c.lr * grads[l][p][i];
 }
 
@@ -538,7 +577,7 @@ void adamw_update(const BlockConfig& c, int step, const std::vector<Params>& gra
   for (std::size_t l = 0; l < params.size(); ++l)
     for (std::size_t p = 0; p < kNumParams; ++p) {
       const bool gain = param_split(kAllParams[p]) == Split::replicated;
-      for (std::size_t i = 0; i < params[l][p].size(); ++i) {
+      for (std::size_t i = 0; i < grads[l][p].size(); ++i) {  // none: a MoE layer's dense MLP
         const double grad = grads[l][p][i];
         double& m1 = adam.moment1[l][p][i];
         double& m2 = adam.moment2[l][p][i];
@@ -576,6 +615,39 @@ void update_lm(const BlockConfig& c, int step, const std::array<Vec, kLmParams>&
       if (kLmSplits[p] != Split::replicated) w -= c.lr * c.weight_decay * w;
       w -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
     }
+}
+
+// A MoE layer's tensors after a step: SGD or AdamW (every one a matrix: decayed), their moments
+// in `moments` (made on the first call), then the balancing bias moved from the step's counts
+// over all tokens (moe_update_bias; not a gradient).
+void update_moe(const BlockConfig& c, int step, RefMoe& moe, const MoeRouting<double>& routing,
+                std::vector<Vec>& moments) {
+  const std::array<Vec*, 7> w = {&moe.w.router,     &moe.w.w_gate,      &moe.w.w_up,
+                                 &moe.w.w_down,     &moe.w.shared_gate, &moe.w.shared_up,
+                                 &moe.w.shared_down};
+  const std::array<const Vec*, 7> g = {
+      &moe.g.w.router,      &moe.g.w.w_gate,    &moe.g.w.w_up,       &moe.g.w.w_down,
+      &moe.g.w.shared_gate, &moe.g.w.shared_up, &moe.g.w.shared_down};
+  if (moments.empty())
+    for (const Vec* t : w) moments.insert(moments.end(), 2, Vec(t->size(), 0.0));
+  const double t = double(step + 1);
+  const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
+  for (std::size_t p = 0; p < w.size(); ++p)
+    for (std::size_t i = 0; i < w[p]->size(); ++i) {
+      double& x = (*w[p])[i];
+      const double grad = (*g[p])[i];
+      if (c.optimizer == Optimizer::sgd) {
+        x -= c.lr * grad;
+        continue;
+      }
+      double &m1 = moments[2 * p][i], &m2 = moments[2 * p + 1][i];
+      m1 = c.beta1 * m1 + (1.0 - c.beta1) * grad;
+      m2 = c.beta2 * m2 + (1.0 - c.beta2) * grad * grad;
+      x -= c.lr * c.weight_decay * x;
+      x -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
+    }
+  if (c.moe.bias_rate > 0)
+    moe_update_bias<double>(moe.bias, routing.routed_per_expert, c.moe.bias_rate);
 }
 
 }  // namespace
@@ -622,6 +694,15 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
   RefLm lm{c.seq * c.batch, c.hidden, c.vocab, {}, {}, {}, {}, {}, lowp && lowp->bf16_tokens};
   const std::optional<TokenStream> stream =
       c.lm() ? std::optional<TokenStream>(std::in_place, c) : std::nullopt;
+  // Stage 10's MoE layers: each one's experts, bias and AdamW moments.
+  std::vector<std::optional<RefMoe>> moe(saved.size());
+  std::vector<std::vector<Vec>> moe_moments(saved.size());
+  for (std::size_t l = 0; l < moe.size(); ++l)
+    if (c.moe.layer(I(l)))
+      moe[l] = RefMoe{.w = moe_init<double>(c, I(l), 0, c.moe.experts),
+                      .bias = Vec(static_cast<std::size_t>(c.moe.experts), 0.0),
+                      .g = {}};
+  auto moe_of = [&](std::size_t l) { return moe[l] ? &*moe[l] : nullptr; };
   for (int step = 0; step < steps; ++step) {
     Vec out;
     if (stream) {
@@ -632,26 +713,36 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
     } else {
       out = state.input;
     }
-    for (std::size_t l = 0; l < saved.size(); ++l) out = block.forward(params[l], out, saved[l]);
+    for (std::size_t l = 0; l < saved.size(); ++l)
+      out = block.forward(params[l], out, saved[l], moe_of(l));
     Vec dout;
     std::array<Vec, kLmParams> lm_grads;
-    run.losses.push_back(stream ? lm.head(state.lm, out, dout, lm_grads)
-                                : mse_loss(out, state.target, dout));
+    double loss =
+        stream ? lm.head(state.lm, out, dout, lm_grads) : mse_loss(out, state.target, dout);
+    for (std::size_t l = 0; l < saved.size(); ++l)
+      if (moe[l]) loss += saved[l].moe.aux_loss;  // its gradient is moe_backward's own
+    run.losses.push_back(loss);
     std::vector<Params> grads(saved.size());
     for (std::size_t l = saved.size(); l-- > 0;)
-      dout = block.backward(params[l], saved[l], dout, grads[l]);
+      dout = block.backward(params[l], saved[l], dout, grads[l], moe_of(l));
     if (stream) lm_grads[0] = lm.embed_back(dout);
     if (step == 0) {
       run.output = out;
       run.input_grad = dout;
       run.grads = grads;
       if (stream) run.lm_grads = lm_grads;
+      for (std::size_t l = 0; l < moe.size(); ++l)
+        if (moe[l])
+          for (NamedArray<double>& named : moe_named(c.moe, moe[l]->g.w, I(l), 0))
+            run.extra_grads.push_back(std::move(named));
     }
     if (c.optimizer == Optimizer::sgd)
       sgd_update(c, grads, params);
     else
       adamw_update(c, step, grads, params, adam);
     if (stream) update_lm(c, step, lm_grads, state.lm, adam);
+    for (std::size_t l = 0; l < moe.size(); ++l)
+      if (moe[l]) update_moe(c, step, *moe[l], saved[l].moe.routing, moe_moments[l]);
   }
   return run;
 }

@@ -8,6 +8,10 @@
 // format, the same blocks along the same reduction dimension), are dequantized, and multiplied
 // in double. Everything between the GEMMs, and the language model's output layer, stays in double.
 //
+// Under c.moe (stage 10) the layers it names have the mixture of experts of common/moe.h as their
+// MLP, in double over all the step's tokens in sequence order (common/moe_model.h), the auxiliary
+// loss added to the loss and the balancing bias moved after each step.
+//
 // defines: tpx::ReferenceRun, tpx::ReferenceState, tpx::LowpEmulation, tpx::reference_init(),
 //          tpx::reference_run(), tpx::reference_run_lowp(), tpx::reference_run_from()
 #pragma once
@@ -19,6 +23,7 @@
 #include "config.h"
 #include "lowp.h"
 #include "model.h"
+#include "named.h"
 
 namespace tpx {
 
@@ -31,6 +36,10 @@ struct ReferenceRun {
   std::array<std::vector<double>, kLmParams> lm_grads;
   /// losses[i]: the loss after i SGD updates.
   std::vector<double> losses;
+  /// Stage 10: the MoE layers' parameter gradients from the first step, under
+  /// moe_tensor_names() (common/moe_model.h). A MoE layer's dense w_gate, w_up and w_down do not
+  /// exist: their entries in `grads` are empty.
+  std::vector<NamedArray<double>> extra_grads;
 };
 
 /// A starting point of the reference: input, target and every layer's parameters (unsharded).

@@ -347,7 +347,12 @@ TEST(MoeFlags, DefaultsAndGivenValues) {
             10);
   EXPECT_EQ(m.aux_loss_weight, kMoeAuxLossWeight);
   EXPECT_EQ(d.balance(), MoeBalance::aux);
-  EXPECT_EQ(d.ep, 1);
+  EXPECT_EQ(d.ep, 0);  // not given: the stage's data-parallel ranks
+  // The model's config carries the experts (what --check's reference builds).
+  EXPECT_EQ(none.options->config.moe.experts, 8);
+  EXPECT_EQ(none.options->config.moe.expert_ffn, 96);
+  EXPECT_EQ(none.options->config.moe.bias_rate, 0.0);
+  EXPECT_TRUE(none.options->config.moe.layer(2));
   EXPECT_TRUE(d.moe_layer(0));
   EXPECT_TRUE(d.moe_layer(1));
 
@@ -370,6 +375,9 @@ TEST(MoeFlags, DefaultsAndGivenValues) {
   EXPECT_TRUE(g.moe_layer(0));
   EXPECT_FALSE(g.moe_layer(1));
   EXPECT_TRUE(g.moe_layer(2));
+  EXPECT_FALSE(given.options->config.moe.layer(1));
+  EXPECT_EQ(given.options->config.moe.shared_ffn, 48);
+  EXPECT_EQ(given.options->config.moe.bias_rate, kMoeBiasRate);
   // A weight given is used under either balance rule, 0 included.
   const CliOutcome w = parse_moe({"--balance", "bias", "--aux-loss-weight", "0.001"});
   ASSERT_TRUE(w.options.has_value()) << w.message;
