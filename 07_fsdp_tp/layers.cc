@@ -549,10 +549,6 @@ void FsdpTp::synchronize() {
   reduce_lane_.synchronize();
 }
 
-namespace {
-
-/// The mesh of ctx's job (--dp, default_dp()), once D divides B and T divides what tensor
-/// parallelism splits (ConfigError, one line on every rank). Collective.
 Mesh make_mesh(const RunContext& ctx) {
   const BlockConfig& c = ctx.options.config;
   const int dp = default_dp(ctx.options.flags<DataParallelFlags>().dp, ctx.world);
@@ -567,8 +563,6 @@ Mesh make_mesh(const RunContext& ctx) {
   check_tp_split(c, mesh.tp, /*sequence=*/true);
   return mesh;
 }
-
-}  // namespace
 
 std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx) {
   return std::make_unique<FsdpTp>(ctx, make_mesh(ctx));

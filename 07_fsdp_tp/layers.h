@@ -20,7 +20,7 @@
 //               (the output layer's bf16 compute copy under --dtype bf16), their gradients
 //               reduce-scattered as soon as each end's backward is done
 //
-// defines: tpx::fsdp::FlatLayout, tpx::fsdp::flat_layout(), tpx::fsdp::FsdpTp,
+// defines: tpx::fsdp::FlatLayout, tpx::fsdp::flat_layout(), tpx::fsdp::FsdpTp, tpx::fsdp::make_mesh(),
 //          tpx::fsdp::make_fsdp_tp(), tpx::fsdp::plan_fsdp_tp()
 #pragma once
 
@@ -66,7 +66,7 @@ struct FlatLayout {
 /// The layout of a unit whose TP-local tensors have the shapes of `tp_local`, over D ranks.
 FlatLayout flat_layout(std::span<const Tensor> tp_local, int d);
 
-class FsdpTp final : public Parallelism {
+class FsdpTp : public Parallelism {
  public:
   /// `mesh` has been made (collectively) for ctx's job; ctx.options.config is the global config.
   FsdpTp(const RunContext& ctx, Mesh mesh);
@@ -208,6 +208,9 @@ class FsdpTp final : public Parallelism {
 
 /// The stage's factory: lays out the mesh (--dp, default_dp()), checks that D divides B and T
 /// divides what tensor parallelism splits (ConfigError, one line on every rank), then builds.
+/// The mesh of ctx's job (--dp, default_dp()), once D divides B and T divides what tensor
+/// parallelism splits (ConfigError, one line on every rank). Collective.
+Mesh make_mesh(const RunContext& ctx);
 std::unique_ptr<Parallelism> make_fsdp_tp(const RunContext& ctx);
 
 /// --dry-run's plan: the same mesh and checks as make_fsdp_tp, stage 05's bytes on B / D over

@@ -2,7 +2,7 @@
 # Fails (listing the files) if any C++/CUDA source differs from what .clang-format produces.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mapfile -t files < <(find common tools tests bench 0[1-9]_* -type f \
+mapfile -t files < <(find common tools tests bench 0[1-9]_* [1-9][0-9]_* -type f \
   \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null | sort)
 # One clang-format for every file (it goes on past a file that differs, naming each difference
 # "FILE:LINE:COL: error: code should be clang-formatted").

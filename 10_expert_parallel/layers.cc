@@ -1,0 +1,450 @@
+// Stage 10's experts beside stage 07's FSDP: one MlpBranch per MoE layer over the EP group, and
+// what the training loop does with their parameters (layers.h).
+#include "10_expert_parallel/layers.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "07_fsdp_tp/flags.h"
+#include "common/check.h"
+#include "common/comm/communicator.h"
+#include "common/moe_ep.h"
+#include "common/moe_flags.h"
+#include "common/moe_model.h"
+#include "common/stream.h"
+
+namespace tpx::ep {
+namespace {
+
+using I = std::int64_t;
+
+/// A MoE layer's seven tensors, in MoeWeights' order (the shared ones empty without them).
+template <class W>
+auto tensors(W& w) {
+  return std::array{&w.router,      &w.w_gate,    &w.w_up,       &w.w_down,
+                    &w.shared_gate, &w.shared_up, &w.shared_down};
+}
+
+Tensor host_tensor(const std::vector<float>& v, Tensor::Shape shape) {
+  Tensor t = Tensor::empty(std::move(shape), DType::f32, Device::cpu);
+  std::memcpy(t.raw(), v.data(), v.size() * sizeof(float));
+  return t;
+}
+
+/// Sums v over `comm`'s ranks in place (a gradient's all-reduce, counted in the step's traffic).
+void all_reduce(Communicator& comm, std::vector<float>& v, const Stream& s) {
+  if (v.empty() || comm.size() == 1) return;
+  const Tensor t = host_tensor(v, {I(v.size())});
+  comm.all_reduce(t, s);
+  std::memcpy(v.data(), t.raw(), v.size() * sizeof(float));
+}
+
+}  // namespace
+
+/// Every MoE layer's experts, the communicators they move tokens and gradients over, and the
+/// training loop's view of them (ExtraParameters).
+class MoeLayers final : public ExtraParameters {
+ public:
+  MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep);
+
+  MlpBranch* mlp(std::size_t layer) override;
+  double loss_part() const override;
+  double grad_square_sum() const override;
+  void update(int t) override;
+  void snapshot(NamedValues& params, NamedValues& grads) override;
+  nlohmann::json summary() const override;
+
+  CommStats take_stats() {
+    CommStats s;
+    if (tp_) s += tp_->take_stats();  // the TP group's, as the dense layers'
+    s.add_group("ep", ep_->take_stats());
+    s.add_group("dp", tokens_->take_stats());
+    if (replicas_) s.add_group("dp", replicas_->take_stats());
+    return s;
+  }
+  int ep_size() const { return ep_size_; }
+  std::int64_t experts_per_rank() const { return c_.moe.experts / ep_size_; }
+  /// The first step's assignments per expert, [MoE layers, E].
+  Tensor first_counts() const;
+
+ private:
+  class Layer;
+  const BlockConfig& c_;
+  int ep_size_, ep_rank_, replica_;  // EP, this rank's index in its EP group, the group's index
+  int tp_size_, tp_rank_;            // the TP group the experts' width is cut over
+  Stream stream_;
+  std::unique_ptr<Communicator> ep_;        // the EP group: dispatch and combine
+  std::unique_ptr<Communicator> tokens_;    // the D ranks: capacity, aux loss, router's grads
+  std::unique_ptr<Communicator> replicas_;  // the D / EP holders of this rank's experts
+  std::unique_ptr<Communicator> tp_;        // the TP group: its tokens gathered, outputs summed
+  std::vector<std::unique_ptr<Layer>> layers_;
+};
+
+/// One MoE layer on this rank: the router and shared experts whole, its E/EP experts, their
+/// gradients and AdamW moments, the balancing bias, and what backward needs.
+class MoeLayers::Layer final : public MlpBranch {
+ public:
+  Layer(MoeLayers& owner, I layer)
+      : o_(owner),
+        layer_(layer),
+        w_(moe_init<float>(owner.c_, layer, owner.ep_rank_ * local(), local(), owner.tp_rank_,
+                           owner.tp_size_)),
+        bias_(std::size_t(owner.c_.moe.experts), 0.0f) {}
+
+  I local() const { return o_.c_.moe.experts / o_.ep_size_; }
+
+  Tensor forward(const Tensor& h2, Trace& trace) override {
+    TraceScope op(trace, "experts fwd");
+    TPX_CHECK(h2.device() == Device::cpu && h2.dtype() == DType::f32, "experts on {}",
+              h2.describe());
+    // The replica's tokens: under sequence parallelism each TP rank holds S/T positions of them.
+    const Tensor rows = gather(h2);
+    const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
+    shape_ = o_.c_.moe.shape(H, S * b);
+    shape_.expert_ffn /= o_.tp_size_;  // this rank's part of every expert's width
+    shape_.shared_ffn /= o_.tp_size_;
+    x_ = to_sequence_major(rows.f32().data(), S, b, H);
+    f_ = moe_ep_forward<float>(shape_, w_, x_, bias_, *o_.ep_, o_.stream_, o_.tokens_.get());
+    return scatter(host_tensor(from_sequence_major(f_.y.data(), S, b, H), rows.shape()));
+  }
+
+  Tensor backward(const Tensor& dout, Trace& trace) override {
+    TraceScope op(trace, "experts bwd");
+    const Tensor rows = gather(dout);
+    const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
+    const std::vector<float> dy = to_sequence_major(rows.f32().data(), S, b, H);
+    g_ = moe_ep_backward<float>(shape_, w_, x_, f_, dy, *o_.ep_, o_.stream_, o_.tp_.get());
+    // The router's and the shared experts' parts over every token's rank; each expert's over
+    // the ranks that hold the same experts.
+    for (std::vector<float>* t :
+         {&g_.w.router, &g_.w.shared_gate, &g_.w.shared_up, &g_.w.shared_down})
+      all_reduce(*o_.tokens_, *t, o_.stream_);
+    if (o_.replicas_)
+      for (std::vector<float>* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down})
+        all_reduce(*o_.replicas_, *t, o_.stream_);
+    counts_ = f_.routed_all;  // this step's (a held-out forward after it leaves them be)
+    return scatter(host_tensor(from_sequence_major(g_.x.data(), S, b, H), rows.shape()));
+  }
+
+  /// The TP group's parts of a [S/T, b, H] tensor, whole: [S, b, H] (itself when T = 1).
+  Tensor gather(const Tensor& part) const {
+    if (!o_.tp_) return part;
+    Tensor whole = Tensor::empty({part.dim(0) * o_.tp_size_, part.dim(1), part.dim(2)}, DType::f32,
+                                 Device::cpu);
+    o_.tp_->all_gather(part, whole, o_.stream_);
+    return whole;
+  }
+  /// The sum over the TP group of each rank's [S, b, H], this rank's S/T positions of it.
+  Tensor scatter(const Tensor& whole) const {
+    if (!o_.tp_) return whole;
+    Tensor part = Tensor::empty({whole.dim(0) / o_.tp_size_, whole.dim(1), whole.dim(2)},
+                                DType::f32, Device::cpu);
+    o_.tp_->reduce_scatter(whole, part, o_.stream_);
+    return part;
+  }
+
+  std::size_t saved_bytes() const override {
+    return (x_.size() + f_.logits.size() + f_.routing.score.size() + f_.routing.weight.size() +
+            f_.recv.size() + f_.gate.size() + f_.up.size() + f_.out.size() + f_.shared_gate.size() +
+            f_.shared_up.size()) *
+           sizeof(float);
+  }
+
+  double aux_loss() const { return double(f_.aux_loss); }
+
+  /// Σ g² of what this rank counts, each value once over the mesh: the router (the same on
+  /// every rank) where `router`, the shared experts' part of the width where `shared`, this
+  /// rank's experts' part where `experts`.
+  double square_sum(bool router, bool shared, bool experts) const {
+    double sq = 0.0;
+    auto add = [&](const std::vector<float>& v) {
+      for (const float x : v) sq += double(x) * x;
+    };
+    if (router) add(g_.w.router);
+    if (shared)
+      for (const auto* t : {&g_.w.shared_gate, &g_.w.shared_up, &g_.w.shared_down}) add(*t);
+    if (experts)
+      for (const auto* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down}) add(*t);
+    return sq;
+  }
+
+  /// SGD or AdamW at step t (torch.optim.AdamW's, as ops::adamw_update; every tensor a matrix:
+  /// decayed), then the balancing bias from the step's counts over all tokens.
+  void update(int t) {
+    const BlockConfig& c = o_.c_;
+    const auto w = tensors(w_);
+    const auto g = tensors(g_.w);
+    if (moments_.empty())
+      for (const auto* v : w) moments_.insert(moments_.end(), 2, std::vector<float>(v->size()));
+    const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
+    const auto b1 = float(c.beta1), b2 = float(c.beta2), eps = float(c.eps);
+    const auto decay = float(1.0 - c.lr * c.weight_decay), step = float(c.lr / bias1),
+               root = float(std::sqrt(bias2)), lr = float(c.lr);
+    for (std::size_t p = 0; p < w.size(); ++p) {
+      std::vector<float>& x = *w[p];
+      const std::vector<float>& grad = *g[p];
+      if (c.optimizer == Optimizer::sgd) {
+        for (std::size_t i = 0; i < x.size(); ++i) x[i] -= lr * grad[i];
+        continue;
+      }
+      std::vector<float>&m = moments_[2 * p], &v = moments_[2 * p + 1];
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        m[i] = b1 * m[i] + (1.0f - b1) * grad[i];
+        v[i] = b2 * v[i] + (1.0f - b2) * (grad[i] * grad[i]);
+        x[i] *= decay;
+        x[i] -= step * (m[i] / (std::sqrt(v[i]) / root + eps));
+      }
+    }
+    if (c.moe.bias_rate > 0) moe_update_bias<float>(bias_, counts_, c.moe.bias_rate);
+    history_.push_back(counts_);
+  }
+
+  /// Every tensor whole on this rank (collective over the TP and EP groups): the width of all
+  /// TP ranks, the experts of all EP ranks.
+  MoeWeights<float> whole(const MoeWeights<float>& mine) {
+    const I H = o_.c_.hidden, T = o_.tp_size_;
+    MoeWeights<float> all = mine;
+    // Over TP: w_gate and w_up [count, H, FE/T] → [count, H, FE]; w_down [count, FE/T, H] →
+    // [count, FE, H] (each expert's row blocks in rank order); the shared experts likewise.
+    auto columns = [&](const std::vector<float>& part, I count) {
+      const std::vector<float> parts = report_gather(*o_.tp_, part);
+      const I rows = count * H, w = I(part.size()) / std::max<I>(rows, 1);
+      std::vector<float> out(parts.size());
+      for (I r = 0; r < T; ++r)
+        for (I i = 0; i < rows; ++i)
+          std::copy_n(parts.begin() + (r * rows + i) * w, w, out.begin() + (i * T + r) * w);
+      return out;
+    };
+    auto row_blocks = [&](const std::vector<float>& part, I count) {
+      const std::vector<float> parts = report_gather(*o_.tp_, part);
+      const I block = I(part.size()) / std::max<I>(count, 1);
+      std::vector<float> out(parts.size());
+      for (I r = 0; r < T; ++r)
+        for (I e = 0; e < count; ++e)
+          std::copy_n(parts.begin() + (r * count + e) * block, block,
+                      out.begin() + (e * T + r) * block);
+      return out;
+    };
+    if (o_.tp_) {
+      all.w_gate = columns(mine.w_gate, local());
+      all.w_up = columns(mine.w_up, local());
+      all.w_down = row_blocks(mine.w_down, local());
+      if (!mine.shared_gate.empty()) {
+        all.shared_gate = columns(mine.shared_gate, 1);
+        all.shared_up = columns(mine.shared_up, 1);
+        all.shared_down = row_blocks(mine.shared_down, 1);
+      }
+    }
+    // Over EP: expert e of rank i is expert i·E/EP + e.
+    for (std::vector<float>* t : {&all.w_gate, &all.w_up, &all.w_down})
+      *t = report_gather(*o_.ep_, *t);
+    return all;
+  }
+
+  /// Every rank's `mine` (all of one size) in rank order: a report gather, not the step's.
+  static std::vector<float> report_gather(Communicator& comm, const std::vector<float>& mine) {
+    std::vector<float> all(mine.size() * std::size_t(comm.size()));
+    comm.all_gather_report(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all)),
+                           "experts for the report");
+    return all;
+  }
+
+  void snapshot(NamedValues& params, NamedValues& grads) {
+    const MoeWeights<float> w = whole(w_), g = whole(g_.w);
+    for (auto& t : moe_named(o_.c_.moe, w, layer_, 0)) params.push_back(std::move(t));
+    for (auto& t : moe_named(o_.c_.moe, g, layer_, 0)) grads.push_back(std::move(t));
+  }
+
+  const std::vector<std::vector<std::int64_t>>& history() const { return history_; }
+  const std::vector<std::int64_t>& counts() const { return counts_; }
+
+ private:
+  MoeLayers& o_;
+  I layer_;
+  MoeWeights<float> w_;
+  std::vector<float> bias_;
+  MoeShape shape_;
+  std::vector<float> x_;  // the layer's input rows in sequence order
+  MoeEpForward<float> f_;
+  MoeGrads<float> g_;
+  std::vector<std::vector<float>> moments_;         // AdamW's, two per tensor
+  std::vector<std::int64_t> counts_;                // the last step's assignments per expert
+  std::vector<std::vector<std::int64_t>> history_;  // every step's
+};
+
+MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep)
+    : c_(ctx.options.config),
+      ep_size_(ep),
+      ep_rank_(mesh.dp_index % ep),
+      replica_(mesh.dp_index / ep),
+      tp_size_(mesh.tp),
+      tp_rank_(mesh.tp_index),
+      stream_(Stream::create(c_.device)) {
+  // Every group holds one TP index: rank t of each TP group routes and dispatches with rank t
+  // of the others. Each split is collective over the job, used or not.
+  const int tp_index = mesh.tp_index, groups = mesh.dp / ep;
+  CommOptions o = ctx.options.comm;
+  o.group = RankGroup::split(replica_ * mesh.tp + tp_index, ep_rank_,
+                             fmt::format("ep group {}.{}", replica_, tp_index));
+  ep_ = make_communicator(o, c_.device);
+  o.group = mesh.dp_group;
+  o.group_label = fmt::format("dp group {} (experts)", tp_index);
+  tokens_ = make_communicator(o, c_.device);
+  RankGroup holders = RankGroup::split(ep_rank_ * mesh.tp + tp_index, replica_,
+                                       fmt::format("expert holders {}.{}", ep_rank_, tp_index));
+  o.group_label = "";
+  if (groups > 1) {
+    o.group = holders;
+    replicas_ = make_communicator(o, c_.device);
+  }
+  if (mesh.tp > 1) {
+    o.group = mesh.tp_group;
+    o.group_label = fmt::format("{} (experts)", mesh.tp_group.name());
+    tp_ = make_communicator(o, c_.device);
+  }
+  layers_.resize(std::size_t(c_.layers));
+  for (I l = 0; l < c_.layers; ++l)
+    if (c_.moe.layer(l)) layers_[std::size_t(l)] = std::make_unique<Layer>(*this, l);
+}
+
+MlpBranch* MoeLayers::mlp(std::size_t layer) {
+  return layer < layers_.size() ? layers_[layer].get() : nullptr;
+}
+
+double MoeLayers::loss_part() const {
+  // The TP ranks of a replica route alike: each auxiliary loss counted on the group's rank 0.
+  double sum = 0.0;
+  if (tp_rank_ != 0) return sum;
+  for (const auto& l : layers_)
+    if (l) sum += l->aux_loss();
+  return sum;
+}
+
+double MoeLayers::grad_square_sum() const {
+  double sq = 0.0;
+  for (const auto& l : layers_)
+    if (l)
+      sq += l->square_sum(ep_rank_ == 0 && replica_ == 0 && tp_rank_ == 0,
+                          ep_rank_ == 0 && replica_ == 0, replica_ == 0);
+  return sq;
+}
+
+void MoeLayers::update(int t) {
+  for (const auto& l : layers_)
+    if (l) l->update(t);
+}
+
+void MoeLayers::snapshot(NamedValues& params, NamedValues& grads) {
+  for (const auto& l : layers_)
+    if (l) l->snapshot(params, grads);
+}
+
+nlohmann::json MoeLayers::summary() const {
+  // tokens_per_expert[step][MoE layer][expert]: the assignments the router chose, before drops.
+  nlohmann::json steps = nlohmann::json::array();
+  for (std::size_t s = 0;; ++s) {
+    nlohmann::json row = nlohmann::json::array();
+    bool any = false;
+    for (const auto& l : layers_)
+      if (l && s < l->history().size()) {
+        row.push_back(l->history()[s]);
+        any = true;
+      }
+    if (!any) break;
+    steps.push_back(std::move(row));
+  }
+  nlohmann::json layers = nlohmann::json::array();
+  for (std::size_t l = 0; l < layers_.size(); ++l)
+    if (layers_[l]) layers.push_back(l);
+  return {{"moe",
+           {{"layers", layers},
+            {"experts", c_.moe.experts},
+            {"ep", ep_size_},
+            {"tokens_per_expert", steps}}}};
+}
+
+Tensor MoeLayers::first_counts() const {
+  std::vector<float> v;
+  I n = 0;
+  for (const auto& l : layers_)
+    if (l) {
+      for (const std::int64_t x : l->counts()) v.push_back(float(x));
+      ++n;
+    }
+  return host_tensor(v, {n, c_.moe.experts});
+}
+
+ExpertParallel::ExpertParallel(const RunContext& ctx, Mesh mesh, int ep)
+    : FsdpTp(ctx, mesh), moe_(std::make_unique<MoeLayers>(ctx, mesh, ep)) {}
+
+ExpertParallel::~ExpertParallel() = default;
+
+std::string ExpertParallel::comm_name() const {
+  return fmt::format("{}; experts: EP {} ({} of them per rank)", FsdpTp::comm_name(),
+                     moe_->ep_size(), moe_->experts_per_rank());
+}
+
+ExtraParameters* ExpertParallel::extra_parameters() {
+  return moe_.get();
+}
+
+CommStats ExpertParallel::take_comm_stats() {
+  CommStats s = FsdpTp::take_comm_stats();
+  s += moe_->take_stats();
+  return s;
+}
+
+std::vector<std::pair<std::string, Tensor>> ExpertParallel::dump_extra() {
+  auto extra = FsdpTp::dump_extra();
+  extra.emplace_back("tokens_per_expert", moe_->first_counts());
+  return extra;
+}
+
+namespace {
+
+/// Refuses, in one line naming the flag and the rule and the same on every rank, what this
+/// stage cannot run on `mesh`; returns EP. Needs no communication.
+int checked_ep(const RunContext& ctx, const Mesh& mesh) {
+  const BlockConfig& c = ctx.options.config;
+  const MoeFlags& f = ctx.options.flags<MoeFlags>();
+  const int ep = f.ep == 0 ? mesh.dp : f.ep;
+  auto refuse = [](std::string line) { throw ConfigError(std::move(line)); };
+  if (c.device != Device::cpu)
+    refuse(
+        "stage 10 runs on the cpu for now: its experts' routing, all-to-alls and GEMMs have no "
+        "CUDA path yet (--device cpu)");
+  if (c.dtype != DType::f32) refuse("stage 10 trains in fp32 for now (--dtype fp32)");
+  if (c.recompute != Recompute::none)
+    refuse(
+        "stage 10 keeps every layer's activations for now (--recompute none): the experts "
+        "would route again when a layer is recomputed");
+  if (!c.checkpoint.save_dir.empty() || !c.checkpoint.resume_dir.empty())
+    refuse("stage 10 cannot --save or --resume yet: a checkpoint does not hold the experts");
+  if (c.generate.tokens > 0)
+    refuse("stage 10 cannot --generate yet: generation runs the dense model");
+  if (ep > mesh.dp || mesh.dp % ep != 0)
+    refuse(
+        fmt::format("--ep ({}) must divide the data-parallel ranks D ({}): the experts "
+                    "borrow their ranks from the data-parallel ones, D / EP groups of EP",
+                    ep, mesh.dp));
+  if (auto problem = moe_ep_problem(c.moe.experts, ep)) refuse(*problem);
+  if (c.moe.expert_ffn % mesh.tp != 0)
+    refuse(
+        fmt::format("the experts' width FE ({}, --expert-ffn or --ffn) must be divisible by "
+                    "the TP group's T ({}): each TP rank holds FE/T of every expert",
+                    c.moe.expert_ffn, mesh.tp));
+  return ep;
+}
+
+}  // namespace
+
+std::unique_ptr<Parallelism> make_expert_parallel(const RunContext& ctx) {
+  Mesh mesh = fsdp::make_mesh(ctx);  // D × T; refuses a D that does not divide B or the ranks
+  const int ep = checked_ep(ctx, mesh);
+  return std::make_unique<ExpertParallel>(ctx, std::move(mesh), ep);
+}
+
+}  // namespace tpx::ep

@@ -1,0 +1,62 @@
+// Stage 10, expert parallelism: the mixture of experts (common/moe.h) in place of the SwiGLU of
+// every --moe-every-th layer, its E routed experts spread over EP ranks, the tokens moved to
+// their experts and back by all-to-alls (common/moe_ep.h). The rest of the block runs as stage 07
+// does, on its D × T mesh (FSDP over D, TP with sequence parallelism inside each replica). EP
+// borrows its ranks from the data-parallel ones, as TorchTitan's expert parallelism does, and TP
+// cuts every expert's width, as Megatron-LM's expert tensor parallelism does:
+//
+//   EP groups    D / EP groups of EP consecutive replicas, one per TP index t: rank i of a group
+//                holds experts [i·E/EP, (i+1)·E/EP), whole along H, columns [t·FE/T, (t+1)·FE/T)
+//                of their width (not sharded by FSDP)
+//   routing      the replica's S·B/D tokens gathered over TP (its ranks hold S/T positions each)
+//                and routed alike on every TP rank, in sequence order (common/moe_model.h); the
+//                capacity and the auxiliary loss count over all D replicas, so that the routing
+//                and the drops are the same on every mesh
+//   dispatch     the counts per (rank, expert), then every kept assignment's row to its expert's
+//                rank (all_to_all_v over the EP group); combine the reverse; each TP rank's output
+//                is its part of the width, summed and cut back to S/T positions by a
+//                reduce-scatter over TP
+//   gradients    the gate weights' summed over TP (moe_ep_backward); the router's and the shared
+//                experts' summed over the D replicas, each expert's over the D / EP ranks that
+//                hold it
+//   balance      the auxiliary loss, or the per-expert bias moved from the step's counts over
+//                all D replicas (identical everywhere)
+//
+// defines: tpx::ep::ExpertParallel, tpx::ep::make_expert_parallel()
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "07_fsdp_tp/layers.h"
+#include "common/mlp_branch.h"
+#include "common/stage.h"
+
+namespace tpx::ep {
+
+class MoeLayers;  // layers.cc: every MoE layer's experts and the EP communicators
+
+/// Stage 07's FSDP (T = 1) with the MoE layers' experts beside it.
+class ExpertParallel final : public fsdp::FsdpTp {
+ public:
+  ExpertParallel(const RunContext& ctx, Mesh mesh, int ep);
+  ~ExpertParallel() override;
+
+  std::string comm_name() const override;
+  ExtraParameters* extra_parameters() override;
+  CommStats take_comm_stats() override;
+  /// Stage 07's, and tokens_per_expert [MoE layers, E]: the first step's assignments chosen per
+  /// expert (before drops), over all tokens.
+  std::vector<std::pair<std::string, Tensor>> dump_extra() override;
+
+ private:
+  std::unique_ptr<MoeLayers> moe_;
+};
+
+/// Refuses what this first form of the stage cannot run (one line naming the flag, exit 2, before
+/// any rank allocates), then builds the stage. Collective.
+std::unique_ptr<Parallelism> make_expert_parallel(const RunContext& ctx);
+
+}  // namespace tpx::ep

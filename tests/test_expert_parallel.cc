@@ -1,0 +1,173 @@
+// Stage 10 (the mixture of experts over EP ranks) as a user runs it, under mpirun:
+//  - --check passes against the double reference with the experts (common/reference.h) on
+//    np 1, 2 and 4, on D × T meshes with the experts' width cut over T, with EP = D and EP < D,
+//    dropless and dropping, softmax and sigmoid routing, shared experts, the balancing bias, SGD
+//    and AdamW, --task lm and block;
+//  - the routing, the drops and so the losses and the tokens per expert are the same on every
+//    mesh (the capacity runs over all tokens in sequence order: common/moe_model.h);
+//  - --dump writes the router, every expert and tokens_per_expert, and no dense MLP for a MoE
+//    layer; --json reports tokens per expert per layer per step;
+//  - the token order helpers against their definition;
+//  - bad input is exit 2 on every rank and one line, printed once.
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/moe_model.h"
+#include "common/npy.h"
+#include "test_stage_runs.h"
+#include "test_util.h"
+
+namespace tpx {
+namespace {
+
+using json = nlohmann::json;
+using test::run_stage;
+
+/// A model small enough for a dozen runs: H 48, 4 heads, 4 experts of width 64, top 2, S 16,
+/// B 4 (whole sequences per rank at D = 1, 2, 4).
+const std::string kSizes =
+    "--hidden 48 --heads 4 --ffn 64 --seq 16 --batch 4 --layers 2 --experts 4 --topk 2";
+
+struct Case {
+  int ranks;
+  std::string args, name;
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "np " << c.ranks << " " << c.args;
+}
+
+class ExpertParallelCheck : public testing::TestWithParam<Case> {};
+
+TEST_P(ExpertParallelCheck, PassesAgainstTheReference) {
+  const Case& c = GetParam();
+  test::TempDir dir;
+  const auto r =
+      run_stage("10_expert_parallel", c.ranks, kSizes + " --steps 3 --check " + c.args, dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+  // The experts are compared, every one of them, and the MoE layers' dense MLP is not.
+  EXPECT_NE(r.out.find("layers.0.experts.3.w_down.grad"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("layers.0.router.grad"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("layers.0.w_gate.grad"), std::string::npos) << r.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, ExpertParallelCheck,
+    testing::Values(
+        Case{1, "--capacity-factor 0.5", "np1_dropping"},
+        Case{2, "--dp 2 --capacity-factor 0.5", "np2_d2_ep2_dropping"},
+        Case{2, "--dp 1 --capacity-factor 0.7 --router sigmoid --shared-experts 1",
+             "np2_t2_dropping_sigmoid_shared"},
+        Case{4, "--dp 4 --ep 2 --capacity-factor 0.5 --moe-every 2", "np4_d4_ep2_dropping"},
+        Case{4, "--dp 4 --ep 4 --capacity-factor 1.25", "np4_d4_ep4_dropping"},
+        Case{4, "--dp 2 --capacity-factor 0.5 --shared-experts 1", "np4_d2_t2_ep2_dropping"},
+        Case{4, "--dp 1 --balance bias --optimizer adamw --lr 0.01", "np4_t4_bias_adamw"},
+        Case{2, "--dp 2 --ep 1 --task block", "np2_d2_ep1_block"}),
+    [](const auto& p) { return p.param.name; });
+
+/// --json's tokens per expert (every step, every MoE layer) and losses of a run.
+json summary(int ranks, const std::string& args) {
+  return test::run_json("10_expert_parallel", ranks, kSizes + " --steps 3 " + args);
+}
+
+TEST(ExpertParallel, RoutingAndDropsAreTheSameOnEveryMesh) {
+  // Dropping at half the balanced load: which assignments an expert drops depends on the token
+  // order; a rank that took its own tokens in another order would drop others and train apart.
+  const std::string args = "--capacity-factor 0.5";
+  const json one = summary(1, args);
+  ASSERT_TRUE(one.contains("moe")) << one.dump();
+  const json& counts = one.at("moe").at("tokens_per_expert");
+  ASSERT_EQ(counts.size(), 3u);        // steps
+  ASSERT_EQ(counts[0].size(), 2u);     // MoE layers
+  ASSERT_EQ(counts[0][0].size(), 4u);  // experts
+  std::int64_t total = 0;
+  for (const auto& n : counts[0][0]) total += n.get<std::int64_t>();
+  EXPECT_EQ(total, 16 * 4 * 2);  // every token's K choices, before drops
+  for (const auto& [ranks, more] : {std::pair{2, " --dp 2"}, std::pair{2, " --dp 1"},
+                                    std::pair{4, " --dp 2"}, std::pair{4, " --dp 4 --ep 2"}}) {
+    const json other = summary(ranks, args + more);
+    ASSERT_TRUE(other.contains("moe")) << other.dump();
+    EXPECT_EQ(other.at("moe").at("tokens_per_expert"), counts) << "np " << ranks << more;
+    for (std::size_t s = 0; s < 3; ++s)
+      EXPECT_NEAR(other.at("steps")[s].at("loss").get<double>(),
+                  one.at("steps")[s].at("loss").get<double>(), 1e-5)
+          << "np " << ranks << more << " step " << s;
+  }
+}
+
+TEST(ExpertParallel, DumpHoldsTheExpertsAndTheirCounts) {
+  test::TempDir dir;
+  const auto r = run_stage(
+      "10_expert_parallel", 2,
+      kSizes + " --steps 1 --moe-every 2 --shared-experts 1 --dump " + (dir / "d").string(), dir);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto d = dir / "d";
+  for (const char* name :
+       {"layers.0.router", "layers.0.experts.0.w_gate", "layers.0.experts.3.w_down",
+        "layers.0.shared.w_up", "layers.1.w_gate", "layers.0.norm2"}) {
+    EXPECT_TRUE(std::filesystem::exists(d / (std::string(name) + ".npy"))) << name;
+    EXPECT_TRUE(std::filesystem::exists(d / (std::string(name) + ".grad.npy"))) << name;
+  }
+  // Layer 0 is a MoE layer: no dense SwiGLU; layer 1 (--moe-every 2) keeps its own.
+  EXPECT_FALSE(std::filesystem::exists(d / "layers.0.w_gate.npy"));
+  EXPECT_FALSE(std::filesystem::exists(d / "layers.1.router.npy"));
+  const NpyArray router = read_npy(d / "layers.0.router.npy");
+  EXPECT_EQ(router.shape, (std::vector<std::int64_t>{48, 4}));
+  const NpyArray down = read_npy(d / "layers.0.experts.3.w_down.npy");
+  EXPECT_EQ(down.shape, (std::vector<std::int64_t>{64, 48}));
+  const NpyArray counts = read_npy(d / "tokens_per_expert.npy");
+  ASSERT_EQ(counts.shape, (std::vector<std::int64_t>{1, 4}));  // one MoE layer, 4 experts
+  double total = 0;
+  for (const float n : counts.data) total += n;
+  EXPECT_EQ(total, 16 * 4 * 2);
+  // Expert 3 lives on EP rank 1 (D 2 × T 2, EP 2), its width on two TP ranks: the dump gathered
+  // it whole, and it is the initialiser's.
+  const BlockConfig c = [] {
+    BlockConfig b;
+    b.hidden = 48;
+    b.moe = {.experts = 4, .topk = 2, .expert_ffn = 64, .shared_ffn = 64};
+    return b;
+  }();
+  const MoeWeights<float> w = moe_init<float>(c, 0, 3, 1);
+  ASSERT_EQ(w.w_down.size(), down.data.size());
+  EXPECT_EQ(w.w_down, down.data);
+}
+
+TEST(MoeModel, SequenceMajorOrderIsTheSequencesOneAfterAnother) {
+  // [S 3, b 2, H 2]: row (s, j) holds 10·s + j in both elements.
+  const std::int64_t S = 3, b = 2, H = 2;
+  std::vector<float> rows;
+  for (std::int64_t s = 0; s < S; ++s)
+    for (std::int64_t j = 0; j < b; ++j) rows.insert(rows.end(), H, float(10 * s + j));
+  const std::vector<float> seq = to_sequence_major(rows.data(), S, b, H);
+  const std::vector<float> want = {0, 0, 10, 10, 20, 20, 1, 1, 11, 11, 21, 21};
+  EXPECT_EQ(seq, want);
+  EXPECT_EQ(from_sequence_major(seq.data(), S, b, H), rows);
+}
+
+TEST(ExpertParallel, BadInputIsOneLineOnEveryRank) {
+  const std::string stage = "10_expert_parallel";
+  const std::string z = "--hidden 48 --heads 4 --ffn 64 --seq 16 --layers 2";
+  test::expect_refused_once(stage, 4, z + " --batch 4 --dp 4 --experts 6 --ep 3",
+                            "--ep (3) must divide the data-parallel ranks D (4)");
+  test::expect_refused_once(stage, 4, z + " --batch 4 --dp 1 --expert-ffn 30",
+                            "the experts' width FE (30, --expert-ffn or --ffn) must be divisible "
+                            "by the TP group's T (4)");
+  test::expect_refused_once(stage, 4, z + " --batch 4 --experts 6 --ep 4",
+                            "--experts (6) must be divisible by --ep (4)");
+  test::expect_refused_once(stage, 2, z + " --batch 4 --experts 4 --topk 5",
+                            "--topk (5) must be at most --experts (4)");
+  test::expect_refused_once(stage, 2, z + " --batch 4 --capacity-factor -1", "--capacity-factor");
+  test::expect_refused_once(stage, 4, z + " --batch 3", "--dp 2 must divide --batch 3");
+  test::expect_refused_once(stage, 2, kSizes + " --dtype bf16", "fp32");
+  test::expect_refused_once(stage, 2, kSizes + " --recompute full", "--recompute none");
+}
+
+}  // namespace
+}  // namespace tpx
