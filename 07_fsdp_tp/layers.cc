@@ -62,8 +62,10 @@ FlatLayout flat_layout(std::span<const Tensor> tp_local, int d) {
     FlatLayout::Entry& e = f.entries.emplace_back();
     e.shape = t.shape();
     e.rows = e.shape[0];
-    e.cols = t.numel() / e.rows;
-    e.shard_rows = (e.rows + d - 1) / d;
+    e.cols = t.numel() / std::max<std::int64_t>(e.rows, 1);
+    // An empty tensor (stage 10's MoE layer has no dense SwiGLU: [H, 0], [0, H]) has no rows to
+    // shard: every rank's part of it is empty.
+    e.shard_rows = t.numel() == 0 ? 0 : (e.rows + d - 1) / d;
     e.offset = f.numel;
     f.numel += e.shard_numel();
   }
@@ -236,6 +238,7 @@ FsdpTp::Gather FsdpTp::issue_gather(const FlatLayout& f, std::span<const Tensor>
   const Tensor send = Tensor::empty({b.bytes}, DType::u8, device_);
   for (std::size_t i = 0; i < stored.size(); ++i) {
     const FlatLayout::Entry& e = f[i];
+    if (e.shard_numel() == 0) continue;
     ops::copy(stored[i].reshape({e.shard_rows, e.cols}),
               typed_view(send, b.offset[i], e.shard_numel(), e.cols, stored[i].dtype()));
   }
@@ -517,9 +520,14 @@ Tensor FsdpTp::unshard_for_report(const Tensor& local, std::int64_t rows) const 
 
 Tensor FsdpTp::gather_param(Param p, const Tensor& local) {
   if (mesh_.dp_cp() == 1) return tp_->gather_param(p, local);
-  // The DP shards back into the TP-local tensor, then stage 05's TP gather.
-  const FlatLayout::Entry& e = layout_.front()[p];  // every layer has the same layout
-  return tp_->gather_param(p, unshard_for_report(local, e.rows));
+  // An empty tensor (a MoE layer's dense SwiGLU, stage 10) is empty on every rank.
+  if (local.numel() == 0) return local;
+  // The DP shards back into the TP-local tensor, then stage 05's TP gather. Every layer that
+  // holds p has the same layout.
+  const auto holds =
+      std::ranges::find_if(layout_, [&](const FlatLayout& f) { return f[p].shard_numel() > 0; });
+  TPX_CHECK(holds != layout_.end(), "no layer holds {}", param_name(p));
+  return tp_->gather_param(p, unshard_for_report(local, (*holds)[p].rows));
 }
 
 Tensor FsdpTp::gather_vocab(Split split, const Tensor& local) {

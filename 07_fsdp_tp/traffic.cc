@@ -14,6 +14,7 @@ double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes) {
 Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches, bool fp8_gather) {
   require_formula(tp >= 1 && dp >= 1 && microbatches >= 1,
                   "TP, DP ranks and micro-batches must be >= 1");
+  if (dp == 1) return {};  // nothing sharded: the stage gathers and reduces nothing
   using U = std::uint64_t;
   const U D = U(dp), T = U(tp), H = U(c.hidden), KV = U(c.kv_dim()), F = U(c.ffn);
   // The matrices' element bytes as gathered: E4M3 codes, or the compute copies' (bf16 or fp32).

@@ -22,7 +22,7 @@ double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes);
 /// forward and backward, 2M times, and its gradients reduce-scattered once. With `fp8_gather`
 /// (--fp8-weight-gather) the seven weight matrices travel as 1-byte E4M3 codes, and each gather
 /// is preceded by one MAX all-reduce of their seven fp32 amaxes over the T·D ranks of the mesh
-/// (payload 28, bus ⌊28·2(TD−1)/TD⌋).
+/// (payload 28, bus ⌊28·2(TD−1)/TD⌋). At D = 1 nothing is sharded and nothing moves.
 Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches = 1,
                      bool fp8_gather = false);
 

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "07_fsdp_tp/flags.h"
+#include "10_expert_parallel/traffic.h"
 #include "common/check.h"
 #include "common/comm/communicator.h"
 #include "common/moe_ep.h"
@@ -445,6 +446,28 @@ std::unique_ptr<Parallelism> make_expert_parallel(const RunContext& ctx) {
   Mesh mesh = fsdp::make_mesh(ctx);  // D × T; refuses a D that does not divide B or the ranks
   const int ep = checked_ep(ctx, mesh);
   return std::make_unique<ExpertParallel>(ctx, std::move(mesh), ep);
+}
+
+StagePlan plan_expert_parallel(const RunContext& ctx) {
+  const Mesh mesh = fsdp::make_mesh(ctx);
+  const int ep = checked_ep(ctx, mesh);
+  const BlockConfig& c = ctx.options.config;
+  const std::int64_t n = c.seq * c.batch / mesh.dp;  // a replica's tokens
+  if ((n * c.moe.topk) % c.moe.experts != 0)
+    throw ConfigError(fmt::format(
+        "--dry-run counts the experts' bytes under balanced routing: a replica's S·B/D·K = {} "
+        "assignments must be divisible by --experts ({})",
+        n * c.moe.topk, c.moe.experts));
+  StagePlan p = fsdp::plan_fsdp_tp(ctx);  // the dense parameters' sharding
+  const ExpertTraffic t = expert_traffic(c, mesh.dp, mesh.tp, ep, mesh.dp_index);
+  p.groups = {{.name = "dp", .label = "dp group", .traffic = t.dp},
+              {.name = "ep", .label = "ep group (balanced routing)", .traffic = t.ep}};
+  p.traffic = t.tp;
+  p.traffic += t.dp;
+  p.traffic += t.ep;
+  p.comm = fmt::format("mesh D {} × TP {}, experts over EP {} (dry run: balanced routing)", mesh.dp,
+                       mesh.tp, ep);
+  return p;
 }
 
 }  // namespace tpx::ep

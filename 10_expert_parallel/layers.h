@@ -22,7 +22,8 @@
 //   balance      the auxiliary loss, or the per-expert bias moved from the step's counts over
 //                all D replicas (identical everywhere)
 //
-// defines: tpx::ep::ExpertParallel, tpx::ep::make_expert_parallel()
+// defines: tpx::ep::ExpertParallel, tpx::ep::make_expert_parallel(),
+//          tpx::ep::plan_expert_parallel()
 #pragma once
 
 #include <memory>
@@ -58,5 +59,8 @@ class ExpertParallel final : public fsdp::FsdpTp {
 /// Refuses what this first form of the stage cannot run (one line naming the flag, exit 2, before
 /// any rank allocates), then builds the stage. Collective.
 std::unique_ptr<Parallelism> make_expert_parallel(const RunContext& ctx);
+/// --dry-run: the same refusals, stage 07's sharding of the dense parameters and the step's bytes
+/// by chapter 10's formulas (traffic.h) under perfectly balanced routing.
+StagePlan plan_expert_parallel(const RunContext& ctx);
 
 }  // namespace tpx::ep

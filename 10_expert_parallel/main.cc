@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
                .flag_groups = {fsdp::DataParallelFlags::make, MoeFlags::make,
                                async_tp::AllGatherFlags::make}},
       .make = ep::make_expert_parallel,
-      .plan = {},  // no --dry-run yet: the stage says so
+      .plan = ep::plan_expert_parallel,
       .reference = reference_run,
   };
   return run_stage(stage, argc, argv);

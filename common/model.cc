@@ -151,10 +151,14 @@ Model make_model(const BlockConfig& c, const Sharding& s, const std::vector<std:
   for (const std::int64_t l : layers) {
     TPX_CHECK(0 <= l && l < c.layers, "layer {} of {}", l, c.layers);
     LayerParams p, g;
+    // A layer whose MLP is stage 10's mixture of experts has no dense SwiGLU: its w_gate, w_up
+    // and w_down are empty ([H, 0] and [0, H]; the experts are the stage's own parameters).
+    BlockConfig shapes = c;
+    if (c.moe.layer(l)) shapes.ffn = 0;
     for (Param q : kAllParams) {
-      const auto full = param_shape(q, c);
-      const auto local = param_local_shape(q, c, s);
-      const auto at = param_offset(q, c, s);
+      const auto full = param_shape(q, shapes);
+      const auto local = param_local_shape(q, shapes, s);
+      const auto at = param_offset(q, shapes, s);
       const Window w{full.back(), at[0], at.size() > 1 ? at[1] : 0};
       const bool gain = param_split(q) == Split::replicated;
       p[q] = generate(local, c, TensorId::layer(l, static_cast<int>(q)), w, gain ? 1.0 : 0.0,

@@ -295,7 +295,7 @@ TPX_MOE_EP_INSTANTIATE(double)
 #undef TPX_MOE_EP_INSTANTIATE
 
 MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows, int r,
-                            std::int64_t experts, std::uint64_t row_bytes) {
+                            std::int64_t experts, std::uint64_t row_bytes, int token_ranks) {
   using U = std::uint64_t;
   const U N = rows.size(), E = U(experts);
   require_formula(N >= 1 && r >= 0 && U(r) < N && E % N == 0,
@@ -310,10 +310,12 @@ MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows,
       in_away += rows[q][U(r)];
     }
   }
-  const U gather = N * (E + 1) * 4;  // every rank's counts per expert and its token count
+  // Every rank of the token group's counts per expert and its token count.
+  const U G = token_ranks > 0 ? U(token_ranks) : N, gather = G * (E + 1) * 4;
   const U exchange = (out_all + in_all) * row_bytes, away = (out_away + in_away) * row_bytes;
   MoeEpTraffic t;
-  t.forward = {gather + 4 * E + exchange, gather * (N - 1) / N + 4 * (E - E / N) + away, 4};
+  t.counts = {gather, gather * (G - 1) / G, 1};
+  t.forward = {gather + 4 * E + exchange, t.counts.bus + 4 * (E - E / N) + away, 4};
   t.backward = {exchange, away, 2};
   return t;
 }

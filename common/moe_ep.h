@@ -104,6 +104,9 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
 /// above, in the communicator's accounting).
 struct MoeEpTraffic {
   Traffic forward, backward;
+  /// The part of `forward` over the token group: the all_gather of the counts (over the EP group
+  /// itself unless moe_ep_forward was given a token group).
+  Traffic counts;
 };
 
 /// The formula for rank r of an EP group: rows[s][d] = n_{s→d}, the kept assignments of rank s's
@@ -111,8 +114,9 @@ struct MoeEpTraffic {
 /// Forward: the all_gather of E + 1 i32 counts, the all_to_all_v of E i32, the dispatch of
 /// Σ_d n_{r→d} rows and the combine of Σ_s n_{s→r} rows (4 calls); backward: the same two row
 /// exchanges (2 calls). Bus bytes count what leaves the rank (d ≠ r, s ≠ r).
+/// `token_ranks`: the size of the token group the counts are gathered over (0: the EP group).
 MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows, int r,
-                            std::int64_t experts, std::uint64_t row_bytes);
+                            std::int64_t experts, std::uint64_t row_bytes, int token_ranks = 0);
 
 /// n_{s→d} under perfectly balanced, dropless routing (what a dry run assumes): each of the EP
 /// ranks' T_r tokens sends k rows, spread evenly over the EP ranks (T_r · k / EP each, which

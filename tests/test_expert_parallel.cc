@@ -5,6 +5,7 @@
 //    and AdamW, --task lm and block;
 //  - the routing, the drops and so the losses and the tokens per expert are the same on every
 //    mesh (the capacity runs over all tokens in sequence order: common/moe_model.h);
+//  - --dry-run's bytes equal the step's, by group, where routing is balanced (K = E);
 //  - --dump writes the router, every expert and tokens_per_expert, and no dense MLP for a MoE
 //    layer; --json reports tokens per expert per layer per step;
 //  - the token order helpers against their definition;
@@ -137,6 +138,45 @@ TEST(ExpertParallel, DumpHoldsTheExpertsAndTheirCounts) {
   const MoeWeights<float> w = moe_init<float>(c, 0, 3, 1);
   ASSERT_EQ(w.w_down.size(), down.data.size());
   EXPECT_EQ(w.w_down, down.data);
+}
+
+// --dry-run's bytes (10_expert_parallel/traffic.h) are the step's, group by group, where the
+// routing is balanced by construction: K = E, every token goes to every expert. The capacity then
+// drops the same assignments in both (the later replicas' beyond ⌈C·S·B⌉), so dropping is
+// checked exactly too.
+class ExpertParallelDryRun : public testing::TestWithParam<Case> {};
+
+TEST_P(ExpertParallelDryRun, BytesAreTheStepsUnderBalancedRouting) {
+  const Case& c = GetParam();
+  const std::string args =
+      "--hidden 48 --heads 4 --ffn 64 --seq 16 --batch 4 --layers 3 --experts 4 --topk 4 " + c.args;
+  const json real = test::run_json("10_expert_parallel", c.ranks, args + " --steps 1");
+  const json dry = test::run_json("10_expert_parallel", c.ranks, args + " --dry-run");
+  ASSERT_TRUE(real.contains("steps") && dry.contains("step")) << c.args;
+  for (const char* key : {"comm_payload_bytes", "comm_bus_bytes", "comm_calls", "dp_payload_bytes",
+                          "dp_bus_bytes", "ep_payload_bytes", "ep_bus_bytes"})
+    EXPECT_EQ(dry["step"].at(key), real["steps"].at(0).at(key)) << c.args << " " << key;
+  if (c.ranks > 1) {  // something moved between ranks
+    EXPECT_GT(dry["step"].at("comm_bus_bytes").get<std::int64_t>(), 0) << c.args;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, ExpertParallelDryRun,
+    testing::Values(Case{1, "", "np1"}, Case{2, "--dp 2", "np2_d2"},
+                    Case{2, "--dp 1 --shared-experts 1", "np2_t2_shared"},
+                    Case{4, "--dp 4 --ep 2 --capacity-factor 0.5", "np4_d4_ep2_dropping"},
+                    Case{4, "--dp 2 --capacity-factor 0.6 --moe-every 2 --shared-experts 2",
+                         "np4_d2_t2_dropping_every2"},
+                    Case{4, "--dp 2 --ep 1 --capacity-factor 0.3 --task block",
+                         "np4_d2_t2_ep1_block"}),
+    [](const auto& p) { return p.param.name; });
+
+TEST(ExpertParallel, DryRunNeedsBalancedRoutingToDivide) {
+  test::expect_refused_once("10_expert_parallel", 1,
+                            "--hidden 48 --heads 4 --ffn 64 --seq 15 --batch 4 --layers 2 "
+                            "--experts 8 --topk 3 --dry-run",
+                            "S·B/D·K = 180 assignments must be divisible by --experts (8)");
 }
 
 TEST(MoeModel, SequenceMajorOrderIsTheSequencesOneAfterAnother) {

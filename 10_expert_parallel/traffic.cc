@@ -1,0 +1,104 @@
+#include "10_expert_parallel/traffic.h"
+
+#include <algorithm>
+
+#include "04_overlap_ring/traffic.h"
+#include "07_fsdp_tp/traffic.h"
+#include "common/moe.h"
+#include "common/moe_ep.h"
+
+namespace tpx::ep {
+namespace {
+
+using U = std::uint64_t;
+
+/// An all_reduce of `bytes` over `n` ranks as the communicator counts it (none on one rank).
+Traffic all_reduce(U bytes, U n) {
+  if (n <= 1 || bytes == 0) return {};
+  return {bytes, bytes * 2 * (n - 1) / n, 1};
+}
+
+/// An all_gather or reduce_scatter whose whole buffer is `bytes`, over `n` ranks.
+Traffic gather(U bytes, U n) {
+  return {bytes, bytes * (n - 1) / n, 1};
+}
+
+}  // namespace
+
+std::int64_t moe_layers(const BlockConfig& c) {
+  return c.moe.experts > 0 ? (c.layers + c.moe.every - 1) / c.moe.every : 0;
+}
+
+std::vector<std::vector<U>> balanced_kept_rows(const BlockConfig& c, int dp, int ep, int group) {
+  const MoeConfig& m = c.moe;
+  require_formula(dp >= 1 && ep >= 1 && dp % ep == 0 && m.experts % ep == 0 && c.batch % dp == 0,
+                  "EP divides D and E, D divides B");
+  const std::int64_t n = c.seq * c.batch / dp, E = m.experts;
+  require_formula((n * m.topk) % E == 0,
+                  "balanced routing: each replica's S·B/D·K assignments a multiple of E");
+  const std::int64_t each = n * m.topk / E;  // per expert and replica
+  const std::int64_t cap = moe_capacity(m.shape(c.hidden, c.seq * c.batch));
+  std::vector<std::vector<U>> rows(std::size_t(ep), std::vector<U>(std::size_t(ep), 0));
+  for (int s = 0; s < ep; ++s) {
+    const std::int64_t q = std::int64_t(group) * ep + s;  // the replica's place in token order
+    const std::int64_t kept = std::clamp<std::int64_t>(cap - q * each, 0, each);
+    for (int d = 0; d < ep; ++d) rows[std::size_t(s)][std::size_t(d)] = U(kept * (E / ep));
+  }
+  return rows;
+}
+
+ExpertTraffic expert_traffic(const BlockConfig& c, int dp, int tp, int ep, int dp_index) {
+  require_formula(dp >= 1 && tp >= 1 && ep >= 1 && dp % ep == 0, "EP divides D");
+  const MoeConfig& m = c.moe;
+  const U Lm = U(moe_layers(c)), Ld = U(c.layers) - Lm, D = U(dp), T = U(tp), G = D / U(ep);
+  const U H = U(c.hidden), E = U(m.experts), n = U(c.seq * c.batch) / D;
+  BlockConfig replica = c;  // stage 05 inside the TP group, on B / D
+  replica.batch /= dp;
+  ExpertTraffic t;
+
+  // TP: stage 05's, each MoE layer's five SwiGLU primitives replaced by the experts' collectives.
+  t.tp = ring::traffic(replica, tp);
+  const U chunks = (T - 1) * (stream_bytes(replica, 4) / T);
+  t.tp.payload -= Lm * 5 * chunks;
+  t.tp.bus -= Lm * 5 * chunks;
+  t.tp.calls -= Lm * 5 * (T - 1);
+  if (T > 1) {
+    const U P = n * H * 4;
+    Traffic layer;
+    for (int i = 0; i < 4; ++i) layer += gather(P, T);  // tokens and dy in, output and dx out
+    layer += all_reduce(n * U(m.topk) * 4, T);          // the gate weights' gradients
+    for (U l = 0; l < Lm; ++l) t.tp += layer;
+  }
+
+  // EP and the counts: moe_ep_traffic of the balanced rows, the counts over the D replicas.
+  const MoeEpTraffic x = moe_ep_traffic(balanced_kept_rows(c, dp, ep, dp_index / ep), dp_index % ep,
+                                        m.experts, H * 4, dp);
+  Traffic ep_layer = x.forward;
+  ep_layer.payload -= x.counts.payload;
+  ep_layer.bus -= x.counts.bus;
+  ep_layer.calls -= x.counts.calls;
+  ep_layer += x.backward;
+
+  // DP: FSDP's of the dense parameters (a MoE layer's SwiGLU empty), the language model's ends,
+  // the counts, and the experts' gradients.
+  BlockConfig dense = c, moe = c;
+  dense.layers = std::int64_t(Ld);
+  moe.layers = std::int64_t(Lm);
+  moe.ffn = 0;
+  t.dp = fsdp::fsdp_traffic(dense, tp, dp);
+  t.dp += fsdp::fsdp_traffic(moe, tp, dp);
+  t.dp += lm_grads_traffic(c, tp, dp, true, true);
+  const U FE = U(m.expert_ffn) / T, SF = U(m.shared_ffn) / T, El = E / U(ep);
+  Traffic dp_layer = x.counts;
+  dp_layer += all_reduce(H * E * 4, D);  // the router
+  if (SF > 0)
+    for (int i = 0; i < 3; ++i) dp_layer += all_reduce(H * SF * 4, D);
+  for (int i = 0; i < 3; ++i) dp_layer += all_reduce(El * H * FE * 4, G);
+  for (U l = 0; l < Lm; ++l) {
+    t.ep += ep_layer;
+    t.dp += dp_layer;
+  }
+  return t;
+}
+
+}  // namespace tpx::ep
