@@ -461,7 +461,7 @@ StagePlan plan_expert_parallel(const RunContext& ctx) {
   StagePlan p = fsdp::plan_fsdp_tp(ctx);  // the dense parameters' sharding
   const ExpertTraffic t = expert_traffic(c, mesh.dp, mesh.tp, ep, mesh.dp_index);
   p.groups = {{.name = "dp", .label = "dp group", .traffic = t.dp},
-              {.name = "ep", .label = "ep group (balanced routing)", .traffic = t.ep}};
+              {.name = "ep", .label = "ep group", .traffic = t.ep}};
   p.traffic = t.tp;
   p.traffic += t.dp;
   p.traffic += t.ep;

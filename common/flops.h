@@ -12,6 +12,11 @@
 //   recompute          R/L × forward       --recompute full runs the forward of R = ceil(L/K)
 //                                          blocks again (--recompute-every K); selective only
 //                                          element-wise ops, 0 GEMM FLOPs
+// A MoE layer (stage 10, c.moe) has in place of 3HF per token its router and the K experts the
+// token chose, with the shared experts (SF = NS·FE wide):
+//   MoE linear forward 2·S·B·(2H² + 2H·KV + H·E + 3H·(K·FE + SF))
+//                                          the K chosen experts, dropped or not (the model's
+//                                          FLOPs; a capacity's drops are work not done)
 // The language model (--task lm) adds its output layer, once per step (not per layer):
 //   output forward     2·S·B·H·V          h · W_out, W_out: [H, V]; backward 2 × forward
 // The embedding is a lookup (no FLOPs), the cross-entropy element-wise.
@@ -43,7 +48,14 @@ inline StepFlops step_flops(const BlockConfig& c) {
   const double t = s * b, layers = double(c.layers);
   StepFlops r;
   const double kv = double(c.kv_dim());
+  // Stage 10's MoE layers, l % every == 0 of the L: ⌈L / every⌉.
+  const double moe = c.moe.experts > 0 ? double((c.layers + c.moe.every - 1) / c.moe.every) : 0.0;
+  const double moe_mlp =
+      h * double(c.moe.experts) +
+      3.0 * h * (double(c.moe.topk) * double(c.moe.expert_ffn) + double(c.moe.shared_ffn));
   r.linear_forward = layers * 2.0 * t * (2.0 * h * h + 2.0 * h * kv + 3.0 * h * f);
+  if (moe > 0)  // the MoE layers' MLP in place of the SwiGLU
+    r.linear_forward += moe * 2.0 * t * (moe_mlp - 3.0 * h * f);
   const double recomputed = r.linear_forward + layers * 2.0 * (2.0 * b * s * s * h);
   if (c.lm()) r.linear_forward += 2.0 * t * h * double(c.vocab);  // the output layer
   r.attention_forward = layers * 2.0 * (2.0 * b * s * s * h);

@@ -5,8 +5,11 @@
 #   scripts/run.sh              # ranks for the parallel stages: TPX_RANKS (default 2); stage 07
 #                               # runs its mesh, D 2 × TP 2, stage 08 its mesh, CP 2 × TP 2, and
 #                               # stage 09 its mesh, P 2 × TP 2 with 1F1B, on 4 (oversubscribed on
-#                               # a small machine); stage 09 runs on the cpu backend only (its
-#                               # pipeline lanes are host threads), so TPX_DEVICE=cuda leaves it out
+#                               # a small machine), and stage 10 its mesh, D 2 × TP 2 with the
+#                               # experts over EP 2; stage 09 runs on the cpu backend only (its
+#                               # pipeline lanes are host threads), and so does stage 10 for now
+#                               # (its experts have no CUDA path yet), so TPX_DEVICE=cuda leaves
+#                               # them out
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -18,15 +21,21 @@ device=${TPX_DEVICE:-cpu}
 out=out/run
 mkdir -p "$out"
 jsons=()
-for exe in build/bin/0[1-9]_*; do
+for exe in build/bin/[0-9][0-9]_*; do
   stage=$(basename "$exe")
   np=$ranks
   [ "$stage" = 01_baseline ] && np=1
   [ "$stage" = 07_fsdp_tp ] && np=4
   [ "$stage" = 08_context_parallel ] && np=4 # --cp 2 by default: C 2 × TP 2
   [ "$stage" = 09_pipeline_parallel ] && np=4 # --pp 2 and --schedule 1f1b by default: P 2 × TP 2
+  [ "$stage" = 10_expert_parallel ] && np=4   # --dp 2 by default: D 2 × TP 2, EP 2
   if [ "$stage" = 09_pipeline_parallel ] && [ "$device" != cpu ]; then
     echo "=== $stage left out: --pp 2 runs on --device cpu only in this build"
+    echo
+    continue
+  fi
+  if [ "$stage" = 10_expert_parallel ] && [ "$device" != cpu ]; then
+    echo "=== $stage left out: its experts run on --device cpu only in this build"
     echo
     continue
   fi

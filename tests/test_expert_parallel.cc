@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/flops.h"
 #include "common/moe_model.h"
 #include "common/npy.h"
 #include "test_stage_runs.h"
@@ -177,6 +178,28 @@ TEST(ExpertParallel, DryRunNeedsBalancedRoutingToDivide) {
                             "--hidden 48 --heads 4 --ffn 64 --seq 15 --batch 4 --layers 2 "
                             "--experts 8 --topk 3 --dry-run",
                             "S·B/D·K = 180 assignments must be divisible by --experts (8)");
+}
+
+// common/flops.h on a case worked by hand: H 8, KV 8, F 4, one token, two layers of which layer 0
+// is a MoE layer (E 2, K 1, FE 2, no shared experts). Dense layer: 2·(2·64 + 2·64 + 3·8·4) = 704;
+// MoE layer: 2·(2·64 + 2·64 + 8·2 + 3·8·(1·2)) = 640; attention 2·(2·1·1·8) = 32 per layer.
+TEST(ExpertParallel, FlopsCountTheChosenExperts) {
+  BlockConfig c;
+  c.hidden = 8;
+  c.heads = 2;
+  c.ffn = 4;
+  c.seq = 1;
+  c.batch = 1;
+  c.layers = 2;
+  c.moe = {.experts = 2, .topk = 1, .expert_ffn = 2, .every = 2};
+  const StepFlops f = step_flops(c);
+  EXPECT_EQ(f.linear_forward, 704.0 + 640.0);
+  EXPECT_EQ(f.attention_forward, 64.0);
+  // Shared experts add 3·H·SF per token to each MoE layer; every layer a MoE layer doubles it.
+  c.moe.shared_ffn = 2;
+  EXPECT_EQ(step_flops(c).linear_forward, 704.0 + 640.0 + 2.0 * 3 * 8 * 2);
+  c.moe.every = 1;
+  EXPECT_EQ(step_flops(c).linear_forward, 2 * (640.0 + 2.0 * 3 * 8 * 2));
 }
 
 TEST(MoeModel, SequenceMajorOrderIsTheSequencesOneAfterAnother) {

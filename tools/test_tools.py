@@ -334,6 +334,58 @@ class PipelineFigures(unittest.TestCase):
         self.assertIn("not a 09_pipeline_parallel --json", r.stderr)
 
 
+class MoeFigures(unittest.TestCase):
+    """moe_svg on stage 10 summaries written here."""
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.tmp = pathlib.Path(self.dir.name)
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def summary(self, name, counts):
+        path = self.tmp / name
+        path.write_text(json.dumps({"steps": [{}] * len(counts),
+                                    "moe": {"experts": 4, "ep": 2, "layers": [0],
+                                            "tokens_per_expert": [[c] for c in counts]}}))
+        return path
+
+    def test_balance_plots_the_busiest_experts_load_over_the_mean(self):
+        even = self.summary("even.json", [[8, 8, 8, 8]] * 3)
+        skew = self.summary("skew.json", [[20, 4, 4, 4], [16, 8, 4, 4], [8, 8, 8, 8]])
+        out = self.tmp / "b.svg"
+        r = run([sys.executable, TOOLS / "moe_svg.py", "balance", f"{even}:even", f"{skew}:skew",
+                 "--smooth", "1", "-o", out])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("even: max/mean over the last quarter of the steps 1.000", r.stdout)
+        # The last step alone (a quarter of 3 steps rounds to none: the whole run): 2.5, 2.0, 1.0.
+        self.assertIn("skew: max/mean over the last quarter of the steps 1.833", r.stdout)
+        self.assertIn("<title>stage 10: the busiest expert", out.read_text())
+
+    def test_balance_refuses_another_stage_and_a_missing_layer(self):
+        other = self.tmp / "o.json"
+        other.write_text(json.dumps({"steps": []}))
+        out = self.tmp / "b.svg"
+        r = run([sys.executable, TOOLS / "moe_svg.py", "balance", other, "-o", out])
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("not a 10_expert_parallel --json", r.stderr)
+        one = self.summary("one.json", [[8, 8, 8, 8]])
+        r = run([sys.executable, TOOLS / "moe_svg.py", "balance", one, "--layer", "1", "-o", out])
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("has 1 MoE layers, not layer 1", r.stderr)
+        self.assertFalse(out.exists())
+
+    def test_dispatch_draws_every_row_each_expert_receives(self):
+        out = self.tmp / "d.svg"
+        r = run([sys.executable, TOOLS / "moe_svg.py", "dispatch", "-o", out])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        text = out.read_text()
+        # Six tokens, two experts each: twelve rows sent and twelve received.
+        self.assertEqual(text.count(" for e"), 12)
+        self.assertEqual(text.count("(from "), 12)
+
+
 class GpuReport(unittest.TestCase):
     """tools/gpu_report.py on a run written here: two parts, one with a report, one logs only."""
 
