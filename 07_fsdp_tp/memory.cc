@@ -7,36 +7,6 @@ namespace {
 
 using namespace memory;  // NOLINT: the estimate's vocabulary
 
-/// FSDP's unsharded layers. While layer l's backward runs: the unsharded copy of l's weights
-/// and its fp32 gradients, the gathered buffers of l and of l − 1 below it, prefetched (D·C
-/// shards each, at the compute copies' bytes: g), and the fp32 buffers of the gradient
-/// reduce-scatters still in flight (D·C shards each: r), those of l + 1 and l + 2: the layers
-/// keep at most two in flight, but a layer allocates its own before it waits for the older
-/// ones. A layer has one below only if l > 0, and as many above as there are:
-///   in flight(l) = g · (1 + [l > 0]) + r · min(2, L − 1 − l)
-/// at its largest at l = 0 or l = 1 (g at one byte an element when the weights travel as E4M3
-/// codes: --fp8-weight-gather). When l's gradients go out, l's own reduce-scatter buffer
-/// joins them, but backward's temporaries are gone: the term is the larger of the two moments,
-/// the second less the temporaries the estimate already counts.
-Count unsharded_layers(const BlockConfig& c, const Sharding& s, const LayerElements& layer,
-                       Count temporaries, bool fp8_gather) {
-  const char* what = "FSDP's unsharded layers";
-  const Count shards = s.dp * s.cp;
-  const Count weight_bytes = fp8_gather ? 1 : c.bf16_weight_copies() ? kBf16 : kF32;
-  const Count gathered = product({shards, layer.kept, weight_bytes}, what);
-  const Count reduce_scatter = product({shards, layer.kept, kF32}, what);
-  const Count unsharded = product({layer.tp, sum({weight_bytes, kF32}, what)}, what);
-  const Count above_0 = std::min<Count>(2, c.layers - 1),
-              above_1 = std::min<Count>(2, c.layers - 2);
-  const Count in_flight = largest(
-      {sum({gathered, product({reduce_scatter, above_0}, what)}, what),
-       c.layers >= 2 ? sum({gathered, gathered, product({reduce_scatter, above_1}, what)}, what)
-                     : Count{0}});
-  const Count during = sum({unsharded, in_flight}, what);
-  const Count going_out = sum({during, reduce_scatter}, what);
-  return largest({during, going_out > temporaries ? going_out - temporaries : Count{0}});
-}
-
 /// The language model's ends as FSDP units on a rank (V_p = its ⌈V/T⌉ vocabulary rows, G = D·C):
 /// element counts of their unsharded TP-local tensors and of one rank's flat shard.
 struct Ends {
@@ -140,6 +110,38 @@ class FsdpMemory final : public MemoryDimension {
 };
 
 }  // namespace
+
+// FSDP's unsharded layers (memory.h). While layer l's backward runs: the unsharded copy of l's
+// weights and its fp32 gradients, the gathered buffers of l and of l − 1 below it, prefetched (D·C
+// shards each, at the compute copies' bytes: g), and the fp32 buffers of the gradient
+// reduce-scatters still in flight (D·C shards each: r), those of l + 1 and l + 2: the layers
+// keep at most two in flight, but a layer allocates its own before it waits for the older
+// ones. A layer has one below only if l > 0, and as many above as there are:
+//   in flight(l) = g · (1 + [l > 0]) + r · min(2, L − 1 − l)
+// at its largest at l = 0 or l = 1 (g at one byte an element when the weights travel as E4M3
+// codes: --fp8-weight-gather). When l's gradients go out, l's own reduce-scatter buffer
+// joins them, but backward's temporaries are gone: the term is the larger of the two moments,
+// the second less the temporaries the estimate already counts.
+memory::Count unsharded_layers(const BlockConfig& c, const Sharding& s,
+                               const memory::LayerElements& layer, memory::Count temporaries,
+                               bool fp8_gather) {
+  using namespace memory;  // NOLINT: the estimate's vocabulary
+  const char* what = "FSDP's unsharded layers";
+  const Count shards = s.dp * s.cp;
+  const Count weight_bytes = fp8_gather ? 1 : c.bf16_weight_copies() ? kBf16 : kF32;
+  const Count gathered = product({shards, layer.kept, weight_bytes}, what);
+  const Count reduce_scatter = product({shards, layer.kept, kF32}, what);
+  const Count unsharded = product({layer.tp, sum({weight_bytes, kF32}, what)}, what);
+  const Count above_0 = std::min<Count>(2, c.layers - 1),
+              above_1 = std::min<Count>(2, c.layers - 2);
+  const Count in_flight = largest(
+      {sum({gathered, product({reduce_scatter, above_0}, what)}, what),
+       c.layers >= 2 ? sum({gathered, gathered, product({reduce_scatter, above_1}, what)}, what)
+                     : Count{0}});
+  const Count during = sum({unsharded, in_flight}, what);
+  const Count going_out = sum({during, reduce_scatter}, what);
+  return largest({during, going_out > temporaries ? going_out - temporaries : Count{0}});
+}
 
 std::shared_ptr<const MemoryDimension> memory_dimension(bool first_of_group, bool fp8_gather) {
   return std::make_shared<FsdpMemory>(first_of_group, fp8_gather);

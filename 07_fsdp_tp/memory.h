@@ -4,7 +4,7 @@
 // first rank. Its sharded parameters, gradients and optimizer state (the ends' too) are the shared
 // terms at Sharding::dp and Sharding::cp (common/memory.cc).
 //
-// defines: tpx::fsdp::memory_dimension()
+// defines: tpx::fsdp::memory_dimension(), tpx::fsdp::unsharded_layers()
 #pragma once
 
 #include <memory>
@@ -20,5 +20,13 @@ namespace tpx::fsdp {
 /// per element (the two norm gains, 2H of a layer's elements, counted at a byte too).
 std::shared_ptr<const MemoryDimension> memory_dimension(bool first_of_group = false,
                                                         bool fp8_gather = false);
+
+/// The estimate's "unsharded layers (FSDP)" term for a layer of `layer` elements (its TP-local
+/// count and this rank's kept shard): the unsharded copy and its gradients, the gathers and
+/// reduce-scatters in flight around it (memory.cc says which). Stage 10 asks it for a layer
+/// without the SwiGLU.
+memory::Count unsharded_layers(const BlockConfig& c, const Sharding& s,
+                               const memory::LayerElements& layer, memory::Count temporaries,
+                               bool fp8_gather);
 
 }  // namespace tpx::fsdp

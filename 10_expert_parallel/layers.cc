@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <span>
 
 #include <fmt/format.h>
 
 #include "07_fsdp_tp/flags.h"
+#include "10_expert_parallel/memory.h"
 #include "10_expert_parallel/traffic.h"
 #include "common/check.h"
 #include "common/comm/communicator.h"
@@ -29,14 +31,14 @@ auto tensors(W& w) {
                     &w.shared_gate, &w.shared_up, &w.shared_down};
 }
 
-Tensor host_tensor(const std::vector<float>& v, Tensor::Shape shape) {
+Tensor host_tensor(std::span<const float> v, Tensor::Shape shape) {
   Tensor t = Tensor::empty(std::move(shape), DType::f32, Device::cpu);
   std::memcpy(t.raw(), v.data(), v.size() * sizeof(float));
   return t;
 }
 
 /// Sums v over `comm`'s ranks in place (a gradient's all-reduce, counted in the step's traffic).
-void all_reduce(Communicator& comm, std::vector<float>& v, const Stream& s) {
+void all_reduce(Communicator& comm, HostVector<float>& v, const Stream& s) {
   if (v.empty() || comm.size() == 1) return;
   const Tensor t = host_tensor(v, {I(v.size())});
   comm.all_reduce(t, s);
@@ -101,6 +103,8 @@ class MoeLayers::Layer final : public MlpBranch {
     TraceScope op(trace, "experts fwd");
     TPX_CHECK(h2.device() == Device::cpu && h2.dtype() == DType::f32, "experts on {}",
               h2.describe());
+    f_ = {};  // a held-out forward's, or none: backward frees the step's
+    x_ = {};
     // The replica's tokens: under sequence parallelism each TP rank holds S/T positions of them.
     const Tensor rows = gather(h2);
     const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
@@ -109,25 +113,32 @@ class MoeLayers::Layer final : public MlpBranch {
     shape_.shared_ffn /= o_.tp_size_;
     x_ = to_sequence_major(rows.f32().data(), S, b, H);
     f_ = moe_ep_forward<float>(shape_, w_, x_, bias_, *o_.ep_, o_.stream_, o_.tokens_.get());
-    return scatter(host_tensor(from_sequence_major(f_.y.data(), S, b, H), rows.shape()));
+    Tensor y = host_tensor(from_sequence_major(f_.y.data(), S, b, H), rows.shape());
+    f_.y = {};  // backward does not read it
+    return scatter(y);
   }
 
   Tensor backward(const Tensor& dout, Trace& trace) override {
     TraceScope op(trace, "experts bwd");
     const Tensor rows = gather(dout);
     const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
-    const std::vector<float> dy = to_sequence_major(rows.f32().data(), S, b, H);
+    const HostVector<float> dy = to_sequence_major(rows.f32().data(), S, b, H);
+    g_ = {};  // the last step's, which the update has used
     g_ = moe_ep_backward<float>(shape_, w_, x_, f_, dy, *o_.ep_, o_.stream_, o_.tp_.get());
     // The router's and the shared experts' parts over every token's rank; each expert's over
     // the ranks that hold the same experts.
-    for (std::vector<float>* t :
+    for (HostVector<float>* t :
          {&g_.w.router, &g_.w.shared_gate, &g_.w.shared_up, &g_.w.shared_down})
       all_reduce(*o_.tokens_, *t, o_.stream_);
     if (o_.replicas_)
-      for (std::vector<float>* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down})
+      for (HostVector<float>* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down})
         all_reduce(*o_.replicas_, *t, o_.stream_);
     counts_ = f_.routed_all;  // this step's (a held-out forward after it leaves them be)
-    return scatter(host_tensor(from_sequence_major(g_.x.data(), S, b, H), rows.shape()));
+    Tensor dx = host_tensor(from_sequence_major(g_.x.data(), S, b, H), rows.shape());
+    g_.x = {};
+    f_ = {};  // what backward needed
+    x_ = {};
+    return scatter(dx);
   }
 
   /// The TP group's parts of a [S/T, b, H] tensor, whole: [S, b, H] (itself when T = 1).
@@ -147,6 +158,8 @@ class MoeLayers::Layer final : public MlpBranch {
     return part;
   }
 
+  /// What forward keeps for backward (its float buffers; the routing's small integer ones are
+  /// left out).
   std::size_t saved_bytes() const override {
     return (x_.size() + f_.logits.size() + f_.routing.score.size() + f_.routing.weight.size() +
             f_.recv.size() + f_.gate.size() + f_.up.size() + f_.out.size() + f_.shared_gate.size() +
@@ -161,7 +174,7 @@ class MoeLayers::Layer final : public MlpBranch {
   /// rank's experts' part where `experts`.
   double square_sum(bool router, bool shared, bool experts) const {
     double sq = 0.0;
-    auto add = [&](const std::vector<float>& v) {
+    auto add = [&](const HostVector<float>& v) {
       for (const float x : v) sq += double(x) * x;
     };
     if (router) add(g_.w.router);
@@ -178,20 +191,20 @@ class MoeLayers::Layer final : public MlpBranch {
     const BlockConfig& c = o_.c_;
     const auto w = tensors(w_);
     const auto g = tensors(g_.w);
-    if (moments_.empty())
-      for (const auto* v : w) moments_.insert(moments_.end(), 2, std::vector<float>(v->size()));
+    if (moments_.empty() && c.optimizer == Optimizer::adamw)  // SGD keeps none
+      for (const auto* v : w) moments_.insert(moments_.end(), 2, HostVector<float>(v->size()));
     const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
     const auto b1 = float(c.beta1), b2 = float(c.beta2), eps = float(c.eps);
     const auto decay = float(1.0 - c.lr * c.weight_decay), step = float(c.lr / bias1),
                root = float(std::sqrt(bias2)), lr = float(c.lr);
     for (std::size_t p = 0; p < w.size(); ++p) {
-      std::vector<float>& x = *w[p];
-      const std::vector<float>& grad = *g[p];
+      HostVector<float>& x = *w[p];
+      const HostVector<float>& grad = *g[p];
       if (c.optimizer == Optimizer::sgd) {
         for (std::size_t i = 0; i < x.size(); ++i) x[i] -= lr * grad[i];
         continue;
       }
-      std::vector<float>&m = moments_[2 * p], &v = moments_[2 * p + 1];
+      HostVector<float>&m = moments_[2 * p], &v = moments_[2 * p + 1];
       for (std::size_t i = 0; i < x.size(); ++i) {
         m[i] = b1 * m[i] + (1.0f - b1) * grad[i];
         v[i] = b2 * v[i] + (1.0f - b2) * (grad[i] * grad[i]);
@@ -205,9 +218,18 @@ class MoeLayers::Layer final : public MlpBranch {
 
   /// Every tensor whole on this rank (collective over the TP and EP groups): the width of all
   /// TP ranks, the experts of all EP ranks.
-  MoeWeights<float> whole(const MoeWeights<float>& mine) {
+  /// A report's copy of every tensor whole, outside the allocator (as the dense layers' snapshot:
+  /// the step's peak leaves it out).
+  using Report = MoeWeights<float, std::vector<float>>;
+
+  /// Every tensor whole on this rank (collective over the TP and EP groups): the width of all
+  /// TP ranks, the experts of all EP ranks.
+  Report whole(const MoeWeights<float>& mine) {
     const I H = o_.c_.hidden, T = o_.tp_size_;
-    MoeWeights<float> all = mine;
+    auto copy = [](const HostVector<float>& v) { return std::vector<float>(v.begin(), v.end()); };
+    Report all{copy(mine.router),     copy(mine.w_gate),      copy(mine.w_up),
+               copy(mine.w_down),     copy(mine.shared_gate), copy(mine.shared_up),
+               copy(mine.shared_down)};
     // Over TP: w_gate and w_up [count, H, FE/T] → [count, H, FE]; w_down [count, FE/T, H] →
     // [count, FE, H] (each expert's row blocks in rank order); the shared experts likewise.
     auto columns = [&](const std::vector<float>& part, I count) {
@@ -230,13 +252,13 @@ class MoeLayers::Layer final : public MlpBranch {
       return out;
     };
     if (o_.tp_) {
-      all.w_gate = columns(mine.w_gate, local());
-      all.w_up = columns(mine.w_up, local());
-      all.w_down = row_blocks(mine.w_down, local());
-      if (!mine.shared_gate.empty()) {
-        all.shared_gate = columns(mine.shared_gate, 1);
-        all.shared_up = columns(mine.shared_up, 1);
-        all.shared_down = row_blocks(mine.shared_down, 1);
+      all.w_gate = columns(all.w_gate, local());
+      all.w_up = columns(all.w_up, local());
+      all.w_down = row_blocks(all.w_down, local());
+      if (!all.shared_gate.empty()) {
+        all.shared_gate = columns(all.shared_gate, 1);
+        all.shared_up = columns(all.shared_up, 1);
+        all.shared_down = row_blocks(all.shared_down, 1);
       }
     }
     // Over EP: expert e of rank i is expert i·E/EP + e.
@@ -254,7 +276,7 @@ class MoeLayers::Layer final : public MlpBranch {
   }
 
   void snapshot(NamedValues& params, NamedValues& grads) {
-    const MoeWeights<float> w = whole(w_), g = whole(g_.w);
+    const Report w = whole(w_), g = whole(g_.w);
     for (auto& t : moe_named(o_.c_.moe, w, layer_, 0)) params.push_back(std::move(t));
     for (auto& t : moe_named(o_.c_.moe, g, layer_, 0)) grads.push_back(std::move(t));
   }
@@ -266,12 +288,12 @@ class MoeLayers::Layer final : public MlpBranch {
   MoeLayers& o_;
   I layer_;
   MoeWeights<float> w_;
-  std::vector<float> bias_;
+  HostVector<float> bias_;
   MoeShape shape_;
-  std::vector<float> x_;  // the layer's input rows in sequence order
+  HostVector<float> x_;  // the layer's input rows in sequence order
   MoeEpForward<float> f_;
   MoeGrads<float> g_;
-  std::vector<std::vector<float>> moments_;         // AdamW's, two per tensor
+  std::vector<HostVector<float>> moments_;          // AdamW's, two per tensor
   std::vector<std::int64_t> counts_;                // the last step's assignments per expert
   std::vector<std::vector<std::int64_t>> history_;  // every step's
 };
@@ -368,7 +390,7 @@ nlohmann::json MoeLayers::summary() const {
 }
 
 Tensor MoeLayers::first_counts() const {
-  std::vector<float> v;
+  HostVector<float> v;
   I n = 0;
   for (const auto& l : layers_)
     if (l) {
@@ -386,6 +408,12 @@ ExpertParallel::~ExpertParallel() = default;
 std::string ExpertParallel::comm_name() const {
   return fmt::format("{}; experts: EP {} ({} of them per rank)", FsdpTp::comm_name(),
                      moe_->ep_size(), moe_->experts_per_rank());
+}
+
+Sharding ExpertParallel::sharding() const {
+  Sharding s = FsdpTp::sharding();
+  s.dimensions.push_back(memory_dimension(moe_->ep_size(), mesh().dp_index));
+  return s;
 }
 
 ExtraParameters* ExpertParallel::extra_parameters() {
@@ -459,6 +487,7 @@ StagePlan plan_expert_parallel(const RunContext& ctx) {
         "assignments must be divisible by --experts ({})",
         n * c.moe.topk, c.moe.experts));
   StagePlan p = fsdp::plan_fsdp_tp(ctx);  // the dense parameters' sharding
+  p.sharding.dimensions.push_back(memory_dimension(ep, mesh.dp_index));  // as sharding()
   const ExpertTraffic t = expert_traffic(c, mesh.dp, mesh.tp, ep, mesh.dp_index);
   p.groups = {{.name = "dp", .label = "dp group", .traffic = t.dp},
               {.name = "ep", .label = "ep group", .traffic = t.ep}};

@@ -46,6 +46,8 @@ class ExpertParallel final : public fsdp::FsdpTp {
   ~ExpertParallel() override;
 
   std::string comm_name() const override;
+  /// FSDP's sharding, with the experts' dimension of the estimate (memory.h) after FSDP's.
+  Sharding sharding() const override;
   ExtraParameters* extra_parameters() override;
   CommStats take_comm_stats() override;
   /// Stage 07's, and tokens_per_expert [MoE layers, E]: the first step's assignments chosen per

@@ -68,7 +68,7 @@ void moe_swiglu_forward(const T* x, const T* wg, const T* wu, const T* wd, I h, 
   std::fill(up, up + fe, T(0));
   row_matmul_acc(x, wg, h, fe, T(1), gate);
   row_matmul_acc(x, wu, h, fe, T(1), up);
-  std::vector<T> s(at(fe));
+  HostVector<T> s(at(fe));
   for (I f = 0; f < fe; ++f) s[at(f)] = silu(gate[f]) * up[f];
   row_matmul_acc(s.data(), wd, fe, h, a, y);
 }
@@ -76,13 +76,13 @@ void moe_swiglu_forward(const T* x, const T* wg, const T* wu, const T* wd, I h, 
 template <class T>
 T moe_swiglu_backward(const T* x, const T* wg, const T* wu, const T* wd, I h, I fe, T a,
                       const T* gate, const T* up, const T* dout, T* dwg, T* dwu, T* dwd, T* dx) {
-  std::vector<T> s(at(fe)), ds(at(fe), T(0)), dgate(at(fe)), dup(at(fe));
+  HostVector<T> s(at(fe)), ds(at(fe), T(0)), dgate(at(fe)), dup(at(fe));
   for (I f = 0; f < fe; ++f) s[at(f)] = silu(gate[f]) * up[f];
   // out = s·Wd: ∂loss/∂a = Σ_o dout[o]·out[o] = Σ_f s[f]·(Wd·dout)[f]
   row_matmul_dx(dout, wd, fe, h, ds.data());  // ds = Wd·dout (before the factor a)
   T da = 0;
   for (I f = 0; f < fe; ++f) da += s[at(f)] * ds[at(f)];
-  std::vector<T> adout(dout, dout + h);
+  HostVector<T> adout(dout, dout + h);
   for (T& v : adout) v *= a;
   row_matmul_dw(s.data(), adout.data(), fe, h, dwd);
   for (I f = 0; f < fe; ++f) {
@@ -102,8 +102,8 @@ namespace {
 // The normalised probabilities P of the auxiliary loss for one token's scores: p itself
 // (softmax) or s / Σ s (sigmoid).
 template <class T>
-std::vector<T> aux_probs(const MoeShape& m, const T* score) {
-  std::vector<T> q(score, score + m.experts);
+HostVector<T> aux_probs(const MoeShape& m, const T* score) {
+  HostVector<T> q(score, score + m.experts);
   if (m.router == MoeRouter::sigmoid) {
     const T sum = std::accumulate(q.begin(), q.end(), T(0));
     for (T& v : q) v /= sum;
@@ -134,7 +134,7 @@ MoeRouting<T> moe_route(const MoeShape& m, std::span<const T> logits, std::span<
   r.tokens_per_expert.assign(at(E), 0);
   r.score.resize(at(n * E));
   const I capacity = moe_capacity(m);
-  std::vector<T> sel(at(E));
+  HostVector<T> sel(at(E));
   std::vector<std::int32_t> order(at(E));
   for (I t = 0; t < n; ++t) {
     const T* z = logits.data() + t * E;
@@ -185,11 +185,11 @@ void moe_update_bias(std::span<T> bias, std::span<const std::int64_t> counts, do
 }
 
 template <class T>
-std::vector<T> moe_logits(const MoeShape& m, std::span<const T> router, std::span<const T> x) {
+HostVector<T> moe_logits(const MoeShape& m, std::span<const T> router, std::span<const T> x) {
   const I n = m.tokens, H = m.hidden, E = m.experts;
   TPX_CHECK(x.size() == at(n * H) && router.size() == at(H * E), "x of {}, router of {}", x.size(),
             router.size());
-  std::vector<T> z(at(n * E), T(0));
+  HostVector<T> z(at(n * E), T(0));
   for (I t = 0; t < n; ++t)
     row_matmul_acc(x.data() + t * H, router.data(), H, E, T(1), z.data() + t * E);
   return z;
@@ -202,9 +202,9 @@ T moe_aux_loss(const MoeShape& m, std::span<const T> score, std::span<const std:
   const I n = m.tokens, E = m.experts, k = m.topk;
   TPX_CHECK(score.size() == at(n * E) && routed.size() == at(E), "{} scores, {} counts",
             score.size(), routed.size());
-  std::vector<T> P(at(E), T(0));
+  HostVector<T> P(at(E), T(0));
   for (I t = 0; t < n; ++t) {
-    const std::vector<T> q = aux_probs(m, score.data() + t * E);
+    const HostVector<T> q = aux_probs(m, score.data() + t * E);
     for (I e = 0; e < E; ++e) P[at(e)] += q[at(e)] / T(tokens_all);
   }
   T sum = 0;
@@ -213,10 +213,10 @@ T moe_aux_loss(const MoeShape& m, std::span<const T> score, std::span<const std:
 }
 
 template <class T>
-std::vector<T> moe_aux_grad(const MoeShape& m, std::span<const std::int64_t> routed,
-                            std::int64_t tokens_all) {
+HostVector<T> moe_aux_grad(const MoeShape& m, std::span<const std::int64_t> routed,
+                           std::int64_t tokens_all) {
   const I E = m.experts, k = m.topk;
-  std::vector<T> dP(at(E), T(0));
+  HostVector<T> dP(at(E), T(0));
   if (m.aux_loss_weight != 0.0)
     for (I e = 0; e < E; ++e)
       dP[at(e)] = T(m.aux_loss_weight) * T(E) * T(routed[at(e)]) / T(tokens_all * k);
@@ -228,7 +228,7 @@ void moe_router_backward(const MoeShape& m, std::span<const T> router, const T* 
                          const std::int32_t* expert, const T* weight, const T* dweight,
                          std::span<const T> dP, std::int64_t tokens_all, T* dxt, T* drouter) {
   const I H = m.hidden, E = m.experts, k = m.topk, n = tokens_all;
-  std::vector<T> dscore(at(E), T(0)), dz(at(E));
+  HostVector<T> dscore(at(E), T(0)), dz(at(E));
   // The gate weights w_j = score_{e_j} / Σ_K score: ∂/∂score_{e_j} = (dw_j − Σ_i w_i dw_i) / Σ_K.
   T chosen = 0, wdw = 0;
   for (I j = 0; j < k; ++j) {
@@ -319,9 +319,9 @@ MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<co
   g.w.shared_down.assign(w.shared_down.size(), T(0));
 
   // ∂L_aux/∂P_e = W·E·f_e (f_e held constant), and P_e = mean_t q_{t,e}.
-  const std::vector<T> dP = moe_aux_grad<T>(m, r.routed_per_expert, n);
+  const HostVector<T> dP = moe_aux_grad<T>(m, r.routed_per_expert, n);
 
-  std::vector<T> dweight(at(k));
+  HostVector<T> dweight(at(k));
   for (I t = 0; t < n; ++t) {
     const T* xt = x.data() + t * H;
     const T* dyt = dy.data() + t * H;
@@ -355,11 +355,11 @@ MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<co
                                       T*);                                                         \
   template T moe_swiglu_backward<T>(const T*, const T*, const T*, const T*, I, I, T, const T*,     \
                                     const T*, const T*, T*, T*, T*, T*);                           \
-  template std::vector<T> moe_logits<T>(const MoeShape&, std::span<const T>, std::span<const T>);  \
+  template HostVector<T> moe_logits<T>(const MoeShape&, std::span<const T>, std::span<const T>);   \
   template T moe_aux_loss<T>(const MoeShape&, std::span<const T>, std::span<const std::int64_t>,   \
                              std::int64_t);                                                        \
-  template std::vector<T> moe_aux_grad<T>(const MoeShape&, std::span<const std::int64_t>,          \
-                                          std::int64_t);                                           \
+  template HostVector<T> moe_aux_grad<T>(const MoeShape&, std::span<const std::int64_t>,           \
+                                         std::int64_t);                                            \
   template void moe_router_backward<T>(const MoeShape&, std::span<const T>, const T*, const T*,    \
                                        const std::int32_t*, const T*, const T*,                    \
                                        std::span<const T>, std::int64_t, T*, T*);                  \

@@ -12,6 +12,8 @@
 //   sigmoid (DeepSeek-V3): s = sigmoid(z); choose the k largest s (+ bias); the gate weights are
 //                          the chosen s renormalised to sum 1 (DeepSeek-V3's node-limited group
 //                          selection and its routed scaling factor are left out).
+// Its float and double buffers are HostVectors (common/host_vector.h): the cpu allocator's bytes.
+//
 // Ties are broken by the lower expert index, so a routing never depends on the backend. The
 // per-expert bias (auxiliary-loss-free balancing) is added to the scores for the choice only; the
 // gate weights and the auxiliary loss use the scores without it.
@@ -38,6 +40,8 @@
 #include <span>
 #include <vector>
 
+#include "host_vector.h"
+
 namespace tpx {
 
 enum class MoeRouter { softmax, sigmoid };
@@ -62,11 +66,11 @@ std::int64_t moe_capacity(const MoeShape& m);
 template <class T>
 struct MoeRouting {
   std::vector<std::int32_t> expert;             ///< [T, k] the chosen experts
-  std::vector<T> weight;                        ///< [T, k] their gate weights (each row sums 1)
+  HostVector<T> weight;                         ///< [T, k] their gate weights (each row sums 1)
   std::vector<std::uint8_t> kept;               ///< [T, k] 1: served, 0: dropped for capacity
   std::vector<std::int64_t> routed_per_expert;  ///< [E] assignments chosen, before drops
   std::vector<std::int64_t> tokens_per_expert;  ///< [E] assignments served, after drops
-  std::vector<T> score;  ///< [T, E] p (softmax) or s (sigmoid), without the bias
+  HostVector<T> score;  ///< [T, E] p (softmax) or s (sigmoid), without the bias
 };
 
 /// Routes T tokens from their router logits z [T, E]; bias: [E] added to the scores for the
@@ -79,31 +83,32 @@ MoeRouting<T> moe_route(const MoeShape& m, std::span<const T> logits, std::span<
 template <class T>
 void moe_update_bias(std::span<T> bias, std::span<const std::int64_t> counts, double rate);
 
-/// The parameters, all row-major: expert e's matrices at offset e·H·FE.
-template <class T>
+/// The parameters, all row-major: expert e's matrices at offset e·H·FE. V: a vector of T (a
+/// report's copy may hold them outside the allocator: std::vector<T>).
+template <class T, class V = HostVector<T>>
 struct MoeWeights {
-  std::vector<T> router;                  ///< [H, E]
-  std::vector<T> w_gate, w_up;            ///< [E, H, FE]
-  std::vector<T> w_down;                  ///< [E, FE, H]
-  std::vector<T> shared_gate, shared_up;  ///< [H, SF] (empty without shared experts)
-  std::vector<T> shared_down;             ///< [SF, H]
+  V router;                  ///< [H, E]
+  V w_gate, w_up;            ///< [E, H, FE]
+  V w_down;                  ///< [E, FE, H]
+  V shared_gate, shared_up;  ///< [H, SF] (empty without shared experts)
+  V shared_down;             ///< [SF, H]
 };
 
 /// The output and what the backward needs.
 template <class T>
 struct MoeForward {
-  std::vector<T> y;  ///< [T, H]
-  T aux_loss{};      ///< L_aux (0 when W = 0)
+  HostVector<T> y;  ///< [T, H]
+  T aux_loss{};     ///< L_aux (0 when W = 0)
   MoeRouting<T> routing;
-  std::vector<T> logits;                  ///< [T, E]
-  std::vector<T> gate, up;                ///< [T, k, FE] the routed experts' pre-activations
-  std::vector<T> shared_gate, shared_up;  ///< [T, SF]
+  HostVector<T> logits;                  ///< [T, E]
+  HostVector<T> gate, up;                ///< [T, k, FE] the routed experts' pre-activations
+  HostVector<T> shared_gate, shared_up;  ///< [T, SF]
 };
 
 /// The gradients of (the caller's loss + L_aux), the shapes of MoeWeights.
 template <class T>
 struct MoeGrads {
-  std::vector<T> x;  ///< [T, H]
+  HostVector<T> x;  ///< [T, H]
   MoeWeights<T> w;
 };
 
@@ -122,7 +127,7 @@ MoeGrads<T> moe_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<co
 
 /// The router logits z = x·W_router [T, E] of x [T, H] (T = m.tokens).
 template <class T>
-std::vector<T> moe_logits(const MoeShape& m, std::span<const T> router, std::span<const T> x);
+HostVector<T> moe_logits(const MoeShape& m, std::span<const T> router, std::span<const T> x);
 
 /// One SwiGLU on one row x [h]: gate = x·Wg, up = x·Wu (both [fe], written), y [h] += a · (silu(gate)
 /// ·up)·Wd.
@@ -146,8 +151,8 @@ T moe_aux_loss(const MoeShape& m, std::span<const T> score, std::span<const std:
 
 /// ∂L_aux/∂P_e = W·E·f_e for `routed` [E] assignments of tokens_all tokens (f_e held constant).
 template <class T>
-std::vector<T> moe_aux_grad(const MoeShape& m, std::span<const std::int64_t> routed,
-                            std::int64_t tokens_all);
+HostVector<T> moe_aux_grad(const MoeShape& m, std::span<const std::int64_t> routed,
+                           std::int64_t tokens_all);
 
 /// The router's backward for one token x_t [H] with scores `score` [E], choices `expert` [k],
 /// gate weights `weight` [k] and dweight [k] = ∂loss/∂(each gate weight) (0 for a dropped one):

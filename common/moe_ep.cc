@@ -27,9 +27,9 @@ std::size_t at(I i) {
 
 /// Rows of `width` T each through Communicator::all_to_all_v: float as f32, double as its bytes.
 template <class T>
-std::vector<T> exchange(Communicator& ep, const std::vector<T>& send, I width,
-                        std::span<const I> send_rows, std::span<const I> recv_rows, const Stream& s,
-                        std::string_view what) {
+HostVector<T> exchange(Communicator& ep, const HostVector<T>& send, I width,
+                       std::span<const I> send_rows, std::span<const I> recv_rows, const Stream& s,
+                       std::string_view what) {
   I n_send = 0, n_recv = 0;
   for (const I r : send_rows) n_send += r;
   for (const I r : recv_rows) n_recv += r;
@@ -40,13 +40,13 @@ std::vector<T> exchange(Communicator& ep, const std::vector<T>& send, I width,
   const Tensor st = Tensor::empty({n_send, cols}, dtype), rt = Tensor::empty({n_recv, cols}, dtype);
   if (!send.empty()) std::memcpy(st.raw(), send.data(), send.size() * sizeof(T));
   ep.all_to_all_v(st, send_rows, rt, recv_rows, s, what);
-  std::vector<T> recv(at(n_recv * width));
+  HostVector<T> recv(at(n_recv * width));
   if (!recv.empty()) std::memcpy(recv.data(), rt.raw(), recv.size() * sizeof(T));
   return recv;
 }
 
 /// Sums v over `comm`'s ranks in place (f32: the communicator sums no doubles).
-void all_reduce_values(Communicator& comm, std::vector<float>& v, const Stream& s) {
+void all_reduce_values(Communicator& comm, HostVector<float>& v, const Stream& s) {
   const Tensor t = Tensor::empty({I(v.size())}, DType::f32);
   std::memcpy(t.raw(), v.data(), v.size() * sizeof(float));
   comm.all_reduce(t, s);
@@ -139,7 +139,7 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
   // then expert, then token.
   const Tensor counts = Tensor::empty({E}, DType::i32), got = Tensor::empty({E}, DType::i32);
   f.send_rows.assign(at(N), 0);
-  std::vector<T> send;
+  HostVector<T> send;
   for (I e = 0; e < E; ++e) {
     counts.data<std::int32_t>()[e] = static_cast<std::int32_t>(by_expert[at(e)].size());
     f.send_rows[at(e / El)] += I(by_expert[at(e)].size());
@@ -164,7 +164,7 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
   const I n_recv = I(f.recv.size()) / std::max<I>(H, 1);
   f.gate.assign(at(n_recv * FE), T(0));
   f.up.assign(at(n_recv * FE), T(0));
-  std::vector<T> out(at(n_recv * H), T(0));
+  HostVector<T> out(at(n_recv * H), T(0));
   for (I le = 0; le < El; ++le)
     for (const I i : group_rows(f.recv_counts, N, El, le))
       moe_swiglu_forward(f.recv.data() + i * H, w.w_gate.data() + le * H * FE,
@@ -214,16 +214,16 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
   g.w.shared_down.assign(w.shared_down.size(), T(0));
 
   // Dispatch w_j·dy_t, the gradient of expert j's unscaled output, in the forward's order.
-  std::vector<T> send(f.sent.size() * at(H));
+  HostVector<T> send(f.sent.size() * at(H));
   for (std::size_t i = 0; i < f.sent.size(); ++i) {
     const I a = f.sent[i];
     for (I h = 0; h < H; ++h) send[i * at(H) + at(h)] = rt.weight[at(a)] * dy[at((a / k) * H + h)];
   }
-  const std::vector<T> rdy = exchange<T>(ep, send, H, f.send_rows, f.recv_rows, s, "moe dispatch");
+  const HostVector<T> rdy = exchange<T>(ep, send, H, f.send_rows, f.recv_rows, s, "moe dispatch");
 
   // The local experts' backward, one call per expert over its group; dx rows go back.
   const I n_recv = I(f.recv.size()) / std::max<I>(H, 1);
-  std::vector<T> dx_rows(at(n_recv * H), T(0));
+  HostVector<T> dx_rows(at(n_recv * H), T(0));
   for (I le = 0; le < El; ++le)
     for (const I i : group_rows(f.recv_counts, N, El, le))
       moe_swiglu_backward(f.recv.data() + i * H, w.w_gate.data() + le * H * FE,
@@ -231,15 +231,15 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
                           f.gate.data() + i * FE, f.up.data() + i * FE, rdy.data() + i * H,
                           g.w.w_gate.data() + le * H * FE, g.w.w_up.data() + le * H * FE,
                           g.w.w_down.data() + le * FE * H, dx_rows.data() + i * H);
-  const std::vector<T> dx_back =
+  const HostVector<T> dx_back =
       exchange<T>(ep, dx_rows, H, f.recv_rows, f.send_rows, s, "moe combine");
 
   // On the tokens' rank: dx from the experts, the gate weights' gradients dy·out_j, the shared
   // experts, and the router (with the auxiliary loss over all tokens).
   std::vector<I> row_of(at(n * k), -1);
   for (std::size_t i = 0; i < f.sent.size(); ++i) row_of[at(f.sent[i])] = I(i);
-  const std::vector<T> dP = moe_aux_grad<T>(m, f.routed_all, f.tokens_all);
-  std::vector<T> dweight(at(n * k), T(0));
+  const HostVector<T> dP = moe_aux_grad<T>(m, f.routed_all, f.tokens_all);
+  HostVector<T> dweight(at(n * k), T(0));
   for (I t = 0; t < n; ++t) {
     const T* dyt = dy.data() + t * H;
     T* dxt = g.x.data() + t * H;
@@ -272,7 +272,7 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
     else
       TPX_CHECK(false, "experts cut over a TP group run in float");
   }
-  std::vector<T> scratch(at(H));
+  HostVector<T> scratch(at(H));
   const bool router_dx = !tp || tp->rank() == 0;
   for (I t = 0; t < n; ++t) {
     T* dxt = router_dx ? g.x.data() + t * H : scratch.data();

@@ -58,22 +58,22 @@ void moe_ep_check(std::int64_t experts, int ep);
 /// This rank's forward: its tokens' output and what its backward needs.
 template <class T>
 struct MoeEpForward {
-  std::vector<T> y;  ///< [T_r, H]
-  T aux_loss{};      ///< this rank's part of L_aux: the parts sum to L_aux over the EP ranks
+  HostVector<T> y;  ///< [T_r, H]
+  T aux_loss{};     ///< this rank's part of L_aux: the parts sum to L_aux over the EP ranks
   /// This rank's tokens' routing, kept by the capacity over all tokens (above);
   /// routed_per_expert and tokens_per_expert count this rank's tokens only.
   MoeRouting<T> routing;
   std::vector<std::int64_t> routed_all;   ///< [E] assignments all ranks' tokens chose
   std::int64_t tokens_all = 0;            ///< T_all
-  std::vector<T> logits;                  ///< [T_r, E]
-  std::vector<T> shared_gate, shared_up;  ///< [T_r, SF]
+  HostVector<T> logits;                   ///< [T_r, E]
+  HostVector<T> shared_gate, shared_up;   ///< [T_r, SF]
   std::vector<std::int64_t> send_rows;    ///< [EP] n_{r→d}: rows dispatched to each rank
   std::vector<std::int64_t> recv_rows;    ///< [EP] n_{s→r}: rows received from each rank
   std::vector<std::int64_t> recv_counts;  ///< [EP, E/EP] rows from each rank for each local expert
   std::vector<std::int64_t> sent;  ///< [Σ send_rows] each dispatched row's assignment t·k + j
-  std::vector<T> recv;             ///< [Σ recv_rows, H] the received rows x
-  std::vector<T> gate, up;         ///< [Σ recv_rows, FE] the local experts' pre-activations
-  std::vector<T> out;              ///< [Σ send_rows, H] the experts' outputs, combined
+  HostVector<T> recv;              ///< [Σ recv_rows, H] the received rows x
+  HostVector<T> gate, up;          ///< [Σ recv_rows, FE] the local experts' pre-activations
+  HostVector<T> out;               ///< [Σ send_rows, H] the experts' outputs, combined
 };
 
 /// Forward of this rank's tokens x [m.tokens = T_r, H]. w: the router [H, E], this rank's E/EP

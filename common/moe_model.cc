@@ -17,8 +17,8 @@ std::size_t at(I i) {
 
 /// Elements [first, first + n) of tensor `id` ~ N(0, 0.02²), each rounded to float.
 template <class T>
-std::vector<T> draw(const BlockConfig& c, std::uint64_t id, I first, I n) {
-  std::vector<T> v(at(n));
+HostVector<T> draw(const BlockConfig& c, std::uint64_t id, I first, I n) {
+  HostVector<T> v(at(n));
   for (I i = 0; i < n; ++i)
     v[at(i)] = T(float(0.02 * normal_at(c.seed, id, std::uint64_t(first + i))));
   return v;
@@ -27,13 +27,13 @@ std::vector<T> draw(const BlockConfig& c, std::uint64_t id, I first, I n) {
 /// Columns [c0, c0 + width) of matrices m = first … first + count − 1 of tensor `id`, each
 /// [rows, cols]: [count, rows, width].
 template <class T>
-std::vector<T> draw_columns(const BlockConfig& c, std::uint64_t id, I first, I count, I rows,
-                            I cols, I c0, I width) {
-  std::vector<T> v;
+HostVector<T> draw_columns(const BlockConfig& c, std::uint64_t id, I first, I count, I rows, I cols,
+                           I c0, I width) {
+  HostVector<T> v;
   v.reserve(at(count * rows * width));
   for (I m = first; m < first + count; ++m)
     for (I i = 0; i < rows; ++i) {
-      const std::vector<T> row = draw<T>(c, id, (m * rows + i) * cols + c0, width);
+      const HostVector<T> row = draw<T>(c, id, (m * rows + i) * cols + c0, width);
       v.insert(v.end(), row.begin(), row.end());
     }
   return v;
@@ -53,7 +53,7 @@ MoeWeights<T> moe_init(const BlockConfig& c, I layer, I first, I count, I tp_ran
   w.w_up = draw_columns<T>(c, id(2), first, count, H, FE, tp_rank * fe, fe);
   // w_down [FE, H]: rows [r·fe, (r+1)·fe) of each expert, a whole [fe, H] block.
   for (I e = first; e < first + count; ++e) {
-    const std::vector<T> rows = draw<T>(c, id(3), (e * FE + tp_rank * fe) * H, fe * H);
+    const HostVector<T> rows = draw<T>(c, id(3), (e * FE + tp_rank * fe) * H, fe * H);
     w.w_down.insert(w.w_down.end(), rows.begin(), rows.end());
   }
   if (SF > 0) {
@@ -75,14 +75,15 @@ std::vector<std::string> moe_tensor_names(const MoeConfig& m, I layer, I first, 
   return names;
 }
 
-template <class T>
-std::vector<NamedArray<T>> moe_named(const MoeConfig& m, const MoeWeights<T>& w, I layer, I first) {
+template <class T, class V>
+std::vector<NamedArray<T>> moe_named(const MoeConfig& m, const MoeWeights<T, V>& w, I layer,
+                                     I first) {
   const I H = I(w.router.size()) / m.experts, FE = m.expert_ffn, SF = m.shared_ffn;
   const I count = FE > 0 ? I(w.w_gate.size()) / (H * FE) : 0;
   const std::vector<std::string> names = moe_tensor_names(m, layer, first, count);
   std::vector<NamedArray<T>> out;
   std::size_t n = 0;
-  auto add = [&](std::vector<std::int64_t> shape, const std::vector<T>& all, I part) {
+  auto add = [&](std::vector<std::int64_t> shape, const V& all, I part) {
     const I size = shape[0] * shape[1];
     out.push_back({names[n++], std::move(shape),
                    std::vector<T>(all.begin() + part * size, all.begin() + (part + 1) * size)});
@@ -102,8 +103,8 @@ std::vector<NamedArray<T>> moe_named(const MoeConfig& m, const MoeWeights<T>& w,
 }
 
 template <class T>
-std::vector<T> to_sequence_major(const T* rows, I seq, I b, I h) {
-  std::vector<T> out(at(seq * b * h));
+HostVector<T> to_sequence_major(const T* rows, I seq, I b, I h) {
+  HostVector<T> out(at(seq * b * h));
   for (I s = 0; s < seq; ++s)
     for (I j = 0; j < b; ++j)
       std::copy_n(rows + (s * b + j) * h, h, out.begin() + (j * seq + s) * h);
@@ -111,8 +112,8 @@ std::vector<T> to_sequence_major(const T* rows, I seq, I b, I h) {
 }
 
 template <class T>
-std::vector<T> from_sequence_major(const T* rows, I seq, I b, I h) {
-  std::vector<T> out(at(seq * b * h));
+HostVector<T> from_sequence_major(const T* rows, I seq, I b, I h) {
+  HostVector<T> out(at(seq * b * h));
   for (I s = 0; s < seq; ++s)
     for (I j = 0; j < b; ++j)
       std::copy_n(rows + (j * seq + s) * h, h, out.begin() + (s * b + j) * h);
@@ -122,8 +123,10 @@ std::vector<T> from_sequence_major(const T* rows, I seq, I b, I h) {
 #define TPX_MOE_MODEL(T)                                                                          \
   template MoeWeights<T> moe_init<T>(const BlockConfig&, I, I, I, I, I);                          \
   template std::vector<NamedArray<T>> moe_named<T>(const MoeConfig&, const MoeWeights<T>&, I, I); \
-  template std::vector<T> to_sequence_major<T>(const T*, I, I, I);                                \
-  template std::vector<T> from_sequence_major<T>(const T*, I, I, I);
+  template std::vector<NamedArray<T>> moe_named<T>(const MoeConfig&,                              \
+                                                   const MoeWeights<T, std::vector<T>>&, I, I);   \
+  template HostVector<T> to_sequence_major<T>(const T*, I, I, I);                                 \
+  template HostVector<T> from_sequence_major<T>(const T*, I, I, I);
 TPX_MOE_MODEL(float)
 TPX_MOE_MODEL(double)
 #undef TPX_MOE_MODEL

@@ -47,14 +47,14 @@ std::vector<std::string> moe_tensor_names(const MoeConfig& m, std::int64_t layer
 /// w's tensors under moe_tensor_names(), each expert's three matrices apart, with their shapes:
 /// the router [H, E], an expert's w_gate and w_up [H, FE] and w_down [FE, H], the shared
 /// experts' [H, SF] and [SF, H].
-template <class T>
-std::vector<NamedArray<T>> moe_named(const MoeConfig& m, const MoeWeights<T>& w, std::int64_t layer,
-                                     std::int64_t first);
+template <class T, class V>
+std::vector<NamedArray<T>> moe_named(const MoeConfig& m, const MoeWeights<T, V>& w,
+                                     std::int64_t layer, std::int64_t first);
 
 /// Rows [S, b, H] (t = s·b + j) as [b, S, H] (t' = j·S + s), and back.
 template <class T>
-std::vector<T> to_sequence_major(const T* rows, std::int64_t seq, std::int64_t b, std::int64_t h);
+HostVector<T> to_sequence_major(const T* rows, std::int64_t seq, std::int64_t b, std::int64_t h);
 template <class T>
-std::vector<T> from_sequence_major(const T* rows, std::int64_t seq, std::int64_t b, std::int64_t h);
+HostVector<T> from_sequence_major(const T* rows, std::int64_t seq, std::int64_t b, std::int64_t h);
 
 }  // namespace tpx

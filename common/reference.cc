@@ -108,7 +108,7 @@ Vec rmsnorm_back(const Vec& dy, const Vec& x, const Vec& g, const Vec& rstd, I r
 // What a layer's forward keeps for its backward.
 struct Layer {
   Vec x, rstd1, h, q, k, v, p, a, x2, rstd2, h2, gt, up, s;
-  Vec moe_x;  // a MoE layer's h2 in sequence order
+  HostVector<double> moe_x;  // a MoE layer's h2 in sequence order
   MoeForward<double> moe;
 };
 
@@ -364,7 +364,8 @@ class RefBlock {
     saved.rstd2 = n2.rstd;
     saved.moe_x = to_sequence_major(saved.h2.data(), S, B, H);
     saved.moe = moe_forward<double>(moe_shape, moe.w, saved.moe_x, moe.bias);
-    Vec out = from_sequence_major(saved.moe.y.data(), S, B, H);
+    const HostVector<double> y = from_sequence_major(saved.moe.y.data(), S, B, H);
+    Vec out(y.begin(), y.end());
     add_into(out, saved.x2);
     return out;
   }
@@ -373,9 +374,10 @@ class RefBlock {
   // into dw; the layer has no dense w_gate, w_up, w_down (their entries stay empty).
   Vec moe_backward_half(const Params& w, RefMoe& moe, const Layer& saved, const Vec& dout,
                         Params& dw) const {
-    const Vec dy = to_sequence_major(dout.data(), S, B, H);
+    const HostVector<double> dy = to_sequence_major(dout.data(), S, B, H);
     moe.g = moe_backward<double>(moe_shape, moe.w, saved.moe_x, saved.moe, dy);
-    const Vec dh2 = from_sequence_major(moe.g.x.data(), S, B, H);
+    const HostVector<double> dx = from_sequence_major(moe.g.x.data(), S, B, H);
+    const Vec dh2(dx.begin(), dx.end());
     param(dw, Param::norm2).assign(static_cast<std::size_t>(H), 0.0);
     return rmsnorm_back(dh2, saved.x2, param(w, Param::norm2), saved.rstd2, T, H,
                         param(dw, Param::norm2));
@@ -622,14 +624,14 @@ void update_lm(const BlockConfig& c, int step, const std::array<Vec, kLmParams>&
 // over all tokens (moe_update_bias; not a gradient).
 void update_moe(const BlockConfig& c, int step, RefMoe& moe, const MoeRouting<double>& routing,
                 std::vector<Vec>& moments) {
-  const std::array<Vec*, 7> w = {&moe.w.router,     &moe.w.w_gate,      &moe.w.w_up,
-                                 &moe.w.w_down,     &moe.w.shared_gate, &moe.w.shared_up,
-                                 &moe.w.shared_down};
-  const std::array<const Vec*, 7> g = {
+  const std::array<HostVector<double>*, 7> w = {
+      &moe.w.router,      &moe.w.w_gate,    &moe.w.w_up,       &moe.w.w_down,
+      &moe.w.shared_gate, &moe.w.shared_up, &moe.w.shared_down};
+  const std::array<const HostVector<double>*, 7> g = {
       &moe.g.w.router,      &moe.g.w.w_gate,    &moe.g.w.w_up,       &moe.g.w.w_down,
       &moe.g.w.shared_gate, &moe.g.w.shared_up, &moe.g.w.shared_down};
   if (moments.empty())
-    for (const Vec* t : w) moments.insert(moments.end(), 2, Vec(t->size(), 0.0));
+    for (const HostVector<double>* t : w) moments.insert(moments.end(), 2, Vec(t->size(), 0.0));
   const double t = double(step + 1);
   const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
   for (std::size_t p = 0; p < w.size(); ++p)

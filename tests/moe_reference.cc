@@ -23,7 +23,7 @@
 namespace {
 
 using nlohmann::json;
-using Vec = std::vector<double>;
+using Vec = tpx::HostVector<double>;
 
 tpx::MoeShape shape_of(const json& in) {
   tpx::MoeShape m;

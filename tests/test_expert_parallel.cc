@@ -6,10 +6,13 @@
 //  - the routing, the drops and so the losses and the tokens per expert are the same on every
 //    mesh (the capacity runs over all tokens in sequence order: common/moe_model.h);
 //  - --dry-run's bytes equal the step's, by group, where routing is balanced (K = E);
+//  - the memory estimate holds the allocator's peak within 10 %, and its saved activations are
+//    the run's under balanced routing;
 //  - --dump writes the router, every expert and tokens_per_expert, and no dense MLP for a MoE
 //    layer; --json reports tokens per expert per layer per step;
 //  - the token order helpers against their definition;
 //  - bad input is exit 2 on every rank and one line, printed once.
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -138,7 +141,7 @@ TEST(ExpertParallel, DumpHoldsTheExpertsAndTheirCounts) {
   }();
   const MoeWeights<float> w = moe_init<float>(c, 0, 3, 1);
   ASSERT_EQ(w.w_down.size(), down.data.size());
-  EXPECT_EQ(w.w_down, down.data);
+  EXPECT_EQ(std::vector<float>(w.w_down.begin(), w.w_down.end()), down.data);
 }
 
 // --dry-run's bytes (10_expert_parallel/traffic.h) are the step's, group by group, where the
@@ -173,6 +176,49 @@ INSTANTIATE_TEST_SUITE_P(
                          "np4_d2_t2_ep1_block"}),
     [](const auto& p) { return p.param.name; });
 
+// The memory estimate (10_expert_parallel/memory.h) against the allocator's peak of real runs at
+// the default sizes, where the experts' parameters and gradients are most of a rank's bytes (the
+// experts' host buffers come from the cpu allocator: common/host_vector.h); and its saved
+// activations equal to the run's where the routing is balanced by construction (K = E).
+class ExpertParallelMemory : public testing::TestWithParam<Case> {};
+
+TEST_P(ExpertParallelMemory, EstimateIsWithinTenPercentOfThePeak) {
+  const Case& c = GetParam();
+  const json run = test::run_json("10_expert_parallel", c.ranks, "--steps 2 " + c.args);
+  ASSERT_TRUE(run.contains("steps")) << c.args;
+  std::int64_t peak = 0;
+  for (const json& step : run.at("steps"))
+    peak = std::max(peak, step.at("peak_bytes").get<std::int64_t>());
+  const double ratio = run.at("memory_estimate_bytes").get<double>() / double(peak);
+  EXPECT_GE(ratio, 0.9) << c.args << " " << run.at("memory_terms").dump();
+  EXPECT_LE(ratio, 1.1) << c.args << " " << run.at("memory_terms").dump();
+  EXPECT_TRUE(run.at("memory_terms").contains("experts (parameters, gradients, bias)"));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, ExpertParallelMemory,
+    testing::Values(Case{4, "", "np4_d2_t2"}, Case{4, "--task block --dp 1", "np4_t4_block"},
+                    Case{4, "--optimizer adamw --lr 1e-3", "np4_d2_t2_adamw"},
+                    Case{2, "--dp 1 --shared-experts 1", "np2_t2_shared"},
+                    Case{2, "--dp 2 --moe-every 2 --layers 3", "np2_d2_every2"}),
+    [](const auto& p) { return p.param.name; });
+
+TEST(ExpertParallel, SavedActivationsAreTheEstimatesUnderBalancedRouting) {
+  for (const auto& [ranks, args] :
+       {std::pair{4, "--dp 2"}, std::pair{4, "--dp 1 --shared-experts 1"},
+        std::pair{4, "--dp 4 --ep 2 --capacity-factor 0.5"},
+        std::pair{2, "--dp 2 --moe-every 2"}}) {
+    const json run = test::run_json(
+        "10_expert_parallel", ranks,
+        fmt::format("--hidden 48 --heads 4 --ffn 64 --seq 16 --batch 4 --layers 2 --experts 4 "
+                    "--topk 4 --steps 1 {}",
+                    args));
+    ASSERT_TRUE(run.contains("memory_terms")) << args;
+    EXPECT_EQ(run.at("memory_terms").at("saved activations"), run.at("saved_activation_bytes"))
+        << "np " << ranks << " " << args;
+  }
+}
+
 TEST(ExpertParallel, DryRunNeedsBalancedRoutingToDivide) {
   test::expect_refused_once("10_expert_parallel", 1,
                             "--hidden 48 --heads 4 --ffn 64 --seq 15 --batch 4 --layers 2 "
@@ -205,11 +251,11 @@ TEST(ExpertParallel, FlopsCountTheChosenExperts) {
 TEST(MoeModel, SequenceMajorOrderIsTheSequencesOneAfterAnother) {
   // [S 3, b 2, H 2]: row (s, j) holds 10·s + j in both elements.
   const std::int64_t S = 3, b = 2, H = 2;
-  std::vector<float> rows;
+  HostVector<float> rows;
   for (std::int64_t s = 0; s < S; ++s)
     for (std::int64_t j = 0; j < b; ++j) rows.insert(rows.end(), H, float(10 * s + j));
-  const std::vector<float> seq = to_sequence_major(rows.data(), S, b, H);
-  const std::vector<float> want = {0, 0, 10, 10, 20, 20, 1, 1, 11, 11, 21, 21};
+  const HostVector<float> seq = to_sequence_major(rows.data(), S, b, H);
+  const HostVector<float> want = {0, 0, 10, 10, 20, 20, 1, 1, 11, 11, 21, 21};
   EXPECT_EQ(seq, want);
   EXPECT_EQ(from_sequence_major(seq.data(), S, b, H), rows);
 }

@@ -222,7 +222,7 @@ TEST(MoeForward, FloatAgreesWithDouble) {
   m.shared_ffn = 2;
   m.aux_loss_weight = 0.01;
   MoeWeights<double> wd;
-  auto fill = [](std::vector<double>& v, std::size_t n, double seed) {
+  auto fill = [](auto& v, std::size_t n, double seed) {
     v.resize(n);
     for (std::size_t i = 0; i < n; ++i) v[i] = std::sin(seed + 1.7 * double(i));
   };
@@ -236,9 +236,7 @@ TEST(MoeForward, FloatAgreesWithDouble) {
   std::vector<double> x, dy;
   fill(x, 18, 0.8);
   fill(dy, 18, 0.9);
-  auto to_float = [](const std::vector<double>& v) {
-    return std::vector<float>(v.begin(), v.end());
-  };
+  auto to_float = [](const auto& v) { return HostVector<float>(v.begin(), v.end()); };
   MoeWeights<float> wf{to_float(wd.router),     to_float(wd.w_gate),      to_float(wd.w_up),
                        to_float(wd.w_down),     to_float(wd.shared_gate), to_float(wd.shared_up),
                        to_float(wd.shared_down)};
@@ -268,14 +266,15 @@ TEST(MoeBackward, MatchesFiniteDifferencesOfItsOwnLoss) {
     m.shared_ffn = 4;
     m.aux_loss_weight = 0.3;
     auto fill = [](std::size_t n, double seed) {
-      std::vector<double> v(n);
+      HostVector<double> v(n);
       for (std::size_t i = 0; i < n; ++i) v[i] = std::sin(seed + 2.3 * double(i));
       return v;
     };
     MoeWeights<double> w{fill(9, 0.1),  fill(18, 0.2), fill(18, 0.3), fill(18, 0.4),
                          fill(12, 0.5), fill(12, 0.6), fill(12, 0.7)};
-    std::vector<double> x = fill(18, 0.8);
-    const std::vector<double> r = fill(18, 0.9), bias = {0.05, -0.02, 0.0};
+    HostVector<double> x = fill(18, 0.8);
+    const HostVector<double> r = fill(18, 0.9);
+    const std::vector<double> bias = {0.05, -0.02, 0.0};
     auto loss = [&] {
       const auto f = moe_forward<double>(m, w, x, bias);
       double l = f.aux_loss;
@@ -285,7 +284,7 @@ TEST(MoeBackward, MatchesFiniteDifferencesOfItsOwnLoss) {
     const auto f = moe_forward<double>(m, w, x, bias);
     ASSERT_GT(std::count(f.routing.kept.begin(), f.routing.kept.end(), 0), 0) << "drops nothing";
     const MoeGrads<double> g = moe_backward<double>(m, w, x, f, r);
-    const std::vector<std::pair<std::vector<double>*, const std::vector<double>*>> tensors = {
+    const std::vector<std::pair<HostVector<double>*, const HostVector<double>*>> tensors = {
         {&x, &g.x},
         {&w.router, &g.w.router},
         {&w.w_gate, &g.w.w_gate},

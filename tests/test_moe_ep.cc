@@ -71,9 +71,10 @@ class MoeEp : public ::testing::TestWithParam<Case> {
   }
 
   /// Σ over the ranks of each rank's `v` (all of one size), in rank order.
-  template <class T>
-  std::vector<T> sum_over_ranks(const std::vector<T>& v) {
-    std::vector<T> all(v.size() * std::size_t(n_)), sum(v.size(), T(0));
+  template <class V>
+  V sum_over_ranks(const V& v) {
+    using T = typename V::value_type;
+    V all(v.size() * std::size_t(n_)), sum(v.size(), T(0));
     comm_->all_gather_report(std::as_bytes(std::span(v)), std::as_writable_bytes(std::span(all)),
                              "a gradient to compare");
     for (std::size_t q = 0; q < std::size_t(n_); ++q)
@@ -102,7 +103,7 @@ void expect_close(std::span<const T> got, std::span<const T> want, double tol, c
 }
 
 template <class T>
-std::span<const T> part(const std::vector<T>& v, I begin, I count) {
+std::span<const T> part(const HostVector<T>& v, I begin, I count) {
   return std::span<const T>(v).subspan(std::size_t(begin), std::size_t(count));
 }
 
@@ -125,7 +126,7 @@ void MoeEp::run(const Case& c) {
   std::mt19937_64 gen(1234);
   std::uniform_real_distribution<double> u(-1.0, 1.0);
   auto fill = [&](I count, double scale = 1.0) {
-    std::vector<T> v(static_cast<std::size_t>(count));
+    HostVector<T> v(static_cast<std::size_t>(count));
     for (T& x : v) x = T(scale * u(gen));
     return v;
   };
@@ -137,7 +138,7 @@ void MoeEp::run(const Case& c) {
   w.shared_gate = fill(H * SF, 0.5);
   w.shared_up = fill(H * SF, 0.5);
   w.shared_down = fill(SF * H, 0.5);
-  const std::vector<T> x = fill(kTokens * H), dy = fill(kTokens * H);
+  const HostVector<T> x = fill(kTokens * H), dy = fill(kTokens * H);
   std::vector<T> bias;
   if (c.skew) {
     bias.assign(std::size_t(E), T(0));

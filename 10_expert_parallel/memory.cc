@@ -1,0 +1,108 @@
+#include "10_expert_parallel/memory.h"
+
+#include <string>
+
+#include <algorithm>
+
+#include "07_fsdp_tp/memory.h"
+#include "10_expert_parallel/traffic.h"
+#include "common/moe.h"
+
+namespace tpx::ep {
+namespace {
+
+using namespace memory;  // NOLINT: the estimate's vocabulary
+
+class Experts final : public MemoryDimension {
+ public:
+  Experts(int ep, int dp_index) : ep_(ep), dp_index_(dp_index) {}
+
+  void add_terms(MemoryEstimate& e, const MemoryParts& p) const override {
+    const BlockConfig& c = p.rank;
+    const MoeConfig& m = c.moe;
+    const Count layers = moe_layers(c);
+    if (layers == 0) return;
+    const char* what = "the experts' bytes";
+    const Sharding& s = p.sharding;
+    const Count T = s.world, G = Count(s.dp) * Count(s.cp), H = c.hidden, E = m.experts;
+    const Count D = s.dp, n = c.seq * p.global.batch / D;  // a replica's tokens, all of S
+
+    // A MoE layer has no dense SwiGLU: its w_gate, w_up [H, F/T] and w_down [F/T, H], each cut
+    // on dim 0 over the D·C ranks, leave the shared terms.
+    const Count f = c.ffn / T;
+    const Count mlp =
+        sum({product({2, (H + G - 1) / G, f}, what), product({(f + G - 1) / G, H}, what)}, what);
+    const Count dense = product({layers, mlp, kF32}, what);
+    for (const char* name : {"parameters", "gradients"}) e.term(name).bytes -= std::uint64_t(dense);
+    if (c.optimizer == Optimizer::adamw)
+      e.term("optimizer state").bytes -= std::uint64_t(product({dense, 2}, what));
+    // Every layer a MoE layer: FSDP's largest unit is a layer without the SwiGLU.
+    if (m.every == 1 && G > 1) {
+      const Count mlp_tp = product({3, H, f}, what);
+      const LayerElements attention{.kept = p.layer.kept - mlp, .tp = p.layer.tp - mlp_tp};
+      e.term("unsharded layers (FSDP)").bytes =
+          std::uint64_t(fsdp::unsharded_layers(c, s, attention, p.temporaries, false));
+    }
+
+    // This rank's experts: the router, E/EP experts and the shared ones, FE/T and SF/T of their
+    // width; gradients beside them (the bias too: E floats).
+    const Count fe = m.expert_ffn / T, sf = m.shared_ffn / T, local = E / ep_;
+    const Count weights = sum(
+        {product({H, E}, what), product({3, local, H, fe}, what), product({3, H, sf}, what)}, what);
+    e.terms.push_back({"experts (parameters, gradients, bias)",
+                       std::uint64_t(product(
+                           {layers, sum({product({2, weights}, what), E}, what), kF32}, what))});
+    if (c.optimizer == Optimizer::adamw)
+      e.terms.push_back(
+          {"experts' optimizer state", std::uint64_t(product({layers, 2, weights, kF32}, what))});
+
+    // Saved activations: a MoE layer keeps no h2, gate, up, s; it keeps its tokens in sequence
+    // order [n, H], the logits and scores [n, E], the gate weights [n, K], the rows it received
+    // [r, H] with the experts' pre-activations [r, FE/T] twice, the outputs that came back
+    // [r', H] and the shared experts' two [n, SF/T], r and r' as balanced routing keeps them.
+    const ActivationBytes& b = p.rank_bytes;
+    const Count kept_h = (cheap_bytes(c, b) - 2 * b.rows - b.cols_f) / 2;
+    const Count swiglu = sum({kept_h, product({3, b.cols_f}, what)}, what);
+    // Balanced: each replica assigns ⌈n·K/E⌉ to every expert, which keeps them up to its
+    // capacity c in token order (replica q's clamp(c − q·each, 0, each)).
+    const Count each = (n * m.topk + E - 1) / E;
+    const Count cap = moe_capacity(m.shape(H, c.seq * p.global.batch));
+    auto kept_of = [&](Count q) { return std::clamp<Count>(cap - q * each, 0, each); };
+    const Count group = dp_index_ / ep_ * ep_;  // the EP group's first replica
+    Count in = 0;
+    for (int q = 0; q < ep_; ++q) in += local * kept_of(group + q);
+    const Count out = E * kept_of(dp_index_);
+    const Count saved =
+        product({sum({product({n, H}, what), product({2, n, E}, what), product({n, m.topk}, what),
+                      product({in, H}, what), product({2, in, fe}, what), product({out, H}, what),
+                      product({2, n, sf}, what)},
+                     what),
+                 kF32},
+                what);
+    // The largest temporaries, where a MoE layer's backward holds more than the block's: while
+    // the experts' dx rows go back, the rows it sent and received (S' = out, R = in) three times
+    // each (the rows, the exchange's two buffers), dx and dy of the replica's tokens [n, H], and
+    // under TP the gathered dy [n, H] besides.
+    const Count moe_temporaries = product(
+        {sum({product({3, sum({in, out}, what)}, what), product({T > 1 ? 3 : 2, n}, what)}, what),
+         H, kF32},
+        what);
+    MemoryTerm& temporaries = e.term("largest temporaries");
+    temporaries.bytes = std::max<std::uint64_t>(temporaries.bytes, std::uint64_t(moe_temporaries));
+
+    MemoryTerm& kept = e.term("saved activations");
+    kept.bytes = kept.bytes - std::uint64_t(product({layers, swiglu}, what)) +
+                 std::uint64_t(product({layers, saved}, what));
+  }
+
+ private:
+  int ep_, dp_index_;
+};
+
+}  // namespace
+
+std::shared_ptr<const MemoryDimension> memory_dimension(int ep, int dp_index) {
+  return std::make_shared<Experts>(ep, dp_index);
+}
+
+}  // namespace tpx::ep
