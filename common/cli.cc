@@ -397,8 +397,9 @@ void add_comm_flags(CLI::App& app, const StageInfo& info, CommOptions& comm,
 }
 
 /// The flag groups the stage names (StageInfo::flag_groups), made and added in its order; each
-/// mesh dimension's help gives its default by the newest dimension among them.
-void add_stage_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
+/// mesh dimension's help gives its default by the newest dimension among them. Returns them.
+std::vector<std::shared_ptr<FlagGroup>> add_stage_flags(CLI::App& app, const StageInfo& info,
+                                                        StageOptions& o) {
   std::vector<std::shared_ptr<FlagGroup>> groups;
   MeshFlag newest = MeshFlag::dp;
   for (const auto& make : info.flag_groups) {
@@ -409,6 +410,7 @@ void add_stage_flags(CLI::App& app, const StageInfo& info, StageOptions& o) {
     group->add_flags(app, newest);
     o.flag_groups.push_back(group);
   }
+  return groups;  // the parse's own, which a preset may still set (FlagGroup::take_experts)
 }
 
 /// The choice flags' words as enums (CLI11 has checked that each is one of its words).
@@ -473,7 +475,8 @@ std::optional<std::string> check_combinations(const CLI::App& app, const StageIn
 
 /// The sizes --model sets where no flag (or --config) did, the --config file's name, and NKV
 /// when --kv-heads is not given; an error for an unknown model or --kv-heads 0.
-std::optional<std::string> resolve_model(const CLI::App& app, StageOptions& o) {
+std::optional<std::string> resolve_model(const CLI::App& app, StageOptions& o,
+                                         const std::vector<std::shared_ptr<FlagGroup>>& groups) {
   BlockConfig& c = o.config;
   auto given = [&](const char* flag) { return app.count(flag) > 0; };
   if (!o.model.empty()) {
@@ -490,6 +493,15 @@ std::optional<std::string> resolve_model(const CLI::App& app, StageOptions& o) {
                   .batch = given("--batch"),
                   .rope_theta = given("--rope-theta")},
                  c);
+    if (preset->moe.experts > 0) {
+      bool taken = false;
+      for (const auto& group : groups) taken = group->take_experts(preset->moe, app) || taken;
+      if (!taken)
+        return fmt::format(
+            "--model {} is a mixture of experts: 10_expert_parallel trains it, this stage has no "
+            "experts",
+            o.model);
+    }
   }
   if (app.get_config_ptr() != nullptr && given("--config"))
     o.config_file = app.get_config_ptr()->as<std::string>();
@@ -573,7 +585,7 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   add_output_flags(app, o);
   add_checkpoint_flags(app, o.config.checkpoint);
   add_comm_flags(app, info, o.comm, choices.comm_kind);
-  add_stage_flags(app, info, o);
+  const std::vector<std::shared_ptr<FlagGroup>> groups = add_stage_flags(app, info, o);
 
   const auto reader = std::make_shared<ConfigReader>();
   app.config_formatter(reader);
@@ -596,9 +608,9 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   if (auto error = empty_value(app, o)) return refuse(*error);
   apply_choices(choices, o);
   if (auto error = check_combinations(app, info, o, choices)) return refuse(*error);
+  if (auto error = resolve_model(app, o, groups)) return refuse(*error);
   for (const auto& group : o.flag_groups)
     if (auto error = group->check(app, o)) return refuse(*error);
-  if (auto error = resolve_model(app, o)) return refuse(*error);
   for (const auto& group : o.flag_groups) group->configure(o.config);
   if (o.config.lm()) {
     if (app.count("--lr") == 0) o.config.lr = kLmDefaultLr;

@@ -16,6 +16,7 @@
 #include "comm/communicator.h"
 #include "config.h"
 #include "model.h"
+#include "presets.h"
 
 namespace CLI {
 class App;
@@ -48,6 +49,10 @@ class FlagGroup {
                                            const StageOptions& /*o*/) const {
     return std::nullopt;
   }
+  /// --model names a mixture of experts (ModelPreset::moe): the group that trains experts takes
+  /// the preset's for its flags the command line did not give, and says so (true); the others
+  /// leave it (false), and a stage none of whose groups takes it refuses the model.
+  virtual bool take_experts(const PresetExperts& /*moe*/, const CLI::App& /*app*/) { return false; }
   /// After check(): writes what the group's flags say of the model into the config (stage 10's
   /// experts); nothing for a group whose flags only choose how the model is split.
   virtual void configure(BlockConfig& /*c*/) const {}

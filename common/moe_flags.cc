@@ -146,6 +146,20 @@ std::optional<std::string> MoeFlags::check(const CLI::App& /*app*/,
   return moe_ep_problem(experts, ep);
 }
 
+bool MoeFlags::take_experts(const PresetExperts& moe, const CLI::App& app) {
+  auto unless_given = [&](const char* flag, auto& target, auto value) {
+    if (app.count(flag) == 0) target = value;
+  };
+  unless_given("--experts", experts, int(moe.experts));
+  unless_given("--topk", topk, int(moe.topk));
+  unless_given("--expert-ffn", expert_ffn, int(moe.expert_ffn));
+  unless_given("--shared-experts", shared_experts, int(moe.shared));
+  unless_given("--moe-every", moe_every, int(moe.every));
+  unless_given("--router", router_word, std::string(moe.sigmoid ? "sigmoid" : "softmax"));
+  unless_given("--balance", balance_word, std::string(moe.bias ? "bias" : "aux"));
+  return true;
+}
+
 void MoeFlags::configure(BlockConfig& c) const {
   const MoeShape m = shape(c, 0);
   c.moe = {.experts = m.experts,

@@ -62,6 +62,8 @@ class MoeFlags : public FlagGroup {
 
   static std::shared_ptr<FlagGroup> make() { return std::make_shared<MoeFlags>(); }
   void add_flags(CLI::App& app, MeshFlag newest) override;
+  /// A preset's experts for every flag of the group the command line did not give.
+  bool take_experts(const PresetExperts& moe, const CLI::App& app) override;
   std::optional<std::string> check(const CLI::App& app, const StageOptions& o) const override;
   /// c.moe: every layer's MoE (as moe_layer() says) of shape(), and --balance bias's rate.
   void configure(BlockConfig& c) const override;

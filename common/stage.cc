@@ -152,6 +152,16 @@ void print_header(const StageDefinition& st, const BlockConfig& c, int world,
              c.heads, c.kv_heads_or_heads(), c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps,
              c.lr, c.seed);
   if (c.lm()) fmt::print("task lm | V {} | data {}\n", c.vocab, TokenStream(c).describe());
+  if (const MoeConfig& m = c.moe; m.experts > 0)
+    fmt::print(
+        "experts E {} of FE {}{}, top {} by {} | {} | {} | {}\n", m.experts, m.expert_ffn,
+        m.shared_ffn > 0 ? fmt::format(" and shared SF {}", m.shared_ffn) : std::string(), m.topk,
+        m.router == MoeRouter::sigmoid ? "sigmoid" : "softmax",
+        m.every == 1 ? std::string("every layer") : fmt::format("the layers l % {} = 0", m.every),
+        m.capacity_factor > 0 ? fmt::format("capacity factor {:g}", m.capacity_factor)
+                              : std::string("dropless"),
+        m.bias_rate > 0 ? fmt::format("balance: bias, step {:g}", m.bias_rate)
+                        : fmt::format("balance: aux loss, W {:g}", m.aux_loss_weight));
   fmt::print("optimizer {} | rope {} | recompute {}\n",
              c.optimizer == Optimizer::adamw
                  ? fmt::format("adamw (beta1 {:g}, beta2 {:g}, eps {:g}, weight decay {:g})",
@@ -212,6 +222,20 @@ void print_row(const StepRow& r, const Speed& speed, const BlockConfig& c) {
 
 /// The run's configuration, as --json and --dump's config.json record it: every size resolved
 /// (from --model, --config and the flags), and the preset and file they came from ("" if none).
+/// Stage 10's experts (BlockConfig::moe), or null for a dense model.
+json moe_json(const MoeConfig& m) {
+  if (m.experts == 0) return nullptr;
+  return {{"experts", m.experts},
+          {"topk", m.topk},
+          {"expert_ffn", m.expert_ffn},
+          {"shared_ffn", m.shared_ffn},
+          {"every", m.every},
+          {"router", m.router == MoeRouter::sigmoid ? "sigmoid" : "softmax"},
+          {"capacity_factor", m.capacity_factor},
+          {"aux_loss_weight", m.aux_loss_weight},
+          {"bias_rate", m.bias_rate}};
+}
+
 json config_json(const StageOptions& o) {
   const BlockConfig& c = o.config;
   return {{"model", o.model},
@@ -246,7 +270,8 @@ json config_json(const StageOptions& o) {
           {"save_every", c.checkpoint.save_every},
           {"async_save", c.checkpoint.async_save},
           {"resume", c.checkpoint.resume_dir},
-          {"resume_step", c.checkpoint.resume_step}};
+          {"resume_step", c.checkpoint.resume_step},
+          {"moe", moe_json(c.moe)}};
 }
 
 void write_dump(const fs::path& dir, const StageOptions& o, const std::string& stage, int world,

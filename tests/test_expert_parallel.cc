@@ -248,6 +248,40 @@ TEST(ExpertParallel, FlopsCountTheChosenExperts) {
   EXPECT_EQ(step_flops(c).linear_forward, 2 * (640.0 + 2.0 * 3 * 8 * 2));
 }
 
+// --model: the three mixtures of experts set the experts (common/presets.cc, from the models'
+// published configs), a flag given wins over its preset, and a stage without experts refuses them.
+TEST(ExpertParallel, PresetsSetTheExperts) {
+  auto moe_of = [](const std::string& args) {
+    const json run = test::run_json("10_expert_parallel", 4, args + " --dry-run");
+    return run.contains("config") ? run.at("config").at("moe") : json();
+  };
+  const json mixtral = moe_of("--model mixtral-8x7b");
+  ASSERT_TRUE(mixtral.is_object()) << mixtral.dump();
+  EXPECT_EQ(mixtral.at("experts"), 8);
+  EXPECT_EQ(mixtral.at("topk"), 2);
+  EXPECT_EQ(mixtral.at("expert_ffn"), 14336);
+  EXPECT_EQ(mixtral.at("router"), "softmax");
+  const json deepseek = moe_of("--model deepseek-v3");
+  ASSERT_TRUE(deepseek.is_object()) << deepseek.dump();
+  EXPECT_EQ(deepseek.at("experts"), 256);
+  EXPECT_EQ(deepseek.at("topk"), 8);
+  EXPECT_EQ(deepseek.at("shared_ffn"), 2048);
+  EXPECT_EQ(deepseek.at("router"), "sigmoid");
+  EXPECT_GT(deepseek.at("bias_rate").get<double>(), 0.0);
+  const json maverick = moe_of("--model llama4-maverick");
+  ASSERT_TRUE(maverick.is_object()) << maverick.dump();
+  EXPECT_EQ(maverick.at("experts"), 128);
+  EXPECT_EQ(maverick.at("every"), 2);
+  EXPECT_EQ(maverick.at("topk"), 1);
+  const json given = moe_of("--model deepseek-v3 --topk 4 --router softmax");
+  ASSERT_TRUE(given.is_object()) << given.dump();
+  EXPECT_EQ(given.at("topk"), 4);
+  EXPECT_EQ(given.at("router"), "softmax");
+  EXPECT_EQ(given.at("experts"), 256);
+  test::expect_refused_once("01_baseline", 1, "--model mixtral-8x7b --dry-run",
+                            "--model mixtral-8x7b is a mixture of experts");
+}
+
 TEST(MoeModel, SequenceMajorOrderIsTheSequencesOneAfterAnother) {
   // [S 3, b 2, H 2]: row (s, j) holds 10·s + j in both elements.
   const std::int64_t S = 3, b = 2, H = 2;

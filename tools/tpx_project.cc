@@ -579,6 +579,11 @@ void resolve_model(const CLI::App& app, Options& o) {
   if (preset == nullptr)
     throw std::invalid_argument(
         fmt::format("--model {}: no such model (known: {})", o.model, tpx::preset_names()));
+  if (preset->moe.experts > 0)
+    throw std::invalid_argument(fmt::format(
+        "--model {} is a mixture of experts: tpx_project projects the dense stages; stage 10's "
+        "--dry-run gives its bytes and memory",
+        o.model));
   c.vocab = app.count("--vocab") > 0 ? o.vocab : preset->vocab;
   c.task = o.task == "block" || c.vocab == 0 ? tpx::Task::block : tpx::Task::lm;
   if (!c.lm()) c.vocab = 0;
