@@ -15,6 +15,16 @@ std::size_t at(I i) {
   return static_cast<std::size_t>(i);
 }
 
+/// Rows [outer, inner, h] as [inner, outer, h].
+template <class T>
+HostVector<T> transposed(const T* rows, I outer, I inner, I h) {
+  HostVector<T> out(at(outer * inner * h));
+  for (I o = 0; o < outer; ++o)
+    for (I i = 0; i < inner; ++i)
+      std::copy_n(rows + (o * inner + i) * h, h, out.begin() + (i * outer + o) * h);
+  return out;
+}
+
 /// Elements [first, first + n) of tensor `id` ~ N(0, 0.02²), each rounded to float.
 template <class T>
 HostVector<T> draw(const BlockConfig& c, std::uint64_t id, I first, I n) {
@@ -104,20 +114,12 @@ std::vector<NamedArray<T>> moe_named(const MoeConfig& m, const MoeWeights<T, V>&
 
 template <class T>
 HostVector<T> to_sequence_major(const T* rows, I seq, I b, I h) {
-  HostVector<T> out(at(seq * b * h));
-  for (I s = 0; s < seq; ++s)
-    for (I j = 0; j < b; ++j)
-      std::copy_n(rows + (s * b + j) * h, h, out.begin() + (j * seq + s) * h);
-  return out;
+  return transposed(rows, seq, b, h);
 }
 
 template <class T>
 HostVector<T> from_sequence_major(const T* rows, I seq, I b, I h) {
-  HostVector<T> out(at(seq * b * h));
-  for (I s = 0; s < seq; ++s)
-    for (I j = 0; j < b; ++j)
-      std::copy_n(rows + (j * seq + s) * h, h, out.begin() + (s * b + j) * h);
-  return out;
+  return transposed(rows, b, seq, h);
 }
 
 #define TPX_MOE_MODEL(T)                                                                          \
