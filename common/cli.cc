@@ -577,6 +577,8 @@ CliOutcome parse_stage_cli(const StageInfo& info, int argc, char** argv) {
   o.config.data = default_data();
 
   CLI::App app(fmt::format("{}: {}", info.name, info.summary), info.name);
+  // A switch takes no value: "--check=5" is refused, not read as "--check".
+  app.option_defaults()->disable_flag_override();
   describe_app(app, info);
   add_size_flags(app, o);
   add_run_flags(app, info, o.config, choices);

@@ -132,6 +132,10 @@ std::string printable(std::string_view text) {
 
 std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e) {
   std::string text = e.what();
+  // CLI11 says "check was given a disallowed flag override" of "--check=5": name the flag.
+  if (const auto at = text.find(" was given a disallowed flag override"); at != std::string::npos)
+    return printable(
+        fmt::format("--{} is a switch and takes no value (see --help)", text.substr(0, at)));
   if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
     const std::vector<std::string> known = visible_flags(app);
     std::vector<std::string> hints;

@@ -291,6 +291,18 @@ TEST(Stage01Cli, UnwritableDumpDirectory) {
   expect_one_line_error(r, {"--dump", bad});
 }
 
+TEST(Stage01Cli, ASwitchTakesNoValue) {
+  // "--check=5" was read as --check; every switch refuses a value now, naming itself.
+  const TempDir scratch;
+  for (const char* given : {"--check=5", "--dry-run=no", "--async-save=2"}) {
+    const std::string flag = std::string(given).substr(0, std::string(given).find('='));
+    const CommandResult r = run_stage(
+        fmt::format("--hidden 16 --heads 2 --ffn 16 --seq 4 --batch 1 --steps 1 {}", given),
+        scratch);
+    expect_one_line_error(r, {flag + " is a switch and takes no value"});
+  }
+}
+
 TEST(Stage01Cli, CudaDeviceWhereItCannotRun) {
   if (ops::device_problem(Device::cuda).empty())
     GTEST_SKIP() << "this build can run --device cuda here, so it is not an error";
