@@ -69,6 +69,7 @@ class MoeLayers final : public ExtraParameters {
     return s;
   }
   int ep_size() const { return ep_size_; }
+  const RankGroup& ep_group() const { return ep_group_; }
   std::int64_t experts_per_rank() const { return c_.moe.experts / ep_size_; }
   /// The first step's assignments per expert, [MoE layers, E].
   Tensor first_counts() const;
@@ -79,6 +80,7 @@ class MoeLayers final : public ExtraParameters {
   int ep_size_, ep_rank_, replica_;  // EP, this rank's index in its EP group, the group's index
   int tp_size_, tp_rank_;            // the TP group the experts' width is cut over
   Stream stream_;
+  RankGroup ep_group_;                      // EP consecutive replicas of one TP index
   std::unique_ptr<Communicator> ep_;        // the EP group: dispatch and combine
   std::unique_ptr<Communicator> tokens_;    // the D ranks: capacity, aux loss, router's grads
   std::unique_ptr<Communicator> replicas_;  // the D / EP holders of this rank's experts
@@ -310,8 +312,9 @@ MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep)
   // of the others. Each split is collective over the job, used or not.
   const int tp_index = mesh.tp_index, groups = mesh.dp / ep;
   CommOptions o = ctx.options.comm;
-  o.group = RankGroup::split(replica_ * mesh.tp + tp_index, ep_rank_,
-                             fmt::format("ep group {}.{}", replica_, tp_index));
+  ep_group_ = RankGroup::split(replica_ * mesh.tp + tp_index, ep_rank_,
+                               fmt::format("ep group {}.{}", replica_, tp_index));
+  o.group = ep_group_;
   ep_ = make_communicator(o, c_.device);
   o.group = mesh.dp_group;
   o.group_label = fmt::format("dp group {} (experts)", tp_index);
@@ -414,6 +417,12 @@ Sharding ExpertParallel::sharding() const {
   Sharding s = FsdpTp::sharding();
   s.dimensions.push_back(memory_dimension(moe_->ep_size(), mesh().dp_index));
   return s;
+}
+
+std::vector<MeshGroup> ExpertParallel::mesh_groups() const {
+  std::vector<MeshGroup> groups = FsdpTp::mesh_groups();
+  groups.push_back({"ep", moe_->ep_group()});
+  return groups;
 }
 
 ExtraParameters* ExpertParallel::extra_parameters() {

@@ -46,6 +46,8 @@ class ExpertParallel final : public fsdp::FsdpTp {
   ~ExpertParallel() override;
 
   std::string comm_name() const override;
+  /// FSDP's groups and the EP group (the placement's header says where each lands).
+  std::vector<MeshGroup> mesh_groups() const override;
   /// FSDP's sharding, with the experts' dimension of the estimate (memory.h) after FSDP's.
   Sharding sharding() const override;
   ExtraParameters* extra_parameters() override;

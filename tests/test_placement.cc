@@ -157,6 +157,30 @@ TEST(OnTwoNodes, TensorParallelismAcrossNodesWarnsOnceWithItsBytesAndPasses) {
     EXPECT_NE(warnings[0].find(want), std::string::npos) << want << "\n" << warnings[0];
 }
 
+// Stage 10's EP group is EP consecutive replicas of one TP index: with TP inside a node it lands
+// on one node when EP·T ranks fit there, and the header says where it landed either way.
+TEST(OnTwoNodes, TheEpGroupIsPlacedAndNamed) {
+  const TempDir dir;
+  const std::string moe =
+      "--hidden 32 --heads 4 --ffn 64 --seq 8 --batch 4 --layers 1 --steps 2 --experts 4 --topk 2 "
+      "--check";
+  for (const auto& [flags, words] :
+       {std::pair{"--dp 4 --ep 2", "dp groups span 2 nodes | ep groups each on one node\n"},
+        std::pair{"--dp 2 --ep 2",
+                  "tp groups each on one node | dp groups span 2 nodes | ep groups "
+                  "span 2 nodes\n"}}) {
+    const CommandResult r =
+        mpirun(on_nodes(kTwoNodes, "10_expert_parallel", fmt::format("{} {}", moe, flags)), dir);
+    ASSERT_EQ(r.exit_code, 0) << flags << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(std::string("2 nodes × 2 ranks per node (node ids from TPX_NODE_ID) | ") +
+                         words),
+              std::string::npos)
+        << flags << "\n"
+        << r.out;
+  }
+}
+
 TEST(OnTwoNodes, MeshWithEachTpGroupInsideANodePassesWithoutWarning) {
   const TempDir dir;
   const CommandResult r =
