@@ -97,7 +97,9 @@ class MoeLayers::Layer final : public MlpBranch {
         layer_(layer),
         w_(moe_init<float>(owner.c_, layer, owner.ep_rank_ * local(), local(), owner.tp_rank_,
                            owner.tp_size_)),
-        bias_(std::size_t(owner.c_.moe.experts), 0.0f) {}
+        bias_(std::size_t(owner.c_.moe.experts), 0.0f) {
+    bias_[0] = float(owner.c_.moe.skew);  // TPX_MOE_SKEW's, a test's skewed routing (else 0)
+  }
 
   I local() const { return o_.c_.moe.experts / o_.ep_size_; }
 

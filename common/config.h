@@ -99,6 +99,9 @@ struct MoeConfig {
   double capacity_factor = 0.0;  ///< 0: dropless
   double aux_loss_weight = 0.0;  ///< W of the auxiliary balance loss
   double bias_rate = 0.0;  ///< > 0: auxiliary-loss-free balancing's bias step (--balance bias)
+  /// Where every MoE layer's balancing bias starts for expert 0 (the others start at 0): the test
+  /// hook TPX_MOE_SKEW, which skews the routing towards expert 0 on purpose; 0 without it.
+  double skew = 0.0;
 
   bool layer(std::int64_t l) const { return experts > 0 && l % every == 0; }
   /// One MoE layer's shape over `tokens` tokens of hidden size `hidden`.

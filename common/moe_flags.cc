@@ -1,6 +1,7 @@
 #include "moe_flags.h"
 
 #include <cmath>
+#include <cstdlib>
 
 #include <fmt/format.h>
 
@@ -135,8 +136,21 @@ std::optional<std::string> moe_ep_problem(std::int64_t experts, std::int64_t ep)
       experts, ep);
 }
 
+MoeSkew moe_skew_from_env() {
+  const char* text = std::getenv(kMoeSkewVariable);
+  if (text == nullptr) return {};
+  char* end = nullptr;
+  const double value = std::strtod(text, &end);
+  if (*text == '\0' || *end != '\0' || !std::isfinite(value))
+    return {.value = 0.0,
+            .problem = fmt::format("{}='{}': must be a finite number (expert 0's starting bias)",
+                                   kMoeSkewVariable, text)};
+  return {.value = value, .problem = std::nullopt};
+}
+
 std::optional<std::string> MoeFlags::check(const CLI::App& /*app*/,
                                            const StageOptions& /*o*/) const {
+  if (auto skew = moe_skew_from_env(); skew.problem) return skew.problem;
   if (topk > experts)
     return fmt::format(
         "--topk ({}) must be at most --experts ({}): each token is routed to K "
@@ -170,7 +184,8 @@ void MoeFlags::configure(BlockConfig& c) const {
            .router = m.router,
            .capacity_factor = m.capacity_factor,
            .aux_loss_weight = m.aux_loss_weight,
-           .bias_rate = balance() == MoeBalance::bias ? kMoeBiasRate : 0.0};
+           .bias_rate = balance() == MoeBalance::bias ? kMoeBiasRate : 0.0,
+           .skew = moe_skew_from_env().value};
 }
 
 ConfigFields MoeFlags::agreed() const {
@@ -183,7 +198,8 @@ ConfigFields MoeFlags::agreed() const {
           {"--capacity-factor", fmt::format("{}", capacity_factor)},
           {"--aux-loss-weight", fmt::format("{}", aux_weight())},
           {"--balance", balance_word},
-          {"--ep", fmt::format("{}", ep)}};
+          {"--ep", fmt::format("{}", ep)},
+          {kMoeSkewVariable, fmt::format("{}", moe_skew_from_env().value)}};
 }
 
 }  // namespace tpx

@@ -6,7 +6,7 @@
 // before any rank allocates.
 //
 // defines: tpx::MoeBalance, tpx::kMoeAuxLossWeight, tpx::kMoeBiasRate, tpx::moe_ep_problem(),
-//          tpx::MoeFlags
+//          tpx::kMoeSkewVariable, tpx::MoeSkew, tpx::moe_skew_from_env(), tpx::MoeFlags
 #pragma once
 
 #include <cstdint>
@@ -28,6 +28,16 @@ enum class MoeBalance { aux, bias };
 inline constexpr double kMoeAuxLossWeight = 0.01;
 /// The bias update rate u of --balance bias (DeepSeek-V3's γ for most of its training).
 inline constexpr double kMoeBiasRate = 0.001;
+
+/// The test hook TPX_MOE_SKEW (an environment variable, like TPX_NODE_ID for placement): where
+/// expert 0's balancing bias starts in every MoE layer, so that tests route a skewed load on
+/// purpose. Not set: 0. Set: a finite number, or the one-line refusal.
+inline constexpr const char* kMoeSkewVariable = "TPX_MOE_SKEW";
+struct MoeSkew {
+  double value = 0.0;
+  std::optional<std::string> problem;
+};
+MoeSkew moe_skew_from_env();
 
 /// The "Experts" section of --help.
 /// The rule --experts and --ep must meet (each EP rank holds E/EP whole experts): the refusal's

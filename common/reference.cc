@@ -704,6 +704,8 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
       moe[l] = RefMoe{.w = moe_init<double>(c, I(l), 0, c.moe.experts),
                       .bias = Vec(static_cast<std::size_t>(c.moe.experts), 0.0),
                       .g = {}};
+  for (auto& layer : moe)
+    if (layer) layer->bias[0] = double(float(c.moe.skew));  // as the stage's float bias starts
   auto moe_of = [&](std::size_t l) { return moe[l] ? &*moe[l] : nullptr; };
   for (int step = 0; step < steps; ++step) {
     Vec out;

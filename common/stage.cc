@@ -233,7 +233,8 @@ json moe_json(const MoeConfig& m) {
           {"router", m.router == MoeRouter::sigmoid ? "sigmoid" : "softmax"},
           {"capacity_factor", m.capacity_factor},
           {"aux_loss_weight", m.aux_loss_weight},
-          {"bias_rate", m.bias_rate}};
+          {"bias_rate", m.bias_rate},
+          {"skew", m.skew}};
 }
 
 json config_json(const StageOptions& o) {

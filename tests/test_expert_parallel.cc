@@ -14,6 +14,7 @@
 //  - bad input is exit 2 on every rank and one line, printed once.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -75,6 +76,46 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, "--dp 1 --balance bias --optimizer adamw --lr 0.01", "np4_t4_bias_adamw"},
         Case{2, "--dp 2 --ep 1 --task block", "np2_d2_ep1_block"}),
     [](const auto& p) { return p.param.name; });
+
+/// Sets an environment variable for the runs of one test (mpirun's ranks on this machine inherit
+/// it), and unsets it after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
+
+// Skewed routing on purpose (the test hook TPX_MOE_SKEW: expert 0's bias starts at 0.5, so every
+// token chooses it): --check passes with dropping and dropless on np 1, 2 and 4, and every one of
+// the step's S·B tokens went to expert 0.
+TEST(ExpertParallel, SkewedRoutingPassesTheCheck) {
+  const ScopedEnv skew("TPX_MOE_SKEW", "0.5");
+  for (const auto& [ranks, args] :
+       {std::pair{1, "--capacity-factor 1.0"}, std::pair{2, "--dp 2 --capacity-factor 1.0"},
+        std::pair{2, "--dp 1"}, std::pair{4, "--dp 4 --ep 2 --capacity-factor 0.75"},
+        std::pair{4, "--dp 2 --router sigmoid --balance bias"}}) {
+    test::TempDir dir;
+    const auto r = run_stage(
+        "10_expert_parallel", ranks,
+        fmt::format("{} --steps 3 --check --json {} {}", kSizes, (dir / "s.json").string(), args),
+        dir);
+    ASSERT_EQ(r.exit_code, 0) << args << "\n" << r.out << r.err;
+    EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << args << "\n" << r.out;
+    const json run = json::parse(test::read_file(dir / "s.json"));
+    EXPECT_EQ(run.at("moe").at("tokens_per_expert")[0][0][0], 16 * 4) << args;
+  }
+}
+
+TEST(ExpertParallel, ABadSkewIsRefusedInOneLine) {
+  const ScopedEnv skew("TPX_MOE_SKEW", "lots");
+  test::expect_refused_once("10_expert_parallel", 2, kSizes,
+                            "TPX_MOE_SKEW='lots': must be a finite number");
+}
 
 /// --json's tokens per expert (every step, every MoE layer) and losses of a run.
 json summary(int ranks, const std::string& args) {
