@@ -74,7 +74,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, "--dp 4 --ep 4 --capacity-factor 1.25", "np4_d4_ep4_dropping"},
         Case{4, "--dp 2 --capacity-factor 0.5 --shared-experts 1", "np4_d2_t2_ep2_dropping"},
         Case{4, "--dp 1 --balance bias --optimizer adamw --lr 0.01", "np4_t4_bias_adamw"},
-        Case{2, "--dp 2 --ep 1 --task block", "np2_d2_ep1_block"}),
+        Case{2, "--dp 2 --ep 1 --task block", "np2_d2_ep1_block"},
+        Case{8, "--dp 4 --ep 2 --capacity-factor 0.5", "np8_d4_t2_ep2_dropping"},
+        Case{8, "--dp 2 --ep 2 --shared-experts 1", "np8_d2_t4_ep2"}),
     [](const auto& p) { return p.param.name; });
 
 /// Sets an environment variable for the runs of one test (mpirun's ranks on this machine inherit
@@ -91,14 +93,15 @@ class ScopedEnv {
 };
 
 // Skewed routing on purpose (the test hook TPX_MOE_SKEW: expert 0's bias starts at 0.5, so every
-// token chooses it): --check passes with dropping and dropless on np 1, 2 and 4, and every one of
-// the step's S·B tokens went to expert 0.
+// token chooses it): --check passes with dropping and dropless on np 1, 2, 4 and 8, and every one of
+// the step's S·B tokens went to expert 0; on 8 ranks too (D 4 × T 2, EP 2).
 TEST(ExpertParallel, SkewedRoutingPassesTheCheck) {
   const ScopedEnv skew("TPX_MOE_SKEW", "0.5");
   for (const auto& [ranks, args] :
        {std::pair{1, "--capacity-factor 1.0"}, std::pair{2, "--dp 2 --capacity-factor 1.0"},
         std::pair{2, "--dp 1"}, std::pair{4, "--dp 4 --ep 2 --capacity-factor 0.75"},
-        std::pair{4, "--dp 2 --router sigmoid --balance bias"}}) {
+        std::pair{4, "--dp 2 --router sigmoid --balance bias"},
+        std::pair{8, "--dp 4 --ep 2 --capacity-factor 1.0"}}) {
     test::TempDir dir;
     const auto r = run_stage(
         "10_expert_parallel", ranks,
