@@ -68,6 +68,9 @@ class MoeLayers final : public ExtraParameters {
     if (replicas_) s.add_group("dp", replicas_->take_stats());
     return s;
   }
+  /// Draws every MoE layer's experts (once): called when training asks for them, after the
+  /// start-up's memory check, so that a model too large is refused before any rank allocates it.
+  void make_layers();
   int ep_size() const { return ep_size_; }
   const RankGroup& ep_group() const { return ep_group_; }
   std::int64_t experts_per_rank() const { return c_.moe.experts / ep_size_; }
@@ -333,6 +336,10 @@ MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep)
     o.group_label = fmt::format("{} (experts)", mesh.tp_group.name());
     tp_ = make_communicator(o, c_.device);
   }
+}
+
+void MoeLayers::make_layers() {
+  if (!layers_.empty()) return;
   layers_.resize(std::size_t(c_.layers));
   for (I l = 0; l < c_.layers; ++l)
     if (c_.moe.layer(l)) layers_[std::size_t(l)] = std::make_unique<Layer>(*this, l);
@@ -428,6 +435,7 @@ std::vector<MeshGroup> ExpertParallel::mesh_groups() const {
 }
 
 ExtraParameters* ExpertParallel::extra_parameters() {
+  moe_->make_layers();  // the experts' weights, once the memory check has passed
   return moe_.get();
 }
 

@@ -117,7 +117,9 @@ std::int64_t moe_capacity(const MoeShape& m) {
   if (m.capacity_factor <= 0.0) return m.tokens;
   const double c =
       std::ceil(m.capacity_factor * double(m.tokens) * double(m.topk) / double(m.experts));
-  return std::min<I>(m.tokens, static_cast<I>(c));
+  // An expert takes each token at most once: a capacity past T (a huge C) is dropless, and is
+  // compared in double before it is cast, so that no value past int64 is converted.
+  return c >= double(m.tokens) ? m.tokens : static_cast<I>(c);
 }
 
 template <class T>

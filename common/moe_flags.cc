@@ -141,7 +141,8 @@ MoeSkew moe_skew_from_env() {
   if (text == nullptr) return {};
   char* end = nullptr;
   const double value = std::strtod(text, &end);
-  if (*text == '\0' || *end != '\0' || !std::isfinite(value))
+  // Finite as the stage's float bias holds it, not only as a double.
+  if (*text == '\0' || *end != '\0' || !std::isfinite(float(value)))
     return {.value = 0.0,
             .problem = fmt::format("{}='{}': must be a finite number (expert 0's starting bias)",
                                    kMoeSkewVariable, text)};

@@ -115,9 +115,11 @@ TEST(ExpertParallel, SkewedRoutingPassesTheCheck) {
 }
 
 TEST(ExpertParallel, ABadSkewIsRefusedInOneLine) {
-  const ScopedEnv skew("TPX_MOE_SKEW", "lots");
-  test::expect_refused_once("10_expert_parallel", 2, kSizes,
-                            "TPX_MOE_SKEW='lots': must be a finite number");
+  for (const char* value : {"lots", "1e300"}) {  // 1e300: no float holds it
+    const ScopedEnv skew("TPX_MOE_SKEW", value);
+    test::expect_refused_once("10_expert_parallel", 2, kSizes,
+                              fmt::format("TPX_MOE_SKEW='{}': must be a finite number", value));
+  }
 }
 
 /// --json's tokens per expert (every step, every MoE layer) and losses of a run.
@@ -354,6 +356,9 @@ TEST(ExpertParallel, BadInputIsOneLineOnEveryRank) {
   test::expect_refused_once(stage, 4, z + " --batch 3", "--dp 2 must divide --batch 3");
   test::expect_refused_once(stage, 2, kSizes + " --dtype bf16", "fp32");
   test::expect_refused_once(stage, 2, kSizes + " --recompute full", "--recompute none");
+  // Experts too large for the machine: refused by the memory check before any rank draws them.
+  test::expect_refused_once(stage, 2, kSizes + " --expert-ffn 2147483646",
+                            "biggest term: experts (parameters, gradients, bias)");
 }
 
 }  // namespace

@@ -326,6 +326,20 @@ void expect_refused(const std::vector<std::string>& args, const std::string& lin
   EXPECT_EQ(std::count(r.message.begin(), r.message.end(), '\n'), 0) << r.message;
 }
 
+TEST(MoeCapacity, AFactorPastTheTokensIsDropless) {
+  // ⌈C·T·K/E⌉ past T (every token once) is T; 1e300 is compared before any cast to int64.
+  MoeShape m;
+  m.tokens = 10;
+  m.experts = 4;
+  m.topk = 2;
+  m.capacity_factor = 1e300;
+  EXPECT_EQ(moe_capacity(m), 10);
+  m.capacity_factor = 2.0;  // ⌈2·10·2/4⌉ = 10: exactly T
+  EXPECT_EQ(moe_capacity(m), 10);
+  m.capacity_factor = 0.5;  // ⌈0.5·10·2/4⌉ = 3
+  EXPECT_EQ(moe_capacity(m), 3);
+}
+
 TEST(MoeFlags, DefaultsAndGivenValues) {
   const CliOutcome none = parse_moe({"--ffn", "96", "--hidden", "32", "--heads", "4"});
   ASSERT_TRUE(none.options.has_value()) << none.message;

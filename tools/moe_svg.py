@@ -127,10 +127,19 @@ def balance(a):
         summary = json.load(open(path))
         if "moe" not in summary:
             tool_errors.fail(f"no \"moe\" object (not a 10_expert_parallel --json), {path}")
-        counts = summary["moe"]["tokens_per_expert"]
-        if a.layer >= len(counts[0]):
+        counts = summary["moe"].get("tokens_per_expert")
+        if not isinstance(counts, list) or not counts:
+            tool_errors.fail(f"{path}: moe.tokens_per_expert holds no step")
+        if any(not isinstance(step, list) for step in counts) or a.layer >= len(counts[0]):
             tool_errors.fail(f"{path} has {len(counts[0])} MoE layers, not layer {a.layer}")
-        ratio = [max(c[a.layer]) / (sum(c[a.layer]) / len(c[a.layer])) for c in counts]
+        ratio = []
+        for s, step in enumerate(counts):
+            layer = step[a.layer] if a.layer < len(step) else None
+            if (not isinstance(layer, list) or not layer or
+                    any(not isinstance(n, (int, float)) or n < 0 for n in layer) or sum(layer) <= 0):
+                tool_errors.fail(f"{path}: moe.tokens_per_expert[{s}][{a.layer}] is not a list of "
+                                 "counts with at least one assignment")
+            ratio.append(max(layer) / (sum(layer) / len(layer)))
         n = max(1, a.smooth)
         smooth = [sum(ratio[max(0, i - n + 1):i + 1]) / len(ratio[max(0, i - n + 1):i + 1])
                   for i in range(len(ratio))]

@@ -375,6 +375,15 @@ class MoeFigures(unittest.TestCase):
         self.assertEqual(r.returncode, 2)
         self.assertIn("has 1 MoE layers, not layer 1", r.stderr)
         self.assertFalse(out.exists())
+        # No step, and a step whose counts are all zero: one line each, nothing written.
+        for name, counts, words in (("none.json", [], "holds no step"),
+                                    ("zero.json", [[0, 0, 0, 0]], "at least one assignment")):
+            r = run([sys.executable, TOOLS / "moe_svg.py", "balance", self.summary(name, counts),
+                     "-o", out])
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn(words, r.stderr)
+            self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
+            self.assertFalse(out.exists())
 
     def test_dispatch_draws_every_row_each_expert_receives(self):
         out = self.tmp / "d.svg"
