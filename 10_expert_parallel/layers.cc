@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <span>
 
 #include <fmt/format.h>
@@ -17,7 +18,9 @@
 #include "common/moe_ep.h"
 #include "common/moe_flags.h"
 #include "common/moe_model.h"
+#include "common/ops.h"
 #include "common/stream.h"
+#include "common/trainer.h"
 
 namespace tpx::ep {
 namespace {
@@ -35,6 +38,13 @@ Tensor host_tensor(std::span<const float> v, Tensor::Shape shape) {
   Tensor t = Tensor::empty(std::move(shape), DType::f32, Device::cpu);
   std::memcpy(t.raw(), v.data(), v.size() * sizeof(float));
   return t;
+}
+
+/// A host vector's floats as a [n] cpu tensor for one call of an op: it does not own them (an
+/// aliasing pointer that shares no ownership), so `v` must outlive it.
+Tensor view(HostVector<float>& v) {
+  return Tensor::borrow(v.data(), {I(v.size())}, DType::f32, Device::cpu,
+                        std::shared_ptr<const void>(std::shared_ptr<const void>(), v.data()));
 }
 
 /// Sums v over `comm`'s ranks in place (a gradient's all-reduce, counted in the step's traffic).
@@ -192,7 +202,7 @@ class MoeLayers::Layer final : public MlpBranch {
     return sq;
   }
 
-  /// SGD or AdamW at step t (torch.optim.AdamW's, as ops::adamw_update; every tensor a matrix:
+  /// SGD or AdamW at step t with the ops the model's parameters use (every tensor a matrix:
   /// decayed), then the balancing bias from the step's counts over all tokens.
   void update(int t) {
     const BlockConfig& c = o_.c_;
@@ -200,31 +210,20 @@ class MoeLayers::Layer final : public MlpBranch {
     const auto g = tensors(g_.w);
     if (moments_.empty() && c.optimizer == Optimizer::adamw)  // SGD keeps none
       for (const auto* v : w) moments_.insert(moments_.end(), 2, HostVector<float>(v->size()));
-    const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
-    const auto b1 = float(c.beta1), b2 = float(c.beta2), eps = float(c.eps);
-    const auto decay = float(1.0 - c.lr * c.weight_decay), step = float(c.lr / bias1),
-               root = float(std::sqrt(bias2)), lr = float(c.lr);
+    ops::AdamWStep step = training::adamw_step(c, t);
+    step.decay = float(1.0 - c.lr * c.weight_decay);
     for (std::size_t p = 0; p < w.size(); ++p) {
-      HostVector<float>& x = *w[p];
-      const HostVector<float>& grad = *g[p];
-      if (c.optimizer == Optimizer::sgd) {
-        for (std::size_t i = 0; i < x.size(); ++i) x[i] -= lr * grad[i];
-        continue;
-      }
-      HostVector<float>&m = moments_[2 * p], &v = moments_[2 * p + 1];
-      for (std::size_t i = 0; i < x.size(); ++i) {
-        m[i] = b1 * m[i] + (1.0f - b1) * grad[i];
-        v[i] = b2 * v[i] + (1.0f - b2) * (grad[i] * grad[i]);
-        x[i] *= decay;
-        x[i] -= step * (m[i] / (std::sqrt(v[i]) / root + eps));
-      }
+      if (w[p]->empty()) continue;  // no shared experts
+      const Tensor x = view(*w[p]), grad = view(*g[p]);
+      if (c.optimizer == Optimizer::sgd)
+        ops::sgd_update(x, grad, float(c.lr));
+      else
+        ops::adamw_update(x, grad, view(moments_[2 * p]), view(moments_[2 * p + 1]), step);
     }
     if (c.moe.bias_rate > 0) moe_update_bias<float>(bias_, counts_, c.moe.bias_rate);
     history_.push_back(counts_);
   }
 
-  /// Every tensor whole on this rank (collective over the TP and EP groups): the width of all
-  /// TP ranks, the experts of all EP ranks.
   /// A report's copy of every tensor whole, outside the allocator (as the dense layers' snapshot:
   /// the step's peak leaves it out).
   using Report = MoeWeights<float, std::vector<float>>;

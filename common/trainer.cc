@@ -106,6 +106,13 @@ Moments make_moments(const BlockConfig& c, const Model& m) {
   return moments;
 }
 
+ops::AdamWStep adamw_step(const BlockConfig& c, int t) {
+  const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
+  return {static_cast<float>(c.beta1),      static_cast<float>(c.beta2),
+          static_cast<float>(c.eps),        1.0f,
+          static_cast<float>(c.lr / bias1), static_cast<float>(std::sqrt(bias2))};
+}
+
 void update(const BlockConfig& c, Model& m, Moments& moments, int t,
             const std::vector<LayerParams>& copies, const LmParams& lm_copies) {
   const auto lm = m.lm.all(), lm_grads = m.lm_grads.all(), lm_copy = lm_copies.all();
@@ -125,10 +132,7 @@ void update(const BlockConfig& c, Model& m, Moments& moments, int t,
   }
   // AdamW's scalars in double, rounded once: the bias corrections of step t, and the decoupled
   // decay, which the norm gains do not get (Megatron-LM's rule).
-  const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
-  ops::AdamWStep s{static_cast<float>(c.beta1),      static_cast<float>(c.beta2),
-                   static_cast<float>(c.eps),        1.0f,
-                   static_cast<float>(c.lr / bias1), static_cast<float>(std::sqrt(bias2))};
+  ops::AdamWStep s = adamw_step(c, t);
   for (std::size_t l = 0; l < m.params.size(); ++l)
     for (Param p : kAllParams) {
       s.decay = param_split(p) == Split::replicated

@@ -21,6 +21,7 @@
 #include "config.h"
 #include "mlp_branch.h"
 #include "model.h"
+#include "ops.h"
 #include "parallel.h"
 #include "reference.h"
 #include "trace.h"
@@ -145,6 +146,9 @@ class Checkpoints {
   Moments& moments_;
   std::optional<AsyncCheckpointWriter> writer_;
 };
+/// AdamW's scalars at step t (from 1): the decays, eps, the bias-corrected step size and
+/// sqrt(1 − β2ᵗ), in double rounded once; decay 1 (the caller sets a decayed tensor's).
+ops::AdamWStep adamw_step(const BlockConfig& c, int t);
 /// The optimizer step t (from 1) on every parameter m holds. In the same pass over each parameter
 /// it writes the parameter's compute copy (make_compute_copies' `copies`, lm_compute_copies'
 /// `lm_copies`) where that is a bf16 copy of its own.

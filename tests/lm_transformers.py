@@ -59,16 +59,18 @@ def fail(message):
     sys.exit(2)
 
 
-def run_stage(a, dump):
+def run_stage(a, dump, extra=(), ranks=1):
+    """The stage's one step of the language model with --dump (on `ranks` ranks, with `extra`
+    flags: tests/moe_transformers.py's experts)."""
     if os.path.exists(dump):
         shutil.rmtree(dump)
     os.makedirs(os.path.dirname(dump) or ".", exist_ok=True)
-    cmd = shlex.split(a.mpirun) + ["-np", "1"] if a.mpirun else []
+    cmd = shlex.split(a.mpirun) + ["-np", str(ranks)] if a.mpirun else []
     cmd += [a.bin, "--task", "lm", "--data", "synthetic", "--vocab", str(a.vocab),
             "--hidden", str(a.hidden), "--heads", str(a.heads), "--kv-heads", str(a.kv_heads),
             "--ffn", str(a.ffn), "--seq", str(a.seq), "--batch", str(a.batch),
             "--layers", str(a.layers), "--rope-theta", repr(a.rope_theta), "--seed", str(a.seed),
-            "--steps", "1", "--dump", dump]
+            *extra, "--steps", "1", "--dump", dump]
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if r.returncode != 0:
@@ -123,6 +125,15 @@ def transformers_lm(a, tokens, targets, weights, rope_theta):
     names = hf_names(a.layers)
     if set(params) != {hf for hf, _ in names.values()}:
         fail(f"LlamaForCausalLM's parameters are not the ones mapped here: {sorted(params)}")
+    return loss_and_grads(model, names, weights, tokens, targets)
+
+
+def loss_and_grads(model, names, weights, tokens, targets):
+    """`model` (float64) with our weights (`names`: ours -> transformers', transposed) on our
+    tokens: the mean cross-entropy against our targets and every gradient, in our layout."""
+    import torch
+
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for name, (hf, transposed) in names.items():
             w = torch.from_numpy(weights[name].T if transposed else weights[name])

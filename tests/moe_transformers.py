@@ -21,9 +21,6 @@ Exit status: 0 pass, 1 mismatch (or a self-test change not caught), 2 bad input 
 """
 import argparse
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,24 +34,6 @@ MLP = ("w_gate", "w_up", "w_down")
 def fail(message):
     print(f"moe_transformers: error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def run_stage(a, dump):
-    if os.path.exists(dump):
-        shutil.rmtree(dump)
-    os.makedirs(os.path.dirname(dump) or ".", exist_ok=True)
-    cmd = shlex.split(a.mpirun) + ["-np", str(a.np)] if a.mpirun else []
-    cmd += [a.bin, "--task", "lm", "--data", "synthetic", "--vocab", str(a.vocab),
-            "--hidden", str(a.hidden), "--heads", str(a.heads), "--kv-heads", str(a.kv_heads),
-            "--ffn", str(a.ffn), "--seq", str(a.seq), "--batch", str(a.batch),
-            "--layers", str(a.layers), "--rope-theta", repr(a.rope_theta), "--seed", str(a.seed),
-            "--experts", str(a.experts), "--topk", str(a.topk), "--expert-ffn", str(a.ffn),
-            "--router", "softmax", "--aux-loss-weight", "0", "--steps", "1", "--dump", dump]
-    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if r.returncode != 0:
-        print(r.stdout)
-        fail(f"{os.path.basename(a.bin)} exited {r.returncode}")
 
 
 def names(a):
@@ -90,7 +69,6 @@ def mixtral_lm(a, tokens, targets, weights, renormalise=True):
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    np = lm.np
     config = MixtralConfig(
         vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn,
         num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
@@ -105,17 +83,9 @@ def mixtral_lm(a, tokens, targets, weights, renormalise=True):
     mapping = names(a)
     if set(params) != {hf for hf, _ in mapping.values()}:
         fail(f"MixtralForCausalLM's parameters are not the ones mapped here: {sorted(params)}")
-    with torch.no_grad():
-        for name, (hf, transposed) in mapping.items():
-            w = torch.from_numpy(weights[name].T if transposed else weights[name])
-            if params[hf].shape != w.shape:
-                fail(f"{name}: transformers' {hf} is {tuple(params[hf].shape)}, ours gives "
-                     f"{tuple(w.shape)}")
-            params[hf].copy_(w)
     if not renormalise:  # the self-test's wrong rule: the top-k softmax probabilities as they are
         for layer in model.model.layers:
-            moe = layer.block_sparse_moe
-            moe.top_k = moe.top_k  # same experts; the weights below skip the renormalisation
+            moe = layer.block_sparse_moe  # the same experts chosen, their weights as they are
 
             def forward(hidden, moe=moe):
                 b, s, h = hidden.shape
@@ -130,19 +100,7 @@ def mixtral_lm(a, tokens, targets, weights, renormalise=True):
                             out[rows] += weight[rows, j, None] * moe.experts[e](x[rows])
                 return out.view(b, s, h), None
             moe.forward = forward
-    model.train()
-    ids = torch.from_numpy(tokens.T.astype(np.int64))  # [B, S]: transformers is batch first
-    tgt = torch.from_numpy(targets.T.astype(np.int64))
-    logits = model(input_ids=ids).logits.double()
-    target_logit = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
-    loss = (torch.logsumexp(logits, dim=-1) - target_logit).mean()
-    model.zero_grad()
-    loss.backward()
-    grads = {}
-    for name, (hf, transposed) in mapping.items():
-        g = params[hf].grad.detach().numpy()
-        grads[name] = g.T if transposed else g
-    return float(loss), grads
+    return lm.loss_and_grads(model, mapping, weights, tokens, targets)
 
 
 def main():
@@ -180,7 +138,8 @@ def main():
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
 
     dump = os.path.join(a.work, "dump")
-    run_stage(a, dump)
+    lm.run_stage(a, dump, ["--experts", str(a.experts), "--topk", str(a.topk), "--expert-ffn",
+                           str(a.ffn), "--router", "softmax", "--aux-loss-weight", "0"], a.np)
     tokens, targets, loss, weights, grads = load_dump(a, dump)
     hf_loss, hf_grads = mixtral_lm(a, tokens, targets, weights)
     print(f"loss: 10_expert_parallel {loss:.8f}, transformers {hf_loss:.8f}")
