@@ -147,7 +147,7 @@ double Executor::evaluate(const std::vector<LayerParams>& params,
         const int next = k + 1 < range.count ? int(l + 1) : -1;
         const LayerParams w = slice_.layer_params(params, l, next);
         BlockActivations dropped;  // forward only: what the layer saves goes at once
-        h = block_forward(c_, w, h, slice_, dropped, trace_);
+        h = block_forward(c_, w, h, slice_, dropped, trace_, branch(l, j));
         slice_.release_layer(l);
       }
       if (s == last) {
@@ -225,9 +225,10 @@ void Executor::forward(std::size_t i, const std::vector<LayerParams>& params, Re
     const std::size_t l = local_.at(range.first + k);
     const int next = k + 1 < range.count ? int(l + 1) : -1;
     const LayerParams w = slice_.layer_params(params, l, next);
-    h = block_forward(c_, w, h, slice_, p.acts[std::size_t(k)], trace_);
+    MlpBranch* mlp = branch(l, a.microbatch);
+    h = block_forward(c_, w, h, slice_, p.acts[std::size_t(k)], trace_, mlp);
     release(range.first + k, p.acts[std::size_t(k)]);
-    saved_ += p.acts[std::size_t(k)].bytes();
+    saved_ += p.acts[std::size_t(k)].bytes() + (mlp ? mlp->saved_bytes() : 0);
     slice_.release_layer(l);
   }
   p.y = h;
@@ -272,9 +273,11 @@ void Executor::backward(std::size_t i, const std::vector<LayerParams>& params, R
     const LayerParams w = slice_.layer_params(params, l, next);
     LayerParams g = fresh_grads(l);
     remake(range.first + k, w, p.acts[std::size_t(k)], r);
-    dy = block_backward(c_, w, p.acts[std::size_t(k)], dy, slice_, g, trace_);
+    MlpBranch* mlp = branch(l, a.microbatch);
+    const std::size_t branch_saved = mlp ? mlp->saved_bytes() : 0;
+    dy = block_backward(c_, w, p.acts[std::size_t(k)], dy, slice_, g, trace_, mlp);
     slice_.release_layer(l);
-    saved_ -= p.acts[std::size_t(k)].bytes();
+    saved_ -= p.acts[std::size_t(k)].bytes() + branch_saved;
     p.acts[std::size_t(k)] = {};
     if (split_)
       p.grads[std::size_t(k)] = g;
@@ -290,6 +293,13 @@ void Executor::backward(std::size_t i, const std::vector<LayerParams>& params, R
                        trace_);
     accumulate_lm({.embedding = g.embedding, .norm_f = {}, .w_out = {}});
   }
+}
+
+MlpBranch* Executor::branch(std::size_t l, int microbatch) {
+  ExtraParameters* extra = slice_.extra_parameters();
+  if (!extra) return nullptr;
+  extra->microbatch(microbatch, shape_.microbatches);
+  return extra->mlp(l);
 }
 
 void Executor::release(std::int64_t layer, BlockActivations& saved) const {

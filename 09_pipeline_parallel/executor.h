@@ -118,6 +118,8 @@ class Executor {
   /// input under full recompute, all but the cheap ops' outputs under selective), and making
   /// again what it let go, before its backward.
   void release(std::int64_t layer, BlockActivations& saved) const;
+  /// Local layer l's MLP branch (stage 10's experts) set to `microbatch`'s state, or null.
+  MlpBranch* branch(std::size_t l, int microbatch);
   void remake(std::int64_t layer, const LayerParams& w, BlockActivations& saved, Result& r);
   LayerParams fresh_grads(std::size_t l);
   LayerParams& accumulator(std::size_t l);

@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -154,6 +155,13 @@ std::vector<std::int64_t> PipelineParallel::held_layers() const {
   return layers_of(schedule_->shape(), layers_, mesh_.pp_index);
 }
 
+BlockConfig PipelineParallel::reference_config(const BlockConfig& c) const {
+  BlockConfig r = slice_->reference_config(c);
+  r.moe.microbatches = schedule_->shape().microbatches;
+  r.moe.replicas = mesh_.dp;
+  return r;
+}
+
 PipelineParallel::Channel& PipelineParallel::channel(Payload p) {
   TPX_CHECK(activations_, "pipeline transfer with a single stage");
   return p == Payload::activation ? *activations_ : *gradients_;
@@ -296,10 +304,11 @@ Layout layout(const RunContext& ctx) {
   const BlockConfig& c = ctx.options.config;
   const int given_dp = ctx.options.flags<fsdp::DataParallelFlags>().dp;
   const int given_cp = ctx.options.flags<cp::ContextParallelFlags>().cp;
+  const MeshFlag newest = ctx.options.newest_mesh_flag();
   Layout l;
-  l.pp = mesh_degree(o.pp, MeshFlag::pp, MeshFlag::pp, ctx.world);
-  l.dp = mesh_degree(given_dp, MeshFlag::pp, MeshFlag::dp, ctx.world);
-  l.cp = mesh_degree(given_cp, MeshFlag::pp, MeshFlag::cp, ctx.world);
+  l.pp = mesh_degree(o.pp, newest, MeshFlag::pp, ctx.world);
+  l.dp = mesh_degree(given_dp, newest, MeshFlag::dp, ctx.world);
+  l.cp = mesh_degree(given_cp, newest, MeshFlag::cp, ctx.world);
   // The flags are positive when given (cli_flags.h's add_count); P·D·C is checked, not wrapped.
   if (std::string p = Mesh::problem(ctx.world, l.dp, l.cp, l.pp,
                                     {.pp = o.pp != 0, .dp = given_dp != 0, .cp = given_cp != 0});
@@ -369,13 +378,23 @@ Layout layout(const RunContext& ctx) {
 }  // namespace
 
 std::unique_ptr<Parallelism> make_pipeline(const RunContext& ctx) {
+  return make_pipeline_with(ctx, [](const RunContext& c, const Mesh& mesh, const auto& /*held*/) {
+    return cp::make_context_parallel_on(c, mesh);
+  });
+}
+
+std::unique_ptr<Parallelism> make_pipeline_with(const RunContext& ctx, const SliceFactory& slice) {
   Layout l = layout(ctx);
   auto schedule = pipeline::make_schedule(ctx.options.flags<PipelineFlags>().schedule,
                                           l.shape);  // its own checks
   Mesh mesh = Mesh::make(l.dp, l.cp, l.pp);
-  auto slice = cp::make_context_parallel_on(ctx, mesh);
-  return std::make_unique<PipelineParallel>(ctx, std::move(mesh), std::move(slice),
+  auto on_slice = slice(ctx, mesh, layers_of(l.shape, l.layers, mesh.pp_index));
+  return std::make_unique<PipelineParallel>(ctx, std::move(mesh), std::move(on_slice),
                                             std::move(schedule), std::move(l.layers));
+}
+
+int pipeline_degree(const RunContext& ctx) {
+  return layout(ctx).pp;
 }
 
 namespace {
@@ -596,18 +615,21 @@ Tensor join_microbatches(const std::vector<Tensor>& parts) {
 
 /// Moves a host vector held by the first rank of pipeline stage `from` (job rank from · slice)
 /// to job rank 0 (reporting only: the snapshot). Every rank calls it in the same order.
-void to_rank0(std::vector<float>& v, int from, int slice_ranks, int rank) {
+template <class T>
+void to_rank0(std::vector<T>& v, int from, int slice_ranks, int rank) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, char>);
+  const MPI_Datatype type = std::is_same_v<T, float> ? MPI_FLOAT : MPI_CHAR;
   const int src = from * slice_ranks;
   if (src == 0) return;
   if (rank == src) {
     auto n = static_cast<std::uint64_t>(v.size());
     TPX_MPI_CHECK(MPI_Send(&n, 1, MPI_UINT64_T, 0, 0, MPI_COMM_WORLD));
-    TPX_MPI_CHECK(MPI_Send(v.data(), int(n), MPI_FLOAT, 0, 1, MPI_COMM_WORLD));
+    TPX_MPI_CHECK(MPI_Send(v.data(), int(n), type, 0, 1, MPI_COMM_WORLD));
   } else if (rank == 0) {
     std::uint64_t n = 0;
     TPX_MPI_CHECK(MPI_Recv(&n, 1, MPI_UINT64_T, src, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
     v.resize(n);
-    TPX_MPI_CHECK(MPI_Recv(v.data(), int(n), MPI_FLOAT, src, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
+    TPX_MPI_CHECK(MPI_Recv(v.data(), int(n), type, src, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE));
   }
 }
 
@@ -628,6 +650,39 @@ Place place_of(const PipelineParallel& pp) {
               .rank = 0};
   TPX_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &place.rank));
   return place;
+}
+
+/// Named tensors held by the first rank of pipeline stage `from`, to job rank 0 (reporting): the
+/// names and shapes as JSON text, the values as one run of floats. Every rank calls it in the
+/// same order; rank 0 returns the stage's tensors, the others nothing.
+NamedValues named_to_rank0(const NamedValues& mine, int from, const Place& place) {
+  std::vector<char> head;
+  std::vector<float> values;
+  if (place.me == from) {
+    nlohmann::json h = nlohmann::json::array();
+    for (const NamedArray<float>& t : mine) {
+      h.push_back({t.name, t.shape});
+      values.insert(values.end(), t.values.begin(), t.values.end());
+    }
+    const std::string text = h.dump();
+    head.assign(text.begin(), text.end());
+  }
+  to_rank0(head, from, place.slice_ranks, place.rank);
+  to_rank0(values, from, place.slice_ranks, place.rank);
+  NamedValues out;
+  if (place.rank != 0) return out;
+  std::size_t at = 0;
+  for (const nlohmann::json& t : nlohmann::json::parse(head.begin(), head.end())) {
+    NamedArray<float> a{.name = t[0], .shape = t[1], .values = {}};
+    std::size_t n = 1;
+    for (const std::int64_t d : a.shape) n *= std::size_t(d);
+    TPX_CHECK(at + n <= values.size(), "{}: {} values past the {} sent", a.name, at + n,
+              values.size());
+    a.values.assign(values.begin() + std::ptrdiff_t(at), values.begin() + std::ptrdiff_t(at + n));
+    at += n;
+    out.push_back(std::move(a));
+  }
+  return out;
 }
 
 /// The language model's ends on the pipeline's ends: the embedding where stage 0 runs, the final
@@ -756,6 +811,63 @@ void gather_model(const BlockConfig& c, PipelineParallel& pp, const Place& place
   }
 }
 
+/// On rank 0, into snap: the stage's extra parameters and their gradients (stage 10's experts),
+/// each pipeline stage's slice gathering those of its layers, and the dump's extra tensors, each
+/// stage's rows (one per layer) stacked in stage order; a layer whose MLP is the stage's branch
+/// has no dense SwiGLU to report. Every rank calls it.
+void gather_extra(const BlockConfig& c, PipelineParallel& pp, const Place& place,
+                  ExtraParameters& extra, Snapshot& snap) {
+  std::vector<NamedArray<float>> stacked;  // the dump's extra tensors, by name in first order
+  for (int from = 0; from < pp.mesh().pp; ++from) {
+    NamedValues params, grads, dump;
+    if (place.me == from) {
+      extra.snapshot(params, grads);
+      for (const auto& [name, t] : pp.slice().dump_extra())
+        dump.push_back({.name = name, .shape = t.shape(), .values = host_copy(t)});
+    }
+    for (NamedArray<float>& t : named_to_rank0(params, from, place))
+      snap.extra_params.push_back(std::move(t));
+    for (NamedArray<float>& t : named_to_rank0(grads, from, place))
+      snap.extra_grads.push_back(std::move(t));
+    for (NamedArray<float>& t : named_to_rank0(dump, from, place)) {
+      auto it = std::ranges::find(stacked, t.name, &NamedArray<float>::name);
+      if (it == stacked.end() || t.shape.empty()) {
+        stacked.push_back(std::move(t));
+        continue;
+      }
+      it->shape[0] += t.shape[0];
+      it->values.insert(it->values.end(), t.values.begin(), t.values.end());
+    }
+  }
+  for (const NamedArray<float>& t : stacked) {
+    Tensor whole = Tensor::empty(t.shape, DType::f32, Device::cpu);
+    std::ranges::copy(t.values, whole.f32().begin());
+    snap.extra.emplace_back(t.name, whole);
+  }
+  for (std::size_t l = 0; l < snap.params.size(); ++l)
+    if (c.moe.layer(std::int64_t(l)))
+      for (Param p : {Param::w_gate, Param::w_up, Param::w_down}) {
+        snap.params[l][std::size_t(p)].clear();
+        snap.grads[l][std::size_t(p)].clear();
+      }
+}
+
+/// On rank 0: the extra parameters' --json summary (ExtraParameters::summary()) of every pipeline
+/// stage, joined (ExtraParameters::joined()). Every rank calls it.
+nlohmann::json gather_summary(const Place& place, int stages, const ExtraParameters& extra) {
+  std::vector<nlohmann::json> parts;
+  for (int from = 0; from < stages; ++from) {
+    std::vector<char> text;
+    if (place.me == from) {
+      const std::string mine = extra.summary().dump();
+      text.assign(mine.begin(), mine.end());
+    }
+    to_rank0(text, from, place.slice_ranks, place.rank);
+    if (place.rank == 0) parts.push_back(nlohmann::json::parse(text.begin(), text.end()));
+  }
+  return place.rank == 0 ? extra.joined(parts) : nlohmann::json();
+}
+
 /// The whole step 0 on rank 0: the model and its gradients (gather_model()), the input, output
 /// and input gradient. Every rank calls it.
 void take_snapshot(const BlockConfig& c, PipelineParallel& pp, const Place& place,
@@ -777,6 +889,7 @@ void take_snapshot(const BlockConfig& c, PipelineParallel& pp, const Place& plac
   snap.input_grad =
       gathered(place, 0, [&] { return slice.gather_activation(join_microbatches(r.dx)); });
   gather_model(c, pp, place, model, /*grads=*/true, snap);
+  if (ExtraParameters* extra = slice.extra_parameters()) gather_extra(c, pp, place, *extra, snap);
 }
 
 /// --json's "pipeline": the schedule, per pipeline stage its layers, live count and measured idle
@@ -894,6 +1007,8 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     if (step == first) result.saved_activation_bytes = r.peak_saved;
     row.loss = c.lm() ? par.sum_over_ranks(r.loss_sum) / positions
                       : 0.5 * par.sum_over_ranks(r.loss_sum) / (positions * double(c.hidden));
+    if (const ExtraParameters* extra = pp.extra_parameters())
+      row.loss += par.sum_over_ranks(extra->loss_part());  // the experts' auxiliary losses
     row.grad_norm = grad_norm(par, model, sh, trace);
     if (result.diverged = divergence(row, c.lr); !result.diverged.empty()) {
       par.synchronize();
@@ -926,6 +1041,8 @@ TrainResult train_pipeline(const BlockConfig& c, Parallelism& par, bool snapshot
     gather_model(c, pp, place, model, /*grads=*/false, result.trained);  // reporting
     par.take_comm_stats();
   }
+  if (const ExtraParameters* extra = pp.extra_parameters())
+    result.extra = gather_summary(place, pp.mesh().pp, *extra);
   result.extra["pipeline"] = pipeline_report(c, pp, times, microbatch_rows);
   return result;
 }

@@ -23,7 +23,8 @@
 //
 // defines: tpx::pp::PipelineParallel, tpx::pp::make_pipeline(), tpx::pp::plan_pipeline(),
 //          tpx::pp::describe_pipeline(),
-//          tpx::pp::train_pipeline()
+//          tpx::pp::train_pipeline(), tpx::pp::SliceFactory,
+//          tpx::pp::make_pipeline_with(), tpx::pp::pipeline_degree()
 #pragma once
 
 #include <cstdint>
@@ -81,6 +82,12 @@ class PipelineParallel final : public Parallelism {
     return slice_->row_backward(a, w, dy, dw, role);
   }
 
+  /// The slice's (stage 10's experts on this rank's layers).
+  ExtraParameters* extra_parameters() override { return slice_->extra_parameters(); }
+  /// The slice's, with the micro-batches as the experts' routing groups (MoeConfig::microbatches:
+  /// each micro-batch of the D replicas is routed on its own).
+  BlockConfig reference_config(const BlockConfig& c) const override;
+
   /// Σ over every rank of the job: the slice's sum, then the pipeline's (each stage holds other
   /// layers; only the last computes the loss).
   double sum_over_ranks(double local) override;
@@ -124,6 +131,19 @@ class PipelineParallel final : public Parallelism {
 /// --cp default 1), splits the layers, sizes the micro-batches and makes the schedule
 /// (ConfigError, one line on every rank, for what does not split), then stage 08 on the slice.
 std::unique_ptr<Parallelism> make_pipeline(const RunContext& ctx);
+
+/// What runs on each pipeline stage's ranks: made (collectively) on the P × D × C × T mesh for
+/// the model's layers `held` (this rank's, as Model holds them).
+using SliceFactory = std::function<std::unique_ptr<Parallelism>(
+    const RunContext& ctx, const Mesh& mesh, const std::vector<std::int64_t>& held)>;
+
+/// make_pipeline() with `slice` on each stage's ranks (stage 10: its experts beside stage 07).
+/// The mesh's newest dimension, whose flag defaults to 2 where the ranks allow, is the stage's
+/// (cli.h's newest_mesh_flag()): --pp in stage 09, --dp in stage 10.
+std::unique_ptr<Parallelism> make_pipeline_with(const RunContext& ctx, const SliceFactory& slice);
+
+/// The P of ctx's flags as make_pipeline() lays it out (--pp or its default).
+int pipeline_degree(const RunContext& ctx);
 
 /// --dry-run's plan of this rank: the checks of make_pipeline, its sharding (its layers, the
 /// schedule's peak of live activations) and a step's bytes per group (the formulas of

@@ -6,11 +6,14 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <span>
 
 #include <fmt/format.h>
 
 #include "07_fsdp_tp/flags.h"
+#include "09_pipeline_parallel/flags.h"
+#include "09_pipeline_parallel/pipeline.h"
 #include "10_expert_parallel/memory.h"
 #include "10_expert_parallel/traffic.h"
 #include "common/check.h"
@@ -26,13 +29,6 @@ namespace tpx::ep {
 namespace {
 
 using I = std::int64_t;
-
-/// A MoE layer's seven tensors, in MoeWeights' order (the shared ones empty without them).
-template <class W>
-auto tensors(W& w) {
-  return std::array{&w.router,      &w.w_gate,    &w.w_up,       &w.w_down,
-                    &w.shared_gate, &w.shared_up, &w.shared_down};
-}
 
 Tensor host_tensor(std::span<const float> v, Tensor::Shape shape) {
   Tensor t = Tensor::empty(std::move(shape), DType::f32, Device::cpu);
@@ -61,14 +57,20 @@ void all_reduce(Communicator& comm, HostVector<float>& v, const Stream& s) {
 /// training loop's view of them (ExtraParameters).
 class MoeLayers final : public ExtraParameters {
  public:
-  MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep);
+  /// `held`: the model's layers this rank holds (a pipeline stage's), as Model's.
+  MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep, std::vector<I> held);
 
   MlpBranch* mlp(std::size_t layer) override;
+  void microbatch(int j, int m) override {
+    microbatch_ = j;
+    microbatches_ = m;
+  }
   double loss_part() const override;
   double grad_square_sum() const override;
   void update(int t) override;
   void snapshot(NamedValues& params, NamedValues& grads) override;
   nlohmann::json summary() const override;
+  nlohmann::json joined(const std::vector<nlohmann::json>& parts) const override;
 
   CommStats take_stats() {
     CommStats s;
@@ -93,12 +95,14 @@ class MoeLayers final : public ExtraParameters {
   int ep_size_, ep_rank_, replica_;  // EP, this rank's index in its EP group, the group's index
   int tp_size_, tp_rank_;            // the TP group the experts' width is cut over
   Stream stream_;
-  RankGroup ep_group_;                      // EP consecutive replicas of one TP index
-  std::unique_ptr<Communicator> ep_;        // the EP group: dispatch and combine
-  std::unique_ptr<Communicator> tokens_;    // the D ranks: capacity, aux loss, router's grads
-  std::unique_ptr<Communicator> replicas_;  // the D / EP holders of this rank's experts
-  std::unique_ptr<Communicator> tp_;        // the TP group: its tokens gathered, outputs summed
-  std::vector<std::unique_ptr<Layer>> layers_;
+  RankGroup ep_group_;                          // EP consecutive replicas of one TP index
+  std::unique_ptr<Communicator> ep_;            // the EP group: dispatch and combine
+  std::unique_ptr<Communicator> tokens_;        // the D ranks: capacity, aux loss, router's grads
+  std::unique_ptr<Communicator> replicas_;      // the D / EP holders of this rank's experts
+  std::unique_ptr<Communicator> tp_;            // the TP group: its tokens gathered, outputs summed
+  std::vector<I> held_;                         // the layers this rank holds
+  std::vector<std::unique_ptr<Layer>> layers_;  // per held layer; null where it is dense
+  int microbatch_ = 0, microbatches_ = 1;       // the current one, and the step's
 };
 
 /// One MoE layer on this rank: the router and shared experts whole, its E/EP experts, their
@@ -120,41 +124,59 @@ class MoeLayers::Layer final : public MlpBranch {
     TraceScope op(trace, "experts fwd");
     TPX_CHECK(h2.device() == Device::cpu && h2.dtype() == DType::f32, "experts on {}",
               h2.describe());
-    f_ = {};  // a held-out forward's, or none: backward frees the step's
-    x_ = {};
+    Saved& s = slot();
+    s = {};  // a held-out forward's, or none: backward frees the step's
     // The replica's tokens: under sequence parallelism each TP rank holds S/T positions of them.
     const Tensor rows = gather(h2);
     const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
-    shape_ = o_.c_.moe.shape(H, S * b);
-    shape_.expert_ffn /= o_.tp_size_;  // this rank's part of every expert's width
-    shape_.shared_ffn /= o_.tp_size_;
-    x_ = to_sequence_major(rows.f32().data(), S, b, H);
-    f_ = moe_ep_forward<float>(shape_, w_, x_, bias_, *o_.ep_, o_.stream_, o_.tokens_.get());
-    Tensor y = host_tensor(from_sequence_major(f_.y.data(), S, b, H), rows.shape());
-    f_.y = {};  // backward does not read it
+    MoeConfig routing = o_.c_.moe;  // this micro-batch a routing group of the step's M
+    routing.microbatches = o_.microbatches_;
+    s.shape = routing.shape(H, S * b);
+    s.shape.expert_ffn /= o_.tp_size_;  // this rank's part of every expert's width
+    s.shape.shared_ffn /= o_.tp_size_;
+    s.x = to_sequence_major(rows.f32().data(), S, b, H);
+    s.f = moe_ep_forward<float>(s.shape, w_, s.x, bias_, *o_.ep_, o_.stream_, o_.tokens_.get());
+    s.aux_loss = double(s.f.aux_loss);
+    Tensor y = host_tensor(from_sequence_major(s.f.y.data(), S, b, H), rows.shape());
+    s.f.y = {};  // backward does not read it
     return scatter(y);
   }
 
   Tensor backward(const Tensor& dout, Trace& trace) override {
     TraceScope op(trace, "experts bwd");
+    Saved& s = slot();
     const Tensor rows = gather(dout);
     const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
     const HostVector<float> dy = to_sequence_major(rows.f32().data(), S, b, H);
-    g_ = {};  // the last step's, which the update has used
-    g_ = moe_ep_backward<float>(shape_, w_, x_, f_, dy, *o_.ep_, o_.stream_, o_.tp_.get());
-    // The router's and the shared experts' parts over every token's rank; each expert's over
-    // the ranks that hold the same experts.
-    for (HostVector<float>* t :
-         {&g_.w.router, &g_.w.shared_gate, &g_.w.shared_up, &g_.w.shared_down})
-      all_reduce(*o_.tokens_, *t, o_.stream_);
-    if (o_.replicas_)
-      for (HostVector<float>* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down})
-        all_reduce(*o_.replicas_, *t, o_.stream_);
-    counts_ = f_.routed_all;  // this step's (a held-out forward after it leaves them be)
-    Tensor dx = host_tensor(from_sequence_major(g_.x.data(), S, b, H), rows.shape());
-    g_.x = {};
-    f_ = {};  // what backward needed
-    x_ = {};
+    const bool first = backwards_ % o_.microbatches_ == 0;  // the step's first micro-batch
+    if (first) g_ = {};  // the last step's, which the update has used
+    MoeGrads<float> g =
+        moe_ep_backward<float>(s.shape, w_, s.x, s.f, dy, *o_.ep_, o_.stream_, o_.tp_.get());
+    Tensor dx = host_tensor(from_sequence_major(g.x.data(), S, b, H), rows.shape());
+    g.x = {};
+    // The step's gradients and counts: this micro-batch's, added to the earlier ones'.
+    if (first) {
+      g_ = std::move(g);
+      counts_ = s.f.routed_all;
+    } else {
+      const auto into = moe_tensors(g_.w);
+      const auto from = moe_tensors(g.w);
+      for (std::size_t p = 0; p < into.size(); ++p)
+        if (!into[p]->empty()) ops::accumulate(view(*from[p]), view(*into[p]));
+      for (std::size_t e = 0; e < counts_.size(); ++e) counts_[e] += s.f.routed_all[e];
+    }
+    if (++backwards_ % o_.microbatches_ == 0) {
+      // After the step's last micro-batch: the router's and the shared experts' parts over
+      // every token's rank; each expert's over the ranks that hold the same experts.
+      for (HostVector<float>* t :
+           {&g_.w.router, &g_.w.shared_gate, &g_.w.shared_up, &g_.w.shared_down})
+        all_reduce(*o_.tokens_, *t, o_.stream_);
+      if (o_.replicas_)
+        for (HostVector<float>* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down})
+          all_reduce(*o_.replicas_, *t, o_.stream_);
+    }
+    s.x = {};  // what backward needed (its auxiliary loss stays for the step's loss)
+    s.f = {};
     return scatter(dx);
   }
 
@@ -178,13 +200,20 @@ class MoeLayers::Layer final : public MlpBranch {
   /// What forward keeps for backward (its float buffers; the routing's small integer ones are
   /// left out).
   std::size_t saved_bytes() const override {
-    return (x_.size() + f_.logits.size() + f_.routing.score.size() + f_.routing.weight.size() +
-            f_.recv.size() + f_.gate.size() + f_.up.size() + f_.out.size() + f_.shared_gate.size() +
-            f_.shared_up.size()) *
+    const Saved& s = saved_.at(std::size_t(o_.microbatch_));
+    const MoeEpForward<float>& f = s.f;
+    return (s.x.size() + f.logits.size() + f.routing.score.size() + f.routing.weight.size() +
+            f.recv.size() + f.gate.size() + f.up.size() + f.out.size() + f.shared_gate.size() +
+            f.shared_up.size()) *
            sizeof(float);
   }
 
-  double aux_loss() const { return double(f_.aux_loss); }
+  /// The step's auxiliary loss: its micro-batches' (each weighted 1/M by the shape).
+  double aux_loss() const {
+    double sum = 0.0;
+    for (const Saved& s : saved_) sum += s.aux_loss;
+    return sum;
+  }
 
   /// Σ g² of what this rank counts, each value once over the mesh: the router (the same on
   /// every rank) where `router`, the shared experts' part of the width where `shared`, this
@@ -206,8 +235,8 @@ class MoeLayers::Layer final : public MlpBranch {
   /// decayed), then the balancing bias from the step's counts over all tokens.
   void update(int t) {
     const BlockConfig& c = o_.c_;
-    const auto w = tensors(w_);
-    const auto g = tensors(g_.w);
+    const auto w = moe_tensors(w_);
+    const auto g = moe_tensors(g_.w);
     if (moments_.empty() && c.optimizer == Optimizer::adamw)  // SGD keeps none
       for (const auto* v : w) moments_.insert(moments_.end(), 2, HostVector<float>(v->size()));
     ops::AdamWStep step = training::adamw_step(c, t);
@@ -295,36 +324,51 @@ class MoeLayers::Layer final : public MlpBranch {
   I layer_;
   MoeWeights<float> w_;
   HostVector<float> bias_;
-  MoeShape shape_;
-  HostVector<float> x_;  // the layer's input rows in sequence order
-  MoeEpForward<float> f_;
-  MoeGrads<float> g_;
+  /// What one micro-batch's forward keeps for its backward.
+  struct Saved {
+    MoeShape shape;
+    HostVector<float> x;  // the layer's input rows in sequence order
+    MoeEpForward<float> f;
+    double aux_loss = 0.0;  // kept past the backward, for the step's loss
+  };
+  /// The current micro-batch's (MoeLayers::microbatch()).
+  Saved& slot() {
+    saved_.resize(std::size_t(o_.microbatches_));
+    return saved_[std::size_t(o_.microbatch_)];
+  }
+
+  std::vector<Saved> saved_;  // per micro-batch
+  std::int64_t backwards_ = 0;
+  MoeGrads<float> g_;                               // the step's, summed over its micro-batches
   std::vector<HostVector<float>> moments_;          // AdamW's, two per tensor
   std::vector<std::int64_t> counts_;                // the last step's assignments per expert
   std::vector<std::vector<std::int64_t>> history_;  // every step's
 };
 
-MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep)
+MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep, std::vector<I> held)
     : c_(ctx.options.config),
       ep_size_(ep),
       ep_rank_(mesh.dp_index % ep),
       replica_(mesh.dp_index / ep),
       tp_size_(mesh.tp),
       tp_rank_(mesh.tp_index),
-      stream_(Stream::create(c_.device)) {
-  // Every group holds one TP index: rank t of each TP group routes and dispatches with rank t
-  // of the others. Each split is collective over the job, used or not.
-  const int tp_index = mesh.tp_index, groups = mesh.dp / ep;
+      stream_(Stream::create(c_.device)),
+      held_(std::move(held)) {
+  // Every group holds one TP index of one pipeline stage: rank t of each TP group routes and
+  // dispatches with rank t of the others. Each split is collective over the job, used or not.
+  const int tp_index = mesh.tp_index, groups = mesh.dp / ep, stage = mesh.pp_index;
+  const std::string where = mesh.pp > 1 ? fmt::format("{}.", stage) : "";
   CommOptions o = ctx.options.comm;
-  ep_group_ = RankGroup::split(replica_ * mesh.tp + tp_index, ep_rank_,
-                               fmt::format("ep group {}.{}", replica_, tp_index));
+  ep_group_ = RankGroup::split((stage * groups + replica_) * mesh.tp + tp_index, ep_rank_,
+                               fmt::format("ep group {}{}.{}", where, replica_, tp_index));
   o.group = ep_group_;
   ep_ = make_communicator(o, c_.device);
   o.group = mesh.dp_group;
   o.group_label = fmt::format("dp group {} (experts)", tp_index);
   tokens_ = make_communicator(o, c_.device);
-  RankGroup holders = RankGroup::split(ep_rank_ * mesh.tp + tp_index, replica_,
-                                       fmt::format("expert holders {}.{}", ep_rank_, tp_index));
+  RankGroup holders =
+      RankGroup::split((stage * ep + ep_rank_) * mesh.tp + tp_index, replica_,
+                       fmt::format("expert holders {}{}.{}", where, ep_rank_, tp_index));
   o.group_label = "";
   if (groups > 1) {
     o.group = holders;
@@ -339,9 +383,9 @@ MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep)
 
 void MoeLayers::make_layers() {
   if (!layers_.empty()) return;
-  layers_.resize(std::size_t(c_.layers));
-  for (I l = 0; l < c_.layers; ++l)
-    if (c_.moe.layer(l)) layers_[std::size_t(l)] = std::make_unique<Layer>(*this, l);
+  layers_.resize(held_.size());
+  for (std::size_t i = 0; i < held_.size(); ++i)
+    if (c_.moe.layer(held_[i])) layers_[i] = std::make_unique<Layer>(*this, held_[i]);
 }
 
 MlpBranch* MoeLayers::mlp(std::size_t layer) {
@@ -391,8 +435,28 @@ nlohmann::json MoeLayers::summary() const {
     steps.push_back(std::move(row));
   }
   nlohmann::json layers = nlohmann::json::array();
-  for (std::size_t l = 0; l < layers_.size(); ++l)
-    if (layers_[l]) layers.push_back(l);
+  for (std::size_t i = 0; i < layers_.size(); ++i)
+    if (layers_[i]) layers.push_back(held_[i]);
+  return {{"moe",
+           {{"layers", layers},
+            {"experts", c_.moe.experts},
+            {"ep", ep_size_},
+            {"tokens_per_expert", steps}}}};
+}
+
+nlohmann::json MoeLayers::joined(const std::vector<nlohmann::json>& parts) const {
+  // Each pipeline stage's MoE layers, in stage order (the model's order); a stage without one
+  // has no steps.
+  nlohmann::json layers = nlohmann::json::array(), steps = nlohmann::json::array();
+  for (const nlohmann::json& part : parts) {
+    const nlohmann::json& moe = part.at("moe");
+    for (const auto& l : moe.at("layers")) layers.push_back(l);
+    const nlohmann::json& rows = moe.at("tokens_per_expert");
+    for (std::size_t s = 0; s < rows.size(); ++s) {
+      if (s == steps.size()) steps.push_back(nlohmann::json::array());
+      for (const auto& row : rows[s]) steps[s].push_back(row);
+    }
+  }
   return {{"moe",
            {{"layers", layers},
             {"experts", c_.moe.experts},
@@ -411,8 +475,9 @@ Tensor MoeLayers::first_counts() const {
   return host_tensor(v, {n, c_.moe.experts});
 }
 
-ExpertParallel::ExpertParallel(const RunContext& ctx, Mesh mesh, int ep)
-    : FsdpTp(ctx, mesh), moe_(std::make_unique<MoeLayers>(ctx, mesh, ep)) {}
+ExpertParallel::ExpertParallel(const RunContext& ctx, Mesh mesh, int ep,
+                               std::vector<std::int64_t> held)
+    : FsdpTp(ctx, mesh), moe_(std::make_unique<MoeLayers>(ctx, mesh, ep, std::move(held))) {}
 
 ExpertParallel::~ExpertParallel() = default;
 
@@ -489,12 +554,34 @@ int checked_ep(const RunContext& ctx, const Mesh& mesh) {
 }  // namespace
 
 std::unique_ptr<Parallelism> make_expert_parallel(const RunContext& ctx) {
+  if (ctx.options.flags<pp::PipelineFlags>().print_schedule)
+    throw ConfigError(
+        "stage 10 does not --print-schedule: 09_pipeline_parallel prints the same schedule (its "
+        "memory estimate without the experts)");
+  if (pp::pipeline_degree(ctx) > 1)  // P × D × T: stage 09's pipeline, this slice on each stage
+    return pp::make_pipeline_with(ctx, [](const RunContext& c, const Mesh& mesh, const auto& held) {
+      const int ep = checked_ep(c, mesh);
+      return std::make_unique<ExpertParallel>(c, mesh, ep, held);
+    });
   Mesh mesh = fsdp::make_mesh(ctx);  // D × T; refuses a D that does not divide B or the ranks
   const int ep = checked_ep(ctx, mesh);
-  return std::make_unique<ExpertParallel>(ctx, std::move(mesh), ep);
+  std::vector<std::int64_t> all(std::size_t(ctx.options.config.layers));
+  std::iota(all.begin(), all.end(), 0);
+  return std::make_unique<ExpertParallel>(ctx, std::move(mesh), ep, std::move(all));
+}
+
+TrainResult train_expert_parallel(const BlockConfig& c, Parallelism& par, bool snapshot,
+                                  Trace& trace, const std::function<void(const StepRow&)>& on_row) {
+  if (dynamic_cast<pp::PipelineParallel*>(&par))
+    return pp::train_pipeline(c, par, snapshot, trace, on_row);
+  return train(c, par, snapshot, trace, on_row);
 }
 
 StagePlan plan_expert_parallel(const RunContext& ctx) {
+  if (pp::pipeline_degree(ctx) > 1)
+    throw ConfigError(
+        "--dry-run does not count stage 10 under a pipeline yet (--pp 1): the experts' bytes "
+        "per micro-batch are not in its formulas");
   const Mesh mesh = fsdp::make_mesh(ctx);
   const int ep = checked_ep(ctx, mesh);
   const BlockConfig& c = ctx.options.config;

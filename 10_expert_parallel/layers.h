@@ -26,6 +26,7 @@
 //          tpx::ep::plan_expert_parallel()
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -34,6 +35,7 @@
 #include "07_fsdp_tp/layers.h"
 #include "common/mlp_branch.h"
 #include "common/stage.h"
+#include "common/trainer.h"
 
 namespace tpx::ep {
 
@@ -42,7 +44,8 @@ class MoeLayers;  // layers.cc: every MoE layer's experts and the EP communicato
 /// Stage 07's FSDP (T = 1) with the MoE layers' experts beside it.
 class ExpertParallel final : public fsdp::FsdpTp {
  public:
-  ExpertParallel(const RunContext& ctx, Mesh mesh, int ep);
+  /// `held`: the layers of the model this rank trains (all of them; a pipeline stage's).
+  ExpertParallel(const RunContext& ctx, Mesh mesh, int ep, std::vector<std::int64_t> held);
   ~ExpertParallel() override;
 
   std::string comm_name() const override;
@@ -63,6 +66,10 @@ class ExpertParallel final : public fsdp::FsdpTp {
 /// Refuses what this first form of the stage cannot run (one line naming the flag, exit 2, before
 /// any rank allocates), then builds the stage. Collective.
 std::unique_ptr<Parallelism> make_expert_parallel(const RunContext& ctx);
+/// The training loop: train(), or stage 09's train_pipeline() when make_expert_parallel() made a
+/// pipeline (--pp P > 1).
+TrainResult train_expert_parallel(const BlockConfig& c, Parallelism& par, bool snapshot,
+                                  Trace& trace, const std::function<void(const StepRow&)>& on_row);
 /// --dry-run: the same refusals, stage 07's sharding of the dense parameters and the step's bytes
 /// by chapter 10's formulas (traffic.h) under perfectly balanced routing.
 StagePlan plan_expert_parallel(const RunContext& ctx);

@@ -6,6 +6,7 @@
 // experts on the whole batch.
 #include "05_copy_engine_async_tp/flags.h"
 #include "07_fsdp_tp/flags.h"
+#include "09_pipeline_parallel/flags.h"
 #include "10_expert_parallel/layers.h"
 #include "common/moe_flags.h"
 #include "common/stage.h"
@@ -18,11 +19,13 @@ int main(int argc, char** argv) {
                    "a mixture of experts: top-K routing, the experts over EP ranks "
                    "borrowed from the data-parallel ones, tokens dispatched to them and "
                    "combined by all-to-alls, their width over TP; the dense layers as stage 07",
-               .flag_groups = {fsdp::DataParallelFlags::make, MoeFlags::make,
-                               async_tp::AllGatherFlags::make}},
+               // --pp before --dp: D is the newest dimension, the one that defaults to 2.
+               .flag_groups = {pp::PipelineFlags::make, fsdp::DataParallelFlags::make,
+                               MoeFlags::make, async_tp::AllGatherFlags::make}},
       .make = ep::make_expert_parallel,
       .plan = ep::plan_expert_parallel,
       .reference = reference_run,
+      .train = ep::train_expert_parallel,
   };
   return run_stage(stage, argc, argv);
 }

@@ -96,6 +96,13 @@ struct StageOptions {
 
   /// The stage's flag group of type G; a new G (its flags' defaults) when the stage has none
   /// (a test's StageOptions).
+  /// The newest mesh dimension of the stage: the last flag group's that has one (dp if none).
+  MeshFlag newest_mesh_flag() const {
+    MeshFlag newest = MeshFlag::dp;
+    for (const auto& group : flag_groups)
+      if (const auto d = group->dimension()) newest = *d;
+    return newest;
+  }
   template <class G>
   const G& flags() const {
     for (const auto& group : flag_groups)

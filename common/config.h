@@ -102,9 +102,23 @@ struct MoeConfig {
   /// Where every MoE layer's balancing bias starts for expert 0 (the others start at 0): the test
   /// hook TPX_MOE_SKEW, which skews the routing towards expert 0 on purpose; 0 without it.
   double skew = 0.0;
+  /// The routing groups of a pipeline's micro-batches (stage 10 under --pp): the step's sequences
+  /// are routed in `microbatches` groups M, group j holding micro-batch j of each of the
+  /// `replicas` data-parallel replicas D (replica d trains sequences [d·B/D, (d+1)·B/D), its
+  /// micro-batch j the j-th B/(D·M) of them). The capacity and the auxiliary loss count within a
+  /// group, and each group's auxiliary loss is weighted 1/M (the loss stays a mean over the
+  /// step). 1 and 1: the step's tokens are one group, whatever the mesh.
+  std::int64_t microbatches = 1;
+  std::int64_t replicas = 1;
 
   bool layer(std::int64_t l) const { return experts > 0 && l % every == 0; }
-  /// One MoE layer's shape over `tokens` tokens of hidden size `hidden`.
+  /// The routing group of sequence b of a batch of `batch` sequences.
+  std::int64_t group_of(std::int64_t b, std::int64_t batch) const {
+    const std::int64_t local = batch / replicas;
+    return (b % local) / (local / microbatches);
+  }
+  /// One MoE layer's shape over `tokens` tokens (one routing group's) of hidden size `hidden`,
+  /// the auxiliary loss's weight shared over the M groups.
   MoeShape shape(std::int64_t hidden, std::int64_t tokens) const {
     return {.tokens = tokens,
             .hidden = hidden,
@@ -114,7 +128,7 @@ struct MoeConfig {
             .shared_ffn = shared_ffn,
             .router = router,
             .capacity_factor = capacity_factor,
-            .aux_loss_weight = aux_loss_weight};
+            .aux_loss_weight = aux_loss_weight / double(microbatches)};
   }
 };
 

@@ -40,8 +40,14 @@ using NamedValues = std::vector<NamedArray<float>>;
 class ExtraParameters {
  public:
   virtual ~ExtraParameters() = default;
-  /// Layer l's branch, or null where the layer keeps the SwiGLU.
+  /// Layer l's branch (l: the rank's index of the layer, as Model's), or null where the layer
+  /// keeps the SwiGLU.
   virtual MlpBranch* mlp(std::size_t layer) = 0;
+  /// A pipeline's micro-batches (stage 09's executor): the branches' calls that follow are
+  /// micro-batch j's of the step's m, whose forwards may all run before the first backward. Each
+  /// branch keeps one saved state per micro-batch, and its gradients and losses are the sums
+  /// over the m. Without a call: one micro-batch, the step.
+  virtual void microbatch(int /*j*/, int /*m*/) {}
   /// This rank's part of the losses the branches added in the last forward (the auxiliary
   /// losses): the parts sum to them over all ranks.
   virtual double loss_part() const = 0;
@@ -54,6 +60,11 @@ class ExtraParameters {
   virtual void snapshot(NamedValues& params, NamedValues& grads) = 0;
   /// What --json's summary adds, at its top level (null: nothing).
   virtual nlohmann::json summary() const { return nullptr; }
+  /// The summaries of a pipeline's stages, each over the layers it holds, in stage order, as one
+  /// summary of the whole model (the first, unless the stage joins them).
+  virtual nlohmann::json joined(const std::vector<nlohmann::json>& parts) const {
+    return parts.empty() ? nlohmann::json() : parts.front();
+  }
 };
 
 }  // namespace tpx

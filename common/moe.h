@@ -29,13 +29,14 @@
 // normalised affinity of DeepSeek-V3's balance loss). Balanced routing gives L_aux = W.
 //
 // defines: tpx::MoeRouter, tpx::MoeShape, tpx::moe_capacity(), tpx::MoeRouting, tpx::moe_route(),
-//          tpx::moe_update_bias(), tpx::MoeWeights, tpx::MoeForward, tpx::MoeGrads,
+//          tpx::moe_update_bias(), tpx::MoeWeights, tpx::moe_tensors(), tpx::MoeForward, tpx::MoeGrads,
 //          tpx::moe_forward(), tpx::moe_backward(), and the pieces they are made of that the
 //          expert-parallel layer (moe_ep.h) reuses: tpx::moe_logits(), tpx::moe_swiglu_forward(),
 //          tpx::moe_swiglu_backward(), tpx::moe_aux_loss(), tpx::moe_aux_grad(),
 //          tpx::moe_router_backward()
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -93,6 +94,13 @@ struct MoeWeights {
   V shared_gate, shared_up;  ///< [H, SF] (empty without shared experts)
   V shared_down;             ///< [SF, H]
 };
+
+/// w's seven tensors in MoeWeights' order, as pointers (to const when w is).
+template <class W>
+auto moe_tensors(W& w) {
+  return std::array{&w.router,      &w.w_gate,    &w.w_up,       &w.w_down,
+                    &w.shared_gate, &w.shared_up, &w.shared_down};
+}
 
 /// The output and what the backward needs.
 template <class T>

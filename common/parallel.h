@@ -295,6 +295,10 @@ class Parallelism {
   /// What the stage trains beside the model's parameters (stage 10's experts: mlp_branch.h);
   /// null for none.
   virtual ExtraParameters* extra_parameters() { return nullptr; }
+  /// The config --check's reference runs: `c`, with what the stage's layout decides that the
+  /// model's arithmetic depends on (stage 10 under a pipeline: its micro-batches are the
+  /// experts' routing groups, MoeConfig::microbatches).
+  virtual BlockConfig reference_config(const BlockConfig& c) const { return c; }
   /// Communication since the last call, and resets the counters.
   virtual CommStats take_comm_stats() { return {}; }
   /// Waits until all queued work on this rank is done (device sync; a no-op on the cpu).

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <optional>
 
 #include "data.h"
@@ -108,8 +109,8 @@ Vec rmsnorm_back(const Vec& dy, const Vec& x, const Vec& g, const Vec& rstd, I r
 // What a layer's forward keeps for its backward.
 struct Layer {
   Vec x, rstd1, h, q, k, v, p, a, x2, rstd2, h2, gt, up, s;
-  HostVector<double> moe_x;  // a MoE layer's h2 in sequence order
-  MoeForward<double> moe;
+  std::vector<HostVector<double>> moe_x;  // a MoE layer's h2 in sequence order, per routing group
+  std::vector<MoeForward<double>> moe;    // per routing group
 };
 
 // A MoE layer's parameters, their balancing bias and (after backward) their gradients.
@@ -150,7 +151,8 @@ class RefBlock {
         F(c.ffn),
         T(S * B),
         theta(c.rope_theta),
-        moe_shape(c.moe.shape(c.hidden, c.seq * c.batch)) {}
+        moe_shape(c.moe.shape(c.hidden, c.seq * c.batch / c.moe.microbatches)),
+        moe_groups(routing_groups(c)) {}
   RefBlock(const BlockConfig& c, const std::optional<LowpEmulation>& emulate) : RefBlock(c) {
     emul = emulate;
   }
@@ -356,27 +358,72 @@ class RefBlock {
                                param(dw, Param::norm2)));
   }
 
-  // Stage 10's MLP half: norm2, then the mixture of experts over the step's tokens in sequence
-  // order (common/moe_model.h); returns x2 + its output.
+  // The sequences of each routing group (MoeConfig::group_of), in ascending order: all B in one
+  // group unless a pipeline's micro-batches cut the step.
+  static std::vector<std::vector<I>> routing_groups(const BlockConfig& c) {
+    std::vector<std::vector<I>> groups(static_cast<std::size_t>(c.moe.microbatches));
+    for (I b = 0; b < c.batch; ++b)
+      groups[static_cast<std::size_t>(c.moe.group_of(b, c.batch))].push_back(b);
+    return groups;
+  }
+
+  // The rows [S, H] of `seqs` out of sequence-major rows [B, S, H], and back into them.
+  HostVector<double> group_rows(const HostVector<double>& all, const std::vector<I>& seqs) const {
+    HostVector<double> out;
+    out.reserve(seqs.size() * static_cast<std::size_t>(S * H));
+    for (const I b : seqs)
+      out.insert(out.end(), all.begin() + b * S * H, all.begin() + (b + 1) * S * H);
+    return out;
+  }
+  void put_group_rows(HostVector<double>& all, const std::vector<I>& seqs,
+                      const HostVector<double>& rows) const {
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      std::copy_n(rows.begin() + static_cast<I>(i) * S * H, S * H, all.begin() + seqs[i] * S * H);
+  }
+
+  // Stage 10's MLP half: norm2, then the mixture of experts over each routing group's tokens in
+  // sequence order (common/moe_model.h); returns x2 + its output.
   Vec moe_forward_half(const Params& w, const RefMoe& moe, Layer& saved) const {
     Norm n2 = rmsnorm(saved.x2, param(w, Param::norm2), T, H);
     saved.h2 = n2.y;
     saved.rstd2 = n2.rstd;
-    saved.moe_x = to_sequence_major(saved.h2.data(), S, B, H);
-    saved.moe = moe_forward<double>(moe_shape, moe.w, saved.moe_x, moe.bias);
-    const HostVector<double> y = from_sequence_major(saved.moe.y.data(), S, B, H);
-    Vec out(y.begin(), y.end());
+    const HostVector<double> x = to_sequence_major(saved.h2.data(), S, B, H);
+    HostVector<double> y(x.size());
+    saved.moe_x.clear();
+    saved.moe.clear();
+    for (const std::vector<I>& seqs : moe_groups) {
+      saved.moe_x.push_back(group_rows(x, seqs));
+      saved.moe.push_back(moe_forward<double>(moe_shape, moe.w, saved.moe_x.back(), moe.bias));
+      put_group_rows(y, seqs, saved.moe.back().y);
+    }
+    const HostVector<double> y_tokens = from_sequence_major(y.data(), S, B, H);
+    Vec out(y_tokens.begin(), y_tokens.end());
     add_into(out, saved.x2);
     return out;
   }
 
-  // Its backward: the experts' gradients (the auxiliary loss's included) into moe.g, norm2's
-  // into dw; the layer has no dense w_gate, w_up, w_down (their entries stay empty).
+  // Its backward: the experts' gradients (the auxiliary loss's included) summed over the
+  // routing groups into moe.g, norm2's into dw; the layer has no dense w_gate, w_up, w_down
+  // (their entries stay empty).
   Vec moe_backward_half(const Params& w, RefMoe& moe, const Layer& saved, const Vec& dout,
                         Params& dw) const {
     const HostVector<double> dy = to_sequence_major(dout.data(), S, B, H);
-    moe.g = moe_backward<double>(moe_shape, moe.w, saved.moe_x, saved.moe, dy);
-    const HostVector<double> dx = from_sequence_major(moe.g.x.data(), S, B, H);
+    HostVector<double> dx_rows(dy.size());
+    for (std::size_t j = 0; j < moe_groups.size(); ++j) {
+      MoeGrads<double> g = moe_backward<double>(moe_shape, moe.w, saved.moe_x[j], saved.moe[j],
+                                                group_rows(dy, moe_groups[j]));
+      put_group_rows(dx_rows, moe_groups[j], g.x);
+      if (j == 0) {
+        moe.g = std::move(g);
+        continue;
+      }
+      const auto into = moe_tensors(moe.g.w);
+      const auto from = moe_tensors(g.w);
+      for (std::size_t p = 0; p < into.size(); ++p)
+        std::transform(into[p]->begin(), into[p]->end(), from[p]->begin(), into[p]->begin(),
+                       std::plus<>());
+    }
+    const HostVector<double> dx = from_sequence_major(dx_rows.data(), S, B, H);
     const Vec dh2(dx.begin(), dx.end());
     param(dw, Param::norm2).assign(static_cast<std::size_t>(H), 0.0);
     return rmsnorm_back(dh2, saved.x2, param(w, Param::norm2), saved.rstd2, T, H,
@@ -468,7 +515,8 @@ class RefBlock {
 
   I S, B, H, NH, NKV, D, KV, F, T;
   double theta;
-  MoeShape moe_shape;  // stage 10's MoE layers, over all T tokens
+  MoeShape moe_shape;                      // stage 10's MoE layers, over one routing group
+  std::vector<std::vector<I>> moe_groups;  // each routing group's sequences
   std::optional<LowpEmulation> emul;
 };
 
@@ -622,14 +670,10 @@ void update_lm(const BlockConfig& c, int step, const std::array<Vec, kLmParams>&
 // A MoE layer's tensors after a step: SGD or AdamW (every one a matrix: decayed), their moments
 // in `moments` (made on the first call), then the balancing bias moved from the step's counts
 // over all tokens (moe_update_bias; not a gradient).
-void update_moe(const BlockConfig& c, int step, RefMoe& moe, const MoeRouting<double>& routing,
-                std::vector<Vec>& moments) {
-  const std::array<HostVector<double>*, 7> w = {
-      &moe.w.router,      &moe.w.w_gate,    &moe.w.w_up,       &moe.w.w_down,
-      &moe.w.shared_gate, &moe.w.shared_up, &moe.w.shared_down};
-  const std::array<const HostVector<double>*, 7> g = {
-      &moe.g.w.router,      &moe.g.w.w_gate,    &moe.g.w.w_up,       &moe.g.w.w_down,
-      &moe.g.w.shared_gate, &moe.g.w.shared_up, &moe.g.w.shared_down};
+void update_moe(const BlockConfig& c, int step, RefMoe& moe,
+                const std::vector<MoeForward<double>>& groups, std::vector<Vec>& moments) {
+  const auto w = moe_tensors(moe.w);
+  const auto g = moe_tensors(moe.g.w);
   if (moments.empty())
     for (const HostVector<double>* t : w) moments.insert(moments.end(), 2, Vec(t->size(), 0.0));
   const double t = double(step + 1);
@@ -648,8 +692,12 @@ void update_moe(const BlockConfig& c, int step, RefMoe& moe, const MoeRouting<do
       x -= c.lr * c.weight_decay * x;
       x -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
     }
-  if (c.moe.bias_rate > 0)
-    moe_update_bias<double>(moe.bias, routing.routed_per_expert, c.moe.bias_rate);
+  if (c.moe.bias_rate > 0) {
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(c.moe.experts), 0);
+    for (const MoeForward<double>& f : groups)
+      for (std::size_t e = 0; e < counts.size(); ++e) counts[e] += f.routing.routed_per_expert[e];
+    moe_update_bias<double>(moe.bias, counts, c.moe.bias_rate);
+  }
 }
 
 }  // namespace
@@ -724,7 +772,9 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
     double loss =
         stream ? lm.head(state.lm, out, dout, lm_grads) : mse_loss(out, state.target, dout);
     for (std::size_t l = 0; l < saved.size(); ++l)
-      if (moe[l]) loss += saved[l].moe.aux_loss;  // its gradient is moe_backward's own
+      if (moe[l])
+        for (const MoeForward<double>& f : saved[l].moe)
+          loss += f.aux_loss;  // its gradient is moe_backward's own
     run.losses.push_back(loss);
     std::vector<Params> grads(saved.size());
     for (std::size_t l = saved.size(); l-- > 0;)
@@ -746,7 +796,7 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
       adamw_update(c, step, grads, params, adam);
     if (stream) update_lm(c, step, lm_grads, state.lm, adam);
     for (std::size_t l = 0; l < moe.size(); ++l)
-      if (moe[l]) update_moe(c, step, *moe[l], saved[l].moe.routing, moe_moments[l]);
+      if (moe[l]) update_moe(c, step, *moe[l], saved[l].moe, moe_moments[l]);
   }
   return run;
 }

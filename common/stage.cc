@@ -889,7 +889,8 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
       fmt::print("dumped first-step tensors to {}\n", o.dump_dir);
     });
   if (o.check && r.diverged.empty()) {
-    if (rank == 0) std::tie(pass, check_json) = print_check(st, c, r, tol, emulated);
+    if (rank == 0)
+      std::tie(pass, check_json) = print_check(st, par->reference_config(c), r, tol, emulated);
     pass = !agree_to_start(rank == 0 && !pass, kExitFail, "").stop;
   }
   if (!o.json_path.empty())

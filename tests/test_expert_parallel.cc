@@ -11,8 +11,11 @@
 //  - --dump writes the router, every expert and tokens_per_expert, and no dense MLP for a MoE
 //    layer; --json reports tokens per expert per layer per step;
 //  - the token order helpers against their definition;
+//  - under stage 09's pipeline (--pp) the same, on P × D × T meshes (P × EP × T), each
+//    micro-batch of the D replicas one routing group, the reference following;
 //  - bad input is exit 2 on every rank and one line, printed once.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -76,7 +79,14 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, "--dp 1 --balance bias --optimizer adamw --lr 0.01", "np4_t4_bias_adamw"},
         Case{2, "--dp 2 --ep 1 --task block", "np2_d2_ep1_block"},
         Case{8, "--dp 4 --ep 2 --capacity-factor 0.5", "np8_d4_t2_ep2_dropping"},
-        Case{8, "--dp 2 --ep 2 --shared-experts 1", "np8_d2_t4_ep2"}),
+        Case{8, "--dp 2 --ep 2 --shared-experts 1", "np8_d2_t4_ep2"},
+        // Under stage 09's pipeline: each micro-batch of the D replicas a routing group.
+        Case{2, "--pp 2 --capacity-factor 0.5", "np2_p2_dropping"},
+        Case{4, "--pp 2 --capacity-factor 0.5 --aux-loss-weight 0.1", "np4_p2_d2_ep2_dropping"},
+        Case{4, "--pp 2 --schedule zb-h1 --capacity-factor 0.75 --balance bias",
+             "np4_p2_d2_zbh1_bias"},
+        Case{8, "--pp 2 --capacity-factor 0.5 --shared-experts 1", "np8_p2_d2_t2_ep2_dropping"},
+        Case{8, "--pp 2 --dp 4 --ep 2 --router sigmoid", "np8_p2_d4_ep2_sigmoid"}),
     [](const auto& p) { return p.param.name; });
 
 /// Sets an environment variable for the runs of one test (mpirun's ranks on this machine inherit
@@ -101,7 +111,9 @@ TEST(ExpertParallel, SkewedRoutingPassesTheCheck) {
        {std::pair{1, "--capacity-factor 1.0"}, std::pair{2, "--dp 2 --capacity-factor 1.0"},
         std::pair{2, "--dp 1"}, std::pair{4, "--dp 4 --ep 2 --capacity-factor 0.75"},
         std::pair{4, "--dp 2 --router sigmoid --balance bias"},
-        std::pair{8, "--dp 4 --ep 2 --capacity-factor 1.0"}}) {
+        std::pair{8, "--dp 4 --ep 2 --capacity-factor 1.0"},
+        std::pair{4, "--pp 2 --capacity-factor 1.0"},
+        std::pair{8, "--pp 2 --capacity-factor 0.75"}}) {
     test::TempDir dir;
     const auto r = run_stage(
         "10_expert_parallel", ranks,
@@ -140,8 +152,12 @@ TEST(ExpertParallel, RoutingAndDropsAreTheSameOnEveryMesh) {
   std::int64_t total = 0;
   for (const auto& n : counts[0][0]) total += n.get<std::int64_t>();
   EXPECT_EQ(total, 16 * 4 * 2);  // every token's K choices, before drops
-  for (const auto& [ranks, more] : {std::pair{2, " --dp 2"}, std::pair{2, " --dp 1"},
-                                    std::pair{4, " --dp 2"}, std::pair{4, " --dp 4 --ep 2"}}) {
+  // A pipeline of one micro-batch routes the step's tokens as one group too: the same counts,
+  // every pipeline stage's MoE layers joined in --json.
+  for (const auto& [ranks, more] :
+       {std::pair{2, " --dp 2"}, std::pair{2, " --dp 1"}, std::pair{4, " --dp 2"},
+        std::pair{4, " --dp 4 --ep 2"}, std::pair{2, " --pp 2 --microbatches 1"},
+        std::pair{4, " --pp 2 --microbatches 1"}}) {
     const json other = summary(ranks, args + more);
     ASSERT_TRUE(other.contains("moe")) << other.dump();
     EXPECT_EQ(other.at("moe").at("tokens_per_expert"), counts) << "np " << ranks << more;
@@ -150,6 +166,67 @@ TEST(ExpertParallel, RoutingAndDropsAreTheSameOnEveryMesh) {
                   one.at("steps")[s].at("loss").get<double>(), 1e-5)
           << "np " << ranks << more << " step " << s;
   }
+}
+
+// Under a pipeline each stage holds its own layers' experts: the dump gathers them from every
+// stage and stacks the stages' counts, equal to one rank's run of the same routing group.
+TEST(ExpertParallel, APipelineDumpsEveryStagesExperts) {
+  const std::string args = " --steps 1 --layers 4 --moe-every 2 --capacity-factor 0.5 --dump ";
+  const std::string sizes =
+      "--hidden 48 --heads 4 --ffn 64 --seq 16 --batch 4 --experts 4 --topk 2" + args;
+  test::TempDir dir;
+  const auto one = run_stage("10_expert_parallel", 1, sizes + (dir / "one").string(), dir);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  const auto pp = run_stage("10_expert_parallel", 4,
+                            sizes + (dir / "pp").string() + " --pp 2 --microbatches 1", dir);
+  ASSERT_EQ(pp.exit_code, 0) << pp.out << pp.err;
+  const auto d = dir / "pp";
+  // Layers 0 and 2 are MoE layers, on pipeline stages 0 and 1; layers 1 and 3 dense.
+  EXPECT_TRUE(std::filesystem::exists(d / "layers.2.router.grad.npy"));
+  EXPECT_TRUE(std::filesystem::exists(d / "layers.3.w_gate.npy"));
+  EXPECT_FALSE(std::filesystem::exists(d / "layers.2.w_gate.npy"));
+  EXPECT_FALSE(std::filesystem::exists(d / "layers.3.router.npy"));
+  const NpyArray counts = read_npy(d / "tokens_per_expert.npy");
+  ASSERT_EQ(counts.shape, (std::vector<std::int64_t>{2, 4}));
+  EXPECT_EQ(counts.data, read_npy(dir / "one" / "tokens_per_expert.npy").data);
+  BlockConfig c;
+  c.hidden = 48;
+  c.moe = {.experts = 4, .topk = 2, .expert_ffn = 64};
+  const MoeWeights<float> w = moe_init<float>(c, 2, 3, 1);
+  const NpyArray down = read_npy(d / "layers.2.experts.3.w_down.npy");
+  EXPECT_EQ(std::vector<float>(w.w_down.begin(), w.w_down.end()), down.data);
+  // The second stage's gradients are the one-rank run's (the same routing, one group).
+  const NpyArray g = read_npy(d / "layers.2.experts.1.w_up.grad.npy");
+  const NpyArray want = read_npy(dir / "one" / "layers.2.experts.1.w_up.grad.npy");
+  ASSERT_EQ(g.data.size(), want.data.size());
+  float scale = 0, worst = 0;
+  for (std::size_t i = 0; i < g.data.size(); ++i) {
+    scale = std::max(scale, std::abs(want.data[i]));
+    worst = std::max(worst, std::abs(g.data[i] - want.data[i]));
+  }
+  EXPECT_LE(worst, 1e-4f * scale);
+}
+
+// A pipeline's micro-batches are the routing groups (MoeConfig::microbatches): with a capacity,
+// two micro-batches drop other assignments than one group of the step's tokens, and the
+// reference follows (the check passes either way); dropless and without the auxiliary loss, the
+// grouping changes nothing.
+TEST(ExpertParallel, PipelineMicroBatchesAreTheRoutingGroups) {
+  auto losses = [](const std::string& args) {
+    const json run = summary(4, "--pp 2 --check " + args);
+    std::vector<double> out;
+    for (const json& row : run.at("steps")) out.push_back(row.at("loss").get<double>());
+    EXPECT_EQ(run.at("check").at("pass"), true) << args;
+    return out;
+  };
+  const auto one = losses("--microbatches 1 --capacity-factor 0.5 --aux-loss-weight 0");
+  const auto two = losses("--microbatches 2 --capacity-factor 0.5 --aux-loss-weight 0");
+  ASSERT_EQ(one.size(), 3u);
+  ASSERT_EQ(two.size(), 3u);
+  EXPECT_GT(std::abs(one[0] - two[0]), 1e-6) << "the same drops in one group and in two";
+  const auto dropless_one = losses("--microbatches 1 --aux-loss-weight 0");
+  const auto dropless_two = losses("--microbatches 2 --aux-loss-weight 0");
+  for (std::size_t s = 0; s < 3; ++s) EXPECT_NEAR(dropless_one[s], dropless_two[s], 1e-5) << s;
 }
 
 TEST(ExpertParallel, DumpHoldsTheExpertsAndTheirCounts) {
@@ -356,6 +433,12 @@ TEST(ExpertParallel, BadInputIsOneLineOnEveryRank) {
   test::expect_refused_once(stage, 4, z + " --batch 3", "--dp 2 must divide --batch 3");
   test::expect_refused_once(stage, 2, kSizes + " --dtype bf16", "fp32");
   test::expect_refused_once(stage, 2, kSizes + " --recompute full", "--recompute none");
+  test::expect_refused_once(stage, 4, kSizes + " --pp 2 --dry-run",
+                            "--dry-run does not count stage 10 under a pipeline yet");
+  test::expect_refused_once(stage, 2, kSizes + " --pp 2 --print-schedule",
+                            "stage 10 does not --print-schedule");
+  test::expect_refused_once(stage, 4, kSizes + " --pp 2 --dp 2 --ep 4",
+                            "--ep (4) must divide the data-parallel ranks D (2)");
   // Experts too large for the machine: refused by the memory check before any rank draws them.
   test::expect_refused_once(stage, 2, kSizes + " --expert-ffn 2147483646",
                             "biggest term: experts (parameters, gradients, bias)");
