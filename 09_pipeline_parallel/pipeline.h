@@ -62,7 +62,8 @@ class PipelineParallel final : public Parallelism {
 
   Sharding sharding() const override;
   std::string comm_name() const override;
-  std::vector<MeshGroup> mesh_groups() const override { return mesh_.groups(); }
+  /// The slice's groups (on the same mesh, so the pipeline's among them; stage 10's EP group too).
+  std::vector<MeshGroup> mesh_groups() const override { return slice_->mesh_groups(); }
 
   // The block's calls go to the slice (train_pipeline calls slice() directly); these forward so
   // that the object is a whole Parallelism.

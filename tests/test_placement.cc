@@ -162,13 +162,18 @@ TEST(OnTwoNodes, TensorParallelismAcrossNodesWarnsOnceWithItsBytesAndPasses) {
 TEST(OnTwoNodes, TheEpGroupIsPlacedAndNamed) {
   const TempDir dir;
   const std::string moe =
-      "--hidden 32 --heads 4 --ffn 64 --seq 8 --batch 4 --layers 1 --steps 2 --experts 4 --topk 2 "
+      "--hidden 32 --heads 4 --ffn 64 --seq 8 --batch 4 --layers 2 --steps 2 --experts 4 --topk 2 "
       "--check";
   for (const auto& [flags, words] :
        {std::pair{"--dp 4 --ep 2", "dp groups span 2 nodes | ep groups each on one node\n"},
         std::pair{"--dp 2 --ep 2",
                   "tp groups each on one node | dp groups span 2 nodes | ep groups "
-                  "span 2 nodes\n"}}) {
+                  "span 2 nodes\n"},
+        // Under a pipeline (PP outermost) each stage's slice is one node: its all-to-alls stay
+        // inside it, and only the pipeline's messages cross.
+        std::pair{"--pp 2 --dp 2",
+                  "dp groups each on one node | pp groups span 2 nodes | ep groups each on one "
+                  "node\n"}}) {
     const CommandResult r =
         mpirun(on_nodes(kTwoNodes, "10_expert_parallel", fmt::format("{} {}", moe, flags)), dir);
     ASSERT_EQ(r.exit_code, 0) << flags << "\n" << r.out << r.err;
