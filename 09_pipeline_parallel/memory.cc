@@ -127,8 +127,11 @@ class PipelineDimension final : public MemoryDimension {
     if (p.sharding.dp * p.sharding.cp > 1) {
       // The unsharded gradients of the layer in backward are its accumulator (or the one
       // micro-batch's buffer the pipeline buffers count), not a buffer of their own.
-      e.term("unsharded layers (FSDP)").bytes -=
-          std::uint64_t(product({p.layer.tp, kF32}, "FSDP's unsharded layers"));
+      // (At most the whole term: a slice's dimension before this one may have cut it below a
+      // dense layer's, stage 10's for layers without the SwiGLU.)
+      MemoryTerm& unsharded = e.term("unsharded layers (FSDP)");
+      unsharded.bytes -= std::min(
+          unsharded.bytes, std::uint64_t(product({p.layer.tp, kF32}, "FSDP's unsharded layers")));
       e.terms.push_back({"gradient accumulators (FSDP × PP)",
                          std::uint64_t(gradient_accumulators(p.rank, p.layer))});
     }

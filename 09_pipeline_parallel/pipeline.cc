@@ -403,15 +403,15 @@ namespace {
 /// that holds `held` of the pipeline: as the slice's sharding() (stage 07's FSDP, then 08's CP),
 /// the pipeline's dimension last.
 Sharding planned_sharding(const Mesh& mesh, CpMethod method, int tp_index, bool dp_cp_first,
-                          const PipelineMemory& held) {
-  const Sharding slice{
-      .rank = tp_index,
-      .world = mesh.tp,
-      .weights = true,
-      .sequence = true,
-      .dp = mesh.dp,
-      .cp = mesh.cp,
-      .dimensions = {fsdp::memory_dimension(dp_cp_first), cp::memory_dimension(method)}};
+                          const PipelineMemory& held, const SliceDimensions& extra = {}) {
+  Sharding slice{.rank = tp_index,
+                 .world = mesh.tp,
+                 .weights = true,
+                 .sequence = true,
+                 .dp = mesh.dp,
+                 .cp = mesh.cp,
+                 .dimensions = {fsdp::memory_dimension(dp_cp_first), cp::memory_dimension(method)}};
+  slice.dimensions.insert(slice.dimensions.end(), extra.begin(), extra.end());
   return pipeline_sharding(slice, held, mesh.pp);
 }
 
@@ -504,6 +504,15 @@ MeshTraffic recomputed_traffic(const BlockConfig& micro, const Mesh& mesh, CpMet
 }  // namespace
 
 StagePlan plan_pipeline(const RunContext& ctx) {
+  return plan_pipeline_with(ctx, {});
+}
+
+PipelineSize pipeline_size(const RunContext& ctx) {
+  const Layout l = layout(ctx);
+  return {.pp = l.pp, .dp = l.dp, .cp = l.cp, .microbatches = l.shape.microbatches};
+}
+
+StagePlan plan_pipeline_with(const RunContext& ctx, const SliceDimensions& slice) {
   const BlockConfig& c = ctx.options.config;
   const Layout l = layout(ctx);
   const auto schedule =
@@ -513,7 +522,7 @@ StagePlan plan_pipeline(const RunContext& ctx) {
   const CpMethod method = ctx.options.flags<cp::ContextParallelFlags>().method();
   const PipelineMemory held = pipeline_memory(c, *schedule, l.layers, mesh.pp_index);
   StagePlan p;
-  p.sharding = planned_sharding(mesh, method, mesh.tp_index, mesh.dp_cp_index() == 0, held);
+  p.sharding = planned_sharding(mesh, method, mesh.tp_index, mesh.dp_cp_index() == 0, held, slice);
   // The checkpoint's cut, as train_pipeline's: the FSDP shard, the layers and the ends it holds.
   p.sharding.dp_cp_index = mesh.dp_cp_index();
   p.sharding.layers = layers_of(l.shape, l.layers, mesh.pp_index);

@@ -24,7 +24,8 @@
 // defines: tpx::pp::PipelineParallel, tpx::pp::make_pipeline(), tpx::pp::plan_pipeline(),
 //          tpx::pp::describe_pipeline(),
 //          tpx::pp::train_pipeline(), tpx::pp::SliceFactory,
-//          tpx::pp::make_pipeline_with(), tpx::pp::pipeline_degree()
+//          tpx::pp::make_pipeline_with(), tpx::pp::PipelineSize, tpx::pp::pipeline_size(),
+//          tpx::pp::SliceDimensions, tpx::pp::plan_pipeline_with()
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,7 @@
 
 #include "09_pipeline_parallel/schedule.h"
 #include "common/comm/communicator.h"
+#include "common/memory_terms.h"
 #include "common/mesh.h"
 #include "common/parallel.h"
 #include "common/stage.h"
@@ -143,14 +145,24 @@ using SliceFactory = std::function<std::unique_ptr<Parallelism>(
 /// (cli.h's newest_mesh_flag()): --pp in stage 09, --dp in stage 10.
 std::unique_ptr<Parallelism> make_pipeline_with(const RunContext& ctx, const SliceFactory& slice);
 
-/// The P of ctx's flags as make_pipeline() lays it out (--pp or its default).
-int pipeline_degree(const RunContext& ctx);
+/// The mesh and micro-batches of ctx's flags as make_pipeline() lays them out (the flags or their
+/// defaults; ConfigError as make_pipeline's for what does not split).
+struct PipelineSize {
+  int pp = 1, dp = 1, cp = 1, microbatches = 1;
+};
+PipelineSize pipeline_size(const RunContext& ctx);
 
 /// --dry-run's plan of this rank: the checks of make_pipeline, its sharding (its layers, the
 /// schedule's peak of live activations) and a step's bytes per group (the formulas of
 /// 08_context_parallel/traffic.h on the rank's layers, once per micro-batch, and the pipeline's
 /// messages).
 StagePlan plan_pipeline(const RunContext& ctx);
+
+/// The slice's own dimensions of the memory estimate beyond FSDP's and CP's (stage 10's experts),
+/// before the pipeline's.
+using SliceDimensions = std::vector<std::shared_ptr<const MemoryDimension>>;
+/// plan_pipeline() with `slice` in the sharding (the bytes stay stage 09's: a stage adds its own).
+StagePlan plan_pipeline_with(const RunContext& ctx, const SliceDimensions& slice);
 
 /// --print-schedule: the schedule of ctx's config as text (format_schedule(), the layers of each
 /// stage, the simulated timeline with unit costs and its bubble against the formula); nothing

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "07_fsdp_tp/flags.h"
+#include "07_fsdp_tp/traffic.h"
 #include "09_pipeline_parallel/flags.h"
 #include "09_pipeline_parallel/pipeline.h"
 #include "10_expert_parallel/memory.h"
@@ -558,7 +559,7 @@ std::unique_ptr<Parallelism> make_expert_parallel(const RunContext& ctx) {
     throw ConfigError(
         "stage 10 does not --print-schedule: 09_pipeline_parallel prints the same schedule (its "
         "memory estimate without the experts)");
-  if (pp::pipeline_degree(ctx) > 1)  // P × D × T: stage 09's pipeline, this slice on each stage
+  if (pp::pipeline_size(ctx).pp > 1)  // P × D × T: stage 09's pipeline, this slice on each stage
     return pp::make_pipeline_with(ctx, [](const RunContext& c, const Mesh& mesh, const auto& held) {
       const int ep = checked_ep(c, mesh);
       return std::make_unique<ExpertParallel>(c, mesh, ep, held);
@@ -577,11 +578,59 @@ TrainResult train_expert_parallel(const BlockConfig& c, Parallelism& par, bool s
   return train(c, par, snapshot, trace, on_row);
 }
 
+namespace {
+
+Traffic times(Traffic t, std::uint64_t k) {
+  return {t.payload * k, t.bus * k, t.calls * k};
+}
+
+void subtract(Traffic& from, const Traffic& t) {
+  from.payload -= t.payload;
+  from.bus -= t.bus;
+  from.calls -= t.calls;
+}
+
+/// --dry-run under a pipeline: stage 09's plan of the rank (its layers and micro-batches), each
+/// of its MoE layers' SwiGLU replaced by the experts, once per micro-batch (a routing group of
+/// B/M sequences over the D replicas), their gradients reduced once per step.
+StagePlan plan_pipeline_of_experts(const RunContext& ctx, const pp::PipelineSize& size) {
+  const BlockConfig& c = ctx.options.config;
+  const Mesh mesh = Mesh::make(size.dp, size.cp, size.pp);
+  const int ep = checked_ep(ctx, mesh);
+  StagePlan p = pp::plan_pipeline_with(ctx, {memory_dimension(ep, mesh.dp_index)});
+  std::uint64_t moe = 0;  // the rank's MoE layers
+  for (const std::int64_t l : p.sharding.layers) moe += c.moe.layer(l) ? 1 : 0;
+  const auto M = std::uint64_t(size.microbatches);
+  BlockConfig group = c;
+  group.batch = c.batch / size.microbatches;
+  const ExpertLayerTraffic x = expert_layer_traffic(group, mesh.dp, mesh.tp, ep, mesh.dp_index);
+  Traffic tp = p.traffic;  // what the named groups leave is the TP group's
+  for (const PlanGroup& g : p.groups) subtract(tp, g.traffic);
+  subtract(tp, times(x.swiglu, M * moe));
+  tp += times(x.tp, M * moe);
+  // FSDP's gathers and reduce-scatter of the MoE layers' SwiGLU, which they do not have.
+  BlockConfig with = c, without = c;
+  with.layers = without.layers = std::int64_t(moe);
+  without.ffn = 0;
+  for (PlanGroup& g : p.groups)
+    if (g.name == "dp") {
+      subtract(g.traffic, fsdp::fsdp_traffic(with, mesh.tp, mesh.dp, size.microbatches));
+      g.traffic += fsdp::fsdp_traffic(without, mesh.tp, mesh.dp, size.microbatches);
+      g.traffic += times(x.counts, M * moe);
+      g.traffic += times(x.grads, moe);
+    }
+  p.groups.push_back({.name = "ep", .label = "ep group", .traffic = times(x.ep, M * moe)});
+  p.traffic = tp;
+  for (const PlanGroup& g : p.groups) p.traffic += g.traffic;
+  p.comm += fmt::format(", experts over EP {} (balanced routing)", ep);
+  return p;
+}
+
+}  // namespace
+
 StagePlan plan_expert_parallel(const RunContext& ctx) {
-  if (pp::pipeline_degree(ctx) > 1)
-    throw ConfigError(
-        "--dry-run does not count stage 10 under a pipeline yet (--pp 1): the experts' bytes "
-        "per micro-batch are not in its formulas");
+  if (const pp::PipelineSize size = pp::pipeline_size(ctx); size.pp > 1)
+    return plan_pipeline_of_experts(ctx, size);
   const Mesh mesh = fsdp::make_mesh(ctx);
   const int ep = checked_ep(ctx, mesh);
   const BlockConfig& c = ctx.options.config;

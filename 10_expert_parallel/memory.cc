@@ -90,8 +90,12 @@ class Experts final : public MemoryDimension {
     MemoryTerm& temporaries = e.term("largest temporaries");
     temporaries.bytes = std::max<std::uint64_t>(temporaries.bytes, std::uint64_t(moe_temporaries));
 
+    // (Under a pipeline the base counted one micro-batch's layers, and the pipeline's dimension
+    // after this one counts its live layers anew, as dense ones: this term is only a stand-in
+    // there, kept from going below zero.)
     MemoryTerm& kept = e.term("saved activations");
-    kept.bytes = kept.bytes - std::uint64_t(product({layers, swiglu}, what)) +
+    const auto no_swiglu = std::uint64_t(product({layers, swiglu}, what));
+    kept.bytes = (kept.bytes > no_swiglu ? kept.bytes - no_swiglu : 0) +
                  std::uint64_t(product({layers, saved}, what));
   }
 

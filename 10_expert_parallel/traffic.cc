@@ -47,40 +47,52 @@ std::vector<std::vector<U>> balanced_kept_rows(const BlockConfig& c, int dp, int
   return rows;
 }
 
-ExpertTraffic expert_traffic(const BlockConfig& c, int dp, int tp, int ep, int dp_index) {
+ExpertLayerTraffic expert_layer_traffic(const BlockConfig& group, int dp, int tp, int ep,
+                                        int dp_index) {
   require_formula(dp >= 1 && tp >= 1 && ep >= 1 && dp % ep == 0, "EP divides D");
-  const MoeConfig& m = c.moe;
-  const U Lm = U(moe_layers(c)), Ld = U(c.layers) - Lm, D = U(dp), T = U(tp), G = D / U(ep);
-  const U H = U(c.hidden), E = U(m.experts), n = U(c.seq * c.batch) / D;
-  BlockConfig replica = c;  // stage 05 inside the TP group, on B / D
+  const MoeConfig& m = group.moe;
+  const U D = U(dp), T = U(tp), G = D / U(ep);
+  const U H = U(group.hidden), E = U(m.experts), n = U(group.seq * group.batch) / D;
+  BlockConfig replica = group;  // stage 05 inside the TP group, on the group's B / D
   replica.batch /= dp;
-  ExpertTraffic t;
-
-  // TP: stage 05's, each MoE layer's five SwiGLU primitives replaced by the experts' collectives.
-  t.tp = ring::traffic(replica, tp);
+  ExpertLayerTraffic t;
   const U chunks = (T - 1) * (stream_bytes(replica, 4) / T);
-  t.tp.payload -= Lm * 5 * chunks;
-  t.tp.bus -= Lm * 5 * chunks;
-  t.tp.calls -= Lm * 5 * (T - 1);
+  t.swiglu = {5 * chunks, 5 * chunks, 5 * (T - 1)};
   if (T > 1) {
     const U P = n * H * 4;
-    Traffic layer;
-    for (int i = 0; i < 4; ++i) layer += gather(P, T);  // tokens and dy in, output and dx out
-    layer += all_reduce(n * U(m.topk) * 4, T);          // the gate weights' gradients
-    for (U l = 0; l < Lm; ++l) t.tp += layer;
+    for (int i = 0; i < 4; ++i) t.tp += gather(P, T);  // tokens and dy in, output and dx out
+    t.tp += all_reduce(n * U(m.topk) * 4, T);          // the gate weights' gradients
   }
-
   // EP and the counts: moe_ep_traffic of the balanced rows, the counts over the D replicas.
-  const MoeEpTraffic x = moe_ep_traffic(balanced_kept_rows(c, dp, ep, dp_index / ep), dp_index % ep,
-                                        m.experts, H * 4, dp);
-  Traffic ep_layer = x.forward;
-  ep_layer.payload -= x.counts.payload;
-  ep_layer.bus -= x.counts.bus;
-  ep_layer.calls -= x.counts.calls;
-  ep_layer += x.backward;
+  const MoeEpTraffic x = moe_ep_traffic(balanced_kept_rows(group, dp, ep, dp_index / ep),
+                                        dp_index % ep, m.experts, H * 4, dp);
+  t.counts = x.counts;
+  t.ep = x.forward;
+  t.ep.payload -= x.counts.payload;
+  t.ep.bus -= x.counts.bus;
+  t.ep.calls -= x.counts.calls;
+  t.ep += x.backward;
+  const U FE = U(m.expert_ffn) / T, SF = U(m.shared_ffn) / T, El = E / U(ep);
+  t.grads = all_reduce(H * E * 4, D);  // the router
+  if (SF > 0)
+    for (int i = 0; i < 3; ++i) t.grads += all_reduce(H * SF * 4, D);
+  for (int i = 0; i < 3; ++i) t.grads += all_reduce(El * H * FE * 4, G);
+  return t;
+}
 
+ExpertTraffic expert_traffic(const BlockConfig& c, int dp, int tp, int ep, int dp_index) {
+  const U Lm = U(moe_layers(c)), Ld = U(c.layers) - Lm;
+  BlockConfig replica = c;  // stage 05 inside the TP group, on B / D
+  replica.batch /= dp;
+  const ExpertLayerTraffic layer = expert_layer_traffic(c, dp, tp, ep, dp_index);
+  ExpertTraffic t;
+  // TP: stage 05's, each MoE layer's five SwiGLU primitives replaced by the experts' collectives.
+  t.tp = ring::traffic(replica, tp);
+  t.tp.payload -= Lm * layer.swiglu.payload;
+  t.tp.bus -= Lm * layer.swiglu.bus;
+  t.tp.calls -= Lm * layer.swiglu.calls;
   // DP: FSDP's of the dense parameters (a MoE layer's SwiGLU empty), the language model's ends,
-  // the counts, and the experts' gradients.
+  // and per MoE layer the counts and the experts' gradients.
   BlockConfig dense = c, moe = c;
   dense.layers = std::int64_t(Ld);
   moe.layers = std::int64_t(Lm);
@@ -88,15 +100,11 @@ ExpertTraffic expert_traffic(const BlockConfig& c, int dp, int tp, int ep, int d
   t.dp = fsdp::fsdp_traffic(dense, tp, dp);
   t.dp += fsdp::fsdp_traffic(moe, tp, dp);
   t.dp += lm_grads_traffic(c, tp, dp, true, true);
-  const U FE = U(m.expert_ffn) / T, SF = U(m.shared_ffn) / T, El = E / U(ep);
-  Traffic dp_layer = x.counts;
-  dp_layer += all_reduce(H * E * 4, D);  // the router
-  if (SF > 0)
-    for (int i = 0; i < 3; ++i) dp_layer += all_reduce(H * SF * 4, D);
-  for (int i = 0; i < 3; ++i) dp_layer += all_reduce(El * H * FE * 4, G);
   for (U l = 0; l < Lm; ++l) {
-    t.ep += ep_layer;
-    t.dp += dp_layer;
+    t.tp += layer.tp;
+    t.ep += layer.ep;
+    t.dp += layer.counts;
+    t.dp += layer.grads;
   }
   return t;
 }

@@ -3,8 +3,8 @@
 // outputs summed over the TP group; and the dense layers' (stage 07's, less the SwiGLU a MoE layer
 // does not have). Pure arithmetic (common/traffic.h).
 //
-// defines: tpx::ep::moe_layers(), tpx::ep::balanced_kept_rows(), tpx::ep::ExpertTraffic,
-//          tpx::ep::expert_traffic()
+// defines: tpx::ep::moe_layers(), tpx::ep::balanced_kept_rows(), tpx::ep::ExpertLayerTraffic,
+//          tpx::ep::expert_layer_traffic(), tpx::ep::ExpertTraffic, tpx::ep::expert_traffic()
 #pragma once
 
 #include <cstdint>
@@ -25,6 +25,19 @@ std::int64_t moe_layers(const BlockConfig& c);
 /// clamp(c − q·m, 0, m) of its m.
 std::vector<std::vector<std::uint64_t>> balanced_kept_rows(const BlockConfig& c, int dp, int ep,
                                                            int group);
+
+/// One MoE layer on one rank (dp_index, any TP index) under balanced routing, for one routing
+/// group: `group` is the config with the group's sequences as its batch (all B, or a pipeline's
+/// micro-batch of B/M over the D replicas).
+struct ExpertLayerTraffic {
+  Traffic tp;      ///< per group: the TP gathers and sums of the tokens, and the gate weights'
+  Traffic swiglu;  ///< per group: stage 05's five SwiGLU primitives the layer does not run
+  Traffic ep;      ///< per group: dispatch and combine, forward and backward
+  Traffic counts;  ///< per group: the counts' all_gather over the D replicas
+  Traffic grads;   ///< per step: the router's and shared experts' (over D), the experts' (D/EP)
+};
+ExpertLayerTraffic expert_layer_traffic(const BlockConfig& group, int dp, int tp, int ep,
+                                        int dp_index);
 
 /// One rank's step, by the communicator's groups.
 struct ExpertTraffic {

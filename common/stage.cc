@@ -663,7 +663,9 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
     fmt::print("  {:<22} {}\n", "saved activations", bytes_text(saved));
     fmt::print("  {:<22} {} ({})\n", "peak memory estimate", bytes_text(memory.estimate.total()),
                memory.problem.empty() ? "fits" : "would be refused: " + memory.problem);
-    fmt::print("  {:<22} {}\n", "checkpoint (--save)", checkpoint_size_text(checkpoint));
+    fmt::print("  {:<22} {}\n", "checkpoint (--save)",
+               c.moe.experts > 0 ? "not taken: a checkpoint does not hold the experts yet"
+                                 : checkpoint_size_text(checkpoint));
   }
   if (!o.json_path.empty() && rank == 0) {
     json summary = plan_json(st, o, world, plan.comm, plan.sharding, speed, memory.estimate);

@@ -290,13 +290,19 @@ TEST_P(ExpertParallelDryRun, BytesAreTheStepsUnderBalancedRouting) {
 
 INSTANTIATE_TEST_SUITE_P(
     Meshes, ExpertParallelDryRun,
-    testing::Values(Case{1, "", "np1"}, Case{2, "--dp 2", "np2_d2"},
-                    Case{2, "--dp 1 --shared-experts 1", "np2_t2_shared"},
-                    Case{4, "--dp 4 --ep 2 --capacity-factor 0.5", "np4_d4_ep2_dropping"},
-                    Case{4, "--dp 2 --capacity-factor 0.6 --moe-every 2 --shared-experts 2",
-                         "np4_d2_t2_dropping_every2"},
-                    Case{4, "--dp 2 --ep 1 --capacity-factor 0.3 --task block",
-                         "np4_d2_t2_ep1_block"}),
+    testing::Values(
+        Case{1, "", "np1"}, Case{2, "--dp 2", "np2_d2"},
+        Case{2, "--dp 1 --shared-experts 1", "np2_t2_shared"},
+        Case{4, "--dp 4 --ep 2 --capacity-factor 0.5", "np4_d4_ep2_dropping"},
+        Case{4, "--dp 2 --capacity-factor 0.6 --moe-every 2 --shared-experts 2",
+             "np4_d2_t2_dropping_every2"},
+        Case{4, "--dp 2 --ep 1 --capacity-factor 0.3 --task block", "np4_d2_t2_ep1_block"},
+        // Under a pipeline: each micro-batch a routing group, M of them per step.
+        Case{2, "--pp 2 --capacity-factor 0.5", "np2_p2_dropping"},
+        Case{4, "--pp 2 --capacity-factor 0.5 --shared-experts 1", "np4_p2_d2_dropping_shared"},
+        Case{8, "--pp 2 --microbatches 1 --capacity-factor 0.6 --moe-every 2",
+             "np8_p2_d2_t2_m1_every2"},
+        Case{8, "--pp 2 --dp 4 --ep 2 --schedule zb-h1", "np8_p2_d4_ep2_zbh1"}),
     [](const auto& p) { return p.param.name; });
 
 // The memory estimate (10_expert_parallel/memory.h) against the allocator's peak of real runs at
@@ -433,8 +439,6 @@ TEST(ExpertParallel, BadInputIsOneLineOnEveryRank) {
   test::expect_refused_once(stage, 4, z + " --batch 3", "--dp 2 must divide --batch 3");
   test::expect_refused_once(stage, 2, kSizes + " --dtype bf16", "fp32");
   test::expect_refused_once(stage, 2, kSizes + " --recompute full", "--recompute none");
-  test::expect_refused_once(stage, 4, kSizes + " --pp 2 --dry-run",
-                            "--dry-run does not count stage 10 under a pipeline yet");
   test::expect_refused_once(stage, 2, kSizes + " --pp 2 --print-schedule",
                             "stage 10 does not --print-schedule");
   test::expect_refused_once(stage, 4, kSizes + " --pp 2 --dp 2 --ep 4",
