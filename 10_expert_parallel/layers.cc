@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <span>
 
 #include <fmt/format.h>
@@ -104,6 +105,11 @@ class MoeLayers final : public ExtraParameters {
   std::vector<I> held_;                         // the layers this rank holds
   std::vector<std::unique_ptr<Layer>> layers_;  // per held layer; null where it is dense
   int microbatch_ = 0, microbatches_ = 1;       // the current one, and the step's
+  std::optional<Stream> lane_;                  // --moe-chunks > 1: the EP lane
+
+  MoeEpOverlap overlap(Trace& trace) const {
+    return {.chunks = int(c_.moe.chunks), .lane = lane_ ? &*lane_ : nullptr, .trace = &trace};
+  }
 };
 
 /// One MoE layer on this rank: the router and shared experts whole, its E/EP experts, their
@@ -121,14 +127,15 @@ class MoeLayers::Layer final : public MlpBranch {
 
   I local() const { return o_.c_.moe.experts / o_.ep_size_; }
 
+  // (No span around the whole layer: its own spans say which part of it computes and which
+  // waits for an exchange, so that the trace's exposed communication is the experts' too.)
   Tensor forward(const Tensor& h2, Trace& trace) override {
-    TraceScope op(trace, "experts fwd");
     TPX_CHECK(h2.device() == Device::cpu && h2.dtype() == DType::f32, "experts on {}",
               h2.describe());
     Saved& s = slot();
     s = {};  // a held-out forward's, or none: backward frees the step's
     // The replica's tokens: under sequence parallelism each TP rank holds S/T positions of them.
-    const Tensor rows = gather(h2);
+    const Tensor rows = gather(h2, trace);
     const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
     MoeConfig routing = o_.c_.moe;  // this micro-batch a routing group of the step's M
     routing.microbatches = o_.microbatches_;
@@ -136,23 +143,24 @@ class MoeLayers::Layer final : public MlpBranch {
     s.shape.expert_ffn /= o_.tp_size_;  // this rank's part of every expert's width
     s.shape.shared_ffn /= o_.tp_size_;
     s.x = to_sequence_major(rows.f32().data(), S, b, H);
-    s.f = moe_ep_forward<float>(s.shape, w_, s.x, bias_, *o_.ep_, o_.stream_, o_.tokens_.get());
+    s.f = moe_ep_forward<float>(s.shape, w_, s.x, bias_, *o_.ep_, o_.stream_, o_.tokens_.get(),
+                                o_.overlap(trace));
     s.aux_loss = double(s.f.aux_loss);
     Tensor y = host_tensor(from_sequence_major(s.f.y.data(), S, b, H), rows.shape());
     s.f.y = {};  // backward does not read it
-    return scatter(y);
+    return scatter(y, trace);
   }
 
   Tensor backward(const Tensor& dout, Trace& trace) override {
-    TraceScope op(trace, "experts bwd");
     Saved& s = slot();
-    const Tensor rows = gather(dout);
+    const Tensor rows = gather(dout, trace);
     const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
     const HostVector<float> dy = to_sequence_major(rows.f32().data(), S, b, H);
     const bool first = backwards_ % o_.microbatches_ == 0;  // the step's first micro-batch
     if (first) g_ = {};  // the last step's, which the update has used
     MoeGrads<float> g =
-        moe_ep_backward<float>(s.shape, w_, s.x, s.f, dy, *o_.ep_, o_.stream_, o_.tp_.get());
+        moe_ep_backward<float>(s.shape, w_, s.x, s.f, dy, *o_.ep_, o_.stream_, o_.tp_.get(),
+                               o_.overlap(trace));
     Tensor dx = host_tensor(from_sequence_major(g.x.data(), S, b, H), rows.shape());
     g.x = {};
     // The step's gradients and counts: this micro-batch's, added to the earlier ones'.
@@ -178,20 +186,22 @@ class MoeLayers::Layer final : public MlpBranch {
     }
     s.x = {};  // what backward needed (its auxiliary loss stays for the step's loss)
     s.f = {};
-    return scatter(dx);
+    return scatter(dx, trace);
   }
 
   /// The TP group's parts of a [S/T, b, H] tensor, whole: [S, b, H] (itself when T = 1).
-  Tensor gather(const Tensor& part) const {
+  Tensor gather(const Tensor& part, Trace& trace) const {
     if (!o_.tp_) return part;
+    TraceScope span(trace, "experts: all-gather", Lane::comm);
     Tensor whole = Tensor::empty({part.dim(0) * o_.tp_size_, part.dim(1), part.dim(2)}, DType::f32,
                                  Device::cpu);
     o_.tp_->all_gather(part, whole, o_.stream_);
     return whole;
   }
   /// The sum over the TP group of each rank's [S, b, H], this rank's S/T positions of it.
-  Tensor scatter(const Tensor& whole) const {
+  Tensor scatter(const Tensor& whole, Trace& trace) const {
     if (!o_.tp_) return whole;
+    TraceScope span(trace, "experts: reduce-scatter", Lane::comm);
     Tensor part = Tensor::empty({whole.dim(0) / o_.tp_size_, whole.dim(1), whole.dim(2)},
                                 DType::f32, Device::cpu);
     o_.tp_->reduce_scatter(whole, part, o_.stream_);
@@ -380,6 +390,7 @@ MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep, std::vecto
     o.group_label = fmt::format("{} (experts)", mesh.tp_group.name());
     tp_ = make_communicator(o, c_.device);
   }
+  if (c_.moe.chunks > 1) lane_ = Stream::create(c_.device);
 }
 
 void MoeLayers::make_layers() {

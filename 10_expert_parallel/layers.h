@@ -21,6 +21,10 @@
 //                hold it
 //   balance      the auxiliary loss, or the per-expert bias moved from the step's counts over
 //                all D replicas (identical everywhere)
+//   pipeline     --pp P: stage 09's pipeline with this on each pipeline stage's D × T ranks and
+//                layers; each micro-batch of the D replicas is a routing group (its capacity and
+//                auxiliary loss), each layer keeps a state per micro-batch, and the gradients are
+//                reduced once, after the step's last
 //
 // defines: tpx::ep::ExpertParallel, tpx::ep::make_expert_parallel(),
 //          tpx::ep::plan_expert_parallel()
@@ -63,8 +67,9 @@ class ExpertParallel final : public fsdp::FsdpTp {
   std::unique_ptr<MoeLayers> moe_;
 };
 
-/// Refuses what this first form of the stage cannot run (one line naming the flag, exit 2, before
-/// any rank allocates), then builds the stage. Collective.
+/// Refuses what the stage cannot run (one line naming the flag, exit 2, before any rank
+/// allocates), then builds it: ExpertParallel on a D × T mesh, or under --pp P > 1 stage 09's
+/// pipeline of them. Collective.
 std::unique_ptr<Parallelism> make_expert_parallel(const RunContext& ctx);
 /// The training loop: train(), or stage 09's train_pipeline() when make_expert_parallel() made a
 /// pipeline (--pp P > 1).

@@ -2,8 +2,8 @@
 // E routed experts (top K of them per token, softmax or sigmoid routing, an optional shared
 // expert) spread over EP ranks borrowed from the data-parallel ones, each token's row moved to its
 // experts and back by variable all-to-alls, each expert's width cut over the TP group; the dense
-// parts as stage 07 (FSDP × TP); checked against the double-precision reference with the same
-// experts on the whole batch.
+// parts as stage 07 (FSDP × TP), and with --pp stage 09's pipeline around it; checked against the
+// double-precision reference with the same experts and routing groups.
 #include "05_copy_engine_async_tp/flags.h"
 #include "07_fsdp_tp/flags.h"
 #include "09_pipeline_parallel/flags.h"

@@ -65,7 +65,7 @@ ExpertLayerTraffic expert_layer_traffic(const BlockConfig& group, int dp, int tp
   }
   // EP and the counts: moe_ep_traffic of the balanced rows, the counts over the D replicas.
   const MoeEpTraffic x = moe_ep_traffic(balanced_kept_rows(group, dp, ep, dp_index / ep),
-                                        dp_index % ep, m.experts, H * 4, dp);
+                                        dp_index % ep, m.experts, H * 4, dp, int(m.chunks));
   t.counts = x.counts;
   t.ep = x.forward;
   t.ep.payload -= x.counts.payload;

@@ -110,6 +110,10 @@ struct MoeConfig {
   /// step). 1 and 1: the step's tokens are one group, whatever the mesh.
   std::int64_t microbatches = 1;
   std::int64_t replicas = 1;
+  /// --moe-chunks: the chunks each MoE layer cuts its dispatch, experts and combine into, to run
+  /// one chunk's all-to-all beside another's experts (common/moe_ep.h's MoeEpOverlap). The
+  /// arithmetic is the same for every cut (the experts' weight gradients to rounding).
+  std::int64_t chunks = 1;
 
   bool layer(std::int64_t l) const { return experts > 0 && l % every == 0; }
   /// The routing group of sequence b of a batch of `batch` sequences.

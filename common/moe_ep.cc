@@ -15,6 +15,7 @@
 #include "moe_flags.h"  // moe_ep_problem()
 #include "stream.h"
 #include "tensor.h"
+#include "trace.h"
 
 namespace tpx {
 namespace {
@@ -68,6 +69,50 @@ std::vector<I> group_rows(std::span<const I> recv_counts, I n_ranks, I local, I 
   return rows;
 }
 
+/// Appends `part` to `all`, and lets `part` go.
+template <class T>
+void append(HostVector<T>& all, HostVector<T>& part) {
+  all.insert(all.end(), part.begin(), part.end());
+  part = {};
+}
+
+/// Runs C chunks' `send` (on the lane), `compute` (here) and `give_back` (on the lane), each
+/// chunk's after its send and its give_back after its compute. With a lane, chunk c + 1's send and
+/// chunk c − 1's give_back run while chunk c computes, the lane taking them in the order send 0,
+/// send 1, give_back 0, send 2, give_back 1, … (the same on every rank: they are collectives);
+/// without one, or with one chunk, one after the other here.
+template <class Send, class Compute, class GiveBack>
+void run_chunks(I C, const Stream* lane, Send& send, Compute& compute, GiveBack& give_back) {
+  if (!lane || C == 1) {
+    for (I c = 0; c < C; ++c) {
+      send(c);
+      compute(c);
+      give_back(c);
+    }
+    return;
+  }
+  std::vector<Event> sent(at(C));
+  auto issue = [&](I c) { sent[at(c)] = run_after_compute(*lane, {}, [&send, c] { send(c); }); };
+  try {
+    issue(0);
+    issue(1);
+    for (I c = 0; c < C; ++c) {
+      sent[at(c)].synchronize();
+      compute(c);
+      run_after_compute(*lane, {}, [&give_back, c] { give_back(c); });
+      if (c + 2 < C) issue(c + 2);
+    }
+    lane->synchronize();
+  } catch (...) {
+    // The lane's tasks read this frame's buffers: they end before it does.
+    try {
+      lane->synchronize();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the first failure is the one to report
+    }
+    throw;
+  }
+}
+
 }  // namespace
 
 void moe_ep_check(std::int64_t experts, int ep) {
@@ -77,8 +122,9 @@ void moe_ep_check(std::int64_t experts, int ep) {
 template <class T>
 MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                                std::span<const T> bias, Communicator& ep, const Stream& s,
-                               Communicator* token_group) {
+                               Communicator* token_group, const MoeEpOverlap& overlap) {
   moe_ep_check(m.experts, ep.size());
+  Trace& trace = overlap.trace ? *overlap.trace : Trace::off();
   const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
           SF = m.shared_ffn, N = ep.size(), El = E / N;
   TPX_CHECK(x.size() == at(n * H), "x of {}", x.size());
@@ -94,8 +140,11 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
   // 1. Route this rank's tokens without a capacity: every assignment kept for now.
   MoeShape local = m;
   local.capacity_factor = 0.0;
-  f.logits = moe_logits<T>(m, w.router, x);
-  f.routing = moe_route<T>(local, f.logits, bias);
+  {
+    TraceScope span(trace, "router");
+    f.logits = moe_logits<T>(m, w.router, x);
+    f.routing = moe_route<T>(local, f.logits, bias);
+  }
   MoeRouting<T>& rt = f.routing;
 
   // 2. The capacity over all tokens: every rank's counts per expert, and its tokens (over the
@@ -109,7 +158,10 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
     TPX_CHECK(c <= std::numeric_limits<std::int32_t>::max(), "{} assignments", c);
     mine.data<std::int32_t>()[e] = static_cast<std::int32_t>(c);
   }
-  tg.all_gather(mine, all, s);
+  {
+    TraceScope span(trace, "moe counts all-gather", token_group ? Lane::dp_comm : Lane::ep_comm);
+    tg.all_gather(mine, all, s);
+  }
   std::vector<I> before(at(E), 0);  // the assignments to e of the ranks before this one
   f.routed_all.assign(at(E), 0);
   for (I q = 0; q < NT; ++q) {
@@ -135,44 +187,93 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
   }
   f.aux_loss = moe_aux_loss<T>(m, rt.score, f.routed_all, f.tokens_all);
 
-  // 3. Dispatch: the counts per (destination, expert), then the rows, grouped by destination,
-  // then expert, then token.
-  const Tensor counts = Tensor::empty({E}, DType::i32), got = Tensor::empty({E}, DType::i32);
-  f.send_rows.assign(at(N), 0);
-  HostVector<T> send;
-  for (I e = 0; e < E; ++e) {
-    counts.data<std::int32_t>()[e] = static_cast<std::int32_t>(by_expert[at(e)].size());
-    f.send_rows[at(e / El)] += I(by_expert[at(e)].size());
-    for (const I a : by_expert[at(e)]) {
-      f.sent.push_back(a);
-      const T* xt = x.data() + (a / k) * H;
-      send.insert(send.end(), xt, xt + H);
+  // 3. Per chunk of the rank's tokens (one without a cut): the counts per (destination,
+  // expert), then the rows, grouped by destination, then expert, then token.
+  const I C = overlap.chunks;
+  TPX_CHECK(C >= 1, "{} chunks", C);
+  f.chunks.assign(at(C), {});
+  std::vector<HostVector<T>> send(at(C)), recv(at(C)), out(at(C)), back(at(C));
+  std::vector<Tensor> counts(at(C));
+  {
+    std::vector<std::size_t> next(at(E), 0);  // each expert's first assignment not yet cut
+    for (I c = 0; c < C; ++c) {
+      MoeEpChunk& ch = f.chunks[at(c)];
+      const I last = (c + 1) * n / C;  // the chunk's tokens end here
+      ch.first_sent = I(f.sent.size());
+      ch.send_rows.assign(at(N), 0);
+      counts[at(c)] = Tensor::empty({E}, DType::i32);
+      for (I e = 0; e < E; ++e) {
+        const std::vector<I>& kept = by_expert[at(e)];
+        I rows = 0;
+        for (; next[at(e)] < kept.size() && kept[next[at(e)]] / k < last; ++next[at(e)], ++rows) {
+          const I a = kept[next[at(e)]];
+          f.sent.push_back(a);
+          const T* xt = x.data() + (a / k) * H;
+          send[at(c)].insert(send[at(c)].end(), xt, xt + H);
+        }
+        counts[at(c)].data<std::int32_t>()[e] = static_cast<std::int32_t>(rows);
+        ch.send_rows[at(e / El)] += rows;
+      }
     }
   }
+  const Stream here(Device::cpu);  // a task's exchanges run inline on its own thread
   const std::vector<I> ones(at(N), 1);
-  ep.all_to_all_v(counts.reshape({N, El}), ones, got.reshape({N, El}), ones, s,
-                  "moe dispatch counts");
-  f.recv_counts.assign(at(E), 0);
+  auto dispatch = [&](I c) {
+    MoeEpChunk& ch = f.chunks[at(c)];
+    TraceScope span(trace, fmt::format("moe dispatch {}/{}", c + 1, C), Lane::ep_comm);
+    const Tensor got = Tensor::empty({E}, DType::i32);
+    ep.all_to_all_v(counts[at(c)].reshape({N, El}), ones, got.reshape({N, El}), ones, here,
+                    "moe dispatch counts");
+    ch.recv_counts.assign(at(E), 0);
+    ch.recv_rows.assign(at(N), 0);
+    for (I i = 0; i < E; ++i) {
+      ch.recv_counts[at(i)] = got.data<std::int32_t>()[i];
+      ch.recv_rows[at(i / El)] += ch.recv_counts[at(i)];
+    }
+    recv[at(c)] = exchange<T>(ep, send[at(c)], H, ch.send_rows, ch.recv_rows, here, "moe dispatch");
+    send[at(c)] = {};
+  };
+  // 4. The local experts on the chunk's received rows, one call per expert over its group.
+  std::vector<HostVector<T>> gate(at(C)), up(at(C));
+  auto experts = [&](I c) {
+    TraceScope span(trace, fmt::format("experts {}/{}", c + 1, C));
+    const I rows = I(recv[at(c)].size()) / std::max<I>(H, 1);
+    gate[at(c)].assign(at(rows * FE), T(0));
+    up[at(c)].assign(at(rows * FE), T(0));
+    out[at(c)].assign(at(rows * H), T(0));
+    for (I le = 0; le < El; ++le)
+      for (const I i : group_rows(f.chunks[at(c)].recv_counts, N, El, le))
+        moe_swiglu_forward(recv[at(c)].data() + i * H, w.w_gate.data() + le * H * FE,
+                           w.w_up.data() + le * H * FE, w.w_down.data() + le * FE * H, H, FE, T(1),
+                           gate[at(c)].data() + i * FE, up[at(c)].data() + i * FE,
+                           out[at(c)].data() + i * H);
+  };
+  // 5. Combine: the outputs back to their tokens' ranks.
+  auto combine = [&](I c) {
+    const MoeEpChunk& ch = f.chunks[at(c)];
+    TraceScope span(trace, fmt::format("moe combine {}/{}", c + 1, C), Lane::ep_comm);
+    back[at(c)] = exchange<T>(ep, out[at(c)], H, ch.recv_rows, ch.send_rows, here, "moe combine");
+    out[at(c)] = {};
+  };
+  run_chunks(C, overlap.lane, dispatch, experts, combine);
+  // The chunks' rows side by side, in sent order (chunk by chunk), and the totals.
+  f.send_rows.assign(at(N), 0);
   f.recv_rows.assign(at(N), 0);
-  for (I i = 0; i < E; ++i) {
-    f.recv_counts[at(i)] = got.data<std::int32_t>()[i];
-    f.recv_rows[at(i / El)] += f.recv_counts[at(i)];
+  for (I c = 0; c < C; ++c) {
+    MoeEpChunk& ch = f.chunks[at(c)];
+    ch.first_recv = I(f.recv.size()) / std::max<I>(H, 1);
+    for (I d = 0; d < N; ++d) {
+      f.send_rows[at(d)] += ch.send_rows[at(d)];
+      f.recv_rows[at(d)] += ch.recv_rows[at(d)];
+    }
+    append(f.recv, recv[at(c)]);
+    append(f.gate, gate[at(c)]);
+    append(f.up, up[at(c)]);
+    append(f.out, back[at(c)]);
   }
-  f.recv = exchange<T>(ep, send, H, f.send_rows, f.recv_rows, s, "moe dispatch");
 
-  // 4. The local experts, one call per expert over its group of received rows.
-  const I n_recv = I(f.recv.size()) / std::max<I>(H, 1);
-  f.gate.assign(at(n_recv * FE), T(0));
-  f.up.assign(at(n_recv * FE), T(0));
-  HostVector<T> out(at(n_recv * H), T(0));
-  for (I le = 0; le < El; ++le)
-    for (const I i : group_rows(f.recv_counts, N, El, le))
-      moe_swiglu_forward(f.recv.data() + i * H, w.w_gate.data() + le * H * FE,
-                         w.w_up.data() + le * H * FE, w.w_down.data() + le * FE * H, H, FE, T(1),
-                         f.gate.data() + i * FE, f.up.data() + i * FE, out.data() + i * H);
-
-  // 5. Combine: the outputs back to their tokens' ranks, weighted and summed.
-  f.out = exchange<T>(ep, out, H, f.recv_rows, f.send_rows, s, "moe combine");
+  // The weighted sum on the tokens' rank, and the shared experts.
+  TraceScope span(trace, "experts: weighted sum, shared");
   std::vector<I> row_of(at(n * k), -1);
   for (std::size_t i = 0; i < f.sent.size(); ++i) row_of[at(f.sent[i])] = I(i);
   f.y.assign(at(n * H), T(0));
@@ -197,8 +298,9 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
 template <class T>
 MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                             const MoeEpForward<T>& f, std::span<const T> dy, Communicator& ep,
-                            const Stream& s, Communicator* tp) {
+                            const Stream& s, Communicator* tp, const MoeEpOverlap& overlap) {
   moe_ep_check(m.experts, ep.size());
+  Trace& trace = overlap.trace ? *overlap.trace : Trace::off();
   const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
           SF = m.shared_ffn, N = ep.size(), El = E / N;
   TPX_CHECK(dy.size() == at(n * H) && x.size() == at(n * H), "dy of {}", dy.size());
@@ -213,27 +315,53 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
   g.w.shared_up.assign(w.shared_up.size(), T(0));
   g.w.shared_down.assign(w.shared_down.size(), T(0));
 
-  // Dispatch w_j·dy_t, the gradient of expert j's unscaled output, in the forward's order.
-  HostVector<T> send(f.sent.size() * at(H));
-  for (std::size_t i = 0; i < f.sent.size(); ++i) {
-    const I a = f.sent[i];
-    for (I h = 0; h < H; ++h) send[i * at(H) + at(h)] = rt.weight[at(a)] * dy[at((a / k) * H + h)];
-  }
-  const HostVector<T> rdy = exchange<T>(ep, send, H, f.send_rows, f.recv_rows, s, "moe dispatch");
+  // Chunk by chunk, as the forward cut them: dispatch w_j·dy_t, the gradient of expert j's
+  // unscaled output, in the forward's order; the local experts' backward, one call per expert
+  // over its group; the dx rows back.
+  const I C = I(f.chunks.size());
+  const Stream here(Device::cpu);  // a task's exchanges run inline on its own thread
+  std::vector<HostVector<T>> rdy(at(C)), dx_rows(at(C)), dx_chunks(at(C));
+  auto dispatch = [&](I c) {
+    const MoeEpChunk& ch = f.chunks[at(c)];
+    TraceScope span(trace, fmt::format("moe dispatch {}/{}", c + 1, C), Lane::ep_comm);
+    I rows = 0;
+    for (const I r : ch.send_rows) rows += r;
+    HostVector<T> send(at(rows * H));
+    for (I i = 0; i < rows; ++i) {
+      const I a = f.sent[at(ch.first_sent + i)];
+      for (I h = 0; h < H; ++h) send[at(i * H + h)] = rt.weight[at(a)] * dy[at((a / k) * H + h)];
+    }
+    rdy[at(c)] = exchange<T>(ep, send, H, ch.send_rows, ch.recv_rows, here, "moe dispatch");
+  };
+  auto experts = [&](I c) {
+    const MoeEpChunk& ch = f.chunks[at(c)];
+    TraceScope span(trace, fmt::format("experts bwd {}/{}", c + 1, C));
+    const I rows = I(rdy[at(c)].size()) / std::max<I>(H, 1);
+    dx_rows[at(c)].assign(at(rows * H), T(0));
+    const T* xr = f.recv.data() + ch.first_recv * H;
+    const T* gate = f.gate.data() + ch.first_recv * FE;
+    const T* up = f.up.data() + ch.first_recv * FE;
+    for (I le = 0; le < El; ++le)
+      for (const I i : group_rows(ch.recv_counts, N, El, le))
+        moe_swiglu_backward(xr + i * H, w.w_gate.data() + le * H * FE, w.w_up.data() + le * H * FE,
+                            w.w_down.data() + le * FE * H, H, FE, T(1), gate + i * FE,
+                            up + i * FE, rdy[at(c)].data() + i * H,
+                            g.w.w_gate.data() + le * H * FE, g.w.w_up.data() + le * H * FE,
+                            g.w.w_down.data() + le * FE * H, dx_rows[at(c)].data() + i * H);
+    rdy[at(c)] = {};
+  };
+  auto combine = [&](I c) {
+    const MoeEpChunk& ch = f.chunks[at(c)];
+    TraceScope span(trace, fmt::format("moe combine {}/{}", c + 1, C), Lane::ep_comm);
+    dx_chunks[at(c)] =
+        exchange<T>(ep, dx_rows[at(c)], H, ch.recv_rows, ch.send_rows, here, "moe combine");
+    dx_rows[at(c)] = {};
+  };
+  run_chunks(C, overlap.lane, dispatch, experts, combine);
+  HostVector<T> dx_back;  // in sent order
+  for (HostVector<T>& part : dx_chunks) append(dx_back, part);
 
-  // The local experts' backward, one call per expert over its group; dx rows go back.
-  const I n_recv = I(f.recv.size()) / std::max<I>(H, 1);
-  HostVector<T> dx_rows(at(n_recv * H), T(0));
-  for (I le = 0; le < El; ++le)
-    for (const I i : group_rows(f.recv_counts, N, El, le))
-      moe_swiglu_backward(f.recv.data() + i * H, w.w_gate.data() + le * H * FE,
-                          w.w_up.data() + le * H * FE, w.w_down.data() + le * FE * H, H, FE, T(1),
-                          f.gate.data() + i * FE, f.up.data() + i * FE, rdy.data() + i * H,
-                          g.w.w_gate.data() + le * H * FE, g.w.w_up.data() + le * H * FE,
-                          g.w.w_down.data() + le * FE * H, dx_rows.data() + i * H);
-  const HostVector<T> dx_back =
-      exchange<T>(ep, dx_rows, H, f.recv_rows, f.send_rows, s, "moe combine");
-
+  TraceScope span(trace, "experts bwd: gate weights, shared, router");
   // On the tokens' rank: dx from the experts, the gate weights' gradients dy·out_j, the shared
   // experts, and the router (with the auxiliary loss over all tokens).
   std::vector<I> row_of(at(n * k), -1);
@@ -283,23 +411,24 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
   return g;
 }
 
-#define TPX_MOE_EP_INSTANTIATE(T)                                                          \
-  template MoeEpForward<T> moe_ep_forward<T>(const MoeShape&, const MoeWeights<T>&,        \
-                                             std::span<const T>, std::span<const T>,       \
-                                             Communicator&, const Stream&, Communicator*); \
-  template MoeGrads<T> moe_ep_backward<T>(                                                 \
-      const MoeShape&, const MoeWeights<T>&, std::span<const T>, const MoeEpForward<T>&,   \
-      std::span<const T>, Communicator&, const Stream&, Communicator*);
+#define TPX_MOE_EP_INSTANTIATE(T)                                                             \
+  template MoeEpForward<T> moe_ep_forward<T>(                                                 \
+      const MoeShape&, const MoeWeights<T>&, std::span<const T>, std::span<const T>,          \
+      Communicator&, const Stream&, Communicator*, const MoeEpOverlap&);                      \
+  template MoeGrads<T> moe_ep_backward<T>(                                                    \
+      const MoeShape&, const MoeWeights<T>&, std::span<const T>, const MoeEpForward<T>&,      \
+      std::span<const T>, Communicator&, const Stream&, Communicator*, const MoeEpOverlap&);
 TPX_MOE_EP_INSTANTIATE(float)
 TPX_MOE_EP_INSTANTIATE(double)
 #undef TPX_MOE_EP_INSTANTIATE
 
 MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows, int r,
-                            std::int64_t experts, std::uint64_t row_bytes, int token_ranks) {
+                            std::int64_t experts, std::uint64_t row_bytes, int token_ranks,
+                            int chunks) {
   using U = std::uint64_t;
-  const U N = rows.size(), E = U(experts);
-  require_formula(N >= 1 && r >= 0 && U(r) < N && E % N == 0,
-                  "an EP group of N >= 1 ranks, rank r in it, E a multiple of N");
+  const U N = rows.size(), E = U(experts), C = U(chunks);
+  require_formula(N >= 1 && r >= 0 && U(r) < N && E % N == 0 && chunks >= 1,
+                  "an EP group of N >= 1 ranks, rank r in it, E a multiple of N, C >= 1 chunks");
   U out_all = 0, out_away = 0, in_all = 0, in_away = 0;
   for (U q = 0; q < N; ++q) {
     require_formula(rows[q].size() == N, "rows is EP × EP");
@@ -315,8 +444,9 @@ MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows,
   const U exchange = (out_all + in_all) * row_bytes, away = (out_away + in_away) * row_bytes;
   MoeEpTraffic t;
   t.counts = {gather, gather * (G - 1) / G, 1};
-  t.forward = {gather + 4 * E + exchange, t.counts.bus + 4 * (E - E / N) + away, 4};
-  t.backward = {exchange, away, 2};
+  t.forward = {gather + 4 * E * C + exchange, t.counts.bus + 4 * (E - E / N) * C + away,
+               1 + 3 * C};
+  t.backward = {exchange, away, 2 * C};
   return t;
 }
 

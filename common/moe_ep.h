@@ -36,8 +36,9 @@
 // applied on the token's rank instead of inside the expert and the sums over ranks are in another
 // order (tests/test_moe_ep.cc: 1e-12 relative to the largest element).
 //
-// defines: tpx::moe_ep_check(), tpx::MoeEpForward, tpx::moe_ep_forward(), tpx::moe_ep_backward(),
-//          tpx::MoeEpTraffic, tpx::moe_ep_traffic(), tpx::moe_balanced_rows()
+// defines: tpx::moe_ep_check(), tpx::MoeEpOverlap, tpx::MoeEpChunk, tpx::MoeEpForward,
+//          tpx::moe_ep_forward(), tpx::moe_ep_backward(), tpx::MoeEpTraffic, tpx::moe_ep_traffic(),
+//          tpx::moe_balanced_rows()
 #pragma once
 
 #include <cstdint>
@@ -51,9 +52,33 @@ namespace tpx {
 
 class Communicator;
 class Stream;
+class Trace;
 
 /// Refuses E not divisible by EP with tpx::ConfigError naming --experts and --ep.
 void moe_ep_check(std::int64_t experts, int ep);
+
+/// How a layer cuts its dispatch, experts and combine (--moe-chunks): `chunks` parts of the
+/// rank's tokens in order, each with its own counts and row exchanges. With a `lane` (a stream
+/// made by Stream::create), chunk c + 1's dispatch and chunk c − 1's combine run on it while the
+/// experts run on chunk c on the calling thread; the lane's order, dispatch 0, dispatch 1,
+/// combine 0, dispatch 2, combine 1, …, is the same on every rank. `trace`: the exchanges' spans
+/// on Lane::ep_comm, the counts' all_gather on Lane::dp_comm, the compute on Lane::compute.
+/// The outputs are the same for every cut; the experts' weight gradients sum their rows in
+/// chunk order (rounding).
+struct MoeEpOverlap {
+  int chunks = 1;
+  const Stream* lane = nullptr;
+  Trace* trace = nullptr;
+};
+
+/// One chunk's exchanges: the rows of this rank's tokens [c·T_r/C, (c+1)·T_r/C).
+struct MoeEpChunk {
+  std::vector<std::int64_t> send_rows;    ///< [EP] rows dispatched to each rank
+  std::vector<std::int64_t> recv_rows;    ///< [EP] rows received from each rank
+  std::vector<std::int64_t> recv_counts;  ///< [EP, E/EP] rows from each rank for each local expert
+  std::int64_t first_sent = 0;            ///< its first row's index in sent and out
+  std::int64_t first_recv = 0;            ///< its first row's index in recv, gate and up
+};
 
 /// This rank's forward: its tokens' output and what its backward needs.
 template <class T>
@@ -63,15 +88,15 @@ struct MoeEpForward {
   /// This rank's tokens' routing, kept by the capacity over all tokens (above);
   /// routed_per_expert and tokens_per_expert count this rank's tokens only.
   MoeRouting<T> routing;
-  std::vector<std::int64_t> routed_all;   ///< [E] assignments all ranks' tokens chose
-  std::int64_t tokens_all = 0;            ///< T_all
-  HostVector<T> logits;                   ///< [T_r, E]
-  HostVector<T> shared_gate, shared_up;   ///< [T_r, SF]
-  std::vector<std::int64_t> send_rows;    ///< [EP] n_{r→d}: rows dispatched to each rank
-  std::vector<std::int64_t> recv_rows;    ///< [EP] n_{s→r}: rows received from each rank
-  std::vector<std::int64_t> recv_counts;  ///< [EP, E/EP] rows from each rank for each local expert
+  std::vector<std::int64_t> routed_all;  ///< [E] assignments all ranks' tokens chose
+  std::int64_t tokens_all = 0;           ///< T_all
+  HostVector<T> logits;                  ///< [T_r, E]
+  HostVector<T> shared_gate, shared_up;  ///< [T_r, SF]
+  std::vector<std::int64_t> send_rows;   ///< [EP] n_{r→d}: rows dispatched to each rank
+  std::vector<std::int64_t> recv_rows;   ///< [EP] n_{s→r}: rows received from each rank
+  std::vector<MoeEpChunk> chunks;        ///< each chunk's part (one without a cut)
   std::vector<std::int64_t> sent;  ///< [Σ send_rows] each dispatched row's assignment t·k + j
-  HostVector<T> recv;              ///< [Σ recv_rows, H] the received rows x
+  HostVector<T> recv;              ///< [Σ recv_rows, H] the received rows x, chunk by chunk
   HostVector<T> gate, up;          ///< [Σ recv_rows, FE] the local experts' pre-activations
   HostVector<T> out;               ///< [Σ send_rows, H] the experts' outputs, combined
 };
@@ -85,7 +110,7 @@ struct MoeEpForward {
 template <class T>
 MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                                std::span<const T> bias, Communicator& ep, const Stream& s,
-                               Communicator* token_group = nullptr);
+                               Communicator* token_group = nullptr, const MoeEpOverlap& o = {});
 
 /// Backward for dy [T_r, H]: dx of this rank's tokens, this rank's experts' gradients (complete),
 /// and this rank's part of the router's and shared experts' gradients (they sum over the ranks).
@@ -95,10 +120,12 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
 /// all-reduce of T_r·K values; float only), the router's gradient is then the same on every
 /// rank, and dx is each rank's part (the router's part on rank 0 of the group alone), to be
 /// summed over the group by the caller.
+/// `o`: the forward's cut (its chunks), and the lane and trace as there.
 template <class T>
 MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                             const MoeEpForward<T>& f, std::span<const T> dy, Communicator& ep,
-                            const Stream& s, Communicator* tp = nullptr);
+                            const Stream& s, Communicator* tp = nullptr,
+                            const MoeEpOverlap& o = {});
 
 /// One rank's bytes and calls of an expert-parallel layer's forward and backward (the formula
 /// above, in the communicator's accounting).
@@ -115,8 +142,11 @@ struct MoeEpTraffic {
 /// Σ_d n_{r→d} rows and the combine of Σ_s n_{s→r} rows (4 calls); backward: the same two row
 /// exchanges (2 calls). Bus bytes count what leaves the rank (d ≠ r, s ≠ r).
 /// `token_ranks`: the size of the token group the counts are gathered over (0: the EP group).
+/// `chunks` C (MoeEpOverlap): the same rows in C dispatches and C combines each way, and C
+/// all_to_all_v of the E counts: 1 + 3·C calls forward and 2·C backward, 4·E·C bytes of counts.
 MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows, int r,
-                            std::int64_t experts, std::uint64_t row_bytes, int token_ranks = 0);
+                            std::int64_t experts, std::uint64_t row_bytes, int token_ranks = 0,
+                            int chunks = 1);
 
 /// n_{s→d} under perfectly balanced, dropless routing (what a dry run assumes): each of the EP
 /// ranks' T_r tokens sends k rows, spread evenly over the EP ranks (T_r · k / EP each, which

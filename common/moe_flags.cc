@@ -122,6 +122,13 @@ void MoeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
       ->check(CLI::IsMember({"aux", "bias"}))
       ->capture_default_str()
       ->group(kGroup);
+  add_count(app, "--moe-chunks", chunks,
+            "C: each MoE layer cuts its tokens into C chunks, and dispatches chunk c+1 and "
+            "combines chunk c-1 on the EP lane while the experts run on chunk c (the overlap "
+            "of the all-to-alls with the experts; the same results, C times the calls)",
+            "1, no overlap")
+      ->type_name("C")
+      ->group(kGroup);
   add_count(app, "--ep", ep,
             "EP, the expert-parallel degree: each EP rank holds E/EP whole experts",
             "every data-parallel rank")
@@ -186,7 +193,8 @@ void MoeFlags::configure(BlockConfig& c) const {
            .capacity_factor = m.capacity_factor,
            .aux_loss_weight = m.aux_loss_weight,
            .bias_rate = balance() == MoeBalance::bias ? kMoeBiasRate : 0.0,
-           .skew = moe_skew_from_env().value};
+           .skew = moe_skew_from_env().value,
+           .chunks = chunks};
 }
 
 ConfigFields MoeFlags::agreed() const {
@@ -200,6 +208,7 @@ ConfigFields MoeFlags::agreed() const {
           {"--aux-loss-weight", fmt::format("{}", aux_weight())},
           {"--balance", balance_word},
           {"--ep", fmt::format("{}", ep)},
+          {"--moe-chunks", fmt::format("{}", chunks)},
           {kMoeSkewVariable, fmt::format("{}", moe_skew_from_env().value)}};
 }
 

@@ -58,6 +58,9 @@ class MoeFlags : public FlagGroup {
   /// --ep EP, the expert-parallel degree; 0 (not given): stage 10 spreads the experts over all
   /// of its data-parallel ranks
   int ep = 0;
+  /// --moe-chunks C: each MoE layer's dispatch, experts and combine in C chunks of the tokens,
+  /// chunk c + 1's all-to-all on the EP lane while the experts run on chunk c (MoeEpOverlap)
+  int chunks = 1;
 
   MoeRouter router() const;
   MoeBalance balance() const;

@@ -3,6 +3,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -32,7 +33,7 @@ namespace {
 /// Lanes whose spans move data: communication for the exposed-comm figure.
 bool moves(Lane lane) {
   return lane == Lane::comm || lane == Lane::copy || lane == Lane::dp_comm ||
-         lane == Lane::cp_comm || lane == Lane::pp_comm;
+         lane == Lane::cp_comm || lane == Lane::pp_comm || lane == Lane::ep_comm;
 }
 
 }  // namespace
@@ -123,10 +124,10 @@ std::vector<std::string> Trace::span_names(Lane lane) const {
 
 void Trace::write(const std::filesystem::path& path, int rank, int world,
                   const std::string& stage) const {
-  static constexpr const char* kLaneNames[] = {"compute", "comm",    "copy",   "phases",
-                                               "dp comm", "cp comm", "pp comm"};
+  static constexpr const char* kLaneNames[] = {"compute", "comm",    "copy",    "phases",
+                                               "dp comm", "cp comm", "pp comm", "ep comm"};
   nlohmann::json mine = nlohmann::json::array();
-  for (int lane = 0; lane < 7; ++lane)
+  for (int lane = 0; lane < int(std::size(kLaneNames)); ++lane)
     mine.push_back({{"name", "thread_name"},
                     {"ph", "M"},
                     {"pid", rank},

@@ -32,7 +32,8 @@ namespace tpx {
 /// The lanes of a rank: where work ran. `phase` holds the trainer's forward / backward / update;
 /// `dp_comm` the data-parallel group's transfers (stage 07), beside the TP group's `comm`;
 /// `cp_comm` the context-parallel group's K/V transfers (stage 08); `pp_comm` the pipeline's
-/// activations and gradients between stages (stage 09).
+/// activations and gradients between stages (stage 09); `ep_comm` the experts' all-to-alls, their
+/// dispatch and combine (stage 10).
 enum class Lane : int {
   compute = 0,
   comm = 1,
@@ -40,7 +41,8 @@ enum class Lane : int {
   phase = 3,
   dp_comm = 4,
   cp_comm = 5,
-  pp_comm = 6
+  pp_comm = 6,
+  ep_comm = 7
 };
 
 class Trace {

@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -86,7 +88,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, "--pp 2 --schedule zb-h1 --capacity-factor 0.75 --balance bias",
              "np4_p2_d2_zbh1_bias"},
         Case{8, "--pp 2 --capacity-factor 0.5 --shared-experts 1", "np8_p2_d2_t2_ep2_dropping"},
-        Case{8, "--pp 2 --dp 4 --ep 2 --router sigmoid", "np8_p2_d4_ep2_sigmoid"}),
+        Case{8, "--pp 2 --dp 4 --ep 2 --router sigmoid", "np8_p2_d4_ep2_sigmoid"},
+        // The dispatch, experts and combine cut into chunks, overlapped on the EP lane.
+        Case{4, "--dp 2 --moe-chunks 3 --capacity-factor 0.5", "np4_d2_t2_chunks3_dropping"},
+        Case{8, "--pp 2 --moe-chunks 2 --shared-experts 1", "np8_p2_d2_t2_chunks2"}),
     [](const auto& p) { return p.param.name; });
 
 /// Sets an environment variable for the runs of one test (mpirun's ranks on this machine inherit
@@ -207,6 +212,33 @@ TEST(ExpertParallel, APipelineDumpsEveryStagesExperts) {
   EXPECT_LE(worst, 1e-4f * scale);
 }
 
+// --moe-chunks: each chunk's dispatch and combine are spans of the "ep comm" lane of every rank's
+// trace, and the run trains as without the cut (the experts' gradients sum their rows in another
+// order: rounding).
+TEST(ExpertParallel, ChunksRunOnTheEpLaneAndTrainTheSame) {
+  test::TempDir dir;
+  const std::string trace = (dir / "t.json").string();
+  const json cut = summary(2, "--dp 2 --moe-chunks 2 --trace " + trace);
+  const json whole = summary(2, "--dp 2");
+  for (std::size_t s = 0; s < 3; ++s)
+    EXPECT_NEAR(cut.at("steps")[s].at("loss").get<double>(),
+                whole.at("steps")[s].at("loss").get<double>(), 1e-5)
+        << s;
+  const json t = json::parse(test::read_file(trace));
+  std::map<int, std::string> lane_name;
+  std::map<int, std::set<std::string>> on_ep;  // rank → its spans on the ep comm lane
+  for (const json& e : t.at("traceEvents")) {
+    if (e.at("ph") == "M" && e.at("name") == "thread_name" && e.at("pid") == 0)
+      lane_name[e.at("tid").get<int>()] = e.at("args").at("name");
+    if (e.at("ph") == "X" && e.at("tid") == 7) on_ep[e.at("pid").get<int>()].insert(e.at("name"));
+  }
+  EXPECT_EQ(lane_name[7], "ep comm");
+  for (int rank : {0, 1})
+    for (const char* name :
+         {"moe dispatch 1/2", "moe dispatch 2/2", "moe combine 1/2", "moe combine 2/2"})
+      EXPECT_TRUE(on_ep[rank].contains(name)) << "rank " << rank << " " << name;
+}
+
 // A pipeline's micro-batches are the routing groups (MoeConfig::microbatches): with a capacity,
 // two micro-batches drop other assignments than one group of the step's tokens, and the
 // reference follows (the check passes either way); dropless and without the auxiliary loss, the
@@ -302,7 +334,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, "--pp 2 --capacity-factor 0.5 --shared-experts 1", "np4_p2_d2_dropping_shared"},
         Case{8, "--pp 2 --microbatches 1 --capacity-factor 0.6 --moe-every 2",
              "np8_p2_d2_t2_m1_every2"},
-        Case{8, "--pp 2 --dp 4 --ep 2 --schedule zb-h1", "np8_p2_d4_ep2_zbh1"}),
+        Case{8, "--pp 2 --dp 4 --ep 2 --schedule zb-h1", "np8_p2_d4_ep2_zbh1"},
+        Case{4, "--dp 2 --moe-chunks 3 --capacity-factor 0.5", "np4_d2_t2_chunks3"},
+        Case{4, "--pp 2 --moe-chunks 2", "np4_p2_d2_chunks2"}),
     [](const auto& p) { return p.param.name; });
 
 // The memory estimate (10_expert_parallel/memory.h) against the allocator's peak of real runs at

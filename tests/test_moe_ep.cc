@@ -28,6 +28,8 @@
 #include "common/comm/communicator.h"
 #include "common/moe.h"
 #include "common/moe_ep.h"
+#include "common/stream.h"
+#include "common/trace.h"
 #include "test_job_comm.h"
 #include "test_mpi.h"
 
@@ -38,18 +40,21 @@ using I = std::int64_t;
 
 struct Case {
   MoeRouter router;
-  double capacity;  ///< 0: dropless
-  double aux;       ///< W of L_aux
-  I shared;         ///< SF
-  bool skew;        ///< a bias that sends every token to expert 0 first
-  bool f32;         ///< float instead of double
+  double capacity;    ///< 0: dropless
+  double aux;         ///< W of L_aux
+  I shared;           ///< SF
+  bool skew;          ///< a bias that sends every token to expert 0 first
+  bool f32;           ///< float instead of double
+  int chunks = 1;     ///< MoeEpOverlap's cut
+  bool lane = false;  ///< the chunks' exchanges on a lane of their own (overlapped)
 };
 
 std::string describe(const Case& c) {
-  return fmt::format("{}_{}_{}_aux{}_shared{}_{}",
-                     c.router == MoeRouter::softmax ? "softmax" : "sigmoid",
-                     c.capacity > 0 ? "drop" : "dropless", c.skew ? "skewed" : "balanced",
-                     c.aux > 0 ? 1 : 0, c.shared > 0 ? 1 : 0, c.f32 ? "f32" : "f64");
+  return fmt::format(
+      "{}_{}_{}_aux{}_shared{}_{}{}", c.router == MoeRouter::softmax ? "softmax" : "sigmoid",
+      c.capacity > 0 ? "drop" : "dropless", c.skew ? "skewed" : "balanced", c.aux > 0 ? 1 : 0,
+      c.shared > 0 ? 1 : 0, c.f32 ? "f32" : "f64",
+      c.chunks > 1 ? fmt::format("_chunks{}{}", c.chunks, c.lane ? "_lane" : "") : "");
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
@@ -171,10 +176,36 @@ void MoeEp::run(const Case& c) {
       dyr(dy.begin() + lo * H, dy.begin() + hi * H);
 
   comm_->take_stats();
-  const MoeEpForward<T> f = moe_ep_forward<T>(mr, wr, xr, bias, *comm_, stream_);
+  Trace trace(Trace::Mode::keep);
+  const Stream lane = Stream::create(Device::cpu);
+  const MoeEpOverlap overlap{.chunks = c.chunks, .lane = c.lane ? &lane : nullptr, .trace = &trace};
+  const MoeEpForward<T> f = moe_ep_forward<T>(mr, wr, xr, bias, *comm_, stream_, nullptr, overlap);
   const CommStats fwd = comm_->take_stats();
-  const MoeGrads<T> g = moe_ep_backward<T>(mr, wr, xr, f, dyr, *comm_, stream_);
+  const MoeGrads<T> g = moe_ep_backward<T>(mr, wr, xr, f, dyr, *comm_, stream_, nullptr, overlap);
   const CommStats bwd = comm_->take_stats();
+  // The exchanges on the EP lane in the order every rank issues them: with a lane, chunk c + 1's
+  // dispatch before chunk c's combine (forward, then backward).
+  // (Without a token group the counts' all-gather runs over the EP group too, before them.)
+  std::vector<std::string> order = {"moe counts all-gather"};
+  const int chunks = c.chunks;
+  for (int pass = 0; pass < 2; ++pass) {
+    auto add = [&](const char* what, int q) {
+      order.push_back(fmt::format("moe {} {}/{}", what, q, chunks));
+    };
+    if (!c.lane || c.chunks == 1) {
+      for (int q = 1; q <= c.chunks; ++q) {
+        add("dispatch", q);
+        add("combine", q);
+      }
+      continue;
+    }
+    add("dispatch", 1);
+    for (int q = 1; q <= c.chunks; ++q) {
+      if (q + 1 <= c.chunks) add("dispatch", q + 1);
+      add("combine", q);
+    }
+  }
+  EXPECT_EQ(trace.span_names(Lane::ep_comm), order);
 
   // The routing and the drops: exactly the single-process ones for these tokens.
   EXPECT_EQ(f.tokens_all, kTokens);
@@ -212,7 +243,7 @@ void MoeEp::run(const Case& c) {
   EXPECT_EQ(out_all, std::uint64_t(nt * k) - my_drops);
   EXPECT_EQ(f.send_rows, std::vector<I>(nsd[std::size_t(r_)].begin(), nsd[std::size_t(r_)].end()));
   // The communicator's counts are moe_ep.h's formula (moe_ep_traffic) of these rows.
-  const MoeEpTraffic want = moe_ep_traffic(nsd, r_, E, std::uint64_t(H) * sizeof(T));
+  const MoeEpTraffic want = moe_ep_traffic(nsd, r_, E, std::uint64_t(H) * sizeof(T), 0, c.chunks);
   EXPECT_EQ(fwd.calls, want.forward.calls);
   EXPECT_EQ(fwd.payload_bytes, want.forward.payload);
   EXPECT_EQ(fwd.bus_bytes, want.forward.bus);
@@ -221,7 +252,7 @@ void MoeEp::run(const Case& c) {
   EXPECT_EQ(bwd.bus_bytes, want.backward.bus);
   std::size_t all_to_alls = 0;
   for (const auto& op : comm_->recorder().snapshot()) all_to_alls += op.op == CommOp::all_to_all;
-  EXPECT_EQ(all_to_alls, 5u);
+  EXPECT_EQ(all_to_alls, 5u * std::size_t(c.chunks));  // counts, dispatch, combine; twice back
 }
 
 // moe_ep_traffic on rows worked out by hand: EP 2, rank 0 sends 3 rows to itself and 1 to rank
@@ -253,16 +284,23 @@ TEST_P(MoeEp, EqualsTheSingleProcessLayerOverAllTokens) {
     run<double>(GetParam());
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, MoeEp,
-                         ::testing::Values(Case{MoeRouter::softmax, 0.0, 0.0, 0, false, false},
-                                           Case{MoeRouter::softmax, 1.0, 0.01, 8, false, false},
-                                           Case{MoeRouter::softmax, 1.0, 0.01, 0, true, false},
-                                           Case{MoeRouter::softmax, 0.0, 0.0, 8, true, false},
-                                           Case{MoeRouter::sigmoid, 0.0, 0.02, 8, true, false},
-                                           Case{MoeRouter::sigmoid, 1.25, 0.0, 0, true, false},
-                                           Case{MoeRouter::sigmoid, 1.0, 0.01, 8, false, false},
-                                           Case{MoeRouter::softmax, 1.0, 0.01, 8, true, true}),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MoeEp,
+    ::testing::Values(Case{MoeRouter::softmax, 0.0, 0.0, 0, false, false},
+                      Case{MoeRouter::softmax, 1.0, 0.01, 8, false, false},
+                      Case{MoeRouter::softmax, 1.0, 0.01, 0, true, false},
+                      Case{MoeRouter::softmax, 0.0, 0.0, 8, true, false},
+                      Case{MoeRouter::sigmoid, 0.0, 0.02, 8, true, false},
+                      Case{MoeRouter::sigmoid, 1.25, 0.0, 0, true, false},
+                      Case{MoeRouter::sigmoid, 1.0, 0.01, 8, false, false},
+                      Case{MoeRouter::softmax, 1.0, 0.01, 8, true, true},
+                      // Cut into chunks, with and without the lane.
+                      Case{MoeRouter::softmax, 1.0, 0.01, 8, false, false, 3, true},
+                      Case{MoeRouter::sigmoid, 1.25, 0.0, 0, true, false, 2, false},
+                      Case{MoeRouter::softmax, 0.0, 0.01, 8, true, true, 4, true},
+                      // More chunks than a rank has tokens: empty ones.
+                      Case{MoeRouter::softmax, 1.0, 0.01, 0, false, false, 9, true}),
+    case_name);
 
 class MoeEpRefusal : public MoeEp {};
 

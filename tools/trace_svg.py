@@ -3,11 +3,11 @@
 
 The input is what every stage writes with --trace FILE: Chrome trace JSON, {"traceEvents": [...]},
 complete events (ph "X") with pid = rank, tid = lane (0 compute, 1 comm, 2 copy, 3 phases, 4 dp
-comm), ts and dur in microseconds; metadata events (ph "M") name the ranks and lanes. The output has
-one row per (rank, lane) for the compute, comm and (when they have spans) copy, dp comm, cp comm
-and pp comm lanes, and for a pipeline (stage 09) a row of its actions (the phases lane's F3, B3,
-W3 or F3@5 spans) above each rank's rows, one rectangle per span,
-coloured by kind, with its name written inside when it fits (a shorter form of the name when only
+comm, 5 cp comm, 6 pp comm, 7 ep comm), ts and dur in microseconds; metadata events (ph "M") name
+the ranks and lanes. The output has one row per (rank, lane) for the compute, comm and (when they
+have spans) copy, dp comm, cp comm, pp comm and ep comm lanes, and for a pipeline (stage 09) a row
+of its actions (the phases lane's F3, B3, W3 or F3@5 spans) above each rank's rows, one rectangle
+per span, coloured by kind, with its name written inside when it fits (a shorter form of the name when only
 that fits) and always as a tooltip.
 
 The window is either raw trace time (--from-ms / --to-ms from the trace's origin) or a training
@@ -50,10 +50,12 @@ from xml.sax.saxutils import escape
 
 import tool_errors
 
-LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_PHASES, LANE_DP_COMM, LANE_CP_COMM, LANE_PP_COMM = range(7)
+(LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_PHASES, LANE_DP_COMM, LANE_CP_COMM, LANE_PP_COMM,
+ LANE_EP_COMM) = range(8)
 DEFAULT_LANE_NAMES = {LANE_COMPUTE: "compute", LANE_COMM: "comm", LANE_COPY: "copy",
                       LANE_PHASES: "phases", LANE_DP_COMM: "dp comm", LANE_CP_COMM: "cp comm",
-                      LANE_PP_COMM: "pp comm"}
+                      LANE_PP_COMM: "pp comm", LANE_EP_COMM: "ep comm"}
+COMM_LANES = (LANE_COMM, LANE_COPY, LANE_DP_COMM, LANE_CP_COMM, LANE_PP_COMM, LANE_EP_COMM)
 
 # kind -> (fill colour, ASCII character, legend text)
 KINDS = {
@@ -192,7 +194,7 @@ def exposed_intervals(spans, rank, t0, t1):
             continue
         if e["tid"] == LANE_COMPUTE:
             busy.append((b, en))
-        elif e["tid"] in (LANE_COMM, LANE_COPY, LANE_DP_COMM, LANE_CP_COMM, LANE_PP_COMM) and counted(e):
+        elif e["tid"] in COMM_LANES and counted(e):
             comm.append((b, en))
     busy = merged(busy)
     out = []
@@ -206,6 +208,16 @@ def exposed_intervals(spans, rank, t0, t1):
         if b < e:
             out.append((b, e))
     return out
+
+
+def lane_hidden_ms(spans, rank, lane, t0, t1):
+    """(busy, hidden): the time within [t0, t1) in which `rank` has a counted span on `lane`, and
+    the part of it during which a compute span of the rank runs too (hidden behind compute)."""
+    mine = [e for e in spans if e["pid"] == rank and (e["tid"] == LANE_COMPUTE or
+                                                      (e["tid"] == lane and counted(e)))]
+    busy = sum(e - b for b, e in merged([(max(x["t0"], t0), min(x["t1"], t1)) for x in mine
+                                         if x["tid"] == lane and min(x["t1"], t1) > max(x["t0"], t0)]))
+    return busy, busy - exposed_ms(mine, rank, t0, t1)
 
 
 def nice_step(span_ms, target_ticks):
@@ -490,7 +502,7 @@ def main():
         if any(e["pid"] == r and e["tid"] == LANE_PHASES and ACTION.match(e["name"])
                for e in spans):
             rows.append((r, LANE_PHASES))  # a pipeline's actions, above the rank's lanes
-        for lane in (LANE_COMPUTE, LANE_COMM, LANE_COPY, LANE_DP_COMM, LANE_CP_COMM, LANE_PP_COMM):
+        for lane in (LANE_COMPUTE,) + COMM_LANES:
             has = any(e["pid"] == r and e["tid"] == lane for e in spans)
             if lane in (LANE_COMPUTE, LANE_COMM) or has:
                 rows.append((r, lane))
@@ -515,6 +527,11 @@ def main():
         text = ", ".join(f"{KINDS[k][2]} {sums[k]:.3f}" for k in KINDS if k in sums) or "none"
         print(f"  rank {r}: span time by kind (ms): {text}; exposed comm {exposed[r]:.3f}",
               file=sys.stderr)
+        for lane in COMM_LANES:
+            busy, hidden = lane_hidden_ms(spans, r, lane, t0, t1)
+            if busy > 0:
+                print(f"    {lane_names.get(lane, lane)}: {busy:.3f} ms, {hidden:.3f} of it hidden "
+                      f"behind compute", file=sys.stderr)
 
 
 if __name__ == "__main__":
