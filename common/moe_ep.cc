@@ -344,10 +344,10 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
     for (I le = 0; le < El; ++le)
       for (const I i : group_rows(ch.recv_counts, N, El, le))
         moe_swiglu_backward(xr + i * H, w.w_gate.data() + le * H * FE, w.w_up.data() + le * H * FE,
-                            w.w_down.data() + le * FE * H, H, FE, T(1), gate + i * FE,
-                            up + i * FE, rdy[at(c)].data() + i * H,
-                            g.w.w_gate.data() + le * H * FE, g.w.w_up.data() + le * H * FE,
-                            g.w.w_down.data() + le * FE * H, dx_rows[at(c)].data() + i * H);
+                            w.w_down.data() + le * FE * H, H, FE, T(1), gate + i * FE, up + i * FE,
+                            rdy[at(c)].data() + i * H, g.w.w_gate.data() + le * H * FE,
+                            g.w.w_up.data() + le * H * FE, g.w.w_down.data() + le * FE * H,
+                            dx_rows[at(c)].data() + i * H);
     rdy[at(c)] = {};
   };
   auto combine = [&](I c) {
@@ -411,12 +411,12 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
   return g;
 }
 
-#define TPX_MOE_EP_INSTANTIATE(T)                                                             \
-  template MoeEpForward<T> moe_ep_forward<T>(                                                 \
-      const MoeShape&, const MoeWeights<T>&, std::span<const T>, std::span<const T>,          \
-      Communicator&, const Stream&, Communicator*, const MoeEpOverlap&);                      \
-  template MoeGrads<T> moe_ep_backward<T>(                                                    \
-      const MoeShape&, const MoeWeights<T>&, std::span<const T>, const MoeEpForward<T>&,      \
+#define TPX_MOE_EP_INSTANTIATE(T)                                                        \
+  template MoeEpForward<T> moe_ep_forward<T>(                                            \
+      const MoeShape&, const MoeWeights<T>&, std::span<const T>, std::span<const T>,     \
+      Communicator&, const Stream&, Communicator*, const MoeEpOverlap&);                 \
+  template MoeGrads<T> moe_ep_backward<T>(                                               \
+      const MoeShape&, const MoeWeights<T>&, std::span<const T>, const MoeEpForward<T>&, \
       std::span<const T>, Communicator&, const Stream&, Communicator*, const MoeEpOverlap&);
 TPX_MOE_EP_INSTANTIATE(float)
 TPX_MOE_EP_INSTANTIATE(double)
@@ -444,8 +444,7 @@ MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows,
   const U exchange = (out_all + in_all) * row_bytes, away = (out_away + in_away) * row_bytes;
   MoeEpTraffic t;
   t.counts = {gather, gather * (G - 1) / G, 1};
-  t.forward = {gather + 4 * E * C + exchange, t.counts.bus + 4 * (E - E / N) * C + away,
-               1 + 3 * C};
+  t.forward = {gather + 4 * E * C + exchange, t.counts.bus + 4 * (E - E / N) * C + away, 1 + 3 * C};
   t.backward = {exchange, away, 2 * C};
   return t;
 }
