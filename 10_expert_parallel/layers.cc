@@ -123,6 +123,12 @@ class MoeLayers::Layer final : public MlpBranch {
                            owner.tp_size_)),
         bias_(std::size_t(owner.c_.moe.experts), 0.0f) {
     bias_[0] = float(owner.c_.moe.skew);  // TPX_MOE_SKEW's, a test's skewed routing (else 0)
+    if (sharded()) {                      // keep this holder's 1/G of the experts, let the rest go
+      const HostVector<float> all = pack(w_);
+      const I G = o_.replicas_->size(), part = I(all.size()) / G;
+      shard_.assign(all.begin() + o_.replica_ * part, all.begin() + (o_.replica_ + 1) * part);
+      release_experts();
+    }
   }
 
   I local() const { return o_.c_.moe.experts / o_.ep_size_; }
@@ -143,11 +149,13 @@ class MoeLayers::Layer final : public MlpBranch {
     s.shape.expert_ffn /= o_.tp_size_;  // this rank's part of every expert's width
     s.shape.shared_ffn /= o_.tp_size_;
     s.x = to_sequence_major(rows.f32().data(), S, b, H);
+    gather_experts(trace);
     s.f = moe_ep_forward<float>(s.shape, w_, s.x, bias_, *o_.ep_, o_.stream_, o_.tokens_.get(),
                                 o_.overlap(trace));
+    release_experts();
     s.aux_loss = double(s.f.aux_loss);
     Tensor y = host_tensor(from_sequence_major(s.f.y.data(), S, b, H), rows.shape());
-    s.f.y = {};  // backward does not read it
+    release(s.f.y);  // backward does not read it
     return scatter(y, trace);
   }
 
@@ -158,11 +166,12 @@ class MoeLayers::Layer final : public MlpBranch {
     const HostVector<float> dy = to_sequence_major(rows.f32().data(), S, b, H);
     const bool first = backwards_ % o_.microbatches_ == 0;  // the step's first micro-batch
     if (first) g_ = {};  // the last step's, which the update has used
-    MoeGrads<float> g =
-        moe_ep_backward<float>(s.shape, w_, s.x, s.f, dy, *o_.ep_, o_.stream_, o_.tp_.get(),
-                               o_.overlap(trace));
+    gather_experts(trace);
+    MoeGrads<float> g = moe_ep_backward<float>(s.shape, w_, s.x, s.f, dy, *o_.ep_, o_.stream_,
+                                               o_.tp_.get(), o_.overlap(trace));
+    release_experts();
     Tensor dx = host_tensor(from_sequence_major(g.x.data(), S, b, H), rows.shape());
-    g.x = {};
+    release(g.x);
     // The step's gradients and counts: this micro-batch's, added to the earlier ones'.
     if (first) {
       g_ = std::move(g);
@@ -175,18 +184,72 @@ class MoeLayers::Layer final : public MlpBranch {
       for (std::size_t e = 0; e < counts_.size(); ++e) counts_[e] += s.f.routed_all[e];
     }
     if (++backwards_ % o_.microbatches_ == 0) {
-      // After the step's last micro-batch: the router's and the shared experts' parts over
-      // every token's rank; each expert's over the ranks that hold the same experts.
+      // After the step's last micro-batch: the router's and the shared experts' parts summed
+      // over every token's rank; each expert's over its holders, each keeping 1/G (FSDP).
       for (HostVector<float>* t :
            {&g_.w.router, &g_.w.shared_gate, &g_.w.shared_up, &g_.w.shared_down})
         all_reduce(*o_.tokens_, *t, o_.stream_);
-      if (o_.replicas_)
-        for (HostVector<float>* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down})
-          all_reduce(*o_.replicas_, *t, o_.stream_);
+      if (sharded()) reduce_scatter_experts(trace);
     }
-    s.x = {};  // what backward needed (its auxiliary loss stays for the step's loss)
+    release(s.x);  // what backward needed (its auxiliary loss stays for the step's loss)
     s.f = {};
     return scatter(dx, trace);
+  }
+
+  /// Whether the experts are sharded over their holders (D/EP > 1).
+  bool sharded() const { return o_.replicas_ != nullptr; }
+
+  /// The experts' three tensors of `w` side by side, padded with zeros to a multiple of the
+  /// holders G: what a holder's shard is 1/G of.
+  HostVector<float> pack(const MoeWeights<float>& w) const {
+    const auto G = std::size_t(o_.replicas_->size());
+    const std::size_t n = w.w_gate.size() + w.w_up.size() + w.w_down.size();
+    HostVector<float> all;
+    all.reserve((n + G - 1) / G * G);  // one buffer: growing it would hold two at once
+    for (const HostVector<float>* t : {&w.w_gate, &w.w_up, &w.w_down})
+      all.insert(all.end(), t->begin(), t->end());
+    all.resize(all.capacity(), 0.0f);
+    return all;
+  }
+  /// pack()'s inverse into w's three tensors (their sizes: this rank's experts' and width).
+  template <class W>
+  void unpack(std::span<const float> all, W& w) const {
+    const std::size_t n = std::size_t(local() * o_.c_.hidden * o_.c_.moe.expert_ffn / o_.tp_size_);
+    std::size_t at = 0;
+    for (auto* t : {&w.w_gate, &w.w_up, &w.w_down}) {
+      t->assign(all.begin() + std::ptrdiff_t(at), all.begin() + std::ptrdiff_t(at + n));
+      at += n;
+    }
+  }
+
+  /// The experts whole for a forward or backward (an all_gather of the shards over the holders,
+  /// counted in the step's dp traffic), and let go after it.
+  void gather_experts(Trace& trace) {
+    if (!sharded()) return;
+    TraceScope span(trace, "experts: FSDP all-gather", Lane::dp_comm);
+    const I G = o_.replicas_->size();
+    const Tensor part = host_tensor(shard_, {I(shard_.size())});
+    Tensor all = Tensor::empty({I(shard_.size()) * G}, DType::f32, Device::cpu);
+    o_.replicas_->all_gather(part, all, o_.stream_);
+    unpack(all.f32(), w_);
+  }
+  void release_experts() {
+    if (!sharded()) return;
+    for (HostVector<float>* t : {&w_.w_gate, &w_.w_up, &w_.w_down}) release(*t);
+  }
+
+  /// After the step's last backward: the experts' gradients summed over the holders, each
+  /// keeping its 1/G (a reduce_scatter), and the whole ones let go.
+  void reduce_scatter_experts(Trace& trace) {
+    TraceScope span(trace, "experts: FSDP reduce-scatter", Lane::dp_comm);
+    HostVector<float> packed = pack(g_.w);
+    for (HostVector<float>* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down}) release(*t);
+    const I G = o_.replicas_->size(), part = I(packed.size()) / G;
+    const Tensor all = host_tensor(packed, {I(packed.size())});
+    release(packed);
+    Tensor mine = Tensor::empty({part}, DType::f32, Device::cpu);
+    o_.replicas_->reduce_scatter(all, mine, o_.stream_);
+    grad_shard_.assign(mine.f32().begin(), mine.f32().end());
   }
 
   /// The TP group's parts of a [S/T, b, H] tensor, whole: [S, b, H] (itself when T = 1).
@@ -237,7 +300,9 @@ class MoeLayers::Layer final : public MlpBranch {
     if (router) add(g_.w.router);
     if (shared)
       for (const auto* t : {&g_.w.shared_gate, &g_.w.shared_up, &g_.w.shared_down}) add(*t);
-    if (experts)
+    if (sharded())  // each holder its own part
+      add(grad_shard_);
+    else if (experts)
       for (const auto* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down}) add(*t);
     return sq;
   }
@@ -248,17 +313,24 @@ class MoeLayers::Layer final : public MlpBranch {
     const BlockConfig& c = o_.c_;
     const auto w = moe_tensors(w_);
     const auto g = moe_tensors(g_.w);
+    // The tensors this rank steps: the seven (the experts' empty when sharded), then the
+    // experts' shard.
+    std::vector<std::pair<HostVector<float>*, HostVector<float>*>> steps;
+    for (std::size_t p = 0; p < w.size(); ++p) steps.emplace_back(w[p], g[p]);
+    if (sharded()) steps.emplace_back(&shard_, &grad_shard_);
     if (moments_.empty() && c.optimizer == Optimizer::adamw)  // SGD keeps none
-      for (const auto* v : w) moments_.insert(moments_.end(), 2, HostVector<float>(v->size()));
+      for (const auto& [x, grad] : steps)
+        moments_.insert(moments_.end(), 2, HostVector<float>(x->size()));
     ops::AdamWStep step = training::adamw_step(c, t);
     step.decay = float(1.0 - c.lr * c.weight_decay);
-    for (std::size_t p = 0; p < w.size(); ++p) {
-      if (w[p]->empty()) continue;  // no shared experts
-      const Tensor x = view(*w[p]), grad = view(*g[p]);
+    for (std::size_t p = 0; p < steps.size(); ++p) {
+      HostVector<float>& x = *steps[p].first;
+      if (x.empty()) continue;  // no shared experts; the experts' while sharded
       if (c.optimizer == Optimizer::sgd)
-        ops::sgd_update(x, grad, float(c.lr));
+        ops::sgd_update(view(x), view(*steps[p].second), float(c.lr));
       else
-        ops::adamw_update(x, grad, view(moments_[2 * p]), view(moments_[2 * p + 1]), step);
+        ops::adamw_update(view(x), view(*steps[p].second), view(moments_[2 * p]),
+                          view(moments_[2 * p + 1]), step);
     }
     if (c.moe.bias_rate > 0) moe_update_bias<float>(bias_, counts_, c.moe.bias_rate);
     history_.push_back(counts_);
@@ -270,12 +342,14 @@ class MoeLayers::Layer final : public MlpBranch {
 
   /// Every tensor whole on this rank (collective over the TP and EP groups): the width of all
   /// TP ranks, the experts of all EP ranks.
-  Report whole(const MoeWeights<float>& mine) {
+  Report whole(const MoeWeights<float>& mine, const HostVector<float>& shard) {
     const I H = o_.c_.hidden, T = o_.tp_size_;
     auto copy = [](const HostVector<float>& v) { return std::vector<float>(v.begin(), v.end()); };
     Report all{copy(mine.router),     copy(mine.w_gate),      copy(mine.w_up),
                copy(mine.w_down),     copy(mine.shared_gate), copy(mine.shared_up),
                copy(mine.shared_down)};
+    // Over the holders first: this rank's experts whole, as pack() laid them.
+    if (sharded()) unpack(report_gather(*o_.replicas_, copy(shard)), all);
     // Over TP: w_gate and w_up [count, H, FE/T] → [count, H, FE]; w_down [count, FE/T, H] →
     // [count, FE, H] (each expert's row blocks in rank order); the shared experts likewise.
     auto columns = [&](const std::vector<float>& part, I count) {
@@ -322,7 +396,7 @@ class MoeLayers::Layer final : public MlpBranch {
   }
 
   void snapshot(NamedValues& params, NamedValues& grads) {
-    const Report w = whole(w_), g = whole(g_.w);
+    const Report w = whole(w_, shard_), g = whole(g_.w, grad_shard_);
     for (auto& t : moe_named(o_.c_.moe, w, layer_, 0)) params.push_back(std::move(t));
     for (auto& t : moe_named(o_.c_.moe, g, layer_, 0)) grads.push_back(std::move(t));
   }
@@ -350,6 +424,10 @@ class MoeLayers::Layer final : public MlpBranch {
 
   std::vector<Saved> saved_;  // per micro-batch
   std::int64_t backwards_ = 0;
+  // FSDP over the D/EP holders of the same experts (G > 1): this holder's 1/G of its experts'
+  // three tensors packed [w_gate | w_up | w_down] (pack()), and of their gradients. w_'s three
+  // are whole only while a forward or a backward runs: gathered, then let go.
+  HostVector<float> shard_, grad_shard_;
   MoeGrads<float> g_;                               // the step's, summed over its micro-batches
   std::vector<HostVector<float>> moments_;          // AdamW's, two per tensor
   std::vector<std::int64_t> counts_;                // the last step's assignments per expert
@@ -628,6 +706,7 @@ StagePlan plan_pipeline_of_experts(const RunContext& ctx, const pp::PipelineSize
       subtract(g.traffic, fsdp::fsdp_traffic(with, mesh.tp, mesh.dp, size.microbatches));
       g.traffic += fsdp::fsdp_traffic(without, mesh.tp, mesh.dp, size.microbatches);
       g.traffic += times(x.counts, M * moe);
+      g.traffic += times(x.gathers, M * moe);
       g.traffic += times(x.grads, moe);
     }
   p.groups.push_back({.name = "ep", .label = "ep group", .traffic = times(x.ep, M * moe)});

@@ -7,7 +7,10 @@
 //
 //   EP groups    D / EP groups of EP consecutive replicas, one per TP index t: rank i of a group
 //                holds experts [i·E/EP, (i+1)·E/EP), whole along H, columns [t·FE/T, (t+1)·FE/T)
-//                of their width (not sharded by FSDP)
+//                of their width
+//   FSDP         the G = D / EP holders of the same experts (and TP index) each keep 1/G of
+//                them, packed and padded; all-gathered for a forward and for a backward, let go
+//                after each
 //   routing      the replica's S·B/D tokens gathered over TP (its ranks hold S/T positions each)
 //                and routed alike on every TP rank, in sequence order (common/moe_model.h); the
 //                capacity and the auxiliary loss count over all D replicas, so that the routing
@@ -17,8 +20,8 @@
 //                is its part of the width, summed and cut back to S/T positions by a
 //                reduce-scatter over TP
 //   gradients    the gate weights' summed over TP (moe_ep_backward); the router's and the shared
-//                experts' summed over the D replicas, each expert's over the D / EP ranks that
-//                hold it
+//                experts' summed over the D replicas; the experts' reduce-scattered over their
+//                G holders
 //   balance      the auxiliary loss, or the per-expert bias moved from the step's counts over
 //                all D replicas (identical everywhere)
 //   pipeline     --pp P: stage 09's pipeline with this on each pipeline stage's D × T ranks and

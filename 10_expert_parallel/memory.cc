@@ -44,17 +44,36 @@ class Experts final : public MemoryDimension {
           std::uint64_t(fsdp::unsharded_layers(c, s, attention, p.temporaries, false));
     }
 
-    // This rank's experts: the router, E/EP experts and the shared ones, FE/T and SF/T of their
-    // width; gradients beside them (the bias too: E floats).
+    // This rank's experts: the router and the shared ones whole (SF/T of their width), and its
+    // E/EP experts at FE/T of theirs, of which each of the D/EP holders keeps 1/(D/EP) (FSDP,
+    // padded); gradients and AdamW's moments beside them (the bias too: E floats). Sharded, a
+    // MoE layer's backward holds its experts gathered and their whole gradients at once.
     const Count fe = m.expert_ffn / T, sf = m.shared_ffn / T, local = E / ep_;
-    const Count weights = sum(
-        {product({H, E}, what), product({3, local, H, fe}, what), product({3, H, sf}, what)}, what);
+    const Count holders = Count(s.dp) / ep_;
+    const Count experts = product({3, local, H, fe}, what);
+    const Count weights = sum({product({H, E}, what), product({3, H, sf}, what),
+                               holders > 1 ? (experts + holders - 1) / holders : experts},
+                              what);
     e.terms.push_back({"experts (parameters, gradients, bias)",
                        std::uint64_t(product(
                            {layers, sum({product({2, weights}, what), E}, what), kF32}, what))});
     if (c.optimizer == Optimizer::adamw)
       e.terms.push_back(
           {"experts' optimizer state", std::uint64_t(product({layers, 2, weights, kF32}, what))});
+    if (holders > 1)
+      e.terms.push_back(
+          {"experts gathered (FSDP)", std::uint64_t(product({2, experts, kF32}, what))});
+    // Their reduce-scatter stages the whole packed gradients in MPI's memory on the holders'
+    // first rank when there are more than two (07_fsdp_tp/memory.cc's reduce_scatter_staging).
+    if (holders > 2 && c.device == Device::cpu && dp_index_ / ep_ == 0) {
+      const auto staged =
+          std::uint64_t(product({(experts + holders - 1) / holders, holders, kF32}, what));
+      const std::string name = "MPI reduce-scatter staging";
+      if (std::ranges::none_of(e.terms, [&](const MemoryTerm& t) { return t.name == name; }))
+        e.terms.push_back({name, 0});
+      MemoryTerm& staging = e.term(name);
+      staging.bytes = std::max(staging.bytes, staged);
+    }
 
     // Saved activations: a MoE layer keeps no h2, gate, up, s; it keeps its tokens in sequence
     // order [n, H], the logits and scores [n, E], the gate weights [n, K], the rows it received
@@ -80,11 +99,12 @@ class Experts final : public MemoryDimension {
                  kF32},
                 what);
     // The largest temporaries, where a MoE layer's backward holds more than the block's: while
-    // the experts' dx rows go back, the rows it sent and received (S' = out, R = in) three times
-    // each (the rows, the exchange's two buffers), dx and dy of the replica's tokens [n, H], and
-    // under TP the gathered dy [n, H] besides.
+    // an exchange runs, the rows it sends and receives (S' = out, R = in) twice each (the rows,
+    // and the exchange's buffer: the dispatched w·dy rows out and dy rows in, or the dx rows in
+    // and out; each is let go once the next step has it), dx and dy of the replica's tokens
+    // [n, H], and under TP the gathered dy [n, H] besides.
     const Count moe_temporaries = product(
-        {sum({product({3, sum({in, out}, what)}, what), product({T > 1 ? 3 : 2, n}, what)}, what),
+        {sum({product({2, sum({in, out}, what)}, what), product({T > 1 ? 3 : 2, n}, what)}, what),
          H, kF32},
         what);
     MemoryTerm& temporaries = e.term("largest temporaries");

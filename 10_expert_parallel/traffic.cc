@@ -76,7 +76,15 @@ ExpertLayerTraffic expert_layer_traffic(const BlockConfig& group, int dp, int tp
   t.grads = all_reduce(H * E * 4, D);  // the router
   if (SF > 0)
     for (int i = 0; i < 3; ++i) t.grads += all_reduce(H * SF * 4, D);
-  for (int i = 0; i < 3; ++i) t.grads += all_reduce(El * H * FE * 4, G);
+  if (G > 1) {
+    // FSDP over the G holders: the rank's experts packed, 3·El·H·FE/T floats padded to a
+    // multiple of G, gathered for the forward and again for the backward, and their gradients
+    // reduce-scattered once per step.
+    const U packed = (3 * El * H * FE + G - 1) / G * G * 4;
+    t.gathers = gather(packed, G);
+    t.gathers += gather(packed, G);
+    t.grads += gather(packed, G);
+  }
   return t;
 }
 
@@ -104,6 +112,7 @@ ExpertTraffic expert_traffic(const BlockConfig& c, int dp, int tp, int ep, int d
     t.tp += layer.tp;
     t.ep += layer.ep;
     t.dp += layer.counts;
+    t.dp += layer.gathers;
     t.dp += layer.grads;
   }
   return t;

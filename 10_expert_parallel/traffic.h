@@ -30,11 +30,13 @@ std::vector<std::vector<std::uint64_t>> balanced_kept_rows(const BlockConfig& c,
 /// group: `group` is the config with the group's sequences as its batch (all B, or a pipeline's
 /// micro-batch of B/M over the D replicas).
 struct ExpertLayerTraffic {
-  Traffic tp;      ///< per group: the TP gathers and sums of the tokens, and the gate weights'
-  Traffic swiglu;  ///< per group: stage 05's five SwiGLU primitives the layer does not run
-  Traffic ep;      ///< per group: dispatch and combine, forward and backward
-  Traffic counts;  ///< per group: the counts' all_gather over the D replicas
-  Traffic grads;   ///< per step: the router's and shared experts' (over D), the experts' (D/EP)
+  Traffic tp;       ///< per group: the TP gathers and sums of the tokens, and the gate weights'
+  Traffic swiglu;   ///< per group: stage 05's five SwiGLU primitives the layer does not run
+  Traffic ep;       ///< per group: dispatch and combine, forward and backward
+  Traffic counts;   ///< per group: the counts' all_gather over the D replicas
+  Traffic gathers;  ///< per group: FSDP's two all_gathers of the experts over their D/EP holders
+  Traffic grads;    ///< per step: the router's and shared experts' all_reduce (over D), the
+                    ///< experts' reduce_scatter (over their D/EP holders)
 };
 ExpertLayerTraffic expert_layer_traffic(const BlockConfig& group, int dp, int tp, int ep,
                                         int dp_index);
@@ -53,8 +55,10 @@ struct ExpertTraffic {
 ///       gradients; in place of the SwiGLU's five ring primitives (stage 05's formula)
 ///   EP  moe_ep_traffic() of balanced_kept_rows() without its counts' all_gather
 ///   DP  that all_gather (over D), the router's [H, E] and the shared experts' three [H, SF/T]
-///       gradient all_reduces (over D), the experts' three [E/EP, H, FE/T] (over G; none at
-///       G = 1); FSDP's bytes of the dense parameters, a MoE layer's without its SwiGLU.
+///       gradient all_reduces (over D); the experts' FSDP over their G holders (none at G = 1):
+///       their three [E/EP, H, FE/T] packed and padded to a multiple of G, all_gathered twice
+///       and reduce_scattered once; FSDP's bytes of the dense parameters, a MoE layer's without
+///       its SwiGLU.
 ExpertTraffic expert_traffic(const BlockConfig& c, int dp, int tp, int ep, int dp_index);
 
 }  // namespace tpx::ep

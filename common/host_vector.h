@@ -3,7 +3,7 @@
 // backward keeps — is in the step table's peak and in the memory estimate's measurements as a
 // tensor's bytes are.
 //
-// defines: tpx::HostAllocator, tpx::HostVector
+// defines: tpx::HostAllocator, tpx::HostVector, tpx::release()
 #pragma once
 
 #include <cstddef>
@@ -28,5 +28,11 @@ struct HostAllocator {
 
 template <class T>
 using HostVector = std::vector<T, HostAllocator<T>>;
+
+/// Lets v's memory go now. (`v = {}` would not: it assigns an empty list and keeps the capacity.)
+template <class T>
+void release(HostVector<T>& v) {
+  HostVector<T>().swap(v);
+}
 
 }  // namespace tpx

@@ -73,7 +73,7 @@ std::vector<I> group_rows(std::span<const I> recv_counts, I n_ranks, I local, I 
 template <class T>
 void append(HostVector<T>& all, HostVector<T>& part) {
   all.insert(all.end(), part.begin(), part.end());
-  part = {};
+  release(part);
 }
 
 /// Runs C chunks' `send` (on the lane), `compute` (here) and `give_back` (on the lane), each
@@ -231,7 +231,7 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
       ch.recv_rows[at(i / El)] += ch.recv_counts[at(i)];
     }
     recv[at(c)] = exchange<T>(ep, send[at(c)], H, ch.send_rows, ch.recv_rows, here, "moe dispatch");
-    send[at(c)] = {};
+    release(send[at(c)]);
   };
   // 4. The local experts on the chunk's received rows, one call per expert over its group.
   std::vector<HostVector<T>> gate(at(C)), up(at(C));
@@ -253,12 +253,23 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
     const MoeEpChunk& ch = f.chunks[at(c)];
     TraceScope span(trace, fmt::format("moe combine {}/{}", c + 1, C), Lane::ep_comm);
     back[at(c)] = exchange<T>(ep, out[at(c)], H, ch.recv_rows, ch.send_rows, here, "moe combine");
-    out[at(c)] = {};
+    release(out[at(c)]);
   };
   run_chunks(C, overlap.lane, dispatch, experts, combine);
-  // The chunks' rows side by side, in sent order (chunk by chunk), and the totals.
+  // The chunks' rows side by side, in sent order (chunk by chunk), and the totals. (Each
+  // buffer is made its whole size first: growing it would hold two copies at once, and keep
+  // more than it needs in what the backward keeps.)
   f.send_rows.assign(at(N), 0);
   f.recv_rows.assign(at(N), 0);
+  auto reserve = [&](HostVector<T>& into, const std::vector<HostVector<T>>& parts) {
+    std::size_t total = 0;
+    for (const HostVector<T>& part : parts) total += part.size();
+    into.reserve(total);
+  };
+  reserve(f.recv, recv);
+  reserve(f.gate, gate);
+  reserve(f.up, up);
+  reserve(f.out, back);
   for (I c = 0; c < C; ++c) {
     MoeEpChunk& ch = f.chunks[at(c)];
     ch.first_recv = I(f.recv.size()) / std::max<I>(H, 1);
@@ -348,17 +359,18 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
                             rdy[at(c)].data() + i * H, g.w.w_gate.data() + le * H * FE,
                             g.w.w_up.data() + le * H * FE, g.w.w_down.data() + le * FE * H,
                             dx_rows[at(c)].data() + i * H);
-    rdy[at(c)] = {};
+    release(rdy[at(c)]);
   };
   auto combine = [&](I c) {
     const MoeEpChunk& ch = f.chunks[at(c)];
     TraceScope span(trace, fmt::format("moe combine {}/{}", c + 1, C), Lane::ep_comm);
     dx_chunks[at(c)] =
         exchange<T>(ep, dx_rows[at(c)], H, ch.recv_rows, ch.send_rows, here, "moe combine");
-    dx_rows[at(c)] = {};
+    release(dx_rows[at(c)]);
   };
   run_chunks(C, overlap.lane, dispatch, experts, combine);
   HostVector<T> dx_back;  // in sent order
+  dx_back.reserve(f.sent.size() * at(H));
   for (HostVector<T>& part : dx_chunks) append(dx_back, part);
 
   TraceScope span(trace, "experts bwd: gate weights, shared, router");

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -101,6 +102,8 @@ void fix_malloc_mmap_threshold() {
 
 /// Host memory, 64-byte aligned (a cache line; also what AVX-512 loads like). The process's
 /// pages are the blocks in use: a freed tensor of kOwnMapping bytes or more leaves the process.
+/// Thread-safe: a cpu stream's thread allocates beside the calling thread (stage 10's EP lane
+/// receives rows while the experts run), so the counts are kept under a lock.
 class CpuAllocator final : public Allocator {
  public:
   CpuAllocator() { fix_malloc_mmap_threshold(); }
@@ -109,22 +112,29 @@ class CpuAllocator final : public Allocator {
     const std::size_t rounded = (bytes + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
     if (p == nullptr) fail(fmt::format("out of host memory allocating {} bytes", bytes));
+    std::lock_guard lock(mutex_);
     stats_.current += bytes;
     stats_.peak = std::max(stats_.peak, stats_.current);
     return p;
   }
   void deallocate(void* ptr, std::size_t bytes) override {
     std::free(ptr);
+    std::lock_guard lock(mutex_);
     stats_.current -= bytes;
   }
   MemoryStats stats() const override {
+    std::lock_guard lock(mutex_);
     MemoryStats s = stats_;
     s.reserved = s.current;  // no cache: every byte held is in use
     return s;
   }
-  void reset_peak() override { stats_.peak = stats_.current; }
+  void reset_peak() override {
+    std::lock_guard lock(mutex_);
+    stats_.peak = stats_.current;
+  }
 
  private:
+  mutable std::mutex mutex_;
   MemoryStats stats_;
 };
 
