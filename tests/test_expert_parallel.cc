@@ -240,6 +240,25 @@ TEST(ExpertParallel, ChunksRunOnTheEpLaneAndTrainTheSame) {
       EXPECT_TRUE(on_ep[rank].contains(name)) << "rank " << rank << " " << name;
 }
 
+// FSDP over the holders: at D 4 with EP 2 each of the two holders of the same experts keeps half
+// of them, so the experts' term is the router's whole and half the experts', worked by hand
+// (H 48, E 4, El 2, FE 64: 3·2·48·64 = 18 432 expert elements, a 192-element router, 2 layers,
+// parameters and gradients and the 4-float bias, fp32), against the same experts whole at D 2.
+TEST(ExpertParallel, ExpertsAreShardedOverTheirHolders) {
+  auto terms = [](int ranks, const std::string& args) {
+    return test::run_json("10_expert_parallel", ranks, kSizes + " --dry-run " + args)
+        .at("memory_terms");
+  };
+  const json sharded = terms(4, "--dp 4 --ep 2"), whole = terms(2, "--dp 2 --ep 2");
+  const std::int64_t experts = 3 * 2 * 48 * 64, router = 48 * 4;
+  auto bytes = [&](std::int64_t kept) { return 2 * (2 * (router + kept) + 4) * 4; };
+  EXPECT_EQ(whole.at("experts (parameters, gradients, bias)").get<std::int64_t>(), bytes(experts));
+  EXPECT_EQ(sharded.at("experts (parameters, gradients, bias)").get<std::int64_t>(),
+            bytes(experts / 2));
+  EXPECT_EQ(sharded.at("experts gathered (FSDP)").get<std::int64_t>(), 2 * experts * 4);
+  EXPECT_FALSE(whole.contains("experts gathered (FSDP)"));
+}
+
 // A pipeline's micro-batches are the routing groups (MoeConfig::microbatches): with a capacity,
 // two micro-batches drop other assignments than one group of the step's tokens, and the
 // reference follows (the check passes either way); dropless and without the auxiliary loss, the
