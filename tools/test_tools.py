@@ -87,6 +87,7 @@ class Report(unittest.TestCase):
         self.assertEqual((first["ffn"], first["kv_heads"], first["layers"]), ("1024", "2", "3"))
         self.assertEqual(first["device"], DEVICE)
         self.assertEqual((first["mesh"], second["mesh"]), ("tp2", "dp2 × tp2"))
+
         self.assertEqual((second["dp"], second["tp"]), ("2", "2"))
         # Raw numbers in the CSV: the steady step's bytes, not a unit.
         self.assertEqual(first["bus_bytes_per_rank"], str(3 * 1024 * 1024))
@@ -105,6 +106,20 @@ class Report(unittest.TestCase):
         self.assertIn("16.0 MiB", cells)    # peak
         self.assertIn("512 B", cells)       # saved activations
         self.assertNotIn(str(3 * 1024 * 1024), row)
+
+    def test_the_experts_ep_is_in_the_mesh_and_must_divide_dp(self):
+        j = summary(256, "mpi (host memory)", world=8, dp=4)
+        j["stage"], j["moe"] = "10_expert_parallel", {"ep": 2, "experts": 8}
+        out = self.tmp / "t.csv"
+        r = run([self.exe, self.write("e.json", j), "--csv", out])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(out, newline="") as f:
+            rows = list(csv.reader(f))
+        self.assertEqual(dict(zip(rows[0], rows[1]))["mesh"], "dp4 × tp2, ep2")
+        j["moe"]["ep"] = 3
+        r = run([self.exe, self.write("bad.json", j)])
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("moe.ep 3 does not divide dp 4", r.stderr)
 
     def test_bad_input_is_one_line_and_exit_2(self):
         good = self.write("a.json", summary(256, "mpi"))

@@ -46,16 +46,19 @@ struct InputError : std::runtime_error {
 struct Row {
   std::string stage, comm, device, device_description, dtype, check;
   int ranks = 1, pp = 1, dp = 1, cp = 1, tp = 1;
+  int ep = 1;  ///< stage 10's experts: EP ranks borrowed from the data-parallel ones
   std::int64_t hidden = 0, heads = 0, kv_heads = 0, ffn = 0, seq = 0, batch = 0, layers = 0;
   double loss_first = 0, loss_last = 0, step_ms = 0, exposed_ms = 0, payload = 0, bus = 0;
   std::uint64_t peak = 0, saved = 0;
 
-  /// "dp2 × tp2": the mesh's dimensions larger than 1, outermost first ("1" for one rank).
+  /// "dp2 × tp2": the mesh's dimensions larger than 1, outermost first ("1" for one rank);
+  /// stage 10's EP after them, "dp4 × tp2, ep2", since it is cut out of the data-parallel ranks.
   std::string mesh() const {
     std::vector<std::string> dims;
     for (const auto& [name, size] : {std::pair{"pp", pp}, {"dp", dp}, {"cp", cp}, {"tp", tp}})
       if (size > 1) dims.push_back(fmt::format("{}{}", name, size));
-    return dims.empty() ? "1" : fmt::format("{}", fmt::join(dims, " × "));
+    const std::string mesh = dims.empty() ? "1" : fmt::format("{}", fmt::join(dims, " × "));
+    return ep > 1 ? fmt::format("{}, ep{}", mesh, ep) : mesh;
   }
   std::string config() const {
     return fmt::format("H {} NH {} NKV {} F {} S {} B {} L {}", hidden, heads, kv_heads, ffn, seq,
@@ -185,6 +188,13 @@ Row summarise(const std::string& path) {
         "cover the ranks",
         r.ranks, r.pp, r.dp, r.cp));
   r.tp = int(r.ranks / *outer);
+  if (j.contains("moe")) {  // stage 10: EP divides D
+    r.ep = f.count(f.at(j, "", "moe"), "moe", "ep", 1);
+    if (r.dp % r.ep != 0)
+      f.inconsistent(fmt::format("moe.ep {} does not divide dp {}: EP is cut out of the "
+                                 "data-parallel ranks",
+                                 r.ep, r.dp));
+  }
   r.comm = f.text(j, "", "comm");
   r.device = f.text(c, "config", "device");
   r.device_description =
