@@ -191,9 +191,10 @@ Row summarise(const std::string& path) {
   if (j.contains("moe")) {  // stage 10: EP divides D
     r.ep = f.count(f.at(j, "", "moe"), "moe", "ep", 1);
     if (r.dp % r.ep != 0)
-      f.inconsistent(fmt::format("moe.ep {} does not divide dp {}: EP is cut out of the "
-                                 "data-parallel ranks",
-                                 r.ep, r.dp));
+      f.inconsistent(
+          fmt::format("moe.ep {} does not divide dp {}: EP is cut out of the "
+                      "data-parallel ranks",
+                      r.ep, r.dp));
   }
   r.comm = f.text(j, "", "comm");
   r.device = f.text(c, "config", "device");
