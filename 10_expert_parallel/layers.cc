@@ -172,6 +172,9 @@ class MoeLayers::Layer final : public MlpBranch {
     release_experts();
     Tensor dx = host_tensor(from_sequence_major(g.x.data(), S, b, H), rows.shape());
     release(g.x);
+    // The most rows one of the step's forwards received (--json's moe.rows_received_max).
+    const I received = I(s.f.recv.size()) / std::max<I>(H, 1);
+    rows_ = first ? received : std::max(rows_, received);
     // The step's gradients and counts: this micro-batch's, added to the earlier ones'.
     if (first) {
       g_ = std::move(g);
@@ -334,6 +337,11 @@ class MoeLayers::Layer final : public MlpBranch {
     }
     if (c.moe.bias_rate > 0) moe_update_bias<float>(bias_, counts_, c.moe.bias_rate);
     history_.push_back(counts_);
+    // The most rows any replica's rank received in one of the step's forwards (a report gather
+    // over the token group, not the step's traffic).
+    float most = 0.0f;
+    for (const float r : report_gather(*o_.tokens_, {float(rows_)})) most = std::max(most, r);
+    rows_history_.push_back(std::int64_t(most));
   }
 
   /// A report's copy of every tensor whole, outside the allocator (as the dense layers' snapshot:
@@ -402,6 +410,7 @@ class MoeLayers::Layer final : public MlpBranch {
   }
 
   const std::vector<std::vector<std::int64_t>>& history() const { return history_; }
+  const std::vector<std::int64_t>& rows_history() const { return rows_history_; }
   const std::vector<std::int64_t>& counts() const { return counts_; }
 
  private:
@@ -432,6 +441,8 @@ class MoeLayers::Layer final : public MlpBranch {
   std::vector<HostVector<float>> moments_;          // AdamW's, two per tensor
   std::vector<std::int64_t> counts_;                // the last step's assignments per expert
   std::vector<std::vector<std::int64_t>> history_;  // every step's
+  I rows_ = 0;                                      // the most rows received, this step
+  std::vector<std::int64_t> rows_history_;          // every step's, the most over the replicas
 };
 
 MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep, std::vector<I> held)
@@ -511,18 +522,21 @@ void MoeLayers::snapshot(NamedValues& params, NamedValues& grads) {
 }
 
 nlohmann::json MoeLayers::summary() const {
-  // tokens_per_expert[step][MoE layer][expert]: the assignments the router chose, before drops.
-  nlohmann::json steps = nlohmann::json::array();
+  // tokens_per_expert[step][MoE layer][expert]: the assignments the router chose, before drops;
+  // rows_received_max[step][MoE layer]: the most rows a rank received in one forward.
+  nlohmann::json steps = nlohmann::json::array(), rows = nlohmann::json::array();
   for (std::size_t s = 0;; ++s) {
-    nlohmann::json row = nlohmann::json::array();
+    nlohmann::json row = nlohmann::json::array(), received = nlohmann::json::array();
     bool any = false;
     for (const auto& l : layers_)
       if (l && s < l->history().size()) {
         row.push_back(l->history()[s]);
+        received.push_back(l->rows_history()[s]);
         any = true;
       }
     if (!any) break;
     steps.push_back(std::move(row));
+    rows.push_back(std::move(received));
   }
   nlohmann::json layers = nlohmann::json::array();
   for (std::size_t i = 0; i < layers_.size(); ++i)
@@ -531,27 +545,33 @@ nlohmann::json MoeLayers::summary() const {
            {{"layers", layers},
             {"experts", c_.moe.experts},
             {"ep", ep_size_},
-            {"tokens_per_expert", steps}}}};
+            {"tokens_per_expert", steps},
+            {"rows_received_max", rows}}}};
 }
 
 nlohmann::json MoeLayers::joined(const std::vector<nlohmann::json>& parts) const {
   // Each pipeline stage's MoE layers, in stage order (the model's order); a stage without one
   // has no steps.
-  nlohmann::json layers = nlohmann::json::array(), steps = nlohmann::json::array();
+  nlohmann::json layers = nlohmann::json::array();
+  nlohmann::json joined = {{"tokens_per_expert", nlohmann::json::array()},
+                           {"rows_received_max", nlohmann::json::array()}};
   for (const nlohmann::json& part : parts) {
     const nlohmann::json& moe = part.at("moe");
     for (const auto& l : moe.at("layers")) layers.push_back(l);
-    const nlohmann::json& rows = moe.at("tokens_per_expert");
-    for (std::size_t s = 0; s < rows.size(); ++s) {
-      if (s == steps.size()) steps.push_back(nlohmann::json::array());
-      for (const auto& row : rows[s]) steps[s].push_back(row);
+    for (auto& [key, steps] : joined.items()) {
+      const nlohmann::json& rows = moe.at(key);
+      for (std::size_t s = 0; s < rows.size(); ++s) {
+        if (s == steps.size()) steps.push_back(nlohmann::json::array());
+        for (const auto& row : rows[s]) steps[s].push_back(row);
+      }
     }
   }
   return {{"moe",
            {{"layers", layers},
             {"experts", c_.moe.experts},
             {"ep", ep_size_},
-            {"tokens_per_expert", steps}}}};
+            {"tokens_per_expert", joined.at("tokens_per_expert")},
+            {"rows_received_max", joined.at("rows_received_max")}}}};
 }
 
 Tensor MoeLayers::first_counts() const {

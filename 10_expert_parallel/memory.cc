@@ -110,6 +110,28 @@ class Experts final : public MemoryDimension {
     MemoryTerm& temporaries = e.term("largest temporaries");
     temporaries.bytes = std::max<std::uint64_t>(temporaries.bytes, std::uint64_t(moe_temporaries));
 
+    // Under a capacity factor a skewed router can send a rank more rows than balanced routing
+    // does, but never more than its E/EP experts' capacity: each keeps at most c of the token
+    // group's assignments, nor more than its EP group's tokens can send (each token at most
+    // min(K, E/EP) of them). The rows beyond the balanced ones, with the two pre-activations
+    // each keeps for its backward, in every MoE layer ("dispatch worst case (capacity)"); the
+    // backward's exchange buffers grow with them (twice the rows). Dropless routing has no such
+    // bound below every token of the EP group on one rank (the estimate keeps the balanced rows:
+    // --json's moe.rows_received_max reports what a run received).
+    if (m.capacity_factor > 0) {
+      const Count worst =
+          std::min(product({local, cap}, what), product({ep_, n, std::min(m.topk, local)}, what));
+      if (worst > in)
+        e.terms.push_back(
+            {"dispatch worst case (capacity)",
+             std::uint64_t(
+                 product({sum({product({layers, sum({H, product({2, fe}, what)}, what)}, what),
+                               product({2, H}, what)},
+                              what),
+                          worst - in, kF32},
+                         what))});
+    }
+
     // (Under a pipeline the base counted one micro-batch's layers, and the pipeline's dimension
     // after this one counts its live layers anew, as dense ones: this term is only a stand-in
     // there, kept from going below zero.)

@@ -240,6 +240,29 @@ TEST(ExpertParallel, ChunksRunOnTheEpLaneAndTrainTheSame) {
       EXPECT_TRUE(on_ep[rank].contains(name)) << "rank " << rank << " " << name;
 }
 
+// A skewed router under a capacity factor sends a rank more rows than balanced routing, never
+// more than its experts' capacity: at S·B 64, K 2, E 4, D = EP = 2 (n = 32 tokens a replica,
+// 2 experts a rank) and C 1.25 the capacity is ⌈1.25·64·2/4⌉ = 40 an expert, so a rank receives
+// at most 2·40 = 80 rows against balanced routing's n·K = 64. The estimate reserves those 16
+// rows in both layers (H + 2·FE floats each) and in the backward's buffers (2·H), worked by hand.
+TEST(ExpertParallel, ACapacityBoundsTheRowsASkewedRouterSends) {
+  const ScopedEnv skew("TPX_MOE_SKEW", "0.5");
+  const std::string args = "--dp 2 --capacity-factor 1.25";
+  const json run = summary(2, args);
+  std::int64_t most = 0;
+  for (const json& step : run.at("moe").at("rows_received_max"))
+    for (const json& layer : step) {
+      EXPECT_LE(layer.get<std::int64_t>(), 80) << step.dump();
+      most = std::max(most, layer.get<std::int64_t>());
+    }
+  EXPECT_GT(most, 64) << "the skew sent no rank more than balanced routing";
+  const json dry = test::run_json("10_expert_parallel", 2, kSizes + " --dry-run " + args);
+  EXPECT_EQ(dry.at("memory_terms").at("dispatch worst case (capacity)").get<std::int64_t>(),
+            (2 * (48 + 2 * 64) + 2 * 48) * (80 - 64) * 4);
+  const json dropless = test::run_json("10_expert_parallel", 2, kSizes + " --dry-run --dp 2");
+  EXPECT_FALSE(dropless.at("memory_terms").contains("dispatch worst case (capacity)"));
+}
+
 // FSDP over the holders: at D 4 with EP 2 each of the two holders of the same experts keeps half
 // of them, so the experts' term is the router's whole and half the experts', worked by hand
 // (H 48, E 4, El 2, FE 64: 3·2·48·64 = 18 432 expert elements, a 192-element router, 2 layers,
