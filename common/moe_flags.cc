@@ -182,6 +182,18 @@ bool MoeFlags::take_experts(const PresetExperts& moe, const CLI::App& app) {
   return true;
 }
 
+MoeFlags MoeFlags::of(const PresetExperts& moe) {
+  MoeFlags f;
+  f.experts = int(moe.experts);
+  f.topk = int(moe.topk);
+  f.expert_ffn = int(moe.expert_ffn);
+  f.shared_experts = int(moe.shared);
+  f.moe_every = int(moe.every);
+  f.router_word = moe.sigmoid ? "sigmoid" : "softmax";
+  f.balance_word = moe.bias ? "bias" : "aux";
+  return f;
+}
+
 void MoeFlags::configure(BlockConfig& c) const {
   const MoeShape m = shape(c, 0);
   c.moe = {.experts = m.experts,

@@ -77,6 +77,8 @@ class MoeFlags : public FlagGroup {
   void add_flags(CLI::App& app, MeshFlag newest) override;
   /// A preset's experts for every flag of the group the command line did not give.
   bool take_experts(const PresetExperts& moe, const CLI::App& app) override;
+  /// The flags as a preset's experts set them, none given (tpx_project's model).
+  static MoeFlags of(const PresetExperts& moe);
   std::optional<std::string> check(const CLI::App& app, const StageOptions& o) const override;
   /// c.moe: every layer's MoE (as moe_layer() says) of shape(), and --balance bias's rate.
   void configure(BlockConfig& c) const override;

@@ -28,8 +28,11 @@
 #include <nlohmann/json.hpp>
 
 #include "06_fp8/traffic.h"
+#include "07_fsdp_tp/memory.h"
 #include "07_fsdp_tp/traffic.h"
 #include "09_pipeline_parallel/schedule.h"
+#include "10_expert_parallel/memory.h"
+#include "10_expert_parallel/traffic.h"
 #include "bench/busbw.h"
 #include "common/flops.h"
 #include "common/memory.h"
@@ -806,6 +809,48 @@ TEST(TpxProject, Llama3At8GpusGivesEveryStage) {
   c.layers = 32, c.dtype = DType::bf16, c.task = Task::lm, c.vocab = 128256;
   EXPECT_EQ(j["stages"][2].at("tp_bus_bytes").get<std::uint64_t>(), pj::comm_bytes(3, c, 8).bus);
   EXPECT_EQ(j["stages"][0].at("tp_bus_bytes").get<std::uint64_t>(), 0u);
+}
+
+// A mixture-of-experts model is stage 10's row alone, its bytes and memory the stage's own
+// formulas (10_expert_parallel/traffic.h and memory.h, which the stage's tests check against its
+// communicator and allocator), its refusals one line.
+TEST(TpxProject, AMixtureOfExpertsIsStage10sRow) {
+  test::TempDir dir;
+  const json j =
+      project_json("--model mixtral-8x7b --tp 8 --dp 4 --ep 2 --batch 8 --device h200", dir);
+  ASSERT_EQ(j.at("stages").size(), 1u) << j.dump();
+  const json& row = j["stages"][0];
+  EXPECT_EQ(row.at("stage"), "10_expert_parallel");
+  EXPECT_EQ(row.at("gpus"), 32);
+  EXPECT_EQ(j.at("ep"), 2);
+  BlockConfig c;
+  c.hidden = 4096, c.heads = 32, c.kv_heads = 8, c.ffn = 14336, c.seq = 4096, c.batch = 8;
+  c.layers = 32, c.dtype = DType::bf16, c.task = Task::lm, c.vocab = 32000;
+  c.moe = {.experts = 8, .topk = 2, .expert_ffn = 14336, .aux_loss_weight = 0.01};
+  const ep::ExpertTraffic t = ep::expert_traffic(c, 4, 8, 2, 0);
+  EXPECT_EQ(row.at("ep_bus_bytes").get<std::uint64_t>(), t.ep.bus);
+  EXPECT_EQ(row.at("tp_bus_bytes").get<std::uint64_t>(), t.tp.bus);
+  EXPECT_EQ(row.at("dp_bus_bytes").get<std::uint64_t>(), t.dp.bus);
+  EXPECT_GT(row.at("step_ms").get<double>(), row.at("exposed_comm_ms").get<double>());
+  EXPECT_GT(row.at("exposed_comm_ms").get<double>(), 0.0);
+  // The memory: the stage's estimate with the experts sharded over their D/EP = 2 holders.
+  const Sharding sh{.rank = 0,
+                    .world = 8,
+                    .weights = true,
+                    .sequence = true,
+                    .dp = 4,
+                    .dimensions = {fsdp::memory_dimension(false), ep::memory_dimension(2, 0)}};
+  EXPECT_EQ(row.at("memory_estimate_bytes").get<std::uint64_t>(),
+            estimate_training_memory(c, sh).total());
+  for (const auto& [args, says] :
+       {std::pair{"--model mixtral-8x7b --dp 4 --ep 3 --batch 8", "--ep 3 must divide --dp (4)"},
+        std::pair{"--model llama3-8b --ep 2", "--ep is stage 10's"},
+        std::pair{"--model deepseek-v3 --pp 2", "it takes no --pp"}}) {
+    const auto r =
+        test::run_command(fmt::format("{} {} --device h200", TPX_PROJECT_BIN, args), dir);
+    EXPECT_EQ(r.exit_code, 2) << args;
+    EXPECT_NE(r.err.find(says), std::string::npos) << args << "\n" << r.err;
+  }
 }
 
 TEST(TpxProject, Bf16HalvesTheActivationBytes) {

@@ -6,7 +6,7 @@
 //   tpx_project --device NAME|FILE [--model NAME] [--config FILE] [--hidden H] [--heads NH]
 //               [--kv-heads NKV] [--ffn F] [--seq S] [--batch B] [--layers L] [--task lm|block]
 //               [--vocab V] [--dtype fp32|bf16]
-//               [--recompute none|full|selective] [--tp T] [--dp D] [--cp C]
+//               [--recompute none|full|selective] [--tp T] [--dp D] [--ep EP] [--cp C]
 //               [--cp-method ring|allgather|ulysses] [--pp P] [--microbatches M]
 //               [--schedule gpipe|1f1b|interleaved-1f1b|zb-h1] [--stages-per-rank V]
 //               [--markdown FILE] [--json FILE]
@@ -26,7 +26,9 @@
 // output GEMM, the vocab-parallel cross-entropy and its three all-reduces; V padded to a multiple
 // of T as the stages pad it), V from --vocab, else the preset's (the tutorial's without
 // --model); --task block or --vocab 0 projects the blocks alone. With --pp the embedding is the
-// first pipeline rank's and the output layer the last's; the slowest rank sets the pace.
+// first pipeline rank's and the output layer the last's; the slowest rank sets the pace. A
+// mixture-of-experts --model (mixtral-8x7b, deepseek-v3, llama4-maverick) is stage 10's alone,
+// on D × T with --ep EP (default D): expert_cost() says how it is projected.
 //
 // Otherwise it writes the report: per config (a Llama-3-70B layer and a Llama-7B-sized one) the
 // projected step of every stage at N = 2, 4, 8 (stage 01 at N = 1), stage 07 at TP × DP = 8 × 4
@@ -72,12 +74,15 @@
 #include "06_fp8/traffic.h"
 #include "07_fsdp_tp/memory.h"
 #include "09_pipeline_parallel/schedule.h"
+#include "10_expert_parallel/memory.h"
+#include "10_expert_parallel/traffic.h"
 #include "common/check.h"
 #include "common/checked.h"
 #include "common/cli.h"
 #include "common/config.h"
 #include "common/flops.h"
 #include "common/memory.h"
+#include "common/moe_flags.h"
 #include "common/output.h"
 #include "common/presets.h"
 #include "common/tp.h"
@@ -141,7 +146,7 @@ struct StageCost {
   int gpus = 1;
   pj::Projection p;
   double step_ms = 0, exposed_ms = 0, bubble_ms = 0;
-  tpx::Traffic tp_bytes, dp_bytes, cp_bytes;
+  tpx::Traffic tp_bytes, dp_bytes, cp_bytes, ep_bytes;
   std::uint64_t pp_bytes = 0;
   double flops = 0;  // per GPU and step, the model's GEMMs
   std::uint64_t saved = 0, memory = 0;
@@ -233,6 +238,81 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
   }
   if (mesh.pp > 1) rows.push_back(layout_cost(d, c, mesh));
   return rows;
+}
+
+/// Stage 10 on a D × T mesh with EP (a mixture-of-experts model), from its own formulas: bytes
+/// (10_expert_parallel/traffic.h), memory (its estimate, the experts sharded over their D/EP
+/// holders) and FLOPs (common/flops.h, the K chosen experts). Time: stage 05's projection of
+/// one replica with each MoE layer's MLP as a dense SwiGLU of the chosen experts' width K·FE +
+/// SF (the same GEMM FLOPs per token; the experts' smaller GEMMs run at its efficiency),
+/// averaged over the layers; the DP bytes behind the compute as project_mesh() puts them; the
+/// EP all-to-alls exposed, over NVLink when an EP group's T·EP ranks share a node, else the
+/// network.
+StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp, int dp, int ep) {
+  const tpx::MoeConfig& m = c.moe;
+  if (dp % ep != 0 || m.experts % ep != 0)
+    throw std::invalid_argument(fmt::format(
+        "--ep {} must divide --dp ({}) and the experts ({}): the experts borrow their ranks "
+        "from the data-parallel ones, E/EP whole experts each",
+        ep, dp, m.experts));
+  if (m.expert_ffn % tp != 0)
+    throw std::invalid_argument(fmt::format(
+        "--tp {} must divide the experts' width FE ({}): each TP rank holds FE/T of every expert",
+        tp, m.expert_ffn));
+  StageCost r;
+  r.stage = "10_expert_parallel";
+  r.gpus = tp * dp;
+  tpx::BlockConfig dense = c;  // one replica, the experts as a SwiGLU of their FLOPs
+  dense.batch /= dp;
+  dense.moe = {};
+  const std::int64_t moe_layers = tpx::ep::moe_layers(c),
+                     width = m.topk * m.expert_ffn + m.shared_ffn;
+  const std::int64_t ffn = (moe_layers * width + (c.layers - moe_layers) * c.ffn) / c.layers;
+  dense.ffn = std::max<std::int64_t>(tp, ffn / tp * tp);
+  tpx::check_tp_split(dense, tp, /*sequence=*/true);
+  const pj::Projection p = pj::project_stage(d, dense, tp, 5);
+  const tpx::ep::ExpertTraffic t = tpx::ep::expert_traffic(c, dp, tp, ep, 0);
+  r.tp_bytes = t.tp;
+  r.dp_bytes = t.dp;
+  r.ep_bytes = t.ep;
+  const bool one_node = tp * ep <= d.gpus_per_node;
+  const double ep_GBps = one_node ? d.nvlink_GBps_per_direction * d.collective_efficiency
+                                  : d.dp_GBps_per_direction * d.dp_efficiency;
+  if (!one_node && d.dp_GBps_per_direction <= 0)
+    throw std::invalid_argument(fmt::format(
+        "{}: an EP group of {} GPUs spans nodes and the file has no dp_GBps_per_direction", d.file,
+        tp * ep));
+  const double ep_ms =
+      double(t.ep.bus) / (ep_GBps * 1e9) * 1e3 + double(t.ep.calls) * d.link_latency_us * 1e-3;
+  const double dp_ms =
+      d.dp_GBps_per_direction > 0
+          ? double(t.dp.bus) / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
+                3 * (dp - 1) * d.link_latency_us * 1e-3
+          : 0.0;
+  r.step_ms = p.step_ms + std::max(0.0, dp_ms - p.compute_ms) + ep_ms;
+  r.exposed_ms = r.step_ms - p.compute_ms;
+  r.flops = tpx::step_flops(c).total() / double(r.gpus);
+  const tpx::Sharding sh{
+      .rank = 0,
+      .world = tp,
+      .weights = true,
+      .sequence = true,
+      .dp = dp,
+      .dimensions = {tpx::fsdp::memory_dimension(false), tpx::ep::memory_dimension(ep, 0)}};
+  const tpx::MemoryEstimate e = tpx::estimate_training_memory(c, sh);
+  r.saved = e.term("saved activations").bytes;
+  r.memory = e.total();
+  return r;
+}
+
+std::string expert_words(const tpx::BlockConfig& c, int tp, int dp, int ep) {
+  const tpx::MoeConfig& m = c.moe;
+  return fmt::format(
+      "experts E {} of FE {}, top {} by {}{}, {} | D {} × T {}, EP {}", m.experts, m.expert_ffn,
+      m.topk, m.router == tpx::MoeRouter::sigmoid ? "sigmoid" : "softmax",
+      m.shared_ffn > 0 ? fmt::format(", shared width {}", m.shared_ffn) : "",
+      m.every == 1 ? std::string("in every layer") : fmt::format("in one layer of {}", m.every), dp,
+      tp, ep);
 }
 
 std::string describe(const tpx::BlockConfig& c, const std::string& model) {
@@ -348,6 +428,73 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
   return j;
 }
 
+/// Stage 10's table for a mixture-of-experts model.
+std::string expert_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
+                            const std::string& model, int tp, int dp, int ep, const StageCost& r) {
+  std::string s = fmt::format(
+      "Projected by the model in tools/projection.cc, not measured: device file tools/devices/{} "
+      "({}), GEMM efficiency {}{}; attention: {}.\n\n",
+      d.file, d.name, d.calibrated ? "calibrated: " : "not calibrated: ", d.gemm.origin,
+      d.attention_origin());
+  s += fmt::format(
+      "{} | {}. A mixture of experts runs as stage 10 alone. Per GPU and training step; bytes as "
+      "the stage counts them (bus bytes, balanced routing, the experts' rows in fp32 as the "
+      "stage moves them); time: stage 05's projection of a "
+      "replica with each MoE layer's MLP as a SwiGLU of the chosen experts' width (K·FE + SF: "
+      "the same FLOPs; the experts' smaller GEMMs at its efficiency), the DP bytes behind the "
+      "compute, the EP all-to-alls exposed; memory: the stage's estimate (the experts sharded "
+      "over their D/EP holders).\n\n",
+      describe(c, model), expert_words(c, tp, dp, ep));
+  s += "| stage | GPUs | step ms | exposed comm ms | TFLOP per GPU | TP bus per GPU | EP bus per "
+       "GPU | DP bus per GPU | saved activations | peak memory |\n"
+       "|---|---|---|---|---|---|---|---|---|---|\n";
+  s += fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.1f} | {} | {} | {} | {} | {} |\n", r.stage,
+                   r.gpus, r.step_ms, r.exposed_ms, r.flops / 1e12, tpx::bytes_text(r.tp_bytes.bus),
+                   tpx::bytes_text(r.ep_bytes.bus), tpx::bytes_text(r.dp_bytes.bus),
+                   tpx::bytes_text(r.saved), tpx::bytes_text(r.memory));
+  return s;
+}
+
+json expert_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::string& model,
+                 int tp, int dp, int ep, const StageCost& r) {
+  const tpx::MoeConfig& m = c.moe;
+  return {{"device", d.name},
+          {"device_file", d.file},
+          {"model", model},
+          {"config",
+           {{"hidden", c.hidden},
+            {"heads", c.heads},
+            {"kv_heads", c.kv_heads_or_heads()},
+            {"ffn", c.ffn},
+            {"seq", c.seq},
+            {"batch", c.batch},
+            {"layers", c.layers},
+            {"task", c.lm() ? "lm" : "block"},
+            {"vocab", c.vocab},
+            {"dtype", tpx::dtype_flag(c.dtype)},
+            {"experts", m.experts},
+            {"topk", m.topk},
+            {"expert_ffn", m.expert_ffn},
+            {"shared_ffn", m.shared_ffn},
+            {"moe_every", m.every}}},
+          {"tp", tp},
+          {"dp", dp},
+          {"ep", ep},
+          {"stages",
+           {{{"stage", r.stage},
+             {"gpus", r.gpus},
+             {"step_ms", r.step_ms},
+             {"exposed_comm_ms", r.exposed_ms},
+             {"flops_per_gpu", r.flops},
+             {"tp_bus_bytes", r.tp_bytes.bus},
+             {"tp_payload_bytes", r.tp_bytes.payload},
+             {"ep_bus_bytes", r.ep_bytes.bus},
+             {"ep_payload_bytes", r.ep_bytes.payload},
+             {"dp_bus_bytes", r.dp_bytes.bus},
+             {"saved_activation_bytes", r.saved},
+             {"memory_estimate_bytes", r.memory}}}}};
+}
+
 }  // namespace
 
 namespace {
@@ -395,6 +542,7 @@ struct Options {
   std::string model, dtype = "bf16", recompute = "none", cp_method = "ring", task = "lm";
   std::int64_t vocab = 0;  // --vocab; the preset's when not given
   int tp = 8, dp = 1;
+  int ep = 0;                      // stage 10's EP (a mixture-of-experts model); 0: D
   bool fp8_weight_gather = false;  // stage 07 under --dtype fp8 --fp8-weight-gather
   pj::Layout mesh;  // stage 08's C and method, and the pipeline's P, M, schedule and V
 
@@ -421,6 +569,7 @@ constexpr const char* kModelFlags[] = {"--model",
                                        "--recompute",
                                        "--tp",
                                        "--dp",
+                                       "--ep",
                                        "--cp",
                                        "--cp-method",
                                        "--pp",
@@ -497,6 +646,11 @@ void add_model_options(CLI::App& app, Options& o) {
   app.add_option("--dp", o.dp, "D, data-parallel replicas of stages 07 and 08 (FSDP over D)")
       ->check(positive_integer<int>())
       ->capture_default_str()
+      ->group(m);
+  app.add_option("--ep", o.ep,
+                 "EP, expert-parallel ranks of stage 10 for a mixture-of-experts --model, borrowed "
+                 "from the D replicas; when not given, D")
+      ->check(positive_integer<int>())
       ->group(m);
   app.add_flag("--fp8-weight-gather", o.fp8_weight_gather,
                "stage 07 as under --dtype fp8 --fp8-weight-gather: stage 06's FP8 GEMMs in each TP "
@@ -579,11 +733,17 @@ void resolve_model(const CLI::App& app, Options& o) {
   if (preset == nullptr)
     throw std::invalid_argument(
         fmt::format("--model {}: no such model (known: {})", o.model, tpx::preset_names()));
-  if (preset->moe.experts > 0)
-    throw std::invalid_argument(fmt::format(
-        "--model {} is a mixture of experts: tpx_project projects the dense stages; stage 10's "
-        "--dry-run gives its bytes and memory",
-        o.model));
+  if (preset->moe.experts > 0) {  // stage 10's row alone: the dense stages cannot run it
+    tpx::MoeFlags::of(preset->moe).configure(c);
+    for (const char* flag : {"--pp", "--cp", "--fp8-weight-gather"})
+      if (app.count(flag) > 0)
+        throw std::invalid_argument(
+            fmt::format("--model {} is a mixture of experts, which tpx_project projects as stage "
+                        "10 on a D × T mesh: it takes no {}",
+                        o.model, flag));
+  } else if (app.count("--ep") > 0) {
+    throw std::invalid_argument("--ep is stage 10's: give a mixture-of-experts --model");
+  }
   c.vocab = app.count("--vocab") > 0 ? o.vocab : preset->vocab;
   c.task = o.task == "block" || c.vocab == 0 ? tpx::Task::block : tpx::Task::lm;
   if (!c.lm()) c.vocab = 0;
@@ -638,9 +798,16 @@ void write_outputs(const Options& o, const std::string& md, const std::function<
   if (o.markdown.empty() && o.json_file.empty()) std::fputs(md.c_str(), stdout);
 }
 
-/// A table per stage for the model of the flags.
+/// A table per stage for the model of the flags (stage 10's alone for a mixture of experts).
 void project_model(const CLI::App& app, Options& o, const pj::DeviceSpec& device) {
   resolve_model(app, o);
+  if (o.c.moe.experts > 0) {
+    const int ep = o.ep == 0 ? o.dp : o.ep;
+    const StageCost r = expert_cost(device, o.c, o.tp, o.dp, ep);
+    write_outputs(o, expert_markdown(device, o.c, o.model, o.tp, o.dp, ep, r),
+                  [&] { return expert_json(device, o.c, o.model, o.tp, o.dp, ep, r); });
+    return;
+  }
   resolve_mesh(app, o);
   const bool g = o.fp8_weight_gather;
   const auto rows = stage_costs(device, o.c, o.tp, o.dp, o.mesh, app.count("--cp") > 0, g);
