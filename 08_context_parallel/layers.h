@@ -46,7 +46,7 @@
 
 namespace tpx::cp {
 
-class ContextParallel final : public Parallelism {
+class ContextParallel : public Parallelism {
  public:
   /// `mesh` has been made (collectively) for ctx's job with C > 1; ctx.options.config is the
   /// global config.

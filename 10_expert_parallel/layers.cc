@@ -14,6 +14,7 @@
 
 #include "07_fsdp_tp/flags.h"
 #include "07_fsdp_tp/traffic.h"
+#include "08_context_parallel/flags.h"
 #include "09_pipeline_parallel/flags.h"
 #include "09_pipeline_parallel/pipeline.h"
 #include "10_expert_parallel/memory.h"
@@ -448,22 +449,24 @@ class MoeLayers::Layer final : public MlpBranch {
 MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep, std::vector<I> held)
     : c_(ctx.options.config),
       ep_size_(ep),
-      ep_rank_(mesh.dp_index % ep),
-      replica_(mesh.dp_index / ep),
+      ep_rank_(mesh.dp_cp_index() % ep),
+      replica_(mesh.dp_cp_index() / ep),
       tp_size_(mesh.tp),
       tp_rank_(mesh.tp_index),
       stream_(Stream::create(c_.device)),
       held_(std::move(held)) {
   // Every group holds one TP index of one pipeline stage: rank t of each TP group routes and
   // dispatches with rank t of the others. Each split is collective over the job, used or not.
-  const int tp_index = mesh.tp_index, groups = mesh.dp / ep, stage = mesh.pp_index;
+  // The token group is the D·C ranks of this TP index (D at C = 1), in (dp, cp) order: the
+  // step's tokens in the order the capacity counts them when C = 1 (a CP run is dropless).
+  const int tp_index = mesh.tp_index, groups = mesh.dp_cp() / ep, stage = mesh.pp_index;
   const std::string where = mesh.pp > 1 ? fmt::format("{}.", stage) : "";
   CommOptions o = ctx.options.comm;
   ep_group_ = RankGroup::split((stage * groups + replica_) * mesh.tp + tp_index, ep_rank_,
                                fmt::format("ep group {}{}.{}", where, replica_, tp_index));
   o.group = ep_group_;
   ep_ = make_communicator(o, c_.device);
-  o.group = mesh.dp_group;
+  o.group = mesh.dp_cp_group;
   o.group_label = fmt::format("dp group {} (experts)", tp_index);
   tokens_ = make_communicator(o, c_.device);
   RankGroup holders =
@@ -585,45 +588,65 @@ Tensor MoeLayers::first_counts() const {
   return host_tensor(v, {n, c_.moe.experts});
 }
 
-ExpertParallel::ExpertParallel(const RunContext& ctx, Mesh mesh, int ep,
-                               std::vector<std::int64_t> held)
-    : FsdpTp(ctx, mesh), moe_(std::make_unique<MoeLayers>(ctx, mesh, ep, std::move(held))) {}
+template <>
+WithExperts<fsdp::FsdpTp>::WithExperts(const RunContext& ctx, const Mesh& mesh, int ep,
+                                       std::vector<std::int64_t> held)
+    : FsdpTp(ctx, mesh),
+      moe_(std::make_unique<MoeLayers>(ctx, mesh, ep, std::move(held))),
+      dp_cp_index_(mesh.dp_cp_index()) {}
 
-ExpertParallel::~ExpertParallel() = default;
+template <>
+WithExperts<cp::ContextParallel>::WithExperts(const RunContext& ctx, const Mesh& mesh, int ep,
+                                              std::vector<std::int64_t> held)
+    : ContextParallel(ctx, mesh, ctx.options.flags<cp::ContextParallelFlags>().method()),
+      moe_(std::make_unique<MoeLayers>(ctx, mesh, ep, std::move(held))),
+      dp_cp_index_(mesh.dp_cp_index()) {}
 
-std::string ExpertParallel::comm_name() const {
-  return fmt::format("{}; experts: EP {} ({} of them per rank)", FsdpTp::comm_name(),
-                     moe_->ep_size(), moe_->experts_per_rank());
+template <class Base>
+WithExperts<Base>::~WithExperts() = default;
+
+template <class Base>
+std::string WithExperts<Base>::comm_name() const {
+  return fmt::format("{}; experts: EP {} ({} of them per rank)", Base::comm_name(), moe_->ep_size(),
+                     moe_->experts_per_rank());
 }
 
-Sharding ExpertParallel::sharding() const {
-  Sharding s = FsdpTp::sharding();
-  s.dimensions.push_back(memory_dimension(moe_->ep_size(), mesh().dp_index));
+template <class Base>
+Sharding WithExperts<Base>::sharding() const {
+  Sharding s = Base::sharding();
+  s.dimensions.push_back(memory_dimension(moe_->ep_size(), dp_cp_index_));
   return s;
 }
 
-std::vector<MeshGroup> ExpertParallel::mesh_groups() const {
-  std::vector<MeshGroup> groups = FsdpTp::mesh_groups();
+template <class Base>
+std::vector<MeshGroup> WithExperts<Base>::mesh_groups() const {
+  std::vector<MeshGroup> groups = Base::mesh_groups();
   groups.push_back({"ep", moe_->ep_group()});
   return groups;
 }
 
-ExtraParameters* ExpertParallel::extra_parameters() {
+template <class Base>
+ExtraParameters* WithExperts<Base>::extra_parameters() {
   moe_->make_layers();  // the experts' weights, once the memory check has passed
   return moe_.get();
 }
 
-CommStats ExpertParallel::take_comm_stats() {
-  CommStats s = FsdpTp::take_comm_stats();
+template <class Base>
+CommStats WithExperts<Base>::take_comm_stats() {
+  CommStats s = Base::take_comm_stats();
   s += moe_->take_stats();
   return s;
 }
 
-std::vector<std::pair<std::string, Tensor>> ExpertParallel::dump_extra() {
-  auto extra = FsdpTp::dump_extra();
+template <class Base>
+std::vector<std::pair<std::string, Tensor>> WithExperts<Base>::dump_extra() {
+  auto extra = Base::dump_extra();
   extra.emplace_back("tokens_per_expert", moe_->first_counts());
   return extra;
 }
+
+template class WithExperts<fsdp::FsdpTp>;
+template class WithExperts<cp::ContextParallel>;
 
 namespace {
 
@@ -632,7 +655,7 @@ namespace {
 int checked_ep(const RunContext& ctx, const Mesh& mesh) {
   const BlockConfig& c = ctx.options.config;
   const MoeFlags& f = ctx.options.flags<MoeFlags>();
-  const int ep = f.ep == 0 ? mesh.dp : f.ep;
+  const int ep = f.ep == 0 ? mesh.dp_cp() : f.ep;
   auto refuse = [](std::string line) { throw ConfigError(std::move(line)); };
   if (c.device != Device::cpu)
     refuse(
@@ -647,11 +670,19 @@ int checked_ep(const RunContext& ctx, const Mesh& mesh) {
     refuse("stage 10 cannot --save or --resume yet: a checkpoint does not hold the experts");
   if (c.generate.tokens > 0)
     refuse("stage 10 cannot --generate yet: generation runs the dense model");
-  if (ep > mesh.dp || mesh.dp % ep != 0)
+  if (ep > mesh.dp_cp() || mesh.dp_cp() % ep != 0)
+    refuse(mesh.cp == 1
+               ? fmt::format("--ep ({}) must divide the data-parallel ranks D ({}): the experts "
+                             "borrow their ranks from the data-parallel ones, D / EP groups of EP",
+                             ep, mesh.dp)
+               : fmt::format("--ep ({}) must divide the D·C ranks ({} × {}): the experts borrow "
+                             "their ranks from the data- and context-parallel ones",
+                             ep, mesh.dp, mesh.cp));
+  if (mesh.cp > 1 && c.moe.capacity_factor > 0)
     refuse(
-        fmt::format("--ep ({}) must divide the data-parallel ranks D ({}): the experts "
-                    "borrow their ranks from the data-parallel ones, D / EP groups of EP",
-                    ep, mesh.dp));
+        "--capacity-factor needs --cp 1: under context parallelism a sequence's positions are "
+        "spread over the CP ranks, and the capacity's drops follow sequence order (dropless, 0, "
+        "runs on any mesh)");
   if (auto problem = moe_ep_problem(c.moe.experts, ep)) refuse(*problem);
   if (c.moe.expert_ffn % mesh.tp != 0)
     refuse(
@@ -668,16 +699,23 @@ std::unique_ptr<Parallelism> make_expert_parallel(const RunContext& ctx) {
     throw ConfigError(
         "stage 10 does not --print-schedule: 09_pipeline_parallel prints the same schedule (its "
         "memory estimate without the experts)");
-  if (pp::pipeline_size(ctx).pp > 1)  // P × D × T: stage 09's pipeline, this slice on each stage
-    return pp::make_pipeline_with(ctx, [](const RunContext& c, const Mesh& mesh, const auto& held) {
-      const int ep = checked_ep(c, mesh);
-      return std::make_unique<ExpertParallel>(c, mesh, ep, held);
-    });
-  Mesh mesh = fsdp::make_mesh(ctx);  // D × T; refuses a D that does not divide B or the ranks
-  const int ep = checked_ep(ctx, mesh);
+  // Stage 07 with the experts on D × T, stage 08 with them on D × C × T.
+  auto slice = [](const RunContext& c, const Mesh& mesh,
+                  std::vector<std::int64_t> held) -> std::unique_ptr<Parallelism> {
+    const int ep = checked_ep(c, mesh);
+    if (mesh.cp == 1) return std::make_unique<ExpertParallel>(c, mesh, ep, std::move(held));
+    cp::check_context_parallel(c, mesh);
+    return std::make_unique<ExpertContextParallel>(c, mesh, ep, std::move(held));
+  };
+  const pp::PipelineSize size = pp::pipeline_size(ctx);
+  if (size.pp > 1)  // P × D × C × T: stage 09's pipeline, the slice on each pipeline stage
+    return pp::make_pipeline_with(ctx, [&](const RunContext& c, const Mesh& mesh,
+                                           const auto& held) { return slice(c, mesh, held); });
+  // D × T as stage 07 lays it out (refusing a D that does not divide B or the ranks), or D × C × T.
+  Mesh mesh = size.cp == 1 ? fsdp::make_mesh(ctx) : Mesh::make(size.dp, size.cp);
   std::vector<std::int64_t> all(std::size_t(ctx.options.config.layers));
   std::iota(all.begin(), all.end(), 0);
-  return std::make_unique<ExpertParallel>(ctx, std::move(mesh), ep, std::move(all));
+  return slice(ctx, mesh, std::move(all));
 }
 
 TrainResult train_expert_parallel(const BlockConfig& c, Parallelism& par, bool snapshot,
@@ -739,8 +777,12 @@ StagePlan plan_pipeline_of_experts(const RunContext& ctx, const pp::PipelineSize
 }  // namespace
 
 StagePlan plan_expert_parallel(const RunContext& ctx) {
-  if (const pp::PipelineSize size = pp::pipeline_size(ctx); size.pp > 1)
-    return plan_pipeline_of_experts(ctx, size);
+  const pp::PipelineSize size = pp::pipeline_size(ctx);
+  if (size.cp > 1)
+    throw ConfigError(
+        "--dry-run does not count stage 10 with --cp yet (--cp 1): the experts' formulas take a "
+        "D × T mesh or a pipeline of them");
+  if (size.pp > 1) return plan_pipeline_of_experts(ctx, size);
   const Mesh mesh = fsdp::make_mesh(ctx);
   const int ep = checked_ep(ctx, mesh);
   const BlockConfig& c = ctx.options.config;

@@ -28,8 +28,11 @@
 //                layers; each micro-batch of the D replicas is a routing group (its capacity and
 //                auxiliary loss), each layer keeps a state per micro-batch, and the gradients are
 //                reduced once, after the step's last
+//   CP           --cp C: stage 08's context parallelism in stage 07's place, EP borrowed from the
+//                D·C ranks (the token group is its DP×CP group), dropless only
 //
-// defines: tpx::ep::ExpertParallel, tpx::ep::make_expert_parallel(),
+// defines: tpx::ep::WithExperts, tpx::ep::ExpertParallel, tpx::ep::ExpertContextParallel,
+//          tpx::ep::make_expert_parallel(),
 //          tpx::ep::plan_expert_parallel()
 #pragma once
 
@@ -40,6 +43,7 @@
 #include <vector>
 
 #include "07_fsdp_tp/layers.h"
+#include "08_context_parallel/layers.h"
 #include "common/mlp_branch.h"
 #include "common/stage.h"
 #include "common/trainer.h"
@@ -48,27 +52,35 @@ namespace tpx::ep {
 
 class MoeLayers;  // layers.cc: every MoE layer's experts and the EP communicators
 
-/// Stage 07's FSDP (T = 1) with the MoE layers' experts beside it.
-class ExpertParallel final : public fsdp::FsdpTp {
+/// A stage's Parallelism (`Base`: stage 07's FSDP × TP, or stage 08's context parallelism
+/// around it) with the MoE layers' experts beside it.
+template <class Base>
+class WithExperts final : public Base {
  public:
   /// `held`: the layers of the model this rank trains (all of them; a pipeline stage's).
-  ExpertParallel(const RunContext& ctx, Mesh mesh, int ep, std::vector<std::int64_t> held);
-  ~ExpertParallel() override;
+  WithExperts(const RunContext& ctx, const Mesh& mesh, int ep, std::vector<std::int64_t> held);
+  ~WithExperts() override;
 
   std::string comm_name() const override;
-  /// FSDP's groups and the EP group (the placement's header says where each lands).
+  /// The base's groups and the EP group (the placement's header says where each lands).
   std::vector<MeshGroup> mesh_groups() const override;
-  /// FSDP's sharding, with the experts' dimension of the estimate (memory.h) after FSDP's.
+  /// The base's sharding, with the experts' dimension of the estimate (memory.h) after its own.
   Sharding sharding() const override;
   ExtraParameters* extra_parameters() override;
   CommStats take_comm_stats() override;
-  /// Stage 07's, and tokens_per_expert [MoE layers, E]: the first step's assignments chosen per
+  /// The base's, and tokens_per_expert [MoE layers, E]: the first step's assignments chosen per
   /// expert (before drops), over all tokens.
   std::vector<std::pair<std::string, Tensor>> dump_extra() override;
 
  private:
   std::unique_ptr<MoeLayers> moe_;
+  int dp_cp_index_;  // this rank's place among the D·C ranks, in token order
 };
+
+/// Stage 10 on D × T: stage 07 with the experts.
+using ExpertParallel = WithExperts<fsdp::FsdpTp>;
+/// Stage 10 on D × C × T (--cp C > 1): stage 08 with the experts, EP borrowed from the D·C ranks.
+using ExpertContextParallel = WithExperts<cp::ContextParallel>;
 
 /// Refuses what the stage cannot run (one line naming the flag, exit 2, before any rank
 /// allocates), then builds it: ExpertParallel on a D × T mesh, or under --pp P > 1 stage 09's

@@ -6,6 +6,7 @@
 // double-precision reference with the same experts and routing groups.
 #include "05_copy_engine_async_tp/flags.h"
 #include "07_fsdp_tp/flags.h"
+#include "08_context_parallel/flags.h"
 #include "09_pipeline_parallel/flags.h"
 #include "10_expert_parallel/layers.h"
 #include "common/moe_flags.h"
@@ -19,9 +20,11 @@ int main(int argc, char** argv) {
                    "a mixture of experts: top-K routing, the experts over EP ranks "
                    "borrowed from the data-parallel ones, tokens dispatched to them and "
                    "combined by all-to-alls, their width over TP; the dense layers as stage 07",
-               // --pp before --dp: D is the newest dimension, the one that defaults to 2.
-               .flag_groups = {pp::PipelineFlags::make, fsdp::DataParallelFlags::make,
-                               MoeFlags::make, async_tp::AllGatherFlags::make}},
+               // --pp and --cp before --dp: D is the newest dimension, the one that defaults
+               // to 2.
+               .flag_groups = {pp::PipelineFlags::make, cp::ContextParallelFlags::make,
+                               fsdp::DataParallelFlags::make, MoeFlags::make,
+                               async_tp::AllGatherFlags::make}},
       .make = ep::make_expert_parallel,
       .plan = ep::plan_expert_parallel,
       .reference = reference_run,

@@ -49,7 +49,7 @@ class Experts final : public MemoryDimension {
     // padded); gradients and AdamW's moments beside them (the bias too: E floats). Sharded, a
     // MoE layer's backward holds its experts gathered and their whole gradients at once.
     const Count fe = m.expert_ffn / T, sf = m.shared_ffn / T, local = E / ep_;
-    const Count holders = Count(s.dp) / ep_;
+    const Count holders = Count(s.dp) * Count(s.cp) / ep_;  // EP is cut out of the D·C ranks
     const Count experts = product({3, local, H, fe}, what);
     const Count weights = sum({product({H, E}, what), product({3, H, sf}, what),
                                holders > 1 ? (experts + holders - 1) / holders : experts},
@@ -85,7 +85,7 @@ class Experts final : public MemoryDimension {
     // Balanced: each replica assigns ⌈n·K/E⌉ to every expert, which keeps them up to its
     // capacity c in token order (replica q's clamp(c − q·each, 0, each)).
     const Count each = (n * m.topk + E - 1) / E;
-    const Count cap = moe_capacity(m.shape(H, c.seq * p.global.batch));
+    const Count cap = moe_capacity(m.shape(H, p.global.seq * p.global.batch));
     auto kept_of = [&](Count q) { return std::clamp<Count>(cap - q * each, 0, each); };
     const Count group = dp_index_ / ep_ * ep_;  // the EP group's first replica
     Count in = 0;

@@ -12,7 +12,9 @@
 //    layer; --json reports tokens per expert per layer per step;
 //  - the token order helpers against their definition;
 //  - under stage 09's pipeline (--pp) the same, on P × D × T meshes (P × EP × T), each
-//    micro-batch of the D replicas one routing group, the reference following;
+//    micro-batch of the D replicas one routing group, the reference following; under stage 08's
+//    context parallelism (--cp, dropless) with EP borrowed from the D·C ranks, up to the whole
+//    P × D × C × T mesh;
 //  - bad input is exit 2 on every rank and one line, printed once.
 #include <algorithm>
 #include <cmath>
@@ -92,7 +94,11 @@ INSTANTIATE_TEST_SUITE_P(
         Case{8, "--pp 2 --dp 4 --ep 2 --router sigmoid", "np8_p2_d4_ep2_sigmoid"},
         // The dispatch, experts and combine cut into chunks, overlapped on the EP lane.
         Case{4, "--dp 2 --moe-chunks 3 --capacity-factor 0.5", "np4_d2_t2_chunks3_dropping"},
-        Case{8, "--pp 2 --moe-chunks 2 --shared-experts 1", "np8_p2_d2_t2_chunks2"}),
+        Case{8, "--pp 2 --moe-chunks 2 --shared-experts 1", "np8_p2_d2_t2_chunks2"},
+        // Under context parallelism (dropless): EP borrowed from the D·C ranks.
+        Case{4, "--cp 2 --dp 2", "np4_d2_c2_ep4"},
+        Case{8, "--cp 2 --dp 2 --ep 2 --cp-method allgather", "np8_d2_c2_t2_ep2_allgather"},
+        Case{8, "--pp 2 --cp 2 --dp 2 --ep 2", "np8_p2_d2_c2_ep2"}),
     [](const auto& p) { return p.param.name; });
 
 /// Sets an environment variable for the runs of one test (mpirun's ranks on this machine inherit
@@ -118,8 +124,9 @@ TEST(ExpertParallel, SkewedRoutingPassesTheCheck) {
         std::pair{2, "--dp 1"}, std::pair{4, "--dp 4 --ep 2 --capacity-factor 0.75"},
         std::pair{4, "--dp 2 --router sigmoid --balance bias"},
         std::pair{8, "--dp 4 --ep 2 --capacity-factor 1.0"},
-        std::pair{4, "--pp 2 --capacity-factor 1.0"},
-        std::pair{8, "--pp 2 --capacity-factor 0.75"}}) {
+        std::pair{4, "--pp 2 --capacity-factor 1.0"}, std::pair{8, "--pp 2 --capacity-factor 0.75"},
+        // The whole mesh: P 2 × D 2 × C 2 × T 2, EP 2 of the D·C ranks (dropless under CP).
+        std::pair{16, "--pp 2 --cp 2 --dp 2 --ep 2"}}) {
     test::TempDir dir;
     const auto r = run_stage(
         "10_expert_parallel", ranks,
@@ -419,7 +426,8 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{4, "--batch 4 --dp 4 --ep 2", "np4_d4_ep2_sharded"},
                     Case{4, "--batch 4 --dp 4 --ep 1 --optimizer adamw --lr 1e-3",
                          "np4_d4_ep1_sharded_adamw"},
-                    Case{4, "--batch 4 --dp 4 --ep 2 --layers 4", "np4_d4_ep2_sharded_l4"}),
+                    Case{4, "--batch 4 --dp 4 --ep 2 --layers 4", "np4_d4_ep2_sharded_l4"},
+                    Case{4, "--batch 4 --cp 2 --dp 2 --ep 2", "np4_d2_c2_ep2_sharded"}),
     [](const auto& p) { return p.param.name; });
 
 TEST(ExpertParallel, SavedActivationsAreTheEstimatesUnderBalancedRouting) {
@@ -531,6 +539,12 @@ TEST(ExpertParallel, BadInputIsOneLineOnEveryRank) {
   test::expect_refused_once(stage, 2, kSizes + " --recompute full", "--recompute none");
   test::expect_refused_once(stage, 2, kSizes + " --pp 2 --print-schedule",
                             "stage 10 does not --print-schedule");
+  test::expect_refused_once(stage, 4, kSizes + " --cp 2 --capacity-factor 1.0",
+                            "--capacity-factor needs --cp 1");
+  test::expect_refused_once(stage, 4, kSizes + " --cp 2 --dp 1 --ep 4",
+                            "--ep (4) must divide the D·C ranks (1 × 2)");
+  test::expect_refused_once(stage, 4, kSizes + " --cp 2 --dry-run",
+                            "--dry-run does not count stage 10 with --cp yet");
   test::expect_refused_once(stage, 4, kSizes + " --pp 2 --dp 2 --ep 4",
                             "--ep (4) must divide the data-parallel ranks D (2)");
   // Experts too large for the machine: refused by the memory check before any rank draws them.
