@@ -315,6 +315,30 @@ std::string expert_words(const tpx::BlockConfig& c, int tp, int dp, int ep) {
       tp, ep);
 }
 
+/// The by-flags tables' first line: what projected them, on which device, with what.
+std::string projected_by(const pj::DeviceSpec& d) {
+  return fmt::format(
+      "Projected by the model in tools/projection.cc, not measured: device file tools/devices/{} "
+      "({}), GEMM efficiency {}{}; attention: {}.\n\n",
+      d.file, d.name, d.calibrated ? "calibrated: " : "not calibrated: ", d.gemm.origin,
+      d.attention_origin());
+}
+
+/// The model's sizes and recipe in the by-flags JSON.
+json config_json(const tpx::BlockConfig& c) {
+  return {{"hidden", c.hidden},
+          {"heads", c.heads},
+          {"kv_heads", c.kv_heads_or_heads()},
+          {"ffn", c.ffn},
+          {"seq", c.seq},
+          {"batch", c.batch},
+          {"layers", c.layers},
+          {"task", c.lm() ? "lm" : "block"},
+          {"vocab", c.vocab},
+          {"dtype", tpx::dtype_flag(c.dtype)},
+          {"recompute", tpx::recompute_flag(c.recompute)}};
+}
+
 std::string describe(const tpx::BlockConfig& c, const std::string& model) {
   return fmt::format("{}H {} NH {} NKV {} F {} S {} B {} L {} {} | {} | recompute {}",
                      model.empty() ? "" : "model " + model + ": ", c.hidden, c.heads,
@@ -337,11 +361,7 @@ std::string costs_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
                            const std::string& model, int tp, int dp, const pj::Layout& mesh,
                            bool fp8_gather, const std::vector<StageCost>& rows) {
   std::ostringstream s;
-  s << fmt::format(
-      "Projected by the model in tools/projection.cc, not measured: device file tools/devices/{} "
-      "({}), GEMM efficiency {}{}; attention: {}.\n\n",
-      d.file, d.name, d.calibrated ? "calibrated: " : "not calibrated: ", d.gemm.origin,
-      d.attention_origin());
+  s << projected_by(d);
   s << fmt::format(
       "{} | TP {}, DP {} (stages 07, 08); {} (stage 08{}). Per GPU and training step (forward + "
       "backward of all L layers{}; the pipeline's slowest rank); bytes as the stages count them "
@@ -382,18 +402,7 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
   json j = {{"device", d.name},
             {"device_file", d.file},
             {"model", model},
-            {"config",
-             {{"hidden", c.hidden},
-              {"heads", c.heads},
-              {"kv_heads", c.kv_heads_or_heads()},
-              {"ffn", c.ffn},
-              {"seq", c.seq},
-              {"batch", c.batch},
-              {"layers", c.layers},
-              {"task", c.lm() ? "lm" : "block"},
-              {"vocab", c.vocab},
-              {"dtype", tpx::dtype_flag(c.dtype)},
-              {"recompute", tpx::recompute_flag(c.recompute)}}},
+            {"config", config_json(c)},
             {"tp", tp},
             {"dp", dp},
             {"cp", mesh.cp},
@@ -431,11 +440,7 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
 /// Stage 10's table for a mixture-of-experts model.
 std::string expert_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
                             const std::string& model, int tp, int dp, int ep, const StageCost& r) {
-  std::string s = fmt::format(
-      "Projected by the model in tools/projection.cc, not measured: device file tools/devices/{} "
-      "({}), GEMM efficiency {}{}; attention: {}.\n\n",
-      d.file, d.name, d.calibrated ? "calibrated: " : "not calibrated: ", d.gemm.origin,
-      d.attention_origin());
+  std::string s = projected_by(d);
   s += fmt::format(
       "{} | {}. A mixture of experts runs as stage 10 alone. Per GPU and training step; bytes as "
       "the stage counts them (bus bytes, balanced routing, the experts' rows in fp32 as the "
@@ -458,25 +463,16 @@ std::string expert_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
 json expert_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::string& model,
                  int tp, int dp, int ep, const StageCost& r) {
   const tpx::MoeConfig& m = c.moe;
+  json config = config_json(c);
+  config.update({{"experts", m.experts},
+                 {"topk", m.topk},
+                 {"expert_ffn", m.expert_ffn},
+                 {"shared_ffn", m.shared_ffn},
+                 {"moe_every", m.every}});
   return {{"device", d.name},
           {"device_file", d.file},
           {"model", model},
-          {"config",
-           {{"hidden", c.hidden},
-            {"heads", c.heads},
-            {"kv_heads", c.kv_heads_or_heads()},
-            {"ffn", c.ffn},
-            {"seq", c.seq},
-            {"batch", c.batch},
-            {"layers", c.layers},
-            {"task", c.lm() ? "lm" : "block"},
-            {"vocab", c.vocab},
-            {"dtype", tpx::dtype_flag(c.dtype)},
-            {"experts", m.experts},
-            {"topk", m.topk},
-            {"expert_ffn", m.expert_ffn},
-            {"shared_ffn", m.shared_ffn},
-            {"moe_every", m.every}}},
+          {"config", config},
           {"tp", tp},
           {"dp", dp},
           {"ep", ep},
