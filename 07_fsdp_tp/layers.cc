@@ -385,6 +385,11 @@ void FsdpTp::issue_reduction(const FlatLayout& f, std::span<const Tensor> full, 
     reductions_.erase(reductions_.begin());
   }
   const std::uint64_t booked = dp_comm_->book(CommOp::reduce_scatter, what);
+  // Marked as queued too, as a gather is: when it was issued, whenever the lane runs it.
+  if (trace_.recording()) {
+    const auto now = Trace::Clock::now();
+    trace_.record(what + " queued", Lane::dp_comm, now, now, /*counted=*/false);
+  }
   // Behind the compute stream's mark: the gradients have been packed into r.flat.
   r.done =
       run_after_compute(reduce_lane_, {r.flat, shard}, [this, flat = r.flat, shard, what, booked] {
