@@ -845,7 +845,11 @@ TEST(TpxProject, AMixtureOfExpertsIsStage10sRow) {
   for (const auto& [args, says] :
        {std::pair{"--model mixtral-8x7b --dp 4 --ep 3 --batch 8", "--ep 3 must divide --dp (4)"},
         std::pair{"--model llama3-8b --ep 2", "--ep is stage 10's"},
-        std::pair{"--model deepseek-v3 --pp 2", "it takes no --pp"}}) {
+        std::pair{"--model deepseek-v3 --pp 2", "it takes no --pp"},
+        std::pair{"--model deepseek-v3 --tp 128 --dp 33554432 --ep 256 --batch 33554432",
+                  "is more GPUs than the model counts"},
+        std::pair{"--model deepseek-v3 --tp 1 --dp 8 --batch 8 --seq 8",
+                  "must be divisible by the experts E (256)"}}) {
     const auto r =
         test::run_command(fmt::format("{} {} --device h200", TPX_PROJECT_BIN, args), dir);
     EXPECT_EQ(r.exit_code, 2) << args;

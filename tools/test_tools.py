@@ -116,10 +116,15 @@ class Report(unittest.TestCase):
         with open(out, newline="") as f:
             rows = list(csv.reader(f))
         self.assertEqual(dict(zip(rows[0], rows[1]))["mesh"], "dp4 × tp2, ep2")
-        j["moe"]["ep"] = 3
-        r = run([self.exe, self.write("bad.json", j)])
-        self.assertEqual(r.returncode, 2)
-        self.assertIn("moe.ep 3 does not divide dp 4", r.stderr)
+        for moe, says in [({"ep": 3}, "moe.ep 3 does not divide dp 4"),
+                          ({"ep": 0}, "moe.ep is 0"), ({"ep": "2"}, "moe.ep is \"2\""),
+                          ({"ep": 2 ** 63}, "moe.ep is 9223372036854775808"),
+                          ([2], "moe is [2]: it must be an object")]:
+            j["moe"] = moe
+            r = run([self.exe, self.write("bad.json", j)])
+            self.assertEqual(r.returncode, 2, moe)
+            self.assertIn(says, r.stderr, moe)
+            self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
 
     def test_bad_input_is_one_line_and_exit_2(self):
         good = self.write("a.json", summary(256, "mpi"))

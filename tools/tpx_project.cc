@@ -259,6 +259,18 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
     throw std::invalid_argument(fmt::format(
         "--tp {} must divide the experts' width FE ({}): each TP rank holds FE/T of every expert",
         tp, m.expert_ffn));
+  if (!tpx::checked_mul(tp, dp))
+    throw std::invalid_argument(
+        fmt::format("--dp {} × --tp {} is more GPUs than the model counts ({} at most)", dp, tp,
+                    std::numeric_limits<int>::max()));
+  // The bytes assume balanced routing: every expert gets as many of a replica's assignments.
+  const auto tokens = tpx::checked_mul<std::int64_t>(c.seq, c.batch / dp);
+  if (const auto assignments = tokens ? tpx::checked_mul(*tokens, m.topk) : std::nullopt;
+      !assignments || *assignments % m.experts != 0)
+    throw std::invalid_argument(fmt::format(
+        "stage 10's bytes assume balanced routing: a replica's S·B/D·K assignments ({} · {} / {} "
+        "· {}) must be divisible by the experts E ({}): give another --seq or --batch",
+        c.seq, c.batch, dp, m.topk, m.experts));
   StageCost r;
   r.stage = "10_expert_parallel";
   r.gpus = tp * dp;

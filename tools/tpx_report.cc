@@ -189,7 +189,9 @@ Row summarise(const std::string& path) {
         r.ranks, r.pp, r.dp, r.cp));
   r.tp = int(r.ranks / *outer);
   if (j.contains("moe")) {  // stage 10: EP divides D
-    r.ep = f.count(f.at(j, "", "moe"), "moe", "ep", 1);
+    const json& moe = f.at(j, "", "moe");
+    if (!moe.is_object()) f.bad("moe", moe, "an object");
+    r.ep = f.count(moe, "moe", "ep", 1);
     if (r.dp % r.ep != 0)
       f.inconsistent(
           fmt::format("moe.ep {} does not divide dp {}: EP is cut out of the "
