@@ -338,11 +338,6 @@ class MoeLayers::Layer final : public MlpBranch {
     }
     if (c.moe.bias_rate > 0) moe_update_bias<float>(bias_, counts_, c.moe.bias_rate);
     history_.push_back(counts_);
-    // The most rows any replica's rank received in one of the step's forwards (a report gather
-    // over the token group, not the step's traffic).
-    float most = 0.0f;
-    for (const float r : report_gather(*o_.tokens_, {float(rows_)})) most = std::max(most, r);
-    rows_history_.push_back(std::int64_t(most));
   }
 
   /// A report's copy of every tensor whole, outside the allocator (as the dense layers' snapshot:
@@ -412,6 +407,10 @@ class MoeLayers::Layer final : public MlpBranch {
 
   const std::vector<std::vector<std::int64_t>>& history() const { return history_; }
   const std::vector<std::int64_t>& rows_history() const { return rows_history_; }
+  /// The most rows this rank received in one of the step's forwards, and the most over the
+  /// token group's ranks, which the step's summary keeps.
+  I rows() const { return rows_; }
+  void add_rows_history(std::int64_t most) { rows_history_.push_back(most); }
   const std::vector<std::int64_t>& counts() const { return counts_; }
 
  private:
@@ -515,8 +514,24 @@ double MoeLayers::grad_square_sum() const {
 }
 
 void MoeLayers::update(int t) {
+  std::vector<float> rows;  // each MoE layer's most rows received this step
   for (const auto& l : layers_)
-    if (l) l->update(t);
+    if (l) {
+      l->update(t);
+      rows.push_back(float(l->rows()));
+    }
+  if (rows.empty()) return;
+  // The most over the token group's ranks: one report gather for all the layers, not the
+  // step's traffic.
+  const std::vector<float> all = Layer::report_gather(*tokens_, rows);
+  std::size_t i = 0;
+  for (const auto& l : layers_)
+    if (l) {
+      float most = 0.0f;
+      for (std::size_t q = i; q < all.size(); q += rows.size()) most = std::max(most, all[q]);
+      l->add_rows_history(std::int64_t(most));
+      ++i;
+    }
 }
 
 void MoeLayers::snapshot(NamedValues& params, NamedValues& grads) {
@@ -678,6 +693,11 @@ int checked_ep(const RunContext& ctx, const Mesh& mesh) {
                : fmt::format("--ep ({}) must divide the D·C ranks ({} × {}): the experts borrow "
                              "their ranks from the data- and context-parallel ones",
                              ep, mesh.dp, mesh.cp));
+  if (const std::int64_t tokens = c.seq / mesh.cp * (c.batch / mesh.dp); c.moe.chunks > tokens)
+    refuse(fmt::format(
+        "--moe-chunks ({}) must be at most the tokens a rank routes in a step, S/C · B/D = {}: "
+        "each chunk is some of them",
+        c.moe.chunks, tokens));
   if (mesh.cp > 1 && c.moe.capacity_factor > 0)
     refuse(
         "--capacity-factor needs --cp 1: under context parallelism a sequence's positions are "
@@ -727,16 +747,6 @@ TrainResult train_expert_parallel(const BlockConfig& c, Parallelism& par, bool s
 
 namespace {
 
-Traffic times(Traffic t, std::uint64_t k) {
-  return {t.payload * k, t.bus * k, t.calls * k};
-}
-
-void subtract(Traffic& from, const Traffic& t) {
-  from.payload -= t.payload;
-  from.bus -= t.bus;
-  from.calls -= t.calls;
-}
-
 /// --dry-run under a pipeline: stage 09's plan of the rank (its layers and micro-batches), each
 /// of its MoE layers' SwiGLU replaced by the experts, once per micro-batch (a routing group of
 /// B/M sequences over the D replicas), their gradients reduced once per step.
@@ -752,22 +762,22 @@ StagePlan plan_pipeline_of_experts(const RunContext& ctx, const pp::PipelineSize
   group.batch = c.batch / size.microbatches;
   const ExpertLayerTraffic x = expert_layer_traffic(group, mesh.dp, mesh.tp, ep, mesh.dp_index);
   Traffic tp = p.traffic;  // what the named groups leave is the TP group's
-  for (const PlanGroup& g : p.groups) subtract(tp, g.traffic);
-  subtract(tp, times(x.swiglu, M * moe));
-  tp += times(x.tp, M * moe);
+  for (const PlanGroup& g : p.groups) tp -= g.traffic;
+  tp -= x.swiglu * (M * moe);
+  tp += x.tp * (M * moe);
   // FSDP's gathers and reduce-scatter of the MoE layers' SwiGLU, which they do not have.
   BlockConfig with = c, without = c;
   with.layers = without.layers = std::int64_t(moe);
   without.ffn = 0;
   for (PlanGroup& g : p.groups)
     if (g.name == "dp") {
-      subtract(g.traffic, fsdp::fsdp_traffic(with, mesh.tp, mesh.dp, size.microbatches));
+      g.traffic -= fsdp::fsdp_traffic(with, mesh.tp, mesh.dp, size.microbatches);
       g.traffic += fsdp::fsdp_traffic(without, mesh.tp, mesh.dp, size.microbatches);
-      g.traffic += times(x.counts, M * moe);
-      g.traffic += times(x.gathers, M * moe);
-      g.traffic += times(x.grads, moe);
+      g.traffic += x.counts * (M * moe);
+      g.traffic += x.gathers * (M * moe);
+      g.traffic += x.grads * moe;
     }
-  p.groups.push_back({.name = "ep", .label = "ep group", .traffic = times(x.ep, M * moe)});
+  p.groups.push_back({.name = "ep", .label = "ep group", .traffic = x.ep * (M * moe)});
   p.traffic = tp;
   for (const PlanGroup& g : p.groups) p.traffic += g.traffic;
   p.comm += fmt::format(", experts over EP {} (balanced routing)", ep);

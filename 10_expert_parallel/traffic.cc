@@ -68,9 +68,7 @@ ExpertLayerTraffic expert_layer_traffic(const BlockConfig& group, int dp, int tp
                                         dp_index % ep, m.experts, H * 4, dp, int(m.chunks));
   t.counts = x.counts;
   t.ep = x.forward;
-  t.ep.payload -= x.counts.payload;
-  t.ep.bus -= x.counts.bus;
-  t.ep.calls -= x.counts.calls;
+  t.ep -= x.counts;
   t.ep += x.backward;
   const U FE = U(m.expert_ffn) / T, SF = U(m.shared_ffn) / T, El = E / U(ep);
   t.grads = all_reduce(H * E * 4, D);  // the router
@@ -96,9 +94,7 @@ ExpertTraffic expert_traffic(const BlockConfig& c, int dp, int tp, int ep, int d
   ExpertTraffic t;
   // TP: stage 05's, each MoE layer's five SwiGLU primitives replaced by the experts' collectives.
   t.tp = ring::traffic(replica, tp);
-  t.tp.payload -= Lm * layer.swiglu.payload;
-  t.tp.bus -= Lm * layer.swiglu.bus;
-  t.tp.calls -= Lm * layer.swiglu.calls;
+  t.tp -= layer.swiglu * Lm;
   // DP: FSDP's of the dense parameters (a MoE layer's SwiGLU empty), the language model's ends,
   // and per MoE layer the counts and the experts' gradients.
   BlockConfig dense = c, moe = c;

@@ -28,6 +28,17 @@ struct Traffic {
     calls += o.calls;
     return *this;
   }
+  /// Takes away a part of this traffic (`o` no larger in any field).
+  Traffic& operator-=(const Traffic& o) {
+    payload -= o.payload;
+    bus -= o.bus;
+    calls -= o.calls;
+    return *this;
+  }
+  /// The same traffic `k` times over (k micro-batches, k layers).
+  friend Traffic operator*(Traffic t, std::uint64_t k) {
+    return {t.payload * k, t.bus * k, t.calls * k};
+  }
 };
 
 /// Throws std::runtime_error(`why`) unless `ok`: a formula's check of its arguments.

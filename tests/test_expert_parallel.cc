@@ -539,6 +539,12 @@ TEST(ExpertParallel, BadInputIsOneLineOnEveryRank) {
   test::expect_refused_once(stage, 2, kSizes + " --recompute full", "--recompute none");
   test::expect_refused_once(stage, 2, kSizes + " --pp 2 --print-schedule",
                             "stage 10 does not --print-schedule");
+  // More chunks than a rank has tokens (S·B/D = 16·4/2 = 32), and far more: refused before any
+  // rank makes a chunk's buffers.
+  test::expect_refused_once(stage, 2, kSizes + " --dp 2 --moe-chunks 33",
+                            "--moe-chunks (33) must be at most the tokens a rank routes");
+  test::expect_refused_once(stage, 2, kSizes + " --moe-chunks 2147483647",
+                            "--moe-chunks (2147483647) must be at most");
   test::expect_refused_once(stage, 4, kSizes + " --cp 2 --capacity-factor 1.0",
                             "--capacity-factor needs --cp 1");
   test::expect_refused_once(stage, 4, kSizes + " --cp 2 --dp 1 --ep 4",

@@ -1041,10 +1041,6 @@ Link link_of(const DeviceSpec& d, int stride, int size, const char* group) {
   return {d.dp_GBps_per_direction, d.dp_efficiency, d.link_latency_us};
 }
 
-Traffic times(Traffic t, std::uint64_t k) {
-  return {t.payload * k, t.bus * k, t.calls * k};
-}
-
 }  // namespace
 
 namespace {
@@ -1192,8 +1188,8 @@ void add_group_traffic(const DeviceSpec& d, const BlockConfig& rank, const Layou
   Traffic tp = t.tp;
   if (ends.embedding) tp += lm_embedding_traffic(local, l.tp, 0, TpLayout::ring);
   if (ends.head) tp += lm_head_traffic(local, l.tp, 0, TpLayout::ring);
-  r.tp = times(tp, std::uint64_t(l.microbatches));
-  r.cp = times(t.cp, std::uint64_t(l.microbatches));
+  r.tp = tp * std::uint64_t(l.microbatches);
+  r.cp = t.cp * std::uint64_t(l.microbatches);
   r.dp = fsdp::fsdp_traffic(micro, l.tp,
                             l.dp * l.cp);  // gathered once a step, kept across micro-batches
   r.dp += lm_grads_traffic(rank, l.tp, l.dp * l.cp, ends.embedding, ends.head);
