@@ -97,6 +97,8 @@ Bytes local_bytes(const BlockConfig& c, const Sharding& s) {
                             "the attention probabilities' bytes (B·NH/N·S·S·4)");
   b.lse = checked_product({batch, heads, c.seq, kF32}, "the attention lse's bytes (B·NH/N·S·4)");
   b.attn = c.attention == Attention::fused ? b.lse : b.probs;
+  b.dq_turns = checked_product({1 + batch * heads * ((c.seq + 31) / 32), 4},
+                               "the fused attention backward's turn counters");
   b.w_h = checked_product({c.hidden, cols_h, kF32}, "a local attention weight's bytes");
   b.w_kv = checked_product({c.hidden, cols_kv, kF32}, "a local Wk's bytes");
   b.w_f = checked_product({c.hidden, cols_f, kF32}, "a local MLP weight's bytes");
@@ -141,7 +143,8 @@ struct Moments {
 };
 
 /// The CUDA attention backward's scratch (cuda/ops.cc). Fused: Δ = rowsum(dO ∘ O), one float
-/// per query row and head. Naive: dP (fp32) and, under the recipe, which it reads as bf16 as
+/// per query row and head, and under the recipe (bf16 dq) dQ's fp32 accumulator, 2·q's bytes,
+/// and the words that order its adds, 1 + B·NH/N·ceil(S/32) (kernels::flash_sync_words). Naive: dP (fp32) and, under the recipe, which it reads as bf16 as
 /// they are stored, a bf16 copy of the fp32 P and dS in bf16, and, when a KV head serves a group
 /// of g > 1 query heads, the group's dK and dV summed in fp32 before they are rounded once:
 ///   naive = P·4 + (mixed ? P·2 + P·2 + (g > 1 ? 2·(2·kv) : 0) : 0)
@@ -150,7 +153,7 @@ struct Moments {
 I attention_scratch(const BlockConfig& c, bool cuda, bool mixed, bool fused, const Bytes& b) {
   const char* what = Moments::what;
   if (!cuda) return 0;
-  if (fused) return b.lse;
+  if (fused) return mixed ? sum({b.lse, 2 * b.cols_h, b.dq_turns}, what) : b.lse;
   const bool grouped = c.kv_heads_or_heads() < c.heads;
   const I dkv_f32 = grouped ? checked_product({b.cols_kv, 2, 2}, what) : I{0};  // dK, dV at fp32
   return sum({b.probs, mixed ? sum({b.probs / 2, b.probs / 2, dkv_f32}, what) : 0}, what);

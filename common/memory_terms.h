@@ -40,20 +40,21 @@ Count largest(std::initializer_list<Count> moments);
 /// splits). Activations take e = c.activations()'s bytes per element (4, or 2 under --dtype bf16
 /// / fp8); statistics and weights are fp32.
 struct ActivationBytes {
-  Count e;        ///< an activation element's bytes
-  Count stream;   ///< R: the residual stream [S, B, H], or [S/N, B, H] with sequence parallelism
-  Count rows;     ///< an RMSNorm's rstd, one float per row of the stream
-  Count full;     ///< G: [S, B, H], every token: a region's gathered input or partial output
-  Count gather;   ///< G with sequence parallelism (f and g all-gather into a new tensor), else 0
-  Count cols_h;   ///< [S, B, H/N]: q, a and their gradients
-  Count cols_kv;  ///< [S, B, NKV·D/N]: k, v and their gradients (cols_h without GQA)
-  Count cols_f;   ///< [S, B, F/N]: gate, up, s and their gradients
-  Count probs;    ///< [B, NH/N, S, S]: naive attention's probabilities
-  Count lse;      ///< [B, NH/N, S]: fused attention's log-sum-exp per query row
-  Count attn;     ///< what attention keeps for backward: lse (fused) or probs (naive)
-  Count w_h;      ///< a local Wq / Wo: H·H/N elements (bytes at fp32)
-  Count w_kv;     ///< a local Wk / Wv: H·NKV·D/N elements
-  Count w_f;      ///< a local Wg / Wu / Wd: H·F/N elements (bytes at fp32)
+  Count e;         ///< an activation element's bytes
+  Count stream;    ///< R: the residual stream [S, B, H], or [S/N, B, H] with sequence parallelism
+  Count rows;      ///< an RMSNorm's rstd, one float per row of the stream
+  Count full;      ///< G: [S, B, H], every token: a region's gathered input or partial output
+  Count gather;    ///< G with sequence parallelism (f and g all-gather into a new tensor), else 0
+  Count cols_h;    ///< [S, B, H/N]: q, a and their gradients
+  Count cols_kv;   ///< [S, B, NKV·D/N]: k, v and their gradients (cols_h without GQA)
+  Count cols_f;    ///< [S, B, F/N]: gate, up, s and their gradients
+  Count probs;     ///< [B, NH/N, S, S]: naive attention's probabilities
+  Count lse;       ///< [B, NH/N, S]: fused attention's log-sum-exp per query row
+  Count attn;      ///< what attention keeps for backward: lse (fused) or probs (naive)
+  Count dq_turns;  ///< the fused CUDA backward's turn counters: 1 + B·NH/N·⌈S/32⌉ words
+  Count w_h;       ///< a local Wq / Wo: H·H/N elements (bytes at fp32)
+  Count w_kv;      ///< a local Wk / Wv: H·NKV·D/N elements
+  Count w_f;       ///< a local Wg / Wu / Wd: H·F/N elements (bytes at fp32)
 };
 
 /// One layer's parameter elements: the nine tensors, this rank's shards. Under FSDP (D·C shards

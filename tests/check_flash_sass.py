@@ -5,8 +5,8 @@ flash_resources), against the budgets written in the kernels' header.
 
 A kernel's main loop is the loop (a backward branch and the instructions from its target to it)
 whose body holds the most HMMA instructions; its count is the body's instructions over its HMMA,
-static (each instruction of the body once). Every mma.sync instance (flash_forward_mma,
-flash_dq_mma, flash_dkdv_mma at D = 32, 64, 128, bf16 and fp32 outputs) must have a budget line
+static (each instruction of the body once). Every mma.sync instance (flash_forward_mma and
+flash_bwd_mma at D = 32, 64, 128, bf16 and fp32 outputs) must have a budget line
 in the header and stay at or below it, and every budget line must match a kernel:
 
     //   sass budget  flash_forward   27.0   16.9   10.6      (D = 32, 64, 128)

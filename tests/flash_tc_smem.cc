@@ -17,8 +17,7 @@ int main() {
   for (const char* out : {"bf16", "float"})
     for (int d : {32, 64, 128}) {
       std::printf("flash_forward_mma<%d,%s> %d %d\n", d, out, tc::kThreads, tc::forward_smem(d));
-      std::printf("flash_dq_mma<%d,%s> %d %d\n", d, out, tc::kThreads, tc::dq_smem(d));
-      std::printf("flash_dkdv_mma<%d,%s> %d %d\n", d, out, tc::kThreads, tc::dkdv_smem(d));
+      std::printf("flash_bwd_mma<%d,%s> %d %d\n", d, out, tc::kThreads, tc::bwd_smem(d));
     }
   for (int per_lane : {1, 2, 4, 8}) {
     const int d = 32 * per_lane, tile = 32;

@@ -406,6 +406,24 @@ TEST(FusedAttentionCuda, Bf16TensorCoresGroupedQueryAtHeadDim128) {
   expect_close(run_fused(z, in, Device::cuda, DType::f32), in.want, kFp32Tol);
 }
 
+// dQ on the tensor cores sums the shares of every key block in an fp32 accumulator, in the order
+// of the blocks' turns (flash_tc_math.h, "dQ's turns"), not as they happen to arrive: at a size
+// where 16 key blocks of each of 8 heads add to the same query tiles, run after run gives the
+// same bits (an atomic add in arrival order would not).
+TEST(FusedAttentionCuda, Bf16BackwardIsTheSameBitsRunAfterRun) {
+  TPX_REQUIRE_GPU();
+  const Sizes z{1024, 2, 8, 128, 4};
+  const Inputs in = inputs(z);
+  const Got first = run_fused(z, in, Device::cuda, DType::bf16);
+  expect_close(first, in.want, kBf16Tol);
+  for (int run = 1; run < 4; ++run) {
+    const Got again = run_fused(z, in, Device::cuda, DType::bf16);
+    EXPECT_EQ(again.dq, first.dq) << "run " << run;
+    EXPECT_EQ(again.dk, first.dk) << "run " << run;
+    EXPECT_EQ(again.dv, first.dv) << "run " << run;
+  }
+}
+
 // Central differences of J = Σ r ∘ O(q, k, v), O the fp32 forward (fused or naive), accumulated
 // in double, against the backward with dO = r. Tiny cases: every element of q, k and v is moved;
 // with grouped-query attention a KV element moves every query head of its group, so dK and dV

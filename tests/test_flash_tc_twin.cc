@@ -26,6 +26,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -320,136 +321,179 @@ void store(const FragC<ND>& acc, float scale, std::vector<float>& x, I row0, I s
     }
 }
 
-/// flash_dq_mma<D>.
+/// One block's share of a query tile's dQ, added at its turn: the query head and tile, the
+/// block's turn and ticket, and the tile's 32 rows × D (before the scale), rows past S included
+/// (the add skips them).
+struct DqShare {
+  I head = 0, tile = 0;
+  unsigned turn = 0;
+  I ticket = 0;
+  std::vector<float> v;
+};
+
+/// flash_bwd_mma<D>: every block (by ticket, tc::bwd_work) in the kernel's step order, its dK
+/// and dV stored (or added) as the kernel stores them; returns each block's dQ shares in the
+/// order it adds them, for add_dq_shares() to add as the turns allow.
 template <int D>
-void twin_dq(const Problem& p, const std::vector<float>& dout, const std::vector<float>& q,
-             const std::vector<float>& k, const std::vector<float>& v,
-             const std::vector<float>& lse, const std::vector<float>& delta,
-             std::vector<float>& dq) {
-  constexpr int ND = D / 8, NS = tc::kKeyTile / 8;
+std::vector<std::vector<DqShare>> twin_bwd(const Problem& p, const std::vector<float>& dout,
+                                           const std::vector<float>& q, const std::vector<float>& k,
+                                           const std::vector<float>& v,
+                                           const std::vector<float>& lse,
+                                           const std::vector<float>& delta, std::vector<float>& dk,
+                                           std::vector<float>& dv) {
+  constexpr int ND = D / 8, NS = tc::kQueryTile / 8, NQ = D / 16;
   const I s = p.s;
   const float scale = 1.0f / std::sqrt(float(D)), scale_log2 = scale * tc::kLog2e;
-  for (I bh = 0; bh < p.heads; ++bh) {
-    const I kvh = bh / p.group;
-    for (I q0 = 0; q0 < s; q0 += tc::kBlockRows) {
-      const Tile qt = load_tile(q, q0, tc::kBlockRows, s, p.ldq(), bh * D, D);
-      const Tile dot = load_tile(dout, q0, tc::kBlockRows, s, p.ldq(), bh * D, D);
-      const I tiles = tc::key_tiles(q0, s, p.shift);
+  const I key_blocks = (s + tc::kBlockRows - 1) / tc::kBlockRows;
+  std::vector<std::vector<DqShare>> shares;
+  for (I ticket = 0; ticket < p.kv() * key_blocks; ++ticket) {
+    const tc::BwdWork work = tc::bwd_work(ticket, p.kv());
+    const I kvh = work.kv_head, k0 = work.key_block * tc::kBlockRows;
+    const Tile kt = load_tile(k, k0, tc::kBlockRows, s, p.ldkv(), kvh * D, D);
+    const Tile vt = load_tile(v, k0, tc::kBlockRows, s, p.ldkv(), kvh * D, D);
+    const I first = tc::first_query_tile(k0, p.shift), end = tc::query_tiles_end(s);
+    const I total = end > first ? p.group * (end - first) : 0;
+    FragC<ND> dka[tc::kWarps], dva[tc::kWarps];
+    for (int w = 0; w < tc::kWarps; ++w) zero(dka[w]), zero(dva[w]);
+    // Step it: query tile first + it / group, head kvh·group + it % group (tile-major).
+    auto tile_of = [&](I it) { return first + it / p.group; };
+    auto head_of = [&](I it) { return kvh * p.group + it % p.group; };
+    Tile qb[2] = {unwritten(tc::kQueryTile, D), unwritten(tc::kQueryTile, D)};
+    Tile db[2] = {qb[0], qb[1]};
+    float lse_s[2][tc::kQueryTile], dl_s[2][tc::kQueryTile];
+    auto load_step = [&](I it, int b) {
+      const I bh = head_of(it), i0 = tile_of(it) * tc::kQueryTile;
+      qb[b] = load_tile(q, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
+      db[b] = load_tile(dout, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
+      for (int t = 0; t < tc::kQueryTile; ++t) {
+        const bool in = i0 + t < s;
+        lse_s[b][t] = in ? lse[static_cast<std::size_t>(bh * s + i0 + t)] * tc::kLog2e : 0.0f;
+        dl_s[b][t] = in ? delta[static_cast<std::size_t>(bh * s + i0 + t)] : 0.0f;
+      }
+    };
+    std::vector<DqShare>& mine = shares.emplace_back();
+    if (total > 0) load_step(0, 0);
+    for (I it = 0; it < total; ++it) {
+      if (it + 1 < total) load_step(it + 1, tc::buffer_of(it + 1));
+      const int b = tc::buffer_of(it);
+      const I i0 = tile_of(it) * tc::kQueryTile;
+      const Tile& qt = qb[b];
+      const Tile& dot = db[b];
+      Tile dst = unwritten(tc::kBlockRows, tc::kQueryTile);  // dSᵀ, as store_ds writes it
       for (int w = 0; w < tc::kWarps; ++w) {
-        const I row0 = q0 + w * tc::kWarpRows;
-        std::array<std::array<float, 2>, kL> lse2, dl;
+        const I row0 = k0 + w * tc::kWarpRows;
+        FragC<NS> pt, dpt;
+        zero(pt);
+        zero(dpt);
+        mma_abt(pt, kt, w * tc::kWarpRows, qt, D);
+        mma_abt(dpt, vt, w * tc::kWarpRows, dot, D);
+        const bool masked = !tc::all_visible(i0, tc::kQueryTile, row0, tc::kWarpRows, s, p.shift);
         for (int ln = 0; ln < kL; ++ln)
-          for (int h = 0; h < 2; ++h) {
-            const I row = row0 + tc::c_row(ln, 2 * h);
-            lse2[ln][h] = row < s ? lse[static_cast<std::size_t>(bh * s + row)] * tc::kLog2e : 0.0f;
-            dl[ln][h] = row < s ? delta[static_cast<std::size_t>(bh * s + row)] : 0.0f;
-          }
-        FragC<ND> acc;
-        zero(acc);
-        Tile kb[2] = {unwritten(tc::kKeyTile, D), unwritten(tc::kKeyTile, D)};
-        Tile vb[2] = {kb[0], kb[1]};
-        if (tiles > 0) {
-          kb[0] = load_tile(k, 0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
-          vb[0] = load_tile(v, 0, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+          if (masked)
+            tc::ds_cols<true>(lane_frag(pt, ln), lane_frag(dpt, ln), ln, row0, i0, s, p.shift,
+                              scale_log2, lse_s[b], dl_s[b]);
+          else
+            tc::ds_cols<false>(lane_frag(pt, ln), lane_frag(dpt, ln), ln, row0, i0, s, p.shift,
+                               scale_log2, lse_s[b], dl_s[b]);
+        for (int kk = 0; kk < tc::kQueryTile / 16; ++kk) {
+          mma_av(dva[w], a_from_c(pt, kk), dot, kk);
+          mma_av(dka[w], a_from_c(dpt, kk), qt, kk);
         }
-        for (I t = 0; t < tiles; ++t) {
-          const I j0 = t * tc::kKeyTile;
-          if (t + 1 < tiles) {
-            kb[tc::buffer_of(t + 1)] =
-                load_tile(k, j0 + tc::kKeyTile, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
-            vb[tc::buffer_of(t + 1)] =
-                load_tile(v, j0 + tc::kKeyTile, tc::kKeyTile, s, p.ldkv(), kvh * D, D);
+        for (int ln = 0; ln < kL; ++ln)
+          for (int n = 0; n < NS; ++n)
+            for (int h = 0; h < 2; ++h) {
+              const int r = w * tc::kWarpRows + tc::c_row(ln, 2 * h), c = 8 * n + tc::c_col(ln, 0);
+              for (int e = 0; e < 2; ++e)
+                dst.v[static_cast<std::size_t>(r * tc::kQueryTile + c + e)] =
+                    round_bf16(dpt[ln][n][2 * h + e]);
+            }
+      }
+      // dQ = dS·K: each warp its quarter, A from dSᵀ by ldmatrix.trans, B from the block's K.
+      DqShare share{head_of(it), tile_of(it), tc::dq_turn(work.key_block), ticket,
+                    std::vector<float>(static_cast<std::size_t>(tc::kQueryTile * D), NAN)};
+      for (int w = 0; w < tc::kWarps; ++w) {
+        FragC<NQ> dqa;
+        zero(dqa);
+        for (int kk = 0; kk < tc::kBlockRows / 16; ++kk) {
+          const FragA a = as_a(ldsm_x4(dst, 16 * kk, tc::dq_row(w), true, tc::ldsm_at));
+          for (int nb = 0; nb < NQ / 2; ++nb) {
+            const Regs r = ldsm_x4(kt, 16 * kk, tc::dq_col(w, D) + 16 * nb, true, tc::ldsm_a);
+            mma(dqa, 2 * nb, a, as_b(r, 0));
+            mma(dqa, 2 * nb + 1, a, as_b(r, 1));
           }
-          const Tile& kt = kb[tc::buffer_of(t)];
-          const Tile& vt = vb[tc::buffer_of(t)];
-          FragC<NS> sc, dp;
-          zero(sc);
-          zero(dp);
-          mma_abt(sc, qt, w * tc::kWarpRows, kt, D);
-          mma_abt(dp, dot, w * tc::kWarpRows, vt, D);
-          const bool masked = t >= tc::clear_key_tiles(q0, s, p.shift);
-          for (int ln = 0; ln < kL; ++ln) {
-            const float l2[2] = {lse2[ln][0], lse2[ln][1]}, d2[2] = {dl[ln][0], dl[ln][1]};
-            if (masked)
-              tc::ds_rows<true>(lane_frag(sc, ln), lane_frag(dp, ln), ln, row0, j0, s, p.shift,
-                                scale_log2, l2, d2);
-            else
-              tc::ds_rows<false>(lane_frag(sc, ln), lane_frag(dp, ln), ln, row0, j0, s, p.shift,
-                                 scale_log2, l2, d2);
-          }
-          for (int kk = 0; kk < tc::kKeyTile / 16; ++kk) mma_av(acc, a_from_c(sc, kk), kt, kk);
         }
-        store(acc, scale, dq, row0, s, p.ldq(), bh * D, p.accumulate, p.bf16_out);
+        for (int ln = 0; ln < kL; ++ln)
+          for (int n = 0; n < NQ; ++n)
+            for (int e = 0; e < 4; ++e)
+              share.v[static_cast<std::size_t>((tc::dq_row(w) + tc::c_row(ln, e)) * D +
+                                               tc::dq_col(w, D) + 8 * n + tc::c_col(ln, e))] =
+                  dqa[ln][n][e];
+      }
+      mine.push_back(std::move(share));
+    }
+    for (int w = 0; w < tc::kWarps; ++w) {
+      const I row0 = k0 + w * tc::kWarpRows;
+      store(dka[w], scale, dk, row0, s, p.ldkv(), kvh * D, p.accumulate, p.bf16_out);
+      store(dva[w], 1.0f, dv, row0, s, p.ldkv(), kvh * D, p.accumulate, p.bf16_out);
+    }
+  }
+  return shares;
+}
+
+/// The blocks' dQ adds as the GPU may interleave them: at most `resident` blocks at a time,
+/// started in ticket order (a block leaves when its last share is added); at each step one of the
+/// resident blocks, picked at random, adds its next share, unless it waits for its turn (the
+/// tile's counter below the share's turn). `turns` false adds on arrival instead: what the
+/// kernel would do without its counters. Each share adds fma(x, scale, acc) into the fp32
+/// accumulator acc ([S][heads·D]) as add_dq does. Returns false when every resident block waits:
+/// a deadlock on the GPU.
+bool add_dq_shares(const std::vector<std::vector<DqShare>>& blocks, const Problem& p, int resident,
+                   std::uint32_t seed, bool turns, std::vector<float>& acc) {
+  const I tiles = tc::query_tiles_end(p.s), d = p.d;
+  const float scale = 1.0f / std::sqrt(float(d));
+  std::vector<unsigned> counter(static_cast<std::size_t>(tc::dq_counters(p.heads, p.s)), 0u);
+  std::vector<std::size_t> next(blocks.size(), 0);
+  std::vector<std::size_t> running;
+  std::size_t started = 0;
+  std::mt19937 gen(seed);
+  for (;;) {
+    std::erase_if(running, [&](std::size_t b) { return next[b] == blocks[b].size(); });
+    for (; running.size() < static_cast<std::size_t>(resident) && started < blocks.size();
+         ++started)
+      if (!blocks[started].empty()) running.push_back(started);  // (a block with no step ends)
+    if (running.empty()) return true;
+    std::vector<std::size_t> ready;
+    for (std::size_t b : running) {
+      const DqShare& sh = blocks[b][next[b]];
+      if (!turns || counter[static_cast<std::size_t>(sh.head * tiles + sh.tile)] == sh.turn)
+        ready.push_back(b);
+    }
+    if (ready.empty()) return false;
+    const std::size_t b =
+        ready[std::uniform_int_distribution<std::size_t>(0, ready.size() - 1)(gen)];
+    const DqShare& sh = blocks[b][next[b]++];
+    for (I r = 0; r < tc::kQueryTile; ++r) {
+      const I row = sh.tile * tc::kQueryTile + r;
+      if (row >= p.s) continue;
+      for (I c = 0; c < d; ++c) {
+        float& x = acc[static_cast<std::size_t>(row * p.ldq() + sh.head * d + c)];
+        x = std::fma(sh.v[static_cast<std::size_t>(r * d + c)], scale, x);
       }
     }
+    ++counter[static_cast<std::size_t>(sh.head * tiles + sh.tile)];
   }
 }
 
-/// flash_dkdv_mma<D>.
-template <int D>
-void twin_dkdv(const Problem& p, const std::vector<float>& dout, const std::vector<float>& q,
-               const std::vector<float>& k, const std::vector<float>& v,
-               const std::vector<float>& lse, const std::vector<float>& delta,
-               std::vector<float>& dk, std::vector<float>& dv) {
-  constexpr int ND = D / 8, NS = tc::kQueryTile / 8;
-  const I s = p.s;
-  const float scale = 1.0f / std::sqrt(float(D)), scale_log2 = scale * tc::kLog2e;
-  for (I kvh = 0; kvh < p.kv(); ++kvh)
-    for (I k0 = 0; k0 < s; k0 += tc::kBlockRows) {
-      const Tile kt = load_tile(k, k0, tc::kBlockRows, s, p.ldkv(), kvh * D, D);
-      const Tile vt = load_tile(v, k0, tc::kBlockRows, s, p.ldkv(), kvh * D, D);
-      const I first = tc::first_query_tile(k0, p.shift);
-      const I per_head = std::max<I>(0, tc::query_tiles_end(s) - first);
-      for (int w = 0; w < tc::kWarps; ++w) {
-        const I row0 = k0 + w * tc::kWarpRows;
-        FragC<ND> dka, dva;
-        zero(dka);
-        zero(dva);
-        const I total = p.group * per_head;
-        // Step it's query head and first row; its Q, dO tiles, lse and Δ into buffer b.
-        auto first_row = [&](I it) { return (first + it % per_head) * tc::kQueryTile; };
-        Tile qb[2] = {unwritten(tc::kQueryTile, D), unwritten(tc::kQueryTile, D)};
-        Tile db[2] = {qb[0], qb[1]};
-        float lse_s[2][tc::kQueryTile], dl_s[2][tc::kQueryTile];
-        auto load_step = [&](I it, int b) {
-          const I bh = kvh * p.group + it / per_head, i0 = first_row(it);
-          qb[b] = load_tile(q, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
-          db[b] = load_tile(dout, i0, tc::kQueryTile, s, p.ldq(), bh * D, D);
-          for (int t = 0; t < tc::kQueryTile; ++t) {
-            const bool in = i0 + t < s;
-            lse_s[b][t] = in ? lse[static_cast<std::size_t>(bh * s + i0 + t)] * tc::kLog2e : 0.0f;
-            dl_s[b][t] = in ? delta[static_cast<std::size_t>(bh * s + i0 + t)] : 0.0f;
-          }
-        };
-        if (total > 0) load_step(0, 0);
-        for (I it = 0; it < total; ++it) {
-          if (it + 1 < total) load_step(it + 1, tc::buffer_of(it + 1));
-          const int b = tc::buffer_of(it);
-          const I i0 = first_row(it);
-          const Tile& qt = qb[b];
-          const Tile& dot = db[b];
-          FragC<NS> pt, dpt;
-          zero(pt);
-          zero(dpt);
-          mma_abt(pt, kt, w * tc::kWarpRows, qt, D);
-          mma_abt(dpt, vt, w * tc::kWarpRows, dot, D);
-          const bool masked = !tc::all_visible(i0, tc::kQueryTile, row0, tc::kWarpRows, s, p.shift);
-          for (int ln = 0; ln < kL; ++ln)
-            if (masked)
-              tc::ds_cols<true>(lane_frag(pt, ln), lane_frag(dpt, ln), ln, row0, i0, s, p.shift,
-                                scale_log2, lse_s[b], dl_s[b]);
-            else
-              tc::ds_cols<false>(lane_frag(pt, ln), lane_frag(dpt, ln), ln, row0, i0, s, p.shift,
-                                 scale_log2, lse_s[b], dl_s[b]);
-          for (int kk = 0; kk < tc::kQueryTile / 16; ++kk) {
-            mma_av(dva, a_from_c(pt, kk), dot, kk);
-            mma_av(dka, a_from_c(dpt, kk), qt, kk);
-          }
-        }
-        store(dka, scale, dk, row0, s, p.ldkv(), kvh * D, p.accumulate, p.bf16_out);
-        store(dva, 1.0f, dv, row0, s, p.ldkv(), kvh * D, p.accumulate, p.bf16_out);
-      }
-    }
+/// dq as the launcher leaves it: the accumulator starts at 0 (a bf16 dq, rounded from it after
+/// the kernel) or is the fp32 dq itself (a chunk pair's share added to what is there).
+std::vector<float> dq_of(const std::vector<std::vector<DqShare>>& blocks, const Problem& p,
+                         const std::vector<float>& dq0, int resident, std::uint32_t seed) {
+  std::vector<float> acc = p.accumulate ? dq0 : std::vector<float>(dq0.size(), 0.0f);
+  EXPECT_TRUE(add_dq_shares(blocks, p, resident, seed, true, acc))
+      << "every resident block waits for a turn: a deadlock";
+  if (p.bf16_out)
+    for (float& x : acc) x = round_bf16(x);
+  return acc;
 }
 
 // ---- The reference -----------------------------------------------------------------------------
@@ -519,6 +563,7 @@ double rel_error(const std::vector<float>& got, const std::vector<double>& want,
   double err = 0.0, size = 1.0;
   for (std::size_t e = 0; e < got.size(); ++e) {
     const double b = base.empty() ? 0.0 : base[e];
+    if (!std::isfinite(got[e])) return INFINITY;  // (std::max would pass a NaN over)
     err = std::max(err, std::abs(double(got[e]) - (b + want[e])));
     size = std::max(size, std::abs(want[e]));
   }
@@ -543,52 +588,63 @@ using Param = std::tuple<I, int, I, Pair>;  // S, D, group, pair
 
 class FlashTcTwin : public testing::TestWithParam<Param> {};
 
+/// A problem's bf16 inputs (rounded once, as stored), the twin's forward (out, lse), Δ as
+/// flash_delta_kernel computes it, and the gradients a chunk pair adds its share to.
+struct Case {
+  std::vector<float> q, k, v, dout, out, lse, delta, dq0, dk0, dv0;
+};
 template <int D>
-void run(const Problem& p) {
+Case prepare(const Problem& p) {
   const I s = p.s;
   const auto nq = static_cast<std::size_t>(s * p.ldq()),
              nk = static_cast<std::size_t>(s * p.ldkv());
   const std::uint32_t seed = static_cast<std::uint32_t>(s * 1000 + D + p.group * 7);
-  // bf16 tensors: the values as stored, rounded once here.
   auto bf16 = [](std::vector<float> x) {
     for (float& e : x) e = round_bf16(e);
     return x;
   };
-  const auto q = bf16(randoms(nq, seed)), k = bf16(randoms(nk, seed + 1)),
-             v = bf16(randoms(nk, seed + 2)), dout = bf16(randoms(nq, seed + 3));
-  const Ref ref = reference(p, q, k, v, dout);
-  std::vector<float> out(nq, 0.0f), lse(static_cast<std::size_t>(p.heads * s), 0.0f);
-  twin_forward<D>(p, q, k, v, out, lse);
-  const double e_out = rel_error(out, ref.out, {});
-  EXPECT_LT(e_out, 1e-2) << "out";
-  for (std::size_t e = 0; e < lse.size(); ++e) {
-    if (std::isinf(ref.lse[e])) {
-      EXPECT_EQ(lse[e], -INFINITY) << "lse of a row that sees no key, " << e;
-    } else {
-      ASSERT_NEAR(lse[e], ref.lse[e], 1e-4 * std::max(1.0, std::abs(ref.lse[e]))) << "lse " << e;
-    }
-  }
-  // Δ as flash_delta_kernel computes it: dO as the products read it, O as the forward stored it
-  // (bf16 for the causal attention).
-  std::vector<float> delta(lse.size(), 0.0f);
+  Case c;
+  c.q = bf16(randoms(nq, seed)), c.k = bf16(randoms(nk, seed + 1));
+  c.v = bf16(randoms(nk, seed + 2)), c.dout = bf16(randoms(nq, seed + 3));
+  c.out.assign(nq, 0.0f);
+  c.lse.assign(static_cast<std::size_t>(p.heads * s), 0.0f);
+  twin_forward<D>(p, c.q, c.k, c.v, c.out, c.lse);
+  // Δ: dO as the products read it, O as the forward stored it (bf16 for the causal attention).
+  c.delta.assign(c.lse.size(), 0.0f);
   for (I h = 0; h < p.heads; ++h)
     for (I i = 0; i < s; ++i) {
       float sum = 0.0f;
-      for (I c = 0; c < D; ++c) {
-        const auto e = static_cast<std::size_t>(i * p.ldq() + h * D + c);
-        sum += tpx::cuda::flash::delta_term<true>(dout[e], out[e]);
+      for (I col = 0; col < D; ++col) {
+        const auto e = static_cast<std::size_t>(i * p.ldq() + h * D + col);
+        sum += tpx::cuda::flash::delta_term<true>(c.dout[e], c.out[e]);
       }
-      delta[static_cast<std::size_t>(h * s + i)] = sum;
+      c.delta[static_cast<std::size_t>(h * s + i)] = sum;
     }
   // A chunk pair adds its share to what earlier pairs left in the gradients.
-  const std::vector<float> dq0 = p.accumulate ? randoms(nq, seed + 4) : std::vector<float>(nq),
-                           dk0 = p.accumulate ? randoms(nk, seed + 5) : std::vector<float>(nk),
-                           dv0 = p.accumulate ? randoms(nk, seed + 6) : std::vector<float>(nk);
-  std::vector<float> dq = dq0, dk = dk0, dv = dv0;
-  twin_dq<D>(p, dout, q, k, v, lse, delta, dq);
-  twin_dkdv<D>(p, dout, q, k, v, lse, delta, dk, dv);
-  const double e_dq = rel_error(dq, ref.dq, dq0), e_dk = rel_error(dk, ref.dk, dk0),
-               e_dv = rel_error(dv, ref.dv, dv0);
+  c.dq0 = p.accumulate ? randoms(nq, seed + 4) : std::vector<float>(nq);
+  c.dk0 = p.accumulate ? randoms(nk, seed + 5) : std::vector<float>(nk);
+  c.dv0 = p.accumulate ? randoms(nk, seed + 6) : std::vector<float>(nk);
+  return c;
+}
+
+template <int D>
+void run(const Problem& p) {
+  const Case c = prepare<D>(p);
+  const Ref ref = reference(p, c.q, c.k, c.v, c.dout);
+  const double e_out = rel_error(c.out, ref.out, {});
+  EXPECT_LT(e_out, 1e-2) << "out";
+  for (std::size_t e = 0; e < c.lse.size(); ++e) {
+    if (std::isinf(ref.lse[e])) {
+      EXPECT_EQ(c.lse[e], -INFINITY) << "lse of a row that sees no key, " << e;
+    } else {
+      ASSERT_NEAR(c.lse[e], ref.lse[e], 1e-4 * std::max(1.0, std::abs(ref.lse[e]))) << "lse " << e;
+    }
+  }
+  std::vector<float> dk = c.dk0, dv = c.dv0;
+  const auto shares = twin_bwd<D>(p, c.dout, c.q, c.k, c.v, c.lse, c.delta, dk, dv);
+  const std::vector<float> dq = dq_of(shares, p, c.dq0, 3, 1);
+  const double e_dq = rel_error(dq, ref.dq, c.dq0), e_dk = rel_error(dk, ref.dk, c.dk0),
+               e_dv = rel_error(dv, ref.dv, c.dv0);
   EXPECT_LT(e_dq, 2e-2) << "dq";
   EXPECT_LT(e_dk, 2e-2) << "dk";
   EXPECT_LT(e_dv, 2e-2) << "dv";
@@ -746,6 +802,78 @@ TEST(FlashTcTwinFragments, TileMaskAgreesWithVisible) {
                   << "S " << s << " shift " << shift << " row0 " << row0 << " col0 " << col0
                   << " i " << i << " j " << j;
         }
+}
+
+// ---- dQ's fixed order -------------------------------------------------------------------------
+
+/// dQ's adds in the kernel's order give the same bits however the blocks interleave (one to
+/// five resident at a time, any pick among those ready), for the causal attention (bf16 dq
+/// rounded from the accumulator) and a chunk pair (added into an fp32 dq). Without the turns
+/// (adds on arrival) the bits do depend on the interleaving: the check can fail.
+TEST(FlashTcTwinOrder, DqIsTheSameBitsWhateverTheInterleaving) {
+  for (const bool pair : {false, true}) {
+    Problem p{200, 64, 4, 2, pair ? 70 : 0, pair};
+    p.bf16_out = !pair;
+    const Case c = prepare<64>(p);
+    std::vector<float> dk = c.dk0, dv = c.dv0;
+    const auto shares = twin_bwd<64>(p, c.dout, c.q, c.k, c.v, c.lse, c.delta, dk, dv);
+    const std::vector<float> first = dq_of(shares, p, c.dq0, 1, 0);
+    for (int resident : {1, 2, 5})
+      for (std::uint32_t seed = 1; seed <= 4; ++seed)
+        EXPECT_EQ(dq_of(shares, p, c.dq0, resident, seed), first)
+            << (pair ? "pair" : "causal") << ": resident " << resident << ", seed " << seed;
+    // The control, on the fp32 accumulators (a bf16 dq rounds most last-bit differences away).
+    auto accumulated = [&](std::uint32_t seed, bool turns) {
+      std::vector<float> acc = pair ? c.dq0 : std::vector<float>(c.dq0.size(), 0.0f);
+      EXPECT_TRUE(add_dq_shares(shares, p, 5, seed, turns, acc));
+      return acc;
+    };
+    const std::vector<float> in_turn = accumulated(1, true);
+    bool differs = false;
+    for (std::uint32_t seed = 1; seed <= 8 && !differs; ++seed)
+      differs = accumulated(seed, false) != in_turn;
+    EXPECT_TRUE(differs) << (pair ? "pair" : "causal")
+                         << ": adds on arrival gave the turns' bits under every interleaving";
+  }
+}
+
+/// The turns follow the tickets: with one block resident at a time, each started when the one
+/// before it has finished (in ticket order), no block ever waits; so on the GPU a block waits only
+/// for blocks that started before it, and the blocks cannot deadlock. Each (head, tile) counter
+/// reaches the number of key blocks that visit the tile, each of them once.
+TEST(FlashTcTwinOrder, ABlockWaitsOnlyForBlocksStartedBeforeIt) {
+  for (I shift : {I(0), I(-40), I(70), I(400)})
+    for (I group : {I(1), I(2)}) {
+      Problem p{200, 64, 4, group, shift, shift != 0};
+      p.bf16_out = shift == 0;
+      const Case c = prepare<64>(p);
+      std::vector<float> dk = c.dk0, dv = c.dv0;
+      const auto shares = twin_bwd<64>(p, c.dout, c.q, c.k, c.v, c.lse, c.delta, dk, dv);
+      std::vector<float> acc(c.dq0.size(), 0.0f);
+      EXPECT_TRUE(add_dq_shares(shares, p, 1, 0, true, acc)) << "shift " << shift;
+      std::vector<std::vector<unsigned>> turns(
+          static_cast<std::size_t>(tc::dq_counters(p.heads, p.s)));
+      for (const auto& block : shares)
+        for (const DqShare& sh : block) {
+          ASSERT_EQ(sh.head / group, tc::bwd_work(sh.ticket, p.kv()).kv_head);
+          turns[static_cast<std::size_t>(sh.head * tc::query_tiles_end(p.s) + sh.tile)].push_back(
+              sh.turn);
+        }
+      for (std::size_t t = 0; t < turns.size(); ++t)
+        for (std::size_t j = 0; j < turns[t].size(); ++j)
+          ASSERT_EQ(turns[t][j], j) << "shift " << shift << " counter " << t;
+    }
+}
+
+/// ldmatrix.trans with tc::ldsm_at reads the A fragment of a matrix stored transposed ([k][m]).
+TEST(FlashTcTwinFragments, LdmatrixTransDeliversATransposedA) {
+  Tile t{16, 16, std::vector<float>(256)};
+  for (int e = 0; e < 256; ++e) t.v[static_cast<std::size_t>(e)] = float(e);  // 16·k + m
+  const FragA a = as_a(ldsm_x4(t, 0, 0, true, tc::ldsm_at));
+  for (int l = 0; l < kL; ++l)
+    for (int i = 0; i < 8; ++i)
+      EXPECT_EQ(a[l][i], float(16 * tc::a_col(l, i) + tc::a_row(l, i)))
+          << "lane " << l << " a" << i;
 }
 
 }  // namespace

@@ -7,17 +7,17 @@
 // Grouped-query attention (Ainslie et al. 2023, arXiv:2305.13245): k, v, dk, dv are
 // [S, B, kv_heads·D] (row stride ldkv = B·kv_heads·D), and query head bh reads KV head
 // bh / group, group = heads / kv_heads (b·heads + h over group is b·kv_heads + h / group, since
-// group divides heads). The forward and dQ kernels, one block per (query block, query head), only
-// read K and V there. The dK/dV kernels run one block per (key block, KV head) and loop over the
+// group divides heads). The forward kernels, one block per (query block, query head), only read
+// K and V there. The backward kernels run one block per (key block, KV head) and loop over the
 // group's query heads inside the block, accumulating the sum over the group in registers before
-// writing each key row once: no atomics and no scratch, so dK and dV stay deterministic, at the
-// price of a grid `group` times smaller with `group` times the work per block. kv_heads = heads
-// is a group of one.
+// writing each key row once: no atomics, so dK and dV stay deterministic, at the price of a grid
+// `group` times smaller with `group` times the work per block. kv_heads = heads is a group of
+// one.
 //
 // Two families of kernels, the same algorithm:
 //  - tensor cores (bf16 tensors, D = 32, 64, 128): FlashAttention-2's work partitioning (Dao
-//    2023, section 3.3): 4 warps per block, each owning 16 query rows (forward, dQ) or 16 key rows
-//    (dK/dV) of the block's 64, all sharing the other side's tiles in shared memory. Products are
+//    2023, section 3.3): 4 warps per block, each owning 16 query rows (forward) or 16 key rows
+//    (backward) of the block's 64, all sharing the other side's tiles in shared memory. Products are
 //    mma.sync.aligned.m16n8k16 (bf16 × bf16 + fp32) in inline PTX, operands from shared memory
 //    by ldmatrix.x4 (.trans for a row-major B); the score tile and the O / dQ / dK / dV
 //    accumulators stay in registers, the online softmax runs on the score fragments (a row's
@@ -27,10 +27,12 @@
 //    twin). Q, K, V, dO are read as the bf16 tensors store them: cp.async.cg copies 16 bytes at
 //    a time from global to shared memory without passing through registers, and K/V (or Q/dO)
 //    tiles are double-buffered, tile t + 1 copying into one buffer while tile t is multiplied
-//    from the other (the pipeline above flash_forward_mma). O, dQ, dK, dV are stored as TOut:
+//    from the other (the pipeline above flash_forward_mma). O, dK, dV are stored as TOut:
 //    bf16, each value rounded once from its fp32 accumulator (the recipe's rounding point: the
 //    op's output), or fp32 (fp32 tensors under bf16 compute, whose inputs the caller rounds into
-//    bf16 copies; chunk pairs, added to what is there). lse and Δ stay fp32.
+//    bf16 copies; chunk pairs, added to what is there). dQ is summed over the key blocks in an
+//    fp32 accumulator in a fixed order (below), then rounded once into a bf16 dq (or it is the
+//    fp32 dq itself). lse and Δ stay fp32.
 //  - CUDA cores (fp32 compute, any D <= 256, and bf16 compute where the tensor cores do not run):
 //    one warp per row (4 rows per warp, 16 per block), lanes striding over D, tiles of 32 rows of
 //    the other side in shared memory; fp32 or bf16 tensors (T), widened as they are loaded,
@@ -44,33 +46,35 @@
 // needed 16 staging registers a thread for the rounding on the way).
 //   kernel     tiles               registers/thread (D = 128)           shared bytes (D 64 / 128)
 //   forward    64 q × 64 keys      O 64 + S 32 + ~60: <= 255              46080 /  87040
-//   dQ         64 q × 64 keys      dQ 64 + S 32 + dP 32 + ~60: <= 255     55296 / 104448
-//   dK/dV      64 keys × 32 q      dK 64 + dV 64 + Sᵀ 16 + dPᵀ 16 + ~60   37376 /  70144
-// (shared: the block's own 64 rows once, the other side's tiles twice, rows of D + 8 bf16; dK/dV
-// also lse and Δ twice). So 2 blocks (8 warps) per SM on sm_90 for every kernel and D
-// (registers <= 255 = 65536 / (2 · 128), shared <= 113 KB), more at D = 32 and 64 where
-// registers allow; on sm_80 2 blocks, except the forward and dQ at D = 128 (87 and 104 KB: 1
-// block). Two blocks of 4 warps let one block's products run while the other waits at a
+//   backward   64 keys × 32 q      dK 64 + dV 64 + Sᵀ 16 + dPᵀ 16 + ~60   42496 /  75264
+//                                  (then dQ's quarter 32 in Sᵀ's, dPᵀ's place)
+// (shared: the block's own 64 rows once, the other side's tiles twice, rows of D + 8 bf16; the
+// backward also lse and Δ twice and the dSᵀ tile, 64 × (32 + 8) bf16). So 2 blocks (8 warps)
+// per SM on sm_90 and sm_80 for both kernels and every D (registers <= 255 = 65536 / (2 ·
+// 128), shared <= 113 KB on sm_90, 81 KB on sm_80), except the forward at D = 128 on sm_80 (87
+// KB: 1 block). Two blocks of 4 warps let one block's products run while the other waits at a
 // barrier or for its next tile; a third would need both fewer registers (<= 168) and, at D =
 // 128, smaller tiles. Bytes per FLOP at D = 128, global, per tile (bf16: 2 B an element):
 // forward 2·64·D·2 B of K, V for 4·64·64·D FLOP = 1/64 (1/32 with the fp32 inputs of before);
-// dQ 2·64·D·2 B for 6·64·64·D = 1/96; dK/dV 2·32·D·2 B of Q, dO for 8·64·32·D FLOP = 1/128.
-// Shared memory, every warp reading the shared tiles by ldmatrix for each of its products: 1/16
-// B per FLOP in all three (a 64-row block is shared-memory-bound at about 16 FLOP/B; 128-row
-// blocks halve it), plus the cp.async writes, 1/64 (forward) or less.
+// backward 2·32·D·2 B of Q, dO read and 32·D·4 B of dQ read and written for 10·64·32·D FLOP =
+// 1/80. Shared memory, every warp reading the shared tiles by ldmatrix for each of its products:
+// 1/16 B per FLOP (a 64-row block is shared-memory-bound at about 16 FLOP/B; 128-row blocks
+// halve it), plus the cp.async writes, 1/64 (forward) or less.
 // Instructions per tensor-core op, read from the build's sm_90 SASS by the ctest flash_sass
 // (tests/check_flash_sass.py, nvdisasm): in each mma.sync kernel's main loop (the loop whose body
 // holds the most HMMA) the body's instructions over its HMMA, counted once each. Each instance,
 // bf16 and fp32 outputs alike, must stay at or below its budget below, so that a change that
 // makes a loop fatter fails. The budgets are the counts of these kernels as they are (before
 // the clear tiles ran without a mask, the exponent became one FFMA and one ex2.approx.ftz and
-// a tile's copies one address per thread stepped by a stride, and dK/dV counted its steps up
-// and masked in 32 bits: forward 10.6, dQ 7.0, dK/dV 8.4 at D 128); the aim is 4 or fewer
-// (copies without bounds on interior tiles, 32 query rows a warp).
+// a tile's copies one address per thread stepped by a stride: forward 10.6 at D 128). The
+// backward's step does five products where the two kernels before it did seven (dQ 3.2 and
+// dK/dV 5.1 per HMMA at D 128: 960 instructions for the 224 HMMA of a 64-key × 32-query block of
+// work, against 876 for 160 now); its extra instructions per HMMA are dSᵀ's stores, dQ's adds
+// and the turn. The aim is 4 or fewer (copies without bounds on interior tiles, 32 query rows a
+// warp).
 //                kernel          D 32   D 64  D 128
 //   sass budget  flash_forward    9.3    6.1    4.7
-//   sass budget  flash_dq         5.8    4.2    3.2
-//   sass budget  flash_dkdv      14.2    8.4    5.2
+//   sass budget  flash_bwd       14.8    8.7    5.5
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
 // (the tensor-core kernel does the same for 64 keys at a time), then o /= l, lse = m + log l.
@@ -78,9 +82,14 @@
 // dP products read it, O as the forward stored it, flash_operands.h), P = exp(s − lse_i):
 //   dV_j = Σ_i P_ij dO_i;  dP_ij = dO_i·v_j;  dS = P ∘ (dP − Δ_i);
 //   dQ_i = Σ_j dS_ij k_j / sqrt(D);  dK_j = Σ_i dS_ij q_i / sqrt(D)
-// (dK_j and dV_j also summed over the query heads of the group) split into a dQ kernel (parallel
-// over query blocks) and a dK/dV kernel (parallel over key blocks), each recomputing P: no
-// atomics, so results are deterministic. Causal blocks above the diagonal are never visited.
+// (dK_j and dV_j also summed over the query heads of the group) in one kernel parallel over key
+// blocks, recomputing P: five products per step (Sᵀ, dPᵀ, dV, dK, dQ), where a dQ kernel
+// parallel over query blocks beside a dK/dV kernel would take seven (S, dP and dQ again). dK and
+// dV are each a block's own; dQ_i sums over the key blocks, each adding its share to an fp32
+// accumulator at its turn, key block 0 first (flash_tc_math.h, "dQ's turns"): no atomic add, a
+// fixed order, so the result is the same bits on every run. (The CUDA-core kernels keep the two
+// kernels, flash_dq_simple and flash_dkdv_simple, with their seven products.) Causal blocks above
+// the diagonal are never visited.
 //
 // Context parallelism (stage 08) runs the kernels on one pair of sequence chunks at a time, as
 // the cpu backend runs its loops (common/cpu/attention.cc): the keys' global positions lie
@@ -574,14 +583,14 @@ __device__ __forceinline__ void mma_abt(float (&acc)[2 * NB][4], const bf16* a_t
     mma_bf16(acc[2 * nb + 1], a, b[2], b[3]);
   }
 }
-/// acc[D/8][4] (16 × D) += A (16 × 16, registers) · rows 16kk .. 16kk + 15 of a row-major
-/// [k][D] tile, read with ldmatrix.trans.
-template <int D>
-__device__ __forceinline__ void mma_av(float (&acc)[D / 8][4], const std::uint32_t (&a)[4],
+/// acc[W/8][4] (16 × W) += A (16 × 16, registers) · rows 16kk .. 16kk + 15 of a row-major
+/// [k][D] tile, its first W columns (from b_tile), read with ldmatrix.trans.
+template <int D, int W = D>
+__device__ __forceinline__ void mma_av(float (&acc)[W / 8][4], const std::uint32_t (&a)[4],
                                        const bf16* b_tile, int kk, int lane) {
   constexpr int ld = tc::ld_tile(D);
   const tc::RowCol pb = tc::ldsm_a(lane);  // the .trans B layout addresses rows as A does
-  for (int nb = 0; nb < D / 16; ++nb) {
+  for (int nb = 0; nb < W / 16; ++nb) {
     std::uint32_t b[4];
     ldsm_x4_trans(b, b_tile + (16 * kk + pb.row) * ld + 16 * nb + pb.col);
     mma_bf16(acc[2 * nb], a, b[0], b[1]);
@@ -613,6 +622,55 @@ __device__ __forceinline__ void product_cv(float (&acc)[D / 8][4], const float (
     std::uint32_t a[4];
     a_from_c(a, c, kk);
     mma_av<D>(acc, a, tile, kk, lane);
+  }
+}
+
+/// The warp's dSᵀ (16 keys × 32 queries, C fragments) into its rows of the shared dSᵀ tile,
+/// rounded to bf16 as the dK product rounded it (a_from_c): two values per 4-byte store.
+template <int N>
+__device__ __forceinline__ void store_ds(bf16* rows, const float (&c)[N][4], int lane) {
+  for (int n = 0; n < N; ++n)
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<std::uint32_t*>(rows + tc::c_row(lane, 2 * h) * tc::ld_ds() + 8 * n +
+                                        tc::c_col(lane, 0)) =
+          pack_bf16(c[n][2 * h], c[n][2 * h + 1]);
+}
+
+// dQ's turns (tc::dq_turn): the block waits until a query tile's counter reads its turn, adds
+// its share, and sets the counter to the next turn. Thread 0 spins with an acquire load and, after
+// a barrier behind every thread's adds, sets the counter with a release store (PTX ISA, "Memory
+// Consistency Model": ld.acquire.gpu, st.release.gpu). The barriers order the other threads'
+// accesses with thread 0's (causality order is transitive through them), so the next block reads
+// every add of this one. The accumulator is read and written through L2 (ld.global.cg,
+// st.global.cg): an SM's L1 is not coherent with the others'.
+__device__ __forceinline__ void wait_turn(const unsigned* turn, unsigned mine) {
+  if (threadIdx.x == 0) {
+    unsigned seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
+    } while (seen != mine);
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ void pass_turn(unsigned* turn, unsigned next) {
+  __syncthreads();
+  if (threadIdx.x == 0)
+    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(turn), "r"(next) : "memory");
+}
+/// acc (16 × W: query rows row0 + c_row, columns 8n + c_col from p) × scale added to the fp32
+/// accumulator p[row·ld + col], rows inside S.
+template <int NW>
+__device__ __forceinline__ void add_dq(const float (&acc)[NW][4], float scale, float* p, I row0,
+                                       I s, I ld, int lane) {
+  for (int h = 0; h < 2; ++h) {
+    const I row = row0 + tc::c_row(lane, 2 * h);
+    if (row >= s) continue;
+    for (int n = 0; n < NW; ++n) {
+      float2* dst = reinterpret_cast<float2*>(p + row * ld + 8 * n + tc::c_col(lane, 0));
+      const float2 x = __ldcg(dst);
+      __stcg(dst,
+             make_float2(fmaf(acc[n][2 * h], scale, x.x), fmaf(acc[n][2 * h + 1], scale, x.y)));
+    }
   }
 }
 
@@ -705,89 +763,50 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   }
 }
 
-// dQ: one block per (64 query rows, query head), as the forward. Per key tile: S = Q·Kᵀ,
-// dP = dO·Vᵀ, dS = P ∘ (dP − Δ) on the fragments, dQ += dS·K.
+// Backward: one block per (64 keys, KV head), 4 warps of 16 keys, its work from a ticket
+// (tc::bwd_work: key block 0 of every head first). The steps go over the query tiles of 32 from
+// the first that sees the block's keys, and for each tile over the query heads of the group
+// (tile-major, so that key block j stays about two steps behind key block j − 1, whose dQ turns
+// it waits for, instead of catching up with it head by head); Q, dO, lse and Δ of step t + 1
+// copy into two buffers while step t runs. Per step, the five products (FlashAttention-2's
+// Algorithm 2): on the transposed blocks Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, Pᵀ and dSᵀ on the
+// fragments, dV += Pᵀ·dO and dK += dSᵀ·Q in registers (summed over the group, written once);
+// then dSᵀ into shared memory, and dQ (the tile's 32 rows × D, each warp a quarter) = dS·K, added
+// to the fp32 accumulator dq_acc at the block's turn (tc::dq_turn). dq_acc is the fp32 output
+// itself, or scratch that the launcher rounds into bf16 after the kernel.
 template <int D, class TOut>
 __global__ void __launch_bounds__(tc::kThreads, 2)
-    flash_dq_mma(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse,
-                 const float* delta, TOut* dq, I s, I ldq, I ldkv, I group, float scale,
-                 float scale_log2, I shift, bool accumulate) {
+    flash_bwd_mma(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse,
+                  const float* delta, float* dq_acc, unsigned* sync, TOut* dk, TOut* dv, I s, I ldq,
+                  I ldkv, I group, I kv_heads, float scale, float scale_log2, I shift,
+                  bool accumulate) {
   extern __shared__ __align__(128) unsigned char mma_smem[];
-  constexpr int kTile = kKeyTile * tc::ld_tile(D);
-  bf16* qs = reinterpret_cast<bf16*>(mma_smem);
-  bf16* dos = qs + kBlockRows * tc::ld_tile(D);
-  bf16* ks = dos + kBlockRows * tc::ld_tile(D);  // [2][64][D + 8]
-  bf16* vs = ks + 2 * kTile;                     // [2][64][D + 8]
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const I qb = I(gridDim.y) - 1 - blockIdx.y;  // the longest rows first (tc_grid())
-  const I bh = blockIdx.x, q0 = qb * kBlockRows, kvh = bh / group;
-  dout += bh * D, q += bh * D, k += kvh * D, v += kvh * D, dq += bh * D;
-  const I tiles = tc::key_tiles(q0, s, shift);
-  const I row0 = q0 + warp * kWarpRows;
-  load_tile<kBlockRows, D>(qs, q, q0, s, ldq);
-  load_tile<kBlockRows, D>(dos, dout, q0, s, ldq);
-  if (tiles > 0) load_kv_tile<D>(ks, vs, k, v, 0, s, ldkv);
-  cp_async_commit();
-  float lse2[2], dl[2];
-  for (int h = 0; h < 2; ++h) {
-    const I row = row0 + tc::c_row(lane, 2 * h);
-    lse2[h] = row < s ? lse[bh * s + row] * tc::kLog2e : 0.0f;
-    dl[h] = row < s ? delta[bh * s + row] : 0.0f;
-  }
-  const bf16* qw = qs + warp * kWarpRows * tc::ld_tile(D);
-  const bf16* dow = dos + warp * kWarpRows * tc::ld_tile(D);
-  float acc[D / 8][4];
-  zero(acc);
-  auto step = [&](I t, auto masked) {  // as the forward's
-    const int b = tc::buffer_of(t);
-    next_kv_tile<D>(ks, vs, k, v, t, tiles, s, ldkv);
-    const bf16* kc = ks + b * kTile;
-    float sc[kKeyTile / 8][4], dp[kKeyTile / 8][4];
-    product_abt<kKeyTile / 16, D>(sc, qw, kc, lane);
-    product_abt<kKeyTile / 16, D>(dp, dow, vs + b * kTile, lane);
-    tc::ds_rows<decltype(masked)::value>(sc, dp, lane, row0, t * kKeyTile, s, shift, scale_log2,
-                                         lse2, dl);
-    product_cv<kKeyTile / 8, D>(acc, sc, kc, lane);
-    __syncthreads();
-  };
-  const I clear = tc::clear_key_tiles(q0, s, shift);
-  for (I t = 0; t < clear; ++t) step(t, std::false_type{});
-  for (I t = clear; t < tiles; ++t) step(t, std::true_type{});
-  cp_async_wait<0>();
-  store_acc(acc, scale, dq, row0, s, ldq, accumulate, lane);
-}
-
-// dK/dV: one block per (64 keys, KV head), 4 warps of 16 keys, looping over the query heads of
-// the group and, for each, over query tiles of 32 (two buffers, with their lse and Δ). Per
-// tile, on the transposed blocks: Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ and dSᵀ on the fragments,
-// dV += Pᵀ·dO and dK += dSᵀ·Q, summed over the group in registers and written once: no
-// atomics, deterministic.
-template <int D, class TOut>
-__global__ void __launch_bounds__(tc::kThreads, 2)
-    flash_dkdv_mma(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const float* lse,
-                   const float* delta, TOut* dk, TOut* dv, I s, I ldq, I ldkv, I group, float scale,
-                   float scale_log2, I shift, bool accumulate) {
-  extern __shared__ __align__(128) unsigned char mma_smem[];
+  __shared__ unsigned ticket;
   constexpr int kTile = kQueryTile * tc::ld_tile(D);
   bf16* ks = reinterpret_cast<bf16*>(mma_smem);
   bf16* vs = ks + kBlockRows * tc::ld_tile(D);
-  bf16* qs = vs + kBlockRows * tc::ld_tile(D);               // [2][32][D + 8]
-  bf16* dos = qs + 2 * kTile;                                // [2][32][D + 8]
-  float* lse_s = reinterpret_cast<float*>(dos + 2 * kTile);  // [2][32], × log2(e)
-  float* dl_s = lse_s + 2 * kQueryTile;                      // [2][32]
+  bf16* qs = vs + kBlockRows * tc::ld_tile(D);                 // [2][32][D + 8]
+  bf16* dos = qs + 2 * kTile;                                  // [2][32][D + 8]
+  float* lse_s = reinterpret_cast<float*>(dos + 2 * kTile);    // [2][32], × log2(e)
+  float* dl_s = lse_s + 2 * kQueryTile;                        // [2][32]
+  bf16* dss = reinterpret_cast<bf16*>(dl_s + 2 * kQueryTile);  // dSᵀ [64][32 + 8]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  // Key block 0 meets every query tile: the blocks in y order are the longest first (tc_grid()).
-  const I kvh = blockIdx.x, k0 = I(blockIdx.y) * kBlockRows;
+  if (threadIdx.x == 0) ticket = atomicAdd(sync, 1u);
+  __syncthreads();
+  const tc::BwdWork work = tc::bwd_work(ticket, kv_heads);
+  unsigned* turns = sync + 1;  // [heads_total][query tiles]
+  const I kvh = work.kv_head, k0 = work.key_block * kBlockRows;
+  const unsigned my_turn = tc::dq_turn(work.key_block);
   k += kvh * D, v += kvh * D, dk += kvh * D, dv += kvh * D;
   const I first = tc::first_query_tile(k0, shift), end = tc::query_tiles_end(s);
-  const I per_head = end > first ? end - first : 0;
-  const I total = group * per_head;      // (head, query tile) pairs, in that order
-  const I row0 = k0 + warp * kWarpRows;  // the warp's first key
-  // A step: its query head and query tile, counted up (no division by per_head in the loop).
+  const I total = end > first ? group * (end - first) : 0;  // (query tile, head) steps
+  const I row0 = k0 + warp * kWarpRows;                     // the warp's first key
+  // A step: its query tile and query head, counted up (no division in the loop).
   struct Step {
-    I head, tile;
+    I tile, head;
   };
-  auto after = [&](Step p) { return ++p.tile == end ? Step{p.head + 1, first} : p; };
+  const I head0 = kvh * group;
+  auto after = [&](Step p) { return ++p.head == head0 + group ? Step{p.tile + 1, head0} : p; };
   // The step's query and dO tiles into buffer b (issued, not waited for).
   auto load_step = [&](Step p, int b) {
     const I i0 = p.tile * kQueryTile;
@@ -797,11 +816,11 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   // lse (× log2 e) and Δ of the step's query tile: threads 0-31 fetch lse, 32-63 Δ, one float
   // each, into a register (scaled: cp.async cannot), stored after the step's products.
   auto stats = [&](Step p) {
-    const I bh = p.head, i0 = p.tile * kQueryTile;
+    const I i0 = p.tile * kQueryTile;
     const int t = int(threadIdx.x) % kQueryTile;
     const float* src = threadIdx.x < kQueryTile ? lse : delta;
     const float scale_of = threadIdx.x < kQueryTile ? tc::kLog2e : 1.0f;
-    return i0 + t < s ? src[bh * s + i0 + t] * scale_of : 0.0f;
+    return i0 + t < s ? src[p.head * s + i0 + t] * scale_of : 0.0f;
   };
   auto put_stats = [&](int b, float x) {
     const int t = int(threadIdx.x) % kQueryTile;
@@ -810,7 +829,7 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   const bool stat_thread = threadIdx.x < 2 * kQueryTile;
   load_tile<kBlockRows, D>(ks, k, k0, s, ldkv);
   load_tile<kBlockRows, D>(vs, v, k0, s, ldkv);
-  Step cur{kvh * group, first};
+  Step cur{first, head0};
   if (total > 0) {
     load_step(cur, 0);
     if (stat_thread) put_stats(0, stats(cur));
@@ -818,6 +837,11 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   cp_async_commit();
   const bf16* kw = ks + warp * kWarpRows * tc::ld_tile(D);
   const bf16* vw = vs + warp * kWarpRows * tc::ld_tile(D);
+  bf16* dsw = dss + warp * kWarpRows * tc::ld_ds();  // the warp's 16 key rows of dSᵀ
+  // dQ's quarter of the warp: query rows dq_row .. + 15 of the tile, columns dq_col .. + D/2 − 1.
+  const bf16* ds_read = dss + tc::dq_row(warp);
+  const bf16* k_read = ks + tc::dq_col(warp, D);
+  float* dq_warp = dq_acc + tc::dq_col(warp, D);
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
@@ -836,21 +860,35 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
     const bf16* qc = qs + b * kTile;
     const bf16* dc = dos + b * kTile;
     const I i0 = cur.tile * kQueryTile;
-    float pt[kQueryTile / 8][4], dpt[kQueryTile / 8][4];
-    product_abt<kQueryTile / 16, D>(pt, kw, qc, lane);
-    product_abt<kQueryTile / 16, D>(dpt, vw, dc, lane);
-    // The mask's test only on the tiles that need it (the diagonal's, S's ragged end): both
-    // versions sit in the loop (a clear-first order of the steps cost registers, and spilled).
-    if (tc::all_visible(i0, kQueryTile, row0, kWarpRows, s, shift))
-      tc::ds_cols<false>(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
-                         dl_s + b * kQueryTile);
-    else
-      tc::ds_cols<true>(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
-                        dl_s + b * kQueryTile);
-    product_cv<kQueryTile / 8, D>(dva, pt, dc, lane);
-    product_cv<kQueryTile / 8, D>(dka, dpt, qc, lane);
+    {
+      float pt[kQueryTile / 8][4], dpt[kQueryTile / 8][4];
+      product_abt<kQueryTile / 16, D>(pt, kw, qc, lane);
+      product_abt<kQueryTile / 16, D>(dpt, vw, dc, lane);
+      // The mask's test only on the tiles that need it (the diagonal's, S's ragged end).
+      if (tc::all_visible(i0, kQueryTile, row0, kWarpRows, s, shift))
+        tc::ds_cols<false>(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
+                           dl_s + b * kQueryTile);
+      else
+        tc::ds_cols<true>(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
+                          dl_s + b * kQueryTile);
+      product_cv<kQueryTile / 8, D>(dva, pt, dc, lane);
+      product_cv<kQueryTile / 8, D>(dka, dpt, qc, lane);
+      store_ds(dsw, dpt, lane);
+    }
     if (next && stat_thread) put_stats(bn, st);  // buffer bn's last readers passed the last barrier
-    __syncthreads();
+    __syncthreads();                             // dSᵀ whole
+    float dqa[D / 16][4];
+    zero(dqa);
+    for (int kk = 0; kk < kBlockRows / 16; ++kk) {
+      std::uint32_t a[4];
+      const tc::RowCol pa = tc::ldsm_at(lane);
+      ldsm_x4_trans(a, ds_read + (16 * kk + pa.row) * tc::ld_ds() + pa.col);
+      mma_av<D, D / 2>(dqa, a, k_read, kk, lane);
+    }
+    unsigned* turn = turns + cur.head * end + cur.tile;
+    wait_turn(turn, my_turn);
+    add_dq(dqa, scale, dq_warp + cur.head * D, i0 + tc::dq_row(warp), s, ldq, lane);
+    pass_turn(turn, my_turn + 1);  // its barrier also frees buffer b and dSᵀ for the next step
     cur = nxt;
   }
   cp_async_wait<0>();
@@ -911,7 +949,7 @@ cudaError_t tensor_cores_fit(I d, I ldq, I ldkv, bool& use) {
   int optin = 0;
   if (const cudaError_t e = smem_optin(optin); e != cudaSuccess) return e;
   const int dd = static_cast<int>(d);
-  use = tc::forward_smem(dd) <= optin && tc::dq_smem(dd) <= optin && tc::dkdv_smem(dd) <= optin;
+  use = tc::forward_smem(dd) <= optin && tc::bwd_smem(dd) <= optin;
   return cudaSuccess;
 }
 
@@ -1044,37 +1082,53 @@ cudaError_t forward_mma(const bf16* q, const bf16* k, const bf16* v, TOut* out, 
   return err;
 }
 
+/// The backward on the tensor cores: Δ first (the caller's launch_delta), then flash_bwd_mma,
+/// whose dQ goes to an fp32 accumulator: dq itself when it is fp32 (zeroed first, unless a chunk
+/// pair adds into it), else scratch.dq_acc, rounded into the bf16 dq after the kernel. The ticket
+/// and the turn counters start at 0.
 template <class TOut>
 cudaError_t backward_mma(const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
-                         const float* lse, const float* delta, TOut* dq, TOut* dk, TOut* dv, I s,
-                         I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
-                         cudaStream_t st) {
+                         const float* lse, const float* delta, FlashScratch scratch, TOut* dq,
+                         TOut* dk, TOut* dv, I s, I heads_total, I group, I d, I ldq, I ldkv,
+                         FlashPair pair, cudaStream_t st) {
+  constexpr bool kF32 = std::is_same_v<TOut, float>;
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
-  const auto kv_total = static_cast<unsigned>(heads_total / group);
+  const I kv_heads = heads_total / group;
+  const I blocks = kv_heads * static_cast<I>(blocks_of(s, tc::kBlockRows));
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  float* acc = nullptr;
+  if constexpr (kF32)
+    acc = dq;
+  else
+    acc = scratch.dq_acc;
+  if (acc == nullptr || scratch.sync == nullptr) return cudaErrorInvalidValue;
+  const auto bytes = [](I n, std::size_t each) { return static_cast<std::size_t>(n) * each; };
   cudaError_t err = cudaSuccess;
+  if (!(kF32 && pair.accumulate)) err = cudaMemsetAsync(acc, 0, bytes(s * ldq, sizeof(float)), st);
+  if (err == cudaSuccess)
+    err = cudaMemsetAsync(scratch.sync, 0, bytes(flash_sync_words(heads_total, s), 4), st);
+  if (err != cudaSuccess) return err;
   with_head_dim(d, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    dim3 q_grid, kv_grid;
-    if (err = tc_grid(s, heads_total, q_grid); err != cudaSuccess) return;
-    if (err = tc_grid(s, kv_total, kv_grid); err != cudaSuccess) return;
-    err = allow_smem(flash_dq_mma<D, TOut>, tc::dq_smem(D));
+    err = allow_smem(flash_bwd_mma<D, TOut>, tc::bwd_smem(D));
     if (err != cudaSuccess) return;
-    flash_dq_mma<D, TOut><<<q_grid, tc::kThreads, tc::dq_smem(D), st>>>(
-        dout, q, k, v, lse, delta, dq, s, ldq, ldkv, group, scale, scale * tc::kLog2e, pair.shift,
-        pair.accumulate);
-    err = allow_smem(flash_dkdv_mma<D, TOut>, tc::dkdv_smem(D));
-    if (err != cudaSuccess) return;
-    flash_dkdv_mma<D, TOut><<<kv_grid, tc::kThreads, tc::dkdv_smem(D), st>>>(
-        dout, q, k, v, lse, delta, dk, dv, s, ldq, ldkv, group, scale, scale * tc::kLog2e,
-        pair.shift, pair.accumulate);
+    flash_bwd_mma<D, TOut><<<static_cast<unsigned>(blocks), tc::kThreads, tc::bwd_smem(D), st>>>(
+        dout, q, k, v, lse, delta, acc, scratch.sync, dk, dv, s, ldq, ldkv, group, kv_heads, scale,
+        scale * tc::kLog2e, pair.shift, pair.accumulate);
   });
-  return err;
+  if (err != cudaSuccess) return err;
+  if constexpr (!kF32) f32_to_bf16(acc, reinterpret_cast<std::uint16_t*>(dq), s * ldq, st);
+  return cudaSuccess;
 }
 
 }  // namespace
 
 int flash_tensor_cores(I d, I ldq, I ldkv, bool& use) {
   return tensor_cores_fit(d, ldq, ldkv, use);
+}
+
+I flash_sync_words(I heads_total, I s) {
+  return 1 + tc::dq_counters(heads_total, s);
 }
 
 int flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
@@ -1123,8 +1177,8 @@ int flash_attention_forward_bf16(const std::uint16_t* q, const std::uint16_t* k,
 
 int flash_attention_backward_bf16(const std::uint16_t* dout, const std::uint16_t* q,
                                   const std::uint16_t* k, const std::uint16_t* v, Src out,
-                                  const float* lse, float* delta, Dst dq, Dst dk, Dst dv, I s,
-                                  I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
+                                  const float* lse, FlashScratch scratch, Dst dq, Dst dk, Dst dv,
+                                  I s, I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
                                   void* stream) {
   if (dq.bf16 != dk.bf16 || dq.bf16 != dv.bf16) return cudaErrorInvalidValue;
   if (!valid(heads_total, group, !dq.bf16, pair)) return cudaErrorInvalidValue;
@@ -1135,22 +1189,22 @@ int flash_attention_backward_bf16(const std::uint16_t* dout, const std::uint16_t
   if (s == 0 || heads_total == 0) return cudaSuccess;
   const cudaStream_t st = dev::as_stream(stream);
   if (out.bf16)
-    launch_delta<true>(as_bf16(dout), static_cast<const bf16*>(out.p), delta, s, heads_total, d,
-                       ldq, st);
+    launch_delta<true>(as_bf16(dout), static_cast<const bf16*>(out.p), scratch.delta, s,
+                       heads_total, d, ldq, st);
   else
-    launch_delta<true>(as_bf16(dout), static_cast<const float*>(out.p), delta, s, heads_total, d,
-                       ldq, st);
+    launch_delta<true>(as_bf16(dout), static_cast<const float*>(out.p), scratch.delta, s,
+                       heads_total, d, ldq, st);
   if (!mma)
-    return backward_simple(as_bf16(dout), as_bf16(q), as_bf16(k), as_bf16(v), lse, delta,
+    return backward_simple(as_bf16(dout), as_bf16(q), as_bf16(k), as_bf16(v), lse, scratch.delta,
                            static_cast<bf16*>(dq.p), static_cast<bf16*>(dk.p),
                            static_cast<bf16*>(dv.p), s, heads_total, group, d, ldq, ldkv, true,
                            pair, st);
   if (dq.bf16)
-    return backward_mma(as_bf16(dout), as_bf16(q), as_bf16(k), as_bf16(v), lse, delta,
-                        static_cast<bf16*>(dq.p), static_cast<bf16*>(dk.p),
+    return backward_mma(as_bf16(dout), as_bf16(q), as_bf16(k), as_bf16(v), lse, scratch.delta,
+                        scratch, static_cast<bf16*>(dq.p), static_cast<bf16*>(dk.p),
                         static_cast<bf16*>(dv.p), s, heads_total, group, d, ldq, ldkv, pair, st);
-  return backward_mma(as_bf16(dout), as_bf16(q), as_bf16(k), as_bf16(v), lse, delta,
-                      static_cast<float*>(dq.p), static_cast<float*>(dk.p),
+  return backward_mma(as_bf16(dout), as_bf16(q), as_bf16(k), as_bf16(v), lse, scratch.delta,
+                      scratch, static_cast<float*>(dq.p), static_cast<float*>(dk.p),
                       static_cast<float*>(dv.p), s, heads_total, group, d, ldq, ldkv, pair, st);
 }
 

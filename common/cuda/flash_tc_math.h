@@ -59,13 +59,17 @@ constexpr int tile_bytes(int rows, int d) {
 constexpr int forward_smem(int d) {
   return tile_bytes(kBlockRows, d) + 4 * tile_bytes(kKeyTile, d);
 }
-/// dQ: Q and dO, then K and V twice.
-constexpr int dq_smem(int d) {
-  return 2 * tile_bytes(kBlockRows, d) + 4 * tile_bytes(kKeyTile, d);
+/// The backward's dSᵀ tile: the block's 64 keys by a step's 32 queries, bf16, rows of 32 + 8
+/// (80 bytes: the 8 rows an ldmatrix reads start at 8 different 16-byte bank groups, and the
+/// 32 lanes' 4-byte stores of a fragment hit 32 different banks).
+constexpr int ld_ds() {
+  return kQueryTile + kPad;
 }
-/// dK/dV: K and V of the block's keys, then Q and dO twice, then lse and Δ (fp32) twice.
-constexpr int dkdv_smem(int d) {
-  return 2 * tile_bytes(kBlockRows, d) + 4 * tile_bytes(kQueryTile, d) + 2 * 2 * kQueryTile * 4;
+/// Backward: K and V of the block's keys, then Q and dO twice, then lse and Δ (fp32) twice, then
+/// the dSᵀ tile that dQ = dS·K reads.
+constexpr int bwd_smem(int d) {
+  return 2 * tile_bytes(kBlockRows, d) + 4 * tile_bytes(kQueryTile, d) + 2 * 2 * kQueryTile * 4 +
+         2 * kBlockRows * ld_ds();
 }
 
 // ---- Tiles copied by cp.async ---------------------------------------------------------------
@@ -152,6 +156,13 @@ TPX_HD constexpr RowCol ldsm_a(int lane) {
 TPX_HD constexpr RowCol ldsm_b(int lane) {
   return {(lane & 7) + (ldsm_matrix(lane) >> 1) * 8, (ldsm_matrix(lane) & 1) * 8};
 }
+/// The A fragment of the 16×16 block at (0, 0) of an [m][k] matrix stored transposed, as a
+/// [k][m] tile (dSᵀ: keys by queries, for dQ = dS·K), read with .trans: matrices (m 0-7, k 0-7),
+/// (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15) lie at tile rows (k) 8·(matrix >> 1) ..,
+/// column (m) 8·(matrix & 1). Returned as (tile row = k, column = m).
+TPX_HD constexpr RowCol ldsm_at(int lane) {
+  return {(lane & 7) + (ldsm_matrix(lane) >> 1) * 8, (ldsm_matrix(lane) & 1) * 8};
+}
 /// What lane receives from one 8×8 matrix: element j (0, 1) of its register is the matrix's
 /// (row, col); with .trans the transposed position.
 TPX_HD constexpr RowCol ldsm_element(int lane, int j, bool trans) {
@@ -209,6 +220,45 @@ TPX_HD constexpr I first_query_tile(I k0, I shift) {
 TPX_HD constexpr I query_tiles_end(I s) {
   return (s + kQueryTile - 1) / kQueryTile;
 }
+
+// ---- The backward's work, and dQ's turns ------------------------------------------------------
+// One backward block per (64 keys, KV head) runs the five products of a step (a query tile of 32
+// and one query head of the group): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q in the
+// warps' registers, and dQ = dS·K, the step's share of 32 query rows, added to an fp32
+// accumulator in global memory that every key block adds into. Floating-point addition is not
+// associative, so the order of those adds is fixed: key block j adds its share to query tile i of
+// head h at turn j, waiting until the tile's counter reads j and setting it to j + 1 after. Every
+// key block j' < j visits tile i too (first_query_tile() does not decrease with the key block),
+// so the counter gets there; and a block waits only for blocks that started before it (the
+// tickets below), so no wait can deadlock.
+
+/// The blocks take their work in the order they start, from a ticket (a counter every block
+/// increments once), not from blockIdx: ticket t is KV head t % kv_heads, key block
+/// t / kv_heads. Every head's key block 0 (which meets every query tile: the longest) first, and
+/// key block j of a head after key blocks 0 .. j − 1 of that head, whose turns it waits for.
+struct BwdWork {
+  I kv_head, key_block;
+};
+TPX_HD constexpr BwdWork bwd_work(I ticket, I kv_heads) {
+  return {ticket % kv_heads, ticket / kv_heads};
+}
+/// The turn at which key block j adds its share to any query tile's dQ.
+TPX_HD constexpr unsigned dq_turn(I key_block) {
+  return static_cast<unsigned>(key_block);
+}
+/// The counters of dQ's turns: one per (query head, query tile of kQueryTile).
+TPX_HD constexpr I dq_counters(I heads_total, I s) {
+  return heads_total * query_tiles_end(s);
+}
+/// dQ's product, the step's 32 queries × D over the 4 warps: warp w takes query rows
+/// dq_row(w) .. + 15 of the tile and columns dq_col(w, D) .. + D/2 − 1.
+TPX_HD constexpr int dq_row(int warp) {
+  return (warp & 1) * kWarpRows;
+}
+TPX_HD constexpr int dq_col(int warp, int d) {
+  return (warp >> 1) * (d / 2);
+}
+static_assert(kWarps == 4 && kQueryTile == 2 * kWarpRows, "dQ's split: 2 × 2 warps");
 
 // ---- The softmax on C fragments -----------------------------------------------------------------
 // A warp's [16][N·8] score block is N C fragments: lane holds, of fragment n, the elements

@@ -162,11 +162,22 @@ int flash_attention_backward(const float* dout, const float* q, const float* k, 
 int flash_attention_forward_bf16(const std::uint16_t* q, const std::uint16_t* k,
                                  const std::uint16_t* v, Dst out, float* lse, I s, I heads_total,
                                  I group, I d, I ldq, I ldkv, FlashPair pair, void* stream);
+/// The bf16 backward's scratch: delta, Δ (heads_total·S floats); dq_acc, dQ's fp32 accumulator
+/// on the tensor cores when dq is bf16 (S·ldq floats; fp32 dq accumulates in place, and then
+/// dq_acc may be null); sync, flash_sync_words() words: the tensor-core backward's block ticket
+/// and the counters that fix the order of dQ's adds (flash_tc_math.h, "dQ's turns").
+struct FlashScratch {
+  float* delta = nullptr;
+  float* dq_acc = nullptr;
+  unsigned* sync = nullptr;
+};
+/// The words of FlashScratch::sync for heads_total heads of S rows.
+I flash_sync_words(I heads_total, I s);
 /// The same on bf16 dout, q, k, v; out (read for Δ) bf16 or fp32; dq, dk, dv of one dtype.
 int flash_attention_backward_bf16(const std::uint16_t* dout, const std::uint16_t* q,
                                   const std::uint16_t* k, const std::uint16_t* v, Src out,
-                                  const float* lse, float* delta, Dst dq, Dst dk, Dst dv, I s,
-                                  I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
+                                  const float* lse, FlashScratch scratch, Dst dq, Dst dk, Dst dv,
+                                  I s, I heads_total, I group, I d, I ldq, I ldkv, FlashPair pair,
                                   void* stream);
 /// (out, lse) ← their log-sum-exp merge with (part_out, part_lse), two attentions of the same
 /// queries over disjoint keys, in the layout above (out, part_out row stride ld; lse, part_lse

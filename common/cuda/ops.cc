@@ -353,7 +353,8 @@ namespace {
 // FlashAttention-2 kernels (flash_attention.cu) on the tensors in place. bf16 tensors are read
 // and written as they are stored (outputs rounded once by the kernels); fp32 ones too, except
 // that under bf16 compute the tensor-core kernels read bf16 copies of the inputs (above).
-// Backward's scratch is Δ = rowsum(dO ∘ O), one float per query row and head. `pair`: the
+// Backward's scratch is Δ = rowsum(dO ∘ O), one float per query row and head, and for bf16
+// operands dQ's fp32 accumulator (bf16 dq) and the counters that fix its adds' order. `pair`: the
 // causal attention, or one of context parallelism's chunk pairs, whose outputs are fp32 (its
 // inputs fp32, or bf16 under bf16 compute: stage 08's --dtype bf16).
 void fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, I heads, const Tensor& out,
@@ -399,9 +400,15 @@ void fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const 
               dq.describe());
     const Tensor dob = as_bf16(dout), qb = as_bf16(q), kb = as_bf16(k), vb = as_bf16(v);
     auto dst = [](const Tensor& t) -> kernels::Dst { return {t.raw(), t.dtype() == DType::bf16}; };
+    // dQ's fp32 accumulator (a bf16 dq; an fp32 one accumulates in place) and the words that fix
+    // the order of its adds (kernels::FlashScratch).
+    const Tensor dq_acc = dq.dtype() == DType::bf16 ? scratch({z.s * z.ldq}, DType::f32) : Tensor{};
+    const Tensor sync = scratch({kernels::flash_sync_words(z.b * heads, z.s)}, DType::i32);
+    const kernels::FlashScratch work{f(delta), dq_acc.defined() ? f(dq_acc) : nullptr,
+                                     static_cast<unsigned*>(sync.raw())};
     TPX_CUDA_CHECK(static_cast<cudaError_t>(kernels::flash_attention_backward_bf16(
-        h16(dob), h16(qb), h16(kb), h16(vb), {out.raw(), out.dtype() == DType::bf16}, cf(lse),
-        f(delta), dst(dq), dst(dk), dst(dv), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv, pair,
+        h16(dob), h16(qb), h16(kb), h16(vb), {out.raw(), out.dtype() == DType::bf16}, cf(lse), work,
+        dst(dq), dst(dk), dst(dv), z.s, z.b * heads, z.group(), z.d, z.ldq, z.ldkv, pair,
         stream())));
   } else {
     expect_f32(dq, "fused attention backward dq");
