@@ -14,6 +14,11 @@
 // them, and the outputs as the kernels store them: bf16 (rounded once) for the causal
 // attention, fp32 added to what is there for a chunk pair.
 //
+// The backward's blocks (one per 64 keys and KV head, in ticket order) hand their shares of dQ to
+// a scheduler that plays the GPU (add_dq_shares): a few blocks resident at a time, started in
+// ticket order, each adding its next share at its turn, in a random interleaving; it checks that
+// any interleaving gives the same bits and that no block waits for one that has not started.
+//
 // What this checks: that the algorithm and its tiling compute the attention (forward, dQ, dK,
 // dV, grouped-query, chunk pairs with a shift that add into their gradients) to bf16 accuracy
 // against a double-precision reference, and that the index functions are consistent with each

@@ -56,8 +56,8 @@
 // barrier or for its next tile; a third would need both fewer registers (<= 168) and, at D =
 // 128, smaller tiles. Bytes per FLOP at D = 128, global, per tile (bf16: 2 B an element):
 // forward 2·64·D·2 B of K, V for 4·64·64·D FLOP = 1/64 (1/32 with the fp32 inputs of before);
-// backward 2·32·D·2 B of Q, dO read and 32·D·4 B of dQ read and written for 10·64·32·D FLOP =
-// 1/80. Shared memory, every warp reading the shared tiles by ldmatrix for each of its products:
+// backward 2·32·D·2 B of Q, dO for 10·64·32·D FLOP = 1/160, plus 2·32·D·4 B of dQ's fp32
+// accumulator read and written = 1/80 (mostly L2: 32 MB at S 2048, B·NH 32, D 128). Shared memory, every warp reading the shared tiles by ldmatrix for each of its products:
 // 1/16 B per FLOP (a 64-row block is shared-memory-bound at about 16 FLOP/B; 128-row blocks
 // halve it), plus the cp.async writes, 1/64 (forward) or less.
 // Instructions per tensor-core op, read from the build's sm_90 SASS by the ctest flash_sass

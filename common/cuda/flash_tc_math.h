@@ -23,7 +23,8 @@
 // (2·(l % 4), l / 4) and (2·(l % 4) + 1, l / 4).
 //
 // defines: tpx::cuda::flash::tc::* (the constants, tile chunks and buffers, fragment and
-//          ldmatrix indices, tile bounds, visible(), the softmax steps)
+//          ldmatrix indices, tile bounds, visible(), the backward's work and dQ's turns, the
+//          softmax steps)
 #pragma once
 
 #include <cmath>
