@@ -235,20 +235,23 @@ float stored(float x, bool bf16_out) {
   return bf16_out ? round_bf16(x) : x;
 }
 
-/// flash_forward_mma<D>: out [S][heads·D], lse [heads][S].
+/// flash_forward_mma<D>: out [S][heads·D], lse [heads][S]. Each warp's tc::forward_row_tiles(D)
+/// row tiles of 16 are run one after the other (the kernel shares their K and V fragments, which
+/// changes no value).
 template <int D>
 void twin_forward(const Problem& p, const std::vector<float>& q, const std::vector<float>& k,
                   const std::vector<float>& v, std::vector<float>& out, std::vector<float>& lse) {
-  constexpr int ND = D / 8, NS = tc::kKeyTile / 8;
+  constexpr int ND = D / 8, NS = tc::kKeyTile / 8, M = tc::forward_row_tiles(D);
+  constexpr int kRows = tc::forward_rows(D);
   const I s = p.s;
   const float scale_log2 = 1.0f / std::sqrt(float(D)) * tc::kLog2e;
   for (I bh = 0; bh < p.heads; ++bh) {
     const I kvh = bh / p.group;
-    for (I q0 = 0; q0 < s; q0 += tc::kBlockRows) {
-      const Tile qt = load_tile(q, q0, tc::kBlockRows, s, p.ldq(), bh * D, D);
-      const I tiles = tc::key_tiles(q0, s, p.shift);
-      for (int w = 0; w < tc::kWarps; ++w) {
-        const I row0 = q0 + w * tc::kWarpRows;
+    for (I q0 = 0; q0 < s; q0 += kRows) {
+      const Tile qt = load_tile(q, q0, kRows, s, p.ldq(), bh * D, D);
+      const I tiles = tc::key_tiles(q0, s, p.shift, kRows);
+      for (int wt = 0; wt < tc::kWarps * M; ++wt) {  // warp wt / M, its row tile wt % M
+        const I row0 = q0 + wt * tc::kWarpRows;
         FragC<ND> o;
         zero(o);
         std::array<std::array<float, 2>, kL> m, l;
@@ -272,9 +275,9 @@ void twin_forward(const Problem& p, const std::vector<float>& q, const std::vect
           const Tile& vt = vb[tc::buffer_of(t)];
           FragC<NS> sc;
           zero(sc);
-          mma_abt(sc, qt, w * tc::kWarpRows, kt, D);
+          mma_abt(sc, qt, wt * tc::kWarpRows, kt, D);
           // The kernel masks every tile after the block's clear ones.
-          if (t >= tc::clear_key_tiles(q0, s, p.shift))
+          if (t >= tc::clear_key_tiles(q0, s, p.shift, kRows))
             for (int ln = 0; ln < kL; ++ln) tc::mask(lane_frag(sc, ln), ln, row0, j0, s, p.shift);
           for (int h = 0; h < 2; ++h) {
             std::array<float, kL> mx{};
@@ -728,7 +731,7 @@ TEST(FlashTcTwinFragments, AccumulatorBecomesOperandInPlace) {
 /// loop go to different buffers.
 TEST(FlashTcTwinFragments, TileCopiesWriteEveryElementOnce) {
   for (int d : {32, 64, 128})
-    for (int rows : {tc::kBlockRows, tc::kKeyTile, tc::kQueryTile}) {
+    for (int rows : {tc::kBlockRows, tc::kKeyTile, tc::kQueryTile, tc::forward_rows(d)}) {
       const int chunks = rows * tc::row_chunks(d);
       ASSERT_EQ(chunks % tc::kThreads, 0) << "rows " << rows << " D " << d;
       std::vector<int> writes(static_cast<std::size_t>(rows * d), 0);
@@ -749,14 +752,15 @@ TEST(FlashTcTwinFragments, TileCopiesWriteEveryElementOnce) {
 TEST(FlashTcTwinFragments, TileBoundsCoverExactlyTheVisibleKeys) {
   for (I s : {1, 15, 64, 65, 200})
     for (I shift : {I(-70), I(-5), I(0), I(3), I(64), I(300)}) {
-      for (I q0 = 0; q0 < s; q0 += tc::kBlockRows) {
-        I last = -1;  // the last key any row of the block sees
-        for (I i = q0; i < std::min(s, q0 + tc::kBlockRows); ++i)
-          for (I j = 0; j < s; ++j)
-            if (tc::visible(i, j, s, shift)) last = std::max(last, j);
-        EXPECT_EQ(tc::key_tiles(q0, s, shift), (last + tc::kKeyTile) / tc::kKeyTile)
-            << "S " << s << " shift " << shift << " q0 " << q0;
-      }
+      for (I rows : {I(tc::forward_rows(128)), I(tc::forward_rows(64))})
+        for (I q0 = 0; q0 < s; q0 += rows) {
+          I last = -1;  // the last key any row of the block sees
+          for (I i = q0; i < std::min(s, q0 + rows); ++i)
+            for (I j = 0; j < s; ++j)
+              if (tc::visible(i, j, s, shift)) last = std::max(last, j);
+          EXPECT_EQ(tc::key_tiles(q0, s, shift, rows), (last + tc::kKeyTile) / tc::kKeyTile)
+              << "S " << s << " shift " << shift << " q0 " << q0 << " rows " << rows;
+        }
       for (I k0 = 0; k0 < s; k0 += tc::kBlockRows) {
         I first = s;  // the first query that sees a key of the block
         for (I i = 0; i < s; ++i)
@@ -776,21 +780,23 @@ TEST(FlashTcTwinFragments, TileBoundsCoverExactlyTheVisibleKeys) {
 TEST(FlashTcTwinFragments, ClearTilesAreTheLeadingWholeVisibleOnes) {
   for (I s : {1, 63, 64, 65, 128, 200, 256})
     for (I shift : {I(-70), I(-5), I(0), I(3), I(63), I(64), I(300)})
-      for (I q0 = 0; q0 < s; q0 += tc::kBlockRows) {
-        const I tiles = tc::key_tiles(q0, s, shift), clear = tc::clear_key_tiles(q0, s, shift);
-        ASSERT_LE(clear, tiles) << "S " << s << " shift " << shift << " q0 " << q0;
-        auto whole = [&](I t) {
-          for (I i = q0; i < q0 + tc::kBlockRows; ++i)
-            for (I j = t * tc::kKeyTile; j < (t + 1) * tc::kKeyTile; ++j)
-              if (!tc::visible(i, j, s, shift)) return false;
-          return true;
-        };
-        for (I t = 0; t < clear; ++t)
-          EXPECT_TRUE(whole(t)) << "S " << s << " shift " << shift << " q0 " << q0 << " t " << t;
-        if (clear < tiles) {
-          EXPECT_FALSE(whole(clear)) << "S " << s << " shift " << shift << " q0 " << q0;
+      for (I rows : {I(tc::forward_rows(128)), I(tc::forward_rows(64))})
+        for (I q0 = 0; q0 < s; q0 += rows) {
+          const I tiles = tc::key_tiles(q0, s, shift, rows),
+                  clear = tc::clear_key_tiles(q0, s, shift, rows);
+          ASSERT_LE(clear, tiles) << "S " << s << " shift " << shift << " q0 " << q0;
+          auto whole = [&](I t) {
+            for (I i = q0; i < q0 + rows; ++i)
+              for (I j = t * tc::kKeyTile; j < (t + 1) * tc::kKeyTile; ++j)
+                if (!tc::visible(i, j, s, shift)) return false;
+            return true;
+          };
+          for (I t = 0; t < clear; ++t)
+            EXPECT_TRUE(whole(t)) << "S " << s << " shift " << shift << " q0 " << q0 << " t " << t;
+          if (clear < tiles) {
+            EXPECT_FALSE(whole(clear)) << "S " << s << " shift " << shift << " q0 " << q0;
+          }
         }
-      }
 }
 
 // The kernels' 32-bit per-tile mask says what visible() says for every element of a tile,

@@ -16,8 +16,9 @@
 //
 // Two families of kernels, the same algorithm:
 //  - tensor cores (bf16 tensors, D = 32, 64, 128): FlashAttention-2's work partitioning (Dao
-//    2023, section 3.3): 4 warps per block, each owning 16 query rows (forward) or 16 key rows
-//    (backward) of the block's 64, all sharing the other side's tiles in shared memory. Products are
+//    2023, section 3.3): 4 warps per block, each owning 32 query rows (forward at D = 32 and 64:
+//    a block of 128; 16 at D = 128, a block of 64) or 16 key rows (backward, a block of 64), all
+//    sharing the other side's tiles in shared memory. Products are
 //    mma.sync.aligned.m16n8k16 (bf16 × bf16 + fp32) in inline PTX, operands from shared memory
 //    by ldmatrix.x4 (.trans for a row-major B); the score tile and the O / dQ / dK / dV
 //    accumulators stay in registers, the online softmax runs on the score fragments (a row's
@@ -45,21 +46,32 @@
 // flight costs no registers (cp.async writes shared memory directly; the fp32 inputs of before
 // needed 16 staging registers a thread for the rounding on the way).
 //   kernel     tiles               registers/thread (D = 128)           shared bytes (D 64 / 128)
-//   forward    64 q × 64 keys      O 64 + S 32 + ~60: <= 255              46080 /  87040
+//   forward    64 q × 64 keys      O 64 + S 32 + ~60: <= 255              55296 /  87040
+//              (128 q at D 32, 64)
 //   backward   64 keys × 32 q      dK 64 + dV 64 + Sᵀ 16 + dPᵀ 16 + ~60   42496 /  75264
 //                                  (then dQ's quarter 32 in Sᵀ's, dPᵀ's place)
-// (shared: the block's own 64 rows once, the other side's tiles twice, rows of D + 8 bf16; the
+// (shared: the block's own rows once, the other side's tiles twice, rows of D + 8 bf16; the
 // backward also lse and Δ twice and the dSᵀ tile, 64 × (32 + 8) bf16). So 2 blocks (8 warps)
 // per SM on sm_90 and sm_80 for both kernels and every D (registers <= 255 = 65536 / (2 ·
 // 128), shared <= 113 KB on sm_90, 81 KB on sm_80), except the forward at D = 128 on sm_80 (87
 // KB: 1 block). Two blocks of 4 warps let one block's products run while the other waits at a
 // barrier or for its next tile; a third would need both fewer registers (<= 168) and, at D =
-// 128, smaller tiles. Bytes per FLOP at D = 128, global, per tile (bf16: 2 B an element):
+// 128, smaller tiles.
+// 32 rows a warp (FlashAttention-2's forward: 128 × 64 tiles, 4 warps): each K and V fragment a
+// warp reads from shared memory feeds two row tiles' products instead of one, halving those reads
+// per product. The forward takes them at D = 32 and 64 (tc::forward_row_tiles; ptxas, sm_90: 189
+// and 234 registers, no spills, 2 blocks per SM; fewer instructions per product, below). At
+// D = 128 the accumulators alone, O 128 and S 64 registers, leave too few: ptxas uses 255 and
+// spills 212 bytes, so the forward keeps 16 rows a warp there. The backward keeps 16 key rows a
+// warp at every D: 32 would double dK and dV, 128 registers each at D = 128, more than a thread
+// has; at D = 32 and 64 it has not been tried.
+// Bytes per FLOP at D = 128, global, per tile (bf16: 2 B an element):
 // forward 2·64·D·2 B of K, V for 4·64·64·D FLOP = 1/64 (1/32 with the fp32 inputs of before);
 // backward 2·32·D·2 B of Q, dO for 10·64·32·D FLOP = 1/160, plus 2·32·D·4 B of dQ's fp32
-// accumulator read and written = 1/80 (mostly L2: 32 MB at S 2048, B·NH 32, D 128). Shared memory, every warp reading the shared tiles by ldmatrix for each of its products:
-// 1/16 B per FLOP (a 64-row block is shared-memory-bound at about 16 FLOP/B; 128-row blocks
-// halve it), plus the cp.async writes, 1/64 (forward) or less.
+// accumulator read and written = 1/80 (mostly L2: 32 MB at S 2048, B·NH 32, D 128). Shared
+// memory, every warp reading the shared tiles by ldmatrix for each of its products: 1/16 B per
+// FLOP with 16 rows a warp (a 64-row block is shared-memory-bound at about 16 FLOP/B), the
+// K and V reads halved at 32 rows a warp, plus the cp.async writes, 1/64 (forward) or less.
 // Instructions per tensor-core op, read from the build's sm_90 SASS by the ctest flash_sass
 // (tests/check_flash_sass.py, nvdisasm): in each mma.sync kernel's main loop (the loop whose body
 // holds the most HMMA) the body's instructions over its HMMA, counted once each. Each instance,
@@ -72,8 +84,9 @@
 // work, against 876 for 160 now); its extra instructions per HMMA are dSᵀ's stores, dQ's adds
 // and the turn. The aim is 4 or fewer (copies without bounds on interior tiles, 32 query rows a
 // warp).
+// The forward at 32 rows a warp (D 32, 64) went from 9.2 and 6.1 to 8.4 and 5.3.
 //                kernel          D 32   D 64  D 128
-//   sass budget  flash_forward    9.3    6.1    4.7
+//   sass budget  flash_forward    8.4    5.3    4.7
 //   sass budget  flash_bwd       14.8    8.7    5.5
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
@@ -567,34 +580,44 @@ __device__ __forceinline__ void load_tile(bf16* tile, const bf16* p, I row0, I s
   }
 }
 
-/// acc[2·NB][4] (16 × 16·NB) += A (the warp's 16 rows of a row-major [m][D] tile, columns
-/// 16kk ..) · Bᵀ for B = rows 0 .. 16·NB − 1 of an [n][D] tile, for one k step kk (16 of D).
-template <int NB, int D>
-__device__ __forceinline__ void mma_abt(float (&acc)[2 * NB][4], const bf16* a_tile,
+/// acc[M][2·NB][4] (M row tiles of 16 × 16·NB) += A (M 16-row tiles, rows 16m .. of a
+/// row-major [m][D] tile, columns 16kk ..) · Bᵀ for B = rows 0 .. 16·NB − 1 of an [n][D] tile,
+/// for one k step kk (16 of D). Each B fragment is read once for the M row tiles.
+template <int M, int NB, int D>
+__device__ __forceinline__ void mma_abt(float (&acc)[M][2 * NB][4], const bf16* a_tile,
                                         const bf16* b_tile, int kk, int lane) {
   constexpr int ld = tc::ld_tile(D);
-  std::uint32_t a[4];
+  std::uint32_t a[M][4];
   const tc::RowCol pa = tc::ldsm_a(lane), pb = tc::ldsm_b(lane);
-  ldsm_x4(a, a_tile + pa.row * ld + 16 * kk + pa.col);
+#pragma unroll
+  for (int mt = 0; mt < M; ++mt)
+    ldsm_x4(a[mt], a_tile + (16 * mt + pa.row) * ld + 16 * kk + pa.col);
   for (int nb = 0; nb < NB; ++nb) {
     std::uint32_t b[4];
     ldsm_x4(b, b_tile + (16 * nb + pb.row) * ld + 16 * kk + pb.col);
-    mma_bf16(acc[2 * nb], a, b[0], b[1]);
-    mma_bf16(acc[2 * nb + 1], a, b[2], b[3]);
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) {
+      mma_bf16(acc[mt][2 * nb], a[mt], b[0], b[1]);
+      mma_bf16(acc[mt][2 * nb + 1], a[mt], b[2], b[3]);
+    }
   }
 }
-/// acc[W/8][4] (16 × W) += A (16 × 16, registers) · rows 16kk .. 16kk + 15 of a row-major
-/// [k][D] tile, its first W columns (from b_tile), read with ldmatrix.trans.
-template <int D, int W = D>
-__device__ __forceinline__ void mma_av(float (&acc)[W / 8][4], const std::uint32_t (&a)[4],
+/// acc[M][W/8][4] (M row tiles of 16 × W) += A[m] (M 16 × 16 blocks, registers) · rows
+/// 16kk .. 16kk + 15 of a row-major [k][D] tile, its first W columns (from b_tile), read with
+/// ldmatrix.trans once for the M row tiles.
+template <int M, int D, int W = D>
+__device__ __forceinline__ void mma_av(float (&acc)[M][W / 8][4], const std::uint32_t (&a)[M][4],
                                        const bf16* b_tile, int kk, int lane) {
   constexpr int ld = tc::ld_tile(D);
   const tc::RowCol pb = tc::ldsm_a(lane);  // the .trans B layout addresses rows as A does
   for (int nb = 0; nb < W / 16; ++nb) {
     std::uint32_t b[4];
     ldsm_x4_trans(b, b_tile + (16 * kk + pb.row) * ld + 16 * nb + pb.col);
-    mma_bf16(acc[2 * nb], a, b[0], b[1]);
-    mma_bf16(acc[2 * nb + 1], a, b[2], b[3]);
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) {
+      mma_bf16(acc[mt][2 * nb], a[mt], b[0], b[1]);
+      mma_bf16(acc[mt][2 * nb + 1], a[mt], b[2], b[3]);
+    }
   }
 }
 
@@ -603,25 +626,27 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
   for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
 
-/// acc = A·Bᵀ over the whole of D, the score-like products of every kernel (S = Q·Kᵀ and
-/// dP = dO·Vᵀ in the forward and dQ kernels, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ in dK/dV): A the warp's
-/// 16 rows of an [m][D] tile, B all 16·NB rows of an [n][D] tile, both in shared memory.
-template <int NB, int D>
-__device__ __forceinline__ void product_abt(float (&acc)[2 * NB][4], const bf16* a_tile,
+/// acc = A·Bᵀ over the whole of D, the score-like products (S = Q·Kᵀ in the forward, Sᵀ = K·Qᵀ
+/// and dPᵀ = V·dOᵀ in the backward): A the warp's M 16-row tiles of an [m][D] tile, B all 16·NB
+/// rows of an [n][D] tile, both in shared memory.
+template <int M, int NB, int D>
+__device__ __forceinline__ void product_abt(float (&acc)[M][2 * NB][4], const bf16* a_tile,
                                             const bf16* b_tile, int lane) {
-  zero(acc);
-  for (int kk = 0; kk < D / 16; ++kk) mma_abt<NB, D>(acc, a_tile, b_tile, kk, lane);
+#pragma unroll
+  for (int mt = 0; mt < M; ++mt) zero(acc[mt]);
+  for (int kk = 0; kk < D / 16; ++kk) mma_abt<M, NB, D>(acc, a_tile, b_tile, kk, lane);
 }
-/// acc (16 × D) += C · tile, the products that weight a tile's rows (P·V, dS·K, Pᵀ·dO, dSᵀ·Q):
-/// C a [16][8·NC] block of accumulators turned into A fragments in the same registers (rounded
-/// to bf16), the tile its 8·NC rows of D.
-template <int NC, int D>
-__device__ __forceinline__ void product_cv(float (&acc)[D / 8][4], const float (&c)[NC][4],
+/// acc (M row tiles of 16 × D) += C · tile, the products that weight a tile's rows (P·V, Pᵀ·dO,
+/// dSᵀ·Q): C, M blocks of [16][8·NC] accumulators, turned into A fragments in the same registers
+/// (rounded to bf16), the tile its 8·NC rows of D.
+template <int M, int NC, int D>
+__device__ __forceinline__ void product_cv(float (&acc)[M][D / 8][4], const float (&c)[M][NC][4],
                                            const bf16* tile, int lane) {
   for (int kk = 0; kk < NC / 2; ++kk) {
-    std::uint32_t a[4];
-    a_from_c(a, c, kk);
-    mma_av<D>(acc, a, tile, kk, lane);
+    std::uint32_t a[M][4];
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) a_from_c(a[mt], c[mt], kk);
+    mma_av<M, D>(acc, a, tile, kk, lane);
   }
 }
 
@@ -705,62 +730,76 @@ __device__ __forceinline__ void next_kv_tile(bf16* ks, bf16* vs, const bf16* k, 
   __syncthreads();
 }
 
-// Forward: one block per (64 query rows, query head), 4 warps of 16 rows; key tiles of 64 in two
-// buffers. Per tile: S = Q·Kᵀ, the online softmax on S's fragments, O += P·V with P as A
-// fragments from S's registers. O is stored as TOut (bf16: rounded once), lse in fp32.
+// Forward: one block per (tc::forward_rows(D) query rows, query head), 4 warps of M =
+// tc::forward_row_tiles(D) tiles of 16 rows (32 or 16 rows a warp); key tiles of 64 in two
+// buffers. Per tile: S = Q·Kᵀ for the warp's row tiles (each K fragment read once for them), the
+// online softmax on S's fragments, O += P·V with P as A fragments from S's registers (each V
+// fragment read once). O is stored as TOut (bf16: rounded once), lse in fp32.
 template <int D, class TOut>
 __global__ void __launch_bounds__(tc::kThreads, 2)
     flash_forward_mma(const bf16* q, const bf16* k, const bf16* v, TOut* out, float* lse, I s,
                       I ldq, I ldkv, I group, float scale_log2, I shift) {
+  constexpr int M = tc::forward_row_tiles(D), kRows = tc::forward_rows(D);
   extern __shared__ __align__(128) unsigned char mma_smem[];
   constexpr int kTile = kKeyTile * tc::ld_tile(D);  // bf16 per K or V tile
   bf16* qs = reinterpret_cast<bf16*>(mma_smem);
-  bf16* ks = qs + kBlockRows * tc::ld_tile(D);  // [2][64][D + 8]
-  bf16* vs = ks + 2 * kTile;                    // [2][64][D + 8]
+  bf16* ks = qs + kRows * tc::ld_tile(D);  // [2][64][D + 8]
+  bf16* vs = ks + 2 * kTile;               // [2][64][D + 8]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const I qb = I(gridDim.y) - 1 - blockIdx.y;  // the longest rows first (tc_grid())
-  const I bh = blockIdx.x, q0 = qb * kBlockRows, kvh = bh / group;
+  const I bh = blockIdx.x, q0 = qb * kRows, kvh = bh / group;
   q += bh * D, k += kvh * D, v += kvh * D, out += bh * D;
-  const I tiles = tc::key_tiles(q0, s, shift);
-  const I row0 = q0 + warp * kWarpRows;  // the warp's first query row
-  load_tile<kBlockRows, D>(qs, q, q0, s, ldq);
+  const I tiles = tc::key_tiles(q0, s, shift, kRows);
+  const I row0 = q0 + warp * M * kWarpRows;  // the warp's first query row; tile mt at + 16·mt
+  load_tile<kRows, D>(qs, q, q0, s, ldq);
   if (tiles > 0) load_kv_tile<D>(ks, vs, k, v, 0, s, ldkv);
   cp_async_commit();
-  const bf16* qw = qs + warp * kWarpRows * tc::ld_tile(D);
-  float o[D / 8][4];
-  zero(o);
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this lane's share of the sum
+  const bf16* qw = qs + warp * M * kWarpRows * tc::ld_tile(D);
+  float o[M][D / 8][4];
+  float m[M][2], l[M][2];  // l: this lane's share of the sum
+#pragma unroll
+  for (int mt = 0; mt < M; ++mt) {
+    zero(o[mt]);
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.0f;
+  }
   // One key tile; kMasked for the tiles after the clear ones (the diagonal, S's ragged end).
   auto step = [&](I t, auto masked) {
     const int b = tc::buffer_of(t);
     next_kv_tile<D>(ks, vs, k, v, t, tiles, s, ldkv);
-    float sc[kKeyTile / 8][4];
-    product_abt<kKeyTile / 16, D>(sc, qw, ks + b * kTile, lane);
-    if constexpr (decltype(masked)::value) tc::mask(sc, lane, row0, t * kKeyTile, s, shift);
-    for (int h = 0; h < 2; ++h) {
-      float alpha;
-      const float offset =
-          tc::online_max(m[h], quad_max(tc::lane_row_max(sc, h)), scale_log2, alpha);
-      l[h] = l[h] * alpha + tc::exp_row(sc, h, scale_log2, offset);
-      for (int n = 0; n < D / 8; ++n) o[n][2 * h] *= alpha, o[n][2 * h + 1] *= alpha;
+    float sc[M][kKeyTile / 8][4];
+    product_abt<M, kKeyTile / 16, D>(sc, qw, ks + b * kTile, lane);
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) {
+      if constexpr (decltype(masked)::value)
+        tc::mask(sc[mt], lane, row0 + mt * kWarpRows, t * kKeyTile, s, shift);
+      for (int h = 0; h < 2; ++h) {
+        float alpha;
+        const float offset =
+            tc::online_max(m[mt][h], quad_max(tc::lane_row_max(sc[mt], h)), scale_log2, alpha);
+        l[mt][h] = l[mt][h] * alpha + tc::exp_row(sc[mt], h, scale_log2, offset);
+        for (int n = 0; n < D / 8; ++n) o[mt][n][2 * h] *= alpha, o[mt][n][2 * h + 1] *= alpha;
+      }
     }
-    product_cv<kKeyTile / 8, D>(o, sc, vs + b * kTile, lane);
+    product_cv<M, kKeyTile / 8, D>(o, sc, vs + b * kTile, lane);
     __syncthreads();
   };
-  const I clear = tc::clear_key_tiles(q0, s, shift);
+  const I clear = tc::clear_key_tiles(q0, s, shift, kRows);
   for (I t = 0; t < clear; ++t) step(t, std::false_type{});
   for (I t = clear; t < tiles; ++t) step(t, std::true_type{});
   cp_async_wait<0>();  // (a block that visited no tile still has its Q in flight)
-  for (int h = 0; h < 2; ++h) {
-    const float lr = quad_sum(l[h]);
-    const I row = row0 + tc::c_row(lane, 2 * h);
-    if (row >= s) continue;
-    const float f = tc::out_factor(lr);
-    for (int n = 0; n < D / 8; ++n)
-      store_pair(out + row * ldq + 8 * n + tc::c_col(lane, 0), o[n][2 * h] * f, o[n][2 * h + 1] * f,
-                 false);
-    if (tc::thread_in_group(lane) == 0) lse[bh * s + row] = tc::row_lse(m[h], lr);
-  }
+#pragma unroll
+  for (int mt = 0; mt < M; ++mt)
+    for (int h = 0; h < 2; ++h) {
+      const float lr = quad_sum(l[mt][h]);
+      const I row = row0 + mt * kWarpRows + tc::c_row(lane, 2 * h);
+      if (row >= s) continue;
+      const float f = tc::out_factor(lr);
+      for (int n = 0; n < D / 8; ++n)
+        store_pair(out + row * ldq + 8 * n + tc::c_col(lane, 0), o[mt][n][2 * h] * f,
+                   o[mt][n][2 * h + 1] * f, false);
+      if (tc::thread_in_group(lane) == 0) lse[bh * s + row] = tc::row_lse(m[mt][h], lr);
+    }
 }
 
 // Backward: one block per (64 keys, KV head), 4 warps of 16 keys, its work from a ticket
@@ -842,9 +881,9 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
   const bf16* ds_read = dss + tc::dq_row(warp);
   const bf16* k_read = ks + tc::dq_col(warp, D);
   float* dq_warp = dq_acc + tc::dq_col(warp, D);
-  float dka[D / 8][4], dva[D / 8][4];
-  zero(dka);
-  zero(dva);
+  float dka[1][D / 8][4], dva[1][D / 8][4];  // (one 16-row tile of keys a warp)
+  zero(dka[0]);
+  zero(dva[0]);
   for (I it = 0; it < total; ++it) {
     const int b = tc::buffer_of(it), bn = tc::buffer_of(it + 1);
     const bool next = it + 1 < total;
@@ -861,39 +900,39 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
     const bf16* dc = dos + b * kTile;
     const I i0 = cur.tile * kQueryTile;
     {
-      float pt[kQueryTile / 8][4], dpt[kQueryTile / 8][4];
-      product_abt<kQueryTile / 16, D>(pt, kw, qc, lane);
-      product_abt<kQueryTile / 16, D>(dpt, vw, dc, lane);
+      float pt[1][kQueryTile / 8][4], dpt[1][kQueryTile / 8][4];
+      product_abt<1, kQueryTile / 16, D>(pt, kw, qc, lane);
+      product_abt<1, kQueryTile / 16, D>(dpt, vw, dc, lane);
       // The mask's test only on the tiles that need it (the diagonal's, S's ragged end).
       if (tc::all_visible(i0, kQueryTile, row0, kWarpRows, s, shift))
-        tc::ds_cols<false>(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
-                           dl_s + b * kQueryTile);
+        tc::ds_cols<false>(pt[0], dpt[0], lane, row0, i0, s, shift, scale_log2,
+                           lse_s + b * kQueryTile, dl_s + b * kQueryTile);
       else
-        tc::ds_cols<true>(pt, dpt, lane, row0, i0, s, shift, scale_log2, lse_s + b * kQueryTile,
-                          dl_s + b * kQueryTile);
-      product_cv<kQueryTile / 8, D>(dva, pt, dc, lane);
-      product_cv<kQueryTile / 8, D>(dka, dpt, qc, lane);
-      store_ds(dsw, dpt, lane);
+        tc::ds_cols<true>(pt[0], dpt[0], lane, row0, i0, s, shift, scale_log2,
+                          lse_s + b * kQueryTile, dl_s + b * kQueryTile);
+      product_cv<1, kQueryTile / 8, D>(dva, pt, dc, lane);
+      product_cv<1, kQueryTile / 8, D>(dka, dpt, qc, lane);
+      store_ds(dsw, dpt[0], lane);
     }
     if (next && stat_thread) put_stats(bn, st);  // buffer bn's last readers passed the last barrier
     __syncthreads();                             // dSᵀ whole
-    float dqa[D / 16][4];
-    zero(dqa);
+    float dqa[1][D / 16][4];
+    zero(dqa[0]);
     for (int kk = 0; kk < kBlockRows / 16; ++kk) {
-      std::uint32_t a[4];
+      std::uint32_t a[1][4];
       const tc::RowCol pa = tc::ldsm_at(lane);
-      ldsm_x4_trans(a, ds_read + (16 * kk + pa.row) * tc::ld_ds() + pa.col);
-      mma_av<D, D / 2>(dqa, a, k_read, kk, lane);
+      ldsm_x4_trans(a[0], ds_read + (16 * kk + pa.row) * tc::ld_ds() + pa.col);
+      mma_av<1, D, D / 2>(dqa, a, k_read, kk, lane);
     }
     unsigned* turn = turns + cur.head * end + cur.tile;
     wait_turn(turn, my_turn);
-    add_dq(dqa, scale, dq_warp + cur.head * D, i0 + tc::dq_row(warp), s, ldq, lane);
+    add_dq(dqa[0], scale, dq_warp + cur.head * D, i0 + tc::dq_row(warp), s, ldq, lane);
     pass_turn(turn, my_turn + 1);  // its barrier also frees buffer b and dSᵀ for the next step
     cur = nxt;
   }
   cp_async_wait<0>();
-  store_acc(dka, scale, dk, row0, s, ldkv, accumulate, lane);
-  store_acc(dva, 1.0f, dv, row0, s, ldkv, accumulate, lane);
+  store_acc(dka[0], scale, dk, row0, s, ldkv, accumulate, lane);
+  store_acc(dva[0], 1.0f, dv, row0, s, ldkv, accumulate, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -964,15 +1003,16 @@ unsigned blocks_of(I rows, int per_block) {
   return static_cast<unsigned>((rows + per_block - 1) / per_block);
 }
 
-/// The grid of a tensor-core kernel: (head, tile) as (x, y). The GPU issues blocks in the order
-/// of their linear index, x fastest, so every head's first tile goes before any head's second.
-/// The kernels take their tiles longest first (the forward's and dQ's last query tiles, which
-/// see the most keys; dK/dV's first key tiles, which meet the most queries), so the last wave
-/// holds the shortest tiles of every head instead of tiles of every length of the last heads
-/// (at S 2048, D 128, NH 32 on 132 SMs: 1024 blocks, 3.9 waves). y holds at most 65535 tiles
-/// (S up to 4 Mi at 64 rows a tile): more is refused as an invalid configuration.
-cudaError_t tc_grid(I rows, I heads, dim3& grid) {
-  const unsigned tiles = blocks_of(rows, tc::kBlockRows);
+/// The forward's grid: (head, tile of `per_tile` query rows) as (x, y). The GPU issues blocks in
+/// the order of their linear index, x fastest, so every head's first tile goes before any head's
+/// second. The kernel takes its tiles longest first (the last query tiles, which see the most
+/// keys), so the last wave holds the shortest tiles of every head instead of tiles of every length
+/// of the last heads (at S 2048, D 128, NH 32 on 132 SMs: 1024 blocks, 3.9 waves). The backward
+/// takes the same order from its tickets (tc::bwd_work: key block 0, which meets every query
+/// tile, of every head first). y holds at most 65535 tiles (S up to 4 Mi at 64 rows a tile): more
+/// is refused as an invalid configuration.
+cudaError_t tc_grid(I rows, int per_tile, I heads, dim3& grid) {
+  const unsigned tiles = blocks_of(rows, per_tile);
   if (tiles > 65535u || heads > 0x7fffffff) return cudaErrorInvalidConfiguration;
   grid = dim3(static_cast<unsigned>(heads), tiles);
   return cudaSuccess;
@@ -1075,7 +1115,7 @@ cudaError_t forward_mma(const bf16* q, const bf16* k, const bf16* v, TOut* out, 
     err = allow_smem(flash_forward_mma<D, TOut>, tc::forward_smem(D));
     if (err != cudaSuccess) return;
     dim3 grid;
-    if (err = tc_grid(s, heads_total, grid); err != cudaSuccess) return;
+    if (err = tc_grid(s, tc::forward_rows(D), heads_total, grid); err != cudaSuccess) return;
     flash_forward_mma<D, TOut><<<grid, tc::kThreads, tc::forward_smem(D), st>>>(
         q, k, v, out, lse, s, ldq, ldkv, group, scale * tc::kLog2e, pair.shift);
   });

@@ -40,7 +40,7 @@ inline constexpr int kLanes = 32;
 inline constexpr int kWarps = 4;  // per block
 inline constexpr int kThreads = kWarps * kLanes;
 inline constexpr int kWarpRows = 16;                   // query (or key) rows a warp owns
-inline constexpr int kBlockRows = kWarps * kWarpRows;  // 64: a block's query (or key) rows
+inline constexpr int kBlockRows = kWarps * kWarpRows;  // 64: a backward block's key rows
 inline constexpr int kKeyTile = 64;                    // keys per tile (forward, dQ)
 inline constexpr int kQueryTile = 32;                  // queries per tile (dK/dV)
 inline constexpr int kPad = 8;                         // bf16 per shared row past D
@@ -56,9 +56,21 @@ constexpr int ld_tile(int d) {
 constexpr int tile_bytes(int rows, int d) {
   return 2 * rows * ld_tile(d);
 }
+/// The forward's query rows per warp, in 16-row tiles: 2 (32 rows, FlashAttention-2's 128-row
+/// block of 4 warps) where ptxas fits them in 255 registers without spilling, D = 32 and 64; 1 at
+/// D = 128, where O alone would take 128 registers and the scores 64 more (ptxas spills them;
+/// flash_attention.cu's header has the numbers). Each of a warp's row tiles reads the same K and V
+/// fragments: two tiles halve the shared-memory reads per product.
+constexpr int forward_row_tiles(int d) {
+  return d <= 64 ? 2 : 1;
+}
+/// The forward block's query rows: 4 warps of forward_row_tiles(d) · 16.
+constexpr int forward_rows(int d) {
+  return kWarps * kWarpRows * forward_row_tiles(d);
+}
 /// Dynamic shared memory of each kernel. Forward: Q, then K and V twice (double-buffered).
 constexpr int forward_smem(int d) {
-  return tile_bytes(kBlockRows, d) + 4 * tile_bytes(kKeyTile, d);
+  return tile_bytes(forward_rows(d), d) + 4 * tile_bytes(kKeyTile, d);
 }
 /// The backward's dSᵀ tile: the block's 64 keys by a step's 32 queries, bf16, rows of 32 + 8
 /// (80 bytes: the 8 rows an ldmatrix reads start at 8 different 16-byte bank groups, and the
@@ -195,19 +207,19 @@ struct TileMask {
 TPX_HD constexpr bool all_visible(I i0, I ni, I j0, I nj, I s, I shift) {
   return i0 + ni <= s && j0 + nj <= s && j0 + nj - 1 <= i0 + shift;
 }
-/// Of those key tiles, how many at the start every row q0 .. q0 + 63 sees whole (all_visible()
-/// of the block's 64 rows): the rows inside S, the tile's keys inside S and at or below the first
-/// row's last visible key, t·64 + 63 <= q0 + shift. The kernels run these tiles without a mask
-/// and the rest (the diagonal, S's ragged end) with one.
-TPX_HD constexpr I clear_key_tiles(I q0, I s, I shift) {
-  if (q0 + kBlockRows > s || q0 + shift + 1 < kKeyTile) return 0;
+/// Of those key tiles, how many at the start every row q0 .. q0 + rows − 1 sees whole
+/// (all_visible() of the block's rows): the rows inside S, the tile's keys inside S and at or
+/// below the first row's last visible key, t·64 + 63 <= q0 + shift. The kernel runs these tiles
+/// without a mask and the rest (the diagonal, S's ragged end) with one.
+TPX_HD constexpr I clear_key_tiles(I q0, I s, I shift, I rows) {
+  if (q0 + rows > s || q0 + shift + 1 < kKeyTile) return 0;
   const I by_rows = (q0 + shift + 1) / kKeyTile, by_keys = s / kKeyTile;
   return by_rows < by_keys ? by_rows : by_keys;
 }
-/// Key tiles of kKeyTile the query rows q0 .. q0 + 63 visit (forward, dQ): those up to the last
-/// key the block's last row (inside S) sees; 0 when it sees none.
-TPX_HD constexpr I key_tiles(I q0, I s, I shift) {
-  const I last = (q0 + kBlockRows < s ? q0 + kBlockRows : s) - 1;
+/// Key tiles of kKeyTile the query rows q0 .. q0 + rows − 1 visit (forward): those up to the
+/// last key the block's last row (inside S) sees; 0 when it sees none.
+TPX_HD constexpr I key_tiles(I q0, I s, I shift, I rows) {
+  const I last = (q0 + rows < s ? q0 + rows : s) - 1;
   const I end0 = last + shift + 1 < s ? last + shift + 1 : s;
   const I end = end0 > 0 ? end0 : 0;
   return (end + kKeyTile - 1) / kKeyTile;
@@ -330,22 +342,7 @@ TPX_HD inline float row_lse(float m, float l) {
   return l > 0.0f ? m * kLn2 + logf(l) : -INFINITY;
 }
 
-/// Backward, query rows (dQ): P = exp2(s·scale·log2e − lse_i·log2e) where visible, else 0, and
-/// dS = P ∘ (dP − Δ_i), in place of sc (→ dS) and dp. lse2 and delta are the lane's two rows'.
-/// kMasked: a tile that needs the mask (clear_key_tiles()); without it no visibility test runs.
-template <bool kMasked, int N>
-TPX_HD inline void ds_rows(float (&sc)[N][4], const float (&dp)[N][4], int lane, I row0, I col0,
-                           I s, I shift, float scale_log2, const float (&lse2)[2],
-                           const float (&delta)[2]) {
-  for (int n = 0; n < N; ++n)
-    for (int e = 0; e < 4; ++e) {
-      float p = exp2_fast(fmaf(sc[n][e], scale_log2, -lse2[e >> 1]));
-      if constexpr (kMasked)
-        if (!visible(row0 + c_row(lane, e), col0 + 8 * n + c_col(lane, e), s, shift)) p = 0.0f;
-      sc[n][e] = p * (dp[n][e] - delta[e >> 1]);
-    }
-}
-/// Backward, key rows (dK/dV: the transposed block, key row0 + c_row, query col0 + c_col):
+/// Backward (the transposed block, key row0 + c_row, query col0 + c_col):
 /// pt = Pᵀ and dpt becomes dSᵀ. lse2 and delta are per query column (the tile's, in shared
 /// memory, indexed from col0).
 template <bool kMasked, int N>
