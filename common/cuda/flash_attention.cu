@@ -64,7 +64,9 @@
 // D = 128 the accumulators alone, O 128 and S 64 registers, leave too few: ptxas uses 255 and
 // spills 212 bytes, so the forward keeps 16 rows a warp there. The backward keeps 16 key rows a
 // warp at every D: 32 would double dK and dV, 128 registers each at D = 128, more than a thread
-// has; at D = 32 and 64 it has not been tried.
+// has. At D = 64 its accumulators and score fragments would take 192 registers before any
+// address or the dQ quarter (likely to spill); at D = 32, 96. Neither has been written and
+// measured yet.
 // Bytes per FLOP at D = 128, global, per tile (bf16: 2 B an element):
 // forward 2·64·D·2 B of K, V for 4·64·64·D FLOP = 1/64 (1/32 with the fp32 inputs of before);
 // backward 2·32·D·2 B of Q, dO for 10·64·32·D FLOP = 1/160, plus 2·32·D·4 B of dQ's fp32
