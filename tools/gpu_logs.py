@@ -232,6 +232,7 @@ def readme_commit(path):
 # Nsight Compute's kernel groups, first match wins: (group, pattern on the demangled name).
 NCU_GROUPS = [
     ("attention (flash_forward_tc, flash_dq_tc, flash_dkdv_tc)", r"flash_\w+_tc<"),
+    ("attention (flash_forward_mma, flash_bwd_mma)", r"flash_\w+_mma<"),
     ("attention's delta (flash_delta_kernel)", r"flash_delta_kernel"),
     ("GEMMs (cuBLASLt nvjet)", r"^nvjet_"),
     ("bf16 ↔ fp32 conversions", r"(bf16_to_f32|f32_to_bf16)_kernel"),

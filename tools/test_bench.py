@@ -9,6 +9,7 @@ import importlib.util
 import io
 import json
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
@@ -694,6 +695,13 @@ class GpuLogs(unittest.TestCase):
         self.assertNotIn("other", by)  # every kernel of the step has its group
         self.assertEqual(groups[0][0], "attention (flash_forward_tc, flash_dq_tc, flash_dkdv_tc)")
         self.assertAlmostEqual(sum(share for *_, share in groups), 1.0)
+
+    def test_the_tensor_core_kernels_group_as_attention(self):
+        # The mma.sync kernels' demangled names, as ncu prints them without the namespace.
+        for short in ("flash_forward_mma<128, __nv_bfloat16>", "flash_bwd_mma<64, float>"):
+            group = next((g for g, p in gpu_logs.NCU_GROUPS if re.search(p, short)), "other")
+            self.assertEqual(group, "attention (flash_forward_mma, flash_bwd_mma)", short)
+        self.assertNotRegex("flash_delta_kernel<true>", gpu_logs.NCU_GROUPS[1][1])
 
     def test_a_log_missing_its_line_names_the_file(self):
         with tempfile.TemporaryDirectory() as tmp:
