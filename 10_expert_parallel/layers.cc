@@ -97,6 +97,7 @@ class MoeLayers final : public ExtraParameters {
   const BlockConfig& c_;
   int ep_size_, ep_rank_, replica_;  // EP, this rank's index in its EP group, the group's index
   int tp_size_, tp_rank_;            // the TP group the experts' width is cut over
+  int dp_, cp_;                      // the mesh's D and C: the token group's D·C ranks
   Stream stream_;
   RankGroup ep_group_;                          // EP consecutive replicas of one TP index
   std::unique_ptr<Communicator> ep_;            // the EP group: dispatch and combine
@@ -111,6 +112,9 @@ class MoeLayers final : public ExtraParameters {
   MoeEpOverlap overlap(Trace& trace) const {
     return {.chunks = int(c_.moe.chunks), .lane = lane_ ? &*lane_ : nullptr, .trace = &trace};
   }
+  /// Where the token group's tokens lie in the capacity's order (cp_token_order: runs of
+  /// sequence chunks under context parallelism), each rank holding b sequences.
+  MoeTokenOrder token_order(I b) const { return cp_token_order(dp_, cp_, b); }
 };
 
 /// One MoE layer on this rank: the router and shared experts whole, its E/EP experts, their
@@ -152,7 +156,7 @@ class MoeLayers::Layer final : public MlpBranch {
     s.x = to_sequence_major(rows.f32().data(), S, b, H);
     gather_experts(trace);
     s.f = moe_ep_forward<float>(s.shape, w_, s.x, bias_, *o_.ep_, o_.stream_, o_.tokens_.get(),
-                                o_.overlap(trace));
+                                o_.overlap(trace), o_.token_order(b));
     release_experts();
     s.aux_loss = double(s.f.aux_loss);
     Tensor y = host_tensor(from_sequence_major(s.f.y.data(), S, b, H), rows.shape());
@@ -452,12 +456,14 @@ MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep, std::vecto
       replica_(mesh.dp_cp_index() / ep),
       tp_size_(mesh.tp),
       tp_rank_(mesh.tp_index),
+      dp_(mesh.dp),
+      cp_(mesh.cp),
       stream_(Stream::create(c_.device)),
       held_(std::move(held)) {
   // Every group holds one TP index of one pipeline stage: rank t of each TP group routes and
   // dispatches with rank t of the others. Each split is collective over the job, used or not.
-  // The token group is the D·C ranks of this TP index (D at C = 1), in (dp, cp) order: the
-  // step's tokens in the order the capacity counts them when C = 1 (a CP run is dropless).
+  // The token group is the D·C ranks of this TP index (D at C = 1), in (dp, cp) order; where
+  // their tokens lie in the order the capacity counts them in: token_order().
   const int tp_index = mesh.tp_index, groups = mesh.dp_cp() / ep, stage = mesh.pp_index;
   const std::string where = mesh.pp > 1 ? fmt::format("{}.", stage) : "";
   CommOptions o = ctx.options.comm;
@@ -698,11 +704,6 @@ int checked_ep(const RunContext& ctx, const Mesh& mesh) {
         "--moe-chunks ({}) must be at most the tokens a rank routes in a step, S/C · B/D = {}: "
         "each chunk is some of them",
         c.moe.chunks, tokens));
-  if (mesh.cp > 1 && c.moe.capacity_factor > 0)
-    refuse(
-        "--capacity-factor needs --cp 1: under context parallelism a sequence's positions are "
-        "spread over the CP ranks, and the capacity's drops follow sequence order (dropless, 0, "
-        "runs on any mesh)");
   if (auto problem = moe_ep_problem(c.moe.experts, ep)) refuse(*problem);
   if (c.moe.expert_ffn % mesh.tp != 0)
     refuse(
@@ -760,7 +761,8 @@ StagePlan plan_pipeline_of_experts(const RunContext& ctx, const pp::PipelineSize
   const auto M = std::uint64_t(size.microbatches);
   BlockConfig group = c;
   group.batch = c.batch / size.microbatches;
-  const ExpertLayerTraffic x = expert_layer_traffic(group, mesh.dp, mesh.tp, ep, mesh.dp_index);
+  const ExpertLayerTraffic x =
+      expert_layer_traffic(group, mesh.dp, mesh.tp, ep, mesh.dp_cp_index(), mesh.cp);
   Traffic tp = p.traffic;  // what the named groups leave is the TP group's
   for (const PlanGroup& g : p.groups) tp -= g.traffic;
   tp -= x.swiglu * (M * moe);
@@ -771,8 +773,8 @@ StagePlan plan_pipeline_of_experts(const RunContext& ctx, const pp::PipelineSize
   without.ffn = 0;
   for (PlanGroup& g : p.groups)
     if (g.name == "dp") {
-      g.traffic -= fsdp::fsdp_traffic(with, mesh.tp, mesh.dp, size.microbatches);
-      g.traffic += fsdp::fsdp_traffic(without, mesh.tp, mesh.dp, size.microbatches);
+      g.traffic -= fsdp::fsdp_traffic(with, mesh.tp, mesh.dp_cp(), size.microbatches);
+      g.traffic += fsdp::fsdp_traffic(without, mesh.tp, mesh.dp_cp(), size.microbatches);
       g.traffic += x.counts * (M * moe);
       g.traffic += x.gathers * (M * moe);
       g.traffic += x.grads * moe;
@@ -788,30 +790,43 @@ StagePlan plan_pipeline_of_experts(const RunContext& ctx, const pp::PipelineSize
 
 StagePlan plan_expert_parallel(const RunContext& ctx) {
   const pp::PipelineSize size = pp::pipeline_size(ctx);
-  if (size.cp > 1)
-    throw ConfigError(
-        "--dry-run does not count stage 10 with --cp yet (--cp 1): the experts' formulas take a "
-        "D × T mesh or a pipeline of them");
-  if (size.pp > 1) return plan_pipeline_of_experts(ctx, size);
-  const Mesh mesh = fsdp::make_mesh(ctx);
-  const int ep = checked_ep(ctx, mesh);
   const BlockConfig& c = ctx.options.config;
-  const std::int64_t n = c.seq * c.batch / mesh.dp;  // a replica's tokens
-  if ((n * c.moe.topk) % c.moe.experts != 0)
+  // Balanced routing must divide: a rank's tokens' assignments over the experts, and under
+  // context parallelism with a capacity each of its sequence chunks' (balanced_kept_rows).
+  const std::int64_t M = size.pp > 1 ? size.microbatches : 1;  // routing groups a step
+  const std::int64_t n = c.seq / size.cp * (c.batch / M / size.dp);
+  const std::int64_t run = size.cp > 1 ? c.seq / (2 * size.cp) : n;
+  if ((n * c.moe.topk) % c.moe.experts != 0 ||
+      (c.moe.capacity_factor > 0 && (run * c.moe.topk) % c.moe.experts != 0))
     throw ConfigError(fmt::format(
-        "--dry-run counts the experts' bytes under balanced routing: a replica's S·B/D·K = {} "
-        "assignments must be divisible by --experts ({})",
-        n * c.moe.topk, c.moe.experts));
-  StagePlan p = fsdp::plan_fsdp_tp(ctx);  // the dense parameters' sharding
-  p.sharding.dimensions.push_back(memory_dimension(ep, mesh.dp_index));  // as sharding()
-  const ExpertTraffic t = expert_traffic(c, mesh.dp, mesh.tp, ep, mesh.dp_index);
-  p.groups = {{.name = "dp", .label = "dp group", .traffic = t.dp},
+        "--dry-run counts the experts' bytes under balanced routing: {} = {} assignments must be "
+        "divisible by --experts ({})",
+        (n * c.moe.topk) % c.moe.experts != 0
+            ? "a rank's S/C·B/D·K"
+            : "a sequence chunk's S/(2C)·K (a capacity under --cp counts chunk by chunk)",
+        ((n * c.moe.topk) % c.moe.experts != 0 ? n : run) * c.moe.topk, c.moe.experts));
+  if (size.pp > 1) return plan_pipeline_of_experts(ctx, size);
+  // The dense parameters' sharding and bytes: stage 07's, or stage 08's over D·C.
+  StagePlan p = size.cp == 1 ? fsdp::plan_fsdp_tp(ctx) : cp::plan_context_parallel(ctx);
+  const Mesh mesh = size.cp == 1 ? fsdp::make_mesh(ctx) : Mesh::make(size.dp, size.cp);
+  const int ep = checked_ep(ctx, mesh);
+  p.sharding.dimensions.push_back(memory_dimension(ep, mesh.dp_cp_index()));  // as sharding()
+  const cp::CpMethod method = ctx.options.flags<cp::ContextParallelFlags>().method();
+  const ExpertTraffic t =
+      expert_traffic(c, mesh.dp, mesh.tp, ep, mesh.dp_cp_index(), mesh.cp, method);
+  p.groups = {{.name = "dp", .label = mesh.cp > 1 ? "dp×cp group" : "dp group", .traffic = t.dp},
               {.name = "ep", .label = "ep group", .traffic = t.ep}};
+  if (mesh.cp > 1) p.groups.push_back({.name = "cp", .label = "cp group", .traffic = t.cp});
   p.traffic = t.tp;
-  p.traffic += t.dp;
-  p.traffic += t.ep;
-  p.comm = fmt::format("mesh D {} × TP {}, experts over EP {} (dry run: balanced routing)", mesh.dp,
-                       mesh.tp, ep);
+  for (const PlanGroup& g : p.groups) p.traffic += g.traffic;
+  p.comm = mesh.cp > 1 ? fmt::format(
+                             "mesh D {} × CP {} × TP {} (cp-method {}), experts over EP {} (dry "
+                             "run: balanced routing)",
+                             mesh.dp, mesh.cp, mesh.tp, cp::to_string(method), ep)
+                       : fmt::format(
+                             "mesh D {} × TP {}, experts over EP {} (dry run: balanced "
+                             "routing)",
+                             mesh.dp, mesh.tp, ep);
   return p;
 }
 

@@ -122,7 +122,8 @@ void moe_ep_check(std::int64_t experts, int ep) {
 template <class T>
 MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                                std::span<const T> bias, Communicator& ep, const Stream& s,
-                               Communicator* token_group, const MoeEpOverlap& overlap) {
+                               Communicator* token_group, const MoeEpOverlap& overlap,
+                               const MoeTokenOrder& order) {
   moe_ep_check(m.experts, ep.size());
   Trace& trace = overlap.trace ? *overlap.trace : Trace::off();
   const I n = m.tokens, H = m.hidden, E = m.experts, k = m.topk, FE = m.expert_ffn,
@@ -147,30 +148,41 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
   }
   MoeRouting<T>& rt = f.routing;
 
-  // 2. The capacity over all tokens: every rank's counts per expert, and its tokens (over the
-  // token group, whose ranks in order hold the tokens in order).
+  // 2. The capacity over all tokens in their order: every rank's counts per expert of each of
+  // its runs of tokens, and its token count (over the token group, MoeTokenOrder).
   Communicator& tg = token_group ? *token_group : ep;
-  const I NT = tg.size(), rt_rank = tg.rank();
-  const Tensor mine = Tensor::empty({E + 1}, DType::i32),
-               all = Tensor::empty({NT * (E + 1)}, DType::i32);
-  for (I e = 0; e <= E; ++e) {
-    const I c = e < E ? rt.routed_per_expert[at(e)] : n;
-    TPX_CHECK(c <= std::numeric_limits<std::int32_t>::max(), "{} assignments", c);
-    mine.data<std::int32_t>()[e] = static_cast<std::int32_t>(c);
+  const I NT = tg.size(), rt_rank = tg.rank(), P = order.pieces;
+  TPX_CHECK(P >= 1 && n % P == 0, "{} tokens in {} runs", n, P);
+  TPX_CHECK(order.keys.empty() || I(order.keys.size()) == NT * P, "{} run places for {} × {}",
+            order.keys.size(), NT, P);
+  auto place = [&](I q, I p) { return order.keys.empty() ? q * P + p : order.keys[at(q * P + p)]; };
+  const I W = P * E + 1, run = n / P;  // a rank's counts: [P, E], then its tokens
+  const Tensor mine = Tensor::empty({W}, DType::i32), all = Tensor::empty({NT * W}, DType::i32);
+  {
+    std::vector<I> c(at(P * E), 0);
+    for (I a = 0; a < n * k; ++a) ++c[at((a / k) / run * E + rt.expert[at(a)])];
+    for (I i = 0; i < W; ++i) {
+      const I v = i < P * E ? c[at(i)] : n;
+      TPX_CHECK(v <= std::numeric_limits<std::int32_t>::max(), "{} assignments", v);
+      mine.data<std::int32_t>()[i] = static_cast<std::int32_t>(v);
+    }
   }
   {
     TraceScope span(trace, "moe counts all-gather", token_group ? Lane::dp_comm : Lane::ep_comm);
     tg.all_gather(mine, all, s);
   }
-  std::vector<I> before(at(E), 0);  // the assignments to e of the ranks before this one
+  // before[p·E + e]: the assignments to e of the runs placed before this rank's run p.
+  std::vector<I> before(at(P * E), 0);
   f.routed_all.assign(at(E), 0);
   for (I q = 0; q < NT; ++q) {
-    const std::int32_t* c = all.data<std::int32_t>() + q * (E + 1);
-    for (I e = 0; e < E; ++e) {
-      f.routed_all[at(e)] += c[e];
-      if (q < rt_rank) before[at(e)] += c[e];
-    }
-    f.tokens_all += c[E];
+    const std::int32_t* c = all.data<std::int32_t>() + q * W;
+    for (I p = 0; p < P; ++p)
+      for (I e = 0; e < E; ++e) {
+        f.routed_all[at(e)] += c[p * E + e];
+        for (I mp = 0; mp < P; ++mp)
+          if (place(q, p) < place(rt_rank, mp)) before[at(mp * E + e)] += c[p * E + e];
+      }
+    f.tokens_all += c[P * E];
   }
   MoeShape global = m;
   global.tokens = f.tokens_all;
@@ -179,7 +191,7 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
   rt.tokens_per_expert.assign(at(E), 0);
   for (I a = 0; a < n * k; ++a) {
     const I e = rt.expert[at(a)];
-    rt.kept[at(a)] = before[at(e)]++ < capacity ? 1 : 0;
+    rt.kept[at(a)] = before[at((a / k) / run * E + e)]++ < capacity ? 1 : 0;
     if (rt.kept[at(a)]) {
       ++rt.tokens_per_expert[at(e)];
       by_expert[at(e)].push_back(a);
@@ -423,12 +435,12 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
   return g;
 }
 
-#define TPX_MOE_EP_INSTANTIATE(T)                                                        \
-  template MoeEpForward<T> moe_ep_forward<T>(                                            \
-      const MoeShape&, const MoeWeights<T>&, std::span<const T>, std::span<const T>,     \
-      Communicator&, const Stream&, Communicator*, const MoeEpOverlap&);                 \
-  template MoeGrads<T> moe_ep_backward<T>(                                               \
-      const MoeShape&, const MoeWeights<T>&, std::span<const T>, const MoeEpForward<T>&, \
+#define TPX_MOE_EP_INSTANTIATE(T)                                                              \
+  template MoeEpForward<T> moe_ep_forward<T>(                                                  \
+      const MoeShape&, const MoeWeights<T>&, std::span<const T>, std::span<const T>,           \
+      Communicator&, const Stream&, Communicator*, const MoeEpOverlap&, const MoeTokenOrder&); \
+  template MoeGrads<T> moe_ep_backward<T>(                                                     \
+      const MoeShape&, const MoeWeights<T>&, std::span<const T>, const MoeEpForward<T>&,       \
       std::span<const T>, Communicator&, const Stream&, Communicator*, const MoeEpOverlap&);
 TPX_MOE_EP_INSTANTIATE(float)
 TPX_MOE_EP_INSTANTIATE(double)
@@ -436,11 +448,12 @@ TPX_MOE_EP_INSTANTIATE(double)
 
 MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows, int r,
                             std::int64_t experts, std::uint64_t row_bytes, int token_ranks,
-                            int chunks) {
+                            int chunks, std::int64_t pieces) {
   using U = std::uint64_t;
   const U N = rows.size(), E = U(experts), C = U(chunks);
-  require_formula(N >= 1 && r >= 0 && U(r) < N && E % N == 0 && chunks >= 1,
-                  "an EP group of N >= 1 ranks, rank r in it, E a multiple of N, C >= 1 chunks");
+  require_formula(N >= 1 && r >= 0 && U(r) < N && E % N == 0 && chunks >= 1 && pieces >= 1,
+                  "an EP group of N >= 1 ranks, rank r in it, E a multiple of N, C >= 1 chunks, "
+                  "runs >= 1");
   U out_all = 0, out_away = 0, in_all = 0, in_away = 0;
   for (U q = 0; q < N; ++q) {
     require_formula(rows[q].size() == N, "rows is EP × EP");
@@ -451,8 +464,8 @@ MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows,
       in_away += rows[q][U(r)];
     }
   }
-  // Every rank of the token group's counts per expert and its token count.
-  const U G = token_ranks > 0 ? U(token_ranks) : N, gather = G * (E + 1) * 4;
+  // Every rank of the token group's counts per run and expert, and its token count.
+  const U G = token_ranks > 0 ? U(token_ranks) : N, gather = G * (U(pieces) * E + 1) * 4;
   const U exchange = (out_all + in_all) * row_bytes, away = (out_away + in_away) * row_bytes;
   MoeEpTraffic t;
   t.counts = {gather, gather * (G - 1) / G, 1};

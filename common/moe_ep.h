@@ -9,7 +9,9 @@
 //   2. capacity: the per-expert assignment counts (and token counts) are all-gathered over the EP
 //      group; with T_all tokens in all and c = moe_capacity(T_all), rank r's assignment of its
 //      token t to e is kept iff (the assignments to e of the ranks before r) + (those of its own
-//      tokens before t) < c: exactly moe_route's rule over all tokens in token order;
+//      tokens before t) < c: exactly moe_route's rule over all tokens in token order (or, when a
+//      rank's tokens are runs at places of their own in that order, MoeTokenOrder, the counts are
+//      per run, and "before" is the runs placed before t's);
 //   3. dispatch: the rows x_t of its kept assignments, grouped by destination rank (the owner of
 //      the expert), within a destination by expert, within an expert in token order, are sent
 //      with Communicator::all_to_all_v, after an all-to-all of the row counts per (destination,
@@ -23,7 +25,8 @@
 //
 // Bytes (B = the element size, n_{r→d} = kept assignments of rank r's tokens to experts of rank d,
 // Σ_d n_{r→d} = T_r·k − the drops of rank r's tokens), per rank r and pass:
-//   counts  forward: an all_gather of (E + 1) i32 per rank, then an all_to_all_v of E i32
+//   counts  forward: an all_gather of (E + 1) i32 per rank ((P·E + 1) for P runs a rank), then
+//           an all_to_all_v of E i32
 //           (payload 4·E, bus 4·(E − E/EP));
 //   dispatch (forward x, backward w·dy): payload Σ_d n_{r→d}·H·B, bus Σ_{d≠r} n_{r→d}·H·B;
 //   combine  (forward out, backward dx): payload Σ_s n_{s→r}·H·B, bus Σ_{s≠r} n_{s→r}·H·B.
@@ -36,9 +39,9 @@
 // applied on the token's rank instead of inside the expert and the sums over ranks are in another
 // order (tests/test_moe_ep.cc: 1e-12 relative to the largest element).
 //
-// defines: tpx::moe_ep_check(), tpx::MoeEpOverlap, tpx::MoeEpChunk, tpx::MoeEpForward,
-//          tpx::moe_ep_forward(), tpx::moe_ep_backward(), tpx::MoeEpTraffic, tpx::moe_ep_traffic(),
-//          tpx::moe_balanced_rows()
+// defines: tpx::moe_ep_check(), tpx::MoeEpOverlap, tpx::MoeTokenOrder, tpx::MoeEpChunk,
+//          tpx::MoeEpForward, tpx::moe_ep_forward(), tpx::moe_ep_backward(), tpx::MoeEpTraffic,
+//          tpx::moe_ep_traffic(), tpx::moe_balanced_rows()
 #pragma once
 
 #include <cstdint>
@@ -69,6 +72,17 @@ struct MoeEpOverlap {
   int chunks = 1;
   const Stream* lane = nullptr;
   Trace* trace = nullptr;
+};
+
+/// Where the token group's tokens lie in the order the capacity counts them in (step 2 above).
+/// Each rank's T_r tokens are `pieces` runs of T_r/pieces consecutive tokens, and run p of the
+/// group's rank q is at place keys[q·pieces + p] among all the runs (a permutation of 0 …
+/// ranks·pieces − 1). The default, one run per rank in rank order, is the data-parallel
+/// replicas' whole sequences; stage 10 under context parallelism gives each sequence's two
+/// chunks their places in the sequence.
+struct MoeTokenOrder {
+  std::int64_t pieces = 1;
+  std::vector<std::int64_t> keys;  ///< empty: rank order
 };
 
 /// One chunk's exchanges: the rows of this rank's tokens [c·T_r/C, (c+1)·T_r/C).
@@ -107,10 +121,12 @@ struct MoeEpForward {
 /// communication. `token_group`: the ranks whose tokens, in rank order, the capacity and the
 /// auxiliary loss run over (step 2 above: its all_gather of the counts), a group that holds
 /// several EP groups (stage 10's data-parallel ranks); null: `ep` itself.
+/// `order`: where its ranks' tokens lie in the capacity's order (MoeTokenOrder).
 template <class T>
 MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::span<const T> x,
                                std::span<const T> bias, Communicator& ep, const Stream& s,
-                               Communicator* token_group = nullptr, const MoeEpOverlap& o = {});
+                               Communicator* token_group = nullptr, const MoeEpOverlap& o = {},
+                               const MoeTokenOrder& order = {});
 
 /// Backward for dy [T_r, H]: dx of this rank's tokens, this rank's experts' gradients (complete),
 /// and this rank's part of the router's and shared experts' gradients (they sum over the ranks).
@@ -138,7 +154,8 @@ struct MoeEpTraffic {
 
 /// The formula for rank r of an EP group: rows[s][d] = n_{s→d}, the kept assignments of rank s's
 /// tokens to rank d's experts (EP × EP), `experts` = E, `row_bytes` = H · the element size.
-/// Forward: the all_gather of E + 1 i32 counts, the all_to_all_v of E i32, the dispatch of
+/// Forward: the all_gather of E + 1 i32 counts (pieces·E + 1 for a MoeTokenOrder of `pieces`
+/// runs a rank), the all_to_all_v of E i32, the dispatch of
 /// Σ_d n_{r→d} rows and the combine of Σ_s n_{s→r} rows (4 calls); backward: the same two row
 /// exchanges (2 calls). Bus bytes count what leaves the rank (d ≠ r, s ≠ r).
 /// `token_ranks`: the size of the token group the counts are gathered over (0: the EP group).
@@ -146,7 +163,7 @@ struct MoeEpTraffic {
 /// all_to_all_v of the E counts: 1 + 3·C calls forward and 2·C backward, 4·E·C bytes of counts.
 MoeEpTraffic moe_ep_traffic(const std::vector<std::vector<std::uint64_t>>& rows, int r,
                             std::int64_t experts, std::uint64_t row_bytes, int token_ranks = 0,
-                            int chunks = 1);
+                            int chunks = 1, std::int64_t pieces = 1);
 
 /// n_{s→d} under perfectly balanced, dropless routing (what a dry run assumes): each of the EP
 /// ranks' T_r tokens sends k rows, spread evenly over the EP ranks (T_r · k / EP each, which

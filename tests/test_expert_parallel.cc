@@ -13,7 +13,8 @@
 //  - the token order helpers against their definition;
 //  - under stage 09's pipeline (--pp) the same, on P × D × T meshes (P × EP × T), each
 //    micro-batch of the D replicas one routing group, the reference following; under stage 08's
-//    context parallelism (--cp, dropless) with EP borrowed from the D·C ranks, up to the whole
+//    context parallelism (--cp) with EP borrowed from the D·C ranks, dropless and dropping (the
+//    capacity counting each rank's sequence chunks at their places), up to the whole
 //    P × D × C × T mesh;
 //  - bad input is exit 2 on every rank and one line, printed once.
 #include <algorithm>
@@ -95,8 +96,11 @@ INSTANTIATE_TEST_SUITE_P(
         // The dispatch, experts and combine cut into chunks, overlapped on the EP lane.
         Case{4, "--dp 2 --moe-chunks 3 --capacity-factor 0.5", "np4_d2_t2_chunks3_dropping"},
         Case{8, "--pp 2 --moe-chunks 2 --shared-experts 1", "np8_p2_d2_t2_chunks2"},
-        // Under context parallelism (dropless): EP borrowed from the D·C ranks.
+        // Under context parallelism: EP borrowed from the D·C ranks.
         Case{4, "--cp 2 --dp 2", "np4_d2_c2_ep4"},
+        Case{4, "--cp 2 --dp 2 --capacity-factor 0.5", "np4_d2_c2_ep4_dropping"},
+        Case{4, "--cp 2 --dp 1 --capacity-factor 0.75 --shared-experts 1",
+             "np4_c2_t2_ep2_dropping_shared"},
         Case{8, "--cp 2 --dp 2 --ep 2 --cp-method allgather", "np8_d2_c2_t2_ep2_allgather"},
         Case{8, "--pp 2 --cp 2 --dp 2 --ep 2", "np8_p2_d2_c2_ep2"}),
     [](const auto& p) { return p.param.name; });
@@ -125,8 +129,9 @@ TEST(ExpertParallel, SkewedRoutingPassesTheCheck) {
         std::pair{4, "--dp 2 --router sigmoid --balance bias"},
         std::pair{8, "--dp 4 --ep 2 --capacity-factor 1.0"},
         std::pair{4, "--pp 2 --capacity-factor 1.0"}, std::pair{8, "--pp 2 --capacity-factor 0.75"},
-        // The whole mesh: P 2 × D 2 × C 2 × T 2, EP 2 of the D·C ranks (dropless under CP).
-        std::pair{16, "--pp 2 --cp 2 --dp 2 --ep 2"}}) {
+        std::pair{4, "--cp 2 --dp 2 --capacity-factor 0.75"},
+        // The whole mesh: P 2 × D 2 × C 2 × T 2, EP 2 of the D·C ranks.
+        std::pair{16, "--pp 2 --cp 2 --dp 2 --ep 2 --capacity-factor 1.0"}}) {
     test::TempDir dir;
     const auto r = run_stage(
         "10_expert_parallel", ranks,
@@ -170,7 +175,11 @@ TEST(ExpertParallel, RoutingAndDropsAreTheSameOnEveryMesh) {
   for (const auto& [ranks, more] :
        {std::pair{2, " --dp 2"}, std::pair{2, " --dp 1"}, std::pair{4, " --dp 2"},
         std::pair{4, " --dp 4 --ep 2"}, std::pair{2, " --pp 2 --microbatches 1"},
-        std::pair{4, " --pp 2 --microbatches 1"}}) {
+        std::pair{4, " --pp 2 --microbatches 1"},
+        // Under context parallelism each sequence's chunks lie apart on the CP ranks (chunk c and
+        // 2C − 1 − c), and the capacity still counts them in sequence order.
+        std::pair{2, " --cp 2 --dp 1"}, std::pair{4, " --cp 2 --dp 2"},
+        std::pair{8, " --cp 4 --dp 2 --ep 4"}}) {
     const json other = summary(ranks, args + more);
     ASSERT_TRUE(other.contains("moe")) << other.dump();
     EXPECT_EQ(other.at("moe").at("tokens_per_expert"), counts) << "np " << ranks << more;
@@ -365,6 +374,11 @@ TEST_P(ExpertParallelDryRun, BytesAreTheStepsUnderBalancedRouting) {
   for (const char* key : {"comm_payload_bytes", "comm_bus_bytes", "comm_calls", "dp_payload_bytes",
                           "dp_bus_bytes", "ep_payload_bytes", "ep_bus_bytes"})
     EXPECT_EQ(dry["step"].at(key), real["steps"].at(0).at(key)) << c.args << " " << key;
+  if (c.args.find("--cp") != std::string::npos) {
+    for (const char* key : {"cp_payload_bytes", "cp_bus_bytes"}) {
+      EXPECT_EQ(dry["step"].at(key), real["steps"].at(0).at(key)) << c.args << " " << key;
+    }
+  }
   if (c.ranks > 1) {  // something moved between ranks
     EXPECT_GT(dry["step"].at("comm_bus_bytes").get<std::int64_t>(), 0) << c.args;
   }
@@ -386,7 +400,12 @@ INSTANTIATE_TEST_SUITE_P(
              "np8_p2_d2_t2_m1_every2"},
         Case{8, "--pp 2 --dp 4 --ep 2 --schedule zb-h1", "np8_p2_d4_ep2_zbh1"},
         Case{4, "--dp 2 --moe-chunks 3 --capacity-factor 0.5", "np4_d2_t2_chunks3"},
-        Case{4, "--pp 2 --moe-chunks 2", "np4_p2_d2_chunks2"}),
+        Case{4, "--pp 2 --moe-chunks 2", "np4_p2_d2_chunks2"},
+        // Under context parallelism: the counts per sequence chunk, the D·C ranks FSDP's.
+        Case{4, "--cp 2 --dp 2 --capacity-factor 0.5", "np4_d2_c2_dropping"},
+        Case{8, "--cp 2 --dp 2 --ep 2 --cp-method allgather --capacity-factor 0.6",
+             "np8_d2_c2_t2_ep2_allgather_dropping"},
+        Case{8, "--pp 2 --cp 2 --dp 2 --capacity-factor 0.5", "np8_p2_d2_c2_dropping"}),
     [](const auto& p) { return p.param.name; });
 
 // The memory estimate (10_expert_parallel/memory.h) against the allocator's peak of real runs at
@@ -450,7 +469,13 @@ TEST(ExpertParallel, DryRunNeedsBalancedRoutingToDivide) {
   test::expect_refused_once("10_expert_parallel", 1,
                             "--hidden 48 --heads 4 --ffn 64 --seq 15 --batch 4 --layers 2 "
                             "--experts 8 --topk 3 --dry-run",
-                            "S·B/D·K = 180 assignments must be divisible by --experts (8)");
+                            "S/C·B/D·K = 180 assignments must be divisible by --experts (8)");
+  // Under context parallelism with a capacity, each sequence chunk's assignments must divide too.
+  test::expect_refused_once("10_expert_parallel", 2,
+                            "--hidden 48 --heads 4 --ffn 64 --seq 12 --batch 4 --layers 2 --cp 2 "
+                            "--experts 8 --topk 2 --capacity-factor 1.0 --dry-run",
+                            "a sequence chunk's S/(2C)·K (a capacity under --cp counts chunk by "
+                            "chunk) = 6 assignments must be divisible by --experts (8)");
 }
 
 // common/flops.h on a case worked by hand: H 8, KV 8, F 4, one token, two layers of which layer 0
@@ -545,12 +570,8 @@ TEST(ExpertParallel, BadInputIsOneLineOnEveryRank) {
                             "--moe-chunks (33) must be at most the tokens a rank routes");
   test::expect_refused_once(stage, 2, kSizes + " --moe-chunks 2147483647",
                             "--moe-chunks (2147483647) must be at most");
-  test::expect_refused_once(stage, 4, kSizes + " --cp 2 --capacity-factor 1.0",
-                            "--capacity-factor needs --cp 1");
   test::expect_refused_once(stage, 4, kSizes + " --cp 2 --dp 1 --ep 4",
                             "--ep (4) must divide the D·C ranks (1 × 2)");
-  test::expect_refused_once(stage, 4, kSizes + " --cp 2 --dry-run",
-                            "--dry-run does not count stage 10 with --cp yet");
   test::expect_refused_once(stage, 4, kSizes + " --pp 2 --dp 2 --ep 4",
                             "--ep (4) must divide the data-parallel ranks D (2)");
   // Experts too large for the machine: refused by the memory check before any rank draws them.
