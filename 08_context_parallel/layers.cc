@@ -216,8 +216,14 @@ Event ContextParallel::gather_kv(const Tensor& mine, const Tensor& all, const st
 Event ContextParallel::ring_hop(const Tensor& send, const Tensor& recv, const std::string& what) {
   const int next = (mesh_.cp_index + 1) % mesh_.cp,
             prev = (mesh_.cp_index + mesh_.cp - 1) % mesh_.cp;
-  // Booked now, so that the flight recorder has it in the program's order on every rank.
+  // Booked now, so that the flight recorder has it in the program's order on every rank; and
+  // marked as queued on the lane (as stage 07 marks its gathers): when it was issued, whenever
+  // the lane's thread gets to run it.
   const std::uint64_t booked = cp_comm_->book(CommOp::sendrecv, what);
+  if (trace_.recording()) {
+    const auto now = Trace::Clock::now();
+    trace_.record(what + " queued", Lane::cp_comm, now, now, /*counted=*/false);
+  }
   return run_after_compute(cp_lane_, {send, recv}, [this, send, recv, next, prev, what, booked] {
     TraceScope span(trace_, what, Lane::cp_comm);
     cp_comm_->sendrecv(send, next, recv, prev, cp_lane_, what, booked);
