@@ -12,9 +12,7 @@ namespace {
 
 using I = std::int64_t;
 
-std::size_t at(I i) {
-  return static_cast<std::size_t>(i);
-}
+using moe_detail::at;
 
 template <class T>
 T sigmoid(T z) {

@@ -28,8 +28,9 @@
 // the mean over tokens of e's router probability: p_e for softmax, s_e / Σ_j s_j for sigmoid (the
 // normalised affinity of DeepSeek-V3's balance loss). Balanced routing gives L_aux = W.
 //
-// defines: tpx::MoeRouter, tpx::MoeShape, tpx::moe_capacity(), tpx::MoeRouting, tpx::moe_route(),
-//          tpx::moe_update_bias(), tpx::MoeWeights, tpx::moe_tensors(), tpx::MoeForward, tpx::MoeGrads,
+// defines: tpx::moe_detail::at(), tpx::MoeRouter, tpx::MoeShape, tpx::moe_capacity(),
+//          tpx::MoeRouting, tpx::moe_route(), tpx::moe_update_bias(), tpx::MoeWeights,
+//          tpx::moe_tensors(), tpx::MoeForward, tpx::MoeGrads,
 //          tpx::moe_forward(), tpx::moe_backward(), and the pieces they are made of that the
 //          expert-parallel layer (moe_ep.h) reuses: tpx::moe_logits(), tpx::moe_swiglu_forward(),
 //          tpx::moe_swiglu_backward(), tpx::moe_aux_loss(), tpx::moe_aux_grad(),
@@ -37,6 +38,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -44,6 +46,13 @@
 #include "host_vector.h"
 
 namespace tpx {
+
+namespace moe_detail {
+/// An index of the MoE code's buffers (counted in int64, as the shapes are) as a vector's.
+inline std::size_t at(std::int64_t i) {
+  return static_cast<std::size_t>(i);
+}
+}  // namespace moe_detail
 
 enum class MoeRouter { softmax, sigmoid };
 

@@ -22,9 +22,7 @@ namespace {
 
 using I = std::int64_t;
 
-std::size_t at(I i) {
-  return static_cast<std::size_t>(i);
-}
+using moe_detail::at;
 
 /// Rows of `width` T each through Communicator::all_to_all_v: float as f32, double as its bytes.
 template <class T>

@@ -11,9 +11,7 @@ namespace {
 
 using I = std::int64_t;
 
-std::size_t at(I i) {
-  return static_cast<std::size_t>(i);
-}
+using moe_detail::at;
 
 /// Rows [outer, inner, h] as [inner, outer, h].
 template <class T>
