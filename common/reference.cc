@@ -610,8 +610,26 @@ struct AdamState {
   std::array<Vec, kLmParams> lm1, lm2;  // the language model's
 };
 
-// AdamW (torch.optim.AdamW) at step t = step + 1: the moments, the decoupled decay (not on the
-// norm gains), the bias-corrected update.
+// One tensor after step t = step + 1: SGD (w −= lr·g), or AdamW (torch.optim.AdamW): the moments
+// m1, m2, the decoupled decay where `decay`, the bias-corrected update. Only g's elements move: a
+// MoE layer's dense MLP has no gradient (the experts replace it) and keeps its weights.
+void update_tensor(const BlockConfig& c, int step, std::span<double> w, std::span<const double> g,
+                   std::span<double> m1, std::span<double> m2, bool decay) {
+  if (c.optimizer == Optimizer::sgd) {
+    for (std::size_t i = 0; i < g.size(); ++i) w[i] -= c.lr * g[i];
+    return;
+  }
+  const double t = double(step + 1);
+  const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    m1[i] = c.beta1 * m1[i] + (1.0 - c.beta1) * g[i];
+    m2[i] = c.beta2 * m2[i] + (1.0 - c.beta2) * g[i] * g[i];
+    if (decay) w[i] -= c.lr * c.weight_decay * w[i];
+    w[i] -= c.lr * (m1[i] / bias1) / (std::sqrt(m2[i] / bias2) + c.eps);
+  }
+}
+
+// The blocks under AdamW: decay on everything but the norm gains.
 void adamw_update(const BlockConfig& c, int step, const std::vector<Params>& grads,
                   std::vector<Params>& params, AdamState& adam) {
   if (adam.moment1.empty()) {
@@ -621,23 +639,10 @@ void adamw_update(const BlockConfig& c, int step, const std::vector<Params>& gra
       for (auto& layer : *moments)
         for (auto& v : layer) std::fill(v.begin(), v.end(), 0.0);
   }
-  const double adam_step = double(step + 1);
-  const double bias1 = 1.0 - std::pow(c.beta1, adam_step);
-  const double bias2 = 1.0 - std::pow(c.beta2, adam_step);
   for (std::size_t l = 0; l < params.size(); ++l)
-    for (std::size_t p = 0; p < kNumParams; ++p) {
-      const bool gain = param_split(kAllParams[p]) == Split::replicated;
-      for (std::size_t i = 0; i < grads[l][p].size(); ++i) {  // none: a MoE layer's dense MLP
-        const double grad = grads[l][p][i];
-        double& m1 = adam.moment1[l][p][i];
-        double& m2 = adam.moment2[l][p][i];
-        double& weight = params[l][p][i];
-        m1 = c.beta1 * m1 + (1.0 - c.beta1) * grad;
-        m2 = c.beta2 * m2 + (1.0 - c.beta2) * grad * grad;
-        if (!gain) weight -= c.lr * c.weight_decay * weight;
-        weight -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
-      }
-    }
+    for (std::size_t p = 0; p < kNumParams; ++p)  // (a MoE layer's dense MLP: empty)
+      update_tensor(c, step, params[l][p], grads[l][p], adam.moment1[l][p], adam.moment2[l][p],
+                    param_split(kAllParams[p]) != Split::replicated);
 }
 
 // The language model's three parameters: SGD, or AdamW with decay on the embedding and the
@@ -649,22 +654,9 @@ void update_lm(const BlockConfig& c, int step, const std::array<Vec, kLmParams>&
       adam.lm1[i].assign(params[i].size(), 0.0);
       adam.lm2[i].assign(params[i].size(), 0.0);
     }
-  const double t = double(step + 1);
-  const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
   for (std::size_t p = 0; p < params.size(); ++p)
-    for (std::size_t i = 0; i < params[p].size(); ++i) {
-      double& w = params[p][i];
-      const double g = grads[p][i];
-      if (c.optimizer == Optimizer::sgd) {
-        w -= c.lr * g;
-        continue;
-      }
-      double &m1 = adam.lm1[p][i], &m2 = adam.lm2[p][i];
-      m1 = c.beta1 * m1 + (1.0 - c.beta1) * g;
-      m2 = c.beta2 * m2 + (1.0 - c.beta2) * g * g;
-      if (kLmSplits[p] != Split::replicated) w -= c.lr * c.weight_decay * w;
-      w -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
-    }
+    update_tensor(c, step, params[p], grads[p], adam.lm1[p], adam.lm2[p],
+                  kLmSplits[p] != Split::replicated);
 }
 
 // A MoE layer's tensors after a step: SGD or AdamW (every one a matrix: decayed), their moments
@@ -676,22 +668,8 @@ void update_moe(const BlockConfig& c, int step, RefMoe& moe,
   const auto g = moe_tensors(moe.g.w);
   if (moments.empty())
     for (const HostVector<double>* t : w) moments.insert(moments.end(), 2, Vec(t->size(), 0.0));
-  const double t = double(step + 1);
-  const double bias1 = 1.0 - std::pow(c.beta1, t), bias2 = 1.0 - std::pow(c.beta2, t);
   for (std::size_t p = 0; p < w.size(); ++p)
-    for (std::size_t i = 0; i < w[p]->size(); ++i) {
-      double& x = (*w[p])[i];
-      const double grad = (*g[p])[i];
-      if (c.optimizer == Optimizer::sgd) {
-        x -= c.lr * grad;
-        continue;
-      }
-      double &m1 = moments[2 * p][i], &m2 = moments[2 * p + 1][i];
-      m1 = c.beta1 * m1 + (1.0 - c.beta1) * grad;
-      m2 = c.beta2 * m2 + (1.0 - c.beta2) * grad * grad;
-      x -= c.lr * c.weight_decay * x;
-      x -= c.lr * (m1 / bias1) / (std::sqrt(m2 / bias2) + c.eps);
-    }
+    update_tensor(c, step, *w[p], *g[p], moments[2 * p], moments[2 * p + 1], true);
   if (c.moe.bias_rate > 0) {
     std::vector<std::int64_t> counts(static_cast<std::size_t>(c.moe.experts), 0);
     for (const MoeForward<double>& f : groups)
