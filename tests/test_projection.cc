@@ -30,6 +30,7 @@
 #include "06_fp8/traffic.h"
 #include "07_fsdp_tp/memory.h"
 #include "07_fsdp_tp/traffic.h"
+#include "08_context_parallel/memory.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "10_expert_parallel/memory.h"
 #include "10_expert_parallel/traffic.h"
@@ -842,8 +843,38 @@ TEST(TpxProject, AMixtureOfExpertsIsStage10sRow) {
                     .dimensions = {fsdp::memory_dimension(false), ep::memory_dimension(2, 0)}};
   EXPECT_EQ(row.at("memory_estimate_bytes").get<std::uint64_t>(),
             estimate_training_memory(c, sh).total());
+  // With --cp: the D × C × T mesh, EP borrowed from the D·C ranks, the stage's formulas there
+  // (its --dry-run's, which its tests hold equal to a step's), chapter 8's CP bytes beside them.
+  const json jc =
+      project_json("--model mixtral-8x7b --tp 8 --dp 2 --cp 2 --ep 2 --batch 8 --device h200", dir);
+  ASSERT_EQ(jc.at("stages").size(), 1u) << jc.dump();
+  const json& rc = jc["stages"][0];
+  EXPECT_EQ(rc.at("gpus"), 32);
+  EXPECT_EQ(jc.at("cp"), 2);
+  EXPECT_EQ(jc.at("cp_method"), "ring");
+  const ep::ExpertTraffic tc = ep::expert_traffic(c, 2, 8, 2, 0, 2, cp::CpMethod::ring);
+  EXPECT_EQ(rc.at("ep_bus_bytes").get<std::uint64_t>(), tc.ep.bus);
+  EXPECT_EQ(rc.at("tp_bus_bytes").get<std::uint64_t>(), tc.tp.bus);
+  EXPECT_EQ(rc.at("dp_bus_bytes").get<std::uint64_t>(), tc.dp.bus);
+  EXPECT_EQ(rc.at("cp_bus_bytes").get<std::uint64_t>(), tc.cp.bus);
+  EXPECT_GT(tc.cp.bus, 0u);
+  EXPECT_NE(tc.dp.bus, t.dp.bus);  // FSDP and the token group over D·C = 4 ranks, not D = 4
+  const Sharding shc{
+      .rank = 0,
+      .world = 8,
+      .weights = true,
+      .sequence = true,
+      .dp = 2,
+      .cp = 2,
+      .dimensions = {fsdp::memory_dimension(false), cp::memory_dimension(cp::CpMethod::ring),
+                     ep::memory_dimension(2, 0)}};
+  EXPECT_EQ(rc.at("memory_estimate_bytes").get<std::uint64_t>(),
+            estimate_training_memory(c, shc).total());
+  EXPECT_GT(rc.at("step_ms").get<double>(), rc.at("exposed_comm_ms").get<double>());
   for (const auto& [args, says] :
        {std::pair{"--model mixtral-8x7b --dp 4 --ep 3 --batch 8", "--ep 3 must divide --dp (4)"},
+        std::pair{"--model mixtral-8x7b --dp 2 --cp 2 --ep 3 --batch 8",
+                  "--ep 3 must divide the D·C ranks (--dp 2 × --cp 2)"},
         std::pair{"--model llama3-8b --ep 2", "--ep is stage 10's"},
         std::pair{"--model deepseek-v3 --pp 2", "it takes no --pp"},
         std::pair{"--model deepseek-v3 --tp 128 --dp 33554432 --ep 256 --batch 33554432",

@@ -28,7 +28,8 @@
 // --model); --task block or --vocab 0 projects the blocks alone. With --pp the embedding is the
 // first pipeline rank's and the output layer the last's; the slowest rank sets the pace. A
 // mixture-of-experts --model (mixtral-8x7b, deepseek-v3, llama4-maverick) is stage 10's alone,
-// on D × T with --ep EP (default D): expert_cost() says how it is projected.
+// on D × T, or D × C × T with --cp C, with --ep EP (default D·C): expert_cost() says how it is
+// projected.
 //
 // Otherwise it writes the report: per config (a Llama-3-70B layer and a Llama-7B-sized one) the
 // projected step of every stage at N = 2, 4, 8 (stage 01 at N = 1), stage 07 at TP × DP = 8 × 4
@@ -73,6 +74,7 @@
 
 #include "06_fp8/traffic.h"
 #include "07_fsdp_tp/memory.h"
+#include "08_context_parallel/memory.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "10_expert_parallel/memory.h"
 #include "10_expert_parallel/traffic.h"
@@ -248,32 +250,47 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
 /// averaged over the layers; the DP bytes behind the compute as project_mesh() puts them; the
 /// EP all-to-alls exposed, over NVLink when an EP group's T·EP ranks share a node, else the
 /// network.
-StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp, int dp, int ep) {
+/// With --cp C (D × C × T, stage 08's context parallelism inside): the bytes are the stage's
+/// formulas on that mesh (the token group and FSDP over D·C, chapter 8's CP bytes), the time
+/// project_layout()'s for the same dense equivalent, its DP part replaced by the experts' DP
+/// bytes behind the compute, plus the EP all-to-alls exposed.
+StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp, int dp, int ep,
+                      int cp = 1, tpx::cp::CpMethod method = tpx::cp::CpMethod::ring) {
   const tpx::MoeConfig& m = c.moe;
-  if (dp % ep != 0 || m.experts % ep != 0)
+  if (cp == 1 && (dp % ep != 0 || m.experts % ep != 0))
     throw std::invalid_argument(fmt::format(
         "--ep {} must divide --dp ({}) and the experts ({}): the experts borrow their ranks "
         "from the data-parallel ones, E/EP whole experts each",
         ep, dp, m.experts));
+  if (cp > 1 && (!tpx::checked_mul(dp, cp) || (dp * cp) % ep != 0 || m.experts % ep != 0))
+    throw std::invalid_argument(fmt::format(
+        "--ep {} must divide the D·C ranks (--dp {} × --cp {}) and the experts ({}): the experts "
+        "borrow their ranks from the data- and context-parallel ones, E/EP whole experts each",
+        ep, dp, cp, m.experts));
   if (m.expert_ffn % tp != 0)
     throw std::invalid_argument(fmt::format(
         "--tp {} must divide the experts' width FE ({}): each TP rank holds FE/T of every expert",
         tp, m.expert_ffn));
-  if (!tpx::checked_mul(tp, dp))
+  const auto gpus = tpx::checked_mul(tp, dp);
+  if (!gpus || !tpx::checked_mul(*gpus, cp))
     throw std::invalid_argument(
-        fmt::format("--dp {} × --tp {} is more GPUs than the model counts ({} at most)", dp, tp,
-                    std::numeric_limits<int>::max()));
-  // The bytes assume balanced routing: every expert gets as many of a replica's assignments.
-  const auto tokens = tpx::checked_mul<std::int64_t>(c.seq, c.batch / dp);
+        fmt::format("--dp {} × --tp {}{} is more GPUs than the model counts ({} at most)", dp, tp,
+                    cp > 1 ? fmt::format(" × --cp {}", cp) : "", std::numeric_limits<int>::max()));
+  // The bytes assume balanced routing: every expert gets as many of a rank's assignments (and,
+  // under --cp with a capacity, of each sequence chunk's: balanced_kept_rows).
+  const auto tokens = tpx::checked_mul<std::int64_t>(c.seq / cp, c.batch / dp);
+  const bool chunks = cp > 1 && m.capacity_factor > 0;
   if (const auto assignments = tokens ? tpx::checked_mul(*tokens, m.topk) : std::nullopt;
-      !assignments || *assignments % m.experts != 0)
+      !assignments || *assignments % m.experts != 0 ||
+      (chunks && c.seq / (2 * cp) * m.topk % m.experts != 0))
     throw std::invalid_argument(fmt::format(
-        "stage 10's bytes assume balanced routing: a replica's S·B/D·K assignments ({} · {} / {} "
-        "· {}) must be divisible by the experts E ({}): give another --seq or --batch",
-        c.seq, c.batch, dp, m.topk, m.experts));
+        "stage 10's bytes assume balanced routing: a rank's S/C·B/D·K assignments ({} / {} · {} / "
+        "{} · {}){} must be divisible by the experts E ({}): give another --seq or --batch",
+        c.seq, cp, c.batch, dp, m.topk, chunks ? ", and each sequence chunk's S/(2C)·K," : "",
+        m.experts));
   StageCost r;
   r.stage = "10_expert_parallel";
-  r.gpus = tp * dp;
+  r.gpus = tp * dp * cp;
   tpx::BlockConfig dense = c;  // one replica, the experts as a SwiGLU of their FLOPs
   dense.batch /= dp;
   dense.moe = {};
@@ -281,12 +298,11 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
                      width = m.topk * m.expert_ffn + m.shared_ffn;
   const std::int64_t ffn = (moe_layers * width + (c.layers - moe_layers) * c.ffn) / c.layers;
   dense.ffn = std::max<std::int64_t>(tp, ffn / tp * tp);
-  tpx::check_tp_split(dense, tp, /*sequence=*/true);
-  const pj::Projection p = pj::project_stage(d, dense, tp, 5);
-  const tpx::ep::ExpertTraffic t = tpx::ep::expert_traffic(c, dp, tp, ep, 0);
+  const tpx::ep::ExpertTraffic t = tpx::ep::expert_traffic(c, dp, tp, ep, 0, cp, method);
   r.tp_bytes = t.tp;
   r.dp_bytes = t.dp;
   r.ep_bytes = t.ep;
+  r.cp_bytes = t.cp;
   const bool one_node = tp * ep <= d.gpus_per_node;
   const double ep_GBps = one_node ? d.nvlink_GBps_per_direction * d.collective_efficiency
                                   : d.dp_GBps_per_direction * d.dp_efficiency;
@@ -299,32 +315,52 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
   const double dp_ms =
       d.dp_GBps_per_direction > 0
           ? double(t.dp.bus) / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
-                3 * (dp - 1) * d.link_latency_us * 1e-3
+                3 * (dp * cp - 1) * d.link_latency_us * 1e-3
           : 0.0;
-  r.step_ms = p.step_ms + std::max(0.0, dp_ms - p.compute_ms) + ep_ms;
-  r.exposed_ms = r.step_ms - p.compute_ms;
+  double compute_ms = 0, busy_ms = 0;  // busy: the compute and the exposed TP (and CP) parts
+  if (cp == 1) {
+    tpx::check_tp_split(dense, tp, /*sequence=*/true);
+    const pj::Projection p = pj::project_stage(d, dense, tp, 5);
+    compute_ms = p.compute_ms;
+    busy_ms = p.step_ms;
+  } else {  // the whole dense equivalent on D × C × T: stage 08's projection, batch and all
+    dense.batch = c.batch;
+    pj::Layout l;
+    l.dp = dp, l.cp = cp, l.tp = tp, l.cp_method = method;
+    const pj::LayoutStep x = pj::project_layout(d, dense, l);
+    compute_ms = x.compute_ms;
+    busy_ms = x.compute_ms + x.tp_ms + x.cp_ms;
+  }
+  r.step_ms = busy_ms + std::max(0.0, dp_ms - compute_ms) + ep_ms;
+  r.exposed_ms = r.step_ms - compute_ms;
   r.flops = tpx::step_flops(c).total() / double(r.gpus);
-  const tpx::Sharding sh{
+  tpx::Sharding sh{
       .rank = 0,
       .world = tp,
       .weights = true,
       .sequence = true,
       .dp = dp,
       .dimensions = {tpx::fsdp::memory_dimension(false), tpx::ep::memory_dimension(ep, 0)}};
+  if (cp > 1) {  // as stage 08's plan: FSDP over D·C, the CP attention's buffers, the experts
+    sh.cp = cp;
+    sh.dimensions = {tpx::fsdp::memory_dimension(false), tpx::cp::memory_dimension(method),
+                     tpx::ep::memory_dimension(ep, 0)};
+  }
   const tpx::MemoryEstimate e = tpx::estimate_training_memory(c, sh);
   r.saved = e.term("saved activations").bytes;
   r.memory = e.total();
   return r;
 }
 
-std::string expert_words(const tpx::BlockConfig& c, int tp, int dp, int ep) {
+std::string expert_words(const tpx::BlockConfig& c, int tp, int dp, int ep, int cp,
+                         tpx::cp::CpMethod method) {
   const tpx::MoeConfig& m = c.moe;
   return fmt::format(
-      "experts E {} of FE {}, top {} by {}{}, {} | D {} × T {}, EP {}", m.experts, m.expert_ffn,
+      "experts E {} of FE {}, top {} by {}{}, {} | D {}{} × T {}, EP {}", m.experts, m.expert_ffn,
       m.topk, m.router == tpx::MoeRouter::sigmoid ? "sigmoid" : "softmax",
       m.shared_ffn > 0 ? fmt::format(", shared width {}", m.shared_ffn) : "",
       m.every == 1 ? std::string("in every layer") : fmt::format("in one layer of {}", m.every), dp,
-      tp, ep);
+      cp > 1 ? fmt::format(" × C {} (cp-method {})", cp, tpx::cp::to_string(method)) : "", tp, ep);
 }
 
 /// The by-flags tables' first line: what projected them, on which device, with what.
@@ -451,29 +487,34 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
 
 /// Stage 10's table for a mixture-of-experts model.
 std::string expert_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
-                            const std::string& model, int tp, int dp, int ep, const StageCost& r) {
+                            const std::string& model, int tp, int dp, int ep, int cp,
+                            tpx::cp::CpMethod method, const StageCost& r) {
   std::string s = projected_by(d);
   s += fmt::format(
       "{} | {}. A mixture of experts runs as stage 10 alone. Per GPU and training step; bytes as "
       "the stage counts them (bus bytes, balanced routing, the experts' rows in fp32 as the "
-      "stage moves them); time: stage 05's projection of a "
-      "replica with each MoE layer's MLP as a SwiGLU of the chosen experts' width (K·FE + SF: "
-      "the same FLOPs; the experts' smaller GEMMs at its efficiency), the DP bytes behind the "
-      "compute, the EP all-to-alls exposed; memory: the stage's estimate (the experts sharded "
-      "over their D/EP holders).\n\n",
-      describe(c, model), expert_words(c, tp, dp, ep));
-  s += "| stage | GPUs | step ms | exposed comm ms | TFLOP per GPU | TP bus per GPU | EP bus per "
-       "GPU | DP bus per GPU | saved activations | peak memory |\n"
-       "|---|---|---|---|---|---|---|---|---|---|\n";
-  s += fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.1f} | {} | {} | {} | {} | {} |\n", r.stage,
+      "stage moves them); time: stage {}'s projection of {} with each MoE layer's MLP as a SwiGLU "
+      "of the chosen experts' width (K·FE + SF: the same FLOPs; the experts' smaller GEMMs at its "
+      "efficiency), the experts' DP bytes behind the compute, the EP all-to-alls exposed; memory: "
+      "the stage's estimate (the experts sharded over their {} holders).\n\n",
+      describe(c, model), expert_words(c, tp, dp, ep, cp, method), cp > 1 ? "08" : "05",
+      cp > 1 ? "the D × C × T mesh" : "a replica", cp > 1 ? "D·C/EP" : "D/EP");
+  const std::string cp_head = cp > 1 ? " CP bus per GPU |" : "", cp_rule = cp > 1 ? "---|" : "";
+  const std::string cp_cell = cp > 1 ? fmt::format(" {} |", tpx::bytes_text(r.cp_bytes.bus)) : "";
+  s += fmt::format(
+      "| stage | GPUs | step ms | exposed comm ms | TFLOP per GPU | TP bus per GPU |{} EP bus per "
+      "GPU | DP bus per GPU | saved activations | peak memory |\n"
+      "|---|---|---|---|---|---|{}---|---|---|---|\n",
+      cp_head, cp_rule);
+  s += fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.1f} | {} |{} {} | {} | {} | {} |\n", r.stage,
                    r.gpus, r.step_ms, r.exposed_ms, r.flops / 1e12, tpx::bytes_text(r.tp_bytes.bus),
-                   tpx::bytes_text(r.ep_bytes.bus), tpx::bytes_text(r.dp_bytes.bus),
+                   cp_cell, tpx::bytes_text(r.ep_bytes.bus), tpx::bytes_text(r.dp_bytes.bus),
                    tpx::bytes_text(r.saved), tpx::bytes_text(r.memory));
   return s;
 }
 
 json expert_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::string& model,
-                 int tp, int dp, int ep, const StageCost& r) {
+                 int tp, int dp, int ep, int cp, tpx::cp::CpMethod method, const StageCost& r) {
   const tpx::MoeConfig& m = c.moe;
   json config = config_json(c);
   config.update({{"experts", m.experts},
@@ -481,26 +522,30 @@ json expert_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::
                  {"expert_ffn", m.expert_ffn},
                  {"shared_ffn", m.shared_ffn},
                  {"moe_every", m.every}});
-  return {{"device", d.name},
-          {"device_file", d.file},
-          {"model", model},
-          {"config", config},
-          {"tp", tp},
-          {"dp", dp},
-          {"ep", ep},
-          {"stages",
-           {{{"stage", r.stage},
-             {"gpus", r.gpus},
-             {"step_ms", r.step_ms},
-             {"exposed_comm_ms", r.exposed_ms},
-             {"flops_per_gpu", r.flops},
-             {"tp_bus_bytes", r.tp_bytes.bus},
-             {"tp_payload_bytes", r.tp_bytes.payload},
-             {"ep_bus_bytes", r.ep_bytes.bus},
-             {"ep_payload_bytes", r.ep_bytes.payload},
-             {"dp_bus_bytes", r.dp_bytes.bus},
-             {"saved_activation_bytes", r.saved},
-             {"memory_estimate_bytes", r.memory}}}}};
+  json row = {{"stage", r.stage},
+              {"gpus", r.gpus},
+              {"step_ms", r.step_ms},
+              {"exposed_comm_ms", r.exposed_ms},
+              {"flops_per_gpu", r.flops},
+              {"tp_bus_bytes", r.tp_bytes.bus},
+              {"tp_payload_bytes", r.tp_bytes.payload},
+              {"ep_bus_bytes", r.ep_bytes.bus},
+              {"ep_payload_bytes", r.ep_bytes.payload},
+              {"dp_bus_bytes", r.dp_bytes.bus},
+              {"saved_activation_bytes", r.saved},
+              {"memory_estimate_bytes", r.memory}};
+  json j = {{"device", d.name}, {"device_file", d.file},
+            {"model", model},   {"config", config},
+            {"tp", tp},         {"dp", dp},
+            {"ep", ep}};
+  if (cp > 1) {
+    j["cp"] = cp;
+    j["cp_method"] = tpx::cp::to_string(method);
+    row["cp_bus_bytes"] = r.cp_bytes.bus;
+    row["cp_payload_bytes"] = r.cp_bytes.payload;
+  }
+  j["stages"] = json::array({row});
+  return j;
 }
 
 }  // namespace
@@ -657,7 +702,7 @@ void add_model_options(CLI::App& app, Options& o) {
       ->group(m);
   app.add_option("--ep", o.ep,
                  "EP, expert-parallel ranks of stage 10 for a mixture-of-experts --model, borrowed "
-                 "from the D replicas; when not given, D")
+                 "from the D replicas (the D·C ranks with --cp); when not given, D (D·C)")
       ->check(positive_integer<int>())
       ->group(m);
   app.add_flag("--fp8-weight-gather", o.fp8_weight_gather,
@@ -743,11 +788,11 @@ void resolve_model(const CLI::App& app, Options& o) {
         fmt::format("--model {}: no such model (known: {})", o.model, tpx::preset_names()));
   if (preset->moe.experts > 0) {  // stage 10's row alone: the dense stages cannot run it
     tpx::MoeFlags::of(preset->moe).configure(c);
-    for (const char* flag : {"--pp", "--cp", "--fp8-weight-gather"})
+    for (const char* flag : {"--pp", "--fp8-weight-gather"})
       if (app.count(flag) > 0)
         throw std::invalid_argument(
             fmt::format("--model {} is a mixture of experts, which tpx_project projects as stage "
-                        "10 on a D × T mesh: it takes no {}",
+                        "10 on a D × T or D × C × T mesh: it takes no {}",
                         o.model, flag));
   } else if (app.count("--ep") > 0) {
     throw std::invalid_argument("--ep is stage 10's: give a mixture-of-experts --model");
@@ -787,14 +832,19 @@ void resolve_model(const CLI::App& app, Options& o) {
 }
 
 /// The mesh of the flags: D, T and the CP method; M = B / D unless given; its counts checked.
+/// --cp-method's value as stage 08's method.
+tpx::cp::CpMethod cp_method_of(const std::string& name) {
+  return name == "allgather" ? tpx::cp::CpMethod::allgather
+         : name == "ulysses" ? tpx::cp::CpMethod::ulysses
+                             : tpx::cp::CpMethod::ring;
+}
+
 void resolve_mesh(const CLI::App& app, Options& o) {
   pj::Layout& mesh = o.mesh;
   mesh.dp = o.dp;
   mesh.tp = o.tp;
   check_mesh_counts(mesh, o.c.batch, app.count("--microbatches") > 0);
-  mesh.cp_method = o.cp_method == "allgather" ? tpx::cp::CpMethod::allgather
-                   : o.cp_method == "ulysses" ? tpx::cp::CpMethod::ulysses
-                                              : tpx::cp::CpMethod::ring;
+  mesh.cp_method = cp_method_of(o.cp_method);
   if (mesh.microbatches == 0) mesh.microbatches = int(o.c.batch / o.dp);
 }
 
@@ -809,11 +859,13 @@ void write_outputs(const Options& o, const std::string& md, const std::function<
 /// A table per stage for the model of the flags (stage 10's alone for a mixture of experts).
 void project_model(const CLI::App& app, Options& o, const pj::DeviceSpec& device) {
   resolve_model(app, o);
-  if (o.c.moe.experts > 0) {
-    const int ep = o.ep == 0 ? o.dp : o.ep;
-    const StageCost r = expert_cost(device, o.c, o.tp, o.dp, ep);
-    write_outputs(o, expert_markdown(device, o.c, o.model, o.tp, o.dp, ep, r),
-                  [&] { return expert_json(device, o.c, o.model, o.tp, o.dp, ep, r); });
+  if (o.c.moe.experts > 0) {  // on D × T, or with --cp on D × C × T (EP of the D·C ranks)
+    const int cp = app.count("--cp") > 0 ? o.mesh.cp : 1;
+    const tpx::cp::CpMethod method = cp_method_of(o.cp_method);
+    const int ep = o.ep == 0 ? o.dp * cp : o.ep;
+    const StageCost r = expert_cost(device, o.c, o.tp, o.dp, ep, cp, method);
+    write_outputs(o, expert_markdown(device, o.c, o.model, o.tp, o.dp, ep, cp, method, r),
+                  [&] { return expert_json(device, o.c, o.model, o.tp, o.dp, ep, cp, method, r); });
     return;
   }
   resolve_mesh(app, o);
