@@ -350,19 +350,22 @@ std::vector<std::vector<DqShare>> twin_bwd(const Problem& p, const std::vector<f
                                            const std::vector<float>& delta, std::vector<float>& dk,
                                            std::vector<float>& dv) {
   constexpr int ND = D / 8, NS = tc::kQueryTile / 8, NQ = D / 16;
+  constexpr int kRows = tc::bwd_rows(D), kTiles = kRows / tc::kWarpRows;  // row tiles of 16
   const I s = p.s;
   const float scale = 1.0f / std::sqrt(float(D)), scale_log2 = scale * tc::kLog2e;
-  const I key_blocks = (s + tc::kBlockRows - 1) / tc::kBlockRows;
+  const I key_blocks = (s + kRows - 1) / kRows;
   std::vector<std::vector<DqShare>> shares;
   for (I ticket = 0; ticket < p.kv() * key_blocks; ++ticket) {
     const tc::BwdWork work = tc::bwd_work(ticket, p.kv());
-    const I kvh = work.kv_head, k0 = work.key_block * tc::kBlockRows;
-    const Tile kt = load_tile(k, k0, tc::kBlockRows, s, p.ldkv(), kvh * D, D);
-    const Tile vt = load_tile(v, k0, tc::kBlockRows, s, p.ldkv(), kvh * D, D);
+    const I kvh = work.kv_head, k0 = work.key_block * kRows;
+    const Tile kt = load_tile(k, k0, kRows, s, p.ldkv(), kvh * D, D);
+    const Tile vt = load_tile(v, k0, kRows, s, p.ldkv(), kvh * D, D);
     const I first = tc::first_query_tile(k0, p.shift), end = tc::query_tiles_end(s);
     const I total = end > first ? p.group * (end - first) : 0;
-    FragC<ND> dka[tc::kWarps], dva[tc::kWarps];
-    for (int w = 0; w < tc::kWarps; ++w) zero(dka[w]), zero(dva[w]);
+    // Each warp's tc::bwd_row_tiles(D) row tiles of 16 keys, run one after the other (the kernel
+    // shares their Q and dO fragments, which changes no value): row tile w of the block.
+    FragC<ND> dka[kTiles], dva[kTiles];
+    for (int w = 0; w < kTiles; ++w) zero(dka[w]), zero(dva[w]);
     // Step it: query tile first + it / group, head kvh·group + it % group (tile-major).
     auto tile_of = [&](I it) { return first + it / p.group; };
     auto head_of = [&](I it) { return kvh * p.group + it % p.group; };
@@ -387,8 +390,8 @@ std::vector<std::vector<DqShare>> twin_bwd(const Problem& p, const std::vector<f
       const I i0 = tile_of(it) * tc::kQueryTile;
       const Tile& qt = qb[b];
       const Tile& dot = db[b];
-      Tile dst = unwritten(tc::kBlockRows, tc::kQueryTile);  // dSᵀ, as store_ds writes it
-      for (int w = 0; w < tc::kWarps; ++w) {
+      Tile dst = unwritten(kRows, tc::kQueryTile);  // dSᵀ, as store_ds writes it
+      for (int w = 0; w < kTiles; ++w) {
         const I row0 = k0 + w * tc::kWarpRows;
         FragC<NS> pt, dpt;
         zero(pt);
@@ -422,7 +425,7 @@ std::vector<std::vector<DqShare>> twin_bwd(const Problem& p, const std::vector<f
       for (int w = 0; w < tc::kWarps; ++w) {
         FragC<NQ> dqa;
         zero(dqa);
-        for (int kk = 0; kk < tc::kBlockRows / 16; ++kk) {
+        for (int kk = 0; kk < kRows / 16; ++kk) {
           const FragA a = as_a(ldsm_x4(dst, 16 * kk, tc::dq_row(w), true, tc::ldsm_at));
           for (int nb = 0; nb < NQ / 2; ++nb) {
             const Regs r = ldsm_x4(kt, 16 * kk, tc::dq_col(w, D) + 16 * nb, true, tc::ldsm_a);
@@ -439,7 +442,7 @@ std::vector<std::vector<DqShare>> twin_bwd(const Problem& p, const std::vector<f
       }
       mine.push_back(std::move(share));
     }
-    for (int w = 0; w < tc::kWarps; ++w) {
+    for (int w = 0; w < kTiles; ++w) {
       const I row0 = k0 + w * tc::kWarpRows;
       store(dka[w], scale, dk, row0, s, p.ldkv(), kvh * D, p.accumulate, p.bf16_out);
       store(dva[w], 1.0f, dv, row0, s, p.ldkv(), kvh * D, p.accumulate, p.bf16_out);
@@ -668,7 +671,9 @@ TEST_P(FlashTcTwin, MatchesDoubleReference) {
   if (pair == Pair::diagonal) p = {s, d, p.heads, group, 0, true};
   if (pair == Pair::past) p = {s, d, p.heads, group, s, true};
   p.bf16_out = !p.accumulate;  // the causal attention's outputs are bf16, a pair's fp32
-  if (d == 64)
+  if (d == 32)
+    run<32>(p);
+  else if (d == 64)
     run<64>(p);
   else
     run<128>(p);
@@ -688,6 +693,14 @@ INSTANTIATE_TEST_SUITE_P(Sizes, FlashTcTwin,
                                           testing::Values(Pair::causal, Pair::later_keys,
                                                           Pair::earlier_keys, Pair::boundary,
                                                           Pair::diagonal, Pair::past)),
+                         name_of);
+
+// D = 32, where the forward and the backward both give a warp 32 rows (two row tiles).
+INSTANTIATE_TEST_SUITE_P(HeadDim32, FlashTcTwin,
+                         testing::Combine(testing::Values<I>(1, 65, 200, 300), testing::Values(32),
+                                          testing::Values<I>(1, 4),
+                                          testing::Values(Pair::causal, Pair::later_keys,
+                                                          Pair::earlier_keys, Pair::boundary)),
                          name_of);
 
 /// The ldmatrix addresses deliver the fragment layouts: an A block read with tc::ldsm_a puts
@@ -731,7 +744,8 @@ TEST(FlashTcTwinFragments, AccumulatorBecomesOperandInPlace) {
 /// loop go to different buffers.
 TEST(FlashTcTwinFragments, TileCopiesWriteEveryElementOnce) {
   for (int d : {32, 64, 128})
-    for (int rows : {tc::kBlockRows, tc::kKeyTile, tc::kQueryTile, tc::forward_rows(d)}) {
+    for (int rows :
+         {tc::kBlockRows, tc::kKeyTile, tc::kQueryTile, tc::forward_rows(d), tc::bwd_rows(d)}) {
       const int chunks = rows * tc::row_chunks(d);
       ASSERT_EQ(chunks % tc::kThreads, 0) << "rows " << rows << " D " << d;
       std::vector<int> writes(static_cast<std::size_t>(rows * d), 0);
@@ -820,10 +834,11 @@ TEST(FlashTcTwinFragments, TileMaskAgreesWithVisible) {
 /// dQ's adds in the kernel's order give the same bits however the blocks interleave (one to
 /// five resident at a time, any pick among those ready), for the causal attention (bf16 dq
 /// rounded from the accumulator) and a chunk pair (added into an fp32 dq). Without the turns
-/// (adds on arrival) the bits do depend on the interleaving: the check can fail.
+/// (adds on arrival) the bits do depend on the interleaving: the check can fail. (Two adds onto
+/// zero commute, so a tile needs three key blocks' shares for the order to show.)
 TEST(FlashTcTwinOrder, DqIsTheSameBitsWhateverTheInterleaving) {
   for (const bool pair : {false, true}) {
-    Problem p{200, 64, 4, 2, pair ? 70 : 0, pair};
+    Problem p{450, 64, 4, 2, pair ? 70 : 0, pair};  // 4 key blocks of 128: up to 4 adds a tile
     p.bf16_out = !pair;
     const Case c = prepare<64>(p);
     std::vector<float> dk = c.dk0, dv = c.dv0;

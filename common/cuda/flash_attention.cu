@@ -17,8 +17,8 @@
 // Two families of kernels, the same algorithm:
 //  - tensor cores (bf16 tensors, D = 32, 64, 128): FlashAttention-2's work partitioning (Dao
 //    2023, section 3.3): 4 warps per block, each owning 32 query rows (forward at D = 32 and 64:
-//    a block of 128; 16 at D = 128, a block of 64) or 16 key rows (backward, a block of 64), all
-//    sharing the other side's tiles in shared memory. Products are
+//    a block of 128; 16 at D = 128, a block of 64) or key rows (backward: 32 at D = 32, 16
+//    otherwise), all sharing the other side's tiles in shared memory. Products are
 //    mma.sync.aligned.m16n8k16 (bf16 × bf16 + fp32) in inline PTX, operands from shared memory
 //    by ldmatrix.x4 (.trans for a row-major B); the score tile and the O / dQ / dK / dV
 //    accumulators stay in registers, the online softmax runs on the score fragments (a row's
@@ -49,6 +49,7 @@
 //   forward    64 q × 64 keys      O 64 + S 32 + ~60: <= 255              55296 /  87040
 //              (128 q at D 32, 64)
 //   backward   64 keys × 32 q      dK 64 + dV 64 + Sᵀ 16 + dPᵀ 16 + ~60   42496 /  75264
+//              (128 keys at D 32)
 //                                  (then dQ's quarter 32 in Sᵀ's, dPᵀ's place)
 // (shared: the block's own rows once, the other side's tiles twice, rows of D + 8 bf16; the
 // backward also lse and Δ twice and the dSᵀ tile, 64 × (32 + 8) bf16). So 2 blocks (8 warps)
@@ -62,11 +63,11 @@
 // per product. The forward takes them at D = 32 and 64 (tc::forward_row_tiles; ptxas, sm_90: 189
 // and 234 registers, no spills, 2 blocks per SM; fewer instructions per product, below). At
 // D = 128 the accumulators alone, O 128 and S 64 registers, leave too few: ptxas uses 255 and
-// spills 212 bytes, so the forward keeps 16 rows a warp there. The backward keeps 16 key rows a
-// warp at every D: 32 would double dK and dV, 128 registers each at D = 128, more than a thread
-// has. At D = 64 its accumulators and score fragments would take 192 registers before any
-// address or the dQ quarter (likely to spill); at D = 32, 96. Neither has been written and
-// measured yet.
+// spills 212 bytes, so the forward keeps 16 rows a warp there. The backward takes 32 key rows a
+// warp (tc::bwd_row_tiles, a block of 128 keys sharing each Q and dO fragment) at D = 32: 227
+// registers on sm_90, 222 on sm_80, no spills, 2 blocks per SM. At D = 64 ptxas fits 32 rows on
+// sm_90 (246 registers) but spills 12 bytes on sm_80, so it keeps 16; at D = 128, dK and dV alone
+// would take 256 registers.
 // Bytes per FLOP at D = 128, global, per tile (bf16: 2 B an element):
 // forward 2·64·D·2 B of K, V for 4·64·64·D FLOP = 1/64 (1/32 with the fp32 inputs of before);
 // backward 2·32·D·2 B of Q, dO for 10·64·32·D FLOP = 1/160, plus 2·32·D·4 B of dQ's fp32
@@ -86,10 +87,12 @@
 // work, against 876 for 160 now); its extra instructions per HMMA are dSᵀ's stores, dQ's adds
 // and the turn. The aim is 4 or fewer (copies without bounds on interior tiles, 32 query rows a
 // warp).
-// The forward at 32 rows a warp (D 32, 64) went from 9.2 and 6.1 to 8.4 and 5.3.
+// The forward at 32 rows a warp (D 32, 64) went from 9.2 and 6.1 to 8.4 and 5.3. The backward's
+// at D 32 rose from 14.7 to 15.5: its loop holds the masked and the unmasked dS step once per row
+// tile, and the static count takes both (a step runs one of them).
 //                kernel          D 32   D 64  D 128
 //   sass budget  flash_forward    8.4    5.3    4.7
-//   sass budget  flash_bwd       14.8    8.7    5.5
+//   sass budget  flash_bwd       15.5    8.7    5.5
 // Forward, per query row i over keys j <= i, with a running maximum m and sum l:
 //   m' = max(m, s_j);  l = l·exp(m − m') + exp(s_j − m');  o = o·exp(m − m') + exp(s_j − m')·v_j
 // (the tensor-core kernel does the same for 64 keys at a time), then o /= l, lse = m + log l.
@@ -804,7 +807,8 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
     }
 }
 
-// Backward: one block per (64 keys, KV head), 4 warps of 16 keys, its work from a ticket
+// Backward: one block per (tc::bwd_rows(D) keys, KV head), 4 warps of M = tc::bwd_row_tiles(D)
+// tiles of 16 keys (32 or 16 keys a warp), its work from a ticket
 // (tc::bwd_work: key block 0 of every head first). The steps go over the query tiles of 32 from
 // the first that sees the block's keys, and for each tile over the query heads of the group
 // (tile-major, so that key block j stays about two steps behind key block j − 1, whose dQ turns
@@ -821,27 +825,28 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
                   const float* delta, float* dq_acc, unsigned* sync, TOut* dk, TOut* dv, I s, I ldq,
                   I ldkv, I group, I kv_heads, float scale, float scale_log2, I shift,
                   bool accumulate) {
+  constexpr int M = tc::bwd_row_tiles(D), kRows = tc::bwd_rows(D);
   extern __shared__ __align__(128) unsigned char mma_smem[];
   __shared__ unsigned ticket;
   constexpr int kTile = kQueryTile * tc::ld_tile(D);
   bf16* ks = reinterpret_cast<bf16*>(mma_smem);
-  bf16* vs = ks + kBlockRows * tc::ld_tile(D);
-  bf16* qs = vs + kBlockRows * tc::ld_tile(D);                 // [2][32][D + 8]
+  bf16* vs = ks + kRows * tc::ld_tile(D);
+  bf16* qs = vs + kRows * tc::ld_tile(D);                      // [2][32][D + 8]
   bf16* dos = qs + 2 * kTile;                                  // [2][32][D + 8]
   float* lse_s = reinterpret_cast<float*>(dos + 2 * kTile);    // [2][32], × log2(e)
   float* dl_s = lse_s + 2 * kQueryTile;                        // [2][32]
-  bf16* dss = reinterpret_cast<bf16*>(dl_s + 2 * kQueryTile);  // dSᵀ [64][32 + 8]
+  bf16* dss = reinterpret_cast<bf16*>(dl_s + 2 * kQueryTile);  // dSᵀ [kRows][32 + 8]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   if (threadIdx.x == 0) ticket = atomicAdd(sync, 1u);
   __syncthreads();
   const tc::BwdWork work = tc::bwd_work(ticket, kv_heads);
   unsigned* turns = sync + 1;  // [heads_total][query tiles]
-  const I kvh = work.kv_head, k0 = work.key_block * kBlockRows;
+  const I kvh = work.kv_head, k0 = work.key_block * kRows;
   const unsigned my_turn = tc::dq_turn(work.key_block);
   k += kvh * D, v += kvh * D, dk += kvh * D, dv += kvh * D;
   const I first = tc::first_query_tile(k0, shift), end = tc::query_tiles_end(s);
   const I total = end > first ? group * (end - first) : 0;  // (query tile, head) steps
-  const I row0 = k0 + warp * kWarpRows;                     // the warp's first key
+  const I row0 = k0 + warp * M * kWarpRows;  // the warp's first key; tile mt at + 16·mt
   // A step: its query tile and query head, counted up (no division in the loop).
   struct Step {
     I tile, head;
@@ -868,24 +873,27 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
     (threadIdx.x < kQueryTile ? lse_s : dl_s)[b * kQueryTile + t] = x;
   };
   const bool stat_thread = threadIdx.x < 2 * kQueryTile;
-  load_tile<kBlockRows, D>(ks, k, k0, s, ldkv);
-  load_tile<kBlockRows, D>(vs, v, k0, s, ldkv);
+  load_tile<kRows, D>(ks, k, k0, s, ldkv);
+  load_tile<kRows, D>(vs, v, k0, s, ldkv);
   Step cur{first, head0};
   if (total > 0) {
     load_step(cur, 0);
     if (stat_thread) put_stats(0, stats(cur));
   }
   cp_async_commit();
-  const bf16* kw = ks + warp * kWarpRows * tc::ld_tile(D);
-  const bf16* vw = vs + warp * kWarpRows * tc::ld_tile(D);
-  bf16* dsw = dss + warp * kWarpRows * tc::ld_ds();  // the warp's 16 key rows of dSᵀ
+  const bf16* kw = ks + warp * M * kWarpRows * tc::ld_tile(D);
+  const bf16* vw = vs + warp * M * kWarpRows * tc::ld_tile(D);
+  bf16* dsw = dss + warp * M * kWarpRows * tc::ld_ds();  // the warp's 16·M key rows of dSᵀ
   // dQ's quarter of the warp: query rows dq_row .. + 15 of the tile, columns dq_col .. + D/2 − 1.
   const bf16* ds_read = dss + tc::dq_row(warp);
   const bf16* k_read = ks + tc::dq_col(warp, D);
   float* dq_warp = dq_acc + tc::dq_col(warp, D);
-  float dka[1][D / 8][4], dva[1][D / 8][4];  // (one 16-row tile of keys a warp)
-  zero(dka[0]);
-  zero(dva[0]);
+  float dka[M][D / 8][4], dva[M][D / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < M; ++mt) {
+    zero(dka[mt]);
+    zero(dva[mt]);
+  }
   for (I it = 0; it < total; ++it) {
     const int b = tc::buffer_of(it), bn = tc::buffer_of(it + 1);
     const bool next = it + 1 < total;
@@ -902,25 +910,30 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
     const bf16* dc = dos + b * kTile;
     const I i0 = cur.tile * kQueryTile;
     {
-      float pt[1][kQueryTile / 8][4], dpt[1][kQueryTile / 8][4];
-      product_abt<1, kQueryTile / 16, D>(pt, kw, qc, lane);
-      product_abt<1, kQueryTile / 16, D>(dpt, vw, dc, lane);
-      // The mask's test only on the tiles that need it (the diagonal's, S's ragged end).
-      if (tc::all_visible(i0, kQueryTile, row0, kWarpRows, s, shift))
-        tc::ds_cols<false>(pt[0], dpt[0], lane, row0, i0, s, shift, scale_log2,
-                           lse_s + b * kQueryTile, dl_s + b * kQueryTile);
-      else
-        tc::ds_cols<true>(pt[0], dpt[0], lane, row0, i0, s, shift, scale_log2,
-                          lse_s + b * kQueryTile, dl_s + b * kQueryTile);
-      product_cv<1, kQueryTile / 8, D>(dva, pt, dc, lane);
-      product_cv<1, kQueryTile / 8, D>(dka, dpt, qc, lane);
-      store_ds(dsw, dpt[0], lane);
+      float pt[M][kQueryTile / 8][4], dpt[M][kQueryTile / 8][4];
+      product_abt<M, kQueryTile / 16, D>(pt, kw, qc, lane);
+      product_abt<M, kQueryTile / 16, D>(dpt, vw, dc, lane);
+#pragma unroll
+      for (int mt = 0; mt < M; ++mt) {
+        // The mask's test only on the tiles that need it (the diagonal's, S's ragged end).
+        const I r = row0 + mt * kWarpRows;
+        if (tc::all_visible(i0, kQueryTile, r, kWarpRows, s, shift))
+          tc::ds_cols<false>(pt[mt], dpt[mt], lane, r, i0, s, shift, scale_log2,
+                             lse_s + b * kQueryTile, dl_s + b * kQueryTile);
+        else
+          tc::ds_cols<true>(pt[mt], dpt[mt], lane, r, i0, s, shift, scale_log2,
+                            lse_s + b * kQueryTile, dl_s + b * kQueryTile);
+      }
+      product_cv<M, kQueryTile / 8, D>(dva, pt, dc, lane);
+      product_cv<M, kQueryTile / 8, D>(dka, dpt, qc, lane);
+#pragma unroll
+      for (int mt = 0; mt < M; ++mt) store_ds(dsw + mt * kWarpRows * tc::ld_ds(), dpt[mt], lane);
     }
     if (next && stat_thread) put_stats(bn, st);  // buffer bn's last readers passed the last barrier
     __syncthreads();                             // dSᵀ whole
     float dqa[1][D / 16][4];
     zero(dqa[0]);
-    for (int kk = 0; kk < kBlockRows / 16; ++kk) {
+    for (int kk = 0; kk < kRows / 16; ++kk) {
       std::uint32_t a[1][4];
       const tc::RowCol pa = tc::ldsm_at(lane);
       ldsm_x4_trans(a[0], ds_read + (16 * kk + pa.row) * tc::ld_ds() + pa.col);
@@ -933,8 +946,11 @@ __global__ void __launch_bounds__(tc::kThreads, 2)
     cur = nxt;
   }
   cp_async_wait<0>();
-  store_acc(dka[0], scale, dk, row0, s, ldkv, accumulate, lane);
-  store_acc(dva[0], 1.0f, dv, row0, s, ldkv, accumulate, lane);
+#pragma unroll
+  for (int mt = 0; mt < M; ++mt) {
+    store_acc(dka[mt], scale, dk, row0 + mt * kWarpRows, s, ldkv, accumulate, lane);
+    store_acc(dva[mt], 1.0f, dv, row0 + mt * kWarpRows, s, ldkv, accumulate, lane);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1136,8 +1152,6 @@ cudaError_t backward_mma(const bf16* dout, const bf16* q, const bf16* k, const b
   constexpr bool kF32 = std::is_same_v<TOut, float>;
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const I kv_heads = heads_total / group;
-  const I blocks = kv_heads * static_cast<I>(blocks_of(s, tc::kBlockRows));
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   float* acc = nullptr;
   if constexpr (kF32)
     acc = dq;
@@ -1152,6 +1166,11 @@ cudaError_t backward_mma(const bf16* dout, const bf16* q, const bf16* k, const b
   if (err != cudaSuccess) return err;
   with_head_dim(d, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
+    const I blocks = kv_heads * static_cast<I>(blocks_of(s, tc::bwd_rows(D)));
+    if (blocks > 0x7fffffff) {
+      err = cudaErrorInvalidConfiguration;
+      return;
+    }
     err = allow_smem(flash_bwd_mma<D, TOut>, tc::bwd_smem(D));
     if (err != cudaSuccess) return;
     flash_bwd_mma<D, TOut><<<static_cast<unsigned>(blocks), tc::kThreads, tc::bwd_smem(D), st>>>(

@@ -40,7 +40,7 @@ inline constexpr int kLanes = 32;
 inline constexpr int kWarps = 4;  // per block
 inline constexpr int kThreads = kWarps * kLanes;
 inline constexpr int kWarpRows = 16;                   // query (or key) rows a warp owns
-inline constexpr int kBlockRows = kWarps * kWarpRows;  // 64: a backward block's key rows
+inline constexpr int kBlockRows = kWarps * kWarpRows;  // 64: a block of 16 rows a warp
 inline constexpr int kKeyTile = 64;                    // keys per tile (forward, dQ)
 inline constexpr int kQueryTile = 32;                  // queries per tile (dK/dV)
 inline constexpr int kPad = 8;                         // bf16 per shared row past D
@@ -72,17 +72,29 @@ constexpr int forward_rows(int d) {
 constexpr int forward_smem(int d) {
   return tile_bytes(forward_rows(d), d) + 4 * tile_bytes(kKeyTile, d);
 }
-/// The backward's dSᵀ tile: the block's 64 keys by a step's 32 queries, bf16, rows of 32 + 8
+/// The backward's dSᵀ tile: the block's keys by a step's 32 queries, bf16, rows of 32 + 8
 /// (80 bytes: the 8 rows an ldmatrix reads start at 8 different 16-byte bank groups, and the
 /// 32 lanes' 4-byte stores of a fragment hit 32 different banks).
 constexpr int ld_ds() {
   return kQueryTile + kPad;
 }
+/// The backward's key rows per warp, in 16-row tiles: 2 (32 keys, a block of 128) at D = 32,
+/// where ptxas fits them in 255 registers without spilling on sm_80 and sm_90; 1 at D = 64
+/// (sm_80 spills at 32 keys a warp) and 128, where dK and dV alone would take 256 registers
+/// (flash_attention.cu's header has the numbers). The row tiles share every Q and dO fragment
+/// the warp reads.
+constexpr int bwd_row_tiles(int d) {
+  return d <= 32 ? 2 : 1;
+}
+/// The backward block's keys: 4 warps of bwd_row_tiles(d) · 16.
+constexpr int bwd_rows(int d) {
+  return kWarps * kWarpRows * bwd_row_tiles(d);
+}
 /// Backward: K and V of the block's keys, then Q and dO twice, then lse and Δ (fp32) twice, then
 /// the dSᵀ tile that dQ = dS·K reads.
 constexpr int bwd_smem(int d) {
-  return 2 * tile_bytes(kBlockRows, d) + 4 * tile_bytes(kQueryTile, d) + 2 * 2 * kQueryTile * 4 +
-         2 * kBlockRows * ld_ds();
+  return 2 * tile_bytes(bwd_rows(d), d) + 4 * tile_bytes(kQueryTile, d) + 2 * 2 * kQueryTile * 4 +
+         2 * bwd_rows(d) * ld_ds();
 }
 
 // ---- Tiles copied by cp.async ---------------------------------------------------------------
@@ -235,7 +247,7 @@ TPX_HD constexpr I query_tiles_end(I s) {
 }
 
 // ---- The backward's work, and dQ's turns ------------------------------------------------------
-// One backward block per (64 keys, KV head) runs the five products of a step (a query tile of 32
+// One backward block per (bwd_rows() keys, KV head) runs the five products of a step (a query tile of 32
 // and one query head of the group): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q in the
 // warps' registers, and dQ = dS·K, the step's share of 32 query rows, added to an fp32
 // accumulator in global memory that every key block adds into. Floating-point addition is not
