@@ -10,7 +10,10 @@ Three panels, the three ideas of the section "The tensor-core kernels" of 01_bas
      scores are, register for register, the 16×16 A fragment of the next product P·V once
      rounded to bf16 (lane = 4·g + t holds rows g and g + 8, columns 2t and 2t + 1 of each 8);
   3. the two-buffer cp.async pipeline: tile t + 1 is copied into the other buffer while tile t's
-     products run, with the wait and the two barriers of each step.
+     products run, with the wait and the two barriers of each step;
+  4. the backward's dQ: each key block's step computes its share of a query tile's dQ, and the
+     key blocks add their shares to the fp32 accumulator in turn, key block 0 first, each waiting
+     for the tile's counter to read its own index.
 
 Usage: tools/flash_tc_svg.py [-o OUT.svg]     (default: docs/figures/01_flash_tc.svg)
        tools/flash_tc_svg.py --check          (exits 1 if the committed figure is not what it draws)
@@ -29,7 +32,7 @@ WARPS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2"]  # warp 0 … 3
 SHARED = "#9d9d9d"
 BUFFERS = ["#72b7b2", "#e45756"]  # shared-memory buffer 0 and 1
 GREY = "#555"
-WIDTH, HEIGHT = 1000, 915
+WIDTH, HEIGHT = 1000, 1265
 
 
 def text(x, y, s, **attrs):
@@ -53,8 +56,9 @@ def arrow(x0, y0, x1, y1, color=GREY):
 
 def panel_tiles(top):
     """Panel 1: one forward block, its 64 query rows over 4 warps, and one key tile."""
-    out = [text(10, top, "1. One block of the forward: 64 query rows, 4 warps of 16 rows, one "
-                "key tile of 64 at a time", font_size=13, font_weight="bold")]
+    out = [text(10, top, "1. One block of the forward at Dh = 128: 64 query rows, 4 warps of 16 "
+                "rows (32 at Dh = 32, 64), one key tile of 64 at a time", font_size=13,
+                font_weight="bold")]
     y0 = top + 40
     row_h = 22  # one warp's 16 rows
     # Q: 64 rows × Dh, each warp's 16 rows in its colour (registers: its own A fragments).
@@ -95,8 +99,8 @@ def panel_tiles(top):
                         text_anchor="middle"))
     notes = ["A warp owns its 16 rows from start to end: its row max and row sum need only the 4 "
              "lanes that hold a row (two __shfl_xor_sync), never another warp.",
-             "The warps share only the K and V tiles (and never write them); dQ is laid out the "
-             "same way, dK/dV the other way round (16 keys a warp, 32-row query tiles)."]
+             "The warps share only the K and V tiles (and never write them); the backward is laid "
+             "out the other way round (16 keys a warp, 32-row query tiles: panel 4)."]
     for i, n in enumerate(notes):
         out.append(text(20, y0 + 4 * row_h + 26 + 16 * i, n, fill=GREY))
     return out, y0 + 4 * row_h + 60
@@ -216,8 +220,56 @@ def panel_pipeline(top):
     for i, (c, name) in enumerate(zip(BUFFERS, ["shared-memory buffer 0", "buffer 1"])):
         out.append(rect(20 + 200 * i, ly + 34, 14, 14, c))
         out.append(text(40 + 200 * i, ly + 46, name))
-    out.append(text(430, ly + 46, "(K and V here; Q and dO in dK/dV)", fill=GREY))
+    out.append(text(430, ly + 46, "(K and V here; Q and dO in the backward)", fill=GREY))
     return out, ly + 60
+
+
+def panel_turns(top):
+    """Panel 4: the backward's five products per step, and dQ's shares added in turn."""
+    out = [text(10, top, "4. The backward at Dh = 128: one block per 64 keys, five products per "
+                "step, and dQ's shares added in a fixed order", font_size=13, font_weight="bold")]
+    # Left: one key block's step on one query tile.
+    y = top + 34
+    steps = [("Sᵀ = K·Qᵀ,  dPᵀ = V·dOᵀ", "registers: each warp its 16 keys × 32 queries"),
+             ("dV += Pᵀ·dO,  dK += dSᵀ·Q", "registers, summed over the step's tiles and heads"),
+             ("dSᵀ → shared memory", "the 4 warps' 64 × 32, rounded to bf16"),
+             ("dQ share = dS·K", "32 query rows × Dh, each warp a quarter")]
+    for i, (what, where) in enumerate(steps):
+        yy = y + i * 44
+        out.append(rect(20, yy, 230, 30, WARPS[i], opacity=0.85))
+        out.append(text(135, yy + 19, what, text_anchor="middle", fill="white", font_weight="bold"))
+        out.append(text(260, yy + 19, where, fill=GREY))
+        if i + 1 < len(steps):
+            out.append(arrow(135, yy + 30, 135, yy + 43))
+    out.append(text(20, y + 4 * 44 + 6, "key block j's step on query tile i (one head of the "
+                    "group)", fill=GREY))
+    # Right: the accumulator of one query tile, the key blocks' shares arriving in turn.
+    ax, ay, aw, ah = 600, top + 40, 360, 36
+    out.append(rect(ax, ay, aw, ah, SHARED, opacity=0.35, stroke="#333"))
+    out.append(text(ax + aw / 2, ay + 15, "dQ of query tile i (fp32, global memory)",
+                    text_anchor="middle", font_weight="bold"))
+    out.append(text(ax + aw / 2, ay + 30, "counter of tile i: 0 → 1 → 2 → 3",
+                    text_anchor="middle"))
+    for j in range(3):
+        bx, by = ax + j * 124, ay + 120
+        out.append(rect(bx, by, 112, 34, WARPS[j], opacity=0.85))
+        out.append(text(bx + 56, by + 14, f"key block {j}", text_anchor="middle", fill="white",
+                        font_weight="bold"))
+        out.append(text(bx + 56, by + 28, f"its turn: {j}", text_anchor="middle", fill="white",
+                        font_size=10))
+        out.append(arrow(bx + 56, by, bx + 56, ay + ah + 4, WARPS[j]))
+        out.append(text(bx + 62, by - 40, f"wait for {j},", fill=WARPS[j]))
+        out.append(text(bx + 62, by - 27, f"add, set {j + 1}", fill=WARPS[j]))
+    notes = ["Each key block adds its share at its own turn, key block 0 first, so the sum is the "
+             "same bits on every run (atomic adds would sum in arrival order).",
+             "A block takes its key block from a ticket when it starts (ticket t: key block "
+             "t / KV heads), so the blocks it waits for have started: the wait cannot deadlock.",
+             "Five products per step, where a dQ kernel beside a dK/dV kernel, each recomputing "
+             "S and dP, took seven."]
+    ny = max(y + 4 * 44 + 30, ay + 175)
+    for i, line in enumerate(notes):
+        out.append(text(20, ny + 16 * i, line, fill=GREY))
+    return out, ny + 16 * len(notes)
 
 
 def figure():
@@ -230,7 +282,7 @@ def figure():
                 "(common/cuda/flash_attention.cu), bf16 operands, 128 threads a block",
                 font_size=15, font_weight="bold")]
     y = 60
-    for panel in (panel_tiles, panel_registers, panel_pipeline):
+    for panel in (panel_tiles, panel_registers, panel_pipeline, panel_turns):
         part, y = panel(y)
         out += part
         y += 40
