@@ -25,13 +25,18 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "10_expert_parallel/traffic.h"
 #include "common/flops.h"
+#include "common/moe.h"
+#include "common/moe_ep.h"
 #include "common/moe_model.h"
 #include "common/npy.h"
 #include "test_stage_runs.h"
@@ -544,6 +549,74 @@ TEST(MoeModel, SequenceMajorOrderIsTheSequencesOneAfterAnother) {
   const HostVector<float> want = {0, 0, 10, 10, 20, 20, 1, 1, 11, 11, 21, 21};
   EXPECT_EQ(seq, want);
   EXPECT_EQ(from_sequence_major(seq.data(), S, b, H), rows);
+}
+
+// The capacity's order under context parallelism (cp_token_order) against stage 08's cut,
+// written out here: CP rank c of a replica holds chunks c and 2C − 1 − c of each of its b
+// sequences, in that order. Runs sorted by their places must walk every sequence's 2C chunks in
+// order, the sequences in order, replica after replica, each run once.
+TEST(MoeModel, ContextParallelRunsLieInSequenceOrder) {
+  for (int dp : {1, 2, 3})
+    for (int cp : {1, 2, 4})
+      for (std::int64_t b : {1, 2}) {
+        const MoeTokenOrder order = ep::cp_token_order(dp, cp, b);
+        if (cp == 1) {
+          EXPECT_EQ(order.pieces, 1);  // whole sequences, the ranks in order
+          EXPECT_TRUE(order.keys.empty());
+          continue;
+        }
+        ASSERT_EQ(order.pieces, 2 * b);
+        ASSERT_EQ(order.keys.size(), std::size_t(dp * cp * 2 * b));
+        // (place) -> (global sequence, chunk index), from the cut as stage 08 makes it.
+        std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> at_place;
+        for (int q = 0; q < dp * cp; ++q)
+          for (std::int64_t p = 0; p < 2 * b; ++p) {
+            const int d = q / cp, c = q % cp;
+            const std::int64_t sequence = d * b + p / 2;
+            const std::int64_t chunk = p % 2 == 0 ? c : 2 * cp - 1 - c;
+            const std::int64_t place = order.keys[std::size_t(q * 2 * b + p)];
+            EXPECT_TRUE(at_place.emplace(place, std::pair{sequence, chunk}).second)
+                << "two runs at place " << place;
+          }
+        std::int64_t n = 0;
+        for (const auto& [place, run] : at_place) {
+          EXPECT_EQ(place, n) << "dp " << dp << " cp " << cp << " b " << b;
+          EXPECT_EQ(run, (std::pair{n / (2 * cp), n % (2 * cp)}))
+              << "dp " << dp << " cp " << cp << " b " << b << " place " << place;
+          ++n;
+        }
+      }
+}
+
+// balanced_kept_rows under context parallelism against the rule it counts, run here token by
+// token: with K = E every token sends one row to every expert, the tokens in sequence order, and
+// an expert keeps its first c; a rank keeps, per expert, the rows of its tokens among them.
+TEST(MoeModel, BalancedKeptRowsFollowTheSequenceOrderUnderContextParallelism) {
+  BlockConfig c;
+  c.hidden = 8, c.seq = 16, c.batch = 4;
+  c.moe = {.experts = 4, .topk = 4, .expert_ffn = 8, .capacity_factor = 0.3};
+  for (const auto& [dp, cp, ep] : {std::tuple{2, 2, 2}, std::tuple{1, 4, 4}, std::tuple{2, 2, 4}}) {
+    const std::int64_t S = c.seq, b = c.batch / dp, chunk = S / (2 * cp);
+    const std::int64_t cap = moe_capacity(c.moe.shape(c.hidden, S * c.batch));
+    ASSERT_LT(cap, S * c.batch) << "the capacity must drop some";
+    for (int group = 0; group < dp * cp / ep; ++group) {
+      const auto rows = ep::balanced_kept_rows(c, dp, ep, group, cp);
+      for (int s = 0; s < ep; ++s) {
+        const int q = group * ep + s, d = q / cp, r = q % cp;
+        std::int64_t kept = 0;  // per expert: the rank's tokens among the first `cap` in order
+        for (std::int64_t j = 0; j < b; ++j)
+          for (const std::int64_t ch : {std::int64_t(r), 2 * cp - 1 - std::int64_t(r)})
+            for (std::int64_t t = 0; t < chunk; ++t) {
+              const std::int64_t global = (d * b + j) * S + ch * chunk + t;
+              kept += global < cap ? 1 : 0;
+            }
+        for (int dst = 0; dst < ep; ++dst)
+          EXPECT_EQ(rows[std::size_t(s)][std::size_t(dst)],
+                    std::uint64_t(kept * (c.moe.experts / ep)))
+              << "D " << dp << " C " << cp << " EP " << ep << " rank " << q;
+      }
+    }
+  }
 }
 
 TEST(ExpertParallel, BadInputIsOneLineOnEveryRank) {
