@@ -7,9 +7,7 @@
 namespace tpx::cp {
 
 CpMethod ContextParallelFlags::method() const {
-  return method_word == "allgather" ? CpMethod::allgather
-         : method_word == "ulysses" ? CpMethod::ulysses
-                                    : CpMethod::ring;
+  return method_of(method_word);
 }
 
 void ContextParallelFlags::add_flags(CLI::App& app, MeshFlag newest) {

@@ -19,6 +19,12 @@ const char* to_string(CpMethod m) {
   return "ring";
 }
 
+CpMethod method_of(std::string_view word) {
+  return word == "allgather" ? CpMethod::allgather
+         : word == "ulysses" ? CpMethod::ulysses
+                             : CpMethod::ring;
+}
+
 Traffic cp_traffic(const BlockConfig& c, int dp, int cp, int tp, CpMethod method) {
   require_formula(dp >= 1 && cp >= 1 && tp >= 1, "DP, CP and TP ranks must be >= 1");
   if (cp == 1) return {};

@@ -2,9 +2,11 @@
 // chapter 8's formulas, with the whole D × C × T mesh's (common/traffic.h has what the stages'
 // formulas share).
 //
-// defines: tpx::cp::CpMethod, tpx::cp::to_string(), tpx::cp::cp_traffic(), tpx::cp::MeshTraffic,
-//          tpx::cp::mesh_traffic()
+// defines: tpx::cp::CpMethod, tpx::cp::to_string(), tpx::cp::method_of(), tpx::cp::cp_traffic(),
+//          tpx::cp::MeshTraffic, tpx::cp::mesh_traffic()
 #pragma once
+
+#include <string_view>
 
 #include "common/config.h"
 #include "common/traffic.h"
@@ -18,6 +20,9 @@ enum class CpMethod {
   ulysses,    ///< all-to-all to head-sharded full-sequence q, k, v and back (DeepSpeed Ulysses)
 };
 const char* to_string(CpMethod m);  ///< "ring", "allgather", "ulysses"
+/// The method to_string() names ("allgather", "ulysses"; anything else, "ring": the flags check
+/// the word first).
+CpMethod method_of(std::string_view word);
 
 /// The traffic over the CP group (C ranks) per rank and step, with kv = S/C · B/D · NKV/T · Dh
 /// and q = S/C · B/D · NH/T · Dh elements of e activation bytes (K/V at their GQA size, 2 bytes

@@ -788,7 +788,7 @@ TEST(FlashTcTwinFragments, TileBoundsCoverExactlyTheVisibleKeys) {
     }
 }
 
-// The tiles the forward and dQ run without a mask are exactly the leading ones that every row of
+// The tiles the forward runs without a mask are exactly the leading ones that every row of
 // the block sees whole: for each, no (row, key) is hidden, and the first masked tile (if any
 // tile is left) hides one.
 TEST(FlashTcTwinFragments, ClearTilesAreTheLeadingWholeVisibleOnes) {

@@ -257,12 +257,17 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
 StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp, int dp, int ep,
                       int cp = 1, tpx::cp::CpMethod method = tpx::cp::CpMethod::ring) {
   const tpx::MoeConfig& m = c.moe;
+  const auto gpus = tpx::checked_mul(tp, dp);
+  if (!gpus || !tpx::checked_mul(*gpus, cp))
+    throw std::invalid_argument(
+        fmt::format("--dp {} × --tp {}{} is more GPUs than the model counts ({} at most)", dp, tp,
+                    cp > 1 ? fmt::format(" × --cp {}", cp) : "", std::numeric_limits<int>::max()));
   if (cp == 1 && (dp % ep != 0 || m.experts % ep != 0))
     throw std::invalid_argument(fmt::format(
         "--ep {} must divide --dp ({}) and the experts ({}): the experts borrow their ranks "
         "from the data-parallel ones, E/EP whole experts each",
         ep, dp, m.experts));
-  if (cp > 1 && (!tpx::checked_mul(dp, cp) || (dp * cp) % ep != 0 || m.experts % ep != 0))
+  if (cp > 1 && ((dp * cp) % ep != 0 || m.experts % ep != 0))
     throw std::invalid_argument(fmt::format(
         "--ep {} must divide the D·C ranks (--dp {} × --cp {}) and the experts ({}): the experts "
         "borrow their ranks from the data- and context-parallel ones, E/EP whole experts each",
@@ -271,11 +276,32 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
     throw std::invalid_argument(fmt::format(
         "--tp {} must divide the experts' width FE ({}): each TP rank holds FE/T of every expert",
         tp, m.expert_ffn));
-  const auto gpus = tpx::checked_mul(tp, dp);
-  if (!gpus || !tpx::checked_mul(*gpus, cp))
-    throw std::invalid_argument(
-        fmt::format("--dp {} × --tp {}{} is more GPUs than the model counts ({} at most)", dp, tp,
-                    cp > 1 ? fmt::format(" × --cp {}", cp) : "", std::numeric_limits<int>::max()));
+  StageCost r;
+  r.stage = "10_expert_parallel";
+  r.gpus = tp * dp * cp;
+  tpx::BlockConfig dense = c;  // the experts as a SwiGLU of their FLOPs
+  dense.moe = {};
+  const std::int64_t moe_layers = tpx::ep::moe_layers(c),
+                     width = m.topk * m.expert_ffn + m.shared_ffn;
+  const std::int64_t ffn = (moe_layers * width + (c.layers - moe_layers) * c.ffn) / c.layers;
+  dense.ffn = std::max<std::int64_t>(tp, ffn / tp * tp);
+  // The time's compute and exposed TP (and CP) parts: stage 05's projection of one replica, or
+  // with --cp stage 08's of the whole mesh, which refuses a sequence C does not cut as the
+  // stage does, before any bytes are counted.
+  double compute_ms = 0, busy_ms = 0;
+  if (cp == 1) {
+    dense.batch /= dp;
+    tpx::check_tp_split(dense, tp, /*sequence=*/true);
+    const pj::Projection p = pj::project_stage(d, dense, tp, 5);
+    compute_ms = p.compute_ms;
+    busy_ms = p.step_ms;
+  } else {
+    pj::Layout l;
+    l.dp = dp, l.cp = cp, l.tp = tp, l.cp_method = method;
+    const pj::LayoutStep x = pj::project_layout(d, dense, l);
+    compute_ms = x.compute_ms;
+    busy_ms = x.compute_ms + x.tp_ms + x.cp_ms;
+  }
   // The bytes assume balanced routing: every expert gets as many of a rank's assignments (and,
   // under --cp with a capacity, of each sequence chunk's: balanced_kept_rows).
   const auto tokens = tpx::checked_mul<std::int64_t>(c.seq / cp, c.batch / dp);
@@ -288,16 +314,6 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
         "{} · {}){} must be divisible by the experts E ({}): give another --seq or --batch",
         c.seq, cp, c.batch, dp, m.topk, chunks ? ", and each sequence chunk's S/(2C)·K," : "",
         m.experts));
-  StageCost r;
-  r.stage = "10_expert_parallel";
-  r.gpus = tp * dp * cp;
-  tpx::BlockConfig dense = c;  // one replica, the experts as a SwiGLU of their FLOPs
-  dense.batch /= dp;
-  dense.moe = {};
-  const std::int64_t moe_layers = tpx::ep::moe_layers(c),
-                     width = m.topk * m.expert_ffn + m.shared_ffn;
-  const std::int64_t ffn = (moe_layers * width + (c.layers - moe_layers) * c.ffn) / c.layers;
-  dense.ffn = std::max<std::int64_t>(tp, ffn / tp * tp);
   const tpx::ep::ExpertTraffic t = tpx::ep::expert_traffic(c, dp, tp, ep, 0, cp, method);
   r.tp_bytes = t.tp;
   r.dp_bytes = t.dp;
@@ -317,20 +333,6 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
           ? double(t.dp.bus) / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
                 3 * (dp * cp - 1) * d.link_latency_us * 1e-3
           : 0.0;
-  double compute_ms = 0, busy_ms = 0;  // busy: the compute and the exposed TP (and CP) parts
-  if (cp == 1) {
-    tpx::check_tp_split(dense, tp, /*sequence=*/true);
-    const pj::Projection p = pj::project_stage(d, dense, tp, 5);
-    compute_ms = p.compute_ms;
-    busy_ms = p.step_ms;
-  } else {  // the whole dense equivalent on D × C × T: stage 08's projection, batch and all
-    dense.batch = c.batch;
-    pj::Layout l;
-    l.dp = dp, l.cp = cp, l.tp = tp, l.cp_method = method;
-    const pj::LayoutStep x = pj::project_layout(d, dense, l);
-    compute_ms = x.compute_ms;
-    busy_ms = x.compute_ms + x.tp_ms + x.cp_ms;
-  }
   r.step_ms = busy_ms + std::max(0.0, dp_ms - compute_ms) + ep_ms;
   r.exposed_ms = r.step_ms - compute_ms;
   r.flops = tpx::step_flops(c).total() / double(r.gpus);
@@ -832,19 +834,12 @@ void resolve_model(const CLI::App& app, Options& o) {
 }
 
 /// The mesh of the flags: D, T and the CP method; M = B / D unless given; its counts checked.
-/// --cp-method's value as stage 08's method.
-tpx::cp::CpMethod cp_method_of(const std::string& name) {
-  return name == "allgather" ? tpx::cp::CpMethod::allgather
-         : name == "ulysses" ? tpx::cp::CpMethod::ulysses
-                             : tpx::cp::CpMethod::ring;
-}
-
 void resolve_mesh(const CLI::App& app, Options& o) {
   pj::Layout& mesh = o.mesh;
   mesh.dp = o.dp;
   mesh.tp = o.tp;
   check_mesh_counts(mesh, o.c.batch, app.count("--microbatches") > 0);
-  mesh.cp_method = cp_method_of(o.cp_method);
+  mesh.cp_method = tpx::cp::method_of(o.cp_method);
   if (mesh.microbatches == 0) mesh.microbatches = int(o.c.batch / o.dp);
 }
 
@@ -861,7 +856,7 @@ void project_model(const CLI::App& app, Options& o, const pj::DeviceSpec& device
   resolve_model(app, o);
   if (o.c.moe.experts > 0) {  // on D × T, or with --cp on D × C × T (EP of the D·C ranks)
     const int cp = app.count("--cp") > 0 ? o.mesh.cp : 1;
-    const tpx::cp::CpMethod method = cp_method_of(o.cp_method);
+    const tpx::cp::CpMethod method = tpx::cp::method_of(o.cp_method);
     const int ep = o.ep == 0 ? o.dp * cp : o.ep;
     const StageCost r = expert_cost(device, o.c, o.tp, o.dp, ep, cp, method);
     write_outputs(o, expert_markdown(device, o.c, o.model, o.tp, o.dp, ep, cp, method, r),

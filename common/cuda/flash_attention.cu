@@ -713,8 +713,8 @@ __device__ __forceinline__ void add_dq(const float (&acc)[NW][4], float scale, f
 // Tile t + 1's copy runs during tile t's products; the prologue puts the block's own rows and
 // tile 0 in one group before the loop.
 
-/// Issues the copies of K/V tile t (keys t·64 ..) into buffer tc::buffer_of(t): the forward's and
-/// dQ's key tiles.
+/// Issues the copies of K/V tile t (keys t·64 ..) into buffer tc::buffer_of(t): the forward's key
+/// tiles.
 template <int D>
 __device__ __forceinline__ void load_kv_tile(bf16* ks, bf16* vs, const bf16* k, const bf16* v, I t,
                                              I s, I ldkv) {

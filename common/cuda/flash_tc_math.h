@@ -41,8 +41,8 @@ inline constexpr int kWarps = 4;  // per block
 inline constexpr int kThreads = kWarps * kLanes;
 inline constexpr int kWarpRows = 16;                   // query (or key) rows a warp owns
 inline constexpr int kBlockRows = kWarps * kWarpRows;  // 64: a block of 16 rows a warp
-inline constexpr int kKeyTile = 64;                    // keys per tile (forward, dQ)
-inline constexpr int kQueryTile = 32;                  // queries per tile (dK/dV)
+inline constexpr int kKeyTile = 64;                    // keys per tile (forward)
+inline constexpr int kQueryTile = 32;                  // queries per tile (backward)
 inline constexpr int kPad = 8;                         // bf16 per shared row past D
 inline constexpr float kLog2e = 1.4426950408889634f;   // scores go to exp2
 inline constexpr float kLn2 = 0.6931471805599453f;
@@ -204,9 +204,9 @@ TPX_HD constexpr bool visible(I i, I j, I s, I shift) {
 /// visible() for the elements of one tile, in 32-bit arithmetic: query row0 + i and key col0 + j
 /// (0 <= i, j < 64) see each other iff i < rows, j < cols and j − i <= diag, with rows = S − row0,
 /// cols = S − col0 and diag = row0 + shift − col0 each clamped to ±128, which keeps every
-/// comparison's outcome for such i and j. The dK/dV kernel makes one per masked step and tests
-/// each score with three 32-bit comparisons (in the forward and dQ kernels it cost registers:
-/// their masked tiles keep visible()).
+/// comparison's outcome for such i and j. The backward makes one per masked step and tests each
+/// score with three 32-bit comparisons (in the forward it cost registers: its masked tiles keep
+/// visible()).
 struct TileMask {
   int rows, cols, diag;
   static TPX_HD constexpr int clamp(I x) { return x < -128 ? -128 : x > 128 ? 128 : int(x); }
@@ -237,7 +237,7 @@ TPX_HD constexpr I key_tiles(I q0, I s, I shift, I rows) {
   return (end + kKeyTile - 1) / kKeyTile;
 }
 /// The first query tile (of kQueryTile) that sees any of the keys k0 .. k0 + 63: the tile of the
-/// first query that sees key k0, max(0, k0 − shift) (dK/dV).
+/// first query that sees key k0, max(0, k0 − shift) (backward).
 TPX_HD constexpr I first_query_tile(I k0, I shift) {
   return (k0 - shift > 0 ? k0 - shift : 0) / kQueryTile;
 }
