@@ -174,12 +174,12 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
   f.routed_all.assign(at(E), 0);
   for (I q = 0; q < NT; ++q) {
     const std::int32_t* c = all.data<std::int32_t>() + q * W;
-    for (I p = 0; p < P; ++p)
-      for (I e = 0; e < E; ++e) {
-        f.routed_all[at(e)] += c[p * E + e];
-        for (I mp = 0; mp < P; ++mp)
-          if (place(q, p) < place(rt_rank, mp)) before[at(mp * E + e)] += c[p * E + e];
-      }
+    for (I p = 0; p < P; ++p) {
+      for (I e = 0; e < E; ++e) f.routed_all[at(e)] += c[p * E + e];
+      for (I mp = 0; mp < P; ++mp)
+        if (place(q, p) < place(rt_rank, mp))
+          for (I e = 0; e < E; ++e) before[at(mp * E + e)] += c[p * E + e];
+    }
     f.tokens_all += c[P * E];
   }
   MoeShape global = m;
