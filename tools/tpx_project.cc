@@ -712,7 +712,9 @@ void add_model_options(CLI::App& app, Options& o) {
                "group, FSDP gathering the weights as E4M3 codes")
       ->group(m);
   pj::Layout& mesh = o.mesh;
-  app.add_option("--cp", mesh.cp, "C, context-parallel ranks of stage 08 (and the pipeline)")
+  app.add_option("--cp", mesh.cp,
+                 "C, context-parallel ranks of stage 08 (and the pipeline); for a "
+                 "mixture-of-experts --model, of stage 10, which is D × T when not given")
       ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
