@@ -19,7 +19,7 @@ void Fp8RecipeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
                  "group), rowwise (one per row of each GEMM operand), block128 (1x128 and "
                  "128x128 blocks), mxfp8 (1x32 blocks, E8M0 power-of-two scales) or nvfp4 (E2M1 "
                  "elements, 1x16 blocks with UE4M3 scales and one agreed fp32 scale per tensor); "
-                 "all but tensorwise on the cpu only")
+                 "all but tensorwise multiply their dequantized operands in fp32")
       ->check(CLI::IsMember({"tensorwise", "rowwise", "block128", "mxfp8", "nvfp4"}))
       ->capture_default_str()
       ->group("FP8");
@@ -33,11 +33,6 @@ std::optional<std::string> Fp8RecipeFlags::check(const CLI::App& /*app*/,
         "--fp8-recipe {}: the recipe of the FP8 GEMMs, which --dtype {} does not run (it runs "
         "under --dtype fp8)",
         word, to_string(o.config.dtype));
-  if (r != lowp::Recipe::tensorwise && o.config.device != Device::cpu)
-    return fmt::format(
-        "--fp8-recipe {}: the {} device cannot run this recipe yet; it runs on --device cpu "
-        "(on {} only tensorwise)",
-        word, to_string(o.config.device), to_string(o.config.device));
   return std::nullopt;
 }
 

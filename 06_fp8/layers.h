@@ -13,9 +13,9 @@
 // a column input is what backward keeps (¼ of the fp32 bytes), and each weight is quantized once
 // per step, in forward, and reused by its backward.
 //
-// --fp8-recipe rowwise | block128 | mxfp8 | nvfp4 (cpu): every operand of the three GEMMs is quantized as
-// common/lowp.h's recipe quantizes it, with the GEMM's reduction dimension K along the blocks, and
-// the GEMM multiplies the dequantized operands in fp32. Each rank computes its operands' scales on
+// --fp8-recipe rowwise | block128 | mxfp8 | nvfp4 (both backends): every operand of the three
+// GEMMs is quantized as common/lowp.h's recipe quantizes it, with the GEMM's reduction dimension K
+// along the blocks, and the GEMM multiplies the dequantized operands in fp32. Each rank computes its operands' scales on
 // its own shard: a scale covers a row (rowwise), a 1 × 128 / 128 × 128 block (block128), a 1 × 32
 // block (mxfp8, an E8M0 power of two) or a 1 × 16 block (nvfp4, UE4M3) of the operand of the GEMM
 // this rank runs, so no block scale needs an all-reduce. nvfp4's second level, one fp32 scale per

@@ -1,5 +1,8 @@
-// Stage 06 under --fp8-recipe rowwise, block128, mxfp8 and nvfp4 on the cpu (06_fp8/layers.h
-// says what each GEMM's operands are quantized along, and where the scales come from).
+// Stage 06 under --fp8-recipe rowwise, block128, mxfp8 and nvfp4 (06_fp8/layers.h says what each
+// GEMM's operands are quantized along, and where the scales come from). Written in tpx::ops, so
+// the cpu and cuda backends run the same code: each operand is quantized and dequantized by the
+// recipe's bit-identical casts and the GEMM multiplies the dequantized values in fp32 (on cuda,
+// cuBLAS's fp32 GEMM; no GPU multiplies these formats natively before Blackwell).
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -23,66 +26,68 @@ const std::map<std::string, Param> kDumpWeights{
     {"wq", Param::wq},         {"wk", Param::wk},     {"wv", Param::wv},        {"wo", Param::wo},
     {"w_gate", Param::w_gate}, {"w_up", Param::w_up}, {"w_down", Param::w_down}};
 
-/// x (on the cpu, any float dtype) as fp32 values, row-major.
-std::vector<float> host_values(const Tensor& x) {
-  if (x.dtype() == DType::f32) {
-    const std::span<const float> v = x.f32();
-    return {v.begin(), v.end()};
-  }
-  const Tensor f = Tensor::empty(x.shape(), DType::f32, Device::cpu);
+using I = std::int64_t;
+
+/// x as fp32 on its device: x itself, or its values cast from bf16.
+Tensor as_f32(const Tensor& x) {
+  if (x.dtype() == DType::f32) return x;
+  const Tensor f = Tensor::empty(x.shape(), DType::f32, x.device());
   ops::cast(x, f);
-  const std::span<const float> v = f.f32();
-  return {v.begin(), v.end()};
+  return f;
 }
 
-/// The [rows, cols] row-major matrix m transposed.
-template <class T>
-std::vector<T> transposed(const std::vector<T>& m, std::int64_t rows, std::int64_t cols) {
-  std::vector<T> t(m.size());
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c)
-      t[std::size_t(c * rows + r)] = m[std::size_t(r * cols + c)];
+/// x [..., last] seen as the matrix [numel / last, last], transposed: [last, numel / last].
+Tensor transposed(const Tensor& x) {
+  const I last = x.dim(x.ndim() - 1);
+  const Tensor t = Tensor::empty({last, x.numel() / last}, x.dtype(), x.device());
+  ops::transpose(x, t);
   return t;
 }
 
 /// The dtype a recipe's element codes are held in: E4M3 or E5M2, or bytes (u8) for nvfp4's E2M1
-/// codes (one to a byte, in bits 0..3; they travel packed, two to a byte: pack_e2m1()).
+/// codes (one to a byte, in bits 0..3; they travel packed, two to a byte: ops::pack_e2m1).
 DType element_dtype(const fp8::Format& f) {
   if (f.mantissa_bits == lowp::kE2M1.mantissa_bits) return DType::u8;
   return f.mantissa_bits == fp8::kE5M2.mantissa_bits ? DType::e5m2 : DType::e4m3;
 }
 
-/// E2M1 codes, one to a byte, packed two to a byte along the last dimension (even: even element
-/// in bits 0..3, odd in bits 4..7, as the FP4 GEMMs read them): [..., K] -> [..., K / 2] bytes.
-std::vector<std::uint8_t> pack_e2m1(const std::vector<std::uint8_t>& codes) {
-  std::vector<std::uint8_t> packed(codes.size() / 2);
-  for (std::size_t i = 0; i < packed.size(); ++i)
-    packed[i] = static_cast<std::uint8_t>((codes[2 * i] & 0x0Fu) | (codes[2 * i + 1] << 4));
-  return packed;
-}
-std::vector<std::uint8_t> unpack_e2m1(const std::uint8_t* packed, std::size_t bytes) {
-  std::vector<std::uint8_t> codes(2 * bytes);
-  for (std::size_t i = 0; i < bytes; ++i) {
-    codes[2 * i] = packed[i] & 0x0Fu;
-    codes[2 * i + 1] = static_cast<std::uint8_t>(packed[i] >> 4);
-  }
-  return codes;
+/// An operand quantized on its device (ops::lowp_quantize): codes [rows, cols], scales
+/// [scale rows, scale cols] (fp32, or mxfp8's E8M0 and nvfp4's UE4M3 bytes), nvfp4's s_enc [1].
+struct DeviceQuantized {
+  lowp::Recipe recipe;
+  lowp::Operand operand;
+  Tensor codes, scales, tensor_scale;
+};
+
+/// m f32 [rows, cols] (K along cols) quantized as `recipe` quantizes an `operand`; `amax`: nvfp4's
+/// agreed tensor amax, or nothing (m's own).
+DeviceQuantized quantize_matrix(const Tensor& m, lowp::Recipe recipe, lowp::Operand operand,
+                                std::optional<float> amax) {
+  const lowp::Layout l = lowp::layout(recipe, operand);
+  const I rows = m.dim(0), cols = m.dim(1);
+  const I br = l.block_rows == 0 ? rows : l.block_rows;
+  const I bc = l.block_cols == 0 ? cols : l.block_cols;
+  DeviceQuantized q{
+      recipe, operand, Tensor::empty({rows, cols}, element_dtype(l.element), m.device()),
+      Tensor::empty({(rows + br - 1) / br, (cols + bc - 1) / bc},
+                    l.scale == lowp::ScaleFormat::fp32 ? DType::f32 : DType::u8, m.device()),
+      Tensor::empty({1}, DType::f32, m.device())};
+  ops::lowp_quantize(m, recipe, operand, amax, q.codes, q.scales, q.tensor_scale);
+  return q;
 }
 
-/// A cpu tensor of `shape` and `dtype` holding `bytes` (codes) or fp32 values.
-Tensor host_tensor(const Tensor::Shape& shape, DType dtype, const void* data, std::size_t bytes) {
-  const Tensor t = Tensor::empty(shape, dtype, Device::cpu);
-  TPX_CHECK(t.nbytes() == bytes, "{}: {} bytes given", t.describe(), bytes);
-  std::memcpy(t.raw(), data, bytes);
+/// The fp32 values codes [rows, cols] and scales stand for under q's recipe and s_enc.
+Tensor dequantized(const DeviceQuantized& q, const Tensor& codes, const Tensor& scales) {
+  const Tensor x = Tensor::empty(codes.shape(), DType::f32, codes.device());
+  ops::lowp_dequantize(codes, scales, q.tensor_scale, q.recipe, q.operand, x);
+  return x;
+}
+
+/// A cpu f32 tensor of `shape` holding `values`.
+Tensor host_f32(const Tensor::Shape& shape, const float* values) {
+  const Tensor t = Tensor::empty(shape, DType::f32, Device::cpu);
+  std::memcpy(t.raw(), values, t.nbytes());
   return t;
-}
-
-/// q's scales as a cpu tensor of `shape`: fp32 values, or mxfp8's E8M0 and nvfp4's UE4M3 codes as
-/// bytes (u8).
-Tensor scale_tensor(const lowp::Quantized& q, const Tensor::Shape& shape) {
-  if (q.layout.scale == lowp::ScaleFormat::fp32)
-    return host_tensor(shape, DType::f32, q.scales.data(), q.scales.size() * sizeof(float));
-  return host_tensor(shape, DType::u8, q.scale_codes.data(), q.scale_codes.size());
 }
 
 }  // namespace
@@ -121,94 +126,77 @@ std::vector<std::optional<float>> Fp8AsyncTp::agreed_amax(std::span<const Tensor
   std::vector<std::optional<float>> out(x.size() + transformed.size());
   if (recipe_ != lowp::Recipe::nvfp4 || out.empty()) return out;
   const auto k = static_cast<std::int64_t>(out.size());
-  const Tensor amax = Tensor::empty({k}, DType::f32, Device::cpu);
-  auto local = [](const Tensor& t) {
-    const std::vector<float> v = host_values(t);
-    return lowp::block_amax(v.data(), 1, 0, std::int64_t(v.size()), 0, 1);
-  };
-  for (std::size_t j = 0; j < x.size(); ++j) amax.f32()[j] = local(x[j]);
+  const Tensor amax =
+      Tensor::empty({k}, DType::f32, x.empty() ? transformed[0].device() : x[0].device());
+  for (std::size_t j = 0; j < x.size(); ++j) ops::amax(x[j], amax.slice0(I(j), I(j) + 1));
   // One transformed copy at a time: each is gone before the next is made.
-  for (std::size_t j = 0; j < transformed.size(); ++j)
-    amax.f32()[x.size() + j] = local(hadamard(transformed[j]));
+  for (std::size_t j = 0; j < transformed.size(); ++j) {
+    const I slot = I(x.size() + j);
+    ops::amax(hadamard(transformed[j]), amax.slice0(slot, slot + 1));
+  }
   group_.all_reduce_max(amax, fmt::format("{} amax", what));
-  for (std::int64_t j = 0; j < k; ++j) out[std::size_t(j)] = amax.f32()[std::size_t(j)];
+  const Tensor host = ops::to_device(amax, Device::cpu);
+  for (std::int64_t j = 0; j < k; ++j) out[std::size_t(j)] = host.f32()[std::size_t(j)];
   return out;
 }
 
 Tensor Fp8AsyncTp::hadamard(const Tensor& x) const {
   if (recipe_ != lowp::Recipe::nvfp4) return x;
-  const std::int64_t cols = x.dim(x.ndim() - 1), rows = x.numel() / cols;
-  std::vector<float> m = host_values(x);
-  lowp::hadamard_rows(m, rows, cols);
-  return host_tensor(x.shape(), DType::f32, m.data(), m.size() * sizeof(float));
+  const Tensor y = Tensor::empty(x.shape(), DType::f32, x.device());
+  ops::hadamard_rows(as_f32(x), y);
+  return y;
 }
 
 Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand,
                            std::optional<float> amax, Tensor* codes, Tensor* scales) const {
-  const std::int64_t last = x.dim(x.ndim() - 1), lead = x.numel() / last;
+  const I last = x.dim(x.ndim() - 1), lead = x.numel() / last;
   // The quantizer's matrix has K along its columns.
-  const std::int64_t rows = k_rows ? last : lead, cols = k_rows ? lead : last;
-  std::vector<float> m = host_values(x);
-  if (k_rows) m = transposed(m, lead, last);
-  const lowp::Quantized q = lowp::quantize(m.data(), rows, cols, recipe_, operand, amax);
-  std::vector<float> d = lowp::dequantize(q);
-  if (k_rows) d = transposed(d, rows, cols);
-  if (codes) {
-    const std::vector<std::uint8_t> c = k_rows ? transposed(q.codes, rows, cols) : q.codes;
-    *codes = host_tensor(x.shape(), element_dtype(q.layout.element), c.data(), c.size());
-  }
-  if (scales) *scales = scale_tensor(q, {1, q.scale_rows, q.scale_cols});
-  return host_tensor(x.shape(), DType::f32, d.data(), d.size() * sizeof(float));
+  const Tensor m = as_f32(x).reshape({lead, last});
+  const DeviceQuantized q = quantize_matrix(k_rows ? transposed(m) : m, recipe_, operand, amax);
+  const Tensor d = dequantized(q, q.codes, q.scales);
+  if (codes) *codes = (k_rows ? transposed(q.codes) : q.codes).reshape(x.shape());
+  if (scales) *scales = q.scales.reshape({1, q.scales.dim(0), q.scales.dim(1)});
+  return (k_rows ? transposed(d) : d).reshape(x.shape());
 }
 
 Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand,
                                     std::optional<float> amax, std::string_view what, Tensor* codes,
                                     Tensor* scales) {
-  const std::int64_t k = x.dim(x.ndim() - 1), rows = x.numel() / k;
-  const std::vector<float> m = host_values(x);
-  const lowp::Quantized q = lowp::quantize(m.data(), rows, k, recipe_, operand, amax);
-  TPX_CHECK(q.layout.block_rows == 1, "a gathered operand's blocks are one row high");
-  const DType dtype = element_dtype(q.layout.element);
+  const I k = x.dim(x.ndim() - 1), rows = x.numel() / k;
+  const DeviceQuantized q = quantize_matrix(as_f32(x).reshape({rows, k}), recipe_, operand, amax);
+  TPX_CHECK(lowp::layout(recipe_, operand).block_rows == 1,
+            "a gathered operand's blocks are one row high");
   const bool e2m1 = recipe_ == lowp::Recipe::nvfp4;
   // The codes [n, B, K] (nvfp4's packed, [n, B, K/2] bytes) and the scales [n, B·K / block]
   // (fp32, or mxfp8's E8M0 and nvfp4's UE4M3 bytes) travel as two gathers of dim-0 chunks.
   // nvfp4's tensor scale needs no gather: every rank made it from the same agreed amax.
   Tensor::Shape code_shape = x.shape();
   if (e2m1) code_shape.back() /= 2;
-  const std::vector<std::uint8_t> sent = e2m1 ? pack_e2m1(q.codes) : q.codes;
-  const Tensor local_codes = host_tensor(code_shape, dtype, sent.data(), sent.size());
-  const std::int64_t n = x.dim(0);
-  const Tensor local_scales = scale_tensor(q, {n, q.scale_rows * q.scale_cols / n});
+  Tensor local_codes = q.codes.reshape(x.shape());
+  if (e2m1) {
+    local_codes = Tensor::empty(code_shape, DType::u8, x.device());
+    ops::pack_e2m1(q.codes, local_codes);
+  }
+  const I n = x.dim(0), scale_rows = q.scales.dim(0), scale_cols = q.scales.dim(1);
+  const Tensor local_scales = q.scales.reshape({n, scale_rows * scale_cols / n});
   const auto gc = ring_.transport.gather(ring_, local_codes, fmt::format("{} codes", what));
   const auto gs = ring_.transport.gather(ring_, local_scales, fmt::format("{} scales", what));
   gc->wait_all();
   gs->wait_all();
-  const Tensor full_codes = ops::to_device(gc->full(), Device::cpu);
-  const Tensor full_scales = ops::to_device(gs->full(), Device::cpu);
-  lowp::Quantized all = q;
-  const std::int64_t n_ranks = group_.world();
-  all.rows = rows * n_ranks;
-  all.scale_rows = q.scale_rows * n_ranks;
-  const std::uint8_t* gathered = full_codes.data<std::uint8_t>();
-  if (e2m1) {
-    all.codes = unpack_e2m1(gathered, full_codes.nbytes());
-  } else {
-    all.codes.assign(gathered, gathered + full_codes.nbytes());
-  }
-  if (q.layout.scale == lowp::ScaleFormat::fp32) {
-    const std::span<const float> s = full_scales.f32();
-    all.scales.assign(s.begin(), s.end());
-  } else {
-    all.scale_codes.assign(full_scales.data<std::uint8_t>(),
-                           full_scales.data<std::uint8_t>() + full_scales.nbytes());
-  }
+  const I n_ranks = group_.world();
   Tensor::Shape shape = x.shape();
   shape[0] *= n_ranks;
-  if (codes)
-    *codes = e2m1 ? host_tensor(shape, dtype, all.codes.data(), all.codes.size()) : full_codes;
-  if (scales) *scales = scale_tensor(q, {1, q.scale_rows, q.scale_cols});
-  const std::vector<float> d = lowp::dequantize(all);
-  return host_tensor(shape, DType::f32, d.data(), d.size() * sizeof(float));
+  Tensor all_codes = gc->full();
+  if (e2m1) {
+    all_codes = Tensor::empty(shape, DType::u8, x.device());
+    ops::unpack_e2m1(gc->full(), all_codes);
+  }
+  const Tensor d = dequantized(q, all_codes.reshape({rows * n_ranks, k}),
+                               gs->full().reshape({scale_rows * n_ranks, scale_cols}));
+  // The dump keeps its own copy: a transport may gather into memory it reuses.
+  if (codes) *codes = ops::to_device(all_codes.reshape(shape), x.device());
+  if (scales) *scales = q.scales.reshape({1, scale_rows, scale_cols});
+  return d.reshape(shape);
 }
 
 void Fp8AsyncTp::keep_recipe_dump(const std::string& name, const Tensor& codes,
@@ -343,9 +331,7 @@ std::vector<std::pair<std::string, Tensor>> Fp8AsyncTp::recipe_dump_extra() {
     const std::string base = "fp8/layers.0." + name;
     out.emplace_back(base, ops::to_device(full, Device::cpu));
     out.emplace_back(base + ".scale", ops::to_device(group_.gather_sequence(scales), Device::cpu));
-    if (tensor_scale)
-      out.emplace_back(base + ".tensor_scale",
-                       host_tensor({1}, DType::f32, &*tensor_scale, sizeof(float)));
+    if (tensor_scale) out.emplace_back(base + ".tensor_scale", host_f32({1}, &*tensor_scale));
   }
   return out;
 }

@@ -147,12 +147,16 @@ void hadamard_rows(std::vector<T>& m, std::int64_t rows, std::int64_t cols) {
   using I = std::int64_t;
   TPX_CHECK(I(m.size()) == rows * cols, "hadamard_rows: {} elements for a {} x {} matrix", m.size(),
             rows, cols);
-  // R[i][j] = H₁₆[i][j]·s[j] / 4, with H₁₆[i][j] = (−1)^popcount(i & j) (Sylvester's order).
+  // R[i][j] = H₁₆[i][j]·s[j] / 4, with H₁₆[i][j] = (−1)^popcount(i & j) (Sylvester's order);
+  // rht_entry (common/lowp_block.h, which the CUDA kernel calls) is the same, checked here.
   std::array<std::array<T, kRhtSize>, kRhtSize> r{};
   for (int i = 0; i < kRhtSize; ++i)
-    for (int j = 0; j < kRhtSize; ++j)
+    for (int j = 0; j < kRhtSize; ++j) {
       r[std::size_t(i)][std::size_t(j)] =
           T((std::popcount(unsigned(i & j)) % 2 == 0 ? 1 : -1) * kRhtSigns[std::size_t(j)]) / T(4);
+      TPX_CHECK(r[std::size_t(i)][std::size_t(j)] == T(rht_entry(i, j)),
+                "rht_entry({}, {}) is not R's entry", i, j);
+    }
   std::vector<T> group(static_cast<std::size_t>(kRhtSize * cols));
   for (I g = 0; g + kRhtSize <= rows; g += kRhtSize) {
     T* block = m.data() + g * cols;

@@ -57,7 +57,7 @@
 //
 // defines: tpx::lowp::Recipe, Operand, ScaleFormat, Layout, Quantized, to_string,
 //          parse_recipe, layout, quantize, dequantize, emulate, block_amax, storage_bytes,
-//          kRhtSize, kRhtSigns, hadamard_rows (nvfp4_tensor_scale: common/lowp_block.h)
+//          kRhtSigns, hadamard_rows (nvfp4_tensor_scale, kRhtSize, rht_entry: common/lowp_block.h)
 #pragma once
 
 #include <array>
@@ -136,7 +136,6 @@ std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std
 /// rows of m [rows, cols] (row-major): every group of 16 consecutive rows is replaced by R times
 /// it; a last group of fewer than 16 rows stays as it is (identity, still orthogonal). Computed
 /// in T's arithmetic, each output element one sum of 16 products in row order.
-inline constexpr int kRhtSize = 16;
 /// The fixed random signs s of the transform, drawn once (the paper fixes one sign vector for
 /// the whole run); every stage and the reference use these.
 inline constexpr std::array<int, kRhtSize> kRhtSigns = {1,  -1, 1, 1,  -1, 1, -1, -1,

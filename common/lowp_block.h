@@ -14,7 +14,8 @@
 // each step one fp32 operation rounded to nearest (hd::), in the order written.
 //
 // defines: tpx::lowp::ScaleFormat, tpx::lowp::Layout, tpx::lowp::BlockScale, tpx::lowp::kE2M1Max,
-//          tpx::lowp::nvfp4_tensor_scale(), tpx::lowp::block_scale(), tpx::lowp::cast_element(),
+//          tpx::lowp::nvfp4_tensor_scale(), tpx::lowp::kRhtSize,
+//          tpx::lowp::kRhtNegative, tpx::lowp::rht_entry(), tpx::lowp::block_scale(), tpx::lowp::cast_element(),
 //          tpx::lowp::decode_element()
 #pragma once
 
@@ -44,6 +45,17 @@ inline constexpr float kE2M1Max = 6.0f;
 /// amax 0, NaN or +inf give 1).
 TPX_HD inline float nvfp4_tensor_scale(float amax) {
   return fp8::scale_from_amax(amax, kE2M1Max * fp8::max_normal(fp8::kE4M3));
+}
+
+/// nvfp4's random Hadamard transform's size and its matrix R = H₁₆·diag(s) / 4 (common/lowp.h,
+/// hadamard_rows; the signs s are lowp::kRhtSigns): bit j of kRhtNegative is set where s_j = −1.
+inline constexpr int kRhtSize = 16;
+inline constexpr std::uint32_t kRhtNegative = 0x49D2u;
+/// R[i][j] = (−1)^(popcount(i & j) + [s_j = −1]) / 4, exactly ±0.25.
+TPX_HD constexpr float rht_entry(int i, int j) {
+  const unsigned v = unsigned(i & j);
+  const unsigned odd = ((v ^ (v >> 1) ^ (v >> 2) ^ (v >> 3)) & 1u) ^ ((kRhtNegative >> j) & 1u);
+  return odd != 0 ? -0.25f : 0.25f;
 }
 
 /// One block's scale: the fp32 scale (fp32 recipes) or the scale's code (E8M0, UE4M3).

@@ -18,6 +18,7 @@
 #include "checked.h"
 #include "column_blocks.h"
 #include "cpu/ops.h"
+#include "lowp.h"
 #if TPX_WITH_CUDA
 #include "cuda/ops.h"
 #endif
@@ -750,6 +751,120 @@ void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale) {
   expect_scalar_f32(amax, scale.device(), "fp8_scale amax");
   expect_scalar_f32(scale, scale.device(), "fp8_scale scale");
   TPX_DISPATCH(scale.device(), fp8_scale, amax, fmt, scale);
+}
+
+namespace {
+
+/// x as the matrix [rows, cols] its last dimension makes (cols: the last dimension).
+std::pair<std::int64_t, std::int64_t> matrix_of(const Tensor& x) {
+  const std::int64_t cols = x.ndim() == 0 ? 1 : x.dim(x.ndim() - 1);
+  return {cols == 0 ? 0 : x.numel() / cols, cols};
+}
+
+bool one_byte_codes(const Tensor& t) {
+  return t.dtype() == DType::u8 || t.dtype() == DType::e4m3 || t.dtype() == DType::e5m2;
+}
+
+/// Checks a recipe's codes and scales for x [rows, cols] (lowp_quantize's shapes).
+void expect_lowp_parts(const Tensor& x, const Tensor& codes, const Tensor& scales,
+                       const Tensor& tensor_scale, const lowp::Layout& l, const char* what) {
+  const auto [rows, cols] = matrix_of(x);
+  TPX_CHECK(x.dtype() == DType::f32 && rows > 0 && cols > 0, "{} of {}: a non-empty f32 matrix",
+            what, x.describe());
+  TPX_CHECK(one_byte_codes(codes) && codes.numel() == x.numel() && codes.device() == x.device(),
+            "{}: codes {} for {} (one byte an element, on its device)", what, codes.describe(),
+            x.describe());
+  const std::int64_t br = l.block_rows == 0 ? rows : l.block_rows;
+  const std::int64_t bc = l.block_cols == 0 ? cols : l.block_cols;
+  const DType scale_dtype = l.scale == lowp::ScaleFormat::fp32 ? DType::f32 : DType::u8;
+  TPX_CHECK(scales.dtype() == scale_dtype && scales.device() == x.device() &&
+                scales.numel() == ((rows + br - 1) / br) * ((cols + bc - 1) / bc),
+            "{}: scales {} for {}", what, scales.describe(), x.describe());
+  if (l.scale == lowp::ScaleFormat::ue4m3)
+    expect_scalar_f32(tensor_scale, x.device(), "nvfp4's tensor scale");
+}
+
+}  // namespace
+
+void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
+                   std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
+                   const Tensor& tensor_scale) {
+  const lowp::Layout l = lowp::layout(recipe, operand);
+  expect_lowp_parts(x, codes, scales, tensor_scale, l, "lowp_quantize");
+  if (x.device() == Device::cuda) {
+#if TPX_WITH_CUDA
+    const auto [rows, cols] = matrix_of(x);
+    Tensor amax;
+    if (tensor_amax && l.scale == lowp::ScaleFormat::ue4m3) {
+      amax = Tensor::empty({1}, DType::f32, Device::cuda);
+      fill(amax, *tensor_amax);
+    }
+    return cuda::lowp_quantize(x.reshape({rows, cols}), l, amax, codes, scales, tensor_scale);
+#else
+    no_cuda();
+#endif
+  }
+  cpu::lowp_quantize(x, recipe, operand, tensor_amax, codes, scales, tensor_scale);
+}
+
+void lowp_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale,
+                     lowp::Recipe recipe, lowp::Operand operand, const Tensor& x) {
+  const lowp::Layout l = lowp::layout(recipe, operand);
+  expect_lowp_parts(x, codes, scales, tensor_scale, l, "lowp_dequantize");
+  const auto [rows, cols] = matrix_of(x);
+  TPX_DISPATCH(x.device(), lowp_dequantize, codes.reshape({rows, cols}), l, scales, tensor_scale,
+               x.reshape({rows, cols}));
+}
+
+void transpose(const Tensor& x, const Tensor& out) {
+  TPX_CHECK(out.numel() == x.numel() && out.dtype() == x.dtype() && out.device() == x.device() &&
+                (x.raw() != out.raw() || x.numel() == 0),
+            "transpose {} -> {}: same element count, dtype and device, not in place", x.describe(),
+            out.describe());
+  const auto [rows, cols] = matrix_of(x);
+  if (x.numel() == 0) return;
+  // Column r of x is block r of split_columns with blocks one column wide: row r of xᵀ.
+  if (x.device() == Device::cuda) {
+#if TPX_WITH_CUDA
+    return cuda::column_blocks(x, out, rows, 1, cols, true);
+#else
+    no_cuda();
+#endif
+  }
+  cpu::transpose(x, rows, cols, out);
+}
+
+void hadamard_rows(const Tensor& x, const Tensor& y) {
+  TPX_CHECK(x.dtype() == DType::f32 && y.dtype() == DType::f32 && x.shape() == y.shape() &&
+                x.device() == y.device() && x.raw() != y.raw(),
+            "hadamard_rows {} -> {}: f32 of one shape and device, not in place", x.describe(),
+            y.describe());
+  const auto [rows, cols] = matrix_of(x);
+  if (x.numel() == 0) return;
+  TPX_DISPATCH(x.device(), hadamard_rows, x, rows, cols, y);
+}
+
+namespace {
+void expect_e2m1_pair(const Tensor& codes, const Tensor& packed, const char* what) {
+  const auto [rows, cols] = matrix_of(codes);
+  TPX_CHECK(codes.dtype() == DType::u8 && packed.dtype() == DType::u8 && cols % 2 == 0 &&
+                packed.numel() * 2 == codes.numel() && packed.device() == codes.device(),
+            "{}: {} codes and {} bytes (u8, an even last dimension, half as many bytes)", what,
+            codes.describe(), packed.describe());
+  (void)rows;
+}
+}  // namespace
+
+void pack_e2m1(const Tensor& codes, const Tensor& packed) {
+  expect_e2m1_pair(codes, packed, "pack_e2m1");
+  if (codes.numel() == 0) return;
+  TPX_DISPATCH(codes.device(), pack_e2m1, codes, packed);
+}
+
+void unpack_e2m1(const Tensor& packed, const Tensor& codes) {
+  expect_e2m1_pair(codes, packed, "unpack_e2m1");
+  if (codes.numel() == 0) return;
+  TPX_DISPATCH(codes.device(), unpack_e2m1, packed, codes);
 }
 
 void synchronize([[maybe_unused]] Device device) {

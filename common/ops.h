@@ -16,15 +16,22 @@
 //          rope_backward, accumulate, mse_loss_*, embedding_*, cross_entropy_*, sgd_update, AdamWStep, adamw_update, sum_squares,
 //          sum_squares_each,
 //          fill, cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, time_ms, memory_available,
-//          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale
+//          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale, lowp_quantize,
+//          lowp_dequantize, transpose, hadamard_rows, pack_e2m1, unpack_e2m1
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "tensor.h"
+
+namespace tpx::lowp {
+enum class Recipe;   // common/lowp.h
+enum class Operand;  // common/lowp.h
+}  // namespace tpx::lowp
 
 namespace tpx::ops {
 
@@ -280,6 +287,34 @@ void amax(const Tensor& x, const Tensor& out);
 /// amax = 0, +inf or NaN gives 1 (the NaN or inf elements then quantize to NaN or ±fmax); an
 /// amax so small that the quotient overflows gives FLT_MAX rather than inf.
 void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
+
+// Low-precision recipes (common/lowp.h): one GEMM operand quantized block by block and read back,
+// and the tensor moves the recipes need around it (stage 06 under --fp8-recipe). Bit-identical on
+// both backends: the cpu calls common/lowp.cc, cuda common/cuda/lowp.cu, and both call the same
+// host-device block functions (common/lowp_block.h).
+
+/// x f32 [rows, cols] (cols its last dimension, rows the product of the others; K along cols)
+/// quantized as `recipe` quantizes an `operand`: codes [rows, cols] one a byte (u8, or e4m3 /
+/// e5m2 to name the format; E2M1 in bits 0..3), scales [⌈rows/br⌉, ⌈cols/bc⌉] f32 (tensorwise,
+/// rowwise, block128) or u8 (mxfp8's E8M0, nvfp4's UE4M3 codes), and under nvfp4 its s_enc into
+/// tensor_scale (f32 [1]), from `tensor_amax` when given (the amax its shards agreed) and from x's
+/// own amax otherwise (tensor_scale is ignored by the other recipes and may be undefined).
+void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
+                   std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
+                   const Tensor& tensor_scale);
+/// The values lowp_quantize's codes, scales and tensor_scale stand for: x f32 [rows, cols].
+void lowp_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale,
+                     lowp::Recipe recipe, lowp::Operand operand, const Tensor& x);
+/// out [cols, rows] = xᵀ, x seen as [rows, cols] (cols its last dimension): any dtype, same
+/// device, not overlapping.
+void transpose(const Tensor& x, const Tensor& out);
+/// y = x with every group of 16 consecutive rows replaced by R times it (lowp::hadamard_rows, fp32,
+/// the same sums in the same order): x and y f32 of one shape, seen as [rows, cols].
+void hadamard_rows(const Tensor& x, const Tensor& y);
+/// E2M1 codes [..., K] one to a byte packed two to a byte along K, [..., K / 2] (element 2i in
+/// bits 0..3, 2i + 1 in bits 4..7, as the FP4 GEMMs read them), and back. u8, K even.
+void pack_e2m1(const Tensor& codes, const Tensor& packed);
+void unpack_e2m1(const Tensor& packed, const Tensor& codes);
 
 /// Blocks the host until all work issued on `device` by this thread is done (no-op on cpu).
 void synchronize(Device device);

@@ -139,14 +139,38 @@ std::string recompute_text(const BlockConfig& c) {
   return "none";
 }
 
+/// Stage 06's --fp8-recipe (stage 07's under --dtype fp8) when it is one of the finer recipes, as
+/// the ranks agreed on it; nothing under tensorwise, without FP8 GEMMs, or on other stages.
+std::optional<lowp::Recipe> finer_recipe(const StageOptions& o) {
+  if (!is_fp8(o.config.dtype)) return std::nullopt;
+  for (const auto& group : o.flag_groups)
+    for (const auto& [flag, value] : group->agreed())
+      if (flag == "--fp8-recipe")
+        if (const auto recipe = lowp::parse_recipe(value);
+            recipe && *recipe != lowp::Recipe::tensorwise)
+          return recipe;
+  return std::nullopt;
+}
+
+/// The header's words after the dtype: a finer recipe and how its GEMMs multiply (on both
+/// backends the dequantized operands in fp32: 06_fp8/recipes.cc), so that no timing of it reads as
+/// a low-precision GEMM's.
+std::string recipe_words(const StageOptions& o) {
+  const auto recipe = finer_recipe(o);
+  return recipe ? fmt::format(" (--fp8-recipe {}: operands dequantized, GEMMs in fp32)",
+                              lowp::to_string(*recipe))
+                : std::string();
+}
+
 /// The run's header; with `dry_run` it stops before the step table's column names.
-void print_header(const StageDefinition& st, const BlockConfig& c, int world,
+void print_header(const StageDefinition& st, const StageOptions& o, const BlockConfig& c, int world,
                   const std::string& comm, const std::string& placement, const Speed& speed,
                   const MemoryEstimate& memory, std::uint64_t reference, std::uint64_t available,
                   bool dry_run = false) {
   fmt::print("tpx {} | {}\n", st.info.name, st.info.summary);
-  fmt::print("ranks {} | device {} | dtype {} | attention {} | comm {}\n", world,
-             to_string(c.device), dtype_flag(c.dtype), attention_flag(c.attention), comm);
+  fmt::print("ranks {} | device {} | dtype {}{} | attention {} | comm {}\n", world,
+             to_string(c.device), dtype_flag(c.dtype), recipe_words(o), attention_flag(c.attention),
+             comm);
   fmt::print("{}\n", placement);
   fmt::print("H {} NH {} NKV {} (D {}) F {} S {} B {} L {} | steps {} lr {:g} seed {}\n", c.hidden,
              c.heads, c.kv_heads_or_heads(), c.head_dim(), c.ffn, c.seq, c.batch, c.layers, c.steps,
@@ -648,8 +672,8 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
   TPX_MPI_CHECK(MPI_Gather(&shard_bytes, 1, MPI_INT64_T, checkpoint.data(), 1, MPI_INT64_T, 0,
                            MPI_COMM_WORLD));
   if (rank == 0) {
-    print_header(st, c, world, plan.comm, nodes.layout(), speed, memory.estimate, memory.reference,
-                 memory.available, /*dry_run=*/true);
+    print_header(st, o, c, world, plan.comm, nodes.layout(), speed, memory.estimate,
+                 memory.reference, memory.available, /*dry_run=*/true);
     const StepFlops f = step_flops(c);
     fmt::print(
         "\ndry run: nothing computed or allocated; one training step per rank, from the formulas "
@@ -696,16 +720,11 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
 /// The emulation's group is the rank's tensor-parallel group and its replicas the mesh's
 /// data-parallel ones (`sh`: stage 06's whole job; stage 07's D × T mesh).
 std::optional<LowpEmulation> emulated_recipe(const StageOptions& o, const Sharding& sh) {
-  if (!is_fp8(o.config.dtype)) return std::nullopt;
-  for (const auto& group : o.flag_groups)
-    for (const auto& [flag, value] : group->agreed())
-      if (flag == "--fp8-recipe")
-        if (const auto recipe = lowp::parse_recipe(value);
-            recipe && *recipe != lowp::Recipe::tensorwise)
-          return LowpEmulation{.recipe = *recipe,
-                               .ranks = sh.world,
-                               .replicas = sh.dp,
-                               .bf16_tokens = o.config.activations() == DType::bf16};
+  if (const auto recipe = finer_recipe(o))
+    return LowpEmulation{.recipe = *recipe,
+                         .ranks = sh.world,
+                         .replicas = sh.dp,
+                         .bf16_tokens = o.config.activations() == DType::bf16};
   return std::nullopt;
 }
 
@@ -831,7 +850,7 @@ int run(const StageDefinition& st, const StageOptions& o, int rank, int world) {
   Speed speed{step_flops(c).total() / double(world), 0.0};
   if (rank == 0) {
     speed.peak_tflops = ops::bf16_gemm_peak_tflops(c.device);  // 0 on the cpu
-    print_header(st, c, world, par->comm_name(), placement.header, speed, memory.estimate,
+    print_header(st, o, c, world, par->comm_name(), placement.header, speed, memory.estimate,
                  memory.reference, memory.available);
   }
   // Ranks that share rank 0's GPU must not start their steps while it measures the peak.

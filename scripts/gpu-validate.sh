@@ -190,6 +190,16 @@ if has stages; then
     [ "$s" = 06_fp8 ] || check_step "$s.bf16.np2" 300 PASS "${mpi[@]}" -np 2 "$bin/$s" \
       --device cuda --dtype bf16 --check "${small[@]}"
   done
+  if need 06_fp8; then
+    # The row and block recipes (06_fp8/recipes.cc): the same ops as on the cpu, the casts on the
+    # device (common/cuda/lowp.cu), the dequantized operands multiplied by cuBLAS in fp32.
+    for recipe in rowwise block128 mxfp8 nvfp4; do
+      for np in 1 2; do
+        check_step "06.$recipe.np$np" 300 PASS "${mpi[@]}" -np "$np" "$bin/06_fp8" --device cuda \
+          --fp8-recipe "$recipe" --check
+      done
+    done
+  fi
   check_step 05.bf16.np2 300 PASS "${mpi[@]}" -np 2 "$bin/05_copy_engine_async_tp" --device cuda \
     --dtype bf16 --check
   check_step 05.np4 300 PASS "${mpi[@]}" -np 4 "$bin/05_copy_engine_async_tp" --device cuda --check
@@ -200,6 +210,8 @@ if has stages; then
     check_step 07.dp2tp2.np4 300 PASS "${mpi[@]}" -np 4 "$bin/07_fsdp_tp" --device cuda --dp 2 --check
     check_step 07.dp2tp2.bf16.np4 300 PASS "${mpi[@]}" -np 4 "$bin/07_fsdp_tp" --device cuda \
       --dp 2 --dtype bf16 --check
+    check_step 07.dp2tp2.nvfp4.np4 300 PASS "${mpi[@]}" -np 4 "$bin/07_fsdp_tp" --device cuda \
+      --dp 2 --dtype fp8 --fp8-recipe nvfp4 --check
   fi
   if need 08_context_parallel; then # CP: host-staged CP ring / all-gather / all-to-all
     for method in ring allgather ulysses; do

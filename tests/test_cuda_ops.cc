@@ -12,6 +12,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string>
@@ -1181,6 +1182,71 @@ TEST(LowpCuda, QuantizerWritesTheCpusBytes) {
             EXPECT_EQ(differ, 0) << "dequantized values differ";
           }
     }
+}
+
+// The ops stage 06's recipes are written in (06_fp8/recipes.cc), on the device against the cpu,
+// bit for bit: ops::lowp_quantize with an agreed amax (the path that fills a device scalar) and
+// e4m3 codes, lowp_dequantize, the Hadamard transform over 37 rows (two whole groups and a
+// partial one) with subnormals, transpose of 4-, 2- and 1-byte elements, E2M1 packing both ways.
+TEST(LowpCuda, RecipeOpsEqualTheCpusOps) {
+  TPX_REQUIRE_GPU();
+  const I rows = 37, cols = 64;
+  Tensor x = cpu_empty({rows, cols});
+  for (std::size_t i = 0; i < x.f32().size(); ++i)
+    x.f32()[i] = std::cos(1.3f * float(i)) * (i % 17 == 0 ? 1.0e-39f : 3.0f);
+  const Tensor xg = on_gpu(x);
+  auto same_bytes = [](const Tensor& cpu, const Tensor& gpu, const char* what) {
+    const Tensor back = on_cpu(gpu);
+    ASSERT_EQ(back.nbytes(), cpu.nbytes()) << what;
+    EXPECT_EQ(std::memcmp(back.raw(), cpu.raw(), cpu.nbytes()), 0) << what;
+  };
+  for (const lowp::Recipe r : {lowp::Recipe::rowwise, lowp::Recipe::mxfp8, lowp::Recipe::nvfp4}) {
+    SCOPED_TRACE(std::string(lowp::to_string(r)));
+    const lowp::Layout l = lowp::layout(r, lowp::Operand::activation);
+    const bool fp32 = l.scale == lowp::ScaleFormat::fp32;
+    const I sc = l.block_cols == 0 ? 1 : (cols + l.block_cols - 1) / l.block_cols;
+    const DType code_dtype = r == lowp::Recipe::nvfp4 ? DType::u8 : DType::e4m3;
+    const DType scale_dtype = fp32 ? DType::f32 : DType::u8;
+    const Tensor c_cpu = Tensor::empty({rows, cols}, code_dtype);
+    const Tensor s_cpu = Tensor::empty({rows, sc}, scale_dtype), t_cpu = cpu_empty({1});
+    const Tensor c_gpu = gpu_empty({rows, cols}, code_dtype);
+    const Tensor s_gpu = gpu_empty({rows, sc}, scale_dtype), t_gpu = gpu_empty({1});
+    ops::lowp_quantize(x, r, lowp::Operand::activation, 7.5f, c_cpu, s_cpu, t_cpu);
+    ops::lowp_quantize(xg, r, lowp::Operand::activation, 7.5f, c_gpu, s_gpu, t_gpu);
+    same_bytes(c_cpu, c_gpu, "codes");
+    same_bytes(s_cpu, s_gpu, "scales");
+    if (r == lowp::Recipe::nvfp4) same_bytes(t_cpu, t_gpu, "tensor scale");
+    const Tensor d_cpu = cpu_empty({rows, cols}), d_gpu = gpu_empty({rows, cols});
+    ops::lowp_dequantize(c_cpu, s_cpu, t_cpu, r, lowp::Operand::activation, d_cpu);
+    ops::lowp_dequantize(c_gpu, s_gpu, t_gpu, r, lowp::Operand::activation, d_gpu);
+    same_bytes(d_cpu, d_gpu, "dequantized");
+  }
+  const Tensor h_cpu = cpu_empty({rows, cols}), h_gpu = gpu_empty({rows, cols});
+  ops::hadamard_rows(x, h_cpu);
+  ops::hadamard_rows(xg, h_gpu);
+  same_bytes(h_cpu, h_gpu, "hadamard_rows");
+  for (const DType d : {DType::f32, DType::bf16, DType::u8}) {
+    Tensor src = Tensor::empty({rows, cols}, d, Device::cpu);
+    auto* bytes = static_cast<std::uint8_t*>(src.raw());
+    for (std::size_t i = 0; i < src.nbytes(); ++i) bytes[i] = std::uint8_t(i * 37 + 11);
+    const Tensor t_cpu = Tensor::empty({cols, rows}, d, Device::cpu);
+    const Tensor t_gpu = Tensor::empty({cols, rows}, d, Device::cuda);
+    ops::transpose(src, t_cpu);
+    ops::transpose(ops::to_device(src, Device::cuda), t_gpu);
+    const Tensor back = Tensor::empty({cols, rows}, d, Device::cpu);
+    ops::copy(t_gpu, back);
+    EXPECT_EQ(std::memcmp(back.raw(), t_cpu.raw(), t_cpu.nbytes()), 0) << to_string(d);
+  }
+  Tensor codes = Tensor::empty({rows, cols}, DType::u8, Device::cpu);
+  for (I i = 0; i < codes.numel(); ++i) codes.data<std::uint8_t>()[i] = std::uint8_t((i * 7) & 0xF);
+  const Tensor p_cpu = Tensor::empty({rows, cols / 2}, DType::u8, Device::cpu);
+  const Tensor p_gpu = gpu_empty({rows, cols / 2}, DType::u8);
+  ops::pack_e2m1(codes, p_cpu);
+  ops::pack_e2m1(ops::to_device(codes, Device::cuda), p_gpu);
+  same_bytes(p_cpu, p_gpu, "packed");
+  const Tensor u_gpu = gpu_empty({rows, cols}, DType::u8);
+  ops::unpack_e2m1(p_gpu, u_gpu);
+  same_bytes(codes, u_gpu, "unpacked");
 }
 
 }  // namespace

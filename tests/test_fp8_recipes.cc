@@ -23,6 +23,7 @@
 #include "common/lowp.h"
 #include "common/npy.h"
 #include "common/reference.h"
+#include "test_cuda.h"
 #include "test_stage_runs.h"
 #include "test_util.h"
 
@@ -151,11 +152,19 @@ TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
 }
 
-TEST(Fp8Recipes, TheCudaDeviceRefusesThemInOneLine) {
-  for (const char* recipe : {"rowwise", "block128", "mxfp8", "nvfp4"})
-    test::expect_refused_once("06_fp8", 1,
-                              fmt::format("{} --device cuda --fp8-recipe {}", kSizes, recipe),
-                              fmt::format("--fp8-recipe {}: the cuda device", recipe));
+// On a GPU every recipe runs the cpu's code through the cuda ops (the casts bit for bit, the
+// dequantized operands multiplied by cuBLAS in fp32) and passes --check against the same
+// emulating reference; scripts/gpu-validate.sh runs np 2 too.
+TEST(Fp8Recipes, OnCudaEachRecipePassesItsCheck) {
+  TPX_REQUIRE_GPU();
+  test::TempDir dir;
+  for (const char* recipe : {"rowwise", "block128", "mxfp8", "nvfp4"}) {
+    const auto r = run_stage(
+        "06_fp8", 1,
+        fmt::format("{} --device cuda --fp8-recipe {} --check", check_sizes(recipe), recipe), dir);
+    EXPECT_EQ(r.exit_code, 0) << recipe << r.out << r.err;
+    EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << recipe << r.out;
+  }
 }
 
 // The comm counts of a step at N = 2: tensorwise's eight MAX all-reduces of k ∈ {4,2,3,2,3,2,2,2}

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "../lowp_block.h"
 #include "../ops.h"
 #include "../tensor.h"
 #include "host.h"
@@ -72,5 +73,16 @@ void quantize_fp8(const Tensor& x, const Tensor& scale, const Tensor& q);
 void dequantize_fp8(const Tensor& q, const Tensor& scale, const Tensor& x);
 void amax(const Tensor& x, const Tensor& out);
 void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
+// Low-precision recipes (lowp_ops.cc); arguments checked by tpx::ops. x, codes and y as matrices
+// [rows, cols] (cols the last dimension).
+void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
+                   std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
+                   const Tensor& tensor_scale);
+void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
+                     const Tensor& tensor_scale, const Tensor& x);
+void transpose(const Tensor& x, std::int64_t rows, std::int64_t cols, const Tensor& out);
+void hadamard_rows(const Tensor& x, std::int64_t rows, std::int64_t cols, const Tensor& y);
+void pack_e2m1(const Tensor& codes, const Tensor& packed);
+void unpack_e2m1(const Tensor& packed, const Tensor& codes);
 
 }  // namespace tpx::cpu

@@ -222,6 +222,11 @@ void lowp_dequantize(const std::uint8_t* codes, I rows, I cols, const lowp::Layo
                      const float* scales, const std::uint8_t* scale_codes,
                      const float* tensor_scale, float* x, void* stream);
 
+/// y = lowp::hadamard_rows(x), x and y [rows, cols] (not overlapping), the cpu's bits.
+void hadamard_rows(const float* x, I rows, I cols, float* y, void* stream);
+/// pack: packed[i] = codes[2i] | codes[2i + 1] << 4 for i < bytes; else codes from packed.
+void e2m1_pack(std::uint8_t* codes, I bytes, std::uint8_t* packed, bool pack, void* stream);
+
 // fp8_pack.cu ------------------------------------------------------------------------------------
 // The operands of the FP8 GEMM (gemm_fp8.cc) in the layout cuBLASLt's FP8 kernels read.
 /// out (row-major [out_rows, out_cols], row stride out_cols) = the rows x cols matrix M padded

@@ -14,7 +14,8 @@
 // 5 blocks of 256 threads per SM: 42 registers round up to 48 a thread); the dequantizer 32
 // registers, no spills.
 // lowp_dequantize is element-wise: each element looks up its block's scale and calls
-// lowp::decode_element, as lowp::dequantize does.
+// lowp::decode_element, as lowp::dequantize does. Beside them, the moves stage 06's recipes need
+// on the device: nvfp4's Hadamard transform (32 registers) and E2M1 packing (28), element-wise.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -105,7 +106,59 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+/// y = R·x on every whole group of 16 rows (lowp::hadamard_rows): one thread an element, its sum of
+/// 16 products in row order, each product and sum rounded on its own (R's entries are ±1/4, so the
+/// product is exact but for underflow; no fused multiply-add, as the cpu computes it).
+__global__ void __launch_bounds__(kThreads)
+    hadamard_rows_kernel(const float* x, I rows, I cols, float* y) {
+  const I n = rows * cols, stride = I(gridDim.x) * kThreads, whole = rows / lowp::kRhtSize;
+  for (I e = I(blockIdx.x) * kThreads + threadIdx.x; e < n; e += stride) {
+    const I r = e / cols, c = e % cols, g = r / lowp::kRhtSize;
+    if (g >= whole) {  // a last group of fewer than 16 rows stays as it is
+      y[e] = x[e];
+      continue;
+    }
+    const int i = int(r % lowp::kRhtSize);
+    const float* col = x + g * lowp::kRhtSize * cols + c;
+    float sum = 0.0f;
+    for (int j = 0; j < lowp::kRhtSize; ++j) {
+      const float rij = lowp::rht_entry(i, j);
+      sum = __fadd_rn(sum, __fmul_rn(rij, col[j * cols]));
+    }
+    y[e] = sum;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    e2m1_pack_kernel(std::uint8_t* codes, I bytes, std::uint8_t* packed, bool pack) {
+  const I stride = I(gridDim.x) * kThreads;
+  for (I i = I(blockIdx.x) * kThreads + threadIdx.x; i < bytes; i += stride) {
+    if (pack) {
+      packed[i] = std::uint8_t((codes[2 * i] & 0x0Fu) | ((codes[2 * i + 1] & 0x0Fu) << 4));
+    } else {
+      const std::uint8_t b = packed[i];
+      codes[2 * i] = b & 0x0Fu;
+      codes[2 * i + 1] = std::uint8_t(b >> 4);
+    }
+  }
+}
+
+unsigned grid_for(I n) {
+  const I want = (n + kThreads - 1) / kThreads;
+  return unsigned(want < I{65535} ? want : I{65535});
+}
+
 }  // namespace
+
+void hadamard_rows(const float* x, I rows, I cols, float* y, void* stream) {
+  hadamard_rows_kernel<<<grid_for(rows * cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      x, rows, cols, y);
+}
+
+void e2m1_pack(std::uint8_t* codes, I bytes, std::uint8_t* packed, bool pack, void* stream) {
+  e2m1_pack_kernel<<<grid_for(bytes), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      codes, bytes, packed, pack);
+}
 
 void lowp_dequantize(const std::uint8_t* codes, I rows, I cols, const lowp::Layout& l,
                      const float* scales, const std::uint8_t* scale_codes,

@@ -825,7 +825,7 @@ void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_
   NvtxRange range("lowp_quantize");
   TPX_CHECK(x.dtype() == DType::f32 && x.ndim() == 2 && x.numel() > 0,
             "lowp_quantize of {}: a non-empty f32 matrix", x.describe());
-  TPX_CHECK(codes.dtype() == DType::u8 && codes.numel() == x.numel(),
+  TPX_CHECK(dtype_size(codes.dtype()) == 1 && codes.numel() == x.numel(),
             "lowp_quantize: codes {} for {}", codes.describe(), x.describe());
   const I rows = x.dim(0), cols = x.dim(1);
   const I br = l.block_rows == 0 ? rows : l.block_rows,
@@ -851,7 +851,7 @@ void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& s
                      const Tensor& tensor_scale, const Tensor& x) {
   NvtxRange range("lowp_dequantize");
   TPX_CHECK(x.dtype() == DType::f32 && x.ndim() == 2 && x.numel() > 0 &&
-                codes.dtype() == DType::u8 && codes.numel() == x.numel(),
+                dtype_size(codes.dtype()) == 1 && codes.numel() == x.numel(),
             "lowp_dequantize: codes {} into {}", codes.describe(), x.describe());
   const bool fp32 = l.scale == lowp::ScaleFormat::fp32;
   TPX_CHECK(scales.dtype() == (fp32 ? DType::f32 : DType::u8),
@@ -861,6 +861,26 @@ void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& s
                            fp32 ? cf(scales) : nullptr,
                            fp32 ? nullptr : scales.data<std::uint8_t>(),
                            two_level ? cf(tensor_scale) : nullptr, f(x), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void hadamard_rows(const Tensor& x, I rows, I cols, const Tensor& y) {
+  NvtxRange range("hadamard_rows");
+  kernels::hadamard_rows(cf(x), rows, cols, f(y), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void pack_e2m1(const Tensor& codes, const Tensor& packed) {
+  NvtxRange range("pack_e2m1");
+  kernels::e2m1_pack(codes.data<std::uint8_t>(), packed.numel(), packed.data<std::uint8_t>(), true,
+                     stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void unpack_e2m1(const Tensor& packed, const Tensor& codes) {
+  NvtxRange range("unpack_e2m1");
+  kernels::e2m1_pack(codes.data<std::uint8_t>(), packed.numel(), packed.data<std::uint8_t>(), false,
+                     stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 

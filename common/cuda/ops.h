@@ -147,6 +147,12 @@ void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_
 void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
                      const Tensor& tensor_scale, const Tensor& x);
 
+/// lowp::hadamard_rows of x [rows, cols] into y, the cpu's bits (kernel in lowp.cu).
+void hadamard_rows(const Tensor& x, std::int64_t rows, std::int64_t cols, const Tensor& y);
+/// E2M1 codes packed two to a byte and back (kernel in lowp.cu); arguments checked by tpx::ops.
+void pack_e2m1(const Tensor& codes, const Tensor& packed);
+void unpack_e2m1(const Tensor& packed, const Tensor& codes);
+
 /// Times a large cuBLASLt bf16 GEMM (8192³, fp32 accumulation, bf16 result) and returns its
 /// throughput in TFLOP/s:
 /// the device's practical dense bf16 peak, the denominator of MFU.
