@@ -13,7 +13,12 @@ namespace tpx::async_fp8 {
 Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx, Fp8Weights weights)
     : OverlapRing(ctx, async_tp::copy_engine_transport),
       recipe_(ctx.options.flags<Fp8RecipeFlags>().recipe()),
-      weight_use_(weights) {}
+      weight_use_(weights),
+      seed_(ctx.options.config.seed),
+      // A resumed run goes on numbering where the saved one stopped.
+      backward_calls_(lowp::gradient_call(ctx.options.config.layers,
+                                          ctx.options.config.checkpoint.resume_step,
+                                          ctx.options.config.layers - 1)) {}
 
 std::vector<Tensor> Fp8AsyncTp::quantize(std::span<const Tensor> x, std::span<const DType> format,
                                          std::string_view what) {

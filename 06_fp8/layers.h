@@ -91,14 +91,25 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   /// layout and the scales [1, scale rows, scale cols] (for the dump).
   /// `amax`: nvfp4's agreed tensor amax (agreed_amax()), or nothing (x's own, or no tensor
   /// scale).
+  /// `draws`: nvfp4's stochastic rounding of a gradient x [tokens, features], its place in the
+  /// tensor (gradient_draws()); its k_rows is set here.
   Tensor emulate(const Tensor& x, bool k_rows, lowp::Operand operand, std::optional<float> amax,
-                 Tensor* codes = nullptr, Tensor* scales = nullptr) const;
+                 Tensor* codes = nullptr, Tensor* scales = nullptr,
+                 std::optional<lowp::StochasticRounding> draws = std::nullopt) const;
   /// The shard x [n, B, K] quantized along K, gathered over the group as its codes (FP8, or
   /// nvfp4's E2M1 packed two to a byte) and its scales (what the gathers move), dequantized:
   /// [N·n, B, K] fp32. `amax` as in emulate; `codes`/`scales` as in emulate (the codes
   /// gathered, one to a byte, the scales this rank's).
+  /// `draws` as in emulate: the shard's tokens start at token0 (this rank's first).
   Tensor gather_quantized(const Tensor& x, lowp::Operand operand, std::optional<float> amax,
-                          std::string_view what, Tensor* codes = nullptr, Tensor* scales = nullptr);
+                          std::string_view what, Tensor* codes = nullptr, Tensor* scales = nullptr,
+                          std::optional<lowp::StochasticRounding> draws = std::nullopt);
+  /// nvfp4's stochastic rounding of a gradient operand (common/lowp.h, gradient_stream): operand
+  /// j of pass `pass` (0 input gradient, 1 weight gradient) of linear backward `call`, its
+  /// matrix's [0, 0] at (token0, feature0) of the tensor; nothing under the other recipes.
+  std::optional<lowp::StochasticRounding> gradient_draws(std::int64_t call, int pass, std::size_t j,
+                                                         std::int64_t token0,
+                                                         std::int64_t feature0) const;
   /// x along its rows (its leading dimensions, the tokens) under lowp::hadamard_rows, fp32,
   /// under nvfp4 (the weight-gradient GEMMs' operands); x itself under the other recipes.
   Tensor hadamard(const Tensor& x) const;
@@ -126,6 +137,8 @@ class Fp8AsyncTp final : public ring::OverlapRing {
 
   lowp::Recipe recipe_;
   Fp8Weights weight_use_;
+  std::uint64_t seed_;           // the run's, for the gradients' stochastic rounding
+  std::int64_t backward_calls_;  // the next linear backward's number (lowp::gradient_call)
   /// Layer 0's operands for the dump, by dump name: codes, scales, and nvfp4's s_enc.
   struct RecipeDump {
     Tensor codes, scales;

@@ -60,9 +60,10 @@ struct DeviceQuantized {
 };
 
 /// m f32 [rows, cols] (K along cols) quantized as `recipe` quantizes an `operand`; `amax`: nvfp4's
-/// agreed tensor amax, or nothing (m's own).
+/// agreed tensor amax, or nothing (m's own); `draws`: stochastic rounding (nvfp4's gradients).
 DeviceQuantized quantize_matrix(const Tensor& m, lowp::Recipe recipe, lowp::Operand operand,
-                                std::optional<float> amax) {
+                                std::optional<float> amax,
+                                const std::optional<lowp::StochasticRounding>& draws) {
   const lowp::Layout l = lowp::layout(recipe, operand);
   const I rows = m.dim(0), cols = m.dim(1);
   const I br = l.block_rows == 0 ? rows : l.block_rows;
@@ -72,7 +73,8 @@ DeviceQuantized quantize_matrix(const Tensor& m, lowp::Recipe recipe, lowp::Oper
       Tensor::empty({(rows + br - 1) / br, (cols + bc - 1) / bc},
                     l.scale == lowp::ScaleFormat::fp32 ? DType::f32 : DType::u8, m.device()),
       Tensor::empty({1}, DType::f32, m.device())};
-  ops::lowp_quantize(m, recipe, operand, amax, q.codes, q.scales, q.tensor_scale);
+  ops::lowp_quantize(m, recipe, operand, amax, q.codes, q.scales, q.tensor_scale,
+                     draws ? &*draws : nullptr);
   return q;
 }
 
@@ -147,12 +149,25 @@ Tensor Fp8AsyncTp::hadamard(const Tensor& x) const {
   return y;
 }
 
+std::optional<lowp::StochasticRounding> Fp8AsyncTp::gradient_draws(std::int64_t call, int pass,
+                                                                   std::size_t j,
+                                                                   std::int64_t token0,
+                                                                   std::int64_t feature0) const {
+  if (recipe_ != lowp::Recipe::nvfp4) return std::nullopt;
+  return lowp::StochasticRounding{.stream = lowp::gradient_stream(seed_, call, pass, I(j)),
+                                  .token0 = token0,
+                                  .feature0 = feature0};
+}
+
 Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand,
-                           std::optional<float> amax, Tensor* codes, Tensor* scales) const {
+                           std::optional<float> amax, Tensor* codes, Tensor* scales,
+                           std::optional<lowp::StochasticRounding> draws) const {
   const I last = x.dim(x.ndim() - 1), lead = x.numel() / last;
   // The quantizer's matrix has K along its columns.
   const Tensor m = as_f32(x).reshape({lead, last});
-  const DeviceQuantized q = quantize_matrix(k_rows ? transposed(m) : m, recipe_, operand, amax);
+  if (draws) draws->k_rows = k_rows;
+  const DeviceQuantized q =
+      quantize_matrix(k_rows ? transposed(m) : m, recipe_, operand, amax, draws);
   const Tensor d = dequantized(q, q.codes, q.scales);
   if (codes) *codes = (k_rows ? transposed(q.codes) : q.codes).reshape(x.shape());
   if (scales) *scales = q.scales.reshape({1, q.scales.dim(0), q.scales.dim(1)});
@@ -161,9 +176,10 @@ Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand,
 
 Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand,
                                     std::optional<float> amax, std::string_view what, Tensor* codes,
-                                    Tensor* scales) {
+                                    Tensor* scales, std::optional<lowp::StochasticRounding> draws) {
   const I k = x.dim(x.ndim() - 1), rows = x.numel() / k;
-  const DeviceQuantized q = quantize_matrix(as_f32(x).reshape({rows, k}), recipe_, operand, amax);
+  const DeviceQuantized q =
+      quantize_matrix(as_f32(x).reshape({rows, k}), recipe_, operand, amax, draws);
   TPX_CHECK(lowp::layout(recipe_, operand).block_rows == 1,
             "a gathered operand's blocks are one row high");
   const bool e2m1 = recipe_ == lowp::Recipe::nvfp4;
@@ -249,10 +265,16 @@ Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const T
   const std::vector<std::optional<float>> amax =
       agreed_amax(operands, fmt::format("{} bwd", role), nvfp4 ? dy : std::span<const Tensor>{});
   const std::size_t saved_amax = dy.size() + w.size(), transformed = saved_amax + 1;
+  // nvfp4's stochastic rounding: this backward's number, and each gradient's first feature (the
+  // rank's column shard of the output) over all of the replica's tokens.
+  const std::int64_t call = backward_calls_++;
+  const I rank = group_.rank();
   // dX = RS(Σ dy·Wᵀ), K = out/N: the gradient and the weight along their columns.
   std::vector<Tensor> dyq, wq;
   for (std::size_t j = 0; j < dy.size(); ++j) {
-    dyq.push_back(emulate(dy[j], /*k_rows=*/false, Operand::gradient, amax[j]));
+    const I cols = dy[j].dim(dy[j].ndim() - 1);
+    dyq.push_back(emulate(dy[j], /*k_rows=*/false, Operand::gradient, amax[j], nullptr, nullptr,
+                          gradient_draws(call, 0, j, 0, rank * cols)));
     wq.push_back(emulate(w[j], /*k_rows=*/false, Operand::weight, amax[dy.size() + j]));
   }
   const Tensor dx =
@@ -262,14 +284,17 @@ Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const T
   // the tensor's).
   const Tensor h = gather_quantized(saved, Operand::activation, amax[saved_amax],
                                     fmt::format("{} re-gather", role));
-  weight_grads([this, h, amax, nvfp4, transformed, dy = std::vector(dy.begin(), dy.end()),
-                dw = std::vector(dw.begin(), dw.end()), name = fmt::format("{} dW GEMMs", role)] {
+  weight_grads([this, h, amax, nvfp4, transformed, call, rank,
+                dy = std::vector(dy.begin(), dy.end()), dw = std::vector(dw.begin(), dw.end()),
+                name = fmt::format("{} dW GEMMs", role)] {
     TraceScope span(ring_.trace, name);
     const Tensor hq = emulate(hadamard(h), /*k_rows=*/true, Operand::activation, std::nullopt);
     for (std::size_t j = 0; j < dy.size(); ++j) {
       const std::optional<float> g_amax = nvfp4 ? amax[transformed + j] : std::nullopt;
       // One statement each, so that the transformed copy is gone before the product.
-      const Tensor gq = emulate(hadamard(dy[j]), /*k_rows=*/true, Operand::gradient, g_amax);
+      const Tensor gq =
+          emulate(hadamard(dy[j]), /*k_rows=*/true, Operand::gradient, g_amax, nullptr, nullptr,
+                  gradient_draws(call, 1, j, 0, rank * dy[j].dim(dy[j].ndim() - 1)));
       ops::gemm(hq, true, gq, false, dw[j], 1.0f, 0.0f, DType::f32);
     }
   });
@@ -296,8 +321,13 @@ Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const T
   const std::vector<std::optional<float>> amax =
       agreed_amax(std::array{dy, w}, fmt::format("{} bwd", role),
                   nvfp4 ? std::span<const Tensor>(&a, 1) : std::span<const Tensor>{});
+  // nvfp4's stochastic rounding: this backward's number; the rank's shard of the tokens.
+  const std::int64_t call = backward_calls_++;
+  const I shard_tokens = dy.numel() / dy.dim(dy.ndim() - 1);
   // da = AG(dy)·Wᵀ, K = H: the gradient's shard gathered as FP8 codes and scales.
-  const Tensor d = gather_quantized(dy, Operand::gradient, amax[0], fmt::format("{} bwd", role));
+  const Tensor d =
+      gather_quantized(dy, Operand::gradient, amax[0], fmt::format("{} bwd", role), nullptr,
+                       nullptr, gradient_draws(call, 0, 0, group_.rank() * shard_tokens, 0));
   const Tensor wq = emulate(w, /*k_rows=*/false, Operand::weight, amax[1]);
   Tensor da = Tensor::empty(a.shape(), ring_.activations, a.device());
   {
@@ -307,12 +337,13 @@ Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const T
   // dW = aᵀ·AG(dy), K = the tokens: both quantized again along the tokens, nvfp4's after the
   // Hadamard transform (the gathered gradient is whole on every rank; a is this rank's K shard of
   // the input, its amax the agreed one).
-  weight_grads([this, a, d, dw, a_amax = nvfp4 ? amax[2] : std::optional<float>(),
+  weight_grads([this, a, d, dw, call, a_amax = nvfp4 ? amax[2] : std::optional<float>(),
                 name = fmt::format("{} dW GEMM", role)] {
     TraceScope span(ring_.trace, name);
     // One statement each, so that each transformed copy is gone before the next is made.
     const Tensor aq = emulate(hadamard(a), /*k_rows=*/true, Operand::activation, a_amax);
-    const Tensor dq = emulate(hadamard(d), /*k_rows=*/true, Operand::gradient, std::nullopt);
+    const Tensor dq = emulate(hadamard(d), /*k_rows=*/true, Operand::gradient, std::nullopt,
+                              nullptr, nullptr, gradient_draws(call, 1, 0, 0, 0));
     ops::gemm(aq, true, dq, false, dw, 1.0f, 0.0f, DType::f32);
   });
   return da;

@@ -71,9 +71,15 @@ float block_amax(const float* x, std::int64_t cols, std::int64_t r0, std::int64_
 }
 
 Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe recipe,
-                   Operand operand, std::optional<float> tensor_amax) {
+                   Operand operand, std::optional<float> tensor_amax,
+                   const StochasticRounding* stochastic) {
   if (rows <= 0 || cols <= 0)
     fail(fmt::format("quantizing a {} x {} matrix: both sizes must be positive", rows, cols));
+  if (stochastic != nullptr && recipe != Recipe::nvfp4)
+    fail(
+        fmt::format("stochastic rounding under --fp8-recipe {}: only nvfp4's E2M1 casts round "
+                    "stochastically",
+                    to_string(recipe)));
   Quantized q{recipe, layout(recipe, operand), rows, cols, 0, 0, {}, {}, {}, 1.0f};
   const Layout& l = q.layout;
   const std::int64_t br = l.block_rows == 0 ? rows : l.block_rows;
@@ -104,9 +110,11 @@ Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe 
         q.scale_codes[s] = b.code;
       }
       for (std::int64_t r = r0; r < r1; ++r)
-        for (std::int64_t c = c0; c < c1; ++c)
+        for (std::int64_t c = c0; c < c1; ++c) {
+          const std::uint32_t bits = stochastic ? sr_bits(*stochastic, r, c) : 0u;
           q.codes[static_cast<std::size_t>(r * cols + c)] =
-              cast_element(x[r * cols + c], l, b, q.tensor_scale);
+              cast_element(x[r * cols + c], l, b, q.tensor_scale, stochastic ? &bits : nullptr);
+        }
     }
   }
   return q;
@@ -174,7 +182,8 @@ template void hadamard_rows(std::vector<float>&, std::int64_t, std::int64_t);
 template void hadamard_rows(std::vector<double>&, std::int64_t, std::int64_t);
 
 std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std::int64_t cols,
-                            bool k_rows, Recipe recipe, Operand operand, std::int64_t parts) {
+                            bool k_rows, Recipe recipe, Operand operand, std::int64_t parts,
+                            const StochasticRounding* stochastic) {
   using I = std::int64_t;
   const I outer = k_rows ? cols : rows, k = k_rows ? rows : cols, part = k / parts;
   // m's element (outer index r, reduction index j).
@@ -193,8 +202,17 @@ std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std
     for (I r = 0; r < outer; ++r)
       for (I j = 0; j < part; ++j)
         x[static_cast<std::size_t>(r * part + j)] = static_cast<float>(m[at(r, p * part + j)]);
+    // The part's place in m (rows: tokens, columns: features) for stochastic rounding: K is
+    // the features (k_rows false) or the tokens (k_rows true, the quantizer's matrix then m
+    // transposed).
+    std::optional<StochasticRounding> sr;
+    if (stochastic) {
+      sr = *stochastic;
+      sr->k_rows = k_rows;
+      (k_rows ? sr->token0 : sr->feature0) += p * part;
+    }
     const std::vector<float> d =
-        dequantize(quantize(x.data(), outer, part, recipe, operand, whole));
+        dequantize(quantize(x.data(), outer, part, recipe, operand, whole, sr ? &*sr : nullptr));
     for (I r = 0; r < outer; ++r)
       for (I j = 0; j < part; ++j)
         out[at(r, p * part + j)] = double(d[static_cast<std::size_t>(r * part + j)]);

@@ -45,7 +45,11 @@
 //   decodes to 0 (all zero, or so small next to the tensor's amax that amax_b / 6 · s_enc is
 //   below half of E4M3's smallest subnormal) gets all-zero codes; a NaN anywhere in a block makes
 //   d_b NaN (0x7F) and the whole block dequantizes to NaN; an infinite element saturates (the
-//   tensor's amax is then +inf, so s_enc = 1, and d_b saturates to 448).
+//   tensor's amax is then +inf, so s_enc = 1, and d_b saturates to 448). Stages round nvfp4's
+//   gradients stochastically (the paper's choice; weights and activations to nearest): q_i's E2M1
+//   cast goes up or down with the probability of its place between the two neighbours, the
+//   random bits a hash of the element's place in its tensor (StochasticRounding, lowp_block.h;
+//   the run's numbering of the gradients: gradient_stream below).
 //
 // A partial last block (rows or cols not a multiple of the block) is a block of the elements
 // that exist: its amax is that of those elements, as if the matrix were padded with zeros to a
@@ -57,7 +61,8 @@
 //
 // defines: tpx::lowp::Recipe, Operand, ScaleFormat, Layout, Quantized, to_string,
 //          parse_recipe, layout, quantize, dequantize, emulate, block_amax, storage_bytes,
-//          kRhtSigns, hadamard_rows (nvfp4_tensor_scale, kRhtSize, rht_entry: common/lowp_block.h)
+//          kRhtSigns, hadamard_rows, kLinearBackwards, gradient_call, gradient_stream
+//          (nvfp4_tensor_scale, kRhtSize, rht_entry, StochasticRounding: common/lowp_block.h)
 #pragma once
 
 #include <array>
@@ -111,8 +116,12 @@ float block_amax(const float* x, std::int64_t cols, std::int64_t r0, std::int64_
 /// `operand`. rows and cols must be positive (else tpx::Error). `tensor_amax`: nvfp4's s_enc
 /// comes from it instead of x's own amax, when x is one shard of a tensor whose amax the
 /// shards agreed (a stage's MAX all-reduce); the other recipes ignore it.
+/// `stochastic` (nvfp4 only; tpx::Error otherwise): the E2M1 casts round stochastically, each
+/// element with its sr_bits under it (StochasticRounding, common/lowp_block.h), instead of to
+/// nearest even. The block scales are the same either way.
 Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe recipe,
-                   Operand operand, std::optional<float> tensor_amax = std::nullopt);
+                   Operand operand, std::optional<float> tensor_amax = std::nullopt,
+                   const StochasticRounding* stochastic = nullptr);
 
 /// The fp32 values the codes and scales stand for, row-major [rows, cols].
 std::vector<float> dequantize(const Quantized& q);
@@ -123,8 +132,11 @@ std::vector<float> dequantize(const Quantized& q);
 /// nvfp4's tensor scale is still the whole m's, as the shards agree it): quantize() of m's
 /// values rounded to fp32, dequantized, widened to double. The double
 /// reference's emulation of a recipe (common/reference.h) and tools/recipe_gemm_error use it.
+/// `stochastic`: nvfp4's stochastic rounding, with m's rows the tensor's tokens and its columns
+/// its features, m[0][0] at (token0, feature0) (its k_rows is set here from `k_rows`).
 std::vector<double> emulate(const std::vector<double>& m, std::int64_t rows, std::int64_t cols,
-                            bool k_rows, Recipe recipe, Operand operand, std::int64_t parts = 1);
+                            bool k_rows, Recipe recipe, Operand operand, std::int64_t parts = 1,
+                            const StochasticRounding* stochastic = nullptr);
 
 /// nvfp4's random Hadamard transform (NVIDIA, "Pretraining Large Language Models with NVFP4",
 /// 2025, its section on random Hadamard transforms): before the weight-gradient GEMM
@@ -142,6 +154,23 @@ inline constexpr std::array<int, kRhtSize> kRhtSigns = {1,  -1, 1, 1,  -1, 1, -1
                                                         -1, 1,  1, -1, 1,  1, -1, 1};
 template <class T>
 void hadamard_rows(std::vector<T>& m, std::int64_t rows, std::int64_t cols);
+
+/// nvfp4's stochastic rounding of the gradients (NVIDIA, "Pretraining Large Language Models with
+/// NVFP4", 2025: gradients rounded stochastically, weights and activations to nearest), numbered
+/// so that a stage and the double reference draw the same random bits. A run's linear backwards
+/// are counted in the order the block runs them, down, gate/up, o, qkv (kLinearBackwards a
+/// layer), the last layer first: call = (step·L + L − 1 − layer)·4 + k. Each gradient operand a
+/// backward quantizes draws from the stream of (call, pass, j): pass 0 the input gradient's GEMM,
+/// 1 the weight gradient's, j its index among the call's weights (q, k, v; gate, up); its
+/// elements' bits are then sr_bits of their (token, feature) in the tensor (common/lowp_block.h).
+inline constexpr std::int64_t kLinearBackwards = 4;
+inline std::int64_t gradient_call(std::int64_t layers, std::int64_t step, std::int64_t layer) {
+  return (step * layers + layers - 1 - layer) * kLinearBackwards;
+}
+inline std::uint64_t gradient_stream(std::uint64_t seed, std::int64_t call, int pass,
+                                     std::int64_t j) {
+  return sr_stream(seed, static_cast<std::uint64_t>((call * 2 + pass) * 4 + j));
+}
 
 /// The bytes an operand [rows, cols] occupies (and a gather of it moves) under a recipe: its
 /// codes, one byte each (E2M1: two to a byte, as the GEMMs read them, ⌈rows · cols / 2⌉), and its

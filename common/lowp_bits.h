@@ -27,7 +27,7 @@
 //   common/fp8.h) with the sign bit always 0. A scale is never negative: encode gives the NaN code
 //   0x7F for a NaN or a negative value (−0 is +0), and decode reads a code with bit 7 set as NaN.
 //
-// defines: tpx::lowp::kE2M1, e2m1_encode, e2m1_decode, kE8M0NaN, e8m0_decode,
+// defines: tpx::lowp::kE2M1, e2m1_encode, e2m1_decode, e2m1_encode_stochastic, kE8M0NaN, e8m0_decode,
 //          e8m0_from_exponent, e8m0_floor, floor_log2, pow2, emax, ue4m3_encode, ue4m3_decode
 #pragma once
 
@@ -53,6 +53,28 @@ TPX_HD inline std::uint8_t e2m1_encode(float v) {
 /// The fp32 value of E2M1 code q (bits 0..3; the upper four bits are ignored). Exact.
 TPX_HD inline float e2m1_decode(std::uint8_t q) {
   return fp8::decode(static_cast<std::uint8_t>(((q & 0x08u) << 4) | (q & 0x07u)), kE2M1);
+}
+
+/// The E2M1 code of v rounded stochastically (NVFP4's gradients; common/lowp.h): |v| between the
+/// neighbouring E2M1 values lo < hi goes to hi with probability (|v| − lo) / (hi − lo), up where
+/// |v| − lo > u · (hi − lo) with u = (bits >> 8) · 2^−24 uniform on [0, 1). Both sides are exact in
+/// fp32 (|v| − lo by Sterbenz's lemma, as lo <= |v| < hi <= 2·lo or lo = 0; the gap hi − lo is
+/// 0.5, 1 or 2, so u · gap only shifts u's exponent), so every backend rounds alike. A value on the
+/// grid stays; |v| >= 6 saturates to ±6 and a NaN goes to ±6 with its sign, as e2m1_encode; −0
+/// stays −0.
+TPX_HD inline std::uint8_t e2m1_encode_stochastic(float v, std::uint32_t bits) {
+  const std::uint32_t b = fp8::float_bits(v);
+  const std::uint8_t sign = (b & 0x80000000u) != 0 ? 0x08u : 0x00u;
+  const float a = fp8::bits_float(b & 0x7FFFFFFFu);
+  if (fp8::is_nan(v) || a >= 6.0f) return static_cast<std::uint8_t>(sign | 0x07u);
+  std::uint8_t lo = 0;  // the largest code whose value is at most a
+  while (lo < 0x06u && e2m1_decode(static_cast<std::uint8_t>(lo + 1)) <= a) ++lo;
+  const float lo_value = e2m1_decode(lo);
+  if (lo_value == a) return static_cast<std::uint8_t>(sign | lo);
+  const float gap = e2m1_decode(static_cast<std::uint8_t>(lo + 1)) - lo_value;
+  const float u = float(bits >> 8) * 5.9604644775390625e-08f;  // · 2^−24
+  const bool up = a - lo_value > u * gap;
+  return static_cast<std::uint8_t>(sign | (lo + (up ? 1 : 0)));
 }
 
 /// The exponent of the largest normal value of an element format, the MX specification's

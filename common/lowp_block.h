@@ -10,13 +10,15 @@
 //                    NaN with its sign; else X = 2^(⌊log2 amax⌋ − emax), clamped at 2^−127
 //                    (amax 0 → 2^−127), q = cast(x · (1/X))
 //   UE4M3 (nvfp4)    d = ue4m3(amax / 6 · s_enc); NaN d: every element E2M1's stand-in ±6;
-//                    d = 0: every element ±0; else q = e2m1(x · (s_enc / d))
+//                    d = 0: every element ±0; else q = e2m1(x · (s_enc / d)), to nearest or,
+//                    given the element's random bits, stochastically (StochasticRounding)
 // each step one fp32 operation rounded to nearest (hd::), in the order written.
 //
 // defines: tpx::lowp::ScaleFormat, tpx::lowp::Layout, tpx::lowp::BlockScale, tpx::lowp::kE2M1Max,
-//          tpx::lowp::nvfp4_tensor_scale(), tpx::lowp::kRhtSize,
-//          tpx::lowp::kRhtNegative, tpx::lowp::rht_entry(), tpx::lowp::block_scale(), tpx::lowp::cast_element(),
-//          tpx::lowp::decode_element()
+//          tpx::lowp::nvfp4_tensor_scale(), tpx::lowp::kRhtSize, tpx::lowp::kRhtNegative,
+//          tpx::lowp::rht_entry(), tpx::lowp::StochasticRounding, tpx::lowp::mix64(),
+//          tpx::lowp::sr_bits(), tpx::lowp::sr_stream(), tpx::lowp::block_scale(),
+//          tpx::lowp::cast_element(), tpx::lowp::decode_element()
 #pragma once
 
 #include <cstdint>
@@ -58,6 +60,43 @@ TPX_HD constexpr float rht_entry(int i, int j) {
   return odd != 0 ? -0.25f : 0.25f;
 }
 
+/// Stochastic rounding of nvfp4's gradients (common/lowp.h): where the quantized matrix's
+/// elements lie in the logical tensor [tokens, features] they came from, and the stream of random
+/// numbers the tensor draws from. An element's random bits are a hash of (stream, token, feature)
+/// alone, so a rank quantizing its shard, in either orientation, and the reference quantizing the
+/// whole tensor draw the same bits for the same element.
+struct StochasticRounding {
+  std::uint64_t stream = 0;
+  std::int64_t token0 = 0;    ///< the tensor's token of the matrix's row 0 (column 0 if k_rows)
+  std::int64_t feature0 = 0;  ///< the tensor's feature of the matrix's column 0 (row 0 if k_rows)
+  bool k_rows = false;        ///< the matrix is the tensor transposed: its rows run along features
+};
+
+/// SplitMix64's output function (G. L. Steele, D. Lea and C. H. Flood, "Fast Splittable
+/// Pseudorandom Number Generators", OOPSLA 2014): a bijection of 64-bit words that scatters
+/// neighbouring inputs over the whole range.
+TPX_HD constexpr std::uint64_t mix64(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/// The random bits of the matrix element (r, c) under s: the high 32 bits of two rounds of mix64
+/// over the stream, the element's token and its feature.
+TPX_HD constexpr std::uint32_t sr_bits(const StochasticRounding& s, std::int64_t r,
+                                       std::int64_t c) {
+  const auto token = static_cast<std::uint64_t>(s.token0 + (s.k_rows ? c : r));
+  const auto feature = static_cast<std::uint64_t>(s.feature0 + (s.k_rows ? r : c));
+  return static_cast<std::uint32_t>(
+      mix64(mix64(s.stream + token * 0x9E3779B97F4A7C15ull) ^ feature) >> 32);
+}
+
+/// The stream of one quantized gradient of a training run: its seed, and a count of the GEMM
+/// operands that draw (the stage's and the reference's numbering, 06_fp8/layers.h).
+TPX_HD constexpr std::uint64_t sr_stream(std::uint64_t seed, std::uint64_t operand) {
+  return mix64(seed ^ mix64(operand + 1));
+}
+
 /// One block's scale: the fp32 scale (fp32 recipes) or the scale's code (E8M0, UE4M3).
 struct BlockScale {
   float scale = 1.0f;
@@ -87,9 +126,11 @@ TPX_HD inline BlockScale block_scale(float amax, const Layout& l, float tensor_s
   return b;
 }
 
-/// The code of element v of a block with scale `b` (nvfp4: `tensor_scale` its s_enc).
+/// The code of element v of a block with scale `b` (nvfp4: `tensor_scale` its s_enc). `random`:
+/// under UE4M3 (nvfp4) the element's random bits (sr_bits), which round it stochastically
+/// (e2m1_encode_stochastic); ignored by the other formats, which round to nearest even.
 TPX_HD inline std::uint8_t cast_element(float v, const Layout& l, const BlockScale& b,
-                                        float tensor_scale) {
+                                        float tensor_scale, const std::uint32_t* random = nullptr) {
   const bool negative = (fp8::float_bits(v) & 0x80000000u) != 0;
   switch (l.scale) {
     case ScaleFormat::fp32:
@@ -105,7 +146,8 @@ TPX_HD inline std::uint8_t cast_element(float v, const Layout& l, const BlockSca
       if (fp8::is_nan(d))  // E2M1 has no NaN: its stand-in ±6, with v's sign
         return static_cast<std::uint8_t>((negative ? 0x08u : 0u) | kE2M1.nan_code);
       if (d == 0.0f) return negative ? 0x08u : 0x00u;  // ±0
-      return e2m1_encode(hd::mul_rn(v, hd::div_rn(tensor_scale, d)));
+      const float scaled = hd::mul_rn(v, hd::div_rn(tensor_scale, d));
+      return random != nullptr ? e2m1_encode_stochastic(scaled, *random) : e2m1_encode(scaled);
     }
   }
   return 0;

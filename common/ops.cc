@@ -788,7 +788,7 @@ void expect_lowp_parts(const Tensor& x, const Tensor& codes, const Tensor& scale
 
 void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
                    std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
-                   const Tensor& tensor_scale) {
+                   const Tensor& tensor_scale, const lowp::StochasticRounding* stochastic) {
   const lowp::Layout l = lowp::layout(recipe, operand);
   expect_lowp_parts(x, codes, scales, tensor_scale, l, "lowp_quantize");
   if (x.device() == Device::cuda) {
@@ -799,12 +799,13 @@ void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
       amax = Tensor::empty({1}, DType::f32, Device::cuda);
       fill(amax, *tensor_amax);
     }
-    return cuda::lowp_quantize(x.reshape({rows, cols}), l, amax, codes, scales, tensor_scale);
+    return cuda::lowp_quantize(x.reshape({rows, cols}), l, amax, codes, scales, tensor_scale,
+                               stochastic);
 #else
     no_cuda();
 #endif
   }
-  cpu::lowp_quantize(x, recipe, operand, tensor_amax, codes, scales, tensor_scale);
+  cpu::lowp_quantize(x, recipe, operand, tensor_amax, codes, scales, tensor_scale, stochastic);
 }
 
 void lowp_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale,

@@ -29,8 +29,9 @@
 #include "tensor.h"
 
 namespace tpx::lowp {
-enum class Recipe;   // common/lowp.h
-enum class Operand;  // common/lowp.h
+enum class Recipe;          // common/lowp.h
+enum class Operand;         // common/lowp.h
+struct StochasticRounding;  // common/lowp_block.h
 }  // namespace tpx::lowp
 
 namespace tpx::ops {
@@ -299,9 +300,12 @@ void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
 /// rowwise, block128) or u8 (mxfp8's E8M0, nvfp4's UE4M3 codes), and under nvfp4 its s_enc into
 /// tensor_scale (f32 [1]), from `tensor_amax` when given (the amax its shards agreed) and from x's
 /// own amax otherwise (tensor_scale is ignored by the other recipes and may be undefined).
+/// `stochastic` (nvfp4 only): the E2M1 casts round stochastically, each element with the random
+/// bits of its place in the logical tensor (lowp::StochasticRounding).
 void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
                    std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
-                   const Tensor& tensor_scale);
+                   const Tensor& tensor_scale,
+                   const lowp::StochasticRounding* stochastic = nullptr);
 /// The values lowp_quantize's codes, scales and tensor_scale stand for: x f32 [rows, cols].
 void lowp_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale,
                      lowp::Recipe recipe, lowp::Operand operand, const Tensor& x);

@@ -152,7 +152,8 @@ class RefBlock {
         T(S * B),
         theta(c.rope_theta),
         moe_shape(c.moe.shape(c.hidden, c.seq * c.batch / c.moe.microbatches)),
-        moe_groups(routing_groups(c)) {}
+        moe_groups(routing_groups(c)),
+        seed(c.seed) {}
   RefBlock(const BlockConfig& c, const std::optional<LowpEmulation>& emulate) : RefBlock(c) {
     emul = emulate;
   }
@@ -167,14 +168,17 @@ class RefBlock {
     return moe ? moe_forward_half(w, *moe, saved) : mlp_forward(w, saved);
   }
 
-  // Returns dx; writes every weight gradient into dw (and a MoE layer's into moe->g).
+  // Returns dx; writes every weight gradient into dw (and a MoE layer's into moe->g). `call0`:
+  // the number of the layer's first linear backward in the run (lowp::gradient_call), for nvfp4's
+  // stochastic rounding.
   Vec backward(const Params& w, const Layer& saved, const Vec& dout_given, Params& dw,
-               RefMoe* moe = nullptr) const {
+               RefMoe* moe = nullptr, I call0 = 0) const {
     const Vec dout = stored(dout_given);
-    Vec dx2 = moe ? moe_backward_half(w, *moe, saved, dout, dw) : mlp_backward(w, saved, dout, dw);
+    Vec dx2 =
+        moe ? moe_backward_half(w, *moe, saved, dout, dw) : mlp_backward(w, saved, dout, dw, call0);
     add_into(dx2, dout);
     dx2 = stored(dx2);
-    Vec dx = attention_backward(w, saved, dx2, dw);
+    Vec dx = attention_backward(w, saved, dx2, dw, call0 + 2);
     add_into(dx, dx2);
     return stored(dx);
   }
@@ -185,9 +189,18 @@ class RefBlock {
   // over the group.
   static constexpr bool kColumn = false, kRow = true;
 
-  // The operand m [rows, cols] under the recipe (lowp::emulate), K along its columns or rows.
-  Vec q(const Vec& m, I rows, I cols, bool k_rows, lowp::Operand operand, I parts = 1) const {
-    return lowp::emulate(m, rows, cols, k_rows, emul->recipe, operand, parts);
+  // The operand m [rows, cols] under the recipe (lowp::emulate), K along its columns or rows;
+  // `draw`: a gradient's stochastic rounding (m's rows its tokens, from 0).
+  Vec q(const Vec& m, I rows, I cols, bool k_rows, lowp::Operand operand, I parts = 1,
+        const lowp::StochasticRounding* draw = nullptr) const {
+    return lowp::emulate(m, rows, cols, k_rows, emul->recipe, operand, parts, draw);
+  }
+  // A gradient's stochastic rounding under nvfp4 (LowpEmulation::stochastic): the stream of
+  // operand j of pass `pass` (0 input gradient, 1 weight gradient) of linear backward `call`
+  // (lowp::gradient_stream); nothing otherwise.
+  std::optional<lowp::StochasticRounding> draw(I call, int pass, I j) const {
+    if (!emul || emul->recipe != lowp::Recipe::nvfp4 || !emul->stochastic) return std::nullopt;
+    return lowp::StochasticRounding{.stream = lowp::gradient_stream(seed, call, pass, j)};
   }
   // The parts a rank's shard cuts a sharded K into: rowwise's rows (see LowpEmulation).
   I k_parts(bool k_sharded) const {
@@ -202,13 +215,15 @@ class RefBlock {
   // A token operand m [T, cols], K along its columns, under the recipe. nvfp4's tensor scale is
   // the amax of the tensor a replica's TP group holds: each data-parallel replica's tokens are
   // quantized apart (their blocks lie inside a token row either way).
-  Vec q_tokens(const Vec& m, I cols, lowp::Operand operand, I parts) const {
+  Vec q_tokens(const Vec& m, I cols, lowp::Operand operand, I parts,
+               const std::optional<lowp::StochasticRounding>& draws = std::nullopt) const {
+    const lowp::StochasticRounding* sr = draws ? &*draws : nullptr;
     if (emul->recipe != lowp::Recipe::nvfp4 || emul->replicas == 1)
-      return q(m, T, cols, false, operand, parts);
+      return q(m, T, cols, false, operand, parts, sr);
     const I b = B / emul->replicas;
     Vec out(m.size());
-    for (I d = 0; d < emul->replicas; ++d) {
-      const Vec part = q(replica_rows(m, cols, d), S * b, cols, false, operand, parts);
+    for (I d = 0; d < emul->replicas; ++d) {  // each replica's tokens numbered from 0
+      const Vec part = q(replica_rows(m, cols, d), S * b, cols, false, operand, parts, sr);
       for (I s = 0; s < S; ++s)
         std::copy_n(part.begin() + static_cast<std::ptrdiff_t>(s * b * cols), b * cols,
                     out.begin() + static_cast<std::ptrdiff_t>((s * B + d * b) * cols));
@@ -224,12 +239,12 @@ class RefBlock {
     return matmul(q_tokens(x, in, Operand::activation, parts),
                   q(w, in, out, true, Operand::weight, parts), T, in, out);
   }
-  // dx = dy·Wᵀ: K = out, sharded in a column layer.
-  Vec gemm_dx(const Vec& dy, const Vec& w, I in, I out, bool row) const {
+  // dx = dy·Wᵀ: K = out, sharded in a column layer. `call`, `j`: the gradient's draws (draw()).
+  Vec gemm_dx(const Vec& dy, const Vec& w, I in, I out, bool row, I call = 0, I j = 0) const {
     if (!emul) return matmul_dx(dy, w, T, in, out);
     using lowp::Operand;
     const I parts = k_parts(!row);
-    return matmul_dx(q_tokens(dy, out, Operand::gradient, parts),
+    return matmul_dx(q_tokens(dy, out, Operand::gradient, parts, draw(call, 0, j)),
                      q(w, in, out, false, Operand::weight, parts), T, in, out);
   }
   // dW = xᵀ·dy: K = the tokens, whole on every rank. Under tensorwise both operands are the
@@ -238,14 +253,14 @@ class RefBlock {
   // from what it holds: a column layer's input is the gathered FP8 shard of the forward
   // (quantized along H) and its gradient the fp32 one; a row layer's input is its fp32 shard and
   // its gradient the gathered FP8 one of the input-gradient GEMM (quantized along H).
-  Vec gemm_dw(const Vec& x, const Vec& dy, I in, I out, bool row) const {
+  Vec gemm_dw(const Vec& x, const Vec& dy, I in, I out, bool row, I call = 0, I j = 0) const {
     if (!emul) return matmul_dw(x, dy, T, in, out);
     using lowp::Operand;
     if (emul->recipe == lowp::Recipe::tensorwise)
       return matmul_dw(q(x, T, in, false, Operand::activation),
                        q(dy, T, out, false, Operand::gradient), T, in, out);
     const Vec xs = row ? x : q_tokens(x, in, Operand::activation, 1);
-    const Vec dys = row ? q_tokens(dy, out, Operand::gradient, 1) : dy;
+    const Vec dys = row ? q_tokens(dy, out, Operand::gradient, 1, draw(call, 0, j)) : dy;
     // Each data-parallel replica's tokens along the reduction, quantized apart; the sum of
     // the replicas' products.
     const I replicas = emul->replicas, tokens = T / replicas;
@@ -257,8 +272,10 @@ class RefBlock {
         lowp::hadamard_rows(xr, tokens, in);
         lowp::hadamard_rows(dyr, tokens, out);
       }
-      const Vec part = matmul_dw(q(xr, tokens, in, true, Operand::activation),
-                                 q(dyr, tokens, out, true, Operand::gradient), tokens, in, out);
+      const auto sr = draw(call, 1, j);
+      const Vec part = matmul_dw(
+          q(xr, tokens, in, true, Operand::activation),
+          q(dyr, tokens, out, true, Operand::gradient, 1, sr ? &*sr : nullptr), tokens, in, out);
       add_into(dw, part);
     }
     return dw;
@@ -337,21 +354,22 @@ class RefBlock {
 
   // The MLP half's backward: the gradients of Wd, Wg, Wu and norm2; returns the gradient that
   // reaches x2 through norm2 (the residual's dout is the caller's).
-  Vec mlp_backward(const Params& w, const Layer& saved, const Vec& dout, Params& dw) const {
-    param(dw, Param::w_down) = gemm_dw(saved.s, dout, F, H, kRow);
-    const Vec ds = stored(gemm_dx(dout, param(w, Param::w_down), F, H, kRow));
+  // `call`: the number of its first linear backward (down; gate/up is call + 1).
+  Vec mlp_backward(const Params& w, const Layer& saved, const Vec& dout, Params& dw, I call) const {
+    param(dw, Param::w_down) = gemm_dw(saved.s, dout, F, H, kRow, call);
+    const Vec ds = stored(gemm_dx(dout, param(w, Param::w_down), F, H, kRow, call));
     Vec dgt(ds.size()), dup(ds.size());
     for (std::size_t i = 0; i < ds.size(); ++i) {
       const double z = saved.gt[i], sg = 1.0 / (1.0 + std::exp(-z));
       dup[i] = ds[i] * silu(z);
       dgt[i] = ds[i] * saved.up[i] * sg * (1.0 + z * (1.0 - sg));
     }
-    param(dw, Param::w_gate) = gemm_dw(saved.h2, dgt, H, F, kColumn);
-    param(dw, Param::w_up) = gemm_dw(saved.h2, dup, H, F, kColumn);
+    param(dw, Param::w_gate) = gemm_dw(saved.h2, dgt, H, F, kColumn, call + 1, 0);
+    param(dw, Param::w_up) = gemm_dw(saved.h2, dup, H, F, kColumn, call + 1, 1);
     dgt = stored(dgt);
     dup = stored(dup);
-    Vec dh2 = gemm_dx(dgt, param(w, Param::w_gate), H, F, kColumn);
-    add_into(dh2, gemm_dx(dup, param(w, Param::w_up), H, F, kColumn));
+    Vec dh2 = gemm_dx(dgt, param(w, Param::w_gate), H, F, kColumn, call + 1, 0);
+    add_into(dh2, gemm_dx(dup, param(w, Param::w_up), H, F, kColumn, call + 1, 1));
     dh2 = stored(dh2);
     param(dw, Param::norm2).assign(static_cast<std::size_t>(H), 0.0);
     return stored(rmsnorm_back(dh2, saved.x2, param(w, Param::norm2), saved.rstd2, T, H,
@@ -432,9 +450,11 @@ class RefBlock {
 
   // The attention half's backward from dx2: the gradients of Wo, Wq, Wk, Wv and norm1; returns
   // the gradient that reaches x through norm1 (the residual's dx2 is the caller's).
-  Vec attention_backward(const Params& w, const Layer& saved, const Vec& dx2, Params& dw) const {
-    param(dw, Param::wo) = gemm_dw(saved.a, dx2, H, H, kRow);
-    const Vec da = stored(gemm_dx(dx2, param(w, Param::wo), H, H, kRow));
+  // `call`: the number of its first linear backward (o; qkv is call + 1).
+  Vec attention_backward(const Params& w, const Layer& saved, const Vec& dx2, Params& dw,
+                         I call) const {
+    param(dw, Param::wo) = gemm_dw(saved.a, dx2, H, H, kRow, call);
+    const Vec da = stored(gemm_dx(dx2, param(w, Param::wo), H, H, kRow, call));
     Vec dq(da.size(), 0.0), dk(saved.k.size(), 0.0), dv(saved.v.size(), 0.0);
     causal_softmax_attention_backward(saved, da, dq, dk, dv);
     dq = stored(dq);
@@ -444,12 +464,12 @@ class RefBlock {
     rope(dk, NKV, -1.0);
     dq = stored(dq);
     dk = stored(dk);
-    param(dw, Param::wq) = gemm_dw(saved.h, dq, H, H, kColumn);
-    param(dw, Param::wk) = gemm_dw(saved.h, dk, H, KV, kColumn);
-    param(dw, Param::wv) = gemm_dw(saved.h, dv, H, KV, kColumn);
-    Vec dh = gemm_dx(dq, param(w, Param::wq), H, H, kColumn);
-    add_into(dh, gemm_dx(dk, param(w, Param::wk), H, KV, kColumn));
-    add_into(dh, gemm_dx(dv, param(w, Param::wv), H, KV, kColumn));
+    param(dw, Param::wq) = gemm_dw(saved.h, dq, H, H, kColumn, call + 1, 0);
+    param(dw, Param::wk) = gemm_dw(saved.h, dk, H, KV, kColumn, call + 1, 1);
+    param(dw, Param::wv) = gemm_dw(saved.h, dv, H, KV, kColumn, call + 1, 2);
+    Vec dh = gemm_dx(dq, param(w, Param::wq), H, H, kColumn, call + 1, 0);
+    add_into(dh, gemm_dx(dk, param(w, Param::wk), H, KV, kColumn, call + 1, 1));
+    add_into(dh, gemm_dx(dv, param(w, Param::wv), H, KV, kColumn, call + 1, 2));
     dh = stored(dh);
     param(dw, Param::norm1).assign(static_cast<std::size_t>(H), 0.0);
     return stored(rmsnorm_back(dh, saved.x, param(w, Param::norm1), saved.rstd1, T, H,
@@ -517,6 +537,7 @@ class RefBlock {
   double theta;
   MoeShape moe_shape;                      // stage 10's MoE layers, over one routing group
   std::vector<std::vector<I>> moe_groups;  // each routing group's sequences
+  std::uint64_t seed;                      // the run's, for nvfp4's stochastic rounding
   std::optional<LowpEmulation> emul;
 };
 
@@ -756,7 +777,8 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
     run.losses.push_back(loss);
     std::vector<Params> grads(saved.size());
     for (std::size_t l = saved.size(); l-- > 0;)
-      dout = block.backward(params[l], saved[l], dout, grads[l], moe_of(l));
+      dout = block.backward(params[l], saved[l], dout, grads[l], moe_of(l),
+                            lowp::gradient_call(c.layers, step, I(l)));
     if (stream) lm_grads[0] = lm.embed_back(dout);
     if (step == 0) {
       run.output = out;

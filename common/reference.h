@@ -76,6 +76,10 @@ struct LowpEmulation {
   /// nvfp4's random Hadamard transform of the weight-gradient operands along the tokens
   /// (lowp::hadamard_rows), as the stage applies it; false leaves it out (a test's contrast).
   bool hadamard = true;
+  /// nvfp4's stochastic rounding of the gradient operands, with the stage's random bits
+  /// (lowp::gradient_stream, the element's place in its replica's tensor); false rounds them to
+  /// nearest (a test's contrast).
+  bool stochastic = true;
 };
 
 /// The starting point make_model() generates from c.seed (fp32 values, widened to double).

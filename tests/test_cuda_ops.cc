@@ -1187,7 +1187,8 @@ TEST(LowpCuda, QuantizerWritesTheCpusBytes) {
 // The ops stage 06's recipes are written in (06_fp8/recipes.cc), on the device against the cpu,
 // bit for bit: ops::lowp_quantize with an agreed amax (the path that fills a device scalar) and
 // e4m3 codes, lowp_dequantize, the Hadamard transform over 37 rows (two whole groups and a
-// partial one) with subnormals, transpose of 4-, 2- and 1-byte elements, E2M1 packing both ways.
+// partial one) with subnormals, nvfp4's stochastic rounding of a gradient, transpose of 4-, 2- and
+// 1-byte elements, E2M1 packing both ways.
 TEST(LowpCuda, RecipeOpsEqualTheCpusOps) {
   TPX_REQUIRE_GPU();
   const I rows = 37, cols = 64;
@@ -1220,6 +1221,18 @@ TEST(LowpCuda, RecipeOpsEqualTheCpusOps) {
     ops::lowp_dequantize(c_cpu, s_cpu, t_cpu, r, lowp::Operand::activation, d_cpu);
     ops::lowp_dequantize(c_gpu, s_gpu, t_gpu, r, lowp::Operand::activation, d_gpu);
     same_bytes(d_cpu, d_gpu, "dequantized");
+  }
+  {  // nvfp4's stochastic rounding of a gradient: the same random bits, the same codes
+    const lowp::StochasticRounding sr{.stream = 77, .token0 = 3, .feature0 = 16, .k_rows = true};
+    const Tensor c_cpu = Tensor::empty({rows, cols}, DType::u8);
+    const Tensor s_cpu = Tensor::empty({rows, cols / 16}, DType::u8), t_cpu = cpu_empty({1});
+    const Tensor c_gpu = gpu_empty({rows, cols}, DType::u8);
+    const Tensor s_gpu = gpu_empty({rows, cols / 16}, DType::u8), t_gpu = gpu_empty({1});
+    ops::lowp_quantize(x, lowp::Recipe::nvfp4, lowp::Operand::gradient, std::nullopt, c_cpu, s_cpu,
+                       t_cpu, &sr);
+    ops::lowp_quantize(xg, lowp::Recipe::nvfp4, lowp::Operand::gradient, std::nullopt, c_gpu, s_gpu,
+                       t_gpu, &sr);
+    same_bytes(c_cpu, c_gpu, "stochastically rounded codes");
   }
   const Tensor h_cpu = cpu_empty({rows, cols}), h_gpu = gpu_empty({rows, cols});
   ops::hadamard_rows(x, h_cpu);

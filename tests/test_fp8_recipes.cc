@@ -5,6 +5,7 @@
 // layer-0 weight codes and scales against common/lowp.h's quantizer applied to the dumped fp32
 // weights; the recipe in config.json; stage 07 under each recipe (its replicas' tokens, its bytes
 // against its dry run, its weights gathered as FP8); nvfp4's Hadamard transform.
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -489,50 +490,116 @@ TEST(Fp8Recipes, Stage07QuantizesEachReplicasTokensApart) {
   }
 }
 
-// nvfp4 passes both weight-gradient operands through the random Hadamard transform along the
-// tokens before it quantizes them (lowp::hadamard_rows). The stage's first-step weight gradients
-// are nearer to the emulation that does the same than to the one that leaves the transform out
-// (LowpEmulation::hadamard), on the block at N = 2, both emulations storing bf16 where the stage
-// does (as --check's): measured 0.024 against 0.187 in ‖got − want‖ / ‖want‖.
-TEST(Fp8Recipes, Nvfp4TransformsTheWeightGradientOperands) {
+// The first step's weight gradients of a run of `stage` on `n` ranks with `flags` (the block task,
+// nvfp4) under config c, layer by layer (every weight's gradient in one vector), and its input
+// gradient; their distances ‖got − want‖ / ‖want‖ from a reference emulating nvfp4 as
+// `emulation` says, the stage's bf16 stores included (as --check's).
+struct Nvfp4Grads {
+  BlockConfig c;
+  std::vector<std::vector<float>> layers;
+  std::vector<float> input_grad;
+
+  static constexpr std::array kWeights{Param::wq,     Param::wk,   Param::wv,    Param::wo,
+                                       Param::w_gate, Param::w_up, Param::w_down};
+
+  Nvfp4Grads(const BlockConfig& config, const char* stage, int n, const std::string& flags)
+      : c(config) {
+    test::TempDir dir;
+    const auto r = run_stage(
+        stage, n,
+        fmt::format("--task block --hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {} "
+                    "--steps 1 --dtype fp8 --fp8-recipe nvfp4 {} --dump {}",
+                    c.hidden, c.heads, c.ffn, c.seq, c.batch, c.layers, flags,
+                    (dir / "d").string()),
+        dir);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    if (r.exit_code == 0) input_grad = read_npy(dir / "d" / "input.grad.npy").data;
+    for (std::int64_t l = 0; l < c.layers && r.exit_code == 0; ++l) {
+      std::vector<float>& got = layers.emplace_back();
+      for (const Param p : kWeights) {
+        const std::vector<float> g =
+            read_npy(dir / "d" / fmt::format("layers.{}.{}.grad.npy", l, param_name(p))).data;
+        got.insert(got.end(), g.begin(), g.end());
+      }
+    }
+  }
+  /// Layer by layer, then the input gradient's.
+  std::vector<double> distances(const LowpEmulation& emulation) const {
+    const ReferenceRun ref = reference_run_lowp(c, 1, emulation);
+    std::vector<double> out;
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      std::vector<double> want;
+      for (const Param p : kWeights) {
+        const auto& g = ref.grads.at(l)[static_cast<std::size_t>(p)];
+        want.insert(want.end(), g.begin(), g.end());
+      }
+      out.push_back(relative_distance(layers[l], want));
+    }
+    out.push_back(relative_distance(input_grad, ref.input_grad));
+    return out;
+  }
+};
+
+BlockConfig nvfp4_block(std::int64_t layers) {
   BlockConfig c;
   c.hidden = 128;
   c.heads = 4;
   c.ffn = 256;
   c.seq = 16;
   c.batch = 4;
-  c.layers = 1;
+  c.layers = layers;
   c.task = Task::block;
   c.dtype = DType::e4m3;
+  return c;
+}
+
+// nvfp4 passes both weight-gradient operands through the random Hadamard transform along the
+// tokens before it quantizes them (lowp::hadamard_rows). The stage's first-step weight gradients
+// are nearer to the emulation that does the same than to the one that leaves the transform out
+// (LowpEmulation::hadamard), on the block at N = 2: measured 0.024 against 0.187 in
+// ‖got − want‖ / ‖want‖.
+TEST(Fp8Recipes, Nvfp4TransformsTheWeightGradientOperands) {
   const int n = 2;
-  test::TempDir dir;
-  const auto r = run_stage(
-      "06_fp8", n,
-      fmt::format("--task block --hidden {} --heads {} --ffn {} --seq {} --batch {} --layers {} "
-                  "--steps 1 --fp8-recipe nvfp4 --dump {}",
-                  c.hidden, c.heads, c.ffn, c.seq, c.batch, c.layers, (dir / "d").string()),
-      dir);
-  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-  std::vector<float> got;
-  const std::vector<Param> weights{Param::wq,     Param::wk,   Param::wv,    Param::wo,
-                                   Param::w_gate, Param::w_up, Param::w_down};
-  for (const Param p : weights) {
-    const std::vector<float> g =
-        read_npy(dir / "d" / fmt::format("layers.0.{}.grad.npy", param_name(p))).data;
-    got.insert(got.end(), g.begin(), g.end());
-  }
-  auto distance = [&](bool hadamard) {
-    const ReferenceRun ref = reference_run_lowp(
-        c, 1, {.recipe = Recipe::nvfp4, .ranks = n, .bf16_tokens = true, .hadamard = hadamard});
-    std::vector<double> want;
-    for (const Param p : weights) {
-      const auto& g = ref.grads.at(0)[static_cast<std::size_t>(p)];
-      want.insert(want.end(), g.begin(), g.end());
-    }
-    return relative_distance(got, want);
-  };
-  const double own = distance(true), without = distance(false);
+  const Nvfp4Grads run(nvfp4_block(1), "06_fp8", n, "");
+  ASSERT_EQ(run.layers.size(), 1u);
+  const double own =
+      run.distances({.recipe = Recipe::nvfp4, .ranks = n, .bf16_tokens = true}).at(0);  // layer 0
+  const double without =
+      run.distances({.recipe = Recipe::nvfp4, .ranks = n, .bf16_tokens = true, .hadamard = false})
+          .at(0);
   EXPECT_LT(own, 0.5 * without) << own << " against " << without;
+}
+
+// nvfp4 rounds the gradient operands stochastically (lowp::e2m1_encode_stochastic), each element
+// with random bits of its place in the tensor and of the backward's number in the run
+// (lowp::gradient_stream): the reference draws the same bits, so the stage's weight gradients are
+// nearer to the emulation that rounds them so than to one that rounds them to nearest
+// (LowpEmulation::stochastic), layer by layer (the numbering runs over the layers, the last
+// first): stage 06 on 1 and 2 ranks (a rank's shard of the features or of the tokens), and stage
+// 07 on D 2 × T 2 (each replica's tokens numbered from 0). The noise the rounding adds and the
+// reference takes away again is what the distance to the nearest-rounding emulation measures.
+TEST(Fp8Recipes, Nvfp4RoundsGradientsWithTheReferencesRandomBits) {
+  struct Mesh {
+    const char* stage;
+    int n;
+    std::string flags;
+    int tp, dp;
+  };
+  for (const Mesh& m : {Mesh{"06_fp8", 1, "", 1, 1}, Mesh{"06_fp8", 2, "", 2, 1},
+                        Mesh{"07_fsdp_tp", 4, "--dp 2", 2, 2}}) {
+    SCOPED_TRACE(fmt::format("{} at N = {} {}", m.stage, m.n, m.flags));
+    const Nvfp4Grads run(nvfp4_block(2), m.stage, m.n, m.flags);
+    ASSERT_EQ(run.layers.size(), 2u);
+    const LowpEmulation same{
+        .recipe = Recipe::nvfp4, .ranks = m.tp, .replicas = m.dp, .bf16_tokens = true};
+    LowpEmulation nearest = same;
+    nearest.stochastic = false;
+    const std::vector<double> own = run.distances(same), rne = run.distances(nearest);
+    for (std::size_t l = 0; l < own.size(); ++l)
+      EXPECT_LT(own[l], 0.6 * rne[l])
+          << (l + 1 < own.size() ? fmt::format("layer {}", l) : std::string("input gradient"))
+          << ": " << own[l] << " against " << rne[l];
+  }
 }
 
 }  // namespace

@@ -644,6 +644,117 @@ CliOutcome parse_fp8_stage(std::vector<std::string> args) {
   return parse_stage_cli(info, static_cast<int>(argv.size()), argv.data());
 }
 
+// nvfp4's stochastic rounding of one E2M1 element (lowp::e2m1_encode_stochastic), worked by hand:
+// u = (bits >> 8) · 2^−24, and |v| goes up from lo to hi where |v| − lo > u · (hi − lo). 0.25 lies
+// halfway between 0 and 0.5: up for u < 0.5, down from u = 0.5 on; 2.5 between 2 (code 4) and 3
+// (code 5); 5 between 4 (code 6) and 6 (code 7), up even for u = 0. Over all 2^24 values of u the
+// share that rounds up is the fraction itself, to 2^−24, so the mean of the decoded values is v.
+TEST(LowpStochastic, E2m1RoundsUpWithTheFractionsProbability) {
+  using lowp::e2m1_encode_stochastic;
+  EXPECT_EQ(e2m1_encode_stochastic(0.25f, 0x7FFFFF00u), 0x1u);   // u = 0.5 − 2^−24: up to 0.5
+  EXPECT_EQ(e2m1_encode_stochastic(0.25f, 0x80000000u), 0x0u);   // u = 0.5: down to 0
+  EXPECT_EQ(e2m1_encode_stochastic(-0.25f, 0x00000000u), 0x9u);  // −0.5
+  EXPECT_EQ(e2m1_encode_stochastic(2.5f, 0x7FFFFFFFu), 0x5u);
+  EXPECT_EQ(e2m1_encode_stochastic(2.5f, 0xFFFFFFFFu), 0x4u);
+  EXPECT_EQ(e2m1_encode_stochastic(5.0f, 0x00000000u), 0x7u);
+  EXPECT_EQ(e2m1_encode_stochastic(5.0f, 0xFFFFFF00u), 0x6u);
+  for (const std::uint32_t bits : {0u, 0x12345678u, 0xFFFFFFFFu}) {
+    EXPECT_EQ(e2m1_encode_stochastic(1.5f, bits), 0x3u);  // on the grid: stays
+    EXPECT_EQ(e2m1_encode_stochastic(-6.0f, bits), 0xFu);
+    EXPECT_EQ(e2m1_encode_stochastic(7.0f, bits), 0x7u);  // saturates
+    EXPECT_EQ(e2m1_encode_stochastic(-std::numeric_limits<float>::infinity(), bits), 0xFu);
+    EXPECT_EQ(e2m1_encode_stochastic(std::numeric_limits<float>::quiet_NaN(), bits), 0x7u);
+    EXPECT_EQ(e2m1_encode_stochastic(-0.0f, bits), 0x8u);
+  }
+  for (const float v : {0.1f, 0.3f, 1.2f, 1.75f, 2.9f, 4.5f, 5.999f, 1.0e-30f}) {
+    std::int64_t up = 0;
+    double sum = 0.0;
+    const std::uint8_t lo = lowp::e2m1_encode(v) > 0 && lowp::e2m1_decode(lowp::e2m1_encode(v)) > v
+                                ? std::uint8_t(lowp::e2m1_encode(v) - 1)
+                                : lowp::e2m1_encode(v);
+    for (std::uint32_t k = 0; k < (1u << 24); ++k) {
+      const std::uint8_t q = e2m1_encode_stochastic(v, k << 8);
+      ASSERT_TRUE(q == lo || q == lo + 1) << v << " " << int(q);
+      up += q != lo;
+      sum += double(lowp::e2m1_decode(q));
+    }
+    const double a = lowp::e2m1_decode(lo), b = lowp::e2m1_decode(std::uint8_t(lo + 1));
+    EXPECT_NEAR(double(up) / double(1 << 24), (double(v) - a) / (b - a), 1.0 / double(1 << 24))
+        << v;
+    EXPECT_NEAR(sum / double(1 << 24), double(v), (b - a) / double(1 << 24)) << v;
+  }
+}
+
+// An element's random bits depend on its place in the tensor, not on the matrix it was quantized
+// in: the transposed matrix (k_rows) draws the same bits at the same (token, feature), and two
+// column shards quantized apart (each with its first feature, the tensor's amax agreed) write
+// the whole tensor's codes. Nearest rounding writes other codes, and the shards with their
+// features numbered from 0 do too (the check can fail).
+TEST(LowpStochastic, AnElementsBitsFollowItsPlaceNotItsShard) {
+  const lowp::StochasticRounding s{.stream = 99, .token0 = 5, .feature0 = 7};
+  lowp::StochasticRounding t = s;
+  t.k_rows = true;
+  for (std::int64_t r = 0; r < 9; ++r)
+    for (std::int64_t c = 0; c < 11; ++c) EXPECT_EQ(lowp::sr_bits(s, r, c), lowp::sr_bits(t, c, r));
+  EXPECT_NE(lowp::sr_bits(s, 0, 1), lowp::sr_bits(s, 1, 0));
+  const std::int64_t tokens = 24, features = 64, half = features / 2;
+  std::vector<float> x(std::size_t(tokens * features));
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.91f * float(i)) * 3.0f;
+  const float amax = lowp::block_amax(x.data(), 1, 0, std::int64_t(x.size()), 0, 1);
+  const lowp::StochasticRounding whole{.stream = 1234};
+  const lowp::Quantized all =
+      lowp::quantize(x.data(), tokens, features, Recipe::nvfp4, Operand::gradient, amax, &whole);
+  auto shard_codes = [&](bool numbered) {
+    std::vector<std::uint8_t> codes(all.codes.size());
+    for (std::int64_t p = 0; p < 2; ++p) {
+      std::vector<float> part(std::size_t(tokens * half));
+      for (std::int64_t r = 0; r < tokens; ++r)
+        for (std::int64_t c = 0; c < half; ++c)
+          part[std::size_t(r * half + c)] = x[std::size_t(r * features + p * half + c)];
+      const lowp::StochasticRounding sr{.stream = 1234, .feature0 = numbered ? p * half : 0};
+      const lowp::Quantized q =
+          lowp::quantize(part.data(), tokens, half, Recipe::nvfp4, Operand::gradient, amax, &sr);
+      for (std::int64_t r = 0; r < tokens; ++r)
+        for (std::int64_t c = 0; c < half; ++c)
+          codes[std::size_t(r * features + p * half + c)] = q.codes[std::size_t(r * half + c)];
+    }
+    return codes;
+  };
+  EXPECT_EQ(shard_codes(true), all.codes);
+  EXPECT_NE(shard_codes(false), all.codes);
+  EXPECT_NE(
+      lowp::quantize(x.data(), tokens, features, Recipe::nvfp4, Operand::gradient, amax).codes,
+      all.codes);
+  EXPECT_THROW(lowp::quantize(x.data(), tokens, features, Recipe::mxfp8, Operand::gradient,
+                              std::nullopt, &whole),
+               Error);
+}
+
+// Where nearest rounding is biased, stochastic rounding is not: a block whose values scale to
+// 1.25 (halfway between E2M1's 1 and 1.5; the tie goes to the even 1) dequantizes to 1 every time
+// to nearest, and to 1.25 on average over 400 streams (the mean of 15·400 draws of ±0.25, its
+// standard deviation 0.25 / √6000 ≈ 0.003); the block's 6 (its amax) is exact either way.
+TEST(LowpStochastic, RoundingIsUnbiasedWhereNearestIsNot) {
+  std::vector<float> x(16, 1.25f);
+  x[0] = 6.0f;  // s_enc = 6·448 / 6 = 448 and d = ue4m3(6 / 6 · 448) = 448: x scales to itself
+  const std::vector<float> nearest =
+      lowp::dequantize(lowp::quantize(x.data(), 1, 16, Recipe::nvfp4, Operand::gradient));
+  EXPECT_EQ(nearest[1], 1.0f);
+  double sum = 0.0;
+  const int streams = 400;
+  for (int k = 0; k < streams; ++k) {
+    const lowp::StochasticRounding sr{.stream = lowp::sr_stream(7, std::uint64_t(k))};
+    const std::vector<float> d = lowp::dequantize(
+        lowp::quantize(x.data(), 1, 16, Recipe::nvfp4, Operand::gradient, std::nullopt, &sr));
+    EXPECT_EQ(d[0], 6.0f);
+    for (std::size_t i = 1; i < 16; ++i) {
+      ASSERT_TRUE(d[i] == 1.0f || d[i] == 1.5f) << d[i];
+      sum += d[i];
+    }
+  }
+  EXPECT_NEAR(sum / (15.0 * streams), 1.25, 0.015);
+}
+
 // The recipes' ops on tensors (common/ops.h, which stage 06's recipes are written in): the cpu
 // backend's quantize and dequantize write lowp::quantize's and lowp::dequantize's bytes into
 // tensors of a [.., K] shape, with nvfp4's agreed amax; shapes that do not fit are refused.

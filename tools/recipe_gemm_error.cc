@@ -15,7 +15,9 @@
 // the tokens from what the stage holds there: a column layer's input as its forward quantized it
 // (along H, gathered as FP8), a row layer's output gradient as its input-gradient GEMM quantized
 // it (along H, gathered as FP8), nvfp4's both after the random Hadamard transform along the
-// tokens (lowp::hadamard_rows); under tensorwise one scale covers a tensor in any orientation.
+// tokens (lowp::hadamard_rows), and nvfp4's gradients rounded stochastically
+// (lowp::StochasticRounding, a stream per operand); under tensorwise one scale covers a tensor in
+// any orientation.
 // --emulate-ranks N cuts a K that a tensor-parallel group of N shards (the row layers' forward,
 // the column layers' dgrad) into N parts that rowwise scales apart, as the stage's ranks do (the
 // block recipes' blocks never cross a shard: 06_fp8/layers.h's rule; tensorwise agrees one scale).
@@ -305,6 +307,13 @@ class Measured final : public Parallelism {
     gemms_.push_back(std::move(gemm));
   }
 
+  /// A gradient operand's stochastic rounding under nvfp4, each from a stream of its own; nothing
+  /// under the other recipes.
+  std::optional<lowp::StochasticRounding> gradient_draws(Recipe r) {
+    if (r != Recipe::nvfp4) return std::nullopt;
+    return lowp::StochasticRounding{.stream = lowp::sr_stream(1, draws_++)};
+  }
+
   I forward_or_backward_layer(std::string_view kind) const {
     return kind == "forward" ? forward_layer_ : backward_layer_;
   }
@@ -342,7 +351,13 @@ class Measured final : public Parallelism {
     const Mat exact_dx = product(dy, false, w, true, t, out, in);
     const Mat exact_dw = product(x, true, dy, false, in, t, out);
     for (Recipe r : flags_.recipe_list()) {
-      const Mat dyq = lowp::emulate(dy, t, out, false, r, Operand::gradient, parts(r, !row));
+      // nvfp4 rounds its gradients stochastically, as stage 06 does: the input gradient's GEMM
+      // (and a row layer's re-gathered gradient, the same codes) and the weight gradient's
+      // each draw from a stream of their own.
+      const auto draw0 = gradient_draws(r), draw1 = gradient_draws(r);
+      const lowp::StochasticRounding* sr0 = draw0 ? &*draw0 : nullptr;
+      const lowp::StochasticRounding* sr1 = draw1 ? &*draw1 : nullptr;
+      const Mat dyq = lowp::emulate(dy, t, out, false, r, Operand::gradient, parts(r, !row), sr0);
       const Mat wq = lowp::emulate(w, in, out, false, r, Operand::weight, parts(r, !row));
       record(name, "dgrad", r, gemm_json(product(dyq, false, wq, true, t, out, in), exact_dx),
              operand_json(dy, dyq, r, Operand::gradient, 1),
@@ -360,7 +375,7 @@ class Measured final : public Parallelism {
         dyw = lowp::emulate(dy, t, out, false, r, Operand::gradient);
       } else {
         Mat xs = row ? x : lowp::emulate(x, t, in, false, r, Operand::activation);
-        Mat dys = row ? lowp::emulate(dy, t, out, false, r, Operand::gradient) : dy;
+        Mat dys = row ? lowp::emulate(dy, t, out, false, r, Operand::gradient, 1, sr0) : dy;
         if (r == Recipe::nvfp4) {
           for (Mat* m : {&xs, &x_want}) lowp::hadamard_rows(*m, t, in);
           for (Mat* m : {&dys, &dy_want}) lowp::hadamard_rows(*m, t, out);
@@ -368,7 +383,7 @@ class Measured final : public Parallelism {
         x_passes = row ? 1 : 2;
         dy_passes = row ? 2 : 1;
         xw = lowp::emulate(xs, t, in, true, r, Operand::activation);
-        dyw = lowp::emulate(dys, t, out, true, r, Operand::gradient);
+        dyw = lowp::emulate(dys, t, out, true, r, Operand::gradient, 1, sr1);
       }
       record(name, "wgrad", r, gemm_json(product(xw, true, dyw, false, in, t, out), exact_dw),
              operand_json(x_want, xw, r, Operand::activation, x_passes),
@@ -395,6 +410,7 @@ class Measured final : public Parallelism {
   Flags flags_;
   I steps_done_ = 0;
   I forward_layer_ = 0, backward_layer_ = 0;
+  std::uint64_t draws_ = 0;  // gradient operands drawn so far (gradient_draws)
   nlohmann::json gemms_ = nlohmann::json::array();
 };
 

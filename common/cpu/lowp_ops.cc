@@ -13,10 +13,10 @@ namespace tpx::cpu {
 
 void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
                    std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
-                   const Tensor& tensor_scale) {
+                   const Tensor& tensor_scale, const lowp::StochasticRounding* stochastic) {
   const std::int64_t cols = x.dim(x.ndim() - 1), rows = x.numel() / cols;
   const lowp::Quantized q =
-      lowp::quantize(x.data<float>(), rows, cols, recipe, operand, tensor_amax);
+      lowp::quantize(x.data<float>(), rows, cols, recipe, operand, tensor_amax, stochastic);
   std::memcpy(codes.raw(), q.codes.data(), q.codes.size());
   if (q.layout.scale == lowp::ScaleFormat::fp32)
     std::copy(q.scales.begin(), q.scales.end(), scales.data<float>());

@@ -77,7 +77,7 @@ void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
 // [rows, cols] (cols the last dimension).
 void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
                    std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
-                   const Tensor& tensor_scale);
+                   const Tensor& tensor_scale, const lowp::StochasticRounding* stochastic);
 void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
                      const Tensor& tensor_scale, const Tensor& x);
 void transpose(const Tensor& x, std::int64_t rows, std::int64_t cols, const Tensor& out);

@@ -212,10 +212,10 @@ void fp8_scale(const float* amax, float fmax, float* scale, void* stream);
 /// it (common/lowp.h, the cpu's lowp::quantize bit for bit): codes [rows, cols] one a byte, the
 /// scales [⌈rows/br⌉, ⌈cols/bc⌉] into `scales` (fp32 layouts) or `scale_codes` (E8M0, UE4M3),
 /// and under UE4M3 s_enc from *tensor_amax (device) into *tensor_scale (either may be null
-/// otherwise).
+/// otherwise); `stochastic` (host, UE4M3 only, or null): the E2M1 casts round stochastically.
 void lowp_quantize(const float* x, I rows, I cols, const lowp::Layout& l, const float* tensor_amax,
-                   std::uint8_t* codes, float* scales, std::uint8_t* scale_codes,
-                   float* tensor_scale, void* stream);
+                   const lowp::StochasticRounding* stochastic, std::uint8_t* codes, float* scales,
+                   std::uint8_t* scale_codes, float* tensor_scale, void* stream);
 /// x [rows, cols] = the values lowp_quantize's codes and scales stand for (the cpu's
 /// lowp::dequantize bit for bit); tensor_scale (device, UE4M3 only) is s_enc.
 void lowp_dequantize(const std::uint8_t* codes, I rows, I cols, const lowp::Layout& l,

@@ -44,7 +44,8 @@ __device__ Box box_of(I blk, I rows, I cols, I br, I bc, I scale_cols) {
 
 __global__ void __launch_bounds__(kThreads)
     lowp_quantize_kernel(const float* x, I rows, I cols, lowp::Layout l, I br, I bc, I scale_cols,
-                         I blocks, const float* tensor_amax, std::uint8_t* codes, float* scales,
+                         I blocks, const float* tensor_amax, bool stochastic,
+                         lowp::StochasticRounding sr, std::uint8_t* codes, float* scales,
                          std::uint8_t* scale_codes, float* tensor_scale) {
   __shared__ float block_max[kThreads];
   __shared__ int block_nan[kThreads];
@@ -84,8 +85,9 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     for (I e = threadIdx.x; e < n; e += kThreads) {
-      const I i = (b.r0 + e / width) * cols + b.c0 + e % width;
-      codes[i] = lowp::cast_element(x[i], l, s, s_enc);
+      const I r = b.r0 + e / width, c = b.c0 + e % width, i = r * cols + c;
+      const std::uint32_t bits = stochastic ? lowp::sr_bits(sr, r, c) : 0u;
+      codes[i] = lowp::cast_element(x[i], l, s, s_enc, stochastic ? &bits : nullptr);
     }
     __syncthreads();  // block_max and block_nan are read above before the next block's writes
   }
@@ -173,15 +175,16 @@ void lowp_dequantize(const std::uint8_t* codes, I rows, I cols, const lowp::Layo
 }
 
 void lowp_quantize(const float* x, I rows, I cols, const lowp::Layout& l, const float* tensor_amax,
-                   std::uint8_t* codes, float* scales, std::uint8_t* scale_codes,
-                   float* tensor_scale, void* stream) {
+                   const lowp::StochasticRounding* stochastic, std::uint8_t* codes, float* scales,
+                   std::uint8_t* scale_codes, float* tensor_scale, void* stream) {
   const I br = l.block_rows == 0 ? rows : l.block_rows;
   const I bc = l.block_cols == 0 ? cols : l.block_cols;
   const I scale_rows = (rows + br - 1) / br, scale_cols = (cols + bc - 1) / bc;
   const I blocks = scale_rows * scale_cols;
   const I grid = blocks < I{65535} ? blocks : I{65535};
   lowp_quantize_kernel<<<unsigned(grid), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      x, rows, cols, l, br, bc, scale_cols, blocks, tensor_amax, codes, scales, scale_codes,
+      x, rows, cols, l, br, bc, scale_cols, blocks, tensor_amax, stochastic != nullptr,
+      stochastic != nullptr ? *stochastic : lowp::StochasticRounding{}, codes, scales, scale_codes,
       tensor_scale);
 }
 

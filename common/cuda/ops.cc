@@ -821,7 +821,8 @@ void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale) {
 }
 
 void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_amax,
-                   const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale) {
+                   const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale,
+                   const lowp::StochasticRounding* stochastic) {
   NvtxRange range("lowp_quantize");
   TPX_CHECK(x.dtype() == DType::f32 && x.ndim() == 2 && x.numel() > 0,
             "lowp_quantize of {}: a non-empty f32 matrix", x.describe());
@@ -840,7 +841,9 @@ void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_
     amax = scratch({1}, DType::f32);
     kernels::amax(cf(x), x.numel(), f(amax), stream());
   }
-  kernels::lowp_quantize(cf(x), rows, cols, l, two_level ? cf(amax) : nullptr,
+  TPX_CHECK(stochastic == nullptr || two_level,
+            "lowp_quantize: stochastic rounding needs nvfp4's E2M1 elements");
+  kernels::lowp_quantize(cf(x), rows, cols, l, two_level ? cf(amax) : nullptr, stochastic,
                          codes.data<std::uint8_t>(), fp32 ? f(scales) : nullptr,
                          fp32 ? nullptr : scales.data<std::uint8_t>(),
                          two_level ? f(tensor_scale) : nullptr, stream());

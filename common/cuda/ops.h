@@ -139,9 +139,10 @@ void fp8_scale(const Tensor& amax, DType fmt, const Tensor& scale);
 /// codes u8 [rows, cols]; scales f32 (fp32 layouts) or u8 (E8M0, UE4M3) [scale rows, scale
 /// cols]; under UE4M3 tensor_scale f32 [1] receives s_enc, made from tensor_amax f32 [1] when it
 /// is defined (an amax the shards agreed) and from x's own amax otherwise. Everything stays on
-/// the device.
+/// the device. `stochastic` (UE4M3 only): the E2M1 casts round stochastically (lowp::sr_bits).
 void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_amax,
-                   const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale);
+                   const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale,
+                   const lowp::StochasticRounding* stochastic = nullptr);
 /// Its inverse, lowp::dequantize's bytes: x f32 [rows, cols] from codes, scales and (UE4M3)
 /// tensor_scale as lowp_quantize wrote them.
 void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
