@@ -25,7 +25,7 @@
 //          tpx::pp::describe_pipeline(),
 //          tpx::pp::train_pipeline(), tpx::pp::SliceFactory,
 //          tpx::pp::make_pipeline_with(), tpx::pp::PipelineSize, tpx::pp::pipeline_size(),
-//          tpx::pp::SliceDimensions, tpx::pp::plan_pipeline_with()
+//          tpx::pp::plan_pipeline_with() (SliceDimensions, the plan's arithmetic: plan.h)
 #pragma once
 
 #include <cstdint>
@@ -37,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "09_pipeline_parallel/plan.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "common/comm/communicator.h"
 #include "common/memory_terms.h"
@@ -158,9 +159,6 @@ PipelineSize pipeline_size(const RunContext& ctx);
 /// messages).
 StagePlan plan_pipeline(const RunContext& ctx);
 
-/// The slice's own dimensions of the memory estimate beyond FSDP's and CP's (stage 10's experts),
-/// before the pipeline's.
-using SliceDimensions = std::vector<std::shared_ptr<const MemoryDimension>>;
 /// plan_pipeline() with `slice` in the sharding (the bytes stay stage 09's: a stage adds its own).
 StagePlan plan_pipeline_with(const RunContext& ctx, const SliceDimensions& slice);
 

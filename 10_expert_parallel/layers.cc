@@ -752,38 +752,11 @@ namespace {
 /// of its MoE layers' SwiGLU replaced by the experts, once per micro-batch (a routing group of
 /// B/M sequences over the D replicas), their gradients reduced once per step.
 StagePlan plan_pipeline_of_experts(const RunContext& ctx, const pp::PipelineSize& size) {
-  const BlockConfig& c = ctx.options.config;
   const Mesh mesh = Mesh::make(size.dp, size.cp, size.pp);
   const int ep = checked_ep(ctx, mesh);
-  StagePlan p = pp::plan_pipeline_with(ctx, {memory_dimension(ep, mesh.dp_index)});
-  std::uint64_t moe = 0;  // the rank's MoE layers
-  for (const std::int64_t l : p.sharding.layers) moe += c.moe.layer(l) ? 1 : 0;
-  const auto M = std::uint64_t(size.microbatches);
-  BlockConfig group = c;
-  group.batch = c.batch / size.microbatches;
-  const ExpertLayerTraffic x =
-      expert_layer_traffic(group, mesh.dp, mesh.tp, ep, mesh.dp_cp_index(), mesh.cp);
-  Traffic tp = p.traffic;  // what the named groups leave is the TP group's
-  for (const PlanGroup& g : p.groups) tp -= g.traffic;
-  tp -= x.swiglu * (M * moe);
-  tp += x.tp * (M * moe);
-  // FSDP's gathers and reduce-scatter of the MoE layers' SwiGLU, which they do not have.
-  BlockConfig with = c, without = c;
-  with.layers = without.layers = std::int64_t(moe);
-  without.ffn = 0;
-  for (PlanGroup& g : p.groups)
-    if (g.name == "dp") {
-      g.traffic -= fsdp::fsdp_traffic(with, mesh.tp, mesh.dp_cp(), size.microbatches);
-      g.traffic += fsdp::fsdp_traffic(without, mesh.tp, mesh.dp_cp(), size.microbatches);
-      g.traffic += x.counts * (M * moe);
-      g.traffic += x.gathers * (M * moe);
-      g.traffic += x.grads * moe;
-    }
-  p.groups.push_back({.name = "ep", .label = "ep group", .traffic = x.ep * (M * moe)});
-  p.traffic = tp;
-  for (const PlanGroup& g : p.groups) p.traffic += g.traffic;
-  p.comm += fmt::format(", experts over EP {} (balanced routing)", ep);
-  return p;
+  return pipeline_plan_with_experts(
+      pp::plan_pipeline_with(ctx, {memory_dimension(ep, mesh.dp_index)}), ctx.options.config, mesh,
+      ep, size.microbatches);
 }
 
 }  // namespace

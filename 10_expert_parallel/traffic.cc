@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
 #include "04_overlap_ring/traffic.h"
 #include "07_fsdp_tp/traffic.h"
 #include "08_context_parallel/traffic.h"
@@ -145,6 +147,38 @@ ExpertTraffic expert_traffic(const BlockConfig& c, int dp, int tp, int ep, int d
     t.dp += layer.grads;
   }
   return t;
+}
+
+StagePlan pipeline_plan_with_experts(StagePlan p, const BlockConfig& c, const Mesh& mesh, int ep,
+                                     int microbatches) {
+  std::uint64_t moe = 0;  // the rank's MoE layers
+  for (const std::int64_t l : p.sharding.layers) moe += c.moe.layer(l) ? 1 : 0;
+  const auto M = std::uint64_t(microbatches);
+  BlockConfig group = c;
+  group.batch = c.batch / microbatches;
+  const ExpertLayerTraffic x =
+      expert_layer_traffic(group, mesh.dp, mesh.tp, ep, mesh.dp_cp_index(), mesh.cp);
+  Traffic tp = p.traffic;  // what the named groups leave is the TP group's
+  for (const PlanGroup& g : p.groups) tp -= g.traffic;
+  tp -= x.swiglu * (M * moe);
+  tp += x.tp * (M * moe);
+  // FSDP's gathers and reduce-scatter of the MoE layers' SwiGLU, which they do not have.
+  BlockConfig with = c, without = c;
+  with.layers = without.layers = std::int64_t(moe);
+  without.ffn = 0;
+  for (PlanGroup& g : p.groups)
+    if (g.name == "dp") {
+      g.traffic -= fsdp::fsdp_traffic(with, mesh.tp, mesh.dp_cp(), microbatches);
+      g.traffic += fsdp::fsdp_traffic(without, mesh.tp, mesh.dp_cp(), microbatches);
+      g.traffic += x.counts * (M * moe);
+      g.traffic += x.gathers * (M * moe);
+      g.traffic += x.grads * moe;
+    }
+  p.groups.push_back({.name = "ep", .label = "ep group", .traffic = x.ep * (M * moe)});
+  p.traffic = tp;
+  for (const PlanGroup& g : p.groups) p.traffic += g.traffic;
+  p.comm += fmt::format(", experts over EP {} (balanced routing)", ep);
+  return p;
 }
 
 }  // namespace tpx::ep

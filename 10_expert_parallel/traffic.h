@@ -5,7 +5,7 @@
 //
 // defines: tpx::ep::moe_layers(), tpx::ep::cp_token_order(), tpx::ep::balanced_kept_rows(),
 //          tpx::ep::ExpertLayerTraffic, tpx::ep::expert_layer_traffic(), tpx::ep::ExpertTraffic,
-//          tpx::ep::expert_traffic()
+//          tpx::ep::expert_traffic(), tpx::ep::pipeline_plan_with_experts()
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,9 @@
 
 #include "08_context_parallel/traffic.h"
 #include "common/config.h"
+#include "common/mesh.h"
 #include "common/moe_ep.h"
+#include "common/stage.h"
 #include "common/traffic.h"
 
 namespace tpx::ep {
@@ -73,5 +75,12 @@ struct ExpertTraffic {
 ///   CP  stage 08's (cp_traffic), which the experts do not change.
 ExpertTraffic expert_traffic(const BlockConfig& c, int dp, int tp, int ep, int dp_cp_index,
                              int cp = 1, cp::CpMethod method = cp::CpMethod::ring);
+
+/// Stage 09's plan of a pipeline rank (`p`: pp::pipeline_rank_plan(), its sharding's layers the
+/// rank's) with each of its MoE layers' SwiGLU replaced by the experts once per micro-batch (a
+/// routing group of B/M sequences over the D replicas: expert_layer_traffic()), their gradients
+/// reduced once per step, and an "ep" group; rank (mesh.dp_index, mesh.cp_index) of the D·C.
+StagePlan pipeline_plan_with_experts(StagePlan p, const BlockConfig& c, const Mesh& mesh, int ep,
+                                     int microbatches);
 
 }  // namespace tpx::ep

@@ -40,6 +40,7 @@
 #include "common/model.h"
 #include "common/presets.h"
 #include "common/traffic.h"
+#include "test_stage_runs.h"
 #include "test_util.h"
 #include "tools/projection.h"
 
@@ -880,7 +881,7 @@ TEST(TpxProject, AMixtureOfExpertsIsStage10sRow) {
         std::pair{"--model mixtral-8x7b --tp 1 --dp 1073741824 --cp 4 --ep 8 --batch 1073741824",
                   "--dp 1073741824 × --tp 1 × --cp 4 is more GPUs than the model counts"},
         std::pair{"--model llama3-8b --ep 2", "--ep is stage 10's"},
-        std::pair{"--model deepseek-v3 --pp 2", "it takes no --pp"},
+        std::pair{"--model deepseek-v3 --fp8-weight-gather", "it takes no --fp8-weight-gather"},
         std::pair{"--model deepseek-v3 --tp 128 --dp 33554432 --ep 256 --batch 33554432",
                   "is more GPUs than the model counts"},
         std::pair{"--model deepseek-v3 --tp 1 --dp 8 --batch 8 --seq 8",
@@ -888,6 +889,59 @@ TEST(TpxProject, AMixtureOfExpertsIsStage10sRow) {
     const auto r =
         test::run_command(fmt::format("{} {} --device h200", TPX_PROJECT_BIN, args), dir);
     EXPECT_EQ(r.exit_code, 2) << args;
+    EXPECT_NE(r.err.find(says), std::string::npos) << args << "\n" << r.err;
+  }
+}
+
+// A mixture of experts under --pp: stage 09's pipeline around stage 10. Pipeline rank 0's bytes
+// on each group and its memory estimate are the stage's own --dry-run (whose tests hold it equal
+// to a step's counts), at P 2 × D 2 × T 1 with M 2: the blocks alone under 1f1b, and the language
+// model (rank 0 holds the embedding) under gpipe. The time is the dense equivalent's pipeline with
+// its bubble.
+TEST(TpxProject, AMixtureOfExpertsUnderAPipelineIsTheStagesDryRun) {
+  test::TempDir dir;
+  for (const std::string args :
+       {"--model mixtral-8x7b --task block --layers 4 --batch 8 --dp 2 --pp 2 --microbatches 2",
+        "--model mixtral-8x7b --task lm --layers 4 --batch 8 --dp 2 --pp 2 --microbatches 2 "
+        "--vocab 4096 "
+        "--schedule gpipe"}) {
+    SCOPED_TRACE(args);
+    const json j = project_json(args + " --tp 1 --ep 2 --dtype fp32 --device h200", dir);
+    ASSERT_EQ(j.at("stages").size(), 1u) << j.dump();
+    const json& row = j["stages"][0];
+    EXPECT_EQ(j.at("pp"), 2);
+    EXPECT_EQ(row.at("gpus"), 4);
+    const json stage = test::run_json("10_expert_parallel", 4, args + " --dry-run");
+    ASSERT_TRUE(stage.contains("step")) << stage.dump();
+    const json& step = stage["step"];
+    auto at = [](const json& x, const char* key) { return x.at(key).get<std::uint64_t>(); };
+    EXPECT_EQ(at(row, "ep_bus_bytes"), at(step, "ep_bus_bytes"));
+    EXPECT_EQ(at(row, "ep_payload_bytes"), at(step, "ep_payload_bytes"));
+    EXPECT_EQ(at(row, "dp_bus_bytes"), at(step, "dp_bus_bytes"));
+    EXPECT_EQ(at(row, "dp_payload_bytes"), at(step, "dp_payload_bytes"));
+    EXPECT_EQ(at(row, "pp_bytes"), at(step, "pp_bus_bytes"));
+    EXPECT_EQ(at(row, "tp_payload_bytes"),
+              at(step, "comm_payload_bytes") - at(step, "dp_payload_bytes") -
+                  at(step, "ep_payload_bytes") - at(step, "pp_payload_bytes") -
+                  at(step, "cp_payload_bytes"));
+    EXPECT_GT(at(row, "ep_bus_bytes"), 0u);
+    EXPECT_EQ(at(row, "memory_estimate_bytes"), at(stage, "memory_estimate_bytes"));
+    EXPECT_EQ(at(row, "saved_activation_bytes"), at(stage, "saved_activation_bytes"));
+    EXPECT_GT(row.at("bubble_ms").get<double>(), 0.0);
+    EXPECT_GT(row.at("step_ms").get<double>(),
+              row.at("exposed_comm_ms").get<double>() + row.at("bubble_ms").get<double>());
+  }
+  // What the pipeline cannot cut is refused in one line, before any bytes are counted.
+  for (const auto& [args, says] :
+       {std::pair{"--model mixtral-8x7b --dp 2 --pp 2 --ep 3 --batch 8",
+                  "--ep 3 must divide the D·C ranks"},
+        std::pair{"--model mixtral-8x7b --dp 2 --pp 3 --layers 2 --batch 8 --ep 2",
+                  "pipeline stages"},
+        std::pair{"--model deepseek-v3 --tp 1 --dp 8 --pp 2 --batch 8 --seq 8 --ep 8",
+                  "must be divisible by the experts E (256)"}}) {
+    const auto r =
+        test::run_command(fmt::format("{} {} --device h200", TPX_PROJECT_BIN, args), dir);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.out;
     EXPECT_NE(r.err.find(says), std::string::npos) << args << "\n" << r.err;
   }
 }

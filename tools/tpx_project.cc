@@ -28,8 +28,8 @@
 // --model); --task block or --vocab 0 projects the blocks alone. With --pp the embedding is the
 // first pipeline rank's and the output layer the last's; the slowest rank sets the pace. A
 // mixture-of-experts --model (mixtral-8x7b, deepseek-v3, llama4-maverick) is stage 10's alone,
-// on D × T, or D × C × T with --cp C, with --ep EP (default D·C): expert_cost() says how it is
-// projected.
+// on D × T, or D × C × T with --cp C, with --ep EP (default D·C), and with --pp P inside stage
+// 09's pipeline: expert_cost() and expert_pipeline_cost() say how it is projected.
 //
 // Otherwise it writes the report: per config (a Llama-3-70B layer and a Llama-7B-sized one) the
 // projected step of every stage at N = 2, 4, 8 (stage 01 at N = 1), stage 07 at TP × DP = 8 × 4
@@ -75,6 +75,7 @@
 #include "06_fp8/traffic.h"
 #include "07_fsdp_tp/memory.h"
 #include "08_context_parallel/memory.h"
+#include "09_pipeline_parallel/plan.h"
 #include "09_pipeline_parallel/schedule.h"
 #include "10_expert_parallel/memory.h"
 #include "10_expert_parallel/traffic.h"
@@ -354,6 +355,87 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
   return r;
 }
 
+/// Stage 10 under --pp: stage 09's pipeline around it on the P × D × C × T mesh `l`. Time:
+/// project_layout()'s for the dense equivalent of expert_cost() (the slowest rank's compute, its
+/// exposed TP and CP, the bubble and the point-to-point), its DP part replaced by the experts' DP
+/// bytes behind the compute, plus the EP all-to-alls exposed. Bytes and memory: pipeline rank
+/// 0's, the stage's own --dry-run arithmetic (pp::pipeline_rank_plan with the experts:
+/// ep::pipeline_plan_with_experts) and memory estimate under balanced routing, M routing groups
+/// of B/M sequences a step.
+StageCost expert_pipeline_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
+                               const pj::Layout& l, int ep) {
+  const tpx::MoeConfig& m = c.moe;
+  if ((l.dp * l.cp) % ep != 0 || m.experts % ep != 0)
+    throw std::invalid_argument(fmt::format(
+        "--ep {} must divide the D·C ranks (--dp {} × --cp {}) and the experts ({}): the experts "
+        "borrow their ranks from the data- and context-parallel ones, E/EP whole experts each",
+        ep, l.dp, l.cp, m.experts));
+  if (m.expert_ffn % l.tp != 0)
+    throw std::invalid_argument(fmt::format(
+        "--tp {} must divide the experts' width FE ({}): each TP rank holds FE/T of every expert",
+        l.tp, m.expert_ffn));
+  tpx::BlockConfig dense = c;  // the experts as a SwiGLU of their FLOPs, as expert_cost()'s
+  dense.moe = {};
+  const std::int64_t moe_layers = tpx::ep::moe_layers(c),
+                     width = m.topk * m.expert_ffn + m.shared_ffn;
+  const std::int64_t ffn = (moe_layers * width + (c.layers - moe_layers) * c.ffn) / c.layers;
+  dense.ffn = std::max<std::int64_t>(l.tp, ffn / l.tp * l.tp);
+  const pj::LayoutStep x = pj::project_layout(d, dense, l);  // checks the mesh and M
+  // Balanced routing must divide, per micro-batch: S/C·B/(D·M)·K assignments over E, and under
+  // --cp with a capacity each sequence chunk's S/(2C)·K (the stage's --dry-run's rule).
+  const std::int64_t n = c.seq / l.cp * (c.batch / l.dp / l.microbatches);
+  const bool chunks = l.cp > 1 && m.capacity_factor > 0;
+  if ((n * m.topk) % m.experts != 0 || (chunks && c.seq / (2 * l.cp) * m.topk % m.experts != 0))
+    throw std::invalid_argument(fmt::format(
+        "stage 10's bytes assume balanced routing: a micro-batch's S/C·B/(D·M)·K assignments per "
+        "rank ({}){} must be divisible by the experts E ({}): give another --seq, --batch or "
+        "--microbatches",
+        n * m.topk, chunks ? ", and each sequence chunk's S/(2C)·K," : "", m.experts));
+  const tpx::pipeline::PipelineShape shape{l.pp, l.microbatches, l.stages_per_rank};
+  const auto schedule = tpx::pipeline::make_schedule(l.schedule, shape);
+  const auto layers = tpx::pipeline::split_layers(
+      int(c.layers), shape.stages(),
+      fmt::format("--pp {} × --stages-per-rank {}", l.pp, l.stages_per_rank));
+  tpx::Mesh mesh;  // pipeline rank 0, the first of its D·C and TP groups
+  mesh.pp = l.pp, mesh.dp = l.dp, mesh.cp = l.cp, mesh.tp = l.tp;
+  const tpx::StagePlan plan = tpx::ep::pipeline_plan_with_experts(
+      tpx::pp::pipeline_rank_plan(c, *schedule, layers, mesh, l.cp_method,
+                                  {tpx::ep::memory_dimension(ep, 0)}),
+      c, mesh, ep, l.microbatches);
+  StageCost r;
+  r.stage = "10_expert_parallel";
+  r.gpus = l.gpus();
+  r.ep_bytes = plan.group("ep");
+  r.dp_bytes = plan.group("dp");
+  r.cp_bytes = plan.group("cp");
+  r.pp_bytes = plan.group("pp").bus;
+  r.tp_bytes = plan.traffic;
+  for (const tpx::PlanGroup& g : plan.groups) r.tp_bytes -= g.traffic;
+  const bool one_node = l.tp * ep <= d.gpus_per_node;
+  if (!one_node && d.dp_GBps_per_direction <= 0)
+    throw std::invalid_argument(fmt::format(
+        "{}: an EP group of {} GPUs spans nodes and the file has no dp_GBps_per_direction", d.file,
+        l.tp * ep));
+  const double ep_GBps = one_node ? d.nvlink_GBps_per_direction * d.collective_efficiency
+                                  : d.dp_GBps_per_direction * d.dp_efficiency;
+  const double ep_ms = double(r.ep_bytes.bus) / (ep_GBps * 1e9) * 1e3 +
+                       double(r.ep_bytes.calls) * d.link_latency_us * 1e-3;
+  const double dp_ms =
+      d.dp_GBps_per_direction > 0
+          ? double(r.dp_bytes.bus) / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
+                3 * (l.dp * l.cp - 1) * d.link_latency_us * 1e-3
+          : 0.0;
+  const double busy = x.compute_ms + x.tp_ms + x.cp_ms + x.p2p_ms;
+  r.bubble_ms = x.bubble_ms;
+  r.step_ms = busy + x.bubble_ms + std::max(0.0, dp_ms - x.compute_ms) + ep_ms;
+  r.exposed_ms = r.step_ms - x.compute_ms - x.bubble_ms;
+  r.flops = tpx::step_flops(c).total() / double(r.gpus);
+  const tpx::MemoryEstimate e = tpx::estimate_training_memory(c, plan.sharding);
+  r.saved = e.term("saved activations").bytes;
+  r.memory = e.total();
+  return r;
+}
+
 std::string expert_words(const tpx::BlockConfig& c, int tp, int dp, int ep, int cp,
                          tpx::cp::CpMethod method) {
   const tpx::MoeConfig& m = c.moe;
@@ -488,9 +570,11 @@ json costs_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::s
 }
 
 /// Stage 10's table for a mixture-of-experts model.
+/// `pipe`: the pipeline's layout under --pp (expert_pipeline_cost()), or null.
 std::string expert_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
                             const std::string& model, int tp, int dp, int ep, int cp,
-                            tpx::cp::CpMethod method, const StageCost& r) {
+                            tpx::cp::CpMethod method, const StageCost& r,
+                            const pj::Layout* pipe = nullptr) {
   std::string s = projected_by(d);
   s += fmt::format(
       "{} | {}. A mixture of experts runs as stage 10 alone. Per GPU and training step; bytes as "
@@ -501,22 +585,39 @@ std::string expert_markdown(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
       "the stage's estimate (the experts sharded over their {} holders).\n\n",
       describe(c, model), expert_words(c, tp, dp, ep, cp, method), cp > 1 ? "08" : "05",
       cp > 1 ? "the D × C × T mesh" : "a replica", cp > 1 ? "D·C/EP" : "D/EP");
-  const std::string cp_head = cp > 1 ? " CP bus per GPU |" : "", cp_rule = cp > 1 ? "---|" : "";
-  const std::string cp_cell = cp > 1 ? fmt::format(" {} |", tpx::bytes_text(r.cp_bytes.bus)) : "";
-  s += fmt::format(
-      "| stage | GPUs | step ms | exposed comm ms | TFLOP per GPU | TP bus per GPU |{} EP bus per "
-      "GPU | DP bus per GPU | saved activations | peak memory |\n"
-      "|---|---|---|---|---|---|{}---|---|---|---|\n",
-      cp_head, cp_rule);
-  s += fmt::format("| {} | {} | {:.2f} | {:.2f} | {:.1f} | {} |{} {} | {} | {} | {} |\n", r.stage,
-                   r.gpus, r.step_ms, r.exposed_ms, r.flops / 1e12, tpx::bytes_text(r.tp_bytes.bus),
-                   cp_cell, tpx::bytes_text(r.ep_bytes.bus), tpx::bytes_text(r.dp_bytes.bus),
-                   tpx::bytes_text(r.saved), tpx::bytes_text(r.memory));
+  if (pipe != nullptr)
+    s += fmt::format(
+        "With --pp: stage 09's pipeline around it, P {} by {} with M {} and V {}; the time is "
+        "project_layout()'s of that dense equivalent on the whole mesh (the slowest pipeline rank, "
+        "its bubble and point-to-point) with the experts' DP and EP parts as above; bytes and "
+        "memory are pipeline rank 0's (the stage's --dry-run arithmetic, M routing groups of B/M "
+        "sequences a step).\n\n",
+        pipe->pp, pipe->schedule, pipe->microbatches, pipe->stages_per_rank);
+  const bool cps = cp > 1;
+  std::string head = "| stage | GPUs | step ms | exposed comm ms |", rule = "|---|---|---|---|";
+  std::string cells =
+      fmt::format("| {} | {} | {:.2f} | {:.2f} |", r.stage, r.gpus, r.step_ms, r.exposed_ms);
+  auto column = [&](const std::string& name, const std::string& cell) {
+    head += " " + name + " |";
+    rule += "---|";
+    cells += " " + cell + " |";
+  };
+  if (pipe != nullptr) column("bubble ms", fmt::format("{:.2f}", r.bubble_ms));
+  column("TFLOP per GPU", fmt::format("{:.1f}", r.flops / 1e12));
+  column("TP bus per GPU", tpx::bytes_text(r.tp_bytes.bus));
+  if (cps) column("CP bus per GPU", tpx::bytes_text(r.cp_bytes.bus));
+  column("EP bus per GPU", tpx::bytes_text(r.ep_bytes.bus));
+  column("DP bus per GPU", tpx::bytes_text(r.dp_bytes.bus));
+  if (pipe != nullptr) column("PP bytes sent per GPU", tpx::bytes_text(r.pp_bytes));
+  column("saved activations", tpx::bytes_text(r.saved));
+  column("peak memory", tpx::bytes_text(r.memory));
+  s += head + "\n" + rule + "\n" + cells + "\n";
   return s;
 }
 
 json expert_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::string& model,
-                 int tp, int dp, int ep, int cp, tpx::cp::CpMethod method, const StageCost& r) {
+                 int tp, int dp, int ep, int cp, tpx::cp::CpMethod method, const StageCost& r,
+                 const pj::Layout* pipe = nullptr) {
   const tpx::MoeConfig& m = c.moe;
   json config = config_json(c);
   config.update({{"experts", m.experts},
@@ -545,6 +646,17 @@ json expert_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::
     j["cp_method"] = tpx::cp::to_string(method);
     row["cp_bus_bytes"] = r.cp_bytes.bus;
     row["cp_payload_bytes"] = r.cp_bytes.payload;
+  }
+  if (pipe != nullptr) {
+    j["pp"] = pipe->pp;
+    j["microbatches"] = pipe->microbatches;
+    j["schedule"] = pipe->schedule;
+    j["stages_per_rank"] = pipe->stages_per_rank;
+    row["bubble_ms"] = r.bubble_ms;
+    row["pp_bytes"] = r.pp_bytes;
+    row["dp_payload_bytes"] = r.dp_bytes.payload;
+    row["ep_calls"] = r.ep_bytes.calls;
+    row["dp_calls"] = r.dp_bytes.calls;
   }
   j["stages"] = json::array({row});
   return j;
@@ -722,7 +834,9 @@ void add_model_options(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"ring", "allgather", "ulysses"}))
       ->capture_default_str()
       ->group(m);
-  app.add_option("--pp", mesh.pp, "P, pipeline stages: adds the 4-D mesh P × D × C × T's row")
+  app.add_option("--pp", mesh.pp,
+                 "P, pipeline stages: adds the 4-D mesh P × D × C × T's row (for a "
+                 "mixture-of-experts --model, stage 10 inside stage 09's pipeline)")
       ->check(positive_integer<int>())
       ->capture_default_str()
       ->group(m);
@@ -792,12 +906,11 @@ void resolve_model(const CLI::App& app, Options& o) {
         fmt::format("--model {}: no such model (known: {})", o.model, tpx::preset_names()));
   if (preset->moe.experts > 0) {  // stage 10's row alone: the dense stages cannot run it
     tpx::MoeFlags::of(preset->moe).configure(c);
-    for (const char* flag : {"--pp", "--fp8-weight-gather"})
-      if (app.count(flag) > 0)
-        throw std::invalid_argument(
-            fmt::format("--model {} is a mixture of experts, which tpx_project projects as stage "
-                        "10 on a D × T or D × C × T mesh: it takes no {}",
-                        o.model, flag));
+    if (app.count("--fp8-weight-gather") > 0)
+      throw std::invalid_argument(
+          fmt::format("--model {} is a mixture of experts, which tpx_project projects as stage "
+                      "10 (no FP8): it takes no --fp8-weight-gather",
+                      o.model));
   } else if (app.count("--ep") > 0) {
     throw std::invalid_argument("--ep is stage 10's: give a mixture-of-experts --model");
   }
@@ -860,6 +973,16 @@ void project_model(const CLI::App& app, Options& o, const pj::DeviceSpec& device
     const int cp = app.count("--cp") > 0 ? o.mesh.cp : 1;
     const tpx::cp::CpMethod method = tpx::cp::method_of(o.cp_method);
     const int ep = o.ep == 0 ? o.dp * cp : o.ep;
+    if (o.mesh.pp > 1) {  // P × D × C × T: stage 09's pipeline around stage 10
+      resolve_mesh(app, o);
+      o.mesh.cp = cp;
+      const pj::Layout& l = o.mesh;
+      const StageCost r = expert_pipeline_cost(device, o.c, l, ep);
+      write_outputs(
+          o, expert_markdown(device, o.c, o.model, o.tp, o.dp, ep, cp, method, r, &l),
+          [&] { return expert_json(device, o.c, o.model, o.tp, o.dp, ep, cp, method, r, &l); });
+      return;
+    }
     const StageCost r = expert_cost(device, o.c, o.tp, o.dp, ep, cp, method);
     write_outputs(o, expert_markdown(device, o.c, o.model, o.tp, o.dp, ep, cp, method, r),
                   [&] { return expert_json(device, o.c, o.model, o.tp, o.dp, ep, cp, method, r); });
