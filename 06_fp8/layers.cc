@@ -157,20 +157,40 @@ Tensor Fp8AsyncTp::row_backward(const Tensor& a, const Tensor& w, const Tensor& 
 
 namespace {
 
-/// The row and block recipes' cut of the estimate: the rank's block keeps no FP8 codes.
+/// The row and block recipes' cut of the estimate: the rank's block keeps no FP8 codes. And the
+/// moment of a column layer's weight-gradient GEMMs (recipes.cc), with G = [S, B, H] and
+/// F' = [S, B, F/N] in elements: the gathered input's values (fp32, G) and their quantized copy
+/// along the tokens (G), beside one output gradient's emulation: its fp32 copy when it is stored
+/// in bf16 (F'), its codes (F', one byte) and its dequantized copy (F'); nvfp4's Hadamard
+/// transforms add a copy of each operand (G and F'):
+///   recipe emulation = 4·(2G + F'·[bf16] + F') + F' (+ 4·(G + F') under nvfp4)
 class RecipeMemory final : public MemoryDimension {
  public:
+  explicit RecipeMemory(lowp::Recipe recipe) : recipe_(recipe) {}
   void cut(BlockConfig& rank, BlockConfig& pass, const Sharding& /*s*/) const override {
     rank.fp8_codes_kept = pass.fp8_codes_kept = false;
   }
-  void add_terms(MemoryEstimate& /*e*/, const MemoryParts& /*p*/) const override {}
+  void add_terms(MemoryEstimate& e, const MemoryParts& p) const override {
+    using memory::Count;
+    const char* what = "the recipe's emulation";
+    const memory::ActivationBytes& b = p.pass_bytes;
+    const Count g = b.full / b.e, f = b.cols_f / b.e;
+    Count bytes = memory::sum(
+        {memory::product({4, memory::sum({2 * g, b.e == 2 ? f : 0, f}, what)}, what), f}, what);
+    if (recipe_ == lowp::Recipe::nvfp4)
+      bytes = memory::sum({bytes, memory::product({4, memory::sum({g, f}, what)}, what)}, what);
+    e.terms.push_back({"recipe emulation", std::uint64_t(bytes)});
+  }
+
+ private:
+  lowp::Recipe recipe_;
 };
 
 }  // namespace
 
 std::shared_ptr<const MemoryDimension> recipe_memory_dimension(lowp::Recipe recipe) {
   if (recipe == lowp::Recipe::tensorwise) return nullptr;
-  return std::make_shared<RecipeMemory>();
+  return std::make_shared<RecipeMemory>(recipe);
 }
 
 Sharding Fp8AsyncTp::sharding() const {

@@ -78,10 +78,14 @@ DeviceQuantized quantize_matrix(const Tensor& m, lowp::Recipe recipe, lowp::Oper
   return q;
 }
 
-/// The fp32 values codes [rows, cols] and scales stand for under q's recipe and s_enc.
-Tensor dequantized(const DeviceQuantized& q, const Tensor& codes, const Tensor& scales) {
-  const Tensor x = Tensor::empty(codes.shape(), DType::f32, codes.device());
-  ops::lowp_dequantize(codes, scales, q.tensor_scale, q.recipe, q.operand, x);
+/// The fp32 values codes [rows, cols] and scales stand for under q's recipe and s_enc, or with
+/// `transpose` their transpose [cols, rows] (no copy of the other orientation is made).
+Tensor dequantized(const DeviceQuantized& q, const Tensor& codes, const Tensor& scales,
+                   bool transpose = false) {
+  const Tensor x =
+      Tensor::empty(transpose ? Tensor::Shape{codes.dim(1), codes.dim(0)} : codes.shape(),
+                    DType::f32, codes.device());
+  ops::lowp_dequantize(codes, scales, q.tensor_scale, q.recipe, q.operand, x, transpose);
   return x;
 }
 
@@ -168,10 +172,9 @@ Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand,
   if (draws) draws->k_rows = k_rows;
   const DeviceQuantized q =
       quantize_matrix(k_rows ? transposed(m) : m, recipe_, operand, amax, draws);
-  const Tensor d = dequantized(q, q.codes, q.scales);
   if (codes) *codes = (k_rows ? transposed(q.codes) : q.codes).reshape(x.shape());
   if (scales) *scales = q.scales.reshape({1, q.scales.dim(0), q.scales.dim(1)});
-  return (k_rows ? transposed(d) : d).reshape(x.shape());
+  return dequantized(q, q.codes, q.scales, /*transpose=*/k_rows).reshape(x.shape());
 }
 
 Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand,

@@ -63,8 +63,11 @@ Count reduce_scatter_staging(const Sharding& s, const LayerElements& layer, cons
 ///                                                        + the head's part above))
 ///   pipeline   stage 09 (P > 1, or M > 1 micro-batches) sums each end's gradients over the
 ///              micro-batches in an unsharded fp32 accumulator that lives through the step, and
-///              looks up or scores a micro-batch while others are in backward; counted whole:
-///                output layer += head + gradients     embedding += gathered + table + gradient
+///              looks up or scores a micro-batch while others' activations are saved: the
+///              accumulator counted whole, the end's own moment as far as it exceeds a block's
+///              backward (an action of its own: a rank runs one at a time):
+///                output layer += gradients + max(0, head − blocks)
+///                embedding    += gradient + max(0, gathered + table − blocks)
 void add_unsharded_ends(MemoryEstimate& e, const MemoryParts& p, const Ends& ends, Count blocks) {
   if (!p.rank.lm()) return;
   const char* what = "FSDP's unsharded ends";
@@ -79,8 +82,12 @@ void add_unsharded_ends(MemoryEstimate& e, const MemoryParts& p, const Ends& end
   const Count table = product({ends.table, kF32}, what);
   const Count lookup = sum({product({shards, ends.table_shard, kF32}, what), table}, what);
   if (p.sharding.pp > 1 || p.pass.batch < p.rank.batch) {
-    e.term(kLmOutputTerm).bytes += std::uint64_t(sum({head, grads}, what));
-    e.term(kLmEmbeddingTerm).bytes += std::uint64_t(sum({lookup, table}, what));
+    // The accumulators live through the step; a lookup or a scoring is an action of its own,
+    // which never runs beside a block's backward on the same rank (one action at a time).
+    e.term(kLmOutputTerm).bytes +=
+        std::uint64_t(sum({grads, head > blocks ? head - blocks : 0}, what));
+    e.term(kLmEmbeddingTerm).bytes +=
+        std::uint64_t(sum({table, lookup > blocks ? lookup - blocks : 0}, what));
     return;
   }
   const Count head_above = head > blocks ? head - blocks : 0;

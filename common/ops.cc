@@ -765,23 +765,25 @@ bool one_byte_codes(const Tensor& t) {
   return t.dtype() == DType::u8 || t.dtype() == DType::e4m3 || t.dtype() == DType::e5m2;
 }
 
-/// Checks a recipe's codes and scales for x [rows, cols] (lowp_quantize's shapes).
-void expect_lowp_parts(const Tensor& x, const Tensor& codes, const Tensor& scales,
-                       const Tensor& tensor_scale, const lowp::Layout& l, const char* what) {
-  const auto [rows, cols] = matrix_of(x);
-  TPX_CHECK(x.dtype() == DType::f32 && rows > 0 && cols > 0, "{} of {}: a non-empty f32 matrix",
-            what, x.describe());
-  TPX_CHECK(one_byte_codes(codes) && codes.numel() == x.numel() && codes.device() == x.device(),
-            "{}: codes {} for {} (one byte an element, on its device)", what, codes.describe(),
-            x.describe());
+/// Checks a recipe's codes and scales for the matrix [rows, cols] on `device` (lowp_quantize's
+/// shapes).
+void expect_lowp_parts(std::int64_t rows, std::int64_t cols, Device device, const Tensor& codes,
+                       const Tensor& scales, const Tensor& tensor_scale, const lowp::Layout& l,
+                       const char* what) {
+  TPX_CHECK(rows > 0 && cols > 0, "{}: a {} x {} matrix (both sizes positive)", what, rows, cols);
+  TPX_CHECK(one_byte_codes(codes) && codes.numel() == rows * cols && codes.device() == device &&
+                codes.dim(codes.ndim() - 1) == cols,
+            "{}: codes {} for a {} x {} matrix (one byte an element, its last dimension the "
+            "columns, on its device)",
+            what, codes.describe(), rows, cols);
   const std::int64_t br = l.block_rows == 0 ? rows : l.block_rows;
   const std::int64_t bc = l.block_cols == 0 ? cols : l.block_cols;
   const DType scale_dtype = l.scale == lowp::ScaleFormat::fp32 ? DType::f32 : DType::u8;
-  TPX_CHECK(scales.dtype() == scale_dtype && scales.device() == x.device() &&
+  TPX_CHECK(scales.dtype() == scale_dtype && scales.device() == device &&
                 scales.numel() == ((rows + br - 1) / br) * ((cols + bc - 1) / bc),
-            "{}: scales {} for {}", what, scales.describe(), x.describe());
+            "{}: scales {} for a {} x {} matrix", what, scales.describe(), rows, cols);
   if (l.scale == lowp::ScaleFormat::ue4m3)
-    expect_scalar_f32(tensor_scale, x.device(), "nvfp4's tensor scale");
+    expect_scalar_f32(tensor_scale, device, "nvfp4's tensor scale");
 }
 
 }  // namespace
@@ -790,10 +792,11 @@ void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
                    std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
                    const Tensor& tensor_scale, const lowp::StochasticRounding* stochastic) {
   const lowp::Layout l = lowp::layout(recipe, operand);
-  expect_lowp_parts(x, codes, scales, tensor_scale, l, "lowp_quantize");
+  const auto [rows, cols] = matrix_of(x);
+  TPX_CHECK(x.dtype() == DType::f32, "lowp_quantize of {}: f32 only", x.describe());
+  expect_lowp_parts(rows, cols, x.device(), codes, scales, tensor_scale, l, "lowp_quantize");
   if (x.device() == Device::cuda) {
 #if TPX_WITH_CUDA
-    const auto [rows, cols] = matrix_of(x);
     Tensor amax;
     if (tensor_amax && l.scale == lowp::ScaleFormat::ue4m3) {
       amax = Tensor::empty({1}, DType::f32, Device::cuda);
@@ -809,12 +812,16 @@ void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
 }
 
 void lowp_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale,
-                     lowp::Recipe recipe, lowp::Operand operand, const Tensor& x) {
+                     lowp::Recipe recipe, lowp::Operand operand, const Tensor& x, bool transpose) {
   const lowp::Layout l = lowp::layout(recipe, operand);
-  expect_lowp_parts(x, codes, scales, tensor_scale, l, "lowp_dequantize");
-  const auto [rows, cols] = matrix_of(x);
+  // The codes' matrix: x's, or under `transpose` the transpose of x's [cols, rows].
+  const auto [x_rows, x_cols] = matrix_of(x);
+  const std::int64_t rows = transpose ? x_cols : x_rows, cols = transpose ? x_rows : x_cols;
+  TPX_CHECK(x.dtype() == DType::f32, "lowp_dequantize into {}: f32 only", x.describe());
+  expect_lowp_parts(rows, cols, x.device(), codes, scales, tensor_scale, l, "lowp_dequantize");
   TPX_DISPATCH(x.device(), lowp_dequantize, codes.reshape({rows, cols}), l, scales, tensor_scale,
-               x.reshape({rows, cols}));
+               x.reshape(transpose ? Tensor::Shape{cols, rows} : Tensor::Shape{rows, cols}),
+               transpose);
 }
 
 void transpose(const Tensor& x, const Tensor& out) {

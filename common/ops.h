@@ -306,9 +306,11 @@ void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
                    std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
                    const Tensor& tensor_scale,
                    const lowp::StochasticRounding* stochastic = nullptr);
-/// The values lowp_quantize's codes, scales and tensor_scale stand for: x f32 [rows, cols].
+/// The values lowp_quantize's codes, scales and tensor_scale stand for: x f32 [rows, cols], or
+/// with `transpose` their transpose [cols, rows] (written in place of a copy).
 void lowp_dequantize(const Tensor& codes, const Tensor& scales, const Tensor& tensor_scale,
-                     lowp::Recipe recipe, lowp::Operand operand, const Tensor& x);
+                     lowp::Recipe recipe, lowp::Operand operand, const Tensor& x,
+                     bool transpose = false);
 /// out [cols, rows] = xᵀ, x seen as [rows, cols] (cols its last dimension): any dtype, same
 /// device, not overlapping.
 void transpose(const Tensor& x, const Tensor& out);

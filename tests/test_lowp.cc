@@ -798,6 +798,17 @@ TEST(LowpOps, QuantizeAndDequantizeAreTheQuantizersOnTensors) {
           ASSERT_EQ(std::bit_cast<std::uint32_t>(back.f32()[i]),
                     std::bit_cast<std::uint32_t>(want_back[i]))
               << "element " << i;
+        // Written transposed: [cols, rows], the same values.
+        const Tensor back_t = Tensor::empty({cols, rows});
+        ops::lowp_dequantize(codes, scales, tensor_scale, r, op, back_t, /*transpose=*/true);
+        for (std::int64_t i = 0; i < rows; ++i)
+          for (std::int64_t j = 0; j < cols; ++j)
+            ASSERT_EQ(std::bit_cast<std::uint32_t>(back_t.f32()[std::size_t(j * rows + i)]),
+                      std::bit_cast<std::uint32_t>(want_back[std::size_t(i * cols + j)]))
+                << i << ", " << j;
+        EXPECT_THROW(ops::lowp_dequantize(codes, scales, tensor_scale, r, op,
+                                          Tensor::empty({rows, cols}), /*transpose=*/true),
+                     Error);
       }
   // Codes of the wrong count, scales of the wrong dtype or count: refused.
   const Tensor scales = Tensor::empty({15, 2}, DType::u8);  // mxfp8's 32-blocks: [15, 2]

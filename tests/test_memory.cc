@@ -257,10 +257,10 @@ std::vector<Case> all_cases() {
                          gqa_recomputed(default_sizes()), selective(default_sizes())})
     cases.push_back({kFp8, in_fp8(z)});
   // Stage 06 under the row and block recipes: the column inputs' bf16 shards kept, no FP8
-  // weights. (nvfp4's emulation holds more fp32 scratch than the estimate counts, its Hadamard
-  // transforms' copies of the wgrad operands: measured at 0.91 of the peak at N = 1 and 0.89 at
-  // N = 2. Its saved activations are tested below.)
-  for (const char* word : {"rowwise", "block128"})
+  // weights, and the moment of a column layer's weight-gradient GEMMs, whose operands the
+  // recipe's emulation copies (06_fp8/layers.cc, "recipe emulation"; nvfp4's Hadamard
+  // transforms copy them once more).
+  for (const char* word : {"rowwise", "block128", "nvfp4"})
     for (const Sizes& z : {default_sizes(), selective(default_sizes())})
       cases.push_back({fp8_recipe(word), in_fp8(z)});
   // Stage 07 under FP8, its weights gathered as fp32 masters or as E4M3 codes.

@@ -26,8 +26,8 @@ void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
 }
 
 void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
-                     const Tensor& tensor_scale, const Tensor& x) {
-  const std::int64_t rows = x.dim(0), cols = x.dim(1);
+                     const Tensor& tensor_scale, const Tensor& x, bool transpose) {
+  const std::int64_t rows = codes.dim(0), cols = codes.dim(1);
   const std::int64_t br = l.block_rows == 0 ? rows : l.block_rows;
   const std::int64_t bc = l.block_cols == 0 ? cols : l.block_cols;
   const std::int64_t scale_cols = (cols + bc - 1) / bc;
@@ -41,7 +41,8 @@ void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& s
       const lowp::BlockScale b =
           fp32 ? lowp::BlockScale{scales.data<float>()[blk], 0}
                : lowp::BlockScale{1.0f, static_cast<const std::uint8_t*>(scales.raw())[blk]};
-      out[r * cols + j] = lowp::decode_element(c[r * cols + j], l, b, s_enc);
+      out[transpose ? j * rows + r : r * cols + j] =
+          lowp::decode_element(c[r * cols + j], l, b, s_enc);
     }
 }
 

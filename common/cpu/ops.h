@@ -79,7 +79,7 @@ void lowp_quantize(const Tensor& x, lowp::Recipe recipe, lowp::Operand operand,
                    std::optional<float> tensor_amax, const Tensor& codes, const Tensor& scales,
                    const Tensor& tensor_scale, const lowp::StochasticRounding* stochastic);
 void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
-                     const Tensor& tensor_scale, const Tensor& x);
+                     const Tensor& tensor_scale, const Tensor& x, bool transpose);
 void transpose(const Tensor& x, std::int64_t rows, std::int64_t cols, const Tensor& out);
 void hadamard_rows(const Tensor& x, std::int64_t rows, std::int64_t cols, const Tensor& y);
 void pack_e2m1(const Tensor& codes, const Tensor& packed);

@@ -218,9 +218,10 @@ void lowp_quantize(const float* x, I rows, I cols, const lowp::Layout& l, const 
                    std::uint8_t* scale_codes, float* tensor_scale, void* stream);
 /// x [rows, cols] = the values lowp_quantize's codes and scales stand for (the cpu's
 /// lowp::dequantize bit for bit); tensor_scale (device, UE4M3 only) is s_enc.
+/// `transpose`: x is written as [cols, rows] instead.
 void lowp_dequantize(const std::uint8_t* codes, I rows, I cols, const lowp::Layout& l,
                      const float* scales, const std::uint8_t* scale_codes,
-                     const float* tensor_scale, float* x, void* stream);
+                     const float* tensor_scale, float* x, bool transpose, void* stream);
 
 /// y = lowp::hadamard_rows(x), x and y [rows, cols] (not overlapping), the cpu's bits.
 void hadamard_rows(const float* x, I rows, I cols, float* y, void* stream);

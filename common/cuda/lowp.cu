@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     lowp_dequantize_kernel(const std::uint8_t* codes, I rows, I cols, lowp::Layout l, I br, I bc,
                            I scale_cols, const float* scales, const std::uint8_t* scale_codes,
-                           const float* tensor_scale, float* x) {
+                           const float* tensor_scale, float* x, bool transpose) {
   const float s_enc = tensor_scale != nullptr ? *tensor_scale : 1.0f;
   const I n = rows * cols, stride = I(gridDim.x) * kThreads;
   for (I i = I(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kThreads)
     const lowp::BlockScale b = l.scale == lowp::ScaleFormat::fp32
                                    ? lowp::BlockScale{scales[blk], 0}
                                    : lowp::BlockScale{1.0f, scale_codes[blk]};
-    x[i] = lowp::decode_element(codes[i], l, b, s_enc);
+    x[transpose ? (i % cols) * rows + i / cols : i] = lowp::decode_element(codes[i], l, b, s_enc);
   }
 }
 
@@ -164,14 +164,14 @@ void e2m1_pack(std::uint8_t* codes, I bytes, std::uint8_t* packed, bool pack, vo
 
 void lowp_dequantize(const std::uint8_t* codes, I rows, I cols, const lowp::Layout& l,
                      const float* scales, const std::uint8_t* scale_codes,
-                     const float* tensor_scale, float* x, void* stream) {
+                     const float* tensor_scale, float* x, bool transpose, void* stream) {
   const I br = l.block_rows == 0 ? rows : l.block_rows;
   const I bc = l.block_cols == 0 ? cols : l.block_cols;
   const I scale_cols = (cols + bc - 1) / bc;
   const I want = (rows * cols + kThreads - 1) / kThreads;
   const I grid = want < I{65535} ? want : I{65535};
   lowp_dequantize_kernel<<<unsigned(grid), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      codes, rows, cols, l, br, bc, scale_cols, scales, scale_codes, tensor_scale, x);
+      codes, rows, cols, l, br, bc, scale_cols, scales, scale_codes, tensor_scale, x, transpose);
 }
 
 void lowp_quantize(const float* x, I rows, I cols, const lowp::Layout& l, const float* tensor_amax,

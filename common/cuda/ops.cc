@@ -851,7 +851,7 @@ void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_
 }
 
 void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
-                     const Tensor& tensor_scale, const Tensor& x) {
+                     const Tensor& tensor_scale, const Tensor& x, bool transpose) {
   NvtxRange range("lowp_dequantize");
   TPX_CHECK(x.dtype() == DType::f32 && x.ndim() == 2 && x.numel() > 0 &&
                 dtype_size(codes.dtype()) == 1 && codes.numel() == x.numel(),
@@ -860,10 +860,10 @@ void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& s
   TPX_CHECK(scales.dtype() == (fp32 ? DType::f32 : DType::u8),
             "lowp_dequantize: scales {} for this layout", scales.describe());
   const bool two_level = l.scale == lowp::ScaleFormat::ue4m3;
-  kernels::lowp_dequantize(codes.data<std::uint8_t>(), x.dim(0), x.dim(1), l,
-                           fp32 ? cf(scales) : nullptr,
+  const I rows = transpose ? x.dim(1) : x.dim(0), cols = transpose ? x.dim(0) : x.dim(1);
+  kernels::lowp_dequantize(codes.data<std::uint8_t>(), rows, cols, l, fp32 ? cf(scales) : nullptr,
                            fp32 ? nullptr : scales.data<std::uint8_t>(),
-                           two_level ? cf(tensor_scale) : nullptr, f(x), stream());
+                           two_level ? cf(tensor_scale) : nullptr, f(x), transpose, stream());
   TPX_CUDA_LAUNCH_CHECK();
 }
 

@@ -146,7 +146,7 @@ void lowp_quantize(const Tensor& x, const lowp::Layout& l, const Tensor& tensor_
 /// Its inverse, lowp::dequantize's bytes: x f32 [rows, cols] from codes, scales and (UE4M3)
 /// tensor_scale as lowp_quantize wrote them.
 void lowp_dequantize(const Tensor& codes, const lowp::Layout& l, const Tensor& scales,
-                     const Tensor& tensor_scale, const Tensor& x);
+                     const Tensor& tensor_scale, const Tensor& x, bool transpose = false);
 
 /// lowp::hadamard_rows of x [rows, cols] into y, the cpu's bits (kernel in lowp.cu).
 void hadamard_rows(const Tensor& x, std::int64_t rows, std::int64_t cols, const Tensor& y);
