@@ -113,7 +113,7 @@ Quantized quantize(const float* x, std::int64_t rows, std::int64_t cols, Recipe 
         for (std::int64_t c = c0; c < c1; ++c) {
           const std::uint32_t bits = stochastic ? sr_bits(*stochastic, r, c) : 0u;
           q.codes[static_cast<std::size_t>(r * cols + c)] =
-              cast_element(x[r * cols + c], l, b, q.tensor_scale, stochastic ? &bits : nullptr);
+              cast_element(x[r * cols + c], l, b, q.tensor_scale, stochastic != nullptr, bits);
         }
     }
   }

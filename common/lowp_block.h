@@ -126,11 +126,13 @@ TPX_HD inline BlockScale block_scale(float amax, const Layout& l, float tensor_s
   return b;
 }
 
-/// The code of element v of a block with scale `b` (nvfp4: `tensor_scale` its s_enc). `random`:
-/// under UE4M3 (nvfp4) the element's random bits (sr_bits), which round it stochastically
-/// (e2m1_encode_stochastic); ignored by the other formats, which round to nearest even.
+/// The code of element v of a block with scale `b` (nvfp4: `tensor_scale` its s_enc). With
+/// `stochastic`, under UE4M3 (nvfp4) the element is rounded stochastically with its random bits
+/// `random` (sr_bits; e2m1_encode_stochastic); the other formats ignore both and round to nearest
+/// even. (The bits travel by value: a pointer would put them in a kernel's local memory.)
 TPX_HD inline std::uint8_t cast_element(float v, const Layout& l, const BlockScale& b,
-                                        float tensor_scale, const std::uint32_t* random = nullptr) {
+                                        float tensor_scale, bool stochastic = false,
+                                        std::uint32_t random = 0) {
   const bool negative = (fp8::float_bits(v) & 0x80000000u) != 0;
   switch (l.scale) {
     case ScaleFormat::fp32:
@@ -147,7 +149,7 @@ TPX_HD inline std::uint8_t cast_element(float v, const Layout& l, const BlockSca
         return static_cast<std::uint8_t>((negative ? 0x08u : 0u) | kE2M1.nan_code);
       if (d == 0.0f) return negative ? 0x08u : 0x00u;  // ±0
       const float scaled = hd::mul_rn(v, hd::div_rn(tensor_scale, d));
-      return random != nullptr ? e2m1_encode_stochastic(scaled, *random) : e2m1_encode(scaled);
+      return stochastic ? e2m1_encode_stochastic(scaled, random) : e2m1_encode(scaled);
     }
   }
   return 0;

@@ -10,9 +10,9 @@
 // Shape: 256 threads a block; a 1 × 16 (nvfp4) or 1 × 32 (mxfp8) block leaves most of them idle,
 // a 128 × 128 weight block or a rowwise row of K keeps them busy. This is the reference cast on
 // the GPU, for the tests and the recipes' dequantize-then-multiply path, not a tuned kernel.
-// Resources (ptxas, sm_90): the quantizer 42 registers, 2 KiB of shared memory, no spills (so
-// 5 blocks of 256 threads per SM: 42 registers round up to 48 a thread); the dequantizer 32
-// registers, no spills.
+// Resources (ptxas, sm_90): the quantizer 44 registers, 2 KiB of shared memory, no spills and no
+// stack (the stochastic rounding's bits travel by value; so 5 blocks of 256 threads per SM: 44
+// registers round up to 48 a thread); the dequantizer 32 registers, no spills.
 // lowp_dequantize is element-wise: each element looks up its block's scale and calls
 // lowp::decode_element, as lowp::dequantize does. Beside them, the moves stage 06's recipes need
 // on the device: nvfp4's Hadamard transform (32 registers) and E2M1 packing (28), element-wise.
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
     for (I e = threadIdx.x; e < n; e += kThreads) {
       const I r = b.r0 + e / width, c = b.c0 + e % width, i = r * cols + c;
       const std::uint32_t bits = stochastic ? lowp::sr_bits(sr, r, c) : 0u;
-      codes[i] = lowp::cast_element(x[i], l, s, s_enc, stochastic ? &bits : nullptr);
+      codes[i] = lowp::cast_element(x[i], l, s, s_enc, stochastic, bits);
     }
     __syncthreads();  // block_max and block_nan are read above before the next block's writes
   }
