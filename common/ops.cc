@@ -854,12 +854,11 @@ void hadamard_rows(const Tensor& x, const Tensor& y) {
 
 namespace {
 void expect_e2m1_pair(const Tensor& codes, const Tensor& packed, const char* what) {
-  const auto [rows, cols] = matrix_of(codes);
+  const std::int64_t cols = matrix_of(codes).second;
   TPX_CHECK(codes.dtype() == DType::u8 && packed.dtype() == DType::u8 && cols % 2 == 0 &&
                 packed.numel() * 2 == codes.numel() && packed.device() == codes.device(),
             "{}: {} codes and {} bytes (u8, an even last dimension, half as many bytes)", what,
             codes.describe(), packed.describe());
-  (void)rows;
 }
 }  // namespace
 

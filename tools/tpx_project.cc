@@ -243,6 +243,62 @@ std::vector<StageCost> stage_costs(const pj::DeviceSpec& d, const tpx::BlockConf
   return rows;
 }
 
+/// A mixture of experts as stage 05 and chapter 9 time it: each MoE layer's MLP a dense SwiGLU of
+/// the chosen experts' width K·FE + SF (the same GEMM FLOPs per token), averaged over the layers
+/// with the dense ones' F, rounded down to a multiple of T.
+tpx::BlockConfig dense_equivalent(const tpx::BlockConfig& c, int tp) {
+  const tpx::MoeConfig& m = c.moe;
+  tpx::BlockConfig dense = c;
+  dense.moe = {};
+  const std::int64_t moe_layers = tpx::ep::moe_layers(c),
+                     width = m.topk * m.expert_ffn + m.shared_ffn;
+  const std::int64_t ffn = (moe_layers * width + (c.layers - moe_layers) * c.ffn) / c.layers;
+  dense.ffn = std::max<std::int64_t>(tp, ffn / tp * tp);
+  return dense;
+}
+
+/// Refuses an EP that does not divide the D·C ranks (the experts borrow theirs) or the experts, and
+/// a T that does not divide FE; `name_cp`: the message names the D·C ranks, not D alone.
+void check_experts_fit(const tpx::MoeConfig& m, int tp, int dp, int cp, int ep, bool name_cp) {
+  if ((dp * cp) % ep != 0 || m.experts % ep != 0)
+    throw std::invalid_argument(
+        name_cp ? fmt::format("--ep {} must divide the D·C ranks (--dp {} × --cp {}) and the "
+                              "experts ({}): the experts borrow their ranks from the data- and "
+                              "context-parallel ones, E/EP whole experts each",
+                              ep, dp, cp, m.experts)
+                : fmt::format("--ep {} must divide --dp ({}) and the experts ({}): the experts "
+                              "borrow their ranks from the data-parallel ones, E/EP whole experts "
+                              "each",
+                              ep, dp, m.experts));
+  if (m.expert_ffn % tp != 0)
+    throw std::invalid_argument(fmt::format(
+        "--tp {} must divide the experts' width FE ({}): each TP rank holds FE/T of every expert",
+        tp, m.expert_ffn));
+}
+
+/// The experts' exposed EP time and their DP time (behind the compute): the all-to-alls over
+/// NVLink when an EP group's `ep_gpus` share a node, else the network; the DP bytes over the
+/// network, 3·(G − 1) latencies for G = `dp_ranks`.
+struct ExpertTimes {
+  double ep_ms = 0, dp_ms = 0;
+};
+ExpertTimes expert_times(const pj::DeviceSpec& d, const tpx::Traffic& ep, const tpx::Traffic& dp,
+                         int ep_gpus, int dp_ranks) {
+  const bool one_node = ep_gpus <= d.gpus_per_node;
+  if (!one_node && d.dp_GBps_per_direction <= 0)
+    throw std::invalid_argument(fmt::format(
+        "{}: an EP group of {} GPUs spans nodes and the file has no dp_GBps_per_direction", d.file,
+        ep_gpus));
+  const double ep_GBps = one_node ? d.nvlink_GBps_per_direction * d.collective_efficiency
+                                  : d.dp_GBps_per_direction * d.dp_efficiency;
+  ExpertTimes t;
+  t.ep_ms = double(ep.bus) / (ep_GBps * 1e9) * 1e3 + double(ep.calls) * d.link_latency_us * 1e-3;
+  if (d.dp_GBps_per_direction > 0)
+    t.dp_ms = double(dp.bus) / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
+              3 * (dp_ranks - 1) * d.link_latency_us * 1e-3;
+  return t;
+}
+
 /// Stage 10 on a D × T mesh with EP (a mixture-of-experts model), from its own formulas: bytes
 /// (10_expert_parallel/traffic.h), memory (its estimate, the experts sharded over their D/EP
 /// holders) and FLOPs (common/flops.h, the K chosen experts). Time: stage 05's projection of
@@ -263,29 +319,11 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
     throw std::invalid_argument(
         fmt::format("--dp {} × --tp {}{} is more GPUs than the model counts ({} at most)", dp, tp,
                     cp > 1 ? fmt::format(" × --cp {}", cp) : "", std::numeric_limits<int>::max()));
-  if (cp == 1 && (dp % ep != 0 || m.experts % ep != 0))
-    throw std::invalid_argument(fmt::format(
-        "--ep {} must divide --dp ({}) and the experts ({}): the experts borrow their ranks "
-        "from the data-parallel ones, E/EP whole experts each",
-        ep, dp, m.experts));
-  if (cp > 1 && ((dp * cp) % ep != 0 || m.experts % ep != 0))
-    throw std::invalid_argument(fmt::format(
-        "--ep {} must divide the D·C ranks (--dp {} × --cp {}) and the experts ({}): the experts "
-        "borrow their ranks from the data- and context-parallel ones, E/EP whole experts each",
-        ep, dp, cp, m.experts));
-  if (m.expert_ffn % tp != 0)
-    throw std::invalid_argument(fmt::format(
-        "--tp {} must divide the experts' width FE ({}): each TP rank holds FE/T of every expert",
-        tp, m.expert_ffn));
+  check_experts_fit(m, tp, dp, cp, ep, /*name_cp=*/cp > 1);
   StageCost r;
   r.stage = "10_expert_parallel";
   r.gpus = tp * dp * cp;
-  tpx::BlockConfig dense = c;  // the experts as a SwiGLU of their FLOPs
-  dense.moe = {};
-  const std::int64_t moe_layers = tpx::ep::moe_layers(c),
-                     width = m.topk * m.expert_ffn + m.shared_ffn;
-  const std::int64_t ffn = (moe_layers * width + (c.layers - moe_layers) * c.ffn) / c.layers;
-  dense.ffn = std::max<std::int64_t>(tp, ffn / tp * tp);
+  tpx::BlockConfig dense = dense_equivalent(c, tp);  // the experts as a SwiGLU of their FLOPs
   // The time's compute and exposed TP (and CP) parts: stage 05's projection of one replica, or
   // with --cp stage 08's of the whole mesh, which refuses a sequence C does not cut as the
   // stage does, before any bytes are counted.
@@ -320,21 +358,8 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
   r.dp_bytes = t.dp;
   r.ep_bytes = t.ep;
   r.cp_bytes = t.cp;
-  const bool one_node = tp * ep <= d.gpus_per_node;
-  const double ep_GBps = one_node ? d.nvlink_GBps_per_direction * d.collective_efficiency
-                                  : d.dp_GBps_per_direction * d.dp_efficiency;
-  if (!one_node && d.dp_GBps_per_direction <= 0)
-    throw std::invalid_argument(fmt::format(
-        "{}: an EP group of {} GPUs spans nodes and the file has no dp_GBps_per_direction", d.file,
-        tp * ep));
-  const double ep_ms =
-      double(t.ep.bus) / (ep_GBps * 1e9) * 1e3 + double(t.ep.calls) * d.link_latency_us * 1e-3;
-  const double dp_ms =
-      d.dp_GBps_per_direction > 0
-          ? double(t.dp.bus) / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
-                3 * (dp * cp - 1) * d.link_latency_us * 1e-3
-          : 0.0;
-  r.step_ms = busy_ms + std::max(0.0, dp_ms - compute_ms) + ep_ms;
+  const ExpertTimes times = expert_times(d, t.ep, t.dp, tp * ep, dp * cp);
+  r.step_ms = busy_ms + std::max(0.0, times.dp_ms - compute_ms) + times.ep_ms;
   r.exposed_ms = r.step_ms - compute_ms;
   r.flops = tpx::step_flops(c).total() / double(r.gpus);
   tpx::Sharding sh{
@@ -365,22 +390,9 @@ StageCost expert_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c, int tp
 StageCost expert_pipeline_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& c,
                                const pj::Layout& l, int ep) {
   const tpx::MoeConfig& m = c.moe;
-  if ((l.dp * l.cp) % ep != 0 || m.experts % ep != 0)
-    throw std::invalid_argument(fmt::format(
-        "--ep {} must divide the D·C ranks (--dp {} × --cp {}) and the experts ({}): the experts "
-        "borrow their ranks from the data- and context-parallel ones, E/EP whole experts each",
-        ep, l.dp, l.cp, m.experts));
-  if (m.expert_ffn % l.tp != 0)
-    throw std::invalid_argument(fmt::format(
-        "--tp {} must divide the experts' width FE ({}): each TP rank holds FE/T of every expert",
-        l.tp, m.expert_ffn));
-  tpx::BlockConfig dense = c;  // the experts as a SwiGLU of their FLOPs, as expert_cost()'s
-  dense.moe = {};
-  const std::int64_t moe_layers = tpx::ep::moe_layers(c),
-                     width = m.topk * m.expert_ffn + m.shared_ffn;
-  const std::int64_t ffn = (moe_layers * width + (c.layers - moe_layers) * c.ffn) / c.layers;
-  dense.ffn = std::max<std::int64_t>(l.tp, ffn / l.tp * l.tp);
-  const pj::LayoutStep x = pj::project_layout(d, dense, l);  // checks the mesh and M
+  check_experts_fit(m, l.tp, l.dp, l.cp, ep, /*name_cp=*/true);
+  // The experts as a SwiGLU of their FLOPs; the projection checks the mesh and M.
+  const pj::LayoutStep x = pj::project_layout(d, dense_equivalent(c, l.tp), l);
   // Balanced routing must divide, per micro-batch: S/C·B/(D·M)·K assignments over E, and under
   // --cp with a capacity each sequence chunk's S/(2C)·K (the stage's --dry-run's rule).
   const std::int64_t n = c.seq / l.cp * (c.batch / l.dp / l.microbatches);
@@ -411,23 +423,10 @@ StageCost expert_pipeline_cost(const pj::DeviceSpec& d, const tpx::BlockConfig& 
   r.pp_bytes = plan.group("pp").bus;
   r.tp_bytes = plan.traffic;
   for (const tpx::PlanGroup& g : plan.groups) r.tp_bytes -= g.traffic;
-  const bool one_node = l.tp * ep <= d.gpus_per_node;
-  if (!one_node && d.dp_GBps_per_direction <= 0)
-    throw std::invalid_argument(fmt::format(
-        "{}: an EP group of {} GPUs spans nodes and the file has no dp_GBps_per_direction", d.file,
-        l.tp * ep));
-  const double ep_GBps = one_node ? d.nvlink_GBps_per_direction * d.collective_efficiency
-                                  : d.dp_GBps_per_direction * d.dp_efficiency;
-  const double ep_ms = double(r.ep_bytes.bus) / (ep_GBps * 1e9) * 1e3 +
-                       double(r.ep_bytes.calls) * d.link_latency_us * 1e-3;
-  const double dp_ms =
-      d.dp_GBps_per_direction > 0
-          ? double(r.dp_bytes.bus) / (d.dp_GBps_per_direction * 1e9 * d.dp_efficiency) * 1e3 +
-                3 * (l.dp * l.cp - 1) * d.link_latency_us * 1e-3
-          : 0.0;
+  const ExpertTimes times = expert_times(d, r.ep_bytes, r.dp_bytes, l.tp * ep, l.dp * l.cp);
   const double busy = x.compute_ms + x.tp_ms + x.cp_ms + x.p2p_ms;
   r.bubble_ms = x.bubble_ms;
-  r.step_ms = busy + x.bubble_ms + std::max(0.0, dp_ms - x.compute_ms) + ep_ms;
+  r.step_ms = busy + x.bubble_ms + std::max(0.0, times.dp_ms - x.compute_ms) + times.ep_ms;
   r.exposed_ms = r.step_ms - x.compute_ms - x.bubble_ms;
   r.flops = tpx::step_flops(c).total() / double(r.gpus);
   const tpx::MemoryEstimate e = tpx::estimate_training_memory(c, plan.sharding);
