@@ -39,19 +39,46 @@ Tensor host_tensor(std::span<const float> v, Tensor::Shape shape) {
   return t;
 }
 
-/// A host vector's floats as a [n] cpu tensor for one call of an op: it does not own them (an
-/// aliasing pointer that shares no ownership), so `v` must outlive it.
-Tensor view(HostVector<float>& v) {
-  return Tensor::borrow(v.data(), {I(v.size())}, DType::f32, Device::cpu,
-                        std::shared_ptr<const void>(std::shared_ptr<const void>(), v.data()));
+/// v's floats as a tensor of `shape` on `device`.
+Tensor on_device(std::span<const float> v, Tensor::Shape shape, Device device) {
+  return ops::to_device(host_tensor(v, std::move(shape)), device);
 }
 
-/// Sums v over `comm`'s ranks in place (a gradient's all-reduce, counted in the step's traffic).
-void all_reduce(Communicator& comm, HostVector<float>& v, const Stream& s) {
-  if (v.empty() || comm.size() == 1) return;
-  const Tensor t = host_tensor(v, {I(v.size())});
-  comm.all_reduce(t, s);
-  std::memcpy(v.data(), t.raw(), v.size() * sizeof(float));
+/// A copy of t (its own storage) on t's device.
+Tensor copy_of(const Tensor& t) {
+  const Tensor c = Tensor::empty(t.shape(), t.dtype(), t.device());
+  ops::copy(t, c);
+  return c;
+}
+
+Tensor zeros_like(const Tensor& t) {
+  const Tensor z = Tensor::empty(t.shape(), DType::f32, t.device());
+  ops::fill(z, 0.0f);
+  return z;
+}
+
+/// t's floats on the host, outside the allocator (a report's copy), or none for an undefined t.
+std::vector<float> host_copy(const Tensor& t) {
+  if (!t.defined()) return {};
+  const Tensor h = ops::to_device(t, Device::cpu);
+  return {h.f32().begin(), h.f32().end()};
+}
+
+/// Rows [S, b, H] (t = s·b + j) as [b·S, H] in sequence order (t' = j·S + s) with `to_sequence`,
+/// and such rows [b·S, H] back to [S·b, H] without (moe_model.h's token order), by one
+/// ops::gather_rows.
+Tensor reorder(const Tensor& rows, I S, I b, bool to_sequence) {
+  const I H = rows.dim(rows.ndim() - 1), n = S * b;
+  const Tensor index = Tensor::empty({n}, DType::i32);
+  for (I s = 0; s < S; ++s)
+    for (I j = 0; j < b; ++j) {
+      const I sequence = j * S + s, layout = s * b + j;
+      index.data<std::int32_t>()[to_sequence ? sequence : layout] =
+          static_cast<std::int32_t>(to_sequence ? layout : sequence);
+    }
+  const Tensor out = Tensor::empty({n, H}, DType::f32, rows.device());
+  ops::gather_rows(rows.reshape({n, H}), ops::to_device(index, rows.device()), Tensor(), out);
+  return out;
 }
 
 }  // namespace
@@ -122,16 +149,27 @@ class MoeLayers final : public ExtraParameters {
 class MoeLayers::Layer final : public MlpBranch {
  public:
   Layer(MoeLayers& owner, I layer)
-      : o_(owner),
-        layer_(layer),
-        w_(moe_init<float>(owner.c_, layer, owner.ep_rank_ * local(), local(), owner.tp_rank_,
-                           owner.tp_size_)),
-        bias_(std::size_t(owner.c_.moe.experts), 0.0f) {
+      : o_(owner), layer_(layer), bias_(std::size_t(owner.c_.moe.experts), 0.0f) {
     bias_[0] = float(owner.c_.moe.skew);  // TPX_MOE_SKEW's, a test's skewed routing (else 0)
-    if (sharded()) {                      // keep this holder's 1/G of the experts, let the rest go
-      const HostVector<float> all = pack(w_);
-      const I G = o_.replicas_->size(), part = I(all.size()) / G;
-      shard_.assign(all.begin() + o_.replica_ * part, all.begin() + (o_.replica_ + 1) * part);
+    const BlockConfig& c = o_.c_;
+    const MoeWeights<float> w =
+        moe_init<float>(c, layer, o_.ep_rank_ * local(), local(), o_.tp_rank_, o_.tp_size_);
+    const I H = c.hidden, E = c.moe.experts, fe = c.moe.expert_ffn / o_.tp_size_,
+            sf = c.moe.shared_ffn / o_.tp_size_, El = local();
+    const Device d = c.device;
+    w_.router = on_device(w.router, {H, E}, d);
+    w_.w_gate = on_device(w.w_gate, {El, H, fe}, d);
+    w_.w_up = on_device(w.w_up, {El, H, fe}, d);
+    w_.w_down = on_device(w.w_down, {El, fe, H}, d);
+    if (sf > 0) {
+      w_.shared_gate = on_device(w.shared_gate, {H, sf}, d);
+      w_.shared_up = on_device(w.shared_up, {H, sf}, d);
+      w_.shared_down = on_device(w.shared_down, {sf, H}, d);
+    }
+    if (sharded()) {  // keep this holder's 1/G of the experts, let the rest go
+      const Tensor all = pack(w_);
+      const I G = o_.replicas_->size(), part = all.numel() / G;
+      shard_ = copy_of(all.slice0(o_.replica_ * part, (o_.replica_ + 1) * part));
       release_experts();
     }
   }
@@ -141,7 +179,7 @@ class MoeLayers::Layer final : public MlpBranch {
   // (No span around the whole layer: its own spans say which part of it computes and which
   // waits for an exchange, so that the trace's exposed communication is the experts' too.)
   Tensor forward(const Tensor& h2, Trace& trace) override {
-    TPX_CHECK(h2.device() == Device::cpu && h2.dtype() == DType::f32, "experts on {}",
+    TPX_CHECK(h2.device() == o_.c_.device && h2.dtype() == DType::f32, "experts on {}",
               h2.describe());
     Saved& s = slot();
     s = {};  // a held-out forward's, or none: backward frees the step's
@@ -153,14 +191,15 @@ class MoeLayers::Layer final : public MlpBranch {
     s.shape = routing.shape(H, S * b);
     s.shape.expert_ffn /= o_.tp_size_;  // this rank's part of every expert's width
     s.shape.shared_ffn /= o_.tp_size_;
-    s.x = to_sequence_major(rows.f32().data(), S, b, H);
+    s.x = reorder(rows, S, b, /*to_sequence=*/true);
     gather_experts(trace);
-    s.f = moe_ep_forward<float>(s.shape, w_, s.x, bias_, *o_.ep_, o_.stream_, o_.tokens_.get(),
-                                o_.overlap(trace), o_.token_order(b));
+    const Tensor bias = on_device(bias_, {I(bias_.size())}, o_.c_.device);
+    s.f = moe_ep_ops_forward(s.shape, w_, s.x, bias, *o_.ep_, o_.stream_, o_.tokens_.get(),
+                             o_.overlap(trace), o_.token_order(b));
     release_experts();
-    s.aux_loss = double(s.f.aux_loss);
-    Tensor y = host_tensor(from_sequence_major(s.f.y.data(), S, b, H), rows.shape());
-    release(s.f.y);  // backward does not read it
+    s.aux_loss = s.f.aux_loss;
+    const Tensor y = reorder(s.f.y, S, b, /*to_sequence=*/false).reshape(rows.shape());
+    s.f.y = {};  // backward does not read it
     return scatter(y, trace);
   }
 
@@ -168,38 +207,39 @@ class MoeLayers::Layer final : public MlpBranch {
     Saved& s = slot();
     const Tensor rows = gather(dout, trace);
     const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
-    const HostVector<float> dy = to_sequence_major(rows.f32().data(), S, b, H);
+    const Tensor dy = reorder(rows, S, b, /*to_sequence=*/true);
     const bool first = backwards_ % o_.microbatches_ == 0;  // the step's first micro-batch
     if (first) g_ = {};  // the last step's, which the update has used
     gather_experts(trace);
-    MoeGrads<float> g = moe_ep_backward<float>(s.shape, w_, s.x, s.f, dy, *o_.ep_, o_.stream_,
-                                               o_.tp_.get(), o_.overlap(trace));
+    MoeTensorGrads g = moe_ep_ops_backward(s.shape, w_, s.x, s.f, dy, *o_.ep_, o_.stream_,
+                                           o_.tp_.get(), o_.overlap(trace));
     release_experts();
-    Tensor dx = host_tensor(from_sequence_major(g.x.data(), S, b, H), rows.shape());
-    release(g.x);
+    const Tensor dx = reorder(g.x, S, b, /*to_sequence=*/false).reshape(rows.shape());
+    g.x = {};
     // The most rows one of the step's forwards received (--json's moe.rows_received_max).
-    const I received = I(s.f.recv.size()) / std::max<I>(H, 1);
+    I received = 0;
+    for (const Tensor& r : s.f.recv) received += r.dim(0);
     rows_ = first ? received : std::max(rows_, received);
+    (void)H;
     // The step's gradients and counts: this micro-batch's, added to the earlier ones'.
     if (first) {
-      g_ = std::move(g);
+      g_ = std::move(g.w);
       counts_ = s.f.routed_all;
     } else {
-      const auto into = moe_tensors(g_.w);
+      const auto into = moe_tensors(g_);
       const auto from = moe_tensors(g.w);
       for (std::size_t p = 0; p < into.size(); ++p)
-        if (!into[p]->empty()) ops::accumulate(view(*from[p]), view(*into[p]));
+        if (into[p]->defined()) ops::accumulate(*from[p], *into[p]);
       for (std::size_t e = 0; e < counts_.size(); ++e) counts_[e] += s.f.routed_all[e];
     }
     if (++backwards_ % o_.microbatches_ == 0) {
       // After the step's last micro-batch: the router's and the shared experts' parts summed
       // over every token's rank; each expert's over its holders, each keeping 1/G (FSDP).
-      for (HostVector<float>* t :
-           {&g_.w.router, &g_.w.shared_gate, &g_.w.shared_up, &g_.w.shared_down})
-        all_reduce(*o_.tokens_, *t, o_.stream_);
+      for (const Tensor* t : {&g_.router, &g_.shared_gate, &g_.shared_up, &g_.shared_down})
+        if (t->defined() && o_.tokens_->size() > 1) o_.tokens_->all_reduce(*t, o_.stream_);
       if (sharded()) reduce_scatter_experts(trace);
     }
-    release(s.x);  // what backward needed (its auxiliary loss stays for the step's loss)
+    s.x = {};  // what backward needed (its auxiliary loss stays for the step's loss)
     s.f = {};
     return scatter(dx, trace);
   }
@@ -209,25 +249,27 @@ class MoeLayers::Layer final : public MlpBranch {
 
   /// The experts' three tensors of `w` side by side, padded with zeros to a multiple of the
   /// holders G: what a holder's shard is 1/G of.
-  HostVector<float> pack(const MoeWeights<float>& w) const {
-    const auto G = std::size_t(o_.replicas_->size());
-    const std::size_t n = w.w_gate.size() + w.w_up.size() + w.w_down.size();
-    HostVector<float> all;
-    all.reserve((n + G - 1) / G * G);  // one buffer: growing it would hold two at once
-    for (const HostVector<float>* t : {&w.w_gate, &w.w_up, &w.w_down})
-      all.insert(all.end(), t->begin(), t->end());
-    all.resize(all.capacity(), 0.0f);
+  Tensor pack(const MoeTensors& w) const {
+    const I G = o_.replicas_->size();
+    const I n = w.w_gate.numel() + w.w_up.numel() + w.w_down.numel();
+    const Tensor all = Tensor::empty({(n + G - 1) / G * G}, DType::f32, o_.c_.device);
+    I at = 0;
+    for (const Tensor* t : {&w.w_gate, &w.w_up, &w.w_down}) {
+      ops::copy(t->reshape({t->numel()}), all.slice0(at, at + t->numel()));
+      at += t->numel();
+    }
+    if (at < all.numel()) ops::fill(all.slice0(at, all.numel()), 0.0f);
     return all;
   }
-  /// pack()'s inverse into w's three tensors (their sizes: this rank's experts' and width).
-  template <class W>
-  void unpack(std::span<const float> all, W& w) const {
-    const std::size_t n = std::size_t(local() * o_.c_.hidden * o_.c_.moe.expert_ffn / o_.tp_size_);
-    std::size_t at = 0;
-    for (auto* t : {&w.w_gate, &w.w_up, &w.w_down}) {
-      t->assign(all.begin() + std::ptrdiff_t(at), all.begin() + std::ptrdiff_t(at + n));
-      at += n;
-    }
+  /// pack()'s inverse into w's three tensors (their shapes: this rank's experts' and width),
+  /// each a copy of its own.
+  void unpack(const Tensor& all, MoeTensors& w) const {
+    const I H = o_.c_.hidden, fe = o_.c_.moe.expert_ffn / o_.tp_size_, El = local(),
+            n = El * H * fe;
+    const Tensor::Shape shapes[] = {{El, H, fe}, {El, H, fe}, {El, fe, H}};
+    Tensor* into[] = {&w.w_gate, &w.w_up, &w.w_down};
+    for (int i = 0; i < 3; ++i)
+      *into[i] = copy_of(all.slice0(i * n, (i + 1) * n)).reshape(shapes[i]);
   }
 
   /// The experts whole for a forward or backward (an all_gather of the shards over the holders,
@@ -236,28 +278,24 @@ class MoeLayers::Layer final : public MlpBranch {
     if (!sharded()) return;
     TraceScope span(trace, "experts: FSDP all-gather", Lane::dp_comm);
     const I G = o_.replicas_->size();
-    const Tensor part = host_tensor(shard_, {I(shard_.size())});
-    Tensor all = Tensor::empty({I(shard_.size()) * G}, DType::f32, Device::cpu);
-    o_.replicas_->all_gather(part, all, o_.stream_);
-    unpack(all.f32(), w_);
+    const Tensor all = Tensor::empty({shard_.numel() * G}, DType::f32, o_.c_.device);
+    o_.replicas_->all_gather(shard_, all, o_.stream_);
+    unpack(all, w_);
   }
   void release_experts() {
     if (!sharded()) return;
-    for (HostVector<float>* t : {&w_.w_gate, &w_.w_up, &w_.w_down}) release(*t);
+    for (Tensor* t : {&w_.w_gate, &w_.w_up, &w_.w_down}) *t = {};
   }
 
   /// After the step's last backward: the experts' gradients summed over the holders, each
   /// keeping its 1/G (a reduce_scatter), and the whole ones let go.
   void reduce_scatter_experts(Trace& trace) {
     TraceScope span(trace, "experts: FSDP reduce-scatter", Lane::dp_comm);
-    HostVector<float> packed = pack(g_.w);
-    for (HostVector<float>* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down}) release(*t);
-    const I G = o_.replicas_->size(), part = I(packed.size()) / G;
-    const Tensor all = host_tensor(packed, {I(packed.size())});
-    release(packed);
-    Tensor mine = Tensor::empty({part}, DType::f32, Device::cpu);
-    o_.replicas_->reduce_scatter(all, mine, o_.stream_);
-    grad_shard_.assign(mine.f32().begin(), mine.f32().end());
+    Tensor packed = pack(g_);
+    for (Tensor* t : {&g_.w_gate, &g_.w_up, &g_.w_down}) *t = {};
+    const I G = o_.replicas_->size(), part = packed.numel() / G;
+    grad_shard_ = Tensor::empty({part}, DType::f32, o_.c_.device);
+    o_.replicas_->reduce_scatter(packed, grad_shard_, o_.stream_);
   }
 
   /// The TP group's parts of a [S/T, b, H] tensor, whole: [S, b, H] (itself when T = 1).
@@ -265,7 +303,7 @@ class MoeLayers::Layer final : public MlpBranch {
     if (!o_.tp_) return part;
     TraceScope span(trace, "experts: all-gather", Lane::comm);
     Tensor whole = Tensor::empty({part.dim(0) * o_.tp_size_, part.dim(1), part.dim(2)}, DType::f32,
-                                 Device::cpu);
+                                 part.device());
     o_.tp_->all_gather(part, whole, o_.stream_);
     return whole;
   }
@@ -274,7 +312,7 @@ class MoeLayers::Layer final : public MlpBranch {
     if (!o_.tp_) return whole;
     TraceScope span(trace, "experts: reduce-scatter", Lane::comm);
     Tensor part = Tensor::empty({whole.dim(0) / o_.tp_size_, whole.dim(1), whole.dim(2)},
-                                DType::f32, Device::cpu);
+                                DType::f32, whole.device());
     o_.tp_->reduce_scatter(whole, part, o_.stream_);
     return part;
   }
@@ -283,11 +321,7 @@ class MoeLayers::Layer final : public MlpBranch {
   /// left out).
   std::size_t saved_bytes() const override {
     const Saved& s = saved_.at(std::size_t(o_.microbatch_));
-    const MoeEpForward<float>& f = s.f;
-    return (s.x.size() + f.logits.size() + f.routing.score.size() + f.routing.weight.size() +
-            f.recv.size() + f.gate.size() + f.up.size() + f.out.size() + f.shared_gate.size() +
-            f.shared_up.size()) *
-           sizeof(float);
+    return (s.x.defined() ? s.x.nbytes() : 0) + s.f.bytes();
   }
 
   /// The step's auxiliary loss: its micro-batches' (each weighted 1/M by the shape).
@@ -302,16 +336,16 @@ class MoeLayers::Layer final : public MlpBranch {
   /// rank's experts' part where `experts`.
   double square_sum(bool router, bool shared, bool experts) const {
     double sq = 0.0;
-    auto add = [&](const HostVector<float>& v) {
-      for (const float x : v) sq += double(x) * x;
+    auto add = [&](const Tensor& t) {
+      if (t.defined()) sq += ops::sum_squares(t);
     };
-    if (router) add(g_.w.router);
+    if (router) add(g_.router);
     if (shared)
-      for (const auto* t : {&g_.w.shared_gate, &g_.w.shared_up, &g_.w.shared_down}) add(*t);
+      for (const Tensor* t : {&g_.shared_gate, &g_.shared_up, &g_.shared_down}) add(*t);
     if (sharded())  // each holder its own part
       add(grad_shard_);
     else if (experts)
-      for (const auto* t : {&g_.w.w_gate, &g_.w.w_up, &g_.w.w_down}) add(*t);
+      for (const Tensor* t : {&g_.w_gate, &g_.w_up, &g_.w_down}) add(*t);
     return sq;
   }
 
@@ -320,25 +354,24 @@ class MoeLayers::Layer final : public MlpBranch {
   void update(int t) {
     const BlockConfig& c = o_.c_;
     const auto w = moe_tensors(w_);
-    const auto g = moe_tensors(g_.w);
-    // The tensors this rank steps: the seven (the experts' empty when sharded), then the
+    const auto g = moe_tensors(g_);
+    // The tensors this rank steps: the seven (the experts' undefined when sharded), then the
     // experts' shard.
-    std::vector<std::pair<HostVector<float>*, HostVector<float>*>> steps;
+    std::vector<std::pair<Tensor*, Tensor*>> steps;
     for (std::size_t p = 0; p < w.size(); ++p) steps.emplace_back(w[p], g[p]);
     if (sharded()) steps.emplace_back(&shard_, &grad_shard_);
     if (moments_.empty() && c.optimizer == Optimizer::adamw)  // SGD keeps none
       for (const auto& [x, grad] : steps)
-        moments_.insert(moments_.end(), 2, HostVector<float>(x->size()));
+        for (int i = 0; i < 2; ++i) moments_.push_back(zeros_like(*x));
     ops::AdamWStep step = training::adamw_step(c, t);
     step.decay = float(1.0 - c.lr * c.weight_decay);
     for (std::size_t p = 0; p < steps.size(); ++p) {
-      HostVector<float>& x = *steps[p].first;
-      if (x.empty()) continue;  // no shared experts; the experts' while sharded
+      const Tensor& x = *steps[p].first;
+      if (!x.defined()) continue;  // no shared experts; the experts' while sharded
       if (c.optimizer == Optimizer::sgd)
-        ops::sgd_update(view(x), view(*steps[p].second), float(c.lr));
+        ops::sgd_update(x, *steps[p].second, float(c.lr));
       else
-        ops::adamw_update(view(x), view(*steps[p].second), view(moments_[2 * p]),
-                          view(moments_[2 * p + 1]), step);
+        ops::adamw_update(x, *steps[p].second, moments_[2 * p], moments_[2 * p + 1], step);
     }
     if (c.moe.bias_rate > 0) moe_update_bias<float>(bias_, counts_, c.moe.bias_rate);
     history_.push_back(counts_);
@@ -350,14 +383,21 @@ class MoeLayers::Layer final : public MlpBranch {
 
   /// Every tensor whole on this rank (collective over the TP and EP groups): the width of all
   /// TP ranks, the experts of all EP ranks.
-  Report whole(const MoeWeights<float>& mine, const HostVector<float>& shard) {
+  Report whole(const MoeTensors& mine, const Tensor& shard) {
     const I H = o_.c_.hidden, T = o_.tp_size_;
-    auto copy = [](const HostVector<float>& v) { return std::vector<float>(v.begin(), v.end()); };
-    Report all{copy(mine.router),     copy(mine.w_gate),      copy(mine.w_up),
-               copy(mine.w_down),     copy(mine.shared_gate), copy(mine.shared_up),
-               copy(mine.shared_down)};
+    Report all{host_copy(mine.router),     host_copy(mine.w_gate),      host_copy(mine.w_up),
+               host_copy(mine.w_down),     host_copy(mine.shared_gate), host_copy(mine.shared_up),
+               host_copy(mine.shared_down)};
     // Over the holders first: this rank's experts whole, as pack() laid them.
-    if (sharded()) unpack(report_gather(*o_.replicas_, copy(shard)), all);
+    if (sharded()) {
+      const std::vector<float> packed = report_gather(*o_.replicas_, host_copy(shard));
+      const std::size_t n = std::size_t(local() * H * o_.c_.moe.expert_ffn / T);
+      std::size_t at = 0;
+      for (std::vector<float>* t : {&all.w_gate, &all.w_up, &all.w_down}) {
+        t->assign(packed.begin() + std::ptrdiff_t(at), packed.begin() + std::ptrdiff_t(at + n));
+        at += n;
+      }
+    }
     // Over TP: w_gate and w_up [count, H, FE/T] → [count, H, FE]; w_down [count, FE/T, H] →
     // [count, FE, H] (each expert's row blocks in rank order); the shared experts likewise.
     auto columns = [&](const std::vector<float>& part, I count) {
@@ -404,7 +444,7 @@ class MoeLayers::Layer final : public MlpBranch {
   }
 
   void snapshot(NamedValues& params, NamedValues& grads) {
-    const Report w = whole(w_, shard_), g = whole(g_.w, grad_shard_);
+    const Report w = whole(w_, shard_), g = whole(g_, grad_shard_);
     for (auto& t : moe_named(o_.c_.moe, w, layer_, 0)) params.push_back(std::move(t));
     for (auto& t : moe_named(o_.c_.moe, g, layer_, 0)) grads.push_back(std::move(t));
   }
@@ -420,13 +460,13 @@ class MoeLayers::Layer final : public MlpBranch {
  private:
   MoeLayers& o_;
   I layer_;
-  MoeWeights<float> w_;
-  HostVector<float> bias_;
+  MoeTensors w_;
+  HostVector<float> bias_;  // the balancing bias (the host's: it moves by the step's counts)
   /// What one micro-batch's forward keeps for its backward.
   struct Saved {
     MoeShape shape;
-    HostVector<float> x;  // the layer's input rows in sequence order
-    MoeEpForward<float> f;
+    Tensor x;  // the layer's input rows in sequence order
+    MoeEpOpsForward f;
     double aux_loss = 0.0;  // kept past the backward, for the step's loss
   };
   /// The current micro-batch's (MoeLayers::microbatch()).
@@ -440,9 +480,9 @@ class MoeLayers::Layer final : public MlpBranch {
   // FSDP over the D/EP holders of the same experts (G > 1): this holder's 1/G of its experts'
   // three tensors packed [w_gate | w_up | w_down] (pack()), and of their gradients. w_'s three
   // are whole only while a forward or a backward runs: gathered, then let go.
-  HostVector<float> shard_, grad_shard_;
-  MoeGrads<float> g_;                               // the step's, summed over its micro-batches
-  std::vector<HostVector<float>> moments_;          // AdamW's, two per tensor
+  Tensor shard_, grad_shard_;
+  MoeTensors g_;                                    // the step's, summed over its micro-batches
+  std::vector<Tensor> moments_;                     // AdamW's, two per tensor
   std::vector<std::int64_t> counts_;                // the last step's assignments per expert
   std::vector<std::vector<std::int64_t>> history_;  // every step's
   I rows_ = 0;                                      // the most rows received, this step
@@ -458,7 +498,7 @@ MoeLayers::MoeLayers(const RunContext& ctx, const Mesh& mesh, int ep, std::vecto
       tp_rank_(mesh.tp_index),
       dp_(mesh.dp),
       cp_(mesh.cp),
-      stream_(Stream::create(c_.device)),
+      stream_(c_.device),
       held_(std::move(held)) {
   // Every group holds one TP index of one pipeline stage: rank t of each TP group routes and
   // dispatches with rank t of the others. Each split is collective over the job, used or not.
@@ -678,10 +718,10 @@ int checked_ep(const RunContext& ctx, const Mesh& mesh) {
   const MoeFlags& f = ctx.options.flags<MoeFlags>();
   const int ep = f.ep == 0 ? mesh.dp_cp() : f.ep;
   auto refuse = [](std::string line) { throw ConfigError(std::move(line)); };
-  if (c.device != Device::cpu)
+  if (c.device != Device::cpu && c.moe.chunks > 1)
     refuse(
-        "stage 10 runs on the cpu for now: its experts' routing, all-to-alls and GEMMs have no "
-        "CUDA path yet (--device cpu)");
+        "--moe-chunks > 1 runs on the cpu for now: on cuda the dispatch of one chunk beside the "
+        "experts of another needs the exchanges on a stream of their own (--moe-chunks 1)");
   if (c.dtype != DType::f32) refuse("stage 10 trains in fp32 for now (--dtype fp32)");
   if (c.recompute != Recompute::none)
     refuse(

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "check.h"
+#include "moe_token.h"
 
 namespace tpx {
 namespace {
@@ -134,32 +135,12 @@ MoeRouting<T> moe_route(const MoeShape& m, std::span<const T> logits, std::span<
   r.tokens_per_expert.assign(at(E), 0);
   r.score.resize(at(n * E));
   const I capacity = moe_capacity(m);
-  HostVector<T> sel(at(E));
-  std::vector<std::int32_t> order(at(E));
   for (I t = 0; t < n; ++t) {
-    const T* z = logits.data() + t * E;
-    T* score = r.score.data() + t * E;
-    if (m.router == MoeRouter::softmax) {
-      const T zmax = *std::max_element(z, z + E);
-      T sum = 0;
-      for (I e = 0; e < E; ++e) sum += (score[e] = std::exp(z[e] - zmax));
-      for (I e = 0; e < E; ++e) score[e] /= sum;
-    } else {
-      for (I e = 0; e < E; ++e) score[e] = sigmoid(z[e]);
-    }
-    for (I e = 0; e < E; ++e) sel[at(e)] = score[e] + (bias.empty() ? T(0) : bias[at(e)]);
-    std::iota(order.begin(), order.end(), 0);
-    // The k largest selection scores; among equal ones the lower expert index first.
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](std::int32_t a, std::int32_t b) {
-                        return sel[at(a)] > sel[at(b)] || (sel[at(a)] == sel[at(b)] && a < b);
-                      });
-    T chosen = 0;
-    for (I j = 0; j < k; ++j) chosen += score[order[at(j)]];
+    moe_token::route(logits.data() + t * E, bias.empty() ? nullptr : bias.data(), E, k,
+                     m.router == MoeRouter::sigmoid, r.score.data() + t * E,
+                     r.expert.data() + t * k, r.weight.data() + t * k);
     for (I j = 0; j < k; ++j) {
-      const std::int32_t e = order[at(j)];
-      r.expert[at(t * k + j)] = e;
-      r.weight[at(t * k + j)] = score[e] / chosen;
+      const std::int32_t e = r.expert[at(t * k + j)];
       // Token order decides who is dropped: the first `capacity` tokens to choose e are served.
       if (r.routed_per_expert[at(e)]++ < capacity) {
         r.kept[at(t * k + j)] = 1;
@@ -228,33 +209,10 @@ void moe_router_backward(const MoeShape& m, std::span<const T> router, const T* 
                          const std::int32_t* expert, const T* weight, const T* dweight,
                          std::span<const T> dP, std::int64_t tokens_all, T* dxt, T* drouter) {
   const I H = m.hidden, E = m.experts, k = m.topk, n = tokens_all;
-  HostVector<T> dscore(at(E), T(0)), dz(at(E));
-  // The gate weights w_j = score_{e_j} / Σ_K score: ∂/∂score_{e_j} = (dw_j − Σ_i w_i dw_i) / Σ_K.
-  T chosen = 0, wdw = 0;
-  for (I j = 0; j < k; ++j) {
-    chosen += score[expert[j]];
-    wdw += weight[j] * dweight[j];
-  }
-  for (I j = 0; j < k; ++j) dscore[at(expert[j])] += (dweight[j] - wdw) / chosen;
-  // The auxiliary loss through q = score (softmax) or score / Σ score (sigmoid).
-  if (m.aux_loss_weight != 0.0) {
-    if (m.router == MoeRouter::softmax) {
-      for (I e = 0; e < E; ++e) dscore[at(e)] += dP[at(e)] / T(n);
-    } else {
-      const T sum = std::accumulate(score, score + E, T(0));
-      T qdq = 0;
-      for (I e = 0; e < E; ++e) qdq += score[e] / sum * dP[at(e)];
-      for (I e = 0; e < E; ++e) dscore[at(e)] += (dP[at(e)] - qdq) / (T(n) * sum);
-    }
-  }
-  // The scores from the logits: softmax's Jacobian, or the sigmoid's s(1 − s).
-  if (m.router == MoeRouter::softmax) {
-    T pdp = 0;
-    for (I e = 0; e < E; ++e) pdp += score[e] * dscore[at(e)];
-    for (I e = 0; e < E; ++e) dz[at(e)] = score[e] * (dscore[at(e)] - pdp);
-  } else {
-    for (I e = 0; e < E; ++e) dz[at(e)] = dscore[at(e)] * score[e] * (T(1) - score[e]);
-  }
+  HostVector<T> dz(at(E));
+  moe_token::router_dz(score, expert, weight, dweight,
+                       m.aux_loss_weight != 0.0 ? dP.data() : nullptr, E, k,
+                       m.router == MoeRouter::sigmoid, n, dz.data());
   row_matmul_dw(xt, dz.data(), H, E, drouter);
   row_matmul_dx(dz.data(), router.data(), H, E, dxt);
 }

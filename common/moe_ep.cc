@@ -13,6 +13,7 @@
 #include "check.h"
 #include "comm/communicator.h"
 #include "moe_flags.h"  // moe_ep_problem()
+#include "ops.h"
 #include "stream.h"
 #include "tensor.h"
 #include "trace.h"
@@ -113,6 +114,89 @@ void run_chunks(I C, const Stream* lane, Send& send, Compute& compute, GiveBack&
 
 }  // namespace
 
+MoeEpPlan moe_ep_plan(const MoeShape& m, std::span<const std::int32_t> expert, Communicator& tg,
+                      int ep_size, std::int64_t chunks, const MoeTokenOrder& order, const Stream& s,
+                      Lane lane, Trace& trace) {
+  const I n = m.tokens, E = m.experts, k = m.topk, N = ep_size, El = E / N;
+  TPX_CHECK(expert.size() == at(n * k), "{} choices for {} tokens", expert.size(), n);
+  // The capacity over all tokens in their order: every rank's counts per expert of each of its
+  // runs of tokens, and its token count (over the token group, MoeTokenOrder).
+  const I NT = tg.size(), rt_rank = tg.rank(), P = order.pieces;
+  TPX_CHECK(P >= 1 && n % P == 0, "{} tokens in {} runs", n, P);
+  TPX_CHECK(order.keys.empty() || I(order.keys.size()) == NT * P, "{} run places for {} × {}",
+            order.keys.size(), NT, P);
+  auto place = [&](I q, I p) { return order.keys.empty() ? q * P + p : order.keys[at(q * P + p)]; };
+  const I W = P * E + 1, run = n / P;  // a rank's counts: [P, E], then its tokens
+  const Tensor mine = Tensor::empty({W}, DType::i32);
+  {
+    std::vector<I> c(at(P * E), 0);
+    for (I a = 0; a < n * k; ++a) ++c[at((a / k) / run * E + expert[at(a)])];
+    for (I i = 0; i < W; ++i) {
+      const I v = i < P * E ? c[at(i)] : n;
+      TPX_CHECK(v <= std::numeric_limits<std::int32_t>::max(), "{} assignments", v);
+      mine.data<std::int32_t>()[i] = static_cast<std::int32_t>(v);
+    }
+  }
+  Tensor all;
+  {
+    TraceScope span(trace, "moe counts all-gather", lane);
+    const Tensor there = ops::to_device(mine, s.device());
+    const Tensor gathered = Tensor::empty({NT * W}, DType::i32, s.device());
+    tg.all_gather(there, gathered, s);
+    all = ops::to_device(gathered, Device::cpu);
+  }
+  MoeEpPlan plan;
+  // before[p·E + e]: the assignments to e of the runs placed before this rank's run p.
+  std::vector<I> before(at(P * E), 0);
+  plan.routed_all.assign(at(E), 0);
+  for (I q = 0; q < NT; ++q) {
+    const std::int32_t* c = all.data<std::int32_t>() + q * W;
+    for (I p = 0; p < P; ++p) {
+      for (I e = 0; e < E; ++e) plan.routed_all[at(e)] += c[p * E + e];
+      for (I mp = 0; mp < P; ++mp)
+        if (place(q, p) < place(rt_rank, mp))
+          for (I e = 0; e < E; ++e) before[at(mp * E + e)] += c[p * E + e];
+    }
+    plan.tokens_all += c[P * E];
+  }
+  MoeShape global = m;
+  global.tokens = plan.tokens_all;
+  const I capacity = moe_capacity(global);
+  std::vector<std::vector<I>> by_expert(at(E));  // each expert's kept assignments, token order
+  plan.kept.assign(at(n * k), 0);
+  plan.tokens_per_expert.assign(at(E), 0);
+  for (I a = 0; a < n * k; ++a) {
+    const I e = expert[at(a)];
+    plan.kept[at(a)] = before[at((a / k) / run * E + e)]++ < capacity ? 1 : 0;
+    if (plan.kept[at(a)]) {
+      ++plan.tokens_per_expert[at(e)];
+      by_expert[at(e)].push_back(a);
+    }
+  }
+  // Per chunk of the rank's tokens (one without a cut): the counts per (destination, expert),
+  // and the rows, grouped by destination, then expert, then token.
+  const I C = chunks;
+  TPX_CHECK(C >= 1, "{} chunks", C);
+  plan.chunks.assign(at(C), {});
+  plan.counts.assign(at(C), std::vector<std::int32_t>(at(E), 0));
+  std::vector<std::size_t> next(at(E), 0);  // each expert's first assignment not yet cut
+  for (I c = 0; c < C; ++c) {
+    MoeEpChunk& ch = plan.chunks[at(c)];
+    const I last = (c + 1) * n / C;  // the chunk's tokens end here
+    ch.first_sent = I(plan.sent.size());
+    ch.send_rows.assign(at(N), 0);
+    for (I e = 0; e < E; ++e) {
+      const std::vector<I>& kept = by_expert[at(e)];
+      I rows = 0;
+      for (; next[at(e)] < kept.size() && kept[next[at(e)]] / k < last; ++next[at(e)], ++rows)
+        plan.sent.push_back(kept[next[at(e)]]);
+      plan.counts[at(c)][at(e)] = static_cast<std::int32_t>(rows);
+      ch.send_rows[at(e / El)] += rows;
+    }
+  }
+  return plan;
+}
+
 void moe_ep_check(std::int64_t experts, int ep) {
   if (auto problem = moe_ep_problem(experts, ep)) throw ConfigError(*problem);
 }
@@ -146,84 +230,31 @@ MoeEpForward<T> moe_ep_forward(const MoeShape& m, const MoeWeights<T>& w, std::s
   }
   MoeRouting<T>& rt = f.routing;
 
-  // 2. The capacity over all tokens in their order: every rank's counts per expert of each of
-  // its runs of tokens, and its token count (over the token group, MoeTokenOrder).
+  // 2, 3. The capacity over all tokens in their order and the chunks' rows (moe_ep_plan).
   Communicator& tg = token_group ? *token_group : ep;
-  const I NT = tg.size(), rt_rank = tg.rank(), P = order.pieces;
-  TPX_CHECK(P >= 1 && n % P == 0, "{} tokens in {} runs", n, P);
-  TPX_CHECK(order.keys.empty() || I(order.keys.size()) == NT * P, "{} run places for {} × {}",
-            order.keys.size(), NT, P);
-  auto place = [&](I q, I p) { return order.keys.empty() ? q * P + p : order.keys[at(q * P + p)]; };
-  const I W = P * E + 1, run = n / P;  // a rank's counts: [P, E], then its tokens
-  const Tensor mine = Tensor::empty({W}, DType::i32), all = Tensor::empty({NT * W}, DType::i32);
-  {
-    std::vector<I> c(at(P * E), 0);
-    for (I a = 0; a < n * k; ++a) ++c[at((a / k) / run * E + rt.expert[at(a)])];
-    for (I i = 0; i < W; ++i) {
-      const I v = i < P * E ? c[at(i)] : n;
-      TPX_CHECK(v <= std::numeric_limits<std::int32_t>::max(), "{} assignments", v);
-      mine.data<std::int32_t>()[i] = static_cast<std::int32_t>(v);
-    }
-  }
-  {
-    TraceScope span(trace, "moe counts all-gather", token_group ? Lane::dp_comm : Lane::ep_comm);
-    tg.all_gather(mine, all, s);
-  }
-  // before[p·E + e]: the assignments to e of the runs placed before this rank's run p.
-  std::vector<I> before(at(P * E), 0);
-  f.routed_all.assign(at(E), 0);
-  for (I q = 0; q < NT; ++q) {
-    const std::int32_t* c = all.data<std::int32_t>() + q * W;
-    for (I p = 0; p < P; ++p) {
-      for (I e = 0; e < E; ++e) f.routed_all[at(e)] += c[p * E + e];
-      for (I mp = 0; mp < P; ++mp)
-        if (place(q, p) < place(rt_rank, mp))
-          for (I e = 0; e < E; ++e) before[at(mp * E + e)] += c[p * E + e];
-    }
-    f.tokens_all += c[P * E];
-  }
-  MoeShape global = m;
-  global.tokens = f.tokens_all;
-  const I capacity = moe_capacity(global);
-  std::vector<std::vector<I>> by_expert(at(E));  // each expert's kept assignments, token order
-  rt.tokens_per_expert.assign(at(E), 0);
-  for (I a = 0; a < n * k; ++a) {
-    const I e = rt.expert[at(a)];
-    rt.kept[at(a)] = before[at((a / k) / run * E + e)]++ < capacity ? 1 : 0;
-    if (rt.kept[at(a)]) {
-      ++rt.tokens_per_expert[at(e)];
-      by_expert[at(e)].push_back(a);
-    }
-  }
+  MoeEpPlan plan = moe_ep_plan(m, rt.expert, tg, int(N), overlap.chunks, order, s,
+                               token_group ? Lane::dp_comm : Lane::ep_comm, trace);
+  rt.kept = std::move(plan.kept);
+  rt.tokens_per_expert = std::move(plan.tokens_per_expert);
+  f.routed_all = std::move(plan.routed_all);
+  f.tokens_all = plan.tokens_all;
+  f.sent = std::move(plan.sent);
+  f.chunks = std::move(plan.chunks);
   f.aux_loss = moe_aux_loss<T>(m, rt.score, f.routed_all, f.tokens_all);
-
-  // 3. Per chunk of the rank's tokens (one without a cut): the counts per (destination,
-  // expert), then the rows, grouped by destination, then expert, then token.
   const I C = overlap.chunks;
-  TPX_CHECK(C >= 1, "{} chunks", C);
-  f.chunks.assign(at(C), {});
   std::vector<HostVector<T>> send(at(C)), recv(at(C)), out(at(C)), back(at(C));
   std::vector<Tensor> counts(at(C));
-  {
-    std::vector<std::size_t> next(at(E), 0);  // each expert's first assignment not yet cut
-    for (I c = 0; c < C; ++c) {
-      MoeEpChunk& ch = f.chunks[at(c)];
-      const I last = (c + 1) * n / C;  // the chunk's tokens end here
-      ch.first_sent = I(f.sent.size());
-      ch.send_rows.assign(at(N), 0);
-      counts[at(c)] = Tensor::empty({E}, DType::i32);
-      for (I e = 0; e < E; ++e) {
-        const std::vector<I>& kept = by_expert[at(e)];
-        I rows = 0;
-        for (; next[at(e)] < kept.size() && kept[next[at(e)]] / k < last; ++next[at(e)], ++rows) {
-          const I a = kept[next[at(e)]];
-          f.sent.push_back(a);
-          const T* xt = x.data() + (a / k) * H;
-          send[at(c)].insert(send[at(c)].end(), xt, xt + H);
-        }
-        counts[at(c)].data<std::int32_t>()[e] = static_cast<std::int32_t>(rows);
-        ch.send_rows[at(e / El)] += rows;
-      }
+  for (I c = 0; c < C; ++c) {
+    const MoeEpChunk& ch = f.chunks[at(c)];
+    counts[at(c)] = Tensor::empty({E}, DType::i32);
+    std::copy(plan.counts[at(c)].begin(), plan.counts[at(c)].end(),
+              counts[at(c)].data<std::int32_t>());
+    I rows = 0;
+    for (const I r : ch.send_rows) rows += r;
+    send[at(c)].reserve(at(rows * H));
+    for (I i = 0; i < rows; ++i) {
+      const T* xt = x.data() + (f.sent[at(ch.first_sent + i)] / k) * H;
+      send[at(c)].insert(send[at(c)].end(), xt, xt + H);
     }
   }
   const Stream here(Device::cpu);  // a task's exchanges run inline on its own thread

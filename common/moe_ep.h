@@ -39,9 +39,18 @@
 // applied on the token's rank instead of inside the expert and the sums over ranks are in another
 // order (tests/test_moe_ep.cc: 1e-12 relative to the largest element).
 //
+// The same layer on either backend (moe_ep_ops.cc, stage 10's): the parameters, the tokens and
+// every row buffer are f32 tensors on the run's device, the math is tpx::ops (the routing and the
+// row moves: common/ops.h's MoE ops; the experts' GEMMs: one ops::gemm per group of rows that
+// one rank sent one expert), and the bookkeeping of steps 2 and 3 (which assignment is kept, which
+// row goes where: integers, T·k of them) runs on the host from the choices copied back, as
+// moe_ep_plan() does it for both paths.
+//
 // defines: tpx::moe_ep_check(), tpx::MoeEpOverlap, tpx::MoeTokenOrder, tpx::MoeEpChunk,
-//          tpx::MoeEpForward, tpx::moe_ep_forward(), tpx::moe_ep_backward(), tpx::MoeEpTraffic,
-//          tpx::moe_ep_traffic(), tpx::moe_balanced_rows()
+//          tpx::MoeEpForward, tpx::moe_ep_forward(), tpx::moe_ep_backward(), tpx::MoeEpPlan,
+//          tpx::moe_ep_plan(), tpx::MoeTensors, tpx::MoeEpOpsForward, tpx::moe_ep_ops_forward(), tpx::MoeTensorGrads,
+//          tpx::moe_ep_ops_backward(), tpx::MoeEpTraffic, tpx::moe_ep_traffic(),
+//          tpx::moe_balanced_rows()
 #pragma once
 
 #include <cstdint>
@@ -49,13 +58,14 @@
 #include <vector>
 
 #include "common/moe.h"
+#include "common/tensor.h"
+#include "common/trace.h"
 #include "common/traffic.h"
 
 namespace tpx {
 
 class Communicator;
 class Stream;
-class Trace;
 
 /// Refuses E not divisible by EP with tpx::ConfigError naming --experts and --ep.
 void moe_ep_check(std::int64_t experts, int ep);
@@ -142,6 +152,74 @@ MoeGrads<T> moe_ep_backward(const MoeShape& m, const MoeWeights<T>& w, std::span
                             const MoeEpForward<T>& f, std::span<const T> dy, Communicator& ep,
                             const Stream& s, Communicator* tp = nullptr,
                             const MoeEpOverlap& o = {});
+
+/// Steps 2 and 3 from this rank's choices, the same for both paths: the capacity's drops over
+/// the token group (its all_gather of the counts, issued on `s`, on tensors of its device), and the rows
+/// each chunk dispatches, in order (MoeEpChunk's send_rows and first_sent; recv_* are the
+/// dispatch's to fill).
+struct MoeEpPlan {
+  std::vector<std::uint8_t> kept;                 ///< [T_r·k] 1: served
+  std::vector<std::int64_t> tokens_per_expert;    ///< [E] this rank's served assignments
+  std::vector<std::int64_t> routed_all;           ///< [E] all ranks' chosen assignments
+  std::int64_t tokens_all = 0;                    ///< T_all
+  std::vector<MoeEpChunk> chunks;                 ///< each chunk's rows
+  std::vector<std::vector<std::int32_t>> counts;  ///< [C][E] each chunk's rows for each expert
+  std::vector<std::int64_t> sent;                 ///< each dispatched row's assignment t·k + j
+};
+
+/// The plan for this rank's choices `expert` [T_r·k] (moe_route's), over the token group `tg`
+/// (MoeTokenOrder `order`), an EP group of `ep_size` ranks and `chunks` chunks. `lane`: the
+/// counts' span on `trace`.
+MoeEpPlan moe_ep_plan(const MoeShape& m, std::span<const std::int32_t> expert, Communicator& tg,
+                      int ep_size, std::int64_t chunks, const MoeTokenOrder& order, const Stream& s,
+                      Lane lane, Trace& trace);
+
+/// The MoE parameters as f32 tensors on one device, MoeWeights' seven (undefined where a rank
+/// has none: no shared experts): router [H, E], w_gate and w_up [E/EP, H, FE], w_down
+/// [E/EP, FE, H], shared [H, SF] and [SF, H].
+using MoeTensors = MoeWeights<float, Tensor>;
+
+/// This rank's forward on tensors: its tokens' output and what its backward needs.
+struct MoeEpOpsForward {
+  Tensor y;                              ///< [T_r, H]
+  double aux_loss = 0.0;                 ///< this rank's part of L_aux
+  std::vector<std::uint8_t> kept;        ///< [T_r·k] the capacity's verdicts
+  std::vector<std::int64_t> routed_all;  ///< [E] assignments all ranks' tokens chose
+  std::int64_t tokens_all = 0;           ///< T_all
+  std::vector<MoeEpChunk> chunks;        ///< each chunk's exchanges
+  Tensor logits, score;                  ///< [T_r, E]
+  Tensor expert, weight;                 ///< [T_r, k] the choices (i32) and their gate weights
+  Tensor slot;                    ///< [T_r, k] i32: each kept assignment's row in `out`, else −1
+  Tensor sent_token;              ///< [S] i32: each dispatched row's token
+  Tensor sent_weight;             ///< [S] its gate weight
+  std::vector<Tensor> recv;       ///< per chunk [R_c, H]: the rows received
+  std::vector<Tensor> gate;       ///< per chunk [R_c, FE]: the local experts' pre-activations
+  std::vector<Tensor> up;         ///< per chunk [R_c, FE]
+  Tensor out;                     ///< [S, H] the experts' outputs, back in sent order
+  Tensor shared_gate, shared_up;  ///< [T_r, SF]
+  /// The bytes of the float buffers it keeps (what saved_bytes reports).
+  std::size_t bytes() const;
+};
+
+/// moe_ep_forward on tensors of w's device, f32: x [T_r, H], bias [E] or undefined, `s` the
+/// compute stream of that device (the exchanges are issued on it). A chunked overlap (o.chunks > 1
+/// with a lane) runs on the cpu only.
+MoeEpOpsForward moe_ep_ops_forward(const MoeShape& m, const MoeTensors& w, const Tensor& x,
+                                   const Tensor& bias, Communicator& ep, const Stream& s,
+                                   Communicator* token_group = nullptr, const MoeEpOverlap& o = {},
+                                   const MoeTokenOrder& order = {});
+
+/// moe_ep_backward on tensors: dy [T_r, H] → the gradients (g.x [T_r, H] and the seven, shaped as
+/// w's, zero where nothing flowed), as moe_ep_backward says (`tp`: the experts' width cut over
+/// a TP group).
+struct MoeTensorGrads {
+  Tensor x;
+  MoeTensors w;
+};
+MoeTensorGrads moe_ep_ops_backward(const MoeShape& m, const MoeTensors& w, const Tensor& x,
+                                   const MoeEpOpsForward& f, const Tensor& dy, Communicator& ep,
+                                   const Stream& s, Communicator* tp = nullptr,
+                                   const MoeEpOverlap& o = {});
 
 /// One rank's bytes and calls of an expert-parallel layer's forward and backward (the formula
 /// above, in the communicator's accounting).

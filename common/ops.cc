@@ -874,6 +874,93 @@ void unpack_e2m1(const Tensor& packed, const Tensor& codes) {
   TPX_DISPATCH(codes.device(), unpack_e2m1, packed, codes);
 }
 
+namespace {
+/// Checks a MoE op's tensor: its dtype, device and shape.
+void expect_moe(const Tensor& t, DType dtype, Device device, const Tensor::Shape& shape,
+                std::string_view what, std::string_view name) {
+  if (t.defined() && t.dtype() == dtype && t.device() == device && t.shape() == shape) return;
+  std::string dims;
+  for (const std::int64_t n : shape) dims += fmt::format("{}{}", dims.empty() ? "" : ", ", n);
+  fail(fmt::format("{}: {} must be {}[{}] on {}, got {}", what, name, to_string(dtype), dims,
+                   to_string(device), t.defined() ? t.describe() : std::string("nothing")));
+}
+}  // namespace
+
+void moe_route(const Tensor& logits, const Tensor& bias, bool sigmoid, const Tensor& score,
+               const Tensor& expert, const Tensor& weight) {
+  TPX_CHECK(logits.ndim() == 2 && expert.ndim() == 2, "moe_route: logits {} and expert {}",
+            logits.describe(), expert.describe());
+  const std::int64_t n = logits.dim(0), E = logits.dim(1), k = expert.dim(1);
+  const Device d = logits.device();
+  TPX_CHECK(k >= 1 && k <= E, "moe_route: top-{} of {} experts", k, E);
+  expect_moe(logits, DType::f32, d, {n, E}, "moe_route", "logits");
+  if (bias.defined()) expect_moe(bias, DType::f32, d, {E}, "moe_route", "bias");
+  expect_moe(score, DType::f32, d, {n, E}, "moe_route", "score");
+  expect_moe(expert, DType::i32, d, {n, k}, "moe_route", "expert");
+  expect_moe(weight, DType::f32, d, {n, k}, "moe_route", "weight");
+  if (n == 0) return;
+  TPX_DISPATCH(d, moe_route, logits, bias, sigmoid, score, expert, weight);
+}
+
+void gather_rows(const Tensor& x, const Tensor& index, const Tensor& scale, const Tensor& out) {
+  TPX_CHECK(x.ndim() == 2 && out.ndim() == 2 && index.ndim() == 1,
+            "gather_rows: x {}, index {}, out {}", x.describe(), index.describe(), out.describe());
+  const std::int64_t R = index.dim(0), H = x.dim(1);
+  const Device d = x.device();
+  expect_moe(x, DType::f32, d, {x.dim(0), H}, "gather_rows", "x");
+  expect_moe(index, DType::i32, d, {R}, "gather_rows", "index");
+  if (scale.defined()) expect_moe(scale, DType::f32, d, {R}, "gather_rows", "scale");
+  expect_moe(out, DType::f32, d, {R, H}, "gather_rows", "out");
+  if (R == 0 || H == 0) return;
+  TPX_DISPATCH(d, gather_rows, x, index, scale, out);
+}
+
+void combine_rows(const Tensor& rows, const Tensor& slot, const Tensor& weight, const Tensor& out,
+                  bool accumulate) {
+  TPX_CHECK(rows.ndim() == 2 && slot.ndim() == 2 && out.ndim() == 2,
+            "combine_rows: rows {}, slot {}, out {}", rows.describe(), slot.describe(),
+            out.describe());
+  const std::int64_t n = slot.dim(0), k = slot.dim(1), H = out.dim(1);
+  const Device d = out.device();
+  expect_moe(rows, DType::f32, d, {rows.dim(0), H}, "combine_rows", "rows");
+  expect_moe(slot, DType::i32, d, {n, k}, "combine_rows", "slot");
+  if (weight.defined()) expect_moe(weight, DType::f32, d, {n, k}, "combine_rows", "weight");
+  expect_moe(out, DType::f32, d, {n, H}, "combine_rows", "out");
+  if (n == 0 || H == 0) return;
+  TPX_DISPATCH(d, combine_rows, rows, slot, weight, out, accumulate);
+}
+
+void rows_dot(const Tensor& a, const Tensor& rows, const Tensor& slot, const Tensor& out) {
+  TPX_CHECK(a.ndim() == 2 && rows.ndim() == 2 && slot.ndim() == 2,
+            "rows_dot: a {}, rows {}, slot {}", a.describe(), rows.describe(), slot.describe());
+  const std::int64_t n = slot.dim(0), k = slot.dim(1), H = a.dim(1);
+  const Device d = a.device();
+  expect_moe(a, DType::f32, d, {n, H}, "rows_dot", "a");
+  expect_moe(rows, DType::f32, d, {rows.dim(0), H}, "rows_dot", "rows");
+  expect_moe(slot, DType::i32, d, {n, k}, "rows_dot", "slot");
+  expect_moe(out, DType::f32, d, {n, k}, "rows_dot", "out");
+  if (n == 0) return;
+  TPX_DISPATCH(d, rows_dot, a, rows, slot, out);
+}
+
+void moe_router_dz(const Tensor& score, const Tensor& expert, const Tensor& weight,
+                   const Tensor& dweight, const Tensor& dP, bool sigmoid, std::int64_t tokens_all,
+                   const Tensor& dz) {
+  TPX_CHECK(score.ndim() == 2 && expert.ndim() == 2, "moe_router_dz: score {}, expert {}",
+            score.describe(), expert.describe());
+  const std::int64_t n = score.dim(0), E = score.dim(1), k = expert.dim(1);
+  const Device d = score.device();
+  TPX_CHECK(tokens_all >= 1 || n == 0, "moe_router_dz: {} tokens", tokens_all);
+  expect_moe(score, DType::f32, d, {n, E}, "moe_router_dz", "score");
+  expect_moe(expert, DType::i32, d, {n, k}, "moe_router_dz", "expert");
+  expect_moe(weight, DType::f32, d, {n, k}, "moe_router_dz", "weight");
+  expect_moe(dweight, DType::f32, d, {n, k}, "moe_router_dz", "dweight");
+  if (dP.defined()) expect_moe(dP, DType::f32, d, {E}, "moe_router_dz", "dP");
+  expect_moe(dz, DType::f32, d, {n, E}, "moe_router_dz", "dz");
+  if (n == 0) return;
+  TPX_DISPATCH(d, moe_router_dz, score, expert, weight, dweight, dP, sigmoid, tokens_all, dz);
+}
+
 void synchronize([[maybe_unused]] Device device) {
 #if TPX_WITH_CUDA
   if (device == Device::cuda) cuda::synchronize();

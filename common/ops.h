@@ -322,6 +322,31 @@ void hadamard_rows(const Tensor& x, const Tensor& y);
 void pack_e2m1(const Tensor& codes, const Tensor& packed);
 void unpack_e2m1(const Tensor& packed, const Tensor& codes);
 
+// Mixture of experts (stage 10): the routing and the moves of token rows between a token's
+// place and its experts' (common/moe_ep.h). Index tensors are i32; a slot < 0 names no row.
+
+/// Routes n tokens from their router logits [n, E] (moe_token::route, the same bits on every
+/// backend): score [n, E], expert [n, k] i32, weight [n, k]; bias [E] added for the choice only,
+/// or undefined. f32 on one device.
+void moe_route(const Tensor& logits, const Tensor& bias, bool sigmoid, const Tensor& score,
+               const Tensor& expert, const Tensor& weight);
+/// out [R, H] row i = scale[i] · x[index[i]] (scale [R], or undefined: 1): the permutation of
+/// token rows into the order they are sent in. x [T, H] f32, index [R] i32 in 0 … T − 1.
+void gather_rows(const Tensor& x, const Tensor& index, const Tensor& scale, const Tensor& out);
+/// out [n, H] row t (=, or += with `accumulate`) Σ_j weight[t, j] · rows[slot[t, j]] over the j
+/// with slot[t, j] ≥ 0, in j order (weight undefined: 1): the combine's weighted sum, one token
+/// at a time, so the sum's order never depends on the backend. rows [R, H], slot [n, k] i32.
+void combine_rows(const Tensor& rows, const Tensor& slot, const Tensor& weight, const Tensor& out,
+                  bool accumulate);
+/// out [n, k] = a[t] · rows[slot[t, j]] (0 where slot < 0): the gate weights' gradients dy·out_j.
+void rows_dot(const Tensor& a, const Tensor& rows, const Tensor& slot, const Tensor& out);
+/// dz [n, E] = ∂loss/∂logits of n tokens (moe_token::router_dz): score [n, E], expert, weight and
+/// dweight [n, k], dP [E] the auxiliary loss's ∂/∂P (moe_aux_grad) or undefined, tokens_all the
+/// tokens it averages over.
+void moe_router_dz(const Tensor& score, const Tensor& expert, const Tensor& weight,
+                   const Tensor& dweight, const Tensor& dP, bool sigmoid, std::int64_t tokens_all,
+                   const Tensor& dz);
+
 /// Blocks the host until all work issued on `device` by this thread is done (no-op on cpu).
 void synchronize(Device device);
 

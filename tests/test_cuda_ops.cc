@@ -1262,5 +1262,61 @@ TEST(LowpCuda, RecipeOpsEqualTheCpusOps) {
   same_bytes(codes, u_gpu, "unpacked");
 }
 
+// Stage 10's MoE ops on the device against the cpu's: the routing and the row moves the same
+// bytes (moe_token.h: the same function on both sides, no FMA; combine_rows one rounding per
+// product and per sum in j order), the gate weights' and the router's gradients to rounding.
+TEST(MoeCuda, RoutingAndRowMovesEqualTheCpusOps) {
+  TPX_REQUIRE_GPU();
+  const I n = 300, E = 16, k = 4, H = 96, R = 500;
+  auto same_bytes = [](const Tensor& cpu, const Tensor& gpu, const char* what) {
+    const Tensor back = on_cpu(gpu);
+    ASSERT_EQ(back.nbytes(), cpu.nbytes()) << what;
+    EXPECT_EQ(std::memcmp(back.raw(), cpu.raw(), cpu.nbytes()), 0) << what;
+  };
+  Tensor logits = cpu_empty({n, E}), bias = cpu_empty({E});
+  for (std::size_t i = 0; i < logits.f32().size(); ++i)
+    logits.f32()[i] = i % 7 == 0 ? 0.25f : std::sin(0.37f * float(i)) * 3.0f;  // ties too
+  for (I e = 0; e < E; ++e) bias.f32()[std::size_t(e)] = e % 3 == 0 ? 0.01f : 0.0f;
+  for (const bool sigmoid : {false, true}) {
+    SCOPED_TRACE(sigmoid ? "sigmoid" : "softmax");
+    const Tensor sc = cpu_empty({n, E}), wc = cpu_empty({n, k});
+    const Tensor ec = Tensor::empty({n, k}, DType::i32);
+    const Tensor sg = gpu_empty({n, E}), wg = gpu_empty({n, k});
+    const Tensor eg = gpu_empty({n, k}, DType::i32);
+    ops::moe_route(logits, bias, sigmoid, sc, ec, wc);
+    ops::moe_route(on_gpu(logits), on_gpu(bias), sigmoid, sg, eg, wg);
+    same_bytes(sc, sg, "score");
+    same_bytes(ec, eg, "expert");
+    same_bytes(wc, wg, "weight");
+    // The router's gradient: close (its sums may fuse on the device).
+    Tensor dweight = cpu_empty({n, k}), dP = cpu_empty({E});
+    for (std::size_t i = 0; i < dweight.f32().size(); ++i)
+      dweight.f32()[i] = std::cos(0.11f * float(i));
+    for (I e = 0; e < E; ++e) dP.f32()[std::size_t(e)] = 0.01f * float(e + 1);
+    const Tensor dzc = cpu_empty({n, E}), dzg = gpu_empty({n, E});
+    ops::moe_router_dz(sc, ec, wc, dweight, dP, sigmoid, 4 * n, dzc);
+    ops::moe_router_dz(sg, eg, wg, on_gpu(dweight), on_gpu(dP), sigmoid, 4 * n, dzg);
+    EXPECT_LT(rel_err(dzg, dzc), kF32Tol);
+  }
+  const Tensor x = random_tensor({n, H}, 5), rows = random_tensor({R, H}, 6);
+  Tensor index = Tensor::empty({R}, DType::i32), slot = Tensor::empty({n, k}, DType::i32);
+  Tensor scale = random_tensor({R}, 7), weight = random_tensor({n, k}, 8);
+  for (I i = 0; i < R; ++i) index.data<std::int32_t>()[i] = std::int32_t((i * 37) % n);
+  for (I a = 0; a < n * k; ++a)
+    slot.data<std::int32_t>()[a] = a % 5 == 0 ? -1 : std::int32_t((a * 11) % R);
+  const Tensor gc = cpu_empty({R, H}), gg = gpu_empty({R, H});
+  ops::gather_rows(x, index, scale, gc);
+  ops::gather_rows(on_gpu(x), on_gpu(index), on_gpu(scale), gg);
+  same_bytes(gc, gg, "gather_rows");
+  const Tensor yc = random_tensor({n, H}, 9), yg = on_gpu(yc);
+  ops::combine_rows(rows, slot, weight, yc, /*accumulate=*/true);
+  ops::combine_rows(on_gpu(rows), on_gpu(slot), on_gpu(weight), yg, /*accumulate=*/true);
+  same_bytes(yc, yg, "combine_rows");
+  const Tensor dc = cpu_empty({n, k}), dg = gpu_empty({n, k});
+  ops::rows_dot(x, rows, slot, dc);
+  ops::rows_dot(on_gpu(x), on_gpu(rows), on_gpu(slot), dg);
+  EXPECT_LT(rel_err(dg, dc), kF32Tol);
+}
+
 }  // namespace
 }  // namespace tpx

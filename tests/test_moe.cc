@@ -18,6 +18,8 @@
 #include "common/cli.h"
 #include "common/moe.h"
 #include "common/moe_flags.h"
+#include "common/ops.h"
+#include "common/tensor.h"
 
 namespace tpx {
 namespace {
@@ -433,6 +435,127 @@ TEST(MoeFlags, BadInputIsOneLineNamingTheFlagAndTheRule) {
   expect_refused({"--aux-loss-weight", "1e400"}, "--aux-loss-weight");
   expect_refused({"--router", "topk"}, "--router");
   expect_refused({"--balance", "none"}, "--balance");
+}
+
+// Stage 10's tensor ops on the cpu (common/ops.h's MoE ops), each against its definition.
+
+Tensor f32_tensor(Tensor::Shape shape, const std::vector<float>& v) {
+  const Tensor t = Tensor::empty(std::move(shape), DType::f32);
+  std::copy(v.begin(), v.end(), t.data<float>());
+  return t;
+}
+
+Tensor i32_tensor(Tensor::Shape shape, const std::vector<std::int32_t>& v) {
+  const Tensor t = Tensor::empty(std::move(shape), DType::i32);
+  std::copy(v.begin(), v.end(), t.data<std::int32_t>());
+  return t;
+}
+
+TEST(MoeOps, RouteGivesTheReferencesChoicesWithTiesToTheLowerIndex) {
+  // Two tokens, E = 5, k = 3: token 0 ties experts 1, 2 and 4 at the top (→ 1, 2, 4), token 1's
+  // bias lifts expert 3 above the others (→ 3 first; then 0 and 1 tie below it → 0, 1).
+  const std::vector<float> z{0.0f, 2.0f, 2.0f, -1.0f, 2.0f, 1.0f, 1.0f, 0.5f, 0.5f, 0.5f};
+  const std::vector<float> b{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (const bool sigmoid : {false, true}) {
+    SCOPED_TRACE(sigmoid ? "sigmoid" : "softmax");
+    const Tensor score = Tensor::empty({2, 5}), weight = Tensor::empty({2, 3});
+    const Tensor expert = Tensor::empty({2, 3}, DType::i32);
+    std::vector<float> bias = b;
+    ops::moe_route(f32_tensor({2, 5}, z), Tensor(), sigmoid, score, expert, weight);
+    EXPECT_EQ(
+        std::vector<std::int32_t>(expert.data<std::int32_t>(), expert.data<std::int32_t>() + 3),
+        (std::vector<std::int32_t>{1, 2, 4}));
+    bias[3] = 1.0f;
+    ops::moe_route(f32_tensor({2, 5}, z), f32_tensor({5}, bias), sigmoid, score, expert, weight);
+    EXPECT_EQ(
+        std::vector<std::int32_t>(expert.data<std::int32_t>() + 3, expert.data<std::int32_t>() + 6),
+        (std::vector<std::int32_t>{3, 0, 1}));
+    // The scores and weights are the double reference's, rounded (the bias left out of both).
+    const auto ref = moe_route<double>(
+        shape(2, 5, 3, sigmoid ? MoeRouter::sigmoid : MoeRouter::softmax),
+        std::vector<double>(z.begin(), z.end()), std::vector<double>(bias.begin(), bias.end()));
+    for (std::size_t i = 0; i < 10; ++i) EXPECT_NEAR(score.f32()[i], ref.score[i], 1e-7) << i;
+    for (std::size_t i = 0; i < 6; ++i) {
+      EXPECT_EQ(expert.data<std::int32_t>()[i], ref.expert[i]) << i;
+      EXPECT_NEAR(weight.f32()[i], ref.weight[i], 1e-7) << i;
+    }
+  }
+}
+
+TEST(MoeOps, RowMovesAreTheirDefinitions) {
+  // x [4, 3]; gather rows 2, 0, 2 scaled by 1, −2, 0.5.
+  std::vector<float> xv(12);
+  for (std::size_t i = 0; i < xv.size(); ++i) xv[i] = float(i) - 4.0f;
+  const Tensor x = f32_tensor({4, 3}, xv), out = Tensor::empty({3, 3});
+  ops::gather_rows(x, i32_tensor({3}, {2, 0, 2}), f32_tensor({3}, {1.0f, -2.0f, 0.5f}), out);
+  EXPECT_EQ(std::vector<float>(out.f32().begin(), out.f32().end()),
+            (std::vector<float>{2, 3, 4, 8, 6, 4, 1, 1.5f, 2}));
+  // combine: token 0 = 0.5·row 1 + 2·row 0, token 1 = row 2 only (its second slot dropped), added
+  // to what was there.
+  const Tensor rows = f32_tensor({3, 2}, {1, 2, 3, 4, 5, 6});
+  const Tensor slot = i32_tensor({2, 2}, {1, 0, 2, -1});
+  const Tensor weight = f32_tensor({2, 2}, {0.5f, 2.0f, 1.0f, 9.0f});
+  const Tensor y = f32_tensor({2, 2}, {10, 10, 20, 20});
+  ops::combine_rows(rows, slot, weight, y, /*accumulate=*/true);
+  EXPECT_EQ(std::vector<float>(y.f32().begin(), y.f32().end()),
+            (std::vector<float>{10 + 1.5f + 2, 10 + 2 + 4, 25, 26}));
+  ops::combine_rows(rows, slot, Tensor(), y, /*accumulate=*/false);
+  EXPECT_EQ(std::vector<float>(y.f32().begin(), y.f32().end()), (std::vector<float>{4, 6, 5, 6}));
+  // rows_dot: a[t]·rows[slot], 0 where dropped.
+  const Tensor a = f32_tensor({2, 2}, {1, -1, 2, 0.5f}), d = Tensor::empty({2, 2});
+  ops::rows_dot(a, rows, slot, d);
+  EXPECT_EQ(std::vector<float>(d.f32().begin(), d.f32().end()),
+            (std::vector<float>{3 - 4, 1 - 2, 10 + 3, 0}));
+}
+
+TEST(MoeOps, RouterGradientIsTheDoubleReferences) {
+  // moe_router_backward with H = 1 and x = 1 adds dz itself to dW_router: the op's dz against it.
+  for (const bool sigmoid : {false, true}) {
+    SCOPED_TRACE(sigmoid ? "sigmoid" : "softmax");
+    MoeShape m = shape(3, 4, 2, sigmoid ? MoeRouter::sigmoid : MoeRouter::softmax);
+    m.hidden = 1;
+    m.aux_loss_weight = 0.01;
+    const std::vector<double> z{0.3, -1.0, 2.0, 0.5, 1.0, 1.5, -0.5, 0.0, 0.2, 0.1, 0.4, -2.0};
+    const auto r = moe_route<double>(m, z, {});
+    const std::vector<double> dweight{0.7, -0.2, 0.0, 1.1, -0.4, 0.25};
+    const std::vector<std::int64_t> routed{2, 1, 2, 1};
+    const HostVector<double> dP = moe_aux_grad<double>(m, routed, 12);
+    const std::vector<double> router{0.0, 0.0, 0.0, 0.0};
+    const Tensor score = Tensor::empty({3, 4}), dz = Tensor::empty({3, 4});
+    std::copy(r.score.begin(), r.score.end(), score.f32().begin());
+    std::vector<float> weight(r.weight.begin(), r.weight.end()), dw(dweight.begin(), dweight.end()),
+        dp(dP.begin(), dP.end());
+    ops::moe_router_dz(score, i32_tensor({3, 2}, r.expert), f32_tensor({3, 2}, weight),
+                       f32_tensor({3, 2}, dw), f32_tensor({4}, dp), sigmoid, 12, dz);
+    for (std::int64_t t = 0; t < 3; ++t) {
+      std::vector<double> want(4, 0.0);
+      double dx = 0.0;
+      const double one = 1.0;
+      moe_router_backward<double>(m, router, &one, r.score.data() + t * 4, r.expert.data() + t * 2,
+                                  r.weight.data() + t * 2, dweight.data() + t * 2, dP, 12, &dx,
+                                  want.data());
+      for (std::size_t e = 0; e < 4; ++e)
+        EXPECT_NEAR(dz.f32()[std::size_t(t) * 4 + e], want[e], 1e-6) << t << " " << e;
+    }
+  }
+}
+
+TEST(MoeOps, RefuseTensorsOfTheWrongDtypeOrShape) {
+  const Tensor logits = Tensor::empty({2, 4}), score = Tensor::empty({2, 4});
+  const Tensor weight = Tensor::empty({2, 2}), expert_f32 = Tensor::empty({2, 2});
+  try {
+    ops::moe_route(logits, Tensor(), false, score, expert_f32, weight);
+    ADD_FAILURE() << "an f32 expert tensor accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("moe_route: expert must be i32[2, 2] on cpu"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(
+      ops::gather_rows(logits, i32_tensor({3}, {0, 1, 2}), Tensor(), Tensor::empty({2, 4})),
+      std::exception);
+  EXPECT_THROW(ops::gather_rows(logits, i32_tensor({1}, {5}), Tensor(), Tensor::empty({1, 4})),
+               std::exception);  // row 5 of 2
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 // every token choose expert 0), dropless and with capacity drops, softmax and sigmoid routers.
 // The communicator's bytes for the pass are checked against moe_ep.h's formula with the
 // per-destination counts taken from the single-process routing. E not divisible by EP is refused.
+// The cases marked "ops" run the layer on tensors (moe_ep_ops_forward/backward, what stage 10
+// runs on either device) on the cpu, through the same checks.
 //
 // Every rank runs every test in the same order and reaches every collective.
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <fmt/format.h>
@@ -47,13 +50,14 @@ struct Case {
   bool f32;           ///< float instead of double
   int chunks = 1;     ///< MoeEpOverlap's cut
   bool lane = false;  ///< the chunks' exchanges on a lane of their own (overlapped)
+  bool ops = false;   ///< the layer on tensors (moe_ep_ops_forward, float), not the host path's
 };
 
 std::string describe(const Case& c) {
   return fmt::format(
       "{}_{}_{}_aux{}_shared{}_{}{}", c.router == MoeRouter::softmax ? "softmax" : "sigmoid",
       c.capacity > 0 ? "drop" : "dropless", c.skew ? "skewed" : "balanced", c.aux > 0 ? 1 : 0,
-      c.shared > 0 ? 1 : 0, c.f32 ? "f32" : "f64",
+      c.shared > 0 ? 1 : 0, c.f32 ? (c.ops ? "ops" : "f32") : "f64",
       c.chunks > 1 ? fmt::format("_chunks{}{}", c.chunks, c.lane ? "_lane" : "") : "");
 }
 
@@ -110,6 +114,59 @@ void expect_close(std::span<const T> got, std::span<const T> want, double tol, c
 template <class T>
 std::span<const T> part(const HostVector<T>& v, I begin, I count) {
   return std::span<const T>(v).subspan(std::size_t(begin), std::size_t(count));
+}
+
+/// A host vector as a cpu tensor of `shape` (undefined when empty).
+Tensor tensor_of(const HostVector<float>& v, Tensor::Shape shape) {
+  if (v.empty()) return {};
+  const Tensor t = Tensor::empty(std::move(shape), DType::f32);
+  std::copy(v.begin(), v.end(), t.data<float>());
+  return t;
+}
+
+HostVector<float> values_of(const Tensor& t) {
+  if (!t.defined()) return {};
+  return HostVector<float>(t.data<float>(), t.data<float>() + t.numel());
+}
+
+/// The layer on tensors (moe_ep_ops_forward, moe_ep_ops_backward) on the cpu, its results in
+/// the host path's structs, so that one set of checks reads both.
+void run_on_tensors(const MoeShape& m, const MoeWeights<float>& w, const std::vector<float>& x,
+                    const std::vector<float>& bias, const std::vector<float>& dy,
+                    Communicator& comm, const MoeEpOverlap& overlap, MoeEpForward<float>& f,
+                    MoeGrads<float>& g, CommStats& fwd, CommStats& bwd) {
+  const I H = m.hidden, E = m.experts, El = E / comm.size(), FE = m.expert_ffn, SF = m.shared_ffn,
+          n = m.tokens, k = m.topk;
+  MoeTensors wt;
+  wt.router = tensor_of(w.router, {H, E});
+  wt.w_gate = tensor_of(w.w_gate, {El, H, FE});
+  wt.w_up = tensor_of(w.w_up, {El, H, FE});
+  wt.w_down = tensor_of(w.w_down, {El, FE, H});
+  wt.shared_gate = tensor_of(w.shared_gate, {H, SF});
+  wt.shared_up = tensor_of(w.shared_up, {H, SF});
+  wt.shared_down = tensor_of(w.shared_down, {SF, H});
+  const Tensor xt = tensor_of(HostVector<float>(x.begin(), x.end()), {n, H});
+  const Tensor dyt = tensor_of(HostVector<float>(dy.begin(), dy.end()), {n, H});
+  const Tensor b = tensor_of(HostVector<float>(bias.begin(), bias.end()), {E});
+  const Stream here(Device::cpu);
+  const MoeEpOpsForward t = moe_ep_ops_forward(m, wt, xt, b, comm, here, nullptr, overlap);
+  fwd = comm.take_stats();
+  const MoeTensorGrads gt = moe_ep_ops_backward(m, wt, xt, t, dyt, comm, here, nullptr, overlap);
+  bwd = comm.take_stats();
+  f.y = values_of(t.y);
+  f.aux_loss = float(t.aux_loss);
+  f.routed_all = t.routed_all;
+  f.tokens_all = t.tokens_all;
+  f.routing.kept = t.kept;
+  f.routing.expert.assign(t.expert.data<std::int32_t>(), t.expert.data<std::int32_t>() + n * k);
+  f.routing.weight = values_of(t.weight);
+  f.send_rows.assign(std::size_t(comm.size()), 0);
+  for (const MoeEpChunk& ch : t.chunks)
+    for (std::size_t d = 0; d < ch.send_rows.size(); ++d) f.send_rows[d] += ch.send_rows[d];
+  g.x = values_of(gt.x);
+  const auto from = moe_tensors(gt.w);
+  const auto into = moe_tensors(g.w);
+  for (std::size_t p = 0; p < from.size(); ++p) *into[p] = values_of(*from[p]);
 }
 
 template <class T>
@@ -179,10 +236,18 @@ void MoeEp::run(const Case& c) {
   Trace trace(Trace::Mode::keep);
   const Stream lane = Stream::create(Device::cpu);
   const MoeEpOverlap overlap{.chunks = c.chunks, .lane = c.lane ? &lane : nullptr, .trace = &trace};
-  const MoeEpForward<T> f = moe_ep_forward<T>(mr, wr, xr, bias, *comm_, stream_, nullptr, overlap);
-  const CommStats fwd = comm_->take_stats();
-  const MoeGrads<T> g = moe_ep_backward<T>(mr, wr, xr, f, dyr, *comm_, stream_, nullptr, overlap);
-  const CommStats bwd = comm_->take_stats();
+  MoeEpForward<T> f;
+  MoeGrads<T> g;
+  CommStats fwd, bwd;
+  if constexpr (std::is_same_v<T, float>) {
+    if (c.ops) run_on_tensors(mr, wr, xr, bias, dyr, *comm_, overlap, f, g, fwd, bwd);
+  }
+  if (!c.ops) {
+    f = moe_ep_forward<T>(mr, wr, xr, bias, *comm_, stream_, nullptr, overlap);
+    fwd = comm_->take_stats();
+    g = moe_ep_backward<T>(mr, wr, xr, f, dyr, *comm_, stream_, nullptr, overlap);
+    bwd = comm_->take_stats();
+  }
   // The exchanges on the EP lane in the order every rank issues them: with a lane, chunk c + 1's
   // dispatch before chunk c's combine (forward, then backward).
   // (Without a token group the counts' all-gather runs over the EP group too, before them.)
@@ -213,7 +278,13 @@ void MoeEp::run(const Case& c) {
   for (I a = 0; a < nt * k; ++a) {
     EXPECT_EQ(f.routing.expert[std::size_t(a)], ref.routing.expert[std::size_t(lo * k + a)]) << a;
     EXPECT_EQ(f.routing.kept[std::size_t(a)], ref.routing.kept[std::size_t(lo * k + a)]) << a;
-    EXPECT_EQ(f.routing.weight[std::size_t(a)], ref.routing.weight[std::size_t(lo * k + a)]) << a;
+    // (On tensors the logits are a GEMM's, summed in another order than moe_logits's loop.)
+    if (c.ops)
+      EXPECT_NEAR(f.routing.weight[std::size_t(a)], ref.routing.weight[std::size_t(lo * k + a)],
+                  tol)
+          << a;
+    else
+      EXPECT_EQ(f.routing.weight[std::size_t(a)], ref.routing.weight[std::size_t(lo * k + a)]) << a;
   }
   expect_close<T>(f.y, part(ref.y, lo * H, nt * H), tol, "y");
   expect_close<T>(g.x, part(gref.x, lo * H, nt * H), tol, "dx");
@@ -299,7 +370,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{MoeRouter::sigmoid, 1.25, 0.0, 0, true, false, 2, false},
                       Case{MoeRouter::softmax, 0.0, 0.01, 8, true, true, 4, true},
                       // More chunks than a rank has tokens: empty ones.
-                      Case{MoeRouter::softmax, 1.0, 0.01, 0, false, false, 9, true}),
+                      Case{MoeRouter::softmax, 1.0, 0.01, 0, false, false, 9, true},
+                      // The layer on tensors (stage 10's, either device), here on the cpu.
+                      Case{MoeRouter::softmax, 1.0, 0.01, 8, false, true, 1, false, true},
+                      Case{MoeRouter::sigmoid, 1.25, 0.02, 8, true, true, 1, false, true},
+                      Case{MoeRouter::sigmoid, 0.0, 0.0, 0, true, true, 1, false, true},
+                      Case{MoeRouter::softmax, 1.0, 0.01, 8, true, true, 3, true, true},
+                      Case{MoeRouter::softmax, 1.0, 0.01, 0, false, true, 9, true, true}),
     case_name);
 
 class MoeEpRefusal : public MoeEp {};

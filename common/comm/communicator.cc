@@ -390,6 +390,11 @@ std::vector<std::int64_t> Communicator::all_to_all_counts(std::span<const std::i
                                                           std::string_view what) {
   if (!has_all_to_all())
     fail(fmt::format("all_to_all_counts: {} has no all-to-all yet; use --comm mpi", name()));
+  if (!accepts(Device::cpu))
+    fail(fmt::format(
+        "all_to_all_counts: {} moves device memory only; exchange the counts as a device tensor "
+        "with all_to_all_v",
+        name()));
   check_rows(send_rows, size_, "send");
   const Tensor send = Tensor::empty({size_}, DType::i32), recv = Tensor::zeros({size_}, DType::i32);
   for (int d = 0; d < size_; ++d) {

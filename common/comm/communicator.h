@@ -170,7 +170,7 @@ class Communicator {
   /// them first with all_to_all_counts, or know them, as a combine that reverses a dispatch
   /// does). A row is everything after dim 0; send and recv have the same row shape, dtype and
   /// device; any count may be 0. Recorded as CommOp::all_to_all with send's dtype and numel.
-  /// The MPI backend only: another backend throws tpx::Error on every rank before any transfer.
+  /// MPI (host memory, cuda tensors staged through it) and NCCL (one group of sends and receives).
   void all_to_all_v(const Tensor& send, std::span<const std::int64_t> send_rows, const Tensor& recv,
                     std::span<const std::int64_t> recv_rows, const Stream& s,
                     std::string_view what = {});
@@ -206,7 +206,7 @@ class Communicator {
   virtual void do_all_to_all_v(const Tensor& send, std::span<const std::int64_t> send_counts,
                                const Tensor& recv, std::span<const std::int64_t> recv_counts,
                                const Stream& s);
-  /// Whether this backend implements do_all_to_all_v (MPI does; NCCL not yet).
+  /// Whether this backend implements do_all_to_all_v (MPI and NCCL do).
   virtual bool has_all_to_all() const { return false; }
 
   /// Whether this backend moves tensors on `d` (MPI: both, staging cuda tensors through the host;

@@ -166,6 +166,39 @@ class NcclCommunicator final : public Communicator {
     leave(s, {send, recv});
   }
 
+  bool has_all_to_all() const override {
+    return true;
+  }
+
+  // The ragged all-to-all as one group of point-to-point calls, a send and a receive per peer
+  // (NCCL has no all-to-all-v of its own; a group lets it run them all at once). A count of 0 is
+  // skipped on both sides: the peer's matching count is 0 too.
+  void do_all_to_all_v(const Tensor& send, std::span<const std::int64_t> send_counts,
+                       const Tensor& recv, std::span<const std::int64_t> recv_counts,
+                       const Stream& s) override {
+    enter(s);
+    const std::size_t element = dtype_size(send.dtype());
+    const ncclDataType_t type = nccl_type(send.dtype());
+    nccl(ncclGroupStart(), "ncclGroupStart");
+    std::size_t sent = 0, received = 0;
+    for (std::size_t peer = 0; peer < send_counts.size(); ++peer) {
+      const auto out = static_cast<std::size_t>(send_counts[peer]);
+      const auto in = static_cast<std::size_t>(recv_counts[peer]);
+      if (out > 0)
+        nccl(ncclSend(static_cast<const char*>(send.raw()) + sent * element, out, type,
+                      static_cast<int>(peer), comm_, cs()),
+             "ncclSend");
+      if (in > 0)
+        nccl(ncclRecv(static_cast<char*>(recv.raw()) + received * element, in, type,
+                      static_cast<int>(peer), comm_, cs()),
+             "ncclRecv");
+      sent += out;
+      received += in;
+    }
+    nccl(ncclGroupEnd(), "ncclGroupEnd");
+    leave(s, {send, recv});
+  }
+
   void do_barrier() override {
     // A one-element all-reduce on the comm stream, then the host waits for it (and so for every
     // op issued before it); the watchdog watches the wait like any op.

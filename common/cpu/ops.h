@@ -85,4 +85,15 @@ void hadamard_rows(const Tensor& x, std::int64_t rows, std::int64_t cols, const 
 void pack_e2m1(const Tensor& codes, const Tensor& packed);
 void unpack_e2m1(const Tensor& packed, const Tensor& codes);
 
+// Mixture of experts (moe_ops.cc); arguments checked by tpx::ops.
+void moe_route(const Tensor& logits, const Tensor& bias, bool sigmoid, const Tensor& score,
+               const Tensor& expert, const Tensor& weight);
+void gather_rows(const Tensor& x, const Tensor& index, const Tensor& scale, const Tensor& out);
+void combine_rows(const Tensor& rows, const Tensor& slot, const Tensor& weight, const Tensor& out,
+                  bool accumulate);
+void rows_dot(const Tensor& a, const Tensor& rows, const Tensor& slot, const Tensor& out);
+void moe_router_dz(const Tensor& score, const Tensor& expert, const Tensor& weight,
+                   const Tensor& dweight, const Tensor& dP, bool sigmoid, std::int64_t tokens_all,
+                   const Tensor& dz);
+
 }  // namespace tpx::cpu

@@ -228,6 +228,20 @@ void hadamard_rows(const float* x, I rows, I cols, float* y, void* stream);
 /// pack: packed[i] = codes[2i] | codes[2i + 1] << 4 for i < bytes; else codes from packed.
 void e2m1_pack(std::uint8_t* codes, I bytes, std::uint8_t* packed, bool pack, void* stream);
 
+// moe.cu -----------------------------------------------------------------------------------------
+// Stage 10's routing and row moves; shapes as tpx::ops's MoE ops (common/ops.h) say.
+void moe_route(const float* logits, const float* bias, I n, I E, I k, bool sigmoid, float* score,
+               std::int32_t* expert, float* weight, void* stream);
+void gather_rows(const float* x, const std::int32_t* index, const float* scale, I R, I H,
+                 float* out, void* stream);
+void combine_rows(const float* rows, const std::int32_t* slot, const float* weight, I n, I k, I H,
+                  float* out, bool accumulate, void* stream);
+void rows_dot(const float* a, const float* rows, const std::int32_t* slot, I n, I k, I H,
+              float* out, void* stream);
+void moe_router_dz(const float* score, const std::int32_t* expert, const float* weight,
+                   const float* dweight, const float* dP, I n, I E, I k, bool sigmoid, I tokens_all,
+                   float* dz, void* stream);
+
 // fp8_pack.cu ------------------------------------------------------------------------------------
 // The operands of the FP8 GEMM (gemm_fp8.cc) in the layout cuBLASLt's FP8 kernels read.
 /// out (row-major [out_rows, out_cols], row stride out_cols) = the rows x cols matrix M padded

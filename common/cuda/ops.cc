@@ -873,6 +873,48 @@ void hadamard_rows(const Tensor& x, I rows, I cols, const Tensor& y) {
   TPX_CUDA_LAUNCH_CHECK();
 }
 
+void moe_route(const Tensor& logits, const Tensor& bias, bool sigmoid, const Tensor& score,
+               const Tensor& expert, const Tensor& weight) {
+  NvtxRange range("moe_route");
+  kernels::moe_route(cf(logits), bias.defined() ? cf(bias) : nullptr, logits.dim(0), logits.dim(1),
+                     expert.dim(1), sigmoid, f(score), expert.data<std::int32_t>(), f(weight),
+                     stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void gather_rows(const Tensor& x, const Tensor& index, const Tensor& scale, const Tensor& out) {
+  NvtxRange range("gather_rows");
+  kernels::gather_rows(cf(x), index.data<std::int32_t>(), scale.defined() ? cf(scale) : nullptr,
+                       index.dim(0), x.dim(1), f(out), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void combine_rows(const Tensor& rows, const Tensor& slot, const Tensor& weight, const Tensor& out,
+                  bool accumulate) {
+  NvtxRange range("combine_rows");
+  kernels::combine_rows(cf(rows), slot.data<std::int32_t>(),
+                        weight.defined() ? cf(weight) : nullptr, slot.dim(0), slot.dim(1),
+                        out.dim(1), f(out), accumulate, stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void rows_dot(const Tensor& a, const Tensor& rows, const Tensor& slot, const Tensor& out) {
+  NvtxRange range("rows_dot");
+  kernels::rows_dot(cf(a), cf(rows), slot.data<std::int32_t>(), slot.dim(0), slot.dim(1), a.dim(1),
+                    f(out), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
+void moe_router_dz(const Tensor& score, const Tensor& expert, const Tensor& weight,
+                   const Tensor& dweight, const Tensor& dP, bool sigmoid, std::int64_t tokens_all,
+                   const Tensor& dz) {
+  NvtxRange range("moe_router_dz");
+  kernels::moe_router_dz(cf(score), expert.data<std::int32_t>(), cf(weight), cf(dweight),
+                         dP.defined() ? cf(dP) : nullptr, score.dim(0), score.dim(1), expert.dim(1),
+                         sigmoid, tokens_all, f(dz), stream());
+  TPX_CUDA_LAUNCH_CHECK();
+}
+
 void pack_e2m1(const Tensor& codes, const Tensor& packed) {
   NvtxRange range("pack_e2m1");
   kernels::e2m1_pack(codes.data<std::uint8_t>(), packed.numel(), packed.data<std::uint8_t>(), true,
