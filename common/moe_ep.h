@@ -41,8 +41,8 @@
 //
 // The same layer on either backend (moe_ep_ops.cc, stage 10's): the parameters, the tokens and
 // every row buffer are f32 tensors on the run's device, the math is tpx::ops (the routing and the
-// row moves: common/ops.h's MoE ops; the experts' GEMMs: one ops::gemm per group of rows that
-// one rank sent one expert), and the bookkeeping of steps 2 and 3 (which assignment is kept, which
+// row moves: common/ops.h's MoE ops; the experts' GEMMs: ops::gemm_grouped over the groups of
+// rows that one rank sent one expert), and the bookkeeping of steps 2 and 3 (which assignment is kept, which
 // row goes where: integers, T·k of them) runs on the host from the choices copied back, as
 // moe_ep_plan() does it for both paths.
 //

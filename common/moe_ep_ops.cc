@@ -10,8 +10,10 @@
 //               gate weight), one kernel;
 //   exchanges   Communicator::all_to_all_v of the counts [EP, E/EP] and of the rows;
 //   experts     the rows from rank s for local expert e are contiguous in what rank r received
-//               (rank 0's first, then expert by expert), so each such group is one ops::gemm per
-//               matrix (one call per group: EP · E/EP groups a chunk), with ops::swiglu between;
+//               (rank 0's first, then expert by expert): EP · E/EP groups a chunk, each
+//               multiplied by its expert's matrices, which is ops::gemm_grouped (cuda: one
+//               cublasGemmGroupedBatchedEx for all of them; cpu: one GEMM per group), with one
+//               ops::swiglu over all the rows between; the weights' gradients one GEMM per group;
 //   combine     the outputs back in sent order, then ops::combine_rows: y_t = Σ_j w_j·out_j in
 //               j order, a token at a time (the backward: dx_t = Σ_j dx_j, and ops::rows_dot for
 //               the gate weights' gradients dy·out_j);
@@ -67,17 +69,23 @@ Tensor rows_of(const Tensor& t, I begin, I n) {
   return t.slice0(begin, begin + n);
 }
 
-/// Calls `fn(first row, rows, local expert)` for every group of rows of one source rank and one
-/// local expert in a chunk's received buffer, in buffer order (rank 0's first).
-template <class Fn>
-void for_each_group(const MoeEpChunk& ch, I ranks, I local, Fn&& fn) {
+/// The groups of a chunk's received buffer, in buffer order: the rows from rank src for local
+/// expert e are one group (rank 0's first, then expert by expert), multiplied by expert e.
+struct Groups {
+  std::vector<I> rows, which, first;
+};
+Groups groups_of(const MoeEpChunk& ch, I ranks, I local) {
+  Groups g;
   I base = 0;
   for (I src = 0; src < ranks; ++src)
     for (I le = 0; le < local; ++le) {
       const I c = ch.recv_counts[at(src * local + le)];
-      if (c > 0) fn(base, c, le);
+      g.rows.push_back(c);
+      g.which.push_back(le);
+      g.first.push_back(base);
       base += c;
     }
+  return g;
 }
 
 /// The SwiGLU's product silu(gate)·up of [rows, f] pre-activations.
@@ -87,22 +95,22 @@ Tensor swiglu(const Tensor& gate, const Tensor& up) {
   return h;
 }
 
-/// One SwiGLU's backward on rows x [r, H] with pre-activations gate, up [r, f] for dout [r, H]:
-/// adds to dwg, dwu [H, f] and dwd [f, H], writes (or, `add_dx`, adds) dx [r, H].
+/// One SwiGLU's backward on rows x [r, H] with pre-activations gate, up [r, f] for dout [r, H]
+/// (the shared experts'): adds to dwg, dwu [H, f] and dwd [f, H] and to dx [r, H].
 void swiglu_backward(const Tensor& x, const Tensor& wg, const Tensor& wu, const Tensor& wd,
                      const Tensor& gate, const Tensor& up, const Tensor& dout, const Tensor& dwg,
-                     const Tensor& dwu, const Tensor& dwd, const Tensor& dx, bool add_dx) {
+                     const Tensor& dwu, const Tensor& dwd, const Tensor& dx) {
   const Device d = x.device();
   const I r = x.dim(0), f = gate.dim(1);
   ops::gemm(swiglu(gate, up), true, dout, false, dwd, 1.0f, 1.0f);  // dWd += hᵀ·dout
   const Tensor dh = Tensor::empty({r, f}, DType::f32, d);
   ops::gemm(dout, false, wd, true, dh, 1.0f, 0.0f);  // dh = dout·Wdᵀ
-  const Tensor dgate = Tensor::empty({r, f}, DType::f32, d),
-               dup = Tensor::empty({r, f}, DType::f32, d);
+  const Tensor dgate = Tensor::empty({r, f}, DType::f32, d);
+  const Tensor dup = Tensor::empty({r, f}, DType::f32, d);
   ops::swiglu_backward(dh, gate, up, dgate, dup);
   ops::gemm(x, true, dgate, false, dwg, 1.0f, 1.0f);
   ops::gemm(x, true, dup, false, dwu, 1.0f, 1.0f);
-  ops::gemm(dgate, false, wg, true, dx, 1.0f, add_dx ? 1.0f : 0.0f);
+  ops::gemm(dgate, false, wg, true, dx, 1.0f, 1.0f);
   ops::gemm(dup, false, wu, true, dx, 1.0f, 1.0f);
 }
 
@@ -241,22 +249,20 @@ MoeEpOpsForward moe_ep_ops_forward(const MoeShape& m, const MoeTensors& w, const
     f.recv[at(c)] = Tensor::empty({rows, H}, DType::f32, d);
     ep.all_to_all_v(send, ch.send_rows, f.recv[at(c)], ch.recv_rows, here, "moe dispatch");
   };
-  // 4. The local experts on the chunk's received rows, one GEMM per group and matrix.
+  // 4. The local experts on the chunk's received rows: each matrix one grouped GEMM over the
+  // chunk's groups, the SwiGLU between them one op over all its rows.
   auto experts = [&](I c) {
     TraceScope span(trace, fmt::format("experts {}/{}", c + 1, C));
     const Tensor& recv = f.recv[at(c)];
     const I rows = recv.dim(0);
+    const Groups gr = groups_of(f.chunks[at(c)], N, El);
     f.gate[at(c)] = Tensor::empty({rows, FE}, DType::f32, d);
     f.up[at(c)] = Tensor::empty({rows, FE}, DType::f32, d);
     out[at(c)] = Tensor::empty({rows, H}, DType::f32, d);
-    for_each_group(f.chunks[at(c)], N, El, [&](I first, I count, I le) {
-      const Tensor xr = rows_of(recv, first, count);
-      const Tensor g = rows_of(f.gate[at(c)], first, count), u = rows_of(f.up[at(c)], first, count);
-      ops::gemm(xr, false, matrix(w.w_gate, le), false, g, 1.0f, 0.0f);
-      ops::gemm(xr, false, matrix(w.w_up, le), false, u, 1.0f, 0.0f);
-      ops::gemm(swiglu(g, u), false, matrix(w.w_down, le), false, rows_of(out[at(c)], first, count),
-                1.0f, 0.0f);
-    });
+    ops::gemm_grouped(recv, gr.rows, w.w_gate, gr.which, false, f.gate[at(c)], 0.0f);
+    ops::gemm_grouped(recv, gr.rows, w.w_up, gr.which, false, f.up[at(c)], 0.0f);
+    ops::gemm_grouped(swiglu(f.gate[at(c)], f.up[at(c)]), gr.rows, w.w_down, gr.which, false,
+                      out[at(c)], 0.0f);
   };
   // 5. Combine: the outputs back to their tokens' ranks, into their rows of f.out.
   auto combine = [&](I c) {
@@ -326,17 +332,34 @@ MoeTensorGrads moe_ep_ops_backward(const MoeShape& m, const MoeTensors& w, const
     rdy[at(c)] = Tensor::empty({f.recv[at(c)].dim(0), H}, DType::f32, d);
     ep.all_to_all_v(send, ch.send_rows, rdy[at(c)], ch.recv_rows, here, "moe dispatch");
   };
+  // The local experts' backward: dh, dx by grouped GEMMs over the chunk's groups, the SwiGLU's
+  // backward one op, the weights' gradients one GEMM per group (groups of one expert add to one
+  // matrix: in buffer order, rank 0's rows first).
   auto experts = [&](I c) {
     TraceScope span(trace, fmt::format("experts bwd {}/{}", c + 1, C));
     const Tensor& recv = f.recv[at(c)];
-    dx_rows[at(c)] = Tensor::empty({recv.dim(0), H}, DType::f32, d);
-    for_each_group(f.chunks[at(c)], N, El, [&](I first, I count, I le) {
-      swiglu_backward(rows_of(recv, first, count), matrix(w.w_gate, le), matrix(w.w_up, le),
-                      matrix(w.w_down, le), rows_of(f.gate[at(c)], first, count),
-                      rows_of(f.up[at(c)], first, count), rows_of(rdy[at(c)], first, count),
-                      matrix(g.w.w_gate, le), matrix(g.w.w_up, le), matrix(g.w.w_down, le),
-                      rows_of(dx_rows[at(c)], first, count), /*add_dx=*/false);
-    });
+    const I rows = recv.dim(0), FE = f.gate[at(c)].dim(1);
+    const Groups gr = groups_of(f.chunks[at(c)], N, El);
+    const Tensor& gate = f.gate[at(c)];
+    const Tensor& up = f.up[at(c)];
+    const Tensor h = swiglu(gate, up);
+    const Tensor dh = Tensor::empty({rows, FE}, DType::f32, d);
+    ops::gemm_grouped(rdy[at(c)], gr.rows, w.w_down, gr.which, /*trans_b=*/true, dh, 0.0f);
+    const Tensor dgate = Tensor::empty({rows, FE}, DType::f32, d);
+    const Tensor dup = Tensor::empty({rows, FE}, DType::f32, d);
+    ops::swiglu_backward(dh, gate, up, dgate, dup);
+    dx_rows[at(c)] = Tensor::empty({rows, H}, DType::f32, d);
+    ops::gemm_grouped(dgate, gr.rows, w.w_gate, gr.which, true, dx_rows[at(c)], 0.0f);
+    ops::gemm_grouped(dup, gr.rows, w.w_up, gr.which, true, dx_rows[at(c)], 1.0f);
+    for (std::size_t i = 0; i < gr.rows.size(); ++i) {
+      const I first = gr.first[i], count = gr.rows[i], le = gr.which[i];
+      if (count == 0) continue;
+      const Tensor x_g = rows_of(recv, first, count);
+      ops::gemm(rows_of(h, first, count), true, rows_of(rdy[at(c)], first, count), false,
+                matrix(g.w.w_down, le), 1.0f, 1.0f);
+      ops::gemm(x_g, true, rows_of(dgate, first, count), false, matrix(g.w.w_gate, le), 1.0f, 1.0f);
+      ops::gemm(x_g, true, rows_of(dup, first, count), false, matrix(g.w.w_up, le), 1.0f, 1.0f);
+    }
     rdy[at(c)] = {};
   };
   auto combine = [&](I c) {
@@ -356,7 +379,7 @@ MoeTensorGrads moe_ep_ops_backward(const MoeShape& m, const MoeTensors& w, const
   ops::rows_dot(dy, f.out, f.slot, dweight);
   if (SF > 0)
     swiglu_backward(x, w.shared_gate, w.shared_up, w.shared_down, f.shared_gate, f.shared_up, dy,
-                    g.w.shared_gate, g.w.shared_up, g.w.shared_down, g.x, /*add_dx=*/true);
+                    g.w.shared_gate, g.w.shared_up, g.w.shared_down, g.x);
   // Experts cut over a TP group: a gate weight's gradient is the sum of the ranks' parts; the
   // router's part of dx then goes to the group's rank 0 alone (moe_ep_backward's rule).
   if (tp && tp->size() > 1) tp->all_reduce(dweight, s);

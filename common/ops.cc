@@ -943,6 +943,38 @@ void rows_dot(const Tensor& a, const Tensor& rows, const Tensor& slot, const Ten
   TPX_DISPATCH(d, rows_dot, a, rows, slot, out);
 }
 
+void gemm_grouped(const Tensor& a, std::span<const std::int64_t> rows, const Tensor& b,
+                  std::span<const std::int64_t> which, bool trans_b, const Tensor& c, float beta) {
+  TPX_CHECK(a.ndim() == 2 && b.ndim() == 3 && c.ndim() == 2 && rows.size() == which.size(),
+            "gemm_grouped: a {}, b {}, c {}, {} groups and {} matrices", a.describe(), b.describe(),
+            c.describe(), rows.size(), which.size());
+  const std::int64_t R = a.dim(0), K = a.dim(1), N = c.dim(1), G = b.dim(0);
+  const Device d = c.device();
+  expect_moe(a, DType::f32, d, {R, K}, "gemm_grouped", "a");
+  expect_moe(b, DType::f32, d, trans_b ? Tensor::Shape{G, N, K} : Tensor::Shape{G, K, N},
+             "gemm_grouped", "b");
+  expect_moe(c, DType::f32, d, {R, N}, "gemm_grouped", "c");
+  std::int64_t total = 0;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    TPX_CHECK(rows[i] >= 0 && which[i] >= 0 && which[i] < G,
+              "gemm_grouped: group {} of {} rows on matrix {} of {}", i, rows[i], which[i], G);
+    total += rows[i];
+  }
+  TPX_CHECK(total == R, "gemm_grouped: the groups hold {} rows of {}", total, R);
+#if TPX_WITH_CUDA
+  if (d == Device::cuda && cuda::gemm_grouped(a, rows, b, which, trans_b, c, beta)) return;
+#endif
+  std::int64_t first = 0;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] > 0) {
+      const Tensor bi = b.slice0(which[i], which[i] + 1).reshape({b.dim(1), b.dim(2)});
+      gemm(a.slice0(first, first + rows[i]), false, bi, trans_b, c.slice0(first, first + rows[i]),
+           1.0f, beta);
+    }
+    first += rows[i];
+  }
+}
+
 void moe_router_dz(const Tensor& score, const Tensor& expert, const Tensor& weight,
                    const Tensor& dweight, const Tensor& dP, bool sigmoid, std::int64_t tokens_all,
                    const Tensor& dz) {

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -340,6 +341,13 @@ void combine_rows(const Tensor& rows, const Tensor& slot, const Tensor& weight, 
                   bool accumulate);
 /// out [n, k] = a[t] · rows[slot[t, j]] (0 where slot < 0): the gate weights' gradients dy·out_j.
 void rows_dot(const Tensor& a, const Tensor& rows, const Tensor& slot, const Tensor& out);
+/// Grouped GEMM over consecutive groups of rows (the experts' GEMMs): for group i, rows
+/// [r_i, r_i + rows[i]) of c = those rows of a · op(b[which[i]]) + beta · c's. a [R, K] and c
+/// [R, N] f32, b a stack [G, K, N] (or [G, N, K] read transposed with trans_b) of f32 matrices,
+/// Σ rows = R. cpu: one gemm per group; cuda: one cublasGemmGroupedBatchedEx (cuBLAS 12.5 on; one
+/// gemm per group before).
+void gemm_grouped(const Tensor& a, std::span<const std::int64_t> rows, const Tensor& b,
+                  std::span<const std::int64_t> which, bool trans_b, const Tensor& c, float beta);
 /// dz [n, E] = ∂loss/∂logits of n tokens (moe_token::router_dz): score [n, E], expert, weight and
 /// dweight [n, k], dP [E] the auxiliary loss's ∂/∂P (moe_aux_grad) or undefined, tokens_all the
 /// tokens it averages over.

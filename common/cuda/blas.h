@@ -14,11 +14,13 @@
 // calling thread's cuBLASLt handle and the per-stream workspaces of gemm.cc (lt_context).
 //
 // defines: tpx::cuda::blas::Operand, tpx::cuda::blas::gemm, tpx::cuda::blas::LtContext,
-//          tpx::cuda::blas::lt_context, tpx::cuda::blas::gemm_fp8, tpx::cuda::blas::loaded
+//          tpx::cuda::blas::lt_context, tpx::cuda::blas::GroupedProblem,
+//          tpx::cuda::blas::gemm_grouped, tpx::cuda::blas::gemm_fp8, tpx::cuda::blas::loaded
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "common/tensor.h"
 
@@ -37,6 +39,22 @@ struct Operand {
 void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
           Operand a, Operand b, float beta, void* c, std::int64_t ldc, std::int64_t stride_c,
           std::int64_t batch, DType ab, DType c_type);
+
+/// One problem of a grouped GEMM: row-major C [m, n] = A [m, k]·op(B) + beta·C (A's rows k
+/// apart, C's n; B [k, n], or [n, k] read transposed).
+struct GroupedProblem {
+  const float* a;
+  const float* b;
+  float* c;
+  std::int64_t m;
+};
+
+/// fp32 problems sharing n, k, op(B) and beta but not m, in one cublasGemmGroupedBatchedEx call
+/// (each problem a group of one; fp32 accumulation, CUBLAS_COMPUTE_32F, as gemm's), issued on the
+/// current stream. Returns false, having issued nothing, where the cuBLAS compiled against has no
+/// grouped GEMM (before 12.5).
+bool gemm_grouped(bool trans_b, std::int64_t n, std::int64_t k, float beta,
+                  const std::vector<GroupedProblem>& problems);
 
 /// What gemm issues a cuBLASLt call with: the calling thread's handle (a cublasLtHandle_t), the
 /// current stream (a cudaStream_t) and that stream's workspace of `workspace_bytes`, owned by

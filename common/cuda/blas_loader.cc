@@ -121,6 +121,19 @@ TPX_CUBLAS(cublasStatus_t, cublasGemmStridedBatchedEx,
             cublasGemmAlgo_t algo),
            (handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB,
             beta, C, Ctype, ldc, strideC, batchCount, computeType, algo))
+#if CUBLAS_VERSION >= 120500
+TPX_CUBLAS(cublasStatus_t, cublasGemmGroupedBatchedEx,
+           (cublasHandle_t handle, const cublasOperation_t transa_array[],
+            const cublasOperation_t transb_array[], const int m_array[], const int n_array[],
+            const int k_array[], const void* alpha_array, const void* const Aarray[],
+            cudaDataType_t Atype, const int lda_array[], const void* const Barray[],
+            cudaDataType_t Btype, const int ldb_array[], const void* beta_array,
+            void* const Carray[], cudaDataType_t Ctype, const int ldc_array[], int group_count,
+            const int group_size[], cublasComputeType_t computeType),
+           (handle, transa_array, transb_array, m_array, n_array, k_array, alpha_array, Aarray,
+            Atype, lda_array, Barray, Btype, ldb_array, beta_array, Carray, Ctype, ldc_array,
+            group_count, group_size, computeType))
+#endif
 
 // cuBLASLt (cublasLt.h).
 TPX_CUBLAS_LT(cublasStatus_t, cublasLtCreate, (cublasLtHandle_t * handle), (handle))

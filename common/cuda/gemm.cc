@@ -183,6 +183,49 @@ void gemm(bool ta, bool tb, I m, I n, I k, float alpha, Operand a, Operand b, fl
       CUBLAS_GEMM_DEFAULT));
 }
 
+bool gemm_grouped(bool trans_b, I n, I k, float beta, const std::vector<GroupedProblem>& problems) {
+#if CUBLAS_VERSION >= 120500
+  // Column-major view, as gemm's: each problem's Cᵀ = op(B)ᵀ·Aᵀ, so cuBLAS's first operand is B
+  // (its m our n), the second A (its n our m). The sizes, operations and scalars are host arrays
+  // of one entry per group; the three pointer arrays live on the device (cuBLAS reads them there).
+  const int G = to_int(I(problems.size()), "groups");
+  if (G == 0) return true;
+  Handles& h = handles();
+  auto stream = static_cast<cudaStream_t>(current_stream());
+  const std::vector<cublasOperation_t> op_b(std::size_t(G), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N),
+      op_a(std::size_t(G), CUBLAS_OP_N);
+  const std::vector<int> ms(std::size_t(G), to_int(n, "n")), ks(std::size_t(G), to_int(k, "k")),
+      ldb(std::size_t(G), to_int(trans_b ? k : n, "ldb")), lda(std::size_t(G), to_int(k, "lda")),
+      ldc(std::size_t(G), to_int(n, "ldc")), ones(std::size_t(G), 1);
+  std::vector<int> ns(problems.size());
+  const std::vector<float> alphas(std::size_t(G), 1.0f), betas(std::size_t(G), beta);
+  std::vector<const void*> pointers(3 * std::size_t(G));
+  for (std::size_t i = 0; i < problems.size(); ++i) {
+    ns[i] = to_int(problems[i].m, "m");
+    pointers[i] = problems[i].b;
+    pointers[std::size_t(G) + i] = problems[i].a;
+    pointers[2 * std::size_t(G) + i] = problems[i].c;
+  }
+  const Tensor device_pointers =
+      Tensor::empty({I(pointers.size() * sizeof(void*))}, DType::u8, Device::cuda);
+  // A pageable source: the copy has read it when cudaMemcpyAsync returns.
+  TPX_CUDA_CHECK(cudaMemcpyAsync(device_pointers.raw(), pointers.data(),
+                                 pointers.size() * sizeof(void*), cudaMemcpyHostToDevice, stream));
+  const auto* table = static_cast<const void* const*>(device_pointers.raw());
+  TPX_CUBLAS_CHECK(cublasSetStream(h.blas, stream));
+  TPX_CUBLAS_CHECK(cublasSetWorkspace(h.blas, h.workspace(stream), kLtWorkspace));
+  TPX_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+      h.blas, op_b.data(), op_a.data(), ms.data(), ns.data(), ks.data(), alphas.data(), table,
+      CUDA_R_32F, ldb.data(), table + G, CUDA_R_32F, lda.data(), betas.data(),
+      const_cast<void* const*>(table + 2 * G), CUDA_R_32F, ldc.data(), G, ones.data(),
+      CUBLAS_COMPUTE_32F));
+  return true;
+#else
+  (void)trans_b, (void)n, (void)k, (void)beta, (void)problems;
+  return false;
+#endif
+}
+
 LtContext lt_context() {
   Handles& h = handles();
   void* const stream = current_stream();

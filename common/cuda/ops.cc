@@ -905,6 +905,20 @@ void rows_dot(const Tensor& a, const Tensor& rows, const Tensor& slot, const Ten
   TPX_CUDA_LAUNCH_CHECK();
 }
 
+bool gemm_grouped(const Tensor& a, std::span<const std::int64_t> rows, const Tensor& b,
+                  std::span<const std::int64_t> which, bool trans_b, const Tensor& c, float beta) {
+  NvtxRange range("gemm_grouped");
+  std::vector<blas::GroupedProblem> problems;
+  const I K = a.dim(1), N = c.dim(1), matrix = b.dim(1) * b.dim(2);
+  I first = 0;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] > 0)  // cuBLAS takes no empty problem
+      problems.push_back({cf(a) + first * K, cf(b) + which[i] * matrix, f(c) + first * N, rows[i]});
+    first += rows[i];
+  }
+  return blas::gemm_grouped(trans_b, N, K, beta, problems);
+}
+
 void moe_router_dz(const Tensor& score, const Tensor& expert, const Tensor& weight,
                    const Tensor& dweight, const Tensor& dP, bool sigmoid, std::int64_t tokens_all,
                    const Tensor& dz) {

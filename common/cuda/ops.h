@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "common/lowp_block.h"
@@ -164,6 +165,9 @@ void rows_dot(const Tensor& a, const Tensor& rows, const Tensor& slot, const Ten
 void moe_router_dz(const Tensor& score, const Tensor& expert, const Tensor& weight,
                    const Tensor& dweight, const Tensor& dP, bool sigmoid, std::int64_t tokens_all,
                    const Tensor& dz);
+/// ops::gemm_grouped in one cublasGemmGroupedBatchedEx (gemm.cc); false where this cuBLAS has none.
+bool gemm_grouped(const Tensor& a, std::span<const std::int64_t> rows, const Tensor& b,
+                  std::span<const std::int64_t> which, bool trans_b, const Tensor& c, float beta);
 
 /// Times a large cuBLASLt bf16 GEMM (8192³, fp32 accumulation, bf16 result) and returns its
 /// throughput in TFLOP/s:
