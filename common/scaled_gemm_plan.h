@@ -49,7 +49,7 @@
 //                   blocks rounded up to 4.
 // These are tried first; the other order of each (ScaleOrder) second. The choice is not trusted:
 // before the first native GEMM of each pair of scale modes in a process, a probe problem
-// (make_probe, m = n = 256, K = 384, all codes positive, the block scales 2^e with e changing
+// (make_probe, m = 132, n = 260, K = 384, all codes positive, the block scales 2^e with e changing
 // from block to block) runs on the device with each candidate pair of orders until one matches
 // the exact product computed here in double (probe_matches); if none does, the pair of modes is
 // refused for the rest of the run, said in one line, and those GEMMs run dequantized.
@@ -255,7 +255,10 @@ struct Probe {
 inline constexpr double kProbeTolerance = 1e-3;
 
 inline Probe make_probe(ScaleMode a_mode, ScaleMode b_mode) {
-  Probe p{a_mode, b_mode, 256, 256, 384, 0, 0, 0, {}, {}, {}, {}, {}, {}};
+  // m and n multiples of 4 but not of 128 (a leading dimension that is not a whole tile, a
+  // partial 128 × 128 block), K three blocks (a leading dimension of K blocks padded to 4): a
+  // padding rule other than the plan's shows as a wrong product, not only a wrong order.
+  Probe p{a_mode, b_mode, 132, 260, 384, 0, 0, 0, {}, {}, {}, {}, {}, {}};
   const bool outer = a_mode == ScaleMode::outer_vec_32f;
   p.k_blocks = outer ? 1 : (p.k + 127) / 128;
   auto scale_rows = [](ScaleMode mode, I rows) {

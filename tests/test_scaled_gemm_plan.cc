@@ -181,11 +181,11 @@ TEST(ScaledGemmPlan, ArrangementPlacesEachFactorWhereItsOrderSays) {
   EXPECT_EQ(orders(ScaleMode::outer_vec_32f).size(), 1u);
 }
 
-/// What a GEMM computes on the probe when it reads each operand's factors as `read` orders them
-/// although they were written in `written` order: fp32 sums of the exact code products per
+/// What a GEMM computes on the probe when it reads each operand's factors where `ra` and `rb` place
+/// them although they were written in `written` order: fp32 sums of the exact code products per
 /// 128-block, each block's sum times its two factors, as the block modes apply them.
-std::vector<float> device_like(const Probe& p, ScaleOrder a_written, ScaleOrder a_read,
-                               ScaleOrder b_written, ScaleOrder b_read) {
+std::vector<float> device_like(const Probe& p, ScaleOrder a_written, const ScaleArrangement& ra,
+                               ScaleOrder b_written, const ScaleArrangement& rb) {
   const bool outer = p.a_mode == ScaleMode::outer_vec_32f;
   auto factors = [&p](ScaleMode mode, ScaleOrder written, std::int64_t rows,
                       const std::vector<float>& s, std::int64_t sr) {
@@ -193,8 +193,6 @@ std::vector<float> device_like(const Probe& p, ScaleOrder a_written, ScaleOrder 
   };
   const std::vector<float> fa = factors(p.a_mode, a_written, p.m, p.a_scales, p.a_scale_rows);
   const std::vector<float> fb = factors(p.b_mode, b_written, p.n, p.b_scales, p.b_scale_rows);
-  const ScaleArrangement ra = arrangement(p.a_mode, a_read, p.m, p.k_blocks);
-  const ScaleArrangement rb = arrangement(p.b_mode, b_read, p.n, p.k_blocks);
   const std::int64_t a_br = p.a_mode == ScaleMode::blk128x128_32f ? 128 : 1;
   const std::int64_t b_br = p.b_mode == ScaleMode::blk128x128_32f ? 128 : 1;
   const std::int64_t bc = outer ? p.k : 128;
@@ -218,6 +216,12 @@ std::vector<float> device_like(const Probe& p, ScaleOrder a_written, ScaleOrder 
       c[std::size_t(i * p.n + j)] = acc;
     }
   return c;
+}
+
+std::vector<float> device_like(const Probe& p, ScaleOrder a_written, ScaleOrder a_read,
+                               ScaleOrder b_written, ScaleOrder b_read) {
+  return device_like(p, a_written, arrangement(p.a_mode, a_read, p.m, p.k_blocks), b_written,
+                     arrangement(p.b_mode, b_read, p.n, p.k_blocks));
 }
 
 TEST(ScaledGemmPlan, ProbeAcceptsTheRightOrderAndRejectsEveryOther) {
@@ -250,6 +254,23 @@ TEST(ScaledGemmPlan, ProbeAcceptsTheRightOrderAndRejectsEveryOther) {
   std::vector<float> c = device_like(p, O, O, O, O);
   c[7] = std::nanf("");
   EXPECT_FALSE(probe_matches(p, c.data()));
+}
+
+// A device whose scale tensors are padded otherwise than the plan pads them (the rows to a whole
+// 128-row tile, or the K blocks not at all) reads the right order at the wrong places: the probe's
+// shape (132 and 260 rows, 3 K blocks) makes that a wrong product too.
+TEST(ScaledGemmPlan, ProbeRejectsAnotherPaddingOfTheRightOrder) {
+  const auto O = ScaleOrder::outer_major, K = ScaleOrder::k_major;
+  const Probe p = make_probe(ScaleMode::vec128_32f, ScaleMode::blk128x128_32f);
+  const ScaleArrangement ra = arrangement(p.a_mode, O, p.m, p.k_blocks);
+  const ScaleArrangement rb = arrangement(p.b_mode, K, p.n, p.k_blocks);
+  ASSERT_TRUE(probe_matches(p, device_like(p, O, ra, K, rb).data()));
+  ScaleArrangement tile = ra;  // VEC128_32F's rows padded to 256, not 132
+  tile.col_stride = 256;
+  EXPECT_FALSE(probe_matches(p, device_like(p, O, tile, K, rb).data()));
+  ScaleArrangement tight = rb;  // BLK128x128_32F's 3 K blocks not padded to 4
+  tight.row_stride = 3;
+  EXPECT_FALSE(probe_matches(p, device_like(p, O, ra, K, tight).data()));
 }
 
 TEST(ScaledGemmPlan, HeaderWordsNameTheScaleModesOnlyWhereNative) {

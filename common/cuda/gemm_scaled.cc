@@ -21,7 +21,7 @@
 // The probe. Which index of a VEC128_32F or BLK128x128_32F scale tensor runs fastest, and how its
 // leading dimension is padded, is not something the documentation's wording settles, and a wrong
 // guess gives plausible numbers, not an error. So the first native GEMM of each pair of scale
-// modes in a process first multiplies a probe problem (make_probe: 256 × 256 × 384, every block
+// modes in a process first multiplies a probe problem (make_probe: 132 × 260 × 384, every block
 // scale a different power of two from its neighbours) with each candidate order in turn, reads
 // the product back (one synchronisation, once per pair per process) and keeps the first order
 // whose product equals the exact one within the stated tolerance. If none does, or cuBLASLt
