@@ -99,6 +99,24 @@ ops::ScaledOperand operand_of(ops::ScaledOperand q, bool transposed, Tensor valu
   return q;
 }
 
+/// x quantized under `recipe` with the GEMM's K along its last dimension (k_rows false) or along
+/// its rows (k_rows true, x seen as [numel / last, last]), the codes K-major; `codes`/`scales`,
+/// when given, receive the codes in x's layout and the scales [1, scale rows, scale cols] (for
+/// the dump). Returns then(quantized), called while x's fp32 copy and the codes are alive.
+template <class Then>
+auto quantize_then(const Tensor& x, bool k_rows, lowp::Recipe recipe, lowp::Operand operand,
+                   std::optional<float> amax, Tensor* codes, Tensor* scales,
+                   std::optional<lowp::StochasticRounding> draws, const Then& then) {
+  const I last = x.dim(x.ndim() - 1), lead = x.numel() / last;
+  // The quantizer's matrix has K along its columns.
+  const Tensor m = as_f32(x).reshape({lead, last});
+  if (draws) draws->k_rows = k_rows;
+  ops::ScaledOperand q = quantize_matrix(k_rows ? transposed(m) : m, recipe, operand, amax, draws);
+  if (codes) *codes = (k_rows ? transposed(q.codes) : q.codes).reshape(x.shape());
+  if (scales) *scales = q.scales.reshape({1, q.scales.dim(0), q.scales.dim(1)});
+  return then(std::move(q));
+}
+
 /// A cpu f32 tensor of `shape` holding `values`.
 Tensor host_f32(const Tensor::Shape& shape, const float* values) {
   const Tensor t = Tensor::empty(shape, DType::f32, Device::cpu);
@@ -176,30 +194,21 @@ std::optional<lowp::StochasticRounding> Fp8AsyncTp::gradient_draws(std::int64_t 
 Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand,
                            std::optional<float> amax, Tensor* codes, Tensor* scales,
                            std::optional<lowp::StochasticRounding> draws) const {
-  const I last = x.dim(x.ndim() - 1), lead = x.numel() / last;
-  // The quantizer's matrix has K along its columns.
-  const Tensor m = as_f32(x).reshape({lead, last});
-  if (draws) draws->k_rows = k_rows;
-  const ops::ScaledOperand q =
-      quantize_matrix(k_rows ? transposed(m) : m, recipe_, operand, amax, draws);
-  if (codes) *codes = (k_rows ? transposed(q.codes) : q.codes).reshape(x.shape());
-  if (scales) *scales = q.scales.reshape({1, q.scales.dim(0), q.scales.dim(1)});
-  return dequantized(q, /*transpose=*/k_rows).reshape(x.shape());
+  return quantize_then(x, k_rows, recipe_, operand, amax, codes, scales, std::move(draws),
+                       [&](const ops::ScaledOperand& q) {
+                         return dequantized(q, /*transpose=*/k_rows).reshape(x.shape());
+                       });
 }
 
 ops::ScaledOperand Fp8AsyncTp::gemm_operand(const Tensor& x, bool k_rows, lowp::Operand operand,
                                             std::optional<float> amax, Tensor* codes,
                                             Tensor* scales,
                                             std::optional<lowp::StochasticRounding> draws) const {
-  const I last = x.dim(x.ndim() - 1), lead = x.numel() / last;
-  const Tensor m = as_f32(x).reshape({lead, last});
-  if (draws) draws->k_rows = k_rows;
-  ops::ScaledOperand q = quantize_matrix(k_rows ? transposed(m) : m, recipe_, operand, amax, draws);
-  if (codes) *codes = (k_rows ? transposed(q.codes) : q.codes).reshape(x.shape());
-  if (scales) *scales = q.scales.reshape({1, q.scales.dim(0), q.scales.dim(1)});
-  // Where the GEMM will multiply dequantized operands, dequantized now, as emulate() does (the
-  // same moment, m still alive, the codes freed on return): the codes otherwise.
-  return ops::prepare_scaled(operand_of(std::move(q), /*transposed=*/k_rows));
+  // Where the GEMM will multiply dequantized operands, dequantized now, at emulate()'s moment
+  // (the fp32 copy still alive, the codes freed on return); the codes otherwise.
+  return quantize_then(
+      x, k_rows, recipe_, operand, amax, codes, scales, std::move(draws),
+      [&](ops::ScaledOperand q) { return ops::prepare_scaled(operand_of(std::move(q), k_rows)); });
 }
 
 ops::ScaledOperand Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand,

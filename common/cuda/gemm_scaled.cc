@@ -180,8 +180,13 @@ Plan& plan_for(cublasLtHandle_t handle, std::size_t workspace_bytes, const Key& 
   set(CUBLASLT_MATMUL_DESC_TRANSA, opx);
   set(CUBLASLT_MATMUL_DESC_TRANSB, opy);
   set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum);
-  set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, x_mode);
-  set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, y_mode);
+  // A library that does not know a mode refuses the attribute (CUBLAS_STATUS_INVALID_VALUE):
+  // that is a refusal of the problem, not an error of the run.
+  bool modes_taken = true;
+  for (const auto& [attr, mode] : {std::pair{CUBLASLT_MATMUL_DESC_A_SCALE_MODE, x_mode},
+                                   std::pair{CUBLASLT_MATMUL_DESC_B_SCALE_MODE, y_mode}})
+    modes_taken = modes_taken && cublasLtMatmulDescSetAttribute(
+                                     p.lt.desc, attr, &mode, sizeof mode) == CUBLAS_STATUS_SUCCESS;
   set_pointers(p.lt.desc, x);
   p.lt.x = lt::layout(code_type(x.b_type), x.kp, x.np, x.kp);
   p.lt.y = lt::layout(code_type(x.a_type), x.kp, x.mp, x.kp);
@@ -190,8 +195,10 @@ Plan& plan_for(cublasLtHandle_t handle, std::size_t workspace_bytes, const Key& 
       lt::preference(workspace_bytes, lt::alignment(x.b), lt::alignment(x.a), lt::alignment(x.d));
   cublasLtMatmulHeuristicResult_t results[kAlgorithms] = {};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
-      handle, p.lt.desc, p.lt.x, p.lt.y, p.lt.out, p.lt.out, pref, kAlgorithms, results, &found);
+  const cublasStatus_t st =
+      modes_taken ? cublasLtMatmulAlgoGetHeuristic(handle, p.lt.desc, p.lt.x, p.lt.y, p.lt.out,
+                                                   p.lt.out, pref, kAlgorithms, results, &found)
+                  : CUBLAS_STATUS_NOT_SUPPORTED;
   cublasLtMatmulPreferenceDestroy(pref);
   if (st == CUBLAS_STATUS_SUCCESS) {
     for (int i = 0; i < found; ++i)
