@@ -349,8 +349,9 @@ struct ScaledOperand {
 /// common/scaled_gemm_plan.h): the codes multiplied exactly, fp32 accumulation, each block's
 /// partial sums multiplied by 1/s_A·1/s_B. Everywhere else (the cpu, mxfp8 and nvfp4, another
 /// GPU, an older cuBLASLt, a problem cuBLASLt refuses) both operands are dequantized and the fp32
-/// GEMM multiplies them; on cuda that is said once per recipe and shape on stderr, with the
-/// reason.
+/// GEMM multiplies them; on cuda that is said on stderr with the reason, once per recipe where
+/// the GPU cannot multiply it natively at all (prepare_scaled), once per recipe and shape where
+/// cuBLASLt refuses a problem.
 void gemm_scaled(const ScaledOperand& a, const ScaledOperand& b, const Tensor& c);
 /// q as gemm_scaled will read it: where gemm_scaled dequantizes anyway (scaled_gemm_problem is
 /// not empty for q's device and recipe), q's values in its orientation, dequantized now, with

@@ -29,10 +29,12 @@
 // line on stderr and its GEMMs run dequantized.
 //
 // Fallbacks (ops::gemm_scaled then multiplies the dequantized operands in fp32, as on the cpu),
-// each said once per recipe and shape on stderr, naming the scale modes and the reason: the plan's
-// refusals (mxfp8 and nvfp4, whose block-scaled GEMMs exist only on Blackwell; a GPU other than
-// sm_90; a cuBLASLt older than 12.9), a refused probe, a problem for which the heuristic offers no
-// algorithm, and one for which cublasLtMatmul refuses every offered algorithm at run time.
+// each said once per recipe and shape on stderr, naming the scale modes and the reason: the
+// plan's refusals (mxfp8 and nvfp4, whose block-scaled GEMMs exist only on Blackwell; a GPU other
+// than sm_90; a cuBLASLt older than 12.9), a refused probe, a problem for which the heuristic
+// offers no algorithm, and one for which cublasLtMatmul refuses every offered algorithm at run
+// time. (Where the GPU cannot multiply a recipe natively at all, ops::prepare_scaled has
+// dequantized most operands already, and said so once per recipe.)
 //
 // Not covered: the ring's GEMM+reduce-scatter (common/ring.h, stage 06's row-parallel forward and
 // column-parallel dgrad) multiplies chunk by chunk and keeps the dequantized operands.
