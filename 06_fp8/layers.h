@@ -15,7 +15,9 @@
 //
 // --fp8-recipe rowwise | block128 | mxfp8 | nvfp4 (both backends): every operand of the three
 // GEMMs is quantized as common/lowp.h's recipe quantizes it, with the GEMM's reduction dimension K
-// along the blocks, and the GEMM multiplies the dequantized operands in fp32. Each rank computes its operands' scales on
+// along the blocks, and the GEMM multiplies the dequantized operands in fp32, except where
+// ops::gemm_scaled runs rowwise and block128 natively on Hopper (06_fp8/recipes.cc says which
+// GEMMs). Each rank computes its operands' scales on
 // its own shard: a scale covers a row (rowwise), a 1 × 128 / 128 × 128 block (block128), a 1 × 32
 // block (mxfp8, an E8M0 power of two) or a 1 × 16 block (nvfp4, UE4M3) of the operand of the GEMM
 // this rank runs, so no block scale needs an all-reduce. nvfp4's second level, one fp32 scale per
@@ -52,6 +54,7 @@
 #include "06_fp8/flags.h"
 #include "06_fp8/traffic.h"
 #include "common/memory_terms.h"
+#include "common/ops.h"
 
 namespace tpx::async_fp8 {
 
@@ -84,11 +87,12 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   /// Keeps `q` as layer 0's `name` for dump_extra() if it is the first of that name.
   void keep_for_dump(const std::string& name, const Tensor& q);
 
-  // --- rowwise, block128 and mxfp8 (recipe_ != tensorwise) ---
+  // --- rowwise, block128, mxfp8 and nvfp4 (recipe_ != tensorwise) ---
   /// The values `x` stands for under recipe_: quantized with the GEMM's K along its last
   /// dimension (k_rows false) or along its rows (k_rows true, x seen as [numel / last, last]),
-  /// then dequantized, fp32 in x's shape. `codes`/`scales`, when given, receive the codes in x's
-  /// layout and the scales [1, scale rows, scale cols] (for the dump).
+  /// then dequantized, fp32 in x's shape (for the ring's GEMMs, which multiply dequantized
+  /// operands). `codes`/`scales`, when given, receive the codes in x's layout and the scales
+  /// [1, scale rows, scale cols] (for the dump).
   /// `amax`: nvfp4's agreed tensor amax (agreed_amax()), or nothing (x's own, or no tensor
   /// scale).
   /// `draws`: nvfp4's stochastic rounding of a gradient x [tokens, features], its place in the
@@ -96,14 +100,26 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   Tensor emulate(const Tensor& x, bool k_rows, lowp::Operand operand, std::optional<float> amax,
                  Tensor* codes = nullptr, Tensor* scales = nullptr,
                  std::optional<lowp::StochasticRounding> draws = std::nullopt) const;
-  /// The shard x [n, B, K] quantized along K, gathered over the group as its codes (FP8, or
-  /// nvfp4's E2M1 packed two to a byte) and its scales (what the gathers move), dequantized:
-  /// [N·n, B, K] fp32. `amax` as in emulate; `codes`/`scales` as in emulate (the codes
-  /// gathered, one to a byte, the scales this rank's).
-  /// `draws` as in emulate: the shard's tokens start at token0 (this rank's first).
-  Tensor gather_quantized(const Tensor& x, lowp::Operand operand, std::optional<float> amax,
-                          std::string_view what, Tensor* codes = nullptr, Tensor* scales = nullptr,
-                          std::optional<lowp::StochasticRounding> draws = std::nullopt);
+  /// `x` quantized as emulate() quantizes it, as an operand of ops::gemm_scaled: its codes
+  /// K-major ([numel / last, last], or [last, numel / last] under k_rows) with their scales, or,
+  /// where the GEMM dequantizes anyway (ops::prepare_scaled), already dequantized, as emulate()
+  /// would (its values in the orientation emulate() writes them). Arguments as emulate()'s.
+  ops::ScaledOperand gemm_operand(
+      const Tensor& x, bool k_rows, lowp::Operand operand, std::optional<float> amax,
+      Tensor* codes = nullptr, Tensor* scales = nullptr,
+      std::optional<lowp::StochasticRounding> draws = std::nullopt) const;
+  /// The shard x [n, B, K] quantized along K and gathered over the group as its codes (FP8, or
+  /// nvfp4's E2M1 packed two to a byte) and its scales (what the gathers move): the gathered
+  /// codes [N·n·B, K] (one to a byte) and scales, K-major, for ops::gemm_scaled (or, where the
+  /// GEMMs dequantize anyway, ops::prepare_scaled's values [N·n·B, K]). `amax` as in
+  /// emulate; `codes`/`scales` as there (the codes gathered, in x's layout, the scales
+  /// this rank's). `draws` as there: the shard's tokens start at token0 (this rank's first).
+  ops::ScaledOperand gather_quantized(const Tensor& x, lowp::Operand operand,
+                                      std::optional<float> amax, std::string_view what,
+                                      Tensor* codes = nullptr, Tensor* scales = nullptr,
+                                      std::optional<lowp::StochasticRounding> draws = std::nullopt);
+  /// The values gather_quantized's `g` stands for, fp32 [N·n, B, K] (`shard` the gathered x).
+  Tensor gathered_values(const ops::ScaledOperand& g, const Tensor& shard) const;
   /// nvfp4's stochastic rounding of a gradient operand (common/lowp.h, gradient_stream): operand
   /// j of pass `pass` (0 input gradient, 1 weight gradient) of linear backward `call`, its
   /// matrix's [0, 0] at (token0, feature0) of the tensor; nothing under the other recipes.

@@ -1,8 +1,12 @@
 // Stage 06 under --fp8-recipe rowwise, block128, mxfp8 and nvfp4 (06_fp8/layers.h says what each
 // GEMM's operands are quantized along, and where the scales come from). Written in tpx::ops, so
-// the cpu and cuda backends run the same code: each operand is quantized and dequantized by the
-// recipe's bit-identical casts and the GEMM multiplies the dequantized values in fp32 (on cuda,
-// cuBLAS's fp32 GEMM; no GPU multiplies these formats natively before Blackwell).
+// the cpu and cuda backends run the same code: each operand is quantized by the recipe's
+// bit-identical casts. Where a GEMM's two operands are both at hand K-major, as codes and scales
+// (the column forward, the row dgrad, the weight gradients), ops::gemm_scaled multiplies them:
+// on Hopper rowwise and block128 run on the FP8 tensor cores through cuBLASLt's scale modes
+// (common/cuda/gemm_scaled.cc); everywhere else, the cpu included, it dequantizes both and the
+// fp32 GEMM multiplies them, the very calls this file made before. The ring's GEMM+reduce-scatter
+// (the row forward, the column dgrad) multiplies chunk by chunk and keeps dequantized operands.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -51,42 +55,66 @@ DType element_dtype(const fp8::Format& f) {
   return f.mantissa_bits == fp8::kE5M2.mantissa_bits ? DType::e5m2 : DType::e4m3;
 }
 
-/// An operand quantized on its device (ops::lowp_quantize): codes [rows, cols], scales
-/// [scale rows, scale cols] (fp32, or mxfp8's E8M0 and nvfp4's UE4M3 bytes), nvfp4's s_enc [1].
-struct DeviceQuantized {
-  lowp::Recipe recipe;
-  lowp::Operand operand;
-  Tensor codes, scales, tensor_scale;
-};
-
-/// m f32 [rows, cols] (K along cols) quantized as `recipe` quantizes an `operand`; `amax`: nvfp4's
-/// agreed tensor amax, or nothing (m's own); `draws`: stochastic rounding (nvfp4's gradients).
-DeviceQuantized quantize_matrix(const Tensor& m, lowp::Recipe recipe, lowp::Operand operand,
-                                std::optional<float> amax,
-                                const std::optional<lowp::StochasticRounding>& draws) {
+/// m f32 [rows, cols] (K along cols) quantized as `recipe` quantizes an `operand` on its device
+/// (ops::lowp_quantize): codes [rows, cols], scales [scale rows, scale cols] (fp32, or mxfp8's
+/// E8M0 and nvfp4's UE4M3 bytes), nvfp4's s_enc [1]; `amax`: nvfp4's agreed tensor amax, or
+/// nothing (m's own); `draws`: stochastic rounding (nvfp4's gradients).
+ops::ScaledOperand quantize_matrix(const Tensor& m, lowp::Recipe recipe, lowp::Operand operand,
+                                   std::optional<float> amax,
+                                   const std::optional<lowp::StochasticRounding>& draws) {
   const lowp::Layout l = lowp::layout(recipe, operand);
   const I rows = m.dim(0), cols = m.dim(1);
   const I br = l.block_rows == 0 ? rows : l.block_rows;
   const I bc = l.block_cols == 0 ? cols : l.block_cols;
-  DeviceQuantized q{
-      recipe, operand, Tensor::empty({rows, cols}, element_dtype(l.element), m.device()),
-      Tensor::empty({(rows + br - 1) / br, (cols + bc - 1) / bc},
-                    l.scale == lowp::ScaleFormat::fp32 ? DType::f32 : DType::u8, m.device()),
-      Tensor::empty({1}, DType::f32, m.device())};
+  ops::ScaledOperand q{.codes = Tensor::empty({rows, cols}, element_dtype(l.element), m.device()),
+                       .scales = Tensor::empty(
+                           {(rows + br - 1) / br, (cols + bc - 1) / bc},
+                           l.scale == lowp::ScaleFormat::fp32 ? DType::f32 : DType::u8, m.device()),
+                       .tensor_scale = Tensor::empty({1}, DType::f32, m.device()),
+                       .recipe = recipe,
+                       .operand = operand,
+                       .transposed = false,
+                       .values = Tensor()};
   ops::lowp_quantize(m, recipe, operand, amax, q.codes, q.scales, q.tensor_scale,
                      draws ? &*draws : nullptr);
   return q;
 }
 
-/// The fp32 values codes [rows, cols] and scales stand for under q's recipe and s_enc, or with
-/// `transpose` their transpose [cols, rows] (no copy of the other orientation is made).
-Tensor dequantized(const DeviceQuantized& q, const Tensor& codes, const Tensor& scales,
-                   bool transpose = false) {
+/// The fp32 values q's codes [rows, cols] stand for, or with `transpose` their transpose
+/// [cols, rows] (no copy of the other orientation is made).
+Tensor dequantized(const ops::ScaledOperand& q, bool transpose = false) {
+  const Tensor& codes = q.codes;
   const Tensor x =
       Tensor::empty(transpose ? Tensor::Shape{codes.dim(1), codes.dim(0)} : codes.shape(),
                     DType::f32, codes.device());
-  ops::lowp_dequantize(codes, scales, q.tensor_scale, q.recipe, q.operand, x, transpose);
+  ops::lowp_dequantize(codes, q.scales, q.tensor_scale, q.recipe, q.operand, x, transpose);
   return x;
+}
+
+/// q as a gemm_scaled operand whose fallback dequantizes it as its transpose (`transposed`), or
+/// reads `values`, the caller's dequantized copy in that orientation.
+ops::ScaledOperand operand_of(ops::ScaledOperand q, bool transposed, Tensor values = Tensor()) {
+  q.transposed = transposed;
+  q.values = std::move(values);
+  return q;
+}
+
+/// x quantized under `recipe` with the GEMM's K along its last dimension (k_rows false) or along
+/// its rows (k_rows true, x seen as [numel / last, last]), the codes K-major; `codes`/`scales`,
+/// when given, receive the codes in x's layout and the scales [1, scale rows, scale cols] (for
+/// the dump). Returns then(quantized), called while x's fp32 copy and the codes are alive.
+template <class Then>
+auto quantize_then(const Tensor& x, bool k_rows, lowp::Recipe recipe, lowp::Operand operand,
+                   std::optional<float> amax, Tensor* codes, Tensor* scales,
+                   std::optional<lowp::StochasticRounding> draws, const Then& then) {
+  const I last = x.dim(x.ndim() - 1), lead = x.numel() / last;
+  // The quantizer's matrix has K along its columns.
+  const Tensor m = as_f32(x).reshape({lead, last});
+  if (draws) draws->k_rows = k_rows;
+  ops::ScaledOperand q = quantize_matrix(k_rows ? transposed(m) : m, recipe, operand, amax, draws);
+  if (codes) *codes = (k_rows ? transposed(q.codes) : q.codes).reshape(x.shape());
+  if (scales) *scales = q.scales.reshape({1, q.scales.dim(0), q.scales.dim(1)});
+  return then(std::move(q));
 }
 
 /// A cpu f32 tensor of `shape` holding `values`.
@@ -166,22 +194,29 @@ std::optional<lowp::StochasticRounding> Fp8AsyncTp::gradient_draws(std::int64_t 
 Tensor Fp8AsyncTp::emulate(const Tensor& x, bool k_rows, lowp::Operand operand,
                            std::optional<float> amax, Tensor* codes, Tensor* scales,
                            std::optional<lowp::StochasticRounding> draws) const {
-  const I last = x.dim(x.ndim() - 1), lead = x.numel() / last;
-  // The quantizer's matrix has K along its columns.
-  const Tensor m = as_f32(x).reshape({lead, last});
-  if (draws) draws->k_rows = k_rows;
-  const DeviceQuantized q =
-      quantize_matrix(k_rows ? transposed(m) : m, recipe_, operand, amax, draws);
-  if (codes) *codes = (k_rows ? transposed(q.codes) : q.codes).reshape(x.shape());
-  if (scales) *scales = q.scales.reshape({1, q.scales.dim(0), q.scales.dim(1)});
-  return dequantized(q, q.codes, q.scales, /*transpose=*/k_rows).reshape(x.shape());
+  return quantize_then(x, k_rows, recipe_, operand, amax, codes, scales, std::move(draws),
+                       [&](const ops::ScaledOperand& q) {
+                         return dequantized(q, /*transpose=*/k_rows).reshape(x.shape());
+                       });
 }
 
-Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand,
-                                    std::optional<float> amax, std::string_view what, Tensor* codes,
-                                    Tensor* scales, std::optional<lowp::StochasticRounding> draws) {
+ops::ScaledOperand Fp8AsyncTp::gemm_operand(const Tensor& x, bool k_rows, lowp::Operand operand,
+                                            std::optional<float> amax, Tensor* codes,
+                                            Tensor* scales,
+                                            std::optional<lowp::StochasticRounding> draws) const {
+  // Where the GEMM will multiply dequantized operands, dequantized now, at emulate()'s moment
+  // (the fp32 copy still alive, the codes freed on return); the codes otherwise.
+  return quantize_then(
+      x, k_rows, recipe_, operand, amax, codes, scales, std::move(draws),
+      [&](ops::ScaledOperand q) { return ops::prepare_scaled(operand_of(std::move(q), k_rows)); });
+}
+
+ops::ScaledOperand Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand,
+                                                std::optional<float> amax, std::string_view what,
+                                                Tensor* codes, Tensor* scales,
+                                                std::optional<lowp::StochasticRounding> draws) {
   const I k = x.dim(x.ndim() - 1), rows = x.numel() / k;
-  const DeviceQuantized q =
+  const ops::ScaledOperand q =
       quantize_matrix(as_f32(x).reshape({rows, k}), recipe_, operand, amax, draws);
   TPX_CHECK(lowp::layout(recipe_, operand).block_rows == 1,
             "a gathered operand's blocks are one row high");
@@ -210,12 +245,23 @@ Tensor Fp8AsyncTp::gather_quantized(const Tensor& x, lowp::Operand operand,
     all_codes = Tensor::empty(shape, DType::u8, x.device());
     ops::unpack_e2m1(gc->full(), all_codes);
   }
-  const Tensor d = dequantized(q, all_codes.reshape({rows * n_ranks, k}),
-                               gs->full().reshape({scale_rows * n_ranks, scale_cols}));
-  // The dump keeps its own copy: a transport may gather into memory it reuses.
+  // The dump keeps its own copy: a transport may gather into memory it reuses. The GEMMs read the
+  // gathered bytes where they lie, on the compute stream before the next gather is issued, as
+  // the dequantization always did.
   if (codes) *codes = ops::to_device(all_codes.reshape(shape), x.device());
   if (scales) *scales = q.scales.reshape({1, scale_rows, scale_cols});
-  return d.reshape(shape);
+  ops::ScaledOperand all = q;
+  all.codes = all_codes.reshape({rows * n_ranks, k});
+  all.scales = gs->full().reshape({scale_rows * n_ranks, scale_cols});
+  // Where the GEMMs dequantize anyway, dequantized here, while the shard's codes are alive, as
+  // this function always did.
+  return ops::prepare_scaled(std::move(all));
+}
+
+Tensor Fp8AsyncTp::gathered_values(const ops::ScaledOperand& g, const Tensor& shard) const {
+  Tensor::Shape shape = shard.shape();
+  shape[0] *= group_.world();
+  return (g.values.defined() ? g.values : dequantized(g)).reshape(shape);
 }
 
 void Fp8AsyncTp::keep_recipe_dump(const std::string& name, const Tensor& codes,
@@ -234,7 +280,9 @@ ColumnResult Fp8AsyncTp::recipe_column_forward(const Tensor& h, std::span<const 
   operands.insert(operands.end(), w.begin(), w.end());
   const std::vector<std::optional<float>> amax = agreed_amax(operands, role);
   Tensor codes, scales;
-  const Tensor x = gather_quantized(h, Operand::activation, amax[0], role, &codes, &scales);
+  // The gathered input [S, B, H] as codes [S·B, H] and scales, K = H along its rows.
+  const ops::ScaledOperand x =
+      gather_quantized(h, Operand::activation, amax[0], role, &codes, &scales);
   const std::vector<std::string> names = role == "qkv"
                                              ? std::vector<std::string>{"qkv_in", "wq", "wk", "wv"}
                                              : std::vector<std::string>{"mlp_in", "w_gate", "w_up"};
@@ -242,14 +290,17 @@ ColumnResult Fp8AsyncTp::recipe_column_forward(const Tensor& h, std::span<const 
   ColumnResult r;
   r.saved = h;  // backward quantizes the shard again (the same codes) and re-gathers it
   for (std::size_t j = 0; j < w.size(); ++j) {
-    // y = x·W: W's K (its rows) along the blocks, one scale per output column (rowwise).
-    const Tensor wq = emulate(w[j], /*k_rows=*/true, Operand::weight, amax[j + 1], &codes, &scales);
+    // y = x·W: W's K (its rows) along the blocks, one scale per output column (rowwise); its
+    // codes [out, H] are K-major, so y = x·(Wᵀ)ᵀ is gemm_scaled's A·Bᵀ as it stands.
+    const ops::ScaledOperand wq =
+        gemm_operand(w[j], /*k_rows=*/true, Operand::weight, amax[j + 1], &codes, &scales);
     if (j + 1 < names.size()) keep_recipe_dump(names[j + 1], codes, scales, amax[j + 1]);
-    auto shape = x.shape();
+    auto shape = h.shape();
+    shape[0] *= group_.world();
     shape.back() = w[j].dim(1);
     r.y.push_back(Tensor::empty(shape, ring_.activations, h.device()));
     TraceScope span(ring_.trace, fmt::format("{} GEMM", role));
-    ops::gemm(x, false, wq, false, r.y.back(), 1.0f, 0.0f, DType::f32);
+    ops::gemm_scaled(x, wq, r.y.back());
   }
   return r;
 }
@@ -280,25 +331,29 @@ Tensor Fp8AsyncTp::recipe_column_backward(const Tensor& saved, std::span<const T
                           gradient_draws(call, 0, j, 0, rank * cols)));
     wq.push_back(emulate(w[j], /*k_rows=*/false, Operand::weight, amax[dy.size() + j]));
   }
+  // The ring multiplies chunk by chunk (common/ring.h): dequantized operands, fp32 GEMMs.
   const Tensor dx =
       gemm_reduce_scatter(ring_, dyq, wq, /*trans_w=*/true, fmt::format("{} dX", role));
   // dW = AG(h)ᵀ·dy, K = the tokens: h re-gathered as FP8, both quantized again along the tokens,
   // nvfp4's after the Hadamard transform (the gathered h is whole on every rank: its own amax is
   // the tensor's).
-  const Tensor h = gather_quantized(saved, Operand::activation, amax[saved_amax],
-                                    fmt::format("{} re-gather", role));
+  const Tensor h = gathered_values(gather_quantized(saved, Operand::activation, amax[saved_amax],
+                                                    fmt::format("{} re-gather", role)),
+                                   saved);
   weight_grads([this, h, amax, nvfp4, transformed, call, rank,
                 dy = std::vector(dy.begin(), dy.end()), dw = std::vector(dw.begin(), dw.end()),
                 name = fmt::format("{} dW GEMMs", role)] {
     TraceScope span(ring_.trace, name);
-    const Tensor hq = emulate(hadamard(h), /*k_rows=*/true, Operand::activation, std::nullopt);
+    // Both quantized along the tokens: codes [in, T] and [out, T], K-major, dW = hᵀ·dy = A·Bᵀ.
+    const ops::ScaledOperand hq =
+        gemm_operand(hadamard(h), /*k_rows=*/true, Operand::activation, std::nullopt);
     for (std::size_t j = 0; j < dy.size(); ++j) {
       const std::optional<float> g_amax = nvfp4 ? amax[transformed + j] : std::nullopt;
       // One statement each, so that the transformed copy is gone before the product.
-      const Tensor gq =
-          emulate(hadamard(dy[j]), /*k_rows=*/true, Operand::gradient, g_amax, nullptr, nullptr,
-                  gradient_draws(call, 1, j, 0, rank * dy[j].dim(dy[j].ndim() - 1)));
-      ops::gemm(hq, true, gq, false, dw[j], 1.0f, 0.0f, DType::f32);
+      const ops::ScaledOperand gq =
+          gemm_operand(hadamard(dy[j]), /*k_rows=*/true, Operand::gradient, g_amax, nullptr,
+                       nullptr, gradient_draws(call, 1, j, 0, rank * dy[j].dim(dy[j].ndim() - 1)));
+      ops::gemm_scaled(hq, gq, dw[j]);
     }
   });
   return dx;
@@ -312,6 +367,7 @@ Tensor Fp8AsyncTp::recipe_row_forward(const Tensor& a, const Tensor& w, std::str
   const std::array aq{emulate(a, /*k_rows=*/false, Operand::activation, amax[0])};
   const std::array wq{emulate(w, /*k_rows=*/true, Operand::weight, amax[1], &codes, &scales)};
   keep_recipe_dump(role == "o" ? "wo" : "w_down", codes, scales, amax[1]);
+  // The ring multiplies chunk by chunk (common/ring.h): dequantized operands, fp32 GEMMs.
   return gemm_reduce_scatter(ring_, aq, wq, /*trans_w=*/false, role);
 }
 
@@ -328,14 +384,17 @@ Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const T
   const std::int64_t call = backward_calls_++;
   const I shard_tokens = dy.numel() / dy.dim(dy.ndim() - 1);
   // da = AG(dy)·Wᵀ, K = H: the gradient's shard gathered as FP8 codes and scales.
-  const Tensor d =
+  const ops::ScaledOperand g =
       gather_quantized(dy, Operand::gradient, amax[0], fmt::format("{} bwd", role), nullptr,
                        nullptr, gradient_draws(call, 0, 0, group_.rank() * shard_tokens, 0));
-  const Tensor wq = emulate(w, /*k_rows=*/false, Operand::weight, amax[1]);
+  // The weight gradient needs the gathered values themselves (below); the fallback reads them too.
+  const Tensor d = gathered_values(g, dy);
+  // W's codes [in/N, H] are K-major as they stand: da = AG(dy)·Wᵀ is gemm_scaled's A·Bᵀ.
+  const ops::ScaledOperand wq = gemm_operand(w, /*k_rows=*/false, Operand::weight, amax[1]);
   Tensor da = Tensor::empty(a.shape(), ring_.activations, a.device());
   {
     TraceScope span(ring_.trace, fmt::format("{} bwd GEMM", role));
-    ops::gemm(d, false, wq, true, da, 1.0f, 0.0f, DType::f32);
+    ops::gemm_scaled(operand_of(g, false, d.reshape({d.numel() / d.cols(), d.cols()})), wq, da);
   }
   // dW = aᵀ·AG(dy), K = the tokens: both quantized again along the tokens, nvfp4's after the
   // Hadamard transform (the gathered gradient is whole on every rank; a is this rank's K shard of
@@ -344,10 +403,12 @@ Tensor Fp8AsyncTp::recipe_row_backward(const Tensor& a, const Tensor& w, const T
                 name = fmt::format("{} dW GEMM", role)] {
     TraceScope span(ring_.trace, name);
     // One statement each, so that each transformed copy is gone before the next is made.
-    const Tensor aq = emulate(hadamard(a), /*k_rows=*/true, Operand::activation, a_amax);
-    const Tensor dq = emulate(hadamard(d), /*k_rows=*/true, Operand::gradient, std::nullopt,
-                              nullptr, nullptr, gradient_draws(call, 1, 0, 0, 0));
-    ops::gemm(aq, true, dq, false, dw, 1.0f, 0.0f, DType::f32);
+    const ops::ScaledOperand aq =
+        gemm_operand(hadamard(a), /*k_rows=*/true, Operand::activation, a_amax);
+    const ops::ScaledOperand dq =
+        gemm_operand(hadamard(d), /*k_rows=*/true, Operand::gradient, std::nullopt, nullptr,
+                     nullptr, gradient_draws(call, 1, 0, 0, 0));
+    ops::gemm_scaled(aq, dq, dw);
   });
   return da;
 }

@@ -10,6 +10,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -1036,6 +1037,81 @@ Tensor to_device(const Tensor& t, Device device) {
 }
 
 #undef TPX_DISPATCH
+
+// --- Native block-scaled FP8 GEMMs (stage 06's --fp8-recipe rowwise and block128) ---------------
+
+namespace {
+
+/// An operand's rows and K: from its codes [rows, K], or from its values alone ([rows, K], or
+/// [K, rows] when transposed).
+std::pair<std::int64_t, std::int64_t> rows_k(const ScaledOperand& o) {
+  if (o.codes.defined()) return {o.codes.dim(0), o.codes.dim(1)};
+  TPX_CHECK(o.values.defined(), "gemm_scaled: an operand with neither codes nor values");
+  const std::int64_t r = o.values.rows(), c = o.values.cols();
+  return o.transposed ? std::pair{c, r} : std::pair{r, c};
+}
+
+/// The values an operand stands for, in its orientation: the caller's, or dequantized now.
+Tensor scaled_values(const ScaledOperand& o) {
+  if (o.values.defined()) return o.values;
+  const std::int64_t rows = o.codes.dim(0), k = o.codes.dim(1);
+  const Tensor x = Tensor::empty(o.transposed ? Tensor::Shape{k, rows} : Tensor::Shape{rows, k},
+                                 DType::f32, o.codes.device());
+  lowp_dequantize(o.codes, o.scales, o.tensor_scale, o.recipe, o.operand, x, o.transposed);
+  return x;
+}
+
+}  // namespace
+
+void gemm_scaled(const ScaledOperand& a, const ScaledOperand& b, const Tensor& c) {
+  const auto [m, k] = rows_k(a);
+  const auto [n, kb] = rows_k(b);
+  TPX_CHECK(k == kb && c.numel() == m * n && a.recipe == b.recipe,
+            "gemm_scaled: A [{}, {}] and B [{}, {}] (K-major, of one recipe) into C {}", m, k, n,
+            kb, c.describe());
+  TPX_CHECK((c.dtype() == DType::f32 || c.dtype() == DType::bf16) &&
+                (a.codes.defined() ? a.codes : a.values).device() == c.device() &&
+                (b.codes.defined() ? b.codes : b.values).device() == c.device(),
+            "gemm_scaled: operands on C's device, C f32 or bf16: {}", c.describe());
+#if TPX_WITH_CUDA
+  if (c.device() == Device::cuda && a.codes.defined() && b.codes.defined() &&
+      cuda::gemm_scaled(a, b, c))
+    return;
+#endif
+  // The product of the dequantized operands in fp32, as stage 06 multiplies them on the cpu:
+  // A·Bᵀ with A as [m, K] (or its transpose) and B as [n, K] (or its transpose, [K, n]).
+  gemm(scaled_values(a), a.transposed, scaled_values(b), !b.transposed, c, 1.0f, 0.0f, DType::f32);
+}
+
+ScaledOperand prepare_scaled(ScaledOperand q) {
+  if (q.values.defined() || !q.codes.defined()) return q;
+  const std::string problem = scaled_gemm_problem(q.codes.device(), q.recipe);
+  if (problem.empty()) return q;
+  if (q.codes.device() == Device::cuda) {
+    // Said once per process and recipe: the header's dtype says it on every run too.
+    static std::mutex mutex;
+    static std::set<lowp::Recipe> said;
+    const std::lock_guard lock(mutex);
+    if (said.insert(q.recipe).second)
+      fmt::print(stderr, "tpx: --fp8-recipe {}: {}; multiplying the dequantized operands in fp32\n",
+                 lowp::to_string(q.recipe), problem);
+  }
+  q.values = scaled_values(q);
+  q.codes = q.scales = q.tensor_scale = Tensor();
+  return q;
+}
+
+std::string scaled_gemm_problem(Device device, lowp::Recipe recipe) {
+  if (device == Device::cpu)
+    return "the cpu multiplies the dequantized operands in fp32 (no FP8 tensor cores)";
+  if (std::string p = device_problem(device); !p.empty()) return p;
+#if TPX_WITH_CUDA
+  return cuda::scaled_gemm_problem(recipe);
+#else
+  (void)recipe;
+  no_cuda();
+#endif
+}
 
 std::string device_description(Device device) {
   return fmt::format("{}: {}", to_string(device), device_name(device));

@@ -17,7 +17,8 @@
 //          sum_squares_each,
 //          fill, cast, copy, to_device, synchronize, bf16_gemm_peak_tflops, time_ms, memory_available,
 //          device_ordinal, quantize_fp8, dequantize_fp8, amax, fp8_scale, lowp_quantize,
-//          lowp_dequantize, transpose, hadamard_rows, pack_e2m1, unpack_e2m1
+//          lowp_dequantize, transpose, hadamard_rows, pack_e2m1, unpack_e2m1, ScaledOperand,
+//          gemm_scaled, prepare_scaled, scaled_gemm_problem
 #pragma once
 
 #include <cstdint>
@@ -354,6 +355,47 @@ void gemm_grouped(const Tensor& a, std::span<const std::int64_t> rows, const Ten
 void moe_router_dz(const Tensor& score, const Tensor& expert, const Tensor& weight,
                    const Tensor& dweight, const Tensor& dP, bool sigmoid, std::int64_t tokens_all,
                    const Tensor& dz);
+
+// --- Native block-scaled FP8 GEMMs (stage 06's --fp8-recipe rowwise and block128) ---------------
+
+/// One operand of gemm_scaled: a recipe's codes K-major, [rows, K] (e4m3 / e5m2, or u8: E2M1
+/// codes one a byte), with the scales ops::lowp_quantize wrote for them as it quantizes `operand`
+/// ([⌈rows/br⌉, ⌈K/bc⌉]) and nvfp4's s_enc (undefined for the other recipes).
+struct ScaledOperand {
+  Tensor codes, scales, tensor_scale;
+  lowp::Recipe recipe;
+  lowp::Operand operand;
+  /// Where the product is not native, the operand is dequantized (lowp_dequantize) and the fp32
+  /// GEMM multiplies it: as [rows, K], or with `transposed` as its transpose [K, rows] (written
+  /// in place of a copy). The product is the same either way; the choice fixes which fp32 GEMM
+  /// runs, and so its bits (stage 06 keeps the ones it always had).
+  bool transposed = false;
+  /// The dequantized values in that orientation when the caller holds them already (the fallback
+  /// then reads them instead of dequantizing again); undefined otherwise.
+  Tensor values;
+};
+/// C [m, n] = A·Bᵀ, A's codes [m, K] and B's [n, K], both of one recipe (or, for an operand
+/// prepare_scaled has dequantized, its values alone); C f32 or bf16 (rounded once), of m·n
+/// elements in any shape. On a Hopper GPU (sm_90) with cuBLASLt 12.9 or newer,
+/// rowwise and block128 multiply on the FP8 tensor cores through cuBLASLt's scale modes
+/// (OUTER_VEC_32F; VEC128_32F and BLK128x128_32F: common/cuda/gemm_scaled.cc, the plan in
+/// common/scaled_gemm_plan.h): the codes multiplied exactly, fp32 accumulation, each block's
+/// partial sums multiplied by 1/s_A·1/s_B. Everywhere else (the cpu, mxfp8 and nvfp4, another
+/// GPU, an older cuBLASLt, a problem cuBLASLt refuses) both operands are dequantized and the fp32
+/// GEMM multiplies them; on cuda that is said on stderr with the reason, once per recipe where
+/// the GPU cannot multiply it natively at all (prepare_scaled), once per recipe and shape where
+/// cuBLASLt refuses a problem.
+void gemm_scaled(const ScaledOperand& a, const ScaledOperand& b, const Tensor& c);
+/// q as gemm_scaled will read it: where gemm_scaled dequantizes anyway (scaled_gemm_problem is
+/// not empty for q's device and recipe), q's values in its orientation, dequantized now, with
+/// its codes and scales released (an operand of several GEMMs is dequantized once, and its codes
+/// are gone as soon as its values exist, as stage 06's layers always had it); q itself
+/// otherwise, or when it holds its values already.
+ScaledOperand prepare_scaled(ScaledOperand q);
+/// Empty when gemm_scaled may multiply `recipe`'s operands natively on `device` (cuda: an sm_90
+/// GPU, cuBLASLt 12.9+, rowwise or block128; a problem cuBLASLt refuses still falls back);
+/// otherwise one sentence saying why they are dequantized. Never starts a GPU for the cpu.
+std::string scaled_gemm_problem(Device device, lowp::Recipe recipe);
 
 /// Blocks the host until all work issued on `device` by this thread is done (no-op on cpu).
 void synchronize(Device device);

@@ -30,6 +30,7 @@
 #include "ops.h"
 #include "output.h"
 #include "placement.h"
+#include "scaled_gemm_plan.h"
 #include "tokenizer.h"
 #include "trainer.h"
 
@@ -152,14 +153,17 @@ std::optional<lowp::Recipe> finer_recipe(const StageOptions& o) {
   return std::nullopt;
 }
 
-/// The header's words after the dtype: a finer recipe and how its GEMMs multiply (on both
-/// backends the dequantized operands in fp32: 06_fp8/recipes.cc), so that no timing of it reads as
-/// a low-precision GEMM's.
+/// The header's words after the dtype: a finer recipe and how its GEMMs multiply (the
+/// dequantized operands in fp32, or on Hopper rowwise and block128 through cuBLASLt's scale modes:
+/// 06_fp8/recipes.cc, ops::gemm_scaled), so that no timing of the emulation reads as a
+/// low-precision GEMM's.
 std::string recipe_words(const StageOptions& o) {
   const auto recipe = finer_recipe(o);
-  return recipe ? fmt::format(" (--fp8-recipe {}: operands dequantized, GEMMs in fp32)",
-                              lowp::to_string(*recipe))
-                : std::string();
+  if (!recipe) return std::string();
+  const bool native =
+      o.config.device == Device::cuda && ops::scaled_gemm_problem(o.config.device, *recipe).empty();
+  return fmt::format(" (--fp8-recipe {}: {})", lowp::to_string(*recipe),
+                     lowp::native::gemm_words(*recipe, native));
 }
 
 /// The run's header; with `dry_run` it stops before the step table's column names.

@@ -149,6 +149,10 @@ if has unit; then
     step "$t" 480 "$bin/$t"
   done
   step test_fp8.cuda 120 "$bin/test_fp8" --gtest_filter='Fp8Cuda.*:Fp8Gemm.*'
+  # The block-scaled GEMMs on their own, so that the probe's choice of scale-tensor order (one
+  # stderr line per pair of scale modes) stands in a log of its own.
+  step test_cuda_ops.scaled_gemm 180 "$bin/test_cuda_ops" \
+    --gtest_filter='LowpCuda.NativeScaledGemmMatchesTheDequantizedProduct'
   step test_attention.cuda 240 "$bin/test_attention" --gtest_filter='*Cuda*' # fused attention
   step test_column_blocks.cuda 120 "$bin/test_column_blocks" --gtest_filter='*Cuda*' # Ulysses' packing
   step test_comm.cuda.np1 180 "${mpi[@]}" -np 1 "$bin/test_comm" --gtest_filter='CommCuda.*'
@@ -192,7 +196,9 @@ if has stages; then
   done
   if need 06_fp8; then
     # The row and block recipes (06_fp8/recipes.cc): the same ops as on the cpu, the casts on the
-    # device (common/cuda/lowp.cu), the dequantized operands multiplied by cuBLAS in fp32.
+    # device (common/cuda/lowp.cu); on Hopper rowwise's and block128's GEMMs through cuBLASLt's
+    # scale modes (common/cuda/gemm_scaled.cc), the ring's and the others' on the dequantized
+    # operands in fp32.
     for recipe in rowwise block128 mxfp8 nvfp4; do
       for np in 1 2; do
         check_step "06.$recipe.np$np" 300 PASS "${mpi[@]}" -np "$np" "$bin/06_fp8" --device cuda \

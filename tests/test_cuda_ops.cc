@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iostream>
 #include <limits>
 #include <span>
 #include <string>
@@ -25,6 +26,7 @@
 #include "common/cuda/check.h"
 #include "common/cuda/device.h"
 #include "common/cuda/ops.h"
+#include "common/fp8_bits.h"
 #include "common/lowp.h"
 #include "common/ops.h"
 #include "common/stream.h"
@@ -1316,6 +1318,112 @@ TEST(MoeCuda, RoutingAndRowMovesEqualTheCpusOps) {
   ops::rows_dot(x, rows, slot, dc);
   ops::rows_dot(on_gpu(x), on_gpu(rows), on_gpu(slot), dg);
   EXPECT_LT(rel_err(dg, dc), kF32Tol);
+}
+
+// ops::gemm_scaled on the device against its dequantized product on the cpu (the same codes and
+// scales, made on the device), for rowwise and block128, on the column forward's pair (an
+// activation against a weight), the dgrad's (a gradient against a weight) and the weight
+// gradient's (an activation against a gradient), at shapes that need no padding, padding of K to
+// whole blocks and of m and n to 4, and a K of one block. Each element may differ from the cpu's
+// by 1e-3 of Σ|terms| (the probe's bound, common/scaled_gemm_plan.h). On a Hopper GPU with
+// cuBLASLt 12.9+ (ops::scaled_gemm_problem empty) every one of these must run natively: stderr
+// must carry no fallback line, and the probe's line must name the orders it chose. Elsewhere the
+// fallback runs, says so, and must still agree. rowwise's two gradients (E5M2 x E5M2) are refused
+// by the plan in one line and multiplied dequantized.
+TEST(LowpCuda, NativeScaledGemmMatchesTheDequantizedProduct) {
+  TPX_REQUIRE_GPU();
+  using lowp::Operand;
+  using lowp::Recipe;
+  struct Shape {
+    I m, n, k;
+  };
+  const Shape shapes[] = {{256, 256, 384}, {37, 50, 200}, {128, 96, 130}, {64, 128, 128}};
+  auto quantized = [](const Tensor& x, Recipe r, Operand o) {
+    const lowp::Layout l = lowp::layout(r, o);
+    const I rows = x.dim(0), cols = x.dim(1);
+    const I br = l.block_rows == 0 ? rows : l.block_rows;
+    const I bc = l.block_cols == 0 ? cols : l.block_cols;
+    const DType code =
+        l.element.mantissa_bits == fp8::kE5M2.mantissa_bits ? DType::e5m2 : DType::e4m3;
+    ops::ScaledOperand q{.codes = gpu_empty({rows, cols}, code),
+                         .scales = gpu_empty({(rows + br - 1) / br, (cols + bc - 1) / bc}),
+                         .tensor_scale = gpu_empty({1}),
+                         .recipe = r,
+                         .operand = o,
+                         .transposed = false,
+                         .values = Tensor()};
+    ops::lowp_quantize(x, r, o, std::nullopt, q.codes, q.scales, q.tensor_scale);
+    return q;
+  };
+  auto host = [](ops::ScaledOperand q) {
+    q.codes = on_cpu(q.codes);
+    q.scales = on_cpu(q.scales);
+    q.tensor_scale = on_cpu(q.tensor_scale);
+    return q;
+  };
+  const bool native = ops::scaled_gemm_problem(Device::cuda, Recipe::rowwise).empty();
+  std::cout << "native block-scaled GEMMs: "
+            << (native ? std::string("yes")
+                       : ops::scaled_gemm_problem(Device::cuda, Recipe::rowwise))
+            << "\n";
+  for (const Recipe r : {Recipe::rowwise, Recipe::block128})
+    for (const auto& [oa, ob] : {std::pair{Operand::activation, Operand::weight},
+                                 std::pair{Operand::gradient, Operand::weight},
+                                 std::pair{Operand::activation, Operand::gradient}})
+      for (const Shape& sh : shapes) {
+        SCOPED_TRACE(fmt::format("{} m={} n={} k={} operands {} {}", lowp::to_string(r), sh.m, sh.n,
+                                 sh.k, int(oa), int(ob)));
+        // Rows of different magnitudes, so that the per-row and per-block scales differ.
+        Tensor xa = cpu_empty({sh.m, sh.k}), xb = cpu_empty({sh.n, sh.k});
+        for (I i = 0; i < xa.numel(); ++i)
+          xa.f32()[std::size_t(i)] = std::sin(0.61f * float(i)) * float(1 + (i / sh.k) % 9) *
+                                     (1.0f + float((i % sh.k) / 128));
+        for (I i = 0; i < xb.numel(); ++i)
+          xb.f32()[std::size_t(i)] = std::cos(0.29f * float(i)) * float(1 + (i / sh.k) % 5) * 0.02f;
+        const ops::ScaledOperand a = quantized(on_gpu(xa), r, oa), b = quantized(on_gpu(xb), r, ob);
+        const Tensor c = gpu_empty({sh.m, sh.n});
+        testing::internal::CaptureStderr();
+        ops::gemm_scaled(a, b, c);
+        ops::synchronize(Device::cuda);
+        const std::string said = testing::internal::GetCapturedStderr();
+        const Tensor want = cpu_empty({sh.m, sh.n});
+        ops::gemm_scaled(host(a), host(b), want);
+        // Σ|terms|: the dequantized operands' magnitudes multiplied.
+        auto magnitudes = [](const ops::ScaledOperand& q) {
+          const Tensor x = cpu_empty(q.codes.shape());
+          ops::lowp_dequantize(q.codes, q.scales, q.tensor_scale, q.recipe, q.operand, x);
+          for (float& v : x.f32()) v = std::fabs(v);
+          return x;
+        };
+        const Tensor mag = cpu_empty({sh.m, sh.n});
+        ops::gemm(magnitudes(host(a)), false, magnitudes(host(b)), true, mag);
+        const Tensor got = on_cpu(c);
+        I bad = 0;
+        for (std::size_t i = 0; i < got.f32().size(); ++i)
+          bad += !(std::fabs(got.f32()[i] - want.f32()[i]) <= 1e-3f * mag.f32()[i] + 1e-30f);
+        EXPECT_EQ(bad, 0) << "elements off by more than 1e-3 of their terms' magnitude";
+        if (native) {
+          EXPECT_EQ(said.find("dequantized"), std::string::npos) << said;
+        }
+        if (native && said.find("checked by the probe") != std::string::npos) std::cout << said;
+      }
+  // rowwise's two gradients: refused by the plan, said once, multiplied dequantized.
+  const Tensor g = random_tensor({64, 128}, 5);
+  const ops::ScaledOperand ga = quantized(on_gpu(g), Recipe::rowwise, Operand::gradient);
+  const Tensor c = gpu_empty({64, 64});
+  testing::internal::CaptureStderr();
+  ops::gemm_scaled(ga, ga, c);
+  ops::gemm_scaled(ga, ga, c);
+  const std::string said = testing::internal::GetCapturedStderr();
+  // On another GPU the plan's first refusal is the GPU's; either way one line for the shape.
+  const std::string why = native ? "E5M2 x E5M2" : "multiplying the dequantized operands";
+  EXPECT_NE(said.find(why), std::string::npos) << said;
+  EXPECT_EQ(said.find(why), said.rfind(why)) << "said once: " << said;
+  const Tensor want = cpu_empty({64, 64});
+  ops::gemm_scaled(host(ga), host(ga), want);
+  const Tensor got = on_cpu(c);
+  for (std::size_t i = 0; i < got.f32().size(); ++i)
+    EXPECT_NEAR(got.f32()[i], want.f32()[i], 1e-4f * (1.0f + std::fabs(want.f32()[i])));
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 #include "common/lowp.h"
 #include "common/npy.h"
 #include "common/reference.h"
+#include "common/scaled_gemm_plan.h"
 #include "test_cuda.h"
 #include "test_stage_runs.h"
 #include "test_util.h"
@@ -165,6 +166,13 @@ TEST(Fp8Recipes, OnCudaEachRecipePassesItsCheck) {
         fmt::format("{} --device cuda --fp8-recipe {} --check", check_sizes(recipe), recipe), dir);
     EXPECT_EQ(r.exit_code, 0) << recipe << r.out << r.err;
     EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << recipe << r.out;
+    // The header says how the GEMMs multiply: on Hopper rowwise and block128 through cuBLASLt's
+    // scale modes, mxfp8 and nvfp4 (and everything on another GPU) dequantized.
+    const lowp::Recipe rc = *lowp::parse_recipe(recipe);
+    const std::string words =
+        lowp::native::gemm_words(rc, ops::scaled_gemm_problem(Device::cuda, rc).empty());
+    EXPECT_NE(r.out.find(fmt::format("(--fp8-recipe {}: {})", recipe, words)), std::string::npos)
+        << recipe << r.out;
   }
 }
 

@@ -137,6 +137,7 @@ TPX_CUBLAS(cublasStatus_t, cublasGemmGroupedBatchedEx,
 
 // cuBLASLt (cublasLt.h).
 TPX_CUBLAS_LT(cublasStatus_t, cublasLtCreate, (cublasLtHandle_t * handle), (handle))
+TPX_CUBLAS_LT(size_t, cublasLtGetVersion, (void), ())
 TPX_CUBLAS_LT(cublasStatus_t, cublasLtDestroy, (cublasLtHandle_t handle), (handle))
 TPX_CUBLAS_LT(cublasStatus_t, cublasLtMatmul,
               (cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha, const void* A,

@@ -9,6 +9,10 @@
 // a column touches the words 9·x (mod 32) for lanes x = 0..31, all different banks. Padding
 // positions (beyond the matrix, up to the output's size) are written as code 0x00, +0. Which
 // operand is packed, and to what size, is common/fp8_gemm_plan.h's decision.
+//
+// The block-scaled GEMMs (gemm_scaled.cc) need more than one factor per operand: scale_factors
+// writes the reciprocal of every block scale where cuBLASLt's scale tensor keeps it
+// (common/scaled_gemm_plan.h, arrangement()), one thread per scale; the caller zeroes the padding.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -61,6 +65,19 @@ __global__ void scale_inverses_kernel(const float* scale_a, const float* scale_b
   *inv_b = fp8::div_rn(1.0f, *scale_b);
 }
 
+constexpr int kFactorThreads = 256;
+
+// out[r·row_stride + c·col_stride] = 1 / scales[r·cols + c], correctly rounded (fp8::div_rn).
+__global__ void __launch_bounds__(kFactorThreads)
+    scale_factors_kernel(const float* scales, I rows, I cols, I row_stride, I col_stride,
+                         float* out) {
+  const I n = rows * cols;
+  for (I i = blockIdx.x * I(blockDim.x) + threadIdx.x; i < n; i += I(gridDim.x) * blockDim.x) {
+    const I r = i / cols, c = i % cols;
+    out[r * row_stride + c * col_stride] = fp8::div_rn(1.0f, scales[i]);
+  }
+}
+
 }  // namespace
 
 void pack_fp8(const std::uint8_t* src, I ld, bool transposed, I rows, I cols, std::uint8_t* out,
@@ -81,6 +98,13 @@ void pack_fp8(const std::uint8_t* src, I ld, bool transposed, I rows, I cols, st
 void fp8_scale_inverses(const float* scale_a, const float* scale_b, float* inv_a, float* inv_b,
                         void* stream) {
   scale_inverses_kernel<<<1, 1, 0, dev::as_stream(stream)>>>(scale_a, scale_b, inv_a, inv_b);
+}
+
+void scale_factors(const float* scales, I rows, I cols, I row_stride, I col_stride, float* out,
+                   void* stream) {
+  if (rows * cols == 0) return;
+  scale_factors_kernel<<<dev::blocks_for(rows * cols, kFactorThreads), kFactorThreads, 0,
+                         dev::as_stream(stream)>>>(scales, rows, cols, row_stride, col_stride, out);
 }
 
 }  // namespace tpx::cuda::kernels

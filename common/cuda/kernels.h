@@ -252,5 +252,11 @@ void pack_fp8(const std::uint8_t* src, I ld, bool transposed, I rows, I cols, st
 /// *inv_a = 1 / *scale_a, *inv_b = 1 / *scale_b (fp32 division, correctly rounded).
 void fp8_scale_inverses(const float* scale_a, const float* scale_b, float* inv_a, float* inv_b,
                         void* stream);
+/// The block-scaled GEMMs' factors (gemm_scaled.cc): out[r·row_stride + c·col_stride] =
+/// 1 / scales[r·cols + c] (fp32 division, correctly rounded) for r < rows, c < cols: row-major
+/// scales placed where cuBLASLt's scale tensor keeps them. The rest of out is not written (the
+/// caller zeroes the padding first).
+void scale_factors(const float* scales, I rows, I cols, I row_stride, I col_stride, float* out,
+                   void* stream);
 
 }  // namespace tpx::cuda::kernels

@@ -174,4 +174,14 @@ bool gemm_grouped(const Tensor& a, std::span<const std::int64_t> rows, const Ten
 /// the device's practical dense bf16 peak, the denominator of MFU.
 double measure_bf16_gemm_peak_tflops();
 
+// --- Native block-scaled FP8 GEMMs (gemm_scaled.cc) ---------------------------------------------
+
+/// ops::gemm_scaled on the FP8 tensor cores through cuBLASLt's scale modes, when the plan
+/// (common/scaled_gemm_plan.h), the probe of the modes' scale layout and cuBLASLt accept the
+/// problem; returns false, having issued nothing, otherwise (said once per recipe and shape on
+/// stderr), and the caller multiplies the dequantized operands.
+bool gemm_scaled(const ops::ScaledOperand& a, const ops::ScaledOperand& b, const Tensor& c);
+/// ops::scaled_gemm_problem for this process's GPU.
+std::string scaled_gemm_problem(lowp::Recipe recipe);
+
 }  // namespace tpx::cuda
