@@ -719,9 +719,11 @@ int checked_ep(const RunContext& ctx, const Mesh& mesh) {
   const int ep = f.ep == 0 ? mesh.dp_cp() : f.ep;
   auto refuse = [](std::string line) { throw ConfigError(std::move(line)); };
   if (c.device != Device::cpu && c.moe.chunks > 1)
-    refuse(
-        "--moe-chunks > 1 runs on the cpu for now: on cuda the dispatch of one chunk beside the "
-        "experts of another needs the exchanges on a stream of their own (--moe-chunks 1)");
+    refuse(fmt::format(
+        "--moe-chunks {} runs on --device cpu only for now: on cuda the dispatch of one chunk "
+        "beside the experts of another needs the exchanges on a stream of their own "
+        "(--moe-chunks 1)",
+        c.moe.chunks));
   if (c.dtype != DType::f32) refuse("stage 10 trains in fp32 for now (--dtype fp32)");
   if (c.recompute != Recompute::none)
     refuse(

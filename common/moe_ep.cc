@@ -12,6 +12,7 @@
 
 #include "check.h"
 #include "comm/communicator.h"
+#include "moe_chunks.h"
 #include "moe_flags.h"  // moe_ep_problem()
 #include "ops.h"
 #include "stream.h"
@@ -24,6 +25,7 @@ namespace {
 using I = std::int64_t;
 
 using moe_detail::at;
+using moe_detail::run_chunks;
 
 /// Rows of `width` T each through Communicator::all_to_all_v: float as f32, double as its bytes.
 template <class T>
@@ -73,43 +75,6 @@ template <class T>
 void append(HostVector<T>& all, HostVector<T>& part) {
   all.insert(all.end(), part.begin(), part.end());
   release(part);
-}
-
-/// Runs C chunks' `send` (on the lane), `compute` (here) and `give_back` (on the lane), each
-/// chunk's after its send and its give_back after its compute. With a lane, chunk c + 1's send and
-/// chunk c − 1's give_back run while chunk c computes, the lane taking them in the order send 0,
-/// send 1, give_back 0, send 2, give_back 1, … (the same on every rank: they are collectives);
-/// without one, or with one chunk, one after the other here.
-template <class Send, class Compute, class GiveBack>
-void run_chunks(I C, const Stream* lane, Send& send, Compute& compute, GiveBack& give_back) {
-  if (!lane || C == 1) {
-    for (I c = 0; c < C; ++c) {
-      send(c);
-      compute(c);
-      give_back(c);
-    }
-    return;
-  }
-  std::vector<Event> sent(at(C));
-  auto issue = [&](I c) { sent[at(c)] = run_after_compute(*lane, {}, [&send, c] { send(c); }); };
-  try {
-    issue(0);
-    issue(1);
-    for (I c = 0; c < C; ++c) {
-      sent[at(c)].synchronize();
-      compute(c);
-      run_after_compute(*lane, {}, [&give_back, c] { give_back(c); });
-      if (c + 2 < C) issue(c + 2);
-    }
-    lane->synchronize();
-  } catch (...) {
-    // The lane's tasks read this frame's buffers: they end before it does.
-    try {
-      lane->synchronize();
-    } catch (...) {  // NOLINT(bugprone-empty-catch): the first failure is the one to report
-    }
-    throw;
-  }
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 
 #include "check.h"
 #include "comm/communicator.h"
+#include "moe_chunks.h"
 #include "moe_ep.h"
 #include "ops.h"
 #include "stream.h"
@@ -39,6 +40,7 @@ namespace {
 
 using I = std::int64_t;
 using moe_detail::at;
+using moe_detail::run_chunks;
 
 Tensor zeros_like(const Tensor& t) {
   if (!t.defined()) return {};
@@ -114,40 +116,6 @@ void swiglu_backward(const Tensor& x, const Tensor& wg, const Tensor& wu, const 
   ops::gemm(dup, false, wu, true, dx, 1.0f, 1.0f);
 }
 
-/// The lane-or-here loop of moe_ep.cc, for tasks on tensors (moe_ep.cc's run_chunks says how).
-template <class Send, class Compute, class GiveBack>
-void run_chunks(I C, const Stream* lane, Send& send, Compute& compute, GiveBack& give_back) {
-  if (!lane || C == 1) {
-    for (I c = 0; c < C; ++c) {
-      send(c);
-      compute(c);
-      give_back(c);
-    }
-    return;
-  }
-  TPX_CHECK(lane->device() == Device::cpu,
-            "the experts' chunked overlap runs on the cpu only (--moe-chunks 1 on cuda)");
-  std::vector<Event> sent(at(C));
-  auto issue = [&](I c) { sent[at(c)] = run_after_compute(*lane, {}, [&send, c] { send(c); }); };
-  try {
-    issue(0);
-    issue(1);
-    for (I c = 0; c < C; ++c) {
-      sent[at(c)].synchronize();
-      compute(c);
-      run_after_compute(*lane, {}, [&give_back, c] { give_back(c); });
-      if (c + 2 < C) issue(c + 2);
-    }
-    lane->synchronize();
-  } catch (...) {
-    try {
-      lane->synchronize();
-    } catch (...) {  // NOLINT(bugprone-empty-catch): the first failure is the one to report
-    }
-    throw;
-  }
-}
-
 }  // namespace
 
 std::size_t MoeEpOpsForward::bytes() const {
@@ -173,6 +141,9 @@ MoeEpOpsForward moe_ep_ops_forward(const MoeShape& m, const MoeTensors& w, const
                 w.w_down.shape() == Tensor::Shape({El, FE, H}),
             "expert weights {} and {} for {} local experts", w.w_gate.describe(),
             w.w_down.describe(), El);
+  TPX_CHECK(!overlap.lane || overlap.chunks == 1 || d == Device::cpu,
+            "the experts' chunked overlap runs on the cpu only (--moe-chunks 1 on {})",
+            to_string(d));
   const bool sigmoid = m.router == MoeRouter::sigmoid;
   MoeEpOpsForward f;
 

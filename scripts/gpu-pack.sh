@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 programs=(01_baseline 02_megatron_tp 03_sequence_parallel 04_overlap_ring 05_copy_engine_async_tp
-  06_fp8 07_fsdp_tp 08_context_parallel 09_pipeline_parallel
+  06_fp8 07_fsdp_tp 08_context_parallel 09_pipeline_parallel 10_expert_parallel test_expert_parallel
   test_cuda_ops test_cuda_stage01 test_cuda_streams test_cuda_lm test_fp8 test_comm test_attention test_column_blocks
   bench_gemm bench_copy_overlap bench_attention)
 if [ "${1:-}" = --list ]; then

@@ -256,6 +256,24 @@ if has stages; then
         "$bin/09_pipeline_parallel" --device cuda --pp 2 --cp 2 --dtype "$dtype" --check "${pp[@]}"
     done
   fi
+  if need 10_expert_parallel; then
+    # EP: the routing and the rows' moves by common/cuda/moe.cu, the experts' GEMMs grouped
+    # (cublasGemmGroupedBatchedEx), the all-to-alls host-staged between ranks sharing the GPU.
+    ep=(--hidden 256 --heads 8 --ffn 512 --seq 64 --batch 4 --layers 2 --experts 8 --topk 2
+      --steps 3)
+    check_step 10.np1 300 PASS "${mpi[@]}" -np 1 "$bin/10_expert_parallel" --device cuda \
+      --capacity-factor 0.5 --check "${ep[@]}"
+    check_step 10.dp2.drop.np2 300 PASS "${mpi[@]}" -np 2 "$bin/10_expert_parallel" \
+      --device cuda --dp 2 --capacity-factor 0.5 --check "${ep[@]}"
+    check_step 10.dp2tp2.sigmoid.np4 300 PASS "${mpi[@]}" -np 4 "$bin/10_expert_parallel" \
+      --device cuda --dp 2 --router sigmoid --shared-experts 1 --balance bias --check "${ep[@]}"
+    check_step 10.pp2dp2.np4 300 PASS "${mpi[@]}" -np 4 "$bin/10_expert_parallel" --device cuda \
+      --pp 2 --capacity-factor 0.5 --check "${ep[@]}"
+    check_step 10.dp2.late.np2 300 PASS "${mpi[@]}" -np 2 "$bin/10_expert_parallel" \
+      --device cuda --dp 2 --fault-comm-delay-us 400 --check "${ep[@]}"
+    step test_expert_parallel.cuda 540 "$bin/test_expert_parallel" \
+      --gtest_filter='ExpertParallel.OnCuda*:ExpertParallel.ChunkedOverlapOnCuda*'
+  fi
   # Comm lanes running late: every communicator op first waits a random 0 … 400 µs, so each
   # transfer ends after the compute around it has been issued; a missing wait fails --check
   # (tests/test_late_lanes.cc does the same on the cpu).

@@ -16,7 +16,10 @@
 //    context parallelism (--cp) with EP borrowed from the D·C ranks, dropless and dropping (the
 //    capacity counting each rank's sequence chunks at their places), up to the whole
 //    P × D × C × T mesh;
-//  - bad input is exit 2 on every rank and one line, printed once.
+//  - bad input is exit 2 on every rank and one line, printed once;
+//  - on a GPU (skipped without one), --device cuda passes the same checks: the routing and the
+//    row moves by the kernels of common/cuda/moe.cu, the experts' GEMMs grouped, the all-to-alls
+//    host-staged between ranks that share the GPU.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,6 +42,7 @@
 #include "common/moe_ep.h"
 #include "common/moe_model.h"
 #include "common/npy.h"
+#include "test_cuda.h"
 #include "test_stage_runs.h"
 #include "test_util.h"
 
@@ -75,6 +79,35 @@ TEST_P(ExpertParallelCheck, PassesAgainstTheReference) {
   EXPECT_NE(r.out.find("layers.0.experts.3.w_down.grad"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("layers.0.router.grad"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("layers.0.w_gate.grad"), std::string::npos) << r.out;
+}
+
+// Stage 10 on the device: one rank, two (D 2, EP 2: the all-to-alls between two ranks of one
+// GPU) and four (D 2 × T 2), dropping and dropless, softmax and sigmoid with shared experts.
+TEST(ExpertParallel, OnCudaPassesItsCheck) {
+  TPX_REQUIRE_GPU();
+  test::TempDir dir;
+  for (const auto& [ranks, args] : std::vector<std::pair<int, std::string>>{
+           {1, "--capacity-factor 0.5"},
+           {2, "--dp 2 --capacity-factor 0.5"},
+           {2, "--dp 2 --router sigmoid --shared-experts 1 --balance bias"},
+           {4, "--dp 2 --capacity-factor 0.5 --shared-experts 1"}}) {
+    const auto r = run_stage("10_expert_parallel", ranks,
+                             kSizes + " --steps 3 --device cuda --check " + args, dir);
+    EXPECT_EQ(r.exit_code, 0) << ranks << " " << args << r.out << r.err;
+    EXPECT_NE(r.out.find("\nPASS"), std::string::npos) << ranks << " " << args << r.out;
+  }
+}
+
+// What stage 10 does not yet run on the device is refused in one line: the chunked overlap.
+// (Without a GPU --device cuda is refused before it, so the test needs one.)
+TEST(ExpertParallel, ChunkedOverlapOnCudaIsRefused) {
+  TPX_REQUIRE_GPU();
+  test::TempDir dir;
+  const auto r =
+      run_stage("10_expert_parallel", 1, kSizes + " --steps 1 --device cuda --moe-chunks 2", dir);
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_NE((r.out + r.err).find("--moe-chunks 2 runs on --device cpu only"), std::string::npos)
+      << r.out << r.err;
 }
 
 INSTANTIATE_TEST_SUITE_P(

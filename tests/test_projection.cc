@@ -919,7 +919,7 @@ TEST(TpxProject, AMixtureOfExpertsUnderAPipelineIsTheStagesDryRun) {
     EXPECT_EQ(at(row, "ep_payload_bytes"), at(step, "ep_payload_bytes"));
     EXPECT_EQ(at(row, "dp_bus_bytes"), at(step, "dp_bus_bytes"));
     EXPECT_EQ(at(row, "dp_payload_bytes"), at(step, "dp_payload_bytes"));
-    EXPECT_EQ(at(row, "pp_bytes"), at(step, "pp_bus_bytes"));
+    EXPECT_EQ(at(row, "pp_p2p_bytes"), at(step, "pp_bus_bytes"));
     EXPECT_EQ(at(row, "tp_payload_bytes"),
               at(step, "comm_payload_bytes") - at(step, "dp_payload_bytes") -
                   at(step, "ep_payload_bytes") - at(step, "pp_payload_bytes") -

@@ -652,7 +652,7 @@ json expert_json(const pj::DeviceSpec& d, const tpx::BlockConfig& c, const std::
     j["schedule"] = pipe->schedule;
     j["stages_per_rank"] = pipe->stages_per_rank;
     row["bubble_ms"] = r.bubble_ms;
-    row["pp_bytes"] = r.pp_bytes;
+    row["pp_p2p_bytes"] = r.pp_bytes;
     row["dp_payload_bytes"] = r.dp_bytes.payload;
     row["ep_calls"] = r.ep_bytes.calls;
     row["dp_calls"] = r.dp_bytes.calls;
