@@ -403,7 +403,28 @@ void check_cuda_collectives(Communicator& comm) {
   comm.broadcast(bc, n - 1, s);
   const Tensor ring = Tensor::empty({4}, DType::f32, Device::cuda);
   comm.sendrecv(on_gpu({4}, r), (r + 1) % n, ring, (r + n - 1) % n, s);
+  // The ragged all-to-all: d + 1 rows of 2 to rank d (row j of them 100·d + j), r + 1 rows from
+  // every rank (NCCL: a group of sends and receives; MPI: staged through the host).
+  std::vector<std::int64_t> send_rows, recv_rows;
+  Tensor a2a_host = Tensor::empty({n * (n + 1) / 2, 2});
+  for (int d = 0, row = 0; d < n; ++d) {
+    send_rows.push_back(d + 1);
+    recv_rows.push_back(r + 1);
+    for (int j = 0; j <= d; ++j, ++row)
+      for (int c = 0; c < 2; ++c)
+        a2a_host.f32()[std::size_t(row * 2 + c)] = val(r, 100 * d + j) + 0.5f * float(c);
+  }
+  const Tensor a2a = Tensor::empty({n * (r + 1), 2}, DType::f32, Device::cuda);
+  comm.all_to_all_v(ops::to_device(a2a_host, Device::cuda), send_rows, a2a, recv_rows, s,
+                    "a test's all-to-all");
   s.synchronize();
+  const Tensor got = host(a2a);
+  for (int q = 0; q < n; ++q)
+    for (int j = 0; j <= r; ++j)
+      for (int c = 0; c < 2; ++c)
+        EXPECT_EQ(got.f32()[std::size_t((q * (r + 1) + j) * 2 + c)],
+                  val(q, 100 * r + j) + 0.5f * float(c))
+            << "from " << q << " row " << j;
 
   const float ranks = 1000.0f * float(n * (n - 1) / 2);
   for (int i = 0; i < 6; ++i) EXPECT_EQ(host(sum).f32()[std::size_t(i)], ranks + float(n * i));
@@ -414,7 +435,7 @@ void check_cuda_collectives(Communicator& comm) {
   for (int i = 0; i < 3; ++i) EXPECT_EQ(host(bc).f32()[std::size_t(i)], val(n - 1, i));
   for (int i = 0; i < 4; ++i) EXPECT_EQ(host(ring).f32()[std::size_t(i)], val((r + n - 1) % n, i));
   comm.barrier();
-  EXPECT_EQ(comm.take_stats().calls, 6u);
+  EXPECT_EQ(comm.take_stats().calls, 7u);
 }
 
 TEST(CommCuda, HostStagedMpi) {
