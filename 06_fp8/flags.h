@@ -40,6 +40,8 @@ class Fp8RecipeFlags : public FlagGroup {
   /// without FP8 GEMMs: one line naming the flag (exit 2).
   std::optional<std::string> check(const CLI::App& app, const StageOptions& o) const override;
   ConfigFields agreed() const override;
+  /// BlockConfig::fp8_keep_last, for the memory estimate.
+  void configure(BlockConfig& c) const override { c.fp8_keep_last = keep_last; }
 };
 
 }  // namespace tpx::async_fp8

@@ -194,6 +194,8 @@ class RecipeMemory final : public MemoryDimension {
   }
   void add_terms(MemoryEstimate& e, const MemoryParts& p) const override {
     using memory::Count;
+    // Every layer kept out of the recipe (--fp8-keep-last L): no operand is emulated.
+    if (p.rank.fp8_keep_last >= p.rank.layers) return;
     const char* what = "the recipe's emulation";
     const memory::ActivationBytes& b = p.pass_bytes;
     const Count g = b.full / b.e, f = b.cols_f / b.e;
