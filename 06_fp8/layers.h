@@ -161,9 +161,9 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   bool kept() const { return !keep_.quantizes(layer_, layers_); }
 
   lowp::Recipe recipe_;
-  Fp8RecipeFlags keep_;        // --fp8-keep-last, and the rule of which layers it keeps
-  std::int64_t layers_;        // L
-  std::int64_t layer_ = 0;     // the layer running now (layer_params())
+  Fp8RecipeFlags keep_;     // --fp8-keep-last, and the rule of which layers it keeps
+  std::int64_t layers_;     // L
+  std::int64_t layer_ = 0;  // the layer running now (layer_params())
   Fp8Weights weight_use_;
   std::uint64_t seed_;           // the run's, for the gradients' stochastic rounding
   std::int64_t backward_calls_;  // the next linear backward's number (lowp::gradient_call)

@@ -390,8 +390,9 @@ I optimizer_state(I params) {
 /// The FP8 copies of every weight, made in forward and kept for backward (a byte each; stage 06),
 /// but for the layers --fp8-keep-last keeps out of the recipe.
 I fp8_weights(const BlockConfig& c, const Bytes& b) {
-  return checked_product({layer_matrix_bytes(b) / kF32, c.layers - std::min(c.layers, c.fp8_keep_last)},
-                         "the FP8 weights' bytes");
+  return checked_product(
+      {layer_matrix_bytes(b) / kF32, c.layers - std::min(c.layers, c.fp8_keep_last)},
+      "the FP8 weights' bytes");
 }
 
 /// --task lm: the language model's ends on this rank (DESIGN.md, "The language model around the

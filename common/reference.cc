@@ -792,7 +792,7 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
     std::vector<Params> grads(saved.size());
     for (std::size_t l = saved.size(); l-- > 0;)
       dout = block_of(l).backward(params[l], saved[l], dout, grads[l], moe_of(l),
-                            lowp::gradient_call(c.layers, step, I(l)));
+                                  lowp::gradient_call(c.layers, step, I(l)));
     if (stream) lm_grads[0] = lm.embed_back(dout);
     if (step == 0) {
       run.output = out;

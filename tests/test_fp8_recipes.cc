@@ -63,8 +63,7 @@ struct Case {
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
-  *os << c.stage << " " << c.recipe << " at N = " << c.ranks << " " << c.mesh << " keep "
-      << c.keep;
+  *os << c.stage << " " << c.recipe << " at N = " << c.ranks << " " << c.mesh << " keep " << c.keep;
 }
 
 class RecipeCheck : public ::testing::TestWithParam<Case> {};
@@ -188,8 +187,7 @@ TEST(Fp8Recipes, KeepLastOutsideItsRangeIsRefusedOnce) {
   for (const char* stage : {"06_fp8", "07_fsdp_tp"}) {
     for (const char* n : {"3", "-1"})
       test::expect_refused_once(
-          stage, 2,
-          fmt::format("--layers 2 --dtype fp8 --fp8-recipe nvfp4 --fp8-keep-last {}", n),
+          stage, 2, fmt::format("--layers 2 --dtype fp8 --fp8-recipe nvfp4 --fp8-keep-last {}", n),
           fmt::format("--fp8-keep-last {}: the number of last blocks kept out of the recipe must "
                       "lie in [0, --layers 2]",
                       n));
@@ -343,10 +341,9 @@ TEST(Fp8Recipes, Stage07StepBytesAreItsDryRuns) {
       "--hidden 128 --heads 4 --ffn 256 --seq 8 --batch 4 --layers 2 --dtype fp8 --dp 2";
   // And with the last block kept out of the recipe (--fp8-keep-last 1): its TP bytes stage 05's,
   // its FSDP gathers fp32 under --fp8-weight-gather too, a recomputed kept block counted once more.
-  for (const char* recipe :
-       {"tensorwise", "rowwise", "mxfp8", "nvfp4", "nvfp4 --fp8-keep-last 1",
-        "tensorwise --fp8-weight-gather --fp8-keep-last 1",
-        "mxfp8 --fp8-keep-last 1 --recompute full"}) {
+  for (const char* recipe : {"tensorwise", "rowwise", "mxfp8", "nvfp4", "nvfp4 --fp8-keep-last 1",
+                             "tensorwise --fp8-weight-gather --fp8-keep-last 1",
+                             "mxfp8 --fp8-keep-last 1 --recompute full"}) {
     const std::string flags = fmt::format("{} --fp8-recipe {}", args, recipe);
     const json real = test::run_json("07_fsdp_tp", 4, flags + " --steps 1");
     const json dry = test::run_json("07_fsdp_tp", 4, flags + " --dry-run");
