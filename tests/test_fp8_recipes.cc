@@ -340,10 +340,12 @@ TEST(Fp8Recipes, Stage07StepBytesAreItsDryRuns) {
   const std::string args =
       "--hidden 128 --heads 4 --ffn 256 --seq 8 --batch 4 --layers 2 --dtype fp8 --dp 2";
   // And with the last block kept out of the recipe (--fp8-keep-last 1): its TP bytes stage 05's,
-  // its FSDP gathers fp32 under --fp8-weight-gather too, a recomputed kept block counted once more.
+  // its FSDP gathers fp32 under --fp8-weight-gather too, a recomputed kept block counted once more;
+  // under tensorwise it saves its column inputs' bf16 shards where the others save FP8 codes.
   for (const char* recipe : {"tensorwise", "rowwise", "mxfp8", "nvfp4", "nvfp4 --fp8-keep-last 1",
                              "tensorwise --fp8-weight-gather --fp8-keep-last 1",
-                             "mxfp8 --fp8-keep-last 1 --recompute full"}) {
+                             "mxfp8 --fp8-keep-last 1 --recompute full",
+                             "tensorwise --fp8-keep-last 1 --recompute selective"}) {
     const std::string flags = fmt::format("{} --fp8-recipe {}", args, recipe);
     const json real = test::run_json("07_fsdp_tp", 4, flags + " --steps 1");
     const json dry = test::run_json("07_fsdp_tp", 4, flags + " --dry-run");
