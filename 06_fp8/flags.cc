@@ -25,9 +25,10 @@ void Fp8RecipeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
       ->group("FP8");
   app.add_option("--fp8-keep-last", keep_last,
                  "the last N transformer blocks keep their linear layers out of the recipe: "
-                 "their GEMMs and gathers run in bf16, as --dtype bf16 runs them, under any "
-                 "--fp8-recipe (NVIDIA's NVFP4 pretraining keeps the last blocks' linear layers "
-                 "in BF16, about 15 % of them; 0 = every block runs the recipe)")
+                 "their GEMMs and activation gathers run in bf16, as --dtype bf16 runs them, "
+                 "under any --fp8-recipe (NVIDIA's NVFP4 pretraining keeps about 15 % of the "
+                 "linear layers in BF16, most of them in the last blocks; 0 = every block runs "
+                 "the recipe)")
       ->capture_default_str()
       ->group("FP8");
 }
