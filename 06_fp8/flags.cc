@@ -23,6 +23,14 @@ void Fp8RecipeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
       ->check(CLI::IsMember({"tensorwise", "rowwise", "block128", "mxfp8", "nvfp4"}))
       ->capture_default_str()
       ->group("FP8");
+  app.add_option("--fp8-keep-last", keep_last,
+                 "the last N transformer blocks keep their linear layers out of the recipe: "
+                 "their GEMMs and activation gathers run in bf16, as --dtype bf16 runs them, "
+                 "under any --fp8-recipe (NVIDIA's NVFP4 pretraining keeps about 15 % of the "
+                 "linear layers in BF16, most of them in the last blocks; 0 = every block runs "
+                 "the recipe)")
+      ->capture_default_str()
+      ->group("FP8");
 }
 
 std::optional<std::string> Fp8RecipeFlags::check(const CLI::App& /*app*/,
@@ -33,11 +41,21 @@ std::optional<std::string> Fp8RecipeFlags::check(const CLI::App& /*app*/,
         "--fp8-recipe {}: the recipe of the FP8 GEMMs, which --dtype {} does not run (it runs "
         "under --dtype fp8)",
         word, to_string(o.config.dtype));
+  if (keep_last < 0 || keep_last > o.config.layers)
+    return fmt::format(
+        "--fp8-keep-last {}: the number of last blocks kept out of the recipe must lie in "
+        "[0, --layers {}]",
+        keep_last, o.config.layers);
+  if (keep_last > 0 && !is_fp8(o.config.dtype))
+    return fmt::format(
+        "--fp8-keep-last {}: keeps blocks out of the FP8 GEMMs, which --dtype {} does not run (it "
+        "runs under --dtype fp8)",
+        keep_last, to_string(o.config.dtype));
   return std::nullopt;
 }
 
 ConfigFields Fp8RecipeFlags::agreed() const {
-  return {{"--fp8-recipe", word}};
+  return {{"--fp8-recipe", word}, {"--fp8-keep-last", fmt::format("{}", keep_last)}};
 }
 
 }  // namespace tpx::async_fp8

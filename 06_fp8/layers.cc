@@ -13,6 +13,8 @@ namespace tpx::async_fp8 {
 Fp8AsyncTp::Fp8AsyncTp(const RunContext& ctx, Fp8Weights weights)
     : OverlapRing(ctx, async_tp::copy_engine_transport),
       recipe_(ctx.options.flags<Fp8RecipeFlags>().recipe()),
+      keep_(ctx.options.flags<Fp8RecipeFlags>()),
+      layers_(ctx.options.config.layers),
       weight_use_(weights),
       seed_(ctx.options.config.seed),
       // A resumed run goes on numbering where the saved one stopped.
@@ -83,12 +85,21 @@ std::vector<std::pair<std::string, Tensor>> Fp8AsyncTp::dump_extra() {
   return out;
 }
 
+LayerParams Fp8AsyncTp::layer_params(const std::vector<LayerParams>& stored, std::size_t l,
+                                     int next) {
+  layer_ = std::int64_t(l);
+  return OverlapRing::layer_params(stored, l, next);
+}
+
 ColumnResult Fp8AsyncTp::column_forward(const Tensor& h, std::span<const Tensor> w,
                                         std::string_view role) {
   // The language model's output layer stays in bf16, as TorchTitan's and Transformer Engine's
   // recipes keep it: its logits feed a softmax over the whole vocabulary, where FP8's 3-bit
-  // mantissa would move every probability, and it is one GEMM of L·7.
-  if (role == kOutputLayerRole) return OverlapRing::column_forward(h, w, role);
+  // mantissa would move every probability, and it is one GEMM of L·7. So do the layers of the
+  // last --fp8-keep-last blocks: stage 05's ring on the bf16 shard, the fp32 master weights
+  // rounded to bf16 by the GEMM (ops::gemm), no amax, no scale, no dump (the dump is layer 0's,
+  // which runs the recipe unless every block is kept).
+  if (role == kOutputLayerRole || kept()) return OverlapRing::column_forward(h, w, role);
   if (recipe_ != lowp::Recipe::tensorwise) return recipe_column_forward(h, w, role);
   // The input's shard and the weights (E4M3 all): the shard is what the all-gather moves.
   std::vector<Tensor> x{h};
@@ -109,6 +120,12 @@ Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> 
                                    std::span<const Tensor> dy, std::span<const Tensor> dw,
                                    std::string_view role) {
   if (role == kOutputLayerRole) return OverlapRing::column_backward(saved, w, dy, dw, role);
+  if (kept()) {
+    // nvfp4's stochastic rounding numbers every linear backward of every layer
+    // (lowp::gradient_call): a kept one still takes its number.
+    ++backward_calls_;
+    return OverlapRing::column_backward(saved, w, dy, dw, role);
+  }
   if (recipe_ != lowp::Recipe::tensorwise) return recipe_column_backward(saved, w, dy, dw, role);
   // dX = RS(Σ dy·Wᵀ): E5M2 × E4M3; dW = AG(h)ᵀ·dy: E4M3 (the saved shard) × E5M2. The weights
   // requantized (Fp8Weights) join the gradients' all-reduce.
@@ -128,6 +145,7 @@ Tensor Fp8AsyncTp::column_backward(const Tensor& saved, std::span<const Tensor> 
 }
 
 Tensor Fp8AsyncTp::row_forward(const Tensor& a, const Tensor& w, std::string_view role) {
+  if (kept()) return OverlapRing::row_forward(a, w, role);
   if (recipe_ != lowp::Recipe::tensorwise) return recipe_row_forward(a, w, role);
   const std::array x{a, w};
   const std::array format{DType::e4m3, DType::e4m3};
@@ -139,6 +157,10 @@ Tensor Fp8AsyncTp::row_forward(const Tensor& a, const Tensor& w, std::string_vie
 
 Tensor Fp8AsyncTp::row_backward(const Tensor& a, const Tensor& w, const Tensor& dy,
                                 const Tensor& dw, std::string_view role) {
+  if (kept()) {
+    ++backward_calls_;  // as column_backward's
+    return OverlapRing::row_backward(a, w, dy, dw, role);
+  }
   if (recipe_ != lowp::Recipe::tensorwise) return recipe_row_backward(a, w, dy, dw, role);
   // da = AG(dy)·Wᵀ: E5M2 × E4M3, the gradient's shard gathered as FP8; dW = aᵀ·AG(dy): E4M3 ×
   // E5M2. `a` is quantized again with the gradient in one all-reduce: its bits are forward's
@@ -172,6 +194,8 @@ class RecipeMemory final : public MemoryDimension {
   }
   void add_terms(MemoryEstimate& e, const MemoryParts& p) const override {
     using memory::Count;
+    // Every layer kept out of the recipe (--fp8-keep-last L): no operand is emulated.
+    if (p.rank.fp8_keep_last >= p.rank.layers) return;
     const char* what = "the recipe's emulation";
     const memory::ActivationBytes& b = p.pass_bytes;
     const Count g = b.full / b.e, f = b.cols_f / b.e;

@@ -75,6 +75,11 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   std::vector<std::pair<std::string, Tensor>> dump_extra() override;
   /// Stage 05's, and under a row or block recipe its memory dimension (recipe_memory_dimension).
   Sharding sharding() const override;
+  /// stored[l], and notes that layer l runs next (its forward, its recompute or its backward):
+  /// the last --fp8-keep-last layers run stage 05's GEMMs instead of the recipe's. A stage that
+  /// runs this one inside it (stage 07) calls it with the parameters it gathered.
+  LayerParams layer_params(const std::vector<LayerParams>& stored, std::size_t l,
+                           int next) override;
 
  private:
   /// x[i] in format[i], each with its own per-tensor scale, agreed over the group with one MAX
@@ -151,7 +156,14 @@ class Fp8AsyncTp final : public ring::OverlapRing {
   void keep_recipe_dump(const std::string& name, const Tensor& codes, const Tensor& scales,
                         std::optional<float> amax);
 
+  /// Whether the layer running now is one of the last --fp8-keep-last: its linear layers are
+  /// stage 05's (bf16 operands under the recipe, fp32 accumulation), as the output layer's are.
+  bool kept() const { return !keep_.quantizes(layer_, layers_); }
+
   lowp::Recipe recipe_;
+  Fp8RecipeFlags keep_;     // --fp8-keep-last, and the rule of which layers it keeps
+  std::int64_t layers_;     // L
+  std::int64_t layer_ = 0;  // the layer running now (layer_params())
   Fp8Weights weight_use_;
   std::uint64_t seed_;           // the run's, for the gradients' stochastic rounding
   std::int64_t backward_calls_;  // the next linear backward's number (lowp::gradient_call)

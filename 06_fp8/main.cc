@@ -29,10 +29,12 @@ int main(int argc, char** argv) {
                 tp_plan(ctx, /*sequence=*/true,
                         is_fp8(ctx.options.config.dtype) ? async_fp8::traffic : ring::traffic);
             // The recipe's scales: the amax all-reduces, or the scales the gathers carry.
-            const lowp::Recipe r = ctx.options.flags<async_fp8::Fp8RecipeFlags>().recipe();
+            const auto& flags = ctx.options.flags<async_fp8::Fp8RecipeFlags>();
+            const lowp::Recipe r = flags.recipe();
             async_fp8::check_recipe_split(ctx.options.config, ctx.world, r);
             if (is_fp8(ctx.options.config.dtype)) {
-              p.traffic = async_fp8::recipe_traffic(ctx.options.config, ctx.world, 0, r);
+              p.traffic = async_fp8::recipe_traffic(ctx.options.config, ctx.world, 0, r,
+                                                    async_fp8::Fp8Weights::kept, flags.keep_last);
               if (auto d = async_fp8::recipe_memory_dimension(r))
                 p.sharding.dimensions.push_back(std::move(d));  // as the stage's sharding()
             }

@@ -12,8 +12,9 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes) {
 }
 
 Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe,
-                       Fp8Weights weights) {
+                       Fp8Weights weights, std::int64_t keep_last) {
   require_formula(n >= 1, "ranks must be >= 1");
+  require_formula(keep_last >= 0 && keep_last <= c.layers, "kept layers must lie in [0, L]");
   using U = std::uint64_t;
   const U N = U(n), e = U(act_bytes == 0 ? 2 : act_bytes);
   const U chunk = U(c.seq * c.batch * c.hidden) / N;  // elements of one [S/N, B, H] shard
@@ -60,7 +61,23 @@ Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe 
   layer += amax;
   Traffic fwd{moved_fwd, moved_fwd, (2 * rings + 2) * (N - 1)};
   fwd += amax_fwd;
-  Traffic step = per_step(c, layer, fwd);
+  // The kept layers: stage 05's ring at e, as ring::traffic counts a layer.
+  const U ring = (N - 1) * (U(c.seq * c.batch * c.hidden) * e / N);
+  Traffic kept_layer{10 * ring, 10 * ring, 10 * (N - 1)};
+  kept_layer += sp::gain_all_reduces(c, n);
+  const Traffic kept_fwd{4 * ring, 4 * ring, 4 * (N - 1)};
+  // Layers [0, L − K) run the recipe and [L − K, L) do not; per_step counts each range's
+  // recomputed layers (l % K' == 0) from its own first layer, so count them here.
+  auto recomputed = [&](std::int64_t first, std::int64_t end) {
+    std::int64_t r = 0;
+    for (std::int64_t l = first; l < end; ++l) r += c.recomputes_layer(l) ? 1 : 0;
+    return U(r);
+  };
+  const std::int64_t L = c.layers, Q = L - keep_last;
+  Traffic step = layer * U(Q);
+  step += fwd * recomputed(0, Q);
+  step += kept_layer * U(keep_last);
+  step += kept_fwd * recomputed(Q, L);
   step += lm_traffic(c, n, act_bytes, TpLayout::ring);  // the language model's ends
   return step;
 }

@@ -4,6 +4,8 @@
 // defines: tpx::async_fp8::Fp8Weights, tpx::async_fp8::traffic(), tpx::async_fp8::recipe_traffic()
 #pragma once
 
+#include <cstdint>
+
 #include "common/config.h"
 #include "common/lowp.h"
 #include "common/traffic.h"
@@ -38,7 +40,11 @@ Traffic traffic(const BlockConfig& c, int n, int act_bytes = 0);
 /// gathered as FP8 none does: k ∈ {1,1,1,1,3,2,2,2}. Under nvfp4 the eight all-reduces agree the
 /// tensor scales, k ∈ {4,2,3,2,10,3,7,3}, and each gather moves its codes packed (S·B·H / 2N
 /// bytes) and ⌈H/16⌉ UE4M3 scale bytes per row.
+/// With `keep_last` K (--fp8-keep-last) the last K layers run no recipe: each moves stage 05's
+/// bytes at e (04_overlap_ring/traffic.h: ten primitives of N − 1 transfers of S·B·H·e / N, the
+/// gains' all-reduces, no amax), and a recomputed one its four forward primitives once more; the
+/// other L − K layers move the recipe's.
 Traffic recipe_traffic(const BlockConfig& c, int n, int act_bytes, lowp::Recipe recipe,
-                       Fp8Weights weights = Fp8Weights::kept);
+                       Fp8Weights weights = Fp8Weights::kept, std::int64_t keep_last = 0);
 
 }  // namespace tpx::async_fp8

@@ -98,6 +98,7 @@ FsdpTp::FsdpTp(const RunContext& ctx, Mesh mesh)
     dp_report_comm_ = make_communicator(o, device_);
   }
   fp8_gather_ = ctx.options.flags<Fp8GatherFlags>().fp8_weight_gather;
+  keep_ = ctx.options.flags<async_fp8::Fp8RecipeFlags>();
   if (fp8_gather_) {
     // The weight matrices' amaxes agreed over every rank holding a part of them: the job's.
     o = ctx.options.comm;
@@ -111,8 +112,10 @@ Sharding FsdpTp::sharding() const {
   Sharding s = tp_->sharding();
   s.dp = mesh_.dp;
   s.dp_cp_index = mesh_.dp_cp_index();
-  // FSDP's unsharded layers, gathered as E4M3 codes under --fp8-weight-gather.
-  s.dimensions.push_back(memory_dimension(mesh_.dp_cp_index() == 0, fp8_gather_));
+  // FSDP's unsharded layers, gathered as E4M3 codes under --fp8-weight-gather (fp32 when
+  // --fp8-keep-last keeps any layer out of the recipe: the largest unsharded layer is its).
+  s.dimensions.push_back(
+      memory_dimension(mesh_.dp_cp_index() == 0, fp8_gather_ && keep_.keep_last == 0));
   return s;
 }
 
@@ -268,7 +271,9 @@ FsdpTp::Gather FsdpTp::issue_gather(const FlatLayout& f, std::span<const Tensor>
 
 void FsdpTp::issue_gather(const std::vector<LayerParams>& stored, std::size_t l) {
   const std::string what = fmt::format("layer {} weights all-gather", l);
-  if (!fp8_gather_) {
+  // A layer --fp8-keep-last keeps out of the recipe computes with its fp32 weights: they travel
+  // as stored, with no amax agreed for them.
+  if (!fp8_gather_ || !keep_.quantizes(std::int64_t(l), std::int64_t(layout_.size()))) {
     gathers_.insert_or_assign(l, issue_gather(layout_[l], stored[l].t, what));
     return;
   }
@@ -327,6 +332,9 @@ std::vector<Tensor> FsdpTp::copy_out(const Gather& g, const FlatLayout& f,
 }
 
 LayerParams FsdpTp::layer_params(const std::vector<LayerParams>& stored, std::size_t l, int next) {
+  // The TP group's layers learn which layer runs (stage 06 keeps its last --fp8-keep-last out of
+  // the recipe); what they return is stored[l], the shards: this stage's gathered copy replaces it.
+  (void)tp_->layer_params(stored, l, next);
   if (mesh_.dp_cp() == 1) return stored[l];  // nothing is sharded
   if (!gathers_.contains(l)) issue_gather(stored, l);
   // Prefetch: the next layer's gather is queued now, behind this one on the DP-comm lane, and
@@ -594,6 +602,7 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
                 .dp_cp_index = mesh.dp_cp_index(),
                 .dimensions = {}};
   const bool fp8_gather = ctx.options.flags<Fp8GatherFlags>().fp8_weight_gather;
+  const std::int64_t keep_last = ctx.options.flags<async_fp8::Fp8RecipeFlags>().keep_last;
   // Stage 05's, inside the TP group; stage 06's under --dtype fp8, the weights requantized for
   // backward (make_fp8_async_tp refuses a recipe's block that a TP shard would cut; so does this).
   Traffic tp;
@@ -605,12 +614,14 @@ StagePlan plan_fsdp_tp(const RunContext& ctx) {
       p.sharding.dimensions.push_back(std::move(d));
     tp = async_fp8::recipe_traffic(
         replica, mesh.tp, 0, r,
-        fp8_gather ? async_fp8::Fp8Weights::gathered : async_fp8::Fp8Weights::requantized);
+        fp8_gather ? async_fp8::Fp8Weights::gathered : async_fp8::Fp8Weights::requantized,
+        keep_last);
   } else {
     tp = ring::traffic(replica, mesh.tp);
   }
-  p.sharding.dimensions.push_back(memory_dimension(mesh.dp_cp_index() == 0, fp8_gather));
-  Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp, 1, fp8_gather);
+  p.sharding.dimensions.push_back(
+      memory_dimension(mesh.dp_cp_index() == 0, fp8_gather && keep_last == 0));  // as sharding()
+  Traffic dp = fsdp_traffic(ctx.options.config, mesh.tp, mesh.dp, 1, fp8_gather, keep_last);
   dp += lm_grads_traffic(ctx.options.config, mesh.tp, mesh.dp, true, true);  // the ends (FSDP)
   p.groups = {{.name = "dp", .label = "dp group", .traffic = dp}};
   p.traffic = {tp.payload + dp.payload, tp.bus + dp.bus, tp.calls + dp.calls};

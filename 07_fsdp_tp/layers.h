@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "06_fp8/flags.h"
 #include "common/cli.h"
 #include "common/comm/communicator.h"
 #include "common/mesh.h"
@@ -197,6 +198,7 @@ class FsdpTp : public Parallelism {
   std::unique_ptr<Communicator> dp_comm_;
   std::unique_ptr<Communicator> dp_report_comm_;  // over the DP group, when C > 1
   bool fp8_gather_ = false;                       // --fp8-weight-gather
+  async_fp8::Fp8RecipeFlags keep_;                // --fp8-keep-last: which layers skip it
   std::unique_ptr<Communicator> amax_comm_;       // over the mesh, under --fp8-weight-gather
   Stream gather_lane_, reduce_lane_;              // the DP-comm lane's two streams
   std::vector<FlatLayout> layout_;                // per layer

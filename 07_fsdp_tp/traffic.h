@@ -4,6 +4,8 @@
 // defines: tpx::fsdp::fsdp_bytes(), tpx::fsdp::fsdp_traffic()
 #pragma once
 
+#include <cstdint>
+
 #include "common/config.h"
 #include "common/traffic.h"
 
@@ -22,8 +24,10 @@ double fsdp_bytes(const BlockConfig& c, int tp, int dp, int gather_bytes);
 /// forward and backward, 2M times, and its gradients reduce-scattered once. With `fp8_gather`
 /// (--fp8-weight-gather) the seven weight matrices travel as 1-byte E4M3 codes, and each gather
 /// is preceded by one MAX all-reduce of their seven fp32 amaxes over the T·D ranks of the mesh
-/// (payload 28, bus ⌊28·2(TD−1)/TD⌋). At D = 1 nothing is sharded and nothing moves.
+/// (payload 28, bus ⌊28·2(TD−1)/TD⌋); the last `keep_last` layers (--fp8-keep-last), which run
+/// no recipe, are gathered as stored (fp32) with no amax. At D = 1 nothing is sharded and
+/// nothing moves.
 Traffic fsdp_traffic(const BlockConfig& c, int tp, int dp, int microbatches = 1,
-                     bool fp8_gather = false);
+                     bool fp8_gather = false, std::int64_t keep_last = 0);
 
 }  // namespace tpx::fsdp

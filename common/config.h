@@ -184,6 +184,9 @@ struct BlockConfig {
   /// again in backward (the row and block recipes, 06_fp8/layers.h). No flag sets it: stage 06's
   /// memory dimension does, for the estimate (async_fp8::recipe_memory_dimension()).
   bool fp8_codes_kept = true;
+  /// Under --dtype fp8, the last layers that run no recipe (stage 06's --fp8-keep-last): they
+  /// keep bf16 shards and no FP8 copy of a weight, for the estimate.
+  std::int64_t fp8_keep_last = 0;
   /// Stage 10's experts (none elsewhere).
   MoeConfig moe = {};
 

@@ -334,6 +334,27 @@ I saved_activations(const BlockConfig& c, const Bytes& b) {
   const I saved_layer = saved_layer_bytes(c, b);
   const I cheap = cheap_bytes(c, b);
   const I recomputed = c.recomputed_layers();
+  if (c.fp8_keep_last > 0 && is_fp8(c.dtype) && c.fp8_codes_kept) {
+    // Stage 06's --fp8-keep-last: the last layers keep bf16 shards of h and h2, the others FP8
+    // codes. Layer by layer, with the largest re-made part (the rule below) counted once.
+    BlockConfig kept = c;
+    kept.fp8_codes_kept = false;
+    I all = 0, again = 0;
+    for (I l = 0; l < c.layers; ++l) {
+      const BlockConfig& lc = l < c.layers - c.fp8_keep_last ? c : kept;
+      const I layer = saved_layer_bytes(lc, b), layer_cheap = cheap_bytes(lc, b);
+      if (c.recompute == Recompute::selective) {
+        all = sum({all, layer - layer_cheap}, what);
+        again = std::max(again, layer_cheap);
+      } else if (c.recomputes_layer(l)) {
+        all = sum({all, b.stream}, what);
+        again = std::max(again, layer - b.stream);
+      } else {
+        all = sum({all, layer}, what);
+      }
+    }
+    return sum({all, again}, what);
+  }
   if (c.recompute == Recompute::selective)
     return sum({checked_product({saved_layer - cheap, c.layers}, what), cheap}, what);
   if (recomputed > 0)
@@ -366,9 +387,12 @@ I optimizer_state(I params) {
   return checked_product({params, 2}, "AdamW's state bytes");
 }
 
-/// The FP8 copies of every weight, made in forward and kept for backward (a byte each; stage 06).
+/// The FP8 copies of every weight, made in forward and kept for backward (a byte each; stage 06),
+/// but for the layers --fp8-keep-last keeps out of the recipe.
 I fp8_weights(const BlockConfig& c, const Bytes& b) {
-  return checked_product({layer_matrix_bytes(b) / kF32, c.layers}, "the FP8 weights' bytes");
+  return checked_product(
+      {layer_matrix_bytes(b) / kF32, c.layers - std::min(c.layers, c.fp8_keep_last)},
+      "the FP8 weights' bytes");
 }
 
 /// --task lm: the language model's ends on this rank (DESIGN.md, "The language model around the

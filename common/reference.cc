@@ -154,8 +154,12 @@ class RefBlock {
         moe_shape(c.moe.shape(c.hidden, c.seq * c.batch / c.moe.microbatches)),
         moe_groups(routing_groups(c)),
         seed(c.seed) {}
-  RefBlock(const BlockConfig& c, const std::optional<LowpEmulation>& emulate) : RefBlock(c) {
+  /// `quantized` false: a layer the emulated stage keeps out of its recipe
+  /// (LowpEmulation::keep_last), its GEMMs on the stored operands.
+  RefBlock(const BlockConfig& c, const std::optional<LowpEmulation>& emulate, bool quantized = true)
+      : RefBlock(c) {
     emul = emulate;
+    quantize = quantized;
   }
 
   // Returns out; fills the saved layer state. `moe`: the layer's experts, or null (dense).
@@ -232,8 +236,12 @@ class RefBlock {
   }
 
   // y = x·W, x [T, in], W [in, out]: K = in, sharded in a row layer.
+  // A kept layer's weight as its bf16 GEMM reads it (the tokens are stored already).
+  Vec kept_weight(const Vec& w) const { return emul->bf16_tokens ? bf16_rounded(w) : w; }
+
   Vec gemm(const Vec& x, const Vec& w, I in, I out, bool row) const {
     if (!emul) return matmul(x, w, T, in, out);
+    if (!quantize) return matmul(x, kept_weight(w), T, in, out);
     using lowp::Operand;
     const I parts = k_parts(row);
     return matmul(q_tokens(x, in, Operand::activation, parts),
@@ -242,6 +250,7 @@ class RefBlock {
   // dx = dy·Wᵀ: K = out, sharded in a column layer. `call`, `j`: the gradient's draws (draw()).
   Vec gemm_dx(const Vec& dy, const Vec& w, I in, I out, bool row, I call = 0, I j = 0) const {
     if (!emul) return matmul_dx(dy, w, T, in, out);
+    if (!quantize) return matmul_dx(dy, kept_weight(w), T, in, out);
     using lowp::Operand;
     const I parts = k_parts(!row);
     return matmul_dx(q_tokens(dy, out, Operand::gradient, parts, draw(call, 0, j)),
@@ -254,7 +263,7 @@ class RefBlock {
   // (quantized along H) and its gradient the fp32 one; a row layer's input is its fp32 shard and
   // its gradient the gathered FP8 one of the input-gradient GEMM (quantized along H).
   Vec gemm_dw(const Vec& x, const Vec& dy, I in, I out, bool row, I call = 0, I j = 0) const {
-    if (!emul) return matmul_dw(x, dy, T, in, out);
+    if (!emul || !quantize) return matmul_dw(x, dy, T, in, out);
     using lowp::Operand;
     if (emul->recipe == lowp::Recipe::tensorwise)
       return matmul_dw(q(x, T, in, false, Operand::activation),
@@ -539,6 +548,7 @@ class RefBlock {
   std::vector<std::vector<I>> moe_groups;  // each routing group's sequences
   std::uint64_t seed;                      // the run's, for nvfp4's stochastic rounding
   std::optional<LowpEmulation> emul;
+  bool quantize = true;  // false: every GEMM unquantized (a layer kept out of the recipe)
 };
 
 // The loss ½·mean((y − target)²) and its gradient dy = (y − target)/n.
@@ -735,7 +745,11 @@ ReferenceRun reference_run_lowp(const BlockConfig& c, int steps, const LowpEmula
 ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int steps,
                                 const std::optional<LowpEmulation>& lowp) {
   auto& params = state.params;
-  const RefBlock block(c, lowp);
+  const RefBlock quantized(c, lowp), kept(c, lowp, /*quantized=*/false);
+  // The blocks the recipe runs on: all but the last keep_last.
+  const auto block_of = [&](std::size_t l) -> const RefBlock& {
+    return lowp && I(l) >= c.layers - lowp->keep_last ? kept : quantized;
+  };
   ReferenceRun run;
   std::vector<Layer> saved(static_cast<std::size_t>(c.layers));
   AdamState adam;
@@ -765,7 +779,7 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
       out = state.input;
     }
     for (std::size_t l = 0; l < saved.size(); ++l)
-      out = block.forward(params[l], out, saved[l], moe_of(l));
+      out = block_of(l).forward(params[l], out, saved[l], moe_of(l));
     Vec dout;
     std::array<Vec, kLmParams> lm_grads;
     double loss =
@@ -777,8 +791,8 @@ ReferenceRun reference_run_from(const BlockConfig& c, ReferenceState state, int 
     run.losses.push_back(loss);
     std::vector<Params> grads(saved.size());
     for (std::size_t l = saved.size(); l-- > 0;)
-      dout = block.backward(params[l], saved[l], dout, grads[l], moe_of(l),
-                            lowp::gradient_call(c.layers, step, I(l)));
+      dout = block_of(l).backward(params[l], saved[l], dout, grads[l], moe_of(l),
+                                  lowp::gradient_call(c.layers, step, I(l)));
     if (stream) lm_grads[0] = lm.embed_back(dout);
     if (step == 0) {
       run.output = out;

@@ -76,6 +76,10 @@ struct LowpEmulation {
   /// nvfp4's random Hadamard transform of the weight-gradient operands along the tokens
   /// (lowp::hadamard_rows), as the stage applies it; false leaves it out (a test's contrast).
   bool hadamard = true;
+  /// The last `keep_last` layers run no recipe (stage 06's --fp8-keep-last): their GEMMs
+  /// multiply the operands as stored, the weights rounded to bf16 under bf16_tokens (the bf16
+  /// GEMMs of the recipe the FP8 one runs inside), in double.
+  std::int64_t keep_last = 0;
   /// nvfp4's stochastic rounding of the gradient operands, with the stage's random bits
   /// (lowp::gradient_stream, the element's place in its replica's tensor); false rounds them to
   /// nearest (a test's contrast).

@@ -724,12 +724,17 @@ int dry_run(const StageDefinition& st, const StageOptions& o, int rank, int worl
 /// The emulation's group is the rank's tensor-parallel group and its replicas the mesh's
 /// data-parallel ones (`sh`: stage 06's whole job; stage 07's D × T mesh).
 std::optional<LowpEmulation> emulated_recipe(const StageOptions& o, const Sharding& sh) {
-  if (const auto recipe = finer_recipe(o))
-    return LowpEmulation{.recipe = *recipe,
-                         .ranks = sh.world,
-                         .replicas = sh.dp,
-                         .bf16_tokens = o.config.activations() == DType::bf16};
-  return std::nullopt;
+  const auto recipe = finer_recipe(o);
+  if (!recipe) return std::nullopt;
+  LowpEmulation e{.recipe = *recipe,
+                  .ranks = sh.world,
+                  .replicas = sh.dp,
+                  .bf16_tokens = o.config.activations() == DType::bf16};
+  // Stage 06's --fp8-keep-last, as the ranks agreed on it: the last blocks run no recipe.
+  for (const auto& group : o.flag_groups)
+    for (const auto& [flag, value] : group->agreed())
+      if (flag == "--fp8-keep-last") e.keep_last = std::stoll(value);
+  return e;
 }
 
 /// --check's tolerance: the stage's, at least bf16's under the bf16 recipe; FP8's cosine rule.

@@ -5,6 +5,7 @@
 // layer-0 weight codes and scales against common/lowp.h's quantizer applied to the dumped fp32
 // weights; the recipe in config.json; stage 07 under each recipe (its replicas' tokens, its bytes
 // against its dry run, its weights gathered as FP8); nvfp4's Hadamard transform.
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -57,10 +59,11 @@ struct Case {
   int ranks;
   const char* stage = "06_fp8";
   const char* mesh = "";  ///< stage 07's --dp, when not its default
+  int keep = 0;           ///< --fp8-keep-last: the last blocks kept out of the recipe
 };
 
 void PrintTo(const Case& c, std::ostream* os) {
-  *os << c.stage << " " << c.recipe << " at N = " << c.ranks << " " << c.mesh;
+  *os << c.stage << " " << c.recipe << " at N = " << c.ranks << " " << c.mesh << " keep " << c.keep;
 }
 
 class RecipeCheck : public ::testing::TestWithParam<Case> {};
@@ -84,8 +87,9 @@ TEST_P(RecipeCheck, PassesCheck) {
         (std::string_view(c.recipe) != "mxfp8" || std::string_view(c.stage) != "06_fp8"))
       continue;
     const auto r = run_stage(c.stage, c.ranks,
-                             fmt::format("{} --task {} --dtype fp8 --fp8-recipe {} --check {}",
-                                         check_sizes(c.recipe), task, c.recipe, c.mesh),
+                             fmt::format("{} --task {} --dtype fp8 --fp8-recipe {} --check {} "
+                                         "--fp8-keep-last {}",
+                                         check_sizes(c.recipe), task, c.recipe, c.mesh, c.keep),
                              dir);
     EXPECT_EQ(r.exit_code, 0) << task << r.out << r.err;
     if (std::string_view(c.recipe) != "tensorwise") {
@@ -109,11 +113,89 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"nvfp4", 4, "07_fsdp_tp"}, Case{"nvfp4", 2, "07_fsdp_tp", "--dp 2"},
                       // and its weights gathered as FP8.
                       Case{"tensorwise", 2, "07_fsdp_tp", "--dp 2 --fp8-weight-gather"},
-                      Case{"tensorwise", 4, "07_fsdp_tp", "--fp8-weight-gather"}),
+                      Case{"tensorwise", 4, "07_fsdp_tp", "--fp8-weight-gather"},
+                      // The last of the two blocks kept out of the recipe (--fp8-keep-last 1):
+                      // the reference keeps it out too.
+                      Case{"nvfp4", 1, "06_fp8", "", 1}, Case{"nvfp4", 2, "06_fp8", "", 1},
+                      Case{"nvfp4", 4, "06_fp8", "", 1}, Case{"rowwise", 2, "06_fp8", "", 1},
+                      Case{"nvfp4", 1, "07_fsdp_tp", "", 1},
+                      Case{"nvfp4", 2, "07_fsdp_tp", "--dp 2", 1},
+                      Case{"nvfp4", 4, "07_fsdp_tp", "", 1}, Case{"mxfp8", 4, "07_fsdp_tp", "", 1},
+                      Case{"tensorwise", 4, "07_fsdp_tp", "--fp8-weight-gather", 1}),
     [](const auto& p) {
       return fmt::format("{}_{}_np{}_{}", std::string_view(p.param.stage).substr(0, 2),
                          p.param.recipe, p.param.ranks, p.index);
     });
+
+// --fp8-keep-last keeps the last blocks' linear layers out of the recipe (06_fp8/layers.h):
+// their GEMMs are stage 05's bf16 ones. Checked three ways that fail if the flag is ignored.
+// (1) Keeping every block is the bf16 recipe itself: every step's loss and gradient norm equal a
+// --dtype bf16 run's bit for bit, on stage 06 and on stage 07 (whose weights then travel fp32,
+// the dtype they are stored in under fp8, with no amax, --fp8-weight-gather or not). (2) With
+// one of two blocks kept under nvfp4, --check compares with a reference that keeps that block
+// out as well (common/reference.h, LowpEmulation::keep_last): the kept block's gradients agree
+// with it as bf16 agrees with double (measured cosine ≥ 0.9994 at N = 2, against 0.987-0.992 for
+// the quantized block's), so a stage that quantized it, or a reference that did, would sit at
+// the quantized block's distance; the quantized block stays there (the contrast is real). On the
+// language model, whose cross-entropy spreads the quantization further than the blocks' loss.
+TEST(Fp8Recipes, KeptBlocksRunTheUnquantizedGemms) {
+  const std::string sizes =
+      "--hidden 128 --heads 4 --ffn 128 --seq 8 --batch 4 --layers 2 --steps 2";
+  auto steps = [](const nlohmann::json& j) {
+    std::vector<std::pair<double, double>> out;
+    for (const auto& s : j.at("steps")) out.emplace_back(s.at("loss"), s.at("grad_norm"));
+    return out;
+  };
+  for (const auto& [stage, n] : {std::pair{"06_fp8", 2}, std::pair{"07_fsdp_tp", 4}}) {
+    const json bf16 = test::run_json(stage, n, sizes + " --dtype bf16");
+    ASSERT_TRUE(bf16.contains("steps")) << stage;
+    for (const char* recipe : {"tensorwise --fp8-weight-gather", "nvfp4"}) {
+      if (std::string_view(stage) == "06_fp8" && std::string_view(recipe) != "nvfp4") continue;
+      const json kept = test::run_json(
+          stage, n, fmt::format("{} --dtype fp8 --fp8-recipe {} --fp8-keep-last 2", sizes, recipe));
+      ASSERT_TRUE(kept.contains("steps")) << stage << " " << recipe;
+      EXPECT_EQ(steps(kept), steps(bf16)) << stage << " " << recipe;
+    }
+  }
+  const json one = test::run_json(
+      "06_fp8", 2, sizes + " --task lm --dtype fp8 --fp8-recipe nvfp4 --fp8-keep-last 1 --check");
+  ASSERT_TRUE(one.contains("check"));
+  double kept_min = 1.0, quantized_max = 0.0;
+  int kept_rows = 0, quantized_rows = 0;
+  for (const auto& row : one["check"].at("tensors")) {
+    const std::string name = row.at("tensor");
+    const double cosine = row.at("cosine");
+    if (name.starts_with("layers.1.")) {
+      kept_min = std::min(kept_min, cosine);
+      ++kept_rows;
+    } else if (name.starts_with("layers.0.w")) {
+      quantized_max = std::max(quantized_max, cosine);
+      ++quantized_rows;
+    }
+  }
+  EXPECT_EQ(kept_rows, 9);
+  EXPECT_EQ(quantized_rows, 7);
+  EXPECT_GE(kept_min, 0.998) << "the kept block's gradients against the emulation";
+  EXPECT_LT(quantized_max, 0.998) << "the quantized block's";
+  EXPECT_TRUE(one["check"].at("pass").get<bool>());
+}
+
+// --fp8-keep-last is a number of the last blocks, 0 to L, and means something only where FP8
+// GEMMs run: anything else is one line naming the flag and its rule (exit 2), on every stage
+// that takes it, before a rank builds anything.
+TEST(Fp8Recipes, KeepLastOutsideItsRangeIsRefusedOnce) {
+  for (const char* stage : {"06_fp8", "07_fsdp_tp"}) {
+    for (const char* n : {"3", "-1"})
+      test::expect_refused_once(
+          stage, 2, fmt::format("--layers 2 --dtype fp8 --fp8-recipe nvfp4 --fp8-keep-last {}", n),
+          fmt::format("--fp8-keep-last {}: the number of last blocks kept out of the recipe must "
+                      "lie in [0, --layers 2]",
+                      n));
+    test::expect_refused_once(stage, 2, "--layers 2 --dtype bf16 --fp8-keep-last 1",
+                              "--fp8-keep-last 1: keeps blocks out of the FP8 GEMMs, which "
+                              "--dtype bf16 does not run");
+  }
+}
 
 TEST(Fp8Recipes, ABlockAShardWouldCutIsRefusedOnce) {
   // H = 256 over 4 ranks: NH·Dh/N = 64 (Wq's columns, Wo's rows) is half a block.
@@ -230,6 +312,24 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
             std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::mxfp8).bus));
   EXPECT_EQ(get(nv, "comm_bus_bytes"),
             std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, Recipe::nvfp4).bus));
+  // --fp8-keep-last K: a kept layer moves stage 05's bf16 bytes (no codes, no scales, no amax),
+  // the others the recipe's, so a step of K kept layers of L is the quantized step moved K/L of
+  // the way to a --dtype bf16 step (stage 05's), in every count; and the formula says so.
+  const json bf = test::run_json("06_fp8", int(N), args + " --dtype bf16").at("steps").at(0);
+  for (const char* recipe : {"nvfp4", "mxfp8"}) {
+    const json q = step(recipe);
+    for (std::int64_t keep = 1; keep <= L; ++keep) {
+      const json k = step(fmt::format("{} --fp8-keep-last {}", recipe, keep).c_str());
+      ASSERT_FALSE(k.empty()) << recipe << keep;
+      for (const char* key : {"comm_payload_bytes", "comm_bus_bytes", "comm_calls"})
+        EXPECT_EQ(L * get(k, key), L * get(q, key) + keep * (get(bf, key) - get(q, key)))
+            << recipe << " keep " << keep << " " << key;
+      EXPECT_EQ(get(k, "comm_bus_bytes"),
+                std::int64_t(async_fp8::recipe_traffic(c, int(N), 0, *lowp::parse_recipe(recipe),
+                                                       async_fp8::Fp8Weights::kept, keep)
+                                 .bus));
+    }
+  }
 }
 
 // Stage 07 under each recipe: a step moves what its dry run says (stage 06's recipe_traffic inside
@@ -239,7 +339,13 @@ TEST(Fp8Recipes, StepBytesFollowTheFormula) {
 TEST(Fp8Recipes, Stage07StepBytesAreItsDryRuns) {
   const std::string args =
       "--hidden 128 --heads 4 --ffn 256 --seq 8 --batch 4 --layers 2 --dtype fp8 --dp 2";
-  for (const char* recipe : {"tensorwise", "rowwise", "mxfp8", "nvfp4"}) {
+  // And with the last block kept out of the recipe (--fp8-keep-last 1): its TP bytes stage 05's,
+  // its FSDP gathers fp32 under --fp8-weight-gather too, a recomputed kept block counted once more;
+  // under tensorwise it saves its column inputs' bf16 shards where the others save FP8 codes.
+  for (const char* recipe : {"tensorwise", "rowwise", "mxfp8", "nvfp4", "nvfp4 --fp8-keep-last 1",
+                             "tensorwise --fp8-weight-gather --fp8-keep-last 1",
+                             "mxfp8 --fp8-keep-last 1 --recompute full",
+                             "tensorwise --fp8-keep-last 1 --recompute selective"}) {
     const std::string flags = fmt::format("{} --fp8-recipe {}", args, recipe);
     const json real = test::run_json("07_fsdp_tp", 4, flags + " --steps 1");
     const json dry = test::run_json("07_fsdp_tp", 4, flags + " --dry-run");
