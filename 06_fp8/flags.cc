@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include "common/check.h"
+#include "common/cli_flags.h"
 
 namespace tpx::async_fp8 {
 
@@ -23,13 +24,12 @@ void Fp8RecipeFlags::add_flags(CLI::App& app, MeshFlag /*newest*/) {
       ->check(CLI::IsMember({"tensorwise", "rowwise", "block128", "mxfp8", "nvfp4"}))
       ->capture_default_str()
       ->group("FP8");
-  app.add_option("--fp8-keep-last", keep_last,
-                 "the last N transformer blocks keep their linear layers out of the recipe: "
-                 "their GEMMs and activation gathers run in bf16, as --dtype bf16 runs them, "
-                 "under any --fp8-recipe (NVIDIA's NVFP4 pretraining keeps about 15 % of the "
-                 "linear layers in BF16, most of them in the last blocks; 0 = every block runs "
-                 "the recipe)")
-      ->capture_default_str()
+  add_number(app, "--fp8-keep-last", keep_last,
+             "the last N transformer blocks keep their linear layers out of the recipe: "
+             "their GEMMs and activation gathers run in bf16, as --dtype bf16 runs them, "
+             "under any --fp8-recipe (NVIDIA's NVFP4 pretraining keeps about 15 % of the "
+             "linear layers in BF16, most of them in the last blocks; 0 = every block runs "
+             "the recipe)")
       ->group("FP8");
 }
 

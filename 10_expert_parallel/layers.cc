@@ -51,12 +51,6 @@ Tensor copy_of(const Tensor& t) {
   return c;
 }
 
-Tensor zeros_like(const Tensor& t) {
-  const Tensor z = Tensor::empty(t.shape(), DType::f32, t.device());
-  ops::fill(z, 0.0f);
-  return z;
-}
-
 /// t's floats on the host, outside the allocator (a report's copy), or none for an undefined t.
 std::vector<float> host_copy(const Tensor& t) {
   if (!t.defined()) return {};
@@ -206,7 +200,7 @@ class MoeLayers::Layer final : public MlpBranch {
   Tensor backward(const Tensor& dout, Trace& trace) override {
     Saved& s = slot();
     const Tensor rows = gather(dout, trace);
-    const I S = rows.dim(0), b = rows.dim(1), H = rows.dim(2);
+    const I S = rows.dim(0), b = rows.dim(1);
     const Tensor dy = reorder(rows, S, b, /*to_sequence=*/true);
     const bool first = backwards_ % o_.microbatches_ == 0;  // the step's first micro-batch
     if (first) g_ = {};  // the last step's, which the update has used
@@ -220,7 +214,6 @@ class MoeLayers::Layer final : public MlpBranch {
     I received = 0;
     for (const Tensor& r : s.f.recv) received += r.dim(0);
     rows_ = first ? received : std::max(rows_, received);
-    (void)H;
     // The step's gradients and counts: this micro-batch's, added to the earlier ones'.
     if (first) {
       g_ = std::move(g.w);
@@ -362,7 +355,8 @@ class MoeLayers::Layer final : public MlpBranch {
     if (sharded()) steps.emplace_back(&shard_, &grad_shard_);
     if (moments_.empty() && c.optimizer == Optimizer::adamw)  // SGD keeps none
       for (const auto& [x, grad] : steps)
-        for (int i = 0; i < 2; ++i) moments_.push_back(zeros_like(*x));
+        for (int i = 0; i < 2; ++i)
+          moments_.push_back(x->defined() ? ops::zeros_like(*x) : Tensor());
     ops::AdamWStep step = training::adamw_step(c, t);
     step.decay = float(1.0 - c.lr * c.weight_decay);
     for (std::size_t p = 0; p < steps.size(); ++p) {

@@ -42,13 +42,6 @@ using I = std::int64_t;
 using moe_detail::at;
 using moe_detail::run_chunks;
 
-Tensor zeros_like(const Tensor& t) {
-  if (!t.defined()) return {};
-  const Tensor z = Tensor::empty(t.shape(), t.dtype(), t.device());
-  ops::fill(z, 0.0f);
-  return z;
-}
-
 /// A host vector of i32 as a [n] tensor on `device`.
 Tensor i32_on(const std::vector<std::int32_t>& v, Device device) {
   const Tensor h = Tensor::empty({I(v.size())}, DType::i32);
@@ -280,7 +273,7 @@ MoeTensorGrads moe_ep_ops_backward(const MoeShape& m, const MoeTensors& w, const
                           {&w.shared_gate, &g.w.shared_gate},
                           {&w.shared_up, &g.w.shared_up},
                           {&w.shared_down, &g.w.shared_down}})
-    *to = zeros_like(*from);
+    *to = from->defined() ? ops::zeros_like(*from) : Tensor();
 
   // Chunk by chunk, as the forward cut them: dispatch w_j·dy_t in the forward's order, the local
   // experts' backward group by group, the dx rows back into their rows of dx_back.

@@ -609,6 +609,12 @@ std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
               xs.front().describe());
   TPX_DISPATCH(xs.front().device(), sum_squares_each, xs);
 }
+Tensor zeros_like(const Tensor& t) {
+  const Tensor z = Tensor::empty(t.shape(), DType::f32, t.device());
+  fill(z, 0.0f);
+  return z;
+}
+
 void fill(const Tensor& t, float value) {
   if (is_bf16(t) && !native_bf16(t)) {
     Fp32Boundary f;

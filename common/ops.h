@@ -257,6 +257,8 @@ double sum_squares(const Tensor& x);
 std::vector<double> sum_squares_each(const std::vector<Tensor>& xs);
 
 void fill(const Tensor& t, float value);
+/// A new f32 tensor of t's shape on t's device, every value 0 (a gradient's or a moment's start).
+Tensor zeros_like(const Tensor& t);
 /// dst = src converted between f32 and bf16 (round to nearest even, NaN stays NaN; bf16 to f32 is
 /// exact); same device, same numel.
 void cast(const Tensor& src, const Tensor& dst);

@@ -730,10 +730,7 @@ std::optional<LowpEmulation> emulated_recipe(const StageOptions& o, const Shardi
                   .ranks = sh.world,
                   .replicas = sh.dp,
                   .bf16_tokens = o.config.activations() == DType::bf16};
-  // Stage 06's --fp8-keep-last, as the ranks agreed on it: the last blocks run no recipe.
-  for (const auto& group : o.flag_groups)
-    for (const auto& [flag, value] : group->agreed())
-      if (flag == "--fp8-keep-last") e.keep_last = std::stoll(value);
+  e.keep_last = o.config.fp8_keep_last;  // stage 06's --fp8-keep-last: no recipe in the last blocks
   return e;
 }
 

@@ -69,16 +69,6 @@ void lm_compute_copies(const BlockConfig& c, const Model& m, LmParams& out) {
   if (copy) out.w_out = w_out.defined() ? w_out : as_dtype(m.lm.w_out, DType::bf16);
 }
 
-namespace {
-
-Tensor zeros_like(const Tensor& t) {
-  Tensor z = Tensor::empty(t.shape(), DType::f32, t.device());
-  ops::fill(z, 0.0f);
-  return z;
-}
-
-}  // namespace
-
 std::vector<float> unpadded_vocab(const BlockConfig& c, Split split, std::vector<float> padded) {
   if (padded.empty() || split == Split::replicated) return padded;
   if (split == Split::rows) {
@@ -98,11 +88,11 @@ Moments make_moments(const BlockConfig& c, const Model& m) {
   for (const LayerParams& layer : m.params) {
     auto& mv = moments.layers.emplace_back();
     for (LayerParams& state : mv)
-      for (Param p : kAllParams) state[p] = zeros_like(layer[p]);
+      for (Param p : kAllParams) state[p] = ops::zeros_like(layer[p]);
   }
   for (int i = 0; i < kLmParams; ++i)
     if (const Tensor& t = *m.lm.all()[std::size_t(i)]; t.defined())
-      for (auto& state : moments.lm) state[std::size_t(i)] = zeros_like(t);
+      for (auto& state : moments.lm) state[std::size_t(i)] = ops::zeros_like(t);
   return moments;
 }
 

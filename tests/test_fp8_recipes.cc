@@ -194,6 +194,9 @@ TEST(Fp8Recipes, KeepLastOutsideItsRangeIsRefusedOnce) {
     test::expect_refused_once(stage, 2, "--layers 2 --dtype bf16 --fp8-keep-last 1",
                               "--fp8-keep-last 1: keeps blocks out of the FP8 GEMMs, which "
                               "--dtype bf16 does not run");
+    // Parsed strictly, as every numeric flag (common/cli_flags.h).
+    test::expect_refused_once(stage, 2, "--layers 2 --dtype fp8 --fp8-keep-last 2.5",
+                              "--fp8-keep-last '2.5': not an integer");
   }
 }
 

@@ -12,6 +12,10 @@
 // cpu), combine_rows sums a token's k rows in j order with one rounding per product and per sum
 // (__fmul_rn/__fadd_rn: never an FMA), so its bits are the cpu's. rows_dot reduces H products
 // per (token, choice) with one warp: another order than the cpu's loop (rounding).
+//
+// Resources (ptxas, sm_90), 256 threads a block, no shared memory, no spills, no stack: routing 58
+// registers (64 allocated a thread: 4 blocks per SM), the router's gradient 48, combine_rows 38,
+// rows_dot 29, gather_rows 28.
 #include <cuda_runtime.h>
 
 #include <cstdint>
